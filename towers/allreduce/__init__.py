@@ -1,0 +1,125 @@
+"""All-reduce algorithms built by hand from explicit cross-device copies.
+
+The registry :data:`ALGORITHMS` maps a name to a factory; ``ALGORITHMS[name]()``
+builds the algorithm with its default settings. :func:`all_reduce` is the
+convenient entry point; :func:`get` resolves a name or passes a callable through.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import tensorflow as tf
+
+from towers.allreduce.base import OPS, AllReduce, check_values, combine, finish
+from towers.allreduce.naive import naive
+from towers.allreduce.parameter_device import parameter_device
+from towers.allreduce.primitives import Recorder, Transfer, record, send
+from towers.allreduce.sparse import densify, gather_indexed_slices
+
+__all__ = [
+    "ALGORITHMS",
+    "OPS",
+    "AllReduce",
+    "Recorder",
+    "Transfer",
+    "all_reduce",
+    "check_values",
+    "combine",
+    "finish",
+    "get",
+    "naive",
+    "noop",
+    "parameter_device",
+    "record",
+    "send",
+]
+
+
+def noop(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
+    """No exchange at all: every tower keeps its own value (a ceiling for benchmarks, not a sum)."""
+    check_values(values, op)
+    return list(values)
+
+
+def _naive_factory() -> AllReduce:
+    return naive
+
+
+def _noop_factory() -> AllReduce:
+    return noop
+
+
+ALGORITHMS: dict[str, Callable[[], AllReduce]] = {
+    "naive": _naive_factory,
+    "parameter_device": parameter_device,
+}
+"""Registered algorithms: name -> zero-argument factory. ``noop`` is kept out on purpose
+(it does not reduce), but :func:`get` accepts ``"noop"`` for benchmarks."""
+
+
+def get(algorithm: str | AllReduce) -> AllReduce:
+    """Resolve a registry name (or pass an algorithm callable through).
+
+    Raises:
+        ValueError: an unknown name (the message lists the registered names).
+        TypeError: neither a name nor a callable.
+    """
+    if isinstance(algorithm, str):
+        if algorithm == "noop":
+            return noop
+        if algorithm not in ALGORITHMS:
+            raise ValueError(
+                f"unknown all_reduce {algorithm!r}; registered: {', '.join(sorted(ALGORITHMS))}"
+            )
+        return ALGORITHMS[algorithm]()
+    if callable(algorithm):
+        return algorithm
+    raise TypeError(f"all_reduce must be a registered name or a callable, got {algorithm!r}")
+
+
+def all_reduce(
+    values: Sequence[tf.Tensor | tf.IndexedSlices],
+    algorithm: str | AllReduce = "parameter_device",
+    op: str = "sum",
+    *,
+    devices: Sequence[str] | None = None,
+    sparse: str = "gather",
+) -> list[tf.Tensor | tf.IndexedSlices]:
+    """All-reduce one value per tower with ``algorithm``; output ``i`` is on ``values[i]``'s device.
+
+    Args:
+        values: one tensor (or ``tf.IndexedSlices``) per tower, same shape and dtype.
+        algorithm: a registry name (see ``towers.ALGORITHMS``) or an algorithm callable.
+        op: ``"sum"``, ``"mean"``, ``"max"`` or ``"min"``.
+        devices: place ``values[i]`` on ``devices[i]`` first (for values without a device,
+            such as ``tf.function`` arguments).
+        sparse: for ``IndexedSlices``: ``"gather"`` (concatenate in tower order, the
+            default, as MirroredStrategy does) or ``"densify"`` (dense all-reduce).
+
+    Example:
+        >>> out = towers.all_reduce([a, b], algorithm="naive", op="mean")   # doctest: +SKIP
+    """
+    fn = get(algorithm)
+    if devices is not None:
+        if len(devices) != len(values):
+            raise ValueError(f"devices has {len(devices)} entries for {len(values)} values")
+        moved = []
+        for v, d in zip(values, devices):
+            with tf.device(d):
+                moved.append(v if isinstance(v, tf.IndexedSlices) else tf.identity(v))
+        values = moved
+    if sparse not in ("gather", "densify"):
+        raise ValueError(f"sparse must be 'gather' or 'densify', got {sparse!r}")
+    kinds = {isinstance(v, tf.IndexedSlices) for v in values}
+    if kinds == {True}:
+        devs = check_values(values, op)
+        if sparse == "densify":
+            return list(densify(fn, values, devs, op))
+        return list(gather_indexed_slices(values, devs, op))
+    if len(kinds) > 1:
+        raise ValueError("values mix dense tensors and IndexedSlices: make them all one kind")
+    out = fn(list(values), op=op)
+    if len(out) != len(values):
+        raise ValueError(f"algorithm returned {len(out)} outputs for {len(values)} values")
+    return list(out)

@@ -1,0 +1,127 @@
+"""The all-reduce contract, shared checks and the element-wise reductions.
+
+An all-reduce algorithm is any callable with this signature::
+
+    algorithm(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]
+
+``values`` holds one tensor per tower, all of one shape and dtype, each placed on
+its own device. The result has as many tensors as ``values``; output ``i`` is on
+input ``i``'s device and every output holds the same reduction. Configurable
+algorithms are factories returning such a callable (``ring(subchunks=2)``).
+
+``op`` is ``"sum"``, ``"mean"``, ``"max"`` or ``"min"``. Algorithms combine pairs
+with :func:`combine` (``"mean"`` combines as a sum) and finish each output with
+:func:`finish` (``"mean"`` divides by the tower count). Integer means are refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import tensorflow as tf
+
+from towers.devices import canonical_device
+
+__all__ = [
+    "DTYPES",
+    "OPS",
+    "AllReduce",
+    "check_op",
+    "check_values",
+    "combine",
+    "device_of",
+    "finish",
+]
+
+OPS = ("sum", "mean", "max", "min")
+DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64)
+
+
+@runtime_checkable
+class AllReduce(Protocol):
+    """Per-tower tensors in, per-tower reduced tensors out (output ``i`` on input ``i``'s device)."""
+
+    def __call__(self, values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]: ...
+
+
+def device_of(value: tf.Tensor | tf.IndexedSlices, index: int = 0) -> str:
+    """The canonical device of a value; a clear error when it has none (a bare graph input)."""
+    device = canonical_device(value.device)
+    if not device:
+        raise ValueError(
+            f"values[{index}] has no device: create each value under tf.device(...), "
+            "or pass devices= to towers.all_reduce"
+        )
+    return device
+
+
+def check_op(op: str, dtype: tf.DType | None = None) -> str:
+    """Validate ``op`` (and that ``mean`` is not asked of an integer dtype)."""
+    if op not in OPS:
+        raise ValueError(f"op must be one of {', '.join(OPS)}; got {op!r}")
+    if op == "mean" and dtype is not None and dtype.is_integer:
+        raise ValueError(f"op='mean' is not defined for integer dtype {dtype.name}: use 'sum'")
+    return op
+
+
+def _shape_of(value: tf.Tensor | tf.IndexedSlices) -> tf.TensorShape:
+    if isinstance(value, tf.IndexedSlices):
+        return tf.TensorShape(None) if value.dense_shape is None else value.values.shape[1:]
+    return value.shape
+
+
+def check_values(values: Sequence[tf.Tensor | tf.IndexedSlices], op: str = "sum") -> list[str]:
+    """Check the per-tower values of one all-reduce and return their canonical devices.
+
+    Raises:
+        ValueError: an empty list, differing shapes or dtypes (naming the towers),
+            an unsupported dtype, two values on one device, or a bad ``op``.
+        TypeError: a value that is not a tensor.
+    """
+    if isinstance(values, (tf.Tensor, tf.IndexedSlices)) or not isinstance(values, Sequence):
+        raise TypeError("values must be a list with one tensor per tower")
+    if not values:
+        raise ValueError("values is empty: expected one tensor per tower")
+    for i, v in enumerate(values):
+        if not isinstance(v, (tf.Tensor, tf.Variable, tf.IndexedSlices)):
+            raise TypeError(f"values[{i}] must be a tf.Tensor, got {type(v).__name__}")
+    first = values[0]
+    if first.dtype not in DTYPES:
+        names = ", ".join(d.name for d in DTYPES)
+        raise ValueError(f"dtype {first.dtype.name} is not supported; use one of {names}")
+    for i, v in enumerate(values[1:], start=1):
+        if v.dtype != first.dtype:
+            raise ValueError(
+                f"values differ in dtype: tower 0 has {first.dtype.name}, tower {i} {v.dtype.name}"
+            )
+        if not _shape_of(v).is_compatible_with(_shape_of(first)):
+            raise ValueError(
+                f"values differ in shape: tower 0 has {_shape_of(first)}, tower {i} {_shape_of(v)}"
+            )
+    check_op(op, first.dtype)
+    devices = [device_of(v, i) for i, v in enumerate(values)]
+    seen: dict[str, int] = {}
+    for i, d in enumerate(devices):
+        if d in seen:
+            raise ValueError(f"values[{seen[d]}] and values[{i}] are both on {d}: one per device")
+        seen[d] = i
+    return devices
+
+
+def combine(a: tf.Tensor, b: tf.Tensor, op: str) -> tf.Tensor:
+    """``a (op) b`` element-wise, in that order; ``mean`` combines as a sum."""
+    if op in ("sum", "mean"):
+        return a + b
+    if op == "max":
+        return tf.maximum(a, b)
+    if op == "min":
+        return tf.minimum(a, b)
+    raise ValueError(f"op must be one of {', '.join(OPS)}; got {op!r}")
+
+
+def finish(reduced: tf.Tensor, op: str, n: int) -> tf.Tensor:
+    """Turn a fully combined value into the result: ``mean`` divides by ``n``."""
+    if op == "mean":
+        return reduced / tf.constant(n, dtype=reduced.dtype)
+    return reduced

@@ -1,0 +1,51 @@
+"""Naive all-reduce: ``add_n`` on the first tower, then copy the sum back out.
+
+The floor of every comparison and the order tf.distribute's
+``ReductionToOneDevice`` uses::
+
+    tick:      0 (gather)          1 (add_n)         2 (scatter)
+    tower 0    x0 ────────────┐    s = x0+x1+x2+x3   s ──▶ out0
+    tower 1    x1 ──▶ tower 0 │                      s ──▶ tower 1
+    tower 2    x2 ──▶ tower 0 │                      s ──▶ tower 2
+    tower 3    x3 ──▶ tower 0 ┘                      s ──▶ tower 3
+
+Order: ``((x0 + x1) + x2) + ...`` — TensorFlow's CPU ``AddN`` kernel adds its
+inputs left to right, so the sum is sequential in tower order.
+
+Cost (n towers, S bytes): tower 0 receives (n-1)·S and sends (n-1)·S; every other
+tower sends S. Time 2(n-1)·(α + Sβ) + (n-1)·Sγ: everything crosses tower 0.
+
+References:
+    TensorFlow ``cross_device_ops.ReductionToOneDevice``; d2l.ai "Multiple GPUs".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import tensorflow as tf
+
+from towers.allreduce.base import check_values, combine, finish
+from towers.allreduce.primitives import send
+
+__all__ = ["naive"]
+
+
+def naive(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
+    """Reduce everything on tower 0 (``add_n`` for sums), then copy the result to each tower.
+
+    Example:
+        >>> outs = naive([tf.ones([2]), tf.ones([2])])   # doctest: +SKIP
+    """
+    devices = check_values(values, op)
+    root = devices[0]
+    with tf.device(root):
+        gathered = [send(v, root, tick=0, chunk=0, note="gather") for v in values]
+        if op in ("sum", "mean") and len(gathered) > 1:
+            total = tf.add_n(gathered)
+        else:
+            total = gathered[0]
+            for g in gathered[1:]:
+                total = combine(total, g, op)
+        total = finish(total, op, len(values))
+    return [send(total, d, tick=1, chunk=0, note="broadcast") for d in devices]

@@ -1,0 +1,61 @@
+"""Parameter-device all-reduce: reduce on one chosen device in tower order, then broadcast.
+
+The classic parameter-server step (tf_cnn_benchmarks' ``parameter_server``,
+``CentralStorageStrategy``): every tower ships its value to the parameter device
+``p``, which adds them in tower order and sends the result back::
+
+    tick:       0 (to p)                 1 (reduce on p)            2 (from p)
+    tower 0     x0 ──▶ p                 p: s = x0                  s ──▶ tower 0
+    tower 1     x1 ──▶ p                 p: s = s + x1              s ──▶ tower 1
+    tower 2     x2 ──▶ p                 p: s = s + x2              s ──▶ tower 2
+    tower 3     x3 ──▶ p                 p: s = s + x3              s ──▶ tower 3
+
+Order: ``((x0 + x1) + x2) + x3``, one add at a time, so max and min work too.
+When ``p`` is itself a tower its own value is not sent.
+
+Cost (n towers, S bytes): p receives n·S and sends n·S (less one S each when p is
+a tower); 2·(α + n·Sβ) + (n-1)·Sγ with p's link as the bottleneck.
+
+References:
+    Li et al., "Scaling Distributed Machine Learning with the Parameter Server", OSDI 2014.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import tensorflow as tf
+
+from towers.allreduce.base import AllReduce, check_values, combine, finish
+from towers.allreduce.primitives import send
+from towers.devices import canonical_device
+
+__all__ = ["parameter_device", "reduce_on"]
+
+
+def reduce_on(values: Sequence[tf.Tensor], device: str, op: str) -> tf.Tensor:
+    """Combine ``values`` on ``device`` one at a time in tower order (not finished)."""
+    with tf.device(device):
+        total = send(values[0], device, tick=0, chunk=0, note="to-parameter-device")
+        for i, v in enumerate(values[1:], start=1):
+            total = combine(total, send(v, device, tick=0, chunk=i, note="to-parameter-device"), op)
+    return total
+
+
+def parameter_device(device: str | None = None) -> AllReduce:
+    """Build the parameter-device all-reduce that reduces on ``device`` (default: tower 0's).
+
+    Args:
+        device: where the sum is formed; need not be one of the towers.
+    """
+    chosen = canonical_device(device) if device else None
+
+    def parameter_device_all_reduce(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
+        devices = check_values(values, op)
+        p = chosen or devices[0]
+        with tf.device(p):
+            total = finish(reduce_on(values, p, op), op, len(values))
+        return [send(total, d, tick=1, chunk=0, note="broadcast") for d in devices]
+
+    parameter_device_all_reduce.device = chosen  # type: ignore[attr-defined]
+    return parameter_device_all_reduce

@@ -1,0 +1,66 @@
+"""Sparse values (``tf.IndexedSlices``): gather indices and values in tower order.
+
+An Embedding's gradient is an ``IndexedSlices`` whose indices may repeat. Summing
+sparse gradients is done by concatenation: tower 0's rows, then tower 1's, and
+so on, duplicates kept. This is exactly what ``MirroredStrategy`` does (it
+all-gathers indices and values), and it matters: Keras 3's Adam applied to
+duplicated rows is not the same math as Adam applied to their dense sum (see
+DESIGN.md), so densifying would break equivalence. :func:`densify` is there for
+callers who want the dense sum instead.
+
+Schedule (n towers; each tower sends its slices to every other tower)::
+
+    tower:   0        1        2
+    has:    s0       s1       s2
+    gets:  [s0|s1|s2] on every tower, concatenated in tower order
+
+Cost: every tower receives the other towers' rows, (n-1)·S_sparse bytes in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import tensorflow as tf
+
+from towers.allreduce.base import check_op
+from towers.allreduce.primitives import send
+
+__all__ = ["densify", "gather_indexed_slices"]
+
+
+def gather_indexed_slices(
+    values: Sequence[tf.IndexedSlices], devices: Sequence[str], op: str = "sum"
+) -> list[tf.IndexedSlices]:
+    """All-gather sparse values in tower order; output ``i`` is built on ``devices[i]``.
+
+    ``op`` must be ``"sum"`` or ``"mean"`` (``mean`` scales the gathered values by 1/n).
+    """
+    if op not in ("sum", "mean"):
+        raise ValueError(f"sparse values support op 'sum' or 'mean', got {op!r}")
+    check_op(op, values[0].dtype)
+    n = len(values)
+    out = []
+    for dst in devices:
+        with tf.device(dst):
+            parts = [send(v.values, dst, note="sparse-gather") for v in values]
+            idx = [send(v.indices, dst, note="sparse-gather") for v in values]
+            rows = tf.concat(parts, axis=0)
+            if op == "mean":
+                rows = rows / tf.constant(n, rows.dtype)
+            out.append(tf.IndexedSlices(rows, tf.concat(idx, axis=0), values[0].dense_shape))
+    return out
+
+
+def densify(
+    algorithm: Callable[..., list[tf.Tensor]],
+    values: Sequence[tf.IndexedSlices],
+    devices: Sequence[str],
+    op: str = "sum",
+) -> list[tf.Tensor]:
+    """Convert each tower's slices to a dense tensor on its device, then all-reduce densely."""
+    dense = []
+    for v, d in zip(values, devices):
+        with tf.device(d):
+            dense.append(tf.convert_to_tensor(v))
+    return algorithm(dense, op=op)

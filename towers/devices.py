@@ -1,0 +1,111 @@
+"""Simulated devices: split one physical device into ``n`` logical ones.
+
+TensorFlow fixes its device list when its runtime starts (the first op, or the
+first call that lists logical devices). :func:`simulate_devices` must therefore
+run first thing in a process, before any tensor is made.
+
+On a machine with a GPU, GPU 0 is split into ``n`` logical GPUs, each with a
+memory limit; otherwise the host CPU is split into ``n`` logical CPUs. Logical
+CPUs share one memory and one thread pool: they are correct for testing
+numerics and schedules, not for measuring bandwidth.
+
+Example:
+    >>> import towers
+    >>> devices = towers.simulate_devices(4)   # doctest: +SKIP
+    >>> devices                                # doctest: +SKIP
+    ['/device:CPU:0', '/device:CPU:1', '/device:CPU:2', '/device:CPU:3']
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+__all__ = ["canonical_device", "has_gpu", "local_devices", "simulate_devices"]
+
+_DEFAULT_GPU_MEMORY_MB = 1024
+
+
+def has_gpu() -> bool:
+    """True when TensorFlow sees at least one physical GPU (does not start the runtime)."""
+    return bool(tf.config.list_physical_devices("GPU"))
+
+
+def _kind() -> str:
+    return "GPU" if has_gpu() else "CPU"
+
+
+def local_devices(kind: str | None = None) -> list[str]:
+    """Names of the logical devices of ``kind`` ("CPU" or "GPU"; default: GPU if any, else CPU).
+
+    This starts TensorFlow's runtime: call :func:`simulate_devices` before it.
+    """
+    kind = kind or _kind()
+    if kind not in ("CPU", "GPU"):
+        raise ValueError(f"kind must be 'CPU' or 'GPU', got {kind!r}")
+    return [d.name for d in tf.config.list_logical_devices(kind)]
+
+
+def _configured_count(physical: tf.config.PhysicalDevice) -> int | None:
+    configs = tf.config.get_logical_device_configuration(physical)
+    return None if configs is None else len(configs)
+
+
+def simulate_devices(n: int, *, gpu_memory_mb: int = _DEFAULT_GPU_MEMORY_MB) -> list[str]:
+    """Split the first physical device into ``n`` logical devices and return their names.
+
+    Args:
+        n: number of logical devices (towers) to create, at least 1.
+        gpu_memory_mb: memory limit of each logical GPU (ignored on CPU).
+
+    Returns:
+        The ``n`` device names, e.g. ``['/device:CPU:0', ...]``.
+
+    Raises:
+        TypeError: ``n`` is not an int.
+        ValueError: ``n`` < 1 or ``gpu_memory_mb`` < 1.
+        RuntimeError: TensorFlow's runtime already started with another device count.
+            Calling again with the same ``n`` is a no-op.
+    """
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise TypeError(f"n must be an int (number of devices), got {type(n).__name__}")
+    if n < 1:
+        raise ValueError(f"n must be at least 1, got {n}")
+    if gpu_memory_mb < 1:
+        raise ValueError(f"gpu_memory_mb must be at least 1, got {gpu_memory_mb}")
+    kind = _kind()
+    physical = tf.config.list_physical_devices(kind)[0]
+    if _configured_count(physical) == n:
+        return local_devices(kind)[:n]
+    config = (
+        tf.config.LogicalDeviceConfiguration(memory_limit=gpu_memory_mb)
+        if kind == "GPU"
+        else tf.config.LogicalDeviceConfiguration()
+    )
+    try:
+        tf.config.set_logical_device_configuration(physical, [config] * n)
+    except RuntimeError as err:
+        have = len(tf.config.list_logical_devices(kind))
+        if have == n:
+            return local_devices(kind)
+        raise RuntimeError(
+            f"simulate_devices({n}) came too late: TensorFlow's runtime already started with "
+            f"{have} logical {kind} device(s), and it cannot be changed afterwards. Call "
+            f"towers.simulate_devices({n}) first thing in your program, before any TensorFlow "
+            f"op runs (or use towers.local_devices()[:{n}] if {have} >= {n})."
+        ) from err
+    return local_devices(kind)
+
+
+def canonical_device(name: str) -> str:
+    """``'/job:localhost/replica:0/task:0/device:CPU:1'`` -> ``'/device:CPU:1'``.
+
+    Two names denote the same device exactly when their canonical forms are equal.
+    An empty name stays empty.
+    """
+    if not name:
+        return ""
+    spec = tf.DeviceSpec.from_string(name)
+    if spec.device_type is None:
+        return name
+    index = 0 if spec.device_index is None else spec.device_index
+    return f"/device:{spec.device_type.upper()}:{index}"
