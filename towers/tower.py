@@ -1,0 +1,139 @@
+"""One tower: forward and backward on its shard, under its own device and tape.
+
+Each tower computes its share of the *global* mean loss::
+
+    loss_i = sum_k w_k * l(y_k, f(x_k)) / B_global  +  R(weights) / n_towers
+
+where the sum runs over tower ``i``'s shard, ``w`` is the sample weight (1 when
+absent), ``B_global`` is the whole batch's size and ``R`` is the model's
+regularization losses. These are exactly ``tf.nn.compute_average_loss`` and
+``tf.nn.scale_regularization_loss`` under a strategy with ``n_towers`` replicas,
+so the towers' gradients add up to the gradient of the global mean loss, and an
+uneven or empty shard is weighted correctly.
+
+The model runs through Keras' ``stateless_call``: the tower passes in its own
+copy of the variable values and gets back the updated non-trainable values
+(BatchNormalization statistics, dropout seed state) instead of letting each
+tower overwrite the shared variables. The trainer then decides how to combine
+them (see :mod:`towers.trainer`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+__all__ = ["LossFn", "TowerResult", "per_example_loss", "resolve_loss", "tower_step"]
+
+LossFn = Callable[[Any, Any], Any]
+
+
+@dataclasses.dataclass
+class TowerResult:
+    """What one tower hands to the reduction."""
+
+    loss: tf.Tensor
+    grads: list[tf.Tensor | tf.IndexedSlices]
+    non_trainable: list[tf.Tensor]
+    examples: tf.Tensor
+
+
+def resolve_loss(loss: str | LossFn | keras.losses.Loss) -> LossFn:
+    """Turn a loss name, Keras loss or callable into ``(y_true, y_pred) -> per-example losses``.
+
+    Raises:
+        TypeError: ``loss`` is neither a name nor a callable.
+        ValueError: an unknown loss name.
+    """
+    if isinstance(loss, str):
+        try:
+            resolved = keras.losses.get(loss)
+        except ValueError as err:
+            raise ValueError(f"loss: unknown Keras loss name {loss!r}") from err
+        loss = resolved
+    if isinstance(loss, keras.losses.Loss):
+        # Loss.call gives the unreduced values; __call__ would average them.
+        return loss.call
+    if not callable(loss):
+        raise TypeError(f"loss must be a Keras loss, a loss name or a callable; got {loss!r}")
+    return loss
+
+
+def per_example_loss(loss_fn: LossFn, y_true: Any, y_pred: Any) -> tf.Tensor:
+    """Per-example losses, shape ``[batch]`` (extra axes are averaged, as Keras does).
+
+    Raises:
+        ValueError: the loss returned a scalar.
+    """
+    values = tf.convert_to_tensor(loss_fn(y_true, y_pred))
+    if values.shape.rank == 0:
+        raise ValueError(
+            "loss must return one value per example (shape [batch]), but it returned a "
+            "scalar: pass an unreduced loss, e.g. keras.losses.SparseCategoricalCrossentropy() "
+            "(towers calls its .call) or a function of (y_true, y_pred) without a mean"
+        )
+    if values.shape.rank is not None and values.shape.rank > 1:
+        values = tf.reduce_mean(values, axis=list(range(1, values.shape.rank)))
+    return values
+
+
+def _check_gradients(grads: Sequence[Any], names: Sequence[str]) -> None:
+    missing = [name for g, name in zip(grads, names) if g is None]
+    if missing:
+        raise ValueError(
+            "no gradient for trainable variable(s) "
+            + ", ".join(missing)
+            + ": they do not influence the loss. Freeze them (trainable=False) or use them."
+        )
+
+
+def tower_step(
+    model: keras.Model,
+    trainable: Sequence[tf.Tensor],
+    non_trainable: Sequence[tf.Tensor],
+    shard: tuple[Any, Any, Any],
+    *,
+    loss_fn: LossFn,
+    global_batch: tf.Tensor,
+    num_towers: int,
+    device: str,
+) -> TowerResult:
+    """Run forward and backward for one tower's shard on ``device``.
+
+    Args:
+        model: the Keras model (its variables are not touched; values come in).
+        trainable: this tower's copy of the trainable values, in ``model.trainable_variables``
+            order.
+        non_trainable: likewise for ``model.non_trainable_variables``.
+        shard: ``(x, y, sample_weight)`` for this tower; ``sample_weight`` may be None.
+        loss_fn: per-example loss, see :func:`resolve_loss`.
+        global_batch: size of the whole batch (all towers).
+        num_towers: number of towers (divides the regularization losses).
+        device: this tower's device.
+
+    Returns:
+        The tower's loss share, gradients (``IndexedSlices`` stay sparse), updated
+        non-trainable values and example count.
+    """
+    x, y, sample_weight = shard
+    with tf.device(device):
+        with tf.GradientTape() as tape:
+            tape.watch(list(trainable))
+            y_pred, new_non_trainable, reg_losses = model.stateless_call(
+                list(trainable), list(non_trainable), x, training=True, return_losses=True
+            )
+            per_ex = per_example_loss(loss_fn, y, y_pred)
+            loss = tf.nn.compute_average_loss(
+                per_ex, sample_weight=sample_weight, global_batch_size=global_batch
+            )
+            if reg_losses:
+                reg = tf.add_n(reg_losses)
+                loss += reg / tf.cast(num_towers, reg.dtype)
+        grads = tape.gradient(loss, list(trainable))
+        examples = tf.shape(per_ex)[0]
+    _check_gradients(grads, [v.path for v in model.trainable_variables])
+    return TowerResult(loss, list(grads), list(new_non_trainable), examples)

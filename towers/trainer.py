@@ -1,0 +1,285 @@
+"""``TowerTrainer``: one synchronous data-parallel step over explicit towers.
+
+::
+
+    batch ─split─▶ shard_0 … shard_{n-1}        (MirroredStrategy's split)
+                     │ tower i: tf.device(d_i), GradientTape, loss / B_global
+                     ▼
+                grads[tower][var] ─▶ all-reduce per variable ─▶ reduced[tower][var]
+                     │
+    parameter_device: apply once on the parameter device (one copy of each variable)
+    replicated:       every tower applies the same update to its own copy
+
+Non-trainable state (BatchNormalization's moving statistics) is combined
+explicitly, because Keras 3 under MirroredStrategy lets each replica's copy drift
+(DESIGN.md): ``non_trainable="mean"`` (default) averages the towers' updates over
+the towers that saw examples, so every copy stays identical; ``"first_tower"``
+keeps tower 0's update, reproducing what MirroredStrategy shows when read.
+Integer state (dropout seed counters) advances identically on every tower; tower
+0's value is kept.
+
+Everything happens in one ``tf.function``, traced once per input signature.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from towers import allreduce
+from towers.allreduce.parameter_device import parameter_device as _parameter_device_algo
+from towers.allreduce.parameter_device import reduce_on
+from towers.allreduce.primitives import Recorder, record, send
+from towers.devices import canonical_device, local_devices
+from towers.replicas import ModelLike, OptimizerLike, Replica, make_replicas, variable_values
+from towers.split import shard_sizes, split
+from towers.tower import LossFn, TowerResult, resolve_loss, tower_step
+
+__all__ = ["NON_TRAINABLE", "PLACEMENTS", "TowerTrainer"]
+
+PLACEMENTS = ("parameter_device", "replicated")
+NON_TRAINABLE = ("mean", "first_tower")
+
+
+def check_devices(devices: Sequence[str] | None) -> list[str]:
+    """Validate tower devices and return their canonical names.
+
+    Raises:
+        ValueError: no devices, duplicates, or a name TensorFlow does not know.
+        TypeError: not a list of strings.
+    """
+    if devices is None:
+        devices = local_devices()
+    if isinstance(devices, str) or not isinstance(devices, Sequence):
+        raise TypeError(f"devices must be a list of device names, got {devices!r}")
+    if not devices:
+        raise ValueError("devices is empty: give at least one device (see towers.simulate_devices)")
+    known = {canonical_device(d.name) for d in tf.config.list_logical_devices()}
+    out: list[str] = []
+    for d in devices:
+        if not isinstance(d, str):
+            raise TypeError(f"devices must hold strings, got {d!r}")
+        c = canonical_device(d)
+        if c not in known:
+            raise ValueError(f"devices: unknown device {d!r}; known: {', '.join(sorted(known))}")
+        if c in out:
+            raise ValueError(f"devices: {d!r} appears twice; each tower needs its own device")
+        out.append(c)
+    return out
+
+
+def _check_choice(name: str, value: str, choices: Sequence[str]) -> str:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+    return value
+
+
+def _leading_dims(structure: Any) -> list[int | None]:
+    return [
+        None if len(np.shape(t)) == 0 else (tf.TensorShape(np.shape(t))[0] or None)
+        for t in tf.nest.flatten(structure)
+    ]
+
+
+def _check_batch(x: Any, y: Any, sample_weight: Any) -> None:
+    dims: dict[str, set[int]] = {}
+    for name, part in (("x", x), ("y", y), ("sample_weight", sample_weight)):
+        if part is None:
+            continue
+        sizes = _leading_dims(part)
+        if any(s is None for s in sizes) and any(len(np.shape(t)) == 0 for t in tf.nest.flatten(part)):
+            raise ValueError(f"{name} has a scalar where a batch was expected")
+        dims[name] = {s for s in sizes if s is not None}
+    all_sizes = set().union(*dims.values())
+    if len(all_sizes) > 1:
+        detail = ", ".join(f"{k}: {sorted(v)}" for k, v in dims.items())
+        raise ValueError(f"x, y and sample_weight must share their batch size; got {detail}")
+    if all_sizes == {0}:
+        raise ValueError("the batch is empty: x has 0 examples")
+
+
+class TowerTrainer:
+    """Data-parallel training over explicit towers with a hand-built all-reduce.
+
+    Args:
+        model: a built ``keras.Model`` or a zero-argument factory returning one.
+        optimizer: a Keras optimizer or a zero-argument factory.
+        loss: a Keras loss, a loss name, or ``(y_true, y_pred) -> per-example losses``.
+        devices: the towers' devices (default: every local logical device).
+        all_reduce: a name from ``towers.ALGORITHMS`` or an algorithm callable.
+        variables: ``"parameter_device"`` (one copy, updated on the parameter device;
+            CentralStorageStrategy's layout) or ``"replicated"`` (one copy per tower,
+            all updated identically; MirroredStrategy's layout).
+        parameter_device: where the single copy lives (default: the first tower).
+        non_trainable: ``"mean"`` or ``"first_tower"`` (see the module docstring).
+        sparse: ``"gather"`` (keep ``IndexedSlices``, concatenated in tower order, as
+            MirroredStrategy does) or ``"densify"`` (dense all-reduce of sparse gradients).
+
+    Example:
+        >>> devices = towers.simulate_devices(4)                      # doctest: +SKIP
+        >>> trainer = towers.TowerTrainer(make_model, keras.optimizers.SGD(0.1),
+        ...     "sparse_categorical_crossentropy", devices=devices, all_reduce="naive")
+        >>> loss = trainer.train_step(x, y)                            # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        model: ModelLike,
+        optimizer: OptimizerLike,
+        loss: str | LossFn | keras.losses.Loss,
+        devices: Sequence[str] | None = None,
+        all_reduce: str | allreduce.AllReduce = "parameter_device",
+        variables: str = "parameter_device",
+        parameter_device: str | None = None,
+        non_trainable: str = "mean",
+        sparse: str = "gather",
+    ) -> None:
+        self.devices = check_devices(devices)
+        self.placement = _check_choice("variables", variables, PLACEMENTS)
+        self.non_trainable_mode = _check_choice("non_trainable", non_trainable, NON_TRAINABLE)
+        self.sparse = _check_choice("sparse", sparse, ("gather", "densify"))
+        self.parameter_device = (
+            check_devices([parameter_device])[0] if parameter_device else self.devices[0]
+        )
+        self.loss_fn = resolve_loss(loss)
+        if all_reduce == "parameter_device":
+            self.algorithm: allreduce.AllReduce = _parameter_device_algo(self.parameter_device)
+        else:
+            self.algorithm = allreduce.get(all_reduce)
+        homes = [self.parameter_device] if self.placement == "parameter_device" else self.devices
+        self.replicas: list[Replica] = make_replicas(model, optimizer, homes)
+        self.trace_count = 0
+        self.last_trace_stats: Recorder | None = None
+        self._step = tf.function(self._train_step, reduce_retracing=True)
+
+    @property
+    def model(self) -> keras.Model:
+        """The trained model (the parameter-device copy, or tower 0's replica)."""
+        return self.replicas[0].model
+
+    @property
+    def optimizer(self) -> keras.optimizers.Optimizer:
+        """The optimizer of :attr:`model`."""
+        return self.replicas[0].optimizer
+
+    # -- public API ---------------------------------------------------------------------------
+
+    def train_step(self, x: Any, y: Any, sample_weight: Any = None) -> tf.Tensor:
+        """Run one synchronous step on a global batch and return the global mean loss.
+
+        Raises:
+            ValueError: x, y and sample_weight disagree on the batch size, or it is 0.
+        """
+        _check_batch(x, y, sample_weight)
+        x, y = tf.nest.map_structure(tf.convert_to_tensor, (x, y))
+        if sample_weight is not None:
+            sample_weight = tf.convert_to_tensor(sample_weight, dtype=self._float_dtype())
+        return self._step(x, y, sample_weight)
+
+    def get_weights(self) -> list[np.ndarray]:
+        """The model's weights as NumPy arrays, in ``model.weights`` order."""
+        return variable_values(self.model.weights)
+
+    def set_weights(self, weights: Sequence[np.ndarray]) -> None:
+        """Set every replica's weights (``model.weights`` order)."""
+        for replica in self.replicas:
+            replica.model.set_weights(list(weights))
+
+    def replica_weights(self) -> list[list[np.ndarray]]:
+        """Every replica's weights (one list per replica; a single one for parameter_device)."""
+        return [variable_values(r.model.weights) for r in self.replicas]
+
+    # -- the step -----------------------------------------------------------------------------
+
+    def _float_dtype(self) -> tf.DType:
+        return tf.as_dtype(self.model.trainable_variables[0].dtype)
+
+    def _replica_of(self, tower: int) -> Replica:
+        return self.replicas[0] if len(self.replicas) == 1 else self.replicas[tower]
+
+    def _tower_values(self, tower: int) -> tuple[list[tf.Tensor], list[tf.Tensor]]:
+        """Read the variables a tower uses and move them onto the tower's device."""
+        replica = self._replica_of(tower)
+        dst = self.devices[tower]
+        with tf.device(replica.device):
+            trainable = [tf.convert_to_tensor(v.value) for v in replica.model.trainable_variables]
+            frozen = [tf.convert_to_tensor(v.value) for v in replica.model.non_trainable_variables]
+        return (
+            [send(t, dst, note="read-weights") for t in trainable],
+            [send(t, dst, note="read-weights") for t in frozen],
+        )
+
+    def _train_step(self, x: Any, y: Any, sample_weight: Any) -> tf.Tensor:
+        self.trace_count += 1
+        with record() as recorder:
+            loss = self._step_body(x, y, sample_weight)
+        self.last_trace_stats = recorder
+        return loss
+
+    def _step_body(self, x: Any, y: Any, sample_weight: Any) -> tf.Tensor:
+        n = len(self.devices)
+        shards = split((x, y, sample_weight) if sample_weight is not None else (x, y), n)
+        global_batch = tf.shape(tf.nest.flatten(x)[0])[0]
+        results: list[TowerResult] = []
+        for i, device in enumerate(self.devices):
+            shard = shards[i] if sample_weight is not None else (*shards[i], None)
+            trainable, frozen = self._tower_values(i)
+            results.append(
+                tower_step(
+                    self.model, trainable, frozen, shard, loss_fn=self.loss_fn,
+                    global_batch=global_batch, num_towers=n, device=device,
+                )
+            )
+        reduced = self._reduce_gradients([r.grads for r in results])
+        new_state = self._combine_non_trainable(results)
+        self._apply(reduced, new_state)
+        with tf.device(self.parameter_device):
+            losses = [send(r.loss, self.parameter_device, note="loss") for r in results]
+            return tf.add_n(losses)
+
+    def _reduce_gradients(self, grads: list[list[Any]]) -> list[list[Any]]:
+        """``grads[tower][var]`` -> ``reduced[replica][var]`` through the all-reduce."""
+        n_vars = len(grads[0])
+        per_tower: list[list[Any]] = [[None] * n_vars for _ in self.devices]
+        for j in range(n_vars):
+            outs = allreduce.all_reduce(
+                [g[j] for g in grads], self.algorithm, op="sum", sparse=self.sparse
+            )
+            for i, out in enumerate(outs):
+                per_tower[i][j] = out
+        if self.placement == "parameter_device":
+            # Outputs are identical; the unused copies are pruned from the graph.
+            return [per_tower[0]]
+        return per_tower
+
+    def _combine_non_trainable(self, results: list[TowerResult]) -> list[tf.Tensor]:
+        """One new value per non-trainable variable, formed on the parameter device."""
+        p = self.parameter_device
+        combined = []
+        with tf.device(p):
+            counts = [send(r.examples, p, note="state") for r in results]
+            for j in range(len(results[0].non_trainable)):
+                values = [r.non_trainable[j] for r in results]
+                if self.non_trainable_mode == "first_tower" or not values[0].dtype.is_floating:
+                    combined.append(send(values[0], p, note="state"))
+                    continue
+                masked = [
+                    tf.where(c > 0, send(v, p, note="state"), tf.zeros_like(v))
+                    for v, c in zip(values, counts)
+                ]
+                seen = tf.add_n([tf.cast(c > 0, values[0].dtype) for c in counts])
+                total = reduce_on(masked, p, "sum")
+                combined.append(total / seen)
+        return combined
+
+    def _apply(self, reduced: list[list[Any]], new_state: list[tf.Tensor]) -> None:
+        for replica, grads in zip(self.replicas, reduced):
+            with tf.device(replica.device):
+                variables = replica.model.trainable_variables
+                replica.optimizer.apply_gradients(zip(grads, variables))
+                for var, value in zip(replica.model.non_trainable_variables, new_state):
+                    var.assign(send(value, replica.device, note="state"))
