@@ -11,9 +11,11 @@ from __future__ import annotations
 from towers.allreduce import ALGORITHMS, all_reduce
 from towers.devices import local_devices, simulate_devices
 from towers.split import split
+from towers.trainer import TowerTrainer
 
 __all__ = [
     "ALGORITHMS",
+    "TowerTrainer",
     "all_reduce",
     "local_devices",
     "simulate_devices",

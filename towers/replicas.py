@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeAlias
 
 import keras
 import numpy as np
@@ -20,8 +20,8 @@ from towers.devices import canonical_device
 
 __all__ = ["ModelLike", "OptimizerLike", "Replica", "make_replicas"]
 
-ModelLike = keras.Model | Callable[[], keras.Model]
-OptimizerLike = keras.optimizers.Optimizer | Callable[[], keras.optimizers.Optimizer]
+ModelLike: TypeAlias = "keras.Model | Callable[[], keras.Model]"
+OptimizerLike: TypeAlias = "keras.optimizers.Optimizer | Callable[[], keras.optimizers.Optimizer]"
 
 
 @dataclasses.dataclass

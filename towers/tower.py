@@ -27,7 +27,14 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-__all__ = ["LossFn", "TowerResult", "per_example_loss", "resolve_loss", "tower_step"]
+__all__ = [
+    "LossFn",
+    "TowerResult",
+    "empty_tower_step",
+    "per_example_loss",
+    "resolve_loss",
+    "tower_step",
+]
 
 LossFn = Callable[[Any, Any], Any]
 
@@ -137,3 +144,46 @@ def tower_step(
         examples = tf.shape(per_ex)[0]
     _check_gradients(grads, [v.path for v in model.trainable_variables])
     return TowerResult(loss, list(grads), list(new_non_trainable), examples)
+
+
+def _zeros_like_gradient(variable: Any, like: Any) -> tf.Tensor | tf.IndexedSlices:
+    if isinstance(like, tf.IndexedSlices):
+        rows = tf.zeros([0, *variable.shape[1:]], like.values.dtype)
+        return tf.IndexedSlices(rows, tf.zeros([0], like.indices.dtype), like.dense_shape)
+    return tf.zeros(variable.shape, like.dtype)
+
+
+def empty_tower_step(
+    model: keras.Model,
+    trainable: Sequence[tf.Tensor],
+    non_trainable: Sequence[tf.Tensor],
+    *,
+    template: TowerResult,
+    num_towers: int,
+    device: str,
+) -> TowerResult:
+    """What a tower without examples contributes, without running the model on 0 rows.
+
+    Its data loss is 0, but it still owes its share ``R / n_towers`` of the
+    regularization losses (the reference's empty replica computes it too), so those
+    gradients are taken from the regularizers alone. Everything else is zero; sparse
+    gradients stay sparse (an ``IndexedSlices`` with no rows), state stays unchanged.
+    Skipping the forward pass matters: some kernels fail on a batch of 0 (Keras 3
+    Conv2D does, in the reference as well).
+    """
+    with tf.device(device):
+        mapping = list(zip(model.trainable_variables, trainable))
+        with tf.GradientTape() as tape:
+            tape.watch(list(trainable))
+            with keras.StatelessScope(state_mapping=mapping):
+                reg_losses = list(model.losses)
+            loss = tf.zeros([], template.loss.dtype)
+            if reg_losses:
+                reg = tf.add_n(reg_losses)
+                loss += reg / tf.cast(num_towers, reg.dtype)
+        grads = tape.gradient(loss, list(trainable)) if reg_losses else [None] * len(trainable)
+        grads = [
+            _zeros_like_gradient(v, like) if g is None else g
+            for g, v, like in zip(grads, model.trainable_variables, template.grads)
+        ]
+        return TowerResult(loss, grads, list(non_trainable), tf.constant(0, tf.int32))

@@ -18,11 +18,13 @@ keeps tower 0's update, reproducing what MirroredStrategy shows when read.
 Integer state (dropout seed counters) advances identically on every tower; tower
 0's value is kept.
 
-Everything happens in one ``tf.function``, traced once per input signature.
+Everything happens in one ``tf.function``, traced once per input signature and run
+:func:`towers.ordering.as_written`, so additions happen in the order the code states.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,9 +37,10 @@ from towers.allreduce.parameter_device import parameter_device as _parameter_dev
 from towers.allreduce.parameter_device import reduce_on
 from towers.allreduce.primitives import Recorder, record, send
 from towers.devices import canonical_device, local_devices
+from towers.ordering import as_written
 from towers.replicas import ModelLike, OptimizerLike, Replica, make_replicas, variable_values
 from towers.split import shard_sizes, split
-from towers.tower import LossFn, TowerResult, resolve_loss, tower_step
+from towers.tower import LossFn, TowerResult, empty_tower_step, resolve_loss, tower_step
 
 __all__ = ["NON_TRAINABLE", "PLACEMENTS", "TowerTrainer"]
 
@@ -78,22 +81,21 @@ def _check_choice(name: str, value: str, choices: Sequence[str]) -> str:
     return value
 
 
-def _leading_dims(structure: Any) -> list[int | None]:
-    return [
-        None if len(np.shape(t)) == 0 else (tf.TensorShape(np.shape(t))[0] or None)
-        for t in tf.nest.flatten(structure)
-    ]
+def _leading_dims(name: str, structure: Any) -> set[int]:
+    """Static leading dimensions of every tensor in ``structure`` (unknown ones skipped)."""
+    dims = set()
+    for t in tf.nest.flatten(structure):
+        shape = tf.TensorShape(getattr(t, "shape", np.shape(t)))
+        if shape.rank == 0:
+            raise ValueError(f"{name} has a scalar where a batch was expected")
+        if shape.rank is not None and shape[0] is not None:
+            dims.add(int(shape[0]))
+    return dims
 
 
 def _check_batch(x: Any, y: Any, sample_weight: Any) -> None:
-    dims: dict[str, set[int]] = {}
-    for name, part in (("x", x), ("y", y), ("sample_weight", sample_weight)):
-        if part is None:
-            continue
-        sizes = _leading_dims(part)
-        if any(s is None for s in sizes) and any(len(np.shape(t)) == 0 for t in tf.nest.flatten(part)):
-            raise ValueError(f"{name} has a scalar where a batch was expected")
-        dims[name] = {s for s in sizes if s is not None}
+    parts = {"x": x, "y": y, "sample_weight": sample_weight}
+    dims = {k: _leading_dims(k, v) for k, v in parts.items() if v is not None}
     all_sizes = set().union(*dims.values())
     if len(all_sizes) > 1:
         detail = ", ".join(f"{k}: {sorted(v)}" for k, v in dims.items())
@@ -154,7 +156,9 @@ class TowerTrainer:
         self.replicas: list[Replica] = make_replicas(model, optimizer, homes)
         self.trace_count = 0
         self.last_trace_stats: Recorder | None = None
-        self._step = tf.function(self._train_step, reduce_retracing=True)
+        # No reduce_retracing: a static batch size gives static shard sizes (empty towers are
+        # skipped at trace time); a new batch size costs one more trace, not one per step.
+        self._step = tf.function(self._train_step, autograph=False)
 
     @property
     def model(self) -> keras.Model:
@@ -178,7 +182,8 @@ class TowerTrainer:
         x, y = tf.nest.map_structure(tf.convert_to_tensor, (x, y))
         if sample_weight is not None:
             sample_weight = tf.convert_to_tensor(sample_weight, dtype=self._float_dtype())
-        return self._step(x, y, sample_weight)
+        with as_written():
+            return self._step(x, y, sample_weight)
 
     def get_weights(self) -> list[np.ndarray]:
         """The model's weights as NumPy arrays, in ``model.weights`` order."""
@@ -220,26 +225,69 @@ class TowerTrainer:
         self.last_trace_stats = recorder
         return loss
 
+    def _shards(self, x: Any, y: Any, sample_weight: Any) -> tuple[list[Any], list[int | None]]:
+        """Split the batch; with a static batch size, shard sizes are known at trace time."""
+        n = len(self.devices)
+        batch = (x, y, sample_weight) if sample_weight is not None else (x, y)
+        static = tf.nest.flatten(x)[0].shape[0]
+        if static is None:
+            shards = split(batch, n)
+            sizes: list[int | None] = [None] * n
+        else:
+            sizes = list(shard_sizes(int(static), n))
+            bounds = np.cumsum([0, *sizes])
+            shards = [
+                tf.nest.map_structure(lambda t, a=a, b=b: t[a:b], batch)
+                for a, b in itertools.pairwise(bounds)
+            ]
+        if sample_weight is None:
+            shards = [(*s, None) for s in shards]
+        return shards, sizes
+
     def _step_body(self, x: Any, y: Any, sample_weight: Any) -> tf.Tensor:
         n = len(self.devices)
-        shards = split((x, y, sample_weight) if sample_weight is not None else (x, y), n)
+        shards, sizes = self._shards(x, y, sample_weight)
         global_batch = tf.shape(tf.nest.flatten(x)[0])[0]
-        results: list[TowerResult] = []
+        results: dict[int, TowerResult] = {}
         for i, device in enumerate(self.devices):
-            shard = shards[i] if sample_weight is not None else (*shards[i], None)
+            if sizes[i] == 0:
+                continue
             trainable, frozen = self._tower_values(i)
-            results.append(
-                tower_step(
-                    self.model, trainable, frozen, shard, loss_fn=self.loss_fn,
-                    global_batch=global_batch, num_towers=n, device=device,
-                )
+            results[i] = tower_step(
+                self.model,
+                trainable,
+                frozen,
+                shards[i],
+                loss_fn=self.loss_fn,
+                global_batch=global_batch,
+                num_towers=n,
+                device=device,
             )
+        template = results[0]  # tower 0 always has examples: the batch is not empty
+        ordered = [
+            results[i] if i in results else self._empty_tower(i, template, n) for i in range(n)
+        ]
+        self._finish_step(ordered)
+        with tf.device(self.parameter_device):
+            losses = [send(r.loss, self.parameter_device, note="loss") for r in ordered]
+            return tf.add_n(losses)
+
+    def _empty_tower(self, tower: int, template: TowerResult, n: int) -> TowerResult:
+        trainable, frozen = self._tower_values(tower)
+        return empty_tower_step(
+            self.model,
+            trainable,
+            frozen,
+            template=template,
+            num_towers=n,
+            device=self.devices[tower],
+        )
+
+    def _finish_step(self, results: list[TowerResult]) -> None:
+        """All-reduce the gradients, combine the state and apply the update."""
         reduced = self._reduce_gradients([r.grads for r in results])
         new_state = self._combine_non_trainable(results)
         self._apply(reduced, new_state)
-        with tf.device(self.parameter_device):
-            losses = [send(r.loss, self.parameter_device, note="loss") for r in results]
-            return tf.add_n(losses)
 
     def _reduce_gradients(self, grads: list[list[Any]]) -> list[list[Any]]:
         """``grads[tower][var]`` -> ``reduced[replica][var]`` through the all-reduce."""

@@ -12,10 +12,13 @@ from collections.abc import Callable, Sequence
 import tensorflow as tf
 
 from towers.allreduce.base import OPS, AllReduce, check_values, combine, finish
+from towers.allreduce.double_binary_tree import double_binary_tree
 from towers.allreduce.naive import naive
 from towers.allreduce.parameter_device import parameter_device
 from towers.allreduce.primitives import Recorder, Transfer, record, send
+from towers.allreduce.ring import ring
 from towers.allreduce.sparse import densify, gather_indexed_slices
+from towers.allreduce.tree import tree
 
 __all__ = [
     "ALGORITHMS",
@@ -26,13 +29,16 @@ __all__ = [
     "all_reduce",
     "check_values",
     "combine",
+    "double_binary_tree",
     "finish",
     "get",
     "naive",
     "noop",
     "parameter_device",
     "record",
+    "ring",
     "send",
+    "tree",
 ]
 
 
@@ -53,6 +59,9 @@ def _noop_factory() -> AllReduce:
 ALGORITHMS: dict[str, Callable[[], AllReduce]] = {
     "naive": _naive_factory,
     "parameter_device": parameter_device,
+    "ring": ring,
+    "tree": tree,
+    "double_binary_tree": double_binary_tree,
 }
 """Registered algorithms: name -> zero-argument factory. ``noop`` is kept out on purpose
 (it does not reduce), but :func:`get` accepts ``"noop"`` for benchmarks."""

@@ -40,7 +40,7 @@ DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64)
 
 @runtime_checkable
 class AllReduce(Protocol):
-    """Per-tower tensors in, per-tower reduced tensors out (output ``i`` on input ``i``'s device)."""
+    """Per-tower tensors in, per-tower reduced tensors out (output i on input i's device)."""
 
     def __call__(self, values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]: ...
 

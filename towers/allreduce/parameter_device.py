@@ -50,7 +50,9 @@ def parameter_device(device: str | None = None) -> AllReduce:
     """
     chosen = canonical_device(device) if device else None
 
-    def parameter_device_all_reduce(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
+    def parameter_device_all_reduce(
+        values: Sequence[tf.Tensor], *, op: str = "sum"
+    ) -> list[tf.Tensor]:
         devices = check_values(values, op)
         p = chosen or devices[0]
         with tf.device(p):

@@ -1,0 +1,241 @@
+"""check_all_reduce passes correct algorithms and reports broken ones on a small example."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import ml_dtypes
+import numpy as np
+import pytest
+import tensorflow as tf
+from hypothesis import given
+
+from tests.conftest import DEVICES
+from towers.allreduce import naive, parameter_device, send
+from towers.allreduce.base import check_values, combine, finish
+from towers.allreduce.check import (
+    CheckReport,
+    Closeness,
+    assert_close,
+    check_all_reduce,
+    tower_values,
+    ulp_distance,
+)
+
+# -- correct algorithms pass ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "algorithm",
+    [naive, parameter_device(), parameter_device(DEVICES[7])],
+    ids=["naive", "pd", "pd7"],
+)
+def test_correct_algorithms_pass(algorithm) -> None:
+    report = check_all_reduce(algorithm, devices=DEVICES)
+    assert report.ok, report
+    assert report.examples >= 20 and report.failures == () and report.example is None
+    assert str(report).startswith("PASS")
+
+
+def test_registry_names_and_the_replay_check() -> None:
+    report = check_all_reduce("naive", max_examples=6, replay=True)
+    assert report.ok and bool(report), report
+    assert "replay not checked" not in str(report)
+
+
+def test_a_correct_byte_formula_passes() -> None:
+    def counted(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
+        return naive(values, op=op)
+
+    # naive: tower 0 broadcasts to n - 1 towers, every other tower sends its value once.
+    counted.bytes_sent = lambda n, nbytes, itemsize: [(n - 1) * nbytes] + [nbytes] * (n - 1)
+    report = check_all_reduce(counted, max_examples=10)
+    assert report.ok, report
+    assert "bytes not checked" not in str(report)
+
+
+# -- broken algorithms are reported, not raised ----------------------------------------------
+
+
+def _own_device(value: tf.Tensor) -> tf.Tensor:
+    with tf.device(value.device):
+        return tf.identity(value)
+
+
+def last_tower_keeps_its_own(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
+    """The d2l-style bug: the broadcast loop stops one tower short."""
+    outs = naive(values, op=op)
+    return [*outs[:-1], _own_device(values[-1])] if len(values) > 1 else outs
+
+
+def everything_on_tower_zero(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
+    outs = naive(values, op=op)
+    with tf.device(values[0].device):
+        return [tf.identity(outs[0]) for _ in outs]
+
+
+def each_tower_its_own_order(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
+    """Every tower sums starting from itself: within the bound, but replicas drift apart."""
+    devices = check_values(values, op)
+    outs = []
+    for i, d in enumerate(devices):
+        with tf.device(d):
+            order = [send(values[(i + k) % len(values)], d) for k in range(len(values))]
+            total = order[0]
+            for v in order[1:]:
+                total = combine(total, v, op)
+            outs.append(finish(total, op, len(values)))
+    return outs
+
+
+def mean_forgets_to_divide(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
+    return naive(values, op="sum" if op == "mean" else op)
+
+
+def wrong_byte_formula(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
+    return naive(values, op=op)
+
+
+wrong_byte_formula.bytes_sent = lambda n, nbytes, itemsize: [nbytes] * n  # type: ignore[attr-defined]
+
+
+def crashes_on_three(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
+    if len(values) == 3:
+        raise RuntimeError("three towers are unlucky")
+    return naive(values, op=op)
+
+
+def _failed(algorithm, **kwargs) -> CheckReport:
+    report = check_all_reduce(algorithm, **kwargs)
+    assert not report.ok and not bool(report)
+    text = str(report)
+    assert text.startswith("FAIL") and "Smallest failing example:" in text, text
+    assert report.example and report.failures
+    return report
+
+
+def test_one_wrong_output_on_one_tower_is_caught_with_a_small_example() -> None:
+    report = _failed(last_tower_keeps_its_own)
+    assert report.example.startswith("n=2 towers, shape=()"), report
+    assert any(f.startswith("output 1:") for f in report.failures), report
+    assert not any(f.startswith("output 0:") for f in report.failures), report
+
+
+def test_outputs_on_the_wrong_device_are_caught() -> None:
+    report = _failed(everything_on_tower_zero)
+    assert report.example.startswith("n=2 towers"), report
+    assert "output 1 is on /device:CPU:0, but input 1 is on /device:CPU:1" in report.failures
+
+
+def test_replicas_that_differ_in_the_last_bit_are_caught() -> None:
+    report = _failed(each_tower_its_own_order, dtypes=["float32"], ops=["sum"])
+    assert report.example.startswith("n=3 towers"), report
+    assert any("not bitwise identical" in f and "ULP" in f for f in report.failures), report
+    assert not any("[bound" in f for f in report.failures), report  # all within the bound
+
+
+def test_a_wrong_value_is_caught_against_the_bound() -> None:
+    report = _failed(mean_forgets_to_divide, ops=["mean"], dtypes=["float32"])
+    assert "op='mean'" in report.example and report.example.startswith("n=2 towers")
+    assert any("[bound" in f and "max abs error" in f for f in report.failures), report
+
+
+def test_a_wrong_byte_count_is_caught() -> None:
+    report = _failed(wrong_byte_formula)
+    assert report.example.startswith("n=3 towers"), report
+    assert any(f.startswith("bytes sent per tower [") for f in report.failures), report
+
+
+def test_an_exception_is_reported_not_raised() -> None:
+    report = _failed(crashes_on_three, max_examples=30)
+    assert report.example.startswith("n=3 towers"), report
+    assert report.failures == ("raised RuntimeError: three towers are unlucky",)
+
+
+def test_a_too_optimistic_summation_depth_is_caught() -> None:
+    def claims_exact(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
+        return naive(values, op=op)
+
+    claims_exact.summation_depth = lambda n: 0  # type: ignore[attr-defined]
+    report = _failed(claims_exact, max_towers=3, dtypes=["float32"], ops=["sum"], shapes=[()])
+    assert any("summation depth 0" in f for f in report.failures), report
+
+
+def traced_differently(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
+    """Adds in tower order when eager, in reverse inside a graph: only replay=True sees it."""
+    ordered = list(values) if tf.executing_eagerly() else list(values)[::-1]
+    with tf.device(values[0].device):
+        total = send(ordered[0], values[0].device)
+        for v in ordered[1:]:
+            total = combine(total, send(v, values[0].device), op)
+        total = finish(total, op, len(values))
+    return [send(total, v.device) for v in values]
+
+
+def test_replay_check_catches_a_graph_that_adds_in_another_order() -> None:
+    small = {"max_towers": 3, "dtypes": ["float32"], "ops": ["sum"], "shapes": [(), (3,)]}
+    assert check_all_reduce(traced_differently, **small).ok
+    report = _failed(traced_differently, replay=True, **small)
+    assert report.example.startswith("n=3 towers"), report
+    assert any("vs its NumPy replay" in f for f in report.failures), report
+
+
+def test_tower_counts_can_be_chosen() -> None:
+    report = check_all_reduce(naive, tower_counts=[2, 5], max_examples=4)
+    assert report.ok and report.examples == 4, report
+    with pytest.raises(ValueError, match="tower_counts"):
+        check_all_reduce(naive, tower_counts=[0, 2])
+
+
+def test_too_few_devices_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="simulate_devices"):
+        check_all_reduce(naive, max_towers=9, devices=DEVICES)
+
+
+# -- the comparison helpers ----------------------------------------------------------------------
+
+
+def test_ulp_distance_counts_representable_values() -> None:
+    one = np.float32(1)
+    assert ulp_distance(np.nextafter(one, np.float32(2)), one) == 1
+    assert ulp_distance(np.float32(-0.0), np.float32(0.0)) == 0
+    assert ulp_distance(np.float32(-1e-45), np.float32(1e-45)) == 2  # across zero
+    top = np.finfo(np.float64).max
+    assert ulp_distance(-top, top) == 2 * 0x7FEFFFFFFFFFFFFF  # no int64 overflow
+    assert ulp_distance(np.float32(np.inf), np.finfo(np.float32).max) == 1
+    bf = np.array([1.0, 1.0078125], ml_dtypes.bfloat16)  # 1 + 2^-7 is the next bfloat16
+    assert ulp_distance(bf[1], bf[0]) == 1
+    assert ulp_distance(np.float16(1), np.float16(1) + np.float16(2**-10)) == 1
+    assert ulp_distance(np.int64(2**62), np.int64(-(2**62))) == 2**63
+    assert ulp_distance(np.float32(np.nan), np.float32(np.nan)) == 0
+    assert ulp_distance(np.float32(np.nan), np.float32(1)) == np.iinfo(np.uint64).max
+
+
+def test_assert_close_reports_abs_error_and_ulps() -> None:
+    assert assert_close(np.float32(1.0000001), 1.0, ulps=1) == Closeness(2**-23, 1)
+    assert assert_close([1.0, 2.0], [1.0, 2.0]) == Closeness(0.0, 0)
+    with pytest.raises(
+        AssertionError, match=r"grad: 1 of 3 elements differ; worst at index \(1,\)"
+    ):
+        assert_close(np.float32([1, 2, 3]), np.float32([1, 2.5, 3]), atol=0.1, what="grad")
+    with pytest.raises(AssertionError, match=r"max abs error 0\.5, max 2097152 ULP"):
+        assert_close(np.float32([2.5]), np.float64([2.0]))
+    with pytest.raises(AssertionError, match="shape"):
+        assert_close(np.zeros(2), np.zeros(3))
+    assert_close(np.float32([1.0, np.nan]), [1.0, np.nan])  # NaNs in the same places
+    assert_close(np.float32([100.0]), [101.0], rtol=0.01)
+
+
+@given(tower_values(max_towers=8))
+def test_tower_values_are_well_formed(case) -> None:
+    n, arrays = case
+    assert 1 <= n <= 8 and len(arrays) == n
+    assert len({(a.shape, a.dtype) for a in arrays}) == 1
+    total = np.sum(np.stack(arrays).astype(np.float64), axis=0)
+    assert np.all(np.isfinite(total.astype(arrays[0].dtype)))  # sums cannot overflow
+
+
+@given(tower_values(max_towers=3, dtypes=["bfloat16"], shapes=[(7,), (2, 5)]))
+def test_tower_values_honour_dtypes_and_shapes(case) -> None:
+    _, arrays = case
+    assert arrays[0].dtype == np.dtype(ml_dtypes.bfloat16) and arrays[0].shape in [(7,), (2, 5)]

@@ -1,0 +1,250 @@
+"""Rabenseifner halving-doubling: every output against a float64 NumPy reduction.
+
+The first section holds checks shared with ``test_hierarchical`` and ``test_nccl``
+(they import them from here; they belong in ``towers/testing.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from fractions import Fraction
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+from tests.conftest import DEVICES
+from towers.allreduce.base import OPS
+from towers.allreduce.halving_doubling import bytes_sent, halving_doubling, summation_depth
+from towers.allreduce.primitives import record
+from towers.devices import canonical_device
+
+# ---- shared checks ---------------------------------------------------------------------------
+
+FLOATS = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
+INTS = (tf.int32, tf.int64)
+SHAPES = [(), (0,), (1,), (2,), (7,), (13,), (3, 5), (2, 0, 3), (31,), (4, 4), (2, 3, 7)]
+# Unit roundoff u = 2^-p for a p-bit significand.
+UNIT_ROUNDOFF = {tf.float16: 2**-11, tf.bfloat16: 2**-8, tf.float32: 2**-24, tf.float64: 2**-53}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    n: int
+    shape: tuple[int, ...]
+    dtype: tf.DType
+    op: str
+    seed: int
+
+
+@st.composite
+def cases(draw: st.DrawFn, towers: st.SearchStrategy[int] | None = None) -> Case:
+    """Tower count 1-8, a shape from SHAPES, a supported dtype, an op (mean only for floats)."""
+    n = draw(towers or st.integers(1, 8))
+    dtype = draw(st.sampled_from(FLOATS + INTS))
+    ops = OPS if dtype.is_floating else tuple(o for o in OPS if o != "mean")
+    return Case(
+        n,
+        draw(st.sampled_from(SHAPES)),
+        dtype,
+        draw(st.sampled_from(ops)),
+        draw(st.integers(0, 2**32 - 1)),
+    )
+
+
+def _floats(rng: np.random.Generator, dtype: tf.DType, size: int) -> np.ndarray:
+    # |x| in [2^-1, 2^(top+1)) or 0. The floor keeps every nonzero partial sum a multiple of
+    # ulp(1/2) and every mean normal: TF's CPU kernels flush subnormals to zero, which the
+    # relative error model does not cover. The cap keeps a sum of 8 halves below 65504.
+    top = 9 if dtype in (tf.float16, tf.bfloat16) else 20
+    x = rng.choice([-1.0, 1.0], size) * rng.uniform(1, 2, size) * 2.0 ** rng.integers(-1, top, size)
+    x[rng.random(size) < 0.1] = 0.0
+    return x.astype(dtype.as_numpy_dtype)
+
+
+def make_values(case: Case, devices: list[str] | None = None) -> list[tf.Tensor]:
+    """One random tensor per tower, each created on its device (DEVICES by default)."""
+    rng = np.random.default_rng(case.seed)
+    size = int(np.prod(case.shape, dtype=np.int64))
+    values, first = [], None
+    for device in devices or DEVICES[: case.n]:
+        if case.dtype.is_integer:  # small enough that a sum of 8 cannot overflow
+            limit = 2**27 if case.dtype == tf.int32 else 2**59
+            x = rng.integers(-limit, limit, size, dtype=case.dtype.as_numpy_dtype)
+        else:
+            x = _floats(rng, case.dtype, size)
+        if first is not None and rng.random() < 0.3:
+            x[: size // 2] = first[: size // 2]  # ties for max/min
+        first = x if first is None else first
+        with tf.device(device):
+            values.append(tf.constant(x.reshape(case.shape), dtype=case.dtype))
+    return values
+
+
+def _gamma(k: int, u: float) -> float:
+    return k * u / (1 - k * u)
+
+
+def check_all_reduce(
+    outputs: list[tf.Tensor],
+    values: list[tf.Tensor],
+    op: str,
+    depth: int,
+    devices: list[str] | None = None,
+) -> float:
+    """Check every output; return the largest error in ULPs of the reference.
+
+    Bound: a summation in which every input passes through at most d rounded additions
+    satisfies |ŝ − s| ≤ γ_d·Σ|x_i|, γ_d = d·u/(1 − d·u), under the standard model
+    fl(a ± b) = (a ± b)(1 + δ), |δ| ≤ u (Higham, Accuracy and Stability, §4.2).
+    Mean adds one rounding: |fl(ŝ/n) − s/n| ≤ (γ_d(1 + u) + u)·Σ|x_i|/n ≤ γ_{d+1}·Σ|x_i|/n;
+    inside a tf.function grappler folds x / n into x · fl(1/n), a second rounding, so the
+    bound is γ_{d+2}·Σ|x_i|/n. TF adds halves in float32 and rounds once more to the half
+    type; that double rounding stays inside the bound's slack. Integers, max and min must
+    be exact.
+    """
+    n, dtype = len(values), values[0].dtype
+    devices = devices or [canonical_device(v.device) for v in values]
+    assert len(outputs) == n, f"{len(outputs)} outputs for {n} values"
+    first = outputs[0].numpy().tobytes()
+    for i, out in enumerate(outputs):
+        assert canonical_device(out.device) == devices[i], f"output {i} on {out.device}"
+        assert out.shape == values[0].shape and out.dtype == values[0].dtype, f"output {i}"
+        assert out.numpy().tobytes() == first, f"output {i} differs bitwise from output 0"
+    if dtype.is_integer or op in ("max", "min"):
+        kind = np.int64 if dtype.is_integer else np.float64
+        xs = np.stack([v.numpy().astype(kind) for v in values])
+        ref = {"sum": xs.sum(0), "max": xs.max(0), "min": xs.min(0)}[op]  # int64: no overflow
+        np.testing.assert_array_equal(outputs[0].numpy().astype(ref.dtype), ref, f"op={op}")
+        return 0.0
+    xs = np.stack([v.numpy().astype(np.float64) for v in values]).reshape(n, -1)
+    got = outputs[0].numpy().astype(np.float64).ravel()
+    # The reference is exact (rationals): a float64 sum of float64 inputs would round too.
+    exact = [sum(map(Fraction, col), Fraction(0)) / (n if op == "mean" else 1) for col in xs.T]
+    err = np.array([float(abs(Fraction(g) - e)) for g, e in zip(got, exact, strict=True)])
+    ref = np.array([float(e) for e in exact])
+    u = UNIT_ROUNDOFF[dtype]
+    bound = np.abs(xs).sum(0) * (_gamma(depth, u) if op == "sum" else _gamma(depth + 2, u) / n)
+    worst = int(np.argmax(err - bound)) if err.size else 0
+    assert np.all(err <= bound), f"error {err[worst]} > bound {bound[worst]} (op={op})"
+    ulp = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(ref), 2**-1))) + np.log2(2 * u))
+    return float((err / ulp).max()) if err.size else 0.0
+
+
+def check_bytes(recorder: object, devices: list[str], expected: list[int]) -> None:
+    """Recorded bytes per tower equal the formula (padding included)."""
+    sent = recorder.bytes_sent()  # type: ignore[attr-defined]
+    assert sorted(set(sent) - set(devices)) == [], f"sends from non-towers: {sent}"
+    assert [sent.get(d, 0) for d in devices] == expected
+
+
+def nbytes(case: Case) -> int:
+    return int(np.prod(case.shape, dtype=np.int64)) * case.dtype.size
+
+
+# ---- halving_doubling ------------------------------------------------------------------------
+
+
+@given(cases())
+@example(Case(1, (), tf.float32, "sum", 0))
+@example(Case(8, (0,), tf.float16, "mean", 1))
+@example(Case(5, (13,), tf.bfloat16, "mean", 2))
+@example(Case(6, (7,), tf.int64, "max", 3))
+@example(Case(7, (2, 3, 7), tf.float32, "sum", 4))
+def test_every_output_matches_reduction(case: Case) -> None:
+    values = make_values(case)
+    with record() as rec:
+        outputs = halving_doubling()(values, op=case.op)
+    check_all_reduce(outputs, values, case.op, summation_depth(case.n))
+    check_bytes(rec, DEVICES[: case.n], bytes_sent(case.n, nbytes(case), case.dtype.size))
+
+
+@pytest.mark.parametrize("n", [3, 4, 6, 8])
+def test_inside_tf_function(n: int) -> None:
+    case = Case(n, (3, 5), tf.float32, "mean", n)
+    values = make_values(case)
+    placed: list[str] = []
+
+    @tf.function
+    def run(*xs: tf.Tensor) -> list[tf.Tensor]:
+        moved = []
+        for x, device in zip(xs, DEVICES, strict=False):
+            with tf.device(device):
+                moved.append(tf.identity(x))
+        with record() as rec:
+            outs = halving_doubling()(moved, op="mean")
+        check_bytes(rec, DEVICES[:n], bytes_sent(n, nbytes(case), 4))
+        placed.extend(canonical_device(o.device) for o in outs)
+        return outs
+
+    outputs = run(*values)
+    assert placed == DEVICES[:n]
+    # Eager outputs of a tf.function on CPUs are labelled with the caller's device.
+    check_all_reduce(outputs, values, "mean", summation_depth(n), devices=[DEVICES[0]] * n)
+
+
+def test_schedule_ticks() -> None:
+    for n, ticks in [(1, 0), (2, 2), (4, 4), (6, 6), (8, 6)]:
+        values = make_values(Case(n, (5,), tf.float32, "sum", 0))
+        with record() as rec:
+            halving_doubling()(values)
+        assert rec.ticks() == ticks, n
+
+
+def test_bytes_sent_formula() -> None:
+    assert bytes_sent(1, 40, 4) == [0]
+    assert bytes_sent(4, 16, 4) == [24, 24, 24, 24]
+    # n = 6: p = 4, L = 5 padded to 8 (c = 2): 2·3·2·4 = 48, plus 20 folded in/out.
+    assert bytes_sent(6, 20, 4) == [68, 68, 48, 48, 20, 20]
+    assert bytes_sent(3, 0, 8) == [0, 0, 0]
+    with pytest.raises(ValueError):
+        bytes_sent(0, 4, 4)
+
+
+def test_summation_depth() -> None:
+    assert [summation_depth(n) for n in range(1, 10)] == [0, 1, 2, 2, 3, 3, 3, 3, 4]
+
+
+def test_bad_input() -> None:
+    algo = halving_doubling()
+    with pytest.raises(ValueError, match="values is empty"):
+        algo([])
+    a, b = make_values(Case(2, (3,), tf.float32, "sum", 0))
+    with tf.device(DEVICES[1]):
+        c = tf.zeros([4])
+    with pytest.raises(ValueError, match=r"tower 0 has \(3,\), tower 1 \(4,\)"):
+        algo([a, c])
+    with pytest.raises(ValueError, match="both on"):
+        algo([a, a])
+    with pytest.raises(ValueError, match="op must be one of"):
+        algo([a, b], op="prod")
+    with tf.device(DEVICES[0]):
+        i = tf.zeros([2], tf.int32)
+    with tf.device(DEVICES[1]):
+        j = tf.zeros([2], tf.int32)
+    with pytest.raises(ValueError, match="not defined for integer"):
+        algo([i, j], op="mean")
+
+
+def test_unknown_shape_is_refused() -> None:
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.float32)] * 2)
+    def run(x: tf.Tensor, y: tf.Tensor) -> list[tf.Tensor]:
+        with tf.device(DEVICES[0]):
+            x = tf.identity(x)
+        with tf.device(DEVICES[1]):
+            y = tf.identity(y)
+        return halving_doubling()([x, y])
+
+    with pytest.raises(ValueError, match="fully defined static shape"):
+        run.get_concrete_function()
+
+
+def test_replay_is_bitwise() -> None:
+    replay = pytest.importorskip("towers.allreduce.replay").replay
+    for n, op in [(3, "sum"), (6, "mean"), (8, "max")]:
+        values = make_values(Case(n, (13,), tf.float32, op, n))
+        expected = [o.numpy() for o in halving_doubling()(values, op=op)]
+        got = replay(halving_doubling(), [v.numpy() for v in values], op, devices=DEVICES[:n])
+        assert all(np.array_equal(g, e) for g, e in zip(got, expected, strict=True)), (n, op)

@@ -1,0 +1,155 @@
+"""Hierarchical all-reduce: every output, every (inner, outer, group_size) shape of it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+from tests.allreduce.test_halving_doubling import (
+    Case,
+    cases,
+    check_all_reduce,
+    check_bytes,
+    make_values,
+    nbytes,
+)
+from tests.conftest import DEVICES
+from towers.allreduce import ALGORITHMS, naive, parameter_device
+from towers.allreduce.base import AllReduce
+from towers.allreduce.halving_doubling import halving_doubling
+from towers.allreduce.hierarchical import bytes_sent, hierarchical, summation_depth
+from towers.allreduce.primitives import record
+from towers.devices import canonical_device
+
+PARTS: dict[str, AllReduce | str] = {
+    "naive": naive,
+    "parameter_device": parameter_device(),
+    "halving_doubling": halving_doubling(),
+    "name:naive": "naive",
+}
+
+
+@st.composite
+def layouts(draw: st.DrawFn) -> tuple[Case, int, str, str]:
+    """A case, a group size dividing its tower count, and inner/outer parts."""
+    case = draw(cases())
+    group_size = draw(st.sampled_from([k for k in range(1, case.n + 1) if case.n % k == 0]))
+    return case, group_size, draw(st.sampled_from(list(PARTS))), draw(st.sampled_from(list(PARTS)))
+
+
+@given(layouts())
+@example((Case(1, (), tf.float32, "sum", 0), 1, "naive", "naive"))
+@example((Case(8, (13,), tf.float16, "mean", 1), 4, "halving_doubling", "halving_doubling"))
+@example((Case(6, (0,), tf.bfloat16, "mean", 2), 2, "parameter_device", "halving_doubling"))
+@example((Case(6, (2, 3, 7), tf.int32, "min", 3), 3, "halving_doubling", "name:naive"))
+def test_every_output_matches_reduction(layout: tuple[Case, int, str, str]) -> None:
+    case, k, inner, outer = layout
+    params: dict[str, Any] = {"inner": PARTS[inner], "outer": PARTS[outer], "group_size": k}
+    values = make_values(case)
+    with record() as rec:
+        outputs = hierarchical(**params)(values, op=case.op)
+    check_all_reduce(outputs, values, case.op, summation_depth(case.n, **params))
+    expected = bytes_sent(case.n, nbytes(case), case.dtype.size, **params)
+    check_bytes(rec, DEVICES[: case.n], expected)
+
+
+def test_formulas_compose_from_parts() -> None:
+    hd = halving_doubling()
+    # n = 8, k = 2: naive inside (leader and member each send S = 40), halving-doubling
+    # over 4 leaders (L = 10 padded to 12: 2·3·3·4 = 72), then S from leader to member.
+    assert bytes_sent(8, 40, 4, inner="naive", outer=hd, group_size=2) == [152, 40] * 4
+    assert summation_depth(8, inner="naive", outer=hd, group_size=2) == 1 + 2
+    assert summation_depth(8, inner="naive", outer="naive", group_size=8) == 7
+    nested: Any = hierarchical(inner=hierarchical("naive", "naive", 2), outer=hd, group_size=4)
+    assert nested.summation_depth(8) == (1 + 1) + 1
+    # inner on 4 towers: [12, 4, 12, 4]; hd on 2 leaders: 8 each; leader copies 3·4.
+    assert nested.bytes_sent(8, 4, 4) == [32, 4, 12, 4] * 2
+
+
+def test_nested_hierarchical_runs() -> None:
+    case = Case(8, (7,), tf.float32, "mean", 5)
+    inner = hierarchical("naive", "naive", 2)
+    algo: Any = hierarchical(inner=inner, outer=halving_doubling(), group_size=4)
+    values = make_values(case)
+    with record() as rec:
+        outputs = algo(values, op="mean")
+    check_all_reduce(outputs, values, "mean", algo.summation_depth(8))
+    check_bytes(rec, DEVICES[:8], algo.bytes_sent(8, nbytes(case), 4))
+
+
+def test_inside_tf_function() -> None:
+    case = Case(6, (5,), tf.float64, "sum", 7)
+    values = make_values(case)
+    algo: Any = hierarchical("parameter_device", halving_doubling(), group_size=3)
+
+    @tf.function
+    def run(*xs: tf.Tensor) -> list[tf.Tensor]:
+        moved = []
+        for x, device in zip(xs, DEVICES, strict=False):
+            with tf.device(device):
+                moved.append(tf.identity(x))
+        outs = algo(moved)
+        assert [canonical_device(o.device) for o in outs] == DEVICES[:6]
+        return outs
+
+    outputs = run(*values)
+    check_all_reduce(outputs, values, "sum", algo.summation_depth(6), devices=[DEVICES[0]] * 6)
+
+
+def test_default_outer_is_ring() -> None:
+    if "ring" not in ALGORITHMS:
+        pytest.skip("'ring' is not registered in towers.allreduce yet; the default needs it")
+    case = Case(4, (9,), tf.float32, "sum", 8)
+    values = make_values(case)
+    algo: Any = hierarchical()
+    check_all_reduce(algo(values), values, "sum", algo.summation_depth(4))
+
+
+def test_group_size_must_divide_tower_count() -> None:
+    values = make_values(Case(4, (3,), tf.float32, "sum", 0))
+    with pytest.raises(ValueError, match="group_size=3 does not divide the tower count 4"):
+        hierarchical("naive", "naive", group_size=3)(values)
+    with pytest.raises(ValueError, match="group_size=3 does not divide the tower count 4"):
+        bytes_sent(4, 12, 4, inner="naive", outer="naive", group_size=3)
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="group_size must be at least 1, got 0"):
+        hierarchical(group_size=0)
+    with pytest.raises(TypeError, match="group_size must be an int"):
+        hierarchical(group_size=2.0)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="inner must be a registry name"):
+        hierarchical(inner=5)  # type: ignore[arg-type]
+    values = make_values(Case(2, (3,), tf.float32, "sum", 0))
+    with pytest.raises(ValueError, match="unknown all_reduce 'nope'"):
+        hierarchical(inner="nope", outer="naive")(values)
+
+
+def test_bad_input() -> None:
+    algo = hierarchical("naive", "naive", 1)
+    with pytest.raises(ValueError, match="values is empty"):
+        algo([])
+    a, b = make_values(Case(2, (3,), tf.float32, "sum", 0))
+    with tf.device(DEVICES[1]):
+        c = tf.zeros([4])
+    with pytest.raises(ValueError, match=r"tower 0 has \(3,\), tower 1 \(4,\)"):
+        algo([a, c])
+    with pytest.raises(ValueError, match="both on"):
+        algo([a, a])
+    with pytest.raises(ValueError, match="op must be one of"):
+        algo([a, b], op="prod")
+
+
+def test_replay_is_bitwise() -> None:
+    replay = pytest.importorskip("towers.allreduce.replay").replay
+    algo = hierarchical(halving_doubling(), "naive", group_size=3)
+    case = Case(6, (4, 3), tf.float32, "mean", 9)
+    values = make_values(case)
+    expected = [o.numpy() for o in algo(values, op="mean")]
+    got = replay(algo, [v.numpy() for v in values], "mean", devices=DEVICES[:6])
+    assert all(np.array_equal(g, e) for g, e in zip(got, expected, strict=True))

@@ -1,0 +1,233 @@
+"""Collective-op all-reduces (hint "nccl"): values, placement, keys, ordering tokens, timeouts.
+
+A collective that times out, or an instance key reused with another shape, aborts
+every later collective in the process, so the timeout test runs in a subprocess.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from hypothesis import example, given
+from tensorflow.python.ops import nccl_ops
+
+from tests.allreduce.test_halving_doubling import Case, cases, check_all_reduce, make_values
+from tests.conftest import DEVICES
+from towers.allreduce import nccl as module
+from towers.allreduce.nccl import (
+    KEY_START,
+    estimated_bytes_sent,
+    nccl,
+    nccl_ring,
+    nccl_tree,
+    next_key,
+    raw_nccl_usable,
+)
+from towers.devices import has_gpu
+
+ALGORITHMS: dict[str, Callable[..., Any]] = {
+    "nccl": nccl,
+    "nccl_ring": nccl_ring,
+    "nccl_tree": nccl_tree,
+}
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _place(xs: list[tf.Tensor], devices: list[str]) -> list[tf.Tensor]:
+    placed = []
+    for x, device in zip(xs, devices, strict=True):
+        with tf.device(device):
+            placed.append(tf.identity(x))
+    return placed
+
+
+@pytest.mark.parametrize("name", list(ALGORITHMS))
+@given(case=cases())
+@example(case=Case(1, (), tf.float32, "mean", 0))
+@example(case=Case(8, (0,), tf.float16, "sum", 1))
+@example(case=Case(5, (13,), tf.bfloat16, "mean", 2))
+@example(case=Case(3, (), tf.bfloat16, "max", 3))
+@example(case=Case(7, (2, 3, 7), tf.int64, "sum", 4))
+def test_every_output_matches_reduction(name: str, case: Case) -> None:
+    algo = ALGORITHMS[name](timeout_seconds=30)
+    values = make_values(case)
+    outputs = algo(values, op=case.op)
+    check_all_reduce(outputs, values, case.op, algo.summation_depth(case.n))
+
+
+@pytest.mark.parametrize("name", list(ALGORITHMS))
+def test_towers_in_any_device_order(name: str) -> None:
+    # Collective ranks follow sorted device names, not tower order.
+    devices = [DEVICES[5], DEVICES[2], DEVICES[7], DEVICES[0]]
+    case = Case(4, (9,), tf.float32, "mean", 11)
+    values = make_values(case, devices)
+    algo = ALGORITHMS[name]()
+    check_all_reduce(algo(values, op="mean"), values, "mean", algo.summation_depth(4))
+
+
+def test_two_algorithms_and_shapes_in_one_tf_function() -> None:
+    ring, tree, flat = nccl_ring(), nccl_tree(), nccl()
+    devices = DEVICES[:4]
+
+    @tf.function
+    def step(a: tf.Tensor, b: tf.Tensor) -> list[tf.Tensor]:
+        xs = _place([a * (i + 1) for i in range(4)], devices)
+        ys = _place([b - i for i in range(4)], devices)
+        r1, r2 = ring(xs), tree(ys, op="max")
+        r3, r4 = flat(r1, op="mean"), ring(r2, op="min")
+        return r1 + r2 + r3 + r4
+
+    rng = np.random.default_rng(0)
+    shapes = [((5,), (2, 3)), ((5,), (2, 3)), ((7,), ()), ((1,), (4, 1)), ((5,), (2, 3))]
+    for shape_a, shape_b in shapes:  # retraces allocate fresh keys; repeats reuse theirs
+        a = rng.integers(-50, 50, shape_a).astype(np.float32)  # exact sums
+        b = rng.integers(-50, 50, shape_b).astype(np.float32)
+        outs = [o.numpy() for o in step(tf.constant(a), tf.constant(b))]
+        # sum of a·(i+1), max of b − i, mean of equal sums, min of equal maxima
+        wants = [a * 10] * 4 + [b] * 4 + [a * 10] * 4 + [b] * 4
+        for got, want in zip(outs, wants, strict=True):
+            np.testing.assert_array_equal(got, want)
+
+
+def test_several_eager_calls_in_a_row() -> None:
+    algos = [nccl(), nccl_ring(), nccl_tree()]
+    for k, shape in enumerate([(6,), (6,), (3, 2), (6,), (), (11,)]):
+        for algo in algos:
+            case = Case(3, shape, tf.float64, "sum", k)
+            values = make_values(case)
+            check_all_reduce(algo(values), values, "sum", algo.summation_depth(3))
+
+
+def test_keys_are_unique_across_threads() -> None:
+    found: list[list[int]] = [[] for _ in range(4)]
+
+    def draw(out: list[int]) -> None:
+        out.extend(next_key() for _ in range(500))
+
+    threads = [threading.Thread(target=draw, args=(out,)) for out in found]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    keys = [k for out in found for k in out]
+    assert len(set(keys)) == len(keys) == 2000
+    assert min(keys) >= KEY_START
+
+
+def test_group_key_depends_on_the_device_set_only() -> None:
+    a, b, c = DEVICES[:3]
+    assert module._group_key([a, b]) == module._group_key([b, a])
+    assert module._group_key([a, b]) != module._group_key([a, c])
+    assert module._group_key([a, b]) >= KEY_START
+
+
+@pytest.mark.parametrize("name", list(ALGORITHMS))
+def test_every_collective_has_timeout_hint_and_token(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for timeout, algo in [(7.5, ALGORITHMS[name](timeout_seconds=7.5)), (3.0, ALGORITHMS[name]())]:
+        monkeypatch.setattr(module, "TIMEOUT_SECONDS", 3.0)  # the default is read at call time
+        fn = tf.function(lambda *xs, algo=algo: algo(_place(list(xs), DEVICES[:3])))
+        graph = fn.get_concrete_function(*[tf.TensorSpec([6], tf.float32)] * 3).graph
+        ops = [op for op in graph.get_operations() if op.type.startswith("Collective")]
+        assert ops
+        for op in ops:
+            assert op.get_attr("timeout_seconds") == timeout, op.name
+            assert op.get_attr("communication_hint") == b"nccl", op.name
+            if op.type in ("CollectiveReduceV2", "CollectiveGatherV2", "CollectiveAllToAllV2"):
+                assert op.get_attr("Nordering_token") == 1, op.name
+
+
+_TIMEOUT_SCRIPT = """
+import time
+import tensorflow as tf
+import towers
+devices = towers.simulate_devices(3)
+from towers.allreduce import nccl as m
+values = []
+for d in devices[:2]:
+    with tf.device(d):
+        values.append(tf.ones([4]))
+start = time.time()
+try:  # a group of 3 with only 2 towers launched: tower 2 is the missing peer
+    tf.function(lambda: m._all_reduce_ops(values, devices[:2], "sum", 2.0, 3))()
+    print("NO ERROR")
+except tf.errors.DeadlineExceededError as err:
+    print("DeadlineExceededError after %.1f s:" % (time.time() - start), str(err).strip()[-200:])
+"""
+
+
+def test_missing_peer_times_out_instead_of_hanging() -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TF_CPP_MIN_LOG_LEVEL": "3"}
+    started = time.time()
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_TIMEOUT_SCRIPT)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=ROOT,
+        check=False,
+    )
+    assert "DeadlineExceededError" in result.stdout, result.stdout + result.stderr[-2000:]
+    assert "Collective has timed out waiting for other workers" in result.stdout
+    assert time.time() - started < 100
+
+
+@pytest.mark.skipif(has_gpu(), reason="checks the CPU-only behaviour")
+def test_raw_nccl_has_no_cpu_kernel() -> None:
+    assert not raw_nccl_usable(DEVICES[:2], tf.float32)
+    values = make_values(Case(2, (3,), tf.float32, "sum", 0))
+    match = "No OpKernel was registered to support Op 'NcclAllReduce'"
+    with pytest.raises(tf.errors.InvalidArgumentError, match=match):
+        nccl_ops.all_sum(values)
+
+
+@pytest.mark.skipif(
+    not has_gpu(),
+    reason="NcclAllReduce has no CPU kernel ('No OpKernel was registered to support Op "
+    "'NcclAllReduce''): the raw NCCL path needs GPUs",
+)
+def test_raw_nccl_path_on_gpus() -> None:
+    gpus = [d.name for d in tf.config.list_logical_devices("GPU")]
+    if len(gpus) < 2 or not raw_nccl_usable(gpus, tf.float32):
+        pytest.skip("needs 2+ GPUs, each its own physical GPU (NCCL: one rank per GPU)")
+    for op in ("sum", "mean", "max", "min"):
+        values = make_values(Case(len(gpus), (5, 3), tf.float32, op, 1), gpus)
+        check_all_reduce(nccl()(values, op=op), values, op, len(gpus) - 1)
+
+
+def test_estimated_bytes_sent() -> None:
+    assert estimated_bytes_sent(1, 100) == [0.0]
+    assert estimated_bytes_sent(4, 1000) == [1500.0] * 4
+    with pytest.raises(ValueError):
+        estimated_bytes_sent(0, 4)
+
+
+@pytest.mark.parametrize("name", list(ALGORITHMS))
+def test_bad_input(name: str) -> None:
+    algo = ALGORITHMS[name]()
+    with pytest.raises(ValueError, match="values is empty"):
+        algo([])
+    a, b = make_values(Case(2, (3,), tf.float32, "sum", 0))
+    with tf.device(DEVICES[1]):
+        c = tf.zeros([4])
+    with pytest.raises(ValueError, match=r"tower 0 has \(3,\), tower 1 \(4,\)"):
+        algo([a, c])
+    with pytest.raises(ValueError, match="both on"):
+        algo([a, a])
+    with pytest.raises(ValueError, match="op must be one of"):
+        algo([a, b], op="prod")
+    with pytest.raises(ValueError, match="timeout_seconds must be positive"):
+        ALGORITHMS[name](timeout_seconds=0)

@@ -1,0 +1,435 @@
+"""Tests of the collective building blocks, and the checks every algorithm test shares.
+
+The shared part (strategies, exact reference, error bound, byte counts) belongs in
+``towers/testing.py`` once that module exists; the algorithm tests import it from here.
+
+Error bound, derived once. Each output element is a sum ``ŝ`` of the n inputs formed
+by floating-point additions, each correctly rounded: ``fl(a + b) = (a + b)(1 + δ)``,
+``|δ| ≤ u`` (u = 2^-11 float16, 2^-8 bfloat16, 2^-24 float32, 2^-53 float64; TF's
+half-precision adds go through float32, a double rounding that is innocuous since
+24 ≥ 2p + 2). An input that passes through ``d_i`` additions is multiplied by
+``∏(1 + δ) = 1 + θ``, ``|θ| ≤ γ_{d_i} = d_i·u / (1 - d_i·u)`` (Higham, Accuracy and
+Stability, Lemma 3.1), so ``|ŝ - s| ≤ Σ γ_{d_i}|x_i| ≤ γ_d·Σ|x_i|`` with ``d`` the
+algorithm's ``summation_depth``. Additions whose result is subnormal are exact, so
+the bound needs no underflow term. ``mean`` divides once more: ``fl(ŝ / n) = ŝ/n·(1+δ)``
+gives ``|fl(ŝ/n) - s/n| ≤ (γ_d + u + u·γ_d)·Σ|x_i|/n ≤ γ_{d+1}·Σ|x_i|/n`` — provided
+``ŝ/n`` is a normal number, which the generated values guarantee (below). The
+reference ``s`` is computed exactly with ``fractions.Fraction``, so the test itself
+adds no rounding. Integer sums and max/min must be exact.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from fractions import Fraction
+from typing import Any, NamedTuple
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tests.conftest import DEVICES
+from towers.allreduce.base import OPS
+from towers.allreduce.primitives import (
+    all_gather,
+    broadcast,
+    pad_split,
+    record,
+    reduce,
+    reduce_scatter,
+    unsplit,
+)
+from towers.devices import canonical_device
+
+FLOATS = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
+DTYPES = (*FLOATS, tf.int32, tf.int64)
+# precision p (bits, implicit one included) and the smallest normal exponent
+FORMATS = {
+    tf.float16: (11, -14),
+    tf.bfloat16: (8, -126),
+    tf.float32: (24, -126),
+    tf.float64: (53, -1022),
+}
+# Exponent ranges: float16 values are multiples of 2^-11 (exponent >= -1), so a nonzero
+# sum is >= 2^-11 and its mean >= 2^-14, the smallest normal; |x| < 2^6 keeps 8 of them
+# far below float16's 65504. The wider formats take a wide range of magnitudes.
+EXPONENTS = {
+    tf.float16: (-1, 5),
+    tf.bfloat16: (-20, 20),
+    tf.float32: (-20, 20),
+    tf.float64: (-20, 20),
+}
+SHAPES = [(), (0,), (1,), (2,), (5,), (7,), (13,), (2, 3), (3, 5), (31,), (2, 0, 3), (97,)]
+PLAIN_OPS = {
+    "Placeholder",
+    "Const",
+    "Identity",
+    "Reshape",
+    "Pad",
+    "Split",
+    "ConcatV2",
+    "StridedSlice",
+    "AddV2",
+    "Maximum",
+    "Minimum",
+    "RealDiv",
+    "NoOp",
+}
+# (algorithm, dtype) -> largest error seen: in ULPs of the exact result, and as a share of
+# the bound γ_d·Σ|x_i| (ULPs grow large where the inputs cancel; the share stays below 1)
+MAX_ULPS: dict[tuple[str, str], float] = {}
+MAX_SHARE_OF_BOUND: dict[tuple[str, str], float] = {}
+
+
+class Error(NamedTuple):
+    ulps: float
+    share_of_bound: float
+
+
+class Case(NamedTuple):
+    n: int
+    shape: tuple[int, ...]
+    dtype: tf.DType
+    op: str
+    seed: int
+
+
+@st.composite
+def cases(
+    draw: Any, dtype: tf.DType | None = None, op: str | None = None, max_towers: int = 8
+) -> Case:
+    """One all-reduce problem: towers, shape, dtype, op (mean only for floats), data seed."""
+    dtype = dtype or draw(st.sampled_from(DTYPES))
+    ops = OPS if dtype.is_floating else tuple(o for o in OPS if o != "mean")
+    return Case(
+        draw(st.integers(1, max_towers)),
+        draw(st.sampled_from(SHAPES)),
+        dtype,
+        op or draw(st.sampled_from(ops)),
+        draw(st.integers(0, 2**32 - 1)),
+    )
+
+
+# every dtype with every op it supports, for tests that parametrize over them
+DTYPE_OPS = [(d, o) for d in DTYPES for o in OPS if d.is_floating or o != "mean"]
+DTYPE_OP_IDS = [f"{d.name}-{o}" for d, o in DTYPE_OPS]
+
+
+def make_arrays(case: Case) -> list[np.ndarray]:
+    """Per-tower NumPy values, exactly representable in ``case.dtype``; ~10% zeros."""
+    rng = np.random.default_rng(case.seed)
+    out = []
+    for _ in range(case.n):
+        if case.dtype.is_integer:
+            a = rng.integers(-1000, 1000, size=case.shape)
+        else:
+            lo, hi = EXPONENTS[case.dtype]
+            a = rng.uniform(1, 2, case.shape) * np.exp2(rng.integers(lo, hi + 1, case.shape))
+            a = a * rng.choice([-1.0, 1.0], case.shape) * (rng.uniform(size=case.shape) > 0.1)
+        out.append(np.asarray(a).astype(case.dtype.as_numpy_dtype))
+    return out
+
+
+def place(arrays: Sequence[np.ndarray]) -> list[tf.Tensor]:
+    """``arrays[i]`` as a tensor on ``DEVICES[i]``."""
+    values = []
+    for i, a in enumerate(arrays):
+        with tf.device(DEVICES[i]):
+            values.append(tf.identity(tf.constant(a)))
+    return values
+
+
+def _gamma(d: int, u: Fraction) -> Fraction:
+    return d * u / (1 - d * u)
+
+
+def _ulp(v: Fraction, p: int, emin: int) -> Fraction:
+    e = math.frexp(float(v))[1] - 1 if v else emin
+    return Fraction(2) ** (max(e, emin) - p + 1)
+
+
+def assert_matches_reference(
+    outs: Sequence[Any], arrays: Sequence[np.ndarray], op: str, depth: int
+) -> Error:
+    """Check every output against the exact reduction; returns the largest error seen."""
+    stack = np.stack([np.asarray(a) for a in arrays]).reshape(len(arrays), -1)
+    dtype = tf.as_dtype(stack.dtype)
+    flat = [np.asarray(o).reshape(-1) for o in outs]
+    if op in ("max", "min") or dtype.is_integer:
+        fold = {"max": np.max, "min": np.min}.get(op, np.sum)
+        want = fold(stack.astype(np.float64 if dtype.is_floating else np.int64), axis=0)
+        for i, f in enumerate(flat):
+            np.testing.assert_array_equal(f.astype(want.dtype), want, err_msg=f"output {i}")
+        return Error(0.0, 0.0)
+    p, emin = FORMATS[dtype]
+    n, u = len(arrays), Fraction(1, 2**p)
+    worst, share = 0.0, 0.0
+    for j in range(stack.shape[1]):
+        xs = [Fraction(float(x)) for x in stack[:, j].astype(np.float64)]
+        exact, mag = sum(xs, Fraction(0)), sum((abs(x) for x in xs), Fraction(0))
+        bound = _gamma(depth, u) * mag
+        if op == "mean":
+            exact, bound = exact / n, _gamma(depth + 1, u) * mag / n
+        for i, f in enumerate(flat):
+            err = abs(Fraction(float(f[j].astype(np.float64))) - exact)
+            assert err <= bound, f"output {i}, element {j}: error {float(err)} > {float(bound)}"
+            worst = max(worst, float(err / _ulp(exact, p, emin)))
+            share = max(share, float(err / bound) if bound else 0.0)
+    return Error(worst, share)
+
+
+def check_all_reduce(
+    name: str,
+    algorithm: Callable[..., list[tf.Tensor]],
+    case: Case,
+    *,
+    depth: int,
+    expected_bytes: Sequence[int],
+) -> list[tf.Tensor]:
+    """Run ``algorithm`` eagerly on ``case`` and check everything the contract promises."""
+    arrays = make_arrays(case)
+    values = place(arrays)
+    with record() as rec:
+        outs = algorithm(values, op=case.op)
+    assert len(outs) == case.n
+    for i, out in enumerate(outs):
+        assert canonical_device(out.device) == canonical_device(DEVICES[i]), f"output {i}"
+        assert out.shape == case.shape and out.dtype == case.dtype, f"output {i}"
+    raw = [o.numpy() for o in outs]
+    for i, r in enumerate(raw):
+        assert r.tobytes() == raw[0].tobytes(), f"output {i} differs bitwise from output 0"
+    error = assert_matches_reference(raw, arrays, case.op, depth)
+    key = (name, case.dtype.name)
+    MAX_ULPS[key] = max(MAX_ULPS.get(key, 0.0), error.ulps)
+    MAX_SHARE_OF_BOUND[key] = max(MAX_SHARE_OF_BOUND.get(key, 0.0), error.share_of_bound)
+    sent = rec.bytes_sent()
+    assert [sent.get(DEVICES[i], 0) for i in range(case.n)] == list(expected_bytes)
+    assert set(sent) <= set(DEVICES[: case.n])
+    assert all(t.tick is not None and t.chunk is not None for t in rec.transfers)
+    return outs
+
+
+def assert_traced_graph_is_sound(
+    algorithm: Callable[..., list[tf.Tensor]], case: Case, graph_depth: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Trace ``algorithm`` in one ``tf.function``: plain ops, placement, agreement, the bound.
+
+    Inside a ``tf.function`` Grappler may regroup what eager runs as written (measured on
+    TF 2.21, see ``towers/allreduce/replay.py``): a chain of adds on one device becomes one
+    ``AddN`` with its inputs reordered, and ``x / n`` becomes ``x * (1/n)``. So a traced
+    sum is held to the bound for ``graph_depth`` (the depth under any regrouping), a traced
+    mean to one more rounding; max, min and integer sums must equal eager bitwise. The
+    towers must agree bitwise in any case: each chunk is still reduced once.
+
+    Returns:
+        tower 0's traced and eager results.
+    """
+    arrays = make_arrays(case)
+    devices = DEVICES[: case.n]
+    placed: list[str] = []  # where the graph puts each output (a call returns them to CPU:0)
+
+    @tf.function
+    def run(*xs: tf.Tensor) -> list[tf.Tensor]:
+        values = []
+        for x, d in zip(xs, devices, strict=True):
+            with tf.device(d):
+                values.append(tf.identity(x))
+        outs = algorithm(values, op=case.op)
+        placed.extend(canonical_device(o.device) for o in outs)
+        return outs
+
+    tensors = [tf.constant(a) for a in arrays]
+    kinds = {o.type for o in run.get_concrete_function(*tensors).graph.get_operations()}
+    assert kinds <= PLAIN_OPS, f"ops a NumPy replay would not know: {kinds - PLAIN_OPS}"
+    assert placed == list(devices)
+    traced = [o.numpy() for o in run(*tensors)]
+    assert all(t.tobytes() == traced[0].tobytes() for t in traced), "towers differ"
+    eager = algorithm(place(arrays), op=case.op)[0].numpy()
+    if case.op in ("sum", "mean") and case.dtype.is_floating:
+        assert_matches_reference(traced, arrays, case.op, graph_depth + (case.op == "mean"))
+    else:
+        assert traced[0].tobytes() == eager.tobytes()
+    return traced[0], eager
+
+
+def assert_base_checks(algorithm: Callable[..., list[tf.Tensor]]) -> None:
+    """The contract's input checks, as ``base.check_values`` raises them."""
+    with tf.device(DEVICES[0]):
+        a = tf.identity(tf.ones([3]))
+        ai = tf.identity(tf.ones([3], tf.int32))
+    with tf.device(DEVICES[1]):
+        b = tf.identity(tf.ones([4]))
+        b3 = tf.identity(tf.ones([3]))
+        bi = tf.identity(tf.ones([3], tf.int32))
+    with pytest.raises(ValueError, match=r"tower 0.*tower 1"):
+        algorithm([a, b])
+    with pytest.raises(ValueError, match="empty"):
+        algorithm([])
+    with pytest.raises(ValueError, match="both on"):
+        algorithm([a, a])
+    with pytest.raises(ValueError, match="op must be one of"):
+        algorithm([a, b3], op="prod")
+    with pytest.raises(ValueError, match="integer"):
+        algorithm([ai, bi], op="mean")
+
+
+# --- pad_split / unsplit ---------------------------------------------------------------
+
+
+@given(st.sampled_from(SHAPES), st.sampled_from(DTYPES), st.integers(1, 9), st.integers(0, 7))
+def test_pad_split_then_unsplit_is_identity(
+    shape: tuple[int, ...], dtype: tf.DType, pieces: int, tower: int
+) -> None:
+    with tf.device(DEVICES[tower]):
+        x = tf.identity(tf.constant(make_arrays(Case(1, shape, dtype, "sum", pieces))[0]))
+    chunks, got_shape, size = pad_split(x, pieces)
+    assert got_shape == shape and size == int(np.prod(shape))
+    length = -(-size // pieces)
+    assert len(chunks) == pieces and all(c.shape == (length,) for c in chunks)
+    assert all(canonical_device(c.device) == DEVICES[tower] for c in chunks)
+    padded = np.concatenate([c.numpy() for c in chunks])
+    assert not padded[size:].any()
+    y = unsplit(chunks, got_shape, size)
+    assert y.shape == shape and canonical_device(y.device) == DEVICES[tower]
+    assert y.numpy().tobytes() == x.numpy().tobytes()
+
+
+@pytest.mark.parametrize("pieces", [0, -1, 1.5, True, "2"])
+def test_pad_split_rejects_bad_pieces(pieces: Any) -> None:
+    with pytest.raises(ValueError, match="pieces"):
+        pad_split(tf.ones([4]), pieces)
+
+
+def test_pad_split_needs_a_static_shape() -> None:
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.float32)])
+    def f(x: tf.Tensor) -> tf.Tensor:
+        return pad_split(x, 2)[0][0]
+
+    with pytest.raises(ValueError, match="static shape"):
+        f.get_concrete_function()
+
+
+def test_unsplit_refuses_chunks_on_two_devices() -> None:
+    (a,) = place([np.ones(2, np.float32)])
+    with tf.device(DEVICES[1]):
+        b = tf.identity(tf.ones([2]))
+    with pytest.raises(ValueError, match="chunks\\[1\\]"):
+        unsplit([a, b], (4,), 4)
+    with pytest.raises(ValueError, match="at least one"):
+        unsplit([], (0,), 0)
+
+
+# --- reduce_scatter / all_gather -------------------------------------------------------
+
+
+@given(cases(), st.randoms(use_true_random=False))
+def test_reduce_scatter_then_all_gather_is_an_all_reduce(case: Case, rnd: Any) -> None:
+    order = list(range(case.n))
+    rnd.shuffle(order)
+    arrays = make_arrays(case)
+    chunks = [pad_split(v, case.n)[0] for v in place(arrays)]
+    devices = DEVICES[: case.n]
+    with record() as rec:
+        owned = reduce_scatter(chunks, devices, case.op, 0, order=order)
+        gathered = all_gather(owned, devices, case.n - 1, order=order)
+    size = int(np.prod(case.shape))
+    first = unsplit(gathered[0], case.shape, size).numpy()
+    for tower, row in enumerate(gathered):
+        assert all(canonical_device(c.device) == devices[tower] for c in row)
+        got = unsplit(row, case.shape, size).numpy()
+        assert got.tobytes() == first.tobytes(), f"tower {tower} differs from tower 0"
+        assert_matches_reference([got], arrays, case.op, max(case.n - 1, 0))
+    chunk_bytes = int(chunks[0][0].shape[0]) * case.dtype.size
+    sent = rec.bytes_sent()
+    assert [sent.get(d, 0) for d in devices] == [2 * (case.n - 1) * chunk_bytes] * case.n
+    position = {DEVICES[tower]: p for p, tower in enumerate(order)}
+    for t in rec.transfers:  # position p sends to position p + 1 only
+        assert position[t.dst] == (position[t.src] + 1) % case.n
+    assert rec.ticks() == 2 * (case.n - 1)
+
+
+def test_reduce_scatter_owner_and_index_formula() -> None:
+    n = 4
+    values = place([np.full(n, 10.0**i, np.float64) for i in range(n)])
+    chunks = [pad_split(v, n)[0] for v in values]
+    with record() as rec:
+        owned = reduce_scatter(chunks, DEVICES[:n], "sum")
+    for tower in range(n):  # tower k owns chunk k, here the full sum 1111
+        assert canonical_device(owned[tower].device) == DEVICES[tower]
+        assert owned[tower].numpy().tolist() == [1111.0]
+    for t in rec.transfers:  # tick t: position p sends chunk (p - 1 - t) mod n
+        p = DEVICES.index(t.src)
+        assert t.chunk == (p - 1 - t.tick) % n and DEVICES.index(t.dst) == (p + 1) % n
+
+
+def test_reduce_scatter_checks_its_grid() -> None:
+    chunks = [pad_split(v, 2)[0] for v in place([np.ones(4, np.float32)] * 2)]
+    with pytest.raises(ValueError, match="one per tower"):
+        reduce_scatter([c + c for c in chunks], DEVICES[:2], "sum")
+    with pytest.raises(ValueError, match="permutation"):
+        reduce_scatter(chunks, DEVICES[:2], "sum", order=[0, 0])
+    with pytest.raises(ValueError, match="towers for"):
+        reduce_scatter(chunks[:1], DEVICES[:2], "sum")
+    with pytest.raises(ValueError, match="op must be one of"):
+        reduce_scatter(chunks, DEVICES[:2], "prod")
+    with pytest.raises(ValueError, match="blocks"):
+        all_gather([chunks[0][0]], DEVICES[:2])
+
+
+# --- broadcast / reduce ----------------------------------------------------------------
+
+
+@given(cases(), st.integers(0, 7))
+def test_broadcast_copies_bitwise_to_every_device(case: Case, src: int) -> None:
+    src %= case.n
+    arrays = make_arrays(case)
+    with tf.device(DEVICES[src]):
+        x = tf.identity(tf.constant(arrays[0]))
+    with record() as rec:
+        outs = broadcast(x, src, DEVICES[: case.n])
+    assert outs[src] is x
+    for i, out in enumerate(outs):
+        assert canonical_device(out.device) == DEVICES[i]
+        assert out.numpy().tobytes() == x.numpy().tobytes()
+    nbytes = int(np.prod(case.shape)) * case.dtype.size
+    assert rec.bytes_sent().get(DEVICES[src], 0) == (case.n - 1) * nbytes
+    assert set(rec.bytes_sent()) <= {DEVICES[src]}
+
+
+def test_broadcast_checks_src() -> None:
+    (x,) = place([np.ones(2, np.float32)])
+    with pytest.raises(ValueError, match="src=3"):
+        broadcast(x, 3, DEVICES[:2])
+    with pytest.raises(ValueError, match="not on devices\\[1\\]"):
+        broadcast(x, 1, DEVICES[:2])
+
+
+@given(cases(), st.integers(0, 7))
+def test_reduce_is_a_left_fold_in_tower_order(case: Case, root: int) -> None:
+    root %= case.n
+    arrays = make_arrays(case)
+    with record() as rec:
+        got = reduce(place(arrays), root, case.op)
+    assert canonical_device(got.device) == DEVICES[root]
+    assert_matches_reference([got.numpy()], arrays, case.op, case.n - 1)
+    # the same left fold in NumPy, rounding in the same dtype, is bitwise equal
+    fold = {"sum": np.add, "mean": np.add, "max": np.maximum, "min": np.minimum}[case.op]
+    want = arrays[0]
+    for a in arrays[1:]:
+        want = fold(want, a).astype(a.dtype)
+    if case.op == "mean":
+        want = (want / np.asarray(case.n, want.dtype)).astype(want.dtype)
+    assert got.numpy().tobytes() == np.asarray(want).tobytes()
+    nbytes = int(np.prod(case.shape)) * case.dtype.size
+    assert [rec.bytes_sent().get(d, 0) for d in DEVICES[: case.n]] == [
+        0 if i == root else nbytes for i in range(case.n)
+    ]
+
+
+def test_reduce_runs_the_base_checks() -> None:
+    assert_base_checks(lambda values, op="sum": [reduce(values, 0, op)])
+    with pytest.raises(ValueError, match="root=2"):
+        reduce(place([np.ones(2, np.float32)] * 2), 2, "sum")

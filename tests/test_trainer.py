@@ -1,0 +1,190 @@
+"""towers.trainer: placements, replicas, non-trainable state, bad input, tracing."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import towers
+from tests.conftest import DEVICES
+from towers.testing import OPTIMIZERS, ModelSpec, loss_fn
+
+
+def _trainer(spec: ModelSpec, n: int, **kwargs: object) -> towers.TowerTrainer:
+    kwargs.setdefault("all_reduce", "naive")
+    return towers.TowerTrainer(
+        spec.build,
+        OPTIMIZERS[str(kwargs.pop("optimizer", "adam"))],
+        loss_fn(),
+        devices=DEVICES[:n],
+        **kwargs,  # type: ignore[arg-type]
+    )
+
+
+@settings(max_examples=6)
+@given(
+    family=st.sampled_from(["dense", "embedding", "batchnorm", "dropout", "regularized"]),
+    n=st.integers(2, 5),
+    steps=st.integers(1, 3),
+    algorithm=st.sampled_from(["naive", "parameter_device"]),
+)
+def test_replicas_stay_bitwise_identical(family: str, n: int, steps: int, algorithm: str) -> None:
+    spec = ModelSpec(family)
+    trainer = _trainer(spec, n, variables="replicated", all_reduce=algorithm)
+    for k in range(steps):
+        trainer.train_step(*spec.batch(2 * n + k, seed=k))
+    copies = trainer.replica_weights()
+    assert len(copies) == n
+    for replica in copies[1:]:
+        for a, b in zip(copies[0], replica):
+            np.testing.assert_array_equal(a, b)
+    assert all(len(r.model.variables) for r in trainer.replicas)
+    for r, d in zip(trainer.replicas, DEVICES[:n]):
+        assert all(v.value.device.endswith(d.split("device:")[1]) for v in r.model.variables)
+
+
+def test_both_placements_agree_bitwise() -> None:
+    spec = ModelSpec("regularized")
+    a = _trainer(spec, 3, variables="parameter_device")
+    b = _trainer(spec, 3, variables="replicated")
+    for k in range(2):
+        batch = spec.batch(7, seed=k)
+        assert float(a.train_step(*batch)) == float(b.train_step(*batch))
+    for x, y in zip(a.get_weights(), b.get_weights()):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_one_trace_per_input_signature() -> None:
+    spec = ModelSpec("dense")
+    trainer = _trainer(spec, 2)
+    for k in range(4):
+        trainer.train_step(*spec.batch(6, seed=k))
+    assert trainer.trace_count == 1
+
+
+def _bn_trainer(mode: str, n: int = 4) -> towers.TowerTrainer:
+    def make() -> keras.Model:
+        inp = keras.Input((1,))
+        out = keras.layers.BatchNormalization(momentum=0.5)(inp)
+        return keras.Model(inp, keras.layers.Dense(1)(out))
+
+    return towers.TowerTrainer(
+        make,
+        keras.optimizers.SGD(0.0),
+        "mse",
+        devices=DEVICES[:n],
+        variables="replicated",
+        all_reduce="naive",
+        non_trainable=mode,
+    )
+
+
+def test_non_trainable_mean_averages_tower_updates() -> None:
+    x = np.arange(8, dtype="float32")[:, None]
+    trainer = _bn_trainer("mean")
+    trainer.train_step(x, np.zeros([8, 1], "float32"))
+    means = [float(w[2][0]) for w in trainer.replica_weights()]  # gamma, beta, moving_mean
+    # Each shard of 2 has mean 0.5, 2.5, 4.5, 6.5; momentum 0.5 from 0 -> half of it; averaged.
+    assert means == [0.5 * np.mean([0.5, 2.5, 4.5, 6.5])] * 4
+
+
+def test_non_trainable_mean_skips_empty_towers() -> None:
+    trainer = _bn_trainer("mean")
+    trainer.train_step(np.array([[2.0], [4.0]], "float32"), np.zeros([2, 1], "float32"))
+    assert float(trainer.get_weights()[2][0]) == 0.5 * 3.0  # two towers of one example
+
+
+def test_non_trainable_first_tower_reproduces_mirrored_reads() -> None:
+    x = np.arange(8, dtype="float32")[:, None]
+    trainer = _bn_trainer("first_tower")
+    trainer.train_step(x, np.zeros([8, 1], "float32"))
+    assert float(trainer.get_weights()[2][0]) == 0.25  # tower 0's shard [0, 1] × 0.5
+
+
+def test_sparse_gradients_stay_sparse() -> None:
+    spec = ModelSpec("embedding")
+    trainer = _trainer(spec, 3)
+    trainer.train_step(*spec.batch(6, seed=0))
+    assert trainer.last_trace_stats is not None
+    notes = {t.note for t in trainer.last_trace_stats.transfers}
+    assert "sparse-gather" in notes
+
+
+def test_instances_are_accepted_and_trained() -> None:
+    spec = ModelSpec("dense")
+    model = spec.build()
+    before = [w.copy() for w in model.get_weights()]
+    trainer = towers.TowerTrainer(
+        model, keras.optimizers.SGD(0.1), loss_fn(), devices=DEVICES[:2], all_reduce="naive"
+    )
+    trainer.train_step(*spec.batch(4, seed=0))
+    assert any(not np.array_equal(a, b) for a, b in zip(before, trainer.get_weights()))
+    trainer.set_weights(before)
+    for a, b in zip(before, trainer.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"devices": []}, ValueError, "devices is empty"),
+        ({"devices": [DEVICES[0], DEVICES[0]]}, ValueError, "appears twice"),
+        ({"devices": ["/device:CPU:99"]}, ValueError, "unknown device"),
+        ({"devices": "/device:CPU:0"}, TypeError, "list of device names"),
+        ({"variables": "sharded"}, ValueError, "variables must be one of"),
+        ({"all_reduce": "carrier_pigeon"}, ValueError, "registered: .*naive"),
+        ({"non_trainable": "sum"}, ValueError, "non_trainable must be one of"),
+        ({"parameter_device": "/device:CPU:42"}, ValueError, "unknown device"),
+    ],
+)
+def test_bad_constructor_arguments(kwargs: dict[str, object], error: type, match: str) -> None:
+    args: dict[str, object] = {"devices": DEVICES[:2], **kwargs}
+    with pytest.raises(error, match=match):
+        towers.TowerTrainer(ModelSpec("dense").build, keras.optimizers.SGD(0.1), loss_fn(), **args)  # type: ignore[arg-type]
+
+
+def test_bad_step_inputs() -> None:
+    spec = ModelSpec("dense")
+    trainer = _trainer(spec, 2)
+    x, y = spec.batch(4, seed=0)
+    with pytest.raises(ValueError, match="share their batch size"):
+        trainer.train_step(x, y[:3])
+    with pytest.raises(ValueError, match="share their batch size"):
+        trainer.train_step(x, y, sample_weight=np.ones(5, "float32"))
+    with pytest.raises(ValueError, match="batch is empty"):
+        trainer.train_step(x[:0], y[:0])
+
+
+def test_scalar_loss_and_frozen_model_are_refused() -> None:
+    spec = ModelSpec("dense")
+    trainer = towers.TowerTrainer(
+        spec.build, keras.optimizers.SGD(0.1), lambda y, p: keras.ops.mean(p), devices=DEVICES[:2]
+    )
+    with pytest.raises(ValueError, match="one value per example"):
+        trainer.train_step(*spec.batch(4, seed=0))
+
+    def frozen() -> keras.Model:
+        model = spec.build()
+        model.trainable = False
+        return model
+
+    with pytest.raises(ValueError, match="no trainable variables"):
+        towers.TowerTrainer(frozen, keras.optimizers.SGD(0.1), loss_fn(), devices=DEVICES[:2])
+
+
+def test_unbuilt_model_instance_is_refused() -> None:
+    model = keras.Sequential([keras.layers.Dense(2)])
+    with pytest.raises(ValueError, match="not built"):
+        towers.TowerTrainer(model, keras.optimizers.SGD(0.1), loss_fn(), devices=DEVICES[:2])
+
+
+def test_sample_weight_scales_the_loss() -> None:
+    spec = ModelSpec("dense")
+    x, y = spec.batch(6, seed=0)
+    plain = _trainer(spec, 3, optimizer="sgd")
+    weighted = _trainer(spec, 3, optimizer="sgd")
+    half = float(weighted.train_step(x, y, sample_weight=np.full(6, 0.5, "float32")))
+    assert half == pytest.approx(0.5 * float(plain.train_step(x, y)), rel=1e-6)

@@ -1,0 +1,357 @@
+"""All-reduce on TensorFlow's collective ops with ``communication_hint="nccl"``: the yardstick.
+
+The ops are opaque: data moves inside the runtime, not through
+:func:`~towers.allreduce.primitives.send`, so nothing is recorded (see
+:func:`estimated_bytes_sent`). ``nccl()`` is one ``all_reduce_v2`` per tower (the
+runtime's schedule: a ring on CPU; NCCL's ring or tree on GPUs, or the raw
+``nccl_ops.all_sum`` when every tower is its own physical GPU). The other two
+are composed from collectives, n = 4 (rank = place in the sorted device names)::
+
+    nccl_ring  tick 0: all_to_all_v2          local             tick 1: all_gather_v2
+    rank 0     row j → rank j; gets rows 0    c0 = Σ rows (+/n)  c0 → all; gets c1 c2 c3
+    rank 1     row j → rank j; gets rows 1    c1 = Σ rows (+/n)  c1 → all; gets c0 c2 c3
+    rank 2, 3  likewise (chunk r of the padded [n, ⌈L/n⌉] buffer reduced on rank r)
+
+    nccl_tree  tick 0     tick 1        tick 2 (broadcast_send/recv_v2)
+    tower 0    ◀── t1     ◀── t2        s = finish(((x0+x1)+(x2+x3))) → t1 t2 t3
+    tower 1    x1 → t0                  ◀── s
+    tower 2    ◀── t3     x2+x3 → t0    ◀── s
+    tower 3    x3 → t2                  ◀── s
+
+Index formula (tree): at level k tower i with i mod 2^(k+1) = 2^k sends to i − 2^k
+(a broadcast in the group of the two). Cost: nccl and nccl_ring 2(n−1)α +
+2(n−1)/n·Sβ + (n−1)/n·Sγ; nccl_tree 2⌈log2 n⌉(α + Sβ) + ⌈log2 n⌉·Sγ. Summation
+depth (the algorithms' ``summation_depth`` attribute): n − 1 for nccl (CPU ring)
+and nccl_ring (rows added in rank order), ⌈log2 n⌉ for nccl_tree.
+
+Measured on TF 2.21, logical CPUs:
+
+- ``all_reduce_v2``, ``all_gather_v2``, ``all_to_all_v2`` (``CollectiveAllToAllV2``)
+  and broadcast send/recv run with hint "nccl" (it falls back to the CPU ring).
+  ``all_to_all_v3`` needs a communicator resource; it is not used.
+- dtypes: all_reduce_v2 and all_to_all_v2 take float16, bfloat16, float32,
+  float64, int32, int64. all_gather_v2 and broadcast send/recv refuse bfloat16
+  when traced ("Value passed to parameter 'input' has DataType bfloat16 not in
+  list of allowed values: float32, float16, float64, int32, int64"), so bfloat16
+  crosses those two as its float16 bit pattern (``tf.bitcast``: exact, same size).
+  The raw ``NcclAllReduce`` takes float16/32/64 and int32/64 (bfloat16 stays on
+  the collective path).
+- Empty tensors crash all_gather_v2, all_to_all_v2 and broadcast (segmentation
+  fault); n = 1 or size 0 therefore never reaches a collective here.
+- An eager collective blocks Python until its peers join, which they never do:
+  eager calls run through a ``tf.function`` cached per devices/op/shape/dtype.
+- A timeout, or an instance key reused with another shape, aborts every later
+  collective in the process ("Collective ops is aborted by: ... Restart your
+  program to reset."): every trace draws fresh keys; the timeout is a last resort.
+- Broadcast send/recv take no ordering token, and auto control dependencies
+  neither order nor keep them (they may be pruned): outputs get control edges.
+
+References:
+    NVIDIA NCCL; nccl-tests' bus bandwidth; TensorFlow
+    ``cross_device_utils.CollectiveReplicaLauncher`` (ordering tokens, keys).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import tensorflow as tf
+from tensorflow.python.ops import collective_ops, nccl_ops
+
+from towers.allreduce.base import AllReduce, check_values, combine, finish
+from towers.devices import has_gpu
+
+__all__ = [
+    "KEY_START",
+    "TIMEOUT_SECONDS",
+    "estimated_bytes_sent",
+    "nccl",
+    "nccl_ring",
+    "nccl_tree",
+    "next_key",
+    "raw_nccl_usable",
+]
+
+TIMEOUT_SECONDS = 60.0
+"""Default timeout of every collective op: a missing peer becomes an error, not a hang."""
+KEY_START = 10_000_000
+"""First collective key (tf.distribute counts from 1; its test helpers from 1_000_000)."""
+HINT = "nccl"
+_Body = Callable[[list[tf.Tensor], tuple[str, ...], str, float], list[tf.Tensor]]
+_LOCK = threading.Lock()
+_NEXT = [KEY_START]
+_GROUPS: dict[tuple[tuple[str, ...], int], int] = {}
+_TOKENS: dict[str, tf.Variable] = {}
+_EAGER: dict[tuple[object, ...], Callable[[list[tf.Tensor]], list[tf.Tensor]]] = {}
+
+
+def next_key() -> int:
+    """A fresh collective key from the one process-wide, thread-safe counter."""
+    with _LOCK:
+        key = _NEXT[0]
+        _NEXT[0] += 1
+    return key
+
+
+def _group_key(devices: Sequence[str], size: int | None = None) -> int:
+    """One group key per device set and size (fixed by the group's first use)."""
+    members = (tuple(sorted(devices)), size or len(devices))
+    with _LOCK:
+        if members not in _GROUPS:
+            _GROUPS[members] = _NEXT[0]
+            _NEXT[0] += 1
+        return _GROUPS[members]
+
+
+def _token(device: str) -> tf.Tensor:
+    """The device's ordering token: without it the ops of one tf.function deadlock."""
+    with _LOCK:
+        if device not in _TOKENS:
+            with tf.init_scope(), tf.device(device):
+                _TOKENS[device] = tf.Variable(0.0, trainable=False, name="ordering_token")
+        return _TOKENS[device].handle
+
+
+def _wire(x: tf.Tensor) -> tf.Tensor:
+    return tf.bitcast(x, tf.float16) if x.dtype == tf.bfloat16 else x
+
+
+def _unwire(x: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
+    return tf.bitcast(x, dtype) if dtype == tf.bfloat16 else x
+
+
+def raw_nccl_usable(devices: Sequence[str], dtype: tf.DType) -> bool:
+    """True when ``nccl_ops`` can run: every device a GPU, one per physical GPU, a NCCL dtype."""
+    kinds = {tf.DeviceSpec.from_string(d).device_type for d in devices}
+    if kinds != {"GPU"} or not has_gpu():
+        return False
+    one_rank_per_gpu = len(tf.config.list_logical_devices("GPU")) == len(
+        tf.config.list_physical_devices("GPU")
+    )  # NCCL refuses two ranks on one physical GPU (logical GPUs split from one)
+    return one_rank_per_gpu and dtype in (tf.float16, tf.float32, tf.float64, tf.int32, tf.int64)
+
+
+def _raw_nccl(values: list[tf.Tensor], devices: tuple[str, ...], op: str) -> list[tf.Tensor]:
+    reduce = {"max": nccl_ops.all_max, "min": nccl_ops.all_min}.get(op, nccl_ops.all_sum)
+    finished = []
+    for out, device in zip(reduce(values), devices, strict=True):
+        with tf.device(device):  # correctly rounded: identical sums give identical means
+            finished.append(finish(out, op, len(values)))
+    return finished
+
+
+def _all_reduce_ops(
+    values: list[tf.Tensor], devices: Sequence[str], op: str, timeout: float, group_size: int
+) -> list[tf.Tensor]:
+    """One all_reduce_v2 per tower (``group_size`` > len(values) only to test timeouts)."""
+    group, instance = _group_key(devices, group_size), next_key()
+    merge = {"max": "Max", "min": "Min"}.get(op, "Add")
+    outputs = []
+    for v, device in zip(values, devices, strict=True):
+        with tf.device(device):
+            outputs.append(collective_ops.all_reduce_v2(
+                v, group_size, group, instance, merge_op=merge,
+                final_op="Div" if op == "mean" else "Id", communication_hint=HINT,
+                timeout=timeout, ordering_token=_token(device)))
+    return outputs
+
+
+def _nccl_body(
+    values: list[tf.Tensor], devices: tuple[str, ...], op: str, timeout: float
+) -> list[tf.Tensor]:
+    if raw_nccl_usable(devices, values[0].dtype):
+        return _raw_nccl(values, devices, op)
+    return _all_reduce_ops(values, devices, op, timeout, len(values))
+
+
+def _ring_body(
+    values: list[tf.Tensor], devices: tuple[str, ...], op: str, timeout: float
+) -> list[tf.Tensor]:
+    """Reduce-scatter as all-to-all + a local sum, then all-gather; chunk r finished once."""
+    n, shape, dtype = len(values), values[0].shape, values[0].dtype
+    length = int(shape.num_elements())
+    chunk = -(-length // n)
+    group, scatter_key, gather_key = _group_key(devices), next_key(), next_key()
+    outputs = []
+    for v, device in zip(values, devices, strict=True):
+        with tf.device(device):
+            rows = tf.reshape(tf.pad(tf.reshape(v, [-1]), [[0, n * chunk - length]]), [n, chunk])
+            rows = collective_ops.all_to_all_v2(
+                rows, n, group, scatter_key, communication_hint=HINT, timeout=timeout,
+                ordering_token=_token(device))
+            parts = tf.unstack(rows)
+            reduced = parts[0]
+            for part in parts[1:]:
+                reduced = combine(reduced, part, op)
+            full = collective_ops.all_gather_v2(
+                _wire(finish(reduced, op, n)), n, group, gather_key, communication_hint=HINT,
+                timeout=timeout, ordering_token=_token(device))
+            outputs.append(tf.reshape(_unwire(full, dtype)[:length], shape))
+    return outputs
+
+
+def _broadcast(
+    x: tf.Tensor, src: str, dsts: Sequence[str], timeout: float
+) -> tuple[tf.Tensor, list[tf.Tensor]]:
+    """Broadcast ``x`` (on ``src``) to ``dsts``; returns the send's output and the received."""
+    members = [src, *dsts]
+    group, instance, size = _group_key(members), next_key(), len(members)
+    with tf.device(src):
+        sent = collective_ops.broadcast_send_v2(
+            _wire(x), size, group, instance, communication_hint=HINT, timeout=timeout)
+    received = []
+    for dst in dsts:
+        with tf.device(dst):
+            shape = tf.constant(x.shape.as_list(), tf.int32)
+            got = collective_ops.broadcast_recv_v2(
+                shape, _wire(x).dtype, size, group, instance, communication_hint=HINT,
+                timeout=timeout)
+            received.append(_unwire(got, x.dtype))
+    return _unwire(sent, x.dtype), received
+
+
+def _tree_body(
+    values: list[tf.Tensor], devices: tuple[str, ...], op: str, timeout: float
+) -> list[tf.Tensor]:
+    """Binomial-tree reduce onto tower 0 (groups of two), then one broadcast to all."""
+    n, shape = len(values), values[0].shape
+    acc = []
+    for v, device in zip(values, devices, strict=True):
+        with tf.device(device):
+            acc.append(tf.reshape(v, [-1]))
+    step = 1
+    while step < n:
+        for dst in range(0, n - step, 2 * step):
+            sent, (got,) = _broadcast(acc[dst + step], devices[dst + step], [devices[dst]], timeout)
+            # The control edge keeps the send alive: auto control deps may prune it.
+            with tf.device(devices[dst]), tf.control_dependencies([sent]):
+                acc[dst] = combine(acc[dst], got, op)
+        step *= 2
+    with tf.device(devices[0]):
+        total = finish(acc[0], op, n)
+    sent, received = _broadcast(total, devices[0], devices[1:], timeout)
+    outputs = []
+    for device, flat in zip(devices, [sent, *received], strict=True):
+        with tf.device(device), tf.control_dependencies([sent]):
+            outputs.append(tf.reshape(flat, shape))
+    return outputs
+
+
+def _run(body: _Body, values: Sequence[tf.Tensor], op: str, timeout: float) -> list[tf.Tensor]:
+    """Check, short-cut trivial cases, and run ``body`` in the caller's graph or a cached one."""
+    devices = tuple(check_values(values, op))
+    shape, dtype = values[0].shape, values[0].dtype
+    if not shape.is_fully_defined():
+        raise ValueError(f"the nccl algorithms need a fully defined static shape, got {shape}")
+    if len(values) == 1 or shape.num_elements() == 0:
+        # Nothing to exchange (and empty tensors crash all_gather/all_to_all/broadcast).
+        outputs = []
+        for v, device in zip(values, devices, strict=True):
+            with tf.device(device):
+                outputs.append(tf.identity(v))
+        return outputs
+    if not tf.executing_eagerly():
+        return body(list(values), devices, op, timeout)
+    key = (body, devices, op, timeout, tuple(shape), dtype)
+    with _LOCK:
+        if key not in _EAGER:
+
+            def bound(vals: list[tf.Tensor]) -> list[tf.Tensor]:
+                return body(vals, devices, op, timeout)
+
+            _EAGER[key] = tf.function(bound)
+        fn = _EAGER[key]
+    outputs = []
+    # A tf.function's CPU outputs come back labelled with the caller's device: re-place them.
+    for out, device in zip(fn(list(values)), devices, strict=True):
+        with tf.device(device):
+            outputs.append(tf.identity(out))
+    return outputs
+
+
+def _ring_depth(n: int) -> int:
+    return n - 1
+
+
+def _tree_depth(n: int) -> int:
+    return (n - 1).bit_length()
+
+
+def _factory(
+    body: _Body, name: str, timeout_seconds: float | None, depth: Callable[[int], int]
+) -> AllReduce:
+    if timeout_seconds is not None and not timeout_seconds > 0:
+        raise ValueError(f"timeout_seconds must be positive, got {timeout_seconds}")
+
+    def all_reduce(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
+        return _run(body, values, op, timeout_seconds or TIMEOUT_SECONDS)
+
+    fn: Any = all_reduce
+    fn.__name__ = fn.__qualname__ = f"{name}_all_reduce"
+    fn.summation_depth, fn.timeout_seconds = depth, timeout_seconds
+    return all_reduce
+
+
+def nccl(timeout_seconds: float | None = None) -> AllReduce:
+    """Build the all-reduce that calls one ``all_reduce_v2`` per tower (raw NCCL on real GPUs).
+
+    All three factories share this contract.
+
+    Args:
+        timeout_seconds: per-op timeout (default :data:`TIMEOUT_SECONDS`, read at call time);
+            the raw ``nccl_ops`` path has no timeout parameter.
+
+    Returns:
+        An all-reduce callable with a ``summation_depth(n)`` attribute.
+
+    Raises:
+        ValueError: ``timeout_seconds`` not positive; when called, bad values (see
+            ``check_values``) or a shape that is not fully defined.
+        tf.errors.DeadlineExceededError: a peer did not join within the timeout
+            (this aborts every later collective in the process).
+
+    Example:
+        >>> outs = nccl(timeout_seconds=10)(values, op="mean")   # doctest: +SKIP
+    """
+    return _factory(_nccl_body, "nccl", timeout_seconds, _ring_depth)
+
+
+def nccl_ring(timeout_seconds: float | None = None) -> AllReduce:
+    """Build reduce-scatter (all-to-all + local sum) then all-gather, from collective ops.
+
+    Args:
+        timeout_seconds: per-op timeout (default :data:`TIMEOUT_SECONDS`, read at call time).
+
+    Example:
+        >>> outs = nccl_ring()(values, op="sum")   # doctest: +SKIP
+    """
+    return _factory(_ring_body, "nccl_ring", timeout_seconds, _ring_depth)
+
+
+def nccl_tree(timeout_seconds: float | None = None) -> AllReduce:
+    """Build binomial-tree reduce to tower 0 then broadcast, from broadcast send/recv.
+
+    Args:
+        timeout_seconds: per-op timeout (default :data:`TIMEOUT_SECONDS`, read at call time).
+
+    Example:
+        >>> outs = nccl_tree()(values, op="max")   # doctest: +SKIP
+    """
+    return _factory(_tree_body, "nccl_tree", timeout_seconds, _tree_depth)
+
+
+def estimated_bytes_sent(n: int, nbytes: int) -> list[float]:
+    """An ESTIMATE of bytes each tower sends: NCCL's ring figure 2(n−1)/n·S.
+
+    The ops are opaque (nothing passes through ``send``); this is the bus
+    traffic nccl-tests assumes for any all-reduce algorithm, not a measurement.
+
+    Example:
+        >>> estimated_bytes_sent(4, 1000)
+        [1500.0, 1500.0, 1500.0, 1500.0]
+    """
+    if n < 1 or nbytes < 0:
+        raise ValueError(f"need n >= 1 and nbytes >= 0, got {n}, {nbytes}")
+    return [2 * (n - 1) / n * nbytes] * n

@@ -1,0 +1,487 @@
+"""The α-β-γ cost model: predict, fit and plot all-reduce times.
+
+A message of ``m`` bytes costs ``α + m·β`` on a link; reducing ``m`` bytes costs
+``m·γ``. Every algorithm's time is linear in the three constants,
+``t = a·α + b·β + c·γ``; :func:`coefficients` gives ``(a, b, c)`` for ``n``
+towers and ``S`` bytes, :func:`predict` the seconds, :func:`fit` the constants
+from measured rows. Each node sends one and receives one message at a time
+(single-port, full duplex), as in Thakur et al.
+
+    ============================  =================================================
+    naive / parameter_device      2m·α + 2m·S·β + (n-1)·S·γ   (m = n-1; n off-tower)
+    ring, nccl, nccl_ring         2(n-1)·α + 2(n-1)/n·S·β + (n-1)/n·S·γ
+    tree  (k = 1, binomial)       2⌈lg n⌉·(α + S·β) + ⌈lg n⌉·S·γ
+    tree  (k > 1, binary)         2σ·f·α + 2σ·f·(S/k)·β + σ·f·(S/k)·γ
+    double_binary_tree            2σ·f·α + 2σ·f·(S/2k)·β + σ·f·(S/2k)·γ
+    nccl_tree                     2⌊lg n⌋·α + f·S·β + f·S/2·γ
+    halving_doubling (n = 2^h)    2h·α + 2(n-1)/n·S·β + (n-1)/n·S·γ
+    hierarchical                  inner(m, S) + outer(n/m, S/m or S)
+    send / add (calibration)      α + S·β  /  (n-1)·S·γ
+    ============================  =================================================
+
+with ``σ = ⌊lg n⌋ + k - 1`` pipeline stages of ``k`` chunks and fan-in
+``f = min(2, n-1)``. How the less obvious rows come about:
+
+- naive / parameter_device: all traffic crosses the root's one port. It receives
+  ``m`` messages of ``S`` one after another (``m·(α + S·β)``), adds ``n-1`` of them
+  (``(n-1)·S·γ``) and sends ``m`` back (``m·(α + S·β)``); ``m = n-1`` when the root
+  is a tower (its own value stays), ``m = n`` for a separate parameter device.
+- tree: ``k = 1`` is binomial (``⌈lg n⌉`` rounds each way, one message per node per
+  round). Pipelining ``k`` chunks needs a bounded fan-in, so ``k > 1`` is a binary
+  tree: ``σ`` stages each way, an inner node taking ``f`` chunks of ``S/k`` per stage.
+  More chunks trade α (``2σf``) for β (``→ 2f·S``, twice the ring's, as leaves idle).
+- double_binary_tree: two such trees carry ``S/2`` each; every node is inner in one
+  and a leaf in the other, so its port carries ``f`` half-chunks per stage and the
+  β term falls to ``→ f·S ≈ 2S``, the ring's. ``nccl_tree`` is its ``k → ∞`` limit:
+  NCCL pipelines inside one kernel, leaving one hop latency per level.
+- hierarchical: the inner level all-reduces ``S`` in groups of ``m`` (on
+  ``inner_link``); the outer level all-reduces across ``n/m`` groups either ``S/m``
+  per tower (an inner ring or halving-doubling is a reduce-scatter + all-gather, and
+  each tower runs its shard's outer all-reduce on its own link) or ``S`` (the inner
+  level reduces to one tower, TensorFlow's nccl/ring hybrids). Pass ``sharded``.
+
+ Every all-reduce moves twice the bytes it reduces
+(``b = 2c``), so its timings fix only ``2β + γ``: :func:`fit` needs ``send`` or
+``add`` rows to tell β from γ, and warns without them.
+
+References:
+    Thakur, Rabenseifner, Gropp, "Optimization of Collective Communication
+    Operations in MPICH", IJHPCA 2005; Sanders, Speck, Träff, "Two-tree algorithms
+    for full bandwidth broadcast, reduction and scan", Parallel Computing 2009;
+    NVIDIA nccl-tests ``doc/PERFORMANCE.md`` (algbw and busbw).
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import math
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "ALGORITHMS", "DEFAULT_TOWERS", "NCCL_H100_RING_BUSBW", "PRESETS", "Link", "algbw", "busbw",
+    "coefficients", "compare", "fit", "format_table", "plot_simulation", "predict", "simulate",
+]
+
+Coefficients = tuple[float, float, float]
+DEFAULT_TOWERS = tuple(2**i for i in range(1, 11))
+NCCL_H100_RING_BUSBW = 370e9
+"""Published busbw (bytes/s) of NCCL ring all-reduce on 8×H100 NVLink 4, large messages.
+
+``predict("ring", 8, 1 << 30, PRESETS["h100-nvlink"])`` gives 371 GB/s. The match is
+closer than the model deserves: it adds γ (a separate add kernel, as towers' own
+algorithms run it) after the copies, while NCCL fuses the add into its copy loop. With
+γ = 0 the model says 446 GB/s, 21% high: NCCL reaches ~82% of NVLink's raw 450 GB/s,
+the rest going to NVLink packet headers and flow control and to NCCL's protocol
+(flags, synchronisation between pipeline steps), which the model does not see.
+"""
+
+
+@dataclass(frozen=True)
+class Link:
+    """A link's constants: ``alpha`` s per message, ``beta`` s per byte, ``gamma`` s per byte added.
+
+    Example:
+        >>> Link(alpha=5e-6, beta=1 / 12.5e9, gamma=0.0, name="ib").bandwidth
+        12500000000.0
+    """
+
+    alpha: float
+    beta: float
+    gamma: float
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        for field in ("alpha", "beta", "gamma"):
+            value = getattr(self, field)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"Link.{field} must be a finite number >= 0, got {value!r}")
+
+    @property
+    def bandwidth(self) -> float:
+        """Bytes per second per direction (``1/β``)."""
+        return math.inf if self.beta == 0 else 1.0 / self.beta
+
+
+# γ: an add reads two bytes and writes one per byte reduced, so γ = 3 / memory bandwidth.
+PRESETS: dict[str, Link] = {
+    # NVLink 4: 18 links × 25 GB/s = 450 GB/s per direction (H100 SXM datasheet); HBM3
+    # 3.35 TB/s (same). α: a few µs to launch a peer copy or kernel (CUDA launch latency).
+    "h100-nvlink": Link(alpha=3e-6, beta=1 / 450e9, gamma=3 / 3.35e12, name="h100-nvlink"),
+    # PCIe 4.0 x16: 16 GT/s × 16 lanes × 128/130 = 31.5 GB/s raw; ~25 GB/s after TLP headers
+    # (typical cudaMemcpy figure). A100-40GB HBM2e 1.555 TB/s as the PCIe-era GPU.
+    "pcie4": Link(alpha=5e-6, beta=1 / 25e9, gamma=3 / 1.555e12, name="pcie4"),
+    # 100 Gb/s InfiniBand = 12.5 GB/s; verbs latency ~1 µs, a GPU collective step 5-10 µs.
+    "ib-100g": Link(alpha=7e-6, beta=1 / 12.5e9, gamma=3 / 3.35e12, name="ib-100g"),
+    # Logical CPU devices share host memory: a placeholder of plausible magnitude (TF op
+    # dispatch ~50 µs, memcpy ~10 GB/s, a one-core add ~3 GB/s). Replace it with fit().
+    "cpu-logical": Link(alpha=50e-6, beta=1 / 10e9, gamma=1 / 3e9, name="cpu-logical"),
+}
+
+
+def _lg_floor(n: int) -> int:
+    return n.bit_length() - 1
+
+
+def _lg_ceil(n: int) -> int:
+    return (n - 1).bit_length()
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return value
+
+
+def _naive(n: int, s: float) -> Coefficients:
+    return _parameter_device(n, s, on_tower=True)
+
+
+def _parameter_device(n: int, s: float, *, on_tower: bool = True) -> Coefficients:
+    # The root's one port serializes everything: m messages of S in, m out, n-1 adds.
+    m = n - 1 if on_tower else n
+    return 2 * m, 2 * m * s, (n - 1) * s
+
+
+def _ring(n: int, s: float, *, subchunks: int = 1) -> Coefficients:
+    # Subchunks make more, smaller messages on parallel rings: the per-port totals stay.
+    _positive_int("subchunks", subchunks)
+    return 2 * (n - 1), 2 * (n - 1) / n * s, (n - 1) / n * s
+
+
+def _nccl_ring(n: int, s: float) -> Coefficients:
+    return _ring(n, s)
+
+
+def _tree(n: int, s: float, *, chunks: int = 1) -> Coefficients:
+    # k = 1: binomial rounds, one message per node per round. k > 1: a binomial root has
+    # lg n children, so pipelined trees are binary: σ stages, an inner node takes f chunks each.
+    if _positive_int("chunks", chunks) == 1:
+        d = _lg_ceil(n)
+        return 2 * d, 2 * d * s, d * s
+    stages, fan_in = _lg_floor(n) + chunks - 1, min(2, n - 1)
+    return 2 * stages * fan_in, 2 * stages * fan_in * s / chunks, stages * fan_in * s / chunks
+
+
+def _double_binary_tree(n: int, s: float, *, chunks: int = 1) -> Coefficients:
+    # Two trees carry S/2 each; a node is inner in one (f chunks in) and a leaf in the other,
+    # so each port carries f half-chunks per stage: the leaves' idle links are put to work.
+    stages, fan_in = _lg_floor(n) + _positive_int("chunks", chunks) - 1, min(2, n - 1)
+    piece = s / (2 * chunks)
+    return 2 * stages * fan_in, 2 * stages * fan_in * piece, stages * fan_in * piece
+
+
+def _nccl_tree(n: int, s: float) -> Coefficients:
+    # NCCL pipelines inside one kernel: take k → ∞ and keep one hop latency per level.
+    fan_in = min(2, n - 1)
+    return 2 * _lg_floor(n), fan_in * s, fan_in * s / 2
+
+
+def _halving_doubling(n: int, s: float) -> Coefficients:
+    # Rabenseifner on the largest power of two p ≤ n; the r = n - p extra towers fold in
+    # (send S to a partner, which adds it) before and fold out (receive the sum) after.
+    h = _lg_floor(n)
+    p = 1 << h
+    a, b, c = 2 * h, 2 * (p - 1) / p * s, (p - 1) / p * s
+    if n > p:
+        a, b, c = a + 2, b + 2 * s, c + s
+    return a, b, c
+
+
+_SCATTERING = ("ring", "nccl", "nccl_ring", "halving_doubling")
+
+
+def _levels(
+    n: int, s: float, *, inner: str = "ring", outer: str = "ring",
+    group_size: int | None = None, sharded: bool | None = None,
+) -> list[tuple[str, int, float]]:
+    """Hierarchical as ``[(inner, m, S), (outer, n/m, S/m or S)]``: its two levels."""
+    if group_size is None:
+        raise ValueError("hierarchical needs group_size (towers per group)")
+    m = min(_positive_int("group_size", group_size), n)
+    if n % m:
+        raise ValueError(f"group_size {group_size} does not divide n={n}")
+    for key, name in (("inner", inner), ("outer", outer)):
+        if name not in _FORMULAS or name == "hierarchical" or name in _CALIBRATION:
+            raise ValueError(f"{key} must be a flat all-reduce, got {name!r}")
+    # A reduce-scatter inner level leaves each tower a shard of S/m: m outer all-reduces
+    # run side by side, one per tower's own inter-group link (one NIC per GPU, as on DGX).
+    shard = inner in _SCATTERING if sharded is None else sharded
+    return [(inner, m, s), (outer, n // m, s / m if shard else s)]
+
+
+def _hierarchical(n: int, s: float, **params: Any) -> Coefficients:
+    parts = [coefficients(name, k, size) for name, k, size in _levels(n, s, **params)]
+    return tuple(float(sum(col)) for col in zip(*parts, strict=True))  # type: ignore[return-value]
+
+
+def _send(n: int, s: float) -> Coefficients:
+    return 1, s, 0
+
+
+def _add(n: int, s: float) -> Coefficients:
+    return 0, 0, (n - 1) * s
+
+
+_CALIBRATION = ("send", "add")
+_FORMULAS: dict[str, Callable[..., Coefficients]] = {
+    "naive": _naive, "parameter_device": _parameter_device, "ring": _ring,
+    "nccl": _nccl_ring, "nccl_ring": _nccl_ring, "tree": _tree,
+    "double_binary_tree": _double_binary_tree, "nccl_tree": _nccl_tree,
+    "halving_doubling": _halving_doubling, "hierarchical": _hierarchical,
+    "send": _send, "add": _add,
+}
+ALGORITHMS = tuple(sorted(_FORMULAS))
+
+
+def _check_size(n: Any, nbytes: Any) -> None:
+    _positive_int("n", n)
+    if isinstance(nbytes, bool) or not isinstance(nbytes, (int, float, np.number)):
+        raise ValueError(f"nbytes must be a number, got {nbytes!r}")
+    if not math.isfinite(nbytes) or nbytes < 0:
+        raise ValueError(f"nbytes must be finite and >= 0, got {nbytes!r}")
+
+
+def coefficients(algorithm: str, n: int, nbytes: float, **params: Any) -> Coefficients:
+    """``(a, b, c)`` such that the time is ``a·α + b·β + c·γ`` (see the module table).
+
+    Args:
+        algorithm: one of :data:`ALGORITHMS`.
+        n: tower count (``n = 1`` costs nothing).
+        nbytes: bytes per tower (``S``).
+        **params: ``subchunks`` (ring), ``chunks`` (tree, double_binary_tree),
+            ``on_tower`` (parameter_device), ``inner``/``outer``/``group_size``/``sharded``
+            (hierarchical).
+
+    Raises:
+        ValueError: an unknown algorithm (listing the known ones), a bad ``n``, ``nbytes``
+            or parameter (naming it).
+
+    Example:
+        >>> coefficients("ring", 4, 1000.0)
+        (6, 1500.0, 750.0)
+    """
+    if algorithm not in _FORMULAS:
+        raise ValueError(f"unknown algorithm {algorithm!r}; known: {', '.join(ALGORITHMS)}")
+    _check_size(n, nbytes)
+    formula = _FORMULAS[algorithm]
+    accepted = inspect.signature(_levels if algorithm == "hierarchical" else formula).parameters
+    for key in params:
+        if key not in accepted or key in ("n", "s"):
+            raise ValueError(f"{algorithm} takes no parameter {key!r}")
+    if n == 1:
+        return 0, 0, 0
+    return formula(n, float(nbytes), **params)
+
+
+def predict(algorithm: str, n: int, nbytes: float, link: Link, **params: Any) -> float:
+    """Predicted seconds for one all-reduce of ``nbytes`` per tower over ``n`` towers.
+
+    Args:
+        algorithm, n, nbytes, **params: as for :func:`coefficients`.
+        link: the link's constants. For ``hierarchical``, ``inner_link=`` gives the
+            intra-group link (default: ``link`` for both levels).
+
+    Raises:
+        ValueError: as :func:`coefficients`; ``inner_link`` on another algorithm.
+
+    Example:
+        >>> round(predict("ring", 8, 1 << 30, PRESETS["h100-nvlink"]) * 1e3, 2)
+        5.06
+    """
+    inner_link = params.pop("inner_link", None)
+    if inner_link is None:
+        a, b, c = coefficients(algorithm, n, nbytes, **params)
+        return a * link.alpha + b * link.beta + c * link.gamma
+    if algorithm != "hierarchical":
+        raise ValueError(f"inner_link applies to 'hierarchical' only, not {algorithm!r}")
+    _check_size(n, nbytes)
+    (i_name, m, i_bytes), (o_name, g, o_bytes) = _levels(n, float(nbytes), **params)
+    return predict(i_name, m, i_bytes, inner_link) + predict(o_name, g, o_bytes, link)
+
+
+def algbw(nbytes: float, seconds: float) -> float:
+    """Algorithm bandwidth in bytes/s, ``S / t`` (nccl-tests; divide by 1e9 for GB/s).
+
+    Example:
+        >>> algbw(1e9, 0.5)
+        2000000000.0
+    """
+    _check_size(1, nbytes)
+    if not isinstance(seconds, (int, float)) or not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(f"seconds must be finite and > 0, got {seconds!r}")
+    return nbytes / seconds
+
+
+def busbw(nbytes: float, seconds: float, n: int) -> float:
+    """Bus bandwidth in bytes/s, ``algbw · 2(n-1)/n``: comparable across tower counts.
+
+    Every element needs 2(n-1)/n transfers per tower whatever the algorithm, so busbw
+    measures what the hardware delivered (nccl-tests ``doc/PERFORMANCE.md``).
+
+    Example:
+        >>> busbw(1e9, 0.5, 4)
+        3000000000.0
+    """
+    _positive_int("n", n)
+    return algbw(nbytes, seconds) * 2 * (n - 1) / n
+
+
+def _row(row: Any) -> tuple[str, int, float, float, dict[str, Any]]:
+    def get(key: str, default: Any = None) -> Any:
+        return row.get(key, default) if isinstance(row, Mapping) else getattr(row, key, default)
+
+    algorithm, n, nbytes, seconds = (get(k) for k in ("algorithm", "n", "nbytes", "seconds"))
+    if algorithm is None or n is None or nbytes is None or seconds is None:
+        raise ValueError(f"rows need algorithm, n, nbytes and seconds; got {row!r}")
+    algbw(nbytes, seconds)  # validates both
+    return algorithm, n, nbytes, seconds, dict(get("params") or {})
+
+
+def _nnls_small(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Exact non-negative least squares for a few columns: try every support set."""
+    best, best_x = math.inf, np.zeros(a.shape[1])
+    for support in itertools.product((False, True), repeat=a.shape[1]):
+        x = np.zeros(a.shape[1])
+        if any(support):
+            x[list(support)] = np.linalg.lstsq(a[:, list(support)], b, rcond=None)[0]
+        residual = float(np.linalg.norm(a @ x - b))
+        if x.min() >= 0 and residual < best * (1 - 1e-12):
+            best, best_x = residual, x
+    return best_x
+
+
+def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    try:
+        from scipy.optimize import nnls
+    except ImportError:
+        return _nnls_small(a, b)
+    return np.asarray(nnls(a, b)[0])
+
+
+def _fit_link(rows: list[tuple[str, int, float, float, dict[str, Any]]], name: str) -> Link:
+    if not rows:
+        raise ValueError("rows is empty: nothing to fit")
+    a = np.array([coefficients(alg, n, s, **p) for alg, n, s, _, p in rows], dtype=float)
+    t = np.array([row[3] for row in rows])
+    a, t = a / t[:, None], np.ones_like(t)  # minimize relative error: small rows count too
+    scale = np.where(a.max(axis=0) > 0, a.max(axis=0), 1.0)
+    if np.linalg.matrix_rank(a / scale) < 3:
+        warnings.warn(
+            f"fit {name!r}: the rows do not determine α, β and γ separately (all-reduces "
+            "fix only 2β + γ): add 'send' and 'add' rows; one of many solutions is returned",
+            stacklevel=3,
+        )
+    alpha, beta, gamma = (float(v) for v in _nnls(a / scale, t) / scale)
+    return Link(alpha=alpha, beta=beta, gamma=gamma, name=name)
+
+
+def fit(rows: Sequence[Any], *, per_algorithm: bool = False, name: str = "fit") -> Any:
+    """Estimate α, β, γ from measured rows by non-negative least squares on relative error.
+
+    Args:
+        rows: mappings (or objects) with ``algorithm``, ``n``, ``nbytes``, ``seconds`` and
+            optional ``params``.
+        per_algorithm: one :class:`Link` per algorithm; ``send``/``add`` rows join every fit.
+        name: the fitted link's name (per algorithm: ``"name:algorithm"``).
+
+    Returns:
+        A :class:`Link`, or ``dict[str, Link]`` with ``per_algorithm``.
+
+    Raises:
+        ValueError: no rows, or a bad row (naming the field).
+
+    Example:
+        >>> rows = [{"algorithm": "send", "n": 2, "nbytes": s, "seconds": 1e-6 + s * 1e-9}
+        ...         for s in (1e3, 1e6)]
+        >>> rows.append({"algorithm": "add", "n": 2, "nbytes": 1e6, "seconds": 1e-4})
+        >>> round(fit(rows).gamma, 15)
+        1e-10
+    """
+    parsed = [_row(r) for r in rows]
+    if not per_algorithm:
+        return _fit_link(parsed, name)
+    shared = [r for r in parsed if r[0] in _CALIBRATION]
+    groups = sorted({r[0] for r in parsed} - set(_CALIBRATION))
+    return {g: _fit_link([r for r in parsed if r[0] == g] + shared, f"{name}:{g}") for g in groups}
+
+
+def compare(rows: Sequence[Any], link_or_links: Link | Mapping[str, Link]) -> list[dict[str, Any]]:
+    """Predicted against measured time per row, with ``rel_error = predicted/measured - 1``.
+
+    Raises:
+        ValueError: a row whose algorithm has no link in a ``dict`` of links.
+    """
+    out = []
+    for algorithm, n, nbytes, seconds, params in (_row(r) for r in rows):
+        link = link_or_links
+        if isinstance(link_or_links, Mapping):
+            if algorithm not in link_or_links:
+                raise ValueError(f"link_or_links has no link for {algorithm!r}")
+            link = link_or_links[algorithm]
+        assert isinstance(link, Link)
+        predicted = predict(algorithm, n, nbytes, link, **params)
+        out.append({"algorithm": algorithm, "n": n, "nbytes": nbytes, "params": params,
+                    "measured": seconds, "predicted": predicted,
+                    "rel_error": predicted / seconds - 1})
+    return out
+
+
+def format_table(results: Sequence[Mapping[str, Any]]) -> str:
+    """:func:`compare`'s rows as an aligned text table (times in µs, error in %)."""
+    head = ("algorithm", "n", "bytes", "measured µs", "predicted µs", "error %")
+    body = [(r["algorithm"], str(r["n"]), f"{r['nbytes']:.4g}", f"{r['measured'] * 1e6:.1f}",
+             f"{r['predicted'] * 1e6:.1f}", f"{r['rel_error'] * 100:+.1f}") for r in results]
+    widths = [max(len(row[i]) for row in [head, *body]) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in
+                       enumerate(zip(row, widths, strict=True))) for row in [head, *body]]
+    return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:]])
+
+
+def simulate(
+    algorithm: str, towers: Sequence[int], nbytes: float, link: Link, **params: Any
+) -> list[float]:
+    """Predicted seconds for each tower count in ``towers``.
+
+    Example:
+        >>> simulate("naive", [1, 2], 0, Link(1e-6, 0, 0))
+        [0.0, 2e-06]
+    """
+    return [predict(algorithm, n, nbytes, link, **params) for n in towers]
+
+
+def plot_simulation(
+    algorithms: Sequence[str] | Mapping[str, Mapping[str, Any]],
+    towers: Sequence[int] = DEFAULT_TOWERS, *, nbytes: float, link: Link, path: str | Path,
+) -> Path:
+    """Plot predicted time against tower count (log-log) and save a PNG to ``path``.
+
+    Args:
+        algorithms: names, or a mapping name -> params (``{"hierarchical": {"group_size": 8}}``).
+
+    Example:
+        >>> plot_simulation(["ring", "tree"], nbytes=2**26,
+        ...                 link=PRESETS["ib-100g"], path="ring_vs_tree.png")  # doctest: +SKIP
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # lazy: keep import cheap
+    from matplotlib.figure import Figure
+
+    specs = algorithms if isinstance(algorithms, Mapping) else {a: {} for a in algorithms}
+    fig = Figure(figsize=(7, 4.5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for algorithm, params in specs.items():
+        ax.plot(towers, simulate(algorithm, towers, nbytes, link, **params), marker="o",
+                label=algorithm)
+    ax.set(xscale="log", yscale="log", xlabel="towers", ylabel="predicted seconds",
+           title=f"all-reduce of {nbytes / 2**20:g} MiB per tower on {link.name or 'link'}")
+    ax.legend()
+    ax.grid(True, which="both", alpha=0.3)
+    fig.savefig(Path(path), format="png", dpi=100)
+    return Path(path)

@@ -1,0 +1,43 @@
+"""Small real data for examples and the main job: scikit-learn's bundled 8×8 digits.
+
+``load_digits`` ships inside scikit-learn, so nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+
+__all__ = ["batches", "digits"]
+
+
+def digits(test_fraction: float = 0.2, seed: int = 0) -> tuple[np.ndarray, ...]:
+    """``(x_train, y_train, x_test, y_test)``: 8×8×1 float32 images in [0, 1], int32 labels.
+
+    Raises:
+        ValueError: ``test_fraction`` outside (0, 1).
+    """
+    if not 0.0 < test_fraction < 1.0:
+        raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    x = (data.images / 16.0).astype("float32")[..., None]
+    y = data.target.astype("int32")
+    order = np.random.default_rng(seed).permutation(len(x))
+    cut = round(len(x) * (1.0 - test_fraction))
+    train, test = order[:cut], order[cut:]
+    return x[train], y[train], x[test], y[test]
+
+
+def batches(
+    x: np.ndarray, y: np.ndarray, batch_size: int, seed: int
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """One epoch of shuffled batches; the last may be smaller (uneven over towers)."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+    order = np.random.default_rng(seed).permutation(len(x))
+    for start in range(0, len(x), batch_size):
+        idx = order[start : start + batch_size]
+        yield x[idx], y[idx]

@@ -1,0 +1,313 @@
+"""Hypothesis strategies and comparison helpers for equivalence tests.
+
+Users import these to test their own models and algorithms against a
+``tf.distribute`` reference::
+
+    from hypothesis import given
+    from towers.testing import training_cases, assert_weights_close
+
+    @given(training_cases())
+    def test_my_setup(case): ...
+
+For all-reduce algorithms, :func:`check_all_reduce` runs the algorithm properties
+(exact sums within a derived bound, placement, bitwise-identical outputs, byte counts)
+and reports the smallest failing example.
+
+Model families cover what makes data parallelism subtle: Dense stacks, Conv2D,
+Embedding with duplicate token ids (sparse gradients), BatchNormalization
+(non-trainable state), Dropout with a fixed seed (per-tower random state) and
+kernel regularizers (regularization losses scaled by 1/towers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import keras
+import numpy as np
+from hypothesis import strategies as st
+
+from towers.allreduce.check import (
+    CheckReport,
+    assert_close,
+    check_all_reduce,
+    tower_values,
+    ulp_distance,
+)
+
+__all__ = [
+    "FAMILIES",
+    "OPTIMIZERS",
+    "CheckReport",
+    "ModelSpec",
+    "TrainingCase",
+    "assert_close",
+    "assert_weights_close",
+    "check_all_reduce",
+    "gamma",
+    "model_specs",
+    "per_tower_gradients",
+    "sgd_step_bound",
+    "tower_values",
+    "training_cases",
+    "ulp_distance",
+    "weight_report",
+]
+
+FAMILIES = ("dense", "conv", "embedding", "batchnorm", "dropout", "regularized")
+
+OPTIMIZERS: dict[str, Callable[[], keras.optimizers.Optimizer]] = {
+    "sgd": lambda: keras.optimizers.SGD(0.1),
+    "momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
+    "adam": lambda: keras.optimizers.Adam(0.01),
+    "nadam": lambda: keras.optimizers.Nadam(0.01),
+    "rmsprop": lambda: keras.optimizers.RMSprop(0.01),
+}
+"""Optimizer factories by name (learning rates small enough for 1–3 stable steps)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """A small model of one family, reproducible from ``seed``."""
+
+    family: str
+    width: int = 4
+    classes: int = 3
+    seed: int = 0
+
+    @property
+    def has_batchnorm(self) -> bool:
+        return self.family == "batchnorm"
+
+    def _init(self, k: int) -> keras.initializers.Initializer:
+        return keras.initializers.GlorotUniform(seed=self.seed * 101 + k)
+
+    def _body(self) -> tuple[keras.KerasTensor, keras.KerasTensor]:
+        init = self._init
+        if self.family == "conv":
+            inp = keras.Input((6, 6, 1))
+            h = keras.layers.Conv2D(2, 3, activation="relu", kernel_initializer=init(0))(inp)
+            return inp, keras.layers.Flatten()(h)
+        if self.family == "embedding":
+            inp = keras.Input((4,), dtype="int32")
+            h = keras.layers.Embedding(6, self.width, embeddings_initializer=init(0))(inp)
+            return inp, keras.layers.Flatten()(h)
+        inp = keras.Input((5,))
+        reg = keras.regularizers.L2(0.05) if self.family == "regularized" else None
+        h = keras.layers.Dense(
+            self.width, activation="tanh", kernel_initializer=init(0), kernel_regularizer=reg
+        )(inp)
+        if self.family == "batchnorm":
+            h = keras.layers.BatchNormalization(momentum=0.5)(h)
+        if self.family == "dropout":
+            h = keras.layers.Dropout(0.5, seed=self.seed)(h)
+        return inp, h
+
+    def build(self) -> keras.Model:
+        """A fresh, built model; two calls give bitwise-identical weights."""
+        if self.family not in FAMILIES:
+            raise ValueError(f"family must be one of {', '.join(FAMILIES)}; got {self.family!r}")
+        inp, h = self._body()
+        out = keras.layers.Dense(self.classes, kernel_initializer=self._init(1))(h)
+        return keras.Model(inp, out)
+
+    def batch(self, size: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+        """A batch ``(x, y)`` of ``size`` examples for this model (integer class labels)."""
+        rng = np.random.default_rng(seed)
+        if self.family == "conv":
+            x = rng.normal(size=(size, 6, 6, 1)).astype("float32")
+        elif self.family == "embedding":
+            # A vocabulary of 6 over 4 positions: duplicate ids within and across towers.
+            x = rng.integers(0, 6, size=(size, 4)).astype("int32")
+        else:
+            x = rng.normal(size=(size, 5)).astype("float32")
+        y = rng.integers(0, self.classes, size=(size,)).astype("int32")
+        return x, y
+
+
+def loss_fn() -> keras.losses.Loss:
+    """The loss every case uses: sparse categorical cross-entropy on logits."""
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingCase:
+    """One equivalence scenario: model, optimizer, towers, batches, placement, steps."""
+
+    spec: ModelSpec
+    optimizer: str
+    towers: int
+    batch_sizes: tuple[int, ...]
+    placement: str
+    data_seed: int = 0
+
+    @property
+    def steps(self) -> int:
+        return len(self.batch_sizes)
+
+    def batches(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The batches of every step, reproducible from ``data_seed``."""
+        return [self.spec.batch(b, self.data_seed + k) for k, b in enumerate(self.batch_sizes)]
+
+
+def model_specs(families: Sequence[str] = FAMILIES) -> st.SearchStrategy[ModelSpec]:
+    """Small models of the given families with random widths and seeds."""
+    return st.builds(
+        ModelSpec,
+        family=st.sampled_from(list(families)),
+        width=st.integers(2, 6),
+        classes=st.integers(2, 4),
+        seed=st.integers(0, 1000),
+    )
+
+
+def training_cases(
+    families: Sequence[str] = FAMILIES,
+    optimizers: Sequence[str] = tuple(OPTIMIZERS),
+    max_towers: int = 8,
+    placements: Sequence[str] = ("parameter_device", "replicated"),
+    max_steps: int = 3,
+    max_batch: int = 12,
+) -> st.SearchStrategy[TrainingCase]:
+    """Scenarios over models, optimizers, 1–``max_towers`` towers and uneven batches.
+
+    Batch sizes include sizes not divisible by the tower count and sizes smaller
+    than it (empty shards). Models with BatchNormalization get at least one example
+    per tower, because the reference's BatchNormalization turns an empty shard's
+    statistics into NaN.
+    """
+
+    @st.composite
+    def build(draw: st.DrawFn) -> TrainingCase:
+        spec = draw(model_specs(families))
+        towers = draw(st.integers(1, max_towers))
+        low = towers if spec.has_batchnorm else 1
+        sizes = draw(
+            st.lists(st.integers(low, max(low, max_batch)), min_size=1, max_size=max_steps)
+        )
+        return TrainingCase(
+            spec=spec,
+            optimizer=draw(st.sampled_from(list(optimizers))),
+            towers=towers,
+            batch_sizes=tuple(sizes),
+            placement=draw(st.sampled_from(list(placements))),
+            data_seed=draw(st.integers(0, 10_000)),
+        )
+
+    return build()
+
+
+def weight_report(
+    actual: Sequence[np.ndarray], expected: Sequence[np.ndarray], names: Sequence[str] | None = None
+) -> list[tuple[str, float, int]]:
+    """Per weight: (name, max abs error, max ULP distance)."""
+    if len(actual) != len(expected):
+        raise AssertionError(f"{len(actual)} weights vs {len(expected)} expected")
+    names = list(names) if names is not None else [f"weight[{i}]" for i in range(len(actual))]
+    rows = []
+    for name, a, e in zip(names, actual, expected):
+        a, e = np.asarray(a), np.asarray(e)
+        if a.shape != e.shape:
+            raise AssertionError(f"{name}: shape {a.shape} vs expected {e.shape}")
+        err = float(np.max(np.abs(a.astype(np.float64) - e))) if a.size else 0.0
+        ulps = int(np.max(ulp_distance(a, e))) if a.size else 0
+        rows.append((name, err, ulps))
+    return rows
+
+
+def assert_weights_close(
+    actual: Sequence[np.ndarray],
+    expected: Sequence[np.ndarray],
+    *,
+    atol: float | Sequence[np.ndarray] = 0.0,
+    names: Sequence[str] | None = None,
+    what: str = "",
+) -> None:
+    """Assert every weight matches within ``atol`` (a number, or one bound array per weight).
+
+    The failure message lists each weight's max abs error and max ULP distance, so
+    a reader sees at once whether the gap is rounding (a few ULPs) or a bug.
+    """
+    rows = weight_report(actual, expected, names)
+    bounds = atol if isinstance(atol, Sequence) else [atol] * len(rows)
+    bad = []
+    for (name, _, _), a, e, bound in zip(rows, actual, expected, bounds):
+        diff = np.abs(np.asarray(a, np.float64) - np.asarray(e, np.float64))
+        if not np.all(diff <= np.asarray(bound)) or np.any(np.isnan(a) != np.isnan(e)):
+            bad.append(name)
+    if bad:
+        table = "\n".join(f"  {n}: max abs err {err:.3g}, max {u} ULPs" for n, err, u in rows)
+        raise AssertionError(f"{what} weights differ beyond the bound in {bad}:\n{table}")
+
+
+UNIT_ROUNDOFF = {
+    np.dtype("float16"): 2.0**-11,
+    np.dtype("float32"): 2.0**-24,
+    np.dtype("float64"): 2.0**-53,
+}
+
+
+def gamma(k: int, dtype: np.dtype | str = "float32") -> float:
+    """Higham's γ_k = k·u / (1 − k·u): the relative error bound of k chained roundings."""
+    u = UNIT_ROUNDOFF[np.dtype(dtype)]
+    return k * u / (1.0 - k * u)
+
+
+def per_tower_gradients(
+    model: keras.Model,
+    x: np.ndarray,
+    y: np.ndarray,
+    devices: Sequence[str],
+    loss: keras.losses.Loss | None = None,
+) -> list[list[np.ndarray]]:
+    """Each tower's dense gradient of its share of the global mean loss: ``grads[tower][var]``.
+
+    Used to size error bounds (Σ_i |g_i|), not as the thing under test.
+    """
+    import tensorflow as tf
+
+    from towers.split import shard_sizes
+    from towers.tower import resolve_loss, tower_step
+
+    fn = resolve_loss(loss or loss_fn())
+    trainable = [tf.convert_to_tensor(v.value) for v in model.trainable_variables]
+    frozen = [tf.convert_to_tensor(v.value) for v in model.non_trainable_variables]
+    bounds = np.cumsum([0, *shard_sizes(len(x), len(devices))])
+    out = []
+    for d, a, b in zip(devices, bounds[:-1], bounds[1:]):
+        if a == b:
+            out.append([np.zeros(v.shape, "float32") for v in model.trainable_variables])
+            continue
+        result = tower_step(
+            model,
+            trainable,
+            frozen,
+            (x[a:b], y[a:b], None),
+            loss_fn=fn,
+            global_batch=tf.constant(len(x)),
+            num_towers=len(devices),
+            device=d,
+        )
+        out.append([np.asarray(tf.convert_to_tensor(g)) for g in result.grads])
+    return out
+
+
+def sgd_step_bound(
+    weights: Sequence[np.ndarray], grads: list[list[np.ndarray]], lr: float, depth: int
+) -> list[np.ndarray]:
+    """Largest difference between two plain-SGD steps that sum the same tower gradients
+    in different orders, per weight element.
+
+    Any summation tree of n terms whose longest path has ``depth`` additions returns
+    ``Σg_i + e`` with ``|e| ≤ γ_depth·Σ|g_i|`` (Higham, Accuracy and Stability, §4.2),
+    so two orders differ by at most ``2γ_depth·Σ|g_i|``. The update
+    ``w − lr·g`` adds, per run, one rounding of ``lr·g`` (≤ u·lr·Σ|g_i|) and one of the
+    subtraction (≤ u·|w'|); we allow two of each: ``lr·(2γ_depth + 4u)·Σ|g_i| + 4u·|w|``.
+    """
+    u = UNIT_ROUNDOFF[np.dtype("float32")]
+    out = []
+    for j, w in enumerate(weights):
+        total = np.sum([np.abs(g[j]) for g in grads], axis=0)
+        out.append(lr * (2 * gamma(depth) + 4 * u) * total + 4 * u * (np.abs(w) + lr * total))
+    return out
