@@ -24,6 +24,7 @@ Everything happens in one ``tf.function``, traced once per input signature and r
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from typing import Any
@@ -33,16 +34,18 @@ import numpy as np
 import tensorflow as tf
 
 from towers import allreduce
+from towers.allreduce.base import GradientReducer
+from towers.allreduce.naive import naive
 from towers.allreduce.parameter_device import parameter_device as _parameter_device_algo
 from towers.allreduce.parameter_device import reduce_on
-from towers.allreduce.primitives import Recorder, record, send
+from towers.allreduce.primitives import Recorder, Transfer, record, send
 from towers.devices import canonical_device, local_devices
 from towers.ordering import as_written
 from towers.replicas import ModelLike, OptimizerLike, Replica, make_replicas, variable_values
 from towers.split import shard_sizes, split
 from towers.tower import LossFn, TowerResult, empty_tower_step, resolve_loss, tower_step
 
-__all__ = ["NON_TRAINABLE", "PLACEMENTS", "TowerTrainer"]
+__all__ = ["NON_TRAINABLE", "PLACEMENTS", "StepStats", "TowerTrainer"]
 
 PLACEMENTS = ("parameter_device", "replicated")
 NON_TRAINABLE = ("mean", "first_tower")
@@ -104,6 +107,27 @@ def _check_batch(x: Any, y: Any, sample_weight: Any) -> None:
         raise ValueError("the batch is empty: x has 0 examples")
 
 
+@dataclasses.dataclass(frozen=True)
+class StepStats:
+    """What one training step sends: per tower, per directed link, and how many ticks."""
+
+    bytes_per_tower: dict[str, int]
+    bytes_per_link: dict[tuple[str, str], int]
+    ticks: int
+    estimated: bool
+    transfers: tuple[Transfer, ...]
+
+    @classmethod
+    def from_recorder(cls, recorder: Recorder) -> StepStats:
+        return cls(
+            bytes_per_tower=recorder.bytes_sent(),
+            bytes_per_link=recorder.bytes_per_link(),
+            ticks=recorder.ticks(),
+            estimated=any(t.estimated for t in recorder.transfers),
+            transfers=tuple(recorder.transfers),
+        )
+
+
 class TowerTrainer:
     """Data-parallel training over explicit towers with a hand-built all-reduce.
 
@@ -134,7 +158,7 @@ class TowerTrainer:
         optimizer: OptimizerLike,
         loss: str | LossFn | keras.losses.Loss,
         devices: Sequence[str] | None = None,
-        all_reduce: str | allreduce.AllReduce = "parameter_device",
+        all_reduce: str | allreduce.AllReduce | GradientReducer = "parameter_device",
         variables: str = "parameter_device",
         parameter_device: str | None = None,
         non_trainable: str = "mean",
@@ -149,11 +173,19 @@ class TowerTrainer:
         )
         self.loss_fn = resolve_loss(loss)
         if all_reduce == "parameter_device":
-            self.algorithm: allreduce.AllReduce = _parameter_device_algo(self.parameter_device)
+            self.algorithm: Any = _parameter_device_algo(self.parameter_device)
+        elif isinstance(all_reduce, GradientReducer):
+            self.algorithm = all_reduce
         else:
             self.algorithm = allreduce.get(all_reduce)
+        # Sparse gradients (and every gradient, for a per-tensor algorithm) use this one.
+        self._per_tensor: allreduce.AllReduce = (
+            self.algorithm if not isinstance(self.algorithm, GradientReducer) else naive
+        )
         homes = [self.parameter_device] if self.placement == "parameter_device" else self.devices
         self.replicas: list[Replica] = make_replicas(model, optimizer, homes)
+        if isinstance(self.algorithm, GradientReducer):
+            self.algorithm.build(self.model.trainable_variables, self.devices)
         self.trace_count = 0
         self.last_trace_stats: Recorder | None = None
         # No reduce_retracing: a static batch size gives static shard sizes (empty towers are
@@ -184,6 +216,33 @@ class TowerTrainer:
             sample_weight = tf.convert_to_tensor(sample_weight, dtype=self._float_dtype())
         with as_written():
             return self._step(x, y, sample_weight)
+
+    @property
+    def last_step_stats(self) -> StepStats | None:
+        """Communication of one step (bytes per tower and per link, ticks), or None before
+        the first step. Counted at :func:`~towers.allreduce.send` when the step was traced;
+        traffic of opaque collectives is estimated and flagged."""
+        if self.last_trace_stats is None:
+            return None
+        return StepStats.from_recorder(self.last_trace_stats)
+
+    def fit(self, *args: Any, **kwargs: Any) -> Any:
+        """Keras-style training loop; see :func:`towers.fit.fit`."""
+        from towers.fit import fit
+
+        return fit(self, *args, **kwargs)
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> Any:
+        """Loss and metrics over a dataset, split over towers; see :func:`towers.fit.evaluate`."""
+        from towers.fit import evaluate
+
+        return evaluate(self, *args, **kwargs)
+
+    def predict(self, *args: Any, **kwargs: Any) -> Any:
+        """Model outputs, split over towers; see :func:`towers.fit.predict`."""
+        from towers.fit import predict
+
+        return predict(self, *args, **kwargs)
 
     def get_weights(self) -> list[np.ndarray]:
         """The model's weights as NumPy arrays, in ``model.weights`` order."""
@@ -290,13 +349,25 @@ class TowerTrainer:
         self._apply(reduced, new_state)
 
     def _reduce_gradients(self, grads: list[list[Any]]) -> list[list[Any]]:
-        """``grads[tower][var]`` -> ``reduced[replica][var]`` through the all-reduce."""
+        """``grads[tower][var]`` -> ``reduced[replica][var]`` through the all-reduce.
+
+        Sparse gradients are gathered in tower order (or densified, see ``sparse=``);
+        dense ones go to the algorithm one variable at a time, or all at once when the
+        algorithm is a :class:`~towers.allreduce.base.GradientReducer`.
+        """
         n_vars = len(grads[0])
         per_tower: list[list[Any]] = [[None] * n_vars for _ in self.devices]
+        dense = [j for j in range(n_vars) if not isinstance(grads[0][j], tf.IndexedSlices)]
+        if isinstance(self.algorithm, GradientReducer) and dense:
+            outs = self.algorithm.reduce_gradients([[g[j] for j in dense] for g in grads])
+            for i, row in enumerate(outs):
+                for j, out in zip(dense, row):
+                    per_tower[i][j] = out
         for j in range(n_vars):
-            outs = allreduce.all_reduce(
-                [g[j] for g in grads], self.algorithm, op="sum", sparse=self.sparse
-            )
+            if per_tower[0][j] is not None:
+                continue
+            values = [g[j] for g in grads]
+            outs = allreduce.all_reduce(values, self._per_tensor, op="sum", sparse=self.sparse)
             for i, out in enumerate(outs):
                 per_tower[i][j] = out
         if self.placement == "parameter_device":

@@ -27,6 +27,7 @@ __all__ = [
     "DTYPES",
     "OPS",
     "AllReduce",
+    "GradientReducer",
     "check_op",
     "check_values",
     "combine",
@@ -43,6 +44,21 @@ class AllReduce(Protocol):
     """Per-tower tensors in, per-tower reduced tensors out (output i on input i's device)."""
 
     def __call__(self, values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]: ...
+
+
+@runtime_checkable
+class GradientReducer(Protocol):
+    """Reduces *all* of a step's dense gradients at once: ``grads[tower][var]`` in, same out.
+
+    For reducers that need to see every gradient together (buckets that pack several
+    tensors into one buffer, compression with per-variable state). ``build`` runs once,
+    eagerly, before the first step, so state variables can be created outside
+    ``tf.function``. A plain :class:`AllReduce` is applied one variable at a time instead.
+    """
+
+    def build(self, variables: Sequence[tf.Variable], devices: Sequence[str]) -> None: ...
+
+    def reduce_gradients(self, grads: Sequence[Sequence[tf.Tensor]]) -> list[list[tf.Tensor]]: ...
 
 
 def device_of(value: tf.Tensor | tf.IndexedSlices, index: int = 0) -> str:

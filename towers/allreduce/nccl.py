@@ -261,7 +261,7 @@ def _run(body: _Body, values: Sequence[tf.Tensor], op: str, timeout: float) -> l
             def bound(vals: list[tf.Tensor]) -> list[tf.Tensor]:
                 return body(vals, devices, op, timeout)
 
-            _EAGER[key] = tf.function(bound)
+            _EAGER[key] = tf.function(bound, autograph=False)  # static Python control flow
         fn = _EAGER[key]
     outputs = []
     # A tf.function's CPU outputs come back labelled with the caller's device: re-place them.

@@ -35,6 +35,7 @@ __all__ = [
     "broadcast",
     "pad_split",
     "record",
+    "record_estimate",
     "reduce",
     "reduce_scatter",
     "send",
@@ -52,6 +53,7 @@ class Transfer:
     tick: int | None = None
     chunk: int | None = None
     note: str = ""
+    estimated: bool = False
 
 
 @dataclasses.dataclass
@@ -91,6 +93,17 @@ def record() -> Iterator[Recorder]:
         yield recorder
     finally:
         _ACTIVE.remove(recorder)
+
+
+def record_estimate(src: str, dst: str, nbytes: int | None, *, note: str = "") -> None:
+    """Record traffic that an opaque collective (TensorFlow's or NCCL's) makes on its own.
+
+    Such ops do not go through :func:`send`, so their algorithm states what it expects
+    them to move; the :class:`Transfer` is marked ``estimated=True``.
+    """
+    src, dst = canonical_device(src), canonical_device(dst)
+    for recorder in _ACTIVE:
+        recorder.transfers.append(Transfer(src, dst, nbytes, note=note, estimated=True))
 
 
 def _nbytes(x: tf.Tensor) -> int | None:
