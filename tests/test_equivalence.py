@@ -27,13 +27,13 @@ import towers
 from reference import CentralStorageTrainer, MirroredTrainer, ReferenceUnavailable
 from tests.conftest import DEVICES
 from towers.ordering import as_written
-from towers.split import shard_sizes
 from towers.testing import (
     OPTIMIZERS,
     ModelSpec,
     TrainingCase,
     assert_weights_close,
     loss_fn,
+    no_empty_shards,
     per_tower_gradients,
     sgd_step_bound,
     training_cases,
@@ -51,29 +51,9 @@ def _reference(case: TrainingCase) -> MirroredTrainer | CentralStorageTrainer:
     return MirroredTrainer(*args, cross_device_ops="reduction_to_one_device")
 
 
-def _full(batch: int, n: int) -> int:
-    """The smallest batch >= ``batch`` that leaves no tower empty (13 over 8 would)."""
-    batch = max(batch, n)
-    while 0 in shard_sizes(batch, n):
-        batch += 1
-    return batch
-
-
-def _conv_needs_full_shards(case: TrainingCase) -> TrainingCase:
-    # The reference's Conv2D fails on an empty shard (Keras 3 on TF 2.21); towers skips
-    # empty towers, but the comparison needs the reference to run.
-    if case.spec.family != "conv":
-        return case
-    sizes = tuple(_full(b, case.towers) for b in case.batch_sizes)
-    return TrainingCase(
-        case.spec, case.optimizer, case.towers, sizes, case.placement, case.data_seed
-    )
-
-
 @settings(max_examples=12)
 @given(case=training_cases(), algorithm=st.sampled_from(["naive", "parameter_device"]))
 def test_same_order_is_bitwise_equal(case: TrainingCase, algorithm: str) -> None:
-    case = _conv_needs_full_shards(case)
     trainer = towers.TowerTrainer(
         case.spec.build,
         OPTIMIZERS[case.optimizer],
@@ -117,7 +97,7 @@ def test_default_mirrored_within_summation_bound(
     for k, size in enumerate(sizes):
         start = trainer.get_weights()
         ref.set_weights(start)
-        x, y = spec.batch(_full(size, n), seed=k)
+        x, y = spec.batch(no_empty_shards(size, n), seed=k)
         grads = per_tower_gradients(trainer.model, x, y, DEVICES[:n])
         trainer.train_step(x, y)
         ref.train_step(x, y)

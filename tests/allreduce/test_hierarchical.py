@@ -107,7 +107,10 @@ def test_default_outer_is_ring() -> None:
     case = Case(4, (9,), tf.float32, "sum", 8)
     values = make_values(case)
     algo: Any = hierarchical()
-    check_all_reduce(algo(values), values, "sum", algo.summation_depth(4))
+    with record() as rec:
+        outputs = algo(values)
+    check_all_reduce(outputs, values, "sum", algo.summation_depth(4))
+    check_bytes(rec, DEVICES[:4], algo.bytes_sent(4, nbytes(case), 4))
 
 
 def test_group_size_must_divide_tower_count() -> None:

@@ -34,6 +34,7 @@ References:
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias
 
@@ -78,11 +79,8 @@ def _formula(algorithm: Part, formula: str) -> Callable[..., Any]:
     """A part's ``bytes_sent`` or ``summation_depth``: attribute, baseline, or module function."""
     fn = _resolve(algorithm)
     found = getattr(fn, formula, None) or _baseline(fn, formula)
-    if found is None and isinstance(algorithm, str):
-        import importlib
-
-        module = importlib.import_module(f"towers.allreduce.{algorithm}")
-        found = getattr(module, formula, None)
+    if found is None and isinstance(algorithm, str):  # a registry default: module defaults fit
+        found = getattr(sys.modules.get(getattr(fn, "__module__", "")), formula, None)
     if found is None:
         raise ValueError(f"{algorithm!r} exposes no {formula}(): cannot compute hierarchical's")
     return found
