@@ -6,6 +6,7 @@ every later collective in the process, so the timeout test runs in a subprocess.
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
@@ -24,7 +25,6 @@ from tensorflow.python.ops import nccl_ops
 
 from tests.allreduce.test_halving_doubling import Case, cases, check_all_reduce, make_values
 from tests.conftest import DEVICES
-from towers.allreduce import nccl as module
 from towers.allreduce.nccl import (
     KEY_START,
     estimated_bytes_sent,
@@ -35,6 +35,8 @@ from towers.allreduce.nccl import (
     raw_nccl_usable,
 )
 from towers.devices import has_gpu
+
+module = importlib.import_module("towers.allreduce.nccl")
 
 ALGORITHMS: dict[str, Callable[..., Any]] = {
     "nccl": nccl,
@@ -154,7 +156,8 @@ import time
 import tensorflow as tf
 import towers
 devices = towers.simulate_devices(3)
-from towers.allreduce import nccl as m
+import importlib
+m = importlib.import_module("towers.allreduce.nccl")
 values = []
 for d in devices[:2]:
     with tf.device(d):

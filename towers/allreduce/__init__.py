@@ -13,7 +13,10 @@ import tensorflow as tf
 
 from towers.allreduce.base import OPS, AllReduce, check_values, combine, finish
 from towers.allreduce.double_binary_tree import double_binary_tree
+from towers.allreduce.halving_doubling import halving_doubling
+from towers.allreduce.hierarchical import hierarchical
 from towers.allreduce.naive import naive
+from towers.allreduce.nccl import nccl, nccl_ring, nccl_tree
 from towers.allreduce.parameter_device import parameter_device
 from towers.allreduce.primitives import Recorder, Transfer, record, send
 from towers.allreduce.ring import ring
@@ -32,7 +35,12 @@ __all__ = [
     "double_binary_tree",
     "finish",
     "get",
+    "halving_doubling",
+    "hierarchical",
     "naive",
+    "nccl",
+    "nccl_ring",
+    "nccl_tree",
     "noop",
     "parameter_device",
     "record",
@@ -62,6 +70,11 @@ ALGORITHMS: dict[str, Callable[[], AllReduce]] = {
     "ring": ring,
     "tree": tree,
     "double_binary_tree": double_binary_tree,
+    "halving_doubling": halving_doubling,
+    "hierarchical": hierarchical,
+    "nccl": nccl,
+    "nccl_ring": nccl_ring,
+    "nccl_tree": nccl_tree,
 }
 """Registered algorithms: name -> zero-argument factory. ``noop`` is kept out on purpose
 (it does not reduce), but :func:`get` accepts ``"noop"`` for benchmarks."""

@@ -61,6 +61,7 @@ import tensorflow as tf
 from tensorflow.python.ops import collective_ops, nccl_ops
 
 from towers.allreduce.base import AllReduce, check_values, combine, finish
+from towers.allreduce.primitives import record_estimate
 from towers.devices import has_gpu
 
 __all__ = [
@@ -271,6 +272,18 @@ def _run(body: _Body, values: Sequence[tf.Tensor], op: str, timeout: float) -> l
     return outputs
 
 
+def _record_estimates(values: Sequence[tf.Tensor]) -> None:
+    """Tell any active ``record()`` what the opaque ops are expected to send (ring figure)."""
+    n = len(values)
+    if n < 2 or not values[0].shape.is_fully_defined():
+        return
+    nbytes = int(values[0].shape.num_elements()) * values[0].dtype.size
+    per_tower = estimated_bytes_sent(n, nbytes)
+    for i, v in enumerate(values):
+        dst = values[(i + 1) % n].device
+        record_estimate(v.device, dst, round(per_tower[i]), note=f"{len(values)}-way collective")
+
+
 def _ring_depth(n: int) -> int:
     return n - 1
 
@@ -286,7 +299,9 @@ def _factory(
         raise ValueError(f"timeout_seconds must be positive, got {timeout_seconds}")
 
     def all_reduce(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
-        return _run(body, values, op, timeout_seconds or TIMEOUT_SECONDS)
+        outputs = _run(body, values, op, timeout_seconds or TIMEOUT_SECONDS)
+        _record_estimates(values)
+        return outputs
 
     fn: Any = all_reduce
     fn.__name__ = fn.__qualname__ = f"{name}_all_reduce"
