@@ -28,7 +28,7 @@ import tensorflow as tf
 from towers.allreduce.base import check_values, combine, finish
 from towers.allreduce.primitives import send
 
-__all__ = ["naive"]
+__all__ = ["bytes_sent", "naive", "summation_depth"]
 
 
 def naive(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
@@ -49,3 +49,13 @@ def naive(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
                 total = combine(total, g, op)
         total = finish(total, op, len(values))
     return [send(total, d, tick=1, chunk=0, note="broadcast") for d in devices]
+
+
+def bytes_sent(n: int, nbytes: int, itemsize: int = 4) -> list[int]:
+    """Bytes each tower sends: S from every tower to tower 0, then (n−1)·S back out."""
+    return [(n - 1) * nbytes] + [nbytes] * (n - 1)
+
+
+def summation_depth(n: int) -> int:
+    """``add_n`` adds left to right: the last element goes through n − 1 additions."""
+    return max(n - 1, 0)

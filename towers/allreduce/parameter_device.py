@@ -30,7 +30,7 @@ from towers.allreduce.base import AllReduce, check_values, combine, finish
 from towers.allreduce.primitives import send
 from towers.devices import canonical_device
 
-__all__ = ["parameter_device", "reduce_on"]
+__all__ = ["bytes_sent", "parameter_device", "reduce_on", "summation_depth"]
 
 
 def reduce_on(values: Sequence[tf.Tensor], device: str, op: str) -> tf.Tensor:
@@ -61,3 +61,17 @@ def parameter_device(device: str | None = None) -> AllReduce:
 
     parameter_device_all_reduce.device = chosen  # type: ignore[attr-defined]
     return parameter_device_all_reduce
+
+
+def bytes_sent(n: int, nbytes: int, itemsize: int = 4) -> list[int]:
+    """Bytes each tower sends when the parameter device is tower 0 (the default).
+
+    With a parameter device outside the towers, every tower sends S and the parameter
+    device itself sends n·S; that device is not a tower, so it has no entry here.
+    """
+    return [(n - 1) * nbytes] + [nbytes] * (n - 1)
+
+
+def summation_depth(n: int) -> int:
+    """One addition at a time in tower order: n − 1 additions for the last value."""
+    return max(n - 1, 0)
