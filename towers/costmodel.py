@@ -1,48 +1,50 @@
-"""The α-β-γ cost model: predict, fit and plot all-reduce times.
+"""The α-β-γ cost model of towers' all-reduce schedules: predict, fit and plot.
 
 A message of ``m`` bytes costs ``α + m·β`` on a link; reducing ``m`` bytes costs
 ``m·γ``. Every algorithm's time is linear in the three constants,
 ``t = a·α + b·β + c·γ``; :func:`coefficients` gives ``(a, b, c)`` for ``n``
 towers and ``S`` bytes, :func:`predict` the seconds, :func:`fit` the constants
-from measured rows. Each node sends one and receives one message at a time
-(single-port, full duplex), as in Thakur et al.
+from measured rows. A tower sends one and receives one message at a time
+(single-port, full duplex, as in Thakur et al.), so messages through one port add up.
 
-    ============================  =================================================
-    naive / parameter_device      2m·α + 2m·S·β + (n-1)·S·γ   (m = n-1; n off-tower)
-    ring, nccl, nccl_ring         2(n-1)·α + 2(n-1)/n·S·β + (n-1)/n·S·γ
-    tree  (k = 1, binomial)       2⌈lg n⌉·(α + S·β) + ⌈lg n⌉·S·γ
-    tree  (k > 1, binary)         2σ·f·α + 2σ·f·(S/k)·β + σ·f·(S/k)·γ
-    double_binary_tree            2σ·f·α + 2σ·f·(S/2k)·β + σ·f·(S/2k)·γ
-    nccl_tree                     2⌊lg n⌋·α + f·S·β + f·S/2·γ
-    halving_doubling (n = 2^h)    2h·α + 2(n-1)/n·S·β + (n-1)/n·S·γ
-    hierarchical                  inner(m, S) + outer(n/m, S/m or S)
-    send / add (calibration)      α + S·β  /  (n-1)·S·γ
-    ============================  =================================================
+    ==========================  ===================================================
+    naive, parameter_device     2m·(α + S·β) + (n-1)·S·γ     (m = n-1; n off-tower)
+    ring (s sub-chunks)         2(n-1)s·α + 2(n-1)/n·S·β + (n-1)/n·S·γ
+    nccl, nccl_ring             ring with s = 1
+    nccl_tree (binomial)        2⌈lg n⌉·(α + S·β) + ⌈lg n⌉·S·γ
+    tree (C pieces)             M·(α + S/C·β) + A·S/C·γ     (full tree, C = 1: M = 4D, A = 2D)
+    double_binary_tree          M·(α + S/2C·β) + A·S/2C·γ   (M, A of both trees' schedule)
+    halving_doubling            (2h + 2f)·α + (2(p-1)/p + 2f)·S·β + ((p-1)/p + f)·S·γ
+    hierarchical                inner(k, S) + outer(n/k, S) + (k-1)·(α + S·β)
+    send / add (calibration)    α + S·β  /  (n-1)·S·γ
+    ==========================  ===================================================
 
-with ``σ = ⌊lg n⌋ + k - 1`` pipeline stages of ``k`` chunks and fan-in
-``f = min(2, n-1)``. How the less obvious rows come about:
+How the less obvious rows come about:
 
 - naive / parameter_device: all traffic crosses the root's one port. It receives
   ``m`` messages of ``S`` one after another (``m·(α + S·β)``), adds ``n-1`` of them
   (``(n-1)·S·γ``) and sends ``m`` back (``m·(α + S·β)``); ``m = n-1`` when the root
   is a tower (its own value stays), ``m = n`` for a separate parameter device.
-- tree: ``k = 1`` is binomial (``⌈lg n⌉`` rounds each way, one message per node per
-  round). Pipelining ``k`` chunks needs a bounded fan-in, so ``k > 1`` is a binary
-  tree: ``σ`` stages each way, an inner node taking ``f`` chunks of ``S/k`` per stage.
-  More chunks trade α (``2σf``) for β (``→ 2f·S``, twice the ring's, as leaves idle).
-- double_binary_tree: two such trees carry ``S/2`` each; every node is inner in one
-  and a leaf in the other, so its port carries ``f`` half-chunks per stage and the
-  β term falls to ``→ f·S ≈ 2S``, the ring's. ``nccl_tree`` is its ``k → ∞`` limit:
-  NCCL pipelines inside one kernel, leaving one hop latency per level.
-- hierarchical: the inner level all-reduces ``S`` in groups of ``m`` (on
-  ``inner_link``); the outer level all-reduces across ``n/m`` groups either ``S/m``
-  per tower (an inner ring or halving-doubling is a reduce-scatter + all-gather, and
-  each tower runs its shard's outer all-reduce on its own link) or ``S`` (the inner
-  level reduces to one tower, TensorFlow's nccl/ring hybrids). Pass ``sharded``.
+- ring: sub-chunks keep the bytes but make ``s`` messages of ``S/(n·s)`` per tick.
+- tree, double_binary_tree: the ticks of ``allreduce/tree.py``'s schedule (a node
+  of height ``h`` sends piece ``k`` up at tick ``h + k``; at depth ``d`` it copies it
+  down at ``D + d + k``) over the binary heap, or over NCCL's two trees carrying
+  ``S/2`` each. Each tick costs its busiest port: ``M`` sums the most messages on any
+  port per tick, ``A`` the most pieces any tower adds. For a full binary tree
+  (``D = ⌊lg n⌋ ≥ 2``) ``M = 2(2D + C - 1)``, plus ``C - 1`` ticks of three messages when
+  ``C ≥ 3`` (up and down overlap), and ``A = 2(D + C - 1)``:
+  more pieces trade α for β, towards ``3S·β + 2S·γ`` (an inner node sends ``3S``).
+  Two trees, each tower inner in one and a leaf in the other, bring that to
+  ``2S·β + S·γ``, the ring's bandwidth with ``~2D`` instead of ``2(n-1)`` latencies.
+- halving_doubling: ``p = 2^h ≤ n``; ``f = 1`` when ``n > p``: the extra towers fold
+  in (send ``S``, the partner adds) before and fold out (receive ``S``) after.
+- hierarchical (``allreduce/hierarchical.py``): ``inner`` on each group of ``k``
+  (on ``inner_link``), ``outer`` among the ``n/k`` leaders on ``S`` (on ``link``), then
+  each leader copies the result to its ``k-1`` members.
 
- Every all-reduce moves twice the bytes it reduces
-(``b = 2c``), so its timings fix only ``2β + γ``: :func:`fit` needs ``send`` or
-``add`` rows to tell β from γ, and warns without them.
+naive, parameter_device on a tower, ring and halving_doubling move twice the bytes
+they reduce (``b = 2c``): their timings fix only ``2β + γ``. :func:`fit` warns when
+its rows cannot separate α, β and γ; ``send`` and ``add`` rows can.
 
 References:
     Thakur, Rabenseifner, Gropp, "Optimization of Collective Communication
@@ -56,11 +58,12 @@ from __future__ import annotations
 import inspect
 import itertools
 import math
+import numbers
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 import numpy as np
 
@@ -100,7 +103,7 @@ class Link:
     def __post_init__(self) -> None:
         for field in ("alpha", "beta", "gamma"):
             value = getattr(self, field)
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            if not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"Link.{field} must be a finite number >= 0, got {value!r}")
 
     @property
@@ -118,6 +121,7 @@ PRESETS: dict[str, Link] = {
     # (typical cudaMemcpy figure). A100-40GB HBM2e 1.555 TB/s as the PCIe-era GPU.
     "pcie4": Link(alpha=5e-6, beta=1 / 25e9, gamma=3 / 1.555e12, name="pcie4"),
     # 100 Gb/s InfiniBand = 12.5 GB/s; verbs latency ~1 µs, a GPU collective step 5-10 µs.
+    # γ: H100s at the ends, as above.
     "ib-100g": Link(alpha=7e-6, beta=1 / 12.5e9, gamma=3 / 3.35e12, name="ib-100g"),
     # Logical CPU devices share host memory: a placeholder of plausible magnitude (TF op
     # dispatch ~50 µs, memcpy ~10 GB/s, a one-core add ~3 GB/s). Replace it with fit().
@@ -134,9 +138,9 @@ def _lg_ceil(n: int) -> int:
 
 
 def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    return value
+    return int(value)
 
 
 def _naive(n: int, s: float) -> Coefficients:
@@ -144,76 +148,110 @@ def _naive(n: int, s: float) -> Coefficients:
 
 
 def _parameter_device(n: int, s: float, *, on_tower: bool = True) -> Coefficients:
-    # The root's one port serializes everything: m messages of S in, m out, n-1 adds.
-    m = n - 1 if on_tower else n
+    m = n - 1 if on_tower else n  # messages each way through the root's one port
     return 2 * m, 2 * m * s, (n - 1) * s
 
 
 def _ring(n: int, s: float, *, subchunks: int = 1) -> Coefficients:
-    # Subchunks make more, smaller messages on parallel rings: the per-port totals stay.
-    _positive_int("subchunks", subchunks)
-    return 2 * (n - 1), 2 * (n - 1) / n * s, (n - 1) / n * s
+    subchunks = _positive_int("subchunks", subchunks)
+    return 2 * (n - 1) * subchunks, 2 * (n - 1) / n * s, (n - 1) / n * s
 
 
 def _nccl_ring(n: int, s: float) -> Coefficients:
     return _ring(n, s)
 
 
+def _nccl_tree(n: int, s: float) -> Coefficients:
+    d = _lg_ceil(n)  # binomial levels: one message per tower per level, each way
+    return 2 * d, 2 * d * s, d * s
+
+
+def _heights_depths(parents: Sequence[int]) -> tuple[list[int], list[int]]:
+    depth = [-1] * len(parents)
+    def find(i: int) -> int:
+        if depth[i] < 0:
+            depth[i] = 0 if parents[i] < 0 else find(parents[i]) + 1
+        return depth[i]
+    height = [0] * len(parents)
+    for i in sorted(range(len(parents)), key=find, reverse=True):  # children first
+        if parents[i] >= 0:
+            height[parents[i]] = max(height[parents[i]], height[i] + 1)
+    return height, depth
+
+
+def _ticks(trees: Sequence[Sequence[int]], chunks: int) -> tuple[float, float]:
+    """``(M, A)``: Σ over ticks of the most messages on one port and pieces added by one tower.
+
+    Ports are columns ``[0, n)`` (out), ``[n, 2n)`` (in); adds ``[2n, 3n)``. Each
+    event lasts ``chunks`` ticks (one piece per tick), so loads only change where an
+    event starts or ends: count on those segments, weighted by their length.
+    """
+    n = len(trees[0])
+    starts, cols = [], []
+    for parents in trees:
+        height, depth = _heights_depths(parents)
+        top = max(height)
+        for i, p in enumerate(parents):
+            if p >= 0:  # up: i → p at tick height[i]; down: p → i at tick top + depth[p]
+                starts += [height[i]] * 3 + [top + depth[p]] * 2
+                cols += [i, n + p, 2 * n + p, p, n + i]
+    begin, where = np.array(starts), np.array(cols)
+    bounds = np.unique(np.concatenate([begin, begin + chunks]))
+    load = np.zeros((len(bounds), 3 * n))
+    np.add.at(load, (np.searchsorted(bounds, begin), where), 1)
+    np.add.at(load, (np.searchsorted(bounds, begin + chunks), where), -1)
+    load, width = np.cumsum(load, axis=0)[:-1], np.diff(bounds)
+    return (float(width @ load[:, : 2 * n].max(axis=1)),
+            float(width @ load[:, 2 * n :].max(axis=1)))
+
+
+def _heap(n: int) -> list[int]:
+    return [(i - 1) // 2 if i else -1 for i in range(n)]
+
+
+def _double_trees(n: int) -> list[list[int]]:
+    """NCCL's trees (``ncclGetBtree``); the second mirrored (even n) or shifted (odd n)."""
+    first = [-1] * n
+    for rank in range(1, n):
+        bit = rank & -rank
+        first[rank] = (rank ^ bit) | (bit << 1) if (rank ^ bit) | (bit << 1) < n else rank ^ bit
+    if n % 2 == 0:
+        return [first, [-1 if first[n - 1 - r] < 0 else n - 1 - first[n - 1 - r] for r in range(n)]]
+    return [first, [-1 if first[r - 1] < 0 else (first[r - 1] + 1) % n for r in range(n)]]
+
+
 def _tree(n: int, s: float, *, chunks: int = 1) -> Coefficients:
-    # k = 1: binomial rounds, one message per node per round. k > 1: a binomial root has
-    # lg n children, so pipelined trees are binary: σ stages, an inner node takes f chunks each.
-    if _positive_int("chunks", chunks) == 1:
-        d = _lg_ceil(n)
-        return 2 * d, 2 * d * s, d * s
-    stages, fan_in = _lg_floor(n) + chunks - 1, min(2, n - 1)
-    return 2 * stages * fan_in, 2 * stages * fan_in * s / chunks, stages * fan_in * s / chunks
+    messages, adds = _ticks([_heap(n)], _positive_int("chunks", chunks))
+    piece = s / chunks
+    return messages, messages * piece, adds * piece
 
 
 def _double_binary_tree(n: int, s: float, *, chunks: int = 1) -> Coefficients:
-    # Two trees carry S/2 each; a node is inner in one (f chunks in) and a leaf in the other,
-    # so each port carries f half-chunks per stage: the leaves' idle links are put to work.
-    stages, fan_in = _lg_floor(n) + _positive_int("chunks", chunks) - 1, min(2, n - 1)
+    messages, adds = _ticks(_double_trees(n), _positive_int("chunks", chunks))
     piece = s / (2 * chunks)
-    return 2 * stages * fan_in, 2 * stages * fan_in * piece, stages * fan_in * piece
-
-
-def _nccl_tree(n: int, s: float) -> Coefficients:
-    # NCCL pipelines inside one kernel: take k → ∞ and keep one hop latency per level.
-    fan_in = min(2, n - 1)
-    return 2 * _lg_floor(n), fan_in * s, fan_in * s / 2
+    return messages, messages * piece, adds * piece
 
 
 def _halving_doubling(n: int, s: float) -> Coefficients:
-    # Rabenseifner on the largest power of two p ≤ n; the r = n - p extra towers fold in
-    # (send S to a partner, which adds it) before and fold out (receive the sum) after.
     h = _lg_floor(n)
     p = 1 << h
     a, b, c = 2 * h, 2 * (p - 1) / p * s, (p - 1) / p * s
-    if n > p:
+    if n > p:  # fold in (send S, partner adds) and fold out (receive S)
         a, b, c = a + 2, b + 2 * s, c + s
     return a, b, c
 
 
-_SCATTERING = ("ring", "nccl", "nccl_ring", "halving_doubling")
-
-
 def _levels(
-    n: int, s: float, *, inner: str = "ring", outer: str = "ring",
-    group_size: int | None = None, sharded: bool | None = None,
+    n: int, s: float, *, inner: str = "naive", outer: str = "ring", group_size: int = 2
 ) -> list[tuple[str, int, float]]:
-    """Hierarchical as ``[(inner, m, S), (outer, n/m, S/m or S)]``: its two levels."""
-    if group_size is None:
-        raise ValueError("hierarchical needs group_size (towers per group)")
-    m = min(_positive_int("group_size", group_size), n)
-    if n % m:
-        raise ValueError(f"group_size {group_size} does not divide n={n}")
+    """Hierarchical's parts: ``[(inner, k, S), (outer, n/k, S), ("send", k, S) × (k-1)]``."""
+    k = _positive_int("group_size", group_size)
+    if n % k:
+        raise ValueError(f"group_size={k} does not divide the tower count n={n}")
     for key, name in (("inner", inner), ("outer", outer)):
-        if name not in _FORMULAS or name == "hierarchical" or name in _CALIBRATION:
-            raise ValueError(f"{key} must be a flat all-reduce, got {name!r}")
-    # A reduce-scatter inner level leaves each tower a shard of S/m: m outer all-reduces
-    # run side by side, one per tower's own inter-group link (one NIC per GPU, as on DGX).
-    shard = inner in _SCATTERING if sharded is None else sharded
-    return [(inner, m, s), (outer, n // m, s / m if shard else s)]
+        if name not in _FORMULAS or name in ("hierarchical", *_CALIBRATION):
+            raise ValueError(f"{key} must be a flat all-reduce name, got {name!r}")
+    return [(inner, k, s), (outer, n // k, s)] + [("send", 2, s)] * (k - 1)
 
 
 def _hierarchical(n: int, s: float, **params: Any) -> Coefficients:
@@ -240,12 +278,13 @@ _FORMULAS: dict[str, Callable[..., Coefficients]] = {
 ALGORITHMS = tuple(sorted(_FORMULAS))
 
 
-def _check_size(n: Any, nbytes: Any) -> None:
-    _positive_int("n", n)
-    if isinstance(nbytes, bool) or not isinstance(nbytes, (int, float, np.number)):
+def _check_size(n: Any, nbytes: Any) -> int:
+    n = _positive_int("n", n)
+    if isinstance(nbytes, bool) or not isinstance(nbytes, numbers.Real):
         raise ValueError(f"nbytes must be a number, got {nbytes!r}")
     if not math.isfinite(nbytes) or nbytes < 0:
         raise ValueError(f"nbytes must be finite and >= 0, got {nbytes!r}")
+    return n
 
 
 def coefficients(algorithm: str, n: int, nbytes: float, **params: Any) -> Coefficients:
@@ -256,7 +295,7 @@ def coefficients(algorithm: str, n: int, nbytes: float, **params: Any) -> Coeffi
         n: tower count (``n = 1`` costs nothing).
         nbytes: bytes per tower (``S``).
         **params: ``subchunks`` (ring), ``chunks`` (tree, double_binary_tree),
-            ``on_tower`` (parameter_device), ``inner``/``outer``/``group_size``/``sharded``
+            ``on_tower`` (parameter_device), ``inner``/``outer``/``group_size``
             (hierarchical).
 
     Raises:
@@ -269,7 +308,7 @@ def coefficients(algorithm: str, n: int, nbytes: float, **params: Any) -> Coeffi
     """
     if algorithm not in _FORMULAS:
         raise ValueError(f"unknown algorithm {algorithm!r}; known: {', '.join(ALGORITHMS)}")
-    _check_size(n, nbytes)
+    n = _check_size(n, nbytes)
     formula = _FORMULAS[algorithm]
     accepted = inspect.signature(_levels if algorithm == "hierarchical" else formula).parameters
     for key in params:
@@ -301,9 +340,13 @@ def predict(algorithm: str, n: int, nbytes: float, link: Link, **params: Any) ->
         return a * link.alpha + b * link.beta + c * link.gamma
     if algorithm != "hierarchical":
         raise ValueError(f"inner_link applies to 'hierarchical' only, not {algorithm!r}")
-    _check_size(n, nbytes)
-    (i_name, m, i_bytes), (o_name, g, o_bytes) = _levels(n, float(nbytes), **params)
-    return predict(i_name, m, i_bytes, inner_link) + predict(o_name, g, o_bytes, link)
+    if not isinstance(inner_link, Link):
+        raise ValueError(f"inner_link must be a Link, got {inner_link!r}")
+    if coefficients(algorithm, n, nbytes, **params) == (0, 0, 0):  # validates; n = 1
+        return 0.0
+    levels = _levels(n, float(nbytes), **params)  # only the outer level (1) crosses groups
+    return sum(predict(name, k, size, link if i == 1 else inner_link)
+               for i, (name, k, size) in enumerate(levels))
 
 
 def algbw(nbytes: float, seconds: float) -> float:
@@ -314,7 +357,7 @@ def algbw(nbytes: float, seconds: float) -> float:
         2000000000.0
     """
     _check_size(1, nbytes)
-    if not isinstance(seconds, (int, float)) or not math.isfinite(seconds) or seconds <= 0:
+    if not isinstance(seconds, numbers.Real) or not math.isfinite(seconds) or seconds <= 0:
         raise ValueError(f"seconds must be finite and > 0, got {seconds!r}")
     return nbytes / seconds
 
@@ -374,15 +417,28 @@ def _fit_link(rows: list[tuple[str, int, float, float, dict[str, Any]]], name: s
     scale = np.where(a.max(axis=0) > 0, a.max(axis=0), 1.0)
     if np.linalg.matrix_rank(a / scale) < 3:
         warnings.warn(
-            f"fit {name!r}: the rows do not determine α, β and γ separately (all-reduces "
-            "fix only 2β + γ): add 'send' and 'add' rows; one of many solutions is returned",
+            f"fit {name!r}: the rows do not determine α, β and γ separately (ring-like "
+            "all-reduces fix only 2β + γ): add 'send' and 'add' rows; one of many solutions "
+            "is returned",
             stacklevel=3,
         )
     alpha, beta, gamma = (float(v) for v in _nnls(a / scale, t) / scale)
     return Link(alpha=alpha, beta=beta, gamma=gamma, name=name)
 
 
-def fit(rows: Sequence[Any], *, per_algorithm: bool = False, name: str = "fit") -> Any:
+@overload
+def fit(rows: Sequence[Any], *, per_algorithm: Literal[False] = ..., name: str = ...) -> Link: ...
+
+
+@overload
+def fit(
+    rows: Sequence[Any], *, per_algorithm: Literal[True], name: str = ...
+) -> dict[str, Link]: ...
+
+
+def fit(
+    rows: Sequence[Any], *, per_algorithm: bool = False, name: str = "fit"
+) -> Link | dict[str, Link]:
     """Estimate α, β, γ from measured rows by non-negative least squares on relative error.
 
     Args:
@@ -420,12 +476,9 @@ def compare(rows: Sequence[Any], link_or_links: Link | Mapping[str, Link]) -> li
     """
     out = []
     for algorithm, n, nbytes, seconds, params in (_row(r) for r in rows):
-        link = link_or_links
-        if isinstance(link_or_links, Mapping):
-            if algorithm not in link_or_links:
-                raise ValueError(f"link_or_links has no link for {algorithm!r}")
-            link = link_or_links[algorithm]
-        assert isinstance(link, Link)
+        if isinstance(link_or_links, Mapping) and algorithm not in link_or_links:
+            raise ValueError(f"link_or_links has no link for {algorithm!r}")
+        link = link_or_links[algorithm] if isinstance(link_or_links, Mapping) else link_or_links
         predicted = predict(algorithm, n, nbytes, link, **params)
         out.append({"algorithm": algorithm, "n": n, "nbytes": nbytes, "params": params,
                     "measured": seconds, "predicted": predicted,
@@ -456,6 +509,13 @@ def simulate(
     return [predict(algorithm, n, nbytes, link, **params) for n in towers]
 
 
+def _or_nan(algorithm: str, n: int, nbytes: float, link: Link, params: Mapping[str, Any]) -> float:
+    try:
+        return predict(algorithm, n, nbytes, link, **params)
+    except ValueError:  # a tower count the algorithm cannot take (group_size must divide n)
+        return math.nan
+
+
 def plot_simulation(
     algorithms: Sequence[str] | Mapping[str, Mapping[str, Any]],
     towers: Sequence[int] = DEFAULT_TOWERS, *, nbytes: float, link: Link, path: str | Path,
@@ -463,7 +523,17 @@ def plot_simulation(
     """Plot predicted time against tower count (log-log) and save a PNG to ``path``.
 
     Args:
-        algorithms: names, or a mapping name -> params (``{"hierarchical": {"group_size": 8}}``).
+        algorithms: names, or a mapping name -> params (``{"hierarchical": {"group_size": 8}}``);
+            tower counts an algorithm cannot take are left out of its line.
+        towers: the tower counts (x axis).
+        nbytes, link: as for :func:`predict`.
+        path: where to write the PNG.
+
+    Returns:
+        ``path`` as a :class:`~pathlib.Path`.
+
+    Raises:
+        ValueError: an unknown algorithm or parameter.
 
     Example:
         >>> plot_simulation(["ring", "tree"], nbytes=2**26,
@@ -477,8 +547,9 @@ def plot_simulation(
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     for algorithm, params in specs.items():
-        ax.plot(towers, simulate(algorithm, towers, nbytes, link, **params), marker="o",
-                label=algorithm)
+        coefficients(algorithm, 1, nbytes, **params)  # a bad name or parameter still raises
+        ax.plot(towers, [_or_nan(algorithm, n, nbytes, link, params) for n in towers],
+                marker="o", label=algorithm)
     ax.set(xscale="log", yscale="log", xlabel="towers", ylabel="predicted seconds",
            title=f"all-reduce of {nbytes / 2**20:g} MiB per tower on {link.name or 'link'}")
     ax.legend()
