@@ -1,0 +1,97 @@
+"""towers check: the verdict, the smallest failing example, exit codes, factories.
+
+Runs in-process through ``towers.cli.main``; ``--max-towers 8`` matches the 8
+devices conftest configured, so ``simulate_devices`` is a no-op here. The
+algorithms under test live in this module and are named ``tests.test_check_job:…``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+import tensorflow as tf
+
+from towers import cli
+from towers.allreduce import AllReduce, check_values, combine, finish, send
+
+
+def star(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
+    """Everyone sends to the last tower, which reduces in tower order and sends back."""
+    devices = check_values(values, op)
+    hub = devices[-1]
+    with tf.device(hub):
+        total = send(values[0], hub)
+        for v in values[1:]:
+            total = combine(total, send(v, hub), op)
+        total = finish(total, op, len(values))
+    return [send(total, d) for d in devices]
+
+
+def make_star() -> AllReduce:
+    """A factory: ``towers check`` calls it with no arguments."""
+    return star
+
+
+def forgets_the_last(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
+    """Broken: the last tower's value never reaches the sum."""
+    devices = check_values(values, op)
+    with tf.device(devices[0]):
+        total = values[0]
+        for v in values[1:-1]:
+            total = combine(total, send(v, devices[0]), op)
+    return [send(total, d) for d in devices]
+
+
+def _check(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    code = cli.main(["check", *args, "--max-towers", "8"])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.mark.parametrize("name", ["star", "make_star"])
+def test_a_correct_algorithm_passes_with_exit_code_0(name: str, capsys) -> None:
+    code, out, _ = _check(capsys, f"tests.test_check_job:{name}", "--towers", "1,2,3",
+                          "--examples", "6")
+    assert code == 0, out
+    assert f"PASS: tests.test_check_job:{name} (6 examples run)" in out
+    assert "tower count" in out  # the progress bar
+
+
+def test_a_broken_algorithm_fails_with_the_smallest_example(capsys) -> None:
+    code, out, _ = _check(capsys, "tests.test_check_job:forgets_the_last", "--examples", "16",
+                          "--dtypes", "float32", "--ops", "sum")
+    assert code == 1
+    assert "FAIL: tests.test_check_job:forgets_the_last" in out
+    example = out.split("Smallest failing example:")[1]
+    assert example.lstrip().startswith("n=2 towers, shape=(), dtype=float32, op='sum'")
+    assert "output 0: 1 of 1 elements differ" in out
+
+
+def test_registered_names_work_too(capsys) -> None:
+    code, out, _ = _check(capsys, "ring", "--towers", "4", "--examples", "3", "--replay")
+    assert code == 0 and "PASS: ring (3 examples run)" in out
+    assert "replay not checked" not in out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["butterfly"], "unknown all_reduce 'butterfly'"),
+        (["tests.test_check_job:nothing"], "has no 'nothing'"),
+        (["ring", "--towers", "9"], "tower counts in 1..8"),
+        (["ring", "--dtypes", "float33"], "float33"),
+    ],
+)
+def test_bad_input_exits_2_with_a_message(args: list[str], message: str, capsys) -> None:
+    code, _, err = _check(capsys, *args)
+    assert code == 2 and message in err
+
+
+def test_help_describes_every_option(capsys) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["check", "--help"])
+    text = capsys.readouterr().out
+    for option in ("--max-towers", "--towers", "--examples", "--ops", "--dtypes", "--seed",
+                   "--replay", "examples:"):
+        assert option in text

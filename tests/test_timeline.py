@@ -1,0 +1,68 @@
+"""towers timeline: a loadable chrome-trace JSON with events for every tower and every tick.
+
+In-process on conftest's devices: ``start_devices`` is replaced by a prefix of
+``DEVICES`` so no other device count is ever asked of TensorFlow here.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import DEVICES
+from towers import cli, timeline_job, trace
+
+
+def _complete(data: dict) -> list[dict]:
+    return [e for e in data["traceEvents"] if e["ph"] == "X"]
+
+
+def test_ring_step_has_every_tower_and_tick(tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.setattr(trace, "start_devices", lambda n: DEVICES[:n])
+    out = tmp_path / "step.json"
+    code = cli.main(["timeline", "--towers", "3", "--algorithm", "ring", "--repeats", "1",
+                     "--batch-size", "12", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    data = json.loads(out.read_text())  # it loads
+    events, n, ticks = _complete(data), 3, 2 * (3 - 1)
+    assert data["otherData"]["ticks"] == ticks and "measured" in data["otherData"]["timings"]
+    timeline_job.validate(data, n, ticks)
+    for tower in range(n):
+        names = [e["name"] for e in events if e["pid"] == tower]
+        assert names[:2] == ["forward", "backward"] and "apply" in names
+        here = sorted(e["args"]["tick"] for e in events if e["pid"] == tower and e["tid"] == 1)
+        assert here == list(range(ticks))  # in a ring every tower works every tick
+    # Phases follow each other: reduction after the slowest backward, apply after the ticks.
+    end_of_compute = max(e["ts"] + e["dur"] for e in events if e["name"] == "backward")
+    reduce = [e for e in events if e["tid"] == 1]
+    assert min(e["ts"] for e in reduce) == pytest.approx(end_of_compute, abs=0.01)
+    assert min(e["ts"] for e in events if e["name"] == "apply") == pytest.approx(
+        max(e["ts"] + e["dur"] for e in reduce), abs=0.01)
+    meta = {e["pid"]: e["args"]["name"] for e in data["traceEvents"] if e["name"] == "process_name"}
+    assert meta[0].startswith("tower 0") and meta[n].startswith("whole step")
+    assert "whole step, compiled" in printed and "/phase" in printed  # the progress bar
+
+
+def test_validate_names_what_is_missing() -> None:
+    event = {"name": "forward", "ph": "X", "ts": 0, "dur": 1, "pid": 0, "tid": 0, "args": {}}
+    backward = {**event, "name": "backward"}
+    with pytest.raises(ValueError, match="no traceEvents"):
+        timeline_job.validate({}, 1, 0)
+    with pytest.raises(ValueError, match="tower 1 lacks"):
+        timeline_job.validate({"traceEvents": [event, backward]}, 2, 0)
+    with pytest.raises(ValueError, match=r"tick events for \[\], expected 0..1"):
+        timeline_job.validate({"traceEvents": [event, backward]}, 1, 2)
+    with pytest.raises(ValueError, match="malformed"):
+        timeline_job.validate({"traceEvents": [{**event, "dur": -1}]}, 1, 0)
+
+
+def test_help_describes_the_options_and_the_timings(capsys) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["timeline", "--help"])
+    text = capsys.readouterr().out
+    for option in ("--towers", "--algorithm", "--variables", "--batch-size", "--repeats",
+                   "--out", "What the numbers mean", "examples:"):
+        assert option in text

@@ -1,0 +1,120 @@
+"""Check an all-reduce against the contract, on simulated towers, with Hypothesis.
+
+Runs ``towers.testing.check_all_reduce`` for every tower count from 1 to
+--max-towers (or the counts given with --towers), drawing shapes (``()``, ``(0,)``,
+primes, sizes no tower count divides), dtypes and ops, and checks every output:
+its value within the summation-depth bound of the exact reduction, its device,
+bitwise agreement between towers, the bytes counted at ``send`` against the
+algorithm's ``bytes_sent`` formula (when it has one) and, with --replay, bitwise
+equality with the NumPy replay of its graph. The verdict names the smallest
+failing example Hypothesis could shrink to.
+
+The algorithm is a registered name or module:function (file.py:function); a
+factory (anything not taking ``(values, *, op)``) is called with no arguments.
+
+Exit status: 0 when every check passes, 1 on a failure, 2 for bad options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from typing import Any
+
+__all__ = ["EPILOG", "add_arguments", "run"]
+
+EPILOG = """examples:
+  python -m towers check my_algos:star                     # ./my_algos.py
+  python -m towers check my_algos:star --max-towers 4 --examples 40
+  python -m towers check my_algos.py:make_star --dtypes float32,float64 --ops sum,mean
+  python -m towers check hierarchical --towers 2,4,8 --replay
+  python -m towers check ring --seed -1                   # fresh examples every run
+"""
+
+
+def _names(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def _counts(text: str) -> list[int]:
+    try:
+        return sorted({int(part) for part in _names(text)})
+    except ValueError:
+        message = f"expected tower counts like 2,4,8; got {text!r}"
+        raise argparse.ArgumentTypeError(message) from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``towers check``."""
+    parser.add_argument("algorithm", help="a registered name, module:function or file.py:function")
+    parser.add_argument("--max-towers", type=int, default=8,
+                        help="largest tower count; simulates this many devices (default 8)")
+    parser.add_argument("--towers", type=_counts, default=None, metavar="N,N,...",
+                        help="only these tower counts (default 1..max-towers), e.g. 2,4,8")
+    parser.add_argument("--examples", type=int, default=20,
+                        help="examples in all, spread over the tower counts, at least 2 each "
+                        "(default 20)")
+    parser.add_argument("--ops", type=_names, default=None, metavar="OP,...",
+                        help="ops to draw (default sum,mean,max,min)")
+    parser.add_argument("--dtypes", type=_names, default=None, metavar="DTYPE,...",
+                        help="dtypes to draw (default: float16,bfloat16,float32,float64,int32,"
+                        "int64)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="Hypothesis seed for reproducible runs (default 0; -1: a fresh draw)")
+    parser.add_argument("--replay", action="store_true",
+                        help="also demand bitwise equality with the NumPy replay (slower)")
+
+
+def _options(args: argparse.Namespace, devices: list[str]) -> dict[str, Any]:
+    from towers.allreduce.base import DTYPES, OPS
+
+    return {
+        "max_towers": args.max_towers,
+        "devices": devices,
+        "seed": None if args.seed == -1 else args.seed,
+        "replay": args.replay,
+        "ops": args.ops or OPS,
+        "dtypes": args.dtypes or DTYPES,
+    }
+
+
+def _check(name: str, fn: Any, counts: list[int], examples: int, options: dict[str, Any]) -> Any:
+    """One search per tower count, ascending, with a progress bar; stops at the first failure."""
+    import keras
+
+    from towers.testing import check_all_reduce
+
+    per_count = max(2, -(-examples // len(counts)))  # as check_all_reduce spreads them
+    bar = keras.utils.Progbar(len(counts), unit_name="tower count")
+    total, report = 0, None
+    for k, n in enumerate(counts):
+        report = check_all_reduce(fn, tower_counts=[n], max_examples=per_count, **options)
+        total += report.examples
+        bar.update(k + 1, finalize=not report.ok or k + 1 == len(counts))
+        if not report.ok:
+            break
+    assert report is not None  # counts is not empty
+    return dataclasses.replace(report, algorithm=name, examples=total)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the job; returns a process exit code."""
+    counts = args.towers or list(range(1, args.max_towers + 1))
+    if args.max_towers < 1 or args.examples < 1 or counts[0] < 1 or counts[-1] > args.max_towers:
+        print("towers check: error: need --max-towers >= 1, --examples >= 1 and tower counts "
+              f"in 1..{args.max_towers}", file=sys.stderr)
+        return 2
+    from towers.trace import load_algorithm, start_devices
+
+    devices = start_devices(args.max_towers)  # first thing: before TensorFlow's runtime starts
+    try:
+        name, fn = load_algorithm(args.algorithm, devices)
+        options = _options(args, devices)
+        print(f"towers check: {name} over tower counts {counts}, {args.examples} examples")
+        report = _check(name, fn, counts, args.examples, options)
+    except (ValueError, TypeError) as err:
+        print(f"towers check: error: {err}", file=sys.stderr)
+        return 2
+    print(report)
+    return 0 if report.ok else 1
