@@ -202,3 +202,23 @@ def test_empty_towers_contribute_exact_zeros() -> None:
     assert float(three.train_step(*batch)) == float(two.train_step(*batch))
     for a, b in zip(three.get_weights(), two.get_weights()):
         np.testing.assert_array_equal(a, b)
+
+
+def test_step_stats_name_every_source() -> None:
+    spec = ModelSpec("dense")
+    trainer = _trainer(spec, 3, variables="replicated", all_reduce="ring")
+    trainer.train_step(*spec.batch(6, seed=0))
+    stats = trainer.last_step_stats
+    assert stats is not None
+    assert set(stats.bytes_per_tower) == set(DEVICES[:3])
+    assert not stats.estimated
+    # ring: each tower sends 2(n-1)/n of every gradient (padded to n chunks) and no weights.
+    from towers.allreduce.ring import bytes_sent
+
+    expected = sum(bytes_sent(3, int(v.size) * 4, 4)[0] for v in trainer.get_weights())
+    bookkeeping = {"loss", "state"}  # the tower's loss and example count (4 + 4 bytes)
+    gradients = sum(
+        t.nbytes or 0 for t in stats.transfers if t.src == DEVICES[1] and t.note not in bookkeeping
+    )
+    assert gradients == expected
+    assert stats.bytes_per_tower[DEVICES[1]] == expected + 8

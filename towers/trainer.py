@@ -272,9 +272,10 @@ class TowerTrainer:
         with tf.device(replica.device):
             trainable = [tf.convert_to_tensor(v.value) for v in replica.model.trainable_variables]
             frozen = [tf.convert_to_tensor(v.value) for v in replica.model.non_trainable_variables]
+        src = replica.device
         return (
-            [send(t, dst, note="read-weights") for t in trainable],
-            [send(t, dst, note="read-weights") for t in frozen],
+            [send(t, dst, src=src, note="read-weights") for t in trainable],
+            [send(t, dst, src=src, note="read-weights") for t in frozen],
         )
 
     def _train_step(self, x: Any, y: Any, sample_weight: Any) -> tf.Tensor:

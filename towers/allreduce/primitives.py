@@ -113,7 +113,13 @@ def _nbytes(x: tf.Tensor) -> int | None:
 
 
 def send(
-    x: tf.Tensor, dst: str, *, tick: int | None = None, chunk: int | None = None, note: str = ""
+    x: tf.Tensor,
+    dst: str,
+    *,
+    tick: int | None = None,
+    chunk: int | None = None,
+    note: str = "",
+    src: str | None = None,
 ) -> tf.Tensor:
     """Copy ``x`` to device ``dst`` and record the transfer.
 
@@ -126,8 +132,10 @@ def send(
         tick: the algorithm step this transfer belongs to (for traces and counts).
         chunk: which chunk of the buffer moves (for traces).
         note: free text, e.g. ``"reduce-scatter"``.
+        src: where ``x`` lives, for a tensor whose ``.device`` is empty (a variable read
+            inside ``tf.function`` is colocated with its variable but carries no name).
     """
-    src = canonical_device(x.device)
+    src = canonical_device(x.device) or canonical_device(src or "")
     dst = canonical_device(dst)
     if src == dst:
         return x

@@ -1,0 +1,61 @@
+"""Export the trained model for use without towers: a ``.keras`` file and a SavedModel.
+
+::
+
+    trainer.model ──model.save──▶ <path>/model.keras     Keras: reload with load_model,
+                  │                                       keep training, inspect layers
+                  └─model.export─▶ <path>/saved_model/    TF Serving, TFLite, tf.saved_model.load
+                                                          (a traced graph: endpoint "serve")
+
+Both hold one copy of the weights (the replicas are identical, so which copy does
+not matter). Reloading the ``.keras`` file runs the same Keras layers on the same
+weights: its outputs equal ``trainer.model``'s bitwise. The SavedModel runs a traced
+graph that Grappler optimizes when it is loaded (e.g. its remapper fuses
+Conv2D + BiasAdd + Relu and MatMul + BiasAdd into single kernels), so its outputs
+may differ from the eager model's in the last bits; expect agreement to a few ULPs.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from towers.trainer import TowerTrainer
+
+__all__ = ["Exported", "export"]
+
+
+class Exported(NamedTuple):
+    """Where :func:`export` wrote the model."""
+
+    keras: str
+    saved_model: str
+
+
+def export(trainer: TowerTrainer, path: str) -> Exported:
+    """Save ``trainer.model`` as ``<path>/model.keras`` and a SavedModel in ``<path>/saved_model``.
+
+    Args:
+        trainer: the :class:`~towers.TowerTrainer`.
+        path: a directory (created if missing).
+
+    Returns:
+        The two paths.
+
+    Raises:
+        ValueError: ``path`` exists and is not a directory.
+
+    Example:
+        >>> out = export(trainer, "/tmp/digits")                      # doctest: +SKIP
+        >>> keras.models.load_model(out.keras).predict(x)            # doctest: +SKIP
+        >>> tf.saved_model.load(out.saved_model).serve(x)            # doctest: +SKIP
+    """
+    path = os.fspath(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"path must be a directory, but {path!r} is a file")
+    os.makedirs(path, exist_ok=True)
+    out = Exported(os.path.join(path, "model.keras"), os.path.join(path, "saved_model"))
+    trainer.model.save(out.keras)
+    trainer.model.export(out.saved_model, verbose=False)
+    return out
