@@ -222,3 +222,14 @@ def test_step_stats_name_every_source() -> None:
     )
     assert gradients == expected
     assert stats.bytes_per_tower[DEVICES[1]] == expected + 8
+
+
+def test_return_outputs_gives_this_steps_predictions_in_tower_order() -> None:
+    spec = ModelSpec("dense")
+    trainer = _trainer(spec, 3, optimizer="sgd")
+    x, y = spec.batch(7, seed=0)  # 3, 3, 1 over the towers
+    before = trainer.model(x).numpy()  # the weights this step reads
+    loss, outputs = trainer.train_step(x, y, return_outputs=True)
+    assert outputs.shape == (7, spec.classes)
+    np.testing.assert_allclose(outputs.numpy(), before, rtol=1e-6, atol=1e-7)
+    assert float(loss) > 0

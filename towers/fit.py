@@ -31,10 +31,9 @@ How the numbers are aggregated, and why each is exact:
   copy per tower and adding the states would be exact for counting metrics such as
   accuracy — integer counts below 2**24 add exactly in float32 — but not for metrics
   whose state is a float sum, e.g. mean squared error: partial sums round differently.)
-- **Training metrics** come from the same inference pass, run on the batch just
-  before the step updates the weights: identical to Keras' for models whose training
-  and inference passes agree (no Dropout or BatchNormalization). The loss is always
-  the step's own.
+- **Training metrics** come from the step's own forward pass (training mode, the
+  outputs of every tower concatenated in tower order: ``train_step(...,
+  return_outputs=True)``), as in Keras. The loss is always the step's own.
 
 Callbacks get ``model=trainer.model``; ``model.stop_training`` ends training after the
 batch or epoch that set it. Because callbacks such as EarlyStopping(restore_best_weights)
@@ -327,10 +326,11 @@ def _train_epoch(
     for step, (x, y, sw) in enumerate(batches):
         callbacks.on_train_batch_begin(step)
         if metrics.specs:
-            with as_written():  # the weights the step is about to use
-                y_pred = _towers(trainer).outputs(tf.nest.map_structure(tf.convert_to_tensor, x))
+            loss_t, y_pred = trainer.train_step(x, y, sw, return_outputs=True)
             metrics.update(y, y_pred, sw)
-        loss = float(trainer.train_step(x, y, sw))
+            loss = float(loss_t)
+        else:
+            loss = float(trainer.train_step(x, y, sw))
         size = _batch_length(tf.nest.map_structure(tf.convert_to_tensor, x))
         total, count = total + loss * size, count + size
         logs = {"loss": total / count, **metrics.results()}

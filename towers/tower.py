@@ -47,6 +47,7 @@ class TowerResult:
     grads: list[tf.Tensor | tf.IndexedSlices]
     non_trainable: list[tf.Tensor]
     examples: tf.Tensor
+    outputs: Any = None
 
 
 def resolve_loss(loss: str | LossFn | keras.losses.Loss) -> LossFn:
@@ -143,7 +144,7 @@ def tower_step(
         grads = tape.gradient(loss, list(trainable))
         examples = tf.shape(per_ex)[0]
     _check_gradients(grads, [v.path for v in model.trainable_variables])
-    return TowerResult(loss, list(grads), list(new_non_trainable), examples)
+    return TowerResult(loss, list(grads), list(new_non_trainable), examples, y_pred)
 
 
 def _zeros_like_gradient(variable: Any, like: Any) -> tf.Tensor | tf.IndexedSlices:
@@ -186,4 +187,5 @@ def empty_tower_step(
             _zeros_like_gradient(v, like) if g is None else g
             for g, v, like in zip(grads, model.trainable_variables, template.grads)
         ]
-        return TowerResult(loss, grads, list(non_trainable), tf.constant(0, tf.int32))
+        outputs = tf.nest.map_structure(lambda t: t[:0], template.outputs)
+        return TowerResult(loss, grads, list(non_trainable), tf.constant(0, tf.int32), outputs)

@@ -25,6 +25,7 @@ Everything happens in one ``tf.function``, traced once per input signature and r
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from collections.abc import Sequence
 from typing import Any
@@ -191,6 +192,9 @@ class TowerTrainer:
         # No reduce_retracing: a static batch size gives static shard sizes (empty towers are
         # skipped at trace time); a new batch size costs one more trace, not one per step.
         self._step = tf.function(self._train_step, autograph=False)
+        self._step_with_outputs = tf.function(
+            functools.partial(self._train_step, with_outputs=True), autograph=False
+        )
 
     @property
     def model(self) -> keras.Model:
@@ -204,8 +208,14 @@ class TowerTrainer:
 
     # -- public API ---------------------------------------------------------------------------
 
-    def train_step(self, x: Any, y: Any, sample_weight: Any = None) -> tf.Tensor:
+    def train_step(
+        self, x: Any, y: Any, sample_weight: Any = None, *, return_outputs: bool = False
+    ) -> Any:
         """Run one synchronous step on a global batch and return the global mean loss.
+
+        With ``return_outputs=True`` it returns ``(loss, outputs)``: the model's outputs
+        of this very step (training mode), concatenated in tower order — what training
+        metrics should see.
 
         Raises:
             ValueError: x, y and sample_weight disagree on the batch size, or it is 0.
@@ -214,8 +224,9 @@ class TowerTrainer:
         x, y = tf.nest.map_structure(tf.convert_to_tensor, (x, y))
         if sample_weight is not None:
             sample_weight = tf.convert_to_tensor(sample_weight, dtype=self._float_dtype())
+        step = self._step_with_outputs if return_outputs else self._step
         with as_written():
-            return self._step(x, y, sample_weight)
+            return step(x, y, sample_weight)
 
     @property
     def last_step_stats(self) -> StepStats | None:
@@ -278,12 +289,16 @@ class TowerTrainer:
             [send(t, dst, src=src, note="read-weights") for t in frozen],
         )
 
-    def _train_step(self, x: Any, y: Any, sample_weight: Any) -> tf.Tensor:
+    def _train_step(self, x: Any, y: Any, sample_weight: Any, with_outputs: bool = False) -> Any:
         self.trace_count += 1
         with record() as recorder:
-            loss = self._step_body(x, y, sample_weight)
+            loss, results = self._step_body(x, y, sample_weight)
+            if with_outputs:
+                with tf.device(self.parameter_device):
+                    parts = [r.outputs for r in results]
+                    outputs = tf.nest.map_structure(lambda *t: tf.concat(t, 0), *parts)
         self.last_trace_stats = recorder
-        return loss
+        return (loss, outputs) if with_outputs else loss
 
     def _shards(self, x: Any, y: Any, sample_weight: Any) -> tuple[list[Any], list[int | None]]:
         """Split the batch; with a static batch size, shard sizes are known at trace time."""
@@ -304,7 +319,7 @@ class TowerTrainer:
             shards = [(*s, None) for s in shards]
         return shards, sizes
 
-    def _step_body(self, x: Any, y: Any, sample_weight: Any) -> tf.Tensor:
+    def _step_body(self, x: Any, y: Any, sample_weight: Any) -> tuple[tf.Tensor, list[TowerResult]]:
         n = len(self.devices)
         shards, sizes = self._shards(x, y, sample_weight)
         global_batch = tf.shape(tf.nest.flatten(x)[0])[0]
@@ -330,7 +345,7 @@ class TowerTrainer:
         self._finish_step(ordered)
         with tf.device(self.parameter_device):
             losses = [send(r.loss, self.parameter_device, note="loss") for r in ordered]
-            return tf.add_n(losses)
+            return tf.add_n(losses), ordered
 
     def _empty_tower(self, tower: int, template: TowerResult, n: int) -> TowerResult:
         trainable, frozen = self._tower_values(tower)
