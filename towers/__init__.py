@@ -8,7 +8,7 @@ replica. See README.md for the picture.
 
 from __future__ import annotations
 
-from towers.allreduce import ALGORITHMS, all_reduce
+from towers.allreduce import ALGORITHMS, all_reduce, bucketed, compressed
 from towers.devices import local_devices, simulate_devices
 from towers.split import split
 from towers.trainer import TowerTrainer
@@ -17,6 +17,8 @@ __all__ = [
     "ALGORITHMS",
     "TowerTrainer",
     "all_reduce",
+    "bucketed",
+    "compressed",
     "local_devices",
     "simulate_devices",
     "split",

@@ -194,10 +194,9 @@ def training_cases(
     def build(draw: st.DrawFn) -> TrainingCase:
         spec = draw(model_specs(families))
         towers = draw(st.integers(1, max_towers))
-        low = towers if spec.has_batchnorm else 1
-        sizes = draw(
-            st.lists(st.integers(low, max(low, max_batch)), min_size=1, max_size=max_steps)
-        )
+        sizes = draw(st.lists(st.integers(1, max_batch), min_size=1, max_size=max_steps))
+        if spec.family in ("batchnorm", "conv"):
+            sizes = [no_empty_shards(b, towers) for b in sizes]
         return TrainingCase(
             spec=spec,
             optimizer=draw(st.sampled_from(list(optimizers))),

@@ -3,8 +3,11 @@
 :func:`trace_all_reduce` runs an algorithm eagerly on one small vector per tower
 inside :func:`~towers.allreduce.primitives.record`, so every
 :func:`~towers.allreduce.primitives.send` becomes a row of the tick table, and
-checks the outputs against NumPy. :func:`draw` turns the rows into a picture
-(towers as rows, ticks as columns, one arrow per transfer, one colour per chunk)::
+checks the outputs against NumPy. :func:`~towers.trace_draw.draw` turns the rows
+into a picture (towers as rows, ticks as columns, one arrow per transfer, one
+colour per chunk), :func:`~towers.trace_text.format_table` and
+:func:`~towers.trace_text.format_summary` into text; both are importable from
+here too::
 
     tick      0          1          2      │    3          4          5
     tower 0  c3 ─▶1     c2 ─▶1     c1 ─▶1  │   c0 ─▶1 ...          holds c0 c1 c2 c3
@@ -121,6 +124,10 @@ class Trace:
     def early(self) -> int:
         """Rows the algorithm placed no later than the tick their data reached their source."""
         return sum(not r.assigned and not r.estimated and r.tick <= r.ready for r in self.rows)
+
+    def place_name(self, p: int) -> str:
+        """How place ``p`` is shown: ``tower p`` for a tower, else its device name."""
+        return f"tower {p}" if p < self.towers else self.places[p]
 
     def bytes_sent(self) -> list[int]:
         """Bytes sent per place (unknown sizes count as 0)."""
@@ -270,9 +277,9 @@ def _expected(arrays: Sequence[np.ndarray], op: str) -> np.ndarray:
 
 def _estimates(fn: Any, devices: Sequence[str], nbytes: int) -> list[Transfer]:
     """One estimated row per tower from ``estimated_bytes_sent`` (silent opaque collectives)."""
-    from towers.allreduce.check import _formula
+    from towers.allreduce.check import formula_for
 
-    formula = _formula(fn, "estimated_bytes_sent")
+    formula = formula_for(fn, "estimated_bytes_sent")
     if formula is None or len(devices) < 2:
         return []
     per_tower = formula(len(devices), nbytes)
@@ -283,9 +290,9 @@ def _estimates(fn: Any, devices: Sequence[str], nbytes: int) -> list[Transfer]:
 
 
 def _formula_bytes(fn: Any, n: int, nbytes: int, itemsize: int) -> tuple[int, ...] | None:
-    from towers.allreduce.check import _formula
+    from towers.allreduce.check import formula_for
 
-    formula = _formula(fn, "bytes_sent")
+    formula = formula_for(fn, "bytes_sent")
     if formula is None:
         return None
     try:
@@ -457,81 +464,7 @@ def trace_all_reduce(
     )
 
 
-# -- showing it ----------------------------------------------------------------------------------
-
-
-def _count(k: int, noun: str) -> str:
-    return f"{k} {noun}{'' if k == 1 else 's'}"
-
-
-def _place_name(trace: Trace, p: int) -> str:
-    return f"tower {p}" if p < trace.towers else trace.places[p]
-
-
-def format_table(trace: Trace) -> str:
-    """The tick table: one line per transfer, by tick then source tower.
-
-    ``*`` after a tick: assigned by order; ``~`` before bytes: an estimate.
-    """
-    lines = [f"{'tick':>5}  {'from':<10}{'to':<12}{'chunk':>5}  {'bytes':>7}  operation"]
-    shown = -1
-    for r in sorted(trace.rows, key=lambda r: (r.tick, r.src)):
-        tick = "" if r.tick == shown else f"{r.tick}{'*' if r.assigned else ''}"
-        shown = r.tick
-        chunk = "-" if r.chunk is None else str(r.chunk)
-        nbytes = "?" if r.nbytes is None else f"{'~' if r.estimated else ''}{r.nbytes}"
-        note = (r.note or "-") + (" (estimated)" if r.estimated else "")
-        lines.append(
-            f"{tick:>5}  {_place_name(trace, r.src):<10}{'-> ' + _place_name(trace, r.dst):<12}"
-            f"{chunk:>5}  {nbytes:>7}  {note}"
-        )
-    if not trace.rows:
-        lines.append("    -  (no transfers)")
-    if any(r.assigned for r in trace.rows):
-        lines.append("  * tick assigned by order (the algorithm gave none)")
-    return "\n".join(lines)
-
-
-def _ownership_lines(trace: Trace) -> list[str]:
-    if not trace.holds:
-        return ["chunk ownership: not observable (an opaque collective moved the data)"]
-    label = "the whole buffer" if len(trace.chunks) == 1 else f"all {len(trace.chunks)} chunks"
-    finished = " · ".join(
-        f"c{c} on {_place_name(trace, p)} (tick {t})"
-        for c, (p, t) in sorted(trace.finished.items())
-    )
-    holding = [str(p) for p in range(trace.towers) if len(trace.holds[p]) == len(trace.chunks)]
-    lines = [f"chunks finished: {finished}"] if finished else []
-    return [*lines, f"holding {label} at the end: towers {', '.join(holding) or 'none'}"]
-
-
-def format_summary(trace: Trace) -> str:
-    """Bytes per tower (against the algorithm's formula), ticks, ownership, the NumPy check."""
-    n, sent = trace.towers, trace.bytes_sent()
-    head = (
-        f"{trace.algorithm}: {n} towers × {trace.size} {trace.dtype} ({trace.size * 4} bytes "
-        f"each), op={trace.op}: {len(trace.rows)} transfers in {_count(trace.ticks, 'tick')}"
-    )
-    estimated = any(r.estimated for r in trace.rows)
-    per = " · ".join(f"{_place_name(trace, p)} {b}" for p, b in enumerate(sent) if p < n or b)
-    lines = [head, f"bytes sent{' (estimated)' if estimated else ''}: {per} (total {sum(sent)})"]
-    if trace.formula is not None:
-        same = list(trace.formula) == sent[:n]
-        sign = "=" if same else "≠"
-        lines.append(f"  {sign} the algorithm's bytes_sent formula {list(trace.formula)}")
-    if trace.early:
-        lines.append(
-            f"note: by the algorithm's ticks, {trace.early} transfers leave no later than their "
-            "data arrived (nested algorithms may each count from 0); --ticks order reschedules"
-        )
-    lines += _ownership_lines(trace)
-    verdict = "OK" if trace.ok else "WRONG"
-    agree = "bitwise identical" if trace.identical else "NOT identical"
-    lines.append(
-        f"result vs NumPy: {verdict}: max abs error {trace.max_abs_error:.3g} "
-        f"({trace.max_ulps} ULP); outputs {agree} on all {n} towers"
-    )
-    return "\n".join(lines)
+# -- JSON ----------------------------------------------------------------------------------------
 
 
 def to_json(trace: Trace) -> dict[str, Any]:
@@ -564,135 +497,7 @@ def transfers_from_json(data: dict[str, Any]) -> list[Transfer]:
     return [Transfer(**t) for t in data["transfers"]]
 
 
-def _colours(trace: Trace) -> dict[int, Any]:
-    import matplotlib
-
-    labels = sorted({r.chunk for r in trace.rows if r.chunk is not None} | set(trace.chunks))
-    cmap = matplotlib.colormaps["tab10" if len(labels) <= 10 else "tab20"]
-    return {c: cmap(k % cmap.N) for k, c in enumerate(labels)}
-
-
-def _column_notes(trace: Trace) -> list[str]:
-    """Per tick: its most common note, and ``*`` when the tick was assigned by order."""
-    out = []
-    for tick in range(trace.ticks):
-        rows = [r for r in trace.rows if r.tick == tick]
-        notes = [r.note for r in rows if r.note]
-        star = "*" if any(r.assigned for r in rows) else ""
-        out.append(f"{tick}{star}\n{max(set(notes), key=notes.count) if notes else ''}")
-    return out
-
-
-def _draw_arrows(ax: Any, trace: Trace, colours: dict[int, Any]) -> None:
-    seen: dict[tuple[int, int, int], int] = {}
-    labelled: dict[tuple[int, int], list[int | None]] = {}
-    for r in trace.rows:
-        k = seen[(r.tick, r.src, r.dst)] = seen.get((r.tick, r.src, r.dst), -1) + 1
-        x = r.tick + 0.1 * k - 0.05 * (k > 0)
-        colour = colours.get(r.chunk, "0.45") if r.chunk is not None else "0.45"
-        ax.annotate(
-            "", xy=(x + 0.3, r.dst), xytext=(x - 0.3, r.src),
-            arrowprops={
-                "arrowstyle": "-|>", "color": colour, "lw": 1.8, "shrinkA": 3, "shrinkB": 3,
-                "linestyle": "--" if r.estimated else "-",
-                "connectionstyle": f"arc3,rad={0.3 if abs(r.dst - r.src) > 1 else 0.0}",
-            },
-        )
-        here = labelled.setdefault((r.tick, r.src), [])
-        if r.chunk not in here:  # one label per chunk leaving a tower in a tick, side by side
-            text = f"c{r.chunk}" if r.chunk is not None else ""
-            text = f"~{r.nbytes}" if r.estimated else text
-            ax.text(r.tick - 0.36 + 0.17 * len(here), r.src - 0.2, text, fontsize=7,
-                    color=colour, ha="left")
-            here.append(r.chunk)
-    for c, (p, tick) in trace.finished.items():
-        ax.plot(tick + 0.44, p, marker="*", ms=13, color=colours.get(c, "0.45"), mec="black")
-
-
-def _draw_ownership(ax: Any, trace: Trace, colours: dict[int, Any], x0: float) -> float:
-    """The right-hand column: per place, one square per chunk it holds complete at the end."""
-    chunks = trace.chunks
-    width = max(1.2, 0.3 * len(chunks))
-    ax.text(x0 + width / 2, -0.75, "holds at end\n(★ = finished here)", ha="center", fontsize=8)
-    if not trace.holds:
-        ax.text(x0 + width / 2, (len(trace.places) - 1) / 2, "not observable\n(opaque)",
-                ha="center", va="center", fontsize=8)
-        return width
-    import matplotlib.patches as patches
-
-    w = width / len(chunks)
-    finished_by = {c: p for c, (p, _) in trace.finished.items()}
-    for p, held in enumerate(trace.holds):
-        for j, c in enumerate(chunks):
-            mine = finished_by.get(c) == p
-            ax.add_patch(patches.Rectangle(
-                (x0 + j * w + 0.03, p - 0.25), w - 0.06, 0.5,
-                facecolor=colours.get(c, "0.45") if c in held else "white",
-                edgecolor="black" if mine else "0.6", lw=2.2 if mine else 0.8,
-            ))
-            if mine:
-                ax.text(x0 + (j + 0.5) * w, p, "★", ha="center", va="center", fontsize=8)
-    return width
-
-
-def _legend(ax: Any, trace: Trace, colours: dict[int, Any]) -> None:
-    from matplotlib.lines import Line2D
-
-    shown = sorted({r.chunk for r in trace.rows if r.chunk is not None})[:12]
-    handles = [Line2D([], [], color=colours[c], lw=2, label=f"chunk {c}") for c in shown]
-    if any(r.chunk is None for r in trace.rows):
-        handles.append(Line2D([], [], color="0.45", lw=2, label="no chunk label"))
-    if any(r.estimated for r in trace.rows):
-        handles.append(Line2D([], [], color="0.45", lw=2, ls="--", label="estimated"))
-    if trace.finished:
-        handles.append(Line2D([], [], color="0.6", marker="*", ms=11, mec="black", lw=0,
-                              label="chunk complete"))
-    if handles:
-        ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.02),
-                  ncol=min(len(handles), 7), fontsize=8, frameon=False)
-
-
-def draw(trace: Trace, path: str | os.PathLike[str]) -> Path:
-    """Draw the trace as a PNG (matplotlib, Agg): towers as rows, ticks as columns.
-
-    Each transfer is an arrow from its source row to its destination row within its
-    tick's column, coloured by chunk (dashed: estimated); a star marks where a chunk
-    first holds every tower's contribution; the right-hand column shows which chunks
-    each tower holds complete at the end (a bold square: finished there).
-
-    Returns:
-        The path written.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ticks, places, colours = max(trace.ticks, 1), len(trace.places), _colours(trace)
-    width = max(1.2, 0.3 * len(trace.chunks))
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.25 * ticks + 2.2 + width), 1.0 + 0.7 * places))
-    for p in range(places):
-        ax.axhspan(p - 0.45, p + 0.45, color="0.96" if p % 2 else "0.91", zorder=0)
-    for t in range(ticks + 1):
-        ax.axvline(t - 0.5, color="white", lw=2, zorder=0)
-    _draw_arrows(ax, trace, colours)
-    _draw_ownership(ax, trace, colours, ticks - 0.3)
-    ax.set_xlim(-0.5, ticks - 0.2 + width)
-    ax.set_ylim(places - 0.5, -1.1)
-    ax.set_yticks(range(places), [_place_name(trace, p) for p in range(places)])
-    ax.set_xticks(range(trace.ticks), _column_notes(trace), fontsize=8)
-    ax.xaxis.tick_top()
-    ax.tick_params(length=0)
-    for side in ax.spines.values():
-        side.set_visible(False)
-    verdict = "= NumPy" if trace.ok else "WRONG vs NumPy"
-    ax.set_title(
-        f"{trace.algorithm}: {trace.towers} towers × {trace.size} {trace.dtype}, op={trace.op}, "
-        f"{len(trace.rows)} transfers in {_count(trace.ticks, 'tick')}, result {verdict}",
-        fontsize=10,
-    )
-    _legend(ax, trace, colours)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return Path(path)
+# The text and the picture live in their own modules; re-exported so `towers.trace` is the one
+# import for users (at the bottom: they need Trace only for type hints).
+from towers.trace_draw import draw  # noqa: E402
+from towers.trace_text import format_summary, format_table  # noqa: E402

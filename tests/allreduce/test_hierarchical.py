@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -23,7 +24,7 @@ from towers.allreduce import ALGORITHMS, naive, parameter_device
 from towers.allreduce.base import AllReduce
 from towers.allreduce.halving_doubling import halving_doubling
 from towers.allreduce.hierarchical import bytes_sent, hierarchical, summation_depth
-from towers.allreduce.primitives import record
+from towers.allreduce.primitives import Recorder, Transfer, record
 from towers.devices import canonical_device
 
 PARTS: dict[str, AllReduce | str] = {
@@ -156,3 +157,54 @@ def test_replay_is_bitwise() -> None:
     expected = [o.numpy() for o in algo(values, op="mean")]
     got = replay(algo, [v.numpy() for v in values], "mean", devices=DEVICES[:6])
     assert all(np.array_equal(g, e) for g, e in zip(got, expected, strict=True))
+
+
+def _ticks(rec: Recorder, keep: Callable[[Transfer], bool]) -> list[int]:
+    """The distinct ticks of the recorded transfers that ``keep`` picks, sorted."""
+    return sorted({t.tick for t in rec.transfers if keep(t) and t.tick is not None})
+
+
+def test_phases_tick_one_after_another() -> None:
+    # n = 8, k = 2: naive in the groups (ticks 0, 1), halving-doubling over the 4 leaders
+    # shifted after it, then the copies to the members.
+    case = Case(8, (10,), tf.float32, "sum", 9)
+    values = make_values(case)
+    hd = halving_doubling()
+    with record() as rec:
+        outputs = hierarchical("naive", hd, group_size=2)(values)
+    leaders = [naive(values[g : g + 2])[0] for g in range(0, 8, 2)]
+    with record() as alone:
+        expected = hd(leaders)
+    hd_ticks = _ticks(alone, lambda t: True)
+    inner = _ticks(rec, lambda t: t.note in ("gather", "broadcast"))
+    outer = _ticks(rec, lambda t: DEVICES.index(t.src) // 2 != DEVICES.index(t.dst) // 2)
+    final = _ticks(rec, lambda t: t.note == "group-broadcast")
+    assert inner == [0, 1]
+    assert outer == [2 + t for t in hd_ticks]
+    assert final == [outer[-1] + 1]
+    # Only labels moved: outputs bitwise those of the parts composed by hand, bytes as before.
+    for i, out in enumerate(outputs):
+        assert out.numpy().tobytes() == expected[i // 2].numpy().tobytes()
+    check_bytes(rec, DEVICES[:8], bytes_sent(8, nbytes(case), 4, inner="naive", outer=hd))
+
+
+def test_nested_phases_tick_one_after_another() -> None:
+    # inner: hierarchical(naive, naive, 2) on 4 towers takes ticks 0-1, 2-3, 4; then
+    # halving-doubling between towers 0 and 4 from tick 5 (b ticks); then 0 and 4 copy to
+    # their 3 members each, at tick 5 + b. The enclosing offset is not added twice.
+    case = Case(8, (6,), tf.float32, "mean", 10)
+    values = make_values(case)
+    hd = halving_doubling()
+    with record() as alone:
+        hd(values[0:8:4])
+    b = len(_ticks(alone, lambda t: True))
+    algo: Any = hierarchical(hierarchical("naive", "naive", 2), hd, group_size=4)
+    with record() as rec:
+        outputs = algo(values, op="mean")
+    ticks = [t.tick for t in rec.transfers]
+    cross = _ticks(rec, lambda t: DEVICES.index(t.src) // 4 != DEVICES.index(t.dst) // 4)
+    assert _ticks(rec, lambda t: True) == list(range(5 + b + 1))
+    assert cross == list(range(5, 5 + b))
+    assert ticks[-6:] == [5 + b] * 6 and ticks.count(5 + b) == 6
+    check_all_reduce(outputs, values, "mean", algo.summation_depth(8))
+    check_bytes(rec, DEVICES[:8], algo.bytes_sent(8, nbytes(case), 4))

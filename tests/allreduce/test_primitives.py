@@ -40,6 +40,8 @@ from towers.allreduce.primitives import (
     record,
     reduce,
     reduce_scatter,
+    send,
+    tick_offset,
     unsplit,
 )
 from towers.devices import canonical_device
@@ -433,3 +435,34 @@ def test_reduce_runs_the_base_checks() -> None:
     assert_base_checks(lambda values, op="sum": [reduce(values, 0, op)])
     with pytest.raises(ValueError, match="root=2"):
         reduce(place([np.ones(2, np.float32)] * 2), 2, "sum")
+
+
+def test_tick_offset_shifts_recorded_ticks_and_nests() -> None:
+    (x,) = place([np.arange(3, dtype=np.float32)])
+    with record() as rec:
+        send(x, DEVICES[1], tick=0)
+        with tick_offset(3) as total:
+            assert total == 3
+            y = send(x, DEVICES[1], tick=1)
+            send(x, DEVICES[1])  # no tick: nothing to shift
+            with tick_offset(2) as total:
+                assert total == 5
+                send(x, DEVICES[1], tick=0)
+        send(x, DEVICES[1], tick=0)
+    assert [t.tick for t in rec.transfers] == [0, 4, None, 5, 0]
+    assert y.numpy().tobytes() == x.numpy().tobytes()  # labels move, data does not
+    with pytest.raises(TypeError, match="tick offset must be an int"), tick_offset(1.5):  # type: ignore[arg-type]
+        pass
+
+
+def test_nested_records_leave_cleanly_when_equal() -> None:
+    # Recorders compare by value: an inner one that saw what its parent saw equals it.
+    (x,) = place([np.ones(2, np.float32)])
+    with record() as outer:
+        with record() as inner:
+            send(x, DEVICES[1], tick=0)
+        assert inner == outer
+        send(x, DEVICES[2], tick=1)
+    send(x, DEVICES[3], tick=2)  # recorded nowhere: both blocks are closed
+    assert [t.dst for t in inner.transfers] == [DEVICES[1]]
+    assert [t.dst for t in outer.transfers] == [DEVICES[1], DEVICES[2]]

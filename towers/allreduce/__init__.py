@@ -11,13 +11,17 @@ from collections.abc import Callable, Sequence
 
 import tensorflow as tf
 
-from towers.allreduce.base import OPS, AllReduce, check_values, combine, finish
+from towers.allreduce.base import OPS, AllReduce, GradientReducer, check_values, combine, finish
+from towers.allreduce.bucketed import bucketed, pack, unpack
+from towers.allreduce.codecs import CODECS, bf16, fp16, topk
+from towers.allreduce.compressed import compressed
 from towers.allreduce.double_binary_tree import double_binary_tree
 from towers.allreduce.halving_doubling import halving_doubling
 from towers.allreduce.hierarchical import hierarchical
 from towers.allreduce.naive import naive
 from towers.allreduce.nccl import nccl, nccl_ring, nccl_tree
 from towers.allreduce.parameter_device import parameter_device
+from towers.allreduce.powersgd import powersgd
 from towers.allreduce.primitives import Recorder, Transfer, record, send
 from towers.allreduce.ring import ring
 from towers.allreduce.sparse import densify, gather_indexed_slices
@@ -25,15 +29,21 @@ from towers.allreduce.tree import tree
 
 __all__ = [
     "ALGORITHMS",
+    "CODECS",
     "OPS",
     "AllReduce",
+    "GradientReducer",
     "Recorder",
     "Transfer",
     "all_reduce",
+    "bf16",
+    "bucketed",
     "check_values",
     "combine",
+    "compressed",
     "double_binary_tree",
     "finish",
+    "fp16",
     "get",
     "halving_doubling",
     "hierarchical",
@@ -42,11 +52,15 @@ __all__ = [
     "nccl_ring",
     "nccl_tree",
     "noop",
+    "pack",
     "parameter_device",
+    "powersgd",
     "record",
     "ring",
     "send",
+    "topk",
     "tree",
+    "unpack",
 ]
 
 

@@ -55,6 +55,7 @@ __all__ = [
     "Closeness",
     "assert_close",
     "check_all_reduce",
+    "formula_for",
     "tower_shapes",
     "tower_values",
     "ulp_distance",
@@ -326,11 +327,16 @@ def _cases(
 # -- the reference and the bound ----------------------------------------------------------------
 
 
-def _formula(fn: Any, name: str) -> Callable[..., Any] | None:
-    """``fn.<name>``, else its module's ``<name>`` with extra parameters read off ``fn``.
+def formula_for(fn: Any, name: str) -> Callable[..., Any] | None:
+    """An algorithm's formula ``name`` (``"bytes_sent"``, ``"summation_depth"``, …), or None.
 
+    ``fn.<name>``, else its module's ``<name>`` with extra parameters read off ``fn``:
     ``ring(subchunks=2)`` carries ``subchunks``; the module's ``bytes_sent(n, nbytes,
-    itemsize, subchunks=1)`` is then called with ``subchunks=2``.
+    itemsize, subchunks=1)`` is then called with ``subchunks=2``. An int attribute
+    becomes a formula returning it.
+
+    Example:
+        >>> formula_for(ring(subchunks=2), "bytes_sent")(4, 64, 4)   # doctest: +SKIP
     """
     attr = getattr(fn, name, None)
     if callable(attr) or isinstance(attr, int):
@@ -440,7 +446,7 @@ def _check_values(results: list[np.ndarray], case: _Case, depth: int) -> list[st
 
 def _check_bytes(fn: Any, rec: Recorder, case: _Case, devices: Sequence[str]) -> list[str]:
     """Check 5: bytes each tower sent against the algorithm's ``bytes_sent`` formula."""
-    formula = _formula(fn, "bytes_sent")
+    formula = formula_for(fn, "bytes_sent")
     if formula is None or not rec.transfers:
         return []
     itemsize = case.arrays[0].dtype.itemsize
@@ -490,7 +496,7 @@ def _check_case(fn: Any, case: _Case, devices: Sequence[str], replay: bool) -> l
     if failures:
         return failures
     results = [np.asarray(out.numpy()) for out in outs]
-    depth_fn = _formula(fn, "summation_depth")
+    depth_fn = formula_for(fn, "summation_depth")
     try:
         depth = max(case.n - 1, 0) if depth_fn is None else int(depth_fn(case.n))
         failures = _check_values(results, case, depth) + _check_bytes(fn, rec, case, placed)
@@ -567,9 +573,9 @@ def _devices(devices: Sequence[str] | None, max_towers: int) -> list[str]:
 
 def _notes(fn: Any, replay: bool) -> tuple[str, ...]:
     notes = []
-    if _formula(fn, "bytes_sent") is None:
+    if formula_for(fn, "bytes_sent") is None:
         notes.append("bytes not checked: no bytes_sent(n, nbytes, itemsize) on it or its module")
-    if _formula(fn, "summation_depth") is None:
+    if formula_for(fn, "summation_depth") is None:
         notes.append("bound uses depth n-1: no summation_depth(n) on it or its module")
     if not replay:
         notes.append("replay not checked (replay=True compares with the NumPy replay)")

@@ -4,10 +4,16 @@ Towers are cut into consecutive groups of ``group_size`` (k); the first tower of
 each group is its leader. n = 4, k = 2::
 
     phase:     1 inner (per group)         2 outer (leaders only)      3 group broadcast
+    ticks:     0 … a−1                     a … a+b−1                   a+b
     tower 0 *  inner(x0, x1)[0] = s01      outer(s01, s23)[0] = s      s ──▶ tower 1
     tower 1    (inner's copy unused)                                   ◀── s
     tower 2 *  inner(x2, x3)[0] = s23      outer(s01, s23)[1] = s      s ──▶ tower 3
     tower 3    (inner's copy unused)                                   ◀── s
+
+Ticks run on from phase to phase: the groups' inner all-reduces run side by side
+in ticks 0 … a−1 (a: the inner part's ticks), the outer one is shifted by
+:func:`~towers.allreduce.primitives.tick_offset` to a … a+b−1, and the leaders'
+copies to their members go at tick a+b. Only the recorded labels move.
 
 Index formula: tower i is in group g = i // k, whose leader is g·k and whose
 members are g·k … g·k + k − 1; leader g is tower g of the outer all-reduce.
@@ -41,7 +47,7 @@ from typing import Any, TypeAlias
 import tensorflow as tf
 
 from towers.allreduce.base import AllReduce, check_values, finish
-from towers.allreduce.primitives import send
+from towers.allreduce.primitives import Recorder, record, send, tick_offset
 
 __all__ = ["bytes_sent", "hierarchical", "summation_depth"]
 
@@ -103,6 +109,17 @@ def _groups(n: int, group_size: int) -> int:
     return n // group_size
 
 
+def _after(seen: Recorder, start: int, shift: int) -> int:
+    """The tick after a phase that began at ``start`` (``start`` if it gave no ticks).
+
+    ``seen`` holds the phase's sends, recorded under ``tick_offset(start)``; ``shift``
+    is the total offset that was in effect, enclosing ones (a hierarchical inside
+    another) included, which are taken off again.
+    """
+    ticks = [t.tick for t in seen.transfers if t.tick is not None]
+    return max(start, max(ticks) - shift + start + 1) if ticks else start
+
+
 def _all_reduce(
     values: Sequence[tf.Tensor], op: str, inner: Part, outer: Part, group_size: int
 ) -> list[tf.Tensor]:
@@ -111,14 +128,23 @@ def _all_reduce(
     groups = _groups(n, k)
     inner_fn, outer_fn = _resolve(inner), _resolve(outer)
     part_op = "sum" if op == "mean" else op
-    leaders = [inner_fn(list(values[g * k : (g + 1) * k]), op=part_op)[0] for g in range(groups)]
-    totals = outer_fn(leaders, op=part_op)
+    # Each part numbers its ticks from 0: shift the outer phase after the inner one, and the
+    # group broadcast after both, so the recorded schedule reads as three phases in a row.
+    with record() as seen, tick_offset(0) as shift:
+        leaders = [inner_fn(list(values[g * k : (g + 1) * k]), op=part_op)[0]
+                   for g in range(groups)]
+    start = _after(seen, 0, shift)
+    with record() as seen, tick_offset(start) as shift:
+        totals = outer_fn(leaders, op=part_op)
+    start = _after(seen, start, shift)
     outputs: list[tf.Tensor] = []
     for g, total in enumerate(totals):
         with tf.device(devices[g * k]):
             total = finish(total, op, n)
         for member in range(g * k, (g + 1) * k):
-            outputs.append(send(total, devices[member], chunk=g, note="group-broadcast"))
+            outputs.append(
+                send(total, devices[member], tick=start, chunk=g, note="group-broadcast")
+            )
     return outputs
 
 

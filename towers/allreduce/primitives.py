@@ -5,7 +5,8 @@ an explicit copy under ``tf.device(dst)``. That makes communication visible: a
 :func:`record` block collects one :class:`Transfer` per send (source,
 destination, bytes, and the tick and chunk the algorithm says it belongs to), so
 tests can check byte counts against formulas and ``towers trace`` can draw the
-schedule.
+schedule. A composite algorithm shifts the ticks of a later phase with
+:func:`tick_offset`, so its phases do not overlap in the schedule.
 
 Below :func:`send` sit the collective building blocks research code composes
 (:func:`reduce_scatter`, :func:`all_gather`, :func:`broadcast`, :func:`reduce`)
@@ -39,6 +40,7 @@ __all__ = [
     "reduce",
     "reduce_scatter",
     "send",
+    "tick_offset",
     "unsplit",
 ]
 
@@ -82,6 +84,7 @@ class Recorder:
 
 
 _ACTIVE: list[Recorder] = []
+_OFFSETS: list[int] = []
 
 
 @contextlib.contextmanager
@@ -92,7 +95,35 @@ def record() -> Iterator[Recorder]:
     try:
         yield recorder
     finally:
-        _ACTIVE.remove(recorder)
+        # By identity: recorders compare by value, and a nested one can equal its parent.
+        del _ACTIVE[next(i for i, r in enumerate(_ACTIVE) if r is recorder)]
+
+
+@contextlib.contextmanager
+def tick_offset(k: int) -> Iterator[int]:
+    """Add ``k`` to the tick of every :func:`send` inside the block (nested offsets add up).
+
+    A composite algorithm runs its phases one after another, but each part numbers
+    its ticks from 0; shifting a phase by the ticks before it keeps the recorded
+    schedule sequential. Only the recorded labels change, never the data moved.
+
+    Yields:
+        The total offset now in effect (``k`` plus any enclosing offsets).
+
+    Raises:
+        TypeError: ``k`` is not an int.
+
+    Example:
+        >>> with tick_offset(3):                       # doctest: +SKIP
+        ...     y = send(x, "/device:CPU:1", tick=0)   # recorded with tick=3
+    """
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise TypeError(f"tick offset must be an int, got {type(k).__name__}")
+    _OFFSETS.append(k)
+    try:
+        yield sum(_OFFSETS)
+    finally:
+        _OFFSETS.pop()
 
 
 def record_estimate(src: str, dst: str, nbytes: int | None, *, note: str = "") -> None:
@@ -129,7 +160,8 @@ def send(
     Args:
         x: the tensor to move (it must have a device).
         dst: destination device name.
-        tick: the algorithm step this transfer belongs to (for traces and counts).
+        tick: the algorithm step this transfer belongs to (for traces and counts);
+            shifted by any enclosing :func:`tick_offset`.
         chunk: which chunk of the buffer moves (for traces).
         note: free text, e.g. ``"reduce-scatter"``.
         src: where ``x`` lives, for a tensor whose ``.device`` is empty (a variable read
@@ -141,6 +173,8 @@ def send(
         return x
     with tf.device(dst):
         y = tf.identity(x)
+    if tick is not None and _OFFSETS:
+        tick += sum(_OFFSETS)
     for recorder in _ACTIVE:
         recorder.transfers.append(Transfer(src, dst, _nbytes(x), tick, chunk, note))
     return y

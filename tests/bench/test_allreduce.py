@@ -1,0 +1,80 @@
+"""The all-reduce table at tiny sizes: every row checked against NumPy, nccl-tests columns."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests.conftest import DEVICES
+from towers.bench import allreduce as bench
+from towers.bench.report import allreduce_table
+
+COLUMNS = {"size", "count", "type", "redop", "algorithm", "time_us", "algbw", "busbw", "wrong"}
+
+
+@pytest.fixture(scope="module")
+def rows() -> list[dict]:
+    names = ["naive", "ring", "tree", "hierarchical", "tf.CollectiveAllReduce",
+             "tf.ReductionToOneDevice"]
+    return bench.run_allreduce(DEVICES[:3], [4096, 16384], algorithms=names, rounds=2)
+
+
+def test_every_row_is_right(rows: list[dict]) -> None:
+    ran = [r for r in rows if not r["error"]]
+    assert {r["algorithm"] for r in ran} >= {"naive", "ring", "tf.CollectiveAllReduce"}
+    assert all(r["wrong"] == 0 for r in ran), [(r["algorithm"], r["wrong"]) for r in ran]
+
+
+def test_a_contender_that_cannot_run_gets_a_row_with_the_reason(rows: list[dict]) -> None:
+    # hierarchical groups 2 towers: 3 towers do not divide into groups
+    failed = [r for r in rows if r["algorithm"] == "hierarchical"]
+    assert failed and all("group_size" in r["error"] for r in failed)
+    assert "hierarchical: not run" in allreduce_table(rows)
+
+
+def test_columns_and_busbw_formula(rows: list[dict]) -> None:
+    for r in rows:
+        assert set(r) >= COLUMNS
+        if r["error"] or r["kind"] == "calibration":
+            continue
+        assert r["count"] * 4 == r["size"]
+        assert r["algbw"] == pytest.approx(r["size"] / (r["time_us"] * 1e-6) / 1e9)
+        assert r["busbw"] == pytest.approx(r["algbw"] * 2 * (3 - 1) / 3)
+    assert {r["algorithm"] for r in rows if r["kind"] == "calibration"} == {"send", "add"}
+
+
+def test_table_has_nccl_tests_columns(rows: list[dict]) -> None:
+    head = allreduce_table(rows).splitlines()[0].split()
+    assert head[:4] == ["size", "count", "type", "redop"]
+    assert {"algbw", "busbw", "#wrong"} <= set(head)
+    assert not any(line.split()[4] == "send" for line in allreduce_table(rows).splitlines()[2:]
+                   if len(line.split()) > 4)
+
+
+def test_count_wrong_sees_a_wrong_output_and_a_misplaced_one() -> None:
+    devices = DEVICES[:2]
+    inputs = bench.make_inputs(devices, 64)
+    host = [x.numpy() for x in inputs]
+    noop = bench.Contender("noop", "towers", lambda v: list(v))
+    compiled = bench.Compiled(noop, devices)
+    outs = compiled(*inputs)
+    total = host[0] + host[1]
+    expected = sum(int(np.count_nonzero(h != total)) for h in host)
+    assert bench.count_wrong(noop, outs, host, devices, compiled.homes) == expected > 0
+    good = [tf.constant(host[0] + host[1])] * 2
+    assert bench.count_wrong(noop, good, host, devices, devices) == 0
+    assert bench.count_wrong(noop, good, host, devices, devices[::-1]) == 32
+
+
+def test_inputs_are_small_integers_on_their_devices() -> None:
+    inputs = bench.make_inputs(DEVICES[:2], 4096)
+    assert [x.device.endswith(f"CPU:{i}") for i, x in enumerate(inputs)] == [True, True]
+    data = inputs[0].numpy()
+    assert data.dtype == np.float32 and data.size == 1024
+    assert np.all(data == np.round(data)) and np.abs(data).max() <= 64
+
+
+def test_schedule_takes_more_rounds_for_small_messages() -> None:
+    assert bench.schedule(4096)[0] > bench.schedule(1 << 26)[0]
+    assert bench.schedule(1 << 26, rounds=3) == (3, 1)

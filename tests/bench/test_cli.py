@@ -1,0 +1,38 @@
+"""``towers bench`` end to end at tiny sizes: tables printed, files written, exit code 0."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from towers.bench import add_arguments, run
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_bench_writes_its_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = _args("--towers", "2", "--sizes", "4096,8192", "--rounds", "2", "--quiet",
+                 "--algorithms", "naive,tf.ReductionToOneDevice", "--models", "conv-mnist",
+                 "--batch-size", "8", "--step-rounds", "1", "--placements", "parameter_device",
+                 "--scaling-towers", "2", "--out", str(tmp_path))
+    assert run(args) == 0
+    out = capsys.readouterr().out
+    assert "#wrong" in out and "ratio to" in out and "targets" in out
+    for name in ("bench.json", "allreduce.csv", "costmodel.csv", "training.csv", "scaling.csv",
+                 "allreduce_algbw.png", "training_ratio.png"):
+        assert (tmp_path / name).stat().st_size > 0, name
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert {"environment", "allreduce", "costmodel", "training", "scaling", "targets"} <= set(data)
+    assert len(data["environment"]["load_average"]) == 3
+    assert all(r["wrong"] == 0 for r in data["allreduce"])
+
+
+def test_unknown_section_is_refused(tmp_path: Path) -> None:
+    assert run(_args("--sections", "nope", "--out", str(tmp_path), "--towers", "2")) == 2

@@ -1,0 +1,42 @@
+"""Tables, CSV, JSON and PNG output."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+from towers.bench import report
+
+ROW = {"size": 4096, "count": 1024, "type": "float", "redop": "sum", "algorithm": "ring",
+       "kind": "towers", "time_us": 100.0, "algbw": 0.041, "busbw": 0.061, "wrong": 0,
+       "min_us": 90.0, "cpu_us": 120.0, "params": {"subchunks": 1}, "error": ""}
+
+
+def test_format_table_aligns_two_header_lines() -> None:
+    text = report.allreduce_table([ROW, {**ROW, "algorithm": "tf.CollectiveAllReduce"}])
+    lines = text.splitlines()
+    assert len(lines) == 4 and lines[1].strip().startswith("(B)")
+    assert len({len(line) for line in lines[2:]}) == 1
+
+
+def test_csv_and_json_round_trip(tmp_path: Path) -> None:
+    rows = [ROW, {**ROW, "algbw": math.nan, "extra": 1}]
+    path = report.write_csv(tmp_path / "sub" / "t.csv", rows)
+    with path.open() as f:
+        read = list(csv.DictReader(f))
+    assert read[0]["algorithm"] == "ring" and json.loads(read[0]["params"]) == {"subchunks": 1}
+    assert "extra" in read[0]
+    data = json.loads(report.write_json(tmp_path / "t.json", {"rows": rows}).read_text())
+    assert data["rows"][1]["algbw"] is None
+
+
+def test_plots_are_png(tmp_path: Path) -> None:
+    rows = [ROW, {**ROW, "size": 16384, "algbw": 0.1}]
+    png = report.plot_algbw(rows, tmp_path / "a.png")
+    steps = [{"model": "m", "config": c, "kind": k, "ratio": v} for c, k, v in
+             [("MirroredStrategy", "tf.distribute", 1.0), ("towers naive", "towers", 0.7)]]
+    bars = report.plot_ratios(steps, tmp_path / "b.png")
+    for path in (png, bars):
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,40 @@
+"""The step table on a small batch: every configuration starts from the same loss."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import DEVICES
+from towers.bench import training
+
+
+@pytest.fixture(scope="module")
+def rows() -> list[dict]:
+    return training.run_model("conv-mnist", DEVICES[:2], batch=8, rounds=2, calls=1,
+                              algorithms=["naive"], placements=["parameter_device"])
+
+
+def test_every_configuration_ran_from_the_same_loss(rows: list[dict]) -> None:
+    names = {r["config"] for r in rows}
+    assert set(training.BASELINES) <= names
+    assert {"towers naive/parameter_device", "towers noop/replicated"} <= names
+    assert not [r for r in rows if r["error"]]
+    losses = [r["first_loss"] for r in rows]
+    assert max(losses) - min(losses) < 1e-5
+
+
+def test_ratios_are_to_mirrored_and_to_the_best_tf_distribute(rows: list[dict]) -> None:
+    mirrored = next(r for r in rows if r["config"] == training.MIRRORED)
+    assert mirrored["ratio"] == pytest.approx(1.0)
+    best = next(r for r in rows if r["config"] == mirrored["best_tf"])
+    assert best["kind"] == "tf.distribute" and best["ratio_best_tf"] == pytest.approx(1.0)
+    assert all(r["ms"] > 0 and r["cpu_ms"] >= 0 for r in rows)
+
+
+def test_known_failures_are_reported_not_run() -> None:
+    x, y = training.make_batch("conv-mnist", 4)
+    configs, errors = training.step_configs(
+        "conv-mnist", DEVICES[:2], x, y, algorithms=["nccl_tree"],
+        placements=["parameter_device"], ceiling=False)
+    assert "deadlocks" in errors["towers nccl_tree/parameter_device"]
+    assert [c.kind for c in configs] == ["baseline"] + ["tf.distribute"] * 3

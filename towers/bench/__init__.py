@@ -1,0 +1,27 @@
+"""``towers bench``: how fast is a hand-built step, next to tf.distribute's?
+
+The package's files are the benchmark's parts::
+
+    timing.py     interleaved rounds: every configuration once per round (drift is shared)
+    allreduce.py  the nccl-tests style table: every algorithm and tf.distribute's ops,
+                  4 KB … 64 MB, #wrong checked against NumPy
+    costcheck.py  the α-β-γ cost model fitted to those rows: predicted vs measured
+    training.py   one training step: towers (algorithm × placement) against a single
+                  device, MirroredStrategy (collective / ReductionToOneDevice) and
+                  CentralStorageStrategy, on conv-MNIST and the 5.8 M-parameter MLP
+    scaling.py    trace time and graph size against towers × buckets
+    profile.py    where the step's time goes (TensorFlow's profiler, per op type)
+    report.py     tables, CSV, JSON, PNG plots
+    sections.py   one function per section of the command, and the targets
+    cli.py        ``add_arguments(parser)`` and ``run(args)`` for ``python -m towers bench``
+
+Example:
+    >>> from towers.bench.allreduce import run_allreduce        # doctest: +SKIP
+    >>> rows = run_allreduce(devices[:4], sizes=[4096, 1 << 20])
+"""
+
+from __future__ import annotations
+
+from towers.bench.cli import add_arguments, run
+
+__all__ = ["add_arguments", "run"]

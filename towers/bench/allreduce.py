@@ -1,0 +1,309 @@
+"""The all-reduce table: every algorithm and tf.distribute's cross-device ops, side by side.
+
+For each message size (bytes per tower) every contender is compiled once in its
+own ``tf.function``, warmed up, and timed in interleaved rounds (see
+:mod:`towers.bench.timing`), all inside one :func:`towers.ordering.as_written`
+block. tf.distribute's ops run there too: the two Grappler passes it switches off
+rewrite chains of arithmetic, and a lone collective or ``add_n`` has none, while
+switching the process-wide options between calls would cost every call ~0.2-0.4 ms
+(the cached function-call options are rebuilt). The rows follow nccl-tests::
+
+    size  count  type  redop  algorithm  time (µs)  algbw (GB/s)  busbw (GB/s)  #wrong
+
+``algbw = S / t`` and ``busbw = algbw · 2(n−1)/n`` (:func:`towers.costmodel.busbw`).
+The inputs are small integers stored as float32, so every summation order gives
+the exact sum and ``#wrong`` counts, over all ``n`` outputs, the elements that
+differ from NumPy's sum (an output on the wrong device counts all its elements).
+
+Two calibration contenders run beside them for the cost model: ``send`` (one
+copy of ``S`` bytes between towers) and ``add`` (``add_n`` of the ``n`` inputs on
+one device); they are not all-reduces and stay out of the table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from towers import allreduce, costmodel
+from towers.bench.timing import Samples, interleave
+from towers.devices import canonical_device
+from towers.ordering import as_written
+
+__all__ = [
+    "QUICK_SIZES",
+    "SIZES",
+    "Contender",
+    "contenders",
+    "cost_rows",
+    "make_inputs",
+    "run_allreduce",
+    "schedule",
+]
+
+SIZES = tuple(4096 * 4**k for k in range(8))
+"""Bytes per tower: 4 KB, 16 KB, … 64 MB (×4 steps)."""
+QUICK_SIZES = SIZES[:5]
+"""4 KB … 1 MB, for ``--quick``."""
+
+Body = Callable[[list[tf.Tensor]], list[tf.Tensor]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Contender:
+    """One row kind of the table: how to build its body and what it should return.
+
+    Attributes:
+        name: the algorithm column.
+        kind: ``"towers"``, ``"tf.distribute"`` or ``"calibration"``.
+        body: per-tower tensors (already placed) -> outputs; traced in a ``tf.function``.
+        formula: the :mod:`towers.costmodel` algorithm that models it (None: none does).
+        params: keyword parameters for that formula.
+        outputs: ``"all"`` (one sum per tower), ``"sum"`` (one sum) or ``"copy"`` (input 1).
+    """
+
+    name: str
+    kind: str
+    body: Body
+    formula: str | None = None
+    params: dict[str, Any] = dataclasses.field(default_factory=dict)
+    outputs: str = "all"
+
+
+def _formula_params(name: str, fn: Any) -> tuple[str | None, dict[str, Any]]:
+    """The cost-model formula and parameters of a registered algorithm (None if unmodelled)."""
+    if name not in costmodel.ALGORITHMS:
+        return None, {}
+    params: dict[str, Any] = {}
+    for attr in ("subchunks", "chunks"):
+        if isinstance(getattr(fn, attr, None), int):
+            params[attr] = getattr(fn, attr)
+    if name == "hierarchical":
+        keywords = dict(getattr(getattr(fn, "bytes_sent", None), "keywords", {}))
+        if not all(isinstance(keywords.get(k), str) for k in ("inner", "outer")):
+            return None, {}
+        params.update({k: keywords[k] for k in ("inner", "outer", "group_size") if k in keywords})
+    return name, params
+
+
+def towers_contender(name: str, fn: allreduce.AllReduce | None = None) -> Contender:
+    """A towers algorithm, by registry name (or ``fn`` under that name)."""
+    algorithm = fn if fn is not None else allreduce.get(name)
+    formula, params = _formula_params(name, algorithm)
+
+    def body(values: list[tf.Tensor]) -> list[tf.Tensor]:
+        return list(algorithm(values, op="sum"))
+
+    return Contender(name, "towers", body, formula=formula, params=params)
+
+
+def _tf_contender(name: str, ops: tf.distribute.CrossDeviceOps, formula: str) -> Contender:
+    from tensorflow.python.distribute import values as values_lib
+
+    def body(values: list[tf.Tensor]) -> list[tf.Tensor]:
+        per_replica = values_lib.PerReplica(values)
+        mirrored = ops.reduce(tf.distribute.ReduceOp.SUM, per_replica, destinations=per_replica)
+        return list(mirrored.values)
+
+    return Contender(name, "tf.distribute", body, formula=formula)
+
+
+def _calibration() -> list[Contender]:
+    def send(values: list[tf.Tensor]) -> list[tf.Tensor]:
+        return [allreduce.send(values[1], values[0].device)]
+
+    def add(values: list[tf.Tensor]) -> list[tf.Tensor]:
+        with tf.device(values[0].device):
+            return [tf.add_n(values)]
+
+    return [
+        Contender("send", "calibration", send, formula="send", outputs="copy"),
+        Contender("add", "calibration", add, formula="add", outputs="sum"),
+    ]
+
+
+def contenders(
+    devices: Sequence[str], algorithms: Sequence[str] | None = None, *, calibration: bool = True
+) -> list[Contender]:
+    """Towers' algorithms, MirroredStrategy's two cross-device ops and the calibration pair.
+
+    Args:
+        devices: the towers' devices (tf.distribute's ops are built for them).
+        algorithms: registry names (default: all of ``towers.ALGORITHMS``); the names
+            ``"tf.CollectiveAllReduce"`` and ``"tf.ReductionToOneDevice"`` select those.
+        calibration: add the ``send`` and ``add`` rows for the cost model.
+    """
+    from reference.mirrored import collective_all_reduce
+
+    tf_ops = {
+        "tf.CollectiveAllReduce": (collective_all_reduce(list(devices)), "ring"),
+        "tf.ReductionToOneDevice": (tf.distribute.ReductionToOneDevice(), "naive"),
+    }
+    names = list(allreduce.ALGORITHMS) + list(tf_ops) if algorithms is None else list(algorithms)
+    out = []
+    for name in names:
+        if name in tf_ops:
+            ops, formula = tf_ops[name]
+            out.append(_tf_contender(name, ops, formula))
+        else:
+            out.append(towers_contender(name))
+    return out + (_calibration() if calibration and len(devices) > 1 else [])
+
+
+def make_inputs(devices: Sequence[str], nbytes: int, seed: int = 0) -> list[tf.Tensor]:
+    """One float32 tensor of ``nbytes`` per device, holding integers in [-64, 64]."""
+    rng = np.random.default_rng(seed)
+    count = nbytes // 4
+    out = []
+    for device in devices:
+        data = rng.integers(-64, 65, size=count).astype(np.float32)
+        with tf.device(device):
+            out.append(tf.identity(tf.constant(data)))
+    return out
+
+
+class Compiled:
+    """A contender compiled for one set of devices; ``homes`` are its outputs' devices.
+
+    The devices are taken from the traced graph: an eager output of a ``tf.function``
+    over logical CPUs reports the host CPU whatever device produced it.
+    """
+
+    def __init__(self, contender: Contender, devices: Sequence[str]) -> None:
+        self.contender, self.devices = contender, list(devices)
+        self.homes: list[str] = []
+        self._fn = tf.function(self._placed, autograph=False)
+
+    def _placed(self, *values: tf.Tensor) -> list[tf.Tensor]:
+        moved = []
+        for v, d in zip(values, self.devices):
+            with tf.device(d):
+                moved.append(tf.identity(v))
+        outputs = self.contender.body(moved)
+        self.homes = [canonical_device(o.device) for o in outputs]
+        return outputs
+
+    def __call__(self, *values: tf.Tensor) -> list[tf.Tensor]:
+        return list(self._fn(*values))
+
+
+def count_wrong(
+    contender: Contender, outputs: Sequence[tf.Tensor], inputs: Sequence[np.ndarray],
+    devices: Sequence[str], homes: Sequence[str],
+) -> int:
+    """Elements that differ from the exact answer, over all outputs (misplaced: all wrong).
+
+    Args:
+        homes: the device each output was placed on (from the traced graph).
+    """
+    total = inputs[0].copy()
+    for x in inputs[1:]:
+        total += x  # exact: small integers in float32
+    if contender.outputs == "copy":
+        expected, wanted = [inputs[1]], [devices[0]]
+    elif contender.outputs == "sum":
+        expected, wanted = [total], [devices[0]]
+    else:
+        expected, wanted = [total] * len(devices), list(devices)
+    if len(outputs) != len(expected) or len(homes) != len(expected):
+        return int(sum(e.size for e in expected))
+    wrong = 0
+    for out, want, home, should in zip(outputs, expected, homes, wanted):
+        if canonical_device(home) != canonical_device(should):
+            wrong += want.size
+        else:
+            wrong += int(np.count_nonzero(out.numpy().reshape(-1) != want))
+    return wrong
+
+
+def _bind(fn: Compiled, inputs: Sequence[tf.Tensor]) -> Callable[[], list[tf.Tensor]]:
+    return lambda: fn(*inputs)
+
+
+def _row(contender: Contender, n: int, nbytes: int, samples: Samples | None) -> dict[str, Any]:
+    row: dict[str, Any] = {
+        "size": nbytes, "count": nbytes // 4, "type": "float", "redop": "sum",
+        "algorithm": contender.name, "kind": contender.kind, "n": n,
+        "formula": contender.formula, "params": dict(contender.params),
+        "time_us": None, "min_us": None, "cpu_us": None, "algbw": None, "busbw": None,
+        "wrong": None, "error": "",
+    }
+    if samples is not None:
+        seconds = samples.median
+        row.update(time_us=seconds * 1e6, min_us=samples.minimum * 1e6,
+                   cpu_us=samples.cpu_median * 1e6,
+                   algbw=costmodel.algbw(nbytes, seconds) / 1e9,
+                   busbw=costmodel.busbw(nbytes, seconds, n) / 1e9
+                   if contender.kind != "calibration" else None)
+    return row
+
+
+def schedule(nbytes: int, rounds: int | None = None) -> tuple[int, int]:
+    """``(rounds, calls per sample)`` for a size: many short samples, fewer long ones."""
+    calls = 3 if nbytes <= 1 << 18 else 1
+    if rounds is not None:
+        return rounds, calls
+    return (25 if nbytes <= 1 << 18 else 15 if nbytes <= 1 << 24 else 11), calls
+
+
+def run_size(
+    cands: Sequence[Contender], devices: Sequence[str], nbytes: int, *,
+    rounds: int | None = None, verbose: bool = False,
+) -> list[dict[str, Any]]:
+    """Compile, warm up, time (interleaved) and check every contender at one size."""
+    inputs = make_inputs(devices, nbytes, seed=nbytes)
+    compiled: dict[str, Compiled] = {}
+    errors: dict[str, str] = {}
+    with as_written():  # held for the whole size: flipping Grappler's options costs per call
+        for c in cands:
+            try:
+                compiled[c.name] = Compiled(c, devices)
+                compiled[c.name](*inputs)  # trace now, so a failure names its contender
+            except Exception as err:  # a contender that cannot run here gets a row saying why
+                compiled.pop(c.name, None)
+                errors[c.name] = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
+        calls = {name: _bind(fn, inputs) for name, fn in compiled.items()}
+        count, per_sample = schedule(nbytes, rounds)
+        samples = interleave(calls, count, calls=per_sample, warmup=3, verbose=verbose,
+                             label=f"all-reduce {nbytes} B x {len(devices)} towers")
+        host = [x.numpy() for x in inputs]
+        rows = []
+        for c in cands:
+            row = _row(c, len(devices), nbytes, samples.get(c.name))
+            if c.name in compiled:
+                fn = compiled[c.name]
+                row["wrong"] = count_wrong(c, fn(*inputs), host, devices, fn.homes)
+            row["error"] = errors.get(c.name, "")
+            rows.append(row)
+    return rows
+
+
+def run_allreduce(
+    devices: Sequence[str], sizes: Sequence[int] = SIZES, *,
+    algorithms: Sequence[str] | None = None, rounds: int | None = None, verbose: bool = False,
+) -> list[dict[str, Any]]:
+    """The whole table: :func:`run_size` for every size (bytes per tower, multiples of 4).
+
+    Returns:
+        One row (a dict, nccl-tests columns and more) per contender and size.
+    """
+    cands = contenders(devices, algorithms)
+    rows: list[dict[str, Any]] = []
+    for nbytes in sizes:
+        if nbytes % 4:
+            raise ValueError(f"sizes must be multiples of 4 bytes (float32), got {nbytes}")
+        rows.extend(run_size(cands, devices, nbytes, rounds=rounds, verbose=verbose))
+    return rows
+
+
+def cost_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows :func:`towers.costmodel.fit` accepts: modelled, timed rows only."""
+    return [
+        {"algorithm": r["formula"], "n": r["n"], "nbytes": r["size"],
+         "seconds": r["time_us"] * 1e-6, "params": r["params"], "name": r["algorithm"]}
+        for r in rows if r["formula"] and r["time_us"]
+    ]

@@ -1,0 +1,127 @@
+"""``python -m towers bench``: all-reduce table, training steps, scaling, cost-model check.
+
+Everything runs in one process on simulated devices (``--towers``, default 4;
+scaling uses up to 16, so the process simulates max(16, towers) and the tables
+use prefixes). Results go to the terminal and to ``--out`` (default
+``benchmarks/``): ``bench.json`` (everything, with the environment and load),
+``allreduce.csv``, ``training.csv``, ``scaling.csv``, ``costmodel.csv``,
+``allreduce_algbw.png`` and ``training_ratio.png``.
+
+The machine may be shared: every table is timed in interleaved rounds and
+reports medians, minima and CPU time beside the load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["EPILOG", "SECTIONS", "add_arguments", "run"]
+
+SECTIONS = ("allreduce", "costmodel", "training", "scaling")
+EPILOG = """examples:
+  python -m towers bench --quick                     # 4 KB-1 MB, few rounds (~2 min)
+  python -m towers bench                             # 4 KB-64 MB, both models (~6 min)
+  python -m towers bench --sections allreduce --algorithms naive,ring,tf.CollectiveAllReduce
+  python -m towers bench --sections training --models mlp --profile
+"""
+
+
+def _csv(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def _ints(text: str) -> list[int]:
+    return [int(part) for part in _csv(text)]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``towers bench``."""
+    add = parser.add_argument
+    add("--towers", type=int, default=4, help="simulated devices for the tables (default 4)")
+    add("--quick", action="store_true", help="4 KB-1 MB, fewer rounds, scaling to 8 towers")
+    add("--out", type=Path, default=Path("benchmarks"), help="output folder (default benchmarks/)")
+    add("--sections", type=_csv, default=list(SECTIONS),
+        help=f"comma list of {', '.join(SECTIONS)} (default all)")
+    add("--algorithms", type=_csv, default=None,
+        help="comma list of registered algorithms (default all; tf.* names select "
+        "tf.CollectiveAllReduce / tf.ReductionToOneDevice in the all-reduce table)")
+    add("--sizes", type=_ints, default=None, help="comma list of bytes per tower")
+    add("--rounds", type=int, default=None, help="all-reduce rounds per size (default 15/7)")
+    add("--step-rounds", type=int, default=None, help="training rounds (default 7; quick 3)")
+    add("--models", type=_csv, default=None, help="comma list of conv-mnist, mlp (default both)")
+    add("--batch-size", type=int, default=256, help="global batch of the step table (256)")
+    add("--placements", type=_csv, default=None,
+        help="comma list of parameter_device, replicated (default both)")
+    add("--scaling-towers", type=_ints, default=None, help="default 2,4,8,16 (quick: 2,4,8)")
+    add("--profile", action="store_true",
+        help="also profile the step of each tf.distribute configuration and the fastest towers one")
+    add("--no-plots", action="store_true", help="skip the PNG plots")
+    add("--quiet", action="store_true", help="no progress bars")
+
+
+def _devices(count: int) -> list[str]:
+    """``count`` simulated devices; reuse the runtime's if it already has enough."""
+    import tensorflow as tf
+
+    import towers
+    from towers.devices import has_gpu
+
+    physical = tf.config.list_physical_devices("GPU" if has_gpu() else "CPU")[0]
+    configured = tf.config.get_logical_device_configuration(physical)
+    if configured is not None and len(configured) >= count:
+        return towers.local_devices()[:count]
+    return towers.simulate_devices(count)
+
+
+def environment(devices: list[str]) -> dict[str, Any]:
+    """What the numbers depend on: versions, cores, threads, devices, load, time."""
+    import os
+
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    from towers.bench.timing import load_average
+
+    return {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "argv": sys.argv, "python": platform.python_version(), "tensorflow": tf.__version__,
+        "keras": keras.__version__, "numpy": np.__version__, "cpu_count": os.cpu_count(),
+        "inter_op_threads": tf.config.threading.get_inter_op_parallelism_threads(),
+        "intra_op_threads": tf.config.threading.get_intra_op_parallelism_threads(),
+        "devices": devices, "load_average": load_average(),
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the chosen sections; returns 1 when a result is wrong, else 0."""
+    from towers.bench.scaling import TOWERS
+
+    scaling_towers = args.scaling_towers or (TOWERS[:3] if args.quick else TOWERS)
+    needed = max(args.towers, *(scaling_towers if "scaling" in args.sections else [1]))
+    devices = _devices(needed)  # first: before TensorFlow runs any op
+    from towers.bench import sections
+
+    unknown = set(args.sections) - set(SECTIONS)
+    if unknown:
+        print(f"towers bench: unknown section(s) {sorted(unknown)}; choose from {SECTIONS}")
+        return 2
+    results: dict[str, Any] = {"environment": environment(devices[: args.towers])}
+    ok = True
+    for name in SECTIONS:
+        if name in args.sections:
+            start = time.perf_counter()
+            ok = sections.SECTION[name](args, devices, results) and ok
+            results.setdefault("seconds", {})[name] = time.perf_counter() - start
+            print(f"({name}: {time.perf_counter() - start:.0f} s)", flush=True)
+    results["targets"] = sections.targets(results)
+    print(sections.targets_text(results["targets"]))
+    path = sections.save_json(args.out, results)
+    print(f"\nwrote {path} (and the CSV/PNG files beside it)")
+    return 0 if ok else 1

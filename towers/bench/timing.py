@@ -1,0 +1,132 @@
+"""Interleaved timing: every configuration runs once per round, in a shuffled order.
+
+On a shared machine the load drifts while a benchmark runs. Timing configuration
+A for a minute and then B for a minute lets the drift decide which is faster.
+:func:`interleave` runs one sample of every configuration per round (the order
+is shuffled each round, so nobody always runs after the same neighbour or at the
+same point of a round) and keeps every sample, so medians, minima and paired
+ratios all see the same drift::
+
+    round 0:  A  B  C
+    round 1:  C  A  B      (a fresh shuffle each round, seeded)
+    round 2:  B  C  A      median(A), median(B/A per round), ...
+
+Each sample records wall time and this process's CPU time (all threads), which
+is less sensitive to other processes than wall time is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+__all__ = ["Samples", "interleave", "load_average", "paired_ratio", "progress"]
+
+
+@dataclasses.dataclass
+class Samples:
+    """Per-call seconds of one configuration: ``wall[r]`` and ``cpu[r]`` for round ``r``."""
+
+    wall: list[float] = dataclasses.field(default_factory=list)
+    cpu: list[float] = dataclasses.field(default_factory=list)
+
+    @property
+    def median(self) -> float:
+        """Median wall seconds per call."""
+        return statistics.median(self.wall)
+
+    @property
+    def minimum(self) -> float:
+        """Fastest wall seconds per call (the least disturbed round)."""
+        return min(self.wall)
+
+    @property
+    def cpu_median(self) -> float:
+        """Median CPU seconds per call, summed over this process's threads."""
+        return statistics.median(self.cpu)
+
+
+def load_average() -> tuple[float, float, float]:
+    """``os.getloadavg()`` (1, 5, 15 minutes), or zeros where the OS has none."""
+    try:
+        return os.getloadavg()
+    except OSError:  # pragma: no cover - not on Linux/macOS
+        return (0.0, 0.0, 0.0)
+
+
+class _Silent:
+    def update(self, current: int, values: Any = None) -> None:
+        """Ignore progress."""
+
+
+def progress(total: int, verbose: bool, label: str = "") -> Any:
+    """A ``keras.utils.Progbar`` of ``total`` steps (a silent stand-in when not verbose)."""
+    if not verbose or total <= 0:
+        return _Silent()
+    import keras
+
+    if label:
+        print(label, flush=True)
+    return keras.utils.Progbar(total, stateful_metrics=["load"])
+
+
+def _sample(fn: Callable[[], Any], calls: int) -> tuple[float, float]:
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - wall0) / calls, (time.process_time() - cpu0) / calls
+
+
+def interleave(
+    fns: Mapping[str, Callable[[], Any]],
+    rounds: int,
+    *,
+    calls: int = 1,
+    warmup: int = 2,
+    verbose: bool = False,
+    label: str = "",
+    seed: int = 0,
+) -> dict[str, Samples]:
+    """Time every function ``rounds`` times, round-robin, after ``warmup`` untimed calls each.
+
+    Args:
+        fns: name -> zero-argument callable that runs (and finishes) one operation.
+        rounds: samples per function.
+        calls: calls per sample (the sample is their mean; > 1 for very short calls).
+        warmup: untimed calls per function first (tracing, allocator warm-up).
+        verbose: show a progress bar.
+        label: printed above the progress bar.
+        seed: seeds the per-round shuffles.
+
+    Returns:
+        name -> :class:`Samples`, one sample per round.
+
+    Raises:
+        ValueError: ``rounds`` or ``calls`` < 1.
+    """
+    if rounds < 1 or calls < 1:
+        raise ValueError(f"rounds and calls must be >= 1, got {rounds}, {calls}")
+    names = list(fns)
+    for name in names:
+        for _ in range(warmup):
+            fns[name]()
+    out = {name: Samples() for name in names}
+    bar = progress(rounds, verbose, label)
+    order = random.Random(seed)
+    for r in range(rounds):
+        for name in order.sample(names, len(names)):
+            wall, cpu = _sample(fns[name], calls)
+            out[name].wall.append(wall)
+            out[name].cpu.append(cpu)
+        bar.update(r + 1, [("load", load_average()[0])])
+    return out
+
+
+def paired_ratio(samples: Samples, reference: Samples) -> float:
+    """Median over rounds of ``samples.wall[r] / reference.wall[r]`` (drift cancels per round)."""
+    return statistics.median(a / b for a, b in zip(samples.wall, reference.wall))

@@ -1,0 +1,290 @@
+"""The training-step table: towers against a single device and tf.distribute.
+
+Configurations, all built from the same seeded model and SGD, on one fixed batch
+of 256 random examples, pre-converted to tensors:
+
+- ``single device``: a plain Keras custom step (tape, ``apply_gradients``) on tower 0;
+- ``MirroredStrategy``: its default ``CollectiveAllReduce`` (keys from
+  :func:`reference.mirrored.collective_all_reduce`), ``MirroredStrategy (R1D)``:
+  ``ReductionToOneDevice``, and ``CentralStorageStrategy``. The strategies and models
+  come from :mod:`reference`; the loop is written here, fed a distributed batch made
+  once (``reference``'s ``train_step`` builds a distributed iterator per call, which
+  costs ~0.2 s and would handicap tf.distribute);
+- ``towers <algorithm>/<placement>``: ``TowerTrainer.train_step`` on the tensors;
+- ``towers noop/replicated``: no exchange at all, the ceiling (not a valid step).
+
+Every configuration's first call returns the loss of the same initial weights on
+the same batch: ``first_loss`` must agree across the table. Steps are then timed
+round-robin (:func:`towers.bench.timing.interleave`); ``ratio`` is the median over
+rounds of the step time over MirroredStrategy's in the same round.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from towers import allreduce
+from towers.bench.timing import interleave, paired_ratio
+from towers.models import mlp, mnist_cnn
+from towers.trainer import PLACEMENTS, TowerTrainer
+
+__all__ = [
+    "BASELINES",
+    "KNOWN_FAILURES",
+    "MIRRORED",
+    "MODELS",
+    "StepConfig",
+    "make_batch",
+    "profile_steps",
+    "run_training",
+    "step_configs",
+]
+
+MODELS: dict[str, tuple[Callable[[], keras.Model], tuple[int, ...]]] = {
+    "conv-mnist": (lambda: mnist_cnn(0), (28, 28, 1)),
+    "mlp": (lambda: mlp(seed=0), (784,)),
+}
+"""Model name -> (factory, input shape): ``mnist_cnn`` and the 784-2048-2048-10 MLP."""
+
+KNOWN_FAILURES: dict[tuple[str, str], str] = {
+    ("nccl_tree", "parameter_device"): (
+        "skipped: deadlocks (measured, TF 2.21): with one variable copy the trainer uses only "
+        "output 0, the other towers' receives of nccl_tree's final broadcast are pruned, and "
+        "its CollectiveBcastSendV2 waits until the collective timeout, which then aborts "
+        "every later collective in the process"
+    ),
+}
+"""(algorithm, placement) pairs the bench does not run, with the reason."""
+
+MIRRORED = "MirroredStrategy"
+BASELINES = ("single device", MIRRORED, "MirroredStrategy (R1D)", "CentralStorageStrategy")
+LEARNING_RATE = 0.01
+
+
+@dataclasses.dataclass
+class StepConfig:
+    """One row: ``step()`` runs one synchronous training step and returns its loss."""
+
+    name: str
+    kind: str  # "baseline", "tf.distribute", "towers" or "ceiling"
+    step: Callable[[], tf.Tensor]
+    algorithm: str = ""
+    placement: str = ""
+
+
+def make_batch(
+    model: str, batch: int = 256, seed: int = 0, scale: float = 1.0
+) -> tuple[tf.Tensor, tf.Tensor]:
+    """A fixed batch of random inputs and labels 0-9 for ``model`` (a :data:`MODELS` key)."""
+    rng = np.random.default_rng(seed)
+    shape = MODELS[model][1]
+    x = (rng.random((batch, *shape), dtype=np.float32) * scale).astype(np.float32)
+    y = rng.integers(0, 10, size=batch).astype(np.int32)
+    return tf.constant(x), tf.constant(y)
+
+
+def _per_example(y: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:
+    return keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True)
+
+
+def _sgd() -> keras.optimizers.Optimizer:
+    return keras.optimizers.SGD(LEARNING_RATE)
+
+
+def single_device_step(
+    make_model: Callable[[], keras.Model], device: str, x: tf.Tensor, y: tf.Tensor
+) -> Callable[[], tf.Tensor]:
+    """The plain Keras custom step on one device: no split, no exchange."""
+    with tf.device(device):
+        model, optimizer = make_model(), _sgd()
+        optimizer.build(model.trainable_variables)
+
+    @tf.function
+    def step(x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(_per_example(y, model(x, training=True)))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    def run() -> tf.Tensor:
+        with tf.device(device):
+            return step(x, y)
+
+    return run
+
+
+def strategy_step(trainer: Any, x: tf.Tensor, y: tf.Tensor) -> Callable[[], tf.Tensor]:
+    """A fair custom loop over ``trainer.strategy``: the batch is distributed once, up front.
+
+    Args:
+        trainer: a :class:`reference.MirroredTrainer` or :class:`reference.CentralStorageTrainer`
+            (its strategy, and the model and optimizer built in its scope).
+        x, y: the global batch.
+    """
+    strategy, model, optimizer = trainer.strategy, trainer.model, trainer.optimizer
+    batch = int(x.shape[0])
+    dataset = tf.data.Dataset.from_tensors((x, y))
+    inputs = next(iter(strategy.experimental_distribute_dataset(dataset)))
+
+    def replica_step(xs: tf.Tensor, ys: tf.Tensor) -> tf.Tensor:
+        with tf.GradientTape() as tape:
+            per_example = _per_example(ys, model(xs, training=True))
+            loss = tf.nn.compute_average_loss(per_example, global_batch_size=batch)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    @tf.function
+    def step(inputs: Any) -> tf.Tensor:
+        per_replica = strategy.run(replica_step, args=inputs)
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+
+    return lambda: step(inputs)
+
+
+def _baselines(
+    make_model: Callable[[], keras.Model], devices: Sequence[str], x: tf.Tensor, y: tf.Tensor
+) -> list[StepConfig]:
+    from reference import CentralStorageTrainer, MirroredTrainer
+
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    mirrored = MirroredTrainer(make_model, _sgd, loss, list(devices))
+    r1d = MirroredTrainer(
+        make_model, _sgd, loss, list(devices), cross_device_ops="reduction_to_one_device"
+    )
+    central = CentralStorageTrainer(make_model, _sgd, loss, list(devices))
+    return [
+        StepConfig("single device", "baseline", single_device_step(make_model, devices[0], x, y)),
+        StepConfig(MIRRORED, "tf.distribute", strategy_step(mirrored, x, y)),
+        StepConfig("MirroredStrategy (R1D)", "tf.distribute", strategy_step(r1d, x, y)),
+        StepConfig("CentralStorageStrategy", "tf.distribute", strategy_step(central, x, y)),
+    ]
+
+
+def towers_config(
+    make_model: Callable[[], keras.Model], devices: Sequence[str], x: tf.Tensor, y: tf.Tensor,
+    algorithm: str | Any, placement: str, name: str | None = None,
+) -> StepConfig:
+    """``TowerTrainer.train_step`` with ``algorithm`` (name or callable) and ``placement``."""
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    trainer = TowerTrainer(make_model, _sgd, loss, devices=list(devices),
+                           all_reduce=algorithm, variables=placement)
+    label = name or (algorithm if isinstance(algorithm, str) else algorithm.__name__)
+    kind = "ceiling" if algorithm == "noop" else "towers"
+    return StepConfig(f"towers {label}/{placement}", kind, lambda: trainer.train_step(x, y),
+                      algorithm=label, placement=placement)
+
+
+def step_configs(
+    model: str, devices: Sequence[str], x: tf.Tensor, y: tf.Tensor, *,
+    algorithms: Sequence[str] | None = None, placements: Sequence[str] = PLACEMENTS,
+    ceiling: bool = True, extra: dict[str, Any] | None = None,
+) -> tuple[list[StepConfig], dict[str, str]]:
+    """Every configuration for ``model``; those that cannot be built are returned as errors.
+
+    Args:
+        extra: more towers algorithms, name -> callable or ``GradientReducer`` factory.
+    """
+    make_model = MODELS[model][0]
+    configs, errors = _baselines(make_model, devices, x, y), {}
+    names: list[Any] = list(allreduce.ALGORITHMS if algorithms is None else algorithms)
+    jobs = [(a, a, p) for a in names for p in placements]
+    jobs += [(k, f, p) for k, f in (extra or {}).items() for p in placements]
+    if ceiling:
+        jobs.append(("noop", "noop", "replicated"))
+    for label, algorithm, placement in jobs:
+        if (label, placement) in KNOWN_FAILURES:
+            errors[f"towers {label}/{placement}"] = KNOWN_FAILURES[(label, placement)]
+            continue
+        try:
+            algo = algorithm() if isinstance(algorithm, type) else algorithm
+            configs.append(towers_config(make_model, devices, x, y, algo, placement, label))
+        except Exception as err:  # reported as a row
+            errors[f"towers {label}/{placement}"] = f"{type(err).__name__}: {err}"[:160]
+    return configs, errors
+
+
+def _first_losses(configs: list[StepConfig], errors: dict[str, str]) -> dict[str, float]:
+    losses = {}
+    for c in configs:
+        try:
+            losses[c.name] = float(c.step())
+        except Exception as err:  # reported as a row
+            errors[c.name] = f"{type(err).__name__}: {str(err).splitlines()[0]}"[:160]
+    return losses
+
+
+def _rows(model: str, configs: list[StepConfig], samples: dict[str, Any],
+          losses: dict[str, float], errors: dict[str, str]) -> list[dict[str, Any]]:
+    tf_names = [c.name for c in configs if c.kind == "tf.distribute" and c.name in samples]
+    best_tf = min(tf_names, key=lambda k: samples[k].median) if tf_names else None
+    rows = []
+    for c in configs:
+        s = samples.get(c.name)
+        row: dict[str, Any] = {
+            "model": model, "config": c.name, "kind": c.kind, "algorithm": c.algorithm,
+            "placement": c.placement, "first_loss": losses.get(c.name),
+            "ms": None, "min_ms": None, "cpu_ms": None, "ratio": None, "ratio_best_tf": None,
+            "best_tf": best_tf, "error": errors.get(c.name, ""),
+        }
+        if s is not None:
+            row.update(ms=s.median * 1e3, min_ms=s.minimum * 1e3, cpu_ms=s.cpu_median * 1e3)
+            if MIRRORED in samples:
+                row["ratio"] = paired_ratio(s, samples[MIRRORED])
+            if best_tf is not None:
+                row["ratio_best_tf"] = paired_ratio(s, samples[best_tf])
+        rows.append(row)
+    rows += [{"model": model, "config": k, "kind": "towers", "error": v,
+              **dict.fromkeys(("algorithm", "placement", "first_loss", "ms", "min_ms", "cpu_ms",
+                               "ratio", "ratio_best_tf", "best_tf"))}
+             for k, v in errors.items() if k not in {c.name for c in configs}]
+    return rows
+
+
+def run_model(
+    model: str, devices: Sequence[str], *, batch: int = 256, rounds: int = 7, calls: int = 2,
+    verbose: bool = False, **options: Any,
+) -> list[dict[str, Any]]:
+    """Build every configuration for ``model``, check first losses, time them interleaved."""
+    x, y = make_batch(model, batch)
+    configs, errors = step_configs(model, devices, x, y, **options)
+    losses = _first_losses(configs, errors)
+    runnable = {c.name: c.step for c in configs if c.name not in errors}
+    samples = interleave(runnable, rounds, calls=calls, warmup=1, verbose=verbose,
+                         label=f"training steps: {model}, batch {batch}, {len(devices)} towers")
+    rows = _rows(model, configs, samples, losses, errors)
+    del configs, runnable
+    gc.collect()
+    return rows
+
+
+def run_training(
+    devices: Sequence[str], models: Sequence[str] = tuple(MODELS), **kwargs: Any
+) -> list[dict[str, Any]]:
+    """:func:`run_model` for every model; the rows of all of them."""
+    rows: list[dict[str, Any]] = []
+    for model in models:
+        rows.extend(run_model(model, devices, **kwargs))
+    return rows
+
+
+def profile_steps(
+    model: str, devices: Sequence[str], names: Sequence[str], batch: int = 256
+) -> dict[str, Callable[[], tf.Tensor]]:
+    """Fresh step callables for the named configurations (registry algorithms only)."""
+    x, y = make_batch(model, batch)
+    make_model = MODELS[model][0]
+    configs = [c for c in _baselines(make_model, devices, x, y) if c.name in names]
+    for name in names:
+        if name.startswith("towers "):
+            label, placement = name.removeprefix("towers ").rsplit("/", 1)
+            configs.append(towers_config(make_model, devices, x, y, label, placement, label))
+    return {c.name: c.step for c in configs}
