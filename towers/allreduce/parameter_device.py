@@ -23,6 +23,7 @@ References:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import tensorflow as tf
 
@@ -30,7 +31,7 @@ from towers.allreduce.base import AllReduce, check_values, combine, finish
 from towers.allreduce.primitives import send
 from towers.devices import canonical_device
 
-__all__ = ["bytes_sent", "parameter_device", "reduce_on", "summation_depth"]
+__all__ = ["parameter_device", "reduce_on"]
 
 
 def reduce_on(values: Sequence[tf.Tensor], device: str, op: str) -> tf.Tensor:
@@ -59,19 +60,21 @@ def parameter_device(device: str | None = None) -> AllReduce:
             total = finish(reduce_on(values, p, op), op, len(values))
         return [send(total, d, tick=1, chunk=0, note="broadcast") for d in devices]
 
-    parameter_device_all_reduce.device = chosen  # type: ignore[attr-defined]
+    fn: Any = parameter_device_all_reduce
+    fn.device = chosen
+    fn.summation_depth = _summation_depth
+    if chosen is None:
+        # Only on tower 0 are the sends known without the towers' devices.
+        fn.bytes_sent = _bytes_sent_from_tower_0
     return parameter_device_all_reduce
 
 
-def bytes_sent(n: int, nbytes: int, itemsize: int = 4) -> list[int]:
-    """Bytes each tower sends when the parameter device is tower 0 (the default).
-
-    With a parameter device outside the towers, every tower sends S and the parameter
-    device itself sends n·S; that device is not a tower, so it has no entry here.
-    """
+def _bytes_sent_from_tower_0(n: int, nbytes: int, itemsize: int = 4) -> list[int]:
+    """Bytes each tower sends when tower 0 is the parameter device: S in, (n−1)·S out."""
     return [(n - 1) * nbytes] + [nbytes] * (n - 1)
 
 
-def summation_depth(n: int) -> int:
+def _summation_depth(n: int) -> int:
     """One addition at a time in tower order: n − 1 additions for the last value."""
     return max(n - 1, 0)
+
