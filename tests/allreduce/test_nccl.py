@@ -234,3 +234,21 @@ def test_bad_input(name: str) -> None:
         algo([a, b], op="prod")
     with pytest.raises(ValueError, match="timeout_seconds must be positive"):
         ALGORITHMS[name](timeout_seconds=0)
+
+
+@pytest.mark.parametrize("name", ["nccl", "nccl_ring", "nccl_tree"])
+def test_using_only_one_output_does_not_hang(name: str) -> None:
+    """The parameter-device placement keeps output 0 only: the rest must still run."""
+    algorithm = ALGORITHMS[name](timeout_seconds=10)
+
+    @tf.function(autograph=False)
+    def first(a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
+        values, doubled = [], []
+        for i, d in enumerate(DEVICES[:4]):
+            with tf.device(d):
+                values.append(tf.identity(a if i % 2 else b))
+                doubled.append(values[-1] * 2.0)
+        return algorithm(values)[0] + algorithm(doubled)[0]
+
+    out = first(tf.ones([5]), tf.zeros([5]))
+    np.testing.assert_array_equal(out.numpy(), np.full(5, 6.0, np.float32))

@@ -53,8 +53,10 @@ References:
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable, Sequence
+import weakref
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import tensorflow as tf
@@ -104,6 +106,9 @@ def _group_key(devices: Sequence[str], size: int | None = None) -> int:
             _GROUPS[members] = _NEXT[0]
             _NEXT[0] += 1
         return _GROUPS[members]
+
+
+_LAST_BROADCAST: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
 
 
 def _token(device: str) -> tf.Tensor:
@@ -199,18 +204,43 @@ def _broadcast(
     """Broadcast ``x`` (on ``src``) to ``dsts``; returns the send's output and the received."""
     members = [src, *dsts]
     group, instance, size = _group_key(members), next_key(), len(members)
-    with tf.device(src):
+    with tf.device(src), _after_previous(src) as chain:
         sent = collective_ops.broadcast_send_v2(
             _wire(x), size, group, instance, communication_hint=HINT, timeout=timeout)
+        chain(sent)
     received = []
     for dst in dsts:
-        with tf.device(dst):
+        with tf.device(dst), _after_previous(dst) as chain:
             shape = tf.constant(x.shape.as_list(), tf.int32)
             got = collective_ops.broadcast_recv_v2(
                 shape, _wire(x).dtype, size, group, instance, communication_hint=HINT,
                 timeout=timeout)
+            chain(got)
             received.append(_unwire(got, x.dtype))
     return _unwire(sent, x.dtype), received
+
+
+@contextlib.contextmanager
+def _after_previous(device: str) -> Iterator[Callable[[tf.Tensor], None]]:
+    """Order a device's broadcast ops in program order (they take no ordering token).
+
+    Several broadcasts in one graph (one per gradient, say) must start in the same
+    order on every device, or two devices wait on each other's first op until the
+    timeout. Each new broadcast op on ``device`` gets a control edge from the previous
+    one in the same graph.
+    """
+    if tf.executing_eagerly():
+        yield lambda _: None
+        return
+    graph = tf.compat.v1.get_default_graph()
+    last = _LAST_BROADCAST.setdefault(graph, {})
+    previous = last.get(device)
+    with tf.control_dependencies([previous] if previous is not None else []):
+
+        def remember(t: tf.Tensor) -> None:
+            last[device] = t.op
+
+        yield remember
 
 
 def _tree_body(
@@ -234,8 +264,12 @@ def _tree_body(
         total = finish(acc[0], op, n)
     sent, received = _broadcast(total, devices[0], devices[1:], timeout)
     outputs = []
-    for device, flat in zip(devices, [sent, *received], strict=True):
-        with tf.device(device), tf.control_dependencies([sent]):
+    # Every output waits for every op of the broadcast: a caller that uses only some
+    # outputs (the parameter-device placement keeps output 0) must not let the unused
+    # receives be pruned, or the send waits for them until the timeout.
+    everyone = [sent, *received]
+    for device, flat in zip(devices, everyone, strict=True):
+        with tf.device(device), tf.control_dependencies(everyone):
             outputs.append(tf.reshape(flat, shape))
     return outputs
 
