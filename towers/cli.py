@@ -6,17 +6,30 @@ Commands:
     trace     run one all-reduce, print its tick table and draw its schedule.
     check     check an all-reduce against the contract with Hypothesis.
     timeline  write one training step as a Perfetto / chrome://tracing timeline.
+    bench     all-reduce and training-step benchmarks side by side with tf.distribute.
+
+Each command lives in its own module with ``add_arguments(parser)`` and
+``run(args) -> exit code``. Nothing starts TensorFlow's runtime before a command runs,
+so each can simulate the devices it needs first.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Sequence
 
-from towers import check_job, timeline_job, trace_job, train_job
+__all__ = ["COMMANDS", "main", "parser"]
 
-__all__ = ["main", "parser"]
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("towers.train_job", "train a CNN on digits over simulated towers"),
+    "trace": ("towers.trace_job", "run one all-reduce, print its tick table and draw it"),
+    "check": ("towers.check_job", "check an all-reduce against the contract with Hypothesis"),
+    "timeline": ("towers.timeline_job", "write one training step as a chrome://tracing timeline"),
+    "bench": ("towers.bench.cli", "benchmark all-reduce and training steps against tf.distribute"),
+}
+"""Command name -> (module with add_arguments/run, one-line help)."""
 
 
 def parser() -> argparse.ArgumentParser:
@@ -25,41 +38,17 @@ def parser() -> argparse.ArgumentParser:
         prog="towers", description="Exact, teachable data-parallel training in TensorFlow."
     )
     sub = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    train = sub.add_parser(
-        "train",
-        help="train a CNN on digits over simulated towers",
-        description=train_job.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    train_job.add_arguments(train)
-    train.set_defaults(func=train_job.run)
-    trace = sub.add_parser(
-        "trace",
-        help="run one all-reduce, print its tick table and draw its schedule",
-        description=trace_job.__doc__,
-        epilog=trace_job.EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    trace_job.add_arguments(trace)
-    trace.set_defaults(func=trace_job.run)
-    check = sub.add_parser(
-        "check",
-        help="check an all-reduce against the contract with Hypothesis",
-        description=check_job.__doc__,
-        epilog=check_job.EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    check_job.add_arguments(check)
-    check.set_defaults(func=check_job.run)
-    timeline = sub.add_parser(
-        "timeline",
-        help="write one training step as a Perfetto / chrome://tracing timeline",
-        description=timeline_job.__doc__,
-        epilog=timeline_job.EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    timeline_job.add_arguments(timeline)
-    timeline.set_defaults(func=timeline_job.run)
+    for name, (module_name, help_text) in COMMANDS.items():
+        module = importlib.import_module(module_name)
+        command = sub.add_parser(
+            name,
+            help=help_text,
+            description=module.__doc__,
+            epilog=getattr(module, "EPILOG", None),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        module.add_arguments(command)
+        command.set_defaults(func=module.run)
     return top
 
 
