@@ -10,6 +10,7 @@ TensorFlow's collectives are opaque to the replay (the runtime picks their order
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -41,3 +42,22 @@ def test_unknown_names_list_the_registry() -> None:
 def test_every_registered_factory_builds_with_defaults() -> None:
     for name, factory in ALGORITHMS.items():
         assert callable(factory()), name
+
+
+def test_naive_chains_large_buffers_with_the_same_bits() -> None:
+    """Above 16 MB naive adds pairwise instead of with AddN: same order, same bits."""
+    from towers.allreduce import naive
+    from towers.allreduce.replay import replay
+
+    rng = np.random.default_rng(0)
+    n, size = 3, 5 * 2**20  # 20 MB of float32 per tower
+    arrays = [rng.normal(size=size).astype(np.float32) for _ in range(n)]
+    values = []
+    for a, d in zip(arrays, DEVICES[:n]):
+        with tf.device(d):
+            values.append(tf.constant(a))
+    out = towers.all_reduce(values, algorithm="naive")
+    sequential = (arrays[0] + arrays[1]) + arrays[2]
+    for o in out:
+        np.testing.assert_array_equal(o.numpy(), sequential)
+    np.testing.assert_array_equal(replay(naive, arrays, devices=DEVICES[:n])[0], sequential)

@@ -75,6 +75,10 @@ def test_inputs_are_small_integers_on_their_devices() -> None:
     assert np.all(data == np.round(data)) and np.abs(data).max() <= 64
 
 
-def test_schedule_takes_more_rounds_for_small_messages() -> None:
-    assert bench.schedule(4096)[0] > bench.schedule(1 << 26)[0]
-    assert bench.schedule(1 << 26, rounds=3) == (3, 1)
+def test_short_calls_are_averaged_over_several_calls() -> None:
+    assert bench.calls_per_sample(4096) > bench.calls_per_sample(1 << 26) == 1
+
+
+def test_sizes_must_be_whole_float32_elements() -> None:
+    with pytest.raises(ValueError, match="multiples of 4"):
+        bench.run_allreduce(DEVICES[:2], [4098], algorithms=["naive"])

@@ -18,6 +18,16 @@ def test_interleave_samples_every_function_each_round() -> None:
     assert all(sorted(set(r)) == ["a", "b", "c"] for r in rounds)
 
 
+def test_calls_per_sample_can_differ_per_function() -> None:
+    counts = {"a": 0, "b": 0}
+
+    def bump(name: str) -> None:
+        counts[name] += 1
+
+    interleave({k: (lambda k=k: bump(k)) for k in counts}, rounds=2, calls={"a": 3}, warmup=0)
+    assert counts == {"a": 6, "b": 2}
+
+
 def test_interleave_rejects_zero_rounds() -> None:
     with pytest.raises(ValueError, match="rounds"):
         interleave({"a": lambda: None}, rounds=0)

@@ -14,6 +14,7 @@ The package's files are the benchmark's parts::
     report.py     tables, CSV, JSON, PNG plots
     sections.py   one function per section of the command, and the targets
     cli.py        ``add_arguments(parser)`` and ``run(args)`` for ``python -m towers bench``
+    __main__.py   ``python -m towers.bench``, the same command on its own
 
 Example:
     >>> from towers.bench.allreduce import run_allreduce        # doctest: +SKIP

@@ -1,12 +1,13 @@
 """The all-reduce table: every algorithm and tf.distribute's cross-device ops, side by side.
 
 For each message size (bytes per tower) every contender is compiled once in its
-own ``tf.function``, warmed up, and timed in interleaved rounds (see
-:mod:`towers.bench.timing`), all inside one :func:`towers.ordering.as_written`
-block. tf.distribute's ops run there too: the two Grappler passes it switches off
-rewrite chains of arithmetic, and a lone collective or ``add_n`` has none, while
-switching the process-wide options between calls would cost every call ~0.2-0.4 ms
-(the cached function-call options are rebuilt). The rows follow nccl-tests::
+own ``tf.function`` and warmed up; then every (size, contender) pair is timed in
+one interleaved loop (see :mod:`towers.bench.timing`), all inside one
+:func:`towers.ordering.as_written` block. tf.distribute's ops run there too:
+the two Grappler passes it switches off rewrite chains of arithmetic, and a lone
+collective or ``add_n`` has none, while switching the process-wide options
+between calls would cost every call ~0.2-0.4 ms (the cached function-call
+options are rebuilt). The rows follow nccl-tests::
 
     size  count  type  redop  algorithm  time (µs)  algbw (GB/s)  busbw (GB/s)  #wrong
 
@@ -15,9 +16,10 @@ The inputs are small integers stored as float32, so every summation order gives
 the exact sum and ``#wrong`` counts, over all ``n`` outputs, the elements that
 differ from NumPy's sum (an output on the wrong device counts all its elements).
 
-Two calibration contenders run beside them for the cost model: ``send`` (one
-copy of ``S`` bytes between towers) and ``add`` (``add_n`` of the ``n`` inputs on
-one device); they are not all-reduces and stay out of the table.
+Two calibration contenders run beside them: ``send`` (one copy of ``S`` bytes
+between towers: on logical CPUs a pointer passes, so this is the call overhead)
+and ``add`` (``add_n`` of the ``n`` inputs on one device: the arithmetic); they are
+not all-reduces and stay out of the table (they are in the CSV).
 """
 
 from __future__ import annotations
@@ -37,12 +39,15 @@ from towers.ordering import as_written
 __all__ = [
     "QUICK_SIZES",
     "SIZES",
+    "Compiled",
     "Contender",
+    "calls_per_sample",
     "contenders",
     "cost_rows",
+    "count_wrong",
     "make_inputs",
     "run_allreduce",
-    "schedule",
+    "towers_contender",
 ]
 
 SIZES = tuple(4096 * 4**k for k in range(8))
@@ -242,62 +247,81 @@ def _row(contender: Contender, n: int, nbytes: int, samples: Samples | None) -> 
     return row
 
 
-def schedule(nbytes: int, rounds: int | None = None) -> tuple[int, int]:
-    """``(rounds, calls per sample)`` for a size: many short samples, fewer long ones."""
-    calls = 3 if nbytes <= 1 << 18 else 1
-    if rounds is not None:
-        return rounds, calls
-    return (25 if nbytes <= 1 << 18 else 15 if nbytes <= 1 << 24 else 11), calls
+def calls_per_sample(nbytes: int) -> int:
+    """Calls averaged into one sample: 3 for messages up to 256 KB (sub-ms calls), else 1."""
+    return 3 if nbytes <= 1 << 18 else 1
 
 
-def run_size(
-    cands: Sequence[Contender], devices: Sequence[str], nbytes: int, *,
-    rounds: int | None = None, verbose: bool = False,
+@dataclasses.dataclass
+class _Size:
+    """One size's inputs and compiled contenders (and the reasons of those that failed)."""
+
+    nbytes: int
+    inputs: list[tf.Tensor]
+    compiled: dict[str, Compiled]
+    errors: dict[str, str]
+
+
+def _prepare(cands: Sequence[Contender], devices: Sequence[str], nbytes: int) -> _Size:
+    """Make the inputs and trace every contender once (call under ``as_written``)."""
+    if nbytes % 4:
+        raise ValueError(f"sizes must be multiples of 4 bytes (float32), got {nbytes}")
+    size = _Size(nbytes, make_inputs(devices, nbytes, seed=nbytes), {}, {})
+    for c in cands:
+        try:
+            size.compiled[c.name] = Compiled(c, devices)
+            size.compiled[c.name](*size.inputs)  # trace now, so a failure names its contender
+        except Exception as err:  # a contender that cannot run here gets a row saying why
+            size.compiled.pop(c.name, None)
+            size.errors[c.name] = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
+    return size
+
+
+def _check(
+    cands: Sequence[Contender], size: _Size, devices: Sequence[str], samples: dict[str, Samples]
 ) -> list[dict[str, Any]]:
-    """Compile, warm up, time (interleaved) and check every contender at one size."""
-    inputs = make_inputs(devices, nbytes, seed=nbytes)
-    compiled: dict[str, Compiled] = {}
-    errors: dict[str, str] = {}
-    with as_written():  # held for the whole size: flipping Grappler's options costs per call
-        for c in cands:
-            try:
-                compiled[c.name] = Compiled(c, devices)
-                compiled[c.name](*inputs)  # trace now, so a failure names its contender
-            except Exception as err:  # a contender that cannot run here gets a row saying why
-                compiled.pop(c.name, None)
-                errors[c.name] = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
-        calls = {name: _bind(fn, inputs) for name, fn in compiled.items()}
-        count, per_sample = schedule(nbytes, rounds)
-        samples = interleave(calls, count, calls=per_sample, warmup=3, verbose=verbose,
-                             label=f"all-reduce {nbytes} B x {len(devices)} towers")
-        host = [x.numpy() for x in inputs]
-        rows = []
-        for c in cands:
-            row = _row(c, len(devices), nbytes, samples.get(c.name))
-            if c.name in compiled:
-                fn = compiled[c.name]
-                row["wrong"] = count_wrong(c, fn(*inputs), host, devices, fn.homes)
-            row["error"] = errors.get(c.name, "")
-            rows.append(row)
+    """One row per contender at ``size``: timings from ``samples``, #wrong from a fresh call."""
+    host = [x.numpy() for x in size.inputs]
+    rows = []
+    for c in cands:
+        row = _row(c, len(devices), size.nbytes, samples.get(f"{size.nbytes}|{c.name}"))
+        if c.name in size.compiled:
+            fn = size.compiled[c.name]
+            row["wrong"] = count_wrong(c, fn(*size.inputs), host, devices, fn.homes)
+        row["error"] = size.errors.get(c.name, "")
+        rows.append(row)
     return rows
 
 
 def run_allreduce(
     devices: Sequence[str], sizes: Sequence[int] = SIZES, *,
-    algorithms: Sequence[str] | None = None, rounds: int | None = None, verbose: bool = False,
+    algorithms: Sequence[str] | None = None, rounds: int = 15, verbose: bool = False,
 ) -> list[dict[str, Any]]:
-    """The whole table: :func:`run_size` for every size (bytes per tower, multiples of 4).
+    """The whole table: every contender at every size, timed in one interleaved loop.
+
+    Interleaving sizes as well as contenders lets load drift hit every size alike,
+    so one contender's times across sizes (what the cost model fits) stay
+    comparable. Everything runs inside one :func:`~towers.ordering.as_written` block.
+
+    Args:
+        devices: the towers' devices.
+        sizes: bytes per tower, multiples of 4.
+        algorithms: see :func:`contenders`.
+        rounds: samples per (size, contender); the median is reported.
+        verbose: show a progress bar.
 
     Returns:
         One row (a dict, nccl-tests columns and more) per contender and size.
     """
     cands = contenders(devices, algorithms)
-    rows: list[dict[str, Any]] = []
-    for nbytes in sizes:
-        if nbytes % 4:
-            raise ValueError(f"sizes must be multiples of 4 bytes (float32), got {nbytes}")
-        rows.extend(run_size(cands, devices, nbytes, rounds=rounds, verbose=verbose))
-    return rows
+    with as_written():  # held throughout: flipping Grappler's options costs every call
+        prepared = [_prepare(cands, devices, nbytes) for nbytes in sizes]
+        calls = {f"{s.nbytes}|{name}": _bind(fn, s.inputs)
+                 for s in prepared for name, fn in s.compiled.items()}
+        per_sample = {key: calls_per_sample(int(key.split("|")[0])) for key in calls}
+        samples = interleave(calls, rounds, calls=per_sample, warmup=3, verbose=verbose,
+                             label=f"all-reduce: {len(calls)} (size, algorithm) pairs")
+        return [row for s in prepared for row in _check(cands, s, devices, samples)]
 
 
 def cost_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

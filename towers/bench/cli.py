@@ -52,8 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="comma list of registered algorithms (default all; tf.* names select "
         "tf.CollectiveAllReduce / tf.ReductionToOneDevice in the all-reduce table)")
     add("--sizes", type=_ints, default=None, help="comma list of bytes per tower")
-    add("--rounds", type=int, default=None, help="all-reduce rounds per size (default 15/7)")
-    add("--step-rounds", type=int, default=None, help="training rounds (default 7; quick 3)")
+    add("--rounds", type=int, default=None, help="all-reduce rounds (default 15; quick 9)")
+    add("--step-rounds", type=int, default=None, help="training rounds (default 13; quick 5)")
     add("--models", type=_csv, default=None, help="comma list of conv-mnist, mlp (default both)")
     add("--batch-size", type=int, default=256, help="global batch of the step table (256)")
     add("--placements", type=_csv, default=None,

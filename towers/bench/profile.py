@@ -65,7 +65,7 @@ def _op_times(space: Any) -> collections.Counter[str]:
                 continue
             for event in line.events:
                 name = names.get(event.metadata_id, "")
-                if ":" in name:
+                if ":" in name and "::" not in name:  # "op:Type", not "ExecutorState::Process"
                     total[name.rsplit(":", 1)[1]] += event.duration_ps
     return total
 

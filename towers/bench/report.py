@@ -177,7 +177,9 @@ def plot_algbw(rows: Sequence[dict[str, Any]], path: Path, title: str = "") -> P
 def plot_ratios(rows: Sequence[dict[str, Any]], path: Path, title: str = "") -> Path:
     """Horizontal bars: step time over MirroredStrategy's, one panel per model."""
     models = list(dict.fromkeys(r["model"] for r in rows if r.get("ratio")))
-    fig = _figure(8, 1.5 + 0.25 * max(1, len(rows)))
+    most = max((sum(1 for r in rows if r["model"] == m and r.get("ratio")) for m in models),
+               default=1)
+    fig = _figure(9, 1.8 + 0.3 * most)
     for k, model in enumerate(models):
         ax = fig.add_subplot(1, len(models), k + 1)
         mine = [r for r in rows if r["model"] == model and r.get("ratio")]

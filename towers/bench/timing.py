@@ -86,7 +86,7 @@ def interleave(
     fns: Mapping[str, Callable[[], Any]],
     rounds: int,
     *,
-    calls: int = 1,
+    calls: int | Mapping[str, int] = 1,
     warmup: int = 2,
     verbose: bool = False,
     label: str = "",
@@ -97,7 +97,8 @@ def interleave(
     Args:
         fns: name -> zero-argument callable that runs (and finishes) one operation.
         rounds: samples per function.
-        calls: calls per sample (the sample is their mean; > 1 for very short calls).
+        calls: calls per sample (the sample is their mean; > 1 for very short calls),
+            one number for all or one per name.
         warmup: untimed calls per function first (tracing, allocator warm-up).
         verbose: show a progress bar.
         label: printed above the progress bar.
@@ -109,9 +110,10 @@ def interleave(
     Raises:
         ValueError: ``rounds`` or ``calls`` < 1.
     """
-    if rounds < 1 or calls < 1:
-        raise ValueError(f"rounds and calls must be >= 1, got {rounds}, {calls}")
     names = list(fns)
+    per_name = {n: calls if isinstance(calls, int) else calls.get(n, 1) for n in names}
+    if rounds < 1 or min(per_name.values(), default=1) < 1:
+        raise ValueError(f"rounds and calls must be >= 1, got {rounds}, {calls}")
     for name in names:
         for _ in range(warmup):
             fns[name]()
@@ -120,7 +122,7 @@ def interleave(
     order = random.Random(seed)
     for r in range(rounds):
         for name in order.sample(names, len(names)):
-            wall, cpu = _sample(fns[name], calls)
+            wall, cpu = _sample(fns[name], per_name[name])
             out[name].wall.append(wall)
             out[name].cpu.append(cpu)
         bar.update(r + 1, [("load", load_average()[0])])

@@ -11,7 +11,10 @@ of 256 random examples, pre-converted to tensors:
   once (``reference``'s ``train_step`` builds a distributed iterator per call, which
   costs ~0.2 s and would handicap tf.distribute);
 - ``towers <algorithm>/<placement>``: ``TowerTrainer.train_step`` on the tensors;
-- ``towers noop/replicated``: no exchange at all, the ceiling (not a valid step).
+- ``towers noop/replicated``: no exchange at all, the ceiling (not a valid step);
+- ``towers fused(<algorithm>)/<placement>``: every gradient packed into one flat buffer
+  per tower (:func:`towers.allreduce.bucketed.bucketed` with no size limit), one
+  all-reduce per step (see :func:`fused_reducers`).
 
 Every configuration's first call returns the loss of the same initial weights on
 the same batch: ``first_loss`` must agree across the table. Steps are then timed
@@ -22,6 +25,7 @@ rounds of the step time over MirroredStrategy's in the same round.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -41,6 +45,7 @@ __all__ = [
     "MIRRORED",
     "MODELS",
     "StepConfig",
+    "fused_reducers",
     "make_batch",
     "profile_steps",
     "run_training",
@@ -53,14 +58,7 @@ MODELS: dict[str, tuple[Callable[[], keras.Model], tuple[int, ...]]] = {
 }
 """Model name -> (factory, input shape): ``mnist_cnn`` and the 784-2048-2048-10 MLP."""
 
-KNOWN_FAILURES: dict[tuple[str, str], str] = {
-    ("nccl_tree", "parameter_device"): (
-        "skipped: deadlocks (measured, TF 2.21): with one variable copy the trainer uses only "
-        "output 0, the other towers' receives of nccl_tree's final broadcast are pruned, and "
-        "its CollectiveBcastSendV2 waits until the collective timeout, which then aborts "
-        "every later collective in the process"
-    ),
-}
+KNOWN_FAILURES: dict[tuple[str, str], str] = {}
 """(algorithm, placement) pairs the bench does not run, with the reason."""
 
 MIRRORED = "MirroredStrategy"
@@ -183,30 +181,40 @@ def towers_config(
                       algorithm=label, placement=placement)
 
 
+def fused_reducers() -> dict[str, Callable[[], Any]]:
+    """Flat-buffer reducers (all of a step's gradients in one bucket): label -> factory."""
+    from towers.allreduce.bucketed import bucketed
+
+    return {f"fused({name})": functools.partial(bucketed, name, None)
+            for name in ("naive", "parameter_device")}
+
+
 def step_configs(
     model: str, devices: Sequence[str], x: tf.Tensor, y: tf.Tensor, *,
     algorithms: Sequence[str] | None = None, placements: Sequence[str] = PLACEMENTS,
-    ceiling: bool = True, extra: dict[str, Any] | None = None,
+    ceiling: bool = True, extra: dict[str, Callable[[], Any]] | None = None,
 ) -> tuple[list[StepConfig], dict[str, str]]:
     """Every configuration for ``model``; those that cannot be built are returned as errors.
 
     Args:
-        extra: more towers algorithms, name -> callable or ``GradientReducer`` factory.
+        extra: more towers reducers, label -> zero-argument factory of an algorithm or
+            a ``GradientReducer`` (called once per configuration: reducers keep state).
     """
     make_model = MODELS[model][0]
     configs, errors = _baselines(make_model, devices, x, y), {}
-    names: list[Any] = list(allreduce.ALGORITHMS if algorithms is None else algorithms)
-    jobs = [(a, a, p) for a in names for p in placements]
+    names = list(allreduce.ALGORITHMS if algorithms is None else algorithms)
+    jobs: list[tuple[str, Callable[[], Any], str]] = [
+        (a, functools.partial(str, a), p) for a in names for p in placements
+    ]
     jobs += [(k, f, p) for k, f in (extra or {}).items() for p in placements]
     if ceiling:
-        jobs.append(("noop", "noop", "replicated"))
-    for label, algorithm, placement in jobs:
+        jobs.append(("noop", functools.partial(str, "noop"), "replicated"))
+    for label, factory, placement in jobs:
         if (label, placement) in KNOWN_FAILURES:
             errors[f"towers {label}/{placement}"] = KNOWN_FAILURES[(label, placement)]
             continue
         try:
-            algo = algorithm() if isinstance(algorithm, type) else algorithm
-            configs.append(towers_config(make_model, devices, x, y, algo, placement, label))
+            configs.append(towers_config(make_model, devices, x, y, factory(), placement, label))
         except Exception as err:  # reported as a row
             errors[f"towers {label}/{placement}"] = f"{type(err).__name__}: {err}"[:160]
     return configs, errors
@@ -222,10 +230,17 @@ def _first_losses(configs: list[StepConfig], errors: dict[str, str]) -> dict[str
     return losses
 
 
+def _best_tf(configs: list[StepConfig], samples: dict[str, Any]) -> str | None:
+    """The tf.distribute configuration with the lowest paired ratio to MirroredStrategy."""
+    names = [c.name for c in configs if c.kind == "tf.distribute" and c.name in samples]
+    if not names or MIRRORED not in samples:
+        return min(names, key=lambda k: samples[k].median) if names else None
+    return min(names, key=lambda k: paired_ratio(samples[k], samples[MIRRORED]))
+
+
 def _rows(model: str, configs: list[StepConfig], samples: dict[str, Any],
           losses: dict[str, float], errors: dict[str, str]) -> list[dict[str, Any]]:
-    tf_names = [c.name for c in configs if c.kind == "tf.distribute" and c.name in samples]
-    best_tf = min(tf_names, key=lambda k: samples[k].median) if tf_names else None
+    best_tf = _best_tf(configs, samples)
     rows = []
     for c in configs:
         s = samples.get(c.name)
@@ -250,7 +265,7 @@ def _rows(model: str, configs: list[StepConfig], samples: dict[str, Any],
 
 
 def run_model(
-    model: str, devices: Sequence[str], *, batch: int = 256, rounds: int = 7, calls: int = 2,
+    model: str, devices: Sequence[str], *, batch: int = 256, rounds: int = 13, calls: int = 1,
     verbose: bool = False, **options: Any,
 ) -> list[dict[str, Any]]:
     """Build every configuration for ``model``, check first losses, time them interleaved."""
@@ -283,8 +298,10 @@ def profile_steps(
     x, y = make_batch(model, batch)
     make_model = MODELS[model][0]
     configs = [c for c in _baselines(make_model, devices, x, y) if c.name in names]
+    fused = fused_reducers()
     for name in names:
         if name.startswith("towers "):
             label, placement = name.removeprefix("towers ").rsplit("/", 1)
-            configs.append(towers_config(make_model, devices, x, y, label, placement, label))
+            algorithm = fused[label]() if label in fused else label
+            configs.append(towers_config(make_model, devices, x, y, algorithm, placement, label))
     return {c.name: c.step for c in configs}
