@@ -207,27 +207,6 @@ def test_summation_depth() -> None:
     assert [summation_depth(n) for n in range(1, 10)] == [0, 1, 2, 2, 3, 3, 3, 3, 4]
 
 
-def test_bad_input() -> None:
-    algo = halving_doubling()
-    with pytest.raises(ValueError, match="values is empty"):
-        algo([])
-    a, b = make_values(Case(2, (3,), tf.float32, "sum", 0))
-    with tf.device(DEVICES[1]):
-        c = tf.zeros([4])
-    with pytest.raises(ValueError, match=r"tower 0 has \(3,\), tower 1 \(4,\)"):
-        algo([a, c])
-    with pytest.raises(ValueError, match="both on"):
-        algo([a, a])
-    with pytest.raises(ValueError, match="op must be one of"):
-        algo([a, b], op="prod")
-    with tf.device(DEVICES[0]):
-        i = tf.zeros([2], tf.int32)
-    with tf.device(DEVICES[1]):
-        j = tf.zeros([2], tf.int32)
-    with pytest.raises(ValueError, match="not defined for integer"):
-        algo([i, j], op="mean")
-
-
 def test_unknown_shape_is_refused() -> None:
     @tf.function(input_signature=[tf.TensorSpec([None], tf.float32)] * 2)
     def run(x: tf.Tensor, y: tf.Tensor) -> list[tf.Tensor]:

@@ -134,21 +134,6 @@ def test_bad_arguments() -> None:
         hierarchical(inner="nope", outer="naive")(values)
 
 
-def test_bad_input() -> None:
-    algo = hierarchical("naive", "naive", 1)
-    with pytest.raises(ValueError, match="values is empty"):
-        algo([])
-    a, b = make_values(Case(2, (3,), tf.float32, "sum", 0))
-    with tf.device(DEVICES[1]):
-        c = tf.zeros([4])
-    with pytest.raises(ValueError, match=r"tower 0 has \(3,\), tower 1 \(4,\)"):
-        algo([a, c])
-    with pytest.raises(ValueError, match="both on"):
-        algo([a, a])
-    with pytest.raises(ValueError, match="op must be one of"):
-        algo([a, b], op="prod")
-
-
 def test_replay_is_bitwise() -> None:
     replay = pytest.importorskip("towers.allreduce.replay").replay
     algo = hierarchical(halving_doubling(), "naive", group_size=3)

@@ -61,3 +61,28 @@ def test_naive_chains_large_buffers_with_the_same_bits() -> None:
     for o in out:
         np.testing.assert_array_equal(o.numpy(), sequential)
     np.testing.assert_array_equal(replay(naive, arrays, devices=DEVICES[:n])[0], sequential)
+
+
+@pytest.mark.parametrize("name", sorted(ALGORITHMS))
+def test_bad_input_is_named(name: str) -> None:
+    """The contract's checks, for every algorithm: empty, shapes (naming the towers), one
+    device twice, an unknown op, an integer mean."""
+    algo = ALGORITHMS[name]()
+    with pytest.raises(ValueError, match="values is empty"):
+        algo([])
+    values = []
+    for d, shape in zip(DEVICES[:3], [[3], [3], [4]]):
+        with tf.device(d):
+            values.append(tf.zeros(shape))
+    with pytest.raises(ValueError, match=r"tower 0 has \(3,\), tower 2 \(4,\)"):
+        algo(values)
+    with pytest.raises(ValueError, match="both on"):
+        algo([values[0], values[0]])
+    with pytest.raises(ValueError, match="op must be one of"):
+        algo(values[:2], op="prod")
+    ints = []
+    for d in DEVICES[:2]:
+        with tf.device(d):
+            ints.append(tf.zeros([2], tf.int32))
+    with pytest.raises(ValueError, match="not defined for integer"):
+        algo(ints, op="mean")
