@@ -1,13 +1,11 @@
-"""Rabenseifner halving-doubling: every output against a float64 NumPy reduction.
+"""Rabenseifner halving-doubling: every output against the exact reduction.
 
-The first section holds checks shared with ``test_hierarchical`` and ``test_nccl``
-(they import them from here; they belong in ``towers/testing.py``).
+The first section holds the value generator and thin checks shared with
+``test_hierarchical`` and ``test_nccl``; the reference and the error bound themselves
+are ``test_primitives``' (one derivation for every algorithm test).
 """
 
 from __future__ import annotations
-
-import dataclasses
-from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -15,6 +13,7 @@ import tensorflow as tf
 from hypothesis import example, given
 from hypothesis import strategies as st
 
+from tests.allreduce.test_primitives import FLOATS, Case, assert_outputs
 from tests.conftest import DEVICES
 from towers.allreduce.base import OPS
 from towers.allreduce.halving_doubling import bytes_sent, halving_doubling, summation_depth
@@ -23,20 +22,8 @@ from towers.devices import canonical_device
 
 # ---- shared checks ---------------------------------------------------------------------------
 
-FLOATS = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
 INTS = (tf.int32, tf.int64)
 SHAPES = [(), (0,), (1,), (2,), (7,), (13,), (3, 5), (2, 0, 3), (31,), (4, 4), (2, 3, 7)]
-# Unit roundoff u = 2^-p for a p-bit significand.
-UNIT_ROUNDOFF = {tf.float16: 2**-11, tf.bfloat16: 2**-8, tf.float32: 2**-24, tf.float64: 2**-53}
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    n: int
-    shape: tuple[int, ...]
-    dtype: tf.DType
-    op: str
-    seed: int
 
 
 @st.composite
@@ -83,10 +70,6 @@ def make_values(case: Case, devices: list[str] | None = None) -> list[tf.Tensor]
     return values
 
 
-def _gamma(k: int, u: float) -> float:
-    return k * u / (1 - k * u)
-
-
 def check_all_reduce(
     outputs: list[tf.Tensor],
     values: list[tf.Tensor],
@@ -94,43 +77,12 @@ def check_all_reduce(
     depth: int,
     devices: list[str] | None = None,
 ) -> float:
-    """Check every output; return the largest error in ULPs of the reference.
+    """Check every output (see ``test_primitives``' bound); return the largest error in ULPs.
 
-    Bound: a summation in which every input passes through at most d rounded additions
-    satisfies |ŝ − s| ≤ γ_d·Σ|x_i|, γ_d = d·u/(1 − d·u), under the standard model
-    fl(a ± b) = (a ± b)(1 + δ), |δ| ≤ u (Higham, Accuracy and Stability, §4.2).
-    Mean adds one rounding: |fl(ŝ/n) − s/n| ≤ (γ_d(1 + u) + u)·Σ|x_i|/n ≤ γ_{d+1}·Σ|x_i|/n;
-    inside a tf.function grappler folds x / n into x · fl(1/n), a second rounding, so the
-    bound is γ_{d+2}·Σ|x_i|/n. TF adds halves in float32 and rounds once more to the half
-    type; that double rounding stays inside the bound's slack. Integers, max and min must
-    be exact.
+    The mean allows two roundings after the sum: some callers run inside a tf.function,
+    where Grappler folds ``x / n`` into ``x · fl(1/n)``.
     """
-    n, dtype = len(values), values[0].dtype
-    devices = devices or [canonical_device(v.device) for v in values]
-    assert len(outputs) == n, f"{len(outputs)} outputs for {n} values"
-    first = outputs[0].numpy().tobytes()
-    for i, out in enumerate(outputs):
-        assert canonical_device(out.device) == devices[i], f"output {i} on {out.device}"
-        assert out.shape == values[0].shape and out.dtype == values[0].dtype, f"output {i}"
-        assert out.numpy().tobytes() == first, f"output {i} differs bitwise from output 0"
-    if dtype.is_integer or op in ("max", "min"):
-        kind = np.int64 if dtype.is_integer else np.float64
-        xs = np.stack([v.numpy().astype(kind) for v in values])
-        ref = {"sum": xs.sum(0), "max": xs.max(0), "min": xs.min(0)}[op]  # int64: no overflow
-        np.testing.assert_array_equal(outputs[0].numpy().astype(ref.dtype), ref, f"op={op}")
-        return 0.0
-    xs = np.stack([v.numpy().astype(np.float64) for v in values]).reshape(n, -1)
-    got = outputs[0].numpy().astype(np.float64).ravel()
-    # The reference is exact (rationals): a float64 sum of float64 inputs would round too.
-    exact = [sum(map(Fraction, col), Fraction(0)) / (n if op == "mean" else 1) for col in xs.T]
-    err = np.array([float(abs(Fraction(g) - e)) for g, e in zip(got, exact, strict=True)])
-    ref = np.array([float(e) for e in exact])
-    u = UNIT_ROUNDOFF[dtype]
-    bound = np.abs(xs).sum(0) * (_gamma(depth, u) if op == "sum" else _gamma(depth + 2, u) / n)
-    worst = int(np.argmax(err - bound)) if err.size else 0
-    assert np.all(err <= bound), f"error {err[worst]} > bound {bound[worst]} (op={op})"
-    ulp = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(ref), 2**-1))) + np.log2(2 * u))
-    return float((err / ulp).max()) if err.size else 0.0
+    return assert_outputs(outputs, values, op, depth, devices=devices, mean_roundings=2).ulps
 
 
 def check_bytes(recorder: object, devices: list[str], expected: list[int]) -> None:

@@ -154,9 +154,19 @@ def _ulp(v: Fraction, p: int, emin: int) -> Fraction:
 
 
 def assert_matches_reference(
-    outs: Sequence[Any], arrays: Sequence[np.ndarray], op: str, depth: int
+    outs: Sequence[Any],
+    arrays: Sequence[np.ndarray],
+    op: str,
+    depth: int,
+    *,
+    mean_roundings: int = 1,
 ) -> Error:
-    """Check every output against the exact reduction; returns the largest error seen."""
+    """Check every output against the exact reduction; returns the largest error seen.
+
+    ``mean_roundings`` is how many roundings a mean adds after the sum: 1 for a division;
+    2 inside a ``tf.function`` run with Grappler, which folds ``x / n`` into
+    ``x · fl(1/n)``.
+    """
     stack = np.stack([np.asarray(a) for a in arrays]).reshape(len(arrays), -1)
     dtype = tf.as_dtype(stack.dtype)
     flat = [np.asarray(o).reshape(-1) for o in outs]
@@ -174,13 +184,37 @@ def assert_matches_reference(
         exact, mag = sum(xs, Fraction(0)), sum((abs(x) for x in xs), Fraction(0))
         bound = _gamma(depth, u) * mag
         if op == "mean":
-            exact, bound = exact / n, _gamma(depth + 1, u) * mag / n
+            exact, bound = exact / n, _gamma(depth + mean_roundings, u) * mag / n
         for i, f in enumerate(flat):
             err = abs(Fraction(float(f[j].astype(np.float64))) - exact)
             assert err <= bound, f"output {i}, element {j}: error {float(err)} > {float(bound)}"
             worst = max(worst, float(err / _ulp(exact, p, emin)))
             share = max(share, float(err / bound) if bound else 0.0)
     return Error(worst, share)
+
+
+def assert_outputs(
+    outputs: Sequence[tf.Tensor],
+    values: Sequence[tf.Tensor],
+    op: str,
+    depth: int,
+    *,
+    devices: Sequence[str] | None = None,
+    mean_roundings: int = 1,
+) -> Error:
+    """The contract on finished outputs: one per value, on its device (``devices``, default
+    the values'), same shape and dtype, bitwise identical, and within the bound."""
+    devices = devices or [canonical_device(v.device) for v in values]
+    assert len(outputs) == len(values), f"{len(outputs)} outputs for {len(values)} values"
+    first = outputs[0].numpy().tobytes()
+    for i, out in enumerate(outputs):
+        assert canonical_device(out.device) == devices[i], f"output {i} on {out.device}"
+        assert out.shape == values[0].shape and out.dtype == values[0].dtype, f"output {i}"
+        assert out.numpy().tobytes() == first, f"output {i} differs bitwise from output 0"
+    arrays = [v.numpy() for v in values]
+    return assert_matches_reference(
+        [o.numpy() for o in outputs], arrays, op, depth, mean_roundings=mean_roundings
+    )
 
 
 def check_all_reduce(
