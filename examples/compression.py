@@ -72,8 +72,8 @@ def main() -> None:
 
     from towers.allreduce import bf16, fp16, powersgd, record, topk
     from towers.allreduce.codecs import identity
-    from towers.data import batches, digits
-    from towers.models import digits_cnn
+    from towers.training.data import batches, digits
+    from towers.training.models import digits_cnn
 
     codecs = {
         "uncompressed": identity(),

@@ -30,9 +30,9 @@ def main() -> None:
     import keras
     import numpy as np
 
-    from towers import checkpoint
-    from towers.data import batches, digits
-    from towers.models import digits_cnn
+    from towers.training import checkpoint
+    from towers.training.data import batches, digits
+    from towers.training.models import digits_cnn
 
     x, y, x_test, y_test = digits()
 

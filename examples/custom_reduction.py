@@ -64,9 +64,9 @@ def main() -> None:
     devices = towers.simulate_devices(args.towers)  # first thing: before TensorFlow starts
     import keras
 
-    from towers.data import batches, digits
-    from towers.models import digits_cnn
     from towers.testing import check_all_reduce
+    from towers.training.data import batches, digits
+    from towers.training.models import digits_cnn
 
     report = check_all_reduce(bidirectional_ring, max_towers=args.towers,
                               max_examples=args.examples, devices=devices)

@@ -31,8 +31,8 @@ def main() -> None:
     import keras
     import numpy as np
 
-    from towers.data import digits
-    from towers.models import digits_cnn
+    from towers.training.data import digits
+    from towers.training.models import digits_cnn
 
     x, y, x_test, y_test = digits()
     x_train, y_train, x_val, y_val = x[:1150], y[:1150], x[1150:], y[1150:]

@@ -15,7 +15,7 @@ The model runs through Keras' ``stateless_call``: the tower passes in its own
 copy of the variable values and gets back the updated non-trainable values
 (BatchNormalization statistics, dropout seed state) instead of letting each
 tower overwrite the shared variables. The trainer then decides how to combine
-them (see :mod:`towers.trainer`).
+them (see :mod:`towers.step`).
 """
 
 from __future__ import annotations

@@ -29,11 +29,9 @@ from tests.allreduce.test_primitives import assert_matches_reference, place
 from tests.conftest import DEVICES
 from towers.allreduce import naive, ring
 from towers.allreduce.bucketed import Layout, bucketed, pack, plan, unpack
+from towers.allreduce.ordering import as_written
 from towers.allreduce.primitives import record
-from towers.data import digits
 from towers.devices import canonical_device
-from towers.models import digits_cnn
-from towers.ordering import as_written
 from towers.testing import (
     OPTIMIZERS,
     ModelSpec,
@@ -42,6 +40,8 @@ from towers.testing import (
     per_tower_gradients,
     sgd_step_bound,
 )
+from towers.training.data import digits
+from towers.training.models import digits_cnn
 
 NUMPY_DTYPES = {
     tf.float16: np.float16,

@@ -31,10 +31,10 @@ from towers.allreduce.codecs import Cast, Identity, TopK, TopKState, bf16, fp16,
 from towers.allreduce.compressed import Compressed, compressed
 from towers.allreduce.powersgd import PowerSGD, orthogonalize, powersgd
 from towers.allreduce.primitives import record
-from towers.data import batches, digits
 from towers.devices import canonical_device
-from towers.models import digits_cnn
 from towers.testing import gamma
+from towers.training.data import batches, digits
+from towers.training.models import digits_cnn
 
 U = 2.0**-24
 SHAPES = [(), (0,), (1,), (7,), (3, 5), (2, 3, 4), (16, 8)]

@@ -173,7 +173,7 @@ def test_unknown_shape_is_refused() -> None:
 
 
 def test_replay_is_bitwise() -> None:
-    replay = pytest.importorskip("towers.allreduce.replay").replay
+    replay = pytest.importorskip("towers.testing.replay").replay
     for n, op in [(3, "sum"), (6, "mean"), (8, "max")]:
         values = make_values(Case(n, (13,), tf.float32, op, n))
         expected = [o.numpy() for o in halving_doubling()(values, op=op)]

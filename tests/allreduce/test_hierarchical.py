@@ -135,7 +135,7 @@ def test_bad_arguments() -> None:
 
 
 def test_replay_is_bitwise() -> None:
-    replay = pytest.importorskip("towers.allreduce.replay").replay
+    replay = pytest.importorskip("towers.testing.replay").replay
     algo = hierarchical(halving_doubling(), "naive", group_size=3)
     case = Case(6, (4, 3), tf.float32, "mean", 9)
     values = make_values(case)

@@ -47,7 +47,7 @@ def test_every_registered_factory_builds_with_defaults() -> None:
 def test_naive_chains_large_buffers_with_the_same_bits() -> None:
     """Above 16 MB naive adds pairwise instead of with AddN: same order, same bits."""
     from towers.allreduce import naive
-    from towers.allreduce.replay import replay
+    from towers.testing.replay import replay
 
     rng = np.random.default_rng(0)
     n, size = 3, 5 * 2**20  # 20 MB of float32 per tower

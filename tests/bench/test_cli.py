@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from towers.bench import add_arguments, run
+from towers.cli.bench import add_arguments, run
 
 
 def _args(*argv: str) -> argparse.Namespace:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from towers import costmodel
+from towers.bench import costmodel
 from towers.bench.costcheck import check_cost_model
 
 

@@ -43,7 +43,7 @@ node's two additions, up to ``2·D``); :func:`summation_depth` is the larger of 
 two trees' depths.
 
 Cost (n towers, S bytes, D = tree height ≈ log2 n; single-port full-duplex links
-as in :mod:`towers.costmodel`): ``2D + C - 1`` ticks, both trees at once. A tower
+as in :mod:`towers.bench.costmodel`): ``2D + C - 1`` ticks, both trees at once. A tower
 sends at most ``2S`` (``3·S/2`` as an inner node, ``S/2`` as a leaf), like the
 ring's ``2(n-1)/n·S``, with ``2D`` instead of ``2(n-1)`` latency terms. C = 1: an
 inner node takes two halves per level, ``4D·(α + S/2·β) + D·S·γ``; pipelining

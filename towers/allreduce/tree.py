@@ -31,7 +31,7 @@ additions into one ``AddN`` and reorder its inputs (see ``towers/allreduce/repla
 then at most two additions per level, a depth of ``2·D``. Towers still agree bitwise.
 
 Cost (n towers, S bytes, D = ⌊log2 n⌋; single-port full-duplex links, the
-convention of :mod:`towers.costmodel`): ``2D + C - 1`` ticks. C = 1 is a binary
+convention of :mod:`towers.bench.costmodel`): ``2D + C - 1`` ticks. C = 1 is a binary
 (not binomial) tree: a node takes its two children's values one after the other,
 ``4D·(α + S·β) + 2D·S·γ``. Pipelined, a tick costs the busiest port, at most three
 pieces of ``S/C`` (one up, two down once reduce and broadcast overlap):

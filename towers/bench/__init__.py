@@ -13,16 +13,13 @@ The package's files are the benchmark's parts::
     profile.py    where the step's time goes (TensorFlow's profiler, per op type)
     report.py     tables, CSV, JSON, PNG plots
     sections.py   one function per section of the command, and the targets
-    cli.py        ``add_arguments(parser)`` and ``run(args)`` for ``python -m towers bench``
+    costmodel.py  α-β-γ formulas per algorithm, fitting, extrapolation to 1024 GPUs
     __main__.py   ``python -m towers.bench``, the same command on its own
 
 Example:
     >>> from towers.bench.allreduce import run_allreduce        # doctest: +SKIP
     >>> rows = run_allreduce(devices[:4], sizes=[4096, 1 << 20])
+The command itself (``add_arguments`` and ``run``) is :mod:`towers.cli.bench`.
 """
 
 from __future__ import annotations
-
-from towers.bench.cli import add_arguments, run
-
-__all__ = ["add_arguments", "run"]

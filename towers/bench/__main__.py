@@ -3,7 +3,7 @@
 import argparse
 import sys
 
-from towers.bench import cli
+from towers.cli import bench as cli
 
 parser = argparse.ArgumentParser(
     prog="python -m towers.bench",

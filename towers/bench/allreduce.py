@@ -3,7 +3,7 @@
 For each message size (bytes per tower) every contender is compiled once in its
 own ``tf.function`` and warmed up; then every (size, contender) pair is timed in
 one interleaved loop (see :mod:`towers.bench.timing`), all inside one
-:func:`towers.ordering.as_written` block. tf.distribute's ops run there too:
+:func:`towers.allreduce.ordering.as_written` block. tf.distribute's ops run there too:
 the two Grappler passes it switches off rewrite chains of arithmetic, and a lone
 collective or ``add_n`` has none, while switching the process-wide options
 between calls would cost every call ~0.2-0.4 ms (the cached function-call
@@ -11,7 +11,7 @@ options are rebuilt). The rows follow nccl-tests::
 
     size  count  type  redop  algorithm  time (µs)  algbw (GB/s)  busbw (GB/s)  #wrong
 
-``algbw = S / t`` and ``busbw = algbw · 2(n−1)/n`` (:func:`towers.costmodel.busbw`).
+``algbw = S / t`` and ``busbw = algbw · 2(n−1)/n`` (:func:`towers.bench.costmodel.busbw`).
 The inputs are small integers stored as float32, so every summation order gives
 the exact sum and ``#wrong`` counts, over all ``n`` outputs, the elements that
 differ from NumPy's sum (an output on the wrong device counts all its elements).
@@ -31,10 +31,11 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from towers import allreduce, costmodel
+from towers import allreduce
+from towers.allreduce.ordering import as_written
+from towers.bench import costmodel
 from towers.bench.timing import Samples, interleave
 from towers.devices import canonical_device
-from towers.ordering import as_written
 
 __all__ = [
     "QUICK_SIZES",
@@ -66,7 +67,7 @@ class Contender:
         name: the algorithm column.
         kind: ``"towers"``, ``"tf.distribute"`` or ``"calibration"``.
         body: per-tower tensors (already placed) -> outputs; traced in a ``tf.function``.
-        formula: the :mod:`towers.costmodel` algorithm that models it (None: none does).
+        formula: the :mod:`towers.bench.costmodel` algorithm that models it (None: none does).
         params: keyword parameters for that formula.
         outputs: ``"all"`` (one sum per tower), ``"sum"`` (one sum) or ``"copy"`` (input 1).
     """
@@ -301,7 +302,7 @@ def run_allreduce(
 
     Interleaving sizes as well as contenders lets load drift hit every size alike,
     so one contender's times across sizes (what the cost model fits) stay
-    comparable. Everything runs inside one :func:`~towers.ordering.as_written` block.
+    comparable. Everything runs inside one :func:`~towers.allreduce.ordering.as_written` block.
 
     Args:
         devices: the towers' devices.
@@ -325,7 +326,7 @@ def run_allreduce(
 
 
 def cost_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Rows :func:`towers.costmodel.fit` accepts: modelled, timed rows only."""
+    """Rows :func:`towers.bench.costmodel.fit` accepts: modelled, timed rows only."""
     return [
         {"algorithm": r["formula"], "n": r["n"], "nbytes": r["size"],
          "seconds": r["time_us"] * 1e-6, "params": r["params"], "name": r["algorithm"]}

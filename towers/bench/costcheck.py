@@ -1,8 +1,8 @@
 """Does the α-β-γ cost model explain the measured all-reduce times?
 
 Each contender's rows (one per size) are fitted on their own by
-:func:`towers.costmodel.fit` with ``per_algorithm=True``; then
-:func:`towers.costmodel.compare` gives predicted against measured time per row.
+:func:`towers.bench.costmodel.fit` with ``per_algorithm=True``; then
+:func:`towers.bench.costmodel.compare` gives predicted against measured time per row.
 A contender passes when every size is predicted within ``tolerance`` (25 %).
 tf.distribute's ops are modelled by the formula of what they run on logical CPUs
 (``CollectiveAllReduce``: a ring; ``ReductionToOneDevice``: naive).
@@ -22,7 +22,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from towers import costmodel
+from towers.bench import costmodel
 from towers.bench.allreduce import cost_rows
 
 __all__ = ["TOLERANCE", "check_cost_model"]

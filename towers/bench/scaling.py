@@ -26,8 +26,8 @@ import tensorflow as tf
 
 from towers import allreduce
 from towers.bench.timing import progress
-from towers.models import mlp
-from towers.trainer import TowerTrainer
+from towers.step import TowerTrainer
+from towers.training.models import mlp
 
 __all__ = ["LINEAR_SLOPE", "TOWERS", "fit_slopes", "run_scaling", "trace_step"]
 

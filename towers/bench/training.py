@@ -36,8 +36,8 @@ import tensorflow as tf
 
 from towers import allreduce
 from towers.bench.timing import interleave, paired_ratio
-from towers.models import mlp, mnist_cnn
-from towers.trainer import PLACEMENTS, TowerTrainer
+from towers.step import PLACEMENTS, TowerTrainer
+from towers.training.models import mlp, mnist_cnn
 
 __all__ = [
     "BASELINES",

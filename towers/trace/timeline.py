@@ -89,10 +89,10 @@ def _setup(args: argparse.Namespace, devices: list[str]) -> _Setup:
     import tensorflow as tf
 
     import towers
-    from towers.data import digits
-    from towers.models import digits_cnn
     from towers.split import shard_sizes
-    from towers.trace import load_algorithm
+    from towers.trace.schedule import load_algorithm
+    from towers.training.data import digits
+    from towers.training.models import digits_cnn
 
     # Registry names go to the trainer as names ("parameter_device" means its device).
     algorithm = args.algorithm
@@ -239,7 +239,7 @@ def _places(devices: Sequence[str], groups: list[tuple[int, list[Any]]]) -> list
 
 def _ticks(groups: list[tuple[int, list[Any]]], places: list[str]) -> dict[int, dict[str, Any]]:
     """Per tick, summed over every all-reduce call: bytes, and per place what it sent/got."""
-    from towers.trace import assign_ticks
+    from towers.trace.schedule import assign_ticks
 
     out: dict[int, dict[str, Any]] = {}
     for whole, transfers in groups:
@@ -369,7 +369,7 @@ def build_timeline(args: argparse.Namespace, devices: list[str]) -> tuple[dict[s
     """
     import keras
 
-    from towers.ordering import as_written
+    from towers.allreduce.ordering import as_written
 
     setup = _setup(args, devices)
     bar = keras.utils.Progbar(len(devices) + len(setup.trainer.replicas) + 2, unit_name="phase")
@@ -388,7 +388,7 @@ def run(args: argparse.Namespace) -> int:
         print("towers timeline: error: need --towers >= 1, --repeats >= 1 and a batch with at "
               "least one example per tower", file=sys.stderr)
         return 2
-    from towers.trace import start_devices
+    from towers.trace.schedule import start_devices
 
     devices = start_devices(args.towers)  # first thing: before TensorFlow's runtime starts
     print(f"towers timeline: one step of digits_cnn, batch {args.batch_size}, {args.towers} "

@@ -1,4 +1,4 @@
-"""towers.fit: fit / evaluate / predict against Keras' own model.fit, callbacks, exact metrics."""
+"""towers.training.fit: fit / evaluate / predict against model.fit, callbacks, exact metrics."""
 
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ import tensorflow as tf
 
 import towers
 from tests.conftest import DEVICES
-from towers import checkpoint
-from towers.data import digits
-from towers.fit import _towers
-from towers.models import digits_cnn
-from towers.ordering import as_written
+from towers.allreduce.ordering import as_written
 from towers.split import shard_sizes
 from towers.testing import assert_weights_close, gamma
+from towers.training import checkpoint
+from towers.training.data import digits
+from towers.training.fit import _towers
+from towers.training.models import digits_cnn
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 X, Y, X_TEST, Y_TEST = digits()

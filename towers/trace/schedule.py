@@ -3,11 +3,11 @@
 :func:`trace_all_reduce` runs an algorithm eagerly on one small vector per tower
 inside :func:`~towers.allreduce.primitives.record`, so every
 :func:`~towers.allreduce.primitives.send` becomes a row of the tick table, and
-checks the outputs against NumPy. :func:`~towers.trace_draw.draw` turns the rows
+checks the outputs against NumPy. :func:`~towers.trace.draw.draw` turns the rows
 into a picture (towers as rows, ticks as columns, one arrow per transfer, one
-colour per chunk), :func:`~towers.trace_text.format_table` and
-:func:`~towers.trace_text.format_summary` into text; both are importable from
-here too::
+colour per chunk), :func:`~towers.trace.text.format_table` and
+:func:`~towers.trace.text.format_summary` into text; :mod:`towers.trace` exports
+all of them::
 
     tick      0          1          2      │    3          4          5
     tower 0  c3 ─▶1     c2 ─▶1     c1 ─▶1  │   c0 ─▶1 ...          holds c0 c1 c2 c3
@@ -17,7 +17,7 @@ Ticks are the algorithm's own (``send(..., tick=t)``). A transfer without one
 gets one **by order**: one tick after the later of its source's previous send,
 its destination's previous receive and the last receive at its source of a
 chunk it carries (one send and one receive per device per tick, the
-single-port model of :mod:`towers.costmodel`, and never before its data
+single-port model of :mod:`towers.bench.costmodel`, and never before its data
 can exist). Opaque collectives move data outside ``send``: what they report
 with ``record_estimate`` is shown dashed and marked estimated; if they report
 nothing, their ``estimated_bytes_sent(n, nbytes)`` formula, when they have one,
@@ -57,9 +57,6 @@ __all__ = [
     "TraceRow",
     "assign_ticks",
     "chunk_ownership",
-    "draw",
-    "format_summary",
-    "format_table",
     "load_algorithm",
     "start_devices",
     "to_json",
@@ -277,7 +274,7 @@ def _expected(arrays: Sequence[np.ndarray], op: str) -> np.ndarray:
 
 def _estimates(fn: Any, devices: Sequence[str], nbytes: int) -> list[Transfer]:
     """One estimated row per tower from ``estimated_bytes_sent`` (silent opaque collectives)."""
-    from towers.allreduce.check import formula_for
+    from towers.testing.check import formula_for
 
     formula = formula_for(fn, "estimated_bytes_sent")
     if formula is None or len(devices) < 2:
@@ -290,7 +287,7 @@ def _estimates(fn: Any, devices: Sequence[str], nbytes: int) -> list[Transfer]:
 
 
 def _formula_bytes(fn: Any, n: int, nbytes: int, itemsize: int) -> tuple[int, ...] | None:
-    from towers.allreduce.check import formula_for
+    from towers.testing.check import formula_for
 
     formula = formula_for(fn, "bytes_sent")
     if formula is None:
@@ -436,7 +433,7 @@ def trace_all_reduce(
         ValueError: a bad ``op`` or ``size``, an unknown algorithm, wrong output count.
     """
     from towers.allreduce.base import check_op
-    from towers.allreduce.check import ulp_distance
+    from towers.testing.check import ulp_distance
 
     check_op(op)
     if size < 1:
@@ -495,9 +492,3 @@ def to_json(trace: Trace) -> dict[str, Any]:
 def transfers_from_json(data: dict[str, Any]) -> list[Transfer]:
     """The recorded transfers back from :func:`to_json`'s dict (equal to ``trace.transfers``)."""
     return [Transfer(**t) for t in data["transfers"]]
-
-
-# The text and the picture live in their own modules; re-exported so `towers.trace` is the one
-# import for users (at the bottom: they need Trace only for type hints).
-from towers.trace_draw import draw  # noqa: E402
-from towers.trace_text import format_summary, format_table  # noqa: E402

@@ -21,7 +21,7 @@ import os
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
-    from towers.trainer import TowerTrainer
+    from towers.step import TowerTrainer
 
 __all__ = ["Exported", "export"]
 

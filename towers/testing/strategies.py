@@ -28,7 +28,7 @@ import keras
 import numpy as np
 from hypothesis import strategies as st
 
-from towers.allreduce.check import (
+from towers.testing.check import (
     CheckReport,
     assert_close,
     check_all_reduce,

@@ -53,13 +53,13 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from towers.allreduce.ordering import as_written
 from towers.allreduce.primitives import send
-from towers.ordering import as_written
 from towers.split import shard_sizes, split
 from towers.tower import per_example_loss
 
 if TYPE_CHECKING:
-    from towers.trainer import TowerTrainer
+    from towers.step import TowerTrainer
 
 __all__ = ["evaluate", "fit", "predict"]
 

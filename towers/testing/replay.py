@@ -272,7 +272,7 @@ def _run_kernel(op: tf.Operation, inputs: list[np.ndarray]) -> list[np.ndarray]:
     if kernel is None:
         raise ReplayError(
             f"cannot replay op type {op.type!r} (node {op.name!r}): it has no NumPy kernel. "
-            f"Supported: {', '.join(supported_ops())}. Add one to towers.allreduce.replay.KERNELS."
+            f"Supported: {', '.join(supported_ops())}. Add one to towers.testing.replay.KERNELS."
         )
     try:
         outputs = kernel(op, inputs)

@@ -51,7 +51,7 @@ def _train(
 ) -> list[float]:
     import keras
 
-    from towers.data import batches
+    from towers.training.data import batches
 
     x_train, y_train, _, _ = data
     steps = -(-len(x_train) // args.batch_size)
@@ -86,8 +86,8 @@ def run(args: argparse.Namespace) -> int:
     devices = towers.simulate_devices(args.towers)
     import keras
 
-    from towers.data import digits
-    from towers.models import digits_cnn
+    from towers.training.data import digits
+    from towers.training.models import digits_cnn
 
     data = digits(seed=args.seed)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)

@@ -17,7 +17,7 @@ devices and checks every output:
 2. **Placement.** Output i lives on input i's device.
 3. **Agreement.** All outputs are bitwise identical (replicas must not drift).
 4. **Replay** (``replay=True``): outputs bitwise equal to
-   :func:`towers.allreduce.replay.replay` of the algorithm's graph.
+   :func:`towers.testing.replay.replay` of the algorithm's graph.
 5. **Bytes.** When the algorithm moved data with ``send``, the bytes each tower
    sent equal ``bytes_sent(n, nbytes, itemsize)`` from the algorithm or its module.
 
@@ -469,7 +469,7 @@ def _check_replay(
     fn: Any, results: list[np.ndarray], case: _Case, devices: Sequence[str]
 ) -> list[str]:
     """Check 4: bitwise equal to the NumPy replay of the algorithm's graph."""
-    from towers.allreduce.replay import ReplayError, replay
+    from towers.testing.replay import ReplayError, replay
 
     try:
         replayed = replay(fn, case.arrays, case.op, devices=devices[: case.n])

@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
         print("towers check: error: need --max-towers >= 1, --examples >= 1 and tower counts "
               f"in 1..{args.max_towers}", file=sys.stderr)
         return 2
-    from towers.trace import load_algorithm, start_devices
+    from towers.trace.schedule import load_algorithm, start_devices
 
     devices = start_devices(args.max_towers)  # first thing: before TensorFlow's runtime starts
     try:

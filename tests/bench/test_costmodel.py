@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from towers import costmodel as cm
-from towers.costmodel import PRESETS, Link, algbw, busbw, coefficients, fit, predict
+from towers.bench import costmodel as cm
+from towers.bench.costmodel import PRESETS, Link, algbw, busbw, coefficients, fit, predict
 
 TWICE = ["naive", "parameter_device", "ring", "nccl", "nccl_ring", "nccl_tree", "halving_doubling"]
 

@@ -13,7 +13,7 @@ from hypothesis import given
 from tests.conftest import DEVICES
 from towers.allreduce import naive, parameter_device, send
 from towers.allreduce.base import check_values, combine, finish
-from towers.allreduce.check import (
+from towers.testing.check import (
     CheckReport,
     Closeness,
     assert_close,

@@ -22,8 +22,8 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # towers.trace re-exports draw: no import cycle at runtime
-    from towers.trace import Trace
+if TYPE_CHECKING:  # type hints only: schedule.py does not import this module
+    from towers.trace.schedule import Trace
 
 __all__ = ["draw"]
 

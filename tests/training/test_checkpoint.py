@@ -1,4 +1,4 @@
-"""towers.checkpoint and towers.export: resume bitwise in a new process; reload exported models."""
+"""towers.training.checkpoint and export: bitwise resume in a new process; exports reload."""
 
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ import tensorflow as tf
 
 import towers
 from tests.conftest import DEVICES
-from towers import checkpoint
-from towers.data import digits
-from towers.export import export
 from towers.testing import assert_weights_close
+from towers.training import checkpoint
+from towers.training.data import digits
+from towers.training.export import export
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # Run in a fresh process: `python3 -c SCRIPT MODE CKPT OUT`. MODE "first" trains STEPS steps,
 # saving after SAVE_AT; MODE "resume" restores that checkpoint and trains the remaining steps.
@@ -32,9 +32,9 @@ devices = towers.simulate_devices(4)
 import keras
 import numpy as np
 import tensorflow as tf
-from towers import checkpoint
+from towers.training import checkpoint
 from towers.allreduce.naive import naive
-from towers.data import digits
+from towers.training.data import digits
 
 STEPS, SAVE_AT, BATCH = 6, 3, 48
 

@@ -1,4 +1,4 @@
-"""towers.trainer: placements, replicas, non-trainable state, bad input, tracing."""
+"""towers.step: placements, replicas, non-trainable state, bad input, tracing."""
 
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import tensorflow as tf
 
 if TYPE_CHECKING:
-    from towers.trainer import TowerTrainer
+    from towers.step import TowerTrainer
 
 __all__ = ["checkpoint", "restore", "save"]
 

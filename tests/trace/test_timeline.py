@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 
+import towers.trace.schedule as trace
 from tests.conftest import DEVICES
-from towers import cli, timeline_job, trace
+from towers import cli
+from towers.trace import timeline as timeline_job
 
 
 def _complete(data: dict) -> list[dict]:

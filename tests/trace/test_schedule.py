@@ -32,7 +32,7 @@ from towers.trace import (
     transfers_from_json,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ROW = re.compile(r"^\s*(\d+)?\*?\s+tower (\d+)\s+-> tower (\d+)\s+(\S+)\s+~?(\d+)\s+(.*)$")
 
 STAR = '''

@@ -19,7 +19,7 @@ Integer state (dropout seed counters) advances identically on every tower; tower
 0's value is kept.
 
 Everything happens in one ``tf.function``, traced once per input signature and run
-:func:`towers.ordering.as_written`, so additions happen in the order the code states.
+:func:`towers.allreduce.ordering.as_written`, so additions happen in the order the code states.
 """
 
 from __future__ import annotations
@@ -37,12 +37,12 @@ import tensorflow as tf
 from towers import allreduce
 from towers.allreduce.base import GradientReducer
 from towers.allreduce.naive import naive
+from towers.allreduce.ordering import as_written
 from towers.allreduce.parameter_device import parameter_device as _parameter_device_algo
 from towers.allreduce.parameter_device import reduce_on
 from towers.allreduce.primitives import Recorder, Transfer, record, send
 from towers.devices import canonical_device, local_devices
-from towers.ordering import as_written
-from towers.replicas import ModelLike, OptimizerLike, Replica, make_replicas, variable_values
+from towers.placement import ModelLike, OptimizerLike, Replica, make_replicas, variable_values
 from towers.split import shard_sizes, split
 from towers.tower import LossFn, TowerResult, empty_tower_step, resolve_loss, tower_step
 
@@ -238,20 +238,20 @@ class TowerTrainer:
         return StepStats.from_recorder(self.last_trace_stats)
 
     def fit(self, *args: Any, **kwargs: Any) -> Any:
-        """Keras-style training loop; see :func:`towers.fit.fit`."""
-        from towers.fit import fit
+        """Keras-style training loop; see :func:`towers.training.fit.fit`."""
+        from towers.training.fit import fit
 
         return fit(self, *args, **kwargs)
 
     def evaluate(self, *args: Any, **kwargs: Any) -> Any:
-        """Loss and metrics over a dataset, split over towers; see :func:`towers.fit.evaluate`."""
-        from towers.fit import evaluate
+        """Loss and metrics over a dataset, split over towers; see ``training.fit.evaluate``."""
+        from towers.training.fit import evaluate
 
         return evaluate(self, *args, **kwargs)
 
     def predict(self, *args: Any, **kwargs: Any) -> Any:
-        """Model outputs, split over towers; see :func:`towers.fit.predict`."""
-        from towers.fit import predict
+        """Model outputs, split over towers; see :func:`towers.training.fit.predict`."""
+        from towers.training.fit import predict
 
         return predict(self, *args, **kwargs)
 

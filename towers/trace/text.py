@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # towers.trace re-exports this module's functions: no import cycle at runtime
-    from towers.trace import Trace
+if TYPE_CHECKING:  # type hints only: schedule.py does not import this module
+    from towers.trace.schedule import Trace
 
 __all__ = ["format_summary", "format_table"]
 

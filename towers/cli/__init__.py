@@ -23,11 +23,11 @@ from collections.abc import Sequence
 __all__ = ["COMMANDS", "main", "parser"]
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("towers.train_job", "train a CNN on digits over simulated towers"),
-    "trace": ("towers.trace_job", "run one all-reduce, print its tick table and draw it"),
-    "check": ("towers.check_job", "check an all-reduce against the contract with Hypothesis"),
-    "timeline": ("towers.timeline_job", "write one training step as a chrome://tracing timeline"),
-    "bench": ("towers.bench.cli", "benchmark all-reduce and training steps against tf.distribute"),
+    "train": ("towers.cli.train", "train a CNN on digits over simulated towers"),
+    "trace": ("towers.cli.trace", "run one all-reduce, print its tick table and draw it"),
+    "check": ("towers.cli.check", "check an all-reduce against the contract with Hypothesis"),
+    "timeline": ("towers.cli.timeline", "write one training step as a chrome://tracing timeline"),
+    "bench": ("towers.cli.bench", "benchmark all-reduce and training steps against tf.distribute"),
 }
 """Command name -> (module with add_arguments/run, one-line help)."""
 

@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     if args.towers < 1 or args.size < 1:
         print("towers trace: error: --towers and --size must be at least 1", file=sys.stderr)
         return 2
-    from towers.trace import start_devices
+    from towers.trace.schedule import start_devices
 
     devices = start_devices(args.towers)  # first thing: before TensorFlow's runtime starts
     from towers import trace as tracing

@@ -1,0 +1,45 @@
+"""See an algorithm run: tick tables, pictures and step timelines.
+
+    schedule.py  run one all-reduce under ``record()``: who sends which chunk where, tick by tick
+    text.py      the tick table and summary as text
+    draw.py      the schedule as a PNG (towers as rows, ticks as columns)
+    timeline.py  one training step as a chrome://tracing / Perfetto JSON
+
+Example:
+    >>> from towers.trace import trace_all_reduce, format_table, draw   # doctest: +SKIP
+    >>> t = trace_all_reduce("ring", devices[:4], size=16)
+    >>> print(format_table(t)); draw(t, "ring.png")
+"""
+
+from __future__ import annotations
+
+from towers.trace.draw import draw
+from towers.trace.schedule import (
+    COLLECTIVE,
+    Trace,
+    TraceRow,
+    assign_ticks,
+    chunk_ownership,
+    load_algorithm,
+    start_devices,
+    to_json,
+    trace_all_reduce,
+    transfers_from_json,
+)
+from towers.trace.text import format_summary, format_table
+
+__all__ = [
+    "COLLECTIVE",
+    "Trace",
+    "TraceRow",
+    "assign_ticks",
+    "chunk_ownership",
+    "draw",
+    "format_summary",
+    "format_table",
+    "load_algorithm",
+    "start_devices",
+    "to_json",
+    "trace_all_reduce",
+    "transfers_from_json",
+]

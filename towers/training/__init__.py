@@ -1,0 +1,8 @@
+"""Everyday training around the step: Keras-style loops, checkpoints, export, demo data.
+
+    fit.py         ``fit`` / ``evaluate`` / ``predict`` with Keras callbacks and exact metrics
+    checkpoint.py  ``save`` / ``restore``: every replica, optimizer slots, codec state
+    export.py      ``.keras`` and SavedModel export of the trained model
+    data.py        scikit-learn's bundled 8×8 digits, split and batched
+    models.py      the small models the CLI, examples and benchmarks train
+"""
