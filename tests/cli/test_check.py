@@ -2,7 +2,7 @@
 
 Runs in-process through ``towers.cli.main``; ``--max-towers 8`` matches the 8
 devices conftest configured, so ``simulate_devices`` is a no-op here. The
-algorithms under test live in this module and are named ``tests.test_check_job:…``.
+algorithms under test live in this module and are named ``tests.cli.test_check:…``.
 """
 
 from __future__ import annotations
@@ -51,18 +51,18 @@ def _check(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, st
 
 @pytest.mark.parametrize("name", ["star", "make_star"])
 def test_a_correct_algorithm_passes_with_exit_code_0(name: str, capsys) -> None:
-    code, out, _ = _check(capsys, f"tests.test_check_job:{name}", "--towers", "1,2,3",
+    code, out, _ = _check(capsys, f"tests.cli.test_check:{name}", "--towers", "1,2,3",
                           "--examples", "6")
     assert code == 0, out
-    assert f"PASS: tests.test_check_job:{name} (6 examples run)" in out
+    assert f"PASS: tests.cli.test_check:{name} (6 examples run)" in out
     assert "tower count" in out  # the progress bar
 
 
 def test_a_broken_algorithm_fails_with_the_smallest_example(capsys) -> None:
-    code, out, _ = _check(capsys, "tests.test_check_job:forgets_the_last", "--examples", "16",
+    code, out, _ = _check(capsys, "tests.cli.test_check:forgets_the_last", "--examples", "16",
                           "--dtypes", "float32", "--ops", "sum")
     assert code == 1
-    assert "FAIL: tests.test_check_job:forgets_the_last" in out
+    assert "FAIL: tests.cli.test_check:forgets_the_last" in out
     example = out.split("Smallest failing example:")[1]
     assert example.lstrip().startswith("n=2 towers, shape=(), dtype=float32, op='sum'")
     assert "output 0: 1 of 1 elements differ" in out
@@ -78,7 +78,7 @@ def test_registered_names_work_too(capsys) -> None:
     ("args", "message"),
     [
         (["butterfly"], "unknown all_reduce 'butterfly'"),
-        (["tests.test_check_job:nothing"], "has no 'nothing'"),
+        (["tests.cli.test_check:nothing"], "has no 'nothing'"),
         (["ring", "--towers", "9"], "tower counts in 1..8"),
         (["ring", "--dtypes", "float33"], "float33"),
     ],
