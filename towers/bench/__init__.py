@@ -13,7 +13,9 @@ The package's files are the benchmark's parts::
     profile.py    where the step's time goes (TensorFlow's profiler, per op type)
     report.py     tables, CSV, JSON, PNG plots
     sections.py   one function per section of the command, and the targets
-    costmodel.py  α-β-γ formulas per algorithm, fitting, extrapolation to 1024 GPUs
+    costmodel.py  α-β-γ formulas per algorithm: coefficients, predict, presets, busbw
+    costfit.py    fitting α, β, γ to measured rows; predicted vs measured
+    simulate.py   the model carried to 1024 GPUs: times per tower count and their plot
     __main__.py   ``python -m towers.bench``, the same command on its own
 
 Example:
