@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import math
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any, Literal, overload
 
 import numpy as np
@@ -19,7 +19,7 @@ import numpy as np
 from towers.bench import costmodel
 from towers.bench.costmodel import Link
 
-__all__ = ["compare", "fit", "format_table"]
+__all__ = ["SPLITS", "compare", "fit", "format_table", "holdout", "split_sizes"]
 
 _CALIBRATION = ("send", "add")
 """Not all-reduces: rows that join every per-algorithm fit (they split β from γ)."""
@@ -144,3 +144,72 @@ def format_table(results: Sequence[Mapping[str, Any]]) -> str:
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in
                        enumerate(zip(row, widths, strict=True))) for row in [head, *body]]
     return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:]])
+
+
+SPLITS = ("interleaved", "extrapolated")
+"""How :func:`split_sizes` picks the training sizes."""
+
+
+def split_sizes(
+    sizes: Iterable[float], how: str = "interleaved"
+) -> tuple[list[float], list[float]]:
+    """``(train, held_out)``: which message sizes to fit on and which to predict.
+
+    Args:
+        sizes: the measured sizes (repeats are fine).
+        how: ``"interleaved"``: every other size from the smallest trains, so each
+            held-out size lies between two training sizes (the largest, with an even
+            count, just beyond). ``"extrapolated"``: the smaller half (rounded up)
+            trains and the larger half is predicted, as a simulation predicts sizes
+            and tower counts never measured.
+
+    Raises:
+        ValueError: an unknown ``how``.
+
+    Example:
+        >>> split_sizes([1, 2, 3, 4, 5])
+        ([1, 3, 5], [2, 4])
+        >>> split_sizes([1, 2, 3, 4, 5], "extrapolated")
+        ([1, 2, 3], [4, 5])
+    """
+    ordered = sorted(set(sizes))
+    if how == "interleaved":
+        return ordered[::2], ordered[1::2]
+    if how == "extrapolated":
+        half = (len(ordered) + 1) // 2
+        return ordered[:half], ordered[half:]
+    raise ValueError(f"how must be one of {', '.join(SPLITS)}, got {how!r}")
+
+
+def holdout(
+    rows: Sequence[Any], train_sizes: Collection[float], *, name: str = "holdout"
+) -> list[dict[str, Any]]:
+    """Fit per algorithm on the rows at ``train_sizes`` only, and predict every row.
+
+    Args:
+        rows: as for :func:`fit` (``send``/``add`` rows at training sizes join every fit).
+        train_sizes: the ``nbytes`` values to fit on; the other rows are held out.
+        name: as for :func:`fit`.
+
+    Returns:
+        :func:`compare`'s rows (calibration rows left out), each with ``train``: whether
+        the fit saw it. The held-out rows' ``rel_error`` is a prediction's error.
+
+    Raises:
+        ValueError: as :func:`fit`; an algorithm with no row at a training size.
+
+    Example:
+        >>> rows = [{"algorithm": "ring", "n": 4, "nbytes": s, "seconds": 1e-5 + s * 1e-9}
+        ...         for s in (1e3, 1e4, 1e5)]
+        >>> [(r["train"], round(r["rel_error"], 6)) for r in holdout(rows, {1e3, 1e5})]
+        [(True, 0.0), (False, 0.0), (True, 0.0)]
+    """
+    parsed = [_row(r) for r in rows]
+    trained = {alg for alg, _, s, _, _ in parsed if s in train_sizes} - set(_CALIBRATION)
+    missing = sorted({alg for alg, *_ in parsed} - trained - set(_CALIBRATION))
+    if missing:
+        raise ValueError(f"no row at a training size for {', '.join(missing)}")
+    links = fit([r for r, p in zip(rows, parsed, strict=True) if p[2] in train_sizes],
+                per_algorithm=True, name=name)
+    modelled = [r for r, p in zip(rows, parsed, strict=True) if p[0] not in _CALIBRATION]
+    return [{**c, "train": c["nbytes"] in train_sizes} for c in compare(modelled, links)]
