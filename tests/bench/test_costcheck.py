@@ -79,3 +79,39 @@ def test_too_few_sizes_to_hold_out_gives_none() -> None:
     details, [s] = check_cost_model([_row("ring", "ring", s, LINK) for s in SIZES[:2]])
     assert s["ok"] and s["interleaved_ok"] is None and s["interleaved_max_abs_error"] is None
     assert details[0]["interleaved_error"] is None
+
+
+def test_the_section_prints_and_saves_both_fits_and_the_training_sizes(tmp_path, capsys) -> None:
+    import argparse
+    import csv
+    import json
+
+    from towers.bench import sections
+
+    results: dict = {"allreduce": _noisy(0.0)}
+    assert sections.costmodel_section(argparse.Namespace(out=tmp_path), [], results)
+    text = capsys.readouterr().out
+    train, held = split_sizes(results["allreduce"])["interleaved"]
+    assert f"interleaved: fitted on {', '.join(map(str, train))} B only" in text
+    assert f"predicts {', '.join(map(str, held))} B" in text
+    assert "fit all" in text and "extrapolated" in text
+    with (tmp_path / "costmodel.csv").open() as f:
+        saved = list(csv.DictReader(f))
+    assert len(saved) == 3 * len(SIZES)
+    assert [r["interleaved_train"] for r in saved[:3]] == ["True", "False", "True"]
+    assert float(saved[1]["interleaved_error"]) == pytest.approx(0, abs=1e-6)
+    assert results["costmodel_splits"]["extrapolated"] == {"train": SIZES[:4],
+                                                          "held_out": SIZES[4:]}
+    assert json.dumps(results["costmodel"])  # bench.json can hold it
+    [target, *_] = sections.targets(results)
+    assert target["target"] == "cost model predicts held-out sizes within 25% for ring"
+    assert target["holds"]
+    assert target["value"] == results["costmodel"][0]["interleaved_max_abs_error"]
+
+
+def test_the_target_falls_back_to_the_in_sample_fit_without_held_out_sizes() -> None:
+    from towers.bench import sections
+
+    _, summary = check_cost_model([_row("ring", "ring", s, LINK) for s in SIZES[:2]])
+    [target] = sections.targets({"costmodel": summary})
+    assert target["target"].endswith("(in-sample only)") and target["holds"]
