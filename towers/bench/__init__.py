@@ -5,7 +5,7 @@ The package's files are the benchmark's parts::
     timing.py     interleaved rounds: every configuration once per round (drift is shared)
     allreduce.py  the nccl-tests style table: every algorithm and tf.distribute's ops,
                   4 KB … 64 MB, #wrong checked against NumPy
-    costcheck.py  the α-β-γ cost model fitted to those rows: predicted vs measured
+    costcheck.py  the α-β-γ model fitted to those rows: in-sample and on held-out sizes
     training.py   one training step: towers (algorithm × placement) against a single
                   device, MirroredStrategy (collective / ReductionToOneDevice) and
                   CentralStorageStrategy, on conv-MNIST and the 5.8 M-parameter MLP
