@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from towers.bench import costfit
 from towers.bench import costmodel as cm
 from towers.bench.costmodel import PRESETS, Link, algbw, busbw, coefficients, fit, predict
 
@@ -157,8 +158,8 @@ def test_fit_numpy_fallback_agrees_with_scipy():
     rng = np.random.default_rng(1)
     a = rng.random((20, 3))
     for b in (a @ np.array([1.0, 2.0, 3.0]), a @ np.array([1.0, -2.0, 3.0]) + 0.01):
-        assert cm._nnls_small(a, b) == pytest.approx(cm._nnls(a, b), abs=1e-9)
-    assert cm._nnls_small(a, a @ np.array([1.0, -2.0, 3.0]))[1] == 0  # clamped
+        assert costfit._nnls_small(a, b) == pytest.approx(costfit._nnls(a, b), abs=1e-9)
+    assert costfit._nnls_small(a, a @ np.array([1.0, -2.0, 3.0]))[1] == 0  # clamped
 
 
 def test_fit_warns_when_beta_and_gamma_cannot_be_told_apart():
@@ -259,3 +260,14 @@ def test_module_does_not_import_tensorflow():
         "assert 'matplotlib' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_every_public_name_still_imports_from_costmodel():
+    from towers.bench import simulate
+
+    for name in cm.__all__:
+        assert getattr(cm, name) is not None, name
+    assert cm.fit is costfit.fit and cm.compare is costfit.compare
+    assert cm.simulate is simulate.simulate and cm.plot_simulation is simulate.plot_simulation
+    with pytest.raises(AttributeError, match="nope"):
+        cm.nope  # noqa: B018

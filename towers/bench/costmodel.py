@@ -1,4 +1,4 @@
-"""The α-β-γ cost model of towers' all-reduce schedules: predict, fit and plot.
+"""The α-β-γ cost model of towers' all-reduce schedules: formulas and predictions.
 
 A message of ``m`` bytes costs ``α + m·β`` on a link; reducing ``m`` bytes costs
 ``m·γ``. Every algorithm's time is linear in the three constants,
@@ -56,14 +56,11 @@ References:
 from __future__ import annotations
 
 import inspect
-import itertools
 import math
 import numbers
-import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Literal, overload
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -376,183 +373,19 @@ def busbw(nbytes: float, seconds: float, n: int) -> float:
     return algbw(nbytes, seconds) * 2 * (n - 1) / n
 
 
-def _row(row: Any) -> tuple[str, int, float, float, dict[str, Any]]:
-    def get(key: str, default: Any = None) -> Any:
-        return row.get(key, default) if isinstance(row, Mapping) else getattr(row, key, default)
+_MOVED = {"fit": "costfit", "compare": "costfit", "format_table": "costfit",
+          "simulate": "simulate", "plot_simulation": "simulate"}
+"""Names that live in a sibling module now: ``costmodel.fit`` is ``costfit.fit``."""
 
-    algorithm, n, nbytes, seconds = (get(k) for k in ("algorithm", "n", "nbytes", "seconds"))
-    if algorithm is None or n is None or nbytes is None or seconds is None:
-        raise ValueError(f"rows need algorithm, n, nbytes and seconds; got {row!r}")
-    algbw(nbytes, seconds)  # validates both
-    return algorithm, n, nbytes, seconds, dict(get("params") or {})
+if TYPE_CHECKING:
+    from towers.bench.costfit import compare, fit, format_table
+    from towers.bench.simulate import plot_simulation, simulate
 
 
-def _nnls_small(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Exact non-negative least squares for a few columns: try every support set."""
-    best, best_x = math.inf, np.zeros(a.shape[1])
-    for support in itertools.product((False, True), repeat=a.shape[1]):
-        x = np.zeros(a.shape[1])
-        if any(support):
-            x[list(support)] = np.linalg.lstsq(a[:, list(support)], b, rcond=None)[0]
-        residual = float(np.linalg.norm(a @ x - b))
-        if x.min() >= 0 and residual < best * (1 - 1e-12):
-            best, best_x = residual, x
-    return best_x
+def __getattr__(name: str) -> Any:
+    # Lazy: costfit and simulate import this module, and importing this one stays cheap.
+    if name in _MOVED:
+        import importlib
 
-
-def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    try:
-        from scipy.optimize import nnls
-    except ImportError:
-        return _nnls_small(a, b)
-    return np.asarray(nnls(a, b)[0])
-
-
-def _fit_link(rows: list[tuple[str, int, float, float, dict[str, Any]]], name: str) -> Link:
-    if not rows:
-        raise ValueError("rows is empty: nothing to fit")
-    a = np.array([coefficients(alg, n, s, **p) for alg, n, s, _, p in rows], dtype=float)
-    t = np.array([row[3] for row in rows])
-    a, t = a / t[:, None], np.ones_like(t)  # minimize relative error: small rows count too
-    scale = np.where(a.max(axis=0) > 0, a.max(axis=0), 1.0)
-    if np.linalg.matrix_rank(a / scale) < 3:
-        warnings.warn(
-            f"fit {name!r}: the rows do not determine α, β and γ separately (ring-like "
-            "all-reduces fix only 2β + γ): add 'send' and 'add' rows; one of many solutions "
-            "is returned",
-            stacklevel=3,
-        )
-    alpha, beta, gamma = (float(v) for v in _nnls(a / scale, t) / scale)
-    return Link(alpha=alpha, beta=beta, gamma=gamma, name=name)
-
-
-@overload
-def fit(rows: Sequence[Any], *, per_algorithm: Literal[False] = ..., name: str = ...) -> Link: ...
-
-
-@overload
-def fit(
-    rows: Sequence[Any], *, per_algorithm: Literal[True], name: str = ...
-) -> dict[str, Link]: ...
-
-
-def fit(
-    rows: Sequence[Any], *, per_algorithm: bool = False, name: str = "fit"
-) -> Link | dict[str, Link]:
-    """Estimate α, β, γ from measured rows by non-negative least squares on relative error.
-
-    Args:
-        rows: mappings (or objects) with ``algorithm``, ``n``, ``nbytes``, ``seconds`` and
-            optional ``params``.
-        per_algorithm: one :class:`Link` per algorithm; ``send``/``add`` rows join every fit.
-        name: the fitted link's name (per algorithm: ``"name:algorithm"``).
-
-    Returns:
-        A :class:`Link`, or ``dict[str, Link]`` with ``per_algorithm``.
-
-    Raises:
-        ValueError: no rows, or a bad row (naming the field).
-
-    Example:
-        >>> rows = [{"algorithm": "send", "n": 2, "nbytes": s, "seconds": 1e-6 + s * 1e-9}
-        ...         for s in (1e3, 1e6)]
-        >>> rows.append({"algorithm": "add", "n": 2, "nbytes": 1e6, "seconds": 1e-4})
-        >>> round(fit(rows).gamma, 15)
-        1e-10
-    """
-    parsed = [_row(r) for r in rows]
-    if not per_algorithm:
-        return _fit_link(parsed, name)
-    shared = [r for r in parsed if r[0] in _CALIBRATION]
-    groups = sorted({r[0] for r in parsed} - set(_CALIBRATION))
-    return {g: _fit_link([r for r in parsed if r[0] == g] + shared, f"{name}:{g}") for g in groups}
-
-
-def compare(rows: Sequence[Any], link_or_links: Link | Mapping[str, Link]) -> list[dict[str, Any]]:
-    """Predicted against measured time per row, with ``rel_error = predicted/measured - 1``.
-
-    Raises:
-        ValueError: a row whose algorithm has no link in a ``dict`` of links.
-    """
-    out = []
-    for algorithm, n, nbytes, seconds, params in (_row(r) for r in rows):
-        if isinstance(link_or_links, Mapping) and algorithm not in link_or_links:
-            raise ValueError(f"link_or_links has no link for {algorithm!r}")
-        link = link_or_links[algorithm] if isinstance(link_or_links, Mapping) else link_or_links
-        predicted = predict(algorithm, n, nbytes, link, **params)
-        out.append({"algorithm": algorithm, "n": n, "nbytes": nbytes, "params": params,
-                    "measured": seconds, "predicted": predicted,
-                    "rel_error": predicted / seconds - 1})
-    return out
-
-
-def format_table(results: Sequence[Mapping[str, Any]]) -> str:
-    """:func:`compare`'s rows as an aligned text table (times in µs, error in %)."""
-    head = ("algorithm", "n", "bytes", "measured µs", "predicted µs", "error %")
-    body = [(r["algorithm"], str(r["n"]), f"{r['nbytes']:.4g}", f"{r['measured'] * 1e6:.1f}",
-             f"{r['predicted'] * 1e6:.1f}", f"{r['rel_error'] * 100:+.1f}") for r in results]
-    widths = [max(len(row[i]) for row in [head, *body]) for i in range(len(head))]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in
-                       enumerate(zip(row, widths, strict=True))) for row in [head, *body]]
-    return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:]])
-
-
-def simulate(
-    algorithm: str, towers: Sequence[int], nbytes: float, link: Link, **params: Any
-) -> list[float]:
-    """Predicted seconds for each tower count in ``towers``.
-
-    Example:
-        >>> simulate("naive", [1, 2], 0, Link(1e-6, 0, 0))
-        [0.0, 2e-06]
-    """
-    return [predict(algorithm, n, nbytes, link, **params) for n in towers]
-
-
-def _or_nan(algorithm: str, n: int, nbytes: float, link: Link, params: Mapping[str, Any]) -> float:
-    try:
-        return predict(algorithm, n, nbytes, link, **params)
-    except ValueError:  # a tower count the algorithm cannot take (group_size must divide n)
-        return math.nan
-
-
-def plot_simulation(
-    algorithms: Sequence[str] | Mapping[str, Mapping[str, Any]],
-    towers: Sequence[int] = DEFAULT_TOWERS, *, nbytes: float, link: Link, path: str | Path,
-) -> Path:
-    """Plot predicted time against tower count (log-log) and save a PNG to ``path``.
-
-    Args:
-        algorithms: names, or a mapping name -> params (``{"hierarchical": {"group_size": 8}}``);
-            tower counts an algorithm cannot take are left out of its line.
-        towers: the tower counts (x axis).
-        nbytes, link: as for :func:`predict`.
-        path: where to write the PNG.
-
-    Returns:
-        ``path`` as a :class:`~pathlib.Path`.
-
-    Raises:
-        ValueError: an unknown algorithm or parameter.
-
-    Example:
-        >>> plot_simulation(["ring", "tree"], nbytes=2**26,
-        ...                 link=PRESETS["ib-100g"], path="ring_vs_tree.png")  # doctest: +SKIP
-    """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg  # lazy: keep import cheap
-    from matplotlib.figure import Figure
-
-    specs = algorithms if isinstance(algorithms, Mapping) else {a: {} for a in algorithms}
-    fig = Figure(figsize=(7, 4.5))
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    for algorithm, params in specs.items():
-        coefficients(algorithm, 1, nbytes, **params)  # a bad name or parameter still raises
-        ax.plot(towers, [_or_nan(algorithm, n, nbytes, link, params) for n in towers],
-                marker="o", label=algorithm)
-    ax.set(xscale="log", yscale="log", xlabel="towers", ylabel="predicted seconds",
-           title=f"all-reduce of {nbytes / 2**20:g} MiB per tower on {link.name or 'link'}")
-    ax.legend()
-    ax.grid(True, which="both", alpha=0.3)
-    fig.savefig(Path(path), format="png", dpi=100)
-    return Path(path)
+        return getattr(importlib.import_module(f"towers.bench.{_MOVED[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -14,10 +14,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from towers.bench.costfit import SPLITS
+
 __all__ = [
     "ALLREDUCE_COLUMNS",
     "algbw_pivot",
     "allreduce_table",
+    "costmodel_tables",
     "format_table",
     "plot_algbw",
     "plot_ratios",
@@ -113,6 +116,72 @@ def training_table(rows: Sequence[dict[str, Any]]) -> str:
     text = format_table(TRAINING_COLUMNS, [r for r in rows if not r.get("error")])
     return text + "".join(f"\n# {r['model']} {r['config']}: not run ({r['error']})"
                           for r in rows if r.get("error"))
+
+
+HELD_OUT = SPLITS
+"""The held-out splits of :mod:`towers.bench.costcheck`, in column order."""
+
+
+def _held_out_error(how: str) -> Callable[[dict[str, Any]], str]:
+    def get(row: dict[str, Any]) -> str:
+        if row.get(f"{how}_train") is None:
+            return "-"
+        return "train" if row[f"{how}_train"] else f"{row[f'{how}_error'] * 100:+.1f}"
+
+    return get
+
+
+def _verdicts(row: dict[str, Any]) -> str:
+    keys = ("ok", *(f"{how}_ok" for how in HELD_OUT))
+    return "/".join("-" if row.get(k) is None else "yes" if row[k] else "NO" for k in keys)
+
+
+COSTMODEL_COLUMNS: list[Column] = [
+    ("algorithm\n", "l", _text("algorithm")),
+    ("size\n(B)", "r", _num("nbytes", ".0f")),
+    ("measured\n(us)", "r", _num("measured", ".1f", 1e6)),
+    ("fit all\n(us)", "r", _num("predicted", ".1f", 1e6)),
+    ("fit all\nerr %", "r", _num("rel_error", "+.1f", 100)),
+    *((f"{how}\nerr %", "r", _held_out_error(how)) for how in HELD_OUT),
+]
+"""Per contender and size: the in-sample fit's error, then each held-out fit's ("train": it saw
+the row, so its error there is no prediction)."""
+
+
+def _costmodel_summary_columns(tolerance: float) -> list[Column]:
+    return [
+        ("algorithm\n", "l", _text("algorithm")),
+        ("formula\n", "l", _text("formula")),
+        ("alpha\n(us)", "r", _num("alpha", ".1f", 1e6)),
+        ("1/(2beta+gamma)\n(GB/s)", "r",
+         lambda r: f"{1 / r['per_byte'] / 1e9:.2f}" if r["per_byte"] else "inf"),
+        *(col for how, key in (("fit all", ""), *((h, f"{h}_") for h in HELD_OUT)) for col in (
+            (f"{how}\n|err| med %", "r", _num(f"{key}median_abs_error", ".1f", 100)),
+            ("\nmax %", "r", _num(f"{key}max_abs_error", ".1f", 100)))),
+        (f"within {tolerance:.0%}\nall/int/ext", "r", _verdicts),
+    ]
+
+
+def _sizes(sizes: Sequence[float]) -> str:
+    return ", ".join(f"{s:.0f}" for s in sizes)
+
+
+def costmodel_tables(
+    details: Sequence[dict[str, Any]], summary: Sequence[dict[str, Any]],
+    splits: dict[str, tuple[list[float], list[float]]], tolerance: float,
+) -> str:
+    """:func:`towers.bench.costcheck.check_cost_model`'s rows and summary, and the splits.
+
+    ``splits``: :func:`towers.bench.costcheck.split_sizes`, named in the text so the
+    reader knows which rows each held-out fit saw.
+    """
+    lines = ["fit all: alpha, beta, gamma fitted to every size, compared on the same rows",
+             "  (in-sample: how well the formula's shape follows the rows, not a prediction)"]
+    lines += [f"{how}: fitted on {_sizes(train)} B only; predicts {_sizes(test)} B"
+              if len(train) >= 2 and test else f"{how}: too few sizes to hold any out"
+              for how, (train, test) in splits.items()]
+    return "\n".join([*lines, "", format_table(COSTMODEL_COLUMNS, details), "",
+                      format_table(_costmodel_summary_columns(tolerance), summary)])
 
 
 def _plain(value: Any) -> Any:
