@@ -20,14 +20,14 @@ them (see :mod:`towers.step`).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import keras
 import tensorflow as tf
 
 __all__ = [
+    "Gradients",
     "LossFn",
     "TowerResult",
     "empty_tower_step",
@@ -39,15 +39,41 @@ __all__ = [
 LossFn = Callable[[Any, Any], Any]
 
 
-@dataclasses.dataclass
-class TowerResult:
-    """What one tower hands to the reduction."""
+class TowerResult(NamedTuple):
+    """What one tower hands to the reduction (all of it on the tower's device).
+
+    Attributes:
+        loss: the tower's share of the global mean loss (its losses / global batch,
+            plus its share of the regularization losses).
+        grads: gradient of ``loss`` per trainable variable (``IndexedSlices`` stay
+            sparse); empty when only the forward pass ran.
+        non_trainable: the non-trainable values after this tower's forward pass
+            (BatchNormalization statistics, seed state), per non-trainable variable.
+        examples: how many examples the tower saw (an int32 scalar).
+        outputs: the model's outputs on the tower's shard (training mode).
+    """
 
     loss: tf.Tensor
     grads: list[tf.Tensor | tf.IndexedSlices]
     non_trainable: list[tf.Tensor]
     examples: tf.Tensor
     outputs: Any = None
+
+
+class Gradients(NamedTuple):
+    """What ``TowerTrainer.forward_backward`` hands to ``reduce``: every tower's result.
+
+    Attributes:
+        towers: one :class:`TowerResult` per tower, in tower order (an empty tower
+            contributes zeros, see :func:`empty_tower_step`).
+    """
+
+    towers: tuple[TowerResult, ...]
+
+    @property
+    def grads(self) -> list[list[tf.Tensor | tf.IndexedSlices]]:
+        """``grads[tower][var]``, the all-reduce's input."""
+        return [r.grads for r in self.towers]
 
 
 def resolve_loss(loss: str | LossFn | keras.losses.Loss) -> LossFn:
@@ -99,6 +125,30 @@ def _check_gradients(grads: Sequence[Any], names: Sequence[str]) -> None:
         )
 
 
+def _forward(
+    model: keras.Model,
+    trainable: Sequence[tf.Tensor],
+    non_trainable: Sequence[tf.Tensor],
+    shard: tuple[Any, Any, Any],
+    loss_fn: LossFn,
+    global_batch: tf.Tensor,
+    num_towers: int,
+) -> TowerResult:
+    """The forward pass and the tower's loss share (no gradients yet)."""
+    x, y, sample_weight = shard
+    y_pred, new_non_trainable, reg_losses = model.stateless_call(
+        list(trainable), list(non_trainable), x, training=True, return_losses=True
+    )
+    per_ex = per_example_loss(loss_fn, y, y_pred)
+    loss = tf.nn.compute_average_loss(
+        per_ex, sample_weight=sample_weight, global_batch_size=global_batch
+    )
+    if reg_losses:
+        reg = tf.add_n(reg_losses)
+        loss += reg / tf.cast(num_towers, reg.dtype)
+    return TowerResult(loss, [], list(new_non_trainable), tf.shape(per_ex)[0], y_pred)
+
+
 def tower_step(
     model: keras.Model,
     trainable: Sequence[tf.Tensor],
@@ -109,6 +159,7 @@ def tower_step(
     global_batch: tf.Tensor,
     num_towers: int,
     device: str,
+    backward: bool = True,
 ) -> TowerResult:
     """Run forward and backward for one tower's shard on ``device``.
 
@@ -122,29 +173,23 @@ def tower_step(
         global_batch: size of the whole batch (all towers).
         num_towers: number of towers (divides the regularization losses).
         device: this tower's device.
+        backward: False runs the forward pass alone (no tape; ``grads`` is empty),
+            e.g. to time it.
 
     Returns:
         The tower's loss share, gradients (``IndexedSlices`` stay sparse), updated
         non-trainable values and example count.
     """
-    x, y, sample_weight = shard
+    args = (model, trainable, non_trainable, shard, loss_fn, global_batch, num_towers)
     with tf.device(device):
+        if not backward:
+            return _forward(*args)
         with tf.GradientTape() as tape:
             tape.watch(list(trainable))
-            y_pred, new_non_trainable, reg_losses = model.stateless_call(
-                list(trainable), list(non_trainable), x, training=True, return_losses=True
-            )
-            per_ex = per_example_loss(loss_fn, y, y_pred)
-            loss = tf.nn.compute_average_loss(
-                per_ex, sample_weight=sample_weight, global_batch_size=global_batch
-            )
-            if reg_losses:
-                reg = tf.add_n(reg_losses)
-                loss += reg / tf.cast(num_towers, reg.dtype)
-        grads = tape.gradient(loss, list(trainable))
-        examples = tf.shape(per_ex)[0]
+            result = _forward(*args)
+        grads = tape.gradient(result.loss, list(trainable))
     _check_gradients(grads, [v.path for v in model.trainable_variables])
-    return TowerResult(loss, list(grads), list(new_non_trainable), examples, y_pred)
+    return result._replace(grads=list(grads))
 
 
 def _zeros_like_gradient(variable: Any, like: Any) -> tf.Tensor | tf.IndexedSlices:
