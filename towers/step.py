@@ -42,10 +42,8 @@ from towers import allreduce
 from towers.allreduce.base import GradientReducer
 from towers.allreduce.ordering import as_written
 from towers.allreduce.parameter_device import parameter_device as _parameter_device_algo
-from towers.allreduce.parameter_device import reduce_on
 from towers.allreduce.primitives import Recorder, Transfer, record, send
 from towers.allreduce.reducer import as_reducer
-from towers.devices import canonical_device
 from towers.placement import (
     PLACEMENTS,
     ModelLike,
@@ -58,7 +56,15 @@ from towers.placement import (
     variable_values,
 )
 from towers.split import Shards, check_batch, concat, shard_batch
-from towers.tower import Gradients, LossFn, TowerResult, empty_tower_step, resolve_loss, tower_step
+from towers.tower import (
+    Gradients,
+    LossFn,
+    TowerResult,
+    combine_non_trainable,
+    empty_tower_step,
+    resolve_loss,
+    tower_step,
+)
 
 __all__ = ["NON_TRAINABLE", "PLACEMENTS", "Reduced", "StepStats", "TowerTrainer", "check_devices"]
 
@@ -272,52 +278,16 @@ class TowerTrainer:
         Gradients go through :attr:`reducer` (``grads[tower][var]`` in, the same out),
         then the placement picks what each replica applies.
         """
-        grads = self._on_towers(grads)
+        grads = grads.on_devices(self.devices)
         reduced = self.placement.for_replicas(self.reducer.reduce_gradients(grads.grads))
-        state = self._combine_non_trainable(grads.towers)
+        state = combine_non_trainable(
+            grads.towers, first_tower=self.non_trainable_mode == "first_tower",
+            device=self.parameter_device,
+        )  # fmt: skip
         p = self.parameter_device
         with tf.device(p):
             loss = tf.add_n([send(r.loss, p, note="loss") for r in grads.towers])
         return Reduced(reduced, state, loss)
-
-    def _on_towers(self, grads: Gradients) -> Gradients:
-        """Put each tower's values on its device. They are there within the step; a phase
-        called alone may get them without a device (as ``tf.function`` arguments) or on the
-        device a compiled phase returned them to."""
-
-        def pin(value: Any, device: str) -> Any:
-            if value is None or canonical_device(value.device) == device:
-                return value
-            with tf.device(device):
-                if isinstance(value, tf.IndexedSlices):
-                    return tf.IndexedSlices(
-                        tf.identity(value.values), tf.identity(value.indices), value.dense_shape
-                    )
-                return tf.identity(value)
-
-        return Gradients(tuple(
-            tf.nest.map_structure(functools.partial(pin, device=d), r)
-            for r, d in zip(grads.towers, self.devices)
-        ))  # fmt: skip
-
-    def _combine_non_trainable(self, results: Sequence[TowerResult]) -> list[tf.Tensor]:
-        """One new value per non-trainable variable, formed on the parameter device."""
-        p = self.parameter_device
-        combined = []
-        with tf.device(p):
-            counts = [send(r.examples, p, note="state") for r in results]
-            for j in range(len(results[0].non_trainable)):
-                values = [r.non_trainable[j] for r in results]
-                if self.non_trainable_mode == "first_tower" or not values[0].dtype.is_floating:
-                    combined.append(send(values[0], p, note="state"))
-                    continue
-                masked = [
-                    tf.where(c > 0, send(v, p, note="state"), tf.zeros_like(v))
-                    for v, c in zip(values, counts)
-                ]
-                seen = tf.add_n([tf.cast(c > 0, values[0].dtype) for c in counts])
-                combined.append(reduce_on(masked, p, "sum") / seen)
-        return combined
 
     def apply(self, reduced: Reduced) -> None:
         """Phase 4: every replica's optimizer applies its gradients; the state is assigned."""

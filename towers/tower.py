@@ -20,16 +20,22 @@ them (see :mod:`towers.step`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import keras
 import tensorflow as tf
 
+from towers.allreduce.parameter_device import reduce_on
+from towers.allreduce.primitives import send
+from towers.devices import canonical_device
+
 __all__ = [
     "Gradients",
     "LossFn",
     "TowerResult",
+    "combine_non_trainable",
     "empty_tower_step",
     "per_example_loss",
     "resolve_loss",
@@ -74,6 +80,29 @@ class Gradients(NamedTuple):
     def grads(self) -> list[list[tf.Tensor | tf.IndexedSlices]]:
         """``grads[tower][var]``, the all-reduce's input."""
         return [r.grads for r in self.towers]
+
+    def on_devices(self, devices: Sequence[str]) -> Gradients:
+        """Every tower's values on its device (``devices[tower]``).
+
+        Within the step they are there already and come back as they are; a phase run
+        alone may get them without a device (as ``tf.function`` arguments) or on the
+        device a compiled phase returned them to.
+        """
+
+        def pin(value: Any, device: str) -> Any:
+            if value is None or canonical_device(value.device) == device:
+                return value
+            with tf.device(device):
+                if isinstance(value, tf.IndexedSlices):
+                    return tf.IndexedSlices(
+                        tf.identity(value.values), tf.identity(value.indices), value.dense_shape
+                    )
+                return tf.identity(value)
+
+        return Gradients(tuple(
+            tf.nest.map_structure(functools.partial(pin, device=d), r)
+            for r, d in zip(self.towers, devices)
+        ))  # fmt: skip
 
 
 def resolve_loss(loss: str | LossFn | keras.losses.Loss) -> LossFn:
@@ -234,3 +263,30 @@ def empty_tower_step(
         ]
         outputs = tf.nest.map_structure(lambda t: t[:0], template.outputs)
         return TowerResult(loss, grads, list(non_trainable), tf.constant(0, tf.int32), outputs)
+
+
+def combine_non_trainable(
+    results: Sequence[TowerResult], *, first_tower: bool, device: str
+) -> list[tf.Tensor]:
+    """One new value per non-trainable variable, formed on ``device``.
+
+    Floating state is averaged over the towers that saw examples (an empty tower's
+    unchanged copy would drag the mean back), or taken from tower 0 when
+    ``first_tower`` (what MirroredStrategy shows when read). Integer state (seed
+    counters) advances identically on every tower: tower 0's is kept.
+    """
+    combined = []
+    with tf.device(device):
+        counts = [send(r.examples, device, note="state") for r in results]
+        for j in range(len(results[0].non_trainable)):
+            values = [r.non_trainable[j] for r in results]
+            if first_tower or not values[0].dtype.is_floating:
+                combined.append(send(values[0], device, note="state"))
+                continue
+            masked = [
+                tf.where(c > 0, send(v, device, note="state"), tf.zeros_like(v))
+                for v, c in zip(values, counts)
+            ]
+            seen = tf.add_n([tf.cast(c > 0, values[0].dtype) for c in counts])
+            combined.append(reduce_on(masked, device, "sum") / seen)
+    return combined
