@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import keras
 import numpy as np
 import pytest
@@ -233,3 +236,83 @@ def test_return_outputs_gives_this_steps_predictions_in_tower_order() -> None:
     assert outputs.shape == (7, spec.classes)
     np.testing.assert_allclose(outputs.numpy(), before, rtol=1e-6, atol=1e-7)
     assert float(loss) > 0
+
+
+# -- the public phases ------------------------------------------------------------------------
+
+
+def _run_phases(trainer: towers.TowerTrainer, batch: tuple, compiled: bool) -> float:
+    """One step as its four phases: eagerly, or each phase in its own tf.function."""
+    import tensorflow as tf
+
+    from towers.allreduce.ordering import as_written
+
+    def wrap(fn):  # type: ignore[no-untyped-def]
+        return tf.function(fn, autograph=False) if compiled else fn
+
+    with as_written():
+        shards = wrap(trainer.split)(*batch)
+        grads = wrap(trainer.forward_backward)(shards)
+        reduced = wrap(trainer.reduce)(grads)
+        wrap(trainer.apply)(reduced)
+    return float(reduced.loss)
+
+
+def _state(trainer: towers.TowerTrainer) -> list[np.ndarray]:
+    """Every replica's weights and optimizer variables."""
+    out = [w for replica in trainer.replica_weights() for w in replica]
+    return out + [np.asarray(v.numpy()) for r in trainer.replicas for v in r.optimizer.variables]
+
+
+@contextlib.contextmanager
+def _no_fused_kernels() -> Iterator[None]:
+    """Grappler's remapper fuses e.g. MatMul+BiasAdd into one kernel inside a tf.function;
+    eager ops are never fused, so an eager forward/backward rounds differently. Without
+    the fusion both run the same kernels."""
+    import tensorflow as tf
+
+    before = tf.config.optimizer.get_experimental_options().get("remapping")
+    tf.config.optimizer.set_experimental_options({"remapping": False})
+    try:
+        yield
+    finally:
+        tf.config.optimizer.set_experimental_options({"remapping": before})
+
+
+@pytest.mark.parametrize("placement", ["parameter_device", "replicated"])
+@pytest.mark.parametrize("mode", ["compiled", "eager"])
+@pytest.mark.parametrize(
+    ("family", "size", "n"),
+    [("batchnorm", 8, 3), ("batchnorm", 3, 4), ("conv", 2, 3), ("embedding", 5, 3)],
+)
+def test_phases_one_by_one_equal_train_step_bitwise(
+    placement: str, mode: str, family: str, size: int, n: int
+) -> None:
+    """split -> forward_backward -> reduce -> apply, called one at a time (each in its own
+    tf.function, or eagerly) == train_step, bitwise: weights, optimizer state and loss.
+    Batches of 3 over 4 towers and 2 over 3 leave the last tower empty."""
+    spec = ModelSpec(family)
+    kwargs = {"variables": placement, "all_reduce": "ring", "optimizer": "adam"}
+    whole, phases = (_trainer(spec, n, **kwargs) for _ in range(2))
+    with _no_fused_kernels() if mode == "eager" else contextlib.nullcontext():
+        for k in range(2):
+            batch = spec.batch(size, seed=k)
+            loss = float(whole.train_step(*batch))
+            assert _run_phases(phases, batch, compiled=mode == "compiled") == loss
+    for a, b in zip(_state(whole), _state(phases), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_phases_hand_over_small_typed_values() -> None:
+    spec = ModelSpec("batchnorm")
+    trainer = _trainer(spec, 4, variables="replicated")
+    shards = trainer.split(*spec.batch(3, seed=0))
+    assert shards.sizes == [1, 1, 1, 0] and int(shards.global_batch) == 3
+    grads = trainer.forward_backward(shards)
+    assert len(grads.towers) == 4 and [int(r.examples) for r in grads.towers] == [1, 1, 1, 0]
+    assert len(grads.grads[3]) == len(trainer.model.trainable_variables)
+    reduced = trainer.reduce(grads)
+    assert len(reduced.grads) == 4  # one list per replica
+    assert len(reduced.non_trainable) == len(trainer.model.non_trainable_variables)
+    trainer.apply(reduced)
+    assert int(trainer.optimizer.iterations) == 1

@@ -1,24 +1,46 @@
-"""Model and optimizer copies, each created under ``tf.device`` where it should live.
+"""Where the variables live: placements, and model and optimizer copies made there.
 
-A *replica* is one (model, optimizer) pair whose variables sit on one device. The
-``parameter_device`` placement has a single replica on the parameter device; the
-``replicated`` placement has one per tower. All replicas start bitwise equal:
-later copies take every variable (seed-generator state included) from the first.
+A *replica* is one (model, optimizer) pair whose variables sit on one device. A
+:class:`Placement` says where the replicas live, which one each tower reads its
+weights from, and which reduced gradients each replica applies::
+
+    placement          homes                 tower i reads    replica k applies
+    parameter_device   [parameter device]    replica 0        reduced[0] (all are equal)
+    replicated         [tower 0 … n-1]       replica i        reduced[k]
+
+All replicas start bitwise equal: later copies take every variable (seed-generator
+state included) from the first. A new placement is one more subclass and one more
+entry in :data:`PLACEMENTS`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from typing import Any, TypeAlias
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar, TypeAlias, TypeVar
 
 import keras
 import numpy as np
 import tensorflow as tf
 
-from towers.devices import canonical_device
+from towers.allreduce.primitives import send
+from towers.devices import canonical_device, local_devices
 
-__all__ = ["ModelLike", "OptimizerLike", "Replica", "make_replicas"]
+__all__ = [
+    "PLACEMENTS",
+    "ModelLike",
+    "OptimizerLike",
+    "ParameterDevice",
+    "Placement",
+    "Replica",
+    "Replicated",
+    "check_devices",
+    "get_placement",
+    "make_replicas",
+    "read_weights",
+]
+
+T = TypeVar("T")
 
 ModelLike: TypeAlias = "keras.Model | Callable[[], keras.Model]"
 OptimizerLike: TypeAlias = "keras.optimizers.Optimizer | Callable[[], keras.optimizers.Optimizer]"
@@ -31,6 +53,100 @@ class Replica:
     device: str
     model: keras.Model
     optimizer: keras.optimizers.Optimizer
+
+
+class Placement:
+    """Where a trainer's variable copies live and how towers and updates reach them."""
+
+    name: ClassVar[str]
+
+    def homes(self, devices: Sequence[str], parameter_device: str) -> list[str]:
+        """The device of each replica (one replica per entry)."""
+        raise NotImplementedError
+
+    def replica_of(self, tower: int) -> int:
+        """The replica whose weights tower ``tower`` reads."""
+        raise NotImplementedError
+
+    def for_replicas(self, reduced: list[T]) -> list[T]:
+        """``reduced[tower]`` (the all-reduce's outputs) -> what each replica applies."""
+        raise NotImplementedError
+
+
+class ParameterDevice(Placement):
+    """One copy on the parameter device (CentralStorageStrategy's layout)."""
+
+    name = "parameter_device"
+
+    def homes(self, devices: Sequence[str], parameter_device: str) -> list[str]:
+        return [parameter_device]
+
+    def replica_of(self, tower: int) -> int:
+        return 0
+
+    def for_replicas(self, reduced: list[T]) -> list[T]:
+        # Every output holds the same sum; the unused copies are pruned from the graph.
+        return reduced[:1]
+
+
+class Replicated(Placement):
+    """One copy per tower, all updated identically (MirroredStrategy's layout)."""
+
+    name = "replicated"
+
+    def homes(self, devices: Sequence[str], parameter_device: str) -> list[str]:
+        return list(devices)
+
+    def replica_of(self, tower: int) -> int:
+        return tower
+
+    def for_replicas(self, reduced: list[T]) -> list[T]:
+        return list(reduced)
+
+
+_BY_NAME: dict[str, Placement] = {p.name: p for p in (ParameterDevice(), Replicated())}
+PLACEMENTS: tuple[str, ...] = tuple(_BY_NAME)
+"""The names ``TowerTrainer(variables=...)`` accepts."""
+
+
+def get_placement(name: str | Placement) -> Placement:
+    """The placement called ``name`` (a :class:`Placement` passes through).
+
+    Raises:
+        ValueError: an unknown name.
+    """
+    if isinstance(name, Placement):
+        return name
+    if name not in _BY_NAME:
+        raise ValueError(f"variables must be one of {', '.join(PLACEMENTS)}; got {name!r}")
+    return _BY_NAME[name]
+
+
+def check_devices(devices: Sequence[str] | None) -> list[str]:
+    """Validate tower devices and return their canonical names.
+
+    Raises:
+        ValueError: no devices, duplicates, or a name TensorFlow does not know.
+        TypeError: not a list of strings.
+    """
+    if devices is None:
+        devices = local_devices()
+    if isinstance(devices, str) or not isinstance(devices, Sequence):
+        raise TypeError(f"devices must be a list of device names, got {devices!r}")
+    if not devices:
+        raise ValueError("devices is empty: give at least one device (see towers.simulate_devices)")
+    known = {canonical_device(d.name) for d in tf.config.list_logical_devices()}
+    out: list[str] = []
+    for d in devices:
+        if not isinstance(d, str):
+            raise TypeError(f"devices must hold strings, got {d!r}")
+        c = canonical_device(d)
+        if c not in known:
+            raise ValueError(f"devices: unknown device {d!r}; known: {', '.join(sorted(known))}")
+        if c in out:
+            raise ValueError(f"devices: {d!r} appears twice; each tower needs its own device")
+        out.append(c)
+    return out
 
 
 def _on_device(model: keras.Model, device: str) -> bool:
@@ -121,3 +237,15 @@ def make_replicas(model: ModelLike, optimizer: OptimizerLike, devices: list[str]
 def variable_values(variables: list[Any]) -> list[np.ndarray]:
     """NumPy copies of a list of Keras variables."""
     return [np.asarray(v.numpy()) for v in variables]
+
+
+def read_weights(replica: Replica, device: str) -> tuple[list[tf.Tensor], list[tf.Tensor]]:
+    """Read a replica's trainable and non-trainable values and move them onto ``device``."""
+    with tf.device(replica.device):
+        trainable = [tf.convert_to_tensor(v.value) for v in replica.model.trainable_variables]
+        frozen = [tf.convert_to_tensor(v.value) for v in replica.model.non_trainable_variables]
+    src = replica.device
+    return (
+        [send(t, device, src=src, note="read-weights") for t in trainable],
+        [send(t, device, src=src, note="read-weights") for t in frozen],
+    )

@@ -14,11 +14,26 @@ reference's, which is what makes bitwise comparisons possible.
 
 from __future__ import annotations
 
-from typing import Any
+import itertools
+from typing import Any, NamedTuple
 
+import numpy as np
 import tensorflow as tf
 
-__all__ = ["batch_size", "shard_bounds", "shard_sizes", "split"]
+__all__ = [
+    "Batch",
+    "Shards",
+    "batch_size",
+    "check_batch",
+    "concat",
+    "shard_batch",
+    "shard_bounds",
+    "shard_sizes",
+    "split",
+]
+
+Batch = tuple[Any, Any, Any]
+"""``(x, y, sample_weight)``: ``y`` and ``sample_weight`` may be None."""
 
 
 def shard_sizes(batch: int, n: int) -> list[int]:
@@ -86,3 +101,86 @@ def split(structure: Any, n: int) -> list[Any]:
         parts = [t[start:stop] for t in leaves]
         shards.append(tf.nest.pack_sequence_as(structure, parts))
     return shards
+
+
+class Shards(NamedTuple):
+    """A global batch cut into one ``(x, y, sample_weight)`` piece per tower.
+
+    What :meth:`towers.TowerTrainer.split` hands to ``forward_backward``. It is a nest
+    of tensors, so it can cross a ``tf.function`` boundary; the shard sizes are read
+    from the pieces' static shapes (:attr:`sizes`), which is how an empty tower is
+    recognised at trace time.
+
+    Attributes:
+        parts: ``parts[tower] = (x, y, sample_weight)``; ``y``/``sample_weight`` may be None.
+        global_batch: the whole batch's size, an int32 scalar (every tower divides its
+            loss by it).
+    """
+
+    parts: tuple[Batch, ...]
+    global_batch: tf.Tensor
+
+    @property
+    def sizes(self) -> list[int | None]:
+        """Examples per tower, or None where the size is only known when the step runs."""
+        return [tf.TensorShape(tf.nest.flatten(p[0])[0].shape)[0] for p in self.parts]
+
+
+def _leading_dims(name: str, structure: Any) -> set[int]:
+    """Static leading dimensions of every tensor in ``structure`` (unknown ones skipped)."""
+    dims = set()
+    for t in tf.nest.flatten(structure):
+        shape = tf.TensorShape(getattr(t, "shape", np.shape(t)))
+        if shape.rank == 0:
+            raise ValueError(f"{name} has a scalar where a batch was expected")
+        if shape.rank is not None and shape[0] is not None:
+            dims.add(int(shape[0]))
+    return dims
+
+
+def check_batch(x: Any, y: Any, sample_weight: Any) -> None:
+    """Check that ``x``, ``y`` and ``sample_weight`` share a non-zero batch size.
+
+    Raises:
+        ValueError: they disagree (statically), a part is a scalar, or the batch is empty.
+    """
+    parts = {"x": x, "y": y, "sample_weight": sample_weight}
+    dims = {k: _leading_dims(k, v) for k, v in parts.items() if v is not None}
+    all_sizes = set().union(*dims.values())
+    if len(all_sizes) > 1:
+        detail = ", ".join(f"{k}: {sorted(v)}" for k, v in dims.items())
+        raise ValueError(f"x, y and sample_weight must share their batch size; got {detail}")
+    if all_sizes == {0}:
+        raise ValueError("the batch is empty: x has 0 examples")
+
+
+def shard_batch(x: Any, y: Any, sample_weight: Any, n: int) -> Shards:
+    """Cut a batch of tensors into ``n`` :class:`Shards` (MirroredStrategy's split).
+
+    With a static batch size the cuts are Python slices, so every shard's size is
+    static (an empty tower is known at trace time); otherwise :func:`split` cuts at
+    run time and the sizes are unknown.
+    """
+    batch = (x, y, sample_weight)
+    present = tuple(part for part in batch if part is not None)
+    static = tf.TensorShape(tf.nest.flatten(x)[0].shape)[0]
+    if static is None:
+        pieces = split(present, n)
+    else:
+        bounds = np.cumsum([0, *shard_sizes(int(static), n)])
+        pieces = [
+            tf.nest.map_structure(lambda t, a=a, b=b: t[a:b], present)
+            for a, b in itertools.pairwise(bounds)
+        ]
+    parts: list[Batch] = []
+    for piece in pieces:
+        it = iter(piece)
+        x_i, y_i, w_i = (None if part is None else next(it) for part in batch)
+        parts.append((x_i, y_i, w_i))
+    return Shards(tuple(parts), tf.shape(tf.nest.flatten(x)[0], out_type=tf.int32)[0])
+
+
+def concat(parts: list[Any], device: str) -> Any:
+    """Undo a split: concatenate per-tower outputs on ``device``, in tower order."""
+    with tf.device(device):
+        return tf.nest.map_structure(lambda *t: tf.concat(t, 0), *parts)

@@ -20,16 +20,22 @@ them (see :mod:`towers.step`).
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import keras
 import tensorflow as tf
 
+from towers.allreduce.parameter_device import reduce_on
+from towers.allreduce.primitives import send
+from towers.devices import canonical_device
+
 __all__ = [
+    "Gradients",
     "LossFn",
     "TowerResult",
+    "combine_non_trainable",
     "empty_tower_step",
     "per_example_loss",
     "resolve_loss",
@@ -39,15 +45,64 @@ __all__ = [
 LossFn = Callable[[Any, Any], Any]
 
 
-@dataclasses.dataclass
-class TowerResult:
-    """What one tower hands to the reduction."""
+class TowerResult(NamedTuple):
+    """What one tower hands to the reduction (all of it on the tower's device).
+
+    Attributes:
+        loss: the tower's share of the global mean loss (its losses / global batch,
+            plus its share of the regularization losses).
+        grads: gradient of ``loss`` per trainable variable (``IndexedSlices`` stay
+            sparse); empty when only the forward pass ran.
+        non_trainable: the non-trainable values after this tower's forward pass
+            (BatchNormalization statistics, seed state), per non-trainable variable.
+        examples: how many examples the tower saw (an int32 scalar).
+        outputs: the model's outputs on the tower's shard (training mode).
+    """
 
     loss: tf.Tensor
     grads: list[tf.Tensor | tf.IndexedSlices]
     non_trainable: list[tf.Tensor]
     examples: tf.Tensor
     outputs: Any = None
+
+
+class Gradients(NamedTuple):
+    """What ``TowerTrainer.forward_backward`` hands to ``reduce``: every tower's result.
+
+    Attributes:
+        towers: one :class:`TowerResult` per tower, in tower order (an empty tower
+            contributes zeros, see :func:`empty_tower_step`).
+    """
+
+    towers: tuple[TowerResult, ...]
+
+    @property
+    def grads(self) -> list[list[tf.Tensor | tf.IndexedSlices]]:
+        """``grads[tower][var]``, the all-reduce's input."""
+        return [r.grads for r in self.towers]
+
+    def on_devices(self, devices: Sequence[str]) -> Gradients:
+        """Every tower's values on its device (``devices[tower]``).
+
+        Within the step they are there already and come back as they are; a phase run
+        alone may get them without a device (as ``tf.function`` arguments) or on the
+        device a compiled phase returned them to.
+        """
+
+        def pin(value: Any, device: str) -> Any:
+            if value is None or canonical_device(value.device) == device:
+                return value
+            with tf.device(device):
+                if isinstance(value, tf.IndexedSlices):
+                    return tf.IndexedSlices(
+                        tf.identity(value.values), tf.identity(value.indices), value.dense_shape
+                    )
+                return tf.identity(value)
+
+        return Gradients(tuple(
+            tf.nest.map_structure(functools.partial(pin, device=d), r)
+            for r, d in zip(self.towers, devices)
+        ))  # fmt: skip
 
 
 def resolve_loss(loss: str | LossFn | keras.losses.Loss) -> LossFn:
@@ -99,6 +154,30 @@ def _check_gradients(grads: Sequence[Any], names: Sequence[str]) -> None:
         )
 
 
+def _forward(
+    model: keras.Model,
+    trainable: Sequence[tf.Tensor],
+    non_trainable: Sequence[tf.Tensor],
+    shard: tuple[Any, Any, Any],
+    loss_fn: LossFn,
+    global_batch: tf.Tensor,
+    num_towers: int,
+) -> TowerResult:
+    """The forward pass and the tower's loss share (no gradients yet)."""
+    x, y, sample_weight = shard
+    y_pred, new_non_trainable, reg_losses = model.stateless_call(
+        list(trainable), list(non_trainable), x, training=True, return_losses=True
+    )
+    per_ex = per_example_loss(loss_fn, y, y_pred)
+    loss = tf.nn.compute_average_loss(
+        per_ex, sample_weight=sample_weight, global_batch_size=global_batch
+    )
+    if reg_losses:
+        reg = tf.add_n(reg_losses)
+        loss += reg / tf.cast(num_towers, reg.dtype)
+    return TowerResult(loss, [], list(new_non_trainable), tf.shape(per_ex)[0], y_pred)
+
+
 def tower_step(
     model: keras.Model,
     trainable: Sequence[tf.Tensor],
@@ -109,6 +188,7 @@ def tower_step(
     global_batch: tf.Tensor,
     num_towers: int,
     device: str,
+    backward: bool = True,
 ) -> TowerResult:
     """Run forward and backward for one tower's shard on ``device``.
 
@@ -122,29 +202,23 @@ def tower_step(
         global_batch: size of the whole batch (all towers).
         num_towers: number of towers (divides the regularization losses).
         device: this tower's device.
+        backward: False runs the forward pass alone (no tape; ``grads`` is empty),
+            e.g. to time it.
 
     Returns:
         The tower's loss share, gradients (``IndexedSlices`` stay sparse), updated
         non-trainable values and example count.
     """
-    x, y, sample_weight = shard
+    args = (model, trainable, non_trainable, shard, loss_fn, global_batch, num_towers)
     with tf.device(device):
+        if not backward:
+            return _forward(*args)
         with tf.GradientTape() as tape:
             tape.watch(list(trainable))
-            y_pred, new_non_trainable, reg_losses = model.stateless_call(
-                list(trainable), list(non_trainable), x, training=True, return_losses=True
-            )
-            per_ex = per_example_loss(loss_fn, y, y_pred)
-            loss = tf.nn.compute_average_loss(
-                per_ex, sample_weight=sample_weight, global_batch_size=global_batch
-            )
-            if reg_losses:
-                reg = tf.add_n(reg_losses)
-                loss += reg / tf.cast(num_towers, reg.dtype)
-        grads = tape.gradient(loss, list(trainable))
-        examples = tf.shape(per_ex)[0]
+            result = _forward(*args)
+        grads = tape.gradient(result.loss, list(trainable))
     _check_gradients(grads, [v.path for v in model.trainable_variables])
-    return TowerResult(loss, list(grads), list(new_non_trainable), examples, y_pred)
+    return result._replace(grads=list(grads))
 
 
 def _zeros_like_gradient(variable: Any, like: Any) -> tf.Tensor | tf.IndexedSlices:
@@ -189,3 +263,30 @@ def empty_tower_step(
         ]
         outputs = tf.nest.map_structure(lambda t: t[:0], template.outputs)
         return TowerResult(loss, grads, list(non_trainable), tf.constant(0, tf.int32), outputs)
+
+
+def combine_non_trainable(
+    results: Sequence[TowerResult], *, first_tower: bool, device: str
+) -> list[tf.Tensor]:
+    """One new value per non-trainable variable, formed on ``device``.
+
+    Floating state is averaged over the towers that saw examples (an empty tower's
+    unchanged copy would drag the mean back), or taken from tower 0 when
+    ``first_tower`` (what MirroredStrategy shows when read). Integer state (seed
+    counters) advances identically on every tower: tower 0's is kept.
+    """
+    combined = []
+    with tf.device(device):
+        counts = [send(r.examples, device, note="state") for r in results]
+        for j in range(len(results[0].non_trainable)):
+            values = [r.non_trainable[j] for r in results]
+            if first_tower or not values[0].dtype.is_floating:
+                combined.append(send(values[0], device, note="state"))
+                continue
+            masked = [
+                tf.where(c > 0, send(v, device, note="state"), tf.zeros_like(v))
+                for v, c in zip(values, counts)
+            ]
+            seen = tf.add_n([tf.cast(c > 0, values[0].dtype) for c in counts])
+            combined.append(reduce_on(masked, device, "sum") / seen)
+    return combined

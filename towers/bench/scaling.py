@@ -51,7 +51,7 @@ def trace_step(algorithm: str, devices: Sequence[str], depth: int) -> dict[str, 
     x = tf.zeros([2 * n, sizes[0]])
     y = tf.zeros([2 * n], tf.int32)
     start = time.perf_counter()
-    concrete = trainer._step.get_concrete_function(x, y, None)
+    concrete = trainer.step_function(x, y)
     seconds = time.perf_counter() - start
     stats = trainer.last_step_stats
     return {

@@ -1,12 +1,66 @@
 """``towers timeline``: one training step as a Perfetto / chrome://tracing timeline.
 
-The work is :mod:`towers.trace.timeline`; this module is the command's entry point.
+The measuring and the layout are :mod:`towers.trace.timeline`; this module is the
+command: its options, and writing and checking the JSON.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import sys
+
 from towers.trace import timeline as _timeline
-from towers.trace.timeline import EPILOG, add_arguments, run
 
 __doc__ = _timeline.__doc__
 __all__ = ["EPILOG", "add_arguments", "run"]
+
+EPILOG = """examples:
+  python -m towers timeline                                  # 4 towers, ring
+  python -m towers timeline --towers 8 --algorithm tree --out tree_step.json
+  python -m towers timeline --variables parameter_device --algorithm naive
+  python -m towers timeline --algorithm my_algos:star --repeats 20
+
+Open the JSON at https://ui.perfetto.dev (Open trace file) or in chrome://tracing.
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``towers timeline``."""
+    parser.add_argument("--towers", type=int, default=4, help="simulated devices (default 4)")
+    parser.add_argument("--algorithm", default="ring",
+                        help="a registered name (default ring) or module:function")
+    parser.add_argument("--variables", default="replicated",
+                        choices=("replicated", "parameter_device"),
+                        help="variable placement (default replicated)")
+    parser.add_argument("--batch-size", type=int, default=64, help="global batch (default 64)")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="timed runs per phase; the median is used (default 5)")
+    parser.add_argument("--out", default="timeline.json", help="output (default timeline.json)")
+    parser.add_argument("--seed", type=int, default=0, help="seed for weights and the batch")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the job; returns a process exit code."""
+    if args.towers < 1 or args.repeats < 1 or args.batch_size < args.towers:
+        print("towers timeline: error: need --towers >= 1, --repeats >= 1 and a batch with at "
+              "least one example per tower", file=sys.stderr)
+        return 2
+    from towers.trace.schedule import start_devices
+
+    devices = start_devices(args.towers)  # first thing: before TensorFlow's runtime starts
+    print(f"towers timeline: one step of digits_cnn, batch {args.batch_size}, {args.towers} "
+          f"towers, all_reduce={args.algorithm}, variables={args.variables}")
+    try:
+        data, report = _timeline.build_timeline(args, devices)
+    except (ValueError, TypeError) as err:  # an unknown algorithm, a bad model/batch
+        print(f"towers timeline: error: {err}", file=sys.stderr)
+        return 2
+    with open(args.out, "w") as f:
+        json.dump(data, f, indent=1)
+    with open(args.out) as f:
+        _timeline.validate(json.load(f), args.towers, data["otherData"]["ticks"])
+    print(report)
+    count = sum(e["ph"] == "X" for e in data["traceEvents"])
+    print(f"wrote {args.out}: {count} events (open at https://ui.perfetto.dev or chrome://tracing)")
+    return 0

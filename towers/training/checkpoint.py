@@ -22,12 +22,11 @@ placement and number of replicas); anything else is a ValueError.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import tensorflow as tf
 
-if TYPE_CHECKING:
-    from towers.step import TowerTrainer
+from towers.training.protocol import Trainer
 
 __all__ = ["checkpoint", "restore", "save"]
 
@@ -40,7 +39,7 @@ def _tf_variables(variables: list[Any]) -> list[tf.Variable]:
     return [getattr(v, "value", v) for v in variables]
 
 
-def checkpoint(trainer: TowerTrainer, **extra: Any) -> tf.train.Checkpoint:
+def checkpoint(trainer: Trainer, **extra: Any) -> tf.train.Checkpoint:
     """A ``tf.train.Checkpoint`` of everything that determines the trainer's next step.
 
     Args:
@@ -75,7 +74,7 @@ def checkpoint(trainer: TowerTrainer, **extra: Any) -> tf.train.Checkpoint:
     return tf.train.Checkpoint(**parts, **extra)
 
 
-def save(trainer: TowerTrainer, path: str) -> str:
+def save(trainer: Trainer, path: str) -> str:
     """Write the trainer's state to ``path`` (a file prefix) and return the prefix.
 
     Example:
@@ -85,7 +84,7 @@ def save(trainer: TowerTrainer, path: str) -> str:
     return written
 
 
-def _expected_shapes(trainer: TowerTrainer) -> dict[str, list[int]]:
+def _expected_shapes(trainer: Trainer) -> dict[str, list[int]]:
     """The checkpoint keys of the replicas' variables, with their shapes.
 
     A variable tracked twice is saved once, under its shortest path: the first
@@ -103,7 +102,7 @@ def _expected_shapes(trainer: TowerTrainer) -> dict[str, list[int]]:
     return shapes
 
 
-def _check_matches(trainer: TowerTrainer, path: str) -> None:
+def _check_matches(trainer: Trainer, path: str) -> None:
     """Compare keys and shapes before anything is assigned (a failed read would leave the
     trainer half restored)."""
     saved = {
@@ -126,7 +125,7 @@ def _check_matches(trainer: TowerTrainer, path: str) -> None:
         )
 
 
-def restore(trainer: TowerTrainer, path: str) -> None:
+def restore(trainer: Trainer, path: str) -> None:
     """Load a state written by :func:`save` into a trainer built the same way.
 
     Every value in the checkpoint must find its variable and every variable its value;

@@ -18,10 +18,9 @@ may differ from the eager model's in the last bits; expect agreement to a few UL
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
-if TYPE_CHECKING:
-    from towers.step import TowerTrainer
+from towers.training.protocol import Trainer
 
 __all__ = ["Exported", "export"]
 
@@ -33,7 +32,7 @@ class Exported(NamedTuple):
     saved_model: str
 
 
-def export(trainer: TowerTrainer, path: str) -> Exported:
+def export(trainer: Trainer, path: str) -> Exported:
     """Save ``trainer.model`` as ``<path>/model.keras`` and a SavedModel in ``<path>/saved_model``.
 
     Args:

@@ -1,0 +1,108 @@
+"""Lift any all-reduce to a :class:`~towers.allreduce.base.GradientReducer` of a whole step.
+
+The step reduces ``grads[tower][var]``: every trainable variable's gradient on every
+tower. Two kinds of algorithm can do it::
+
+    per-tensor AllReduce  ──▶  one call per variable, in variable order
+    GradientReducer       ──▶  one call for every dense gradient at once
+                               (buckets, compression with per-variable state)
+
+and sparse gradients (``tf.IndexedSlices``, an Embedding's) are kept sparse —
+their indices and values gathered in tower order, as MirroredStrategy does — or
+densified and all-reduced with the per-tensor algorithm (``sparse="densify"``).
+:func:`as_reducer` folds these cases into one object, so the step calls
+``reducer.reduce_gradients(grads)`` and nothing else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import tensorflow as tf
+
+from towers.allreduce.base import AllReduce, GradientReducer, check_values
+from towers.allreduce.naive import naive
+from towers.allreduce.sparse import densify, gather_indexed_slices
+
+__all__ = ["SPARSE", "StepReducer", "as_reducer"]
+
+SPARSE = ("gather", "densify")
+"""What to do with sparse gradients: keep them sparse (gather), or densify and all-reduce."""
+
+
+def _reduce_one(values: list[tf.Tensor | tf.IndexedSlices], fn: AllReduce, sparse: str) -> list:
+    """One variable's gradients, one per tower, through ``fn`` (sparse ones as ``sparse`` says)."""
+    if isinstance(values[0], tf.IndexedSlices):
+        devices = check_values(values, "sum")
+        if sparse == "densify":
+            return list(densify(fn, values, devices, "sum"))
+        return list(gather_indexed_slices(values, devices, "sum"))
+    out = fn(list(values), op="sum")
+    if len(out) != len(values):
+        raise ValueError(f"algorithm returned {len(out)} outputs for {len(values)} values")
+    return list(out)
+
+
+class StepReducer:
+    """A :class:`GradientReducer` for a whole step, made by :func:`as_reducer`.
+
+    Dense gradients go to ``dense`` all at once when it is set; every other gradient
+    goes to ``per_tensor`` one variable at a time, in variable order.
+
+    Attributes:
+        dense: the wrapped ``GradientReducer``, or None for a per-tensor algorithm.
+        per_tensor: the per-tensor algorithm (``naive`` beside a ``GradientReducer``).
+        sparse: ``"gather"`` or ``"densify"``.
+    """
+
+    def __init__(
+        self, dense: GradientReducer | None, per_tensor: AllReduce, sparse: str = "gather"
+    ) -> None:
+        if sparse not in SPARSE:
+            raise ValueError(f"sparse must be one of {', '.join(SPARSE)}; got {sparse!r}")
+        self.dense, self.per_tensor, self.sparse = dense, per_tensor, sparse
+
+    def build(self, variables: Sequence[tf.Variable], devices: Sequence[str]) -> None:
+        """Build the wrapped ``GradientReducer`` (once, eagerly, before the first step)."""
+        if self.dense is not None:
+            self.dense.build(variables, devices)
+
+    def reduce_gradients(
+        self, grads: Sequence[Sequence[tf.Tensor | tf.IndexedSlices]]
+    ) -> list[list[tf.Tensor | tf.IndexedSlices]]:
+        """``grads[tower][var]`` -> ``reduced[tower][var]``, each the sum over towers."""
+        n_vars = len(grads[0])
+        out: list[list[tf.Tensor | tf.IndexedSlices | None]] = [[None] * n_vars for _ in grads]
+        dense = [j for j in range(n_vars) if not isinstance(grads[0][j], tf.IndexedSlices)]
+        if self.dense is not None and dense:
+            rows = self.dense.reduce_gradients([[g[j] for j in dense] for g in grads])
+            for i, row in enumerate(rows):
+                for j, value in zip(dense, row):
+                    out[i][j] = value
+        for j in range(n_vars):
+            if out[0][j] is None:
+                values = _reduce_one([g[j] for g in grads], self.per_tensor, self.sparse)
+                for i, value in enumerate(values):
+                    out[i][j] = value
+        return out  # type: ignore[return-value]  # every slot is filled
+
+
+def as_reducer(algorithm: AllReduce | GradientReducer, *, sparse: str = "gather") -> StepReducer:
+    """The step's reducer for ``algorithm``: a per-tensor ``AllReduce`` or a ``GradientReducer``.
+
+    Args:
+        algorithm: a resolved algorithm (a callable, not a registry name).
+        sparse: ``"gather"`` (keep ``IndexedSlices``, concatenated in tower order) or
+            ``"densify"`` (all-reduce their dense sum with the per-tensor algorithm —
+            ``naive`` when ``algorithm`` is a ``GradientReducer``).
+
+    Raises:
+        ValueError: an unknown ``sparse`` mode.
+
+    Example:
+        >>> reducer = as_reducer(ring())                         # doctest: +SKIP
+        >>> reduced = reducer.reduce_gradients(grads)            # reduced[tower][var]
+    """
+    if isinstance(algorithm, GradientReducer):
+        return StepReducer(algorithm, naive, sparse)
+    return StepReducer(None, algorithm, sparse)

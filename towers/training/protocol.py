@@ -1,0 +1,40 @@
+"""What the training tools need of a trainer, as a ``typing.Protocol``.
+
+``towers.training`` sits downstream of the step: it calls a trainer but never imports
+:mod:`towers.step` (``TowerTrainer`` imports these modules lazily for its ``fit``,
+``evaluate`` and ``predict``), so the package has no import cycle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import keras
+import numpy as np
+
+__all__ = ["Trainer"]
+
+
+class Trainer(Protocol):
+    """The part of :class:`towers.TowerTrainer` that fit, checkpoints and export use."""
+
+    devices: list[str]
+    parameter_device: str
+    replicas: list[Any]
+    algorithm: Any
+    loss_fn: Any
+
+    @property
+    def model(self) -> keras.Model: ...
+
+    @property
+    def optimizer(self) -> keras.optimizers.Optimizer: ...
+
+    def replica_of(self, tower: int) -> Any: ...
+
+    def train_step(
+        self, x: Any, y: Any, sample_weight: Any = None, *, return_outputs: bool = False
+    ) -> Any: ...
+
+    def set_weights(self, weights: Sequence[np.ndarray]) -> None: ...
