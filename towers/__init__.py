@@ -55,7 +55,7 @@ MOVED: dict[str, str] = {
     "towers.costmodel": "towers.bench.costmodel",
     "towers.trace_draw": "towers.trace.draw",
     "towers.trace_text": "towers.trace.text",
-    "towers.timeline_job": "towers.trace.timeline",
+    "towers.timeline_job": "towers.cli.timeline",
     "towers.train_job": "towers.cli.train",
     "towers.trace_job": "towers.cli.trace",
     "towers.check_job": "towers.cli.check",

@@ -11,9 +11,10 @@ import json
 import sys
 
 from towers.trace import timeline as _timeline
+from towers.trace.timeline import build_timeline, validate
 
 __doc__ = _timeline.__doc__
-__all__ = ["EPILOG", "add_arguments", "run"]
+__all__ = ["EPILOG", "add_arguments", "build_timeline", "run", "validate"]  # + the old timeline_job
 
 EPILOG = """examples:
   python -m towers timeline                                  # 4 towers, ring
@@ -52,14 +53,14 @@ def run(args: argparse.Namespace) -> int:
     print(f"towers timeline: one step of digits_cnn, batch {args.batch_size}, {args.towers} "
           f"towers, all_reduce={args.algorithm}, variables={args.variables}")
     try:
-        data, report = _timeline.build_timeline(args, devices)
+        data, report = build_timeline(args, devices)
     except (ValueError, TypeError) as err:  # an unknown algorithm, a bad model/batch
         print(f"towers timeline: error: {err}", file=sys.stderr)
         return 2
     with open(args.out, "w") as f:
         json.dump(data, f, indent=1)
     with open(args.out) as f:
-        _timeline.validate(json.load(f), args.towers, data["otherData"]["ticks"])
+        validate(json.load(f), args.towers, data["otherData"]["ticks"])
     print(report)
     count = sum(e["ph"] == "X" for e in data["traceEvents"])
     print(f"wrote {args.out}: {count} events (open at https://ui.perfetto.dev or chrome://tracing)")
