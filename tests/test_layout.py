@@ -1,0 +1,103 @@
+"""The package's shape, as README's "Layout" and docs/architecture.md describe it.
+
+Read from the source with ``ast`` (nothing of towers is imported for the shape checks):
+the top level holds only the data-flow modules, no module imports one that imports it
+back, and exactly one module applies gradients. Then the moved modules' old names
+import as the very same module objects.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+from pathlib import Path
+
+import pytest
+
+import towers
+
+PACKAGE = Path(towers.__file__).resolve().parent
+DATA_FLOW = {"devices.py", "split.py", "tower.py", "placement.py", "step.py"}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def _imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """Every towers module ``path`` imports, anywhere in the file (lazy imports count)."""
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            found |= {base} | {f"{base}.{a.name}" for a in node.names}
+    # A package importing its own children (re-exports) and a child importing its
+    # package are not cycles between modules.
+    return {
+        m for m in found
+        if m in known and m != name and not m.startswith(name + ".") and not name.startswith(m + ".")
+    }
+
+
+def test_top_level_holds_only_the_data_flow() -> None:
+    top = {p.name for p in PACKAGE.glob("*.py")} - {"__init__.py", "__main__.py"}
+    assert top == DATA_FLOW
+    packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+    assert {"allreduce", "training", "trace", "bench", "testing", "cli"} <= packages
+
+
+def test_no_import_cycles() -> None:
+    modules = _modules()
+    graph = {m: _imports(m, p, set(modules)) for m, p in modules.items()}
+
+    def reaches(start: str, goal: str) -> bool:
+        seen, todo = set(), list(graph[start])
+        while todo:
+            m = todo.pop()
+            if m == goal:
+                return True
+            if m not in seen:
+                seen.add(m)
+                todo.extend(graph[m])
+        return False
+
+    cycles = sorted(m for m in graph if reaches(m, m))
+    assert not cycles, f"modules on an import cycle: {cycles}"
+
+
+def test_one_module_applies_gradients() -> None:
+    """The step exists once: only towers.step calls apply_gradients (bench's tf.distribute
+    baselines aside, which are the reference's loops, not towers' step)."""
+    applying = []
+    for name, path in _modules().items():
+        if name.startswith("towers.bench"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "apply_gradients":
+                applying.append(name)
+                break
+    assert applying == ["towers.step"]
+
+
+@pytest.mark.parametrize("old", sorted(towers.MOVED))
+def test_old_module_names_still_import(old: str) -> None:
+    assert importlib.import_module(old) is importlib.import_module(towers.MOVED[old])
+
+
+def test_moved_modules_are_package_attributes() -> None:
+    from towers.training import checkpoint
+
+    assert towers.checkpoint is checkpoint  # DESIGN: towers.checkpoint.save(trainer, prefix)
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        _ = towers.nope  # type: ignore[attr-defined]
