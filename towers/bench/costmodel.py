@@ -19,7 +19,9 @@ from measured rows. A tower sends one and receives one message at a time
     send / add (calibration)    α + S·β  /  (n-1)·S·γ
     ==========================  ===================================================
 
-How the less obvious rows come about:
+Each algorithm's formula is its registry record's ``cost`` (``towers.allreduce.registry``;
+the function lives beside the schedule in the algorithm's module); only the calibration
+rows ``send`` and ``add`` are defined here. How the less obvious rows come about:
 
 - naive / parameter_device: all traffic crosses the root's one port. It receives
   ``m`` messages of ``S`` one after another (``m·(α + S·β)``), adds ``n-1`` of them
@@ -39,8 +41,9 @@ How the less obvious rows come about:
 - halving_doubling: ``p = 2^h ≤ n``; ``f = 1`` when ``n > p``: the extra towers fold
   in (send ``S``, the partner adds) before and fold out (receive ``S``) after.
 - hierarchical (``allreduce/hierarchical.py``): ``inner`` on each group of ``k``
-  (on ``inner_link``), ``outer`` among the ``n/k`` leaders on ``S`` (on ``link``), then
-  each leader copies the result to its ``k-1`` members.
+  (on ``inner_link``), ``outer`` among the ``⌈n/k⌉`` leaders on ``S`` (on ``link``), then
+  each leader copies the result to its ``k-1`` members. When ``k`` does not divide ``n``
+  the last group is smaller and the inner phase costs its slowest group.
 
 naive, parameter_device on a tower, ring and halving_doubling move twice the bytes
 they reduce (``b = 2c``): their timings fix only ``2β + γ``. :func:`fit` warns when
