@@ -150,6 +150,10 @@ class Configured:
         """The record's name."""
         return self.algorithm.name
 
+    @property
+    def __name__(self) -> str:  # for code that names callables by ``__name__``
+        return self.algorithm.name
+
     def bytes_sent(self, n: int, nbytes: int, itemsize: int) -> list[float] | None:
         """Bytes each tower sends (None when the record has no formula for these params)."""
         formula = self.algorithm.bytes_sent
