@@ -9,8 +9,6 @@ sum (float64 accumulation of float32 inputs is exact here: 8 terms of 24 bits fi
 
 from __future__ import annotations
 
-import sys
-
 import towers
 
 DEVICES = towers.simulate_devices(8)
@@ -18,22 +16,18 @@ DEVICES = towers.simulate_devices(8)
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from towers.allreduce import ALGORITHMS, get, record  # noqa: E402
+from towers.allreduce import ALGORITHMS, Configured, get, record  # noqa: E402
 from towers.testing import ulp_distance  # noqa: E402
+from towers.testing.bounds import unit_roundoff  # noqa: E402
 
 
-def _formula(fn: object, name: str, n: int, nbytes: int) -> str:
-    bytes_sent = getattr(fn, "bytes_sent", None) or getattr(
-        sys.modules.get(f"towers.allreduce.{name}"), "bytes_sent", None
-    )
-    if bytes_sent is None:
-        estimate = sys.modules["towers.allreduce.nccl"].estimated_bytes_sent
-        return f"~{int(estimate(n, nbytes)[0])} (estimate)" if name.startswith("nccl") else "-"
-    try:
-        per = bytes_sent(n, nbytes, 4)
-    except TypeError:
+def _formula(fn: object, n: int, nbytes: int) -> str:
+    """The registry record's bytes per tower (marked when it is an estimate)."""
+    per = fn.bytes_sent(n, nbytes, 4) if isinstance(fn, Configured) else None
+    if per is None:
         return "-"
-    return "/".join(str(b) for b in sorted(set(per)))
+    text = "/".join(str(int(b)) for b in sorted(set(per)))
+    return f"~{text} (estimate)" if fn.algorithm.estimated else text
 
 
 def main() -> None:
@@ -60,14 +54,15 @@ def main() -> None:
                 exact64 = np.sum(np.stack(arrays).astype(np.float64), axis=0)
                 exact = exact64.astype(np.float32)
                 worst = max(worst, max(int(np.max(ulp_distance(o.numpy(), exact))) for o in outs))
-                scale = 2.0**-24 * np.sum(np.abs(np.stack(arrays).astype(np.float64)), axis=0)
+                magnitude = np.sum(np.abs(np.stack(arrays).astype(np.float64)), axis=0)
+                scale = unit_roundoff("float32") * magnitude
                 for o in outs:
                     err = np.abs(o.numpy().astype(np.float64) - exact64)
                     ratio = max(ratio, float(np.max(err / scale)))
                 if size == 1000:
                     per = rec.bytes_sent()
                     sent = "/".join(str(b) for b in sorted(set(per.values()))) or "0"
-                    formula = _formula(fn, name, n, size * 4)
+                    formula = _formula(fn, n, size * 4)
             print(f"{name:20s} {n:2d} {worst:9d} {ratio:19.2f} {sent:>21s} {formula:>18s}")
 
 

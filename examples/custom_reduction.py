@@ -6,7 +6,8 @@ from the library's ring phases. A *bidirectional ring* sends half of every buffe
 clockwise and the other half anticlockwise, so both directions of every link
 carry data each tick: the same 2(n − 1) ticks as the ring, each moving half as
 much per direction. ``check_all_reduce`` draws tower counts, shapes, dtypes and
-ops and checks values, placement, agreement and the ``bytes_sent`` formula; once
+ops and checks values, placement, agreement and the ``bytes_sent`` formula its
+registry record gives (``register(Algorithm(...))``, one line); once
 it passes, ``TowerTrainer(all_reduce=bidirectional_ring)`` trains with it.
 
 Draw it: python -m towers trace --algorithm examples/custom_reduction.py:bidirectional_ring
@@ -49,8 +50,17 @@ def _bytes_sent(n: int, nbytes: int, itemsize: int) -> list[int]:
     return [2 * 2 * (n - 1) * chunk * itemsize] * n
 
 
-bidirectional_ring.bytes_sent = _bytes_sent  # type: ignore[attr-defined]
-bidirectional_ring.summation_depth = lambda n: max(n - 1, 0)  # type: ignore[attr-defined]
+def _summation_depth(n: int) -> int:
+    """Each chunk goes once round its ring: n - 1 additions."""
+    return max(n - 1, 0)
+
+
+def _register() -> Any:
+    """One record tells tools what the algorithm is; ``ALGORITHMS["bidirectional_ring"]()``."""
+    from towers.allreduce import Algorithm, register
+
+    return register(Algorithm("bidirectional_ring", lambda: bidirectional_ring,
+                              bytes_sent=_bytes_sent, summation_depth=_summation_depth))
 
 
 def main() -> None:
@@ -68,7 +78,7 @@ def main() -> None:
     from towers.training.data import batches, digits
     from towers.training.models import digits_cnn
 
-    report = check_all_reduce(bidirectional_ring, max_towers=args.towers,
+    report = check_all_reduce(_register()(), max_towers=args.towers,
                               max_examples=args.examples, devices=devices)
     print(report)
     assert report.ok, "fix the algorithm before training with it"

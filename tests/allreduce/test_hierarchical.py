@@ -37,9 +37,9 @@ PARTS: dict[str, AllReduce | str] = {
 
 @st.composite
 def layouts(draw: st.DrawFn) -> tuple[Case, int, str, str]:
-    """A case, a group size dividing its tower count, and inner/outer parts."""
+    """A case, a group size (dividing its tower count or not, up to n + 1), inner/outer parts."""
     case = draw(cases())
-    group_size = draw(st.sampled_from([k for k in range(1, case.n + 1) if case.n % k == 0]))
+    group_size = draw(st.integers(1, case.n + 1))
     return case, group_size, draw(st.sampled_from(list(PARTS))), draw(st.sampled_from(list(PARTS)))
 
 
@@ -48,6 +48,8 @@ def layouts(draw: st.DrawFn) -> tuple[Case, int, str, str]:
 @example((Case(8, (13,), tf.float16, "mean", 1), 4, "halving_doubling", "halving_doubling"))
 @example((Case(6, (0,), tf.bfloat16, "mean", 2), 2, "parameter_device", "halving_doubling"))
 @example((Case(6, (2, 3, 7), tf.int32, "min", 3), 3, "halving_doubling", "name:naive"))
+@example((Case(7, (5,), tf.float32, "mean", 4), 2, "naive", "halving_doubling"))
+@example((Case(8, (3,), tf.float64, "sum", 5), 3, "halving_doubling", "parameter_device"))
 def test_every_output_matches_reduction(layout: tuple[Case, int, str, str]) -> None:
     case, k, inner, outer = layout
     params: dict[str, Any] = {"inner": PARTS[inner], "outer": PARTS[outer], "group_size": k}
@@ -114,12 +116,28 @@ def test_default_outer_is_ring() -> None:
     check_bytes(rec, DEVICES[:4], algo.bytes_sent(4, nbytes(case), 4))
 
 
-def test_group_size_must_divide_tower_count() -> None:
-    values = make_values(Case(4, (3,), tf.float32, "sum", 0))
-    with pytest.raises(ValueError, match="group_size=3 does not divide the tower count 4"):
-        hierarchical("naive", "naive", group_size=3)(values)
-    with pytest.raises(ValueError, match="group_size=3 does not divide the tower count 4"):
-        bytes_sent(4, 12, 4, inner="naive", outer="naive", group_size=3)
+def test_uneven_groups_keep_the_remainder_in_the_last_group() -> None:
+    from towers.allreduce.hierarchical import group_sizes
+
+    assert group_sizes(7, 2) == [2, 2, 2, 1] and group_sizes(8, 3) == [3, 3, 2]
+    assert group_sizes(1, 2) == [1] and group_sizes(3, 5) == [3]
+    # n = 5, k = 2, naive inside and out (S = 8): group {4} has no inner traffic and no
+    # member; the outer naive on 3 leaders: tower 0 sends 2S, towers 2 and 4 send S.
+    assert bytes_sent(5, 8, 4, inner="naive", outer="naive", group_size=2) == [
+        8 + 16 + 8, 8, 8 + 8 + 8, 8, 0 + 8 + 0]
+    assert summation_depth(5, inner="naive", outer="naive", group_size=2) == 1 + 2
+    assert summation_depth(5, inner="naive", outer="naive", group_size=4) == 3 + 1
+
+
+@pytest.mark.parametrize("n", [1, 3, 5, 7])
+def test_defaults_work_for_odd_tower_counts(n: int) -> None:
+    case = Case(n, (5,), tf.float32, "sum", n)
+    values = make_values(case)
+    algo: Any = ALGORITHMS["hierarchical"]()
+    with record() as rec:
+        outputs = algo(values)
+    check_all_reduce(outputs, values, "sum", algo.summation_depth(n))
+    check_bytes(rec, DEVICES[:n], algo.bytes_sent(n, nbytes(case), 4))
 
 
 def test_bad_arguments() -> None:

@@ -45,6 +45,7 @@ from towers.allreduce.primitives import (
     unsplit,
 )
 from towers.devices import canonical_device
+from towers.testing.bounds import gamma_exact
 
 FLOATS = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
 DTYPES = (*FLOATS, tf.int32, tf.int64)
@@ -144,10 +145,6 @@ def place(arrays: Sequence[np.ndarray]) -> list[tf.Tensor]:
     return values
 
 
-def _gamma(d: int, u: Fraction) -> Fraction:
-    return d * u / (1 - d * u)
-
-
 def _ulp(v: Fraction, p: int, emin: int) -> Fraction:
     e = math.frexp(float(v))[1] - 1 if v else emin
     return Fraction(2) ** (max(e, emin) - p + 1)
@@ -177,14 +174,14 @@ def assert_matches_reference(
             np.testing.assert_array_equal(f.astype(want.dtype), want, err_msg=f"output {i}")
         return Error(0.0, 0.0)
     p, emin = FORMATS[dtype]
-    n, u = len(arrays), Fraction(1, 2**p)
+    n = len(arrays)
     worst, share = 0.0, 0.0
     for j in range(stack.shape[1]):
         xs = [Fraction(float(x)) for x in stack[:, j].astype(np.float64)]
         exact, mag = sum(xs, Fraction(0)), sum((abs(x) for x in xs), Fraction(0))
-        bound = _gamma(depth, u) * mag
+        bound = gamma_exact(depth, dtype) * mag
         if op == "mean":
-            exact, bound = exact / n, _gamma(depth + mean_roundings, u) * mag / n
+            exact, bound = exact / n, gamma_exact(depth + mean_roundings, dtype) * mag / n
         for i, f in enumerate(flat):
             err = abs(Fraction(float(f[j].astype(np.float64))) - exact)
             assert err <= bound, f"output {i}, element {j}: error {float(err)} > {float(bound)}"

@@ -16,20 +16,76 @@ import tensorflow as tf
 
 import towers
 from tests.conftest import DEVICES
-from towers.allreduce import ALGORITHMS
+from towers.allreduce import ALGORITHMS, Algorithm, Configured, register
+from towers.allreduce.registry import record_of, schedule_of
 from towers.testing import check_all_reduce
 
 OPAQUE = {"nccl", "nccl_ring", "nccl_tree"}
 
 
+@pytest.mark.parametrize("n", range(1, 9))
 @pytest.mark.parametrize("name", sorted(ALGORITHMS))
-def test_registered_algorithm_keeps_the_contract(name: str) -> None:
-    # hierarchical's default group_size=2 must divide the tower count.
-    counts = [2, 4, 6, 8] if name == "hierarchical" else None
+def test_registered_algorithm_keeps_the_contract_at_every_tower_count(name: str, n: int) -> None:
+    """Value, placement, agreement, bytes against the record and (hand-built ones) replay."""
     report = check_all_reduce(
-        name, max_examples=16, replay=name not in OPAQUE, tower_counts=counts, devices=DEVICES
+        name, max_examples=2, replay=ALGORITHMS[name].replayable, tower_counts=[n],
+        devices=DEVICES,
     )
     assert report.ok, str(report)
+    assert report.examples == 2
+    if name not in OPAQUE:  # every property was checked: no note says otherwise
+        assert report.notes == (), report
+
+
+def test_every_record_is_complete() -> None:
+    for name, record in ALGORITHMS.items():
+        assert record.name == name and record.schedule, name
+        assert record.bytes_sent and record.summation_depth and record.cost, name
+        assert record.replayable == (name not in OPAQUE) and record.estimated == (name in OPAQUE)
+        built = record()
+        assert isinstance(built, Configured) and record_of(built) is built
+        assert built.algorithm is record and built.name == name
+        for n in range(1, 9):
+            assert built.summation_depth(n) <= max(n - 1, 0)
+            assert len(built.bytes_sent(n, 64, 4) or []) == n
+
+
+def test_configured_algorithms_know_their_params() -> None:
+    from towers.allreduce import hierarchical, parameter_device, ring, tree
+
+    algo = ring(subchunks=2)
+    assert algo.params == {"subchunks": 2} and algo.subchunks == 2
+    assert algo.bytes_sent(4, 64, 4) == [96] * 4 and algo.summation_depth(4) == 3
+    assert ALGORITHMS["ring"](3).params == {"subchunks": 3}
+    assert tree(chunks=4).params == {"chunks": 4} and repr(tree(chunks=4)) == "tree(chunks=4)"
+    assert parameter_device(DEVICES[7]).bytes_sent(4, 8, 4) is None  # unknown off tower 0
+    assert dict(hierarchical().params) == {"inner": "naive", "outer": "ring", "group_size": 2}
+    with pytest.raises(AttributeError):
+        _ = algo.chunks
+    with pytest.raises(ValueError, match="subchunks"):
+        ring(subchunks=0)
+
+
+def test_a_users_algorithm_registers_with_one_line() -> None:
+    def star(values, *, op="sum"):  # type: ignore[no-untyped-def]
+        return towers.allreduce.naive(values, op=op)
+
+    record = register(Algorithm(
+        "test_star", lambda: star, bytes_sent=lambda n, nbytes, itemsize: [(n - 1) * nbytes]
+        + [nbytes] * (n - 1), summation_depth=lambda n: max(n - 1, 0), schedule="star"))
+    try:
+        assert ALGORITHMS["test_star"] is record
+        report = check_all_reduce("test_star", max_examples=4, max_towers=3, devices=DEVICES)
+        assert report.ok and "bytes not checked" not in str(report), report
+        assert towers.allreduce.get("test_star").run is star
+    finally:
+        del ALGORITHMS["test_star"]
+
+
+def test_schedule_of_takes_the_first_drawn_block() -> None:
+    doc = "Title.\n\nText::\n\n    a  b\n      c\n\nAfter.\n"
+    assert schedule_of(doc) == "a  b\n  c"
+    assert schedule_of("no drawing") == ""
 
 
 def test_unknown_names_list_the_registry() -> None:
@@ -42,6 +98,7 @@ def test_unknown_names_list_the_registry() -> None:
 def test_every_registered_factory_builds_with_defaults() -> None:
     for name, factory in ALGORITHMS.items():
         assert callable(factory()), name
+        assert towers.ALGORITHMS[name] is factory
 
 
 def test_naive_chains_large_buffers_with_the_same_bits() -> None:

@@ -74,6 +74,32 @@ def test_registered_names_work_too(capsys) -> None:
     assert "replay not checked" not in out
 
 
+@pytest.mark.parametrize("name", ["nccl", "nccl_ring", "nccl_tree"])
+def test_replay_of_an_opaque_collective_fails_with_the_reason(name: str, capsys) -> None:
+    code, out, _ = _check(capsys, name, "--towers", "2", "--examples", "2", "--replay")
+    assert code == 1, out
+    assert f"FAIL: {name}" in out and "PASS" not in out
+    assert f"replay impossible: {name} is not replayable (opaque collective ops" in out
+
+
+def sums_with_reduce_sum(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
+    """Correct, through tf.reduce_sum: an op the NumPy replay has no kernel for."""
+    devices = check_values(values, op)
+    with tf.device(devices[0]):
+        stacked = tf.stack([send(v, devices[0]) for v in values])
+        total = finish(tf.reduce_sum(stacked, axis=0), op, len(values))
+    return [send(total, d) for d in devices]
+
+
+def test_replay_that_cannot_follow_the_graph_fails_with_the_reason(capsys) -> None:
+    args = ("tests.cli.test_check:sums_with_reduce_sum", "--towers", "2", "--examples", "2",
+            "--ops", "sum,mean", "--dtypes", "float32")
+    code, out, _ = _check(capsys, *args)
+    assert code == 0, out
+    code, out, _ = _check(capsys, *args, "--replay")
+    assert code == 1 and "replay impossible:" in out and "'Sum'" in out, out
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

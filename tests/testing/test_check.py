@@ -11,7 +11,7 @@ import tensorflow as tf
 from hypothesis import given
 
 from tests.conftest import DEVICES
-from towers.allreduce import naive, parameter_device, send
+from towers.allreduce import Algorithm, naive, parameter_device, send
 from towers.allreduce.base import check_values, combine, finish
 from towers.testing.check import (
     CheckReport,
@@ -48,10 +48,24 @@ def test_a_correct_byte_formula_passes() -> None:
         return naive(values, op=op)
 
     # naive: tower 0 broadcasts to n - 1 towers, every other tower sends its value once.
-    counted.bytes_sent = lambda n, nbytes, itemsize: [(n - 1) * nbytes] + [nbytes] * (n - 1)
-    report = check_all_reduce(counted, max_examples=10)
+    def naive_bytes(n: int, nbytes: int, itemsize: int) -> list[int]:
+        return [(n - 1) * nbytes] + [nbytes] * (n - 1)
+
+    record = Algorithm("counted", lambda: counted, bytes_sent=naive_bytes)
+    report = check_all_reduce(record(), max_examples=10)
     assert report.ok, report
+    assert str(report).startswith("PASS: counted")
     assert "bytes not checked" not in str(report)
+
+
+def test_a_plain_callable_is_checked_and_the_report_says_what_was_not() -> None:
+    def plain(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
+        return naive(values, op=op)
+
+    report = check_all_reduce(plain, max_examples=4)
+    assert report.ok, report
+    assert "bytes not checked: plain has no registry record" in str(report)
+    assert "bound uses depth n-1" in str(report)
 
 
 # -- broken algorithms are reported, not raised ----------------------------------------------
@@ -92,11 +106,13 @@ def mean_forgets_to_divide(values: Sequence[tf.Tensor], *, op: str = "sum") -> l
     return naive(values, op="sum" if op == "mean" else op)
 
 
-def wrong_byte_formula(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
+def _naive_again(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
     return naive(values, op=op)
 
 
-wrong_byte_formula.bytes_sent = lambda n, nbytes, itemsize: [nbytes] * n  # type: ignore[attr-defined]
+wrong_byte_formula = Algorithm(
+    "wrong_byte_formula", lambda: _naive_again, bytes_sent=lambda n, nbytes, itemsize: [nbytes] * n
+)()
 
 
 def crashes_on_three(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
@@ -156,8 +172,8 @@ def test_a_too_optimistic_summation_depth_is_caught() -> None:
     def claims_exact(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
         return naive(values, op=op)
 
-    claims_exact.summation_depth = lambda n: 0  # type: ignore[attr-defined]
-    report = _failed(claims_exact, max_towers=3, dtypes=["float32"], ops=["sum"], shapes=[()])
+    record = Algorithm("claims_exact", lambda: claims_exact, summation_depth=lambda n: 0)
+    report = _failed(record(), max_towers=3, dtypes=["float32"], ops=["sum"], shapes=[()])
     assert any("summation depth 0" in f for f in report.failures), report
 
 
@@ -239,3 +255,44 @@ def test_tower_values_are_well_formed(case) -> None:
 def test_tower_values_honour_dtypes_and_shapes(case) -> None:
     _, arrays = case
     assert arrays[0].dtype == np.dtype(ml_dtypes.bfloat16) and arrays[0].shape in [(7,), (2, 5)]
+
+
+# -- a replay that cannot replay fails loudly ----------------------------------------------------
+
+
+def sums_with_reduce_sum(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
+    """Correct, but through ``Sum`` (tf.reduce_sum), an op the NumPy replay has no kernel for."""
+    devices = check_values(values, op)
+    with tf.device(devices[0]):
+        stacked = tf.stack([send(v, devices[0]) for v in values])
+        total = finish(tf.reduce_sum(stacked, axis=0) if op in ("sum", "mean") else
+                       (tf.reduce_max if op == "max" else tf.reduce_min)(stacked, axis=0), op,
+                       len(values))
+    return [send(total, d) for d in devices]
+
+
+def test_a_record_that_is_not_replayable_fails_replay_with_the_reason() -> None:
+    report = check_all_reduce("nccl", replay=True, max_towers=2, max_examples=2)
+    assert not report.ok and report.examples == 0, report
+    assert report.failures == (
+        "replay impossible: nccl is not replayable (opaque collective ops: the runtime moves "
+        "and adds the data)",
+    )
+    assert str(report).startswith("FAIL: nccl")
+
+
+def test_a_graph_the_replay_cannot_follow_fails_replay_with_the_reason() -> None:
+    small = {"max_towers": 2, "dtypes": ["float32"], "ops": ["sum"], "shapes": [(3,)]}
+    assert check_all_reduce(sums_with_reduce_sum, **small).ok
+    report = _failed(sums_with_reduce_sum, replay=True, **small)
+    assert any(f.startswith("replay impossible:") and "Sum" in f for f in report.failures), report
+
+
+def test_opaque_collectives_without_a_record_fail_replay_too() -> None:
+    from towers.allreduce import nccl
+
+    plain = nccl().run  # the bare callable: no record to say it is opaque
+    report = _failed(plain, replay=True, max_towers=2, tower_counts=[2], max_examples=2,
+                     dtypes=["float32"], ops=["sum"], shapes=[(3,)])
+    refusals = [f for f in report.failures if f.startswith("replay impossible:")]
+    assert refusals and "opaque" in refusals[0], report

@@ -20,7 +20,7 @@ import tensorflow as tf
 
 from tests.conftest import DEVICES
 from towers import cli
-from towers.allreduce import ALGORITHMS, check_values, combine, finish, send
+from towers.allreduce import ALGORITHMS, Algorithm, check_values, combine, finish, send
 from towers.trace import (
     COLLECTIVE,
     draw,
@@ -201,8 +201,11 @@ def test_a_silent_opaque_collective_is_estimated(tmp_path: Path) -> None:
                 outs.append(tf.identity(total))
         return outs
 
-    opaque.estimated_bytes_sent = lambda n, nbytes: [2 * (n - 1) / n * nbytes] * n  # type: ignore[attr-defined]
-    trace = trace_all_reduce(opaque, DEVICES[:4], size=8)
+    estimate = Algorithm(  # its record says: opaque, bytes an estimate
+        "opaque", lambda: opaque, estimated=True, replayable=False,
+        bytes_sent=lambda n, nbytes, itemsize: [2 * (n - 1) / n * nbytes] * n,
+    )
+    trace = trace_all_reduce(estimate(), DEVICES[:4], size=8)
     assert trace.ok and len(trace.rows) == 4 and all(r.estimated for r in trace.rows)
     assert trace.places[4] == COLLECTIVE and trace.holds == ()
     assert "not observable" in format_summary(trace)

@@ -1,13 +1,14 @@
 """All-reduce algorithms built by hand from explicit cross-device copies.
 
-The registry :data:`ALGORITHMS` maps a name to a factory; ``ALGORITHMS[name]()``
-builds the algorithm with its default settings. :func:`all_reduce` is the
+The registry :data:`ALGORITHMS` maps a name to its :class:`Algorithm` record
+(``registry.py``); ``ALGORITHMS[name]()`` builds the algorithm with its default
+settings. Each algorithm module registers itself in its last line. :func:`all_reduce` is the
 convenient entry point; :func:`get` resolves a name or passes a callable through.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import tensorflow as tf
 
@@ -23,6 +24,7 @@ from towers.allreduce.nccl import nccl, nccl_ring, nccl_tree
 from towers.allreduce.parameter_device import parameter_device
 from towers.allreduce.powersgd import powersgd
 from towers.allreduce.primitives import Recorder, Transfer, record, send
+from towers.allreduce.registry import ALGORITHMS, Algorithm, Configured, register
 from towers.allreduce.ring import ring
 from towers.allreduce.sparse import densify, gather_indexed_slices
 from towers.allreduce.tree import tree
@@ -31,7 +33,9 @@ __all__ = [
     "ALGORITHMS",
     "CODECS",
     "OPS",
+    "Algorithm",
     "AllReduce",
+    "Configured",
     "GradientReducer",
     "Recorder",
     "Transfer",
@@ -56,6 +60,7 @@ __all__ = [
     "parameter_device",
     "powersgd",
     "record",
+    "register",
     "ring",
     "send",
     "topk",
@@ -70,32 +75,11 @@ def noop(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
     return list(values)
 
 
-def _naive_factory() -> AllReduce:
-    return naive
-
-
-def _noop_factory() -> AllReduce:
-    return noop
-
-
-ALGORITHMS: dict[str, Callable[[], AllReduce]] = {
-    "naive": _naive_factory,
-    "parameter_device": parameter_device,
-    "ring": ring,
-    "tree": tree,
-    "double_binary_tree": double_binary_tree,
-    "halving_doubling": halving_doubling,
-    "hierarchical": hierarchical,
-    "nccl": nccl,
-    "nccl_ring": nccl_ring,
-    "nccl_tree": nccl_tree,
-}
-"""Registered algorithms: name -> zero-argument factory. ``noop`` is kept out on purpose
-(it does not reduce), but :func:`get` accepts ``"noop"`` for benchmarks."""
-
-
 def get(algorithm: str | AllReduce) -> AllReduce:
     """Resolve a registry name (or pass an algorithm callable through).
+
+    Registered names are kept in :data:`ALGORITHMS`; ``noop`` is kept out on purpose
+    (it does not reduce), but is accepted here for benchmarks.
 
     Raises:
         ValueError: an unknown name (the message lists the registered names).

@@ -295,20 +295,15 @@ def topk(ratio: float = 0.01) -> TopK:
     return TopK(float(ratio))
 
 
-def _powersgd_factory() -> Codec:
-    from towers.allreduce.powersgd import powersgd
-
-    return powersgd()
-
-
 CODECS: dict[str, Callable[[], Codec]] = {
     "identity": identity,
     "fp16": fp16,
     "bf16": bf16,
     "topk": topk,
-    "powersgd": _powersgd_factory,
 }
-"""Codec factories by name, each with its default settings."""
+"""Codec factories by name, each with its default settings. A codec in its own module
+registers itself there (``powersgd.py`` ends with ``CODECS["powersgd"] = powersgd``),
+so this module imports none of them."""
 
 
 def get_codec(codec: str | Codec) -> Codec:

@@ -64,9 +64,25 @@ import tensorflow as tf
 
 from towers.allreduce.base import AllReduce, check_values
 from towers.allreduce.primitives import pad_split, unsplit
-from towers.allreduce.tree import reduce_broadcast, tree_bytes, tree_shape
+from towers.allreduce.registry import (
+    Algorithm,
+    Coefficients,
+    Configured,
+    positive_int,
+    register,
+    schedule_of,
+)
+from towers.allreduce.tree import reduce_broadcast, tick_loads, tree_bytes, tree_shape
 
-__all__ = ["btree_parents", "bytes_sent", "double_binary_tree", "double_trees", "summation_depth"]
+__all__ = [
+    "DOUBLE_BINARY_TREE",
+    "btree_parents",
+    "bytes_sent",
+    "cost",
+    "double_binary_tree",
+    "double_trees",
+    "summation_depth",
+]
 
 
 def _check_chunks(chunks: object) -> int:
@@ -119,7 +135,18 @@ def _double_binary_tree(values: Sequence[tf.Tensor], op: str, chunks: int) -> li
     return [unsplit(halves[0][i] + halves[1][i], shape, size) for i in range(n)]
 
 
-def double_binary_tree(chunks: int = 1) -> AllReduce:
+def _build(chunks: int = 1) -> AllReduce:
+    c = _check_chunks(chunks)
+
+    def double_binary_tree_all_reduce(
+        values: Sequence[tf.Tensor], *, op: str = "sum"
+    ) -> list[tf.Tensor]:
+        return _double_binary_tree(values, op, c)
+
+    return double_binary_tree_all_reduce
+
+
+def double_binary_tree(chunks: int = 1) -> Configured:
     """Build the double-binary-tree all-reduce; each half is pipelined in ``chunks`` pieces.
 
     Args:
@@ -131,15 +158,7 @@ def double_binary_tree(chunks: int = 1) -> AllReduce:
     Example:
         >>> outs = double_binary_tree()([a, b, c, d], op="mean")   # doctest: +SKIP
     """
-    c = _check_chunks(chunks)
-
-    def double_binary_tree_all_reduce(
-        values: Sequence[tf.Tensor], *, op: str = "sum"
-    ) -> list[tf.Tensor]:
-        return _double_binary_tree(values, op, c)
-
-    double_binary_tree_all_reduce.chunks = c  # type: ignore[attr-defined]
-    return double_binary_tree_all_reduce
+    return DOUBLE_BINARY_TREE(chunks=chunks)
 
 
 def bytes_sent(n: int, nbytes: int, itemsize: int, chunks: int = 1) -> list[int]:
@@ -167,3 +186,15 @@ def summation_depth(n: int, chunks: int = 1) -> int:
     if n < 1:
         return 0
     return max(tree_shape(parents).adds[parents.index(-1)] for parents in double_trees(n))
+
+
+def cost(n: int, nbytes: float, *, chunks: int = 1) -> Coefficients:
+    """α-β-γ coefficients ``M·(α + S/2C·β) + A·S/2C·γ`` over both trees' schedule."""
+    messages, adds = tick_loads(double_trees(n), positive_int("chunks", chunks))
+    piece = nbytes / (2 * chunks)
+    return messages, messages * piece, adds * piece
+
+
+DOUBLE_BINARY_TREE = register(
+    Algorithm("double_binary_tree", _build, bytes_sent, summation_depth, cost, schedule_of(__doc__))
+)

@@ -37,14 +37,14 @@ References:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import tensorflow as tf
 
 from towers.allreduce.base import AllReduce, check_values, combine, finish
 from towers.allreduce.primitives import send
+from towers.allreduce.registry import Algorithm, Coefficients, Configured, register, schedule_of
 
-__all__ = ["bytes_sent", "halving_doubling", "summation_depth"]
+__all__ = ["HALVING_DOUBLING", "bytes_sent", "cost", "halving_doubling", "summation_depth"]
 
 
 def _floor_pow2(n: int) -> int:
@@ -146,12 +146,21 @@ def _all_reduce(values: Sequence[tf.Tensor], op: str) -> list[tf.Tensor]:
     return outputs
 
 
-def halving_doubling() -> AllReduce:
+def _build() -> AllReduce:
+    def halving_doubling_all_reduce(
+        values: Sequence[tf.Tensor], *, op: str = "sum"
+    ) -> list[tf.Tensor]:
+        return _all_reduce(values, op)
+
+    return halving_doubling_all_reduce
+
+
+def halving_doubling() -> Configured:
     """Build Rabenseifner's halving-doubling all-reduce for any tower count and any length.
 
     Returns:
-        An all-reduce callable ``(values, *, op="sum") -> list[tf.Tensor]``; its
-        ``bytes_sent`` and ``summation_depth`` attributes give this module's formulas.
+        The configured algorithm ``(values, *, op="sum") -> list[tf.Tensor]``; its
+        ``bytes_sent`` and ``summation_depth`` give this module's formulas.
 
     Raises:
         ValueError: (when called) bad values (see ``check_values``) or a shape that
@@ -161,15 +170,7 @@ def halving_doubling() -> AllReduce:
         >>> algo = halving_doubling()                              # doctest: +SKIP
         >>> outs = algo([tf.ones([5]) for _ in range(3)], op="mean")  # doctest: +SKIP
     """
-
-    def halving_doubling_all_reduce(
-        values: Sequence[tf.Tensor], *, op: str = "sum"
-    ) -> list[tf.Tensor]:
-        return _all_reduce(values, op)
-
-    fn: Any = halving_doubling_all_reduce
-    fn.bytes_sent, fn.summation_depth = bytes_sent, summation_depth
-    return halving_doubling_all_reduce
+    return HALVING_DOUBLING()
 
 
 def bytes_sent(n: int, nbytes: int, itemsize: int) -> list[int]:
@@ -202,3 +203,18 @@ def summation_depth(n: int) -> int:
     if n < 1:
         raise ValueError(f"n must be at least 1, got {n}")
     return (n - 1).bit_length()
+
+
+def cost(n: int, nbytes: float) -> Coefficients:
+    """α-β-γ coefficients: ``(2h + 2f)·α + (2(p-1)/p + 2f)·S·β + ((p-1)/p + f)·S·γ``."""
+    h = n.bit_length() - 1
+    p = 1 << h
+    a, b, c = 2 * h, 2 * (p - 1) / p * nbytes, (p - 1) / p * nbytes
+    if n > p:  # fold in (send S, partner adds) and fold out (receive S)
+        a, b, c = a + 2, b + 2 * nbytes, c + nbytes
+    return a, b, c
+
+
+HALVING_DOUBLING = register(
+    Algorithm("halving_doubling", _build, bytes_sent, summation_depth, cost, schedule_of(__doc__))
+)

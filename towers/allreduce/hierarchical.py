@@ -1,7 +1,8 @@
 """Hierarchical all-reduce: reduce inside groups, all-reduce among group leaders, copy back.
 
-Towers are cut into consecutive groups of ``group_size`` (k); the first tower of
-each group is its leader. n = 4, k = 2::
+Towers are cut into consecutive groups of ``group_size`` (k); the last group holds
+the remainder when k does not divide n, and k > n makes one group. The first tower
+of each group is its leader. n = 4, k = 2::
 
     phase:     1 inner (per group)         2 outer (leaders only)      3 group broadcast
     ticks:     0 … a−1                     a … a+b−1                   a+b
@@ -10,13 +11,24 @@ each group is its leader. n = 4, k = 2::
     tower 2 *  inner(x2, x3)[0] = s23      outer(s01, s23)[1] = s      s ──▶ tower 3
     tower 3    (inner's copy unused)                                   ◀── s
 
+Uneven groups, n = 5, k = 2 (groups {0, 1}, {2, 3}, {4}; tower 4 leads a group
+of one: its inner all-reduce moves nothing, and it has no member to copy to)::
+
+    phase:     1 inner                     2 outer (3 leaders)         3 group broadcast
+    tower 0 *  inner(x0, x1)[0] = s01      outer(s01, s23, x4)[0] = s  s ──▶ tower 1
+    tower 1    (inner's copy unused)                                   ◀── s
+    tower 2 *  inner(x2, x3)[0] = s23      outer(s01, s23, x4)[1] = s  s ──▶ tower 3
+    tower 3    (inner's copy unused)                                   ◀── s
+    tower 4 *  inner(x4)[0] = x4           outer(s01, s23, x4)[2] = s  (no members)
+
 Ticks run on from phase to phase: the groups' inner all-reduces run side by side
 in ticks 0 … a−1 (a: the inner part's ticks), the outer one is shifted by
 :func:`~towers.allreduce.primitives.tick_offset` to a … a+b−1, and the leaders'
 copies to their members go at tick a+b. Only the recorded labels move.
 
 Index formula: tower i is in group g = i // k, whose leader is g·k and whose
-members are g·k … g·k + k − 1; leader g is tower g of the outer all-reduce.
+members are g·k … min(g·k + k, n) − 1; leader g is tower g of the outer
+all-reduce, which runs on ⌈n/k⌉ leaders.
 
 How the parts are used: ``inner`` is a whole all-reduce run on each group's
 values; only the leader's output (index 0) is kept. An all-reduce also delivers
@@ -28,9 +40,13 @@ when ``op="mean"``; each leader then divides its (bitwise identical) total by
 n once, and copies it to its members with ``send``. Division is correctly
 rounded, so equal totals give equal means on every leader.
 
-Cost: inner(k, S) + outer(n/k, S) + (k − 1)·(α + Sβ) for the leader's copies;
-with a fast inner link (NVLink) and a slow outer one (network) only the outer
-phase crosses the slow link, on n/k towers instead of n.
+Cost: max over groups of inner(k_g, S) + outer(⌈n/k⌉, S) + (k_max − 1)·(α + Sβ)
+for the leader's copies; with a fast inner link (NVLink) and a slow outer one
+(network) only the outer phase crosses the slow link, on n/k towers instead of n.
+The groups run side by side, so the inner phase costs its slowest group: the
+coefficient-wise max over group sizes, exact when one group's coefficients are all
+the largest (every registered algorithm but halving_doubling, whose 3-tower cost
+carries more β than its 4-tower one), an upper bound otherwise.
 
 References:
     Horovod hierarchical all-reduce (Sergeev & Del Balso, "Horovod", 2018);
@@ -39,8 +55,6 @@ References:
 
 from __future__ import annotations
 
-import functools
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias
 
@@ -48,48 +62,40 @@ import tensorflow as tf
 
 from towers.allreduce.base import AllReduce, check_values, finish
 from towers.allreduce.primitives import Recorder, record, send, tick_offset
+from towers.allreduce.registry import (
+    Algorithm,
+    Coefficients,
+    Configured,
+    positive_int,
+    register,
+    schedule_of,
+)
 
-__all__ = ["bytes_sent", "hierarchical", "summation_depth"]
+__all__ = [
+    "HIERARCHICAL",
+    "bytes_sent",
+    "cost",
+    "cost_levels",
+    "group_sizes",
+    "hierarchical",
+    "summation_depth",
+]
 
 Part: TypeAlias = "str | AllReduce"
 
 
 def _resolve(algorithm: Part) -> AllReduce:
-    from towers.allreduce import get  # lazy: the registry imports this module
+    from towers.allreduce import get  # lazy: the package imports this module
 
     return get(algorithm)
 
 
-def _rooted_bytes(n: int, nbytes: int, itemsize: int) -> list[int]:
-    return [(n - 1) * nbytes] + [nbytes] * (n - 1)
-
-
-def _rooted_depth(n: int) -> int:
-    return n - 1
-
-
-def _baseline(fn: AllReduce, formula: str) -> Callable[..., Any] | None:
-    """naive and parameter_device (on tower 0): everyone sends to tower 0, which sends back."""
-    from towers.allreduce.naive import naive
-
-    module = getattr(fn, "__module__", "")
-    rooted = fn is naive or (
-        module == "towers.allreduce.parameter_device" and getattr(fn, "device", None) is None
-    )
-    if not rooted:
-        return None
-    return _rooted_bytes if formula == "bytes_sent" else _rooted_depth
-
-
-def _formula(algorithm: Part, formula: str) -> Callable[..., Any]:
-    """A part's ``bytes_sent`` or ``summation_depth``: attribute, baseline, or module function."""
+def _configured(algorithm: Part, what: str) -> Configured:
     fn = _resolve(algorithm)
-    found = getattr(fn, formula, None) or _baseline(fn, formula)
-    if found is None and isinstance(algorithm, str):  # a registry default: module defaults fit
-        found = getattr(sys.modules.get(getattr(fn, "__module__", "")), formula, None)
-    if found is None:
-        raise ValueError(f"{algorithm!r} exposes no {formula}(): cannot compute hierarchical's")
-    return found
+    if not isinstance(fn, Configured):
+        raise ValueError(f"{algorithm!r} has no registry record: cannot compute hierarchical's "
+                         f"{what}(); register(Algorithm(...)) it or pass a registered one")
+    return fn
 
 
 def _check_group_size(group_size: int) -> int:
@@ -100,13 +106,15 @@ def _check_group_size(group_size: int) -> int:
     return group_size
 
 
-def _groups(n: int, group_size: int) -> int:
-    if n % group_size:
-        raise ValueError(
-            f"group_size={group_size} does not divide the tower count {n}: "
-            "every group must have the same number of towers"
-        )
-    return n // group_size
+def group_sizes(n: int, group_size: int) -> list[int]:
+    """Consecutive groups of ``group_size``; the last holds the remainder.
+
+    Example:
+        >>> group_sizes(7, 2)
+        [2, 2, 2, 1]
+    """
+    k = _check_group_size(group_size)
+    return [min(k, n - start) for start in range(0, n, k)]
 
 
 def _after(seen: Recorder, start: int, shift: int) -> int:
@@ -125,50 +133,29 @@ def _all_reduce(
 ) -> list[tf.Tensor]:
     devices = check_values(values, op)
     n, k = len(values), group_size
-    groups = _groups(n, k)
+    starts = range(0, n, k)
     inner_fn, outer_fn = _resolve(inner), _resolve(outer)
     part_op = "sum" if op == "mean" else op
     # Each part numbers its ticks from 0: shift the outer phase after the inner one, and the
     # group broadcast after both, so the recorded schedule reads as three phases in a row.
     with record() as seen, tick_offset(0) as shift:
-        leaders = [inner_fn(list(values[g * k : (g + 1) * k]), op=part_op)[0]
-                   for g in range(groups)]
+        leaders = [inner_fn(list(values[s : s + k]), op=part_op)[0] for s in starts]
     start = _after(seen, 0, shift)
     with record() as seen, tick_offset(start) as shift:
         totals = outer_fn(leaders, op=part_op)
     start = _after(seen, start, shift)
     outputs: list[tf.Tensor] = []
-    for g, total in enumerate(totals):
-        with tf.device(devices[g * k]):
+    for g, (first, total) in enumerate(zip(starts, totals, strict=True)):
+        with tf.device(devices[first]):
             total = finish(total, op, n)
-        for member in range(g * k, (g + 1) * k):
+        for member in range(first, min(first + k, n)):
             outputs.append(
                 send(total, devices[member], tick=start, chunk=g, note="group-broadcast")
             )
     return outputs
 
 
-def hierarchical(inner: Part = "naive", outer: Part = "ring", group_size: int = 2) -> AllReduce:
-    """Build a two-level all-reduce: ``inner`` within groups, ``outer`` among group leaders.
-
-    Args:
-        inner: all-reduce run inside each group of ``group_size`` consecutive towers
-            (a registry name, resolved when called, or a callable).
-        outer: all-reduce run among the group leaders (name or callable).
-        group_size: towers per group; it must divide the tower count.
-
-    Returns:
-        An all-reduce callable with ``bytes_sent`` and ``summation_depth`` attributes.
-
-    Raises:
-        TypeError: ``group_size`` not an int, or a part neither a name nor a callable.
-        ValueError: ``group_size`` < 1; when called, ``group_size`` not dividing the
-            tower count, an unknown part name, or bad values.
-
-    Example:
-        >>> algo = hierarchical("naive", halving_doubling(), group_size=4)  # doctest: +SKIP
-        >>> outs = algo(values, op="mean")                                  # doctest: +SKIP
-    """
+def _build(inner: Part = "naive", outer: Part = "ring", group_size: int = 2) -> AllReduce:
     _check_group_size(group_size)
     for name, part in (("inner", inner), ("outer", outer)):
         if not isinstance(part, str) and not callable(part):
@@ -177,12 +164,32 @@ def hierarchical(inner: Part = "naive", outer: Part = "ring", group_size: int = 
     def hierarchical_all_reduce(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
         return _all_reduce(values, op, inner, outer, group_size)
 
-    fn: Any = hierarchical_all_reduce
-    fn.bytes_sent = functools.partial(bytes_sent, inner=inner, outer=outer, group_size=group_size)
-    fn.summation_depth = functools.partial(
-        summation_depth, inner=inner, outer=outer, group_size=group_size
-    )
     return hierarchical_all_reduce
+
+
+def hierarchical(inner: Part = "naive", outer: Part = "ring", group_size: int = 2) -> Configured:
+    """Build a two-level all-reduce: ``inner`` within groups, ``outer`` among group leaders.
+
+    Args:
+        inner: all-reduce run inside each group of ``group_size`` consecutive towers
+            (a registry name, resolved when called, or a callable).
+        outer: all-reduce run among the group leaders (name or callable).
+        group_size: towers per group; the last group holds the remainder when it does
+            not divide the tower count (see :func:`group_sizes`).
+
+    Returns:
+        The configured algorithm; ``bytes_sent`` and ``summation_depth`` compose the
+        parts' (which then need registry records).
+
+    Raises:
+        TypeError: ``group_size`` not an int, or a part neither a name nor a callable.
+        ValueError: ``group_size`` < 1; when called, an unknown part name or bad values.
+
+    Example:
+        >>> algo = hierarchical("naive", halving_doubling(), group_size=4)  # doctest: +SKIP
+        >>> outs = algo(values, op="mean")                                  # doctest: +SKIP
+    """
+    return HIERARCHICAL(inner=inner, outer=outer, group_size=group_size)
 
 
 def bytes_sent(
@@ -191,36 +198,98 @@ def bytes_sent(
 ) -> list[int]:
     """Exact bytes each tower sends for one all-reduce of ``nbytes`` per tower.
 
-    Member r of group g sends ``inner(k)[r]``; a leader adds ``outer(n/k)[g]`` and
-    (k − 1)·nbytes of group broadcast. The parts' own ``bytes_sent`` give their shares.
+    Member r of group g (of k_g towers) sends ``inner(k_g)[r]``; a leader adds
+    ``outer(⌈n/k⌉)[g]`` and (k_g − 1)·nbytes of group broadcast. The parts'
+    records give their shares.
 
     Example:
         >>> bytes_sent(4, 8, 4, inner="naive", outer="naive", group_size=2)
         [24, 8, 24, 8]
+        >>> bytes_sent(3, 8, 4, inner="naive", outer="naive", group_size=2)
+        [24, 8, 8]
     """
-    k = _check_group_size(group_size)
-    groups = _groups(n, k)
-    inner_b = _formula(inner, "bytes_sent")(k, nbytes, itemsize)
-    outer_b = _formula(outer, "bytes_sent")(groups, nbytes, itemsize)
-    out = []
-    for i in range(n):
-        g, r = divmod(i, k)
-        extra = outer_b[g] + (k - 1) * nbytes if r == 0 else 0
-        out.append(inner_b[r] + extra)
+    sizes = group_sizes(n, group_size)
+    inner_fn, outer_fn = _configured(inner, "bytes_sent"), _configured(outer, "bytes_sent")
+    outer_b = _known(outer_fn.bytes_sent(len(sizes), nbytes, itemsize), outer, "bytes_sent")
+    out: list[int] = []
+    for g, size in enumerate(sizes):
+        inner_b = _known(inner_fn.bytes_sent(size, nbytes, itemsize), inner, "bytes_sent")
+        out.append(int(inner_b[0] + outer_b[g] + (size - 1) * nbytes))
+        out += [int(b) for b in inner_b[1:]]
     return out
+
+
+def _known(value: Any, part: Part, what: str) -> Any:
+    if value is None:
+        raise ValueError(f"{part!r} has no {what} formula: cannot compute hierarchical's")
+    return value
 
 
 def summation_depth(
     n: int, *, inner: Part = "naive", outer: Part = "ring", group_size: int = 2
 ) -> int:
-    """Most additions on any element: inner's depth on k towers plus outer's on n/k.
+    """Most additions on any element: inner's depth on the groups plus outer's on ⌈n/k⌉.
 
     Example:
         >>> summation_depth(8, inner="naive", outer="naive", group_size=4)
         4
+        >>> summation_depth(7, inner="naive", outer="naive", group_size=2)
+        4
     """
-    k = _check_group_size(group_size)
-    groups = _groups(n, k)
-    inner_d = _formula(inner, "summation_depth")(k)
-    outer_d = _formula(outer, "summation_depth")(groups)
+    sizes = group_sizes(n, group_size)
+    inner_fn = _configured(inner, "summation_depth")
+    outer_fn = _configured(outer, "summation_depth")
+    inner_d = max(_known(inner_fn.summation_depth(k), inner, "summation_depth")
+                  for k in set(sizes)) if sizes else 0
+    outer_d = _known(outer_fn.summation_depth(len(sizes)), outer, "summation_depth")
     return int(inner_d) + int(outer_d)
+
+
+def _flat_cost(name: Any, key: str) -> Callable[..., Coefficients]:
+    from towers.allreduce.registry import ALGORITHMS
+
+    record = ALGORITHMS.get(name) if isinstance(name, str) else None
+    if record is None or record.cost is None or name == "hierarchical":
+        raise ValueError(f"{key} must be a flat all-reduce name, got {name!r}")
+    return record.cost
+
+
+def _part_cost(cost: Callable[..., Coefficients], k: int, nbytes: float) -> Coefficients:
+    return (0, 0, 0) if k == 1 else cost(k, nbytes)
+
+
+def cost_levels(
+    n: int, nbytes: float, *, inner: str = "naive", outer: str = "ring", group_size: int = 2
+) -> tuple[Coefficients, Coefficients]:
+    """``(within groups, among leaders)``: the coefficients on the inner and the outer link.
+
+    Within groups: the slowest group's inner all-reduce (coefficient-wise max over the
+    group sizes) plus ``k_max − 1`` copies of ``S`` from each leader; among leaders:
+    ``outer`` on ⌈n/k⌉ towers.
+    """
+    k = positive_int("group_size", group_size)
+    inner_cost, outer_cost = _flat_cost(inner, "inner"), _flat_cost(outer, "outer")
+    sizes = group_sizes(n, k)
+    parts = [_part_cost(inner_cost, size, nbytes) for size in sorted(set(sizes))]
+    a, b, c = (max(col) for col in zip(*parts, strict=True))
+    copies = max(sizes) - 1
+    within = (a + copies, b + copies * nbytes, c)
+    return within, _part_cost(outer_cost, len(sizes), nbytes)
+
+
+def cost(
+    n: int, nbytes: float, *, inner: str = "naive", outer: str = "ring", group_size: int = 2
+) -> Coefficients:
+    """α-β-γ coefficients: the sum of :func:`cost_levels`.
+
+    Example:
+        >>> cost(16, 100.0, group_size=4)   # naive(4) + ring(4) + 3 copies
+        (15.0, 1050.0, 375.0)
+    """
+    levels = cost_levels(n, nbytes, inner=inner, outer=outer, group_size=group_size)
+    return tuple(float(sum(col)) for col in zip(*levels, strict=True))  # type: ignore[return-value]
+
+
+HIERARCHICAL = register(
+    Algorithm("hierarchical", _build, bytes_sent, summation_depth, cost, schedule_of(__doc__))
+)

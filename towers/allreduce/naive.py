@@ -25,17 +25,20 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
-from towers.allreduce.base import check_values, combine, finish
+from towers.allreduce.base import AllReduce, check_values, combine, finish
 from towers.allreduce.primitives import send
+from towers.allreduce.registry import Algorithm, Coefficients, register, schedule_of
 
-__all__ = ["bytes_sent", "naive", "summation_depth"]
+__all__ = ["NAIVE", "bytes_sent", "cost", "naive", "rooted_cost", "summation_depth"]
 
 
-def naive(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
+def naive_all_reduce(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
     """Reduce everything on tower 0 (``add_n`` for sums), then copy the result to each tower.
 
     Example:
         >>> outs = naive([tf.ones([2]), tf.ones([2])])   # doctest: +SKIP
+
+    ``naive`` is this function with its registry record (:data:`NAIVE`).
     """
     devices = check_values(values, op)
     root = devices[0]
@@ -70,3 +73,29 @@ def bytes_sent(n: int, nbytes: int, itemsize: int = 4) -> list[int]:
 def summation_depth(n: int) -> int:
     """``add_n`` adds left to right: the last element goes through n − 1 additions."""
     return max(n - 1, 0)
+
+
+def rooted_cost(n: int, nbytes: float, *, on_tower: bool = True) -> Coefficients:
+    """Everything through one root's port: ``2m·(α + S·β) + (n-1)·S·γ``.
+
+    ``m = n-1`` messages each way when the root is a tower (its own value stays),
+    ``m = n`` for a separate device (parameter_device off the towers).
+    """
+    m = n - 1 if on_tower else n
+    return 2 * m, 2 * m * nbytes, (n - 1) * nbytes
+
+
+def cost(n: int, nbytes: float) -> Coefficients:
+    """α-β-γ coefficients: :func:`rooted_cost` on a tower."""
+    return rooted_cost(n, nbytes, on_tower=True)
+
+
+def _build() -> AllReduce:
+    return naive_all_reduce
+
+
+NAIVE = register(
+    Algorithm("naive", _build, bytes_sent, summation_depth, cost, schedule_of(__doc__))
+)
+naive = NAIVE()
+"""The naive all-reduce (:func:`naive_all_reduce` with its record)."""

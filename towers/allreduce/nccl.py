@@ -21,7 +21,7 @@ are composed from collectives, n = 4 (rank = place in the sorted device names)::
 Index formula (tree): at level k tower i with i mod 2^(k+1) = 2^k sends to i − 2^k
 (a broadcast in the group of the two). Cost: nccl and nccl_ring 2(n−1)α +
 2(n−1)/n·Sβ + (n−1)/n·Sγ; nccl_tree 2⌈log2 n⌉(α + Sβ) + ⌈log2 n⌉·Sγ. Summation
-depth (the algorithms' ``summation_depth`` attribute): n − 1 for nccl (CPU ring)
+depth (their records' ``summation_depth``): n − 1 for nccl (CPU ring)
 and nccl_ring (rows added in rank order), ⌈log2 n⌉ for nccl_tree.
 
 Measured on TF 2.21, logical CPUs:
@@ -64,10 +64,14 @@ from tensorflow.python.ops import collective_ops, nccl_ops
 
 from towers.allreduce.base import AllReduce, check_values, combine, finish
 from towers.allreduce.primitives import record_estimate
+from towers.allreduce.registry import Algorithm, Coefficients, Configured, register, schedule_of
 from towers.devices import has_gpu
 
 __all__ = [
     "KEY_START",
+    "NCCL",
+    "NCCL_RING",
+    "NCCL_TREE",
     "TIMEOUT_SECONDS",
     "estimated_bytes_sent",
     "nccl",
@@ -318,17 +322,7 @@ def _record_estimates(values: Sequence[tf.Tensor]) -> None:
         record_estimate(v.device, dst, round(per_tower[i]), note=f"{len(values)}-way collective")
 
 
-def _ring_depth(n: int) -> int:
-    return n - 1
-
-
-def _tree_depth(n: int) -> int:
-    return (n - 1).bit_length()
-
-
-def _factory(
-    body: _Body, name: str, timeout_seconds: float | None, depth: Callable[[int], int]
-) -> AllReduce:
+def _factory(body: _Body, name: str, timeout_seconds: float | None) -> AllReduce:
     if timeout_seconds is not None and not timeout_seconds > 0:
         raise ValueError(f"timeout_seconds must be positive, got {timeout_seconds}")
 
@@ -337,13 +331,23 @@ def _factory(
         _record_estimates(values)
         return outputs
 
-    fn: Any = all_reduce
-    fn.__name__ = fn.__qualname__ = f"{name}_all_reduce"
-    fn.summation_depth, fn.timeout_seconds = depth, timeout_seconds
+    all_reduce.__name__ = all_reduce.__qualname__ = f"{name}_all_reduce"
     return all_reduce
 
 
-def nccl(timeout_seconds: float | None = None) -> AllReduce:
+def _build_nccl(timeout_seconds: float | None = None) -> AllReduce:
+    return _factory(_nccl_body, "nccl", timeout_seconds)
+
+
+def _build_ring(timeout_seconds: float | None = None) -> AllReduce:
+    return _factory(_ring_body, "nccl_ring", timeout_seconds)
+
+
+def _build_tree(timeout_seconds: float | None = None) -> AllReduce:
+    return _factory(_tree_body, "nccl_tree", timeout_seconds)
+
+
+def nccl(timeout_seconds: float | None = None) -> Configured:
     """Build the all-reduce that calls one ``all_reduce_v2`` per tower (raw NCCL on real GPUs).
 
     All three factories share this contract.
@@ -353,7 +357,7 @@ def nccl(timeout_seconds: float | None = None) -> AllReduce:
             the raw ``nccl_ops`` path has no timeout parameter.
 
     Returns:
-        An all-reduce callable with a ``summation_depth(n)`` attribute.
+        The configured algorithm; its ``summation_depth(n)`` is its record's.
 
     Raises:
         ValueError: ``timeout_seconds`` not positive; when called, bad values (see
@@ -364,10 +368,10 @@ def nccl(timeout_seconds: float | None = None) -> AllReduce:
     Example:
         >>> outs = nccl(timeout_seconds=10)(values, op="mean")   # doctest: +SKIP
     """
-    return _factory(_nccl_body, "nccl", timeout_seconds, _ring_depth)
+    return NCCL(timeout_seconds=timeout_seconds)
 
 
-def nccl_ring(timeout_seconds: float | None = None) -> AllReduce:
+def nccl_ring(timeout_seconds: float | None = None) -> Configured:
     """Build reduce-scatter (all-to-all + local sum) then all-gather, from collective ops.
 
     Args:
@@ -376,10 +380,10 @@ def nccl_ring(timeout_seconds: float | None = None) -> AllReduce:
     Example:
         >>> outs = nccl_ring()(values, op="sum")   # doctest: +SKIP
     """
-    return _factory(_ring_body, "nccl_ring", timeout_seconds, _ring_depth)
+    return NCCL_RING(timeout_seconds=timeout_seconds)
 
 
-def nccl_tree(timeout_seconds: float | None = None) -> AllReduce:
+def nccl_tree(timeout_seconds: float | None = None) -> Configured:
     """Build binomial-tree reduce to tower 0 then broadcast, from broadcast send/recv.
 
     Args:
@@ -388,7 +392,7 @@ def nccl_tree(timeout_seconds: float | None = None) -> AllReduce:
     Example:
         >>> outs = nccl_tree()(values, op="max")   # doctest: +SKIP
     """
-    return _factory(_tree_body, "nccl_tree", timeout_seconds, _tree_depth)
+    return NCCL_TREE(timeout_seconds=timeout_seconds)
 
 
 def estimated_bytes_sent(n: int, nbytes: int) -> list[float]:
@@ -404,3 +408,39 @@ def estimated_bytes_sent(n: int, nbytes: int) -> list[float]:
     if n < 1 or nbytes < 0:
         raise ValueError(f"need n >= 1 and nbytes >= 0, got {n}, {nbytes}")
     return [2 * (n - 1) / n * nbytes] * n
+
+
+def _estimate(
+    n: int, nbytes: int, itemsize: int, timeout_seconds: float | None = None
+) -> list[float]:
+    return estimated_bytes_sent(n, nbytes)
+
+
+def _ring_depth(n: int, timeout_seconds: float | None = None) -> int:
+    """A ring on CPU (nccl), rows added in rank order (nccl_ring): n − 1."""
+    return max(n - 1, 0)
+
+
+def _tree_depth(n: int, timeout_seconds: float | None = None) -> int:
+    """Binomial levels: ⌈log2 n⌉."""
+    return (n - 1).bit_length()
+
+
+def _ring_cost(n: int, nbytes: float) -> Coefficients:
+    return 2 * (n - 1), 2 * (n - 1) / n * nbytes, (n - 1) / n * nbytes
+
+
+def _tree_cost(n: int, nbytes: float) -> Coefficients:
+    d = (n - 1).bit_length()  # binomial levels: one message per tower per level, each way
+    return 2 * d, 2 * d * nbytes, d * nbytes
+
+
+def _record(name: str, build: Callable[..., AllReduce], depth: Any, cost: Any) -> Algorithm:
+    schedule = schedule_of(__doc__)
+    return Algorithm(name, build, _estimate, depth, cost, schedule, estimated=True,
+                     replayable=False)
+
+
+NCCL = register(_record("nccl", _build_nccl, _ring_depth, _ring_cost))
+NCCL_RING = register(_record("nccl_ring", _build_ring, _ring_depth, _ring_cost))
+NCCL_TREE = register(_record("nccl_tree", _build_tree, _tree_depth, _tree_cost))

@@ -23,15 +23,23 @@ References:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import tensorflow as tf
 
 from towers.allreduce.base import AllReduce, check_values, combine, finish
+from towers.allreduce.naive import rooted_cost
 from towers.allreduce.primitives import send
+from towers.allreduce.registry import Algorithm, Coefficients, Configured, register, schedule_of
 from towers.devices import canonical_device
 
-__all__ = ["parameter_device", "reduce_on"]
+__all__ = [
+    "PARAMETER_DEVICE",
+    "bytes_sent",
+    "cost",
+    "parameter_device",
+    "reduce_on",
+    "summation_depth",
+]
 
 
 def reduce_on(values: Sequence[tf.Tensor], device: str, op: str) -> tf.Tensor:
@@ -43,12 +51,7 @@ def reduce_on(values: Sequence[tf.Tensor], device: str, op: str) -> tf.Tensor:
     return total
 
 
-def parameter_device(device: str | None = None) -> AllReduce:
-    """Build the parameter-device all-reduce that reduces on ``device`` (default: tower 0's).
-
-    Args:
-        device: where the sum is formed; need not be one of the towers.
-    """
+def _build(device: str | None = None) -> AllReduce:
     chosen = canonical_device(device) if device else None
 
     def parameter_device_all_reduce(
@@ -60,21 +63,41 @@ def parameter_device(device: str | None = None) -> AllReduce:
             total = finish(reduce_on(values, p, op), op, len(values))
         return [send(total, d, tick=1, chunk=0, note="broadcast") for d in devices]
 
-    fn: Any = parameter_device_all_reduce
-    fn.device = chosen
-    fn.summation_depth = _summation_depth
-    if chosen is None:
-        # Only on tower 0 are the sends known without the towers' devices.
-        fn.bytes_sent = _bytes_sent_from_tower_0
     return parameter_device_all_reduce
 
 
-def _bytes_sent_from_tower_0(n: int, nbytes: int, itemsize: int = 4) -> list[int]:
-    """Bytes each tower sends when tower 0 is the parameter device: S in, (n−1)·S out."""
+def parameter_device(device: str | None = None) -> Configured:
+    """Build the parameter-device all-reduce that reduces on ``device`` (default: tower 0's).
+
+    Args:
+        device: where the sum is formed; need not be one of the towers.
+
+    Example:
+        >>> outs = parameter_device("/device:CPU:7")(values, op="mean")   # doctest: +SKIP
+    """
+    return PARAMETER_DEVICE(device=canonical_device(device) if device else None)
+
+
+def bytes_sent(n: int, nbytes: int, itemsize: int, device: str | None = None) -> list[int] | None:
+    """Bytes each tower sends when tower 0 is the parameter device: (n−1)·S out, S in.
+
+    On another device the sends depend on whether it is a tower: None (not known here).
+    """
+    if device is not None:
+        return None
     return [(n - 1) * nbytes] + [nbytes] * (n - 1)
 
 
-def _summation_depth(n: int) -> int:
+def summation_depth(n: int, device: str | None = None) -> int:
     """One addition at a time in tower order: n − 1 additions for the last value."""
     return max(n - 1, 0)
 
+
+def cost(n: int, nbytes: float, *, on_tower: bool = True) -> Coefficients:
+    """α-β-γ coefficients: ``2m·(α + S·β) + (n-1)·S·γ``, ``m = n-1`` on a tower, else ``n``."""
+    return rooted_cost(n, nbytes, on_tower=on_tower)
+
+
+PARAMETER_DEVICE = register(
+    Algorithm("parameter_device", _build, bytes_sent, summation_depth, cost, schedule_of(__doc__))
+)

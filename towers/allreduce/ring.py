@@ -50,8 +50,16 @@ import tensorflow as tf
 
 from towers.allreduce.base import AllReduce, check_values
 from towers.allreduce.primitives import all_gather, pad_split, reduce_scatter, unsplit
+from towers.allreduce.registry import (
+    Algorithm,
+    Coefficients,
+    Configured,
+    positive_int,
+    register,
+    schedule_of,
+)
 
-__all__ = ["bytes_sent", "ring", "ring_orders", "summation_depth"]
+__all__ = ["RING", "bytes_sent", "cost", "ring", "ring_orders", "summation_depth"]
 
 
 def _check_subchunks(subchunks: object) -> int:
@@ -89,14 +97,23 @@ def _ring_all_reduce(values: Sequence[tf.Tensor], op: str, subchunks: int) -> li
     return [unsplit(out[tower], shape, size) for tower in range(n)]
 
 
-def ring(subchunks: int = 1) -> AllReduce:
+def _build(subchunks: int = 1) -> AllReduce:
+    s = _check_subchunks(subchunks)
+
+    def ring_all_reduce(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
+        return _ring_all_reduce(values, op, s)
+
+    return ring_all_reduce
+
+
+def ring(subchunks: int = 1) -> Configured:
     """Build the ring all-reduce with ``subchunks`` rotated rings.
 
     Args:
         subchunks: sub-chunks per chunk, i.e. parallel rings (``s``); any int >= 1.
 
     Returns:
-        ``ring_all_reduce(values, *, op="sum") -> list[tf.Tensor]``.
+        The configured algorithm, ``(values, *, op="sum") -> list[tf.Tensor]``.
 
     Raises:
         ValueError: ``subchunks`` < 1 or not an int.
@@ -104,13 +121,7 @@ def ring(subchunks: int = 1) -> AllReduce:
     Example:
         >>> outs = ring(subchunks=2)([a, b, c], op="mean")   # doctest: +SKIP
     """
-    s = _check_subchunks(subchunks)
-
-    def ring_all_reduce(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
-        return _ring_all_reduce(values, op, s)
-
-    ring_all_reduce.subchunks = s  # type: ignore[attr-defined]
-    return ring_all_reduce
+    return RING(subchunks=subchunks)
 
 
 def bytes_sent(n: int, nbytes: int, itemsize: int, subchunks: int = 1) -> list[int]:
@@ -137,3 +148,17 @@ def summation_depth(n: int, subchunks: int = 1) -> int:
     """
     _check_subchunks(subchunks)
     return max(n - 1, 0)
+
+
+def cost(n: int, nbytes: float, *, subchunks: int = 1) -> Coefficients:
+    """α-β-γ coefficients: ``2(n-1)s·α + 2(n-1)/n·S·β + (n-1)/n·S·γ``.
+
+    Example:
+        >>> cost(4, 1000.0)
+        (6, 1500.0, 750.0)
+    """
+    subchunks = positive_int("subchunks", subchunks)
+    return 2 * (n - 1) * subchunks, 2 * (n - 1) / n * nbytes, (n - 1) / n * nbytes
+
+
+RING = register(Algorithm("ring", _build, bytes_sent, summation_depth, cost, schedule_of(__doc__)))

@@ -50,17 +50,28 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import numpy as np
 import tensorflow as tf
 
 from towers.allreduce.base import AllReduce, check_values, combine, finish
 from towers.allreduce.primitives import pad_split, send, unsplit
+from towers.allreduce.registry import (
+    Algorithm,
+    Coefficients,
+    Configured,
+    positive_int,
+    register,
+    schedule_of,
+)
 
 __all__ = [
+    "TREE",
     "TreeShape",
     "bytes_sent",
     "heap_parents",
     "reduce_broadcast",
     "summation_depth",
+    "tick_loads",
     "tree",
     "tree_bytes",
     "tree_shape",
@@ -203,7 +214,20 @@ def reduce_broadcast(
     return _broadcast_down(finished, shape, devices, ids)
 
 
-def tree(chunks: int = 1) -> AllReduce:
+def _build(chunks: int = 1) -> AllReduce:
+    c = _check_count("chunks", chunks)
+
+    def tree_all_reduce(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
+        devices = check_values(values, op)
+        split = [pad_split(v, c) for v in values]
+        _, shape, size = split[0]
+        out = reduce_broadcast([p for p, _, _ in split], heap_parents(len(values)), devices, op)
+        return [unsplit(row, shape, size) for row in out]
+
+    return tree_all_reduce
+
+
+def tree(chunks: int = 1) -> Configured:
     """Build the binary-tree all-reduce, pipelined in ``chunks`` pieces.
 
     Args:
@@ -215,17 +239,7 @@ def tree(chunks: int = 1) -> AllReduce:
     Example:
         >>> outs = tree(chunks=4)([a, b, c], op="sum")   # doctest: +SKIP
     """
-    c = _check_count("chunks", chunks)
-
-    def tree_all_reduce(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
-        devices = check_values(values, op)
-        split = [pad_split(v, c) for v in values]
-        _, shape, size = split[0]
-        out = reduce_broadcast([p for p, _, _ in split], heap_parents(len(values)), devices, op)
-        return [unsplit(row, shape, size) for row in out]
-
-    tree_all_reduce.chunks = c  # type: ignore[attr-defined]
-    return tree_all_reduce
+    return TREE(chunks=chunks)
 
 
 def tree_bytes(parents: Sequence[int], pieces: int, piece_bytes: int) -> list[int]:
@@ -258,3 +272,55 @@ def summation_depth(n: int, chunks: int = 1) -> int:
     """
     _check_count("chunks", chunks)
     return tree_shape(heap_parents(n)).adds[0] if n > 0 else 0
+
+
+def _heights_depths(parents: Sequence[int]) -> tuple[list[int], list[int]]:
+    depth = [-1] * len(parents)
+
+    def find(i: int) -> int:
+        if depth[i] < 0:
+            depth[i] = 0 if parents[i] < 0 else find(parents[i]) + 1
+        return depth[i]
+
+    height = [0] * len(parents)
+    for i in sorted(range(len(parents)), key=find, reverse=True):  # children first
+        if parents[i] >= 0:
+            height[parents[i]] = max(height[parents[i]], height[i] + 1)
+    return height, depth
+
+
+def tick_loads(trees: Sequence[Sequence[int]], chunks: int) -> tuple[float, float]:
+    """``(M, A)``: Σ over ticks of the most messages on one port and pieces added by one tower.
+
+    The schedule of :func:`reduce_broadcast` over ``trees`` run at once (single-port,
+    full duplex). Ports are columns ``[0, n)`` (out), ``[n, 2n)`` (in); adds
+    ``[2n, 3n)``. Each event lasts ``chunks`` ticks (one piece per tick), so loads only
+    change where an event starts or ends: count on those segments, weighted by their length.
+    """
+    n = len(trees[0])
+    starts, cols = [], []
+    for parents in trees:
+        height, depth = _heights_depths(parents)
+        top = max(height)
+        for i, p in enumerate(parents):
+            if p >= 0:  # up: i → p at tick height[i]; down: p → i at tick top + depth[p]
+                starts += [height[i]] * 3 + [top + depth[p]] * 2
+                cols += [i, n + p, 2 * n + p, p, n + i]
+    begin, where = np.array(starts), np.array(cols)
+    bounds = np.unique(np.concatenate([begin, begin + chunks]))
+    load = np.zeros((len(bounds), 3 * n))
+    np.add.at(load, (np.searchsorted(bounds, begin), where), 1)
+    np.add.at(load, (np.searchsorted(bounds, begin + chunks), where), -1)
+    load, width = np.cumsum(load, axis=0)[:-1], np.diff(bounds)
+    return (float(width @ load[:, : 2 * n].max(axis=1)),
+            float(width @ load[:, 2 * n :].max(axis=1)))
+
+
+def cost(n: int, nbytes: float, *, chunks: int = 1) -> Coefficients:
+    """α-β-γ coefficients ``M·(α + S/C·β) + A·S/C·γ`` (``M, A`` from :func:`tick_loads`)."""
+    messages, adds = tick_loads([heap_parents(n)], positive_int("chunks", chunks))
+    piece = nbytes / chunks
+    return messages, messages * piece, adds * piece
+
+
+TREE = register(Algorithm("tree", _build, bytes_sent, summation_depth, cost, schedule_of(__doc__)))

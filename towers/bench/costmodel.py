@@ -19,7 +19,9 @@ from measured rows. A tower sends one and receives one message at a time
     send / add (calibration)    α + S·β  /  (n-1)·S·γ
     ==========================  ===================================================
 
-How the less obvious rows come about:
+Each algorithm's formula is its registry record's ``cost`` (``towers.allreduce.registry``;
+the function lives beside the schedule in the algorithm's module); only the calibration
+rows ``send`` and ``add`` are defined here. How the less obvious rows come about:
 
 - naive / parameter_device: all traffic crosses the root's one port. It receives
   ``m`` messages of ``S`` one after another (``m·(α + S·β)``), adds ``n-1`` of them
@@ -39,8 +41,9 @@ How the less obvious rows come about:
 - halving_doubling: ``p = 2^h ≤ n``; ``f = 1`` when ``n > p``: the extra towers fold
   in (send ``S``, the partner adds) before and fold out (receive ``S``) after.
 - hierarchical (``allreduce/hierarchical.py``): ``inner`` on each group of ``k``
-  (on ``inner_link``), ``outer`` among the ``n/k`` leaders on ``S`` (on ``link``), then
-  each leader copies the result to its ``k-1`` members.
+  (on ``inner_link``), ``outer`` among the ``⌈n/k⌉`` leaders on ``S`` (on ``link``), then
+  each leader copies the result to its ``k-1`` members. When ``k`` does not divide ``n``
+  the last group is smaller and the inner phase costs its slowest group.
 
 naive, parameter_device on a tower, ring and halving_doubling move twice the bytes
 they reduce (``b = 2c``): their timings fix only ``2β + γ``. :func:`fit` warns when
@@ -126,136 +129,14 @@ PRESETS: dict[str, Link] = {
 }
 
 
-def _lg_floor(n: int) -> int:
-    return n.bit_length() - 1
-
-
-def _lg_ceil(n: int) -> int:
-    return (n - 1).bit_length()
-
-
 def _positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     return int(value)
 
 
-def _naive(n: int, s: float) -> Coefficients:
-    return _parameter_device(n, s, on_tower=True)
-
-
-def _parameter_device(n: int, s: float, *, on_tower: bool = True) -> Coefficients:
-    m = n - 1 if on_tower else n  # messages each way through the root's one port
-    return 2 * m, 2 * m * s, (n - 1) * s
-
-
-def _ring(n: int, s: float, *, subchunks: int = 1) -> Coefficients:
-    subchunks = _positive_int("subchunks", subchunks)
-    return 2 * (n - 1) * subchunks, 2 * (n - 1) / n * s, (n - 1) / n * s
-
-
-def _nccl_ring(n: int, s: float) -> Coefficients:
-    return _ring(n, s)
-
-
-def _nccl_tree(n: int, s: float) -> Coefficients:
-    d = _lg_ceil(n)  # binomial levels: one message per tower per level, each way
-    return 2 * d, 2 * d * s, d * s
-
-
-def _heights_depths(parents: Sequence[int]) -> tuple[list[int], list[int]]:
-    depth = [-1] * len(parents)
-    def find(i: int) -> int:
-        if depth[i] < 0:
-            depth[i] = 0 if parents[i] < 0 else find(parents[i]) + 1
-        return depth[i]
-    height = [0] * len(parents)
-    for i in sorted(range(len(parents)), key=find, reverse=True):  # children first
-        if parents[i] >= 0:
-            height[parents[i]] = max(height[parents[i]], height[i] + 1)
-    return height, depth
-
-
-def _ticks(trees: Sequence[Sequence[int]], chunks: int) -> tuple[float, float]:
-    """``(M, A)``: Σ over ticks of the most messages on one port and pieces added by one tower.
-
-    Ports are columns ``[0, n)`` (out), ``[n, 2n)`` (in); adds ``[2n, 3n)``. Each
-    event lasts ``chunks`` ticks (one piece per tick), so loads only change where an
-    event starts or ends: count on those segments, weighted by their length.
-    """
-    n = len(trees[0])
-    starts, cols = [], []
-    for parents in trees:
-        height, depth = _heights_depths(parents)
-        top = max(height)
-        for i, p in enumerate(parents):
-            if p >= 0:  # up: i → p at tick height[i]; down: p → i at tick top + depth[p]
-                starts += [height[i]] * 3 + [top + depth[p]] * 2
-                cols += [i, n + p, 2 * n + p, p, n + i]
-    begin, where = np.array(starts), np.array(cols)
-    bounds = np.unique(np.concatenate([begin, begin + chunks]))
-    load = np.zeros((len(bounds), 3 * n))
-    np.add.at(load, (np.searchsorted(bounds, begin), where), 1)
-    np.add.at(load, (np.searchsorted(bounds, begin + chunks), where), -1)
-    load, width = np.cumsum(load, axis=0)[:-1], np.diff(bounds)
-    return (float(width @ load[:, : 2 * n].max(axis=1)),
-            float(width @ load[:, 2 * n :].max(axis=1)))
-
-
-def _heap(n: int) -> list[int]:
-    return [(i - 1) // 2 if i else -1 for i in range(n)]
-
-
-def _double_trees(n: int) -> list[list[int]]:
-    """NCCL's trees (``ncclGetBtree``); the second mirrored (even n) or shifted (odd n)."""
-    first = [-1] * n
-    for rank in range(1, n):
-        bit = rank & -rank
-        first[rank] = (rank ^ bit) | (bit << 1) if (rank ^ bit) | (bit << 1) < n else rank ^ bit
-    if n % 2 == 0:
-        return [first, [-1 if first[n - 1 - r] < 0 else n - 1 - first[n - 1 - r] for r in range(n)]]
-    return [first, [-1 if first[r - 1] < 0 else (first[r - 1] + 1) % n for r in range(n)]]
-
-
-def _tree(n: int, s: float, *, chunks: int = 1) -> Coefficients:
-    messages, adds = _ticks([_heap(n)], _positive_int("chunks", chunks))
-    piece = s / chunks
-    return messages, messages * piece, adds * piece
-
-
-def _double_binary_tree(n: int, s: float, *, chunks: int = 1) -> Coefficients:
-    messages, adds = _ticks(_double_trees(n), _positive_int("chunks", chunks))
-    piece = s / (2 * chunks)
-    return messages, messages * piece, adds * piece
-
-
-def _halving_doubling(n: int, s: float) -> Coefficients:
-    h = _lg_floor(n)
-    p = 1 << h
-    a, b, c = 2 * h, 2 * (p - 1) / p * s, (p - 1) / p * s
-    if n > p:  # fold in (send S, partner adds) and fold out (receive S)
-        a, b, c = a + 2, b + 2 * s, c + s
-    return a, b, c
-
-
-def _levels(
-    n: int, s: float, *, inner: str = "naive", outer: str = "ring", group_size: int = 2
-) -> list[tuple[str, int, float]]:
-    """Hierarchical's parts: ``[(inner, k, S), (outer, n/k, S), ("send", k, S) × (k-1)]``."""
-    k = _positive_int("group_size", group_size)
-    if n % k:
-        raise ValueError(f"group_size={k} does not divide the tower count n={n}")
-    for key, name in (("inner", inner), ("outer", outer)):
-        if name not in _FORMULAS or name in ("hierarchical", *_CALIBRATION):
-            raise ValueError(f"{key} must be a flat all-reduce name, got {name!r}")
-    return [(inner, k, s), (outer, n // k, s)] + [("send", 2, s)] * (k - 1)
-
-
-def _hierarchical(n: int, s: float, **params: Any) -> Coefficients:
-    parts = [coefficients(name, k, size) for name, k, size in _levels(n, s, **params)]
-    return tuple(float(sum(col)) for col in zip(*parts, strict=True))  # type: ignore[return-value]
-
-
+# The per-algorithm formulas live in the algorithms' records (``towers.allreduce.registry``,
+# each module's ``cost``); here only the two calibration rows, which are not algorithms.
 def _send(n: int, s: float) -> Coefficients:
     return 1, s, 0
 
@@ -265,14 +146,28 @@ def _add(n: int, s: float) -> Coefficients:
 
 
 _CALIBRATION = ("send", "add")
-_FORMULAS: dict[str, Callable[..., Coefficients]] = {
-    "naive": _naive, "parameter_device": _parameter_device, "ring": _ring,
-    "nccl": _nccl_ring, "nccl_ring": _nccl_ring, "tree": _tree,
-    "double_binary_tree": _double_binary_tree, "nccl_tree": _nccl_tree,
-    "halving_doubling": _halving_doubling, "hierarchical": _hierarchical,
-    "send": _send, "add": _add,
-}
-ALGORITHMS = tuple(sorted(_FORMULAS))
+_CALIBRATION_FORMULAS: dict[str, Callable[..., Coefficients]] = {"send": _send, "add": _add}
+
+
+def _formulas() -> dict[str, Callable[..., Coefficients]]:
+    """Every name with a cost: the registered algorithms' records, and the calibration rows.
+
+    Imported when first needed, so this module loads without TensorFlow.
+    """
+    from towers.allreduce.registry import ALGORITHMS as records
+
+    costs = {name: r.cost for name, r in records.items() if r.cost is not None}
+    return {**costs, **_CALIBRATION_FORMULAS}
+
+
+ALGORITHMS: tuple[str, ...]  # computed on first access by __getattr__ (below)
+
+
+def __getattr__(name: str) -> Any:
+    """``ALGORITHMS``: the names :func:`coefficients` knows, sorted (read from the registry)."""
+    if name == "ALGORITHMS":
+        return tuple(sorted(_formulas()))
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _check_size(n: Any, nbytes: Any) -> int:
@@ -303,13 +198,14 @@ def coefficients(algorithm: str, n: int, nbytes: float, **params: Any) -> Coeffi
         >>> coefficients("ring", 4, 1000.0)
         (6, 1500.0, 750.0)
     """
-    if algorithm not in _FORMULAS:
-        raise ValueError(f"unknown algorithm {algorithm!r}; known: {', '.join(ALGORITHMS)}")
+    formulas = _formulas()
+    if algorithm not in formulas:
+        raise ValueError(f"unknown algorithm {algorithm!r}; known: {', '.join(sorted(formulas))}")
     n = _check_size(n, nbytes)
-    formula = _FORMULAS[algorithm]
-    accepted = inspect.signature(_levels if algorithm == "hierarchical" else formula).parameters
+    formula = formulas[algorithm]
+    accepted = inspect.signature(formula).parameters
     for key in params:
-        if key not in accepted or key in ("n", "s"):
+        if key not in accepted or key in ("n", "nbytes", "s"):
             raise ValueError(f"{algorithm} takes no parameter {key!r}")
     if n == 1:
         return 0, 0, 0
@@ -341,9 +237,12 @@ def predict(algorithm: str, n: int, nbytes: float, link: Link, **params: Any) ->
         raise ValueError(f"inner_link must be a Link, got {inner_link!r}")
     if coefficients(algorithm, n, nbytes, **params) == (0, 0, 0):  # validates; n = 1
         return 0.0
-    levels = _levels(n, float(nbytes), **params)  # only the outer level (1) crosses groups
-    return sum(predict(name, k, size, link if i == 1 else inner_link)
-               for i, (name, k, size) in enumerate(levels))
+    from towers.allreduce.hierarchical import cost_levels
+
+    # Only the outer level crosses groups.
+    within, among = cost_levels(n, float(nbytes), **params)
+    return sum(a * lk.alpha + b * lk.beta + c * lk.gamma
+               for (a, b, c), lk in ((within, inner_link), (among, link)))
 
 
 def algbw(nbytes: float, seconds: float) -> float:

@@ -5,14 +5,17 @@ Runs ``towers.testing.check_all_reduce`` for every tower count from 1 to
 primes, sizes no tower count divides), dtypes and ops, and checks every output:
 its value within the summation-depth bound of the exact reduction, its device,
 bitwise agreement between towers, the bytes counted at ``send`` against the
-algorithm's ``bytes_sent`` formula (when it has one) and, with --replay, bitwise
-equality with the NumPy replay of its graph. The verdict names the smallest
-failing example Hypothesis could shrink to.
+algorithm's registry record's ``bytes_sent`` (when it has one) and, with --replay,
+bitwise equality with the NumPy replay of its graph. An algorithm that cannot be
+replayed (opaque collectives such as nccl, or ops the replay has no kernel for)
+fails --replay with the reason; it never passes silently. The verdict names the
+smallest failing example Hypothesis could shrink to.
 
 The algorithm is a registered name or module:function (file.py:function); a
 factory (anything not taking ``(values, *, op)``) is called with no arguments.
 
-Exit status: 0 when every check passes, 1 on a failure, 2 for bad options.
+Exit status: 0 only when every claimed property was verified, 1 on a failure (a
+replay that cannot replay included), 2 for bad options.
 """
 
 from __future__ import annotations

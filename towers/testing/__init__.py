@@ -1,6 +1,9 @@
 """Tools to prove a data-parallel setup right: Hypothesis strategies, one error bound, checkers.
 
     strategies.py  model families, optimizers and training cases for equivalence tests
+    bounds.py      the one error bound: unit roundoff, γ_k, the sum and SGD-step bounds
+    values.py      tower values (Hypothesis), ``assert_close`` and ULP distances
+    properties.py  the properties of one all-reduce example (value, placement, bytes, replay)
     check.py       ``check_all_reduce``: an algorithm's properties over towers, shapes, dtypes, ops
     replay.py      a NumPy interpreter of an algorithm's traced graph (bitwise replay)
 
@@ -12,23 +15,22 @@ Users import from here to test their own models and algorithms::
 
 from __future__ import annotations
 
-from towers.testing.check import CheckReport, assert_close, check_all_reduce, tower_values
+from towers.testing.bounds import gamma, sgd_step_bound, sum_bound, unit_roundoff
+from towers.testing.check import CheckReport, check_all_reduce
 from towers.testing.strategies import (
     FAMILIES,
     OPTIMIZERS,
     ModelSpec,
     TrainingCase,
     assert_weights_close,
-    gamma,
     loss_fn,
     model_specs,
     no_empty_shards,
     per_tower_gradients,
-    sgd_step_bound,
     training_cases,
-    ulp_distance,
     weight_report,
 )
+from towers.testing.values import assert_close, tower_values, ulp_distance
 
 __all__ = [
     "FAMILIES",
@@ -45,8 +47,10 @@ __all__ = [
     "no_empty_shards",
     "per_tower_gradients",
     "sgd_step_bound",
+    "sum_bound",
     "tower_values",
     "training_cases",
     "ulp_distance",
+    "unit_roundoff",
     "weight_report",
 ]

@@ -28,6 +28,7 @@ import keras
 import numpy as np
 from hypothesis import strategies as st
 
+from towers.testing.bounds import gamma, sgd_step_bound
 from towers.testing.check import (
     CheckReport,
     assert_close,
@@ -252,19 +253,6 @@ def assert_weights_close(
         raise AssertionError(f"{what} weights differ beyond the bound in {bad}:\n{table}")
 
 
-UNIT_ROUNDOFF = {
-    np.dtype("float16"): 2.0**-11,
-    np.dtype("float32"): 2.0**-24,
-    np.dtype("float64"): 2.0**-53,
-}
-
-
-def gamma(k: int, dtype: np.dtype | str = "float32") -> float:
-    """Higham's γ_k = k·u / (1 − k·u): the relative error bound of k chained roundings."""
-    u = UNIT_ROUNDOFF[np.dtype(dtype)]
-    return k * u / (1.0 - k * u)
-
-
 def per_tower_gradients(
     model: keras.Model,
     x: np.ndarray,
@@ -301,24 +289,4 @@ def per_tower_gradients(
             device=d,
         )
         out.append([np.asarray(tf.convert_to_tensor(g)) for g in result.grads])
-    return out
-
-
-def sgd_step_bound(
-    weights: Sequence[np.ndarray], grads: list[list[np.ndarray]], lr: float, depth: int
-) -> list[np.ndarray]:
-    """Largest difference between two plain-SGD steps that sum the same tower gradients
-    in different orders, per weight element.
-
-    Any summation tree of n terms whose longest path has ``depth`` additions returns
-    ``Σg_i + e`` with ``|e| ≤ γ_depth·Σ|g_i|`` (Higham, Accuracy and Stability, §4.2),
-    so two orders differ by at most ``2γ_depth·Σ|g_i|``. The update
-    ``w − lr·g`` adds, per run, one rounding of ``lr·g`` (≤ u·lr·Σ|g_i|) and one of the
-    subtraction (≤ u·|w'|); we allow two of each: ``lr·(2γ_depth + 4u)·Σ|g_i| + 4u·|w|``.
-    """
-    u = UNIT_ROUNDOFF[np.dtype("float32")]
-    out = []
-    for j, w in enumerate(weights):
-        total = np.sum([np.abs(g[j]) for g in grads], axis=0)
-        out.append(lr * (2 * gamma(depth) + 4 * u) * total + 4 * u * (np.abs(w) + lr * total))
     return out

@@ -20,7 +20,7 @@ chunk it carries (one send and one receive per device per tick, the
 single-port model of :mod:`towers.bench.costmodel`, and never before its data
 can exist). Opaque collectives move data outside ``send``: what they report
 with ``record_estimate`` is shown dashed and marked estimated; if they report
-nothing, their ``estimated_bytes_sent(n, nbytes)`` formula, when they have one,
+nothing, their registry record's estimated ``bytes_sent``, when they have one,
 gives one estimated row per tower into a pseudo-device named ``collective``.
 
 Chunk ownership is followed by data flow over the rows in program order: a
@@ -241,13 +241,14 @@ def load_algorithm(spec: str | Callable[..., Any], devices: Sequence[str]) -> tu
         TypeError: the attribute (or what its factory returns) is not callable.
     """
     from towers.allreduce import get
+    from towers.allreduce.registry import algorithm_name
 
     if isinstance(spec, str) and ":" not in spec:
         try:
             return spec, get(spec)
         except ValueError as err:
             raise ValueError(f"{err}; or name your own as module:function") from None
-    name = spec if isinstance(spec, str) else getattr(spec, "__name__", repr(spec))
+    name = spec if isinstance(spec, str) else algorithm_name(spec)
     if isinstance(spec, str) and spec.rsplit(":", 1)[0].endswith(".py"):
         name = Path(spec).name  # my_algos.py:star, not the whole path
     obj = _import(*spec.rsplit(":", 1)) if isinstance(spec, str) else spec
@@ -273,13 +274,15 @@ def _expected(arrays: Sequence[np.ndarray], op: str) -> np.ndarray:
 
 
 def _estimates(fn: Any, devices: Sequence[str], nbytes: int) -> list[Transfer]:
-    """One estimated row per tower from ``estimated_bytes_sent`` (silent opaque collectives)."""
-    from towers.testing.check import formula_for
+    """One estimated row per tower from an estimated record (silent opaque collectives)."""
+    from towers.allreduce.registry import record_of
 
-    formula = formula_for(fn, "estimated_bytes_sent")
-    if formula is None or len(devices) < 2:
+    configured = record_of(fn)
+    if configured is None or not configured.algorithm.estimated or len(devices) < 2:
         return []
-    per_tower = formula(len(devices), nbytes)
+    per_tower = configured.bytes_sent(len(devices), nbytes, 4)
+    if per_tower is None:
+        return []
     return [
         Transfer(d, COLLECTIVE, round(b), tick=0, note="opaque collective", estimated=True)
         for d, b in zip(devices, per_tower)
@@ -287,18 +290,17 @@ def _estimates(fn: Any, devices: Sequence[str], nbytes: int) -> list[Transfer]:
 
 
 def _formula_bytes(fn: Any, n: int, nbytes: int, itemsize: int) -> tuple[int, ...] | None:
-    from towers.testing.check import formula_for
+    """The record's exact ``bytes_sent`` (None: no record, an estimate, or no formula here)."""
+    from towers.allreduce.registry import record_of
 
-    formula = formula_for(fn, "bytes_sent")
-    if formula is None:
+    configured = record_of(fn)
+    if configured is None or configured.algorithm.estimated:
         return None
     try:
-        value = formula(n, nbytes, itemsize)
+        value = configured.bytes_sent(n, nbytes, itemsize)
     except Exception:  # a formula for other tower counts: nothing to compare with
         return None
-    if isinstance(value, (int, float, np.integer, np.floating)):
-        return (int(value),) * n
-    return tuple(int(v) for v in value)
+    return None if value is None else tuple(int(v) for v in value)
 
 
 def _places(transfers: Sequence[Transfer], devices: Sequence[str]) -> list[str]:
@@ -433,7 +435,7 @@ def trace_all_reduce(
         ValueError: a bad ``op`` or ``size``, an unknown algorithm, wrong output count.
     """
     from towers.allreduce.base import check_op
-    from towers.testing.check import ulp_distance
+    from towers.testing.values import ulp_distance
 
     check_op(op)
     if size < 1:
