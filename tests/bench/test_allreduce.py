@@ -7,6 +7,8 @@ import pytest
 import tensorflow as tf
 
 from tests.conftest import DEVICES
+from towers import allreduce
+from towers.allreduce import Algorithm, naive
 from towers.bench import allreduce as bench
 from towers.bench.report import allreduce_table
 
@@ -26,11 +28,20 @@ def test_every_row_is_right(rows: list[dict]) -> None:
     assert all(r["wrong"] == 0 for r in ran), [(r["algorithm"], r["wrong"]) for r in ran]
 
 
-def test_a_contender_that_cannot_run_gets_a_row_with_the_reason(rows: list[dict]) -> None:
-    # hierarchical groups 2 towers: 3 towers do not divide into groups
-    failed = [r for r in rows if r["algorithm"] == "hierarchical"]
-    assert failed and all("group_size" in r["error"] for r in failed)
-    assert "hierarchical: not run" in allreduce_table(rows)
+def _needs_four_towers(values, *, op="sum"):  # type: ignore[no-untyped-def]
+    if len(values) != 4:
+        raise ValueError(f"needs_four: built for 4 towers, got {len(values)}")
+    return naive(values, op=op)
+
+
+def test_a_contender_that_cannot_run_gets_a_row_with_the_reason(monkeypatch) -> None:
+    record = Algorithm("needs_four", lambda: _needs_four_towers)
+    monkeypatch.setitem(allreduce.ALGORITHMS, "needs_four", record)
+    rows = bench.run_allreduce(DEVICES[:3], [4096], algorithms=["needs_four", "naive"], rounds=1)
+    failed = [r for r in rows if r["algorithm"] == "needs_four"]
+    assert failed and all("built for 4 towers" in r["error"] for r in failed)
+    assert all(not r["error"] for r in rows if r["algorithm"] == "naive")
+    assert "needs_four: not run" in allreduce_table(rows)
 
 
 def test_columns_and_busbw_formula(rows: list[dict]) -> None:

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from towers.bench import simulate as sim
 from towers.bench.costmodel import DEFAULT_TOWERS, NCCL_H100_RING_BUSBW, PRESETS, Link, busbw
+from towers.bench.costmodel import simulation as sim
 
 ODD = Link(alpha=7e-6, beta=1 / 11e9, gamma=1 / 3e9, name="odd")  # no two terms alike
 LINKS = [ODD, PRESETS["h100-nvlink"], PRESETS["ib-100g"]]
@@ -105,6 +105,9 @@ def test_the_plot_draws_the_simulated_numbers(tmp_path: Path, monkeypatch):
         assert list(lines[name].get_xdata()) == towers
         assert list(lines[name].get_ydata()) == pytest.approx(
             [formula(n, 2**26, ODD) for n in towers], rel=1e-12)
-    # hierarchical with groups of 8 cannot take 2 or 4 (or 12) towers: no point there.
+    # hierarchical with groups of 8 takes every tower count (the last group holds the rest,
+    # 12 -> 8 + 4; 2 -> one group of 2): a point everywhere, the simulator's own numbers.
     y = list(lines["hierarchical"].get_ydata())
-    assert [math.isnan(v) for v in y] == [n % 8 != 0 for n in towers]
+    assert not any(math.isnan(v) for v in y)
+    assert y == pytest.approx(sim.simulate("hierarchical", towers, 2**26, ODD, group_size=8),
+                              rel=1e-12)

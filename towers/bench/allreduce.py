@@ -84,15 +84,10 @@ def _formula_params(name: str, fn: Any) -> tuple[str | None, dict[str, Any]]:
     """The cost-model formula and parameters of a registered algorithm (None if unmodelled)."""
     if name not in costmodel.ALGORITHMS:
         return None, {}
-    params: dict[str, Any] = {}
-    for attr in ("subchunks", "chunks"):
-        if isinstance(getattr(fn, attr, None), int):
-            params[attr] = getattr(fn, attr)
-    if name == "hierarchical":
-        keywords = dict(getattr(getattr(fn, "bytes_sent", None), "keywords", {}))
-        if not all(isinstance(keywords.get(k), str) for k in ("inner", "outer")):
-            return None, {}
-        params.update({k: keywords[k] for k in ("inner", "outer", "group_size") if k in keywords})
+    params = dict(getattr(fn, "params", {}))
+    named = all(isinstance(params.get(k), str) for k in ("inner", "outer"))
+    if name == "hierarchical" and not named:
+        return None, {}  # a hand-made inner/outer algorithm has no formula by name
     return name, params
 
 

@@ -1,11 +1,11 @@
 """Does the α-β-γ cost model explain the measured all-reduce times, and predict them?
 
 Each contender's rows (one per size) are fitted on their own by
-:func:`towers.bench.costfit.fit` with ``per_algorithm=True``; then
-:func:`towers.bench.costfit.compare` gives predicted against measured time per row.
+:func:`towers.bench.costmodel.fitting.fit` with ``per_algorithm=True``; then
+:func:`towers.bench.costmodel.fitting.compare` gives predicted against measured time per row.
 That is the in-sample fit: it says how well the formula's shape can follow the rows,
-not how well it predicts. For that, :func:`towers.bench.costfit.holdout` fits on some
-sizes and predicts the others, two ways (:data:`towers.bench.costfit.SPLITS`):
+not how well it predicts. For that, :func:`towers.bench.costmodel.fitting.holdout` fits on some
+sizes and predicts the others, two ways (:data:`towers.bench.costmodel.fitting.SPLITS`):
 ``interleaved`` (every other size trains; the held-out sizes lie between them) and
 ``extrapolated`` (the smaller half trains; the larger half is predicted). The same
 training sizes serve every contender (:func:`split_sizes`). A contender passes when
@@ -28,8 +28,8 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from towers.bench import costfit
 from towers.bench.allreduce import cost_rows
+from towers.bench.costmodel import fitting as costfit
 
 __all__ = ["TOLERANCE", "check_cost_model", "split_sizes"]
 

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from towers.bench.costfit import SPLITS
+from towers.bench.costmodel.fitting import SPLITS
 
 __all__ = [
     "ALLREDUCE_COLUMNS",

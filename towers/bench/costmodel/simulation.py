@@ -12,8 +12,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from towers.bench import costmodel
-from towers.bench.costmodel import DEFAULT_TOWERS, Link
+from towers.bench.costmodel import model as costmodel
+from towers.bench.costmodel.model import DEFAULT_TOWERS, Link
 
 __all__ = ["plot_simulation", "simulate"]
 
@@ -57,7 +57,7 @@ def plot_simulation(
         ValueError: an unknown algorithm or parameter.
 
     Example:
-        >>> from towers.bench.costmodel import PRESETS
+        >>> from towers.bench.costmodel.model import PRESETS
         >>> plot_simulation(["ring", "tree"], nbytes=2**26,
         ...                 link=PRESETS["ib-100g"], path="ring_vs_tree.png")  # doctest: +SKIP
     """

@@ -61,15 +61,13 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-import numpy as np
+from typing import Any
 
 __all__ = [
-    "ALGORITHMS", "DEFAULT_TOWERS", "NCCL_H100_RING_BUSBW", "PRESETS", "Link", "algbw", "busbw",
-    "coefficients", "compare", "fit", "format_table", "plot_simulation", "predict", "simulate",
+    "ALGORITHMS", "DEFAULT_TOWERS", "NCCL_H100_RING_BUSBW", "PRESETS", "Coefficients", "Link",
+    "algbw", "busbw", "coefficients", "predict",
 ]
 
 Coefficients = tuple[float, float, float]
@@ -270,21 +268,3 @@ def busbw(nbytes: float, seconds: float, n: int) -> float:
     """
     _positive_int("n", n)
     return algbw(nbytes, seconds) * 2 * (n - 1) / n
-
-
-_MOVED = {"fit": "costfit", "compare": "costfit", "format_table": "costfit",
-          "simulate": "simulate", "plot_simulation": "simulate"}
-"""Names that live in a sibling module now: ``costmodel.fit`` is ``costfit.fit``."""
-
-if TYPE_CHECKING:
-    from towers.bench.costfit import compare, fit, format_table
-    from towers.bench.simulate import plot_simulation, simulate
-
-
-def __getattr__(name: str) -> Any:
-    # Lazy: costfit and simulate import this module, and importing this one stays cheap.
-    if name in _MOVED:
-        import importlib
-
-        return getattr(importlib.import_module(f"towers.bench.{_MOVED[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

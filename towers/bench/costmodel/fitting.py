@@ -16,8 +16,8 @@ from typing import Any, Literal, overload
 
 import numpy as np
 
-from towers.bench import costmodel
-from towers.bench.costmodel import Link
+from towers.bench.costmodel import model as costmodel
+from towers.bench.costmodel.model import Link
 
 __all__ = ["SPLITS", "compare", "fit", "format_table", "holdout", "split_sizes"]
 
