@@ -1,9 +1,27 @@
 """Test session set-up: 8 logical CPU devices before TensorFlow starts, Hypothesis profiles.
 
-TensorFlow fixes its device list when its runtime starts, so this runs before any
-test module touches TensorFlow. Tests use a prefix of these devices
-(``DEVICES[:n]``). Profiles: ``ci`` (default; few examples, derandomized, no
-deadline) and ``thorough`` (select with ``--hypothesis-profile=thorough``).
+Devices. TensorFlow fixes its device list when its runtime starts, so this runs
+before any test module touches TensorFlow. The host CPU is split into
+``MAX_TOWERS`` logical CPUs, ``DEVICES``; tests use a prefix of them
+(``DEVICES[:n]``). Real GPUs are left whole (``simulate_devices(kind="cpu")``):
+the CPU suite runs on the same logical CPUs on every machine, and GPU tests
+(``GPUS``, e.g. the raw-NCCL test in ``tests/allreduce/test_nccl.py``) run on the
+machine's real GPUs, one NCCL rank per physical GPU, and skip with their reason
+where there are none.
+
+Hypothesis profiles (select with ``--profile thorough``, or ``HYPOTHESIS_PROFILE``):
+
+========  ===================================================  =============================
+profile   examples per property test                           other settings
+========  ===================================================  =============================
+ci        8, or ``examples(ci=k)`` = k where a test asks        derandomized, no shrinking,
+          for fewer (each example trains two models, seconds)   no database, no deadline
+thorough  ``THOROUGH_FACTOR`` (8) × the ci count: 64, or 8·k    random, shrinks, no deadline
+========  ===================================================  =============================
+
+Explicit ``@example`` cases run in addition, in both profiles. A property test sets
+its count with ``@settings(max_examples=examples(ci=k))`` and never pins a raw number,
+so ``thorough`` really runs more everywhere.
 """
 
 from __future__ import annotations
@@ -17,12 +35,22 @@ from hypothesis import HealthCheck, Phase, settings
 import towers
 
 MAX_TOWERS = 8
-DEVICES = towers.simulate_devices(MAX_TOWERS)
+DEVICES = towers.simulate_devices(MAX_TOWERS, kind="cpu")
+
+import tensorflow as tf  # noqa: E402  (after the devices are configured)
+
+GPUS = [d.name for d in tf.config.list_logical_devices("GPU")]
+"""The machine's real GPUs (never split here), for the GPU-only tests; often empty."""
+
+CI_EXAMPLES = 8
+THOROUGH_FACTOR = 8
+_FACTOR = {"ci": 1, "thorough": THOROUGH_FACTOR}
+_profile = ["ci"]
 
 _SLOW = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture]
 settings.register_profile(
     "ci",
-    max_examples=8,
+    max_examples=CI_EXAMPLES,
     deadline=None,
     derandomize=True,
     suppress_health_check=_SLOW,
@@ -33,18 +61,41 @@ settings.register_profile(
     phases=[Phase.explicit, Phase.generate],
 )
 settings.register_profile(
-    "thorough", max_examples=60, deadline=None, suppress_health_check=_SLOW, print_blob=True
+    "thorough",
+    max_examples=CI_EXAMPLES * THOROUGH_FACTOR,
+    deadline=None,
+    suppress_health_check=_SLOW,
+    print_blob=True,
 )
+
+
+def examples(ci: int) -> int:
+    """The number of generated examples for a test that runs ``ci`` under the ci profile.
+
+    ``ci`` under ``ci``, ``THOROUGH_FACTOR·ci`` under ``thorough``: use it as
+    ``@settings(max_examples=examples(ci=4))`` (or pass it as ``max_examples`` to
+    ``check_all_reduce``). Read when the test module is imported, after the profile
+    is loaded.
+    """
+    if isinstance(ci, bool) or not isinstance(ci, int) or ci < 1:
+        raise ValueError(f"ci must be a positive int, got {ci!r}")
+    return ci * _FACTOR[_profile[0]]
+
+
+def profile() -> str:
+    """The name of the loaded Hypothesis profile ("ci" or "thorough")."""
+    return _profile[0]
 
 
 def pytest_addoption(parser):  # type: ignore[no-untyped-def]
     parser.addoption(
         "--profile",
         default=os.environ.get("HYPOTHESIS_PROFILE", "ci"),
-        choices=["ci", "thorough"],
-        help="Hypothesis profile (default ci)",
+        choices=sorted(_FACTOR),
+        help="Hypothesis profile: ci (default, 8 examples per test) or thorough (8x more)",
     )
 
 
 def pytest_configure(config):  # type: ignore[no-untyped-def]
-    settings.load_profile(config.getoption("--profile"))
+    _profile[0] = config.getoption("--profile")
+    settings.load_profile(_profile[0])

@@ -49,8 +49,18 @@ def test_compression_example_trades_bytes_for_accuracy() -> None:
     base_accuracy, base_zero, base_others, base_ratio, base_all = rows["uncompressed"]
     assert (base_ratio, base_all) == (1.0, 1.0)
     assert base_others == 229704  # the ring: 2(n-1)/n of the gradients, plus padding
+    # Accuracy thresholds. The test set has 359 images; an accuracy p measured on it has a
+    # binomial standard error sqrt(p(1-p)/359): 2.2 points at p = 0.78, what one epoch
+    # reaches (measured: uncompressed 78.3%, powersgd(4) 75.2%). The run is seeded and
+    # deterministic, so these bound a fixed number, not a sample; they state the claim.
+    # * > 50: it learned. Chance is 10% (10 classes); 50 is 18 standard errors above
+    #   chance and 12 below the measured 78%.
+    # * |powersgd - uncompressed| < 10: after one epoch error feedback has not caught up
+    #   (its deferred residuals are still in flight); 10 points is about 3 standard
+    #   errors of the difference of two such accuracies (sqrt(2)·2.2 = 3.1 points; 3×3.1
+    #   = 9.3), so a gap beyond it is not test-set noise but a codec that fails to learn.
     for name, (accuracy, zero, others, ratio, ratio_all) in rows.items():
-        assert 50 < accuracy <= 100, name  # one epoch learns (78% uncompressed)
+        assert 50 < accuracy <= 100, name
         # decode="once": tower 0 also sends the decoded dense gradient to the 3 others
         assert zero >= others + 3 * dense, name
         assert ratio == round(base_others / others, 1), name

@@ -4,10 +4,12 @@ TensorFlow fixes its device list when its runtime starts (the first op, or the
 first call that lists logical devices). :func:`simulate_devices` must therefore
 run first thing in a process, before any tensor is made.
 
-On a machine with a GPU, GPU 0 is split into ``n`` logical GPUs, each with a
-memory limit; otherwise the host CPU is split into ``n`` logical CPUs. Logical
-CPUs share one memory and one thread pool: they are correct for testing
-numerics and schedules, not for measuring bandwidth.
+By default, on a machine with a GPU, GPU 0 is split into ``n`` logical GPUs, each
+with a memory limit; otherwise the host CPU is split into ``n`` logical CPUs.
+``kind="cpu"`` always splits the CPU and leaves every GPU as it is, so code that
+needs real GPUs (one NCCL rank per physical GPU) still finds them. Logical CPUs
+share one memory and one thread pool: they are correct for testing numerics and
+schedules, not for measuring bandwidth.
 
 Example:
     >>> import towers
@@ -34,6 +36,17 @@ def _kind() -> str:
     return "GPU" if has_gpu() else "CPU"
 
 
+def _check_kind(kind: str | None) -> str:
+    """``None`` -> GPU if any, else CPU; ``"cpu"``/``"gpu"`` (any case) -> upper case."""
+    if kind is None:
+        return _kind()
+    if not isinstance(kind, str) or kind.upper() not in ("CPU", "GPU"):
+        raise ValueError(f"kind must be 'cpu', 'gpu' or None (GPU if any, else CPU), got {kind!r}")
+    if kind.upper() == "GPU" and not has_gpu():
+        raise ValueError("kind='gpu' needs a physical GPU, and TensorFlow sees none")
+    return kind.upper()
+
+
 def local_devices(kind: str | None = None) -> list[str]:
     """Names of the logical devices of ``kind`` ("CPU" or "GPU"; default: GPU if any, else CPU).
 
@@ -50,11 +63,16 @@ def _configured_count(physical: tf.config.PhysicalDevice) -> int | None:
     return None if configs is None else len(configs)
 
 
-def simulate_devices(n: int, *, gpu_memory_mb: int = _DEFAULT_GPU_MEMORY_MB) -> list[str]:
+def simulate_devices(
+    n: int, *, kind: str | None = None, gpu_memory_mb: int = _DEFAULT_GPU_MEMORY_MB
+) -> list[str]:
     """Split the first physical device into ``n`` logical devices and return their names.
 
     Args:
         n: number of logical devices (towers) to create, at least 1.
+        kind: ``"cpu"`` (split the host CPU; GPUs, if any, stay whole and usable),
+            ``"gpu"`` (split GPU 0), or ``None`` (default: GPU 0 if there is a GPU,
+            else the CPU).
         gpu_memory_mb: memory limit of each logical GPU (ignored on CPU).
 
     Returns:
@@ -62,7 +80,8 @@ def simulate_devices(n: int, *, gpu_memory_mb: int = _DEFAULT_GPU_MEMORY_MB) -> 
 
     Raises:
         TypeError: ``n`` is not an int.
-        ValueError: ``n`` < 1 or ``gpu_memory_mb`` < 1.
+        ValueError: ``n`` < 1, ``gpu_memory_mb`` < 1, or a bad ``kind`` (or ``"gpu"``
+            without a GPU).
         RuntimeError: TensorFlow's runtime already started with another device count.
             Calling again with the same ``n`` is a no-op.
     """
@@ -72,7 +91,7 @@ def simulate_devices(n: int, *, gpu_memory_mb: int = _DEFAULT_GPU_MEMORY_MB) -> 
         raise ValueError(f"n must be at least 1, got {n}")
     if gpu_memory_mb < 1:
         raise ValueError(f"gpu_memory_mb must be at least 1, got {gpu_memory_mb}")
-    kind = _kind()
+    kind = _check_kind(kind)
     physical = tf.config.list_physical_devices(kind)[0]
     if _configured_count(physical) == n:
         return local_devices(kind)[:n]

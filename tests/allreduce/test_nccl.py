@@ -24,7 +24,7 @@ from hypothesis import example, given
 from tensorflow.python.ops import nccl_ops
 
 from tests.allreduce.test_halving_doubling import Case, cases, check_all_reduce, make_values
-from tests.conftest import DEVICES
+from tests.conftest import DEVICES, GPUS
 from towers.allreduce.nccl import (
     KEY_START,
     estimated_bytes_sent,
@@ -198,17 +198,33 @@ def test_raw_nccl_has_no_cpu_kernel() -> None:
 
 
 @pytest.mark.skipif(
-    not has_gpu(),
-    reason="NcclAllReduce has no CPU kernel ('No OpKernel was registered to support Op "
-    "'NcclAllReduce''): the raw NCCL path needs GPUs",
+    len(GPUS) < 2,
+    reason=f"needs 2+ physical GPUs, found {len(GPUS)}: NcclAllReduce has no CPU kernel "
+    "('No OpKernel was registered to support Op NcclAllReduce') and NCCL takes one rank "
+    "per physical GPU",
 )
 def test_raw_nccl_path_on_gpus() -> None:
-    gpus = [d.name for d in tf.config.list_logical_devices("GPU")]
-    if len(gpus) < 2 or not raw_nccl_usable(gpus, tf.float32):
-        pytest.skip("needs 2+ GPUs, each its own physical GPU (NCCL: one rank per GPU)")
+    # conftest splits the CPU only, so GPUS are whole physical GPUs: the raw path is taken.
+    assert raw_nccl_usable(GPUS, tf.float32), GPUS
     for op in ("sum", "mean", "max", "min"):
-        values = make_values(Case(len(gpus), (5, 3), tf.float32, op, 1), gpus)
-        check_all_reduce(nccl()(values, op=op), values, op, len(gpus) - 1)
+        values = make_values(Case(len(GPUS), (5, 3), tf.float32, op, 1), GPUS)
+        check_all_reduce(nccl()(values, op=op), values, op, len(GPUS) - 1, devices=GPUS)
+
+
+@pytest.mark.skipif(not GPUS, reason="needs a physical GPU: checks collective ops on GPUs")
+def test_collective_ops_with_the_nccl_hint_on_gpus() -> None:
+    # The collective path (not raw NCCL) on the real GPUs: all_reduce_v2 with hint "nccl"
+    # is NCCL's own reducer there, whatever the GPU count (a group of one included).
+    n = len(GPUS)
+    for op in ("sum", "mean", "max"):
+        values = make_values(Case(n, (4, 3), tf.float32, op, 2), GPUS)
+        outputs = tf.function(
+            lambda *xs, op=op: module._all_reduce_ops(list(xs), GPUS, op, 30.0, n)
+        )(*values)
+        check_all_reduce(list(outputs), values, op, n - 1, devices=GPUS)
+    for algo in (nccl_ring(timeout_seconds=30), nccl_tree(timeout_seconds=30)):
+        values = make_values(Case(n, (7,), tf.float32, "sum", 3), GPUS)
+        check_all_reduce(algo(values), values, "sum", algo.summation_depth(n), devices=GPUS)
 
 
 def test_estimated_bytes_sent() -> None:

@@ -156,3 +156,20 @@ def test_bad_arguments() -> None:
         CentralStorageTrainer(mlp(), SGD(0.1), "mse", [DEVICES[1], DEVICES[1]])
     with pytest.raises(ValueError, match="devices must name at least one"):
         CentralStorageTrainer(mlp(), SGD(0.1), "mse", [])
+
+
+def test_strategies_draw_exactly_what_central_storage_can_train() -> None:
+    """towers.testing's CENTRAL_STORAGE_* lists agree with the reference's known failures,
+    so the equivalence test against CentralStorageStrategy draws no case it must reject."""
+    from reference.central_storage import known_failures
+    from towers.testing import FAMILIES, OPTIMIZERS, ModelSpec
+    from towers.testing.strategies import CENTRAL_STORAGE_FAMILIES, CENTRAL_STORAGE_OPTIMIZERS
+
+    sgd = SGD(0.1)
+    for family in FAMILIES:
+        causes = known_failures(ModelSpec(family).build(), sgd)
+        assert (not causes) == (family in CENTRAL_STORAGE_FAMILIES), (family, causes)
+    dense = ModelSpec("dense").build()
+    for name, make in OPTIMIZERS.items():
+        causes = known_failures(dense, make())
+        assert (not causes) == (name in CENTRAL_STORAGE_OPTIMIZERS), (name, causes)

@@ -18,9 +18,22 @@ __all__ = ["add_arguments", "run"]
 _EXACT_ORDER = ("naive", "parameter_device")
 
 
+def _positive_int(text: str) -> int:
+    """An argparse type: an int of at least 1 (else a usage error, exit code 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``towers train``."""
-    parser.add_argument("--towers", type=int, default=4, help="simulated devices (default 4)")
+    parser.add_argument(
+        "--towers", type=_positive_int, default=4, help="simulated devices (default 4)"
+    )
     parser.add_argument("--algorithm", default="naive", help="all-reduce algorithm name")
     parser.add_argument(
         "--variables",
@@ -28,8 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("replicated", "parameter_device"),
         help="variable placement (default replicated)",
     )
-    parser.add_argument("--epochs", type=int, default=6, help="epochs (default 6)")
-    parser.add_argument("--batch-size", type=int, default=64, help="global batch (default 64)")
+    parser.add_argument("--epochs", type=_positive_int, default=6, help="epochs (default 6)")
+    parser.add_argument(
+        "--batch-size", type=_positive_int, default=64, help="global batch (default 64)"
+    )
     parser.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
     parser.add_argument("--seed", type=int, default=0, help="seed for weights and shuffling")
     parser.add_argument(
@@ -80,9 +95,18 @@ def _reference_kind(args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the job; returns a process exit code."""
+    """Run the job; returns a process exit code (2: an unknown ``--algorithm``)."""
+    import sys
+
     import towers
 
+    if args.algorithm not in towers.ALGORITHMS:
+        print(
+            f"towers train: error: unknown --algorithm {args.algorithm!r}; choose one of "
+            f"{', '.join(sorted(towers.ALGORITHMS))}",
+            file=sys.stderr,
+        )
+        return 2
     devices = towers.simulate_devices(args.towers)
     import keras
 

@@ -38,6 +38,8 @@ from towers.testing.check import (
 )
 
 __all__ = [
+    "CENTRAL_STORAGE_FAMILIES",
+    "CENTRAL_STORAGE_OPTIMIZERS",
     "FAMILIES",
     "OPTIMIZERS",
     "CheckReport",
@@ -67,6 +69,19 @@ OPTIMIZERS: dict[str, Callable[[], keras.optimizers.Optimizer]] = {
     "rmsprop": lambda: keras.optimizers.RMSprop(0.01),
 }
 """Optimizer factories by name (learning rates small enough for 1–3 stable steps)."""
+
+CENTRAL_STORAGE_FAMILIES = ("dense", "conv", "embedding", "regularized")
+"""The families CentralStorageStrategy can train (TF 2.21 / Keras 3.15, measured).
+
+BatchNormalization (moving statistics) and Dropout (its SeedGenerator state) assign
+variables in replica context, which the strategy refuses ("You must specify an
+aggregation method to update a AggregatingVariable in Replica Context"); see
+``reference.central_storage.known_failures``, which ``tests/reference`` checks
+against these lists, so a strategy drawing from them never draws a case the
+reference is known to fail on.
+"""
+CENTRAL_STORAGE_OPTIMIZERS = ("sgd", "momentum", "adam", "rmsprop")
+"""The optimizers CentralStorageStrategy can run (Keras 3 Nadam updates ``u_product``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,20 +196,25 @@ def training_cases(
     placements: Sequence[str] = ("parameter_device", "replicated"),
     max_steps: int = 3,
     max_batch: int = 12,
+    min_towers: int = 1,
 ) -> st.SearchStrategy[TrainingCase]:
-    """Scenarios over models, optimizers, 1–``max_towers`` towers and uneven batches.
+    """Scenarios over models, optimizers, ``min_towers``–``max_towers`` towers, uneven batches.
 
     Batch sizes include sizes not divisible by the tower count and sizes smaller
     than it (empty shards). Models with BatchNormalization or Conv2D get no empty
     shard, because the reference cannot run them on one: its BatchNormalization turns
     an empty shard into NaN, and Keras 3's Conv2D fails on a batch of 0 (towers skips
-    empty towers, so it handles both; ``tests/test_trainer.py`` covers that).
+    empty towers, so it handles both; ``tests/test_step.py`` covers that).
+
+    Example:
+        >>> cases = training_cases(CENTRAL_STORAGE_FAMILIES, CENTRAL_STORAGE_OPTIMIZERS,
+        ...                        placements=("parameter_device",), min_towers=2)
     """
 
     @st.composite
     def build(draw: st.DrawFn) -> TrainingCase:
         spec = draw(model_specs(families))
-        towers = draw(st.integers(1, max_towers))
+        towers = draw(st.integers(min_towers, max_towers))
         sizes = draw(st.lists(st.integers(1, max_batch), min_size=1, max_size=max_steps))
         if spec.family in ("batchnorm", "conv"):
             sizes = [no_empty_shards(b, towers) for b in sizes]
