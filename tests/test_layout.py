@@ -99,3 +99,18 @@ def test_moved_modules_are_package_attributes() -> None:
     assert towers.checkpoint is checkpoint  # DESIGN: towers.checkpoint.save(trainer, prefix)
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         _ = towers.nope  # type: ignore[attr-defined]
+
+
+def test_no_property_test_pins_its_example_count() -> None:
+    """``--profile thorough`` must multiply every property test's examples: a decorator
+    ``@settings(max_examples=<a number>)`` would pin it (use ``examples(ci=k)``)."""
+    import re
+
+    tests = Path(__file__).resolve().parent
+    pinned = [
+        f"{path.relative_to(tests)}:{i}"
+        for path in tests.rglob("*.py")
+        for i, line in enumerate(path.read_text().splitlines(), 1)
+        if re.search(r"@settings\(.*max_examples=\d", line)
+    ]
+    assert not pinned, f"pinned example counts: {pinned}"

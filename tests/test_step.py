@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import towers
-from tests.conftest import DEVICES
+from tests.conftest import DEVICES, examples
 from towers.testing import OPTIMIZERS, ModelSpec, loss_fn
 
 
@@ -27,7 +27,7 @@ def _trainer(spec: ModelSpec, n: int, **kwargs: object) -> towers.TowerTrainer:
     )
 
 
-@settings(max_examples=6)
+@settings(max_examples=examples(ci=6))
 @given(
     family=st.sampled_from(["dense", "embedding", "batchnorm", "dropout", "regularized"]),
     n=st.integers(2, 5),

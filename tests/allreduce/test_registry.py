@@ -15,7 +15,7 @@ import pytest
 import tensorflow as tf
 
 import towers
-from tests.conftest import DEVICES
+from tests.conftest import DEVICES, examples
 from towers.allreduce import ALGORITHMS, Algorithm, Configured, register
 from towers.allreduce.registry import record_of, schedule_of
 from towers.testing import check_all_reduce
@@ -28,7 +28,7 @@ OPAQUE = {"nccl", "nccl_ring", "nccl_tree"}
 def test_registered_algorithm_keeps_the_contract_at_every_tower_count(name: str, n: int) -> None:
     """Value, placement, agreement, bytes against the record and (hand-built ones) replay."""
     report = check_all_reduce(
-        name, max_examples=2, replay=ALGORITHMS[name].replayable, tower_counts=[n],
+        name, max_examples=examples(ci=2), replay=ALGORITHMS[name].replayable, tower_counts=[n],
         devices=DEVICES,
     )
     assert report.ok, str(report)

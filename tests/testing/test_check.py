@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 from hypothesis import given
 
-from tests.conftest import DEVICES
+from tests.conftest import DEVICES, examples
 from towers.allreduce import Algorithm, naive, parameter_device, send
 from towers.allreduce.base import check_values, combine, finish
 from towers.testing.check import (
@@ -38,7 +38,7 @@ def test_correct_algorithms_pass(algorithm) -> None:
 
 
 def test_registry_names_and_the_replay_check() -> None:
-    report = check_all_reduce("naive", max_examples=6, replay=True)
+    report = check_all_reduce("naive", max_examples=examples(ci=6), replay=True)
     assert report.ok and bool(report), report
     assert "replay not checked" not in str(report)
 
@@ -52,7 +52,7 @@ def test_a_correct_byte_formula_passes() -> None:
         return [(n - 1) * nbytes] + [nbytes] * (n - 1)
 
     record = Algorithm("counted", lambda: counted, bytes_sent=naive_bytes)
-    report = check_all_reduce(record(), max_examples=10)
+    report = check_all_reduce(record(), max_examples=examples(ci=10))
     assert report.ok, report
     assert str(report).startswith("PASS: counted")
     assert "bytes not checked" not in str(report)
@@ -62,7 +62,7 @@ def test_a_plain_callable_is_checked_and_the_report_says_what_was_not() -> None:
     def plain(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
         return naive(values, op=op)
 
-    report = check_all_reduce(plain, max_examples=4)
+    report = check_all_reduce(plain, max_examples=examples(ci=4))
     assert report.ok, report
     assert "bytes not checked: plain has no registry record" in str(report)
     assert "bound uses depth n-1" in str(report)
@@ -163,7 +163,7 @@ def test_a_wrong_byte_count_is_caught() -> None:
 
 
 def test_an_exception_is_reported_not_raised() -> None:
-    report = _failed(crashes_on_three, max_examples=30)
+    report = _failed(crashes_on_three, max_examples=examples(ci=30))
     assert report.example.startswith("n=3 towers"), report
     assert report.failures == ("raised RuntimeError: three towers are unlucky",)
 

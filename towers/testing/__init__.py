@@ -18,6 +18,8 @@ from __future__ import annotations
 from towers.testing.bounds import gamma, sgd_step_bound, sum_bound, unit_roundoff
 from towers.testing.check import CheckReport, check_all_reduce
 from towers.testing.strategies import (
+    CENTRAL_STORAGE_FAMILIES,
+    CENTRAL_STORAGE_OPTIMIZERS,
     FAMILIES,
     OPTIMIZERS,
     ModelSpec,
@@ -33,6 +35,8 @@ from towers.testing.strategies import (
 from towers.testing.values import assert_close, tower_values, ulp_distance
 
 __all__ = [
+    "CENTRAL_STORAGE_FAMILIES",
+    "CENTRAL_STORAGE_OPTIMIZERS",
     "FAMILIES",
     "OPTIMIZERS",
     "CheckReport",
