@@ -63,7 +63,7 @@ import tensorflow as tf
 from tensorflow.python.ops import collective_ops, nccl_ops
 
 from towers.allreduce.base import AllReduce, check_values, combine, finish
-from towers.allreduce.primitives import record_estimate
+from towers.allreduce.recording import record_estimate
 from towers.allreduce.registry import Algorithm, Coefficients, Configured, register, schedule_of
 from towers.devices import has_gpu
 

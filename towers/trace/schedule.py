@@ -50,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from towers.allreduce.primitives import Transfer
+from towers.allreduce.recording import Transfer
 
 __all__ = [
     "Trace",
@@ -212,7 +212,7 @@ def _is_algorithm(obj: Any, devices: Sequence[str]) -> bool:
         pass
     import tensorflow as tf
 
-    from towers.allreduce.primitives import record
+    from towers.allreduce.recording import record
 
     values = []
     for i, device in enumerate(devices[:2]):
@@ -390,7 +390,7 @@ def chunk_ownership(
 def _run(fn: Any, name: str, devices: Sequence[str], arrays: list[np.ndarray], op: str) -> Any:
     import tensorflow as tf
 
-    from towers.allreduce.primitives import record
+    from towers.allreduce.recording import record
 
     values = []
     for array, device in zip(arrays, devices):

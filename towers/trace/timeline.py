@@ -107,7 +107,7 @@ def _group(grads: Any, transfers: list[Any]) -> tuple[int, list[Any]]:
 
 
 def _measure(setup: _Setup, repeats: int, bar: Any) -> _Phases:
-    from towers.allreduce.primitives import record
+    from towers.allreduce.recording import record
 
     trainer = setup.trainer
     shards = trainer.split(*setup.batch)
