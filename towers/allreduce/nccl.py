@@ -36,15 +36,10 @@ Measured on TF 2.21, logical CPUs:
   crosses those two as its float16 bit pattern (``tf.bitcast``: exact, same size).
   The raw ``NcclAllReduce`` takes float16/32/64 and int32/64 (bfloat16 stays on
   the collective path).
-- Empty tensors crash all_gather_v2, all_to_all_v2 and broadcast (segmentation
-  fault); n = 1 or size 0 therefore never reaches a collective here.
-- An eager collective blocks Python until its peers join, which they never do:
-  eager calls run through a ``tf.function`` cached per devices/op/shape/dtype.
-- A timeout, or an instance key reused with another shape, aborts every later
-  collective in the process ("Collective ops is aborted by: ... Restart your
-  program to reset."): every trace draws fresh keys; the timeout is a last resort.
-- Broadcast send/recv take no ordering token, and auto control dependencies
-  neither order nor keep them (they may be pruned): outputs get control edges.
+
+The keys, ordering tokens, wire format, broadcast and the shared runner (with the
+facts they answer: empty tensors, eager calls, aborted collectives, unordered
+broadcasts) live in :mod:`towers.allreduce.collectives`.
 
 References:
     NVIDIA NCCL; nccl-tests' bus bandwidth; TensorFlow
@@ -53,17 +48,26 @@ References:
 
 from __future__ import annotations
 
-import contextlib
-import threading
-import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import tensorflow as tf
 from tensorflow.python.ops import collective_ops, nccl_ops
 
-from towers.allreduce.base import AllReduce, check_values, combine, finish
-from towers.allreduce.primitives import record_estimate
+from towers.allreduce.base import AllReduce, combine, finish
+from towers.allreduce.collectives import (
+    HINT,
+    KEY_START,
+    Body,
+    broadcast,
+    group_key,
+    next_key,
+    run,
+    token,
+    unwire,
+    wire,
+)
+from towers.allreduce.recording import record_estimate
 from towers.allreduce.registry import Algorithm, Coefficients, Configured, register, schedule_of
 from towers.devices import has_gpu
 
@@ -83,53 +87,7 @@ __all__ = [
 
 TIMEOUT_SECONDS = 60.0
 """Default timeout of every collective op: a missing peer becomes an error, not a hang."""
-KEY_START = 10_000_000
-"""First collective key (tf.distribute counts from 1; its test helpers from 1_000_000)."""
-HINT = "nccl"
-_Body = Callable[[list[tf.Tensor], tuple[str, ...], str, float], list[tf.Tensor]]
-_LOCK = threading.Lock()
-_NEXT = [KEY_START]
-_GROUPS: dict[tuple[tuple[str, ...], int], int] = {}
-_TOKENS: dict[str, tf.Variable] = {}
-_EAGER: dict[tuple[object, ...], Callable[[list[tf.Tensor]], list[tf.Tensor]]] = {}
-
-
-def next_key() -> int:
-    """A fresh collective key from the one process-wide, thread-safe counter."""
-    with _LOCK:
-        key = _NEXT[0]
-        _NEXT[0] += 1
-    return key
-
-
-def _group_key(devices: Sequence[str], size: int | None = None) -> int:
-    """One group key per device set and size (fixed by the group's first use)."""
-    members = (tuple(sorted(devices)), size or len(devices))
-    with _LOCK:
-        if members not in _GROUPS:
-            _GROUPS[members] = _NEXT[0]
-            _NEXT[0] += 1
-        return _GROUPS[members]
-
-
-_LAST_BROADCAST: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
-
-
-def _token(device: str) -> tf.Tensor:
-    """The device's ordering token: without it the ops of one tf.function deadlock."""
-    with _LOCK:
-        if device not in _TOKENS:
-            with tf.init_scope(), tf.device(device):
-                _TOKENS[device] = tf.Variable(0.0, trainable=False, name="ordering_token")
-        return _TOKENS[device].handle
-
-
-def _wire(x: tf.Tensor) -> tf.Tensor:
-    return tf.bitcast(x, tf.float16) if x.dtype == tf.bfloat16 else x
-
-
-def _unwire(x: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
-    return tf.bitcast(x, dtype) if dtype == tf.bfloat16 else x
+_group_key = group_key  # its name before collectives.py (tests reach it here)
 
 
 def raw_nccl_usable(devices: Sequence[str], dtype: tf.DType) -> bool:
@@ -156,7 +114,7 @@ def _all_reduce_ops(
     values: list[tf.Tensor], devices: Sequence[str], op: str, timeout: float, group_size: int
 ) -> list[tf.Tensor]:
     """One all_reduce_v2 per tower (``group_size`` > len(values) only to test timeouts)."""
-    group, instance = _group_key(devices, group_size), next_key()
+    group, instance = group_key(devices, group_size), next_key()
     merge = {"max": "Max", "min": "Min"}.get(op, "Add")
     outputs = []
     for v, device in zip(values, devices, strict=True):
@@ -164,7 +122,7 @@ def _all_reduce_ops(
             outputs.append(collective_ops.all_reduce_v2(
                 v, group_size, group, instance, merge_op=merge,
                 final_op="Div" if op == "mean" else "Id", communication_hint=HINT,
-                timeout=timeout, ordering_token=_token(device)))
+                timeout=timeout, ordering_token=token(device)))
     return outputs
 
 
@@ -183,68 +141,23 @@ def _ring_body(
     n, shape, dtype = len(values), values[0].shape, values[0].dtype
     length = int(shape.num_elements())
     chunk = -(-length // n)
-    group, scatter_key, gather_key = _group_key(devices), next_key(), next_key()
+    group, scatter_key, gather_key = group_key(devices), next_key(), next_key()
     outputs = []
     for v, device in zip(values, devices, strict=True):
         with tf.device(device):
             rows = tf.reshape(tf.pad(tf.reshape(v, [-1]), [[0, n * chunk - length]]), [n, chunk])
             rows = collective_ops.all_to_all_v2(
                 rows, n, group, scatter_key, communication_hint=HINT, timeout=timeout,
-                ordering_token=_token(device))
+                ordering_token=token(device))
             parts = tf.unstack(rows)
             reduced = parts[0]
             for part in parts[1:]:
                 reduced = combine(reduced, part, op)
             full = collective_ops.all_gather_v2(
-                _wire(finish(reduced, op, n)), n, group, gather_key, communication_hint=HINT,
-                timeout=timeout, ordering_token=_token(device))
-            outputs.append(tf.reshape(_unwire(full, dtype)[:length], shape))
+                wire(finish(reduced, op, n)), n, group, gather_key, communication_hint=HINT,
+                timeout=timeout, ordering_token=token(device))
+            outputs.append(tf.reshape(unwire(full, dtype)[:length], shape))
     return outputs
-
-
-def _broadcast(
-    x: tf.Tensor, src: str, dsts: Sequence[str], timeout: float
-) -> tuple[tf.Tensor, list[tf.Tensor]]:
-    """Broadcast ``x`` (on ``src``) to ``dsts``; returns the send's output and the received."""
-    members = [src, *dsts]
-    group, instance, size = _group_key(members), next_key(), len(members)
-    with tf.device(src), _after_previous(src) as chain:
-        sent = collective_ops.broadcast_send_v2(
-            _wire(x), size, group, instance, communication_hint=HINT, timeout=timeout)
-        chain(sent)
-    received = []
-    for dst in dsts:
-        with tf.device(dst), _after_previous(dst) as chain:
-            shape = tf.constant(x.shape.as_list(), tf.int32)
-            got = collective_ops.broadcast_recv_v2(
-                shape, _wire(x).dtype, size, group, instance, communication_hint=HINT,
-                timeout=timeout)
-            chain(got)
-            received.append(_unwire(got, x.dtype))
-    return _unwire(sent, x.dtype), received
-
-
-@contextlib.contextmanager
-def _after_previous(device: str) -> Iterator[Callable[[tf.Tensor], None]]:
-    """Order a device's broadcast ops in program order (they take no ordering token).
-
-    Several broadcasts in one graph (one per gradient, say) must start in the same
-    order on every device, or two devices wait on each other's first op until the
-    timeout. Each new broadcast op on ``device`` gets a control edge from the previous
-    one in the same graph.
-    """
-    if tf.executing_eagerly():
-        yield lambda _: None
-        return
-    graph = tf.compat.v1.get_default_graph()
-    last = _LAST_BROADCAST.setdefault(graph, {})
-    previous = last.get(device)
-    with tf.control_dependencies([previous] if previous is not None else []):
-
-        def remember(t: tf.Tensor) -> None:
-            last[device] = t.op
-
-        yield remember
 
 
 def _tree_body(
@@ -259,14 +172,14 @@ def _tree_body(
     step = 1
     while step < n:
         for dst in range(0, n - step, 2 * step):
-            sent, (got,) = _broadcast(acc[dst + step], devices[dst + step], [devices[dst]], timeout)
+            sent, (got,) = broadcast(acc[dst + step], devices[dst + step], [devices[dst]], timeout)
             # The control edge keeps the send alive: auto control deps may prune it.
             with tf.device(devices[dst]), tf.control_dependencies([sent]):
                 acc[dst] = combine(acc[dst], got, op)
         step *= 2
     with tf.device(devices[0]):
         total = finish(acc[0], op, n)
-    sent, received = _broadcast(total, devices[0], devices[1:], timeout)
+    sent, received = broadcast(total, devices[0], devices[1:], timeout)
     outputs = []
     # Every output waits for every op of the broadcast: a caller that uses only some
     # outputs (the parameter-device placement keeps output 0) must not let the unused
@@ -275,38 +188,6 @@ def _tree_body(
     for device, flat in zip(devices, everyone, strict=True):
         with tf.device(device), tf.control_dependencies(everyone):
             outputs.append(tf.reshape(flat, shape))
-    return outputs
-
-
-def _run(body: _Body, values: Sequence[tf.Tensor], op: str, timeout: float) -> list[tf.Tensor]:
-    """Check, short-cut trivial cases, and run ``body`` in the caller's graph or a cached one."""
-    devices = tuple(check_values(values, op))
-    shape, dtype = values[0].shape, values[0].dtype
-    if not shape.is_fully_defined():
-        raise ValueError(f"the nccl algorithms need a fully defined static shape, got {shape}")
-    if len(values) == 1 or shape.num_elements() == 0:
-        # Nothing to exchange (and empty tensors crash all_gather/all_to_all/broadcast).
-        outputs = []
-        for v, device in zip(values, devices, strict=True):
-            with tf.device(device):
-                outputs.append(tf.identity(v))
-        return outputs
-    if not tf.executing_eagerly():
-        return body(list(values), devices, op, timeout)
-    key = (body, devices, op, timeout, tuple(shape), dtype)
-    with _LOCK:
-        if key not in _EAGER:
-
-            def bound(vals: list[tf.Tensor]) -> list[tf.Tensor]:
-                return body(vals, devices, op, timeout)
-
-            _EAGER[key] = tf.function(bound, autograph=False)  # static Python control flow
-        fn = _EAGER[key]
-    outputs = []
-    # A tf.function's CPU outputs come back labelled with the caller's device: re-place them.
-    for out, device in zip(fn(list(values)), devices, strict=True):
-        with tf.device(device):
-            outputs.append(tf.identity(out))
     return outputs
 
 
@@ -322,12 +203,12 @@ def _record_estimates(values: Sequence[tf.Tensor]) -> None:
         record_estimate(v.device, dst, round(per_tower[i]), note=f"{len(values)}-way collective")
 
 
-def _factory(body: _Body, name: str, timeout_seconds: float | None) -> AllReduce:
+def _factory(body: Body, name: str, timeout_seconds: float | None) -> AllReduce:
     if timeout_seconds is not None and not timeout_seconds > 0:
         raise ValueError(f"timeout_seconds must be positive, got {timeout_seconds}")
 
     def all_reduce(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
-        outputs = _run(body, values, op, timeout_seconds or TIMEOUT_SECONDS)
+        outputs = run(body, values, op, timeout_seconds or TIMEOUT_SECONDS)
         _record_estimates(values)
         return outputs
 

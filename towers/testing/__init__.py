@@ -6,6 +6,7 @@
     properties.py  the properties of one all-reduce example (value, placement, bytes, replay)
     check.py       ``check_all_reduce``: an algorithm's properties over towers, shapes, dtypes, ops
     replay.py      a NumPy interpreter of an algorithm's traced graph (bitwise replay)
+    kernels.py     the replay's NumPy kernel per op type (KERNELS), rounding as TF's CPU does
 
 Users import from here to test their own models and algorithms::
 

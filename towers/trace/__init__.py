@@ -1,6 +1,8 @@
 """See an algorithm run: tick tables, pictures and step timelines.
 
     schedule.py  run one all-reduce under ``record()``: who sends which chunk where, tick by tick
+    loading.py   what the user names (registry name, ``module:function``) as an algorithm
+    ticks.py     a tick for every transfer (the algorithm's, or by order) and chunk ownership
     text.py      the tick table and summary as text
     draw.py      the schedule as a PNG (towers as rows, ticks as columns)
     timeline.py  one training step as a chrome://tracing / Perfetto JSON

@@ -66,7 +66,7 @@ def _setup(args: argparse.Namespace, devices: list[str]) -> _Setup:
     import keras
 
     import towers
-    from towers.trace.schedule import load_algorithm
+    from towers.trace.loading import load_algorithm
     from towers.training.data import digits
     from towers.training.models import digits_cnn
 
@@ -107,7 +107,7 @@ def _group(grads: Any, transfers: list[Any]) -> tuple[int, list[Any]]:
 
 
 def _measure(setup: _Setup, repeats: int, bar: Any) -> _Phases:
-    from towers.allreduce.primitives import record
+    from towers.allreduce.recording import record
 
     trainer = setup.trainer
     shards = trainer.split(*setup.batch)
@@ -145,7 +145,7 @@ def _places(devices: Sequence[str], groups: list[tuple[int, list[Any]]]) -> list
 
 def _ticks(groups: list[tuple[int, list[Any]]], places: list[str]) -> dict[int, dict[str, Any]]:
     """Per tick, summed over every all-reduce call: bytes, and per place what it sent/got."""
-    from towers.trace.schedule import assign_ticks
+    from towers.trace.ticks import assign_ticks
 
     out: dict[int, dict[str, Any]] = {}
     for whole, transfers in groups:
