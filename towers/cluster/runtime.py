@@ -18,6 +18,8 @@ ops with a ``ServerDef``, as MultiWorkerMirroredStrategy does. Afterwards a bare
 
 from __future__ import annotations
 
+import os
+import time
 from typing import Any
 
 import tensorflow as tf
@@ -111,7 +113,7 @@ def start_worker(cluster: Any = None, towers: int | None = None) -> list[str]:
 
 
 def start_server(cluster: Any = None, towers: int | None = None) -> tf.distribute.Server:
-    """Start this task's ``tf.distribute.Server`` with ``towers`` logical CPUs (in-graph mode).
+    """Start this task's ``tf.distribute.Server`` with ``towers`` CPUs (in-graph mode).
 
     Args:
         cluster: anything :func:`towers.cluster.resolve` takes (default: TF_CONFIG).
@@ -138,10 +140,17 @@ def start_server(cluster: Any = None, towers: int | None = None) -> tf.distribut
 
 
 def serve(cluster: Any = None, towers: int | None = None) -> None:
-    """Start this task's server and serve until the process is killed (never returns)."""
+    """Start this task's server and serve until killed or orphaned (never returns).
+
+    A server whose parent process dies exits too, so a client killed by a timeout
+    leaves no server behind.
+    """
     server = start_server(cluster, towers)
     print(f"serving {server.target}", flush=True)
-    server.join()
+    parent = os.getppid()
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(0)
 
 
 def _full(name: str) -> str:
