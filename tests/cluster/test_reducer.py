@@ -1,6 +1,11 @@
-"""CrossWorker in one process (one worker): the local sum in tower order, the checks."""
+"""CrossWorker: one worker equals naive bitwise; the checks; a missing worker times out."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import keras
 import numpy as np
@@ -50,3 +55,13 @@ def test_is_a_gradient_reducer_and_checks_its_arguments(monkeypatch: pytest.Monk
     monkeypatch.delenv("TF_CONFIG", raising=False)
     with pytest.raises(ValueError, match="TF_CONFIG is not set"):
         CrossWorker()
+
+
+def test_a_missing_worker_is_an_error_within_the_timeout() -> None:
+    root = Path(__file__).parent.parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root), "TF_CPP_MIN_LOG_LEVEL": "2"}
+    done = subprocess.run([sys.executable, str(Path(__file__).parent / "lone_worker.py")],
+                          env=env, capture_output=True, text=True, timeout=120)
+    line = next((s for s in done.stdout.splitlines() if s.startswith(("ERROR", "NO ERROR"))), "")
+    assert line.startswith("ERROR DeadlineExceededError"), done.stdout + done.stderr[-3000:]
+    assert float(line.split()[-1]) < 30  # CrossWorker(timeout_seconds=3), not a hang
