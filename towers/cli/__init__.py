@@ -28,6 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "check": ("towers.cli.check", "check an all-reduce against the contract with Hypothesis"),
     "timeline": ("towers.cli.timeline", "write one training step as a chrome://tracing timeline"),
     "bench": ("towers.cli.bench", "benchmark all-reduce and training steps against tf.distribute"),
+    "launch": ("towers.cli.launch", "run a command once per task of a localhost cluster"),
 }
 """Command name -> (module with add_arguments/run, one-line help)."""
 

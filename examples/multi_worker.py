@@ -1,0 +1,199 @@
+"""Train on several worker processes with towers, beside MultiWorkerMirroredStrategy.
+
+What it teaches: between-graph data parallelism, TensorFlow's multi-worker way. Every
+worker runs this same program with its own TF_CONFIG; each trains its own towers with
+``TowerTrainer`` and ``CrossWorker``, which sums the worker's towers in tower order and
+then all-reduces across workers with TF collective ops. The same process also trains
+the same model with MultiWorkerMirroredStrategy (MWMS) on the same global batches and
+prints the largest weight difference::
+
+    global batch (64) ─split over workers─▶ worker k: 32 ─split over towers─▶ 16, 16
+    (MirroredStrategy's rule at both levels; MWMS replica k·T + i gets the same 16)
+
+Run it under the launcher (or alone: one worker)::
+
+    python -m towers launch --workers 2 --towers-per-worker 2 -- \\
+        python examples/multi_worker.py --steps 2
+
+The bound. Both runs compute bitwise the same per-tower gradients (each worker divides
+by its local batch and CrossWorker by W = 2: exact scalings by powers of two). They add
+the W·T of them in different orders: towers ((g00 + g01) + (g10 + g11)), depth
+d_t = (T − 1) + (W − 1); MWMS's ring over all W·T replicas, depth d_m = W·T − 1. Each
+sum is within γ_d·S of the exact one (S = Σ|g_i| per element; γ_d = d·u/(1 − d·u),
+u = 2⁻²⁴, Higham §4.2), so one step's gradients differ by at most (γ_dt + γ_dm)·S and
+its SGD update by lr·(γ_dt + γ_dm)·max S + 2 ulp of the largest weight. A difference
+already in the weights is carried into the next step; assuming lr·L ≤ 1 for the
+gradient's Lipschitz constant L (true for this small model and lr), it at most doubles
+per later step: bound = Σ_k b_k·2^(K−k). MWMS runs on the same logical CPUs as the
+towers (its CPU default is one replica per worker; the example widens it to T).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+def make_model():  # type: ignore[no-untyped-def]
+    """A small dense classifier of 8×8 digits, deterministic weights."""
+    import keras
+
+    init = keras.initializers.GlorotUniform
+    return keras.Sequential([
+        keras.Input((8, 8, 1)), keras.layers.Flatten(),
+        keras.layers.Dense(32, activation="tanh", kernel_initializer=init(1)),
+        keras.layers.Dense(10, kernel_initializer=init(2)),
+    ])
+
+
+def mwms_over_logical_cpus(towers_per_worker: int):  # type: ignore[no-untyped-def]
+    """MultiWorkerMirroredStrategy from TF_CONFIG with T logical CPUs per worker (ring)."""
+    import tensorflow as tf
+    from tensorflow.python.distribute import collective_all_reduce_strategy as mwms
+
+    extended = mwms.CollectiveAllReduceExtended
+    original = extended._initialize_local_devices
+
+    def local_cpus(self, resolver, worker_device):  # type: ignore[no-untyped-def]
+        return tuple(f"{worker_device}/device:CPU:{i}" for i in range(towers_per_worker)), "CPU"
+
+    extended._initialize_local_devices = local_cpus
+    try:
+        ring = tf.distribute.experimental.CommunicationImplementation.RING
+        return tf.distribute.MultiWorkerMirroredStrategy(
+            communication_options=tf.distribute.experimental.CommunicationOptions(
+                implementation=ring))
+    finally:
+        extended._initialize_local_devices = original
+
+
+class MWMSTrainer:
+    """The custom-training-loop tutorial over MWMS, fed this worker's tower shards."""
+
+    def __init__(self, strategy, lr: float, worker: int, towers: int) -> None:  # type: ignore[no-untyped-def]
+        import keras
+        import tensorflow as tf
+
+        self.strategy, self.worker, self.towers = strategy, worker, towers
+        self.loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        with strategy.scope():
+            self.model = make_model()
+            self.optimizer = keras.optimizers.SGD(lr)
+            self.optimizer.build(self.model.trainable_variables)
+        self._step = tf.function(self._distributed_step)
+
+    def train_step(self, shards, global_batch: int):  # type: ignore[no-untyped-def]
+        """One step; returns (global loss, Σ over replicas of |gradient|, per variable)."""
+        import tensorflow as tf
+
+        def value(ctx):  # type: ignore[no-untyped-def]
+            return shards[ctx.replica_id_in_sync_group - self.worker * self.towers]
+
+        inputs = self.strategy.experimental_distribute_values_from_function(value)
+        return self._step(inputs, tf.constant(global_batch, tf.int32))
+
+    def _distributed_step(self, inputs, global_batch):  # type: ignore[no-untyped-def]
+        import tensorflow as tf
+
+        loss, magnitudes = self.strategy.run(self._replica_step, args=(*inputs, global_batch))
+        total = tf.distribute.ReduceOp.SUM
+        return (self.strategy.reduce(total, loss, axis=None),
+                [self.strategy.reduce(total, m, axis=None) for m in magnitudes])
+
+    def _replica_step(self, x, y, global_batch):  # type: ignore[no-untyped-def]
+        import tensorflow as tf
+
+        with tf.GradientTape() as tape:
+            per_ex = self.loss.call(y, self.model(x, training=True))
+            loss = tf.nn.compute_average_loss(per_ex, global_batch_size=global_batch)
+        variables = self.model.trainable_variables
+        grads = tape.gradient(loss, variables)
+        self.optimizer.apply_gradients(zip(grads, variables, strict=True))
+        return loss, [tf.abs(g) for g in grads]
+
+
+def gamma(depth: int) -> float:
+    """γ_d = d·u / (1 − d·u) for float32 (Higham §4.2)."""
+    u = 2.0**-24
+    return depth * u / (1 - depth * u)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=2, help="training steps (default 2)")
+    parser.add_argument("--batch-size", type=int, default=64, help="global batch (default 64)")
+    parser.add_argument("--lr", type=float, default=0.1, help="SGD learning rate (default 0.1)")
+    parser.add_argument("--no-reference", action="store_true", help="skip the MWMS run")
+    args = parser.parse_args()
+
+    from towers.cluster import local_cluster, resolve, set_logical_devices, start_worker
+    from towers.cluster.local import towers_per_task
+
+    if "TF_CONFIG" not in os.environ:  # run alone: a cluster of one worker
+        from towers.cluster import tf_config
+
+        os.environ["TF_CONFIG"] = tf_config(local_cluster(1), "worker", 0)
+    cluster, towers_n = resolve(), towers_per_task()
+    workers, worker = cluster.num_workers, int(cluster.task_index or 0)
+    if args.batch_size % (workers * towers_n):
+        parser.error(f"--batch-size must be a multiple of workers × towers = {workers * towers_n}")
+    # First thing: the devices and the runtime, before any TensorFlow op.
+    if args.no_reference:
+        devices = start_worker(cluster, towers_n)
+    else:
+        set_logical_devices(towers_n)
+        strategy = mwms_over_logical_cpus(towers_n)  # starts the runtime, as start_worker would
+        devices = [f"/device:CPU:{i}" for i in range(towers_n)]
+    run(args, devices, workers, worker, None if args.no_reference else strategy)
+
+
+def run(args, devices, workers: int, worker: int, strategy) -> None:  # type: ignore[no-untyped-def]
+    """Train both, print each step's losses and the weight difference with its bound."""
+    import keras
+    import numpy as np
+
+    import towers
+    from towers.allreduce.ordering import as_written
+    from towers.cluster.reducer import CrossWorker
+    from towers.split import shard_sizes
+    from towers.training.data import batches, digits
+
+    towers_n = len(devices)
+    x, y, _, _ = digits()
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    mine = towers.TowerTrainer(make_model, lambda: keras.optimizers.SGD(args.lr), loss,
+                               devices=devices, all_reduce=CrossWorker(workers),
+                               variables="replicated")
+    ref = None if strategy is None else MWMSTrainer(strategy, args.lr, worker, towers_n)
+    bound = 0.0
+    depths = ((towers_n - 1) + (workers - 1), workers * towers_n - 1)
+    for step, (xb, yb) in enumerate(batches(x, y, args.batch_size, seed=0)):
+        if step == args.steps:
+            break
+        cut = np.cumsum([0, *shard_sizes(len(xb), workers)])
+        xl, yl = xb[cut[worker]:cut[worker + 1]], yb[cut[worker]:cut[worker + 1]]
+        local_loss = float(mine.train_step(xl, yl))
+        line = f"step {step}: worker batch {len(xl)}  towers local loss {local_loss:.7f}"
+        if ref is not None:
+            tcut = np.cumsum([0, *shard_sizes(len(xl), towers_n)])
+            shards = [(xl[a:b], yl[a:b]) for a, b in itertools.pairwise(tcut)]
+            with as_written():
+                ref_loss, magnitudes = ref.train_step(shards, len(xb))
+            largest_w = max(float(np.max(np.abs(w))) for w in ref.model.get_weights())
+            step_bound = (args.lr * (gamma(depths[0]) + gamma(depths[1]))
+                          * max(float(np.max(m)) for m in magnitudes) + 2 * 2.0**-23 * largest_w)
+            bound = 2 * bound + step_bound
+            line += f"  MWMS global loss {float(ref_loss):.7f}"
+        print(line, flush=True)
+    if ref is not None:
+        diff = max(float(np.max(np.abs(a - b)))
+                   for a, b in zip(mine.get_weights(), ref.model.get_weights()))
+        print(f"max |towers - MultiWorkerMirroredStrategy| = {diff:.3e}  (bound {bound:.3e})",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""Run a command once per task of a localhost cluster, each with its own TF_CONFIG.
+
+Starts --workers worker processes (and --ps parameter servers, which serve with
+``python -m towers.cluster.server``) on 127.0.0.1 with free ports. Each task gets
+``TF_CONFIG`` (the cluster and its own task) and ``TOWERS_PER_TASK`` (how many
+logical devices to simulate). Output lines are prefixed ``[worker 0]``, ``[ps 0]``…
+If one task fails the others are terminated; --timeout kills everything.
+
+Exit status: 0 when every worker exits 0, 124 after --timeout, otherwise the largest
+exit code of a task that ended by itself; 2 for bad options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+__all__ = ["EPILOG", "add_arguments", "run"]
+
+EPILOG = """examples:
+  python -m towers launch --workers 2 --towers-per-worker 2 -- python examples/multi_worker.py
+  python -m towers launch --workers 2 --timeout 60 -- python -c "import os; print(os.environ)"
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``towers launch``."""
+    parser.add_argument("--workers", type=int, default=2, help="worker tasks (default 2)")
+    parser.add_argument("--towers-per-worker", type=int, default=1,
+                        help="logical devices each task simulates (default 1)")
+    parser.add_argument("--ps", type=int, default=0, help="parameter-server tasks (default 0)")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="seconds before every task is killed (exit 124)")
+    parser.add_argument("command", nargs=argparse.REMAINDER,
+                        help="after --: the program and its arguments")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Launch the tasks; returns a process exit code."""
+    from towers.cluster.launcher import launch
+    from towers.cluster.local import local_cluster
+
+    command = list(args.command)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    problems = []
+    if not command:
+        problems.append("give the command after --")
+    if args.workers < 1 or args.towers_per_worker < 1 or args.ps < 0:
+        problems.append("need --workers >= 1, --towers-per-worker >= 1 and --ps >= 0")
+    if args.timeout is not None and args.timeout <= 0:
+        problems.append("--timeout must be positive")
+    if problems:
+        print(f"towers launch: error: {'; '.join(problems)}", file=sys.stderr)
+        return 2
+    cluster = local_cluster(args.workers, ps=args.ps)
+    return launch(cluster, args.towers_per_worker, command, timeout=args.timeout)

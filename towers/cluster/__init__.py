@@ -1,0 +1,41 @@
+"""Training on several processes with TensorFlow's own distributed runtime.
+
+::
+
+    spec.py      resolve(): TF_CONFIG / ClusterSpec / dict / ClusterResolver → Cluster
+                 (this task, the chief, every task's tower device names)
+    local.py     localhost clusters: free ports, TOWERS_PER_TASK
+    runtime.py   start_worker() (between-graph), start_server() + connect() (in-graph)
+    launcher.py  launch(): one process per task, prefixed output, timeouts;
+                 start_servers(): local tf.distribute.Server processes for a client
+    reducer.py   CrossWorker: a GradientReducer that sums the local towers in tower
+                 order, then all-reduces across workers with TF collective ops
+    server.py    ``python -m towers.cluster.server``: serve one task's towers
+
+``towers launch`` (:mod:`towers.cli.launch`) is the command line of ``launch``.
+"""
+
+from __future__ import annotations
+
+from towers.cluster.launcher import launch, start_servers
+from towers.cluster.local import HOST, TOWERS_ENV, free_ports, local_cluster, towers_per_task
+from towers.cluster.runtime import connect, set_logical_devices, start_server, start_worker
+from towers.cluster.spec import TASK_TYPES, Cluster, resolve, tf_config
+
+__all__ = [
+    "HOST",
+    "TASK_TYPES",
+    "TOWERS_ENV",
+    "Cluster",
+    "connect",
+    "free_ports",
+    "launch",
+    "local_cluster",
+    "resolve",
+    "set_logical_devices",
+    "start_server",
+    "start_servers",
+    "start_worker",
+    "tf_config",
+    "towers_per_task",
+]

@@ -1,0 +1,181 @@
+"""Start TensorFlow's distributed runtime in this process: a worker, a server, or a client.
+
+Two ways to train on several processes, both on TensorFlow's own gRPC runtime::
+
+    between-graph (start_worker)           in-graph (start_server + connect)
+    every task runs the same program;      tasks only serve; one client builds one
+    its TowerTrainer uses local towers     graph over every task's towers
+    and CrossWorker's collectives          /job:worker/replica:0/task:k/device:CPU:i
+    (MultiWorkerMirroredStrategy's way)    (tf.distribute.Server + connect_to_cluster)
+
+Order matters (measured, TF 2.21): logical devices and ``configure_collective_ops``
+must precede the first op ("Collective ops must be configured at program startup"),
+so :func:`start_worker` splits the CPU itself with ``set_logical_device_configuration``
+(which, unlike listing devices, does not start the runtime) and then enables collective
+ops with a ``ServerDef``, as MultiWorkerMirroredStrategy does. Afterwards a bare
+``/device:CPU:1`` means this task's CPU:1.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import tensorflow as tf
+
+from towers.cluster.local import towers_per_task
+from towers.cluster.spec import Cluster, resolve
+
+__all__ = ["connect", "serve", "set_logical_devices", "start_server", "start_worker"]
+
+
+def set_logical_devices(n: int) -> None:
+    """Split the host CPU into ``n`` logical devices without starting the runtime.
+
+    Raises:
+        ValueError: ``n`` < 1.
+        RuntimeError: the runtime already started with another count (what to do).
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"towers per task must be a positive int, got {n!r}")
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    configs = tf.config.get_logical_device_configuration(cpu)
+    if configs is not None and len(configs) == n:
+        return
+    try:
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration()] * n)
+    except RuntimeError as err:
+        raise RuntimeError(
+            f"cannot give this task {n} towers: TensorFlow's runtime already started. Start "
+            "the cluster runtime first thing in the program, before any TensorFlow op."
+        ) from err
+
+
+def _port(cluster: Cluster) -> int:
+    assert cluster.task_type is not None and cluster.task_index is not None
+    return int(cluster.jobs[cluster.task_type][cluster.task_index].rsplit(":", 1)[1])
+
+
+def _need_task(cluster: Cluster, what: str) -> None:
+    if cluster.task_type is None:
+        raise ValueError(f"{what} needs this process's task: set TF_CONFIG's 'task' or pass it")
+
+
+def start_worker(cluster: Any = None, towers: int | None = None) -> list[str]:
+    """Join the cluster for between-graph training and return this task's towers.
+
+    Splits the CPU into ``towers`` logical devices, points collective ops at the
+    chief (the group leader) and starts this task's gRPC server, as
+    MultiWorkerMirroredStrategy does at start-up. Call it first thing.
+
+    Args:
+        cluster: anything :func:`towers.cluster.resolve` takes (default: TF_CONFIG).
+        towers: logical devices of this task (default: ``$TOWERS_PER_TASK`` or 1).
+
+    Returns:
+        This task's tower names, ``['/device:CPU:0', …]`` (local: no job prefix).
+
+    Raises:
+        ValueError: no task for this process, or a malformed cluster.
+        RuntimeError: TensorFlow's runtime already started.
+    """
+    from tensorflow.core.protobuf import tensorflow_server_pb2
+    from tensorflow.python.eager import context
+
+    found = resolve(cluster)
+    _need_task(found, "start_worker")
+    n = towers_per_task() if towers is None else towers
+    set_logical_devices(n)
+    ctx = context.context()
+    try:
+        ctx.configure_collective_ops(
+            collective_leader=found.task_name(*found.chief),
+            device_filters=(found.task_name(),),  # don't wait on the other tasks' devices
+        )
+    except RuntimeError as err:
+        raise RuntimeError(
+            "start_worker came too late: TensorFlow's runtime already started. Call "
+            "towers.cluster.start_worker() first thing in the program."
+        ) from err
+    server_def = tensorflow_server_pb2.ServerDef(
+        cluster=found.cluster_spec().as_cluster_def(),
+        default_session_config=ctx.config,
+        job_name=found.task_type,
+        task_index=found.task_index,
+        protocol="grpc",
+        port=_port(found),
+    )
+    ctx.enable_collective_ops(server_def)
+    ctx.ensure_initialized()
+    return [f"/device:CPU:{i}" for i in range(n)]
+
+
+def start_server(cluster: Any = None, towers: int | None = None) -> tf.distribute.Server:
+    """Start this task's ``tf.distribute.Server`` with ``towers`` CPUs (in-graph mode).
+
+    Args:
+        cluster: anything :func:`towers.cluster.resolve` takes (default: TF_CONFIG).
+        towers: logical devices of this task (default: ``$TOWERS_PER_TASK`` or 1).
+
+    Returns:
+        The started server (``server.join()`` serves until the process is killed).
+
+    Raises:
+        ValueError: no task for this process, or a malformed cluster.
+    """
+    found = resolve(cluster)
+    _need_task(found, "start_server")
+    n = towers_per_task() if towers is None else towers
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"towers per task must be a positive int, got {n!r}")
+    # The server's devices come from its own ConfigProto, not from the eager context's
+    # logical-device configuration (measured: that one leaves the server with CPU:0 only).
+    config = tf.compat.v1.ConfigProto(device_count={"CPU": n})
+    return tf.distribute.Server(
+        found.cluster_spec(), job_name=found.task_type, task_index=found.task_index,
+        protocol="grpc", config=config, start=True,
+    )
+
+
+def serve(cluster: Any = None, towers: int | None = None) -> None:
+    """Start this task's server and serve until killed or orphaned (never returns).
+
+    A server whose parent process dies exits too, so a client killed by a timeout
+    leaves no server behind.
+    """
+    server = start_server(cluster, towers)
+    print(f"serving {server.target}", flush=True)
+    parent = os.getppid()
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(0)
+
+
+def _full(name: str) -> str:
+    return str(tf.DeviceSpec.from_string(name).to_string())
+
+
+def connect(cluster: Any, towers_per_task: int, job: str = "worker") -> list[str]:
+    """Connect this client to a running cluster and return every task's tower names.
+
+    Args:
+        cluster: the cluster's description (anything :func:`towers.cluster.resolve` takes).
+        towers_per_task: logical devices each task of ``job`` serves.
+        job: the job whose tasks hold towers.
+
+    Returns:
+        ``/job:worker/replica:0/task:k/device:CPU:i`` for every task k and tower i.
+
+    Raises:
+        ValueError: the tasks do not expose those devices.
+    """
+    found = resolve(cluster)
+    tf.config.experimental_connect_to_cluster(found.cluster_spec())
+    towers = found.tower_devices(towers_per_task, job=job)
+    known = {_full(d.name) for d in tf.config.list_logical_devices()}
+    missing = [d for d in towers if _full(d) not in known]
+    if missing:
+        raise ValueError(f"the cluster does not serve {missing}; it serves {sorted(known)}")
+    return towers

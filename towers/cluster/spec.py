@@ -1,0 +1,265 @@
+"""Which cluster this process belongs to: jobs, task addresses, this task, the chief.
+
+TensorFlow's distributed runtime describes a cluster as named jobs, each a list of
+``host:port`` addresses (a ``tf.train.ClusterSpec``); a process learns its own place
+from ``TF_CONFIG``::
+
+    TF_CONFIG = {"cluster": {"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]},
+                 "task": {"type": "worker", "index": 1}}
+
+    job:worker  task 0 ── /job:worker/replica:0/task:0/device:CPU:0 … CPU:T-1   (chief)
+                task 1 ── /job:worker/replica:0/task:1/device:CPU:0 … CPU:T-1   (this one)
+
+:func:`resolve` accepts that JSON (from the environment or given), a
+``tf.train.ClusterSpec``, a plain dict or a ``ClusterResolver`` and returns one
+frozen :class:`Cluster`. The chief is task 0 of job ``chief`` when there is one,
+else worker 0 (``multi_worker_util.is_chief``'s rule). Nothing here starts
+TensorFlow's runtime, so a process can still choose its logical devices afterwards
+(:func:`towers.cluster.devices.simulate_task_devices`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = ["TASK_TYPES", "Cluster", "resolve", "tf_config"]
+
+TASK_TYPES = ("chief", "worker", "ps", "evaluator")
+"""The job names TensorFlow's multi-worker code understands."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    """A cluster (job name -> task addresses) and this process's task in it.
+
+    Attributes:
+        jobs: job name -> addresses, e.g. ``{"worker": ("127.0.0.1:2222", ...)}``.
+        task_type: this process's job (``None`` for a client outside the cluster).
+        task_index: this process's index in its job (``None`` for a client).
+    """
+
+    jobs: Mapping[str, tuple[str, ...]]
+    task_type: str | None = None
+    task_index: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_jobs(self.jobs, "cluster")
+        _check_task(self.jobs, self.task_type, self.task_index)
+
+    @property
+    def chief(self) -> tuple[str, int]:
+        """``(job, index)`` of the chief: ``("chief", 0)`` if that job exists, else worker 0."""
+        if "chief" in self.jobs:
+            return "chief", 0
+        if "worker" in self.jobs:
+            return "worker", 0
+        raise ValueError(f"cluster has no 'chief' or 'worker' job: {sorted(self.jobs)}")
+
+    @property
+    def is_chief(self) -> bool:
+        """True when this process is the chief."""
+        return (self.task_type, self.task_index) == self.chief
+
+    @property
+    def num_workers(self) -> int:
+        """Tasks that train (chief + workers), as MultiWorkerMirroredStrategy counts them."""
+        return len(self.jobs.get("chief", ())) + len(self.jobs.get("worker", ()))
+
+    def task_name(self, job: str | None = None, index: int | None = None) -> str:
+        """``/job:worker/replica:0/task:1`` for a task (default: this process's)."""
+        job = self.task_type if job is None else job
+        index = self.task_index if index is None else index
+        if job is None or index is None:
+            raise ValueError("this process has no task (a client): pass job= and index=")
+        _check_task(self.jobs, job, index)
+        return f"/job:{job}/replica:0/task:{index}"
+
+    def tower_devices(
+        self, towers_per_task: int, job: str = "worker", kind: str = "CPU"
+    ) -> list[str]:
+        """Every tower of ``job``: task 0's devices 0…T-1, then task 1's, …
+
+        Args:
+            towers_per_task: logical devices (towers) each task runs, at least 1.
+            job: the job whose tasks hold towers.
+            kind: ``"CPU"`` or ``"GPU"``.
+
+        Raises:
+            ValueError: an unknown job, a count below 1 or an unknown kind.
+        """
+        if towers_per_task < 1:
+            raise ValueError(f"towers_per_task must be at least 1, got {towers_per_task}")
+        if kind not in ("CPU", "GPU"):
+            raise ValueError(f"kind must be 'CPU' or 'GPU', got {kind!r}")
+        if job not in self.jobs:
+            raise ValueError(f"job {job!r} is not in the cluster; jobs: {sorted(self.jobs)}")
+        return [
+            f"{self.task_name(job, k)}/device:{kind}:{i}"
+            for k in range(len(self.jobs[job]))
+            for i in range(towers_per_task)
+        ]
+
+    def as_dict(self) -> dict[str, list[str]]:
+        """The cluster as ``{job: [addresses]}`` (TF_CONFIG's ``cluster``)."""
+        return {job: list(addresses) for job, addresses in self.jobs.items()}
+
+    def cluster_spec(self) -> Any:
+        """The cluster as a ``tf.train.ClusterSpec`` (imports TensorFlow, starts nothing)."""
+        import tensorflow as tf
+
+        return tf.train.ClusterSpec(self.as_dict())
+
+    def for_task(self, job: str, index: int) -> Cluster:
+        """The same cluster seen from another task."""
+        return Cluster(self.jobs, job, index)
+
+
+def _check_jobs(jobs: Any, argument: str) -> None:
+    if not isinstance(jobs, Mapping) or not jobs:
+        raise ValueError(f"{argument} must map job names to address lists, got {jobs!r}")
+    for job, addresses in jobs.items():
+        if not isinstance(job, str) or not job:
+            raise ValueError(f"{argument}: job names must be non-empty strings, got {job!r}")
+        if isinstance(addresses, str) or not isinstance(addresses, Sequence) or not addresses:
+            raise ValueError(
+                f"{argument}[{job!r}] must be a non-empty list of 'host:port' strings, "
+                f"got {addresses!r}"
+            )
+        for address in addresses:
+            if not isinstance(address, str) or ":" not in address:
+                raise ValueError(f"{argument}[{job!r}]: {address!r} is not 'host:port'")
+
+
+def _check_task(jobs: Mapping[str, Sequence[str]], job: str | None, index: int | None) -> None:
+    if job is None and index is None:
+        return
+    if job is None or index is None:
+        raise ValueError(f"task needs both a type and an index, got type={job!r} index={index!r}")
+    if job not in jobs:
+        raise ValueError(
+            f"task type {job!r} is not a job of the cluster; jobs: {', '.join(sorted(jobs))}"
+        )
+    if isinstance(index, bool) or not isinstance(index, int):
+        raise ValueError(f"task index must be an int, got {index!r}")
+    if not 0 <= index < len(jobs[job]):
+        raise ValueError(
+            f"task index {index} is out of range: job {job!r} has {len(jobs[job])} task(s)"
+        )
+
+
+def _from_tf_config(text: str, argument: str) -> Cluster:
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{argument} is not valid JSON: {err}") from err
+    if not isinstance(config, dict):
+        raise ValueError(f"{argument} must be a JSON object, got {type(config).__name__}")
+    if "cluster" not in config:
+        raise ValueError(f"{argument} has no 'cluster': {text}")
+    _check_jobs(config["cluster"], f"{argument}['cluster']")
+    task = config.get("task") or {}
+    if not isinstance(task, dict):
+        raise ValueError(f"{argument}['task'] must be an object, got {task!r}")
+    if "type" in task and "index" not in task:
+        task = {**task, "index": 0}
+    jobs = {job: tuple(a) for job, a in config["cluster"].items()}
+    try:
+        return Cluster(jobs, task.get("type"), task.get("index"))
+    except ValueError as err:
+        raise ValueError(f"{argument}['task']: {err}") from err
+
+
+def resolve(cluster: Any = None, task_type: str | None = None,
+            task_index: int | None = None) -> Cluster:
+    """The cluster and this process's task, from whichever description is at hand.
+
+    Args:
+        cluster: ``None`` (read the ``TF_CONFIG`` environment variable), a TF_CONFIG
+            JSON string or dict (with ``"cluster"`` and optional ``"task"``), a plain
+            ``{job: [addresses]}`` dict, a ``tf.train.ClusterSpec``, a
+            ``tf.distribute.cluster_resolver.ClusterResolver`` or a :class:`Cluster`.
+        task_type: this process's job; overrides what ``cluster`` says.
+        task_index: this process's index in its job; overrides what ``cluster`` says.
+
+    Returns:
+        A :class:`Cluster`.
+
+    Raises:
+        ValueError: TF_CONFIG unset or malformed (no ``cluster``, an unknown task type,
+            an index out of range), naming the argument or variable at fault.
+        TypeError: ``cluster`` of another type.
+
+    Example:
+        >>> c = resolve({"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, "worker", 1)
+        >>> c.tower_devices(1)
+        ['/job:worker/replica:0/task:0/device:CPU:0', '/job:worker/replica:0/task:1/device:CPU:0']
+    """
+    found = _found(cluster)
+    job = task_type if task_type is not None else found.task_type
+    index = task_index if task_index is not None else found.task_index
+    if job is not None and index is None:
+        index = 0
+    return Cluster(found.jobs, job, index)
+
+
+def _found(cluster: Any) -> Cluster:
+    if isinstance(cluster, Cluster):
+        return cluster
+    if cluster is None:
+        text = os.environ.get("TF_CONFIG")
+        if not text:
+            raise ValueError("TF_CONFIG is not set: pass cluster= or run under `towers launch`")
+        return _from_tf_config(text, "TF_CONFIG")
+    if isinstance(cluster, str):
+        return _from_tf_config(cluster, "cluster")
+    if isinstance(cluster, Mapping):
+        if "cluster" in cluster or "task" in cluster:
+            return _from_tf_config(json.dumps(dict(cluster)), "cluster")
+        _check_jobs(cluster, "cluster")
+        return Cluster({job: tuple(a) for job, a in cluster.items()})
+    return _from_tensorflow(cluster)
+
+
+def _from_tensorflow(cluster: Any) -> Cluster:
+    import tensorflow as tf
+
+    resolver_type = tf.distribute.cluster_resolver.ClusterResolver
+    if isinstance(cluster, tf.train.ClusterSpec):
+        return _from_cluster_spec(cluster, None, None)
+    if isinstance(cluster, resolver_type):
+        return _from_cluster_spec(cluster.cluster_spec(), cluster.task_type, cluster.task_id)
+    raise TypeError(
+        "cluster must be None (TF_CONFIG), a TF_CONFIG string or dict, a {job: [addresses]} "
+        f"dict, a tf.train.ClusterSpec or a ClusterResolver; got {type(cluster).__name__}"
+    )
+
+
+def _from_cluster_spec(spec: Any, job: str | None, index: int | None) -> Cluster:
+    jobs = {}
+    for name in spec.jobs:
+        tasks = spec.job_tasks(name)  # a sparse job lists None for missing indices
+        if any(t is None for t in tasks):
+            raise ValueError(f"cluster: job {name!r} has missing task indices: {tasks}")
+        jobs[name] = tuple(tasks)
+    return Cluster(jobs, job, index)
+
+
+def tf_config(cluster: Cluster | Mapping[str, Sequence[str]], job: str, index: int) -> str:
+    """The TF_CONFIG JSON that puts a process at task ``index`` of ``job``.
+
+    Raises:
+        ValueError: an unknown job or an index out of range.
+
+    Example:
+        >>> tf_config({"worker": ["127.0.0.1:5"]}, "worker", 0)
+        '{"cluster": {"worker": ["127.0.0.1:5"]}, "task": {"type": "worker", "index": 0}}'
+    """
+    jobs = cluster.as_dict() if isinstance(cluster, Cluster) else {
+        j: list(a) for j, a in cluster.items()
+    }
+    Cluster({j: tuple(a) for j, a in jobs.items()}, job, index)
+    return json.dumps({"cluster": jobs, "task": {"type": job, "index": index}})
