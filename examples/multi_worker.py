@@ -131,6 +131,7 @@ def main() -> None:
 
     from towers.cluster import local_cluster, resolve, set_logical_devices, start_worker
     from towers.cluster.local import towers_per_task
+    from towers.devices import set_local_task
 
     if "TF_CONFIG" not in os.environ:  # run alone: a cluster of one worker
         from towers.cluster import tf_config
@@ -146,6 +147,9 @@ def main() -> None:
     else:
         set_logical_devices(towers_n)
         strategy = mwms_over_logical_cpus(towers_n)  # starts the runtime, as start_worker would
+        # start_worker declares this task's devices as the local ones; here MWMS started
+        # the runtime, so say it: /device:CPU:i then means this task's CPU i.
+        set_local_task(cluster.task_type, worker)
         devices = [f"/device:CPU:{i}" for i in range(towers_n)]
     run(args, devices, workers, worker, None if args.no_reference else strategy)
 

@@ -115,10 +115,30 @@ def simulate_devices(
     return local_devices(kind)
 
 
+_LOCAL_TASK = ["localhost", 0]
+"""The (job, task) this process runs as: its devices are named without the task prefix."""
+
+
+def set_local_task(job: str, task: int) -> None:
+    """Declare the (job, task) this process runs as in a cluster (``towers.cluster`` does).
+
+    Its devices then keep their short names (``/device:CPU:0``) while every other task's
+    devices keep their full ``/job:J/replica:R/task:T`` prefix, so a tower on
+    ``task:1/device:CPU:0`` is never mistaken for the local ``/device:CPU:0``.
+    """
+    if not isinstance(job, str) or not job:
+        raise ValueError(f"job must be a non-empty string, got {job!r}")
+    if isinstance(task, bool) or not isinstance(task, int) or task < 0:
+        raise ValueError(f"task must be an int >= 0, got {task!r}")
+    _LOCAL_TASK[:] = [job, task]
+
+
 def canonical_device(name: str) -> str:
     """``'/job:localhost/replica:0/task:0/device:CPU:1'`` -> ``'/device:CPU:1'``.
 
     Two names denote the same device exactly when their canonical forms are equal.
+    A device of this process's own task (``localhost``, or what :func:`set_local_task`
+    declared) gets the short form; another task's device keeps its job, replica and task.
     An empty name stays empty.
     """
     if not name:
@@ -127,4 +147,8 @@ def canonical_device(name: str) -> str:
     if spec.device_type is None:
         return name
     index = 0 if spec.device_index is None else spec.device_index
-    return f"/device:{spec.device_type.upper()}:{index}"
+    short = f"/device:{spec.device_type.upper()}:{index}"
+    task = 0 if spec.task is None else spec.task
+    if spec.job is None or [spec.job, task] == _LOCAL_TASK:
+        return short
+    return f"/job:{spec.job}/replica:{spec.replica or 0}/task:{task}{short}"

@@ -41,14 +41,36 @@ def test_the_client_places_ops_on_every_remote_tower(client: dict[str, np.ndarra
     np.testing.assert_array_equal(client["remote_sum"], [20.0, 20.0, 20.0])  # 2·(1+2+3+4)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "TowerTrainer rejects remote towers: towers.devices.canonical_device drops /job:…/task:…, "
-    "so task 0's CPU:0 and task 1's CPU:0 look like one device ('appears twice')"))
-def test_tower_trainer_on_remote_towers_equals_one_process(
-    client: dict[str, np.ndarray], tmp_path: Path
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, np.ndarray]:
+    return _run("reference", tmp_path_factory.mktemp("reference") / "reference.npz")
+
+
+def test_tower_trainer_trains_on_remote_towers(
+    client: dict[str, np.ndarray], reference: dict[str, np.ndarray]
 ) -> None:
+    """TowerTrainer over 2 tasks × 2 towers lands next to one process's 4 towers.
+
+    Tolerance: 4 ULPs of the largest weight. Measured: one bias element differs by 1 ULP
+    (7.5e-9) after 2 SGD steps; everything else is bitwise (the test below pins that
+    gap). A tower reading the wrong weights or a gradient added twice moves the weights
+    by ~lr·|g| ≈ 1e-3, five orders of magnitude more.
+    """
     assert "error" not in client, str(client.get("error"))
-    reference = _run("reference", tmp_path / "reference.npz")
     names = sorted(k for k in reference if k.startswith("arr_"))
+    assert names and all(name in client for name in names)
+    scale = max(float(np.max(np.abs(reference[name]))) for name in names)
     for name in names:
-        np.testing.assert_array_equal(client[name], reference[name])  # bitwise
+        np.testing.assert_allclose(client[name], reference[name], rtol=0,
+                                   atol=4 * np.spacing(np.float32(scale)))
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "not yet bitwise: one bias element is 1 ULP off after 2 steps, with as_written() rewrites "
+    "off on the servers too; cause not established (the remote tasks run their pieces of "
+    "the step with their own runtime)"))
+def test_tower_trainer_on_remote_towers_equals_one_process_bitwise(
+    client: dict[str, np.ndarray], reference: dict[str, np.ndarray]
+) -> None:
+    for name in sorted(k for k in reference if k.startswith("arr_")):
+        np.testing.assert_array_equal(client[name], reference[name])

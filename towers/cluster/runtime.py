@@ -23,9 +23,12 @@ import time
 from typing import Any
 
 import tensorflow as tf
+from tensorflow.core.protobuf import rewriter_config_pb2
 
+from towers.allreduce.ordering import REWRITES
 from towers.cluster.local import towers_per_task
 from towers.cluster.spec import Cluster, resolve
+from towers.devices import set_local_task
 
 __all__ = ["connect", "serve", "set_logical_devices", "start_server", "start_worker"]
 
@@ -88,6 +91,7 @@ def start_worker(cluster: Any = None, towers: int | None = None) -> list[str]:
     _need_task(found, "start_worker")
     n = towers_per_task() if towers is None else towers
     set_logical_devices(n)
+    set_local_task(found.task_type, found.task_index)  # this task's devices: short names
     ctx = context.context()
     try:
         ctx.configure_collective_ops(
@@ -133,6 +137,11 @@ def start_server(cluster: Any = None, towers: int | None = None) -> tf.distribut
     # The server's devices come from its own ConfigProto, not from the eager context's
     # logical-device configuration (measured: that one leaves the server with CPU:0 only).
     config = tf.compat.v1.ConfigProto(device_count={"CPU": n})
+    # A remote task optimizes the graph pieces it runs with its own options: keep additions
+    # as written there too (towers.allreduce.ordering.REWRITES, docs/architecture.md).
+    rewrites = config.graph_options.rewrite_options
+    for name in REWRITES:
+        setattr(rewrites, name, rewriter_config_pb2.RewriterConfig.OFF)
     return tf.distribute.Server(
         found.cluster_spec(), job_name=found.task_type, task_index=found.task_index,
         protocol="grpc", config=config, start=True,
