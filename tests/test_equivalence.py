@@ -15,7 +15,7 @@ optimizer at several tower counts, and Hypothesis adds ``examples(ci=k)`` drawn 
    per-tower loss (``compute_average_loss`` + ``scale_regularization_loss``), the kernels
    and the optimizer arithmetic are the same operations on the same values, so every
    weight must come out bitwise equal (tolerance 0). The strategy cannot train
-   BatchNormalization, Dropout or Nadam (DESIGN: "You must specify an aggregation
+   BatchNormalization, Dropout or Nadam (docs/architecture.md; "You must specify an aggregation
    method"), so this test draws only ``CENTRAL_STORAGE_FAMILIES`` × ``..._OPTIMIZERS``.
 2. Both placements vs MirroredStrategy with ``ReductionToOneDevice`` — bitwise, for the
    same reason (``add_n`` on device 0 in replica order). This covers every family and
@@ -105,7 +105,7 @@ def _trainer(case: TrainingCase, all_reduce: object) -> towers.TowerTrainer:
         devices=DEVICES[: case.towers],
         all_reduce=all_reduce,
         variables=case.placement,
-        non_trainable="first_tower",  # MirroredStrategy's observable value (DESIGN.md)
+        non_trainable="first_tower",  # MirroredStrategy's observable value (docs/architecture.md)
     )
 
 

@@ -96,7 +96,7 @@ def test_old_module_names_still_import(old: str) -> None:
 def test_moved_modules_are_package_attributes() -> None:
     from towers.training import checkpoint
 
-    assert towers.checkpoint is checkpoint  # DESIGN: towers.checkpoint.save(trainer, prefix)
+    assert towers.checkpoint is checkpoint  # the documented towers.checkpoint.save(trainer, prefix)
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         _ = towers.nope  # type: ignore[attr-defined]
 

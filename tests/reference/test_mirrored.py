@@ -239,7 +239,7 @@ def test_batchnorm_moving_statistics_drift_per_replica() -> None:
     copies = [weights[index][0] for weights in trainer.replica_weights()]
     shard_means = x.reshape(4, 2).mean(axis=1)
     np.testing.assert_allclose(copies, shard_means * 0.5, rtol=1e-6)  # not synchronized
-    np.testing.assert_allclose(copies, [0.75, 3.75, 6.75, 9.75], rtol=1e-6)  # DESIGN.md
+    np.testing.assert_allclose(copies, [0.75, 3.75, 6.75, 9.75], rtol=1e-6)  # docs/architecture.md
     assert len(set(copies)) == 4
     np.testing.assert_array_equal(trainer.get_weights()[index], [copies[0]])  # replica 0's
     for v, *replicas in zip(trainer.model.weights, *trainer.replica_weights(), strict=True):

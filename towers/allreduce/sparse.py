@@ -5,7 +5,7 @@ sparse gradients is done by concatenation: tower 0's rows, then tower 1's, and
 so on, duplicates kept. This is exactly what ``MirroredStrategy`` does (it
 all-gathers indices and values), and it matters: Keras 3's Adam applied to
 duplicated rows is not the same math as Adam applied to their dense sum (see
-DESIGN.md), so densifying would break equivalence. :func:`densify` is there for
+docs/architecture.md), so densifying would break equivalence. :func:`densify` is there for
 callers who want the dense sum instead.
 
 Schedule (n towers; each tower sends its slices to every other tower)::

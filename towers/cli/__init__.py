@@ -7,6 +7,7 @@ Commands:
     check     check an all-reduce against the contract with Hypothesis.
     timeline  write one training step as a Perfetto / chrome://tracing timeline.
     bench     all-reduce and training-step benchmarks side by side with tf.distribute.
+    launch    run a command once per task of a localhost cluster, each with its TF_CONFIG.
 
 Each command lives in its own module with ``add_arguments(parser)`` and
 ``run(args) -> exit code``. Nothing starts TensorFlow's runtime before a command runs,
