@@ -91,7 +91,7 @@ def start_worker(cluster: Any = None, towers: int | None = None) -> list[str]:
     _need_task(found, "start_worker")
     n = towers_per_task() if towers is None else towers
     set_logical_devices(n)
-    set_local_task(found.task_type, found.task_index)  # this task's devices: short names
+    set_local_task(str(found.task_type), int(found.task_index or 0))  # its devices: short names
     ctx = context.context()
     try:
         ctx.configure_collective_ops(
