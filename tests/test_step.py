@@ -219,12 +219,13 @@ def test_step_stats_name_every_source() -> None:
     from towers.allreduce.ring import bytes_sent
 
     expected = sum(bytes_sent(3, int(v.size) * 4, 4)[0] for v in trainer.get_weights())
-    bookkeeping = {"loss", "state"}  # the tower's loss and example count (4 + 4 bytes)
+    # the tower's loss, example count and non-finite guard code (4 + 4 + 4 bytes)
+    bookkeeping = {"loss", "state", "guard"}
     gradients = sum(
         t.nbytes or 0 for t in stats.transfers if t.src == DEVICES[1] and t.note not in bookkeeping
     )
     assert gradients == expected
-    assert stats.bytes_per_tower[DEVICES[1]] == expected + 8
+    assert stats.bytes_per_tower[DEVICES[1]] == expected + 12
 
 
 def test_return_outputs_gives_this_steps_predictions_in_tower_order() -> None:
