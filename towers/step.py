@@ -47,7 +47,7 @@ from towers.allreduce.parameter_device import parameter_device as _parameter_dev
 from towers.allreduce.primitives import Recorder, Transfer, record, send
 from towers.allreduce.reducer import as_reducer
 from towers.guard.errors import NonFiniteError
-from towers.guard.inputs import check_choice
+from towers.guard.inputs import batch_tensors, check_choice, check_kinds
 from towers.guard.nonfinite import Guard
 from towers.placement import (
     PLACEMENTS,
@@ -55,12 +55,13 @@ from towers.placement import (
     OptimizerLike,
     Replica,
     check_devices,
+    check_weights,
     get_placement,
     make_replicas,
     read_weights,
     variable_values,
 )
-from towers.split import Shards, check_batch, concat, shard_batch
+from towers.split import Shards, concat, shard_batch
 from towers.tower import (
     Gradients,
     LossFn,
@@ -155,6 +156,7 @@ class TowerTrainer:
         sparse: str = "gather",
         on_nonfinite: str = "skip",
     ) -> None:
+        check_kinds(model, optimizer, loss)
         self.devices = check_devices(devices)
         self.placement = get_placement(variables)
         self.non_trainable_mode = check_choice("non_trainable", non_trainable, NON_TRAINABLE)
@@ -225,13 +227,7 @@ class TowerTrainer:
         return self._step.get_concrete_function(*self._inputs(x, y, sample_weight))
 
     def _inputs(self, x: Any, y: Any, sample_weight: Any) -> tuple[Any, Any, Any]:
-        check_batch(x, y, sample_weight)
-        x = tf.nest.map_structure(tf.convert_to_tensor, x)
-        y = None if y is None else tf.nest.map_structure(tf.convert_to_tensor, y)
-        if sample_weight is not None:
-            dtype = tf.as_dtype(self.model.trainable_variables[0].dtype)
-            sample_weight = tf.convert_to_tensor(sample_weight, dtype=dtype)
-        return x, y, sample_weight
+        return batch_tensors(x, y, sample_weight, self.model)
 
     def _train_step(self, x: Any, y: Any, sample_weight: Any, with_outputs: bool = False) -> Any:
         self.trace_count += 1
@@ -365,9 +361,16 @@ class TowerTrainer:
         return variable_values(self.model.weights)
 
     def set_weights(self, weights: Sequence[np.ndarray]) -> None:
-        """Set every replica's weights (``model.weights`` order)."""
+        """Set every replica's weights (``model.weights`` order), all or nothing.
+
+        Raises:
+            TypeError, ValueError: a wrong count, shape or dtype (naming the index and
+                the variable); checked for every array before any is assigned.
+        """
+        arrays = check_weights(self.model.weights, weights)
         for replica in self.replicas:
-            replica.model.set_weights(list(weights))
+            for variable, value in zip(replica.model.weights, arrays):
+                variable.assign(value)
 
     def replica_weights(self) -> list[list[np.ndarray]]:
         """Every replica's weights (one list per replica; a single one for parameter_device)."""
