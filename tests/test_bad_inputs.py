@@ -308,8 +308,71 @@ def table() -> str:
 
 
 def test_docs_show_the_same_table() -> None:
-    assert table() in DOC.read_text(), "regenerate: python -m tests.test_bad_inputs"
+    text = DOC.read_text()
+    assert table() in text and cli_table() in text, "regenerate: python -m tests.test_bad_inputs"
+
+
+# -- the command line: nonsense exits 2 with a one-line error, no traceback ---------------------
+
+CLI_CASES = [
+    ("train", "--epochs", "-1", "argument --epochs: must be an integer >= 1, got -1"),
+    ("train", "--epochs", "two", "argument --epochs: expected an integer, got 'two'"),
+    ("train", "--towers", "0", "argument --towers: must be an integer >= 1, got 0"),
+    ("train", "--batch-size", "0", "argument --batch-size: must be an integer >= 1, got 0"),
+    ("train", "--lr", "0", "argument --lr: must be a finite number > 0, got 0"),
+    ("train", "--lr", "nan", "argument --lr: must be a finite number > 0, got nan"),
+    ("train", "--seed", "-3", "argument --seed: must be an integer >= 0, got -3"),
+    ("train", "--algorithm", "nope", "argument --algorithm: unknown algorithm 'nope'; choose"),
+    ("bench", "--sizes", "0", "argument --sizes: must be an integer >= 1, got 0"),
+    ("bench", "--sizes", "4096,-8", "argument --sizes: must be an integer >= 1, got -8"),
+    ("bench", "--sizes", ",", "argument --sizes: expected a comma list of integers"),
+    ("bench", "--towers", "0", "argument --towers: must be an integer >= 1, got 0"),
+    ("bench", "--rounds", "0", "argument --rounds: must be an integer >= 1, got 0"),
+    ("bench", "--step-rounds", "-1", "argument --step-rounds: must be an integer >= 1, got -1"),
+    ("bench", "--batch-size", "0", "argument --batch-size: must be an integer >= 1, got 0"),
+    ("bench", "--scaling-towers", "2,0", "argument --scaling-towers: must be an integer >= 1"),
+]
+
+
+@pytest.mark.parametrize(("command", "option", "value", "message"), CLI_CASES,
+                         ids=[f"{c[0]}{c[1]}={c[2]}" for c in CLI_CASES])  # fmt: skip
+def test_cli_refuses_nonsense_with_exit_2_and_one_line(
+    command: str, option: str, value: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from towers.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main([command, option, value])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"towers {command}: error: {message}")
+    assert not any("Traceback" in line for line in err)
+
+
+def test_cli_error_in_a_fresh_process_has_no_traceback() -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    proc = subprocess.run([sys.executable, "-m", "towers", "train", "--towers", "0"],
+                          capture_output=True, text=True, env=env, timeout=120,
+                          cwd=Path(__file__).resolve().parents[1])  # fmt: skip
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "towers train: error: argument --towers: must be an integer >= 1, got 0"
+    )
+
+
+def cli_table() -> str:
+    """The command-line cases as the Markdown table docs/bad_inputs.md shows."""
+    rows = ["| command | exit | last line of stderr starts with |", "|---|---|---|"]
+    for command, option, value, message in CLI_CASES:
+        rows.append(f"| `towers {command} {option} {value}` | 2 | `towers {command}: error: "
+                    f"{message}` |")  # fmt: skip
+    return "\n".join(rows)
 
 
 if __name__ == "__main__":
-    print(table())
+    print(table(), cli_table(), sep="\n\n")
