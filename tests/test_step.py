@@ -219,12 +219,13 @@ def test_step_stats_name_every_source() -> None:
     from towers.allreduce.ring import bytes_sent
 
     expected = sum(bytes_sent(3, int(v.size) * 4, 4)[0] for v in trainer.get_weights())
-    bookkeeping = {"loss", "state"}  # the tower's loss and example count (4 + 4 bytes)
+    # the tower's loss, example count and non-finite guard code (4 + 4 + 4 bytes)
+    bookkeeping = {"loss", "state", "guard"}
     gradients = sum(
         t.nbytes or 0 for t in stats.transfers if t.src == DEVICES[1] and t.note not in bookkeeping
     )
     assert gradients == expected
-    assert stats.bytes_per_tower[DEVICES[1]] == expected + 8
+    assert stats.bytes_per_tower[DEVICES[1]] == expected + 12
 
 
 def test_return_outputs_gives_this_steps_predictions_in_tower_order() -> None:
@@ -316,3 +317,30 @@ def test_phases_hand_over_small_typed_values() -> None:
     assert len(reduced.non_trainable) == len(trainer.model.non_trainable_variables)
     trainer.apply(reduced)
     assert int(trainer.optimizer.iterations) == 1
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "fragment"),
+    [
+        (lambda w: w[:-1], ValueError, r"expected 8 arrays \(model.weights\), got 7"),
+        (lambda w: [*w[:-1], np.zeros([4], "float32")], ValueError,
+         r"weights\[7\] \(variable dense\w*/bias, float32\[3\]\): got shape \[4\]"),
+        (lambda w: [*w[:-1], np.array(["a", "b", "c"])], TypeError,
+         r"weights\[7\].*expected numbers"),
+        (lambda w: w[0], TypeError, "weights must be a list of arrays"),
+    ],
+    ids=["count", "shape-of-the-last", "strings", "one-array"],
+)  # fmt: skip
+def test_set_weights_checks_every_array_before_assigning_any(
+    change: object, error: type, fragment: str
+) -> None:
+    spec = ModelSpec("batchnorm")  # 8 weights: Dense (2), BatchNorm (4), Dense (2)
+    trainer = _trainer(spec, 3, variables="replicated")
+    trainer.train_step(*spec.batch(6, seed=0))
+    before = trainer.replica_weights()
+    good = [w + 1 for w in trainer.get_weights()]
+    with pytest.raises(error, match=fragment):
+        trainer.set_weights(change(good))  # type: ignore[operator]
+    for now, then in zip(trainer.replica_weights(), before):
+        for a, b in zip(now, then):
+            np.testing.assert_array_equal(a, b)

@@ -12,7 +12,8 @@ The package's top level is the data flow of one step (docs/architecture.md)::
 Tools are sub-packages that call the step's public phases: ``training/`` (fit,
 checkpoint, export), ``trace/`` (schedules, pictures, timelines), ``bench/``
 (benchmarks, cost model), ``testing/`` (Hypothesis strategies, error bound,
-checker) and ``cli/`` (``python -m towers``).
+checker), ``guard/`` (the checks a step makes before it changes anything, and the
+package's error types) and ``cli/`` (``python -m towers``).
 """
 
 from __future__ import annotations
@@ -27,12 +28,17 @@ from typing import Any
 
 from towers.allreduce import ALGORITHMS, all_reduce, bucketed, compressed
 from towers.devices import local_devices, simulate_devices
+from towers.guard.errors import CheckpointError, NonFiniteError, StepTimeout, TowersError
 from towers.split import split
 from towers.step import TowerTrainer
 
 __all__ = [
     "ALGORITHMS",
+    "CheckpointError",
+    "NonFiniteError",
+    "StepTimeout",
     "TowerTrainer",
+    "TowersError",
     "all_reduce",
     "bucketed",
     "compressed",

@@ -35,6 +35,7 @@ __all__ = [
     "Replica",
     "Replicated",
     "check_devices",
+    "check_weights",
     "get_placement",
     "make_replicas",
     "read_weights",
@@ -232,6 +233,36 @@ def make_replicas(model: ModelLike, optimizer: OptimizerLike, devices: list[str]
         opt = _new_optimizer(optimizer, made, device, first=not replicas)
         replicas.append(Replica(device, made, opt))
     return replicas
+
+
+def check_weights(variables: Sequence[Any], weights: Any) -> list[np.ndarray]:
+    """``weights`` as arrays of ``variables``' dtypes, every one checked before any is used.
+
+    Raises:
+        TypeError: ``weights`` is not a list, or an array is not numeric, or a float
+            array is given for an integer variable.
+        ValueError: the count differs, or an array's shape (naming its index and variable).
+    """
+    if isinstance(weights, (str, bytes, np.ndarray)) or not isinstance(weights, Sequence):
+        raise TypeError(
+            f"weights must be a list of arrays (model.weights order), got {weights!r:.80}"
+        )
+    if len(weights) != len(variables):
+        raise ValueError(
+            f"weights: expected {len(variables)} arrays (model.weights), got {len(weights)}"
+        )
+    arrays = []
+    for i, (v, w) in enumerate(zip(variables, weights)):
+        where = f"weights[{i}] (variable {v.path}, {v.dtype}{list(v.shape)})"
+        a = np.asarray(w)
+        if a.dtype.kind not in "biuf":
+            raise TypeError(f"{where}: expected numbers, got an array of {a.dtype}")
+        if a.dtype.kind == "f" and np.dtype(v.dtype).kind in "iub":
+            raise TypeError(f"{where}: a float array for an integer variable would be truncated")
+        if tuple(a.shape) != tuple(v.shape):
+            raise ValueError(f"{where}: got shape {list(a.shape)}")
+        arrays.append(a.astype(v.dtype, copy=False))
+    return arrays
 
 
 def variable_values(variables: list[Any]) -> list[np.ndarray]:

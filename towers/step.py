@@ -9,7 +9,9 @@
 
 ``train_step`` is exactly these four calls inside one ``tf.function`` (traced once
 per input signature), run :func:`towers.allreduce.ordering.as_written` so additions
-happen in the order the code states. A teacher can call the phases one at a time:
+happen in the order the code states; ``reduce`` and ``apply`` sit inside the
+non-finite guard's one ``tf.cond`` (:mod:`towers.guard.nonfinite`), so a step with a
+NaN or Inf on any tower changes nothing. A teacher can call the phases one at a time:
 each in its own ``tf.function`` under ``as_written()``, they give bitwise the step's
 loss, weights and optimizer state. Eagerly they do too once Grappler's kernel fusion
 is off (``tf.config.optimizer.set_experimental_options({"remapping": False})``):
@@ -44,18 +46,22 @@ from towers.allreduce.ordering import as_written
 from towers.allreduce.parameter_device import parameter_device as _parameter_device_algo
 from towers.allreduce.primitives import Recorder, Transfer, record, send
 from towers.allreduce.reducer import as_reducer
+from towers.guard.errors import NonFiniteError
+from towers.guard.inputs import batch_tensors, check_choice, check_kinds
+from towers.guard.nonfinite import Guard
 from towers.placement import (
     PLACEMENTS,
     ModelLike,
     OptimizerLike,
     Replica,
     check_devices,
+    check_weights,
     get_placement,
     make_replicas,
     read_weights,
     variable_values,
 )
-from towers.split import Shards, check_batch, concat, shard_batch
+from towers.split import Shards, concat, shard_batch
 from towers.tower import (
     Gradients,
     LossFn,
@@ -69,12 +75,6 @@ from towers.tower import (
 __all__ = ["NON_TRAINABLE", "PLACEMENTS", "Reduced", "StepStats", "TowerTrainer", "check_devices"]
 
 NON_TRAINABLE = ("mean", "first_tower")
-
-
-def _check_choice(name: str, value: str, choices: Sequence[str]) -> str:
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
-    return value
 
 
 class Reduced(NamedTuple):
@@ -129,6 +129,12 @@ class TowerTrainer:
         non_trainable: ``"mean"`` or ``"first_tower"`` (see the module docstring).
         sparse: ``"gather"`` (keep ``IndexedSlices``, concatenated in tower order, as
             MirroredStrategy does) or ``"densify"`` (dense all-reduce of sparse gradients).
+        on_nonfinite: ``"skip"`` (default: a step whose loss, gradients or state hold a
+            NaN/Inf on any tower changes nothing and is counted in :attr:`skipped_steps`),
+            ``"raise"`` (the same, then :class:`~towers.guard.errors.NonFiniteError`) or
+            ``"ignore"`` (apply whatever comes, as tf.distribute does). Skip is the
+            default because one bad batch should neither poison every replica nor end a
+            long run; see :mod:`towers.guard.nonfinite`.
 
     Example:
         >>> devices = towers.simulate_devices(4)                      # doctest: +SKIP
@@ -148,11 +154,13 @@ class TowerTrainer:
         parameter_device: str | None = None,
         non_trainable: str = "mean",
         sparse: str = "gather",
+        on_nonfinite: str = "skip",
     ) -> None:
+        check_kinds(model, optimizer, loss)
         self.devices = check_devices(devices)
         self.placement = get_placement(variables)
-        self.non_trainable_mode = _check_choice("non_trainable", non_trainable, NON_TRAINABLE)
-        self.sparse = _check_choice("sparse", sparse, ("gather", "densify"))
+        self.non_trainable_mode = check_choice("non_trainable", non_trainable, NON_TRAINABLE)
+        self.sparse = check_choice("sparse", sparse, ("gather", "densify"))
         self.parameter_device = (
             check_devices([parameter_device])[0] if parameter_device else self.devices[0]
         )
@@ -167,6 +175,7 @@ class TowerTrainer:
         homes = self.placement.homes(self.devices, self.parameter_device)
         self.replicas: list[Replica] = make_replicas(model, optimizer, homes)
         self.reducer.build(self.model.trainable_variables, self.devices)
+        self.guard = Guard(on_nonfinite, len(self.devices), self.parameter_device)
         self.trace_count = 0
         self.last_trace_stats: Recorder | None = None
         # No reduce_retracing: a static batch size gives static shard sizes (empty towers are
@@ -203,34 +212,38 @@ class TowerTrainer:
 
         Raises:
             ValueError: x, y and sample_weight disagree on the batch size, or it is 0.
+            NonFiniteError: ``on_nonfinite="raise"`` and a tower met a NaN or Inf (the
+                step changed nothing).
         """
         step = self._step_with_outputs if return_outputs else self._step
         with as_written():
-            return step(*self._inputs(x, y, sample_weight))
+            result = step(*self._inputs(x, y, sample_weight))
+        if self.guard.mode == "raise" and (bad := self.guard.last()):
+            raise NonFiniteError(int(self.optimizer.iterations), bad, self.devices)
+        return result
 
     def step_function(self, x: Any, y: Any, sample_weight: Any = None) -> Any:
         """The step traced for this input signature (a ``ConcreteFunction``: its graph)."""
         return self._step.get_concrete_function(*self._inputs(x, y, sample_weight))
 
     def _inputs(self, x: Any, y: Any, sample_weight: Any) -> tuple[Any, Any, Any]:
-        check_batch(x, y, sample_weight)
-        x = tf.nest.map_structure(tf.convert_to_tensor, x)
-        y = None if y is None else tf.nest.map_structure(tf.convert_to_tensor, y)
-        if sample_weight is not None:
-            dtype = tf.as_dtype(self.model.trainable_variables[0].dtype)
-            sample_weight = tf.convert_to_tensor(sample_weight, dtype=dtype)
-        return x, y, sample_weight
+        return batch_tensors(x, y, sample_weight, self.model)
 
     def _train_step(self, x: Any, y: Any, sample_weight: Any, with_outputs: bool = False) -> Any:
         self.trace_count += 1
         with record() as recorder:
             grads = self.forward_backward(self.split(x, y, sample_weight))
-            reduced = self.reduce(grads)
-            self.apply(reduced)
+            # reduce → apply inside the guard's one tf.cond: all of it or nothing
+            loss = self.guard.run(grads.towers, self.devices, lambda: self._update(grads))
             if with_outputs:
                 outputs = concat([r.outputs for r in grads.towers], self.parameter_device)
         self.last_trace_stats = recorder
-        return (reduced.loss, outputs) if with_outputs else reduced.loss
+        return (loss, outputs) if with_outputs else loss
+
+    def _update(self, grads: Gradients) -> tf.Tensor:
+        reduced = self.reduce(grads)
+        self.apply(reduced)
+        return reduced.loss
 
     def split(self, x: Any, y: Any, sample_weight: Any = None) -> Shards:
         """Phase 1: cut the global batch into one shard per tower (MirroredStrategy's split).
@@ -309,6 +322,22 @@ class TowerTrainer:
             return None
         return StepStats.from_recorder(self.last_trace_stats)
 
+    @property
+    def on_nonfinite(self) -> str:
+        """What a step with a NaN or Inf does: ``"skip"``, ``"raise"`` or ``"ignore"``."""
+        return self.guard.mode
+
+    @property
+    def skipped_steps(self) -> int:
+        """How many steps the non-finite guard skipped (``on_nonfinite`` "skip"/"raise")."""
+        return int(self.guard.skipped.numpy())
+
+    @property
+    def last_step_nonfinite(self) -> dict[int, list[str]]:
+        """``{tower: ["loss", "gradients", …]}`` of the last step; empty when it was finite
+        (or ``on_nonfinite="ignore"``). A non-empty result means the step was skipped."""
+        return self.guard.last()
+
     def fit(self, *args: Any, **kwargs: Any) -> Any:
         """Keras-style training loop; see :func:`towers.training.fit.fit`."""
         from towers.training.fit import fit
@@ -332,9 +361,16 @@ class TowerTrainer:
         return variable_values(self.model.weights)
 
     def set_weights(self, weights: Sequence[np.ndarray]) -> None:
-        """Set every replica's weights (``model.weights`` order)."""
+        """Set every replica's weights (``model.weights`` order), all or nothing.
+
+        Raises:
+            TypeError, ValueError: a wrong count, shape or dtype (naming the index and
+                the variable); checked for every array before any is assigned.
+        """
+        arrays = check_weights(self.model.weights, weights)
         for replica in self.replicas:
-            replica.model.set_weights(list(weights))
+            for variable, value in zip(replica.model.weights, arrays):
+                variable.assign(value)
 
     def replica_weights(self) -> list[list[np.ndarray]]:
         """Every replica's weights (one list per replica; a single one for parameter_device)."""

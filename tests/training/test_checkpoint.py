@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import glob
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import keras
 import numpy as np
@@ -14,6 +17,8 @@ import tensorflow as tf
 
 import towers
 from tests.conftest import DEVICES
+from towers.allreduce.codecs import fp16, topk
+from towers.allreduce.powersgd import powersgd
 from towers.testing import assert_weights_close
 from towers.training import checkpoint
 from towers.training.data import digits
@@ -181,3 +186,105 @@ def test_export_reloads_as_keras_and_saved_model(tmp_path: Path) -> None:
     np.testing.assert_allclose(served, expected, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match=r"^path"):
         export(trainer, out.keras)
+
+
+# --- all or nothing: a checkpoint that does not fit, or is damaged, changes nothing ------------
+
+
+def _compressed(codec: Any, dtype: str = "float32") -> towers.TowerTrainer:
+    def make() -> keras.Model:
+        inp = keras.Input((64,), dtype=dtype)
+        h = keras.layers.Dense(16, activation="relu", dtype=dtype)(inp)
+        return keras.Model(inp, keras.layers.Dense(10, dtype=dtype)(h))
+
+    return towers.TowerTrainer(
+        make, lambda: keras.optimizers.Adam(1e-2),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        devices=DEVICES[:3], all_reduce=towers.compressed("ring", codec), variables="replicated",
+    )  # fmt: skip
+
+
+def _everything(trainer: towers.TowerTrainer) -> list[bytes]:
+    """Every variable a restore could write: replicas, optimizer slots, codec state."""
+    found = [v for r in trainer.replicas for v in [*r.model.variables, *r.optimizer.variables]]
+    if isinstance(trainer.algorithm, tf.Module):
+        found += list(trainer.algorithm.variables)
+    return [np.asarray(v.numpy()).tobytes() for v in found]
+
+
+def _trained(trainer: towers.TowerTrainer, steps: int = 1) -> towers.TowerTrainer:
+    x, y, _, _ = digits()
+    for k in range(steps):
+        trainer.train_step(x[30 * k : 30 * (k + 1)].reshape(30, 64), y[30 * k : 30 * (k + 1)])
+    return trainer
+
+
+@pytest.mark.parametrize(
+    ("saved", "target", "fragment"),
+    [
+        (lambda: powersgd(2), lambda: powersgd(1), "all-reduce's state"),  # codec state shapes
+        (lambda: topk(0.5), lambda: fp16(), "state values in the checkpoint, 0 here"),
+        (lambda: fp16(), lambda: topk(0.5), "all-reduce.s state"),
+    ],
+    ids=["powersgd-rank", "state-vs-stateless", "stateless-vs-state"],
+)
+def test_restore_with_other_codec_state_changes_nothing(
+    tmp_path: Path, saved: Any, target: Any, fragment: str
+) -> None:
+    prefix = checkpoint.save(_trained(_compressed(saved())), str(tmp_path / "c"))
+    other = _trained(_compressed(target()), 2)
+    before = _everything(other)
+    with pytest.raises(towers.CheckpointError, match=fragment) as info:
+        checkpoint.restore(other, prefix)
+    assert info.value.path == prefix
+    assert _everything(other) == before
+
+
+def test_restore_with_other_dtypes_changes_nothing(tmp_path: Path) -> None:
+    prefix = checkpoint.save(_trained(_compressed(topk(0.5), "float64")), str(tmp_path / "c"))
+    other = _trained(_compressed(topk(0.5)))
+    before = _everything(other)
+    with pytest.raises(towers.CheckpointError, match=r"float64\[64, 16\] in the checkpoint"):
+        checkpoint.restore(other, prefix)
+    assert _everything(other) == before
+
+
+def _damage(prefix: str, suffix: str, how: str) -> None:
+    (name,) = glob.glob(prefix + suffix)
+    data = Path(name).read_bytes()
+    if how == "truncate":
+        Path(name).write_bytes(data[: len(data) // 2])
+    else:  # flip bytes in the middle of the file
+        mid = len(data) // 2
+        Path(name).write_bytes(data[:mid] + bytes(b ^ 0xFF for b in data[mid : mid + 16])
+                               + data[mid + 16 :])  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("suffix", "how"),
+    [(".index", "truncate"), (".data-*", "truncate"), (".data-*", "corrupt"),
+     (".index", "corrupt")],
+)  # fmt: skip
+def test_damaged_checkpoint_raises_checkpoint_error_naming_the_path(
+    tmp_path: Path, suffix: str, how: str
+) -> None:
+    prefix = checkpoint.save(_trained(_compressed(topk(0.5))), str(tmp_path / "c"))
+    _damage(prefix, suffix, how)
+    other = _trained(_compressed(topk(0.5)), 2)
+    before = _everything(other)
+    with pytest.raises(towers.CheckpointError, match=re.escape(prefix)):
+        checkpoint.restore(other, prefix)
+    assert _everything(other) == before
+
+
+def test_missing_checkpoint_raises_checkpoint_error(tmp_path: Path) -> None:
+    with pytest.raises(towers.CheckpointError, match="cannot be read"):
+        checkpoint.restore(_small(2), str(tmp_path / "nothing"))
+
+
+def test_matching_restore_still_round_trips(tmp_path: Path) -> None:
+    source = _trained(_compressed(topk(0.5)), 2)
+    prefix = checkpoint.save(source, str(tmp_path / "c"))
+    other = _trained(_compressed(topk(0.5)))
+    checkpoint.restore(other, prefix)
+    assert _everything(other) == _everything(source)

@@ -226,7 +226,7 @@ def test_progress_bar_and_validation_logs(capsys: pytest.CaptureFixture[str]) ->
     )
     out = capsys.readouterr().out
     assert "Epoch 2/2" in out and "2/2" in out and "val_accuracy" in out
-    assert set(history.history) == {"loss", "accuracy", "val_loss", "val_accuracy"}
+    assert set(history.history) == {"loss", "accuracy", "skipped", "val_loss", "val_accuracy"}
     assert history.history["val_loss"][-1] == pytest.approx(
         trainer.evaluate(X_TEST[:64], Y_TEST[:64], batch_size=64), rel=0, abs=0
     )
@@ -298,7 +298,7 @@ def test_csv_logger_writes_one_row_per_epoch(tmp_path: Path) -> None:
     )
     rows = list(csv.DictReader(path.open()))
     assert [int(r["epoch"]) for r in rows] == [0, 1, 2]
-    assert set(rows[0]) == {"epoch", "loss", "accuracy", "val_loss", "val_accuracy"}
+    assert set(rows[0]) == {"epoch", "loss", "accuracy", "skipped", "val_loss", "val_accuracy"}
     for key in ("loss", "val_accuracy"):
         np.testing.assert_allclose([float(r[key]) for r in rows], history.history[key], rtol=1e-6)
 
@@ -367,3 +367,28 @@ def test_zero_epochs_train_nothing(tiny: towers.TowerTrainer) -> None:
     history = tiny.fit(X[:8], Y[:8], epochs=0, verbose=0)
     assert history.history == {}
     assert_weights_close(tiny.get_weights(), before, what="untouched")
+
+
+def test_fit_counts_skipped_steps_and_leaves_them_out_of_the_loss() -> None:
+    # batch 1 of epoch 0 holds a NaN: the guard skips it; the history says so, the epoch's
+    # loss averages the other batches, and the weights equal training without that batch.
+    x = X[:192].copy()
+    x[64 + 5, 0, 0, 0] = np.nan  # batch 1 (rows 64…127), tower 0
+    ours = _tiny(2)
+    history = ours.fit(x, Y[:192], batch_size=64, epochs=2, shuffle=False, verbose=0)
+    assert history.history["skipped"] == [1.0, 1.0]
+    assert ours.skipped_steps == 2
+    assert all(math.isfinite(v) for v in history.history["loss"])
+    clean = _tiny(2)
+    for _ in range(2):
+        for k in (0, 2):
+            clean.train_step(X[64 * k : 64 * (k + 1)], Y[64 * k : 64 * (k + 1)])
+    for a, b in zip(ours.get_weights(), clean.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    assert int(ours.optimizer.iterations) == 4
+
+
+def test_fit_reports_no_skips_when_the_guard_is_off() -> None:
+    trainer = _tiny(2, on_nonfinite="ignore")
+    history = trainer.fit(X[:128], Y[:128], batch_size=64, epochs=1, verbose=0)
+    assert "skipped" not in history.history

@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from towers.cli.train import at_least
+
 __all__ = ["EPILOG", "SECTIONS", "add_arguments", "run"]
 
 SECTIONS = ("allreduce", "costmodel", "training", "scaling")
@@ -37,13 +39,19 @@ def _csv(text: str) -> list[str]:
 
 
 def _ints(text: str) -> list[int]:
-    return [int(part) for part in _csv(text)]
+    """A comma list of integers >= 1 (else a one-line usage error, exit 2)."""
+    positive = at_least(1)
+    values = [positive(part) for part in _csv(text)]
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected a comma list of integers, got {text!r}")
+    return values
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``towers bench``."""
     add = parser.add_argument
-    add("--towers", type=int, default=4, help="simulated devices for the tables (default 4)")
+    add("--towers", type=at_least(1), default=4,
+        help="simulated devices for the tables (default 4)")
     add("--quick", action="store_true", help="4 KB-1 MB, fewer rounds, scaling to 8 towers")
     add("--out", type=Path, default=Path("benchmarks"), help="output folder (default benchmarks/)")
     add("--sections", type=_csv, default=list(SECTIONS),
@@ -52,10 +60,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="comma list of registered algorithms (default all; tf.* names select "
         "tf.CollectiveAllReduce / tf.ReductionToOneDevice in the all-reduce table)")
     add("--sizes", type=_ints, default=None, help="comma list of bytes per tower")
-    add("--rounds", type=int, default=None, help="all-reduce rounds (default 15; quick 9)")
-    add("--step-rounds", type=int, default=None, help="training rounds (default 13; quick 5)")
+    add("--rounds", type=at_least(1), default=None, help="all-reduce rounds (default 15; quick 9)")
+    add("--step-rounds", type=at_least(1), default=None,
+        help="training rounds (default 13; quick 5)")
     add("--models", type=_csv, default=None, help="comma list of conv-mnist, mlp (default both)")
-    add("--batch-size", type=int, default=256, help="global batch of the step table (256)")
+    add("--batch-size", type=at_least(1), default=256, help="global batch of the step table (256)")
     add("--placements", type=_csv, default=None,
         help="comma list of parameter_device, replicated (default both)")
     add("--scaling-towers", type=_ints, default=None, help="default 2,4,8,16 (quick: 2,4,8)")

@@ -17,21 +17,32 @@ checkpoint held the optimizer's slots but neither the model's weights as such no
 dropout ``seed_generator_state``, so a resumed run would draw different dropout masks.
 
 A checkpoint restores into a trainer built the same way (same model, optimizer,
-placement and number of replicas); anything else is a ValueError.
+placement, number of replicas and all-reduce state), all or nothing; anything else,
+and a missing, truncated or corrupt file, is a :class:`~towers.CheckpointError`
+naming the path, with the trainer unchanged.
 """
 
 from __future__ import annotations
 
+import copy
+import gc
 from typing import Any
 
 import tensorflow as tf
 
+from towers.guard.errors import CheckpointError
 from towers.training.protocol import Trainer
 
 __all__ = ["checkpoint", "restore", "save"]
 
 _RESERVED = ("step", "all_reduce")
 _STEP_KEY = "step/.ATTRIBUTES/VARIABLE_VALUE"
+_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
+_READ_ERRORS = (tf.errors.OpError, ValueError, IndexError, OSError, RuntimeError)
+_MISMATCH = (
+    "does not match this trainer (build it with the same model, optimizer, variables= "
+    "placement, devices and all-reduce): "
+)
 
 
 def _tf_variables(variables: list[Any]) -> list[tf.Variable]:
@@ -84,67 +95,140 @@ def save(trainer: Trainer, path: str) -> str:
     return written
 
 
-def _expected_shapes(trainer: Trainer) -> dict[str, list[int]]:
-    """The checkpoint keys of the replicas' variables, with their shapes.
+_Inventory = dict[str, tuple[list[int], tf.DType]]
+
+
+def _inventory(path: str) -> tuple[Any, _Inventory]:
+    """The checkpoint's reader and ``{key: (shape, dtype)}`` of its values.
+
+    Raises:
+        CheckpointError: nothing at ``path``, or its index cannot be read (truncated, corrupt).
+    """
+    try:
+        reader = tf.train.load_checkpoint(path)
+        shapes, dtypes = reader.get_variable_to_shape_map(), reader.get_variable_to_dtype_map()
+    except _READ_ERRORS as err:
+        raise CheckpointError(path, f"cannot be read ({type(err).__name__}: {err})") from err
+    return reader, {k: (list(shapes[k]), dtypes[k]) for k in shapes if k != _GRAPH_KEY}
+
+
+def _expected(trainer: Trainer) -> _Inventory:
+    """The checkpoint keys of the replicas' variables, with their shapes and dtypes.
 
     A variable tracked twice is saved once, under its shortest path: the first
     replica's iteration counter is saved as ``step``.
     """
     step = _tf_variables([trainer.optimizer.iterations])[0]
-    shapes = {_STEP_KEY: [int(d) for d in step.shape]}
+    expected = {_STEP_KEY: ([int(d) for d in step.shape], step.dtype)}
     for i, replica in enumerate(trainer.replicas):
         parts = (("model", replica.model.variables), ("optimizer", replica.optimizer.variables))
         for part, variables in parts:
             for j, v in enumerate(_tf_variables(variables)):
                 if v is not step:
                     key = f"replica_{i}/{part}/{j}/.ATTRIBUTES/VARIABLE_VALUE"
-                    shapes[key] = [int(d) for d in v.shape]
-    return shapes
+                    expected[key] = ([int(d) for d in v.shape], v.dtype)
+    return expected
 
 
-def _check_matches(trainer: Trainer, path: str) -> None:
-    """Compare keys and shapes before anything is assigned (a failed read would leave the
-    trainer half restored)."""
-    saved = {
-        k: list(s)
-        for k, s in tf.train.list_variables(path)
-        if k.startswith("replica_") or k == _STEP_KEY
-    }
-    expected = _expected_shapes(trainer)
+def _check_replicas(trainer: Trainer, path: str, saved: _Inventory) -> None:
+    """Compare keys, shapes and dtypes of every replica's variables with the file's."""
+    saved = {k: v for k, v in saved.items() if k.startswith("replica_") or k == _STEP_KEY}
+    expected = _expected(trainer)
     problems = [f"missing {k}" for k in expected if k not in saved]
     problems += [f"unexpected {k}" for k in saved if k not in expected]
-    problems += [
-        f"{k}: shape {saved[k]} in the checkpoint, {shape} here"
-        for k, shape in expected.items()
-        if k in saved and saved[k] != shape
-    ]
+    for k, (shape, dtype) in expected.items():
+        if k in saved and saved[k] != (shape, dtype):
+            got_shape, got_dtype = saved[k]
+            problems.append(
+                f"{k}: {got_dtype.name}{got_shape} in the checkpoint, {dtype.name}{shape} here"
+            )
     if problems:
-        raise ValueError(
-            f"the checkpoint at {path!r} does not match this trainer (build it with the same "
-            "model, optimizer, variables= placement and devices): " + "; ".join(problems[:5])
-        )
+        raise CheckpointError(path, _MISMATCH + "; ".join(problems[:5]))
+
+
+def _check_algorithm_state(trainer: Trainer, path: str, saved: _Inventory) -> None:
+    """Restore the all-reduce's state (codec, error feedback) into a copy first: a shape,
+    dtype or count that differs fails there, before any of the trainer's state is written."""
+    in_file = [k for k in saved if k.startswith("all_reduce/")]
+    if not isinstance(trainer.algorithm, tf.Module):
+        if in_file:
+            raise CheckpointError(path, _MISMATCH + "it holds all-reduce state, this one none")
+        return
+    shadow = copy.deepcopy(trainer.algorithm)
+    problem = ""
+    logger = tf.get_logger()
+    level = logger.level
+    logger.setLevel("ERROR")  # a failed partial read warns about every value it left
+    try:
+        status = tf.train.Checkpoint(all_reduce=shadow).read(path).expect_partial()
+        status.assert_existing_objects_matched()
+    except (*_READ_ERRORS, AssertionError) as err:
+        problem = f"the all-reduce's state: {err}"
+    finally:
+        gc.collect()  # the failed read's leftovers warn when collected: do it here, quietly
+        logger.setLevel(level)
+    if problem:
+        raise CheckpointError(path, _MISMATCH + problem)
+    if len(in_file) != len(shadow.variables):
+        raise CheckpointError(
+            path, _MISMATCH + f"{len(in_file)} all-reduce state values in the checkpoint, "
+            f"{len(shadow.variables)} here",
+        )  # fmt: skip
+
+
+def _read_every_value(reader: Any, path: str, saved: _Inventory) -> None:
+    """Read every value once (the bundle's checksums catch truncated or corrupt data)."""
+    for key in saved:
+        try:
+            reader.get_tensor(key)
+        except _READ_ERRORS as err:
+            raise CheckpointError(
+                path, f"{key} cannot be read ({type(err).__name__}: {err})"
+            ) from err
 
 
 def restore(trainer: Trainer, path: str) -> None:
-    """Load a state written by :func:`save` into a trainer built the same way.
+    """Load a state written by :func:`save` into a trainer built the same way: all or nothing.
 
-    Every value in the checkpoint must find its variable and every variable its value;
-    keys and shapes are checked before anything is assigned.
+    Before anything is assigned, every variable's key, shape and dtype is compared
+    with the file's (the all-reduce's state is restored into a copy first) and every
+    value is read once. Should the real read still fail, the trainer's previous values
+    are put back.
 
     Raises:
-        ValueError: the checkpoint does not match this trainer (other model, optimizer,
-            placement or number of replicas).
-        tf.errors.NotFoundError: nothing is saved at ``path``.
+        CheckpointError: (a ``ValueError``) nothing is saved at ``path``; the files are
+            truncated or corrupt; or the checkpoint does not match this trainer (other
+            model, optimizer, placement, number of replicas or all-reduce state). The
+            trainer is unchanged.
 
     Example:
         >>> restore(trainer, "/tmp/run/ckpt")                        # doctest: +SKIP
     """
-    _check_matches(trainer, str(path))
-    status = checkpoint(trainer).read(str(path))
+    path = str(path)
+    reader, saved = _inventory(path)
+    _check_replicas(trainer, path, saved)
+    _check_algorithm_state(trainer, path, saved)
+    _read_every_value(reader, path, saved)
+    ckpt = checkpoint(trainer)
+    backup = _snapshot(trainer)
     try:
-        status.assert_consumed()
-    except AssertionError as err:
-        raise ValueError(
-            f"the checkpoint at {path!r} does not match this trainer: build it with the same "
-            f"model, optimizer, variables= placement and devices ({err})"
-        ) from err
+        ckpt.read(path).assert_consumed()
+    except (*_READ_ERRORS, AssertionError) as err:
+        _put_back(backup)
+        raise CheckpointError(path, _MISMATCH + str(err)) from err
+
+
+def _snapshot(trainer: Trainer) -> list[tuple[tf.Variable, Any]]:
+    """Every variable a restore writes, with its current value."""
+    found: list[Any] = [trainer.optimizer.iterations]
+    for r in trainer.replicas:
+        found += [*r.model.variables, *r.optimizer.variables]
+    variables = _tf_variables(found)
+    if isinstance(trainer.algorithm, tf.Module):
+        variables += list(trainer.algorithm.variables)
+    return [(v, tf.identity(v)) for v in variables]
+
+
+def _put_back(backup: list[tuple[tf.Variable, Any]]) -> None:
+    for variable, value in backup:
+        variable.assign(value)

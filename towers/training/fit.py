@@ -89,24 +89,41 @@ def _callbacks(
     )
 
 
+def _skipped(trainer: Trainer) -> int | None:
+    """The trainer's count of skipped non-finite steps, or None when it does not guard."""
+    if getattr(trainer, "on_nonfinite", "ignore") == "ignore":
+        return None
+    return int(getattr(trainer, "skipped_steps", 0))
+
+
 def _train_epoch(
     trainer: Trainer, batches: Iterator[Batch], specs: Any, callbacks: Any
 ) -> dict[str, float]:
-    """One pass of train steps; returns the epoch's logs (loss and training metrics)."""
+    """One pass of train steps; returns the epoch's logs (loss, training metrics, skips).
+
+    A step the non-finite guard skipped changed nothing, so its (NaN) loss and outputs
+    are left out of the loss and the metrics; ``skipped`` counts such steps.
+    """
     metrics = Metrics(specs)
     total, count = 0.0, 0
+    first = last = _skipped(trainer)
     logs: dict[str, float] = {}
     for step, (x, y, sw) in enumerate(batches):
         callbacks.on_train_batch_begin(step)
         if metrics.specs:
             loss_t, y_pred = trainer.train_step(x, y, sw, return_outputs=True)
-            metrics.update(y, y_pred, sw)
-            loss = float(loss_t)
         else:
-            loss = float(trainer.train_step(x, y, sw))
-        size = batch_length(tf.nest.map_structure(tf.convert_to_tensor, x))
-        total, count = total + loss * size, count + size
-        logs = {"loss": total / count, **metrics.results()}
+            loss_t, y_pred = trainer.train_step(x, y, sw), None
+        now = _skipped(trainer)
+        if now == last:  # applied (or not guarded)
+            if y_pred is not None:
+                metrics.update(y, y_pred, sw)
+            size = batch_length(tf.nest.map_structure(tf.convert_to_tensor, x))
+            total, count = total + float(loss_t) * size, count + size
+        last = now
+        logs = {"loss": total / count if count else float("nan"), **metrics.results()}
+        if first is not None and now is not None:
+            logs["skipped"] = float(now - first)
         callbacks.on_train_batch_end(step, logs)
         if getattr(trainer.model, "stop_training", False):
             break
@@ -178,7 +195,10 @@ def fit(
         sample_weight: per-example weights (arrays only).
 
     Returns:
-        The ``keras.callbacks.History``: ``history.history["loss"]`` per epoch.
+        The ``keras.callbacks.History``: ``history.history["loss"]`` per epoch, and
+        ``"skipped"``: the steps the trainer's non-finite guard skipped in each epoch
+        (absent with ``on_nonfinite="ignore"``). The loss and training metrics average
+        the applied steps only.
 
     Raises:
         ValueError: ``y`` missing for arrays, ``batch_size`` < 1, ``epochs`` < 0,

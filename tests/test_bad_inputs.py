@@ -1,0 +1,378 @@
+"""The bad-input matrix: every mistake gets a clear error naming what was wrong.
+
+Each row is (input, error type, message fragment); docs/bad_inputs.md shows the same
+table to users (``python -m tests.test_bad_inputs`` prints it; a test keeps the two in
+step). A row that reaches a trainer also checks that nothing changed: no error leaves
+a variable half-updated.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import towers
+from tests.conftest import DEVICES
+from towers.training import checkpoint
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "bad_inputs.md"
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def _dense() -> keras.Model:
+    inp = keras.Input((5,))
+    return keras.Model(inp, keras.layers.Dense(3, kernel_initializer="ones")(inp))
+
+
+def _dict_model() -> keras.Model:
+    inp = {"a": keras.Input((3,), name="a"), "b": keras.Input((2,), name="b")}
+    h = keras.layers.Concatenate()([inp["a"], inp["b"]])
+    return keras.Model(inp, keras.layers.Dense(3, kernel_initializer="ones")(h))
+
+
+def _two_inputs() -> keras.Model:
+    a, b = keras.Input((3,)), keras.Input((2,))
+    h = keras.layers.Concatenate()([a, b])
+    return keras.Model([a, b], keras.layers.Dense(3, kernel_initializer="ones")(h))
+
+
+def _new(model: Any = _dense, optimizer: Any = None, loss: Any = LOSS, **kw: Any) -> Any:
+    optimizer = optimizer if optimizer is not None else (lambda: keras.optimizers.Adam(0.1))
+    kw.setdefault("devices", DEVICES[:2])
+    return towers.TowerTrainer(model, optimizer, loss, **kw)
+
+
+@functools.cache
+def _trainer(kind: str) -> towers.TowerTrainer:
+    model = {"dense": _dense, "dict": _dict_model, "two": _two_inputs}[kind]
+    return _new(model, variables="replicated", all_reduce="naive")
+
+
+def _state(trainer: towers.TowerTrainer) -> list[bytes]:
+    return [
+        np.asarray(v.numpy()).tobytes()
+        for r in trainer.replicas
+        for v in [*r.model.variables, *r.optimizer.variables]
+    ]
+
+
+X = np.ones([8, 5], "float32")
+Y = np.zeros([8], "int32")
+
+
+def _step(x: Any = X, y: Any = Y, w: Any = None, kind: str = "dense") -> Any:
+    return _trainer(kind).train_step(x, y, w)
+
+
+def _fit(**kw: Any) -> Any:
+    args = {"x": X, "y": Y, "verbose": 0, **kw}
+    return _trainer("dense").fit(args.pop("x"), args.pop("y"), **args)
+
+
+def _gen() -> Any:
+    yield X
+
+
+class Case(NamedTuple):
+    id: str
+    input: str  # what the user did, for the docs
+    call: Callable[[], Any]
+    error: type
+    fragment: str  # a regular expression the message must contain
+    pending: str = ""  # not yet so: the row is a strict xfail, and the docs say so
+
+
+C = Case
+CASES: list[Case] = [
+    # -- TowerTrainer(model, optimizer, loss, ...) -------------------------------------------
+    C("model-none", "model=None", lambda: _new(None), TypeError,
+      "model must be a keras.Model or a factory"),
+    C("model-layer", "a Layer as the model", lambda: _new(keras.layers.Dense(3)), TypeError,
+      r"got a keras Layer \(Dense\): wrap it"),
+    C("model-string", "model='mlp'", lambda: _new("mlp"), TypeError,
+      "model must be a keras.Model or a factory"),
+    C("model-factory-layer", "a model factory returning a Layer",
+      lambda: _new(lambda: keras.layers.Dense(3)), TypeError,
+      "model factory must return a keras.Model"),
+    C("model-unbuilt", "an unbuilt Sequential", lambda: _new(keras.Sequential([
+        keras.layers.Dense(3)])), ValueError, "model is not built"),
+    C("model-is-optimizer", "an optimizer as the model", lambda: _new(keras.optimizers.SGD()),
+      TypeError, r"got a Keras optimizer \(SGD\)"),
+    C("model-frozen", "a model with no trainable variables",
+      lambda: _new(lambda: keras.Sequential([keras.Input((5,)), keras.layers.Dense(
+          3, trainable=False)])), ValueError, "no trainable variables"),
+    C("optimizer-none", "optimizer=None", lambda: _new(optimizer=False), TypeError,
+      "optimizer must be a Keras optimizer or a factory"),
+    C("optimizer-is-loss", "a Loss as the optimizer",
+      lambda: _new(optimizer=keras.losses.MeanSquaredError()), TypeError,
+      r"got a Keras loss \(MeanSquaredError\)"),
+    C("optimizer-string", "optimizer='adam'", lambda: _new(optimizer="adam"), TypeError,
+      "optimizer must be a Keras optimizer or a factory"),
+    C("optimizer-factory-loss", "an optimizer factory returning a loss",
+      lambda: _new(optimizer=lambda: keras.losses.MeanSquaredError()), TypeError,
+      "optimizer factory must return a keras optimizer"),
+    C("loss-none", "loss=None", lambda: _new(loss=None), TypeError,
+      "loss must be a Keras loss, a loss name or a callable"),
+    C("loss-number", "loss=42", lambda: _new(loss=42), TypeError,
+      "loss must be a Keras loss, a loss name or a callable"),
+    C("loss-unknown-name", "loss='nope'", lambda: _new(loss="nope"), ValueError,
+      "unknown Keras loss name 'nope'"),
+    C("loss-is-optimizer", "an optimizer as the loss",
+      lambda: _new(loss=keras.optimizers.SGD()), TypeError, r"got a Keras optimizer \(SGD\)"),
+    C("loss-is-model", "a model as the loss", lambda: _new(loss=_dense()), TypeError,
+      "loss must be .*got a keras.Model"),
+    C("devices-empty", "devices=[]", lambda: _new(devices=[]), ValueError, "devices is empty"),
+    C("devices-string", "devices='/device:CPU:0'", lambda: _new(devices="/device:CPU:0"),
+      TypeError, "devices must be a list of device names"),
+    C("devices-ints", "devices=[0, 1]", lambda: _new(devices=[0, 1]), TypeError,
+      "devices must hold strings"),
+    C("devices-unknown", "a device TensorFlow does not have",
+      lambda: _new(devices=["/device:CPU:99"]), ValueError, "unknown device"),
+    C("devices-twice", "one device twice", lambda: _new(devices=[DEVICES[0], DEVICES[0]]),
+      ValueError, "appears twice"),
+    C("all-reduce-unknown", "all_reduce='nope'", lambda: _new(all_reduce="nope"), ValueError,
+      "'nope'"),
+    C("all-reduce-number", "all_reduce=42", lambda: _new(all_reduce=42), TypeError,
+      "all_reduce"),
+    C("variables-unknown", "variables='mirrored'", lambda: _new(variables="mirrored"),
+      ValueError, "variables must be one of parameter_device, replicated"),
+    C("non-trainable-unknown", "non_trainable='median'",
+      lambda: _new(non_trainable="median"), ValueError, "non_trainable must be one of"),
+    C("sparse-unknown", "sparse='dense'", lambda: _new(sparse="dense"), ValueError,
+      "sparse must be one of"),
+    C("on-nonfinite-unknown", "on_nonfinite='warn'", lambda: _new(on_nonfinite="warn"),
+      ValueError, "on_nonfinite must be one of skip, raise, ignore"),
+    C("parameter-device-unknown", "parameter_device='/device:CPU:99'",
+      lambda: _new(parameter_device="/device:CPU:99"), ValueError, "unknown device"),
+    # -- trainer.train_step(x, y, sample_weight) ---------------------------------------------
+    C("x-none", "x=None", lambda: _step(None), ValueError, "x is None"),
+    C("y-none", "y=None", lambda: _step(X, None), ValueError, "y is None"),
+    C("y-strings", "y of strings", lambda: _step(X, np.array(["cat"] * 8)), TypeError,
+      "y holds strings: expected numbers"),
+    C("x-strings", "x of strings", lambda: _step(np.full([8, 5], "a")), TypeError,
+      "x holds strings"),
+    C("x-objects", "x of mixed Python objects", lambda: _step(np.array(
+        [[1, "a", None, 2.0, 3]] * 8, dtype=object)), TypeError, "x holds dtype object"),
+    C("x-complex", "x of complex numbers", lambda: _step(X.astype("complex64")), TypeError,
+      "x holds dtype complex64"),
+    C("x-ragged-tensor", "x a tf.RaggedTensor",
+      lambda: _step(tf.ragged.constant([[1.0] * 5] * 7 + [[1.0] * 4])), TypeError,
+      r"x is a tf.RaggedTensor: pad it"),
+    C("y-ragged-tensor", "y a tf.RaggedTensor",
+      lambda: _step(X, tf.ragged.constant([[0]] * 7 + [[0, 1]])), TypeError,
+      "y is a tf.RaggedTensor"),
+    C("x-ragged-list", "x a list of rows of different lengths",
+      lambda: _step([[1.0] * 5] * 7 + [[1.0] * 4]), ValueError, "x is ragged"),
+    C("x-sparse", "x a tf.SparseTensor", lambda: _step(tf.sparse.from_dense(X)), TypeError,
+      "x is a tf.SparseTensor"),
+    C("x-dataset", "x a tf.data.Dataset",
+      lambda: _step(tf.data.Dataset.from_tensor_slices(X)), TypeError, "use trainer.fit"),
+    C("x-generator", "x a generator", lambda: _step(_gen()), TypeError, "use trainer.fit"),
+    C("lengths-differ", "x of 8 rows, y of 7", lambda: _step(X, Y[:7]), ValueError,
+      r"must share their batch size; got x: \[8\], y: \[7\]"),
+    C("weight-length", "sample_weight of 3 rows", lambda: _step(X, Y, np.ones([3])),
+      ValueError, "sample_weight: \\[3\\]"),
+    C("weight-strings", "sample_weight of strings",
+      lambda: _step(X, Y, np.array(["1"] * 8)), TypeError, "sample_weight holds strings"),
+    C("batch-empty", "a batch of 0 rows", lambda: _step(X[:0], Y[:0]), ValueError,
+      "the batch is empty"),
+    C("x-scalar", "x a scalar", lambda: _step(np.float32(1.0), Y), ValueError,
+      r"x has shape \[\]; the model's input"),
+    C("x-feature-shape", "x with 6 features for a model of 5",
+      lambda: _step(np.ones([8, 6], "float32")), ValueError,
+      r"x has shape \[8, 6\]; the model's input .* takes \['batch', 5\]"),
+    C("x-rank", "x of rank 3 for a model of rank 2",
+      lambda: _step(np.ones([8, 5, 1], "float32")), ValueError, r"x has shape \[8, 5, 1\]"),
+    C("dict-missing-key", "a dict input missing a key",
+      lambda: _step({"a": np.ones([8, 3])}, kind="dict"), ValueError,
+      r"x is missing the model's input\(s\) \['b'\]"),
+    C("dict-extra-key", "a dict input with an unknown key",
+      lambda: _step({"a": np.ones([8, 3]), "b": np.ones([8, 2]), "c": np.ones([8, 1])},
+                    kind="dict"), ValueError, r"x has key\(s\) \['c'\] the model has no input"),
+    C("dict-not-given", "an array for a model with dict inputs",
+      lambda: _step(np.ones([8, 5]), kind="dict"), ValueError,
+      r"x must be a dict with keys \['a', 'b'\]"),
+    C("dict-feature-shape", "a dict input with a wrong feature shape",
+      lambda: _step({"a": np.ones([8, 3]), "b": np.ones([8, 3])}, kind="dict"), ValueError,
+      r"x\['b'\] has shape \[8, 3\]"),
+    C("inputs-too-few", "one array for a model of two inputs",
+      lambda: _step(np.ones([8, 3]), kind="two"), ValueError,
+      r"x has 1 arrays; the model takes 2 input\(s\)"),
+    C("inputs-too-many", "three arrays for a model of two inputs",
+      lambda: _step([np.ones([8, 3])] * 3, kind="two"), ValueError, "x has 3 arrays"),
+    C("inputs-order", "two inputs swapped",
+      lambda: _step([np.ones([8, 2]), np.ones([8, 3])], kind="two"), ValueError,
+      r"x\[0\] has shape \[8, 2\]"),
+    # -- trainer.fit ---------------------------------------------------------------------------
+    C("fit-epochs-negative", "fit(epochs=-1)", lambda: _fit(epochs=-1), ValueError,
+      "epochs must be an int >= 0"),
+    C("fit-batch-zero", "fit(batch_size=0)", lambda: _fit(batch_size=0), ValueError,
+      "batch_size must be an int >= 1"),
+    C("fit-batch-string", "fit(batch_size='32')", lambda: _fit(batch_size="32"), ValueError,
+      "batch_size must be an int"),
+    C("fit-verbose", "fit(verbose=5)", lambda: _fit(verbose=5), ValueError,
+      "verbose must be 0, 1, 2 or 'auto'"),
+    C("fit-no-y", "fit(x) with arrays and no y", lambda: _fit(y=None), ValueError,
+      "y is required"),
+    C("fit-lengths", "fit with 8 inputs and 7 targets", lambda: _fit(y=Y[:7]), ValueError,
+      "has 7 examples but x has 8"),
+    # -- trainer.set_weights -------------------------------------------------------------------
+    C("weights-count", "set_weights with one array too few",
+      lambda: _trainer("dense").set_weights([np.ones([5, 3])]), ValueError,
+      r"weights: expected 2 arrays \(model.weights\), got 1"),
+    C("weights-shape", "set_weights with a wrong shape",
+      lambda: _trainer("dense").set_weights([np.ones([5, 3]), np.ones([4])]), ValueError,
+      r"weights\[1\] \(variable dense\w*/bias, float32\[3\]\): got shape \[4\]"),
+    C("weights-strings", "set_weights with strings",
+      lambda: _trainer("dense").set_weights([np.ones([5, 3]), np.array(["a"] * 3)]),
+      TypeError, r"weights\[1\] .*expected numbers"),
+    C("weights-array", "set_weights with one array, not a list",
+      lambda: _trainer("dense").set_weights(np.ones([5, 3])), TypeError,
+      "weights must be a list of arrays"),
+    # -- towers.all_reduce, towers.split, checkpoints -------------------------------------------
+    C("all-reduce-tensor", "towers.all_reduce(one tensor)",
+      lambda: towers.all_reduce(_on_devices()[0]), TypeError, "values must be a list",
+      pending="a tensor is iterated as rows (ValueError: both on one device); the check "
+      "belongs at the top of towers.allreduce.all_reduce"),
+    C("all-reduce-empty", "towers.all_reduce([])", lambda: towers.all_reduce([]), ValueError,
+      "values is empty"),
+    C("all-reduce-floats", "towers.all_reduce([1.0, 2.0])",
+      lambda: towers.all_reduce([1.0, 2.0]), TypeError, r"values\[0\] must be a tf.Tensor"),
+    C("all-reduce-op", "towers.all_reduce(values, op='avg')",
+      lambda: towers.all_reduce(_on_devices(), op="avg"), ValueError, "op must be one of"),
+    C("all-reduce-algorithm", "towers.all_reduce(values, algorithm='nope')",
+      lambda: towers.all_reduce(_on_devices(), algorithm="nope"), ValueError, "'nope'"),
+    C("split-zero", "towers.split(x, 0)", lambda: towers.split(X, 0), ValueError,
+      "n must be a positive int"),
+    C("restore-missing", "checkpoint.restore from a path with nothing",
+      lambda: checkpoint.restore(_trainer("dense"), "/nonexistent/ckpt"), towers.CheckpointError,
+      "checkpoint '/nonexistent/ckpt': cannot be read"),
+]  # fmt: skip
+
+
+def _on_devices() -> list[tf.Tensor]:
+    out = []
+    for d in DEVICES[:2]:
+        with tf.device(d):
+            out.append(tf.ones([3]))
+    return out
+
+
+def test_the_matrix_is_large_and_its_ids_unique() -> None:
+    assert len(CASES) >= 60
+    assert len({c.id for c in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=c.pending)) if c.pending else c
+     for c in CASES],
+    ids=[c.id for c in CASES],
+)  # fmt: skip
+def test_bad_input_gets_a_clear_error_and_changes_nothing(case: Case) -> None:
+    before = {k: _state(_trainer(k)) for k in ("dense", "dict", "two")}
+    with pytest.raises(case.error, match=case.fragment) as info:
+        case.call()
+    assert type(info.value).__module__.split(".")[0] in ("builtins", "towers"), info.value
+    for kind, state in before.items():
+        assert _state(_trainer(kind)) == state, f"{kind} trainer changed"
+
+
+@pytest.mark.parametrize(
+    ("kind", "x"),
+    [("dense", X), ("dict", {"a": np.ones([8, 3], "float32"), "b": np.ones([8, 2], "float32")}),
+     ("two", [np.ones([8, 3], "float32"), np.ones([8, 2], "float32")])],
+)  # fmt: skip
+def test_good_inputs_of_every_shape_still_train(kind: str, x: Any) -> None:
+    trainer = _new({"dense": _dense, "dict": _dict_model, "two": _two_inputs}[kind])
+    before = _state(trainer)
+    assert np.isfinite(float(trainer.train_step(x, Y)))
+    assert _state(trainer) != before
+
+
+def table() -> str:
+    """The matrix as the Markdown table docs/bad_inputs.md shows."""
+    rows = ["| # | input | error | message contains |", "|---|---|---|---|"]
+    for i, c in enumerate(CASES, 1):
+        fragment = c.fragment.replace("\\", "").replace("|", "\\|")
+        note = f" (not yet: {c.pending})" if c.pending else ""
+        rows.append(f"| {i} | {c.input} | `{c.error.__name__}`{note} | `{fragment}` |")
+    return "\n".join(rows)
+
+
+def test_docs_show_the_same_table() -> None:
+    text = DOC.read_text()
+    assert table() in text and cli_table() in text, "regenerate: python -m tests.test_bad_inputs"
+
+
+# -- the command line: nonsense exits 2 with a one-line error, no traceback ---------------------
+
+CLI_CASES = [
+    ("train", "--epochs", "-1", "argument --epochs: must be an integer >= 1, got -1"),
+    ("train", "--epochs", "two", "argument --epochs: expected an integer, got 'two'"),
+    ("train", "--towers", "0", "argument --towers: must be an integer >= 1, got 0"),
+    ("train", "--batch-size", "0", "argument --batch-size: must be an integer >= 1, got 0"),
+    ("train", "--lr", "0", "argument --lr: must be a finite number > 0, got 0"),
+    ("train", "--lr", "nan", "argument --lr: must be a finite number > 0, got nan"),
+    ("train", "--seed", "-3", "argument --seed: must be an integer >= 0, got -3"),
+    ("train", "--algorithm", "nope", "argument --algorithm: unknown algorithm 'nope'; choose"),
+    ("bench", "--sizes", "0", "argument --sizes: must be an integer >= 1, got 0"),
+    ("bench", "--sizes", "4096,-8", "argument --sizes: must be an integer >= 1, got -8"),
+    ("bench", "--sizes", ",", "argument --sizes: expected a comma list of integers"),
+    ("bench", "--towers", "0", "argument --towers: must be an integer >= 1, got 0"),
+    ("bench", "--rounds", "0", "argument --rounds: must be an integer >= 1, got 0"),
+    ("bench", "--step-rounds", "-1", "argument --step-rounds: must be an integer >= 1, got -1"),
+    ("bench", "--batch-size", "0", "argument --batch-size: must be an integer >= 1, got 0"),
+    ("bench", "--scaling-towers", "2,0", "argument --scaling-towers: must be an integer >= 1"),
+]
+
+
+@pytest.mark.parametrize(("command", "option", "value", "message"), CLI_CASES,
+                         ids=[f"{c[0]}{c[1]}={c[2]}" for c in CLI_CASES])  # fmt: skip
+def test_cli_refuses_nonsense_with_exit_2_and_one_line(
+    command: str, option: str, value: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from towers.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main([command, option, value])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"towers {command}: error: {message}")
+    assert not any("Traceback" in line for line in err)
+
+
+def test_cli_error_in_a_fresh_process_has_no_traceback() -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    proc = subprocess.run([sys.executable, "-m", "towers", "train", "--towers", "0"],
+                          capture_output=True, text=True, env=env, timeout=120,
+                          cwd=Path(__file__).resolve().parents[1])  # fmt: skip
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "towers train: error: argument --towers: must be an integer >= 1, got 0"
+    )
+
+
+def cli_table() -> str:
+    """The command-line cases as the Markdown table docs/bad_inputs.md shows."""
+    rows = ["| command | exit | last line of stderr starts with |", "|---|---|---|"]
+    for command, option, value, message in CLI_CASES:
+        rows.append(f"| `towers {command} {option} {value}` | 2 | `towers {command}: error: "
+                    f"{message}` |")  # fmt: skip
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(table(), cli_table(), sep="\n\n")

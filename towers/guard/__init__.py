@@ -1,0 +1,10 @@
+"""What the step checks before it changes anything: errors, non-finite values, inputs.
+
+    errors.py     the package's error types (``TowersError`` and its kinds)
+    nonfinite.py  one flag per tower (loss, gradients, state finite?) gathered for the
+                  step's single decision: apply, skip or raise
+    inputs.py     the trainer's arguments and a batch, checked before anything is traced
+
+The step (:mod:`towers.step`) and the training tools import these modules; these
+modules import nothing of the step, so the dependencies point one way.
+"""

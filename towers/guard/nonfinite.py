@@ -1,0 +1,136 @@
+"""The non-finite guard: one decision per step, taken before anything changes.
+
+::
+
+    tower i:  code_i = 1·[loss non-finite] + 2·[a gradient non-finite] + 4·[state non-finite]
+                 │  send (4 bytes, note "guard")
+                 ▼
+    parameter device:  codes = [code_0 … code_{n-1}],  ok = all(codes == 0)
+                 │
+    tf.cond(ok, reduce → apply, skip)          one cond around the whole update
+
+The flag is formed from every tower's *local* values, before the all-reduce, so a
+lossy reducer (top-k, PowerSGD) cannot hide a NaN, and reducer state (error feedback,
+compression residuals) is inside the cond too. One predicate gates every replica's
+update in the same graph, so every replica decides the same by construction. On a
+skipped step nothing the next step depends on changes: no weight, optimizer slot,
+``optimizer.iterations``, non-trainable state (BatchNorm statistics, dropout seed
+state) or reducer state. Only the guard's own counters move.
+
+Modes (``TowerTrainer(on_nonfinite=...)``):
+
+- ``"skip"`` (default): drop the step, count it (``trainer.skipped_steps``) and go on.
+  A careful user wants one poisoned batch never to turn the model into NaN (a NaN in
+  one tower's shard otherwise reaches every weight and Adam slot of every replica),
+  and wants a long run to survive it; the counter and ``fit``'s ``skipped`` log keep
+  it visible. Dynamic loss scaling does the same on overflow.
+- ``"raise"``: drop the step and raise :class:`~towers.guard.errors.NonFiniteError`
+  naming the step and the towers (one host sync per step to read the codes).
+- ``"ignore"``: no check at all — the update runs whatever the values, as
+  tf.distribute does; the graph is the unguarded one.
+
+On finite steps all three give bitwise the same result: the guard only reads values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from towers.allreduce.primitives import send
+
+__all__ = ["NONFINITE", "Guard", "describe", "tower_code"]
+
+NONFINITE = ("skip", "raise", "ignore")
+_WHAT = ((1, "loss"), (2, "gradients"), (4, "non-trainable state"))
+
+
+def _all_finite(values: Sequence[tf.Tensor]) -> tf.Tensor:
+    flags = [tf.reduce_all(tf.math.is_finite(v)) for v in values]
+    return tf.reduce_all(tf.stack(flags)) if flags else tf.constant(True)
+
+
+def tower_code(loss: tf.Tensor, grads: Sequence, state: Sequence[tf.Tensor]) -> tf.Tensor:
+    """One tower's int32 code: 0 when finite, else a sum of 1 (loss), 2 (gradients), 4 (state).
+
+    Sparse gradients are checked through their values; integer state (seed counters)
+    cannot be non-finite and is not read.
+    """
+    dense = [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads]
+    floating = [v for v in state if v.dtype.is_floating]
+    code = tf.constant(0, tf.int32)
+    for (bit, _), values in zip(_WHAT, ([loss], dense, floating)):
+        code += tf.where(_all_finite(values), 0, bit)
+    return code
+
+
+def describe(codes: np.ndarray) -> dict[int, list[str]]:
+    """``{tower: ["loss", "gradients", …]}`` for every tower whose code is not 0."""
+    return {
+        i: [what for bit, what in _WHAT if int(c) & bit]
+        for i, c in enumerate(np.asarray(codes).tolist())
+        if c
+    }
+
+
+class Guard:
+    """A trainer's guard: its mode, and what the steps it ran have met.
+
+    Args:
+        mode: one of :data:`NONFINITE`.
+        towers: the number of towers.
+        device: where the decision is taken and the counters live (the parameter device).
+
+    Raises:
+        ValueError: an unknown mode.
+    """
+
+    def __init__(self, mode: str, towers: int, device: str) -> None:
+        if mode not in NONFINITE:
+            raise ValueError(f"on_nonfinite must be one of {', '.join(NONFINITE)}; got {mode!r}")
+        self.mode, self.device = mode, device
+        with tf.device(device):
+            self.skipped = tf.Variable(0, dtype=tf.int64, trainable=False, name="skipped_steps")
+            self.codes = tf.Variable(tf.zeros([towers], tf.int32), trainable=False, name="codes")
+
+    def run(self, towers: Sequence[Any], devices: Sequence[str], update: Callable[[], Any]) -> Any:
+        """``update()`` (reduce and apply; returns the loss) when every tower is finite.
+
+        Args:
+            towers: every tower's result (``loss``, ``grads``, ``non_trainable``), in
+                tower order; tower ``i``'s values are on ``devices[i]``.
+            devices: the towers' devices.
+            update: the whole state-changing part of the step.
+
+        Returns:
+            The loss ``update`` returns, or on a skipped step the towers' losses added
+            in tower order (non-finite).
+        """
+        if self.mode == "ignore":
+            return update()
+        codes = []
+        for r, device in zip(towers, devices):
+            with tf.device(device):
+                codes.append(send(tower_code(r.loss, r.grads, r.non_trainable), self.device,
+                                  note="guard"))  # fmt: skip
+        with tf.device(self.device):
+            gathered = tf.stack(codes)
+            ok = tf.reduce_all(tf.equal(gathered, 0))
+
+        def skip() -> tf.Tensor:
+            with tf.device(self.device):
+                self.skipped.assign_add(1)
+                # identity, not send(): only one branch runs, its traffic is counted once
+                return tf.add_n([tf.identity(r.loss) for r in towers])
+
+        result = tf.cond(ok, update, skip)
+        with tf.device(self.device):
+            self.codes.assign(gathered)
+        return result
+
+    def last(self) -> dict[int, list[str]]:
+        """What the last step met, per non-finite tower (empty when it was finite)."""
+        return describe(self.codes.numpy()) if self.mode != "ignore" else {}
