@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import tensorflow as tf
 
 from towers.allreduce.base import OPS, AllReduce, GradientReducer, check_values, combine, finish
@@ -120,6 +121,13 @@ def all_reduce(
     Example:
         >>> out = towers.all_reduce([a, b], algorithm="naive", op="mean")   # doctest: +SKIP
     """
+    if isinstance(values, (tf.Tensor, tf.Variable, tf.IndexedSlices, np.ndarray)) or not (
+        isinstance(values, Sequence)
+    ):
+        raise TypeError(
+            "values must be a list with one tensor per tower (output i goes to values[i]'s "
+            f"device), got {type(values).__name__}"
+        )
     fn = get(algorithm)
     if devices is not None:
         if len(devices) != len(values):
