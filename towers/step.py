@@ -31,7 +31,6 @@ tower 0's update, reproducing what MirroredStrategy shows when read. Integer sta
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -44,7 +43,8 @@ from towers import allreduce
 from towers.allreduce.base import GradientReducer
 from towers.allreduce.ordering import as_written
 from towers.allreduce.parameter_device import parameter_device as _parameter_device_algo
-from towers.allreduce.primitives import Recorder, Transfer, record, send
+from towers.allreduce.primitives import Recorder, record, send
+from towers.allreduce.recording import StepStats
 from towers.allreduce.reducer import as_reducer
 from towers.guard.errors import NonFiniteError
 from towers.guard.inputs import batch_tensors, check_choice, check_kinds
@@ -89,27 +89,6 @@ class Reduced(NamedTuple):
     grads: list[list[tf.Tensor | tf.IndexedSlices]]
     non_trainable: list[tf.Tensor]
     loss: tf.Tensor
-
-
-@dataclasses.dataclass(frozen=True)
-class StepStats:
-    """What one training step sends: per tower, per directed link, and how many ticks."""
-
-    bytes_per_tower: dict[str, int]
-    bytes_per_link: dict[tuple[str, str], int]
-    ticks: int
-    estimated: bool
-    transfers: tuple[Transfer, ...]
-
-    @classmethod
-    def from_recorder(cls, recorder: Recorder) -> StepStats:
-        return cls(
-            bytes_per_tower=recorder.bytes_sent(),
-            bytes_per_link=recorder.bytes_per_link(),
-            ticks=recorder.ticks(),
-            estimated=any(t.estimated for t in recorder.transfers),
-            transfers=tuple(recorder.transfers),
-        )
 
 
 class TowerTrainer:

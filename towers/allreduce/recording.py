@@ -33,6 +33,7 @@ from towers.devices import canonical_device
 
 __all__ = [
     "Recorder",
+    "StepStats",
     "Transfer",
     "log_send",
     "record",
@@ -151,3 +152,25 @@ def log_send(
         tick += sum(_OFFSETS)
     for recorder in _ACTIVE:
         recorder.transfers.append(Transfer(src, dst, _nbytes(x), tick, chunk, note))
+
+
+@dataclasses.dataclass(frozen=True)
+class StepStats:
+    """What one training step sends: per tower, per directed link, and how many ticks."""
+
+    bytes_per_tower: dict[str, int]
+    bytes_per_link: dict[tuple[str, str], int]
+    ticks: int
+    estimated: bool
+    transfers: tuple[Transfer, ...]
+
+    @classmethod
+    def from_recorder(cls, recorder: Recorder) -> StepStats:
+        """The figures of everything ``recorder`` saw (one traced step)."""
+        return cls(
+            bytes_per_tower=recorder.bytes_sent(),
+            bytes_per_link=recorder.bytes_per_link(),
+            ticks=recorder.ticks(),
+            estimated=any(t.estimated for t in recorder.transfers),
+            transfers=tuple(recorder.transfers),
+        )
