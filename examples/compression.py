@@ -39,7 +39,7 @@ from typing import Any
 import towers
 
 TOWERS = 4
-BOOKKEEPING = ("loss", "state", "read-weights")  # notes of the step's non-gradient sends
+BOOKKEEPING = ("loss", "state", "read-weights", "guard")  # the step's non-gradient sends
 
 
 def gradient_bytes(transfers: Any, devices: list[str]) -> list[int]:

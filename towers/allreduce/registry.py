@@ -135,6 +135,12 @@ class Configured:
     def __call__(self, values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
         return self.run(values, op=op)
 
+    def __copy__(self) -> Configured:
+        return self  # frozen: a copy would be equal in every way
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Configured:
+        return self  # frozen record + read-only params (checkpoint restore deep-copies reducers)
+
     def __getattr__(self, key: str) -> Any:
         params = self.__dict__.get("params")
         if key.startswith("_") or params is None or key not in params:
