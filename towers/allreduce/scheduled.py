@@ -18,16 +18,18 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import tensorflow as tf
 
 from towers.allreduce.base import AllReduce, check_values, combine, finish
 from towers.allreduce.primitives import pad_split, send, unsplit
+from towers.allreduce.registry import Configured
 from towers.schedule.ir import Schedule
 from towers.schedule.symbolic import simulate
 
-__all__ = ["run_schedule", "scheduled"]
+__all__ = ["Scheduled", "generator_of", "run_schedule", "scheduled"]
 
 
 def run_schedule(
@@ -81,15 +83,36 @@ def run_schedule(
     return outputs
 
 
+@dataclasses.dataclass(frozen=True)
+class Scheduled:
+    """An all-reduce defined by a schedule generator: runs ``generator(len(values))``.
+
+    Tools find the generator here (:func:`generator_of`) to prove the algorithm with
+    :func:`towers.schedule.check_schedule` as well as run it.
+    """
+
+    generator: Callable[[int], Schedule]
+
+    def __call__(self, values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
+        check_values(values, op)
+        return run_schedule(self.generator(len(values)), values, op=op)
+
+    @property
+    def __name__(self) -> str:  # for code that names callables by ``__name__``
+        return str(getattr(self.generator, "__name__", "scheduled"))
+
+
 def scheduled(generator: Callable[[int], Schedule]) -> AllReduce:
     """The all-reduce that runs ``generator(len(values))`` with :func:`run_schedule`.
 
     Example:
         >>> algo = scheduled(ring_schedule); outs = algo(values, op="sum")   # doctest: +SKIP
     """
+    return Scheduled(generator)
 
-    def schedule_all_reduce(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
-        check_values(values, op)
-        return run_schedule(generator(len(values)), values, op=op)
 
-    return schedule_all_reduce
+def generator_of(fn: object) -> Callable[[int], Schedule] | None:
+    """The schedule generator behind an algorithm (a :class:`Scheduled`, or a registry
+    :class:`~towers.allreduce.registry.Configured` running one), else None."""
+    fn = getattr(fn, "run", fn) if isinstance(fn, Configured) else fn
+    return fn.generator if isinstance(fn, Scheduled) else None
