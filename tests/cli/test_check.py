@@ -13,7 +13,8 @@ import pytest
 import tensorflow as tf
 
 from towers import cli
-from towers.allreduce import AllReduce, check_values, combine, finish, send
+from towers.allreduce import AllReduce, check_values, combine, finish, scheduled, send
+from towers.schedule import Schedule, ring_schedule
 
 
 def star(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
@@ -100,6 +101,39 @@ def test_replay_that_cannot_follow_the_graph_fails_with_the_reason(capsys) -> No
     assert code == 1 and "replay impossible:" in out and "'Sum'" in out, out
 
 
+def _gathering_early(n: int) -> Schedule:
+    """Broken: the ring's all-gather starts in the last reduce-scatter tick."""
+    ticks = [list(tick) for tick in ring_schedule(n).ticks]
+    for t in range(n - 1, len(ticks)):
+        ticks[t - 1] += ticks[t]
+    return Schedule("ring_gathering_early", n, n, tuple(map(tuple, ticks[: max(n - 1, 0)])))
+
+
+gathering_early = scheduled(_gathering_early)
+
+
+def test_a_schedule_is_proved_before_it_runs(capsys) -> None:
+    code, out, _ = _check(capsys, "swing", "--towers", "3", "--examples", "2")
+    assert code == 0, out
+    lines = out.splitlines()
+    assert lines[0].startswith("PROVED: swing for 64 tower counts (n=1..64) in ")
+    assert "PASS: swing (2 examples run)" in out
+
+
+def test_a_wrong_schedule_is_rejected_with_the_smallest_n_and_tick_drawn(capsys) -> None:
+    code, out, _ = _check(capsys, "tests.cli.test_check:gathering_early", "--prove", "16")
+    assert code == 1, out
+    assert out.startswith("REJECTED: ring_gathering_early: smallest failing n=2, tick 0: send "
+                          "before receipt: tower 0 copies chunk 0 to tower 1")
+    assert "contributions held when tick 0 begins" in out and "✗ 0 ─c0▶ 1" in out
+    assert "examples" not in out  # nothing ran on devices
+
+
+def test_prove_0_skips_the_proof(capsys) -> None:
+    code, out, _ = _check(capsys, "swing", "--towers", "2", "--examples", "2", "--prove", "0")
+    assert code == 0 and "PROVED" not in out and "PASS: swing" in out
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -107,6 +141,7 @@ def test_replay_that_cannot_follow_the_graph_fails_with_the_reason(capsys) -> No
         (["tests.cli.test_check:nothing"], "has no 'nothing'"),
         (["ring", "--towers", "9"], "tower counts in 1..8"),
         (["ring", "--dtypes", "float33"], "float33"),
+        (["swing", "--prove", "-1"], "--prove >= 0"),
     ],
 )
 def test_bad_input_exits_2_with_a_message(args: list[str], message: str, capsys) -> None:
@@ -119,5 +154,5 @@ def test_help_describes_every_option(capsys) -> None:
         cli.main(["check", "--help"])
     text = capsys.readouterr().out
     for option in ("--max-towers", "--towers", "--examples", "--ops", "--dtypes", "--seed",
-                   "--replay", "examples:"):
+                   "--prove", "--replay", "examples:"):
         assert option in text

@@ -27,7 +27,9 @@ from towers.allreduce.powersgd import powersgd
 from towers.allreduce.primitives import Recorder, Transfer, record, send
 from towers.allreduce.registry import ALGORITHMS, Algorithm, Configured, register
 from towers.allreduce.ring import ring
+from towers.allreduce.scheduled import run_schedule, scheduled
 from towers.allreduce.sparse import densify, gather_indexed_slices
+from towers.allreduce.swing import swing
 from towers.allreduce.tree import tree
 
 __all__ = [
@@ -63,7 +65,10 @@ __all__ = [
     "record",
     "register",
     "ring",
+    "run_schedule",
+    "scheduled",
     "send",
+    "swing",
     "topk",
     "tree",
     "unpack",

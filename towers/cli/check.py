@@ -11,6 +11,12 @@ replayed (opaque collectives such as nccl, or ops the replay has no kernel for)
 fails --replay with the reason; it never passes silently. The verdict names the
 smallest failing example Hypothesis could shrink to.
 
+An algorithm defined by a schedule (``swing``, or ``towers.allreduce.scheduled(gen)``)
+is first proved symbolically for every tower count 1..--prove (default 64, no
+TensorFlow, see ``towers.schedule.check_schedule``): a wrong schedule is rejected
+with the smallest failing tower count, the first tick that breaks and the state
+there, drawn, before anything runs on devices.
+
 The algorithm is a registered name or module:function (file.py:function); a
 factory (anything not taking ``(values, *, op)``) is called with no arguments.
 
@@ -33,6 +39,7 @@ EPILOG = """examples:
   python -m towers check my_algos.py:make_star --dtypes float32,float64 --ops sum,mean
   python -m towers check hierarchical --towers 2,4,8 --replay
   python -m towers check ring --seed -1                   # fresh examples every run
+  python -m towers check swing --prove 256                # a schedule: proved for n=1..256 too
 """
 
 
@@ -65,6 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "int64)")
     parser.add_argument("--seed", type=int, default=0,
                         help="Hypothesis seed for reproducible runs (default 0; -1: a fresh draw)")
+    parser.add_argument("--prove", type=int, default=64, metavar="N",
+                        help="schedule-defined algorithms: prove the schedule symbolically "
+                        "for every tower count 1..N first (default 64; 0 skips)")
     parser.add_argument("--replay", action="store_true",
                         help="also demand bitwise equality with the NumPy replay (slower)")
 
@@ -101,12 +111,26 @@ def _check(name: str, fn: Any, counts: list[int], examples: int, options: dict[s
     return dataclasses.replace(report, algorithm=name, examples=total)
 
 
+def _prove(fn: Any, upto: int) -> bool:
+    """Print the symbolic verdict for a schedule-defined algorithm; False when rejected."""
+    from towers.allreduce.scheduled import generator_of
+    from towers.schedule import check_schedule
+
+    generator = generator_of(fn)
+    if generator is None or upto < 1:
+        return True
+    report = check_schedule(generator, range(1, upto + 1))
+    print(report)
+    return report.ok
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the job; returns a process exit code."""
     counts = args.towers or list(range(1, args.max_towers + 1))
-    if args.max_towers < 1 or args.examples < 1 or counts[0] < 1 or counts[-1] > args.max_towers:
-        print("towers check: error: need --max-towers >= 1, --examples >= 1 and tower counts "
-              f"in 1..{args.max_towers}", file=sys.stderr)
+    if (args.max_towers < 1 or args.examples < 1 or counts[0] < 1
+            or counts[-1] > args.max_towers or args.prove < 0):
+        print("towers check: error: need --max-towers >= 1, --examples >= 1, --prove >= 0 "
+              f"and tower counts in 1..{args.max_towers}", file=sys.stderr)
         return 2
     from towers.trace.schedule import load_algorithm, start_devices
 
@@ -114,6 +138,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         name, fn = load_algorithm(args.algorithm, devices)
         options = _options(args, devices)
+        if not _prove(fn, args.prove):
+            return 1
         print(f"towers check: {name} over tower counts {counts}, {args.examples} examples")
         report = _check(name, fn, counts, args.examples, options)
     except (ValueError, TypeError) as err:

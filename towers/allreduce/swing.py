@@ -1,0 +1,159 @@
+"""Swing all-reduce: recursive halving and doubling with peers that swing left and right.
+
+Written as data: :func:`swing_schedule` builds the :class:`~towers.schedule.Schedule`
+and :func:`~towers.allreduce.scheduled.run_schedule` runs it; bytes and depth
+below are derived from that same object. p = 4 towers, chunks c0..c3,
+``+▶t`` reduces into tower t, ``▶t`` copies to it::
+
+    tick          0        1    │     2        3
+                  reduce-scatter │     all-gather (copy)
+    tower 0   c1c2+▶1    c3+▶3  │   c0 ▶3  c0c3 ▶1
+    tower 1   c0c3+▶0    c2+▶2  │   c1 ▶2  c1c2 ▶0
+    tower 2   c0c3+▶3    c1+▶1  │   c2 ▶1  c1c2 ▶3
+    tower 3   c1c2+▶2    c0+▶0  │   c3 ▶0  c0c3 ▶2
+                       tower r now owns c_r, finished
+
+Index formula (p = 2^k towers, step s = 0..k-1): tower r's peer is
+``ρ(r, s) = r + δ(s)`` for even r and ``r − δ(s)`` for odd r (mod p), with
+``δ(s) = (1 − (−2)^(s+1)) / 3 = 1, −1, 3, −5, 11, …``. Let ``R(x, s)`` be the
+towers x reaches through steps s..k-1 (``R(x, k) = {x}``,
+``R(x, s) = R(x, s+1) ∪ R(ρ(x, s), s+1)``). Reduce-scatter step s: r reduces the
+chunks ``R(ρ(r, s), s+1)`` into its peer (half of what it still holds), so after
+k steps r owns chunk r; all-gather runs the steps backwards, r copying the
+finished chunks ``R(r, s+1)`` to ``ρ(r, s)``. Against recursive halving's
+``r XOR 2^s``, a peer is at distance ``|δ(s)| < 2^s`` on a ring or torus: fewer
+hops, the paper's point. ``towers.schedule.check_schedule`` proves that the
+``R`` sets split evenly for every p up to 64.
+
+Other tower counts (the paper's own extension is not implemented): with
+p = 2^⌊log2 n⌋, extra tower p + j folds its whole buffer into tower j in a first
+tick and gets the result back from it in a last tick, as ``halving_doubling``
+does (n = 6: tick 0 ``4 ─c0c1c2c3+▶ 0``, ``5 ─…+▶ 1``; tick 5 ``0 ─c0c1c2c3▶ 4``,
+``1 ─…▶ 5``).
+
+Padding: the buffer is cut into p chunks of ⌈L/p⌉ elements (the fold messages
+too carry the p padded chunks). Cost (S bytes; f = 1 when n > p else 0):
+``(2·log2 p + 2f)·α + (2(p−1)/p + 2f)·S·β + ((p−1)/p + f)·S·γ``, the same as
+Rabenseifner's; summation depth ⌈log2 n⌉.
+
+References:
+    D. De Sensi, T. Bonato, D. Saam, T. Hoefler, "Swing: Short-cutting Rings for
+    Higher Bandwidth Allreduce", NSDI 2024 (arXiv:2401.09356).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from towers.allreduce.base import AllReduce
+from towers.allreduce.registry import Algorithm, Coefficients, Configured, register, schedule_of
+from towers.allreduce.scheduled import scheduled
+from towers.schedule import ir, symbolic
+from towers.schedule.ir import Schedule, Step
+
+__all__ = ["SWING", "bytes_sent", "cost", "peer", "summation_depth", "swing", "swing_schedule"]
+
+
+def _delta(step: int) -> int:
+    return (1 - (-2) ** (step + 1)) // 3
+
+
+def peer(rank: int, step: int, p: int) -> int:
+    """Swing's ``ρ(r, s)`` among ``p`` towers: ``r ± δ(s) mod p`` (+ for even r).
+
+    Example:
+        >>> [peer(0, s, 8) for s in range(3)], [peer(1, s, 8) for s in range(3)]
+        ([1, 7, 3], [0, 2, 6])
+    """
+    d = _delta(step)
+    return (rank + d) % p if rank % 2 == 0 else (rank - d) % p
+
+
+def _reach(p: int) -> list[list[frozenset[int]]]:
+    """``reach[s][x]`` = R(x, s): the towers x reaches through steps s..k-1."""
+    k = p.bit_length() - 1
+    reach = [[frozenset([x]) for x in range(p)]]
+    for s in reversed(range(k)):
+        later = reach[0]
+        reach.insert(0, [later[x] | later[peer(x, s, p)] for x in range(p)])
+    return reach
+
+
+@functools.lru_cache(maxsize=128)
+def swing_schedule(n: int) -> Schedule:
+    """Swing's all-reduce over ``n`` towers as a schedule (fold in/out beyond 2^⌊log2 n⌋).
+
+    Example:
+        >>> swing_schedule(4).num_ticks, swing_schedule(6).num_ticks
+        (4, 6)
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n must be an int >= 1, got {n!r}")
+    p = 1 << (n.bit_length() - 1)
+    k, extra = p.bit_length() - 1, range(n - p)
+    reach = _reach(p)
+    ticks: list[tuple[Step, ...]] = []
+    if extra:
+        ticks.append(tuple(Step(p + j, j, c, "reduce") for j in extra for c in range(p)))
+    for s in range(k):  # reduce-scatter: hand the peer the half it will own
+        ticks.append(tuple(Step(r, peer(r, s, p), c, "reduce")
+                           for r in range(p) for c in sorted(reach[s + 1][peer(r, s, p)])))
+    for s in reversed(range(k)):  # all-gather: the same steps backwards, copying
+        ticks.append(tuple(Step(r, peer(r, s, p), c, "copy")
+                           for r in range(p) for c in sorted(reach[s + 1][r])))
+    if extra:
+        ticks.append(tuple(Step(j, p + j, c, "copy") for j in extra for c in range(p)))
+    return Schedule("swing", n, p, tuple(ticks))
+
+
+def _build() -> AllReduce:
+    return scheduled(swing_schedule)
+
+
+def swing() -> Configured:
+    """Build the Swing all-reduce (any tower count; see the module docstring).
+
+    Returns:
+        The configured algorithm ``(values, *, op="sum") -> list[tf.Tensor]``.
+
+    Example:
+        >>> outs = swing()(values, op="mean")   # doctest: +SKIP
+    """
+    return SWING()
+
+
+def bytes_sent(n: int, nbytes: int, itemsize: int) -> list[int]:
+    """Bytes each tower sends, counted from :func:`swing_schedule` (``towers.schedule.bytes_sent``).
+
+    Example:
+        >>> bytes_sent(4, 32, 4), bytes_sent(3, 20, 4)   # 2(p-1)·⌈L/p⌉; the fold sends p chunks
+        ([48, 48, 48, 48], [48, 24, 24])
+    """
+    return ir.bytes_sent(swing_schedule(n), nbytes, itemsize)
+
+
+def summation_depth(n: int) -> int:
+    """The deepest summation tree of :func:`swing_schedule`'s result: ⌈log2 n⌉.
+
+    Example:
+        >>> [summation_depth(n) for n in (1, 2, 3, 4, 5, 8)]
+        [0, 1, 2, 2, 3, 3]
+    """
+    return symbolic.summation_depth(swing_schedule(n))
+
+
+def cost(n: int, nbytes: float) -> Coefficients:
+    """α-β-γ coefficients: ``(2k + 2f)·α + (2(p-1)/p + 2f)·S·β + ((p-1)/p + f)·S·γ``.
+
+    Example:
+        >>> cost(4, 1000.0)
+        (4, 1500.0, 750.0)
+    """
+    k = n.bit_length() - 1
+    p, f = 1 << k, int(n > 1 << k)
+    return 2 * k + 2 * f, (2 * (p - 1) / p + 2 * f) * nbytes, ((p - 1) / p + f) * nbytes
+
+
+SWING = register(
+    Algorithm("swing", _build, bytes_sent, summation_depth, cost, schedule_of(__doc__))
+)

@@ -1,0 +1,56 @@
+"""Collectives as data: a TensorFlow-free schedule, its derived quantities and its proof.
+
+:mod:`~towers.schedule.ir` holds the :class:`Schedule` (towers, chunks, and per
+tick the steps ``(src, dst, chunk, copy|reduce)``) and what follows from it alone
+(bytes per tower and per link, ticks, α-β-γ); :mod:`~towers.schedule.symbolic`
+proves a generator ``n -> Schedule`` correct for every ``n`` by following sets of
+contributions; :mod:`~towers.schedule.classic` has the ring as data. The
+interpreter that runs a schedule on TensorFlow devices is
+:mod:`towers.allreduce.scheduled` (this package imports nothing of TensorFlow).
+"""
+
+from __future__ import annotations
+
+from towers.schedule.classic import ring_schedule
+from towers.schedule.ir import (
+    COLLECTIVES,
+    KINDS,
+    Generator,
+    Schedule,
+    Step,
+    bytes_sent,
+    chunk_bytes,
+    cost,
+    format_schedule,
+    link_bytes,
+)
+from towers.schedule.symbolic import (
+    Failure,
+    ScheduleError,
+    ScheduleReport,
+    check_schedule,
+    simulate,
+    summation_depth,
+    summation_depths,
+)
+
+__all__ = [
+    "COLLECTIVES",
+    "KINDS",
+    "Failure",
+    "Generator",
+    "Schedule",
+    "ScheduleError",
+    "ScheduleReport",
+    "Step",
+    "bytes_sent",
+    "check_schedule",
+    "chunk_bytes",
+    "cost",
+    "format_schedule",
+    "link_bytes",
+    "ring_schedule",
+    "simulate",
+    "summation_depth",
+    "summation_depths",
+]

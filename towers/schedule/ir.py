@@ -1,0 +1,213 @@
+"""A collective as data: towers, chunks, and per tick the steps that move them.
+
+A :class:`Schedule` is a frozen, TensorFlow-free description of one collective
+over ``towers`` towers whose buffer is cut into ``chunks`` equal pieces. Tick
+``t`` is a tuple of :class:`Step` ``(src, dst, chunk, kind)``:
+
+* ``copy``: ``dst``'s slot for ``chunk`` becomes ``src``'s (overwritten);
+* ``reduce``: ``dst``'s slot becomes ``dst ⊕ src`` (``combine(received, own)``,
+  the received partial on the left); into an empty slot it is a plain receive.
+
+All steps of a tick read the slots as they were when the tick began (they run
+at once), then write; several ``reduce`` steps into one slot in one tick apply
+in the order listed. ``collective`` names the semantics the schedule claims
+(``all_reduce``, ``reduce_scatter``, ``all_gather``); ``owners[c]`` is the tower
+that ends with chunk ``c`` reduced (reduce-scatter) or starts with it
+(all-gather). :mod:`towers.schedule.symbolic` proves the claim for each ``n``.
+
+Everything below is derived from the same object: bytes per tower and per link,
+ticks, and the α-β-γ coefficients. **Padding rule**: a buffer of ``L`` elements
+is zero-padded to ``chunks·⌈L/chunks⌉`` and every chunk has ``⌈L/chunks⌉``
+elements, as :func:`towers.allreduce.primitives.pad_split` cuts it, so every
+step moves ``⌈L/chunks⌉·itemsize`` bytes.
+
+Example:
+    >>> s = Schedule("pair", 2, 1, ((Step(0, 1, 0, "reduce"),), (Step(1, 0, 0, "copy"),)))
+    >>> bytes_sent(s, 40, 4), s.num_ticks
+    ([40, 40], 2)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Callable, Iterable
+from typing import NamedTuple
+
+__all__ = [
+    "COLLECTIVES",
+    "KINDS",
+    "Generator",
+    "Schedule",
+    "Step",
+    "bytes_sent",
+    "chunk_bytes",
+    "cost",
+    "format_schedule",
+    "link_bytes",
+]
+
+KINDS = ("copy", "reduce")
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
+
+
+class Step(NamedTuple):
+    """One transfer: tower ``src`` sends its slot for ``chunk`` to ``dst`` (``copy``|``reduce``)."""
+
+    src: int
+    dst: int
+    chunk: int
+    kind: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """A collective over ``towers`` towers and ``chunks`` chunks, tick by tick.
+
+    Attributes:
+        name: for reports and drawings.
+        towers: the tower count ``n``.
+        chunks: how many equal pieces the buffer is cut into.
+        ticks: ``ticks[t]`` is the tuple of :class:`Step` run at once at tick ``t``.
+        collective: the semantics claimed, one of :data:`COLLECTIVES`.
+        owners: for ``reduce_scatter``/``all_gather``, the tower owning each chunk
+            (default: chunk ``c`` is tower ``c mod n``'s).
+
+    Raises:
+        ValueError: an unknown collective or kind, a count < 1, or an owner out of range.
+            (Steps naming towers or chunks out of range are reported by the checker,
+            with their tick, rather than refused here.)
+    """
+
+    name: str
+    towers: int
+    chunks: int
+    ticks: tuple[tuple[Step, ...], ...]
+    collective: str = "all_reduce"
+    owners: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.towers < 1 or self.chunks < 1:
+            raise ValueError(f"towers and chunks must be >= 1, got {self.towers}, {self.chunks}")
+        if self.collective not in COLLECTIVES:
+            raise ValueError(f"collective must be one of {COLLECTIVES}, got {self.collective!r}")
+        ticks = tuple(
+            tuple(step if type(step) is Step else Step(*step) for step in tick)
+            for tick in self.ticks
+        )
+        object.__setattr__(self, "ticks", ticks)
+        for tick in ticks:
+            for step in tick:
+                if step.kind not in KINDS:
+                    raise ValueError(f"step kind must be 'copy' or 'reduce', got {step!r}")
+        owners = self.owners
+        if owners is None:
+            owners = tuple(c % self.towers for c in range(self.chunks))
+        owners = tuple(int(o) for o in owners)
+        if len(owners) != self.chunks or not all(0 <= o < self.towers for o in owners):
+            raise ValueError(f"owners must name a tower for each of {self.chunks} chunks")
+        object.__setattr__(self, "owners", owners)
+
+    @property
+    def num_ticks(self) -> int:
+        """How many ticks the schedule takes (the ``α`` count)."""
+        return len(self.ticks)
+
+    def steps(self) -> Iterable[tuple[int, Step]]:
+        """Every ``(tick, step)`` in order."""
+        for t, tick in enumerate(self.ticks):
+            for step in tick:
+                yield t, step
+
+    def chunk_owner(self, chunk: int) -> int:
+        """The tower that owns ``chunk`` (see ``owners``)."""
+        assert self.owners is not None  # set in __post_init__
+        return self.owners[chunk]
+
+
+Generator = Callable[[int], Schedule]
+"""A schedule generator: ``n -> Schedule`` for ``n`` towers."""
+
+
+def chunk_bytes(schedule: Schedule, nbytes: int, itemsize: int) -> int:
+    """Bytes one step moves: ``⌈L/chunks⌉·itemsize`` for ``L = nbytes/itemsize`` elements.
+
+    Example:
+        >>> chunk_bytes(Schedule("x", 4, 4, ()), 20, 4)   # 5 elements -> chunks of 2
+        8
+    """
+    if itemsize < 1 or nbytes < 0 or nbytes % itemsize:
+        raise ValueError(f"nbytes must be a multiple of itemsize; got {nbytes}, {itemsize}")
+    return -(-(nbytes // itemsize) // schedule.chunks) * itemsize
+
+
+def bytes_sent(schedule: Schedule, nbytes: int, itemsize: int) -> list[int]:
+    """Bytes each tower sends: its number of steps × :func:`chunk_bytes`.
+
+    Example:
+        >>> bytes_sent(Schedule("x", 2, 2, ((Step(0, 1, 1, "copy"),),)), 16, 4)
+        [8, 0]
+    """
+    size = chunk_bytes(schedule, nbytes, itemsize)
+    counts = Counter(step.src for _, step in schedule.steps())
+    return [counts[tower] * size for tower in range(schedule.towers)]
+
+
+def link_bytes(schedule: Schedule, nbytes: int, itemsize: int) -> dict[tuple[int, int], int]:
+    """Bytes per directed link ``(src, dst)`` over the whole schedule (links that carry any).
+
+    Example:
+        >>> link_bytes(Schedule("x", 2, 1, ((Step(0, 1, 0, "copy"),),)), 8, 4)
+        {(0, 1): 8}
+    """
+    size = chunk_bytes(schedule, nbytes, itemsize)
+    counts = Counter((step.src, step.dst) for _, step in schedule.steps())
+    return {link: count * size for link, count in sorted(counts.items())}
+
+
+def cost(schedule: Schedule, nbytes: float) -> tuple[float, float, float]:
+    """α-β-γ coefficients, tick by tick: each tick costs one ``α``, the most chunks any
+    tower sends in it (× ``S/chunks``) ``β`` and the most chunks any tower reduces in
+    it ``γ``; empty ticks cost nothing.
+
+    Example:
+        >>> cost(Schedule("x", 2, 1, ((Step(0, 1, 0, "reduce"),), (Step(1, 0, 0, "copy"),))), 8.0)
+        (2, 16.0, 8.0)
+    """
+    piece = nbytes / schedule.chunks
+    a, b, c = 0, 0.0, 0.0
+    for tick in schedule.ticks:
+        if not tick:
+            continue
+        sends = Counter(step.src for step in tick)
+        reduces = Counter(step.dst for step in tick if step.kind == "reduce")
+        a += 1
+        b += max(sends.values()) * piece
+        c += max(reduces.values(), default=0) * piece
+    return a, b, c
+
+
+def format_schedule(schedule: Schedule) -> str:
+    """The schedule as text: towers × ticks, each cell the chunks a tower sends and where.
+
+    ``c0c1+▶2``: chunks 0 and 1 reduced into tower 2; ``c3 ▶0``: chunk 3 copied to tower 0.
+
+    Example:
+        >>> print(format_schedule(Schedule("x", 2, 1, ((Step(0, 1, 0, "reduce"),),))))
+        tick          0
+        tower 0  c0+▶1
+        tower 1
+    """
+    cells = [["" for _ in schedule.ticks] for _ in range(schedule.towers)]
+    for t, tick in enumerate(schedule.ticks):
+        groups: dict[tuple[int, int, str], list[int]] = {}
+        for step in tick:
+            groups.setdefault((step.src, step.dst, step.kind), []).append(step.chunk)
+        for (src, dst, kind), chunks in groups.items():
+            text = "".join(f"c{c}" for c in sorted(chunks)) + ("+" if kind == "reduce" else " ")
+            cells[src][t] = " ".join(filter(None, [cells[src][t], f"{text}▶{dst}"]))
+    width = max([1, *(len(cell) for row in cells for cell in row)])
+    lines = ["tick     " + " ".join(str(t).rjust(width) for t in range(schedule.num_ticks))]
+    lines += [(f"tower {i:<3}" + " ".join(cell.rjust(width) for cell in row)).rstrip()
+              for i, row in enumerate(cells)]
+    return "\n".join(lines)

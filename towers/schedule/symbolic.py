@@ -1,0 +1,307 @@
+"""Prove a schedule correct without TensorFlow: follow sets of contributions, tick by tick.
+
+Each slot ``(tower, chunk)`` carries the *set* of towers whose inputs it sums
+(a bit mask), the summation tree that produced it (up to commutativity: ``a ⊕ b``
+and ``b ⊕ a`` are one tree, as IEEE addition is commutative) and that tree's
+depth. Initially, for ``all_reduce`` and ``reduce_scatter`` tower ``t`` holds
+``{t}`` in every chunk; for ``all_gather`` the owner of chunk ``c`` holds it
+*complete* (all ``n`` contributions) and the others hold nothing.
+
+**Holds.** Tower ``t`` *holds* chunk ``c`` when its slot carries at least one
+contribution, and holds it *complete* when the slot carries all ``n``. A tick
+reads every slot as it was when the tick began, so a tower cannot forward in
+tick ``t`` what it receives in tick ``t``. The rules, checked step by step:
+
+1. a step names towers and chunks in range, and no tower sends to itself;
+2. **send before receipt**: a ``reduce`` sends a chunk its source holds; a
+   ``copy`` sends a chunk its source holds *complete* (a copy replaces the
+   destination's slot, so anything less forwards a chunk before all of it arrived);
+3. **double count**: a ``reduce`` never adds a contribution the destination
+   already has;
+4. a ``copy`` is the only write to its slot in its tick;
+5. at the end (**dropped chunk**): ``all_reduce``/``all_gather``: every tower holds
+   every chunk complete, and all towers hold the same summation tree per chunk
+   (so the outputs agree bitwise); ``reduce_scatter``: each chunk's owner holds it
+   complete.
+
+:func:`check_schedule` runs a generator for every ``n`` and reports the smallest
+failing ``n``, the first tick that breaks a rule (``the end`` for rule 5) and the
+state at that tick, drawn.
+
+Example:
+    >>> report = check_schedule(ring_schedule)           # n = 1 .. 64
+    >>> report.ok, report.failure
+    (True, None)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterable
+from typing import NamedTuple
+
+from towers.schedule.ir import Generator, Schedule, Step
+
+__all__ = [
+    "Failure",
+    "ScheduleError",
+    "ScheduleReport",
+    "check_schedule",
+    "simulate",
+    "summation_depth",
+    "summation_depths",
+]
+
+MAX_DRAWN = 12  # towers / chunks drawn in full; beyond, the ones involved and the ends
+
+
+class ScheduleError(ValueError):
+    """A schedule broke a rule: ``tick`` (``num_ticks`` for the end state), why, the state drawn."""
+
+    def __init__(self, tick: int, message: str, drawing: str) -> None:
+        super().__init__(f"tick {tick}: {message}")
+        self.tick, self.message, self.drawing = tick, message, drawing
+
+
+@dataclasses.dataclass
+class _State:
+    have: list[list[int]]  # have[tower][chunk]: bit t set when tower t's input is summed in
+    tree: list[list[int]]  # an id per distinct summation tree (0: empty slot)
+    depth: list[list[int]]
+    nodes: dict[tuple[int, int], int]  # (left id, right id), sorted -> id
+
+    def join(self, a: int, b: int) -> int:
+        key = (min(a, b), max(a, b))
+        if key not in self.nodes:
+            self.nodes[key] = -(len(self.nodes) + 1)  # negative: never a leaf's id
+        return self.nodes[key]
+
+
+def _initial(s: Schedule) -> _State:
+    n, k, full = s.towers, s.chunks, (1 << s.towers) - 1
+    if s.collective == "all_gather":
+        have = [[full if s.chunk_owner(c) == t else 0 for c in range(k)] for t in range(n)]
+        tree = [[c + 1 if h else 0 for c, h in enumerate(row)] for row in have]
+    else:
+        have = [[1 << t] * k for t in range(n)]
+        tree = [[t + 1] * k for t in range(n)]
+    return _State(have, tree, [[0] * k for _ in range(n)], {})
+
+
+def _members(mask: int, n: int) -> str:
+    if mask == (1 << n) - 1:
+        return "all"
+    if not mask:
+        return "·"
+    bits = [t for t in range(n) if mask >> t & 1]
+    runs, i = [], 0
+    while i < len(bits):
+        j = i
+        while j + 1 < len(bits) and bits[j + 1] == bits[j] + 1:
+            j += 1
+        runs.append(str(bits[i]) if i == j else f"{bits[i]}-{bits[j]}")
+        i = j + 1
+    return ",".join(runs)
+
+
+def _shown(total: int, involved: Iterable[int]) -> list[int]:
+    if total <= MAX_DRAWN:
+        return list(range(total))
+    keep = {0, 1, total - 1} | {i for i in involved if 0 <= i < total}
+    return sorted(keep)
+
+
+def draw_state(s: Schedule, state: _State, tick: int, bad: Step | None = None) -> str:
+    """The contributions every tower holds per chunk when ``tick`` begins, and its steps."""
+    towers = _shown(s.towers, [] if bad is None else [bad.src, bad.dst])
+    chunks = _shown(s.chunks, [] if bad is None else [bad.chunk])
+    cells = [[_members(state.have[t][c], s.towers) for c in chunks] for t in towers]
+    width = max(4, *(len(cell) for row in cells for cell in row))
+    when = "after the last tick" if tick >= s.num_ticks else f"when tick {tick} begins"
+    lines = [f"{s.name}, n={s.towers}: contributions held {when} (· none)"]
+    lines.append("         " + " ".join(f"c{c}".rjust(width) for c in chunks))
+    lines += [f"tower {t:<3}" + " ".join(x.rjust(width) for x in row)
+              for t, row in zip(towers, cells)]
+    if tick < s.num_ticks:
+        steps = s.ticks[tick]
+        marks = [("✗ " if step == bad else "") + _step_text(step) for step in steps[:16]]
+        more = f"  … {len(steps) - 16} more" if len(steps) > 16 else ""
+        lines.append(f"tick {tick}: " + "   ".join(marks) + more)
+    return "\n".join(lines)
+
+
+def _step_text(step: Step) -> str:
+    return f"{step.src} ─c{step.chunk}{'+' if step.kind == 'reduce' else ''}▶ {step.dst}"
+
+
+def _read(s: Schedule, state: _State, tick: int, step: Step) -> None:
+    """Rules 1 and 2 for one step, against the state the tick began with."""
+    n, full = s.towers, (1 << s.towers) - 1
+    if not (0 <= step.src < n and 0 <= step.dst < n and 0 <= step.chunk < s.chunks):
+        why = f"step {tuple(step)} names a tower or chunk out of range ({n} towers, "
+        raise ScheduleError(tick, why + f"{s.chunks} chunks)", draw_state(s, state, tick))
+    if step.src == step.dst:
+        raise ScheduleError(tick, f"tower {step.src} sends chunk {step.chunk} to itself",
+                            draw_state(s, state, tick, step))
+    held = state.have[step.src][step.chunk]
+    if not held or (step.kind == "copy" and held != full):
+        what = "any of it" if not held else f"it complete (only {_members(held, n)})"
+        verb = "copies" if step.kind == "copy" else "reduces"
+        why = (f"send before receipt: tower {step.src} {verb} chunk {step.chunk} to "
+               f"tower {step.dst} but does not hold {what}")
+        raise ScheduleError(tick, why, draw_state(s, state, tick, step))
+
+
+def _tick(s: Schedule, state: _State, tick: int) -> None:
+    """One tick, in place: read every source as the tick began, then write (rules 1-4)."""
+    steps = s.ticks[tick]
+    for step in steps:
+        _read(s, state, tick, step)
+    sent = [(state.have[st.src][st.chunk], state.tree[st.src][st.chunk],
+             state.depth[st.src][st.chunk]) for st in steps]
+    writes: dict[tuple[int, int], Step] = {}
+    pending: dict[tuple[int, int], tuple[int, int, int]] = {}
+    for step, (have, tree, depth) in zip(steps, sent):
+        slot = (step.dst, step.chunk)
+        earlier = writes.setdefault(slot, step)
+        if earlier is not step and "copy" in (earlier.kind, step.kind):
+            why = (f"two writes to tower {step.dst}'s chunk {step.chunk} in one tick, one a "
+                   f"copy: {_step_text(earlier)} and {_step_text(step)}")
+            raise ScheduleError(tick, why, draw_state(s, state, tick, step))
+        mine, own, deep = pending.get(slot) or (
+            state.have[slot[0]][slot[1]], state.tree[slot[0]][slot[1]],
+            state.depth[slot[0]][slot[1]])
+        if step.kind == "reduce" and mine:
+            if mine & have:
+                why = (f"double count: tower {step.src} reduces chunk {step.chunk} into tower "
+                       f"{step.dst}, which already has {_members(mine & have, s.towers)}")
+                raise ScheduleError(tick, why, draw_state(s, state, tick, step))
+            have, tree, depth = have | mine, state.join(tree, own), max(depth, deep) + 1
+        pending[slot] = (have, tree, depth)
+    for (t, c), (have, tree, depth) in pending.items():  # written once all steps are read
+        state.have[t][c], state.tree[t][c], state.depth[t][c] = have, tree, depth
+
+
+def _final(s: Schedule, state: _State) -> None:
+    """Rule 5: the collective's promise holds after the last tick."""
+    n, full, end = s.towers, (1 << s.towers) - 1, s.num_ticks
+    for c in range(s.chunks):
+        towers = [s.chunk_owner(c)] if s.collective == "reduce_scatter" else range(n)
+        for t in towers:
+            if state.have[t][c] != full:
+                missing = _members(full & ~state.have[t][c], n)
+                why = f"dropped chunk: tower {t} ends with chunk {c} missing {missing}"
+                raise ScheduleError(end, why, draw_state(s, state, end))
+        trees = {state.tree[t][c] for t in towers}
+        if len(trees) > 1:
+            why = (f"chunk {c} ends summed in {len(trees)} different orders across towers: "
+                   "the outputs would not agree bitwise")
+            raise ScheduleError(end, why, draw_state(s, state, end))
+
+
+def simulate(schedule: Schedule) -> list[list[int]]:
+    """Run ``schedule`` symbolically; the summation depth of every final slot.
+
+    Returns:
+        ``depth[tower][chunk]``: additions on the path to the slot's value.
+
+    Raises:
+        ScheduleError: the first broken rule, with its tick and the state drawn.
+    """
+    state = _initial(schedule)
+    for tick in range(schedule.num_ticks):
+        _tick(schedule, state, tick)
+    _final(schedule, state)
+    return state.depth
+
+
+def summation_depths(schedule: Schedule) -> tuple[int, ...]:
+    """Per chunk, the deepest summation tree any tower ends with (the error bound's ``k``)."""
+    depth = simulate(schedule)
+    return tuple(max(depth[t][c] for t in range(schedule.towers)) for c in range(schedule.chunks))
+
+
+def summation_depth(schedule: Schedule) -> int:
+    """The most additions any result element goes through.
+
+    Example:
+        >>> summation_depth(ring_schedule(8))
+        7
+    """
+    return max(summation_depths(schedule))
+
+
+class Failure(NamedTuple):
+    """The first broken rule: at ``n`` towers, ``tick`` (None: the generator failed)."""
+
+    n: int
+    tick: int | None
+    message: str
+    drawing: str
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class ScheduleReport:
+    """What :func:`check_schedule` found; ``bool(report)`` is ``report.ok``."""
+
+    name: str
+    ns: tuple[int, ...]
+    failure: Failure | None
+    depths: dict[int, int]
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return self.failure is None
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+    def __str__(self) -> str:
+        span = f"n={self.ns[0]}..{self.ns[-1]}" if self.ns else "no n"
+        if self.failure is None:
+            deepest = max(self.depths.items(), key=lambda kv: kv[1], default=(0, 0))
+            return (f"PROVED: {self.name} for {len(self.ns)} tower counts ({span}) in "
+                    f"{self.seconds:.2f} s; deepest sum {deepest[1]} (n={deepest[0]})")
+        f = self.failure
+        where = "the generator" if f.tick is None else f"tick {f.tick}"
+        return "\n".join([f"REJECTED: {self.name}: smallest failing n={f.n}, {where}: "
+                          f"{f.message}", f.drawing])
+
+    __repr__ = __str__
+
+
+def check_schedule(generator: Generator, ns: Iterable[int] = range(1, 65)) -> ScheduleReport:
+    """Prove ``generator(n)`` keeps its collective's promise for every ``n`` in ``ns``.
+
+    Args:
+        generator: ``n -> Schedule``.
+        ns: the tower counts, checked in ascending order (default 1..64).
+
+    Returns:
+        A :class:`ScheduleReport`: the smallest failing ``n``, the first bad tick and
+        the state drawn, or the summation depth per ``n``.
+
+    Example:
+        >>> print(check_schedule(ring_schedule, range(1, 9)))   # doctest: +SKIP
+        PROVED: ring for 8 tower counts (n=1..8) in 0.01 s; deepest sum 7 (n=8)
+    """
+    start, counts, depths = time.perf_counter(), sorted(set(ns)), {}
+    name = str(getattr(generator, "__name__", generator))
+    failure = None
+    for n in counts:
+        try:
+            schedule = generator(n)
+            if schedule.towers != n:
+                raise ValueError(f"asked for {n} towers, the schedule has {schedule.towers}")
+        except (ValueError, TypeError) as err:
+            failure = Failure(n, None, f"{type(err).__name__}: {err}", "")
+            break
+        name = schedule.name
+        try:
+            depths[n] = max(max(row) for row in simulate(schedule))
+        except ScheduleError as err:
+            failure = Failure(n, err.tick, err.message, err.drawing)
+            break
+    return ScheduleReport(name, tuple(counts), failure, depths, time.perf_counter() - start)
