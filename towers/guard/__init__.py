@@ -4,6 +4,8 @@
     nonfinite.py  one flag per tower (loss, gradients, state finite?) gathered for the
                   step's single decision: apply, skip or raise
     inputs.py     the trainer's arguments and a batch, checked before anything is traced
+    contract.py   what an all-reduce algorithm returned (count; per tower shape, dtype,
+                  device), checked when the step is traced
 
 The step (:mod:`towers.step`) and the training tools import these modules; these
 modules import nothing of the step, so the dependencies point one way.
