@@ -17,15 +17,17 @@ densified and all-reduced with the per-tensor algorithm (``sparse="densify"``).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import tensorflow as tf
 
 from towers.allreduce.base import AllReduce, GradientReducer, check_values
 from towers.allreduce.naive import naive
+from towers.allreduce.parameter_device import parameter_device
 from towers.allreduce.sparse import densify, gather_indexed_slices
 from towers.guard.contract import check_outputs, check_rows
 
-__all__ = ["SPARSE", "StepReducer", "as_reducer"]
+__all__ = ["SPARSE", "StepReducer", "as_reducer", "resolve"]
 
 SPARSE = ("gather", "densify")
 """What to do with sparse gradients: keep them sparse (gather), or densify and all-reduce."""
@@ -122,3 +124,22 @@ def as_reducer(algorithm: AllReduce | GradientReducer, *, sparse: str = "gather"
     if isinstance(algorithm, GradientReducer):
         return StepReducer(algorithm, naive, sparse)
     return StepReducer(None, algorithm, sparse)
+
+
+def resolve(all_reduce: Any, device: str) -> Any:
+    """The algorithm a trainer's ``all_reduce=`` argument names.
+
+    ``"parameter_device"`` means *this* trainer's parameter device (``device``); a
+    ``GradientReducer`` or a callable passes through; any other name comes from the
+    registry (:func:`towers.allreduce.get`).
+
+    Raises:
+        ValueError, TypeError: an unknown name, or neither a name nor a callable.
+    """
+    from towers.allreduce import get  # the package's resolver; it does not import this module
+
+    if all_reduce == "parameter_device":
+        return parameter_device(device)
+    if isinstance(all_reduce, GradientReducer):
+        return all_reduce
+    return get(all_reduce)

@@ -46,28 +46,37 @@ class NonFiniteError(TowersError, FloatingPointError):
 
 
 class StepTimeout(TowersError, TimeoutError):
-    """A step did not complete within ``step_timeout`` seconds (a collective hung).
+    """A step did not complete within its deadline (a collective never completed).
 
     Attributes:
         algorithm: the all-reduce's name.
-        seconds: the deadline.
+        seconds: ``step_timeout`` (None: the collective's own op timeout fired).
         usable: whether the trainer can run another step in this process.
+        earlier: set when this step failed at once because an earlier step's collective
+            had timed out (what that one was), None when this step hit the deadline.
     """
 
-    def __init__(self, algorithm: str, seconds: float | None, usable: bool, detail: str) -> None:
+    def __init__(
+        self, algorithm: str, seconds: float | None, usable: bool, detail: str,
+        earlier: str | None = None,
+    ) -> None:  # fmt: skip
         self.algorithm, self.seconds, self.usable = algorithm, seconds, usable
-        within = "within its deadline" if seconds is None else f"within {seconds:g} s"
+        self.earlier = earlier
+        within = f"within {seconds:g} s" if seconds else "within its collectives' op timeout"
+        what = (
+            f"failed at once: an earlier step timed out ({earlier}) and TensorFlow aborts every "
+            "later collective op in the process"
+            if earlier
+            else f"did not complete {within}: a collective never completed (a tower or peer "
+            "missing, or group keys or sizes that do not match)"
+        )
         after = (
             "The trainer is still usable."
             if usable
-            else "TensorFlow aborts every later collective op in this process after a "
-            "timeout: restart the process (resume from a checkpoint) to go on."
+            else "No collective op can run in this process any more (TensorFlow aborts them "
+            "all after a timeout): restart the process and resume from a checkpoint."
         )
-        super().__init__(
-            f"the step with all-reduce {algorithm!r} did not complete {within}: a collective "
-            f"never completed (a tower or peer missing, or group keys or sizes that do not "
-            f"match). {after} ({detail})"
-        )
+        super().__init__(f"the step with all-reduce {algorithm!r} {what}. {after} [{detail}]")
 
 
 class AlgorithmError(TowersError, ValueError):
