@@ -20,6 +20,7 @@ import tensorflow as tf
 
 import towers
 from tests.conftest import DEVICES
+from towers.guard.errors import AlgorithmError
 from towers.training import checkpoint
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "bad_inputs.md"
@@ -74,6 +75,16 @@ def _step(x: Any = X, y: Any = Y, w: Any = None, kind: str = "dense") -> Any:
 def _fit(**kw: Any) -> Any:
     args = {"x": X, "y": Y, "verbose": 0, **kw}
     return _trainer("dense").fit(args.pop("x"), args.pop("y"), **args)
+
+
+def _too_few(values: Any, *, op: str = "sum") -> list[tf.Tensor]:
+    return [tf.identity(values[0])]
+
+
+def _one_device(values: Any, *, op: str = "sum") -> list[tf.Tensor]:
+    with tf.device(DEVICES[0]):
+        total = tf.add_n(list(values))
+        return [tf.identity(total) for _ in values]
 
 
 def _gen() -> Any:
@@ -149,6 +160,18 @@ CASES: list[Case] = [
       "sparse must be one of"),
     C("on-nonfinite-unknown", "on_nonfinite='warn'", lambda: _new(on_nonfinite="warn"),
       ValueError, "on_nonfinite must be one of skip, raise, ignore"),
+    C("step-timeout-zero", "step_timeout=0", lambda: _new(step_timeout=0), ValueError,
+      "step_timeout must be None or seconds > 0"),
+    C("step-timeout-string", "step_timeout='10'", lambda: _new(step_timeout="10"), ValueError,
+      "step_timeout must be None or seconds > 0"),
+    C("check-replicas-zero", "check_replicas_every=0", lambda: _new(check_replicas_every=0),
+      ValueError, "check_replicas_every must be None or an int >= 1"),
+    C("algorithm-too-few", "an all_reduce callable returning one output too few",
+      lambda: _new(all_reduce=_too_few).train_step(X, Y), AlgorithmError,
+      r"'_too_few' broke the contract .*2 outputs \(one per tower\), got 1"),
+    C("algorithm-wrong-device", "an all_reduce callable returning outputs on one device",
+      lambda: _new(all_reduce=_one_device).train_step(X, Y), AlgorithmError,
+      r"'_one_device' .*output 1 \(tower 1\) should be .*CPU:1', got .*CPU:0'"),
     C("parameter-device-unknown", "parameter_device='/device:CPU:99'",
       lambda: _new(parameter_device="/device:CPU:99"), ValueError, "unknown device"),
     # -- trainer.train_step(x, y, sample_weight) ---------------------------------------------

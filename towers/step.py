@@ -13,11 +13,9 @@ happen in the order the code states; ``reduce`` and ``apply`` sit inside the
 non-finite guard's one ``tf.cond`` (:mod:`towers.guard.nonfinite`), so a step with a
 NaN or Inf on any tower changes nothing. A teacher can call the phases one at a time:
 each in its own ``tf.function`` under ``as_written()``, they give bitwise the step's
-loss, weights and optimizer state. Eagerly they do too once Grappler's kernel fusion
-is off (``tf.config.optimizer.set_experimental_options({"remapping": False})``):
-inside a ``tf.function`` MatMul+BiasAdd run as one fused kernel, which rounds
-differently from the two eager ops. Collective-op algorithms (``nccl``) need a
-``tf.function``: their ops on every device must start together.
+loss, weights and optimizer state (eagerly too with Grappler's ``remapping`` off: a
+fused MatMul+BiasAdd rounds differently; see the README). Collective-op algorithms
+(``nccl``) need a ``tf.function``: their ops on every device must start together.
 
 Where variables live is the :class:`~towers.placement.Placement`: ``parameter_device``
 applies once on the parameter device, ``replicated`` on every tower's copy.
@@ -39,16 +37,15 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from towers import allreduce
-from towers.allreduce.base import GradientReducer
+from towers.allreduce.base import AllReduce, GradientReducer
 from towers.allreduce.ordering import as_written
-from towers.allreduce.parameter_device import parameter_device as _parameter_device_algo
 from towers.allreduce.primitives import Recorder, record, send
 from towers.allreduce.recording import StepStats
-from towers.allreduce.reducer import as_reducer
-from towers.guard.errors import NonFiniteError
+from towers.allreduce.reducer import as_reducer, resolve
+from towers.guard.deadline import Deadline, settled
 from towers.guard.inputs import batch_tensors, check_choice, check_kinds
 from towers.guard.nonfinite import Guard
+from towers.guard.replicas import ReplicaCheck
 from towers.placement import (
     PLACEMENTS,
     ModelLike,
@@ -114,6 +111,9 @@ class TowerTrainer:
             ``"ignore"`` (apply whatever comes, as tf.distribute does). Skip is the
             default because one bad batch should neither poison every replica nor end a
             long run; see :mod:`towers.guard.nonfinite`.
+        step_timeout: seconds a step may run, then ``StepTimeout`` (:mod:`towers.guard.deadline`).
+        check_replicas_every: compare the replicas by checksum every k steps
+            (:mod:`towers.guard.replicas`). Both default to None: off.
 
     Example:
         >>> devices = towers.simulate_devices(4)                      # doctest: +SKIP
@@ -128,28 +128,25 @@ class TowerTrainer:
         optimizer: OptimizerLike,
         loss: str | LossFn | keras.losses.Loss,
         devices: Sequence[str] | None = None,
-        all_reduce: str | allreduce.AllReduce | GradientReducer = "parameter_device",
+        all_reduce: str | AllReduce | GradientReducer = "parameter_device",
         variables: str = "parameter_device",
         parameter_device: str | None = None,
         non_trainable: str = "mean",
         sparse: str = "gather",
         on_nonfinite: str = "skip",
+        step_timeout: float | None = None,
+        check_replicas_every: int | None = None,
     ) -> None:
         check_kinds(model, optimizer, loss)
         self.devices = check_devices(devices)
         self.placement = get_placement(variables)
         self.non_trainable_mode = check_choice("non_trainable", non_trainable, NON_TRAINABLE)
         self.sparse = check_choice("sparse", sparse, ("gather", "densify"))
-        self.parameter_device = (
-            check_devices([parameter_device])[0] if parameter_device else self.devices[0]
-        )
+        self.parameter_device = check_devices([parameter_device or self.devices[0]])[0]
         self.loss_fn = resolve_loss(loss)
-        if all_reduce == "parameter_device":  # the name means *this* trainer's device
-            self.algorithm: Any = _parameter_device_algo(self.parameter_device)
-        elif isinstance(all_reduce, GradientReducer):
-            self.algorithm = all_reduce
-        else:
-            self.algorithm = allreduce.get(all_reduce)
+        self.deadline = Deadline(step_timeout, resolve(all_reduce, self.parameter_device))
+        self.algorithm: Any = self.deadline.algorithm  # step_timeout bound where it takes one
+        self.replica_check = ReplicaCheck(check_replicas_every)
         self.reducer = as_reducer(self.algorithm, sparse=self.sparse)
         homes = self.placement.homes(self.devices, self.parameter_device)
         self.replicas: list[Replica] = make_replicas(model, optimizer, homes)
@@ -193,12 +190,13 @@ class TowerTrainer:
             ValueError: x, y and sample_weight disagree on the batch size, or it is 0.
             NonFiniteError: ``on_nonfinite="raise"`` and a tower met a NaN or Inf (the
                 step changed nothing).
+            StepTimeout, ReplicaMismatchError: see ``step_timeout``, ``check_replicas_every``.
         """
         step = self._step_with_outputs if return_outputs else self._step
         with as_written():
-            result = step(*self._inputs(x, y, sample_weight))
-        if self.guard.mode == "raise" and (bad := self.guard.last()):
-            raise NonFiniteError(int(self.optimizer.iterations), bad, self.devices)
+            result = self.deadline.run(step, self._inputs(x, y, sample_weight))
+        self.guard.raise_if_nonfinite(self.optimizer, self.devices)
+        self.replica_check.after_step(self.replicas, self.deadline.name)
         return result
 
     def step_function(self, x: Any, y: Any, sample_weight: Any = None) -> Any:
@@ -221,7 +219,7 @@ class TowerTrainer:
 
     def _update(self, grads: Gradients) -> tf.Tensor:
         reduced = self.reduce(grads)
-        self.apply(reduced)
+        settled(reduced, self.apply)  # nothing changes before every reduction completed
         return reduced.loss
 
     def split(self, x: Any, y: Any, sample_weight: Any = None) -> Shards:

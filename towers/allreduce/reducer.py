@@ -17,30 +17,35 @@ densified and all-reduced with the per-tensor algorithm (``sparse="densify"``).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import tensorflow as tf
 
 from towers.allreduce.base import AllReduce, GradientReducer, check_values
 from towers.allreduce.naive import naive
+from towers.allreduce.parameter_device import parameter_device
 from towers.allreduce.sparse import densify, gather_indexed_slices
+from towers.guard.contract import check_outputs, check_rows
 
-__all__ = ["SPARSE", "StepReducer", "as_reducer"]
+__all__ = ["SPARSE", "StepReducer", "as_reducer", "resolve"]
 
 SPARSE = ("gather", "densify")
 """What to do with sparse gradients: keep them sparse (gather), or densify and all-reduce."""
 
 
-def _reduce_one(values: list[tf.Tensor | tf.IndexedSlices], fn: AllReduce, sparse: str) -> list:
-    """One variable's gradients, one per tower, through ``fn`` (sparse ones as ``sparse`` says)."""
+def _reduce_one(
+    values: list[tf.Tensor | tf.IndexedSlices], fn: AllReduce, sparse: str, variable: str
+) -> list:
+    """One variable's gradients, one per tower, through ``fn`` (sparse ones as ``sparse`` says).
+
+    What ``fn`` returns is checked against the contract (:mod:`towers.guard.contract`).
+    """
     if isinstance(values[0], tf.IndexedSlices):
         devices = check_values(values, "sum")
         if sparse == "densify":
             return list(densify(fn, values, devices, "sum"))
         return list(gather_indexed_slices(values, devices, "sum"))
-    out = fn(list(values), op="sum")
-    if len(out) != len(values):
-        raise ValueError(f"algorithm returned {len(out)} outputs for {len(values)} values")
-    return list(out)
+    return check_outputs(fn, values, fn(list(values), op="sum"), variable)
 
 
 class StepReducer:
@@ -61,27 +66,40 @@ class StepReducer:
         if sparse not in SPARSE:
             raise ValueError(f"sparse must be one of {', '.join(SPARSE)}; got {sparse!r}")
         self.dense, self.per_tensor, self.sparse = dense, per_tensor, sparse
+        self.names: list[str] = []
 
     def build(self, variables: Sequence[tf.Variable], devices: Sequence[str]) -> None:
-        """Build the wrapped ``GradientReducer`` (once, eagerly, before the first step)."""
+        """Build the wrapped ``GradientReducer`` (once, eagerly, before the first step);
+        keep the variables' names for the contract's errors."""
+        self.names = [getattr(v, "path", None) or v.name for v in variables]
         if self.dense is not None:
             self.dense.build(variables, devices)
 
     def reduce_gradients(
         self, grads: Sequence[Sequence[tf.Tensor | tf.IndexedSlices]]
     ) -> list[list[tf.Tensor | tf.IndexedSlices]]:
-        """``grads[tower][var]`` -> ``reduced[tower][var]``, each the sum over towers."""
+        """``grads[tower][var]`` -> ``reduced[tower][var]``, each the sum over towers.
+
+        Raises:
+            AlgorithmError: the algorithm's outputs break the contract (count; per tower
+                shape, dtype, device), naming the algorithm, the tower and the variable.
+        """
         n_vars = len(grads[0])
+        names = (
+            self.names if len(self.names) == n_vars else [f"gradient {j}" for j in range(n_vars)]
+        )
         out: list[list[tf.Tensor | tf.IndexedSlices | None]] = [[None] * n_vars for _ in grads]
         dense = [j for j in range(n_vars) if not isinstance(grads[0][j], tf.IndexedSlices)]
         if self.dense is not None and dense:
-            rows = self.dense.reduce_gradients([[g[j] for j in dense] for g in grads])
+            inputs = [[g[j] for j in dense] for g in grads]
+            rows = check_rows(self.dense, inputs, self.dense.reduce_gradients(inputs),
+                              [names[j] for j in dense])  # fmt: skip
             for i, row in enumerate(rows):
                 for j, value in zip(dense, row):
                     out[i][j] = value
         for j in range(n_vars):
             if out[0][j] is None:
-                values = _reduce_one([g[j] for g in grads], self.per_tensor, self.sparse)
+                values = _reduce_one([g[j] for g in grads], self.per_tensor, self.sparse, names[j])
                 for i, value in enumerate(values):
                     out[i][j] = value
         return out  # type: ignore[return-value]  # every slot is filled
@@ -106,3 +124,22 @@ def as_reducer(algorithm: AllReduce | GradientReducer, *, sparse: str = "gather"
     if isinstance(algorithm, GradientReducer):
         return StepReducer(algorithm, naive, sparse)
     return StepReducer(None, algorithm, sparse)
+
+
+def resolve(all_reduce: Any, device: str) -> Any:
+    """The algorithm a trainer's ``all_reduce=`` argument names.
+
+    ``"parameter_device"`` means *this* trainer's parameter device (``device``); a
+    ``GradientReducer`` or a callable passes through; any other name comes from the
+    registry (:func:`towers.allreduce.get`).
+
+    Raises:
+        ValueError, TypeError: an unknown name, or neither a name nor a callable.
+    """
+    from towers.allreduce import get  # the package's resolver; it does not import this module
+
+    if all_reduce == "parameter_device":
+        return parameter_device(device)
+    if isinstance(all_reduce, GradientReducer):
+        return all_reduce
+    return get(all_reduce)

@@ -4,6 +4,12 @@
     nonfinite.py  one flag per tower (loss, gradients, state finite?) gathered for the
                   step's single decision: apply, skip or raise
     inputs.py     the trainer's arguments and a batch, checked before anything is traced
+    contract.py   what an all-reduce algorithm returned (count; per tower shape, dtype,
+                  device), checked when the step is traced
+    deadline.py   ``step_timeout``: a watchdog over the step's collectives, every
+                  timed-out collective a ``StepTimeout``; the update waits for all of
+                  the reduction (a hung step changes nothing)
+    replicas.py   ``check_replicas_every``: every replica's variables compared by checksum
 
 The step (:mod:`towers.step`) and the training tools import these modules; these
 modules import nothing of the step, so the dependencies point one way.

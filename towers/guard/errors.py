@@ -9,7 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["CheckpointError", "NonFiniteError", "StepTimeout", "TowersError"]
+__all__ = [
+    "AlgorithmError",
+    "CheckpointError",
+    "NonFiniteError",
+    "ReplicaMismatchError",
+    "StepTimeout",
+    "TowersError",
+]
 
 
 class TowersError(Exception):
@@ -39,7 +46,80 @@ class NonFiniteError(TowersError, FloatingPointError):
 
 
 class StepTimeout(TowersError, TimeoutError):
-    """A step's collective did not complete within ``step_timeout`` seconds."""
+    """A step did not complete within its deadline (a collective never completed).
+
+    Attributes:
+        algorithm: the all-reduce's name.
+        seconds: ``step_timeout`` (None: the collective's own op timeout fired).
+        usable: whether the trainer can run another step in this process.
+        earlier: set when this step failed at once because an earlier step's collective
+            had timed out (what that one was), None when this step hit the deadline.
+    """
+
+    def __init__(
+        self, algorithm: str, seconds: float | None, usable: bool, detail: str,
+        earlier: str | None = None,
+    ) -> None:  # fmt: skip
+        self.algorithm, self.seconds, self.usable = algorithm, seconds, usable
+        self.earlier = earlier
+        within = f"within {seconds:g} s" if seconds else "within its collectives' op timeout"
+        what = (
+            f"failed at once: an earlier step timed out ({earlier}) and TensorFlow aborts every "
+            "later collective op in the process"
+            if earlier
+            else f"did not complete {within}: a collective never completed (a tower or peer "
+            "missing, or group keys or sizes that do not match)"
+        )
+        after = (
+            "The trainer is still usable."
+            if usable
+            else "No collective op can run in this process any more (TensorFlow aborts them "
+            "all after a timeout): restart the process and resume from a checkpoint."
+        )
+        super().__init__(f"the step with all-reduce {algorithm!r} {what}. {after} [{detail}]")
+
+
+class AlgorithmError(TowersError, ValueError):
+    """An all-reduce algorithm broke its contract (checked when the step is traced).
+
+    Attributes:
+        algorithm: its registry name or ``__name__``.
+        tower: the tower whose output is wrong (None: the output list itself).
+        variable: the variable whose gradient it was reducing.
+    """
+
+    def __init__(
+        self, algorithm: str, tower: int | None, variable: str, expected: str, got: str
+    ) -> None:
+        self.algorithm, self.tower, self.variable = algorithm, tower, variable
+        where = "its outputs" if tower is None else f"output {tower} (tower {tower})"
+        super().__init__(
+            f"all-reduce algorithm {algorithm!r} broke the contract reducing {variable}: "
+            f"{where} should be {expected}, got {got}. An algorithm returns one tensor per "
+            "input, output i with input i's shape and dtype, on input i's device "
+            "(see towers.allreduce.base)."
+        )
+
+
+class ReplicaMismatchError(TowersError, RuntimeError):
+    """Replicas that must be bitwise equal differ (``check_replicas_every``).
+
+    Attributes:
+        step: the optimizer's iteration count when the check ran.
+        variable: the first variable (in ``model.weights`` order, then the optimizer's)
+            whose copies differ.
+        replicas: the replicas (towers) whose copy differs from replica 0's.
+    """
+
+    def __init__(self, step: int, variable: str, replicas: list[int], algorithm: str) -> None:
+        self.step, self.variable, self.replicas = step, variable, replicas
+        super().__init__(
+            f"step {step}: the replicas' copies of {variable} differ — replica(s) "
+            f"{replicas} disagree with replica 0. Every replica applies the all-reduced "
+            f"gradient, so they must stay bitwise equal: the all-reduce {algorithm!r} "
+            "probably does not give every tower the same sum (check it with "
+            "towers.testing.check_all_reduce)."
+        )
 
 
 class CheckpointError(TowersError, ValueError):

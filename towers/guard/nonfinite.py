@@ -41,6 +41,7 @@ import numpy as np
 import tensorflow as tf
 
 from towers.allreduce.primitives import send
+from towers.guard.errors import NonFiniteError
 
 __all__ = ["NONFINITE", "Guard", "describe", "tower_code"]
 
@@ -130,6 +131,15 @@ class Guard:
         with tf.device(self.device):
             self.codes.assign(gathered)
         return result
+
+    def raise_if_nonfinite(self, optimizer: Any, devices: Sequence[str]) -> None:
+        """After a step: in ``"raise"`` mode, raise when the step met a NaN or Inf.
+
+        Raises:
+            NonFiniteError: naming the step and the towers (the step changed nothing).
+        """
+        if self.mode == "raise" and (bad := self.last()):
+            raise NonFiniteError(int(optimizer.iterations), bad, devices)
 
     def last(self) -> dict[int, list[str]]:
         """What the last step met, per non-finite tower (empty when it was finite)."""

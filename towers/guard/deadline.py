@@ -1,0 +1,140 @@
+"""A step's deadline: no step hangs, and a timed-out collective is a ``StepTimeout``.
+
+::
+
+    train_step ─▶ trace (untimed) ─▶ run ───────────────▶ result
+                                      │ step_timeout s pass first
+                                      ▼
+                          watchdog: abort_collective_ops(DEADLINE_EXCEEDED)
+                                      │ every pending collective fails
+                                      ▼
+           tf.errors.DeadlineExceededError (op timeout or watchdog) ─▶ StepTimeout
+
+Two deadlines, one error:
+
+- collectives the trainer controls (the registry's ``nccl`` algorithms, built with
+  ``timeout_seconds=None``) get ``step_timeout`` as their per-op timeout;
+- any other collective (a user's ``all_reduce_v2`` with no or a longer timeout) is
+  stopped by a watchdog thread that calls TensorFlow's ``abort_collective_ops`` (what
+  ``MultiWorkerMirroredStrategy``'s peer health check does) once ``step_timeout``
+  seconds of the step's *execution* have passed. The step is traced before the clock
+  starts, so a slow first trace never trips it.
+
+Measured on TF 2.21 (``tests/guard/test_deadline.py``): a collective that timed out,
+by its own ``timeout=`` or by the watchdog, aborts every later collective op in the
+process ("Collective ops is aborted by: ... Restart your program to reset."), in this
+trainer and in any other. A trainer whose algorithm uses collective ops cannot step
+again in this process (its next step fails at once, also as ``StepTimeout``); trainers
+on towers' own algorithms (``naive``, ``ring``… built on copies, not collectives) still
+can. So :class:`~towers.guard.errors.StepTimeout` says: restart the process and resume
+from a checkpoint. The failed step itself changed nothing: the update runs after every
+reduced value exists (the step's control dependencies), so a hang leaves every
+variable, slot and counter as it was. A hang outside collective ops (a ``py_function``
+that never returns) cannot be aborted this way.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import tensorflow as tf
+from tensorflow.python.eager import context
+
+from towers.guard.contract import algorithm_name
+from towers.guard.errors import StepTimeout
+
+__all__ = ["Deadline", "settled"]
+
+_TIMED_OUT: list[str] = []
+"""The process's timed-out steps: TensorFlow's collective abort is process-wide too."""
+
+
+class Deadline:
+    """A trainer's step deadline (``step_timeout`` seconds, None: only op timeouts).
+
+    Args:
+        seconds: the deadline of one step's execution, or None.
+        algorithm: the trainer's all-reduce (resolved).
+
+    Attributes:
+        algorithm: ``algorithm`` with ``seconds`` as its op timeout where it takes one
+            (a registry algorithm whose ``timeout_seconds`` was left at None).
+        name: the algorithm's name, for errors.
+
+    Raises:
+        ValueError: ``seconds`` is not None or a positive number.
+    """
+
+    def __init__(self, seconds: float | None, algorithm: Any) -> None:
+        number = isinstance(seconds, (int, float)) and not isinstance(seconds, bool)
+        if seconds is not None and not (number and seconds > 0):
+            raise ValueError(f"step_timeout must be None or seconds > 0; got {seconds!r}")
+        self.seconds, self.name = seconds, algorithm_name(algorithm)
+        self.algorithm = self._bind(algorithm)
+
+    def _bind(self, algorithm: Any) -> Any:
+        params = getattr(algorithm, "params", None)
+        if self.seconds is None or params is None or params.get("timeout_seconds", 0) is not None:
+            return algorithm
+        return algorithm.algorithm(**{**params, "timeout_seconds": float(self.seconds)})
+
+    def run(self, step: Any, inputs: tuple[Any, ...]) -> Any:
+        """``step(*inputs)`` within the deadline.
+
+        Raises:
+            StepTimeout: a collective did not complete (its op timeout, the watchdog,
+                or an earlier timeout that aborted collectives in this process).
+        """
+        try:
+            if self.seconds is None:
+                return step(*inputs)
+            step.get_concrete_function(*inputs)  # trace (or find) it before the clock starts
+            return self._watched(step, inputs)
+        except tf.errors.DeadlineExceededError as err:
+            lines = [ln.strip() for ln in str(err.message).splitlines()]
+            said = [ln for ln in lines if any(k in ln for k in ("aborted", "timed out", "eadline"))]
+            detail = (said or lines)[-1][:200]
+            earlier = _TIMED_OUT[0] if _TIMED_OUT else None
+            _TIMED_OUT.append(f"all-reduce {self.name!r}")
+            raise StepTimeout(self.name, self.seconds, False, detail, earlier) from None
+
+    def _watched(self, step: Callable[..., Any], inputs: tuple[Any, ...]) -> Any:
+        lock, state = threading.Lock(), {"done": False, "fired": False}
+
+        def fire() -> None:
+            with lock:
+                if not state["done"]:
+                    state["fired"] = True
+                    context.context().abort_collective_ops(
+                        tf.errors.DEADLINE_EXCEEDED,
+                        f"towers: step_timeout={self.seconds:g} s passed ({self.name})",
+                    )
+
+        timer = threading.Timer(float(self.seconds or 0), fire)
+        timer.daemon = True
+        timer.start()
+        try:
+            result = step(*inputs)
+        finally:
+            with lock:
+                state["done"] = True
+            timer.cancel()
+        if state["fired"]:  # finished as the watchdog fired: collectives are aborted anyway
+            raise tf.errors.DeadlineExceededError(None, None, "the step ran past step_timeout")
+        return result
+
+
+def settled(reduced: Any, apply: Callable[[Any], None]) -> None:
+    """``apply(reduced)`` with every op it makes waiting until all of ``reduced`` exists.
+
+    So a collective that never completes leaves every variable, optimizer slot and
+    ``iterations`` as it was (without it, ``iterations`` and BatchNorm statistics,
+    which do not wait for the gradients, were updated by a step that then timed out:
+    9 of 66 variables in tests/guard/test_deadline.py's model). Control edges only:
+    the values, and so the bits, are those of the unsettled step.
+    """
+    flat = [t for t in tf.nest.flatten(reduced, expand_composites=True) if t is not None]
+    with tf.control_dependencies(flat):
+        apply(reduced)
