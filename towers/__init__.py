@@ -28,14 +28,23 @@ from typing import Any
 
 from towers.allreduce import ALGORITHMS, all_reduce, bucketed, compressed
 from towers.devices import local_devices, simulate_devices
-from towers.guard.errors import CheckpointError, NonFiniteError, StepTimeout, TowersError
+from towers.guard.errors import (
+    AlgorithmError,
+    CheckpointError,
+    NonFiniteError,
+    ReplicaMismatchError,
+    StepTimeout,
+    TowersError,
+)
 from towers.split import split
 from towers.step import TowerTrainer
 
 __all__ = [
     "ALGORITHMS",
+    "AlgorithmError",
     "CheckpointError",
     "NonFiniteError",
+    "ReplicaMismatchError",
     "StepTimeout",
     "TowerTrainer",
     "TowersError",
