@@ -209,17 +209,22 @@ class TowerTrainer:
     def _train_step(self, x: Any, y: Any, sample_weight: Any, with_outputs: bool = False) -> Any:
         self.trace_count += 1
         with record() as recorder:
-            grads = self.forward_backward(self.split(x, y, sample_weight))
+            with tf.name_scope("split"):  # name scopes: the profiler's phases (bench.phases)
+                shards = self.split(x, y, sample_weight)
+            grads = self.forward_backward(shards)
             # reduce → apply inside the guard's one tf.cond: all of it or nothing
-            loss = self.guard.run(grads.towers, self.devices, lambda: self._update(grads))
+            with tf.name_scope("guard"):
+                loss = self.guard.run(grads.towers, self.devices, lambda: self._update(grads))
             if with_outputs:
                 outputs = concat([r.outputs for r in grads.towers], self.parameter_device)
         self.last_trace_stats = recorder
         return (loss, outputs) if with_outputs else loss
 
     def _update(self, grads: Gradients) -> tf.Tensor:
-        reduced = self.reduce(grads)
-        settled(reduced, self.apply)  # nothing changes before every reduction completed
+        with tf.name_scope("reduce"):
+            reduced = self.reduce(grads)
+        with tf.name_scope("apply"):
+            settled(reduced, self.apply)  # nothing changes before every reduction completed
         return reduced.loss
 
     def split(self, x: Any, y: Any, sample_weight: Any = None) -> Shards:
@@ -255,12 +260,13 @@ class TowerTrainer:
         ``backward=False`` runs the forward pass alone (for timing it).
         """
         device = self.devices[tower]
-        trainable, frozen = read_weights(self.replica_of(tower), device)
-        return tower_step(
-            self.model, trainable, frozen, shards.parts[tower], loss_fn=self.loss_fn,
-            global_batch=shards.global_batch, num_towers=len(self.devices), device=device,
-            backward=backward,
-        )  # fmt: skip
+        with tf.name_scope(f"tower_{tower}"):
+            trainable, frozen = read_weights(self.replica_of(tower), device)
+            return tower_step(
+                self.model, trainable, frozen, shards.parts[tower], loss_fn=self.loss_fn,
+                global_batch=shards.global_batch, num_towers=len(self.devices), device=device,
+                backward=backward,
+            )  # fmt: skip
 
     def reduce(self, grads: Gradients) -> Reduced:
         """Phase 3: all-reduce the gradients, combine the state, add up the loss.

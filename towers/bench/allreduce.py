@@ -34,6 +34,7 @@ import tensorflow as tf
 from towers import allreduce
 from towers.allreduce.ordering import as_written
 from towers.bench import costmodel
+from towers.bench.onepass import ONE_PASS, OnePass
 from towers.bench.timing import Samples, interleave
 from towers.devices import canonical_device
 
@@ -289,6 +290,20 @@ def _check(
     return rows
 
 
+def _one_pass_rows(
+    runs: dict[int, OnePass], n: int, samples: dict[str, Samples]
+) -> list[dict[str, Any]]:
+    """The one-pass rows (kind ``calibration``; ``#wrong`` against the exact sum)."""
+    rows = []
+    for nbytes, run in runs.items():
+        row = _row(Contender(ONE_PASS, "calibration", list, outputs="sum"), n, nbytes,
+                   samples.get(f"{nbytes}|{ONE_PASS}"))
+        exact = np.sum([x.astype(np.float64) for x in run.host], axis=0)
+        row["wrong"] = int(np.count_nonzero(run() != exact))
+        rows.append(row)
+    return rows
+
+
 def run_allreduce(
     devices: Sequence[str], sizes: Sequence[int] = SIZES, *,
     algorithms: Sequence[str] | None = None, rounds: int = 15, verbose: bool = False,
@@ -312,12 +327,16 @@ def run_allreduce(
     cands = contenders(devices, algorithms)
     with as_written():  # held throughout: flipping Grappler's options costs every call
         prepared = [_prepare(cands, devices, nbytes) for nbytes in sizes]
-        calls = {f"{s.nbytes}|{name}": _bind(fn, s.inputs)
+        calls: dict[str, Callable[[], Any]] = {f"{s.nbytes}|{name}": _bind(fn, s.inputs)
                  for s in prepared for name, fn in s.compiled.items()}
+        one_pass = {s.nbytes: OnePass([x.numpy() for x in s.inputs])
+                    for s in prepared if len(devices) > 1}
+        calls.update({f"{nbytes}|{ONE_PASS}": run for nbytes, run in one_pass.items()})
         per_sample = {key: calls_per_sample(int(key.split("|")[0])) for key in calls}
         samples = interleave(calls, rounds, calls=per_sample, warmup=3, verbose=verbose,
                              label=f"all-reduce: {len(calls)} (size, algorithm) pairs")
-        return [row for s in prepared for row in _check(cands, s, devices, samples)]
+        rows = [row for s in prepared for row in _check(cands, s, devices, samples)]
+        return rows + _one_pass_rows(one_pass, len(devices), samples)
 
 
 def cost_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -1,0 +1,220 @@
+"""Where each millisecond of a step goes, phase by phase, from TensorFlow's profiler.
+
+The towers step names its phases with ``tf.name_scope`` (``split``, ``tower_<i>``,
+``guard``, and inside the guard's ``tf.cond`` ``reduce`` and ``apply``;
+:mod:`towers.step`); a name scope changes op names only,
+not what the graph computes. :func:`phase_profile` runs a step under
+``tf.profiler.experimental`` and sums every op event of the trace (an XSpace) by
+the phase its op name carries::
+
+    split/strided_slice_3:StridedSlice                      -> split
+    gradient_tape/tower_2/dense_1/MatMul/MatMul:_MklMatMul  -> forward_backward (tower 2)
+    guard/cond/then/_0/guard/cond/reduce/concat:ConcatV2    -> reduce (innermost scope)
+    guard/cond/then/_0/guard/cond/apply/sgd_3/...           -> apply
+    guard/IsFinite_11:IsFinite                              -> guard (the non-finite check)
+
+A ``_Send``/``_Recv`` is named after the op whose value it carries, so it lands in
+that op's phase. tf.distribute steps carry no such scopes: their ops are
+attributed by type (:func:`towers.bench.profile.phase`: compute ->
+forward_backward, reduce -> reduce, update -> apply) and the split is invisible
+(it happens in the input pipeline), so read their bars as a rougher picture.
+
+The figures are *thread* time per step summed over TensorFlow's threads (on 2
+cores up to twice the wall time, and a preempted op counts its wait), next to the
+step's wall time. Nothing here times anything with hand-inserted timers.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import re
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import tensorflow as tf
+
+from towers.bench import report
+from towers.bench.profile import _read_xspace
+from towers.bench.profile import phase as op_type_phase
+
+__all__ = ["PHASES", "phase_of", "phase_profile", "phase_table", "plot_phases", "run_phases"]
+
+PHASES = ("split", "forward_backward", "reduce", "apply", "guard", "other")
+_SCOPES = {"split": "split", "reduce": "reduce", "apply": "apply", "guard": "guard"}
+_TOWER = re.compile(r"tower_(\d+)$")
+_BY_TYPE = {"compute": "forward_backward", "reduce": "reduce", "update": "apply"}
+
+
+def phase_of(op_name: str, op_type: str = "", *, scoped: bool = True) -> tuple[str, int | None]:
+    """The phase of one op event (and its tower for forward_backward, else None).
+
+    Args:
+        op_name: the op's full name (name scopes included).
+        op_type: its type, used when ``scoped`` is False or no scope matches.
+        scoped: whether the step names its phases (towers' step does; tf.distribute's not).
+
+    Example:
+        >>> phase_of("gradient_tape/tower_2/dense/MatMul/MatMul")
+        ('forward_backward', 2)
+    """
+    if scoped:
+        found = "other"
+        for part in op_name.split("/"):
+            tower = _TOWER.match(part)
+            if tower:
+                return "forward_backward", int(tower.group(1))
+            if part in _SCOPES:  # the innermost wins: reduce/apply run inside the guard
+                found = _SCOPES[part]
+        return found, None
+    return _BY_TYPE[op_type_phase(op_type)], None
+
+
+def _events(space: Any) -> collections.Counter[tuple[str, str]]:
+    """Picoseconds per (op name, op type) over TensorFlow's executor threads."""
+    total: collections.Counter[tuple[str, str]] = collections.Counter()
+    for plane in space.planes:
+        names = {k: v.name for k, v in plane.event_metadata.items()}
+        for line in plane.lines:
+            if not line.name.startswith(("tf_Compute", "collective_ops", "tf_inter_op")):
+                continue
+            for event in line.events:
+                name = names.get(event.metadata_id, "")
+                if ":" in name and "::" not in name:  # "op/name:Type", not "Executor::..."
+                    op, kind = name.rsplit(":", 1)
+                    total[(op, kind)] += event.duration_ps
+    return total
+
+
+def phase_profile(step: Callable[[], Any], steps: int = 5, *, scoped: bool = True) -> dict:
+    """Profile ``steps`` calls of ``step`` (warm it up first) and split the time by phase.
+
+    Returns:
+        ``{"wall_ms": wall ms per step, "phases": {phase: thread ms per step},
+        "towers": {tower: thread ms per step of its forward_backward}, "thread_ms": total,
+        "unattributed": sorted op names that carried no phase (scoped steps)}``.
+    """
+    with tempfile.TemporaryDirectory() as logdir:
+        tf.profiler.experimental.start(logdir)
+        try:
+            start = time.perf_counter()
+            for _ in range(steps):
+                step()
+            wall = (time.perf_counter() - start) / steps
+        finally:
+            tf.profiler.experimental.stop()
+        events = _events(_read_xspace(logdir))
+    phases = dict.fromkeys(PHASES, 0.0)
+    towers: dict[int, float] = collections.defaultdict(float)
+    unattributed = set()
+    for (op, kind), ps in events.items():
+        name, tower = phase_of(op, kind, scoped=scoped)
+        if name == "other":
+            unattributed.add(op)
+        ms = ps / 1e9 / steps
+        phases[name] += ms
+        if tower is not None:
+            towers[tower] += ms
+    return {"wall_ms": wall * 1e3, "phases": phases, "towers": dict(sorted(towers.items())),
+            "thread_ms": sum(phases.values()), "unattributed": sorted(unattributed)}
+
+
+def run_phases(
+    model: str, devices: Sequence[str], names: Sequence[str], *, batch: int = 256,
+    steps: int = 5, verbose: bool = False,
+) -> list[dict[str, Any]]:
+    """One row per configuration (``towers <algo>/<placement>`` or a tf.distribute name)."""
+    from towers.bench.training import profile_steps
+
+    rows = []
+    for name, step in profile_steps(model, devices, names, batch=batch).items():
+        step()  # trace and warm up outside the profile
+        profile = phase_profile(step, steps, scoped=name.startswith("towers "))
+        row = {"model": model, "config": name, "wall_ms": profile["wall_ms"],
+               "thread_ms": profile["thread_ms"], **profile["phases"],
+               "towers_ms": " ".join(f"{v:.2f}" for v in profile["towers"].values())}
+        rows.append(row)
+        if verbose:
+            print(f"  {name}: wall {row['wall_ms']:.1f} ms", flush=True)
+    return rows
+
+
+def phase_table(rows: Sequence[dict[str, Any]]) -> str:
+    """Wall ms and thread ms per phase (with its share), one row per configuration."""
+    columns: list[report.Column] = [("model\n", "l", lambda r: r["model"]),
+                                    ("config\n", "l", lambda r: r["config"]),
+                                    ("wall\n(ms)", "r", lambda r: f"{r['wall_ms']:.1f}")]
+    columns += [(f"{p}\n(ms, %)", "r", functools.partial(_share, phase=p)) for p in PHASES]
+    return report.format_table(columns, list(rows))
+
+
+def _share(row: dict[str, Any], phase: str) -> str:
+    total = row["thread_ms"] or 1.0
+    return f"{row[phase]:.1f} {row[phase] / total:4.0%}"
+
+
+def plot_phases(rows: Sequence[dict[str, Any]], path: Path, title: str = "") -> Path:
+    """Stacked horizontal bars: thread ms per phase, one bar per configuration."""
+    fig = report._figure(9, 1.6 + 0.35 * len(rows))
+    ax = fig.add_subplot()
+    labels = [f"{r['model']}: {r['config']}" for r in rows]
+    left = [0.0] * len(rows)
+    for p in PHASES:
+        values = [r[p] for r in rows]
+        ax.barh(labels, values, left=left, label=p)
+        left = [a + b for a, b in zip(left, values)]
+    ax.plot([r["wall_ms"] for r in rows], labels, "k|", markersize=14, label="wall")
+    ax.invert_yaxis()
+    ax.tick_params(axis="y", labelsize=7)
+    ax.set(xlabel="thread ms per step (| = wall ms)",
+           title=title or "where a step's time goes (TensorFlow profiler)")
+    ax.legend(fontsize=7, ncol=4)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png", dpi=100)
+    return path
+
+
+DEFAULT_CONFIGS = (
+    "MirroredStrategy", "CentralStorageStrategy", "towers naive/parameter_device",
+    "towers ring/replicated", "towers noop/replicated",
+)
+"""Profiled when the training table did not run (else its fastest towers row joins these)."""
+
+
+def _picks(results: dict[str, Any], model: str, placements: Sequence[str] | None) -> list[str]:
+    """The tf.distribute defaults, the towers defaults (in ``placements``) and the fastest
+    towers row of the training table when it ran."""
+    rows = [r for r in results.get("training", []) if r["model"] == model and r.get("ms")]
+    best = min((r for r in rows if r["kind"] == "towers"), key=lambda r: r["ms"], default=None)
+    picks = [c for c in DEFAULT_CONFIGS
+             if not c.startswith("towers ") or not placements or c.rsplit("/", 1)[1] in placements]
+    if best is not None and best["config"] not in picks:
+        picks.insert(2, best["config"])
+    return picks
+
+
+def phases_section(args: Any, devices: list[str], results: dict) -> bool:
+    """``towers bench --sections phases``: the breakdown table, its CSV and its PNG."""
+    from towers.bench.timing import load_average
+    from towers.bench.training import MODELS
+
+    tables = devices[: args.towers]
+    rows: list[dict[str, Any]] = []
+    for model in args.models or list(MODELS):
+        load = ", ".join(f"{v:.2f}" for v in load_average())
+        print(f"\n== phases: {model}, batch {args.batch_size}, {len(tables)} towers "
+              f"(profiler; load average {load})", flush=True)
+        picks = _picks(results, model, getattr(args, "placements", None))
+        rows += run_phases(model, tables, picks, batch=args.batch_size,
+                           verbose=not args.quiet)
+    print("thread ms per step by phase (share of the step's thread time); wall = elapsed:")
+    print(phase_table(rows))
+    results["phases"] = rows
+    report.write_csv(args.out / "phases.csv", rows)
+    if not args.no_plots:
+        plot_phases(rows, args.out / "phases.png")
+    return True
