@@ -52,7 +52,10 @@ def test_columns_and_busbw_formula(rows: list[dict]) -> None:
         assert r["count"] * 4 == r["size"]
         assert r["algbw"] == pytest.approx(r["size"] / (r["time_us"] * 1e-6) / 1e9)
         assert r["busbw"] == pytest.approx(r["algbw"] * 2 * (3 - 1) / 3)
-    assert {r["algorithm"] for r in rows if r["kind"] == "calibration"} == {"send", "add"}
+    calibration = {r["algorithm"]: r for r in rows if r["kind"] == "calibration"}
+    assert set(calibration) == {"send", "add", "one-pass (NumPy)"}
+    one_pass = calibration["one-pass (NumPy)"]  # the memory limit the targets compare with
+    assert one_pass["wrong"] == 0 and one_pass["algbw"] > 0 and one_pass["formula"] is None
 
 
 def test_table_has_nccl_tests_columns(rows: list[dict]) -> None:
@@ -93,3 +96,20 @@ def test_short_calls_are_averaged_over_several_calls() -> None:
 def test_sizes_must_be_whole_float32_elements() -> None:
     with pytest.raises(ValueError, match="multiples of 4"):
         bench.run_allreduce(DEVICES[:2], [4098], algorithms=["naive"])
+
+
+def test_the_targets_compare_the_best_algorithm_with_mirrored_and_the_one_pass_limit() -> None:
+    from towers.bench import sections
+
+    def row(name: str, kind: str, algbw: float, size: int = 1 << 26) -> dict:
+        return {"algorithm": name, "kind": kind, "algbw": algbw, "size": size}
+
+    rows = [row("naive", "towers", 3.0), row("ring", "towers", 1.5), row("naive", "towers", 9.0, 4),
+            row("tf.CollectiveAllReduce", "tf.distribute", 1.2),
+            row("one-pass (NumPy)", "calibration", 5.0)]
+    mirrored, one_pass = sections.targets({"allreduce": rows})
+    assert mirrored["value"] == pytest.approx(3.0 / 1.2) and not mirrored["holds"]
+    assert one_pass["value"] == pytest.approx(3.0 / 5.0) and not one_pass["holds"]
+    assert "naive" in one_pass["detail"] and one_pass["limit"] == 0.70
+    rows[-1]["algbw"] = 4.0
+    assert sections.targets({"allreduce": rows})[1]["holds"]  # 0.75 >= 0.70
