@@ -21,15 +21,18 @@ def test_bench_writes_its_files(tmp_path: Path, capsys: pytest.CaptureFixture[st
     args = _args("--towers", "2", "--sizes", "4096,8192", "--rounds", "2", "--quiet",
                  "--algorithms", "naive,tf.ReductionToOneDevice", "--models", "conv-mnist",
                  "--batch-size", "8", "--step-rounds", "1", "--placements", "parameter_device",
-                 "--scaling-towers", "2", "--out", str(tmp_path))
+                 "--scaling-towers", "2", "--out", str(tmp_path),
+                 "--sections", "allreduce,costmodel,training,scaling,phases")  # memory: own test
     assert run(args) == 0
     out = capsys.readouterr().out
     assert "#wrong" in out and "ratio to" in out and "targets" in out
     for name in ("bench.json", "allreduce.csv", "costmodel.csv", "training.csv", "scaling.csv",
-                 "allreduce_algbw.png", "training_ratio.png"):
+                 "allreduce_algbw.png", "training_ratio.png", "graph_cost.png", "phases.csv",
+                 "phases.png"):
         assert (tmp_path / name).stat().st_size > 0, name
     data = json.loads((tmp_path / "bench.json").read_text())
-    assert {"environment", "allreduce", "costmodel", "training", "scaling", "targets"} <= set(data)
+    assert {"environment", "allreduce", "costmodel", "training", "scaling", "targets",
+            "phases"} <= set(data)
     assert len(data["environment"]["load_average"]) == 3
     assert all(r["wrong"] == 0 for r in data["allreduce"])
 

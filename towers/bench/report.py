@@ -23,6 +23,7 @@ __all__ = [
     "costmodel_tables",
     "format_table",
     "plot_algbw",
+    "plot_graph_cost",
     "plot_ratios",
     "training_table",
     "write_csv",
@@ -261,6 +262,33 @@ def plot_ratios(rows: Sequence[dict[str, Any]], path: Path, title: str = "") -> 
         ax.tick_params(axis="y", labelsize=7, labelleft=k == 0)
         ax.set(xlabel="step time / MirroredStrategy", title=model)
     fig.suptitle(title or "training step, ratio to MirroredStrategy (red: 0.80 target)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png", dpi=100)
+    return path
+
+
+def plot_graph_cost(rows: Sequence[dict[str, Any]], path: Path, title: str = "") -> Path:
+    """Graph ops and trace seconds against towers × buckets, one line per algorithm (log-log),
+    with a dotted slope-1 guide: a line parallel to it grows linearly."""
+    fig = _figure(11, 4.5)
+    shown = [r for r in rows if r.get("ops") and r.get("trace_s")]
+    for k, (key, label) in enumerate((("ops", "graph ops"), ("trace_s", "trace seconds"))):
+        ax = fig.add_subplot(1, 2, k + 1)
+        for name in dict.fromkeys(r["algorithm"] for r in shown):
+            mine = sorted((r["towers"] * r["buckets"], r[key]) for r in shown
+                          if r["algorithm"] == name)
+            ax.plot(*zip(*mine), marker="o", markersize=3, label=name)
+        if shown:
+            x0 = min(r["towers"] * r["buckets"] for r in shown)
+            x1 = max(r["towers"] * r["buckets"] for r in shown)
+            y0 = min(r[key] for r in shown)
+            ax.plot([x0, x1], [y0, y0 * x1 / x0], "k:", linewidth=1, label="linear")
+        ax.set(xscale="log", yscale="log", xlabel="towers x buckets", ylabel=label)
+        ax.grid(True, which="both", alpha=0.3)
+        if k == 0:
+            ax.legend(fontsize=7, ncol=2)
+    fig.suptitle(title or "graph cost of one step (one trace per point)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, format="png", dpi=100)

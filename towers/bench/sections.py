@@ -188,6 +188,8 @@ def scaling_section(args: argparse.Namespace, devices: list[str], results: dict)
     results["scaling"] = rows
     results["scaling_slopes"] = slopes
     report.write_csv(args.out / "scaling.csv", rows)
+    if not args.no_plots:
+        report.plot_graph_cost(rows, args.out / "graph_cost.png")
     return True
 
 
@@ -201,7 +203,14 @@ SECTION: dict[str, Callable[[argparse.Namespace, list[str], dict], bool]] = {
     "training": training_section,
     "scaling": scaling_section,
     "phases": lambda args, devices, results: _phases(args, devices, results),
+    "memory": lambda args, devices, results: _memory(args, devices, results),
 }
+
+
+def _memory(args: argparse.Namespace, devices: list[str], results: dict) -> bool:
+    from towers.bench.memory import memory_section
+
+    return memory_section(args, devices, results)
 
 
 def _phases(args: argparse.Namespace, devices: list[str], results: dict) -> bool:

@@ -149,22 +149,28 @@ def strategy_step(trainer: Any, x: tf.Tensor, y: tf.Tensor) -> Callable[[], tf.T
 
 
 def _baselines(
-    make_model: Callable[[], keras.Model], devices: Sequence[str], x: tf.Tensor, y: tf.Tensor
+    make_model: Callable[[], keras.Model], devices: Sequence[str], x: tf.Tensor, y: tf.Tensor,
+    names: Sequence[str] = BASELINES,
 ) -> list[StepConfig]:
+    """The reference steps called ``names`` (only those are built: the memory table
+    measures one configuration per process)."""
     from reference import CentralStorageTrainer, MirroredTrainer
 
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    mirrored = MirroredTrainer(make_model, _sgd, loss, list(devices))
-    r1d = MirroredTrainer(
-        make_model, _sgd, loss, list(devices), cross_device_ops="reduction_to_one_device"
-    )
-    central = CentralStorageTrainer(make_model, _sgd, loss, list(devices))
-    return [
-        StepConfig("single device", "baseline", single_device_step(make_model, devices[0], x, y)),
-        StepConfig(MIRRORED, "tf.distribute", strategy_step(mirrored, x, y)),
-        StepConfig("MirroredStrategy (R1D)", "tf.distribute", strategy_step(r1d, x, y)),
-        StepConfig("CentralStorageStrategy", "tf.distribute", strategy_step(central, x, y)),
-    ]
+    build: dict[str, Callable[[], StepConfig]] = {
+        "single device": lambda: StepConfig(
+            "single device", "baseline", single_device_step(make_model, devices[0], x, y)),
+        MIRRORED: lambda: StepConfig(MIRRORED, "tf.distribute", strategy_step(
+            MirroredTrainer(make_model, _sgd, loss, list(devices)), x, y)),
+        "MirroredStrategy (R1D)": lambda: StepConfig(
+            "MirroredStrategy (R1D)", "tf.distribute", strategy_step(MirroredTrainer(
+                make_model, _sgd, loss, list(devices),
+                cross_device_ops="reduction_to_one_device"), x, y)),
+        "CentralStorageStrategy": lambda: StepConfig(
+            "CentralStorageStrategy", "tf.distribute", strategy_step(
+                CentralStorageTrainer(make_model, _sgd, loss, list(devices)), x, y)),
+    }
+    return [build[name]() for name in BASELINES if name in names]
 
 
 def towers_config(
@@ -297,7 +303,7 @@ def profile_steps(
     """Fresh step callables for the named configurations (registry algorithms only)."""
     x, y = make_batch(model, batch)
     make_model = MODELS[model][0]
-    configs = [c for c in _baselines(make_model, devices, x, y) if c.name in names]
+    configs = _baselines(make_model, devices, x, y, names)
     fused = fused_reducers()
     for name in names:
         if name.startswith("towers "):
