@@ -204,7 +204,14 @@ SECTION: dict[str, Callable[[argparse.Namespace, list[str], dict], bool]] = {
     "scaling": scaling_section,
     "phases": lambda args, devices, results: _phases(args, devices, results),
     "memory": lambda args, devices, results: _memory(args, devices, results),
+    "paper": lambda args, devices, results: _paper(args, devices, results),
 }
+
+
+def _paper(args: argparse.Namespace, devices: list[str], results: dict) -> bool:
+    from towers.bench.costmodel.paper import paper_section
+
+    return paper_section(args, devices, results)
 
 
 def _memory(args: argparse.Namespace, devices: list[str], results: dict) -> bool:

@@ -25,7 +25,9 @@ from towers.cli.train import at_least
 
 __all__ = ["EPILOG", "SECTIONS", "add_arguments", "run"]
 
-SECTIONS = ("allreduce", "costmodel", "training", "scaling", "phases", "memory")
+SECTIONS = (
+    "allreduce", "costmodel", "training", "scaling", "phases", "memory", "paper",
+)
 EPILOG = """examples:
   python -m towers bench --quick                     # 4 KB-1 MB, few rounds (~2 min)
   python -m towers bench                             # 4 KB-64 MB, both models (~6 min)
