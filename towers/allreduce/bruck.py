@@ -5,7 +5,7 @@ and :func:`~towers.allreduce.scheduled.run_schedule` runs it; bytes and depth
 below are derived from that same object. n = 5 towers, chunks c0..c4,
 ``+▶t`` reduces into tower t, ``▶t`` copies to it::
 
-    tick           0       1       2 │     3       4       5
+    tick           0       1       2 │      3       4       5
                    reduce-scatter    │     all-gather (copy)
     tower 0    c4+▶4 c2c3+▶2   c1+▶1 │  c0 ▶4 c0c1 ▶3   c0 ▶1
     tower 1    c0+▶0 c3c4+▶3   c2+▶2 │  c1 ▶0 c1c2 ▶4   c1 ▶2

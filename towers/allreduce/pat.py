@@ -5,7 +5,7 @@ and :func:`~towers.allreduce.scheduled.run_schedule` runs it; bytes and depth
 below are derived from that same object. n = 5 towers, chunks c0..c4,
 ``+▶t`` reduces into tower t, ``▶t`` copies to it::
 
-    tick           0       1       2 │     3       4       5
+    tick           0       1       2 │      3       4       5
                    reduce-scatter    │     all-gather (copy)
     tower 0  c1c3+▶1   c2+▶2   c4+▶4 │  c0 ▶1   c0 ▶3 c0c2 ▶4
     tower 1  c2c4+▶2   c3+▶3   c0+▶0 │  c1 ▶2   c1 ▶4 c1c3 ▶0
