@@ -129,6 +129,20 @@ def test_formulas_come_from_the_schedule() -> None:
     assert ALGORITHMS["torus_2d"].schedule.splitlines()[0].split()[:3] == ["tick", "0", "│"]
 
 
+def test_the_cost_model_predicts_it_to_1024_towers() -> None:
+    """``costmodel`` reads the record: torus_2d is predicted wherever swing is, 8..1024 towers."""
+    from towers.bench import costmodel
+
+    assert "torus_2d" in costmodel.ALGORITHMS and "swing" in costmodel.ALGORITHMS
+    link = costmodel.PRESETS["h100-nvlink"]
+    for n in costmodel.DEFAULT_TOWERS:
+        a, b, c = cost(n, 2.0**20)
+        want = a * link.alpha + b * link.beta + c * link.gamma
+        assert costmodel.predict("torus_2d", n, 2.0**20, link) == pytest.approx(want), n
+    for n in (64, 100, 128):  # the closed form is the schedule's, beyond the tests above too
+        assert cost(n, 2.0**20) == pytest.approx(schedule_cost(torus_2d_schedule(n), 2.0**20)), n
+
+
 def test_replay_is_bitwise() -> None:
     assert_replays_bitwise(torus_2d(), [(4, "sum"), (6, "mean"), (8, "max")])
 
