@@ -136,6 +136,17 @@ def test_the_cost_model_predicts_it_to_1024_towers() -> None:
         assert cost(n, 2.0**20) == pytest.approx(schedule_cost(pat_schedule(n), 2.0**20)), n
 
 
+def test_towers_check_proves_it_then_runs_it(capsys: pytest.CaptureFixture[str]) -> None:
+    from towers import cli
+
+    code = cli.main(["check", "pat", "--towers", "3", "--examples", "2", "--prove", "16",
+                     "--max-towers", "8"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert out.splitlines()[0].startswith("PROVED: pat for 16 tower counts (n=1..16) in ")
+    assert "PASS: pat (2 examples run)" in out
+
+
 def test_replay_is_bitwise() -> None:
     assert_replays_bitwise(pat(), [(3, "sum"), (6, "mean"), (8, "max")])
     assert_replays_bitwise(pat(aggregation=1), [(5, "sum")])
