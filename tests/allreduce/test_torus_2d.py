@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 
 import numpy as np
 import pytest
@@ -57,7 +58,7 @@ def test_the_grid_is_as_square_as_n_allows() -> None:
     for n in range(1, 200):
         r, c = grid(n)
         assert r * c == n and r <= c
-        assert not any(n % d == 0 for d in range(r + 1, c)) or r * r == n, n
+        assert all(n % d for d in range(r + 1, math.isqrt(n) + 1)), n  # no squarer factoring
     assert grid(8, rows=4) == (4, 2)
 
 
