@@ -14,6 +14,7 @@ import numpy as np
 import tensorflow as tf
 
 from towers.allreduce.base import OPS, AllReduce, GradientReducer, check_values, combine, finish
+from towers.allreduce.bruck import bruck
 from towers.allreduce.bucketed import bucketed, pack, unpack
 from towers.allreduce.codecs import CODECS, bf16, fp16, topk
 from towers.allreduce.compressed import compressed
@@ -23,6 +24,7 @@ from towers.allreduce.hierarchical import hierarchical
 from towers.allreduce.naive import naive
 from towers.allreduce.nccl import nccl, nccl_ring, nccl_tree
 from towers.allreduce.parameter_device import parameter_device
+from towers.allreduce.pat import pat
 from towers.allreduce.powersgd import powersgd
 from towers.allreduce.primitives import Recorder, Transfer, record, send
 from towers.allreduce.registry import ALGORITHMS, Algorithm, Configured, register
@@ -30,6 +32,7 @@ from towers.allreduce.ring import ring
 from towers.allreduce.scheduled import run_schedule, scheduled
 from towers.allreduce.sparse import densify, gather_indexed_slices
 from towers.allreduce.swing import swing
+from towers.allreduce.torus_2d import torus_2d
 from towers.allreduce.tree import tree
 
 __all__ = [
@@ -44,6 +47,7 @@ __all__ = [
     "Transfer",
     "all_reduce",
     "bf16",
+    "bruck",
     "bucketed",
     "check_values",
     "combine",
@@ -61,6 +65,7 @@ __all__ = [
     "noop",
     "pack",
     "parameter_device",
+    "pat",
     "powersgd",
     "record",
     "register",
@@ -70,6 +75,7 @@ __all__ = [
     "send",
     "swing",
     "topk",
+    "torus_2d",
     "tree",
     "unpack",
 ]

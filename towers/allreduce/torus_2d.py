@@ -1,0 +1,187 @@
+"""2D-torus all-reduce: reduce-scatter along rows, all-reduce along columns, all-gather along rows.
+
+Written as data: :func:`torus_2d_schedule` builds the :class:`~towers.schedule.Schedule`
+and :func:`~towers.allreduce.scheduled.run_schedule` runs it; bytes and depth
+below are derived from that same object. n = 4 towers as a 2×2 grid (tower
+``t = i·C + q``: row i, column q), chunks c0..c3 (part q of the buffer is chunks
+``q·R .. q·R+R−1``), ``+▶t`` reduces into tower t, ``▶t`` copies to it::
+
+    tick           0 │       1       2 │       3
+              row RS │   column ring   │  row AG (copy)
+    tower 0  c2c3+▶1 │   c1+▶2   c0 ▶2 │  c0c1 ▶1
+    tower 1  c0c1+▶0 │   c3+▶3   c2 ▶3 │  c2c3 ▶0
+    tower 2  c2c3+▶3 │   c0+▶0   c1 ▶0 │  c0c1 ▶3
+    tower 3  c0c1+▶2 │   c2+▶1   c3 ▶1 │  c2c3 ▶2
+
+Index formula (R rows × C columns, R·C = n, n chunks): (1) row reduce-scatter, a
+ring of the C towers of each row over C parts of R chunks: at tick s, column q
+reduces part ``(q − s − 1) mod C`` into column ``q + 1``, so after C − 1 ticks tower
+(i, q) holds part q summed over its row. (2) Column all-reduce, a ring of the R
+towers of column q over part q's R chunks: at tick s row i reduces chunk
+``q·R + (i − s − 1) mod R`` into row ``i + 1`` (R − 1 ticks), then copies chunk
+``q·R + (i − s) mod R`` to it (R − 1 ticks): every tower of column q ends with part q
+complete. (3) Row all-gather: at tick s column q copies part ``(q − s) mod C`` to
+column ``q + 1`` (C − 1 ticks).
+
+The grid: ``rows=None`` takes R = the largest divisor of n not above √n (8 → 2×4,
+9 → 3×3, 6 → 2×3); ``torus_2d(rows=R)`` fixes R (it must divide n). A prime n
+has no other factoring and degenerates to 1×n: no column phase, the ring
+(:func:`towers.schedule.ring_schedule`, the same ticks). The point (Mikami et al.)
+is latency: ``2(C−1) + 2(R−1)`` ticks instead of the ring's ``2(n−1)``, for the
+same bytes.
+
+Padding: the buffer is cut into n chunks of ⌈L/n⌉ elements. Cost (S bytes; every
+tower sends ``2(n−1)`` chunks):
+``(2(C−1) + 2(R−1))·α + 2(n−1)/n·S·β + (n−1)/n·S·γ``; summation depth
+``(C−1) + (R−1)``.
+
+References:
+    H. Mikami, H. Suganuma, P. U-chupala, Y. Tanaka, Y. Kageyama, "Massively
+    Distributed SGD: ImageNet/ResNet-50 Training in a Flash", arXiv:1811.05233,
+    2018 (2D-Torus all-reduce: reduce-scatter horizontal, all-reduce vertical,
+    all-gather horizontal).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+from towers.allreduce.base import AllReduce
+from towers.allreduce.registry import (
+    Algorithm,
+    Coefficients,
+    Configured,
+    positive_int,
+    register,
+    schedule_of,
+)
+from towers.allreduce.scheduled import scheduled
+from towers.schedule import ir, symbolic
+from towers.schedule.ir import Schedule, Step
+
+__all__ = ["TORUS_2D", "bytes_sent", "cost", "grid", "summation_depth", "torus_2d",
+           "torus_2d_schedule"]
+
+Tick = tuple[Step, ...]
+
+
+def grid(n: int, rows: int | None = None) -> tuple[int, int]:
+    """``(R, C)`` for ``n`` towers: R = ``rows``, else the largest divisor of n <= √n.
+
+    Raises:
+        ValueError: ``n`` or ``rows`` is not an int >= 1, or ``rows`` does not divide n.
+
+    Example:
+        >>> grid(8), grid(9), grid(7), grid(8, rows=4)
+        ((2, 4), (3, 3), (1, 7), (4, 2))
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n must be an int >= 1, got {n!r}")
+    if rows is None:
+        rows = max(d for d in range(1, math.isqrt(n) + 1) if n % d == 0)
+    rows = positive_int("rows", rows)
+    if n % rows:
+        raise ValueError(f"rows={rows} must divide the tower count n={n}")
+    return rows, n // rows
+
+
+def _row_ticks(rows: int, cols: int, kind: str) -> list[Tick]:
+    """Phase 1 (``reduce``) or 3 (``copy``): rings along every row, a part of R chunks a tick."""
+    lag = 1 if kind == "reduce" else 0
+    return [tuple(Step(i * cols + q, i * cols + (q + 1) % cols, ((q - s - lag) % cols) * rows + k,
+                       kind)
+                  for i in range(rows) for q in range(cols) for k in range(rows))
+            for s in range(cols - 1)]
+
+
+def _column_ticks(rows: int, cols: int) -> list[Tick]:
+    """Phase 2: a ring all-reduce down every column over its own part's R chunks."""
+    ticks = []
+    for kind, lag in (("reduce", 1), ("copy", 0)):
+        ticks += [tuple(Step(i * cols + q, ((i + 1) % rows) * cols + q,
+                             q * rows + (i - s - lag) % rows, kind)
+                        for q in range(cols) for i in range(rows))
+                  for s in range(rows - 1)]
+    return ticks
+
+
+@functools.lru_cache(maxsize=256)
+def torus_2d_schedule(n: int, rows: int | None = None) -> Schedule:
+    """The 2D-torus all-reduce over ``n`` towers on an R×C grid (see the module docstring).
+
+    Args:
+        n: the tower count, >= 1.
+        rows: R, a divisor of n (None: as square as n allows).
+
+    Raises:
+        ValueError: see :func:`grid`.
+
+    Example:
+        >>> torus_2d_schedule(8).num_ticks, torus_2d_schedule(8, rows=1).num_ticks
+        (8, 14)
+    """
+    r, c = grid(n, rows)
+    ticks = _row_ticks(r, c, "reduce") + _column_ticks(r, c) + _row_ticks(r, c, "copy")
+    return Schedule("torus_2d", n, n, tuple(ticks))
+
+
+def torus_2d(rows: int | None = None) -> Configured:
+    """Build the 2D-torus all-reduce (any tower count; see the module docstring).
+
+    Args:
+        rows: the grid's row count R, which must divide every tower count it runs
+            on; None picks the most square grid for each n.
+
+    Returns:
+        The configured algorithm ``(values, *, op="sum") -> list[tf.Tensor]``.
+
+    Raises:
+        ValueError: ``rows`` is not None or an int >= 1 (one that does not divide
+            the tower count is refused when the algorithm runs).
+
+    Example:
+        >>> outs = torus_2d(rows=2)(values, op="mean")   # doctest: +SKIP
+    """
+    return TORUS_2D(rows)
+
+
+def _build(rows: int | None = None) -> AllReduce:
+    rows = None if rows is None else positive_int("rows", rows)
+    return scheduled(functools.partial(torus_2d_schedule, rows=rows))
+
+
+def bytes_sent(n: int, nbytes: int, itemsize: int, rows: int | None = None) -> list[int]:
+    """Bytes each tower sends, counted from :func:`torus_2d_schedule`: ``2(n−1)·⌈L/n⌉·itemsize``.
+
+    Example:
+        >>> bytes_sent(4, 32, 4), bytes_sent(6, 24, 4)
+        ([48, 48, 48, 48], [40, 40, 40, 40, 40, 40])
+    """
+    return ir.bytes_sent(torus_2d_schedule(n, rows), nbytes, itemsize)
+
+
+def summation_depth(n: int, rows: int | None = None) -> int:
+    """The deepest summation tree of :func:`torus_2d_schedule`'s result: ``(C−1) + (R−1)``.
+
+    Example:
+        >>> [summation_depth(n) for n in (1, 2, 4, 6, 7, 8, 9)]
+        [0, 1, 2, 3, 6, 4, 4]
+    """
+    return symbolic.summation_depth(torus_2d_schedule(n, rows))
+
+
+def cost(n: int, nbytes: float, rows: int | None = None) -> Coefficients:
+    """α-β-γ coefficients: ``(2(C−1) + 2(R−1))·α + 2(n−1)/n·S·β + (n−1)/n·S·γ``.
+
+    Example:
+        >>> cost(4, 1000.0), cost(8, 1000.0, rows=1)
+        ((4, 1500.0, 750.0), (14, 1750.0, 875.0))
+    """
+    r, c = grid(n, rows)
+    return 2 * (c - 1) + 2 * (r - 1), 2 * (n - 1) / n * nbytes, (n - 1) / n * nbytes
+
+
+TORUS_2D = register(
+    Algorithm("torus_2d", _build, bytes_sent, summation_depth, cost, schedule_of(__doc__))
+)
