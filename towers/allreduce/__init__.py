@@ -16,6 +16,8 @@ import tensorflow as tf
 from towers.allreduce.base import OPS, AllReduce, GradientReducer, check_values, combine, finish
 from towers.allreduce.bucketed import bucketed, pack, unpack
 from towers.allreduce.codecs import CODECS, bf16, fp16, topk
+from towers.allreduce.collective_ops import all_gather, broadcast, reduce_scatter
+from towers.allreduce.collective_registry import COLLECTIVE_ALGORITHMS, CollectiveAlgorithm
 from towers.allreduce.compressed import compressed
 from towers.allreduce.double_binary_tree import double_binary_tree
 from towers.allreduce.halving_doubling import halving_doubling
@@ -35,15 +37,19 @@ from towers.allreduce.tree import tree
 __all__ = [
     "ALGORITHMS",
     "CODECS",
+    "COLLECTIVE_ALGORITHMS",
     "OPS",
     "Algorithm",
     "AllReduce",
+    "CollectiveAlgorithm",
     "Configured",
     "GradientReducer",
     "Recorder",
     "Transfer",
+    "all_gather",
     "all_reduce",
     "bf16",
+    "broadcast",
     "bucketed",
     "check_values",
     "combine",
@@ -63,6 +69,7 @@ __all__ = [
     "parameter_device",
     "powersgd",
     "record",
+    "reduce_scatter",
     "register",
     "ring",
     "run_schedule",

@@ -66,6 +66,7 @@ __all__ = [
     "binomial_broadcast",
     "chain_broadcast",
     "doubling_all_gather",
+    "even_sizes",
     "fold",
     "halving_reduce_scatter",
     "ring_all_gather",
@@ -74,10 +75,30 @@ __all__ = [
 ]
 
 
+def _positive(name: str, value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return value
+
+
 def _towers(n: int) -> int:
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"n must be an int >= 1 (the tower count), got {n!r}")
-    return n
+    return _positive("n (the tower count)", n)
+
+
+def even_sizes(length: int, pieces: int) -> list[int]:
+    """The sharding rule: ``length`` elements cut into ``pieces`` runs differing by at most one.
+
+    The first ``length mod pieces`` runs get one element more, as ``numpy.array_split``
+    cuts (no padding; a run is empty when ``length < pieces``).
+
+    Example:
+        >>> even_sizes(10, 4), even_sizes(2, 3)
+        ([3, 3, 2, 2], [1, 1, 0])
+    """
+    if isinstance(length, bool) or not isinstance(length, int) or length < 0:
+        raise ValueError(f"length must be an int >= 0, got {length!r}")
+    base, extra = divmod(length, _positive("pieces", pieces))
+    return [base + (i < extra) for i in range(pieces)]
 
 
 def fold(n: int) -> tuple[int, int]:
@@ -172,8 +193,7 @@ def chain_broadcast(n: int, chunks: int = 4) -> Schedule:
     Raises:
         ValueError: ``n`` or ``chunks`` not an int >= 1.
     """
-    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-        raise ValueError(f"chunks must be an int >= 1, got {chunks!r}")
+    _positive("chunks", chunks)
     ticks = [tuple(Step(p, p + 1, t - p, "copy") for p in range(_towers(n) - 1)
                    if 0 <= t - p < chunks)
              for t in range(chunks + n - 2)] if n > 1 else []
