@@ -193,9 +193,8 @@ def chain_broadcast(n: int, chunks: int = 4) -> Schedule:
     Raises:
         ValueError: ``n`` or ``chunks`` not an int >= 1.
     """
-    _positive("chunks", chunks)
-    ticks = [tuple(Step(p, p + 1, t - p, "copy") for p in range(_towers(n) - 1)
-                   if 0 <= t - p < chunks)
+    _towers(n), _positive("chunks", chunks)
+    ticks = [tuple(Step(p, p + 1, t - p, "copy") for p in range(n - 1) if 0 <= t - p < chunks)
              for t in range(chunks + n - 2)] if n > 1 else []
     return Schedule("chain_broadcast", n, chunks, tuple(ticks), "broadcast")
 
