@@ -185,3 +185,17 @@ def test_bad_arguments_name_what_was_expected() -> None:
         collective_algorithm("all_gather", "halving")
     with pytest.raises(ValueError, match="nbytes must be a multiple of itemsize"):
         schedule_bytes(ring_all_gather(2), 6, 4)
+
+
+def test_trace_cli_prints_a_collectives_schedule(capsys: pytest.CaptureFixture[str]) -> None:
+    from towers import cli
+
+    code = cli.main(["trace", "--collective", "reduce_scatter", "--algorithm", "halving",
+                     "--towers", "4", "--size", "8"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert out.startswith("reduce_scatter/halving on 4 towers: 2 ticks, summation depth 2")
+    assert format_schedule(halving_reduce_scatter(4)) in out
+    assert "bytes sent per tower for 32 bytes: [24, 24, 24, 24]" in out
+    assert cli.main(["trace", "--collective", "broadcast", "--algorithm", "ring"]) == 2
+    assert "algorithm must be one of chain, tree for broadcast" in capsys.readouterr().err
