@@ -220,6 +220,20 @@ def _bad(fn: Callable[[], Any], error: type[Exception], words: str) -> None:
     assert words in str(raised.value), str(raised.value)
 
 
+def test_values_without_a_device_are_named() -> None:
+    @tf.function
+    def gather(x: tf.Tensor) -> list[tf.Tensor]:
+        return all_gather([x[:2], x[2:]])
+
+    _bad(lambda: gather(tf.range(4.0)), ValueError, "shards[0] has no device")
+
+    @tf.function
+    def spread(x: tf.Tensor) -> list[tf.Tensor]:
+        return broadcast(x, DEVICES[:2])
+
+    _bad(lambda: spread(tf.range(4.0)), ValueError, "value has no device")
+
+
 def test_bad_inputs_name_the_argument_and_what_was_expected() -> None:
     a, b = _place([np.zeros(4, np.float32), np.zeros(4, np.float32)])
     c = _place([np.zeros(4, np.float64)] * 2)[1]

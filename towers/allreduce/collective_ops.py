@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 
 import tensorflow as tf
 
-from towers.allreduce.base import DTYPES, check_values, combine, device_of, finish
+from towers.allreduce.base import DTYPES, check_values, combine, finish
 from towers.allreduce.collective_registry import collective_algorithm
 from towers.allreduce.primitives import send
 from towers.devices import canonical_device
@@ -43,6 +43,15 @@ __all__ = ["all_gather", "broadcast", "reduce_scatter", "run_collective"]
 
 Algorithm = str | Callable[[int], Schedule]
 Slots = list[list[tf.Tensor | None]]
+
+
+def _device(x: tf.Tensor, what: str) -> str:
+    """``x``'s canonical device, or an error naming ``what`` (``shards[2]``, ``value``)."""
+    device = canonical_device(x.device)
+    if not device:
+        raise ValueError(f"{what} has no device: create it under tf.device(...) (inside "
+                         "tf.function, a slice or argument needs its own tf.device block)")
+    return device
 
 
 def _schedule(collective: str, algorithm: Algorithm, n: int) -> Schedule:
@@ -163,7 +172,7 @@ def _check_shards(shards: Sequence[tf.Tensor]) -> list[str]:
     if shards[0].dtype not in DTYPES:
         raise ValueError(f"dtype {shards[0].dtype.name} is not supported; use one of "
                          f"{', '.join(d.name for d in DTYPES)}")
-    devices = [device_of(x, i) for i, x in enumerate(shards)]
+    devices = [_device(x, f"shards[{i}]") for i, x in enumerate(shards)]
     for i, d in enumerate(devices):
         if d in devices[:i]:
             raise ValueError(f"shards[{devices.index(d)}] and shards[{i}] are both on {d}: "
@@ -222,8 +231,8 @@ def _check_broadcast(value: tf.Tensor, devices: Sequence[str], root: int) -> lis
     if value.dtype not in DTYPES:
         raise ValueError(f"dtype {value.dtype.name} is not supported; use one of "
                          f"{', '.join(d.name for d in DTYPES)}")
-    if device_of(value) != names[root]:
-        raise ValueError(f"value is on {device_of(value)}, not on devices[root={root}] "
+    if _device(value, "value") != names[root]:
+        raise ValueError(f"value is on {_device(value, 'value')}, not on devices[root={root}] "
                          f"{names[root]}: create it there (or pass that root)")
     return names
 
