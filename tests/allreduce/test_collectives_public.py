@@ -119,7 +119,7 @@ def _check_reduce_scatter(algorithm: str, arrays: list[np.ndarray], op: str) -> 
 @pytest.mark.parametrize("n", NS)
 @pytest.mark.parametrize("algorithm", _algorithms("reduce_scatter"))
 def test_reduce_scatter_matches_numpy_for_every_dtype_and_size(algorithm: str, n: int) -> None:
-    shapes = [(), (max(n - 1, 1),), (2, 5), (3 * n + 2,)]  # L = 1, L < n, 10, not divisible
+    shapes = [(), (0,), (max(n - 1, 1),), (2, 5), (3 * n + 2,)]  # L=1, 0, < n, 10, n ∤ L
     for k, (dtype, shape) in enumerate((d, s) for d in DTYPES for s in shapes):
         _check_reduce_scatter(algorithm, _values(n, shape, dtype, seed=k), "sum")
     for op in ("mean", "max", "min"):
