@@ -126,6 +126,14 @@ def test_reduce_scatter_matches_numpy_for_every_dtype_and_size(algorithm: str, n
         _check_reduce_scatter(algorithm, _values(n, (3 * n + 1,), np.float32, seed=n), op)
 
 
+@pytest.mark.parametrize("dtype", [np.float16, tf.bfloat16.as_numpy_dtype], ids=["f16", "bf16"])
+def test_reduce_scatter_in_half_precision(dtype: Any) -> None:
+    for algorithm in _algorithms("reduce_scatter"):
+        for n in (3, 5):
+            arrays = [a.astype(dtype) for a in _values(n, (2 * n + 1,), np.float32, seed=n)]
+            _check_reduce_scatter(algorithm, arrays, "sum")
+
+
 @settings(max_examples=examples(ci=8))
 @given(n=st.integers(1, 8), length=st.integers(0, 40), data=st.data())
 def test_reduce_scatter_property(n: int, length: int, data: Any) -> None:
