@@ -17,6 +17,8 @@ from towers.allreduce.base import OPS, AllReduce, GradientReducer, check_values,
 from towers.allreduce.bruck import bruck
 from towers.allreduce.bucketed import bucketed, pack, unpack
 from towers.allreduce.codecs import CODECS, bf16, fp16, topk
+from towers.allreduce.collective_ops import all_gather, broadcast, reduce_scatter
+from towers.allreduce.collective_registry import COLLECTIVE_ALGORITHMS, CollectiveAlgorithm
 from towers.allreduce.compressed import compressed
 from towers.allreduce.double_binary_tree import double_binary_tree
 from towers.allreduce.halving_doubling import halving_doubling
@@ -38,15 +40,19 @@ from towers.allreduce.tree import tree
 __all__ = [
     "ALGORITHMS",
     "CODECS",
+    "COLLECTIVE_ALGORITHMS",
     "OPS",
     "Algorithm",
     "AllReduce",
+    "CollectiveAlgorithm",
     "Configured",
     "GradientReducer",
     "Recorder",
     "Transfer",
+    "all_gather",
     "all_reduce",
     "bf16",
+    "broadcast",
     "bruck",
     "bucketed",
     "check_values",
@@ -68,6 +74,7 @@ __all__ = [
     "pat",
     "powersgd",
     "record",
+    "reduce_scatter",
     "register",
     "ring",
     "run_schedule",

@@ -14,6 +14,9 @@ Ticks are the algorithm's own; transfers without one (tick=None) get one by orde
 (marked *). Opaque collectives (nccl, nccl_ring, nccl_tree) move data outside
 ``send``; their estimated traffic is shown dashed and marked estimated.
 
+``--collective reduce_scatter|all_gather|broadcast`` prints that collective's
+schedule for ``--algorithm`` instead (text only: ticks, drawing, bytes, cost).
+
 Exit status: 0 when the result matches NumPy, 1 when it does not (or the
 algorithm raised), 2 for an unknown algorithm or bad options.
 """
@@ -33,6 +36,7 @@ EPILOG = """examples:
   python -m towers trace --algorithm hierarchical --towers 8 --ticks order
   python -m towers trace --algorithm my_algos:star --json star.json     # ./my_algos.py
   python -m towers trace --algorithm my_algos.py:make_star               # a factory
+  python -m towers trace --collective broadcast --algorithm chain --towers 5
 
 An unknown name lists the registered ones (towers.ALGORITHMS).
 """
@@ -45,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a registered name (default ring) or module:function / file.py:function; a "
         "factory (anything not taking (values, *, op)) is called with no arguments",
     )
+    parser.add_argument("--collective", default=None,
+                        choices=("reduce_scatter", "all_gather", "broadcast"),
+                        help="print this collective's schedule for --algorithm instead")
     parser.add_argument("--towers", type=int, default=4, help="simulated devices (default 4)")
     parser.add_argument("--size", type=int, default=16, help="float32 elements per tower (16)")
     parser.add_argument("--op", default="sum", choices=("sum", "mean", "max", "min"),
@@ -71,6 +78,15 @@ def run(args: argparse.Namespace) -> int:
     if args.towers < 1 or args.size < 1:
         print("towers trace: error: --towers and --size must be at least 1", file=sys.stderr)
         return 2
+    if args.collective:
+        from towers.allreduce.collective_registry import format_collective
+
+        try:
+            print(format_collective(args.collective, args.algorithm, args.towers, 4 * args.size))
+        except ValueError as err:
+            print(f"towers trace: error: {err}", file=sys.stderr)
+            return 2
+        return 0
     from towers.trace.schedule import start_devices
 
     devices = start_devices(args.towers)  # first thing: before TensorFlow's runtime starts

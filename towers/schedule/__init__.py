@@ -4,7 +4,8 @@
 tick the steps ``(src, dst, chunk, copy|reduce)``) and what follows from it alone
 (bytes per tower and per link, ticks, α-β-γ); :mod:`~towers.schedule.symbolic`
 proves a generator ``n -> Schedule`` correct for every ``n`` by following sets of
-contributions; :mod:`~towers.schedule.classic` has the ring as data. The
+contributions; :mod:`~towers.schedule.classic` has the ring as data and
+:mod:`~towers.schedule.collectives` the reduce-scatter, all-gather and broadcast schedules. The
 interpreter that runs a schedule on TensorFlow devices is
 :mod:`towers.allreduce.scheduled` (this package imports nothing of TensorFlow).
 """
@@ -12,6 +13,16 @@ interpreter that runs a schedule on TensorFlow devices is
 from __future__ import annotations
 
 from towers.schedule.classic import ring_schedule
+from towers.schedule.collectives import (
+    binomial_broadcast,
+    chain_broadcast,
+    doubling_all_gather,
+    even_sizes,
+    halving_reduce_scatter,
+    ring_all_gather,
+    ring_reduce_scatter,
+    rooted,
+)
 from towers.schedule.ir import (
     COLLECTIVES,
     KINDS,
@@ -43,13 +54,21 @@ __all__ = [
     "ScheduleError",
     "ScheduleReport",
     "Step",
+    "binomial_broadcast",
     "bytes_sent",
+    "chain_broadcast",
     "check_schedule",
     "chunk_bytes",
     "cost",
+    "doubling_all_gather",
+    "even_sizes",
     "format_schedule",
+    "halving_reduce_scatter",
     "link_bytes",
+    "ring_all_gather",
+    "ring_reduce_scatter",
     "ring_schedule",
+    "rooted",
     "simulate",
     "summation_depth",
     "summation_depths",

@@ -11,9 +11,10 @@ over ``towers`` towers whose buffer is cut into ``chunks`` equal pieces. Tick
 All steps of a tick read the slots as they were when the tick began (they run
 at once), then write; several ``reduce`` steps into one slot in one tick apply
 in the order listed. ``collective`` names the semantics the schedule claims
-(``all_reduce``, ``reduce_scatter``, ``all_gather``); ``owners[c]`` is the tower
-that ends with chunk ``c`` reduced (reduce-scatter) or starts with it
-(all-gather). :mod:`towers.schedule.symbolic` proves the claim for each ``n``.
+(``all_reduce``, ``reduce_scatter``, ``all_gather``, ``broadcast``); ``owners[c]`` is
+the tower that ends with chunk ``c`` reduced (reduce-scatter) or starts with it
+(all-gather; broadcast: the root, one tower for every chunk).
+:mod:`towers.schedule.symbolic` proves the claim for each ``n``.
 
 Everything below is derived from the same object: bytes per tower and per link,
 ticks, and the α-β-γ coefficients. **Padding rule**: a buffer of ``L`` elements
@@ -48,7 +49,7 @@ __all__ = [
 ]
 
 KINDS = ("copy", "reduce")
-COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
 
 
 class Step(NamedTuple):
@@ -71,10 +72,11 @@ class Schedule:
         ticks: ``ticks[t]`` is the tuple of :class:`Step` run at once at tick ``t``.
         collective: the semantics claimed, one of :data:`COLLECTIVES`.
         owners: for ``reduce_scatter``/``all_gather``, the tower owning each chunk
-            (default: chunk ``c`` is tower ``c mod n``'s).
+            (default: chunk ``c`` is tower ``c mod n``'s; ``broadcast``: all tower 0's).
 
     Raises:
-        ValueError: an unknown collective or kind, a count < 1, or an owner out of range.
+        ValueError: an unknown collective or kind, a count < 1, an owner out of range,
+            or a broadcast with more than one root.
             (Steps naming towers or chunks out of range are reported by the checker,
             with their tick, rather than refused here.)
     """
@@ -102,10 +104,13 @@ class Schedule:
                     raise ValueError(f"step kind must be 'copy' or 'reduce', got {step!r}")
         owners = self.owners
         if owners is None:
-            owners = tuple(c % self.towers for c in range(self.chunks))
+            root = self.collective == "broadcast"
+            owners = tuple(0 if root else c % self.towers for c in range(self.chunks))
         owners = tuple(int(o) for o in owners)
         if len(owners) != self.chunks or not all(0 <= o < self.towers for o in owners):
             raise ValueError(f"owners must name a tower for each of {self.chunks} chunks")
+        if self.collective == "broadcast" and len(set(owners)) > 1:
+            raise ValueError(f"a broadcast has one root: owners must be one tower, got {owners}")
         object.__setattr__(self, "owners", owners)
 
     @property

@@ -5,7 +5,8 @@ Each slot ``(tower, chunk)`` carries the *set* of towers whose inputs it sums
 and ``b ⊕ a`` are one tree, as IEEE addition is commutative) and that tree's
 depth. Initially, for ``all_reduce`` and ``reduce_scatter`` tower ``t`` holds
 ``{t}`` in every chunk; for ``all_gather`` the owner of chunk ``c`` holds it
-*complete* (all ``n`` contributions) and the others hold nothing.
+*complete* (all ``n`` contributions) and the others hold nothing; ``broadcast`` is
+the same with one owner, the root, for every chunk.
 
 **Holds.** Tower ``t`` *holds* chunk ``c`` when its slot carries at least one
 contribution, and holds it *complete* when the slot carries all ``n``. A tick
@@ -19,7 +20,7 @@ tick ``t`` what it receives in tick ``t``. The rules, checked step by step:
 3. **double count**: a ``reduce`` never adds a contribution the destination
    already has;
 4. a ``copy`` is the only write to its slot in its tick;
-5. at the end (**dropped chunk**): ``all_reduce``/``all_gather``: every tower holds
+5. at the end (**dropped chunk**): ``all_reduce``/``all_gather``/``broadcast``: every tower holds
    every chunk complete, and all towers hold the same summation tree per chunk
    (so the outputs agree bitwise); ``reduce_scatter``: each chunk's owner holds it
    complete.
@@ -80,7 +81,7 @@ class _State:
 
 def _initial(s: Schedule) -> _State:
     n, k, full = s.towers, s.chunks, (1 << s.towers) - 1
-    if s.collective == "all_gather":
+    if s.collective in ("all_gather", "broadcast"):
         have = [[full if s.chunk_owner(c) == t else 0 for c in range(k)] for t in range(n)]
         tree = [[c + 1 if h else 0 for c, h in enumerate(row)] for row in have]
     else:

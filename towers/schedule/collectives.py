@@ -1,0 +1,225 @@
+"""Reduce-scatter, all-gather and broadcast as data: two schedules each, ``n -> Schedule``.
+
+Chunk ``c`` of a reduce-scatter or all-gather is tower ``c``'s shard (``n``
+chunks, ``owners[c] = c``); a broadcast cuts the value into ``chunks`` pieces,
+all the root's. Generators build root-0 broadcasts; :func:`rooted` turns tower
+labels so any tower is the root. ``c+▶`` reduces, ``c▶`` copies.
+
+Ring (the two halves of :func:`towers.schedule.ring_schedule`), n = 4::
+
+    reduce-scatter: at tick t tower p reduces chunk (p-1-t) mod n into p+1
+    tick      0      1      2             all-gather: at tick t tower p copies
+    tower 0  c3+▶1  c2+▶1  c1+▶1          chunk (p-t) mod n to p+1
+    tower 1  c0+▶2  c3+▶2  c2+▶2          tick     0     1     2
+    tower 2  c1+▶3  c0+▶3  c3+▶3          tower 0  c0▶1  c3▶1  c2▶1
+    tower 3  c2+▶0  c1+▶0  c0+▶0          tower 1  c1▶2  c0▶2  c3▶2   ...
+
+Recursive halving (reduce-scatter) / recursive doubling (all-gather), n = 4:
+partners ``p xor d``; halving sends the partner's half of what it still
+reduces (d = n/2, …, 1), doubling sends everything it holds (d = 1, …, n/2)::
+
+    halving  tick 0 (d=2)     tick 1 (d=1)      doubling  tick 0 (d=1)  tick 1 (d=2)
+    tower 0  c2c3+▶2          c1+▶1             tower 0   c0▶1          c0c1▶2
+    tower 1  c2c3+▶3          c0+▶0             tower 1   c1▶0          c0c1▶3
+    tower 2  c0c1+▶0          c3+▶3             tower 2   c2▶3          c2c3▶0
+    tower 3  c0c1+▶1          c2+▶2             tower 3   c3▶2          c2c3▶1
+
+Any ``n``: with ``m`` the largest power of two ≤ ``n`` and ``r = n - m``, the
+``r`` extra towers ``m+i`` first fold their whole buffer into tower ``i``
+(halving) or hand their chunk to it (doubling); the ``m`` towers run the
+power-of-two schedule, tower ``i < r`` standing for chunks ``i`` and ``m+i``;
+a last tick gives tower ``m+i`` its chunk (halving) or everything (doubling).
+So a non-power of two costs 2 more ticks, and towers ``i < r`` send twice.
+
+Broadcast, root 0, n = 5: binomial tree (a tower forwards in the tick after it
+receives; ``⌈log2 n⌉`` ticks) and pipelined chain with 3 chunks (tower p
+forwards chunk t-p at tick t; ``chunks + n - 2`` ticks)::
+
+    tree     0     1     2              chain    0     1     2     3     4
+    tower 0  c0▶1  c0▶2  c0▶4           tower 0  c0▶1  c1▶1  c2▶1
+    tower 1        c0▶3                 tower 1        c0▶2  c1▶2  c2▶2
+                                        tower 2              c0▶3  c1▶3  c2▶3
+                                        tower 3                    c0▶4  c1▶4 ...
+
+Cost (``S`` bytes, α-β-γ): ring reduce-scatter/all-gather ``(n-1)α + (n-1)/n·Sβ``
+(+ ``(n-1)/n·Sγ`` reducing); halving/doubling ``log2 n·α + (n-1)/n·Sβ`` for
+powers of two; tree broadcast ``⌈log2 n⌉(α + Sβ)``; chain ``(k+n-2)(α + S/k·β)``.
+
+References:
+    Thakur, Rabenseifner, Gropp, "Optimization of Collective Communication
+    Operations in MPICH" (IJHPCA 2005): recursive halving/doubling, binomial tree.
+    Patarasuk, Yuan, "Bandwidth optimal all-reduce algorithms for clusters of
+    workstations" (JPDC 2009): the ring. Träff, Ripke, "Optimal broadcast for
+    fully connected processor-node networks" (2008): the pipelined chain.
+
+Example:
+    >>> halving_reduce_scatter(6).num_ticks, binomial_broadcast(5).num_ticks
+    (4, 3)
+"""
+
+from __future__ import annotations
+
+from towers.schedule.classic import ring_schedule
+from towers.schedule.ir import Schedule, Step
+
+__all__ = [
+    "binomial_broadcast",
+    "chain_broadcast",
+    "doubling_all_gather",
+    "even_sizes",
+    "fold",
+    "halving_reduce_scatter",
+    "ring_all_gather",
+    "ring_reduce_scatter",
+    "rooted",
+]
+
+
+def _positive(name: str, value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return value
+
+
+def _towers(n: int) -> int:
+    return _positive("n (the tower count)", n)
+
+
+def even_sizes(length: int, pieces: int) -> list[int]:
+    """The sharding rule: ``length`` elements cut into ``pieces`` runs differing by at most one.
+
+    The first ``length mod pieces`` runs get one element more, as ``numpy.array_split``
+    cuts (no padding; a run is empty when ``length < pieces``).
+
+    Example:
+        >>> even_sizes(10, 4), even_sizes(2, 3)
+        ([3, 3, 2, 2], [1, 1, 0])
+    """
+    if isinstance(length, bool) or not isinstance(length, int) or length < 0:
+        raise ValueError(f"length must be an int >= 0, got {length!r}")
+    base, extra = divmod(length, _positive("pieces", pieces))
+    return [base + (i < extra) for i in range(pieces)]
+
+
+def fold(n: int) -> tuple[int, int]:
+    """``(m, r)``: ``m`` the largest power of two ≤ ``n``, ``r = n - m`` extra towers.
+
+    Example:
+        >>> fold(6), fold(8)
+        ((4, 2), (8, 0))
+    """
+    m = 1 << (_towers(n).bit_length() - 1)
+    return m, n - m
+
+
+def ring_reduce_scatter(n: int) -> Schedule:
+    """Ring reduce-scatter: the ring's first ``n - 1`` ticks; chunk ``k`` ends on tower ``k``."""
+    ticks = ring_schedule(_towers(n)).ticks[: n - 1]
+    return Schedule("ring_reduce_scatter", n, n, ticks, "reduce_scatter")
+
+
+def ring_all_gather(n: int) -> Schedule:
+    """Ring all-gather: the ring's last ``n - 1`` ticks; tower ``k`` starts with chunk ``k``."""
+    ticks = ring_schedule(_towers(n)).ticks[n - 1 :]
+    return Schedule("ring_all_gather", n, n, ticks, "all_gather")
+
+
+def _stands_for(n: int) -> list[list[int]]:
+    """``[v]``: the chunks (towers) tower ``v < m`` stands for while the ``m`` towers work."""
+    m, r = fold(n)
+    return [[v, m + v] if v < r else [v] for v in range(m)]
+
+
+def _distances(m: int) -> list[int]:
+    return [1 << j for j in range(m.bit_length() - 1)]  # 1, 2, ..., m/2
+
+
+def halving_reduce_scatter(n: int) -> Schedule:
+    """Recursive halving reduce-scatter for any ``n`` (extra towers folded in first)."""
+    m, r = fold(n)
+    groups = _stands_for(n)
+    ticks: list[tuple[Step, ...]] = []
+    if r:
+        ticks.append(tuple(Step(m + i, i, c, "reduce") for i in range(r) for c in range(n)))
+    keeps = [list(range(m)) for _ in range(m)]  # virtual towers whose chunks v still reduces
+    for d in reversed(_distances(m)):
+        tick = []
+        for v in range(m):
+            partner = v ^ d
+            sent = [w for w in keeps[v] if w & d == partner & d]
+            keeps[v] = [w for w in keeps[v] if w & d == v & d]
+            tick += [Step(v, partner, c, "reduce") for w in sent for c in groups[w]]
+        ticks.append(tuple(tick))
+    if r:
+        ticks.append(tuple(Step(i, m + i, m + i, "copy") for i in range(r)))
+    return Schedule("halving_reduce_scatter", n, n, tuple(ticks), "reduce_scatter")
+
+
+def doubling_all_gather(n: int) -> Schedule:
+    """Recursive doubling all-gather for any ``n`` (extra towers hand their chunk in first)."""
+    m, r = fold(n)
+    groups = _stands_for(n)
+    ticks: list[tuple[Step, ...]] = []
+    if r:
+        ticks.append(tuple(Step(m + i, i, m + i, "copy") for i in range(r)))
+    for d in _distances(m):
+        tick = []
+        for v in range(m):
+            held = [w for w in range(m) if (w ^ v) < d]  # v's aligned block of d towers
+            tick += [Step(v, v ^ d, c, "copy") for w in held for c in groups[w]]
+        ticks.append(tuple(tick))
+    if r:
+        ticks.append(tuple(Step(i, m + i, c, "copy")
+                           for i in range(r) for c in range(n) if c != m + i))
+    return Schedule("doubling_all_gather", n, n, tuple(ticks), "all_gather")
+
+
+def binomial_broadcast(n: int) -> Schedule:
+    """Binomial-tree broadcast from tower 0: at tick ``j``, ``p < 2^j`` sends to ``p + 2^j``."""
+    ticks, d = [], 1
+    while d < _towers(n):
+        ticks.append(tuple(Step(p, p + d, 0, "copy") for p in range(d) if p + d < n))
+        d *= 2
+    return Schedule("binomial_broadcast", n, 1, tuple(ticks), "broadcast")
+
+
+def chain_broadcast(n: int, chunks: int = 4) -> Schedule:
+    """Pipelined chain broadcast from tower 0: ``chunks`` pieces flow ``0 → 1 → … → n-1``.
+
+    Args:
+        n: the tower count.
+        chunks: how many pieces the value is cut into (the pipeline depth).
+
+    Raises:
+        ValueError: ``n`` or ``chunks`` not an int >= 1.
+    """
+    _towers(n), _positive("chunks", chunks)
+    ticks = [tuple(Step(p, p + 1, t - p, "copy") for p in range(n - 1) if 0 <= t - p < chunks)
+             for t in range(chunks + n - 2)] if n > 1 else []
+    return Schedule("chain_broadcast", n, chunks, tuple(ticks), "broadcast")
+
+
+def rooted(schedule: Schedule, root: int) -> Schedule:
+    """``schedule`` with every tower ``t`` renamed ``(t + shift) mod n`` so the root is ``root``.
+
+    Args:
+        schedule: a ``broadcast`` schedule.
+        root: the tower that should hold the value first.
+
+    Raises:
+        ValueError: not a broadcast schedule, or ``root`` not a tower of it.
+
+    Example:
+        >>> rooted(binomial_broadcast(3), 2).ticks[0]
+        (Step(src=2, dst=0, chunk=0, kind='copy'),)
+    """
+    n = schedule.towers
+    if schedule.collective != "broadcast":
+        raise ValueError(f"rooted takes a broadcast schedule, got {schedule.collective!r}")
+    if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < n:
+        raise ValueError(f"root must be a tower index in [0, {n}), got {root!r}")
+    shift = root - schedule.chunk_owner(0)
+    ticks = tuple(tuple(Step((s.src + shift) % n, (s.dst + shift) % n, s.chunk, s.kind)
+                        for s in tick) for tick in schedule.ticks)
+    return Schedule(schedule.name, n, schedule.chunks, ticks, "broadcast",
+                    (root,) * schedule.chunks)
