@@ -1,0 +1,342 @@
+"""``check_invariance``: does training give the same result on 1, 2, 4, 8 towers?
+
+Every tower count trains the same global batches from the same initial weights.
+The verdict compares *one step at a time from the same weights* (teacher forcing),
+so the bound stays a one-step bound; the free-running trajectories are reported
+beside it, as information::
+
+    step s:   W_s (the 1-tower run's weights)
+                 │ set on every trainer
+      ┌──────────┼─────────────┬──────────────┐
+      1 tower    2 towers      4 towers       8 towers      forward_backward + reduce
+      G_1        G_2           G_4            G_8           (the reduced gradient)
+      │          │             │              │
+      │        |G_2 − G_1| ≤ b_2  |G_4 − G_1| ≤ b_4   …      per variable, per element
+      ▼
+    W_{s+1} = apply(G_1)        the 1-tower run moves on; the others are set to it
+
+The bound. A reduced gradient is a sum over the batch's examples of each example's
+gradient ``c_e`` (its share of the global mean loss): the towers' kernels add the
+examples of a shard, the all-reduce adds the towers. Whatever the grouping, a run
+adds the ``B`` leaves in a tree of depth at most ``d = (largest shard − 1) +
+k_algo(n)`` (``k_algo`` from the algorithm's registry record, ``n − 1`` — which bounds
+every tree of ``n`` leaves — for a callable without one), plus one rounding for the
+product inside each leaf (a MatMul may fuse it). So each run lies within
+``γ_{d+1}·Σ_e|c_e|`` of the exact sum (:func:`towers.testing.bounds.sum_bound`, the
+one derivation), and two runs within the sum of their two bounds. The leaves come
+from an independent path: one tower step per example. The bound assumes each
+example's own forward and backward values are computed alike at every shard size
+(row-wise kernels: the batch is the only dimension the runs re-associate); where a
+kernel breaks that, the check reports it rather than hiding it.
+
+Over many steps no such bound holds for the free-running runs: a difference in
+step 1 moves step 2's weights, and the gradient's sensitivity to the weights (the
+loss' curvature, unbounded in general) amplifies it. That is why the verdict is
+per step from the same weights, and the trajectory difference is shown, not judged.
+
+Example:
+    >>> report = check_invariance(make_model, lambda: keras.optimizers.SGD(0.1),
+    ...     "sparse_categorical_crossentropy", batches, towers=(1, 2, 4))  # doctest: +SKIP
+    >>> report.ok, report.first_failure                                    # doctest: +SKIP
+    (True, None)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from towers.testing.bounds import sum_bound
+
+__all__ = [
+    "Difference",
+    "InvarianceReport",
+    "check_invariance",
+    "compare_gradients",
+    "example_gradients",
+    "reduced_gradients",
+    "run_depth",
+    "take_batches",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Difference:
+    """One variable's largest difference at one step, and the bound it is held to.
+
+    Attributes:
+        towers: the tower count of the run compared (or a configuration's label).
+        step: the step, counted from 1.
+        variable: the variable's path (``model.trainable_variables`` order).
+        index: its position in that order.
+        max_diff: the largest |difference| over its elements.
+        worst: the flat index of the element with the largest ``diff / bound``.
+        worst_diff: the |difference| at that element.
+        bound: the bound at that element.
+        ok: every element within its bound.
+    """
+
+    towers: int | str
+    step: int
+    variable: str
+    index: int
+    max_diff: float
+    worst: int
+    worst_diff: float
+    bound: float
+    ok: bool
+
+
+def take_batches(batches: Iterable[Any], steps: int | None) -> list[tuple[Any, Any]]:
+    """The first ``steps`` batches (all when None) as ``(x, y)`` pairs.
+
+    Raises:
+        ValueError: no batches, fewer than ``steps``, a batch that is not ``(x, y)``,
+            or ``steps`` not an integer >= 1.
+    """
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+        raise ValueError(f"steps must be an integer >= 1 or None, got {steps!r}")
+    out = []
+    for k, batch in enumerate(batches):
+        if steps is not None and k == steps:
+            break
+        if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+            raise ValueError(f"batches[{k}] must be an (x, y) pair, got {type(batch).__name__}")
+        out.append((np.asarray(batch[0]), np.asarray(batch[1])))
+    if not out or (steps is not None and len(out) < steps):
+        raise ValueError(f"batches: need {steps or 1} (x, y) batch(es), got {len(out)}")
+    return out
+
+
+def reduced_gradients(trainer: Any, x: Any, y: Any) -> tuple[list[np.ndarray], Any]:
+    """The step's phases, eagerly: ``split → forward_backward → reduce``.
+
+    Returns:
+        (tower 0's reduced gradient per trainable variable as dense NumPy arrays, the
+        ``Reduced`` that ``trainer.apply`` takes).
+    """
+    reduced = trainer.reduce(trainer.forward_backward(trainer.split(x, y)))
+    grads = [np.asarray(tf.convert_to_tensor(g)) for g in reduced.grads[0]]
+    return grads, reduced
+
+
+def example_gradients(
+    model: keras.Model, loss: Any, x: Any, y: Any, device: str
+) -> list[list[np.ndarray]]:
+    """Each example's gradient of its share of the global mean loss: ``leaves[e][var]``.
+
+    One tower step per example (global batch ``B``, ``B`` towers, so regularization
+    losses are shared out as ``B`` towers would): the independent path that sizes the
+    bound, never the thing under test.
+    """
+    from towers.tower import resolve_loss, tower_step
+
+    fn = resolve_loss(loss)
+    trainable = [tf.convert_to_tensor(v.value) for v in model.trainable_variables]
+    frozen = [tf.convert_to_tensor(v.value) for v in model.non_trainable_variables]
+    batch = len(x)
+    leaves = []
+    for e in range(batch):
+        result = tower_step(
+            model, trainable, frozen, (x[e : e + 1], y[e : e + 1], None), loss_fn=fn,
+            global_batch=tf.constant(batch), num_towers=batch, device=device,
+        )  # fmt: skip
+        leaves.append([np.asarray(tf.convert_to_tensor(g)) for g in result.grads])
+    return leaves
+
+
+def run_depth(trainer: Any, batch: int) -> int:
+    """How many roundings any leaf goes through in this run's reduced gradient.
+
+    ``(largest shard − 1)`` additions inside a tower, ``k_algo(n)`` in the all-reduce
+    (its record's ``summation_depth``, else ``n − 1``), one for the product in the leaf.
+    """
+    from towers.allreduce.registry import record_of
+    from towers.split import shard_sizes
+
+    n = len(trainer.devices)
+    record = record_of(trainer.algorithm)
+    depth = record.summation_depth(n) if record is not None else None
+    return max(shard_sizes(batch, n)) - 1 + (n - 1 if depth is None else depth) + 1
+
+
+def compare_gradients(
+    label: int | str,
+    step: int,
+    names: Sequence[str],
+    got: Sequence[np.ndarray],
+    want: Sequence[np.ndarray],
+    bounds: Sequence[np.ndarray],
+) -> list[Difference]:
+    """One :class:`Difference` per variable: ``|got − want|`` against ``bounds``."""
+    rows = []
+    for j, (name, a, b, tol) in enumerate(zip(names, got, want, bounds, strict=True)):
+        diff = np.abs(a.astype(np.float64) - b.astype(np.float64)).ravel()
+        tol = np.broadcast_to(tol, a.shape).ravel()
+        bad = ~(diff <= tol)  # NaN counts as outside
+        ratio = np.where(bad, np.inf, diff / np.where(tol > 0, tol, 1.0))
+        worst = int(np.argmax(ratio)) if diff.size else 0
+        at = (float(diff[worst]), float(tol[worst])) if diff.size else (0.0, 0.0)
+        top = float(np.max(diff, initial=0.0))
+        rows.append(Difference(label, step, name, j, top, worst, *at, not bool(np.any(bad))))
+    return rows
+
+
+def leaf_bounds(leaves: list[list[np.ndarray]], depth_a: int, depth_b: int) -> list[np.ndarray]:
+    """Per variable, the element-wise bound on two runs of depths ``depth_a``, ``depth_b``."""
+    out = []
+    for j in range(len(leaves[0])):
+        column = [leaf[j] for leaf in leaves]
+        out.append(sum_bound(column, "sum", depth_a)[1] + sum_bound(column, "sum", depth_b)[1])
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class InvarianceReport:
+    """What :func:`check_invariance` found.
+
+    Attributes:
+        towers: the tower counts compared against the first one.
+        rows: one :class:`Difference` per (tower count, step, variable), teacher-forced.
+        trajectory: ``{towers: [max |weight difference| after each step]}`` of the
+            free-running runs (information, not judged: see the module docstring).
+    """
+
+    towers: tuple[int, ...]
+    rows: tuple[Difference, ...]
+    trajectory: dict[int, list[float]]
+
+    @property
+    def ok(self) -> bool:
+        """Every one-step difference lies within its bound."""
+        return all(r.ok for r in self.rows)
+
+    @property
+    def first_failure(self) -> Difference | None:
+        """The first (step, towers, variable) outside the bound, or None."""
+        bad = [r for r in self.rows if not r.ok]
+        return min(bad, key=lambda r: (r.step, self.towers.index(int(r.towers)), r.index),
+                   default=None)  # fmt: skip
+
+    def max_diff(self, towers: int) -> float:
+        """The largest one-step gradient difference seen at ``towers`` towers."""
+        return max((r.max_diff for r in self.rows if r.towers == towers), default=0.0)
+
+    def __str__(self) -> str:
+        head = (f"{'towers':>6}  {'step':>4}  {'max |ΔG|':>10}  {'worst |ΔG|':>10}  "
+                f"{'its bound':>10}  {'free |ΔW|':>10}  verdict")  # fmt: skip
+        lines = [f"invariance against {self.towers[0]} tower(s), one step from the same "
+                 "weights (teacher forcing)", head]  # fmt: skip
+        for n in self.towers[1:]:
+            for step in sorted({r.step for r in self.rows if r.towers == n}):
+                rows = [r for r in self.rows if r.towers == n and r.step == step]
+                top = max(r.max_diff for r in rows)
+                worst = max(rows, key=lambda r: r.worst_diff / r.bound if r.bound else np.inf)
+                traj = self.trajectory.get(n, [])
+                free = f"{traj[step - 1]:.3g}" if len(traj) >= step else "-"
+                verdict = "ok" if all(r.ok for r in rows) else "OUTSIDE"
+                lines.append(f"{n:>6}  {step:>4}  {top:>10.3g}  {worst.worst_diff:>10.3g}  "
+                             f"{worst.bound:>10.3g}  {free:>10}  {verdict}")  # fmt: skip
+        bad = self.first_failure
+        lines.append("PASS: every step within its bound" if bad is None else
+                     f"FAIL: {bad.towers} towers, step {bad.step}, {bad.variable}: element "
+                     f"{bad.worst} differs by {bad.worst_diff:.3g} > bound {bad.bound:.3g}")
+        return "\n".join(lines)
+
+
+def _check_towers(towers: Sequence[int], have: int) -> tuple[int, ...]:
+    if isinstance(towers, (str, bytes)) or not isinstance(towers, Sequence) or not towers:
+        raise ValueError(f"towers must be a non-empty sequence of tower counts, got {towers!r}")
+    for n in towers:
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= have:
+            raise ValueError(f"towers must hold integers in 1..{have} (devices), got {n!r}")
+    if len(set(towers)) != len(towers):
+        raise ValueError(f"towers must not repeat a count, got {list(towers)}")
+    return tuple(towers)
+
+
+def check_invariance(
+    model_fn: Callable[[], keras.Model],
+    optimizer_fn: Callable[[], keras.optimizers.Optimizer],
+    loss: Any,
+    batches: Iterable[Any],
+    *,
+    towers: Sequence[int] = (1, 2, 4, 8),
+    all_reduce: Any = "ring",
+    variables: str = "replicated",
+    steps: int | None = None,
+    trajectory: bool = True,
+) -> InvarianceReport:
+    """Train one trainer per tower count on the same batches; compare each step with the first.
+
+    Args:
+        model_fn: a zero-argument factory of a built ``keras.Model``.
+        optimizer_fn: a zero-argument factory of a Keras optimizer.
+        loss: a Keras loss, a loss name or ``(y_true, y_pred) -> per-example losses``.
+        batches: ``(x, y)`` global batches, the same for every tower count.
+        towers: the tower counts; the first (1 by default) is the reference.
+        all_reduce: the algorithm every trainer uses (name, callable or reducer).
+        variables: the placement, ``"replicated"`` or ``"parameter_device"``.
+        steps: how many batches to train on (default: all of them).
+        trajectory: also run every tower count freely and report its weight difference.
+
+    Returns:
+        An :class:`InvarianceReport`: ``ok``, ``first_failure``, the table as ``str``.
+
+    Raises:
+        ValueError: a tower count outside ``1..len(local devices)`` or repeated, no
+            batches, bad ``steps``; the trainer's own errors for bad models and options.
+    """
+    import towers as towers_pkg
+
+    devices = towers_pkg.local_devices()
+    counts = _check_towers(towers, len(devices))
+    data = take_batches(batches, steps)
+    trainers = {
+        n: towers_pkg.TowerTrainer(model_fn, optimizer_fn, loss, devices=devices[:n],
+                                   all_reduce=all_reduce, variables=variables)
+        for n in counts
+    }  # fmt: skip
+    ref = trainers[counts[0]]
+    start = ref.get_weights()
+    for n in counts[1:]:
+        trainers[n].set_weights(start)
+    names = [v.path for v in ref.model.trainable_variables]
+    rows: list[Difference] = []
+    path = []
+    for step, (x, y) in enumerate(data, start=1):
+        weights = ref.get_weights()
+        want, reduced = reduced_gradients(ref, x, y)
+        leaves = example_gradients(ref.model, loss, x, y, ref.devices[0])
+        for n in counts[1:]:
+            trainers[n].set_weights(weights)
+            got, _ = reduced_gradients(trainers[n], x, y)
+            tol = leaf_bounds(leaves, run_depth(ref, len(x)), run_depth(trainers[n], len(x)))
+            rows.extend(compare_gradients(n, step, names, got, want, tol))
+        ref.apply(reduced)
+        path.append(ref.get_weights())
+    free = _free_run(trainers, counts, data, start, path) if trajectory else {}
+    return InvarianceReport(counts, tuple(rows), free)
+
+
+def _free_run(
+    trainers: dict[int, Any], counts: tuple[int, ...], data: list[Any], start: list[np.ndarray],
+    path: list[list[np.ndarray]],
+) -> dict[int, list[float]]:
+    """Each other tower count trained freely (its optimizer is still fresh) against ``path``."""
+    out: dict[int, list[float]] = {}
+    for n in counts[1:]:
+        trainer = trainers[n]
+        trainer.set_weights(start)
+        out[n] = []
+        for (x, y), want in zip(data, path, strict=True):
+            trainer.apply(reduced_gradients(trainer, x, y)[1])
+            diffs = [np.max(np.abs(a.astype(np.float64) - b), initial=0.0)
+                     for a, b in zip(trainer.get_weights(), want, strict=True)]  # fmt: skip
+            out[n].append(float(max(diffs, default=0.0)))
+    return out
