@@ -1,0 +1,310 @@
+"""``bisect``: the first step, variable and element where two configurations part.
+
+Two configurations (a towers trainer with algorithm A against one with algorithm B,
+or a towers trainer against a ``tf.distribute`` reference from ``reference/``) train
+on the same batches from the same weights. Run A is the teacher: before every step
+run B is set to A's weights, so each step is checked on its own, as a one-step bound
+(:mod:`towers.testing.onestep`)::
+
+    step:      1        2        3        4   …
+    A (free)   W1 ────▶ W2 ────▶ W3 ────▶ W4
+               │set     │set     │set
+    B          G1'      G2'      G3'  ✗       first step outside the bound
+                                  │
+                                  ├─ first variable in model order outside it
+                                  └─ first element outside it: its chunk k of m
+                                     (elements lo..hi) under B's pad_split into
+                                     n·subchunks pieces, both values, |Δ|, bound
+
+Because every step starts from the same weights, the steps are independent and an
+in-order scan finds the first bad one exactly (a binary search over free-running
+runs would find where trajectories part, which rounding alone makes happen).
+
+Two towers trainers are compared on their reduced gradients (the step's public
+phases ``split → forward_backward → reduce``, run eagerly). A ``tf.distribute``
+reference exposes no gradient, so against one the comparison is the update of one
+plain-SGD step from the same weights, held to :func:`towers.testing.sgd_step_bound`
+with the examples as the summed terms; any other optimizer is refused.
+
+Example:
+    >>> report = bisect("ring", "mirrored", batches, model_fn=make_model,
+    ...                 optimizer_fn=lambda: keras.optimizers.SGD(0.1),
+    ...                 loss="sparse_categorical_crossentropy")    # doctest: +SKIP
+    >>> report.first                                               # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import keras
+import numpy as np
+
+from towers.testing.bounds import sgd_step_bound
+from towers.testing.onestep import (
+    Difference,
+    compare_gradients,
+    example_gradients,
+    leaf_bounds,
+    reduced_gradients,
+    run_depth,
+    take_batches,
+)
+
+__all__ = ["REFERENCES", "BisectReport", "Config", "Divergence", "bisect", "config"]
+
+REFERENCES = ("mirrored", "central_storage")
+"""The ``tf.distribute`` references a configuration may name."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """One side of a bisection.
+
+    Attributes:
+        all_reduce: the towers trainer's algorithm (name, callable or reducer), or
+            ``"mirrored"`` / ``"central_storage"`` for a ``tf.distribute`` reference.
+        variables: the towers trainer's placement.
+        label: how the report names it (default: from ``all_reduce``).
+    """
+
+    all_reduce: Any = "ring"
+    variables: str = "replicated"
+    label: str = ""
+
+    @property
+    def reference(self) -> bool:
+        """A ``tf.distribute`` reference rather than a towers trainer."""
+        return isinstance(self.all_reduce, str) and self.all_reduce in REFERENCES
+
+    @property
+    def name(self) -> str:
+        """The label, or a name made from ``all_reduce``."""
+        from towers.allreduce.registry import algorithm_name
+
+        return self.label or (self.all_reduce if isinstance(self.all_reduce, str)
+                              else algorithm_name(self.all_reduce))  # fmt: skip
+
+
+def config(spec: Any) -> Config:
+    """A :class:`Config` from a Config, ``"towers:NAME"``, a name, a reference or a callable.
+
+    Raises:
+        ValueError: an empty name, or ``"towers:"`` naming a reference.
+    """
+    if isinstance(spec, Config):
+        return spec
+    if isinstance(spec, str):
+        name = spec.removeprefix("towers:")
+        if not name or (name != spec and name in REFERENCES):
+            raise ValueError(f"config: expected an algorithm name after 'towers:', got {spec!r}")
+        return Config(name)
+    if callable(spec):
+        return Config(spec)
+    raise ValueError(f"config must be a Config, a name or an all-reduce callable, got {spec!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Divergence:
+    """Where two runs first part: the step, the variable and the first element outside.
+
+    Attributes:
+        step: the step, counted from 1.
+        variable: the variable's path; ``index`` its place in model order.
+        element: the first flat index outside the bound.
+        value_a, value_b: that element in both runs (gradients, or weights after the step).
+        diff, bound: ``|value_a − value_b|`` and the bound there.
+        chunk: ``(k, pieces, lo, hi)``: the element lies in chunk ``k`` of ``pieces``
+            (flat elements ``lo..hi−1``) when B's algorithm splits the variable with
+            ``pad_split`` into ``n·subchunks`` pieces (ring, halving-doubling, …).
+        compared: ``"gradient"`` or ``"update"`` (one SGD step, against a reference).
+    """
+
+    step: int
+    variable: str
+    index: int
+    element: int
+    value_a: float
+    value_b: float
+    diff: float
+    bound: float
+    chunk: tuple[int, int, int, int]
+    compared: str
+
+
+@dataclasses.dataclass(frozen=True)
+class BisectReport:
+    """What :func:`bisect` found: ``first`` is None when every step stayed within bound."""
+
+    a: str
+    b: str
+    towers: int
+    rows: tuple[Difference, ...]
+    first: Divergence | None
+
+    @property
+    def ok(self) -> bool:
+        """No step left the bound."""
+        return self.first is None
+
+    def __str__(self) -> str:
+        steps = max((r.step for r in self.rows), default=0)
+        lines = [f"bisect {self.a} (A, teacher) vs {self.b} (B), {self.towers} towers, "
+                 f"{steps} step(s) checked from the same weights"]  # fmt: skip
+        for step in range(1, steps + 1):
+            rows = [r for r in self.rows if r.step == step]
+            verdict = "ok" if all(r.ok for r in rows) else "OUTSIDE"
+            lines.append(f"  step {step}: max |Δ| {max(r.max_diff for r in rows):.3g}  {verdict}")
+        d = self.first
+        if d is None:
+            lines.append("PASS: no step left the bound")
+            return "\n".join(lines)
+        k, pieces, lo, hi = d.chunk
+        lines += [
+            f"FIRST DIVERGENCE: step {d.step}, variable {d.variable} (#{d.index}, {d.compared})",
+            f"  element {d.element} (chunk {k} of {pieces}: elements {lo}..{hi - 1})",
+            f"  A = {d.value_a!r}  B = {d.value_b!r}  |Δ| = {d.diff:.3g} > bound {d.bound:.3g}",
+        ]
+        return "\n".join(lines)
+
+
+def _trainer(side: Config, model_fn: Any, optimizer_fn: Any, loss: Any, devices: list[str]) -> Any:
+    if side.reference:
+        from reference import CentralStorageTrainer, MirroredTrainer
+
+        cls = MirroredTrainer if side.all_reduce == "mirrored" else CentralStorageTrainer
+        return cls(model_fn, optimizer_fn, loss, devices)
+    from towers.step import TowerTrainer
+
+    return TowerTrainer(model_fn, optimizer_fn, loss, devices=devices,
+                        all_reduce=side.all_reduce, variables=side.variables)  # fmt: skip
+
+
+def _depth(trainer: Any, batch: int) -> int:
+    if hasattr(trainer, "algorithm"):
+        return run_depth(trainer, batch)
+    from towers.split import shard_sizes
+
+    n = len(trainer.strategy.extended.worker_devices)  # a reference: any tree of n towers
+    return max(shard_sizes(batch, n)) - 1 + (n - 1) + 1
+
+
+def _sgd_rate(optimizer: keras.optimizers.Optimizer) -> float:
+    if type(optimizer) is not keras.optimizers.SGD or float(optimizer.momentum) != 0.0:
+        raise ValueError(
+            "optimizer_fn: against a tf.distribute reference bisect compares one update from "
+            "the same weights, which shows the gradient only for plain SGD (no momentum); got "
+            f"{type(optimizer).__name__}"
+        )
+    return float(np.asarray(optimizer.learning_rate))
+
+
+def _chunk(side: Config, trainer: Any, size: int, element: int) -> tuple[int, int, int, int]:
+    """Where ``element`` falls when B's algorithm pad-splits the flat variable."""
+    params = getattr(getattr(trainer, "algorithm", None), "params", {}) or {}
+    pieces = len(trainer.devices) * int(params.get("subchunks", 1)) if not side.reference else 1
+    length = max(1, -(-size // pieces))  # pad_split: ceil(size / pieces) elements each
+    k = element // length
+    return k, pieces, k * length, min(size, (k + 1) * length)
+
+
+def _divergence(
+    row: Difference, got: np.ndarray, want: np.ndarray, tol: np.ndarray, compared: str,
+    chunk: Callable[[int, int], tuple[int, int, int, int]],
+) -> Divergence:
+    a, b = want.ravel().astype(np.float64), got.ravel().astype(np.float64)
+    tol = np.broadcast_to(tol, got.shape).ravel()
+    element = int(np.flatnonzero(~(np.abs(a - b) <= tol))[0])
+    return Divergence(
+        row.step, row.variable, row.index, element, float(a[element]), float(b[element]),
+        float(abs(a[element] - b[element])), float(tol[element]),
+        chunk(got.size, element), compared,
+    )  # fmt: skip
+
+
+def _step(
+    a: Any, b: Any, x: Any, y: Any, loss: Any, lr: float | None
+) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
+    """One step of both from A's weights: (A's values, B's values, the bound per variable)."""
+    weights = a.get_weights()
+    b.set_weights(weights)
+    trainable = [i for i, v in enumerate(a.model.weights) if v.trainable]
+    leaves = example_gradients(a.model, loss, x, y, _home(a))
+    depths = (_depth(a, len(x)), _depth(b, len(x)))
+    if lr is None:  # two towers trainers: their reduced gradients
+        want, reduced = reduced_gradients(a, x, y)
+        got, _ = reduced_gradients(b, x, y)
+        a.apply(reduced)
+        return want, got, leaf_bounds(leaves, *depths)
+    for run in (a, b):
+        run.train_step(x, y)
+    start = [weights[i] for i in trainable]
+    tol = sgd_step_bound(start, leaves, lr, depth=max(depths))
+    pick = lambda run: [run.get_weights()[i] for i in trainable]  # noqa: E731
+    return pick(a), pick(b), tol
+
+
+def _home(trainer: Any) -> str:
+    devices = getattr(trainer, "devices", None)
+    return devices[0] if devices else trainer.strategy.extended.worker_devices[0]
+
+
+def bisect(
+    config_a: Any,
+    config_b: Any,
+    batches: Iterable[Any],
+    *,
+    model_fn: Callable[[], keras.Model],
+    optimizer_fn: Callable[[], keras.optimizers.Optimizer],
+    loss: Any,
+    towers: int = 4,
+    steps: int | None = None,
+) -> BisectReport:
+    """Find the first step, variable and element where configuration B leaves A's bound.
+
+    Args:
+        config_a: the teacher: a :class:`Config`, an algorithm name, ``"towers:NAME"``,
+            ``"mirrored"``, ``"central_storage"`` or an all-reduce callable.
+        config_b: the configuration under test, the same kinds.
+        batches: ``(x, y)`` global batches.
+        model_fn: a zero-argument factory of a built ``keras.Model``.
+        optimizer_fn: a zero-argument factory of a Keras optimizer (plain SGD when a
+            side is a reference).
+        loss: a Keras loss, a loss name or ``(y_true, y_pred) -> per-example losses``.
+        towers: the tower count of both runs.
+        steps: how many batches to check at most (default: all).
+
+    Returns:
+        A :class:`BisectReport`; ``report.first`` is the :class:`Divergence` or None.
+
+    Raises:
+        ValueError: bad configurations, tower count, batches or steps; an optimizer
+            other than plain SGD against a reference.
+    """
+    import towers as towers_pkg
+
+    side_a, side_b = config(config_a), config(config_b)
+    devices = towers_pkg.local_devices()
+    if isinstance(towers, bool) or not isinstance(towers, int) or not 1 <= towers <= len(devices):
+        have = len(devices)
+        raise ValueError(f"towers must be an integer in 1..{have} (devices), got {towers!r}")
+    data = take_batches(batches, steps)
+    a, b = (_trainer(s, model_fn, optimizer_fn, loss, devices[:towers]) for s in (side_a, side_b))
+    b.set_weights(a.get_weights())
+    lr = _sgd_rate(a.optimizer) if side_a.reference or side_b.reference else None
+    compared = "gradient" if lr is None else "update"
+    names = [v.path for v in a.model.weights if v.trainable]
+    chunk = lambda size, k: _chunk(side_b, b, size, k)  # noqa: E731
+    rows: list[Difference] = []
+    for step, (x, y) in enumerate(data, start=1):
+        want, got, tol = _step(a, b, x, y, loss, lr)
+        found = compare_gradients(side_b.name, step, names, got, want, tol)
+        rows.extend(found)
+        bad = next((r for r in found if not r.ok), None)
+        if bad is not None:
+            first = _divergence(bad, got[bad.index], want[bad.index], tol[bad.index],
+                                compared, chunk)  # fmt: skip
+            return BisectReport(side_a.name, side_b.name, towers, tuple(rows), first)
+    return BisectReport(side_a.name, side_b.name, towers, tuple(rows), None)
