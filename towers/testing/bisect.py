@@ -45,11 +45,10 @@ import numpy as np
 from towers.testing.bounds import sgd_step_bound
 from towers.testing.onestep import (
     Difference,
+    algorithm_depth,
     compare_gradients,
-    example_gradients,
-    leaf_bounds,
-    reduced_gradients,
-    run_depth,
+    compare_runs,
+    step_gradients,
     take_batches,
 )
 
@@ -120,6 +119,8 @@ class Divergence:
             (flat elements ``lo..hi−1``) when B's algorithm splits the variable with
             ``pad_split`` into ``n·subchunks`` pieces (ring, halving-doubling, …).
         compared: ``"gradient"`` or ``"update"`` (one SGD step, against a reference).
+        cause: gradients only: which part left its own bound (``"reduction (B)"``,
+            ``"reduction (reference)"`` for A, or ``"kernels"``: the towers' inputs differ).
     """
 
     step: int
@@ -132,6 +133,7 @@ class Divergence:
     bound: float
     chunk: tuple[int, int, int, int]
     compared: str
+    cause: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,7 +165,8 @@ class BisectReport:
             return "\n".join(lines)
         k, pieces, lo, hi = d.chunk
         lines += [
-            f"FIRST DIVERGENCE: step {d.step}, variable {d.variable} (#{d.index}, {d.compared})",
+            f"FIRST DIVERGENCE: step {d.step}, variable {d.variable} (#{d.index}, {d.compared}"
+            + (f"; {d.cause})" if d.cause else ")"),
             f"  element {d.element} (chunk {k} of {pieces}: elements {lo}..{hi - 1})",
             f"  A = {d.value_a!r}  B = {d.value_b!r}  |Δ| = {d.diff:.3g} > bound {d.bound:.3g}",
         ]
@@ -182,13 +185,14 @@ def _trainer(side: Config, model_fn: Any, optimizer_fn: Any, loss: Any, devices:
                         all_reduce=side.all_reduce, variables=side.variables)  # fmt: skip
 
 
-def _depth(trainer: Any, batch: int) -> int:
+def _depth(trainer: Any) -> int:
     if hasattr(trainer, "algorithm"):
-        return run_depth(trainer, batch)
-    from towers.split import shard_sizes
+        return algorithm_depth(trainer)
+    return len(_devices(trainer)) - 1  # a reference's collective: any tree of n towers
 
-    n = len(trainer.strategy.extended.worker_devices)  # a reference: any tree of n towers
-    return max(shard_sizes(batch, n)) - 1 + (n - 1) + 1
+
+def _devices(trainer: Any) -> list[str]:
+    return list(getattr(trainer, "devices", None) or trainer.strategy.extended.worker_devices)
 
 
 def _sgd_rate(optimizer: keras.optimizers.Optimizer) -> float:
@@ -211,44 +215,46 @@ def _chunk(side: Config, trainer: Any, size: int, element: int) -> tuple[int, in
 
 
 def _divergence(
-    row: Difference, got: np.ndarray, want: np.ndarray, tol: np.ndarray, compared: str,
+    row: Difference, a: np.ndarray, b: np.ndarray, compared: str,
     chunk: Callable[[int, int], tuple[int, int, int, int]],
 ) -> Divergence:
-    a, b = want.ravel().astype(np.float64), got.ravel().astype(np.float64)
-    tol = np.broadcast_to(tol, got.shape).ravel()
-    element = int(np.flatnonzero(~(np.abs(a - b) <= tol))[0])
-    return Divergence(
-        row.step, row.variable, row.index, element, float(a[element]), float(b[element]),
-        float(abs(a[element] - b[element])), float(tol[element]),
-        chunk(got.size, element), compared,
-    )  # fmt: skip
+    """The first element outside (``row.worst``: the first with an infinite ratio)."""
+    k = row.worst
+    values = float(a.ravel()[k]), float(b.ravel()[k])
+    return Divergence(row.step, row.variable, row.index, k, *values, row.worst_diff, row.bound,
+                      chunk(a.size, k), compared, row.cause)  # fmt: skip
 
 
-def _step(
-    a: Any, b: Any, x: Any, y: Any, loss: Any, lr: float | None
-) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
-    """One step of both from A's weights: (A's values, B's values, the bound per variable)."""
+def _gradient_step(a: Any, b: Any, x: Any, y: Any, label: str, step: int) -> tuple[Any, ...]:
+    """Two towers trainers from A's weights: their reduced gradients, bounded and attributed."""
+    b.set_weights(a.get_weights())
+    runs = step_gradients(a, x, y), step_gradients(b, x, y)
+    names = [v.path for v in a.model.trainable_variables]
+    rows = compare_runs(label, step, names, runs, (_depth(a), _depth(b)), None)
+    a.apply(runs[0].phases)
+    return rows, runs[0].reduced, runs[1].reduced
+
+
+def _update_step(
+    a: Any, b: Any, x: Any, y: Any, loss: Any, lr: float, label: str, step: int
+) -> tuple[Any, ...]:
+    """One plain-SGD step of both from A's weights (one side is a reference)."""
+    from towers.testing.strategies import per_tower_gradients
+
     weights = a.get_weights()
     b.set_weights(weights)
     trainable = [i for i, v in enumerate(a.model.weights) if v.trainable]
-    leaves = example_gradients(a.model, loss, x, y, _home(a))
-    depths = (_depth(a, len(x)), _depth(b, len(x)))
-    if lr is None:  # two towers trainers: their reduced gradients
-        want, reduced = reduced_gradients(a, x, y)
-        got, _ = reduced_gradients(b, x, y)
-        a.apply(reduced)
-        return want, got, leaf_bounds(leaves, *depths)
+    grads = per_tower_gradients(a.model, x, y, _devices(a), loss=loss)
+    tol = sgd_step_bound([weights[i] for i in trainable], grads, lr,
+                         depth=max(_depth(a), _depth(b)))  # fmt: skip
+    after = []
     for run in (a, b):
         run.train_step(x, y)
-    start = [weights[i] for i in trainable]
-    tol = sgd_step_bound(start, leaves, lr, depth=max(depths))
-    pick = lambda run: [run.get_weights()[i] for i in trainable]  # noqa: E731
-    return pick(a), pick(b), tol
-
-
-def _home(trainer: Any) -> str:
-    devices = getattr(trainer, "devices", None)
-    return devices[0] if devices else trainer.strategy.extended.worker_devices[0]
+        now = run.get_weights()
+        after.append([now[i] for i in trainable])
+    names = [a.model.weights[i].path for i in trainable]
+    rows = compare_gradients(label, step, names, after[1], after[0], tol)
+    return rows, after[0], after[1]
 
 
 def bisect(
@@ -295,16 +301,16 @@ def bisect(
     b.set_weights(a.get_weights())
     lr = _sgd_rate(a.optimizer) if side_a.reference or side_b.reference else None
     compared = "gradient" if lr is None else "update"
-    names = [v.path for v in a.model.weights if v.trainable]
     chunk = lambda size, k: _chunk(side_b, b, size, k)  # noqa: E731
     rows: list[Difference] = []
     for step, (x, y) in enumerate(data, start=1):
-        want, got, tol = _step(a, b, x, y, loss, lr)
-        found = compare_gradients(side_b.name, step, names, got, want, tol)
+        if lr is None:
+            found, want, got = _gradient_step(a, b, x, y, side_b.name, step)
+        else:
+            found, want, got = _update_step(a, b, x, y, loss, lr, side_b.name, step)
         rows.extend(found)
         bad = next((r for r in found if not r.ok), None)
         if bad is not None:
-            first = _divergence(bad, got[bad.index], want[bad.index], tol[bad.index],
-                                compared, chunk)  # fmt: skip
+            first = _divergence(bad, want[bad.index], got[bad.index], compared, chunk)
             return BisectReport(side_a.name, side_b.name, towers, tuple(rows), first)
     return BisectReport(side_a.name, side_b.name, towers, tuple(rows), None)

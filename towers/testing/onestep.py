@@ -1,31 +1,42 @@
 """One step from the same weights: the shared machinery of ``check_invariance`` and ``bisect``.
 
-Two runs start a step from the same weights (teacher forcing) and their reduced
-gradients are compared element by element against a bound on each run's rounding::
+Two runs start a step from the same weights (teacher forcing); their reduced
+gradients are compared element by element, and the difference is split by the
+triangle inequality into parts each with its own derived bound::
 
-    W_s ──▶ run A: split → forward_backward → reduce ──▶ G_A ─┐
-        ──▶ run B: split → forward_backward → reduce ──▶ G_B ─┴─ |G_A − G_B| ≤ b_A + b_B
-        ──▶ one tower step per example (independent) ──▶ c_e ──▶ b = γ_{d+1}·Σ_e|c_e|
+    W_s ─▶ run A: split → forward_backward ─▶ g_A[tower] ─▶ reduce ─▶ G_A
+    W_s ─▶ run B: split → forward_backward ─▶ g_B[tower] ─▶ reduce ─▶ G_B
 
-A reduced gradient is a sum over the batch's examples of each example's gradient
-``c_e``: a tower's kernels add the examples of its shard, the all-reduce adds the
-towers. Whatever the grouping, a run adds the ``B`` leaves in a tree of depth at
-most ``d = (largest shard − 1) + k_algo(n)`` (``k_algo`` from the algorithm's
-registry record; ``n − 1``, which bounds every tree of ``n`` leaves, for a callable
-without one), plus one rounding for the product inside each leaf (a MatMul may fuse
-it). So each run lies within ``γ_{d+1}·Σ_e|c_e|`` of the exact sum
-(:func:`towers.testing.bounds.sum_bound`, the one derivation) and two runs within
-the sum of their bounds. The bound assumes each example's own forward and backward
-values are computed alike at every shard size (row-wise kernels: the batch is the
-only dimension the runs re-associate); where a kernel breaks that, the comparison
-reports it rather than hiding it.
+    |G_A − G_B| ≤ |G_A − Σg_A| + |Σg_A − Σg_B| + |Σg_B − G_B|      Σ: exact (float64)
+                  reduction A    kernels        reduction B
+
+*Reduction.* An all-reduce of depth ``k`` lies within ``γ_k·Σ_i|g_i|`` of the exact
+sum of the towers' gradients it was given (:func:`towers.testing.bounds.sum_bound`,
+the one derivation): ``k`` from the algorithm's registry record, ``n − 1`` (which
+bounds every tree of ``n`` leaves) for a callable without one. No assumption: the
+leaves are the observed tower gradients.
+
+*Kernels.* With the same tower count both runs give their towers the same shards,
+so ``Σg_A = Σg_B`` (bitwise equal inputs; any difference is measured and added).
+Across tower counts the towers' kernels add a shard's examples, so each tower sum
+is a tree over the batch's per-example gradients ``c_e``: each run lies within
+``γ_{d+1}·Σ_e|c_e|`` of their exact sum, ``d = largest shard − 1`` (+1 for the
+product inside a leaf, which a MatMul may fuse). The leaves come from an
+independent path, one tower step per example. This part assumes each example's
+own forward and backward values are computed alike at every shard size (row-wise
+kernels: only the batch dimension is re-associated). TensorFlow's Eigen kernels do;
+oneDNN's MatMul (on by default on x86) blocks by batch size and breaks it, by a few
+hundred ULPs of ``Σ|c_e|`` where a gradient cancels (measured; run with
+``TF_ENABLE_ONEDNN_OPTS=0`` to hold kernels to it). A difference outside the bound
+is attributed to the part that left its own bound, so a kernel effect is never
+blamed on the all-reduce.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import keras
 import numpy as np
@@ -35,11 +46,15 @@ from towers.testing.bounds import sum_bound
 
 __all__ = [
     "Difference",
+    "StepGradients",
+    "algorithm_depth",
     "compare_gradients",
+    "compare_runs",
+    "exact_sums",
     "example_gradients",
+    "kernel_depth",
     "leaf_bounds",
-    "reduced_gradients",
-    "run_depth",
+    "step_gradients",
     "take_batches",
 ]
 
@@ -58,6 +73,8 @@ class Difference:
         worst_diff: the |difference| at that element.
         bound: the bound at that element.
         ok: every element within its bound.
+        cause: when not ok, the part that left its own bound: ``"reduction (…)"`` or
+            ``"kernels"`` (see the module docstring).
     """
 
     towers: int | str
@@ -69,6 +86,7 @@ class Difference:
     worst_diff: float
     bound: float
     ok: bool
+    cause: str = ""
 
 
 def take_batches(batches: Iterable[Any], steps: int | None) -> list[tuple[Any, Any]]:
@@ -92,16 +110,29 @@ def take_batches(batches: Iterable[Any], steps: int | None) -> list[tuple[Any, A
     return out
 
 
-def reduced_gradients(trainer: Any, x: Any, y: Any) -> tuple[list[np.ndarray], Any]:
-    """The step's phases, eagerly: ``split → forward_backward → reduce``.
+class StepGradients(NamedTuple):
+    """One run's gradients of one step, as NumPy arrays.
 
-    Returns:
-        (tower 0's reduced gradient per trainable variable as dense NumPy arrays, the
-        ``Reduced`` that ``trainer.apply`` takes).
+    Attributes:
+        reduced: tower 0's reduced gradient per trainable variable.
+        towers: ``towers[tower][var]``, the all-reduce's input.
+        phases: the ``Reduced`` that ``trainer.apply`` takes.
     """
-    reduced = trainer.reduce(trainer.forward_backward(trainer.split(x, y)))
-    grads = [np.asarray(tf.convert_to_tensor(g)) for g in reduced.grads[0]]
-    return grads, reduced
+
+    reduced: list[np.ndarray]
+    towers: list[list[np.ndarray]]
+    phases: Any
+
+
+def _dense(values: Sequence[Any]) -> list[np.ndarray]:
+    return [np.asarray(tf.convert_to_tensor(g)) for g in values]
+
+
+def step_gradients(trainer: Any, x: Any, y: Any) -> StepGradients:
+    """The step's public phases, eagerly: ``split → forward_backward → reduce``."""
+    grads = trainer.forward_backward(trainer.split(x, y))
+    reduced = trainer.reduce(grads)
+    return StepGradients(_dense(reduced.grads[0]), [_dense(g) for g in grads.grads], reduced)
 
 
 def example_gradients(
@@ -129,19 +160,64 @@ def example_gradients(
     return leaves
 
 
-def run_depth(trainer: Any, batch: int) -> int:
-    """How many roundings any leaf goes through in this run's reduced gradient.
-
-    ``(largest shard − 1)`` additions inside a tower, ``k_algo(n)`` in the all-reduce
-    (its record's ``summation_depth``, else ``n − 1``), one for the product in the leaf.
-    """
+def algorithm_depth(trainer: Any) -> int:
+    """The all-reduce's summation depth: its record's, else ``n − 1`` (any tree of n leaves)."""
     from towers.allreduce.registry import record_of
-    from towers.split import shard_sizes
 
     n = len(trainer.devices)
     record = record_of(trainer.algorithm)
     depth = record.summation_depth(n) if record is not None else None
-    return max(shard_sizes(batch, n)) - 1 + (n - 1 if depth is None else depth) + 1
+    return n - 1 if depth is None else depth
+
+
+def kernel_depth(batch: int, towers: int) -> int:
+    """Roundings of a leaf inside a tower: ``largest shard − 1`` additions, one product."""
+    from towers.split import shard_sizes
+
+    return max(shard_sizes(batch, towers)) - 1 + 1
+
+
+def exact_sums(
+    towers: list[list[np.ndarray]], depth: int
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Per variable, the exact sum of the towers' gradients and a depth-``depth`` bound."""
+    pairs = [sum_bound([t[j] for t in towers], "sum", depth) for j in range(len(towers[0]))]
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def _within(got: np.ndarray, want: np.ndarray, tol: np.ndarray) -> bool:
+    return bool(np.all(np.abs(got.astype(np.float64) - want) <= tol))
+
+
+def compare_runs(
+    label: int | str, step: int, names: Sequence[str], runs: tuple[StepGradients, StepGradients],
+    depths: tuple[int, int], kernels: list[np.ndarray] | None,
+) -> list[Difference]:
+    """Run B against run A (the reference), bounded and attributed as the module says.
+
+    Args:
+        runs, depths: ``(A, B)`` and their all-reduce depths.
+        kernels: the kernel part's bound per variable (different tower counts), or
+            None: the same shards, so the measured difference of the exact tower sums.
+    """
+    (a, b), (depth_a, depth_b) = runs, depths
+    exact_a, tol_a = exact_sums(a.towers, depth_a)
+    exact_b, tol_b = exact_sums(b.towers, depth_b)
+    if kernels is None:
+        kernels = [np.abs(ea - eb) for ea, eb in zip(exact_a, exact_b, strict=True)]
+    total = [ta + tb + k for ta, tb, k in zip(tol_a, tol_b, kernels, strict=True)]
+    rows = compare_gradients(label, step, names, b.reduced, a.reduced, total)
+    for j, row in enumerate(rows):
+        if row.ok:
+            continue
+        if not _within(b.reduced[j], exact_b[j], tol_b[j]):
+            cause = f"reduction ({label})"
+        elif not _within(a.reduced[j], exact_a[j], tol_a[j]):
+            cause = "reduction (reference)"
+        else:
+            cause = "kernels"
+        rows[j] = dataclasses.replace(row, cause=cause)
+    return rows
 
 
 def compare_gradients(
@@ -167,7 +243,7 @@ def compare_gradients(
 
 
 def leaf_bounds(leaves: list[list[np.ndarray]], depth_a: int, depth_b: int) -> list[np.ndarray]:
-    """Per variable, the element-wise bound on two runs of depths ``depth_a``, ``depth_b``."""
+    """Per variable, the kernel part's bound: two trees over the per-example ``leaves``."""
     out = []
     for j in range(len(leaves[0])):
         column = [leaf[j] for leaf in leaves]
