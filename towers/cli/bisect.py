@@ -49,12 +49,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _side(spec: str, devices: list[str], variables: str) -> Any:
     """A ``Config`` from a command-line spec (names are loaded as ``towers check`` does)."""
-    from towers.testing.bisect import REFERENCES, Config
+    from towers.testing.bisect import Config, config
     from towers.trace.loading import load_algorithm
 
-    if spec in REFERENCES:
-        return Config(spec)
-    name, algorithm = load_algorithm(spec.removeprefix("towers:"), devices)
+    side = config(spec)  # checks "towers:NAME"
+    if side.reference:
+        return side
+    name, algorithm = load_algorithm(side.all_reduce, devices)
     return Config(algorithm, variables, label=name)
 
 
