@@ -73,8 +73,8 @@ def run(args: argparse.Namespace) -> int:
 
         print(f"towers bisect: {sides[0].name} vs {sides[1].name}, {args.model}, "
               f"{args.towers} towers, batch {args.batch}, up to {args.steps} steps")  # fmt: skip
-        report = bisect(*sides, data, model_fn=model_fn, optimizer_fn=optimizer_fn, loss=loss,
-                        towers=args.towers, steps=args.steps)  # fmt: skip
+        report = bisect(sides[0], sides[1], data, model_fn=model_fn, optimizer_fn=optimizer_fn,
+                        loss=loss, towers=args.towers, steps=args.steps)  # fmt: skip
     except (ValueError, TypeError, RuntimeError) as err:
         print(f"towers bisect: error: {err}", file=sys.stderr)
         return 2
