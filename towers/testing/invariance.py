@@ -118,6 +118,11 @@ class InvarianceReport:
                      f"FAIL: {bad.towers} towers, step {bad.step}, {bad.variable}: element "
                      f"{bad.worst} differs by {bad.worst_diff:.3g} > bound {bad.bound:.3g} "
                      f"({bad.cause})")
+        if any(r.cause == "kernels" for r in self.rows):
+            lines.append("note: 'kernels': the towers' own kernels computed an example differently "
+                         "at this shard size (oneDNN's MatMul blocks by batch size); the "
+                         "all-reduce stayed within its bound. TF_ENABLE_ONEDNN_OPTS=0 holds the "
+                         "kernels to the bound too.")  # fmt: skip
         return "\n".join(lines)
 
 
