@@ -152,3 +152,31 @@ def test_batches_must_be_pairs() -> None:
     with pytest.raises(ValueError, match="batches: need 1"):
         check_invariance(tiny_mlp, sgd, LOSS, [], towers=(1, 2))
     assert len(DEVICES) == 8  # the messages above name the 8 configured devices
+
+
+class ShardSizeDependent(keras.layers.Layer):
+    """Scales by ``1 + 1e-3·(rows in the call)``: an example's value depends on its shard's
+    size, as a kernel that blocks by batch size (oneDNN's MatMul) does in the last bits."""
+
+    def call(self, x: tf.Tensor) -> tf.Tensor:
+        rows = keras.ops.cast(keras.ops.shape(x)[0], x.dtype)
+        return x * (1.0 + 1e-3 * rows)
+
+
+def shard_dependent_mlp() -> keras.Model:
+    inp = keras.Input((5,))
+    init = keras.initializers.GlorotUniform
+    h = keras.layers.Dense(6, activation="tanh", kernel_initializer=init(1))(inp)
+    out = keras.layers.Dense(3, kernel_initializer=init(2))(ShardSizeDependent()(h))
+    return keras.Model(inp, out)
+
+
+def test_shard_size_dependent_kernels_are_not_blamed_on_the_all_reduce() -> None:
+    report = check_invariance(
+        shard_dependent_mlp, sgd, LOSS, batches(1), towers=(1, 2), all_reduce="ring",
+        trajectory=False,
+    )  # fmt: skip
+    assert not report.ok  # the runs differ beyond the bound …
+    assert report.reduction_ok  # … and the all-reduce is not why
+    assert {r.cause for r in report.rows if not r.ok} == {"kernels"}
+    assert "note: 'kernels'" in str(report)
