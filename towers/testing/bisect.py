@@ -83,8 +83,10 @@ class Config:
         """The label, or a name made from ``all_reduce``."""
         from towers.allreduce.registry import algorithm_name
 
-        return self.label or (self.all_reduce if isinstance(self.all_reduce, str)
-                              else algorithm_name(self.all_reduce))  # fmt: skip
+        spec = self.all_reduce
+        if self.label or isinstance(spec, str):
+            return self.label or spec
+        return algorithm_name(spec) if hasattr(spec, "__name__") else type(spec).__name__
 
 
 def config(spec: Any) -> Config:
@@ -100,9 +102,9 @@ def config(spec: Any) -> Config:
         if not name or (name != spec and name in REFERENCES):
             raise ValueError(f"config: expected an algorithm name after 'towers:', got {spec!r}")
         return Config(name)
-    if callable(spec):
+    if callable(spec) or hasattr(spec, "reduce_gradients"):  # an algorithm or a reducer
         return Config(spec)
-    raise ValueError(f"config must be a Config, a name or an all-reduce callable, got {spec!r}")
+    raise ValueError(f"config must be a Config, a name, an all-reduce or a reducer, got {spec!r}")
 
 
 @dataclasses.dataclass(frozen=True)
