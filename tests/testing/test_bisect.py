@@ -86,11 +86,16 @@ def test_honest_algorithms_stay_within_the_bound(a: str, b: object, n: int) -> N
     assert "PASS" in str(report)
 
 
-def test_mirrored_as_the_teacher_compares_one_sgd_update() -> None:
-    report = bisect("mirrored", "ring", batches(2), towers=4, **OPTIONS)
-    assert report.ok, str(report)
-    assert len(report.rows) == 2 * 4 and all(r.bound > 0 for r in report.rows)
-    assert max(r.max_diff for r in report.rows) > 0
+def test_against_mirrored_one_sgd_update_per_step_finds_the_dropped_tower() -> None:
+    """MirroredStrategy teaches; steps 1–2 agree within sgd_step_bound (and differ: a ring
+    against the strategy's collective), step 3 drops a tower's bias gradient."""
+    report = bisect("mirrored", DropsATower(3, 1), batches(4), towers=4, **OPTIONS)
+    first = report.first
+    assert first is not None and (first.step, first.index, first.compared) == (3, 1, "update")
+    early = [r for r in report.rows if r.step < 3]
+    assert len(early) == 2 * 4 and all(r.ok and r.bound > 0 for r in early)
+    assert max(r.max_diff for r in early) > 0
+    assert first.diff > first.bound
 
 
 def test_a_reference_needs_plain_sgd() -> None:

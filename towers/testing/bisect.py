@@ -24,7 +24,9 @@ Two towers trainers are compared on their reduced gradients (the step's public
 phases ``split → forward_backward → reduce``, run eagerly). A ``tf.distribute``
 reference exposes no gradient, so against one the comparison is the update of one
 plain-SGD step from the same weights, held to :func:`towers.testing.sgd_step_bound`
-with the examples as the summed terms; any other optimizer is refused.
+with the tower gradients as the summed terms; any other optimizer is refused. A
+towers side always runs its phases eagerly, so a stateful reduction (one that counts
+its calls) is called once per variable per step, in model order, in both modes.
 
 Example:
     >>> report = bisect("ring", "mirrored", batches, model_fn=make_model,
@@ -251,7 +253,10 @@ def _update_step(
                          depth=max(_depth(a), _depth(b)))  # fmt: skip
     after = []
     for run in (a, b):
-        run.train_step(x, y)
+        if hasattr(run, "algorithm"):  # towers: its phases, eagerly, as in gradient mode
+            run.apply(step_gradients(run, x, y).phases)
+        else:
+            run.train_step(x, y)
         now = run.get_weights()
         after.append([now[i] for i in trainable])
     names = [a.model.weights[i].path for i in trainable]
