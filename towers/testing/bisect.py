@@ -44,14 +44,14 @@ from typing import Any
 import keras
 import numpy as np
 
-from towers.testing.bounds import sgd_step_bound
 from towers.testing.onestep import (
     Difference,
     algorithm_depth,
-    compare_gradients,
     compare_runs,
+    plain_sgd_rate,
     step_gradients,
     take_batches,
+    update_step,
 )
 
 __all__ = ["REFERENCES", "BisectReport", "Config", "Divergence", "bisect", "config"]
@@ -189,26 +189,6 @@ def _trainer(side: Config, model_fn: Any, optimizer_fn: Any, loss: Any, devices:
                         all_reduce=side.all_reduce, variables=side.variables)  # fmt: skip
 
 
-def _depth(trainer: Any) -> int:
-    if hasattr(trainer, "algorithm"):
-        return algorithm_depth(trainer)
-    return len(_devices(trainer)) - 1  # a reference's collective: any tree of n towers
-
-
-def _devices(trainer: Any) -> list[str]:
-    return list(getattr(trainer, "devices", None) or trainer.strategy.extended.worker_devices)
-
-
-def _sgd_rate(optimizer: keras.optimizers.Optimizer) -> float:
-    if type(optimizer) is not keras.optimizers.SGD or float(optimizer.momentum) != 0.0:
-        raise ValueError(
-            "optimizer_fn: against a tf.distribute reference bisect compares one update from "
-            "the same weights, which shows the gradient only for plain SGD (no momentum); got "
-            f"{type(optimizer).__name__}"
-        )
-    return float(np.asarray(optimizer.learning_rate))
-
-
 def _chunk(side: Config, trainer: Any, size: int, element: int) -> tuple[int, int, int, int]:
     """Where ``element`` falls when B's algorithm pad-splits the flat variable."""
     params = getattr(getattr(trainer, "algorithm", None), "params", {}) or {}
@@ -234,34 +214,10 @@ def _gradient_step(a: Any, b: Any, x: Any, y: Any, label: str, step: int) -> tup
     b.set_weights(a.get_weights())
     runs = step_gradients(a, x, y), step_gradients(b, x, y)
     names = [v.path for v in a.model.trainable_variables]
-    rows = compare_runs(label, step, names, runs, (_depth(a), _depth(b)), None)
+    depths = algorithm_depth(a), algorithm_depth(b)
+    rows = compare_runs(label, step, names, runs, depths, None)
     a.apply(runs[0].phases)
     return rows, runs[0].reduced, runs[1].reduced
-
-
-def _update_step(
-    a: Any, b: Any, x: Any, y: Any, loss: Any, lr: float, label: str, step: int
-) -> tuple[Any, ...]:
-    """One plain-SGD step of both from A's weights (one side is a reference)."""
-    from towers.testing.strategies import per_tower_gradients
-
-    weights = a.get_weights()
-    b.set_weights(weights)
-    trainable = [i for i, v in enumerate(a.model.weights) if v.trainable]
-    grads = per_tower_gradients(a.model, x, y, _devices(a), loss=loss)
-    tol = sgd_step_bound([weights[i] for i in trainable], grads, lr,
-                         depth=max(_depth(a), _depth(b)))  # fmt: skip
-    after = []
-    for run in (a, b):
-        if hasattr(run, "algorithm"):  # towers: its phases, eagerly, as in gradient mode
-            run.apply(step_gradients(run, x, y).phases)
-        else:
-            run.train_step(x, y)
-        now = run.get_weights()
-        after.append([now[i] for i in trainable])
-    names = [a.model.weights[i].path for i in trainable]
-    rows = compare_gradients(label, step, names, after[1], after[0], tol)
-    return rows, after[0], after[1]
 
 
 def bisect(
@@ -306,7 +262,7 @@ def bisect(
     data = take_batches(batches, steps)
     a, b = (_trainer(s, model_fn, optimizer_fn, loss, devices[:towers]) for s in (side_a, side_b))
     b.set_weights(a.get_weights())
-    lr = _sgd_rate(a.optimizer) if side_a.reference or side_b.reference else None
+    lr = plain_sgd_rate(a.optimizer) if side_a.reference or side_b.reference else None
     compared = "gradient" if lr is None else "update"
     chunk = lambda size, k: _chunk(side_b, b, size, k)  # noqa: E731
     rows: list[Difference] = []
@@ -314,7 +270,7 @@ def bisect(
         if lr is None:
             found, want, got = _gradient_step(a, b, x, y, side_b.name, step)
         else:
-            found, want, got = _update_step(a, b, x, y, loss, lr, side_b.name, step)
+            found, want, got = update_step((a, b), x, y, loss, lr, side_b.name, step)
         rows.extend(found)
         bad = next((r for r in found if not r.ok), None)
         if bad is not None:

@@ -29,7 +29,8 @@ oneDNN's MatMul (on by default on x86) blocks by batch size and breaks it, by a 
 hundred ULPs of ``Σ|c_e|`` where a gradient cancels (measured; run with
 ``TF_ENABLE_ONEDNN_OPTS=0`` to hold kernels to it). A difference outside the bound
 is attributed to the part that left its own bound, so a kernel effect is never
-blamed on the all-reduce.
+blamed on the all-reduce. A ``tf.distribute`` reference exposes no gradient: against
+one, :func:`update_step` compares one plain-SGD update within ``sgd_step_bound``.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from towers.testing.bounds import sum_bound
+from towers.testing.bounds import sgd_step_bound, sum_bound
 
 __all__ = [
     "Difference",
@@ -54,8 +55,11 @@ __all__ = [
     "example_gradients",
     "kernel_depth",
     "leaf_bounds",
+    "plain_sgd_rate",
+    "run_devices",
     "step_gradients",
     "take_batches",
+    "update_step",
 ]
 
 
@@ -160,12 +164,18 @@ def example_gradients(
     return leaves
 
 
+def run_devices(trainer: Any) -> list[str]:
+    """A towers trainer's devices, or a ``tf.distribute`` reference's replicas."""
+    return list(getattr(trainer, "devices", None) or trainer.strategy.extended.worker_devices)
+
+
 def algorithm_depth(trainer: Any) -> int:
-    """The all-reduce's summation depth: its record's, else ``n − 1`` (any tree of n leaves)."""
+    """The all-reduce's summation depth: its record's, else ``n − 1`` (any tree of n leaves;
+    also a ``tf.distribute`` reference's, whose collective order is not ours to know)."""
     from towers.allreduce.registry import record_of
 
-    n = len(trainer.devices)
-    record = record_of(trainer.algorithm)
+    n = len(run_devices(trainer))
+    record = record_of(getattr(trainer, "algorithm", None))
     depth = record.summation_depth(n) if record is not None else None
     return n - 1 if depth is None else depth
 
@@ -249,3 +259,49 @@ def leaf_bounds(leaves: list[list[np.ndarray]], depth_a: int, depth_b: int) -> l
         column = [leaf[j] for leaf in leaves]
         out.append(sum_bound(column, "sum", depth_a)[1] + sum_bound(column, "sum", depth_b)[1])
     return out
+
+
+def plain_sgd_rate(optimizer: keras.optimizers.Optimizer) -> float:
+    """The learning rate of a plain SGD optimizer (one update shows its gradient).
+
+    Raises:
+        ValueError: another optimizer, or SGD with momentum.
+    """
+    if type(optimizer) is not keras.optimizers.SGD or float(optimizer.momentum) != 0.0:
+        raise ValueError(
+            "optimizer_fn: against a tf.distribute reference bisect compares one update from "
+            "the same weights, which shows the gradient only for plain SGD (no momentum); got "
+            f"{type(optimizer).__name__}"
+        )
+    return float(np.asarray(optimizer.learning_rate))
+
+
+def update_step(
+    runs: tuple[Any, Any], x: Any, y: Any, loss: Any, lr: float, label: int | str, step: int
+) -> tuple[list[Difference], list[np.ndarray], list[np.ndarray]]:
+    """One plain-SGD step of both runs from A's weights, within ``sgd_step_bound``.
+
+    A towers run steps through its phases, eagerly; a reference through ``train_step``.
+
+    Returns:
+        (one :class:`Difference` per trainable weight, A's and B's weights after the step).
+    """
+    from towers.testing.strategies import per_tower_gradients
+
+    a, b = runs
+    weights = a.get_weights()
+    b.set_weights(weights)
+    trainable = [i for i, v in enumerate(a.model.weights) if v.trainable]
+    grads = per_tower_gradients(a.model, x, y, run_devices(a), loss=loss)
+    depth = max(algorithm_depth(a), algorithm_depth(b))
+    tol = sgd_step_bound([weights[i] for i in trainable], grads, lr, depth=depth)
+    after = []
+    for run in runs:
+        if hasattr(run, "algorithm"):
+            run.apply(step_gradients(run, x, y).phases)
+        else:
+            run.train_step(x, y)
+        now = run.get_weights()
+        after.append([now[i] for i in trainable])
+    names = [a.model.weights[i].path for i in trainable]
+    return compare_gradients(label, step, names, after[1], after[0], tol), after[0], after[1]
