@@ -8,6 +8,8 @@ Commands:
     timeline  write one training step as a Perfetto / chrome://tracing timeline.
     bench     all-reduce and training-step benchmarks side by side with tf.distribute.
     launch    run a command once per task of a localhost cluster, each with its TF_CONFIG.
+    invariance  check that training gives the same result on 1, 2, 4, 8 towers.
+    bisect    find the first step, variable and element where two configurations part.
 
 Each command lives in its own module with ``add_arguments(parser)`` and
 ``run(args) -> exit code``. Nothing starts TensorFlow's runtime before a command runs,
@@ -30,6 +32,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "timeline": ("towers.cli.timeline", "write one training step as a chrome://tracing timeline"),
     "bench": ("towers.cli.bench", "benchmark all-reduce and training steps against tf.distribute"),
     "launch": ("towers.cli.launch", "run a command once per task of a localhost cluster"),
+    "invariance": ("towers.cli.invariance", "check training is the same on 1, 2, 4, 8 towers"),
+    "bisect": ("towers.cli.bisect", "find the first step and variable where two setups part"),
 }
 """Command name -> (module with add_arguments/run, one-line help)."""
 

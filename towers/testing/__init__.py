@@ -7,6 +7,9 @@
     check.py       ``check_all_reduce``: an algorithm's properties over towers, shapes, dtypes, ops
     replay.py      a NumPy interpreter of an algorithm's traced graph (bitwise replay)
     kernels.py     the replay's NumPy kernel per op type (KERNELS), rounding as TF's CPU does
+    onestep.py     one step from the same weights: per-example leaves, depths, the comparison
+    invariance.py  ``check_invariance``: the same training on 1, 2, 4, 8 towers, step by step
+    bisect.py      ``bisect``: the first step, variable and element where two setups part
 
 Users import from here to test their own models and algorithms::
 
@@ -16,8 +19,10 @@ Users import from here to test their own models and algorithms::
 
 from __future__ import annotations
 
+from towers.testing.bisect import BisectReport, Config, bisect
 from towers.testing.bounds import gamma, sgd_step_bound, sum_bound, unit_roundoff
 from towers.testing.check import CheckReport, check_all_reduce
+from towers.testing.invariance import InvarianceReport, check_invariance
 from towers.testing.strategies import (
     CENTRAL_STORAGE_FAMILIES,
     CENTRAL_STORAGE_OPTIMIZERS,
@@ -40,12 +45,17 @@ __all__ = [
     "CENTRAL_STORAGE_OPTIMIZERS",
     "FAMILIES",
     "OPTIMIZERS",
+    "BisectReport",
     "CheckReport",
+    "Config",
+    "InvarianceReport",
     "ModelSpec",
     "TrainingCase",
     "assert_close",
     "assert_weights_close",
+    "bisect",
     "check_all_reduce",
+    "check_invariance",
     "gamma",
     "loss_fn",
     "model_specs",

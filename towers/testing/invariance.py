@@ -1,0 +1,220 @@
+"""``check_invariance``: does training give the same result on 1, 2, 4, 8 towers?
+
+Every tower count trains the same global batches from the same initial weights.
+The verdict compares *one step at a time from the same weights* (teacher forcing),
+so the bound stays a one-step bound; the free-running trajectories are reported
+beside it, as information::
+
+    step s:   W_s (the 1-tower run's weights)
+                 │ set on every trainer
+      ┌──────────┼─────────────┬──────────────┐
+      1 tower    2 towers      4 towers       8 towers      forward_backward + reduce
+      G_1        G_2           G_4            G_8           (the reduced gradient)
+      │          │             │              │
+      │        |G_2 − G_1| ≤ b_2  |G_4 − G_1| ≤ b_4   …      per variable, per element
+      ▼
+    W_{s+1} = apply(G_1)        the 1-tower run moves on; the others are set to it
+
+The bound (derived in :mod:`towers.testing.onestep`): the difference splits into
+each run's all-reduce against the exact sum of its towers' gradients (``γ_k·Σ_i|g_i|``
+with the algorithm's summation depth ``k``; no assumption) and the towers' kernels,
+which add a shard's examples: a tree over the per-example gradients ``c_e`` of depth
+``largest shard − 1`` (``γ_{d+1}·Σ_e|c_e|`` per run, the leaves from one tower step per
+example). All three come from :func:`towers.testing.bounds.sum_bound`. The kernel
+part assumes an example's own values are computed alike at every shard size:
+oneDNN's MatMul breaks that (it blocks by batch size), and a difference outside the
+bound is then reported with ``cause="kernels"``, never blamed on the all-reduce; run
+with ``TF_ENABLE_ONEDNN_OPTS=0`` to hold the kernels to the bound too.
+
+Over many steps no such bound holds for the free-running runs: a difference in
+step 1 moves step 2's weights, and the gradient's sensitivity to the weights (the
+loss' curvature, unbounded in general) amplifies it. That is why the verdict is
+per step from the same weights, and the trajectory difference is shown, not judged.
+
+Example:
+    >>> report = check_invariance(make_model, lambda: keras.optimizers.SGD(0.1),
+    ...     "sparse_categorical_crossentropy", batches, towers=(1, 2, 4))  # doctest: +SKIP
+    >>> report.ok, report.first_failure                                    # doctest: +SKIP
+    (True, None)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import keras
+import numpy as np
+
+from towers.testing.onestep import (
+    Difference,
+    algorithm_depth,
+    compare_runs,
+    example_gradients,
+    kernel_depth,
+    leaf_bounds,
+    step_gradients,
+    take_batches,
+)
+
+__all__ = ["InvarianceReport", "check_invariance"]
+
+
+@dataclasses.dataclass(frozen=True)
+class InvarianceReport:
+    """What :func:`check_invariance` found.
+
+    Attributes:
+        towers: the tower counts compared against the first one.
+        rows: one :class:`Difference` per (tower count, step, variable), teacher-forced.
+        trajectory: ``{towers: [max |weight difference| after each step]}`` of the
+            free-running runs (information, not judged: see the module docstring).
+    """
+
+    towers: tuple[int, ...]
+    rows: tuple[Difference, ...]
+    trajectory: dict[int, list[float]]
+
+    @property
+    def ok(self) -> bool:
+        """Every one-step difference lies within its bound."""
+        return all(r.ok for r in self.rows)
+
+    @property
+    def first_failure(self) -> Difference | None:
+        """The first (step, towers, variable) outside the bound, or None."""
+        bad = [r for r in self.rows if not r.ok]
+        return min(bad, key=lambda r: (r.step, self.towers.index(int(r.towers)), r.index),
+                   default=None)  # fmt: skip
+
+    @property
+    def reduction_ok(self) -> bool:
+        """No difference outside the bound is the all-reduce's (kernels aside)."""
+        return all(r.ok or r.cause == "kernels" for r in self.rows)
+
+    def max_diff(self, towers: int) -> float:
+        """The largest one-step gradient difference seen at ``towers`` towers."""
+        return max((r.max_diff for r in self.rows if r.towers == towers), default=0.0)
+
+    def __str__(self) -> str:
+        head = (f"{'towers':>6}  {'step':>4}  {'max |ΔG|':>10}  {'worst |ΔG|':>10}  "
+                f"{'its bound':>10}  {'free |ΔW|':>10}  verdict")  # fmt: skip
+        lines = [f"invariance against {self.towers[0]} tower(s), one step from the same "
+                 "weights (teacher forcing)", head]  # fmt: skip
+        for n in self.towers[1:]:
+            for step in sorted({r.step for r in self.rows if r.towers == n}):
+                rows = [r for r in self.rows if r.towers == n and r.step == step]
+                top = max(r.max_diff for r in rows)
+                worst = max(rows, key=lambda r: r.worst_diff / r.bound if r.bound else np.inf)
+                traj = self.trajectory.get(n, [])
+                free = f"{traj[step - 1]:.3g}" if len(traj) >= step else "-"
+                causes = sorted({r.cause for r in rows if not r.ok})
+                verdict = "ok" if not causes else "OUTSIDE: " + ", ".join(causes)
+                lines.append(f"{n:>6}  {step:>4}  {top:>10.3g}  {worst.worst_diff:>10.3g}  "
+                             f"{worst.bound:>10.3g}  {free:>10}  {verdict}")  # fmt: skip
+        bad = self.first_failure
+        lines.append("PASS: every step within its bound" if bad is None else
+                     f"FAIL: {bad.towers} towers, step {bad.step}, {bad.variable}: element "
+                     f"{bad.worst} differs by {bad.worst_diff:.3g} > bound {bad.bound:.3g} "
+                     f"({bad.cause})")
+        if any(r.cause == "kernels" for r in self.rows):
+            lines.append("note: 'kernels': the towers' own kernels computed an example differently "
+                         "at this shard size (oneDNN's MatMul blocks by batch size); the "
+                         "all-reduce stayed within its bound. TF_ENABLE_ONEDNN_OPTS=0 holds the "
+                         "kernels to the bound too.")  # fmt: skip
+        return "\n".join(lines)
+
+
+def _check_towers(towers: Sequence[int], have: int) -> tuple[int, ...]:
+    if isinstance(towers, (str, bytes)) or not isinstance(towers, Sequence) or not towers:
+        raise ValueError(f"towers must be a non-empty sequence of tower counts, got {towers!r}")
+    for n in towers:
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= have:
+            raise ValueError(f"towers must hold integers in 1..{have} (devices), got {n!r}")
+    if len(set(towers)) != len(towers):
+        raise ValueError(f"towers must not repeat a count, got {list(towers)}")
+    return tuple(towers)
+
+
+def check_invariance(
+    model_fn: Callable[[], keras.Model],
+    optimizer_fn: Callable[[], keras.optimizers.Optimizer],
+    loss: Any,
+    batches: Iterable[Any],
+    *,
+    towers: Sequence[int] = (1, 2, 4, 8),
+    all_reduce: Any = "ring",
+    variables: str = "replicated",
+    steps: int | None = None,
+    trajectory: bool = True,
+) -> InvarianceReport:
+    """Train one trainer per tower count on the same batches; compare each step with the first.
+
+    Args:
+        model_fn: a zero-argument factory of a built ``keras.Model``.
+        optimizer_fn: a zero-argument factory of a Keras optimizer.
+        loss: a Keras loss, a loss name or ``(y_true, y_pred) -> per-example losses``.
+        batches: ``(x, y)`` global batches, the same for every tower count.
+        towers: the tower counts; the first (1 by default) is the reference.
+        all_reduce: the algorithm every trainer uses (name, callable or reducer).
+        variables: the placement, ``"replicated"`` or ``"parameter_device"``.
+        steps: how many batches to train on (default: all of them).
+        trajectory: also run every tower count freely and report its weight difference.
+
+    Returns:
+        An :class:`InvarianceReport`: ``ok``, ``first_failure``, the table as ``str``.
+
+    Raises:
+        ValueError: a tower count outside ``1..len(local devices)`` or repeated, no
+            batches, bad ``steps``; the trainer's own errors for bad models and options.
+    """
+    import towers as towers_pkg
+
+    devices = towers_pkg.local_devices()
+    counts = _check_towers(towers, len(devices))
+    data = take_batches(batches, steps)
+    trainers = {
+        n: towers_pkg.TowerTrainer(model_fn, optimizer_fn, loss, devices=devices[:n],
+                                   all_reduce=all_reduce, variables=variables)
+        for n in counts
+    }  # fmt: skip
+    ref = trainers[counts[0]]
+    start = ref.get_weights()
+    for n in counts[1:]:
+        trainers[n].set_weights(start)
+    names = [v.path for v in ref.model.trainable_variables]
+    rows: list[Difference] = []
+    path = []
+    for step, (x, y) in enumerate(data, start=1):
+        weights = ref.get_weights()
+        want = step_gradients(ref, x, y)
+        leaves = example_gradients(ref.model, loss, x, y, ref.devices[0])
+        for n in counts[1:]:
+            trainers[n].set_weights(weights)
+            got = step_gradients(trainers[n], x, y)
+            kernels = leaf_bounds(leaves, kernel_depth(len(x), counts[0]), kernel_depth(len(x), n))
+            depths = (algorithm_depth(ref), algorithm_depth(trainers[n]))
+            rows.extend(compare_runs(n, step, names, (want, got), depths, kernels))
+        ref.apply(want.phases)
+        path.append(ref.get_weights())
+    free = _free_run(trainers, counts, data, start, path) if trajectory else {}
+    return InvarianceReport(counts, tuple(rows), free)
+
+
+def _free_run(
+    trainers: dict[int, Any], counts: tuple[int, ...], data: list[Any], start: list[np.ndarray],
+    path: list[list[np.ndarray]],
+) -> dict[int, list[float]]:
+    """Each other tower count trained freely (its optimizer is still fresh) against ``path``."""
+    out: dict[int, list[float]] = {}
+    for n in counts[1:]:
+        trainer = trainers[n]
+        trainer.set_weights(start)
+        out[n] = []
+        for (x, y), want in zip(data, path, strict=True):
+            trainer.apply(step_gradients(trainer, x, y).phases)
+            diffs = [np.max(np.abs(a.astype(np.float64) - b), initial=0.0)
+                     for a, b in zip(trainer.get_weights(), want, strict=True)]  # fmt: skip
+            out[n].append(float(max(diffs, default=0.0)))
+    return out
