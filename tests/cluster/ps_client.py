@@ -6,8 +6,10 @@
   the log (``log.json``/``log.npz``), ``initial.npz``, ``final.npz``, and ``recompute.npz``
   (each logged update's gradient recomputed by its worker on the replayed weights of
   the version it says it read), plus ``sync.npz``: 1 worker async vs TowerTrainer.
-- ``fault``: 1 worker + 1 ps; one update, then ps 0 is stopped; ``fault.json`` holds
-  the error type, message and the seconds it took.
+  Then ps 1 is stopped and training goes on: ``fault.json`` holds the error type,
+  message and the seconds it took.
+- ``pss``: ParameterServerStrategy + ClusterCoordinator (2 workers, 1 ps) on the same
+  batches: ``pss.npz`` (final weights) or ``pss_error.txt``.
 """
 
 from __future__ import annotations
@@ -33,10 +35,16 @@ def make_model():  # type: ignore[no-untyped-def]
                              keras.layers.Dense(3, kernel_initializer=init(2))])
 
 
-def batches(n: int = BATCHES) -> list[tuple[np.ndarray, np.ndarray]]:
-    rng = np.random.default_rng(0)
-    return [(rng.normal(size=(BATCH, 6)).astype("float32"),
-             rng.normal(size=(BATCH, 3)).astype("float32")) for _ in range(n)]
+def batches(n: int = BATCHES, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
+    """A linear teacher plus noise, so that a run's held-out loss shows what it learned."""
+    teacher = np.random.default_rng(99).normal(size=(6, 3)).astype("float32") * 0.5
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        x = rng.normal(size=(BATCH, 6)).astype("float32")
+        noise = rng.normal(size=(BATCH, 3)).astype("float32") * 0.1
+        out.append((x, (x @ teacher + noise).astype("float32")))
+    return out
 
 
 def run_async(out: str) -> None:
@@ -64,9 +72,10 @@ def run_async(out: str) -> None:
         np.savez(os.path.join(out, "recompute.npz"), **recomputed)
         sync = one_worker_vs_tower_trainer(workers[0], ps[0], data[:3])
         np.savez(os.path.join(out, "sync.npz"), **sync)
-    with open(os.path.join(out, "meta.json"), "w") as f:
-        json.dump({"seconds": seconds, "refused": trainer.refused,
-                   "placement": log.placement}, f)
+        with open(os.path.join(out, "meta.json"), "w") as f:
+            json.dump({"seconds": seconds, "refused": trainer.refused,
+                       "placement": log.placement}, f)
+        lose_a_ps(local, trainer, data[:2], out)
 
 
 def one_worker_vs_tower_trainer(towers: list[str], ps: str,
@@ -88,31 +97,39 @@ def one_worker_vs_tower_trainer(towers: list[str], ps: str,
     return {k: np.asarray(v) for k, v in result.items()}
 
 
-def run_fault(out: str) -> None:
-    from towers.cluster.ps_local import connect_ps, local_ps_cluster
-    from towers.cluster.ps_train import AsyncTrainer
-
-    data = batches(3)
+def lose_a_ps(local, trainer, data, out: str) -> None:  # type: ignore[no-untyped-def]
+    """Stop ps 1 and train on: the error, its type and how long it took go to fault.json."""
+    local.stop("ps", 1)
+    trainer.store.timeout = 10.0
     report: dict[str, object] = {}
-    with local_ps_cluster(1, 1, TOWERS) as local:
-        workers, ps = connect_ps(local.cluster, TOWERS)
-        trainer = AsyncTrainer(make_model, "mse", workers=workers, ps_devices=ps,
-                               learning_rate=LR, timeout=10.0)
-        trainer.run(data[:1])
-        local.stop("ps", 0)
-        start = time.monotonic()
-        try:
-            trainer.run(data[1:])
-            report["error"] = None
-        except Exception as err:
-            report.update(error=type(err).__name__, message=str(err),
-                          towers_error=type(err).__module__.startswith("towers"))
-        report["seconds"] = time.monotonic() - start
+    start = time.monotonic()
+    try:
+        trainer.run(data)
+        report["error"] = None
+    except Exception as err:
+        report.update(error=type(err).__name__, message=str(err),
+                      towers_error=type(err).__module__.startswith("towers"))
+    report["seconds"] = time.monotonic() - start
     with open(os.path.join(out, "fault.json"), "w") as f:
         json.dump(report, f)
 
 
+def run_pss(out: str) -> None:
+    """ParameterServerStrategy (2 workers, 1 ps) on the same batches; final weights or error."""
+    from reference.parameter_server import train_parameter_server
+    from towers.cluster.ps_local import local_ps_cluster
+
+    with local_ps_cluster(2, 1, 1, chief=True) as local:
+        try:
+            weights = train_parameter_server(local.cluster.cluster_spec(), make_model,
+                                             batches(), learning_rate=LR, momentum=MOMENTUM)
+            np.savez(os.path.join(out, "pss.npz"), *weights)
+        except Exception as err:
+            with open(os.path.join(out, "pss_error.txt"), "w") as f:
+                f.write(f"{type(err).__name__}: {err}")
+
+
 if __name__ == "__main__":
-    {"async": run_async, "fault": run_fault}[sys.argv[1]](sys.argv[2])
+    {"async": run_async, "pss": run_pss}[sys.argv[1]](sys.argv[2])
     sys.stdout.flush()
     os._exit(0)  # skip the runtime's teardown (it may wait for a stopped task)

@@ -56,9 +56,12 @@ class LocalPSCluster:
 
 @contextlib.contextmanager
 def local_ps_cluster(workers: int, ps: int, towers_per_worker: int, *,
-                     ready_timeout: float = 60.0,
+                     chief: bool = False, ready_timeout: float = 60.0,
                      out: IO[str] | None = None) -> Iterator[LocalPSCluster]:
     """Serve ``workers`` worker and ``ps`` parameter-server tasks on localhost while in the block.
+
+    ``chief=True`` adds a ``chief`` address for the client itself (not started), as
+    ``ParameterServerStrategy``'s client needs (its coordinator is task chief 0).
 
     Raises:
         ValueError: fewer than 1 worker or 1 ps.
@@ -66,7 +69,7 @@ def local_ps_cluster(workers: int, ps: int, towers_per_worker: int, *,
     """
     if ps < 1:
         raise ValueError(f"ps must be at least 1, got {ps}")
-    cluster = local_cluster(workers, ps=ps)
+    cluster = local_cluster(workers, ps=ps, chief=chief)
     lock = threading.Lock()
     tasks, watches = {}, []
     try:
