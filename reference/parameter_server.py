@@ -29,8 +29,10 @@ __all__ = ["train_parameter_server"]
 
 def train_parameter_server(cluster_spec: Any, make_model: Callable[[], keras.Model],
                            batches: Sequence[tuple[np.ndarray, np.ndarray]], *,
-                           learning_rate: float, momentum: float = 0.0) -> list[np.ndarray]:
-    """Train one pass over ``batches`` with ParameterServerStrategy (MSE loss, Keras SGD).
+                           learning_rate: float, momentum: float = 0.0,
+                           loss: Callable[[tf.Tensor, tf.Tensor], tf.Tensor] | None = None,
+                           ) -> list[np.ndarray]:
+    """Train one pass over ``batches`` with ParameterServerStrategy and Keras SGD.
 
     Args:
         cluster_spec: a ``tf.train.ClusterSpec`` with ``chief`` (this client, not
@@ -38,6 +40,8 @@ def train_parameter_server(cluster_spec: Any, make_model: Callable[[], keras.Mod
         make_model: a zero-argument factory returning a built Keras model.
         batches: ``(x, y)`` pairs; one scheduled step each.
         learning_rate, momentum: Keras SGD's.
+        loss: ``(y_true, y_pred) -> per-example losses`` (default: mean squared error);
+            their sum is divided by the step's batch size, as towers does.
 
     Returns:
         The final trainable weights (numpy, model order).
@@ -50,17 +54,18 @@ def train_parameter_server(cluster_spec: Any, make_model: Callable[[], keras.Mod
         model = make_model()
         optimizer = keras.optimizers.SGD(learning_rate, momentum=momentum)
         optimizer.build(model.trainable_variables)
-    global_batch = len(batches[0][0])
+    per_example_loss = loss or (lambda y, p: tf.reduce_mean(tf.square(p - y), axis=-1))
 
     @tf.function
     def step(x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
         def replica(x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
             with tf.GradientTape() as tape:
-                per_example = tf.reduce_mean(tf.square(model(x) - y), axis=-1)
-                loss = tf.nn.compute_average_loss(per_example, global_batch_size=global_batch)
-            grads = tape.gradient(loss, model.trainable_variables)
+                per_example = per_example_loss(y, model(x))
+                mean = tf.nn.compute_average_loss(per_example,
+                                                  global_batch_size=tf.shape(x)[0])
+            grads = tape.gradient(mean, model.trainable_variables)
             optimizer.apply_gradients(zip(grads, model.trainable_variables))
-            return loss
+            return mean
 
         return strategy.run(replica, args=(x, y))
 

@@ -105,7 +105,8 @@ def replay(log: UpdateLog, initial_weights: Sequence[np.ndarray]) -> list[np.nda
     Example:
         >>> final = replay(load_log("run"), initial)                   # doctest: +SKIP
     """
-    last: list[np.ndarray] = [np.asarray(w) for w in initial_weights]
-    for last in replay_versions(log, initial_weights):
+    versions = replay_versions(log, initial_weights)
+    last = next(versions)
+    for last in versions:  # noqa: B007 - keep the newest version only
         pass
     return last

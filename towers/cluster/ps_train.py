@@ -4,8 +4,8 @@ One client (this process) drives W workers, one Python thread each, as
 ``ClusterCoordinator`` does; the variables live on the ps tasks
 (:class:`~towers.cluster.ps.ParameterStore`)::
 
-    worker 0 thread:  take batch b ─ pull (v) ─ towers: split, grads, sum in tower order ─ push ─▶ v'
-    worker 1 thread:      take batch b+1 ─ pull (v) ─ … grads on its own towers … ─ push ─▶ v''
+    worker 0 thread:  take batch b ─ pull (v) ─ towers: split, grads, sum in tower order ─ push
+    worker 1 thread:      take batch b+1 ─ pull (v) ─ … grads on its own towers … ─ push
                       (pull and push hold the store's lock; the gradients run in parallel)
 
     log: [UpdateRecord(worker, worker_step, batch, read={ps k: version}, version), …]
@@ -22,6 +22,7 @@ keeps only applied updates and counts the refusals in :attr:`AsyncTrainer.refuse
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -133,7 +134,7 @@ class AsyncTrainer:
         return [np.asarray(w) for w in self._initial]
 
     def gradient(self, worker: int, x: Any, y: Any) -> tuple[list[np.ndarray], float]:
-        """Worker ``worker``'s gradient and loss on ``(x, y)`` at its current copy of the weights."""
+        """Worker ``worker``'s gradient and loss on ``(x, y)`` at its current weights."""
         grads, loss = self._grads[worker](*self.workers[worker]._inputs(x, y, None)[:2])
         return [g.numpy() for g in grads], float(loss.numpy())
 
@@ -167,7 +168,7 @@ class AsyncTrainer:
                     if b is None:
                         return
                     self._one_update(w, b, batches[b])
-            except BaseException as err:  # noqa: BLE001 - re-raised in the caller below
+            except BaseException as err:  # re-raised in the caller below
                 errors.append(err)
                 stop.set()
 
@@ -187,16 +188,18 @@ class AsyncTrainer:
             read = self._pulls[w]()
             grads, loss = self._grads[w](x, y)
             arrays, value = [g.numpy() for g in grads], float(loss.numpy())
-
-            def record(version: int) -> None:  # under the store's lock: log order = apply order
-                self.log.records.append(
-                    UpdateRecord(w, self._steps[w], b, read, version, value))
-                self.log.gradients.append(arrays)
-                self._steps[w] += 1
-
+            record = functools.partial(self._record, w, b, read, arrays, value)
             if self.store.push(grads, read, self.max_staleness, record) is not None:
                 return
-            self.refused += 1
+            with self.store.lock:
+                self.refused += 1
+
+    def _record(self, w: int, b: int, read: dict[str, int], arrays: list[np.ndarray],
+                value: float, version: int) -> None:
+        """Log one applied update (runs under the store's lock: log order = apply order)."""
+        self.log.records.append(UpdateRecord(w, self._steps[w], b, read, version, value))
+        self.log.gradients.append(arrays)
+        self._steps[w] += 1
 
     def get_weights(self) -> list[np.ndarray]:
         """The parameter servers' current weights."""
