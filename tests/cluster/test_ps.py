@@ -17,6 +17,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +31,7 @@ from hypothesis import strategies as st
 
 from tests.cluster.ps_client import BATCHES, batches, make_model
 from tests.conftest import DEVICES, examples
-from towers.cluster.ps import ParameterServerLost, ParameterStore, shard_variables
+from towers.cluster.ps import FairLock, ParameterServerLost, ParameterStore, shard_variables
 from towers.cluster.ps_replay import load_log, replay, replay_versions, save_log
 from towers.cluster.ps_train import AsyncTrainer
 
@@ -125,6 +127,28 @@ def test_the_trainer_rejects_non_trainable_state() -> None:
     with pytest.raises(ValueError, match="trainable variables only"):
         AsyncTrainer(with_bn, "mse", workers=[DEVICES[:1]], ps_devices=[DEVICES[1]],
                      learning_rate=0.1)
+
+
+def test_the_store_lock_serves_waiting_threads_first_come_first_served() -> None:
+    """Four threads queue up (in a known order) behind the held lock and get it in that
+    order, so no worker's finished gradient waits while another pulls again and again."""
+    lock, order = FairLock(), []
+
+    def take(k: int) -> None:
+        with lock:
+            order.append(k)
+
+    threads = []
+    with lock:
+        for k in range(4):
+            threads.append(threading.Thread(target=take, args=(k,)))
+            threads[-1].start()
+            deadline = time.monotonic() + 5
+            while lock._next != k + 2 and time.monotonic() < deadline:  # k+1 waiting + holder
+                time.sleep(0.001)
+    for t in threads:
+        t.join(5)
+    assert order == [0, 1, 2, 3]
 
 
 # -- the NumPy rule is Keras SGD, bitwise ---------------------------------------------------
