@@ -85,9 +85,11 @@ def one_worker_vs_tower_trainer(towers: list[str], ps: str,
     import towers as towers_pkg
     from towers.cluster.ps_train import AsyncTrainer
 
-    trainer = AsyncTrainer(make_model, "mse", workers=[towers], ps_devices=[ps], learning_rate=LR)
+    trainer = AsyncTrainer(make_model, "mse", workers=[towers], ps_devices=[ps], learning_rate=LR,
+                           momentum=MOMENTUM)
     trainer.run(data)
-    sync = towers_pkg.TowerTrainer(make_model, keras.optimizers.SGD(LR), "mse", devices=towers,
+    sync = towers_pkg.TowerTrainer(make_model, keras.optimizers.SGD(LR, momentum=MOMENTUM), "mse",
+                                   devices=towers,
                                    all_reduce="naive", variables="parameter_device",
                                    parameter_device=ps)
     for x, y in data:

@@ -264,7 +264,8 @@ def test_every_logged_gradient_is_what_its_worker_computes_on_the_version_it_rea
 
 def test_one_worker_async_equals_tower_trainer_bitwise(runs: dict[str, Path]) -> None:
     """One worker's 3 async updates on its 2 towers = TowerTrainer(all_reduce="naive",
-    variables="parameter_device", parameter_device=the ps) with Keras SGD, bitwise."""
+    variables="parameter_device", parameter_device=the ps) with Keras SGD (momentum 0.5),
+    bitwise: the ps rule is Keras SGD's."""
     with np.load(runs["async"] / "sync.npz") as sync:
         n = len(sync.files) // 2
         assert n == 4
