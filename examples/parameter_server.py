@@ -79,7 +79,8 @@ def run_pss(out: str, epochs: int, lr: float, momentum: float) -> None:
     np.savez(out, *weights)
 
 
-def run_towers(epochs: int, lr: float, momentum: float, folder: Path) -> list[np.ndarray]:
+def run_towers(epochs: int, lr: float, momentum: float, folder: Path,
+               max_staleness: int | None = None) -> list[np.ndarray]:
     from towers.cluster import (
         AsyncTrainer,
         connect_ps,
@@ -94,13 +95,14 @@ def run_towers(epochs: int, lr: float, momentum: float, folder: Path) -> list[np
         workers, ps = connect_ps(local.cluster, 2)
         trainer = AsyncTrainer(make_model, "sparse_categorical_crossentropy", workers=workers,
                                ps_devices=ps, learning_rate=lr, momentum=momentum,
-                               policy="size_balanced")
+                               policy="size_balanced", max_staleness=max_staleness)
         start = time.monotonic()
         log = trainer.run(train)
         stale = np.bincount([r.version - 1 - max(r.read.values()) for r in log.records])
         print(f"towers: {len(log.records)} async updates in {time.monotonic() - start:.1f} s "
               f"by workers {[sum(r.worker == w for r in log.records) for w in (0, 1)]}; "
-              f"updates per staleness (0, 1, …): {stale.tolist()}")
+              f"updates per staleness (0, 1, …): {stale.tolist()}; "
+              f"refused stale pushes: {trainer.refused}")
         final = trainer.get_weights()
         initial = trainer.initial_weights()
     save_log(log, folder / "log")
@@ -117,6 +119,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--lr", type=float, default=0.3)
     parser.add_argument("--momentum", type=float, default=0.0)
+    parser.add_argument("--max-staleness", type=int, default=None)
     parser.add_argument("--pss", metavar="OUT", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.pss:
@@ -127,7 +130,7 @@ def main() -> None:
         child = subprocess.Popen([sys.executable, __file__, "--pss", str(folder / "pss.npz"),
                                   "--epochs", str(args.epochs), "--lr", str(args.lr),
                                   "--momentum", str(args.momentum)])
-        ours = run_towers(args.epochs, args.lr, args.momentum, folder)
+        ours = run_towers(args.epochs, args.lr, args.momentum, folder, args.max_staleness)
         if child.wait(timeout=600) != 0:
             raise SystemExit("the ParameterServerStrategy run failed (see above)")
         with np.load(folder / "pss.npz") as saved:
