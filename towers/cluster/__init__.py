@@ -11,6 +11,10 @@
     reducer.py   CrossWorker: a GradientReducer that sums the local towers in tower
                  order, then all-reduces across workers with TF collective ops
     server.py    ``python -m towers.cluster.server``: serve one task's towers
+    ps.py        parameter servers: shard_variables(), ParameterStore (versioned SGD)
+    ps_train.py  AsyncTrainer: async workers pushing to the ps, every update logged
+    ps_replay.py save_log/load_log, replay(): the log replayed bitwise in NumPy
+    ps_local.py  local_ps_cluster(): worker + ps servers for one client; connect_ps()
 
 ``towers launch`` (:mod:`towers.cli.launch`) is the command line of ``launch``.
 """
@@ -19,6 +23,10 @@ from __future__ import annotations
 
 from towers.cluster.launcher import launch, start_servers
 from towers.cluster.local import HOST, TOWERS_ENV, free_ports, local_cluster, towers_per_task
+from towers.cluster.ps import ParameterServerLost, ParameterStore, shard_variables
+from towers.cluster.ps_local import connect_ps, local_ps_cluster
+from towers.cluster.ps_replay import load_log, replay, save_log
+from towers.cluster.ps_train import AsyncTrainer, UpdateLog, UpdateRecord
 from towers.cluster.runtime import connect, set_logical_devices, start_server, start_worker
 from towers.cluster.spec import TASK_TYPES, Cluster, resolve, tf_config
 
@@ -26,13 +34,24 @@ __all__ = [
     "HOST",
     "TASK_TYPES",
     "TOWERS_ENV",
+    "AsyncTrainer",
     "Cluster",
+    "ParameterServerLost",
+    "ParameterStore",
+    "UpdateLog",
+    "UpdateRecord",
     "connect",
+    "connect_ps",
     "free_ports",
     "launch",
+    "load_log",
     "local_cluster",
+    "local_ps_cluster",
+    "replay",
     "resolve",
+    "save_log",
     "set_logical_devices",
+    "shard_variables",
     "start_server",
     "start_servers",
     "start_worker",

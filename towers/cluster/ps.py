@@ -1,0 +1,270 @@
+"""Parameter servers: the model's variables on ``/job:ps`` tasks, versioned, updated as pushed.
+
+::
+
+    shard_variables(policy)           ParameterStore (in the client, one lock)
+    var 0 ─▶ ps 0                      pull(worker):  ┌ lock ─────────────────────────┐
+    var 1 ─▶ ps 1                                     │ read versions {ps k: v_k}     │
+    var 2 ─▶ ps 0   (round_robin)                     │ copy every ps var ─▶ worker   │
+    var 3 ─▶ ps 1                                     └───────────────────────────────┘
+                                       push(grads):   ┌ lock ─────────────────────────┐
+    size_balanced: largest first onto  (staleness     │ too stale? → refused (re-read)│
+    the least-loaded task (greedy      checked here)  │ on each ps: w ← w − lr·g      │
+    min-max, as a partitioner would)                  │ (momentum: m ← m·μ − g·lr;    │
+                                                      │  w ← w + m, Keras SGD's ops)  │
+                                                      │ versions of its shards += 1   │
+                                                      └───────────────────────────────┘
+
+Consistency model: reads and updates are serialized by one Python lock in the client
+(as ClusterCoordinator's client dispatches everything), so every pull sees whole
+updates and its recorded versions are the versions of the weights it copied. Gradients
+are computed outside the lock, in parallel on the workers: that is the asynchrony.
+
+The update is Keras ``SGD.update_step``'s arithmetic op for op (``assign_sub(g * lr)``
+without momentum), so one worker equals :class:`towers.TowerTrainer` with SGD bitwise.
+
+References:
+    Dean et al., "Large Scale Distributed Deep Networks" (DistBelief, 2012);
+    TensorFlow ``ParameterServerStrategy`` (round-robin ``variable_partitioner=None``,
+    ``MinSizePartitioner``); Li et al., "Scaling Distributed ML with the Parameter Server".
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from towers.guard.errors import TowersError
+
+__all__ = [
+    "POLICIES", "FairLock", "ParameterServerLost", "ParameterStore", "shard_variables", "sizes_of",
+]
+
+POLICIES = ("round_robin", "size_balanced")
+"""Placement policies of :func:`shard_variables`."""
+
+
+class ParameterServerLost(TowersError, ConnectionError):
+    """A parameter server did not answer: its task died or the network to it failed."""
+
+
+def sizes_of(variables: Sequence[Any]) -> list[int]:
+    """Element counts of ``variables`` (anything with a ``shape``, or a shape tuple).
+
+    Raises:
+        ValueError: an item has neither a shape nor is a shape.
+    """
+    sizes = []
+    for i, v in enumerate(variables):
+        shape = getattr(v, "shape", v)
+        try:
+            dims = [int(d) for d in shape]
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"variables[{i}] must have a fully known shape (a variable, an array or a "
+                f"tuple of ints), got {v!r}") from None
+        if any(d < 0 for d in dims):
+            raise ValueError(f"variables[{i}] has a negative dimension: {dims}")
+        sizes.append(int(np.prod(dims, dtype=np.int64)))
+    return sizes
+
+
+def shard_variables(variables: Sequence[Any], ps_devices: Sequence[str],
+                    policy: str = "round_robin") -> list[str]:
+    """Which ps device holds each variable.
+
+    Args:
+        variables: the variables (or arrays, or shapes), in model order.
+        ps_devices: the parameter servers' devices, at least one.
+        policy: ``"round_robin"`` (variable i on task i mod P, TensorFlow's default
+            placement) or ``"size_balanced"`` (largest variable first onto the task
+            holding the fewest elements so far; ties go to the earlier variable and the
+            lower task, so the result is deterministic).
+
+    Returns:
+        ``placement[i]``: the device of variable i.
+
+    Raises:
+        ValueError: no ps devices, an unknown policy or an item without a shape.
+
+    Example:
+        >>> shard_variables([(4, 3), (3,), (3, 2), (2,)], ["ps0", "ps1"], "size_balanced")
+        ['ps0', 'ps1', 'ps1', 'ps1']
+    """
+    if isinstance(ps_devices, str) or not ps_devices:
+        raise ValueError(f"ps_devices must be a non-empty list of devices, got {ps_devices!r}")
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    sizes = sizes_of(variables)
+    if policy == "round_robin":
+        return [ps_devices[i % len(ps_devices)] for i in range(len(sizes))]
+    load = [0] * len(ps_devices)
+    placement = [""] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda j: (-sizes[j], j)):
+        task = min(range(len(ps_devices)), key=lambda k: (load[k], k))
+        placement[i] = ps_devices[task]
+        load[task] += sizes[i]
+    return placement
+
+
+class FairLock:
+    """A first-come, first-served lock (a ticket lock).
+
+    ``threading.Lock`` is not fair: a worker that releases it and asks again at once
+    often wins, and the other worker's finished gradient waits (measured here: updates
+    8 versions stale with 2 workers, where a FIFO lock keeps them at about 1).
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._next = self._serving = 0
+
+    def __enter__(self) -> FairLock:
+        with self._cond:
+            ticket, self._next = self._next, self._next + 1
+            while ticket != self._serving:
+                self._cond.wait()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with self._cond:
+            self._serving += 1
+            self._cond.notify_all()
+
+
+class ParameterStore:
+    """The variables on the ps tasks, one version counter per ps task, and the update rule.
+
+    Args:
+        weights: initial values of the trainable variables (model order).
+        ps_devices: the parameter servers' devices.
+        learning_rate: SGD's learning rate.
+        momentum: SGD's momentum (0: plain SGD; Keras' non-Nesterov rule otherwise).
+        policy: see :func:`shard_variables`.
+        timeout: seconds a pull or push may take before :class:`ParameterServerLost`.
+
+    Raises:
+        ValueError: a bad learning rate, momentum or timeout (and see :func:`shard_variables`).
+    """
+
+    def __init__(self, weights: Sequence[np.ndarray], ps_devices: Sequence[str], *,
+                 learning_rate: float, momentum: float = 0.0, policy: str = "round_robin",
+                 timeout: float = 30.0) -> None:
+        _check_positive(learning_rate, "learning_rate")
+        _check_positive(timeout, "timeout")
+        if not isinstance(momentum, (int, float)) or not 0.0 <= momentum < 1.0:
+            raise ValueError(f"momentum must be a float in [0, 1), got {momentum!r}")
+        self.ps_devices = list(ps_devices)
+        self.placement = shard_variables(weights, self.ps_devices, policy)
+        self.learning_rate, self.momentum, self.timeout = learning_rate, float(momentum), timeout
+        self.variables, self.momentums = [], []
+        for w, device in zip(weights, self.placement):
+            with tf.device(device):
+                self.variables.append(tf.Variable(np.asarray(w, np.float32)))
+                if self.momentum:
+                    self.momentums.append(tf.Variable(np.zeros_like(w, np.float32)))
+        self.versions = {d: 0 for d in self.ps_devices}
+        self.updates = 0
+        self.lock = FairLock()
+        self._apply = tf.function(self._apply_step, autograph=False)
+
+    def _apply_step(self, grads: Sequence[tf.Tensor]) -> None:
+        lr = tf.constant(self.learning_rate, tf.float32)
+        mu = tf.constant(self.momentum, tf.float32)
+        for i, (var, g) in enumerate(zip(self.variables, grads)):
+            with tf.device(self.placement[i]):
+                g = tf.identity(g)  # the push: the gradient crosses to this ps task
+                if self.momentum:
+                    m = self.momentums[i]
+                    m.assign(m * mu - g * lr)
+                    var.assign_add(m)
+                else:
+                    var.assign_sub(g * lr)
+
+    def reader(self, targets: Sequence[tf.Variable]) -> Callable[[], dict[str, int]]:
+        """A pull into ``targets`` (a worker's copies): returns the versions it read.
+
+        Raises (when called):
+            ParameterServerLost: a ps task did not answer within ``timeout``.
+        """
+        if len(targets) != len(self.variables):
+            raise ValueError(f"targets must hold {len(self.variables)} variables, "
+                             f"got {len(targets)}")
+
+        @tf.function(autograph=False)
+        def copy() -> None:
+            for target, var in zip(targets, self.variables):
+                with tf.device(_device_of(target)):
+                    target.assign(var)
+
+        def pull() -> dict[str, int]:
+            with self.lock:
+                self._guarded(copy, "pull")
+                return dict(self.versions)
+
+        return pull
+
+    def push(self, grads: Sequence[tf.Tensor], read: dict[str, int],
+             max_staleness: int | None = None,
+             record: Callable[[int], None] | None = None) -> int | None:
+        """Apply ``grads`` computed on the weights of versions ``read``; the new version.
+
+        ``record(version)`` runs inside the same critical section, after the update: a
+        log written there lists updates in the order they were applied.
+
+        Returns:
+            The number of updates applied so far (this update's version), or None when
+            the read is more than ``max_staleness`` updates old (nothing applied).
+
+        Raises:
+            ParameterServerLost: a ps task did not answer within ``timeout``.
+        """
+        with self.lock:
+            if max_staleness is not None and self.updates - max(read.values()) > max_staleness:
+                return None
+            self._guarded(lambda: self._apply(list(grads)), "push")
+            self.updates += 1
+            for device in set(self.placement):
+                self.versions[device] += 1
+            if record is not None:
+                record(self.updates)
+            return self.updates
+
+    def get_weights(self) -> list[np.ndarray]:
+        """The current weights (numpy, model order)."""
+        with self.lock:
+            return self._guarded(lambda: [v.numpy() for v in self.variables], "read")
+
+    def _guarded(self, fn: Callable[[], Any], what: str) -> Any:
+        """Run ``fn`` on a helper thread; a dead ps becomes ParameterServerLost, never a hang."""
+        pool = concurrent.futures.ThreadPoolExecutor(1)
+        future = pool.submit(fn)
+        pool.shutdown(wait=False)
+        try:
+            return future.result(self.timeout)
+        except concurrent.futures.TimeoutError:
+            raise ParameterServerLost(
+                f"the {what} on the parameter servers {self.ps_devices} did not complete within "
+                f"timeout={self.timeout:g} s: a ps task is gone or unreachable. Restart the "
+                "cluster and resume from the last saved weights.") from None
+        except (tf.errors.UnavailableError, tf.errors.CancelledError,
+                tf.errors.AbortedError, tf.errors.InternalError) as err:
+            raise ParameterServerLost(
+                f"the {what} on the parameter servers {self.ps_devices} failed: a ps task is "
+                f"gone or unreachable ({type(err).__name__}: {str(err).splitlines()[0]}). "
+                "Restart the cluster and resume from the last saved weights.") from err
+
+
+def _check_positive(value: Any, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name} must be a positive number, got {value!r}")
+
+
+def _device_of(variable: Any) -> str:
+    """The device of a ``tf.Variable`` or of a Keras variable's backing ``tf.Variable``."""
+    return str(getattr(variable, "value", variable).device)
