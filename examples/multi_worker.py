@@ -127,6 +127,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64, help="global batch (default 64)")
     parser.add_argument("--lr", type=float, default=0.1, help="SGD learning rate (default 0.1)")
     parser.add_argument("--no-reference", action="store_true", help="skip the MWMS run")
+    parser.add_argument("--order", choices=("local", "mwms"), default="local",
+                        help="local: CrossWorker (towers first, then workers; within the "
+                             "bound); mwms: WorkerTrainer + AllTowers (MWMS's order: bitwise)")
     args = parser.parse_args()
 
     from towers.cluster import local_cluster, resolve, set_logical_devices, start_worker
@@ -139,7 +142,7 @@ def main() -> None:
         os.environ["TF_CONFIG"] = tf_config(local_cluster(1), "worker", 0)
     cluster, towers_n = resolve(), towers_per_task()
     workers, worker = cluster.num_workers, int(cluster.task_index or 0)
-    if args.batch_size % (workers * towers_n):
+    if args.order == "local" and args.batch_size % (workers * towers_n):
         parser.error(f"--batch-size must be a multiple of workers × towers = {workers * towers_n}")
     # First thing: the devices and the runtime, before any TensorFlow op.
     if args.no_reference:
@@ -162,23 +165,27 @@ def run(args, devices, workers: int, worker: int, strategy) -> None:  # type: ig
     import towers
     from towers.allreduce.ordering import as_written
     from towers.cluster.reducer import CrossWorker
+    from towers.cluster.trainer import WorkerTrainer, worker_slice
     from towers.split import shard_sizes
     from towers.training.data import batches, digits
 
     towers_n = len(devices)
     x, y, _, _ = digits()
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    mine = towers.TowerTrainer(make_model, lambda: keras.optimizers.SGD(args.lr), loss,
-                               devices=devices, all_reduce=CrossWorker(workers),
-                               variables="replicated")
+    sgd = lambda: keras.optimizers.SGD(args.lr)  # noqa: E731
+    if args.order == "mwms":  # losses over the global batch, MWMS's summation order
+        mine = WorkerTrainer(make_model, sgd, loss, devices=devices, num_workers=workers)
+    else:
+        mine = towers.TowerTrainer(make_model, sgd, loss, devices=devices,
+                                   all_reduce=CrossWorker(workers), variables="replicated")
     ref = None if strategy is None else MWMSTrainer(strategy, args.lr, worker, towers_n)
     bound = 0.0
     depths = ((towers_n - 1) + (workers - 1), workers * towers_n - 1)
     for step, (xb, yb) in enumerate(batches(x, y, args.batch_size, seed=0)):
         if step == args.steps:
             break
-        cut = np.cumsum([0, *shard_sizes(len(xb), workers)])
-        xl, yl = xb[cut[worker]:cut[worker + 1]], yb[cut[worker]:cut[worker + 1]]
+        part = worker_slice(len(xb), workers, worker)
+        xl, yl = xb[part], yb[part]
         local_loss = float(mine.train_step(xl, yl))
         line = f"step {step}: worker batch {len(xl)}  towers local loss {local_loss:.7f}"
         if ref is not None:
@@ -193,10 +200,12 @@ def run(args, devices, workers: int, worker: int, strategy) -> None:  # type: ig
             line += f"  MWMS global loss {float(ref_loss):.7f}"
         print(line, flush=True)
     if ref is not None:
-        diff = max(float(np.max(np.abs(a - b)))
-                   for a, b in zip(mine.get_weights(), ref.model.get_weights()))
+        pairs = list(zip(mine.get_weights(), ref.model.get_weights(), strict=True))
+        diff = max(float(np.max(np.abs(a - b))) for a, b in pairs)
         print(f"max |towers - MultiWorkerMirroredStrategy| = {diff:.3e}  (bound {bound:.3e})",
               flush=True)
+        same = all(np.array_equal(a, b) for a, b in pairs)
+        print(f"order {args.order}: weights bitwise equal to MWMS: {same}", flush=True)
 
 
 if __name__ == "__main__":
