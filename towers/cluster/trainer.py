@@ -28,8 +28,11 @@ from tensorflow.python.ops import collective_ops
 from towers.cluster.flat import AllTowers
 from towers.cluster.reducer import _key_block
 from towers.cluster.spec import resolve
+from towers.guard.inputs import batch_tensors, check_batch_against_model
+from towers.placement import read_weights
 from towers.split import Shards, shard_sizes
 from towers.step import TowerTrainer
+from towers.tower import Gradients, empty_tower_step
 
 __all__ = ["WorkerTrainer", "worker_slice"]
 
@@ -89,6 +92,30 @@ class WorkerTrainer(TowerTrainer):
         with tf.init_scope(), tf.device(self.devices[0]):
             self._count_token = tf.Variable(0.0, trainable=False, name="batch_count_token")
 
+    def _inputs(self, x: Any, y: Any, sample_weight: Any) -> tuple[Any, Any, Any]:
+        if _rows(x) != 0:
+            return batch_tensors(x, y, sample_weight, self.model)
+        # B < W leaves a worker without examples; it still joins every collective.
+        check_batch_against_model(x, y, sample_weight, self.model)
+        convert = tf.nest.map_structure
+        weight = None if sample_weight is None else tf.convert_to_tensor(
+            sample_weight, dtype=tf.as_dtype(self.model.trainable_variables[0].dtype))
+        return convert(tf.convert_to_tensor, x), convert(tf.convert_to_tensor, y), weight
+
+    def forward_backward(self, shards: Shards) -> Gradients:
+        """As ``TowerTrainer``'s; on an empty worker tower 0 runs the model on 0 rows
+        (as MWMS's empty replica does: loss 0, zero data gradients)."""
+        if shards.sizes[0] != 0:
+            return super().forward_backward(shards)
+        template = self.tower_step(shards, 0)
+        results = [template]
+        for i in range(1, len(self.devices)):
+            trainable, frozen = read_weights(self.replica_of(i), self.devices[i])
+            results.append(empty_tower_step(
+                self.model, trainable, frozen, template=template,
+                num_towers=len(self.devices), device=self.devices[i]))
+        return Gradients(tuple(results))
+
     def split(self, x: Any, y: Any, sample_weight: Any = None) -> Shards:
         """Cut the local batch over the towers; every tower divides by the global batch."""
         shards = super().split(x, y, sample_weight)
@@ -105,3 +132,9 @@ class WorkerTrainer(TowerTrainer):
                 timeout=self.timeout_seconds, ordering_token=self._count_token.handle,
             )
             return tf.cast(total, tf.int32)
+
+
+def _rows(x: Any) -> int | None:
+    """The static leading dimension of ``x``'s first leaf (None when unknown)."""
+    leaf = tf.nest.flatten(x)[0]
+    return tf.TensorShape(getattr(leaf, "shape", np.shape(leaf)))[0]
