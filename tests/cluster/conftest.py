@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import re
 import sys
+import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -40,15 +41,19 @@ class Run(NamedTuple):
         return found
 
 
-def run_workers(*args: str, timeout: float = 90.0, grace: float = 0.0) -> Run:
-    """Launch ``train_worker.py ARGS`` on WORKERS × TOWERS; at most ``timeout`` s."""
-    import time
-
+def launch_workers(command: list[str], towers: int = TOWERS, timeout: float = 90.0,
+                   grace: float = 0.0) -> Run:
+    """Run ``command`` on WORKERS workers × ``towers`` (``towers launch``), bounded."""
     out = io.StringIO()
     start = time.monotonic()
-    code = launch(local_cluster(WORKERS), TOWERS, [sys.executable, SCRIPT, *args],
-                  timeout=timeout, out=out, failure_grace=grace)
+    code = launch(local_cluster(WORKERS), towers, command, timeout=timeout, out=out,
+                  failure_grace=grace)
     return Run(code, out.getvalue(), time.monotonic() - start)
+
+
+def run_workers(*args: str, timeout: float = 90.0, grace: float = 0.0) -> Run:
+    """Launch ``train_worker.py ARGS`` on WORKERS × TOWERS; at most ``timeout`` s."""
+    return launch_workers([sys.executable, SCRIPT, *args], timeout=timeout, grace=grace)
 
 
 @pytest.fixture(scope="session")
