@@ -11,6 +11,9 @@
     reducer.py   CrossWorker: a GradientReducer that sums the local towers in tower
                  order, then all-reduces across workers with TF collective ops
     server.py    ``python -m towers.cluster.server``: serve one task's towers
+    flat.py      AllTowers: one collective over all W·T towers, MWMS's order (bitwise)
+    trainer.py   WorkerTrainer: loss over the global batch (unequal/empty workers)
+    checkpoints.py  save_on_chief / restore_latest: atomic chief checkpoints, resume
 
 ``towers launch`` (:mod:`towers.cli.launch`) is the command line of ``launch``.
 """
