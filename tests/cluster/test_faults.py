@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.cluster.conftest import BATCHES, LR, Run, run_workers
+from towers.cluster import launch, local_cluster
 from towers.cluster.checkpoints import LATEST, latest, restore_latest, save_on_chief
 
 TIMEOUT = 8.0
@@ -40,6 +41,7 @@ def test_the_survivor_reports_step_timeout_and_exits_nonzero(runs: tuple[Run, Ru
     failed = crashed.lines("FAILED")
     assert list(failed) == [0], crashed.out[-4000:]
     kind, seconds = failed[0][0][0], float(failed[0][0][1])
+    print(f"\nsurvivor: {kind} {seconds} s after its step began (timeout {TIMEOUT} s)")
     assert kind == "StepTimeout"
     assert TIMEOUT - 0.5 <= seconds <= TIMEOUT + 5.0  # detected by the deadline, not a hang
     assert "[worker 0] DONE" not in crashed.out
@@ -66,6 +68,11 @@ def test_every_worker_resumes_bitwise_and_finishes_like_the_straight_run(
     done = {w: f[0][0] for w, f in resumed.lines("DONE").items()}
     straight = {w: f[0][0] for w, f in straight_run[0].lines("DONE").items()}
     assert done == straight and len(set(done.values())) == 1
+
+
+def test_a_negative_failure_grace_is_refused() -> None:
+    with pytest.raises(ValueError, match="failure_grace"):
+        launch(local_cluster(1), 1, ["true"], failure_grace=-1)
 
 
 def test_without_a_checkpoint_nothing_is_restored(tmp_path: Path) -> None:
