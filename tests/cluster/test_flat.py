@@ -57,3 +57,24 @@ def test_reduce_before_build_says_what_to_do() -> None:
     with pytest.raises(RuntimeError, match="build"):
         AllTowers(2).reduce_gradients([[]])
     assert AllTowers(3).summation_depth(2) == 5
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"num_workers": 0}, "num_workers"), ({"timeout_seconds": -1}, "timeout_seconds"),
+    ({"all_reduce": AllTowers(2, op="mean")}, "op='sum'"),
+])
+def test_worker_trainer_refuses_bad_arguments(kwargs: dict, match: str) -> None:
+    from towers.cluster.trainer import WorkerTrainer
+
+    with pytest.raises(ValueError, match=match):
+        WorkerTrainer(make_model, keras.optimizers.SGD(0.1), LOSS, devices=DEVICES[:2],
+                      **{"num_workers": 2, **kwargs})
+
+
+def test_worker_slice_refuses_bad_arguments() -> None:
+    from towers.cluster.trainer import worker_slice
+
+    with pytest.raises(ValueError, match="worker"):
+        worker_slice(4, 2, 2)
+    with pytest.raises(ValueError, match="batch_size"):
+        worker_slice(-1, 2, 0)

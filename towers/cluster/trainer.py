@@ -69,7 +69,8 @@ class WorkerTrainer(TowerTrainer):
             ``"replicated"``).
 
     Raises:
-        ValueError: a reducer that averages (``op="mean"``) or any ``TowerTrainer`` error.
+        ValueError: a bad ``num_workers`` or ``timeout_seconds``, a reducer that averages
+            (``op="mean"``), or any ``TowerTrainer`` error.
 
     ``train_step`` returns this worker's share of the global mean loss (the workers'
     shares add up to it).
@@ -79,6 +80,11 @@ class WorkerTrainer(TowerTrainer):
                  all_reduce: Any = None, num_workers: int | None = None,
                  timeout_seconds: float = 60.0, **kwargs: Any) -> None:
         self.num_workers = resolve().num_workers if num_workers is None else num_workers
+        if isinstance(self.num_workers, bool) or not isinstance(self.num_workers, int) \
+                or self.num_workers < 1:
+            raise ValueError(f"num_workers must be a positive int, got {self.num_workers!r}")
+        if not timeout_seconds > 0:
+            raise ValueError(f"timeout_seconds must be positive, got {timeout_seconds}")
         if all_reduce is None:
             all_reduce = AllTowers(self.num_workers, op="sum", timeout_seconds=timeout_seconds)
         if getattr(all_reduce, "op", "sum") != "sum":
