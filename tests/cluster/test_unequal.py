@@ -39,12 +39,13 @@ def _weights(path: Path) -> list[np.ndarray]:
 
 def _per_example_grads(model: keras.Model, x: np.ndarray, y: np.ndarray) -> list[list[np.ndarray]]:
     """``grads[example][var]`` of (example's loss) / B."""
-    out = []
-    for e in range(len(x)):
+    @tf.function
+    def grad(x_e: tf.Tensor, y_e: tf.Tensor) -> list[tf.Tensor]:
         with tf.GradientTape() as tape:
-            loss = LOSS.call(y[e:e + 1], model(x[e:e + 1], training=True)) / len(x)
-        out.append([g.numpy() for g in tape.gradient(loss, model.trainable_variables)])
-    return out
+            loss = LOSS.call(y_e, model(x_e, training=True)) / len(x)
+        return tape.gradient(loss, model.trainable_variables)
+
+    return [[g.numpy() for g in grad(x[e:e + 1], y[e:e + 1])] for e in range(len(x))]
 
 
 def test_worker_parts_follow_mirrored_strategys_split() -> None:
