@@ -151,9 +151,9 @@ def launch(cluster: Cluster, towers: int, command: Sequence[str],
         while any(t.poll() is None for t in trainers):
             failed = [c for t in trainers if (c := t.poll()) not in (None, 0)]
             if failed:
-                code = max(failed)
                 _wait_for(trainers, min(time.monotonic() + failure_grace,
                                         deadline if deadline is not None else float("inf")))
+                code = max(c for t in trainers if (c := t.poll()) is not None)
                 break
             if deadline is not None and time.monotonic() > deadline:
                 code = TIMEOUT_EXIT
