@@ -26,6 +26,16 @@ already in the weights is carried into the next step; assuming lr·L ≤ 1 for t
 gradient's Lipschitz constant L (true for this small model and lr), it at most doubles
 per later step: bound = Σ_k b_k·2^(K−k). MWMS runs on the same logical CPUs as the
 towers (its CPU default is one replica per worker; the example widens it to T).
+
+Bitwise (``--order mwms``, trained beside the other by default): ``WorkerTrainer``
+divides every tower's loss by the global batch (all-reducing the workers' counts, so
+any batch size works) and ``AllTowers`` makes every tower a member of ONE collective
+of W·T, packing the gradients as MWMS does (reversed, flattened, concatenated): the
+same ring adds the same vectors in the same order, and the weights equal MWMS's
+bit for bit (the example prints "bitwise equal: True")::
+
+    python -m towers launch --workers 2 --towers-per-worker 2 -- \\
+        python examples/multi_worker.py --order mwms --batch-size 61
 """
 
 from __future__ import annotations
@@ -127,6 +137,10 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64, help="global batch (default 64)")
     parser.add_argument("--lr", type=float, default=0.1, help="SGD learning rate (default 0.1)")
     parser.add_argument("--no-reference", action="store_true", help="skip the MWMS run")
+    parser.add_argument("--order", choices=("local", "mwms", "both"), default="both",
+                        help="local: CrossWorker (towers first, then workers; within the "
+                             "bound); mwms: WorkerTrainer + AllTowers (MWMS's order: "
+                             "bitwise); both (default): train both")
     args = parser.parse_args()
 
     from towers.cluster import local_cluster, resolve, set_logical_devices, start_worker
@@ -139,8 +153,9 @@ def main() -> None:
         os.environ["TF_CONFIG"] = tf_config(local_cluster(1), "worker", 0)
     cluster, towers_n = resolve(), towers_per_task()
     workers, worker = cluster.num_workers, int(cluster.task_index or 0)
-    if args.batch_size % (workers * towers_n):
-        parser.error(f"--batch-size must be a multiple of workers × towers = {workers * towers_n}")
+    if args.order != "mwms" and args.batch_size % (workers * towers_n):
+        parser.error(f"--batch-size must be a multiple of workers × towers = "
+                     f"{workers * towers_n} (or use --order mwms)")
     # First thing: the devices and the runtime, before any TensorFlow op.
     if args.no_reference:
         devices = start_worker(cluster, towers_n)
@@ -154,33 +169,51 @@ def main() -> None:
     run(args, devices, workers, worker, None if args.no_reference else strategy)
 
 
-def run(args, devices, workers: int, worker: int, strategy) -> None:  # type: ignore[no-untyped-def]
-    """Train both, print each step's losses and the weight difference with its bound."""
+def make_trainers(args, devices, workers: int) -> dict:  # type: ignore[no-untyped-def, type-arg]
+    """``order -> trainer``: ``local`` (CrossWorker), ``mwms`` (WorkerTrainer + AllTowers)."""
     import keras
-    import numpy as np
 
     import towers
-    from towers.allreduce.ordering import as_written
     from towers.cluster.reducer import CrossWorker
+    from towers.cluster.trainer import WorkerTrainer
+
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    sgd = lambda: keras.optimizers.SGD(args.lr)  # noqa: E731
+    trainers = {}
+    if args.order in ("local", "both"):  # each worker's mean, then the mean over workers
+        trainers["local"] = towers.TowerTrainer(make_model, sgd, loss, devices=devices,
+                                                all_reduce=CrossWorker(workers),
+                                                variables="replicated")
+    if args.order in ("mwms", "both"):  # losses over the global batch, MWMS's summation order
+        trainers["mwms"] = WorkerTrainer(make_model, sgd, loss, devices=devices,
+                                         num_workers=workers)
+    return trainers
+
+
+def run(args, devices, workers: int, worker: int, strategy) -> None:  # type: ignore[no-untyped-def]
+    """Train both, print each step's losses and the weight difference with its bound."""
+    import numpy as np
+
+    from towers.allreduce.ordering import as_written
+    from towers.cluster.trainer import worker_slice
     from towers.split import shard_sizes
     from towers.training.data import batches, digits
 
     towers_n = len(devices)
     x, y, _, _ = digits()
-    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    mine = towers.TowerTrainer(make_model, lambda: keras.optimizers.SGD(args.lr), loss,
-                               devices=devices, all_reduce=CrossWorker(workers),
-                               variables="replicated")
+    trainers = make_trainers(args, devices, workers)
     ref = None if strategy is None else MWMSTrainer(strategy, args.lr, worker, towers_n)
     bound = 0.0
     depths = ((towers_n - 1) + (workers - 1), workers * towers_n - 1)
     for step, (xb, yb) in enumerate(batches(x, y, args.batch_size, seed=0)):
         if step == args.steps:
             break
-        cut = np.cumsum([0, *shard_sizes(len(xb), workers)])
-        xl, yl = xb[cut[worker]:cut[worker + 1]], yb[cut[worker]:cut[worker + 1]]
-        local_loss = float(mine.train_step(xl, yl))
-        line = f"step {step}: worker batch {len(xl)}  towers local loss {local_loss:.7f}"
+        part = worker_slice(len(xb), workers, worker)
+        xl, yl = xb[part], yb[part]
+        losses = {order: float(t.train_step(xl, yl)) for order, t in trainers.items()}
+        line = f"step {step}: worker batch {len(xl)}" + "".join(
+            f"  towers {'local' if k == 'local' else 'MWMS-order'} loss {v:.7f}"
+            for k, v in losses.items())
         if ref is not None:
             tcut = np.cumsum([0, *shard_sizes(len(xl), towers_n)])
             shards = [(xl[a:b], yl[a:b]) for a, b in itertools.pairwise(tcut)]
@@ -193,9 +226,21 @@ def run(args, devices, workers: int, worker: int, strategy) -> None:  # type: ig
             line += f"  MWMS global loss {float(ref_loss):.7f}"
         print(line, flush=True)
     if ref is not None:
-        diff = max(float(np.max(np.abs(a - b)))
-                   for a, b in zip(mine.get_weights(), ref.model.get_weights()))
-        print(f"max |towers - MultiWorkerMirroredStrategy| = {diff:.3e}  (bound {bound:.3e})",
+        report(trainers, ref, bound)
+
+
+def report(trainers, ref, bound: float) -> None:  # type: ignore[no-untyped-def]
+    """Each trainer's largest weight difference to MWMS, and whether it is bitwise zero."""
+    import numpy as np
+
+    for order, trainer in trainers.items():
+        pairs = list(zip(trainer.get_weights(), ref.model.get_weights(), strict=True))
+        diff = max(float(np.max(np.abs(a - b))) for a, b in pairs)
+        same = all(np.array_equal(a, b) for a, b in pairs)
+        if order == "local":
+            print(f"max |towers - MultiWorkerMirroredStrategy| = {diff:.3e}  (bound {bound:.3e})",
+                  flush=True)
+        print(f"order {order}: max |towers - MWMS| = {diff:.3e}; bitwise equal: {same}",
               flush=True)
 
 

@@ -48,6 +48,21 @@ def test_a_failing_task_fails_the_launch_and_stops_the_others(
     assert seconds < 20  # worker 0 was terminated, not waited for
 
 
+def test_failure_grace_lets_the_others_report_and_exit_by_themselves(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    program = ("import json, os, sys, time; "
+               "i = json.loads(os.environ['TF_CONFIG'])['task']['index']; "
+               "sys.exit(3) if i == 1 else (time.sleep(1), print('noticed', flush=True), "
+               "sys.exit(5))")
+    code, out, seconds = _launch(capsys, "--workers", "2", "--timeout", "60",
+                                 "--failure-grace", "30", "--", sys.executable, "-c", program)
+    assert "[worker 0] noticed" in out, out  # it ran on after worker 1 failed
+    assert code == 5  # its own exit code counts: it ended by itself
+    assert seconds < 20  # the grace ends when every task has ended
+    assert cli.main(["launch", "--failure-grace", "-1", "--", "true"]) == 2
+
+
 def test_a_hanging_task_is_killed_by_the_timeout(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, seconds = _launch(capsys, "--workers", "2", "--timeout", "2", "--",
                                  sys.executable, "-c", "import time; time.sleep(60)")

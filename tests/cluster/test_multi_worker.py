@@ -1,38 +1,39 @@
-"""Between-graph training: ``towers launch`` runs examples/multi_worker.py on 2 workers × 2 towers.
+"""Between-graph training: ``towers launch`` runs examples/multi_worker.py on 2 workers × T.
 
-Each worker trains with ``CrossWorker`` and, in the same process, with
-MultiWorkerMirroredStrategy on the same global batches; the example prints the largest
-weight difference and the rounding bound derived in its docstring (only the summation
-order differs). The launch is bounded by --timeout and a subprocess timeout.
+Each worker trains twice in one process, beside MultiWorkerMirroredStrategy (MWMS) on
+the same global batches: ``TowerTrainer`` + ``CrossWorker`` (towers first, then workers)
+within the rounding bound derived in the example's docstring, and ``WorkerTrainer`` +
+``AllTowers`` (MWMS's own summation order) bitwise equal. T = 1 and 2. Each launch is
+bounded by its timeout.
 """
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tests.cluster.conftest import Run, launch_workers
+
 ROOT = Path(__file__).parent.parent.parent
 DIFF = re.compile(r"\[worker (\d)\] max \|towers - MultiWorkerMirroredStrategy\| = (\S+)"
                   r"  \(bound (\S+)\)")
+BITWISE = re.compile(r"\[worker (\d)\] order (\w+): max \|towers - MWMS\| = (\S+); "
+                     r"bitwise equal: (\w+)")
 STEP = re.compile(r"\[worker (\d)\] step (\d): worker batch 32  towers local loss (\S+)"
-                  r"  MWMS global loss (\S+)")
+                  r"  towers MWMS-order loss (\S+)  MWMS global loss (\S+)")
 
 
-@pytest.fixture(scope="module")
-def output() -> str:
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
-    done = subprocess.run(
-        [sys.executable, "-m", "towers", "launch", "--workers", "2", "--towers-per-worker", "2",
-         "--timeout", "150", "--", sys.executable, "examples/multi_worker.py", "--steps", "2"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=200)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    return done.stdout
+@pytest.fixture(scope="module", params=[1, 2], ids=["T1", "T2"])
+def output(request: pytest.FixtureRequest) -> str:
+    run: Run = launch_workers(
+        [sys.executable, str(ROOT / "examples" / "multi_worker.py"), "--steps", "2"],
+        towers=request.param, timeout=150)
+    assert run.code == 0, run.out[-4000:]
+    return run.out
 
 
 def test_weights_match_mwms_within_the_rounding_bound(output: str) -> None:
@@ -44,12 +45,20 @@ def test_weights_match_mwms_within_the_rounding_bound(output: str) -> None:
     assert diff <= bound, f"difference {diff} above the bound {bound}"
 
 
-def test_worker_losses_average_to_the_global_loss(output: str) -> None:
-    steps: dict[int, dict[int, tuple[float, float]]] = {}
-    for w, s, local, global_ in STEP.findall(output):
-        steps.setdefault(int(s), {})[int(w)] = (float(local), float(global_))
+def test_mwms_order_is_bitwise_equal_to_mwms(output: str) -> None:
+    found = {(int(w), order): (float(d), same) for w, order, d, same in BITWISE.findall(output)}
+    assert sorted(found) == [(0, "local"), (0, "mwms"), (1, "local"), (1, "mwms")], output
+    for w in (0, 1):
+        assert found[w, "mwms"] == (0.0, "True")
+
+
+def test_worker_losses_add_up_to_the_global_loss(output: str) -> None:
+    steps: dict[int, dict[int, tuple[float, ...]]] = {}
+    for w, s, *losses in STEP.findall(output):
+        steps.setdefault(int(s), {})[int(w)] = tuple(map(float, losses))
     assert sorted(steps) == [0, 1], output
     for per_worker in steps.values():
-        locals_ = [per_worker[k][0] for k in (0, 1)]
-        assert per_worker[0][1] == per_worker[1][1]
-        np.testing.assert_allclose(np.mean(locals_), per_worker[0][1], rtol=1e-6)
+        assert per_worker[0][2] == per_worker[1][2]
+        global_ = per_worker[0][2]
+        np.testing.assert_allclose(np.mean([per_worker[k][0] for k in (0, 1)]), global_, rtol=1e-6)
+        np.testing.assert_allclose(sum(per_worker[k][1] for k in (0, 1)), global_, rtol=1e-6)

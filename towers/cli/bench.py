@@ -74,6 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also profile the step of each tf.distribute configuration and the fastest towers one")
     add("--no-plots", action="store_true", help="skip the PNG plots")
     add("--quiet", action="store_true", help="no progress bars")
+    add("--workers", type=at_least(2), default=None, help="instead: cross-process all-reduce "
+        "of W worker processes, towers vs MWMS (towers.bench.workers; --sizes in MB)")
 
 
 def _devices(count: int) -> list[str]:
@@ -112,6 +114,10 @@ def environment(devices: list[str]) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     """Run the chosen sections; returns 1 when a result is wrong, else 0."""
+    if args.workers:  # its own processes: towers.bench.workers (sizes in MB)
+        from towers.bench import workers
+
+        return workers.run(args.workers, args.out, args.sizes, args.rounds or 7)
     from towers.bench.scaling import TOWERS
 
     scaling_towers = args.scaling_towers or (TOWERS[:3] if args.quick else TOWERS)

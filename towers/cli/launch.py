@@ -4,7 +4,8 @@ Starts --workers worker processes (and --ps parameter servers, which serve with
 ``python -m towers.cluster.server``) on 127.0.0.1 with free ports. Each task gets
 ``TF_CONFIG`` (the cluster and its own task) and ``TOWERS_PER_TASK`` (how many
 logical devices to simulate). Output lines are prefixed ``[worker 0]``, ``[ps 0]``…
-If one task fails the others are terminated; --timeout kills everything.
+If one task fails the others are terminated (after --failure-grace seconds, in which
+they may report the failure and exit themselves); --timeout kills everything.
 
 Exit status: 0 when every worker exits 0, 124 after --timeout, otherwise the largest
 exit code of a task that ended by itself; 2 for bad options.
@@ -31,6 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ps", type=int, default=0, help="parameter-server tasks (default 0)")
     parser.add_argument("--timeout", type=float, default=None,
                         help="seconds before every task is killed (exit 124)")
+    parser.add_argument("--failure-grace", type=float, default=0.0,
+                        help="seconds the other tasks may run on after one failed (default 0)")
     parser.add_argument("command", nargs=argparse.REMAINDER,
                         help="after --: the program and its arguments")
 
@@ -50,8 +53,11 @@ def run(args: argparse.Namespace) -> int:
         problems.append("need --workers >= 1, --towers-per-worker >= 1 and --ps >= 0")
     if args.timeout is not None and args.timeout <= 0:
         problems.append("--timeout must be positive")
+    if args.failure_grace < 0:
+        problems.append("--failure-grace must be at least 0")
     if problems:
         print(f"towers launch: error: {'; '.join(problems)}", file=sys.stderr)
         return 2
     cluster = local_cluster(args.workers, ps=args.ps)
-    return launch(cluster, args.towers_per_worker, command, timeout=args.timeout)
+    return launch(cluster, args.towers_per_worker, command, timeout=args.timeout,
+                  failure_grace=args.failure_grace)

@@ -15,6 +15,9 @@
     ps_train.py  AsyncTrainer: async workers pushing to the ps, every update logged
     ps_replay.py save_log/load_log, replay(): the log replayed bitwise in NumPy
     ps_local.py  local_ps_cluster(): worker + ps servers for one client; connect_ps()
+    flat.py      AllTowers: one collective over all W·T towers, MWMS's order (bitwise)
+    trainer.py   WorkerTrainer: loss over the global batch (unequal/empty workers)
+    checkpoints.py  save_on_chief / restore_latest: atomic chief checkpoints, resume
 
 ``towers launch`` (:mod:`towers.cli.launch`) is the command line of ``launch``.
 """

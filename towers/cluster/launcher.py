@@ -6,7 +6,8 @@
       worker 0: CMD  (TF_CONFIG task 0, TOWERS_PER_TASK=T) ──▶ "[worker 0] line"
       worker 1: CMD  (TF_CONFIG task 1, TOWERS_PER_TASK=T) ──▶ "[worker 1] line"
       ps 0:     python -m towers.cluster.server            ──▶ "[ps 0] line"
-      one task fails  → the others are terminated; --timeout → all are killed (124)
+      one task fails  → the others are terminated (after failure_grace seconds, in
+                        which they may end by themselves); --timeout → all are killed (124)
 
 Trainers (chief and worker tasks) run the command; parameter servers serve until the
 trainers are done. Every task is its own process group, so killing a task also kills
@@ -113,7 +114,8 @@ def _start_all(cluster: Cluster, towers: int, command: Sequence[str], out: Sink,
 
 
 def launch(cluster: Cluster, towers: int, command: Sequence[str],
-           timeout: float | None = None, out: IO[str] | None = None) -> int:
+           timeout: float | None = None, out: IO[str] | None = None,
+           failure_grace: float = 0.0) -> int:
     """Run ``command`` once per trainer task of ``cluster`` and return the worst exit code.
 
     Args:
@@ -122,6 +124,9 @@ def launch(cluster: Cluster, towers: int, command: Sequence[str],
         command: the program and its arguments.
         timeout: seconds before every task is killed (None: no limit).
         out: where prefixed output lines go (default ``sys.stdout``).
+        failure_grace: seconds the other trainers may run on after one failed (to
+            report the failure themselves, e.g. a ``StepTimeout``) before they are
+            terminated; their exit codes then count.
 
     Returns:
         0 when every trainer exits 0; :data:`TIMEOUT_EXIT` after a timeout; otherwise
@@ -129,8 +134,10 @@ def launch(cluster: Cluster, towers: int, command: Sequence[str],
         for a signalled one). Tasks terminated because another failed do not count.
 
     Raises:
-        ValueError: an empty command or a cluster without trainers.
+        ValueError: an empty command, a cluster without trainers or a negative grace.
     """
+    if not failure_grace >= 0:
+        raise ValueError(f"failure_grace must be at least 0 seconds, got {failure_grace}")
     if not command:
         raise ValueError("command is empty: give the program to run after --")
     if cluster.num_workers == 0:
@@ -144,7 +151,9 @@ def launch(cluster: Cluster, towers: int, command: Sequence[str],
         while any(t.poll() is None for t in trainers):
             failed = [c for t in trainers if (c := t.poll()) not in (None, 0)]
             if failed:
-                code = max(failed)
+                _wait_for(trainers, min(time.monotonic() + failure_grace,
+                                        deadline if deadline is not None else float("inf")))
+                code = max(c for t in trainers if (c := t.poll()) is not None)
                 break
             if deadline is not None and time.monotonic() > deadline:
                 code = TIMEOUT_EXIT
@@ -159,6 +168,12 @@ def launch(cluster: Cluster, towers: int, command: Sequence[str],
             task.finish()
     ended = [c for t in trainers if not t.killed and (c := t.poll()) is not None]
     return code or max(ended, default=0)
+
+
+def _wait_for(tasks: list[TaskProcess], until: float) -> None:
+    """Let running tasks end by themselves until ``until`` (monotonic seconds)."""
+    while any(t.poll() is None for t in tasks) and time.monotonic() < until:
+        time.sleep(0.05)
 
 
 @contextlib.contextmanager

@@ -29,6 +29,9 @@ Summation depth: (T − 1) local additions, then the runtime's ring over W: W �
 Cost per variable of S bytes: (T − 1) local copies and adds, then the ring's
 2(W − 1)α + 2(W − 1)/W·Sβ + (W − 1)/W·Sγ across workers.
 
+MultiWorkerMirroredStrategy adds in another order (one collective over all W·T
+replicas); :class:`towers.cluster.flat.AllTowers` reproduces it bit for bit.
+
 References:
     TensorFlow ``CollectiveReplicaLauncher`` (ordering tokens, keys);
     Goyal et al., *Accurate, Large Minibatch SGD* (2017), hierarchical all-reduce.

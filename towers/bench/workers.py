@@ -1,0 +1,175 @@
+"""``towers bench --workers W``: cross-process all-reduce throughput, towers beside MWMS.
+
+The command launches W local worker processes (``towers launch``'s way, one tower
+each); every worker runs ``python -m towers.bench.workers``, which times, for each
+size, in interleaved rounds, the same all-reduce three ways::
+
+    round r, size S:  CrossWorker (op="sum")   ─┐ each one collective all_reduce_v2 of S
+                      AllTowers   (op="sum")   ─┤ bytes over W processes (gRPC, RING),
+                      MWMS replica all_reduce  ─┘ called in a tf.function, waited for
+
+and worker 0 prints one ``RESULT {json}`` line per size with the medians. The parent
+writes ``workers.csv``: seconds, algbw = S / t, busbw = algbw · 2(W − 1)/W (what each
+process sends and receives in a ring, NCCL-tests' convention) and the ratio of each
+towers reducer's time to MWMS's (< 1: towers faster).
+
+Every call is a collective, so the workers stay in step; the launch has a timeout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["FIELDS", "SIZES_MB", "main", "run", "write_csv"]
+
+SIZES_MB = (1, 4, 16, 64)
+FIELDS = ("workers", "megabytes", "impl", "median_s", "min_s", "algbw_GBps", "busbw_GBps",
+          "ratio_to_mwms")
+_IMPLS = ("CrossWorker", "AllTowers", "MWMS")
+
+
+def _functions(strategy: Any, workers: int, elements: int) -> dict[str, Any]:
+    """One compiled all-reduce per implementation, for a float32 vector of ``elements``."""
+    import tensorflow as tf
+
+    from towers.cluster.flat import AllTowers
+    from towers.cluster.reducer import CrossWorker
+
+    device = "/device:CPU:0"
+    with tf.device(device):
+        probe = tf.Variable(tf.zeros([elements]))
+    cross = CrossWorker(workers, op="sum", timeout_seconds=300.0)
+    flat = AllTowers(workers, op="sum", timeout_seconds=300.0)
+    for reducer in (cross, flat):
+        reducer.build([probe], [device])
+
+    def replica(v: tf.Tensor) -> tf.Tensor:
+        with tf.device(device):  # MWMS reduces "to the value's devices": give it one
+            v = tf.identity(v)
+        return tf.distribute.get_replica_context().all_reduce("sum", v)
+
+    mwms = tf.function(lambda x: strategy.run(replica, args=(x,)))
+    return {
+        "CrossWorker": tf.function(lambda x: cross.reduce_gradients([[x]])[0][0]),
+        "AllTowers": tf.function(lambda x: flat.reduce_gradients([[x]])[0][0]),
+        # MWMS's input is a distributed value (one local replica), as in its tutorials
+        "MWMS": lambda x: mwms(strategy.experimental_distribute_values_from_function(
+            lambda _: x)),
+    }
+
+
+def _time_size(strategy: Any, workers: int, megabytes: int, rounds: int) -> dict[str, Any]:
+    """Median and minimum seconds of each implementation for one size."""
+    import numpy as np
+    import tensorflow as tf
+
+    elements = megabytes * 2**20 // 4
+    functions = _functions(strategy, workers, elements)
+    with tf.device("/device:CPU:0"):
+        x = tf.constant(np.ones(elements, np.float32))
+    seconds: dict[str, list[float]] = {name: [] for name in _IMPLS}
+    for fn in functions.values():  # trace and warm up (the first call meets the group)
+        np.asarray(fn(x))
+    for _ in range(rounds):
+        for name, fn in functions.items():
+            start = time.perf_counter()
+            out = np.asarray(fn(x))
+            seconds[name].append(time.perf_counter() - start)
+            assert np.all(out == workers), f"{name}: an all-reduce of ones gave {out[:4]}…"
+    return {"megabytes": megabytes, "workers": workers,
+            "median_s": {k: statistics.median(v) for k, v in seconds.items()},
+            "min_s": {k: min(v) for k, v in seconds.items()}}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """One worker's part (run under the launcher): time every size, worker 0 reports."""
+    parser = argparse.ArgumentParser(description="one worker of towers bench --workers")
+    parser.add_argument("--sizes", default=",".join(map(str, SIZES_MB)), help="megabytes")
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args(argv)
+    from towers.cluster import resolve, set_logical_devices
+    from towers.devices import set_local_task
+
+    cluster = resolve()
+    set_logical_devices(1)
+    import tensorflow as tf
+
+    ring = tf.distribute.experimental.CommunicationImplementation.RING
+    strategy = tf.distribute.MultiWorkerMirroredStrategy(
+        communication_options=tf.distribute.experimental.CommunicationOptions(
+            implementation=ring))
+    set_local_task(str(cluster.task_type), int(cluster.task_index or 0))
+    for mb in (int(s) for s in args.sizes.split(",")):
+        result = _time_size(strategy, cluster.num_workers, mb, args.rounds)
+        if cluster.is_chief:
+            print("RESULT " + json.dumps(result), flush=True)
+    os._exit(0)  # the collective runtime's teardown may wait on its peers
+
+
+def rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The CSV rows (one per size and implementation) from the workers' RESULT lines."""
+    out = []
+    for r in results:
+        w, size = r["workers"], r["megabytes"] * 2**20
+        for impl in _IMPLS:
+            t = r["median_s"][impl]
+            algbw = size / t / 1e9
+            out.append({
+                "workers": w, "megabytes": r["megabytes"], "impl": impl,
+                "median_s": f"{t:.5f}", "min_s": f"{r['min_s'][impl]:.5f}",
+                "algbw_GBps": f"{algbw:.3f}", "busbw_GBps": f"{algbw * 2 * (w - 1) / w:.3f}",
+                "ratio_to_mwms": f"{t / r['median_s']['MWMS']:.3f}",
+            })
+    return out
+
+
+def write_csv(table: list[dict[str, Any]], path: Path) -> Path:
+    """Write the rows to ``path`` (folders made as needed)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer.writeheader()
+        writer.writerows(table)
+    return path
+
+
+def run(workers: int, out_dir: Path, sizes: list[int] | None = None, rounds: int = 7,
+        timeout: float = 600.0) -> int:
+    """Launch the workers, print the table, write ``out_dir/workers.csv``; exit code.
+
+    Raises:
+        ValueError: fewer than 2 workers, or a size or round count below 1.
+    """
+    from towers.cluster import launch, local_cluster
+
+    sizes = list(sizes or SIZES_MB)
+    if workers < 2 or rounds < 1 or min(sizes) < 1:
+        raise ValueError(f"need workers >= 2, rounds >= 1 and sizes >= 1 MB; got "
+                         f"{workers}, {rounds}, {sizes}")
+    text = io.StringIO()
+    command = [sys.executable, "-m", "towers.bench.workers", "--sizes",
+               ",".join(map(str, sizes)), "--rounds", str(rounds)]
+    code = launch(local_cluster(workers), 1, command, timeout=timeout, out=text)
+    results = [json.loads(line.split("RESULT ", 1)[1]) for line in text.getvalue().splitlines()
+               if line.startswith("[worker 0] RESULT ")]
+    if code != 0 or len(results) != len(sizes):
+        print(text.getvalue()[-4000:])
+        return code or 1
+    table = rows(results)
+    for row in table:
+        print("  ".join(f"{k}={row[k]}" for k in FIELDS), flush=True)
+    print(f"wrote {write_csv(table, out_dir / 'workers.csv')}")
+    return 0
+
+
+if __name__ == "__main__":
+    main()
