@@ -321,3 +321,7 @@ def test_every_replica_carries_the_models_policy() -> None:
     assert all(isinstance(r.optimizer, keras.optimizers.LossScaleOptimizer)
                for r in trainer.replicas)  # fmt: skip
     assert trainer.loss_scale.compute_dtype == tf.float16
+    # Keras keeps float32 variables: the float16 computation's gradients come back float32
+    x, y = _batch(6, 3, 0, tower0=1.0)
+    grads = trainer.forward_backward(trainer.split(x, y)).grads
+    assert {g.dtype for tower in grads for g in tower} == {tf.float32}
