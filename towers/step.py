@@ -258,8 +258,8 @@ class TowerTrainer:
         template = results[0]  # tower 0 always has examples: the batch is not empty
         for i in range(len(self.devices)):
             if i not in results:
-                trainable, frozen = read_weights(self.replica_of(i), self.devices[i])
                 replica = self.replica_of(i)
+                trainable, frozen = read_weights(replica, self.devices[i])
                 results[i] = empty_tower_step(
                     self.model, trainable, frozen, template=template,
                     num_towers=len(self.devices), device=self.devices[i],

@@ -142,8 +142,11 @@ class LossScale:
     def finite(self, reduced: Sequence[Any], local: tf.Tensor | None, device: str) -> tf.Tensor:
         """The step's one flag: the towers' local gradients (``local``, the guard's) and
         the reduced ones (a sum can overflow where no addend did) are all finite."""
+        src = reduced[0].device  # check where the sums are, send one boolean
+        with tf.device(src):
+            flag = all_finite(reduced)
+        flag = send(flag, device, src=src, note="loss-scale")
         with tf.device(device):
-            flag = all_finite([send(g, device, note="loss-scale") for g in reduced])
             return flag if local is None else tf.logical_and(local, flag)
 
     def apply(

@@ -136,7 +136,9 @@ class Guard:
         with tf.device(self.device):
             gathered = tf.stack(codes)
             ok = tf.reduce_all(tf.equal(tf.bitwise.bitwise_and(gathered, self.fatal), 0))
-            grads_ok = tf.reduce_all(tf.equal(tf.bitwise.bitwise_and(gathered, _GRADIENTS), 0))
+            grads_ok = None
+            if self.loss_scaled:
+                grads_ok = tf.reduce_all(tf.equal(tf.bitwise.bitwise_and(gathered, _GRADIENTS), 0))
 
         def skip() -> tf.Tensor:
             with tf.device(self.device):
@@ -144,7 +146,7 @@ class Guard:
                 # identity, not send(): only one branch runs, its traffic is counted once
                 return tf.add_n([tf.identity(r.loss) for r in towers])
 
-        result = tf.cond(ok, lambda: update(grads_ok if self.loss_scaled else None), skip)
+        result = tf.cond(ok, lambda: update(grads_ok), skip)
         with tf.device(self.device):
             self.codes.assign(gathered)
         return result
