@@ -290,7 +290,10 @@ class StrategyTrainer:
             )
             if self.model.losses:
                 loss += tf.nn.scale_regularization_loss(tf.add_n(self.model.losses))
+            # Keras 3's custom-loop contract: a LossScaleOptimizer scales the loss here and
+            # unscales in apply_gradients; any other optimizer returns the loss unchanged.
+            scaled = self.optimizer.scale_loss(loss)
         variables = self.model.trainable_variables
-        grads = tape.gradient(loss, variables)
+        grads = tape.gradient(scaled, variables)
         self.optimizer.apply_gradients(zip(grads, variables, strict=True))
         return loss

@@ -44,6 +44,7 @@ from towers.allreduce.recording import StepStats
 from towers.allreduce.reducer import as_reducer, resolve
 from towers.guard.deadline import Deadline, settled
 from towers.guard.inputs import batch_tensors, check_choice, check_kinds
+from towers.guard.loss_scale import LossScale
 from towers.guard.nonfinite import Guard
 from towers.guard.replicas import ReplicaCheck
 from towers.placement import (
@@ -81,11 +82,14 @@ class Reduced(NamedTuple):
         grads: ``grads[replica][var]``, the summed gradients each replica applies.
         non_trainable: the combined new value of every non-trainable variable.
         loss: the global mean loss (the towers' shares added in tower order).
+        grads_finite: with a ``LossScaleOptimizer``, the step's one "all gradients
+            finite" flag (:mod:`towers.guard.loss_scale`); None: each replica checks.
     """
 
     grads: list[list[tf.Tensor | tf.IndexedSlices]]
     non_trainable: list[tf.Tensor]
     loss: tf.Tensor
+    grads_finite: tf.Tensor | None = None
 
 
 class TowerTrainer:
@@ -114,6 +118,11 @@ class TowerTrainer:
         step_timeout: seconds a step may run, then ``StepTimeout`` (:mod:`towers.guard.deadline`).
         check_replicas_every: compare the replicas by checksum every k steps
             (:mod:`towers.guard.replicas`). Both default to None: off.
+        reduce_dtype: ``"float32"`` (default) or ``"compute"`` (the model's dtype
+            policy's compute dtype) for the gradient all-reduce. Mixed precision is the
+            model's own policy (build it under ``keras.mixed_precision``) and, for
+            float16, a ``keras.optimizers.LossScaleOptimizer``: see
+            :mod:`towers.guard.loss_scale` and docs/mixed_precision.md.
 
     Example:
         >>> devices = towers.simulate_devices(4)                      # doctest: +SKIP
@@ -136,6 +145,7 @@ class TowerTrainer:
         on_nonfinite: str = "skip",
         step_timeout: float | None = None,
         check_replicas_every: int | None = None,
+        reduce_dtype: str = "float32",
     ) -> None:
         check_kinds(model, optimizer, loss)
         self.devices = check_devices(devices)
@@ -151,7 +161,10 @@ class TowerTrainer:
         homes = self.placement.homes(self.devices, self.parameter_device)
         self.replicas: list[Replica] = make_replicas(model, optimizer, homes)
         self.reducer.build(self.model.trainable_variables, self.devices)
-        self.guard = Guard(on_nonfinite, len(self.devices), self.parameter_device)
+        self.loss_scale = LossScale(self.optimizer, self.model, reduce_dtype)
+        self.guard = Guard(
+            on_nonfinite, len(self.devices), self.parameter_device, self.loss_scale.active
+        )
         self.trace_count = 0
         self.last_trace_stats: Recorder | None = None
         # No reduce_retracing: a static batch size gives static shard sizes (empty towers are
@@ -214,15 +227,20 @@ class TowerTrainer:
             grads = self.forward_backward(shards)
             # reduce → apply inside the guard's one tf.cond: all of it or nothing
             with tf.name_scope("guard"):
-                loss = self.guard.run(grads.towers, self.devices, lambda: self._update(grads))
+                loss = self.guard.run(
+                    grads.towers, self.devices, lambda ok: self._update(grads, ok)
+                )
             if with_outputs:
                 outputs = concat([r.outputs for r in grads.towers], self.parameter_device)
         self.last_trace_stats = recorder
         return (loss, outputs) if with_outputs else loss
 
-    def _update(self, grads: Gradients) -> tf.Tensor:
+    def _update(self, grads: Gradients, grads_finite: tf.Tensor | None = None) -> tf.Tensor:
         with tf.name_scope("reduce"):
             reduced = self.reduce(grads)
+        if self.loss_scale.active:  # one flag for every replica's dynamic scale
+            flag = self.loss_scale.finite(reduced.grads[0], grads_finite, self.parameter_device)
+            reduced = reduced._replace(grads_finite=flag)
         with tf.name_scope("apply"):
             settled(reduced, self.apply)  # nothing changes before every reduction completed
         return reduced.loss
@@ -247,10 +265,13 @@ class TowerTrainer:
         template = results[0]  # tower 0 always has examples: the batch is not empty
         for i in range(len(self.devices)):
             if i not in results:
-                trainable, frozen = read_weights(self.replica_of(i), self.devices[i])
+                replica = self.replica_of(i)
+                trainable, frozen = read_weights(replica, self.devices[i])
                 results[i] = empty_tower_step(
                     self.model, trainable, frozen, template=template,
                     num_towers=len(self.devices), device=self.devices[i],
+                    loss_scale=self.loss_scale.scale(replica.optimizer, replica.device,
+                                                     self.devices[i]),
                 )  # fmt: skip
         return Gradients(tuple(results[i] for i in range(len(self.devices))))
 
@@ -259,13 +280,14 @@ class TowerTrainer:
 
         ``backward=False`` runs the forward pass alone (for timing it).
         """
-        device = self.devices[tower]
+        device, replica = self.devices[tower], self.replica_of(tower)
         with tf.name_scope(f"tower_{tower}"):
-            trainable, frozen = read_weights(self.replica_of(tower), device)
+            trainable, frozen = read_weights(replica, device)
             return tower_step(
                 self.model, trainable, frozen, shards.parts[tower], loss_fn=self.loss_fn,
                 global_batch=shards.global_batch, num_towers=len(self.devices), device=device,
                 backward=backward,
+                loss_scale=self.loss_scale.scale(replica.optimizer, replica.device, device),
             )  # fmt: skip
 
     def reduce(self, grads: Gradients) -> Reduced:
@@ -275,7 +297,9 @@ class TowerTrainer:
         then the placement picks what each replica applies.
         """
         grads = grads.on_devices(self.devices)
-        reduced = self.placement.for_replicas(self.reducer.reduce_gradients(grads.grads))
+        summed = self.reducer.reduce_gradients(self.loss_scale.to_wire(grads.grads))
+        dtypes = [v.dtype for v in self.model.trainable_variables]
+        reduced = self.placement.for_replicas(self.loss_scale.from_wire(summed, dtypes))
         state = combine_non_trainable(
             grads.towers, first_tower=self.non_trainable_mode == "first_tower",
             device=self.parameter_device,
@@ -290,7 +314,10 @@ class TowerTrainer:
         for replica, grads in zip(self.replicas, reduced.grads):
             with tf.device(replica.device):
                 variables = replica.model.trainable_variables
-                replica.optimizer.apply_gradients(zip(grads, variables))
+                self.loss_scale.apply(
+                    replica.optimizer, grads, reduced.grads_finite,
+                    functools.partial(_apply_gradients, variables=variables),
+                )  # fmt: skip
                 for var, value in zip(replica.model.non_trainable_variables, reduced.non_trainable):
                     var.assign(send(value, replica.device, note="state"))
 
@@ -358,3 +385,7 @@ class TowerTrainer:
     def replica_weights(self) -> list[list[np.ndarray]]:
         """Every replica's weights (one list per replica; a single one for parameter_device)."""
         return [variable_values(r.model.weights) for r in self.replicas]
+
+
+def _apply_gradients(optimizer: Any, grads: list[Any], variables: list[Any]) -> None:
+    optimizer.apply_gradients(zip(grads, variables))

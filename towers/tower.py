@@ -189,6 +189,7 @@ def tower_step(
     num_towers: int,
     device: str,
     backward: bool = True,
+    loss_scale: tf.Tensor | None = None,
 ) -> TowerResult:
     """Run forward and backward for one tower's shard on ``device``.
 
@@ -204,6 +205,10 @@ def tower_step(
         device: this tower's device.
         backward: False runs the forward pass alone (no tape; ``grads`` is empty),
             e.g. to time it.
+        loss_scale: the dynamic loss scale ``S`` of a ``LossScaleOptimizer`` (on
+            ``device``), or None. The tape differentiates ``S·loss`` — Keras'
+            ``optimizer.scale_loss`` — so float16 gradients do not underflow; the
+            gradients come back scaled (the optimizer unscales), the loss unscaled.
 
     Returns:
         The tower's loss share, gradients (``IndexedSlices`` stay sparse), updated
@@ -216,7 +221,10 @@ def tower_step(
         with tf.GradientTape() as tape:
             tape.watch(list(trainable))
             result = _forward(*args)
-        grads = tape.gradient(result.loss, list(trainable))
+            target = result.loss
+            if loss_scale is not None:
+                target = keras.ops.multiply(target, loss_scale)  # LossScaleOptimizer.scale_loss
+        grads = tape.gradient(target, list(trainable))
     _check_gradients(grads, [v.path for v in model.trainable_variables])
     return result._replace(grads=list(grads))
 
@@ -236,6 +244,7 @@ def empty_tower_step(
     template: TowerResult,
     num_towers: int,
     device: str,
+    loss_scale: tf.Tensor | None = None,
 ) -> TowerResult:
     """What a tower without examples contributes, without running the model on 0 rows.
 
@@ -244,7 +253,8 @@ def empty_tower_step(
     gradients are taken from the regularizers alone. Everything else is zero; sparse
     gradients stay sparse (an ``IndexedSlices`` with no rows), state stays unchanged.
     Skipping the forward pass matters: some kernels fail on a batch of 0 (Keras 3
-    Conv2D does, in the reference as well).
+    Conv2D does, in the reference as well). ``loss_scale`` scales those gradients as
+    :func:`tower_step` does.
     """
     with tf.device(device):
         mapping = list(zip(model.trainable_variables, trainable))
@@ -256,7 +266,8 @@ def empty_tower_step(
             if reg_losses:
                 reg = tf.add_n(reg_losses)
                 loss += reg / tf.cast(num_towers, reg.dtype)
-        grads = tape.gradient(loss, list(trainable)) if reg_losses else [None] * len(trainable)
+            target = loss if loss_scale is None else keras.ops.multiply(loss, loss_scale)
+        grads = tape.gradient(target, list(trainable)) if reg_losses else [None] * len(trainable)
         grads = [
             _zeros_like_gradient(v, like) if g is None else g
             for g, v, like in zip(grads, model.trainable_variables, template.grads)

@@ -10,6 +10,8 @@
                   timed-out collective a ``StepTimeout``; the update waits for all of
                   the reduction (a hung step changes nothing)
     replicas.py   ``check_replicas_every``: every replica's variables compared by checksum
+    loss_scale.py a ``LossScaleOptimizer``'s dynamic scale across towers: one finite flag
+                  for every replica; ``reduce_dtype`` (docs/mixed_precision.md)
 
 The step (:mod:`towers.step`) and the training tools import these modules; these
 modules import nothing of the step, so the dependencies point one way.

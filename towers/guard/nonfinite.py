@@ -30,6 +30,14 @@ Modes (``TowerTrainer(on_nonfinite=...)``):
   tf.distribute does; the graph is the unguarded one.
 
 On finite steps all three give bitwise the same result: the guard only reads values.
+
+With a ``keras.optimizers.LossScaleOptimizer`` (``loss_scaled=True``) a non-finite
+*gradient* is an expected event, handled by the dynamic scale
+(:mod:`towers.guard.loss_scale`): bit 2 neither skips nor raises nor counts; it is
+handed to the update as the step's "gradients finite" flag, which halves the scale
+on every replica and leaves weights, slots and ``iterations`` as they were. A
+non-finite *loss* (it is the unscaled loss) or non-finite state still follows the
+mode: ``"skip"`` changes nothing at all, the scale included.
 """
 
 from __future__ import annotations
@@ -47,6 +55,7 @@ __all__ = ["NONFINITE", "Guard", "describe", "tower_code"]
 
 NONFINITE = ("skip", "raise", "ignore")
 _WHAT = ((1, "loss"), (2, "gradients"), (4, "non-trainable state"))
+_GRADIENTS = 2
 
 
 def _all_finite(values: Sequence[tf.Tensor]) -> tf.Tensor:
@@ -84,34 +93,41 @@ class Guard:
         mode: one of :data:`NONFINITE`.
         towers: the number of towers.
         device: where the decision is taken and the counters live (the parameter device).
+        loss_scaled: the optimizer is a ``LossScaleOptimizer``: non-finite gradients
+            are left to the dynamic scale (see the module docstring).
 
     Raises:
         ValueError: an unknown mode.
     """
 
-    def __init__(self, mode: str, towers: int, device: str) -> None:
+    def __init__(self, mode: str, towers: int, device: str, loss_scaled: bool = False) -> None:
         if mode not in NONFINITE:
             raise ValueError(f"on_nonfinite must be one of {', '.join(NONFINITE)}; got {mode!r}")
-        self.mode, self.device = mode, device
+        self.mode, self.device, self.loss_scaled = mode, device, loss_scaled
+        # the code bits that skip (and raise): all of them, or all but the gradients'
+        self.fatal = 7 & ~_GRADIENTS if loss_scaled else 7
         with tf.device(device):
             self.skipped = tf.Variable(0, dtype=tf.int64, trainable=False, name="skipped_steps")
             self.codes = tf.Variable(tf.zeros([towers], tf.int32), trainable=False, name="codes")
 
-    def run(self, towers: Sequence[Any], devices: Sequence[str], update: Callable[[], Any]) -> Any:
-        """``update()`` (reduce and apply; returns the loss) when every tower is finite.
+    def run(self, towers: Sequence[Any], devices: Sequence[str], update: Callable[..., Any]) -> Any:
+        """``update(grads_finite)`` (reduce and apply; returns the loss) unless a tower
+        met a NaN or Inf that skips the step.
 
         Args:
             towers: every tower's result (``loss``, ``grads``, ``non_trainable``), in
                 tower order; tower ``i``'s values are on ``devices[i]``.
             devices: the towers' devices.
-            update: the whole state-changing part of the step.
+            update: the whole state-changing part of the step; it receives, when
+                ``loss_scaled`` and checked, one boolean: every tower's gradients are
+                finite (else None).
 
         Returns:
             The loss ``update`` returns, or on a skipped step the towers' losses added
             in tower order (non-finite).
         """
         if self.mode == "ignore":
-            return update()
+            return update(None)
         codes = []
         for r, device in zip(towers, devices):
             with tf.device(device):
@@ -119,7 +135,10 @@ class Guard:
                                   note="guard"))  # fmt: skip
         with tf.device(self.device):
             gathered = tf.stack(codes)
-            ok = tf.reduce_all(tf.equal(gathered, 0))
+            ok = tf.reduce_all(tf.equal(tf.bitwise.bitwise_and(gathered, self.fatal), 0))
+            grads_ok = None
+            if self.loss_scaled:
+                grads_ok = tf.reduce_all(tf.equal(tf.bitwise.bitwise_and(gathered, _GRADIENTS), 0))
 
         def skip() -> tf.Tensor:
             with tf.device(self.device):
@@ -127,7 +146,7 @@ class Guard:
                 # identity, not send(): only one branch runs, its traffic is counted once
                 return tf.add_n([tf.identity(r.loss) for r in towers])
 
-        result = tf.cond(ok, update, skip)
+        result = tf.cond(ok, lambda: update(grads_ok), skip)
         with tf.device(self.device):
             self.codes.assign(gathered)
         return result
@@ -142,5 +161,6 @@ class Guard:
             raise NonFiniteError(int(optimizer.iterations), bad, devices)
 
     def last(self) -> dict[int, list[str]]:
-        """What the last step met, per non-finite tower (empty when it was finite)."""
-        return describe(self.codes.numpy()) if self.mode != "ignore" else {}
+        """What made the last step skip, per tower (empty when it was not skipped; with
+        loss scaling an overflowed gradient is the scale's business, not listed here)."""
+        return describe(self.codes.numpy() & self.fatal) if self.mode != "ignore" else {}

@@ -1,0 +1,192 @@
+"""Dynamic loss scaling across towers: one finite decision, every replica's scale moves as one.
+
+::
+
+    tower i:  loss_i ──× S ──▶ tape ──▶ S·g_i           S: the replica's dynamic_scale
+                │  guard code bit 2: S·g_i non-finite (local, before any reduction)
+                ▼
+    all-reduce  Σ_i S·g_i      in reduce_dtype ("float32", or "compute": the policy's)
+                │
+    parameter device:  finite = all_i(code_i & 2 == 0) ∧ isfinite(Σ_i S·g_i)   ONE flag
+                │
+    every replica: tf.cond(finite,
+        apply Σ S·g_i / S;  counter == growth − 1 ? (S ← 2S, counter ← 0) : counter += 1,
+        S ← S / 2;  counter ← 0)              weights, slots, iterations untouched
+
+This is Keras 3's ``LossScaleOptimizer`` rule (``_stateful_handle_finite_grads``: unscale
+by the current ``S``, apply the inner optimizer, then grow or count; a non-finite step
+halves ``S`` and resets the counter), with the finite flag taken once for the whole
+step instead of per replica. ``optimizer.iterations`` is the inner optimizer's: it
+advances on finite steps only, as in Keras. Under ``tf.distribute.MirroredStrategy``
+Keras decides from replica 0's *unreduced* gradients, so an overflow on another replica
+is applied (measured: docs/mixed_precision.md); here any tower's overflow drops the step.
+
+Cost: one ``is_finite`` pass over the reduced gradients (the local ones are the guard's
+own check), one scalar read of ``S`` per tower. ``S`` is a power of two, so scaling
+and unscaling are exact in float32 unless a value over- or underflows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from towers.allreduce.primitives import send
+
+__all__ = ["REDUCE_DTYPES", "LossScale", "is_loss_scaled"]
+
+REDUCE_DTYPES = ("float32", "compute")
+"""``TowerTrainer(reduce_dtype=...)``: the dtype gradients are summed in."""
+
+ApplyFn = Callable[[keras.optimizers.Optimizer, list[Any]], None]
+
+
+def is_loss_scaled(optimizer: Any) -> bool:
+    """True for a Keras ``LossScaleOptimizer`` (dynamic loss scaling)."""
+    return isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+
+
+def _cast(value: Any, dtype: tf.DType) -> Any:
+    if value is None or value.dtype == dtype or not value.dtype.is_floating:
+        return value
+    if isinstance(value, tf.IndexedSlices):
+        return tf.IndexedSlices(tf.cast(value.values, dtype), value.indices, value.dense_shape)
+    return tf.cast(value, dtype)
+
+
+def _divide(value: Any, scale: tf.Tensor) -> Any:
+    if isinstance(value, tf.IndexedSlices):
+        values = value.values / tf.cast(scale, value.values.dtype)
+        return tf.IndexedSlices(values, value.indices, value.dense_shape)
+    return value / tf.cast(scale, value.dtype)
+
+
+def all_finite(values: Sequence[Any]) -> tf.Tensor:
+    """One boolean: every element of every (dense or sparse) value is finite."""
+    dense = [v.values if isinstance(v, tf.IndexedSlices) else v for v in values]
+    flags = [tf.reduce_all(tf.math.is_finite(v)) for v in dense if v.dtype.is_floating]
+    return tf.reduce_all(tf.stack(flags)) if flags else tf.constant(True)
+
+
+class LossScale:
+    """A trainer's loss-scaling and reduction-dtype rules.
+
+    Args:
+        optimizer: the first replica's optimizer; a ``LossScaleOptimizer`` turns
+            scaling on (:attr:`active`), any other optimizer leaves the step as it was.
+        model: the first replica's model; its ``dtype_policy`` gives the compute dtype.
+        reduce_dtype: ``"float32"`` (default: every gradient is summed in its own dtype,
+            at least float32 — a float16/bfloat16 gradient is widened for the sum and
+            narrowed after; Keras' mixed policies keep float32 variables, so their
+            gradients are float32 already) or ``"compute"`` (cast to the policy's compute
+            dtype, e.g. float16, for the sum: half the bytes, and a sum that overflows
+            there is a non-finite step).
+
+    Raises:
+        ValueError: an unknown ``reduce_dtype``.
+
+    Example:
+        >>> scale = LossScale(keras.optimizers.SGD(0.1), model)          # doctest: +SKIP
+        >>> scale.active
+        False
+    """
+
+    def __init__(self, optimizer: Any, model: keras.Model, reduce_dtype: str = "float32") -> None:
+        if reduce_dtype not in REDUCE_DTYPES:
+            raise ValueError(
+                f"reduce_dtype must be one of {', '.join(REDUCE_DTYPES)}; got {reduce_dtype!r}"
+            )
+        self.active = is_loss_scaled(optimizer)
+        self.reduce_dtype = reduce_dtype
+        compute = tf.as_dtype(model.dtype_policy.compute_dtype)
+        self.compute_dtype = compute if compute.is_floating else tf.float32
+
+    def scale(self, optimizer: Any, src: str, device: str) -> tf.Tensor | None:
+        """The replica's current scale ``S`` on ``device`` (None without loss scaling)."""
+        if not self.active:
+            return None
+        with tf.device(src):
+            value = tf.convert_to_tensor(optimizer.dynamic_scale.value)
+        return send(value, device, src=src, note="loss-scale")
+
+    def _wire_dtype(self, dtype: tf.DType) -> tf.DType:
+        if self.reduce_dtype == "compute":
+            return self.compute_dtype
+        return dtype if dtype.size >= 4 else tf.float32
+
+    def to_wire(self, grads: Sequence[Sequence[Any]]) -> list[list[Any]]:
+        """``grads[tower][var]`` in the dtype they are summed in (on their devices)."""
+        out = []
+        for tower in grads:
+            row = []
+            for g in tower:
+                with tf.device(g.device):
+                    row.append(_cast(g, self._wire_dtype(g.dtype)))
+            out.append(row)
+        return out
+
+    def from_wire(self, reduced: Sequence[Sequence[Any]], dtypes: Sequence[Any]) -> list[list[Any]]:
+        """The reduced gradients back in their variables' dtypes."""
+        out = []
+        for row in reduced:
+            cast = []
+            for g, dtype in zip(row, dtypes):
+                with tf.device(g.device):
+                    cast.append(_cast(g, tf.as_dtype(dtype)))
+            out.append(cast)
+        return out
+
+    def finite(self, reduced: Sequence[Any], local: tf.Tensor | None, device: str) -> tf.Tensor:
+        """The step's one flag: the towers' local gradients (``local``, the guard's) and
+        the reduced ones (a sum can overflow where no addend did) are all finite."""
+        src = reduced[0].device  # check where the sums are, send one boolean
+        with tf.device(src):
+            flag = all_finite(reduced)
+        flag = send(flag, device, src=src, note="loss-scale")
+        with tf.device(device):
+            return flag if local is None else tf.logical_and(local, flag)
+
+    def apply(
+        self, optimizer: Any, grads: list[Any], finite: tf.Tensor | None, apply: ApplyFn
+    ) -> None:
+        """Apply one replica's (scaled) reduced gradients under the dynamic-scale rule.
+
+        Args:
+            optimizer: the replica's optimizer.
+            grads: its reduced gradients, ``S·Σg`` when loss-scaled.
+            finite: the step's flag from :meth:`finite` (ignored without loss scaling).
+            apply: ``apply(optimizer, grads)`` applies gradients (the step's own code:
+                only ``towers.step`` calls ``apply_gradients``).
+        """
+        if not self.active:
+            apply(optimizer, grads)
+            return
+        scale = tf.convert_to_tensor(optimizer.dynamic_scale.value)
+
+        def finite_step() -> tf.Tensor:
+            apply(optimizer.inner_optimizer, [_divide(g, scale) for g in grads])
+            grow = tf.equal(optimizer.step_counter, optimizer.dynamic_growth_steps - 1)
+            tf.cond(grow, lambda: _set(optimizer, 2.0, 0), lambda: _count(optimizer))
+            return tf.constant(True)
+
+        def overflow_step() -> tf.Tensor:
+            _set(optimizer, 0.5, 0)
+            return tf.constant(False)
+
+        if finite is None:
+            finite = all_finite(grads)
+        tf.cond(finite, finite_step, overflow_step)
+
+
+def _set(optimizer: Any, factor: float, counter: int) -> tf.Tensor:
+    optimizer.step_counter.assign(counter)
+    optimizer.dynamic_scale.assign(optimizer.dynamic_scale * factor)
+    return tf.constant(True)
+
+
+def _count(optimizer: Any) -> tf.Tensor:
+    optimizer.step_counter.assign_add(1)
+    return tf.constant(True)
