@@ -38,7 +38,8 @@ from towers.allreduce.sharding import (
     dense_gradients,
     state_bytes,
 )
-from towers.devices import canonical_device, local_devices
+from towers.devices import canonical_device
+from towers.guard.weights import check_devices, check_weights
 
 __all__ = [
     "PLACEMENTS",
@@ -66,11 +67,15 @@ OptimizerLike: TypeAlias = "keras.optimizers.Optimizer | Callable[[], keras.opti
 
 @dataclasses.dataclass
 class Replica:
-    """One copy of the model and its optimizer, living on ``device``."""
+    """One copy of the model and its optimizer, living on ``device``.
+
+    ``sharded``: the optimizer holds slots for this replica's shard only (``sharded``).
+    """
 
     device: str
     model: keras.Model
     optimizer: keras.optimizers.Optimizer
+    sharded: bool = False
 
 
 class Update(NamedTuple):
@@ -177,7 +182,7 @@ class Sharded(Replicated):
         self.plan = ShardPlan(homes)
         replicas = make_replicas(model, optimizer, homes, build_on=self.plan.shards_for)
         check_optimizer(replicas[0].optimizer)
-        return replicas
+        return [dataclasses.replace(r, sharded=True) for r in replicas]
 
     def reduce(self, reducer: Any, grads: list[list[Any]]) -> list[list[Any]]:
         """``grads[tower][var]`` -> ``owned[owner][var]`` (None where a shard is empty)."""
@@ -213,33 +218,6 @@ def get_placement(name: str | Placement) -> Placement:
     if name not in _BY_NAME:
         raise ValueError(f"variables must be one of {', '.join(PLACEMENTS)}; got {name!r}")
     return Sharded() if name == "sharded" else _BY_NAME[name]  # a plan per trainer
-
-
-def check_devices(devices: Sequence[str] | None) -> list[str]:
-    """Validate tower devices and return their canonical names.
-
-    Raises:
-        ValueError: no devices, duplicates, or a name TensorFlow does not know.
-        TypeError: not a list of strings.
-    """
-    if devices is None:
-        devices = local_devices()
-    if isinstance(devices, str) or not isinstance(devices, Sequence):
-        raise TypeError(f"devices must be a list of device names, got {devices!r}")
-    if not devices:
-        raise ValueError("devices is empty: give at least one device (see towers.simulate_devices)")
-    known = {canonical_device(d.name) for d in tf.config.list_logical_devices()}
-    out: list[str] = []
-    for d in devices:
-        if not isinstance(d, str):
-            raise TypeError(f"devices must hold strings, got {d!r}")
-        c = canonical_device(d)
-        if c not in known:
-            raise ValueError(f"devices: unknown device {d!r}; known: {', '.join(sorted(known))}")
-        if c in out:
-            raise ValueError(f"devices: {d!r} appears twice; each tower needs its own device")
-        out.append(c)
-    return out
 
 
 def _on_device(model: keras.Model, device: str) -> bool:
@@ -334,36 +312,6 @@ def make_replicas(
         opt = _new_optimizer(optimizer, variables, device, first=not replicas)
         replicas.append(Replica(device, made, opt))
     return replicas
-
-
-def check_weights(variables: Sequence[Any], weights: Any) -> list[np.ndarray]:
-    """``weights`` as arrays of ``variables``' dtypes, every one checked before any is used.
-
-    Raises:
-        TypeError: ``weights`` is not a list, or an array is not numeric, or a float
-            array is given for an integer variable.
-        ValueError: the count differs, or an array's shape (naming its index and variable).
-    """
-    if isinstance(weights, (str, bytes, np.ndarray)) or not isinstance(weights, Sequence):
-        raise TypeError(
-            f"weights must be a list of arrays (model.weights order), got {weights!r:.80}"
-        )
-    if len(weights) != len(variables):
-        raise ValueError(
-            f"weights: expected {len(variables)} arrays (model.weights), got {len(weights)}"
-        )
-    arrays = []
-    for i, (v, w) in enumerate(zip(variables, weights)):
-        where = f"weights[{i}] (variable {v.path}, {v.dtype}{list(v.shape)})"
-        a = np.asarray(w)
-        if a.dtype.kind not in "biuf":
-            raise TypeError(f"{where}: expected numbers, got an array of {a.dtype}")
-        if a.dtype.kind == "f" and np.dtype(v.dtype).kind in "iub":
-            raise TypeError(f"{where}: a float array for an integer variable would be truncated")
-        if tuple(a.shape) != tuple(v.shape):
-            raise ValueError(f"{where}: got shape {list(a.shape)}")
-        arrays.append(a.astype(v.dtype, copy=False))
-    return arrays
 
 
 def optimizer_state_bytes(trainer: Any) -> list[int]:

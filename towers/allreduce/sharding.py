@@ -42,6 +42,7 @@ import numpy as np
 import tensorflow as tf
 
 from towers.allreduce.primitives import all_gather, pad_split, reduce_scatter, send, unsplit
+from towers.allreduce.sparse import to_dense
 
 __all__ = [
     "NOT_ELEMENTWISE",
@@ -135,7 +136,7 @@ def dense_gradients(grads: Sequence[Sequence[Any]], sparse: str) -> list[list[tf
     out = []
     for row in grads:
         with tf.device(row[0].device):
-            out.append([tf.convert_to_tensor(g) for g in row])
+            out.append([to_dense(g) if isinstance(g, tf.IndexedSlices) else g for g in row])
     return out
 
 

@@ -10,6 +10,7 @@
                   timed-out collective a ``StepTimeout``; the update waits for all of
                   the reduction (a hung step changes nothing)
     replicas.py   ``check_replicas_every``: every replica's variables compared by checksum
+    weights.py    tower devices and ``set_weights`` arrays, checked before any is used
 
 The step (:mod:`towers.step`) and the training tools import these modules; these
 modules import nothing of the step, so the dependencies point one way.
