@@ -140,8 +140,9 @@ def test_optimizer_state_per_tower_is_one_nth(n: int) -> None:
     make = lambda: mlp((64, 96, 10))  # noqa: E731
     sizes = [64 * 96, 96, 96 * 10, 10]
     kw: dict[str, Any] = dict(devices=DEVICES[:n], all_reduce="ring")
-    full = towers.TowerTrainer(make, keras.optimizers.Adam(), loss_fn(), variables="replicated", **kw)
-    shard = towers.TowerTrainer(make, keras.optimizers.Adam(), loss_fn(), variables="sharded", **kw)
+    adam = keras.optimizers.Adam
+    full = towers.TowerTrainer(make, adam(), loss_fn(), variables="replicated", **kw)
+    shard = towers.TowerTrainer(make, adam(), loss_fn(), variables="sharded", **kw)
     scalars = 8 + 4
     assert optimizer_state_bytes(full) == [scalars + 2 * 4 * sum(sizes)] * n
     owned = [sum(VariableShards((s,), s, n, "float32").owned(k) for s in sizes) for k in range(n)]
@@ -162,14 +163,15 @@ def test_skipped_step_changes_no_shard_state() -> None:
     batch = spec.batch(7, seed=0)
     reference.train_step(*batch), sharded.train_step(*batch)
     before = [[np.array(v.numpy()) for v in r.optimizer.variables] for r in sharded.replicas]
-    shards = [[np.array(s.numpy()) for s in row if s is not None] for row in sharded.placement.plan.shards]
+    plan = sharded.placement.plan
+    shards = [[np.array(s.numpy()) for s in row if s is not None] for row in plan.shards]
     sharded.train_step(*_nan_batch(spec, 7))
     assert sharded.skipped_steps == 1 and 2 in sharded.last_step_nonfinite
     after = [[np.array(v.numpy()) for v in r.optimizer.variables] for r in sharded.replicas]
     for b, a in zip(before, after):
         for x, y in zip(b, a):
             np.testing.assert_array_equal(x, y)
-    for row, now in zip(shards, sharded.placement.plan.shards):
+    for row, now in zip(shards, plan.shards):
         for x, s in zip(row, [s for s in now if s is not None]):
             np.testing.assert_array_equal(x, s.numpy())
     _assert_same(reference, sharded)  # the skip changed nothing, weights included
