@@ -86,14 +86,23 @@ def check_optimizer(optimizer: keras.optimizers.Optimizer) -> None:
     """Refuse an optimizer whose update is not elementwise (a shard cannot apply it alone).
 
     Raises:
-        ValueError: ``clipnorm`` or ``global_clipnorm`` set, or a class in
-            :data:`NOT_ELEMENTWISE`, naming the argument and the way out.
+        ValueError: ``clipnorm`` or ``global_clipnorm`` set, variables excluded from
+            weight decay, or a class in :data:`NOT_ELEMENTWISE`, naming the argument
+            and the way out.
     """
     name = type(optimizer).__name__
     if name in NOT_ELEMENTWISE:
         raise ValueError(
             f"optimizer: variables='sharded' needs an elementwise optimizer (SGD, Adam, AdamW, "
             f"Nadam, RMSprop, …); {name} reads across elements or decides globally"
+        )
+    if getattr(optimizer, "_exclude_from_weight_decay", None) or (
+        getattr(optimizer, "_exclude_from_weight_decay_pattern", None) is not None
+    ):
+        raise ValueError(
+            "optimizer: exclude_from_weight_decay picks model variables by identity or name, "
+            "and under variables='sharded' the optimizer updates shard variables; "
+            "use variables='replicated'"
         )
     config = optimizer.get_config()
     for key in ("clipnorm", "global_clipnorm"):
