@@ -41,7 +41,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from towers.allreduce.primitives import all_gather, pad_split, reduce_scatter, send, unsplit
+from towers.allreduce.primitives import all_gather, pad_split, reduce_scatter, unsplit
 from towers.allreduce.sparse import to_dense
 
 __all__ = [
@@ -254,7 +254,7 @@ class ShardPlan:
                 with tf.device(self.devices[tower]):
                     value = unsplit(gathered[tower], cut.shape, cut.size)
                     target = replicas[tower].model.trainable_variables[j]
-                    target.assign(send(value, self.devices[tower], note="all-gather"))
+                    target.assign(value)
 
     def _padded_shard(self, owner: int, var: int, cut: VariableShards) -> tf.Tensor:
         """Owner's shard ``var`` zero-padded to the chunk length (padding is never read back)."""
