@@ -9,6 +9,7 @@ for the loss, every replica's weights and every optimizer slot.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from typing import Any
 
@@ -41,15 +42,19 @@ def _excluding_bias() -> keras.optimizers.Optimizer:
     return optimizer
 
 
+def _trainer(
+    spec: ModelSpec, n: int, optimizer: str = "adam", variables: str = "sharded", **kwargs: Any
+) -> towers.TowerTrainer:
+    return towers.TowerTrainer(spec.build, SHARDABLE[optimizer], loss_fn(), devices=DEVICES[:n],
+                               all_reduce="ring", variables=variables, **kwargs)  # fmt: skip
+
+
 def _pair(
     spec: ModelSpec, n: int, optimizer: str = "adam", **kwargs: Any
 ) -> tuple[towers.TowerTrainer, towers.TowerTrainer]:
     """(replicated over the ring, sharded) trainers of the same model and optimizer."""
-    return tuple(  # type: ignore[return-value]
-        towers.TowerTrainer(spec.build, SHARDABLE[optimizer], loss_fn(), devices=DEVICES[:n],
-                            all_reduce="ring", variables=v, **kwargs)
-        for v in ("replicated", "sharded")
-    )  # fmt: skip
+    reference = _trainer(spec, n, optimizer, "replicated", **kwargs)
+    return reference, _trainer(spec, n, optimizer, **kwargs)
 
 
 def _slots(trainer: towers.TowerTrainer) -> dict[tuple[int, str], np.ndarray]:
@@ -195,12 +200,12 @@ def test_skipped_step_changes_no_shard_state() -> None:
 def test_checkpoint_round_trip_and_tower_count_refused(tmp_path: Any) -> None:
     spec = ModelSpec("dropout")
     batches = [spec.batch(9, seed=k) for k in range(3)]
-    first = _pair(spec, 3)[1]
+    first = _trainer(spec, 3)
     for b in batches[:2]:
         first.train_step(*b)
     prefix = checkpoint.save(first, str(tmp_path / "ckpt"))
     first.train_step(*batches[2])
-    resumed = _pair(spec, 3)[1]
+    resumed = _trainer(spec, 3)
     checkpoint.restore(resumed, prefix)
     resumed.train_step(*batches[2])
     for a, b in zip(first.replica_weights(), resumed.replica_weights()):
@@ -209,7 +214,7 @@ def test_checkpoint_round_trip_and_tower_count_refused(tmp_path: Any) -> None:
     assert _slots(first).keys() == _slots(resumed).keys()
     for key, value in _slots(first).items():
         np.testing.assert_array_equal(value, _slots(resumed)[key])
-    other = _pair(spec, 4)[1]
+    other = _trainer(spec, 4)
     kept = other.get_weights()
     with pytest.raises(CheckpointError, match="does not match this trainer"):
         checkpoint.restore(other, prefix)
@@ -231,7 +236,7 @@ def test_set_weights_fit_and_replica_check_work_sharded() -> None:
 def test_sparse_gradients_need_densify_then_match() -> None:
     spec = ModelSpec("embedding")
     batch = spec.batch(6, seed=0)
-    gather = _pair(spec, 3)[1]
+    gather = _trainer(spec, 3)
     with pytest.raises(ValueError, match="sparse='densify'"):
         gather.train_step(*batch)
     reference, sharded = _pair(spec, 3, sparse="densify")
@@ -260,3 +265,20 @@ def test_what_sharding_cannot_do_is_refused(kwargs: dict[str, Any], message: str
     with pytest.raises(ValueError, match=message):
         towers.TowerTrainer(spec.build, kwargs.pop("optimizer"), loss_fn(), devices=DEVICES[:2],
                             variables="sharded", **kwargs)  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["compiled", "eager"])
+def test_phases_one_by_one_equal_train_step_bitwise(mode: str) -> None:
+    """split -> forward_backward -> reduce (reduce-scatter) -> apply (update, all-gather),
+    one phase at a time == train_step, bitwise; 3 examples over 4 towers leave one empty."""
+    from tests.test_step import _no_fused_kernels, _run_phases, _state
+
+    spec = ModelSpec("batchnorm")
+    whole, phases = _trainer(spec, 4), _trainer(spec, 4)
+    with _no_fused_kernels() if mode == "eager" else contextlib.nullcontext():
+        for k in range(2):
+            batch = spec.batch(3, seed=k)
+            loss = float(whole.train_step(*batch))
+            assert _run_phases(phases, batch, compiled=mode == "compiled") == loss
+    for a, b in zip(_state(whole), _state(phases), strict=True):
+        np.testing.assert_array_equal(a, b)
