@@ -137,7 +137,7 @@ def test_instances_are_accepted_and_trained() -> None:
         ({"devices": [DEVICES[0], DEVICES[0]]}, ValueError, "appears twice"),
         ({"devices": ["/device:CPU:99"]}, ValueError, "unknown device"),
         ({"devices": "/device:CPU:0"}, TypeError, "list of device names"),
-        ({"variables": "sharded"}, ValueError, "variables must be one of"),
+        ({"variables": "zero3"}, ValueError, "variables must be one of"),
         ({"all_reduce": "carrier_pigeon"}, ValueError, r"registered: .*naive"),
         ({"non_trainable": "sum"}, ValueError, "non_trainable must be one of"),
         ({"parameter_device": "/device:CPU:42"}, ValueError, "unknown device"),

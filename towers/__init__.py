@@ -6,7 +6,8 @@ The package's top level is the data flow of one step (docs/architecture.md)::
     split.py      a global batch -> one shard per tower (MirroredStrategy's rule)
     tower.py      one tower's forward and backward under its own GradientTape
     allreduce/    the all-reduce algorithms, one module each, and their registry
-    placement.py  where variables live: one copy on a parameter device, or one per tower
+    placement.py  where variables live: one copy on a parameter device, one per tower,
+                  or one per tower with the optimizer state sharded (ZeRO 1–2)
     step.py       TowerTrainer: forward_backward -> reduce -> apply
 
 Tools are sub-packages that call the step's public phases: ``training/`` (fit,

@@ -7,6 +7,13 @@ weights from, and which reduced gradients each replica applies::
     placement          homes                 tower i reads    replica k applies
     parameter_device   [parameter device]    replica 0        reduced[0] (all are equal)
     replicated         [tower 0 … n-1]       replica i        reduced[k]
+    sharded            [tower 0 … n-1]       replica i        its chunk of every gradient
+                                                              to its shard, then all-gather
+
+The step asks the placement for the gradients (:meth:`Placement.reduce`), for one
+:class:`Update` per optimizer (:meth:`Placement.updates`) and then to finish
+(:meth:`Placement.finish`: ``sharded`` all-gathers; see
+:mod:`towers.allreduce.sharding`).
 
 All replicas start bitwise equal: later copies take every variable (seed-generator
 state included) from the first. A new placement is one more subclass and one more
@@ -17,14 +24,22 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar, TypeAlias, TypeVar
+from typing import Any, ClassVar, NamedTuple, TypeAlias, TypeVar
 
 import keras
 import numpy as np
 import tensorflow as tf
 
 from towers.allreduce.primitives import send
-from towers.devices import canonical_device, local_devices
+from towers.allreduce.sharding import (
+    ShardPlan,
+    check_optimizer,
+    check_ring,
+    dense_gradients,
+    state_bytes,
+)
+from towers.devices import canonical_device
+from towers.guard.weights import check_devices, check_weights
 
 __all__ = [
     "PLACEMENTS",
@@ -34,10 +49,13 @@ __all__ = [
     "Placement",
     "Replica",
     "Replicated",
+    "Sharded",
+    "Update",
     "check_devices",
     "check_weights",
     "get_placement",
     "make_replicas",
+    "optimizer_state_bytes",
     "read_weights",
 ]
 
@@ -49,17 +67,50 @@ OptimizerLike: TypeAlias = "keras.optimizers.Optimizer | Callable[[], keras.opti
 
 @dataclasses.dataclass
 class Replica:
-    """One copy of the model and its optimizer, living on ``device``."""
+    """One copy of the model and its optimizer, living on ``device``.
+
+    ``sharded``: the optimizer holds slots for this replica's shard only (``sharded``).
+    """
 
     device: str
     model: keras.Model
     optimizer: keras.optimizers.Optimizer
+    sharded: bool = False
+
+
+class Update(NamedTuple):
+    """One ``optimizer.apply_gradients(zip(grads, variables))`` the step runs on ``device``."""
+
+    device: str
+    optimizer: keras.optimizers.Optimizer
+    grads: list[Any]
+    variables: list[Any]
 
 
 class Placement:
     """Where a trainer's variable copies live and how towers and updates reach them."""
 
     name: ClassVar[str]
+
+    def make_replicas(
+        self, model: ModelLike, optimizer: OptimizerLike, homes: list[str], all_reduce: Any
+    ) -> list[Replica]:
+        """The trainer's replicas, one per home (``all_reduce``: the resolved algorithm)."""
+        return make_replicas(model, optimizer, homes)
+
+    def reduce(self, reducer: Any, grads: list[list[Any]]) -> list[list[Any]]:
+        """``grads[tower][var]`` -> what each replica applies (default: all-reduce, then pick)."""
+        return self.for_replicas(reducer.reduce_gradients(grads))
+
+    def updates(self, replicas: Sequence[Replica], reduced: list[list[Any]]) -> list[Update]:
+        """The optimizer updates of one step (default: every replica applies its gradients)."""
+        return [
+            Update(r.device, r.optimizer, list(g), list(r.model.trainable_variables))
+            for r, g in zip(replicas, reduced)
+        ]
+
+    def finish(self, replicas: Sequence[Replica]) -> None:
+        """After the updates (default: nothing; ``sharded`` all-gathers the parameters)."""
 
     def homes(self, devices: Sequence[str], parameter_device: str) -> list[str]:
         """The device of each replica (one replica per entry)."""
@@ -105,7 +156,53 @@ class Replicated(Placement):
         return list(reduced)
 
 
-_BY_NAME: dict[str, Placement] = {p.name: p for p in (ParameterDevice(), Replicated())}
+class Sharded(Replicated):
+    """One weight copy per tower; tower k owns chunk k of every gradient and optimizer slot.
+
+    Gradients are ring reduce-scattered, each owner's optimizer (built for its shard
+    only) updates it, and the shards are all-gathered into every replica (ZeRO 1–2;
+    :mod:`towers.allreduce.sharding`). Bitwise equal to ``replicated`` with
+    ``all_reduce="ring"``. One instance per trainer: it holds the :class:`ShardPlan`.
+    """
+
+    name = "sharded"
+
+    def __init__(self) -> None:
+        self.plan = ShardPlan([])
+
+    def make_replicas(
+        self, model: ModelLike, optimizer: OptimizerLike, homes: list[str], all_reduce: Any
+    ) -> list[Replica]:
+        """Replicas whose optimizers hold slots only for their own shards.
+
+        Raises:
+            ValueError: ``all_reduce`` is not the ring, or the optimizer is not elementwise.
+        """
+        check_ring(all_reduce)
+        self.plan = ShardPlan(homes)
+        replicas = make_replicas(model, optimizer, homes, build_on=self.plan.shards_for)
+        check_optimizer(replicas[0].optimizer)
+        return [dataclasses.replace(r, sharded=True) for r in replicas]
+
+    def reduce(self, reducer: Any, grads: list[list[Any]]) -> list[list[Any]]:
+        """``grads[tower][var]`` -> ``owned[owner][var]`` (None where a shard is empty)."""
+        return self.plan.reduce_scatter(dense_gradients(grads, reducer.sparse))
+
+    def updates(self, replicas: Sequence[Replica], reduced: list[list[Any]]) -> list[Update]:
+        """Refresh each owner's shard from its replica; one update per owner with a shard."""
+        self.plan.load(replicas)
+        return [
+            Update(replicas[k].device, replicas[k].optimizer, grads, shards)
+            for k, (grads, shards) in enumerate(self.plan.pairs(reduced))
+            if shards
+        ]
+
+    def finish(self, replicas: Sequence[Replica]) -> None:
+        """All-gather the updated shards into every replica."""
+        self.plan.all_gather(replicas)
+
+
+_BY_NAME: dict[str, Placement] = {p.name: p for p in (ParameterDevice(), Replicated(), Sharded())}
 PLACEMENTS: tuple[str, ...] = tuple(_BY_NAME)
 """The names ``TowerTrainer(variables=...)`` accepts."""
 
@@ -120,34 +217,7 @@ def get_placement(name: str | Placement) -> Placement:
         return name
     if name not in _BY_NAME:
         raise ValueError(f"variables must be one of {', '.join(PLACEMENTS)}; got {name!r}")
-    return _BY_NAME[name]
-
-
-def check_devices(devices: Sequence[str] | None) -> list[str]:
-    """Validate tower devices and return their canonical names.
-
-    Raises:
-        ValueError: no devices, duplicates, or a name TensorFlow does not know.
-        TypeError: not a list of strings.
-    """
-    if devices is None:
-        devices = local_devices()
-    if isinstance(devices, str) or not isinstance(devices, Sequence):
-        raise TypeError(f"devices must be a list of device names, got {devices!r}")
-    if not devices:
-        raise ValueError("devices is empty: give at least one device (see towers.simulate_devices)")
-    known = {canonical_device(d.name) for d in tf.config.list_logical_devices()}
-    out: list[str] = []
-    for d in devices:
-        if not isinstance(d, str):
-            raise TypeError(f"devices must hold strings, got {d!r}")
-        c = canonical_device(d)
-        if c not in known:
-            raise ValueError(f"devices: unknown device {d!r}; known: {', '.join(sorted(known))}")
-        if c in out:
-            raise ValueError(f"devices: {d!r} appears twice; each tower needs its own device")
-        out.append(c)
-    return out
+    return Sharded() if name == "sharded" else _BY_NAME[name]  # a plan per trainer
 
 
 def _on_device(model: keras.Model, device: str) -> bool:
@@ -195,7 +265,7 @@ def _copy_variables(source: keras.Model, target: keras.Model) -> None:
 
 
 def _new_optimizer(
-    optimizer: OptimizerLike, model: keras.Model, device: str, first: bool
+    optimizer: OptimizerLike, variables: list[Any], device: str, first: bool
 ) -> keras.optimizers.Optimizer:
     with tf.device(device):
         if isinstance(optimizer, keras.optimizers.Optimizer):
@@ -211,12 +281,20 @@ def _new_optimizer(
                 )
         else:
             raise TypeError(f"optimizer must be a Keras optimizer or a factory, got {optimizer!r}")
-        made.build(model.trainable_variables)
+        made.build(variables)
     return made
 
 
-def make_replicas(model: ModelLike, optimizer: OptimizerLike, devices: list[str]) -> list[Replica]:
+def make_replicas(
+    model: ModelLike,
+    optimizer: OptimizerLike,
+    devices: list[str],
+    build_on: Callable[[int, keras.Model], list[Any]] | None = None,
+) -> list[Replica]:
     """Create one replica per device in ``devices``, all starting from the same values.
+
+    ``build_on(k, model_k)`` gives the variables replica ``k``'s optimizer is built
+    for (default: the model's trainable variables; ``sharded``: its shard variables).
 
     Raises:
         ValueError: the model is unbuilt, cannot be cloned, or has no trainable variables.
@@ -230,39 +308,19 @@ def make_replicas(model: ModelLike, optimizer: OptimizerLike, devices: list[str]
             if not made.trainable_variables:
                 raise ValueError("model has no trainable variables: there is nothing to train")
             first = made
-        opt = _new_optimizer(optimizer, made, device, first=not replicas)
+        variables = made.trainable_variables if build_on is None else build_on(len(replicas), made)
+        opt = _new_optimizer(optimizer, variables, device, first=not replicas)
         replicas.append(Replica(device, made, opt))
     return replicas
 
 
-def check_weights(variables: Sequence[Any], weights: Any) -> list[np.ndarray]:
-    """``weights`` as arrays of ``variables``' dtypes, every one checked before any is used.
+def optimizer_state_bytes(trainer: Any) -> list[int]:
+    """Bytes of optimizer state (slots, iteration count, learning rate) held per replica.
 
-    Raises:
-        TypeError: ``weights`` is not a list, or an array is not numeric, or a float
-            array is given for an integer variable.
-        ValueError: the count differs, or an array's shape (naming its index and variable).
+    Example:
+        >>> optimizer_state_bytes(trainer)      # sharded over 4: ≈ 1/4 of replicated each
     """
-    if isinstance(weights, (str, bytes, np.ndarray)) or not isinstance(weights, Sequence):
-        raise TypeError(
-            f"weights must be a list of arrays (model.weights order), got {weights!r:.80}"
-        )
-    if len(weights) != len(variables):
-        raise ValueError(
-            f"weights: expected {len(variables)} arrays (model.weights), got {len(weights)}"
-        )
-    arrays = []
-    for i, (v, w) in enumerate(zip(variables, weights)):
-        where = f"weights[{i}] (variable {v.path}, {v.dtype}{list(v.shape)})"
-        a = np.asarray(w)
-        if a.dtype.kind not in "biuf":
-            raise TypeError(f"{where}: expected numbers, got an array of {a.dtype}")
-        if a.dtype.kind == "f" and np.dtype(v.dtype).kind in "iub":
-            raise TypeError(f"{where}: a float array for an integer variable would be truncated")
-        if tuple(a.shape) != tuple(v.shape):
-            raise ValueError(f"{where}: got shape {list(a.shape)}")
-        arrays.append(a.astype(v.dtype, copy=False))
-    return arrays
+    return [state_bytes(r.optimizer) for r in trainer.replicas]
 
 
 def variable_values(variables: list[Any]) -> list[np.ndarray]:

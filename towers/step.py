@@ -55,7 +55,6 @@ from towers.placement import (
     check_devices,
     check_weights,
     get_placement,
-    make_replicas,
     read_weights,
     variable_values,
 )
@@ -103,8 +102,10 @@ class TowerTrainer:
         all_reduce: a name from ``towers.ALGORITHMS``, an algorithm callable or a
             ``GradientReducer``.
         variables: ``"parameter_device"`` (one copy, updated on the parameter device;
-            CentralStorageStrategy's layout) or ``"replicated"`` (one copy per tower,
-            all updated identically; MirroredStrategy's layout).
+            CentralStorageStrategy's layout), ``"replicated"`` (one copy per tower,
+            all updated identically; MirroredStrategy's layout) or ``"sharded"`` (one
+            copy per tower, optimizer state and gradients sharded over the towers, ZeRO
+            1–2; needs ``all_reduce="ring"``; :mod:`towers.allreduce.sharding`).
         parameter_device: where the single copy lives (default: the first tower).
         non_trainable: ``"mean"`` or ``"first_tower"`` (see the module docstring).
         sparse: ``"gather"`` (keep ``IndexedSlices``, concatenated in tower order, as
@@ -159,7 +160,9 @@ class TowerTrainer:
         self.replica_check = ReplicaCheck(check_replicas_every)
         self.reducer = as_reducer(self.algorithm, sparse=self.sparse)
         homes = self.placement.homes(self.devices, self.parameter_device)
-        self.replicas: list[Replica] = make_replicas(model, optimizer, homes)
+        self.replicas: list[Replica] = self.placement.make_replicas(
+            model, optimizer, homes, self.algorithm
+        )
         self.reducer.build(self.model.trainable_variables, self.devices)
         self.loss_scale = LossScale(self.optimizer, self.model, reduce_dtype)
         self.guard = Guard(
@@ -297,9 +300,9 @@ class TowerTrainer:
         then the placement picks what each replica applies.
         """
         grads = grads.on_devices(self.devices)
-        summed = self.reducer.reduce_gradients(self.loss_scale.to_wire(grads.grads))
+        summed = self.placement.reduce(self.reducer, self.loss_scale.to_wire(grads.grads))
         dtypes = [v.dtype for v in self.model.trainable_variables]
-        reduced = self.placement.for_replicas(self.loss_scale.from_wire(summed, dtypes))
+        reduced = self.loss_scale.from_wire(summed, dtypes)
         state = combine_non_trainable(
             grads.towers, first_tower=self.non_trainable_mode == "first_tower",
             device=self.parameter_device,
@@ -310,14 +313,17 @@ class TowerTrainer:
         return Reduced(reduced, state, loss)
 
     def apply(self, reduced: Reduced) -> None:
-        """Phase 4: every replica's optimizer applies its gradients; the state is assigned."""
-        for replica, grads in zip(self.replicas, reduced.grads):
-            with tf.device(replica.device):
-                variables = replica.model.trainable_variables
+        """Phase 4: each optimizer applies its gradients (every replica's, or every shard
+        owner's), the placement finishes (``sharded``: all-gather), the state is assigned."""
+        for update in self.placement.updates(self.replicas, reduced.grads):
+            with tf.device(update.device):
                 self.loss_scale.apply(
-                    replica.optimizer, grads, reduced.grads_finite,
-                    functools.partial(_apply_gradients, variables=variables),
+                    update.optimizer, update.grads, reduced.grads_finite,
+                    functools.partial(_apply_gradients, variables=update.variables),
                 )  # fmt: skip
+        self.placement.finish(self.replicas)
+        for replica in self.replicas:
+            with tf.device(replica.device):
                 for var, value in zip(replica.model.non_trainable_variables, reduced.non_trainable):
                     var.assign(send(value, replica.device, note="state"))
 

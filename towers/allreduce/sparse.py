@@ -26,7 +26,7 @@ import tensorflow as tf
 from towers.allreduce.base import check_op
 from towers.allreduce.primitives import send
 
-__all__ = ["densify", "gather_indexed_slices"]
+__all__ = ["densify", "gather_indexed_slices", "to_dense"]
 
 
 def gather_indexed_slices(
@@ -62,5 +62,14 @@ def densify(
     dense = []
     for v, d in zip(values, devices):
         with tf.device(d):
-            dense.append(tf.convert_to_tensor(v))
+            dense.append(to_dense(v))
     return algorithm(dense, op=op)
+
+
+def to_dense(value: tf.IndexedSlices) -> tf.Tensor:
+    """The dense sum of ``value``, keeping its static shape (chunking algorithms need it)."""
+    dense = tf.convert_to_tensor(value)
+    static = tf.get_static_value(value.dense_shape)
+    if static is not None:
+        dense.set_shape(static)  # convert_to_tensor leaves the gathered axis unknown
+    return dense

@@ -12,6 +12,7 @@
     replicas.py   ``check_replicas_every``: every replica's variables compared by checksum
     loss_scale.py a ``LossScaleOptimizer``'s dynamic scale across towers: one finite flag
                   for every replica; ``reduce_dtype`` (docs/mixed_precision.md)
+    weights.py    tower devices and ``set_weights`` arrays, checked before any is used
 
 The step (:mod:`towers.step`) and the training tools import these modules; these
 modules import nothing of the step, so the dependencies point one way.

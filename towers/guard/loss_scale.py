@@ -134,6 +134,9 @@ class LossScale:
         for row in reduced:
             cast = []
             for g, dtype in zip(row, dtypes):
+                if g is None:  # an empty shard (variables="sharded")
+                    cast.append(g)
+                    continue
                 with tf.device(g.device):
                     cast.append(_cast(g, tf.as_dtype(dtype)))
             out.append(cast)

@@ -45,7 +45,9 @@ def checksum(value: tf.Tensor) -> tf.Tensor:
 
 
 def _variables(replica: Any) -> list[tf.Variable]:
-    return [*replica.model.weights, *replica.optimizer.variables]
+    # variables="sharded": each optimizer holds other slots (its own shard's); weights only
+    state = [] if getattr(replica, "sharded", False) else replica.optimizer.variables
+    return [*replica.model.weights, *state]
 
 
 class ReplicaCheck:

@@ -16,6 +16,10 @@ The variables are listed explicitly, replica by replica, in ``model.variables`` 
 checkpoint held the optimizer's slots but neither the model's weights as such nor the
 dropout ``seed_generator_state``, so a resumed run would draw different dropout masks.
 
+Under ``variables="sharded"`` replica ``k``'s optimizer holds only tower ``k``'s shard
+of the slots, so ``replica_<k>/optimizer`` is that shard; such a checkpoint restores
+into the same number of towers only (no re-sharding: another count is refused).
+
 A checkpoint restores into a trainer built the same way (same model, optimizer,
 placement, number of replicas and all-reduce state), all or nothing; anything else,
 and a missing, truncated or corrupt file, is a :class:`~towers.CheckpointError`

@@ -1,0 +1,267 @@
+"""Sharded optimizer state (ZeRO stages 1–2): ring reduce-scatter, owner update, all-gather.
+
+The sharding rule is the ring all-reduce's own chunking (:func:`pad_split`): every
+trainable variable is flattened, zero-padded to a multiple of ``n`` and cut into ``n``
+chunks of ``L = ceil(size / n)`` elements. Tower ``k`` owns chunk ``k`` of every
+variable: its real elements ``[k·L, min((k+1)·L, size))`` — none when ``k·L >= size``
+(a variable smaller than ``n``, or more towers than elements). Gradients travel the
+ring's reduce-scatter phase unchanged, so chunk ``k``'s sum is ``g_{k+1} ⊕ … ⊕ g_k``,
+bitwise the ``ring`` all-reduce's; the owner's optimizer (slots for its chunks only)
+updates its shard; the all-gather phase copies the updated shards into every replica.
+n = 3 (``gK``: gradient chunk K, ``pK``: parameter chunk K)::
+
+    tick       0        1      │  update (owner k)   │    2        3
+               reduce-scatter  │                     │    all-gather (copy)
+    tower 0   g2 ─▶1   g1 ─▶1  │  p0 ← opt_0(p0, g0) │   p0 ─▶1   p2 ─▶1
+    tower 1   g0 ─▶2   g2 ─▶2  │  p1 ← opt_1(p1, g1) │   p1 ─▶2   p0 ─▶2
+    tower 2   g1 ─▶0   g0 ─▶0  │  p2 ← opt_2(p2, g2) │   p2 ─▶0   p1 ─▶0
+
+Index formula: as :mod:`towers.allreduce.ring` (``s = 1``): in the reduce-scatter
+position ``p`` sends chunk ``(p - 1 - t) mod n``, in the all-gather chunk ``(p - t) mod n``.
+
+Cost (n towers, S bytes of parameters): the ring's ``2(n-1)·α + 2(n-1)/n·S·β +
+(n-1)/n·S·γ`` — the same traffic as the ring all-reduce — plus one optimizer update
+of ``S/n`` per tower instead of ``S``. Optimizer state per tower: ``≈ 1/n`` of the
+replicated layout. Each owner also keeps its shard of the parameters as its
+optimizer's variables (``S/n`` bytes), refreshed from its replica before each update,
+so ``set_weights`` and checkpoint restores need no extra step.
+
+References:
+    S. Rajbhandari et al., "ZeRO: Memory optimizations toward training trillion
+    parameter models", SC 2020 (stages 1–2: optimizer state and gradients partitioned).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from towers.allreduce.primitives import all_gather, pad_split, reduce_scatter, unsplit
+from towers.allreduce.sparse import to_dense
+
+__all__ = [
+    "NOT_ELEMENTWISE",
+    "ShardPlan",
+    "VariableShards",
+    "check_optimizer",
+    "check_ring",
+    "dense_gradients",
+    "state_bytes",
+]
+
+NOT_ELEMENTWISE = ("Adafactor", "Lamb", "Muon", "LossScaleOptimizer")
+"""Optimizer classes whose update of one element reads others (factored moments, trust
+ratios, orthogonalization) or whose skip decision is global: a shard cannot update alone."""
+
+
+@dataclasses.dataclass(frozen=True)
+class VariableShards:
+    """How one variable is cut: ``n`` ring chunks of ``length`` elements (zero-padded)."""
+
+    shape: tuple[int, ...]
+    size: int
+    n: int
+    dtype: str
+
+    @property
+    def length(self) -> int:
+        """Elements per chunk, ``ceil(size / n)``."""
+        return -(-self.size // self.n)
+
+    def owned(self, owner: int) -> int:
+        """How many real (unpadded) elements tower ``owner`` owns; 0 for an empty shard."""
+        return max(0, min(self.length, self.size - owner * self.length))
+
+    def start(self, owner: int) -> int:
+        """The flat index of tower ``owner``'s first element."""
+        return owner * self.length
+
+
+def check_optimizer(optimizer: keras.optimizers.Optimizer) -> None:
+    """Refuse an optimizer whose update is not elementwise (a shard cannot apply it alone).
+
+    Raises:
+        ValueError: ``clipnorm`` or ``global_clipnorm`` set, variables excluded from
+            weight decay, or a class in :data:`NOT_ELEMENTWISE`, naming the argument
+            and the way out.
+    """
+    name = type(optimizer).__name__
+    if name in NOT_ELEMENTWISE:
+        raise ValueError(
+            f"optimizer: variables='sharded' needs an elementwise optimizer (SGD, Adam, AdamW, "
+            f"Nadam, RMSprop, …); {name} reads across elements or decides globally"
+        )
+    if getattr(optimizer, "_exclude_from_weight_decay", None) or (
+        getattr(optimizer, "_exclude_from_weight_decay_pattern", None) is not None
+    ):
+        raise ValueError(
+            "optimizer: exclude_from_weight_decay picks model variables by identity or name, "
+            "and under variables='sharded' the optimizer updates shard variables; "
+            "use variables='replicated'"
+        )
+    config = optimizer.get_config()
+    for key in ("clipnorm", "global_clipnorm"):
+        if config.get(key) is not None:
+            raise ValueError(
+                f"optimizer: {key}={config[key]} needs the norm of whole gradients, which no "
+                "shard owner sees under variables='sharded'; use clipvalue or "
+                "variables='replicated'"
+            )
+
+
+def check_ring(all_reduce: Any) -> None:
+    """Refuse any all-reduce but the ring (s = 1): its reduce-scatter is the one sharding runs.
+
+    Raises:
+        ValueError: naming ``all_reduce`` and what it got.
+    """
+    params = dict(getattr(all_reduce, "params", None) or {})
+    name = getattr(getattr(all_reduce, "algorithm", None), "name", None)
+    if name != "ring" or params.get("subchunks", 1) != 1:
+        raise ValueError(
+            "all_reduce: variables='sharded' reduce-scatters with the ring's own phase, so "
+            f"it needs all_reduce='ring' (subchunks=1) to match it; got {all_reduce!r}"
+        )
+
+
+def dense_gradients(grads: Sequence[Sequence[Any]], sparse: str) -> list[list[tf.Tensor]]:
+    """``grads[tower][var]`` with sparse gradients densified on their towers (``densify``).
+
+    Raises:
+        ValueError: a sparse gradient (an Embedding's) while ``sparse`` is ``"gather"``.
+    """
+    if not any(isinstance(g, tf.IndexedSlices) for g in grads[0]):
+        return [list(row) for row in grads]
+    if sparse != "densify":
+        raise ValueError(
+            "sparse: variables='sharded' shards dense gradients and a gradient is sparse "
+            "(an Embedding's): pass sparse='densify'"
+        )
+    out = []
+    for row in grads:
+        with tf.device(row[0].device):
+            out.append([to_dense(g) if isinstance(g, tf.IndexedSlices) else g for g in row])
+    return out
+
+
+def state_bytes(optimizer: keras.optimizers.Optimizer) -> int:
+    """Bytes held by ``optimizer.variables`` (slots, iteration count, learning rate)."""
+    return sum(
+        int(np.prod(v.shape, dtype=np.int64)) * np.dtype(v.dtype).itemsize
+        for v in optimizer.variables
+    )
+
+
+class ShardPlan:
+    """The shards of one trainer: layout, per-owner shard variables, the step's phases.
+
+    Args:
+        devices: the towers' devices; tower ``k`` owns chunk ``k`` of every variable.
+
+    Attributes:
+        layout: one :class:`VariableShards` per trainable variable (set by :meth:`shards_for`).
+        shards: ``shards[owner][var]``, the owner's shard variable, or None when empty.
+    """
+
+    def __init__(self, devices: Sequence[str]) -> None:
+        self.devices = list(devices)
+        self.layout: list[VariableShards] = []
+        self.shards: list[list[Any]] = []
+
+    def shards_for(self, owner: int, model: keras.Model) -> list[Any]:
+        """Create tower ``owner``'s shard variables from its replica ``model`` (in order).
+
+        Called once per owner, 0 first; owners must come in order.
+        """
+        if owner == 0:
+            n = len(self.devices)
+            self.layout = [
+                VariableShards(tuple(int(d) for d in v.shape), int(np.prod(v.shape)), n, v.dtype)
+                for v in model.trainable_variables
+            ]
+        row: list[Any] = []
+        with tf.device(self.devices[owner]):
+            for j, (v, cut) in enumerate(zip(model.trainable_variables, self.layout)):
+                count = cut.owned(owner)
+                if count == 0:
+                    row.append(None)
+                    continue
+                flat = np.reshape(np.asarray(v.numpy()), [-1])
+                start = cut.start(owner)
+                row.append(keras.Variable(flat[start : start + count], dtype=v.dtype,
+                                          name=f"shard_{owner}_{j}"))  # fmt: skip
+        self.shards.append(row)
+        return [s for s in row if s is not None]
+
+    def reduce_scatter(self, grads: Sequence[Sequence[tf.Tensor]]) -> list[list[Any]]:
+        """``grads[tower][var]`` -> ``owned[owner][var]``: the owner's summed chunk, or None.
+
+        Each variable goes through the ring's reduce-scatter phase (op ``"sum"``) on its
+        ring chunks, exactly as the ``ring`` all-reduce does; padding is then dropped.
+        """
+        n = len(self.devices)
+        owned: list[list[Any]] = [[None] * len(self.layout) for _ in range(n)]
+        for j, cut in enumerate(self.layout):
+            chunks = [pad_split(grads[tower][j], n)[0] for tower in range(n)]
+            summed = reduce_scatter(chunks, self.devices, "sum")
+            for k in range(n):
+                if cut.owned(k):
+                    with tf.device(self.devices[k]):
+                        owned[k][j] = summed[k][: cut.owned(k)]
+        return owned
+
+    def pairs(self, owned: Sequence[Sequence[Any]]) -> list[tuple[list[Any], list[Any]]]:
+        """Per owner, ``(gradient chunks, shard variables)`` of its non-empty shards."""
+        out = []
+        for grads, shards in zip(owned, self.shards):
+            kept = [(g, s) for g, s in zip(grads, shards) if s is not None]
+            out.append(([g for g, _ in kept], [s for _, s in kept]))
+        return out
+
+    def load(self, replicas: Sequence[Any]) -> None:
+        """Copy each owner's replica values into its shard variables (before the update)."""
+        for k, row in enumerate(self.shards):
+            with tf.device(self.devices[k]):
+                variables = replicas[k].model.trainable_variables
+                for v, shard, cut in zip(variables, row, self.layout):
+                    if shard is not None:
+                        flat = tf.reshape(tf.convert_to_tensor(v.value), [-1])
+                        start = cut.start(k)
+                        shard.assign(flat[start : start + cut.owned(k)])
+
+    def all_gather(self, replicas: Sequence[Any]) -> None:
+        """Copy every owner's updated shards into every replica's variables (ring all-gather).
+
+        An owner without any shard (more towers than elements) applied nothing; its
+        optimizer still counts the step, so every replica's ``iterations`` agree.
+        """
+        n = len(self.devices)
+        for k, row in enumerate(self.shards):
+            if all(s is None for s in row):
+                with tf.device(self.devices[k]):
+                    replicas[k].optimizer.iterations.assign_add(1)
+        for j, cut in enumerate(self.layout):
+            if cut.size == 0:
+                continue
+            blocks = [self._padded_shard(k, j, cut) for k in range(n)]
+            gathered = all_gather(blocks, self.devices, n - 1)
+            for tower in range(n):
+                with tf.device(self.devices[tower]):
+                    value = unsplit(gathered[tower], cut.shape, cut.size)
+                    target = replicas[tower].model.trainable_variables[j]
+                    target.assign(value)
+
+    def _padded_shard(self, owner: int, var: int, cut: VariableShards) -> tf.Tensor:
+        """Owner's shard ``var`` zero-padded to the chunk length (padding is never read back)."""
+        shard = self.shards[owner][var]
+        with tf.device(self.devices[owner]):
+            if shard is None:
+                return tf.zeros([cut.length], cut.dtype)
+            value = tf.identity(shard.value)  # a read pinned to the owner (unsplit checks)
+            missing = cut.length - cut.owned(owner)
+            return tf.pad(value, [[0, missing]]) if missing else value
