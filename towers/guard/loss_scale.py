@@ -132,7 +132,7 @@ class LossScale:
         """The reduced gradients back in their variables' dtypes."""
         out = []
         for row in reduced:
-            cast = []
+            cast: list[Any] = []
             for g, dtype in zip(row, dtypes):
                 if g is None:  # an empty shard (variables="sharded")
                     cast.append(g)
