@@ -89,6 +89,8 @@ def simulate_devices(
         raise TypeError(f"n must be an int (number of devices), got {type(n).__name__}")
     if n < 1:
         raise ValueError(f"n must be at least 1, got {n}")
+    if isinstance(gpu_memory_mb, bool) or not isinstance(gpu_memory_mb, int):
+        raise TypeError(f"gpu_memory_mb must be an int (MiB), got {gpu_memory_mb!r}")
     if gpu_memory_mb < 1:
         raise ValueError(f"gpu_memory_mb must be at least 1, got {gpu_memory_mb}")
     kind = _check_kind(kind)

@@ -43,7 +43,7 @@ from towers.allreduce.primitives import Recorder, record, send
 from towers.allreduce.recording import StepStats
 from towers.allreduce.reducer import as_reducer, resolve
 from towers.guard.deadline import Deadline, settled
-from towers.guard.inputs import batch_tensors, check_choice, check_kinds
+from towers.guard.inputs import batch_tensors, check_choice, check_kinds, naming
 from towers.guard.nonfinite import Guard
 from towers.guard.replicas import ReplicaCheck
 from towers.placement import (
@@ -138,11 +138,13 @@ class TowerTrainer:
         check_replicas_every: int | None = None,
     ) -> None:
         check_kinds(model, optimizer, loss)
-        self.devices = check_devices(devices)
-        self.placement = get_placement(variables)
+        self.devices = naming("devices", lambda: check_devices(devices))
+        self.placement = naming("variables", lambda: get_placement(variables))
         self.non_trainable_mode = check_choice("non_trainable", non_trainable, NON_TRAINABLE)
         self.sparse = check_choice("sparse", sparse, ("gather", "densify"))
-        self.parameter_device = check_devices([parameter_device or self.devices[0]])[0]
+        self.parameter_device = naming(
+            "parameter_device", lambda: check_devices([parameter_device or self.devices[0]])[0]
+        )
         self.loss_fn = resolve_loss(loss)
         self.deadline = Deadline(step_timeout, resolve(all_reduce, self.parameter_device))
         self.algorithm: Any = self.deadline.algorithm  # step_timeout bound where it takes one

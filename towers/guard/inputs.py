@@ -8,8 +8,9 @@ lists every case the tests hold, with the error it gets.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import Any
+import re
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import keras
 import numpy as np
@@ -17,7 +18,27 @@ import tensorflow as tf
 
 from towers.split import check_batch
 
-__all__ = ["batch_tensors", "check_batch_against_model", "check_choice", "check_kinds"]
+__all__ = ["batch_tensors", "check_batch_against_model", "check_choice", "check_kinds", "naming"]
+
+T = TypeVar("T")
+
+
+def naming(name: str, check: Callable[[], T]) -> T:
+    """Run ``check``; a plain ``TypeError``/``ValueError`` it raises names ``name``.
+
+    A message that does not mention the argument (one from TensorFlow or NumPy, say)
+    is prefixed with ``"<name>: "``; towers' own error types pass unchanged.
+
+    Example:
+        >>> naming("variables", lambda: get_placement(["x"]))  # doctest: +SKIP
+        TypeError: variables: unhashable type: 'list'
+    """
+    try:
+        return check()
+    except (TypeError, ValueError) as err:
+        if type(err) not in (TypeError, ValueError) or re.search(rf"\b{name}\b", str(err)):
+            raise
+        raise type(err)(f"{name}: {err}") from err
 
 
 def check_choice(name: str, value: object, choices: Sequence[str]) -> str:

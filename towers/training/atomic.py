@@ -37,7 +37,7 @@ import tensorflow as tf
 
 from towers.guard.errors import CheckpointError
 
-__all__ = ["checkpoints", "latest", "verify", "write"]
+__all__ = ["check_directory", "checkpoints", "latest", "verify", "write"]
 
 PREFIX = "state"
 MANIFEST = "MANIFEST.json"
@@ -55,9 +55,14 @@ def _reached(stage: str) -> None:
         crash_point(stage)
 
 
-def _directory(directory: Any) -> Path:
+def check_directory(directory: Any, name: str = "directory") -> Path:
+    """``directory`` as a ``Path``.
+
+    Raises:
+        TypeError: it is not a non-empty ``str`` or ``os.PathLike`` (the message names ``name``).
+    """
     if not isinstance(directory, str | os.PathLike) or not str(directory):
-        raise TypeError(f"directory must be a path (str or os.PathLike); got {directory!r}")
+        raise TypeError(f"{name} must be a path (str or os.PathLike); got {directory!r}")
     return Path(directory)
 
 
@@ -107,7 +112,7 @@ def write(
         raise ValueError(f"number must be an int >= 0; got {number!r}")
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
         raise ValueError(f"keep must be None or an int >= 1; got {keep!r}")
-    root = _directory(directory)
+    root = check_directory(directory)
     root.mkdir(parents=True, exist_ok=True)
     name = f"ckpt-{number:08d}"
     tmp = root / f".tmp-{name}-{os.getpid()}"
@@ -139,7 +144,7 @@ def write(
 def checkpoints(directory: Any) -> list[str]:
     """The prefixes of every complete-looking ``ckpt-*`` in ``directory``, oldest first
     (unverified; temporary ``.tmp-*`` folders of an unfinished save are never listed)."""
-    root = _directory(directory)
+    root = check_directory(directory)
     if not root.is_dir():
         return []
     found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _NAME.match(p.name))]
@@ -153,7 +158,7 @@ def verify(prefix: Any) -> dict[str, Any]:
         CheckpointError: naming ``prefix``: no manifest, a file missing, of another size
             or with another sha256 (truncated or corrupt), or an unreadable position.
     """
-    prefix = str(_directory(prefix))
+    prefix = str(check_directory(prefix, "prefix"))
     folder = Path(prefix).parent
     try:
         manifest = json.loads((folder / MANIFEST).read_text())

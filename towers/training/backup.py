@@ -41,12 +41,12 @@ class Backup:
         keep: how many of the newest checkpoints to keep.
 
     Raises:
-        TypeError: ``directory`` is not a path.
+        TypeError: ``directory`` is not a path (named ``checkpoint_dir``, as in ``fit``).
         ValueError: ``every`` is not None or an int >= 1, or ``keep`` not an int >= 1.
     """
 
     def __init__(self, trainer: Trainer, directory: Any, every: int | None, keep: int) -> None:
-        atomic.checkpoints(directory)  # checks that it is a path
+        atomic.check_directory(directory, "checkpoint_dir")
         if every is not None and (isinstance(every, bool) or not isinstance(every, int)
                                   or every < 1):  # fmt: skip
             raise ValueError(f"checkpoint_every must be None or an int >= 1; got {every!r}")

@@ -77,10 +77,16 @@ def _callbacks(
     callbacks: Any, trainer: Trainer, verbose: Any, *, history: bool, **params: Any
 ) -> keras.callbacks.CallbackList:
     """Keras' callback container, with a History (fit) and a progress bar (verbose > 0)."""
-    if verbose == "auto":
+    if isinstance(verbose, str) and verbose == "auto":
         verbose = 1
-    if verbose not in (0, 1, 2):
+    if not isinstance(verbose, int | np.integer) or verbose not in (0, 1, 2):
         raise ValueError(f"verbose must be 0, 1, 2 or 'auto', got {verbose!r}")
+    if callbacks is not None and (
+        not isinstance(callbacks, Sequence)
+        or not all(isinstance(c, keras.callbacks.Callback) for c in callbacks)
+    ):
+        raise TypeError(f"callbacks must be None or a list of keras.callbacks.Callback, got "
+                        f"{callbacks!r}")  # fmt: skip
     return keras.callbacks.CallbackList(
         callbacks,
         add_history=history,
@@ -231,6 +237,11 @@ def fit(
     train = source(x, y, sample_weight, batch_size, need_y=True)
     val = None if validation_data is None else validation_source(validation_data, batch_size)
     cbs = _callbacks(callbacks, trainer, verbose, history=True, epochs=epochs, steps=train.steps)
+    for name, flag in (("shuffle", shuffle), ("resume", resume)):
+        if not isinstance(flag, bool | np.bool_):
+            raise TypeError(f"{name} must be True or False, got {flag!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        raise ValueError(f"seed must be None or an int >= 0, got {seed!r}")
     rng = np.random.default_rng(seed) if shuffle else None
     trainer.model.stop_training = False
     if not hasattr(trainer.model, "optimizer"):
