@@ -146,7 +146,8 @@ class TowerTrainer:
             "parameter_device", lambda: check_devices([parameter_device or self.devices[0]])[0]
         )
         self.loss_fn = resolve_loss(loss)
-        self.deadline = Deadline(step_timeout, resolve(all_reduce, self.parameter_device))
+        reducer = naming("all_reduce", lambda: resolve(all_reduce, self.parameter_device))
+        self.deadline = Deadline(step_timeout, reducer)
         self.algorithm: Any = self.deadline.algorithm  # step_timeout bound where it takes one
         self.replica_check = ReplicaCheck(check_replicas_every)
         self.reducer = as_reducer(self.algorithm, sparse=self.sparse)
