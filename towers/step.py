@@ -154,6 +154,7 @@ class TowerTrainer:
         homes = self.placement.homes(self.devices, self.parameter_device)
         self.replicas: list[Replica] = make_replicas(model, optimizer, homes)
         self.reducer.build(self.model.trainable_variables, self.devices)
+        check_choice("on_nonfinite", on_nonfinite, ("skip", "raise", "ignore"))
         self.guard = Guard(on_nonfinite, len(self.devices), self.parameter_device)
         self.trace_count = 0
         self.last_trace_stats: Recorder | None = None

@@ -133,6 +133,8 @@ def all_reduce(
             "values must be a list with one tensor per tower (output i goes to values[i]'s "
             f"device), got {type(values).__name__}"
         )
+    if not isinstance(op, str) or op not in OPS:
+        raise ValueError(f"op must be one of {', '.join(OPS)}; got {op!r}")
     try:
         fn = get(algorithm)
     except (TypeError, ValueError) as err:  # its message speaks of TowerTrainer's all_reduce
@@ -147,7 +149,7 @@ def all_reduce(
             with tf.device(d):
                 moved.append(v if isinstance(v, tf.IndexedSlices) else tf.identity(v))
         values = moved
-    if sparse not in ("gather", "densify"):
+    if not isinstance(sparse, str) or sparse not in ("gather", "densify"):
         raise ValueError(f"sparse must be 'gather' or 'densify', got {sparse!r}")
     kinds = {isinstance(v, tf.IndexedSlices) for v in values}
     if kinds == {True}:
