@@ -37,7 +37,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
@@ -218,6 +218,7 @@ def test_latest_directory(junk: Any) -> None:
 @pytest.mark.parametrize("arg", ["n", "kind", "gpu_memory_mb"])
 @settings(max_examples=examples(ci=4))
 @given(junk=JUNK)
+@example(junk=2**31)  # once a list of 2**31 device configurations: the process was OOM-killed
 def test_simulate_devices_arguments(arg: str, junk: Any) -> None:
     kwargs = {"n": len(DEVICES), "kind": "cpu", "gpu_memory_mb": 1024, arg: junk}
     # documented: another n, once TensorFlow's runtime started, is a RuntimeError naming it

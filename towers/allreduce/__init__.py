@@ -140,7 +140,8 @@ def all_reduce(
     except (TypeError, ValueError) as err:  # its message speaks of TowerTrainer's all_reduce
         raise type(err)(f"algorithm: {err}") from None
     if devices is not None:
-        if isinstance(devices, str) or not isinstance(devices, Sequence):
+        if (isinstance(devices, str) or not isinstance(devices, Sequence)
+                or not all(isinstance(d, str) for d in devices)):  # fmt: skip
             raise TypeError(f"devices must be None or a list of device names, got {devices!r}")
         if len(devices) != len(values):
             raise ValueError(f"devices has {len(devices)} entries for {len(values)} values")

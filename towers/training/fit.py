@@ -53,6 +53,7 @@ import numpy as np
 import tensorflow as tf
 
 from towers.allreduce.ordering import as_written
+from towers.guard.inputs import naming
 from towers.training.backup import Backup
 from towers.training.inference import inference
 from towers.training.metrics import Metrics, MetricSpec
@@ -235,7 +236,8 @@ def fit(
     """
     epochs = check_int("epochs", epochs, 0)
     train = source(x, y, sample_weight, batch_size, need_y=True)
-    val = None if validation_data is None else validation_source(validation_data, batch_size)
+    val = None if validation_data is None else naming(
+        "validation_data", lambda: validation_source(validation_data, batch_size))  # fmt: skip
     cbs = _callbacks(callbacks, trainer, verbose, history=True, epochs=epochs, steps=train.steps)
     for name, flag in (("shuffle", shuffle), ("resume", resume)):
         if not isinstance(flag, bool | np.bool_):
