@@ -18,9 +18,13 @@ import sys
 import time
 from pathlib import Path
 
+import keras
 import numpy as np
 
+import towers
+from tests.conftest import DEVICES
 from towers.training import atomic
+from towers.training.data import digits
 
 ROOT = Path(__file__).resolve().parents[2]
 EPOCHS, EVERY, STEPS_PER_EPOCH = 3, 4, 15  # resume_run's settings (1437 digits / 96)
@@ -96,3 +100,46 @@ def test_kill_9_and_resume_ends_bitwise_where_an_uninterrupted_run_ends(tmp_path
     assert int(want["iterations"]) == TOTAL
     assert any(np.any(v != 0) for k, v in want.items() if k.startswith("all_reduce"))
     assert_bitwise(got, want)
+
+
+def _small() -> towers.TowerTrainer:
+    def make() -> keras.Model:
+        init = keras.initializers.GlorotUniform
+        inp = keras.Input((64,))
+        h = keras.layers.Dropout(0.2, seed=1)(inp)
+        return keras.Model(inp, keras.layers.Dense(10, kernel_initializer=init(2))(h))
+
+    return towers.TowerTrainer(
+        make, lambda: keras.optimizers.Adam(1e-2), "sparse_categorical_crossentropy",
+        devices=DEVICES[:2], variables="replicated", all_reduce="naive",
+    )  # fmt: skip
+
+
+def _everything(trainer: towers.TowerTrainer) -> dict[str, np.ndarray]:
+    arrays = {}
+    for i, replica in enumerate(trainer.replicas):
+        for j, v in enumerate([*replica.model.variables, *replica.optimizer.variables]):
+            arrays[f"r{i}_{j}"] = np.asarray(v.numpy())
+    return arrays
+
+
+def test_epoch_end_checkpoints_resume_the_next_epoch_bitwise(tmp_path: Path) -> None:
+    """checkpoint_every=None saves at each epoch's end, with the next epoch's shuffling
+    state: 2 epochs, then a new trainer asked for 3 trains only the third — bitwise."""
+    x, y, _, _ = digits()
+    x, y = x[:160].reshape(160, 64), y[:160]
+    args = {"batch_size": 32, "seed": 3, "verbose": 0}
+    whole = _small()
+    whole.fit(x, y, epochs=3, **args)
+    first = _small()
+    first.fit(x, y, epochs=2, checkpoint_dir=tmp_path, **args)
+    assert [Path(p).parent.name for p in atomic.checkpoints(tmp_path)] == [
+        "ckpt-00000005", "ckpt-00000010"]  # fmt: skip
+    second = _small()
+    history = second.fit(x, y, epochs=3, checkpoint_dir=tmp_path, **args)
+    assert len(history.history["loss"]) == 1  # only the third epoch ran
+    assert int(second.optimizer.iterations) == 15
+    assert_bitwise(_everything(second), _everything(whole))
+    fresh = _small()  # resume=False ignores the directory's checkpoints
+    fresh.fit(x, y, epochs=1, checkpoint_dir=tmp_path, resume=False, **args)
+    assert int(fresh.optimizer.iterations) == 5
