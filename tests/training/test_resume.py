@@ -5,7 +5,8 @@ Dropout, top-k compression with error feedback: every kind of state a step depen
 on). An uninterrupted run and a killed-then-resumed run must end with the same bytes
 in every replica's weights, every optimizer slot, ``iterations`` and the all-reduce's
 state. The kill lands after a random batch (after at least one checkpoint), plus a
-random delay of up to one step, so it may fall inside a save.
+random delay of up to a few steps, so it may fall inside a save. A failure names its
+seed; ``TOWERS_KILL_SEED=<seed>`` replays that kill.
 """
 
 from __future__ import annotations
@@ -69,10 +70,11 @@ def assert_bitwise(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> N
 
 
 def test_kill_9_and_resume_ends_bitwise_where_an_uninterrupted_run_ends(tmp_path: Path) -> None:
-    seed = random.randrange(2**32)
+    seed = int(os.environ.get("TOWERS_KILL_SEED", random.randrange(2**32)))  # to replay one
     rng = random.Random(seed)
-    kill_after = rng.randrange(EVERY, TOTAL - 2)  # global batch index, after >= 1 save
-    delay = rng.uniform(0.0, 0.05)
+    # a global batch index after >= 1 save, leaving the run more than the delay to go
+    kill_after = rng.randrange(EVERY, TOTAL - 10)
+    delay = rng.uniform(0.0, 0.03)  # a step takes ~10 ms: the kill may land inside a save
     why = f"(seed {seed}: kill after batch {kill_after} + {delay * 1000:.0f} ms)"
 
     reference = _start(tmp_path / "ref", tmp_path / "ref.npz")
@@ -84,6 +86,7 @@ def test_kill_9_and_resume_ends_bitwise_where_an_uninterrupted_run_ends(tmp_path
         assert line, f"the run ended before the kill {why}: {victim.communicate()[1][-2000:]}"
         seen += line.startswith("batch ")
     time.sleep(delay)
+    assert victim.poll() is None, f"the run ended before the kill {why}"
     victim.send_signal(signal.SIGKILL)
     victim.communicate(timeout=TIMEOUT)
     assert victim.returncode == -signal.SIGKILL, why
