@@ -91,6 +91,9 @@ def checkpoint(trainer: Trainer, **extra: Any) -> tf.train.Checkpoint:
 def save(trainer: Trainer, path: str) -> str:
     """Write the trainer's state to ``path`` (a file prefix) and return the prefix.
 
+    Raises:
+        TypeError: ``trainer`` is not a trainer, or ``path`` not a str or ``os.PathLike``.
+
     Example:
         >>> prefix = save(trainer, "/tmp/run/ckpt")                  # doctest: +SKIP
     """
@@ -229,6 +232,7 @@ def restore(trainer: Trainer, path: str) -> None:
     are put back.
 
     Raises:
+        TypeError: ``trainer`` is not a trainer, or ``path`` not a str or ``os.PathLike``.
         CheckpointError: (a ``ValueError``) nothing is saved at ``path``; the files are
             truncated or corrupt; or the checkpoint does not match this trainer (other
             model, optimizer, placement, number of replicas or all-reduce state). The
