@@ -25,6 +25,8 @@ import tensorflow as tf
 __all__ = ["canonical_device", "has_gpu", "local_devices", "simulate_devices"]
 
 _DEFAULT_GPU_MEMORY_MB = 1024
+MAX_SIMULATED = 4096
+"""The most logical devices :func:`simulate_devices` makes (the fuzz once asked for 2**31)."""
 
 
 def has_gpu() -> bool:
@@ -80,8 +82,8 @@ def simulate_devices(
 
     Raises:
         TypeError: ``n`` is not an int.
-        ValueError: ``n`` < 1, ``gpu_memory_mb`` < 1, or a bad ``kind`` (or ``"gpu"``
-            without a GPU).
+        ValueError: ``n`` < 1 or > ``MAX_SIMULATED``, ``gpu_memory_mb`` < 1, or a bad
+            ``kind`` (or ``"gpu"`` without a GPU).
         RuntimeError: TensorFlow's runtime already started with another device count.
             Calling again with the same ``n`` is a no-op.
     """
@@ -89,6 +91,10 @@ def simulate_devices(
         raise TypeError(f"n must be an int (number of devices), got {type(n).__name__}")
     if n < 1:
         raise ValueError(f"n must be at least 1, got {n}")
+    if n > MAX_SIMULATED:  # a list of 2**31 device configurations would exhaust memory
+        raise ValueError(f"n must be at most {MAX_SIMULATED} (simulated devices), got {n}")
+    if isinstance(gpu_memory_mb, bool) or not isinstance(gpu_memory_mb, int):
+        raise TypeError(f"gpu_memory_mb must be an int (MiB), got {gpu_memory_mb!r}")
     if gpu_memory_mb < 1:
         raise ValueError(f"gpu_memory_mb must be at least 1, got {gpu_memory_mb}")
     kind = _check_kind(kind)

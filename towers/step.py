@@ -43,7 +43,7 @@ from towers.allreduce.primitives import Recorder, record, send
 from towers.allreduce.recording import StepStats
 from towers.allreduce.reducer import as_reducer, resolve
 from towers.guard.deadline import Deadline, settled
-from towers.guard.inputs import batch_tensors, check_choice, check_kinds
+from towers.guard.inputs import batch_tensors, check_choice, check_kinds, naming
 from towers.guard.loss_scale import LossScale
 from towers.guard.nonfinite import Guard
 from towers.guard.replicas import ReplicaCheck
@@ -149,13 +149,16 @@ class TowerTrainer:
         reduce_dtype: str = "float32",
     ) -> None:
         check_kinds(model, optimizer, loss)
-        self.devices = check_devices(devices)
-        self.placement = get_placement(variables)
+        self.devices = naming("devices", lambda: check_devices(devices))
+        self.placement = naming("variables", lambda: get_placement(variables))
         self.non_trainable_mode = check_choice("non_trainable", non_trainable, NON_TRAINABLE)
         self.sparse = check_choice("sparse", sparse, ("gather", "densify"))
-        self.parameter_device = check_devices([parameter_device or self.devices[0]])[0]
+        self.parameter_device = naming(
+            "parameter_device", lambda: check_devices([parameter_device or self.devices[0]])[0]
+        )
         self.loss_fn = resolve_loss(loss)
-        self.deadline = Deadline(step_timeout, resolve(all_reduce, self.parameter_device))
+        reducer = naming("all_reduce", lambda: resolve(all_reduce, self.parameter_device))
+        self.deadline = Deadline(step_timeout, reducer)
         self.algorithm: Any = self.deadline.algorithm  # step_timeout bound where it takes one
         self.replica_check = ReplicaCheck(check_replicas_every)
         self.reducer = as_reducer(self.algorithm, sparse=self.sparse)
@@ -164,6 +167,7 @@ class TowerTrainer:
             model, optimizer, homes, self.algorithm
         )
         self.reducer.build(self.model.trainable_variables, self.devices)
+        check_choice("on_nonfinite", on_nonfinite, ("skip", "raise", "ignore"))
         self.loss_scale = LossScale(self.optimizer, self.model, reduce_dtype)
         self.guard = Guard(
             on_nonfinite, len(self.devices), self.parameter_device, self.loss_scale.active

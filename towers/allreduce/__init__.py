@@ -146,8 +146,16 @@ def all_reduce(
             "values must be a list with one tensor per tower (output i goes to values[i]'s "
             f"device), got {type(values).__name__}"
         )
-    fn = get(algorithm)
+    if not isinstance(op, str) or op not in OPS:
+        raise ValueError(f"op must be one of {', '.join(OPS)}; got {op!r}")
+    try:
+        fn = get(algorithm)
+    except (TypeError, ValueError) as err:  # its message speaks of TowerTrainer's all_reduce
+        raise type(err)(f"algorithm: {err}") from None
     if devices is not None:
+        if (isinstance(devices, str) or not isinstance(devices, Sequence)
+                or not all(isinstance(d, str) for d in devices)):  # fmt: skip
+            raise TypeError(f"devices must be None or a list of device names, got {devices!r}")
         if len(devices) != len(values):
             raise ValueError(f"devices has {len(devices)} entries for {len(values)} values")
         moved = []
@@ -155,7 +163,7 @@ def all_reduce(
             with tf.device(d):
                 moved.append(v if isinstance(v, tf.IndexedSlices) else tf.identity(v))
         values = moved
-    if sparse not in ("gather", "densify"):
+    if not isinstance(sparse, str) or sparse not in ("gather", "densify"):
         raise ValueError(f"sparse must be 'gather' or 'densify', got {sparse!r}")
     kinds = {isinstance(v, tf.IndexedSlices) for v in values}
     if kinds == {True}:
@@ -165,7 +173,12 @@ def all_reduce(
         return list(gather_indexed_slices(values, devs, op))
     if len(kinds) > 1:
         raise ValueError("values mix dense tensors and IndexedSlices: make them all one kind")
-    out = fn(list(values), op=op)
+    try:
+        out = fn(list(values), op=op)
+    except TypeError as err:  # e.g. a callable that is no algorithm(values, *, op)
+        raise TypeError(
+            f"algorithm {algorithm!r}: algorithm(values, op={op!r}) failed: {err}"
+        ) from err
     if len(out) != len(values):
         raise ValueError(f"algorithm returned {len(out)} outputs for {len(values)} values")
     return list(out)

@@ -8,8 +8,9 @@ lists every case the tests hold, with the error it gets.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import Any
+import re
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import keras
 import numpy as np
@@ -17,7 +18,27 @@ import tensorflow as tf
 
 from towers.split import check_batch
 
-__all__ = ["batch_tensors", "check_batch_against_model", "check_choice", "check_kinds"]
+__all__ = ["batch_tensors", "check_batch_against_model", "check_choice", "check_kinds", "naming"]
+
+T = TypeVar("T")
+
+
+def naming(name: str, check: Callable[[], T]) -> T:
+    """Run ``check``; a plain ``TypeError``/``ValueError`` it raises names ``name``.
+
+    A message that does not mention the argument (one from TensorFlow or NumPy, say)
+    is prefixed with ``"<name>: "``; towers' own error types pass unchanged.
+
+    Example:
+        >>> naming("variables", lambda: get_placement(["x"]))  # doctest: +SKIP
+        TypeError: variables: unhashable type: 'list'
+    """
+    try:
+        return check()
+    except (TypeError, ValueError) as err:
+        if type(err) not in (TypeError, ValueError) or re.search(rf"\b{name}\b", str(err)):
+            raise
+        raise type(err)(f"{name}: {err}") from err
 
 
 def check_choice(name: str, value: object, choices: Sequence[str]) -> str:
@@ -130,6 +151,14 @@ def _model_inputs(model: keras.Model) -> Any:
         return None
 
 
+def _model_outputs(model: keras.Model) -> Any:
+    """The model's output structure of KerasTensors, or None (a subclassed model)."""
+    try:
+        return model.output
+    except (AttributeError, ValueError):
+        return None
+
+
 def _check_x(x: Any, model: keras.Model) -> None:
     expected = _model_inputs(model)
     if expected is None:
@@ -176,9 +205,10 @@ def check_batch_against_model(x: Any, y: Any, sample_weight: Any, model: keras.M
 
     Raises:
         TypeError: a ragged or sparse tensor, strings or objects where numbers are
-            needed, a dataset or generator instead of one batch.
-        ValueError: ``x`` or ``y`` is None; a dict input missing a key (or with an extra
-            one); a feature shape, rank or input count that does not fit the model.
+            needed, a dataset or generator instead of one batch, a dict of sample weights.
+        ValueError: ``x`` or ``y`` is None or empty; a dict input missing a key (or with an
+            extra one); a feature shape, rank or input count that does not fit the model;
+            ``y`` a dict for a model with one output.
     """
     if x is None:
         raise ValueError("x is None: pass the batch's inputs (arrays or tensors)")
@@ -189,10 +219,17 @@ def check_batch_against_model(x: Any, y: Any, sample_weight: Any, model: keras.M
     else:
         for i, leaf in enumerate(tf.nest.flatten(x)):
             _check_dtype(f"x[{i}]", _leaf_dtype_and_shape(f"x[{i}]", leaf)[0], True)
+    if isinstance(sample_weight, dict):
+        raise TypeError("sample_weight must be an array (one weight per example), got a dict")
+    output = _model_outputs(model)
+    if isinstance(y, dict) and output is not None and not isinstance(output, dict | list | tuple):
+        raise ValueError(f"y is a dict (keys {sorted(y, key=str)}); the model has one output")
     for name, part in (("y", y), ("sample_weight", sample_weight)):
         if part is None:
             continue
         leaves = tf.nest.flatten(part)
+        if not leaves:
+            raise ValueError(f"{name} is empty ({part!r}): expected arrays or tensors")
         for i, leaf in enumerate(leaves):
             label = name if len(leaves) == 1 else f"{name}[{i}]"
             _check_dtype(label, _leaf_dtype_and_shape(label, leaf)[0])

@@ -2,6 +2,8 @@
 
     fit.py         ``fit`` / ``evaluate`` / ``predict`` with Keras callbacks and exact metrics
     checkpoint.py  ``save`` / ``restore``: every replica, optimizer slots, codec state
+    atomic.py      numbered checkpoints written atomically; ``latest`` skips damaged ones
+    backup.py      ``fit(checkpoint_dir=...)``: save every k batches, resume bitwise
     export.py      ``.keras`` and SavedModel export of the trained model
     data.py        scikit-learn's bundled 8×8 digits, split and batched
     models.py      the small models the CLI, examples and benchmarks train

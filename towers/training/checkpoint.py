@@ -30,14 +30,16 @@ from __future__ import annotations
 
 import copy
 import gc
+import os
 from typing import Any
 
 import tensorflow as tf
 
 from towers.guard.errors import CheckpointError
+from towers.training.atomic import checkpoints, latest, verify
 from towers.training.protocol import Trainer
 
-__all__ = ["checkpoint", "restore", "save"]
+__all__ = ["checkpoint", "checkpoints", "latest", "load", "restore", "save", "verify"]
 
 _RESERVED = ("step", "all_reduce")
 _STEP_KEY = "step/.ATTRIBUTES/VARIABLE_VALUE"
@@ -73,6 +75,7 @@ def checkpoint(trainer: Trainer, **extra: Any) -> tf.train.Checkpoint:
         >>> ckpt = checkpoint(trainer, epoch=epoch_var)              # doctest: +SKIP
         >>> ckpt.write("/tmp/run/ckpt")                              # doctest: +SKIP
     """
+    _check_trainer(trainer)
     clash = [k for k in extra if k in _RESERVED or k.startswith("replica_")]
     if clash:
         raise ValueError(f"extra: the names {clash} are reserved for the trainer's own state")
@@ -92,11 +95,44 @@ def checkpoint(trainer: Trainer, **extra: Any) -> tf.train.Checkpoint:
 def save(trainer: Trainer, path: str) -> str:
     """Write the trainer's state to ``path`` (a file prefix) and return the prefix.
 
+    Raises:
+        TypeError: ``trainer`` is not a trainer, or ``path`` not a str or ``os.PathLike``.
+
     Example:
         >>> prefix = save(trainer, "/tmp/run/ckpt")                  # doctest: +SKIP
     """
-    written: str = checkpoint(trainer).write(str(path))
+    path = _check_path(path)
+    written: str = checkpoint(trainer).write(path)
     return written
+
+
+def load(trainer: Trainer, prefix: str) -> dict[str, Any]:
+    """Restore one checkpoint of a directory (:func:`towers.training.atomic.write`), checked.
+
+    Returns:
+        The position saved with it (``fit``'s epoch, batch and shuffling state).
+
+    Raises:
+        CheckpointError: naming ``prefix``: its manifest does not match its files
+            (truncated, corrupt), or :func:`restore` refuses it. The trainer is unchanged.
+
+    Example:
+        >>> load(trainer, latest("/tmp/run"))                        # doctest: +SKIP
+    """
+    position = verify(_check_path(prefix))
+    restore(trainer, prefix)
+    return position
+
+
+def _check_trainer(trainer: Any) -> None:
+    if not all(hasattr(trainer, a) for a in ("replicas", "optimizer", "algorithm")):
+        raise TypeError(f"trainer must be a towers.TowerTrainer; got {type(trainer).__name__}")
+
+
+def _check_path(path: Any) -> str:
+    if not isinstance(path, str | os.PathLike) or not str(path):
+        raise TypeError(f"path must be a file prefix (str or os.PathLike); got {path!r}")
+    return str(path)
 
 
 _Inventory = dict[str, tuple[list[int], tf.DType]]
@@ -200,6 +236,7 @@ def restore(trainer: Trainer, path: str) -> None:
     are put back.
 
     Raises:
+        TypeError: ``trainer`` is not a trainer, or ``path`` not a str or ``os.PathLike``.
         CheckpointError: (a ``ValueError``) nothing is saved at ``path``; the files are
             truncated or corrupt; or the checkpoint does not match this trainer (other
             model, optimizer, placement, number of replicas or all-reduce state). The
@@ -208,7 +245,8 @@ def restore(trainer: Trainer, path: str) -> None:
     Example:
         >>> restore(trainer, "/tmp/run/ckpt")                        # doctest: +SKIP
     """
-    path = str(path)
+    _check_trainer(trainer)
+    path = _check_path(path)
     reader, saved = _inventory(path)
     _check_replicas(trainer, path, saved)
     _check_algorithm_state(trainer, path, saved)

@@ -44,7 +44,8 @@ apply: ``trainer.model`` has no optimizer, every replica has its own.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import functools
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import keras
@@ -52,6 +53,8 @@ import numpy as np
 import tensorflow as tf
 
 from towers.allreduce.ordering import as_written
+from towers.guard.inputs import naming
+from towers.training.backup import Backup
 from towers.training.inference import inference
 from towers.training.metrics import Metrics, MetricSpec
 from towers.training.protocol import Trainer
@@ -75,10 +78,16 @@ def _callbacks(
     callbacks: Any, trainer: Trainer, verbose: Any, *, history: bool, **params: Any
 ) -> keras.callbacks.CallbackList:
     """Keras' callback container, with a History (fit) and a progress bar (verbose > 0)."""
-    if verbose == "auto":
+    if isinstance(verbose, str) and verbose == "auto":
         verbose = 1
-    if verbose not in (0, 1, 2):
+    if not isinstance(verbose, int | np.integer) or verbose not in (0, 1, 2):
         raise ValueError(f"verbose must be 0, 1, 2 or 'auto', got {verbose!r}")
+    if callbacks is not None and (
+        not isinstance(callbacks, Sequence)
+        or not all(isinstance(c, keras.callbacks.Callback) for c in callbacks)
+    ):
+        raise TypeError(f"callbacks must be None or a list of keras.callbacks.Callback, got "
+                        f"{callbacks!r}")  # fmt: skip
     return keras.callbacks.CallbackList(
         callbacks,
         add_history=history,
@@ -97,18 +106,23 @@ def _skipped(trainer: Trainer) -> int | None:
 
 
 def _train_epoch(
-    trainer: Trainer, batches: Iterator[Batch], specs: Any, callbacks: Any
-) -> dict[str, float]:
+    trainer: Trainer, batches: Iterator[Batch], specs: Any, callbacks: Any,
+    skip: int = 0, done: Callable[[int], None] | None = None,
+) -> dict[str, float]:  # fmt: skip
     """One pass of train steps; returns the epoch's logs (loss, training metrics, skips).
 
     A step the non-finite guard skipped changed nothing, so its (NaN) loss and outputs
-    are left out of the loss and the metrics; ``skipped`` counts such steps.
+    are left out of the loss and the metrics; ``skipped`` counts such steps. The first
+    ``skip`` batches (trained before a resume) are drawn and passed over; ``done(step)``
+    runs after each trained batch, before its callbacks (it saves checkpoints).
     """
     metrics = Metrics(specs)
     total, count = 0.0, 0
     first = last = _skipped(trainer)
     logs: dict[str, float] = {}
     for step, (x, y, sw) in enumerate(batches):
+        if step < skip:
+            continue
         callbacks.on_train_batch_begin(step)
         if metrics.specs:
             loss_t, y_pred = trainer.train_step(x, y, sw, return_outputs=True)
@@ -121,6 +135,8 @@ def _train_epoch(
             size = batch_length(tf.nest.map_structure(tf.convert_to_tensor, x))
             total, count = total + float(loss_t) * size, count + size
         last = now
+        if done is not None:
+            done(step)
         logs = {"loss": total / count if count else float("nan"), **metrics.results()}
         if first is not None and now is not None:
             logs["skipped"] = float(now - first)
@@ -174,6 +190,10 @@ def fit(
     seed: int | None = None,
     metrics: Sequence[MetricSpec] | None = None,
     sample_weight: Any = None,
+    checkpoint_dir: Any = None,
+    checkpoint_every: int | None = None,
+    checkpoint_keep: int = 3,
+    resume: bool = True,
 ) -> keras.callbacks.History:
     """Train for ``epochs`` epochs with :meth:`~towers.Trainer.train_step`, like ``model.fit``.
 
@@ -193,6 +213,12 @@ def fit(
         metrics: Keras metrics (names such as ``"accuracy"``, classes' instances or
             functions), reported for training and validation data.
         sample_weight: per-example weights (arrays only).
+        checkpoint_dir: save numbered checkpoints here, atomically, with the position
+            in the data (:mod:`towers.training.backup`; docs/checkpoints.md).
+        checkpoint_every: save after every k trained batches (None: every epoch's end).
+        checkpoint_keep: how many of the newest checkpoints to keep.
+        resume: with ``checkpoint_dir``, first restore its latest good checkpoint and
+            go on from the batch after it (bitwise the run that was not interrupted).
 
     Returns:
         The ``keras.callbacks.History``: ``history.history["loss"]`` per epoch, and
@@ -210,23 +236,38 @@ def fit(
     """
     epochs = check_int("epochs", epochs, 0)
     train = source(x, y, sample_weight, batch_size, need_y=True)
-    val = None if validation_data is None else validation_source(validation_data, batch_size)
+    val = None if validation_data is None else naming(
+        "validation_data", lambda: validation_source(validation_data, batch_size))  # fmt: skip
     cbs = _callbacks(callbacks, trainer, verbose, history=True, epochs=epochs, steps=train.steps)
+    for name, flag in (("shuffle", shuffle), ("resume", resume)):
+        if not isinstance(flag, bool | np.bool_):
+            raise TypeError(f"{name} must be True or False, got {flag!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        raise ValueError(f"seed must be None or an int >= 0, got {seed!r}")
     rng = np.random.default_rng(seed) if shuffle else None
     trainer.model.stop_training = False
     if not hasattr(trainer.model, "optimizer"):
         # TensorBoard reads model.optimizer; an uncompiled model has none (see module doc).
         trainer.model.optimizer = None
+    backup = None if checkpoint_dir is None else Backup(
+        trainer, checkpoint_dir, checkpoint_every, checkpoint_keep)  # fmt: skip
+    start, skip = backup.resume(rng) if backup is not None and resume else (0, 0)
     cbs.on_train_begin()
     logs: dict[str, float] = {}
-    for epoch in range(epochs):
+    for epoch in range(start, epochs):
         cbs.on_epoch_begin(epoch)
-        logs = _train_epoch(trainer, train.epoch(rng), metrics, cbs)
+        if backup is not None:
+            backup.epoch_begins(rng)
+        done = None if backup is None else functools.partial(backup.batch_done, epoch)
+        logs = _train_epoch(trainer, train.epoch(rng), metrics, cbs, skip, done)
+        skip = 0
         if val is not None:
             val_logs = _evaluate_source(trainer, val, metrics, cbs)
             logs.update({f"val_{k}": v for k, v in val_logs.items()})
         cbs.on_epoch_end(epoch, logs)
         _sync_replicas(trainer)
+        if backup is not None:
+            backup.epoch_done(epoch, rng)
         if trainer.model.stop_training:
             break
     cbs.on_train_end(logs)

@@ -49,13 +49,17 @@ class Metrics:
     the shapes), each updated once per batch on the concatenated outputs."""
 
     def __init__(self, specs: Sequence[MetricSpec] | None) -> None:
-        if specs is not None and (isinstance(specs, str) or not isinstance(specs, Sequence)):
+        if specs is not None and (
+            isinstance(specs, str | bytes) or not isinstance(specs, Sequence)
+        ):
             raise ValueError(f"metrics must be a list, got {specs!r}")
         self.specs = list(specs or [])
         self.metrics: list[keras.metrics.Metric] = []
         for spec in self.specs:  # fail before training, not after the first batch
             if isinstance(spec, str) and spec.lower() not in ("accuracy", "acc"):
                 _metric(spec, None, None)
+            elif not isinstance(spec, str | keras.metrics.Metric) and not callable(spec):
+                raise ValueError(f"metrics: unknown metric {spec!r} (a name, Metric or function)")
 
     def update(self, y: Any, y_pred: Any, sample_weight: Any) -> None:
         if self.specs and not self.metrics:

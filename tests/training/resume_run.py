@@ -1,0 +1,81 @@
+"""A training run that tests/training/test_resume.py kills, restarts and compares.
+
+``python -m tests.training.resume_run DIRECTORY OUT [CRASH_STAGE]`` trains the digits
+for EPOCHS epochs with ``fit(checkpoint_dir=DIRECTORY, checkpoint_every=EVERY,
+resume=True)``: the same seeds and shuffling every time, so a run that is killed and
+started again must end bitwise where an uninterrupted run ends. It prints
+``batch <n>`` (flushed) after each trained batch — after that batch's checkpoint, if
+one was due — and at the end writes every replica's variables, every optimizer
+variable (slots, ``iterations``) and the all-reduce's state to OUT (``.npz``).
+
+With CRASH_STAGE (``data``, ``manifest``, ``renamed``, ``pointer``) the process
+``os._exit(3)``s at that stage of its second save (see ``towers.training.atomic``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import towers
+
+DEVICES = towers.simulate_devices(3, kind="cpu")
+
+import keras  # noqa: E402  (after the devices are configured)
+import numpy as np  # noqa: E402
+
+from towers.training import atomic  # noqa: E402
+from towers.training.data import digits  # noqa: E402
+
+EPOCHS, EVERY, BATCH = 3, 4, 96
+
+
+def make() -> keras.Model:
+    init = keras.initializers.GlorotUniform
+    inp = keras.Input((8, 8, 1))
+    h = keras.layers.Conv2D(4, 3, activation="relu", kernel_initializer=init(0))(inp)
+    h = keras.layers.Dropout(0.3, seed=7)(keras.layers.Flatten()(h))
+    return keras.Model(inp, keras.layers.Dense(10, kernel_initializer=init(1))(h))
+
+
+class Report(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch: int, logs: object = None) -> None:
+        print(f"batch {batch}", flush=True)
+
+
+def crash_at(stage: str) -> None:
+    saves = {"n": 0}
+
+    def hook(reached: str) -> None:
+        if reached == "data":
+            saves["n"] += 1
+        if reached == stage and saves["n"] == 2:
+            print(f"crash {stage}", flush=True)
+            os._exit(3)
+
+    atomic.crash_point = hook
+
+
+def main(directory: str, out: str, stage: str | None = None) -> None:
+    if stage:
+        crash_at(stage)
+    trainer = towers.TowerTrainer(
+        make, lambda: keras.optimizers.Adam(1e-2),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        devices=DEVICES, all_reduce=towers.compressed("ring", "topk"), variables="replicated",
+    )  # fmt: skip
+    x, y, _, _ = digits()
+    trainer.fit(x, y, batch_size=BATCH, epochs=EPOCHS, seed=5, verbose=0, callbacks=[Report()],
+                checkpoint_dir=directory, checkpoint_every=EVERY)  # fmt: skip
+    arrays = {}
+    for i, replica in enumerate(trainer.replicas):
+        for j, v in enumerate([*replica.model.variables, *replica.optimizer.variables]):
+            arrays[f"r{i}_{j}"] = np.asarray(v.numpy())
+    for j, v in enumerate(trainer.algorithm.variables):
+        arrays[f"all_reduce_{j}"] = np.asarray(v.numpy())
+    arrays["iterations"] = np.asarray(trainer.optimizer.iterations.numpy())
+    np.savez(out, **arrays)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -1,0 +1,148 @@
+"""fit(checkpoint_dir=...): kill -9 a run at a random moment, restart it, end bitwise equal.
+
+The run is tests/training/resume_run.py (digits, 3 towers, replicated variables, Adam,
+Dropout, top-k compression with error feedback: every kind of state a step depends
+on). An uninterrupted run and a killed-then-resumed run must end with the same bytes
+in every replica's weights, every optimizer slot, ``iterations`` and the all-reduce's
+state. The kill lands after a random batch (after at least one checkpoint), plus a
+random delay of up to a few steps, so it may fall inside a save. A failure names its
+seed; ``TOWERS_KILL_SEED=<seed>`` replays that kill.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import keras
+import numpy as np
+
+import towers
+from tests.conftest import DEVICES
+from towers.training import atomic
+from towers.training.data import digits
+
+ROOT = Path(__file__).resolve().parents[2]
+EPOCHS, EVERY, STEPS_PER_EPOCH = 3, 4, 15  # resume_run's settings (1437 digits / 96)
+TOTAL = EPOCHS * STEPS_PER_EPOCH
+TIMEOUT = 240
+
+
+def _start(directory: Path, out: Path, *extra: str) -> subprocess.Popen[str]:
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.training.resume_run", str(directory), str(out), *extra],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def _finish(proc: subprocess.Popen[str]) -> list[str]:
+    """Wait (bounded) for a run; return its ``batch n`` lines."""
+    try:
+        out, err = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+    assert proc.returncode == 0, err[-3000:]
+    return [line for line in out.splitlines() if line.startswith("batch ")]
+
+
+def _load(path: Path) -> dict[str, np.ndarray]:
+    with np.load(path) as data:
+        return {k: data[k] for k in data.files}
+
+
+def assert_bitwise(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
+    """Every array of ``want`` present in ``got`` with the same dtype, shape and bytes."""
+    assert sorted(got) == sorted(want)
+    differ = [
+        k for k in want
+        if got[k].dtype != want[k].dtype or got[k].shape != want[k].shape
+        or got[k].tobytes() != want[k].tobytes()
+    ]  # fmt: skip
+    assert not differ, f"not bitwise equal: {differ}"
+
+
+def test_kill_9_and_resume_ends_bitwise_where_an_uninterrupted_run_ends(tmp_path: Path) -> None:
+    seed = int(os.environ.get("TOWERS_KILL_SEED", random.randrange(2**32)))  # to replay one
+    rng = random.Random(seed)
+    # a global batch index after >= 1 save, leaving the run more than the delay to go
+    kill_after = rng.randrange(EVERY, TOTAL - 10)
+    delay = rng.uniform(0.0, 0.03)  # a step takes ~10 ms: the kill may land inside a save
+    why = f"(seed {seed}: kill after batch {kill_after} + {delay * 1000:.0f} ms)"
+
+    reference = _start(tmp_path / "ref", tmp_path / "ref.npz")
+    victim = _start(tmp_path / "run", tmp_path / "run.npz")
+    assert victim.stdout is not None
+    seen = 0
+    while seen <= kill_after:
+        line = victim.stdout.readline()
+        assert line, f"the run ended before the kill {why}: {victim.communicate()[1][-2000:]}"
+        seen += line.startswith("batch ")
+    time.sleep(delay)
+    assert victim.poll() is None, f"the run ended before the kill {why}"
+    victim.send_signal(signal.SIGKILL)
+    victim.communicate(timeout=TIMEOUT)
+    assert victim.returncode == -signal.SIGKILL, why
+    assert not (tmp_path / "run.npz").exists()
+    saved = atomic.latest(tmp_path / "run")
+    assert saved is not None, why
+    done_before = int(atomic.verify(saved)["batches"])
+    assert EVERY <= done_before <= kill_after + 1, why
+
+    resumed = _finish(_start(tmp_path / "run", tmp_path / "run.npz"))
+    assert len(resumed) == TOTAL - done_before, why  # it went on from the checkpoint
+    assert len(_finish(reference)) == TOTAL
+    want, got = _load(tmp_path / "ref.npz"), _load(tmp_path / "run.npz")
+    assert int(want["iterations"]) == TOTAL
+    assert any(np.any(v != 0) for k, v in want.items() if k.startswith("all_reduce"))
+    assert_bitwise(got, want)
+
+
+def _small() -> towers.TowerTrainer:
+    def make() -> keras.Model:
+        init = keras.initializers.GlorotUniform
+        inp = keras.Input((64,))
+        h = keras.layers.Dropout(0.2, seed=1)(inp)
+        return keras.Model(inp, keras.layers.Dense(10, kernel_initializer=init(2))(h))
+
+    return towers.TowerTrainer(
+        make, lambda: keras.optimizers.Adam(1e-2), "sparse_categorical_crossentropy",
+        devices=DEVICES[:2], variables="replicated", all_reduce="naive",
+    )  # fmt: skip
+
+
+def _everything(trainer: towers.TowerTrainer) -> dict[str, np.ndarray]:
+    arrays = {}
+    for i, replica in enumerate(trainer.replicas):
+        for j, v in enumerate([*replica.model.variables, *replica.optimizer.variables]):
+            arrays[f"r{i}_{j}"] = np.asarray(v.numpy())
+    return arrays
+
+
+def test_epoch_end_checkpoints_resume_the_next_epoch_bitwise(tmp_path: Path) -> None:
+    """checkpoint_every=None saves at each epoch's end, with the next epoch's shuffling
+    state: 2 epochs, then a new trainer asked for 3 trains only the third — bitwise."""
+    x, y, _, _ = digits()
+    x, y = x[:160].reshape(160, 64), y[:160]
+    args = {"batch_size": 32, "seed": 3, "verbose": 0}
+    whole = _small()
+    whole.fit(x, y, epochs=3, **args)
+    first = _small()
+    first.fit(x, y, epochs=2, checkpoint_dir=tmp_path, **args)
+    assert [Path(p).parent.name for p in atomic.checkpoints(tmp_path)] == [
+        "ckpt-00000005", "ckpt-00000010"]  # fmt: skip
+    second = _small()
+    history = second.fit(x, y, epochs=3, checkpoint_dir=tmp_path, **args)
+    assert len(history.history["loss"]) == 1  # only the third epoch ran
+    assert int(second.optimizer.iterations) == 15
+    assert_bitwise(_everything(second), _everything(whole))
+    fresh = _small()  # resume=False ignores the directory's checkpoints
+    fresh.fit(x, y, epochs=1, checkpoint_dir=tmp_path, resume=False, **args)
+    assert int(fresh.optimizer.iterations) == 5

@@ -1,0 +1,204 @@
+"""Numbered checkpoints in a directory: written atomically, the newest good one found.
+
+What a save does, and what a crash at each point leaves behind::
+
+    directory/
+    │ 1. write  .tmp-ckpt-00000012-<pid>/state.index, state.data-*   crash: a .tmp-* dir,
+    │           .tmp-ckpt-00000012-<pid>/position.json                      never read
+    │ 2. write  .tmp-ckpt-00000012-<pid>/MANIFEST.json  (size, sha256 of every file)
+    │    fsync every file, then the temporary directory
+    │ 3. rename .tmp-ckpt-00000012-<pid>  ─▶  ckpt-00000012          atomic (one syscall)
+    │    fsync the directory                                       crash: ckpt-12 complete
+    │ 4. write  .latest.tmp, fsync, rename ─▶ latest  ("ckpt-00000012")
+    │ 5. delete the oldest ckpt-* beyond ``keep``
+    ▼
+    latest(directory): ckpt-* newest first; the first whose MANIFEST matches every
+    file (size and sha256) wins; a damaged one is skipped with a warning.
+
+``latest`` trusts the manifest, not the ``latest`` pointer: a crash between steps 3
+and 4 leaves a complete ``ckpt-12`` that the pointer does not name yet, and a file
+damaged after the fact (a truncated copy, a bad disk) is caught by its checksum. The
+pointer is for people and tools reading the directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import tensorflow as tf
+
+from towers.guard.errors import CheckpointError
+
+__all__ = ["check_directory", "checkpoints", "latest", "verify", "write"]
+
+PREFIX = "state"
+MANIFEST = "MANIFEST.json"
+POSITION = "position.json"
+POINTER = "latest"
+_NAME = re.compile(r"^ckpt-(\d+)$")
+
+crash_point: Callable[[str], None] | None = None
+"""A test hook: called with "data", "manifest", "renamed", "pointer" after each step of
+:func:`write` (tests make it raise or ``os._exit`` to crash a save part way)."""
+
+
+def _reached(stage: str) -> None:
+    if crash_point is not None:
+        crash_point(stage)
+
+
+def check_directory(directory: Any, name: str = "directory") -> Path:
+    """``directory`` as a ``Path``.
+
+    Raises:
+        TypeError: it is not a non-empty ``str`` or ``os.PathLike`` (the message names ``name``).
+    """
+    if not isinstance(directory, str | os.PathLike) or not str(directory):
+        raise TypeError(f"{name} must be a path (str or os.PathLike); got {directory!r}")
+    return Path(directory)
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file's or a directory's contents to disk (a directory: its entries)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _digest(path: Path) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            sha.update(block)
+    return sha.hexdigest()
+
+
+def _write_manifest(folder: Path) -> None:
+    files = sorted(p for p in folder.iterdir() if p.is_file())
+    manifest = {p.name: [p.stat().st_size, _digest(p)] for p in files}
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    for p in [*files, folder / MANIFEST]:
+        _fsync(p)
+    _fsync(folder)
+
+
+def write(
+    ckpt: tf.train.Checkpoint, directory: Any, number: int, position: dict[str, Any],
+    keep: int | None = 3,
+) -> str:  # fmt: skip
+    """Save ``ckpt`` as ``directory/ckpt-<number>`` atomically (see the module's drawing).
+
+    Args:
+        ckpt: what to write (``towers.training.checkpoint.checkpoint(trainer)``).
+        directory: the run's checkpoint directory (created if needed).
+        number: the checkpoint's number, e.g. the count of batches trained (an int >= 0).
+        position: JSON-serializable facts saved alongside (where the data stream stood).
+        keep: how many of the newest checkpoints to keep (None: all).
+
+    Returns:
+        The new checkpoint's prefix, ``directory/ckpt-<number>/state``.
+    """
+    if isinstance(number, bool) or not isinstance(number, int) or number < 0:
+        raise ValueError(f"number must be an int >= 0; got {number!r}")
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        raise ValueError(f"keep must be None or an int >= 1; got {keep!r}")
+    root = check_directory(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    name = f"ckpt-{number:08d}"
+    tmp = root / f".tmp-{name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    ckpt.write(str(tmp / PREFIX))
+    (tmp / POSITION).write_text(json.dumps(position, sort_keys=True))
+    _reached("data")
+    _write_manifest(tmp)
+    _reached("manifest")
+    final = root / name
+    if final.exists():  # the same number saved again (a resumed run): replace it
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync(root)
+    _reached("renamed")
+    pointer = root / f".{POINTER}.tmp"
+    pointer.write_text(name + "\n")
+    _fsync(pointer)
+    os.replace(pointer, root / POINTER)
+    _fsync(root)
+    _reached("pointer")
+    if keep is not None:
+        for old in checkpoints(root)[:-keep]:
+            shutil.rmtree(Path(old).parent, ignore_errors=True)
+    return str(final / PREFIX)
+
+
+def checkpoints(directory: Any) -> list[str]:
+    """The prefixes of every complete-looking ``ckpt-*`` in ``directory``, oldest first
+    (unverified; temporary ``.tmp-*`` folders of an unfinished save are never listed)."""
+    root = check_directory(directory)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _NAME.match(p.name))]
+    return [str(p / PREFIX) for _, p in sorted(found)]
+
+
+def verify(prefix: Any) -> dict[str, Any]:
+    """Check a checkpoint written by :func:`write` against its manifest; return its position.
+
+    Raises:
+        CheckpointError: naming ``prefix``: no manifest, a file missing, of another size
+            or with another sha256 (truncated or corrupt), or an unreadable position.
+    """
+    prefix = str(check_directory(prefix, "prefix"))
+    folder = Path(prefix).parent
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+        for name, (size, digest) in manifest.items():
+            path = folder / name
+            if not path.is_file():
+                raise CheckpointError(prefix, f"{name} is missing")
+            if path.stat().st_size != size:
+                raise CheckpointError(
+                    prefix, f"{name} has {path.stat().st_size} bytes, its manifest {size} "
+                    "(truncated?)",
+                )  # fmt: skip
+            if _digest(path) != digest:
+                raise CheckpointError(prefix, f"{name} does not match its sha256 (corrupt)")
+        position: dict[str, Any] = json.loads((folder / POSITION).read_text())
+    except (OSError, ValueError, TypeError) as err:
+        if isinstance(err, CheckpointError):
+            raise
+        raise CheckpointError(prefix, f"manifest or position unreadable ({err})") from err
+    return position
+
+
+def latest(directory: Any) -> str | None:
+    """The prefix of the newest checkpoint in ``directory`` that verifies, or None.
+
+    A damaged newer checkpoint (truncated, corrupt, half deleted) is skipped with a
+    ``RuntimeWarning`` naming it and the reason; the previous good one is returned.
+
+    Raises:
+        TypeError: ``directory`` is not a path.
+
+    Example:
+        >>> prefix = latest("/tmp/run")          # doctest: +SKIP
+        >>> checkpoint.restore(trainer, prefix)  # doctest: +SKIP
+    """
+    for prefix in reversed(checkpoints(directory)):
+        try:
+            verify(prefix)
+        except CheckpointError as err:
+            warnings.warn(f"skipping a damaged checkpoint: {err}", RuntimeWarning, stacklevel=2)
+            continue
+        return prefix
+    return None

@@ -1,0 +1,96 @@
+"""``fit(checkpoint_dir=...)``: save every k batches, and resume exactly where a run died.
+
+::
+
+    fit(..., checkpoint_dir=d, checkpoint_every=k)      (resume=True, the default)
+      start:  latest(d) ─▶ none: train from scratch
+                        └▶ ckpt-N: restore every replica, slots, iterations, all-reduce
+                                   state; position = (epoch e, batch b, shuffle state)
+      epoch e: shuffle with the saved generator state ─▶ skip batches 0 … b-1
+      after each trained batch: N += 1; N % k == 0 ─▶ write ckpt-N atomically
+                                (k None: at the end of every epoch instead)
+
+The position is part of the checkpoint, so the resumed run trains the very batches,
+in the very order, that the uninterrupted run would have: its final weights,
+optimizer slots and ``iterations`` are bitwise the same (tests/training/test_resume.py
+kills a run with SIGKILL at random moments to check it). The shuffling generator's
+state is the one at the start of the epoch (its permutation is drawn again), so a
+NumPy ``default_rng(seed)`` stream continues unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from towers.training import atomic
+from towers.training.checkpoint import checkpoint, load
+from towers.training.protocol import Trainer
+
+__all__ = ["Backup"]
+
+
+class Backup:
+    """The checkpoint side of ``fit``: where to resume, and a save every ``every`` batches.
+
+    Args:
+        trainer: the trainer ``fit`` trains.
+        directory: the run's checkpoint directory.
+        every: save after every ``every`` trained batches (None: after every epoch).
+        keep: how many of the newest checkpoints to keep.
+
+    Raises:
+        TypeError: ``directory`` is not a path (named ``checkpoint_dir``, as in ``fit``).
+        ValueError: ``every`` is not None or an int >= 1, or ``keep`` not an int >= 1.
+    """
+
+    def __init__(self, trainer: Trainer, directory: Any, every: int | None, keep: int) -> None:
+        atomic.check_directory(directory, "checkpoint_dir")
+        if every is not None and (isinstance(every, bool) or not isinstance(every, int)
+                                  or every < 1):  # fmt: skip
+            raise ValueError(f"checkpoint_every must be None or an int >= 1; got {every!r}")
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"checkpoint_keep must be an int >= 1; got {keep!r}")
+        self.trainer, self.directory, self.every, self.keep = trainer, directory, every, keep
+        self.batches = 0  # batches trained over the whole run, resumed ones included
+        self.epoch_rng: Any = None
+
+    def resume(self, rng: np.random.Generator | None) -> tuple[int, int]:
+        """Restore the latest good checkpoint, if any; return ``(epoch, batches to skip)``.
+
+        Raises:
+            CheckpointError: the latest checkpoint does not fit this trainer (unchanged).
+        """
+        prefix = atomic.latest(self.directory)
+        if prefix is None:
+            return 0, 0
+        position = load(self.trainer, prefix)
+        self.batches = int(position["batches"])
+        if rng is not None and position.get("rng") is not None:
+            rng.bit_generator.state = position["rng"]
+        return int(position["epoch"]), int(position["batch"])
+
+    def epoch_begins(self, rng: np.random.Generator | None) -> None:
+        """Remember the shuffling state the epoch starts from (saved with every checkpoint)."""
+        self.epoch_rng = None if rng is None else rng.bit_generator.state
+
+    def batch_done(self, epoch: int, batch: int) -> None:
+        """Count a trained batch (index ``batch`` of ``epoch``); save when one is due."""
+        self.batches += 1
+        if self.every is not None and self.batches % self.every == 0:
+            self.save(epoch, batch + 1)
+
+    def epoch_done(self, epoch: int, rng: np.random.Generator | None) -> None:
+        """With ``every=None``, save at the end of each epoch (the next one's shuffling state)."""
+        if self.every is None:
+            self.epoch_begins(rng)
+            self.save(epoch + 1, 0)
+
+    def save(self, epoch: int, batch: int) -> str:
+        """Write ``ckpt-<batches>``: the trainer's state and where the data stream stands."""
+        position = {"epoch": epoch, "batch": batch, "batches": self.batches,
+                    "rng": self.epoch_rng}  # fmt: skip
+        return atomic.write(
+            checkpoint(self.trainer), self.directory, self.batches, position, self.keep
+        )
