@@ -113,3 +113,16 @@ def test_the_targets_compare_the_best_algorithm_with_mirrored_and_the_one_pass_l
     assert "naive" in one_pass["detail"] and one_pass["limit"] == 0.70
     rows[-1]["algbw"] = 4.0
     assert sections.targets({"allreduce": rows})[1]["holds"]  # 0.75 >= 0.70
+
+
+def test_every_registered_algorithm_hands_the_cost_model_params_it_takes() -> None:
+    """The full bench fits every algorithm: a run-time setting in a record's params (a
+    collective's timeout) must not reach the cost formula."""
+    from towers import allreduce
+    from towers.bench import costmodel
+    from towers.bench.allreduce import towers_contender
+
+    for name in allreduce.ALGORITHMS:
+        contender = towers_contender(name)
+        if contender.formula is not None:
+            costmodel.coefficients(contender.formula, 4, 4096.0, **contender.params)

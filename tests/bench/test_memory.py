@@ -15,3 +15,15 @@ def test_each_configuration_gets_its_own_process_and_a_growing_peak() -> None:
     assert good["step_mib"] == good["peak_mib"] - good["built_mib"]
     assert bad["error"].startswith("exit ") and "peak_mib" not in bad  # an unknown algorithm
     assert "naive/parameter_device" in memory_table(rows) and "exit" in memory_table(rows)
+
+
+def test_sharded_adam_state_per_tower_is_a_quarter_on_four_towers() -> None:
+    from tests.conftest import DEVICES
+    from towers.bench.memory import optimizer_state
+
+    replicated, sharded = optimizer_state(DEVICES[:4])
+    assert (replicated["placement"], sharded["placement"]) == ("replicated", "sharded")
+    # 2 Adam slots per weight; sharded: each tower owns ceil(size/4) of every variable
+    assert replicated["max_bytes_per_tower"] > 8 * 5_000_000
+    assert 0.25 <= sharded["ratio_to_replicated"] < 0.2501
+    assert sharded["total_bytes"] < replicated["total_bytes"] / 3.99

@@ -25,6 +25,7 @@ not all-reduces and stay out of the table (they are in the CSV).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -86,6 +87,9 @@ def _formula_params(name: str, fn: Any) -> tuple[str | None, dict[str, Any]]:
     if name not in costmodel.ALGORITHMS:
         return None, {}
     params = dict(getattr(fn, "params", {}))
+    # Only what the formula takes: run-time settings (a collective's timeout) cost nothing.
+    accepted = inspect.signature(allreduce.ALGORITHMS[name].cost).parameters
+    params = {k: v for k, v in params.items() if k in accepted and k not in ("n", "nbytes")}
     named = all(isinstance(params.get(k), str) for k in ("inner", "outer"))
     if name == "hierarchical" and not named:
         return None, {}  # a hand-made inner/outer algorithm has no formula by name

@@ -20,7 +20,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["CONFIGS", "measure", "memory_section", "memory_table", "run_memory"]
+__all__ = [
+    "CONFIGS", "measure", "memory_section", "memory_table", "optimizer_state", "run_memory",
+]
 
 CONFIGS = (
     "MirroredStrategy", "CentralStorageStrategy", "towers naive/parameter_device",
@@ -88,6 +90,28 @@ def memory_table(rows: Sequence[dict[str, Any]]) -> str:
     ], list(rows))
 
 
+def optimizer_state(devices: Sequence[str]) -> list[dict[str, Any]]:
+    """Adam's state per tower on the wide MLP, ``replicated`` against ``sharded`` (exact
+    bytes of every replica's ``optimizer.variables``; ZeRO's promise is 1/n)."""
+    import keras
+
+    from towers.placement import optimizer_state_bytes
+    from towers.step import TowerTrainer
+    from towers.training.models import mlp
+
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    rows: list[dict[str, Any]] = []
+    for variables in ("replicated", "sharded"):
+        trainer = TowerTrainer(mlp, keras.optimizers.Adam(), loss, devices=list(devices),
+                               all_reduce="ring", variables=variables)
+        per_tower = optimizer_state_bytes(trainer)
+        rows.append({"placement": variables, "towers": len(devices),
+                     "max_bytes_per_tower": max(per_tower), "total_bytes": sum(per_tower)})
+    for row in rows:
+        row["ratio_to_replicated"] = row["max_bytes_per_tower"] / rows[0]["max_bytes_per_tower"]
+    return rows
+
+
 def memory_section(args: Any, devices: list[str], results: dict) -> bool:
     """``towers bench --sections memory``: peak RSS per configuration on the wide MLP."""
     from towers.bench import report
@@ -97,6 +121,11 @@ def memory_section(args: Any, devices: list[str], results: dict) -> bool:
     rows = run_memory(towers=args.towers, batch=args.batch_size)
     print(memory_table(rows))
     results["memory"] = rows
+    state = optimizer_state(devices[: args.towers])
+    print("\nAdam state per tower (wide MLP), bytes: " + "; ".join(
+        f"{r['placement']} {r['max_bytes_per_tower']:,} ({r['ratio_to_replicated']:.3f})"
+        for r in state))
+    results["optimizer_state"] = state
     report.write_csv(args.out / "memory.csv", rows)
     return not any(r["error"] for r in rows)
 
