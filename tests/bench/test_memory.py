@@ -6,12 +6,17 @@ from towers.bench.memory import memory_table, run_memory
 
 
 def test_each_configuration_gets_its_own_process_and_a_growing_peak() -> None:
+    from towers.bench.memory import _peak_mib
+
+    big = b"x" * (1 << 30)  # this process now peaks past 1 GiB more; its children must not
     rows = run_memory(["towers naive/parameter_device", "towers nope/replicated"],
                       towers=2, batch=8, steps=1)
     good, bad = rows
+    assert good["imported_mib"] < _peak_mib() - 1000 and len(big) == 1 << 30
     assert good["error"] == "" and good["towers"] == 2
     # a fresh process: TensorFlow's import alone is hundreds of MiB, and the peak only grows
     assert 100 < good["imported_mib"] <= good["built_mib"] <= good["peak_mib"]
+    assert good["peak_mib"] - good["imported_mib"] > 1  # the build and the step show up
     assert good["step_mib"] == good["peak_mib"] - good["built_mib"]
     assert bad["error"].startswith("exit ") and "peak_mib" not in bad  # an unknown algorithm
     assert "naive/parameter_device" in memory_table(rows) and "exit" in memory_table(rows)

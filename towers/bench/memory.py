@@ -1,6 +1,6 @@
 """Peak memory of a training step, per configuration, each in a fresh process.
 
-A process's peak resident set (``ru_maxrss``) only grows, so each configuration
+A process's peak resident set (``VmHWM``) only grows, so each configuration
 runs alone in a child process (``python -m towers.bench.memory``): import
 TensorFlow, simulate the devices, build the configuration, read the peak
 (``built``), run a few steps, read it again (``peak``). ``step = peak − built`` is
@@ -32,6 +32,18 @@ TIMEOUT_S = 300
 
 
 def _peak_mib() -> float:
+    """This process's peak RSS in MiB: ``VmHWM`` (Linux), else ``ru_maxrss``.
+
+    ``ru_maxrss`` survives ``execve``: a child started by a big parent would report the
+    parent's peak, so ``VmHWM`` (per address space, fresh after ``execve``) comes first.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
