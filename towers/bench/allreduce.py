@@ -88,7 +88,8 @@ def _formula_params(name: str, fn: Any) -> tuple[str | None, dict[str, Any]]:
         return None, {}
     params = dict(getattr(fn, "params", {}))
     # Only what the formula takes: run-time settings (a collective's timeout) cost nothing.
-    accepted = inspect.signature(allreduce.ALGORITHMS[name].cost).parameters
+    cost = allreduce.ALGORITHMS[name].cost
+    accepted = inspect.signature(cost).parameters if cost is not None else {}
     params = {k: v for k, v in params.items() if k in accepted and k not in ("n", "nbytes")}
     named = all(isinstance(params.get(k), str) for k in ("inner", "outer"))
     if name == "hierarchical" and not named:

@@ -29,17 +29,13 @@ from __future__ import annotations
 import collections
 import functools
 import re
-import tempfile
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import tensorflow as tf
-
 from towers.bench import report
-from towers.bench.profile import _read_xspace
 from towers.bench.profile import phase as op_type_phase
+from towers.bench.profile import profiled
 
 __all__ = ["PHASES", "phase_of", "phase_profile", "phase_table", "plot_phases", "run_phases"]
 
@@ -97,16 +93,8 @@ def phase_profile(step: Callable[[], Any], steps: int = 5, *, scoped: bool = Tru
         "towers": {tower: thread ms per step of its forward_backward}, "thread_ms": total,
         "unattributed": sorted op names that carried no phase (scoped steps)}``.
     """
-    with tempfile.TemporaryDirectory() as logdir:
-        tf.profiler.experimental.start(logdir)
-        try:
-            start = time.perf_counter()
-            for _ in range(steps):
-                step()
-            wall = (time.perf_counter() - start) / steps
-        finally:
-            tf.profiler.experimental.stop()
-        events = _events(_read_xspace(logdir))
+    space, wall = profiled(step, steps)
+    events = _events(space)
     phases = dict.fromkeys(PHASES, 0.0)
     towers: dict[int, float] = collections.defaultdict(float)
     unattributed = set()

@@ -24,7 +24,7 @@ from typing import Any
 
 import tensorflow as tf
 
-__all__ = ["PHASES", "op_profile", "phase", "summarize"]
+__all__ = ["PHASES", "op_profile", "phase", "profiled", "summarize"]
 
 PHASES = ("compute", "reduce", "update")
 _REDUCE = {
@@ -70,13 +70,8 @@ def _op_times(space: Any) -> collections.Counter[str]:
     return total
 
 
-def op_profile(step: Callable[[], Any], steps: int = 5) -> dict[str, Any]:
-    """Profile ``steps`` calls of ``step`` (warm it up first).
-
-    Returns:
-        ``{"wall_ms": ms per step, "ops": {op_type: thread ms per step}, "phases":
-        {phase: thread ms per step}}``.
-    """
+def profiled(step: Callable[[], Any], steps: int) -> tuple[Any, float]:
+    """Run ``step`` ``steps`` times under the profiler: ``(the trace's XSpace, wall s/step)``."""
     with tempfile.TemporaryDirectory() as logdir:
         tf.profiler.experimental.start(logdir)
         try:
@@ -86,7 +81,18 @@ def op_profile(step: Callable[[], Any], steps: int = 5) -> dict[str, Any]:
             wall = (time.perf_counter() - start) / steps
         finally:
             tf.profiler.experimental.stop()
-        times = _op_times(_read_xspace(logdir))
+        return _read_xspace(logdir), wall
+
+
+def op_profile(step: Callable[[], Any], steps: int = 5) -> dict[str, Any]:
+    """Profile ``steps`` calls of ``step`` (warm it up first).
+
+    Returns:
+        ``{"wall_ms": ms per step, "ops": {op_type: thread ms per step}, "phases":
+        {phase: thread ms per step}}``.
+    """
+    space, wall = profiled(step, steps)
+    times = _op_times(space)
     ops = {k: v / 1e9 / steps for k, v in times.most_common()}
     phases = dict.fromkeys(PHASES, 0.0)
     for k, ms in ops.items():

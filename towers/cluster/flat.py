@@ -43,8 +43,7 @@ from collections.abc import Sequence
 import tensorflow as tf
 from tensorflow.python.ops import collective_ops
 
-from towers.cluster.reducer import _key_block
-from towers.cluster.spec import resolve
+from towers.cluster.reducer import _key_block, check_cross_worker
 
 __all__ = ["AllTowers"]
 
@@ -70,14 +69,7 @@ class AllTowers:
 
     def __init__(self, num_workers: int | None = None, *, op: str = "sum",
                  timeout_seconds: float = 60.0, communication_hint: str = "ring") -> None:
-        self.num_workers = resolve().num_workers if num_workers is None else num_workers
-        if isinstance(self.num_workers, bool) or not isinstance(self.num_workers, int) \
-                or self.num_workers < 1:
-            raise ValueError(f"num_workers must be a positive int, got {self.num_workers!r}")
-        if op not in ("mean", "sum"):
-            raise ValueError(f"op must be 'mean' or 'sum', got {op!r}")
-        if not timeout_seconds > 0:
-            raise ValueError(f"timeout_seconds must be positive, got {timeout_seconds}")
+        self.num_workers = check_cross_worker(num_workers, op, timeout_seconds)
         if communication_hint not in ("ring", "auto"):
             raise ValueError(f"communication_hint must be 'ring' or 'auto', "
                              f"got {communication_hint!r}")

@@ -195,7 +195,7 @@ def start_servers(workers: int, towers_per_worker: int, *, ready_timeout: float 
     """
     cluster = local_cluster(workers)
     lock = threading.Lock()
-    watches = [_Watch(out or sys.stderr) for _ in range(workers)]
+    watches = [ServingWatch(out or sys.stderr) for _ in range(workers)]
     tasks = [TaskProcess(cluster, "worker", k, towers_per_worker, SERVER_COMMAND, watch, lock)
              for k, watch in enumerate(watches)]
     try:
@@ -212,7 +212,7 @@ def start_servers(workers: int, towers_per_worker: int, *, ready_timeout: float 
             task.finish()
 
 
-class _Watch:
+class ServingWatch:
     """A text sink that forwards lines and notes the server's "serving" line."""
 
     def __init__(self, out: IO[str]) -> None:

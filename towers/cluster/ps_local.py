@@ -21,26 +21,12 @@ import time
 from collections.abc import Iterator
 from typing import IO
 
-from towers.cluster.launcher import SERVER_COMMAND, TaskProcess
+from towers.cluster.launcher import SERVER_COMMAND, ServingWatch, TaskProcess
 from towers.cluster.local import local_cluster
 from towers.cluster.runtime import connect
 from towers.cluster.spec import Cluster
 
 __all__ = ["LocalPSCluster", "connect_ps", "local_ps_cluster"]
-
-
-class _Watch:
-    """A text sink that forwards lines and notes the server's "serving" line."""
-
-    def __init__(self, out: IO[str]) -> None:
-        self.out, self.ready = out, False
-
-    def write(self, text: str) -> int:
-        self.ready = self.ready or "] serving " in text
-        return self.out.write(text)
-
-    def flush(self) -> None:
-        self.out.flush()
 
 
 class LocalPSCluster:
@@ -75,7 +61,7 @@ def local_ps_cluster(workers: int, ps: int, towers_per_worker: int, *,
     try:
         for job, count, towers in (("worker", workers, towers_per_worker), ("ps", ps, 1)):
             for k in range(count):
-                watches.append(_Watch(out or sys.stderr))
+                watches.append(ServingWatch(out or sys.stderr))
                 tasks[(job, k)] = TaskProcess(cluster, job, k, towers, SERVER_COMMAND,
                                               watches[-1], lock)
         deadline = time.monotonic() + ready_timeout

@@ -67,6 +67,23 @@ def _key_block(size: int) -> int:
     return first
 
 
+def check_cross_worker(num_workers: int | None, op: str, timeout_seconds: float) -> int:
+    """The worker count (from the cluster when None), after checking the three settings
+    every cross-worker reducer takes.
+
+    Raises:
+        ValueError: a bad worker count, op or timeout, naming it.
+    """
+    workers = resolve().num_workers if num_workers is None else num_workers
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"num_workers must be a positive int, got {workers!r}")
+    if op not in ("mean", "sum"):
+        raise ValueError(f"op must be 'mean' or 'sum', got {op!r}")
+    if not timeout_seconds > 0:
+        raise ValueError(f"timeout_seconds must be positive, got {timeout_seconds}")
+    return workers
+
+
 class CrossWorker:
     """A ``GradientReducer``: sum the local towers in tower order, then across workers.
 
@@ -87,14 +104,7 @@ class CrossWorker:
 
     def __init__(self, num_workers: int | None = None, *, op: str = "mean",
                  timeout_seconds: float = 60.0, communication_hint: str = "ring") -> None:
-        self.num_workers = resolve().num_workers if num_workers is None else num_workers
-        if isinstance(self.num_workers, bool) or not isinstance(self.num_workers, int) \
-                or self.num_workers < 1:
-            raise ValueError(f"num_workers must be a positive int, got {self.num_workers!r}")
-        if op not in ("mean", "sum"):
-            raise ValueError(f"op must be 'mean' or 'sum', got {op!r}")
-        if not timeout_seconds > 0:
-            raise ValueError(f"timeout_seconds must be positive, got {timeout_seconds}")
+        self.num_workers = check_cross_worker(num_workers, op, timeout_seconds)
         self.op, self.timeout_seconds = op, float(timeout_seconds)
         self.communication_hint = communication_hint
         self.devices: list[str] = []
