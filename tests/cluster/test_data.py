@@ -21,7 +21,9 @@ from ..conftest import examples
 
 
 def _values(dataset: tf.data.Dataset) -> list:
-    return [v.numpy().item() if hasattr(v, "numpy") else v for v in dataset]
+    """The scalar elements as Python values (ints, or bytes for strings)."""
+    out = [v.numpy() for v in dataset]
+    return [v if isinstance(v, bytes) else v.item() for v in out]
 
 
 def _write_files(root: Path, sizes: list[int]) -> list[str]:
