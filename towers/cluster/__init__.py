@@ -18,12 +18,16 @@
     flat.py      AllTowers: one collective over all W·T towers, MWMS's order (bitwise)
     trainer.py   WorkerTrainer: loss over the global batch (unequal/empty workers)
     checkpoints.py  save_on_chief / restore_latest: atomic chief checkpoints, resume
+    data.py      shard_dataset() (tf.data's auto-shard policies), global_to_worker_batches()
+    gpus.py      configure_gpus(): visible GPUs, memory growth / limit, set first thing
 
 ``towers launch`` (:mod:`towers.cli.launch`) is the command line of ``launch``.
 """
 
 from __future__ import annotations
 
+from towers.cluster.data import global_to_worker_batches, shard_dataset
+from towers.cluster.gpus import RuntimeStartedError, configure_gpus
 from towers.cluster.launcher import launch, start_servers
 from towers.cluster.local import HOST, TOWERS_ENV, free_ports, local_cluster, towers_per_task
 from towers.cluster.ps import ParameterServerLost, ParameterStore, shard_variables
@@ -41,11 +45,14 @@ __all__ = [
     "Cluster",
     "ParameterServerLost",
     "ParameterStore",
+    "RuntimeStartedError",
     "UpdateLog",
     "UpdateRecord",
+    "configure_gpus",
     "connect",
     "connect_ps",
     "free_ports",
+    "global_to_worker_batches",
     "launch",
     "load_log",
     "local_cluster",
@@ -54,6 +61,7 @@ __all__ = [
     "resolve",
     "save_log",
     "set_logical_devices",
+    "shard_dataset",
     "shard_variables",
     "start_server",
     "start_servers",

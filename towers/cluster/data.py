@@ -1,0 +1,207 @@
+"""One worker's input: tf.data's auto-shard policies, written out, and global batches cut.
+
+MultiWorkerMirroredStrategy shards a dataset over its W workers by
+``tf.data.experimental.AutoShardPolicy``; :func:`shard_dataset` does the same by hand,
+so what each worker reads is visible. Worker k of W (chief first, as MWMS numbers
+them: chief → 0, ``worker:i`` → i + #chief)::
+
+    policy "file"  files  f0 f1 f2 f3 f4           worker 0: f0 f2 f4   (file i → i mod W)
+                   W = 2                           worker 1: f1 f3
+    policy "data"  elements e0 e1 e2 e3 e4         worker 0: e0 e2 e4   (element i → i mod W)
+                   (BEFORE batching)               worker 1: e1 e3
+    policy "auto"  "file" when the input is a list of at least W files, else "data"
+    policy "off"   every worker reads everything: cut each global batch with
+                   global_to_worker_batches (worker_slice) instead
+
+A *file list* is a Python list/tuple of file names, or a dataset whose elements are
+scalar strings (what ``tf.data.Dataset.list_files`` makes). It is never guessed from a
+dataset that already reads files: pass the names, and ``read`` to turn a worker's names
+into records (``read=tf.data.TFRecordDataset``). As in tf.data, ``"file"`` with fewer
+files than workers is an error (a worker would read nothing), and ``"auto"`` then falls
+back to ``"data"`` over the records of every file. ``list_files`` shuffles by default
+with a seed of its own per process: use ``shuffle=False`` (or a fixed seed), or the
+workers' shards overlap.
+
+``"data"`` must come before ``batch``: sharding batches would hand whole global batches
+to single workers. :func:`global_to_worker_batches` is the other way, that of
+MWMS's ``experimental_distribute_dataset``: every worker reads the same global batches
+and keeps its part of each, ``worker_slice``'s cut (ceil(B/W) rows per worker, the last
+ones short or empty)::
+
+    global batch of B = 5, W = 2:   rows 0 1 2 | 3 4
+                                    worker 0   | worker 1
+
+MWMS cuts a global batch B that W does not divide differently: its rebatch
+(``batch_sizes_for_worker``) gives B // W rows to each worker and one more to the first
+B mod W (B = 5, W = 4: 2 1 1 1, where ``worker_slice`` gives 2 2 1 0). Both keep every
+row exactly once, in order; ``WorkerTrainer`` divides by the global B either way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import tensorflow as tf
+
+from towers.cluster.spec import Cluster
+
+__all__ = ["POLICIES", "global_to_worker_batches", "shard_dataset", "worker_of"]
+
+POLICIES = ("auto", "file", "data", "off")
+"""The sharding policies, as ``tf.data.experimental.AutoShardPolicy`` names them."""
+
+
+def worker_of(cluster: Any) -> tuple[int, int]:
+    """``(num_workers, worker_index)`` of a ``Cluster`` or of a ``(num_workers, index)`` pair.
+
+    Raises:
+        TypeError: ``cluster`` is neither.
+        ValueError: not a training task (chief/worker), or an index out of range.
+
+    Example:
+        >>> worker_of((4, 1))
+        (4, 1)
+    """
+    if isinstance(cluster, Cluster):
+        job, index = cluster.task_type, cluster.task_index
+        if job not in ("chief", "worker") or index is None:
+            raise ValueError(f"cluster must be a chief or worker task to read input, got "
+                             f"task {job}:{index}")
+        chiefs = len(cluster.jobs.get("chief", ()))
+        return cluster.num_workers, index if job == "chief" else index + chiefs
+    if (isinstance(cluster, tuple) and len(cluster) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in cluster)):
+        workers, index = cluster
+        if workers < 1 or not 0 <= index < workers:
+            raise ValueError(f"cluster=(num_workers, index) needs num_workers >= 1 and "
+                             f"0 <= index < num_workers, got {cluster}")
+        return workers, index
+    raise TypeError(f"cluster must be a towers.cluster.Cluster or a (num_workers, index) pair "
+                    f"of ints, got {cluster!r}")
+
+
+def _file_list(dataset: Any) -> tf.data.Dataset | None:
+    """The dataset of file names if ``dataset`` is a file list, else None."""
+    if isinstance(dataset, (list, tuple)):
+        if not dataset or not all(isinstance(f, str) for f in dataset):
+            raise ValueError(f"dataset as a list must be a non-empty list of file names (str), "
+                             f"got {list(dataset)[:3]!r}")
+        return tf.data.Dataset.from_tensor_slices(list(dataset))
+    if not isinstance(dataset, tf.data.Dataset):
+        raise TypeError(f"dataset must be a tf.data.Dataset or a list of file names, got "
+                        f"{type(dataset).__name__}")
+    spec = dataset.element_spec
+    if isinstance(spec, tf.TensorSpec) and spec.dtype == tf.string and spec.shape.rank == 0:
+        return dataset
+    return None
+
+
+def _check_policy(policy: Any, read: Any) -> None:
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    if read is not None and not callable(read):
+        raise TypeError(f"read must be a callable (dataset of file names -> dataset of "
+                        f"records), got {read!r}")
+
+
+def shard_dataset(dataset: Any, cluster: Any, *, policy: str = "auto",
+                  read: Callable[[tf.data.Dataset], tf.data.Dataset] | None = None
+                  ) -> tf.data.Dataset:
+    """The input of one worker: ``dataset`` sharded by tf.data's auto-shard ``policy``.
+
+    Args:
+        dataset: a ``tf.data.Dataset`` of unbatched elements, or a file list (a list
+            of names, or a dataset of scalar strings such as ``list_files(...,
+            shuffle=False)``).
+        cluster: a ``Cluster`` (this task) or a ``(num_workers, worker_index)`` pair.
+        policy: ``"auto"``, ``"file"``, ``"data"`` or ``"off"`` (module docstring).
+        read: for a file list, turns file names into records (e.g.
+            ``tf.data.TFRecordDataset``); None returns the (sharded) names themselves.
+
+    Returns:
+        This worker's dataset: its files' records ("file"), every element whose index
+        ≡ worker (mod W) ("data"), or everything ("off").
+
+    Raises:
+        TypeError: a bad ``dataset``, ``cluster`` or ``read``.
+        ValueError: an unknown ``policy``; ``"file"`` on input that is not a file list,
+            or with fewer files than workers.
+
+    Example:
+        >>> ds = tf.data.Dataset.range(5)
+        >>> [int(v) for v in shard_dataset(ds, (2, 1), policy="data")]
+        [1, 3]
+    """
+    _check_policy(policy, read)
+    workers, index = worker_of(cluster)
+    files = _file_list(dataset)
+    if files is None:
+        if policy == "file":
+            raise ValueError("policy='file' needs a file list as dataset: a list of file "
+                             "names or a dataset of scalar strings (list_files)")
+        return dataset if policy == "off" else dataset.shard(workers, index)
+    count = int(files.cardinality())
+    enough = count < 0 or count >= workers  # unknown cardinality: tf.data also tries files
+    if policy == "file" and not enough:
+        raise ValueError(f"policy='file' needs at least as many files as workers: {count} "
+                         f"file(s) for {workers} workers; use policy='data' (or 'auto')")
+    read = read or (lambda names: names)
+    if policy == "off":
+        return read(files)
+    if policy == "file" or (policy == "auto" and enough):
+        return read(files.shard(workers, index))
+    return read(files).shard(workers, index)
+
+
+def _cut(workers: int, index: int) -> Callable[..., Any]:
+    """A map function keeping worker ``index``'s rows of a global batch (worker_slice)."""
+
+    def cut(*element: Any) -> Any:
+        structure = element[0] if len(element) == 1 else element
+        leaves = tf.nest.flatten(structure)
+        size = tf.shape(leaves[0], out_type=tf.int64)[0]
+        checks = [tf.debugging.assert_equal(
+            tf.shape(t, out_type=tf.int64)[0], size,
+            message="global_to_worker_batches: the tensors of a batch differ in batch size")
+            for t in leaves[1:]]
+        per = (size + workers - 1) // workers
+        start = tf.minimum(index * per, size)
+        stop = tf.minimum(start + per, size)
+        with tf.control_dependencies(checks):
+            return tf.nest.map_structure(lambda t: t[start:stop], structure)
+
+    return cut
+
+
+def global_to_worker_batches(dataset: tf.data.Dataset, cluster: Any) -> tf.data.Dataset:
+    """Each global batch of ``dataset`` cut to this worker's rows (``worker_slice``).
+
+    Every worker reads the same global batches (policy ``"off"``); concatenated in
+    worker order the parts are the global batch, bitwise. A worker past the end of a
+    short batch gets 0 rows, not an error (``WorkerTrainer`` handles empty workers).
+
+    Args:
+        dataset: a dataset of batches (tensors or structures of tensors, all with the
+            same leading dimension and rank >= 1).
+        cluster: a ``Cluster`` (this task) or a ``(num_workers, worker_index)`` pair.
+
+    Raises:
+        TypeError: ``dataset`` is not a ``tf.data.Dataset``, or a bad ``cluster``.
+        ValueError: an element holds a scalar (no batch dimension).
+
+    Example:
+        >>> ds = tf.data.Dataset.range(5).batch(5)
+        >>> [v.numpy().tolist() for v in global_to_worker_batches(ds, (2, 1))]
+        [[3, 4]]
+    """
+    if not isinstance(dataset, tf.data.Dataset):
+        raise TypeError(f"dataset must be a tf.data.Dataset of global batches, got "
+                        f"{type(dataset).__name__}")
+    workers, index = worker_of(cluster)
+    for spec in tf.nest.flatten(dataset.element_spec):
+        if getattr(spec, "shape", None) is not None and spec.shape.rank == 0:
+            raise ValueError("dataset must hold batches (every tensor with a batch dimension); "
+                             "got a scalar element: batch the dataset first")
+    return dataset.map(_cut(workers, index))
+
