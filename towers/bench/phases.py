@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from towers.bench import report
+from towers.bench.profile import op_events, profiled
 from towers.bench.profile import phase as op_type_phase
-from towers.bench.profile import profiled
 
 __all__ = ["PHASES", "phase_of", "phase_profile", "phase_table", "plot_phases", "run_phases"]
 
@@ -69,22 +69,6 @@ def phase_of(op_name: str, op_type: str = "", *, scoped: bool = True) -> tuple[s
     return _BY_TYPE[op_type_phase(op_type)], None
 
 
-def _events(space: Any) -> collections.Counter[tuple[str, str]]:
-    """Picoseconds per (op name, op type) over TensorFlow's executor threads."""
-    total: collections.Counter[tuple[str, str]] = collections.Counter()
-    for plane in space.planes:
-        names = {k: v.name for k, v in plane.event_metadata.items()}
-        for line in plane.lines:
-            if not line.name.startswith(("tf_Compute", "collective_ops", "tf_inter_op")):
-                continue
-            for event in line.events:
-                name = names.get(event.metadata_id, "")
-                if ":" in name and "::" not in name:  # "op/name:Type", not "Executor::..."
-                    op, kind = name.rsplit(":", 1)
-                    total[(op, kind)] += event.duration_ps
-    return total
-
-
 def phase_profile(step: Callable[[], Any], steps: int = 5, *, scoped: bool = True) -> dict:
     """Profile ``steps`` calls of ``step`` (warm it up first) and split the time by phase.
 
@@ -94,7 +78,7 @@ def phase_profile(step: Callable[[], Any], steps: int = 5, *, scoped: bool = Tru
         "unattributed": sorted op names that carried no phase (scoped steps)}``.
     """
     space, wall = profiled(step, steps)
-    events = _events(space)
+    events = op_events(space)
     phases = dict.fromkeys(PHASES, 0.0)
     towers: dict[int, float] = collections.defaultdict(float)
     unattributed = set()

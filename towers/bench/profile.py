@@ -24,7 +24,7 @@ from typing import Any
 
 import tensorflow as tf
 
-__all__ = ["PHASES", "op_profile", "phase", "profiled", "summarize"]
+__all__ = ["PHASES", "op_events", "op_profile", "phase", "profiled", "summarize"]
 
 PHASES = ("compute", "reduce", "update")
 _REDUCE = {
@@ -55,9 +55,10 @@ def _read_xspace(logdir: str) -> Any:
     return space
 
 
-def _op_times(space: Any) -> collections.Counter[str]:
-    """Picoseconds per op type: events named ``op_name:OpType`` on TF's worker threads."""
-    total: collections.Counter[str] = collections.Counter()
+def op_events(space: Any) -> collections.Counter[tuple[str, str]]:
+    """Picoseconds per ``(op name, op type)``: events named ``op/name:OpType`` on
+    TensorFlow's executor threads (not ``ExecutorState::Process`` and the like)."""
+    total: collections.Counter[tuple[str, str]] = collections.Counter()
     for plane in space.planes:
         names = {k: v.name for k, v in plane.event_metadata.items()}
         for line in plane.lines:
@@ -65,8 +66,17 @@ def _op_times(space: Any) -> collections.Counter[str]:
                 continue
             for event in line.events:
                 name = names.get(event.metadata_id, "")
-                if ":" in name and "::" not in name:  # "op:Type", not "ExecutorState::Process"
-                    total[name.rsplit(":", 1)[1]] += event.duration_ps
+                if ":" in name and "::" not in name:
+                    op, kind = name.rsplit(":", 1)
+                    total[(op, kind)] += event.duration_ps
+    return total
+
+
+def _op_times(space: Any) -> collections.Counter[str]:
+    """Picoseconds per op type."""
+    total: collections.Counter[str] = collections.Counter()
+    for (_, kind), ps in op_events(space).items():
+        total[kind] += ps
     return total
 
 
