@@ -45,7 +45,7 @@ from towers.allreduce.reducer import as_reducer, resolve
 from towers.guard.deadline import Deadline, settled
 from towers.guard.inputs import batch_tensors, check_choice, check_kinds, naming
 from towers.guard.loss_scale import LossScale
-from towers.guard.nonfinite import Guard
+from towers.guard.nonfinite import NONFINITE, Guard
 from towers.guard.replicas import ReplicaCheck
 from towers.placement import (
     PLACEMENTS,
@@ -149,6 +149,7 @@ class TowerTrainer:
         reduce_dtype: str = "float32",
     ) -> None:
         check_kinds(model, optimizer, loss)
+        check_choice("on_nonfinite", on_nonfinite, NONFINITE)  # before any replica is built
         self.devices = naming("devices", lambda: check_devices(devices))
         self.placement = naming("variables", lambda: get_placement(variables))
         self.non_trainable_mode = check_choice("non_trainable", non_trainable, NON_TRAINABLE)
@@ -167,7 +168,6 @@ class TowerTrainer:
             model, optimizer, homes, self.algorithm
         )
         self.reducer.build(self.model.trainable_variables, self.devices)
-        check_choice("on_nonfinite", on_nonfinite, ("skip", "raise", "ignore"))
         self.loss_scale = LossScale(self.optimizer, self.model, reduce_dtype)
         self.guard = Guard(
             on_nonfinite, len(self.devices), self.parameter_device, self.loss_scale.active
@@ -234,9 +234,8 @@ class TowerTrainer:
             grads = self.forward_backward(shards)
             # reduce → apply inside the guard's one tf.cond: all of it or nothing
             with tf.name_scope("guard"):
-                loss = self.guard.run(
-                    grads.towers, self.devices, lambda ok: self._update(grads, ok)
-                )
+                update = functools.partial(self._update, grads)  # update(grads_finite)
+                loss = self.guard.run(grads.towers, self.devices, update)
             if with_outputs:
                 outputs = concat([r.outputs for r in grads.towers], self.parameter_device)
         self.last_trace_stats = recorder
