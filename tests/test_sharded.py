@@ -233,13 +233,24 @@ def test_set_weights_fit_and_replica_check_work_sharded() -> None:
     _assert_same(reference, sharded)  # the last batch of 2 leaves towers 2 and 3 empty
 
 
-def test_sparse_gradients_need_densify_then_match() -> None:
+def test_sparse_gradients_are_densified_by_default_and_match() -> None:
+    """sharded's default sparse mode is "densify" (the capability table); "gather" is
+    refused at construction, before the model factory runs."""
     spec = ModelSpec("embedding")
-    batch = spec.batch(6, seed=0)
-    gather = _trainer(spec, 3)
-    with pytest.raises(ValueError, match="sparse='densify'"):
-        gather.train_step(*batch)
-    reference, sharded = _pair(spec, 3, sparse="densify")
+    built: list[int] = []
+
+    def counting() -> keras.Model:
+        built.append(1)
+        return spec.build()
+
+    with pytest.raises(ValueError, match="sparse='gather'.*refused.*sparse='densify'"):
+        towers.TowerTrainer(counting, SHARDABLE["adam"], loss_fn(), devices=DEVICES[:3],
+                            variables="sharded", sparse="gather")  # fmt: skip
+    assert built == []
+    reference = _trainer(spec, 3, variables="replicated", sparse="densify")
+    sharded = towers.TowerTrainer(spec.build, SHARDABLE["adam"], loss_fn(), devices=DEVICES[:3],
+                                  variables="sharded")  # fmt: skip
+    assert (sharded.sparse, sharded.options["all_reduce"]) == ("densify", "ring")
     for k in range(2):
         batch = spec.batch(6 + k, seed=k)
         assert float(reference.train_step(*batch)) == float(sharded.train_step(*batch))
@@ -249,9 +260,11 @@ def test_sparse_gradients_need_densify_then_match() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        (dict(all_reduce="naive"), "all_reduce: .*'ring'"),
-        (dict(all_reduce="tree"), "all_reduce: .*'ring'"),
-        (dict(all_reduce=ring(subchunks=2)), "subchunks=1"),
+        (dict(all_reduce="naive"), "variables='sharded' with all_reduce='naive'.*refused"),
+        (dict(all_reduce="tree"), "all_reduce='tree'.*refused.*leave all_reduce unset"),
+        (dict(all_reduce=ring(subchunks=2)), r"all_reduce=ring\(subchunks=2\).*refused"),
+        (dict(all_reduce=towers.bucketed("ring", 1024)), r"all_reduce=bucketed\(ring.*refused"),
+        (dict(all_reduce=towers.compressed("ring", "topk")), r"compressed\(ring.*refused"),
         (dict(optimizer=keras.optimizers.SGD(0.1, clipnorm=1.0)), "clipnorm"),
         (dict(optimizer=keras.optimizers.Adam(global_clipnorm=1.0)), "global_clipnorm"),
         (dict(optimizer=keras.optimizers.Adafactor()), "elementwise"),

@@ -34,7 +34,6 @@ from towers.allreduce.primitives import send
 from towers.allreduce.sharding import (
     ShardPlan,
     check_optimizer,
-    check_ring,
     dense_gradients,
     state_bytes,
 )
@@ -176,9 +175,9 @@ class Sharded(Replicated):
         """Replicas whose optimizers hold slots only for their own shards.
 
         Raises:
-            ValueError: ``all_reduce`` is not the ring, or the optimizer is not elementwise.
+            ValueError: the optimizer is not elementwise. (Which all-reduce composes with
+                this placement is the capability table's: only the ring.)
         """
-        check_ring(all_reduce)
         self.plan = ShardPlan(homes)
         replicas = make_replicas(model, optimizer, homes, build_on=self.plan.shards_for)
         check_optimizer(replicas[0].optimizer)
@@ -186,7 +185,7 @@ class Sharded(Replicated):
 
     def reduce(self, reducer: Any, grads: list[list[Any]]) -> list[list[Any]]:
         """``grads[tower][var]`` -> ``owned[owner][var]`` (None where a shard is empty)."""
-        return self.plan.reduce_scatter(dense_gradients(grads, reducer.sparse))
+        return self.plan.reduce_scatter(dense_gradients(grads))
 
     def updates(self, replicas: Sequence[Replica], reduced: list[list[Any]]) -> list[Update]:
         """Refresh each owner's shard from its replica; one update per owner with a shard."""

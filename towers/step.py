@@ -41,10 +41,11 @@ from towers.allreduce.base import AllReduce, GradientReducer
 from towers.allreduce.ordering import as_written
 from towers.allreduce.primitives import Recorder, record, send
 from towers.allreduce.recording import StepStats
-from towers.allreduce.reducer import as_reducer, resolve
+from towers.allreduce.reducer import SPARSE, as_reducer, resolve
+from towers.guard import capabilities
 from towers.guard.deadline import Deadline, settled
 from towers.guard.inputs import batch_tensors, check_choice, check_kinds, naming
-from towers.guard.loss_scale import LossScale
+from towers.guard.loss_scale import REDUCE_DTYPES, LossScale, is_loss_scaled
 from towers.guard.nonfinite import NONFINITE, Guard
 from towers.guard.replicas import ReplicaCheck
 from towers.placement import (
@@ -100,16 +101,22 @@ class TowerTrainer:
         loss: a Keras loss, a loss name, or ``(y_true, y_pred) -> per-example losses``.
         devices: the towers' devices (default: every local logical device).
         all_reduce: a name from ``towers.ALGORITHMS``, an algorithm callable or a
-            ``GradientReducer``.
+            ``GradientReducer``. Default (None) follows the placement: ``"ring"`` for
+            ``sharded``, ``"parameter_device"`` otherwise.
         variables: ``"parameter_device"`` (one copy, updated on the parameter device;
             CentralStorageStrategy's layout), ``"replicated"`` (one copy per tower,
             all updated identically; MirroredStrategy's layout) or ``"sharded"`` (one
             copy per tower, optimizer state and gradients sharded over the towers, ZeRO
-            1–2; needs ``all_reduce="ring"``; :mod:`towers.allreduce.sharding`).
+            1–2; it runs the ring's reduce-scatter; :mod:`towers.allreduce.sharding`).
+            Which options compose with which is the capability table
+            (:mod:`towers.guard.capabilities`): a combination it refuses raises a
+            ``ValueError`` naming both options before anything is built.
         parameter_device: where the single copy lives (default: the first tower).
         non_trainable: ``"mean"`` or ``"first_tower"`` (see the module docstring).
         sparse: ``"gather"`` (keep ``IndexedSlices``, concatenated in tower order, as
             MirroredStrategy does) or ``"densify"`` (dense all-reduce of sparse gradients).
+            Default (None) follows the placement: ``"densify"`` for ``sharded`` (a shard
+            owner updates a dense slice), ``"gather"`` otherwise.
         on_nonfinite: ``"skip"`` (default: a step whose loss, gradients or state hold a
             NaN/Inf on any tower changes nothing and is counted in :attr:`skipped_steps`),
             ``"raise"`` (the same, then :class:`~towers.guard.errors.NonFiniteError`) or
@@ -138,27 +145,35 @@ class TowerTrainer:
         optimizer: OptimizerLike,
         loss: str | LossFn | keras.losses.Loss,
         devices: Sequence[str] | None = None,
-        all_reduce: str | AllReduce | GradientReducer = "parameter_device",
+        all_reduce: str | AllReduce | GradientReducer | None = None,
         variables: str = "parameter_device",
         parameter_device: str | None = None,
         non_trainable: str = "mean",
-        sparse: str = "gather",
+        sparse: str | None = None,
         on_nonfinite: str = "skip",
         step_timeout: float | None = None,
         check_replicas_every: int | None = None,
         reduce_dtype: str = "float32",
     ) -> None:
         check_kinds(model, optimizer, loss)
-        check_choice("on_nonfinite", on_nonfinite, NONFINITE)  # before any replica is built
+        # Every argument is checked, and their combination against the capability table,
+        # before any replica, variable or reducer state is built.
+        check_choice("on_nonfinite", on_nonfinite, NONFINITE)
+        check_choice("reduce_dtype", reduce_dtype, REDUCE_DTYPES)
         self.devices = naming("devices", lambda: check_devices(devices))
         self.placement = naming("variables", lambda: get_placement(variables))
+        all_reduce = capabilities.default_all_reduce(self.placement.name, all_reduce)
         self.non_trainable_mode = check_choice("non_trainable", non_trainable, NON_TRAINABLE)
-        self.sparse = check_choice("sparse", sparse, ("gather", "densify"))
         self.parameter_device = naming(
             "parameter_device", lambda: check_devices([parameter_device or self.devices[0]])[0]
         )
         self.loss_fn = resolve_loss(loss)
         reducer = naming("all_reduce", lambda: resolve(all_reduce, self.parameter_device))
+        kind = capabilities.algorithm_kind(reducer)
+        self.sparse = check_choice(
+            "sparse", capabilities.default_sparse(self.placement.name, kind, sparse), SPARSE)
+        self.options = self._options(kind, optimizer, on_nonfinite, reduce_dtype, step_timeout)
+        capabilities.check(self.options, {"all_reduce": capabilities.spell(all_reduce)})
         self.deadline = Deadline(step_timeout, reducer)
         self.algorithm: Any = self.deadline.algorithm  # step_timeout bound where it takes one
         self.replica_check = ReplicaCheck(check_replicas_every)
@@ -180,6 +195,28 @@ class TowerTrainer:
         self._step_with_outputs = tf.function(
             functools.partial(self._train_step, with_outputs=True), autograph=False
         )
+
+    def _options(
+        self, kind: str, optimizer: Any, on_nonfinite: str, reduce_dtype: str,
+        step_timeout: float | None,
+    ) -> dict[str, str]:
+        """This trainer's cell of the capability table (:mod:`towers.guard.capabilities`).
+
+        An optimizer factory is called once here to learn its kind (the object is
+        dropped; the replicas call the factory again)."""
+        if callable(optimizer) and not isinstance(optimizer, keras.optimizers.Optimizer):
+            optimizer = optimizer()
+        return {
+            "trainer": type(self).__name__ if type(self).__name__ in capabilities.AXES["trainer"]
+            else "TowerTrainer",
+            "variables": self.placement.name,
+            "all_reduce": kind,
+            "optimizer": "loss_scale" if is_loss_scaled(optimizer) else "plain",
+            "on_nonfinite": on_nonfinite,
+            "reduce_dtype": reduce_dtype,
+            "sparse": self.sparse,
+            "step_timeout": "off" if step_timeout is None else "on",
+        }
 
     @property
     def model(self) -> keras.Model:
@@ -328,7 +365,10 @@ class TowerTrainer:
         for replica in self.replicas:
             with tf.device(replica.device):
                 for var, value in zip(replica.model.non_trainable_variables, reduced.non_trainable):
-                    var.assign(send(value, replica.device, note="state"))
+                    value = send(value, replica.device, note="state")
+                    if reduced.grads_finite is not None:  # an overflowed step changes nothing
+                        value = tf.where(reduced.grads_finite, value, var.value)
+                    var.assign(value)
 
     # -- the rest of the public API -----------------------------------------------------------
 

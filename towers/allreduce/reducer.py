@@ -24,7 +24,7 @@ import tensorflow as tf
 from towers.allreduce.base import AllReduce, GradientReducer, check_values
 from towers.allreduce.naive import naive
 from towers.allreduce.parameter_device import parameter_device
-from towers.allreduce.sparse import densify, gather_indexed_slices
+from towers.allreduce.sparse import densify, gather_indexed_slices, to_dense
 from towers.guard.contract import check_outputs, check_rows
 
 __all__ = ["SPARSE", "StepReducer", "as_reducer", "resolve"]
@@ -84,6 +84,8 @@ class StepReducer:
             AlgorithmError: the algorithm's outputs break the contract (count; per tower
                 shape, dtype, device), naming the algorithm, the tower and the variable.
         """
+        if self.dense is not None and self.sparse == "densify":
+            grads = _densified(grads)  # through the reducer, like every other gradient
         n_vars = len(grads[0])
         names = (
             self.names if len(self.names) == n_vars else [f"gradient {j}" for j in range(n_vars)]
@@ -105,14 +107,30 @@ class StepReducer:
         return out  # type: ignore[return-value]  # every slot is filled
 
 
+def _densified(
+    grads: Sequence[Sequence[tf.Tensor | tf.IndexedSlices]],
+) -> list[list[tf.Tensor | tf.IndexedSlices]]:
+    """``grads[tower][var]`` with every sparse gradient made dense on its tower."""
+    out = []
+    for row in grads:
+        dense = []
+        for g in row:
+            if isinstance(g, tf.IndexedSlices):
+                with tf.device(g.values.device):
+                    g = to_dense(g)
+            dense.append(g)
+        out.append(dense)
+    return out
+
+
 def as_reducer(algorithm: AllReduce | GradientReducer, *, sparse: str = "gather") -> StepReducer:
     """The step's reducer for ``algorithm``: a per-tensor ``AllReduce`` or a ``GradientReducer``.
 
     Args:
         algorithm: a resolved algorithm (a callable, not a registry name).
         sparse: ``"gather"`` (keep ``IndexedSlices``, concatenated in tower order) or
-            ``"densify"`` (all-reduce their dense sum with the per-tensor algorithm —
-            ``naive`` when ``algorithm`` is a ``GradientReducer``).
+            ``"densify"`` (make them dense on their towers and all-reduce them with
+            ``algorithm``, a ``GradientReducer`` included).
 
     Raises:
         ValueError: an unknown ``sparse`` mode.

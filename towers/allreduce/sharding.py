@@ -49,14 +49,14 @@ __all__ = [
     "ShardPlan",
     "VariableShards",
     "check_optimizer",
-    "check_ring",
     "dense_gradients",
     "state_bytes",
 ]
 
-NOT_ELEMENTWISE = ("Adafactor", "Lamb", "Muon", "LossScaleOptimizer")
+NOT_ELEMENTWISE = ("Adafactor", "Lamb", "Muon")
 """Optimizer classes whose update of one element reads others (factored moments, trust
-ratios, orthogonalization) or whose skip decision is global: a shard cannot update alone."""
+ratios, orthogonalization): a shard cannot update alone. (A LossScaleOptimizer, whose
+skip decision is global, is refused by the capability table.)"""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,34 +114,13 @@ def check_optimizer(optimizer: keras.optimizers.Optimizer) -> None:
             )
 
 
-def check_ring(all_reduce: Any) -> None:
-    """Refuse any all-reduce but the ring (s = 1): its reduce-scatter is the one sharding runs.
+def dense_gradients(grads: Sequence[Sequence[Any]]) -> list[list[tf.Tensor]]:
+    """``grads[tower][var]`` with sparse gradients densified on their towers.
 
-    Raises:
-        ValueError: naming ``all_reduce`` and what it got.
-    """
-    params = dict(getattr(all_reduce, "params", None) or {})
-    name = getattr(getattr(all_reduce, "algorithm", None), "name", None)
-    if name != "ring" or params.get("subchunks", 1) != 1:
-        raise ValueError(
-            "all_reduce: variables='sharded' reduce-scatters with the ring's own phase, so "
-            f"it needs all_reduce='ring' (subchunks=1) to match it; got {all_reduce!r}"
-        )
-
-
-def dense_gradients(grads: Sequence[Sequence[Any]], sparse: str) -> list[list[tf.Tensor]]:
-    """``grads[tower][var]`` with sparse gradients densified on their towers (``densify``).
-
-    Raises:
-        ValueError: a sparse gradient (an Embedding's) while ``sparse`` is ``"gather"``.
+    (The capability table refuses ``sparse="gather"`` with this placement.)
     """
     if not any(isinstance(g, tf.IndexedSlices) for g in grads[0]):
         return [list(row) for row in grads]
-    if sparse != "densify":
-        raise ValueError(
-            "sparse: variables='sharded' shards dense gradients and a gradient is sparse "
-            "(an Embedding's): pass sparse='densify'"
-        )
     out = []
     for row in grads:
         with tf.device(row[0].device):

@@ -102,6 +102,9 @@ class CrossWorker:
         ...                               all_reduce=CrossWorker())    # doctest: +SKIP
     """
 
+    cross_worker = True
+    """Sums over every worker (the capability table's ``cross-worker`` kind)."""
+
     def __init__(self, num_workers: int | None = None, *, op: str = "mean",
                  timeout_seconds: float = 60.0, communication_hint: str = "ring") -> None:
         self.num_workers = check_cross_worker(num_workers, op, timeout_seconds)

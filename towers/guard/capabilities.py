@@ -1,0 +1,278 @@
+"""The capability table: which of a trainer's options compose, in one declarative place.
+
+A trainer's options lie on a few axes. Any two values on two axes make a *cell*,
+and every cell either works (tests/guard/test_capabilities.py trains it against
+its reference) or is *refused*: :func:`check` raises a ``ValueError`` that names
+both options, why they do not compose and what to use instead, when the trainer
+is built and before any replica, variable or reducer state exists::
+
+    axis           values
+    trainer        TowerTrainer  WorkerTrainer  AsyncTrainer
+    variables      parameter_device  replicated  sharded
+    all_reduce     ring  registered  collective  bucketed  compressed  compressed+state
+                   user  cross-worker
+    optimizer      plain  loss_scale              (keras LossScaleOptimizer)
+    on_nonfinite   skip  raise  ignore
+    reduce_dtype   float32  compute
+    sparse         gather  densify
+    step_timeout   off  on
+
+``all_reduce`` is classified by :func:`algorithm_kind`: ``ring`` is the registry's
+ring with one sub-chunk (the only reduce-scatter ``sharded`` runs); ``registered``
+any other registered hand-built algorithm; ``collective`` a registered one made of
+TensorFlow collective ops (``nccl*``); ``compressed`` a codec without state
+(fp16, bf16), ``compressed+state`` one with state (top-k and PowerSGD error
+feedback); ``user`` a callable or reducer with no registry record;
+``cross-worker`` the reducers of :mod:`towers.cluster`.
+
+Refusals are data (:data:`REFUSALS`), one record per reason; the README's matrix
+is :func:`markdown` of them. Defaults follow the placement and the algorithm
+(:func:`default_all_reduce`, :func:`default_sparse`): ``variables="sharded"`` picks
+``all_reduce="ring"``, the other placements ``"parameter_device"``; ``sparse`` is
+``"densify"`` where a sparse gradient cannot stay sparse (``sharded``: a shard owner
+updates a dense slice; a codec: it reduces every variable), else ``"gather"``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import tensorflow as tf
+
+from towers.allreduce.bucketed import Bucketed
+from towers.allreduce.compressed import Compressed
+from towers.allreduce.registry import algorithm_name, record_of
+
+__all__ = [
+    "AXES",
+    "REFUSALS",
+    "Refusal",
+    "algorithm_kind",
+    "check",
+    "default_all_reduce",
+    "default_sparse",
+    "markdown",
+    "refusal_for",
+    "spell",
+]
+
+AXES: dict[str, tuple[str, ...]] = {
+    "trainer": ("TowerTrainer", "WorkerTrainer", "AsyncTrainer"),
+    "variables": ("parameter_device", "replicated", "sharded"),
+    "all_reduce": (
+        "ring", "registered", "collective", "bucketed", "compressed", "compressed+state",
+        "user", "cross-worker",
+    ),
+    "optimizer": ("plain", "loss_scale"),
+    "on_nonfinite": ("skip", "raise", "ignore"),
+    "reduce_dtype": ("float32", "compute"),
+    "sparse": ("gather", "densify"),
+    "step_timeout": ("off", "on"),
+}
+"""Every axis and its values, in the order the README's matrix shows them."""
+
+COLLECTIVE_OPS = ("nccl", "nccl_ring", "nccl_tree")
+"""Registered algorithms built from TensorFlow's collective ops (opaque to ``send``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    """One reason two options do not compose.
+
+    Attributes:
+        first, second: ``(axis, values)``: the cell is refused when the options hold
+            one of ``first``'s values on its axis and one of ``second``'s on its.
+        reason: why (what would go wrong, or what is not built).
+        instead: what to use instead.
+    """
+
+    first: tuple[str, tuple[str, ...]]
+    second: tuple[str, tuple[str, ...]]
+    reason: str
+    instead: str
+
+    def matches(self, options: Mapping[str, str]) -> bool:
+        """Whether ``options`` (axis -> value) fall in this refusal's cells."""
+        return all(options.get(axis) in values for axis, values in (self.first, self.second))
+
+    def message(self, options: Mapping[str, str], shown: Mapping[str, str] | None = None) -> str:
+        """The error text: both options (``shown`` spells a value as the user passed it),
+        the reason and the alternative."""
+        def spell(axis: str) -> str:
+            value = f"{axis}={options[axis]!r}"
+            given = (shown or {}).get(axis)
+            return value if given is None else f"{axis}={given} (a {options[axis]!r} kind)"
+
+        (a, _), (b, _) = self.first, self.second
+        return f"{spell(a)} with {spell(b)} is refused: {self.reason}; {self.instead}"
+
+
+_NOT_RING = ("registered", "collective", "bucketed", "compressed", "compressed+state", "user",
+             "cross-worker")
+
+REFUSALS: tuple[Refusal, ...] = (
+    Refusal(
+        ("variables", ("sharded",)), ("all_reduce", _NOT_RING),
+        "the sharded placement reduce-scatters with the ring's own phase and never calls "
+        "another algorithm or wrapper (bucketing, compression, a user's reducer would be "
+        "silently skipped)",
+        "leave all_reduce unset (sharded uses the ring) or use variables='replicated' with "
+        "this all_reduce",
+    ),
+    Refusal(
+        ("variables", ("sharded",)), ("sparse", ("gather",)),
+        "a shard owner updates a dense slice of every variable, so a sparse (Embedding) "
+        "gradient cannot stay sparse",
+        "leave sparse unset (sharded densifies) or pass sparse='densify'",
+    ),
+    Refusal(
+        ("variables", ("sharded",)), ("optimizer", ("loss_scale",)),
+        "a LossScaleOptimizer decides to skip a step from whole gradients, and under the "
+        "sharded placement each owner's optimizer sees only its shard",
+        "use variables='replicated' (bitwise the same arithmetic, unsharded state)",
+    ),
+    Refusal(
+        ("all_reduce", ("compressed", "compressed+state")), ("sparse", ("gather",)),
+        "a codec is built with one state per variable and reduces every gradient, so a "
+        "sparse (Embedding) gradient cannot be gathered beside it",
+        "leave sparse unset (compressed reducers densify) or pass sparse='densify'",
+    ),
+    Refusal(
+        ("trainer", ("WorkerTrainer",)), ("all_reduce", _NOT_RING[:-1] + ("ring",)),
+        "a worker's reducer must sum across every worker; a local algorithm would leave each "
+        "worker training on its own gradients (the workers drift apart)",
+        "leave all_reduce unset (AllTowers: MultiWorkerMirroredStrategy's order) or pass "
+        "towers.cluster.CrossWorker",
+    ),
+    Refusal(
+        ("trainer", ("TowerTrainer",)), ("all_reduce", ("cross-worker",)),
+        "a cross-worker reducer sums over every worker's towers, and a TowerTrainer divides "
+        "its loss by this process's batch only",
+        "use towers.cluster.WorkerTrainer for a cross-worker reducer",
+    ),
+)
+"""Every refused cell, one record per reason."""
+
+
+def refusal_for(options: Mapping[str, str]) -> Refusal | None:
+    """The first refusal whose cells hold ``options``, or None when they compose."""
+    return next((r for r in REFUSALS if r.matches(options)), None)
+
+
+def check(options: Mapping[str, str], shown: Mapping[str, str] | None = None) -> None:
+    """Refuse a combination the table does not support.
+
+    Args:
+        options: axis -> value (see :data:`AXES`); axes left out are not checked.
+        shown: axis -> the argument as the user gave it, for the message.
+
+    Raises:
+        ValueError: a value that is not on its axis, or a refused combination (the
+            message names both options, the reason and the alternative).
+    """
+    for axis, value in options.items():
+        if axis not in AXES or value not in AXES[axis]:
+            raise ValueError(f"capabilities: {axis}={value!r} is not in the table {AXES.get(axis)}")
+    refusal = refusal_for(options)
+    if refusal is not None:
+        raise ValueError(refusal.message(options, shown))
+
+
+def default_all_reduce(variables: str, all_reduce: Any) -> Any:
+    """``all_reduce``, or when unset (None) the placement's: the ring for ``sharded``."""
+    if all_reduce is not None:
+        return all_reduce
+    return "ring" if variables == "sharded" else "parameter_device"
+
+
+def default_sparse(variables: str, kind: str, sparse: str | None) -> str:
+    """``sparse``, or when unset (None): ``"densify"`` where a sparse gradient cannot stay
+    sparse (``sharded``; a codec), else ``"gather"`` (MirroredStrategy's)."""
+    if sparse is not None:
+        return sparse
+    return "densify" if variables == "sharded" or kind.startswith("compressed") else "gather"
+
+
+def _stateful(codec: Any) -> bool:
+    """Whether a codec keeps state between steps (its ``init`` returns tensors)."""
+    return bool(tf.nest.flatten(codec.init(tf.TensorShape([2]), tf.float32, 0)))
+
+
+def algorithm_kind(algorithm: Any) -> str:
+    """The ``all_reduce`` axis value of a resolved algorithm or reducer (see the module doc)."""
+    if isinstance(algorithm, Compressed):
+        return "compressed+state" if _stateful(algorithm.codec) else "compressed"
+    if isinstance(algorithm, Bucketed):
+        return "bucketed"
+    if getattr(algorithm, "cross_worker", False):
+        return "cross-worker"
+    record = record_of(algorithm)
+    if record is None:
+        return "user"
+    if record.name in COLLECTIVE_OPS:
+        return "collective"
+    if record.name == "ring" and record.params.get("subchunks", 1) == 1:
+        return "ring"
+    return "registered"
+
+
+def spell(algorithm: Any) -> str:
+    """An ``all_reduce`` argument as code would write it: ``compressed(ring, TopK)``, ``'tree'``."""
+    if isinstance(algorithm, str):
+        return repr(algorithm)
+    if isinstance(algorithm, Compressed):
+        return f"compressed({spell(algorithm.algorithm)}, {type(algorithm.codec).__name__})"
+    if isinstance(algorithm, Bucketed):
+        return f"bucketed({spell(algorithm.algorithm)}, {algorithm.bytes_per_bucket})"
+    if record_of(algorithm) is not None:
+        return repr(algorithm)  # with its parameters: ring(subchunks=2)
+    return algorithm_name(algorithm)
+
+
+ROW_AXES = ("trainer", "variables")
+"""The matrix's columns: a trainer kind (TowerTrainer per placement) or another trainer."""
+
+NOT_AN_OPTION: dict[str, tuple[str, ...]] = {
+    "AsyncTrainer": ("variables", "all_reduce", "optimizer", "reduce_dtype", "sparse",
+                     "step_timeout"),
+}
+"""Axes a trainer kind has no argument for (its own fixed choice; shown as ``—``)."""
+
+
+def _columns() -> list[tuple[str, dict[str, str]]]:
+    cols = [(p, {"trainer": "TowerTrainer", "variables": p}) for p in AXES["variables"]]
+    return cols + [(t, {"trainer": t}) for t in AXES["trainer"][1:]]
+
+
+def markdown() -> str:
+    """The capability table as a Markdown matrix: a row per option value, a column per
+    trainer (``TowerTrainer`` by placement); ✓ works and is tested, ✗n refused (note n),
+    — not an option of that trainer. Refused pairs not on the matrix follow as notes."""
+    columns = _columns()
+    notes: list[Refusal] = []
+    lines = ["| option | " + " | ".join(label for label, _ in columns) + " |",
+             "|---|" + "---|" * len(columns)]
+    for axis in (a for a in AXES if a not in ROW_AXES):
+        for value in AXES[axis]:
+            cells = []
+            for _, column in columns:
+                refusal = refusal_for({**column, axis: value})
+                if axis in NOT_AN_OPTION.get(column["trainer"], ()):
+                    cells.append("—")
+                elif refusal is None:
+                    cells.append("✓")
+                else:
+                    if refusal not in notes:
+                        notes.append(refusal)
+                    cells.append(f"✗{notes.index(refusal) + 1}")
+            lines.append(f"| `{axis}={value}` | " + " | ".join(cells) + " |")
+    lines.append("")
+    for k, refusal in enumerate(notes, 1):
+        lines.append(f"{k}. {refusal.reason}; {refusal.instead}.")
+    for k, refusal in enumerate((r for r in REFUSALS if r not in notes), len(notes) + 1):
+        (a, va), (b, vb) = refusal.first, refusal.second
+        lines.append(f"{k}. `{a}` ∈ {{{', '.join(va)}}} with `{b}` ∈ {{{', '.join(vb)}}} "
+                     f"(any trainer): {refusal.reason}; {refusal.instead}.")
+    return "\n".join(lines)
