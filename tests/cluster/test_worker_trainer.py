@@ -21,6 +21,7 @@ from towers.allreduce.compressed import compressed
 from towers.cluster.flat import AllTowers
 from towers.cluster.reducer import CrossWorker
 from towers.cluster.trainer import WorkerTrainer
+from towers.split import shard_batch
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
@@ -143,3 +144,35 @@ def test_workers_skip_and_raise_together_when_one_meets_a_nan() -> None:
     digests = [fields[2] for fields in steps[0]]
     assert digests[1] == digests[0] != digests[2]  # step 1 changed nothing, step 2 trained
     assert [fields[3] for fields in steps[0]] == ["0", "1", "1"]
+
+
+def test_state_across_workers_is_refused_naming_the_variables_and_modes() -> None:
+    def with_bn() -> keras.Model:
+        return keras.Sequential([keras.Input((6,)), keras.layers.Dense(3),
+                                 keras.layers.BatchNormalization()])
+
+    for mode in ("mean", "first_tower"):
+        with pytest.raises(ValueError, match=r"num_workers=2.*moving_mean.*'mean' and "
+                                             r"'first_tower'.*TowerTrainer"):
+            WorkerTrainer(with_bn, keras.optimizers.SGD(0.1), LOSS, devices=DEVICES[:2],
+                          num_workers=2, non_trainable=mode)
+    one = WorkerTrainer(with_bn, keras.optimizers.SGD(0.1), LOSS, devices=DEVICES[:2],
+                        num_workers=1)  # one worker: its towers are all the copies
+    one.train_step(*_batch(4))
+    assert len({w[-1].tobytes() for w in one.replica_weights()}) == 1
+
+
+def test_sparse_gradients_across_workers_are_refused_when_traced() -> None:
+    """Construction cannot see that a gradient will be sparse; the first trace of the
+    reduce phase refuses it before any cross-worker collective runs."""
+    def embedding() -> keras.Model:
+        return keras.Sequential([keras.Input((2,), dtype="int32"), keras.layers.Embedding(5, 3),
+                                 keras.layers.Flatten(), keras.layers.Dense(3)])
+
+    trainer = WorkerTrainer(embedding, keras.optimizers.SGD(0.1), LOSS, devices=DEVICES[:2],
+                            num_workers=2)
+    x, y = np.array([[0, 1], [1, 1], [4, 2]], np.int32), np.array([0, 2, 1], np.int32)
+    shards = shard_batch(*trainer._inputs(x, y, None), 2)  # local split: no count all-reduce
+    with pytest.raises(ValueError, match=r"num_workers=2\) with sparse gradients .*embeddings"
+                                         r".*sparse='gather'.*TowerTrainer"):
+        trainer.reduce(trainer.forward_backward(shards))

@@ -29,7 +29,8 @@ from towers.cluster.flat import AllTowers
 from towers.cluster.reducer import _key_block, check_cross_worker
 from towers.guard.inputs import batch_tensors, check_batch_against_model
 from towers.split import Shards, shard_sizes
-from towers.step import TowerTrainer
+from towers.step import Reduced, TowerTrainer
+from towers.tower import Gradients
 
 __all__ = ["WorkerTrainer", "worker_slice"]
 
@@ -90,6 +91,7 @@ class WorkerTrainer(TowerTrainer):
         self._count_key = _key_block(3)
         super().__init__(model, optimizer, loss, devices=devices, all_reduce=all_reduce,
                          **kwargs)
+        _refuse_state_across_workers(self.model, self.num_workers)  # before any collective
         with tf.init_scope(), tf.device(self.devices[0]):
             self._count_token = tf.Variable(0.0, trainable=False, name="batch_count_token")
 
@@ -120,6 +122,25 @@ class WorkerTrainer(TowerTrainer):
         total = self._sum_over_workers(tf.cast(local, tf.float32), self._count_key + 1)
         return tf.cast(total, tf.int32)
 
+    def reduce(self, grads: Gradients) -> Reduced:
+        """As ``TowerTrainer``'s, after refusing sparse gradients across workers.
+
+        Raises:
+            ValueError: ``num_workers`` > 1 and a gradient is a ``tf.IndexedSlices`` (an
+                Embedding's): the cross-worker reducers take dense gradients, so it would
+                be summed on this worker alone (raised when the step is traced).
+        """
+        sparse = [v.path for v, g in zip(self.model.trainable_variables, grads.towers[0].grads)
+                  if isinstance(g, tf.IndexedSlices)]
+        if sparse and self.num_workers > 1:
+            raise ValueError(
+                f"WorkerTrainer(num_workers={self.num_workers}) with sparse gradients (of "
+                f"{', '.join(sparse)}; sparse={self.sparse!r}) is not supported: the "
+                "cross-worker reducers all-reduce dense gradients only, so these would be "
+                "summed on this worker alone. Train the model in one process (TowerTrainer "
+                "keeps them sparse) or replace the Embedding's sparse lookup by a dense one")
+        return super().reduce(grads)
+
     def across_processes(self, counts: tf.Tensor) -> tf.Tensor:
         """The guard's counts summed over every worker: all skip (or raise) together,
         so no worker enters the step's collectives while another has left them."""
@@ -136,6 +157,22 @@ class WorkerTrainer(TowerTrainer):
                 communication_hint="ring", timeout=self.timeout_seconds,
                 ordering_token=self._count_token.handle,
             )
+
+
+def _refuse_state_across_workers(model: Any, num_workers: int) -> None:
+    """Refuse floating non-trainable state (BatchNormalization statistics) across workers.
+
+    Raises:
+        ValueError: ``num_workers`` > 1 and the model holds such state.
+    """
+    state = [v.path for v in model.non_trainable_variables if tf.as_dtype(v.dtype).is_floating]
+    if state and num_workers > 1:
+        raise ValueError(
+            f"WorkerTrainer(num_workers={num_workers}) with non-trainable state ({', '.join(state)}"
+            ") is not supported: non_trainable='mean' and 'first_tower' combine it over this "
+            "worker's towers only, so the workers' copies would drift apart (as "
+            "MultiWorkerMirroredStrategy's do). Use a model without it (LayerNormalization "
+            "instead of BatchNormalization) or train in one process (TowerTrainer)")
 
 
 def _cross_worker_reducer(all_reduce: Any, num_workers: int, timeout_seconds: float) -> Any:
