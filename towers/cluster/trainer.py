@@ -27,7 +27,7 @@ from tensorflow.python.ops import collective_ops
 
 from towers.cluster.flat import AllTowers
 from towers.cluster.reducer import _key_block, check_cross_worker
-from towers.guard.inputs import batch_tensors, check_batch_against_model
+from towers.guard.inputs import batch_tensors
 from towers.split import Shards, shard_sizes
 from towers.step import Reduced, TowerTrainer
 from towers.tower import Gradients
@@ -96,14 +96,8 @@ class WorkerTrainer(TowerTrainer):
             self._count_token = tf.Variable(0.0, trainable=False, name="batch_count_token")
 
     def _inputs(self, x: Any, y: Any, sample_weight: Any) -> tuple[Any, Any, Any]:
-        if _rows(x) != 0:
-            return batch_tensors(x, y, sample_weight, self.model)
         # B < W leaves a worker without examples; it still joins every collective.
-        check_batch_against_model(x, y, sample_weight, self.model)
-        convert = tf.nest.map_structure
-        weight = None if sample_weight is None else tf.convert_to_tensor(
-            sample_weight, dtype=tf.as_dtype(self.model.trainable_variables[0].dtype))
-        return convert(tf.convert_to_tensor, x), convert(tf.convert_to_tensor, y), weight
+        return batch_tensors(x, y, sample_weight, self.model, allow_empty=True)
 
     def model_towers(self, shards: Shards) -> list[int]:
         """As ``TowerTrainer``'s, and on an empty worker tower 0 runs the model on 0 rows
@@ -196,9 +190,3 @@ def _cross_worker_reducer(all_reduce: Any, num_workers: int, timeout_seconds: fl
             "leave every worker training alone (a compressed or local algorithm is not "
             "supported across workers)")
     return all_reduce
-
-
-def _rows(x: Any) -> int | None:
-    """The static leading dimension of ``x``'s first leaf (None when unknown)."""
-    leaf = tf.nest.flatten(x)[0]
-    return tf.TensorShape(getattr(leaf, "shape", np.shape(leaf)))[0]

@@ -5,14 +5,17 @@
     tower i:  code_i = 1·[loss non-finite] + 2·[a gradient non-finite] + 4·[state non-finite]
                  │  send (4 bytes, note "guard")
                  ▼
-    parameter device:  codes = [code_0 … code_{n-1}],  ok = all(codes == 0)
-                 │
-    tf.cond(ok, reduce → apply, skip)          one cond around the whole update
+    parameter device:  codes = [code_0 … code_{n-1}],  bad = #towers with a fatal bit
+                 │  agree (a worker's trainer: bad summed over every worker)
+    tf.cond(bad == 0, reduce → apply, skip)    one cond around the whole update
 
 The flag is formed from every tower's *local* values, before the all-reduce, so a
 lossy reducer (top-k, PowerSGD) cannot hide a NaN, and reducer state (error feedback,
 compression residuals) is inside the cond too. One predicate gates every replica's
-update in the same graph, so every replica decides the same by construction. On a
+update in the same graph, so every replica decides the same by construction; across
+processes (``WorkerTrainer``) the count is summed over the workers first, so every worker
+skips or applies together (deciding alone, one would wait in a collective the other left).
+``AsyncTrainer`` takes the same codes per push (:func:`gather_codes`): a bad push is not sent. On a
 skipped step nothing the next step depends on changes: no weight, optimizer slot,
 ``optimizer.iterations``, non-trainable state (BatchNorm statistics, dropout seed
 state) or reducer state. Only the guard's own counters move.
