@@ -31,7 +31,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from towers.cluster.ps import ParameterStore
+from towers.cluster.ps import POLICIES, ParameterStore, check_rule
 from towers.guard.errors import NonFiniteError
 from towers.guard.inputs import check_choice
 from towers.guard.nonfinite import NONFINITE, describe, gather_codes
@@ -117,6 +117,8 @@ class AsyncTrainer:
                  max_staleness: int | None = None, timeout: float = 30.0,
                  on_nonfinite: str = "skip") -> None:
         self.on_nonfinite = check_choice("on_nonfinite", on_nonfinite, NONFINITE)
+        check_rule(learning_rate, momentum, timeout)
+        check_choice("policy", policy, POLICIES)
         if isinstance(workers, str) or not workers or any(not w for w in workers):
             raise ValueError(f"workers must be a non-empty list of tower lists, got {workers!r}")
         if max_staleness is not None and (isinstance(max_staleness, bool) or
