@@ -138,8 +138,9 @@ def _leading_dims(name: str, structure: Any) -> set[int]:
     return dims
 
 
-def check_batch(x: Any, y: Any, sample_weight: Any) -> None:
-    """Check that ``x``, ``y`` and ``sample_weight`` share a non-zero batch size.
+def check_batch(x: Any, y: Any, sample_weight: Any, *, allow_empty: bool = False) -> None:
+    """Check that ``x``, ``y`` and ``sample_weight`` share a batch size, non-zero unless
+    ``allow_empty`` (a worker's part of a global batch may hold no example).
 
     Raises:
         ValueError: they disagree (statically), a part is a scalar, or the batch is empty.
@@ -150,7 +151,7 @@ def check_batch(x: Any, y: Any, sample_weight: Any) -> None:
     if len(all_sizes) > 1:
         detail = ", ".join(f"{k}: {sorted(v)}" for k, v in dims.items())
         raise ValueError(f"x, y and sample_weight must share their batch size; got {detail}")
-    if all_sizes == {0}:
+    if all_sizes == {0} and not allow_empty:
         raise ValueError("the batch is empty: x has 0 examples")
 
 

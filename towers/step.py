@@ -185,7 +185,8 @@ class TowerTrainer:
         self.reducer.build(self.model.trainable_variables, self.devices)
         self.loss_scale = LossScale(self.optimizer, self.model, reduce_dtype)
         self.guard = Guard(
-            on_nonfinite, len(self.devices), self.parameter_device, self.loss_scale.active
+            on_nonfinite, len(self.devices), self.parameter_device, self.loss_scale.active,
+            agree=self.across_processes,
         )
         self.trace_count = 0
         self.last_trace_stats: Recorder | None = None
@@ -288,6 +289,11 @@ class TowerTrainer:
             settled(reduced, self.apply)  # nothing changes before every reduction completed
         return reduced.loss
 
+    def across_processes(self, counts: tf.Tensor) -> tf.Tensor:
+        """The guard's counts of bad towers summed over every process that steps together
+        (the hook a multi-process trainer overrides; here: this process alone)."""
+        return counts
+
     def split(self, x: Any, y: Any, sample_weight: Any = None) -> Shards:
         """Phase 1: cut the global batch into one shard per tower (MirroredStrategy's split).
 
@@ -299,13 +305,12 @@ class TowerTrainer:
     def forward_backward(self, shards: Shards) -> Gradients:
         """Phase 2: every tower's forward and backward pass on its shard, on its device.
 
-        An empty tower does not run the model; it contributes zero gradients, its
-        share of the regularization losses, and unchanged state.
+        The towers of :meth:`model_towers` run the model; any other (empty) tower does
+        not: it contributes zero gradients, its share of the regularization losses
+        (loss-scaled as the others), and unchanged state.
         """
-        results = {
-            i: self.tower_step(shards, i) for i, size in enumerate(shards.sizes) if size != 0
-        }
-        template = results[0]  # tower 0 always has examples: the batch is not empty
+        results = {i: self.tower_step(shards, i) for i in self.model_towers(shards)}
+        template = results[min(results)]  # dtypes and output structure of the empty towers
         for i in range(len(self.devices)):
             if i not in results:
                 replica = self.replica_of(i)
@@ -317,6 +322,12 @@ class TowerTrainer:
                                                      self.devices[i]),
                 )  # fmt: skip
         return Gradients(tuple(results[i] for i in range(len(self.devices))))
+
+    def model_towers(self, shards: Shards) -> list[int]:
+        """The towers whose shards run the model in :meth:`forward_backward`: those with
+        examples (tower 0 always has some: the batch is not empty). The one hook a
+        subclass overrides to run the model on an empty shard (``WorkerTrainer``)."""
+        return [i for i, size in enumerate(shards.sizes) if size != 0]
 
     def tower_step(self, shards: Shards, tower: int, *, backward: bool = True) -> TowerResult:
         """One tower of :meth:`forward_backward`: read its replica's weights, run its shard.

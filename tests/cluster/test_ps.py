@@ -29,6 +29,7 @@ import tensorflow as tf
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import towers
 from tests.cluster.ps_client import BATCHES, batches, make_model
 from tests.conftest import DEVICES, examples
 from towers.cluster.ps import FairLock, ParameterServerLost, ParameterStore, shard_variables
@@ -112,6 +113,11 @@ def test_the_store_rejects_a_bad_rule(kwargs: dict[str, Any], message: str) -> N
     ({"workers": []}, "workers must be a non-empty list"),
     ({"workers": [[]]}, "workers must be a non-empty list"),
     ({"max_staleness": -1}, "max_staleness must be None or an int >= 0"),
+    ({"on_nonfinite": "warn"}, "on_nonfinite must be one of"),
+    ({"learning_rate": 0}, "learning_rate must be a positive number"),
+    ({"momentum": 1.0}, r"momentum must be a float in \[0, 1\)"),
+    ({"timeout": 0}, "timeout must be a positive number"),
+    ({"policy": "random"}, "policy must be one of"),
 ])
 def test_the_trainer_rejects_bad_arguments(kwargs: dict[str, Any], message: str) -> None:
     args: dict[str, Any] = {"workers": [DEVICES[:2]], "ps_devices": [DEVICES[2]],
@@ -205,6 +211,55 @@ def test_max_staleness_zero_applies_only_fresh_gradients(tmp_path: Path) -> None
     assert loaded.records == log.records
     for final, expected in zip(replay(loaded, trainer.initial_weights()), trainer.get_weights()):
         np.testing.assert_array_equal(final, expected)
+
+
+def _poisoned(n: int, bad: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    data = batches(n)
+    x = data[bad][0].copy()
+    x[3, 2] = np.nan  # one example of batch ``bad``: on tower 0 (rows 0-4 of 10)
+    data[bad] = (x, data[bad][1])
+    return data
+
+
+def test_a_nan_batch_reaches_no_ps_and_training_goes_on() -> None:
+    """Batch 3 holds a NaN: with the default guard it is pushed to no ps (counted, not
+    logged); every other batch is applied once, every ps weight stays finite, and the
+    store's weights are bitwise the logged updates replayed — the NaN update changed none."""
+    trainer = AsyncTrainer(make_model, "mse", workers=[DEVICES[0:2], DEVICES[2:4]],
+                           ps_devices=[DEVICES[4], DEVICES[5]], learning_rate=0.05,
+                           momentum=0.5)
+    log = trainer.run(_poisoned(6, 3))
+    assert trainer.skipped_steps == 1 and trainer.skipped_batches == [3]
+    assert sorted(r.batch for r in log.records) == [0, 1, 2, 4, 5]
+    final = trainer.get_weights()
+    assert all(np.isfinite(w).all() for w in final)
+    for ours, replayed in zip(final, replay(log, trainer.initial_weights()), strict=True):
+        np.testing.assert_array_equal(ours, replayed)
+
+
+def test_a_nan_batch_alone_leaves_every_ps_weight_bitwise_unchanged() -> None:
+    trainer = AsyncTrainer(make_model, "mse", workers=[DEVICES[0:2]], ps_devices=[DEVICES[2]],
+                           learning_rate=0.05)
+    trainer.run(_poisoned(1, 0))
+    assert trainer.skipped_steps == 1 and not trainer.log.records
+    for ours, initial in zip(trainer.get_weights(), trainer.initial_weights(), strict=True):
+        np.testing.assert_array_equal(ours, initial)
+
+
+def test_raise_stops_with_a_non_finite_error_and_ignore_poisons_the_ps() -> None:
+    """"raise": NonFiniteError naming the tower, nothing applied; "ignore" pushes the NaN
+    gradient, which is what the guard prevents (every ps weight it touches turns NaN)."""
+    args: dict[str, Any] = {"workers": [DEVICES[0:2]], "ps_devices": [DEVICES[2]],
+                            "learning_rate": 0.05}
+    strict = AsyncTrainer(make_model, "mse", on_nonfinite="raise", **args)
+    with pytest.raises(towers.NonFiniteError, match=r"tower 0 .*loss, gradients"):
+        strict.run(_poisoned(2, 0))
+    assert not strict.log.records and strict.skipped_steps == 1
+    for ours, initial in zip(strict.get_weights(), strict.initial_weights(), strict=True):
+        np.testing.assert_array_equal(ours, initial)
+    loose = AsyncTrainer(make_model, "mse", on_nonfinite="ignore", **args)
+    loose.run(_poisoned(1, 0))
+    assert loose.skipped_steps == 0 and np.isnan(loose.get_weights()[0]).all()
 
 
 # -- a real cluster: one client process each -------------------------------------------------

@@ -5,7 +5,10 @@ Run under ``towers launch`` (every worker runs it). Step k trains on the global 
 cut by :func:`towers.cluster.trainer.worker_slice`. Prints ``RESTORED <step> <digest>``,
 one ``STEP <k> <local batch> <digest>`` per step, then ``DONE <digest>`` (digest: SHA-256 of every
 replica's weights) or ``FAILED <error> <seconds>`` and exit 3. ``--die-at K`` makes
-worker 1 kill itself with SIGKILL (``kill -9``) before step K.
+worker 1 kill itself with SIGKILL (``kill -9``) before step K; ``--nan-at K`` puts a NaN
+into worker 0's part of step K (each STEP line then ends with the guard's skipped count,
+and a ``NONFINITE <k> <towers>`` line reports a raised ``NonFiniteError``);
+``--on-nonfinite`` picks the guard's mode.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--ckpt", default=None, help="checkpoint directory")
     parser.add_argument("--die-at", type=int, default=None, help="worker 1 is killed here")
     parser.add_argument("--out", default=None, help="directory for weights after each step")
+    parser.add_argument("--nan-at", type=int, default=None, help="worker 0's batch gets a NaN")
+    parser.add_argument("--on-nonfinite", default="skip")
     return parser.parse_args()
 
 
@@ -85,7 +90,8 @@ def main() -> None:
     trainer = WorkerTrainer(
         make_model, lambda: keras.optimizers.SGD(args.lr),
         keras.losses.SparseCategoricalCrossentropy(from_logits=True), devices=devices,
-        num_workers=workers, timeout_seconds=args.timeout, step_timeout=args.timeout)
+        num_workers=workers, timeout_seconds=args.timeout, step_timeout=args.timeout,
+        on_nonfinite=args.on_nonfinite)
     start = restore_latest(trainer, args.ckpt) if args.ckpt else 0
     print(f"RESTORED {start} {digest(trainer)}", flush=True)
     sizes = [int(b) for b in args.batches.split(",")]
@@ -97,13 +103,18 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         part = worker_slice(sizes[step], workers, worker)
         xb, yb = x[offsets[step]:offsets[step + 1]][part], y[offsets[step]:offsets[step + 1]][part]
+        if step == args.nan_at and worker == 0:
+            xb = xb.copy()
+            xb[0, 0, 0, 0] = np.nan
         began = time.monotonic()
         try:
             trainer.train_step(xb, yb)
         except towers.StepTimeout as err:
             print(f"FAILED {type(err).__name__} {time.monotonic() - began:.1f} {err}", flush=True)
             os._exit(3)  # the runtime's teardown would wait for the lost peer
-        print(f"STEP {step} {len(xb)} {digest(trainer)}", flush=True)
+        except towers.NonFiniteError as err:
+            print(f"NONFINITE {step} {','.join(map(str, sorted(err.towers))) or '-'}", flush=True)
+        print(f"STEP {step} {len(xb)} {digest(trainer)} {trainer.skipped_steps}", flush=True)
         if args.out:
             np.savez(os.path.join(args.out, f"w{worker}_{step}.npz"), *trainer.get_weights())
             if step == start:

@@ -42,7 +42,8 @@ import tensorflow as tf
 from towers.guard.errors import TowersError
 
 __all__ = [
-    "POLICIES", "FairLock", "ParameterServerLost", "ParameterStore", "shard_variables", "sizes_of",
+    "POLICIES", "FairLock", "ParameterServerLost", "ParameterStore", "check_rule",
+    "shard_variables", "sizes_of",
 ]
 
 POLICIES = ("round_robin", "size_balanced")
@@ -155,10 +156,7 @@ class ParameterStore:
     def __init__(self, weights: Sequence[np.ndarray], ps_devices: Sequence[str], *,
                  learning_rate: float, momentum: float = 0.0, policy: str = "round_robin",
                  timeout: float = 30.0) -> None:
-        _check_positive(learning_rate, "learning_rate")
-        _check_positive(timeout, "timeout")
-        if not isinstance(momentum, (int, float)) or not 0.0 <= momentum < 1.0:
-            raise ValueError(f"momentum must be a float in [0, 1), got {momentum!r}")
+        check_rule(learning_rate, momentum, timeout)
         self.ps_devices = list(ps_devices)
         self.placement = shard_variables(weights, self.ps_devices, policy)
         self.learning_rate, self.momentum, self.timeout = learning_rate, float(momentum), timeout
@@ -258,6 +256,20 @@ class ParameterStore:
                 f"the {what} on the parameter servers {self.ps_devices} failed: a ps task is "
                 f"gone or unreachable ({type(err).__name__}: {str(err).splitlines()[0]}). "
                 "Restart the cluster and resume from the last saved weights.") from err
+
+
+def check_rule(learning_rate: Any, momentum: Any, timeout: Any) -> None:
+    """Check the ps update rule's settings (before anything is built).
+
+    Raises:
+        ValueError: a learning rate or timeout that is not a positive number, a momentum
+            outside [0, 1).
+    """
+    _check_positive(learning_rate, "learning_rate")
+    _check_positive(timeout, "timeout")
+    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) \
+            or not 0.0 <= momentum < 1.0:
+        raise ValueError(f"momentum must be a float in [0, 1), got {momentum!r}")
 
 
 def _check_positive(value: Any, name: str) -> None:

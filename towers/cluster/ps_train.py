@@ -31,7 +31,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from towers.cluster.ps import ParameterStore
+from towers.cluster.ps import POLICIES, ParameterStore, check_rule
+from towers.guard.errors import NonFiniteError
+from towers.guard.inputs import check_choice
+from towers.guard.nonfinite import NONFINITE, describe, gather_codes
 from towers.step import TowerTrainer
 
 __all__ = ["AsyncTrainer", "UpdateLog", "UpdateRecord"]
@@ -90,9 +93,17 @@ class AsyncTrainer:
         policy: variable placement over the ps (:func:`~towers.cluster.ps.shard_variables`).
         max_staleness: refuse pushes whose read is more than this many updates old.
         timeout: seconds one pull or push may take (then ``ParameterServerLost``).
+        on_nonfinite: the non-finite guard's modes (:mod:`towers.guard.nonfinite`), per
+            push: ``"skip"`` (default: a gradient or loss with a NaN/Inf on any of the
+            worker's towers is pushed to no ps; the batch is counted in
+            :attr:`skipped_steps` and listed in :attr:`skipped_batches`), ``"raise"``
+            (the same, then :class:`~towers.guard.errors.NonFiniteError`; the other
+            workers stop) or ``"ignore"`` (push whatever comes: one NaN batch turns
+            every ps weight into NaN).
 
     Raises:
-        ValueError: no workers, a model with non-trainable variables, a bad staleness.
+        ValueError: no workers, a model with non-trainable variables, a bad staleness,
+            an unknown ``on_nonfinite``.
 
     Example:
         >>> trainer = AsyncTrainer(make_model, "mse", workers=[w0, w1], ps_devices=[ps0],
@@ -103,7 +114,11 @@ class AsyncTrainer:
     def __init__(self, model: Callable[[], keras.Model], loss: Any, *,
                  workers: Sequence[Sequence[str]], ps_devices: Sequence[str],
                  learning_rate: float, momentum: float = 0.0, policy: str = "round_robin",
-                 max_staleness: int | None = None, timeout: float = 30.0) -> None:
+                 max_staleness: int | None = None, timeout: float = 30.0,
+                 on_nonfinite: str = "skip") -> None:
+        self.on_nonfinite = check_choice("on_nonfinite", on_nonfinite, NONFINITE)
+        check_rule(learning_rate, momentum, timeout)
+        check_choice("policy", policy, POLICIES)
         if isinstance(workers, str) or not workers or any(not w for w in workers):
             raise ValueError(f"workers must be a non-empty list of tower lists, got {workers!r}")
         if max_staleness is not None and (isinstance(max_staleness, bool) or
@@ -122,9 +137,12 @@ class AsyncTrainer:
                                     learning_rate=learning_rate, momentum=momentum,
                                     policy=policy, timeout=timeout)
         self._pulls = [self.store.reader(w.model.trainable_variables) for w in self.workers]
-        self._grads = [tf.function(_gradient_fn(w), autograph=False) for w in self.workers]
+        guarded = self.on_nonfinite != "ignore"
+        self._grads = [tf.function(_gradient_fn(w, guarded), autograph=False)
+                       for w in self.workers]
         self._setters = [_setter(w.model.trainable_variables) for w in self.workers]
         self.refused = 0
+        self.skipped_batches: list[int] = []
         self._steps = [0] * len(self.workers)
         self._initial = self.store.get_weights()
         self.log = UpdateLog([], [], learning_rate, float(momentum), self.store.placement)
@@ -135,7 +153,7 @@ class AsyncTrainer:
 
     def gradient(self, worker: int, x: Any, y: Any) -> tuple[list[np.ndarray], float]:
         """Worker ``worker``'s gradient and loss on ``(x, y)`` at its current weights."""
-        grads, loss = self._grads[worker](*self.workers[worker]._inputs(x, y, None)[:2])
+        grads, loss, _ = self._grads[worker](*self.workers[worker]._inputs(x, y, None)[:2])
         return [g.numpy() for g in grads], float(loss.numpy())
 
     def set_worker_weights(self, worker: int, weights: Sequence[np.ndarray]) -> None:
@@ -186,13 +204,29 @@ class AsyncTrainer:
         x, y = self.workers[w]._inputs(batch[0], batch[1], None)[:2]
         while True:
             read = self._pulls[w]()
-            grads, loss = self._grads[w](x, y)
+            grads, loss, codes = self._grads[w](x, y)
+            if codes is not None and (bad := describe(codes.numpy())):
+                self._skip(w, b, bad)
+                return
             arrays, value = [g.numpy() for g in grads], float(loss.numpy())
             record = functools.partial(self._record, w, b, read, arrays, value)
             if self.store.push(grads, read, self.max_staleness, record) is not None:
                 return
             with self.store.lock:
                 self.refused += 1
+
+    @property
+    def skipped_steps(self) -> int:
+        """How many batches the non-finite guard kept from the ps (``"skip"``/``"raise"``)."""
+        return len(self.skipped_batches)
+
+    def _skip(self, w: int, b: int, bad: dict[int, list[str]]) -> None:
+        """Count batch ``b`` as skipped (nothing was pushed); raise in ``"raise"`` mode."""
+        with self.store.lock:
+            self.skipped_batches.append(b)
+            version = self.store.updates
+        if self.on_nonfinite == "raise":
+            raise NonFiniteError(version, bad, self.workers[w].devices)
 
     def _record(self, w: int, b: int, read: dict[str, int], arrays: list[np.ndarray],
                 value: float, version: int) -> None:
@@ -206,15 +240,19 @@ class AsyncTrainer:
         return self.store.get_weights()
 
 
-def _gradient_fn(trainer: TowerTrainer) -> Callable[[tf.Tensor, tf.Tensor], Any]:
-    """The worker's gradient: its towers' phases, summed in tower order on its first tower."""
+def _gradient_fn(trainer: TowerTrainer, guarded: bool) -> Callable[[tf.Tensor, tf.Tensor], Any]:
+    """The worker's gradient: its towers' phases, summed in tower order on its first tower,
+    its loss and (``guarded``) the guard's per-tower codes, taken before the sum (else None)."""
 
-    def grads(x: tf.Tensor, y: tf.Tensor) -> tuple[list[tf.Tensor], tf.Tensor]:
-        reduced = trainer.reduce(trainer.forward_backward(trainer.split(x, y)))
+    def grads(x: tf.Tensor, y: tf.Tensor) -> tuple[list[tf.Tensor], tf.Tensor, Any]:
+        towers = trainer.forward_backward(trainer.split(x, y))
+        codes = gather_codes(towers.towers, trainer.devices, trainer.parameter_device) \
+            if guarded else None
+        reduced = trainer.reduce(towers)
         for g in reduced.grads[0]:
             if isinstance(g, tf.IndexedSlices):
                 raise ValueError("model: sparse gradients are not supported by the ps update")
-        return list(reduced.grads[0]), reduced.loss
+        return list(reduced.grads[0]), reduced.loss, codes
 
     return grads
 

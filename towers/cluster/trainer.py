@@ -26,13 +26,11 @@ import tensorflow as tf
 from tensorflow.python.ops import collective_ops
 
 from towers.cluster.flat import AllTowers
-from towers.cluster.reducer import _key_block
-from towers.cluster.spec import resolve
-from towers.guard.inputs import batch_tensors, check_batch_against_model
-from towers.placement import read_weights
+from towers.cluster.reducer import _key_block, check_cross_worker
+from towers.guard.inputs import batch_tensors
 from towers.split import Shards, shard_sizes
-from towers.step import TowerTrainer
-from towers.tower import Gradients, empty_tower_step
+from towers.step import Reduced, TowerTrainer
+from towers.tower import Gradients
 
 __all__ = ["WorkerTrainer", "worker_slice"]
 
@@ -79,48 +77,33 @@ class WorkerTrainer(TowerTrainer):
     def __init__(self, model: Any, optimizer: Any, loss: Any, devices: Sequence[str],
                  all_reduce: Any = None, num_workers: int | None = None,
                  timeout_seconds: float = 60.0, **kwargs: Any) -> None:
-        self.num_workers = resolve().num_workers if num_workers is None else num_workers
-        if isinstance(self.num_workers, bool) or not isinstance(self.num_workers, int) \
-                or self.num_workers < 1:
-            raise ValueError(f"num_workers must be a positive int, got {self.num_workers!r}")
-        if not timeout_seconds > 0:
-            raise ValueError(f"timeout_seconds must be positive, got {timeout_seconds}")
-        if all_reduce is None:
-            all_reduce = AllTowers(self.num_workers, op="sum", timeout_seconds=timeout_seconds)
-        if getattr(all_reduce, "op", "sum") != "sum":
-            raise ValueError(f"all_reduce must sum across workers (op='sum'): the loss is "
-                             f"already divided by the global batch; got {all_reduce!r}")
+        self.num_workers = check_cross_worker(num_workers, "sum", timeout_seconds)
+        all_reduce = _cross_worker_reducer(all_reduce, self.num_workers, timeout_seconds)
         kwargs.setdefault("variables", "replicated")
+        if kwargs["variables"] == "sharded":
+            raise ValueError(
+                "WorkerTrainer(variables='sharded') is not supported: sharding reduce-scatters "
+                "over one process's towers with towers' own ring, the cross-worker reducers "
+                "all-reduce whole gradients; use variables='replicated' (or a TowerTrainer "
+                "with variables='sharded' in one process)")
         self.timeout_seconds = float(timeout_seconds)
-        self._count_key = _key_block(2)
+        # one group (tower 0 of every worker): the batch count, then the guard's decision
+        self._count_key = _key_block(3)
         super().__init__(model, optimizer, loss, devices=devices, all_reduce=all_reduce,
                          **kwargs)
+        _refuse_state_across_workers(self.model, self.num_workers)  # before any collective
         with tf.init_scope(), tf.device(self.devices[0]):
             self._count_token = tf.Variable(0.0, trainable=False, name="batch_count_token")
 
     def _inputs(self, x: Any, y: Any, sample_weight: Any) -> tuple[Any, Any, Any]:
-        if _rows(x) != 0:
-            return batch_tensors(x, y, sample_weight, self.model)
         # B < W leaves a worker without examples; it still joins every collective.
-        check_batch_against_model(x, y, sample_weight, self.model)
-        convert = tf.nest.map_structure
-        weight = None if sample_weight is None else tf.convert_to_tensor(
-            sample_weight, dtype=tf.as_dtype(self.model.trainable_variables[0].dtype))
-        return convert(tf.convert_to_tensor, x), convert(tf.convert_to_tensor, y), weight
+        return batch_tensors(x, y, sample_weight, self.model, allow_empty=True)
 
-    def forward_backward(self, shards: Shards) -> Gradients:
-        """As ``TowerTrainer``'s; on an empty worker tower 0 runs the model on 0 rows
-        (as MWMS's empty replica does: loss 0, zero data gradients)."""
-        if shards.sizes[0] != 0:
-            return super().forward_backward(shards)
-        template = self.tower_step(shards, 0)
-        results = [template]
-        for i in range(1, len(self.devices)):
-            trainable, frozen = read_weights(self.replica_of(i), self.devices[i])
-            results.append(empty_tower_step(
-                self.model, trainable, frozen, template=template,
-                num_towers=len(self.devices), device=self.devices[i]))
-        return Gradients(tuple(results))
+    def model_towers(self, shards: Shards) -> list[int]:
+        """As ``TowerTrainer``'s, and on an empty worker tower 0 runs the model on 0 rows
+        (as MWMS's empty replica does: loss 0, zero data gradients); the other empty
+        towers are ``TowerTrainer``'s empty towers, loss scale included."""
+        return sorted({0, *super().model_towers(shards)})
 
     def split(self, x: Any, y: Any, sample_weight: Any = None) -> Shards:
         """Cut the local batch over the towers; every tower divides by the global batch."""
@@ -130,17 +113,80 @@ class WorkerTrainer(TowerTrainer):
     def _global_batch(self, local: tf.Tensor) -> tf.Tensor:
         if self.num_workers == 1:
             return local
+        total = self._sum_over_workers(tf.cast(local, tf.float32), self._count_key + 1)
+        return tf.cast(total, tf.int32)
+
+    def reduce(self, grads: Gradients) -> Reduced:
+        """As ``TowerTrainer``'s, after refusing sparse gradients across workers.
+
+        Raises:
+            ValueError: ``num_workers`` > 1 and a gradient is a ``tf.IndexedSlices`` (an
+                Embedding's): the cross-worker reducers take dense gradients, so it would
+                be summed on this worker alone (raised when the step is traced).
+        """
+        sparse = [v.path for v, g in zip(self.model.trainable_variables, grads.towers[0].grads)
+                  if isinstance(g, tf.IndexedSlices)]
+        if sparse and self.num_workers > 1:
+            raise ValueError(
+                f"WorkerTrainer(num_workers={self.num_workers}) with sparse gradients (of "
+                f"{', '.join(sparse)}; sparse={self.sparse!r}) is not supported: the "
+                "cross-worker reducers all-reduce dense gradients only, so these would be "
+                "summed on this worker alone. Train the model in one process (TowerTrainer "
+                "keeps them sparse) or replace the Embedding's sparse lookup by a dense one")
+        return super().reduce(grads)
+
+    def across_processes(self, counts: tf.Tensor) -> tf.Tensor:
+        """The guard's counts summed over every worker: all skip (or raise) together,
+        so no worker enters the step's collectives while another has left them."""
+        if self.num_workers == 1:
+            return counts
+        return self._sum_over_workers(counts, self._count_key + 2)
+
+    def _sum_over_workers(self, value: tf.Tensor, instance_key: int) -> tf.Tensor:
+        """``value`` (float32, exact for small integers) summed over tower 0 of every worker."""
         with tf.device(self.devices[0]):
-            total = collective_ops.all_reduce_v2(
-                tf.cast(local, tf.float32), group_size=self.num_workers,
-                group_key=self._count_key, instance_key=self._count_key + 1,
-                merge_op="Add", final_op="Id", communication_hint="ring",
-                timeout=self.timeout_seconds, ordering_token=self._count_token.handle,
+            return collective_ops.all_reduce_v2(
+                value, group_size=self.num_workers, group_key=self._count_key,
+                instance_key=instance_key, merge_op="Add", final_op="Id",
+                communication_hint="ring", timeout=self.timeout_seconds,
+                ordering_token=self._count_token.handle,
             )
-            return tf.cast(total, tf.int32)
 
 
-def _rows(x: Any) -> int | None:
-    """The static leading dimension of ``x``'s first leaf (None when unknown)."""
-    leaf = tf.nest.flatten(x)[0]
-    return tf.TensorShape(getattr(leaf, "shape", np.shape(leaf)))[0]
+def _refuse_state_across_workers(model: Any, num_workers: int) -> None:
+    """Refuse floating non-trainable state (BatchNormalization statistics) across workers.
+
+    Raises:
+        ValueError: ``num_workers`` > 1 and the model holds such state.
+    """
+    state = [v.path for v in model.non_trainable_variables if tf.as_dtype(v.dtype).is_floating]
+    if state and num_workers > 1:
+        raise ValueError(
+            f"WorkerTrainer(num_workers={num_workers}) with non-trainable state ({', '.join(state)}"
+            ") is not supported: non_trainable='mean' and 'first_tower' combine it over this "
+            "worker's towers only, so the workers' copies would drift apart (as "
+            "MultiWorkerMirroredStrategy's do). Use a model without it (LayerNormalization "
+            "instead of BatchNormalization) or train in one process (TowerTrainer)")
+
+
+def _cross_worker_reducer(all_reduce: Any, num_workers: int, timeout_seconds: float) -> Any:
+    """``all_reduce`` (default ``AllTowers``), after refusing one that would not sum over
+    every worker.
+
+    Raises:
+        ValueError: a reducer that averages, or (with more than one worker) one that
+            does not reduce across the same number of workers.
+    """
+    if all_reduce is None:
+        return AllTowers(num_workers, op="sum", timeout_seconds=timeout_seconds)
+    if getattr(all_reduce, "op", "sum") != "sum":
+        raise ValueError(f"all_reduce must sum across workers (op='sum'): the loss is "
+                         f"already divided by the global batch; got {all_reduce!r}")
+    if num_workers > 1 and getattr(all_reduce, "num_workers", None) != num_workers:
+        raise ValueError(
+            f"WorkerTrainer(num_workers={num_workers}) needs an all_reduce across those "
+            f"{num_workers} workers — AllTowers({num_workers}, op='sum') (the default) or "
+            f"CrossWorker({num_workers}, op='sum'); got all_reduce={all_reduce!r}, which would "
+            "leave every worker training alone (a compressed or local algorithm is not "
+            "supported across workers)")
+    return all_reduce

@@ -37,6 +37,7 @@ class NonFiniteError(TowersError, FloatingPointError):
         where = "; ".join(
             f"tower {i} ({devices[i]}): {', '.join(what)}" for i, what in sorted(towers.items())
         )
+        where = where or "on another process's towers (this one's were finite)"
         super().__init__(
             f"step {step}: non-finite values on {len(towers)} tower(s) — {where}. Nothing was "
             "updated (weights, optimizer slots and iterations, state and all-reduce state are "

@@ -235,12 +235,15 @@ def check_batch_against_model(x: Any, y: Any, sample_weight: Any, model: keras.M
             _check_dtype(label, _leaf_dtype_and_shape(label, leaf)[0])
 
 
-def batch_tensors(x: Any, y: Any, sample_weight: Any, model: keras.Model) -> tuple[Any, Any, Any]:
-    """A step's batch, checked (:func:`check_batch_against_model`, equal non-zero
-    lengths) and converted to tensors; ``sample_weight`` takes the model's float dtype.
+def batch_tensors(
+    x: Any, y: Any, sample_weight: Any, model: keras.Model, *, allow_empty: bool = False
+) -> tuple[Any, Any, Any]:
+    """A step's batch, checked (:func:`check_batch_against_model`, equal lengths, non-zero
+    unless ``allow_empty``) and converted to tensors; ``sample_weight`` takes the model's
+    float dtype.
     """
     check_batch_against_model(x, y, sample_weight, model)
-    check_batch(x, y, sample_weight)
+    check_batch(x, y, sample_weight, allow_empty=allow_empty)
     x = tf.nest.map_structure(tf.convert_to_tensor, x)
     y = tf.nest.map_structure(tf.convert_to_tensor, y)
     if sample_weight is not None:

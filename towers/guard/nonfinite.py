@@ -5,14 +5,17 @@
     tower i:  code_i = 1·[loss non-finite] + 2·[a gradient non-finite] + 4·[state non-finite]
                  │  send (4 bytes, note "guard")
                  ▼
-    parameter device:  codes = [code_0 … code_{n-1}],  ok = all(codes == 0)
-                 │
-    tf.cond(ok, reduce → apply, skip)          one cond around the whole update
+    parameter device:  codes = [code_0 … code_{n-1}],  bad = #towers with a fatal bit
+                 │  agree (a worker's trainer: bad summed over every worker)
+    tf.cond(bad == 0, reduce → apply, skip)    one cond around the whole update
 
 The flag is formed from every tower's *local* values, before the all-reduce, so a
 lossy reducer (top-k, PowerSGD) cannot hide a NaN, and reducer state (error feedback,
 compression residuals) is inside the cond too. One predicate gates every replica's
-update in the same graph, so every replica decides the same by construction. On a
+update in the same graph, so every replica decides the same by construction; across
+processes (``WorkerTrainer``) the count is summed over the workers first, so every worker
+skips or applies together (deciding alone, one would wait in a collective the other left).
+``AsyncTrainer`` takes the same codes per push (:func:`gather_codes`): a bad push is not sent. On a
 skipped step nothing the next step depends on changes: no weight, optimizer slot,
 ``optimizer.iterations``, non-trainable state (BatchNorm statistics, dropout seed
 state) or reducer state. Only the guard's own counters move.
@@ -51,7 +54,7 @@ import tensorflow as tf
 from towers.allreduce.primitives import send
 from towers.guard.errors import NonFiniteError
 
-__all__ = ["NONFINITE", "Guard", "describe", "tower_code"]
+__all__ = ["NONFINITE", "Guard", "describe", "gather_codes", "tower_code"]
 
 NONFINITE = ("skip", "raise", "ignore")
 _WHAT = ((1, "loss"), (2, "gradients"), (4, "non-trainable state"))
@@ -86,6 +89,28 @@ def describe(codes: np.ndarray) -> dict[int, list[str]]:
     }
 
 
+def gather_codes(towers: Sequence[Any], devices: Sequence[str], device: str) -> tf.Tensor:
+    """Every tower's :func:`tower_code`, formed on its device, stacked on ``device``.
+
+    Args:
+        towers: each tower's result (``loss``, ``grads``, ``non_trainable``), in tower order.
+        devices: the towers' devices.
+        device: where the decision is taken.
+    """
+    codes = []
+    for r, tower_device in zip(towers, devices):
+        with tf.device(tower_device):
+            codes.append(send(tower_code(r.loss, r.grads, r.non_trainable), device,
+                              note="guard"))  # fmt: skip
+    with tf.device(device):
+        return tf.stack(codes)
+
+
+def _count(codes: tf.Tensor, bits: int) -> tf.Tensor:
+    """How many towers' codes have any of ``bits`` (float32: summed across processes)."""
+    return tf.reduce_sum(tf.cast(tf.not_equal(tf.bitwise.bitwise_and(codes, bits), 0), tf.float32))
+
+
 class Guard:
     """A trainer's guard: its mode, and what the steps it ran have met.
 
@@ -95,20 +120,25 @@ class Guard:
         device: where the decision is taken and the counters live (the parameter device).
         loss_scaled: the optimizer is a ``LossScaleOptimizer``: non-finite gradients
             are left to the dynamic scale (see the module docstring).
+        agree: sums a float32 vector ``[towers that skip, towers whose gradients
+            overflowed]`` over every process that steps together (a worker's trainer:
+            all workers skip, raise or rescale together); None: this process decides alone.
 
     Raises:
         ValueError: an unknown mode.
     """
 
-    def __init__(self, mode: str, towers: int, device: str, loss_scaled: bool = False) -> None:
+    def __init__(self, mode: str, towers: int, device: str, loss_scaled: bool = False,
+                 agree: Callable[[tf.Tensor], tf.Tensor] | None = None) -> None:
         if mode not in NONFINITE:
             raise ValueError(f"on_nonfinite must be one of {', '.join(NONFINITE)}; got {mode!r}")
-        self.mode, self.device, self.loss_scaled = mode, device, loss_scaled
+        self.mode, self.device, self.loss_scaled, self.agree = mode, device, loss_scaled, agree
         # the code bits that skip (and raise): all of them, or all but the gradients'
         self.fatal = 7 & ~_GRADIENTS if loss_scaled else 7
         with tf.device(device):
             self.skipped = tf.Variable(0, dtype=tf.int64, trainable=False, name="skipped_steps")
             self.codes = tf.Variable(tf.zeros([towers], tf.int32), trainable=False, name="codes")
+        self._raised = 0  # skipped steps already raised for
 
     def run(self, towers: Sequence[Any], devices: Sequence[str], update: Callable[..., Any]) -> Any:
         """``update(grads_finite)`` (reduce and apply; returns the loss) unless a tower
@@ -128,17 +158,14 @@ class Guard:
         """
         if self.mode == "ignore":
             return update(None)
-        codes = []
-        for r, device in zip(towers, devices):
-            with tf.device(device):
-                codes.append(send(tower_code(r.loss, r.grads, r.non_trainable), self.device,
-                                  note="guard"))  # fmt: skip
+        gathered = gather_codes(towers, devices, self.device)
         with tf.device(self.device):
-            gathered = tf.stack(codes)
-            ok = tf.reduce_all(tf.equal(tf.bitwise.bitwise_and(gathered, self.fatal), 0))
-            grads_ok = None
-            if self.loss_scaled:
-                grads_ok = tf.reduce_all(tf.equal(tf.bitwise.bitwise_and(gathered, _GRADIENTS), 0))
+            counts = tf.stack([_count(gathered, self.fatal), _count(gathered, _GRADIENTS)])
+        if self.agree is not None:
+            counts = self.agree(counts)
+        with tf.device(self.device):
+            ok = tf.equal(counts[0], 0.0)
+            grads_ok = tf.equal(counts[1], 0.0) if self.loss_scaled else None
 
         def skip() -> tf.Tensor:
             with tf.device(self.device):
@@ -152,13 +179,18 @@ class Guard:
         return result
 
     def raise_if_nonfinite(self, optimizer: Any, devices: Sequence[str]) -> None:
-        """After a step: in ``"raise"`` mode, raise when the step met a NaN or Inf.
+        """After a step: in ``"raise"`` mode, raise when the step was skipped — here, or
+        on another process deciding together (then this one's towers may all be finite).
 
         Raises:
             NonFiniteError: naming the step and the towers (the step changed nothing).
         """
-        if self.mode == "raise" and (bad := self.last()):
-            raise NonFiniteError(int(optimizer.iterations), bad, devices)
+        if self.mode != "raise":
+            return
+        skipped, before = int(self.skipped.numpy()), self._raised
+        self._raised = skipped
+        if skipped > before:
+            raise NonFiniteError(int(optimizer.iterations), self.last(), devices)
 
     def last(self) -> dict[int, list[str]]:
         """What made the last step skip, per tower (empty when it was not skipped; with
