@@ -243,7 +243,7 @@ def test_sparse_gradients_are_densified_by_default_and_match() -> None:
         built.append(1)
         return spec.build()
 
-    with pytest.raises(ValueError, match="sparse='gather'.*refused.*sparse='densify'"):
+    with pytest.raises(ValueError, match=r"sparse='gather'.*refused.*sparse='densify'"):
         towers.TowerTrainer(counting, SHARDABLE["adam"], loss_fn(), devices=DEVICES[:3],
                             variables="sharded", sparse="gather")  # fmt: skip
     assert built == []

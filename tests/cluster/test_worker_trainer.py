@@ -111,7 +111,8 @@ def test_supported_options_train_like_the_default(kwargs: dict[str, Any]) -> Non
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
-    ({"variables": "sharded"}, r"WorkerTrainer\(variables='sharded'\).*variables='replicated'"),
+    ({"variables": "sharded"}, r"trainer='WorkerTrainer' with variables='sharded' is refused.*"
+                               r"variables='replicated'"),
     ({"num_workers": 2, "all_reduce": "ring"},
      r"WorkerTrainer\(num_workers=2\).*AllTowers\(2, op='sum'\).*all_reduce='ring'"),
     ({"num_workers": 2, "all_reduce": AllTowers(3, op="sum")},
@@ -120,7 +121,7 @@ def test_supported_options_train_like_the_default(kwargs: dict[str, Any]) -> Non
      r"WorkerTrainer\(num_workers=2\).*compressed"),
     ({"all_reduce": CrossWorker(1, op="mean")}, "op='sum'"),
     ({"num_workers": 0}, "num_workers"), ({"timeout_seconds": 0}, "timeout_seconds"),
-], ids=str)
+], ids=["sharded", "ring", "other-count", "compressed", "mean", "no-workers", "no-timeout"])
 def test_unsupported_combinations_are_refused_naming_the_options(
     kwargs: dict[str, Any], match: str
 ) -> None:

@@ -79,13 +79,7 @@ class WorkerTrainer(TowerTrainer):
                  timeout_seconds: float = 60.0, **kwargs: Any) -> None:
         self.num_workers = check_cross_worker(num_workers, "sum", timeout_seconds)
         all_reduce = _cross_worker_reducer(all_reduce, self.num_workers, timeout_seconds)
-        kwargs.setdefault("variables", "replicated")
-        if kwargs["variables"] == "sharded":
-            raise ValueError(
-                "WorkerTrainer(variables='sharded') is not supported: sharding reduce-scatters "
-                "over one process's towers with towers' own ring, the cross-worker reducers "
-                "all-reduce whole gradients; use variables='replicated' (or a TowerTrainer "
-                "with variables='sharded' in one process)")
+        kwargs.setdefault("variables", "replicated")  # sharded: refused by the capability table
         self.timeout_seconds = float(timeout_seconds)
         # one group (tower 0 of every worker): the batch count, then the guard's decision
         self._count_key = _key_block(3)

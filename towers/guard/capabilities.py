@@ -26,7 +26,9 @@ feedback); ``user`` a callable or reducer with no registry record;
 ``cross-worker`` the reducers of :mod:`towers.cluster`.
 
 Refusals are data (:data:`REFUSALS`), one record per reason; the README's matrix
-is :func:`markdown` of them. Defaults follow the placement and the algorithm
+is :func:`markdown` of them. A few cells work only under a condition no axis shows
+(:data:`LIMITS`: a ``WorkerTrainer``'s local reducer works with one worker); the
+trainer checks it and refuses the rest itself. Defaults follow the placement and the algorithm
 (:func:`default_all_reduce`, :func:`default_sparse`): ``variables="sharded"`` picks
 ``all_reduce="ring"``, the other placements ``"parameter_device"``; ``sparse`` is
 ``"densify"`` where a sparse gradient cannot stay sparse (``sharded``: a shard owner
@@ -47,7 +49,9 @@ from towers.allreduce.registry import algorithm_name, record_of
 
 __all__ = [
     "AXES",
+    "LIMITS",
     "REFUSALS",
+    "Limit",
     "Refusal",
     "algorithm_kind",
     "check",
@@ -114,6 +118,12 @@ _NOT_RING = ("registered", "collective", "bucketed", "compressed", "compressed+s
 
 REFUSALS: tuple[Refusal, ...] = (
     Refusal(
+        ("trainer", ("WorkerTrainer",)), ("variables", ("sharded",)),
+        "sharding reduce-scatters over one process's towers with towers' own ring, and the "
+        "cross-worker reducers all-reduce whole gradients",
+        "use variables='replicated' (or a TowerTrainer with variables='sharded' in one process)",
+    ),
+    Refusal(
         ("variables", ("sharded",)), ("all_reduce", _NOT_RING),
         "the sharded placement reduce-scatters with the ring's own phase and never calls "
         "another algorithm or wrapper (bucketing, compression, a user's reducer would be "
@@ -140,13 +150,6 @@ REFUSALS: tuple[Refusal, ...] = (
         "leave sparse unset (compressed reducers densify) or pass sparse='densify'",
     ),
     Refusal(
-        ("trainer", ("WorkerTrainer",)), ("all_reduce", _NOT_RING[:-1] + ("ring",)),
-        "a worker's reducer must sum across every worker; a local algorithm would leave each "
-        "worker training on its own gradients (the workers drift apart)",
-        "leave all_reduce unset (AllTowers: MultiWorkerMirroredStrategy's order) or pass "
-        "towers.cluster.CrossWorker",
-    ),
-    Refusal(
         ("trainer", ("TowerTrainer",)), ("all_reduce", ("cross-worker",)),
         "a cross-worker reducer sums over every worker's towers, and a TowerTrainer divides "
         "its loss by this process's batch only",
@@ -154,6 +157,43 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
 )
 """Every refused cell, one record per reason."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Limit:
+    """A cell that works under a condition the axes do not show; the trainer checks the
+    condition itself and refuses what breaks it (``✓n`` in the matrix, with note n).
+
+    Attributes:
+        first, second: ``(axis, values)``, as for :class:`Refusal`.
+        condition: when it works, and what is refused otherwise.
+    """
+
+    first: tuple[str, tuple[str, ...]]
+    second: tuple[str, tuple[str, ...]]
+    condition: str
+
+    def matches(self, options: Mapping[str, str]) -> bool:
+        """Whether ``options`` fall in this limit's cells."""
+        return all(options.get(axis) in values for axis, values in (self.first, self.second))
+
+
+_LOCAL = ("ring", "registered", "collective", "bucketed", "compressed", "compressed+state", "user")
+
+LIMITS: tuple[Limit, ...] = (
+    Limit(
+        ("trainer", ("WorkerTrainer",)), ("all_reduce", _LOCAL),
+        "with num_workers=1 only: across workers the reducer must be AllTowers (the default) "
+        "or CrossWorker, and a local one is refused, naming num_workers (each worker would "
+        "train alone)",
+    ),
+    Limit(
+        ("trainer", ("WorkerTrainer",)), ("sparse", ("gather", "densify")),
+        "across workers a sparse (Embedding) gradient is refused when the step is traced: the "
+        "cross-worker reducers take dense gradients",
+    ),
+)
+"""Cells that work only under a condition the trainer checks (see :class:`Limit`)."""
 
 
 def refusal_for(options: Mapping[str, str]) -> Refusal | None:
@@ -248,29 +288,35 @@ def _columns() -> list[tuple[str, dict[str, str]]]:
 
 def markdown() -> str:
     """The capability table as a Markdown matrix: a row per option value, a column per
-    trainer (``TowerTrainer`` by placement); ✓ works and is tested, ✗n refused (note n),
-    — not an option of that trainer. Refused pairs not on the matrix follow as notes."""
+    trainer (``TowerTrainer`` by placement); ✓ works and is tested, ✓n works under note
+    n's condition, ✗n refused (note n), — not an option of that trainer. Refused pairs
+    not on the matrix follow as notes."""
     columns = _columns()
-    notes: list[Refusal] = []
+    notes: list[Refusal | Limit] = []
     lines = ["| option | " + " | ".join(label for label, _ in columns) + " |",
              "|---|" + "---|" * len(columns)]
     for axis in (a for a in AXES if a not in ROW_AXES):
         for value in AXES[axis]:
             cells = []
             for _, column in columns:
-                refusal = refusal_for({**column, axis: value})
+                cell = {**column, axis: value}
+                refusal = refusal_for(cell)
+                limit = next((m for m in LIMITS if m.matches(cell)), None)
                 if axis in NOT_AN_OPTION.get(column["trainer"], ()):
                     cells.append("—")
-                elif refusal is None:
+                elif refusal is None and limit is None:
                     cells.append("✓")
                 else:
-                    if refusal not in notes:
-                        notes.append(refusal)
-                    cells.append(f"✗{notes.index(refusal) + 1}")
+                    record: Refusal | Limit = refusal or limit  # type: ignore[assignment]
+                    if record not in notes:
+                        notes.append(record)
+                    mark = "✗" if refusal else "✓"
+                    cells.append(f"{mark}{notes.index(record) + 1}")
             lines.append(f"| `{axis}={value}` | " + " | ".join(cells) + " |")
     lines.append("")
-    for k, refusal in enumerate(notes, 1):
-        lines.append(f"{k}. {refusal.reason}; {refusal.instead}.")
+    for k, note in enumerate(notes, 1):
+        text = note.condition if isinstance(note, Limit) else f"{note.reason}; {note.instead}"
+        lines.append(f"{k}. {text}.")
     for k, refusal in enumerate((r for r in REFUSALS if r not in notes), len(notes) + 1):
         (a, va), (b, vb) = refusal.first, refusal.second
         lines.append(f"{k}. `{a}` ∈ {{{', '.join(va)}}} with `{b}` ∈ {{{', '.join(vb)}}} "
