@@ -81,6 +81,31 @@ def test_every_worker_resumes_bitwise_and_finishes_like_the_straight_run(
     assert done == straight and len(set(done.values())) == 1
 
 
+@pytest.fixture(scope="module")
+def skipped_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Run, Run]:
+    """Like ``runs``, with step 1 skipped on every worker (NaN inputs)."""
+    ckpt = tmp_path_factory.mktemp("ckpt_skipped")
+    args = ("--batches", ",".join(map(str, BATCHES)), "--lr", str(LR), "--ckpt", str(ckpt),
+            "--timeout", str(TIMEOUT), "--nan-at", "1")  # fmt: skip
+    return run_workers(*args, "--die-at", str(DIE_AT), grace=3 * TIMEOUT), run_workers(*args)
+
+
+def test_a_skipped_step_in_the_worker_loop_replays_no_batch(
+    skipped_runs: tuple[Run, Run],
+) -> None:
+    """Step 1 is skipped, so ``iterations`` is 2 after step 2. Keyed on it, the restart
+    resumed at step 2 and trained batch 2 twice; keyed on steps taken it goes on at 3."""
+    crashed, resumed = skipped_runs
+    assert crashed.code == 128 + 9 and resumed.code == 0, resumed.out[-4000:]
+    steps = crashed.lines("STEP")[0]
+    assert steps[1][2] == steps[0][2]  # the skipped step changed nothing
+    restored = {w: f[0] for w, f in resumed.lines("RESTORED").items()}
+    assert restored[0] == restored[1] == [str(DIE_AT), steps[DIE_AT - 1][2]]
+    for worker in (0, 1):
+        trained = [int(f[0]) for f in resumed.lines("STEP")[worker]]
+        assert trained == list(range(DIE_AT, len(BATCHES))), resumed.out[-4000:]
+
+
 def test_a_negative_failure_grace_is_refused() -> None:
     with pytest.raises(ValueError, match="failure_grace"):
         launch(local_cluster(1), 1, ["true"], failure_grace=-1)

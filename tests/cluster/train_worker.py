@@ -5,7 +5,8 @@ Run under ``towers launch`` (every worker runs it). Step k trains on the global 
 cut by :func:`towers.cluster.trainer.worker_slice`. Prints ``RESTORED <step> <digest>``,
 one ``STEP <k> <local batch> <digest>`` per step, then ``DONE <digest>`` (digest: SHA-256 of every
 replica's weights) or ``FAILED <error> <seconds>`` and exit 3. ``--die-at K`` makes
-worker 1 kill itself with SIGKILL (``kill -9``) before step K.
+worker 1 kill itself with SIGKILL (``kill -9``) before step K; ``--nan-at K`` feeds every
+worker NaN inputs at step K (the non-finite guard skips that step everywhere).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=60.0, help="collective/step timeout")
     parser.add_argument("--ckpt", default=None, help="checkpoint directory")
     parser.add_argument("--die-at", type=int, default=None, help="worker 1 is killed here")
+    parser.add_argument("--nan-at", type=int, default=None, help="NaN inputs at this step")
     parser.add_argument("--out", default=None, help="directory for weights after each step")
     return parser.parse_args()
 
@@ -97,6 +99,8 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         part = worker_slice(sizes[step], workers, worker)
         xb, yb = x[offsets[step]:offsets[step + 1]][part], y[offsets[step]:offsets[step + 1]][part]
+        if step == args.nan_at:
+            xb = np.full_like(xb, np.nan)
         began = time.monotonic()
         try:
             trainer.train_step(xb, yb)
