@@ -120,7 +120,7 @@ def main() -> None:
             if step == start:
                 np.savez(os.path.join(args.out, f"init{worker}.npz"), *before)
         if args.ckpt:
-            save_on_chief(trainer, args.ckpt)
+            save_on_chief(trainer, args.ckpt, step + 1)  # steps taken, a skipped one too
     print(f"DONE {digest(trainer)}", flush=True)
 
 

@@ -190,3 +190,58 @@ def test_os_exit_in_the_middle_of_a_save_leaves_the_previous_checkpoint(tmp_path
     assert saved is not None and atomic.verify(saved)["batches"] == 4  # the first save
     left = [p.name for p in (tmp_path / "run").iterdir() if p.name.startswith(".tmp-")]
     assert len(left) == 1 and left[0].startswith(".tmp-ckpt-00000008-")  # never listed
+
+
+def _resave(trainer: towers.TowerTrainer, directory: Path) -> str:
+    """Save ``trainer`` again under a number ``directory`` already holds (2)."""
+    return atomic.write(checkpoint.checkpoint(trainer), directory, 2, {"n": "again"})
+
+
+@pytest.mark.parametrize("fail", ["rename", "rmtree"])
+def test_a_crash_inside_a_resave_of_the_same_number_leaves_a_good_checkpoint(
+    two_saves: Any, monkeypatch: pytest.MonkeyPatch, fail: str
+) -> None:
+    """Re-saving ckpt-2 used to delete the old ckpt-2 before the new one was in place.
+    Now the old one is deleted last: a crash when the new one is renamed into place keeps
+    the old one; a crash when the old one is deleted keeps both, and the new one wins."""
+    trainer, _, second = two_saves
+    directory = Path(second).parents[1]
+    old_state = _state_at(second)
+    trainer.train_step(X, Y)  # the state the re-save holds differs from the old ckpt-2's
+    rename, rmtree = os.rename, shutil.rmtree
+
+    def crash_rename(src: Any, dst: Any) -> None:
+        if Path(dst).name.startswith("ckpt-00000002"):
+            raise OSError("crash: rename")
+        rename(src, dst)
+
+    def crash_rmtree(path: Any, *args: Any, **kwargs: Any) -> None:
+        if Path(path).name == "ckpt-00000002":
+            raise OSError("crash: rmtree")
+        rmtree(path, *args, **kwargs)
+
+    if fail == "rename":
+        monkeypatch.setattr(atomic.os, "rename", crash_rename)
+    else:
+        monkeypatch.setattr(atomic.shutil, "rmtree", crash_rmtree)
+    with pytest.raises(OSError, match=f"crash: {fail}"):
+        _resave(trainer, directory)
+    monkeypatch.undo()
+    prefix = atomic.latest(directory)
+    assert prefix is not None and (directory / "ckpt-00000002").is_dir()
+    if fail == "rename":
+        assert prefix == second and _state_at(prefix) == old_state
+    else:
+        assert Path(prefix).parent.name == "ckpt-00000002.1"
+        assert atomic.verify(prefix) == {"n": "again"} and _state_at(prefix) == _state(trainer)
+
+
+def test_a_resave_replaces_the_old_folder_only_once_it_is_in_place(two_saves: Any) -> None:
+    trainer, first, second = two_saves
+    directory = Path(second).parents[1]
+    trainer.train_step(X, Y)
+    prefix = _resave(trainer, directory)
+    assert atomic.checkpoints(directory) == [first, prefix]
+    assert Path(prefix).parent.name == "ckpt-00000002.1"
+    assert (directory / atomic.POINTER).read_text().strip() == "ckpt-00000002.1"
+    assert atomic.latest(directory) == prefix and _state_at(prefix) == _state(trainer)

@@ -222,9 +222,10 @@ def _trained(trainer: towers.TowerTrainer, steps: int = 1) -> towers.TowerTraine
 @pytest.mark.parametrize(
     ("saved", "target", "fragment"),
     [
-        (lambda: powersgd(2), lambda: powersgd(1), "all-reduce's state"),  # codec state shapes
-        (lambda: topk(0.5), lambda: fp16(), "state values in the checkpoint, 0 here"),
-        (lambda: fp16(), lambda: topk(0.5), "all-reduce.s state"),
+        # the record names the codec and its settings before any state is compared
+        (lambda: powersgd(2), lambda: powersgd(1), r"holds all-reduce compressed\(ring, PowerSGD"),
+        (lambda: topk(0.5), lambda: fp16(), r"\(12 state values\), trainer has .*Cast.* \(0\)"),
+        (lambda: fp16(), lambda: topk(0.5), r"\(0 state values\), trainer has .*TopK"),
     ],
     ids=["powersgd-rank", "state-vs-stateless", "stateless-vs-state"],
 )

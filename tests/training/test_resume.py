@@ -13,18 +13,21 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import keras
 import numpy as np
+import pytest
 
 import towers
 from tests.conftest import DEVICES
-from towers.training import atomic
+from towers.training import atomic, checkpoint
 from towers.training.data import digits
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -146,3 +149,46 @@ def test_epoch_end_checkpoints_resume_the_next_epoch_bitwise(tmp_path: Path) -> 
     fresh = _small()  # resume=False ignores the directory's checkpoints
     fresh.fit(x, y, epochs=1, checkpoint_dir=tmp_path, resume=False, **args)
     assert int(fresh.optimizer.iterations) == 5
+
+
+def _digits_160() -> tuple[np.ndarray, np.ndarray]:
+    x, y, _, _ = digits()
+    return x[:160].reshape(160, 64), y[:160]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"batch_size": 16}, "with batch_size=32, this fit has batch_size=16"),
+        ({"shuffle": False}, "with shuffle=True, this fit has shuffle=False"),
+        ({"rows": 128}, "with examples=160, this fit has examples=128"),
+    ],
+    ids=["batch_size", "shuffle", "examples"],
+)
+def test_resuming_with_other_batches_is_refused_before_anything_changes(
+    tmp_path: Path, change: dict[str, Any], message: str
+) -> None:
+    """A position counts batches of the data it was written for: 3 batches of 32 are 96
+    examples, 3 of 16 would be 48 (the other 48 silently skipped before issue 18)."""
+    x, y = _digits_160()
+    args = {"batch_size": 32, "seed": 3, "verbose": 0, "checkpoint_dir": tmp_path,
+            "checkpoint_every": 3}  # fmt: skip
+    _small().fit(x, y, epochs=1, **args)
+    assert [Path(p).parent.name for p in atomic.checkpoints(tmp_path)] == ["ckpt-00000003"]
+    rows = change.pop("rows", 160)
+    other = _small()
+    before = _everything(other)
+    with pytest.raises(towers.CheckpointError, match=re.escape(message)) as info:
+        other.fit(x[:rows], y[:rows], epochs=2, **{**args, **change})
+    assert "(epoch 0, 3 batches of it trained)" in str(info.value)
+    assert_bitwise(_everything(other), before)
+    assert int(other.optimizer.iterations) == 0
+
+
+def test_a_position_without_its_data_is_refused(tmp_path: Path) -> None:
+    x, y = _digits_160()
+    trainer = _small()
+    atomic.write(checkpoint.checkpoint(trainer), tmp_path, 3,
+                 {"epoch": 0, "batch": 3, "batches": 3, "rng": None})  # fmt: skip
+    with pytest.raises(towers.CheckpointError, match="does not record the data and batch size"):
+        _small().fit(x, y, batch_size=32, verbose=0, checkpoint_dir=tmp_path)

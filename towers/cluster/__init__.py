@@ -17,7 +17,7 @@
     ps_local.py  local_ps_cluster(): worker + ps servers for one client; connect_ps()
     flat.py      AllTowers: one collective over all W·T towers, MWMS's order (bitwise)
     trainer.py   WorkerTrainer: loss over the global batch (unequal/empty workers)
-    checkpoints.py  save_on_chief / restore_latest: atomic chief checkpoints, resume
+    checkpoints.py  save_on_chief / restore_latest: chief checkpoints by steps taken, resume
     data.py      shard_dataset() (tf.data's auto-shard policies), global_to_worker_batches()
     gpus.py      configure_gpus(): visible GPUs, memory growth / limit, set first thing
 

@@ -10,7 +10,7 @@ What a save does, and what a crash at each point leaves behind::
     │ 3. rename .tmp-ckpt-00000012-<pid>  ─▶  ckpt-00000012          atomic (one syscall)
     │    fsync the directory                                       crash: ckpt-12 complete
     │ 4. write  .latest.tmp, fsync, rename ─▶ latest  ("ckpt-00000012")
-    │ 5. delete the oldest ckpt-* beyond ``keep``
+    │ 5. delete an older save of the same number, then the oldest beyond ``keep``
     ▼
     latest(directory): ckpt-* newest first; the first whose MANIFEST matches every
     file (size and sha256) wins; a damaged one is skipped with a warning.
@@ -19,6 +19,13 @@ What a save does, and what a crash at each point leaves behind::
 and 4 leaves a complete ``ckpt-12`` that the pointer does not name yet, and a file
 damaged after the fact (a truncated copy, a bad disk) is caught by its checksum. The
 pointer is for people and tools reading the directory.
+
+The same number saved again (a resumed run that passes a damaged checkpoint's number,
+or ``resume=False`` into an old directory) never deletes the old folder first: a
+directory cannot be renamed over a non-empty one, so the new save takes the next free
+generation, ``ckpt-00000012.1``, and the old ``ckpt-00000012`` is deleted only at step
+5, once the new one is complete and renamed into place. A crash between leaves both,
+and ``latest`` takes the newer generation (the older if the newer fails its manifest).
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ PREFIX = "state"
 MANIFEST = "MANIFEST.json"
 POSITION = "position.json"
 POINTER = "latest"
-_NAME = re.compile(r"^ckpt-(\d+)$")
+_NAME = re.compile(r"^ckpt-(\d+)(?:\.(\d+))?$")
 
 crash_point: Callable[[str], None] | None = None
 """A test hook: called with "data", "manifest", "renamed", "pointer" after each step of
@@ -106,12 +113,10 @@ def write(
         keep: how many of the newest checkpoints to keep (None: all).
 
     Returns:
-        The new checkpoint's prefix, ``directory/ckpt-<number>/state``.
+        The new checkpoint's prefix, ``directory/ckpt-<number>/state`` (``ckpt-<number>.<k>``
+        when that number was saved before: the old one is deleted once this one is in place).
     """
-    if isinstance(number, bool) or not isinstance(number, int) or number < 0:
-        raise ValueError(f"number must be an int >= 0; got {number!r}")
-    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
-        raise ValueError(f"keep must be None or an int >= 1; got {keep!r}")
+    _check_counts(number, keep)
     root = check_directory(directory)
     root.mkdir(parents=True, exist_ok=True)
     name = f"ckpt-{number:08d}"
@@ -123,32 +128,55 @@ def write(
     _reached("data")
     _write_manifest(tmp)
     _reached("manifest")
-    final = root / name
-    if final.exists():  # the same number saved again (a resumed run): replace it
-        shutil.rmtree(final)
+    older = [p for (n, _), p in _folders(root) if n == number]
+    final = root / (f"{name}.{1 + max(_key(p)[1] for p in older)}" if older else name)
     os.rename(tmp, final)
     _fsync(root)
     _reached("renamed")
+    _point(root, final.name)
+    _reached("pointer")
+    for old in older:  # replaced: only now that the new save is complete and in place
+        shutil.rmtree(old, ignore_errors=True)
+    if keep is not None:
+        for stale in checkpoints(root)[:-keep]:
+            shutil.rmtree(Path(stale).parent, ignore_errors=True)
+    return str(final / PREFIX)
+
+
+def _check_counts(number: Any, keep: Any) -> None:
+    if isinstance(number, bool) or not isinstance(number, int) or number < 0:
+        raise ValueError(f"number must be an int >= 0; got {number!r}")
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        raise ValueError(f"keep must be None or an int >= 1; got {keep!r}")
+
+
+def _point(root: Path, name: str) -> None:
+    """Replace the ``latest`` pointer atomically: a temporary file, fsync, rename."""
     pointer = root / f".{POINTER}.tmp"
     pointer.write_text(name + "\n")
     _fsync(pointer)
     os.replace(pointer, root / POINTER)
     _fsync(root)
-    _reached("pointer")
-    if keep is not None:
-        for old in checkpoints(root)[:-keep]:
-            shutil.rmtree(Path(old).parent, ignore_errors=True)
-    return str(final / PREFIX)
 
 
 def checkpoints(directory: Any) -> list[str]:
     """The prefixes of every complete-looking ``ckpt-*`` in ``directory``, oldest first
     (unverified; temporary ``.tmp-*`` folders of an unfinished save are never listed)."""
-    root = check_directory(directory)
+    return [str(p / PREFIX) for _, p in _folders(check_directory(directory))]
+
+
+def _key(folder: Path) -> tuple[int, int]:
+    """``(N, 0)`` for ``ckpt-N``, ``(N, k)`` for ``ckpt-N.k`` (N's k-th save again)."""
+    match = _NAME.match(folder.name)
+    assert match is not None
+    return int(match[1]), int(match[2] or 0)
+
+
+def _folders(root: Path) -> list[tuple[tuple[int, int], Path]]:
+    """The ``ckpt-*`` folders of ``root`` with their keys, oldest first."""
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _NAME.match(p.name))]
-    return [str(p / PREFIX) for _, p in sorted(found)]
+    return sorted((_key(p), p) for p in root.iterdir() if _NAME.match(p.name))
 
 
 def verify(prefix: Any) -> dict[str, Any]:

@@ -7,8 +7,11 @@ What a step's result depends on, and so what a checkpoint holds::
     │   replica_0/optimizer/0 … m    BatchNorm statistics, dropout seed state; the optimizer's
     ├── replica_1/…                  iteration count, learning rate and slots (Adam's m, v)
     ├── step                         the optimizer's iteration counter (one per train_step)
-    └── all_reduce                   the algorithm, when it is a tf.Module (compression
-                                     residuals, error feedback: state that shapes the next step)
+    ├── all_reduce                   the algorithm, when it is a tf.Module (compression
+    │                                residuals, error feedback: state that shapes the next step)
+    └── record                       what all of it is (JSON, :mod:`towers.training.signature`):
+                                     placement, replicas, optimizer class and hyperparameters,
+                                     every variable's path, shape and dtype, the all-reduce
 
 The variables are listed explicitly, replica by replica, in ``model.variables`` and
 ``optimizer.variables`` order. Tracking the Keras objects instead
@@ -20,10 +23,13 @@ Under ``variables="sharded"`` replica ``k``'s optimizer holds only tower ``k``'s
 of the slots, so ``replica_<k>/optimizer`` is that shard; such a checkpoint restores
 into the same number of towers only (no re-sharding: another count is refused).
 
-A checkpoint restores into a trainer built the same way (same model, optimizer,
-placement, number of replicas and all-reduce state), all or nothing; anything else,
-and a missing, truncated or corrupt file, is a :class:`~towers.CheckpointError`
-naming the path, with the trainer unchanged.
+A checkpoint restores into a trainer built the same way (same model, optimizer class
+and hyperparameters, placement, number of replicas, all-reduce state), all or nothing:
+the record is compared first, and anything else — or a checkpoint without a record, a
+missing, truncated or corrupt file — is a :class:`~towers.CheckpointError` naming the
+path and what differs, with the trainer unchanged. The learning rate is the one thing
+restored that may differ: the checkpoint's is restored, with a ``UserWarning`` when it
+replaces another (docs/checkpoints.md).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from __future__ import annotations
 import copy
 import gc
 import os
+import warnings
 from typing import Any
 
 import tensorflow as tf
@@ -38,17 +45,15 @@ import tensorflow as tf
 from towers.guard.errors import CheckpointError
 from towers.training.atomic import checkpoints, latest, verify
 from towers.training.protocol import Trainer
+from towers.training.signature import Record, check
 
 __all__ = ["checkpoint", "checkpoints", "latest", "load", "restore", "save", "verify"]
 
-_RESERVED = ("step", "all_reduce")
+_RESERVED = ("step", "all_reduce", "record")
 _STEP_KEY = "step/.ATTRIBUTES/VARIABLE_VALUE"
 _GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
 _READ_ERRORS = (tf.errors.OpError, ValueError, IndexError, OSError, RuntimeError)
-_MISMATCH = (
-    "does not match this trainer (build it with the same model, optimizer, variables= "
-    "placement, devices and all-reduce): "
-)
+_MISMATCH = "does not match this trainer: "
 
 
 def _tf_variables(variables: list[Any]) -> list[tf.Variable]:
@@ -66,7 +71,8 @@ def checkpoint(trainer: Trainer, **extra: Any) -> tf.train.Checkpoint:
 
     Returns:
         A checkpoint with ``replica_<i>`` (``model`` and ``optimizer`` variable lists),
-        ``step`` and, if the all-reduce algorithm is a ``tf.Module``, ``all_reduce``.
+        ``step``, ``record`` (what the trainer is: :func:`towers.training.signature.record`)
+        and, if the all-reduce algorithm is a ``tf.Module``, ``all_reduce``.
 
     Raises:
         ValueError: an ``extra`` name collides with one of those.
@@ -89,6 +95,7 @@ def checkpoint(trainer: Trainer, **extra: Any) -> tf.train.Checkpoint:
     parts["step"] = _tf_variables([trainer.optimizer.iterations])[0]
     if isinstance(trainer.algorithm, tf.Module):
         parts["all_reduce"] = trainer.algorithm
+    parts["record"] = Record(trainer)
     return tf.train.Checkpoint(**parts, **extra)
 
 
@@ -230,17 +237,20 @@ def _read_every_value(reader: Any, path: str, saved: _Inventory) -> None:
 def restore(trainer: Trainer, path: str) -> None:
     """Load a state written by :func:`save` into a trainer built the same way: all or nothing.
 
-    Before anything is assigned, every variable's key, shape and dtype is compared
+    Before anything is assigned, the checkpoint's record is compared with this trainer
+    (:func:`towers.training.signature.mismatch`), every variable's key, shape and dtype
     with the file's (the all-reduce's state is restored into a copy first) and every
     value is read once. Should the real read still fail, the trainer's previous values
-    are put back.
+    are put back. A fixed learning rate is restored too; when it replaces another, a
+    ``UserWarning`` names both.
 
     Raises:
         TypeError: ``trainer`` is not a trainer, or ``path`` not a str or ``os.PathLike``.
         CheckpointError: (a ``ValueError``) nothing is saved at ``path``; the files are
-            truncated or corrupt; or the checkpoint does not match this trainer (other
-            model, optimizer, placement, number of replicas or all-reduce state). The
-            trainer is unchanged.
+            truncated or corrupt; it has no record (written before towers kept one); or
+            it does not match this trainer (other placement, number of replicas,
+            optimizer class or hyperparameters, model, optimizer variables or all-reduce
+            state): the message names the difference. The trainer is unchanged.
 
     Example:
         >>> restore(trainer, "/tmp/run/ckpt")                        # doctest: +SKIP
@@ -248,6 +258,7 @@ def restore(trainer: Trainer, path: str) -> None:
     _check_trainer(trainer)
     path = _check_path(path)
     reader, saved = _inventory(path)
+    note = check(reader, path, trainer)
     _check_replicas(trainer, path, saved)
     _check_algorithm_state(trainer, path, saved)
     _read_every_value(reader, path, saved)
@@ -258,6 +269,8 @@ def restore(trainer: Trainer, path: str) -> None:
     except (*_READ_ERRORS, AssertionError) as err:
         _put_back(backup)
         raise CheckpointError(path, _MISMATCH + str(err)) from err
+    if note:
+        warnings.warn(f"checkpoint {path!r}: {note}", UserWarning, stacklevel=2)
 
 
 def _snapshot(trainer: Trainer) -> list[tuple[tf.Variable, Any]]:

@@ -54,7 +54,7 @@ import tensorflow as tf
 
 from towers.allreduce.ordering import as_written
 from towers.guard.inputs import naming
-from towers.training.backup import Backup
+from towers.training.backup import Backup, data_facts
 from towers.training.inference import inference
 from towers.training.metrics import Metrics, MetricSpec
 from towers.training.protocol import Trainer
@@ -218,7 +218,8 @@ def fit(
         checkpoint_every: save after every k trained batches (None: every epoch's end).
         checkpoint_keep: how many of the newest checkpoints to keep.
         resume: with ``checkpoint_dir``, first restore its latest good checkpoint and
-            go on from the batch after it (bitwise the run that was not interrupted).
+            go on from the batch after it (bitwise the run that was not interrupted); one
+            of another trainer, batch size or data is a ``CheckpointError``, nothing changed.
 
     Returns:
         The ``keras.callbacks.History``: ``history.history["loss"]`` per epoch, and
@@ -249,8 +250,8 @@ def fit(
     if not hasattr(trainer.model, "optimizer"):
         # TensorBoard reads model.optimizer; an uncompiled model has none (see module doc).
         trainer.model.optimizer = None
-    backup = None if checkpoint_dir is None else Backup(
-        trainer, checkpoint_dir, checkpoint_every, checkpoint_keep)  # fmt: skip
+    backup = None if checkpoint_dir is None else Backup(trainer, checkpoint_dir,
+        checkpoint_every, checkpoint_keep, data_facts(train, shuffle))  # fmt: skip
     start, skip = backup.resume(rng) if backup is not None and resume else (0, 0)
     cbs.on_train_begin()
     logs: dict[str, float] = {}

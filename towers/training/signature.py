@@ -1,0 +1,283 @@
+"""What a checkpoint holds, written beside its values, and the check a restore makes of it.
+
+A bundle of variables alone says nothing about what they mean: restored by position,
+``SGD(momentum=0.9)``'s momentum became an ``RMSprop``'s mean square (NaN on the next
+step). So every checkpoint carries a record (JSON, in the bundle itself as
+``record/.ATTRIBUTES/py_state``) of the trainer that wrote it, and
+:func:`mismatch` compares it with the trainer a restore writes into::
+
+    record                                       refused when it differs
+    ├── placement, towers, replicas              placement; replicas (replicated/sharded:
+    │                                            one per tower; sharded slots are per shard)
+    ├── optimizer: class, config, inner          class (LossScaleOptimizer's inner too) and
+    │   learning_rate                            every hyperparameter but the learning rate
+    ├── model: [path, shape, dtype, trainable]   any entry (weights, BatchNorm statistics,
+    │                                            dropout seed state)
+    ├── slots: per replica [path, shape, dtype]  any entry (iterations, Adam's m and v,
+    │                                            the dynamic loss scale and its counter)
+    └── all_reduce: identity, state shapes       the identity, when either side has state
+
+Allowed to differ: the learning rate (a float rate is run state: the checkpoint's value
+is restored and :func:`learning_rate_note` says so when it differs), the devices, the
+number of towers of a ``parameter_device`` trainer (one copy of everything), and a
+stateless all-reduce (it orders the sum; the resumed run is then within rounding of the
+original, not bitwise). Keras names variables uniquely per process (``dense_3/kernel``),
+so paths are compared without those numeric suffixes.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import re
+from typing import Any
+
+import tensorflow as tf
+
+from towers.guard.contract import algorithm_name
+from towers.guard.errors import CheckpointError
+from towers.training.protocol import Trainer
+
+__all__ = [
+    "FORMAT",
+    "KEY",
+    "Record",
+    "check",
+    "describe",
+    "learning_rate_note",
+    "mismatch",
+    "record",
+]
+
+FORMAT = 1
+"""The record's layout version; a checkpoint of another version is refused."""
+KEY = "record/.ATTRIBUTES/py_state"
+"""Where a checkpoint (:func:`towers.training.checkpoint.checkpoint`) keeps the record."""
+_SUFFIX = re.compile(r"_\d+(?=[_/]|$)")
+_READ_ERRORS = (tf.errors.OpError, ValueError, TypeError, IndexError, OSError, RuntimeError)
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as JSON gives it back (tuples become lists, odd objects their repr)."""
+    return json.loads(json.dumps(value, default=repr, sort_keys=True))
+
+
+def _path(variable: Any) -> str:
+    """A variable's path without Keras' suffixes, ``dense_3/kernel``: ``dense/kernel``."""
+    return _SUFFIX.sub("", str(getattr(variable, "path", None) or variable.name))
+
+
+def _entry(variable: Any) -> list[Any]:
+    return [_path(variable), [int(d) for d in variable.shape], tf.as_dtype(variable.dtype).name]
+
+
+def _optimizer(optimizer: Any) -> dict[str, Any]:
+    """Class, hyperparameters (the learning rate apart: it is state) and inner optimizer."""
+    config = _plain(optimizer.get_config())
+    config.pop("name", None)
+    config.pop("inner_optimizer", None)
+    rate = config.get("learning_rate")
+    rate = config.pop("learning_rate") if isinstance(rate, int | float) else None
+    inner = getattr(optimizer, "inner_optimizer", None)
+    defaults = {
+        name: p.default for name, p in inspect.signature(type(optimizer)).parameters.items()
+        if p.default is not inspect.Parameter.empty
+    }  # fmt: skip
+    return {
+        "class": type(optimizer).__name__, "config": config, "learning_rate": rate,
+        "defaults": _plain(defaults), "inner": None if inner is None else _optimizer(inner),
+    }  # fmt: skip
+
+
+def _all_reduce(algorithm: Any) -> dict[str, Any]:
+    """The all-reduce's identity (codec and its settings included) and its state's shapes."""
+    name = algorithm_name(algorithm)
+    if hasattr(algorithm, "codec"):
+        inner = algorithm_name(getattr(algorithm, "algorithm", None))
+        name = f"{name}({inner}, {algorithm.codec!r}, decode={getattr(algorithm, 'decode', '')!r})"
+    state = list(algorithm.variables) if isinstance(algorithm, tf.Module) else []
+    return {"name": name, "state": [_entry(v)[1:] for v in state]}
+
+
+def record(trainer: Trainer) -> dict[str, Any]:
+    """What a checkpoint of ``trainer`` holds (JSON-serializable; see the module's drawing)."""
+    placement = getattr(trainer, "placement", None)
+    return {
+        "format": FORMAT,
+        "placement": getattr(placement, "name", None),
+        "towers": len(trainer.devices),
+        "replicas": len(trainer.replicas),
+        "model": [
+            [*_entry(v), "trainable" if v.trainable else "non-trainable"]
+            for v in trainer.model.variables
+        ],
+        "optimizer": _optimizer(trainer.optimizer),
+        "slots": [[_entry(v) for v in r.optimizer.variables] for r in trainer.replicas],
+        "all_reduce": _all_reduce(trainer.algorithm),
+    }
+
+
+def describe(optimizer: dict[str, Any]) -> str:
+    """``SGD (momentum=0.9)``: the class and the hyperparameters set to other than defaults."""
+    config = dict(optimizer["config"])
+    if optimizer.get("learning_rate") is not None:
+        config["learning_rate"] = optimizer["learning_rate"]
+    defaults = optimizer.get("defaults", {})
+    shown = [
+        f"{k}={_fmt(v)}" for k, v in sorted(config.items())
+        if k not in defaults or _fmt(defaults[k]) != _fmt(v)
+    ]  # fmt: skip
+    text = optimizer["class"] + (f" ({', '.join(shown)})" if shown else "")
+    if optimizer.get("inner") is not None:
+        text += f" of {describe(optimizer['inner'])}"
+    return text
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.7g}" if isinstance(value, float) else repr(value)
+
+
+def _classes(optimizer: dict[str, Any] | None) -> list[str]:
+    return [] if optimizer is None else [optimizer["class"], *_classes(optimizer["inner"])]
+
+
+def _config_diff(saved: dict[str, Any] | None, mine: dict[str, Any] | None) -> list[str]:
+    if saved is None or mine is None:
+        return []
+    keys = sorted(set(saved["config"]) | set(mine["config"]))
+    found = [
+        f"{k}={_fmt(saved['config'].get(k))} in the checkpoint, {_fmt(mine['config'].get(k))} here"
+        for k in keys if saved["config"].get(k) != mine["config"].get(k)
+    ]  # fmt: skip
+    if (saved["learning_rate"] is None) != (mine["learning_rate"] is None):
+        found.append("a learning-rate schedule on one side, a fixed rate on the other")
+    return found + _config_diff(saved["inner"], mine["inner"])
+
+
+def _entries(what: str, saved: list[Any], mine: list[Any]) -> str | None:
+    """The first difference of two variable lists, in words (None when equal)."""
+    if saved == mine:
+        return None
+    for k, (a, b) in enumerate(zip(saved, mine)):
+        if a != b:
+            return f"{what} {k}: {_show(a)} in the checkpoint, {_show(b)} here"
+    return f"{len(saved)} {what} in the checkpoint, {len(mine)} here"
+
+
+def _show(entry: list[Any]) -> str:
+    """``dense/kernel float32[64, 10]`` (and ``(non-trainable)`` for model variables)."""
+    extra = " (non-trainable)" if entry[3:] == ["non-trainable"] else ""
+    return f"{entry[0]} {entry[2]}{entry[1]}{extra}"
+
+
+def mismatch(saved: dict[str, Any], mine: dict[str, Any]) -> str | None:
+    """Why a checkpoint recorded as ``saved`` must not restore into ``mine``, or None.
+
+    Returns:
+        One sentence naming what differs and what to build instead, the first of:
+        placement, replicas, optimizer class, hyperparameters, model variables,
+        optimizer variables, all-reduce identity.
+    """
+    for check_part in (_layout_mismatch, _optimizer_mismatch):
+        if problem := check_part(saved, mine):
+            return problem
+    if problem := _entries("model variable", saved["model"], mine["model"]):
+        return f"{problem}: restore into a trainer built with the same model"
+    for k, (a, b) in enumerate(zip(saved["slots"], mine["slots"])):
+        if problem := _entries(f"replica {k}'s optimizer variable", a, b):
+            return f"{problem}: restore into a trainer built with the same optimizer and model"
+    return _all_reduce_mismatch(saved["all_reduce"], mine["all_reduce"])
+
+
+def _layout_mismatch(saved: dict[str, Any], mine: dict[str, Any]) -> str | None:
+    if saved.get("format") != FORMAT:
+        return f"its record has format {saved.get('format')!r}, this towers reads {FORMAT}"
+    if saved["placement"] != mine["placement"]:
+        return (f"checkpoint holds variables={saved['placement']!r}, trainer has "
+                f"variables={mine['placement']!r}: restore into a trainer built with the "
+                "same placement")  # fmt: skip
+    if saved["replicas"] != mine["replicas"]:
+        return (f"checkpoint holds {saved['replicas']} replicas (variables="
+                f"{saved['placement']!r} over {saved['towers']} towers), trainer has "
+                f"{mine['replicas']} ({mine['towers']} towers): restore into a trainer with "
+                f"{saved['towers']} towers (a checkpoint is not re-sharded)")  # fmt: skip
+    return None
+
+
+def _optimizer_mismatch(saved: dict[str, Any], mine: dict[str, Any]) -> str | None:
+    ours, theirs = saved["optimizer"], mine["optimizer"]
+    if _classes(ours) != _classes(theirs):
+        return (f"checkpoint holds optimizer {describe(ours)}, trainer has {describe(theirs)}: "
+                "restore into a trainer built with the same optimizer class")  # fmt: skip
+    if diff := _config_diff(ours, theirs):
+        return (f"checkpoint holds optimizer {describe(ours)}, trainer has {describe(theirs)} "
+                f"({'; '.join(diff)}): build the trainer's optimizer with the checkpoint's "
+                "hyperparameters")  # fmt: skip
+    return None
+
+
+def _all_reduce_mismatch(saved: dict[str, Any], mine: dict[str, Any]) -> str | None:
+    if saved["name"] == mine["name"] or not (saved["state"] or mine["state"]):
+        return None
+    return (f"checkpoint holds all-reduce {saved['name']} ({len(saved['state'])} state values), "
+            f"trainer has {mine['name']} ({len(mine['state'])}): restore into a trainer built "
+            "with the same all-reduce and codec")  # fmt: skip
+
+
+def learning_rate_note(saved: dict[str, Any], mine: dict[str, Any]) -> str | None:
+    """A sentence when the restore replaces the trainer's (fixed) learning rate by another."""
+    a, b = saved["optimizer"], mine["optimizer"]
+    while a["learning_rate"] is None and a["inner"] is not None and b["inner"] is not None:
+        a, b = a["inner"], b["inner"]
+    if a["learning_rate"] is None or b["learning_rate"] is None:
+        return None
+    if a["learning_rate"] == b["learning_rate"]:
+        return None
+    return (f"the learning rate is now the checkpoint's, {_fmt(a['learning_rate'])}; the "
+            f"trainer was built with {_fmt(b['learning_rate'])}. To train at the trainer's rate, "
+            "assign it to every replica's optimizer after the restore (for r in "
+            "trainer.replicas: r.optimizer.learning_rate.assign(rate))")  # fmt: skip
+
+
+class Record(tf.train.experimental.PythonState):
+    """The trainer's record as a string in the bundle; read back by :func:`check`."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.text = json.dumps(record(trainer), sort_keys=True)
+
+    def serialize(self) -> str:
+        return self.text
+
+    def deserialize(self, string_value: Any) -> None:
+        """Nothing: a restore reads and compares the record before it writes anything."""
+
+
+def check(reader: Any, path: str, trainer: Trainer) -> str | None:
+    """Compare the record in a checkpoint with ``trainer``'s; return the learning-rate note.
+
+    Args:
+        reader: the checkpoint's ``tf.train.load_checkpoint`` reader.
+        path: its prefix (for the error).
+        trainer: the trainer a restore would write into.
+
+    Returns:
+        :func:`learning_rate_note`'s sentence, or None.
+
+    Raises:
+        CheckpointError: no record, an unreadable one, or a mismatch (named).
+    """
+    try:
+        saved = json.loads(reader.get_tensor(KEY))
+    except _READ_ERRORS as err:
+        if reader.has_tensor(KEY):
+            raise CheckpointError(path, f"its record cannot be read ({err})") from err
+        raise CheckpointError(
+            path, "it holds no record of the trainer that wrote it (saved by a towers "
+            "before checkpoints recorded their optimizer, model and placement), so what its "
+            "values mean cannot be checked: it is refused; save it again with this version",
+        ) from None  # fmt: skip
+    mine = record(trainer)
+    problem = mismatch(saved, mine)
+    if problem:
+        raise CheckpointError(path, "does not match this trainer: " + problem)
+    return learning_rate_note(saved, mine)
