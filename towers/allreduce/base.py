@@ -55,6 +55,8 @@ class GradientReducer(Protocol):
     tensors into one buffer, compression with per-variable state). ``build`` runs once,
     eagerly, before the first step, so state variables can be created outside
     ``tf.function``. A plain :class:`AllReduce` is applied one variable at a time instead.
+    A reducer that keeps state across steps is a :class:`StatefulReducer`: its state may
+    change only on a step whose update is applied.
     """
 
     def build(self, variables: Sequence[tf.Variable], devices: Sequence[str]) -> None: ...
