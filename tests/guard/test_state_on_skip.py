@@ -22,18 +22,21 @@ update there too (tf.distribute has no reducer state: "applied" is the rule it i
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import towers
 from tests.conftest import DEVICES
 from towers.allreduce import compressed
+from towers.allreduce.base import StatefulReducer
 from towers.allreduce.codecs import topk
 from towers.allreduce.compressed import Compressed
+from towers.allreduce.naive import naive
 from towers.allreduce.powersgd import powersgd
 from towers.guard.errors import NonFiniteError
 
@@ -153,3 +156,41 @@ def test_ignore_applies_a_nan_step_and_commits_its_reducer_state(codec: str) -> 
     assert _reducer_state(trainer) != before
     assert not _finite(trainer)
     assert not all(np.isfinite(w).all() for w in trainer.get_weights())
+
+
+class CountingReducer:
+    """A user's stateful reducer: ``naive`` sums, and a count of the steps it reduced for."""
+
+    def build(self, variables: Sequence[tf.Variable], devices: Sequence[str]) -> None:
+        self.count = tf.Variable(0, dtype=tf.int64, trainable=False)
+
+    def reduce_deferred(
+        self, grads: Sequence[Sequence[tf.Tensor]]
+    ) -> tuple[list[list[tf.Tensor]], list[tf.Tensor]]:
+        columns = [naive([row[j] for row in grads], op="sum") for j in range(len(grads[0]))]
+        return [list(row) for row in zip(*columns)], [self.count + 1]
+
+    def commit(self, new_state: Sequence[tf.Tensor]) -> None:
+        self.count.assign(new_state[0])
+
+    def reduce_gradients(self, grads: Sequence[Sequence[tf.Tensor]]) -> list[list[tf.Tensor]]:
+        out, new_state = self.reduce_deferred(grads)
+        self.commit(new_state)
+        return out
+
+
+def test_a_users_stateful_reducer_is_committed_only_on_applied_steps() -> None:
+    # the contract of towers.allreduce.base.StatefulReducer, for any reducer, not only codecs
+    reducer = CountingReducer()
+    assert isinstance(reducer, StatefulReducer)
+    trainer = towers.TowerTrainer(
+        _model, _lso(2.0**126), "sparse_categorical_crossentropy", devices=DEVICES[:2],
+        all_reduce=reducer, variables="replicated",
+    )  # fmt: skip
+    for step in range(6):
+        trainer.train_step(*_batch(step))
+        assert int(reducer.count) == int(trainer.optimizer.iterations), f"step {step}"
+    assert 0 < int(reducer.count) < 6  # some steps overflowed, later ones were applied
+    trainer.train_step(*_batch(0, poison=True))  # on_nonfinite="skip"
+    assert trainer.skipped_steps == 1
+    assert int(reducer.count) == int(trainer.optimizer.iterations)
