@@ -37,6 +37,7 @@ from towers.allreduce.base import StatefulReducer
 from towers.allreduce.codecs import topk
 from towers.allreduce.compressed import Compressed
 from towers.allreduce.naive import naive
+from towers.allreduce.ordering import as_written
 from towers.allreduce.powersgd import powersgd
 from towers.guard.errors import NonFiniteError
 
@@ -194,3 +195,26 @@ def test_a_users_stateful_reducer_is_committed_only_on_applied_steps() -> None:
     trainer.train_step(*_batch(0, poison=True))  # on_nonfinite="skip"
     assert trainer.skipped_steps == 1
     assert int(reducer.count) == int(trainer.optimizer.iterations)
+
+
+def test_phases_one_by_one_hand_the_reducer_state_to_apply() -> None:
+    # reduce and apply in separate tf.functions: the new state travels in Reduced, and
+    # apply forms the loss-scale flag itself, so overflows and commits match train_step.
+    # (Eager phases round differently from the compiled step unless Grappler's remapping
+    # is off, see towers.step: bitwise is asserted for compiled phases only.)
+    whole, phases = (_trainer("powersgd", _lso(2.0**126)) for _ in range(2))
+
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        return tf.function(fn, autograph=False)
+
+    for step in range(4):
+        batch = _batch(step)
+        whole.train_step(*batch)
+        with as_written():
+            grads = wrap(phases.forward_backward)(wrap(phases.split)(*batch))
+            wrap(phases.apply)(wrap(phases.reduce)(grads))
+        assert _reducer_state(phases) == _reducer_state(whole), f"step {step}"
+        for a, b in zip(phases.get_weights(), whole.get_weights()):
+            assert a.tobytes() == b.tobytes(), f"step {step}"
+        assert float(phases.optimizer.dynamic_scale) == float(whole.optimizer.dynamic_scale)
+    assert float(whole.optimizer.dynamic_scale) < 2.0**126  # an overflow was exercised
