@@ -84,12 +84,15 @@ class Reduced(NamedTuple):
         loss: the global mean loss (the towers' shares added in tower order).
         grads_finite: with a ``LossScaleOptimizer``, the step's one "all gradients
             finite" flag (:mod:`towers.guard.loss_scale`); None: each replica checks.
+        reducer_state: a stateful reducer's new state, assigned by ``apply`` only when
+            the update is (:class:`~towers.allreduce.base.StatefulReducer`).
     """
 
     grads: list[list[tf.Tensor | tf.IndexedSlices]]
     non_trainable: list[tf.Tensor]
     loss: tf.Tensor
     grads_finite: tf.Tensor | None = None
+    reducer_state: tuple[tf.Tensor, ...] = ()
 
 
 class TowerTrainer:
@@ -352,6 +355,7 @@ class TowerTrainer:
         """
         grads = grads.on_devices(self.devices)
         summed = self.placement.reduce(self.reducer, self.loss_scale.to_wire(grads.grads))
+        pending = tuple(self.reducer.take_pending())  # assigned in apply, if applied
         dtypes = [v.dtype for v in self.model.trainable_variables]
         reduced = self.loss_scale.from_wire(summed, dtypes)
         state = combine_non_trainable(
@@ -361,11 +365,12 @@ class TowerTrainer:
         p = self.parameter_device
         with tf.device(p):
             loss = tf.add_n([send(r.loss, p, note="loss") for r in grads.towers])
-        return Reduced(reduced, state, loss)
+        return Reduced(reduced, state, loss, reducer_state=pending)
 
     def apply(self, reduced: Reduced) -> None:
         """Phase 4: each optimizer applies its gradients (every replica's, or every shard
-        owner's), the placement finishes (``sharded``: all-gather), the state is assigned."""
+        owner's), the placement finishes (``sharded``: all-gather), the state is assigned,
+        and the reducer's new state with it (not on a loss-scale overflow)."""
         for update in self.placement.updates(self.replicas, reduced.grads):
             with tf.device(update.device):
                 self.loss_scale.apply(
@@ -373,13 +378,16 @@ class TowerTrainer:
                     functools.partial(_apply_gradients, variables=update.variables),
                 )  # fmt: skip
         self.placement.finish(self.replicas)
-        for replica in self.replicas:
+        applied = reduced.grads_finite
+        if applied is None and self.loss_scale.active:
+            # the phases called one by one: the flag the step's _update would have formed
+            applied = self.loss_scale.finite(reduced.grads[0], None, self.parameter_device)
+        self.reducer.commit(reduced.reducer_state, applied)
+        for replica in self.replicas:  # an overflowed step keeps the state too: nothing changes
             with tf.device(replica.device):
                 for var, value in zip(replica.model.non_trainable_variables, reduced.non_trainable):
                     value = send(value, replica.device, note="state")
-                    if reduced.grads_finite is not None:  # an overflowed step changes nothing
-                        value = tf.where(reduced.grads_finite, value, var.value)
-                    var.assign(value)
+                    var.assign(value if applied is None else tf.where(applied, value, var.value))
 
     # -- the rest of the public API -----------------------------------------------------------
 

@@ -5,7 +5,13 @@ tower more than take part, so the collective can never complete. A timed-out
 collective aborts every later collective in the process (measured; see
 :mod:`towers.guard.deadline`), so the hanging cases run in subprocesses
 (``python -m tests.guard.test_deadline CASE`` prints one JSON line) and leave this
-test process's collectives working.
+test process's collectives working. The race in which a step completes as the
+watchdog fires is made deterministic in process, with the abort itself replaced.
+
+Timing: the machine running the suite may be a loaded 2-core box shared with other
+jobs (a 1 s op timeout has been seen to surface after 5.1 s there). A timing assertion
+here says "it fired, not before its deadline, and nothing hung": a generous ceiling,
+never a tight one.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,12 +32,21 @@ from tensorflow.python.ops import collective_ops
 
 import towers
 from tests.conftest import DEVICES
+from towers.allreduce import compressed
 from towers.allreduce.collectives import next_key, token
+from towers.allreduce.compressed import Compressed
+from towers.allreduce.naive import naive
+from towers.allreduce.powersgd import powersgd
+from towers.guard import deadline
 from towers.guard.deadline import Deadline
+from towers.guard.errors import StepTimeout
 from towers.testing import OPTIMIZERS, ModelSpec, loss_fn
 
 SPEC = ModelSpec("batchnorm")  # BatchNorm: state that does not wait for the gradients
 ROOT = Path(__file__).resolve().parents[2]
+NO_HANG = 60.0
+"""Seconds past a deadline within which the timeout must surface: "no hang", with room
+for a loaded machine (the deadline is what is tested, not the scheduler's latency)."""
 
 
 def hanging(op_timeout: float) -> Any:
@@ -50,6 +66,19 @@ def hanging(op_timeout: float) -> Any:
     return never_completes
 
 
+def q_hangs(op_timeout: float) -> Any:
+    """Sums like ``naive`` except PowerSGD's all-reduce of ``Q`` for SPEC's first kernel
+    (shape [4, 1]; its ``P`` is [5, 1]), which never completes: the step's error feedback
+    exists before the hang, the update does not."""
+
+    def partly_hangs(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
+        if values[0].shape == (4, 1):
+            return hanging(op_timeout)(values, op=op)
+        return naive(values, op=op)
+
+    return partly_hangs
+
+
 def _trainer(algorithm: Any, **kwargs: Any) -> towers.TowerTrainer:
     return towers.TowerTrainer(
         SPEC.build, OPTIMIZERS["adam"], loss_fn(), devices=DEVICES[:3], all_reduce=algorithm,
@@ -65,12 +94,19 @@ def _state(trainer: towers.TowerTrainer) -> list[bytes]:
     ]
 
 
-def _case(op_timeout: float, step_timeout: float | None) -> dict[str, Any]:
+def _reducer_state(trainer: towers.TowerTrainer) -> list[bytes]:
+    reducer = trainer.reducer.dense
+    if not isinstance(reducer, Compressed):
+        return []
+    return [v.numpy().tobytes() for row in reducer.state for var in row for v in var]
+
+
+def _case(algorithm: Any, step_timeout: float | None) -> dict[str, Any]:
     """Run the hanging step, then step again, then train with ``naive`` and ``nccl``."""
-    trainer = _trainer(hanging(op_timeout), step_timeout=step_timeout)
+    trainer = _trainer(algorithm, step_timeout=step_timeout)
     batch = SPEC.batch(6, seed=0)
     trainer.step_function(*batch)  # trace first: the deadline times execution
-    before, out = _state(trainer), {}
+    before, reducer_before, out = _state(trainer), _reducer_state(trainer), {}
     for attempt in ("first", "again"):
         start = time.perf_counter()
         try:
@@ -78,8 +114,11 @@ def _case(op_timeout: float, step_timeout: float | None) -> dict[str, Any]:
             out[attempt] = "completed"
         except Exception as err:  # the error's type is what is measured
             out[attempt] = f"{type(err).__module__}.{type(err).__name__}: {err}"
+            out[attempt + "_applied"] = getattr(err, "applied", None)
         out[attempt + "_seconds"] = time.perf_counter() - start
     out["unchanged"] = _state(trainer) == before
+    out["reducer_unchanged"] = _reducer_state(trainer) == reducer_before
+    out["reducer_state"] = len(reducer_before)
     for other in ("naive", "nccl"):
         try:
             _trainer(other).train_step(*batch)
@@ -97,25 +136,36 @@ def _run_cases(*cases: str) -> list[dict[str, Any]]:
     ]  # fmt: skip
     results = []
     for proc in procs:
-        stdout, _ = proc.communicate(timeout=120)  # a hang fails the test, never the suite
+        stdout, _ = proc.communicate(timeout=300)  # a hang fails the test, never the suite
         results.append(json.loads(stdout.strip().splitlines()[-1]))
     return results
 
 
 def test_a_collective_that_never_completes_raises_step_timeout_and_changes_nothing() -> None:
     # "op": the user's own op timeout (1 s) fires; "watchdog": the op would wait 10 min,
-    # step_timeout=1.5 aborts it.
-    op, watchdog = _run_cases("op", "watchdog")
-    for result, deadline in ((op, 1.0), (watchdog, 1.5)):
+    # step_timeout=1.5 aborts it; "compressed": PowerSGD's second all-reduce never
+    # completes after its error feedback was computed, step_timeout=1.5 aborts it.
+    op, watchdog, partial = _run_cases("op", "watchdog", "compressed")
+    for result, seconds in ((op, 1.0), (watchdog, 1.5)):
         prefix = "towers.guard.errors.StepTimeout: the step with all-reduce 'never_completes'"
         assert result["first"].startswith(f"{prefix} did not complete")
         assert result["again"].startswith(f"{prefix} failed at once: an earlier step timed out")
         assert "restart the process and resume from a checkpoint" in result["first"]
-        assert deadline <= result["first_seconds"] < deadline + 3.0
+        assert "the step changed nothing" in result["first"]
+        # fired at its deadline, not before, and nothing hung (see the module docstring)
+        assert seconds <= result["first_seconds"] < seconds + NO_HANG
         assert result["unchanged"]  # weights, slots, iterations, BatchNorm statistics
-        # the process's collectives stay aborted: the next step fails at once, as StepTimeout
-        assert result["again_seconds"] < 1.0
+        assert result["first_applied"] is False and result["again_applied"] is False
+        # the process's collectives stay aborted: the next step fails too, as StepTimeout
+        # (its "at once" is the message's; a time bound tight enough to show it would not
+        # hold on a loaded machine, so only "no hang" is asserted)
+        assert result["again_seconds"] < seconds + NO_HANG
         assert (result["naive"], result["nccl"]) == ("ok", "StepTimeout")  # copies; collectives
+    assert partial["first"].startswith("towers.guard.errors.StepTimeout")
+    assert partial["first_applied"] is False and "the step changed nothing" in partial["first"]
+    assert 1.5 <= partial["first_seconds"] < 1.5 + NO_HANG
+    assert partial["reducer_state"] > 0  # PowerSGD's error and Q for the first kernel
+    assert partial["unchanged"] and partial["reducer_unchanged"]
     assert "Collective has timed out waiting for other workers.]" in op["first"]
     assert "within 1.5 s" in watchdog["first"]
     assert "[Collective ops is aborted by: towers: step_timeout=1.5 s passed" in watchdog["first"]
@@ -142,6 +192,59 @@ def test_a_bad_step_timeout_is_refused(bad: Any) -> None:
         Deadline(bad, "naive")
 
 
+class _WhenFired:
+    """A trainer's compiled step that starts only after the watchdog fired, then completes
+    (``fail=False``: the race "completed as the deadline passed", made deterministic) or
+    fails as an aborted collective does (``fail=True``)."""
+
+    def __init__(self, step: Any, fired: threading.Event, fail: bool) -> None:
+        self.step, self.fired, self.fail = step, fired, fail
+
+    def get_concrete_function(self, *inputs: Any) -> Any:
+        return self.step.get_concrete_function(*inputs)
+
+    def __call__(self, *inputs: Any) -> Any:
+        assert self.fired.wait(NO_HANG), "the watchdog never fired"
+        if self.fail:
+            raise tf.errors.DeadlineExceededError(None, None, "Collective ops is aborted by: x")
+        return self.step(*inputs)
+
+
+@pytest.mark.parametrize("completes", [True, False], ids=["completed", "aborted"])
+def test_step_timeout_says_truthfully_whether_the_step_was_applied(
+    completes: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fired = threading.Event()
+    # the watchdog's abort is recorded, not done: it would abort this process's collectives
+    monkeypatch.setattr(deadline, "_abort_collectives", lambda message: fired.set())
+    monkeypatch.setattr(deadline, "_TIMED_OUT", [])
+    trainer = _trainer("naive", step_timeout=0.05)
+    batch = SPEC.batch(6, seed=0)
+    monkeypatch.setattr(trainer, "_step", _WhenFired(trainer._step, fired, fail=not completes))
+    before = _state(trainer)
+    with pytest.raises(StepTimeout) as info:
+        trainer.train_step(*batch)
+    advanced = int(trainer.optimizer.iterations) == 1
+    assert info.value.applied is completes is advanced  # applied ⇔ iterations advanced
+    assert (_state(trainer) != before) is completes  # weights and slots moved with it
+    if completes:
+        assert "the step WAS applied (do not retry it" in str(info.value)
+        assert "changed nothing" not in str(info.value)
+    else:
+        assert "the step changed nothing" in str(info.value)
+
+
+def test_a_step_that_beats_its_deadline_is_not_reported() -> None:
+    # the watchdog is cancelled when the step returns first: no error, no abort
+    trainer = _trainer("naive", step_timeout=NO_HANG)
+    trainer.train_step(*SPEC.batch(6, seed=0))
+    assert int(trainer.optimizer.iterations) == 1
+
+
 if __name__ == "__main__":
     case = sys.argv[1]
-    print(json.dumps(_case(1.0, None) if case == "op" else _case(600.0, 1.5)))
+    algorithm = {
+        "op": hanging(1.0), "watchdog": hanging(600.0),
+        "compressed": compressed(q_hangs(600.0), powersgd(1)),
+    }[case]  # fmt: skip
+    print(json.dumps(_case(algorithm, None if case == "op" else 1.5)))

@@ -28,6 +28,7 @@ __all__ = [
     "OPS",
     "AllReduce",
     "GradientReducer",
+    "StatefulReducer",
     "check_op",
     "check_values",
     "combine",
@@ -54,11 +55,48 @@ class GradientReducer(Protocol):
     tensors into one buffer, compression with per-variable state). ``build`` runs once,
     eagerly, before the first step, so state variables can be created outside
     ``tf.function``. A plain :class:`AllReduce` is applied one variable at a time instead.
+    A reducer that keeps state across steps is a :class:`StatefulReducer`: its state may
+    change only on a step whose update is applied.
     """
 
     def build(self, variables: Sequence[tf.Variable], devices: Sequence[str]) -> None: ...
 
     def reduce_gradients(self, grads: Sequence[Sequence[tf.Tensor]]) -> list[list[tf.Tensor]]: ...
+
+
+@runtime_checkable
+class StatefulReducer(GradientReducer, Protocol):
+    """A :class:`GradientReducer` with state (error feedback, PowerSGD's ``Q``) that a step
+    may change only when the step's update is applied.
+
+    The contract: the state changes exactly when the optimizer's update does. A step whose
+    update does not happen — skipped by the non-finite guard (``on_nonfinite`` "skip" or
+    "raise"), a ``LossScaleOptimizer`` overflow, a collective that timed out — leaves
+    every state variable bitwise as it was. Otherwise an overflowed step's Inf lands in
+    the error feedback, every later step "overflows" too, and the loss scale halves for
+    ever. So the trainer calls ``reduce_deferred`` in its reduce phase, which computes
+    the new state without assigning it, and ``commit`` in its apply phase, under the
+    same condition as the optimizer update (and after every reduction completed)::
+
+        reduce:  outs, new_state = reducer.reduce_deferred(grads)      nothing assigned
+        apply:   tf.cond(applied, commit(new_state), no-op)            with the update
+
+    ``reduce_gradients`` (for use outside a trainer) is ``reduce_deferred`` then
+    ``commit``. A reducer that only has ``reduce_gradients`` and assigns its state
+    there breaks the contract on loss-scale overflows and timeouts (the guard's skip
+    still protects it: the whole reduce sits inside its ``tf.cond``).
+    """
+
+    def reduce_deferred(
+        self, grads: Sequence[Sequence[tf.Tensor]]
+    ) -> tuple[list[list[tf.Tensor]], list[tf.Tensor]]:
+        """``(reduced[tower][var], new_state)``: ``new_state`` one tensor per state
+        variable, in a fixed order that ``commit`` knows; no variable is assigned."""
+        ...
+
+    def commit(self, new_state: Sequence[tf.Tensor]) -> None:
+        """Assign ``new_state`` (from ``reduce_deferred``, same graph) to the state."""
+        ...
 
 
 def device_of(value: tf.Tensor | tf.IndexedSlices, index: int = 0) -> str:

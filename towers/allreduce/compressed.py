@@ -10,6 +10,7 @@ algorithm's all-reduce, or gathers) and decodes a dense sum. n = 3, one variable
     tower 1   g_1, s_1 ─encode─▶ payload_1 ─┼─ wire (all-reduce) ─▶│ decode once   ─send─▶ out_1
     tower 2   g_2, s_2 ─encode─▶ payload_2 ─┘                      │ on tower 0    ─send─▶ out_2
               s_t ◀── new state (error feedback, Q), written back to tower t's variables
+                      only when the step is applied (commit; see below)
 
 **Decode once** (the default): only tower 0 decodes; the others receive its dense
 result by :func:`~towers.allreduce.primitives.send`, so every tower's output is bitwise
@@ -20,7 +21,11 @@ outputs then rest on deterministic kernels (the tests check them on CPU).
 
 State is created eagerly in :meth:`Compressed.build`, one copy per tower on that
 tower's device, as ``tf.Variable`` s tracked by this ``tf.Module``, so
-``tf.train.Checkpoint(reducer=...)`` saves and restores it with the model.
+``tf.train.Checkpoint(reducer=...)`` saves and restores it with the model. In a
+trainer the new state is computed in the reduce phase (:meth:`Compressed.reduce_deferred`)
+and assigned in the apply phase (:meth:`Compressed.commit`) under the optimizer update's
+own condition, so a skipped, overflowed or timed-out step leaves it bitwise as it was
+(:class:`~towers.allreduce.base.StatefulReducer`).
 """
 
 from __future__ import annotations
@@ -93,13 +98,41 @@ class Compressed(tf.Module):
         with tf.device(self.devices[tower]):
             return _make(self._templates[j], [v.read_value() for v in self.state[tower][j]])
 
-    def _write(self, tower: int, j: int, new: Any) -> None:
-        with tf.device(self.devices[tower]):
-            for var, value in zip(self.state[tower][j], new):
+    def _flat(self) -> list[tuple[int, tf.Variable]]:
+        """Every state variable with its tower, in ``state[tower][var][k]`` order."""
+        return [(t, v) for t, row in enumerate(self.state) for var in row for v in var]
+
+    def commit(self, new_state: Sequence[tf.Tensor]) -> None:
+        """Assign ``new_state`` (from :meth:`reduce_deferred`), each on its tower's device.
+
+        Raises:
+            ValueError: ``new_state`` does not hold one tensor per state variable.
+        """
+        flat = self._flat()
+        if len(new_state) != len(flat):
+            raise ValueError(f"expected {len(flat)} state values, got {len(new_state)}")
+        for (tower, var), value in zip(flat, new_state):
+            with tf.device(self.devices[tower]):
                 var.assign(value)
 
     def reduce_gradients(self, grads: Sequence[Sequence[tf.Tensor]]) -> list[list[tf.Tensor]]:
-        """``grads[tower][var]`` -> the codec's sums ``out[tower][var]``; updates the state.
+        """``grads[tower][var]`` -> the codec's sums ``out[tower][var]``; updates the state
+        (:meth:`reduce_deferred`, then :meth:`commit`).
+
+        Raises:
+            RuntimeError, ValueError: as :meth:`reduce_deferred`.
+        """
+        out, new_state = self.reduce_deferred(grads)
+        self.commit(new_state)
+        return out
+
+    def reduce_deferred(
+        self, grads: Sequence[Sequence[tf.Tensor]]
+    ) -> tuple[list[list[tf.Tensor]], list[tf.Tensor]]:
+        """``(out[tower][var], new_state)``: the codec's sums and the state's next values
+        (one per state variable, as :meth:`commit` takes them); nothing is assigned, so
+        a step that is not applied leaves the state as it was
+        (:class:`~towers.allreduce.base.StatefulReducer`).
 
         Raises:
             RuntimeError: :meth:`build` has not run.
@@ -113,13 +146,13 @@ class Compressed(tf.Module):
         decoders = (0,) if self.decode == "once" else tuple(range(n))
         wire = Wire(tuple(self.devices), self.algorithm, decoders)
         out: list[list[tf.Tensor]] = [[None] * count for _ in range(n)]
+        new: list[list[Any]] = [[()] * count for _ in range(n)]
         for j in range(count):
             states = [self._read(t, j) for t in range(n)]
-            outs, new = self.codec.reduce([row[j] for row in grads], states, wire)
+            outs, news = self.codec.reduce([row[j] for row in grads], states, wire)
             for t in range(n):
-                out[t][j] = outs[t]
-                self._write(t, j, new[t])
-        return out
+                out[t][j], new[t][j] = outs[t], news[t]
+        return out, [value for row in new for var in row for value in var]
 
 
 def compressed(

@@ -21,7 +21,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from towers.allreduce.base import AllReduce, GradientReducer, check_values
+from towers.allreduce.base import AllReduce, GradientReducer, StatefulReducer, check_values
 from towers.allreduce.naive import naive
 from towers.allreduce.parameter_device import parameter_device
 from towers.allreduce.sparse import densify, gather_indexed_slices, to_dense
@@ -67,6 +67,7 @@ class StepReducer:
             raise ValueError(f"sparse must be one of {', '.join(SPARSE)}; got {sparse!r}")
         self.dense, self.per_tensor, self.sparse = dense, per_tensor, sparse
         self.names: list[str] = []
+        self._pending: list[tf.Tensor] = []
 
     def build(self, variables: Sequence[tf.Variable], devices: Sequence[str]) -> None:
         """Build the wrapped ``GradientReducer`` (once, eagerly, before the first step);
@@ -80,10 +81,14 @@ class StepReducer:
     ) -> list[list[tf.Tensor | tf.IndexedSlices]]:
         """``grads[tower][var]`` -> ``reduced[tower][var]``, each the sum over towers.
 
+        A :class:`~towers.allreduce.base.StatefulReducer`'s new state is *not* assigned:
+        :meth:`take_pending` hands it to the step, which passes it to :meth:`commit`.
+
         Raises:
             AlgorithmError: the algorithm's outputs break the contract (count; per tower
                 shape, dtype, device), naming the algorithm, the tower and the variable.
         """
+        self._pending = []  # nothing left from an earlier trace
         if self.dense is not None and self.sparse == "densify":
             grads = _densified(grads)  # through the reducer, like every other gradient
         n_vars = len(grads[0])
@@ -94,7 +99,7 @@ class StepReducer:
         dense = [j for j in range(n_vars) if not isinstance(grads[0][j], tf.IndexedSlices)]
         if self.dense is not None and dense:
             inputs = [[g[j] for j in dense] for g in grads]
-            rows = check_rows(self.dense, inputs, self.dense.reduce_gradients(inputs),
+            rows = check_rows(self.dense, inputs, self._dense_rows(self.dense, inputs),
                               [names[j] for j in dense])  # fmt: skip
             for i, row in enumerate(rows):
                 for j, value in zip(dense, row):
@@ -105,6 +110,40 @@ class StepReducer:
                 for i, value in enumerate(values):
                     out[i][j] = value
         return out  # type: ignore[return-value]  # every slot is filled
+
+
+    def _dense_rows(self, dense: GradientReducer, inputs: list[list[Any]]) -> list[list[Any]]:
+        if isinstance(dense, StatefulReducer):
+            rows, self._pending = dense.reduce_deferred(inputs)
+            return rows
+        return dense.reduce_gradients(inputs)
+
+    def take_pending(self) -> list[tf.Tensor]:
+        """The new reducer state the last :meth:`reduce_gradients` computed (in the graph
+        being traced), once; empty for a stateless reducer."""
+        pending, self._pending = self._pending, []
+        return pending
+
+    def commit(self, new_state: Sequence[tf.Tensor], applied: tf.Tensor | None) -> None:
+        """Assign ``new_state`` (from :meth:`take_pending`) when ``applied`` holds.
+
+        Args:
+            new_state: the reducer's new state values; nothing happens when empty.
+            applied: a boolean tensor, the step's update happens (a ``LossScaleOptimizer``'s
+                "gradients finite"); None: it does (the caller is inside the guard's cond).
+        """
+        if not new_state or not isinstance(self.dense, StatefulReducer):
+            return
+        dense = self.dense
+
+        def assign() -> tf.Tensor:
+            dense.commit(new_state)
+            return tf.constant(True)
+
+        if applied is None:
+            assign()
+        else:
+            tf.cond(applied, assign, lambda: tf.constant(False))
 
 
 def _densified(

@@ -27,10 +27,14 @@ trainer and in any other. A trainer whose algorithm uses collective ops cannot s
 again in this process (its next step fails at once, also as ``StepTimeout``); trainers
 on towers' own algorithms (``naive``, ``ring``… built on copies, not collectives) still
 can. So :class:`~towers.guard.errors.StepTimeout` says: restart the process and resume
-from a checkpoint. The failed step itself changed nothing: the update runs after every
+from a checkpoint. A step that failed changed nothing: the update runs after every
 reduced value exists (the step's control dependencies), so a hang leaves every
-variable, slot and counter as it was. A hang outside collective ops (a ``py_function``
-that never returns) cannot be aborted this way.
+variable, slot, counter and reducer state as it was (``StepTimeout.applied`` is False).
+A step can also complete just as the watchdog fires: its update ran (``iterations``
+advanced, weights moved) while the collectives are aborted all the same; its
+``StepTimeout`` has ``applied=True`` and says so, so a caller does not retry it and
+apply the batch twice. The rule is exact: the step function returned ⇔ applied. A hang
+outside collective ops (a ``py_function`` that never returns) cannot be aborted this way.
 """
 
 from __future__ import annotations
@@ -85,7 +89,9 @@ class Deadline:
 
         Raises:
             StepTimeout: a collective did not complete (its op timeout, the watchdog,
-                or an earlier timeout that aborted collectives in this process).
+                or an earlier timeout that aborted collectives in this process; the step
+                changed nothing), or the step completed just as the watchdog fired
+                (``applied=True``: it must not be retried).
         """
         try:
             if self.seconds is None:
@@ -95,22 +101,22 @@ class Deadline:
         except tf.errors.DeadlineExceededError as err:
             lines = [ln.strip() for ln in str(err.message).splitlines()]
             said = [ln for ln in lines if any(k in ln for k in ("aborted", "timed out", "eadline"))]
-            detail = (said or lines)[-1][:200]
-            earlier = _TIMED_OUT[0] if _TIMED_OUT else None
-            _TIMED_OUT.append(f"all-reduce {self.name!r}")
-            raise StepTimeout(self.name, self.seconds, False, detail, earlier) from None
+            raise self._timeout((said or lines)[-1][:200], applied=False) from None
+
+    def _timeout(self, detail: str, applied: bool) -> StepTimeout:
+        earlier = _TIMED_OUT[0] if _TIMED_OUT else None
+        _TIMED_OUT.append(f"all-reduce {self.name!r}")
+        return StepTimeout(self.name, self.seconds, False, detail, earlier, applied=applied)
 
     def _watched(self, step: Callable[..., Any], inputs: tuple[Any, ...]) -> Any:
         lock, state = threading.Lock(), {"done": False, "fired": False}
+        message = f"towers: step_timeout={self.seconds:g} s passed ({self.name})"
 
         def fire() -> None:
             with lock:
                 if not state["done"]:
                     state["fired"] = True
-                    context.context().abort_collective_ops(
-                        tf.errors.DEADLINE_EXCEEDED,
-                        f"towers: step_timeout={self.seconds:g} s passed ({self.name})",
-                    )
+                    _abort_collectives(message)
 
         timer = threading.Timer(float(self.seconds or 0), fire)
         timer.daemon = True
@@ -121,9 +127,17 @@ class Deadline:
             with lock:
                 state["done"] = True
             timer.cancel()
-        if state["fired"]:  # finished as the watchdog fired: collectives are aborted anyway
-            raise tf.errors.DeadlineExceededError(None, None, "the step ran past step_timeout")
+        if state["fired"]:
+            # The step returned, so its update ran (the apply phase is part of the step),
+            # but the watchdog aborted the process's collectives as it finished: an error,
+            # and one that says the step was applied, so a retry does not apply it twice.
+            raise self._timeout(f"{message}; the step had completed", applied=True)
         return result
+
+
+def _abort_collectives(message: str) -> None:
+    """Abort every pending and later collective op in the process (the watchdog's act)."""
+    context.context().abort_collective_ops(tf.errors.DEADLINE_EXCEEDED, message)
 
 
 def settled(reduced: Any, apply: Callable[[Any], None]) -> None:

@@ -47,7 +47,8 @@ class NonFiniteError(TowersError, FloatingPointError):
 
 
 class StepTimeout(TowersError, TimeoutError):
-    """A step did not complete within its deadline (a collective never completed).
+    """A step ran past its deadline (a collective never completed, or the step completed
+    only as the watchdog fired).
 
     Attributes:
         algorithm: the all-reduce's name.
@@ -55,22 +56,33 @@ class StepTimeout(TowersError, TimeoutError):
         usable: whether the trainer can run another step in this process.
         earlier: set when this step failed at once because an earlier step's collective
             had timed out (what that one was), None when this step hit the deadline.
+        applied: whether the step's update was applied (weights, slots, ``iterations``,
+            state). True only when the step completed as the watchdog fired: do not
+            retry that step, its batch is already in the weights. False: it changed nothing.
     """
 
     def __init__(
         self, algorithm: str, seconds: float | None, usable: bool, detail: str,
-        earlier: str | None = None,
+        earlier: str | None = None, *, applied: bool = False,
     ) -> None:  # fmt: skip
         self.algorithm, self.seconds, self.usable = algorithm, seconds, usable
-        self.earlier = earlier
+        self.earlier, self.applied = earlier, applied
         within = f"within {seconds:g} s" if seconds else "within its collectives' op timeout"
-        what = (
-            f"failed at once: an earlier step timed out ({earlier}) and TensorFlow aborts every "
-            "later collective op in the process"
-            if earlier
-            else f"did not complete {within}: a collective never completed (a tower or peer "
-            "missing, or group keys or sizes that do not match)"
-        )
+        if applied:
+            what = (
+                f"completed only as its deadline of {seconds or 0:g} s passed: the step WAS "
+                "applied (do not retry it; weights, optimizer state and iterations include it)"
+            )
+        elif earlier:
+            what = (
+                f"failed at once: an earlier step timed out ({earlier}) and TensorFlow aborts "
+                "every later collective op in the process; the step changed nothing"
+            )
+        else:
+            what = (
+                f"did not complete {within}: a collective never completed (a tower or peer "
+                "missing, or group keys or sizes that do not match); the step changed nothing"
+            )
         after = (
             "The trainer is still usable."
             if usable
