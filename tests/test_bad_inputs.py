@@ -20,6 +20,7 @@ import tensorflow as tf
 
 import towers
 from tests.conftest import DEVICES
+from towers.cluster import AllTowers, AsyncTrainer, WorkerTrainer
 from towers.guard.errors import AlgorithmError
 from towers.training import checkpoint
 
@@ -98,6 +99,34 @@ class Case(NamedTuple):
     error: type
     fragment: str  # a regular expression the message must contain
     pending: str = ""  # not yet so: the row is a strict xfail, and the docs say so
+
+
+def _saved(tmp: str, optimizer: Callable[[], Any], **kw: Any) -> str:
+    """A checkpoint of a fresh ``_dense`` trainer built with ``optimizer`` and ``kw``."""
+    kw.setdefault("variables", "replicated")
+    prefix = str(Path(tmp) / "ckpt")
+    checkpoint.save(_new(_dense, optimizer, **kw), prefix)
+    return prefix
+
+
+def _restore_into(optimizer: Callable[[], Any], **kw: Any) -> Any:
+    """Save an SGD(momentum=0.9) replicated trainer, restore it into another one."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        prefix = _saved(tmp, lambda: keras.optimizers.SGD(0.1, momentum=0.9))
+        kw.setdefault("variables", "replicated")
+        return checkpoint.restore(_new(_dense, optimizer, **kw), prefix)
+
+
+def _dense_async(**kw: Any) -> Any:
+    return AsyncTrainer(_dense, LOSS, workers=[DEVICES[:1]], ps_devices=DEVICES[1:2], **kw)
+
+
+def _embedding() -> keras.Model:
+    inp = keras.Input((2,), dtype="int32")
+    h = keras.layers.Flatten()(keras.layers.Embedding(4, 2)(inp))
+    return keras.Model(inp, keras.layers.Dense(3)(h))
 
 
 C = Case
@@ -354,6 +383,52 @@ CASES: list[Case] = [
     C("all-reduce-sparse-array", "towers.all_reduce(values, sparse=np.zeros(2))",
       lambda: towers.all_reduce(_on_devices(), sparse=np.zeros(2)), ValueError,
       "sparse must be 'gather' or 'densify'"),
+    # -- combinations: the capability table (towers/guard/capabilities.py) ---------------------
+    C("sharded-compressed", "variables='sharded', all_reduce=compressed('ring', 'topk')",
+      lambda: _new(variables="sharded", all_reduce=towers.compressed("ring", "topk")),
+      ValueError, r"variables='sharded' with all_reduce=compressed\(ring, TopK\).*is refused"),
+    C("sharded-bucketed", "variables='sharded', all_reduce=bucketed('ring', 1024)",
+      lambda: _new(variables="sharded", all_reduce=towers.bucketed("ring", 1024)), ValueError,
+      r"all_reduce=bucketed\(ring, 1024\).*is refused.*leave all_reduce unset"),
+    C("sharded-tree", "variables='sharded', all_reduce='tree'",
+      lambda: _new(variables="sharded", all_reduce="tree"), ValueError,
+      "variables='sharded' with all_reduce='tree'"),
+    C("sharded-gather", "variables='sharded', sparse='gather'",
+      lambda: _new(variables="sharded", sparse="gather"), ValueError,
+      "variables='sharded' with sparse='gather' is refused.*sparse='densify'"),
+    C("sharded-loss-scale", "variables='sharded' with a LossScaleOptimizer",
+      lambda: _new(optimizer=lambda: keras.optimizers.LossScaleOptimizer(
+          keras.optimizers.SGD(0.1)), variables="sharded"), ValueError,
+      "variables='sharded' with optimizer='loss_scale' is refused"),
+    C("compressed-gather", "all_reduce=compressed('ring', 'fp16'), sparse='gather'",
+      lambda: _new(_embedding, all_reduce=towers.compressed("ring", "fp16"), sparse="gather"),
+      ValueError, r"all_reduce=compressed\(ring, Cast\).*sparse='gather' is refused"),
+    C("tower-cross-worker", "TowerTrainer(all_reduce=AllTowers(1))",
+      lambda: _new(all_reduce=AllTowers(1)), ValueError,
+      "trainer='TowerTrainer' with all_reduce=.*cross-worker.*WorkerTrainer"),
+    C("worker-sharded", "WorkerTrainer(num_workers=1, variables='sharded')",
+      lambda: WorkerTrainer(_dense, keras.optimizers.SGD(0.1), LOSS, devices=DEVICES[:2],
+                            num_workers=1, variables="sharded"), ValueError,
+      "trainer='WorkerTrainer' with variables='sharded' is refused"),
+    C("worker-local", "WorkerTrainer(num_workers=2, all_reduce='ring')",
+      lambda: WorkerTrainer(_dense, keras.optimizers.SGD(0.1), LOSS, devices=DEVICES[:2],
+                            num_workers=2, all_reduce="ring"), ValueError,
+      r"WorkerTrainer\(num_workers=2\) needs an all_reduce across those 2 workers"),
+    C("async-nonfinite", "AsyncTrainer(on_nonfinite='warn')",
+      lambda: _dense_async(learning_rate=0.1, on_nonfinite="warn"), ValueError,
+      "on_nonfinite must be one of skip, raise, ignore"),
+    C("async-lr", "AsyncTrainer(learning_rate=0)", lambda: _dense_async(learning_rate=0),
+      ValueError, "learning_rate must be a positive number"),
+    C("restore-optimizer", "restore an SGD(momentum) checkpoint into an RMSprop trainer",
+      lambda: _restore_into(lambda: keras.optimizers.RMSprop(0.1)), towers.CheckpointError,
+      "checkpoint holds optimizer SGD .*trainer has RMSprop"),
+    C("restore-hyper", "restore it into SGD(momentum=0.5)",
+      lambda: _restore_into(lambda: keras.optimizers.SGD(0.1, momentum=0.5)),
+      towers.CheckpointError, r"momentum=0.9 in the checkpoint, 0.5 here"),
+    C("restore-placement", "restore a replicated checkpoint into variables='parameter_device'",
+      lambda: _restore_into(lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+                            variables="parameter_device"), towers.CheckpointError,
+      "checkpoint holds variables='replicated', trainer has variables='parameter_device'"),
 ]  # fmt: skip
 
 

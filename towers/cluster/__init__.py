@@ -27,6 +27,7 @@
 from __future__ import annotations
 
 from towers.cluster.data import global_to_worker_batches, shard_dataset
+from towers.cluster.flat import AllTowers
 from towers.cluster.gpus import RuntimeStartedError, configure_gpus
 from towers.cluster.launcher import launch, start_servers
 from towers.cluster.local import HOST, TOWERS_ENV, free_ports, local_cluster, towers_per_task
@@ -34,20 +35,25 @@ from towers.cluster.ps import ParameterServerLost, ParameterStore, shard_variabl
 from towers.cluster.ps_local import connect_ps, local_ps_cluster
 from towers.cluster.ps_replay import load_log, replay, save_log
 from towers.cluster.ps_train import AsyncTrainer, UpdateLog, UpdateRecord
+from towers.cluster.reducer import CrossWorker
 from towers.cluster.runtime import connect, set_logical_devices, start_server, start_worker
 from towers.cluster.spec import TASK_TYPES, Cluster, resolve, tf_config
+from towers.cluster.trainer import WorkerTrainer
 
 __all__ = [
     "HOST",
     "TASK_TYPES",
     "TOWERS_ENV",
+    "AllTowers",
     "AsyncTrainer",
     "Cluster",
+    "CrossWorker",
     "ParameterServerLost",
     "ParameterStore",
     "RuntimeStartedError",
     "UpdateLog",
     "UpdateRecord",
+    "WorkerTrainer",
     "configure_gpus",
     "connect",
     "connect_ps",
