@@ -65,6 +65,8 @@ from towers.tower import (
     TowerResult,
     combine_non_trainable,
     empty_tower_step,
+    loss_divisor,
+    loss_reduction,
     resolve_loss,
     tower_step,
 )
@@ -98,6 +100,8 @@ class TowerTrainer:
         model: a built ``keras.Model`` or a zero-argument factory returning one.
         optimizer: a Keras optimizer or a zero-argument factory.
         loss: a Keras loss, a loss name, or ``(y_true, y_pred) -> per-example losses``.
+            A Keras loss's ``reduction`` is honoured over the global batch
+            (:data:`towers.tower.REDUCTIONS`); ``"none"`` is refused.
         devices: the towers' devices (default: every local logical device).
         all_reduce: a name from ``towers.ALGORITHMS``, an algorithm callable or a
             ``GradientReducer``.
@@ -158,6 +162,7 @@ class TowerTrainer:
             "parameter_device", lambda: check_devices([parameter_device or self.devices[0]])[0]
         )
         self.loss_fn = resolve_loss(loss)
+        self.loss_reduction = loss_reduction(loss)  # Keras' reduction, over the global batch
         reducer = naming("all_reduce", lambda: resolve(all_reduce, self.parameter_device))
         self.deadline = Deadline(step_timeout, reducer)
         self.algorithm: Any = self.deadline.algorithm  # step_timeout bound where it takes one
@@ -265,9 +270,11 @@ class TowerTrainer:
         An empty tower does not run the model; it contributes zero gradients, its
         share of the regularization losses, and unchanged state.
         """
+        divisor = self.loss_divisor(shards)
         results = {
-            i: self.tower_step(shards, i) for i, size in enumerate(shards.sizes) if size != 0
-        }
+            i: self.tower_step(shards, i, divisor=divisor)
+            for i, size in enumerate(shards.sizes) if size != 0
+        }  # fmt: skip
         template = results[0]  # tower 0 always has examples: the batch is not empty
         for i in range(len(self.devices)):
             if i not in results:
@@ -281,17 +288,29 @@ class TowerTrainer:
                 )  # fmt: skip
         return Gradients(tuple(results[i] for i in range(len(self.devices))))
 
-    def tower_step(self, shards: Shards, tower: int, *, backward: bool = True) -> TowerResult:
+    def loss_divisor(self, shards: Shards) -> tf.Tensor:
+        """What every tower divides its loss sum by, for the loss's Keras reduction
+        (:func:`towers.tower.loss_divisor`): the global batch size by default."""
+        weights = [part[2] for part in shards.parts]
+        return loss_divisor(self.loss_reduction, shards.global_batch, weights,
+                            self.parameter_device)  # fmt: skip
+
+    def tower_step(
+        self, shards: Shards, tower: int, *, backward: bool = True, divisor: Any = None
+    ) -> TowerResult:
         """One tower of :meth:`forward_backward`: read its replica's weights, run its shard.
 
-        ``backward=False`` runs the forward pass alone (for timing it).
+        ``backward=False`` runs the forward pass alone (for timing it). ``divisor``: the
+        step's :meth:`loss_divisor` (formed here when not given).
         """
+        if divisor is None:
+            divisor = self.loss_divisor(shards)
         device, replica = self.devices[tower], self.replica_of(tower)
         with tf.name_scope(f"tower_{tower}"):
             trainable, frozen = read_weights(replica, device)
             return tower_step(
                 self.model, trainable, frozen, shards.parts[tower], loss_fn=self.loss_fn,
-                global_batch=shards.global_batch, num_towers=len(self.devices), device=device,
+                global_batch=divisor, num_towers=len(self.devices), device=device,
                 backward=backward,
                 loss_scale=self.loss_scale.scale(replica.optimizer, replica.device, device),
             )  # fmt: skip
