@@ -46,6 +46,7 @@ from towers.guard.deadline import Deadline, settled
 from towers.guard.inputs import batch_tensors, check_choice, check_kinds, naming
 from towers.guard.loss_scale import LossScale
 from towers.guard.nonfinite import NONFINITE, Guard
+from towers.guard.reduces import check_sums
 from towers.guard.replicas import ReplicaCheck
 from towers.placement import (
     PLACEMENTS,
@@ -128,6 +129,10 @@ class TowerTrainer:
             model's own policy (build it under ``keras.mixed_precision``) and, for
             float16, a ``keras.optimizers.LossScaleOptimizer``: see
             :mod:`towers.guard.loss_scale` and docs/mixed_precision.md.
+        check_algorithm: run a user's algorithm (a callable or ``GradientReducer``
+            without a registry record) once on small values on these devices and refuse
+            it, with an ``AlgorithmError``, unless every output is the sum of the inputs
+            (:mod:`towers.guard.reduces`). False skips it (a lossy compression of your own).
 
     Example:
         >>> devices = towers.simulate_devices(4)                      # doctest: +SKIP
@@ -151,6 +156,7 @@ class TowerTrainer:
         step_timeout: float | None = None,
         check_replicas_every: int | None = None,
         reduce_dtype: str = "float32",
+        check_algorithm: bool = True,
     ) -> None:
         check_kinds(model, optimizer, loss)
         check_choice("on_nonfinite", on_nonfinite, NONFINITE)  # before any replica is built
@@ -174,6 +180,9 @@ class TowerTrainer:
         )
         self.reducer.build(self.model.trainable_variables, self.devices)
         self.loss_scale = LossScale(self.optimizer, self.model, reduce_dtype)
+        if check_algorithm:  # a user's algorithm must sum (the registry's are proved)
+            check_sums(reducer, self.devices, self.model.trainable_variables,
+                       self.loss_scale.wire_dtype)  # fmt: skip
         self.guard = Guard(
             on_nonfinite, len(self.devices), self.parameter_device, self.loss_scale.active
         )
