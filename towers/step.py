@@ -48,6 +48,7 @@ from towers.guard.loss_scale import LossScale
 from towers.guard.nonfinite import NONFINITE, Guard
 from towers.guard.reduces import check_sums
 from towers.guard.replicas import ReplicaCheck
+from towers.guard.trainable import TrainableWatch
 from towers.placement import (
     PLACEMENTS,
     ModelLike,
@@ -188,12 +189,24 @@ class TowerTrainer:
         )
         self.trace_count = 0
         self.last_trace_stats: Recorder | None = None
+        self.trainable_watch = TrainableWatch(self.replicas, self.placement.name)
+        self._new_step_functions()
+
+    def _new_step_functions(self) -> None:
         # No reduce_retracing: a static batch size gives static shard sizes (empty towers are
         # skipped at trace time); a new batch size costs one more trace, not one per step.
         self._step = tf.function(self._train_step, autograph=False)
         self._step_with_outputs = tf.function(
             functools.partial(self._train_step, with_outputs=True), autograph=False
         )
+
+    def _follow_trainable(self) -> None:
+        """A change of ``trainable`` on :attr:`model` since the last step: every replica
+        takes it, the reducer is built for the new trainable set, the step is retraced
+        (:mod:`towers.guard.trainable`; ``sharded`` refuses)."""
+        if self.trainable_watch.changed(self.replicas):
+            self.reducer.build(self.model.trainable_variables, self.devices)
+            self._new_step_functions()
 
     @property
     def model(self) -> keras.Model:
@@ -225,7 +238,11 @@ class TowerTrainer:
             NonFiniteError: ``on_nonfinite="raise"`` and a tower met a NaN or Inf (the
                 step changed nothing).
             StepTimeout, ReplicaMismatchError: see ``step_timeout``, ``check_replicas_every``.
+            ValueError: ``trainable`` changed on :attr:`model` where the trainer cannot
+                follow (``variables="sharded"``; a variable frozen when it was built made
+                trainable): :mod:`towers.guard.trainable`.
         """
+        self._follow_trainable()
         step = self._step_with_outputs if return_outputs else self._step
         with as_written():
             result = self.deadline.run(step, self._inputs(x, y, sample_weight))
@@ -235,6 +252,7 @@ class TowerTrainer:
 
     def step_function(self, x: Any, y: Any, sample_weight: Any = None) -> Any:
         """The step traced for this input signature (a ``ConcreteFunction``: its graph)."""
+        self._follow_trainable()
         return self._step.get_concrete_function(*self._inputs(x, y, sample_weight))
 
     def _inputs(self, x: Any, y: Any, sample_weight: Any) -> tuple[Any, Any, Any]:

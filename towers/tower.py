@@ -70,6 +70,9 @@ class TowerResult(NamedTuple):
             (BatchNormalization statistics, seed state), per non-trainable variable.
         examples: how many examples the tower saw (an int32 scalar).
         outputs: the model's outputs on the tower's shard (training mode).
+        changed: per non-trainable variable, whether this tower's forward pass assigned
+            it (Python bools, known when traced; None: assume it did). A variable no
+            tower changed (a frozen layer's weights) keeps its value bitwise.
     """
 
     loss: tf.Tensor
@@ -77,6 +80,7 @@ class TowerResult(NamedTuple):
     non_trainable: list[tf.Tensor]
     examples: tf.Tensor
     outputs: Any = None
+    changed: tuple[bool, ...] | None = None
 
 
 class Gradients(NamedTuple):
@@ -103,7 +107,9 @@ class Gradients(NamedTuple):
         """
 
         def pin(value: Any, device: str) -> Any:
-            if value is None or canonical_device(value.device) == device:
+            if value is None or isinstance(value, bool):  # TowerResult.changed
+                return value
+            if canonical_device(value.device) == device:
                 return value
             with tf.device(device):
                 if isinstance(value, tf.IndexedSlices):
@@ -240,7 +246,9 @@ def _forward(
     if reg_losses:
         reg = tf.add_n(reg_losses)
         loss += reg / tf.cast(num_towers, reg.dtype)
-    return TowerResult(loss, [], list(new_non_trainable), tf.shape(per_ex)[0], y_pred)
+    # stateless_call hands back the very tensor it was given for a variable nobody assigned
+    changed = tuple(new is not old for new, old in zip(new_non_trainable, non_trainable))
+    return TowerResult(loss, [], list(new_non_trainable), tf.shape(per_ex)[0], y_pred, changed)
 
 
 def tower_step(
@@ -340,7 +348,13 @@ def empty_tower_step(
             for g, v, like in zip(grads, model.trainable_variables, template.grads)
         ]
         outputs = tf.nest.map_structure(lambda t: t[:0], template.outputs)
-        return TowerResult(loss, grads, list(non_trainable), tf.constant(0, tf.int32), outputs)
+        return TowerResult(loss, grads, list(non_trainable), tf.constant(0, tf.int32), outputs,
+                           (False,) * len(non_trainable))  # fmt: skip
+
+
+def _unchanged(results: Sequence[TowerResult], j: int) -> bool:
+    """No tower changed non-trainable variable ``j`` (known when traced)."""
+    return all(r.changed is not None and r.changed[j] is False for r in results)
 
 
 def combine_non_trainable(
@@ -351,14 +365,16 @@ def combine_non_trainable(
     Floating state is averaged over the towers that saw examples (an empty tower's
     unchanged copy would drag the mean back), or taken from tower 0 when
     ``first_tower`` (what MirroredStrategy shows when read). Integer state (seed
-    counters) advances identically on every tower: tower 0's is kept.
+    counters) advances identically on every tower: tower 0's is kept, and so is
+    state no tower changed (a frozen layer's weights: the mean of ``n`` equal values
+    is not always bitwise that value, e.g. ``(x + x + x) / 3``).
     """
     combined = []
     with tf.device(device):
         counts = [send(r.examples, device, note="state") for r in results]
         for j in range(len(results[0].non_trainable)):
             values = [r.non_trainable[j] for r in results]
-            if first_tower or not values[0].dtype.is_floating:
+            if first_tower or not values[0].dtype.is_floating or _unchanged(results, j):
                 combined.append(send(values[0], device, note="state"))
                 continue
             masked = [
