@@ -20,6 +20,7 @@ import tensorflow as tf
 
 import towers
 from tests.conftest import DEVICES
+from towers.cluster.trainer import WorkerTrainer
 from towers.testing import sgd_step_bound
 
 LR = 0.05
@@ -103,3 +104,10 @@ def test_unreduced_loss_is_refused_at_construction(reduction: str | None) -> Non
             _model(), keras.optimizers.SGD(LR), keras.losses.MeanSquaredError(reduction=reduction),
             devices=DEVICES[:2],
         )  # fmt: skip
+
+
+def test_mean_with_sample_weight_is_refused_across_workers() -> None:
+    """One worker sees only its part of the sample weights (their global sum is the divisor)."""
+    loss = keras.losses.MeanSquaredError(reduction="mean_with_sample_weight")
+    with pytest.raises(ValueError, match=r"mean_with_sample_weight.*which one worker does not"):
+        WorkerTrainer(_model(), keras.optimizers.SGD(LR), loss, devices=DEVICES[:2], num_workers=2)

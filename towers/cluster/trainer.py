@@ -32,7 +32,7 @@ from towers.guard.inputs import batch_tensors, check_batch_against_model
 from towers.placement import read_weights
 from towers.split import Shards, shard_sizes
 from towers.step import TowerTrainer
-from towers.tower import Gradients, empty_tower_step
+from towers.tower import Gradients, empty_tower_step, loss_reduction
 
 __all__ = ["WorkerTrainer", "worker_slice"]
 
@@ -90,7 +90,13 @@ class WorkerTrainer(TowerTrainer):
         if getattr(all_reduce, "op", "sum") != "sum":
             raise ValueError(f"all_reduce must sum across workers (op='sum'): the loss is "
                              f"already divided by the global batch; got {all_reduce!r}")
+        if self.num_workers > 1 and loss_reduction(loss) == "mean_with_sample_weight":
+            raise ValueError("loss: reduction='mean_with_sample_weight' divides by the sum of "
+                             "sample weights over the global batch, which one worker does not "
+                             "see; use 'sum_over_batch_size' (the default) or 'sum'")
         kwargs.setdefault("variables", "replicated")
+        # towers.guard.reduces compares with the local towers' sum: one worker only
+        kwargs.setdefault("check_algorithm", self.num_workers == 1)
         self.timeout_seconds = float(timeout_seconds)
         self._count_key = _key_block(2)
         super().__init__(model, optimizer, loss, devices=devices, all_reduce=all_reduce,
