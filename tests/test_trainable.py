@@ -123,3 +123,13 @@ def test_a_layer_frozen_when_the_trainer_was_built_cannot_be_unfrozen() -> None:
     _assert_equal(weights, trainer.get_weights())
     trainer.model.get_layer("b").trainable = False  # back as built: trains again
     trainer.train_step(*_batch(1))
+
+
+def test_freezing_everything_is_refused_with_a_reason() -> None:
+    trainer = _trainer("parameter_device")
+    trainer.train_step(*_batch(0))
+    trainer.model.trainable = False
+    with pytest.raises(ValueError, match=r"trainable: every variable of the model is frozen"):
+        trainer.train_step(*_batch(1))
+    trainer.model.trainable = True  # as built: trains again
+    trainer.train_step(*_batch(1))

@@ -74,9 +74,10 @@ class TrainableWatch:
         replica has been given them); False when nothing changed.
 
         Raises:
-            ValueError: under ``variables="sharded"`` (any change), or when a variable
-                that was not trainable when the trainer was built is trainable now;
-                nothing is changed then (the replicas keep their flags).
+            ValueError: under ``variables="sharded"`` (any change), when every variable
+                is frozen, or when a variable that was not trainable when the trainer was
+                built is trainable now; nothing is changed then (the replicas keep their
+                flags).
         """
         model = replicas[0].model
         flags = trainable_flags(model)
@@ -96,6 +97,11 @@ class TrainableWatch:
                 "trainable variables it was built with. Set layer.trainable before building "
                 "the trainer, or use variables='replicated' (or 'parameter_device'), which "
                 "follow the change"
+            )
+        if not model.trainable_variables:
+            raise ValueError(
+                "trainable: every variable of the model is frozen now, so a step has nothing "
+                "to train; unfreeze a layer (or stop calling train_step)"
             )
         new = [v for v in model.trainable_variables if id(v) not in self.built]
         if new:
