@@ -106,6 +106,14 @@ def test_unreduced_loss_is_refused_at_construction(reduction: str | None) -> Non
         )  # fmt: skip
 
 
+def test_a_reduction_keras_would_not_know_is_refused_by_name() -> None:
+    loss = keras.losses.MeanSquaredError()
+    loss.reduction = "median"  # Keras' constructor refuses it; an attribute set later is not
+    message = r"loss: MeanSquaredError has reduction='median', which towers does not support"
+    with pytest.raises(ValueError, match=message + "; use one of sum_over_batch_size"):
+        towers.TowerTrainer(_model(), keras.optimizers.SGD(LR), loss, devices=DEVICES[:2])
+
+
 def test_mean_with_sample_weight_is_refused_across_workers() -> None:
     """One worker sees only its part of the sample weights (their global sum is the divisor)."""
     loss = keras.losses.MeanSquaredError(reduction="mean_with_sample_weight")
