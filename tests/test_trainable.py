@@ -36,8 +36,9 @@ def _make(frozen: str | None = None) -> Callable[[], keras.Model]:
 
 
 def _trainer(variables: str, frozen: str | None = None, **kwargs: object) -> towers.TowerTrainer:
+    optimizer = kwargs.pop("optimizer", lambda: keras.optimizers.SGD(0.1))
     return towers.TowerTrainer(
-        _make(frozen), lambda: keras.optimizers.SGD(0.1), "mse", devices=DEVICES[:N],
+        _make(frozen), optimizer, "mse", devices=DEVICES[:N],  # type: ignore[arg-type]
         all_reduce=str(kwargs.pop("all_reduce", "ring")), variables=variables,
     )  # fmt: skip
 
@@ -79,6 +80,21 @@ def test_a_layer_frozen_after_the_first_step_stays_bitwise_and_matches_a_fresh_t
     _assert_equal(trainer.get_weights(), fresh.get_weights())
     for replica in trainer.replica_weights()[1:]:
         _assert_equal(trainer.replica_weights()[0], replica)
+
+
+def test_an_optimizer_with_slots_keeps_them_for_the_layers_still_trained() -> None:
+    """Keras 3 optimizers map slots by variable: Adam, built for every layer, serves a subset."""
+    trainer = _trainer("replicated", optimizer=lambda: keras.optimizers.Adam(0.01))
+    trainer.train_step(*_batch(0))
+    trainer.model.get_layer("b").trainable = False
+    frozen = _layer(trainer, "b")
+    for k in range(1, 3):
+        trainer.train_step(*_batch(k))
+    for before, after in zip(frozen, _layer(trainer, "b"), strict=True):
+        _assert_equal(before, after)
+    for replica in trainer.replica_weights()[1:]:
+        _assert_equal(trainer.replica_weights()[0], replica)
+    assert int(trainer.optimizer.iterations) == 3
 
 
 def test_unfreezing_is_followed_too() -> None:
