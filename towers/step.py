@@ -47,7 +47,9 @@ from towers.guard.deadline import Deadline, settled
 from towers.guard.inputs import batch_tensors, check_choice, check_kinds, naming
 from towers.guard.loss_scale import REDUCE_DTYPES, LossScale, is_loss_scaled
 from towers.guard.nonfinite import NONFINITE, Guard
+from towers.guard.reduces import check_sums
 from towers.guard.replicas import ReplicaCheck
+from towers.guard.trainable import TrainableWatch
 from towers.placement import (
     PLACEMENTS,
     ModelLike,
@@ -66,6 +68,8 @@ from towers.tower import (
     TowerResult,
     combine_non_trainable,
     empty_tower_step,
+    loss_divisor,
+    loss_reduction,
     resolve_loss,
     tower_step,
 )
@@ -102,6 +106,8 @@ class TowerTrainer:
         model: a built ``keras.Model`` or a zero-argument factory returning one.
         optimizer: a Keras optimizer or a zero-argument factory.
         loss: a Keras loss, a loss name, or ``(y_true, y_pred) -> per-example losses``.
+            A Keras loss's ``reduction`` is honoured over the global batch
+            (:data:`towers.tower.REDUCTIONS`); ``"none"`` is refused.
         devices: the towers' devices (default: every local logical device).
         all_reduce: a name from ``towers.ALGORITHMS``, an algorithm callable or a
             ``GradientReducer``. Default (None) follows the placement: ``"ring"`` for
@@ -134,6 +140,10 @@ class TowerTrainer:
             model's own policy (build it under ``keras.mixed_precision``) and, for
             float16, a ``keras.optimizers.LossScaleOptimizer``: see
             :mod:`towers.guard.loss_scale` and docs/mixed_precision.md.
+        check_algorithm: run a user's algorithm (a callable or ``GradientReducer``
+            without a registry record) once on small values on these devices and refuse
+            it, with an ``AlgorithmError``, unless every output is the sum of the inputs
+            (:mod:`towers.guard.reduces`). False skips it (a lossy compression of your own).
 
     Example:
         >>> devices = towers.simulate_devices(4)                      # doctest: +SKIP
@@ -157,6 +167,7 @@ class TowerTrainer:
         step_timeout: float | None = None,
         check_replicas_every: int | None = None,
         reduce_dtype: str = "float32",
+        check_algorithm: bool = True,
     ) -> None:
         check_kinds(model, optimizer, loss)
         # Every argument is checked, and their combination against the capability table,
@@ -171,6 +182,7 @@ class TowerTrainer:
             "parameter_device", lambda: check_devices([parameter_device or self.devices[0]])[0]
         )
         self.loss_fn = resolve_loss(loss)
+        self.loss_reduction = loss_reduction(loss)  # Keras' reduction, over the global batch
         reducer = naming("all_reduce", lambda: resolve(all_reduce, self.parameter_device))
         kind = capabilities.algorithm_kind(reducer)
         self.sparse = check_choice(
@@ -187,12 +199,19 @@ class TowerTrainer:
         )
         self.reducer.build(self.model.trainable_variables, self.devices)
         self.loss_scale = LossScale(self.optimizer, self.model, reduce_dtype)
+        if check_algorithm:  # a user's algorithm must sum (the registry's are proved)
+            check_sums(reducer, self.devices, self.model.trainable_variables,
+                       self.loss_scale.wire_dtype)  # fmt: skip
         self.guard = Guard(
             on_nonfinite, len(self.devices), self.parameter_device, self.loss_scale.active,
             agree=self.across_processes,
         )
         self.trace_count = 0
         self.last_trace_stats: Recorder | None = None
+        self.trainable_watch = TrainableWatch(self.replicas, self.placement.name)
+        self._new_step_functions()
+
+    def _new_step_functions(self) -> None:
         # No reduce_retracing: a static batch size gives static shard sizes (empty towers are
         # skipped at trace time); a new batch size costs one more trace, not one per step.
         self._step = tf.function(self._train_step, autograph=False)
@@ -221,6 +240,14 @@ class TowerTrainer:
             "sparse": self.sparse,
             "step_timeout": "off" if step_timeout is None else "on",
         }
+
+    def _follow_trainable(self) -> None:
+        """A change of ``trainable`` on :attr:`model` since the last step: every replica
+        takes it, the reducer is built for the new trainable set, the step is retraced
+        (:mod:`towers.guard.trainable`; ``sharded`` refuses)."""
+        if self.trainable_watch.changed(self.replicas):
+            self.reducer.build(self.model.trainable_variables, self.devices)
+            self._new_step_functions()
 
     @property
     def model(self) -> keras.Model:
@@ -252,7 +279,11 @@ class TowerTrainer:
             NonFiniteError: ``on_nonfinite="raise"`` and a tower met a NaN or Inf (the
                 step changed nothing).
             StepTimeout, ReplicaMismatchError: see ``step_timeout``, ``check_replicas_every``.
+            ValueError: ``trainable`` changed on :attr:`model` where the trainer cannot
+                follow (``variables="sharded"``; a variable frozen when it was built made
+                trainable): :mod:`towers.guard.trainable`.
         """
+        self._follow_trainable()
         step = self._step_with_outputs if return_outputs else self._step
         with as_written():
             result = self.deadline.run(step, self._inputs(x, y, sample_weight))
@@ -262,6 +293,7 @@ class TowerTrainer:
 
     def step_function(self, x: Any, y: Any, sample_weight: Any = None) -> Any:
         """The step traced for this input signature (a ``ConcreteFunction``: its graph)."""
+        self._follow_trainable()
         return self._step.get_concrete_function(*self._inputs(x, y, sample_weight))
 
     def _inputs(self, x: Any, y: Any, sample_weight: Any) -> tuple[Any, Any, Any]:
@@ -312,7 +344,10 @@ class TowerTrainer:
         not: it contributes zero gradients, its share of the regularization losses
         (loss-scaled as the others), and unchanged state.
         """
-        results = {i: self.tower_step(shards, i) for i in self.model_towers(shards)}
+        divisor = self.loss_divisor(shards)
+        results = {
+            i: self.tower_step(shards, i, divisor=divisor) for i in self.model_towers(shards)
+        }
         template = results[min(results)]  # dtypes and output structure of the empty towers
         for i in range(len(self.devices)):
             if i not in results:
@@ -332,17 +367,29 @@ class TowerTrainer:
         subclass overrides to run the model on an empty shard (``WorkerTrainer``)."""
         return [i for i, size in enumerate(shards.sizes) if size != 0]
 
-    def tower_step(self, shards: Shards, tower: int, *, backward: bool = True) -> TowerResult:
+    def loss_divisor(self, shards: Shards) -> tf.Tensor:
+        """What every tower divides its loss sum by, for the loss's Keras reduction
+        (:func:`towers.tower.loss_divisor`): the global batch size by default."""
+        weights = [part[2] for part in shards.parts]
+        return loss_divisor(self.loss_reduction, shards.global_batch, weights,
+                            self.parameter_device)  # fmt: skip
+
+    def tower_step(
+        self, shards: Shards, tower: int, *, backward: bool = True, divisor: Any = None
+    ) -> TowerResult:
         """One tower of :meth:`forward_backward`: read its replica's weights, run its shard.
 
-        ``backward=False`` runs the forward pass alone (for timing it).
+        ``backward=False`` runs the forward pass alone (for timing it). ``divisor``: the
+        step's :meth:`loss_divisor` (formed here when not given).
         """
+        if divisor is None:
+            divisor = self.loss_divisor(shards)
         device, replica = self.devices[tower], self.replica_of(tower)
         with tf.name_scope(f"tower_{tower}"):
             trainable, frozen = read_weights(replica, device)
             return tower_step(
                 self.model, trainable, frozen, shards.parts[tower], loss_fn=self.loss_fn,
-                global_batch=shards.global_batch, num_towers=len(self.devices), device=device,
+                global_batch=divisor, num_towers=len(self.devices), device=device,
                 backward=backward,
                 loss_scale=self.loss_scale.scale(replica.optimizer, replica.device, device),
             )  # fmt: skip

@@ -9,7 +9,9 @@ absent), ``B_global`` is the whole batch's size and ``R`` is the model's
 regularization losses. These are exactly ``tf.nn.compute_average_loss`` and
 ``tf.nn.scale_regularization_loss`` under a strategy with ``n_towers`` replicas,
 so the towers' gradients add up to the gradient of the global mean loss, and an
-uneven or empty shard is weighted correctly.
+uneven or empty shard is weighted correctly. A Keras loss's ``reduction`` changes the
+divisor ``B_global`` (:data:`REDUCTIONS`, :func:`loss_divisor`): 1 for ``"sum"``, the
+global sum of sample weights for ``"mean_with_sample_weight"``.
 
 The model runs through Keras' ``stateless_call``: the tower passes in its own
 copy of the variable values and gets back the updated non-trainable values
@@ -32,17 +34,28 @@ from towers.allreduce.primitives import send
 from towers.devices import canonical_device
 
 __all__ = [
+    "REDUCTIONS",
     "Gradients",
     "LossFn",
     "TowerResult",
     "combine_non_trainable",
     "empty_tower_step",
+    "loss_divisor",
+    "loss_reduction",
     "per_example_loss",
     "resolve_loss",
     "tower_step",
 ]
 
 LossFn = Callable[[Any, Any], Any]
+
+REDUCTIONS = ("sum_over_batch_size", "sum", "mean", "mean_with_sample_weight")
+"""The Keras loss reductions a trainer honours, each over the *global* batch (what one
+device computes on the whole batch; ``keras.losses.Loss(reduction=...)``):
+``sum_over_batch_size`` (the default) and ``mean`` (the same in Keras): ``Σ w·l / B``;
+``sum``: ``Σ w·l``; ``mean_with_sample_weight``: ``Σ w·l / Σ w`` with sample weights,
+``Σ w·l / B`` without. ``"none"`` (or None) leaves a vector a trainer cannot
+differentiate: refused."""
 
 
 class TowerResult(NamedTuple):
@@ -57,6 +70,9 @@ class TowerResult(NamedTuple):
             (BatchNormalization statistics, seed state), per non-trainable variable.
         examples: how many examples the tower saw (an int32 scalar).
         outputs: the model's outputs on the tower's shard (training mode).
+        changed: per non-trainable variable, whether this tower's forward pass assigned
+            it (Python bools, known when traced; None: assume it did). A variable no
+            tower changed (a frozen layer's weights) keeps its value bitwise.
     """
 
     loss: tf.Tensor
@@ -64,6 +80,7 @@ class TowerResult(NamedTuple):
     non_trainable: list[tf.Tensor]
     examples: tf.Tensor
     outputs: Any = None
+    changed: tuple[bool, ...] | None = None
 
 
 class Gradients(NamedTuple):
@@ -90,7 +107,9 @@ class Gradients(NamedTuple):
         """
 
         def pin(value: Any, device: str) -> Any:
-            if value is None or canonical_device(value.device) == device:
+            if value is None or isinstance(value, bool):  # TowerResult.changed
+                return value
+            if canonical_device(value.device) == device:
                 return value
             with tf.device(device):
                 if isinstance(value, tf.IndexedSlices):
@@ -124,6 +143,53 @@ def resolve_loss(loss: str | LossFn | keras.losses.Loss) -> LossFn:
     if not callable(loss):
         raise TypeError(f"loss must be a Keras loss, a loss name or a callable; got {loss!r}")
     return loss
+
+
+def loss_reduction(loss: str | LossFn | keras.losses.Loss) -> str:
+    """The reduction a loss asks for (a Keras ``Loss``'s ``reduction``; the default else).
+
+    Raises:
+        ValueError: ``"none"``/None (no scalar to train on) or a reduction not in
+            :data:`REDUCTIONS`, naming ``loss`` and the reduction.
+    """
+    if isinstance(loss, str):
+        loss = keras.losses.get(loss)
+    if not isinstance(loss, keras.losses.Loss):
+        return REDUCTIONS[0]
+    reduction = loss.reduction
+    if reduction is None or reduction == "none":
+        raise ValueError(
+            f"loss: {type(loss).__name__} has reduction={reduction!r}, which returns one "
+            "value per example, not a scalar to train on; use reduction="
+            "'sum_over_batch_size' (the default), 'sum', 'mean' or 'mean_with_sample_weight'"
+        )
+    if reduction not in REDUCTIONS:
+        raise ValueError(
+            f"loss: {type(loss).__name__} has reduction={reduction!r}, which towers does not "
+            f"support; use one of {', '.join(REDUCTIONS)}"
+        )
+    return str(reduction)
+
+
+def loss_divisor(
+    reduction: str, global_batch: tf.Tensor, sample_weights: Sequence[Any], device: str
+) -> tf.Tensor:
+    """What every tower divides its weighted loss sum by, for ``reduction`` (global batch).
+
+    The global batch size (an int32, as ``tf.nn.compute_average_loss`` takes it) for
+    ``sum_over_batch_size`` and ``mean`` — and for ``mean_with_sample_weight`` without
+    sample weights, as Keras does; 1 for ``sum``; for ``mean_with_sample_weight`` with
+    sample weights their sum over the whole batch (float32, formed on ``device`` from
+    every tower's shard, in tower order).
+    """
+    if reduction == "sum":
+        return tf.ones([], global_batch.dtype)
+    weights = [w for w in sample_weights if w is not None]
+    if reduction != "mean_with_sample_weight" or not weights:
+        return global_batch
+    with tf.device(device):
+        parts = [tf.cast(send(w, device, note="loss"), tf.float32) for w in weights]
+        return tf.reduce_sum(tf.concat([tf.reshape(w, [-1]) for w in parts], 0))
 
 
 def per_example_loss(loss_fn: LossFn, y_true: Any, y_pred: Any) -> tf.Tensor:
@@ -169,13 +235,20 @@ def _forward(
         list(trainable), list(non_trainable), x, training=True, return_losses=True
     )
     per_ex = per_example_loss(loss_fn, y, y_pred)
-    loss = tf.nn.compute_average_loss(
-        per_ex, sample_weight=sample_weight, global_batch_size=global_batch
-    )
+    if global_batch.dtype.is_integer:  # the batch size, or 1 (reduction "sum")
+        loss = tf.nn.compute_average_loss(
+            per_ex, sample_weight=sample_weight, global_batch_size=global_batch
+        )
+    else:  # the global sum of sample weights (reduction "mean_with_sample_weight")
+        weighted = tf.nn.compute_average_loss(per_ex, sample_weight=sample_weight,
+                                              global_batch_size=1)  # fmt: skip
+        loss = tf.math.divide_no_nan(weighted, tf.cast(global_batch, weighted.dtype))
     if reg_losses:
         reg = tf.add_n(reg_losses)
         loss += reg / tf.cast(num_towers, reg.dtype)
-    return TowerResult(loss, [], list(new_non_trainable), tf.shape(per_ex)[0], y_pred)
+    # stateless_call hands back the very tensor it was given for a variable nobody assigned
+    changed = tuple(new is not old for new, old in zip(new_non_trainable, non_trainable))
+    return TowerResult(loss, [], list(new_non_trainable), tf.shape(per_ex)[0], y_pred, changed)
 
 
 def tower_step(
@@ -200,7 +273,9 @@ def tower_step(
         non_trainable: likewise for ``model.non_trainable_variables``.
         shard: ``(x, y, sample_weight)`` for this tower; ``sample_weight`` may be None.
         loss_fn: per-example loss, see :func:`resolve_loss`.
-        global_batch: size of the whole batch (all towers).
+        global_batch: what the tower's weighted loss sum is divided by: the whole
+            batch's size (an integer tensor), 1 for a ``"sum"`` reduction, or the global
+            sum of sample weights (a float tensor); see :func:`loss_divisor`.
         num_towers: number of towers (divides the regularization losses).
         device: this tower's device.
         backward: False runs the forward pass alone (no tape; ``grads`` is empty),
@@ -273,7 +348,13 @@ def empty_tower_step(
             for g, v, like in zip(grads, model.trainable_variables, template.grads)
         ]
         outputs = tf.nest.map_structure(lambda t: t[:0], template.outputs)
-        return TowerResult(loss, grads, list(non_trainable), tf.constant(0, tf.int32), outputs)
+        return TowerResult(loss, grads, list(non_trainable), tf.constant(0, tf.int32), outputs,
+                           (False,) * len(non_trainable))  # fmt: skip
+
+
+def _unchanged(results: Sequence[TowerResult], j: int) -> bool:
+    """No tower changed non-trainable variable ``j`` (known when traced)."""
+    return all(r.changed is not None and r.changed[j] is False for r in results)
 
 
 def combine_non_trainable(
@@ -284,14 +365,16 @@ def combine_non_trainable(
     Floating state is averaged over the towers that saw examples (an empty tower's
     unchanged copy would drag the mean back), or taken from tower 0 when
     ``first_tower`` (what MirroredStrategy shows when read). Integer state (seed
-    counters) advances identically on every tower: tower 0's is kept.
+    counters) advances identically on every tower: tower 0's is kept, and so is
+    state no tower changed (a frozen layer's weights: the mean of ``n`` equal values
+    is not always bitwise that value, e.g. ``(x + x + x) / 3``).
     """
     combined = []
     with tf.device(device):
         counts = [send(r.examples, device, note="state") for r in results]
         for j in range(len(results[0].non_trainable)):
             values = [r.non_trainable[j] for r in results]
-            if first_tower or not values[0].dtype.is_floating:
+            if first_tower or not values[0].dtype.is_floating or _unchanged(results, j):
                 combined.append(send(values[0], device, note="state"))
                 continue
             masked = [

@@ -30,7 +30,7 @@ from towers.cluster.reducer import _key_block, check_cross_worker
 from towers.guard.inputs import batch_tensors
 from towers.split import Shards, shard_sizes
 from towers.step import Reduced, TowerTrainer
-from towers.tower import Gradients
+from towers.tower import Gradients, loss_reduction
 
 __all__ = ["WorkerTrainer", "worker_slice"]
 
@@ -80,6 +80,12 @@ class WorkerTrainer(TowerTrainer):
         self.num_workers = check_cross_worker(num_workers, "sum", timeout_seconds)
         all_reduce = _cross_worker_reducer(all_reduce, self.num_workers, timeout_seconds)
         kwargs.setdefault("variables", "replicated")  # sharded: refused by the capability table
+        if self.num_workers > 1 and loss_reduction(loss) == "mean_with_sample_weight":
+            raise ValueError("loss: reduction='mean_with_sample_weight' divides by the sum of "
+                             "sample weights over the global batch, which one worker does not "
+                             "see; use 'sum_over_batch_size' (the default) or 'sum'")
+        # towers.guard.reduces compares with the local towers' sum: one worker only
+        kwargs.setdefault("check_algorithm", self.num_workers == 1)
         self.timeout_seconds = float(timeout_seconds)
         # one group (tower 0 of every worker): the batch count, then the guard's decision
         self._count_key = _key_block(3)

@@ -6,6 +6,8 @@
     inputs.py     the trainer's arguments and a batch, checked before anything is traced
     contract.py   what an all-reduce algorithm returned (count; per tower shape, dtype,
                   device), checked when the step is traced
+    reduces.py    a user's all-reduce, run once on small values when the trainer is
+                  built: each output must be the sum (``check_algorithm=False``: off)
     deadline.py   ``step_timeout``: a watchdog over the step's collectives, every
                   timed-out collective a ``StepTimeout``; the update waits for all of
                   the reduction (a hung step changes nothing)

@@ -93,7 +93,8 @@ class StepTimeout(TowersError, TimeoutError):
 
 
 class AlgorithmError(TowersError, ValueError):
-    """An all-reduce algorithm broke its contract (checked when the step is traced).
+    """An all-reduce algorithm broke its contract (checked when the step is traced, and
+    for a user's algorithm once when the trainer is built: :mod:`towers.guard.reduces`).
 
     Attributes:
         algorithm: its registry name or ``__name__``.
@@ -102,15 +103,18 @@ class AlgorithmError(TowersError, ValueError):
     """
 
     def __init__(
-        self, algorithm: str, tower: int | None, variable: str, expected: str, got: str
-    ) -> None:
+        self, algorithm: str, tower: int | None, variable: str, expected: str, got: str,
+        hint: str | None = None,
+    ) -> None:  # fmt: skip
         self.algorithm, self.tower, self.variable = algorithm, tower, variable
         where = "its outputs" if tower is None else f"output {tower} (tower {tower})"
+        hint = hint or (
+            "An algorithm returns one tensor per input, output i with input i's shape and "
+            "dtype, on input i's device (see towers.allreduce.base)."
+        )
         super().__init__(
             f"all-reduce algorithm {algorithm!r} broke the contract reducing {variable}: "
-            f"{where} should be {expected}, got {got}. An algorithm returns one tensor per "
-            "input, output i with input i's shape and dtype, on input i's device "
-            "(see towers.allreduce.base)."
+            f"{where} should be {expected}, got {got}. {hint}"
         )
 
 

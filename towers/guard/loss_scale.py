@@ -112,7 +112,8 @@ class LossScale:
             value = tf.convert_to_tensor(optimizer.dynamic_scale.value)
         return send(value, device, src=src, note="loss-scale")
 
-    def _wire_dtype(self, dtype: tf.DType) -> tf.DType:
+    def wire_dtype(self, dtype: tf.DType) -> tf.DType:
+        """The dtype a gradient of ``dtype`` is summed in."""
         if self.reduce_dtype == "compute":
             return self.compute_dtype
         return dtype if dtype.size >= 4 else tf.float32
@@ -124,7 +125,7 @@ class LossScale:
             row = []
             for g in tower:
                 with tf.device(g.device):
-                    row.append(_cast(g, self._wire_dtype(g.dtype)))
+                    row.append(_cast(g, self.wire_dtype(g.dtype)))
             out.append(row)
         return out
 
