@@ -30,6 +30,7 @@ from towers.allreduce.pat import pat
 from towers.allreduce.powersgd import powersgd
 from towers.allreduce.primitives import Recorder, Transfer, record, send
 from towers.allreduce.registry import ALGORITHMS, Algorithm, Configured, register
+from towers.allreduce.resolve import get, noop
 from towers.allreduce.ring import ring
 from towers.allreduce.scheduled import run_schedule, scheduled
 from towers.allreduce.sparse import densify, gather_indexed_slices
@@ -86,35 +87,6 @@ __all__ = [
     "tree",
     "unpack",
 ]
-
-
-def noop(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
-    """No exchange at all: every tower keeps its own value (a ceiling for benchmarks, not a sum)."""
-    check_values(values, op)
-    return list(values)
-
-
-def get(algorithm: str | AllReduce) -> AllReduce:
-    """Resolve a registry name (or pass an algorithm callable through).
-
-    Registered names are kept in :data:`ALGORITHMS`; ``noop`` is kept out on purpose
-    (it does not reduce), but is accepted here for benchmarks.
-
-    Raises:
-        ValueError: an unknown name (the message lists the registered names).
-        TypeError: neither a name nor a callable.
-    """
-    if isinstance(algorithm, str):
-        if algorithm == "noop":
-            return noop
-        if algorithm not in ALGORITHMS:
-            raise ValueError(
-                f"unknown all_reduce {algorithm!r}; registered: {', '.join(sorted(ALGORITHMS))}"
-            )
-        return ALGORITHMS[algorithm]()
-    if callable(algorithm):
-        return algorithm
-    raise TypeError(f"all_reduce must be a registered name or a callable, got {algorithm!r}")
 
 
 def all_reduce(

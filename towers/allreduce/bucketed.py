@@ -49,6 +49,7 @@ from typing import Any
 import tensorflow as tf
 
 from towers.allreduce.base import AllReduce, device_of
+from towers.allreduce.resolve import get
 from towers.devices import canonical_device
 
 __all__ = ["BucketLayout", "Bucketed", "Layout", "Slot", "bucketed", "pack", "plan", "unpack"]
@@ -290,6 +291,4 @@ def bucketed(
         >>> trainer = towers.TowerTrainer(make_model, opt, loss, devices=devices,
         ...                               all_reduce=bucketed("ring", 2**20))  # doctest: +SKIP
     """
-    from towers.allreduce import get  # the registry imports this module
-
     return Bucketed(get(algorithm), _check_bytes(bytes_per_bucket))

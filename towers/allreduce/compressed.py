@@ -32,6 +32,7 @@ import tensorflow as tf
 
 from towers.allreduce.base import AllReduce
 from towers.allreduce.codecs import CODECS, Codec, Wire, get_codec
+from towers.allreduce.resolve import get
 from towers.devices import canonical_device
 
 __all__ = ["DECODE", "Compressed", "compressed"]
@@ -147,8 +148,6 @@ def compressed(
         >>> trainer = towers.TowerTrainer(..., all_reduce=reducer)       # doctest: +SKIP
         >>> tf.train.Checkpoint(model=trainer.model, reducer=reducer).save(path)  # +SKIP
     """
-    from towers.allreduce import get  # the registry imports this module
-
     if decode not in DECODE:
         raise ValueError(f"decode must be one of {', '.join(DECODE)}; got {decode!r}")
     if isinstance(codec, str) and codec not in CODECS:

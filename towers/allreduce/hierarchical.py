@@ -63,6 +63,7 @@ import tensorflow as tf
 from towers.allreduce.base import AllReduce, check_values, finish
 from towers.allreduce.primitives import Recorder, record, send, tick_offset
 from towers.allreduce.registry import (
+    ALGORITHMS,
     Algorithm,
     Coefficients,
     Configured,
@@ -70,6 +71,7 @@ from towers.allreduce.registry import (
     register,
     schedule_of,
 )
+from towers.allreduce.resolve import get
 
 __all__ = [
     "HIERARCHICAL",
@@ -85,8 +87,6 @@ Part: TypeAlias = "str | AllReduce"
 
 
 def _resolve(algorithm: Part) -> AllReduce:
-    from towers.allreduce import get  # lazy: the package imports this module
-
     return get(algorithm)
 
 
@@ -246,8 +246,6 @@ def summation_depth(
 
 
 def _flat_cost(name: Any, key: str) -> Callable[..., Coefficients]:
-    from towers.allreduce.registry import ALGORITHMS
-
     record = ALGORITHMS.get(name) if isinstance(name, str) else None
     if record is None or record.cost is None or name == "hierarchical":
         raise ValueError(f"{key} must be a flat all-reduce name, got {name!r}")

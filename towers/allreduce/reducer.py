@@ -24,6 +24,7 @@ import tensorflow as tf
 from towers.allreduce.base import AllReduce, GradientReducer, check_values
 from towers.allreduce.naive import naive
 from towers.allreduce.parameter_device import parameter_device
+from towers.allreduce.resolve import get
 from towers.allreduce.sparse import densify, gather_indexed_slices
 from towers.guard.contract import check_outputs, check_rows
 
@@ -136,8 +137,6 @@ def resolve(all_reduce: Any, device: str) -> Any:
     Raises:
         ValueError, TypeError: an unknown name, or neither a name nor a callable.
     """
-    from towers.allreduce import get  # the package's resolver; it does not import this module
-
     if all_reduce == "parameter_device":
         return parameter_device(device)
     if isinstance(all_reduce, GradientReducer):

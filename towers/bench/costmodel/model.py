@@ -65,6 +65,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from towers.allreduce.hierarchical import cost_levels
+from towers.allreduce.registry import ALGORITHMS as records
+
 __all__ = [
     "ALGORITHMS", "DEFAULT_TOWERS", "NCCL_H100_RING_BUSBW", "PRESETS", "Coefficients", "Link",
     "algbw", "busbw", "coefficients", "predict",
@@ -152,8 +155,6 @@ def _formulas() -> dict[str, Callable[..., Coefficients]]:
 
     Imported when first needed, so this module loads without TensorFlow.
     """
-    from towers.allreduce.registry import ALGORITHMS as records
-
     costs = {name: r.cost for name, r in records.items() if r.cost is not None}
     return {**costs, **_CALIBRATION_FORMULAS}
 
@@ -235,7 +236,6 @@ def predict(algorithm: str, n: int, nbytes: float, link: Link, **params: Any) ->
         raise ValueError(f"inner_link must be a Link, got {inner_link!r}")
     if coefficients(algorithm, n, nbytes, **params) == (0, 0, 0):  # validates; n = 1
         return 0.0
-    from towers.allreduce.hierarchical import cost_levels
 
     # Only the outer level crosses groups.
     within, among = cost_levels(n, float(nbytes), **params)
