@@ -42,8 +42,9 @@ from towers.allreduce.ordering import as_written
 from towers.allreduce.primitives import Recorder, record, send
 from towers.allreduce.recording import StepStats
 from towers.allreduce.reducer import as_reducer, resolve
+from towers.guard.arguments import check_choice
 from towers.guard.deadline import Deadline, settled
-from towers.guard.inputs import batch_tensors, check_choice, check_kinds, naming
+from towers.guard.inputs import batch_tensors, check_kinds, naming
 from towers.guard.loss_scale import LossScale
 from towers.guard.nonfinite import NONFINITE, Guard
 from towers.guard.replicas import ReplicaCheck

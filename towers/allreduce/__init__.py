@@ -37,6 +37,7 @@ from towers.allreduce.sparse import densify, gather_indexed_slices
 from towers.allreduce.swing import swing
 from towers.allreduce.torus_2d import torus_2d
 from towers.allreduce.tree import tree
+from towers.guard.arguments import check_choice
 
 __all__ = [
     "ALGORITHMS",
@@ -118,8 +119,7 @@ def all_reduce(
             "values must be a list with one tensor per tower (output i goes to values[i]'s "
             f"device), got {type(values).__name__}"
         )
-    if not isinstance(op, str) or op not in OPS:
-        raise ValueError(f"op must be one of {', '.join(OPS)}; got {op!r}")
+    check_choice("op", op, OPS)
     try:
         fn = get(algorithm)
     except (TypeError, ValueError) as err:  # its message speaks of TowerTrainer's all_reduce

@@ -67,11 +67,11 @@ from towers.allreduce.registry import (
     Algorithm,
     Coefficients,
     Configured,
-    positive_int,
     register,
     schedule_of,
 )
 from towers.allreduce.resolve import get
+from towers.guard.arguments import positive_int
 
 __all__ = [
     "HIERARCHICAL",
