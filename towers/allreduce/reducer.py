@@ -26,6 +26,7 @@ from towers.allreduce.naive import naive
 from towers.allreduce.parameter_device import parameter_device
 from towers.allreduce.resolve import get
 from towers.allreduce.sparse import densify, gather_indexed_slices
+from towers.guard.arguments import check_choice
 from towers.guard.contract import check_outputs, check_rows
 
 __all__ = ["SPARSE", "StepReducer", "as_reducer", "resolve"]
@@ -64,8 +65,7 @@ class StepReducer:
     def __init__(
         self, dense: GradientReducer | None, per_tensor: AllReduce, sparse: str = "gather"
     ) -> None:
-        if sparse not in SPARSE:
-            raise ValueError(f"sparse must be one of {', '.join(SPARSE)}; got {sparse!r}")
+        check_choice("sparse", sparse, SPARSE)
         self.dense, self.per_tensor, self.sparse = dense, per_tensor, sparse
         self.names: list[str] = []
 

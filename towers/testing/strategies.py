@@ -28,6 +28,7 @@ import keras
 import numpy as np
 from hypothesis import strategies as st
 
+from towers.guard.arguments import check_choice
 from towers.split import shard_sizes
 from towers.testing.values import ulp_distance
 from towers.tower import resolve_loss, tower_step
@@ -111,8 +112,7 @@ class ModelSpec:
 
     def build(self) -> keras.Model:
         """A fresh, built model; two calls give bitwise-identical weights."""
-        if self.family not in FAMILIES:
-            raise ValueError(f"family must be one of {', '.join(FAMILIES)}; got {self.family!r}")
+        check_choice("family", self.family, FAMILIES)
         inp, h = self._body()
         out = keras.layers.Dense(self.classes, kernel_initializer=self._init(1))(h)
         return keras.Model(inp, out)
