@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from towers.guard.arguments import non_negative_int
+
 __all__ = ["canonical_device", "has_gpu", "local_devices", "simulate_devices"]
 
 _DEFAULT_GPU_MEMORY_MB = 1024
@@ -134,8 +136,7 @@ def set_local_task(job: str, task: int) -> None:
     """
     if not isinstance(job, str) or not job:
         raise ValueError(f"job must be a non-empty string, got {job!r}")
-    if isinstance(task, bool) or not isinstance(task, int) or task < 0:
-        raise ValueError(f"task must be an int >= 0, got {task!r}")
+    non_negative_int("task", task)
     _LOCAL_TASK[:] = [job, task]
 
 

@@ -44,6 +44,7 @@ import numpy as np
 import tensorflow as tf
 
 from towers.allreduce.registry import record_of
+from towers.guard.arguments import optional, positive_int
 from towers.split import shard_sizes
 from towers.testing.bounds import sgd_step_bound, sum_bound
 from towers.testing.strategies import per_tower_gradients
@@ -104,8 +105,7 @@ def take_batches(batches: Iterable[Any], steps: int | None) -> list[tuple[Any, A
         ValueError: no batches, fewer than ``steps``, a batch that is not ``(x, y)``,
             or ``steps`` not an integer >= 1.
     """
-    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
-        raise ValueError(f"steps must be an integer >= 1 or None, got {steps!r}")
+    optional(positive_int, "steps", steps)
     out = []
     for k, batch in enumerate(batches):
         if steps is not None and k == steps:

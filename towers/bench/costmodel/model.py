@@ -67,6 +67,7 @@ from typing import Any
 
 from towers.allreduce.hierarchical import cost_levels
 from towers.allreduce.registry import ALGORITHMS as records
+from towers.guard.arguments import non_negative_float, positive_int
 
 __all__ = [
     "ALGORITHMS", "DEFAULT_TOWERS", "NCCL_H100_RING_BUSBW", "PRESETS", "Coefficients", "Link",
@@ -103,9 +104,7 @@ class Link:
 
     def __post_init__(self) -> None:
         for field in ("alpha", "beta", "gamma"):
-            value = getattr(self, field)
-            if not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
-                raise ValueError(f"Link.{field} must be a finite number >= 0, got {value!r}")
+            non_negative_float(f"Link.{field}", getattr(self, field))
 
     @property
     def bandwidth(self) -> float:
@@ -128,12 +127,6 @@ PRESETS: dict[str, Link] = {
     # dispatch ~50 µs, memcpy ~10 GB/s, a one-core add ~3 GB/s). Replace it with fit().
     "cpu-logical": Link(alpha=50e-6, beta=1 / 10e9, gamma=1 / 3e9, name="cpu-logical"),
 }
-
-
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    return int(value)
 
 
 # The per-algorithm formulas live in the algorithms' records (``towers.allreduce.registry``,
@@ -170,11 +163,8 @@ def __getattr__(name: str) -> Any:
 
 
 def _check_size(n: Any, nbytes: Any) -> int:
-    n = _positive_int("n", n)
-    if isinstance(nbytes, bool) or not isinstance(nbytes, numbers.Real):
-        raise ValueError(f"nbytes must be a number, got {nbytes!r}")
-    if not math.isfinite(nbytes) or nbytes < 0:
-        raise ValueError(f"nbytes must be finite and >= 0, got {nbytes!r}")
+    n = positive_int("n", n)
+    non_negative_float("nbytes", nbytes)
     return n
 
 
@@ -266,5 +256,5 @@ def busbw(nbytes: float, seconds: float, n: int) -> float:
         >>> busbw(1e9, 0.5, 4)
         3000000000.0
     """
-    _positive_int("n", n)
+    positive_int("n", n)
     return algbw(nbytes, seconds) * 2 * (n - 1) / n
