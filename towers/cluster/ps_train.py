@@ -32,6 +32,7 @@ import numpy as np
 import tensorflow as tf
 
 from towers.cluster.ps import ParameterStore
+from towers.guard.arguments import non_negative_int, optional
 from towers.step import TowerTrainer
 
 __all__ = ["AsyncTrainer", "UpdateLog", "UpdateRecord"]
@@ -106,9 +107,7 @@ class AsyncTrainer:
                  max_staleness: int | None = None, timeout: float = 30.0) -> None:
         if isinstance(workers, str) or not workers or any(not w for w in workers):
             raise ValueError(f"workers must be a non-empty list of tower lists, got {workers!r}")
-        if max_staleness is not None and (isinstance(max_staleness, bool) or
-                                          not isinstance(max_staleness, int) or max_staleness < 0):
-            raise ValueError(f"max_staleness must be None or an int >= 0, got {max_staleness!r}")
+        optional(non_negative_int, "max_staleness", max_staleness)
         self.max_staleness = max_staleness
         self.workers = [
             TowerTrainer(model, keras.optimizers.SGD(learning_rate), loss, devices=list(towers),

@@ -28,6 +28,7 @@ from tensorflow.python.ops import collective_ops
 from towers.cluster.flat import AllTowers
 from towers.cluster.reducer import _key_block
 from towers.cluster.spec import resolve
+from towers.guard.arguments import positive_float, positive_int
 from towers.guard.inputs import batch_tensors, check_batch_against_model
 from towers.placement import read_weights
 from towers.split import Shards, shard_sizes
@@ -79,12 +80,9 @@ class WorkerTrainer(TowerTrainer):
     def __init__(self, model: Any, optimizer: Any, loss: Any, devices: Sequence[str],
                  all_reduce: Any = None, num_workers: int | None = None,
                  timeout_seconds: float = 60.0, **kwargs: Any) -> None:
-        self.num_workers = resolve().num_workers if num_workers is None else num_workers
-        if isinstance(self.num_workers, bool) or not isinstance(self.num_workers, int) \
-                or self.num_workers < 1:
-            raise ValueError(f"num_workers must be a positive int, got {self.num_workers!r}")
-        if not timeout_seconds > 0:
-            raise ValueError(f"timeout_seconds must be positive, got {timeout_seconds}")
+        self.num_workers = positive_int(
+            "num_workers", resolve().num_workers if num_workers is None else num_workers)
+        positive_float("timeout_seconds", timeout_seconds)
         if all_reduce is None:
             all_reduce = AllTowers(self.num_workers, op="sum", timeout_seconds=timeout_seconds)
         if getattr(all_reduce, "op", "sum") != "sum":
