@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from towers.guard.arguments import non_negative_int
+from towers.guard.arguments import non_negative_int, positive_int
 
 __all__ = ["canonical_device", "has_gpu", "local_devices", "simulate_devices"]
 
@@ -91,14 +91,12 @@ def simulate_devices(
     """
     if isinstance(n, bool) or not isinstance(n, int):
         raise TypeError(f"n must be an int (number of devices), got {type(n).__name__}")
-    if n < 1:
-        raise ValueError(f"n must be at least 1, got {n}")
+    positive_int("n", n)
     if n > MAX_SIMULATED:  # a list of 2**31 device configurations would exhaust memory
         raise ValueError(f"n must be at most {MAX_SIMULATED} (simulated devices), got {n}")
     if isinstance(gpu_memory_mb, bool) or not isinstance(gpu_memory_mb, int):
         raise TypeError(f"gpu_memory_mb must be an int (MiB), got {gpu_memory_mb!r}")
-    if gpu_memory_mb < 1:
-        raise ValueError(f"gpu_memory_mb must be at least 1, got {gpu_memory_mb}")
+    positive_int("gpu_memory_mb", gpu_memory_mb)
     kind = _check_kind(kind)
     physical = tf.config.list_physical_devices(kind)[0]
     if _configured_count(physical) == n:

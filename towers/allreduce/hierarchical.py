@@ -101,9 +101,7 @@ def _configured(algorithm: Part, what: str) -> Configured:
 def _check_group_size(group_size: int) -> int:
     if isinstance(group_size, bool) or not isinstance(group_size, int):
         raise TypeError(f"group_size must be an int, got {type(group_size).__name__}")
-    if group_size < 1:
-        raise ValueError(f"group_size must be at least 1, got {group_size}")
-    return group_size
+    return positive_int("group_size", group_size)
 
 
 def group_sizes(n: int, group_size: int) -> list[int]:

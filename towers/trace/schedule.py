@@ -41,6 +41,7 @@ from towers.allreduce.base import check_op
 from towers.allreduce.recording import Transfer, record
 from towers.allreduce.registry import record_of
 from towers.devices import canonical_device
+from towers.guard.arguments import positive_int
 from towers.testing.values import ulp_distance
 from towers.trace.loading import is_reducer, load_algorithm, start_devices
 from towers.trace.ticks import TraceRow, assign_ticks, chunk_ownership
@@ -207,8 +208,7 @@ def trace_all_reduce(
         ValueError: a bad ``op`` or ``size``, an unknown algorithm, wrong output count.
     """
     check_op(op)
-    if size < 1:
-        raise ValueError(f"size must be at least 1, got {size}")
+    positive_int("size", size)
     resolved, fn = load_algorithm(algorithm, devices)
     name = name or resolved
     if is_reducer(fn):
