@@ -70,7 +70,7 @@ from towers.allreduce.collectives import (
 from towers.allreduce.recording import record_estimate
 from towers.allreduce.registry import Algorithm, Coefficients, Configured, register, schedule_of
 from towers.devices import has_gpu
-from towers.guard.arguments import positive_float
+from towers.guard.arguments import non_negative_float, positive_float, positive_int
 
 __all__ = [
     "KEY_START",
@@ -287,8 +287,8 @@ def estimated_bytes_sent(n: int, nbytes: int) -> list[float]:
         >>> estimated_bytes_sent(4, 1000)
         [1500.0, 1500.0, 1500.0, 1500.0]
     """
-    if n < 1 or nbytes < 0:
-        raise ValueError(f"need n >= 1 and nbytes >= 0, got {n}, {nbytes}")
+    positive_int("n", n)
+    non_negative_float("nbytes", nbytes)
     return [2 * (n - 1) / n * nbytes] * n
 
 
