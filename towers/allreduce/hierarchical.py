@@ -86,12 +86,8 @@ __all__ = [
 Part: TypeAlias = "str | AllReduce"
 
 
-def _resolve(algorithm: Part) -> AllReduce:
-    return get(algorithm)
-
-
 def _configured(algorithm: Part, what: str) -> Configured:
-    fn = _resolve(algorithm)
+    fn = get(algorithm)
     if not isinstance(fn, Configured):
         raise ValueError(f"{algorithm!r} has no registry record: cannot compute hierarchical's "
                          f"{what}(); register(Algorithm(...)) it or pass a registered one")
@@ -132,7 +128,7 @@ def _all_reduce(
     devices = check_values(values, op)
     n, k = len(values), group_size
     starts = range(0, n, k)
-    inner_fn, outer_fn = _resolve(inner), _resolve(outer)
+    inner_fn, outer_fn = get(inner), get(outer)
     part_op = "sum" if op == "mean" else op
     # Each part numbers its ticks from 0: shift the outer phase after the inner one, and the
     # group broadcast after both, so the recorded schedule reads as three phases in a row.

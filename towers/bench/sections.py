@@ -200,22 +200,10 @@ SECTION: dict[str, Callable[[argparse.Namespace, list[str], dict], bool]] = {
     "costmodel": costmodel_section,
     "training": training_section,
     "scaling": scaling_section,
-    "phases": lambda args, devices, results: _phases(args, devices, results),
-    "memory": lambda args, devices, results: _memory(args, devices, results),
-    "paper": lambda args, devices, results: _paper(args, devices, results),
+    "phases": phases_section,
+    "memory": memory_section,
+    "paper": paper_section,
 }
-
-
-def _paper(args: argparse.Namespace, devices: list[str], results: dict) -> bool:
-    return paper_section(args, devices, results)
-
-
-def _memory(args: argparse.Namespace, devices: list[str], results: dict) -> bool:
-    return memory_section(args, devices, results)
-
-
-def _phases(args: argparse.Namespace, devices: list[str], results: dict) -> bool:
-    return phases_section(args, devices, results)
 
 
 STEP_VS_MIRRORED = 0.80
