@@ -33,6 +33,7 @@ from towers.cluster import launch, local_cluster, resolve, set_logical_devices
 from towers.cluster.flat import AllTowers
 from towers.cluster.reducer import CrossWorker
 from towers.devices import set_local_task
+from towers.guard.arguments import int_at_least, positive_int
 
 __all__ = ["FIELDS", "SIZES_MB", "main", "run", "write_csv"]
 
@@ -151,9 +152,10 @@ def run(workers: int, out_dir: Path, sizes: list[int] | None = None, rounds: int
         ValueError: fewer than 2 workers, or a size or round count below 1.
     """
     sizes = list(sizes or SIZES_MB)
-    if workers < 2 or rounds < 1 or min(sizes) < 1:
-        raise ValueError(f"need workers >= 2, rounds >= 1 and sizes >= 1 MB; got "
-                         f"{workers}, {rounds}, {sizes}")
+    int_at_least("workers", workers, 2)
+    positive_int("rounds", rounds)
+    for size in sizes:
+        positive_int("sizes (MB)", size)
     text = io.StringIO()
     command = [sys.executable, "-m", "towers.bench.workers", "--sizes",
                ",".join(map(str, sizes)), "--rounds", str(rounds)]
