@@ -65,8 +65,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from towers.allreduce.hierarchical import cost_levels
-from towers.allreduce.registry import ALGORITHMS as records
 from towers.guard.arguments import non_negative_float, positive_int
 
 __all__ = [
@@ -148,6 +146,8 @@ def _formulas() -> dict[str, Callable[..., Coefficients]]:
 
     Imported when first needed, so this module loads without TensorFlow.
     """
+    from towers.allreduce.registry import ALGORITHMS as records  # TensorFlow: kept lazy
+
     costs = {name: r.cost for name, r in records.items() if r.cost is not None}
     return {**costs, **_CALIBRATION_FORMULAS}
 
@@ -226,6 +226,7 @@ def predict(algorithm: str, n: int, nbytes: float, link: Link, **params: Any) ->
         raise ValueError(f"inner_link must be a Link, got {inner_link!r}")
     if coefficients(algorithm, n, nbytes, **params) == (0, 0, 0):  # validates; n = 1
         return 0.0
+    from towers.allreduce.hierarchical import cost_levels  # TensorFlow: kept lazy
 
     # Only the outer level crosses groups.
     within, among = cost_levels(n, float(nbytes), **params)
