@@ -300,7 +300,7 @@ CASES: list[Case] = [
     C("all-reduce-algorithm", "towers.all_reduce(values, algorithm='nope')",
       lambda: towers.all_reduce(_on_devices(), algorithm="nope"), ValueError, "'nope'"),
     C("split-zero", "towers.split(x, 0)", lambda: towers.split(X, 0), ValueError,
-      "n must be a positive int"),
+      "n must be an int >= 1"),
     C("restore-missing", "checkpoint.restore from a path with nothing",
       lambda: checkpoint.restore(_trainer("dense"), "/nonexistent/ckpt"), towers.CheckpointError,
       "checkpoint '/nonexistent/ckpt': cannot be read"),

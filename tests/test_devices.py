@@ -49,7 +49,7 @@ def test_other_count_after_start_says_call_it_first() -> None:
 
 @pytest.mark.parametrize("bad", [0, -2])
 def test_count_must_be_positive(bad: int) -> None:
-    with pytest.raises(ValueError, match="n must be at least 1"):
+    with pytest.raises(ValueError, match="n must be an int >= 1"):
         towers.simulate_devices(bad)
 
 

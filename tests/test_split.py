@@ -63,5 +63,5 @@ def test_leading_dimensions_must_agree() -> None:
 def test_scalars_and_bad_counts_are_refused() -> None:
     with pytest.raises(ValueError, match="scalar"):
         split(tf.constant(1.0), 2)
-    with pytest.raises(ValueError, match="positive int"):
+    with pytest.raises(ValueError, match="n must be an int >= 1"):
         split(tf.zeros([4]), 0)

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from towers.guard.arguments import non_negative_int, positive_int
+
 __all__ = ["canonical_device", "has_gpu", "local_devices", "simulate_devices"]
 
 _DEFAULT_GPU_MEMORY_MB = 1024
@@ -89,14 +91,12 @@ def simulate_devices(
     """
     if isinstance(n, bool) or not isinstance(n, int):
         raise TypeError(f"n must be an int (number of devices), got {type(n).__name__}")
-    if n < 1:
-        raise ValueError(f"n must be at least 1, got {n}")
+    positive_int("n", n)
     if n > MAX_SIMULATED:  # a list of 2**31 device configurations would exhaust memory
         raise ValueError(f"n must be at most {MAX_SIMULATED} (simulated devices), got {n}")
     if isinstance(gpu_memory_mb, bool) or not isinstance(gpu_memory_mb, int):
         raise TypeError(f"gpu_memory_mb must be an int (MiB), got {gpu_memory_mb!r}")
-    if gpu_memory_mb < 1:
-        raise ValueError(f"gpu_memory_mb must be at least 1, got {gpu_memory_mb}")
+    positive_int("gpu_memory_mb", gpu_memory_mb)
     kind = _check_kind(kind)
     physical = tf.config.list_physical_devices(kind)[0]
     if _configured_count(physical) == n:
@@ -134,8 +134,7 @@ def set_local_task(job: str, task: int) -> None:
     """
     if not isinstance(job, str) or not job:
         raise ValueError(f"job must be a non-empty string, got {job!r}")
-    if isinstance(task, bool) or not isinstance(task, int) or task < 0:
-        raise ValueError(f"task must be an int >= 0, got {task!r}")
+    non_negative_int("task", task)
     _LOCAL_TASK[:] = [job, task]
 
 

@@ -20,6 +20,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import tensorflow as tf
 
+from towers.guard.arguments import non_negative_int, positive_int
+
 __all__ = [
     "Batch",
     "Shards",
@@ -38,10 +40,7 @@ Batch = tuple[Any, Any, Any]
 
 def shard_sizes(batch: int, n: int) -> list[int]:
     """Python-side shard sizes for a batch of ``batch`` examples over ``n`` towers."""
-    if n < 1:
-        raise ValueError(f"n must be at least 1, got {n}")
-    if batch < 0:
-        raise ValueError(f"batch must be non-negative, got {batch}")
+    n, batch = positive_int("n", n), non_negative_int("batch", batch)
     per = -(-batch // n)
     return [max(0, min(per, batch - i * per)) for i in range(n)]
 
@@ -92,8 +91,7 @@ def split(structure: Any, n: int) -> list[Any]:
         >>> [int(s.shape[0]) for s in split(tf.zeros([10, 2]), 4)]
         [3, 3, 3, 1]
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"n must be a positive int, got {n!r}")
+    positive_int("n", n)
     batch = batch_size(structure)
     leaves = [tf.convert_to_tensor(t) for t in tf.nest.flatten(structure)]
     shards = []

@@ -43,8 +43,9 @@ from towers.allreduce.primitives import Recorder, record, send
 from towers.allreduce.recording import StepStats
 from towers.allreduce.reducer import SPARSE, as_reducer, resolve
 from towers.guard import capabilities
+from towers.guard.arguments import check_choice
 from towers.guard.deadline import Deadline, settled
-from towers.guard.inputs import batch_tensors, check_choice, check_kinds, naming
+from towers.guard.inputs import batch_tensors, check_kinds, naming
 from towers.guard.loss_scale import REDUCE_DTYPES, LossScale, is_loss_scaled
 from towers.guard.nonfinite import NONFINITE, Guard
 from towers.guard.reduces import check_sums
@@ -73,6 +74,7 @@ from towers.tower import (
     resolve_loss,
     tower_step,
 )
+from towers.training import fit as training_loop
 
 __all__ = ["NON_TRAINABLE", "PLACEMENTS", "Reduced", "StepStats", "TowerTrainer", "check_devices"]
 
@@ -465,21 +467,15 @@ class TowerTrainer:
 
     def fit(self, *args: Any, **kwargs: Any) -> Any:
         """Keras-style training loop; see :func:`towers.training.fit.fit`."""
-        from towers.training.fit import fit
-
-        return fit(self, *args, **kwargs)
+        return training_loop.fit(self, *args, **kwargs)
 
     def evaluate(self, *args: Any, **kwargs: Any) -> Any:
         """Loss and metrics over a dataset, split over towers; see ``training.fit.evaluate``."""
-        from towers.training.fit import evaluate
-
-        return evaluate(self, *args, **kwargs)
+        return training_loop.evaluate(self, *args, **kwargs)
 
     def predict(self, *args: Any, **kwargs: Any) -> Any:
         """Model outputs, split over towers; see :func:`towers.training.fit.predict`."""
-        from towers.training.fit import predict
-
-        return predict(self, *args, **kwargs)
+        return training_loop.predict(self, *args, **kwargs)
 
     def get_weights(self) -> list[np.ndarray]:
         """The model's weights as NumPy arrays, in ``model.weights`` order."""

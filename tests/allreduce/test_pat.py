@@ -156,7 +156,7 @@ def test_bad_arguments_are_refused() -> None:
     with pytest.raises(ValueError, match="n must be an int >= 1"):
         pat_schedule(0)
     for bad in (0, -2, 1.5, True):
-        with pytest.raises(ValueError, match="aggregation must be an integer >= 1"):
+        with pytest.raises(ValueError, match="aggregation must be an int >= 1"):
             pat(aggregation=bad)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="aggregation must be an integer >= 1"):
+    with pytest.raises(ValueError, match="aggregation must be an int >= 1"):
         cost(4, 8.0, aggregation=0)

@@ -161,7 +161,7 @@ def test_replay_is_bitwise() -> None:
 
 def test_bad_arguments_are_refused() -> None:
     for bad in (0, -1, 2.5, True):
-        with pytest.raises(ValueError, match="rows must be an integer >= 1"):
+        with pytest.raises(ValueError, match="rows must be an int >= 1"):
             torus_2d(rows=bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="n must be an int >= 1"):
         torus_2d_schedule(0)

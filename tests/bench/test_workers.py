@@ -33,7 +33,13 @@ def test_bandwidths_and_ratios_follow_their_definitions() -> None:
     assert rows["AllTowers"]["min_s"] == "1.00000"
 
 
-@pytest.mark.parametrize("args", [(1, [1], 3), (2, [0], 3), (2, [1], 0)])
-def test_bad_arguments_are_named(args: tuple[int, list[int], int], tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="workers >= 2"):
+@pytest.mark.parametrize(("args", "message"), [
+    ((1, [1], 3), "workers must be an int >= 2, got 1"),
+    ((2, [0], 3), r"sizes \(MB\) must be an int >= 1, got 0"),
+    ((2, [1], 0), "rounds must be an int >= 1, got 0"),
+])
+def test_bad_arguments_are_named(
+    args: tuple[int, list[int], int], message: str, tmp_path: Path
+) -> None:
+    with pytest.raises(ValueError, match=message):
         workers.run(args[0], tmp_path, args[1], rounds=args[2])

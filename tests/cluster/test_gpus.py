@@ -59,7 +59,7 @@ def _child(mode: str) -> dict[str, Any]:
     ({"visible": [True]}, ValueError, "visible must hold GPU indices"),
     ({"visible": [0, 0]}, ValueError, "visible names a GPU twice"),
     ({"memory_growth": 1}, TypeError, "memory_growth must be None, True or False"),
-    ({"memory_limit_mb": 0}, ValueError, "memory_limit_mb must be at least 1"),
+    ({"memory_limit_mb": 0}, ValueError, "memory_limit_mb must be an int >= 1"),
     ({"memory_limit_mb": 512.0}, TypeError, "memory_limit_mb must be None or an int"),
     ({"memory_growth": True, "memory_limit_mb": 512}, ValueError, "exclude each other"),
 ])

@@ -100,9 +100,9 @@ def test_placement_rejects_bad_input(args: tuple[Any, ...], message: str) -> Non
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
-    ({"learning_rate": 0.0}, "learning_rate must be a positive number"),
+    ({"learning_rate": 0.0}, "learning_rate must be positive"),
     ({"learning_rate": 0.1, "momentum": 1.0}, r"momentum must be a float in \[0, 1\)"),
-    ({"learning_rate": 0.1, "timeout": -1}, "timeout must be a positive number"),
+    ({"learning_rate": 0.1, "timeout": -1}, "timeout must be positive"),
 ])
 def test_the_store_rejects_a_bad_rule(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):

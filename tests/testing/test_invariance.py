@@ -136,7 +136,7 @@ def test_a_small_relative_error_in_the_reduction_is_caught() -> None:
         ({"towers": (1, 1)}, "towers must not repeat"),
         ({"towers": ()}, "towers must be a non-empty sequence"),
         ({"towers": "12"}, "towers must be a non-empty sequence"),
-        ({"steps": 0}, "steps must be an integer >= 1"),
+        ({"steps": 0}, "steps must be None or an int >= 1"),
         ({"steps": 3}, "batches: need 3"),
     ],
 )

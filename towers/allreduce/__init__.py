@@ -30,12 +30,14 @@ from towers.allreduce.pat import pat
 from towers.allreduce.powersgd import powersgd
 from towers.allreduce.primitives import Recorder, Transfer, record, send
 from towers.allreduce.registry import ALGORITHMS, Algorithm, Configured, register
+from towers.allreduce.resolve import get, noop
 from towers.allreduce.ring import ring
 from towers.allreduce.scheduled import run_schedule, scheduled
 from towers.allreduce.sparse import densify, gather_indexed_slices
 from towers.allreduce.swing import swing
 from towers.allreduce.torus_2d import torus_2d
 from towers.allreduce.tree import tree
+from towers.guard.arguments import check_choice
 
 __all__ = [
     "ALGORITHMS",
@@ -88,35 +90,6 @@ __all__ = [
 ]
 
 
-def noop(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
-    """No exchange at all: every tower keeps its own value (a ceiling for benchmarks, not a sum)."""
-    check_values(values, op)
-    return list(values)
-
-
-def get(algorithm: str | AllReduce) -> AllReduce:
-    """Resolve a registry name (or pass an algorithm callable through).
-
-    Registered names are kept in :data:`ALGORITHMS`; ``noop`` is kept out on purpose
-    (it does not reduce), but is accepted here for benchmarks.
-
-    Raises:
-        ValueError: an unknown name (the message lists the registered names).
-        TypeError: neither a name nor a callable.
-    """
-    if isinstance(algorithm, str):
-        if algorithm == "noop":
-            return noop
-        if algorithm not in ALGORITHMS:
-            raise ValueError(
-                f"unknown all_reduce {algorithm!r}; registered: {', '.join(sorted(ALGORITHMS))}"
-            )
-        return ALGORITHMS[algorithm]()
-    if callable(algorithm):
-        return algorithm
-    raise TypeError(f"all_reduce must be a registered name or a callable, got {algorithm!r}")
-
-
 def all_reduce(
     values: Sequence[tf.Tensor | tf.IndexedSlices],
     algorithm: str | AllReduce = "parameter_device",
@@ -146,8 +119,7 @@ def all_reduce(
             "values must be a list with one tensor per tower (output i goes to values[i]'s "
             f"device), got {type(values).__name__}"
         )
-    if not isinstance(op, str) or op not in OPS:
-        raise ValueError(f"op must be one of {', '.join(OPS)}; got {op!r}")
+    check_choice("op", op, OPS)
     try:
         fn = get(algorithm)
     except (TypeError, ValueError) as err:  # its message speaks of TowerTrainer's all_reduce

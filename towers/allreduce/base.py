@@ -22,6 +22,7 @@ from typing import Protocol, runtime_checkable
 import tensorflow as tf
 
 from towers.devices import canonical_device
+from towers.guard.arguments import check_choice
 
 __all__ = [
     "DTYPES",
@@ -112,8 +113,7 @@ def device_of(value: tf.Tensor | tf.IndexedSlices, index: int = 0) -> str:
 
 def check_op(op: str, dtype: tf.DType | None = None) -> str:
     """Validate ``op`` (and that ``mean`` is not asked of an integer dtype)."""
-    if op not in OPS:
-        raise ValueError(f"op must be one of {', '.join(OPS)}; got {op!r}")
+    check_choice("op", op, OPS)
     if op == "mean" and dtype is not None and dtype.is_integer:
         raise ValueError(f"op='mean' is not defined for integer dtype {dtype.name}: use 'sum'")
     return op

@@ -49,6 +49,7 @@ from collections.abc import Callable, Sequence
 from towers.allreduce.base import AllReduce
 from towers.allreduce.registry import Algorithm, Coefficients, Configured, register, schedule_of
 from towers.allreduce.scheduled import scheduled
+from towers.guard.arguments import positive_int
 from towers.schedule import ir, symbolic
 from towers.schedule.ir import Schedule, Step
 
@@ -68,9 +69,7 @@ Tick = tuple[Step, ...]
 
 
 def _tower_count(n: object) -> int:
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"n must be an int >= 1, got {n!r}")
-    return n
+    return positive_int("n", n)
 
 
 def gather_ticks(

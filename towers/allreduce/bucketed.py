@@ -49,7 +49,9 @@ from typing import Any
 import tensorflow as tf
 
 from towers.allreduce.base import AllReduce, device_of
+from towers.allreduce.resolve import get
 from towers.devices import canonical_device
+from towers.guard.arguments import optional, positive_int
 
 __all__ = ["BucketLayout", "Bucketed", "Layout", "Slot", "bucketed", "pack", "plan", "unpack"]
 
@@ -87,16 +89,6 @@ class Layout:
     count: int
 
 
-def _check_bytes(bytes_per_bucket: object) -> int | None:
-    if bytes_per_bucket is None:
-        return None
-    if isinstance(bytes_per_bucket, bool) or not isinstance(bytes_per_bucket, int):
-        raise ValueError(f"bytes_per_bucket must be an int >= 1 or None, got {bytes_per_bucket!r}")
-    if bytes_per_bucket < 1:
-        raise ValueError(f"bytes_per_bucket must be >= 1, got {bytes_per_bucket}")
-    return bytes_per_bucket
-
-
 def _close(dtype: tf.DType, slots: list[Slot]) -> BucketLayout:
     return BucketLayout(dtype, tuple(slots), sum(s.size for s in slots))
 
@@ -126,7 +118,7 @@ def plan(
         >>> [len(b.slots) for b in plan([((3,), tf.float32)] * 4, 8).buckets]
         [1, 1, 1, 1]
     """
-    limit = _check_bytes(bytes_per_bucket)
+    limit = optional(positive_int, "bytes_per_bucket", bytes_per_bucket)
     closed: list[tuple[int, BucketLayout]] = []  # (opening rank, bucket)
     open_: dict[tf.DType, tuple[int, list[Slot]]] = {}
     opened = 0
@@ -290,6 +282,4 @@ def bucketed(
         >>> trainer = towers.TowerTrainer(make_model, opt, loss, devices=devices,
         ...                               all_reduce=bucketed("ring", 2**20))  # doctest: +SKIP
     """
-    from towers.allreduce import get  # the registry imports this module
-
-    return Bucketed(get(algorithm), _check_bytes(bytes_per_bucket))
+    return Bucketed(get(algorithm), optional(positive_int, "bytes_per_bucket", bytes_per_bucket))

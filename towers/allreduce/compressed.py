@@ -37,7 +37,9 @@ import tensorflow as tf
 
 from towers.allreduce.base import AllReduce
 from towers.allreduce.codecs import CODECS, Codec, Wire, get_codec
+from towers.allreduce.resolve import get
 from towers.devices import canonical_device
+from towers.guard.arguments import check_choice
 
 __all__ = ["DECODE", "Compressed", "compressed"]
 
@@ -180,10 +182,7 @@ def compressed(
         >>> trainer = towers.TowerTrainer(..., all_reduce=reducer)       # doctest: +SKIP
         >>> tf.train.Checkpoint(model=trainer.model, reducer=reducer).save(path)  # +SKIP
     """
-    from towers.allreduce import get  # the registry imports this module
-
-    if decode not in DECODE:
-        raise ValueError(f"decode must be one of {', '.join(DECODE)}; got {decode!r}")
+    check_choice("decode", decode, DECODE)
     if isinstance(codec, str) and codec not in CODECS:
         raise ValueError(f"codec: unknown codec {codec!r}; known: {', '.join(sorted(CODECS))}")
     return Compressed(get(algorithm), get_codec(codec), decode)

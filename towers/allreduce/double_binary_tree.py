@@ -68,11 +68,11 @@ from towers.allreduce.registry import (
     Algorithm,
     Coefficients,
     Configured,
-    positive_int,
     register,
     schedule_of,
 )
 from towers.allreduce.tree import reduce_broadcast, tick_loads, tree_bytes, tree_shape
+from towers.guard.arguments import positive_int
 
 __all__ = [
     "DOUBLE_BINARY_TREE",
@@ -83,12 +83,6 @@ __all__ = [
     "double_trees",
     "summation_depth",
 ]
-
-
-def _check_chunks(chunks: object) -> int:
-    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-        raise ValueError(f"chunks must be an int >= 1, got {chunks!r}")
-    return chunks
 
 
 def btree_parents(n: int) -> list[int]:
@@ -136,7 +130,7 @@ def _double_binary_tree(values: Sequence[tf.Tensor], op: str, chunks: int) -> li
 
 
 def _build(chunks: int = 1) -> AllReduce:
-    c = _check_chunks(chunks)
+    c = positive_int("chunks", chunks)
 
     def double_binary_tree_all_reduce(
         values: Sequence[tf.Tensor], *, op: str = "sum"
@@ -168,7 +162,7 @@ def bytes_sent(n: int, nbytes: int, itemsize: int, chunks: int = 1) -> list[int]
         >>> bytes_sent(4, 16, 4)
         [16, 32, 32, 16]
     """
-    c = _check_chunks(chunks)
+    c = positive_int("chunks", chunks)
     piece = -(-(nbytes // itemsize) // (2 * c)) * itemsize
     first, second = double_trees(n)
     per_tree = zip(tree_bytes(first, c, piece), tree_bytes(second, c, piece), strict=True)
@@ -182,7 +176,7 @@ def summation_depth(n: int, chunks: int = 1) -> int:
         >>> summation_depth(8)
         5
     """
-    _check_chunks(chunks)
+    positive_int("chunks", chunks)
     if n < 1:
         return 0
     return max(tree_shape(parents).adds[parents.index(-1)] for parents in double_trees(n))

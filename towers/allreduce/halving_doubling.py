@@ -43,6 +43,7 @@ import tensorflow as tf
 from towers.allreduce.base import AllReduce, check_values, combine, finish
 from towers.allreduce.primitives import send
 from towers.allreduce.registry import Algorithm, Coefficients, Configured, register, schedule_of
+from towers.guard.arguments import positive_int
 
 __all__ = ["HALVING_DOUBLING", "bytes_sent", "cost", "halving_doubling", "summation_depth"]
 
@@ -200,9 +201,7 @@ def summation_depth(n: int) -> int:
         >>> summation_depth(6)
         3
     """
-    if n < 1:
-        raise ValueError(f"n must be at least 1, got {n}")
-    return (n - 1).bit_length()
+    return (positive_int("n", n) - 1).bit_length()
 
 
 def cost(n: int, nbytes: float) -> Coefficients:

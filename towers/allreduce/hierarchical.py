@@ -63,13 +63,15 @@ import tensorflow as tf
 from towers.allreduce.base import AllReduce, check_values, finish
 from towers.allreduce.primitives import Recorder, record, send, tick_offset
 from towers.allreduce.registry import (
+    ALGORITHMS,
     Algorithm,
     Coefficients,
     Configured,
-    positive_int,
     register,
     schedule_of,
 )
+from towers.allreduce.resolve import get
+from towers.guard.arguments import positive_int
 
 __all__ = [
     "HIERARCHICAL",
@@ -84,14 +86,8 @@ __all__ = [
 Part: TypeAlias = "str | AllReduce"
 
 
-def _resolve(algorithm: Part) -> AllReduce:
-    from towers.allreduce import get  # lazy: the package imports this module
-
-    return get(algorithm)
-
-
 def _configured(algorithm: Part, what: str) -> Configured:
-    fn = _resolve(algorithm)
+    fn = get(algorithm)
     if not isinstance(fn, Configured):
         raise ValueError(f"{algorithm!r} has no registry record: cannot compute hierarchical's "
                          f"{what}(); register(Algorithm(...)) it or pass a registered one")
@@ -101,9 +97,7 @@ def _configured(algorithm: Part, what: str) -> Configured:
 def _check_group_size(group_size: int) -> int:
     if isinstance(group_size, bool) or not isinstance(group_size, int):
         raise TypeError(f"group_size must be an int, got {type(group_size).__name__}")
-    if group_size < 1:
-        raise ValueError(f"group_size must be at least 1, got {group_size}")
-    return group_size
+    return positive_int("group_size", group_size)
 
 
 def group_sizes(n: int, group_size: int) -> list[int]:
@@ -134,7 +128,7 @@ def _all_reduce(
     devices = check_values(values, op)
     n, k = len(values), group_size
     starts = range(0, n, k)
-    inner_fn, outer_fn = _resolve(inner), _resolve(outer)
+    inner_fn, outer_fn = get(inner), get(outer)
     part_op = "sum" if op == "mean" else op
     # Each part numbers its ticks from 0: shift the outer phase after the inner one, and the
     # group broadcast after both, so the recorded schedule reads as three phases in a row.
@@ -246,8 +240,6 @@ def summation_depth(
 
 
 def _flat_cost(name: Any, key: str) -> Callable[..., Coefficients]:
-    from towers.allreduce.registry import ALGORITHMS
-
     record = ALGORITHMS.get(name) if isinstance(name, str) else None
     if record is None or record.cost is None or name == "hierarchical":
         raise ValueError(f"{key} must be a flat all-reduce name, got {name!r}")

@@ -70,6 +70,7 @@ from towers.allreduce.collectives import (
 from towers.allreduce.recording import record_estimate
 from towers.allreduce.registry import Algorithm, Coefficients, Configured, register, schedule_of
 from towers.devices import has_gpu
+from towers.guard.arguments import non_negative_float, positive_float, positive_int
 
 __all__ = [
     "KEY_START",
@@ -204,8 +205,8 @@ def _record_estimates(values: Sequence[tf.Tensor]) -> None:
 
 
 def _factory(body: Body, name: str, timeout_seconds: float | None) -> AllReduce:
-    if timeout_seconds is not None and not timeout_seconds > 0:
-        raise ValueError(f"timeout_seconds must be positive, got {timeout_seconds}")
+    if timeout_seconds is not None:
+        positive_float("timeout_seconds", timeout_seconds)
 
     def all_reduce(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
         outputs = run(body, values, op, timeout_seconds or TIMEOUT_SECONDS)
@@ -286,8 +287,8 @@ def estimated_bytes_sent(n: int, nbytes: int) -> list[float]:
         >>> estimated_bytes_sent(4, 1000)
         [1500.0, 1500.0, 1500.0, 1500.0]
     """
-    if n < 1 or nbytes < 0:
-        raise ValueError(f"need n >= 1 and nbytes >= 0, got {n}, {nbytes}")
+    positive_int("n", n)
+    non_negative_float("nbytes", nbytes)
     return [2 * (n - 1) / n * nbytes] * n
 
 

@@ -67,11 +67,11 @@ from towers.allreduce.registry import (
     Algorithm,
     Coefficients,
     Configured,
-    positive_int,
     register,
     schedule_of,
 )
 from towers.allreduce.scheduled import scheduled
+from towers.guard.arguments import positive_int
 from towers.schedule import ir, symbolic
 from towers.schedule.ir import Schedule
 
@@ -112,8 +112,7 @@ def pat_schedule(n: int, aggregation: int | None = None) -> Schedule:
         >>> pat_schedule(5).num_ticks, pat_schedule(5, aggregation=1).num_ticks
         (6, 8)
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"n must be an int >= 1, got {n!r}")
+    n = positive_int("n", n)
     batch = _aggregation(aggregation)
     gather = gather_ticks(n, range(steps_of(n) - 1, -1, -1), _lowest_bit, batch)
     return Schedule("pat", n, n, tuple(transpose(gather) + gather))

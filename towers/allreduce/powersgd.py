@@ -45,6 +45,7 @@ from typing import Any, NamedTuple
 import tensorflow as tf
 
 from towers.allreduce.codecs import CODECS, Wire
+from towers.guard.arguments import positive_int
 
 __all__ = ["PowerSGD", "PowerSGDState", "orthogonalize", "powersgd"]
 
@@ -157,8 +158,7 @@ def powersgd(rank: int = 1, warm_start: bool = True, seed: int = 0,
     Example:
         >>> reducer = compressed("ring", powersgd(2))   # doctest: +SKIP
     """
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-        raise ValueError(f"rank must be an int >= 1, got {rank!r}")
+    rank = positive_int("rank", rank)
     if not min_compression_rate >= 1:
         raise ValueError(f"min_compression_rate must be >= 1, got {min_compression_rate!r}")
     return PowerSGD(rank, bool(warm_start), int(seed), float(min_compression_rate))

@@ -37,6 +37,7 @@ from towers.allreduce.recording import (
     tick_offset,
 )
 from towers.devices import canonical_device
+from towers.guard.arguments import positive_int
 
 __all__ = [
     "Recorder",
@@ -117,8 +118,7 @@ def pad_split(x: tf.Tensor, pieces: int) -> tuple[list[tf.Tensor], tuple[int, ..
     Example:
         >>> chunks, shape, size = pad_split(tf.range(5.0), 2)   # [0 1 2] [3 4 0]
     """
-    if isinstance(pieces, bool) or not isinstance(pieces, int) or pieces < 1:
-        raise ValueError(f"pieces must be an int >= 1, got {pieces!r}")
+    pieces = positive_int("pieces", pieces)
     if not x.shape.is_fully_defined():
         raise ValueError(f"pad_split needs a static shape, got {x.shape}")
     shape = tuple(int(d) for d in x.shape)

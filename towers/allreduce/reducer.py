@@ -24,7 +24,9 @@ import tensorflow as tf
 from towers.allreduce.base import AllReduce, GradientReducer, StatefulReducer, check_values
 from towers.allreduce.naive import naive
 from towers.allreduce.parameter_device import parameter_device
+from towers.allreduce.resolve import get
 from towers.allreduce.sparse import densify, gather_indexed_slices, to_dense
+from towers.guard.arguments import check_choice
 from towers.guard.contract import check_outputs, check_rows
 
 __all__ = ["SPARSE", "StepReducer", "as_reducer", "resolve"]
@@ -63,8 +65,7 @@ class StepReducer:
     def __init__(
         self, dense: GradientReducer | None, per_tensor: AllReduce, sparse: str = "gather"
     ) -> None:
-        if sparse not in SPARSE:
-            raise ValueError(f"sparse must be one of {', '.join(SPARSE)}; got {sparse!r}")
+        check_choice("sparse", sparse, SPARSE)
         self.dense, self.per_tensor, self.sparse = dense, per_tensor, sparse
         self.names: list[str] = []
         self._pending: list[tf.Tensor] = []
@@ -193,8 +194,6 @@ def resolve(all_reduce: Any, device: str) -> Any:
     Raises:
         ValueError, TypeError: an unknown name, or neither a name nor a callable.
     """
-    from towers.allreduce import get  # the package's resolver; it does not import this module
-
     if all_reduce == "parameter_device":
         return parameter_device(device)
     if isinstance(all_reduce, GradientReducer):

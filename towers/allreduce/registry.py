@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import numbers
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
@@ -43,7 +42,6 @@ __all__ = [
     "Coefficients",
     "Configured",
     "algorithm_name",
-    "positive_int",
     "record_of",
     "register",
     "schedule_of",
@@ -51,13 +49,6 @@ __all__ = [
 
 Coefficients = tuple[float, float, float]
 """``(a, b, c)``: a time of ``a·α + b·β + c·γ`` (see :mod:`towers.bench.costmodel`)."""
-
-
-def positive_int(name: str, value: Any) -> int:
-    """``value`` as an int >= 1, or a ValueError naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    return int(value)
 
 
 def schedule_of(doc: str | None) -> str:

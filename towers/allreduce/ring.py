@@ -54,18 +54,12 @@ from towers.allreduce.registry import (
     Algorithm,
     Coefficients,
     Configured,
-    positive_int,
     register,
     schedule_of,
 )
+from towers.guard.arguments import positive_int
 
 __all__ = ["RING", "bytes_sent", "cost", "ring", "ring_orders", "summation_depth"]
-
-
-def _check_subchunks(subchunks: object) -> int:
-    if isinstance(subchunks, bool) or not isinstance(subchunks, int) or subchunks < 1:
-        raise ValueError(f"subchunks must be an int >= 1, got {subchunks!r}")
-    return subchunks
 
 
 def ring_orders(n: int, subchunks: int = 1) -> list[list[int]]:
@@ -98,7 +92,7 @@ def _ring_all_reduce(values: Sequence[tf.Tensor], op: str, subchunks: int) -> li
 
 
 def _build(subchunks: int = 1) -> AllReduce:
-    s = _check_subchunks(subchunks)
+    s = positive_int("subchunks", subchunks)
 
     def ring_all_reduce(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
         return _ring_all_reduce(values, op, s)
@@ -133,7 +127,7 @@ def bytes_sent(n: int, nbytes: int, itemsize: int, subchunks: int = 1) -> list[i
         >>> bytes_sent(4, 400, 4)
         [600, 600, 600, 600]
     """
-    s = _check_subchunks(subchunks)
+    s = positive_int("subchunks", subchunks)
     size = nbytes // itemsize
     chunk = -(-size // (n * s))
     return [2 * (n - 1) * s * chunk * itemsize] * n
@@ -146,7 +140,7 @@ def summation_depth(n: int, subchunks: int = 1) -> int:
         >>> summation_depth(8)
         7
     """
-    _check_subchunks(subchunks)
+    positive_int("subchunks", subchunks)
     return max(n - 1, 0)
 
 

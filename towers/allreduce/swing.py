@@ -48,6 +48,7 @@ import functools
 from towers.allreduce.base import AllReduce
 from towers.allreduce.registry import Algorithm, Coefficients, Configured, register, schedule_of
 from towers.allreduce.scheduled import scheduled
+from towers.guard.arguments import positive_int
 from towers.schedule import ir, symbolic
 from towers.schedule.ir import Schedule, Step
 
@@ -87,8 +88,7 @@ def swing_schedule(n: int) -> Schedule:
         >>> swing_schedule(4).num_ticks, swing_schedule(6).num_ticks
         (4, 6)
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"n must be an int >= 1, got {n!r}")
+    n = positive_int("n", n)
     p = 1 << (n.bit_length() - 1)
     k, extra = p.bit_length() - 1, range(n - p)
     reach = _reach(p)

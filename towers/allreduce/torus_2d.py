@@ -52,11 +52,11 @@ from towers.allreduce.registry import (
     Algorithm,
     Coefficients,
     Configured,
-    positive_int,
     register,
     schedule_of,
 )
 from towers.allreduce.scheduled import scheduled
+from towers.guard.arguments import positive_int
 from towers.schedule import ir, symbolic
 from towers.schedule.ir import Schedule, Step
 
@@ -76,8 +76,7 @@ def grid(n: int, rows: int | None = None) -> tuple[int, int]:
         >>> grid(8), grid(9), grid(7), grid(8, rows=4)
         ((2, 4), (3, 3), (1, 7), (4, 2))
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"n must be an int >= 1, got {n!r}")
+    n = positive_int("n", n)
     if rows is None:
         rows = max(d for d in range(1, math.isqrt(n) + 1) if n % d == 0)
     rows = positive_int("rows", rows)

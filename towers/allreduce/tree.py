@@ -59,10 +59,10 @@ from towers.allreduce.registry import (
     Algorithm,
     Coefficients,
     Configured,
-    positive_int,
     register,
     schedule_of,
 )
+from towers.guard.arguments import positive_int
 
 __all__ = [
     "TREE",
@@ -86,12 +86,6 @@ class TreeShape(NamedTuple):
     depth: list[int]
     height: list[int]
     adds: list[int]  # most additions any value in a node's partial went through
-
-
-def _check_count(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    return value
 
 
 def heap_parents(n: int) -> list[int]:
@@ -215,7 +209,7 @@ def reduce_broadcast(
 
 
 def _build(chunks: int = 1) -> AllReduce:
-    c = _check_count("chunks", chunks)
+    c = positive_int("chunks", chunks)
 
     def tree_all_reduce(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
         devices = check_values(values, op)
@@ -258,7 +252,7 @@ def bytes_sent(n: int, nbytes: int, itemsize: int, chunks: int = 1) -> list[int]
         >>> bytes_sent(3, 12, 4)
         [24, 12, 12]
     """
-    c = _check_count("chunks", chunks)
+    c = positive_int("chunks", chunks)
     piece = -(-(nbytes // itemsize) // c) * itemsize
     return tree_bytes(heap_parents(n), c, piece)
 
@@ -270,7 +264,7 @@ def summation_depth(n: int, chunks: int = 1) -> int:
         >>> summation_depth(8)
         4
     """
-    _check_count("chunks", chunks)
+    positive_int("chunks", chunks)
     return tree_shape(heap_parents(n)).adds[0] if n > 0 else 0
 
 

@@ -20,6 +20,14 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from towers.bench import report
+from towers.bench.report import format_table
+from towers.bench.training import profile_steps
+from towers.devices import simulate_devices
+from towers.placement import optimizer_state_bytes
+from towers.step import TowerTrainer
+from towers.training.models import mlp
+
 __all__ = [
     "CONFIGS", "measure", "memory_section", "memory_table", "optimizer_state", "run_memory",
 ]
@@ -49,10 +57,7 @@ def _peak_mib() -> float:
 
 def measure(config: str, model: str, towers: int, batch: int, steps: int) -> dict[str, Any]:
     """In this process: build ``config`` and run ``steps`` steps; peak RSS in MiB."""
-    import towers as towers_lib
-
-    devices = towers_lib.simulate_devices(towers)
-    from towers.bench.training import profile_steps
+    devices = simulate_devices(towers)
 
     start = _peak_mib()
     [step] = profile_steps(model, devices, [config], batch=batch).values()
@@ -89,8 +94,6 @@ def run_memory(
 
 def memory_table(rows: Sequence[dict[str, Any]]) -> str:
     """MiB after import, after building, at the peak of the steps, and what the steps added."""
-    from towers.bench.report import format_table
-
     def mib(key: str) -> Any:
         return lambda r: f"{r[key]:.0f}" if r.get(key) is not None else "-"
 
@@ -107,9 +110,6 @@ def optimizer_state(devices: Sequence[str]) -> list[dict[str, Any]]:
     bytes of every replica's ``optimizer.variables``; ZeRO's promise is 1/n)."""
     import keras
 
-    from towers.placement import optimizer_state_bytes
-    from towers.step import TowerTrainer
-    from towers.training.models import mlp
 
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     rows: list[dict[str, Any]] = []
@@ -126,8 +126,6 @@ def optimizer_state(devices: Sequence[str]) -> list[dict[str, Any]]:
 
 def memory_section(args: Any, devices: list[str], results: dict) -> bool:
     """``towers bench --sections memory``: peak RSS per configuration on the wide MLP."""
-    from towers.bench import report
-
     print(f"\n== memory: peak RSS of mlp steps, {args.towers} towers, batch {args.batch_size}, "
           "one fresh process per configuration", flush=True)
     rows = run_memory(towers=args.towers, batch=args.batch_size)

@@ -36,6 +36,8 @@ from typing import Any
 from towers.bench import report
 from towers.bench.profile import op_events, profiled
 from towers.bench.profile import phase as op_type_phase
+from towers.bench.timing import load_average
+from towers.bench.training import MODELS, profile_steps
 
 __all__ = ["PHASES", "phase_of", "phase_profile", "phase_table", "plot_phases", "run_phases"]
 
@@ -99,8 +101,6 @@ def run_phases(
     steps: int = 5, verbose: bool = False,
 ) -> list[dict[str, Any]]:
     """One row per configuration (``towers <algo>/<placement>`` or a tf.distribute name)."""
-    from towers.bench.training import profile_steps
-
     rows = []
     for name, step in profile_steps(model, devices, names, batch=batch).items():
         step()  # trace and warm up outside the profile
@@ -171,9 +171,6 @@ def _picks(results: dict[str, Any], model: str, placements: Sequence[str] | None
 
 def phases_section(args: Any, devices: list[str], results: dict) -> bool:
     """``towers bench --sections phases``: the breakdown table, its CSV and its PNG."""
-    from towers.bench.timing import load_average
-    from towers.bench.training import MODELS
-
     tables = devices[: args.towers]
     rows: list[dict[str, Any]] = []
     for model in args.models or list(MODELS):

@@ -12,7 +12,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from towers.bench import report
+from towers.bench import report, training
+from towers.bench.allreduce import QUICK_SIZES, SIZES, run_allreduce
+from towers.bench.costcheck import TOLERANCE, check_cost_model, split_sizes
+from towers.bench.costmodel.paper import paper_section
+from towers.bench.memory import memory_section
+from towers.bench.onepass import ONE_PASS
+from towers.bench.phases import phases_section
+from towers.bench.profile import op_profile, summarize
+from towers.bench.scaling import LINEAR_SLOPE, TOWERS, fit_slopes, run_scaling
 from towers.bench.timing import load_average
 
 __all__ = ["SECTION", "save_json", "targets", "targets_text"]
@@ -38,8 +46,6 @@ def _say(title: str) -> None:
 
 def allreduce_section(args: argparse.Namespace, devices: list[str], results: dict) -> bool:
     """The nccl-tests style table, the algbw pivot and its plot."""
-    from towers.bench.allreduce import QUICK_SIZES, SIZES, run_allreduce
-
     sizes = args.sizes or (QUICK_SIZES if args.quick else SIZES)
     rounds = args.rounds or (9 if args.quick else 15)
     tables = devices[: args.towers]
@@ -64,8 +70,6 @@ def allreduce_section(args: argparse.Namespace, devices: list[str], results: dic
 
 def costmodel_section(args: argparse.Namespace, devices: list[str], results: dict) -> bool:
     """Fit α-β-γ per algorithm to the all-reduce rows: in-sample and on held-out sizes."""
-    from towers.bench.costcheck import TOLERANCE, check_cost_model, split_sizes
-
     if not results.get("allreduce"):
         print("\n(cost model: needs the allreduce section)")
         return True
@@ -82,8 +86,6 @@ def costmodel_section(args: argparse.Namespace, devices: list[str], results: dic
 
 def _profile(configs: dict[str, Callable[[], Any]], verbose: bool) -> dict[str, Any]:
     """:func:`towers.bench.profile.op_profile` of each step (after one warm-up call)."""
-    from towers.bench.profile import op_profile, summarize
-
     out = {}
     for name, step in configs.items():
         step()
@@ -105,8 +107,6 @@ def _losses_agree(rows: list[dict]) -> bool:
 
 def training_section(args: argparse.Namespace, devices: list[str], results: dict) -> bool:
     """The step table (ms, ratio to Mirrored and to the best tf.distribute) and its plot."""
-    from towers.bench import training
-
     models = args.models or list(training.MODELS)
     rounds = args.step_rounds or (5 if args.quick else 13)
     tables = devices[: args.towers]
@@ -155,8 +155,6 @@ def _profile_picks(rows: list[dict]) -> list[str]:
 
 def scaling_section(args: argparse.Namespace, devices: list[str], results: dict) -> bool:
     """Trace seconds and graph ops against towers × buckets, with fitted slopes."""
-    from towers.bench.scaling import LINEAR_SLOPE, TOWERS, fit_slopes, run_scaling
-
     counts = args.scaling_towers or (TOWERS[:3] if args.quick else TOWERS)
     _say(f"scaling: one step traced for {counts} towers")
     rows = run_scaling(devices, towers=counts,
@@ -202,28 +200,10 @@ SECTION: dict[str, Callable[[argparse.Namespace, list[str], dict], bool]] = {
     "costmodel": costmodel_section,
     "training": training_section,
     "scaling": scaling_section,
-    "phases": lambda args, devices, results: _phases(args, devices, results),
-    "memory": lambda args, devices, results: _memory(args, devices, results),
-    "paper": lambda args, devices, results: _paper(args, devices, results),
+    "phases": phases_section,
+    "memory": memory_section,
+    "paper": paper_section,
 }
-
-
-def _paper(args: argparse.Namespace, devices: list[str], results: dict) -> bool:
-    from towers.bench.costmodel.paper import paper_section
-
-    return paper_section(args, devices, results)
-
-
-def _memory(args: argparse.Namespace, devices: list[str], results: dict) -> bool:
-    from towers.bench.memory import memory_section
-
-    return memory_section(args, devices, results)
-
-
-def _phases(args: argparse.Namespace, devices: list[str], results: dict) -> bool:
-    from towers.bench.phases import phases_section
-
-    return phases_section(args, devices, results)
 
 
 STEP_VS_MIRRORED = 0.80
@@ -273,8 +253,6 @@ ALGBW_VS_ONE_PASS = 0.70
 
 
 def _algbw_target(rows: list[dict]) -> list[dict[str, Any]]:
-    from towers.bench.onepass import ONE_PASS
-
     timed = [r for r in rows if r.get("algbw") and r["kind"] != "calibration"]
     if not timed:
         return []

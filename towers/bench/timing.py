@@ -25,6 +25,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from towers.guard.arguments import positive_int
+
 __all__ = ["Samples", "interleave", "load_average", "paired_ratio", "progress"]
 
 
@@ -112,8 +114,9 @@ def interleave(
     """
     names = list(fns)
     per_name = {n: calls if isinstance(calls, int) else calls.get(n, 1) for n in names}
-    if rounds < 1 or min(per_name.values(), default=1) < 1:
-        raise ValueError(f"rounds and calls must be >= 1, got {rounds}, {calls}")
+    positive_int("rounds", rounds)
+    for name, count in per_name.items():
+        positive_int(f"calls[{name!r}]", count)
     for name in names:
         for _ in range(warmup):
             fns[name]()

@@ -35,6 +35,7 @@ import numpy as np
 import tensorflow as tf
 
 from towers import allreduce
+from towers.allreduce.bucketed import bucketed
 from towers.bench.timing import interleave, paired_ratio
 from towers.step import PLACEMENTS, TowerTrainer
 from towers.training.models import mlp, mnist_cnn
@@ -189,8 +190,6 @@ def towers_config(
 
 def fused_reducers() -> dict[str, Callable[[], Any]]:
     """Flat-buffer reducers (all of a step's gradients in one bucket): label -> factory."""
-    from towers.allreduce.bucketed import bucketed
-
     return {f"fused({name})": functools.partial(bucketed, name, None)
             for name in ("naive", "parameter_device")}
 

@@ -29,6 +29,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from towers.cluster import launch, local_cluster, resolve, set_logical_devices
+from towers.cluster.flat import AllTowers
+from towers.cluster.reducer import CrossWorker
+from towers.devices import set_local_task
+from towers.guard.arguments import int_at_least, positive_int
+
 __all__ = ["FIELDS", "SIZES_MB", "main", "run", "write_csv"]
 
 SIZES_MB = (1, 4, 16, 64)
@@ -41,8 +47,6 @@ def _functions(strategy: Any, workers: int, elements: int) -> dict[str, Any]:
     """One compiled all-reduce per implementation, for a float32 vector of ``elements``."""
     import tensorflow as tf
 
-    from towers.cluster.flat import AllTowers
-    from towers.cluster.reducer import CrossWorker
 
     device = "/device:CPU:0"
     with tf.device(device):
@@ -96,8 +100,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sizes", default=",".join(map(str, SIZES_MB)), help="megabytes")
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args(argv)
-    from towers.cluster import resolve, set_logical_devices
-    from towers.devices import set_local_task
 
     cluster = resolve()
     set_logical_devices(1)
@@ -149,12 +151,11 @@ def run(workers: int, out_dir: Path, sizes: list[int] | None = None, rounds: int
     Raises:
         ValueError: fewer than 2 workers, or a size or round count below 1.
     """
-    from towers.cluster import launch, local_cluster
-
     sizes = list(sizes or SIZES_MB)
-    if workers < 2 or rounds < 1 or min(sizes) < 1:
-        raise ValueError(f"need workers >= 2, rounds >= 1 and sizes >= 1 MB; got "
-                         f"{workers}, {rounds}, {sizes}")
+    int_at_least("workers", workers, 2)
+    positive_int("rounds", rounds)
+    for size in sizes:
+        positive_int("sizes (MB)", size)
     text = io.StringIO()
     command = [sys.executable, "-m", "towers.bench.workers", "--sizes",
                ",".join(map(str, sizes)), "--rounds", str(rounds)]

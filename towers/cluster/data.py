@@ -45,6 +45,7 @@ from typing import Any
 import tensorflow as tf
 
 from towers.cluster.spec import Cluster
+from towers.guard.arguments import check_choice
 
 __all__ = ["POLICIES", "global_to_worker_batches", "shard_dataset", "worker_of"]
 
@@ -98,8 +99,7 @@ def _file_list(dataset: Any) -> tf.data.Dataset | None:
 
 
 def _check_policy(policy: Any, read: Any) -> None:
-    if policy not in POLICIES:
-        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    check_choice("policy", policy, POLICIES)
     if read is not None and not callable(read):
         raise TypeError(f"read must be a callable (dataset of file names -> dataset of "
                         f"records), got {read!r}")

@@ -28,6 +28,7 @@ from typing import Any
 import tensorflow as tf
 from tensorflow.python.eager import context
 
+from towers.guard.arguments import positive_int
 from towers.guard.errors import TowersError
 
 __all__ = ["RuntimeStartedError", "configure_gpus", "runtime_started"]
@@ -58,8 +59,7 @@ def _check(visible: Any, memory_growth: Any, memory_limit_mb: Any) -> list[int] 
         if isinstance(memory_limit_mb, bool) or not isinstance(memory_limit_mb, int):
             raise TypeError(f"memory_limit_mb must be None or an int (MiB), got "
                             f"{memory_limit_mb!r}")
-        if memory_limit_mb < 1:
-            raise ValueError(f"memory_limit_mb must be at least 1, got {memory_limit_mb}")
+        positive_int("memory_limit_mb", memory_limit_mb)
         if memory_growth:
             raise ValueError("memory_growth=True and memory_limit_mb exclude each other "
                              "(TensorFlow refuses memory growth on a GPU with a memory limit)")

@@ -28,6 +28,7 @@ from typing import IO, Protocol
 
 from towers.cluster.local import TOWERS_ENV, local_cluster
 from towers.cluster.spec import Cluster, tf_config
+from towers.guard.arguments import non_negative_float
 
 __all__ = ["TIMEOUT_EXIT", "Sink", "TaskProcess", "launch", "start_servers"]
 
@@ -136,8 +137,7 @@ def launch(cluster: Cluster, towers: int, command: Sequence[str],
     Raises:
         ValueError: an empty command, a cluster without trainers or a negative grace.
     """
-    if not failure_grace >= 0:
-        raise ValueError(f"failure_grace must be at least 0 seconds, got {failure_grace}")
+    non_negative_float("failure_grace", failure_grace)
     if not command:
         raise ValueError("command is empty: give the program to run after --")
     if cluster.num_workers == 0:

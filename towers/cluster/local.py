@@ -18,6 +18,7 @@ import os
 import socket
 
 from towers.cluster.spec import Cluster
+from towers.guard.arguments import non_negative_int, positive_int
 
 __all__ = ["HOST", "TOWERS_ENV", "free_ports", "local_cluster", "towers_per_task"]
 
@@ -35,8 +36,7 @@ def free_ports(n: int, host: str = HOST) -> list[int]:
     Raises:
         ValueError: ``n`` < 0.
     """
-    if n < 0:
-        raise ValueError(f"n must be at least 0, got {n}")
+    non_negative_int("n", n)
     with contextlib.ExitStack() as stack:
         ports = []
         for _ in range(n):
@@ -61,10 +61,8 @@ def local_cluster(workers: int, ps: int = 0, chief: bool = False) -> Cluster:
         >>> sorted(local_cluster(2, ps=1).jobs)
         ['ps', 'worker']
     """
-    if workers < 1:
-        raise ValueError(f"workers must be at least 1, got {workers}")
-    if ps < 0:
-        raise ValueError(f"ps must be at least 0, got {ps}")
+    positive_int("workers", workers)
+    non_negative_int("ps", ps)
     ports = iter(free_ports(workers + ps + int(chief)))
     jobs: dict[str, tuple[str, ...]] = {}
     if chief:

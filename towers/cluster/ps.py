@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from towers.guard.arguments import check_choice, positive_float
 from towers.guard.errors import TowersError
 
 __all__ = [
@@ -99,8 +100,7 @@ def shard_variables(variables: Sequence[Any], ps_devices: Sequence[str],
     """
     if isinstance(ps_devices, str) or not ps_devices:
         raise ValueError(f"ps_devices must be a non-empty list of devices, got {ps_devices!r}")
-    if policy not in POLICIES:
-        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    check_choice("policy", policy, POLICIES)
     sizes = sizes_of(variables)
     if policy == "round_robin":
         return [ps_devices[i % len(ps_devices)] for i in range(len(sizes))]
@@ -265,16 +265,11 @@ def check_rule(learning_rate: Any, momentum: Any, timeout: Any) -> None:
         ValueError: a learning rate or timeout that is not a positive number, a momentum
             outside [0, 1).
     """
-    _check_positive(learning_rate, "learning_rate")
-    _check_positive(timeout, "timeout")
+    positive_float("learning_rate", learning_rate)
+    positive_float("timeout", timeout)
     if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) \
             or not 0.0 <= momentum < 1.0:
         raise ValueError(f"momentum must be a float in [0, 1), got {momentum!r}")
-
-
-def _check_positive(value: Any, name: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{name} must be a positive number, got {value!r}")
 
 
 def _device_of(variable: Any) -> str:

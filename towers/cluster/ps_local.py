@@ -25,6 +25,7 @@ from towers.cluster.launcher import SERVER_COMMAND, ServingWatch, TaskProcess
 from towers.cluster.local import local_cluster
 from towers.cluster.runtime import connect
 from towers.cluster.spec import Cluster
+from towers.guard.arguments import positive_int
 
 __all__ = ["LocalPSCluster", "connect_ps", "local_ps_cluster"]
 
@@ -53,8 +54,7 @@ def local_ps_cluster(workers: int, ps: int, towers_per_worker: int, *,
         ValueError: fewer than 1 worker or 1 ps.
         RuntimeError: a server exited or did not start within ``ready_timeout``.
     """
-    if ps < 1:
-        raise ValueError(f"ps must be at least 1, got {ps}")
+    positive_int("ps", ps)
     cluster = local_cluster(workers, ps=ps, chief=chief)
     lock = threading.Lock()
     tasks, watches = {}, []

@@ -32,8 +32,8 @@ import numpy as np
 import tensorflow as tf
 
 from towers.cluster.ps import POLICIES, ParameterStore, check_rule
+from towers.guard.arguments import check_choice, non_negative_int, optional
 from towers.guard.errors import NonFiniteError
-from towers.guard.inputs import check_choice
 from towers.guard.nonfinite import NONFINITE, describe, gather_codes
 from towers.step import TowerTrainer
 
@@ -121,9 +121,7 @@ class AsyncTrainer:
         check_choice("policy", policy, POLICIES)
         if isinstance(workers, str) or not workers or any(not w for w in workers):
             raise ValueError(f"workers must be a non-empty list of tower lists, got {workers!r}")
-        if max_staleness is not None and (isinstance(max_staleness, bool) or
-                                          not isinstance(max_staleness, int) or max_staleness < 0):
-            raise ValueError(f"max_staleness must be None or an int >= 0, got {max_staleness!r}")
+        optional(non_negative_int, "max_staleness", max_staleness)
         self.max_staleness = max_staleness
         self.workers = [
             TowerTrainer(model, keras.optimizers.SGD(learning_rate), loss, devices=list(towers),

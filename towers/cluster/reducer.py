@@ -48,6 +48,7 @@ from tensorflow.python.ops import collective_ops
 
 from towers.allreduce import send
 from towers.cluster.spec import resolve
+from towers.guard.arguments import positive_float, positive_int
 
 __all__ = ["KEY_START", "CrossWorker"]
 
@@ -74,13 +75,11 @@ def check_cross_worker(num_workers: int | None, op: str, timeout_seconds: float)
     Raises:
         ValueError: a bad worker count, op or timeout, naming it.
     """
-    workers = resolve().num_workers if num_workers is None else num_workers
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise ValueError(f"num_workers must be a positive int, got {workers!r}")
+    workers = positive_int(
+        "num_workers", resolve().num_workers if num_workers is None else num_workers)
     if op not in ("mean", "sum"):
         raise ValueError(f"op must be 'mean' or 'sum', got {op!r}")
-    if not timeout_seconds > 0:
-        raise ValueError(f"timeout_seconds must be positive, got {timeout_seconds}")
+    positive_float("timeout_seconds", timeout_seconds)
     return workers
 
 

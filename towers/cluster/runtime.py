@@ -29,6 +29,7 @@ from towers.allreduce.ordering import REWRITES
 from towers.cluster.local import towers_per_task
 from towers.cluster.spec import Cluster, resolve
 from towers.devices import set_local_task
+from towers.guard.arguments import positive_int
 
 __all__ = ["connect", "serve", "set_logical_devices", "start_server", "start_worker"]
 
@@ -40,8 +41,7 @@ def set_logical_devices(n: int) -> None:
         ValueError: ``n`` < 1.
         RuntimeError: the runtime already started with another count (what to do).
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"towers per task must be a positive int, got {n!r}")
+    n = positive_int("towers per task", n)
     cpu = tf.config.list_physical_devices("CPU")[0]
     configs = tf.config.get_logical_device_configuration(cpu)
     if configs is not None and len(configs) == n:
@@ -132,8 +132,7 @@ def start_server(cluster: Any = None, towers: int | None = None) -> tf.distribut
     found = resolve(cluster)
     _need_task(found, "start_server")
     n = towers_per_task() if towers is None else towers
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"towers per task must be a positive int, got {n!r}")
+    n = positive_int("towers per task", n)
     # The server's devices come from its own ConfigProto, not from the eager context's
     # logical-device configuration (measured: that one leaves the server with CPU:0 only).
     config = tf.compat.v1.ConfigProto(device_count={"CPU": n})

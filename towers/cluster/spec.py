@@ -26,6 +26,8 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from towers.guard.arguments import positive_int
+
 __all__ = ["TASK_TYPES", "Cluster", "resolve", "tf_config"]
 
 TASK_TYPES = ("chief", "worker", "ps", "evaluator")
@@ -91,8 +93,7 @@ class Cluster:
         Raises:
             ValueError: an unknown job, a count below 1 or an unknown kind.
         """
-        if towers_per_task < 1:
-            raise ValueError(f"towers_per_task must be at least 1, got {towers_per_task}")
+        positive_int("towers_per_task", towers_per_task)
         if kind not in ("CPU", "GPU"):
             raise ValueError(f"kind must be 'CPU' or 'GPU', got {kind!r}")
         if job not in self.jobs:

@@ -27,6 +27,7 @@ from tensorflow.python.ops import collective_ops
 
 from towers.cluster.flat import AllTowers
 from towers.cluster.reducer import _key_block, check_cross_worker
+from towers.guard.arguments import non_negative_int
 from towers.guard.inputs import batch_tensors
 from towers.split import Shards, shard_sizes
 from towers.step import Reduced, TowerTrainer
@@ -45,8 +46,7 @@ def worker_slice(batch_size: int, workers: int, worker: int) -> slice:
         >>> [worker_slice(5, 2, k) for k in (0, 1)]
         [slice(0, 3, None), slice(3, 5, None)]
     """
-    if batch_size < 0:
-        raise ValueError(f"batch_size must be at least 0, got {batch_size}")
+    non_negative_int("batch_size", batch_size)
     if workers < 1 or not 0 <= worker < workers:
         raise ValueError(f"worker must be in [0, {workers}), got {worker}")
     cut = np.cumsum([0, *shard_sizes(batch_size, workers)])

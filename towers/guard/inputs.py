@@ -9,7 +9,7 @@ lists every case the tests hold, with the error it gets.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import keras
@@ -18,7 +18,7 @@ import tensorflow as tf
 
 from towers.split import check_batch
 
-__all__ = ["batch_tensors", "check_batch_against_model", "check_choice", "check_kinds", "naming"]
+__all__ = ["batch_tensors", "check_batch_against_model", "check_kinds", "naming"]
 
 T = TypeVar("T")
 
@@ -39,17 +39,6 @@ def naming(name: str, check: Callable[[], T]) -> T:
         if type(err) not in (TypeError, ValueError) or re.search(rf"\b{name}\b", str(err)):
             raise
         raise type(err)(f"{name}: {err}") from err
-
-
-def check_choice(name: str, value: object, choices: Sequence[str]) -> str:
-    """``value`` when it is one of ``choices``.
-
-    Raises:
-        ValueError: it is not (the message lists the choices).
-    """
-    if not isinstance(value, str) or value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
-    return value
 
 
 def _kind(obj: object) -> str | None:

@@ -35,6 +35,7 @@ import keras
 import tensorflow as tf
 
 from towers.allreduce.primitives import send
+from towers.guard.arguments import check_choice
 
 __all__ = ["REDUCE_DTYPES", "LossScale", "is_loss_scaled"]
 
@@ -95,10 +96,7 @@ class LossScale:
     """
 
     def __init__(self, optimizer: Any, model: keras.Model, reduce_dtype: str = "float32") -> None:
-        if reduce_dtype not in REDUCE_DTYPES:
-            raise ValueError(
-                f"reduce_dtype must be one of {', '.join(REDUCE_DTYPES)}; got {reduce_dtype!r}"
-            )
+        check_choice("reduce_dtype", reduce_dtype, REDUCE_DTYPES)
         self.active = is_loss_scaled(optimizer)
         self.reduce_dtype = reduce_dtype
         compute = tf.as_dtype(model.dtype_policy.compute_dtype)

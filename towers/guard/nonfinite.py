@@ -52,6 +52,7 @@ import numpy as np
 import tensorflow as tf
 
 from towers.allreduce.primitives import send
+from towers.guard.arguments import check_choice
 from towers.guard.errors import NonFiniteError
 
 __all__ = ["NONFINITE", "Guard", "describe", "gather_codes", "tower_code"]
@@ -130,8 +131,7 @@ class Guard:
 
     def __init__(self, mode: str, towers: int, device: str, loss_scaled: bool = False,
                  agree: Callable[[tf.Tensor], tf.Tensor] | None = None) -> None:
-        if mode not in NONFINITE:
-            raise ValueError(f"on_nonfinite must be one of {', '.join(NONFINITE)}; got {mode!r}")
+        check_choice("on_nonfinite", mode, NONFINITE)
         self.mode, self.device, self.loss_scaled, self.agree = mode, device, loss_scaled, agree
         # the code bits that skip (and raise): all of them, or all but the gradients'
         self.fatal = 7 & ~_GRADIENTS if loss_scaled else 7

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from towers.guard.arguments import optional, positive_int
 from towers.guard.errors import ReplicaMismatchError
 
 __all__ = ["ReplicaCheck", "checksum"]
@@ -58,9 +59,7 @@ class ReplicaCheck:
     """
 
     def __init__(self, every: int | None) -> None:
-        if every is not None and (isinstance(every, bool) or not isinstance(every, int)
-                                  or every < 1):  # fmt: skip
-            raise ValueError(f"check_replicas_every must be None or an int >= 1; got {every!r}")
+        optional(positive_int, "check_replicas_every", every)
         self.every, self.steps = every, 0
         self._sums: Any = None
 

@@ -59,6 +59,7 @@ Example:
 
 from __future__ import annotations
 
+from towers.guard.arguments import non_negative_int, positive_int
 from towers.schedule.classic import ring_schedule
 from towers.schedule.ir import Schedule, Step
 
@@ -75,14 +76,8 @@ __all__ = [
 ]
 
 
-def _positive(name: str, value: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    return value
-
-
 def _towers(n: int) -> int:
-    return _positive("n (the tower count)", n)
+    return positive_int("n (the tower count)", n)
 
 
 def even_sizes(length: int, pieces: int) -> list[int]:
@@ -95,9 +90,8 @@ def even_sizes(length: int, pieces: int) -> list[int]:
         >>> even_sizes(10, 4), even_sizes(2, 3)
         ([3, 3, 2, 2], [1, 1, 0])
     """
-    if isinstance(length, bool) or not isinstance(length, int) or length < 0:
-        raise ValueError(f"length must be an int >= 0, got {length!r}")
-    base, extra = divmod(length, _positive("pieces", pieces))
+    non_negative_int("length", length)
+    base, extra = divmod(length, positive_int("pieces", pieces))
     return [base + (i < extra) for i in range(pieces)]
 
 
@@ -193,7 +187,7 @@ def chain_broadcast(n: int, chunks: int = 4) -> Schedule:
     Raises:
         ValueError: ``n`` or ``chunks`` not an int >= 1.
     """
-    _towers(n), _positive("chunks", chunks)
+    _towers(n), positive_int("chunks", chunks)
     ticks = [tuple(Step(p, p + 1, t - p, "copy") for p in range(n - 1) if 0 <= t - p < chunks)
              for t in range(chunks + n - 2)] if n > 1 else []
     return Schedule("chain_broadcast", n, chunks, tuple(ticks), "broadcast")

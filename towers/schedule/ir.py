@@ -35,6 +35,8 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
+from towers.guard.arguments import positive_int
+
 __all__ = [
     "COLLECTIVES",
     "KINDS",
@@ -89,8 +91,8 @@ class Schedule:
     owners: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        if self.towers < 1 or self.chunks < 1:
-            raise ValueError(f"towers and chunks must be >= 1, got {self.towers}, {self.chunks}")
+        positive_int("towers", self.towers)
+        positive_int("chunks", self.chunks)
         if self.collective not in COLLECTIVES:
             raise ValueError(f"collective must be one of {COLLECTIVES}, got {self.collective!r}")
         ticks = tuple(

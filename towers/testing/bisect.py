@@ -44,6 +44,9 @@ from typing import Any
 import keras
 import numpy as np
 
+from towers.allreduce.registry import algorithm_name
+from towers.devices import local_devices
+from towers.step import TowerTrainer
 from towers.testing.onestep import (
     Difference,
     algorithm_depth,
@@ -83,8 +86,6 @@ class Config:
     @property
     def name(self) -> str:
         """The label, or a name made from ``all_reduce``."""
-        from towers.allreduce.registry import algorithm_name
-
         spec = self.all_reduce
         if self.label or isinstance(spec, str):
             return self.label or spec
@@ -183,7 +184,6 @@ def _trainer(side: Config, model_fn: Any, optimizer_fn: Any, loss: Any, devices:
 
         cls = MirroredTrainer if side.all_reduce == "mirrored" else CentralStorageTrainer
         return cls(model_fn, optimizer_fn, loss, devices)
-    from towers.step import TowerTrainer
 
     return TowerTrainer(model_fn, optimizer_fn, loss, devices=devices,
                         all_reduce=side.all_reduce, variables=side.variables,
@@ -253,10 +253,8 @@ def bisect(
         ValueError: bad configurations, tower count, batches or steps; an optimizer
             other than plain SGD against a reference.
     """
-    import towers as towers_pkg
-
     side_a, side_b = config(config_a), config(config_b)
-    devices = towers_pkg.local_devices()
+    devices = local_devices()
     if isinstance(towers, bool) or not isinstance(towers, int) or not 1 <= towers <= len(devices):
         have = len(devices)
         raise ValueError(f"towers must be an integer in 1..{have} (devices), got {towers!r}")

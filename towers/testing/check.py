@@ -40,6 +40,8 @@ from hypothesis import strategies as st
 
 from towers.allreduce.base import DTYPES, OPS, AllReduce
 from towers.allreduce.registry import algorithm_name
+from towers.allreduce.resolve import get
+from towers.devices import local_devices
 from towers.testing.bounds import unit_roundoff
 from towers.testing.properties import Case, cases, check_case, describe, replay_refusal, unchecked
 from towers.testing.values import (
@@ -102,8 +104,6 @@ class _Failed(AssertionError):
 
 def _devices(devices: Sequence[str] | None, max_towers: int) -> list[str]:
     if devices is None:
-        from towers.devices import local_devices
-
         devices = local_devices()
     if len(devices) < max_towers:
         raise ValueError(
@@ -212,8 +212,6 @@ def check_all_reduce(
         >>> print(report)                                      # doctest: +SKIP
         PASS: naive (20 examples run)
     """
-    from towers.allreduce import get
-
     algorithm = get(fn)
     name = fn if isinstance(fn, str) else algorithm_name(fn)
     options = _Options(_devices(devices, max_towers), replay, seed)

@@ -47,6 +47,8 @@ from typing import Any
 import keras
 import numpy as np
 
+from towers.devices import local_devices
+from towers.step import TowerTrainer
 from towers.testing.onestep import (
     Difference,
     algorithm_depth,
@@ -169,15 +171,13 @@ def check_invariance(
         ValueError: a tower count outside ``1..len(local devices)`` or repeated, no
             batches, bad ``steps``; the trainer's own errors for bad models and options.
     """
-    import towers as towers_pkg
-
-    devices = towers_pkg.local_devices()
+    devices = local_devices()
     counts = _check_towers(towers, len(devices))
     data = take_batches(batches, steps)
     trainers = {
-        n: towers_pkg.TowerTrainer(model_fn, optimizer_fn, loss, devices=devices[:n],
-                                   all_reduce=all_reduce, variables=variables,
-                                   check_algorithm=False)  # this check reports on it instead
+        n: TowerTrainer(model_fn, optimizer_fn, loss, devices=devices[:n],
+                        all_reduce=all_reduce, variables=variables,
+                        check_algorithm=False)  # this check reports on it instead
         for n in counts
     }  # fmt: skip
     ref = trainers[counts[0]]

@@ -43,7 +43,12 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from towers.allreduce.registry import record_of
+from towers.guard.arguments import optional, positive_int
+from towers.split import shard_sizes
 from towers.testing.bounds import sgd_step_bound, sum_bound
+from towers.testing.strategies import per_tower_gradients
+from towers.tower import resolve_loss, tower_step
 
 __all__ = [
     "Difference",
@@ -100,8 +105,7 @@ def take_batches(batches: Iterable[Any], steps: int | None) -> list[tuple[Any, A
         ValueError: no batches, fewer than ``steps``, a batch that is not ``(x, y)``,
             or ``steps`` not an integer >= 1.
     """
-    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
-        raise ValueError(f"steps must be an integer >= 1 or None, got {steps!r}")
+    optional(positive_int, "steps", steps)
     out = []
     for k, batch in enumerate(batches):
         if steps is not None and k == steps:
@@ -148,8 +152,6 @@ def example_gradients(
     losses are shared out as ``B`` towers would): the independent path that sizes the
     bound, never the thing under test.
     """
-    from towers.tower import resolve_loss, tower_step
-
     fn = resolve_loss(loss)
     trainable = [tf.convert_to_tensor(v.value) for v in model.trainable_variables]
     frozen = [tf.convert_to_tensor(v.value) for v in model.non_trainable_variables]
@@ -172,8 +174,6 @@ def run_devices(trainer: Any) -> list[str]:
 def algorithm_depth(trainer: Any) -> int:
     """The all-reduce's summation depth: its record's, else ``n − 1`` (any tree of n leaves;
     also a ``tf.distribute`` reference's, whose collective order is not ours to know)."""
-    from towers.allreduce.registry import record_of
-
     n = len(run_devices(trainer))
     record = record_of(getattr(trainer, "algorithm", None))
     depth = record.summation_depth(n) if record is not None else None
@@ -182,8 +182,6 @@ def algorithm_depth(trainer: Any) -> int:
 
 def kernel_depth(batch: int, towers: int) -> int:
     """Roundings of a leaf inside a tower: ``largest shard − 1`` additions, one product."""
-    from towers.split import shard_sizes
-
     return max(shard_sizes(batch, towers)) - 1 + 1
 
 
@@ -286,8 +284,6 @@ def update_step(
     Returns:
         (one :class:`Difference` per trainable weight, A's and B's weights after the step).
     """
-    from towers.testing.strategies import per_tower_gradients
-
     a, b = runs
     weights = a.get_weights()
     b.set_weights(weights)

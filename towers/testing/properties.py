@@ -20,6 +20,7 @@ from towers.allreduce.recording import Recorder, record
 from towers.allreduce.registry import algorithm_name, record_of
 from towers.devices import canonical_device
 from towers.testing.bounds import sum_bound
+from towers.testing.replay import ReplayError, replay
 from towers.testing.values import assert_close, is_float, tower_values
 
 __all__ = ["Case", "cases", "check_case", "describe", "replay_refusal", "unchecked"]
@@ -153,8 +154,6 @@ def _check_replay(
     fn: Any, results: list[np.ndarray], case: Case, devices: Sequence[str]
 ) -> list[str]:
     """Check 4: bitwise equal to the NumPy replay; a replay that cannot run is a failure."""
-    from towers.testing.replay import ReplayError, replay
-
     refused = replay_refusal(fn)
     if refused:
         return [refused]

@@ -55,6 +55,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from towers.devices import local_devices
 from towers.testing.kernels import KERNELS, ReplayError, np_dtype
 
 __all__ = ["KERNELS", "ReplayError", "is_opaque", "replay", "supported_ops"]
@@ -256,8 +257,6 @@ def replay(
     if not arrays:
         raise ValueError("arrays is empty: expected one array per tower")
     if devices is None:
-        from towers.devices import local_devices
-
         devices = local_devices()
     if len(devices) < len(arrays):
         raise ValueError(

@@ -28,7 +28,10 @@ import keras
 import numpy as np
 from hypothesis import strategies as st
 
+from towers.guard.arguments import check_choice
+from towers.split import shard_sizes
 from towers.testing.values import ulp_distance
+from towers.tower import resolve_loss, tower_step
 
 __all__ = [
     "CENTRAL_STORAGE_FAMILIES",
@@ -109,8 +112,7 @@ class ModelSpec:
 
     def build(self) -> keras.Model:
         """A fresh, built model; two calls give bitwise-identical weights."""
-        if self.family not in FAMILIES:
-            raise ValueError(f"family must be one of {', '.join(FAMILIES)}; got {self.family!r}")
+        check_choice("family", self.family, FAMILIES)
         inp, h = self._body()
         out = keras.layers.Dense(self.classes, kernel_initializer=self._init(1))(h)
         return keras.Model(inp, out)
@@ -156,8 +158,6 @@ class TrainingCase:
 
 def no_empty_shards(batch: int, n: int) -> int:
     """The smallest batch ≥ ``batch`` that leaves no tower empty (13 over 8 would not)."""
-    from towers.split import shard_sizes
-
     batch = max(batch, n)
     while 0 in shard_sizes(batch, n):
         batch += 1
@@ -272,8 +272,6 @@ def per_tower_gradients(
     """
     import tensorflow as tf
 
-    from towers.split import shard_sizes
-    from towers.tower import resolve_loss, tower_step
 
     fn = resolve_loss(loss or loss_fn())
     trainable = [tf.convert_to_tensor(v.value) for v in model.trainable_variables]

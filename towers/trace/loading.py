@@ -25,6 +25,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from towers.allreduce.base import GradientReducer
+from towers.allreduce.recording import record
+from towers.allreduce.registry import algorithm_name
+from towers.allreduce.resolve import get
+from towers.devices import local_devices, simulate_devices
+
 __all__ = ["is_reducer", "load_algorithm", "start_devices"]
 
 
@@ -34,12 +40,10 @@ def start_devices(n: int) -> list[str]:
     Raises:
         RuntimeError: TensorFlow already started with fewer than ``n`` devices.
     """
-    import towers
-
     try:
-        return towers.simulate_devices(n)
+        return simulate_devices(n)
     except RuntimeError:
-        have = towers.local_devices()
+        have = local_devices()
         if len(have) < n:
             raise
         return have[:n]
@@ -75,8 +79,6 @@ def _import(module: str, attr: str) -> Any:
 
 def is_reducer(obj: Any) -> bool:
     """A :class:`~towers.allreduce.base.GradientReducer` (all gradients at once)?"""
-    from towers.allreduce.base import GradientReducer
-
     return not isinstance(obj, type) and isinstance(obj, GradientReducer)
 
 
@@ -103,7 +105,6 @@ def _is_algorithm(obj: Any, devices: Sequence[str]) -> bool:
         pass
     import tensorflow as tf
 
-    from towers.allreduce.recording import record
 
     values = []
     for i, device in enumerate(devices[:2]):
@@ -131,9 +132,6 @@ def load_algorithm(spec: str | Callable[..., Any], devices: Sequence[str]) -> tu
         ValueError: an unknown name, a module that does not import, a missing attribute.
         TypeError: the attribute (or what its factory returns) is not callable.
     """
-    from towers.allreduce import get
-    from towers.allreduce.registry import algorithm_name
-
     if isinstance(spec, str) and ":" not in spec:
         try:
             return spec, get(spec)

@@ -37,7 +37,12 @@ from typing import Any
 
 import numpy as np
 
-from towers.allreduce.recording import Transfer
+from towers.allreduce.base import check_op
+from towers.allreduce.recording import Transfer, record
+from towers.allreduce.registry import record_of
+from towers.devices import canonical_device
+from towers.guard.arguments import positive_int
+from towers.testing.values import ulp_distance
 from towers.trace.loading import is_reducer, load_algorithm, start_devices
 from towers.trace.ticks import TraceRow, assign_ticks, chunk_ownership
 
@@ -123,8 +128,6 @@ def _expected(arrays: Sequence[np.ndarray], op: str) -> np.ndarray:
 
 def _estimates(fn: Any, devices: Sequence[str], nbytes: int) -> list[Transfer]:
     """One estimated row per tower from an estimated record (silent opaque collectives)."""
-    from towers.allreduce.registry import record_of
-
     configured = record_of(fn)
     if configured is None or not configured.algorithm.estimated or len(devices) < 2:
         return []
@@ -139,8 +142,6 @@ def _estimates(fn: Any, devices: Sequence[str], nbytes: int) -> list[Transfer]:
 
 def _formula_bytes(fn: Any, n: int, nbytes: int, itemsize: int) -> tuple[int, ...] | None:
     """The record's exact ``bytes_sent`` (None: no record, an estimate, or no formula here)."""
-    from towers.allreduce.registry import record_of
-
     configured = record_of(fn)
     if configured is None or configured.algorithm.estimated:
         return None
@@ -152,8 +153,6 @@ def _formula_bytes(fn: Any, n: int, nbytes: int, itemsize: int) -> tuple[int, ..
 
 
 def _places(transfers: Sequence[Transfer], devices: Sequence[str]) -> list[str]:
-    from towers.devices import canonical_device
-
     places = [canonical_device(d) for d in devices]
     for t in transfers:
         for device in (t.src, t.dst):
@@ -165,7 +164,6 @@ def _places(transfers: Sequence[Transfer], devices: Sequence[str]) -> list[str]:
 def _run(fn: Any, name: str, devices: Sequence[str], arrays: list[np.ndarray], op: str) -> Any:
     import tensorflow as tf
 
-    from towers.allreduce.recording import record
 
     values = []
     for array, device in zip(arrays, devices):
@@ -209,12 +207,8 @@ def trace_all_reduce(
     Raises:
         ValueError: a bad ``op`` or ``size``, an unknown algorithm, wrong output count.
     """
-    from towers.allreduce.base import check_op
-    from towers.testing.values import ulp_distance
-
     check_op(op)
-    if size < 1:
-        raise ValueError(f"size must be at least 1, got {size}")
+    positive_int("size", size)
     resolved, fn = load_algorithm(algorithm, devices)
     name = name or resolved
     if is_reducer(fn):

@@ -37,6 +37,14 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+from towers.allreduce.ordering import as_written
+from towers.allreduce.recording import record
+from towers.step import TowerTrainer
+from towers.trace.loading import load_algorithm
+from towers.trace.ticks import assign_ticks
+from towers.training.data import digits
+from towers.training.models import digits_cnn
+
 __all__ = ["BOOKKEEPING", "build_timeline", "validate"]
 
 BOOKKEEPING = ("loss", "state")
@@ -65,17 +73,12 @@ class _Setup(NamedTuple):
 def _setup(args: argparse.Namespace, devices: list[str]) -> _Setup:
     import keras
 
-    import towers
-    from towers.trace.loading import load_algorithm
-    from towers.training.data import digits
-    from towers.training.models import digits_cnn
-
     # Registry names go to the trainer as names ("parameter_device" means its device).
     algorithm = args.algorithm
     if ":" in algorithm:
         algorithm = load_algorithm(algorithm, devices)[1]
     x, y, _, _ = digits(seed=args.seed)
-    trainer = towers.TowerTrainer(
+    trainer = TowerTrainer(
         lambda: digits_cnn(args.seed),
         lambda: keras.optimizers.SGD(0.05),
         keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -107,8 +110,6 @@ def _group(grads: Any, transfers: list[Any]) -> tuple[int, list[Any]]:
 
 
 def _measure(setup: _Setup, repeats: int, bar: Any) -> _Phases:
-    from towers.allreduce.recording import record
-
     trainer = setup.trainer
     shards = trainer.split(*setup.batch)
     forward, backward = [], []
@@ -145,8 +146,6 @@ def _places(devices: Sequence[str], groups: list[tuple[int, list[Any]]]) -> list
 
 def _ticks(groups: list[tuple[int, list[Any]]], places: list[str]) -> dict[int, dict[str, Any]]:
     """Per tick, summed over every all-reduce call: bytes, and per place what it sent/got."""
-    from towers.trace.ticks import assign_ticks
-
     out: dict[int, dict[str, Any]] = {}
     for whole, transfers in groups:
         for row in assign_ticks(transfers, places, whole):
@@ -275,7 +274,6 @@ def build_timeline(args: argparse.Namespace, devices: list[str]) -> tuple[dict[s
     """
     import keras
 
-    from towers.allreduce.ordering import as_written
 
     setup = _setup(args, devices)
     bar = keras.utils.Progbar(len(devices) + 3, unit_name="phase")

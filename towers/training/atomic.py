@@ -42,6 +42,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from towers.guard.arguments import non_negative_int, optional, positive_int
 from towers.guard.errors import CheckpointError
 
 __all__ = ["check_directory", "checkpoints", "latest", "verify", "write"]
@@ -116,7 +117,8 @@ def write(
         The new checkpoint's prefix, ``directory/ckpt-<number>/state`` (``ckpt-<number>.<k>``
         when that number was saved before: the old one is deleted once this one is in place).
     """
-    _check_counts(number, keep)
+    non_negative_int("number", number)
+    optional(positive_int, "keep", keep)
     root = check_directory(directory)
     root.mkdir(parents=True, exist_ok=True)
     name = f"ckpt-{number:08d}"
@@ -141,13 +143,6 @@ def write(
         for stale in checkpoints(root)[:-keep]:
             shutil.rmtree(Path(stale).parent, ignore_errors=True)
     return str(final / PREFIX)
-
-
-def _check_counts(number: Any, keep: Any) -> None:
-    if isinstance(number, bool) or not isinstance(number, int) or number < 0:
-        raise ValueError(f"number must be an int >= 0; got {number!r}")
-    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
-        raise ValueError(f"keep must be None or an int >= 1; got {keep!r}")
 
 
 def _point(root: Path, name: str) -> None:

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from towers.guard.arguments import optional, positive_int
 from towers.guard.errors import CheckpointError
 from towers.training import atomic
 from towers.training.checkpoint import checkpoint, restore
@@ -110,11 +111,8 @@ class Backup:
         data: dict[str, Any],
     ) -> None:  # fmt: skip
         atomic.check_directory(directory, "checkpoint_dir")
-        if every is not None and (isinstance(every, bool) or not isinstance(every, int)
-                                  or every < 1):  # fmt: skip
-            raise ValueError(f"checkpoint_every must be None or an int >= 1; got {every!r}")
-        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-            raise ValueError(f"checkpoint_keep must be an int >= 1; got {keep!r}")
+        optional(positive_int, "checkpoint_every", every)
+        positive_int("checkpoint_keep", keep)
         self.trainer, self.directory, self.every, self.keep = trainer, directory, every, keep
         self.data = data
         self.batches = 0  # batches trained over the whole run, resumed ones included

@@ -9,6 +9,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from towers.guard.arguments import positive_int
+
 __all__ = ["batches", "digits"]
 
 
@@ -35,8 +37,7 @@ def batches(
     x: np.ndarray, y: np.ndarray, batch_size: int, seed: int
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """One epoch of shuffled batches; the last may be smaller (uneven over towers)."""
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+    positive_int("batch_size", batch_size)
     order = np.random.default_rng(seed).permutation(len(x))
     for start in range(0, len(x), batch_size):
         idx = order[start : start + batch_size]

@@ -53,6 +53,7 @@ import numpy as np
 import tensorflow as tf
 
 from towers.allreduce.ordering import as_written
+from towers.guard.arguments import non_negative_int, optional
 from towers.guard.inputs import naming
 from towers.training.backup import Backup, data_facts
 from towers.training.inference import inference
@@ -62,7 +63,6 @@ from towers.training.sources import (
     Batch,
     Source,
     batch_length,
-    check_int,
     inputs,
     source,
     validation_source,
@@ -235,7 +235,7 @@ def fit(
         >>> history = trainer.fit(x, y, batch_size=64, epochs=3,        # doctest: +SKIP
         ...                       validation_data=(x_val, y_val), metrics=["accuracy"])
     """
-    epochs = check_int("epochs", epochs, 0)
+    epochs = non_negative_int("epochs", epochs)
     train = source(x, y, sample_weight, batch_size, need_y=True)
     val = None if validation_data is None else naming(
         "validation_data", lambda: validation_source(validation_data, batch_size))  # fmt: skip
@@ -243,8 +243,7 @@ def fit(
     for name, flag in (("shuffle", shuffle), ("resume", resume)):
         if not isinstance(flag, bool | np.bool_):
             raise TypeError(f"{name} must be True or False, got {flag!r}")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-        raise ValueError(f"seed must be None or an int >= 0, got {seed!r}")
+    optional(non_negative_int, "seed", seed)
     rng = np.random.default_rng(seed) if shuffle else None
     trainer.model.stop_training = False
     if not hasattr(trainer.model, "optimizer"):

@@ -14,15 +14,11 @@ from typing import Any, TypeAlias
 import numpy as np
 import tensorflow as tf
 
-__all__ = ["Batch", "Source", "batch_length", "check_int", "inputs", "source", "validation_source"]
+from towers.guard.arguments import positive_int
+
+__all__ = ["Batch", "Source", "batch_length", "inputs", "source", "validation_source"]
 
 Batch: TypeAlias = tuple[Any, Any, Any]
-
-
-def check_int(name: str, value: Any, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-    return int(value)
 
 
 def _length(name: str, value: Any) -> int:
@@ -82,7 +78,7 @@ def source(x: Any, y: Any, sample_weight: Any, batch_size: int, *, need_y: bool)
     Raises:
         ValueError: naming the argument at fault (see :func:`fit`).
     """
-    batch_size = check_int("batch_size", batch_size, 1)
+    batch_size = positive_int("batch_size", batch_size)
     if isinstance(x, tf.data.Dataset):
         for name, value in (("y", y), ("sample_weight", sample_weight)):
             if value is not None:
@@ -126,7 +122,7 @@ def inputs(x: Any, batch_size: int) -> tuple[Iterator[Any], int | None]:
     if not isinstance(x, tf.data.Dataset):
         src = source(x, None, None, batch_size, need_y=False)
         return (xb for xb, _, _ in src.epoch()), src.steps
-    check_int("batch_size", batch_size, 1)
+    positive_int("batch_size", batch_size)
     steps = int(x.cardinality())
     elements = (e[0] if isinstance(e, tuple) and len(e) in (1, 2, 3) else e for e in x)
     return elements, steps if steps >= 0 else None

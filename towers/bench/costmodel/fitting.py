@@ -18,6 +18,7 @@ import numpy as np
 
 from towers.bench.costmodel import model as costmodel
 from towers.bench.costmodel.model import Link
+from towers.guard.arguments import check_choice
 
 __all__ = ["SPLITS", "compare", "fit", "format_table", "holdout", "split_sizes"]
 
@@ -173,12 +174,10 @@ def split_sizes(
         ([1, 2, 3], [4, 5])
     """
     ordered = sorted(set(sizes))
-    if how == "interleaved":
+    if check_choice("how", how, SPLITS) == "interleaved":
         return ordered[::2], ordered[1::2]
-    if how == "extrapolated":
-        half = (len(ordered) + 1) // 2
-        return ordered[:half], ordered[half:]
-    raise ValueError(f"how must be one of {', '.join(SPLITS)}, got {how!r}")
+    half = (len(ordered) + 1) // 2
+    return ordered[:half], ordered[half:]
 
 
 def holdout(

@@ -65,6 +65,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from towers.guard.arguments import non_negative_float, positive_int
+
 __all__ = [
     "ALGORITHMS", "DEFAULT_TOWERS", "NCCL_H100_RING_BUSBW", "PRESETS", "Coefficients", "Link",
     "algbw", "busbw", "coefficients", "predict",
@@ -100,9 +102,7 @@ class Link:
 
     def __post_init__(self) -> None:
         for field in ("alpha", "beta", "gamma"):
-            value = getattr(self, field)
-            if not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
-                raise ValueError(f"Link.{field} must be a finite number >= 0, got {value!r}")
+            non_negative_float(f"Link.{field}", getattr(self, field))
 
     @property
     def bandwidth(self) -> float:
@@ -127,12 +127,6 @@ PRESETS: dict[str, Link] = {
 }
 
 
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    return int(value)
-
-
 # The per-algorithm formulas live in the algorithms' records (``towers.allreduce.registry``,
 # each module's ``cost``); here only the two calibration rows, which are not algorithms.
 def _send(n: int, s: float) -> Coefficients:
@@ -152,7 +146,7 @@ def _formulas() -> dict[str, Callable[..., Coefficients]]:
 
     Imported when first needed, so this module loads without TensorFlow.
     """
-    from towers.allreduce.registry import ALGORITHMS as records
+    from towers.allreduce.registry import ALGORITHMS as records  # TensorFlow: kept lazy
 
     costs = {name: r.cost for name, r in records.items() if r.cost is not None}
     return {**costs, **_CALIBRATION_FORMULAS}
@@ -169,11 +163,8 @@ def __getattr__(name: str) -> Any:
 
 
 def _check_size(n: Any, nbytes: Any) -> int:
-    n = _positive_int("n", n)
-    if isinstance(nbytes, bool) or not isinstance(nbytes, numbers.Real):
-        raise ValueError(f"nbytes must be a number, got {nbytes!r}")
-    if not math.isfinite(nbytes) or nbytes < 0:
-        raise ValueError(f"nbytes must be finite and >= 0, got {nbytes!r}")
+    n = positive_int("n", n)
+    non_negative_float("nbytes", nbytes)
     return n
 
 
@@ -235,7 +226,7 @@ def predict(algorithm: str, n: int, nbytes: float, link: Link, **params: Any) ->
         raise ValueError(f"inner_link must be a Link, got {inner_link!r}")
     if coefficients(algorithm, n, nbytes, **params) == (0, 0, 0):  # validates; n = 1
         return 0.0
-    from towers.allreduce.hierarchical import cost_levels
+    from towers.allreduce.hierarchical import cost_levels  # TensorFlow: kept lazy
 
     # Only the outer level crosses groups.
     within, among = cost_levels(n, float(nbytes), **params)
@@ -266,5 +257,5 @@ def busbw(nbytes: float, seconds: float, n: int) -> float:
         >>> busbw(1e9, 0.5, 4)
         3000000000.0
     """
-    _positive_int("n", n)
+    positive_int("n", n)
     return algbw(nbytes, seconds) * 2 * (n - 1) / n

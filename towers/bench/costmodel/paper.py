@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from towers.bench import report
 from towers.bench.costmodel import model
 from towers.bench.costmodel.model import NCCL_H100_RING_BUSBW, PRESETS, Link
 
@@ -78,8 +79,6 @@ def scale_on_paper(
 
 def paper_section(args: Any, devices: list[str], results: dict) -> bool:
     """``towers bench --sections paper``: the table, and ``scale_on_paper.csv``."""
-    from towers.bench import report
-
     print("\n== scale on paper: the alpha-beta-gamma model at 8 and 1024 H100s "
           "(arithmetic on the presets' stated constants, not a measurement)", flush=True)
     rows = scale_on_paper()
