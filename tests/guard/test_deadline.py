@@ -25,7 +25,7 @@ from tensorflow.python.ops import collective_ops
 
 import towers
 from tests.conftest import DEVICES
-from towers.allreduce.collectives import next_key, token
+from towers.allreduce.tf_collective_ops import next_key, token
 from towers.guard.deadline import Deadline
 from towers.testing import OPTIMIZERS, ModelSpec, loss_fn
 

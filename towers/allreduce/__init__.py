@@ -17,11 +17,11 @@ from towers.allreduce.base import OPS, AllReduce, GradientReducer, check_values,
 from towers.allreduce.bruck import bruck
 from towers.allreduce.bucketed import bucketed, pack, unpack
 from towers.allreduce.codecs import CODECS, bf16, fp16, topk
-from towers.allreduce.collective_ops import all_gather, broadcast, reduce_scatter
 from towers.allreduce.collective_registry import COLLECTIVE_ALGORITHMS, CollectiveAlgorithm
 from towers.allreduce.compressed import compressed
 from towers.allreduce.double_binary_tree import double_binary_tree
 from towers.allreduce.halving_doubling import halving_doubling
+from towers.allreduce.hand_collectives import all_gather, broadcast, reduce_scatter
 from towers.allreduce.hierarchical import hierarchical
 from towers.allreduce.naive import naive
 from towers.allreduce.nccl import nccl, nccl_ring, nccl_tree

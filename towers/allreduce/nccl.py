@@ -39,7 +39,7 @@ Measured on TF 2.21, logical CPUs:
 
 The keys, ordering tokens, wire format, broadcast and the shared runner (with the
 facts they answer: empty tensors, eager calls, aborted collectives, unordered
-broadcasts) live in :mod:`towers.allreduce.collectives`.
+broadcasts) live in :mod:`towers.allreduce.tf_collective_ops`.
 
 References:
     NVIDIA NCCL; nccl-tests' bus bandwidth; TensorFlow
@@ -55,9 +55,10 @@ import tensorflow as tf
 from tensorflow.python.ops import collective_ops, nccl_ops
 
 from towers.allreduce.base import AllReduce, combine, finish
-from towers.allreduce.collectives import (
+from towers.allreduce.recording import record_estimate
+from towers.allreduce.registry import Algorithm, Coefficients, Configured, register, schedule_of
+from towers.allreduce.tf_collective_ops import (
     HINT,
-    KEY_START,
     Body,
     broadcast,
     group_key,
@@ -67,12 +68,9 @@ from towers.allreduce.collectives import (
     unwire,
     wire,
 )
-from towers.allreduce.recording import record_estimate
-from towers.allreduce.registry import Algorithm, Coefficients, Configured, register, schedule_of
 from towers.devices import has_gpu
 
 __all__ = [
-    "KEY_START",
     "NCCL",
     "NCCL_RING",
     "NCCL_TREE",
@@ -81,13 +79,11 @@ __all__ = [
     "nccl",
     "nccl_ring",
     "nccl_tree",
-    "next_key",
     "raw_nccl_usable",
 ]
 
 TIMEOUT_SECONDS = 60.0
 """Default timeout of every collective op: a missing peer becomes an error, not a hang."""
-_group_key = group_key  # its name before collectives.py (tests reach it here)
 
 
 def raw_nccl_usable(devices: Sequence[str], dtype: tf.DType) -> bool:
