@@ -25,8 +25,8 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.ops import collective_ops
 
+from towers.allreduce.tf_collective_ops import shared_keys, token
 from towers.cluster.flat import AllTowers
-from towers.cluster.reducer import _key_block
 from towers.cluster.spec import resolve
 from towers.guard.inputs import batch_tensors, check_batch_against_model
 from towers.placement import read_weights
@@ -92,11 +92,9 @@ class WorkerTrainer(TowerTrainer):
                              f"already divided by the global batch; got {all_reduce!r}")
         kwargs.setdefault("variables", "replicated")
         self.timeout_seconds = float(timeout_seconds)
-        self._count_key = _key_block(2)
+        self._count_key = shared_keys(2)
         super().__init__(model, optimizer, loss, devices=devices, all_reduce=all_reduce,
                          **kwargs)
-        with tf.init_scope(), tf.device(self.devices[0]):
-            self._count_token = tf.Variable(0.0, trainable=False, name="batch_count_token")
 
     def _inputs(self, x: Any, y: Any, sample_weight: Any) -> tuple[Any, Any, Any]:
         if _rows(x) != 0:
@@ -135,7 +133,7 @@ class WorkerTrainer(TowerTrainer):
                 tf.cast(local, tf.float32), group_size=self.num_workers,
                 group_key=self._count_key, instance_key=self._count_key + 1,
                 merge_op="Add", final_op="Id", communication_hint="ring",
-                timeout=self.timeout_seconds, ordering_token=self._count_token.handle,
+                timeout=self.timeout_seconds, ordering_token=token(self.devices[0]),
             )
             return tf.cast(total, tf.int32)
 
