@@ -270,7 +270,7 @@ def test_bad_inputs_name_the_argument_and_what_was_expected() -> None:
     _bad(lambda: broadcast(a, DEVICES[:2], root=1), ValueError, "not on devices[root=1]")
     _bad(lambda: broadcast(np.zeros(3), DEVICES[:2]), TypeError, "value must be a tf.Tensor")
     _bad(lambda: broadcast(a, DEVICES[:2], algorithm="ring"), ValueError,
-         "algorithm must be one of chain, tree for broadcast")
+         "algorithm must be one of chain, flat, tree for broadcast")
     _bad(lambda: broadcast(a, DEVICES[:2], algorithm=lambda n: Schedule(
         "x", n, 1, ((Step(1, 0, 0, "copy"),),), "broadcast")), ScheduleError,
         "send before receipt")

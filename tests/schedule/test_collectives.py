@@ -25,6 +25,7 @@ from towers.schedule import (
     check_schedule,
     doubling_all_gather,
     even_sizes,
+    flat_broadcast,
     format_schedule,
     halving_reduce_scatter,
     ring_all_gather,
@@ -41,6 +42,7 @@ GENERATORS = {
     "ring_all_gather": ring_all_gather,
     "doubling_all_gather": doubling_all_gather,
     "binomial_broadcast": binomial_broadcast,
+    "flat_broadcast": flat_broadcast,
     "chain_broadcast": chain_broadcast,
     "chain_broadcast_1_chunk": functools.partial(chain_broadcast, chunks=1),
     "chain_broadcast_9_chunks": functools.partial(chain_broadcast, chunks=9),
@@ -92,6 +94,8 @@ def test_bytes_follow_the_sharding_rule_exactly(n: int) -> None:
         assert sum(tree) == 4 * length * (n - 1)  # every other tower receives it once
         chain = COLLECTIVE_ALGORITHMS[("broadcast", "chain")].bytes_sent(n, total, 4)
         assert chain == [4 * length] * (n - 1) + [0]
+        flat = COLLECTIVE_ALGORITHMS[("broadcast", "flat")].bytes_sent(n, total, 4)
+        assert flat == [4 * length * (n - 1)] + [0] * (n - 1)  # the root sends every copy
 
 
 @settings(max_examples=examples(ci=20))
@@ -198,4 +202,4 @@ def test_trace_cli_prints_a_collectives_schedule(capsys: pytest.CaptureFixture[s
     assert format_schedule(halving_reduce_scatter(4)) in out
     assert "bytes sent per tower for 32 bytes: [24, 24, 24, 24]" in out
     assert cli.main(["trace", "--collective", "broadcast", "--algorithm", "ring"]) == 2
-    assert "algorithm must be one of chain, tree for broadcast" in capsys.readouterr().err
+    assert "algorithm must be one of chain, flat, tree for broadcast" in capsys.readouterr().err

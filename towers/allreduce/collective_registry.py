@@ -13,6 +13,7 @@ Registered (``COLLECTIVE_ALGORITHMS[(collective, name)]``)::
     reduce_scatter   halving   log2 m + 2·[n ≠ m]          log2 m + [n ≠ m]
     all_gather       ring      n - 1                       0
     all_gather       doubling  log2 m + 2·[n ≠ m]          0
+    broadcast        flat      1 (n > 1)                   0
     broadcast        tree      ⌈log2 n⌉                    0
     broadcast        chain     chunks + n - 2 (n > 1)      0
 
@@ -124,6 +125,8 @@ COLLECTIVE_ALGORITHMS: dict[tuple[str, str], CollectiveAlgorithm] = {
                             lambda n: 0, "the ring's second half: n-1 ticks"),
         CollectiveAlgorithm("all_gather", "doubling", sc.doubling_all_gather, _folded_ticks,
                             lambda n: 0, "recursive doubling: log2 n ticks (+2 off powers of two)"),
+        CollectiveAlgorithm("broadcast", "flat", sc.flat_broadcast, lambda n: int(n > 1),
+                            lambda n: 0, "flat: 1 tick, the root sends to every tower"),
         CollectiveAlgorithm("broadcast", "tree", sc.binomial_broadcast,
                             lambda n: (n - 1).bit_length(), lambda n: 0,
                             "binomial tree: ceil(log2 n) ticks, whole value per send"),

@@ -245,8 +245,9 @@ def broadcast(value: tf.Tensor, devices: Sequence[str], *, root: int = 0,
         value: a tensor with a static shape, on ``devices[root]``.
         devices: the towers' devices, distinct.
         root: the index of the device holding ``value``.
-        algorithm: ``"tree"`` (binomial) or ``"chain"`` (pipelined, 4 chunks), or a
-            generator ``n -> Schedule`` of a ``broadcast`` (its root is turned to ``root``).
+        algorithm: ``"tree"`` (binomial), ``"chain"`` (pipelined, 4 chunks) or
+            ``"flat"`` (the root sends to every device in one tick), or a generator
+            ``n -> Schedule`` of a ``broadcast`` (its root is turned to ``root``).
 
     Returns:
         ``out[i]`` on ``devices[i]``, of ``value``'s shape; ``out[root]`` is ``value``.

@@ -37,7 +37,7 @@ Measured on TF 2.21, logical CPUs:
   The raw ``NcclAllReduce`` takes float16/32/64 and int32/64 (bfloat16 stays on
   the collective path).
 
-The keys, ordering tokens, wire format, broadcast and the shared runner (with the
+The keys, ordering tokens, wire format, broadcast send/recv and the shared runner (with the
 facts they answer: empty tensors, eager calls, aborted collectives, unordered
 broadcasts) live in :mod:`towers.allreduce.tf_collective_ops`.
 
@@ -60,7 +60,7 @@ from towers.allreduce.registry import Algorithm, Coefficients, Configured, regis
 from towers.allreduce.tf_collective_ops import (
     HINT,
     Body,
-    broadcast,
+    broadcast_send_recv,
     group_key,
     next_key,
     run,
@@ -168,14 +168,15 @@ def _tree_body(
     step = 1
     while step < n:
         for dst in range(0, n - step, 2 * step):
-            sent, (got,) = broadcast(acc[dst + step], devices[dst + step], [devices[dst]], timeout)
+            sent, (got,) = broadcast_send_recv(
+                acc[dst + step], devices[dst + step], [devices[dst]], timeout)
             # The control edge keeps the send alive: auto control deps may prune it.
             with tf.device(devices[dst]), tf.control_dependencies([sent]):
                 acc[dst] = combine(acc[dst], got, op)
         step *= 2
     with tf.device(devices[0]):
         total = finish(acc[0], op, n)
-    sent, received = broadcast(total, devices[0], devices[1:], timeout)
+    sent, received = broadcast_send_recv(total, devices[0], devices[1:], timeout)
     outputs = []
     # Every output waits for every op of the broadcast: a caller that uses only some
     # outputs (the parameter-device placement keeps output 0) must not let the unused

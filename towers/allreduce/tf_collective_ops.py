@@ -6,8 +6,9 @@ This module owns the plumbing every user of TensorFlow's collective ops shares
 counters (:func:`next_key`, :func:`group_key` for one process's devices;
 :func:`shared_keys` for collectives that span processes), each device's one
 ordering token (:func:`token`), the bfloat16 wire format (:func:`wire`,
-:func:`unwire`), a broadcast from one device to others with its ops kept in
-program order (:func:`broadcast`), and :func:`run`, which checks the values,
+:func:`unwire`), TensorFlow's broadcast send/recv pair from one device to others with its ops
+kept in program order (:func:`broadcast_send_recv`; the public, hand-built
+broadcast is :func:`towers.allreduce.broadcast`), and :func:`run`, which checks the values,
 short-cuts the trivial cases and runs an algorithm's body in the caller's graph
 or in a ``tf.function`` cached for eager calls.
 
@@ -42,7 +43,7 @@ References:
     TensorFlow ``cross_device_utils.CollectiveReplicaLauncher`` (ordering tokens, keys).
 
 Example:
-    >>> sent, (got,) = broadcast(x, devices[1], [devices[0]], timeout=60.0)  # doctest: +SKIP
+    >>> sent, (got,) = broadcast_send_recv(x, devices[1], [devices[0]], 60.0)  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ __all__ = [
     "KEY_START",
     "SHARED_KEY_START",
     "Body",
-    "broadcast",
+    "broadcast_send_recv",
     "group_key",
     "next_key",
     "run",
@@ -148,10 +149,11 @@ def unwire(x: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
     return tf.bitcast(x, dtype) if dtype == tf.bfloat16 else x
 
 
-def broadcast(
+def broadcast_send_recv(
     x: tf.Tensor, src: str, dsts: Sequence[str], timeout: float
 ) -> tuple[tf.Tensor, list[tf.Tensor]]:
-    """Broadcast ``x`` (on ``src``) to ``dsts``; returns the send's output and the received."""
+    """TF's ``broadcast_send_v2`` of ``x`` (on ``src``) and a ``broadcast_recv_v2`` on each
+    of ``dsts``; returns the send's output and the received tensors."""
     members = [src, *dsts]
     group, instance, size = group_key(members), next_key(), len(members)
     with tf.device(src), _after_previous(src) as chain:
