@@ -61,13 +61,35 @@ def test_every_schedule_is_proved_for_1_to_64_towers(name: str) -> None:
 @pytest.mark.parametrize("key", sorted(COLLECTIVE_ALGORITHMS), ids="/".join)
 def test_registry_closed_forms_match_the_schedules(key: tuple[str, str]) -> None:
     record = COLLECTIVE_ALGORITHMS[key]
-    assert record.collective == key[0] and record.name == key[1]
+    assert record.kind == key[0] and record.name == key[1]
     for n in range(1, 65):
-        s = record.schedule(n)
+        s = record.generator(n)
         assert (s.towers, s.collective) == (n, key[0])
         assert s.num_ticks == record.ticks(n), n
         assert summation_depth(s) == record.summation_depth(n), n
         assert record.cost(n, 1000.0)[0] == s.num_ticks  # no empty ticks
+
+
+# The summation depths in closed form (the collective_registry docstring's table).
+DEPTHS = {
+    ("reduce_scatter", "ring"): lambda n: n - 1,
+    ("reduce_scatter", "halving"): lambda n: fold(n)[0].bit_length() - 1 + (fold(n)[1] > 0),
+    ("all_gather", "ring"): lambda n: 0,
+    ("all_gather", "doubling"): lambda n: 0,
+    ("broadcast", "flat"): lambda n: 0,
+    ("broadcast", "tree"): lambda n: 0,
+    ("broadcast", "chain"): lambda n: 0,
+}
+
+
+@pytest.mark.parametrize("key", sorted(COLLECTIVE_ALGORITHMS), ids="/".join)
+def test_derived_depth_and_cost_equal_the_closed_forms(key: tuple[str, str]) -> None:
+    record = COLLECTIVE_ALGORITHMS[key]
+    for n in range(1, 17):
+        assert record.summation_depth(n) == DEPTHS[key](n), n
+        a, _, c = record.cost(n, 1000.0)
+        assert a == record.ticks(n)
+        assert (c == 0) == (key[0] != "reduce_scatter" or n == 1)  # only reducing costs γ
 
 
 def test_ring_halves_are_the_ring_all_reduce() -> None:

@@ -17,7 +17,7 @@ from towers.allreduce.base import OPS, AllReduce, GradientReducer, check_values,
 from towers.allreduce.bruck import bruck
 from towers.allreduce.bucketed import bucketed, pack, unpack
 from towers.allreduce.codecs import CODECS, bf16, fp16, topk
-from towers.allreduce.collective_registry import COLLECTIVE_ALGORITHMS, CollectiveAlgorithm
+from towers.allreduce.collective_registry import COLLECTIVE_ALGORITHMS
 from towers.allreduce.compressed import compressed
 from towers.allreduce.double_binary_tree import double_binary_tree
 from towers.allreduce.halving_doubling import halving_doubling
@@ -29,7 +29,14 @@ from towers.allreduce.parameter_device import parameter_device
 from towers.allreduce.pat import pat
 from towers.allreduce.powersgd import powersgd
 from towers.allreduce.primitives import Recorder, Transfer, record, send
-from towers.allreduce.registry import ALGORITHMS, Algorithm, Configured, register
+from towers.allreduce.registry import (
+    ALGORITHMS,
+    Algorithm,
+    Configured,
+    Record,
+    Registry,
+    register,
+)
 from towers.allreduce.ring import ring
 from towers.allreduce.scheduled import run_schedule, scheduled
 from towers.allreduce.sparse import densify, gather_indexed_slices
@@ -44,10 +51,11 @@ __all__ = [
     "OPS",
     "Algorithm",
     "AllReduce",
-    "CollectiveAlgorithm",
     "Configured",
     "GradientReducer",
+    "Record",
     "Recorder",
+    "Registry",
     "Transfer",
     "all_gather",
     "all_reduce",

@@ -54,7 +54,9 @@ def _device(x: tf.Tensor, what: str) -> str:
 def _schedule(collective: str, algorithm: Algorithm, n: int) -> Schedule:
     """The schedule ``algorithm`` names (or generates) for ``n`` towers, checked to fit."""
     if isinstance(algorithm, str):
-        schedule = collective_algorithm(collective, algorithm).schedule(n)
+        generator = collective_algorithm(collective, algorithm).generator
+        assert generator is not None  # every collective's record is a schedule
+        schedule = generator(n)
     elif callable(algorithm):
         schedule = algorithm(n)
     else:
