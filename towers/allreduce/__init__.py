@@ -16,9 +16,9 @@ import tensorflow as tf
 from towers.allreduce.base import OPS, AllReduce, GradientReducer, check_values, combine, finish
 from towers.allreduce.bruck import bruck
 from towers.allreduce.bucketed import bucketed, pack, unpack
-from towers.allreduce.codecs import CODECS, bf16, fp16, topk
+from towers.allreduce.codecs import bf16, fp16, topk
 from towers.allreduce.collective_registry import COLLECTIVE_ALGORITHMS
-from towers.allreduce.compressed import compressed
+from towers.allreduce.compressed import CODECS, compressed
 from towers.allreduce.double_binary_tree import double_binary_tree
 from towers.allreduce.halving_doubling import halving_doubling
 from towers.allreduce.hand_collectives import all_gather, broadcast, reduce_scatter
