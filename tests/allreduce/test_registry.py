@@ -143,3 +143,29 @@ def test_bad_input_is_named(name: str) -> None:
             ints.append(tf.zeros([2], tf.int32))
     with pytest.raises(ValueError, match="not defined for integer"):
         algo(ints, op="mean")
+
+
+def test_every_registry_holds_one_record_shape() -> None:
+    from towers.allreduce import CODECS, COLLECTIVE_ALGORITHMS, Record, Registry
+    from towers.allreduce.codecs import Cast
+    from towers.allreduce.powersgd import PowerSGD
+    from towers.placement import PLACEMENTS, Sharded
+
+    registries = {"all_reduce": ALGORITHMS, "codec": CODECS, "placement": PLACEMENTS}
+    for kind, registry in registries.items():
+        assert isinstance(registry, Registry) and registry.kinds == (kind,)
+        for name, record in registry.items():
+            assert isinstance(record, Record) and (record.name, record.kind) == (name, kind)
+    for (collective, name), record in COLLECTIVE_ALGORITHMS.items():
+        assert isinstance(record, Record) and (record.kind, record.name) == (collective, name)
+        assert record.generator is not None and record.generator(3).collective == collective
+    # codecs are registered in one place, powersgd included; a record builds its thing
+    assert sorted(CODECS) == ["bf16", "fp16", "identity", "powersgd", "topk"]
+    assert isinstance(CODECS["fp16"](), Cast) and isinstance(CODECS["powersgd"](2), PowerSGD)
+    assert sorted(PLACEMENTS) == ["parameter_device", "replicated", "sharded"]
+    first, second = PLACEMENTS["sharded"](), PLACEMENTS["sharded"]()
+    assert isinstance(first, Sharded) and first is not second  # a plan per trainer
+    with pytest.raises(TypeError, match="codec records"):
+        CODECS.register(ALGORITHMS["ring"])
+    with pytest.raises(ValueError, match="kind must be one of"):
+        Record("x", lambda: None, kind="nonsense")
