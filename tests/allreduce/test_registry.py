@@ -169,3 +169,25 @@ def test_every_registry_holds_one_record_shape() -> None:
         CODECS.register(ALGORITHMS["ring"])
     with pytest.raises(ValueError, match="kind must be one of"):
         Record("x", lambda: None, kind="nonsense")
+
+
+SCHEDULED = ["bruck", "halving_doubling", "pat", "swing", "torus_2d"]
+
+
+@pytest.mark.parametrize("name", SCHEDULED)
+def test_a_schedules_record_derives_its_numbers_from_the_generator(name: str) -> None:
+    from towers.allreduce.registry import from_schedule
+    from towers.schedule import summation_depth
+
+    record = ALGORITHMS[name]
+    assert record.generator is not None
+    derived = from_schedule(record.generator)
+    for n in range(1, 17):
+        schedule = record.generator(n)
+        assert schedule.towers == n and schedule.collective == "all_reduce"
+        assert record.summation_depth(n) == summation_depth(schedule) == derived[
+            "summation_depth"](n)
+        for nbytes in (0, 4, 40, 4 * (3 * n + 1)):
+            assert record.bytes_sent(n, nbytes, 4) == derived["bytes_sent"](n, nbytes, 4)
+        assert record.cost(n, 1000.0) == pytest.approx(derived["cost"](n, 1000.0)), n
+    assert sorted(k for k, r in ALGORITHMS.items() if r.generator is not None) == SCHEDULED

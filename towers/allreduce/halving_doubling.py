@@ -139,5 +139,6 @@ def cost(n: int, nbytes: float) -> Coefficients:
 
 
 HALVING_DOUBLING = register(
-    Algorithm("halving_doubling", _build, bytes_sent, summation_depth, cost, schedule_of(__doc__))
+    Algorithm("halving_doubling", _build, bytes_sent, summation_depth, cost, schedule_of(__doc__),
+              generator=halving_doubling_schedule)
 )
