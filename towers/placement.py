@@ -17,7 +17,7 @@ The step asks the placement for the gradients (:meth:`Placement.reduce`), for on
 
 All replicas start bitwise equal: later copies take every variable (seed-generator
 state included) from the first. A new placement is one more subclass and one more
-entry in :data:`PLACEMENTS`.
+record in :data:`PLACEMENTS` (the registries' one record shape).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import numpy as np
 import tensorflow as tf
 
 from towers.allreduce.primitives import send
+from towers.allreduce.registry import Record, Registry
 from towers.allreduce.sharding import (
     ShardPlan,
     check_optimizer,
@@ -201,9 +202,17 @@ class Sharded(Replicated):
         self.plan.all_gather(replicas)
 
 
-_BY_NAME: dict[str, Placement] = {p.name: p for p in (ParameterDevice(), Replicated(), Sharded())}
-PLACEMENTS: tuple[str, ...] = tuple(_BY_NAME)
-"""The names ``TowerTrainer(variables=...)`` accepts."""
+PLACEMENTS = Registry(["placement"], [
+    Record("parameter_device", ParameterDevice, kind="placement",
+           summary="one copy on the parameter device (CentralStorageStrategy's layout)"),
+    Record("replicated", Replicated, kind="placement",
+           summary="one copy per tower, all updated alike (MirroredStrategy's layout)"),
+    Record("sharded", Sharded, kind="placement",
+           summary="one copy per tower; tower k owns chunk k of every gradient and slot"),
+])
+"""The placements ``TowerTrainer(variables=...)`` accepts, by name
+(:class:`~towers.allreduce.registry.Record` s of kind ``placement``); ``PLACEMENTS[name]()``
+makes a new one (``sharded`` holds its trainer's plan)."""
 
 
 def get_placement(name: str | Placement) -> Placement:
@@ -214,9 +223,10 @@ def get_placement(name: str | Placement) -> Placement:
     """
     if isinstance(name, Placement):
         return name
-    if name not in _BY_NAME:
+    if name not in PLACEMENTS:
         raise ValueError(f"variables must be one of {', '.join(PLACEMENTS)}; got {name!r}")
-    return Sharded() if name == "sharded" else _BY_NAME[name]  # a plan per trainer
+    placement: Placement = PLACEMENTS[name]()
+    return placement
 
 
 def _on_device(model: keras.Model, device: str) -> bool:

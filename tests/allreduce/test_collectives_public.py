@@ -101,7 +101,7 @@ def _check_reduce_scatter(algorithm: str, arrays: list[np.ndarray], op: str) -> 
     record_ = COLLECTIVE_ALGORITHMS[("reduce_scatter", algorithm)]
     sizes = even_sizes(length, n)
     pieces = [list(np.split(a.ravel(), np.cumsum(sizes)[:-1])) for a in arrays]
-    want = replay(record_.schedule(n), pieces, op)
+    want = replay(record_.generator(n), pieces, op)
     if n == 1 and op == "mean":
         want[0] = [x / x.dtype.type(1) for x in want[0]]
     _assert_on_devices(shards, n)
@@ -270,7 +270,7 @@ def test_bad_inputs_name_the_argument_and_what_was_expected() -> None:
     _bad(lambda: broadcast(a, DEVICES[:2], root=1), ValueError, "not on devices[root=1]")
     _bad(lambda: broadcast(np.zeros(3), DEVICES[:2]), TypeError, "value must be a tf.Tensor")
     _bad(lambda: broadcast(a, DEVICES[:2], algorithm="ring"), ValueError,
-         "algorithm must be one of chain, tree for broadcast")
+         "algorithm must be one of chain, flat, tree for broadcast")
     _bad(lambda: broadcast(a, DEVICES[:2], algorithm=lambda n: Schedule(
         "x", n, 1, ((Step(1, 0, 0, "copy"),),), "broadcast")), ScheduleError,
         "send before receipt")

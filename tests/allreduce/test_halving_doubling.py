@@ -1,4 +1,4 @@
-"""Rabenseifner halving-doubling: every output against the exact reduction.
+"""Rabenseifner halving-doubling: every output against the exact reduction, and its schedule.
 
 The first section holds the value generator and thin checks shared with
 ``test_hierarchical`` and ``test_nccl``; the reference and the error bound themselves
@@ -16,9 +16,16 @@ from hypothesis import strategies as st
 from tests.allreduce.test_primitives import FLOATS, Case, assert_outputs
 from tests.conftest import DEVICES
 from towers.allreduce.base import OPS
-from towers.allreduce.halving_doubling import bytes_sent, halving_doubling, summation_depth
+from towers.allreduce.halving_doubling import (
+    bytes_sent,
+    cost,
+    halving_doubling,
+    halving_doubling_schedule,
+    summation_depth,
+)
 from towers.allreduce.primitives import record
 from towers.devices import canonical_device
+from towers.schedule import check_schedule, format_schedule, ir
 
 # ---- shared checks ---------------------------------------------------------------------------
 
@@ -148,15 +155,47 @@ def test_schedule_ticks() -> None:
 def test_bytes_sent_formula() -> None:
     assert bytes_sent(1, 40, 4) == [0]
     assert bytes_sent(4, 16, 4) == [24, 24, 24, 24]
-    # n = 6: p = 4, L = 5 padded to 8 (c = 2): 2·3·2·4 = 48, plus 20 folded in/out.
-    assert bytes_sent(6, 20, 4) == [68, 68, 48, 48, 20, 20]
+    # n = 6: p = 4, L = 5 padded to 8 (c = 2): 2·3·2·4 = 48, plus the 4 padded chunks
+    # (4·2·4 = 32) folded in and out.
+    assert bytes_sent(6, 20, 4) == [80, 80, 48, 48, 32, 32]
     assert bytes_sent(3, 0, 8) == [0, 0, 0]
     with pytest.raises(ValueError):
         bytes_sent(0, 4, 4)
 
 
+def _closed_bytes(n: int, nbytes: int, itemsize: int) -> list[int]:
+    """The module docstring's closed form: 2(p−1)·c, plus p·c for each fold message."""
+    p = 1 << (n.bit_length() - 1)
+    chunk = -(-(nbytes // itemsize) // p) * itemsize
+    return [2 * (p - 1) * chunk + p * chunk * (i < n - p) for i in range(p)] + [p * chunk] * (n - p)
+
+
+@pytest.mark.parametrize("n", range(1, 17))
+def test_schedule_derived_numbers_equal_the_closed_forms(n: int) -> None:
+    schedule = halving_doubling_schedule(n)
+    for length, itemsize in [(0, 4), (1, 4), (5, 2), (n, 8), (3 * n + 1, 4), (101, 4)]:
+        assert bytes_sent(n, length * itemsize, itemsize) == _closed_bytes(
+            n, length * itemsize, itemsize)
+    assert summation_depth(n) == (n - 1).bit_length()  # ⌈log2 n⌉
+    assert ir.cost(schedule, 1000.0) == cost(n, 1000.0)
+    p = 1 << (n.bit_length() - 1)
+    assert schedule.num_ticks == 2 * (p.bit_length() - 1) + 2 * (n > p)
+
+
+def test_schedule_is_proved_for_1_to_64_towers() -> None:
+    report = check_schedule(halving_doubling_schedule, range(1, 65))
+    assert report.ok, str(report)
+
+
 def test_summation_depth() -> None:
     assert [summation_depth(n) for n in range(1, 10)] == [0, 1, 2, 2, 3, 3, 3, 3, 4]
+
+
+def test_drawn_schedule_matches_the_generator() -> None:
+    rows = format_schedule(halving_doubling_schedule(6)).splitlines()
+    assert rows[1].split() == ["tower", "0", "c2c3+▶2", "c1+▶1", "c0", "▶1", "c0c1", "▶2",
+                               "c0c1c2c3", "▶4"]
+    assert rows[5].split() == ["tower", "4", "c0c1c2c3+▶0"]
 
 
 def test_unknown_shape_is_refused() -> None:

@@ -35,7 +35,6 @@ from tests.conftest import DEVICES
 from towers.allreduce.base import OPS
 from towers.allreduce.primitives import (
     all_gather,
-    broadcast,
     pad_split,
     record,
     reduce,
@@ -412,32 +411,7 @@ def test_reduce_scatter_checks_its_grid() -> None:
         all_gather([chunks[0][0]], DEVICES[:2])
 
 
-# --- broadcast / reduce ----------------------------------------------------------------
-
-
-@given(cases(), st.integers(0, 7))
-def test_broadcast_copies_bitwise_to_every_device(case: Case, src: int) -> None:
-    src %= case.n
-    arrays = make_arrays(case)
-    with tf.device(DEVICES[src]):
-        x = tf.identity(tf.constant(arrays[0]))
-    with record() as rec:
-        outs = broadcast(x, src, DEVICES[: case.n])
-    assert outs[src] is x
-    for i, out in enumerate(outs):
-        assert canonical_device(out.device) == DEVICES[i]
-        assert out.numpy().tobytes() == x.numpy().tobytes()
-    nbytes = int(np.prod(case.shape)) * case.dtype.size
-    assert rec.bytes_sent().get(DEVICES[src], 0) == (case.n - 1) * nbytes
-    assert set(rec.bytes_sent()) <= {DEVICES[src]}
-
-
-def test_broadcast_checks_src() -> None:
-    (x,) = place([np.ones(2, np.float32)])
-    with pytest.raises(ValueError, match="src=3"):
-        broadcast(x, 3, DEVICES[:2])
-    with pytest.raises(ValueError, match="not on devices\\[1\\]"):
-        broadcast(x, 1, DEVICES[:2])
+# --- reduce ----------------------------------------------------------------------------
 
 
 @given(cases(), st.integers(0, 7))

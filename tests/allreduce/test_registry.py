@@ -143,3 +143,51 @@ def test_bad_input_is_named(name: str) -> None:
             ints.append(tf.zeros([2], tf.int32))
     with pytest.raises(ValueError, match="not defined for integer"):
         algo(ints, op="mean")
+
+
+def test_every_registry_holds_one_record_shape() -> None:
+    from towers.allreduce import CODECS, COLLECTIVE_ALGORITHMS, Record, Registry
+    from towers.allreduce.codecs import Cast
+    from towers.allreduce.powersgd import PowerSGD
+    from towers.placement import PLACEMENTS, Sharded
+
+    registries = {"all_reduce": ALGORITHMS, "codec": CODECS, "placement": PLACEMENTS}
+    for kind, registry in registries.items():
+        assert isinstance(registry, Registry) and registry.kinds == (kind,)
+        for name, record in registry.items():
+            assert isinstance(record, Record) and (record.name, record.kind) == (name, kind)
+    for (collective, name), record in COLLECTIVE_ALGORITHMS.items():
+        assert isinstance(record, Record) and (record.kind, record.name) == (collective, name)
+        assert record.generator is not None and record.generator(3).collective == collective
+    # codecs are registered in one place, powersgd included; a record builds its thing
+    assert sorted(CODECS) == ["bf16", "fp16", "identity", "powersgd", "topk"]
+    assert isinstance(CODECS["fp16"](), Cast) and isinstance(CODECS["powersgd"](2), PowerSGD)
+    assert sorted(PLACEMENTS) == ["parameter_device", "replicated", "sharded"]
+    first, second = PLACEMENTS["sharded"](), PLACEMENTS["sharded"]()
+    assert isinstance(first, Sharded) and first is not second  # a plan per trainer
+    with pytest.raises(TypeError, match="codec records"):
+        CODECS.register(ALGORITHMS["ring"])
+    with pytest.raises(ValueError, match="kind must be one of"):
+        Record("x", lambda: None, kind="nonsense")
+
+
+SCHEDULED = ["bruck", "halving_doubling", "pat", "swing", "torus_2d"]
+
+
+@pytest.mark.parametrize("name", SCHEDULED)
+def test_a_schedules_record_derives_its_numbers_from_the_generator(name: str) -> None:
+    from towers.allreduce.registry import from_schedule
+    from towers.schedule import summation_depth
+
+    record = ALGORITHMS[name]
+    assert record.generator is not None
+    derived = from_schedule(record.generator)
+    for n in range(1, 17):
+        schedule = record.generator(n)
+        assert schedule.towers == n and schedule.collective == "all_reduce"
+        assert record.summation_depth(n) == summation_depth(schedule) == derived[
+            "summation_depth"](n)
+        for nbytes in (0, 4, 40, 4 * (3 * n + 1)):
+            assert record.bytes_sent(n, nbytes, 4) == derived["bytes_sent"](n, nbytes, 4)
+        assert record.cost(n, 1000.0) == pytest.approx(derived["cost"](n, 1000.0)), n
+    assert sorted(k for k, r in ALGORITHMS.items() if r.generator is not None) == SCHEDULED

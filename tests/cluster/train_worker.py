@@ -61,9 +61,9 @@ def barrier(workers: int) -> None:
     import tensorflow as tf
     from tensorflow.python.ops import collective_ops
 
-    from towers.cluster.reducer import _key_block
+    from towers.allreduce.tf_collective_ops import shared_keys
 
-    key = _key_block(2)
+    key = shared_keys(2)
     with tf.device("/device:CPU:0"):
         collective_ops.all_reduce_v2(tf.ones([1]), group_size=workers, group_key=key,
                                      instance_key=key + 1, merge_op="Add", final_op="Id",

@@ -25,6 +25,7 @@ from towers.schedule import (
     check_schedule,
     doubling_all_gather,
     even_sizes,
+    flat_broadcast,
     format_schedule,
     halving_reduce_scatter,
     ring_all_gather,
@@ -41,6 +42,7 @@ GENERATORS = {
     "ring_all_gather": ring_all_gather,
     "doubling_all_gather": doubling_all_gather,
     "binomial_broadcast": binomial_broadcast,
+    "flat_broadcast": flat_broadcast,
     "chain_broadcast": chain_broadcast,
     "chain_broadcast_1_chunk": functools.partial(chain_broadcast, chunks=1),
     "chain_broadcast_9_chunks": functools.partial(chain_broadcast, chunks=9),
@@ -59,13 +61,35 @@ def test_every_schedule_is_proved_for_1_to_64_towers(name: str) -> None:
 @pytest.mark.parametrize("key", sorted(COLLECTIVE_ALGORITHMS), ids="/".join)
 def test_registry_closed_forms_match_the_schedules(key: tuple[str, str]) -> None:
     record = COLLECTIVE_ALGORITHMS[key]
-    assert record.collective == key[0] and record.name == key[1]
+    assert record.kind == key[0] and record.name == key[1]
     for n in range(1, 65):
-        s = record.schedule(n)
+        s = record.generator(n)
         assert (s.towers, s.collective) == (n, key[0])
         assert s.num_ticks == record.ticks(n), n
         assert summation_depth(s) == record.summation_depth(n), n
         assert record.cost(n, 1000.0)[0] == s.num_ticks  # no empty ticks
+
+
+# The summation depths in closed form (the collective_registry docstring's table).
+DEPTHS = {
+    ("reduce_scatter", "ring"): lambda n: n - 1,
+    ("reduce_scatter", "halving"): lambda n: fold(n)[0].bit_length() - 1 + (fold(n)[1] > 0),
+    ("all_gather", "ring"): lambda n: 0,
+    ("all_gather", "doubling"): lambda n: 0,
+    ("broadcast", "flat"): lambda n: 0,
+    ("broadcast", "tree"): lambda n: 0,
+    ("broadcast", "chain"): lambda n: 0,
+}
+
+
+@pytest.mark.parametrize("key", sorted(COLLECTIVE_ALGORITHMS), ids="/".join)
+def test_derived_depth_and_cost_equal_the_closed_forms(key: tuple[str, str]) -> None:
+    record = COLLECTIVE_ALGORITHMS[key]
+    for n in range(1, 17):
+        assert record.summation_depth(n) == DEPTHS[key](n), n
+        a, _, c = record.cost(n, 1000.0)
+        assert a == record.ticks(n)
+        assert (c == 0) == (key[0] != "reduce_scatter" or n == 1)  # only reducing costs γ
 
 
 def test_ring_halves_are_the_ring_all_reduce() -> None:
@@ -92,6 +116,8 @@ def test_bytes_follow_the_sharding_rule_exactly(n: int) -> None:
         assert sum(tree) == 4 * length * (n - 1)  # every other tower receives it once
         chain = COLLECTIVE_ALGORITHMS[("broadcast", "chain")].bytes_sent(n, total, 4)
         assert chain == [4 * length] * (n - 1) + [0]
+        flat = COLLECTIVE_ALGORITHMS[("broadcast", "flat")].bytes_sent(n, total, 4)
+        assert flat == [4 * length * (n - 1)] + [0] * (n - 1)  # the root sends every copy
 
 
 @settings(max_examples=examples(ci=20))
@@ -198,4 +224,4 @@ def test_trace_cli_prints_a_collectives_schedule(capsys: pytest.CaptureFixture[s
     assert format_schedule(halving_reduce_scatter(4)) in out
     assert "bytes sent per tower for 32 bytes: [24, 24, 24, 24]" in out
     assert cli.main(["trace", "--collective", "broadcast", "--algorithm", "ring"]) == 2
-    assert "algorithm must be one of chain, tree for broadcast" in capsys.readouterr().err
+    assert "algorithm must be one of chain, flat, tree for broadcast" in capsys.readouterr().err

@@ -1,8 +1,9 @@
 """All-reduce algorithms built by hand from explicit cross-device copies.
 
-The registry :data:`ALGORITHMS` maps a name to its :class:`Algorithm` record
-(``registry.py``); ``ALGORITHMS[name]()`` builds the algorithm with its default
-settings. Each algorithm module registers itself in its last line. :func:`all_reduce` is the
+The registry :data:`ALGORITHMS` maps a name to its :class:`Record` (``registry.py``:
+the one record shape, shared with :data:`COLLECTIVE_ALGORITHMS`, :data:`CODECS` and
+``towers.placement.PLACEMENTS``); ``ALGORITHMS[name]()`` builds the algorithm with its
+default settings. Each algorithm module registers itself in its last line. :func:`all_reduce` is the
 convenient entry point; :func:`get` resolves a name or passes a callable through.
 """
 
@@ -16,12 +17,12 @@ import tensorflow as tf
 from towers.allreduce.base import OPS, AllReduce, GradientReducer, check_values, combine, finish
 from towers.allreduce.bruck import bruck
 from towers.allreduce.bucketed import bucketed, pack, unpack
-from towers.allreduce.codecs import CODECS, bf16, fp16, topk
-from towers.allreduce.collective_ops import all_gather, broadcast, reduce_scatter
-from towers.allreduce.collective_registry import COLLECTIVE_ALGORITHMS, CollectiveAlgorithm
-from towers.allreduce.compressed import compressed
+from towers.allreduce.codecs import bf16, fp16, topk
+from towers.allreduce.collective_registry import COLLECTIVE_ALGORITHMS
+from towers.allreduce.compressed import CODECS, compressed
 from towers.allreduce.double_binary_tree import double_binary_tree
 from towers.allreduce.halving_doubling import halving_doubling
+from towers.allreduce.hand_collectives import all_gather, broadcast, reduce_scatter
 from towers.allreduce.hierarchical import hierarchical
 from towers.allreduce.naive import naive
 from towers.allreduce.nccl import nccl, nccl_ring, nccl_tree
@@ -29,7 +30,14 @@ from towers.allreduce.parameter_device import parameter_device
 from towers.allreduce.pat import pat
 from towers.allreduce.powersgd import powersgd
 from towers.allreduce.primitives import Recorder, Transfer, record, send
-from towers.allreduce.registry import ALGORITHMS, Algorithm, Configured, register
+from towers.allreduce.registry import (
+    ALGORITHMS,
+    Algorithm,
+    Configured,
+    Record,
+    Registry,
+    register,
+)
 from towers.allreduce.resolve import get, noop
 from towers.allreduce.ring import ring
 from towers.allreduce.scheduled import run_schedule, scheduled
@@ -46,10 +54,11 @@ __all__ = [
     "OPS",
     "Algorithm",
     "AllReduce",
-    "CollectiveAlgorithm",
     "Configured",
     "GradientReducer",
+    "Record",
     "Recorder",
+    "Registry",
     "Transfer",
     "all_gather",
     "all_reduce",

@@ -184,5 +184,6 @@ def cost(n: int, nbytes: float) -> Coefficients:
 
 
 BRUCK = register(
-    Algorithm("bruck", _build, bytes_sent, summation_depth, cost, schedule_of(__doc__))
+    Algorithm("bruck", _build, bytes_sent, summation_depth, cost, schedule_of(__doc__),
+              generator=bruck_schedule)
 )

@@ -44,7 +44,6 @@ from towers.allreduce.base import AllReduce
 from towers.allreduce.primitives import send
 
 __all__ = [
-    "CODECS",
     "Cast",
     "Codec",
     "Identity",
@@ -53,7 +52,6 @@ __all__ = [
     "Wire",
     "bf16",
     "fp16",
-    "get_codec",
     "identity",
     "topk",
 ]
@@ -293,29 +291,3 @@ def topk(ratio: float = 0.01) -> TopK:
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
         raise ValueError(f"ratio must be a number in (0, 1], got {ratio!r}")
     return TopK(float(ratio))
-
-
-CODECS: dict[str, Callable[[], Codec]] = {
-    "identity": identity,
-    "fp16": fp16,
-    "bf16": bf16,
-    "topk": topk,
-}
-"""Codec factories by name, each with its default settings. A codec in its own module
-registers itself there (``powersgd.py`` ends with ``CODECS["powersgd"] = powersgd``),
-so this module imports none of them."""
-
-
-def get_codec(codec: str | Codec) -> Codec:
-    """Resolve a codec name (``CODECS``) or pass a codec through.
-
-    Raises:
-        ValueError: an unknown name, or an object without ``init`` and ``reduce``.
-    """
-    if isinstance(codec, str):
-        if codec not in CODECS:
-            raise ValueError(f"unknown codec {codec!r}; known: {', '.join(sorted(CODECS))}")
-        return CODECS[codec]()
-    if not isinstance(codec, Codec):
-        raise ValueError(f"codec must be a name or have init() and reduce(), got {codec!r}")
-    return codec

@@ -1,10 +1,12 @@
 """The collectives' registry: one frozen record per (collective, algorithm), beside ``ALGORITHMS``.
 
-A :class:`CollectiveAlgorithm` holds what tools need to know about one way of
-running a reduce-scatter, all-gather or broadcast: its schedule generator (from
+A :class:`~towers.allreduce.registry.Record` (the shape every registry shares,
+``kind`` the collective) holds what tools need to know about one way of running a
+reduce-scatter, all-gather or broadcast: its schedule generator (from
 :mod:`towers.schedule.collectives`; broadcasts are built from root 0), the ticks
-and the summation depth in closed form, and, derived from the schedule itself,
-the exact bytes each tower sends and the α-β-γ cost. No TensorFlow here.
+in closed form, and, derived from the schedule itself
+(:func:`~towers.allreduce.registry.from_schedule`), the summation depth, the exact
+bytes each tower sends and the α-β-γ cost.
 
 Registered (``COLLECTIVE_ALGORITHMS[(collective, name)]``)::
 
@@ -13,6 +15,7 @@ Registered (``COLLECTIVE_ALGORITHMS[(collective, name)]``)::
     reduce_scatter   halving   log2 m + 2·[n ≠ m]          log2 m + [n ≠ m]
     all_gather       ring      n - 1                       0
     all_gather       doubling  log2 m + 2·[n ≠ m]          0
+    broadcast        flat      1 (n > 1)                   0
     broadcast        tree      ⌈log2 n⌉                    0
     broadcast        chain     chunks + n - 2 (n > 1)      0
 
@@ -29,17 +32,16 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+from towers.allreduce.registry import Record, Registry, from_schedule
 from towers.schedule import collectives as sc
 from towers.schedule.ir import Schedule, cost, format_schedule
 
 __all__ = [
     "COLLECTIVE_ALGORITHMS",
-    "CollectiveAlgorithm",
     "collective_algorithm",
     "format_collective",
     "schedule_bytes",
@@ -67,39 +69,6 @@ def schedule_bytes(schedule: Schedule, nbytes: int, itemsize: int) -> list[int]:
     return [sent[tower] for tower in range(schedule.towers)]
 
 
-@dataclasses.dataclass(frozen=True)
-class CollectiveAlgorithm:
-    """One algorithm for one collective: its schedule and what follows from it.
-
-    Attributes:
-        collective: ``reduce_scatter``, ``all_gather`` or ``broadcast``.
-        name: the algorithm's name (``algorithm=`` of the public functions).
-        generator: ``(n, **params) -> Schedule``; broadcasts have root 0.
-        ticks: ``(n, **params) -> int``, the α count in closed form.
-        summation_depth: ``n -> int``, the most additions on any element.
-        summary: one line for listings.
-    """
-
-    collective: str
-    name: str
-    generator: Callable[..., Schedule]
-    ticks: Callable[..., int]
-    summation_depth: Callable[[int], int]
-    summary: str = ""
-
-    def schedule(self, n: int, **params: Any) -> Schedule:
-        """The schedule for ``n`` towers (``params``: e.g. ``chunks`` for the chain)."""
-        return self.generator(n, **params)
-
-    def bytes_sent(self, n: int, nbytes: int, itemsize: int, **params: Any) -> list[int]:
-        """Exact bytes each tower sends for a buffer of ``nbytes`` (:func:`schedule_bytes`)."""
-        return schedule_bytes(self.schedule(n, **params), nbytes, itemsize)
-
-    def cost(self, n: int, nbytes: float, **params: Any) -> tuple[float, float, float]:
-        """α-β-γ coefficients ``(a, b, c)`` of the schedule (:func:`towers.schedule.cost`)."""
-        return cost(self.schedule(n, **params), nbytes)
-
-
 def _log2(n: int) -> int:
     return sc.fold(n)[0].bit_length() - 1
 
@@ -112,29 +81,34 @@ def _chain_ticks(n: int, chunks: int = 4) -> int:
     return chunks + n - 2 if n > 1 else 0
 
 
-COLLECTIVE_ALGORITHMS: dict[tuple[str, str], CollectiveAlgorithm] = {
-    (r.collective, r.name): r
-    for r in (
-        CollectiveAlgorithm("reduce_scatter", "ring", sc.ring_reduce_scatter, lambda n: n - 1,
-                            lambda n: n - 1, "the ring's first half: n-1 ticks"),
-        CollectiveAlgorithm("reduce_scatter", "halving", sc.halving_reduce_scatter,
-                            _folded_ticks, lambda n: _log2(n) + (sc.fold(n)[1] > 0),
-                            "recursive halving: log2 n ticks (+2 off powers of two)"),
-        CollectiveAlgorithm("all_gather", "ring", sc.ring_all_gather, lambda n: n - 1,
-                            lambda n: 0, "the ring's second half: n-1 ticks"),
-        CollectiveAlgorithm("all_gather", "doubling", sc.doubling_all_gather, _folded_ticks,
-                            lambda n: 0, "recursive doubling: log2 n ticks (+2 off powers of two)"),
-        CollectiveAlgorithm("broadcast", "tree", sc.binomial_broadcast,
-                            lambda n: (n - 1).bit_length(), lambda n: 0,
-                            "binomial tree: ceil(log2 n) ticks, whole value per send"),
-        CollectiveAlgorithm("broadcast", "chain", sc.chain_broadcast, _chain_ticks,
-                            lambda n: 0, "pipelined chain: chunks+n-2 ticks, 1/chunks per send"),
-    )
-}
-"""``(collective, name) -> record`` for every public collective's algorithms."""
+def _record(collective: str, name: str, generator: Callable[..., Schedule],
+            ticks: Callable[..., int], summary: str) -> Record:
+    """A collective's :class:`~towers.allreduce.registry.Record`: bytes (by the sharding
+    rule), summation depth and cost derived from ``generator``; ``ticks`` in closed form."""
+    return Record(name, generator, kind=collective, summary=summary, ticks=ticks,
+                  **from_schedule(generator, schedule_bytes))
 
 
-def collective_algorithm(collective: str, name: str) -> CollectiveAlgorithm:
+COLLECTIVE_ALGORITHMS = Registry(PUBLIC, [
+    _record("reduce_scatter", "ring", sc.ring_reduce_scatter, lambda n: n - 1,
+            "the ring's first half: n-1 ticks"),
+    _record("reduce_scatter", "halving", sc.halving_reduce_scatter, _folded_ticks,
+            "recursive halving: log2 n ticks (+2 off powers of two)"),
+    _record("all_gather", "ring", sc.ring_all_gather, lambda n: n - 1,
+            "the ring's second half: n-1 ticks"),
+    _record("all_gather", "doubling", sc.doubling_all_gather, _folded_ticks,
+            "recursive doubling: log2 n ticks (+2 off powers of two)"),
+    _record("broadcast", "flat", sc.flat_broadcast, lambda n: int(n > 1),
+            "flat: 1 tick, the root sends to every tower"),
+    _record("broadcast", "tree", sc.binomial_broadcast, lambda n: (n - 1).bit_length(),
+            "binomial tree: ceil(log2 n) ticks, whole value per send"),
+    _record("broadcast", "chain", sc.chain_broadcast, _chain_ticks,
+            "pipelined chain: chunks+n-2 ticks, 1/chunks per send"),
+], by_kind=True)
+"""``(collective, name) -> Record`` for every public collective's algorithms."""
+
+
+def collective_algorithm(collective: str, name: str) -> Record:
     """The record for ``name`` running ``collective``, or an error listing what exists.
 
     Raises:
@@ -163,7 +137,8 @@ def format_collective(collective: str, name: str, n: int, nbytes: int = 4096,
         ...
     """
     record = collective_algorithm(collective, name)
-    schedule = record.schedule(n, **params)
+    assert record.generator is not None and record.summation_depth is not None
+    schedule = record.generator(n, **params)
     a, b, c = cost(schedule, float(nbytes))
     return "\n".join([
         f"{collective}/{name} on {n} towers: {schedule.num_ticks} ticks, summation depth "

@@ -36,14 +36,43 @@ from typing import Any
 import tensorflow as tf
 
 from towers.allreduce.base import AllReduce
-from towers.allreduce.codecs import CODECS, Codec, Wire, get_codec
+from towers.allreduce.codecs import Codec, Wire, bf16, fp16, identity, topk
+from towers.allreduce.powersgd import powersgd
+from towers.allreduce.registry import Record, Registry
 from towers.allreduce.resolve import get
 from towers.devices import canonical_device
 from towers.guard.arguments import check_choice
 
-__all__ = ["DECODE", "Compressed", "compressed"]
+__all__ = ["CODECS", "DECODE", "Compressed", "compressed", "get_codec"]
 
 DECODE = ("once", "everywhere")
+
+CODECS = Registry(["codec"], [
+    Record("identity", identity, kind="codec", summary="S per tower, exact (the baseline)"),
+    Record("fp16", fp16, kind="codec", summary="S/2: x/n in float16"),
+    Record("bf16", bf16, kind="codec", summary="S/2: x/n in bfloat16"),
+    Record("topk", topk, kind="codec", summary="2·ratio·S: top-k with error feedback"),
+    Record("powersgd", powersgd, kind="codec",
+           summary="(m + c)·r per m×c matrix: rank-r power step with error feedback"),
+])
+"""Every codec by name (:class:`~towers.allreduce.registry.Record` s of kind ``codec``),
+filled here, in one place; ``CODECS[name]()`` builds it with its default settings."""
+
+
+def get_codec(codec: str | Codec) -> Codec:
+    """Resolve a codec name (``CODECS``) or pass a codec through.
+
+    Raises:
+        ValueError: an unknown name, or an object without ``init`` and ``reduce``.
+    """
+    if isinstance(codec, str):
+        if codec not in CODECS:
+            raise ValueError(f"unknown codec {codec!r}; known: {', '.join(sorted(CODECS))}")
+        built: Codec = CODECS[codec]()
+        return built
+    if not isinstance(codec, Codec):
+        raise ValueError(f"codec must be a name or have init() and reduce(), got {codec!r}")
+    return codec
 
 
 def _make(template: Any, values: Sequence[Any]) -> Any:

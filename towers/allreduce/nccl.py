@@ -37,9 +37,9 @@ Measured on TF 2.21, logical CPUs:
   The raw ``NcclAllReduce`` takes float16/32/64 and int32/64 (bfloat16 stays on
   the collective path).
 
-The keys, ordering tokens, wire format, broadcast and the shared runner (with the
+The keys, ordering tokens, wire format, broadcast send/recv and the shared runner (with the
 facts they answer: empty tensors, eager calls, aborted collectives, unordered
-broadcasts) live in :mod:`towers.allreduce.collectives`.
+broadcasts) live in :mod:`towers.allreduce.tf_collective_ops`.
 
 References:
     NVIDIA NCCL; nccl-tests' bus bandwidth; TensorFlow
@@ -55,11 +55,12 @@ import tensorflow as tf
 from tensorflow.python.ops import collective_ops, nccl_ops
 
 from towers.allreduce.base import AllReduce, combine, finish
-from towers.allreduce.collectives import (
+from towers.allreduce.recording import record_estimate
+from towers.allreduce.registry import Algorithm, Coefficients, Configured, register, schedule_of
+from towers.allreduce.tf_collective_ops import (
     HINT,
-    KEY_START,
     Body,
-    broadcast,
+    broadcast_send_recv,
     group_key,
     next_key,
     run,
@@ -67,13 +68,10 @@ from towers.allreduce.collectives import (
     unwire,
     wire,
 )
-from towers.allreduce.recording import record_estimate
-from towers.allreduce.registry import Algorithm, Coefficients, Configured, register, schedule_of
 from towers.devices import has_gpu
 from towers.guard.arguments import non_negative_float, positive_float, positive_int
 
 __all__ = [
-    "KEY_START",
     "NCCL",
     "NCCL_RING",
     "NCCL_TREE",
@@ -82,13 +80,11 @@ __all__ = [
     "nccl",
     "nccl_ring",
     "nccl_tree",
-    "next_key",
     "raw_nccl_usable",
 ]
 
 TIMEOUT_SECONDS = 60.0
 """Default timeout of every collective op: a missing peer becomes an error, not a hang."""
-_group_key = group_key  # its name before collectives.py (tests reach it here)
 
 
 def raw_nccl_usable(devices: Sequence[str], dtype: tf.DType) -> bool:
@@ -173,14 +169,15 @@ def _tree_body(
     step = 1
     while step < n:
         for dst in range(0, n - step, 2 * step):
-            sent, (got,) = broadcast(acc[dst + step], devices[dst + step], [devices[dst]], timeout)
+            sent, (got,) = broadcast_send_recv(
+                acc[dst + step], devices[dst + step], [devices[dst]], timeout)
             # The control edge keeps the send alive: auto control deps may prune it.
             with tf.device(devices[dst]), tf.control_dependencies([sent]):
                 acc[dst] = combine(acc[dst], got, op)
         step *= 2
     with tf.device(devices[0]):
         total = finish(acc[0], op, n)
-    sent, received = broadcast(total, devices[0], devices[1:], timeout)
+    sent, received = broadcast_send_recv(total, devices[0], devices[1:], timeout)
     outputs = []
     # Every output waits for every op of the broadcast: a caller that uses only some
     # outputs (the parameter-device placement keeps output 0) must not let the unused

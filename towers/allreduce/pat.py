@@ -174,4 +174,7 @@ def cost(n: int, nbytes: float, aggregation: int | None = None) -> Coefficients:
     return 2 * ticks, 2 * (n - 1) / n * nbytes, (n - 1) / n * nbytes
 
 
-PAT = register(Algorithm("pat", _build, bytes_sent, summation_depth, cost, schedule_of(__doc__)))
+PAT = register(
+    Algorithm("pat", _build, bytes_sent, summation_depth, cost, schedule_of(__doc__),
+              generator=pat_schedule)
+)

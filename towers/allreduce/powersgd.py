@@ -44,7 +44,7 @@ from typing import Any, NamedTuple
 
 import tensorflow as tf
 
-from towers.allreduce.codecs import CODECS, Wire
+from towers.allreduce.codecs import Wire
 from towers.guard.arguments import positive_int
 
 __all__ = ["PowerSGD", "PowerSGDState", "orthogonalize", "powersgd"]
@@ -162,6 +162,3 @@ def powersgd(rank: int = 1, warm_start: bool = True, seed: int = 0,
     if not min_compression_rate >= 1:
         raise ValueError(f"min_compression_rate must be >= 1, got {min_compression_rate!r}")
     return PowerSGD(rank, bool(warm_start), int(seed), float(min_compression_rate))
-
-
-CODECS["powersgd"] = powersgd

@@ -11,10 +11,12 @@ machinery (:class:`Transfer`, :class:`Recorder`, :func:`record`,
 :func:`tick_offset`, :func:`record_estimate`) lives in
 :mod:`towers.allreduce.recording` and is re-exported here.
 
-Below :func:`send` sit the collective building blocks research code composes
-(:func:`reduce_scatter`, :func:`all_gather`, :func:`broadcast`, :func:`reduce`)
-and the chores :func:`pad_split` / :func:`unsplit`; they move data only by
-:func:`send`.
+Below :func:`send` sit the ring phases research code composes
+(:func:`reduce_scatter`, :func:`all_gather`), the flat :func:`reduce` and the
+chores :func:`pad_split` / :func:`unsplit`; they move data only by :func:`send`.
+(The public collectives, one signature each, are
+:mod:`towers.allreduce.hand_collectives`: a flat broadcast is
+``broadcast(x, devices, root=src, algorithm="flat")``.)
 
 Sends are recorded when the Python code runs, i.e. at trace time inside a
 ``tf.function``. Sizes come from static shapes; a tensor of unknown size is
@@ -43,7 +45,6 @@ __all__ = [
     "Recorder",
     "Transfer",
     "all_gather",
-    "broadcast",
     "pad_split",
     "record",
     "record_estimate",
@@ -287,36 +288,6 @@ def all_gather(
             gathered[dst][k] = send(gathered[src][k], devices[dst], tick=tick0 + t,
                                     chunk=ids[k], note="all-gather")
     return gathered
-
-
-def broadcast(
-    x: tf.Tensor, src: int, devices: Sequence[str], *, tick: int = 0, chunk: int = 0
-) -> list[tf.Tensor]:
-    """Flat broadcast: tower ``src`` sends ``x`` straight to every other tower in one tick.
-
-    Args:
-        x: the tensor, on ``devices[src]``.
-        src: the index of the sending tower.
-        devices: one device per tower.
-        tick: the tick label of the sends.
-        chunk: the chunk label of the sends.
-
-    Returns:
-        ``out[tower]`` on ``devices[tower]``; ``out[src]`` is ``x`` itself. Copies only,
-        so all outputs are bitwise equal. Cost: ``src`` sends ``(n-1)·S``.
-
-    Raises:
-        ValueError: ``src`` out of range, or ``x`` not on ``devices[src]``.
-
-    Example:
-        >>> copies = broadcast(total, 0, devices)
-    """
-    if not 0 <= src < len(devices):
-        raise ValueError(f"src={src} is not a tower index for {len(devices)} devices")
-    if canonical_device(x.device) != canonical_device(devices[src]):
-        raise ValueError(f"x is on {canonical_device(x.device)}, not on devices[{src}]")
-    return [x if i == src else send(x, d, tick=tick, chunk=chunk, note="broadcast")
-            for i, d in enumerate(devices)]
 
 
 def reduce(values: Sequence[tf.Tensor], root: int, op: str, *, tick: int = 0) -> tf.Tensor:

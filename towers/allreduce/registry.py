@@ -1,7 +1,12 @@
-"""The registry: one frozen record per all-reduce algorithm, and the configured algorithm.
+"""The registries' one record shape, and the all-reduce registry with its configured algorithm.
 
-An :class:`Algorithm` record holds everything tools need to know about an
-algorithm: its name, the factory that builds it, the bytes each tower sends, the
+A :class:`Record` describes one registered thing, whatever the registry: an
+all-reduce (:data:`ALGORITHMS`), a reduce-scatter / all-gather / broadcast
+algorithm (``COLLECTIVE_ALGORITHMS``), a codec (``CODECS``) or a placement
+(``PLACEMENTS``); each registry is a :class:`Registry`. Where the thing is a
+schedule, :func:`from_schedule` derives its bytes, depth and cost from the
+generator. An all-reduce's record (``Algorithm``) holds everything tools need
+to know about an algorithm: its name, the factory that builds it, the bytes each tower sends, the
 summation depth (for the error bound), the α-β-γ cost, the schedule drawn in its
 module docstring, and two flags (``estimated``: the bytes are an estimate, the
 data moves inside opaque collectives; ``replayable``: its traced graph can be
@@ -35,13 +40,19 @@ from typing import Any
 import tensorflow as tf
 
 from towers.allreduce.base import AllReduce
+from towers.schedule import ir, symbolic
+from towers.schedule.ir import Schedule
 
 __all__ = [
     "ALGORITHMS",
+    "KINDS",
     "Algorithm",
     "Coefficients",
     "Configured",
+    "Record",
+    "Registry",
     "algorithm_name",
+    "from_schedule",
     "record_of",
     "register",
     "schedule_of",
@@ -65,13 +76,23 @@ def schedule_of(doc: str | None) -> str:
     return "\n".join(block).strip("\n")
 
 
+KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "codec", "placement")
+"""What a :class:`Record` can describe: an all-reduce, another collective, a codec, a placement."""
+
+
 @dataclasses.dataclass(frozen=True)
-class Algorithm:
-    """What an all-reduce algorithm is: its name, factory, formulas, schedule and flags.
+class Record:
+    """What a registered thing is: its name, factory, formulas, schedule and flags.
+
+    One record shape for every registry: all-reduce algorithms (:data:`ALGORITHMS`),
+    the public collectives' algorithms
+    (:data:`~towers.allreduce.collective_registry.COLLECTIVE_ALGORITHMS`), codecs
+    (:data:`~towers.allreduce.compressed.CODECS`) and placements
+    (:data:`~towers.placement.PLACEMENTS`). Fields a kind has no use for stay None.
 
     Attributes:
         name: the registry name.
-        factory: builds the algorithm; its keyword parameters are the formulas' ``params``.
+        factory: builds the thing; its keyword parameters are the formulas' ``params``.
         bytes_sent: ``(n, nbytes, itemsize, **params) -> per-tower bytes`` (None:
             unknown for these params), exact for algorithms that send with ``send``.
         summation_depth: ``(n, **params) -> int``, the most additions any element
@@ -81,23 +102,98 @@ class Algorithm:
         schedule: the ASCII schedule from the module docstring.
         estimated: ``bytes_sent`` is an estimate (opaque collectives move the data).
         replayable: the NumPy replay can follow its traced graph.
+        kind: one of :data:`KINDS` (default ``"all_reduce"``).
+        summary: one line for listings.
+        generator: ``(n, **params) -> Schedule`` where the thing is a schedule;
+            :func:`from_schedule` derives ``bytes_sent`` and ``cost`` from it.
+        ticks: ``(n, **params) -> int``, the α count in closed form.
     """
 
     name: str
-    factory: Callable[..., AllReduce]
+    factory: Callable[..., Any]
     bytes_sent: Callable[..., Sequence[float] | None] | None = None
     summation_depth: Callable[..., int] | None = None
     cost: Callable[..., Coefficients] | None = None
     schedule: str = ""
     estimated: bool = False
     replayable: bool = True
+    kind: str = "all_reduce"
+    summary: str = ""
+    generator: Callable[..., Schedule] | None = None
+    ticks: Callable[..., int] | None = None
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Configured:
-        """Build the algorithm (``ALGORITHMS[name]()`` gives the defaults)."""
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {', '.join(KINDS)}; got {self.kind!r}")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Build it (``ALGORITHMS[name]()`` gives the defaults); an all-reduce comes back
+        as a :class:`Configured` that knows its record and parameters."""
         built = self.factory(*args, **kwargs)
-        if isinstance(built, Configured) and built.algorithm is self:
+        if self.kind != "all_reduce" or (isinstance(built, Configured) and built.algorithm is self):
             return built
         return Configured(self, built, _bound(self.factory, args, kwargs))
+
+
+Algorithm = Record
+"""The record of an all-reduce (a :class:`Record` of kind ``"all_reduce"``): what every
+algorithm module constructs in its ``register(Algorithm(...))`` line."""
+
+
+def from_schedule(
+    generator: Callable[..., Schedule],
+    count: Callable[[Schedule, int, int], list[int]] = ir.bytes_sent,
+) -> dict[str, Any]:
+    """``bytes_sent``, ``summation_depth`` and ``cost`` derived from a schedule generator.
+
+    Args:
+        generator: ``(n, **params) -> Schedule``.
+        count: how the schedule's bytes are counted (default: the padding rule of
+            :func:`towers.schedule.bytes_sent`).
+
+    Example:
+        >>> Record("ring", build, **from_schedule(ring_schedule))   # doctest: +SKIP
+    """
+
+    def bytes_sent(n: int, nbytes: int, itemsize: int, **params: Any) -> list[int]:
+        return count(generator(n, **params), nbytes, itemsize)
+
+    def summation_depth(n: int, **params: Any) -> int:
+        return symbolic.summation_depth(generator(n, **params))
+
+    def cost(n: int, nbytes: float, **params: Any) -> Coefficients:
+        return ir.cost(generator(n, **params), nbytes)
+
+    return {"bytes_sent": bytes_sent, "summation_depth": summation_depth, "cost": cost,
+            "generator": generator}
+
+
+class Registry(dict[Any, Record]):
+    """One registry: key -> :class:`Record` for the records of some kinds.
+
+    Keyed by name, or by ``(kind, name)`` when ``by_kind`` (the collectives: a
+    ``ring`` reduce-scatter and a ``ring`` all-gather). A plain dict otherwise:
+    ``REGISTRY[key]()`` builds the default.
+    """
+
+    def __init__(self, kinds: Sequence[str], records: Sequence[Record] = (), *,
+                 by_kind: bool = False) -> None:
+        super().__init__()
+        self.kinds, self.by_kind = tuple(kinds), by_kind
+        for record in records:
+            self.register(record)
+
+    def register(self, record: Record) -> Record:
+        """Add ``record`` (replacing one with the same key); returns it.
+
+        Raises:
+            TypeError: not a :class:`Record`, or one of a kind this registry does not hold.
+        """
+        if not isinstance(record, Record) or record.kind not in self.kinds:
+            raise TypeError(f"this registry takes {'/'.join(self.kinds)} records, "
+                            f"got {record!r}")
+        self[(record.kind, record.name) if self.by_kind else record.name] = record
+        return record
 
 
 def _bound(factory: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -116,7 +212,7 @@ class Configured:
     ``params`` are also readable as attributes (``ring(subchunks=2).subchunks``).
     """
 
-    algorithm: Algorithm
+    algorithm: Record
     run: AllReduce
     params: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -163,21 +259,23 @@ class Configured:
         return None if formula is None else int(formula(n, **self.params))
 
 
-ALGORITHMS: dict[str, Algorithm] = {}
-"""Registered algorithms: name -> :class:`Algorithm`; ``ALGORITHMS[name]()`` builds the default."""
+ALGORITHMS = Registry(["all_reduce"])
+"""Registered algorithms: name -> :class:`Record`; ``ALGORITHMS[name]()`` builds the default."""
 
 
-def register(algorithm: Algorithm) -> Algorithm:
+def register(algorithm: Record) -> Record:
     """Add ``algorithm`` to :data:`ALGORITHMS` (replacing one of the same name); returns it.
+
+    Raises:
+        TypeError: not a :class:`Record` of kind ``"all_reduce"``.
 
     Example:
         >>> register(Algorithm("mine", lambda: my_all_reduce, summation_depth=lambda n: n - 1))
         ... # doctest: +SKIP
     """
-    if not isinstance(algorithm, Algorithm):
+    if not isinstance(algorithm, Record):
         raise TypeError(f"register takes an Algorithm record, got {algorithm!r}")
-    ALGORITHMS[algorithm.name] = algorithm
-    return algorithm
+    return ALGORITHMS.register(algorithm)
 
 
 def record_of(fn: Any) -> Configured | None:

@@ -155,5 +155,6 @@ def cost(n: int, nbytes: float) -> Coefficients:
 
 
 SWING = register(
-    Algorithm("swing", _build, bytes_sent, summation_depth, cost, schedule_of(__doc__))
+    Algorithm("swing", _build, bytes_sent, summation_depth, cost, schedule_of(__doc__),
+              generator=swing_schedule)
 )

@@ -182,5 +182,6 @@ def cost(n: int, nbytes: float, rows: int | None = None) -> Coefficients:
 
 
 TORUS_2D = register(
-    Algorithm("torus_2d", _build, bytes_sent, summation_depth, cost, schedule_of(__doc__))
+    Algorithm("torus_2d", _build, bytes_sent, summation_depth, cost, schedule_of(__doc__),
+              generator=torus_2d_schedule)
 )

@@ -196,7 +196,7 @@ def fused_reducers() -> dict[str, Callable[[], Any]]:
 
 def step_configs(
     model: str, devices: Sequence[str], x: tf.Tensor, y: tf.Tensor, *,
-    algorithms: Sequence[str] | None = None, placements: Sequence[str] = PLACEMENTS,
+    algorithms: Sequence[str] | None = None, placements: Sequence[str] = tuple(PLACEMENTS),
     ceiling: bool = True, extra: dict[str, Callable[[], Any]] | None = None,
 ) -> tuple[list[StepConfig], dict[str, str]]:
     """Every configuration for ``model``; those that cannot be built are returned as errors.

@@ -43,7 +43,8 @@ from collections.abc import Sequence
 import tensorflow as tf
 from tensorflow.python.ops import collective_ops
 
-from towers.cluster.reducer import _key_block, check_cross_worker
+from towers.allreduce.tf_collective_ops import shared_keys, token
+from towers.cluster.reducer import check_cross_worker
 
 __all__ = ["AllTowers"]
 
@@ -80,18 +81,14 @@ class AllTowers:
         self.communication_hint = communication_hint
         self.devices: list[str] = []
         self.group_key = self.instance_key = -1
-        self._tokens: list[tf.Variable] = []
 
     def build(self, variables: Sequence[tf.Variable], devices: Sequence[str]) -> None:
-        """Draw the keys (one group, one instance) and one ordering token per tower."""
+        """Draw the keys (one group, one instance; eagerly, once) and every tower's token."""
         self.devices = list(devices)
-        self.group_key = _key_block(2)
+        self.group_key = shared_keys(2)
         self.instance_key = self.group_key + 1
-        with tf.init_scope():
-            self._tokens = []
-            for device in self.devices:
-                with tf.device(device):
-                    self._tokens.append(tf.Variable(0.0, trainable=False, name="all_towers_token"))
+        for device in self.devices:
+            token(device)
 
     def summation_depth(self, towers: int) -> int:
         """Additions on the longest path to one element: W·T − 1."""
@@ -104,7 +101,7 @@ class AllTowers:
             RuntimeError: called before :meth:`build`, or with another tower count.
             tf.errors.DeadlineExceededError: a worker did not join within the timeout.
         """
-        if not self._tokens or len(grads) != len(self.devices):
+        if self.group_key < 0 or len(grads) != len(self.devices):
             raise RuntimeError("AllTowers.build(variables, devices) must run first, once "
                                "per trainer, with the towers that reduce_gradients receives")
         return [self._reduce_tower(list(g), t) for t, g in enumerate(grads)]
@@ -119,7 +116,7 @@ class AllTowers:
                     flat, group_size=group_size, group_key=self.group_key,
                     instance_key=self.instance_key, merge_op="Add", final_op="Id",
                     communication_hint=self.communication_hint,
-                    timeout=self.timeout_seconds, ordering_token=self._tokens[tower].handle,
+                    timeout=self.timeout_seconds, ordering_token=token(self.devices[tower]),
                 )
             if self.op == "mean" and self.num_workers > 1:
                 flat = flat / tf.constant(self.num_workers, flat.dtype)

@@ -17,13 +17,14 @@ the mean of the workers' gradients. For W a power of two the division is exact, 
 the result equals dividing every loss by the global batch (MultiWorkerMirroredStrategy).
 
 Collective keys: TF's group and instance keys are process-global and must be equal on
-every worker for the ops to meet. They come from this module's counter (from
-:data:`KEY_START`, apart from towers' local collectives and tf.distribute's), one
-block per reducer at ``build``: identical on every worker when every worker builds its
-reducers in the same order, as the same program does. All of a worker's cross-worker
-ops sit on its tower 0 and share one ordering token, so they run in program order
-(without a token, automatic control dependencies may start them in different orders
-on two workers, and they wait for each other until the timeout).
+every worker for the ops to meet. They come from the cross-process range of
+:mod:`towers.allreduce.tf_collective_ops` (:func:`~towers.allreduce.tf_collective_ops.shared_keys`,
+apart from towers' local collectives and tf.distribute's), one block per reducer at
+``build``: identical on every worker when every worker builds its reducers in the same
+order, as the same program does. All of a worker's cross-worker ops sit on its tower 0
+and use that device's one ordering token (``tf_collective_ops.token``), so they run in
+program order (without a token, automatic control dependencies may start them in
+different orders on two workers, and they wait for each other until the timeout).
 
 Summation depth: (T − 1) local additions, then the runtime's ring over W: W − 1.
 Cost per variable of S bytes: (T − 1) local copies and adds, then the ring's
@@ -39,33 +40,17 @@ References:
 
 from __future__ import annotations
 
-import itertools
-import threading
 from collections.abc import Sequence
 
 import tensorflow as tf
 from tensorflow.python.ops import collective_ops
 
 from towers.allreduce import send
+from towers.allreduce.tf_collective_ops import shared_keys, token
 from towers.cluster.spec import resolve
 from towers.guard.arguments import positive_float, positive_int
 
-__all__ = ["KEY_START", "CrossWorker"]
-
-KEY_START = 20_000_000
-"""First key of cross-worker collectives (tf.distribute counts from 1, towers' local ops
-from 10_000_000)."""
-_KEYS = itertools.count(KEY_START)
-_KEYS_LOCK = threading.Lock()
-
-
-def _key_block(size: int) -> int:
-    """The first of ``size`` consecutive keys from the process-wide counter."""
-    with _KEYS_LOCK:
-        first = next(_KEYS)
-        for _ in range(size - 1):
-            next(_KEYS)
-    return first
+__all__ = ["CrossWorker"]
 
 
 def check_cross_worker(num_workers: int | None, op: str, timeout_seconds: float) -> int:
@@ -111,15 +96,13 @@ class CrossWorker:
         self.communication_hint = communication_hint
         self.devices: list[str] = []
         self.group_key = self.first_instance_key = -1
-        self._token: tf.Variable | None = None
 
     def build(self, variables: Sequence[tf.Variable], devices: Sequence[str]) -> None:
-        """Draw this reducer's keys and make tower 0's ordering token (eagerly, once)."""
+        """Draw this reducer's keys (eagerly, once) and tower 0's ordering token."""
         self.devices = list(devices)
-        first = _key_block(len(variables) + 1)
+        first = shared_keys(len(variables) + 1)
         self.group_key, self.first_instance_key = first, first + 1
-        with tf.init_scope(), tf.device(self.devices[0]):
-            self._token = tf.Variable(0.0, trainable=False, name="cross_worker_token")
+        token(self.devices[0])
 
     def summation_depth(self, towers: int) -> int:
         """Additions on the longest path to one element: (T − 1) + (W − 1)."""
@@ -132,7 +115,7 @@ class CrossWorker:
             RuntimeError: called before :meth:`build`, or with another tower count.
             tf.errors.DeadlineExceededError: a worker did not join within the timeout.
         """
-        if self._token is None or len(grads) != len(self.devices):
+        if self.group_key < 0 or len(grads) != len(self.devices):
             raise RuntimeError("CrossWorker.build(variables, devices) must run first, once "
                                "per trainer, with the towers that reduce_gradients receives")
         home = self.devices[0]
@@ -147,13 +130,12 @@ class CrossWorker:
                 total = total + send(v, home, note="local-sum")
             if self.num_workers == 1 or values[0].shape.num_elements() == 0:
                 return total
-            assert self._token is not None
             return collective_ops.all_reduce_v2(
                 total, group_size=self.num_workers, group_key=self.group_key,
                 instance_key=self.first_instance_key + index, merge_op="Add",
                 final_op="Div" if self.op == "mean" else "Id",
                 communication_hint=self.communication_hint, timeout=self.timeout_seconds,
-                ordering_token=self._token.handle,
+                ordering_token=token(home),
             )
 
     def __repr__(self) -> str:

@@ -25,8 +25,9 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.ops import collective_ops
 
+from towers.allreduce.tf_collective_ops import shared_keys, token
 from towers.cluster.flat import AllTowers
-from towers.cluster.reducer import _key_block, check_cross_worker
+from towers.cluster.reducer import check_cross_worker
 from towers.guard.arguments import non_negative_int
 from towers.guard.inputs import batch_tensors
 from towers.split import Shards, shard_sizes
@@ -88,12 +89,10 @@ class WorkerTrainer(TowerTrainer):
         kwargs.setdefault("check_algorithm", self.num_workers == 1)
         self.timeout_seconds = float(timeout_seconds)
         # one group (tower 0 of every worker): the batch count, then the guard's decision
-        self._count_key = _key_block(3)
+        self._count_key = shared_keys(3)
         super().__init__(model, optimizer, loss, devices=devices, all_reduce=all_reduce,
                          **kwargs)
         _refuse_state_across_workers(self.model, self.num_workers)  # before any collective
-        with tf.init_scope(), tf.device(self.devices[0]):
-            self._count_token = tf.Variable(0.0, trainable=False, name="batch_count_token")
 
     def _inputs(self, x: Any, y: Any, sample_weight: Any) -> tuple[Any, Any, Any]:
         # B < W leaves a worker without examples; it still joins every collective.
@@ -149,7 +148,7 @@ class WorkerTrainer(TowerTrainer):
                 value, group_size=self.num_workers, group_key=self._count_key,
                 instance_key=instance_key, merge_op="Add", final_op="Id",
                 communication_hint="ring", timeout=self.timeout_seconds,
-                ordering_token=self._count_token.handle,
+                ordering_token=token(self.devices[0]),
             )
 
 

@@ -31,9 +31,10 @@ power-of-two schedule, tower ``i < r`` standing for chunks ``i`` and ``m+i``;
 a last tick gives tower ``m+i`` its chunk (halving) or everything (doubling).
 So a non-power of two costs 2 more ticks, and towers ``i < r`` send twice.
 
-Broadcast, root 0, n = 5: binomial tree (a tower forwards in the tick after it
-receives; ``⌈log2 n⌉`` ticks) and pipelined chain with 3 chunks (tower p
-forwards chunk t-p at tick t; ``chunks + n - 2`` ticks)::
+Broadcast, root 0, n = 5: flat (the root sends to every tower in one tick, not
+drawn), binomial tree (a tower forwards in the tick after it receives;
+``⌈log2 n⌉`` ticks) and pipelined chain with 3 chunks (tower p forwards chunk
+t-p at tick t; ``chunks + n - 2`` ticks)::
 
     tree     0     1     2              chain    0     1     2     3     4
     tower 0  c0▶1  c0▶2  c0▶4           tower 0  c0▶1  c1▶1  c2▶1
@@ -43,7 +44,8 @@ forwards chunk t-p at tick t; ``chunks + n - 2`` ticks)::
 
 Cost (``S`` bytes, α-β-γ): ring reduce-scatter/all-gather ``(n-1)α + (n-1)/n·Sβ``
 (+ ``(n-1)/n·Sγ`` reducing); halving/doubling ``log2 n·α + (n-1)/n·Sβ`` for
-powers of two; tree broadcast ``⌈log2 n⌉(α + Sβ)``; chain ``(k+n-2)(α + S/k·β)``.
+powers of two; flat broadcast ``α + (n-1)Sβ``; tree broadcast ``⌈log2 n⌉(α + Sβ)``;
+chain ``(k+n-2)(α + S/k·β)``.
 
 References:
     Thakur, Rabenseifner, Gropp, "Optimization of Collective Communication
@@ -68,6 +70,7 @@ __all__ = [
     "chain_broadcast",
     "doubling_all_gather",
     "even_sizes",
+    "flat_broadcast",
     "fold",
     "halving_reduce_scatter",
     "ring_all_gather",
@@ -175,6 +178,19 @@ def binomial_broadcast(n: int) -> Schedule:
         ticks.append(tuple(Step(p, p + d, 0, "copy") for p in range(d) if p + d < n))
         d *= 2
     return Schedule("binomial_broadcast", n, 1, tuple(ticks), "broadcast")
+
+
+def flat_broadcast(n: int) -> Schedule:
+    """Flat broadcast from tower 0: one tick, the root sends the whole value to every tower.
+
+    The parameter device's broadcast: one ``α``, but the root sends ``(n-1)·S``.
+
+    Example:
+        >>> flat_broadcast(3).ticks
+        ((Step(src=0, dst=1, chunk=0, kind='copy'), Step(src=0, dst=2, chunk=0, kind='copy')),)
+    """
+    steps = tuple(Step(0, p, 0, "copy") for p in range(1, _towers(n)))
+    return Schedule("flat_broadcast", n, 1, (steps,) if steps else (), "broadcast")
 
 
 def chain_broadcast(n: int, chunks: int = 4) -> Schedule:

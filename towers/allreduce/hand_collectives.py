@@ -11,13 +11,12 @@ every device.
 
 Each runs a :class:`~towers.schedule.Schedule` from the collectives' registry
 (:mod:`towers.allreduce.collective_registry`), or any generator ``n -> Schedule``
-for its collective, proved by :func:`towers.schedule.simulate` first. The
-interpreter :func:`run_collective` follows the rules of
-:mod:`towers.schedule.ir` with one slot per (tower, chunk): every step's source
-is sent (``send(..., tick=t, chunk=c)``) as the tick began, then ``copy``
-replaces the destination's slot and ``reduce`` computes ``combine(received,
-own)`` (into an empty slot: the received run). A run is finished (``mean``
-divides) once, where its last contribution arrives.
+for its collective, run by the one interpreter of every schedule,
+:func:`towers.allreduce.scheduled.run_slots` (proved first; ``copy`` replaces
+the destination's slot, ``reduce`` computes ``combine(received, own)``; a run is
+finished, ``mean`` divides, once, where its last contribution arrives). This
+module only cuts the values into slots by the sharding rule and puts the
+results together.
 
 Example:
     >>> shards = reduce_scatter(values, algorithm="halving", op="sum")   # doctest: +SKIP
@@ -31,18 +30,16 @@ from collections.abc import Callable, Sequence
 
 import tensorflow as tf
 
-from towers.allreduce.base import DTYPES, check_values, combine, finish
+from towers.allreduce.base import DTYPES, check_values
 from towers.allreduce.collective_registry import collective_algorithm
-from towers.allreduce.primitives import send
+from towers.allreduce.scheduled import Slots, run_slots
 from towers.devices import canonical_device
 from towers.schedule.collectives import even_sizes, rooted
 from towers.schedule.ir import Schedule
-from towers.schedule.symbolic import simulate
 
-__all__ = ["all_gather", "broadcast", "reduce_scatter", "run_collective"]
+__all__ = ["all_gather", "broadcast", "reduce_scatter"]
 
 Algorithm = str | Callable[[int], Schedule]
-Slots = list[list[tf.Tensor | None]]
 
 
 def _device(x: tf.Tensor, what: str) -> str:
@@ -57,7 +54,9 @@ def _device(x: tf.Tensor, what: str) -> str:
 def _schedule(collective: str, algorithm: Algorithm, n: int) -> Schedule:
     """The schedule ``algorithm`` names (or generates) for ``n`` towers, checked to fit."""
     if isinstance(algorithm, str):
-        schedule = collective_algorithm(collective, algorithm).schedule(n)
+        generator = collective_algorithm(collective, algorithm).generator
+        assert generator is not None  # every collective's record is a schedule
+        schedule = generator(n)
     elif callable(algorithm):
         schedule = algorithm(n)
     else:
@@ -72,45 +71,6 @@ def _schedule(collective: str, algorithm: Algorithm, n: int) -> Schedule:
         raise ValueError(f"algorithm's {collective} schedule must have {n} chunks, chunk i "
                          f"owned by tower i; got owners {schedule.owners}")
     return schedule
-
-
-def run_collective(schedule: Schedule, slots: Slots, devices: Sequence[str],
-                   op: str = "sum") -> Slots:
-    """Follow ``schedule`` over ``slots[tower][chunk]`` (None: empty) on ``devices``.
-
-    Args:
-        schedule: a schedule for ``len(devices)`` towers, proved before anything runs.
-        slots: the starting runs, each on its tower's device; replaced in place.
-        devices: one device per tower.
-        op: how ``reduce`` steps combine (``sum``, ``mean``, ``max``, ``min``).
-
-    Returns:
-        ``slots``, after the last tick; complete reduced runs are finished once.
-
-    Raises:
-        towers.schedule.ScheduleError: the schedule breaks a rule of the checker.
-    """
-    simulate(schedule)
-    n, full = schedule.towers, (1 << schedule.towers) - 1
-    reducing = schedule.collective == "reduce_scatter"
-    have = [[(1 << t if reducing else full) if x is not None else 0 for x in row]
-            for t, row in enumerate(slots)]
-    for t, tick in enumerate(schedule.ticks):
-        moved = [send(slots[s.src][s.chunk], devices[s.dst], tick=t, chunk=s.chunk,
-                      note=f"{schedule.collective} {s.kind}") for s in tick]
-        masks = [have[s.src][s.chunk] for s in tick]
-        for s, value, mask in zip(tick, moved, masks):
-            if s.kind == "reduce" and have[s.dst][s.chunk]:
-                with tf.device(devices[s.dst]):
-                    value = combine(value, slots[s.dst][s.chunk], op)
-                    mask |= have[s.dst][s.chunk]
-                    if mask == full:  # the last contribution arrived: finish here, once
-                        value = finish(value, op, n)
-            slots[s.dst][s.chunk], have[s.dst][s.chunk] = value, mask
-    if reducing and n == 1:  # complete from the start: nothing reduced it
-        with tf.device(devices[0]):
-            slots[0] = [finish(x, op, 1) if x is not None else None for x in slots[0]]
-    return slots
 
 
 def reduce_scatter(values: Sequence[tf.Tensor], *, algorithm: Algorithm = "ring",
@@ -148,7 +108,7 @@ def reduce_scatter(values: Sequence[tf.Tensor], *, algorithm: Algorithm = "ring"
     for v, device in zip(values, devices):
         with tf.device(device):
             slots.append(list(tf.split(tf.reshape(v, [-1]), sizes)))
-    slots = run_collective(schedule, slots, devices, op)
+    slots = run_slots(schedule, slots, devices, op, note="reduce_scatter")
     return [slots[i][i] for i in range(n)]
 
 
@@ -205,7 +165,7 @@ def all_gather(shards: Sequence[tf.Tensor], *, algorithm: Algorithm = "ring") ->
     n = len(shards)
     schedule = _schedule("all_gather", algorithm, n)
     slots: Slots = [[x if c == t else None for c in range(n)] for t, x in enumerate(shards)]
-    slots = run_collective(schedule, slots, devices)
+    slots = run_slots(schedule, slots, devices, note="all_gather")
     out = []
     for row, device in zip(slots, devices):
         with tf.device(device):
@@ -245,8 +205,9 @@ def broadcast(value: tf.Tensor, devices: Sequence[str], *, root: int = 0,
         value: a tensor with a static shape, on ``devices[root]``.
         devices: the towers' devices, distinct.
         root: the index of the device holding ``value``.
-        algorithm: ``"tree"`` (binomial) or ``"chain"`` (pipelined, 4 chunks), or a
-            generator ``n -> Schedule`` of a ``broadcast`` (its root is turned to ``root``).
+        algorithm: ``"tree"`` (binomial), ``"chain"`` (pipelined, 4 chunks) or
+            ``"flat"`` (the root sends to every device in one tick), or a generator
+            ``n -> Schedule`` of a ``broadcast`` (its root is turned to ``root``).
 
     Returns:
         ``out[i]`` on ``devices[i]``, of ``value``'s shape; ``out[root]`` is ``value``.
@@ -267,7 +228,7 @@ def broadcast(value: tf.Tensor, devices: Sequence[str], *, root: int = 0,
         pieces = tf.split(tf.reshape(value, [-1]), even_sizes(size, schedule.chunks))
     slots: Slots = [[None] * schedule.chunks for _ in names]
     slots[root] = list(pieces)
-    slots = run_collective(schedule, slots, names)
+    slots = run_slots(schedule, slots, names, note="broadcast")
     out = []
     for i, (row, device) in enumerate(zip(slots, names)):
         with tf.device(device):

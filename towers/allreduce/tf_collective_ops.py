@@ -1,11 +1,14 @@
 """TensorFlow's collective ops as towers uses them: keys, ordering tokens, wire format, running.
 
-This module owns the plumbing the collective-op algorithms of
-:mod:`towers.allreduce.nccl` share, and no schedule of its own: the one
-process-wide key counter (:func:`next_key`, :func:`group_key`), each device's
+This module owns the plumbing every user of TensorFlow's collective ops shares
+(the algorithms of :mod:`towers.allreduce.nccl` and the cross-worker reducers of
+:mod:`towers.cluster`), and no schedule of its own: the process-wide key
+counters (:func:`next_key`, :func:`group_key` for one process's devices;
+:func:`shared_keys` for collectives that span processes), each device's one
 ordering token (:func:`token`), the bfloat16 wire format (:func:`wire`,
-:func:`unwire`), a broadcast from one device to others with its ops kept in
-program order (:func:`broadcast`), and :func:`run`, which checks the values,
+:func:`unwire`), TensorFlow's broadcast send/recv pair from one device to others with its ops
+kept in program order (:func:`broadcast_send_recv`; the public, hand-built
+broadcast is :func:`towers.allreduce.broadcast`), and :func:`run`, which checks the values,
 short-cuts the trivial cases and runs an algorithm's body in the caller's graph
 or in a ``tf.function`` cached for eager calls.
 
@@ -23,11 +26,24 @@ Measured on TF 2.21, logical CPUs:
 - Broadcast send/recv take no ordering token, and auto control dependencies
   neither order nor keep them (they may be pruned): outputs get control edges.
 
+Keys. Group and instance keys are process-global; every member of a collective
+must pass the same ones. Local collectives draw theirs while a graph is traced
+(:func:`next_key`, from :data:`KEY_START`); a collective across processes cannot,
+because two workers may trace different numbers of times (unequal local batches
+retrace), so its keys come from a second range (:func:`shared_keys`, from
+:data:`SHARED_KEY_START`), drawn only when a reducer or trainer is built: equal on
+every worker when each builds in the same order, as the same program does.
+
+Tokens. One ordering token per device for every collective on it: automatic
+control dependencies then run a device's collectives in program order, the same
+order on every member (without one they may start in different orders on two
+members and wait for each other until the timeout).
+
 References:
     TensorFlow ``cross_device_utils.CollectiveReplicaLauncher`` (ordering tokens, keys).
 
 Example:
-    >>> sent, (got,) = broadcast(x, devices[1], [devices[0]], timeout=60.0)  # doctest: +SKIP
+    >>> sent, (got,) = broadcast_send_recv(x, devices[1], [devices[0]], 60.0)  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -42,27 +58,34 @@ import tensorflow as tf
 from tensorflow.python.ops import collective_ops
 
 from towers.allreduce.base import check_values
+from towers.devices import canonical_device
 
 __all__ = [
     "HINT",
     "KEY_START",
+    "SHARED_KEY_START",
     "Body",
-    "broadcast",
+    "broadcast_send_recv",
     "group_key",
     "next_key",
     "run",
+    "shared_keys",
     "token",
     "unwire",
     "wire",
 ]
 
 KEY_START = 10_000_000
-"""First collective key (tf.distribute counts from 1; its test helpers from 1_000_000)."""
+"""First key of one process's collectives (tf.distribute counts from 1; its test helpers,
+and ``reference.mirrored``, from 1_000_000)."""
+SHARED_KEY_START = 20_000_000
+"""First key of collectives across processes (see "Keys" above)."""
 HINT = "nccl"
 Body = Callable[[list[tf.Tensor], tuple[str, ...], str, float], list[tf.Tensor]]
 """An algorithm's graph: ``body(values, devices, op, timeout) -> outputs``."""
 _LOCK = threading.Lock()
 _NEXT = [KEY_START]
+_SHARED = [SHARED_KEY_START]
 _GROUPS: dict[tuple[tuple[str, ...], int], int] = {}
 _TOKENS: dict[str, tf.Variable] = {}
 _EAGER: dict[tuple[object, ...], Callable[[list[tf.Tensor]], list[tf.Tensor]]] = {}
@@ -87,13 +110,33 @@ def group_key(devices: Sequence[str], size: int | None = None) -> int:
         return _GROUPS[members]
 
 
-def token(device: str) -> tf.Tensor:
-    """The device's ordering token: without it the ops of one tf.function deadlock."""
+def shared_keys(size: int) -> int:
+    """The first of ``size`` consecutive keys for collectives across processes.
+
+    Draw them when a reducer or trainer is built, never while tracing: every
+    process must draw the same keys in the same order.
+
+    Example:
+        >>> group = shared_keys(2); instance = group + 1   # doctest: +SKIP
+    """
     with _LOCK:
-        if device not in _TOKENS:
+        first = _SHARED[0]
+        _SHARED[0] += size
+    return first
+
+
+def token(device: str) -> tf.Tensor:
+    """The device's one ordering token, shared by every collective on it.
+
+    Without it the collectives of one tf.function deadlock; sharing it runs them in
+    program order (see "Tokens" above).
+    """
+    name = canonical_device(device) or device
+    with _LOCK:
+        if name not in _TOKENS:
             with tf.init_scope(), tf.device(device):
-                _TOKENS[device] = tf.Variable(0.0, trainable=False, name="ordering_token")
-        return _TOKENS[device].handle
+                _TOKENS[name] = tf.Variable(0.0, trainable=False, name="ordering_token")
+        return _TOKENS[name].handle
 
 
 def wire(x: tf.Tensor) -> tf.Tensor:
@@ -106,10 +149,11 @@ def unwire(x: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
     return tf.bitcast(x, dtype) if dtype == tf.bfloat16 else x
 
 
-def broadcast(
+def broadcast_send_recv(
     x: tf.Tensor, src: str, dsts: Sequence[str], timeout: float
 ) -> tuple[tf.Tensor, list[tf.Tensor]]:
-    """Broadcast ``x`` (on ``src``) to ``dsts``; returns the send's output and the received."""
+    """TF's ``broadcast_send_v2`` of ``x`` (on ``src``) and a ``broadcast_recv_v2`` on each
+    of ``dsts``; returns the send's output and the received tensors."""
     members = [src, *dsts]
     group, instance, size = group_key(members), next_key(), len(members)
     with tf.device(src), _after_previous(src) as chain:
