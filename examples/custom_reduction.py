@@ -24,8 +24,8 @@ from typing import Any
 
 def bidirectional_ring(values: Sequence[Any], *, op: str = "sum") -> list[Any]:
     """Half of each buffer goes round the ring clockwise, the other half anticlockwise."""
-    from towers.allreduce.base import check_values
-    from towers.allreduce.primitives import all_gather, pad_split, reduce_scatter, unsplit
+    from towers.allreduce.machinery.base import check_values
+    from towers.allreduce.machinery.primitives import all_gather, pad_split, reduce_scatter, unsplit
 
     devices = check_values(values, op)
     n = len(values)

@@ -1,6 +1,7 @@
 """The central property: towers trains exactly what tf.distribute trains.
 
-Both sides run :func:`towers.allreduce.ordering.as_written` (Grappler's arithmetic rewrites off):
+Both sides run :func:`towers.allreduce.machinery.ordering.as_written` (Grappler's arithmetic
+rewrites off):
 Grappler reorders additions differently in the two graphs (measured: 2 ULPs at 6 towers,
 and it absorbed the reference's replica-0 gradient ``AddN`` into its reduction), so
 "the same order" is only meaningful for graphs run as written.
@@ -51,7 +52,7 @@ import towers
 from reference import CentralStorageTrainer, MirroredTrainer, ReferenceUnavailable
 from tests.conftest import DEVICES, examples
 from towers.allreduce.bucketed import bucketed
-from towers.allreduce.ordering import as_written
+from towers.allreduce.machinery.ordering import as_written
 from towers.testing import (
     OPTIMIZERS,
     ModelSpec,

@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 
 import towers
 from tests.conftest import DEVICES, examples
+from towers.allreduce.machinery.sharding import VariableShards
 from towers.allreduce.ring import ring
-from towers.allreduce.sharding import VariableShards
 from towers.guard.errors import CheckpointError
 from towers.placement import optimizer_state_bytes
 from towers.testing import OPTIMIZERS, ModelSpec, loss_fn

@@ -246,7 +246,7 @@ def _run_phases(trainer: towers.TowerTrainer, batch: tuple, compiled: bool) -> f
     """One step as its four phases: eagerly, or each phase in its own tf.function."""
     import tensorflow as tf
 
-    from towers.allreduce.ordering import as_written
+    from towers.allreduce.machinery.ordering import as_written
 
     def wrap(fn):  # type: ignore[no-untyped-def]
         return tf.function(fn, autograph=False) if compiled else fn

@@ -13,7 +13,7 @@ weights from, and which reduced gradients each replica applies::
 The step asks the placement for the gradients (:meth:`Placement.reduce`), for one
 :class:`Update` per optimizer (:meth:`Placement.updates`) and then to finish
 (:meth:`Placement.finish`: ``sharded`` all-gathers; see
-:mod:`towers.allreduce.sharding`).
+:mod:`towers.allreduce.machinery.sharding`).
 
 All replicas start bitwise equal: later copies take every variable (seed-generator
 state included) from the first. A new placement is one more subclass and one more
@@ -30,9 +30,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from towers.allreduce.primitives import send
-from towers.allreduce.registry import Record, Registry
-from towers.allreduce.sharding import (
+from towers.allreduce.machinery.primitives import send
+from towers.allreduce.machinery.registry import Record, Registry
+from towers.allreduce.machinery.sharding import (
     ShardPlan,
     check_optimizer,
     dense_gradients,
@@ -161,7 +161,7 @@ class Sharded(Replicated):
 
     Gradients are ring reduce-scattered, each owner's optimizer (built for its shard
     only) updates it, and the shards are all-gathered into every replica (ZeRO 1–2;
-    :mod:`towers.allreduce.sharding`). Bitwise equal to ``replicated`` with
+    :mod:`towers.allreduce.machinery.sharding`). Bitwise equal to ``replicated`` with
     ``all_reduce="ring"``. One instance per trainer: it holds the :class:`ShardPlan`.
     """
 
@@ -211,7 +211,8 @@ PLACEMENTS = Registry(["placement"], [
            summary="one copy per tower; tower k owns chunk k of every gradient and slot"),
 ])
 """The placements ``TowerTrainer(variables=...)`` accepts, by name
-(:class:`~towers.allreduce.registry.Record` s of kind ``placement``); ``PLACEMENTS[name]()``
+(:class:`~towers.allreduce.machinery.registry.Record` s of kind ``placement``);
+``PLACEMENTS[name]()``
 makes a new one (``sharded`` holds its trainer's plan)."""
 
 

@@ -8,7 +8,7 @@
     trainer.apply(reduced)                         the optimizer, on every replica
 
 ``train_step`` is exactly these four calls inside one ``tf.function`` (traced once
-per input signature), run :func:`towers.allreduce.ordering.as_written` so additions
+per input signature), run :func:`towers.allreduce.machinery.ordering.as_written` so additions
 happen in the order the code states; ``reduce`` and ``apply`` sit inside the
 non-finite guard's one ``tf.cond`` (:mod:`towers.guard.nonfinite`), so a step with a
 NaN or Inf on any tower changes nothing. A teacher can call the phases one at a time:
@@ -37,11 +37,11 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from towers.allreduce.base import AllReduce, GradientReducer
-from towers.allreduce.ordering import as_written
-from towers.allreduce.primitives import Recorder, record, send
-from towers.allreduce.recording import StepStats
-from towers.allreduce.reducer import SPARSE, as_reducer, resolve
+from towers.allreduce.machinery.base import AllReduce, GradientReducer
+from towers.allreduce.machinery.ordering import as_written
+from towers.allreduce.machinery.primitives import Recorder, record, send
+from towers.allreduce.machinery.recording import StepStats
+from towers.allreduce.machinery.reducer import SPARSE, as_reducer, resolve
 from towers.guard import capabilities
 from towers.guard.arguments import check_choice
 from towers.guard.deadline import Deadline, settled
@@ -91,7 +91,7 @@ class Reduced(NamedTuple):
         grads_finite: with a ``LossScaleOptimizer``, the step's one "all gradients
             finite" flag (:mod:`towers.guard.loss_scale`); None: each replica checks.
         reducer_state: a stateful reducer's new state, assigned by ``apply`` only when
-            the update is (:class:`~towers.allreduce.base.StatefulReducer`).
+            the update is (:class:`~towers.allreduce.machinery.base.StatefulReducer`).
     """
 
     grads: list[list[tf.Tensor | tf.IndexedSlices]]
@@ -118,7 +118,7 @@ class TowerTrainer:
             CentralStorageStrategy's layout), ``"replicated"`` (one copy per tower,
             all updated identically; MirroredStrategy's layout) or ``"sharded"`` (one
             copy per tower, optimizer state and gradients sharded over the towers, ZeRO
-            1–2; it runs the ring's reduce-scatter; :mod:`towers.allreduce.sharding`).
+            1–2; it runs the ring's reduce-scatter; :mod:`towers.allreduce.machinery.sharding`).
             Which options compose with which is the capability table
             (:mod:`towers.guard.capabilities`): a combination it refuses raises a
             ``ValueError`` naming both options before anything is built.

@@ -29,8 +29,8 @@ from typing import Any, NamedTuple
 import keras
 import tensorflow as tf
 
+from towers.allreduce.machinery.primitives import send
 from towers.allreduce.parameter_device import reduce_on
-from towers.allreduce.primitives import send
 from towers.devices import canonical_device
 
 __all__ = [

@@ -25,7 +25,7 @@ from tests.allreduce.test_primitives import Case
 from tests.conftest import DEVICES, examples
 from towers.allreduce import ALGORITHMS, bruck, naive
 from towers.allreduce.bruck import bruck_schedule, bytes_sent, cost, summation_depth
-from towers.allreduce.primitives import record
+from towers.allreduce.machinery.primitives import record
 from towers.schedule import check_schedule
 from towers.schedule import cost as schedule_cost
 from towers.testing.bounds import sum_bound

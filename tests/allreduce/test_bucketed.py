@@ -4,7 +4,7 @@ Error bounds. Packing and unpacking only copy (reshape, concat, split), so they 
 tested bitwise. A bucket is reduced by the wrapped algorithm element by element, so
 every output element is a sum of the n towers' elements of summation depth at most
 ``n - 1`` (any algorithm here): ``|out - Σx| ≤ γ_{n-1}·Σ|x|`` (derived in
-``tests/allreduce/test_primitives.py``, checked there with exact fractions). With
+``tests/allreduce/machinery/test_primitives.py``, checked there with exact fractions). With
 ``naive`` the per-element order (tower order, left to right) does not depend on the
 packing at all, so bucketed naive must equal per-variable naive bitwise; for a ring
 the per-step SGD bound of ``towers.testing.sgd_step_bound`` (depth n − 1) applies.
@@ -29,8 +29,8 @@ from tests.allreduce.test_primitives import assert_matches_reference, place
 from tests.conftest import DEVICES
 from towers.allreduce import naive, ring
 from towers.allreduce.bucketed import Layout, bucketed, pack, plan, unpack
-from towers.allreduce.ordering import as_written
-from towers.allreduce.primitives import record
+from towers.allreduce.machinery.ordering import as_written
+from towers.allreduce.machinery.primitives import record
 from towers.devices import canonical_device
 from towers.testing import (
     OPTIMIZERS,

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from tests.conftest import DEVICES, examples
 from towers.allreduce import COLLECTIVE_ALGORITHMS, all_gather, broadcast, reduce_scatter
-from towers.allreduce.primitives import record
+from towers.allreduce.machinery.primitives import record
 from towers.devices import canonical_device
 from towers.schedule import (
     Schedule,

@@ -29,8 +29,8 @@ from tests.conftest import DEVICES
 from towers.allreduce import naive, ring
 from towers.allreduce.codecs import Cast, Identity, TopK, TopKState, bf16, fp16, identity, topk
 from towers.allreduce.compressed import Compressed, compressed
+from towers.allreduce.machinery.primitives import record
 from towers.allreduce.powersgd import PowerSGD, orthogonalize, powersgd
-from towers.allreduce.primitives import record
 from towers.devices import canonical_device
 from towers.testing import gamma
 from towers.training.data import batches, digits

@@ -28,7 +28,7 @@ from towers.allreduce.double_binary_tree import (
     double_trees,
     summation_depth,
 )
-from towers.allreduce.primitives import record
+from towers.allreduce.machinery.primitives import record
 from towers.allreduce.tree import tree_shape
 
 

@@ -15,7 +15,6 @@ from hypothesis import strategies as st
 
 from tests.allreduce.test_primitives import FLOATS, Case, assert_outputs
 from tests.conftest import DEVICES
-from towers.allreduce.base import OPS
 from towers.allreduce.halving_doubling import (
     bytes_sent,
     cost,
@@ -23,7 +22,8 @@ from towers.allreduce.halving_doubling import (
     halving_doubling_schedule,
     summation_depth,
 )
-from towers.allreduce.primitives import record
+from towers.allreduce.machinery.base import OPS
+from towers.allreduce.machinery.primitives import record
 from towers.devices import canonical_device
 from towers.schedule import check_schedule, format_schedule, ir
 

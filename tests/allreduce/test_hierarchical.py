@@ -21,10 +21,10 @@ from tests.allreduce.test_halving_doubling import (
 )
 from tests.conftest import DEVICES
 from towers.allreduce import ALGORITHMS, naive, parameter_device
-from towers.allreduce.base import AllReduce
 from towers.allreduce.halving_doubling import halving_doubling
 from towers.allreduce.hierarchical import bytes_sent, hierarchical, summation_depth
-from towers.allreduce.primitives import Recorder, Transfer, record
+from towers.allreduce.machinery.base import AllReduce
+from towers.allreduce.machinery.primitives import Recorder, Transfer, record
 from towers.devices import canonical_device
 
 PARTS: dict[str, AllReduce | str] = {

@@ -25,6 +25,7 @@ from tensorflow.python.ops import nccl_ops
 
 from tests.allreduce.test_halving_doubling import Case, cases, check_all_reduce, make_values
 from tests.conftest import DEVICES, GPUS
+from towers.allreduce.machinery.tf_collective_ops import KEY_START, group_key, next_key
 from towers.allreduce.nccl import (
     estimated_bytes_sent,
     nccl,
@@ -32,7 +33,6 @@ from towers.allreduce.nccl import (
     nccl_tree,
     raw_nccl_usable,
 )
-from towers.allreduce.tf_collective_ops import KEY_START, group_key, next_key
 from towers.devices import has_gpu
 
 module = importlib.import_module("towers.allreduce.nccl")

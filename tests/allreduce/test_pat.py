@@ -21,6 +21,7 @@ from tests.allreduce.test_primitives import Case
 from tests.conftest import DEVICES, examples
 from towers.allreduce import ALGORITHMS, pat
 from towers.allreduce.bruck import bruck_schedule
+from towers.allreduce.machinery.primitives import record
 from towers.allreduce.pat import (
     bytes_sent,
     chunks_per_dimension,
@@ -28,7 +29,6 @@ from towers.allreduce.pat import (
     pat_schedule,
     summation_depth,
 )
-from towers.allreduce.primitives import record
 from towers.schedule import check_schedule
 from towers.schedule import cost as schedule_cost
 

@@ -21,7 +21,7 @@ from tests.allreduce.test_primitives import (
     place,
 )
 from tests.conftest import DEVICES
-from towers.allreduce.primitives import record
+from towers.allreduce.machinery.primitives import record
 from towers.allreduce.ring import bytes_sent, ring, ring_orders, summation_depth
 
 

@@ -23,7 +23,7 @@ from tests.allreduce.test_halving_doubling import (
 from tests.allreduce.test_primitives import Case
 from tests.conftest import DEVICES
 from towers.allreduce import ALGORITHMS, ring, run_schedule, scheduled, swing
-from towers.allreduce.primitives import record
+from towers.allreduce.machinery.primitives import record
 from towers.allreduce.swing import bytes_sent, cost, peer, summation_depth, swing_schedule
 from towers.devices import canonical_device
 from towers.schedule import Schedule, ScheduleError, Step, check_schedule, ring_schedule

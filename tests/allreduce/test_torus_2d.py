@@ -21,7 +21,7 @@ from tests.allreduce.test_halving_doubling import (
 from tests.allreduce.test_primitives import Case
 from tests.conftest import DEVICES, examples
 from towers.allreduce import ALGORITHMS, ring, torus_2d
-from towers.allreduce.primitives import record
+from towers.allreduce.machinery.primitives import record
 from towers.allreduce.torus_2d import bytes_sent, cost, grid, summation_depth, torus_2d_schedule
 from towers.schedule import check_schedule, ring_schedule
 from towers.schedule import cost as schedule_cost

@@ -21,7 +21,7 @@ from tests.allreduce.test_primitives import (
     place,
 )
 from tests.conftest import DEVICES
-from towers.allreduce.primitives import record
+from towers.allreduce.machinery.primitives import record
 from towers.allreduce.tree import (
     bytes_sent,
     heap_parents,

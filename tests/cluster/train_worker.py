@@ -61,7 +61,7 @@ def barrier(workers: int) -> None:
     import tensorflow as tf
     from tensorflow.python.ops import collective_ops
 
-    from towers.allreduce.tf_collective_ops import shared_keys
+    from towers.allreduce.machinery.tf_collective_ops import shared_keys
 
     key = shared_keys(2)
     with tf.device("/device:CPU:0"):

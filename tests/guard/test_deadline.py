@@ -34,9 +34,9 @@ import towers
 from tests.conftest import DEVICES
 from towers.allreduce import compressed
 from towers.allreduce.compressed import Compressed
+from towers.allreduce.machinery.tf_collective_ops import next_key, token
 from towers.allreduce.naive import naive
 from towers.allreduce.powersgd import powersgd
-from towers.allreduce.tf_collective_ops import next_key, token
 from towers.guard import deadline
 from towers.guard.deadline import Deadline
 from towers.guard.errors import StepTimeout

@@ -4,7 +4,7 @@ Error feedback (top-k residuals, PowerSGD's error and warm-start ``Q``) computed
 overflowed or non-finite step holds Inf/NaN. Assigned, it poisons every later step: with
 a ``LossScaleOptimizer`` every later step "overflows", the scale halves for ever and
 training silently stops. So the trainer assigns the reducer's new state in its apply
-phase under the update's own condition (:class:`towers.allreduce.base.StatefulReducer`):
+phase under the update's own condition (:class:`towers.allreduce.machinery.base.StatefulReducer`):
 
 =================================  ==========================  ==========================
 step                               optimizer update            reducer state
@@ -33,11 +33,11 @@ import tensorflow as tf
 import towers
 from tests.conftest import DEVICES
 from towers.allreduce import compressed
-from towers.allreduce.base import StatefulReducer
 from towers.allreduce.codecs import topk
 from towers.allreduce.compressed import Compressed
+from towers.allreduce.machinery.base import StatefulReducer
+from towers.allreduce.machinery.ordering import as_written
 from towers.allreduce.naive import naive
-from towers.allreduce.ordering import as_written
 from towers.allreduce.powersgd import powersgd
 from towers.guard.errors import NonFiniteError
 
@@ -181,7 +181,8 @@ class CountingReducer:
 
 
 def test_a_users_stateful_reducer_is_committed_only_on_applied_steps() -> None:
-    # the contract of towers.allreduce.base.StatefulReducer, for any reducer, not only codecs
+    # the contract of towers.allreduce.machinery.base.StatefulReducer, for any reducer, not only
+    # codecs
     reducer = CountingReducer()
     assert isinstance(reducer, StatefulReducer)
     trainer = towers.TowerTrainer(

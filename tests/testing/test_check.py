@@ -12,7 +12,7 @@ from hypothesis import given
 
 from tests.conftest import DEVICES, examples
 from towers.allreduce import Algorithm, naive, parameter_device, send
-from towers.allreduce.base import check_values, combine, finish
+from towers.allreduce.machinery.base import check_values, combine, finish
 from towers.testing.check import (
     CheckReport,
     Closeness,

@@ -11,7 +11,7 @@ import tensorflow as tf
 
 from tests.conftest import DEVICES
 from towers.allreduce import naive, parameter_device, send
-from towers.allreduce.base import OPS, check_values, combine, finish
+from towers.allreduce.machinery.base import OPS, check_values, combine, finish
 from towers.testing.replay import KERNELS, ReplayError, replay, supported_ops
 
 BF16 = np.dtype(ml_dtypes.bfloat16)

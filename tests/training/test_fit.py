@@ -15,7 +15,7 @@ import tensorflow as tf
 
 import towers
 from tests.conftest import DEVICES
-from towers.allreduce.ordering import as_written
+from towers.allreduce.machinery.ordering import as_written
 from towers.split import shard_sizes
 from towers.testing import assert_weights_close, gamma
 from towers.training import checkpoint

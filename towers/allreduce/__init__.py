@@ -14,7 +14,6 @@ from collections.abc import Sequence
 import numpy as np
 import tensorflow as tf
 
-from towers.allreduce.base import OPS, AllReduce, GradientReducer, check_values, combine, finish
 from towers.allreduce.bruck import bruck
 from towers.allreduce.bucketed import bucketed, pack, unpack
 from towers.allreduce.codecs import bf16, fp16, topk
@@ -24,13 +23,16 @@ from towers.allreduce.double_binary_tree import double_binary_tree
 from towers.allreduce.halving_doubling import halving_doubling
 from towers.allreduce.hand_collectives import all_gather, broadcast, reduce_scatter
 from towers.allreduce.hierarchical import hierarchical
-from towers.allreduce.naive import naive
-from towers.allreduce.nccl import nccl, nccl_ring, nccl_tree
-from towers.allreduce.parameter_device import parameter_device
-from towers.allreduce.pat import pat
-from towers.allreduce.powersgd import powersgd
-from towers.allreduce.primitives import Recorder, Transfer, record, send
-from towers.allreduce.registry import (
+from towers.allreduce.machinery.base import (
+    OPS,
+    AllReduce,
+    GradientReducer,
+    check_values,
+    combine,
+    finish,
+)
+from towers.allreduce.machinery.primitives import Recorder, Transfer, record, send
+from towers.allreduce.machinery.registry import (
     ALGORITHMS,
     Algorithm,
     Configured,
@@ -38,10 +40,15 @@ from towers.allreduce.registry import (
     Registry,
     register,
 )
-from towers.allreduce.resolve import get, noop
+from towers.allreduce.machinery.resolve import get, noop
+from towers.allreduce.machinery.scheduled import run_schedule, scheduled
+from towers.allreduce.machinery.sparse import densify, gather_indexed_slices
+from towers.allreduce.naive import naive
+from towers.allreduce.nccl import nccl, nccl_ring, nccl_tree
+from towers.allreduce.parameter_device import parameter_device
+from towers.allreduce.pat import pat
+from towers.allreduce.powersgd import powersgd
 from towers.allreduce.ring import ring
-from towers.allreduce.scheduled import run_schedule, scheduled
-from towers.allreduce.sparse import densify, gather_indexed_slices
 from towers.allreduce.swing import swing
 from towers.allreduce.torus_2d import torus_2d
 from towers.allreduce.tree import tree

@@ -1,7 +1,7 @@
 """Bruck all-reduce: dissemination reduce-scatter and all-gather, partners 2^k apart, any n.
 
 Written as data: :func:`bruck_schedule` builds the :class:`~towers.schedule.Schedule`
-and :func:`~towers.allreduce.scheduled.run_schedule` runs it; bytes and depth
+and :func:`~towers.allreduce.machinery.scheduled.run_schedule` runs it; bytes and depth
 below are derived from that same object. n = 5 towers, chunks c0..c4,
 ``+▶t`` reduces into tower t, ``▶t`` copies to it::
 
@@ -46,9 +46,15 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 
-from towers.allreduce.base import AllReduce
-from towers.allreduce.registry import Algorithm, Coefficients, Configured, register, schedule_of
-from towers.allreduce.scheduled import scheduled
+from towers.allreduce.machinery.base import AllReduce
+from towers.allreduce.machinery.registry import (
+    Algorithm,
+    Coefficients,
+    Configured,
+    register,
+    schedule_of,
+)
+from towers.allreduce.machinery.scheduled import scheduled
 from towers.guard.arguments import positive_int
 from towers.schedule import ir, symbolic
 from towers.schedule.ir import Schedule, Step

@@ -48,8 +48,8 @@ from typing import Any
 
 import tensorflow as tf
 
-from towers.allreduce.base import AllReduce, device_of
-from towers.allreduce.resolve import get
+from towers.allreduce.machinery.base import AllReduce, device_of
+from towers.allreduce.machinery.resolve import get
 from towers.devices import canonical_device
 from towers.guard.arguments import optional, positive_int
 
@@ -214,7 +214,7 @@ def unpack(buckets: Sequence[tf.Tensor], layout: Layout) -> list[tf.Tensor]:
 
 @dataclasses.dataclass
 class Bucketed:
-    """A :class:`~towers.allreduce.base.GradientReducer` that all-reduces packed buckets.
+    """A :class:`~towers.allreduce.machinery.base.GradientReducer` that all-reduces packed buckets.
 
     Built by :func:`bucketed`; ``layout`` is the bucket layout of the variables given
     to :meth:`build` (``None`` before).

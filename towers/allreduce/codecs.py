@@ -21,7 +21,7 @@ codec          payload per tower (S bytes fp32)    exchange             error
 =============  ==================================  ===================  ============================
 
 ``decode`` runs on the wire's *decoder* towers; with one decoder (``decode="once"``) the
-other towers receive its result by :func:`~towers.allreduce.primitives.send`, so every
+other towers receive its result by :func:`~towers.allreduce.machinery.primitives.send`, so every
 tower's output is bitwise the same whatever the kernels do.
 
 References:
@@ -40,8 +40,8 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 import numpy as np
 import tensorflow as tf
 
-from towers.allreduce.base import AllReduce
-from towers.allreduce.primitives import send
+from towers.allreduce.machinery.base import AllReduce
+from towers.allreduce.machinery.primitives import send
 
 __all__ = [
     "Cast",

@@ -1,11 +1,11 @@
 """The collectives' registry: one frozen record per (collective, algorithm), beside ``ALGORITHMS``.
 
-A :class:`~towers.allreduce.registry.Record` (the shape every registry shares,
+A :class:`~towers.allreduce.machinery.registry.Record` (the shape every registry shares,
 ``kind`` the collective) holds what tools need to know about one way of running a
 reduce-scatter, all-gather or broadcast: its schedule generator (from
 :mod:`towers.schedule.collectives`; broadcasts are built from root 0), the ticks
 in closed form, and, derived from the schedule itself
-(:func:`~towers.allreduce.registry.from_schedule`), the summation depth, the exact
+(:func:`~towers.allreduce.machinery.registry.from_schedule`), the summation depth, the exact
 bytes each tower sends and the α-β-γ cost.
 
 Registered (``COLLECTIVE_ALGORITHMS[(collective, name)]``)::
@@ -36,7 +36,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from towers.allreduce.registry import Record, Registry, from_schedule
+from towers.allreduce.machinery.registry import Record, Registry, from_schedule
 from towers.schedule import collectives as sc
 from towers.schedule.ir import Schedule, cost, format_schedule
 
@@ -83,7 +83,7 @@ def _chain_ticks(n: int, chunks: int = 4) -> int:
 
 def _record(collective: str, name: str, generator: Callable[..., Schedule],
             ticks: Callable[..., int], summary: str) -> Record:
-    """A collective's :class:`~towers.allreduce.registry.Record`: bytes (by the sharding
+    """A collective's :class:`~towers.allreduce.machinery.registry.Record`: bytes (by the sharding
     rule), summation depth and cost derived from ``generator``; ``ticks`` in closed form."""
     return Record(name, generator, kind=collective, summary=summary, ticks=ticks,
                   **from_schedule(generator, schedule_bytes))

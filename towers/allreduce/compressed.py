@@ -1,6 +1,6 @@
 """Compressed all-reduce: a codec around any algorithm, with checkpointable per-tower state.
 
-``compressed(algorithm, codec)`` is a :class:`~towers.allreduce.base.GradientReducer`
+``compressed(algorithm, codec)`` is a :class:`~towers.allreduce.machinery.base.GradientReducer`
 (what PyTorch calls a communication hook and Horovod a compression): for every
 variable it hands the towers' gradients and states to the codec, which encodes them
 on each tower, moves the payloads over a :class:`~towers.allreduce.codecs.Wire` (the
@@ -13,7 +13,7 @@ algorithm's all-reduce, or gathers) and decodes a dense sum. n = 3, one variable
                       only when the step is applied (commit; see below)
 
 **Decode once** (the default): only tower 0 decodes; the others receive its dense
-result by :func:`~towers.allreduce.primitives.send`, so every tower's output is bitwise
+result by :func:`~towers.allreduce.machinery.primitives.send`, so every tower's output is bitwise
 the same whatever the kernels do (a matmul's blocking may depend on alignment). That
 costs ``(n-1)·S`` dense bytes from tower 0. ``decode="everywhere"`` lets every tower
 decode its own (identical) payload instead: the bytes stay compressed, and identical
@@ -25,7 +25,7 @@ tower's device, as ``tf.Variable`` s tracked by this ``tf.Module``, so
 trainer the new state is computed in the reduce phase (:meth:`Compressed.reduce_deferred`)
 and assigned in the apply phase (:meth:`Compressed.commit`) under the optimizer update's
 own condition, so a skipped, overflowed or timed-out step leaves it bitwise as it was
-(:class:`~towers.allreduce.base.StatefulReducer`).
+(:class:`~towers.allreduce.machinery.base.StatefulReducer`).
 """
 
 from __future__ import annotations
@@ -35,11 +35,11 @@ from typing import Any
 
 import tensorflow as tf
 
-from towers.allreduce.base import AllReduce
 from towers.allreduce.codecs import Codec, Wire, bf16, fp16, identity, topk
+from towers.allreduce.machinery.base import AllReduce
+from towers.allreduce.machinery.registry import Record, Registry
+from towers.allreduce.machinery.resolve import get
 from towers.allreduce.powersgd import powersgd
-from towers.allreduce.registry import Record, Registry
-from towers.allreduce.resolve import get
 from towers.devices import canonical_device
 from towers.guard.arguments import check_choice
 
@@ -55,7 +55,7 @@ CODECS = Registry(["codec"], [
     Record("powersgd", powersgd, kind="codec",
            summary="(m + c)·r per m×c matrix: rank-r power step with error feedback"),
 ])
-"""Every codec by name (:class:`~towers.allreduce.registry.Record` s of kind ``codec``),
+"""Every codec by name (:class:`~towers.allreduce.machinery.registry.Record` s of kind ``codec``),
 filled here, in one place; ``CODECS[name]()`` builds it with its default settings."""
 
 
@@ -163,7 +163,7 @@ class Compressed(tf.Module):
         """``(out[tower][var], new_state)``: the codec's sums and the state's next values
         (one per state variable, as :meth:`commit` takes them); nothing is assigned, so
         a step that is not applied leaves the state as it was
-        (:class:`~towers.allreduce.base.StatefulReducer`).
+        (:class:`~towers.allreduce.machinery.base.StatefulReducer`).
 
         Raises:
             RuntimeError: :meth:`build` has not run.

@@ -62,9 +62,9 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
-from towers.allreduce.base import AllReduce, check_values
-from towers.allreduce.primitives import pad_split, unsplit
-from towers.allreduce.registry import (
+from towers.allreduce.machinery.base import AllReduce, check_values
+from towers.allreduce.machinery.primitives import pad_split, unsplit
+from towers.allreduce.machinery.registry import (
     Algorithm,
     Coefficients,
     Configured,

@@ -4,7 +4,7 @@ Written as data: :func:`halving_doubling_schedule` builds the
 :class:`~towers.schedule.Schedule` (the power-of-two core is
 :func:`~towers.schedule.halving_reduce_scatter` then
 :func:`~towers.schedule.doubling_all_gather` of ``towers.schedule``) and
-:func:`~towers.allreduce.scheduled.run_schedule` runs it; bytes and depth below
+:func:`~towers.allreduce.machinery.scheduled.run_schedule` runs it; bytes and depth below
 are derived from that same object. With p = 2^⌊log2 n⌋ active towers and
 r = n − p extra ones, n = 6 (p = 4, r = 2), the buffer padded to p chunks
 c0..c3 (``+▶t`` reduces into tower t, ``▶t`` copies to it)::
@@ -44,9 +44,15 @@ from __future__ import annotations
 
 import functools
 
-from towers.allreduce.base import AllReduce
-from towers.allreduce.registry import Algorithm, Coefficients, Configured, register, schedule_of
-from towers.allreduce.scheduled import scheduled
+from towers.allreduce.machinery.base import AllReduce
+from towers.allreduce.machinery.registry import (
+    Algorithm,
+    Coefficients,
+    Configured,
+    register,
+    schedule_of,
+)
+from towers.allreduce.machinery.scheduled import scheduled
 from towers.schedule import ir, symbolic
 from towers.schedule.collectives import doubling_all_gather, fold, halving_reduce_scatter
 from towers.schedule.ir import Schedule, Step

@@ -12,7 +12,7 @@ every device.
 Each runs a :class:`~towers.schedule.Schedule` from the collectives' registry
 (:mod:`towers.allreduce.collective_registry`), or any generator ``n -> Schedule``
 for its collective, run by the one interpreter of every schedule,
-:func:`towers.allreduce.scheduled.run_slots` (proved first; ``copy`` replaces
+:func:`towers.allreduce.machinery.scheduled.run_slots` (proved first; ``copy`` replaces
 the destination's slot, ``reduce`` computes ``combine(received, own)``; a run is
 finished, ``mean`` divides, once, where its last contribution arrives). This
 module only cuts the values into slots by the sharding rule and puts the
@@ -30,9 +30,9 @@ from collections.abc import Callable, Sequence
 
 import tensorflow as tf
 
-from towers.allreduce.base import DTYPES, check_values
 from towers.allreduce.collective_registry import collective_algorithm
-from towers.allreduce.scheduled import Slots, run_slots
+from towers.allreduce.machinery.base import DTYPES, check_values
+from towers.allreduce.machinery.scheduled import Slots, run_slots
 from towers.devices import canonical_device
 from towers.schedule.collectives import even_sizes, rooted
 from towers.schedule.ir import Schedule

@@ -23,7 +23,7 @@ of one: its inner all-reduce moves nothing, and it has no member to copy to)::
 
 Ticks run on from phase to phase: the groups' inner all-reduces run side by side
 in ticks 0 … a−1 (a: the inner part's ticks), the outer one is shifted by
-:func:`~towers.allreduce.primitives.tick_offset` to a … a+b−1, and the leaders'
+:func:`~towers.allreduce.machinery.primitives.tick_offset` to a … a+b−1, and the leaders'
 copies to their members go at tick a+b. Only the recorded labels move.
 
 Index formula: tower i is in group g = i // k, whose leader is g·k and whose
@@ -33,7 +33,7 @@ all-reduce, which runs on ⌈n/k⌉ leaders.
 How the parts are used: ``inner`` is a whole all-reduce run on each group's
 values; only the leader's output (index 0) is kept. An all-reduce also delivers
 the group sum to the other members; those copies are discarded (they are
-recorded by :func:`~towers.allreduce.primitives.record`, and counted in
+recorded by :func:`~towers.allreduce.machinery.primitives.record`, and counted in
 :func:`bytes_sent`; inside a ``tf.function`` TensorFlow prunes them as unused).
 ``outer`` all-reduces the leaders' group results. Both run with ``op="sum"``
 when ``op="mean"``; each leader then divides its (bitwise identical) total by
@@ -60,9 +60,9 @@ from typing import Any, TypeAlias
 
 import tensorflow as tf
 
-from towers.allreduce.base import AllReduce, check_values, finish
-from towers.allreduce.primitives import Recorder, record, send, tick_offset
-from towers.allreduce.registry import (
+from towers.allreduce.machinery.base import AllReduce, check_values, finish
+from towers.allreduce.machinery.primitives import Recorder, record, send, tick_offset
+from towers.allreduce.machinery.registry import (
     ALGORITHMS,
     Algorithm,
     Coefficients,
@@ -70,7 +70,7 @@ from towers.allreduce.registry import (
     register,
     schedule_of,
 )
-from towers.allreduce.resolve import get
+from towers.allreduce.machinery.resolve import get
 from towers.guard.arguments import positive_int
 
 __all__ = [

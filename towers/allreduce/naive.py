@@ -25,9 +25,9 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
-from towers.allreduce.base import AllReduce, check_values, combine, finish
-from towers.allreduce.primitives import send
-from towers.allreduce.registry import Algorithm, Coefficients, register, schedule_of
+from towers.allreduce.machinery.base import AllReduce, check_values, combine, finish
+from towers.allreduce.machinery.primitives import send
+from towers.allreduce.machinery.registry import Algorithm, Coefficients, register, schedule_of
 
 __all__ = ["NAIVE", "bytes_sent", "cost", "naive", "rooted_cost", "summation_depth"]
 

@@ -1,7 +1,7 @@
 """All-reduce on TensorFlow's collective ops with ``communication_hint="nccl"``: the yardstick.
 
 The ops are opaque: data moves inside the runtime, not through
-:func:`~towers.allreduce.primitives.send`, so nothing is recorded (see
+:func:`~towers.allreduce.machinery.primitives.send`, so nothing is recorded (see
 :func:`estimated_bytes_sent`). ``nccl()`` is one ``all_reduce_v2`` per tower (the
 runtime's schedule: a ring on CPU; NCCL's ring or tree on GPUs, or the raw
 ``nccl_ops.all_sum`` when every tower is its own physical GPU). The other two
@@ -39,7 +39,7 @@ Measured on TF 2.21, logical CPUs:
 
 The keys, ordering tokens, wire format, broadcast send/recv and the shared runner (with the
 facts they answer: empty tensors, eager calls, aborted collectives, unordered
-broadcasts) live in :mod:`towers.allreduce.tf_collective_ops`.
+broadcasts) live in :mod:`towers.allreduce.machinery.tf_collective_ops`.
 
 References:
     NVIDIA NCCL; nccl-tests' bus bandwidth; TensorFlow
@@ -54,10 +54,16 @@ from typing import Any
 import tensorflow as tf
 from tensorflow.python.ops import collective_ops, nccl_ops
 
-from towers.allreduce.base import AllReduce, combine, finish
-from towers.allreduce.recording import record_estimate
-from towers.allreduce.registry import Algorithm, Coefficients, Configured, register, schedule_of
-from towers.allreduce.tf_collective_ops import (
+from towers.allreduce.machinery.base import AllReduce, combine, finish
+from towers.allreduce.machinery.recording import record_estimate
+from towers.allreduce.machinery.registry import (
+    Algorithm,
+    Coefficients,
+    Configured,
+    register,
+    schedule_of,
+)
+from towers.allreduce.machinery.tf_collective_ops import (
     HINT,
     Body,
     broadcast_send_recv,

@@ -26,10 +26,16 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
-from towers.allreduce.base import AllReduce, check_values, combine, finish
+from towers.allreduce.machinery.base import AllReduce, check_values, combine, finish
+from towers.allreduce.machinery.primitives import send
+from towers.allreduce.machinery.registry import (
+    Algorithm,
+    Coefficients,
+    Configured,
+    register,
+    schedule_of,
+)
 from towers.allreduce.naive import rooted_cost
-from towers.allreduce.primitives import send
-from towers.allreduce.registry import Algorithm, Coefficients, Configured, register, schedule_of
 from towers.devices import canonical_device
 
 __all__ = [

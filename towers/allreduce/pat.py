@@ -1,7 +1,7 @@
 """PAT all-reduce: NCCL's Parallel Aggregated Trees reduce-scatter and all-gather, composed.
 
 Written as data: :func:`pat_schedule` builds the :class:`~towers.schedule.Schedule`
-and :func:`~towers.allreduce.scheduled.run_schedule` runs it; bytes and depth
+and :func:`~towers.allreduce.machinery.scheduled.run_schedule` runs it; bytes and depth
 below are derived from that same object. n = 5 towers, chunks c0..c4,
 ``+▶t`` reduces into tower t, ``▶t`` copies to it::
 
@@ -61,16 +61,16 @@ from __future__ import annotations
 import functools
 import math
 
-from towers.allreduce.base import AllReduce
 from towers.allreduce.bruck import gather_ticks, steps_of, transpose
-from towers.allreduce.registry import (
+from towers.allreduce.machinery.base import AllReduce
+from towers.allreduce.machinery.registry import (
     Algorithm,
     Coefficients,
     Configured,
     register,
     schedule_of,
 )
-from towers.allreduce.scheduled import scheduled
+from towers.allreduce.machinery.scheduled import scheduled
 from towers.guard.arguments import positive_int
 from towers.schedule import ir, symbolic
 from towers.schedule.ir import Schedule

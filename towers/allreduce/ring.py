@@ -48,9 +48,9 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
-from towers.allreduce.base import AllReduce, check_values
-from towers.allreduce.primitives import all_gather, pad_split, reduce_scatter, unsplit
-from towers.allreduce.registry import (
+from towers.allreduce.machinery.base import AllReduce, check_values
+from towers.allreduce.machinery.primitives import all_gather, pad_split, reduce_scatter, unsplit
+from towers.allreduce.machinery.registry import (
     Algorithm,
     Coefficients,
     Configured,

@@ -1,7 +1,7 @@
 """Swing all-reduce: recursive halving and doubling with peers that swing left and right.
 
 Written as data: :func:`swing_schedule` builds the :class:`~towers.schedule.Schedule`
-and :func:`~towers.allreduce.scheduled.run_schedule` runs it; bytes and depth
+and :func:`~towers.allreduce.machinery.scheduled.run_schedule` runs it; bytes and depth
 below are derived from that same object. p = 4 towers, chunks c0..c3,
 ``+▶t`` reduces into tower t, ``▶t`` copies to it::
 
@@ -45,9 +45,15 @@ from __future__ import annotations
 
 import functools
 
-from towers.allreduce.base import AllReduce
-from towers.allreduce.registry import Algorithm, Coefficients, Configured, register, schedule_of
-from towers.allreduce.scheduled import scheduled
+from towers.allreduce.machinery.base import AllReduce
+from towers.allreduce.machinery.registry import (
+    Algorithm,
+    Coefficients,
+    Configured,
+    register,
+    schedule_of,
+)
+from towers.allreduce.machinery.scheduled import scheduled
 from towers.guard.arguments import positive_int
 from towers.schedule import ir, symbolic
 from towers.schedule.ir import Schedule, Step

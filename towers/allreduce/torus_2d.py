@@ -1,7 +1,7 @@
 """2D-torus all-reduce: reduce-scatter along rows, all-reduce along columns, all-gather along rows.
 
 Written as data: :func:`torus_2d_schedule` builds the :class:`~towers.schedule.Schedule`
-and :func:`~towers.allreduce.scheduled.run_schedule` runs it; bytes and depth
+and :func:`~towers.allreduce.machinery.scheduled.run_schedule` runs it; bytes and depth
 below are derived from that same object. n = 4 towers as a 2×2 grid (tower
 ``t = i·C + q``: row i, column q), chunks c0..c3 (part q of the buffer is chunks
 ``q·R .. q·R+R−1``), ``+▶t`` reduces into tower t, ``▶t`` copies to it::
@@ -47,15 +47,15 @@ from __future__ import annotations
 import functools
 import math
 
-from towers.allreduce.base import AllReduce
-from towers.allreduce.registry import (
+from towers.allreduce.machinery.base import AllReduce
+from towers.allreduce.machinery.registry import (
     Algorithm,
     Coefficients,
     Configured,
     register,
     schedule_of,
 )
-from towers.allreduce.scheduled import scheduled
+from towers.allreduce.machinery.scheduled import scheduled
 from towers.guard.arguments import positive_int
 from towers.schedule import ir, symbolic
 from towers.schedule.ir import Schedule, Step

@@ -53,9 +53,9 @@ from typing import NamedTuple
 import numpy as np
 import tensorflow as tf
 
-from towers.allreduce.base import AllReduce, check_values, combine, finish
-from towers.allreduce.primitives import pad_split, send, unsplit
-from towers.allreduce.registry import (
+from towers.allreduce.machinery.base import AllReduce, check_values, combine, finish
+from towers.allreduce.machinery.primitives import pad_split, send, unsplit
+from towers.allreduce.machinery.registry import (
     Algorithm,
     Coefficients,
     Configured,

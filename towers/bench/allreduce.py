@@ -3,7 +3,7 @@
 For each message size (bytes per tower) every contender is compiled once in its
 own ``tf.function`` and warmed up; then every (size, contender) pair is timed in
 one interleaved loop (see :mod:`towers.bench.timing`), all inside one
-:func:`towers.allreduce.ordering.as_written` block. tf.distribute's ops run there too:
+:func:`towers.allreduce.machinery.ordering.as_written` block. tf.distribute's ops run there too:
 the two Grappler passes it switches off rewrite chains of arithmetic, and a lone
 collective or ``add_n`` has none, while switching the process-wide options
 between calls would cost every call ~0.2-0.4 ms (the cached function-call
@@ -33,7 +33,7 @@ import numpy as np
 import tensorflow as tf
 
 from towers import allreduce
-from towers.allreduce.ordering import as_written
+from towers.allreduce.machinery.ordering import as_written
 from towers.bench import costmodel
 from towers.bench.onepass import ONE_PASS, OnePass
 from towers.bench.timing import Samples, interleave
@@ -317,7 +317,8 @@ def run_allreduce(
 
     Interleaving sizes as well as contenders lets load drift hit every size alike,
     so one contender's times across sizes (what the cost model fits) stay
-    comparable. Everything runs inside one :func:`~towers.allreduce.ordering.as_written` block.
+    comparable. Everything runs inside one :func:`~towers.allreduce.machinery.ordering.as_written`
+    block.
 
     Args:
         devices: the towers' devices.

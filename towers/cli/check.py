@@ -11,7 +11,7 @@ replayed (opaque collectives such as nccl, or ops the replay has no kernel for)
 fails --replay with the reason; it never passes silently. The verdict names the
 smallest failing example Hypothesis could shrink to.
 
-An algorithm defined by a schedule (``swing``, or ``towers.allreduce.scheduled(gen)``)
+An algorithm defined by a schedule (``swing``, or ``towers.allreduce.machinery.scheduled(gen)``)
 is first proved symbolically for every tower count 1..--prove (default 64, no
 TensorFlow, see ``towers.schedule.check_schedule``): a wrong schedule is rejected
 with the smallest failing tower count, the first tick that breaks and the state
@@ -80,7 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _options(args: argparse.Namespace, devices: list[str]) -> dict[str, Any]:
-    from towers.allreduce.base import DTYPES, OPS
+    from towers.allreduce.machinery.base import DTYPES, OPS
 
     return {
         "max_towers": args.max_towers,
@@ -113,7 +113,7 @@ def _check(name: str, fn: Any, counts: list[int], examples: int, options: dict[s
 
 def _prove(fn: Any, upto: int) -> bool:
     """Print the symbolic verdict for a schedule-defined algorithm; False when rejected."""
-    from towers.allreduce.scheduled import generator_of
+    from towers.allreduce.machinery.scheduled import generator_of
     from towers.schedule import check_schedule
 
     generator = generator_of(fn)

@@ -43,7 +43,7 @@ from collections.abc import Sequence
 import tensorflow as tf
 from tensorflow.python.ops import collective_ops
 
-from towers.allreduce.tf_collective_ops import shared_keys, token
+from towers.allreduce.machinery.tf_collective_ops import shared_keys, token
 from towers.cluster.reducer import check_cross_worker
 
 __all__ = ["AllTowers"]

@@ -18,7 +18,8 @@ the result equals dividing every loss by the global batch (MultiWorkerMirroredSt
 
 Collective keys: TF's group and instance keys are process-global and must be equal on
 every worker for the ops to meet. They come from the cross-process range of
-:mod:`towers.allreduce.tf_collective_ops` (:func:`~towers.allreduce.tf_collective_ops.shared_keys`,
+:mod:`towers.allreduce.machinery.tf_collective_ops`
+(:func:`~towers.allreduce.machinery.tf_collective_ops.shared_keys`,
 apart from towers' local collectives and tf.distribute's), one block per reducer at
 ``build``: identical on every worker when every worker builds its reducers in the same
 order, as the same program does. All of a worker's cross-worker ops sit on its tower 0
@@ -46,7 +47,7 @@ import tensorflow as tf
 from tensorflow.python.ops import collective_ops
 
 from towers.allreduce import send
-from towers.allreduce.tf_collective_ops import shared_keys, token
+from towers.allreduce.machinery.tf_collective_ops import shared_keys, token
 from towers.cluster.spec import resolve
 from towers.guard.arguments import positive_float, positive_int
 

@@ -25,7 +25,7 @@ from typing import Any
 import tensorflow as tf
 from tensorflow.core.protobuf import rewriter_config_pb2
 
-from towers.allreduce.ordering import REWRITES
+from towers.allreduce.machinery.ordering import REWRITES
 from towers.cluster.local import towers_per_task
 from towers.cluster.spec import Cluster, resolve
 from towers.devices import set_local_task
@@ -137,7 +137,7 @@ def start_server(cluster: Any = None, towers: int | None = None) -> tf.distribut
     # logical-device configuration (measured: that one leaves the server with CPU:0 only).
     config = tf.compat.v1.ConfigProto(device_count={"CPU": n})
     # A remote task optimizes the graph pieces it runs with its own options: keep additions
-    # as written there too (towers.allreduce.ordering.REWRITES, docs/architecture.md).
+    # as written there too (towers.allreduce.machinery.ordering.REWRITES, docs/architecture.md).
     rewrites = config.graph_options.rewrite_options
     for name in REWRITES:
         setattr(rewrites, name, rewriter_config_pb2.RewriterConfig.OFF)

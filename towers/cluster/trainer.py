@@ -25,7 +25,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.ops import collective_ops
 
-from towers.allreduce.tf_collective_ops import shared_keys, token
+from towers.allreduce.machinery.tf_collective_ops import shared_keys, token
 from towers.cluster.flat import AllTowers
 from towers.cluster.reducer import check_cross_worker
 from towers.guard.arguments import non_negative_int

@@ -45,7 +45,7 @@ import tensorflow as tf
 
 from towers.allreduce.bucketed import Bucketed
 from towers.allreduce.compressed import Compressed
-from towers.allreduce.registry import algorithm_name, record_of
+from towers.allreduce.machinery.registry import algorithm_name, record_of
 
 __all__ = [
     "AXES",

@@ -110,7 +110,7 @@ class AlgorithmError(TowersError, ValueError):
         where = "its outputs" if tower is None else f"output {tower} (tower {tower})"
         hint = hint or (
             "An algorithm returns one tensor per input, output i with input i's shape and "
-            "dtype, on input i's device (see towers.allreduce.base)."
+            "dtype, on input i's device (see towers.allreduce.machinery.base)."
         )
         super().__init__(
             f"all-reduce algorithm {algorithm!r} broke the contract reducing {variable}: "

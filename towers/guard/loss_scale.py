@@ -34,7 +34,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from towers.allreduce.primitives import send
+from towers.allreduce.machinery.primitives import send
 from towers.guard.arguments import check_choice
 
 __all__ = ["REDUCE_DTYPES", "LossScale", "is_loss_scaled"]

@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from towers.allreduce.primitives import send
+from towers.allreduce.machinery.primitives import send
 from towers.guard.arguments import check_choice
 from towers.guard.errors import NonFiniteError
 

@@ -45,8 +45,8 @@ import ml_dtypes
 import numpy as np
 import tensorflow as tf
 
-from towers.allreduce.base import GradientReducer
-from towers.allreduce.registry import record_of
+from towers.allreduce.machinery.base import GradientReducer
+from towers.allreduce.machinery.registry import record_of
 from towers.guard.contract import algorithm_name, check_outputs, check_rows
 from towers.guard.errors import AlgorithmError
 

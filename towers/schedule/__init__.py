@@ -7,7 +7,7 @@ proves a generator ``n -> Schedule`` correct for every ``n`` by following sets o
 contributions; :mod:`~towers.schedule.classic` has the ring as data and
 :mod:`~towers.schedule.collectives` the reduce-scatter, all-gather and broadcast schedules. The
 interpreter that runs a schedule on TensorFlow devices is
-:mod:`towers.allreduce.scheduled` (this package imports nothing of TensorFlow).
+:mod:`towers.allreduce.machinery.scheduled` (this package imports nothing of TensorFlow).
 """
 
 from __future__ import annotations

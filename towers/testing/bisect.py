@@ -44,7 +44,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from towers.allreduce.registry import algorithm_name
+from towers.allreduce.machinery.registry import algorithm_name
 from towers.devices import local_devices
 from towers.step import TowerTrainer
 from towers.testing.onestep import (

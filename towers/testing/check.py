@@ -38,9 +38,9 @@ from hypothesis import HealthCheck, Phase, Verbosity, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
-from towers.allreduce.base import DTYPES, OPS, AllReduce
-from towers.allreduce.registry import algorithm_name
-from towers.allreduce.resolve import get
+from towers.allreduce.machinery.base import DTYPES, OPS, AllReduce
+from towers.allreduce.machinery.registry import algorithm_name
+from towers.allreduce.machinery.resolve import get
 from towers.devices import local_devices
 from towers.testing.bounds import unit_roundoff
 from towers.testing.properties import Case, cases, check_case, describe, replay_refusal, unchecked

@@ -43,7 +43,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from towers.allreduce.registry import record_of
+from towers.allreduce.machinery.registry import record_of
 from towers.guard.arguments import optional, positive_int
 from towers.split import shard_sizes
 from towers.testing.bounds import sgd_step_bound, sum_bound

@@ -2,7 +2,7 @@
 
 The properties :func:`towers.testing.check.check_all_reduce` searches over, one
 drawn example (:class:`Case`) at a time; each check returns what failed, as text.
-Formulas come from the algorithm's registry record (:class:`~towers.allreduce.registry.
+Formulas come from the algorithm's registry record (:class:`~towers.allreduce.machinery.registry.
 Configured`); a plain callable has none, and the checks that need one are skipped
 (:func:`unchecked` says which).
 """
@@ -16,8 +16,8 @@ import numpy as np
 import tensorflow as tf
 from hypothesis import strategies as st
 
-from towers.allreduce.recording import Recorder, record
-from towers.allreduce.registry import algorithm_name, record_of
+from towers.allreduce.machinery.recording import Recorder, record
+from towers.allreduce.machinery.registry import algorithm_name, record_of
 from towers.devices import canonical_device
 from towers.testing.bounds import sum_bound
 from towers.testing.replay import ReplayError, replay

@@ -22,7 +22,7 @@ import tensorflow as tf
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from towers.allreduce.base import DTYPES
+from towers.allreduce.machinery.base import DTYPES
 
 __all__ = [
     "Closeness",

@@ -25,10 +25,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from towers.allreduce.base import GradientReducer
-from towers.allreduce.recording import record
-from towers.allreduce.registry import algorithm_name
-from towers.allreduce.resolve import get
+from towers.allreduce.machinery.base import GradientReducer
+from towers.allreduce.machinery.recording import record
+from towers.allreduce.machinery.registry import algorithm_name
+from towers.allreduce.machinery.resolve import get
 from towers.devices import local_devices, simulate_devices
 
 __all__ = ["is_reducer", "load_algorithm", "start_devices"]
@@ -78,7 +78,7 @@ def _import(module: str, attr: str) -> Any:
 
 
 def is_reducer(obj: Any) -> bool:
-    """A :class:`~towers.allreduce.base.GradientReducer` (all gradients at once)?"""
+    """A :class:`~towers.allreduce.machinery.base.GradientReducer` (all gradients at once)?"""
     return not isinstance(obj, type) and isinstance(obj, GradientReducer)
 
 

@@ -1,8 +1,8 @@
 """Trace one all-reduce: who sends which chunk where, tick by tick, drawn and checked.
 
 :func:`trace_all_reduce` runs an algorithm eagerly on one small vector per tower
-inside :func:`~towers.allreduce.primitives.record`, so every
-:func:`~towers.allreduce.primitives.send` becomes a row of the tick table, and
+inside :func:`~towers.allreduce.machinery.primitives.record`, so every
+:func:`~towers.allreduce.machinery.primitives.send` becomes a row of the tick table, and
 checks the outputs against NumPy. :func:`~towers.trace.draw.draw` turns the rows
 into a picture (towers as rows, ticks as columns, one arrow per transfer, one
 colour per chunk), :func:`~towers.trace.text.format_table` and
@@ -37,9 +37,9 @@ from typing import Any
 
 import numpy as np
 
-from towers.allreduce.base import check_op
-from towers.allreduce.recording import Transfer, record
-from towers.allreduce.registry import record_of
+from towers.allreduce.machinery.base import check_op
+from towers.allreduce.machinery.recording import Transfer, record
+from towers.allreduce.machinery.registry import record_of
 from towers.devices import canonical_device
 from towers.guard.arguments import positive_int
 from towers.testing.values import ulp_distance

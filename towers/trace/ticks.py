@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from towers.allreduce.recording import Transfer
+from towers.allreduce.machinery.recording import Transfer
 
 __all__ = ["TraceRow", "assign_ticks", "chunk_ownership"]
 

@@ -37,8 +37,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-from towers.allreduce.ordering import as_written
-from towers.allreduce.recording import record
+from towers.allreduce.machinery.ordering import as_written
+from towers.allreduce.machinery.recording import record
 from towers.step import TowerTrainer
 from towers.trace.loading import load_algorithm
 from towers.trace.ticks import assign_ticks

@@ -52,7 +52,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from towers.allreduce.ordering import as_written
+from towers.allreduce.machinery.ordering import as_written
 from towers.guard.arguments import non_negative_int, optional
 from towers.guard.inputs import naming
 from towers.training.backup import Backup, data_facts

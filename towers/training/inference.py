@@ -15,7 +15,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from towers.allreduce.primitives import send
+from towers.allreduce.machinery.primitives import send
 from towers.split import Batch, concat, shard_batch
 from towers.tower import per_example_loss
 from towers.training.protocol import Trainer

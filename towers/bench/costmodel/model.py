@@ -19,7 +19,7 @@ from measured rows. A tower sends one and receives one message at a time
     send / add (calibration)    α + S·β  /  (n-1)·S·γ
     ==========================  ===================================================
 
-Each algorithm's formula is its registry record's ``cost`` (``towers.allreduce.registry``;
+Each algorithm's formula is its registry record's ``cost`` (``towers.allreduce.machinery.registry``;
 the function lives beside the schedule in the algorithm's module); only the calibration
 rows ``send`` and ``add`` are defined here. How the less obvious rows come about:
 
@@ -127,7 +127,8 @@ PRESETS: dict[str, Link] = {
 }
 
 
-# The per-algorithm formulas live in the algorithms' records (``towers.allreduce.registry``,
+# The per-algorithm formulas live in the algorithms' records
+# (``towers.allreduce.machinery.registry``,
 # each module's ``cost``); here only the two calibration rows, which are not algorithms.
 def _send(n: int, s: float) -> Coefficients:
     return 1, s, 0
@@ -146,7 +147,7 @@ def _formulas() -> dict[str, Callable[..., Coefficients]]:
 
     Imported when first needed, so this module loads without TensorFlow.
     """
-    from towers.allreduce.registry import ALGORITHMS as records  # TensorFlow: kept lazy
+    from towers.allreduce.machinery.registry import ALGORITHMS as records  # TensorFlow: kept lazy
 
     costs = {name: r.cost for name, r in records.items() if r.cost is not None}
     return {**costs, **_CALIBRATION_FORMULAS}

@@ -9,7 +9,7 @@ schedule. A composite algorithm shifts the ticks of a later phase with
 :func:`tick_offset`, so its phases do not overlap in the schedule. The recording
 machinery (:class:`Transfer`, :class:`Recorder`, :func:`record`,
 :func:`tick_offset`, :func:`record_estimate`) lives in
-:mod:`towers.allreduce.recording` and is re-exported here.
+:mod:`towers.allreduce.machinery.recording` and is re-exported here.
 
 Below :func:`send` sit the ring phases research code composes
 (:func:`reduce_scatter`, :func:`all_gather`), the flat :func:`reduce` and the
@@ -29,8 +29,8 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
-from towers.allreduce.base import check_values, combine, finish
-from towers.allreduce.recording import (
+from towers.allreduce.machinery.base import check_values, combine, finish
+from towers.allreduce.machinery.recording import (
     Recorder,
     Transfer,
     log_send,

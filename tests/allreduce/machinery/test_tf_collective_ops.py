@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 
 from tests.conftest import DEVICES
-from towers.allreduce.tf_collective_ops import (
+from towers.allreduce.machinery.tf_collective_ops import (
     KEY_START,
     SHARED_KEY_START,
     next_key,

@@ -1,4 +1,5 @@
-"""Lift any all-reduce to a :class:`~towers.allreduce.base.GradientReducer` of a whole step.
+"""Lift any all-reduce to a :class:`~towers.allreduce.machinery.base.GradientReducer` of a whole
+step.
 
 The step reduces ``grads[tower][var]``: every trainable variable's gradient on every
 tower. Two kinds of algorithm can do it::
@@ -21,11 +22,16 @@ from typing import Any
 
 import tensorflow as tf
 
-from towers.allreduce.base import AllReduce, GradientReducer, StatefulReducer, check_values
+from towers.allreduce.machinery.base import (
+    AllReduce,
+    GradientReducer,
+    StatefulReducer,
+    check_values,
+)
+from towers.allreduce.machinery.resolve import get
+from towers.allreduce.machinery.sparse import densify, gather_indexed_slices, to_dense
 from towers.allreduce.naive import naive
 from towers.allreduce.parameter_device import parameter_device
-from towers.allreduce.resolve import get
-from towers.allreduce.sparse import densify, gather_indexed_slices, to_dense
 from towers.guard.arguments import check_choice
 from towers.guard.contract import check_outputs, check_rows
 
@@ -82,7 +88,7 @@ class StepReducer:
     ) -> list[list[tf.Tensor | tf.IndexedSlices]]:
         """``grads[tower][var]`` -> ``reduced[tower][var]``, each the sum over towers.
 
-        A :class:`~towers.allreduce.base.StatefulReducer`'s new state is *not* assigned:
+        A :class:`~towers.allreduce.machinery.base.StatefulReducer`'s new state is *not* assigned:
         :meth:`take_pending` hands it to the step, which passes it to :meth:`commit`.
 
         Raises:

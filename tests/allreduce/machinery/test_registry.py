@@ -17,7 +17,7 @@ import tensorflow as tf
 import towers
 from tests.conftest import DEVICES, examples
 from towers.allreduce import ALGORITHMS, Algorithm, Configured, register
-from towers.allreduce.registry import record_of, schedule_of
+from towers.allreduce.machinery.registry import record_of, schedule_of
 from towers.testing import check_all_reduce
 
 OPAQUE = {"nccl", "nccl_ring", "nccl_tree"}
@@ -176,7 +176,7 @@ SCHEDULED = ["bruck", "halving_doubling", "pat", "swing", "torus_2d"]
 
 @pytest.mark.parametrize("name", SCHEDULED)
 def test_a_schedules_record_derives_its_numbers_from_the_generator(name: str) -> None:
-    from towers.allreduce.registry import from_schedule
+    from towers.allreduce.machinery.registry import from_schedule
     from towers.schedule import summation_depth
 
     record = ALGORITHMS[name]

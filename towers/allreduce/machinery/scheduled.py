@@ -12,9 +12,9 @@ the finished value, so every output is bitwise the same. Slots complete from the
 start (``n = 1``) are finished at the end.
 
 :func:`run_schedule` all-reduces with it: every tower's value is cut into
-``schedule.chunks`` equal pieces with :func:`~towers.allreduce.primitives.pad_split`
+``schedule.chunks`` equal pieces with :func:`~towers.allreduce.machinery.primitives.pad_split`
 (zero padding at the end, the rule :mod:`towers.schedule.ir` counts bytes with)
-and put back together with :func:`~towers.allreduce.primitives.unsplit`. The
+and put back together with :func:`~towers.allreduce.machinery.primitives.unsplit`. The
 public reduce-scatter, all-gather and broadcast
 (:mod:`towers.allreduce.hand_collectives`) cut by the sharding rule instead.
 
@@ -29,9 +29,9 @@ from collections.abc import Callable, Sequence
 
 import tensorflow as tf
 
-from towers.allreduce.base import AllReduce, check_values, combine, finish
-from towers.allreduce.primitives import pad_split, send, unsplit
-from towers.allreduce.registry import Configured
+from towers.allreduce.machinery.base import AllReduce, check_values, combine, finish
+from towers.allreduce.machinery.primitives import pad_split, send, unsplit
+from towers.allreduce.machinery.registry import Configured
 from towers.schedule.ir import Schedule
 from towers.schedule.symbolic import simulate
 
@@ -159,6 +159,6 @@ def scheduled(generator: Callable[[int], Schedule]) -> AllReduce:
 
 def generator_of(fn: object) -> Callable[[int], Schedule] | None:
     """The schedule generator behind an algorithm (a :class:`Scheduled`, or a registry
-    :class:`~towers.allreduce.registry.Configured` running one), else None."""
+    :class:`~towers.allreduce.machinery.registry.Configured` running one), else None."""
     fn = getattr(fn, "run", fn) if isinstance(fn, Configured) else fn
     return fn.generator if isinstance(fn, Scheduled) else None

@@ -1,4 +1,5 @@
-"""Recording what moves: every :func:`~towers.allreduce.primitives.send` as a :class:`Transfer`.
+"""Recording what moves: every :func:`~towers.allreduce.machinery.primitives.send` as a
+:class:`Transfer`.
 
 This module owns the recording state and nothing that moves data. A :func:`record`
 block collects one :class:`Transfer` per send (source, destination, bytes, and the
@@ -7,7 +8,7 @@ against formulas and ``towers trace`` can draw the schedule. A composite algorit
 shifts the ticks of a later phase with :func:`tick_offset`, so its phases do not
 overlap in the schedule; an opaque collective that moves data outside ``send``
 states what it expects to move with :func:`record_estimate`. ``send`` itself
-lives in :mod:`towers.allreduce.primitives` and reports here through
+lives in :mod:`towers.allreduce.machinery.primitives` and reports here through
 :func:`log_send`.
 
 Sends are recorded when the Python code runs, i.e. at trace time inside a

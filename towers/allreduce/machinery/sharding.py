@@ -41,8 +41,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from towers.allreduce.primitives import all_gather, pad_split, reduce_scatter, unsplit
-from towers.allreduce.sparse import to_dense
+from towers.allreduce.machinery.primitives import all_gather, pad_split, reduce_scatter, unsplit
+from towers.allreduce.machinery.sparse import to_dense
 
 __all__ = [
     "NOT_ELEMENTWISE",

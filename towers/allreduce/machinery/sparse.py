@@ -23,8 +23,8 @@ from collections.abc import Callable, Sequence
 
 import tensorflow as tf
 
-from towers.allreduce.base import check_op
-from towers.allreduce.primitives import send
+from towers.allreduce.machinery.base import check_op
+from towers.allreduce.machinery.primitives import send
 
 __all__ = ["densify", "gather_indexed_slices", "to_dense"]
 

@@ -10,8 +10,8 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
-from towers.allreduce.base import AllReduce, check_values
-from towers.allreduce.registry import ALGORITHMS
+from towers.allreduce.machinery.base import AllReduce, check_values
+from towers.allreduce.machinery.registry import ALGORITHMS
 
 
 def noop(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:

@@ -57,7 +57,7 @@ from typing import Any
 import tensorflow as tf
 from tensorflow.python.ops import collective_ops
 
-from towers.allreduce.base import check_values
+from towers.allreduce.machinery.base import check_values
 from towers.devices import canonical_device
 
 __all__ = [

@@ -32,8 +32,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.conftest import DEVICES
-from towers.allreduce.base import OPS
-from towers.allreduce.primitives import (
+from towers.allreduce.machinery.base import OPS
+from towers.allreduce.machinery.primitives import (
     all_gather,
     pad_split,
     record,

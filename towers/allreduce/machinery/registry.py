@@ -39,7 +39,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from towers.allreduce.base import AllReduce
+from towers.allreduce.machinery.base import AllReduce
 from towers.schedule import ir, symbolic
 from towers.schedule.ir import Schedule
 

@@ -1,0 +1,18 @@
+"""The machinery the all-reduce algorithms are built from and run by (no algorithm here).
+
+::
+
+    base.py              the contract: algorithm(values, *, op) -> outputs; GradientReducer
+    primitives.py        send (the one place data moves, counted), pad_split, unsplit
+    recording.py         what a traced step sent: bytes per tower and link, ticks
+    registry.py          one record shape (Record) and mapping (Registry) for every registry
+    resolve.py           a name or a callable -> an algorithm (get, noop)
+    reducer.py           an algorithm lifted to a whole step's gradients (StepReducer)
+    scheduled.py         the one schedule interpreter (run_slots), for every schedule
+    tf_collective_ops.py TensorFlow's collective ops: instance keys, ordering tokens, wire format
+    sparse.py            IndexedSlices gathered in tower order, or densified
+    ordering.py          as_written(): Grappler's rewrites off, additions in code order
+    sharding.py          the sharded placement's flat chunks, reduce-scatter, all-gather
+
+The algorithms themselves are the modules of :mod:`towers.allreduce` beside this package.
+"""
