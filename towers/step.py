@@ -191,6 +191,7 @@ class TowerTrainer:
             "sparse", capabilities.default_sparse(self.placement.name, kind, sparse), SPARSE)
         self.options = self._options(kind, optimizer, on_nonfinite, reduce_dtype, step_timeout)
         capabilities.check(self.options, {"all_reduce": capabilities.spell(all_reduce)})
+        capabilities.check_limits(self.options, reducer)
         self.deadline = Deadline(step_timeout, reducer)
         self.algorithm: Any = self.deadline.algorithm  # step_timeout bound where it takes one
         self.replica_check = ReplicaCheck(check_replicas_every)

@@ -27,7 +27,7 @@ from tests.cluster.train_worker import make_model
 from tests.conftest import DEVICES
 from towers.cluster import launch, local_cluster
 from towers.cluster.checkpoints import restore_latest, save_on_chief
-from towers.training import atomic
+from towers.training import atomic, checkpoint
 from towers.training.data import digits
 
 TIMEOUT = 8.0
@@ -124,7 +124,7 @@ def _trainer() -> towers.TowerTrainer:
 def test_without_a_checkpoint_nothing_is_restored(tmp_path: Path) -> None:
     trainer = _trainer()
     assert restore_latest(trainer, str(tmp_path)) == 0
-    atomic.write(towers.checkpoint.checkpoint(trainer), tmp_path, 9, {"batches": 9})
+    atomic.write(checkpoint.checkpoint(trainer), tmp_path, 9, {"batches": 9})
     with pytest.raises(towers.CheckpointError, match="no count of steps taken"):
         restore_latest(trainer, str(tmp_path))
 

@@ -114,9 +114,9 @@ def test_the_store_rejects_a_bad_rule(kwargs: dict[str, Any], message: str) -> N
     ({"workers": [[]]}, "workers must be a non-empty list"),
     ({"max_staleness": -1}, "max_staleness must be None or an int >= 0"),
     ({"on_nonfinite": "warn"}, "on_nonfinite must be one of"),
-    ({"learning_rate": 0}, "learning_rate must be a positive number"),
+    ({"learning_rate": 0}, "learning_rate must be positive"),
     ({"momentum": 1.0}, r"momentum must be a float in \[0, 1\)"),
-    ({"timeout": 0}, "timeout must be a positive number"),
+    ({"timeout": 0}, "timeout must be positive"),
     ({"policy": "random"}, "policy must be one of"),
 ])
 def test_the_trainer_rejects_bad_arguments(kwargs: dict[str, Any], message: str) -> None:

@@ -55,6 +55,7 @@ __all__ = [
     "Refusal",
     "algorithm_kind",
     "check",
+    "check_limits",
     "default_all_reduce",
     "default_sparse",
     "markdown",
@@ -149,12 +150,6 @@ REFUSALS: tuple[Refusal, ...] = (
         "sparse (Embedding) gradient cannot be gathered beside it",
         "leave sparse unset (compressed reducers densify) or pass sparse='densify'",
     ),
-    Refusal(
-        ("trainer", ("TowerTrainer",)), ("all_reduce", ("cross-worker",)),
-        "a cross-worker reducer sums over every worker's towers, and a TowerTrainer divides "
-        "its loss by this process's batch only",
-        "use towers.cluster.WorkerTrainer for a cross-worker reducer",
-    ),
 )
 """Every refused cell, one record per reason."""
 
@@ -188,12 +183,35 @@ LIMITS: tuple[Limit, ...] = (
         "train alone)",
     ),
     Limit(
+        ("trainer", ("TowerTrainer",)), ("all_reduce", ("cross-worker",)),
+        "with op='mean' (each worker's loss is over its own batch: equal batches give the "
+        "global mean) or one worker; op='sum' across workers is refused, naming op (it "
+        "would multiply the gradient by the worker count; WorkerTrainer divides by the "
+        "global batch and sums)",
+    ),
+    Limit(
         ("trainer", ("WorkerTrainer",)), ("sparse", ("gather", "densify")),
         "across workers a sparse (Embedding) gradient is refused when the step is traced: the "
         "cross-worker reducers take dense gradients",
     ),
 )
 """Cells that work only under a condition the trainer checks (see :class:`Limit`)."""
+
+
+def check_limits(options: Mapping[str, str], algorithm: Any) -> None:
+    """The conditions of :data:`LIMITS` that only the resolved algorithm shows.
+
+    Raises:
+        ValueError: a ``TowerTrainer`` with a cross-worker reducer that sums over more
+            than one worker (its loss is over this worker's batch only).
+    """
+    if options.get("trainer") == "TowerTrainer" and options.get("all_reduce") == "cross-worker":
+        op, workers = getattr(algorithm, "op", "sum"), getattr(algorithm, "num_workers", 1)
+        if op == "sum" and workers > 1:
+            raise ValueError(
+                f"all_reduce={algorithm!r} in a TowerTrainer: each worker's loss is over its "
+                f"own batch, so summing over {workers} workers multiplies the gradient by "
+                f"{workers}; use op='mean' (equal batches) or towers.cluster.WorkerTrainer")
 
 
 def refusal_for(options: Mapping[str, str]) -> Refusal | None:

@@ -45,7 +45,7 @@ import ml_dtypes
 import numpy as np
 import tensorflow as tf
 
-from towers.allreduce.machinery.base import GradientReducer
+from towers.allreduce.machinery.base import GradientReducer, StatefulReducer
 from towers.allreduce.machinery.registry import record_of
 from towers.guard.contract import algorithm_name, check_outputs, check_rows
 from towers.guard.errors import AlgorithmError
@@ -130,6 +130,9 @@ def _run(algorithm: Any, shapes: Sequence[Sequence[int]], dtypes: Sequence[tf.DT
         for tower, device in enumerate(devices):
             with tf.device(device):
                 values.append([_tf_values(s, tower, d) for s, d in zip(shapes, dtypes)])
+        if isinstance(algorithm, StatefulReducer):  # the check commits no state
+            rows, _ = algorithm.reduce_deferred(values)
+            return check_rows(algorithm, values, rows, names)
         if isinstance(algorithm, GradientReducer):
             return check_rows(algorithm, values, algorithm.reduce_gradients(values), names)
         outs = [check_outputs(algorithm, [v[j] for v in values],
