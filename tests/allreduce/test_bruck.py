@@ -14,6 +14,7 @@ import pytest
 import tensorflow as tf
 from hypothesis import example, given, settings
 
+from tests.allreduce.machinery.test_primitives import Case
 from tests.allreduce.test_halving_doubling import (
     cases,
     check_all_reduce,
@@ -21,7 +22,6 @@ from tests.allreduce.test_halving_doubling import (
     make_values,
     nbytes,
 )
-from tests.allreduce.test_primitives import Case
 from tests.conftest import DEVICES, examples
 from towers.allreduce import ALGORITHMS, bruck, naive
 from towers.allreduce.bruck import bruck_schedule, bytes_sent, cost, summation_depth

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 import towers
 from reference import MirroredTrainer
-from tests.allreduce.test_primitives import assert_matches_reference, place
+from tests.allreduce.machinery.test_primitives import assert_matches_reference, place
 from tests.conftest import DEVICES
 from towers.allreduce import naive, ring
 from towers.allreduce.bucketed import Layout, bucketed, pack, plan, unpack

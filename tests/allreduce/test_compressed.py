@@ -24,7 +24,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 import towers
-from tests.allreduce.test_primitives import place
+from tests.allreduce.machinery.test_primitives import place
 from tests.conftest import DEVICES
 from towers.allreduce import naive, ring
 from towers.allreduce.codecs import Cast, Identity, TopK, TopKState, bf16, fp16, identity, topk

@@ -13,7 +13,7 @@ import tensorflow as tf
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from tests.allreduce.test_primitives import FLOATS, Case, assert_outputs
+from tests.allreduce.machinery.test_primitives import FLOATS, Case, assert_outputs
 from tests.conftest import DEVICES
 from towers.allreduce.halving_doubling import (
     bytes_sent,

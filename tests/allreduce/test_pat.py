@@ -9,6 +9,7 @@ import tensorflow as tf
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from tests.allreduce.machinery.test_primitives import Case
 from tests.allreduce.test_bruck import assert_close_to_naive, assert_replays_bitwise
 from tests.allreduce.test_halving_doubling import (
     cases,
@@ -17,7 +18,6 @@ from tests.allreduce.test_halving_doubling import (
     make_values,
     nbytes,
 )
-from tests.allreduce.test_primitives import Case
 from tests.conftest import DEVICES, examples
 from towers.allreduce import ALGORITHMS, pat
 from towers.allreduce.bruck import bruck_schedule

@@ -10,7 +10,7 @@ import tensorflow as tf
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.allreduce.test_primitives import (
+from tests.allreduce.machinery.test_primitives import (
     DTYPE_OP_IDS,
     DTYPE_OPS,
     Case,

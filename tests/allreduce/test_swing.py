@@ -13,6 +13,7 @@ import pytest
 import tensorflow as tf
 from hypothesis import example, given
 
+from tests.allreduce.machinery.test_primitives import Case
 from tests.allreduce.test_halving_doubling import (
     cases,
     check_all_reduce,
@@ -20,7 +21,6 @@ from tests.allreduce.test_halving_doubling import (
     make_values,
     nbytes,
 )
-from tests.allreduce.test_primitives import Case
 from tests.conftest import DEVICES
 from towers.allreduce import ALGORITHMS, ring, run_schedule, scheduled, swing
 from towers.allreduce.machinery.primitives import record

@@ -10,6 +10,7 @@ import pytest
 import tensorflow as tf
 from hypothesis import example, given, settings
 
+from tests.allreduce.machinery.test_primitives import Case
 from tests.allreduce.test_bruck import assert_close_to_naive, assert_replays_bitwise
 from tests.allreduce.test_halving_doubling import (
     cases,
@@ -18,7 +19,6 @@ from tests.allreduce.test_halving_doubling import (
     make_values,
     nbytes,
 )
-from tests.allreduce.test_primitives import Case
 from tests.conftest import DEVICES, examples
 from towers.allreduce import ALGORITHMS, ring, torus_2d
 from towers.allreduce.machinery.primitives import record
