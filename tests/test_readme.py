@@ -65,3 +65,11 @@ def test_add_your_own_reduction_runs_as_printed(capsys) -> None:  # type: ignore
             np.testing.assert_array_equal(got, want)
     finally:
         ALGORITHMS.pop("star", None)
+
+
+def test_the_mistake_count_is_the_matrix() -> None:
+    """"docs/bad_inputs.md lists N mistakes": N is the executed matrix's length."""
+    from tests.test_bad_inputs import CASES
+
+    said = re.search(r"`docs/bad_inputs.md` lists (\d+) mistakes", README.read_text())
+    assert said is not None and int(said.group(1)) == len(CASES)

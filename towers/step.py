@@ -189,7 +189,8 @@ class TowerTrainer:
         kind = capabilities.algorithm_kind(reducer)
         self.sparse = check_choice(
             "sparse", capabilities.default_sparse(self.placement.name, kind, sparse), SPARSE)
-        self.options = self._options(kind, optimizer, on_nonfinite, reduce_dtype, step_timeout)
+        self.options = self._options(kind, optimizer, on_nonfinite, reduce_dtype, step_timeout,
+                                     check_replicas_every, check_algorithm)
         capabilities.check(self.options, {"all_reduce": capabilities.spell(all_reduce)})
         capabilities.check_limits(self.options, reducer)
         self.deadline = Deadline(step_timeout, reducer)
@@ -224,7 +225,7 @@ class TowerTrainer:
 
     def _options(
         self, kind: str, optimizer: Any, on_nonfinite: str, reduce_dtype: str,
-        step_timeout: float | None,
+        step_timeout: float | None, check_replicas_every: int | None, check_algorithm: bool,
     ) -> dict[str, str]:
         """This trainer's cell of the capability table (:mod:`towers.guard.capabilities`).
 
@@ -242,6 +243,9 @@ class TowerTrainer:
             "reduce_dtype": reduce_dtype,
             "sparse": self.sparse,
             "step_timeout": "off" if step_timeout is None else "on",
+            "non_trainable": self.non_trainable_mode,
+            "check_replicas_every": "off" if check_replicas_every is None else "on",
+            "check_algorithm": "on" if check_algorithm else "off",
         }
 
     def _follow_trainable(self) -> None:

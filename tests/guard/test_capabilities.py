@@ -50,7 +50,7 @@ from towers.testing import ModelSpec, loss_fn, per_tower_gradients, sgd_step_bou
 
 LR = 0.1
 STEP_AXES = ("variables", "all_reduce", "optimizer", "on_nonfinite", "reduce_dtype", "sparse",
-             "step_timeout")
+             "step_timeout", "non_trainable", "check_replicas_every", "check_algorithm")
 """The axes a ``TowerTrainer`` takes (trainer kinds are tests/cluster's)."""
 TOWER_KINDS = tuple(k for k in AXES["all_reduce"] if k != "cross-worker")
 REGISTERED = tuple(sorted(n for n in towers.ALGORITHMS if n not in (*COLLECTIVE_OPS, "ring")))
@@ -101,6 +101,9 @@ def build(options: dict[str, str], k: int, spec: ModelSpec, n: int,
         on_nonfinite=options["on_nonfinite"], reduce_dtype=options["reduce_dtype"],
         sparse=options["sparse"],
         step_timeout=None if options["step_timeout"] == "off" else 120.0,
+        non_trainable=options["non_trainable"],
+        check_replicas_every=None if options["check_replicas_every"] == "off" else 1,
+        check_algorithm=options["check_algorithm"] == "on",
     )  # fmt: skip
     kwargs.update(overrides)
     return towers.TowerTrainer(model or spec.build, _optimizer(options["optimizer"])(), loss_fn(),
@@ -268,7 +271,8 @@ def _refused_cells() -> list[dict[str, str]]:
                 continue  # not a TowerTrainer's (refused with trainer= above)
             base = {"variables": "replicated", "all_reduce": "ring", "optimizer": "plain",
                     "on_nonfinite": "skip", "reduce_dtype": "float32", "sparse": "gather",
-                    "step_timeout": "off"}
+                    "step_timeout": "off", "non_trainable": "mean",
+                    "check_replicas_every": "off", "check_algorithm": "on"}
             cells.append({**base, a: x, b: y})
     return cells
 

@@ -16,6 +16,9 @@ is built and before any replica, variable or reducer state exists::
     reduce_dtype   float32  compute
     sparse         gather  densify
     step_timeout   off  on
+    non_trainable  mean  first_tower
+    check_replicas_every  off  on
+    check_algorithm       on  off
 
 ``all_reduce`` is classified by :func:`algorithm_kind`: ``ring`` is the registry's
 ring with one sub-chunk (the only reduce-scatter ``sharded`` runs); ``registered``
@@ -75,6 +78,9 @@ AXES: dict[str, tuple[str, ...]] = {
     "reduce_dtype": ("float32", "compute"),
     "sparse": ("gather", "densify"),
     "step_timeout": ("off", "on"),
+    "non_trainable": ("mean", "first_tower"),
+    "check_replicas_every": ("off", "on"),
+    "check_algorithm": ("on", "off"),
 }
 """Every axis and its values, in the order the README's matrix shows them."""
 
@@ -190,6 +196,12 @@ LIMITS: tuple[Limit, ...] = (
         "global batch and sums)",
     ),
     Limit(
+        ("trainer", ("WorkerTrainer",)), ("non_trainable", ("mean", "first_tower")),
+        "across workers a model with floating non-trainable state (BatchNormalization) is "
+        "refused, naming the variables: either mode combines it over one worker's towers "
+        "only, so the workers' copies would drift",
+    ),
+    Limit(
         ("trainer", ("WorkerTrainer",)), ("sparse", ("gather", "densify")),
         "across workers a sparse (Embedding) gradient is refused when the step is traced: the "
         "cross-worker reducers take dense gradients",
@@ -294,7 +306,7 @@ ROW_AXES = ("trainer", "variables")
 
 NOT_AN_OPTION: dict[str, tuple[str, ...]] = {
     "AsyncTrainer": ("variables", "all_reduce", "optimizer", "reduce_dtype", "sparse",
-                     "step_timeout"),
+                     "step_timeout", "non_trainable", "check_replicas_every", "check_algorithm"),
 }
 """Axes a trainer kind has no argument for (its own fixed choice; shown as ``—``)."""
 
