@@ -349,6 +349,7 @@ def markdown() -> str:
         lines.append(f"{k}. {text}.")
     for k, refusal in enumerate((r for r in REFUSALS if r not in notes), len(notes) + 1):
         (a, va), (b, vb) = refusal.first, refusal.second
-        lines.append(f"{k}. `{a}` ∈ {{{', '.join(va)}}} with `{b}` ∈ {{{', '.join(vb)}}} "
-                     f"(any trainer): {refusal.reason}; {refusal.instead}.")
+        scope = "" if "trainer" in (a, b) else " (any trainer)"
+        lines.append(f"{k}. `{a}` ∈ {{{', '.join(va)}}} with `{b}` ∈ {{{', '.join(vb)}}}"
+                     f"{scope}: {refusal.reason}; {refusal.instead}.")
     return "\n".join(lines)
