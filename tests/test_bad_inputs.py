@@ -384,6 +384,9 @@ CASES: list[Case] = [
       lambda: towers.all_reduce(_on_devices(), sparse=np.zeros(2)), ValueError,
       "sparse must be 'gather' or 'densify'"),
     # -- combinations: the capability table (towers/guard/capabilities.py) ---------------------
+    C("all-reduce-a-loss", "all_reduce=keras.losses.MeanSquaredError() (callable, no algorithm)",
+      lambda: _new(all_reduce=keras.losses.MeanSquaredError()), TypeError,
+      r"all_reduce: .* is not an all-reduce algorithm"),
     C("sharded-compressed", "variables='sharded', all_reduce=compressed('ring', 'topk')",
       lambda: _new(variables="sharded", all_reduce=towers.compressed("ring", "topk")),
       ValueError, r"variables='sharded' with all_reduce=compressed\(ring.*TopK\).*is refused"),

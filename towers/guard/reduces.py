@@ -162,6 +162,8 @@ def check_sums(
         AlgorithmError: an output off the exact sum by more than the summation bound, or
             breaking the contract (count, shape, dtype, device); naming the algorithm,
             the tower and the value.
+        TypeError: calling it as an algorithm fails with a TypeError (it is not one),
+            naming ``all_reduce``.
     """
     user = unproved(algorithm)
     if user is None:
@@ -175,4 +177,12 @@ def check_sums(
         shapes = [s for s in SHAPES for _ in unique]
         dtypes = [tf.as_dtype(d) for _ in SHAPES for d in unique]
         names = [f"shape {s} {d.name}" for s, d in zip(shapes, dtypes)]
-    _compare(user, shapes, dtypes, _run(user, shapes, dtypes, devices, names), names)
+    try:
+        outputs = _run(user, shapes, dtypes, devices, names)
+    except TypeError as err:  # not an algorithm(values, *, op) at all: a loss, a layer, …
+        raise TypeError(
+            f"all_reduce: {algorithm_name(user)} is not an all-reduce algorithm "
+            f"(values, *, op) -> list nor a GradientReducer: calling it on one tensor per "
+            f"tower failed with {type(err).__name__}: {err}"
+        ) from err
+    _compare(user, shapes, dtypes, outputs, names)
