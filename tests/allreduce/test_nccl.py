@@ -11,7 +11,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,7 +24,6 @@ from tensorflow.python.ops import nccl_ops
 
 from tests.allreduce.test_halving_doubling import Case, cases, check_all_reduce, make_values
 from tests.conftest import DEVICES, GPUS
-from towers.allreduce.machinery.tf_collective_ops import KEY_START, group_key, next_key
 from towers.allreduce.nccl import (
     estimated_bytes_sent,
     nccl,
@@ -108,29 +106,6 @@ def test_several_eager_calls_in_a_row() -> None:
             case = Case(3, shape, tf.float64, "sum", k)
             values = make_values(case)
             check_all_reduce(algo(values), values, "sum", algo.summation_depth(3))
-
-
-def test_keys_are_unique_across_threads() -> None:
-    found: list[list[int]] = [[] for _ in range(4)]
-
-    def draw(out: list[int]) -> None:
-        out.extend(next_key() for _ in range(500))
-
-    threads = [threading.Thread(target=draw, args=(out,)) for out in found]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    keys = [k for out in found for k in out]
-    assert len(set(keys)) == len(keys) == 2000
-    assert min(keys) >= KEY_START
-
-
-def test_group_key_depends_on_the_device_set_only() -> None:
-    a, b, c = DEVICES[:3]
-    assert group_key([a, b]) == group_key([b, a])
-    assert group_key([a, b]) != group_key([a, c])
-    assert group_key([a, b]) >= KEY_START
 
 
 @pytest.mark.parametrize("name", list(ALGORITHMS))
