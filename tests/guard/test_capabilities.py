@@ -11,11 +11,13 @@ For a combination of ``TowerTrainer`` options (:mod:`towers.guard.capabilities`)
     summation order; depth ≤ n − 1 for every correct algorithm);
   * lossy codecs: the same codec over the same wire under the *other* placement,
     bitwise (the codec's own error is proved in tests/allreduce/test_compressed.py);
-  and every replica stays bitwise identical; then a step with a NaN sample weight
-  changes nothing — weights, slots, ``iterations``, loss scale and reducer state —
-  under ``skip``/``raise`` (``raise`` raises ``NonFiniteError``); under ``ignore`` the
-  step is applied (``iterations`` advances) unless a ``LossScaleOptimizer`` skips it,
-  which then halves its scale and changes nothing else.
+  and every replica stays bitwise identical; a step that fails in one tower (a label out
+  of range) changes nothing (collective-op rows excepted: a failed collective aborts the
+  process's later collectives); then a step with a NaN sample weight changes nothing —
+  weights, slots, ``iterations``, loss scale and reducer state — under ``skip``/``raise``
+  (``raise`` raises ``NonFiniteError``); under ``ignore`` the step is applied
+  (``iterations`` advances) unless a ``LossScaleOptimizer`` skips it, which then halves its
+  scale and changes nothing else.
 
 ``test_every_allowed_pair_works`` runs a pairwise covering set (every allowed pair of
 values on two axes appears in some row), ``test_every_refused_cell_is_refused`` every
@@ -175,7 +177,22 @@ def check_works(options: dict[str, str], k: int, spec: ModelSpec, n: int) -> Non
         if lossy:
             assert float(ours) == float(theirs)
         _assert_replicas_identical(trainer)
+    if options["all_reduce"] != "collective":
+        _check_failed_step(trainer, spec, n)
     _check_nonfinite_step(trainer, options, spec, n)
+
+
+def _check_failed_step(trainer: towers.TowerTrainer, spec: ModelSpec, n: int) -> None:
+    """A step that fails in its last tower (a label out of range: TensorFlow's own error)
+    changes nothing. Not for collective ops: a failed collective step aborts every later
+    collective in the process (tests/guard/test_tower_error.py, test_deadline.py)."""
+    x, y = _batch(spec, n + 1, seed=7)
+    y = y.copy()
+    y[-1] = spec.classes  # out of range for the last tower's shard
+    before = _state(trainer)
+    with pytest.raises(tf.errors.InvalidArgumentError):
+        trainer.train_step(x, y)
+    _assert_unchanged(before, _state(trainer))
 
 
 def _check_nonfinite_step(trainer: towers.TowerTrainer, options: dict[str, str],
