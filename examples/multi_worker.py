@@ -143,7 +143,13 @@ def main() -> None:
                              "bitwise); both (default): train both")
     args = parser.parse_args()
 
-    from towers.cluster import local_cluster, resolve, set_logical_devices, start_worker
+    from towers.cluster import (
+        leave_together,
+        local_cluster,
+        resolve,
+        set_logical_devices,
+        start_worker,
+    )
     from towers.cluster.local import towers_per_task
     from towers.devices import set_local_task
 
@@ -167,6 +173,7 @@ def main() -> None:
         set_local_task(cluster.task_type, worker)
         devices = [f"/device:CPU:{i}" for i in range(towers_n)]
     run(args, devices, workers, worker, None if args.no_reference else strategy)
+    leave_together(cluster)  # a peer may still be pulling this worker's last buffer
 
 
 def make_trainers(args, devices, workers: int) -> dict:  # type: ignore[no-untyped-def, type-arg]

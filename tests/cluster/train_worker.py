@@ -70,32 +70,10 @@ def barrier(workers: int) -> None:
                                      timeout=120.0)
 
 
-def leave_together(workers: int, worker: int, limit: float = 60.0) -> None:
-    """Return once every worker has finished its steps (or after ``limit`` s).
-
-    A collective's receiver pulls its buffer from the sender (gRPC ``RecvBuf``), so a
-    worker that exits as soon as its own last step returns can leave a peer's last pull
-    unanswered ("Connection reset by peer"). Each worker marks a file in a directory
-    named after the cluster (its ports are this run's own) and waits for the others.
-    """
-    import json
-    import tempfile
-
-    spec = json.dumps(json.loads(os.environ.get("TF_CONFIG", "{}")).get("cluster", {}),
-                      sort_keys=True)
-    folder = os.path.join(tempfile.gettempdir(),
-                          f"towers-done-{hashlib.sha256(spec.encode()).hexdigest()[:16]}")
-    os.makedirs(folder, exist_ok=True)
-    open(os.path.join(folder, str(worker)), "w").close()
-    deadline = time.monotonic() + limit
-    while len(os.listdir(folder)) < workers and time.monotonic() < deadline:
-        time.sleep(0.05)
-
-
 def main() -> None:
     """Train the steps; report as the module docstring says."""
     args = parse()
-    from towers.cluster import resolve, start_worker
+    from towers.cluster import leave_together, resolve, start_worker
 
     devices = start_worker()
     import keras
@@ -144,7 +122,7 @@ def main() -> None:
         if args.ckpt:
             save_on_chief(trainer, args.ckpt, step + 1)  # steps taken, a skipped one too
     print(f"DONE {digest(trainer)}", flush=True)
-    leave_together(workers, worker)
+    leave_together(cluster)
 
 
 if __name__ == "__main__":

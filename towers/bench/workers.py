@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from towers.cluster import launch, local_cluster, resolve, set_logical_devices
+from towers.cluster import launch, leave_together, local_cluster, resolve, set_logical_devices
 from towers.cluster.flat import AllTowers
 from towers.cluster.reducer import CrossWorker
 from towers.devices import set_local_task
@@ -114,6 +114,7 @@ def main(argv: list[str] | None = None) -> None:
         result = _time_size(strategy, cluster.num_workers, mb, args.rounds)
         if cluster.is_chief:
             print("RESULT " + json.dumps(result), flush=True)
+    leave_together(cluster)  # a peer may still be pulling this worker's last buffer
     os._exit(0)  # the collective runtime's teardown may wait on its peers
 
 

@@ -5,7 +5,8 @@
     spec.py      resolve(): TF_CONFIG / ClusterSpec / dict / ClusterResolver → Cluster
                  (this task, the chief, every task's tower device names)
     local.py     localhost clusters: free ports, TOWERS_PER_TASK
-    runtime.py   start_worker() (between-graph), start_server() + connect() (in-graph)
+    runtime.py   start_worker() (between-graph), start_server() + connect() (in-graph),
+                 leave_together(): every worker exits after the last one's last step
     launcher.py  launch(): one process per task, prefixed output, timeouts;
                  start_servers(): local tf.distribute.Server processes for a client
     reducer.py   CrossWorker: a GradientReducer that sums the local towers in tower
@@ -36,7 +37,13 @@ from towers.cluster.ps_local import connect_ps, local_ps_cluster
 from towers.cluster.ps_replay import load_log, replay, save_log
 from towers.cluster.ps_train import AsyncTrainer, UpdateLog, UpdateRecord
 from towers.cluster.reducer import CrossWorker
-from towers.cluster.runtime import connect, set_logical_devices, start_server, start_worker
+from towers.cluster.runtime import (
+    connect,
+    leave_together,
+    set_logical_devices,
+    start_server,
+    start_worker,
+)
 from towers.cluster.spec import TASK_TYPES, Cluster, resolve, tf_config
 from towers.cluster.trainer import WorkerTrainer
 
@@ -60,6 +67,7 @@ __all__ = [
     "free_ports",
     "global_to_worker_batches",
     "launch",
+    "leave_together",
     "load_log",
     "local_cluster",
     "local_ps_cluster",

@@ -18,7 +18,10 @@ ops with a ``ServerDef``, as MultiWorkerMirroredStrategy does. Afterwards a bare
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import tempfile
 import time
 from typing import Any
 
@@ -31,7 +34,9 @@ from towers.cluster.spec import Cluster, resolve
 from towers.devices import set_local_task
 from towers.guard.arguments import positive_int
 
-__all__ = ["connect", "serve", "set_logical_devices", "start_server", "start_worker"]
+__all__ = [
+    "connect", "leave_together", "serve", "set_logical_devices", "start_server", "start_worker",
+]
 
 
 def set_logical_devices(n: int) -> None:
@@ -159,6 +164,63 @@ def serve(cluster: Any = None, towers: int | None = None) -> None:
     while os.getppid() == parent:
         time.sleep(0.5)
     os._exit(0)
+
+
+_LOCAL = ("127.0.0.1", "localhost", "[::1]")
+
+
+def leave_together(cluster: Any = None, limit: float = 60.0) -> bool:
+    """Wait until every training task of this run has called this (or ``limit`` s passed).
+
+    Call it after a worker's last step, before the process exits. A collective's
+    receiver pulls its last buffer from the sender (gRPC ``RecvBuf``), so a worker that
+    exits as soon as its own last all-reduce returns can leave a peer's last pull
+    unanswered, and the peer fails with "Socket closed" (seen in CI). When every task
+    is on this machine, each one marks a file in a folder named after the cluster's
+    addresses (its ports are this run's own) and waits for the others' marks; this uses
+    no gRPC, so no pull is left behind. Across machines it is one more all-reduce, which
+    waits for every data collective before it; only the barrier's own last pull is then
+    still racing the exit.
+
+    Args:
+        cluster: the cluster (anything :func:`towers.cluster.resolve` takes).
+        limit: seconds to wait at most (a lost peer must not hang the exit).
+
+    Returns:
+        True when every task arrived in time.
+
+    Raises:
+        ValueError: ``limit`` is not a positive number, or this process is no task.
+    """
+    from towers.guard.arguments import positive_float
+
+    positive_float("limit", limit)
+    found = resolve(cluster)
+    _need_task(found, "leave_together")
+    workers = found.num_workers
+    addresses = [a for job in ("chief", "worker") for a in found.jobs.get(job, ())]
+    if not all(a.rsplit(":", 1)[0] in _LOCAL for a in addresses):
+        from tensorflow.python.ops import collective_ops
+
+        from towers.allreduce.machinery.tf_collective_ops import shared_keys
+
+        key = shared_keys(2)
+        with tf.device("/device:CPU:0"):
+            collective_ops.all_reduce_v2(
+                tf.ones([1]), group_size=workers, group_key=key, instance_key=key + 1,
+                merge_op="Add", final_op="Id", timeout=limit)
+        return True
+    spec = json.dumps(found.as_dict(), sort_keys=True).encode()
+    folder = os.path.join(tempfile.gettempdir(),
+                          f"towers-done-{hashlib.sha256(spec).hexdigest()[:16]}")
+    os.makedirs(folder, exist_ok=True)
+    open(os.path.join(folder, found.task_name().replace("/", "_")), "w").close()
+    deadline = time.monotonic() + limit
+    while len(os.listdir(folder)) < workers:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def _full(name: str) -> str:
