@@ -27,12 +27,14 @@ from typing import Any
 
 import tensorflow as tf
 from tensorflow.core.protobuf import rewriter_config_pb2
+from tensorflow.python.ops import collective_ops
 
 from towers.allreduce.machinery.ordering import REWRITES
+from towers.allreduce.machinery.tf_collective_ops import shared_keys
 from towers.cluster.local import towers_per_task
 from towers.cluster.spec import Cluster, resolve
 from towers.devices import set_local_task
-from towers.guard.arguments import positive_int
+from towers.guard.arguments import positive_float, positive_int
 
 __all__ = [
     "connect", "leave_together", "serve", "set_logical_devices", "start_server", "start_worker",
@@ -192,18 +194,12 @@ def leave_together(cluster: Any = None, limit: float = 60.0) -> bool:
     Raises:
         ValueError: ``limit`` is not a positive number, or this process is no task.
     """
-    from towers.guard.arguments import positive_float
-
     positive_float("limit", limit)
     found = resolve(cluster)
     _need_task(found, "leave_together")
     workers = found.num_workers
     addresses = [a for job in ("chief", "worker") for a in found.jobs.get(job, ())]
     if not all(a.rsplit(":", 1)[0] in _LOCAL for a in addresses):
-        from tensorflow.python.ops import collective_ops
-
-        from towers.allreduce.machinery.tf_collective_ops import shared_keys
-
         key = shared_keys(2)
         with tf.device("/device:CPU:0"):
             collective_ops.all_reduce_v2(
