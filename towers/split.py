@@ -11,18 +11,14 @@ so tower ``i`` takes rows ``[min(i*c, B), min((i+1)*c, B))`` with ``c = ceil(B/n
 Splitting the same way keeps towers' per-shard arithmetic identical to the
 reference's, which is what makes bitwise comparisons possible.
 
-The split happens in one of two places. Host slicing: :meth:`towers.TowerTrainer.split`
-cuts the global batch inside the step (:func:`shard_batch`). The per-device input
-pipeline: :func:`distribute` cuts each global batch of a ``tf.data.Dataset`` inside
-tf.data and prefetches every shard onto its tower's device before the step runs, as
-``tf.distribute``'s ``experimental_distribute_dataset`` does; the step then takes the
-shards as they are (:meth:`towers.TowerTrainer.train_step_shards`)::
+Two places apply the rule. Host slicing: ``TowerTrainer.split`` cuts the global batch
+inside the step (:func:`shard_batch`). The per-device input pipeline, as tf.distribute's
+``experimental_distribute_dataset``: :func:`distribute` cuts each batch of a
+``tf.data.Dataset`` in tf.data and prefetches every shard onto its tower's device, and
+``TowerTrainer.train_step_shards`` takes the shards as they are::
 
-    dataset ─batch─▶ flat_map: shard_0 … shard_{n-1} ─▶ MultiDeviceIterator
-                        (same rule)                     buffer on d_0 … d_{n-1}
-                                                             │ next(): Shards
-                                                             ▼
-                                               trainer.train_step_shards(shards)
+    batches ─▶ flat_map: shard_0 … shard_{n-1} ─▶ MultiDeviceIterator: buffers on d_0 … d_{n-1}
+                                                   next() ─▶ Shards ─▶ train_step_shards
 """
 
 from __future__ import annotations
@@ -36,6 +32,7 @@ import tensorflow as tf
 from tensorflow.python.data.ops.multi_device_iterator_ops import MultiDeviceIterator
 
 from towers.guard.arguments import check_choice, non_negative_int, positive_int
+from towers.guard.datasets import check_dataset
 from towers.guard.weights import check_devices
 
 __all__ = [
@@ -225,34 +222,6 @@ def _shard_of(element: tuple[Any, ...], tower: tf.Tensor, n: int) -> tuple[Any, 
     return tf.nest.map_structure(lambda t: t[start:stop], element)
 
 
-def _check_dataset(dataset: Any) -> int:
-    """The number of parts of ``dataset``'s elements: 2 ``(x, y)`` or 3 (with sample_weight).
-
-    Raises:
-        TypeError: not a ``tf.data.Dataset``, or its elements are not ``(x, y[, sample_weight])``.
-        ValueError: it looks unbatched (a scalar part, or parts whose leading dimensions differ).
-    """
-    if not isinstance(dataset, tf.data.Dataset):
-        raise TypeError(f"dataset must be a tf.data.Dataset of global batches, got "
-                        f"{type(dataset).__name__}")  # fmt: skip
-    spec = dataset.element_spec
-    if not isinstance(spec, tuple) or len(spec) not in (2, 3):
-        raise TypeError("dataset's elements must be tuples (x, y) or (x, y, sample_weight), got "
-                        f"{type(spec).__name__} {spec!r}"[:300])  # fmt: skip
-    dims: set[int] = set()
-    for leaf in tf.nest.flatten(spec):
-        shape = getattr(leaf, "shape", None)
-        if not isinstance(leaf, tf.TensorSpec) or shape is None or shape.rank is None:
-            raise TypeError(f"dataset's elements must hold dense tensors of known rank, got {leaf}")
-        if shape.rank == 0 or (shape[0] is not None and dims and shape[0] not in dims):
-            raise ValueError(f"dataset looks unbatched (element spec {spec}): every part needs "
-                             "the batch as its first dimension; batch it first: "
-                             "dataset.batch(global_batch_size)")  # fmt: skip
-        if shape[0] is not None:
-            dims.add(shape[0])
-    return len(spec)
-
-
 class DistributedDataset:
     """A dataset of global batches, each delivered as :class:`Shards` on the towers' devices.
 
@@ -263,9 +232,9 @@ class DistributedDataset:
 
     def __init__(self, dataset: tf.data.Dataset, devices: list[str], pipeline: str,
                  prefetch: int) -> None:  # fmt: skip
+        check_dataset(dataset)
         self.dataset, self.devices, self.pipeline, self.prefetch = (
             dataset, devices, pipeline, prefetch)  # fmt: skip
-        self.width = _check_dataset(dataset)
 
     def __iter__(self) -> Iterator[Shards]:
         n = len(self.devices)

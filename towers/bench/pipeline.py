@@ -37,7 +37,7 @@ from towers.split import PIPELINES, Shards, distribute
 from towers.step import TowerTrainer
 
 __all__ = ["BATCHES", "HOST", "make_dataset", "pipeline_configs", "pipeline_section",
-           "run_pipeline"]  # fmt: skip
+           "run_pipeline", "wrong_losses"]  # fmt: skip
 
 BATCHES = 8
 """Distinct global batches in the stream (it repeats)."""
@@ -128,10 +128,18 @@ def pipeline_section(args: argparse.Namespace, devices: list[str], results: dict
     print(report.format_table(COLUMNS, rows))
     results["pipeline"] = rows
     report.write_csv(args.out / "pipeline.csv", rows)
-    ok = True
-    for model in models:
-        losses = {r["first_loss"] for r in rows if r["model"] == model}
-        if len(losses) > 1:
-            print(f"WRONG: first losses of {model} differ across the pipeline table: {losses}")
-            ok = False
-    return ok
+    wrong = wrong_losses(rows)
+    for line in wrong:
+        print(f"WRONG: {line}")
+    return not wrong
+
+
+def wrong_losses(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per model whose configurations' first losses differ (they must be bitwise
+    equal: the same weights, the same first batch, the same step)."""
+    out = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        losses = {r["config"]: r["first_loss"] for r in rows if r["model"] == model}
+        if len(set(losses.values())) > 1:
+            out.append(f"first losses of {model} differ across the pipeline table: {losses}")
+    return out
