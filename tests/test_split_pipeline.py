@@ -150,3 +150,16 @@ def test_bad_shards_are_refused_before_the_step() -> None:
     with pytest.raises(ValueError, match="y is None"):
         trainer.train_step_shards(no_y)
     assert trainer.trace_count == 0  # nothing was traced, nothing changed
+
+
+def test_a_trainer_that_cuts_its_own_batches_refuses_shards() -> None:
+    class OwnSplit(TowerTrainer):
+        def split(self, x, y, sample_weight=None):  # type: ignore[no-untyped-def]
+            return super().split(x, y, sample_weight)
+
+    keras.utils.set_random_seed(3)
+    trainer = OwnSplit(_model, keras.optimizers.SGD(0.1), "sparse_categorical_crossentropy",
+                       devices=DEVICES[:2])  # fmt: skip
+    x, y = tf.zeros([3, 5]), tf.zeros([3], tf.int32)
+    with pytest.raises(TypeError, match=r"OwnSplit cuts its batches itself \(OwnSplit.split\)"):
+        trainer.train_step_shards(trainer.split(x, y))

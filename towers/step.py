@@ -308,7 +308,8 @@ class TowerTrainer:
         same global batch. ``return_outputs`` as in :meth:`train_step`.
 
         Raises:
-            TypeError: ``shards`` is not a :class:`~towers.split.Shards`.
+            TypeError: ``shards`` is not a :class:`~towers.split.Shards`; a subclass that
+                cuts its own batches (``WorkerTrainer``: its global batch spans workers).
             ValueError: it has a part per tower other than this trainer's count, sizes
                 that are not MirroredStrategy's split of ``global_batch`` examples, no
                 example at all, or a part that does not fit the model.
@@ -336,6 +337,10 @@ class TowerTrainer:
 
     def _shard_inputs(self, shards: Any) -> Shards:
         """``shards`` checked for :meth:`train_step_shards`; sample weights in the model's dtype."""
+        if type(self).split is not TowerTrainer.split:  # WorkerTrainer: B spans the workers
+            raise TypeError(f"train_step_shards: {type(self).__name__} cuts its batches itself "
+                            f"({type(self).__name__}.split); give it whole batches "
+                            "(train_step)")  # fmt: skip
         if not isinstance(shards, Shards):
             raise TypeError("shards must be a towers.split.Shards (from towers.split.distribute "
                             f"or trainer.split), got {type(shards).__name__}")  # fmt: skip
