@@ -17,7 +17,7 @@ def test_the_section_times_every_configuration_from_the_same_loss(tmp_path: Path
     assert pipeline.pipeline_section(args, DEVICES[:2], results)
     rows = results["pipeline"]
     assert [r["config"] for r in rows] == [
-        pipeline.HOST, *(f"pipeline {p}" for p in PIPELINES), "fixed batch"]
+        pipeline.HOST, *(f"pipeline {p}" for p in PIPELINES), "fixed batch", "fixed shards"]
     # bitwise: the pipeline's step is host slicing's, on the same first batch (5 over 2: [3, 2])
     assert len({r["first_loss"] for r in rows}) == 1
     assert all(r["ms"] > 0 and r["cpu_ms"] >= 0 for r in rows)

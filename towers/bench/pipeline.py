@@ -11,7 +11,9 @@ repeated. One timed call is one training step *including* fetching its batch:
 - ``pipeline multi_device`` / ``pipeline per_device``:
   ``trainer.train_step_shards(next(shards))`` over :func:`towers.split.distribute`; the
   shards are cut in tf.data and already wait on their towers' devices;
-- ``fixed batch``: ``train_step`` on one pre-converted batch (no input at all), the floor.
+- ``fixed batch``: ``train_step`` on one pre-converted batch (no input at all), the floor;
+  ``fixed shards``: ``train_step_shards`` on one batch's shards, already on the towers
+  (the floor of the pipeline: what its step costs without fetching).
 
 Every configuration's first call sees the same batch and weights, so ``first_loss``
 agrees across the table (bitwise: the pipeline's step is host slicing's). Calls are
@@ -80,6 +82,9 @@ def pipeline_configs(
         steps[f"pipeline {pipeline}"] = functools.partial(_fed_step, trainer, shards)
     fixed, (x, y) = _trainer(model, devices), next(iter(data))
     steps["fixed batch"] = lambda: fixed.train_step(x, y)
+    placed = _trainer(model, devices)
+    first = next(iter(distribute(data, placed.devices)))
+    steps["fixed shards"] = lambda: placed.train_step_shards(first)
     return steps
 
 
