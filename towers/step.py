@@ -7,6 +7,8 @@
     reduced = trainer.reduce(grads)                all-reduce; combine state; sum the loss
     trainer.apply(reduced)                         the optimizer, on every replica
 
+``train_step_shards(shards)`` is the step without its split, for a batch the per-device
+input pipeline already cut and placed (:func:`towers.split.distribute`).
 ``train_step`` is exactly these four calls inside one ``tf.function`` (traced once
 per input signature), run :func:`towers.allreduce.machinery.ordering.as_written` so additions
 happen in the order the code states; ``reduce`` and ``apply`` sit inside the
@@ -348,11 +350,13 @@ class TowerTrainer:
         if len(shards.parts) != n or any(len(p) != 3 for p in shards.parts):
             raise ValueError(f"shards must hold {n} parts (x, y, sample_weight), one per tower; "
                              f"got {len(shards.parts)}")  # fmt: skip
-        total, sizes = int(shards.global_batch), shards.sizes
-        if total < 1 or sizes != shard_sizes(total, n):
+        # static where known: inside a caller's tf.function (Keras' train_step) they may not be
+        total, sizes = tf.get_static_value(shards.global_batch), shards.sizes
+        if total is not None and None not in sizes and (
+                total < 1 or sizes != shard_sizes(int(total), n)):  # fmt: skip
             raise ValueError(f"shards: sizes {sizes} are not MirroredStrategy's split of a "
                              f"global batch of {total} over {n} towers "
-                             f"({shard_sizes(max(total, 0), n)})")  # fmt: skip
+                             f"({shard_sizes(max(int(total), 0), n)})")  # fmt: skip
         check_batch_against_model(*shards.parts[0], self.model)
         dtype = tf.as_dtype(self.model.trainable_variables[0].dtype)
         parts = []
