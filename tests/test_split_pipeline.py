@@ -53,6 +53,18 @@ def test_shards_are_the_host_split_on_their_devices(pipeline: str, n: int) -> No
                 np.testing.assert_array_equal(got_t.numpy(), want_t.numpy())
 
 
+def test_nested_inputs_keep_their_structure_and_weights_default_to_none() -> None:
+    x = {"a": tf.reshape(tf.range(10.0), [5, 2]), "b": tf.range(5)}
+    data = tf.data.Dataset.from_tensors((x, tf.range(5) * 10))
+    [shards] = list(distribute(data, DEVICES[:2], prefetch=1))
+    (x0, y0, w0), (x1, y1, w1) = shards.parts
+    np.testing.assert_array_equal(y1.numpy(), [30, 40])
+    assert w0 is None and w1 is None and sorted(x0) == ["a", "b"]
+    np.testing.assert_array_equal(x1["a"].numpy(), [[6.0, 7.0], [8.0, 9.0]])
+    np.testing.assert_array_equal(y0.numpy(), [0, 10, 20])
+    assert canonical_device(x1["b"].device) == canonical_device(DEVICES[1])
+
+
 def _model() -> keras.Model:
     return keras.Sequential([keras.Input((5,)), keras.layers.Dense(6, activation="relu"),
                              keras.layers.Dense(3)])  # fmt: skip
