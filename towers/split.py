@@ -10,24 +10,40 @@ runs out (measured on TF 2.21)::
 so tower ``i`` takes rows ``[min(i*c, B), min((i+1)*c, B))`` with ``c = ceil(B/n)``.
 Splitting the same way keeps towers' per-shard arithmetic identical to the
 reference's, which is what makes bitwise comparisons possible.
+
+Two places apply the rule. Host slicing: ``TowerTrainer.split`` cuts the global batch
+inside the step (:func:`shard_batch`). The per-device input pipeline, as tf.distribute's
+``experimental_distribute_dataset``: :func:`distribute` cuts each batch of a
+``tf.data.Dataset`` in tf.data and prefetches every shard onto its tower's device, and
+``TowerTrainer.train_step_shards`` takes the shards as they are::
+
+    batches ─▶ flat_map: shard_0 … shard_{n-1} ─▶ MultiDeviceIterator: buffers on d_0 … d_{n-1}
+                                                   next() ─▶ Shards ─▶ train_step_shards
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.data.ops.multi_device_iterator_ops import MultiDeviceIterator
 
-from towers.guard.arguments import non_negative_int, positive_int
+from towers.guard.arguments import check_choice, non_negative_int, positive_int
+from towers.guard.datasets import check_dataset
+from towers.guard.weights import check_devices
 
 __all__ = [
+    "PIPELINES",
     "Batch",
+    "DistributedDataset",
     "Shards",
     "batch_size",
     "check_batch",
     "concat",
+    "distribute",
     "shard_batch",
     "shard_bounds",
     "shard_sizes",
@@ -126,7 +142,7 @@ class Shards(NamedTuple):
 
 def _leading_dims(name: str, structure: Any) -> set[int]:
     """Static leading dimensions of every tensor in ``structure`` (unknown ones skipped)."""
-    dims = set()
+    dims: set[int] = set()
     for t in tf.nest.flatten(structure):
         shape = tf.TensorShape(getattr(t, "shape", np.shape(t)))
         if shape.rank == 0:
@@ -183,3 +199,99 @@ def concat(parts: list[Any], device: str) -> Any:
     """Undo a split: concatenate per-tower outputs on ``device``, in tower order."""
     with tf.device(device):
         return tf.nest.map_structure(lambda *t: tf.concat(t, 0), *parts)
+
+
+# -- the per-device input pipeline --------------------------------------------------------------
+
+PIPELINES = ("multi_device", "per_device")
+"""How :func:`distribute` moves shards to the towers (both measured in ``towers bench``):
+
+- ``multi_device``: the source is read once; its global batches are cut into shards
+  inside tf.data and dealt to the towers by one ``MultiDeviceIterator`` (tf.distribute's
+  own machinery), which keeps ``prefetch`` shards buffered on each tower's device.
+- ``per_device``: one ``prefetch_to_device`` iterator per tower, each reading the source
+  and keeping its own shard. The source runs once per tower, so it must yield the same
+  batches every time it is read (no unseeded shuffle, no random augmentation).
+"""
+
+
+def _shard_of(element: tuple[Any, ...], tower: tf.Tensor, n: int) -> tuple[Any, ...]:
+    """Tower ``tower``'s rows of every tensor in ``element`` (the rule of :func:`split`)."""
+    bounds = tf.stack([tf.stack(b) for b in shard_bounds(batch_size(element), n)])
+    start, stop = bounds[tower][0], bounds[tower][1]
+    return tf.nest.map_structure(lambda t: t[start:stop], element)
+
+
+class DistributedDataset:
+    """A dataset of global batches, each delivered as :class:`Shards` on the towers' devices.
+
+    Made by :func:`distribute`. Each ``iter()`` starts a new pass over the dataset
+    (an epoch); every element is one global batch cut by MirroredStrategy's rule,
+    ``parts[i]`` already on ``devices[i]`` (an empty tower gets empty tensors there).
+    """
+
+    def __init__(self, dataset: tf.data.Dataset, devices: list[str], pipeline: str,
+                 prefetch: int) -> None:  # fmt: skip
+        check_dataset(dataset)
+        self.dataset, self.devices, self.pipeline, self.prefetch = (
+            dataset, devices, pipeline, prefetch)  # fmt: skip
+
+    def __iter__(self) -> Iterator[Shards]:
+        n = len(self.devices)
+        if self.pipeline == "multi_device":
+            shards = self.dataset.flat_map(
+                lambda *e: tf.data.Dataset.range(n).map(lambda i: _shard_of(e, i, n)))
+            it = MultiDeviceIterator(shards, self.devices, prefetch_buffer_size=self.prefetch)
+            return self._deal(it.get_next)
+        iterators = []
+        for i, device in enumerate(self.devices):
+            mine = self.dataset.map(lambda *e, i=i: _shard_of(e, tf.constant(i, tf.int64), n))
+            with tf.device(device):
+                iterators.append(iter(mine.apply(
+                    tf.data.experimental.prefetch_to_device(device, self.prefetch))))
+        return self._deal(lambda: [next(it) for it in iterators])
+
+    def _deal(self, get_next: Any) -> Iterator[Shards]:
+        while True:
+            try:
+                parts = get_next()
+            except (StopIteration, tf.errors.OutOfRangeError):
+                return
+            total = sum(int(tf.nest.flatten(p)[0].shape[0]) for p in parts)
+            padded = tuple((*p, None) if len(p) == 2 else tuple(p) for p in parts)
+            yield Shards(padded, tf.constant(total, tf.int32))
+
+
+def distribute(
+    dataset: tf.data.Dataset, devices: Sequence[str], *, pipeline: str = "multi_device",
+    prefetch: int = 2,
+) -> DistributedDataset:
+    """The per-device input pipeline: shards of each global batch, prefetched on their towers.
+
+    Args:
+        dataset: a batched ``tf.data.Dataset`` of global batches ``(x, y)`` or
+            ``(x, y, sample_weight)`` (an uneven last batch is welcome).
+        devices: the towers' devices, in tower order (``trainer.devices``).
+        pipeline: ``"multi_device"`` or ``"per_device"`` (:data:`PIPELINES`).
+        prefetch: shards buffered on each device ahead of the step.
+
+    Returns:
+        A :class:`DistributedDataset`: iterate it for one :class:`Shards` per global
+        batch, to pass to :meth:`towers.TowerTrainer.train_step_shards`. Which rows each
+        tower gets is exactly :func:`split`'s (and MirroredStrategy's) rule.
+
+    Raises:
+        TypeError: ``dataset`` is not a Dataset of ``(x, y[, sample_weight])`` tensors;
+            ``devices`` is not a list of device names.
+        ValueError: ``dataset`` looks unbatched; ``devices`` is empty or unknown;
+            ``pipeline`` or ``prefetch`` is not one of the accepted values.
+
+    Example:
+        >>> data = tf.data.Dataset.from_tensor_slices((x, y)).batch(256)  # doctest: +SKIP
+        >>> for shards in distribute(data, trainer.devices):               # doctest: +SKIP
+        ...     loss = trainer.train_step_shards(shards)
+    """
+    devices = check_devices(devices)
+    check_choice("pipeline", pipeline, PIPELINES)
+    prefetch = positive_int("prefetch", prefetch)
+    return DistributedDataset(dataset, devices, pipeline, prefetch)

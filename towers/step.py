@@ -7,6 +7,8 @@
     reduced = trainer.reduce(grads)                all-reduce; combine state; sum the loss
     trainer.apply(reduced)                         the optimizer, on every replica
 
+``train_step_shards(shards)`` is the step without its split, for a batch the per-device
+input pipeline already cut and placed (:func:`towers.split.distribute`).
 ``train_step`` is exactly these four calls inside one ``tf.function`` (traced once
 per input signature), run :func:`towers.allreduce.machinery.ordering.as_written` so additions
 happen in the order the code states; ``reduce`` and ``apply`` sit inside the
@@ -45,7 +47,7 @@ from towers.allreduce.machinery.reducer import SPARSE, as_reducer, resolve
 from towers.guard import capabilities
 from towers.guard.arguments import check_choice
 from towers.guard.deadline import Deadline, settled
-from towers.guard.inputs import batch_tensors, check_kinds, naming
+from towers.guard.inputs import batch_tensors, check_batch_against_model, check_kinds, naming
 from towers.guard.loss_scale import REDUCE_DTYPES, LossScale, is_loss_scaled
 from towers.guard.nonfinite import NONFINITE, Guard
 from towers.guard.reduces import check_sums
@@ -62,7 +64,7 @@ from towers.placement import (
     read_weights,
     variable_values,
 )
-from towers.split import Shards, concat, shard_batch
+from towers.split import Shards, concat, shard_batch, shard_sizes
 from towers.tower import (
     Gradients,
     LossFn,
@@ -222,6 +224,10 @@ class TowerTrainer:
         self._step_with_outputs = tf.function(
             functools.partial(self._train_step, with_outputs=True), autograph=False
         )
+        self._shard_step = tf.function(self._train_shards, autograph=False)
+        self._shard_step_with_outputs = tf.function(
+            functools.partial(self._train_shards, with_outputs=True), autograph=False
+        )
 
     def _options(
         self, kind: str, optimizer: Any, on_nonfinite: str, reduce_dtype: str,
@@ -292,8 +298,33 @@ class TowerTrainer:
         """
         self._follow_trainable()
         step = self._step_with_outputs if return_outputs else self._step
+        return self._run_step(step, self._inputs(x, y, sample_weight))
+
+    def train_step_shards(self, shards: Shards, *, return_outputs: bool = False) -> Any:
+        """Run one step on a global batch already split over the towers; return its loss.
+
+        The step of :meth:`train_step` without its split phase: ``shards`` comes from the
+        per-device input pipeline (:func:`towers.split.distribute`), each part already on
+        its tower's device, or from :meth:`split`. Every tower divides its loss by
+        ``shards.global_batch``, so the result is bitwise :meth:`train_step`'s on the
+        same global batch. ``return_outputs`` as in :meth:`train_step`.
+
+        Raises:
+            TypeError: ``shards`` is not a :class:`~towers.split.Shards`; a subclass that
+                cuts its own batches (``WorkerTrainer``: its global batch spans workers).
+            ValueError: it has a part per tower other than this trainer's count, sizes
+                that are not MirroredStrategy's split of ``global_batch`` examples, no
+                example at all, or a part that does not fit the model.
+            NonFiniteError, StepTimeout, ReplicaMismatchError: as :meth:`train_step`.
+        """
+        shards = self._shard_inputs(shards)
+        self._follow_trainable()
+        step = self._shard_step_with_outputs if return_outputs else self._shard_step
+        return self._run_step(step, (shards,))
+
+    def _run_step(self, step: Any, inputs: tuple[Any, ...]) -> Any:
         with as_written():
-            result = self.deadline.run(step, self._inputs(x, y, sample_weight))
+            result = self.deadline.run(step, inputs)
         self.guard.raise_if_nonfinite(self.optimizer, self.devices)
         self.replica_check.after_step(self.replicas, self.deadline.name)
         return result
@@ -306,11 +337,47 @@ class TowerTrainer:
     def _inputs(self, x: Any, y: Any, sample_weight: Any) -> tuple[Any, Any, Any]:
         return batch_tensors(x, y, sample_weight, self.model)
 
+    def _shard_inputs(self, shards: Any) -> Shards:
+        """``shards`` checked for :meth:`train_step_shards`; sample weights in the model's dtype."""
+        if type(self).split is not TowerTrainer.split:  # WorkerTrainer: B spans the workers
+            raise TypeError(f"train_step_shards: {type(self).__name__} cuts its batches itself "
+                            f"({type(self).__name__}.split); give it whole batches "
+                            "(train_step)")  # fmt: skip
+        if not isinstance(shards, Shards):
+            raise TypeError("shards must be a towers.split.Shards (from towers.split.distribute "
+                            f"or trainer.split), got {type(shards).__name__}")  # fmt: skip
+        n = len(self.devices)
+        if len(shards.parts) != n or any(len(p) != 3 for p in shards.parts):
+            raise ValueError(f"shards must hold {n} parts (x, y, sample_weight), one per tower; "
+                             f"got {len(shards.parts)}")  # fmt: skip
+        # static where known: inside a caller's tf.function (Keras' train_step) they may not be
+        total, sizes = tf.get_static_value(shards.global_batch), shards.sizes
+        if total is not None and None not in sizes and (
+                total < 1 or sizes != shard_sizes(int(total), n)):  # fmt: skip
+            raise ValueError(f"shards: sizes {sizes} are not MirroredStrategy's split of a "
+                             f"global batch of {total} over {n} towers "
+                             f"({shard_sizes(max(int(total), 0), n)})")  # fmt: skip
+        check_batch_against_model(*shards.parts[0], self.model)
+        dtype = tf.as_dtype(self.model.trainable_variables[0].dtype)
+        parts = []
+        for x, y, w in shards.parts:
+            if w is not None and w.dtype != dtype:
+                with tf.device(w.device):
+                    w = tf.cast(w, dtype)
+            parts.append((x, y, w))
+        return Shards(tuple(parts), shards.global_batch)
+
     def _train_step(self, x: Any, y: Any, sample_weight: Any, with_outputs: bool = False) -> Any:
+        return self._step_body(lambda: self.split(x, y, sample_weight), with_outputs)
+
+    def _train_shards(self, shards: Shards, with_outputs: bool = False) -> Any:
+        return self._step_body(lambda: shards, with_outputs)  # split by the input pipeline
+
+    def _step_body(self, make_shards: Any, with_outputs: bool) -> Any:
         self.trace_count += 1
         with record() as recorder:
             with tf.name_scope("split"):  # name scopes: the profiler's phases (bench.phases)
-                shards = self.split(x, y, sample_weight)
+                shards = make_shards()
             grads = self.forward_backward(shards)
             # reduce → apply inside the guard's one tf.cond: all of it or nothing
             with tf.name_scope("guard"):

@@ -19,6 +19,7 @@ from towers.bench.costmodel.paper import paper_section
 from towers.bench.memory import memory_section
 from towers.bench.onepass import ONE_PASS
 from towers.bench.phases import phases_section
+from towers.bench.pipeline import pipeline_section
 from towers.bench.profile import op_profile, summarize
 from towers.bench.scaling import LINEAR_SLOPE, TOWERS, fit_slopes, run_scaling
 from towers.bench.timing import load_average
@@ -202,6 +203,7 @@ SECTION: dict[str, Callable[[argparse.Namespace, list[str], dict], bool]] = {
     "scaling": scaling_section,
     "phases": phases_section,
     "memory": memory_section,
+    "pipeline": pipeline_section,
     "paper": paper_section,
 }
 

@@ -5,7 +5,7 @@ scaling uses up to 16, so the process simulates max(16, towers) and the tables
 use prefixes). Results go to the terminal and to ``--out`` (default
 ``benchmarks/``): ``bench.json`` (everything, with the environment and load),
 ``allreduce.csv``, ``training.csv``, ``scaling.csv``, ``costmodel.csv``,
-``allreduce_algbw.png`` and ``training_ratio.png``.
+``pipeline.csv``, ``allreduce_algbw.png`` and ``training_ratio.png``.
 
 The machine may be shared: every table is timed in interleaved rounds and
 reports medians, minima and CPU time beside the load average.
@@ -26,13 +26,14 @@ from towers.cli.train import at_least
 __all__ = ["EPILOG", "SECTIONS", "add_arguments", "run"]
 
 SECTIONS = (
-    "allreduce", "costmodel", "training", "scaling", "phases", "memory", "paper",
+    "allreduce", "costmodel", "training", "scaling", "phases", "memory", "paper", "pipeline",
 )
 EPILOG = """examples:
   python -m towers bench --quick                     # 4 KB-1 MB, few rounds (~2 min)
   python -m towers bench                             # 4 KB-64 MB, both models (~6 min)
   python -m towers bench --sections allreduce --algorithms naive,ring,tf.CollectiveAllReduce
   python -m towers bench --sections training --models mlp --profile
+  python -m towers bench --sections pipeline         # host slicing vs per-device input pipeline
 """
 
 

@@ -4,6 +4,8 @@
     nonfinite.py  one flag per tower (loss, gradients, state finite?) gathered for the
                   step's single decision: apply, skip or raise
     inputs.py     the trainer's arguments and a batch, checked before anything is traced
+    datasets.py   a ``tf.data.Dataset`` of global batches for the input pipeline
+                  (:func:`towers.split.distribute`): batched ``(x, y[, sample_weight])``
     contract.py   what an all-reduce algorithm returned (count; per tower shape, dtype,
                   device), checked when the step is traced
     reduces.py    a user's all-reduce, run once on small values when the trainer is
