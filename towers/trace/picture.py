@@ -52,8 +52,7 @@ def _draw_topology(ax: Any, topo: Topology, colours: list[Any]) -> None:
         _draw_butterfly(ax, n, topo.links, colours)
     else:
         for a, b in topo.links:
-            (xa, ya), (xb, yb) = topo.positions[a], topo.positions[b]
-            ax.plot([xa, xb], [ya, yb], color="0.55", lw=1.2, zorder=1)
+            _draw_link(ax, topo.positions, a, b)
         if topo.kind == "collective":
             ax.plot(0, 0, "s", ms=22, color="0.8", zorder=1)
             ax.text(0, 0, "opaque", ha="center", va="center", fontsize=7)
@@ -65,6 +64,22 @@ def _draw_topology(ax: Any, topo: Topology, colours: list[Any]) -> None:
     ax.set_title(f"links: {topo.kind}", fontsize=9)
     ax.set_aspect("equal", adjustable="datalim")
     ax.axis("off")
+
+
+def _draw_link(ax: Any, positions: list[tuple[float, float]], a: int, b: int) -> None:
+    """A straight line, or an arc where the line would run through another tower (wrap-around)."""
+    from matplotlib.patches import FancyArrowPatch
+
+    (xa, ya), (xb, yb) = positions[a], positions[b]
+    length2 = (xb - xa) ** 2 + (yb - ya) ** 2 or 1.0
+    through = False
+    for i, (x, y) in enumerate(positions):
+        u = ((x - xa) * (xb - xa) + (y - ya) * (yb - ya)) / length2
+        near = (x - xa - u * (xb - xa)) ** 2 + (y - ya - u * (yb - ya)) ** 2 < 1e-4
+        through |= i not in (a, b) and 0 < u < 1 and near
+    ax.add_patch(FancyArrowPatch((xa, ya), (xb, yb), arrowstyle="-", color="0.55", lw=1.2,
+                                 connectionstyle=f"arc3,rad={0.35 if through else 0.0}",
+                                 zorder=1))
 
 
 def _draw_butterfly(ax: Any, n: int, links: list[tuple[int, int]], colours: list[Any]) -> None:
@@ -98,6 +113,8 @@ def _draw_cell(ax: Any, x: float, p: int, held: Any, n: int, colours: list[Any])
             pixels[i, s] = colours[i]
     ax.imshow(pixels, extent=(x + 0.05, x + 0.95, p + 0.38, p - 0.38), interpolation="nearest",
               aspect="auto", zorder=1)
+    edges = [x + 0.05 + 0.9 * s / len(held) for s in range(1, len(held))]
+    ax.vlines(edges, p - 0.38, p + 0.38, colors="white", lw=1.0, zorder=2)
 
 
 def sends_by_tick(state: StateTrace) -> dict[tuple[int, int, int], tuple[tuple[int, int], ...]]:

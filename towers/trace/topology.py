@@ -4,7 +4,8 @@
 exchanged data) and picks the layout the links fit, first match wins::
 
     butterfly  n = 2ᵏ ≥ 4, every link joins towers differing in one bit
-               (halving-doubling): column = bit, the classic butterfly
+               (halving-doubling): positions on a circle (a hypercube); the
+               picture draws the stages, one column per bit
     ring       the links are exactly i ↔ i+1 (mod n): a circle
     tree       connected, n - 1 links: layers from the root (the first tower
                to hold every contribution)
@@ -60,7 +61,7 @@ def _butterfly(s: _Shape) -> list[tuple[float, float]] | None:
     n, bits = s.n, s.n.bit_length() - 1
     if n < 4 or n & (n - 1) or any(bin(a ^ b).count("1") != 1 for a, b in s.links):
         return None
-    return [(0.0, -2.0 * i / (n - 1) + 1) for i in range(n)] if bits else None
+    return _circle(n) if bits else None  # a circle for viewers; pictures draw the stages
 
 
 def _ring(s: _Shape) -> list[tuple[float, float]] | None:
