@@ -145,7 +145,8 @@ function draw() {
   const st = document.getElementById('status');
   st.dataset.tick = tick;
   st.textContent = tick < 0 ? 'inputs (before tick 0) of ' + T + ' ticks'
-    : 'tick ' + tick + ' of ' + T + ': ' + D.notes[tick] + ' (' + sends.length + ' sends)';
+    : 'tick ' + tick + ' of ' + T + ': ' + D.notes[tick] + ' (' + sends.length + ' sends)' +
+      (D.observed ? '' : ' (opaque collective: the state is read from its outputs)');
   if (location.hash !== '#tick=' + tick) history.replaceState(null, '', '#tick=' + tick);
 }
 function drawTopology(svg, sends) {
