@@ -117,6 +117,18 @@ def _state_outputs(args: argparse.Namespace, fn: Any, devices: list[str]) -> Non
         print(f"viewer: {write_html(state, args.html)} (open it in a browser; keys: arrows)")
 
 
+def _collective(args: argparse.Namespace) -> int:
+    """``--collective``: print that collective's schedule (text only)."""
+    from towers.allreduce.collective_registry import format_collective
+
+    try:
+        print(format_collective(args.collective, args.algorithm, args.towers, 4 * args.size))
+    except ValueError as err:
+        print(f"towers trace: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the job; returns a process exit code."""
     args.algorithm = args.algorithm or args.name or "ring"
@@ -125,14 +137,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"towers trace: error: {problem}", file=sys.stderr)
         return 2
     if args.collective:
-        from towers.allreduce.collective_registry import format_collective
-
-        try:
-            print(format_collective(args.collective, args.algorithm, args.towers, 4 * args.size))
-        except ValueError as err:
-            print(f"towers trace: error: {err}", file=sys.stderr)
-            return 2
-        return 0
+        return _collective(args)
     from towers.trace.schedule import start_devices
 
     devices = start_devices(args.towers)  # first thing: before TensorFlow's runtime starts

@@ -162,6 +162,20 @@ def _title(state: StateTrace) -> str:
             f"(cost formula: {alpha}); {done}{seen}")
 
 
+def _frame(ax: Any, state: StateTrace, span: float) -> None:
+    """Limits, tower names on the left, a header per column on top, no spines."""
+    n = state.towers
+    ax.set_xlim(-0.1, span + 0.1)
+    ax.set_ylim(n - 0.5, -0.6)
+    ax.set_yticks(range(n), [f"tower {p}" for p in range(n)], fontsize=8)
+    positions, labels = zip(*_headers(state))
+    ax.set_xticks(positions, labels, fontsize=7)
+    ax.xaxis.tick_top()
+    ax.tick_params(length=0)
+    for side in ax.spines.values():
+        side.set_visible(False)
+
+
 def draw_state(state: StateTrace, path: str | os.PathLike[str], *, dpi: int = 100) -> Path:
     """Draw ``state`` as a PNG (see the module docstring).
 
@@ -190,15 +204,7 @@ def draw_state(state: StateTrace, path: str | os.PathLike[str], *, dpi: int = 10
         for p, held in enumerate(towers):
             _draw_cell(right, k * (1 + _GAP), p, held, n, colours)
     _draw_sends(right, state, colours)
-    right.set_xlim(-0.1, span + 0.1)
-    right.set_ylim(n - 0.5, -0.6)
-    right.set_yticks(range(n), [f"tower {p}" for p in range(n)], fontsize=8)
-    positions, labels = zip(*_headers(state))
-    right.set_xticks(positions, labels, fontsize=7)
-    right.xaxis.tick_top()
-    right.tick_params(length=0)
-    for side in right.spines.values():
-        side.set_visible(False)
+    _frame(right, state, span)
     fig.suptitle(_title(state), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=dpi)

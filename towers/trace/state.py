@@ -242,9 +242,8 @@ def trace_state(
              for t, p in zip(transfers, payloads)]
     carried = [runs(list(m)) for m in masks]
     segments = _segments(size, carried)
-    decoded = [_decode(o, n) for o in outputs]
     out_held = tuple(_held([d.get(j, frozenset()) for j in range(size)], segments)
-                     for d in decoded)
+                     for d in (_decode(o, n) for o in outputs))
     observed = any(masks) or not trace.rows
     states = _states(trace, masks, size, segments) if observed else [
         tuple(tuple(frozenset({p}) for _ in segments) for p in range(n)), out_held]
