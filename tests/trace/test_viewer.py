@@ -62,6 +62,17 @@ def test_stepping_in_a_browser_shows_the_computed_state(tmp_path: Path) -> None:
 
 
 @needs_browser
+@pytest.mark.parametrize(("fragment", "tick"), [
+    ("tick=1&key=ArrowLeft", 0), ("tick=0&key=ArrowRight", 1), ("tick=3&key=End", 5),
+    ("tick=2&key=Home", -1), ("tick=99", 5),
+], ids=["left", "right", "end", "home", "clamped"])
+def test_keys_step_through_the_ticks(fragment: str, tick: int, tmp_path: Path) -> None:
+    page = write_html(trace_state("ring", DEVICES[:4]), tmp_path / "ring.html")
+    done = _chromium(tmp_path, "--dump-dom", f"{page.as_uri()}#{fragment}")
+    assert f'id="status" data-tick="{tick}"' in done.stdout, done.stderr[-2000:]
+
+
+@needs_browser
 def test_a_screenshot_shows_the_page(tmp_path: Path) -> None:
     page = write_html(trace_state("halving_doubling", DEVICES[:8]), tmp_path / "hd.html")
     shot = tmp_path / "viewer.png"

@@ -13,7 +13,7 @@ contribution), the sends of the tick as arrows labelled with element ranges::
 Keys: → / space next, ← previous, Home / End. The URL fragment sets the position,
 so a page can be linked (and tested) at a tick: ``#tick=3`` shows tick 3's sends
 and the state after it, ``#tick=-1`` the inputs, ``&press=next`` then presses the
-*next* button once. The drawing is in the DOM for tests: every chunk is a
+*next* button once, ``&key=ArrowLeft`` (any key name) presses that key. The drawing is in the DOM for tests: every chunk is a
 ``<g class="chunk" data-tower data-segment data-held="0 2 3">``, every send a
 ``<g class="send" data-src data-dst data-ranges>``, the position
 ``#status[data-tick]``.
@@ -181,6 +181,7 @@ function fromHash() {
   const t = parseInt(q.get('tick') || '-1', 10);
   go(isNaN(t) ? -1 : t);
   if (q.get('press') === 'next') document.getElementById('next').click();
+  if (q.get('key')) document.dispatchEvent(new KeyboardEvent('keydown', {key: q.get('key')}));
 }
 window.addEventListener('hashchange', fromHash);
 fromHash();
