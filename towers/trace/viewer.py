@@ -13,7 +13,8 @@ contribution), the sends of the tick as arrows labelled with element ranges::
 Keys: → / space next, ← previous, Home / End. The URL fragment sets the position,
 so a page can be linked (and tested) at a tick: ``#tick=3`` shows tick 3's sends
 and the state after it, ``#tick=-1`` the inputs, ``&press=next`` then presses the
-*next* button once, ``&key=ArrowLeft`` (any key name) presses that key. The drawing is in the DOM for tests: every chunk is a
+*next* button once, ``&key=ArrowLeft`` (any key name) presses that key. The
+drawing is in the DOM for tests: every chunk is a
 ``<g class="chunk" data-tower data-segment data-held="0 2 3">``, every send a
 ``<g class="send" data-src data-dst data-ranges>``, the position
 ``#status[data-tick]``.
