@@ -25,7 +25,8 @@ def test_ring_step_has_every_tower_and_tick(tmp_path: Path, monkeypatch, capsys)
     monkeypatch.setattr(trace, "start_devices", lambda n: DEVICES[:n])
     out = tmp_path / "step.json"
     code = cli.main(["timeline", "--towers", "3", "--algorithm", "ring", "--repeats", "1",
-                     "--batch-size", "12", "--out", str(out)])
+                     "--batch-size", "12", "--out", str(out),
+                     "--measured", str(tmp_path / "measured.png")])
     printed = capsys.readouterr().out
     assert code == 0, printed
     data = json.loads(out.read_text())  # it loads
@@ -46,6 +47,10 @@ def test_ring_step_has_every_tower_and_tick(tmp_path: Path, monkeypatch, capsys)
     meta = {e["pid"]: e["args"]["name"] for e in data["traceEvents"] if e["name"] == "process_name"}
     assert meta[0].startswith("tower 0") and meta[n].startswith("whole step")
     assert "whole step, compiled" in printed and "/phase" in printed  # the progress bar
+    # Backward passes come from the profiler's op times: never the 0.000 of a subtraction.
+    assert all(e["dur"] > 0 for e in events if e["name"] in ("forward", "backward"))
+    assert data["measuredOps"] and all(op[4] > 0 for op in data["measuredOps"])
+    assert (tmp_path / "measured.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_validate_names_what_is_missing() -> None:

@@ -9,8 +9,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from towers.trace import timeline as _timeline
+from towers.trace.measured import OpEvent, draw_measured
 from towers.trace.timeline import build_timeline, validate
 
 __doc__ = _timeline.__doc__
@@ -21,6 +23,7 @@ EPILOG = """examples:
   python -m towers timeline --towers 8 --algorithm tree --out tree_step.json
   python -m towers timeline --variables parameter_device --algorithm naive
   python -m towers timeline --algorithm my_algos:star --repeats 20
+  python -m towers timeline --measured step.png              # profiler ops vs the model
 
 Open the JSON at https://ui.perfetto.dev (Open trace file) or in chrome://tracing.
 """
@@ -39,10 +42,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="timed runs per phase; the median is used (default 5)")
     parser.add_argument("--out", default="timeline.json", help="output (default timeline.json)")
     parser.add_argument("--seed", type=int, default=0, help="seed for weights and the batch")
+    parser.add_argument("--measured", metavar="PNG", default=None,
+                        help="also draw the profiler's op events of one real step (measured) "
+                        "above the modelled timeline")
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the job; returns a process exit code."""
+    if args.measured and not Path(args.measured).resolve().parent.is_dir():
+        print(f"towers timeline: error: --measured: no directory to write {args.measured!r} "
+              "into", file=sys.stderr)
+        return 2
     if args.towers < 1 or args.repeats < 1 or args.batch_size < args.towers:
         print("towers timeline: error: need --towers >= 1, --repeats >= 1 and a batch with at "
               "least one example per tower", file=sys.stderr)
@@ -64,4 +74,11 @@ def run(args: argparse.Namespace) -> int:
     print(report)
     count = sum(e["ph"] == "X" for e in data["traceEvents"])
     print(f"wrote {args.out}: {count} events (open at https://ui.perfetto.dev or chrome://tracing)")
+    if args.measured:
+        ops = [OpEvent(*e) for e in data["measuredOps"]]
+        if not ops:
+            print("towers timeline: no profiler events to draw", file=sys.stderr)
+            return 1
+        print(f"measured: {draw_measured(ops, args.towers, args.measured, modelled=data)} "
+              f"({len(ops)} op events of one profiled step)")
     return 0

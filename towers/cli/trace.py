@@ -14,6 +14,12 @@ Ticks are the algorithm's own; transfers without one (tick=None) get one by orde
 (marked *). Opaque collectives (nccl, nccl_ring, nccl_tree) move data outside
 ``send``; their estimated traffic is shown dashed and marked estimated.
 
+``--state PNG`` draws every tower's chunk state tick by tick beside the links
+(:mod:`towers.trace.picture`); ``--html PAGE`` writes the step-through viewer, one
+self-contained page to open in any browser (:mod:`towers.trace.viewer`). Both run
+the algorithm on labelled inputs (op sum, ``n·2^⌈log2 n⌉`` elements per tower) and
+read what each send carries.
+
 ``--collective reduce_scatter|all_gather|broadcast`` prints that collective's
 schedule for ``--algorithm`` instead (text only: ticks, drawing, bytes, cost).
 
@@ -26,11 +32,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
+from typing import Any
 
 __all__ = ["EPILOG", "add_arguments", "run"]
 
 EPILOG = """examples:
   python -m towers trace --algorithm ring --towers 4
+  python -m towers trace ring --n 8 --html ring.html        # step through it in a browser
+  python -m towers trace halving_doubling --n 8 --state hd.png
   python -m towers trace --algorithm tree --towers 7 --size 28 --out tree.png
   python -m towers trace --algorithm halving_doubling --towers 6 --op max
   python -m towers trace --algorithm hierarchical --towers 8 --ticks order
@@ -44,21 +54,28 @@ An unknown name lists the registered ones (towers.ALGORITHMS).
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``towers trace``."""
+    parser.add_argument("name", nargs="?", metavar="ALGO", default=None,
+                        help="the algorithm, as --algorithm (either, not both)")
     parser.add_argument(
-        "--algorithm", default="ring",
+        "--algorithm", default=None,
         help="a registered name (default ring) or module:function / file.py:function; a "
         "factory (anything not taking (values, *, op)) is called with no arguments",
     )
     parser.add_argument("--collective", default=None,
                         choices=("reduce_scatter", "all_gather", "broadcast"),
                         help="print this collective's schedule for --algorithm instead")
-    parser.add_argument("--towers", type=int, default=4, help="simulated devices (default 4)")
+    parser.add_argument("--towers", "--n", type=int, default=4,
+                        help="simulated devices (default 4)")
     parser.add_argument("--size", type=int, default=16, help="float32 elements per tower (16)")
     parser.add_argument("--op", default="sum", choices=("sum", "mean", "max", "min"),
                         help="the reduction (default sum)")
     parser.add_argument("--out", metavar="PNG", default=None,
                         help="where to draw the picture (default: <algorithm>.png)")
     parser.add_argument("--no-png", action="store_true", help="print the table only")
+    parser.add_argument("--state", metavar="PNG", default=None,
+                        help="also draw the links and every tower's chunk state per tick")
+    parser.add_argument("--html", metavar="PAGE", default=None,
+                        help="also write the step-through viewer (one self-contained HTML page)")
     parser.add_argument("--json", metavar="PATH", default=None,
                         help="also write the transfers, rows, bytes and result as JSON")
     parser.add_argument(
@@ -73,20 +90,54 @@ def _default_png(algorithm: str) -> str:
     return f"{stem}.png"
 
 
+def _usage_error(args: argparse.Namespace) -> str | None:
+    """What is wrong with the options, before any work (None: nothing)."""
+    if args.name and args.algorithm and args.name != args.algorithm:
+        return f"ALGO {args.name!r} and --algorithm {args.algorithm!r} disagree: give one"
+    if args.towers < 1 or args.size < 1:
+        return "--towers and --size must be at least 1"
+    for option, path in (("--state", args.state), ("--html", args.html), ("--out", args.out),
+                          ("--json", args.json)):
+        if path and not Path(path).resolve().parent.is_dir():
+            return f"{option}: no directory {str(Path(path).parent)!r} to write {path!r} into"
+    return None
+
+
+def _state_outputs(args: argparse.Namespace, fn: Any, devices: list[str]) -> None:
+    from towers.trace.picture import draw_state
+    from towers.trace.state import trace_state
+    from towers.trace.viewer import write_html
+
+    state = trace_state(fn, devices)
+    print(f"state: {len(state.segments)} chunks, {state.ticks} ticks, alpha {state.messages} "
+          f"messages (cost formula: {state.alpha}), complete at the end: {state.complete()}")
+    if args.state:
+        print(f"state picture: {draw_state(state, args.state)}")
+    if args.html:
+        print(f"viewer: {write_html(state, args.html)} (open it in a browser; keys: arrows)")
+
+
+def _collective(args: argparse.Namespace) -> int:
+    """``--collective``: print that collective's schedule (text only)."""
+    from towers.allreduce.collective_registry import format_collective
+
+    try:
+        print(format_collective(args.collective, args.algorithm, args.towers, 4 * args.size))
+    except ValueError as err:
+        print(f"towers trace: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the job; returns a process exit code."""
-    if args.towers < 1 or args.size < 1:
-        print("towers trace: error: --towers and --size must be at least 1", file=sys.stderr)
+    args.algorithm = args.algorithm or args.name or "ring"
+    problem = _usage_error(args)
+    if problem:
+        print(f"towers trace: error: {problem}", file=sys.stderr)
         return 2
     if args.collective:
-        from towers.allreduce.collective_registry import format_collective
-
-        try:
-            print(format_collective(args.collective, args.algorithm, args.towers, 4 * args.size))
-        except ValueError as err:
-            print(f"towers trace: error: {err}", file=sys.stderr)
-            return 2
-        return 0
+        return _collective(args)
     from towers.trace.schedule import start_devices
 
     devices = start_devices(args.towers)  # first thing: before TensorFlow's runtime starts
@@ -110,6 +161,12 @@ def run(args: argparse.Namespace) -> int:
     print(tracing.format_summary(trace))
     if not args.no_png:
         print(f"picture: {tracing.draw(trace, args.out or _default_png(args.algorithm))}")
+    if args.state or args.html:
+        try:
+            _state_outputs(args, fn, devices)
+        except ValueError as err:
+            print(f"towers trace: {name}: no state: {err}", file=sys.stderr)
+            return 1
     if args.json:
         with open(args.json, "w") as f:
             json.dump(tracing.to_json(trace), f, indent=1)

@@ -5,6 +5,10 @@
     ticks.py     a tick for every transfer (the algorithm's, or by order) and chunk ownership
     text.py      the tick table and summary as text
     draw.py      the schedule as a PNG (towers as rows, ticks as columns)
+    state.py     every tower's chunk state per tick, read from what each send carries
+    topology.py  the links an algorithm used, laid out: ring, tree, butterfly, torus
+    picture.py   the links and the state per tick as a PNG
+    viewer.py    the step-through viewer: one self-contained HTML page
     timeline.py  one training step as a chrome://tracing / Perfetto JSON
 
 Example:
@@ -16,6 +20,7 @@ Example:
 from __future__ import annotations
 
 from towers.trace.draw import draw
+from towers.trace.picture import draw_state
 from towers.trace.schedule import (
     COLLECTIVE,
     Trace,
@@ -28,20 +33,26 @@ from towers.trace.schedule import (
     trace_all_reduce,
     transfers_from_json,
 )
+from towers.trace.state import StateTrace, trace_state
 from towers.trace.text import format_summary, format_table
+from towers.trace.viewer import write_html
 
 __all__ = [
     "COLLECTIVE",
+    "StateTrace",
     "Trace",
     "TraceRow",
     "assign_ticks",
     "chunk_ownership",
     "draw",
+    "draw_state",
     "format_summary",
     "format_table",
     "load_algorithm",
     "start_devices",
     "to_json",
     "trace_all_reduce",
+    "trace_state",
     "transfers_from_json",
+    "write_html",
 ]

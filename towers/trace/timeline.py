@@ -4,8 +4,11 @@ A small CNN on the bundled 8×8 digits is trained over simulated towers with
 ``TowerTrainer``; the trainer's own phases are then compiled one by one and timed
 (median of --repeats runs after a warm-up run):
 
-  forward     per tower: trainer.tower_step(shards, i, backward=False)
-  backward    per tower: trainer.tower_step(shards, i) minus its forward
+  forward     per tower: trainer.tower_step(shards, i) (forward and backward) timed,
+  backward    then split by the op times tf.profiler saw for that tower in one profiled
+              train_step (ops under gradient_tape/tower_i are backward; see
+              towers.trace.measured); without a profile, backward is that time
+              minus a forward-only run's (noisy on shared cores: often 0)
   all-reduce  trainer.reduce(grads): every gradient through --algorithm, the
               non-trainable state and the loss
   apply       trainer.apply(reduced): the optimizer's update, every replica at once
@@ -41,6 +44,7 @@ from towers.allreduce.machinery.ordering import as_written
 from towers.allreduce.machinery.recording import record
 from towers.step import TowerTrainer
 from towers.trace.loading import load_algorithm
+from towers.trace.measured import OpEvent, profile_step, split_compute
 from towers.trace.ticks import assign_ticks
 from towers.training.data import digits
 from towers.training.models import digits_cnn
@@ -101,6 +105,7 @@ class _Phases(NamedTuple):
     apply: float  # every replica, one call
     step: float
     groups: list[tuple[int, list[Any]]]  # (bytes per tower, the all-reduce's transfers)
+    events: list[OpEvent] | None  # the profiler's op events of one step (None: no profile)
 
 
 def _group(grads: Any, transfers: list[Any]) -> tuple[int, list[Any]]:
@@ -112,12 +117,14 @@ def _group(grads: Any, transfers: list[Any]) -> tuple[int, list[Any]]:
 def _measure(setup: _Setup, repeats: int, bar: Any) -> _Phases:
     trainer = setup.trainer
     shards = trainer.split(*setup.batch)
-    forward, backward = [], []
+    forward: list[float] = []
+    backward: list[float] = []
+    compute: list[float] = []
     for tower in range(len(trainer.devices)):
         fwd = _compiled(trainer.tower_step, shards, tower, backward=False)
         forward.append(_median_seconds(fwd, repeats))
-        fwd_bwd = _median_seconds(_compiled(trainer.tower_step, shards, tower), repeats)
-        backward.append(max(fwd_bwd - forward[-1], 0.0))
+        compute.append(_median_seconds(_compiled(trainer.tower_step, shards, tower), repeats))
+        backward.append(max(compute[-1] - forward[-1], 0.0))
         bar.add(1)
     grads = _compiled(trainer.forward_backward, shards)()
     reduce = _compiled(trainer.reduce, grads)
@@ -130,7 +137,13 @@ def _measure(setup: _Setup, repeats: int, bar: Any) -> _Phases:
     step = _median_seconds(lambda: trainer.train_step(*setup.batch), repeats)
     bar.add(1)
     group = _group(grads, sent.transfers)
-    return _Phases(forward, backward, reduce_time, apply_time, step, [group])
+    try:
+        events: list[OpEvent] | None = profile_step(trainer, *setup.batch)
+    except RuntimeError:  # no profiler output here: keep the subtraction
+        events = None
+    split = split_compute(compute, events) if events else None
+    forward, backward = split or (forward, backward)
+    return _Phases(forward, backward, reduce_time, apply_time, step, [group], events)
 
 
 # -- laying out ---------------------------------------------------------------------------------
@@ -282,5 +295,6 @@ def build_timeline(args: argparse.Namespace, devices: list[str]) -> tuple[dict[s
     events, ticks = _events(setup.trainer, phases)
     other = {"algorithm": args.algorithm, "towers": len(devices), "ticks": ticks,
              "variables": args.variables, "batch": args.batch_size, "timings": _meaning()}
-    data = {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}
+    data = {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other,
+            "measuredOps": [list(e) for e in phases.events or []]}  # OpEvent fields
     return data, _report(phases, len(devices), ticks, args.repeats)

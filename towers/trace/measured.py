@@ -1,0 +1,219 @@
+"""A measured timeline: the profiler's op events of one real training step, drawn beside the model.
+
+:func:`profile_step` runs one ``trainer.train_step`` under TensorFlow's profiler
+(``tf.profiler.experimental``, host tracer level 3, so every op kernel is an
+event) and reads the XSpace it writes back: one :class:`OpEvent` per op, with
+its name, type, thread and start and duration in microseconds. Ops are sorted into
+phases by the name scopes the step gives them::
+
+    tower_3/conv2d_1/Relu:Relu                       forward,  tower 3
+    gradient_tape/tower_3/conv2d_1/Conv2DBackprop…   backward, tower 3
+    guard/…, split/…, the all-reduce, the update     step (everything else)
+
+:func:`draw_measured` draws them, one row per tower and phase on the step's real
+clock (the host's shared cores run towers side by side), above the modelled
+timeline of ``towers timeline`` (phases timed apart and laid end to end), so the
+two can be compared: the measured backward passes are real op time, where the
+modelled ones subtract two separately compiled runs.
+
+Example:
+    >>> events = profile_step(trainer, x, y, "/tmp/prof")        # doctest: +SKIP
+    >>> draw_measured(events, 4, "step.png", modelled=data)       # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+__all__ = [
+    "OpEvent", "busy", "draw_measured", "phase_of", "profile_step", "read_xspace", "split_compute",
+]
+
+_TOWER = re.compile(r"^(gradient_tape/)?tower_(\d+)/")
+
+
+class OpEvent(NamedTuple):
+    """One op kernel as the profiler saw it; times in microseconds from the first event."""
+
+    name: str
+    op: str
+    thread: str
+    start: float
+    duration: float
+
+
+def phase_of(name: str) -> tuple[int | None, str]:
+    """``(tower, phase)`` of an op by its name scope: forward, backward or step (tower None)."""
+    match = _TOWER.match(name)
+    if not match:
+        return None, "step"
+    return int(match[2]), "backward" if match[1] else "forward"
+
+
+def read_xspace(path: str | os.PathLike[str]) -> list[OpEvent]:
+    """The op events (``scope/name:Type``) of a profiler ``*.xplane.pb`` file, by start time.
+
+    Raises:
+        RuntimeError: this TensorFlow has no XSpace protobuf to read the file with.
+    """
+    try:
+        from tensorflow.tsl.profiler.protobuf import xplane_pb2
+    except ImportError as err:  # the module moved in this TensorFlow
+        raise RuntimeError(f"cannot read profiler output: {err}") from err
+    space = xplane_pb2.XSpace()
+    space.ParseFromString(Path(path).read_bytes())
+    events = []
+    for plane in space.planes:
+        for line in plane.lines:
+            for e in line.events:
+                name = plane.event_metadata[e.metadata_id].name
+                if ":" in name and "::" not in name and e.duration_ps > 0:
+                    scope, op = name.rsplit(":", 1)
+                    start = (line.timestamp_ns * 1000 + e.offset_ps) / 1e6
+                    events.append(OpEvent(scope, op, line.name, start, e.duration_ps / 1e6))
+    first = min((e.start for e in events), default=0.0)
+    return sorted((e._replace(start=e.start - first) for e in events), key=lambda e: e.start)
+
+
+def profile_step(trainer: Any, x: Any, y: Any, logdir: str | None = None) -> list[OpEvent]:
+    """Profile one ``trainer.train_step(x, y)`` (after one warm-up step) and read its op events.
+
+    Args:
+        trainer: a :class:`~towers.TowerTrainer`.
+        x, y: one global batch.
+        logdir: where the profiler writes (default: a temporary directory, removed after).
+
+    Returns:
+        The op events, by start time.
+
+    Raises:
+        RuntimeError: the profiler wrote no XSpace file.
+    """
+    import tensorflow as tf
+
+    trainer.train_step(x, y)  # compile outside the profile
+    with tempfile.TemporaryDirectory() as tmp:
+        where = logdir or tmp
+        options = tf.profiler.experimental.ProfilerOptions(
+            host_tracer_level=3, python_tracer_level=0, device_tracer_level=0)
+        tf.profiler.experimental.start(where, options=options)
+        try:
+            trainer.train_step(x, y)
+        finally:
+            tf.profiler.experimental.stop()
+        found = sorted(Path(where).glob("plugins/profile/*/*.xplane.pb"),
+                       key=lambda p: p.stat().st_mtime)
+        if not found:
+            raise RuntimeError(f"the profiler wrote no *.xplane.pb under {where}")
+        return read_xspace(found[-1])
+
+
+def busy(events: Sequence[OpEvent], towers: int) -> dict[tuple[int | None, str], float]:
+    """Microseconds of op time per ``(tower, phase)`` (the union of its events' intervals)."""
+    spans: dict[tuple[int | None, str], list[tuple[float, float]]] = {}
+    for e in events:
+        tower, phase = phase_of(e.name)
+        if tower is None or tower < towers:
+            spans.setdefault((tower, phase), []).append((e.start, e.start + e.duration))
+    out = {}
+    for key, intervals in spans.items():
+        total, end = 0.0, float("-inf")
+        for a, b in sorted(intervals):
+            total += max(0.0, b - max(a, end))
+            end = max(end, b)
+        out[key] = total
+    return out
+
+
+def split_compute(
+    compute: Sequence[float], events: Sequence[OpEvent]
+) -> tuple[list[float], list[float]] | None:
+    """Split each tower's measured forward+backward time by its profiled op-time shares.
+
+    Args:
+        compute: per tower, the measured seconds of one forward and backward pass.
+        events: the profiler's op events of one step on those towers.
+
+    Returns:
+        ``(forward, backward)`` seconds per tower, each share > 0 where the profile saw
+        both phases; None when some tower's forward or backward ops were not seen.
+    """
+    spent = busy(events, len(compute))
+    shares = []
+    for tower in range(len(compute)):
+        f, b = spent.get((tower, "forward"), 0.0), spent.get((tower, "backward"), 0.0)
+        if f <= 0 or b <= 0:
+            return None
+        shares.append(b / (f + b))
+    return ([c * (1 - s) for c, s in zip(compute, shares)],
+            [c * s for c, s in zip(compute, shares)])
+
+
+_COLOURS = {"forward": "tab:blue", "backward": "tab:orange", "step": "0.5",
+            "all-reduce": "tab:green", "apply": "tab:red", "compute": "tab:blue"}
+
+
+_Row = tuple[str, tuple[int | None, str], list[OpEvent]]
+
+
+def _rows(events: Sequence[OpEvent], towers: int) -> list[_Row]:
+    """Per tower its forward and backward ops, then the rest of the step."""
+    keys: list[tuple[int | None, str]] = [(t, p) for t in range(towers)
+                                          for p in ("forward", "backward")]
+    keys.append((None, "step"))
+    return [(f"tower {t} {p}" if t is not None else "step (guard, reduce, apply)", (t, p),
+             [e for e in events if phase_of(e.name) == (t, p)]) for t, p in keys]
+
+
+def _draw_modelled(ax: Any, modelled: dict[str, Any], towers: int) -> None:
+    events = [e for e in modelled["traceEvents"] if e.get("ph") == "X" and e["pid"] < towers]
+    for e in events:
+        kind = e["name"] if e["name"] in ("forward", "backward", "apply") else "all-reduce"
+        row = e["pid"] * 2 + (e["tid"] == 1)
+        ax.barh(row, e["dur"] / 1e3, left=e["ts"] / 1e3, height=0.7, color=_COLOURS[kind])
+    ax.set_yticks(range(2 * towers), [f"tower {p} {t}" for p in range(towers)
+                                      for t in ("compute", "all-reduce")], fontsize=7)
+    ax.set_ylim(2 * towers - 0.5, -0.5)
+    ax.set_title("modelled (towers timeline: phases timed apart, laid end to end; "
+                 "forward / backward / all-reduce / apply)", fontsize=9)
+    ax.set_xlabel("ms")
+
+
+def draw_measured(events: Sequence[OpEvent], towers: int, path: str | os.PathLike[str], *,
+                  modelled: dict[str, Any] | None = None) -> Path:
+    """Draw the measured op events (and, given, the modelled timeline below) as a PNG.
+
+    Returns:
+        The path written.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = _rows(events, towers)
+    panels = 2 if modelled else 1
+    fig, axes = plt.subplots(panels, 1, figsize=(11, 1.2 + 0.3 * len(rows) * panels),
+                             squeeze=False)
+    ax = axes[0][0]
+    for k, (_, (_, phase), mine) in enumerate(rows):
+        ax.broken_barh([(e.start / 1e3, e.duration / 1e3) for e in mine], (k - 0.35, 0.7),
+                       color=_COLOURS[phase])
+    spent = busy(events, towers)
+    labels = [f"{label}  {spent.get(key, 0.0) / 1e3:.2f} ms" for label, key, _ in rows]
+    ax.set_yticks(range(len(rows)), labels, fontsize=7)
+    ax.set_ylim(len(rows) - 0.5, -0.5)
+    ax.set_title(f"measured (tf.profiler op events of one train_step, {len(events)} ops; "
+                 "ms of op time per row)", fontsize=9)
+    ax.set_xlabel("ms")
+    if modelled:
+        _draw_modelled(axes[1][0], modelled, towers)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return Path(path)
