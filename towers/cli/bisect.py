@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _side(spec: str, devices: list[str], variables: str) -> Any:
     """A ``Config`` from a command-line spec (names are loaded as ``towers check`` does)."""
-    from towers.testing.bisect import Config, config
+    from towers.testing.compare import Config, config
     from towers.trace.loading import load_algorithm
 
     side = config(spec)  # checks "towers:NAME"
