@@ -14,6 +14,7 @@
     report.py      ``BisectReport`` / ``Divergence``: what a comparison found
     compare.py     ``compare``: two steps (or configurations), teacher-forced, every step
     bisect.py      ``bisect``: the first step, variable and element where two steps part
+    matching.py    ``assert_steps_match`` and the ``step_cases`` strategy (plugin.py: fixture)
 
 Users import from here to test their own models and algorithms::
 
@@ -28,6 +29,7 @@ from towers.testing.bounds import gamma, sgd_step_bound, sum_bound, unit_roundof
 from towers.testing.check import CheckReport, check_all_reduce
 from towers.testing.compare import Config, compare
 from towers.testing.invariance import InvarianceReport, check_invariance
+from towers.testing.matching import assert_steps_match, step_batches, step_cases
 from towers.testing.report import BisectReport, Divergence
 from towers.testing.steps import Step, as_step
 from towers.testing.strategies import (
@@ -62,6 +64,7 @@ __all__ = [
     "TrainingCase",
     "as_step",
     "assert_close",
+    "assert_steps_match",
     "assert_weights_close",
     "bisect",
     "check_all_reduce",
@@ -73,6 +76,8 @@ __all__ = [
     "no_empty_shards",
     "per_tower_gradients",
     "sgd_step_bound",
+    "step_batches",
+    "step_cases",
     "sum_bound",
     "tower_values",
     "training_cases",

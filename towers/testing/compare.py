@@ -220,7 +220,7 @@ def run_comparison(
     if configs:
         b.set_weights(a.get_weights())
     gradients = bound is None and isinstance(a, TowerTrainer) and isinstance(b, TowerTrainer)
-    update = None if gradients else _update_bound(a, b, bound, loss, n, configs)
+    update = None if gradients else _update_bound(a, b, bound, loss, configs)
     name = update.name if update is not None else (
         "reduction bound: each run's all-reduce within γ_k·Σ|g_i| of the exact sum of its "
         "towers' gradients, plus their measured difference (towers.testing.onestep)")
@@ -238,18 +238,16 @@ def run_comparison(
             first = _divergence(bad, want[bad.index], got[bad.index], compared, b, name)
             if stop:
                 break
-    return BisectReport(label_a, label_b, n or 0, tuple(rows), first, name)
+    kind = "bisect" if stop else "compare"
+    return BisectReport(label_a, label_b, n or 0, tuple(rows), first, name, kind)
 
 
-def _update_bound(a: Any, b: Any, bound: Any, loss: Any, n: int | None,
-                  configs: bool) -> UpdateBound:  # fmt: skip
+def _update_bound(a: Any, b: Any, bound: Any, loss: Any, configs: bool) -> UpdateBound:
     """The bound of an update comparison (towers.testing.stepbound), from the teacher."""
     optimizer = getattr(a, "optimizer", None) or getattr(b, "optimizer", None)
     model = getattr(a, "model", None) or getattr(b, "model", None)
     loss = loss if loss is not None else getattr(a, "loss_fn", None) or getattr(b, "loss_fn", None)
-    depth = max((algorithm_depth(s) if isinstance(s, TowerTrainer) else (n or 1) - 1)
-                for s in (a, b))  # fmt: skip
-    return resolve_bound(bound, optimizer, model, loss, n, depth,
+    return resolve_bound(bound, optimizer, model, loss,
                          argument="optimizer_fn" if configs else "bound")  # fmt: skip
 
 

@@ -58,7 +58,7 @@ class Divergence:
 @dataclasses.dataclass(frozen=True)
 class BisectReport:
     """What ``compare`` or ``bisect`` found: ``first`` is None when every step stayed within
-    bound; ``bound`` says which bound was used and why."""
+    bound; ``bound`` says which bound was used and why; ``kind`` which function ran."""
 
     a: str
     b: str
@@ -66,6 +66,7 @@ class BisectReport:
     rows: tuple[Difference, ...]
     first: Divergence | None
     bound: str = ""
+    kind: str = "bisect"
 
     @property
     def ok(self) -> bool:
@@ -74,7 +75,7 @@ class BisectReport:
 
     def __str__(self) -> str:
         steps = max((r.step for r in self.rows), default=0)
-        lines = [f"bisect {self.a} (A, teacher) vs {self.b} (B), {self.towers} towers, "
+        lines = [f"{self.kind} {self.a} (A, teacher) vs {self.b} (B), {self.towers} towers, "
                  f"{steps} step(s) checked from the same weights"]  # fmt: skip
         if self.bound:
             lines.append(f"bound: {self.bound}")
@@ -90,7 +91,8 @@ class BisectReport:
         lines += [
             f"FIRST DIVERGENCE: step {d.step}, variable {d.variable} (#{d.index}, {d.compared}"
             + (f"; {d.cause})" if d.cause else ")"),
-            f"  element {d.element} (chunk {k} of {pieces}: elements {lo}..{hi - 1})",
+            f"  element {d.element}" + (f" (chunk {k} of {pieces}: elements {lo}..{hi - 1})"
+                                        if pieces > 1 else ""),
             f"  A = {d.value_a!r}  B = {d.value_b!r}  |Δ| = {d.diff:.3g} > bound {d.bound:.3g}",
         ]
         if d.bound_name:
