@@ -106,3 +106,20 @@ def test_usage_errors_exit_2_with_one_line(args: list[str], message: str, capsys
     code, out, err = _run(capsys, *args)
     assert code == 2, out
     assert message in err and "Traceback" not in err
+
+
+def per_replica_trainer(model_fn: Any, optimizer_fn: Any, loss: Any, devices: list[str]) -> Any:
+    """towers with the tutorial's denominator: not invariant on an uneven batch."""
+    from towers import TowerTrainer
+
+    return TowerTrainer(model_fn, optimizer_fn, loss, devices=devices, all_reduce="ring",
+                        variables="replicated", loss_denominator="per_replica")  # fmt: skip
+
+
+def test_invariance_of_a_users_step_factory(capsys, data: str) -> None:
+    common = ["invariance", "--towers", "1,3", *MODEL, "--data", data, "--batch", "5",
+              "--steps", "1"]  # 5 over 3 towers: 2+2+1
+    code, out, _ = _run(capsys, *common, "--step", "reference:MirroredTrainer")
+    assert code == 0, out
+    code, out, _ = _run(capsys, *common, "--step", "tests.cli.test_compare:per_replica_trainer")
+    assert code == 1 and "FAIL: 3 towers, step 1" in out, out

@@ -22,12 +22,14 @@ import argparse
 import sys
 
 from towers.cli.compare import add_problem_arguments, exit_code, load_problem
+from towers.cli.train import positive_float
 
 __all__ = ["EPILOG", "add_arguments", "run", "tower_counts"]
 
 EPILOG = """examples:
   python -m towers invariance --towers 1,2,4,8 --algorithm ring --steps 5
   python -m towers invariance --towers 1,3 --algorithm my_algos.py:star --model conv
+  python -m towers invariance --towers 1,4 --step reference:MirroredTrainer --batch 10
 """
 
 MAX_TOWERS = 64
@@ -58,6 +60,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default ring)")
     parser.add_argument("--variables", choices=("replicated", "parameter_device"),
                         default="replicated", help="placement (default replicated)")
+    parser.add_argument("--step", default=None, metavar="MODULE:FACTORY",
+                        help="check your step instead: factory(model_fn, optimizer_fn, loss, "
+                        "devices) is called once per tower count")  # fmt: skip
+    parser.add_argument("--bound", type=positive_float, default=None, metavar="TOL",
+                        help="--step's tolerance per element (optimizers other than plain SGD)")
     add_problem_arguments(parser)
 
 
@@ -68,12 +75,15 @@ def _fail(message: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Run the check; returns a process exit code."""
+    from towers.trace.loading import _import as import_object
     from towers.trace.loading import load_algorithm, start_devices
 
     try:
         devices = start_devices(max(args.towers))  # first: before TensorFlow's runtime starts
         problem = load_problem(args)
         name, algorithm = load_algorithm(args.algorithm, devices)
+        factory = None if args.step is None else import_object(*args.step.rsplit(":", 1))
+        name = name if factory is None else args.step
     except (ValueError, TypeError, RuntimeError) as err:
         return _fail(str(err))
     from towers.testing import check_invariance
@@ -82,7 +92,8 @@ def run(args: argparse.Namespace) -> int:
           f"batch {args.batch}, {args.steps} steps")  # fmt: skip
     try:
         report = check_invariance(*problem, towers=args.towers, all_reduce=algorithm,
-                                  variables=args.variables, steps=args.steps)  # fmt: skip
+                                  variables=args.variables, steps=args.steps, step=factory,
+                                  bound=args.bound)  # fmt: skip
     except (ValueError, TypeError) as err:
         return _fail(str(err))
     print(report)

@@ -46,7 +46,8 @@ from towers.testing.report import BisectReport, Divergence
 from towers.testing.stepbound import UpdateBound, resolve_bound
 from towers.testing.steps import check_step, step_towers
 
-__all__ = ["REFERENCES", "Config", "compare", "config", "run_comparison"]
+__all__ = ["REFERENCES", "Config", "advance", "compare", "config", "run_comparison",
+           "update_bound", "update_rows"]
 
 REFERENCES = ("mirrored", "central_storage")
 """The ``tf.distribute`` references a configuration may name."""
@@ -153,21 +154,46 @@ def _advance(step: Any, x: Any, y: Any) -> None:
 
 
 def _update_step(
-    a: Any, b: Any, x: Any, y: Any, bound: UpdateBound, label: str, step: int
+    a: Any, b: Any, x: Any, y: Any, bound: UpdateBound, label: int | str, step: int
 ) -> tuple[list[Difference], list[np.ndarray], list[np.ndarray]]:
     """Both steps from A's weights, one update each; the weights bound compares, held to it."""
     weights = a.get_weights()
-    b.set_weights(weights)
     tol = bound.tolerances(weights, x, y)  # sized at the weights both start from
-    for run in (a, b):
-        _advance(run, x, y)
-    after = a.get_weights(), b.get_weights()
+    after_a = advance(a, x, y)
+    return update_rows(a, after_a, [b], weights, tol, x, y, label, step)[0]
+
+
+def advance(step: Any, x: Any, y: Any) -> list[np.ndarray]:
+    """One update of ``step`` (a towers trainer through its phases eagerly: a stateful
+    reduction is called once per variable, as in the gradient comparison); its weights."""
+    if isinstance(step, TowerTrainer):
+        step.apply(step_gradients(step, x, y).phases)
+    else:
+        step.train_step(x, y)
+    return step.get_weights()
+
+
+def update_rows(
+    a: Any, after_a: list[np.ndarray], others: list[Any], weights: list[np.ndarray],
+    tol: list[Any], x: Any, y: Any, label: int | str, step: int,
+) -> list[tuple[list[Difference], list[np.ndarray], list[np.ndarray]]]:
+    """Each of ``others`` set to ``weights`` and advanced once, against A's ``after_a``.
+
+    Returns:
+        Per other step: (one :class:`Difference` per compared weight, A's and its weights).
+    """
     keep = [i for i, t in enumerate(tol) if t is not None]
     model = getattr(a, "model", None)
     names = [model.weights[i].path if model is not None else f"weights[{i}]" for i in keep]
-    want, got = [after[0][i] for i in keep], [after[1][i] for i in keep]
-    rows = compare_gradients(label, step, names, got, want, [tol[i] for i in keep])
-    return rows, want, got
+    want = [after_a[i] for i in keep]
+    out = []
+    for b in others:
+        b.set_weights(weights)
+        after_b = advance(b, x, y)
+        got = [after_b[i] for i in keep]
+        out.append((compare_gradients(label, step, names, got, want, [tol[i] for i in keep]),
+                    want, got))  # fmt: skip
+    return out
 
 
 def _label(step: Any) -> str:
@@ -220,7 +246,7 @@ def run_comparison(
     if configs:
         b.set_weights(a.get_weights())
     gradients = bound is None and isinstance(a, TowerTrainer) and isinstance(b, TowerTrainer)
-    update = None if gradients else _update_bound(a, b, bound, loss, configs)
+    update = None if gradients else update_bound(a, b, bound, loss, configs)
     name = update.name if update is not None else (
         "reduction bound: each run's all-reduce within γ_k·Σ|g_i| of the exact sum of its "
         "towers' gradients, plus their measured difference (towers.testing.onestep)")
@@ -242,7 +268,7 @@ def run_comparison(
     return BisectReport(label_a, label_b, n or 0, tuple(rows), first, name, kind)
 
 
-def _update_bound(a: Any, b: Any, bound: Any, loss: Any, configs: bool) -> UpdateBound:
+def update_bound(a: Any, b: Any, bound: Any, loss: Any, configs: bool = False) -> UpdateBound:
     """The bound of an update comparison (towers.testing.stepbound), from the teacher."""
     optimizer = getattr(a, "optimizer", None) or getattr(b, "optimizer", None)
     model = getattr(a, "model", None) or getattr(b, "model", None)
