@@ -76,6 +76,7 @@ def test_a_users_weighting_bug_is_named_with_its_step_variable_and_values() -> N
     text = str(report)
     assert "FIRST DIVERGENCE: step 1" in text and "bound used: sgd_step_bound" in text
     assert {r.step for r in report.rows} == {1}  # bisect stops there
+    assert (report.ok, report.step, report.variable) == (False, 1, first.variable)  # DESIGN.md
     assert compare(towers_step(1), users_step(), batches(2), towers=1).ok  # the right step
 
 

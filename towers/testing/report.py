@@ -73,6 +73,16 @@ class BisectReport:
         """No step left the bound."""
         return self.first is None
 
+    @property
+    def step(self) -> int | None:
+        """The first divergence's step (from 1), or None (the contract's ``report.step``)."""
+        return None if self.first is None else self.first.step
+
+    @property
+    def variable(self) -> str | None:
+        """The first divergence's variable path, or None (the contract's ``report.variable``)."""
+        return None if self.first is None else self.first.variable
+
     def __str__(self) -> str:
         steps = max((r.step for r in self.rows), default=0)
         lines = [f"{self.kind} {self.a} (A, teacher) vs {self.b} (B), {self.towers} towers, "
