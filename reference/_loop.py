@@ -217,6 +217,7 @@ class StrategyTrainer:
         model: the Keras model whose variables the strategy owns.
         optimizer: the Keras optimizer, built for ``model.trainable_variables``.
         strategy: the ``tf.distribute.Strategy``.
+        loss_fn: the resolved loss (a step of :mod:`towers.testing.steps`).
 
     Example:
         >>> strategy = tf.distribute.OneDeviceStrategy("/cpu:0")         # doctest: +SKIP
@@ -233,6 +234,7 @@ class StrategyTrainer:
     ) -> None:
         self.strategy = strategy
         self._loss = resolve_loss(loss)
+        self.loss_fn = self._loss  # public, as TowerTrainer's (towers.testing sizes bounds)
         with strategy.scope():
             self.model = _build_model(model)
             if not self.model.trainable_variables:

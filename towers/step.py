@@ -48,6 +48,7 @@ from towers.guard import capabilities
 from towers.guard.arguments import check_choice
 from towers.guard.deadline import Deadline, settled
 from towers.guard.inputs import batch_tensors, check_batch_against_model, check_kinds, naming
+from towers.guard.loss_denominator import axis_value, check_loss_denominator, tower_divisor
 from towers.guard.loss_scale import REDUCE_DTYPES, LossScale, is_loss_scaled
 from towers.guard.nonfinite import NONFINITE, Guard
 from towers.guard.reduces import check_sums
@@ -148,6 +149,11 @@ class TowerTrainer:
             without a registry record) once on small values on these devices and refuse
             it, with an ``AlgorithmError``, unless every output is the sum of the inputs
             (:mod:`towers.guard.reduces`). False skips it (a lossy compression of your own).
+        loss_denominator: what each tower divides its loss sum by: ``"global"`` (default:
+            the true global batch), a positive number (a constant, as an old tutorial's
+            ``GLOBAL_BATCH_SIZE``) or ``"per_replica"`` (its shard size × towers: what
+            ``tf.nn.compute_average_loss`` does without ``global_batch_size``), to port
+            a ``tf.distribute`` loop exactly (:mod:`towers.guard.loss_denominator`).
 
     Example:
         >>> devices = towers.simulate_devices(4)                      # doctest: +SKIP
@@ -172,6 +178,7 @@ class TowerTrainer:
         check_replicas_every: int | None = None,
         reduce_dtype: str = "float32",
         check_algorithm: bool = True,
+        loss_denominator: str | float = "global",
     ) -> None:
         check_kinds(model, optimizer, loss)
         # Every argument is checked, and their combination against the capability table,
@@ -187,6 +194,7 @@ class TowerTrainer:
         )
         self.loss_fn = resolve_loss(loss)
         self.loss_reduction = loss_reduction(loss)  # Keras' reduction, over the global batch
+        self.loss_denominator = check_loss_denominator(loss_denominator, self.loss_reduction)
         reducer = naming("all_reduce", lambda: resolve(all_reduce, self.parameter_device))
         kind = capabilities.algorithm_kind(reducer)
         self.sparse = check_choice(
@@ -252,6 +260,7 @@ class TowerTrainer:
             "non_trainable": self.non_trainable_mode,
             "check_replicas_every": "off" if check_replicas_every is None else "on",
             "check_algorithm": "on" if check_algorithm else "off",
+            "loss_denominator": axis_value(self.loss_denominator),
         }
 
     def _follow_trainable(self) -> None:
@@ -458,6 +467,8 @@ class TowerTrainer:
         """
         if divisor is None:
             divisor = self.loss_divisor(shards)
+        divisor = tower_divisor(self.loss_denominator, divisor, shards.parts[tower],
+                                len(self.devices))  # fmt: skip
         device, replica = self.devices[tower], self.replica_of(tower)
         with tf.name_scope(f"tower_{tower}"):
             trainable, frozen = read_weights(replica, device)

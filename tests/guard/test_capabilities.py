@@ -52,12 +52,15 @@ from towers.testing import ModelSpec, loss_fn, per_tower_gradients, sgd_step_bou
 
 LR = 0.1
 STEP_AXES = ("variables", "all_reduce", "optimizer", "on_nonfinite", "reduce_dtype", "sparse",
-             "step_timeout", "non_trainable", "check_replicas_every", "check_algorithm")
+             "step_timeout", "non_trainable", "check_replicas_every", "check_algorithm",
+             "loss_denominator")
 """The axes a ``TowerTrainer`` takes (trainer kinds are tests/cluster's)."""
 TOWER_KINDS = tuple(k for k in AXES["all_reduce"] if k != "cross-worker")
 REGISTERED = tuple(sorted(n for n in towers.ALGORITHMS if n not in (*COLLECTIVE_OPS, "ring")))
 FAMILIES = ("dense", "embedding", "regularized", "batchnorm")
 LOSSY = ("compressed", "compressed+state")
+DENOMINATORS: dict[str, Any] = {"global": "global", "constant": 16, "per_replica": "per_replica"}
+"""A ``loss_denominator`` argument per axis value (the reference takes the same one)."""
 
 
 def user_all_reduce(values: list[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
@@ -106,6 +109,7 @@ def build(options: dict[str, str], k: int, spec: ModelSpec, n: int,
         non_trainable=options["non_trainable"],
         check_replicas_every=None if options["check_replicas_every"] == "off" else 1,
         check_algorithm=options["check_algorithm"] == "on",
+        loss_denominator=DENOMINATORS[options["loss_denominator"]],
     )  # fmt: skip
     kwargs.update(overrides)
     return towers.TowerTrainer(model or spec.build, _optimizer(options["optimizer"])(), loss_fn(),
@@ -157,6 +161,17 @@ def _batch(spec: ModelSpec, size: int, seed: int) -> tuple[np.ndarray, np.ndarra
     return spec.batch(size, seed=seed)
 
 
+def _heavier(options: dict[str, str], size: int, n: int) -> float:
+    """How much heavier a tower's loss may weigh under ``loss_denominator`` than over the
+    global batch (``per_tower_gradients`` divides by it): the bound's Σ|g_i| scales by it."""
+    rule = DENOMINATORS[options["loss_denominator"]]
+    if rule == "global":
+        return 1.0
+    smallest = size // n or 1  # per_replica: the smallest non-empty shard × n towers
+    divisor = rule if rule != "per_replica" else smallest * n
+    return max(1.0, size / divisor)
+
+
 def check_works(options: dict[str, str], k: int, spec: ModelSpec, n: int) -> None:
     """Two steps equal the reference; replicas identical; a NaN step changes nothing."""
     trainer, reference = build(options, k, spec, n), _reference(options, k, spec, n)
@@ -167,6 +182,7 @@ def check_works(options: dict[str, str], k: int, spec: ModelSpec, n: int) -> Non
             reference.set_weights(trainer.get_weights())  # teacher forcing: same start
         start = _trainable(trainer)
         grads = per_tower_gradients(trainer.model, x, y, DEVICES[:n])
+        grads = [[g * _heavier(options, size, n) for g in tower] for tower in grads]
         ours, theirs = trainer.train_step(x, y), reference.train_step(x, y)
         bound = [np.zeros_like(w) for w in start] if lossy else sgd_step_bound(
             start, grads, LR, depth=max(1, n - 1))
@@ -289,7 +305,8 @@ def _refused_cells() -> list[dict[str, str]]:
             base = {"variables": "replicated", "all_reduce": "ring", "optimizer": "plain",
                     "on_nonfinite": "skip", "reduce_dtype": "float32", "sparse": "gather",
                     "step_timeout": "off", "non_trainable": "mean",
-                    "check_replicas_every": "off", "check_algorithm": "on"}
+                    "check_replicas_every": "off", "check_algorithm": "on",
+                    "loss_denominator": "global"}
             cells.append({**base, a: x, b: y})
     return cells
 

@@ -17,7 +17,7 @@ import tensorflow as tf
 from tests.testing.test_invariance import LOSS, DropsATower, batches, sgd, tiny_mlp
 from towers.allreduce import ALGORITHMS, bucketed
 from towers.testing import bisect
-from towers.testing.bisect import Config, config
+from towers.testing.compare import Config, config
 
 OPTIONS = {"model_fn": tiny_mlp, "optimizer_fn": sgd, "loss": LOSS}
 

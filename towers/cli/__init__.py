@@ -9,7 +9,8 @@ Commands:
     bench     all-reduce and training-step benchmarks side by side with tf.distribute.
     launch    run a command once per task of a localhost cluster, each with its TF_CONFIG.
     invariance  check that training gives the same result on 1, 2, 4, 8 towers.
-    bisect    find the first step, variable and element where two configurations part.
+    bisect    find the first step, variable and element where two steps part.
+    compare   compare two training steps (yours or towers') on every batch, teacher-forced.
 
 Each command lives in its own module with ``add_arguments(parser)`` and
 ``run(args) -> exit code``. Nothing starts TensorFlow's runtime before a command runs,
@@ -34,6 +35,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "launch": ("towers.cli.launch", "run a command once per task of a localhost cluster"),
     "invariance": ("towers.cli.invariance", "check training is the same on 1, 2, 4, 8 towers"),
     "bisect": ("towers.cli.bisect", "find the first step and variable where two setups part"),
+    "compare": ("towers.cli.compare", "compare two training steps, yours or towers', per step"),
 }
 """Command name -> (module with add_arguments/run, one-line help)."""
 

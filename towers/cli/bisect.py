@@ -1,29 +1,29 @@
-"""Find where two configurations part: the first step, variable and element outside the bound.
+"""Find where two steps part: the first step, variable and element outside the bound.
 
-Runs ``towers.testing.bisect`` on the bundled digits: configuration A (the teacher)
-and B train on the same batches from the same weights; before every step B is set
-to A's weights, so each step is judged on its own. Two towers algorithms are
-compared on their reduced gradients (the step's phases); a ``tf.distribute``
-reference (``mirrored``, ``central_storage``) on one plain-SGD update. The report
-names the first step outside the bound, its first variable in model order, and the
-first element there: its chunk under B's split, both values, the difference and
-the bound.
+Runs ``towers.testing.bisect`` (on the bundled digits, or your model and data): step
+A (the teacher) and B train on the same batches from the same weights; before every
+step B is set to A's weights, so each step is judged on its own, and it stops at the
+first step outside. Two towers trainers are compared on their reduced gradients (the
+step's phases); anything else (a ``tf.distribute`` reference, your step) on one
+update, within the bound the report names (plain SGD's derived one, or ``--bound``).
+The report names the first step outside the bound, its first variable in model
+order, and the first element there: its chunk under B's split, both values, the
+difference and the bound.
 
---a and --b take a registered name, ``towers:NAME``, ``module:function`` or
-``file.py:function`` (a user's reduction, or a factory of one), ``mirrored`` or
-``central_storage``.
+--a and --b take ``module:factory`` (your step: see ``towers compare``), a
+registered name, ``towers:NAME``, ``module:function`` or ``file.py:function`` (a
+user's reduction, or a factory of one), ``mirrored`` or ``central_storage``.
 
-Exit status: 0 when no step left the bound, 1 when one did, 2 for bad options.
+Exit status: 0 when no step left the bound, 1 when one did (the reduction or the
+step differs), 3 when only kernel noise did (see ``towers compare``), 2 for bad options.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from typing import Any
 
-from towers.cli.invariance import add_model_arguments, digits_problem
-from towers.cli.train import at_least
+from towers.cli.compare import add_problem_arguments, exit_code, fail, load_problem, load_side
+from towers.cli.train import at_least, positive_float
 
 __all__ = ["EPILOG", "add_arguments", "run"]
 
@@ -31,6 +31,7 @@ EPILOG = """examples:
   python -m towers bisect --a ring --b towers:naive --towers 4 --steps 5
   python -m towers bisect --a ring --b mirrored --model conv
   python -m towers bisect --a naive --b my_algos.py:star --towers 3
+  python -m towers bisect --a towers.step:TowerTrainer --b my_loop:make_step --data d.npz
 """
 
 
@@ -44,19 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="towers of both runs (default 4)")
     parser.add_argument("--variables", choices=("replicated", "parameter_device"),
                         default="replicated", help="placement of towers runs (default replicated)")
-    add_model_arguments(parser)
-
-
-def _side(spec: str, devices: list[str], variables: str) -> Any:
-    """A ``Config`` from a command-line spec (names are loaded as ``towers check`` does)."""
-    from towers.testing.bisect import Config, config
-    from towers.trace.loading import load_algorithm
-
-    side = config(spec)  # checks "towers:NAME"
-    if side.reference:
-        return side
-    name, algorithm = load_algorithm(side.all_reduce, devices)
-    return Config(algorithm, variables, label=name)
+    parser.add_argument("--bound", type=positive_float, default=None, metavar="TOL",
+                        help="a tolerance per element (optimizers without a derived bound)")
+    add_problem_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -65,18 +56,16 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         devices = start_devices(args.towers)  # first: before TensorFlow's runtime starts
-        model_fn, optimizer_fn, loss, data = digits_problem(
-            args.model, args.batch, args.steps, args.lr
-        )
-        sides = [_side(spec, devices, args.variables) for spec in (args.a, args.b)]
+        problem = load_problem(args)
+        sides = [load_side(spec, problem, devices, args.variables) for spec in (args.a, args.b)]
         from towers.testing import bisect
 
-        print(f"towers bisect: {sides[0].name} vs {sides[1].name}, {args.model}, "
-              f"{args.towers} towers, batch {args.batch}, up to {args.steps} steps")  # fmt: skip
-        report = bisect(sides[0], sides[1], data, model_fn=model_fn, optimizer_fn=optimizer_fn,
-                        loss=loss, towers=args.towers, steps=args.steps)  # fmt: skip
+        print(f"towers bisect: {args.a} vs {args.b}, {args.model}, {args.towers} towers, "
+              f"batch {args.batch}, up to {args.steps} steps")  # fmt: skip
+        report = bisect(sides[0], sides[1], problem[3], model_fn=problem[0],
+                        optimizer_fn=problem[1], loss=problem[2], towers=args.towers,
+                        steps=args.steps, bound=args.bound)  # fmt: skip
     except (ValueError, TypeError, RuntimeError) as err:
-        print(f"towers bisect: error: {err}", file=sys.stderr)
-        return 2
+        return fail("bisect", err)
     print(report)
-    return 0 if report.ok else 1
+    return exit_code(report)

@@ -19,6 +19,7 @@ is built and before any replica, variable or reducer state exists::
     non_trainable  mean  first_tower
     check_replicas_every  off  on
     check_algorithm       on  off
+    loss_denominator      global  constant  per_replica   (towers.guard.loss_denominator)
 
 ``all_reduce`` is classified by :func:`algorithm_kind`: ``ring`` is the registry's
 ring with one sub-chunk (the only reduce-scatter ``sharded`` runs); ``registered``
@@ -353,3 +354,20 @@ def markdown() -> str:
         lines.append(f"{k}. `{a}` ∈ {{{', '.join(va)}}} with `{b}` ∈ {{{', '.join(vb)}}}"
                      f"{scope}: {refusal.reason}; {refusal.instead}.")
     return "\n".join(lines)
+
+
+# --- loss_denominator (issue 20: ports of tf.distribute loops) ------------------------------
+# What each tower divides its loss sum by (towers.guard.loss_denominator): the true global
+# batch, a constant, or the tutorial's shard size × replicas. Inside one process every
+# placement, algorithm and guard composes with it (it only changes a tower's divisor). A
+# WorkerTrainer sees one worker's shards, so neither a constant (a tutorial's GLOBAL_BATCH_SIZE
+# counts every worker) nor per_replica (× every worker's replicas) is what the port means there.
+AXES["loss_denominator"] = ("global", "constant", "per_replica")
+REFUSALS = (*REFUSALS, Refusal(
+    ("trainer", ("WorkerTrainer",)), ("loss_denominator", ("constant", "per_replica")),
+    "a worker divides by the global batch summed over workers; a constant or per-replica "
+    "denominator of one worker's shards would weigh the workers' examples differently",
+    "use loss_denominator='global' across workers (or a TowerTrainer in one process)",
+))
+NOT_AN_OPTION["AsyncTrainer"] = (*NOT_AN_OPTION["AsyncTrainer"], "loss_denominator")
+# --- end loss_denominator --------------------------------------------------------------------

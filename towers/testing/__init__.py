@@ -9,7 +9,12 @@
     kernels.py     the replay's NumPy kernel per op type (KERNELS), rounding as TF's CPU does
     onestep.py     one step from the same weights: per-example leaves, depths, the comparison
     invariance.py  ``check_invariance``: the same training on 1, 2, 4, 8 towers, step by step
-    bisect.py      ``bisect``: the first step, variable and element where two setups part
+    steps.py       the step protocol (``Step``) and ``as_step``, the adapter for a user's step
+    stepbound.py   which bound holds one update of two steps (SGD, ``bound=``, tracked)
+    report.py      ``BisectReport`` / ``Divergence``: what a comparison found
+    compare.py     ``compare``: two steps (or configurations), teacher-forced, every step
+    bisect.py      ``bisect``: the first step, variable and element where two steps part
+    matching.py    ``assert_steps_match`` and the ``step_cases`` strategy (plugin.py: fixture)
 
 Users import from here to test their own models and algorithms::
 
@@ -19,10 +24,14 @@ Users import from here to test their own models and algorithms::
 
 from __future__ import annotations
 
-from towers.testing.bisect import BisectReport, Config, bisect
+from towers.testing.bisect import bisect
 from towers.testing.bounds import gamma, sgd_step_bound, sum_bound, unit_roundoff
 from towers.testing.check import CheckReport, check_all_reduce
+from towers.testing.compare import Config, compare
 from towers.testing.invariance import InvarianceReport, check_invariance
+from towers.testing.matching import assert_steps_match, step_batches, step_cases
+from towers.testing.report import BisectReport, Divergence
+from towers.testing.steps import Step, as_step
 from towers.testing.strategies import (
     CENTRAL_STORAGE_FAMILIES,
     CENTRAL_STORAGE_OPTIMIZERS,
@@ -48,20 +57,27 @@ __all__ = [
     "BisectReport",
     "CheckReport",
     "Config",
+    "Divergence",
     "InvarianceReport",
     "ModelSpec",
+    "Step",
     "TrainingCase",
+    "as_step",
     "assert_close",
+    "assert_steps_match",
     "assert_weights_close",
     "bisect",
     "check_all_reduce",
     "check_invariance",
+    "compare",
     "gamma",
     "loss_fn",
     "model_specs",
     "no_empty_shards",
     "per_tower_gradients",
     "sgd_step_bound",
+    "step_batches",
+    "step_cases",
     "sum_bound",
     "tower_values",
     "training_cases",

@@ -31,6 +31,15 @@ step 1 moves step 2's weights, and the gradient's sensitivity to the weights (th
 loss' curvature, unbounded in general) amplifies it. That is why the verdict is
 per step from the same weights, and the trajectory difference is shown, not judged.
 
+Any step (:mod:`towers.testing.steps`) can be checked the same way: pass
+``step=factory``, called as ``factory(model_fn, optimizer_fn, loss, devices)`` once
+per tower count (``reference.MirroredTrainer`` is such a factory, and so is a
+function that builds your own loop and wraps it with ``as_step``). Such steps
+expose no gradient, so each count's weights after one update are compared with
+the first count's, held to the bound :mod:`towers.testing.stepbound` names (plain
+SGD: ``sgd_step_bound`` over the per-example gradients, which covers every tower
+count's tree over them; else ``bound=``). No trajectory is run for them.
+
 Example:
     >>> report = check_invariance(make_model, lambda: keras.optimizers.SGD(0.1),
     ...     "sparse_categorical_crossentropy", batches, towers=(1, 2, 4))  # doctest: +SKIP
@@ -49,6 +58,7 @@ import numpy as np
 
 from towers.devices import local_devices
 from towers.step import TowerTrainer
+from towers.testing.compare import advance, update_bound, update_rows
 from towers.testing.onestep import (
     Difference,
     algorithm_depth,
@@ -150,6 +160,8 @@ def check_invariance(
     variables: str = "replicated",
     steps: int | None = None,
     trajectory: bool = True,
+    step: Callable[..., Any] | None = None,
+    bound: Any = None,
 ) -> InvarianceReport:
     """Train one trainer per tower count on the same batches; compare each step with the first.
 
@@ -163,6 +175,10 @@ def check_invariance(
         variables: the placement, ``"replicated"`` or ``"parameter_device"``.
         steps: how many batches to train on (default: all of them).
         trajectory: also run every tower count freely and report its weight difference.
+        step: a step factory ``(model_fn, optimizer_fn, loss, devices) -> step`` to check
+            instead of a ``TowerTrainer`` (``all_reduce``/``variables`` unused).
+        bound: a ``step``'s bound: None (derived), a tolerance or a callable
+            (:mod:`towers.testing.stepbound`).
 
     Returns:
         An :class:`InvarianceReport`: ``ok``, ``first_failure``, the table as ``str``.
@@ -174,6 +190,9 @@ def check_invariance(
     devices = local_devices()
     counts = _check_towers(towers, len(devices))
     data = take_batches(batches, steps)
+    if step is not None:
+        made = {n: step(model_fn, optimizer_fn, loss, devices[:n]) for n in counts}
+        return _step_invariance(made, counts, data, bound, loss)
     trainers = {
         n: TowerTrainer(model_fn, optimizer_fn, loss, devices=devices[:n],
                         all_reduce=all_reduce, variables=variables,
@@ -187,7 +206,7 @@ def check_invariance(
     names = [v.path for v in ref.model.trainable_variables]
     rows: list[Difference] = []
     path = []
-    for step, (x, y) in enumerate(data, start=1):
+    for number, (x, y) in enumerate(data, start=1):
         weights = ref.get_weights()
         want = step_gradients(ref, x, y)
         leaves = example_gradients(ref.model, loss, x, y, ref.devices[0])
@@ -196,7 +215,7 @@ def check_invariance(
             got = step_gradients(trainers[n], x, y)
             kernels = leaf_bounds(leaves, kernel_depth(len(x), counts[0]), kernel_depth(len(x), n))
             depths = (algorithm_depth(ref), algorithm_depth(trainers[n]))
-            rows.extend(compare_runs(n, step, names, (want, got), depths, kernels))
+            rows.extend(compare_runs(n, number, names, (want, got), depths, kernels))
         ref.apply(want.phases)
         path.append(ref.get_weights())
     free = _free_run(trainers, counts, data, start, path) if trajectory else {}
@@ -219,3 +238,24 @@ def _free_run(
                      for a, b in zip(trainer.get_weights(), want, strict=True)]  # fmt: skip
             out[n].append(float(max(diffs, default=0.0)))
     return out
+
+
+def _step_invariance(
+    made: dict[int, Any], counts: tuple[int, ...], data: list[Any], bound: Any, loss: Any
+) -> InvarianceReport:
+    """Steps from a factory: each count's update from the first count's weights."""
+    ref = made[counts[0]]
+    others = [made[n] for n in counts[1:]]
+    start = ref.get_weights()
+    for other in others:
+        other.set_weights(start)
+    limit = update_bound(ref, ref, bound, loss)
+    rows: list[Difference] = []
+    for number, (x, y) in enumerate(data, start=1):
+        weights = ref.get_weights()
+        tol = limit.tolerances(weights, x, y)
+        after = advance(ref, x, y)
+        found = update_rows(ref, after, others, weights, tol, x, y, 0, number)
+        for n, (diffs, _, _) in zip(counts[1:], found, strict=True):
+            rows.extend(dataclasses.replace(d, towers=n) for d in diffs)
+    return InvarianceReport(counts, tuple(rows), {})

@@ -1,0 +1,125 @@
+"""towers compare (and bisect/invariance) on a user's own step, model, optimizer and data.
+
+In-process through ``towers.cli.main``. The user's code is named on the command line:
+:func:`make_step` / :func:`make_buggy_step` here are step factories
+``(model_fn, optimizer_fn, loss, devices) -> step``; ``tiny_mlp`` is a model factory.
+"""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+from typing import Any
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests.cli.test_bisect import _run
+from towers.cli.compare import KERNEL_NOISE, exit_code
+from towers.testing import as_step
+
+MODEL = ["--model", "tests.testing.test_invariance:tiny_mlp"]
+
+
+def _one_device_step(model_fn: Any, optimizer_fn: Any, weighting: float) -> Any:
+    model, optimizer = model_fn(), optimizer_fn()
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+
+    @tf.function
+    def step(batch: Any) -> tf.Tensor:
+        x, y = batch
+        with tf.GradientTape() as tape:
+            total = tf.reduce_sum(loss_fn(y, model(x)))
+            loss = total / (weighting * tf.cast(tf.shape(x)[0], tf.float32))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    return as_step(step, model, optimizer=optimizer)
+
+
+def make_buggy_step(model_fn: Any, optimizer_fn: Any, loss: Any, devices: list[str]) -> Any:
+    """A user's step that divides the loss by twice the batch (a weighting bug)."""
+    return _one_device_step(model_fn, optimizer_fn, 2.0)
+
+
+@pytest.fixture
+def data(tmp_path: Path) -> str:
+    rng = np.random.default_rng(0)
+    path = tmp_path / "train.npz"
+    np.savez(path, x=rng.uniform(-1, 1, (16, 5)).astype("float32"),
+             y=rng.integers(0, 3, 16).astype("int32"))  # fmt: skip
+    return str(path)
+
+
+def test_towers_against_mirrored_on_a_users_model_and_data_exits_0(capsys, data: str) -> None:
+    code, out, err = _run(capsys, "compare", "--a", "towers.step:TowerTrainer", "--b",
+                          "reference:MirroredTrainer", "--towers", "2", *MODEL, "--data", data,
+                          "--batch", "8", "--steps", "2")  # fmt: skip
+    assert code == 0, out + err
+    assert "compare TowerTrainer(parameter_device) (A, teacher) vs MirroredTrainer (B)" in out
+    assert "bound: sgd_step_bound" in out and "PASS" in out
+
+
+def test_a_users_weighting_bug_exits_1_naming_step_variable_and_values(capsys, data: str) -> None:
+    code, out, _ = _run(capsys, "bisect", "--a", "towers.step:TowerTrainer", "--b",
+                        "tests.cli.test_compare:make_buggy_step", "--towers", "1", *MODEL,
+                        "--data", data, "--batch", "8", "--steps", "2")  # fmt: skip
+    assert code == 1, out
+    assert "FIRST DIVERGENCE: step 1, variable dense" in out and "A = " in out and "B = " in out
+
+
+def test_other_optimizers_need_a_bound(capsys, data: str) -> None:
+    args = ["compare", "--a", "ring", "--b", "mirrored", "--towers", "2", *MODEL, "--data",
+            data, "--batch", "8", "--steps", "1", "--optimizer", "adam", "--lr", "0.001"]
+    code, out, err = _run(capsys, *args)
+    assert code == 2 and "pass bound=" in err and len(err.strip().splitlines()) == 1
+    code, out, _ = _run(capsys, *args, "--bound", "1e-6")
+    assert code == 0, out
+    assert "bound: tolerance 1e-06 (given as bound=)" in out
+
+
+def test_kernel_noise_has_its_own_exit_code() -> None:
+    first = types.SimpleNamespace(cause="kernels")
+    assert exit_code(types.SimpleNamespace(ok=False, first=first)) == KERNEL_NOISE == 3
+    assert exit_code(types.SimpleNamespace(ok=False, first=types.SimpleNamespace(cause=""))) == 1
+    assert exit_code(types.SimpleNamespace(ok=False, reduction_ok=True)) == KERNEL_NOISE
+    assert exit_code(types.SimpleNamespace(ok=False, reduction_ok=False)) == 1
+    assert exit_code(types.SimpleNamespace(ok=True)) == 0
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["compare", "--a", "ring"], "required: --b"),
+        (["compare", "--a", "ring", "--b", "naive", "--model", "resnet"], "invalid choice"),
+        (["compare", "--a", "ring", "--b", "naive", "--data", "no.npz"], "existing .npz file"),
+        (["compare", "--a", "ring", "--b", "naive", "--optimizer", "nope"], "--optimizer/--loss"),
+        (["compare", "--a", "ring", "--b", "no_such_module:make"], "cannot import"),
+        (["invariance", "--model", "no_such_module:fn"], "cannot import"),
+    ],
+    ids=["missing-b", "model", "data", "optimizer", "factory", "invariance-model"],
+)
+def test_usage_errors_exit_2_with_one_line(args: list[str], message: str, capsys) -> None:
+    code, out, err = _run(capsys, *args)
+    assert code == 2, out
+    assert message in err and "Traceback" not in err
+
+
+def per_replica_trainer(model_fn: Any, optimizer_fn: Any, loss: Any, devices: list[str]) -> Any:
+    """towers with the tutorial's denominator: not invariant on an uneven batch."""
+    from towers import TowerTrainer
+
+    return TowerTrainer(model_fn, optimizer_fn, loss, devices=devices, all_reduce="ring",
+                        variables="replicated", loss_denominator="per_replica")  # fmt: skip
+
+
+def test_invariance_of_a_users_step_factory(capsys, data: str) -> None:
+    common = ["invariance", "--towers", "1,3", *MODEL, "--data", data, "--batch", "5",
+              "--steps", "1"]  # 5 over 3 towers: 2+2+1
+    code, out, _ = _run(capsys, *common, "--step", "reference:MirroredTrainer")
+    assert code == 0, out
+    code, out, _ = _run(capsys, *common, "--step", "tests.cli.test_compare:per_replica_trainer")
+    assert code == 1 and "FAIL: 3 towers, step 1" in out, out

@@ -1,0 +1,225 @@
+"""Compare two training steps — yours or towers' — on every batch, teacher-forced.
+
+Runs ``towers.testing.compare``: step A (the teacher) and step B train on the same
+batches; before every step B is set to A's weights, so each step is judged on its
+own, and the report names the first step, variable and element outside the bound,
+both values, the difference and which bound was used (and why).
+
+--a and --b take:
+  module:factory   your step: ``factory(model_fn, optimizer_fn, loss, devices)``
+                   returning an object with train_step(x, y, sample_weight=None),
+                   get_weights() and set_weights(ws) (``towers.testing.as_step``
+                   wraps a step function); ``towers.step:TowerTrainer`` and
+                   ``reference:MirroredTrainer`` are such factories
+  NAME, towers:NAME, mirrored, central_storage, module:function
+                   a towers trainer with that all-reduce, or a tf.distribute
+                   reference (as ``towers bisect`` always took)
+--model takes mlp, conv (the bundled digits) or module:fn (a zero-argument factory of
+a built keras.Model); --data file.npz (arrays ``x`` and ``y``) replaces the digits.
+
+Exit status (the same for ``towers bisect``; ``towers invariance`` too):
+  0  every step within its bound
+  1  a step differs: the reduction, or the step itself (a weighting, a missing term)
+  2  bad options (one line on stderr, before any work)
+  3  only kernel noise: outside the bound, but each run's all-reduce within its own
+     bound; the towers' own kernels computed the same examples differently
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from towers.cli.train import at_least, positive_float
+
+__all__ = ["EPILOG", "KERNEL_NOISE", "add_arguments", "add_problem_arguments", "exit_code",
+           "load_problem", "load_side", "model_spec", "run"]  # fmt: skip
+
+KERNEL_NOISE = 3
+"""Exit status: outside the bound only by the towers' own kernels (``cause="kernels"``)."""
+
+MODELS = ("mlp", "conv")
+
+EPILOG = """examples:
+  python -m towers compare --a towers.step:TowerTrainer --b my_loop:make_step --optimizer adam \\
+      --bound 1e-7
+  python -m towers compare --a ring --b reference:MirroredTrainer --model my_models:small \\
+      --data train.npz --batch 32
+"""
+
+
+def model_spec(text: str) -> str:
+    """An argparse ``type``: ``mlp``, ``conv`` or ``module:fn``."""
+    if text in MODELS or (":" in text and all(text.split(":", 1))):
+        return text
+    raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from mlp, conv or "
+                                     "module:fn, a factory of a built keras.Model)")  # fmt: skip
+
+
+def data_file(text: str) -> str:
+    """An argparse ``type``: an existing ``.npz`` file."""
+    if not text.endswith(".npz") or not Path(text).is_file():
+        raise argparse.ArgumentTypeError(f"expected an existing .npz file (arrays x, y), got "
+                                         f"{text!r}")  # fmt: skip
+    return text
+
+
+def add_problem_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options shared by compare, bisect and invariance: model, data, optimizer, loss."""
+    parser.add_argument("--model", type=model_spec, default="mlp", metavar="MODEL",
+                        help="mlp (64-32-10, tanh), conv (the digits CNN) or module:fn "
+                        "(default mlp)")  # fmt: skip
+    parser.add_argument("--data", type=data_file, default=None, metavar="FILE.npz",
+                        help="arrays x and y to train on (default: the bundled digits)")
+    parser.add_argument("--optimizer", default="sgd", metavar="NAME",
+                        help="a Keras optimizer name: sgd, adam, rmsprop, … (default sgd)")
+    parser.add_argument("--loss", default=None, metavar="NAME",
+                        help="a Keras loss name (default: cross-entropy on logits)")
+    parser.add_argument("--steps", type=at_least(1), default=5, help="steps (default 5)")
+    parser.add_argument("--batch", type=at_least(1), default=32,
+                        help="global batch size (default 32)")
+    parser.add_argument("--lr", type=positive_float, default=0.1,
+                        help="learning rate (default 0.1)")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``towers compare``."""
+    parser.add_argument("--a", required=True, metavar="STEP",
+                        help="the teacher: module:factory of a step, or a towers/reference "
+                        "configuration")  # fmt: skip
+    parser.add_argument("--b", required=True, metavar="STEP", help="the step under test")
+    parser.add_argument("--towers", type=at_least(1), default=4, help="towers (default 4)")
+    parser.add_argument("--bound", type=positive_float, default=None, metavar="TOL",
+                        help="a tolerance per element (needed for optimizers other than "
+                        "plain SGD between steps that are not both towers trainers)")
+    parser.add_argument("--variables", choices=("replicated", "parameter_device"),
+                        default="replicated", help="placement of towers runs (default replicated)")
+    add_problem_arguments(parser)
+
+
+def _arrays(args: argparse.Namespace) -> tuple[Any, Any]:
+    import numpy as np
+
+    if args.data is None:
+        from towers.training.data import digits
+
+        x, y, _, _ = digits()
+        return (x.reshape(len(x), -1) if args.model == "mlp" else x), y
+    with np.load(args.data) as arrays:
+        if "x" not in arrays or "y" not in arrays:
+            raise ValueError(f"--data {args.data}: expected arrays 'x' and 'y', got "
+                             f"{sorted(arrays)}")  # fmt: skip
+        x, y = arrays["x"], arrays["y"]
+    if len(x) != len(y):
+        raise ValueError(f"--data {args.data}: x has {len(x)} rows and y {len(y)}")
+    return x, y
+
+
+def _model_fn(spec: str) -> Callable[[], Any]:
+    from towers.trace.loading import _import
+    from towers.training.models import digits_cnn, mlp
+
+    if spec == "mlp":
+        return lambda: mlp((64, 32, 10))
+    if spec == "conv":
+        return digits_cnn
+    fn: Callable[[], Any] = _import(*spec.rsplit(":", 1))
+    return fn
+
+
+def load_problem(args: argparse.Namespace) -> tuple[Any, ...]:
+    """``(model_fn, optimizer_fn, loss, batches)`` from the options.
+
+    Raises:
+        ValueError: unknown optimizer or loss, bad data, ``batch·steps`` over the data.
+    """
+    import keras
+
+    x, y = _arrays(args)
+    if args.batch * args.steps > len(x):
+        raise ValueError(f"--batch × --steps must be at most {len(x)} (the training set), got "
+                         f"{args.batch} × {args.steps}")  # fmt: skip
+    try:
+        keras.optimizers.get({"class_name": args.optimizer, "config": {}})
+        loss = (keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+                if args.loss is None else keras.losses.get(args.loss))  # fmt: skip
+    except ValueError as err:
+        raise ValueError(f"--optimizer/--loss: {err}") from None
+    optimizer_fn = lambda: keras.optimizers.get(  # noqa: E731
+        {"class_name": args.optimizer, "config": {"learning_rate": args.lr}})
+    data = [(x[k:k + args.batch], y[k:k + args.batch])
+            for k in range(0, args.batch * args.steps, args.batch)]  # fmt: skip
+    return _model_fn(args.model), optimizer_fn, loss, data
+
+
+def load_side(spec: str, problem: tuple[Any, ...], devices: list[str], variables: str) -> Any:
+    """A step from ``module:factory`` (called with model_fn, optimizer_fn, loss, devices), or a
+    ``Config`` for a name / reference / all-reduce (loaded as ``towers check`` does)."""
+    import inspect
+
+    from towers.testing.compare import Config, config
+    from towers.trace.loading import _import, load_algorithm
+
+    if ":" in spec and not spec.startswith("towers:"):
+        obj = _import(*spec.rsplit(":", 1))
+        try:
+            step_factory = inspect.signature(obj).bind(*problem[:3], devices) is not None
+        except (TypeError, ValueError):
+            step_factory = False
+        if step_factory and not _algorithm(obj):
+            return obj(*problem[:3], devices)
+    side = config(spec)  # checks "towers:NAME"
+    if side.reference:
+        return side
+    name, algorithm = load_algorithm(side.all_reduce, devices)
+    return Config(algorithm, variables, label=name)
+
+
+def _algorithm(obj: Any) -> bool:
+    import inspect
+
+    try:
+        inspect.signature(obj).bind([], op="sum")
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def exit_code(report: Any) -> int:
+    """0 within the bound, 3 only kernel noise, 1 a real difference (see the module doc).
+
+    A ``BisectReport`` is kernel noise when its first divergence's cause is ``"kernels"``;
+    an ``InvarianceReport`` when every difference outside is (``reduction_ok``)."""
+    if report.ok:
+        return 0
+    if hasattr(report, "reduction_ok"):
+        return KERNEL_NOISE if report.reduction_ok else 1
+    first = report.first
+    return KERNEL_NOISE if first is not None and first.cause == "kernels" else 1
+
+
+def fail(command: str, err: Exception) -> int:
+    """One line on stderr, exit 2."""
+    print(f"towers {command}: error: {err}", file=sys.stderr)
+    return 2
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the comparison; returns a process exit code."""
+    from towers.trace.loading import start_devices
+
+    try:
+        devices = start_devices(args.towers)  # first: before TensorFlow's runtime starts
+        problem = load_problem(args)
+        a, b = (load_side(s, problem, devices, args.variables) for s in (args.a, args.b))
+        from towers.testing import compare
+
+        report = compare(a, b, problem[3], bound=args.bound, loss=problem[2], towers=args.towers,
+                         model_fn=problem[0], optimizer_fn=problem[1])  # fmt: skip
+    except (ValueError, TypeError, RuntimeError) as err:
+        return fail("compare", err)
+    print(report)
+    return exit_code(report)

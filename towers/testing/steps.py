@@ -1,0 +1,141 @@
+"""The step protocol: anything ``compare``, ``bisect`` and ``assert_steps_match`` can drive.
+
+A *step* is an object with three methods::
+
+    step.train_step(x, y, sample_weight=None)   one synchronous update on a global batch
+    step.get_weights() -> [np.ndarray]          in model.weights order
+    step.set_weights(ws)                        every replica's copy
+
+``towers.TowerTrainer`` (and ``TowerModel.trainer``), ``reference.MirroredTrainer`` and
+``reference.CentralStorageTrainer`` are steps as they stand. A user's own step — the
+``distributed_train_step`` of TensorFlow's custom-loop tutorial, say — becomes one with
+:func:`as_step`, one line::
+
+    step = as_step(distributed_train_step, model, strategy=strategy, optimizer=optimizer)
+
+Optional attributes sharpen what a comparison can say: ``model`` (variable names and
+which weights are trainable; the gradients that size a derived bound), ``optimizer``
+(which bound applies), ``devices`` or ``strategy`` (the tower count).
+
+Example:
+    >>> isinstance(trainer, Step)                                  # doctest: +SKIP
+    True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import tensorflow as tf
+
+__all__ = ["AdaptedStep", "Step", "as_step", "check_step", "step_towers"]
+
+
+@runtime_checkable
+class Step(Protocol):
+    """One synchronous data-parallel training step with readable, settable weights."""
+
+    def train_step(self, x: Any, y: Any, sample_weight: Any = None) -> Any:
+        """Run one update on the global batch ``(x, y)``; returns the loss (any form)."""
+
+    def get_weights(self) -> list[np.ndarray]:
+        """The weights as NumPy arrays, in ``model.weights`` order."""
+
+    def set_weights(self, weights: Sequence[Any]) -> None:
+        """Set every replica's copy of every weight."""
+
+
+def check_step(name: str, value: Any) -> Step:
+    """``value`` when it has the step protocol's three methods.
+
+    Raises:
+        TypeError: naming ``name`` and the missing methods.
+    """
+    missing = [m for m in ("train_step", "get_weights", "set_weights")
+               if not callable(getattr(value, m, None))]  # fmt: skip
+    if missing:
+        raise TypeError(f"{name} must be a step (train_step(x, y, sample_weight=None), "
+                        f"get_weights(), set_weights(ws)); {type(value).__name__} lacks "
+                        f"{', '.join(missing)}: wrap a step function with "
+                        "towers.testing.as_step(fn, model)")  # fmt: skip
+    return value
+
+
+def step_towers(step: Any) -> int | None:
+    """A step's tower count: its ``devices``, or its strategy's replicas; None if unknown."""
+    devices = getattr(step, "devices", None)
+    if devices:
+        return len(devices)
+    strategy = getattr(step, "strategy", None)
+    return None if strategy is None else int(strategy.num_replicas_in_sync)
+
+
+class AdaptedStep:
+    """A user's step function as a :class:`Step` (made by :func:`as_step`).
+
+    Attributes:
+        fn: the step function; it takes one argument, the batch ``(x, y)`` (or
+            ``(x, y, sample_weight)`` when one is given) — distributed by ``strategy``
+            when there is one, as ``strategy.experimental_distribute_dataset`` does.
+        model, optimizer, strategy: as given; ``loss_fn``: the ``loss`` given.
+    """
+
+    def __init__(self, fn: Callable[[Any], Any], model: Any, *, strategy: Any = None,
+                 optimizer: Any = None, loss: Any = None) -> None:  # fmt: skip
+        self.fn, self.model, self.strategy, self.loss_fn = fn, model, strategy, loss
+        self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
+
+    def train_step(self, x: Any, y: Any, sample_weight: Any = None) -> Any:
+        """Call the step function on the batch (distributed by the strategy, if any)."""
+        batch = (x, y) if sample_weight is None else (x, y, sample_weight)
+        if self.strategy is None:
+            return self.fn(batch)
+        data = tf.data.Dataset.from_tensors(tf.nest.map_structure(tf.convert_to_tensor, batch))
+        return self.fn(next(iter(self.strategy.experimental_distribute_dataset(data))))
+
+    def get_weights(self) -> list[np.ndarray]:
+        """The model's weights (replica 0's copy under a strategy)."""
+        return [np.array(v.numpy()) for v in self.model.weights]
+
+    def set_weights(self, weights: Sequence[Any]) -> None:
+        """Assign the model's weights (every replica's copy under a strategy)."""
+        arrays = [np.asarray(w) for w in weights]
+        if self.strategy is None:
+            self.model.set_weights(arrays)
+            return
+        with self.strategy.scope():
+            self.model.set_weights(arrays)
+
+
+def as_step(fn: Callable[[Any], Any], model: Any, *, strategy: Any = None,
+            optimizer: Any = None, loss: Any = None) -> AdaptedStep:  # fmt: skip
+    """A user's step function as a :class:`Step`: the one-line adapter.
+
+    Args:
+        fn: the step function, called with one batch: ``(x, y)`` or
+            ``(x, y, sample_weight)`` (the tutorial's ``distributed_train_step(inputs)``).
+        model: the ``keras.Model`` it trains (its weights are the step's weights).
+        strategy: the ``tf.distribute.Strategy`` ``fn`` runs under, if any: the batch is
+            distributed by it first, and weights are set inside its scope.
+        optimizer: the optimizer ``fn`` applies (default: ``model.optimizer``), so a
+            comparison can choose its bound.
+        loss: the loss ``fn`` minimizes (Keras loss, name or per-example callable), so a
+            derived bound can be sized from its gradients.
+
+    Returns:
+        An :class:`AdaptedStep`.
+
+    Raises:
+        TypeError: ``fn`` is not callable, or ``model`` has no ``weights``.
+
+    Example:
+        >>> step = as_step(distributed_train_step, model, strategy=strategy,
+        ...                optimizer=optimizer)                       # doctest: +SKIP
+    """
+    if not callable(fn):
+        raise TypeError(f"fn must be a step function (called with one batch), got {fn!r}")
+    if not hasattr(model, "weights"):
+        raise TypeError(f"model must be the keras.Model the step trains, got {model!r}")
+    return AdaptedStep(fn, model, strategy=strategy, optimizer=optimizer, loss=loss)
