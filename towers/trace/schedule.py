@@ -162,23 +162,35 @@ def _places(transfers: Sequence[Transfer], devices: Sequence[str]) -> list[str]:
 
 
 def _run(fn: Any, name: str, devices: Sequence[str], arrays: list[np.ndarray], op: str) -> Any:
+    """Run ``fn`` in a ``tf.function`` (so the data each send carries can be followed).
+
+    Returns:
+        ``(results, transfers, sources)``: NumPy outputs, what was recorded, and per
+        transfer the earlier transfers its data came from (see ``record(follow_data=)``).
+    """
     import tensorflow as tf
 
+    def placed(*args: Any) -> Any:
+        values = []
+        for arg, device in zip(args, devices):
+            with tf.device(device):  # inside the graph each input sits on its tower
+                values.append(tf.identity(arg))
+        return fn(values, op=op)
 
-    values = []
+    inputs = []
     for array, device in zip(arrays, devices):
         with tf.device(device):
-            values.append(tf.identity(tf.constant(array)))
-    with record() as recorder:
-        outs = fn(values, op=op)
-    if not isinstance(outs, (list, tuple)) or len(outs) != len(values):
+            inputs.append(tf.identity(tf.constant(array)))
+    with record(follow_data=True) as recorder:
+        outs = tf.function(placed)(*inputs)
+    if not isinstance(outs, (list, tuple)) or len(outs) != len(inputs):
         count = len(outs) if isinstance(outs, (list, tuple)) else type(outs).__name__
-        raise ValueError(f"{name} returned {count} outputs for {len(values)} towers")
+        raise ValueError(f"{name} returned {count} outputs for {len(inputs)} towers")
     results = [np.asarray(tf.convert_to_tensor(o).numpy()) for o in outs]
     for i, result in enumerate(results):
         if result.shape != arrays[0].shape:
             raise ValueError(f"{name}: output {i} has shape {result.shape}, not {arrays[0].shape}")
-    return results, list(recorder.transfers)
+    return results, list(recorder.transfers), list(recorder.sources)
 
 
 def trace_all_reduce(
@@ -215,11 +227,12 @@ def trace_all_reduce(
         raise TypeError(f"{name} is a GradientReducer: it reduces a step's gradients all at "
                         "once, so trace a per-tensor algorithm, or see it in `towers timeline`")
     n, arrays = len(devices), _inputs(len(devices), size)
-    results, transfers = _run(fn, name, devices, arrays, op)
+    results, transfers, sources = _run(fn, name, devices, arrays, op)
     whole = size * 4
-    transfers = transfers or _estimates(fn, devices, whole)
+    if not transfers:
+        transfers, sources = _estimates(fn, devices, whole), []
     places = _places(transfers, devices)
-    rows = assign_ticks(transfers, places, whole, by_order=by_order)
+    rows = assign_ticks(transfers, places, whole, by_order=by_order, sources=sources)
     finished, holds = chunk_ownership(transfers, rows, n, len(places), whole)
     expected = _expected(arrays, op)
     return Trace(
