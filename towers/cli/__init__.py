@@ -10,6 +10,7 @@ Commands:
     launch    run a command once per task of a localhost cluster, each with its TF_CONFIG.
     invariance  check that training gives the same result on 1, 2, 4, 8 towers.
     bisect    find the first step, variable and element where two configurations part.
+    study     compare reducers and codecs: loss against gradient bytes and predicted time.
 
 Each command lives in its own module with ``add_arguments(parser)`` and
 ``run(args) -> exit code``. Nothing starts TensorFlow's runtime before a command runs,
@@ -34,6 +35,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "launch": ("towers.cli.launch", "run a command once per task of a localhost cluster"),
     "invariance": ("towers.cli.invariance", "check training is the same on 1, 2, 4, 8 towers"),
     "bisect": ("towers.cli.bisect", "find the first step and variable where two setups part"),
+    "study": ("towers.cli.study", "compare reducers and codecs: loss vs bytes and predicted time"),
 }
 """Command name -> (module with add_arguments/run, one-line help)."""
 

@@ -214,8 +214,9 @@ def record_estimate(src: str, dst: str, nbytes: int | None, *, note: str = "") -
     them to move; the :class:`Transfer` is marked ``estimated=True``.
     """
     src, dst = canonical_device(src), canonical_device(dst)
-    for recorder in _ACTIVE:
-        recorder.add(Transfer(src, dst, nbytes, note=note, estimated=True))
+    transfer = Transfer(src, dst, nbytes, note=note, estimated=True)
+    for recorder in _ACTIVE:  # one object in every block: a nested one's are its parent's
+        recorder.add(transfer)
 
 
 def _nbytes(x: tf.Tensor) -> int | None:
@@ -236,8 +237,9 @@ def log_send(
     """
     if tick is not None and _OFFSETS:
         tick += sum(_OFFSETS)
-    for recorder in _ACTIVE:
-        recorder.add(Transfer(src, dst, _nbytes(x), tick, chunk, note), x, out)
+    transfer = Transfer(src, dst, _nbytes(x), tick, chunk, note)
+    for recorder in _ACTIVE:  # one object in every block: a nested one's are its parent's
+        recorder.add(transfer, x, out)
 
 
 def _per_source(transfers: list[Transfer], kind: str) -> dict[str, int]:
