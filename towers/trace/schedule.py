@@ -1,6 +1,7 @@
 """Trace one all-reduce: who sends which chunk where, tick by tick, drawn and checked.
 
-:func:`trace_all_reduce` runs an algorithm eagerly on one small vector per tower
+:func:`trace_all_reduce` runs an algorithm (traced in a ``tf.function``, so the data
+each send carries can be followed) on one small vector per tower
 inside :func:`~towers.allreduce.machinery.primitives.record`, so every
 :func:`~towers.allreduce.machinery.primitives.send` becomes a row of the tick table, and
 checks the outputs against NumPy. :func:`~towers.trace.draw.draw` turns the rows
