@@ -4,8 +4,8 @@ Trains the bundled digits once per REDUCER from the same weights, on the same
 batches, over simulated towers, and records every step: the training loss, the test
 accuracy, the gradient bytes the step sent (the loss, state and guard sends left
 out) and the α-β-γ cost model's communication time for that step on 8xH100 (NVLink)
-and 1024xH100 (InfiniBand between nodes). Writes OUT.csv (one row per step) and
-OUT.png (loss against bytes, loss against predicted time), and prints a summary.
+and 1024xH100 (InfiniBand between nodes). Writes PREFIX.csv (one row per step) and
+PREFIX.png (loss against bytes, loss against predicted time), and prints a summary.
 
 A REDUCER is an all-reduce (``ring``), a codec over ring (``fp16``, ``topk(0.1)``,
 ``powersgd(4)``), a codec over another all-reduce (``powersgd(4)@halving_doubling``),
