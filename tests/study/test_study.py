@@ -109,9 +109,10 @@ def test_csv_png_and_summary(rows: list[dict], tmp_path: Path) -> None:
     ("topk(x)", "Python literals"),
     ("fp16@nowhere", "unknown all-reduce 'nowhere' after @"),
     ("ring@tree", "ring is an all-reduce"),
+    ("ring(2)", "an all-reduce takes no arguments here"),
     ("no_such_module_here:fn", "cannot import"),
 ], ids=["empty", "unknown", "bad-ratio", "not-literal", "bad-algorithm", "two-algorithms",
-        "no-module"])
+        "algorithm-arguments", "no-module"])
 def test_bad_specs_are_refused_before_training(spec: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         parse_spec(spec)
@@ -127,3 +128,8 @@ def test_specs_name_codecs_algorithms_and_users_codecs(tmp_path: Path, monkeypat
     entry = parse_spec("my_codecs.py:half@halving_doubling")
     assert (entry.codec, entry.algorithm, entry.user) == ("my_codecs.py:half",
                                                           "halving_doubling", None)
+
+
+def test_one_tower_is_refused_before_training() -> None:
+    with pytest.raises(ValueError, match="at least 2 towers, got 1"):
+        run_study(["ring"], DEVICES[:1])

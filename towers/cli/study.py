@@ -41,8 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("reducers", nargs="*", metavar="REDUCER",
                         default=["ring", "fp16", "topk(0.1)", "powersgd(4)"],
                         help='what to compare (default: ring fp16 "topk(0.1)" "powersgd(4)")')
-    parser.add_argument("--towers", type=at_least(1), default=4,
-                        help="simulated devices (default 4)")
+    parser.add_argument("--towers", type=at_least(2), default=4,
+                        help="simulated devices, at least 2 (default 4)")
     parser.add_argument("--model", choices=("cnn", "mlp"), default="cnn",
                         help="cnn (the digits CNN, default) or mlp (64-32-10)")
     parser.add_argument("--epochs", type=at_least(1), default=1, help="epochs (default 1)")

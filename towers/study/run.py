@@ -127,11 +127,15 @@ def run_study(
         The rows, run after run (see the module docstring for the columns).
 
     Raises:
-        ValueError: a bad spec, system or count (naming it), before anything trains.
+        ValueError: a bad spec, system or count (naming it), or fewer than 2 devices,
+            before anything trains.
     """
     entries = [parse_spec(s) for s in specs]
     if not entries:
         raise ValueError("specs: name at least one reducer")
+    if len(devices) < 2:
+        raise ValueError(f"devices: a study compares communication; give at least 2 towers, "
+                         f"got {len(devices)}")
     for system in systems:
         if system not in SYSTEMS:
             raise ValueError(f"systems: unknown system {system!r}; known: {', '.join(SYSTEMS)}")

@@ -160,7 +160,10 @@ def parse_spec(spec: str) -> Entry:
         if algorithm:
             raise ValueError(f"{spec}: @{algorithm} follows a codec, not an all-reduce")
         return Entry(text, None, user=head)
-    if ":" not in head and _call(head)[0] in ALGORITHMS and not _call(head)[1]:
+    if ":" not in head and _call(head)[0] in ALGORITHMS:
+        if _call(head)[1]:
+            raise ValueError(f"{spec}: an all-reduce takes no arguments here; name a "
+                             "configured one as module:NAME")
         if algorithm:
             raise ValueError(f"{spec}: {head} is an all-reduce; @ALGO follows a codec")
         return Entry(text, head)
