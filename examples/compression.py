@@ -37,16 +37,16 @@ import time
 from typing import Any
 
 import towers
+from towers.allreduce.machinery.recording import traffic_kind
 
 TOWERS = 4
-BOOKKEEPING = ("loss", "state", "read-weights", "guard")  # the step's non-gradient sends
 
 
 def gradient_bytes(transfers: Any, devices: list[str]) -> list[int]:
     """Bytes each tower sent for the gradients in one step (bookkeeping sends left out)."""
     sent = dict.fromkeys(devices, 0)
     for t in transfers:
-        if t.note not in BOOKKEEPING:
+        if traffic_kind(t.note) == "gradients":  # the step's loss, state, guard left out
             sent[t.src] = sent.get(t.src, 0) + (t.nbytes or 0)
     return [sent[d] for d in devices]
 
@@ -118,7 +118,8 @@ def main() -> None:
         # gradients' bytes do not depend on the batch size.
         stats = trainer.last_step_stats
         assert stats is not None
-        results[name] = (curve[-1], gradient_bytes(stats.transfers, devices))
+        grads = stats.gradient_bytes_per_tower
+        results[name] = (curve[-1], [grads.get(d, 0) for d in devices])
         took = time.perf_counter() - start
         print(f"  {name:<13}" + " ".join(f"{a:5.1f}" for a in curve) + f"   ({took:.1f} s)")
 

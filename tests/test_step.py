@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 import towers
 from tests.conftest import DEVICES, examples
+from towers.allreduce.machinery.recording import traffic_kind
 from towers.testing import OPTIMIZERS, ModelSpec, loss_fn
 
 
@@ -220,12 +221,27 @@ def test_step_stats_name_every_source() -> None:
 
     expected = sum(bytes_sent(3, int(v.size) * 4, 4)[0] for v in trainer.get_weights())
     # the tower's loss, example count and non-finite guard code (4 + 4 + 4 bytes)
-    bookkeeping = {"loss", "state", "guard"}
-    gradients = sum(
-        t.nbytes or 0 for t in stats.transfers if t.src == DEVICES[1] and t.note not in bookkeeping
-    )
-    assert gradients == expected
+    assert stats.gradient_bytes_per_tower[DEVICES[1]] == expected
+    assert stats.bookkeeping_bytes_per_tower[DEVICES[1]] == 12
     assert stats.bytes_per_tower[DEVICES[1]] == expected + 12
+    assert stats.weight_bytes_per_tower == {}  # replicated: no weight reads
+    assert stats.gradient_bytes == 3 * expected
+    kinds = {t.note: traffic_kind(t.note) for t in stats.transfers}
+    assert {n for n, k in kinds.items() if k == "bookkeeping"} == {"loss", "state", "guard"}
+
+
+def test_step_stats_count_weight_reads_apart() -> None:
+    spec = ModelSpec("dense")
+    trainer = _trainer(spec, 2, variables="parameter_device", all_reduce="ring")
+    trainer.train_step(*spec.batch(4, seed=0))
+    stats = trainer.last_step_stats
+    assert stats is not None
+    weights = sum(int(v.size) * 4 for v in trainer.get_weights())
+    assert stats.weight_bytes_per_tower == {DEVICES[0]: weights}  # tower 1 reads them
+    for device, total in stats.bytes_per_tower.items():
+        parts = (stats.gradient_bytes_per_tower, stats.bookkeeping_bytes_per_tower,
+                 stats.weight_bytes_per_tower)
+        assert sum(p.get(device, 0) for p in parts) == total
 
 
 def test_return_outputs_gives_this_steps_predictions_in_tower_order() -> None:

@@ -527,7 +527,9 @@ class TowerTrainer:
     def last_step_stats(self) -> StepStats | None:
         """Communication of one step (bytes per tower and per link, ticks), or None before
         the first step. Counted at :func:`~towers.allreduce.send` when the step was traced;
-        traffic of opaque collectives is estimated and flagged."""
+        traffic of opaque collectives is estimated and flagged. Gradient traffic and the
+        step's bookkeeping (loss, state, guard) are also counted apart:
+        ``gradient_bytes_per_tower``, ``bookkeeping_bytes_per_tower``."""
         if self.last_trace_stats is None:
             return None
         return StepStats.from_recorder(self.last_trace_stats)

@@ -396,7 +396,7 @@ def _train(reducer: Any) -> tuple[float, dict[str, int]]:
     accuracy = 100 * float(np.mean(np.argmax(trainer.model(x_test), 1) == y_test))
     stats = trainer.last_step_stats
     assert stats is not None
-    return accuracy, {d: stats.bytes_per_tower.get(d, 0) for d in DEVICES[:4]}
+    return accuracy, {d: stats.gradient_bytes_per_tower.get(d, 0) for d in DEVICES[:4]}
 
 
 @pytest.fixture(scope="module")

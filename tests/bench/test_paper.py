@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from towers.bench.costmodel import PRESETS, predict
-from towers.bench.costmodel.paper import IB_400G, SYSTEMS, scale_on_paper
+from towers.bench.costmodel.paper import IB_400G, SYSTEMS, predict_on, scale_on_paper
 
 
 def _row(rows: list[dict], system: str, algorithm: str, size: int) -> dict:
@@ -38,3 +38,10 @@ def test_hierarchical_at_scale_pays_nvlink_inside_a_node_and_ib_between() -> Non
         predict("hierarchical", 1024, 1 << 30, IB_400G, inner_link=PRESETS["h100-nvlink"],
                 **params))
     assert SYSTEMS["1024xH100"]["n"] == 1024
+
+
+def test_predict_on_a_system_is_the_table_and_names_unknown_systems() -> None:
+    row = next(r for r in scale_on_paper(["ring"], [1 << 20]) if r["system"] == "1024xH100")
+    assert predict_on("1024xH100", "ring", 1 << 20) * 1e6 == pytest.approx(row["time_us"])
+    with pytest.raises(ValueError, match="unknown system '9xTPU'; known: 8xH100, 1024xH100"):
+        predict_on("9xTPU", "ring", 1.0)

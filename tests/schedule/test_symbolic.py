@@ -71,10 +71,13 @@ def test_the_ring_is_proved_for_every_n_up_to_64() -> None:
 def test_a_dropped_chunk_is_found_at_the_end_with_the_smallest_n() -> None:
     report = check_schedule(ring_dropping_a_tick)
     assert not report.ok and report.failure is not None
-    assert (report.failure.n, report.failure.tick) == (3, 3)  # 2 scatter + 1 gather ticks
+    # 2 scatter + 1 gather ticks (0, 1, 2): the end state is the state after tick 2
+    assert (report.failure.n, report.failure.tick, report.failure.end) == (3, 3, True)
     assert report.failure.message == "dropped chunk: tower 2 ends with chunk 0 missing 0"
-    assert "after the last tick" in report.failure.drawing
-    assert "REJECTED: ring_dropping_a_tick: smallest failing n=3, tick 3" in str(report)
+    assert "held after tick 2, the last" in report.failure.drawing
+    assert "REJECTED: ring_dropping_a_tick: smallest failing n=3, after tick 2 (the end)" in str(
+        report)
+    assert "tick 3" not in str(report)  # there is no tick 3
 
 
 def test_a_double_count_is_found_at_its_tick() -> None:
@@ -84,12 +87,17 @@ def test_a_double_count_is_found_at_its_tick() -> None:
     assert report.failure.message == (
         "double count: tower 1 reduces chunk 0 into tower 0, which already has 0")
     assert "✗ 1 ─c0+▶ 0" in report.failure.drawing
+    assert "held after tick 0, when tick 1 begins" in report.failure.drawing
 
 
 def test_four_towers_of_dissemination_disagree_bitwise() -> None:
     """At n = 4 every contribution arrives once, but towers sum in different orders."""
-    with pytest.raises(ScheduleError, match="different orders"):
+    with pytest.raises(ScheduleError, match="different orders") as caught:
         simulate(dissemination(4))
+    assert caught.value.end and str(caught.value).startswith("after tick 1 (the end): ")
+    # both orders shown, each pair smaller tower first
+    assert caught.value.message.endswith(
+        "tower 0 sums (0+3)+(1+2), tower 1 sums (0+1)+(2+3)")
     assert check_schedule(dissemination, [1, 2]).ok
 
 

@@ -159,6 +159,31 @@ def test_ticks_by_order_and_early_transfers() -> None:
     assert all(r.assigned for r in again.rows) and again.finished == {0: (2, 1)}
 
 
+def _exchange(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
+    """Recursive doubling: in tick k towers i and i ^ 2^k swap their whole buffers."""
+    devices = check_values(values, op)
+    values, k = list(values), 0
+    while 1 << k < len(values):
+        new = []
+        for i, device in enumerate(devices):
+            with tf.device(device):
+                got = send(values[i ^ 1 << k], device, tick=k, chunk=0)
+                pair = (values[i], got) if i < i ^ 1 << k else (got, values[i])
+                new.append(combine(*pair, op))
+        values, k = new, k + 1
+    return [finish(v, op, len(values)) for v in values]
+
+
+def test_a_full_buffer_exchange_sends_its_own_data_not_what_it_receives() -> None:
+    """Both towers of a pair send chunk 0 in one tick: the labels match, the data does not."""
+    trace = trace_all_reduce(_exchange, DEVICES[:4], size=4)
+    assert trace.ok and trace.ticks == 2
+    assert trace.early == 0 and "leave no later than" not in format_summary(trace)
+    assert [r.ready for r in trace.rows] == [-1] * 4 + [0] * 4
+    again = trace_all_reduce(_exchange, DEVICES[:4], size=4, by_order=True)
+    assert [r.tick for r in again.rows] == [r.tick for r in trace.rows]
+
+
 def test_user_algorithm_by_module_path_without_ticks(tmp_path: Path, monkeypatch, capsys) -> None:
     (tmp_path / "user_star_algos.py").write_text(STAR)
     monkeypatch.syspath_prepend(str(tmp_path))

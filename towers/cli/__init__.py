@@ -11,6 +11,7 @@ Commands:
     invariance  check that training gives the same result on 1, 2, 4, 8 towers.
     bisect    find the first step, variable and element where two steps part.
     compare   compare two training steps (yours or towers') on every batch, teacher-forced.
+    study     compare reducers and codecs: loss against gradient bytes and predicted time.
 
 Each command lives in its own module with ``add_arguments(parser)`` and
 ``run(args) -> exit code``. Nothing starts TensorFlow's runtime before a command runs,
@@ -36,6 +37,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "invariance": ("towers.cli.invariance", "check training is the same on 1, 2, 4, 8 towers"),
     "bisect": ("towers.cli.bisect", "find the first step and variable where two setups part"),
     "compare": ("towers.cli.compare", "compare two training steps, yours or towers', per step"),
+    "study": ("towers.cli.study", "compare reducers and codecs: loss vs bytes and predicted time"),
 }
 """Command name -> (module with add_arguments/run, one-line help)."""
 

@@ -57,12 +57,23 @@ __all__ = [
 MAX_DRAWN = 12  # towers / chunks drawn in full; beyond, the ones involved and the ends
 
 
-class ScheduleError(ValueError):
-    """A schedule broke a rule: ``tick`` (``num_ticks`` for the end state), why, the state drawn."""
+def when(tick: int | None, end: bool = False) -> str:
+    """How a failure's place is named: ``tick t`` for a step, the state *after* the last
+    tick for the end (``tick`` = ``num_ticks`` there), ``the generator`` for None."""
+    if tick is None:
+        return "the generator"
+    if not end:
+        return f"tick {tick}"
+    return f"after tick {tick - 1} (the end)" if tick else "at the end (no ticks)"
 
-    def __init__(self, tick: int, message: str, drawing: str) -> None:
-        super().__init__(f"tick {tick}: {message}")
-        self.tick, self.message, self.drawing = tick, message, drawing
+
+class ScheduleError(ValueError):
+    """A schedule broke a rule: ``tick`` (``num_ticks`` for the end state, then ``end`` is
+    True), why, the state drawn."""
+
+    def __init__(self, tick: int, message: str, drawing: str, *, end: bool = False) -> None:
+        super().__init__(f"{when(tick, end)}: {message}")
+        self.tick, self.message, self.drawing, self.end = tick, message, drawing, end
 
 
 @dataclasses.dataclass
@@ -119,8 +130,11 @@ def draw_state(s: Schedule, state: _State, tick: int, bad: Step | None = None) -
     chunks = _shown(s.chunks, [] if bad is None else [bad.chunk])
     cells = [[_members(state.have[t][c], s.towers) for c in chunks] for t in towers]
     width = max(4, *(len(cell) for row in cells for cell in row))
-    when = "after the last tick" if tick >= s.num_ticks else f"when tick {tick} begins"
-    lines = [f"{s.name}, n={s.towers}: contributions held {when} (· none)"]
+    if tick >= s.num_ticks:
+        held = f"after tick {tick - 1}, the last" if tick else "at the end (no ticks)"
+    else:
+        held = f"after tick {tick - 1}, when tick {tick} begins" if tick else "when tick 0 begins"
+    lines = [f"{s.name}, n={s.towers}: contributions held {held} (· none)"]
     lines.append("         " + " ".join(f"c{c}".rjust(width) for c in chunks))
     lines += [f"tower {t:<3}" + " ".join(x.rjust(width) for x in row)
               for t, row in zip(towers, cells)]
@@ -193,12 +207,39 @@ def _final(s: Schedule, state: _State) -> None:
             if state.have[t][c] != full:
                 missing = _members(full & ~state.have[t][c], n)
                 why = f"dropped chunk: tower {t} ends with chunk {c} missing {missing}"
-                raise ScheduleError(end, why, draw_state(s, state, end))
+                raise ScheduleError(end, why, draw_state(s, state, end), end=True)
         trees = {state.tree[t][c] for t in towers}
         if len(trees) > 1:
+            first = next(iter(towers))
+            other = next(t for t in towers if state.tree[t][c] != state.tree[first][c])
             why = (f"chunk {c} ends summed in {len(trees)} different orders across towers: "
-                   "the outputs would not agree bitwise")
-            raise ScheduleError(end, why, draw_state(s, state, end))
+                   f"the outputs would not agree bitwise: tower {first} sums "
+                   f"{_order(state, state.tree[first][c])}, tower {other} sums "
+                   f"{_order(state, state.tree[other][c])}")
+            raise ScheduleError(end, why, draw_state(s, state, end), end=True)
+
+
+def _order(state: _State, tree: int, limit: int = 160) -> str:
+    """A summation tree as an expression of tower numbers, e.g. ``(0+1)+(2+3)``.
+
+    Leaves are the towers' inputs (tree ``t + 1``); each pair is written smaller
+    tower first (addition is commutative); longer than ``limit``: cut with ``…``.
+    """
+    parts = {node: pair for pair, node in state.nodes.items()}
+    memo: dict[int, tuple[int, str]] = {}  # tree -> (smallest leaf, text)
+
+    def text(t: int) -> tuple[int, str]:
+        if t not in memo:
+            if t not in parts:
+                memo[t] = (t - 1, str(t - 1))
+            else:
+                halves = sorted(text(half) for half in parts[t])
+                shown = [x if x.isdigit() else f"({x})" for _, x in halves]
+                memo[t] = (halves[0][0], "+".join(shown))
+        return memo[t]
+
+    out = text(tree)[1]
+    return out if len(out) <= limit else out[: limit - 1] + "…"
 
 
 def simulate(schedule: Schedule) -> list[list[int]]:
@@ -240,6 +281,7 @@ class Failure(NamedTuple):
     tick: int | None
     message: str
     drawing: str
+    end: bool = False  # the end state failed (after the last tick; ``tick`` = num_ticks)
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -266,7 +308,7 @@ class ScheduleReport:
             return (f"PROVED: {self.name} for {len(self.ns)} tower counts ({span}) in "
                     f"{self.seconds:.2f} s; deepest sum {deepest[1]} (n={deepest[0]})")
         f = self.failure
-        where = "the generator" if f.tick is None else f"tick {f.tick}"
+        where = when(f.tick, f.end)
         return "\n".join([f"REJECTED: {self.name}: smallest failing n={f.n}, {where}: "
                           f"{f.message}", f.drawing])
 
@@ -303,6 +345,6 @@ def check_schedule(generator: Generator, ns: Iterable[int] = range(1, 65)) -> Sc
         try:
             depths[n] = max(max(row) for row in simulate(schedule))
         except ScheduleError as err:
-            failure = Failure(n, err.tick, err.message, err.drawing)
+            failure = Failure(n, err.tick, err.message, err.drawing, err.end)
             break
     return ScheduleReport(name, tuple(counts), failure, depths, time.perf_counter() - start)

@@ -31,7 +31,7 @@ from towers.allreduce.machinery.registry import algorithm_name
 from towers.allreduce.machinery.resolve import get
 from towers.devices import local_devices, simulate_devices
 
-__all__ = ["is_reducer", "load_algorithm", "start_devices"]
+__all__ = ["import_object", "is_reducer", "load_algorithm", "start_devices"]
 
 
 def start_devices(n: int) -> list[str]:
@@ -49,7 +49,12 @@ def start_devices(n: int) -> list[str]:
         return have[:n]
 
 
-def _import(module: str, attr: str) -> Any:
+def import_object(module: str, attr: str) -> Any:
+    """``module.attr`` (``module`` may be a ``.py`` file; the current directory is searched).
+
+    Raises:
+        ValueError: the module does not import, or has no ``attr`` (its callables listed).
+    """
     if os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())  # `my_module:fn` from the current directory, last
     try:
@@ -72,6 +77,11 @@ def _import(module: str, attr: str) -> Any:
                 f"module {module!r} has no {attr!r}; its callables: {', '.join(found) or 'none'}"
             )
         obj = getattr(obj, part)
+    return obj
+
+
+def _import(module: str, attr: str) -> Any:
+    obj = import_object(module, attr)
     if not callable(obj) and not is_reducer(obj):
         raise TypeError(f"{module}:{attr} is a {type(obj).__name__}, not a callable")
     return obj

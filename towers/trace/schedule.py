@@ -15,14 +15,19 @@ all of them::
 
 Ticks are the algorithm's own (``send(..., tick=t)``); a transfer without one
 gets one by order, and chunk ownership is followed by data flow, both in
-:mod:`towers.trace.ticks`. Opaque collectives move data outside ``send``: what
-they report with ``record_estimate`` is shown dashed and marked estimated; if
-they report nothing, their registry record's estimated ``bytes_sent``, when they
-have one, gives one estimated row per tower into a pseudo-device named
-``collective``. Resolving what the user names (a registry name,
-``module:function``, a callable) is :mod:`towers.trace.loading`'s. This module
-owns the run, the :class:`Trace` it makes and its JSON form; it re-exports the
-other two modules' names, so ``towers.trace.schedule.<name>`` keeps working.
+:mod:`towers.trace.ticks`. When the chunk labels say a send leaves no later than
+its data arrived, the algorithm is traced once more in a ``tf.function`` (not run)
+to follow the data each send carries: in a full-buffer exchange both towers send
+chunk 0 in one tick, but neither sends what it receives.
+
+Opaque collectives move data outside ``send``: what they report with
+``record_estimate`` is shown dashed and marked estimated; if they report nothing,
+their registry record's estimated ``bytes_sent``, when they have one, gives one
+estimated row per tower into a pseudo-device named ``collective``. Resolving what
+the user names (a registry name, ``module:function``, a callable) is
+:mod:`towers.trace.loading`'s. This module owns the run, the :class:`Trace` it makes
+and its JSON form; it re-exports the other two modules' names, so
+``towers.trace.schedule.<name>`` keeps working.
 
 Example:
     >>> trace = trace_all_reduce("ring", devices[:4], size=16)    # doctest: +SKIP
@@ -161,14 +166,21 @@ def _places(transfers: Sequence[Transfer], devices: Sequence[str]) -> list[str]:
     return places
 
 
-def _run(fn: Any, name: str, devices: Sequence[str], arrays: list[np.ndarray], op: str) -> Any:
+def _placed(arrays: list[np.ndarray], devices: Sequence[str]) -> list[Any]:
     import tensorflow as tf
-
 
     values = []
     for array, device in zip(arrays, devices):
         with tf.device(device):
             values.append(tf.identity(tf.constant(array)))
+    return values
+
+
+def _run(fn: Any, name: str, devices: Sequence[str], arrays: list[np.ndarray], op: str) -> Any:
+    """Run ``fn`` eagerly: ``(results, transfers)``, NumPy outputs and what was recorded."""
+    import tensorflow as tf
+
+    values = _placed(arrays, devices)
     with record() as recorder:
         outs = fn(values, op=op)
     if not isinstance(outs, (list, tuple)) or len(outs) != len(values):
@@ -179,6 +191,36 @@ def _run(fn: Any, name: str, devices: Sequence[str], arrays: list[np.ndarray], o
         if result.shape != arrays[0].shape:
             raise ValueError(f"{name}: output {i} has shape {result.shape}, not {arrays[0].shape}")
     return results, list(recorder.transfers)
+
+
+def _follow(
+    fn: Any, devices: Sequence[str], arrays: list[np.ndarray], op: str,
+    transfers: Sequence[Transfer],
+) -> list[frozenset[int] | None] | None:
+    """Trace ``fn`` in a ``tf.function`` (not run) to learn what data each send carries.
+
+    Returns:
+        Per transfer, the earlier transfers its tensor was computed from
+        (``record(follow_data=True)``), or None when the graph made other sends than
+        the eager run (data-dependent Python) or could not be traced.
+    """
+    import tensorflow as tf
+
+    def placed(*args: Any) -> Any:
+        values = []
+        for arg, device in zip(args, devices):
+            with tf.device(device):  # inside the graph each input sits on its tower
+                values.append(tf.identity(arg))
+        return fn(values, op=op)
+
+    try:
+        with record(follow_data=True) as recorder:
+            tf.function(placed).get_concrete_function(*_placed(arrays, devices))
+    except Exception:  # an algorithm that only runs eagerly: the chunk labels decide
+        return None
+    same = [dataclasses.astuple(t) for t in recorder.transfers] == [
+        dataclasses.astuple(t) for t in transfers]
+    return list(recorder.sources) if same else None
 
 
 def trace_all_reduce(
@@ -220,6 +262,11 @@ def trace_all_reduce(
     transfers = transfers or _estimates(fn, devices, whole)
     places = _places(transfers, devices)
     rows = assign_ticks(transfers, places, whole, by_order=by_order)
+    own = rows if not by_order else assign_ticks(transfers, places, whole)
+    if any(not r.assigned and not r.estimated and r.tick <= r.ready for r in own):
+        sources = _follow(fn, devices, arrays, op, transfers)  # labels say early: ask the data
+        if sources is not None:
+            rows = assign_ticks(transfers, places, whole, by_order=by_order, sources=sources)
     finished, holds = chunk_ownership(transfers, rows, n, len(places), whole)
     expected = _expected(arrays, op)
     return Trace(

@@ -12,6 +12,12 @@ carries (one send and one receive per device per tick, the single-port model of
     tower 1  ──c0──▶ tower 2                    tick 1 (after c0 reached tower 1 at 0)
     tower 2  ──c1──▶ tower 0                    tick 0 (tower 2 had sent nothing)
 
+When the data was followed (``sources``, from ``record(follow_data=True)``: the
+transfers whose received tensors a send's tensor was computed from), a send's data
+arrived when the latest of those did, whatever the chunk labels say: in an
+exchange where both towers send their whole buffer in one tick, neither send
+carries what the other receives. Without it (eager runs), the labels decide.
+
 Chunk ownership is followed by data flow over the rows in program order: a
 transfer with chunk label ``c`` of ``b`` bytes carries chunks ``c .. c + b/u - 1``
 (``u``: the smallest labelled piece); a transfer without a label, or of the
@@ -68,24 +74,36 @@ def _labels(transfers: Sequence[Transfer], whole: int) -> tuple[list[int], int]:
 
 
 def assign_ticks(
-    transfers: Sequence[Transfer], places: Sequence[str], whole: int, *, by_order: bool = False
+    transfers: Sequence[Transfer],
+    places: Sequence[str],
+    whole: int,
+    *,
+    by_order: bool = False,
+    sources: Sequence[frozenset[int] | None] = (),
 ) -> list[TraceRow]:
     """Rows with a tick each: the algorithm's, or (``tick=None``, or ``by_order``) by order.
 
     By order, a transfer goes one tick after the latest of: its source's previous
-    send, its destination's previous receive, and its source's last receive of a
-    chunk it carries (``whole``: the bytes of one tower's buffer, see the module
-    docstring for what a transfer carries).
+    send, its destination's previous receive, and the arrival of its data: the
+    latest of ``sources[i]`` (the earlier transfers its tensor was computed from)
+    when known, else its source's last receive of a chunk it carries (``whole``:
+    the bytes of one tower's buffer, see the module docstring).
     """
     labels, unit = _labels(transfers, whole)
     last_send, last_recv = [-1] * len(places), [-1] * len(places)
     got: list[dict[int, int]] = [{} for _ in places]
-    rows = []
-    for t in transfers:
+    rows: list[TraceRow] = []
+    for i, t in enumerate(transfers):
         s, d = places.index(t.src), places.index(t.dst)
         # Estimated rows sum up a whole opaque collective: they wait for no data.
         carried = [] if t.estimated else _covered(t.chunk, t.nbytes, whole, unit, labels)
-        ready = max((got[s].get(c, -1) for c in carried), default=-1)
+        followed = sources[i] if i < len(sources) else None
+        if t.estimated:
+            ready = -1
+        elif followed is not None:
+            ready = max((rows[j].tick for j in followed), default=-1)
+        else:
+            ready = max((got[s].get(c, -1) for c in carried), default=-1)
         assigned = t.tick is None or by_order
         tick = 1 + max(last_send[s], last_recv[d], ready) if assigned else int(t.tick or 0)
         last_send[s], last_recv[d] = max(last_send[s], tick), max(last_recv[d], tick)

@@ -471,3 +471,26 @@ def test_nested_records_leave_cleanly_when_equal() -> None:
     send(x, DEVICES[3], tick=2)  # recorded nowhere: both blocks are closed
     assert [t.dst for t in inner.transfers] == [DEVICES[1]]
     assert [t.dst for t in outer.transfers] == [DEVICES[1], DEVICES[2]]
+
+
+def test_record_follows_the_data_each_send_carries_in_a_graph() -> None:
+    (x,) = place([np.ones(2, np.float32)])
+
+    @tf.function
+    def forward(x: tf.Tensor) -> tf.Tensor:
+        with tf.device(DEVICES[0]):
+            x = tf.identity(x)
+        a = send(x, DEVICES[1], tick=0)  # 0: the input
+        b = send(x + 1, DEVICES[2], tick=0)  # 1: the input again
+        with tf.device(DEVICES[1]):
+            c = send(a * 2, DEVICES[3], tick=1)  # 2: computed from 0's received tensor
+        with tf.device(DEVICES[2]):
+            d = send(b + send(c, DEVICES[2]), DEVICES[0])  # 3: forwards 2; 4: from 1 and 3
+        return d
+
+    with record(follow_data=True) as rec:
+        forward.get_concrete_function(x)
+    assert rec.sources == [frozenset(), frozenset(), {0}, {2}, {1, 3}]
+    with record() as plain:  # not asked (or an eager tensor): unknown
+        send(x, DEVICES[1])
+    assert plain.sources == [None]

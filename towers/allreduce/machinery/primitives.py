@@ -86,7 +86,7 @@ def send(
         return x
     with tf.device(dst):
         y = tf.identity(x)
-    log_send(x, src, dst, tick, chunk, note)
+    log_send(x, src, dst, tick, chunk, note, out=y)
     return y
 
 

@@ -13,7 +13,15 @@ lives in :mod:`towers.allreduce.machinery.primitives` and reports here through
 
 Sends are recorded when the Python code runs, i.e. at trace time inside a
 ``tf.function``. Sizes come from static shapes; a tensor of unknown size is
-recorded with ``nbytes=None``.
+recorded with ``nbytes=None``. ``record(follow_data=True)`` also follows the data
+inside a ``tf.function``: for each send, which earlier sends' received tensors the
+sent tensor was computed from (:attr:`Recorder.sources`), so a trace can tell a
+forwarded chunk from a tower's own data of the same label.
+
+Each transfer's ``note`` says what it carries; :data:`BOOKKEEPING_NOTES` (the
+step's loss, state and non-finite guard sends) and :data:`WEIGHT_NOTES` (weight
+reads from the parameter device) are not gradient traffic, and :class:`StepStats`
+counts the three apart.
 
 Example:
     >>> with record() as recorder:                        # doctest: +SKIP
@@ -27,12 +35,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Iterator
+from typing import Any
 
 import tensorflow as tf
 
 from towers.devices import canonical_device
 
 __all__ = [
+    "BOOKKEEPING_NOTES",
+    "WEIGHT_NOTES",
     "Recorder",
     "StepStats",
     "Transfer",
@@ -40,7 +51,28 @@ __all__ = [
     "record",
     "record_estimate",
     "tick_offset",
+    "traffic_kind",
 ]
+
+
+BOOKKEEPING_NOTES = frozenset({"loss", "state", "guard", "loss-scale"})
+"""Notes of a step's bookkeeping sends: the towers' losses, example counts and
+non-trainable state, the non-finite guard's codes and the loss scale's flags."""
+
+WEIGHT_NOTES = frozenset({"read-weights"})
+"""Notes of weight reads (``parameter_device``: each tower reads the weights it runs)."""
+
+
+def traffic_kind(note: str) -> str:
+    """What a transfer with ``note`` carries: ``"bookkeeping"``, ``"weights"`` or ``"gradients"``.
+
+    Everything the reducer and the placement send to reduce the gradients counts as
+    gradient traffic (``sharded``: the parameter all-gather that completes the
+    reduction too); the step's other sends are named by their notes.
+    """
+    if note in BOOKKEEPING_NOTES:
+        return "bookkeeping"
+    return "weights" if note in WEIGHT_NOTES else "gradients"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,9 +90,50 @@ class Transfer:
 
 @dataclasses.dataclass
 class Recorder:
-    """The transfers seen inside one :func:`record` block."""
+    """The transfers seen inside one :func:`record` block.
+
+    ``sources[i]`` (only with ``follow_data``, else None): the indices of earlier
+    transfers whose received tensor transfer ``i``'s tensor was computed from, the
+    nearest ones on its path (None also for eager tensors and estimates: unknown).
+    """
 
     transfers: list[Transfer] = dataclasses.field(default_factory=list)
+    follow_data: bool = False
+    sources: list[frozenset[int] | None] = dataclasses.field(default_factory=list)
+    _received: dict[str, int] = dataclasses.field(default_factory=dict, repr=False)
+    _memo: dict[str, frozenset[int]] = dataclasses.field(default_factory=dict, repr=False)
+
+    def add(self, transfer: Transfer, x: Any = None, out: Any = None) -> None:
+        """Append one transfer; with ``follow_data``, find what ``x`` was computed from."""
+        sources = None
+        if self.follow_data and _symbolic(x):
+            sources = self._sources_of(x)
+        self.transfers.append(transfer)
+        self.sources.append(sources)
+        if self.follow_data and _symbolic(out):
+            self._received[out.op.name] = len(self.transfers) - 1
+
+    def _sources_of(self, x: Any) -> frozenset[int]:
+        """The nearest received tensors among ``x``'s ancestors (iterative, memoized)."""
+        stack, memo = [x.op], self._memo
+        while stack:
+            op = stack[-1]
+            if op.name in memo:
+                stack.pop()
+                continue
+            parents = [t.op for t in op.inputs] + list(op.control_inputs)
+            todo = [p for p in parents if p.name not in memo and p.name not in self._received]
+            if todo:
+                stack.extend(todo)
+                continue
+            found: set[int] = set()
+            for p in parents:
+                found |= {self._received[p.name]} if p.name in self._received else memo[p.name]
+            memo[op.name] = frozenset(found)
+            stack.pop()
+        if x.op.name in self._received:
+            return frozenset({self._received[x.op.name]})
+        return memo[x.op.name]
 
     def bytes_sent(self) -> dict[str, int]:
         """Bytes sent per source device (unknown sizes count as 0)."""
@@ -85,10 +158,20 @@ _ACTIVE: list[Recorder] = []
 _OFFSETS: list[int] = []
 
 
+def _symbolic(x: Any) -> bool:
+    """True for a graph tensor (inside a ``tf.function``), whose inputs can be followed."""
+    return x is not None and tf.is_symbolic_tensor(x) and hasattr(x, "op")
+
+
 @contextlib.contextmanager
-def record() -> Iterator[Recorder]:
-    """Collect every :func:`send` made inside the block (nesting is allowed)."""
-    recorder = Recorder()
+def record(*, follow_data: bool = False) -> Iterator[Recorder]:
+    """Collect every :func:`send` made inside the block (nesting is allowed).
+
+    Args:
+        follow_data: also find, for every send traced in a graph, which earlier
+            sends' received tensors its data was computed from (:attr:`Recorder.sources`).
+    """
+    recorder = Recorder(follow_data=follow_data)
     _ACTIVE.append(recorder)
     try:
         yield recorder
@@ -131,8 +214,9 @@ def record_estimate(src: str, dst: str, nbytes: int | None, *, note: str = "") -
     them to move; the :class:`Transfer` is marked ``estimated=True``.
     """
     src, dst = canonical_device(src), canonical_device(dst)
-    for recorder in _ACTIVE:
-        recorder.transfers.append(Transfer(src, dst, nbytes, note=note, estimated=True))
+    transfer = Transfer(src, dst, nbytes, note=note, estimated=True)
+    for recorder in _ACTIVE:  # one object in every block: a nested one's are its parent's
+        recorder.add(transfer)
 
 
 def _nbytes(x: tf.Tensor) -> int | None:
@@ -142,36 +226,71 @@ def _nbytes(x: tf.Tensor) -> int | None:
 
 
 def log_send(
-    x: tf.Tensor, src: str, dst: str, tick: int | None, chunk: int | None, note: str
+    x: tf.Tensor, src: str, dst: str, tick: int | None, chunk: int | None, note: str,
+    out: tf.Tensor | None = None,
 ) -> None:
     """Record one send of ``x`` from ``src`` to ``dst`` in every active :func:`record` block.
 
     ``tick`` is shifted by any enclosing :func:`tick_offset`; the size comes from
-    ``x``'s static shape (None when it is not fully defined).
+    ``x``'s static shape (None when it is not fully defined). ``out``: the tensor
+    received at ``dst``, so that later sends computed from it can be followed.
     """
     if tick is not None and _OFFSETS:
         tick += sum(_OFFSETS)
-    for recorder in _ACTIVE:
-        recorder.transfers.append(Transfer(src, dst, _nbytes(x), tick, chunk, note))
+    transfer = Transfer(src, dst, _nbytes(x), tick, chunk, note)
+    for recorder in _ACTIVE:  # one object in every block: a nested one's are its parent's
+        recorder.add(transfer, x, out)
+
+
+def _per_source(transfers: list[Transfer], kind: str) -> dict[str, int]:
+    """Bytes per source device of the transfers of one :func:`traffic_kind`."""
+    out: dict[str, int] = {}
+    for t in transfers:
+        if traffic_kind(t.note) == kind:
+            out[t.src] = out.get(t.src, 0) + (t.nbytes or 0)
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
 class StepStats:
-    """What one training step sends: per tower, per directed link, and how many ticks."""
+    """What one training step sends: per tower, per directed link, and how many ticks.
+
+    ``bytes_per_tower`` counts every send; the ``*_bytes_per_tower`` fields split it by
+    :func:`traffic_kind`: gradient traffic (what the reducer and placement move), the
+    step's bookkeeping (loss, state, guard, loss scale) and weight reads. The three
+    add up to ``bytes_per_tower`` (a source with none of a kind is left out).
+    """
 
     bytes_per_tower: dict[str, int]
     bytes_per_link: dict[tuple[str, str], int]
     ticks: int
     estimated: bool
     transfers: tuple[Transfer, ...]
+    gradient_bytes_per_tower: dict[str, int] = dataclasses.field(default_factory=dict)
+    bookkeeping_bytes_per_tower: dict[str, int] = dataclasses.field(default_factory=dict)
+    weight_bytes_per_tower: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    @property
+    def gradient_bytes(self) -> int:
+        """Gradient bytes sent by all devices together in one step."""
+        return sum(self.gradient_bytes_per_tower.values())
+
+    @property
+    def bookkeeping_bytes(self) -> int:
+        """Bookkeeping bytes (loss, state, guard, loss scale) sent in one step."""
+        return sum(self.bookkeeping_bytes_per_tower.values())
 
     @classmethod
     def from_recorder(cls, recorder: Recorder) -> StepStats:
         """The figures of everything ``recorder`` saw (one traced step)."""
+        transfers = list(recorder.transfers)
         return cls(
             bytes_per_tower=recorder.bytes_sent(),
             bytes_per_link=recorder.bytes_per_link(),
             ticks=recorder.ticks(),
-            estimated=any(t.estimated for t in recorder.transfers),
-            transfers=tuple(recorder.transfers),
+            estimated=any(t.estimated for t in transfers),
+            transfers=tuple(transfers),
+            gradient_bytes_per_tower=_per_source(transfers, "gradients"),
+            bookkeeping_bytes_per_tower=_per_source(transfers, "bookkeeping"),
+            weight_bytes_per_tower=_per_source(transfers, "weights"),
         )

@@ -30,7 +30,7 @@ from towers.bench import report
 from towers.bench.costmodel import model
 from towers.bench.costmodel.model import NCCL_H100_RING_BUSBW, PRESETS, Link
 
-__all__ = ["IB_400G", "SYSTEMS", "paper_section", "scale_on_paper"]
+__all__ = ["IB_400G", "SYSTEMS", "paper_section", "predict_on", "scale_on_paper"]
 
 IB_400G = Link(alpha=8e-6, beta=1 / 50e9, gamma=3 / 3.35e12, name="ib-400g")
 """400 Gb/s NDR InfiniBand = 50 GB/s per direction per GPU; α: a GPU collective step over
@@ -53,6 +53,18 @@ def _predict(algorithm: str, system: dict[str, Any], nbytes: float) -> float:
             params["inner_link"] = system["inner"]
         return model.predict(algorithm, system["n"], nbytes, system["link"], **params)
     return model.predict(algorithm, system["n"], nbytes, system["link"])
+
+
+def predict_on(system: str, algorithm: str, nbytes: float) -> float:
+    """Predicted seconds of one ``algorithm`` all-reduce of ``nbytes`` per GPU on
+    ``SYSTEMS[system]`` (``hierarchical``: ring inside a node, ring among nodes).
+
+    Raises:
+        ValueError: an unknown system (listing :data:`SYSTEMS`) or algorithm.
+    """
+    if system not in SYSTEMS:
+        raise ValueError(f"unknown system {system!r}; known: {', '.join(SYSTEMS)}")
+    return _predict(algorithm, SYSTEMS[system], nbytes)
 
 
 def scale_on_paper(

@@ -1,0 +1,126 @@
+"""Compare reducers and codecs: loss against gradient bytes and predicted communication time.
+
+Trains the bundled digits once per REDUCER from the same weights, on the same
+batches, over simulated towers, and records every step: the training loss, the test
+accuracy, the gradient bytes the step sent (the loss, state and guard sends left
+out) and the α-β-γ cost model's communication time for that step on 8xH100 (NVLink)
+and 1024xH100 (InfiniBand between nodes). Writes PREFIX.csv (one row per step) and
+PREFIX.png (loss against bytes, loss against predicted time), and prints a summary.
+
+A REDUCER is an all-reduce (``ring``), a codec over ring (``fp16``, ``topk(0.1)``,
+``powersgd(4)``), a codec over another all-reduce (``powersgd(4)@halving_doubling``),
+or a user's codec or all-reduce as ``module:NAME`` (``file.py:NAME``). Codecs decode
+on every tower, so the bytes are the codec's own.
+
+Exit status: 0 when every run trained, 1 when one failed, 2 for bad options (told
+before anything trains).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from towers.cli.train import at_least, positive_float
+
+__all__ = ["EPILOG", "add_arguments", "run"]
+
+EPILOG = """examples:
+  python -m towers study ring fp16 "topk(0.1)" "powersgd(4)"
+  python -m towers study ring "powersgd(2)@halving_doubling" --towers 8 --epochs 3
+  python -m towers study ring my_codecs.py:sign --out results/sign
+"""
+
+SYSTEM_NAMES = ("8xH100", "1024xH100")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``towers study``."""
+    parser.add_argument("reducers", nargs="*", metavar="REDUCER",
+                        default=["ring", "fp16", "topk(0.1)", "powersgd(4)"],
+                        help='what to compare (default: ring fp16 "topk(0.1)" "powersgd(4)")')
+    parser.add_argument("--towers", type=at_least(2), default=4,
+                        help="simulated devices, at least 2 (default 4)")
+    parser.add_argument("--model", choices=("cnn", "mlp"), default="cnn",
+                        help="cnn (the digits CNN, default) or mlp (64-32-10)")
+    parser.add_argument("--epochs", type=at_least(1), default=1, help="epochs (default 1)")
+    parser.add_argument("--batch", type=at_least(1), default=64,
+                        help="global batch size (default 64)")
+    parser.add_argument("--lr", type=positive_float, default=3e-3,
+                        help="Adam learning rate (default 3e-3)")
+    parser.add_argument("--steps", type=at_least(1), default=None,
+                        help="stop each run after this many steps (default: every epoch)")
+    parser.add_argument("--eval-every", type=at_least(1), default=1,
+                        help="test accuracy every this many steps (default 1)")
+    parser.add_argument("--out", default="study", metavar="PREFIX",
+                        help="writes PREFIX.csv and PREFIX.png (default study)")
+
+
+def _fail(message: str) -> int:
+    print(f"towers study: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _writable(prefix: str) -> str | None:
+    """Why PREFIX.csv / PREFIX.png cannot be written (None: they can)."""
+    folder = Path(prefix).parent
+    if not folder.is_dir():
+        return f"--out: no such folder {str(folder)!r}"
+    for suffix in (".csv", ".png"):
+        path = Path(prefix + suffix)
+        if path.is_dir():
+            return f"--out: {path} is a folder"
+    return None
+
+
+def _data(model: str) -> tuple[Any, tuple]:
+    from towers.training.data import digits
+    from towers.training.models import digits_cnn, mlp
+
+    x, y, x_test, y_test = digits()
+    if model == "cnn":
+        return digits_cnn, (x, y, x_test, y_test)
+    flat = (x.reshape(len(x), -1), y, x_test.reshape(len(x_test), -1), y_test)
+    return (lambda: mlp((64, 32, 10))), flat
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the study; returns a process exit code."""
+    why = _writable(args.out)
+    if why:
+        return _fail(why)
+    from towers.trace.loading import start_devices
+
+    try:
+        devices = start_devices(args.towers)  # first: before TensorFlow's runtime starts
+    except RuntimeError as err:
+        return _fail(str(err))
+    from towers import study
+
+    try:
+        for spec in args.reducers:
+            study.parse_spec(spec)
+    except (ValueError, TypeError) as err:
+        return _fail(str(err))
+    model, data = _data(args.model)
+    if args.batch > len(data[0]):
+        return _fail(f"--batch {args.batch} is more than the {len(data[0])} training examples")
+    print(f"towers study: {', '.join(args.reducers)} on {args.towers} towers, {args.model}, "
+          f"{args.epochs} epoch(s) of batch {args.batch}, Adam {args.lr:g}", flush=True)
+    try:
+        rows = study.run_study(
+            args.reducers, devices, model=model, data=data, epochs=args.epochs,
+            batch_size=args.batch, learning_rate=args.lr, systems=SYSTEM_NAMES,
+            eval_every=args.eval_every, steps=args.steps,
+            progress=lambda line: print("  " + line, flush=True),
+        )
+    except Exception as err:  # a user's reducer failed while training
+        print(f"towers study: a run failed: {type(err).__name__}: {err}", file=sys.stderr)
+        return 1
+    print()
+    print(study.summary_table(rows))
+    print(f"\nsteps: {study.write_csv(rows, args.out + '.csv')}")
+    print(f"curves: {study.plot(rows, args.out + '.png')}")
+    return 0
