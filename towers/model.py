@@ -159,6 +159,10 @@ class TowerModel(keras.Model):
             self.optimizer = first
         self._hyper = _hyperparameters(first)
 
+    def compile_from_config(self, config: dict[str, Any]) -> None:
+        """Compile from a saved compile config (``keras.models.load_model``), trainer included."""
+        self.compile(**keras.saving.deserialize_keras_object(config))
+
     def _trainer(self) -> TowerTrainer:
         if self.trainer is None:
             raise RuntimeError("TowerModel must be compiled before training, evaluating or "
@@ -287,6 +291,21 @@ class TowerModel(keras.Model):
         self._hyper = now
 
     # -- saving ------------------------------------------------------------------------------
+
+    def save(self, filepath: Any, overwrite: bool = True, zipped: Any = None,
+             **kwargs: Any) -> None:
+        """Keras's ``save`` (a ``.keras`` file that ``keras.models.load_model`` opens).
+
+        Raises:
+            ValueError: ``variables="sharded"``: the optimizer state is spread over the
+                towers and a ``.keras`` file holds one optimizer (use ``save_weights`` and
+                :mod:`towers.training.checkpoint`, which keep every shard).
+        """
+        if self.trainer is not None and self.trainer.placement.name == "sharded":
+            raise ValueError(
+                "variables='sharded' cannot be saved as one .keras file (its optimizer state is "
+                "sharded over the towers): use tm.save_weights, or towers.training.checkpoint")
+        super().save(filepath, overwrite=overwrite, zipped=zipped, **kwargs)
 
     def get_config(self) -> dict[str, Any]:
         """The network's config and the towers options; devices as a count (re-resolved on load).
