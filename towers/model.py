@@ -260,11 +260,13 @@ class TowerModel(keras.Model):
         self.broadcast()
 
     def broadcast(self) -> None:
-        """Copy replica 0's weights to every other replica, and (``replicated``) its optimizer
-        state to every other replica's optimizer. Nothing to do before ``compile``."""
+        """Copy replica 0's weights to every other replica, its hyperparameters and
+        (``replicated``) its optimizer state to every other replica's optimizer. Nothing to
+        do before ``compile``."""
         trainer = self.trainer
         if trainer is None or len(trainer.replicas) < 2:
             return
+        self._follow_optimizer()
         first = trainer.replicas[0]
         for replica in trainer.replicas[1:]:
             with tf.device(replica.device):
