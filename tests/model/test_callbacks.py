@@ -144,14 +144,15 @@ def test_reduce_lr_on_plateau(tm: towers.TowerModel) -> None:
     _fit(tm, [plateau], epochs=3)  # epoch 0 improves on inf; 1 and 2 halve the rate
     tm.train_on_batch(X[:10], Y[:10])  # the last halving reaches the replicas by the next step
     assert tm.trainer is not None
-    assert [float(r.optimizer.learning_rate) for r in tm.trainer.replicas] == [np.float32(0.025)] * 3
+    rates = [float(r.optimizer.learning_rate) for r in tm.trainer.replicas]
+    assert rates == [np.float32(0.025)] * 3
 
 
 def test_remote_monitor(tm: towers.TowerModel) -> None:
     posted: list[dict[str, Any]] = []
 
     class Handler(http.server.BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802  (http.server's name)
+        def do_POST(self) -> None:
             body = self.rfile.read(int(self.headers["Content-Length"])).decode()
             posted.append(json.loads(dict(p.split("=", 1) for p in body.split("&"))["data"]
                                      .replace("%22", '"').replace("%3A", ":")
