@@ -46,3 +46,11 @@ def assert_replicas_equal(tm: towers.TowerModel) -> None:
     for weights in tm.trainer.replica_weights():
         for got, expected in zip(weights, want, strict=True):
             np.testing.assert_array_equal(got, expected)
+
+
+def reset(tm: towers.TowerModel, weights: list[np.ndarray], learning_rate: float = 0.1) -> None:
+    """Put a shared TowerModel back to ``weights`` and a fresh run (its traces are kept)."""
+    tm.set_weights(weights)
+    tm.optimizer.learning_rate = learning_rate
+    tm.stop_training = False
+    tm._initial_epoch = None  # BackupAndRestore's resume point (Keras keeps it on the model)

@@ -12,7 +12,6 @@ import csv
 import http.server
 import json
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,28 +20,23 @@ import numpy as np
 import pytest
 
 import towers
-from tests.model.helpers import assert_replicas_equal, data, tower_model
+from tests.model.helpers import assert_replicas_equal, data, reset, tower_model
 
 X, Y = data(20)
 VALIDATION = (X[:10], Y[:10])
 
 
 @pytest.fixture(scope="module")
-def shared() -> Iterator[towers.TowerModel]:
-    """One replicated TowerModel (traced once), reset to its first weights for each test."""
+def shared() -> tuple[towers.TowerModel, list[np.ndarray]]:
+    """One replicated TowerModel (traced once) and its first weights."""
     tm = tower_model("replicated", all_reduce=None)
-    yield tm
+    return tm, tm.get_weights()
 
 
 @pytest.fixture
-def tm(shared: towers.TowerModel) -> towers.TowerModel:
-    if not hasattr(shared, "_start"):
-        shared._start = shared.get_weights()  # type: ignore[attr-defined]
-    shared.set_weights(shared._start)  # type: ignore[attr-defined]
-    shared.optimizer.learning_rate = 0.1
-    shared.stop_training = False
-    shared._initial_epoch = None  # BackupAndRestore's resume point (Keras keeps it on the model)
-    return shared
+def tm(shared: tuple[towers.TowerModel, list[np.ndarray]]) -> towers.TowerModel:
+    reset(*shared)
+    return shared[0]
 
 
 def _fit(tm: towers.TowerModel, callbacks: list[Any], **kwargs: Any) -> keras.callbacks.History:

@@ -18,23 +18,45 @@ import tensorflow as tf
 
 import towers
 from tests.conftest import DEVICES
-from tests.model.helpers import LOSS, N, assert_replicas_equal, data, network, tower_model
+from tests.model.helpers import (
+    LOSS,
+    N,
+    assert_replicas_equal,
+    data,
+    network,
+    reset,
+    tower_model,
+)
 
 X, Y = data(40)
 
 
-def test_fit_is_the_towers_step_batch_after_batch() -> None:
-    tm = tower_model("replicated")
+@pytest.fixture(scope="module")
+def shared() -> tuple[towers.TowerModel, list[np.ndarray], list[np.ndarray], float]:
+    """One replicated TowerModel (traced once), its first weights, and its weights and
+    loss after one unshuffled epoch over (X, Y) in batches of 16."""
+    tm = tower_model("replicated", all_reduce=None)
+    start = tm.get_weights()
+    history = tm.fit(X, Y, batch_size=16, shuffle=False, verbose=0)
+    return tm, start, tm.get_weights(), history.history["loss"][0]
+
+
+@pytest.fixture
+def tm(shared: tuple[towers.TowerModel, list[np.ndarray], list[np.ndarray]]) -> towers.TowerModel:
+    reset(shared[0], shared[1])
+    return shared[0]
+
+
+def test_fit_is_the_towers_step_batch_after_batch(shared: tuple[Any, ...]) -> None:
     trainer = towers.TowerTrainer(network(), keras.optimizers.SGD(0.1), LOSS,
-                                  devices=DEVICES[:N], all_reduce="ring", variables="replicated")
-    history = tm.fit(X, Y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+                                  devices=DEVICES[:N], variables="replicated")
     losses = [float(trainer.train_step(X[i:i + 16], Y[i:i + 16])) for i in (0, 16, 32)]
-    for got, want in zip(tm.get_weights(), trainer.get_weights(), strict=True):
+    for got, want in zip(shared[2], trainer.get_weights(), strict=True):
         np.testing.assert_array_equal(got, want)
-    assert_replicas_equal(tm)
+    assert_replicas_equal(shared[0])
     # the epoch's loss: Keras's Mean of the steps' global mean losses, weighted by batch size
     expected = np.float32(sum(loss * b for loss, b in zip(losses, (16, 16, 8))) / 40)
-    np.testing.assert_allclose(history.history["loss"][0], expected, rtol=1e-6)
+    np.testing.assert_allclose(shared[3], expected, rtol=1e-6)
 
 
 def _generator() -> Iterator[tuple[np.ndarray, np.ndarray]]:
@@ -59,13 +81,12 @@ INPUTS: dict[str, Callable[[], dict[str, Any]]] = {
 
 
 @pytest.mark.parametrize("kind", list(INPUTS))
-def test_every_input_kind_trains_the_same_batches(kind: str) -> None:
-    reference = tower_model("replicated")
-    reference.fit(X, Y, batch_size=16, shuffle=False, verbose=0)
-    tm = tower_model("replicated")
+def test_every_input_kind_trains_the_same_batches(
+    kind: str, tm: towers.TowerModel, shared: tuple[Any, Any, list[np.ndarray]]
+) -> None:
     history = tm.fit(**INPUTS[kind](), epochs=1, shuffle=False, verbose=0)
     assert set(history.history) == {"loss", "accuracy"}
-    for got, want in zip(tm.get_weights(), reference.get_weights(), strict=True):
+    for got, want in zip(tm.get_weights(), shared[2], strict=True):
         np.testing.assert_array_equal(got, want)
     assert_replicas_equal(tm)
 
@@ -88,9 +109,8 @@ FIT_OPTIONS: dict[str, tuple[dict[str, Any], int, set[str]]] = {
 
 
 @pytest.mark.parametrize("option", list(FIT_OPTIONS))
-def test_every_fit_option_works(option: str) -> None:
+def test_every_fit_option_works(option: str, tm: towers.TowerModel) -> None:
     arguments, epochs, keys = FIT_OPTIONS[option]
-    tm = tower_model("replicated")
     before = tm.get_weights()
     call = {"x": X, "y": Y, "batch_size": 16, "epochs": 2, "verbose": 0, **arguments}
     history = tm.fit(**call)
@@ -102,18 +122,20 @@ def test_every_fit_option_works(option: str) -> None:
     assert_replicas_equal(tm)
 
 
-def test_class_weight_is_the_matching_sample_weight() -> None:
+def test_class_weight_is_the_matching_sample_weight(
+    tm: towers.TowerModel, shared: tuple[Any, list[np.ndarray], Any]
+) -> None:
     weights = {0: 1.0, 1: 3.0, 2: 0.5}
-    a, b = tower_model("replicated"), tower_model("replicated")
-    a.fit(X, Y, batch_size=16, shuffle=False, class_weight=weights, verbose=0)
-    b.fit(X, Y, batch_size=16, shuffle=False, verbose=0,
-          sample_weight=np.array([weights[int(c)] for c in Y], "f4"))
-    for got, want in zip(a.get_weights(), b.get_weights(), strict=True):
+    tm.fit(X, Y, batch_size=16, shuffle=False, class_weight=weights, verbose=0)
+    by_class = tm.get_weights()
+    reset(tm, shared[1])
+    tm.fit(X, Y, batch_size=16, shuffle=False, verbose=0,
+           sample_weight=np.array([weights[int(c)] for c in Y], "f4"))
+    for got, want in zip(by_class, tm.get_weights(), strict=True):
         np.testing.assert_array_equal(got, want)
 
 
-def test_evaluate_and_predict_split_over_the_towers() -> None:
-    tm = tower_model("parameter_device")
+def test_evaluate_and_predict_split_over_the_towers(tm: towers.TowerModel) -> None:
     loss, accuracy = tm.evaluate(X, Y, batch_size=16, verbose=0)
     logits = tm.network(X, training=False).numpy()
     # Σ of per-example losses per batch / examples: the same sum in another order
@@ -125,7 +147,7 @@ def test_evaluate_and_predict_split_over_the_towers() -> None:
 
 
 def test_help_shows_keras_signatures() -> None:
-    tm = tower_model("replicated")
+    tm = towers.TowerModel(network(), devices=DEVICES[:N])
     for name in ("fit", "evaluate", "predict"):
         parameters = inspect.signature(getattr(tm, name)).parameters
         assert ("args" not in parameters and "kwargs" not in parameters) or name == "evaluate"
