@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import keras
 import numpy as np
-import pytest
 import tensorflow as tf
 
 import towers
@@ -30,11 +29,12 @@ CLASS_WEIGHT = {0: 1.0, 1: 2.0, 2: 0.5}
 
 
 def _optimizer() -> keras.optimizers.Optimizer:
-    return keras.optimizers.Adam(keras.optimizers.schedules.ExponentialDecay(0.01, 2, 0.5))
+    # the rate halves every step: each of the 3 steps runs at its own rate
+    return keras.optimizers.Adam(keras.optimizers.schedules.ExponentialDecay(0.01, 1, 0.5))
 
 
 def _fit(model: keras.Model) -> keras.callbacks.History:
-    return model.fit(X, Y, batch_size=64, epochs=2, shuffle=False, verbose=0,
+    return model.fit(X, Y, batch_size=64, epochs=1, shuffle=False, verbose=0,
                      class_weight=CLASS_WEIGHT, validation_data=VAL)
 
 
@@ -56,4 +56,4 @@ def test_tower_model_fit_equals_mirrored_strategy_bitwise() -> None:
     # per batch, then Keras's Mean over batches): γ_70 relative
     for key in ("loss", "val_loss"):
         np.testing.assert_allclose(ours.history[key], theirs.history[key], rtol=gamma(70))
-    assert ours.history["loss"] != pytest.approx([0.0, 0.0])
+    assert ours.history["loss"][0] > 0
