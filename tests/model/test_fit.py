@@ -184,3 +184,9 @@ def test_fit_before_compile_is_keras_error() -> None:
     tm = towers.TowerModel(network(), devices=DEVICES[:N])
     with pytest.raises(ValueError, match="compile"):
         tm.fit(X, Y, verbose=0)
+
+
+def test_an_unbatched_dataset_is_refused_naming_x(tm: towers.TowerModel) -> None:
+    # as under plain Keras (an input of shape [5] for a model that takes [batch, 5])
+    with pytest.raises(ValueError, match="x has shape"):
+        tm.fit(tf.data.Dataset.from_tensor_slices((X, Y)), epochs=1, verbose=0)
