@@ -16,7 +16,8 @@ optimizer and loss; ``make_train_function``/``make_test_function``/``make_predic
 hand Keras functions that pull one batch at a time and run the towers' step (or their
 inference pass), so everything else is Keras's own.
 
-Writes reach every replica: ``set_weights``/``load_weights`` broadcast replica 0 at once;
+Writes reach every replica (:mod:`towers.training.sync`): ``set_weights``/``load_weights``
+broadcast replica 0 at once;
 every ``fit``/``evaluate``/``predict`` and every epoch (Keras's ``reset_metrics``) broadcasts
 weights (and, ``replicated``, optimizer state) before its first step, so a callback's
 direct write lands too; an optimizer hyperparameter changed by a callback (learning rate,
@@ -41,17 +42,13 @@ from towers.guard.inputs import naming
 from towers.guard.loss_scale import REDUCE_DTYPES
 from towers.guard.nonfinite import NONFINITE
 from towers.guard.weights import check_devices
-from towers.placement import get_placement
+from towers.placement import first_model, get_placement
 from towers.step import NON_TRAINABLE, TowerTrainer
 from towers.tower import loss_divisor
 from towers.training.inference import inference
+from towers.training.sync import Hyperparameters, broadcast
 
 __all__ = ["TowerModel"]
-
-_OPTIONS = (
-    "all_reduce", "variables", "parameter_device", "non_trainable", "sparse", "on_nonfinite",
-    "step_timeout", "check_replicas_every", "reduce_dtype", "check_algorithm",
-)  # fmt: skip
 
 
 @keras.saving.register_keras_serializable(package="towers")
@@ -108,10 +105,11 @@ class TowerModel(keras.Model):
             "step_timeout": step_timeout, "check_replicas_every": check_replicas_every,
             "reduce_dtype": reduce_dtype, "check_algorithm": check_algorithm,
         }  # fmt: skip
-        home = _home(placement.name, self.devices, parameter_device)
-        self.network = _on_home(model, home)
+        pd = naming("parameter_device", lambda: check_devices([parameter_device or
+                                                                self.devices[0]])[0])
+        self.network = first_model(model, placement.homes(self.devices, pd)[0])
         self.trainer: TowerTrainer | None = None
-        self._hyper: dict[str, Any] = {}
+        self._hyper: Hyperparameters
         self.built = True
 
     def call(self, inputs: Any, training: bool | None = None) -> Any:
@@ -157,7 +155,7 @@ class TowerModel(keras.Model):
         first: Any = self.trainer.optimizer
         if first is not compiled:  # it was built already: the trainer made a copy
             self.optimizer = first
-        self._hyper = _hyperparameters(first)
+        self._hyper = Hyperparameters(first)
 
     def compile_from_config(self, config: dict[str, Any]) -> None:
         """Compile from a saved compile config (``keras.models.load_model``), trainer included."""
@@ -214,7 +212,7 @@ class TowerModel(keras.Model):
 
     def _train_batch(self, data: Any) -> dict[str, Any]:
         trainer = self._trainer()
-        self._follow_optimizer()
+        self._hyper.follow(trainer)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         loss, outputs = trainer.train_step(x, y, sample_weight, return_outputs=True)
         return self._update_metrics(x, y, outputs, sample_weight, loss)
@@ -260,37 +258,11 @@ class TowerModel(keras.Model):
         self.broadcast()
 
     def broadcast(self) -> None:
-        """Copy replica 0's weights to every other replica, its hyperparameters and
-        (``replicated``) its optimizer state to every other replica's optimizer. Nothing to
-        do before ``compile``."""
-        trainer = self.trainer
-        if trainer is None or len(trainer.replicas) < 2:
-            return
-        self._follow_optimizer()
-        first = trainer.replicas[0]
-        for replica in trainer.replicas[1:]:
-            with tf.device(replica.device):
-                for source, target in zip(first.model.weights, replica.model.weights):
-                    target.assign(source.value)
-                if trainer.placement.name == "replicated":
-                    for source, target in zip(first.optimizer.variables,
-                                              replica.optimizer.variables):  # fmt: skip
-                        target.assign(source.value)
-
-    def _follow_optimizer(self) -> None:
-        """Copy a hyperparameter a callback changed on :attr:`optimizer` to every replica's;
-        retrace the step when one other than the learning rate (a variable) changed."""
-        now = _hyperparameters(self.optimizer)
-        if now == self._hyper:
-            return
-        trainer = self._trainer()
-        changed = {k: v for k, v in now.items() if self._hyper.get(k) != v}
-        for replica in trainer.replicas[1:]:
-            for key, value in changed.items():
-                setattr(replica.optimizer, key, value)
-        if set(changed) - {"learning_rate"}:
-            trainer.retrace()
-        self._hyper = now
+        """Copy replica 0 to every other replica (:func:`towers.training.sync.broadcast`)
+        and its optimizer's hyperparameters. Nothing to do before ``compile``."""
+        if self.trainer is not None:
+            self._hyper.follow(self.trainer)
+            broadcast(self.trainer)
 
     # -- saving ------------------------------------------------------------------------------
 
@@ -340,47 +312,6 @@ class TowerModel(keras.Model):
         return cls(network, devices=devices,
                    parameter_device=None if pd is None or pd >= len(devices) else devices[pd],
                    **config)  # fmt: skip
-
-
-def _hyperparameters(optimizer: Any) -> dict[str, Any]:
-    """What a callback may change on an optimizer: its config, minus its name."""
-    config = dict(optimizer.get_config())
-    config.pop("name", None)
-    return config
-
-
-def _home(variables: str, devices: list[str], parameter_device: str | None) -> str:
-    """Replica 0's device: the parameter device, or the first tower."""
-    if variables == "parameter_device" and parameter_device is not None:
-        return naming("parameter_device", lambda: check_devices([parameter_device])[0])
-    return devices[0]
-
-
-def _on_home(model: Any, home: str) -> keras.Model:
-    """``model`` itself when its variables live on ``home``, else a copy made there.
-
-    Raises:
-        TypeError: not a ``keras.Model`` (nor a factory returning one).
-        ValueError: the model is not built, or cannot be cloned.
-    """
-    if not isinstance(model, keras.Model) and callable(model):
-        model = model()
-    if not isinstance(model, keras.Model):
-        raise TypeError(
-            f"model must be a keras.Model or a factory returning one, got {model!r:.80}")
-    if not model.built:
-        raise ValueError("model is not built: give it an Input (keras.Input) or call it once")
-    if all(canonical_device(v.value.device) == home for v in model.variables):
-        return model
-    with tf.device(home):
-        try:
-            copy = keras.models.clone_model(model)
-        except Exception as err:  # subclassed models may not clone
-            raise ValueError(f"model could not be cloned onto {home} ({err}): build it under "
-                             f"tf.device({home!r}) instead") from err
-        for source, target in zip(model.variables, copy.variables):
-            target.assign(source.numpy())
-    return copy
 
 
 def _index(devices: list[str], device: str) -> int | None:
