@@ -1,14 +1,13 @@
-"""``trainer.fit`` on digits over 4 simulated towers: the Keras loop, data-parallel.
+"""``TowerModel`` on digits over 4 simulated towers: Keras's ``compile``/``fit``, data-parallel.
 
-What it teaches: you do not need to write the loop. ``trainer.fit`` runs
-``TowerTrainer.train_step`` batch after batch with Keras' progress bar, its
-``History`` and its callbacks — here ``EarlyStopping`` (it sets
-``model.stop_training``; ``restore_best_weights`` is copied to every replica) and
-``CSVLogger`` — and checks the validation data after every epoch. Loss and accuracy
-are aggregated exactly across towers: each tower's loss *sum* and the batch's outputs
-(concatenated in tower order) are combined and divided once, so a short last shard
-does not count as much as a full one. ``evaluate`` and ``predict`` split every batch
-over the towers too, in one compiled forward pass without a tape.
+What it teaches: you do not need to write the loop, nor leave Keras. ``towers.TowerModel``
+is a ``keras.Model`` whose ``fit`` runs the towers step (``tm.trainer.train_step``) batch
+after batch inside Keras's own loop: its data adapters, progress bar, ``History`` and
+callbacks — here ``EarlyStopping`` (``restore_best_weights`` reaches every replica) and
+``CSVLogger`` — and the validation data after every epoch. The loss Keras reports is the
+step's global mean loss; the metrics see the step's own outputs, concatenated in tower
+order. ``evaluate`` and ``predict`` split every batch over the towers too, in one
+compiled forward pass without a tape.
 
 Run: python examples/fit_digits.py [--epochs 20]
 """
@@ -36,13 +35,13 @@ def main() -> None:
 
     x, y, x_test, y_test = digits()
     x_train, y_train, x_val, y_val = x[:1150], y[:1150], x[1150:], y[1150:]
-    trainer = towers.TowerTrainer(
-        lambda: digits_cnn(seed=0),
-        lambda: keras.optimizers.Adam(3e-3),
+    keras.utils.set_random_seed(0)  # Keras shuffles the training data each epoch
+    tm = towers.TowerModel(digits_cnn(seed=0), devices=devices, all_reduce="naive",
+                           variables="replicated")  # fmt: skip
+    tm.compile(
+        keras.optimizers.Adam(3e-3),
         keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        devices=devices,
-        all_reduce="naive",
-        variables="replicated",
+        metrics=["accuracy"],
     )
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "training.csv"
@@ -52,15 +51,13 @@ def main() -> None:
             ),
             keras.callbacks.CSVLogger(str(log)),
         ]
-        history = trainer.fit(
+        history = tm.fit(
             x_train,
             y_train,
             batch_size=64,
             epochs=args.epochs,
             validation_data=(x_val, y_val),
-            metrics=["accuracy"],
             callbacks=callbacks,
-            seed=0,
             verbose=2,  # one line per epoch; 1 draws a live progress bar
         )
         print(f"CSVLogger wrote {len(log.read_text().splitlines()) - 1} epochs to {log.name}")
@@ -68,9 +65,9 @@ def main() -> None:
         f"trained {len(history.epoch)} epochs; best val_loss {min(history.history['val_loss']):.4f}"
     )
 
-    loss, accuracy = trainer.evaluate(x_test, y_test, batch_size=128, metrics=["accuracy"])
+    loss, accuracy = tm.evaluate(x_test, y_test, batch_size=128, verbose=0)
     print(f"test loss {loss:.4f}  test accuracy {accuracy:.4f}")
-    predicted = np.argmax(trainer.predict(x_test[:12]), axis=1)
+    predicted = np.argmax(tm.predict(x_test[:12], verbose=0), axis=1)
     print(f"predicted {predicted.tolist()}")
     print(f"labels    {y_test[:12].tolist()}")
 

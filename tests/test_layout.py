@@ -18,7 +18,7 @@ import pytest
 import towers
 
 PACKAGE = Path(towers.__file__).resolve().parent
-DATA_FLOW = {"devices.py", "split.py", "tower.py", "placement.py", "step.py"}
+DATA_FLOW = {"devices.py", "split.py", "tower.py", "placement.py", "step.py", "model.py"}
 
 
 def _modules() -> dict[str, Path]:

@@ -9,6 +9,8 @@ The package's top level is the data flow of one step (docs/architecture.md)::
     placement.py  where variables live: one copy on a parameter device, one per tower,
                   or one per tower with the optimizer state sharded (ZeRO 1–2)
     step.py       TowerTrainer: forward_backward -> reduce -> apply
+    model.py      TowerModel: the Keras face of step.py (compile, fit, evaluate, predict,
+                  save run the towers step) — the last stage of the data flow
 
 Tools are sub-packages that call the step's public phases: ``training/`` (fit,
 checkpoint, export), ``trace/`` (schedules, pictures, timelines), ``bench/``
@@ -29,6 +31,7 @@ from towers.guard.errors import (
     StepTimeout,
     TowersError,
 )
+from towers.model import TowerModel
 from towers.split import split
 from towers.step import TowerTrainer
 
@@ -39,6 +42,7 @@ __all__ = [
     "NonFiniteError",
     "ReplicaMismatchError",
     "StepTimeout",
+    "TowerModel",
     "TowerTrainer",
     "TowersError",
     "all_reduce",

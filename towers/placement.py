@@ -53,6 +53,7 @@ __all__ = [
     "Update",
     "check_devices",
     "check_weights",
+    "first_model",
     "get_placement",
     "make_replicas",
     "optimizer_state_bytes",
@@ -263,6 +264,16 @@ def _new_model(model: ModelLike, device: str, first: keras.Model | None) -> kera
             raise TypeError(f"model must be a keras.Model or a factory, got {type(model)}")
         _copy_variables(source, made)
     return made
+
+
+def first_model(model: ModelLike, device: str) -> keras.Model:
+    """The model replica 0 will hold on ``device``: ``model`` itself when its variables live
+    there, else a copy made there (what :func:`make_replicas` does for its first replica).
+
+    Raises:
+        TypeError, ValueError: as :func:`make_replicas`.
+    """
+    return _new_model(model, device, None)
 
 
 def _copy_variables(source: keras.Model, target: keras.Model) -> None:

@@ -338,6 +338,12 @@ class TowerTrainer:
         self.replica_check.after_step(self.replicas, self.deadline.name)
         return result
 
+    def retrace(self) -> None:
+        """Trace the step again on its next call: an optimizer's Python hyperparameter
+        (``weight_decay``, ``clipnorm``, …) is a constant in the traced graph, so a change
+        of one reaches the step only through a new trace (``towers.TowerModel`` calls this)."""
+        self._new_step_functions()
+
     def step_function(self, x: Any, y: Any, sample_weight: Any = None) -> Any:
         """The step traced for this input signature (a ``ConcreteFunction``: its graph)."""
         self._follow_trainable()

@@ -1,8 +1,10 @@
 """The main job: train a small CNN on the bundled digits over simulated towers.
 
-It then replays the same batches through the ``tf.distribute`` reference and
-reports the largest weight difference, so a newcomer sees at once that the
-hand-built step computes what MirroredStrategy computes.
+The towers side is Keras as a user writes it: ``towers.TowerModel``, ``compile``,
+``fit`` (one call per epoch, on that epoch's shuffled order). It then replays the same
+batches through the ``tf.distribute`` reference and reports the largest weight
+difference, so a newcomer sees at once that the hand-built step computes what
+MirroredStrategy computes.
 """
 
 from __future__ import annotations
@@ -79,31 +81,27 @@ def _accuracy(model: Any, x: np.ndarray, y: np.ndarray) -> float:
     return float(np.mean(np.argmax(logits, axis=1) == y))
 
 
-def _train(
-    trainer: Any, data: tuple[np.ndarray, ...], args: argparse.Namespace, label: str, verbose: bool
-) -> list[float]:
-    import keras
-
+def _replay(trainer: Any, data: tuple[np.ndarray, ...], args: argparse.Namespace) -> None:
+    """The reference's loop: ``train_step`` on the batches :func:`_fit_towers` fed to fit."""
     from towers.training.data import batches
 
     x_train, y_train, _, _ = data
-    steps = -(-len(x_train) // args.batch_size)
-    losses = []
     for epoch in range(args.epochs):
-        bar = keras.utils.Progbar(steps, stateful_metrics=["loss"], verbose=1 if verbose else 0)
-        total = 0.0
-        for k, (xb, yb) in enumerate(batches(x_train, y_train, args.batch_size, args.seed + epoch)):
-            loss = float(trainer.train_step(xb, yb))
-            total += loss * len(xb)
-            bar.update(k + 1, [("loss", loss)])
-        losses.append(total / len(x_train))
-        if verbose:
-            acc = _accuracy(trainer.model, x_train, y_train)
-            print(
-                f"{label} epoch {epoch + 1}/{args.epochs}: loss {losses[-1]:.4f}  "
-                f"train accuracy {acc:.4f}"
-            )
-    return losses
+        for xb, yb in batches(x_train, y_train, args.batch_size, args.seed + epoch):
+            trainer.train_step(xb, yb)
+
+
+def _fit_towers(tm: Any, data: tuple[np.ndarray, ...], args: argparse.Namespace) -> None:
+    """``tm.fit`` epoch by epoch, each on the order :func:`towers.training.data.batches`
+    draws for it (the reference replays the same batches)."""
+    x_train, y_train, _, _ = data
+    for epoch in range(args.epochs):
+        order = np.random.default_rng(args.seed + epoch).permutation(len(x_train))
+        history = tm.fit(x_train[order], y_train[order], batch_size=args.batch_size,
+                         initial_epoch=epoch, epochs=epoch + 1, shuffle=False, verbose=1)
+        acc = _accuracy(tm, x_train, y_train)
+        print(f"towers epoch {epoch + 1}/{args.epochs}: loss {history.history['loss'][-1]:.4f}  "
+              f"train accuracy {acc:.4f}")  # fmt: skip
 
 
 def _reference_kind(args: argparse.Namespace) -> str:
@@ -129,17 +127,12 @@ def run(args: argparse.Namespace) -> int:
         f"variables={args.variables}, {len(data[0])} training / {len(data[2])} test digits"
     )
     start = time.perf_counter()
-    trainer = towers.TowerTrainer(
-        lambda: digits_cnn(args.seed),
-        lambda: keras.optimizers.Adam(args.lr),
-        loss,
-        devices=devices,
-        all_reduce=args.algorithm,
-        variables=args.variables,
-    )
-    _train(trainer, data, args, "towers", verbose=True)
+    tm = towers.TowerModel(digits_cnn(args.seed), devices=devices, all_reduce=args.algorithm,
+                           variables=args.variables)  # fmt: skip
+    tm.compile(keras.optimizers.Adam(args.lr), loss)
+    _fit_towers(tm, data, args)
     seconds = time.perf_counter() - start
-    test_acc = _accuracy(trainer.model, data[2], data[3])
+    test_acc = _accuracy(tm, data[2], data[3])
     print(f"test accuracy: {test_acc:.4f}   ({seconds:.1f} s)")
     if args.reference == "none":
         return 0
@@ -154,8 +147,8 @@ def run(args: argparse.Namespace) -> int:
         devices=devices,
         cross_device_ops=kind,
     )
-    _train(ref, data, args, "reference", verbose=False)
-    diffs = [float(np.max(np.abs(a - b))) for a, b in zip(trainer.get_weights(), ref.get_weights())]
+    _replay(ref, data, args)
+    diffs = [float(np.max(np.abs(a - b))) for a, b in zip(tm.get_weights(), ref.get_weights())]
     scale = max(float(np.max(np.abs(w))) for w in ref.get_weights())
     print(
         f"largest weight difference to MirroredStrategy ({kind}): {max(diffs):.3g} "

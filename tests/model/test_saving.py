@@ -1,0 +1,50 @@
+"""``tm.save`` / ``keras.models.load_model`` and ``save_weights`` / ``load_weights`` round-trip.
+
+A loaded TowerModel has the towers options, devices re-resolved on this machine, every
+replica's weights and (``replicated``) optimizer state: training on continues bitwise as
+the saved model would.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import keras
+import numpy as np
+import pytest
+
+import towers
+from tests.conftest import DEVICES
+from tests.model.helpers import N, assert_replicas_equal, data, network, tower_model
+
+X, Y = data(20)
+
+
+@pytest.mark.parametrize("variables", ["replicated"])  # the one with replicas to refill
+def test_save_then_load_model_continues_bitwise(variables: str, tmp_path: Path) -> None:
+    tm = tower_model(variables, optimizer=keras.optimizers.Adam(0.01), on_nonfinite="raise")
+    tm.fit(X, Y, batch_size=10, verbose=0)
+    tm.save(tmp_path / "m.keras")
+    loaded = keras.models.load_model(tmp_path / "m.keras")
+    assert isinstance(loaded, towers.TowerModel) and loaded.trainer is not None
+    assert loaded.devices == DEVICES[:N]
+    assert loaded.trainer.on_nonfinite == "raise"
+    assert loaded.trainer.placement.name == variables
+    for model in (tm, loaded):  # the first fit broadcasts the loaded replica 0 (and its Adam)
+        model.fit(X, Y, batch_size=10, shuffle=False, verbose=0)
+    assert_replicas_equal(loaded)
+    for a, b in zip(tm.get_weights(), loaded.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_save_refuses_an_algorithm_it_cannot_name(tmp_path: Path) -> None:
+    tm = towers.TowerModel(network(), devices=DEVICES[:N], all_reduce=towers.ALGORITHMS["ring"],
+                           variables="replicated")
+    with pytest.raises(ValueError, match="all_reduce"):
+        tm.get_config()
+
+
+def test_save_refuses_sharded_optimizer_state(tmp_path: Path) -> None:
+    tm = tower_model("sharded")
+    with pytest.raises(ValueError, match="sharded"):
+        tm.save(tmp_path / "m.keras")

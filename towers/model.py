@@ -1,0 +1,320 @@
+"""``TowerModel``: the Keras face of the step — ``compile``/``fit`` run the towers step.
+
+::
+
+    keras fit/evaluate/predict loop      (data adapters, callbacks, progress bar, History)
+          │  one batch from Keras's iterator per step
+          ▼
+    train_function ─▶ trainer.train_step(x, y, w, return_outputs=True)   towers/step.py
+          │              split → forward_backward → reduce → apply (unchanged)
+          ▼
+    loss tracker ← the step's global mean loss; compiled metrics ← the step's own outputs
+
+A ``TowerModel`` is a real ``keras.Model`` wrapping the user's model (:attr:`network`,
+replica 0's copy). ``compile`` builds the :class:`~towers.TowerTrainer` from the compiled
+optimizer and loss; ``make_train_function``/``make_test_function``/``make_predict_function``
+hand Keras functions that pull one batch at a time and run the towers' step (or their
+inference pass), so everything else is Keras's own.
+
+Writes reach every replica (:mod:`towers.training.sync`): ``set_weights``/``load_weights``
+broadcast replica 0 at once;
+every ``fit``/``evaluate``/``predict`` and every epoch (Keras's ``reset_metrics``) broadcasts
+weights (and, ``replicated``, optimizer state) before its first step, so a callback's
+direct write lands too; an optimizer hyperparameter changed by a callback (learning rate,
+weight decay, …) is copied to every replica's optimizer before the next step, retracing
+the step where it is a Python number baked into the graph; a layer frozen or unfrozen is
+followed by the trainer (:mod:`towers.guard.trainable`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from towers.allreduce.machinery.ordering import as_written
+from towers.devices import canonical_device
+from towers.guard.arguments import check_choice
+from towers.guard.inputs import naming
+from towers.guard.loss_scale import REDUCE_DTYPES
+from towers.guard.nonfinite import NONFINITE
+from towers.guard.weights import check_devices
+from towers.placement import first_model, get_placement
+from towers.step import NON_TRAINABLE, TowerTrainer
+from towers.tower import loss_divisor
+from towers.training.inference import inference
+from towers.training.sync import Hyperparameters, broadcast
+
+__all__ = ["TowerModel"]
+
+
+@keras.saving.register_keras_serializable(package="towers")
+class TowerModel(keras.Model):
+    """A ``keras.Model`` whose ``fit``/``evaluate``/``predict`` run over explicit towers.
+
+    Args:
+        model: a built ``keras.Model`` (or a zero-argument factory returning one): the
+            network every tower runs. Its variables become replica 0's (it is cloned onto
+            replica 0's device when they live elsewhere).
+        devices: the towers' devices (default: every local logical device).
+        all_reduce, variables, parameter_device, non_trainable, sparse, on_nonfinite,
+        step_timeout, check_replicas_every, reduce_dtype, check_algorithm: the
+            :class:`~towers.TowerTrainer`'s options, passed through unchanged (the
+            combination is checked against the capability table at ``compile``).
+        name: the Keras model's name.
+
+    Raises:
+        TypeError, ValueError: a wrong model, device list or option (naming it).
+
+    Example:
+        >>> tm = towers.TowerModel(model, devices=devices, variables="replicated",
+        ...                        all_reduce="ring")                   # doctest: +SKIP
+        >>> tm.compile("sgd", "sparse_categorical_crossentropy", metrics=["accuracy"])
+        >>> history = tm.fit(x, y, batch_size=64, epochs=3, validation_split=0.1)
+    """
+
+    def __init__(
+        self,
+        model: keras.Model | Any,
+        devices: Sequence[str] | None = None,
+        all_reduce: Any = None,
+        variables: str = "parameter_device",
+        parameter_device: str | None = None,
+        non_trainable: str = "mean",
+        sparse: str | None = None,
+        on_nonfinite: str = "skip",
+        step_timeout: float | None = None,
+        check_replicas_every: int | None = None,
+        reduce_dtype: str = "float32",
+        check_algorithm: bool = True,
+        name: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(name=name, **kwargs)
+        placement = naming("variables", lambda: get_placement(variables))
+        check_choice("non_trainable", non_trainable, NON_TRAINABLE)
+        check_choice("on_nonfinite", on_nonfinite, NONFINITE)
+        check_choice("reduce_dtype", reduce_dtype, REDUCE_DTYPES)
+        self.devices = naming("devices", lambda: check_devices(devices))
+        self.options: dict[str, Any] = {
+            "all_reduce": all_reduce, "variables": variables, "parameter_device": parameter_device,
+            "non_trainable": non_trainable, "sparse": sparse, "on_nonfinite": on_nonfinite,
+            "step_timeout": step_timeout, "check_replicas_every": check_replicas_every,
+            "reduce_dtype": reduce_dtype, "check_algorithm": check_algorithm,
+        }  # fmt: skip
+        pd = naming("parameter_device", lambda: check_devices([parameter_device or
+                                                                self.devices[0]])[0])
+        self.network = first_model(model, placement.homes(self.devices, pd)[0])
+        self.trainer: TowerTrainer | None = None
+        self._hyper: Hyperparameters
+        self.built = True
+
+    def call(self, inputs: Any, training: bool | None = None) -> Any:
+        """The wrapped network on one device (Keras's symbolic build and a plain call)."""
+        return self.network(inputs, training=training)
+
+    # -- compile: the trainer ----------------------------------------------------------------
+
+    def compile(
+        self,
+        optimizer: Any = "rmsprop",
+        loss: Any = None,
+        loss_weights: Any = None,
+        metrics: Any = None,
+        weighted_metrics: Any = None,
+        run_eagerly: bool = False,
+        steps_per_execution: int = 1,
+        jit_compile: Any = "auto",
+        auto_scale_loss: bool = True,
+    ) -> None:
+        """Keras's ``compile``, then the :class:`~towers.TowerTrainer` for this optimizer and loss.
+
+        Raises:
+            ValueError: no loss, a loss per output, ``loss_weights`` or ``jit_compile=True``
+                (the towers' step is its own ``tf.function``), or options the capability
+                table refuses together.
+        """
+        if loss is None or isinstance(loss, dict | list | tuple):
+            raise ValueError(
+                f"loss must be one Keras loss, loss name or callable for TowerModel, got {loss!r}")
+        if loss_weights is not None:
+            raise ValueError(f"loss_weights must be None for TowerModel, got {loss_weights!r}")
+        if jit_compile is True:
+            raise ValueError("jit_compile must be False or 'auto' for TowerModel, got True")
+        super().compile(
+            optimizer=optimizer, loss=loss, metrics=metrics, weighted_metrics=weighted_metrics,
+            run_eagerly=run_eagerly, steps_per_execution=steps_per_execution, jit_compile=False,
+            auto_scale_loss=auto_scale_loss,
+        )  # fmt: skip
+        compiled: Any = self.optimizer  # type: ignore[has-type]  # Keras sets it untyped
+        self.trainer = TowerTrainer(self.network, compiled, loss, devices=self.devices,
+                                    **self.options)  # fmt: skip
+        first: Any = self.trainer.optimizer
+        if first is not compiled:  # it was built already: the trainer made a copy
+            self.optimizer = first
+        self._hyper = Hyperparameters(first)
+
+    def compile_from_config(self, config: dict[str, Any]) -> None:
+        """Compile from a saved compile config (``keras.models.load_model``), trainer included."""
+        self.compile(**keras.saving.deserialize_keras_object(config))
+
+    def _trainer(self) -> TowerTrainer:
+        if self.trainer is None:
+            raise RuntimeError("TowerModel must be compiled before training, evaluating or "
+                               "predicting: call tm.compile(optimizer, loss)")
+        return self.trainer
+
+    # -- the Keras functions -----------------------------------------------------------------
+
+    def make_train_function(self, force: bool = False) -> Any:
+        """One towers step per batch (``steps_per_execution`` batches per call)."""
+        self.broadcast()
+        self.train_function = self._loop(self._train_batch)
+        return self.train_function
+
+    def make_test_function(self, force: bool = False) -> Any:
+        """The towers' inference pass per batch; loss and compiled metrics updated."""
+        self.broadcast()
+        self.test_function = self._loop(self._test_batch)
+        return self.test_function
+
+    def make_predict_function(self, force: bool = False) -> Any:
+        """The towers' inference pass on each batch Keras hands over, outputs concatenated."""
+        self.broadcast()
+
+        def predict_function(data: Sequence[Any]) -> Any:
+            trainer = self._trainer()
+            outs = []
+            for batch in data:
+                x, _, _ = keras.utils.unpack_x_y_sample_weight(batch)
+                with as_written():
+                    outs.append(inference(trainer).outputs(x))
+            if len(outs) == 1:
+                return outs[0]
+            return tf.nest.map_structure(lambda *parts: tf.concat(parts, 0), *outs)
+
+        self.predict_function = predict_function
+        return predict_function
+
+    def _loop(self, one_batch: Any) -> Any:
+        def function(iterator: Any) -> Any:
+            logs = None
+            for _, data in zip(range(self.steps_per_execution), iterator):
+                logs = one_batch(data)
+            if logs is None:  # the data ran out: Keras's catch_stop_iteration ends the epoch
+                raise StopIteration
+            return logs
+
+        return function
+
+    def _train_batch(self, data: Any) -> dict[str, Any]:
+        trainer = self._trainer()
+        self._hyper.follow(trainer)
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        loss, outputs = trainer.train_step(x, y, sample_weight, return_outputs=True)
+        return self._update_metrics(x, y, outputs, sample_weight, loss)
+
+    def _test_batch(self, data: Any) -> dict[str, Any]:
+        trainer = self._trainer()
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        with as_written():
+            total, outputs = inference(trainer).loss_and_outputs(x, y, sample_weight)
+        size = tf.shape(tf.nest.flatten(x)[0])[0]
+        weights = [] if sample_weight is None else [sample_weight]
+        divisor = loss_divisor(trainer.loss_reduction, size, weights, trainer.parameter_device)
+        loss = total / tf.cast(divisor, total.dtype)
+        reg = self.network.losses
+        if reg:
+            loss = loss + tf.add_n([tf.cast(r, loss.dtype) for r in reg])
+        return self._update_metrics(x, y, outputs, sample_weight, loss)
+
+    def _update_metrics(self, x: Any, y: Any, outputs: Any, sample_weight: Any,
+                        loss: Any) -> dict[str, Any]:
+        """The loss tracker takes the batch's global mean loss, weighted by the batch size
+        (what MirroredStrategy's per-replica trackers sum to); the compiled metrics the
+        outputs, concatenated in tower order."""
+        size = tf.shape(tf.nest.flatten(x)[0])[0]
+        self._loss_tracker.update_state(loss, sample_weight=size)
+        return self.compute_metrics(x, y, outputs, sample_weight=sample_weight)
+
+    # -- writes reach every replica ----------------------------------------------------------
+
+    def reset_metrics(self) -> None:
+        """Keras's ``reset_metrics`` (every epoch, every evaluate), then :meth:`broadcast`."""
+        super().reset_metrics()
+        self.broadcast()
+
+    def set_weights(self, weights: Sequence[np.ndarray]) -> None:
+        """Set the weights of every replica (``tm.weights`` order), all or nothing."""
+        super().set_weights(weights)
+        self.broadcast()
+
+    def load_weights(self, filepath: Any, skip_mismatch: bool = False, **kwargs: Any) -> None:
+        """Keras's ``load_weights`` into :attr:`network`, then to every replica."""
+        super().load_weights(filepath, skip_mismatch=skip_mismatch, **kwargs)
+        self.broadcast()
+
+    def broadcast(self) -> None:
+        """Copy replica 0 to every other replica (:func:`towers.training.sync.broadcast`)
+        and its optimizer's hyperparameters. Nothing to do before ``compile``."""
+        if self.trainer is not None:
+            self._hyper.follow(self.trainer)
+            broadcast(self.trainer)
+
+    # -- saving ------------------------------------------------------------------------------
+
+    def save(self, filepath: Any, overwrite: bool = True, zipped: Any = None,
+             **kwargs: Any) -> None:
+        """Keras's ``save`` (a ``.keras`` file that ``keras.models.load_model`` opens).
+
+        Raises:
+            ValueError: ``variables="sharded"``: the optimizer state is spread over the
+                towers and a ``.keras`` file holds one optimizer (use ``save_weights`` and
+                :mod:`towers.training.checkpoint`, which keep every shard).
+        """
+        if self.trainer is not None and self.trainer.placement.name == "sharded":
+            raise ValueError(
+                "variables='sharded' cannot be saved as one .keras file (its optimizer state is "
+                "sharded over the towers): use tm.save_weights, or towers.training.checkpoint")
+        super().save(filepath, overwrite=overwrite, zipped=zipped, **kwargs)
+
+    def get_config(self) -> dict[str, Any]:
+        """The network's config and the towers options; devices as a count (re-resolved on load).
+
+        Raises:
+            ValueError: ``all_reduce`` is not a registry name (a callable cannot be saved).
+        """
+        algorithm = self.options["all_reduce"]
+        if algorithm is not None and not isinstance(algorithm, str):
+            raise ValueError(
+                "all_reduce must be a registry name (or None) to save a TowerModel's config, "
+                f"got {algorithm!r}")
+        options = dict(self.options)
+        pd = options["parameter_device"]
+        options["parameter_device"] = None if pd is None else _index(self.devices, pd)
+        return {
+            "name": self.name, "model": keras.saving.serialize_keras_object(self.network),
+            "num_devices": len(self.devices), **options,
+        }  # fmt: skip
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], custom_objects: Any = None) -> TowerModel:
+        """A TowerModel on the first ``num_devices`` local devices (all of them if fewer)."""
+        config = dict(config)
+        network = keras.saving.deserialize_keras_object(config.pop("model"),
+                                                        custom_objects=custom_objects)
+        local = check_devices(None)
+        devices = local[: config.pop("num_devices")]
+        pd = config.pop("parameter_device", None)
+        return cls(network, devices=devices,
+                   parameter_device=None if pd is None or pd >= len(devices) else devices[pd],
+                   **config)  # fmt: skip
+
+
+def _index(devices: list[str], device: str) -> int | None:
+    """The position of ``device`` among ``devices`` (None: not one of them)."""
+    name = canonical_device(device)
+    return devices.index(name) if name in devices else None
