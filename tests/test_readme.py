@@ -73,3 +73,28 @@ def test_the_mistake_count_is_the_matrix() -> None:
 
     said = re.search(r"`docs/bad_inputs.md` lists (\d+) mistakes", README.read_text())
     assert said is not None and int(said.group(1)) == len(CASES)
+
+
+def test_the_keras_block_runs_as_printed(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """"Keras: compile and fit": the block trains, saves and loads a TowerModel as printed."""
+    (block,) = _blocks("Keras: compile and fit")
+    # the block's first line starts the devices; the test session already has 8, so the
+    # block gets 4 of them instead (the same call, after the runtime started, is refused)
+    code = block.replace("devices = towers.simulate_devices(4)", "devices = DEVICES[:4]")
+    assert code != block
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"),
+                              keras.layers.Dense(3, activation="softmax")])
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(150, 6)).astype(np.float32)
+    y = rng.integers(0, 3, size=150)
+    monkeypatch.chdir(tmp_path)
+    scope: dict[str, object] = {"DEVICES": DEVICES, "model": model, "x": x, "y": y}
+    exec(code, scope)
+    tm, history = scope["tm"], scope["history"]
+    assert isinstance(tm, towers.TowerModel) and tm.trainer.devices == list(DEVICES[:4])
+    assert {"loss", "accuracy", "val_loss", "val_accuracy"} <= set(history.history)  # type: ignore[attr-defined]
+    loaded = keras.models.load_model(tmp_path / "m.keras")
+    assert isinstance(loaded, towers.TowerModel)
+    for got, want in zip(loaded.get_weights(), tm.get_weights(), strict=True):  # type: ignore[attr-defined]
+        np.testing.assert_array_equal(got, want)
