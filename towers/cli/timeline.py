@@ -14,6 +14,8 @@ import argparse
 import json
 import sys
 
+from towers.cli.arguments import algorithm, output_file
+
 __all__ = ["EPILOG", "add_arguments", "run"]
 
 EPILOG = """examples:
@@ -29,7 +31,7 @@ Open the JSON at https://ui.perfetto.dev (Open trace file) or in chrome://tracin
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``towers timeline``."""
     parser.add_argument("--towers", type=int, default=4, help="simulated devices (default 4)")
-    parser.add_argument("--algorithm", default="ring",
+    parser.add_argument("--algorithm", type=algorithm, default="ring",
                         help="a registered name (default ring) or module:function")
     parser.add_argument("--variables", default="replicated",
                         choices=("replicated", "parameter_device"),
@@ -37,7 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=64, help="global batch (default 64)")
     parser.add_argument("--repeats", type=int, default=5,
                         help="timed runs per phase; the median is used (default 5)")
-    parser.add_argument("--out", default="timeline.json", help="output (default timeline.json)")
+    parser.add_argument("--out", type=output_file, default="timeline.json",
+                        help="output (default timeline.json)")
     parser.add_argument("--seed", type=int, default=0, help="seed for weights and the batch")
 
 
