@@ -104,15 +104,15 @@ def _check(name: str, fn: Any, counts: list[int], examples: int, options: dict[s
 
     per_count = max(2, -(-examples // len(counts)))  # as check_all_reduce spreads them
     bar = keras.utils.Progbar(len(counts), unit_name="tower count")
-    total, report = 0, None
+    total, strata, report = 0, 0, None
     for k, n in enumerate(counts):
         report = check_all_reduce(fn, tower_counts=[n], max_examples=per_count, **options)
-        total += report.examples
+        total, strata = total + report.examples, strata + report.stratified
         bar.update(k + 1, finalize=not report.ok or k + 1 == len(counts))
         if not report.ok:
             break
     assert report is not None  # counts is not empty
-    return dataclasses.replace(report, algorithm=name, examples=total)
+    return dataclasses.replace(report, algorithm=name, examples=total, stratified=strata)
 
 
 def _prove(fn: Any, upto: int) -> bool:
