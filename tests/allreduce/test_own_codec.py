@@ -123,3 +123,8 @@ def test_the_codec_passes_its_check_and_trains(
     assert isinstance(losses, list) and np.all(np.isfinite(losses))
     assert losses[-1] < 0.8 * losses[0], out  # it learns: error feedback keeps the signal
     assert type(scope["trainer"].reducer.dense.codec).__name__ == "Int8"  # type: ignore[attr-defined]
+    from towers.allreduce import compressed
+
+    assert type(compressed("ring", "my_codecs:Int8").codec).__name__ == "Int8"
+    with pytest.raises(ValueError, match="codec: my_codecs:Int8State must be a codec"):
+        compressed("ring", "my_codecs:Int8State")

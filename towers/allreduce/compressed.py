@@ -100,7 +100,11 @@ def _as_codec(name: str, obj: Any) -> Codec:
     if isinstance(obj, Record) and obj.kind != "codec":
         raise ValueError(f"codec: {name} is a record of kind {obj.kind!r}, not a codec")
     if (isinstance(obj, type) or not isinstance(obj, Codec)) and callable(obj):
-        obj = obj()  # a class, a record or a factory: its defaults
+        try:
+            obj = obj()  # a class, a record or a factory: its defaults
+        except TypeError as err:
+            raise ValueError(f"codec: {name} must be a codec (with init() and reduce()) or a "
+                             f"factory of one taking no arguments; calling it: {err}") from err
     if isinstance(obj, type) or not isinstance(obj, Codec):
         raise ValueError(f"codec: {name} must be a codec (with init() and reduce()) or a "
                          f"factory of one, got {obj!r}")
