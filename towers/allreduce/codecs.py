@@ -1,10 +1,10 @@
 """Gradient codecs for :func:`towers.allreduce.compressed`: fewer bytes on the wire.
 
 A codec turns one variable's per-tower gradients into a (lossy) sum, moving data only
-through a :class:`Wire`. Its per-tower halves follow Horovod's ``compress`` /
-``decompress``: ``encode(tensor, state) -> (payload, state)`` on each tower, the payload
-crosses the wire, ``decode`` rebuilds a dense tensor. State (error feedback, PowerSGD's
-``Q``) is an explicit ``NamedTuple`` of tensors, as in optax; the
+through a :class:`~towers.allreduce.wire.Wire`. Its per-tower halves follow Horovod's
+``compress`` / ``decompress``: ``encode(tensor, state) -> (payload, state)`` on each
+tower, the payload crosses the wire, ``decode`` rebuilds a dense tensor. State (error
+feedback, PowerSGD's ``Q``) is an explicit ``NamedTuple`` of tensors, as in optax; the
 :class:`~towers.allreduce.compressed.Compressed` module keeps it in variables::
 
     tower t:  g_t ─encode(g_t, state_t)─▶ payload_t ──wire──▶ decode ─▶ Σ_t g_t (approx.)
@@ -48,7 +48,6 @@ __all__ = [
     "Identity",
     "TopK",
     "TopKState",
-    "Wire",
     "bf16",
     "fp16",
     "identity",

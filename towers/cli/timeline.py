@@ -1,22 +1,23 @@
-"""``towers timeline``: one training step as a Perfetto / chrome://tracing timeline.
+"""``towers timeline``: the command (options, writing and checking the JSON).
 
-A small CNN on the bundled 8×8 digits is trained over simulated towers; the trainer's
-phases (forward, backward, all-reduce, apply) are compiled one by one, timed (median of
---repeats runs) and laid out as the step orders them, one process per tower. What is
-measured and what is modelled (tick lengths) is told in :mod:`towers.trace.timeline`,
-which does the measuring and the layout; this module is the command: its options, and
-writing and checking the JSON. TensorFlow is imported only when the command runs.
+Its description is :mod:`towers.trace.timeline`'s docstring, which does the measuring and
+the layout; it is read from the source, so ``--help`` imports no TensorFlow.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import sys
+from pathlib import Path
 
 from towers.cli.arguments import algorithm, output_file
 
 __all__ = ["EPILOG", "add_arguments", "run"]
+
+__doc__ = ast.get_docstring(ast.parse(
+    (Path(__file__).resolve().parents[1] / "trace" / "timeline.py").read_text())) or __doc__
 
 EPILOG = """examples:
   python -m towers timeline                                  # 4 towers, ring

@@ -55,8 +55,8 @@ def import_spec(spec: str, what: str = "algorithm") -> Any:
     for part in attr.split("."):
         if not hasattr(obj, part):
             found = sorted(k for k, v in vars(loaded).items() if callable(v) and k[0] != "_")
-            raise ValueError(f"module {module!r} has no {attr!r} (for {what} {spec}); its "
-                             f"callables: {', '.join(found) or 'none'}")
+            raise ValueError(f"module {module!r} has no {attr!r}; its callables: "
+                             f"{', '.join(found) or 'none'} (for {what} {spec})")
         obj = getattr(obj, part)
     return obj
 
