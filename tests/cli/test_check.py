@@ -45,7 +45,10 @@ def forgets_the_last(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf
 
 
 def _check(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    code = cli.main(["check", *args, "--max-towers", "8"])
+    try:
+        code = cli.main(["check", *args, "--max-towers", "8"])
+    except SystemExit as exit_:  # a usage error, found while parsing
+        code = int(exit_.code or 0)
     captured = capsys.readouterr()
     return code, captured.out, captured.err
 
@@ -137,10 +140,10 @@ def test_prove_0_skips_the_proof(capsys) -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["butterfly"], "unknown all_reduce 'butterfly'"),
+        (["butterfly"], "argument algorithm: unknown algorithm 'butterfly'"),
         (["tests.cli.test_check:nothing"], "has no 'nothing'"),
         (["ring", "--towers", "9"], "tower counts in 1..8"),
-        (["ring", "--dtypes", "float33"], "float33"),
+        (["ring", "--dtypes", "float33"], "argument --dtypes: unknown dtype 'float33'"),
         (["swing", "--prove", "-1"], "--prove >= 0"),
     ],
 )

@@ -18,6 +18,7 @@ from towers.testing.check import (
     Closeness,
     assert_close,
     check_all_reduce,
+    stratified,
     tower_values,
     ulp_distance,
 )
@@ -296,3 +297,35 @@ def test_opaque_collectives_without_a_record_fail_replay_too() -> None:
                      dtypes=["float32"], ops=["sum"], shapes=[(3,)])
     refusals = [f for f in report.failures if f.startswith("replay impossible:")]
     assert refusals and "opaque" in refusals[0], report
+
+
+def mean_by_a_power_of_two(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
+    """Planted bug: ``mean`` divides by the largest power of two <= n, so it is right for
+    every op at n = 1, 2, 4, 8 and wrong only for ``mean`` at n = 3, 5, 6, 7."""
+    if op != "mean":
+        return naive(values, op=op)
+    fold = 1 << (len(values).bit_length() - 1)
+    out = []
+    for total in naive(values, op="sum"):
+        with tf.device(total.device):
+            out.append(total / tf.cast(fold, total.dtype))
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, None], ids=["seed0", "seed1", "seed2", "fresh"])
+def test_every_tower_count_and_op_pair_is_drawn_so_a_mean_only_bug_is_always_caught(
+    seed: int | None,
+) -> None:
+    report = check_all_reduce(mean_by_a_power_of_two, devices=DEVICES, seed=seed)
+    assert not report.ok, report  # the default check: 8 tower counts, 4 ops, 20 examples
+    assert report.example is not None and "n=3" in report.example and "mean" in report.example
+
+
+def test_stratified_examples_cover_every_op_and_are_counted_in_a_note() -> None:
+    cases = stratified(5, [tf.float16, tf.float32, tf.int32], ["sum", "mean", "max", "min"])
+    assert [(c.n, c.op, c.arrays[0].dtype, c.arrays[0].shape) for c in cases] == [
+        (5, op, np.float32, (11,)) for op in ("sum", "mean", "max", "min")]
+    assert [c.op for c in stratified(3, [tf.int64], ["sum", "mean"])] == ["sum"]
+    report = check_all_reduce("naive", max_towers=3, devices=DEVICES, max_examples=6)
+    assert report.ok and (report.examples, report.stratified) == (6, 12), report
+    assert "note: plus 12 stratified examples: every (tower count, op) pair" in str(report)

@@ -18,7 +18,7 @@ from towers.allreduce.bruck import bruck
 from towers.allreduce.bucketed import bucketed, pack, unpack
 from towers.allreduce.codecs import bf16, fp16, topk
 from towers.allreduce.collective_registry import COLLECTIVE_ALGORITHMS
-from towers.allreduce.compressed import CODECS, compressed
+from towers.allreduce.compressed import CODECS, compressed, register_codec
 from towers.allreduce.double_binary_tree import double_binary_tree
 from towers.allreduce.halving_doubling import halving_doubling
 from towers.allreduce.hand_collectives import all_gather, broadcast, reduce_scatter
@@ -94,6 +94,7 @@ __all__ = [
     "record",
     "reduce_scatter",
     "register",
+    "register_codec",
     "ring",
     "run_schedule",
     "scheduled",

@@ -1,10 +1,10 @@
 """Gradient codecs for :func:`towers.allreduce.compressed`: fewer bytes on the wire.
 
 A codec turns one variable's per-tower gradients into a (lossy) sum, moving data only
-through a :class:`Wire`. Its per-tower halves follow Horovod's ``compress`` /
-``decompress``: ``encode(tensor, state) -> (payload, state)`` on each tower, the payload
-crosses the wire, ``decode`` rebuilds a dense tensor. State (error feedback, PowerSGD's
-``Q``) is an explicit ``NamedTuple`` of tensors, as in optax; the
+through a :class:`~towers.allreduce.wire.Wire`. Its per-tower halves follow Horovod's
+``compress`` / ``decompress``: ``encode(tensor, state) -> (payload, state)`` on each
+tower, the payload crosses the wire, ``decode`` rebuilds a dense tensor. State (error
+feedback, PowerSGD's ``Q``) is an explicit ``NamedTuple`` of tensors, as in optax; the
 :class:`~towers.allreduce.compressed.Compressed` module keeps it in variables::
 
     tower t:  g_t ─encode(g_t, state_t)─▶ payload_t ──wire──▶ decode ─▶ Σ_t g_t (approx.)
@@ -34,14 +34,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 import tensorflow as tf
 
-from towers.allreduce.machinery.base import AllReduce
-from towers.allreduce.machinery.primitives import send
+from towers.allreduce.wire import Wire
 
 __all__ = [
     "Cast",
@@ -49,78 +48,74 @@ __all__ = [
     "Identity",
     "TopK",
     "TopKState",
-    "Wire",
     "bf16",
     "fp16",
     "identity",
+    "rounding",
     "topk",
 ]
 
 _U32 = 2.0**-24
 
 
-@dataclasses.dataclass(frozen=True)
-class Wire:
-    """What a codec may use to talk to the other towers during one step.
-
-    Attributes:
-        devices: one device per tower.
-        algorithm: the dense all-reduce (called with ``op="sum"``).
-        decoders: the towers that decode; the others receive decoder ``decoders[0]``'s result.
-    """
-
-    devices: tuple[str, ...]
-    algorithm: AllReduce
-    decoders: tuple[int, ...] = (0,)
-
-    @property
-    def towers(self) -> int:
-        return len(self.devices)
-
-    def all_reduce(self, values: Sequence[tf.Tensor]) -> list[tf.Tensor]:
-        """Sum ``values[tower]`` with the algorithm; output ``t`` on ``devices[t]``."""
-        outs = list(self.algorithm(list(values), op="sum"))
-        if len(outs) != len(values):
-            raise ValueError(f"algorithm returned {len(outs)} outputs for {len(values)} values")
-        return outs
-
-    def per_tower(self, fn: Callable[[int], Any]) -> list[Any]:
-        """``[fn(tower) for tower]``, each call under that tower's device (local work)."""
-        out = []
-        for t, device in enumerate(self.devices):
-            with tf.device(device):
-                out.append(fn(t))
-        return out
-
-    def gather(self, values: Sequence[tf.Tensor], dst: int) -> list[tf.Tensor]:
-        """Every tower's value on tower ``dst``, in tower order (one send per other tower)."""
-        return [send(v, self.devices[dst], note="gather") for v in values]
-
-    def decode(self, fn: Callable[[int], tf.Tensor]) -> list[tf.Tensor]:
-        """Run ``fn(tower)`` on each decoder tower; copy decoder 0's result to the rest."""
-        done = {}
-        for t in self.decoders:
-            with tf.device(self.devices[t]):
-                done[t] = fn(t)
-        first = done[self.decoders[0]]
-        return [done[t] if t in done else send(first, d, note="decoded")
-                for t, d in enumerate(self.devices)]
-
-
 @runtime_checkable
 class Codec(Protocol):
-    """Compresses one variable's gradients across towers.
+    """The contract of a codec: how one variable's per-tower gradients become one sum.
 
-    ``init`` gives one tower's initial state (a tuple of tensors, ``()`` when stateless;
-    ``key`` numbers the variable); ``reduce`` takes ``tensors[tower]`` and
-    ``states[tower]`` and returns ``(outputs[tower], new_states[tower])``.
+    **State.** One tower's state for one variable is a tuple of tensors (a ``NamedTuple``
+    reads best; ``()`` when stateless). ``Compressed`` keeps one copy per tower in
+    variables on that tower's device, with the shapes and dtypes ``init`` gave them
+    (they never change), checkpoints them, and hands them back to ``reduce`` as the same
+    tuple type. A step that is not applied (skipped, overflowed) leaves them untouched.
+
+    **Error feedback.** A state field named ``residual`` (the variable's shape) is what a
+    tower has not sent yet. A codec keeps the invariant, for every element, with ``r``
+    the old residuals and ``r'`` the new ones::
+
+        output + Σ_t r'_t  ==  Σ_t (g_t + r_t)        within error_bound(Σ_t |g_t| + |r_t|)
+
+    so nothing is lost, only delayed. Without a residual it reads ``output == Σ_t g_t``.
+
+    Optional formulas that :func:`towers.testing.check_codec` checks when present:
+    ``payload_bytes(shape, dtype) -> int`` (bytes one tower hands the :class:`Wire` for
+    one variable in one step) and ``error_bound(abs_sum, towers, depth) -> ndarray``
+    (the invariant's rounding, element-wise, float64).
     """
 
-    def init(self, shape: tf.TensorShape, dtype: tf.DType, key: int) -> tuple[Any, ...]: ...
+    def init(self, shape: tf.TensorShape, dtype: tf.DType, key: int) -> tuple[Any, ...]:
+        """One tower's initial state for one variable.
+
+        Args:
+            shape: the variable's (gradient's) shape.
+            dtype: its dtype.
+            key: the variable's index in the model, the same on every tower (a seed).
+
+        Returns:
+            A tuple of tensors, the same on every tower (``()`` when stateless).
+        """
+        ...
 
     def reduce(
         self, tensors: Sequence[tf.Tensor], states: Sequence[Any], wire: Wire
-    ) -> tuple[list[tf.Tensor], list[Any]]: ...
+    ) -> tuple[list[tf.Tensor], list[Any]]:
+        """Sum one variable's gradients across towers, moving data only through ``wire``.
+
+        Args:
+            tensors: ``tensors[tower]``, each tower's gradient on its device.
+            states: ``states[tower]``, each tower's state (as ``init`` made it).
+            wire: the devices, the dense all-reduce, gathers and the decoders.
+
+        Returns:
+            ``(outputs, new_states)``: ``outputs[tower]`` on ``wire.devices[tower]``, bitwise
+            the same on every tower (decode with ``wire.decode``), and each tower's next
+            state, of the same structure, shapes and dtypes.
+        """
+        ...
+
+
+def rounding(k: int, abs_sum: Any, u: float = _U32) -> np.ndarray:
+    """``γ_k·abs_sum`` = ``k·u / (1 − k·u)·abs_sum``: k roundings of unit roundoff ``u``."""
+    return k * u / (1 - k * u) * np.asarray(abs_sum, np.float64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +130,14 @@ class Identity:
     ) -> tuple[list[tf.Tensor], list[Any]]:
         reduced = wire.all_reduce(tensors)
         return wire.decode(lambda t: reduced[t]), list(states)
+
+    def payload_bytes(self, shape: tf.TensorShape, dtype: tf.DType) -> int:
+        """The whole gradient: ``S`` bytes."""
+        return int(tf.TensorShape(shape).num_elements()) * tf.as_dtype(dtype).size
+
+    def error_bound(self, abs_sum: Any, towers: int, depth: int) -> np.ndarray:
+        """The algorithm's own: ``γ_depth·Σ|g_t|`` (float32)."""
+        return rounding(depth, abs_sum)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,6 +185,10 @@ class Cast:
         reduced = wire.all_reduce(payloads)
         return wire.decode(lambda t: self.decode(reduced[t], n, tensors[t].dtype)), list(states)
 
+    def payload_bytes(self, shape: tf.TensorShape, dtype: tf.DType) -> int:
+        """Every element in 16 bits: ``S/2`` for float32."""
+        return int(tf.TensorShape(shape).num_elements()) * self.dtype.size
+
     def error_bound(self, abs_sum: Any, towers: int, depth: int) -> np.ndarray:
         """The bound above for ``abs_sum`` = Σ|x_i| (element-wise), as float64."""
         u = 2.0**-11 if self.dtype == tf.float16 else 2.0**-8
@@ -227,6 +234,15 @@ class TopK:
         values = tf.gather(delta, indices)
         residual = tf.tensor_scatter_nd_update(delta, indices[:, None], tf.zeros_like(values))
         return (indices, values), TopKState(tf.reshape(residual, tf.shape(tensor)))
+
+    def payload_bytes(self, shape: tf.TensorShape, dtype: tf.DType) -> int:
+        """``k`` int32 indices and ``k`` values."""
+        return self.count(int(tf.TensorShape(shape).num_elements())) * (4 + tf.as_dtype(dtype).size)
+
+    def error_bound(self, abs_sum: Any, towers: int, depth: int) -> np.ndarray:
+        """``Δ = g + r`` rounds once; the split of ``Δ`` is exact; the scatter-adds in
+        tower order round at most ``towers − 1`` times: ``γ_towers·Σ(|g_t| + |r_t|)``."""
+        return rounding(towers, abs_sum)
 
     def decode(
         self, indices: Sequence[tf.Tensor], values: Sequence[tf.Tensor], like: tf.Tensor

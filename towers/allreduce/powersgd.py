@@ -42,9 +42,11 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+import numpy as np
 import tensorflow as tf
 
-from towers.allreduce.codecs import Wire
+from towers.allreduce.codecs import rounding
+from towers.allreduce.wire import Wire
 from towers.guard.arguments import positive_int
 
 __all__ = ["PowerSGD", "PowerSGDState", "orthogonalize", "powersgd"]
@@ -57,7 +59,7 @@ _SMALLEST_NORMAL = {
 class PowerSGDState(NamedTuple):
     """One tower's state for one compressed matrix."""
 
-    error: tf.Tensor  # the variable's shape: what this tower has not sent yet
+    residual: tf.Tensor  # the variable's shape: what this tower has not sent yet
     q: tf.Tensor  # c × r: the projection for the next step, the same on every tower
     rng: tf.Tensor  # int64 [2]: stateless seed of the next fresh Q (warm_start=False)
 
@@ -103,6 +105,28 @@ class PowerSGD:
             return None
         return m, c, r
 
+    def payload_bytes(self, shape: tf.TensorShape, dtype: tf.DType) -> int:
+        """``(m + c)·r`` elements (P and Q), or the whole ``S`` when sent uncompressed."""
+        dims, size = self.matrix(list(shape)), tf.as_dtype(dtype).size
+        if dims is None:
+            return int(tf.TensorShape(shape).num_elements()) * size
+        m, c, r = dims
+        return (m + c) * r * size
+
+    def error_bound(self, abs_sum: Any, towers: int, depth: int) -> np.ndarray:
+        """Rounding of ``out + Σ e' = Σ Δ``, float32. The same ``P̂`` (orthonormal columns,
+        so ``|P̂ P̂ᵀ x| ≤ ‖x‖``) builds both sides, so the orthogonalization's rounding
+        cancels; what remains are the matmuls' inner sums (at most ``m``, ``r`` terms),
+        the all-reduce of ``Q`` (``depth``) and ``Δ = g + e``: ``k = m + r + depth + 3``
+        roundings on terms no larger than ``|Δ|`` element-wise plus ``‖Δ‖`` (the Frobenius
+        norm of ``Σ|Δ_t|``), with a factor 2 for ``Σ_t e'_t`` and ``out`` each."""
+        abs_sum = np.asarray(abs_sum, np.float64)
+        dims = self.matrix(list(abs_sum.shape))
+        if dims is None:
+            return rounding(depth + 1, abs_sum)
+        m, _, r = dims
+        return 2 * rounding(m + r + depth + 3, abs_sum + np.sqrt(np.sum(abs_sum**2)))
+
     def _draw(self, rng: tf.Tensor, c: int, r: int, dtype: tf.DType) -> tf.Tensor:
         return tf.random.stateless_normal([c, r], seed=rng, dtype=dtype)
 
@@ -123,7 +147,7 @@ class PowerSGD:
             return wire.decode(lambda t: reduced[t]), list(states)
         m, c, r = dims
         shape = tensors[0].shape
-        deltas = wire.per_tower(lambda t: tf.reshape(tensors[t] + states[t].error, [m, c]))
+        deltas = wire.per_tower(lambda t: tf.reshape(tensors[t] + states[t].residual, [m, c]))
         p = wire.all_reduce(wire.per_tower(lambda t: tf.matmul(deltas[t], states[t].q)))
         p_hat = wire.decode(lambda t: orthogonalize(p[t]))
         qs = wire.per_tower(lambda t: tf.matmul(deltas[t], p_hat[t], transpose_a=True))

@@ -14,7 +14,9 @@ Commands:
     study     compare reducers and codecs: loss against gradient bytes and predicted time.
 
 Each command lives in its own module with ``add_arguments(parser)`` and
-``run(args) -> exit code``. Nothing starts TensorFlow's runtime before a command runs,
+``run(args) -> exit code``. Algorithms and codecs are a registered name or ``module:NAME``
+in every command (:mod:`towers.cli.arguments`); a usage error is one line and exit
+status 2, before any work. Nothing starts TensorFlow's runtime before a command runs,
 so each can simulate the devices it needs first.
 """
 
@@ -24,6 +26,7 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 __all__ = ["COMMANDS", "main", "parser"]
 
@@ -42,9 +45,16 @@ COMMANDS: dict[str, tuple[str, str]] = {
 """Command name -> (module with add_arguments/run, one-line help)."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """A usage error is one line on stderr, naming the option, and exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def parser() -> argparse.ArgumentParser:
     """The argument parser with every subcommand."""
-    top = argparse.ArgumentParser(
+    top = _Parser(
         prog="towers", description="Exact, teachable data-parallel training in TensorFlow."
     )
     sub = top.add_subparsers(dest="command", required=True, metavar="COMMAND")

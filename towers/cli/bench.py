@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from towers.cli.arguments import algorithms, choices, output_dir
 from towers.cli.train import at_least
 
 __all__ = ["EPILOG", "SECTIONS", "add_arguments", "run"]
@@ -28,17 +29,33 @@ __all__ = ["EPILOG", "SECTIONS", "add_arguments", "run"]
 SECTIONS = (
     "allreduce", "costmodel", "training", "scaling", "phases", "memory", "paper", "pipeline",
 )
+TF_CONTENDERS = ("tf.CollectiveAllReduce", "tf.ReductionToOneDevice")
+"""The ``tf.*`` names ``--algorithms`` takes beside towers' (the all-reduce table only)."""
+
 EPILOG = """examples:
   python -m towers bench --quick                     # 4 KB-1 MB, few rounds (~2 min)
   python -m towers bench                             # 4 KB-64 MB, both models (~6 min)
   python -m towers bench --sections allreduce --algorithms naive,ring,tf.CollectiveAllReduce
   python -m towers bench --sections training --models mlp --profile
   python -m towers bench --sections pipeline         # host slicing vs per-device input pipeline
+  python -m towers bench --sections allreduce --algorithms ring,my_algos:star   # ./my_algos.py
 """
 
 
 def _csv(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def _models() -> list[str]:
+    from towers.bench.training import MODELS
+
+    return list(MODELS)
+
+
+def _placements() -> list[str]:
+    from towers.step import PLACEMENTS
+
+    return list(PLACEMENTS)
 
 
 def _ints(text: str) -> list[int]:
@@ -56,19 +73,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--towers", type=at_least(1), default=4,
         help="simulated devices for the tables (default 4)")
     add("--quick", action="store_true", help="4 KB-1 MB, fewer rounds, scaling to 8 towers")
-    add("--out", type=Path, default=Path("benchmarks"), help="output folder (default benchmarks/)")
-    add("--sections", type=_csv, default=list(SECTIONS),
+    add("--out", type=output_dir, default=Path("benchmarks"),
+        help="output folder (default benchmarks/)")
+    add("--sections", type=choices(SECTIONS, "section"), default=list(SECTIONS),
         help=f"comma list of {', '.join(SECTIONS)} (default all)")
-    add("--algorithms", type=_csv, default=None,
-        help="comma list of registered algorithms (default all; tf.* names select "
+    add("--algorithms", type=algorithms(TF_CONTENDERS), default=None,
+        help="comma list of registered algorithms or module:NAME (default all; tf.* names select "
         "tf.CollectiveAllReduce / tf.ReductionToOneDevice in the all-reduce table)")
     add("--sizes", type=_ints, default=None, help="comma list of bytes per tower")
     add("--rounds", type=at_least(1), default=None, help="all-reduce rounds (default 15; quick 9)")
     add("--step-rounds", type=at_least(1), default=None,
         help="training rounds (default 13; quick 5)")
-    add("--models", type=_csv, default=None, help="comma list of conv-mnist, mlp (default both)")
+    add("--models", type=choices(_models, "model"), default=None,
+        help="comma list of conv-mnist, mlp (default both)")
     add("--batch-size", type=at_least(1), default=256, help="global batch of the step table (256)")
-    add("--placements", type=_csv, default=None,
+    add("--placements", type=choices(_placements, "placement"), default=None,
         help="comma list of parameter_device, replicated (default both)")
     add("--scaling-towers", type=_ints, default=None, help="default 2,4,8,16 (quick: 2,4,8)")
     add("--profile", action="store_true",
@@ -113,6 +132,23 @@ def environment(devices: list[str]) -> dict[str, Any]:
     }
 
 
+def _registered(name: str, devices: list[str]) -> str:
+    """The registry name every section looks ``name`` up by: a ``module:NAME`` algorithm is
+    registered (its own record, or a bare one under ``module:NAME``) for this run."""
+    if ":" not in name:
+        return name
+    from towers.allreduce.machinery.registry import ALGORITHMS, Record, record_of
+    from towers.trace.loading import load_algorithm
+
+    _, fn = load_algorithm(name, devices)
+    configured = record_of(fn)
+    if configured is not None:
+        ALGORITHMS.register(configured.algorithm)
+        return configured.name
+    ALGORITHMS.register(Record(name, lambda: fn, summary="a user's algorithm (no record)"))
+    return name
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the chosen sections; returns 1 when a result is wrong, else 0."""
     if args.workers:  # its own processes: towers.bench.workers (sizes in MB)
@@ -126,10 +162,8 @@ def run(args: argparse.Namespace) -> int:
     devices = _devices(needed)  # first: before TensorFlow runs any op
     from towers.bench import sections
 
-    unknown = set(args.sections) - set(SECTIONS)
-    if unknown:
-        print(f"towers bench: unknown section(s) {sorted(unknown)}; choose from {SECTIONS}")
-        return 2
+    if args.algorithms:
+        args.algorithms = [_registered(name, devices) for name in args.algorithms]
     results: dict[str, Any] = {"environment": environment(devices[: args.towers])}
     ok = True
     for name in SECTIONS:

@@ -31,6 +31,8 @@ import dataclasses
 import sys
 from typing import Any
 
+from towers.cli.arguments import algorithm, choices, dtypes, ops
+
 __all__ = ["EPILOG", "add_arguments", "run"]
 
 EPILOG = """examples:
@@ -57,7 +59,8 @@ def _counts(text: str) -> list[int]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``towers check``."""
-    parser.add_argument("algorithm", help="a registered name, module:function or file.py:function")
+    parser.add_argument("algorithm", type=algorithm,
+                        help="a registered name, module:function or file.py:function")
     parser.add_argument("--max-towers", type=int, default=8,
                         help="largest tower count; simulates this many devices (default 8)")
     parser.add_argument("--towers", type=_counts, default=None, metavar="N,N,...",
@@ -65,9 +68,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--examples", type=int, default=20,
                         help="examples in all, spread over the tower counts, at least 2 each "
                         "(default 20)")
-    parser.add_argument("--ops", type=_names, default=None, metavar="OP,...",
+    parser.add_argument("--ops", type=choices(ops, "op"), default=None, metavar="OP,...",
                         help="ops to draw (default sum,mean,max,min)")
-    parser.add_argument("--dtypes", type=_names, default=None, metavar="DTYPE,...",
+    parser.add_argument("--dtypes", type=choices(dtypes, "dtype"), default=None,
+                        metavar="DTYPE,...",
                         help="dtypes to draw (default: float16,bfloat16,float32,float64,int32,"
                         "int64)")
     parser.add_argument("--seed", type=int, default=0,
@@ -100,15 +104,15 @@ def _check(name: str, fn: Any, counts: list[int], examples: int, options: dict[s
 
     per_count = max(2, -(-examples // len(counts)))  # as check_all_reduce spreads them
     bar = keras.utils.Progbar(len(counts), unit_name="tower count")
-    total, report = 0, None
+    total, strata, report = 0, 0, None
     for k, n in enumerate(counts):
         report = check_all_reduce(fn, tower_counts=[n], max_examples=per_count, **options)
-        total += report.examples
+        total, strata = total + report.examples, strata + report.stratified
         bar.update(k + 1, finalize=not report.ok or k + 1 == len(counts))
         if not report.ok:
             break
     assert report is not None  # counts is not empty
-    return dataclasses.replace(report, algorithm=name, examples=total)
+    return dataclasses.replace(report, algorithm=name, examples=total, stratified=strata)
 
 
 def _prove(fn: Any, upto: int) -> bool:

@@ -1,22 +1,23 @@
-"""``towers timeline``: one training step as a Perfetto / chrome://tracing timeline.
+"""``towers timeline``: the command (options, writing and checking the JSON).
 
-The measuring and the layout are :mod:`towers.trace.timeline`; this module is the
-command: its options, and writing and checking the JSON.
+Its description is :mod:`towers.trace.timeline`'s docstring, which does the measuring and
+the layout; it is read from the source, so ``--help`` imports no TensorFlow.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import sys
 from pathlib import Path
 
-from towers.trace import timeline as _timeline
-from towers.trace.measured import OpEvent, draw_measured
-from towers.trace.timeline import build_timeline, validate
+from towers.cli.arguments import algorithm, output_file
 
-__doc__ = _timeline.__doc__
-__all__ = ["EPILOG", "add_arguments", "build_timeline", "run", "validate"]  # + the old timeline_job
+__all__ = ["EPILOG", "add_arguments", "run"]
+
+__doc__ = ast.get_docstring(ast.parse(
+    (Path(__file__).resolve().parents[1] / "trace" / "timeline.py").read_text())) or __doc__
 
 EPILOG = """examples:
   python -m towers timeline                                  # 4 towers, ring
@@ -32,7 +33,7 @@ Open the JSON at https://ui.perfetto.dev (Open trace file) or in chrome://tracin
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``towers timeline``."""
     parser.add_argument("--towers", type=int, default=4, help="simulated devices (default 4)")
-    parser.add_argument("--algorithm", default="ring",
+    parser.add_argument("--algorithm", type=algorithm, default="ring",
                         help="a registered name (default ring) or module:function")
     parser.add_argument("--variables", default="replicated",
                         choices=("replicated", "parameter_device"),
@@ -40,7 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=64, help="global batch (default 64)")
     parser.add_argument("--repeats", type=int, default=5,
                         help="timed runs per phase; the median is used (default 5)")
-    parser.add_argument("--out", default="timeline.json", help="output (default timeline.json)")
+    parser.add_argument("--out", type=output_file, default="timeline.json",
+                        help="output (default timeline.json)")
     parser.add_argument("--seed", type=int, default=0, help="seed for weights and the batch")
     parser.add_argument("--measured", metavar="PNG", default=None,
                         help="also draw the profiler's op events of one real step (measured) "
@@ -60,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
     from towers.trace.schedule import start_devices
 
     devices = start_devices(args.towers)  # first thing: before TensorFlow's runtime starts
+    from towers.trace.timeline import build_timeline, validate
+
     print(f"towers timeline: one step of digits_cnn, batch {args.batch_size}, {args.towers} "
           f"towers, all_reduce={args.algorithm}, variables={args.variables}")
     try:
@@ -75,6 +79,8 @@ def run(args: argparse.Namespace) -> int:
     count = sum(e["ph"] == "X" for e in data["traceEvents"])
     print(f"wrote {args.out}: {count} events (open at https://ui.perfetto.dev or chrome://tracing)")
     if args.measured:
+        from towers.trace.measured import OpEvent, draw_measured
+
         ops = [OpEvent(*e) for e in data["measuredOps"]]
         if not ops:
             print("towers timeline: no profiler events to draw", file=sys.stderr)

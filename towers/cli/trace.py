@@ -35,6 +35,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from towers.cli.arguments import output_file
+
 __all__ = ["EPILOG", "add_arguments", "run"]
 
 EPILOG = """examples:
@@ -69,14 +71,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size", type=int, default=16, help="float32 elements per tower (16)")
     parser.add_argument("--op", default="sum", choices=("sum", "mean", "max", "min"),
                         help="the reduction (default sum)")
-    parser.add_argument("--out", metavar="PNG", default=None,
+    parser.add_argument("--out", metavar="PNG", type=output_file, default=None,
                         help="where to draw the picture (default: <algorithm>.png)")
     parser.add_argument("--no-png", action="store_true", help="print the table only")
     parser.add_argument("--state", metavar="PNG", default=None,
                         help="also draw the links and every tower's chunk state per tick")
     parser.add_argument("--html", metavar="PAGE", default=None,
                         help="also write the step-through viewer (one self-contained HTML page)")
-    parser.add_argument("--json", metavar="PATH", default=None,
+    parser.add_argument("--json", metavar="PATH", type=output_file, default=None,
                         help="also write the transfers, rows, bytes and result as JSON")
     parser.add_argument(
         "--ticks", default="algorithm", choices=("algorithm", "order"),

@@ -16,7 +16,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["add_arguments", "algorithm_name", "at_least", "positive_float", "run"]
+from towers.cli.arguments import algorithm, codec
+
+__all__ = ["add_arguments", "at_least", "positive_float", "run"]
 
 _EXACT_ORDER = ("naive", "parameter_device")
 
@@ -48,22 +50,15 @@ def positive_float(text: str) -> float:
     return value
 
 
-def algorithm_name(text: str) -> str:
-    """An argparse ``type``: a registered all-reduce algorithm's name."""
-    from towers.allreduce import ALGORITHMS
-
-    if text not in ALGORITHMS:
-        raise argparse.ArgumentTypeError(
-            f"unknown algorithm {text!r}; choose from {', '.join(sorted(ALGORITHMS))}"
-        )
-    return text
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``towers train`` (each checked by argparse: nonsense exits 2 with one line)."""
     add = parser.add_argument
     add("--towers", type=at_least(1), default=4, help="simulated devices (default 4)")
-    add("--algorithm", type=algorithm_name, default="naive", help="all-reduce algorithm name")
+    add("--algorithm", type=algorithm, default="naive",
+        help="all-reduce: a registered name (default naive) or module:NAME")
+    add("--codec", type=codec, default=None,
+        help="compress the gradients with this codec over --algorithm: a registered name "
+        "(fp16, bf16, topk, powersgd, identity) or module:NAME")
     add("--variables", default="replicated", choices=("replicated", "parameter_device"),
         help="variable placement (default replicated)")
     add("--epochs", type=at_least(1), default=6, help="epochs (default 6)")
@@ -117,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
     devices = towers.simulate_devices(args.towers)
     import keras
 
+    from towers.trace.loading import load_algorithm
     from towers.training.data import digits
     from towers.training.models import digits_cnn
 
@@ -124,10 +120,16 @@ def run(args: argparse.Namespace) -> int:
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     print(
         f"towers train: {args.towers} towers {devices}, all_reduce={args.algorithm}, "
-        f"variables={args.variables}, {len(data[0])} training / {len(data[2])} test digits"
+        f"variables={args.variables}, codec={args.codec}, {len(data[0])} training / "
+        f"{len(data[2])} test digits"
     )
+    reducer: Any = args.algorithm  # a name as it is; a module:NAME loaded
+    if ":" in args.algorithm:
+        reducer = load_algorithm(args.algorithm, devices)[1]
+    if args.codec is not None:
+        reducer = towers.compressed(reducer, args.codec)
     start = time.perf_counter()
-    tm = towers.TowerModel(digits_cnn(args.seed), devices=devices, all_reduce=args.algorithm,
+    tm = towers.TowerModel(digits_cnn(args.seed), devices=devices, all_reduce=reducer,
                            variables=args.variables)  # fmt: skip
     tm.compile(keras.optimizers.Adam(args.lr), loss)
     _fit_towers(tm, data, args)

@@ -38,7 +38,8 @@ from towers.allreduce.compressed import CODECS, compressed
 from towers.allreduce.machinery.recording import Transfer, record
 from towers.allreduce.machinery.registry import ALGORITHMS
 from towers.allreduce.machinery.resolve import get
-from towers.trace.loading import import_object, is_reducer, load_algorithm
+from towers.allreduce.machinery.specs import import_spec
+from towers.trace.loading import is_reducer, load_algorithm
 
 __all__ = ["Counted", "Entry", "parse_spec"]
 
@@ -106,7 +107,7 @@ def _call(text: str) -> tuple[str, tuple[Any, ...]]:
 def _codec(spec: str) -> Codec:
     """A fresh codec from ``name(args)`` or ``module:NAME`` (an instance or a factory)."""
     if ":" in spec:
-        obj = import_object(*spec.rsplit(":", 1))
+        obj = import_spec(spec, "codec")
         if isinstance(obj, type) or (not isinstance(obj, Codec) and callable(obj)):
             obj = obj()  # a codec class or a factory of codecs
         if not isinstance(obj, Codec):
@@ -125,7 +126,7 @@ def _codec(spec: str) -> Codec:
 def _user_kind(spec: str) -> str:
     """``"codec"`` when ``module:NAME`` holds a codec, its class or a factory of one, else
     ``"algorithm"`` (an all-reduce, a ``GradientReducer`` or a factory of either)."""
-    obj = import_object(*spec.rsplit(":", 1))
+    obj = import_spec(spec)
     if isinstance(obj, Codec):  # an instance, or a class with init and reduce
         return "codec"
     if is_reducer(obj) or not callable(obj):

@@ -5,6 +5,7 @@
     values.py      tower values (Hypothesis), ``assert_close`` and ULP distances
     properties.py  the properties of one all-reduce example (value, placement, bytes, replay)
     check.py       ``check_all_reduce``: an algorithm's properties over towers, shapes, dtypes, ops
+    codec_check.py ``check_codec``: a codec's contract (error feedback, bytes, state, checkpoint)
     replay.py      a NumPy interpreter of an algorithm's traced graph (bitwise replay)
     kernels.py     the replay's NumPy kernel per op type (KERNELS), rounding as TF's CPU does
     onestep.py     one step from the same weights: per-example leaves, depths, the comparison
@@ -27,6 +28,7 @@ from __future__ import annotations
 from towers.testing.bisect import bisect
 from towers.testing.bounds import gamma, sgd_step_bound, sum_bound, unit_roundoff
 from towers.testing.check import CheckReport, check_all_reduce
+from towers.testing.codec_check import CodecReport, check_codec
 from towers.testing.compare import Config, compare
 from towers.testing.invariance import InvarianceReport, check_invariance
 from towers.testing.matching import assert_steps_match, step_batches, step_cases
@@ -56,6 +58,7 @@ __all__ = [
     "OPTIMIZERS",
     "BisectReport",
     "CheckReport",
+    "CodecReport",
     "Config",
     "Divergence",
     "InvarianceReport",
@@ -68,6 +71,7 @@ __all__ = [
     "assert_weights_close",
     "bisect",
     "check_all_reduce",
+    "check_codec",
     "check_invariance",
     "compare",
     "gamma",

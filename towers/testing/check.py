@@ -17,6 +17,13 @@ devices and checks every output (:mod:`towers.testing.properties`):
 5. **Bytes.** When the algorithm moved data with ``send``, the bytes each tower
    sent equal its record's ``bytes_sent(n, nbytes, itemsize)``.
 
+Every (tower count, op) pair is run, whatever the budget: after its search, each tower
+count gets one explicit, *stratified* example per op (``2n + 1`` elements, so no tower
+count divides them; dense random values, float32 where it was asked for). A bug that
+shows only for ``op="mean"`` at a non-power-of-two count is caught on every run, not
+when the random draw happens to pair them. The report's ``examples`` counts the drawn
+examples, its ``stratified`` the others.
+
 A plain callable (no registry record) is checked too; the report's notes say which
 properties could not be checked. A wrong algorithm never raises: the
 :class:`CheckReport` says what failed, on the smallest example Hypothesis could
@@ -33,6 +40,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+import numpy as np
 import tensorflow as tf
 from hypothesis import HealthCheck, Phase, Verbosity, given, settings
 from hypothesis import seed as hypothesis_seed
@@ -58,6 +66,7 @@ __all__ = [
     "Closeness",
     "assert_close",
     "check_all_reduce",
+    "stratified",
     "tower_shapes",
     "tower_values",
     "ulp_distance",
@@ -80,13 +89,16 @@ class CheckReport:
     failures: tuple[str, ...] = ()
     example: str | None = None
     notes: tuple[str, ...] = ()
+    stratified: int = 0
 
     def __bool__(self) -> bool:
         return self.ok
 
     def __str__(self) -> str:
         head = f"{'PASS' if self.ok else 'FAIL'}: {self.algorithm} ({self.examples} examples run)"
-        lines = [head, *(f"  note: {note}" for note in self.notes)]
+        strata = (f"plus {self.stratified} stratified examples: every (tower count, op) pair",
+                  ) if self.stratified else ()
+        lines = [head, *(f"  note: {note}" for note in (*self.notes, *strata))]
         if self.example is not None:
             lines += ["Smallest failing example:", self.example]
         if self.failures:
@@ -140,6 +152,31 @@ class _Options(NamedTuple):
     seed: int | None
 
 
+def stratified(n: int, dtypes: Sequence[tf.DType], ops: Sequence[str], seed: int = 0
+               ) -> list[Case]:
+    """One example per op at ``n`` towers: ``2n + 1`` dense random elements per tower.
+
+    float32 when asked for (else the first float dtype; integers for the ops that take
+    them when no float is asked for); magnitudes in [1, 2^10), both signs, so no sum of
+    8 towers overflows float16 and every value has mantissa bits that summation order shows.
+    """
+    rng = np.random.default_rng([seed, n])
+    floats = sorted((d for d in dtypes if d.is_floating), key=lambda d: d != tf.float32)
+    out = []
+    for op in ops:
+        dtype = floats[0] if floats else (None if op == "mean" else dtypes[0])
+        if dtype is None:
+            continue
+        shape = (2 * n + 1,)
+        if dtype.is_floating:
+            draw: list[np.ndarray] = [
+                rng.choice([-1.0, 1.0], shape) * rng.uniform(1, 2**10, shape) for _ in range(n)]
+        else:
+            draw = [rng.integers(-(2**10), 2**10, shape) for _ in range(n)]
+        out.append(Case(n, [np.asarray(a).astype(dtype.as_numpy_dtype) for a in draw], op))
+    return out
+
+
 def _search(
     algorithm: Any, n: int, examples: int, cases: st.SearchStrategy[Case], options: _Options
 ) -> tuple[int, _Failed | None]:
@@ -162,6 +199,17 @@ def _search(
     except Exception as err:  # Hypothesis itself gave up (a flaky algorithm, ...)
         return runs[0], _Failed(f"n={n} towers (no example kept)", [f"{type(err).__name__}: {err}"])
     return runs[0], None
+
+
+def _strata(algorithm: Any, cases: Sequence[Case], options: _Options) -> _Failed | None:
+    """The first stratified example that fails (run after the search, which shrinks what it
+    finds: these catch what its draw missed), or None."""
+    for case in cases:
+        failures = check_case(algorithm, case, options.devices, options.replay)
+        if failures:
+            return _Failed(describe(case, options.devices) + "\n  (a stratified example, not "
+                           "shrunk)", failures)
+    return None
 
 
 def check_all_reduce(
@@ -190,7 +238,8 @@ def check_all_reduce(
         ops: ops to draw (``"mean"`` is skipped for integer dtypes).
         shapes: shapes to draw (default :func:`tower_shapes`).
         max_examples: examples in all (default :data:`DEFAULT_EXAMPLES`, 20), spread
-            over the tower counts, at least 2 each (the first is all zeros).
+            over the tower counts, at least 2 each (the first is all zeros); the
+            stratified examples (one per tower count and op) come on top.
         devices: the devices to place towers on (default ``towers.local_devices()``).
         seed: Hypothesis seed, for reproducible runs; ``None`` draws afresh each run.
         replay: also demand bitwise equality with the NumPy replay (slower: one trace
@@ -223,13 +272,18 @@ def check_all_reduce(
     if counts[0] < 1 or counts[-1] > max_towers:
         raise ValueError(f"tower_counts must lie in 1..max_towers={max_towers}, got {counts}")
     per_count = max(2, -(-(max_examples or DEFAULT_EXAMPLES) // len(counts)))
-    notes, total = _notes(algorithm, replay), 0
+    notes, total, strata = _notes(algorithm, replay), 0, 0
     refused = replay_refusal(algorithm) if replay else None
     if refused:  # known without running anything: never a silent pass
         return CheckReport(name, False, 0, (refused,), None, notes)
     for n in counts:
         runs, failed = _search(algorithm, n, per_count, cases(n, dtypes, ops, shapes), options)
         total += runs
+        if failed is None:
+            explicit = stratified(n, dtypes, ops, seed or 0)
+            strata += len(explicit)
+            failed = _strata(algorithm, explicit, options)
         if failed is not None:
-            return CheckReport(name, False, total, tuple(failed.failures), failed.example, notes)
-    return CheckReport(name, True, total, notes=notes)
+            return CheckReport(name, False, total, tuple(failed.failures), failed.example, notes,
+                               strata)
+    return CheckReport(name, True, total, notes=notes, stratified=strata)

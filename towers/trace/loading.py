@@ -16,22 +16,19 @@ Example:
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import inspect
-import os
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from towers.allreduce.machinery.base import GradientReducer
 from towers.allreduce.machinery.recording import record
-from towers.allreduce.machinery.registry import algorithm_name
+from towers.allreduce.machinery.registry import ALGORITHMS, Configured, algorithm_name
 from towers.allreduce.machinery.resolve import get
+from towers.allreduce.machinery.specs import import_spec
 from towers.devices import local_devices, simulate_devices
 
-__all__ = ["import_object", "is_reducer", "load_algorithm", "start_devices"]
+__all__ = ["is_reducer", "load_algorithm", "start_devices"]
 
 
 def start_devices(n: int) -> list[str]:
@@ -49,39 +46,8 @@ def start_devices(n: int) -> list[str]:
         return have[:n]
 
 
-def import_object(module: str, attr: str) -> Any:
-    """``module.attr`` (``module`` may be a ``.py`` file; the current directory is searched).
-
-    Raises:
-        ValueError: the module does not import, or has no ``attr`` (its callables listed).
-    """
-    if os.getcwd() not in sys.path:
-        sys.path.append(os.getcwd())  # `my_module:fn` from the current directory, last
-    try:
-        if module.endswith(".py"):
-            spec = importlib.util.spec_from_file_location(Path(module).stem, module)
-            if spec is None or spec.loader is None or not Path(module).is_file():
-                raise ImportError(f"no such file: {module}")
-            loaded = importlib.util.module_from_spec(spec)
-            sys.modules[spec.name] = loaded  # as an import would (dataclasses look it up)
-            spec.loader.exec_module(loaded)
-        else:
-            loaded = importlib.import_module(module)
-    except ImportError as err:
-        raise ValueError(f"cannot import {module!r} for algorithm {module}:{attr} ({err})") from err
-    obj: Any = loaded
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            found = sorted(k for k, v in vars(loaded).items() if callable(v) and k[0] != "_")
-            raise ValueError(
-                f"module {module!r} has no {attr!r}; its callables: {', '.join(found) or 'none'}"
-            )
-        obj = getattr(obj, part)
-    return obj
-
-
 def _import(module: str, attr: str) -> Any:
-    obj = import_object(module, attr)
+    obj = import_spec(f"{module}:{attr}")
     if not callable(obj) and not is_reducer(obj):
         raise TypeError(f"{module}:{attr} is a {type(obj).__name__}, not a callable")
     return obj
@@ -152,8 +118,27 @@ def load_algorithm(spec: str | Callable[..., Any], devices: Sequence[str]) -> tu
         name = Path(spec).name  # my_algos.py:star, not the whole path
     obj = _import(*spec.rsplit(":", 1)) if isinstance(spec, str) else spec
     if is_reducer(obj) or _is_algorithm(obj, devices):
-        return name, obj
+        return name, _registered(obj)
     made = obj()
     if not callable(made) and not is_reducer(made):
         raise TypeError(f"{name} is neither an all-reduce nor a factory of one: gave {made!r}")
-    return name, made
+    return name, _registered(made)
+
+
+def _registered(fn: Any) -> Any:
+    """``fn`` as its registry record builds it, when a record in ``ALGORITHMS`` builds
+    exactly ``fn`` (``register(Algorithm("star", lambda: star, ...))`` beside ``star``), so
+    the tools find its formulas; else ``fn`` itself."""
+    if isinstance(fn, Configured):
+        return fn
+    module, fn_name = getattr(fn, "__module__", None), getattr(fn, "__name__", None)
+    for entry in ALGORITHMS.values():
+        if entry.name != fn_name and getattr(entry.factory, "__module__", None) != module:
+            continue
+        try:
+            built = entry()
+        except Exception:  # a factory that needs arguments cannot be this one
+            continue
+        if isinstance(built, Configured) and built.run is fn:
+            return built
+    return fn
