@@ -363,8 +363,11 @@ class TowerTrainer:
 
     def _update_phase(self, grads: Gradients) -> tf.Tensor:
         """The second (run ``as_written()``): the guard's reduce and apply, as in the step."""
+        variables = self.model.trainable_variables
         grads = Gradients(tuple(
-            _none_as_unchanged(r, self.replica_of(i)) for i, r in enumerate(grads.towers)
+            _none_as_unchanged(r, self.replica_of(i))._replace(grads=[
+                _static_dense_shape(g, v) for g, v in zip(r.grads, variables)])
+            for i, r in enumerate(grads.towers)
         )).on_devices(self.devices)  # fmt: skip  (arguments come without a device)
         with record() as recorder, tf.name_scope("guard"):
             update = functools.partial(self._update, grads)
@@ -574,6 +577,16 @@ def _none_as_unchanged(result: TowerResult, replica: Replica) -> TowerResult:
                   for v, var in zip(result.non_trainable, replica.model.non_trainable_variables)]
     changed = tuple(v is not None for v in result.non_trainable)
     return result._replace(non_trainable=values, changed=changed)
+
+
+def _static_dense_shape(grad: Any, variable: Any) -> Any:
+    """An ``IndexedSlices`` argument's ``dense_shape`` is a tensor of unknown value; the
+    variable's static shape restores what the one-function step knows (``densify``)."""
+    if not isinstance(grad, tf.IndexedSlices) or not variable.shape.is_fully_defined():
+        return grad
+    dtype = tf.int64 if grad.dense_shape is None else grad.dense_shape.dtype
+    shape = tf.constant(variable.shape.as_list(), dtype)
+    return tf.IndexedSlices(grad.values, grad.indices, shape)
 
 
 def _apply_gradients(optimizer: Any, grads: list[Any], variables: list[Any]) -> None:

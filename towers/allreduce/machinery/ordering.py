@@ -7,7 +7,9 @@ change float results by a few ULPs (measured on TF 2.21: a 6-tower ``add_n``
 differed from its eager result by 2 ULPs after Grappler absorbed tower 0's
 gradient ``AddN`` into it; a mean was off by one ULP). For a library whose
 point is to add in a *stated* order, and to replay that order in NumPy, that is
-not acceptable, so towers runs its own compiled steps inside :func:`as_written`.
+not acceptable, so towers runs its reduction and update inside :func:`as_written`
+— and only those by default: the towers' forward/backward compile under the caller's
+settings, as tf.distribute's replicas do (:data:`FORWARD_GRAPHS`, :class:`PhasedStep`).
 
 The switch is TensorFlow's process-wide optimizer setting; :func:`as_written`
 sets it around a call and restores it after, so other code keeps Grappler's
