@@ -57,7 +57,11 @@ compiles under — and only the reduction and the update under :func:`as_written
 The towers' gradients are then bitwise those of ``MirroredStrategy``'s replicas on
 real Keras models (BatchNorm after linear convolutions, depthwise convolutions,
 attention with LayerNorm: measured, docs/bounds.md), and the reduction keeps its
-stated order. Cost: one more function call per step.
+stated order. Cost: one more function call per step, whose Python dispatch of the
+towers' results dominates: measured +0.7 ms (dense, 1.36 vs 0.68 ms), +1.2 ms (conv +
+BatchNorm, 3.18 vs 1.99 ms) and +1.15 ms (attention, 3.26 vs 2.11 ms) per step at 2
+CPU towers, medians of 100 interleaved rounds on a shared 2-core machine; a fixed cost
+per step, small beside a real model's step.
 
 ``"as_written"``: the whole step in one ``tf.function`` under :func:`as_written`.
 One call and one graph, but Grappler's passes are off for the towers' kernels too,
