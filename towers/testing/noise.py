@@ -43,10 +43,15 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any
 
+import keras
 import numpy as np
+import tensorflow as tf
 
+from towers.allreduce.machinery.ordering import as_written
+from towers.devices import simulate_devices
 from towers.guard.arguments import check_choice, positive_float, positive_int
-from towers.testing.strategies import FAMILIES
+from towers.step import TowerTrainer
+from towers.testing.strategies import FAMILIES, ModelSpec, loss_fn
 
 __all__ = ["NoiseReport", "kernel_noise_floor"]
 
@@ -155,20 +160,13 @@ def _compare(family: str, grads: dict[str, list[np.ndarray]]) -> NoiseReport:
 
 def _worker(spec: dict[str, Any]) -> None:
     """One oneDNN setting (fixed by the environment): every tower count × graph, saved."""
-    import towers as package  # after the environment is set; this process's TF starts here
-
-    devices = package.simulate_devices(max(spec["towers"]), kind="cpu")
-    import keras
-    import tensorflow as tf
-
-    from towers.allreduce.machinery.ordering import as_written
-    from towers.testing.strategies import ModelSpec, loss_fn
-
+    # the first use of TensorFlow's devices in this process: the logical CPUs come first
+    devices = simulate_devices(max(spec["towers"]), kind="cpu")
     model_spec = ModelSpec(spec["family"], seed=spec["seed"])
     x, y = model_spec.batch(spec["batch"], seed=spec["seed"])
     arrays = {}
     for n, graph in itertools.product(spec["towers"], spec["graphs"]):
-        trainer = package.TowerTrainer(model_spec.build, keras.optimizers.SGD(0.1), loss_fn(),
+        trainer = TowerTrainer(model_spec.build, keras.optimizers.SGD(0.1), loss_fn(),
                                        devices=devices[:n], all_reduce="naive")  # fmt: skip
         phase = tf.function(lambda a, b, t=trainer: t.forward_backward(t.split(a, b)),
                             autograph=False)  # fmt: skip
