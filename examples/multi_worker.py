@@ -217,7 +217,8 @@ def run(args, devices, workers: int, worker: int, strategy) -> None:  # type: ig
             break
         part = worker_slice(len(xb), workers, worker)
         xl, yl = xb[part], yb[part]
-        losses = {order: float(t.train_step(xl, yl)) for order, t in trainers.items()}
+        with as_written():  # as the reference below: the towers' kernels follow the caller
+            losses = {order: float(t.train_step(xl, yl)) for order, t in trainers.items()}
         line = f"step {step}: worker batch {len(xl)}" + "".join(
             f"  towers {'local' if k == 'local' else 'MWMS-order'} loss {v:.7f}"
             for k, v in losses.items())

@@ -122,8 +122,10 @@ def _train_both_and_compare(
     try:
         reference.set_weights(trainer.get_weights())  # type: ignore[attr-defined]
         for x, y in case.batches():
-            ours = trainer.train_step(x, y)
+            # both as_written: towers' forward graph compiles under the caller's settings
+            # (forward_graph="default"); tests/test_real_models.py compares both unwrapped
             with as_written():
+                ours = trainer.train_step(x, y)
                 theirs = reference.train_step(x, y)  # type: ignore[attr-defined]
     except ReferenceUnavailable as why:
         _REJECTED[test] += 1

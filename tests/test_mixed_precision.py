@@ -121,8 +121,8 @@ def test_loss_scale_matches_mirrored_bitwise(
     scales = []
     for step in range(5):
         x, y = _batch(size, n, seed + step)  # one size: one trace per trainer
-        ours = trainer.train_step(x, y)
-        with as_written():
+        with as_written():  # both: towers' forward graph follows the caller's settings
+            ours = trainer.train_step(x, y)
             theirs = ref.train_step(x, y)
         if _partial_overflow(trainer):
             reject()  # the reference's defect (test 3), not an equivalence question

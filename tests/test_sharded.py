@@ -283,15 +283,17 @@ def test_what_sharding_cannot_do_is_refused(kwargs: dict[str, Any], message: str
 @pytest.mark.parametrize("mode", ["compiled", "eager"])
 def test_phases_one_by_one_equal_train_step_bitwise(mode: str) -> None:
     """split -> forward_backward -> reduce (reduce-scatter) -> apply (update, all-gather),
-    one phase at a time == train_step, bitwise; 3 examples over 4 towers leave one empty."""
+    one phase at a time == train_step, bitwise; 3 examples over 4 towers leave one empty.
+    All ``as_written()``: ``forward_graph="as_written"``'s step (tests/test_step.py)."""
     from tests.test_step import _no_fused_kernels, _run_phases, _state
 
     spec = ModelSpec("batchnorm")
-    whole, phases = _trainer(spec, 4), _trainer(spec, 4)
+    graph = "default" if mode == "default" else "as_written"
+    whole, phases = (_trainer(spec, 4, forward_graph=graph) for _ in range(2))
     with _no_fused_kernels() if mode == "eager" else contextlib.nullcontext():
         for k in range(2):
             batch = spec.batch(3, seed=k)
             loss = float(whole.train_step(*batch))
-            assert _run_phases(phases, batch, compiled=mode == "compiled") == loss
+            assert _run_phases(phases, batch, mode) == loss
     for a, b in zip(_state(whole), _state(phases), strict=True):
         np.testing.assert_array_equal(a, b)

@@ -258,18 +258,21 @@ def test_return_outputs_gives_this_steps_predictions_in_tower_order() -> None:
 # -- the public phases ------------------------------------------------------------------------
 
 
-def _run_phases(trainer: towers.TowerTrainer, batch: tuple, compiled: bool) -> float:
-    """One step as its four phases: eagerly, or each phase in its own tf.function."""
+def _run_phases(trainer: towers.TowerTrainer, batch: tuple, mode: str) -> float:
+    """One step as its four phases: eagerly, or each phase in its own tf.function, all
+    ``as_written()``, or (``"default"``) split and forward_backward under Grappler's
+    defaults and only reduce and apply ``as_written()``."""
     import tensorflow as tf
 
     from towers.allreduce.machinery.ordering import as_written
 
     def wrap(fn):  # type: ignore[no-untyped-def]
-        return tf.function(fn, autograph=False) if compiled else fn
+        return fn if mode == "eager" else tf.function(fn, autograph=False)
 
-    with as_written():
+    with contextlib.nullcontext() if mode == "default" else as_written():
         shards = wrap(trainer.split)(*batch)
         grads = wrap(trainer.forward_backward)(shards)
+    with as_written():
         reduced = wrap(trainer.reduce)(grads)
         wrap(trainer.apply)(reduced)
     return float(reduced.loss)
@@ -307,17 +310,33 @@ def test_phases_one_by_one_equal_train_step_bitwise(
 ) -> None:
     """split -> forward_backward -> reduce -> apply, called one at a time (each in its own
     tf.function, or eagerly) == train_step, bitwise: weights, optimizer state and loss.
+    All four ``as_written()`` give ``forward_graph="as_written"``'s step; the first two
+    under Grappler's defaults give the default step's (``ordering.FORWARD_GRAPHS``).
     Batches of 3 over 4 towers and 2 over 3 leave the last tower empty."""
     spec = ModelSpec(family)
-    kwargs = {"variables": placement, "all_reduce": "ring", "optimizer": "adam"}
+    kwargs = {"variables": placement, "all_reduce": "ring", "optimizer": "adam",
+              "forward_graph": "default" if mode == "default" else "as_written"}
     whole, phases = (_trainer(spec, n, **kwargs) for _ in range(2))
     with _no_fused_kernels() if mode == "eager" else contextlib.nullcontext():
         for k in range(2):
             batch = spec.batch(size, seed=k)
             loss = float(whole.train_step(*batch))
-            assert _run_phases(phases, batch, compiled=mode == "compiled") == loss
+            assert _run_phases(phases, batch, mode) == loss
     for a, b in zip(_state(whole), _state(phases), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize(
+    ("family", "size", "n", "placement"),
+    [("batchnorm", 3, 4, "replicated"), ("embedding", 5, 3, "parameter_device")],
+)
+def test_phases_one_by_one_equal_the_default_graph_step_bitwise(
+    family: str, size: int, n: int, placement: str
+) -> None:
+    """As above for ``forward_graph="default"`` (split and forward_backward under Grappler's
+    defaults): an empty tower's unchanged state and an Embedding's ``IndexedSlices`` cross
+    the two functions' boundary as the one-function step keeps them."""
+    test_phases_one_by_one_equal_train_step_bitwise(placement, "default", family, size, n)
 
 
 def test_phases_hand_over_small_typed_values() -> None:

@@ -48,8 +48,8 @@ def test_algorithm_trains_like_the_reference(name: str, placement: str) -> None:
         ref.set_weights(start)
         x, y = spec.batch(size, seed=k)
         grads = per_tower_gradients(trainer.model, x, y, DEVICES[:n])
-        trainer.train_step(x, y)
-        with as_written():
+        with as_written():  # both: towers' forward graph follows the caller's settings
+            trainer.train_step(x, y)
             ref.train_step(x, y)
         bound = sgd_step_bound(start, grads, LR, depth=n - 1)
         assert_weights_close(

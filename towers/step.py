@@ -9,9 +9,12 @@
 
 ``train_step_shards(shards)`` is the step without its split, for a batch the per-device
 input pipeline already cut and placed (:func:`towers.split.distribute`).
-``train_step`` is exactly these four calls inside one ``tf.function`` (traced once
-per input signature), run :func:`towers.allreduce.machinery.ordering.as_written` so additions
-happen in the order the code states; ``reduce`` and ``apply`` sit inside the
+``train_step`` is exactly these four calls, traced once per input signature: split and
+forward_backward in one ``tf.function`` under the caller's Grappler settings (the kernels
+tf.distribute's replicas run), reduce and apply in a second one run
+:func:`towers.allreduce.machinery.ordering.as_written` so additions happen in the order the
+code states (``forward_graph="as_written"``: all four in one function run so, see
+``ordering.FORWARD_GRAPHS``); ``reduce`` and ``apply`` sit inside the
 non-finite guard's one ``tf.cond`` (:mod:`towers.guard.nonfinite`), so a step with a
 NaN or Inf on any tower changes nothing. A teacher can call the phases one at a time:
 each in its own ``tf.function`` under ``as_written()``, they give bitwise the step's
@@ -31,6 +34,7 @@ tower 0's update, reproducing what MirroredStrategy shows when read. Integer sta
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -40,7 +44,7 @@ import numpy as np
 import tensorflow as tf
 
 from towers.allreduce.machinery.base import AllReduce, GradientReducer
-from towers.allreduce.machinery.ordering import as_written
+from towers.allreduce.machinery.ordering import FORWARD_GRAPHS, PhasedStep, as_written
 from towers.allreduce.machinery.primitives import Recorder, record, send
 from towers.allreduce.machinery.recording import StepStats
 from towers.allreduce.machinery.reducer import SPARSE, as_reducer, resolve
@@ -154,6 +158,13 @@ class TowerTrainer:
             ``GLOBAL_BATCH_SIZE``) or ``"per_replica"`` (its shard size × towers: what
             ``tf.nn.compute_average_loss`` does without ``global_batch_size``), to port
             a ``tf.distribute`` loop exactly (:mod:`towers.guard.loss_denominator`).
+        forward_graph: ``"default"`` (the towers' forward/backward compile under the
+            caller's Grappler settings, as tf.distribute's replica step does, and only the
+            reduction and update ``as_written()``: bitwise MirroredStrategy's gradients on
+            real Keras models, one more function call per step) or ``"as_written"`` (the
+            whole step in one function, Grappler's rewrites off for the towers' kernels
+            too); the trade-off is measured in
+            :data:`~towers.allreduce.machinery.ordering.FORWARD_GRAPHS`.
 
     Example:
         >>> devices = towers.simulate_devices(4)                      # doctest: +SKIP
@@ -179,12 +190,14 @@ class TowerTrainer:
         reduce_dtype: str = "float32",
         check_algorithm: bool = True,
         loss_denominator: str | float = "global",
+        forward_graph: str = "default",
     ) -> None:
         check_kinds(model, optimizer, loss)
         # Every argument is checked, and their combination against the capability table,
         # before any replica, variable or reducer state is built.
         check_choice("on_nonfinite", on_nonfinite, NONFINITE)
         check_choice("reduce_dtype", reduce_dtype, REDUCE_DTYPES)
+        self.forward_graph = check_choice("forward_graph", forward_graph, FORWARD_GRAPHS)
         self.devices = naming("devices", lambda: check_devices(devices))
         self.placement = naming("variables", lambda: get_placement(variables))
         all_reduce = capabilities.default_all_reduce(self.placement.name, all_reduce)
@@ -222,20 +235,33 @@ class TowerTrainer:
         )
         self.trace_count = 0
         self.last_trace_stats: Recorder | None = None
+        self._forward_stats = Recorder()
         self.trainable_watch = TrainableWatch(self.replicas, self.placement.name)
         self._new_step_functions()
 
     def _new_step_functions(self) -> None:
         # No reduce_retracing: a static batch size gives static shard sizes (empty towers are
         # skipped at trace time); a new batch size costs one more trace, not one per step.
-        self._step = tf.function(self._train_step, autograph=False)
-        self._step_with_outputs = tf.function(
+        self._whole = tf.function(self._train_step, autograph=False)
+        self._step: Any = self._whole
+        self._step_with_outputs: Any = tf.function(
             functools.partial(self._train_step, with_outputs=True), autograph=False
         )
-        self._shard_step = tf.function(self._train_shards, autograph=False)
-        self._shard_step_with_outputs = tf.function(
+        self._shard_step: Any = tf.function(self._train_shards, autograph=False)
+        self._shard_step_with_outputs: Any = tf.function(
             functools.partial(self._train_shards, with_outputs=True), autograph=False
         )
+        if self.forward_graph == "default":  # forward_graph: ordering.FORWARD_GRAPHS
+            update = tf.function(self._update_phase, autograph=False)
+            self._step = PhasedStep(tf.function(self._forward_phase, autograph=False), update)
+            self._step_with_outputs = PhasedStep(tf.function(
+                functools.partial(self._forward_phase, with_outputs=True), autograph=False,
+            ), update, with_outputs=True)  # fmt: skip
+            self._shard_step = PhasedStep(tf.function(self._forward_shards, autograph=False),
+                                          update)  # fmt: skip
+            self._shard_step_with_outputs = PhasedStep(tf.function(
+                functools.partial(self._forward_shards, with_outputs=True), autograph=False,
+            ), update, with_outputs=True)  # fmt: skip
 
     def _options(
         self, kind: str, optimizer: Any, on_nonfinite: str, reduce_dtype: str,
@@ -261,6 +287,7 @@ class TowerTrainer:
             "check_replicas_every": "off" if check_replicas_every is None else "on",
             "check_algorithm": "on" if check_algorithm else "off",
             "loss_denominator": axis_value(self.loss_denominator),
+            "forward_graph": self.forward_graph,
         }
 
     def _follow_trainable(self) -> None:
@@ -332,7 +359,9 @@ class TowerTrainer:
         return self._run_step(step, (shards,))
 
     def _run_step(self, step: Any, inputs: tuple[Any, ...]) -> Any:
-        with as_written():
+        # forward_graph="default": PhasedStep runs the update as_written() itself
+        whole = self.forward_graph == "as_written"
+        with as_written() if whole else contextlib.nullcontext():
             result = self.deadline.run(step, inputs)
         self.guard.raise_if_nonfinite(self.optimizer, self.devices)
         self.replica_check.after_step(self.replicas, self.deadline.name)
@@ -345,9 +374,10 @@ class TowerTrainer:
         self._new_step_functions()
 
     def step_function(self, x: Any, y: Any, sample_weight: Any = None) -> Any:
-        """The step traced for this input signature (a ``ConcreteFunction``: its graph)."""
+        """The step traced for this input signature as one graph (a ``ConcreteFunction``;
+        with ``forward_graph="default"`` the step runs the same ops as two functions)."""
         self._follow_trainable()
-        return self._step.get_concrete_function(*self._inputs(x, y, sample_weight))
+        return self._whole.get_concrete_function(*self._inputs(x, y, sample_weight))
 
     def _inputs(self, x: Any, y: Any, sample_weight: Any) -> tuple[Any, Any, Any]:
         return batch_tensors(x, y, sample_weight, self.model)
@@ -402,6 +432,41 @@ class TowerTrainer:
                 outputs = concat([r.outputs for r in grads.towers], self.parameter_device)
         self.last_trace_stats = recorder
         return (loss, outputs) if with_outputs else loss
+
+    def _forward_phase(
+        self, x: Any, y: Any, sample_weight: Any, with_outputs: bool = False
+    ) -> tuple[Gradients, Any]:
+        """The first of ``forward_graph="default"``'s two functions: split, forward_backward."""
+        return self._forward_body(lambda: self.split(x, y, sample_weight), with_outputs)
+
+    def _forward_shards(self, shards: Shards, with_outputs: bool = False) -> tuple[Gradients, Any]:
+        return self._forward_body(lambda: shards, with_outputs)  # split by the input pipeline
+
+    def _forward_body(self, make_shards: Any, with_outputs: bool) -> tuple[Gradients, Any]:
+        self.trace_count += 1
+        with record() as recorder:
+            with tf.name_scope("split"):
+                shards = make_shards()
+            grads = self.forward_backward(shards)
+            outputs = None
+            if with_outputs:
+                outputs = concat([r.outputs for r in grads.towers], self.parameter_device)
+        self._forward_stats = recorder
+        return Gradients(tuple(_unchanged_as_none(r) for r in grads.towers)), outputs
+
+    def _update_phase(self, grads: Gradients) -> tf.Tensor:
+        """The second (run ``as_written()``): the guard's reduce and apply, as in the step."""
+        variables = self.model.trainable_variables
+        grads = Gradients(tuple(
+            _none_as_unchanged(r, self.replica_of(i))._replace(grads=[
+                _static_dense_shape(g, v) for g, v in zip(r.grads, variables)])
+            for i, r in enumerate(grads.towers)
+        )).on_devices(self.devices)  # fmt: skip  (arguments come without a device)
+        with record() as recorder, tf.name_scope("guard"):
+            update = functools.partial(self._update, grads)
+            loss = self.guard.run(grads.towers, self.devices, update)
+        self.last_trace_stats = Recorder(self._forward_stats.transfers + recorder.transfers)
+        return loss
 
     def _update(self, grads: Gradients, grads_finite: tf.Tensor | None = None) -> tf.Tensor:
         with tf.name_scope("reduce"):
@@ -587,6 +652,38 @@ class TowerTrainer:
     def replica_weights(self) -> list[list[np.ndarray]]:
         """Every replica's weights (one list per replica; a single one for parameter_device)."""
         return [variable_values(r.model.weights) for r in self.replicas]
+
+
+def _unchanged_as_none(result: TowerResult) -> TowerResult:
+    """A tower's result as the first phase returns it: a ``tf.function`` turns the Python
+    ``changed`` flags into tensors, so a state value no tower pass assigned is returned as
+    None instead (part of the output structure, hence of the second phase's trace)."""
+    if result.changed is None:
+        return result
+    kept = [None if c is False else v for v, c in zip(result.non_trainable, result.changed)]
+    return result._replace(non_trainable=kept, changed=None)
+
+
+def _none_as_unchanged(result: TowerResult, replica: Replica) -> TowerResult:
+    """:func:`_unchanged_as_none` undone in the second phase: the variable's value (nothing
+    assigned it since the first phase read it) and ``changed`` False."""
+    if all(v is not None for v in result.non_trainable):
+        return result
+    with tf.device(replica.device):
+        values = [tf.convert_to_tensor(var.value) if v is None else v
+                  for v, var in zip(result.non_trainable, replica.model.non_trainable_variables)]
+    changed = tuple(v is not None for v in result.non_trainable)
+    return result._replace(non_trainable=values, changed=changed)
+
+
+def _static_dense_shape(grad: Any, variable: Any) -> Any:
+    """An ``IndexedSlices`` argument's ``dense_shape`` is a tensor of unknown value; the
+    variable's static shape restores what the one-function step knows (``densify``)."""
+    if not isinstance(grad, tf.IndexedSlices) or not variable.shape.is_fully_defined():
+        return grad
+    dtype = tf.int64 if grad.dense_shape is None else grad.dense_shape.dtype
+    shape = tf.constant(variable.shape.as_list(), dtype)
+    return tf.IndexedSlices(grad.values, grad.indices, shape)
 
 
 def _apply_gradients(optimizer: Any, grads: list[Any], variables: list[Any]) -> None:

@@ -246,8 +246,8 @@ def test_bucketed_ring_trains_like_the_reference_within_the_bound() -> None:
         ref.set_weights(start)
         x, y = _digits_batch(size, k)
         grads = per_tower_gradients(trainer.model, x, y, DEVICES[:n])
-        trainer.train_step(x, y)
-        with as_written():
+        with as_written():  # both: towers' forward graph follows the caller's settings
+            trainer.train_step(x, y)
             ref.train_step(x, y)
         # two summation orders of depth ≤ n − 1 (ring vs tower order): sgd_step_bound
         bound = sgd_step_bound(start, grads, lr, depth=n - 1)

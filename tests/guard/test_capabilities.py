@@ -53,7 +53,7 @@ from towers.testing import ModelSpec, loss_fn, per_tower_gradients, sgd_step_bou
 LR = 0.1
 STEP_AXES = ("variables", "all_reduce", "optimizer", "on_nonfinite", "reduce_dtype", "sparse",
              "step_timeout", "non_trainable", "check_replicas_every", "check_algorithm",
-             "loss_denominator")
+             "loss_denominator", "forward_graph")
 """The axes a ``TowerTrainer`` takes (trainer kinds are tests/cluster's)."""
 TOWER_KINDS = tuple(k for k in AXES["all_reduce"] if k != "cross-worker")
 REGISTERED = tuple(sorted(n for n in towers.ALGORITHMS if n not in (*COLLECTIVE_OPS, "ring")))
@@ -110,6 +110,7 @@ def build(options: dict[str, str], k: int, spec: ModelSpec, n: int,
         check_replicas_every=None if options["check_replicas_every"] == "off" else 1,
         check_algorithm=options["check_algorithm"] == "on",
         loss_denominator=DENOMINATORS[options["loss_denominator"]],
+        forward_graph=options["forward_graph"],
     )  # fmt: skip
     kwargs.update(overrides)
     return towers.TowerTrainer(model or spec.build, _optimizer(options["optimizer"])(), loss_fn(),
@@ -306,7 +307,7 @@ def _refused_cells() -> list[dict[str, str]]:
                     "on_nonfinite": "skip", "reduce_dtype": "float32", "sparse": "gather",
                     "step_timeout": "off", "non_trainable": "mean",
                     "check_replicas_every": "off", "check_algorithm": "on",
-                    "loss_denominator": "global"}
+                    "loss_denominator": "global", "forward_graph": "default"}
             cells.append({**base, a: x, b: y})
     return cells
 

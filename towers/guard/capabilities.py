@@ -311,6 +311,14 @@ NOT_AN_OPTION: dict[str, tuple[str, ...]] = {
 }
 """Axes a trainer kind has no argument for (its own fixed choice; shown as ``—``)."""
 
+# -- forward_graph (issue 20): how the step is compiled; composes with every option -------------
+# towers.allreduce.machinery.ordering.FORWARD_GRAPHS: "default" compiles the towers' forward and
+# backward under the caller's Grappler settings and the reduction and update as_written();
+# "as_written" compiles the whole step as one function. No refusals: both run the same phases.
+AXES["forward_graph"] = ("default", "as_written")
+NOT_AN_OPTION["AsyncTrainer"] += ("forward_graph",)
+# -- end forward_graph ---------------------------------------------------------------------------
+
 
 def _columns() -> list[tuple[str, dict[str, str]]]:
     cols = [(p, {"trainer": "TowerTrainer", "variables": p}) for p in AXES["variables"]]

@@ -1,0 +1,183 @@
+"""The kernel-noise floor: how far one towers step's gradient moves with the kernels alone.
+
+The same model, weights and batch; only the kernel configuration changes::
+
+    config c:  TF_ENABLE_ONEDNN_OPTS ∈ {1, 0}    (set before TensorFlow starts: a subprocess)
+               towers n                          (each tower's kernels see B/n rows)
+               forward_graph ∈ {default, as_written}   (Grappler on the towers' graph)
+         ──▶  G_c = Σ_towers g_tower   (float64, exact: no reduction order in it)
+
+    floor = max over configurations c and variables j of
+            max|G_c[j] − G_ref[j]| / spacing(max|G_ref[j]|)        ULPs of the gradient
+
+The reference ``G_ref`` is the first configuration (for :data:`SHARD_DEPENDENT` families,
+the first of each tower count: BatchNorm's statistics and dropout's masks are per tower,
+so another tower count is another computation, not kernel noise). The tower gradients are summed in
+float64, so the floor holds the towers' kernels only, never an all-reduce's order; a
+difference between two correct steps that is within ``floor`` ULPs of the gradient's
+largest element is kernel noise (the ``e`` of docs/bounds.md must include it).
+
+Measured (TF 2.21, x86 AVX-512 CPU, ``ModelSpec(family).batch(16, seed=0)``, towers
+1/2/4 × oneDNN on/off × both graphs; ULPs of the variable's largest gradient element)::
+
+    dense 5.5   conv 10.0   embedding 1.5   batchnorm 10.1*   dropout 3.75*   regularized 5.5
+    (* at equal tower counts)
+
+On these small models the two graphs gave the same gradients; the floor comes from
+oneDNN (on vs off) and from the tower count (the shard's rows grouped differently).
+
+Each oneDNN setting runs in its own Python process (``python -m towers.testing.noise``),
+with a timeout: nothing may hang.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from towers.allreduce.machinery.ordering import as_written
+from towers.devices import simulate_devices
+from towers.guard.arguments import check_choice, positive_float, positive_int
+from towers.step import TowerTrainer
+from towers.testing.strategies import FAMILIES, ModelSpec, loss_fn
+
+__all__ = ["NoiseReport", "kernel_noise_floor"]
+
+ONEDNN = ("1", "0")
+SHARD_DEPENDENT = ("batchnorm", "dropout")
+"""Families whose math depends on the shard (batch statistics, per-tower dropout masks):
+compared only at equal tower counts (across counts they are different computations)."""
+GRAPHS = ("default", "as_written")
+
+
+@dataclasses.dataclass(frozen=True)
+class NoiseReport:
+    """The floor of one model family.
+
+    Attributes:
+        family: the :class:`~towers.testing.strategies.ModelSpec` family.
+        floor_ulps: the largest difference, in ULPs of the variable's largest gradient.
+        worst: ``(configuration, variable index)`` where it was met (None: all equal).
+        ulps: per configuration label, its largest difference from the reference.
+    """
+
+    family: str
+    floor_ulps: float
+    worst: tuple[str, int] | None
+    ulps: dict[str, float]
+
+
+def kernel_noise_floor(
+    family: str, *, towers: Sequence[int] = (1, 2, 4), onednn: Sequence[str] = ONEDNN,
+    graphs: Sequence[str] = GRAPHS, batch: int = 16, seed: int = 0, timeout: float = 300.0,
+) -> NoiseReport:
+    """Run one step's forward/backward under every kernel configuration; report the floor.
+
+    Args:
+        family: a model family of :data:`towers.testing.strategies.FAMILIES`.
+        towers: tower counts (each ≤ ``batch``).
+        onednn: values of ``TF_ENABLE_ONEDNN_OPTS`` ("1", "0"), one subprocess each.
+        graphs: ``forward_graph`` settings (``ordering.FORWARD_GRAPHS``).
+        batch, seed: the batch (``ModelSpec(family).batch(batch, seed)``).
+        timeout: seconds per subprocess.
+
+    Returns:
+        A :class:`NoiseReport`.
+
+    Raises:
+        ValueError: a bad argument (named). RuntimeError: a subprocess failed or timed out.
+    """
+    check_choice("family", family, FAMILIES)
+    counts = [positive_int("towers", n) for n in towers]
+    if not counts or max(counts) > positive_int("batch", batch):
+        raise ValueError(f"towers must be non-empty counts <= batch ({batch}), got {towers}")
+    for value in onednn:
+        check_choice("onednn", value, ONEDNN)
+    for graph in graphs:
+        check_choice("graphs", graph, GRAPHS)
+    positive_float("timeout", timeout)
+    grads: dict[str, list[np.ndarray]] = {}
+    for flag in onednn:
+        grads.update(_run_worker(family, flag, counts, list(graphs), batch, seed, timeout))
+    return _compare(family, grads)
+
+
+def _run_worker(family: str, flag: str, counts: list[int], graphs: list[str], batch: int,
+                seed: int, timeout: float) -> dict[str, list[np.ndarray]]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "grads.npz")
+        spec = json.dumps({"family": family, "towers": counts, "graphs": graphs,
+                           "batch": batch, "seed": seed, "out": out})  # fmt: skip
+        env = {**os.environ, "TF_ENABLE_ONEDNN_OPTS": flag, "TF_CPP_MIN_LOG_LEVEL": "2"}
+        try:
+            done = subprocess.run([sys.executable, "-m", "towers.testing.noise", spec], env=env,
+                                  capture_output=True, text=True, timeout=timeout)  # fmt: skip
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"kernel_noise_floor: the oneDNN={flag} run passed "
+                               f"timeout={timeout:g} s") from None  # fmt: skip
+        if done.returncode != 0:
+            raise RuntimeError(f"kernel_noise_floor: the oneDNN={flag} run failed:\n"
+                               f"{done.stderr[-2000:]}")  # fmt: skip
+        with np.load(out) as data:
+            labels = {name.rsplit("/", 1)[0] for name in data.files}
+            return {f"onednn={flag},{label}": [data[f"{label}/{j}"] for j in
+                    range(sum(1 for n in data.files if n.startswith(label + "/")))]
+                    for label in sorted(labels)}  # fmt: skip
+
+
+def _compare(family: str, grads: dict[str, list[np.ndarray]]) -> NoiseReport:
+    """Each configuration against the first one it may be compared with: the first of all,
+    or of its tower count where the model's math depends on the shard."""
+    ulps: dict[str, float] = {}
+    worst: tuple[str, int] | None = None
+    floor = 0.0
+    references: dict[str, str] = {}
+    for label in grads:
+        group = label.split(",")[1] if family in SHARD_DEPENDENT else ""
+        reference = grads[references.setdefault(group, label)]
+        if references[group] == label:
+            continue
+        per_var = [float(np.max(np.abs(g - r), initial=0.0)
+                         / np.spacing(np.float32(np.max(np.abs(r), initial=0.0))))
+                   for g, r in zip(grads[label], reference)]  # fmt: skip
+        ulps[label] = max(per_var, default=0.0)
+        if ulps[label] > floor:
+            floor, worst = ulps[label], (label, int(np.argmax(per_var)))
+    return NoiseReport(family, floor, worst, ulps)
+
+
+def _worker(spec: dict[str, Any]) -> None:
+    """One oneDNN setting (fixed by the environment): every tower count × graph, saved."""
+    # the first use of TensorFlow's devices in this process: the logical CPUs come first
+    devices = simulate_devices(max(spec["towers"]), kind="cpu")
+    model_spec = ModelSpec(spec["family"], seed=spec["seed"])
+    x, y = model_spec.batch(spec["batch"], seed=spec["seed"])
+    arrays = {}
+    for n, graph in itertools.product(spec["towers"], spec["graphs"]):
+        trainer = TowerTrainer(model_spec.build, keras.optimizers.SGD(0.1), loss_fn(),
+                                       devices=devices[:n], all_reduce="naive")  # fmt: skip
+        phase = tf.function(lambda a, b, t=trainer: t.forward_backward(t.split(a, b)),
+                            autograph=False)  # fmt: skip
+        with as_written() if graph == "as_written" else contextlib.nullcontext():
+            result = phase(tf.constant(x), tf.constant(y))
+        for j in range(len(trainer.model.trainable_variables)):
+            towers_j = [np.asarray(tf.convert_to_tensor(r.grads[j]), np.float64)
+                        for r in result.towers]  # fmt: skip
+            arrays[f"towers={n},graph={graph}/{j}"] = np.sum(towers_j, axis=0)
+    np.savez(spec["out"], **arrays)
+
+
+if __name__ == "__main__":
+    _worker(json.loads(sys.argv[1]))

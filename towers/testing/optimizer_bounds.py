@@ -1,0 +1,292 @@
+"""How a bounded gradient difference moves through one optimizer step and its slots.
+
+Two runs (a step under test and its reference) apply the same Keras optimizer to
+the same weights with gradients that differ element-wise by at most ``e``
+(``|g_a − g_b| ≤ e``). :func:`update_bounds` returns a tracker whose
+:meth:`UpdateBounds.step` gives, per weight element, a bound on ``|Δ_a − Δ_b|``,
+the difference of the two runs' weight movements, and carries the slots'
+difference (momentum, Adam's ``m`` and ``v``) to the next step::
+
+    step t:  g ± e ──▶ slots_{t−1} ± E_{t−1} ──▶ slots_t ± E_t ──▶ Δ_t ± bound_t
+
+It keeps, per slot element, an interval holding *both* runs' values
+(:mod:`towers.testing.intervals`) and evaluates Keras 3's own update formulas
+(``keras/src/optimizers/*.py``, op by op, each rounding widened by ``u·|x|``) on
+them. The gradient enters a rule twice (Adam: in ``m`` and in ``v``), so its
+interval is cut into :data:`PIECES` pieces and the images are joined; adaptive
+rules are also capped by the largest step each run can take (Cauchy–Schwarz on
+the slots, docs/bounds.md). The derivation of each rule's first-order bound and
+the constants are in docs/bounds.md.
+
+Supported: ``SGD`` (momentum, Nesterov), ``Adam`` (AMSGrad), ``AdamW`` (the decay
+``w − w·wd·lr`` is bitwise alike on equal weights: it adds only the final
+rounding), ``Nadam``, ``RMSprop`` (momentum; not ``centered``). Gradient clipping,
+EMA, gradient accumulation and a loss-scale factor are refused.
+
+*Zero-gradient noise.* Where a variable's gradient is within its error of zero
+everywhere, its exact gradient may be 0 and both runs move it by rounding noise
+alone; Adam, Nadam and RMSprop divide by the noise's own size and turn it into
+full-size steps (``≈ lr``). :attr:`UpdateBounds.kinds` names such variables
+``"zero-gradient noise"``: a difference there is not a bug in the reduction.
+
+Example:
+    >>> tracker = update_bounds(keras.optimizers.Adam(0.01))          # doctest: +SKIP
+    >>> errs = tracker.step([g], [np.full_like(g, 1e-6)])              # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import keras
+import numpy as np
+
+from towers.guard.arguments import positive_int
+from towers.testing.bounds import UNIT_ROUNDOFF
+from towers.testing.intervals import TINY, Interval, pieces
+
+__all__ = ["BOUNDED", "PIECES", "ZERO_GRADIENT_NOISE", "UpdateBounds", "update_bounds"]
+
+PIECES = 16
+"""How many pieces a gradient interval is cut into (the over-estimate shrinks as 1/PIECES)."""
+BOUNDED = "bounded"
+ZERO_GRADIENT_NOISE = "zero-gradient noise"
+U = UNIT_ROUNDOFF["float32"]
+SAFETY = 1.0 + 2.0**-10
+"""The tracker's constants (``1 − β₂ᵗ`` …) are float32 like Keras', up to an ULP of the
+power; a relative error of at most ~1e-4 in a width, covered by this factor."""
+_REFUSED = ("clipnorm", "clipvalue", "global_clipnorm", "loss_scale_factor",
+            "gradient_accumulation_steps", "ema_overwrite_frequency")  # fmt: skip
+_CLASSES = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW", "adam_w": "AdamW",
+            "nadam": "Nadam", "rmsprop": "RMSprop", "rm_sprop": "RMSprop"}  # fmt: skip
+
+Slots = dict[str, Interval]
+Rule = Callable[[Interval, Slots, Mapping[str, Any], int], tuple[Interval, Slots]]
+
+
+def _f32(x: float) -> float:
+    return float(np.float32(x))
+
+
+def _sgd(g: Interval, slots: Slots, c: Mapping[str, Any], t: int) -> tuple[Interval, Slots]:
+    lr, beta = c["learning_rate"], _f32(c["momentum"])
+    if beta == 0:
+        return (g * lr).rounded(1, U), {}
+    m = (slots["m"] * beta - g * lr).rounded(3, U)  # m·β − g·lr
+    if not c["nesterov"]:
+        return m, {"m": m}
+    return (m * beta - g * lr).rounded(3, U), {"m": m}
+
+
+def _moments(g: Interval, slots: Slots, beta_1: float, beta_2: float) -> Slots:
+    """Adam's and Nadam's ``m + (g − m)(1 − β₁)`` and ``v + (g² − v)(1 − β₂)`` (each
+    argument once: ``m·β₁' + g·(1 − β₁)``, exact images), 3 and 4 roundings."""
+    c1, c2 = _f32(1 - beta_1), _f32(1 - beta_2)
+    m = (slots["m"] * (1 - c1) + g * c1).rounded(3, U)
+    v = (slots["v"] * (1 - c2) + g.square() * c2).rounded(4, U).at_least(0.0)
+    return {"m": m, "v": v}
+
+
+def _adam_cap(beta_1: float, beta_2: float, t: int) -> float:
+    """``max |m_t| / √v_t`` over every gradient history from zero slots (Cauchy–Schwarz)."""
+    q = beta_1**2 / beta_2
+    history = t if q == 1 else (1 - q**t) / (1 - q)
+    return (1 - beta_1) / math.sqrt(1 - beta_2) * math.sqrt(history) * (1 + 16 * U)
+
+
+def _adam(g: Interval, slots: Slots, c: Mapping[str, Any], t: int) -> tuple[Interval, Slots]:
+    b1, b2 = _f32(c["beta_1"]), _f32(c["beta_2"])
+    new = _moments(g, slots, b1, b2)
+    v = new["v"]
+    if c.get("amsgrad"):
+        v = new["v_hat"] = slots["v_hat"].maximum(v)
+    alpha = c["learning_rate"] * math.sqrt(1 - b2**t) / (1 - b1**t)
+    move = (new["m"] * alpha / (v.sqrt() + c["epsilon"])).rounded(5, U)
+    return move.clip(alpha * _adam_cap(b1, b2, t)), new
+
+
+def _nadam(g: Interval, slots: Slots, c: Mapping[str, Any], t: int) -> tuple[Interval, Slots]:
+    b1, b2, lr = _f32(c["beta_1"]), _f32(c["beta_2"]), c["learning_rate"]
+    u_t, u_next = (b1 * (1 - 0.5 * 0.96**s) for s in (t, t + 1))
+    product = math.prod(b1 * (1 - 0.5 * 0.96**s) for s in range(1, t + 1))
+    a, b = u_next / (1 - product * u_next), (1 - u_t) / (1 - product)
+    new = _moments(g, slots, b1, b2)
+    m_hat = ((new["m"] * a).rounded(2, U) + (g * b).rounded(2, U)).rounded(1, U)
+    v_hat = (new["v"] / (1 - b2**t)).rounded(1, U)
+    move = (m_hat * lr / (v_hat.sqrt() + c["epsilon"])).rounded(5, U)
+    # |m| ≤ C·√v and |g| ≤ √(v / (1 − β₂)): the largest step either run can take
+    cap = lr * math.sqrt(1 - b2**t) * (a * _adam_cap(b1, b2, t) + b / math.sqrt(1 - b2))
+    return move.clip(cap * (1 + 16 * U)), new
+
+
+def _rmsprop(g: Interval, slots: Slots, c: Mapping[str, Any], t: int) -> tuple[Interval, Slots]:
+    rho, lr, mu = c["rho"], c["learning_rate"], c["momentum"]
+    v = (slots["v"] * _f32(rho) + g.square() * _f32(1 - rho)).rounded(4, U).at_least(0.0)
+    step = ((g * lr) / (v + c["epsilon"]).sqrt()).rounded(5, U)
+    step = step.clip(lr / math.sqrt(1 - rho) * (1 + 16 * U))  # v ≥ (1 − ρ)·g²
+    if mu <= 0:
+        return step, {"v": v}
+    m = (slots["m"] * _f32(mu) + step).rounded(2, U)
+    return m, {"v": v, "m": m}
+
+
+_RULES: dict[str, tuple[Rule, Callable[[Mapping[str, Any]], tuple[str, ...]], bool]] = {
+    # class: (rule, its slots for a config, adaptive: divides by the gradient's size)
+    "SGD": (_sgd, lambda c: ("m",) if c["momentum"] else (), False),
+    "Adam": (_adam, lambda c: ("m", "v", "v_hat") if c.get("amsgrad") else ("m", "v"), True),
+    "AdamW": (_adam, lambda c: ("m", "v", "v_hat") if c.get("amsgrad") else ("m", "v"), True),
+    "Nadam": (_nadam, lambda c: ("m", "v"), True),
+    "RMSprop": (_rmsprop, lambda c: ("v", "m") if c["momentum"] > 0 else ("v",), True),
+}
+
+
+class UpdateBounds:
+    """The per-step bound of one optimizer; made by :func:`update_bounds`.
+
+    Attributes:
+        name: the optimizer class (``"Adam"``, …).
+        config: the optimizer's ``get_config()``.
+        steps: how many steps have been bounded.
+        kinds: per variable of the last step, :data:`BOUNDED` or :data:`ZERO_GRADIENT_NOISE`.
+    """
+
+    def __init__(self, name: str, config: Mapping[str, Any], pieces: int = PIECES) -> None:
+        self.name, self.config = name, dict(config)
+        self.rule, self._slot_names, self.adaptive = _RULES[name]
+        self.pieces = positive_int("pieces", pieces)
+        self.steps = 0
+        self.kinds: list[str] = []
+        self._slots: tuple[list[Slots], list[Slots]] | None = None  # run a's, run b's
+
+    def _image(self, grad: Interval, count: int, slots: Slots) -> tuple[Interval, Slots]:
+        """The rule's image of a gradient interval cut into ``count`` pieces, joined."""
+        move, new = self.rule(pieces(grad, count), slots, self.config, self.steps)
+        return move.union(), {name: value.union() for name, value in new.items()}
+
+    def step(
+        self, grads: Sequence[np.ndarray], grad_errors: Sequence[np.ndarray],
+        weights: Sequence[np.ndarray] | None = None,
+    ) -> list[np.ndarray]:
+        """Bound ``|Δ_a − Δ_b|`` for this step, per variable and element, and carry the slots.
+
+        Args:
+            grads: run a's gradient per variable: the same run's at every step (the
+                tracker follows a's slots exactly and b's within their carried error).
+            grad_errors: per variable, an element-wise bound on ``|g_a − g_b|`` (≥ 0).
+            weights: the weights both runs start from; given, the bound covers the new
+                weights (the assignment's rounding, ``u·|w'|`` per run) instead of the movement.
+
+        Returns:
+            float64 arrays of the gradients' shapes.
+
+        Raises:
+            ValueError: grads, grad_errors (or weights) differ in count or shape, an error
+                is negative, or a value is not finite.
+        """
+        g, e = _check_pairs(grads, grad_errors, weights)
+        if self._slots is None:
+            zero = [{s: Interval(np.zeros_like(x), np.zeros_like(x))
+                     for s in self._slot_names(self.config)} for x in g]  # fmt: skip
+            self._slots = (zero, [dict(s) for s in zero])
+        self.steps += 1
+        out, slots_a, slots_b = [], [], []
+        for j, (grad, err) in enumerate(zip(g, e)):
+            # run a (the given gradient) alone, and any b within the error of it
+            move_a, new_a = self._image(Interval(grad, grad), 1, self._slots[0][j])
+            move_b, new_b = self._image(Interval.around(grad, err), self.pieces,
+                                        self._slots[1][j])  # fmt: skip
+            slots_a.append(new_a)
+            slots_b.append(new_b)
+            bound = np.maximum(move_b.hi - move_a.lo, move_a.hi - move_b.lo) * SAFETY
+            if weights is not None:
+                wd = (self.config.get("weight_decay") or 0.0) * self.config["learning_rate"]
+                moved = np.abs(np.asarray(weights[j], np.float64)) * (1 + wd) + move_b.magnitude
+                bound = bound + 2 * (U * moved + TINY)
+            out.append(bound)
+        self._slots = (slots_a, slots_b)
+        self.kinds = [_kind(grad, err) for grad, err in zip(g, e)]
+        return out
+
+
+def _kind(grad: np.ndarray, err: np.ndarray) -> str:
+    """Zero-gradient noise: every element's gradient is within its error of zero."""
+    return ZERO_GRADIENT_NOISE if bool(np.all(np.abs(grad) <= err)) and err.any() else BOUNDED
+
+
+def _check_pairs(
+    grads: Sequence[np.ndarray], errors: Sequence[np.ndarray],
+    weights: Sequence[np.ndarray] | None,
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    g = [np.asarray(x, np.float64) for x in grads]
+    e = [np.asarray(x, np.float64) for x in errors]
+    if len(g) != len(e) or (weights is not None and len(weights) != len(g)):
+        raise ValueError(f"grads and grad_errors (and weights) must have one array per "
+                         f"variable, got {len(g)} and {len(e)}")  # fmt: skip
+    for j, (x, err) in enumerate(zip(g, e)):
+        if x.shape != err.shape or (weights is not None and np.shape(weights[j]) != x.shape):
+            raise ValueError(f"grad_errors[{j}] must have grads[{j}]'s shape {x.shape}, "
+                             f"got {err.shape}")  # fmt: skip
+        if not (np.all(np.isfinite(x)) and np.all(np.isfinite(err))):
+            raise ValueError(f"grads[{j}] and grad_errors[{j}] must be finite")
+        if np.any(err < 0):
+            raise ValueError(f"grad_errors[{j}] must be >= 0, got {err.min()}")
+    return g, e
+
+
+def update_bounds(optimizer: Any, pieces: int = PIECES) -> UpdateBounds:
+    """A fresh per-step bound tracker for a Keras optimizer (or its ``get_config()`` /
+    ``keras.optimizers.serialize`` dict).
+
+    Args:
+        optimizer: ``SGD``, ``Adam``, ``AdamW``, ``Nadam`` or ``RMSprop`` with slots at
+            zero (not yet stepped), a float learning rate and none of the refused options.
+        pieces: how many pieces a gradient interval is cut into (:data:`PIECES`).
+
+    Returns:
+        An :class:`UpdateBounds` at step 0.
+
+    Raises:
+        ValueError: an optimizer class, option or learning rate it cannot bound, or one
+            that has already stepped (its slots are not the tracker's zeros).
+    """
+    name, config = _identify(optimizer)
+    for option in _REFUSED:
+        if config.get(option) is not None:
+            raise ValueError(f"update_bounds cannot bound an optimizer with {option}="
+                             f"{config[option]!r}; expected {option}=None")  # fmt: skip
+    if config.get("use_ema"):
+        raise ValueError("update_bounds cannot bound an optimizer with use_ema=True")
+    if name == "RMSprop" and config.get("centered"):
+        raise ValueError("update_bounds cannot bound RMSprop with centered=True")
+    if isinstance(config.get("learning_rate"), bool) or not isinstance(
+            config.get("learning_rate"), (int, float)):
+        raise ValueError(f"update_bounds needs a float learning_rate, got "
+                         f"{config.get('learning_rate')!r} (a schedule is not bounded)")
+    return UpdateBounds(name, config, pieces)
+
+
+def _identify(optimizer: Any) -> tuple[str, dict[str, Any]]:
+    if isinstance(optimizer, keras.optimizers.Optimizer):
+        if int(optimizer.iterations.numpy()) != 0:
+            raise ValueError(f"update_bounds needs an optimizer that has not stepped, got "
+                             f"iterations={int(optimizer.iterations.numpy())}")
+        name = type(optimizer).__name__
+        if name not in _RULES:
+            raise ValueError(f"update_bounds bounds {', '.join(_RULES)}, got {name}")
+        return name, optimizer.get_config()
+    if not isinstance(optimizer, Mapping):
+        raise ValueError(f"optimizer must be a Keras optimizer or its config dict, got "
+                         f"{type(optimizer).__name__}")
+    if "class_name" in optimizer:  # keras.optimizers.serialize
+        name, config = str(optimizer["class_name"]), dict(optimizer.get("config", {}))
+    else:
+        config = dict(optimizer)
+        # Keras numbers a repeated default name: "nadam_8"
+        name = _CLASSES.get(re.sub(r"_\d+$", "", str(config.get("name", "")).lower()), "")
+    if name not in _RULES:
+        raise ValueError(f"optimizer must be one of {', '.join(_RULES)} (a config with its "
+                         f"class_name or default name), got {name or config.get('name')!r}")
+    return name, config
