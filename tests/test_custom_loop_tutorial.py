@@ -1,8 +1,9 @@
 """examples/custom_loop_tutorial.py: the ported tutorial step, tested with towers.testing's plugin.
 
 The correct port passes against towers (``loss_denominator="per_replica"``) for SGD
-(the derived bound) and Adam (the example's stated tolerance); the planted weighting
-bug fails, and the assertion's message names the step, the variable and both values.
+and Adam, each under its derived bound (``sgd_step_bound``, the tracked Adam bound of
+``towers.testing.optimizer_bounds``); the planted weighting bug fails, and the
+assertion's message names the step, the variable and both values.
 The functions run in this process (the suite's 8 logical devices); the script itself
 prints the same reports (``python examples/custom_loop_tutorial.py [--bug]``).
 """
@@ -14,27 +15,31 @@ from pathlib import Path
 
 import pytest
 
-from examples.custom_loop_tutorial import ADAM_TOLERANCE, towers_step, tutorial_batches, your_step
+from examples.custom_loop_tutorial import towers_step, tutorial_batches, your_step
 from tests.conftest import DEVICES
 from towers.testing.plugin import steps_match  # noqa: F401  (the plugin's fixture, used below)
 
 ROOT = Path(__file__).resolve().parents[1]
-BOUND = {"sgd": None, "adam": ADAM_TOLERANCE}
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_the_ported_tutorial_matches_towers(optimizer: str, steps_match) -> None:  # noqa: F811
     devices = DEVICES[:4]
     report = steps_match(towers_step(devices, optimizer), your_step(devices, optimizer),
-                         tutorial_batches(2), bound=BOUND[optimizer])  # fmt: skip
+                         tutorial_batches(2))  # fmt: skip
     assert max(r.max_diff for r in report.rows) > 0  # the two differ somewhere: it ran
+    derived = "sgd_step_bound" if optimizer == "sgd" else "UpdateBounds"
+    assert report.bound.startswith(derived), report.bound
 
 
-def test_a_planted_weighting_bug_fails_naming_step_variable_and_values(steps_match) -> None:  # noqa: F811
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_a_planted_weighting_bug_fails_naming_step_variable_and_values(
+    optimizer: str, steps_match  # noqa: F811
+) -> None:
     devices = DEVICES[:4]
-    ours = towers_step(devices, "sgd")
+    ours = towers_step(devices, optimizer)
     with pytest.raises(AssertionError) as failed:
-        steps_match(ours, your_step(devices, "sgd", bug=True), tutorial_batches(2))
+        steps_match(ours, your_step(devices, optimizer, bug=True), tutorial_batches(2))
     text = str(failed.value)
     names = [v.path for v in ours.model.trainable_variables]
     found = re.search(r"FIRST DIVERGENCE: step (\d+), variable (\S+) ", text)

@@ -80,11 +80,16 @@ def test_a_users_weighting_bug_is_named_with_its_step_variable_and_values() -> N
     assert compare(towers_step(1), users_step(), batches(2), towers=1).ok  # the right step
 
 
-def test_other_optimizers_need_a_bound_and_take_one() -> None:
+def test_other_optimizers_get_a_tracked_bound_or_take_one() -> None:
     adam = lambda: keras.optimizers.Adam(1e-3)  # noqa: E731
-    mirrored = MirroredTrainer(tiny_mlp, adam, LOSS, DEVICES[:2])
-    with pytest.raises(ValueError, match=r"bound: .*plain SGD.*got Adam: pass bound="):
-        compare(towers_step(2, adam), mirrored, batches(1))
+    derived = compare(towers_step(2, adam), MirroredTrainer(tiny_mlp, adam, LOSS, DEVICES[:2]),
+                      batches(2))  # fmt: skip
+    mirrored = MirroredTrainer(tiny_mlp, adam, LOSS, DEVICES[:2])  # fresh slots for the rest
+    assert derived.ok and derived.bound.startswith("UpdateBounds"), derived.bound
+    ftrl = lambda: keras.optimizers.Ftrl(0.1)  # noqa: E731  (no derived bound)
+    with pytest.raises(ValueError, match=r"bound: .*plain SGD.*got Ftrl: pass bound="):
+        compare(towers_step(2, ftrl), MirroredTrainer(tiny_mlp, ftrl, LOSS, DEVICES[:2]),
+                batches(1))
     report = compare(towers_step(2, adam), mirrored, batches(2), bound=1e-7)
     assert report.ok and report.bound == "tolerance 1e-07 (given as bound=)"
     tight = compare(towers_step(2, adam), mirrored, batches(2),

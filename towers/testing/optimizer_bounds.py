@@ -48,7 +48,7 @@ from towers.guard.arguments import positive_int
 from towers.testing.bounds import UNIT_ROUNDOFF
 from towers.testing.intervals import TINY, Interval, pieces
 
-__all__ = ["BOUNDED", "PIECES", "ZERO_GRADIENT_NOISE", "UpdateBounds", "update_bounds"]
+__all__ = ["BOUNDED", "COVERED", "PIECES", "ZERO_GRADIENT_NOISE", "UpdateBounds", "update_bounds"]
 
 PIECES = 16
 """How many pieces a gradient interval is cut into (the over-estimate shrinks as 1/PIECES)."""
@@ -235,6 +235,9 @@ def _check_pairs(
             raise ValueError(f"grad_errors[{j}] must be >= 0, got {err.min()}")
     return g, e
 
+
+COVERED = tuple(_RULES)
+"""The Keras optimizer classes :func:`update_bounds` bounds, by name."""
 
 def update_bounds(optimizer: Any, pieces: int = PIECES) -> UpdateBounds:
     """A fresh per-step bound tracker for a Keras optimizer (or its ``get_config()`` /

@@ -44,6 +44,7 @@ import numpy as np
 from towers.devices import local_devices
 from towers.testing.bounds import UNIT_ROUNDOFF, sgd_step_bound, sum_bound
 from towers.testing.onestep import example_gradients
+from towers.testing.optimizer_bounds import COVERED, update_bounds
 
 __all__ = ["UpdateBound", "optimizer_tracker", "resolve_bound"]
 
@@ -66,10 +67,17 @@ class UpdateBound:
 
 def optimizer_tracker(optimizer: Any) -> Any:
     """A tracker of ``optimizer``'s update error (``tracker.step(grads, grad_errors)``), or
-    None where no derived bound is known. Plug point for ``towers.testing.update_bounds``:
-    return ``update_bounds(optimizer)`` for the optimizers it covers."""
-    del optimizer
-    return None
+    None where no derived bound is known: :func:`towers.testing.optimizer_bounds.update_bounds`
+    for the optimizers it covers (SGD with momentum or Nesterov, Adam, AdamW, Nadam,
+    RMSprop; docs/bounds.md).
+
+    Raises:
+        ValueError: a covered optimizer with an option the bound does not cover (clipping,
+            EMA, a learning-rate schedule, slots that already stepped), naming it.
+    """
+    if type(optimizer).__name__ not in COVERED:
+        return None
+    return update_bounds(optimizer)
 
 
 def _plain_sgd(optimizer: Any) -> bool:
@@ -152,7 +160,8 @@ def resolve_bound(
     if not _plain_sgd(optimizer) and tracker is None:
         raise ValueError(
             f"{argument}: a derived bound on one update from the same weights exists for "
-            f"plain SGD (no momentum) and for two towers trainers; got "
+            f"plain SGD, for {', '.join(COVERED)} (towers.testing.optimizer_bounds) and for two "
+            f"towers trainers; got "
             f"{type(optimizer).__name__}: pass bound= (a tolerance or a callable)")
     if model is None or loss is None:
         raise ValueError("bound: sizing the derived bound needs the teacher's model and the "
