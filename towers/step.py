@@ -457,11 +457,12 @@ class TowerTrainer:
     def _update_phase(self, grads: Gradients) -> tf.Tensor:
         """The second (run ``as_written()``): the guard's reduce and apply, as in the step."""
         variables = self.model.trainable_variables
-        grads = Gradients(tuple(
-            _none_as_unchanged(r, self.replica_of(i))._replace(grads=[
-                _static_dense_shape(g, v) for g, v in zip(r.grads, variables)])
-            for i, r in enumerate(grads.towers)
-        )).on_devices(self.devices)  # fmt: skip  (arguments come without a device)
+        with tf.name_scope("forward_backward"):  # the towers' results, handed over (profiler)
+            grads = Gradients(tuple(
+                _none_as_unchanged(r, self.replica_of(i))._replace(grads=[
+                    _static_dense_shape(g, v) for g, v in zip(r.grads, variables)])
+                for i, r in enumerate(grads.towers)
+            )).on_devices(self.devices)  # fmt: skip  (arguments come without a device)
         with record() as recorder, tf.name_scope("guard"):
             update = functools.partial(self._update, grads)
             loss = self.guard.run(grads.towers, self.devices, update)

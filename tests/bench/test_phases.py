@@ -26,7 +26,8 @@ from towers.bench import phases
         ("guard/IsFinite_11", ("guard", None)),
         ("guard/cond/then/_0/guard/cond/reduce/add_3/_18", ("reduce", None)),  # a _Send
         ("retower_1/x", ("other", None)),  # a scope must be a whole path component
-        ("Identity", ("other", None)),
+        ("Const", ("other", None)),
+        ("Identity_10", ("handoff", None)),  # forward_graph="default": the two functions' seam
     ],
 )
 def test_op_names_carry_their_phase(name: str, expected: tuple[str, int | None]) -> None:

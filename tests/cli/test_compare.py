@@ -73,7 +73,7 @@ def test_a_users_weighting_bug_exits_1_naming_step_variable_and_values(capsys, d
 
 def test_other_optimizers_need_a_bound(capsys, data: str) -> None:
     args = ["compare", "--a", "ring", "--b", "mirrored", "--towers", "2", *MODEL, "--data",
-            data, "--batch", "8", "--steps", "1", "--optimizer", "adam", "--lr", "0.001"]
+            data, "--batch", "8", "--steps", "1", "--optimizer", "ftrl", "--lr", "0.001"]
     code, out, err = _run(capsys, *args)
     assert code == 2 and "pass bound=" in err and len(err.strip().splitlines()) == 1
     code, out, _ = _run(capsys, *args, "--bound", "1e-6")

@@ -14,7 +14,13 @@ the phase its op name carries::
     guard/IsFinite_11:IsFinite                              -> guard (the non-finite check)
 
 A ``_Send``/``_Recv`` is named after the op whose value it carries, so it lands in
-that op's phase. tf.distribute steps carry no such scopes: their ops are
+that op's phase. Under ``forward_graph="default"`` the step is two functions; the ops at
+their boundary (the first one's output ``Identity`` ops and the second one's cross-device
+control edges, top-level ``NoOp`` s) are the ``handoff``::
+
+    Identity_10/_61:_Recv                                   -> handoff
+    GroupCrossDeviceControlEdges_0/NoOp:NoOp                -> handoff
+ tf.distribute steps carry no such scopes: their ops are
 attributed by type (:func:`towers.bench.profile.phase`: compute ->
 forward_backward, reduce -> reduce, update -> apply) and the split is invisible
 (it happens in the input pipeline), so read their bars as a rougher picture.
@@ -41,9 +47,10 @@ from towers.bench.training import MODELS, profile_steps
 
 __all__ = ["PHASES", "phase_of", "phase_profile", "phase_table", "plot_phases", "run_phases"]
 
-PHASES = ("split", "forward_backward", "reduce", "apply", "guard", "other")
+PHASES = ("split", "forward_backward", "handoff", "reduce", "apply", "guard", "other")
 _SCOPES = {"split": "split", "reduce": "reduce", "apply": "apply", "guard": "guard"}
 _TOWER = re.compile(r"tower_(\d+)$")
+_HANDOFF = re.compile(r"(Identity(_\d+)?|NoOp(_\d+)?|GroupCrossDeviceControlEdges_\d+)$")
 _BY_TYPE = {"compute": "forward_backward", "reduce": "reduce", "update": "apply"}
 
 
@@ -60,6 +67,8 @@ def phase_of(op_name: str, op_type: str = "", *, scoped: bool = True) -> tuple[s
         ('forward_backward', 2)
     """
     if scoped:
+        if _HANDOFF.match(op_name.split("/")[0]):
+            return "handoff", None
         found = "other"
         for part in op_name.split("/"):
             tower = _TOWER.match(part)
