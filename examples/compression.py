@@ -112,7 +112,7 @@ def main() -> None:
         for epoch in range(epochs):
             for xb, yb in batches(x, y, batch_size=64, seed=epoch):
                 trainer.train_step(xb, yb)
-            logits = trainer.predict(x_test, batch_size=256)
+            logits = trainer.model.predict(x_test, batch_size=256, verbose=0)
             curve.append(100 * float(np.mean(np.argmax(logits, axis=1) == y_test)))
         # Counted where the step was last traced (the epoch's short last batch); the
         # gradients' bytes do not depend on the batch size.

@@ -7,8 +7,10 @@ runs forward and backward on its shard, a ring all-reduce sums the gradients, an
 replica applies the same update. It returns the *global* mean loss of the batch, so the
 epoch's loss is those means weighted by batch size, not their plain average. Then:
 how many bytes one step sent per tower (the ring's 2(n-1)/n of the gradients), test
-accuracy from ``trainer.predict`` (also split over the towers), and a checkpoint that a
-fresh trainer restores bit for bit — what you need to resume a long run.
+accuracy from replica 0's model (``trainer.model.predict``: every replica holds the same
+weights; ``towers.TowerModel`` is the Keras face that splits predict over the towers too),
+and a checkpoint that a fresh trainer restores bit for bit — what you need to resume a
+long run.
 
 Run: python examples/custom_loop_digits.py [--epochs 3]
 """
@@ -52,7 +54,7 @@ def main() -> None:
         for xb, yb in batches(x, y, batch_size=64, seed=epoch):  # reshuffled every epoch
             loss = float(trainer.train_step(xb, yb))  # global mean over the batch
             total, seen = total + loss * len(xb), seen + len(xb)
-        logits = trainer.predict(x_test, batch_size=256)
+        logits = trainer.model.predict(x_test, batch_size=256, verbose=0)
         accuracy = np.mean(np.argmax(logits, axis=1) == y_test)
         mean = total / seen
         print(f"epoch {epoch + 1}/{args.epochs}  loss {mean:.4f}  test accuracy {accuracy:.4f}")

@@ -23,6 +23,7 @@ from tests.conftest import DEVICES
 from towers.cluster import AllTowers, AsyncTrainer, WorkerTrainer
 from towers.guard.errors import AlgorithmError
 from towers.training import checkpoint
+from towers.training.backup import ExactResume
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "bad_inputs.md"
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -73,9 +74,11 @@ def _step(x: Any = X, y: Any = Y, w: Any = None, kind: str = "dense") -> Any:
     return _trainer(kind).train_step(x, y, w)
 
 
-def _fit(**kw: Any) -> Any:
-    args = {"x": X, "y": Y, "verbose": 0, **kw}
-    return _trainer("dense").fit(args.pop("x"), args.pop("y"), **args)
+def _fit_shuffled() -> Any:
+    """TowerModel.fit with Keras's default shuffle=True and an ExactResume (refused)."""
+    tm = towers.TowerModel(_dense(), devices=DEVICES[:2], variables="replicated")
+    tm.compile(keras.optimizers.Adam(0.1), LOSS)
+    return tm.fit(X, Y, verbose=0, callbacks=[ExactResume("unused")])
 
 
 def _too_few(values: Any, *, op: str = "sum") -> list[tf.Tensor]:
@@ -225,8 +228,9 @@ CASES: list[Case] = [
     C("x-sparse", "x a tf.SparseTensor", lambda: _step(tf.sparse.from_dense(X)), TypeError,
       "x is a tf.SparseTensor"),
     C("x-dataset", "x a tf.data.Dataset",
-      lambda: _step(tf.data.Dataset.from_tensor_slices(X)), TypeError, "use trainer.fit"),
-    C("x-generator", "x a generator", lambda: _step(_gen()), TypeError, "use trainer.fit"),
+      lambda: _step(tf.data.Dataset.from_tensor_slices(X)), TypeError, "use towers.TowerModel.fit"),
+    C("x-generator", "x a generator", lambda: _step(_gen()), TypeError,
+      "use towers.TowerModel.fit"),
     C("lengths-differ", "x of 8 rows, y of 7", lambda: _step(X, Y[:7]), ValueError,
       r"must share their batch size; got x: \[8\], y: \[7\]"),
     C("weight-length", "sample_weight of 3 rows", lambda: _step(X, Y, np.ones([3])),
@@ -262,19 +266,17 @@ CASES: list[Case] = [
     C("inputs-order", "two inputs swapped",
       lambda: _step([np.ones([8, 2]), np.ones([8, 3])], kind="two"), ValueError,
       r"x\[0\] has shape \[8, 2\]"),
-    # -- trainer.fit ---------------------------------------------------------------------------
-    C("fit-epochs-negative", "fit(epochs=-1)", lambda: _fit(epochs=-1), ValueError,
-      "epochs must be an int >= 0"),
-    C("fit-batch-zero", "fit(batch_size=0)", lambda: _fit(batch_size=0), ValueError,
-      "batch_size must be an int >= 1"),
-    C("fit-batch-string", "fit(batch_size='32')", lambda: _fit(batch_size="32"), ValueError,
-      "batch_size must be an int"),
-    C("fit-verbose", "fit(verbose=5)", lambda: _fit(verbose=5), ValueError,
-      "verbose must be 0, 1, 2 or 'auto'"),
-    C("fit-no-y", "fit(x) with arrays and no y", lambda: _fit(y=None), ValueError,
-      "y is required"),
-    C("fit-lengths", "fit with 8 inputs and 7 targets", lambda: _fit(y=Y[:7]), ValueError,
-      "has 7 examples but x has 8"),
+    # -- towers.training.backup.ExactResume (TowerModel.fit's exact resume) ---------------------
+    C("resume-directory-int", "ExactResume(-1)", lambda: ExactResume(-1), TypeError,
+      r"directory must be a path \(str or os.PathLike\)"),
+    C("resume-every-zero", "ExactResume(d, every=0)", lambda: ExactResume("unused", every=0),
+      ValueError, "every must be None or an int >= 1"),
+    C("resume-keep-zero", "ExactResume(d, keep=0)", lambda: ExactResume("unused", keep=0),
+      ValueError, "keep must be an int >= 1"),
+    C("resume-string", "ExactResume(d, resume='yes')",
+      lambda: ExactResume("unused", resume="yes"), TypeError, "resume must be True or False"),
+    C("resume-shuffled", "TowerModel.fit(x, y, shuffle=True, callbacks=[ExactResume(d)])",
+      _fit_shuffled, ValueError, "shuffle must be False with ExactResume and array data"),
     # -- trainer.set_weights -------------------------------------------------------------------
     C("weights-count", "set_weights with one array too few",
       lambda: _trainer("dense").set_weights([np.ones([5, 3])]), ValueError,
@@ -311,31 +313,6 @@ CASES: list[Case] = [
       lambda: _new(parameter_device="ô"), ValueError, "parameter_device: Unknown attribute"),
     C("variables-list", "variables=['replicated']", lambda: _new(variables=["replicated"]),
       TypeError, "variables: unhashable type"),
-    C("fit-callbacks-int", "fit(callbacks=3)", lambda: _fit(callbacks=3), TypeError,
-      "callbacks must be None or a list of keras.callbacks.Callback"),
-    C("fit-callbacks-strings", "fit(callbacks=['early'])", lambda: _fit(callbacks=["early"]),
-      TypeError, "callbacks must be None or a list of keras.callbacks.Callback"),
-    C("fit-seed-object", "fit(seed=object())", lambda: _fit(seed=object()), ValueError,
-      "seed must be None or an int >= 0"),
-    C("fit-shuffle-array", "fit(shuffle=np.ones(2))", lambda: _fit(shuffle=np.ones(2)),
-      TypeError, "shuffle must be True or False"),
-    C("fit-verbose-array", "fit(verbose=np.ones(2))", lambda: _fit(verbose=np.ones(2)),
-      ValueError, "verbose must be 0, 1, 2 or 'auto'"),
-    C("fit-metrics-bytes", "fit(metrics=b'acc')", lambda: _fit(metrics=b"acc"), ValueError,
-      "metrics must be a list"),
-    C("fit-metrics-number", "fit(metrics=[0])", lambda: _fit(metrics=[0]), ValueError,
-      "metrics: unknown metric 0"),
-    C("fit-checkpoint-dir-int", "fit(checkpoint_dir=-1)", lambda: _fit(checkpoint_dir=-1),
-      TypeError, r"checkpoint_dir must be a path \(str or os.PathLike\)"),
-    C("fit-checkpoint-every-zero", "fit(checkpoint_dir=d, checkpoint_every=0)",
-      lambda: _fit(checkpoint_dir="unused", checkpoint_every=0), ValueError,
-      "checkpoint_every must be None or an int >= 1"),
-    C("fit-checkpoint-keep-zero", "fit(checkpoint_dir=d, checkpoint_keep=0)",
-      lambda: _fit(checkpoint_dir="unused", checkpoint_keep=0), ValueError,
-      "checkpoint_keep must be an int >= 1"),
-    C("fit-resume-string", "fit(checkpoint_dir=d, resume='yes')",
-      lambda: _fit(checkpoint_dir="unused", resume="yes"), TypeError,
-      "resume must be True or False"),
     C("all-reduce-algorithm-none", "towers.all_reduce(values, algorithm=None)",
       lambda: towers.all_reduce(_on_devices(), algorithm=None), TypeError,
       "algorithm: all_reduce must be a registered name or a callable"),
@@ -376,8 +353,6 @@ CASES: list[Case] = [
     C("all-reduce-devices-ints", "towers.all_reduce(values, devices=[0, 1])",
       lambda: towers.all_reduce(_on_devices(), devices=[0, 1]), TypeError,
       "devices must be None or a list of device names"),
-    C("fit-validation-no-x", "fit(validation_data=(None, y))",
-      lambda: _fit(validation_data=(None, Y)), ValueError, "validation_data: x is required"),
     C("simulate-huge", "towers.simulate_devices(2**31)",
       lambda: towers.simulate_devices(2**31), ValueError, "n must be at most 4096"),
     C("all-reduce-sparse-array", "towers.all_reduce(values, sparse=np.zeros(2))",

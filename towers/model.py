@@ -13,8 +13,8 @@
 A ``TowerModel`` is a real ``keras.Model`` wrapping the user's model (:attr:`network`,
 replica 0's copy). ``compile`` builds the :class:`~towers.TowerTrainer` from the compiled
 optimizer and loss; ``make_train_function``/``make_test_function``/``make_predict_function``
-hand Keras functions that pull one batch at a time and run the towers' step (or their
-inference pass), so everything else is Keras's own.
+hand Keras functions (:mod:`towers.training.keras_functions`) that pull one batch at a
+time and run the towers' step (or their inference pass), so everything else is Keras's own.
 
 Writes reach every replica (:mod:`towers.training.sync`): ``set_weights``/``load_weights``
 broadcast replica 0 at once;
@@ -33,9 +33,7 @@ from typing import Any
 
 import keras
 import numpy as np
-import tensorflow as tf
 
-from towers.allreduce.machinery.ordering import as_written
 from towers.devices import canonical_device
 from towers.guard.arguments import check_choice
 from towers.guard.inputs import naming
@@ -44,8 +42,8 @@ from towers.guard.nonfinite import NONFINITE
 from towers.guard.weights import check_devices
 from towers.placement import first_model, get_placement
 from towers.step import NON_TRAINABLE, TowerTrainer
-from towers.tower import loss_divisor
-from towers.training.inference import inference
+from towers.training import keras_functions
+from towers.training.backup import data_facts
 from towers.training.sync import Hyperparameters, broadcast
 
 __all__ = ["TowerModel"]
@@ -110,6 +108,8 @@ class TowerModel(keras.Model):
         self.network = first_model(model, placement.homes(self.devices, pd)[0])
         self.trainer: TowerTrainer | None = None
         self._hyper: Hyperparameters
+        self.fit_facts: dict[str, Any] | None = None  # what ExactResume records and checks
+        self.resume_skip = 0  # batches the train function pulls but does not train
         self.built = True
 
     def call(self, inputs: Any, training: bool | None = None) -> Any:
@@ -167,78 +167,52 @@ class TowerModel(keras.Model):
                                "predicting: call tm.compile(optimizer, loss)")
         return self.trainer
 
-    # -- the Keras functions -----------------------------------------------------------------
+    def fit(
+        self, x: Any = None, y: Any = None, batch_size: int | None = None, epochs: int = 1,
+        verbose: Any = "auto", callbacks: Any = None, validation_split: float = 0.0,
+        validation_data: Any = None, shuffle: Any = True, class_weight: Any = None,
+        sample_weight: Any = None, initial_epoch: int = 0, steps_per_epoch: int | None = None,
+        validation_steps: int | None = None, validation_batch_size: int | None = None,
+        validation_freq: int = 1,
+    ) -> keras.callbacks.History:
+        """Keras's ``fit``; it records the data's facts for
+        :class:`~towers.training.backup.ExactResume` (:func:`~towers.training.backup.data_facts`).
+
+        Returns:
+            Keras's ``History``.
+        """
+        self.fit_facts = data_facts(x, batch_size, shuffle)
+        try:
+            return super().fit(
+                x=x, y=y, batch_size=batch_size, epochs=epochs, verbose=verbose,
+                callbacks=callbacks, validation_split=validation_split,
+                validation_data=validation_data, shuffle=shuffle, class_weight=class_weight,
+                sample_weight=sample_weight, initial_epoch=initial_epoch,
+                steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
+                validation_batch_size=validation_batch_size, validation_freq=validation_freq,
+            )  # fmt: skip
+        finally:
+            self.fit_facts, self.resume_skip = None, 0
+
+    # -- the Keras functions (towers/training/keras_functions.py) ----------------------------
 
     def make_train_function(self, force: bool = False) -> Any:
         """One towers step per batch (``steps_per_execution`` batches per call)."""
         self.broadcast()
-        self.train_function = self._loop(self._train_batch)
+        self.train_function = keras_functions.train_function(self)
         return self.train_function
 
     def make_test_function(self, force: bool = False) -> Any:
         """The towers' inference pass per batch; loss and compiled metrics updated."""
         self.broadcast()
-        self.test_function = self._loop(self._test_batch)
+        self.test_function = keras_functions.test_function(self)
         return self.test_function
 
     def make_predict_function(self, force: bool = False) -> Any:
         """The towers' inference pass on each batch Keras hands over, outputs concatenated."""
         self.broadcast()
-
-        def predict_function(data: Sequence[Any]) -> Any:
-            trainer = self._trainer()
-            outs = []
-            for batch in data:
-                x, _, _ = keras.utils.unpack_x_y_sample_weight(batch)
-                with as_written():
-                    outs.append(inference(trainer).outputs(x))
-            if len(outs) == 1:
-                return outs[0]
-            return tf.nest.map_structure(lambda *parts: tf.concat(parts, 0), *outs)
-
-        self.predict_function = predict_function
-        return predict_function
-
-    def _loop(self, one_batch: Any) -> Any:
-        def function(iterator: Any) -> Any:
-            logs = None
-            for _, data in zip(range(self.steps_per_execution), iterator):
-                logs = one_batch(data)
-            if logs is None:  # the data ran out: Keras's catch_stop_iteration ends the epoch
-                raise StopIteration
-            return logs
-
-        return function
-
-    def _train_batch(self, data: Any) -> dict[str, Any]:
-        trainer = self._trainer()
-        self._hyper.follow(trainer)
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        loss, outputs = trainer.train_step(x, y, sample_weight, return_outputs=True)
-        return self._update_metrics(x, y, outputs, sample_weight, loss)
-
-    def _test_batch(self, data: Any) -> dict[str, Any]:
-        trainer = self._trainer()
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        with as_written():
-            total, outputs = inference(trainer).loss_and_outputs(x, y, sample_weight)
-        size = tf.shape(tf.nest.flatten(x)[0])[0]
-        weights = [] if sample_weight is None else [sample_weight]
-        divisor = loss_divisor(trainer.loss_reduction, size, weights, trainer.parameter_device)
-        loss = total / tf.cast(divisor, total.dtype)
-        reg = self.network.losses
-        if reg:
-            loss = loss + tf.add_n([tf.cast(r, loss.dtype) for r in reg])
-        return self._update_metrics(x, y, outputs, sample_weight, loss)
-
-    def _update_metrics(self, x: Any, y: Any, outputs: Any, sample_weight: Any,
-                        loss: Any) -> dict[str, Any]:
-        """The loss tracker takes the batch's global mean loss, weighted by the batch size
-        (what MirroredStrategy's per-replica trackers sum to); the compiled metrics the
-        outputs, concatenated in tower order."""
-        size = tf.shape(tf.nest.flatten(x)[0])[0]
-        self._loss_tracker.update_state(loss, sample_weight=size)
-        return self.compute_metrics(x, y, outputs, sample_weight=sample_weight)
+        self.predict_function = keras_functions.predict_function(self)
+        return self.predict_function
 
     # -- writes reach every replica ----------------------------------------------------------
 

@@ -81,7 +81,6 @@ from towers.tower import (
     resolve_loss,
     tower_step,
 )
-from towers.training import fit as training_loop
 
 __all__ = ["NON_TRAINABLE", "PLACEMENTS", "Reduced", "StepStats", "TowerTrainer", "check_devices"]
 
@@ -621,18 +620,6 @@ class TowerTrainer:
         """``{tower: ["loss", "gradients", …]}`` of the last step; empty when it was finite
         (or ``on_nonfinite="ignore"``). A non-empty result means the step was skipped."""
         return self.guard.last()
-
-    def fit(self, *args: Any, **kwargs: Any) -> Any:
-        """Keras-style training loop; see :func:`towers.training.fit.fit`."""
-        return training_loop.fit(self, *args, **kwargs)
-
-    def evaluate(self, *args: Any, **kwargs: Any) -> Any:
-        """Loss and metrics over a dataset, split over towers; see ``training.fit.evaluate``."""
-        return training_loop.evaluate(self, *args, **kwargs)
-
-    def predict(self, *args: Any, **kwargs: Any) -> Any:
-        """Model outputs, split over towers; see :func:`towers.training.fit.predict`."""
-        return training_loop.predict(self, *args, **kwargs)
 
     def get_weights(self) -> list[np.ndarray]:
         """The model's weights as NumPy arrays, in ``model.weights`` order."""

@@ -44,6 +44,7 @@ from hypothesis.extra import numpy as hnp
 import towers
 from tests.conftest import DEVICES, examples
 from towers.training import atomic, checkpoint
+from towers.training.backup import ExactResume
 
 ALLOWED: tuple[type[BaseException], ...] = (TypeError, ValueError, towers.TowersError)
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -162,20 +163,14 @@ def test_train_step_arguments(arg: str, junk: Any) -> None:
     check(lambda: _trainer().train_step(**{**STEP, arg: junk}), (arg,))
 
 
-FIT = {
-    "x": X, "y": Y, "batch_size": 4, "epochs": 1, "validation_data": None, "callbacks": None,
-    "verbose": 0, "shuffle": True, "seed": 0, "metrics": None, "sample_weight": None,
-    "checkpoint_dir": None, "checkpoint_every": None, "checkpoint_keep": 3, "resume": True,
-}  # fmt: skip
+RESUME = {"directory": "run", "every": None, "keep": 3, "resume": True}
 
 
-@pytest.mark.parametrize("arg", sorted(FIT))
+@pytest.mark.parametrize("arg", sorted(RESUME))
 @settings(max_examples=examples(ci=3))
 @given(junk=JUNK)
-def test_fit_arguments(arg: str, junk: Any) -> None:
-    if arg == "epochs" and isinstance(junk, int) and junk > 3:
-        junk = 3  # many epochs are a valid (long) request, not junk
-    check(lambda: _trainer().fit(**{**FIT, arg: junk}), (arg,))
+def test_exact_resume_arguments(arg: str, junk: Any) -> None:
+    check(lambda: ExactResume(**{**RESUME, arg: junk}), (arg,))
 
 
 @settings(max_examples=examples(ci=12))

@@ -2,7 +2,7 @@
 
 Every worker holds the same weights after a synchronous step, so one copy is enough;
 the chief writes it (``Cluster.is_chief``: task ``chief:0``, else ``worker:0``) and the
-other workers write nothing. The directory is the one ``fit(checkpoint_dir=...)`` keeps
+other workers write nothing. The directory is the one ``ExactResume(directory)`` keeps
 (:mod:`towers.training.atomic`: a temporary folder, a manifest of sizes and sha256,
 fsync, an atomic rename, the ``latest`` pointer; a re-save of a number deletes the old
 folder only once the new one is in place)::

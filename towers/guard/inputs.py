@@ -98,7 +98,7 @@ def _leaf_dtype_and_shape(name: str, leaf: Any) -> tuple[tf.DType | np.dtype, tu
     if isinstance(leaf, (tf.data.Dataset, Iterator)) or callable(leaf):
         raise TypeError(
             f"{name} must be arrays or tensors (one batch); got {type(leaf).__name__}: "
-            "use trainer.fit for a dataset or a generator"
+            "use towers.TowerModel.fit for a dataset or a generator"
         )
     try:
         array = np.asarray(leaf)

@@ -1,10 +1,11 @@
-"""Everyday training around the step: Keras-style loops, checkpoints, export, demo data.
+"""What Keras lacks around the step: exact checkpoints and resume, replica sync, export, data.
 
-    fit.py         ``fit`` / ``evaluate`` / ``predict`` with Keras callbacks and exact metrics
+    keras_functions.py  the per-batch functions ``TowerModel`` hands Keras's fit/evaluate/predict
+    inference.py   the towers' inference pass of ``TowerModel.evaluate`` / ``predict``
     checkpoint.py  ``save`` / ``restore``: every replica, optimizer slots, codec state
     signature.py   what a checkpoint holds (optimizer, model, placement); restore refuses others
     atomic.py      numbered checkpoints written atomically; ``latest`` skips damaged ones
-    backup.py      ``fit(checkpoint_dir=...)``: save every k batches, resume bitwise (same data)
+    backup.py      ``ExactResume``: a callback saving every k batches, resuming at the batch
     sync.py        replica 0 -> every replica: what ``towers.TowerModel`` copies after Keras writes
     export.py      ``.keras`` and SavedModel export of the trained model
     data.py        scikit-learn's bundled 8×8 digits, split and batched

@@ -1,43 +1,45 @@
-"""``fit(checkpoint_dir=...)``: save every k batches, and resume exactly where a run died.
+"""``ExactResume``: save every k batches, and resume at the exact batch where a run died.
 
 ::
 
-    fit(..., checkpoint_dir=d, checkpoint_every=k)      (resume=True, the default)
-      start:  latest(d) ─▶ none: train from scratch
-                        └▶ ckpt-N: restore every replica, slots, iterations, all-reduce
-                                   state; position = (epoch e, batch b, shuffle state)
-      epoch e: shuffle with the saved generator state ─▶ skip batches 0 … b-1
+    tm.fit(x, y, shuffle=False, callbacks=[ExactResume(d, every=k)])
+      on_train_begin: latest(d) ─▶ none: train from scratch
+                               └▶ ckpt-N: restore every replica, slots, iterations,
+                                  all-reduce state; position = (epoch e, batch b)
+                                  fit starts at epoch e; the train function skips
+                                  batches 0 … b-1 of it (pulled, not trained)
       after each trained batch: N += 1; N % k == 0 ─▶ write ckpt-N atomically
                                 (k None: at the end of every epoch instead)
 
-The position counts batches, so it means something only for the data and batch size it
-was written with: ``position.json`` also records them (``data``: batch size, number of
-examples, shuffling, batches per epoch), and a resume with any other is refused before
-the trainer changes — it would skip or repeat examples.
+Keras's own ``BackupAndRestore`` resumes at the start of the epoch it saved in (its
+``_load_model`` sets only the initial epoch, even with an integer ``save_freq``), so
+the batches of that epoch before the save are trained twice. ``ExactResume`` resumes
+at the batch: the resumed run trains the very batches, in the very order, that the
+uninterrupted run would have, and ends with bitwise the same weights, optimizer slots,
+``iterations`` and all-reduce state (tests/training/test_resume.py kills a run with
+SIGKILL at random moments and crashes one at each stage of a save to check it).
 
-The position is part of the checkpoint, so the resumed run trains the very batches,
-in the very order, that the uninterrupted run would have: its final weights,
-optimizer slots and ``iterations`` are bitwise the same (tests/training/test_resume.py
-kills a run with SIGKILL at random moments to check it). The shuffling generator's
-state is the one at the start of the epoch (its permutation is drawn again), so a
-NumPy ``default_rng(seed)`` stream continues unchanged.
+That needs the same batches in every epoch of both runs: arrays with ``shuffle=False``
+(shuffle them once beforehand, seeded), or a dataset or ``PyDataset`` whose order is a
+function of the epoch. Keras's own shuffling of arrays is drawn afresh in each process,
+so ``shuffle=True`` with arrays is refused. The position counts batches, so it means
+something only for the data and batch size it was written with: ``position.json``
+records them (``data``), and a resume with any other is refused before the model
+changes. The logs of the resumed epoch cover the batches trained after the resume.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-import tensorflow as tf
+import keras
 
 from towers.guard.arguments import optional, positive_int
 from towers.guard.errors import CheckpointError
 from towers.training import atomic
 from towers.training.checkpoint import checkpoint, restore
-from towers.training.protocol import Trainer
-from towers.training.sources import Source
 
-__all__ = ["Backup", "data_facts"]
+__all__ = ["ExactResume", "data_facts"]
 
 _FACTS = (
     ("kind", "data"),
@@ -48,23 +50,23 @@ _FACTS = (
 )
 
 
-def data_facts(train: Source, shuffle: bool) -> dict[str, Any]:
+def data_facts(x: Any, batch_size: int | None, shuffle: Any) -> dict[str, Any]:
     """What a saved position counts in: the data's kind and size, batch size, shuffling.
 
     Args:
-        train: ``fit``'s training data.
-        shuffle: ``fit(shuffle=...)`` (array data only: a dataset shuffles itself).
+        x: ``fit``'s training inputs (after Keras's ``validation_split``, if any).
+        batch_size: ``fit(batch_size=...)`` (Keras's default 32 for arrays when None).
+        shuffle: ``fit(shuffle=...)`` (array data only: a dataset orders itself).
 
     Returns:
-        ``{"kind", "batch_size", "examples", "shuffle", "steps"}`` (None where unknown,
-        e.g. a dataset's batch size: it is batched already).
+        ``{"kind", "batch_size", "examples", "shuffle"}``; ``"steps"`` (batches per epoch)
+        is added from Keras's ``params`` when training begins.
     """
-    if train.arrays is None:
-        return {"kind": "dataset", "batch_size": None, "examples": None, "shuffle": None,
-                "steps": train.steps}  # fmt: skip
-    examples = int(np.shape(tf.nest.flatten(train.arrays[0])[0])[0])
-    return {"kind": "arrays", "batch_size": train.batch_size, "examples": examples,
-            "shuffle": bool(shuffle), "steps": train.steps}  # fmt: skip
+    first = keras.tree.flatten(x)[0] if x is not None else None
+    if first is None or not hasattr(first, "shape") or not hasattr(first, "__len__"):
+        return {"kind": "dataset", "batch_size": None, "examples": None, "shuffle": None}
+    return {"kind": "arrays", "batch_size": batch_size or 32, "examples": int(first.shape[0]),
+            "shuffle": bool(shuffle)}  # fmt: skip
 
 
 def check_position(prefix: str, position: dict[str, Any], facts: dict[str, Any]) -> None:
@@ -78,7 +80,7 @@ def check_position(prefix: str, position: dict[str, Any], facts: dict[str, Any])
     if not isinstance(saved, dict):
         raise CheckpointError(prefix, "its position does not record the data and batch size "
                               "it counts in (written by an older towers): it cannot be resumed "
-                              "exactly; start the run in a new checkpoint_dir")  # fmt: skip
+                              "exactly; start the run in a new directory")  # fmt: skip
     for key, name in _FACTS:
         if saved.get(key) != facts[key]:
             raise CheckpointError(
@@ -86,76 +88,104 @@ def check_position(prefix: str, position: dict[str, Any], facts: dict[str, Any])
                 f"{name}={facts[key]!r}: its position (epoch {position.get('epoch')}, "
                 f"{position.get('batch')} batches of it trained) counts batches of that fit's "
                 f"data, so resuming would skip or repeat examples. Resume with {name}="
-                f"{saved.get(key)!r}, or start the run in a new checkpoint_dir",
+                f"{saved.get(key)!r}, or start the run in a new directory",
             )  # fmt: skip
 
 
-class Backup:
-    """The checkpoint side of ``fit``: where to resume, and a save every ``every`` batches.
+class ExactResume(keras.callbacks.Callback):
+    """Atomic checksummed checkpoints every ``every`` batches, and an exact resume.
+
+    For :class:`towers.TowerModel` only (it needs the trainer and the skip hook).
 
     Args:
-        trainer: the trainer ``fit`` trains.
-        directory: the run's checkpoint directory.
-        every: save after every ``every`` trained batches (None: after every epoch).
+        directory: the run's checkpoint directory (created if missing).
+        every: save after every ``every`` trained batches, counted over the whole run
+            (None: at the end of every epoch).
         keep: how many of the newest checkpoints to keep.
-        data: :func:`data_facts` of the data ``fit`` reads (saved with every position,
-            compared on resume).
+        resume: first restore the directory's latest good checkpoint (False: start over,
+            numbering new checkpoints from 1).
 
     Raises:
-        TypeError: ``directory`` is not a path (named ``checkpoint_dir``, as in ``fit``).
-        ValueError: ``every`` is not None or an int >= 1, or ``keep`` not an int >= 1.
+        TypeError: ``directory`` is not a path, or ``resume`` not a bool.
+        ValueError: ``every`` is not None or an int >= 1, or ``keep`` not an int >= 1;
+            at ``fit``: not a TowerModel, or arrays with ``shuffle=True``.
+        CheckpointError: at ``fit``: the latest checkpoint does not fit this model, or its
+            position another batch size or data (the model is unchanged).
+
+    Example:
+        >>> tm.fit(x, y, batch_size=96, epochs=3, shuffle=False,          # doctest: +SKIP
+        ...        callbacks=[ExactResume("runs/a", every=4)])
     """
 
-    def __init__(
-        self, trainer: Trainer, directory: Any, every: int | None, keep: int,
-        data: dict[str, Any],
-    ) -> None:  # fmt: skip
-        atomic.check_directory(directory, "checkpoint_dir")
-        optional(positive_int, "checkpoint_every", every)
-        positive_int("checkpoint_keep", keep)
-        self.trainer, self.directory, self.every, self.keep = trainer, directory, every, keep
-        self.data = data
+    def __init__(self, directory: Any, every: int | None = None, keep: int = 3,
+                 resume: bool = True) -> None:  # fmt: skip
+        super().__init__()
+        atomic.check_directory(directory, "directory")
+        optional(positive_int, "every", every)
+        positive_int("keep", keep)
+        if not isinstance(resume, bool):
+            raise TypeError(f"resume must be True or False, got {resume!r}")
+        self.directory, self.every, self.keep, self.resume = directory, every, keep, resume
         self.batches = 0  # batches trained over the whole run, resumed ones included
-        self.epoch_rng: Any = None
+        self.epoch, self.done, self.skip = 0, 0, (-1, 0)
+        self.data: dict[str, Any] = {}
 
-    def resume(self, rng: np.random.Generator | None) -> tuple[int, int]:
-        """Restore the latest good checkpoint, if any; return ``(epoch, batches to skip)``.
-
-        Raises:
-            CheckpointError: the latest checkpoint does not fit this trainer, or its
-                position another batch size or data (the trainer is unchanged).
-        """
-        prefix = atomic.latest(self.directory)
+    def on_train_begin(self, logs: Any = None) -> None:
+        """Check the model and data; restore the latest good checkpoint, if any."""
+        facts = getattr(self.model, "fit_facts", None)
+        if facts is None or getattr(self.model, "trainer", None) is None:
+            raise ValueError("ExactResume must be a callback of a compiled towers.TowerModel's "
+                             f"fit, got a {type(self.model).__name__}")  # fmt: skip
+        if facts["shuffle"]:
+            raise ValueError(
+                "shuffle must be False with ExactResume and array data: Keras shuffles arrays "
+                "afresh in each process, so a resumed epoch would train other batches. "
+                "Shuffle the arrays once beforehand (seeded), or pass a dataset")  # fmt: skip
+        self.data = {**facts, "steps": self.params.get("steps")}
+        self.batches, self.skip = 0, (-1, 0)
+        prefix = atomic.latest(self.directory) if self.resume else None
         if prefix is None:
-            return 0, 0
+            return
         position = atomic.verify(prefix)
         check_position(prefix, position, self.data)
-        restore(self.trainer, prefix)
+        restore(self.model.trainer, prefix)
         self.batches = int(position["batches"])
-        if rng is not None and position.get("rng") is not None:
-            rng.bit_generator.state = position["rng"]
-        return int(position["epoch"]), int(position["batch"])
+        epoch, batch = int(position["epoch"]), int(position["batch"])
+        self.model._initial_epoch = epoch  # Keras's fit starts there (as BackupAndRestore)
+        self.model.resume_skip = batch
+        self.skip = (epoch, batch)
 
-    def epoch_begins(self, rng: np.random.Generator | None) -> None:
-        """Remember the shuffling state the epoch starts from (saved with every checkpoint)."""
-        self.epoch_rng = None if rng is None else rng.bit_generator.state
+    def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+        """Where the epoch starts: batch 0, or the resumed batch."""
+        self.epoch = epoch
+        self.done = self.skip[1] if epoch == self.skip[0] else 0
 
-    def batch_done(self, epoch: int, batch: int) -> None:
-        """Count a trained batch (index ``batch`` of ``epoch``); save when one is due."""
-        self.batches += 1
-        if self.every is not None and self.batches % self.every == 0:
-            self.save(epoch, batch + 1)
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        """Count the batches trained up to ``batch`` (skipped ones not); save when due."""
+        if batch + 1 <= self.done:  # a batch the resume skipped
+            return
+        before, self.batches = self.batches, self.batches + batch + 1 - self.done
+        self.done = batch + 1
+        if self.every is not None and self.batches // self.every > before // self.every:
+            self.save(self.epoch, self.done)
 
-    def epoch_done(self, epoch: int, rng: np.random.Generator | None) -> None:
-        """With ``every=None``, save at the end of each epoch (the next one's shuffling state)."""
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        """With ``every=None``, save at the end of each epoch."""
         if self.every is None:
-            self.epoch_begins(rng)
             self.save(epoch + 1, 0)
+
+    def on_train_end(self, logs: Any = None) -> None:
+        """Leave the model as Keras made it: the next ``fit`` starts where it is told."""
+        self.model._initial_epoch = None
+        self.model.resume_skip = 0
 
     def save(self, epoch: int, batch: int) -> str:
         """Write ``ckpt-<batches>``: the trainer's state and where the data stream stands."""
-        position = {"epoch": epoch, "batch": batch, "batches": self.batches,
-                    "rng": self.epoch_rng, "data": self.data}  # fmt: skip
+        steps = self.data.get("steps")
+        if steps is not None and batch >= steps:  # the epoch is done: resume at the next
+            epoch, batch = epoch + 1, 0
+        position = {"epoch": epoch, "batch": batch, "batches": self.batches, "rng": None,
+                    "data": self.data}  # fmt: skip
         return atomic.write(
-            checkpoint(self.trainer), self.directory, self.batches, position, self.keep
+            checkpoint(self.model.trainer), self.directory, self.batches, position, self.keep
         )

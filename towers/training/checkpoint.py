@@ -117,7 +117,7 @@ def load(trainer: Trainer, prefix: str) -> dict[str, Any]:
     """Restore one checkpoint of a directory (:func:`towers.training.atomic.write`), checked.
 
     Returns:
-        The position saved with it (``fit``'s epoch, batch and shuffling state).
+        The position saved with it (``ExactResume``'s epoch and batch).
 
     Raises:
         CheckpointError: naming ``prefix``: its manifest does not match its files

@@ -1,8 +1,7 @@
 """What the training tools need of a trainer, as a ``typing.Protocol``.
 
 ``towers.training`` sits downstream of the step: it calls a trainer but never imports
-:mod:`towers.step` (``TowerTrainer`` imports these modules lazily for its ``fit``,
-``evaluate`` and ``predict``), so the package has no import cycle.
+:mod:`towers.step` (``towers.model`` imports both), so the package has no import cycle.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ __all__ = ["Trainer"]
 
 
 class Trainer(Protocol):
-    """The part of :class:`towers.TowerTrainer` that fit, checkpoints and export use."""
+    """The part of :class:`towers.TowerTrainer` that inference, checkpoints, sync and export use."""
 
     devices: list[str]
     parameter_device: str

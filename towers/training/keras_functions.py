@@ -1,0 +1,113 @@
+"""The per-batch functions ``towers.TowerModel`` hands Keras's loop.
+
+::
+
+    Keras fit/evaluate/predict ──▶ function(iterator)     steps_per_execution batches per call
+        train:   batch ─▶ (resume_skip > 0: pulled, not trained; empty logs)
+                        └▶ trainer.train_step(x, y, w, return_outputs=True)  towers/step.py
+        test:    batch ─▶ inference(trainer).loss_and_outputs ─▶ loss / divisor (+ model losses)
+        predict: batches ─▶ inference(trainer).outputs ─▶ concatenated
+    loss tracker ← the batch's global mean loss (weight: its size); compiled metrics ← outputs
+
+Each takes the ``TowerModel`` (typed ``Any``: this package sits below :mod:`towers.model`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from towers.allreduce.machinery.ordering import as_written
+from towers.tower import loss_divisor
+from towers.training.inference import inference
+
+__all__ = ["predict_function", "test_function", "train_function"]
+
+
+def train_function(tm: Any) -> Callable[[Any], Any]:
+    """Keras's ``train_function``: a towers step per batch (:func:`train_batch`)."""
+    return _loop(tm, lambda data: train_batch(tm, data))
+
+
+def test_function(tm: Any) -> Callable[[Any], Any]:
+    """Keras's ``test_function``: the towers' inference pass per batch (:func:`test_batch`)."""
+    return _loop(tm, lambda data: test_batch(tm, data))
+
+
+def predict_function(tm: Any) -> Callable[[Sequence[Any]], Any]:
+    """Keras's ``predict_function``: the towers' outputs on each batch, concatenated."""
+
+    def function(data: Sequence[Any]) -> Any:
+        trainer = tm._trainer()
+        outs = []
+        for batch in data:
+            x, _, _ = keras.utils.unpack_x_y_sample_weight(batch)
+            with as_written():
+                outs.append(inference(trainer).outputs(x))
+        if len(outs) == 1:
+            return outs[0]
+        return tf.nest.map_structure(lambda *parts: tf.concat(parts, 0), *outs)
+
+    return function
+
+
+def _loop(tm: Any, one_batch: Callable[[Any], dict[str, Any]]) -> Callable[[Any], Any]:
+    def function(iterator: Any) -> Any:
+        logs = None
+        for _, data in zip(range(tm.steps_per_execution), iterator):
+            logs = one_batch(data) or logs or {}
+        if logs is None:  # the data ran out: Keras's catch_stop_iteration ends the epoch
+            raise StopIteration
+        return logs
+
+    return function
+
+
+def train_batch(tm: Any, data: Any) -> dict[str, Any]:
+    """One towers step on ``data``; the metrics' logs.
+
+    A batch a resume skips (``tm.resume_skip > 0``,
+    :class:`towers.training.backup.ExactResume`) is pulled, not trained, and reports
+    empty logs.
+    """
+    if tm.resume_skip > 0:
+        tm.resume_skip -= 1
+        return {}
+    trainer = tm._trainer()
+    tm._hyper.follow(trainer)
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    loss, outputs = trainer.train_step(x, y, sample_weight, return_outputs=True)
+    return update_metrics(tm, x, y, outputs, sample_weight, loss)
+
+
+def test_batch(tm: Any, data: Any) -> dict[str, Any]:
+    """The towers' inference pass on ``data``: the global mean loss and the outputs."""
+    trainer = tm._trainer()
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    with as_written():
+        total, outputs = inference(trainer).loss_and_outputs(x, y, sample_weight)
+    size = tf.shape(tf.nest.flatten(x)[0])[0]
+    weights = [] if sample_weight is None else [sample_weight]
+    divisor = loss_divisor(trainer.loss_reduction, size, weights, trainer.parameter_device)
+    loss = total / tf.cast(divisor, total.dtype)
+    reg = tm.network.losses
+    if reg:
+        loss = loss + tf.add_n([tf.cast(r, loss.dtype) for r in reg])
+    return update_metrics(tm, x, y, outputs, sample_weight, loss)
+
+
+def update_metrics(tm: Any, x: Any, y: Any, outputs: Any, sample_weight: Any,
+                   loss: Any) -> dict[str, Any]:  # fmt: skip
+    """The loss tracker takes the batch's global mean loss, weighted by the batch size
+    (what MirroredStrategy's per-replica trackers sum to); the compiled metrics the
+    outputs, concatenated in tower order.
+
+    Returns:
+        Keras's ``compute_metrics`` logs.
+    """
+    size = tf.shape(tf.nest.flatten(x)[0])[0]
+    tm._loss_tracker.update_state(loss, sample_weight=size)
+    return tm.compute_metrics(x, y, outputs, sample_weight=sample_weight)  # type: ignore[no-any-return]
