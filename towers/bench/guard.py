@@ -12,6 +12,7 @@ round; the absolute milliseconds beside the share do not, so read the share.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -52,7 +53,7 @@ def guard_rows(
     """
     x, y = make_batch(model, batch)
     trainers = {m: _trainer(model, devices, algorithm, placement, m) for m in MODES}
-    samples = interleave({m: (lambda t=t: t.train_step(x, y)) for m, t in trainers.items()},
+    samples = interleave({m: functools.partial(t.train_step, x, y) for m, t in trainers.items()},
                          rounds)  # fmt: skip
     config = f"towers {algorithm}/{placement}"
     return [{"model": model, "config": config, "on_nonfinite": m,
