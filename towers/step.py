@@ -43,7 +43,7 @@ from towers.allreduce.machinery.primitives import Recorder, record, send
 from towers.allreduce.machinery.recording import StepStats
 from towers.allreduce.machinery.reducer import SPARSE, as_reducer, resolve
 from towers.guard import capabilities
-from towers.guard.arguments import check_choice
+from towers.guard.arguments import check_bool, check_choice
 from towers.guard.deadline import Deadline, settled
 from towers.guard.inputs import batch_tensors, check_kinds, naming
 from towers.guard.loss_scale import REDUCE_DTYPES, LossScale, is_loss_scaled
@@ -146,6 +146,9 @@ class TowerTrainer:
             without a registry record) once on small values on these devices and refuse
             it, with an ``AlgorithmError``, unless every output is the sum of the inputs
             (:mod:`towers.guard.reduces`). False skips it (a lossy compression of your own).
+        jit_compile: compile each tower's forward and backward pass with XLA (one
+            cluster per tower, on its device); the reduction and the update stay as
+            written. Not bitwise equal to ``False``: docs/xla.md gives the bound.
 
     Example:
         >>> devices = towers.simulate_devices(4)                      # doctest: +SKIP
@@ -170,6 +173,7 @@ class TowerTrainer:
         check_replicas_every: int | None = None,
         reduce_dtype: str = "float32",
         check_algorithm: bool = True,
+        jit_compile: bool = False,
     ) -> None:
         check_kinds(model, optimizer, loss)
         # Every argument is checked, and their combination against the capability table,
@@ -189,8 +193,10 @@ class TowerTrainer:
         kind = capabilities.algorithm_kind(reducer)
         self.sparse = check_choice(
             "sparse", capabilities.default_sparse(self.placement.name, kind, sparse), SPARSE)
+        self.jit_compile = check_bool("jit_compile", jit_compile)
         self.options = self._options(kind, optimizer, on_nonfinite, reduce_dtype, step_timeout,
                                      check_replicas_every, check_algorithm)
+        self.options["jit_compile"] = "on" if self.jit_compile else "off"
         capabilities.check(self.options, {"all_reduce": capabilities.spell(all_reduce)})
         capabilities.check_limits(self.options, reducer)
         self.deadline = Deadline(step_timeout, reducer)
@@ -399,6 +405,7 @@ class TowerTrainer:
                 global_batch=divisor, num_towers=len(self.devices), device=device,
                 backward=backward,
                 loss_scale=self.loss_scale.scale(replica.optimizer, replica.device, device),
+                jit_compile=self.jit_compile,
             )  # fmt: skip
 
     def reduce(self, grads: Gradients) -> Reduced:

@@ -19,6 +19,7 @@ is built and before any replica, variable or reducer state exists::
     non_trainable  mean  first_tower
     check_replicas_every  off  on
     check_algorithm       on  off
+    jit_compile           off  on     (XLA for each tower's forward/backward)
 
 ``all_reduce`` is classified by :func:`algorithm_kind`: ``ring`` is the registry's
 ring with one sub-chunk (the only reduce-scatter ``sharded`` runs); ``registered``
@@ -309,6 +310,19 @@ NOT_AN_OPTION: dict[str, tuple[str, ...]] = {
                      "step_timeout", "non_trainable", "check_replicas_every", "check_algorithm"),
 }
 """Axes a trainer kind has no argument for (its own fixed choice; shown as ``—``)."""
+
+# --- jit_compile (issue 22: XLA for each tower's forward/backward) -------------------------
+AXES["jit_compile"] = ("off", "on")
+NOT_AN_OPTION["AsyncTrainer"] += ("jit_compile",)
+REFUSALS += (
+    Refusal(
+        ("trainer", ("WorkerTrainer",)), ("jit_compile", ("on",)),
+        "XLA towers are built and measured in one process; a worker's step (its empty "
+        "towers run the model on no examples) is not yet checked under XLA",
+        "use jit_compile=False with WorkerTrainer, or a TowerTrainer in one process",
+    ),
+)
+# --- end jit_compile ------------------------------------------------------------------------
 
 
 def _columns() -> list[tuple[str, dict[str, str]]]:
