@@ -22,7 +22,7 @@ from towers.bench.timing import interleave, paired_ratio
 from towers.bench.training import MODELS, _sgd, make_batch
 from towers.step import TowerTrainer
 
-__all__ = ["guard_rows", "guard_table"]
+__all__ = ["guard_rows", "guard_section", "guard_table"]
 
 MODES = ("skip", "ignore")
 
@@ -67,3 +67,17 @@ def guard_table(rows: Sequence[dict[str, Any]]) -> str:
     lines += [f"{r['model']:<11} {r['config']:<30} {r['on_nonfinite']:<12} {r['ms']:7.1f} "
               f"{r['share']:+11.1%}" for r in rows]
     return "\n".join(lines)
+
+
+def guard_section(args: Any, devices: list[str], results: dict) -> bool:
+    """``towers bench --sections guard``: the guard's share of the step, per model."""
+    rows: list[dict[str, Any]] = []
+    for model in args.models or list(MODELS):
+        for placement in args.placements or ("parameter_device", "replicated"):
+            rows += guard_rows(model, devices[: args.towers], placement=placement,
+                               batch=args.batch_size,
+                               rounds=args.step_rounds or (5 if args.quick else 13))
+    print("\n== the non-finite guard's share of the step (skip vs ignore, paired rounds)")
+    print(guard_table(rows))
+    results["guard"] = rows
+    return True
