@@ -49,7 +49,7 @@ from towers.allreduce.machinery.primitives import Recorder, record, send
 from towers.allreduce.machinery.recording import StepStats
 from towers.allreduce.machinery.reducer import SPARSE, as_reducer, resolve
 from towers.guard import capabilities
-from towers.guard.arguments import check_choice
+from towers.guard.arguments import check_bool, check_choice
 from towers.guard.deadline import Deadline, settled
 from towers.guard.inputs import batch_tensors, check_batch_against_model, check_kinds, naming
 from towers.guard.loss_denominator import axis_value, check_loss_denominator, tower_divisor
@@ -164,6 +164,9 @@ class TowerTrainer:
             whole step in one function, Grappler's rewrites off for the towers' kernels
             too); the trade-off is measured in
             :data:`~towers.allreduce.machinery.ordering.FORWARD_GRAPHS`.
+        jit_compile: compile each tower's forward and backward pass with XLA (one
+            cluster per tower, on its device); the reduction and the update stay as
+            written. Not bitwise equal to ``False``: docs/xla.md gives the bound.
 
     Example:
         >>> devices = towers.simulate_devices(4)                      # doctest: +SKIP
@@ -190,6 +193,7 @@ class TowerTrainer:
         check_algorithm: bool = True,
         loss_denominator: str | float = "global",
         forward_graph: str = "default",
+        jit_compile: bool = False,
     ) -> None:
         check_kinds(model, optimizer, loss)
         # Every argument is checked, and their combination against the capability table,
@@ -211,8 +215,10 @@ class TowerTrainer:
         kind = capabilities.algorithm_kind(reducer)
         self.sparse = check_choice(
             "sparse", capabilities.default_sparse(self.placement.name, kind, sparse), SPARSE)
+        self.jit_compile = check_bool("jit_compile", jit_compile)
         self.options = self._options(kind, optimizer, on_nonfinite, reduce_dtype, step_timeout,
                                      check_replicas_every, check_algorithm)
+        self.options["jit_compile"] = "on" if self.jit_compile else "off"
         capabilities.check(self.options, {"all_reduce": capabilities.spell(all_reduce)})
         capabilities.check_limits(self.options, reducer)
         self.deadline = Deadline(step_timeout, reducer)
@@ -548,6 +554,7 @@ class TowerTrainer:
                 global_batch=divisor, num_towers=len(self.devices), device=device,
                 backward=backward,
                 loss_scale=self.loss_scale.scale(replica.optimizer, replica.device, device),
+                jit_compile=self.jit_compile,
             )  # fmt: skip
 
     def reduce(self, grads: Gradients) -> Reduced:

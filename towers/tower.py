@@ -263,6 +263,7 @@ def tower_step(
     device: str,
     backward: bool = True,
     loss_scale: tf.Tensor | None = None,
+    jit_compile: bool = False,
 ) -> TowerResult:
     """Run forward and backward for one tower's shard on ``device``.
 
@@ -284,6 +285,8 @@ def tower_step(
             ``device``), or None. The tape differentiates ``S·loss`` — Keras'
             ``optimizer.scale_loss`` — so float16 gradients do not underflow; the
             gradients come back scaled (the optimizer unscales), the loss unscaled.
+        jit_compile: compile the forward and backward pass as one XLA cluster on
+            ``device`` (``TowerTrainer(jit_compile=True)``; docs/xla.md gives its bound).
 
     Returns:
         The tower's loss share, gradients (``IndexedSlices`` stay sparse), updated
@@ -291,17 +294,52 @@ def tower_step(
     """
     args = (model, trainable, non_trainable, shard, loss_fn, global_batch, num_towers)
     with tf.device(device):
-        if not backward:
-            return _forward(*args)
-        with tf.GradientTape() as tape:
-            tape.watch(list(trainable))
-            result = _forward(*args)
-            target = result.loss
-            if loss_scale is not None:
-                target = keras.ops.multiply(target, loss_scale)  # LossScaleOptimizer.scale_loss
-        grads = tape.gradient(target, list(trainable))
-    _check_gradients(grads, [v.path for v in model.trainable_variables])
+        if jit_compile:
+            result = _compiled(args, loss_scale, backward)
+        else:
+            result = _differentiate(args, loss_scale, backward)
+    if backward:
+        _check_gradients(result.grads, [v.path for v in model.trainable_variables])
+    return result
+
+
+def _differentiate(args: tuple, loss_scale: tf.Tensor | None, backward: bool) -> TowerResult:
+    """The forward pass, and with ``backward`` the tape's gradients of (scaled) loss."""
+    if not backward:
+        return _forward(*args)
+    with tf.GradientTape() as tape:
+        tape.watch(list(args[1]))
+        result = _forward(*args)
+        target = result.loss
+        if loss_scale is not None:
+            target = keras.ops.multiply(target, loss_scale)  # LossScaleOptimizer.scale_loss
+    grads = tape.gradient(target, list(args[1]))
     return result._replace(grads=list(grads))
+
+
+def _compiled(args: tuple, loss_scale: tf.Tensor | None, backward: bool) -> TowerResult:
+    """:func:`_differentiate` as one XLA cluster (``tf.function(jit_compile=True)``).
+
+    ``changed`` is a trace-time fact about tensor identity inside the function, so it
+    is read there and handed out beside the compiled outputs."""
+    model, trainable, non_trainable, shard, loss_fn, global_batch, num_towers = args
+    seen: dict[str, Any] = {}
+
+    def run(trainable: list, non_trainable: list, shard: Any, global_batch: tf.Tensor,
+            loss_scale: tf.Tensor | None) -> TowerResult:
+        inner = (model, trainable, non_trainable, shard, loss_fn, global_batch, num_towers)
+        result = _differentiate(inner, loss_scale, backward)
+        seen["changed"] = result.changed
+        return result._replace(changed=None)
+
+    compiled = tf.function(run, jit_compile=True, autograph=False)
+    result = compiled(list(trainable), list(non_trainable), shard, global_batch, loss_scale)
+    # a sparse gradient's dense_shape leaves the function as a tensor: give back the static
+    # shape (a densifying reducer needs it)
+    grads = [tf.IndexedSlices(g.values, g.indices,
+                              tf.constant(w.shape.as_list(), g.dense_shape.dtype))
+             if isinstance(g, tf.IndexedSlices) else g for g, w in zip(result.grads, trainable)]
+    return result._replace(grads=grads, changed=seen["changed"])
 
 
 def _zeros_like_gradient(variable: Any, like: Any) -> tf.Tensor | tf.IndexedSlices:

@@ -16,13 +16,16 @@ from towers.bench import report, training
 from towers.bench.allreduce import QUICK_SIZES, SIZES, run_allreduce
 from towers.bench.costcheck import TOLERANCE, check_cost_model, split_sizes
 from towers.bench.costmodel.paper import paper_section
+from towers.bench.guard import guard_section
 from towers.bench.memory import memory_section
 from towers.bench.onepass import ONE_PASS
+from towers.bench.opcount import opcount_section
 from towers.bench.phases import phases_section
 from towers.bench.pipeline import pipeline_section
 from towers.bench.profile import op_profile, summarize
 from towers.bench.scaling import LINEAR_SLOPE, TOWERS, fit_slopes, run_scaling
 from towers.bench.timing import load_average
+from towers.bench.xla import xla_section
 
 __all__ = ["SECTION", "save_json", "targets", "targets_text"]
 
@@ -205,6 +208,9 @@ SECTION: dict[str, Callable[[argparse.Namespace, list[str], dict], bool]] = {
     "memory": memory_section,
     "pipeline": pipeline_section,
     "paper": paper_section,
+    "guard": guard_section,
+    "opcount": opcount_section,
+    "xla": xla_section,
 }
 
 

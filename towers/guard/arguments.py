@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 __all__ = [
+    "check_bool",
     "check_choice",
     "int_at_least",
     "non_negative_float",
@@ -79,6 +80,17 @@ def non_negative_float(name: str, value: Any) -> float:
             or not math.isfinite(value) or float(value) < 0):  # fmt: skip
         raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
     return float(value)
+
+
+def check_bool(name: str, value: object) -> bool:
+    """``value`` when it is True or False.
+
+    Raises:
+        TypeError: ``<name> must be True or False, got <value>``.
+    """
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return bool(value)
 
 
 def check_choice(name: str, value: object, choices: Sequence[str]) -> str:

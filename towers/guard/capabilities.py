@@ -20,6 +20,8 @@ is built and before any replica, variable or reducer state exists::
     check_replicas_every  off  on
     check_algorithm       on  off
     loss_denominator      global  constant  per_replica   (towers.guard.loss_denominator)
+    forward_graph         default  as_written   (ordering.FORWARD_GRAPHS)
+    jit_compile           off  on     (XLA for each tower's forward/backward)
 
 ``all_reduce`` is classified by :func:`algorithm_kind`: ``ring`` is the registry's
 ring with one sub-chunk (the only reduce-scatter ``sharded`` runs); ``registered``
@@ -318,6 +320,18 @@ NOT_AN_OPTION: dict[str, tuple[str, ...]] = {
 AXES["forward_graph"] = ("default", "as_written")
 NOT_AN_OPTION["AsyncTrainer"] += ("forward_graph",)
 # -- end forward_graph ---------------------------------------------------------------------------
+# --- jit_compile (issue 22: XLA for each tower's forward/backward) -------------------------
+AXES["jit_compile"] = ("off", "on")
+NOT_AN_OPTION["AsyncTrainer"] += ("jit_compile",)
+REFUSALS += (
+    Refusal(
+        ("trainer", ("WorkerTrainer",)), ("jit_compile", ("on",)),
+        "XLA towers are built and measured in one process; a worker's step (its empty "
+        "towers run the model on no examples) is not yet checked under XLA",
+        "use jit_compile=False with WorkerTrainer, or a TowerTrainer in one process",
+    ),
+)
+# --- end jit_compile ------------------------------------------------------------------------
 
 
 def _columns() -> list[tuple[str, dict[str, str]]]:

@@ -3,6 +3,7 @@
 ::
 
     tower i:  code_i = 1·[loss non-finite] + 2·[a gradient non-finite] + 4·[state non-finite]
+                 │  each bit: one fused sum, finite? else the elementwise pass decides
                  │  send (4 bytes, note "guard")
                  ▼
     parameter device:  codes = [code_0 … code_{n-1}],  bad = #towers with a fatal bit
@@ -62,9 +63,29 @@ _WHAT = ((1, "loss"), (2, "gradients"), (4, "non-trainable state"))
 _GRADIENTS = 2
 
 
+def _elementwise(values: Sequence[tf.Tensor]) -> tf.Tensor:
+    """Every element of every value finite: one ``is_finite`` pass per value (exact, slower)."""
+    return tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(v)) for v in values]))
+
+
 def _all_finite(values: Sequence[tf.Tensor]) -> tf.Tensor:
-    flags = [tf.reduce_all(tf.math.is_finite(v)) for v in values]
-    return tf.reduce_all(tf.stack(flags)) if flags else tf.constant(True)
+    """Every element of every value finite: one fused sum first, elementwise only on doubt.
+
+    IEEE 754 makes the sum of all elements a proof: ``x + Inf`` is Inf or NaN and
+    ``x + NaN`` is NaN, so once an Inf or NaN enters a partial sum, every later partial
+    sum is non-finite, whatever the summation order. A finite sum therefore means every
+    element is finite. A non-finite sum may also be an overflow of finite elements (or of
+    the float32 sum of the per-value sums), so then the elementwise pass decides, in a
+    ``tf.cond``: it runs only on a step that will skip (or overflowed), never on a
+    finite one. The sum reads each value once and writes nothing; the elementwise pass
+    writes a boolean tensor as large as the value and reads it again.
+    """
+    if not values:
+        return tf.constant(True)
+    sums = [tf.cast(tf.reduce_sum(v), tf.float32) for v in values]
+    total = tf.add_n(sums) if len(sums) > 1 else sums[0]
+    return tf.cond(tf.math.is_finite(total), lambda: tf.constant(True),
+                   lambda: _elementwise(values))  # fmt: skip
 
 
 def tower_code(loss: tf.Tensor, grads: Sequence, state: Sequence[tf.Tensor]) -> tf.Tensor:

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 import tensorflow as tf
 
 from towers.allreduce.machinery.base import check_values, combine, finish
+from towers.allreduce.machinery.packed import pad_rows
 from towers.allreduce.machinery.recording import (
     Recorder,
     Transfer,
@@ -64,6 +65,7 @@ def send(
     chunk: int | None = None,
     note: str = "",
     src: str | None = None,
+    chunks: Sequence[int] | None = None,
 ) -> tf.Tensor:
     """Copy ``x`` to device ``dst`` and record the transfer.
 
@@ -79,6 +81,9 @@ def send(
         note: free text, e.g. ``"reduce-scatter"``.
         src: where ``x`` lives, for a tensor whose ``.device`` is empty (a variable read
             inside ``tf.function`` is colocated with its variable but carries no name).
+        chunks: ``x`` packs one chunk per row (``x[i]`` is chunk ``chunks[i]``): one copy
+            moves them, recorded as one transfer per chunk (``chunk`` is then ignored), so
+            counts and traces are those of the chunks sent one by one.
     """
     src = canonical_device(x.device) or canonical_device(src or "")
     dst = canonical_device(dst)
@@ -86,7 +91,12 @@ def send(
         return x
     with tf.device(dst):
         y = tf.identity(x)
-    log_send(x, src, dst, tick, chunk, note, out=y)
+    if chunks is None:
+        log_send(x, src, dst, tick, chunk, note, out=y)
+    else:
+        row = tf.TensorSpec(x.shape[1:], x.dtype)  # what one chunk weighs
+        for c in chunks:
+            log_send(row, src, dst, tick, c, note)
     return y
 
 
@@ -122,15 +132,13 @@ def pad_split(x: tf.Tensor, pieces: int) -> tuple[list[tf.Tensor], tuple[int, ..
     pieces = positive_int("pieces", pieces)
     if not x.shape.is_fully_defined():
         raise ValueError(f"pad_split needs a static shape, got {x.shape}")
-    shape = tuple(int(d) for d in x.shape)
-    size = int(x.shape.num_elements())
-    length = -(-size // pieces)  # ceil: every chunk equally long, so sends are uniform
+    rows, shape, size = pad_rows(x, pieces)
     with tf.device(x.device):
-        flat = tf.reshape(x, [size])
-        if length * pieces != size:
-            flat = tf.pad(flat, [[0, length * pieces - size]])
-        chunks = tf.split(flat, pieces) if pieces > 1 else [flat]
-    return list(chunks), shape, size
+        # split the [pieces, length] view along its rows, not the flat vector: where a row
+        # is a whole number of alignment units TensorFlow hands out views, not copies
+        chunks = [tf.reshape(c, [-1]) for c in tf.split(rows, pieces)] if pieces > 1 \
+            else [tf.reshape(rows, [-1])]
+    return chunks, shape, size
 
 
 def unsplit(chunks: Sequence[tf.Tensor], shape: Sequence[int], size: int) -> tf.Tensor:

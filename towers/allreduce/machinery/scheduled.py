@@ -3,19 +3,25 @@
 :func:`run_slots` is the interpreter, for every collective the IR names: it
 proves the schedule first (:func:`towers.schedule.simulate`, so a wrong schedule
 never reaches a device), then runs tick by tick over ``slots[tower][chunk]``:
-every step's source slot is sent with ``send(..., tick=t, chunk=c)`` first (a
-tick reads its slots as they were when it began), then each destination writes:
+a tick's steps from one tower to another are one message, packed
+(:mod:`towers.allreduce.machinery.packed`) and sent with ``send(..., tick=t,
+chunks=(c, …))`` (recorded chunk by chunk), all first (a tick reads its slots as
+they were when it began), then each destination writes:
 ``copy`` replaces its slot, ``reduce`` computes ``combine(received, own)`` (into
 an empty slot: the received value). A slot is finished (``mean`` divides)
 exactly once, on the tower where its last contribution is added; copies carry
 the finished value, so every output is bitwise the same. Slots complete from the
-start (``n = 1``) are finished at the end.
+start (``n = 1``) are finished at the end. The graph holds one slice, send and
+combine per message, not per chunk::
+
+    tick t:  tower 0 ──(chunks 2,3: one [2, L] slice)──▶ tower 2: combine(recv, own[2:4])
+             tower 1 ──(chunks 0,1)──────────────────▶ tower 3: combine(recv, own[0:2])
 
 :func:`run_schedule` all-reduces with it: every tower's value is cut into
-``schedule.chunks`` equal pieces with :func:`~towers.allreduce.machinery.primitives.pad_split`
-(zero padding at the end, the rule :mod:`towers.schedule.ir` counts bytes with)
-and put back together with :func:`~towers.allreduce.machinery.primitives.unsplit`. The
-public reduce-scatter, all-gather and broadcast
+``schedule.chunks`` equal rows with :func:`~towers.allreduce.machinery.packed.pad_rows`
+(zero padding at the end, the rule :mod:`towers.schedule.ir` counts bytes with, as
+:func:`~towers.allreduce.machinery.primitives.pad_split` cuts) and put back together by one
+concat of its rows. The public reduce-scatter, all-gather and broadcast
 (:mod:`towers.allreduce.hand_collectives`) cut by the sharding rule instead.
 
 Example:
@@ -26,19 +32,78 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import tensorflow as tf
 
 from towers.allreduce.machinery.base import AllReduce, check_values, combine, finish
-from towers.allreduce.machinery.primitives import pad_split, send, unsplit
+from towers.allreduce.machinery.packed import Row, materialize, pack, pad_rows, row_of, small
+from towers.allreduce.machinery.primitives import send
 from towers.allreduce.machinery.registry import Configured
-from towers.schedule.ir import Schedule
+from towers.schedule.ir import Schedule, Step
 from towers.schedule.symbolic import simulate
 
-__all__ = ["Scheduled", "Slots", "generator_of", "run_schedule", "run_slots", "scheduled"]
+__all__ = [
+    "Rows", "Scheduled", "Slots", "generator_of", "run_rows", "run_schedule", "run_slots",
+    "scheduled",
+]
 
 Slots = list[list[tf.Tensor | None]]
 """``slots[tower][chunk]``: the piece a tower holds of each chunk (None: none yet)."""
+Rows = list[list[Row | None]]
+"""``slots[tower][chunk]`` packed: the row that holds a tower's piece of each chunk."""
+
+
+class _Message(NamedTuple):
+    """One tick's chunks from ``src`` to ``dst`` that travel and land alike (one send)."""
+
+    src: int
+    dst: int
+    kind: str
+    chunks: tuple[int, ...]
+
+
+def _messages(tick: Sequence[Step], slots: Rows, have: list[list[int]],
+              done: list[list[bool]], full: int) -> list[_Message]:
+    """The tick's steps fused per (src, dst): one message for the chunks that travel and
+    land alike (kind, into an empty slot or not, finishing or not, row length); large
+    chunks (:func:`~towers.allreduce.machinery.packed.small`) only in runs of consecutive
+    rows of one tensor on ``src`` (and on ``dst`` where they combine), so packing them is
+    a slice, never a copy.
+
+    A tick that writes a slot twice (several reductions into one slot apply in the order
+    listed) keeps one message per step, in that order: fusing could reorder them.
+    """
+    writes = [(s.dst, s.chunk) for s in tick]
+    if len(set(writes)) != len(writes):
+        return [_Message(s.src, s.dst, s.kind, (s.chunk,)) for s in tick]
+    groups: dict[tuple, list[int]] = {}
+    for s in tick:
+        lands = s.kind == "reduce" and bool(have[s.dst][s.chunk])
+        ends = ((have[s.src][s.chunk] | have[s.dst][s.chunk]) == full if lands
+                else done[s.src][s.chunk])  # fmt: skip
+        held = slots[s.src][s.chunk]
+        length = -1 if held is None else int(held.base.shape[1])  # None: pack() refuses
+        groups.setdefault((s.src, s.dst, s.kind, lands, ends, length), []).append(s.chunk)
+    messages = []
+    for (src, dst, kind, lands, *_), chunks in groups.items():
+        run: list[int] = []
+        for c in sorted(chunks):
+            held = slots[src][c]
+            if run and held is not None and not small(held) and not (
+                    _follows(slots[src], run[-1], c)
+                    and (not lands or _follows(slots[dst], run[-1], c))):
+                messages.append(_Message(src, dst, kind, tuple(run)))
+                run = []
+            run.append(c)
+        messages.append(_Message(src, dst, kind, tuple(run)))
+    return messages
+
+
+def _follows(row: list[Row | None], a: int, b: int) -> bool:
+    """Chunk ``b``'s slot is the row after chunk ``a``'s, in the same tensor."""
+    x, y = row[a], row[b]
+    return x is not None and y is not None and y.base is x.base and y.row == x.row + 1
 
 
 def run_slots(schedule: Schedule, slots: Slots, devices: Sequence[str], op: str = "sum",
@@ -49,7 +114,8 @@ def run_slots(schedule: Schedule, slots: Slots, devices: Sequence[str], op: str 
     all-reduce (:func:`run_schedule`) and the public reduce-scatter, all-gather and
     broadcast (:mod:`towers.allreduce.hand_collectives`) only cut the slots and put
     the results together. A reducing schedule's slot starts as its tower's own
-    contribution; an all-gather's or broadcast's slot starts complete.
+    contribution; an all-gather's or broadcast's slot starts complete. A tick's chunks
+    between two towers travel packed (:mod:`towers.allreduce.machinery.packed`).
 
     Args:
         schedule: a schedule for ``len(devices)`` towers, proved before anything runs.
@@ -65,6 +131,28 @@ def run_slots(schedule: Schedule, slots: Slots, devices: Sequence[str], op: str 
     Raises:
         towers.schedule.ScheduleError: the schedule breaks a rule of the checker.
     """
+    shapes = {c: x.shape for row in slots for c, x in enumerate(row) if x is not None}
+    rows: Rows = []
+    for row, device in zip(slots, devices):
+        with tf.device(device):
+            rows.append([None if x is None else row_of(x) for x in row])
+    rows = run_rows(schedule, rows, devices, op, note=note)
+    for row, out, device in zip(rows, slots, devices):
+        with tf.device(device):
+            out[:] = [None if r is None else materialize(r, shapes[c]) for c, r in enumerate(row)]
+    return slots
+
+
+def run_rows(schedule: Schedule, slots: Rows, devices: Sequence[str], op: str = "sum",
+             *, note: str = "") -> Rows:
+    """:func:`run_slots` over packed slots (:class:`~towers.allreduce.machinery.packed.Row`).
+
+    Tick by tick: every message's rows are packed and sent first (a tick reads its
+    slots as they were when it began), then each lands: ``copy`` replaces the slots,
+    ``reduce`` computes ``combine(received, own)`` (into empty slots: the received
+    rows). A slot is finished (``mean`` divides) exactly once, where its last
+    contribution is added; slots complete from the start (``n = 1``) at the end.
+    """
     simulate(schedule)
     n, full = schedule.towers, (1 << schedule.towers) - 1
     reducing = schedule.collective in ("all_reduce", "reduce_scatter")
@@ -72,25 +160,41 @@ def run_slots(schedule: Schedule, slots: Slots, devices: Sequence[str], op: str 
             for t, row in enumerate(slots)]
     done = [[not reducing and x is not None for x in row] for row in slots]
     for t, tick in enumerate(schedule.ticks):
-        moved = [send(slots[s.src][s.chunk], devices[s.dst], tick=t, chunk=s.chunk,
-                      note=f"{note} {s.kind}".strip()) for s in tick]
-        sent = [(have[s.src][s.chunk], done[s.src][s.chunk]) for s in tick]
-        for s, value, (mask, finished) in zip(tick, moved, sent):
-            if s.kind == "reduce" and have[s.dst][s.chunk]:
-                with tf.device(devices[s.dst]):
-                    value = combine(value, slots[s.dst][s.chunk], op)
-                    mask |= have[s.dst][s.chunk]
-                    finished = mask == full
-                    if finished:  # the last contribution arrived: finish here, once
+        messages = _messages(tick, slots, have, done, full)
+        moved = []
+        for m in messages:
+            with tf.device(devices[m.src]):
+                packed = pack([slots[m.src][c] for c in m.chunks])
+            moved.append(send(packed, devices[m.dst], tick=t, chunks=m.chunks,
+                              note=f"{note} {m.kind}".strip()))  # fmt: skip
+        sent = [([have[m.src][c] for c in m.chunks], [done[m.src][c] for c in m.chunks])
+                for m in messages]
+        for m, value, (masks, finished) in zip(messages, moved, sent):
+            if m.kind == "reduce" and have[m.dst][m.chunks[0]]:
+                with tf.device(devices[m.dst]):
+                    value = combine(value, pack([slots[m.dst][c] for c in m.chunks]), op)
+                    masks = [mask | have[m.dst][c] for mask, c in zip(masks, m.chunks)]
+                    finished = [mask == full for mask in masks]
+                    if finished[0]:  # the last contribution arrived: finish here, once
                         value = finish(value, op, n)
-            slots[s.dst][s.chunk], have[s.dst][s.chunk] = value, mask
-            done[s.dst][s.chunk] = finished
-    for tower, row in enumerate(slots):  # complete from the start (n = 1): nothing reduced it
-        with tf.device(devices[tower]):
-            for c, x in enumerate(row):
-                if x is not None and have[tower][c] == full and not done[tower][c]:
-                    row[c] = finish(x, op, n)
+            for i, c in enumerate(m.chunks):
+                slots[m.dst][c] = Row(value, i)
+                have[m.dst][c], done[m.dst][c] = masks[i], finished[i]
+    _finish_complete(slots, have, done, devices, op, n, full)
     return slots
+
+
+def _finish_complete(slots: Rows, have: list[list[int]], done: list[list[bool]],
+                     devices: Sequence[str], op: str, n: int, full: int) -> None:
+    """Finish the slots complete from the start (``n = 1``: nothing reduced them)."""
+    for tower, row in enumerate(slots):
+        waiting = [c for c, r in enumerate(row)
+                   if r is not None and have[tower][c] == full and not done[tower][c]]
+        if waiting:
+            with tf.device(devices[tower]):
+                value = finish(pack([row[c] for c in waiting]), op, n)
+            for i, c in enumerate(waiting):
+                row[c] = Row(value, i)
 
 
 def run_schedule(
@@ -119,13 +223,15 @@ def run_schedule(
     if not values[0].shape.is_fully_defined():
         raise ValueError(f"{schedule.name} needs a fully defined static shape, "
                          f"got {values[0].shape}")
-    split = [pad_split(v, schedule.chunks) for v in values]
+    split = [pad_rows(v, schedule.chunks) for v in values]
     _, shape, size = split[0]
-    slots = run_slots(schedule, [list(pieces) for pieces, _, _ in split], devices, op)
+    slots: Rows = [[Row(rows, c) for c in range(schedule.chunks)] for rows, _, _ in split]
+    slots = run_rows(schedule, slots, devices, op)
     outputs = []
     for row, device in zip(slots, devices):
-        with tf.device(device):
-            outputs.append(unsplit(row, shape, size))
+        with tf.device(device):  # one concat of the tower's runs (none when one tensor holds all)
+            flat = tf.reshape(pack(row), [-1])
+            outputs.append(tf.reshape(flat[:size] if int(flat.shape[0]) != size else flat, shape))
     return outputs
 
 

@@ -1,0 +1,134 @@
+"""Packed slots: a slot is a row of a 2-D tensor, so one tick's chunks between two towers
+travel as one tensor and are combined by one op.
+
+::
+
+    tower's buffer  [chunks, L]   rows = chunks (pad_rows: zero padding at the end)
+         │ tick t, src → dst: the chunks src sends dst (kind, state alike); large ones
+         │ only where they sit in consecutive rows of one tensor (on dst too, where
+         │ they combine), so packing them copies nothing
+         ▼
+    pack: consecutive rows of one tensor → one slice (a view: no copy);
+          small rows anywhere → one gather (a copy cheaper than an op per chunk)
+         │ send: one copy, recorded as one transfer per chunk (bytes unchanged)
+         ▼
+    dst: combine(received [k, L], pack(own rows) [k, L])   one op → a new [k, L] tensor,
+         whose rows are the k slots from now on
+
+A :class:`Row` is ``(tensor, row)``; nothing is cut into per-chunk tensors until a caller
+asks for one (:func:`materialize`). Every element goes through exactly the ``combine`` and
+``finish`` it went through chunk by chunk, in the same order, so results are bitwise the
+same. Below :data:`FUSE_BELOW` bytes a chunk, the graph holds a fixed number of ops per
+message ``(tick, src, dst)`` instead of per chunk; above it no message copies a byte the
+chunk-by-chunk interpreter did not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import tensorflow as tf
+
+__all__ = ["FUSE_BELOW", "Row", "materialize", "pack", "pad_rows", "row_of", "small"]
+
+
+class Row(NamedTuple):
+    """Row ``row`` of the 2-D tensor ``base`` ([rows, length]): one slot's value."""
+
+    base: tf.Tensor
+    row: int
+
+
+def pad_rows(x: tf.Tensor, pieces: int) -> tuple[tf.Tensor, tuple[int, ...], int]:
+    """``x`` flattened, zero-padded and viewed as ``[pieces, ⌈size/pieces⌉]``.
+
+    Returns:
+        ``(rows, shape, size)``: the 2-D tensor on ``x``'s device, ``x``'s shape and
+        element count (``x`` needs a fully defined static shape; the caller checks).
+    """
+    shape = tuple(int(d) for d in x.shape)
+    size = int(x.shape.num_elements())
+    length = -(-size // pieces)  # ceil: every chunk equally long, so sends are uniform
+    with tf.device(x.device):
+        flat = tf.reshape(x, [size])
+        if length * pieces != size:
+            flat = tf.pad(flat, [[0, length * pieces - size]])
+        return tf.reshape(flat, [pieces, length]), shape, size
+
+
+def row_of(x: tf.Tensor) -> Row:
+    """A tensor as a one-row slot (flattened; the caller keeps its shape)."""
+    with tf.device(x.device):
+        return Row(tf.reshape(x, [1, -1]), 0)
+
+
+FUSE_BELOW = 1 << 16
+"""Rows lighter than this (bytes) are gathered into one message even when they are not
+consecutive: below it an op costs more than copying the rows; above it a copy costs more."""
+
+
+def small(r: Row) -> bool:
+    """The row weighs less than :data:`FUSE_BELOW` bytes."""
+    return int(r.base.shape[1]) * r.base.dtype.size < FUSE_BELOW
+
+
+def pack(rows: Sequence[Row | None]) -> tf.Tensor:
+    """The rows as one ``[len(rows), L]`` tensor, under the caller's device scope.
+
+    Consecutive rows of one tensor become one slice (all of it: the tensor itself, no
+    copy); other rows of one tensor one gather when they are :func:`small`, else one
+    slice per consecutive run; the parts are concatenated.
+
+    Raises:
+        ValueError: an empty slot (None) among the rows: a proved schedule never sends one.
+    """
+    segments: list[tuple[tf.Tensor, list[int]]] = []
+    for r in rows:
+        if r is None:
+            raise ValueError("an empty slot cannot be packed (the schedule sends a chunk "
+                             "its tower does not hold)")
+        if segments and segments[-1][0] is r.base:
+            segments[-1][1].append(r.row)
+        else:
+            segments.append((r.base, [r.row]))
+    bases = {id(base): base for base, _ in segments}
+    if len(segments) > len(bases) and all(small(r) for r in rows if r is not None):
+        return _by_base(rows, bases)
+    parts = [part for base, picked in segments for part in _take(base, picked)]
+    return parts[0] if len(parts) == 1 else tf.concat(parts, 0)
+
+
+def _by_base(rows: Sequence[Row | None], bases: dict[int, tf.Tensor]) -> tf.Tensor:
+    """Small rows interleaved from several tensors: one gather per tensor, one concat,
+    one gather back into order (ops per tensor, not per row)."""
+    picked: dict[int, list[int]] = {key: [] for key in bases}
+    slot: list[tuple[int, int]] = []
+    for r in rows:
+        assert r is not None  # pack() checked
+        slot.append((id(r.base), len(picked[id(r.base)])))
+        picked[id(r.base)].append(r.row)
+    offsets, parts, at = {}, [], 0
+    for key, base in bases.items():
+        offsets[key], at = at, at + len(picked[key])
+        parts.append(tf.gather(base, picked[key]))
+    return tf.gather(tf.concat(parts, 0), [offsets[key] + i for key, i in slot])
+
+
+def _take(base: tf.Tensor, picked: list[int]) -> list[tf.Tensor]:
+    """Rows ``picked`` of ``base``, as few tensors as copy nothing large."""
+    runs: list[list[int]] = []
+    for i in picked:
+        if runs and runs[-1][1] == i:
+            runs[-1][1] += 1
+        else:
+            runs.append([i, i + 1])
+    if len(runs) > 1 and small(Row(base, 0)):
+        return [tf.gather(base, picked)]
+    return [base if (a, b) == (0, int(base.shape[0])) else base[a:b] for a, b in runs]
+
+
+def materialize(r: Row, shape: Sequence[int]) -> tf.Tensor:
+    """The slot as a tensor of ``shape``, under the caller's device scope."""
+    row = r.base if int(r.base.shape[0]) == 1 else r.base[r.row:r.row + 1]
+    return tf.reshape(row, list(shape))
