@@ -77,7 +77,7 @@ def test_the_mistake_count_is_the_matrix() -> None:
 
 def test_the_keras_block_runs_as_printed(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """"Keras: compile and fit": the block trains, saves and loads a TowerModel as printed."""
-    (block,) = _blocks("Keras: compile and fit")
+    block = _blocks("Keras: compile and fit")[0]  # the first: the quick tour
     # the block's first line starts the devices; the test session already has 8, so the
     # block gets 4 of them instead (the same call, after the runtime started, is refused)
     code = block.replace("devices = towers.simulate_devices(4)", "devices = DEVICES[:4]")
