@@ -19,9 +19,9 @@ is built and before any replica, variable or reducer state exists::
     non_trainable  mean  first_tower
     check_replicas_every  off  on
     check_algorithm       on  off
-    loss_denominator      global  constant  per_replica   (towers.guard.loss_denominator)
     forward_graph         default  as_written   (ordering.FORWARD_GRAPHS)
     jit_compile           off  on     (XLA for each tower's forward/backward)
+    loss_denominator      global  constant  per_replica   (towers.guard.loss_denominator)
 
 ``all_reduce`` is classified by :func:`algorithm_kind`: ``ring`` is the registry's
 ring with one sub-chunk (the only reduce-scatter ``sharded`` runs); ``registered``
@@ -84,6 +84,13 @@ AXES: dict[str, tuple[str, ...]] = {
     "non_trainable": ("mean", "first_tower"),
     "check_replicas_every": ("off", "on"),
     "check_algorithm": ("on", "off"),
+    # how the step is compiled (towers.allreduce.machinery.ordering.FORWARD_GRAPHS): the
+    # towers' forward/backward under the caller's Grappler settings, or the whole step as
+    # written; both run the same phases, so nothing is refused
+    "forward_graph": ("default", "as_written"),
+    "jit_compile": ("off", "on"),  # XLA for each tower's forward/backward (docs/xla.md)
+    # what each tower divides its loss sum by (towers.guard.loss_denominator)
+    "loss_denominator": ("global", "constant", "per_replica"),
 }
 """Every axis and its values, in the order the README's matrix shows them."""
 
@@ -158,6 +165,20 @@ REFUSALS: tuple[Refusal, ...] = (
         "a codec is built with one state per variable and reduces every gradient, so a "
         "sparse (Embedding) gradient cannot be gathered beside it",
         "leave sparse unset (compressed reducers densify) or pass sparse='densify'",
+    ),
+    Refusal(
+        ("trainer", ("WorkerTrainer",)), ("jit_compile", ("on",)),
+        "XLA towers are built and measured in one process; a worker's step (its empty "
+        "towers run the model on no examples) is not yet checked under XLA",
+        "use jit_compile=False with WorkerTrainer, or a TowerTrainer in one process",
+    ),
+    Refusal(
+        # a tutorial's GLOBAL_BATCH_SIZE counts every worker, per_replica every worker's
+        # replicas: neither is what one worker's shards would give
+        ("trainer", ("WorkerTrainer",)), ("loss_denominator", ("constant", "per_replica")),
+        "a worker divides by the global batch summed over workers; a constant or per-replica "
+        "denominator of one worker's shards would weigh the workers' examples differently",
+        "use loss_denominator='global' across workers (or a TowerTrainer in one process)",
     ),
 )
 """Every refused cell, one record per reason."""
@@ -309,29 +330,11 @@ ROW_AXES = ("trainer", "variables")
 
 NOT_AN_OPTION: dict[str, tuple[str, ...]] = {
     "AsyncTrainer": ("variables", "all_reduce", "optimizer", "reduce_dtype", "sparse",
-                     "step_timeout", "non_trainable", "check_replicas_every", "check_algorithm"),
+                     "step_timeout", "non_trainable", "check_replicas_every", "check_algorithm",
+                     "forward_graph", "jit_compile", "loss_denominator"),
 }
 """Axes a trainer kind has no argument for (its own fixed choice; shown as ``—``)."""
 
-# -- forward_graph (issue 20): how the step is compiled; composes with every option -------------
-# towers.allreduce.machinery.ordering.FORWARD_GRAPHS: "default" compiles the towers' forward and
-# backward under the caller's Grappler settings and the reduction and update as_written();
-# "as_written" compiles the whole step as one function. No refusals: both run the same phases.
-AXES["forward_graph"] = ("default", "as_written")
-NOT_AN_OPTION["AsyncTrainer"] += ("forward_graph",)
-# -- end forward_graph ---------------------------------------------------------------------------
-# --- jit_compile (issue 22: XLA for each tower's forward/backward) -------------------------
-AXES["jit_compile"] = ("off", "on")
-NOT_AN_OPTION["AsyncTrainer"] += ("jit_compile",)
-REFUSALS += (
-    Refusal(
-        ("trainer", ("WorkerTrainer",)), ("jit_compile", ("on",)),
-        "XLA towers are built and measured in one process; a worker's step (its empty "
-        "towers run the model on no examples) is not yet checked under XLA",
-        "use jit_compile=False with WorkerTrainer, or a TowerTrainer in one process",
-    ),
-)
-# --- end jit_compile ------------------------------------------------------------------------
 
 
 def _columns() -> list[tuple[str, dict[str, str]]]:
@@ -376,20 +379,3 @@ def markdown() -> str:
         lines.append(f"{k}. `{a}` ∈ {{{', '.join(va)}}} with `{b}` ∈ {{{', '.join(vb)}}}"
                      f"{scope}: {refusal.reason}; {refusal.instead}.")
     return "\n".join(lines)
-
-
-# --- loss_denominator (issue 20: ports of tf.distribute loops) ------------------------------
-# What each tower divides its loss sum by (towers.guard.loss_denominator): the true global
-# batch, a constant, or the tutorial's shard size × replicas. Inside one process every
-# placement, algorithm and guard composes with it (it only changes a tower's divisor). A
-# WorkerTrainer sees one worker's shards, so neither a constant (a tutorial's GLOBAL_BATCH_SIZE
-# counts every worker) nor per_replica (× every worker's replicas) is what the port means there.
-AXES["loss_denominator"] = ("global", "constant", "per_replica")
-REFUSALS = (*REFUSALS, Refusal(
-    ("trainer", ("WorkerTrainer",)), ("loss_denominator", ("constant", "per_replica")),
-    "a worker divides by the global batch summed over workers; a constant or per-replica "
-    "denominator of one worker's shards would weigh the workers' examples differently",
-    "use loss_denominator='global' across workers (or a TowerTrainer in one process)",
-))
-NOT_AN_OPTION["AsyncTrainer"] = (*NOT_AN_OPTION["AsyncTrainer"], "loss_denominator")
-# --- end loss_denominator --------------------------------------------------------------------
