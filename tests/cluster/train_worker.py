@@ -5,7 +5,8 @@ Run under ``towers launch`` (every worker runs it). Step k trains on the global 
 cut by :func:`towers.cluster.trainer.worker_slice`. Prints ``RESTORED <step> <digest>``,
 one ``STEP <k> <local batch> <digest>`` per step, then ``DONE <digest>`` (digest: SHA-256 of every
 replica's weights) or ``FAILED <error> <seconds>`` and exit 3. ``--die-at K`` makes
-worker 1 kill itself with SIGKILL (``kill -9``) before step K; ``--nan-at K`` puts a NaN
+worker 1 kill itself with SIGKILL (``kill -9``) before step K, once the chief's
+checkpoint of K steps exists; ``--nan-at K`` puts a NaN
 into worker 0's part of step K (each STEP line then ends with the guard's skipped count,
 and a ``NONFINITE <k> <towers>`` line reports a raised ``NonFiniteError``);
 ``--on-nonfinite`` picks the guard's mode.
@@ -70,6 +71,21 @@ def barrier(workers: int) -> None:
                                      timeout=120.0)
 
 
+def wait_for_checkpoint(folder: str | None, steps: int, limit: float = 60.0) -> None:
+    """Return once the chief's checkpoint of ``steps`` steps exists (or after ``limit`` s).
+
+    Worker 1 dies only after worker 0 finished the last step they share: killed as soon
+    as its own part of that step returned, it could take down a buffer worker 0 was
+    still pulling (gRPC ``RecvBuf``), and worker 0 would fail that step ("Socket
+    closed", seen in CI) instead of waiting in the next one until its step timeout.
+    """
+    deadline = time.monotonic() + limit
+    while folder and time.monotonic() < deadline:
+        if os.path.isdir(os.path.join(folder, f"ckpt-{steps:08d}")):
+            return
+        time.sleep(0.05)
+
+
 def main() -> None:
     """Train the steps; report as the module docstring says."""
     args = parse()
@@ -100,6 +116,7 @@ def main() -> None:
     before = trainer.get_weights()
     for step in range(start, len(sizes)):
         if step == args.die_at and worker == 1:
+            wait_for_checkpoint(args.ckpt, step)
             os.kill(os.getpid(), signal.SIGKILL)
         part = worker_slice(sizes[step], workers, worker)
         xb, yb = x[offsets[step]:offsets[step + 1]][part], y[offsets[step]:offsets[step + 1]][part]

@@ -241,6 +241,18 @@ def test_a_step_that_beats_its_deadline_is_not_reported() -> None:
     assert int(trainer.optimizer.iterations) == 1
 
 
+@pytest.mark.parametrize("seconds", [None, NO_HANG], ids=["op-timeouts-only", "watchdog"])
+def test_a_peer_lost_mid_transfer_is_a_step_timeout_not_applied(seconds: float | None) -> None:
+    # what a kill -9'd peer gives a collective's pending RecvBuf: "Socket closed"
+    def step() -> None:
+        raise tf.errors.UnavailableError(None, None, "Socket closed\nmore detail")
+
+    step.get_concrete_function = lambda: None  # type: ignore[attr-defined]
+    with pytest.raises(StepTimeout, match="a peer was lost: Socket closed") as raised:
+        Deadline(seconds, "naive").run(step, ())
+    assert raised.value.applied is False
+
+
 if __name__ == "__main__":
     case = sys.argv[1]
     algorithm = {

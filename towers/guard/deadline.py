@@ -9,6 +9,7 @@
                                       │ every pending collective fails
                                       ▼
            tf.errors.DeadlineExceededError (op timeout or watchdog) ─▶ StepTimeout
+           tf.errors.UnavailableError (a peer lost mid-transfer)     ─▶ StepTimeout
 
 Two deadlines, one error:
 
@@ -89,9 +90,10 @@ class Deadline:
 
         Raises:
             StepTimeout: a collective did not complete (its op timeout, the watchdog,
-                or an earlier timeout that aborted collectives in this process; the step
-                changed nothing), or the step completed just as the watchdog fired
-                (``applied=True``: it must not be retried).
+                an earlier timeout that aborted collectives in this process, or a peer
+                lost in the middle of a transfer; the step changed nothing), or the step
+                completed just as the watchdog fired (``applied=True``: it must not be
+                retried).
         """
         try:
             if self.seconds is None:
@@ -102,6 +104,13 @@ class Deadline:
             lines = [ln.strip() for ln in str(err.message).splitlines()]
             said = [ln for ln in lines if any(k in ln for k in ("aborted", "timed out", "eadline"))]
             raise self._timeout((said or lines)[-1][:200], applied=False) from None
+        except tf.errors.UnavailableError as err:
+            # A peer lost in the middle of a transfer ("Socket closed" on a RecvBuf) fails
+            # the collective at once instead of letting it time out: the same fault, the
+            # same remedy (restart, resume), and the step function did not return.
+            lines = [ln.strip() for ln in str(err.message).splitlines() if ln.strip()]
+            raise self._timeout(f"a peer was lost: {lines[0][:200] if lines else err}",
+                                applied=False) from None
 
     def _timeout(self, detail: str, applied: bool) -> StepTimeout:
         earlier = _TIMED_OUT[0] if _TIMED_OUT else None
