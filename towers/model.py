@@ -59,7 +59,8 @@ class TowerModel(keras.Model):
             replica 0's device when they live elsewhere).
         devices: the towers' devices (default: every local logical device).
         all_reduce, variables, parameter_device, non_trainable, sparse, on_nonfinite,
-        step_timeout, check_replicas_every, reduce_dtype, check_algorithm: the
+        step_timeout, check_replicas_every, reduce_dtype, check_algorithm,
+        loss_denominator, forward_graph, jit_compile: the
             :class:`~towers.TowerTrainer`'s options, passed through unchanged (the
             combination is checked against the capability table at ``compile``).
         name: the Keras model's name.
@@ -88,6 +89,9 @@ class TowerModel(keras.Model):
         check_replicas_every: int | None = None,
         reduce_dtype: str = "float32",
         check_algorithm: bool = True,
+        loss_denominator: str | float = "global",
+        forward_graph: str = "default",
+        jit_compile: bool = False,
         name: str | None = None,
         **kwargs: Any,
     ) -> None:
@@ -102,6 +106,8 @@ class TowerModel(keras.Model):
             "non_trainable": non_trainable, "sparse": sparse, "on_nonfinite": on_nonfinite,
             "step_timeout": step_timeout, "check_replicas_every": check_replicas_every,
             "reduce_dtype": reduce_dtype, "check_algorithm": check_algorithm,
+            "loss_denominator": loss_denominator, "forward_graph": forward_graph,
+            "jit_compile": jit_compile,
         }  # fmt: skip
         pd = naming("parameter_device", lambda: check_devices([parameter_device or
                                                                 self.devices[0]])[0])
@@ -143,7 +149,8 @@ class TowerModel(keras.Model):
         if loss_weights is not None:
             raise ValueError(f"loss_weights must be None for TowerModel, got {loss_weights!r}")
         if jit_compile is True:
-            raise ValueError("jit_compile must be False or 'auto' for TowerModel, got True")
+            raise ValueError("jit_compile must be False or 'auto' in TowerModel.compile, got "
+                             "True: XLA for the towers is TowerModel(..., jit_compile=True)")
         super().compile(
             optimizer=optimizer, loss=loss, metrics=metrics, weighted_metrics=weighted_metrics,
             run_eagerly=run_eagerly, steps_per_execution=steps_per_execution, jit_compile=False,

@@ -48,3 +48,20 @@ def test_save_refuses_sharded_optimizer_state(tmp_path: Path) -> None:
     tm = tower_model("sharded")
     with pytest.raises(ValueError, match="sharded"):
         tm.save(tmp_path / "m.keras")
+
+
+def test_the_newer_trainer_options_pass_through_and_survive_a_save(tmp_path: Path) -> None:
+    # every TowerTrainer option is a TowerModel argument, saved in its config
+    options = {"loss_denominator": "per_replica", "forward_graph": "as_written"}
+    tm = tower_model("replicated", **options)
+    tm.fit(X, Y, batch_size=10, verbose=0)
+    assert (tm.trainer.loss_denominator, tm.trainer.forward_graph) == ("per_replica",
+                                                                        "as_written")
+    tm.save(tmp_path / "m.keras")
+    loaded = keras.models.load_model(tmp_path / "m.keras")
+    assert loaded.trainer.options["loss_denominator"] == "per_replica"
+    assert loaded.trainer.forward_graph == "as_written"
+    assert loaded.trainer.jit_compile is False
+    with pytest.raises(ValueError, match=r"TowerModel\(\.\.\., jit_compile=True\)"):
+        tower_model("replicated").compile("sgd", "sparse_categorical_crossentropy",
+                                          jit_compile=True)
