@@ -22,6 +22,7 @@ import towers
 from tests.conftest import DEVICES
 from towers.cluster import AllTowers, AsyncTrainer, WorkerTrainer
 from towers.guard.errors import AlgorithmError
+from towers.split import distribute
 from towers.training import checkpoint
 from towers.training.backup import ExactResume
 
@@ -407,6 +408,50 @@ CASES: list[Case] = [
       lambda: _restore_into(lambda: keras.optimizers.SGD(0.1, momentum=0.9),
                             variables="parameter_device"), towers.CheckpointError,
       "checkpoint holds variables='replicated', trainer has variables='parameter_device'"),
+    # -- the step's newer options, TowerModel, the input pipeline, codecs ------------------
+    C("loss-denominator-name", "loss_denominator='half'",
+      lambda: _new(loss_denominator="half"), ValueError,
+      "loss_denominator must be 'global', 'per_replica' or a positive number"),
+    C("loss-denominator-zero", "loss_denominator=0", lambda: _new(loss_denominator=0),
+      ValueError, "loss_denominator must be 'global', 'per_replica' or a positive number"),
+    C("loss-denominator-sum", "loss_denominator='per_replica' with a reduction='sum' loss",
+      lambda: _new(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True,
+                                                                   reduction="sum"),
+                   loss_denominator="per_replica"), ValueError,
+      "loss_denominator='per_replica' with a loss of reduction='sum' is refused"),
+    C("forward-graph", "forward_graph='eager'", lambda: _new(forward_graph="eager"),
+      ValueError, "forward_graph must be one of default, as_written"),
+    C("jit-compile", "jit_compile='yes'", lambda: _new(jit_compile="yes"), TypeError,
+      "jit_compile must be True or False"),
+    C("tower-model-model", "TowerModel('mlp')",
+      lambda: towers.TowerModel("mlp", devices=DEVICES[:2]), TypeError,
+      "model must be a keras.Model or a factory"),
+    C("tower-model-losses", "a list of losses in TowerModel.compile",
+      lambda: towers.TowerModel(_dense(), devices=DEVICES[:2]).compile("sgd", [LOSS, LOSS]),
+      ValueError, "loss must be one Keras loss, loss name or callable for TowerModel"),
+    C("tower-model-loss-weights", "loss_weights in TowerModel.compile",
+      lambda: towers.TowerModel(_dense(), devices=DEVICES[:2]).compile(
+          "sgd", LOSS, loss_weights=[1.0]), ValueError,
+      "loss_weights must be None for TowerModel"),
+    C("tower-model-jit", "TowerModel.compile(jit_compile=True)",
+      lambda: towers.TowerModel(_dense(), devices=DEVICES[:2]).compile(
+          "sgd", LOSS, jit_compile=True), ValueError,
+      r"jit_compile must be False or 'auto' in TowerModel.compile"),
+    C("distribute-arrays", "towers.split.distribute((x, y), devices)",
+      lambda: distribute((X, Y), DEVICES[:2]), TypeError,
+      "dataset must be a tf.data.Dataset of global batches"),
+    C("distribute-pipeline", "distribute(..., pipeline='host')",
+      lambda: distribute(tf.data.Dataset.from_tensor_slices((X, Y)).batch(4), DEVICES[:2],
+                         pipeline="host"), ValueError,
+      "pipeline must be one of multi_device, per_device"),
+    C("shards-tuple", "trainer.train_step_shards((x, y))",
+      lambda: _new().train_step_shards((X, Y)), TypeError,
+      r"shards must be a towers.split.Shards"),
+    C("codec-unknown", "compressed('ring', 'nope')", lambda: towers.compressed("ring", "nope"),
+      ValueError, "unknown codec 'nope'"),
+    C("codec-module", "compressed('ring', 'no_such_module:X')",
+      lambda: towers.compressed("ring", "no_such_module:X"), ValueError,
+      "cannot import 'no_such_module' for codec"),
 ]  # fmt: skip
 
 
