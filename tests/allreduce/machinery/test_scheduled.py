@@ -4,12 +4,10 @@ the schedule's messages, not with its chunk steps."""
 from __future__ import annotations
 
 import pytest
-import tensorflow as tf
 
 import towers
+from towers.bench.opcount import CHUNKED, op_count  # the bench's own count, tested here
 from towers.schedule import Schedule, ring_schedule
-
-CHUNKED = ("ring", "swing", "bruck", "pat", "torus_2d", "halving_doubling")
 
 
 def messages(schedule: Schedule) -> int:
@@ -19,22 +17,6 @@ def messages(schedule: Schedule) -> int:
 
 def steps(schedule: Schedule) -> int:
     return sum(len(tick) for tick in schedule.ticks)
-
-
-def op_count(name: str, n: int, size: int = 1000) -> int:
-    """Ops in the traced all-reduce of one ``size``-element float32 value per tower (only
-    traced: the device names need not exist)."""
-    devices = [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(n)]
-
-    def run(*xs: tf.Tensor) -> list[tf.Tensor]:
-        values = []
-        for x, device in zip(xs, devices):
-            with tf.device(device):
-                values.append(tf.identity(x))
-        return towers.all_reduce(values, algorithm=name)
-
-    specs = [tf.TensorSpec([size], tf.float32)] * n
-    return len(tf.function(run).get_concrete_function(*specs).graph.get_operations())
 
 
 def _schedule(name: str, n: int) -> Schedule:
