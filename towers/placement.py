@@ -113,6 +113,11 @@ class Placement:
     def finish(self, replicas: Sequence[Replica]) -> None:
         """After the updates (default: nothing; ``sharded`` all-gathers the parameters)."""
 
+    def covering(self, reduced: list[list[Any]]) -> list[Any]:
+        """One copy of every reduced gradient element (default: the first replica's, as
+        every replica receives the whole sum; ``sharded``: every owner's shards)."""
+        return list(reduced[0])
+
     def homes(self, devices: Sequence[str], parameter_device: str) -> list[str]:
         """The device of each replica (one replica per entry)."""
         raise NotImplementedError
@@ -197,6 +202,9 @@ class Sharded(Replicated):
             for k, (grads, shards) in enumerate(self.plan.pairs(reduced))
             if shards
         ]
+
+    def covering(self, reduced: list[list[Any]]) -> list[Any]:
+        return [g for owned in reduced for g in owned if g is not None]
 
     def finish(self, replicas: Sequence[Replica]) -> None:
         """All-gather the updated shards into every replica."""

@@ -54,7 +54,7 @@ from towers.guard.deadline import Deadline, settled
 from towers.guard.inputs import batch_tensors, check_batch_against_model, check_kinds, naming
 from towers.guard.loss_denominator import axis_value, check_loss_denominator, tower_divisor
 from towers.guard.loss_scale import REDUCE_DTYPES, LossScale, is_loss_scaled
-from towers.guard.nonfinite import NONFINITE, Guard
+from towers.guard.nonfinite import NONFINITE, Guard, sums_exactly
 from towers.guard.reduces import check_sums
 from towers.guard.replicas import ReplicaCheck
 from towers.guard.trainable import TrainableWatch
@@ -238,6 +238,9 @@ class TowerTrainer:
             on_nonfinite, len(self.devices), self.parameter_device, self.loss_scale.active,
             agree=self.across_processes,
         )
+        # reduce before the guard's cond, checking the reduced gradients (one process)
+        self._reduce_first = on_nonfinite != "ignore" and sums_exactly(
+            reducer, self.placement.name) and type(self).reduce is TowerTrainer.reduce
         self.trace_count = 0
         self.last_trace_stats: Recorder | None = None
         self._forward_stats = Recorder()
@@ -431,8 +434,7 @@ class TowerTrainer:
             grads = self.forward_backward(shards)
             # reduce → apply inside the guard's one tf.cond: all of it or nothing
             with tf.name_scope("guard"):
-                update = functools.partial(self._update, grads)  # update(grads_finite)
-                loss = self.guard.run(grads.towers, self.devices, update)
+                loss = self._guarded(grads)
             if with_outputs:
                 outputs = concat([r.outputs for r in grads.towers], self.parameter_device)
         self.last_trace_stats = recorder
@@ -469,14 +471,32 @@ class TowerTrainer:
                 for i, r in enumerate(grads.towers)
             )).on_devices(self.devices)  # fmt: skip  (arguments come without a device)
         with record() as recorder, tf.name_scope("guard"):
-            update = functools.partial(self._update, grads)
-            loss = self.guard.run(grads.towers, self.devices, update)
+            loss = self._guarded(grads)
         self.last_trace_stats = Recorder(self._forward_stats.transfers + recorder.transfers)
         return loss
+
+    def _guarded(self, grads: Gradients) -> tf.Tensor:
+        """Reduce → apply inside the guard's one ``tf.cond``: all of it or nothing.
+
+        When the reduction :func:`~towers.guard.nonfinite.sums_exactly` (and keeps no
+        state), it runs before the cond and the guard's fast path sums one copy of the
+        reduced gradients instead of every tower's: a NaN or Inf anywhere is one there.
+        """
+        if not self._reduce_first:
+            update = functools.partial(self._update, grads)  # update(grads_finite)
+            return self.guard.run(grads.towers, self.devices, update)
+        with tf.name_scope("reduce"):
+            reduced = self.reduce(grads)
+        update = functools.partial(self._update_reduced, reduced)
+        return self.guard.run(grads.towers, self.devices, update,
+                              reduced=self.placement.covering(reduced.grads))  # fmt: skip
 
     def _update(self, grads: Gradients, grads_finite: tf.Tensor | None = None) -> tf.Tensor:
         with tf.name_scope("reduce"):
             reduced = self.reduce(grads)
+        return self._update_reduced(reduced, grads_finite)
+
+    def _update_reduced(self, reduced: Reduced, grads_finite: tf.Tensor | None = None) -> tf.Tensor:
         if self.loss_scale.active:  # one flag for every replica's dynamic scale
             flag = self.loss_scale.finite(reduced.grads[0], grads_finite, self.parameter_device)
             reduced = reduced._replace(grads_finite=flag)

@@ -19,6 +19,7 @@ their boundary (the first one's output ``Identity`` ops and the second one's cro
 control edges, top-level ``NoOp`` s) are the ``handoff``::
 
     Identity_10/_61:_Recv                                   -> handoff
+    grads_14/_3:_Recv             (the second one's argument) -> handoff
     GroupCrossDeviceControlEdges_0/NoOp:NoOp                -> handoff
  tf.distribute steps carry no such scopes: their ops are
 attributed by type (:func:`towers.bench.profile.phase`: compute ->
@@ -50,7 +51,8 @@ __all__ = ["PHASES", "phase_of", "phase_profile", "phase_table", "plot_phases", 
 PHASES = ("split", "forward_backward", "handoff", "reduce", "apply", "guard", "other")
 _SCOPES = {"split": "split", "reduce": "reduce", "apply": "apply", "guard": "guard"}
 _TOWER = re.compile(r"tower_(\d+)$")
-_HANDOFF = re.compile(r"(Identity(_\d+)?|NoOp(_\d+)?|GroupCrossDeviceControlEdges_\d+)$")
+_HANDOFF = re.compile(
+    r"(Identity(_\d+)?|NoOp(_\d+)?|GroupCrossDeviceControlEdges_\d+|grads(_\d+)?)$")
 _BY_TYPE = {"compute": "forward_backward", "reduce": "reduce", "update": "apply"}
 
 

@@ -2,15 +2,28 @@
 
 ::
 
-    tower i:  code_i = 1·[loss non-finite] + 2·[a gradient non-finite] + 4·[state non-finite]
-                 │  each bit: one fused sum, finite? else the elementwise pass decides
+    tower i:   s_i = Σ loss + Σ every gradient + Σ state   (float32; one reduction per value)
                  │  send (4 bytes, note "guard")
                  ▼
-    parameter device:  codes = [code_0 … code_{n-1}],  bad = #towers with a fatal bit
-                 │  agree (a worker's trainer: bad summed over every worker)
+    parameter device:  total = Σ_i s_i   finite?  ──yes──▶ codes = 0      (the fast path)
+                 │ no (a NaN/Inf, or finite values whose sum overflowed)
+                 ▼
+               code_i = 1·[loss] + 2·[a gradient] + 4·[state non-finite], elementwise on
+               tower i (one tf.cond for the whole step: runs only on doubt)
+                 │  bad = #towers with a fatal bit; agree (a worker's trainer: summed
+                 ▼  over every worker)
     tf.cond(bad == 0, reduce → apply, skip)    one cond around the whole update
 
-The flag is formed from every tower's *local* values, before the all-reduce, so a
+IEEE 754 makes a sum a proof: once a NaN or Inf enters a partial sum, every later one
+is non-finite, so a finite total means every element is finite (:func:`_all_finite`).
+When the all-reduce :func:`sums_exactly` (the library's own algorithms, no codec, no
+reducer state, one process), it runs *before* the cond, and the fast path sums one copy
+of the reduced gradients instead of every tower's: each reduced element is an IEEE sum
+over all towers, so a NaN or Inf in any tower's gradient is one there. The towers'
+gradients are then read once, not once per tower; on doubt the codes still come from
+every tower's own values.
+
+The flag is formed from every tower's *local* values (or from an exact sum of them), so a
 lossy reducer (top-k, PowerSGD) cannot hide a NaN, and reducer state (error feedback,
 compression residuals) is inside the cond too. One predicate gates every replica's
 update in the same graph, so every replica decides the same by construction; across
@@ -53,10 +66,13 @@ import numpy as np
 import tensorflow as tf
 
 from towers.allreduce.machinery.primitives import send
+from towers.allreduce.machinery.registry import record_of
 from towers.guard.arguments import check_choice
+from towers.guard.capabilities import algorithm_kind
 from towers.guard.errors import NonFiniteError
 
-__all__ = ["NONFINITE", "Guard", "describe", "gather_codes", "tower_code"]
+__all__ = ["NONFINITE", "Guard", "describe", "gather_codes", "sums_exactly", "tower_code",
+           "tower_sum"]
 
 NONFINITE = ("skip", "raise", "ignore")
 _WHAT = ((1, "loss"), (2, "gradients"), (4, "non-trainable state"))
@@ -111,21 +127,88 @@ def describe(codes: np.ndarray) -> dict[int, list[str]]:
     }
 
 
-def gather_codes(towers: Sequence[Any], devices: Sequence[str], device: str) -> tf.Tensor:
-    """Every tower's :func:`tower_code`, formed on its device, stacked on ``device``.
+def tower_sum(loss: tf.Tensor, grads: Sequence, state: Sequence[tf.Tensor]) -> tf.Tensor:
+    """One tower's float32 proof: finite ⇒ its loss, gradients and state are all finite.
+
+    The sum of every element of every value (see :func:`_all_finite`): one reduction per
+    value and one ``add_n``, no branch. A non-finite result may be an overflow of finite
+    values; :func:`gather_codes` then lets the elementwise :func:`tower_code` decide.
+    """
+    dense = [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads]
+    values = [loss, *dense, *(v for v in state if v.dtype.is_floating)]
+    sums = [tf.cast(tf.reduce_sum(v), tf.float32) for v in values]
+    return tf.add_n(sums) if len(sums) > 1 else sums[0]
+
+
+def _reduced_sums(reduced: Sequence, device: str) -> list[tf.Tensor]:
+    """The sums of already-reduced gradients, one per device that holds some, on ``device``."""
+    by_device: dict[str, list[tf.Tensor]] = {}
+    for g in reduced:
+        value = g.values if isinstance(g, tf.IndexedSlices) else g
+        by_device.setdefault(value.device, []).append(value)
+    sums = []
+    for where, values in by_device.items():
+        with tf.device(where):
+            parts = [tf.cast(tf.reduce_sum(v), tf.float32) for v in values]
+            sums.append(send(tf.add_n(parts) if len(parts) > 1 else parts[0], device,
+                             note="guard"))  # fmt: skip
+    return sums
+
+
+def sums_exactly(algorithm: Any, placement: str) -> bool:
+    """The step's reduction adds every tower's elements with IEEE additions into each
+    output it hands the optimizers, and keeps no state, so a NaN or Inf in any tower's
+    gradient is one in every output: the library's own all-reduces built on copies
+    (the registry's, not a user's registered one, nor collective ops), and ``sharded``'s
+    ring reduce-scatter. Not a user's callable, a codec, a bucketed or stateful reducer.
+    """
+    if placement == "sharded":
+        return True
+    record = record_of(algorithm)
+    module = str(getattr(record.algorithm.factory, "__module__", "") or "") if record else ""
+    return algorithm_kind(algorithm) in ("ring", "registered") and module.startswith("towers.")
+
+
+def gather_codes(towers: Sequence[Any], devices: Sequence[str], device: str,
+                 reduced: Sequence | None = None) -> tf.Tensor:
+    """Every tower's :func:`tower_code`, stacked on ``device``: zeros when every tower's
+    :func:`tower_sum` (formed on its device, 4 bytes sent) adds up to a finite total,
+    else each code formed elementwise on its tower (one ``tf.cond`` for the whole step).
 
     Args:
         towers: each tower's result (``loss``, ``grads``, ``non_trainable``), in tower order.
         devices: the towers' devices.
         device: where the decision is taken.
+        reduced: one copy of every reduced gradient element, when the all-reduce adds
+            every tower's elements with IEEE additions (:func:`sums_exactly`): a NaN or
+            Inf in any tower's gradient is then a NaN or Inf there, so its sum stands in
+            for the towers' gradients in the fast path (read once, not once per tower).
+            On doubt the codes are still formed from each tower's own values.
     """
-    codes = []
+    sums = []
     for r, tower_device in zip(towers, devices):
         with tf.device(tower_device):
-            codes.append(send(tower_code(r.loss, r.grads, r.non_trainable), device,
-                              note="guard"))  # fmt: skip
+            grads = r.grads if reduced is None else ()
+            sums.append(send(tower_sum(r.loss, grads, r.non_trainable), device, note="guard"))
+    if reduced is not None:
+        sums += _reduced_sums(reduced, device)
     with tf.device(device):
-        return tf.stack(codes)
+        total = tf.add_n(sums) if len(sums) > 1 else sums[0]
+
+    def exact() -> tf.Tensor:
+        codes = []
+        for r, tower_device in zip(towers, devices):
+            with tf.device(tower_device):
+                code = tower_code(r.loss, r.grads, r.non_trainable)
+            with tf.device(device):
+                # identity, not send(): the branch runs on doubt only; the traffic a step
+                # is recorded with is the fast path's 4 bytes per tower
+                codes.append(tf.identity(code))
+        with tf.device(device):
+            return tf.stack(codes)
+
+    with tf.device(device):
+        return tf.cond(tf.math.is_finite(total), lambda: tf.zeros([len(towers)], tf.int32), exact)
 
 
 def _count(codes: tf.Tensor, bits: int) -> tf.Tensor:
@@ -161,7 +244,8 @@ class Guard:
             self.codes = tf.Variable(tf.zeros([towers], tf.int32), trainable=False, name="codes")
         self._raised = 0  # skipped steps already raised for
 
-    def run(self, towers: Sequence[Any], devices: Sequence[str], update: Callable[..., Any]) -> Any:
+    def run(self, towers: Sequence[Any], devices: Sequence[str], update: Callable[..., Any],
+            reduced: Sequence | None = None) -> Any:
         """``update(grads_finite)`` (reduce and apply; returns the loss) unless a tower
         met a NaN or Inf that skips the step.
 
@@ -172,6 +256,9 @@ class Guard:
             update: the whole state-changing part of the step; it receives, when
                 ``loss_scaled`` and checked, one boolean: every tower's gradients are
                 finite (else None).
+            reduced: the gradients already reduced by an all-reduce that
+                :func:`sums_exactly` (one copy of each element), checked instead of the
+                towers' gradients (see :func:`gather_codes`); ``update`` then only applies.
 
         Returns:
             The loss ``update`` returns, or on a skipped step the towers' losses added
@@ -179,7 +266,7 @@ class Guard:
         """
         if self.mode == "ignore":
             return update(None)
-        gathered = gather_codes(towers, devices, self.device)
+        gathered = gather_codes(towers, devices, self.device, reduced)
         with tf.device(self.device):
             counts = tf.stack([_count(gathered, self.fatal), _count(gathered, _GRADIENTS)])
         if self.agree is not None:
