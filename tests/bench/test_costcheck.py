@@ -86,7 +86,7 @@ def test_the_section_prints_and_saves_both_fits_and_the_training_sizes(tmp_path,
     import csv
     import json
 
-    from towers.bench import sections
+    from towers.bench import sections, targets
 
     results: dict = {"allreduce": _noisy(0.0)}
     assert sections.costmodel_section(argparse.Namespace(out=tmp_path), [], results)
@@ -103,15 +103,15 @@ def test_the_section_prints_and_saves_both_fits_and_the_training_sizes(tmp_path,
     assert results["costmodel_splits"]["extrapolated"] == {"train": SIZES[:4],
                                                           "held_out": SIZES[4:]}
     assert json.dumps(results["costmodel"])  # bench.json can hold it
-    [target, *_] = sections.targets(results)
+    [target, *_] = targets.targets(results)
     assert target["target"] == "cost model predicts held-out sizes within 25% for ring"
     assert target["holds"]
     assert target["value"] == results["costmodel"][0]["interleaved_max_abs_error"]
 
 
 def test_the_target_falls_back_to_the_in_sample_fit_without_held_out_sizes() -> None:
-    from towers.bench import sections
+    from towers.bench import targets
 
     _, summary = check_cost_model([_row("ring", "ring", s, LINK) for s in SIZES[:2]])
-    [target] = sections.targets({"costmodel": summary})
+    [target] = targets.targets({"costmodel": summary})
     assert target["target"].endswith("(in-sample only)") and target["holds"]

@@ -16,10 +16,14 @@ The inputs are small integers stored as float32, so every summation order gives
 the exact sum and ``#wrong`` counts, over all ``n`` outputs, the elements that
 differ from NumPy's sum (an output on the wrong device counts all its elements).
 
-Two calibration contenders run beside them: ``send`` (one copy of ``S`` bytes
-between towers: on logical CPUs a pointer passes, so this is the call overhead)
-and ``add`` (``add_n`` of the ``n`` inputs on one device: the arithmetic); they are
-not all-reduces and stay out of the table (they are in the CSV).
+Calibration contenders run beside them: ``send`` (one copy of ``S`` bytes
+between towers: on logical CPUs a pointer passes, so this is the call overhead),
+``add`` (``add_n`` of the ``n`` inputs on one device: the arithmetic), and the two
+parts every chunked schedule (``chunked`` rows) must run on one host, whatever its
+schedule: ``chunk adds`` (its ``n(n-1)`` two-input additions of ``S/n`` bytes, a
+ring's reduce-scatter arithmetic) and ``assembly`` (one ``S``-byte output per tower
+written from the ``n`` finished chunks). They are not all-reduces and stay out of the
+table (they are in the CSV); ``towers.bench.targets`` sets the chunked rows beside them.
 """
 
 from __future__ import annotations
@@ -34,12 +38,15 @@ import tensorflow as tf
 
 from towers import allreduce
 from towers.allreduce.machinery.ordering import as_written
+from towers.allreduce.machinery.packed import pad_rows
 from towers.bench import costmodel
 from towers.bench.onepass import ONE_PASS, OnePass
 from towers.bench.timing import Samples, interleave
 from towers.devices import canonical_device
 
 __all__ = [
+    "ADDS",
+    "ASSEMBLY",
     "QUICK_SIZES",
     "SIZES",
     "Compiled",
@@ -71,7 +78,9 @@ class Contender:
         body: per-tower tensors (already placed) -> outputs; traced in a ``tf.function``.
         formula: the :mod:`towers.bench.costmodel` algorithm that models it (None: none does).
         params: keyword parameters for that formula.
-        outputs: ``"all"`` (one sum per tower), ``"sum"`` (one sum) or ``"copy"`` (input 1).
+        outputs: ``"all"`` (one sum per tower), ``"sum"`` (one sum), ``"copy"`` (input 1)
+            or ``"parts"`` (a calibration's pieces: not compared).
+        chunked: a bandwidth-optimal schedule of ``S/n`` chunks (ring, swing, …).
     """
 
     name: str
@@ -80,6 +89,7 @@ class Contender:
     formula: str | None = None
     params: dict[str, Any] = dataclasses.field(default_factory=dict)
     outputs: str = "all"
+    chunked: bool = False
 
 
 def _formula_params(name: str, fn: Any) -> tuple[str | None, dict[str, Any]]:
@@ -105,7 +115,18 @@ def towers_contender(name: str, fn: allreduce.AllReduce | None = None) -> Conten
     def body(values: list[tf.Tensor]) -> list[tf.Tensor]:
         return list(algorithm(values, op="sum"))
 
-    return Contender(name, "towers", body, formula=formula, params=params)
+    return Contender(name, "towers", body, formula=formula, params=params,
+                     chunked=_chunked(algorithm))  # fmt: skip
+
+
+def _chunked(algorithm: Any) -> bool:
+    """Bandwidth-optimal on one host's copies: every one of 4 towers sends 2(n-1)/n·S
+    (a reduce-scatter and an all-gather of S/n chunks, whatever the schedule)."""
+    record = getattr(algorithm, "algorithm", None)
+    if not isinstance(record, allreduce.Algorithm) or record.estimated or not record.bytes_sent:
+        return False
+    sent = record.bytes_sent(4, 1 << 20, 4)
+    return sent is not None and all(b == 3 * (1 << 20) // 2 for b in sent)
 
 
 def _tf_contender(name: str, ops: tf.distribute.CrossDeviceOps, formula: str) -> Contender:
@@ -130,7 +151,38 @@ def _calibration() -> list[Contender]:
     return [
         Contender("send", "calibration", send, formula="send", outputs="copy"),
         Contender("add", "calibration", add, formula="add", outputs="sum"),
+        Contender(ADDS, "calibration", chunk_adds, outputs="parts"),
+        Contender(ASSEMBLY, "calibration", assembly, outputs="parts"),
     ]
+
+
+ADDS, ASSEMBLY = "chunk adds", "assembly"
+
+
+def chunk_adds(values: list[tf.Tensor]) -> list[tf.Tensor]:
+    """A ring reduce-scatter's arithmetic: at tick t tower i adds chunk (i - t) mod n of
+    its own rows to the one tower i - 1 sends (pointers on one host): n(n-1) adds."""
+    n = len(values)
+    rows = [pad_rows(v, n)[0] for v in values]
+    out = []
+    for t in range(n - 1):
+        for i, v in enumerate(values):
+            c = (i - t) % n
+            with tf.device(v.device):
+                out.append(allreduce.send(rows[i - 1][c:c + 1], v.device) + rows[i][c:c + 1])
+    return out
+
+
+def assembly(values: list[tf.Tensor]) -> list[tf.Tensor]:
+    """Every tower's output written from n finished chunks, chunk c held by tower c."""
+    n = len(values)
+    rows = [pad_rows(v, n)[0] for v in values]
+    out = []
+    for v in values:
+        with tf.device(v.device):
+            out.append(tf.concat([allreduce.send(rows[c][c:c + 1], v.device)
+                                  for c in range(n)], 0))  # fmt: skip
+    return out
 
 
 def contenders(
@@ -287,7 +339,8 @@ def _check(
     rows = []
     for c in cands:
         row = _row(c, len(devices), size.nbytes, samples.get(f"{size.nbytes}|{c.name}"))
-        if c.name in size.compiled:
+        row["chunked"] = c.chunked
+        if c.name in size.compiled and c.outputs != "parts":
             fn = size.compiled[c.name]
             row["wrong"] = count_wrong(c, fn(*size.inputs), host, devices, fn.homes)
         row["error"] = size.errors.get(c.name, "")

@@ -18,7 +18,6 @@ from towers.bench.costcheck import TOLERANCE, check_cost_model, split_sizes
 from towers.bench.costmodel.paper import paper_section
 from towers.bench.guard import guard_section
 from towers.bench.memory import memory_section
-from towers.bench.onepass import ONE_PASS
 from towers.bench.opcount import opcount_section
 from towers.bench.phases import phases_section
 from towers.bench.pipeline import pipeline_section
@@ -27,7 +26,7 @@ from towers.bench.scaling import LINEAR_SLOPE, TOWERS, fit_slopes, run_scaling
 from towers.bench.timing import load_average
 from towers.bench.xla import xla_section
 
-__all__ = ["SECTION", "save_json", "targets", "targets_text"]
+__all__ = ["SECTION", "save_json"]
 
 LOSS_TOLERANCE = 1e-4
 QUICK_STEP_ALGORITHMS = ("naive", "parameter_device", "ring", "tree")
@@ -212,105 +211,6 @@ SECTION: dict[str, Callable[[argparse.Namespace, list[str], dict], bool]] = {
     "opcount": opcount_section,
     "xla": xla_section,
 }
-
-
-STEP_VS_MIRRORED = 0.80
-STEP_VS_BEST_TF = 0.90
-STEP_VS_NOOP = 1.05
-"""Targets: the best towers step <= 0.80 x MirroredStrategy's, <= 0.90 x the best
-tf.distribute configuration's, and within 1.05 x towers' own ``noop`` ceiling."""
-
-
-def _step_targets(rows: list[dict]) -> list[dict[str, Any]]:
-    """Per model: the towers configuration with the lowest ratio, for each target."""
-    out = []
-    for model in dict.fromkeys(r["model"] for r in rows):
-        towers = [r for r in rows if r["model"] == model and r["kind"] == "towers" and r["ms"]]
-        for key, limit, versus in (("ratio", STEP_VS_MIRRORED, "MirroredStrategy"),
-                                   ("ratio_best_tf", STEP_VS_BEST_TF, "best tf.distribute")):
-            timed = [r for r in towers if r[key] is not None]
-            if not timed:
-                continue
-            best = min(timed, key=lambda r: r[key])
-            detail = best["config"] + (f" vs {best['best_tf']}" if key == "ratio_best_tf" else "")
-            out.append({"target": f"{model}: best towers step <= {limit:.2f} x {versus}",
-                        "value": best[key], "limit": limit, "holds": best[key] <= limit,
-                        "detail": detail})
-        out += _noop_target(model, rows, towers)
-    return out
-
-
-def _noop_target(model: str, rows: list[dict], towers: list[dict]) -> list[dict[str, Any]]:
-    """The best towers step over the ``noop`` ceiling (no exchange at all), via their
-    paired ratios to MirroredStrategy."""
-    noop = [r for r in rows if r["model"] == model and r["kind"] == "ceiling" and r.get("ratio")]
-    timed = [r for r in towers if r.get("ratio")]
-    if not noop or not timed:
-        return []
-    best = min(timed, key=lambda r: r["ratio"])
-    value = best["ratio"] / noop[0]["ratio"]
-    return [{"target": f"{model}: best towers step <= {STEP_VS_NOOP:.2f} x its noop ceiling",
-             "value": value, "limit": STEP_VS_NOOP, "holds": value <= STEP_VS_NOOP,
-             "detail": f"{best['config']} vs {noop[0]['config']}"}]
-
-
-ALGBW_VS_MIRRORED = 3.0
-"""Target: the best towers all-reduce at the largest size >= 3 x MirroredStrategy's algbw."""
-ALGBW_VS_ONE_PASS = 0.70
-"""Target: ... and >= 70 % of the one-pass memory limit measured in the same run."""
-
-
-def _algbw_target(rows: list[dict]) -> list[dict[str, Any]]:
-    timed = [r for r in rows if r.get("algbw") and r["kind"] != "calibration"]
-    if not timed:
-        return []
-    size = max(r["size"] for r in timed)
-    best = max((r for r in timed if r["size"] == size and r["kind"] == "towers"),
-               key=lambda r: r["algbw"], default=None)
-    if best is None:
-        return []
-    out = []
-    for name, limit, what in (("tf.CollectiveAllReduce", ALGBW_VS_MIRRORED, "MirroredStrategy's"),
-                              (ONE_PASS, ALGBW_VS_ONE_PASS, "the one-pass limit")):
-        ref = [r for r in rows if r["algorithm"] == name and r["size"] == size and r.get("algbw")]
-        if ref:
-            value = best["algbw"] / ref[0]["algbw"]
-            out.append({"target": f"best towers algbw at {size} B >= {limit:.2f} x {what}",
-                        "value": value, "limit": limit, "holds": value >= limit,
-                        "detail": f"{best['algorithm']} {best['algbw']:.3f} vs "
-                                  f"{ref[0]['algbw']:.3f} GB/s"})
-    return out
-
-
-def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
-    """The issue's targets, each with the measured value and whether it holds."""
-    out = _algbw_target(results.get("allreduce", []))
-    out += _step_targets(results.get("training", []))
-    return out + [_costmodel_target(r) for r in results.get("costmodel", [])]
-
-
-def _costmodel_target(row: dict[str, Any]) -> dict[str, Any]:
-    """Within 25 % on the interleaved held-out sizes (in-sample where too few sizes to split)."""
-    fit_all = f"fit all: max {row['max_abs_error']:.1%}, median {row['median_abs_error']:.1%}"
-    if row.get("interleaved_ok") is None:
-        return {"target": f"cost model within 25% for {row['algorithm']} (in-sample only)",
-                "value": row["max_abs_error"], "limit": 0.25, "holds": row["ok"],
-                "detail": fit_all}
-    return {"target": f"cost model predicts held-out sizes within 25% for {row['algorithm']}",
-            "value": row["interleaved_max_abs_error"], "limit": 0.25,
-            "holds": row["interleaved_ok"],
-            "detail": f"interleaved median {row['interleaved_median_abs_error']:.1%}; {fit_all}"}
-
-
-def targets_text(rows: list[dict[str, Any]]) -> str:
-    """The targets as lines: holds / MISSED, measured value against its limit."""
-    load = ", ".join(f"{v:.2f}" for v in load_average())
-    lines = [f"\n== targets  (load average {load})"]
-    for t in rows:
-        mark = "holds " if t["holds"] else "MISSED"
-        lines.append(f"  {mark} {t['target']}: {t['value']:.2f} (limit {t['limit']}; "
-                     f"{t['detail']})")
-    return "\n".join(lines)
 
 
 def save_json(out: Path, results: dict[str, Any]) -> Path:

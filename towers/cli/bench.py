@@ -163,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
     scaling_towers = args.scaling_towers or (TOWERS[:3] if args.quick else TOWERS)
     needed = max(args.towers, *(scaling_towers if "scaling" in args.sections else [1]))
     devices = _devices(needed)  # first: before TensorFlow runs any op
-    from towers.bench import sections
+    from towers.bench import sections, targets
 
     if args.algorithms:
         args.algorithms = [_registered(name, devices) for name in args.algorithms]
@@ -175,8 +175,8 @@ def run(args: argparse.Namespace) -> int:
             ok = sections.SECTION[name](args, devices, results) and ok
             results.setdefault("seconds", {})[name] = time.perf_counter() - start
             print(f"({name}: {time.perf_counter() - start:.0f} s)", flush=True)
-    results["targets"] = sections.targets(results)
-    print(sections.targets_text(results["targets"]))
+    results["targets"] = targets.targets(results)
+    print(targets.targets_text(results["targets"]))
     path = sections.save_json(args.out, results)
     print(f"\nwrote {path} (and the CSV/PNG files beside it)")
     return 0 if ok else 1
