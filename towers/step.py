@@ -459,7 +459,10 @@ class TowerTrainer:
             if with_outputs:
                 outputs = concat([r.outputs for r in grads.towers], self.parameter_device)
         self._forward_stats = recorder
-        return Gradients(tuple(_unchanged_as_none(r) for r in grads.towers)), outputs
+        # the towers' model outputs are not handed over: the update never reads them, and
+        # every tensor that crosses between the two functions costs its call
+        return Gradients(tuple(_unchanged_as_none(r)._replace(outputs=None)
+                               for r in grads.towers)), outputs  # fmt: skip
 
     def _update_phase(self, grads: Gradients) -> tf.Tensor:
         """The second (run ``as_written()``): the guard's reduce and apply, as in the step."""
