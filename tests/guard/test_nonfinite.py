@@ -12,7 +12,10 @@ from hypothesis import strategies as st
 
 import towers
 from tests.conftest import DEVICES, examples
+from towers.allreduce import Algorithm, naive
 from towers.allreduce.codecs import topk
+from towers.allreduce.machinery.registry import Configured
+from towers.guard import capabilities
 from towers.guard.capabilities import COLLECTIVE_OPS
 from towers.guard.nonfinite import _all_finite, sums_exactly, tower_code
 
@@ -69,6 +72,10 @@ def test_sums_exactly_names_the_library_sums_only() -> None:
     for name in COLLECTIVE_OPS:
         assert not sums_exactly(towers.allreduce.get(name), "replicated"), name
     assert not sums_exactly(lambda values, op="sum": list(values), "replicated")
+    # a user's registered algorithm has a record, but the library has not proved it sums
+    mine = Configured(Algorithm("mine", lambda: naive), run=naive)
+    assert capabilities.algorithm_kind(mine) == "registered"
+    assert not sums_exactly(mine, "replicated")
     assert not sums_exactly(towers.bucketed("naive", 1024), "replicated")
     assert not sums_exactly(towers.compressed("ring", topk(0.5)), "replicated")
 
