@@ -76,8 +76,17 @@ def test_sums_exactly_names_the_library_sums_only() -> None:
     mine = Configured(Algorithm("mine", lambda: naive), run=naive)
     assert capabilities.algorithm_kind(mine) == "registered"
     assert not sums_exactly(mine, "replicated")
+    # a library algorithm made of parts is exact only when every part is
+    assert sums_exactly(towers.allreduce.hierarchical("naive", "tree"), "replicated")
+    assert not sums_exactly(towers.allreduce.hierarchical(naive_user, "ring"), "replicated")
+    assert not sums_exactly(towers.allreduce.hierarchical("naive", mine), "replicated")
     assert not sums_exactly(towers.bucketed("naive", 1024), "replicated")
     assert not sums_exactly(towers.compressed("ring", topk(0.5)), "replicated")
+
+
+def naive_user(values: Any, op: str = "sum") -> Any:
+    """A user's callable (no record): the library has not proved it sums."""
+    return naive(values, op=op)
 
 
 class _PoisonGradient(keras.layers.Layer):

@@ -66,7 +66,7 @@ import numpy as np
 import tensorflow as tf
 
 from towers.allreduce.machinery.primitives import send
-from towers.allreduce.machinery.registry import record_of
+from towers.allreduce.machinery.registry import ALGORITHMS, record_of
 from towers.guard.arguments import check_choice
 from towers.guard.capabilities import algorithm_kind
 from towers.guard.errors import NonFiniteError
@@ -166,7 +166,15 @@ def sums_exactly(algorithm: Any, placement: str) -> bool:
         return True
     record = record_of(algorithm)
     module = str(getattr(record.algorithm.factory, "__module__", "") or "") if record else ""
-    return algorithm_kind(algorithm) in ("ring", "registered") and module.startswith("towers.")
+    if record is None or algorithm_kind(algorithm) not in ("ring", "registered") \
+            or not module.startswith("towers."):
+        return False
+    # a library algorithm built from parts (hierarchical's inner and outer) is exact
+    # only when its parts are: a part may be a user's callable or registered name
+    parts = [v for v in record.params.values() if callable(v)
+             or (isinstance(v, str) and v in ALGORITHMS)]
+    return all(sums_exactly(ALGORITHMS[p]() if isinstance(p, str) else p, placement)
+               for p in parts)  # fmt: skip
 
 
 def gather_codes(towers: Sequence[Any], devices: Sequence[str], device: str,
