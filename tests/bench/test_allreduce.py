@@ -10,6 +10,7 @@ from tests.conftest import DEVICES
 from towers import allreduce
 from towers.allreduce import Algorithm, naive
 from towers.bench import allreduce as bench
+from towers.bench import floors
 from towers.bench.report import allreduce_table
 
 COLUMNS = {"size", "count", "type", "redop", "algorithm", "time_us", "algbw", "busbw", "wrong"}
@@ -25,7 +26,7 @@ def rows() -> list[dict]:
 def test_every_row_is_right(rows: list[dict]) -> None:
     ran = [r for r in rows if not r["error"]]
     assert {r["algorithm"] for r in ran} >= {"naive", "ring", "tf.CollectiveAllReduce"}
-    parts = {bench.ADDS, bench.ASSEMBLY}  # pieces of a chunked schedule, not sums
+    parts = {floors.ADDS, floors.ASSEMBLY}  # pieces of a chunked schedule, not sums
     assert all(r["wrong"] == 0 for r in ran if r["algorithm"] not in parts), \
         [(r["algorithm"], r["wrong"]) for r in ran]
 
@@ -55,7 +56,7 @@ def test_columns_and_busbw_formula(rows: list[dict]) -> None:
         assert r["algbw"] == pytest.approx(r["size"] / (r["time_us"] * 1e-6) / 1e9)
         assert r["busbw"] == pytest.approx(r["algbw"] * 2 * (3 - 1) / 3)
     calibration = {r["algorithm"]: r for r in rows if r["kind"] == "calibration"}
-    assert set(calibration) == {"send", "add", "one-pass (NumPy)", bench.ADDS, bench.ASSEMBLY}
+    assert set(calibration) == {"send", "add", "one-pass (NumPy)", floors.ADDS, floors.ASSEMBLY}
     one_pass = calibration["one-pass (NumPy)"]  # the memory limit the targets compare with
     assert one_pass["wrong"] == 0 and one_pass["algbw"] > 0 and one_pass["formula"] is None
 
@@ -126,8 +127,8 @@ def test_chunked_targets_set_each_schedule_beside_naive_and_its_floor() -> None:
 
     rows = [row("naive", "towers", 100.0), row("tree", "towers", 110.0),
             row("ring", "towers", 125.0, True), row("swing", "towers", 190.0, True),
-            row("add", "calibration", 98.0), row(bench.ADDS, "calibration", 90.0),
-            row(bench.ASSEMBLY, "calibration", 80.0)]
+            row("add", "calibration", 98.0), row(floors.ADDS, "calibration", 90.0),
+            row(floors.ASSEMBLY, "calibration", 80.0)]
     add, ring, swing = targets.targets({"allreduce": rows})
     assert add["value"] == pytest.approx(0.98) and add["holds"]  # 98 / 100 >= 0.95
     assert ring["value"] == pytest.approx(1.25) and ring["holds"]
@@ -137,20 +138,6 @@ def test_chunked_targets_set_each_schedule_beside_naive_and_its_floor() -> None:
     assert not targets.targets({"allreduce": rows})[0]["holds"]  # 0.90 < 0.95
 
 
-def test_the_floor_parts_are_chunked_work_and_the_chunked_rows_are_marked() -> None:
-    chunked = {c.name for c in bench.contenders(DEVICES[:3]) if c.chunked}
-    assert chunked == {"ring", "swing", "bruck", "pat", "torus_2d", "halving_doubling"}
-    values = []
-    for i, d in enumerate(DEVICES[:3]):
-        with tf.device(d):
-            values.append(tf.constant(np.arange(7, dtype="float32") + 10 * i))
-    adds = bench.chunk_adds(values)
-    assert len(adds) == 3 * 2 and all(a.shape == (1, 3) for a in adds)  # ⌈7/3⌉ = 3
-    assert np.array_equal(adds[0].numpy(), [[20.0, 22.0, 24.0]])  # tower 2's chunk 0 + tower 0's
-    outs = bench.assembly(values)
-    assert [o.shape for o in outs] == [(3, 3)] * 3
-    assert np.array_equal(outs[1].numpy().reshape(-1)[:7],
-                          [0, 1, 2, 13, 14, 15, 26])  # chunk c from tower c
 
 
 def test_every_registered_algorithm_hands_the_cost_model_params_it_takes() -> None:

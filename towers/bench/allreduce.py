@@ -38,15 +38,13 @@ import tensorflow as tf
 
 from towers import allreduce
 from towers.allreduce.machinery.ordering import as_written
-from towers.allreduce.machinery.packed import pad_rows
 from towers.bench import costmodel
+from towers.bench.floors import ADDS, ASSEMBLY, assembly, chunk_adds
 from towers.bench.onepass import ONE_PASS, OnePass
 from towers.bench.timing import Samples, interleave
 from towers.devices import canonical_device
 
 __all__ = [
-    "ADDS",
-    "ASSEMBLY",
     "QUICK_SIZES",
     "SIZES",
     "Compiled",
@@ -154,35 +152,6 @@ def _calibration() -> list[Contender]:
         Contender(ADDS, "calibration", chunk_adds, outputs="parts"),
         Contender(ASSEMBLY, "calibration", assembly, outputs="parts"),
     ]
-
-
-ADDS, ASSEMBLY = "chunk adds", "assembly"
-
-
-def chunk_adds(values: list[tf.Tensor]) -> list[tf.Tensor]:
-    """A ring reduce-scatter's arithmetic: at tick t tower i adds chunk (i - t) mod n of
-    its own rows to the one tower i - 1 sends (pointers on one host): n(n-1) adds."""
-    n = len(values)
-    rows = [pad_rows(v, n)[0] for v in values]
-    out = []
-    for t in range(n - 1):
-        for i, v in enumerate(values):
-            c = (i - t) % n
-            with tf.device(v.device):
-                out.append(allreduce.send(rows[i - 1][c:c + 1], v.device) + rows[i][c:c + 1])
-    return out
-
-
-def assembly(values: list[tf.Tensor]) -> list[tf.Tensor]:
-    """Every tower's output written from n finished chunks, chunk c held by tower c."""
-    n = len(values)
-    rows = [pad_rows(v, n)[0] for v in values]
-    out = []
-    for v in values:
-        with tf.device(v.device):
-            out.append(tf.concat([allreduce.send(rows[c][c:c + 1], v.device)
-                                  for c in range(n)], 0))  # fmt: skip
-    return out
 
 
 def contenders(

@@ -9,7 +9,7 @@
                        schedule <= 1.30 x naive, beside the floor of its two parts
     cost model rows -> held-out sizes predicted within 25 %
 
-A chunked schedule's floor on one host (``towers.bench.allreduce``'s calibration rows):
+A chunked schedule's floor on one host (:mod:`towers.bench.floors`, timed as calibration rows):
 its ``n(n-1)`` chunk additions (``chunk adds``) plus one output per tower written
 from its chunks (``assembly``) — work naive does not have, as its one sum is shared
 by every tower (a copy between logical CPUs passes a pointer).
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from towers.bench.allreduce import ADDS, ASSEMBLY
+from towers.bench.floors import ADDS, ASSEMBLY
 from towers.bench.onepass import ONE_PASS
 from towers.bench.timing import load_average
 
