@@ -260,9 +260,9 @@ class TowerTrainer:
         self._shard_step_with_outputs: Any = tf.function(
             functools.partial(self._train_shards, with_outputs=True), autograph=False
         )
+        self._nested = nests((*self.devices, self.parameter_device))
         if self.forward_graph == "default":  # forward_graph: ordering.FORWARD_GRAPHS
-            phased = functools.partial(PhasedStep, update=self._update_phase, nested=nests(
-                (*self.devices, self.parameter_device)))
+            phased = functools.partial(PhasedStep, update=self._update_phase, nested=self._nested)
             self._step = phased(self._forward_phase)
             self._step_with_outputs = phased(
                 functools.partial(self._forward_phase, with_outputs=True), with_outputs=True)
@@ -468,31 +468,38 @@ class TowerTrainer:
         """Its update (traced ``as_written()``): the guard's reduce and apply, as in the step."""
         variables = self.model.trainable_variables
         with tf.name_scope("forward_backward"):  # the towers' results, handed over (profiler)
-            grads = Gradients(tuple(
+            handed = Gradients(tuple(
                 _none_as_unchanged(r, self.replica_of(i))._replace(grads=[
                     _static_dense_shape(g, v) for g, v in zip(r.grads, variables)])
                 for i, r in enumerate(grads.towers)
-            )).on_devices(self.devices)  # fmt: skip  (arguments come without a device)
+            ))  # fmt: skip
+            grads = handed.on_devices(self.devices)  # arguments come without a device
+        # Nested (one call, CPUs), the arguments arrive on the call op's device and the
+        # guard checks them on its own device: checks pinned to the towers' devices would
+        # add one partition per device to the nested function, each an executor run per
+        # step (docs/performance.md). Two calls (GPUs): on the towers, as in the step.
         with record() as recorder, tf.name_scope("guard"):
-            loss = self._guarded(grads)
+            loss = self._guarded(grads, handed.towers if self._nested else None)
         self.last_trace_stats = Recorder(self._forward_stats.transfers + recorder.transfers)
         return loss
 
-    def _guarded(self, grads: Gradients) -> tf.Tensor:
+    def _guarded(self, grads: Gradients, central: Sequence[TowerResult] | None = None) -> tf.Tensor:
         """Reduce → apply inside the guard's one ``tf.cond``: all of it or nothing.
 
         When the reduction :func:`~towers.guard.nonfinite.sums_exactly` (and keeps no
         state), it runs before the cond and the guard's fast path sums one copy of the
         reduced gradients instead of every tower's: a NaN or Inf anywhere is one there.
+        ``central``: the towers' results as the nested update received them, checked on
+        the guard's device (default: ``grads``' on the towers' devices).
         """
+        towers = grads.towers if central is None else central
+        run = functools.partial(self.guard.run, towers, self.devices, central=central is not None)
         if not self._reduce_first:
-            update = functools.partial(self._update, grads)  # update(grads_finite)
-            return self.guard.run(grads.towers, self.devices, update)
+            return run(functools.partial(self._update, grads))  # update(grads_finite)
         with tf.name_scope("reduce"):
             reduced = self.reduce(grads)
-        update = functools.partial(self._update_reduced, reduced)
-        return self.guard.run(grads.towers, self.devices, update,
-                              reduced=self.placement.covering(reduced.grads))  # fmt: skip
+        return run(functools.partial(self._update_reduced, reduced),
+                   reduced=self.placement.covering(reduced.grads))
 
     def _update(self, grads: Gradients, grads_finite: tf.Tensor | None = None) -> tf.Tensor:
         with tf.name_scope("reduce"):

@@ -206,8 +206,9 @@ def check_works(options: dict[str, str], k: int, spec: ModelSpec, n: int) -> Non
 def _check_failed_step(trainer: towers.TowerTrainer, spec: ModelSpec, n: int) -> None:
     """A step that fails in its last tower (a label out of range: TensorFlow's own error)
     changes nothing. Not for collective ops: a failed collective step aborts every later
-    collective in the process (tests/guard/test_tower_error.py, test_deadline.py)."""
-    x, y = _batch(spec, n + 1, seed=7)
+    collective in the process (tests/guard/test_tower_error.py, test_deadline.py). The
+    batch has the second step's size: the traced step is the one that ran, not a new one."""
+    x, y = _batch(spec, n + 2, seed=7)
     y = y.copy()
     y[-1] = spec.classes  # out of range for the last tower's shard
     before = _state(trainer)

@@ -1,7 +1,7 @@
 """The guard's fused check: a finite sum proves every element finite; on an overflowed
 sum the elementwise pass decides, so finite values whose sum overflows are not flagged."""
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import keras
 import numpy as np
@@ -15,13 +15,36 @@ from tests.conftest import DEVICES, examples
 from towers.allreduce import Algorithm, naive
 from towers.allreduce.codecs import topk
 from towers.allreduce.machinery.registry import Configured
+from towers.devices import canonical_device
 from towers.guard import capabilities
 from towers.guard.capabilities import COLLECTIVE_OPS
-from towers.guard.nonfinite import _all_finite, sums_exactly, tower_code
+from towers.guard.nonfinite import gather_codes, sums_exactly, tower_code, tower_sum
 
 BIG = np.float32(3e38)  # two of them overflow float32's sum
 
 
+class _Tower(NamedTuple):
+    loss: tf.Tensor
+    grads: list[tf.Tensor]
+    non_trainable: list[tf.Tensor]
+
+
+def _codes(values: list[list[float]], *, reduced: bool, traced: bool) -> list[int]:
+    """:func:`gather_codes` over two towers: tower 1's gradients are ``values`` (tower 0's
+    are zeros of the same shapes); ``reduced``: the fast path reads their sum instead."""
+    grads = [tf.constant(v, tf.float32) for v in values]
+    towers_ = [_Tower(tf.constant(1.0), [tf.zeros_like(g) for g in grads], []),
+               _Tower(tf.constant(2.0), grads, [])]
+
+    def codes() -> tf.Tensor:
+        summed = [a + b for a, b in zip(towers_[0].grads, towers_[1].grads)] if reduced else None
+        return gather_codes(towers_, DEVICES[:2], DEVICES[0], summed)
+
+    return [int(c) for c in (tf.function(codes)() if traced else codes()).numpy()]
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "traced"])
+@pytest.mark.parametrize("reduced", [False, True], ids=["towers", "reduced"])
 @pytest.mark.parametrize(
     "values, finite",
     [
@@ -36,17 +59,19 @@ BIG = np.float32(3e38)  # two of them overflow float32's sum
         pytest.param([], True, id="no-values"),
     ],
 )
-def test_all_finite_is_exact(values, finite):
-    tensors = [tf.constant(v, tf.float32) for v in values]
-    assert bool(_all_finite(tensors)) is finite
-    assert bool(tf.function(_all_finite)(tensors)) is finite
+def test_the_fused_sum_then_the_elementwise_pass_is_exact(values, finite, reduced, traced):
+    """A finite total proves every element finite; a non-finite one (a NaN or Inf, or
+    finite values whose sum overflowed) is decided elementwise: overflow is no alarm."""
+    assert _codes(values, reduced=reduced, traced=traced) == [0, 0 if finite else 2]
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float64"], ids=str)
-def test_all_finite_other_dtypes(dtype):
+def test_the_elementwise_pass_other_dtypes(dtype):
     big = tf.constant([6e4, 6e4] if dtype == "float16" else [1e38, 3e38], dtype)
-    assert bool(_all_finite([big, big]))  # the sum overflows (float16, and float32's total)
-    assert not bool(_all_finite([big, tf.constant([np.nan], dtype)]))
+    assert int(tower_code(tf.constant(1.0), [big, big], [])) == 0  # its sum would overflow
+    assert int(tower_code(tf.constant(1.0), [big, tf.constant([np.nan], dtype)], [])) == 2
+    total = tower_sum(tf.constant(1.0), [big, big], [])  # the fast path: doubt, not a verdict
+    assert not np.isfinite(float(total))
 
 
 def test_tower_code_bits_and_sparse_values():
@@ -56,6 +81,46 @@ def test_tower_code_bits_and_sparse_values():
     assert int(code) == 1 + 2
     assert int(tower_code(tf.constant(1.0), [tf.constant([BIG, BIG])],
                           [tf.constant([-np.inf])])) == 4
+
+
+def _off_device_nodes(trainer: towers.TowerTrainer, batch: Any, device: str) -> int:
+    """Nodes of the step's update (its functions and branches) placed on a device other
+    than ``device``: each such device is one more partition of a nested update, run as
+    its own executor every step."""
+    step = trainer._step
+    concrete = step.get_concrete_function(*trainer._inputs(*batch, None))
+    if step.nested:  # the update and its branches are functions in the step's library
+        nodes = [n for f in concrete.graph.as_graph_def().library.function for n in f.node_def]
+    else:  # two calls: the update's own function
+        graph = step._updates[concrete].graph.as_graph_def()
+        nodes = [*graph.node, *(n for f in graph.library.function for n in f.node_def)]
+    return sum(1 for n in nodes if n.device and canonical_device(n.device) != device)
+
+
+@pytest.mark.parametrize("nested", [True, False], ids=["one_call", "two_calls"])
+def test_a_nested_update_checks_on_the_guard_device(nested: bool, monkeypatch) -> None:
+    """One call per step (CPUs): the update's arguments arrive on one device and the guard
+    checks them there, adding no node on another device (no partition, no executor run
+    per device and step) — the guarded update is placed as the unguarded one. Two calls
+    (GPUs): each tower's values are checked on its own device."""
+    from towers.testing import ModelSpec
+
+    monkeypatch.setattr("towers.step.nests", lambda devices: nested)
+    spec = ModelSpec("dense")
+    built = {mode: towers.TowerTrainer(spec.build, keras.optimizers.SGD(0.1),
+                                       "sparse_categorical_crossentropy", devices=DEVICES[:3],
+                                       all_reduce="naive", on_nonfinite=mode)
+             for mode in ("skip", "ignore")}  # fmt: skip
+    x, y = spec.batch(6, seed=0)
+    off = {mode: _off_device_nodes(t, (x, y), DEVICES[0]) for mode, t in built.items()}
+    if nested:
+        assert off["skip"] == off["ignore"]
+    else:
+        assert off["skip"] > off["ignore"]
+    w = np.ones(6, "float32")
+    w[-1] = np.nan  # tower 2's loss and gradients: caught either way
+    built["skip"].train_step(x, y, w)
+    assert built["skip"].last_step_nonfinite == {2: ["loss", "gradients"]}
 
 
 # --- the fast path over the reduced gradients (an exact all-reduce, one process) ------------

@@ -23,6 +23,7 @@ ones too; cross-device control edges, top-level ``Identity`` and ``NoOp`` s) are
     Identity_10/_61:_Recv                                   -> handoff
     grads_14/_3:_Recv                 (the update's argument) -> handoff
     tower_1_readvariableop_resource/_39:_Send (a handle)    -> handoff
+    forward_backward/Identity_11/_113:_Send (an argument back on its tower) -> handoff
     GroupCrossDeviceControlEdges_0/NoOp:NoOp                -> handoff
  tf.distribute steps carry no such scopes: their ops are
 attributed by type (:func:`towers.bench.profile.phase`: compute ->
@@ -52,7 +53,8 @@ from towers.bench.training import MODELS, profile_steps
 __all__ = ["PHASES", "phase_of", "phase_profile", "phase_table", "plot_phases", "run_phases"]
 
 PHASES = ("split", "forward_backward", "handoff", "reduce", "apply", "guard", "other")
-_SCOPES = {"split": "split", "reduce": "reduce", "apply": "apply", "guard": "guard"}
+_SCOPES = {"split": "split", "reduce": "reduce", "apply": "apply", "guard": "guard",
+           "forward_backward": "handoff"}  # the update's arguments, pinned to the towers
 _TOWER = re.compile(r"tower_(\d+)$")
 _HANDOFF = re.compile(r"(Identity(_\d+)?|NoOp(_\d+)?|GroupCrossDeviceControlEdges_\d+"
                       r"|grads(_\d+)?|\w+_resource|unknown(_\d+)?)$")

@@ -15,7 +15,7 @@
     tf.cond(bad == 0, reduce → apply, skip)    one cond around the whole update
 
 IEEE 754 makes a sum a proof: once a NaN or Inf enters a partial sum, every later one
-is non-finite, so a finite total means every element is finite (:func:`_all_finite`).
+is non-finite, so a finite total means every element is finite (:func:`tower_sum`).
 When the all-reduce :func:`sums_exactly` (the library's own algorithms, no codec, no
 reducer state, one process), it runs *before* the cond, and the fast path sums one copy
 of the reduced gradients instead of every tower's: each reduced element is an IEEE sum
@@ -66,7 +66,9 @@ import numpy as np
 import tensorflow as tf
 
 from towers.allreduce.machinery.primitives import send
+from towers.allreduce.machinery.recording import log_send
 from towers.allreduce.machinery.registry import ALGORITHMS, record_of
+from towers.devices import canonical_device
 from towers.guard.arguments import check_choice
 from towers.guard.capabilities import algorithm_kind
 from towers.guard.errors import NonFiniteError
@@ -80,41 +82,27 @@ _GRADIENTS = 2
 
 
 def _elementwise(values: Sequence[tf.Tensor]) -> tf.Tensor:
-    """Every element of every value finite: one ``is_finite`` pass per value (exact, slower)."""
-    return tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(v)) for v in values]))
-
-
-def _all_finite(values: Sequence[tf.Tensor]) -> tf.Tensor:
-    """Every element of every value finite: one fused sum first, elementwise only on doubt.
-
-    IEEE 754 makes the sum of all elements a proof: ``x + Inf`` is Inf or NaN and
-    ``x + NaN`` is NaN, so once an Inf or NaN enters a partial sum, every later partial
-    sum is non-finite, whatever the summation order. A finite sum therefore means every
-    element is finite. A non-finite sum may also be an overflow of finite elements (or of
-    the float32 sum of the per-value sums), so then the elementwise pass decides, in a
-    ``tf.cond``: it runs only on a step that will skip (or overflowed), never on a
-    finite one. The sum reads each value once and writes nothing; the elementwise pass
-    writes a boolean tensor as large as the value and reads it again.
-    """
+    """Every element of every value finite: one ``is_finite`` pass per value (exact; it
+    writes a boolean tensor as large as the value and reads it again, so it runs only on
+    doubt: inside :func:`gather_codes`' branch)."""
     if not values:
         return tf.constant(True)
-    sums = [tf.cast(tf.reduce_sum(v), tf.float32) for v in values]
-    total = tf.add_n(sums) if len(sums) > 1 else sums[0]
-    return tf.cond(tf.math.is_finite(total), lambda: tf.constant(True),
-                   lambda: _elementwise(values))  # fmt: skip
+    return tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(v)) for v in values]))
 
 
 def tower_code(loss: tf.Tensor, grads: Sequence, state: Sequence[tf.Tensor]) -> tf.Tensor:
     """One tower's int32 code: 0 when finite, else a sum of 1 (loss), 2 (gradients), 4 (state).
 
-    Sparse gradients are checked through their values; integer state (seed counters)
-    cannot be non-finite and is not read.
+    Elementwise and branch-free: it is formed only on doubt (:func:`gather_codes`), where
+    a per-category sum first would add a ``tf.cond`` per category and tower to every
+    step's graph for nothing. Sparse gradients are checked through their values; integer
+    state (seed counters) cannot be non-finite and is not read.
     """
     dense = [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads]
     floating = [v for v in state if v.dtype.is_floating]
     code = tf.constant(0, tf.int32)
     for (bit, _), values in zip(_WHAT, ([loss], dense, floating)):
-        code += tf.where(_all_finite(values), 0, bit)
+        code += tf.where(_elementwise(values), 0, bit)
     return code
 
 
@@ -130,8 +118,11 @@ def describe(codes: np.ndarray) -> dict[int, list[str]]:
 def tower_sum(loss: tf.Tensor, grads: Sequence, state: Sequence[tf.Tensor]) -> tf.Tensor:
     """One tower's float32 proof: finite ⇒ its loss, gradients and state are all finite.
 
-    The sum of every element of every value (see :func:`_all_finite`): one reduction per
-    value and one ``add_n``, no branch. A non-finite result may be an overflow of finite
+    IEEE 754 makes the sum of all elements a proof: ``x + Inf`` is Inf or NaN and
+    ``x + NaN`` is NaN, so once an Inf or NaN enters a partial sum every later partial
+    sum is non-finite, whatever the summation order; a finite sum means every element is
+    finite. One reduction per value and one ``add_n``, no branch; it reads each value
+    once and writes nothing. A non-finite result may be an overflow of finite
     values; :func:`gather_codes` then lets the elementwise :func:`tower_code` decide.
     """
     dense = [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads]
@@ -178,7 +169,7 @@ def sums_exactly(algorithm: Any, placement: str) -> bool:
 
 
 def gather_codes(towers: Sequence[Any], devices: Sequence[str], device: str,
-                 reduced: Sequence | None = None) -> tf.Tensor:
+                 reduced: Sequence | None = None, central: bool = False) -> tf.Tensor:
     """Every tower's :func:`tower_code`, stacked on ``device``: zeros when every tower's
     :func:`tower_sum` (formed on its device, 4 bytes sent) adds up to a finite total,
     else each code formed elementwise on its tower (one ``tf.cond`` for the whole step).
@@ -192,12 +183,20 @@ def gather_codes(towers: Sequence[Any], devices: Sequence[str], device: str,
             Inf in any tower's gradient is then a NaN or Inf there, so its sum stands in
             for the towers' gradients in the fast path (read once, not once per tower).
             On doubt the codes are still formed from each tower's own values.
+        central: form every check on ``device``, from values handed there (a nested
+            update on CPUs: :class:`~towers.allreduce.machinery.ordering.PhasedStep`);
+            each tower's 4 bytes are still recorded as sent from its device, the traffic
+            of the step as a model of separate devices.
     """
     sums = []
     for r, tower_device in zip(towers, devices):
-        with tf.device(tower_device):
+        with tf.device(device if central else tower_device):
             grads = r.grads if reduced is None else ()
-            sums.append(send(tower_sum(r.loss, grads, r.non_trainable), device, note="guard"))
+            flag = tower_sum(r.loss, grads, r.non_trainable)
+        src, dst = canonical_device(tower_device), canonical_device(device)
+        if central and src != dst:
+            log_send(flag, src, dst, None, None, "guard")
+        sums.append(send(flag, device, note="guard"))
     if reduced is not None:
         sums += _reduced_sums(reduced, device)
     with tf.device(device):
@@ -206,7 +205,7 @@ def gather_codes(towers: Sequence[Any], devices: Sequence[str], device: str,
     def exact() -> tf.Tensor:
         codes = []
         for r, tower_device in zip(towers, devices):
-            with tf.device(tower_device):
+            with tf.device(device if central else tower_device):
                 code = tower_code(r.loss, r.grads, r.non_trainable)
             with tf.device(device):
                 # identity, not send(): the branch runs on doubt only; the traffic a step
@@ -253,7 +252,7 @@ class Guard:
         self._raised = 0  # skipped steps already raised for
 
     def run(self, towers: Sequence[Any], devices: Sequence[str], update: Callable[..., Any],
-            reduced: Sequence | None = None) -> Any:
+            reduced: Sequence | None = None, central: bool = False) -> Any:
         """``update(grads_finite)`` (reduce and apply; returns the loss) unless a tower
         met a NaN or Inf that skips the step.
 
@@ -267,6 +266,8 @@ class Guard:
             reduced: the gradients already reduced by an all-reduce that
                 :func:`sums_exactly` (one copy of each element), checked instead of the
                 towers' gradients (see :func:`gather_codes`); ``update`` then only applies.
+            central: check on the guard's device, from values handed there
+                (:func:`gather_codes`).
 
         Returns:
             The loss ``update`` returns, or on a skipped step the towers' losses added
@@ -274,7 +275,7 @@ class Guard:
         """
         if self.mode == "ignore":
             return update(None)
-        gathered = gather_codes(towers, devices, self.device, reduced)
+        gathered = gather_codes(towers, devices, self.device, reduced, central)
         with tf.device(self.device):
             counts = tf.stack([_count(gathered, self.fatal), _count(gathered, _GRADIENTS)])
         if self.agree is not None:

@@ -139,6 +139,25 @@ def test_phased_step_nests_on_cpus_only() -> None:
     assert trainer._step.nested
 
 
+def test_the_nested_update_runs_without_the_memory_optimizer() -> None:
+    """Grappler's memory optimizer may turn the update's ``AddN`` into ``AssignAdd`` s
+    added in arrival order (``ordering._keep_sums``): the nested call op's config turns
+    it off, and keeps the as-written rewrites off."""
+    from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
+
+    trainer = towers.TowerTrainer(_lstm, keras.optimizers.SGD(0.1), "mse", devices=DEVICES[:2])
+    x, y = np.zeros((4, 5, 4), "float32"), np.zeros((4, 3), "float32")
+    graph = trainer._step.get_concrete_function(*trainer._inputs(x, y, None)).graph
+    calls = [op for op in graph.get_operations()
+             if op.type in ("PartitionedCall", "StatefulPartitionedCall")]  # fmt: skip
+    assert len(calls) == 1  # the update, nested in the step's one call
+    config = config_pb2.ConfigProto.FromString(calls[0].get_attr("config_proto"))
+    rewrites = config.graph_options.rewrite_options
+    assert rewrites.memory_optimization == rewriter_config_pb2.RewriterConfig.NO_MEM_OPT
+    assert all(getattr(rewrites, name) == rewriter_config_pb2.RewriterConfig.OFF
+               for name in REWRITES)  # fmt: skip
+
+
 def test_as_written_restores_the_callers_settings() -> None:
     before = tf.config.optimizer.get_experimental_options()
     with as_written():
