@@ -193,10 +193,13 @@ def gather_codes(towers: Sequence[Any], devices: Sequence[str], device: str,
         with tf.device(device if central else tower_device):
             grads = r.grads if reduced is None else ()
             flag = tower_sum(r.loss, grads, r.non_trainable)
+        if not central:
+            sums.append(send(flag, device, note="guard"))
+            continue
         src, dst = canonical_device(tower_device), canonical_device(device)
-        if central and src != dst:
+        if src != dst:  # formed here already: record what a tower's own check would send
             log_send(flag, src, dst, None, None, "guard")
-        sums.append(send(flag, device, note="guard"))
+        sums.append(flag)
     if reduced is not None:
         sums += _reduced_sums(reduced, device)
     with tf.device(device):
