@@ -8,6 +8,8 @@
                        one-pass limit; naive >= 0.95 x the add_n floor; every chunked
                        schedule <= 1.30 x naive, beside the floor of its two parts
     cost model rows -> held-out sizes predicted within 25 %
+    guard rows      -> the guard's share of the nested step <= 2 %, beside the barrier's
+                       share and the unguarded inlined step against CentralStorageStrategy
 
 A chunked schedule's floor on one host (:mod:`towers.bench.floors`, timed as calibration rows):
 its ``n(n-1)`` chunk additions (``chunk adds``) plus one output per tower written
@@ -134,11 +136,37 @@ def _chunked_targets(rows: list[dict]) -> list[dict[str, Any]]:
     return out
 
 
+GUARD_SHARE = 2.0
+"""Target: the default guard costs <= 2 % of the (nested, default) step (in percent, so
+the table's two decimals resolve it)."""
+
+
+def _guard_targets(rows: list[dict]) -> list[dict[str, Any]]:
+    """Per model and configuration: the guard's share of the default step, with what the
+    update's barrier costs and where the step would stand without either."""
+    out = []
+    for r in rows:
+        if r["on_nonfinite"] != "skip" or r["update"] != "nested":
+            continue
+        bare = next((b["vs_css"] for b in rows if b["model"] == r["model"]
+                     and b["config"] == r["config"] and b["on_nonfinite"] == "ignore"
+                     and b["update"] == "inlined"), None)  # fmt: skip
+        rest = "" if bare is None else f"; without both {bare:.3f} x CSS"
+        share = 100.0 * r["share"]
+        out.append({"target": f"{r['model']}: the guard's share (%) of {r['config']} "
+                              f"<= {GUARD_SHARE:.2f}",
+                    "value": share, "limit": GUARD_SHARE, "holds": share <= GUARD_SHARE,
+                    "detail": f"step {r['vs_css']:.3f} x CSS; the barrier {r['barrier']:+.1%}"
+                              f"{rest}"})
+    return out
+
+
 def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     """The issues' targets, each with the measured value and whether it holds."""
     out = _algbw_target(results.get("allreduce", []))
     out += _chunked_targets(results.get("allreduce", []))
     out += _step_targets(results.get("training", []))
+    out += _guard_targets(results.get("guard", []))
     return out + [_costmodel_target(r) for r in results.get("costmodel", [])]
 
 

@@ -2,9 +2,9 @@
 
 Everything runs in one process on simulated devices (``--towers``, default 4;
 scaling uses up to 16, so the process simulates max(16, towers) and the tables
-use prefixes); ``guard`` times the non-finite guard's share, ``opcount`` the graph size
-of the chunked all-reduces, ``xla`` the XLA rows. Results go to the terminal and to
-``--out`` (default
+use prefixes); ``guard`` times what exactness costs (the guard and the update's
+barrier), ``opcount`` the graph size of the chunked all-reduces, ``xla`` the XLA rows.
+Results go to the terminal and to ``--out`` (default
 ``benchmarks/``): ``bench.json`` (everything, with the environment and load),
 ``allreduce.csv``, ``training.csv``, ``scaling.csv``, ``costmodel.csv``,
 ``pipeline.csv``, ``allreduce_algbw.png`` and ``training_ratio.png``.

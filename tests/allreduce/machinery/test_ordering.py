@@ -126,8 +126,16 @@ def test_phased_step_runs_its_update_as_written_inside_a_default_step(nested: bo
 
     step = PhasedStep(forward, _chain, nested=nested)
     np.testing.assert_array_equal(step(*xs).numpy(), expected)
-    inlined = tf.function(lambda *xs: _chain(forward(*xs)[0]))
+    # the control: the same update without its barrier (the bench's calibration form)
+    inlined = PhasedStep(forward, _chain, barrier=False)
     assert (inlined(*xs).numpy() != expected).any(), "Grappler no longer reorders the control"
+    assert not [op for op in inlined.get_concrete_function(*xs).graph.get_operations()
+                if op.type in ("PartitionedCall", "StatefulPartitionedCall")]
+
+
+def test_an_update_without_its_barrier_is_one_call_only() -> None:
+    with pytest.raises(ValueError, match="barrier=False needs nested=True"):
+        PhasedStep(lambda x: ([x], None), _chain, nested=False, barrier=False)
 
 
 def test_phased_step_nests_on_cpus_only() -> None:

@@ -103,11 +103,17 @@ class PhasedStep:
         update: ``grads -> loss``, the reduction and the update.
         with_outputs: return ``(loss, outputs)`` instead of the loss.
         nested: one call per step (True) or two (False).
+        barrier: False traces the update *into* the step, under the caller's settings:
+            no call op, no as-written, so Grappler may reorder its sums. A calibration,
+            never a trainer's form: ``towers bench --sections guard`` times it beside the
+            nested form to show what the barrier costs (nested only).
     """
 
     def __init__(self, forward: Any, update: Any, with_outputs: bool = False,
-                 nested: bool = True) -> None:  # fmt: skip
-        self.with_outputs, self.nested = with_outputs, nested
+                 nested: bool = True, barrier: bool = True) -> None:  # fmt: skip
+        if not (nested or barrier):
+            raise ValueError("barrier=False needs nested=True (one call with the update inside)")
+        self.with_outputs, self.nested, self.barrier = with_outputs, nested, barrier
         self.update = tf.function(update, autograph=False,
                                   experimental_attributes={"_noinline": True})  # fmt: skip
         if nested:
@@ -119,6 +125,9 @@ class PhasedStep:
 
     def _step(self, *inputs: Any) -> Any:
         grads, outputs = self.forward(*inputs)
+        if not self.barrier:  # the calibration: update ops among the towers', Grappler's
+            loss = self.update.python_function(grads)
+            return (loss, outputs) if self.with_outputs else loss
         graph = tf.compat.v1.get_default_graph()
         made = len(graph.get_operations())
         with as_written():  # read when the call op is made: it goes into its config_proto
