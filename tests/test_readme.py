@@ -98,3 +98,18 @@ def test_the_keras_block_runs_as_printed(tmp_path, monkeypatch) -> None:  # type
     assert isinstance(loaded, towers.TowerModel)
     for got, want in zip(loaded.get_weights(), tm.get_weights(), strict=True):  # type: ignore[attr-defined]
         np.testing.assert_array_equal(got, want)
+
+
+def test_every_picture_the_docs_show_is_in_the_repository() -> None:
+    """A newcomer reads the README where it is hosted: every image it or a docs page
+    links must be a file of the checkout (CI runs on a clean clone, so an untracked or
+    ignored picture fails here)."""
+    root = README.parent
+    pages = [README, *sorted((root / "docs").glob("*.md"))]
+    linked = [(page, target) for page in pages
+              for target in re.findall(r"!\[[^\]]*\]\(([^)\s]+)\)", page.read_text())]
+    assert len(linked) >= 6  # the README alone shows six
+    missing = [f"{page.name}: {target}" for page, target in linked
+               if not target.startswith("http")
+               and not (page.parent / target).resolve().is_file()]
+    assert not missing, missing
