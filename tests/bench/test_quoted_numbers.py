@@ -22,3 +22,17 @@ def test_the_readme_quotes_the_benchmark_run_it_ships() -> None:
         assert len(rows) == 1, (name, rows)  # one row per target, named as the run names it
         verdict = "yes" if target["holds"] else "no"
         assert rows[0].rstrip().endswith(f"| {target['value']:.2f} | {verdict} |"), (target, rows)
+
+
+def test_the_exactness_table_quotes_the_guard_section_of_that_run() -> None:
+    """README and docs/performance.md show the default step's ratios to
+    CentralStorageStrategy, guarded/unguarded × barrier/inlined: the run's numbers."""
+    results = json.loads((ROOT / "benchmarks" / "bench.json").read_text())
+    names = {"conv-mnist": "conv-MNIST", "mlp": "wide MLP"}
+    order = [("skip", "nested"), ("ignore", "nested"), ("skip", "inlined"), ("ignore", "inlined")]
+    for model, label in names.items():
+        rows = {(r["on_nonfinite"], r["update"]): r["vs_css"] for r in results["guard"]
+                if r["model"] == model and r["config"] == "towers naive/parameter_device"}
+        line = f"| {label} | " + " | ".join(f"{rows[k]:.3f}" for k in order) + " |"
+        for page in ("README.md", "docs/performance.md"):
+            assert line in (ROOT / page).read_text(), (page, line)
