@@ -253,6 +253,32 @@ def test_a_peer_lost_mid_transfer_is_a_step_timeout_not_applied(seconds: float |
     assert raised.value.applied is False
 
 
+def _cancelled() -> None:
+    # what CI once reported for the step after a timeout: a node cancelled beside the
+    # aborted collective, not the collective's own DEADLINE_EXCEEDED
+    raise tf.errors.CancelledError(None, None, "Graph execution error:\nnode assert cancelled")
+
+
+@pytest.mark.parametrize("seconds", [None, NO_HANG], ids=["op-timeouts-only", "watchdog"])
+def test_a_cancelled_step_after_a_timeout_is_a_step_timeout(
+    seconds: float | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _cancelled.get_concrete_function = lambda: None  # type: ignore[attr-defined]
+    monkeypatch.setattr(deadline, "_TIMED_OUT", ["all-reduce 'earlier'"])
+    with pytest.raises(StepTimeout, match="failed at once: an earlier step timed out") as raised:
+        Deadline(seconds, "naive").run(_cancelled, ())
+    assert raised.value.applied is False and "cancelled with the aborted" in str(raised.value)
+
+
+def test_a_cancelled_step_with_no_abort_behind_it_is_raised_as_is(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _cancelled.get_concrete_function = lambda: None  # type: ignore[attr-defined]
+    monkeypatch.setattr(deadline, "_TIMED_OUT", [])
+    with pytest.raises(tf.errors.CancelledError, match="node assert cancelled"):
+        Deadline(NO_HANG, "naive").run(_cancelled, ())
+
+
 if __name__ == "__main__":
     case = sys.argv[1]
     algorithm = {
