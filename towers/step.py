@@ -45,7 +45,13 @@ import numpy as np
 import tensorflow as tf
 
 from towers.allreduce.machinery.base import AllReduce, GradientReducer
-from towers.allreduce.machinery.ordering import FORWARD_GRAPHS, PhasedStep, as_written, nests
+from towers.allreduce.machinery.ordering import (
+    FORWARD_GRAPHS,
+    PhasedStep,
+    as_written,
+    nests,
+    replica_scope,
+)
 from towers.allreduce.machinery.primitives import Recorder, record, send
 from towers.allreduce.machinery.recording import StepStats
 from towers.allreduce.machinery.reducer import SPARSE, as_reducer, resolve
@@ -577,7 +583,7 @@ class TowerTrainer:
         divisor = tower_divisor(self.loss_denominator, divisor, shards.parts[tower],
                                 len(self.devices))  # fmt: skip
         device, replica = self.devices[tower], self.replica_of(tower)
-        with tf.name_scope(f"tower_{tower}"):
+        with replica_scope(tower):  # MirroredStrategy's names: Grappler reads them
             trainable, frozen = read_weights(replica, device)
             return tower_step(
                 self.model, trainable, frozen, shards.parts[tower], loss_fn=self.loss_fn,

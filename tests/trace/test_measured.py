@@ -24,18 +24,23 @@ from towers.trace.timeline import _setup
 
 
 @pytest.mark.parametrize(("name", "expected"), [
-    ("tower_3/conv2d_1/Relu", (3, "forward")),
-    ("gradient_tape/tower_12/dense/MatMul", (12, "backward")),
+    ("replica_3/conv2d_1/Relu", (3, "forward")),
+    ("gradient_tape/replica_12/dense/MatMul", (12, "backward")),
+    ("conv2d_1/Relu", (0, "forward")),  # tower 0: MirroredStrategy's replica 0 names
+    ("gradient_tape/dense/MatMul", (0, "backward")),
     ("guard/IsFinite", (None, "step")),
-    ("a_tower_1/x", (None, "step")),
-], ids=["forward", "backward", "step", "not-a-scope"])
+    ("split/strided_slice", (None, "step")),
+    ("Identity_10", (None, "step")),  # the nested update's arguments
+    ("a_replica_1/x", (0, "forward")),  # not a replica scope: a path component must match
+], ids=["forward", "backward", "tower-0-forward", "tower-0-backward", "guard", "split",
+        "handoff", "not-a-scope"])
 def test_ops_are_sorted_into_phases_by_scope(name: str, expected: tuple) -> None:
     assert phase_of(name) == expected
 
 
 def test_busy_time_is_the_union_of_intervals() -> None:
-    events = [OpEvent("tower_0/a", "A", "t", 0.0, 10.0), OpEvent("tower_0/b", "B", "u", 5.0, 10.0),
-              OpEvent("gradient_tape/tower_0/c", "C", "t", 20.0, 1.0)]
+    events = [OpEvent("a", "A", "t", 0.0, 10.0), OpEvent("b", "B", "u", 5.0, 10.0),
+              OpEvent("gradient_tape/c", "C", "t", 20.0, 1.0)]
     assert busy(events, 1) == {(0, "forward"): 15.0, (0, "backward"): 1.0}
     assert split_compute([2.0], events) == ([2.0 * 15 / 16], [2.0 * 1 / 16])
     assert split_compute([2.0, 1.0], events) is None  # tower 1 was never seen

@@ -1,14 +1,17 @@
 """Where each millisecond of a step goes, phase by phase, from TensorFlow's profiler.
 
-The towers step names its phases with ``tf.name_scope`` (``split``, ``tower_<i>``,
-``guard``, and inside the guard's ``tf.cond`` ``reduce`` and ``apply``;
-:mod:`towers.step`); a name scope changes op names only,
-not what the graph computes. :func:`phase_profile` runs a step under
+The towers step names its phases with ``tf.name_scope`` (``split``, ``guard``, and inside
+the guard's ``tf.cond`` ``reduce`` and ``apply``; :mod:`towers.step`). Its towers carry
+``MirroredStrategy``'s replica names, because Grappler's rewrites read node names
+(:func:`~towers.allreduce.machinery.ordering.replica_scope`): tower ``i > 0`` under
+``replica_<i>``, tower 0 under no scope of its own, so an op outside every phase scope
+is tower 0's. :func:`phase_profile` runs a step under
 ``tf.profiler.experimental`` and sums every op event of the trace (an XSpace) by
 the phase its op name carries::
 
     split/strided_slice_3:StridedSlice                      -> split
-    gradient_tape/tower_2/dense_1/MatMul/MatMul:_MklMatMul  -> forward_backward (tower 2)
+    gradient_tape/replica_2/dense_1/MatMul/MatMul:_MklMatMul  -> forward_backward (tower 2)
+    gradient_tape/dense_1/MatMul/MatMul:_MklMatMul          -> forward_backward (tower 0)
     guard/cond/then/_0/guard/cond/reduce/concat:ConcatV2    -> reduce (innermost scope)
     guard/cond/then/_0/guard/cond/apply/sgd_3/...           -> apply
     guard/IsFinite_11:IsFinite                              -> guard (the non-finite check)
@@ -22,7 +25,7 @@ ones too; cross-device control edges, top-level ``Identity`` and ``NoOp`` s) are
 
     Identity_10/_61:_Recv                                   -> handoff
     grads_14/_3:_Recv                 (the update's argument) -> handoff
-    tower_1_readvariableop_resource/_39:_Send (a handle)    -> handoff
+    replica_1_readvariableop_resource/_39:_Send (a handle)  -> handoff
     forward_backward/Identity_11/_113:_Send (an argument back on its tower) -> handoff
     GroupCrossDeviceControlEdges_0/NoOp:NoOp                -> handoff
  tf.distribute steps carry no such scopes: their ops are
@@ -44,6 +47,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from towers.allreduce.machinery.ordering import scoped_tower
 from towers.bench import report
 from towers.bench.profile import op_events, profiled
 from towers.bench.profile import phase as op_type_phase
@@ -52,10 +56,9 @@ from towers.bench.training import MODELS, profile_steps
 
 __all__ = ["PHASES", "phase_of", "phase_profile", "phase_table", "plot_phases", "run_phases"]
 
-PHASES = ("split", "forward_backward", "handoff", "reduce", "apply", "guard", "other")
+PHASES = ("split", "forward_backward", "handoff", "reduce", "apply", "guard")
 _SCOPES = {"split": "split", "reduce": "reduce", "apply": "apply", "guard": "guard",
            "forward_backward": "handoff"}  # the update's arguments, pinned to the towers
-_TOWER = re.compile(r"tower_(\d+)$")
 _HANDOFF = re.compile(r"(Identity(_\d+)?|NoOp(_\d+)?|GroupCrossDeviceControlEdges_\d+"
                       r"|grads(_\d+)?|\w+_resource|unknown(_\d+)?)$")
 _BY_TYPE = {"compute": "forward_backward", "reduce": "reduce", "update": "apply"}
@@ -70,20 +73,19 @@ def phase_of(op_name: str, op_type: str = "", *, scoped: bool = True) -> tuple[s
         scoped: whether the step names its phases (towers' step does; tf.distribute's not).
 
     Example:
-        >>> phase_of("gradient_tape/tower_2/dense/MatMul/MatMul")
-        ('forward_backward', 2)
+        >>> phase_of("gradient_tape/replica_2/dense/MatMul/MatMul"), phase_of("dense/Relu")
+        (('forward_backward', 2), ('forward_backward', 0))
     """
     if scoped:
         if _HANDOFF.match(op_name.split("/")[0]):
             return "handoff", None
-        found = "other"
-        for part in op_name.split("/"):
-            tower = _TOWER.match(part)
-            if tower:
-                return "forward_backward", int(tower.group(1))
-            if part in _SCOPES:  # the innermost wins: reduce/apply run inside the guard
-                found = _SCOPES[part]
-        return found, None
+        tower = scoped_tower(op_name)
+        if tower is not None:
+            return "forward_backward", tower
+        found = [_SCOPES[part] for part in op_name.split("/")[:-1] if part in _SCOPES]
+        if found:  # the innermost wins: reduce/apply run inside the guard
+            return found[-1], None
+        return "forward_backward", 0  # no phase scope: tower 0's (replica_scope)
     return _BY_TYPE[op_type_phase(op_type)], None
 
 
@@ -92,24 +94,20 @@ def phase_profile(step: Callable[[], Any], steps: int = 5, *, scoped: bool = Tru
 
     Returns:
         ``{"wall_ms": wall ms per step, "phases": {phase: thread ms per step},
-        "towers": {tower: thread ms per step of its forward_backward}, "thread_ms": total,
-        "unattributed": sorted op names that carried no phase (scoped steps)}``.
+        "towers": {tower: thread ms per step of its forward_backward}, "thread_ms": total}``.
     """
     space, wall = profiled(step, steps)
     events = op_events(space)
     phases = dict.fromkeys(PHASES, 0.0)
     towers: dict[int, float] = collections.defaultdict(float)
-    unattributed = set()
     for (op, kind), ps in events.items():
         name, tower = phase_of(op, kind, scoped=scoped)
-        if name == "other":
-            unattributed.add(op)
         ms = ps / 1e9 / steps
         phases[name] += ms
         if tower is not None:
             towers[tower] += ms
     return {"wall_ms": wall * 1e3, "phases": phases, "towers": dict(sorted(towers.items())),
-            "thread_ms": sum(phases.values()), "unattributed": sorted(unattributed)}
+            "thread_ms": sum(phases.values())}
 
 
 def run_phases(

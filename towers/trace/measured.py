@@ -4,11 +4,13 @@
 (``tf.profiler.experimental``, host tracer level 3, so every op kernel is an
 event) and reads the XSpace it writes back: one :class:`OpEvent` per op, with
 its name, type, thread and start and duration in microseconds. Ops are sorted into
-phases by the name scopes the step gives them::
+phases by the name scopes the step gives them (:func:`towers.bench.phases.phase_of`;
+tower 0 has MirroredStrategy's replica 0 names, no scope of its own)::
 
-    tower_3/conv2d_1/Relu:Relu                       forward,  tower 3
-    gradient_tape/tower_3/conv2d_1/Conv2DBackprop…   backward, tower 3
-    guard/…, split/…, the all-reduce, the update     step (everything else)
+    replica_3/conv2d_1/Relu:Relu                       forward,  tower 3
+    gradient_tape/replica_3/conv2d_1/Conv2DBackprop…   backward, tower 3
+    conv2d_1/Relu:Relu                                 forward,  tower 0
+    guard/…, split/…, the all-reduce, the update       step (everything else)
 
 :func:`draw_measured` draws them, one row per tower and phase on the step's real
 clock (the host's shared cores run towers side by side), above the modelled
@@ -24,17 +26,17 @@ Example:
 from __future__ import annotations
 
 import os
-import re
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from towers.bench.phases import phase_of as step_phase
+
 __all__ = [
     "OpEvent", "busy", "draw_measured", "phase_of", "profile_step", "read_xspace", "split_compute",
 ]
 
-_TOWER = re.compile(r"^(gradient_tape/)?tower_(\d+)/")
 
 
 class OpEvent(NamedTuple):
@@ -49,10 +51,10 @@ class OpEvent(NamedTuple):
 
 def phase_of(name: str) -> tuple[int | None, str]:
     """``(tower, phase)`` of an op by its name scope: forward, backward or step (tower None)."""
-    match = _TOWER.match(name)
-    if not match:
+    phase, tower = step_phase(name)
+    if phase != "forward_backward":
         return None, "step"
-    return int(match[2]), "backward" if match[1] else "forward"
+    return tower, "backward" if name.startswith("gradient_tape/") else "forward"
 
 
 def read_xspace(path: str | os.PathLike[str]) -> list[OpEvent]:

@@ -66,9 +66,19 @@ def _lstm() -> keras.Model:
     return keras.Model(inp, keras.layers.Dense(3, kernel_initializer=_init(3))(h))
 
 
+def _hard_swish() -> keras.Model:
+    """MobileNetV3's block: its gradient's bits depend on the ops' names (replica_scope)."""
+    inp = keras.Input((6, 6, 2))
+    h = keras.layers.Conv2D(4, 3, use_bias=False, kernel_initializer=_init(1))(inp)
+    h = keras.layers.Activation("hard_swish")(keras.layers.BatchNormalization()(h))
+    return keras.Model(inp, keras.layers.Dense(3, kernel_initializer=_init(3))(
+        keras.layers.GlobalAveragePooling2D()(h)))
+
+
 MODELS: dict[str, tuple[Callable[[], keras.Model], tuple[int, ...]]] = {
     "conv_bn": (_conv_bn, (6, 6, 2)), "depthwise": (_depthwise, (6, 6, 2)),
     "attention": (_attention, (5, 8)), "lstm": (_lstm, (5, 4)),
+    "hard_swish": (_hard_swish, (6, 6, 2)),
 }
 
 
