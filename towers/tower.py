@@ -231,9 +231,13 @@ def _forward(
 ) -> TowerResult:
     """The forward pass and the tower's loss share (no gradients yet)."""
     x, y, sample_weight = shard
-    y_pred, new_non_trainable, reg_losses = model.stateless_call(
-        list(trainable), list(non_trainable), x, training=True, return_losses=True
-    )
+    # the model's own name scope, as its __call__ opens it under tf.distribute: the ops then
+    # carry the strategy's names (Grappler reads them: ordering.replica_scope), and a layer
+    # named "_x" is not a root scope, which TensorFlow refuses
+    with keras.name_scope(model.name, caller=model):
+        y_pred, new_non_trainable, reg_losses = model.stateless_call(
+            list(trainable), list(non_trainable), x, training=True, return_losses=True
+        )
     per_ex = per_example_loss(loss_fn, y, y_pred)
     if global_batch.dtype.is_integer:  # the batch size, or 1 (reduction "sum")
         loss = tf.nn.compute_average_loss(
