@@ -11,7 +11,7 @@ import pytest
 
 import towers
 from tests.conftest import DEVICES, GPUS, MAX_TOWERS
-from towers.devices import canonical_device, has_gpu
+from towers.devices import canonical_device, has_gpu, one_memory
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -84,3 +84,18 @@ def test_fresh_process_gets_exactly_n_devices() -> None:
         env=env, cwd=ROOT,
     ).stdout.split()
     assert out == ["3", "/device:CPU:2", "True"]
+
+
+@pytest.mark.parametrize("names, shared", [
+    (["/device:CPU:0", "/job:localhost/replica:0/task:0/device:CPU:3"], True),
+    (["/device:CPU:1"], True),
+    (["/job:worker/replica:0/task:1/device:CPU:0",
+      "/job:worker/replica:0/task:1/device:CPU:1"], True),
+    (["/job:worker/replica:0/task:0/device:CPU:0",
+      "/job:worker/replica:0/task:1/device:CPU:0"], False),
+    (["/device:GPU:0", "/device:GPU:1"], False),
+    (["/device:CPU:0", "/device:GPU:0"], False),
+    ([], False),
+])
+def test_one_memory_means_cpus_of_one_task(names: list[str], shared: bool) -> None:
+    assert one_memory(names) is shared

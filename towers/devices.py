@@ -20,11 +20,13 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import tensorflow as tf
 
 from towers.guard.arguments import non_negative_int, positive_int
 
-__all__ = ["canonical_device", "has_gpu", "local_devices", "simulate_devices"]
+__all__ = ["canonical_device", "has_gpu", "local_devices", "one_memory", "simulate_devices"]
 
 _DEFAULT_GPU_MEMORY_MB = 1024
 MAX_SIMULATED = 4096
@@ -136,6 +138,19 @@ def set_local_task(job: str, task: int) -> None:
         raise ValueError(f"job must be a non-empty string, got {job!r}")
     non_negative_int("task", task)
     _LOCAL_TASK[:] = [job, task]
+
+
+def one_memory(devices: Sequence[str]) -> bool:
+    """Every device is a CPU of one task: the towers share one memory (logical CPUs of one
+    process, :func:`simulate_devices`), where a copy between them passes a pointer.
+
+    Example:
+        >>> one_memory(["/device:CPU:0", "/device:CPU:1"]), one_memory(["/device:GPU:0"])
+        (True, False)
+    """
+    names = [canonical_device(d) for d in devices]
+    tasks = {name.rsplit("/device:", 1)[0] for name in names}
+    return bool(names) and len(tasks) == 1 and all("/device:CPU:" in n for n in names)
 
 
 def canonical_device(name: str) -> str:

@@ -63,6 +63,7 @@ from collections.abc import Sequence
 import tensorflow as tf
 
 from towers.allreduce.machinery.base import AllReduce, check_values
+from towers.allreduce.machinery.packed import assemble
 from towers.allreduce.machinery.primitives import pad_split, unsplit
 from towers.allreduce.machinery.registry import (
     Algorithm,
@@ -126,7 +127,8 @@ def _double_binary_tree(values: Sequence[tf.Tensor], op: str, chunks: int) -> li
         ids = [h * chunks + k for k in range(chunks)]
         pieces = [[p[i] for i in ids] for p, _, _ in split]
         halves.append(reduce_broadcast(pieces, parents, devices, op, chunk_ids=ids))
-    return [unsplit(halves[0][i] + halves[1][i], shape, size) for i in range(n)]
+    held = [halves[0][i] + halves[1][i] for i in range(n)]
+    return assemble(held, devices, lambda tower: unsplit(held[tower], shape, size))
 
 
 def _build(chunks: int = 1) -> AllReduce:

@@ -49,6 +49,7 @@ from collections.abc import Sequence
 import tensorflow as tf
 
 from towers.allreduce.machinery.base import AllReduce, check_values
+from towers.allreduce.machinery.packed import assemble
 from towers.allreduce.machinery.primitives import all_gather, pad_split, reduce_scatter, unsplit
 from towers.allreduce.machinery.registry import (
     Algorithm,
@@ -88,7 +89,7 @@ def _ring_all_reduce(values: Sequence[tf.Tensor], op: str, subchunks: int) -> li
         for tower in range(n):
             for g, i in enumerate(ids):
                 out[tower][i] = gathered[tower][g]
-    return [unsplit(out[tower], shape, size) for tower in range(n)]
+    return assemble(out, devices, lambda tower: unsplit(out[tower], shape, size))
 
 
 def _build(subchunks: int = 1) -> AllReduce:

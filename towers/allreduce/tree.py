@@ -54,6 +54,7 @@ import numpy as np
 import tensorflow as tf
 
 from towers.allreduce.machinery.base import AllReduce, check_values, combine, finish
+from towers.allreduce.machinery.packed import assemble
 from towers.allreduce.machinery.primitives import pad_split, send, unsplit
 from towers.allreduce.machinery.registry import (
     Algorithm,
@@ -216,7 +217,7 @@ def _build(chunks: int = 1) -> AllReduce:
         split = [pad_split(v, c) for v in values]
         _, shape, size = split[0]
         out = reduce_broadcast([p for p, _, _ in split], heap_parents(len(values)), devices, op)
-        return [unsplit(row, shape, size) for row in out]
+        return assemble(out, devices, lambda tower: unsplit(out[tower], shape, size))
 
     return tree_all_reduce
 

@@ -21,9 +21,10 @@ between towers: on logical CPUs a pointer passes, so this is the call overhead),
 ``add`` (``add_n`` of the ``n`` inputs on one device: the arithmetic), and the two
 parts every chunked schedule (``chunked`` rows) must run on one host, whatever its
 schedule: ``chunk adds`` (its ``n(n-1)`` two-input additions of ``S/n`` bytes, a
-ring's reduce-scatter arithmetic) and ``assembly`` (one ``S``-byte output per tower
-written from the ``n`` finished chunks). They are not all-reduces and stay out of the
-table (they are in the CSV); ``towers.bench.targets`` sets the chunked rows beside them.
+ring's reduce-scatter arithmetic) and ``assembly`` (the ``S``-byte output written
+from the ``n`` finished chunks: once, shared by the towers on one memory). They are not
+all-reduces and stay out of the table (they are in the CSV); ``towers.bench.targets``
+sets the chunked rows beside them.
 """
 
 from __future__ import annotations

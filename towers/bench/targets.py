@@ -12,9 +12,10 @@
                        share and the unguarded inlined step against CentralStorageStrategy
 
 A chunked schedule's floor on one host (:mod:`towers.bench.floors`, timed as calibration rows):
-its ``n(n-1)`` chunk additions (``chunk adds``) plus one output per tower written
-from its chunks (``assembly``) — work naive does not have, as its one sum is shared
-by every tower (a copy between logical CPUs passes a pointer).
+its ``n(n-1)`` chunk additions (``chunk adds``) plus the output written from its chunks
+(``assembly``: once, as the towers share one memory) — work naive does not have, as its
+last addition writes the sum that every tower shares (a copy between logical CPUs passes
+a pointer).
 """
 
 from __future__ import annotations

@@ -15,6 +15,9 @@ travel as one tensor and are combined by one op.
     dst: combine(received [k, L], pack(own rows) [k, L])   one op → a new [k, L] tensor,
          whose rows are the k slots from now on
 
+At the end :func:`assemble` writes each tower's output from its rows — once in all where
+the towers share one memory, as their finished rows are the same bits.
+
 A :class:`Row` is ``(tensor, row)``; nothing is cut into per-chunk tensors until a caller
 asks for one (:func:`materialize`). Every element goes through exactly the ``combine`` and
 ``finish`` it went through chunk by chunk, in the same order, so results are bitwise the
@@ -25,12 +28,16 @@ chunk-by-chunk interpreter did not.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import tensorflow as tf
 
-__all__ = ["FUSE_BELOW", "Row", "materialize", "pack", "pad_rows", "row_of", "small"]
+from towers.devices import one_memory
+
+__all__ = [
+    "FUSE_BELOW", "Row", "assemble", "materialize", "pack", "pad_rows", "row_of", "small",
+]
 
 
 class Row(NamedTuple):
@@ -132,3 +139,37 @@ def materialize(r: Row, shape: Sequence[int]) -> tf.Tensor:
     """The slot as a tensor of ``shape``, under the caller's device scope."""
     row = r.base if int(r.base.shape[0]) == 1 else r.base[r.row:r.row + 1]
     return tf.reshape(row, list(shape))
+
+
+def assemble(held: Sequence[Sequence[tf.Tensor]], devices: Sequence[str],
+             build: Callable[[int], tf.Tensor]) -> list[tf.Tensor]:
+    """Every tower's output from the finished chunks it holds: ``build(tower)`` on its
+    device — once, where the towers share one memory.
+
+    ::
+
+        GPUs (own memories):  tower i: out_i = build(i)        one S-byte write per tower
+        one memory (CPUs):    tower 0: out = build(0)          one S-byte write in all
+                              tower i: out_i = out, after every chunk of held[i] arrived
+
+    After an all-reduce every tower holds the same finished chunks, bitwise (copies carry
+    them), and between logical CPUs a copy passes a pointer: n concatenations would write
+    n identical buffers. Tower ``i``'s output still waits for its own chunks (a control
+    dependency), so every send of the schedule runs and nothing is pruned; naive's one
+    sum is shared the same way.
+
+    Args:
+        held: ``held[tower]``: the tensors tower ``tower``'s output is built from.
+        devices: one device per tower.
+        build: tower -> its output, traced under that tower's device.
+    """
+    shared = one_memory(devices)
+    outputs: list[tf.Tensor] = []
+    for tower, device in enumerate(devices):
+        with tf.device(device):
+            if shared and outputs:
+                with tf.control_dependencies(list(held[tower])):
+                    outputs.append(tf.identity(outputs[0]))
+            else:
+                outputs.append(build(tower))
+    return outputs

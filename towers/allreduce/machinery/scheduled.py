@@ -21,7 +21,9 @@ combine per message, not per chunk::
 ``schedule.chunks`` equal rows with :func:`~towers.allreduce.machinery.packed.pad_rows`
 (zero padding at the end, the rule :mod:`towers.schedule.ir` counts bytes with, as
 :func:`~towers.allreduce.machinery.primitives.pad_split` cuts) and put back together by one
-concat of its rows. The public reduce-scatter, all-gather and broadcast
+concat of its rows — one in all where the towers share one memory
+(:func:`~towers.allreduce.machinery.packed.assemble`: the outputs are bitwise the same).
+The public reduce-scatter, all-gather and broadcast
 (:mod:`towers.allreduce.hand_collectives`) cut by the sharding rule instead.
 
 Example:
@@ -37,7 +39,15 @@ from typing import NamedTuple
 import tensorflow as tf
 
 from towers.allreduce.machinery.base import AllReduce, check_values, combine, finish
-from towers.allreduce.machinery.packed import Row, materialize, pack, pad_rows, row_of, small
+from towers.allreduce.machinery.packed import (
+    Row,
+    assemble,
+    materialize,
+    pack,
+    pad_rows,
+    row_of,
+    small,
+)
 from towers.allreduce.machinery.primitives import send
 from towers.allreduce.machinery.registry import Configured
 from towers.schedule.ir import Schedule, Step
@@ -227,12 +237,13 @@ def run_schedule(
     _, shape, size = split[0]
     slots: Rows = [[Row(rows, c) for c in range(schedule.chunks)] for rows, _, _ in split]
     slots = run_rows(schedule, slots, devices, op)
-    outputs = []
-    for row, device in zip(slots, devices):
-        with tf.device(device):  # one concat of the tower's runs (none when one tensor holds all)
-            flat = tf.reshape(pack(row), [-1])
-            outputs.append(tf.reshape(flat[:size] if int(flat.shape[0]) != size else flat, shape))
-    return outputs
+
+    def build(tower: int) -> tf.Tensor:  # one concat (none when one tensor holds all)
+        flat = tf.reshape(pack(slots[tower]), [-1])
+        return tf.reshape(flat[:size] if int(flat.shape[0]) != size else flat, shape)
+
+    held = [[r.base for r in row if r is not None] for row in slots]
+    return assemble(held, devices, build)
 
 
 @dataclasses.dataclass(frozen=True)
