@@ -36,3 +36,32 @@ def test_op_count_grows_with_messages_not_chunk_steps(name: str) -> None:
     assert grow <= 1.3 * messages(large) / messages(small), (name, grow)
     if messages(large) < steps(large):  # messages carry several chunks: packing shows
         assert grow < steps(large) / steps(small), (name, grow)
+
+
+@pytest.mark.parametrize("name", ["halving_doubling", "swing"])
+def test_small_chunks_travel_together_and_large_ones_alone(name: str) -> None:
+    """One add per message of small chunks, one per chunk step above FUSE_BELOW (fusing
+    large chunks lengthens a tick's ops: measured slower at 4-64 MB per tower)."""
+    import tensorflow as tf
+
+    from tests.conftest import DEVICES
+    from towers.allreduce.machinery.packed import FUSE_BELOW
+
+    n = 4
+    schedule = _schedule(name, n)
+    reduces = [tick for tick in schedule.ticks if tick[0].kind == "reduce"]
+    fused = sum(len({(s.src, s.dst) for s in tick}) for tick in reduces)
+    alone = sum(len(tick) for tick in reduces)
+    assert fused < alone
+    algorithm = towers.ALGORITHMS[name]()
+    for size, adds in ((64, fused), (n * FUSE_BELOW // 4 * 2, alone)):
+        def run(*xs: tf.Tensor) -> list[tf.Tensor]:
+            placed = []
+            for x, d in zip(xs, DEVICES[:n]):
+                with tf.device(d):
+                    placed.append(tf.identity(x))
+            return algorithm(placed, op="sum")
+
+        graph = tf.function(run).get_concrete_function(
+            *[tf.TensorSpec([size], tf.float32)] * n).graph
+        assert sum(op.type == "AddV2" for op in graph.get_operations()) == adds, size

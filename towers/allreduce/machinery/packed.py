@@ -4,9 +4,9 @@ travel as one tensor and are combined by one op.
 ::
 
     tower's buffer  [chunks, L]   rows = chunks (pad_rows: zero padding at the end)
-         │ tick t, src → dst: the chunks src sends dst (kind, state alike); large ones
-         │ only where they sit in consecutive rows of one tensor (on dst too, where
-         │ they combine), so packing them copies nothing
+         │ tick t, src → dst: the small chunks src sends dst (kind, state alike);
+         │ a large chunk travels alone (a row of one tensor: packing it copies
+         │ nothing)
          ▼
     pack: consecutive rows of one tensor → one slice (a view: no copy);
           small rows anywhere → one gather (a copy cheaper than an op per chunk)
@@ -22,8 +22,8 @@ A :class:`Row` is ``(tensor, row)``; nothing is cut into per-chunk tensors until
 asks for one (:func:`materialize`). Every element goes through exactly the ``combine`` and
 ``finish`` it went through chunk by chunk, in the same order, so results are bitwise the
 same. Below :data:`FUSE_BELOW` bytes a chunk, the graph holds a fixed number of ops per
-message ``(tick, src, dst)`` instead of per chunk; above it no message copies a byte the
-chunk-by-chunk interpreter did not.
+message ``(tick, src, dst)`` instead of per chunk; above it every chunk is a message of its
+own, as chunk by chunk.
 """
 
 from __future__ import annotations
