@@ -93,13 +93,16 @@ def test_kill_9_and_resume_ends_bitwise_where_an_uninterrupted_run_ends(tmp_path
     time.sleep(delay)
     assert victim.poll() is None, f"the run ended before the kill {why}"
     victim.send_signal(signal.SIGKILL)
-    victim.communicate(timeout=TIMEOUT)
+    rest, _ = victim.communicate(timeout=TIMEOUT)
     assert victim.returncode == -signal.SIGKILL, why
+    # every batch the run reported before it died: on a loaded machine this reader lags
+    # the run by a few lines (CI once: read 23, the run had saved after batch 24)
+    seen += sum(line.startswith("batch ") for line in rest.splitlines())
     assert not (tmp_path / "run.npz").exists()
     saved = atomic.latest(tmp_path / "run")
     assert saved is not None, why
     done_before = int(atomic.verify(saved)["batches"])
-    assert EVERY <= done_before <= kill_after + 1, why
+    assert EVERY <= done_before <= seen + 1, (why, seen)
 
     resumed = _finish(_start(tmp_path / "run", tmp_path / "run.npz"))
     assert len(resumed) == TOTAL - done_before, why  # it went on from the checkpoint
