@@ -98,7 +98,7 @@ def _messages(tick: Sequence[Step], slots: Rows, have: list[list[int]],
         held = slots[s.src][s.chunk]
         length = -1 if held is None else int(held.base.shape[1])  # None: pack() refuses
         groups.setdefault((s.src, s.dst, s.kind, lands, ends, length), []).append(s.chunk)
-    messages = []
+    messages: list[_Message] = []
     for (src, dst, kind, *_), chunks in groups.items():
         held = slots[src][chunks[0]]
         if held is not None and not small(held):  # one length per group: all large
