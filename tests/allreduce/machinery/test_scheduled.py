@@ -41,7 +41,7 @@ def test_op_count_grows_with_messages_not_chunk_steps(name: str) -> None:
 @pytest.mark.parametrize("name", ["halving_doubling", "swing"])
 def test_small_chunks_travel_together_and_large_ones_alone(name: str) -> None:
     """One add per message of small chunks, one per chunk step above FUSE_BELOW (fusing
-    large chunks lengthens a tick's ops: measured slower at 4-64 MB per tower)."""
+    large chunks lengthens a tick's ops: measured slower at 16 and 64 MB per tower)."""
     import tensorflow as tf
 
     from tests.conftest import DEVICES
