@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 from pathlib import Path
 
@@ -36,3 +37,30 @@ def test_the_exactness_table_quotes_the_guard_section_of_that_run() -> None:
         line = f"| {label} | " + " | ".join(f"{rows[k]:.3f}" for k in order) + " |"
         for page in ("README.md", "docs/performance.md"):
             assert line in (ROOT / page).read_text(), (page, line)
+
+
+def test_the_pipeline_table_and_the_chunked_timings_quote_that_run() -> None:
+    """README's input-pipeline table is benchmarks/pipeline.csv; its chunked-schedule
+    bullet quotes the same run's 64 MB times and calibration ratios."""
+    readme = (ROOT / "README.md").read_text()
+    with (ROOT / "benchmarks" / "pipeline.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    names = {"conv-mnist": "conv-mnist", "mlp": "wide MLP"}
+    order = ["host slicing", "pipeline multi_device", "pipeline per_device", "fixed batch",
+             "fixed shards"]
+    for model, label in names.items():
+        got = {r["config"]: r for r in rows if r["model"] == model}
+        cells = [f"{float(got[c]['ms']):.1f} ms ({float(got[c]['ratio']):.3f})" for c in order]
+        assert f"| {label} | " + " | ".join(cells) + " |" in readme, (model, cells)
+    results = json.loads((ROOT / "benchmarks" / "bench.json").read_text())
+    size = max(r["size"] for r in results["allreduce"])
+    us = {r["algorithm"]: r["time_us"] for r in results["allreduce"] if r["size"] == size}
+    chunked = [us[a] / 1e3 for a in ("ring", "swing", "bruck", "pat", "torus_2d",
+                                     "halving_doubling")]
+    bullet = readme[readme.index("- *Chunked schedules*"):readme.index("- *XLA*")]
+    assert f"{min(chunked):.1f}–{max(chunked):.1f} ms at 64 MB" in bullet
+    assert f"naive's {us['naive'] / 1e3:.1f} ms" in bullet
+    ratios = [t / (us["naive"] / 1e3) for t in chunked]
+    assert f"{min(ratios):.2f}–{max(ratios):.2f}×" in bullet
+    assert f"`chunk adds`, {us['chunk adds'] / us['naive']:.2f}× naive alone" in bullet
+    assert f"`assembly`,\n  {us['assembly'] / us['naive']:.2f}× naive alone" in bullet

@@ -4,8 +4,11 @@ the schedule's messages, not with its chunk steps."""
 from __future__ import annotations
 
 import pytest
+import tensorflow as tf
 
 import towers
+from tests.conftest import DEVICES
+from towers.allreduce.machinery.packed import FUSE_BELOW
 from towers.bench.opcount import CHUNKED, op_count  # the bench's own count, tested here
 from towers.schedule import Schedule, ring_schedule
 
@@ -42,11 +45,6 @@ def test_op_count_grows_with_messages_not_chunk_steps(name: str) -> None:
 def test_small_chunks_travel_together_and_large_ones_alone(name: str) -> None:
     """One add per message of small chunks, one per chunk step above FUSE_BELOW (fusing
     large chunks lengthens a tick's ops: measured slower at 16 and 64 MB per tower)."""
-    import tensorflow as tf
-
-    from tests.conftest import DEVICES
-    from towers.allreduce.machinery.packed import FUSE_BELOW
-
     n = 4
     schedule = _schedule(name, n)
     reduces = [tick for tick in schedule.ticks if tick[0].kind == "reduce"]
