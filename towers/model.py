@@ -5,7 +5,7 @@
     keras fit/evaluate/predict loop      (data adapters, callbacks, progress bar, History)
           │  one batch from Keras's iterator per step
           ▼
-    train_function ─▶ trainer.train_step(x, y, w, return_outputs=True)   towers/step.py
+    train_function ─▶ trainer.train_step_as_keras(x, y, w, batch_unknown)  towers/step.py
           │              split → forward_backward → reduce → apply (unchanged)
           ▼
     loss tracker ← the step's global mean loss; compiled metrics ← the step's own outputs

@@ -88,6 +88,7 @@ from towers.tower import (
     resolve_loss,
     tower_step,
 )
+from towers.training.shapes import RelaxedBatch, relaxes
 
 __all__ = ["NON_TRAINABLE", "PLACEMENTS", "Reduced", "StepStats", "TowerTrainer", "check_devices"]
 
@@ -275,6 +276,14 @@ class TowerTrainer:
             self._shard_step = phased(self._forward_shards)
             self._shard_step_with_outputs = phased(
                 functools.partial(self._forward_shards, with_outputs=True), with_outputs=True)
+        # TowerModel.fit's step on a dataset whose batch dimension is unknown: its own
+        # functions, traced as Keras traces (towers.training.shapes)
+        self._relaxed_step = RelaxedBatch(
+            PhasedStep(functools.partial(self._forward_phase, with_outputs=True),
+                       self._update_phase, with_outputs=True, nested=self._nested)
+            if self.forward_graph == "default" else tf.function(
+                functools.partial(self._train_step, with_outputs=True), autograph=False)
+        )  # fmt: skip
 
     def _options(
         self, kind: str, optimizer: Any, on_nonfinite: str, reduce_dtype: str,
@@ -348,6 +357,25 @@ class TowerTrainer:
         self._follow_trainable()
         step = self._step_with_outputs if return_outputs else self._step
         return self._run_step(step, self._inputs(x, y, sample_weight))
+
+    def train_step_as_keras(self, x: Any, y: Any, sample_weight: Any, *,
+                            batch_unknown: bool) -> Any:  # fmt: skip
+        """:meth:`train_step` with ``return_outputs=True`` as ``TowerModel.fit`` calls it:
+        with ``batch_unknown`` (Keras's dataset has no fixed batch size) the step is traced
+        with the batch dimension unknown, as Keras's own step is
+        (:mod:`towers.training.shapes`), unless this batch leaves a tower empty (that
+        trace stays static: an empty tower does not run the model).
+
+        Raises:
+            TypeError: ``batch_unknown`` is not True or False.
+            ValueError, NonFiniteError, StepTimeout, ReplicaMismatchError: as :meth:`train_step`.
+        """
+        check_bool("batch_unknown", batch_unknown)
+        self._follow_trainable()
+        inputs = self._inputs(x, y, sample_weight)
+        relax = type(self).split is TowerTrainer.split and relaxes(  # a WorkerTrainer: no
+            batch_unknown, inputs[0], len(self.devices))  # fmt: skip
+        return self._run_step(self._relaxed_step if relax else self._step_with_outputs, inputs)
 
     def train_step_shards(self, shards: Shards, *, return_outputs: bool = False) -> Any:
         """Run one step on a global batch already split over the towers; return its loss.

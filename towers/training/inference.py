@@ -19,6 +19,7 @@ from towers.allreduce.machinery.primitives import send
 from towers.split import Batch, concat, shard_batch
 from towers.tower import per_example_loss
 from towers.training.protocol import Trainer
+from towers.training.shapes import RelaxedBatch
 
 __all__ = ["inference"]
 
@@ -35,6 +36,9 @@ class _Inference:
         self._trainer = weakref.ref(trainer)
         self.outputs = tf.function(self._outputs, autograph=False)
         self.loss_and_outputs = tf.function(self._loss_and_outputs, autograph=False)
+        # evaluate on a dataset of unknown batch size: traced as Keras traces (shapes.py)
+        self.relaxed_loss_and_outputs = RelaxedBatch(
+            tf.function(self._loss_and_outputs, autograph=False))
 
     def _get(self) -> Trainer:
         trainer = self._trainer()

@@ -4,7 +4,7 @@
 
     Keras fit/evaluate/predict ──▶ function(iterator)     steps_per_execution batches per call
         train:   batch ─▶ (resume_skip > 0: pulled, not trained; empty logs)
-                        └▶ trainer.train_step(x, y, w, return_outputs=True)  towers/step.py
+                        └▶ trainer.train_step_as_keras(x, y, w, batch_unknown)  towers/step.py
         test:    batch ─▶ inference(trainer).loss_and_outputs ─▶ loss / divisor (+ model losses)
         predict: batches ─▶ inference(trainer).outputs ─▶ concatenated
     loss tracker ← the batch's global mean loss (weight: its size); compiled metrics ← outputs
@@ -20,21 +20,33 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from towers.allreduce.machinery.ordering import as_written
 from towers.tower import loss_divisor
 from towers.training.inference import inference
+from towers.training.shapes import batch_unknown, relaxes
 
 __all__ = ["predict_function", "test_function", "train_function"]
 
 
 def train_function(tm: Any) -> Callable[[Any], Any]:
-    """Keras's ``train_function``: a towers step per batch (:func:`train_batch`)."""
-    return _loop(tm, lambda data: train_batch(tm, data))
+    """Keras's ``train_function``: a towers step per batch (:func:`train_batch`), traced
+    with the batch dimension Keras's iterator gives (:mod:`towers.training.shapes`)."""
+
+    def function(iterator: Any) -> Any:
+        unknown = batch_unknown(getattr(iterator, "element_spec", None))
+        return _loop(tm, lambda data: train_batch(tm, data, batch_unknown=unknown))(iterator)
+
+    return function
 
 
 def test_function(tm: Any) -> Callable[[Any], Any]:
-    """Keras's ``test_function``: the towers' inference pass per batch (:func:`test_batch`)."""
-    return _loop(tm, lambda data: test_batch(tm, data))
+    """Keras's ``test_function``: the towers' inference pass per batch (:func:`test_batch`),
+    traced with the batch dimension Keras's iterator gives."""
+
+    def function(iterator: Any) -> Any:
+        unknown = batch_unknown(getattr(iterator, "element_spec", None))
+        return _loop(tm, lambda data: test_batch(tm, data, batch_unknown=unknown))(iterator)
+
+    return function
 
 
 def predict_function(tm: Any) -> Callable[[Sequence[Any]], Any]:
@@ -45,8 +57,7 @@ def predict_function(tm: Any) -> Callable[[Sequence[Any]], Any]:
         outs = []
         for batch in data:
             x, _, _ = keras.utils.unpack_x_y_sample_weight(batch)
-            with as_written():
-                outs.append(inference(trainer).outputs(x))
+            outs.append(inference(trainer).outputs(x))
         if len(outs) == 1:
             return outs[0]
         return tf.nest.map_structure(lambda *parts: tf.concat(parts, 0), *outs)
@@ -66,7 +77,7 @@ def _loop(tm: Any, one_batch: Callable[[Any], dict[str, Any]]) -> Callable[[Any]
     return function
 
 
-def train_batch(tm: Any, data: Any) -> dict[str, Any]:
+def train_batch(tm: Any, data: Any, *, batch_unknown: bool = False) -> dict[str, Any]:
     """One towers step on ``data``; the metrics' logs.
 
     A batch a resume skips (``tm.resume_skip > 0``,
@@ -79,16 +90,19 @@ def train_batch(tm: Any, data: Any) -> dict[str, Any]:
     trainer = tm._trainer()
     tm._hyper.follow(trainer)
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-    loss, outputs = trainer.train_step(x, y, sample_weight, return_outputs=True)
+    loss, outputs = trainer.train_step_as_keras(x, y, sample_weight, batch_unknown=batch_unknown)
     return update_metrics(tm, x, y, outputs, sample_weight, loss)
 
 
-def test_batch(tm: Any, data: Any) -> dict[str, Any]:
-    """The towers' inference pass on ``data``: the global mean loss and the outputs."""
+def test_batch(tm: Any, data: Any, *, batch_unknown: bool = False) -> dict[str, Any]:
+    """The towers' inference pass on ``data``: the global mean loss and the outputs
+    (``batch_unknown``: traced with the batch dimension unknown, :func:`relaxes`)."""
     trainer = tm._trainer()
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-    with as_written():
-        total, outputs = inference(trainer).loss_and_outputs(x, y, sample_weight)
+    passes = inference(trainer)
+    relaxed = relaxes(batch_unknown, x, len(trainer.devices))
+    total, outputs = (passes.relaxed_loss_and_outputs if relaxed
+                      else passes.loss_and_outputs)(x, y, sample_weight)  # fmt: skip
     size = tf.shape(tf.nest.flatten(x)[0])[0]
     weights = [] if sample_weight is None else [sample_weight]
     divisor = loss_divisor(trainer.loss_reduction, size, weights, trainer.parameter_device)
