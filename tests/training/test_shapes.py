@@ -68,7 +68,8 @@ def _conv() -> keras.Model:
                              keras.layers.Flatten(), keras.layers.Dense(3)])  # fmt: skip
 
 
-@pytest.mark.parametrize("options", [{}, {"step_timeout": 30.0}, {"forward_graph": "as_written"}])
+@pytest.mark.parametrize("options", [{}, {"step_timeout": 30.0}, {"forward_graph": "as_written"},
+                                     {"jit_compile": True}])
 def test_fit_traces_unknown_batches_once_and_an_empty_tower_static(options: dict) -> None:
     """4 towers, 19 examples in batches of 8: 8 and 8 (2 each) share one relaxed trace; the
     last batch, 3 (1, 1, 1, 0), leaves a tower empty and takes a static trace, in which the

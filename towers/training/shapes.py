@@ -53,18 +53,21 @@ def relaxes(batch_unknown: bool, x: Any, towers: int) -> bool:
 
 
 def relaxed_spec(inputs: Any) -> Any:
-    """``inputs`` (tensors, nested; None kept) as ``tf.TensorSpec`` with the leading
-    dimension unknown."""
+    """``inputs`` (nested; None kept) as type specs: a dense tensor's ``tf.TensorSpec``
+    with the leading dimension unknown; any other value's own spec (a ragged or sparse
+    tensor keeps its shape)."""
 
     def spec(t: Any) -> Any:
         if t is None:
             return None
+        if not isinstance(t, tf.Tensor):
+            return tf.type_spec_from_value(t)
         shape = tf.TensorShape(t.shape)
         if shape.rank:
             shape = tf.TensorShape([None]).concatenate(shape[1:])
         return tf.TensorSpec(shape, t.dtype)
 
-    return tf.nest.map_structure(spec, inputs)
+    return tf.nest.map_structure(spec, inputs, expand_composites=False)
 
 
 class RelaxedBatch:
