@@ -47,6 +47,29 @@ def _two_inputs() -> keras.Model:
     return keras.Model([a, b], keras.layers.Dense(3, kernel_initializer="ones")(h))
 
 
+class _OwnStep(keras.Model):
+    """A Keras habit: a model whose train_step (and compute_loss) is its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dense = keras.layers.Dense(3)
+
+    def call(self, x: Any) -> Any:
+        return self.dense(x)
+
+    def train_step(self, data: Any) -> Any:  # pragma: no cover - refused before it runs
+        return super().train_step(data)
+
+    def compute_loss(self, *args: Any, **kwargs: Any) -> Any:  # pragma: no cover
+        return super().compute_loss(*args, **kwargs)
+
+
+def _own_step() -> keras.Model:
+    model = _OwnStep()
+    model(X)
+    return model
+
+
 def _new(model: Any = _dense, optimizer: Any = None, loss: Any = LOSS, **kw: Any) -> Any:
     optimizer = optimizer if optimizer is not None else (lambda: keras.optimizers.Adam(0.1))
     kw.setdefault("devices", DEVICES[:2])
@@ -423,6 +446,10 @@ CASES: list[Case] = [
       ValueError, "forward_graph must be one of default, as_written"),
     C("jit-compile", "jit_compile='yes'", lambda: _new(jit_compile="yes"), TypeError,
       "jit_compile must be True or False"),
+    C("tower-model-own-step", "TowerModel(a model overriding train_step, compute_loss)",
+      lambda: towers.TowerModel(_own_step(), devices=DEVICES[:2]), TypeError,
+      "model: _OwnStep overrides train_step, compute_loss; TowerModel runs the towers' own "
+      "step"),
     C("tower-model-model", "TowerModel('mlp')",
       lambda: towers.TowerModel("mlp", devices=DEVICES[:2]), TypeError,
       "model must be a keras.Model or a factory"),

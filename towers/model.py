@@ -36,7 +36,7 @@ import numpy as np
 
 from towers.devices import canonical_device
 from towers.guard.arguments import check_choice
-from towers.guard.inputs import naming
+from towers.guard.inputs import check_keras_steps, naming
 from towers.guard.loss_scale import REDUCE_DTYPES
 from towers.guard.nonfinite import NONFINITE
 from towers.guard.weights import check_devices
@@ -112,6 +112,7 @@ class TowerModel(keras.Model):
         pd = naming("parameter_device", lambda: check_devices([parameter_device or
                                                                 self.devices[0]])[0])
         self.network = first_model(model, placement.homes(self.devices, pd)[0])
+        check_keras_steps(self.network)
         self.trainer: TowerTrainer | None = None
         self._hyper: Hyperparameters
         self.fit_facts: dict[str, Any] | None = None  # what ExactResume records and checks

@@ -18,7 +18,10 @@ import tensorflow as tf
 
 from towers.split import check_batch
 
-__all__ = ["batch_tensors", "check_batch_against_model", "check_kinds", "naming"]
+__all__ = [
+    "KERAS_STEPS", "batch_tensors", "check_batch_against_model", "check_keras_steps", "check_kinds",
+    "naming",
+]
 
 T = TypeVar("T")
 
@@ -79,6 +82,31 @@ def check_kinds(model: Any, optimizer: Any, loss: Any) -> None:
         raise TypeError(
             f"loss must be a Keras loss, a loss name or a callable; got {kind} — are the "
             "arguments in the order (model, optimizer, loss)?"
+        )
+
+
+KERAS_STEPS = ("train_step", "test_step", "predict_step", "compute_loss", "compute_metrics")
+"""The ``keras.Model`` methods Keras's ``fit``/``evaluate``/``predict`` call on a model and a
+``towers.TowerModel`` replaces with its towers' own step."""
+
+
+def check_keras_steps(model: keras.Model) -> None:
+    """Refuse a model that overrides Keras's step methods: ``TowerModel`` runs the towers'
+    step (each tower: ``loss(y, model(x))``, all-reduced, applied) and would silently
+    skip the model's own.
+
+    Raises:
+        TypeError: naming the model's class, the overridden methods and what to do instead.
+    """
+    own = [name for name in KERAS_STEPS
+           if getattr(type(model), name, None) is not getattr(keras.Model, name)]  # fmt: skip
+    if own:
+        raise TypeError(
+            f"model: {type(model).__name__} overrides {', '.join(own)}; TowerModel runs the "
+            "towers' own step (per tower: the compiled loss of model(x), all-reduced, "
+            "applied) and would ignore it. Move extra terms into the model (call, add_loss) "
+            "or the compiled loss (any callable loss(y_true, y_pred)); for a step of your "
+            "own, call a TowerTrainer's phases (split, forward_backward, reduce, apply)"
         )
 
 
