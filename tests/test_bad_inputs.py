@@ -453,13 +453,13 @@ CASES: list[Case] = [
     C("tower-model-model", "TowerModel('mlp')",
       lambda: towers.TowerModel("mlp", devices=DEVICES[:2]), TypeError,
       "model must be a keras.Model or a factory"),
-    C("tower-model-losses", "a list of losses in TowerModel.compile",
+    C("tower-model-losses", "two losses for a model with one output (TowerModel.compile)",
       lambda: towers.TowerModel(_dense(), devices=DEVICES[:2]).compile("sgd", [LOSS, LOSS]),
-      ValueError, "loss must be one Keras loss, loss name or callable for TowerModel"),
-    C("tower-model-loss-weights", "loss_weights in TowerModel.compile",
+      ValueError, r"loss: 2 entries for a model with 1 outputs"),
+    C("tower-model-loss-weights", "TowerModel.compile(loss_weights=0.5)",
       lambda: towers.TowerModel(_dense(), devices=DEVICES[:2]).compile(
-          "sgd", LOSS, loss_weights=[1.0]), ValueError,
-      "loss_weights must be None for TowerModel"),
+          "sgd", LOSS, loss_weights=0.5), TypeError,
+      "loss_weights must be a list or a dict by output name"),
     C("tower-model-jit", "TowerModel.compile(jit_compile=True)",
       lambda: towers.TowerModel(_dense(), devices=DEVICES[:2]).compile(
           "sgd", LOSS, jit_compile=True), ValueError,

@@ -44,6 +44,7 @@ from towers.placement import first_model, get_placement
 from towers.step import NON_TRAINABLE, TowerTrainer
 from towers.training import keras_functions
 from towers.training.backup import data_facts
+from towers.training.losses import OutputLosses, is_structured
 from towers.training.sync import Hyperparameters, broadcast
 
 __all__ = ["TowerModel"]
@@ -113,6 +114,9 @@ class TowerModel(keras.Model):
                                                                 self.devices[0]])[0])
         self.network = first_model(model, placement.homes(self.devices, pd)[0])
         check_keras_steps(self.network)
+        if len(getattr(self.network, "output_names", None) or []) > 1:
+            # Keras's compile reads them: per-output metric names ("a_accuracy", "b_loss")
+            self.output_names = list(self.network.output_names)
         self.trainer: TowerTrainer | None = None
         self._hyper: Hyperparameters
         self.fit_facts: dict[str, Any] | None = None  # what ExactResume records and checks
@@ -140,25 +144,31 @@ class TowerModel(keras.Model):
         """Keras's ``compile``, then the :class:`~towers.TowerTrainer` for this optimizer and loss.
 
         Raises:
-            ValueError: no loss, a loss per output, ``loss_weights`` or ``jit_compile=True``
+            ValueError: no loss, losses or ``loss_weights`` that do not match the model's
+                outputs (:class:`~towers.training.losses.OutputLosses`), ``jit_compile=True``
                 (the towers' step is its own ``tf.function``), or options the capability
                 table refuses together.
+            TypeError: ``loss_weights`` that is not a list or a dict.
         """
-        if loss is None or isinstance(loss, dict | list | tuple):
-            raise ValueError(
-                f"loss must be one Keras loss, loss name or callable for TowerModel, got {loss!r}")
-        if loss_weights is not None:
-            raise ValueError(f"loss_weights must be None for TowerModel, got {loss_weights!r}")
+        if loss is None:
+            raise ValueError("loss must be a Keras loss, loss name or callable (or one per "
+                             "output: a list or a dict by output name) for TowerModel, got None")
+        if loss_weights is not None and not is_structured(loss_weights):
+            raise TypeError("loss_weights must be a list or a dict by output name, got "
+                            f"{loss_weights!r}")  # fmt: skip
+        per_output = is_structured(loss) or loss_weights is not None
+        trainer_loss = OutputLosses(loss, loss_weights) if per_output else loss
         if jit_compile is True:
             raise ValueError("jit_compile must be False or 'auto' in TowerModel.compile, got "
                              "True: XLA for the towers is TowerModel(..., jit_compile=True)")
         super().compile(
-            optimizer=optimizer, loss=loss, metrics=metrics, weighted_metrics=weighted_metrics,
+            optimizer=optimizer, loss=loss, loss_weights=loss_weights, metrics=metrics,
+            weighted_metrics=weighted_metrics,
             run_eagerly=run_eagerly, steps_per_execution=steps_per_execution, jit_compile=False,
             auto_scale_loss=auto_scale_loss,
         )  # fmt: skip
         compiled: Any = self.optimizer  # type: ignore[has-type]  # Keras sets it untyped
-        self.trainer = TowerTrainer(self.network, compiled, loss, devices=self.devices,
+        self.trainer = TowerTrainer(self.network, compiled, trainer_loss, devices=self.devices,
                                     **self.options)  # fmt: skip
         first: Any = self.trainer.optimizer
         if first is not compiled:  # it was built already: the trainer made a copy

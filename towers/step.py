@@ -88,6 +88,7 @@ from towers.tower import (
     resolve_loss,
     tower_step,
 )
+from towers.training.losses import OutputLosses, is_structured
 from towers.training.shapes import RelaxedBatch, relaxes
 
 __all__ = ["NON_TRAINABLE", "PLACEMENTS", "Reduced", "StepStats", "TowerTrainer", "check_devices"]
@@ -123,7 +124,9 @@ class TowerTrainer:
         optimizer: a Keras optimizer or a zero-argument factory.
         loss: a Keras loss, a loss name, or ``(y_true, y_pred) -> per-example losses``.
             A Keras loss's ``reduction`` is honoured over the global batch
-            (:data:`towers.tower.REDUCTIONS`); ``"none"`` is refused.
+            (:data:`towers.tower.REDUCTIONS`); ``"none"`` is refused. A model with several
+            outputs takes one per output (a list, a dict by output name, or a
+            :class:`~towers.training.losses.OutputLosses` with weights), or one for all.
         devices: the towers' devices (default: every local logical device).
         all_reduce: a name from ``towers.ALGORITHMS``, an algorithm callable or a
             ``GradientReducer``. Default (None) follows the placement: ``"ring"`` for
@@ -216,8 +219,11 @@ class TowerTrainer:
         self.parameter_device = naming(
             "parameter_device", lambda: check_devices([parameter_device or self.devices[0]])[0]
         )
-        self.loss_fn = resolve_loss(loss)
-        self.loss_reduction = loss_reduction(loss)  # Keras' reduction, over the global batch
+        if is_structured(loss):  # a loss per output (bound to the model's outputs below)
+            loss = OutputLosses(loss)
+        self.loss_fn = loss if isinstance(loss, OutputLosses) else resolve_loss(loss)
+        self.loss_reduction = (loss.reduction if isinstance(loss, OutputLosses)
+                               else loss_reduction(loss))  # Keras' reduction, global batch
         self.loss_denominator = check_loss_denominator(loss_denominator, self.loss_reduction)
         reducer = naming("all_reduce", lambda: resolve(all_reduce, self.parameter_device))
         kind = capabilities.algorithm_kind(reducer)
@@ -237,6 +243,12 @@ class TowerTrainer:
         self.replicas: list[Replica] = self.placement.make_replicas(
             model, optimizer, homes, self.algorithm
         )
+        if not isinstance(self.loss_fn, OutputLosses) and len(
+                getattr(self.model, "output_names", None) or []) > 1:  # fmt: skip
+            self.loss_fn = OutputLosses(loss)  # one loss for every output, as Keras's
+        if isinstance(self.loss_fn, OutputLosses):
+            per_output = self.loss_fn
+            naming("loss", lambda: per_output.bind(self.model))
         self.reducer.build(self.model.trainable_variables, self.devices)
         self.loss_scale = LossScale(self.optimizer, self.model, reduce_dtype)
         if check_algorithm:  # a user's algorithm must sum (the registry's are proved)

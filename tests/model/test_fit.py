@@ -157,8 +157,8 @@ def test_help_shows_keras_signatures() -> None:
 
 @pytest.mark.parametrize(
     "compile_args, argument",
-    [({"loss": None}, "loss"), ({"loss": ["mse"]}, "loss"),
-     ({"loss": "mse", "loss_weights": [1.0]}, "loss_weights"),
+    [({"loss": None}, "loss"), ({"loss": ["mse", "mse"]}, "loss"),
+     ({"loss": "mse", "loss_weights": {"no_such_output": 1.0}}, "loss_weights"),
      ({"loss": "mse", "jit_compile": True}, "jit_compile")],
     ids=["no-loss", "loss-list", "loss_weights", "jit_compile"],
 )

@@ -124,4 +124,6 @@ def update_metrics(tm: Any, x: Any, y: Any, outputs: Any, sample_weight: Any,
     """
     size = tf.shape(tf.nest.flatten(x)[0])[0]
     tm._loss_tracker.update_state(loss, sample_weight=size)
+    if getattr(tm, "output_names", None):  # a model with several outputs: "a_loss", "b_loss"
+        tm._compile_loss(y, outputs, sample_weight)  # updates Keras's per-output trackers
     return tm.compute_metrics(x, y, outputs, sample_weight=sample_weight)  # type: ignore[no-any-return]

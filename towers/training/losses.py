@@ -1,0 +1,141 @@
+"""A loss per model output, as Keras's ``compile(loss=[...] | {...}, loss_weights=...)``.
+
+::
+
+    y_pred = model(x)      [out_a, out_b]  (a list, a tuple or a dict)
+    y_true                 [y_a,   y_b]    (by position, or a dict by output name)
+    losses                 [L_a,   L_b]    (or {name: L}; one loss: every output)
+    weights                [w_a,   w_b]    (or {name: w}; None: 1)
+
+    per example i:   w_a · L_a(y_a, out_a)_i  +  w_b · L_b(y_b, out_b)_i
+
+so the towers' step divides this sum, as any per-example loss, by the global batch
+(:func:`towers.tower.per_example_loss` averages a loss's extra axes first). Every output's loss must
+ask for the same Keras reduction; an output whose loss is None trains no term.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from towers.tower import loss_reduction, per_example_loss
+
+__all__ = ["OutputLosses", "is_structured"]
+
+
+def is_structured(loss: Any) -> bool:
+    """``loss`` is a list, tuple or dict of losses (one per output)."""
+    return isinstance(loss, list | tuple | Mapping)
+
+
+class OutputLosses:
+    """``(y_true, y_pred) -> per-example losses`` summed over a multi-output model's outputs.
+
+    Args:
+        losses: one loss (every output takes it), a list or tuple (one per output, in the
+            model's output order), or a dict by output name (an output left out, or given
+            None, trains no term). Each a Keras loss, a loss name or a callable
+            ``(y_true, y_pred) -> per-example losses``.
+        weights: None (all 1), a list (per output) or a dict by output name.
+
+    Raises:
+        ValueError: losses or weights that do not match the model's outputs (at
+            :meth:`bind`), or losses that ask for different Keras reductions.
+    """
+
+    def __init__(self, losses: Any, weights: Any = None) -> None:
+        self.losses, self.weights = losses, weights
+        self.names: list[str] | None = None
+        self._fns: list[tuple[Any, float]] = []
+        reductions = {loss_reduction(loss) for loss in self._given(losses)}
+        if len(reductions) > 1:
+            raise ValueError(f"loss: every output's loss must ask for the same reduction, "
+                             f"got {sorted(reductions)}")  # fmt: skip
+        self.reduction = reductions.pop() if reductions else "sum_over_batch_size"
+
+    @staticmethod
+    def _given(losses: Any) -> list[Any]:
+        values = losses.values() if isinstance(losses, Mapping) else (
+            losses if isinstance(losses, list | tuple) else [losses])  # fmt: skip
+        return [loss for loss in values if loss is not None]
+
+    def bind(self, model: keras.Model) -> OutputLosses:
+        """Match the losses and weights to ``model``'s outputs (by position or name)."""
+        names = _output_names(model)
+        self.names = names
+        losses = self._aligned("loss", self.losses, names, broadcast=True)
+        weights = self._aligned("loss_weights", self.weights, names, broadcast=False)
+        self._fns = []
+        for loss, weight in zip(losses, weights):
+            if loss is None:
+                self._fns.append((None, 0.0))
+                continue
+            if isinstance(loss, str):
+                loss = keras.losses.get(loss)
+            fn = loss.call if isinstance(loss, keras.losses.Loss) else loss
+            self._fns.append((fn, 1.0 if weight is None else float(weight)))
+        if all(fn is None for fn, _ in self._fns):
+            raise ValueError(f"loss: no output of the model ({', '.join(names)}) has a loss")
+        return self
+
+    @staticmethod
+    def _aligned(what: str, given: Any, names: list[str], *, broadcast: bool) -> list[Any]:
+        if given is None:
+            return [None] * len(names)
+        if isinstance(given, Mapping):
+            unknown = sorted(set(given) - set(names))
+            if unknown:
+                raise ValueError(f"{what}: {unknown} are not outputs of the model; its outputs "
+                                 f"are {names}")  # fmt: skip
+            return [given.get(name) for name in names]
+        if isinstance(given, list | tuple):
+            if len(given) != len(names):
+                raise ValueError(f"{what}: {len(given)} entries for a model with "
+                                 f"{len(names)} outputs ({', '.join(names)})")  # fmt: skip
+            return list(given)
+        if broadcast:
+            return [given] * len(names)
+        raise TypeError(f"{what} must be a list or a dict by output name, got {given!r}")
+
+    def _by_output(self, what: str, values: Any) -> list[Any]:
+        assert self.names is not None, "OutputLosses.bind(model) first"
+        if isinstance(values, Mapping):
+            missing = [n for n in self.names if n not in values]
+            if missing:
+                raise ValueError(f"{what}: no entry for output(s) {missing}")
+            return [values[name] for name in self.names]
+        flat = list(values) if isinstance(values, list | tuple) else [values]
+        if len(flat) != len(self.names):
+            raise ValueError(f"{what}: {len(flat)} parts for a model with {len(self.names)} "
+                             f"outputs ({', '.join(self.names)})")  # fmt: skip
+        return flat
+
+    def __call__(self, y_true: Any, y_pred: Any) -> tf.Tensor:
+        trues, preds = self._by_output("y", y_true), self._by_output("y_pred", y_pred)
+        total = None
+        for (fn, weight), t, p in zip(self._fns, trues, preds):
+            if fn is None:
+                continue
+            values = per_example_loss(fn, t, p)
+            term = values if weight == 1.0 else values * tf.cast(weight, values.dtype)
+            total = term if total is None else total + term
+        assert total is not None
+        return total
+
+
+
+def _output_names(model: keras.Model) -> list[str]:
+    """The model's output names (a Functional model's); a Sequential or subclassed model
+    has none: its outputs are numbered (``output_0``…), one when it cannot tell."""
+    names = getattr(model, "output_names", None)
+    if names:
+        return list(names)
+    try:
+        outputs = model.outputs
+    except (AttributeError, ValueError):
+        outputs = None
+    return [f"output_{i}" for i in range(len(outputs))] if outputs else ["output_0"]
