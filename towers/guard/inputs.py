@@ -237,7 +237,9 @@ def check_batch_against_model(x: Any, y: Any, sample_weight: Any, model: keras.M
         for i, leaf in enumerate(tf.nest.flatten(x)):
             _check_dtype(f"x[{i}]", _leaf_dtype_and_shape(f"x[{i}]", leaf)[0], True)
     if isinstance(sample_weight, dict):
-        raise TypeError("sample_weight must be an array (one weight per example), got a dict")
+        raise TypeError("sample_weight must be an array (one weight per example), got a dict: "
+                        "per-output sample weights are not supported; one array weighs every "
+                        "output's loss")
     output = _model_outputs(model)
     if isinstance(y, dict) and output is not None and not isinstance(output, dict | list | tuple):
         raise ValueError(f"y is a dict (keys {sorted(y, key=str)}); the model has one output")
