@@ -119,3 +119,7 @@ def test_mean_with_sample_weight_is_refused_across_workers() -> None:
     loss = keras.losses.MeanSquaredError(reduction="mean_with_sample_weight")
     with pytest.raises(ValueError, match=r"mean_with_sample_weight.*which one worker does not"):
         WorkerTrainer(_model(), keras.optimizers.SGD(LR), loss, devices=DEVICES[:2], num_workers=2)
+    # a loss per output asking for it is refused the same way (a list of one, one output)
+    with pytest.raises(ValueError, match=r"mean_with_sample_weight.*which one worker does not"):
+        WorkerTrainer(_model(), keras.optimizers.SGD(LR), [loss], devices=DEVICES[:2],
+                      num_workers=2)  # fmt: skip

@@ -84,11 +84,10 @@ from towers.tower import (
     combine_non_trainable,
     empty_tower_step,
     loss_divisor,
-    loss_reduction,
     resolve_loss,
     tower_step,
 )
-from towers.training.losses import OutputLosses, is_structured
+from towers.training.losses import OutputLosses, is_structured, reduction_of
 from towers.training.shapes import RelaxedBatch, relaxes
 
 __all__ = ["NON_TRAINABLE", "PLACEMENTS", "Reduced", "StepStats", "TowerTrainer", "check_devices"]
@@ -222,8 +221,7 @@ class TowerTrainer:
         if is_structured(loss):  # a loss per output (bound to the model's outputs below)
             loss = OutputLosses(loss)
         self.loss_fn = loss if isinstance(loss, OutputLosses) else resolve_loss(loss)
-        self.loss_reduction = (loss.reduction if isinstance(loss, OutputLosses)
-                               else loss_reduction(loss))  # Keras' reduction, global batch
+        self.loss_reduction = reduction_of(loss)  # Keras' reduction, over the global batch
         self.loss_denominator = check_loss_denominator(loss_denominator, self.loss_reduction)
         reducer = naming("all_reduce", lambda: resolve(all_reduce, self.parameter_device))
         kind = capabilities.algorithm_kind(reducer)
@@ -288,14 +286,14 @@ class TowerTrainer:
             self._shard_step = phased(self._forward_shards)
             self._shard_step_with_outputs = phased(
                 functools.partial(self._forward_shards, with_outputs=True), with_outputs=True)
-        # TowerModel.fit's step on a dataset whose batch dimension is unknown: its own
-        # functions, traced as Keras traces (towers.training.shapes)
-        self._relaxed_step = RelaxedBatch(
-            PhasedStep(functools.partial(self._forward_phase, with_outputs=True),
-                       self._update_phase, with_outputs=True, nested=self._nested)
-            if self.forward_graph == "default" else tf.function(
-                functools.partial(self._train_step, with_outputs=True), autograph=False)
-        )  # fmt: skip
+            relaxed = phased(functools.partial(self._forward_phase, with_outputs=True),
+                             with_outputs=True)  # fmt: skip
+        else:
+            relaxed = tf.function(functools.partial(self._train_step, with_outputs=True),
+                                  autograph=False)  # fmt: skip
+        # TowerModel.fit's step on a dataset whose batch dimension is unknown: functions of
+        # its own, traced as Keras traces (towers.training.shapes)
+        self._relaxed_step = RelaxedBatch(relaxed)
 
     def _options(
         self, kind: str, optimizer: Any, on_nonfinite: str, reduce_dtype: str,

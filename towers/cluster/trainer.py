@@ -32,7 +32,8 @@ from towers.guard.arguments import non_negative_int
 from towers.guard.inputs import batch_tensors
 from towers.split import Shards, shard_sizes
 from towers.step import Reduced, TowerTrainer
-from towers.tower import Gradients, loss_reduction
+from towers.tower import Gradients
+from towers.training.losses import reduction_of
 
 __all__ = ["WorkerTrainer", "worker_slice"]
 
@@ -81,7 +82,7 @@ class WorkerTrainer(TowerTrainer):
         self.num_workers = check_cross_worker(num_workers, "sum", timeout_seconds)
         all_reduce = _cross_worker_reducer(all_reduce, self.num_workers, timeout_seconds)
         kwargs.setdefault("variables", "replicated")  # sharded: refused by the capability table
-        if self.num_workers > 1 and loss_reduction(loss) == "mean_with_sample_weight":
+        if self.num_workers > 1 and reduction_of(loss) == "mean_with_sample_weight":
             raise ValueError("loss: reduction='mean_with_sample_weight' divides by the sum of "
                              "sample weights over the global batch, which one worker does not "
                              "see; use 'sum_over_batch_size' (the default) or 'sum'")

@@ -30,23 +30,13 @@ __all__ = ["predict_function", "test_function", "train_function"]
 def train_function(tm: Any) -> Callable[[Any], Any]:
     """Keras's ``train_function``: a towers step per batch (:func:`train_batch`), traced
     with the batch dimension Keras's iterator gives (:mod:`towers.training.shapes`)."""
-
-    def function(iterator: Any) -> Any:
-        unknown = batch_unknown(getattr(iterator, "element_spec", None))
-        return _loop(tm, lambda data: train_batch(tm, data, batch_unknown=unknown))(iterator)
-
-    return function
+    return _loop(tm, train_batch)
 
 
 def test_function(tm: Any) -> Callable[[Any], Any]:
     """Keras's ``test_function``: the towers' inference pass per batch (:func:`test_batch`),
     traced with the batch dimension Keras's iterator gives."""
-
-    def function(iterator: Any) -> Any:
-        unknown = batch_unknown(getattr(iterator, "element_spec", None))
-        return _loop(tm, lambda data: test_batch(tm, data, batch_unknown=unknown))(iterator)
-
-    return function
+    return _loop(tm, test_batch)
 
 
 def predict_function(tm: Any) -> Callable[[Sequence[Any]], Any]:
@@ -65,11 +55,15 @@ def predict_function(tm: Any) -> Callable[[Sequence[Any]], Any]:
     return function
 
 
-def _loop(tm: Any, one_batch: Callable[[Any], dict[str, Any]]) -> Callable[[Any], Any]:
+def _loop(tm: Any, one_batch: Callable[..., dict[str, Any]]) -> Callable[[Any], Any]:
+    """``steps_per_execution`` calls ``one_batch(tm, data, batch_unknown=...)``, told
+    whether the iterator's batch dimension is unknown."""
+
     def function(iterator: Any) -> Any:
+        unknown = batch_unknown(getattr(iterator, "element_spec", None))
         logs = None
         for _, data in zip(range(tm.steps_per_execution), iterator):
-            logs = one_batch(data) or logs or {}
+            logs = one_batch(tm, data, batch_unknown=unknown) or logs or {}
         if logs is None:  # the data ran out: Keras's catch_stop_iteration ends the epoch
             raise StopIteration
         return logs

@@ -24,12 +24,24 @@ import tensorflow as tf
 
 from towers.tower import loss_reduction, per_example_loss
 
-__all__ = ["OutputLosses", "is_structured"]
+__all__ = ["OutputLosses", "is_structured", "reduction_of"]
 
 
 def is_structured(loss: Any) -> bool:
     """``loss`` is a list, tuple or dict of losses (one per output)."""
     return isinstance(loss, list | tuple | Mapping)
+
+
+def reduction_of(loss: Any) -> str:
+    """The Keras reduction ``loss`` asks for: one loss's (:func:`towers.tower.loss_reduction`)
+    or, for a loss per output, the one they all ask for.
+
+    Raises:
+        ValueError: as :func:`~towers.tower.loss_reduction`; outputs' losses that disagree.
+    """
+    if isinstance(loss, OutputLosses):
+        return loss.reduction
+    return OutputLosses(loss).reduction if is_structured(loss) else loss_reduction(loss)
 
 
 class OutputLosses:
