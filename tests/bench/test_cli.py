@@ -34,7 +34,8 @@ def test_bench_writes_its_files(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert {"environment", "allreduce", "costmodel", "training", "scaling", "targets",
             "phases"} <= set(data)
     assert len(data["environment"]["load_average"]) == 3
-    parts = [r for r in data["allreduce"] if r["algorithm"] in ("chunk adds", "assembly")]
+    pieces = ("leaf adds", "chain adds", "assembly")
+    parts = [r for r in data["allreduce"] if r["algorithm"] in pieces]
     assert {r["wrong"] for r in parts} == {None}  # a chunked schedule's pieces, not sums
     assert all(r["wrong"] == 0 for r in data["allreduce"] if r not in parts)
 

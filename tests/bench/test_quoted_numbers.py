@@ -6,6 +6,8 @@ import csv
 import json
 from pathlib import Path
 
+from towers.bench import floors
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -62,5 +64,10 @@ def test_the_pipeline_table_and_the_chunked_timings_quote_that_run() -> None:
     assert f"naive's {us['naive'] / 1e3:.1f} ms" in bullet
     ratios = [t / (us["naive"] / 1e3) for t in chunked]
     assert f"{min(ratios):.2f}–{max(ratios):.2f}×" in bullet
-    assert f"`chunk adds`, {us['chunk adds'] / us['naive']:.2f}× naive alone" in bullet
-    assert f"`assembly`,\n  {us['assembly'] / us['naive']:.2f}× naive alone" in bullet
+    flat = " ".join(bullet.split())
+    for part in (floors.LEAF_ADDS, floors.CHAIN_ADDS, floors.ASSEMBLY):
+        assert f"`{part}` {us[part] / us['naive']:.2f}×" in flat, part
+    shares = {r["algorithm"]: r["leaf_share"] for r in results["allreduce"]
+              if r["size"] == size and r.get("chunked")}  # fmt: skip
+    of_parts = [us[a] / floors.in_sequence(shares[a], 4, us) for a in shares]
+    assert f"{min(of_parts):.2f}–{max(of_parts):.2f} of its parts" in flat

@@ -18,11 +18,13 @@ differ from NumPy's sum (an output on the wrong device counts all its elements).
 
 Calibration contenders run beside them: ``send`` (one copy of ``S`` bytes
 between towers: on logical CPUs a pointer passes, so this is the call overhead),
-``add`` (``add_n`` of the ``n`` inputs on one device: the arithmetic), and the two
+``add`` (``add_n`` of the ``n`` inputs on one device: the arithmetic), and the
 parts every chunked schedule (``chunked`` rows) must run on one host, whatever its
-schedule: ``chunk adds`` (its ``n(n-1)`` two-input additions of ``S/n`` bytes, a
-ring's reduce-scatter arithmetic) and ``assembly`` (the ``S``-byte output written
-from the ``n`` finished chunks: once, shared by the towers on one memory). They are not
+schedule: its ``n(n-1)`` two-input additions of ``S/n`` bytes, timed as a tree's leaves
+(``leaf adds``: each writes a new buffer) and as a ring's chain (``chain adds``: each
+but the first writes into its partial), and ``assembly`` (the ``S``-byte output written
+from the ``n`` finished chunks: once, shared by the towers on one memory;
+:mod:`towers.bench.floors`). A chunked row's ``leaf_share`` places it between the two. They are not
 all-reduces and stay out of the table (they are in the CSV); ``towers.bench.targets``
 sets the chunked rows beside them.
 """
@@ -40,10 +42,20 @@ import tensorflow as tf
 from towers import allreduce
 from towers.allreduce.machinery.ordering import as_written
 from towers.bench import costmodel
-from towers.bench.floors import ADDS, ASSEMBLY, assembly, chunk_adds
+from towers.bench.floors import (
+    ASSEMBLY,
+    CHAIN_ADDS,
+    LEAF_ADDS,
+    assembly,
+    chain_adds,
+    leaf_adds,
+    leaf_share,
+    schedule_of,
+)
 from towers.bench.onepass import ONE_PASS, OnePass
 from towers.bench.timing import Samples, interleave
 from towers.devices import canonical_device
+from towers.schedule.ir import Schedule
 
 __all__ = [
     "QUICK_SIZES",
@@ -80,6 +92,8 @@ class Contender:
         outputs: ``"all"`` (one sum per tower), ``"sum"`` (one sum), ``"copy"`` (input 1)
             or ``"parts"`` (a calibration's pieces: not compared).
         chunked: a bandwidth-optimal schedule of ``S/n`` chunks (ring, swing, …).
+        schedule: its schedule generator, for its rows' ``leaf_share``
+            (:func:`towers.bench.floors.leaf_share`; None: not a chunked schedule).
     """
 
     name: str
@@ -89,6 +103,7 @@ class Contender:
     params: dict[str, Any] = dataclasses.field(default_factory=dict)
     outputs: str = "all"
     chunked: bool = False
+    schedule: Callable[[int], Schedule] | None = None
 
 
 def _formula_params(name: str, fn: Any) -> tuple[str | None, dict[str, Any]]:
@@ -114,8 +129,9 @@ def towers_contender(name: str, fn: allreduce.AllReduce | None = None) -> Conten
     def body(values: list[tf.Tensor]) -> list[tf.Tensor]:
         return list(algorithm(values, op="sum"))
 
-    return Contender(name, "towers", body, formula=formula, params=params,
-                     chunked=_chunked(algorithm))  # fmt: skip
+    chunked = _chunked(algorithm)
+    return Contender(name, "towers", body, formula=formula, params=params, chunked=chunked,
+                     schedule=schedule_of(algorithm) if chunked else None)  # fmt: skip
 
 
 def _chunked(algorithm: Any) -> bool:
@@ -150,7 +166,8 @@ def _calibration() -> list[Contender]:
     return [
         Contender("send", "calibration", send, formula="send", outputs="copy"),
         Contender("add", "calibration", add, formula="add", outputs="sum"),
-        Contender(ADDS, "calibration", chunk_adds, outputs="parts"),
+        Contender(LEAF_ADDS, "calibration", leaf_adds, outputs="parts"),
+        Contender(CHAIN_ADDS, "calibration", chain_adds, outputs="parts"),
         Contender(ASSEMBLY, "calibration", assembly, outputs="parts"),
     ]
 
@@ -310,6 +327,7 @@ def _check(
     for c in cands:
         row = _row(c, len(devices), size.nbytes, samples.get(f"{size.nbytes}|{c.name}"))
         row["chunked"] = c.chunked
+        row["leaf_share"] = None if c.schedule is None else leaf_share(c.schedule(len(devices)))
         if c.name in size.compiled and c.outputs != "parts":
             fn = size.compiled[c.name]
             row["wrong"] = count_wrong(c, fn(*size.inputs), host, devices, fn.homes)
