@@ -8,6 +8,7 @@ import tensorflow as tf
 
 from tests.conftest import DEVICES
 from towers import allreduce
+from towers.allreduce.torus_2d import torus_2d, torus_2d_schedule
 from towers.bench import allreduce as bench
 from towers.bench import floors
 from towers.schedule.classic import ring_schedule
@@ -74,6 +75,8 @@ def test_the_leaf_share_counts_what_each_addition_reads() -> None:
     assert floors.leaf_share(chain) == pytest.approx(1 / 2)
     assert floors.schedule_of(allreduce.get("naive")) is None
     assert floors.schedule_of(allreduce.ring(subchunks=2)) is None  # its own rotated rings
+    torus = floors.schedule_of(torus_2d(rows=3))  # its parameters bound
+    assert torus is not None and torus(6) == torus_2d_schedule(6, rows=3)
 
 
 def test_in_sequence_prices_the_additions_between_the_two_calibrations() -> None:

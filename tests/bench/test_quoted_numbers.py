@@ -71,3 +71,24 @@ def test_the_pipeline_table_and_the_chunked_timings_quote_that_run() -> None:
               if r["size"] == size and r.get("chunked")}  # fmt: skip
     of_parts = [us[a] / floors.in_sequence(shares[a], 4, us) for a in shares]
     assert f"{min(of_parts):.2f}–{max(of_parts):.2f} of its parts" in flat
+
+
+def test_the_profile_and_xla_bullets_quote_that_run() -> None:
+    """The README's step-vs-CentralStorageStrategy and XLA bullets quote the same run's
+    profiled wall times, guard thread time and XLA rows."""
+    results = json.loads((ROOT / "benchmarks" / "bench.json").read_text())
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    phase = {(p["model"], p["config"]): p for p in results["phases"]}
+    towers, css = "towers naive/parameter_device", "CentralStorageStrategy"
+    walls = [f"{phase[(m, towers)]['wall_ms']:.1f} against {phase[(m, css)]['wall_ms']:.1f}"
+             for m in ("mlp", "conv-mnist")]
+    assert f"({walls[0]} ms on the MLP; {walls[1]} on conv-MNIST)" in readme
+    assert f"{phase[('mlp', towers)]['guard']:.1f} thread ms of a" in readme
+    xla = {(r["model"], r["config"]): r for r in results["xla"]}
+    conv = [xla[("conv-mnist", f"towers naive/{p} +XLA")]["ratio"]
+            for p in ("parameter_device", "replicated")]
+    assert (f"MirroredStrategy+XLA {xla[('conv-mnist', 'MirroredStrategy +XLA')]['ratio']:.2f}×, "
+            f"towers+XLA {min(conv):.2f}–{max(conv):.2f}×") in readme
+    ours, theirs = xla[("mlp", f"{towers} +XLA")]["ms"], xla[("mlp", "MirroredStrategy +XLA")]["ms"]
+    assert f"{ours / theirs:.2f}× in this one ({ours:.1f} against {theirs:.1f} ms)" in readme
+    assert xla[("mlp", f"{css} +XLA")]["error"]  # "CentralStorageStrategy with XLA fails"

@@ -37,6 +37,7 @@ import tensorflow as tf
 
 from towers import allreduce
 from towers.allreduce.machinery.packed import assemble, pad_rows
+from towers.allreduce.machinery.scheduled import generator_of
 from towers.schedule.classic import ring_schedule
 from towers.schedule.ir import Schedule
 
@@ -119,14 +120,14 @@ def leaf_share(schedule: Schedule) -> float:
 
 
 def schedule_of(algorithm: object) -> Callable[[int], Schedule] | None:
-    """The schedule generator a registered chunked algorithm runs (the ring's is
-    :func:`towers.schedule.classic.ring_schedule`, its own lowering's order), else None."""
+    """The schedule generator a chunked algorithm runs, with its parameters bound
+    (:func:`~towers.allreduce.machinery.scheduled.generator_of`); the ring's own lowering
+    follows :func:`towers.schedule.classic.ring_schedule`. None for anything else."""
     record = getattr(algorithm, "algorithm", None)
-    if record is None:
-        return None
-    if record.name == "ring" and getattr(algorithm, "params", {}).get("subchunks", 1) == 1:
+    if getattr(record, "name", None) == "ring" and (
+            getattr(algorithm, "params", {}).get("subchunks", 1) == 1):  # fmt: skip
         return ring_schedule
-    return record.generator
+    return generator_of(algorithm)
 
 
 def in_sequence(share: float, n: int, parts_us: dict[str, float]) -> float:
