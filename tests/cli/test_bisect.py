@@ -54,14 +54,29 @@ def test_invariance_flags_the_dropped_tower_and_exits_1(capsys) -> None:
     code, out, _ = _run(capsys, "invariance", "--towers", "1,2", "--algorithm",
                         "tests.cli.test_bisect:make_dropper", *FAST)  # fmt: skip
     assert code == 1, out
+    # the step-3 row blames the reduction, no other row does; kernel noise (oneDNN's or
+    # Eigen's GEMM blocking by batch size, which differs between CPUs) may mark other rows
+    verdicts = {int(m[1]): m[2] for m in re.finditer(r"^\s+2\s+(\d+)\s.*\s(ok|OUTSIDE: .*)$", out,
+                                                       re.MULTILINE)}  # fmt: skip
+    assert sorted(verdicts) == [1, 2, 3, 4], out
+    assert verdicts[3] == "OUTSIDE: reduction (2)", out
+    assert all("reduction" not in v for step, v in verdicts.items() if step != 3), out
+    # the FAIL line names what the exit code is about, even after earlier kernel noise
     assert re.search(r"FAIL: 2 towers, step 3, dense(_\d+)?/bias: .*\(reduction \(2\)\)", out), out
 
 
 def test_invariance_of_an_honest_algorithm_exits_0(capsys) -> None:
     code, out, _ = _run(capsys, "invariance", "--towers", "1,2", "--algorithm", "naive",
                         "--batch", "8", "--steps", "2")  # fmt: skip
-    assert code == 0, out
-    assert "PASS: every step within its bound" in out
+    # exit 0, or 3 where this CPU's GEMM rounds a shard of 4 differently from a batch of 8
+    # (kernel noise, named as such); never 1: an honest all-reduce is never blamed
+    assert code in (0, 3), out
+    assert "OUTSIDE: reduction" not in out and "(reduction" not in out, out
+    if code == 0:
+        assert "PASS: every step within its bound" in out
+    else:
+        assert re.search(r"FAIL: 2 towers, step \d, .*\(kernels\)", out), out
+        assert "note: 'kernels'" in out
 
 
 @pytest.mark.parametrize(

@@ -147,8 +147,15 @@ def test_a_short_last_batch_is_bitwise_on_a_wide_convnext() -> None:
         "evaluate": model.evaluate(x, y, batch_size=8, verbose=0),
         "predict": model.predict(x, batch_size=8, verbose=0),
     } for model in (tm, reference))
-    assert got["history"] == want["history"]
     for a, b in zip(got["weights"], want["weights"], strict=True):
         np.testing.assert_array_equal(a, b)
-    assert got["evaluate"] == want["evaluate"]
     np.testing.assert_array_equal(got["predict"], want["predict"])
+    assert got["history"]["accuracy"] == want["history"]["accuracy"]
+    assert got["evaluate"][1] == want["evaluate"][1]  # accuracy
+    # The reported loss is the same sum rounded in another order: towers' tracker adds each
+    # batch's global mean × B, MirroredStrategy's per-replica trackers add (local mean / n
+    # × n) × b_r and are summed when read. Two batches, two replicas: at most 8 roundings
+    # of relative size 2^-24 apart (measured: 1.7 of them on one CPU, 0 on another).
+    ulps = 8 * 2.0**-24
+    np.testing.assert_allclose(got["history"]["loss"], want["history"]["loss"], rtol=ulps, atol=0)
+    np.testing.assert_allclose(got["evaluate"][0], want["evaluate"][0], rtol=ulps, atol=0)
