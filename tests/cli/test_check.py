@@ -159,3 +159,19 @@ def test_help_describes_every_option(capsys) -> None:
     for option in ("--max-towers", "--towers", "--examples", "--ops", "--dtypes", "--seed",
                    "--prove", "--replay", "examples:"):
         assert option in text
+
+
+@pytest.mark.parametrize(
+    ("source", "raised"),
+    [('def star(values, *, op="sum":\n    pass\n', "SyntaxError"),
+     ("x = 1 / 0\n", "ZeroDivisionError")],
+)
+def test_a_module_that_fails_to_import_is_a_usage_error(source: str, raised: str, tmp_path,
+                                                         capsys) -> None:  # fmt: skip
+    """Whatever the user's module raises while importing, not only ImportError."""
+    path = tmp_path / f"broken_{raised.lower()}.py"
+    path.write_text(source)
+    code, _, err = _check(capsys, f"{path}:star")
+    assert code == 2, err
+    assert f"cannot import {str(path)!r}" in err and raised in err, err
+    assert len(err.strip().splitlines()) == 1, err

@@ -57,6 +57,7 @@ def test_quick_start_learns_and_matches_mirrored_bitwise() -> None:
         (("--variables", "sharded-ish"), "--variables: invalid choice"),
         (("--reference", "ring"), "--reference: invalid choice"),
         (("--algorithm", "butterfly"), "unknown algorithm 'butterfly'"),
+        (("--algorithm", "tests.cli.test_train:ROOT"), "is a PosixPath, not an all-reduce"),
     ],
 )
 def test_bad_options_exit_non_zero_with_the_reason(
@@ -77,3 +78,15 @@ def test_a_bad_option_fails_the_process() -> None:
     assert done.returncode == 2, done.stdout[-1000:] + done.stderr[-2000:]
     assert "--epochs: must be an integer >= 1" in done.stderr
     assert "Traceback" not in done.stderr and "towers train:" not in done.stdout
+
+
+def test_an_algorithm_that_breaks_the_contract_is_one_line_and_exit_2(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from towers.cli import main
+
+    code = main(["train", "--algorithm", "tests.cli.test_check:forgets_the_last", "--epochs", "1"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert err.startswith("towers train: error:") and "forgets_the_last" in err, err
+    assert "\n" not in err and "Traceback" not in err

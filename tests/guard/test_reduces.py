@@ -114,3 +114,26 @@ def test_only_unproved_algorithms_are_checked() -> None:
     assert unproved(summed) is summed
     reducer = SumReducer()
     assert unproved(reducer) is reducer
+
+
+def test_a_users_registry_record_proves_nothing_and_neither_do_its_parts(monkeypatch) -> None:
+    """A record a user registers is information (bytes, depth), not a proof: the trainer
+    still checks the algorithm, and a library algorithm built from a user's parts
+    (hierarchical's inner or outer, by callable or by registered name) is checked too."""
+    from towers.allreduce import Algorithm, hierarchical
+    from towers.allreduce.machinery.registry import ALGORITHMS
+
+    for name, fn in (("user_unchanged", unchanged), ("user_summed", summed)):
+        monkeypatch.setitem(ALGORITHMS, name, Algorithm(name, lambda fn=fn: fn,
+                                                        summation_depth=lambda n: n - 1))
+    with pytest.raises(towers.AlgorithmError, match="should be the sum"):
+        _trainer("user_unchanged")
+    with pytest.raises(towers.AlgorithmError, match="should be the sum"):
+        _trainer(hierarchical(inner=unchanged, outer="ring", group_size=2))
+    with pytest.raises(towers.AlgorithmError, match="should be the sum"):
+        _trainer(hierarchical(inner="naive", outer="user_unchanged", group_size=2))
+    # a correct registered one, and the library's own parts, still pass
+    assert unproved(get("user_summed")) is not None
+    _trainer("user_summed")
+    _trainer(hierarchical(inner="user_summed", outer="ring", group_size=2))
+    assert unproved(hierarchical(inner="naive", outer="ring", group_size=2)) is None

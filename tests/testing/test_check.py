@@ -159,7 +159,9 @@ def test_a_wrong_value_is_caught_against_the_bound() -> None:
 
 def test_a_wrong_byte_count_is_caught() -> None:
     report = _failed(wrong_byte_formula)
-    assert report.example.startswith("n=3 towers"), report
+    # [nbytes] * n is wrong from one tower on (one tower sends nothing), and a tower count
+    # where nothing was sent is compared too
+    assert report.example.startswith("n=1 towers"), report
     assert any(f.startswith("bytes sent per tower [") for f in report.failures), report
 
 
@@ -329,3 +331,51 @@ def test_stratified_examples_cover_every_op_and_are_counted_in_a_note() -> None:
     report = check_all_reduce("naive", max_towers=3, devices=DEVICES, max_examples=6)
     assert report.ok and (report.examples, report.stratified) == (6, 12), report
     assert "note: plus 12 stratified examples: every (tower count, op) pair" in str(report)
+
+
+def _copies_without_send(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
+    """A correct star that moves data with tf.identity instead of send: nothing is counted."""
+    devices = check_values(values, op)
+    with tf.device(devices[-1]):
+        total = tf.identity(values[0])
+        for v in values[1:]:
+            total = combine(total, tf.identity(v), op)
+        total = finish(total, op, len(values))
+    outs = []
+    for d in devices:
+        with tf.device(d):
+            outs.append(tf.identity(total))
+    return outs
+
+
+def test_a_byte_formula_is_not_passed_when_nothing_was_sent_to_count() -> None:
+    """A record's bytes_sent is a claim: with no send to count it is not verified, and the
+    report says why (it used to pass, the claim never compared)."""
+    record = Algorithm("copies_without_send", lambda: _copies_without_send,
+                       bytes_sent=lambda n, nbytes, itemsize: [nbytes] * n,
+                       summation_depth=lambda n: n - 1)  # fmt: skip
+    report = _failed(record(), max_towers=3, dtypes=["float32"], ops=["sum"], shapes=[(3,)])
+    assert any("nothing was sent with towers.allreduce.send" in f for f in report.failures)
+    estimated = Algorithm("copies_estimated", lambda: _copies_without_send, estimated=True,
+                          bytes_sent=lambda n, nbytes, itemsize: [nbytes] * n,
+                          summation_depth=lambda n: n - 1)  # fmt: skip
+    assert check_all_reduce(estimated(), max_towers=3, dtypes=["float32"], ops=["sum"]).ok
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"ops": ["prod"]}, r"ops: unknown \['prod'\]"),
+        ({"dtypes": [tf.int8]}, r"dtypes: \['int8'\] not supported"),
+        ({"max_towers": 0}, "max_towers must be an integer >= 1"),
+        ({"max_towers": True}, "max_towers must be an integer >= 1"),
+    ],
+)
+def test_a_bad_option_is_the_callers_error_not_the_algorithms(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        check_all_reduce(naive, **kwargs)
+
+
+def test_one_op_or_dtype_may_be_given_alone() -> None:
+    report = check_all_reduce(naive, ops="sum", dtypes="float32", max_towers=3, max_examples=3)
+    assert report.ok, report

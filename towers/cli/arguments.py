@@ -59,7 +59,13 @@ def algorithm(text: str) -> str:
     from towers.allreduce import ALGORITHMS
 
     if ":" in text:
-        _user(text, "algorithm")
+        from towers.trace.loading import is_reducer
+
+        obj = _user(text, "algorithm")
+        if not callable(obj) and not is_reducer(obj):
+            raise argparse.ArgumentTypeError(
+                f"{text} is a {type(obj).__name__}, not an all-reduce, a factory of one or a "
+                "GradientReducer")
     elif text not in ALGORITHMS and text != "noop":
         raise argparse.ArgumentTypeError(
             f"unknown algorithm {text!r}; choose from {', '.join(sorted(ALGORITHMS))} "

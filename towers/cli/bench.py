@@ -166,7 +166,11 @@ def run(args: argparse.Namespace) -> int:
     from towers.bench import sections, targets
 
     if args.algorithms:
-        args.algorithms = [_registered(name, devices) for name in args.algorithms]
+        try:
+            args.algorithms = [_registered(name, devices) for name in args.algorithms]
+        except (ValueError, TypeError) as err:  # a module:NAME that is no algorithm
+            print(f"towers bench: error: argument --algorithms: {err}", file=sys.stderr)
+            return 2
     results: dict[str, Any] = {"environment": environment(devices[: args.towers])}
     ok = True
     for name in SECTIONS:

@@ -10,6 +10,7 @@ MirroredStrategy computes.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -108,11 +109,11 @@ def _reference_kind(args: argparse.Namespace) -> str:
 def run(args: argparse.Namespace) -> int:
     """Run the job; returns a process exit code."""
     import towers
+    from towers.trace.loading import load_algorithm, start_devices
 
-    devices = towers.simulate_devices(args.towers)
+    devices = start_devices(args.towers)  # first: before TensorFlow's runtime starts
     import keras
 
-    from towers.trace.loading import load_algorithm
     from towers.training.data import digits
     from towers.training.models import digits_cnn
 
@@ -124,14 +125,18 @@ def run(args: argparse.Namespace) -> int:
         f"{len(data[2])} test digits"
     )
     reducer: Any = args.algorithm  # a name as it is; a module:NAME loaded
-    if ":" in args.algorithm:
-        reducer = load_algorithm(args.algorithm, devices)[1]
-    if args.codec is not None:
-        reducer = towers.compressed(reducer, args.codec)
     start = time.perf_counter()
-    tm = towers.TowerModel(digits_cnn(args.seed), devices=devices, all_reduce=reducer,
-                           variables=args.variables)  # fmt: skip
-    tm.compile(keras.optimizers.Adam(args.lr), loss)
+    try:  # a user's algorithm or codec that is none, or breaks the contract: one line, exit 2
+        if ":" in args.algorithm:
+            reducer = load_algorithm(args.algorithm, devices)[1]
+        if args.codec is not None:
+            reducer = towers.compressed(reducer, args.codec)
+        tm = towers.TowerModel(digits_cnn(args.seed), devices=devices, all_reduce=reducer,
+                               variables=args.variables)  # fmt: skip
+        tm.compile(keras.optimizers.Adam(args.lr), loss)
+    except (ValueError, TypeError) as err:
+        print(f"towers train: error: {err}", file=sys.stderr)
+        return 2
     _fit_towers(tm, data, args)
     seconds = time.perf_counter() - start
     test_acc = _accuracy(tm, data[2], data[3])

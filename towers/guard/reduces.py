@@ -46,7 +46,7 @@ import numpy as np
 import tensorflow as tf
 
 from towers.allreduce.machinery.base import GradientReducer, StatefulReducer
-from towers.allreduce.machinery.registry import record_of
+from towers.allreduce.machinery.registry import ALGORITHMS, record_of
 from towers.guard.contract import algorithm_name, check_outputs, check_rows
 from towers.guard.errors import AlgorithmError
 
@@ -73,11 +73,20 @@ def _library_made(algorithm: Any) -> bool:
 def unproved(algorithm: Any) -> Any | None:
     """The user's algorithm inside ``algorithm`` that the library has not proved, or None.
 
-    A registry algorithm, or one of the library's own, is proved; a library wrapper
-    (``bucketed``, ``compressed``) is as good as its ``algorithm`` attribute.
+    One of the library's own registry algorithms is proved (a user's registered record is
+    not: it is checked as any callable); a library algorithm or wrapper (``hierarchical``'s
+    parts, ``bucketed``, ``compressed``) is as good as the algorithms it was given.
     """
-    if record_of(algorithm) is not None:
-        return None
+    configured = record_of(algorithm)
+    if configured is not None:
+        # A record proves nothing by itself: a user's register(Algorithm(...)) gives one to
+        # any callable. Only the library's own algorithms are proved, and only when every
+        # algorithm they were configured with (hierarchical's inner/outer) is proved too.
+        if not _library_made(configured.run):
+            return algorithm
+        parts = [ALGORITHMS[p]() if isinstance(p, str) and p in ALGORITHMS else p
+                 for p in configured.params.values()]  # a part may be a registered name
+        return algorithm if any(unproved(p) is not None for p in parts if callable(p)) else None
     if _library_made(algorithm):
         inner = getattr(algorithm, "algorithm", None)
         return unproved(inner) if callable(inner) else None

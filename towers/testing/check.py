@@ -252,8 +252,9 @@ def check_all_reduce(
         printable as a verdict.
 
     Raises:
-        ValueError: fewer devices than ``max_towers``, tower counts outside
-            ``1..max_towers``, or no op applies to any dtype.
+        ValueError: ``max_towers`` < 1, fewer devices than it, tower counts outside
+            ``1..max_towers``, an op or dtype the contract does not have, or no op applies
+            to any dtype.
             A wrong algorithm never raises; its report says what failed.
 
     Example:
@@ -263,8 +264,20 @@ def check_all_reduce(
     """
     algorithm = get(fn)
     name = fn if isinstance(fn, str) else algorithm_name(fn)
-    options = _Options(_devices(devices, max_towers), replay, seed)
+    if isinstance(max_towers, bool) or not isinstance(max_towers, int) or max_towers < 1:
+        raise ValueError(f"max_towers must be an integer >= 1, got {max_towers!r}")
+    # the caller's options are checked here: a bad one must not read as the algorithm's failure
+    ops = [ops] if isinstance(ops, str) else list(ops)
+    bad_ops = [o for o in ops if o not in OPS]
+    if bad_ops:
+        raise ValueError(f"ops: unknown {bad_ops}; choose from {', '.join(OPS)}")
+    dtypes = [dtypes] if isinstance(dtypes, (str, tf.DType)) else list(dtypes)
     dtypes = [tf.as_dtype(d) for d in dtypes]
+    bad_dtypes = [d.name for d in dtypes if d not in DTYPES]
+    if bad_dtypes:
+        raise ValueError(f"dtypes: {bad_dtypes} not supported; choose from "
+                         f"{', '.join(d.name for d in DTYPES)}")
+    options = _Options(_devices(devices, max_towers), replay, seed)
     dtypes = [d for d in dtypes if d.is_floating or any(o != "mean" for o in ops)]
     if not dtypes or not ops:
         raise ValueError(f"no op in {list(ops)} applies to the dtypes asked for")

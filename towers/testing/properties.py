@@ -133,7 +133,7 @@ def _check_values(results: list[np.ndarray], case: Case, depth: int) -> list[str
 def _check_bytes(fn: Any, rec: Recorder, case: Case, devices: Sequence[str]) -> list[str]:
     """Check 5: bytes each tower sent against the record's exact ``bytes_sent`` formula."""
     configured = record_of(fn)
-    if configured is None or configured.algorithm.estimated or not rec.transfers:
+    if configured is None or configured.algorithm.estimated:
         return []
     itemsize = case.arrays[0].dtype.itemsize
     nbytes = case.arrays[0].size * itemsize
@@ -143,9 +143,12 @@ def _check_bytes(fn: Any, rec: Recorder, case: Case, devices: Sequence[str]) -> 
     sent = rec.bytes_sent()
     got = [sent.get(canonical_device(d), 0) for d in devices[: case.n]]
     if got != expected:
+        unseen = ("" if rec.transfers else " (nothing was sent with towers.allreduce.send: "
+                  "move data with send so it is counted, or register the record with "
+                  "estimated=True)")
         return [
             f"bytes sent per tower {got} differ from bytes_sent(n={case.n}, nbytes={nbytes}, "
-            f"itemsize={itemsize}) = {expected}"
+            f"itemsize={itemsize}) = {expected}{unseen}"
         ]
     return []
 

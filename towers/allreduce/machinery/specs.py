@@ -40,7 +40,8 @@ def import_spec(spec: str, what: str = "algorithm") -> Any:
         The attribute, unchecked (a record, a factory, an instance).
 
     Raises:
-        ValueError: no ``:``, a module that does not import, or a missing attribute.
+        ValueError: no ``:``, a module that does not import (whatever it raised), or a
+            missing attribute.
     """
     module, sep, attr = spec.rpartition(":")
     if not sep or not module or not attr:
@@ -49,8 +50,9 @@ def import_spec(spec: str, what: str = "algorithm") -> Any:
         sys.path.append(os.getcwd())
     try:
         loaded = _load_module(module)
-    except ImportError as err:
-        raise ValueError(f"cannot import {module!r} for {what} {spec} ({err})") from err
+    except Exception as err:  # ImportError, and whatever the module raises (SyntaxError, ...)
+        raise ValueError(f"cannot import {module!r} for {what} {spec} "
+                         f"({type(err).__name__}: {err})") from err
     obj: Any = loaded
     for part in attr.split("."):
         if not hasattr(obj, part):
@@ -69,5 +71,9 @@ def _load_module(module: str) -> Any:
         raise ImportError(f"no such file: {module}")
     loaded = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = loaded  # as an import would (dataclasses look it up)
-    spec.loader.exec_module(loaded)
+    try:
+        spec.loader.exec_module(loaded)
+    except BaseException:
+        sys.modules.pop(spec.name, None)  # as a failed import does: no half-made module left
+        raise
     return loaded
