@@ -24,12 +24,18 @@ def test_a_tiny_study_writes_csv_png_and_the_table(tmp_path: Path, capsys) -> No
     assert "gradient bytes" in printed and "1024xH100" in printed
 
 
+class NotAnAlgorithm:
+    """A factory of something that is neither an all-reduce nor a codec."""
+
+
 @pytest.mark.parametrize("argv, message", [
     (["study", "zip"], "unknown codec 'zip'"),
     (["study", "ring", "--out", "/no/such/folder/s"], "--out: no such folder"),
     (["study", "ring", "--batch", "100000"], "--batch 100000 is more than"),
     (["study", "ring", "--towers", "1"], "must be an integer >= 2"),
-], ids=["codec", "out", "batch", "towers"])
+    (["study", "ring", "tests.cli.test_study:NotAnAlgorithm"], "made a NotAnAlgorithm: not"),
+    (["study", "ring", "tests.cli.test_study:__doc__"], "is a str: not an all-reduce"),
+], ids=["codec", "out", "batch", "towers", "class", "not_callable"])
 def test_usage_errors_exit_2_with_one_line(argv: list[str], message: str, capsys) -> None:
     try:
         code = cli.main(argv)

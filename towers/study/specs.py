@@ -129,8 +129,11 @@ def _user_kind(spec: str) -> str:
     obj = import_spec(spec)
     if isinstance(obj, Codec):  # an instance, or a class with init and reduce
         return "codec"
-    if is_reducer(obj) or not callable(obj):
+    if is_reducer(obj):
         return "algorithm"
+    if not callable(obj):  # refused now, not after the specs before it have trained
+        raise ValueError(f"{spec} is a {type(obj).__name__}: not an all-reduce, a "
+                         "GradientReducer, a codec or a factory of one")
     try:
         inspect.signature(obj).bind([], op="sum")
         return "algorithm"  # it takes (values, *, op)
@@ -140,7 +143,12 @@ def _user_kind(spec: str) -> str:
         made = obj()
     except TypeError:
         return "algorithm"
-    return "codec" if isinstance(made, Codec) and not callable(made) else "algorithm"
+    if isinstance(made, Codec) and not callable(made):
+        return "codec"
+    if not callable(made) and not is_reducer(made):
+        raise ValueError(f"{spec}() made a {type(made).__name__}: not an all-reduce, a "
+                         "GradientReducer or a codec")
+    return "algorithm"
 
 
 def parse_spec(spec: str) -> Entry:
