@@ -47,6 +47,12 @@ def _two_inputs() -> keras.Model:
     return keras.Model([a, b], keras.layers.Dense(3, kernel_initializer="ones")(h))
 
 
+def _two_outputs() -> keras.Model:
+    inp = keras.Input((5,))
+    return keras.Model(inp, [keras.layers.Dense(3, kernel_initializer="ones", name="a")(inp),
+                             keras.layers.Dense(3, kernel_initializer="ones", name="b")(inp)])
+
+
 class _OwnStep(keras.Model):
     """A Keras habit: a model whose train_step (and compute_loss) is its own."""
 
@@ -371,6 +377,9 @@ CASES: list[Case] = [
       r"y is a dict \(keys \['out'\]\); the model has one output"),
     C("weight-dict", "sample_weight a dict", lambda: _step(X, Y, {"w": np.ones(8)}), TypeError,
       "sample_weight must be an array .*got a dict"),
+    C("weight-per-output-list", "sample_weight=[w_a, w_b], one array per output (Keras's form)",
+      lambda: _new(_two_outputs, loss=[LOSS, LOSS]).train_step(X, [Y, Y], [np.ones(8)] * 2),
+      TypeError, "sample_weight must be an array .*got a list of 2 arrays, one per output"),
     C("all-reduce-op-array", "towers.all_reduce(values, op=np.zeros(2))",
       lambda: towers.all_reduce(_on_devices(), op=np.zeros(2)), ValueError,
       "op must be one of"),
@@ -398,6 +407,10 @@ CASES: list[Case] = [
     C("sharded-gather", "variables='sharded', sparse='gather'",
       lambda: _new(variables="sharded", sparse="gather"), ValueError,
       "variables='sharded' with sparse='gather' is refused.*sparse='densify'"),
+    C("sharded-ema", "variables='sharded' with an optimizer of use_ema=True",
+      lambda: _new(optimizer=lambda: keras.optimizers.Adam(0.1, use_ema=True),
+                   variables="sharded"), ValueError,
+      "optimizer: use_ema=True keeps its moving averages .*use variables='replicated'"),
     C("sharded-loss-scale", "variables='sharded' with a LossScaleOptimizer",
       lambda: _new(optimizer=lambda: keras.optimizers.LossScaleOptimizer(
           keras.optimizers.SGD(0.1)), variables="sharded"), ValueError,

@@ -121,6 +121,7 @@ class TowerModel(keras.Model):
         self._hyper: Hyperparameters
         self.fit_facts: dict[str, Any] | None = None  # what ExactResume records and checks
         self.resume_skip = 0  # batches the train function pulls but does not train
+        self.broadcast_pending = False  # broadcast again before the next step (reset_metrics)
         self.built = True
 
     def call(self, inputs: Any, training: bool | None = None) -> Any:
@@ -235,9 +236,13 @@ class TowerModel(keras.Model):
     # -- writes reach every replica ----------------------------------------------------------
 
     def reset_metrics(self) -> None:
-        """Keras's ``reset_metrics`` (every epoch, every evaluate), then :meth:`broadcast`."""
+        """Keras's ``reset_metrics`` (every epoch, every evaluate), then :meth:`broadcast`;
+        and once more before the epoch's first step: Keras calls ``on_epoch_begin`` *after*
+        ``reset_metrics``, so a write there (SwapEMAWeights(swap_on_epoch=True) swapping
+        back) would otherwise reach the other replicas only an epoch later."""
         super().reset_metrics()
         self.broadcast()
+        self.broadcast_pending = True
 
     def set_weights(self, weights: Sequence[np.ndarray]) -> None:
         """Set the weights of every replica (``tm.weights`` order), all or nothing."""

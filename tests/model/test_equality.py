@@ -159,3 +159,32 @@ def test_a_short_last_batch_is_bitwise_on_a_wide_convnext() -> None:
     ulps = 8 * 2.0**-24
     np.testing.assert_allclose(got["history"]["loss"], want["history"]["loss"], rtol=ulps, atol=0)
     np.testing.assert_allclose(got["evaluate"][0], want["evaluate"][0], rtol=ulps, atol=0)
+
+
+def test_gradient_clipping_clips_the_global_gradient_as_one_device_does() -> None:
+    """clipnorm / clipvalue / global_clipnorm act on the reduced gradient, so a TowerModel
+    trains as one device does. Keras 3 under MirroredStrategy clips each replica's share
+    before its all-reduce (``_backend_apply_gradients`` runs first): there the reference
+    itself moves away from one device, and the test shows it does."""
+    x, y = data(24, seed=5)
+    options = ({"clipnorm": 0.05}, {"clipvalue": 0.01}, {"global_clipnorm": 0.05})
+    for clip in options:
+
+        def fitted(model: keras.Model, clip: dict = clip) -> list[np.ndarray]:
+            model.compile(keras.optimizers.SGD(0.5, **clip), LOSS)
+            model.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0)
+            return model.get_weights()
+
+        one = fitted(network(2))
+        tm = fitted(towers.TowerModel(network(2), devices=DEVICES[:N_TOWERS],
+                                      all_reduce="naive", variables="replicated"))
+        with tf.distribute.MirroredStrategy(
+            DEVICES[:N_TOWERS], cross_device_ops=tf.distribute.ReductionToOneDevice()
+        ).scope():
+            mirrored = fitted(network(2))
+        # one device sums a batch of 12 in one kernel, towers in shards of 3 and a sum:
+        # float32 roundings apart (1e-7 here); clipping per replica moves far more
+        towers_gap = max(float(np.abs(a - b).max()) for a, b in zip(tm, one))
+        mirrored_gap = max(float(np.abs(a - b).max()) for a, b in zip(mirrored, one))
+        assert towers_gap < 1e-6, (clip, towers_gap)
+        assert mirrored_gap > 1e-4, (clip, mirrored_gap)

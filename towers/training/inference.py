@@ -45,8 +45,12 @@ class _Inference:
         assert trainer is not None
         return trainer
 
-    def _run(self, batch: Batch) -> list[tuple[str, Batch, Any]]:
-        """``(device, shard, outputs)`` of every tower that has examples, in tower order."""
+    def _run(self, batch: Batch) -> list[tuple[str, Batch, Any, list[Any]]]:
+        """``(device, shard, outputs, model losses)`` of every tower that has examples, in
+        tower order. The model's losses (``add_loss`` in ``call``, activity and weight
+        regularizers) are read right after the tower's call, inside this function: they
+        are tensors of its graph, and the next tower's call (the same model under
+        ``parameter_device``) clears them."""
         trainer = self._get()
         shards = shard_batch(*batch, len(trainer.devices))
         done = []
@@ -54,29 +58,45 @@ class _Inference:
             if size == 0:  # Conv2D (and others) fail on 0 rows: an empty tower sits out
                 continue
             device = trainer.devices[i]
+            model = trainer.replica_of(i).model
             with tf.device(device):
-                done.append((device, shard, trainer.replica_of(i).model(shard[0], training=False)))
+                out = model(shard[0], training=False)
+                done.append((device, shard, out, list(model.losses)))
         return done
 
     def _outputs(self, x: Any) -> Any:
-        outputs = [out for _, _, out in self._run((x, None, None))]
+        outputs = [out for _, _, out, _ in self._run((x, None, None))]
         return concat(outputs, self._get().parameter_device)
 
-    def _loss_and_outputs(self, x: Any, y: Any, sample_weight: Any) -> tuple[tf.Tensor, Any]:
-        """``(Σ w·l over the batch, outputs)``: each tower sums its own losses."""
+    def _loss_and_outputs(self, x: Any, y: Any, sample_weight: Any
+                          ) -> tuple[tf.Tensor, Any, tf.Tensor]:  # fmt: skip
+        """``(Σ w·l over the batch, outputs, model losses)``: each tower sums its own losses.
+
+        The model's losses R_i (``model.losses`` of tower i: ``add_loss``, activity and
+        weight regularizers; 0 for a model without any) are averaged over the towers that
+        ran, weighted by their examples b_i: Σ R_i·b_i / Σ b_i, what MirroredStrategy's
+        loss tracker reports (each replica adds its loss + R_i with weight b_i)."""
         trainer = self._get()
         done = self._run((x, y, sample_weight))
         sums = []
-        for device, shard, out in done:
+        extra, examples = [], []
+        for device, shard, out, losses in done:
             with tf.device(device):
                 per_ex = per_example_loss(trainer.loss_fn, shard[1], out)
                 if sample_weight is not None:
                     per_ex = per_ex * tf.cast(shard[2], per_ex.dtype)
                 sums.append(tf.reduce_sum(per_ex))
+                b = tf.cast(tf.shape(per_ex)[0], per_ex.dtype)
+                examples.append(b)
+                if losses:
+                    extra.append(tf.add_n([tf.cast(r, per_ex.dtype) for r in losses]) * b)
         home = trainer.parameter_device
         with tf.device(home):
             total = tf.add_n([send(s, home, note="loss") for s in sums])
-        return total, concat([out for _, _, out in done], home)
+            model_loss = (tf.add_n([send(r, home, note="loss") for r in extra])
+                          / tf.add_n([send(b, home, note="loss") for b in examples]) if extra
+                          else tf.zeros([], total.dtype))  # fmt: skip
+        return total, concat([out for _, _, out, _ in done], home), model_loss
 
 
 _CACHE: weakref.WeakKeyDictionary[Any, _Inference] = weakref.WeakKeyDictionary()

@@ -82,6 +82,9 @@ def train_batch(tm: Any, data: Any, *, batch_unknown: bool = False) -> dict[str,
         tm.resume_skip -= 1
         return {}
     trainer = tm._trainer()
+    if tm.broadcast_pending:  # an epoch's first step: on_epoch_begin's writes reach every replica
+        tm.broadcast_pending = False
+        tm.broadcast()
     tm._hyper.follow(trainer)
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     loss, outputs = trainer.train_step_as_keras(x, y, sample_weight, batch_unknown=batch_unknown)
@@ -95,15 +98,14 @@ def test_batch(tm: Any, data: Any, *, batch_unknown: bool = False) -> dict[str, 
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     passes = inference(trainer)
     relaxed = relaxes(batch_unknown, x, len(trainer.devices))
-    total, outputs = (passes.relaxed_loss_and_outputs if relaxed
-                      else passes.loss_and_outputs)(x, y, sample_weight)  # fmt: skip
+    total, outputs, model_loss = (passes.relaxed_loss_and_outputs if relaxed
+                                  else passes.loss_and_outputs)(x, y, sample_weight)  # fmt: skip
     size = tf.shape(tf.nest.flatten(x)[0])[0]
     weights = [] if sample_weight is None else [sample_weight]
     divisor = loss_divisor(trainer.loss_reduction, size, weights, trainer.parameter_device)
-    loss = total / tf.cast(divisor, total.dtype)
-    reg = tm.network.losses
-    if reg:
-        loss = loss + tf.add_n([tf.cast(r, loss.dtype) for r in reg])
+    # the model's losses come out of the traced pass: model.losses read here, outside it,
+    # would hold that graph's tensors (add_loss, activity regularizers)
+    loss = total / tf.cast(divisor, total.dtype) + model_loss
     return update_metrics(tm, x, y, outputs, sample_weight, loss)
 
 

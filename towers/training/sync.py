@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import keras
 import tensorflow as tf
 
 __all__ = ["Hyperparameters", "broadcast"]
@@ -38,10 +39,45 @@ def broadcast(trainer: Any) -> None:
 
 
 def _hyperparameters(optimizer: Any) -> dict[str, Any]:
-    """What a callback may change on an optimizer: its config, minus its name."""
+    """What a callback may change on an optimizer: its config, minus its name. A wrapper's
+    inner optimizer (``LossScaleOptimizer.inner_optimizer``) is compared by its own
+    hyperparameters, not by its serialized form (a dict, with a ``shared_object_id`` when
+    made inside ``load_model``), so a change is copied onto the inner object itself."""
     config = dict(optimizer.get_config())
     config.pop("name", None)
+    inner = getattr(optimizer, "inner_optimizer", None)
+    if isinstance(inner, keras.optimizers.Optimizer):
+        config["inner_optimizer"] = _hyperparameters(inner)
     return config
+
+
+def _changes(seen: dict[str, Any], now: dict[str, Any]) -> dict[str, Any]:
+    """What differs in ``now`` from ``seen`` (an inner optimizer's changes nested)."""
+    out: dict[str, Any] = {}
+    for key, value in now.items():
+        if key == "inner_optimizer" and isinstance(value, dict):
+            inner = _changes(seen.get(key) or {}, value)
+            if inner:
+                out[key] = inner
+        elif seen.get(key) != value:
+            out[key] = value
+    return out
+
+
+def _assign(optimizer: Any, changed: dict[str, Any]) -> None:
+    """Set each changed hyperparameter on ``optimizer`` (an inner one's on the inner)."""
+    for key, value in changed.items():
+        if key == "inner_optimizer":
+            _assign(optimizer.inner_optimizer, value)
+        else:
+            setattr(optimizer, key, value)
+
+
+def _keys(changed: dict[str, Any]) -> set[str]:
+    """The changed hyperparameters' names, an inner optimizer's included."""
+    keys = {k for k in changed if k != "inner_optimizer"}
+    inner = changed.get("inner_optimizer")
+    return keys | _keys(inner) if isinstance(inner, dict) else keys
 
 
 class Hyperparameters:
@@ -62,10 +98,9 @@ class Hyperparameters:
         now = _hyperparameters(trainer.optimizer)
         if now == self.seen:
             return
-        changed = {k: v for k, v in now.items() if self.seen.get(k) != v}
+        changed = _changes(self.seen, now)
         for replica in trainer.replicas[1:]:
-            for key, value in changed.items():
-                setattr(replica.optimizer, key, value)
-        if set(changed) - {"learning_rate"}:
+            _assign(replica.optimizer, changed)
+        if _keys(changed) - {"learning_rate"}:
             trainer.retrace()
         self.seen = now

@@ -86,7 +86,7 @@ def check_optimizer(optimizer: keras.optimizers.Optimizer) -> None:
     """Refuse an optimizer whose update is not elementwise (a shard cannot apply it alone).
 
     Raises:
-        ValueError: ``clipnorm`` or ``global_clipnorm`` set, variables excluded from
+        ValueError: ``use_ema``, ``clipnorm`` or ``global_clipnorm`` set, variables excluded from
             weight decay, or a class in :data:`NOT_ELEMENTWISE`, naming the argument
             and the way out.
     """
@@ -105,6 +105,13 @@ def check_optimizer(optimizer: keras.optimizers.Optimizer) -> None:
             "use variables='replicated'"
         )
     config = optimizer.get_config()
+    if config.get("use_ema"):
+        raise ValueError(
+            "optimizer: use_ema=True keeps its moving averages for the variables it updates, "
+            "which under variables='sharded' are flat shards: Keras's finalize_variable_values "
+            "(the end of fit) and SwapEMAWeights would write them into whole model variables; "
+            "use variables='replicated'"
+        )
     for key in ("clipnorm", "global_clipnorm"):
         if config.get(key) is not None:
             raise ValueError(
