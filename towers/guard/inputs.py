@@ -236,21 +236,20 @@ def check_batch_against_model(x: Any, y: Any, sample_weight: Any, model: keras.M
     else:
         for i, leaf in enumerate(tf.nest.flatten(x)):
             _check_dtype(f"x[{i}]", _leaf_dtype_and_shape(f"x[{i}]", leaf)[0], True)
-    if isinstance(sample_weight, dict):
-        raise TypeError("sample_weight must be an array (one weight per example), got a dict: "
-                        "per-output sample weights are not supported; one array weighs every "
-                        "output's loss")
     output = _model_outputs(model)
     outputs = len(output) if isinstance(output, dict | list | tuple) else 1
-    if (outputs > 1 and isinstance(sample_weight, list | tuple) and len(sample_weight) == outputs
-            and all(isinstance(w, list | tuple) or len(getattr(w, "shape", ())) >= 1
-                    for w in sample_weight)):
-        # Keras's per-output form (fit(..., sample_weight=[w_a, w_b])): refused as the dict is,
-        # not read as one [outputs, batch] array (a batch-size error, or TensorFlow's own)
-        raise TypeError("sample_weight must be an array (one weight per example), got a "
-                        f"{type(sample_weight).__name__} of {outputs} arrays, one per output: "
-                        "per-output sample weights are not supported; one array weighs every "
-                        "output's loss")
+    # Keras's per-output forms, a dict or one array per output (fit(..., sample_weight=[w_a,
+    # w_b])): refused, not read as one [outputs, batch] array (a batch-size or TF error)
+    per_output = "a dict" if isinstance(sample_weight, dict) else (
+        f"a {type(sample_weight).__name__} of {outputs} arrays, one per output"
+        if outputs > 1 and isinstance(sample_weight, list | tuple)
+        and len(sample_weight) == outputs
+        and all(isinstance(w, list | tuple) or len(getattr(w, "shape", ())) >= 1
+                for w in sample_weight) else None)  # fmt: skip
+    if per_output:
+        raise TypeError(f"sample_weight must be an array (one weight per example), got "
+                        f"{per_output}: per-output sample weights are not supported; one array "
+                        "weighs every output's loss")
     if isinstance(y, dict) and output is not None and not isinstance(output, dict | list | tuple):
         raise ValueError(f"y is a dict (keys {sorted(y, key=str)}); the model has one output")
     for name, part in (("y", y), ("sample_weight", sample_weight)):

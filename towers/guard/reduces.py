@@ -47,6 +47,7 @@ import tensorflow as tf
 
 from towers.allreduce.machinery.base import GradientReducer, StatefulReducer
 from towers.allreduce.machinery.registry import ALGORITHMS, record_of
+from towers.allreduce.machinery.resolve import get
 from towers.guard.contract import algorithm_name, check_outputs, check_rows
 from towers.guard.errors import AlgorithmError
 
@@ -84,7 +85,7 @@ def unproved(algorithm: Any) -> Any | None:
         # algorithm they were configured with (hierarchical's inner/outer) is proved too.
         if not _library_made(configured.run):
             return algorithm
-        parts = [ALGORITHMS[p]() if isinstance(p, str) and p in ALGORITHMS else p
+        parts = [get(p) if isinstance(p, str) and p in ALGORITHMS else p
                  for p in configured.params.values()]  # a part may be a registered name
         return algorithm if any(unproved(p) is not None for p in parts if callable(p)) else None
     if _library_made(algorithm):

@@ -95,19 +95,19 @@ class InvarianceReport:
         """Every one-step difference lies within its bound."""
         return all(r.ok for r in self.rows)
 
-    @property
-    def first_failure(self) -> Difference | None:
-        """The first (step, towers, variable) outside the bound, or None."""
-        bad = [r for r in self.rows if not r.ok]
+    def _first(self, bad: Sequence[Difference]) -> Difference | None:
         return min(bad, key=lambda r: (r.step, self.towers.index(int(r.towers)), r.index),
                    default=None)  # fmt: skip
 
     @property
+    def first_failure(self) -> Difference | None:
+        """The first (step, towers, variable) outside the bound, or None."""
+        return self._first([r for r in self.rows if not r.ok])
+
+    @property
     def first_reduction_failure(self) -> Difference | None:
         """The first difference outside the bound that the kernels do not explain, or None."""
-        bad = [r for r in self.rows if not r.ok and r.cause != "kernels"]
-        return min(bad, key=lambda r: (r.step, self.towers.index(int(r.towers)), r.index),
-                   default=None)  # fmt: skip
+        return self._first([r for r in self.rows if not r.ok and r.cause != "kernels"])
 
     @property
     def reduction_ok(self) -> bool:
