@@ -28,7 +28,7 @@ followed by the trainer (:mod:`towers.guard.trainable`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import keras
@@ -113,6 +113,9 @@ class TowerModel(keras.Model):
         pd = naming("parameter_device", lambda: check_devices([parameter_device or
                                                                 self.devices[0]])[0])
         self.network = first_model(model, placement.homes(self.devices, pd)[0])
+        # a factory makes the other replicas too (a subclassed model may not clone)
+        self._factory: Callable[[], keras.Model] | None = (
+            None if isinstance(model, keras.Model) else model)
         check_keras_steps(self.network)
         if len(getattr(self.network, "output_names", None) or []) > 1:
             # Keras's compile reads them: per-output metric names ("a_accuracy", "b_loss")
@@ -169,12 +172,31 @@ class TowerModel(keras.Model):
             auto_scale_loss=auto_scale_loss,
         )  # fmt: skip
         compiled: Any = self.optimizer  # type: ignore[has-type]  # Keras sets it untyped
-        self.trainer = TowerTrainer(self.network, compiled, trainer_loss, devices=self.devices,
-                                    **self.options)  # fmt: skip
+        self.trainer = TowerTrainer(self._replicas(), compiled, trainer_loss,
+                                    devices=self.devices, **self.options)  # fmt: skip
         first: Any = self.trainer.optimizer
         if first is not compiled:  # it was built already: the trainer made a copy
             self.optimizer = first
+        # sharded: every other owner's optimizer holds its own shard's slots; tracked here so
+        # that save_weights/load_weights (BackupAndRestore, ModelCheckpoint) carry them too,
+        # not replica 0's shard alone
+        self.shard_optimizers = ([r.optimizer for r in self.trainer.replicas[1:]]
+                                 if self.trainer.placement.name == "sharded" else [])
         self._hyper = Hyperparameters(first)
+
+    def _replicas(self) -> Any:
+        """What the trainer makes its replicas from: the network, or, when the user gave a
+        factory, one that hands out the network first and the user's new models after
+        (a subclassed model cannot be cloned onto the other towers)."""
+        factory = self._factory
+        if factory is None:
+            return self.network
+        handed = [self.network]
+
+        def replica() -> keras.Model:
+            return handed.pop() if handed else factory()
+
+        return replica
 
     def compile_from_config(self, config: dict[str, Any]) -> None:
         """Compile from a saved compile config (``keras.models.load_model``), trainer included."""
@@ -228,7 +250,12 @@ class TowerModel(keras.Model):
         return self.test_function
 
     def make_predict_function(self, force: bool = False) -> Any:
-        """The towers' inference pass on each batch Keras hands over, outputs concatenated."""
+        """The towers' inference pass on each batch Keras hands over, outputs concatenated.
+        Before ``compile`` (``keras.models.load_model(path, compile=False)``, a model built
+        only to predict) there are no towers: Keras's own one-device pass over
+        :attr:`network`, as Keras predicts with a model it has not compiled."""
+        if self.trainer is None:
+            return super().make_predict_function(force=True)
         self.broadcast()
         self.predict_function = keras_functions.predict_function(self)
         return self.predict_function
@@ -282,12 +309,14 @@ class TowerModel(keras.Model):
         """The network's config and the towers options; devices as a count (re-resolved on load).
 
         Raises:
-            ValueError: ``all_reduce`` is not a registry name (a callable cannot be saved).
+            ValueError: ``all_reduce`` is not a name (a registry name or ``module:NAME``: a
+                callable cannot be saved).
         """
         algorithm = self.options["all_reduce"]
         if algorithm is not None and not isinstance(algorithm, str):
             raise ValueError(
-                "all_reduce must be a registry name (or None) to save a TowerModel's config, "
+                "all_reduce must be a registry name, module:NAME (or None) to save a TowerModel's "
+                "config, "
                 f"got {algorithm!r}")
         options = dict(self.options)
         pd = options["parameter_device"]

@@ -628,7 +628,7 @@ class TowerTrainer:
                 global_batch=divisor, num_towers=len(self.devices), device=device,
                 backward=backward,
                 loss_scale=self.loss_scale.scale(replica.optimizer, replica.device, device),
-                jit_compile=self.jit_compile,
+                jit_compile=self.jit_compile, loss_reduction=self.loss_reduction,
             )  # fmt: skip
 
     def reduce(self, grads: Gradients) -> Reduced:

@@ -22,12 +22,19 @@ them (see :mod:`towers.step`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import keras
 import tensorflow as tf
+
+try:  # Keras's layer call context (private): where training=True reaches inner layers
+    from keras.src.backend.common import global_state
+    from keras.src.layers.layer import CallContext
+except ImportError:  # pragma: no cover - another Keras layout
+    CallContext = None
 
 from towers.allreduce.machinery.primitives import send
 from towers.allreduce.parameter_device import reduce_on
@@ -40,11 +47,13 @@ __all__ = [
     "TowerResult",
     "combine_non_trainable",
     "empty_tower_step",
+    "extra_axes",
     "loss_divisor",
     "loss_reduction",
     "per_example_loss",
     "resolve_loss",
     "tower_step",
+    "weighs_elements",
 ]
 
 LossFn = Callable[[Any, Any], Any]
@@ -142,7 +151,34 @@ def resolve_loss(loss: str | LossFn | keras.losses.Loss) -> LossFn:
         return loss.call
     if not callable(loss):
         raise TypeError(f"loss must be a Keras loss, a loss name or a callable; got {loss!r}")
-    return loss
+    return same_rank(loss)
+
+
+def same_rank(fn: LossFn) -> LossFn:
+    """``fn`` with ``y_true`` squeezed or expanded to ``y_pred``'s rank first, as Keras's
+    ``compile`` wraps a loss function (``LossFunctionWrapper``): labels of shape ``(B,)``
+    against a ``(B, 1)`` output would otherwise broadcast to ``(B, B)`` (a wrong loss for
+    ``hinge``, ``poisson``, ``kl_divergence``; an error for ``binary_crossentropy``)."""
+
+    @functools.wraps(fn)
+    def call(y_true: Any, y_pred: Any) -> Any:
+        if hasattr(y_true, "shape") and hasattr(y_pred, "shape"):
+            y_true, y_pred = tf.convert_to_tensor(y_true), tf.convert_to_tensor(y_pred)
+            t, p = y_true.shape.rank, y_pred.shape.rank
+            if t is not None and p is not None:
+                if t + 1 == p and y_pred.shape[-1] == 1:
+                    if t == 1:
+                        y_true = tf.expand_dims(y_true, -1)
+                    else:
+                        y_pred = tf.squeeze(y_pred, -1)
+                elif t == p + 1 and y_true.shape[-1] == 1:
+                    if p == 1:
+                        y_pred = tf.expand_dims(y_pred, -1)
+                    else:
+                        y_true = tf.squeeze(y_true, -1)
+        return fn(y_true, y_pred)
+
+    return call
 
 
 def loss_reduction(loss: str | LossFn | keras.losses.Loss) -> str:
@@ -189,14 +225,29 @@ def loss_divisor(
         return global_batch
     with tf.device(device):
         parts = [tf.cast(send(w, device, note="loss"), tf.float32) for w in weights]
-        return tf.reduce_sum(tf.concat([tf.reshape(w, [-1]) for w in parts], 0))
+        total = tf.reduce_sum(tf.concat([tf.reshape(w, [-1]) for w in parts], 0))
+        if weighs_elements(weights[0]):  # per_example_loss averaged w·l over these axes
+            total = total / tf.cast(tf.reduce_prod(tf.shape(weights[0])[1:]), tf.float32)
+        return total
 
 
-def per_example_loss(loss_fn: LossFn, y_true: Any, y_pred: Any) -> tf.Tensor:
-    """Per-example losses, shape ``[batch]`` (extra axes are averaged, as Keras does).
+def per_example_loss(
+    loss_fn: LossFn, y_true: Any, y_pred: Any, sample_weight: Any = None, *,
+    extra_axes: str = "mean",
+) -> tf.Tensor:
+    """Per-example losses, shape ``[batch]``: a loss value's extra axes (per timestep, per
+    pixel) are averaged (``extra_axes="mean"``) or added (``"sum"``, for Keras's reduction
+    ``"sum"``, which adds every value; :func:`extra_axes`), so that dividing their total by
+    the batch divides it by every value as Keras's other reductions do.
+
+    A ``sample_weight`` that weighs elements, not examples (per timestep: ``[batch, T]``
+    for loss values of shape ``[batch, T]``, :func:`weighs_elements`), is applied here, to
+    the values before their extra axes are averaged, as Keras applies it; the caller then
+    weighs nothing more. A per-example weight is the caller's.
 
     Raises:
-        ValueError: the loss returned a scalar.
+        ValueError: the loss returned a scalar; an element weight's shape is not the loss
+            values' (a multi-output loss has one value per example).
     """
     values = tf.convert_to_tensor(loss_fn(y_true, y_pred))
     if values.shape.rank == 0:
@@ -205,9 +256,35 @@ def per_example_loss(loss_fn: LossFn, y_true: Any, y_pred: Any) -> tf.Tensor:
             "scalar: pass an unreduced loss, e.g. keras.losses.SparseCategoricalCrossentropy() "
             "(towers calls its .call) or a function of (y_true, y_pred) without a mean"
         )
+    if weighs_elements(sample_weight):
+        weight = tf.convert_to_tensor(sample_weight)
+        if weight.shape.rank != values.shape.rank or not weight.shape[1:].is_compatible_with(
+                values.shape[1:]):  # fmt: skip
+            raise ValueError(
+                f"sample_weight of shape {weight.shape.as_list()} weighs the loss's elements, "
+                f"but the loss values have shape {values.shape.as_list()}: give one weight "
+                "per example (shape [batch]) or one per loss value (as Keras takes a "
+                "per-timestep weight for a sequence loss)")  # fmt: skip
+        values = values * tf.cast(weight, values.dtype)
     if values.shape.rank is not None and values.shape.rank > 1:
-        values = tf.reduce_mean(values, axis=list(range(1, values.shape.rank)))
+        reduce = tf.reduce_sum if extra_axes == "sum" else tf.reduce_mean
+        values = reduce(values, axis=list(range(1, values.shape.rank)))
     return values
+
+
+def extra_axes(reduction: str) -> str:
+    """How :func:`per_example_loss` reduces a loss value's extra axes for ``reduction``."""
+    return "sum" if reduction == "sum" else "mean"
+
+
+def weighs_elements(sample_weight: Any) -> bool:
+    """Whether ``sample_weight`` weighs a loss's elements (it has axes beyond the batch and
+    a trailing 1) rather than its examples (``[batch]`` or ``[batch, 1]``)."""
+    shape = getattr(sample_weight, "shape", None)
+    if shape is None:
+        return False
+    dims = list(shape)
+    return len(dims) > 2 or (len(dims) == 2 and dims[1] != 1)
 
 
 def _check_gradients(grads: Sequence[Any], names: Sequence[str]) -> None:
@@ -220,6 +297,24 @@ def _check_gradients(grads: Sequence[Any], names: Sequence[str]) -> None:
         )
 
 
+@contextlib.contextmanager
+def _training_context(model: keras.Model) -> Iterator[None]:
+    """Keras's layer call context with ``training=True``, entered at ``model`` as its
+    ``__call__`` enters it (``stateless_call`` calls ``call`` without one). Keras keeps the
+    context in private state: where this Keras has none, nothing is set."""
+    if CallContext is None:  # pragma: no cover - another Keras layout
+        yield
+        return
+    previous = global_state.get_global_attribute("current_call_ctx")
+    context = CallContext(entry_layer=model)
+    context.training = True
+    global_state.set_global_attribute("current_call_ctx", context)
+    try:
+        yield
+    finally:
+        global_state.set_global_attribute("current_call_ctx", previous)
+
+
 def _forward(
     model: keras.Model,
     trainable: Sequence[tf.Tensor],
@@ -228,17 +323,24 @@ def _forward(
     loss_fn: LossFn,
     global_batch: tf.Tensor,
     num_towers: int,
+    axes: str,
 ) -> TowerResult:
     """The forward pass and the tower's loss share (no gradients yet)."""
     x, y, sample_weight = shard
     # the model's own name scope, as its __call__ opens it under tf.distribute: the ops then
     # carry the strategy's names (Grappler reads them: ordering.replica_scope), and a layer
     # named "_x" is not a root scope, which TensorFlow refuses
-    with keras.name_scope(model.name, caller=model):
+    # training=True as model.__call__ passes it: as an argument where call takes one, and in
+    # Keras's call context, where the inner layers look for it (a subclassed call that does
+    # not hand it to its Dropout)
+    given = {"training": True} if getattr(model, "_call_has_training_arg", True) else {}
+    with keras.name_scope(model.name, caller=model), _training_context(model):
         y_pred, new_non_trainable, reg_losses = model.stateless_call(
-            list(trainable), list(non_trainable), x, training=True, return_losses=True
+            list(trainable), list(non_trainable), x, return_losses=True, **given
         )
-    per_ex = per_example_loss(loss_fn, y, y_pred)
+    per_ex = per_example_loss(loss_fn, y, y_pred, sample_weight, extra_axes=axes)
+    if weighs_elements(sample_weight):  # weighed element by element above
+        sample_weight = None
     if global_batch.dtype.is_integer:  # the batch size, or 1 (reduction "sum")
         loss = tf.nn.compute_average_loss(
             per_ex, sample_weight=sample_weight, global_batch_size=global_batch
@@ -268,6 +370,7 @@ def tower_step(
     backward: bool = True,
     loss_scale: tf.Tensor | None = None,
     jit_compile: bool = False,
+    loss_reduction: str = "sum_over_batch_size",
 ) -> TowerResult:
     """Run forward and backward for one tower's shard on ``device``.
 
@@ -291,12 +394,15 @@ def tower_step(
             gradients come back scaled (the optimizer unscales), the loss unscaled.
         jit_compile: compile the forward and backward pass as one XLA cluster on
             ``device`` (``TowerTrainer(jit_compile=True)``; docs/xla.md gives its bound).
+        loss_reduction: the loss's Keras reduction (:data:`REDUCTIONS`): ``"sum"`` adds a
+            loss value's extra axes, every other averages them (:func:`per_example_loss`).
 
     Returns:
         The tower's loss share, gradients (``IndexedSlices`` stay sparse), updated
         non-trainable values and example count.
     """
-    args = (model, trainable, non_trainable, shard, loss_fn, global_batch, num_towers)
+    args = (model, trainable, non_trainable, shard, loss_fn, global_batch, num_towers,
+            extra_axes(loss_reduction))
     with tf.device(device):
         if jit_compile:
             result = _compiled(args, loss_scale, backward)
@@ -326,12 +432,12 @@ def _compiled(args: tuple, loss_scale: tf.Tensor | None, backward: bool) -> Towe
 
     ``changed`` is a trace-time fact about tensor identity inside the function, so it
     is read there and handed out beside the compiled outputs."""
-    model, trainable, non_trainable, shard, loss_fn, global_batch, num_towers = args
+    model, trainable, non_trainable, shard, loss_fn, global_batch, num_towers, axes = args
     seen: dict[str, Any] = {}
 
     def run(trainable: list, non_trainable: list, shard: Any, global_batch: tf.Tensor,
             loss_scale: tf.Tensor | None) -> TowerResult:
-        inner = (model, trainable, non_trainable, shard, loss_fn, global_batch, num_towers)
+        inner = (model, trainable, non_trainable, shard, loss_fn, global_batch, num_towers, axes)
         result = _differentiate(inner, loss_scale, backward)
         seen["changed"] = result.changed
         return result._replace(changed=None)

@@ -108,7 +108,8 @@ def test_the_check_can_be_switched_off_and_one_tower_needs_no_reduction() -> Non
 
 
 def test_only_unproved_algorithms_are_checked() -> None:
-    assert unproved(get("ring")) is None and unproved(get("noop")) is None
+    assert unproved(get("ring")) is None
+    assert unproved(get("noop")) is get("noop")  # the ceiling: it does not sum
     assert unproved(compressed("ring", "fp16")) is None  # the library's own, lossy on purpose
     assert unproved(bucketed(summed, 64)) is summed
     assert unproved(summed) is summed
@@ -137,3 +138,11 @@ def test_a_users_registry_record_proves_nothing_and_neither_do_its_parts(monkeyp
     _trainer("user_summed")
     _trainer(hierarchical(inner="user_summed", outer="ring", group_size=2))
     assert unproved(hierarchical(inner="naive", outer="ring", group_size=2)) is None
+
+
+def test_the_benchmarks_noop_ceiling_is_refused_as_a_trainers_all_reduce() -> None:
+    # "noop" resolves (towers bench times it as the ceiling) but does not sum: a trainer
+    # built on it would train every replica on its own tower's gradient
+    with pytest.raises(towers.AlgorithmError, match="all_reduce"):
+        _trainer("noop")
+    assert _trainer("noop", check_algorithm=False).algorithm is get("noop")  # the bench's

@@ -181,7 +181,8 @@ def towers_config(
     """``TowerTrainer.train_step`` with ``algorithm`` (name or callable) and ``placement``."""
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     trainer = TowerTrainer(make_model, _sgd, loss, devices=list(devices),
-                           all_reduce=algorithm, variables=placement)
+                           all_reduce=algorithm, variables=placement,
+                           check_algorithm=algorithm != "noop")  # the ceiling does not sum
     label = name or (algorithm if isinstance(algorithm, str) else algorithm.__name__)
     kind = "ceiling" if algorithm == "noop" else "towers"
     return StepConfig(f"towers {label}/{placement}", kind, lambda: trainer.train_step(x, y),

@@ -59,7 +59,7 @@ def algorithm(text: str) -> str:
     from towers.allreduce import ALGORITHMS
 
     if ":" in text:
-        from towers.trace.loading import is_reducer
+        from towers.allreduce.machinery.specs import is_reducer
 
         obj = _user(text, "algorithm")
         if not callable(obj) and not is_reducer(obj):

@@ -47,7 +47,7 @@ import tensorflow as tf
 
 from towers.allreduce.machinery.base import GradientReducer, StatefulReducer
 from towers.allreduce.machinery.registry import ALGORITHMS, record_of
-from towers.allreduce.machinery.resolve import get
+from towers.allreduce.machinery.resolve import get, noop
 from towers.guard.contract import algorithm_name, check_outputs, check_rows
 from towers.guard.errors import AlgorithmError
 
@@ -78,6 +78,8 @@ def unproved(algorithm: Any) -> Any | None:
     not: it is checked as any callable); a library algorithm or wrapper (``hierarchical``'s
     parts, ``bucketed``, ``compressed``) is as good as the algorithms it was given.
     """
+    if algorithm is noop:  # library-made, but it does not reduce: never proved to sum
+        return algorithm
     configured = record_of(algorithm)
     if configured is not None:
         # A record proves nothing by itself: a user's register(Algorithm(...)) gives one to

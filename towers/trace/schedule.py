@@ -45,10 +45,11 @@ import numpy as np
 from towers.allreduce.machinery.base import check_op
 from towers.allreduce.machinery.recording import Transfer, record
 from towers.allreduce.machinery.registry import record_of
+from towers.allreduce.machinery.specs import is_reducer
 from towers.devices import canonical_device
 from towers.guard.arguments import positive_int
 from towers.testing.values import ulp_distance
-from towers.trace.loading import is_reducer, load_algorithm, start_devices
+from towers.trace.loading import load_algorithm, start_devices
 from towers.trace.ticks import TraceRow, assign_ticks, chunk_ownership
 
 __all__ = [

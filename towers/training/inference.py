@@ -17,7 +17,7 @@ import tensorflow as tf
 
 from towers.allreduce.machinery.primitives import send
 from towers.split import Batch, concat, shard_batch
-from towers.tower import per_example_loss
+from towers.tower import extra_axes, per_example_loss, weighs_elements
 from towers.training.protocol import Trainer
 from towers.training.shapes import RelaxedBatch
 
@@ -82,8 +82,9 @@ class _Inference:
         extra, examples = [], []
         for device, shard, out, losses in done:
             with tf.device(device):
-                per_ex = per_example_loss(trainer.loss_fn, shard[1], out)
-                if sample_weight is not None:
+                per_ex = per_example_loss(trainer.loss_fn, shard[1], out, shard[2],
+                                          extra_axes=extra_axes(trainer.loss_reduction))
+                if sample_weight is not None and not weighs_elements(shard[2]):
                     per_ex = per_ex * tf.cast(shard[2], per_ex.dtype)
                 sums.append(tf.reduce_sum(per_ex))
                 b = tf.cast(tf.shape(per_ex)[0], per_ex.dtype)

@@ -22,7 +22,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from towers.tower import loss_reduction, per_example_loss
+from towers.tower import extra_axes, loss_reduction, per_example_loss, same_rank
 
 __all__ = ["OutputLosses", "is_structured", "reduction_of"]
 
@@ -88,7 +88,7 @@ class OutputLosses:
                 continue
             if isinstance(loss, str):
                 loss = keras.losses.get(loss)
-            fn = loss.call if isinstance(loss, keras.losses.Loss) else loss
+            fn = loss.call if isinstance(loss, keras.losses.Loss) else same_rank(loss)
             self._fns.append((fn, 1.0 if weight is None else float(weight)))
         if all(fn is None for fn, _ in self._fns):
             raise ValueError(f"loss: no output of the model ({', '.join(names)}) has a loss")
@@ -132,7 +132,7 @@ class OutputLosses:
         for (fn, weight), t, p in zip(self._fns, trues, preds):
             if fn is None:
                 continue
-            values = per_example_loss(fn, t, p)
+            values = per_example_loss(fn, t, p, extra_axes=extra_axes(self.reduction))
             term = values if weight == 1.0 else values * tf.cast(weight, values.dtype)
             total = term if total is None else total + term
         assert total is not None

@@ -23,6 +23,7 @@ class Trainer(Protocol):
     replicas: list[Any]
     algorithm: Any
     loss_fn: Any
+    loss_reduction: str
 
     @property
     def model(self) -> keras.Model: ...

@@ -143,6 +143,15 @@ def state_bytes(optimizer: keras.optimizers.Optimizer) -> int:
     )
 
 
+def _static(grad: tf.Tensor, shape: tuple[int, ...]) -> tf.Tensor:
+    """``grad`` with its variable's static shape: a gradient traced with an unknown batch
+    dimension (TowerModel.fit's short last batch; a Dense on a rank-3 input) may lose it."""
+    if grad.shape.is_fully_defined():
+        return grad
+    with tf.device(grad.device):
+        return tf.ensure_shape(grad, shape)
+
+
 class ShardPlan:
     """The shards of one trainer: layout, per-owner shard variables, the step's phases.
 
@@ -193,7 +202,7 @@ class ShardPlan:
         n = len(self.devices)
         owned: list[list[Any]] = [[None] * len(self.layout) for _ in range(n)]
         for j, cut in enumerate(self.layout):
-            chunks = [pad_split(grads[tower][j], n)[0] for tower in range(n)]
+            chunks = [pad_split(_static(grads[tower][j], cut.shape), n)[0] for tower in range(n)]
             summed = reduce_scatter(chunks, self.devices, "sum")
             for k in range(n):
                 if cut.owned(k):
