@@ -146,3 +146,15 @@ def test_the_benchmarks_noop_ceiling_is_refused_as_a_trainers_all_reduce() -> No
     with pytest.raises(towers.AlgorithmError, match="all_reduce"):
         _trainer("noop")
     assert _trainer("noop", check_algorithm=False).algorithm is get("noop")  # the bench's
+
+
+def reads_numpy(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
+    """A bug of its own: ``.numpy()`` on a graph tensor (AttributeError while traced)."""
+    total = sum(v.numpy() for v in values)
+    return [tf.identity(total) for _ in values]
+
+
+def test_an_algorithm_that_fails_while_traced_is_named_as_all_reduce() -> None:
+    with pytest.raises(ValueError, match=r"all_reduce: reads_numpy raised AttributeError when "
+                                         r"the trainer called it"):  # fmt: skip
+        _trainer(reads_numpy)

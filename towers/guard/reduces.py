@@ -176,6 +176,7 @@ def check_sums(
             the tower and the value.
         TypeError: calling it as an algorithm fails with a TypeError (it is not one),
             naming ``all_reduce``.
+        ValueError: it raised anything else while traced, naming ``all_reduce``.
     """
     user = unproved(algorithm)
     if user is None:
@@ -196,5 +197,13 @@ def check_sums(
             f"all_reduce: {algorithm_name(user)} is not an all-reduce algorithm "
             f"(values, *, op) -> list nor a GradientReducer: calling it on one tensor per "
             f"tower failed with {type(err).__name__}: {err}"
+        ) from err
+    except AlgorithmError:
+        raise
+    except Exception as err:  # its own bug while traced (.numpy() in a graph, a bad index, …)
+        raise ValueError(
+            f"all_reduce: {algorithm_name(user)} raised {type(err).__name__} when the "
+            f"trainer called it on one tensor per tower ({names[0]}, traced): {err} "
+            "(towers.testing.check_all_reduce runs it the same way)"
         ) from err
     _compare(user, shapes, dtypes, outputs, names)
