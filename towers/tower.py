@@ -140,6 +140,8 @@ def resolve_loss(loss: str | LossFn | keras.losses.Loss) -> LossFn:
         TypeError: ``loss`` is neither a name nor a callable.
         ValueError: an unknown loss name.
     """
+    if isinstance(loss, str) and loss.lower() in CROSSENTROPY:
+        return _crossentropy
     if isinstance(loss, str):
         try:
             resolved = keras.losses.get(loss)
@@ -152,6 +154,25 @@ def resolve_loss(loss: str | LossFn | keras.losses.Loss) -> LossFn:
     if not callable(loss):
         raise TypeError(f"loss must be a Keras loss, a loss name or a callable; got {loss!r}")
     return same_rank(loss)
+
+
+CROSSENTROPY = ("crossentropy", "ce")
+"""Keras ``compile``'s loss aliases whose loss depends on the shapes (:func:`_crossentropy`)."""
+
+
+def _crossentropy(y_true: Any, y_pred: Any) -> Any:
+    """``loss="crossentropy"`` (or ``"ce"``): binary cross-entropy for one output unit,
+    sparse categorical for labels of a lower rank or one column, else categorical — the
+    rule of Keras's ``compile`` (``is_binary_or_sparse_categorical``)."""
+    y_true, y_pred = tf.convert_to_tensor(y_true), tf.convert_to_tensor(y_pred)
+    true, pred = y_true.shape, y_pred.shape
+    if pred[-1] == 1:
+        fn = keras.losses.binary_crossentropy
+    elif true.rank < pred.rank or (true[-1] == 1 and pred[-1] > 1):
+        fn = keras.losses.sparse_categorical_crossentropy
+    else:
+        fn = keras.losses.categorical_crossentropy
+    return same_rank(fn)(y_true, y_pred)
 
 
 def same_rank(fn: LossFn) -> LossFn:
@@ -189,7 +210,7 @@ def loss_reduction(loss: str | LossFn | keras.losses.Loss) -> str:
             :data:`REDUCTIONS`, naming ``loss`` and the reduction.
     """
     if isinstance(loss, str):
-        loss = keras.losses.get(loss)
+        loss = None if loss.lower() in CROSSENTROPY else keras.losses.get(loss)
     if not isinstance(loss, keras.losses.Loss):
         return REDUCTIONS[0]
     reduction = loss.reduction

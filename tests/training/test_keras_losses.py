@@ -104,3 +104,18 @@ def test_a_sum_reduction_adds_every_value_of_a_sequence_loss() -> None:
     one, tm, want, got = _both(_sequence_net, loss, x, y)
     _assert_weights_close(one, tm)
     np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-5)
+
+
+@pytest.mark.parametrize(("units", "labels"), [(1, "binary"), (3, "sparse"), (3, "one-hot")])
+@pytest.mark.parametrize("alias", ["crossentropy", "ce"])
+def test_the_crossentropy_alias_picks_the_loss_keras_picks(units: int, labels: str,
+                                                           alias: str) -> None:
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(16, 5)).astype("f4")
+    classes = rng.integers(0, max(units, 2), size=16)
+    y = (classes.astype("f4") if labels == "binary" else classes if labels == "sparse"
+         else np.eye(units, dtype="f4")[classes])  # fmt: skip
+    activation = "sigmoid" if units == 1 else "softmax"
+    one, tm, want, got = _both(lambda: _dense_net(units, activation), alias, x, y)
+    _assert_weights_close(one, tm)
+    np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-5)

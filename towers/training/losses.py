@@ -22,7 +22,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from towers.tower import extra_axes, loss_reduction, per_example_loss, same_rank
+from towers.tower import extra_axes, loss_reduction, per_example_loss, resolve_loss
 
 __all__ = ["OutputLosses", "is_structured", "reduction_of"]
 
@@ -86,10 +86,7 @@ class OutputLosses:
             if loss is None:
                 self._fns.append((None, 0.0))
                 continue
-            if isinstance(loss, str):
-                loss = keras.losses.get(loss)
-            fn = loss.call if isinstance(loss, keras.losses.Loss) else same_rank(loss)
-            self._fns.append((fn, 1.0 if weight is None else float(weight)))
+            self._fns.append((resolve_loss(loss), 1.0 if weight is None else float(weight)))
         if all(fn is None for fn, _ in self._fns):
             raise ValueError(f"loss: no output of the model ({', '.join(names)}) has a loss")
         return self
