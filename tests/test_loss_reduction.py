@@ -1,4 +1,5 @@
-"""A Keras loss's ``reduction`` is honoured over the global batch (towers.tower.REDUCTIONS).
+"""A Keras loss's ``reduction`` is honoured over the global batch
+(towers.training.keras_loss.REDUCTIONS).
 
 Reference: the same model on one device, ``model.compile(loss=...)`` and one
 ``train_on_batch`` step of plain SGD on the whole batch. The towers split the batch of

@@ -79,14 +79,12 @@ from towers.placement import (
 from towers.split import Shards, concat, shard_batch, shard_sizes
 from towers.tower import (
     Gradients,
-    LossFn,
     TowerResult,
     combine_non_trainable,
     empty_tower_step,
-    loss_divisor,
-    resolve_loss,
     tower_step,
 )
+from towers.training.keras_loss import LossFn, loss_divisor, resolve_loss
 from towers.training.losses import OutputLosses, is_structured, reduction_of
 from towers.training.shapes import RelaxedBatch, relaxes
 
@@ -123,8 +121,8 @@ class TowerTrainer:
         optimizer: a Keras optimizer or a zero-argument factory.
         loss: a Keras loss, a loss name, or ``(y_true, y_pred) -> per-example losses``.
             A Keras loss's ``reduction`` is honoured over the global batch
-            (:data:`towers.tower.REDUCTIONS`); ``"none"`` is refused. A model with several
-            outputs takes one per output (a list, a dict by output name, or a
+            (:data:`towers.training.keras_loss.REDUCTIONS`); ``"none"`` is refused. A model
+            with several outputs takes one per output (a list, a dict by output name, or a
             :class:`~towers.training.losses.OutputLosses` with weights), or one for all.
         devices: the towers' devices (default: every local logical device).
         all_reduce: a name from ``towers.ALGORITHMS``, an algorithm callable or a
@@ -603,7 +601,7 @@ class TowerTrainer:
 
     def loss_divisor(self, shards: Shards) -> tf.Tensor:
         """What every tower divides its loss sum by, for the loss's Keras reduction
-        (:func:`towers.tower.loss_divisor`): the global batch size by default."""
+        (:func:`towers.training.keras_loss.loss_divisor`): the global batch size by default."""
         weights = [part[2] for part in shards.parts]
         return loss_divisor(self.loss_reduction, shards.global_batch, weights,
                             self.parameter_device)  # fmt: skip

@@ -42,7 +42,7 @@ def check_loss_denominator(value: Any, reduction: str) -> str | float:
 
     Args:
         value: the trainer's ``loss_denominator`` argument.
-        reduction: the loss's Keras reduction (:func:`towers.tower.loss_reduction`).
+        reduction: the loss's Keras reduction (:func:`towers.training.keras_loss.loss_reduction`).
 
     Returns:
         The rule's name, or the constant as a float.

@@ -48,7 +48,8 @@ from towers.guard.arguments import optional, positive_int
 from towers.split import shard_sizes
 from towers.testing.bounds import sgd_step_bound, sum_bound
 from towers.testing.strategies import per_tower_gradients
-from towers.tower import resolve_loss, tower_step
+from towers.tower import tower_step
+from towers.training.keras_loss import resolve_loss
 
 __all__ = [
     "Difference",

@@ -31,7 +31,8 @@ from hypothesis import strategies as st
 from towers.guard.arguments import check_choice
 from towers.split import shard_sizes
 from towers.testing.values import ulp_distance
-from towers.tower import resolve_loss, tower_step
+from towers.tower import tower_step
+from towers.training.keras_loss import resolve_loss
 
 __all__ = [
     "CENTRAL_STORAGE_FAMILIES",

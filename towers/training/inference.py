@@ -17,7 +17,7 @@ import tensorflow as tf
 
 from towers.allreduce.machinery.primitives import send
 from towers.split import Batch, concat, shard_batch
-from towers.tower import extra_axes, per_example_loss, weighs_elements
+from towers.training.keras_loss import extra_axes, per_example_loss, weighs_elements
 from towers.training.protocol import Trainer
 from towers.training.shapes import RelaxedBatch
 

@@ -20,8 +20,8 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from towers.tower import loss_divisor
 from towers.training.inference import inference
+from towers.training.keras_loss import loss_divisor
 from towers.training.shapes import batch_unknown, relaxes
 
 __all__ = ["predict_function", "test_function", "train_function"]

@@ -10,8 +10,9 @@
     per example i:   w_a · L_a(y_a, out_a)_i  +  w_b · L_b(y_b, out_b)_i
 
 so the towers' step divides this sum, as any per-example loss, by the global batch
-(:func:`towers.tower.per_example_loss` averages a loss's extra axes first). Every output's loss must
-ask for the same Keras reduction; an output whose loss is None trains no term.
+(:func:`towers.training.keras_loss.per_example_loss` averages a loss's extra axes first).
+Every output's loss must ask for the same Keras reduction; an output whose loss is None
+trains no term.
 """
 
 from __future__ import annotations
@@ -22,7 +23,12 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from towers.tower import extra_axes, loss_reduction, per_example_loss, resolve_loss
+from towers.training.keras_loss import (
+    extra_axes,
+    loss_reduction,
+    per_example_loss,
+    resolve_loss,
+)
 
 __all__ = ["OutputLosses", "is_structured", "reduction_of"]
 
@@ -33,11 +39,13 @@ def is_structured(loss: Any) -> bool:
 
 
 def reduction_of(loss: Any) -> str:
-    """The Keras reduction ``loss`` asks for: one loss's (:func:`towers.tower.loss_reduction`)
-    or, for a loss per output, the one they all ask for.
+    """The Keras reduction ``loss`` asks for: one loss's
+    (:func:`towers.training.keras_loss.loss_reduction`) or, for a loss per output, the one
+    they all ask for.
 
     Raises:
-        ValueError: as :func:`~towers.tower.loss_reduction`; outputs' losses that disagree.
+        ValueError: as :func:`~towers.training.keras_loss.loss_reduction`; outputs' losses
+            that disagree.
     """
     if isinstance(loss, OutputLosses):
         return loss.reduction
