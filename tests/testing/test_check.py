@@ -122,6 +122,18 @@ def crashes_on_three(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf
     return naive(values, op=op)
 
 
+def wrong_when_empty(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
+    """Correct but for an empty tensor, where it hands back one element."""
+    if values[0].shape.num_elements() == 0:
+        devices = check_values(values, op)
+        out = []
+        for device in devices:
+            with tf.device(device):
+                out.append(tf.zeros([1], values[0].dtype))
+        return out
+    return naive(values, op=op)
+
+
 def _failed(algorithm, **kwargs) -> CheckReport:
     report = check_all_reduce(algorithm, **kwargs)
     assert not report.ok and not bool(report)
@@ -326,11 +338,13 @@ def test_every_tower_count_and_op_pair_is_drawn_so_a_mean_only_bug_is_always_cau
 def test_stratified_examples_cover_every_op_and_are_counted_in_a_note() -> None:
     cases = stratified(5, [tf.float16, tf.float32, tf.int32], ["sum", "mean", "max", "min"])
     assert [(c.n, c.op, c.arrays[0].dtype, c.arrays[0].shape) for c in cases] == [
-        (5, op, np.float32, (11,)) for op in ("sum", "mean", "max", "min")]
-    assert [c.op for c in stratified(3, [tf.int64], ["sum", "mean"])] == ["sum"]
+        *((5, op, np.float32, (11,)) for op in ("sum", "mean", "max", "min")),
+        (5, "sum", np.float32, ()), (5, "sum", np.float32, (0,))]
+    assert [c.op for c in stratified(3, [tf.int64], ["sum", "mean"])] == ["sum"] * 3
     report = check_all_reduce("naive", max_towers=3, devices=DEVICES, max_examples=6)
-    assert report.ok and (report.examples, report.stratified) == (6, 12), report
-    assert "note: plus 12 stratified examples: every (tower count, op) pair" in str(report)
+    assert report.ok and (report.examples, report.stratified) == (6, 18), report
+    assert ("note: plus 18 stratified examples: every (tower count, op) pair, and a scalar "
+            "and an empty tensor") in str(report)
 
 
 def _copies_without_send(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
@@ -379,3 +393,10 @@ def test_a_bad_option_is_the_callers_error_not_the_algorithms(kwargs: dict, mess
 def test_one_op_or_dtype_may_be_given_alone() -> None:
     report = check_all_reduce(naive, ops="sum", dtypes="float32", max_towers=3, max_examples=3)
     assert report.ok, report
+
+
+def test_an_algorithm_wrong_only_for_an_empty_tensor_is_caught_at_the_defaults() -> None:
+    # the random draw rarely gives (0,): every tower count also gets a scalar and an
+    # empty tensor of its own (stratified)
+    report = _failed(wrong_when_empty, devices=DEVICES)
+    assert "float32[1]" in str(report) and "float32[0]" in str(report), report

@@ -74,13 +74,32 @@ class Widening(TopK):
         return payload, TopKState(tf.cast(new.residual, tf.float64))
 
 
+@dataclasses.dataclass(frozen=True)
+class OwnOrder(Identity):
+    """Each decoding tower adds the towers' parts starting from its own: the same sum in
+    exact arithmetic, another rounding per tower (seen only when every tower decodes)."""
+
+    def reduce(self, tensors: Sequence[tf.Tensor], states: Sequence[Any], wire: Wire) -> Any:
+        def decode(t: int) -> tf.Tensor:
+            parts = wire.gather(tensors, t)
+            parts = parts[t:] + parts[:t]
+            total = parts[0]
+            for part in parts[1:]:
+                total = total + part
+            return total
+
+        return wire.decode(decode), list(states)
+
+
 @pytest.mark.parametrize(("codec", "message"), [
     (Forgetful(0.25), r"error feedback broken at element .*bound"),
     (Noisy(), r"outputs of towers \[1, 2\] differ from tower 0's"),
     (Homeless(), r"output 1 is on .*, not tower 1's"),
     (Boastful(tf.float16), r"handed the wire 10 bytes; payload_bytes\(5,\) says 5"),
     (Widening(0.5), r"state changed structure: .*float32.* -> .*float64"),
-], ids=["forgets-residual", "replicas-differ", "wrong-device", "wrong-bytes", "state-dtype"])
+    (OwnOrder(), r"decode='everywhere': outputs of towers \[.*\] differ from tower 0's"),
+], ids=["forgets-residual", "replicas-differ", "wrong-device", "wrong-bytes", "state-dtype",
+        "decode-depends-on-tower"])
 def test_a_planted_bug_fails_with_a_clear_message(codec: Any, message: str) -> None:
     report = check_codec(codec, **FAST)
     assert not report.ok

@@ -96,7 +96,8 @@ class CheckReport:
 
     def __str__(self) -> str:
         head = f"{'PASS' if self.ok else 'FAIL'}: {self.algorithm} ({self.examples} examples run)"
-        strata = (f"plus {self.stratified} stratified examples: every (tower count, op) pair",
+        strata = (f"plus {self.stratified} stratified examples: every (tower count, op) pair, "
+                  "and a scalar and an empty tensor at every tower count",
                   ) if self.stratified else ()
         lines = [head, *(f"  note: {note}" for note in (*self.notes, *strata))]
         if self.example is not None:
@@ -154,7 +155,8 @@ class _Options(NamedTuple):
 
 def stratified(n: int, dtypes: Sequence[tf.DType], ops: Sequence[str], seed: int = 0
                ) -> list[Case]:
-    """One example per op at ``n`` towers: ``2n + 1`` dense random elements per tower.
+    """One example per op at ``n`` towers: ``2n + 1`` dense random elements per tower; and a
+    scalar and an empty tensor (of the first float dtype, else the first dtype).
 
     float32 when asked for (else the first float dtype; integers for the ops that take
     them when no float is asked for); magnitudes in [1, 2^10), both signs, so no sum of
@@ -174,6 +176,10 @@ def stratified(n: int, dtypes: Sequence[tf.DType], ops: Sequence[str], seed: int
         else:
             draw = [rng.integers(-(2**10), 2**10, shape) for _ in range(n)]
         out.append(Case(n, [np.asarray(a).astype(dtype.as_numpy_dtype) for a in draw], op))
+    edge = floats[0] if floats else dtypes[0]
+    op = "sum" if "sum" in ops else ops[0]
+    for shape in ((), (0,)):  # a scalar and an empty tensor, whatever the random draw gives
+        out.append(Case(n, [np.full(shape, t + 1, edge.as_numpy_dtype) for t in range(n)], op))
     return out
 
 
@@ -239,7 +245,8 @@ def check_all_reduce(
         shapes: shapes to draw (default :func:`tower_shapes`).
         max_examples: examples in all (default :data:`DEFAULT_EXAMPLES`, 20), spread
             over the tower counts, at least 2 each (the first is all zeros); the
-            stratified examples (one per tower count and op) come on top.
+            stratified examples (one per tower count and op, and a scalar and an empty
+            tensor per tower count) come on top.
         devices: the devices to place towers on (default ``towers.local_devices()``).
         seed: Hypothesis seed, for reproducible runs; ``None`` draws afresh each run.
         replay: also demand bitwise equality with the NumPy replay (slower: one trace

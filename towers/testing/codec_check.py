@@ -7,7 +7,8 @@
    codec's ``error_bound`` (``r`` the state's ``residual`` field; without one,
    ``output == Σ_t g_t``), summed in float64.
 2. **Placement.** Output ``t`` lives on tower ``t``'s device.
-3. **Agreement.** All outputs are bitwise identical.
+3. **Agreement.** All outputs are bitwise identical, with every tower decoding for itself
+   (``compressed(..., decode="everywhere")``; decoded once, the others get copies).
 4. **State shape.** The new state has ``init``'s structure, shapes and dtypes.
 5. **Bytes.** What each tower hands the wire equals the codec's ``payload_bytes``.
 6. **Checkpoint.** In a trainer, the state written by :func:`towers.training.checkpoint.save`
@@ -174,10 +175,28 @@ def _run_shape(codec: Codec, devices: list[str], algorithm: Any, shape: tuple[in
                 grads.append(tf.constant(rng.normal(size=shape).astype(np.float32)))
         wire = _MeteredWire(tuple(devices), algorithm, (0,), [0] * n)
         where = f"n={n} towers, shape {shape}, step {step + 1}"
-        failures, states = _step_failures(codec, where, grads, states, wire, depth)
+        failures, news = _step_failures(codec, where, grads, states, wire, depth)
+        failures += _everywhere_failures(codec, where, grads, states, devices, algorithm)
         if failures:
             return failures
+        states = news
     return []
+
+
+def _everywhere_failures(codec: Codec, where: str, grads: list[tf.Tensor], states: list[Any],
+                         devices: list[str], algorithm: Any) -> list[str]:  # fmt: skip
+    """The same reduce with every tower decoding for itself (``decode="everywhere"``): a
+    decode that depends on the tower (its own order of the towers' parts) gives outputs
+    that differ, where one decoder hands out copies. Its new states are not kept (a
+    variable the codec holds itself advances once more)."""
+    n = len(devices)
+    outs, _ = codec.reduce(grads, states, Wire(tuple(devices), algorithm, tuple(range(n))))
+    values = [np.asarray(o) for o in outs]
+    differ = [t for t in range(1, n) if values[t].tobytes() != values[0].tobytes()]
+    if not differ:
+        return []
+    return [f"{where}, decode='everywhere': outputs of towers {differ} differ from tower 0's "
+            "(each tower decodes for itself: decode(t) must not depend on t)"]
 
 
 def _model() -> keras.Model:
