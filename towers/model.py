@@ -315,9 +315,10 @@ class TowerModel(keras.Model):
         algorithm = self.options["all_reduce"]
         if algorithm is not None and not isinstance(algorithm, str):
             raise ValueError(
-                "all_reduce must be a registry name, module:NAME (or None) to save a TowerModel's "
-                "config, "
-                f"got {algorithm!r}")
+                f"all_reduce={algorithm!r} cannot be saved in a .keras file (its config needs a "
+                "registry name or module:NAME); use tm.save_weights (ModelCheckpoint("
+                "save_weights_only=True)) or towers.training.checkpoint, or pass the reducer as "
+                "module:NAME")
         options = dict(self.options)
         pd = options["parameter_device"]
         options["parameter_device"] = None if pd is None else _index(self.devices, pd)

@@ -44,6 +44,14 @@ def test_save_refuses_an_algorithm_it_cannot_name(tmp_path: Path) -> None:
         tm.get_config()
 
 
+def test_save_refuses_a_reducer_object_and_names_the_ways_out(tmp_path: Path) -> None:
+    tm = tower_model("replicated", all_reduce=towers.compressed("ring", "fp16"))
+    with pytest.raises(ValueError, match=r"all_reduce=.*cannot be saved in a \.keras file.*"
+                                         r"save_weights.*towers\.training\.checkpoint.*module:NAME"):
+        tm.save(tmp_path / "m.keras")
+    tm.save_weights(tmp_path / "m.weights.h5")  # the way out works
+
+
 def test_save_refuses_sharded_optimizer_state(tmp_path: Path) -> None:
     tm = tower_model("sharded")
     with pytest.raises(ValueError, match="sharded"):
