@@ -121,7 +121,7 @@ class TowerTrainer:
         optimizer: a Keras optimizer or a zero-argument factory.
         loss: a Keras loss, a loss name, or ``(y_true, y_pred) -> per-example losses``.
             A Keras loss's ``reduction`` is honoured over the global batch
-            (:data:`towers.training.keras_loss.REDUCTIONS`); ``"none"`` is refused. A model
+            (:data:`towers.training.keras_loss.REDUCTIONS`); ``"none"`` (per-example values) trains as the default. A model
             with several outputs takes one per output (a list, a dict by output name, or a
             :class:`~towers.training.losses.OutputLosses` with weights), or one for all.
         devices: the towers' devices (default: every local logical device).

@@ -44,8 +44,9 @@ REDUCTIONS = ("sum_over_batch_size", "sum", "mean", "mean_with_sample_weight")
 device computes on the whole batch; ``keras.losses.Loss(reduction=...)``):
 ``sum_over_batch_size`` (the default) and ``mean`` (the same in Keras): ``Σ w·l / B``;
 ``sum``: ``Σ w·l``; ``mean_with_sample_weight``: ``Σ w·l / Σ w`` with sample weights,
-``Σ w·l / B`` without. ``"none"`` (or None) leaves a vector a trainer cannot
-differentiate: refused."""
+``Σ w·l / B`` without. ``"none"`` (or None), the loss of a custom training loop that
+hands its per-example values to ``tf.nn.compute_average_loss``, trains exactly so:
+``Σ w·l / B`` over the global batch, the same as the default."""
 
 
 def resolve_loss(loss: str | LossFn | keras.losses.Loss) -> LossFn:
@@ -120,9 +121,11 @@ def same_rank(fn: LossFn) -> LossFn:
 def loss_reduction(loss: str | LossFn | keras.losses.Loss) -> str:
     """The reduction a loss asks for (a Keras ``Loss``'s ``reduction``; the default else).
 
+    ``"none"``/None is the default: per-example values, averaged over the global batch
+    as ``tf.nn.compute_average_loss`` averages them.
+
     Raises:
-        ValueError: ``"none"``/None (no scalar to train on) or a reduction not in
-            :data:`REDUCTIONS`, naming ``loss`` and the reduction.
+        ValueError: a reduction not in :data:`REDUCTIONS`, naming ``loss`` and the reduction.
     """
     if isinstance(loss, str):
         loss = None if loss.lower() in CROSSENTROPY else keras.losses.get(loss)
@@ -130,11 +133,7 @@ def loss_reduction(loss: str | LossFn | keras.losses.Loss) -> str:
         return REDUCTIONS[0]
     reduction = loss.reduction
     if reduction is None or reduction == "none":
-        raise ValueError(
-            f"loss: {type(loss).__name__} has reduction={reduction!r}, which returns one "
-            "value per example, not a scalar to train on; use reduction="
-            "'sum_over_batch_size' (the default), 'sum', 'mean' or 'mean_with_sample_weight'"
-        )
+        return REDUCTIONS[0]
     if reduction not in REDUCTIONS:
         raise ValueError(
             f"loss: {type(loss).__name__} has reduction={reduction!r}, which towers does not "
