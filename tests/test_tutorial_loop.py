@@ -9,8 +9,8 @@ step: towers divides the towers' per-example sums by the global batch too.
 The strategy here adds the replicas' gradients with ``ReductionToOneDevice`` (``add_n`` on
 device 0, replica order), and the trainer with ``naive`` (left to right in tower order on
 one device), so the same values meet in the same order: both steps run under
-:func:`~towers.allreduce.machinery.ordering.as_written` (Grappler's reordering off, see its docstring), and the
-weights must come out bitwise equal, on an uneven batch (10 over 4: [3, 3, 3, 1]).
+:func:`~towers.allreduce.machinery.ordering.as_written` (Grappler's reordering off), and
+the weights must come out bitwise equal, on an uneven batch (10 over 4: [3, 3, 3, 1]).
 """
 
 from __future__ import annotations
