@@ -75,3 +75,45 @@ def test_bad_options_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["launch", "--workers", "0", "--", "true"]) == 2
     assert cli.main(["launch", "--workers", "1"]) == 2
     assert "give the command after --" in capsys.readouterr().err
+
+
+LEAVE_CHILD = (
+    "import json, os, subprocess, sys; "
+    "i = json.loads(os.environ['TF_CONFIG'])['task']['index']; "
+    "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+    "print('child', p.pid, flush=True); sys.exit({code} if i == 0 else 0)"
+)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc (Linux)")
+@pytest.mark.parametrize("worker_code", [0, 3])
+def test_a_child_a_worker_left_running_ends_with_the_launch(
+    capsys: pytest.CaptureFixture[str], worker_code: int
+) -> None:
+    """Every task's whole process group ends with the launch: a worker that exits (0 or
+    failing) while its own child still runs does not leave the child behind, and a launch
+    whose workers all succeeded fails when one of them left a process running."""
+    code, out, _ = _launch(capsys, "--workers", "2", "--timeout", "60", "--",
+                           sys.executable, "-c", LEAVE_CHILD.format(code=worker_code))
+    children = [int(line.split()[-1]) for line in out.splitlines() if " child " in line]
+    assert len(children) == 2, out
+    assert not any(_alive(pid) for pid in children), out
+    if worker_code == 0:
+        assert code == 1, out
+        assert "[launch] worker 0 exited but left 1 process(es) of its group running" in out
+    else:
+        assert code == 3, out  # the worker's own failure is the launch's code
+
+
+def test_a_clean_launch_reports_no_leftovers(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _launch(capsys, "--workers", "2", "--timeout", "60", "--",
+                           sys.executable, "-c", "print('done')")
+    assert code == 0 and "[launch]" not in out, out

@@ -10,8 +10,12 @@
                         which they may end by themselves); --timeout → all are killed (124)
 
 Trainers (chief and worker tasks) run the command; parameter servers serve until the
-trainers are done. Every task is its own process group, so killing a task also kills
-whatever it started; each imports the launcher's own ``towers`` (PYTHONPATH).
+trainers are done. Every task is its own process group, so ending a task ends whatever it
+started: when the launch ends, every task's whole group is terminated (then killed),
+also when the task itself already exited — a process a worker left running fails the
+launch (:data:`LEFTOVER_EXIT`), named in a ``[launch]`` line. (A process that leaves the
+group with ``setsid`` is out of any launcher's reach.) Each task imports the launcher's
+own ``towers`` (PYTHONPATH).
 """
 
 from __future__ import annotations
@@ -30,10 +34,12 @@ from towers.cluster.local import TOWERS_ENV, local_cluster
 from towers.cluster.spec import Cluster, tf_config
 from towers.guard.arguments import non_negative_float
 
-__all__ = ["TIMEOUT_EXIT", "Sink", "TaskProcess", "launch", "start_servers"]
+__all__ = ["LEFTOVER_EXIT", "TIMEOUT_EXIT", "Sink", "TaskProcess", "launch", "start_servers"]
 
 TIMEOUT_EXIT = 124
 """Exit code of a launch that ran past its timeout (as coreutils ``timeout``)."""
+LEFTOVER_EXIT = 1
+"""Exit code of a launch whose tasks all succeeded but left processes running (killed)."""
 SERVER_COMMAND = (sys.executable, "-m", "towers.cluster.server")
 _GRACE_SECONDS = 5.0
 
@@ -75,24 +81,68 @@ class TaskProcess:
         code = self.process.poll()
         return None if code is None else (128 - code if code < 0 else code)
 
-    def stop(self) -> None:
-        """Terminate the task's process group; kill it after a grace period."""
-        if self.process.poll() is not None:
-            return
-        self.killed = True
-        for sig, wait in ((signal.SIGTERM, _GRACE_SECONDS), (signal.SIGKILL, None)):
-            with contextlib.suppress(ProcessLookupError):
+    def stop(self) -> int:
+        """Terminate the task's whole process group, the task's own process first; kill
+        what is left after a grace period. Returns how many processes the group still
+        held after the task itself had exited (left running by it)."""
+        if self.process.poll() is None:
+            self.killed = True
+            leftover = 0
+        else:
+            leftover = len(_group_members(self.process.pid))
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.process.pid, sig)
-            try:
-                self.process.wait(wait)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(_GRACE_SECONDS)
+            if self.process.poll() is not None and _wait_group_empty(self.process.pid):
                 break
-            except subprocess.TimeoutExpired:
-                continue
+        return leftover
+
+    def survivors(self) -> list[int]:
+        """Processes of the task's group still alive (after :meth:`stop`)."""
+        return _group_members(self.process.pid)
 
     def finish(self) -> None:
         """Wait for the output to be copied (after the process ended)."""
         self.process.wait()
         self._reader.join(timeout=_GRACE_SECONDS)
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes in process group ``pgid``, read from /proc (Linux);
+    elsewhere one placeholder when the group still accepts signals."""
+    proc = "/proc"
+    if not os.path.isdir(proc):
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return []
+        return [pgid]
+    members = []
+    for entry in os.listdir(proc):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"{proc}/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # "pid (comm) state ppid pgrp …": comm may hold spaces and parentheses
+        fields = stat[stat.rfind(")") + 2:].split()
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            members.append(int(entry))
+    return members
+
+
+def _wait_group_empty(pgid: int, seconds: float = _GRACE_SECONDS) -> bool:
+    """Whether group ``pgid`` has no live process left within ``seconds``."""
+    until = time.monotonic() + seconds
+    while _group_members(pgid):
+        if time.monotonic() > until:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def _python_path() -> str:
@@ -162,12 +212,22 @@ def launch(cluster: Cluster, towers: int, command: Sequence[str],
                 break
             time.sleep(0.05)
     finally:
-        for task in trainers + servers:
-            task.stop()
+        left = {t.label: t.stop() for t in trainers + servers}
         for task in trainers + servers:
             task.finish()
     ended = [c for t in trainers if not t.killed and (c := t.poll()) is not None]
-    return code or max(ended, default=0)
+    code = code or max(ended, default=0)
+    for task in trainers:
+        if left[task.label]:
+            out.write(f"[launch] {task.label[1:-1]} exited but left {left[task.label]} "
+                      "process(es) of its group running: terminated\n")
+            code = code or LEFTOVER_EXIT
+    for task in trainers + servers:
+        if task.survivors():
+            out.write(f"[launch] {task.label[1:-1]}: processes {task.survivors()} survived "
+                      "SIGKILL\n")
+            code = code or LEFTOVER_EXIT
+    return code
 
 
 def _wait_for(tasks: list[TaskProcess], until: float) -> None:
