@@ -2,10 +2,14 @@
 
 ::
 
-    batch ─split─▶ shard_i ─tf.device(tower_i): replica_i.model(shard_i, training=False)─▶ out_i
+    batch ─split─▶ shard_i ─tf.device(tower_i): network(replica_i's values, shard_i)─▶ out_i
           ─▶ concat(out_0 … out_{n-1}) on the parameter device, in tower order
 
 The split is the step's own (:func:`towers.split.shard_batch`); an empty tower sits out.
+Every tower runs the trainer's one network (replica 0's model object) on its replica's
+variable values through ``stateless_call``, as the training step does: the layer state
+Keras keeps outside variables (adapted ``Normalization`` statistics, lookup tables) is
+that network's, so it holds on every tower.
 """
 
 from __future__ import annotations
@@ -13,9 +17,11 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
+import keras
 import tensorflow as tf
 
 from towers.allreduce.machinery.primitives import send
+from towers.placement import read_weights
 from towers.split import Batch, concat, shard_batch
 from towers.training.keras_loss import extra_axes, per_example_loss, weighs_elements
 from towers.training.protocol import Trainer
@@ -48,20 +54,21 @@ class _Inference:
     def _run(self, batch: Batch) -> list[tuple[str, Batch, Any, list[Any]]]:
         """``(device, shard, outputs, model losses)`` of every tower that has examples, in
         tower order. The model's losses (``add_loss`` in ``call``, activity and weight
-        regularizers) are read right after the tower's call, inside this function: they
-        are tensors of its graph, and the next tower's call (the same model under
-        ``parameter_device``) clears them."""
+        regularizers) are the ones ``stateless_call`` returns for the tower's call."""
         trainer = self._get()
         shards = shard_batch(*batch, len(trainer.devices))
+        network = trainer.model
+        given = {"training": False} if getattr(network, "_call_has_training_arg", True) else {}
         done = []
         for i, (size, shard) in enumerate(zip(shards.sizes, shards.parts)):
             if size == 0:  # Conv2D (and others) fail on 0 rows: an empty tower sits out
                 continue
             device = trainer.devices[i]
-            model = trainer.replica_of(i).model
-            with tf.device(device):
-                out = model(shard[0], training=False)
-                done.append((device, shard, out, list(model.losses)))
+            trainable, frozen = read_weights(trainer.replica_of(i), device)
+            with tf.device(device), keras.name_scope(network.name, caller=network):
+                out, _, losses = network.stateless_call(
+                    trainable, frozen, shard[0], return_losses=True, **given)
+                done.append((device, shard, out, list(losses)))
         return done
 
     def _outputs(self, x: Any) -> Any:
