@@ -121,16 +121,13 @@ def _calibration() -> list[Contender]:
     ]
 
 
-def contenders(
-    devices: Sequence[str], algorithms: Sequence[str] | None = None, *, calibration: bool = True
-) -> list[Contender]:
+def contenders(devices: Sequence[str], algorithms: Sequence[str] | None = None) -> list[Contender]:
     """Towers' algorithms, MirroredStrategy's two cross-device ops and the calibration pair.
 
     Args:
         devices: the towers' devices (tf.distribute's ops are built for them).
         algorithms: registry names (default: all of ``towers.ALGORITHMS``); the names
             ``"tf.CollectiveAllReduce"`` and ``"tf.ReductionToOneDevice"`` select those.
-        calibration: add the ``send`` and ``add`` rows for the cost model.
     """
     from reference.mirrored import collective_all_reduce
 
@@ -146,7 +143,7 @@ def contenders(
             out.append(_tf_contender(name, ops, formula))
         else:
             out.append(towers_contender(name))
-    return out + (_calibration() if calibration and len(devices) > 1 else [])
+    return out + (_calibration() if len(devices) > 1 else [])
 
 
 def make_inputs(devices: Sequence[str], nbytes: int, seed: int = 0) -> list[tf.Tensor]:

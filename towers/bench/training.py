@@ -48,7 +48,7 @@ __all__ = [
     "fused_reducers",
     "make_batch",
     "profile_steps",
-    "run_training",
+    "run_model",
     "step_configs",
 ]
 
@@ -277,16 +277,6 @@ def run_model(
     rows = _rows(model, configs, samples, losses, errors)
     del configs, runnable
     gc.collect()
-    return rows
-
-
-def run_training(
-    devices: Sequence[str], models: Sequence[str] = tuple(MODELS), **kwargs: Any
-) -> list[dict[str, Any]]:
-    """:func:`run_model` for every model; the rows of all of them."""
-    rows: list[dict[str, Any]] = []
-    for model in models:
-        rows.extend(run_model(model, devices, **kwargs))
     return rows
 
 
