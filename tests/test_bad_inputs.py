@@ -580,7 +580,7 @@ CLI_CASES = [
     ("bench", "--rounds", "0", "argument --rounds: must be an integer >= 1, got 0"),
     ("bench", "--step-rounds", "-1", "argument --step-rounds: must be an integer >= 1, got -1"),
     ("bench", "--batch-size", "0", "argument --batch-size: must be an integer >= 1, got 0"),
-    ("bench", "--scaling-towers", "2,0", "argument --scaling-towers: must be an integer >= 1"),
+    ("bench", "--workers", "1", "argument --workers: must be an integer >= 2, got 1"),
 ]
 
 

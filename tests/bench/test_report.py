@@ -42,23 +42,13 @@ def test_plots_are_png(tmp_path: Path) -> None:
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_costmodel_tables_mark_training_rows_and_name_the_splits() -> None:
-    detail = {"algorithm": "ring", "nbytes": 4096, "measured": 1e-3, "predicted": 1.1e-3,
-              "rel_error": 0.1, "interleaved_train": True, "interleaved_error": 0.0,
-              "extrapolated_train": False, "extrapolated_error": -0.5}
-    short = {"algorithm": "tree", "nbytes": 4096, "measured": 1e-3, "predicted": 1e-3,
-             "rel_error": 0.0, "interleaved_train": None, "extrapolated_train": None}
-    summary = {"algorithm": "ring", "formula": "ring", "alpha": 1e-4, "per_byte": 1e-9,
-               "median_abs_error": 0.05, "max_abs_error": 0.1, "ok": True,
-               "interleaved_median_abs_error": 0.02, "interleaved_max_abs_error": 0.03,
-               "interleaved_ok": True, "extrapolated_median_abs_error": 0.4,
-               "extrapolated_max_abs_error": 0.5, "extrapolated_ok": False}
-    splits = {"interleaved": ([4096.0, 65536.0], [16384.0]), "extrapolated": ([4096.0], [])}
-    text = report.costmodel_tables([detail, short], [summary], splits, 0.25)
-    assert "interleaved: fitted on 4096, 65536 B only; predicts 16384 B" in text
-    assert "extrapolated: too few sizes to hold any out" in text
-    ring, tree = (line.split() for line in text.splitlines() if " 4096 " in line)
-    assert ring[-2:] == ["train", "-50.0"] and tree[-2:] == ["-", "-"]
-    last = text.splitlines()[-1].split()
-    assert last[-7:] == ["5.0", "10.0", "2.0", "3.0", "40.0", "50.0", "yes/yes/NO"]
-    assert "within 25%" in text
+def test_costmodel_table_shows_the_fit_as_bandwidth_and_percent() -> None:
+    fitted = {"algorithm": "ring", "formula": "ring", "alpha": 2e-5, "per_byte": 1e-9,
+              "fit_median_error": 0.05, "fit_max_error": 0.1, "held_out_median_error": 0.02,
+              "held_out_max_error": 0.03}
+    short = {**fitted, "algorithm": "tree", "formula": "tree", "per_byte": 0.0,
+             "held_out_median_error": None, "held_out_max_error": None}
+    lines = report.costmodel_table([fitted, short]).splitlines()
+    assert lines[0].split()[:4] == ["algorithm", "formula", "alpha", "1/(2beta+gamma)"]
+    assert lines[2].split() == ["ring", "ring", "20.0", "1.00", "5.0", "10.0", "2.0", "3.0"]
+    assert lines[3].split()[3:] == ["inf", "5.0", "10.0", "-", "-"]

@@ -41,28 +41,3 @@ def test_nccl_tree_with_one_variable_copy_is_benchmarked() -> None:
         placements=["parameter_device"], ceiling=False)
     assert errors == {}
     assert [c.kind for c in configs] == ["baseline"] + ["tf.distribute"] * 3 + ["towers"]
-
-
-def test_step_targets_follow_the_issue_limits() -> None:
-    """<= 0.80 x Mirrored, <= 0.90 and <= 1.00 x the best tf.distribute, <= 1.05 x the
-    noop ceiling."""
-    from towers.bench import targets
-
-    def row(config: str, kind: str, ratio: float, best: float | None = None) -> dict:
-        return {"model": "mlp", "config": config, "kind": kind, "ms": 10.0 * ratio,
-                "ratio": ratio, "ratio_best_tf": best, "best_tf": "CentralStorageStrategy"}
-
-    rows = [row("MirroredStrategy", "tf.distribute", 1.0),
-            row("towers ring/replicated", "towers", 0.78, 0.92),
-            row("towers naive/parameter_device", "towers", 0.85, 0.89),
-            row("towers noop/replicated", "ceiling", 0.76)]
-    mirrored, best_tf, at_par, noop = targets.targets({"training": rows})
-    assert (mirrored["value"], mirrored["limit"], mirrored["holds"]) == (0.78, 0.80, True)
-    assert (best_tf["value"], best_tf["limit"], best_tf["holds"]) == (0.89, 0.90, True)
-    assert "naive/parameter_device" in best_tf["detail"]
-    assert (at_par["value"], at_par["limit"], at_par["holds"]) == (0.89, 1.00, True)
-    assert noop["value"] == pytest.approx(0.78 / 0.76) and noop["holds"]  # 1.026 <= 1.05
-    rows[-1]["ratio"] = 0.70
-    assert not targets.targets({"training": rows})[3]["holds"]  # 1.114 > 1.05
-    rows[2]["ratio_best_tf"] = rows[1]["ratio_best_tf"] = 1.01
-    assert [t["holds"] for t in targets.targets({"training": rows})[1:3]] == [False, False]

@@ -6,8 +6,8 @@ one interleaved loop (see :mod:`towers.bench.timing`), all inside one
 :func:`towers.allreduce.machinery.ordering.as_written` block. tf.distribute's ops run there too:
 the two Grappler passes it switches off rewrite chains of arithmetic, and a lone
 collective or ``add_n`` has none, while switching the process-wide options
-between calls would cost every call ~0.2-0.4 ms (the cached function-call
-options are rebuilt). The rows follow nccl-tests::
+between calls would rebuild the cached function-call options on every call.
+The rows follow nccl-tests::
 
     size  count  type  redop  algorithm  time (µs)  algbw (GB/s)  busbw (GB/s)  #wrong
 
@@ -16,17 +16,10 @@ The inputs are small integers stored as float32, so every summation order gives
 the exact sum and ``#wrong`` counts, over all ``n`` outputs, the elements that
 differ from NumPy's sum (an output on the wrong device counts all its elements).
 
-Calibration contenders run beside them: ``send`` (one copy of ``S`` bytes
-between towers: on logical CPUs a pointer passes, so this is the call overhead),
-``add`` (``add_n`` of the ``n`` inputs on one device: the arithmetic), and the
-parts every chunked schedule (``chunked`` rows) must run on one host, whatever its
-schedule: its ``n(n-1)`` two-input additions of ``S/n`` bytes, timed as a tree's leaves
-(``leaf adds``: each writes a new buffer) and as a ring's chain (``chain adds``: each
-but the first writes into its partial), and ``assembly`` (the ``S``-byte output written
-from the ``n`` finished chunks: once, shared by the towers on one memory;
-:mod:`towers.bench.floors`). A chunked row's ``leaf_share`` places it between the two. They are not
-all-reduces and stay out of the table (they are in the CSV); ``towers.bench.targets``
-sets the chunked rows beside them.
+Two calibration contenders run beside them, for the cost model: ``send`` (one copy
+of ``S`` bytes between towers: on logical CPUs a pointer passes, so this is the call
+overhead) and ``add`` (``add_n`` of the ``n`` inputs on one device: the arithmetic).
+They are not all-reduces and stay out of the table (they are in the CSV).
 """
 
 from __future__ import annotations
@@ -42,34 +35,11 @@ import tensorflow as tf
 from towers import allreduce
 from towers.allreduce.machinery.ordering import as_written
 from towers.bench import costmodel
-from towers.bench.floors import (
-    ASSEMBLY,
-    CHAIN_ADDS,
-    LEAF_ADDS,
-    assembly,
-    chain_adds,
-    leaf_adds,
-    leaf_share,
-    schedule_of,
-)
-from towers.bench.onepass import ONE_PASS, OnePass
 from towers.bench.timing import Samples, interleave
 from towers.devices import canonical_device
-from towers.schedule.ir import Schedule
 
-__all__ = [
-    "QUICK_SIZES",
-    "SIZES",
-    "Compiled",
-    "Contender",
-    "calls_per_sample",
-    "contenders",
-    "cost_rows",
-    "count_wrong",
-    "make_inputs",
-    "run_allreduce",
-    "towers_contender",
-]
+__all__ = ["QUICK_SIZES", "SIZES", "Compiled", "Contender", "calls_per_sample", "contenders",
+           "cost_rows", "count_wrong", "make_inputs", "run_allreduce", "towers_contender"]
 
 SIZES = tuple(4096 * 4**k for k in range(8))
 """Bytes per tower: 4 KB, 16 KB, … 64 MB (×4 steps)."""
@@ -89,11 +59,7 @@ class Contender:
         body: per-tower tensors (already placed) -> outputs; traced in a ``tf.function``.
         formula: the :mod:`towers.bench.costmodel` algorithm that models it (None: none does).
         params: keyword parameters for that formula.
-        outputs: ``"all"`` (one sum per tower), ``"sum"`` (one sum), ``"copy"`` (input 1)
-            or ``"parts"`` (a calibration's pieces: not compared).
-        chunked: a bandwidth-optimal schedule of ``S/n`` chunks (ring, swing, …).
-        schedule: its schedule generator, for its rows' ``leaf_share``
-            (:func:`towers.bench.floors.leaf_share`; None: not a chunked schedule).
+        outputs: ``"all"`` (one sum per tower), ``"sum"`` (one sum) or ``"copy"`` (input 1).
     """
 
     name: str
@@ -102,8 +68,6 @@ class Contender:
     formula: str | None = None
     params: dict[str, Any] = dataclasses.field(default_factory=dict)
     outputs: str = "all"
-    chunked: bool = False
-    schedule: Callable[[int], Schedule] | None = None
 
 
 def _formula_params(name: str, fn: Any) -> tuple[str | None, dict[str, Any]]:
@@ -129,19 +93,7 @@ def towers_contender(name: str, fn: allreduce.AllReduce | None = None) -> Conten
     def body(values: list[tf.Tensor]) -> list[tf.Tensor]:
         return list(algorithm(values, op="sum"))
 
-    chunked = _chunked(algorithm)
-    return Contender(name, "towers", body, formula=formula, params=params, chunked=chunked,
-                     schedule=schedule_of(algorithm) if chunked else None)  # fmt: skip
-
-
-def _chunked(algorithm: Any) -> bool:
-    """Bandwidth-optimal on one host's copies: every one of 4 towers sends 2(n-1)/n·S
-    (a reduce-scatter and an all-gather of S/n chunks, whatever the schedule)."""
-    record = getattr(algorithm, "algorithm", None)
-    if not isinstance(record, allreduce.Algorithm) or record.estimated or not record.bytes_sent:
-        return False
-    sent = record.bytes_sent(4, 1 << 20, 4)
-    return sent is not None and all(b == 3 * (1 << 20) // 2 for b in sent)
+    return Contender(name, "towers", body, formula=formula, params=params)
 
 
 def _tf_contender(name: str, ops: tf.distribute.CrossDeviceOps, formula: str) -> Contender:
@@ -166,22 +118,16 @@ def _calibration() -> list[Contender]:
     return [
         Contender("send", "calibration", send, formula="send", outputs="copy"),
         Contender("add", "calibration", add, formula="add", outputs="sum"),
-        Contender(LEAF_ADDS, "calibration", leaf_adds, outputs="parts"),
-        Contender(CHAIN_ADDS, "calibration", chain_adds, outputs="parts"),
-        Contender(ASSEMBLY, "calibration", assembly, outputs="parts"),
     ]
 
 
-def contenders(
-    devices: Sequence[str], algorithms: Sequence[str] | None = None, *, calibration: bool = True
-) -> list[Contender]:
+def contenders(devices: Sequence[str], algorithms: Sequence[str] | None = None) -> list[Contender]:
     """Towers' algorithms, MirroredStrategy's two cross-device ops and the calibration pair.
 
     Args:
         devices: the towers' devices (tf.distribute's ops are built for them).
         algorithms: registry names (default: all of ``towers.ALGORITHMS``); the names
             ``"tf.CollectiveAllReduce"`` and ``"tf.ReductionToOneDevice"`` select those.
-        calibration: add the ``send`` and ``add`` rows for the cost model.
     """
     from reference.mirrored import collective_all_reduce
 
@@ -197,7 +143,7 @@ def contenders(
             out.append(_tf_contender(name, ops, formula))
         else:
             out.append(towers_contender(name))
-    return out + (_calibration() if calibration and len(devices) > 1 else [])
+    return out + (_calibration() if len(devices) > 1 else [])
 
 
 def make_inputs(devices: Sequence[str], nbytes: int, seed: int = 0) -> list[tf.Tensor]:
@@ -326,26 +272,10 @@ def _check(
     rows = []
     for c in cands:
         row = _row(c, len(devices), size.nbytes, samples.get(f"{size.nbytes}|{c.name}"))
-        row["chunked"] = c.chunked
-        row["leaf_share"] = None if c.schedule is None else leaf_share(c.schedule(len(devices)))
-        if c.name in size.compiled and c.outputs != "parts":
+        if c.name in size.compiled:
             fn = size.compiled[c.name]
             row["wrong"] = count_wrong(c, fn(*size.inputs), host, devices, fn.homes)
         row["error"] = size.errors.get(c.name, "")
-        rows.append(row)
-    return rows
-
-
-def _one_pass_rows(
-    runs: dict[int, OnePass], n: int, samples: dict[str, Samples]
-) -> list[dict[str, Any]]:
-    """The one-pass rows (kind ``calibration``; ``#wrong`` against the exact sum)."""
-    rows = []
-    for nbytes, run in runs.items():
-        row = _row(Contender(ONE_PASS, "calibration", list, outputs="sum"), n, nbytes,
-                   samples.get(f"{nbytes}|{ONE_PASS}"))
-        exact = np.sum([x.astype(np.float64) for x in run.host], axis=0)
-        row["wrong"] = int(np.count_nonzero(run() != exact))
         rows.append(row)
     return rows
 
@@ -376,14 +306,10 @@ def run_allreduce(
         prepared = [_prepare(cands, devices, nbytes) for nbytes in sizes]
         calls: dict[str, Callable[[], Any]] = {f"{s.nbytes}|{name}": _bind(fn, s.inputs)
                  for s in prepared for name, fn in s.compiled.items()}
-        one_pass = {s.nbytes: OnePass([x.numpy() for x in s.inputs])
-                    for s in prepared if len(devices) > 1}
-        calls.update({f"{nbytes}|{ONE_PASS}": run for nbytes, run in one_pass.items()})
         per_sample = {key: calls_per_sample(int(key.split("|")[0])) for key in calls}
         samples = interleave(calls, rounds, calls=per_sample, warmup=3, verbose=verbose,
                              label=f"all-reduce: {len(calls)} (size, algorithm) pairs")
-        rows = [row for s in prepared for row in _check(cands, s, devices, samples)]
-        return rows + _one_pass_rows(one_pass, len(devices), samples)
+        return [row for s in prepared for row in _check(cands, s, devices, samples)]
 
 
 def cost_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -28,7 +28,8 @@ ones too; cross-device control edges, top-level ``Identity`` and ``NoOp`` s) are
     replica_1_readvariableop_resource/_39:_Send (a handle)  -> handoff
     forward_backward/Identity_11/_113:_Send (an argument back on its tower) -> handoff
     GroupCrossDeviceControlEdges_0/NoOp:NoOp                -> handoff
- tf.distribute steps carry no such scopes: their ops are
+
+tf.distribute steps carry no such scopes: their ops are
 attributed by type (:func:`towers.bench.profile.phase`: compute ->
 forward_backward, reduce -> reduce, update -> apply) and the split is invisible
 (it happens in the input pipeline), so read their bars as a rougher picture.

@@ -14,16 +14,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from towers.bench.costmodel.fitting import SPLITS
-
 __all__ = [
     "ALLREDUCE_COLUMNS",
     "algbw_pivot",
     "allreduce_table",
-    "costmodel_tables",
+    "costmodel_table",
     "format_table",
     "plot_algbw",
-    "plot_graph_cost",
     "plot_ratios",
     "training_table",
     "write_csv",
@@ -119,70 +116,26 @@ def training_table(rows: Sequence[dict[str, Any]]) -> str:
                           for r in rows if r.get("error"))
 
 
-HELD_OUT = SPLITS
-"""The held-out splits of :mod:`towers.bench.costcheck`, in column order."""
-
-
-def _held_out_error(how: str) -> Callable[[dict[str, Any]], str]:
-    def get(row: dict[str, Any]) -> str:
-        if row.get(f"{how}_train") is None:
-            return "-"
-        return "train" if row[f"{how}_train"] else f"{row[f'{how}_error'] * 100:+.1f}"
-
-    return get
-
-
-def _verdicts(row: dict[str, Any]) -> str:
-    keys = ("ok", *(f"{how}_ok" for how in HELD_OUT))
-    return "/".join("-" if row.get(k) is None else "yes" if row[k] else "NO" for k in keys)
+def _pct(key: str) -> Callable[[dict[str, Any]], str]:
+    return _num(key, ".1f", 100)
 
 
 COSTMODEL_COLUMNS: list[Column] = [
     ("algorithm\n", "l", _text("algorithm")),
-    ("size\n(B)", "r", _num("nbytes", ".0f")),
-    ("measured\n(us)", "r", _num("measured", ".1f", 1e6)),
-    ("fit all\n(us)", "r", _num("predicted", ".1f", 1e6)),
-    ("fit all\nerr %", "r", _num("rel_error", "+.1f", 100)),
-    *((f"{how}\nerr %", "r", _held_out_error(how)) for how in HELD_OUT),
+    ("formula\n", "l", _text("formula")),
+    ("alpha\n(us)", "r", _num("alpha", ".1f", 1e6)),
+    ("1/(2beta+gamma)\n(GB/s)", "r",
+     lambda r: f"{1 / r['per_byte'] / 1e9:.2f}" if r["per_byte"] else "inf"),
+    ("fit all sizes\n|err| med %", "r", _pct("fit_median_error")),
+    ("\nmax %", "r", _pct("fit_max_error")),
+    ("held-out sizes\n|err| med %", "r", _pct("held_out_median_error")),
+    ("\nmax %", "r", _pct("held_out_max_error")),
 ]
-"""Per contender and size: the in-sample fit's error, then each held-out fit's ("train": it saw
-the row, so its error there is no prediction)."""
 
 
-def _costmodel_summary_columns(tolerance: float) -> list[Column]:
-    return [
-        ("algorithm\n", "l", _text("algorithm")),
-        ("formula\n", "l", _text("formula")),
-        ("alpha\n(us)", "r", _num("alpha", ".1f", 1e6)),
-        ("1/(2beta+gamma)\n(GB/s)", "r",
-         lambda r: f"{1 / r['per_byte'] / 1e9:.2f}" if r["per_byte"] else "inf"),
-        *(col for how, key in (("fit all", ""), *((h, f"{h}_") for h in HELD_OUT)) for col in (
-            (f"{how}\n|err| med %", "r", _num(f"{key}median_abs_error", ".1f", 100)),
-            ("\nmax %", "r", _num(f"{key}max_abs_error", ".1f", 100)))),
-        (f"within {tolerance:.0%}\nall/int/ext", "r", _verdicts),
-    ]
-
-
-def _sizes(sizes: Sequence[float]) -> str:
-    return ", ".join(f"{s:.0f}" for s in sizes)
-
-
-def costmodel_tables(
-    details: Sequence[dict[str, Any]], summary: Sequence[dict[str, Any]],
-    splits: dict[str, tuple[list[float], list[float]]], tolerance: float,
-) -> str:
-    """:func:`towers.bench.costcheck.check_cost_model`'s rows and summary, and the splits.
-
-    ``splits``: :func:`towers.bench.costcheck.split_sizes`, named in the text so the
-    reader knows which rows each held-out fit saw.
-    """
-    lines = ["fit all: alpha, beta, gamma fitted to every size, compared on the same rows",
-             "  (in-sample: how well the formula's shape follows the rows, not a prediction)"]
-    lines += [f"{how}: fitted on {_sizes(train)} B only; predicts {_sizes(test)} B"
-              if len(train) >= 2 and test else f"{how}: too few sizes to hold any out"
-              for how, (train, test) in splits.items()]
-    return "\n".join([*lines, "", format_table(COSTMODEL_COLUMNS, details), "",
-                      format_table(_costmodel_summary_columns(tolerance), summary)])
+def costmodel_table(rows: Sequence[dict[str, Any]]) -> str:
+    """:func:`towers.bench.sections.fit_measured`'s rows: the fitted constants and errors."""
+    return format_table(COSTMODEL_COLUMNS, rows)
 
 
 def _plain(value: Any) -> Any:
@@ -257,38 +210,10 @@ def plot_ratios(rows: Sequence[dict[str, Any]], path: Path, title: str = "") -> 
                   "tab:olive" if r["kind"] == "ceiling" else "tab:blue" for r in mine]
         ax.barh([r["config"] for r in mine], [r["ratio"] for r in mine], color=colors)
         ax.axvline(1.0, color="black", linewidth=0.8)
-        ax.axvline(0.8, color="tab:red", linewidth=0.8, linestyle="--")
         ax.invert_yaxis()
         ax.tick_params(axis="y", labelsize=7, labelleft=k == 0)
         ax.set(xlabel="step time / MirroredStrategy", title=model)
-    fig.suptitle(title or "training step, ratio to MirroredStrategy (red: 0.80 target)")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="png", dpi=100)
-    return path
-
-
-def plot_graph_cost(rows: Sequence[dict[str, Any]], path: Path, title: str = "") -> Path:
-    """Graph ops and trace seconds against towers × buckets, one line per algorithm (log-log),
-    with a dotted slope-1 guide: a line parallel to it grows linearly."""
-    fig = _figure(11, 4.5)
-    shown = [r for r in rows if r.get("ops") and r.get("trace_s")]
-    for k, (key, label) in enumerate((("ops", "graph ops"), ("trace_s", "trace seconds"))):
-        ax = fig.add_subplot(1, 2, k + 1)
-        for name in dict.fromkeys(r["algorithm"] for r in shown):
-            mine = sorted((r["towers"] * r["buckets"], r[key]) for r in shown
-                          if r["algorithm"] == name)
-            ax.plot(*zip(*mine), marker="o", markersize=3, label=name)
-        if shown:
-            x0 = min(r["towers"] * r["buckets"] for r in shown)
-            x1 = max(r["towers"] * r["buckets"] for r in shown)
-            y0 = min(r[key] for r in shown)
-            ax.plot([x0, x1], [y0, y0 * x1 / x0], "k:", linewidth=1, label="linear")
-        ax.set(xscale="log", yscale="log", xlabel="towers x buckets", ylabel=label)
-        ax.grid(True, which="both", alpha=0.3)
-        if k == 0:
-            ax.legend(fontsize=7, ncol=2)
-    fig.suptitle(title or "graph cost of one step (one trace per point)")
+    fig.suptitle(title or "training step, ratio to MirroredStrategy")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, format="png", dpi=100)

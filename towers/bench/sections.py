@@ -8,31 +8,28 @@ wrong (``#wrong`` > 0 or first losses that disagree), True otherwise.
 from __future__ import annotations
 
 import argparse
+import statistics
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from towers.bench import report, training
-from towers.bench.allreduce import QUICK_SIZES, SIZES, run_allreduce
-from towers.bench.costcheck import TOLERANCE, check_cost_model, split_sizes
+from towers.bench.allreduce import QUICK_SIZES, SIZES, cost_rows, run_allreduce
+from towers.bench.costmodel import fitting
 from towers.bench.costmodel.paper import paper_section
-from towers.bench.guard import guard_section
 from towers.bench.memory import memory_section
-from towers.bench.opcount import opcount_section
 from towers.bench.phases import phases_section
 from towers.bench.pipeline import pipeline_section
 from towers.bench.profile import op_profile, summarize
-from towers.bench.scaling import LINEAR_SLOPE, TOWERS, fit_slopes, run_scaling
 from towers.bench.timing import load_average
 from towers.bench.xla import xla_section
 
-__all__ = ["SECTION", "save_json"]
+__all__ = ["SECTION", "fit_measured", "save_json"]
 
 LOSS_TOLERANCE = 1e-4
 QUICK_STEP_ALGORITHMS = ("naive", "parameter_device", "ring", "tree")
 """Towers algorithms in the training table under ``--quick`` (all registered otherwise)."""
-QUICK_SCALING_ALGORITHMS = ("naive", "ring", "tree", "halving_doubling", "nccl")
-"""Under ``--quick``, one algorithm of each growth shape (linear, n², n log n, opaque)."""
 
 
 def _towers_names(args: argparse.Namespace, quick: tuple[str, ...] | None = None) -> Any:
@@ -71,19 +68,51 @@ def allreduce_section(args: argparse.Namespace, devices: list[str], results: dic
     return not wrong
 
 
+def _errors(compared: list[dict[str, Any]], prefix: str) -> dict[str, float | None]:
+    errors = [abs(c["rel_error"]) for c in compared if not c.get("train")]
+    return {f"{prefix}median_error": statistics.median(errors) if errors else None,
+            f"{prefix}max_error": max(errors) if errors else None}
+
+
+def fit_measured(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per contender of the all-reduce table: α and the per-byte cost fitted to its times.
+
+    Every all-reduce formula moves twice the bytes it reduces, so its rows fix α and
+    ``2β + γ`` only (reported as a bandwidth, ``1 / (2β + γ)``). The ``send``/``add``
+    rows would split β from γ, but on logical CPUs their call overhead would dominate
+    the fit, so they are left out. ``fit_*``: the error of a fit to every size, on those
+    sizes (how well the formula's shape follows the rows); ``held_out_*``: fitted on
+    every other size, the error on the sizes it did not see (a prediction).
+    """
+    modelled = [r for r in cost_rows(rows) if r["algorithm"] not in ("send", "add")]
+    train = set(fitting.split_sizes([r["nbytes"] for r in modelled])[0])
+    out = []
+    for name in dict.fromkeys(r["name"] for r in modelled):
+        own = [r for r in modelled if r["name"] == name]
+        sizes = {r["nbytes"] for r in own}
+        with warnings.catch_warnings():  # "only 2β + γ": expected, said in the docstring
+            warnings.simplefilter("ignore")
+            links = fitting.fit(own, per_algorithm=True)
+            held = (fitting.holdout(own, train & sizes)
+                    if len(train & sizes) >= 2 and sizes - train else [])  # fmt: skip
+        link = links[own[0]["algorithm"]]
+        out.append({"algorithm": name, "formula": own[0]["algorithm"], "alpha": link.alpha,
+                    "per_byte": 2 * link.beta + link.gamma,
+                    **_errors(fitting.compare(own, links), "fit_"),
+                    **_errors(held, "held_out_")})
+    return out
+
+
 def costmodel_section(args: argparse.Namespace, devices: list[str], results: dict) -> bool:
-    """Fit α-β-γ per algorithm to the all-reduce rows: in-sample and on held-out sizes."""
+    """α and ``2β + γ`` fitted per algorithm to the all-reduce rows, with the fit's error."""
     if not results.get("allreduce"):
         print("\n(cost model: needs the allreduce section)")
         return True
     _say("cost model: alpha-beta-gamma fitted per algorithm to its median times")
-    details, summary = check_cost_model(results["allreduce"])
-    splits = split_sizes(results["allreduce"])
-    print(report.costmodel_tables(details, summary, splits, TOLERANCE))
-    results["costmodel"] = summary
-    results["costmodel_splits"] = {how: {"train": train, "held_out": test}
-                                   for how, (train, test) in splits.items()}
-    report.write_csv(args.out / "costmodel.csv", details)
+    rows = fit_measured(results["allreduce"])
+    print(report.costmodel_table(rows))
+    results["costmodel"] = rows
+    report.write_csv(args.out / "costmodel.csv", rows)
     return True
 
 
@@ -156,59 +185,14 @@ def _profile_picks(rows: list[dict]) -> list[str]:
     return picks + ([best["config"]] if best else [])
 
 
-def scaling_section(args: argparse.Namespace, devices: list[str], results: dict) -> bool:
-    """Trace seconds and graph ops against towers × buckets, with fitted slopes."""
-    counts = args.scaling_towers or (TOWERS[:3] if args.quick else TOWERS)
-    _say(f"scaling: one step traced for {counts} towers")
-    rows = run_scaling(devices, towers=counts,
-                       algorithms=_towers_names(args, QUICK_SCALING_ALGORITHMS),
-                       verbose=not args.quiet)
-    columns: list[report.Column] = [
-        ("algorithm\n", "l", lambda r: r["algorithm"]),
-        ("towers\n", "r", lambda r: str(r["towers"])),
-        ("buckets\n", "r", lambda r: str(r["buckets"])),
-        ("graph\nops", "r", lambda r: str(r["ops"] or "-")),
-        ("sends\n", "r", lambda r: str(r["sends"] or "-")),
-        ("trace\n(s)", "r", lambda r: f"{r['trace_s']:.2f}" if r["trace_s"] else "-"),
-    ]
-    print(report.format_table(columns, rows))
-    slopes = fit_slopes(rows)
-    slope_columns: list[report.Column] = [
-        ("algorithm\n", "l", lambda r: r["algorithm"]),
-        ("ops\nslope", "r", lambda r: f"{r['ops_slope']:.2f}"),
-        ("sends\nslope", "r", lambda r: f"{r['sends_slope']:.2f}" if r["sends_slope"] else "-"),
-        ("trace\nslope", "r", lambda r: f"{r['trace_slope']:.2f}"),
-        ("towers\nexponent", "r", lambda r: _fmt(r["towers_exponent"])),
-        ("buckets\nexponent", "r", lambda r: _fmt(r["buckets_exponent"])),
-        ("ops per\ntower*bucket", "r", lambda r: f"{r['ops_per_unit']:.1f}"),
-        (f"linear\n(<= {LINEAR_SLOPE})", "r", lambda r: "yes" if r["linear"] else "NO"),
-    ]
-    print("\ngrowth: log-log slopes against towers x buckets over all points, and local "
-          "exponents of ops\nin towers (two largest counts) and buckets (1 = linear):")
-    print(report.format_table(slope_columns, slopes))
-    results["scaling"] = rows
-    results["scaling_slopes"] = slopes
-    report.write_csv(args.out / "scaling.csv", rows)
-    if not args.no_plots:
-        report.plot_graph_cost(rows, args.out / "graph_cost.png")
-    return True
-
-
-def _fmt(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}"
-
-
 SECTION: dict[str, Callable[[argparse.Namespace, list[str], dict], bool]] = {
     "allreduce": allreduce_section,
     "costmodel": costmodel_section,
     "training": training_section,
-    "scaling": scaling_section,
     "phases": phases_section,
     "memory": memory_section,
     "pipeline": pipeline_section,
     "paper": paper_section,
-    "guard": guard_section,
-    "opcount": opcount_section,
     "xla": xla_section,
 }
 

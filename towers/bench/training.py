@@ -9,7 +9,7 @@ of 256 random examples, pre-converted to tensors:
   ``ReductionToOneDevice``, and ``CentralStorageStrategy``. The strategies and models
   come from :mod:`reference`; the loop is written here, fed a distributed batch made
   once (``reference``'s ``train_step`` builds a distributed iterator per call, which
-  costs ~0.2 s and would handicap tf.distribute);
+  would time the iterator, not the step);
 - ``towers <algorithm>/<placement>``: ``TowerTrainer.train_step`` on the tensors;
 - ``towers noop/replicated``: no exchange at all, the ceiling (not a valid step);
 - ``towers fused(<algorithm>)/<placement>``: every gradient packed into one flat buffer
@@ -42,14 +42,13 @@ from towers.training.models import mlp, mnist_cnn
 
 __all__ = [
     "BASELINES",
-    "KNOWN_FAILURES",
     "MIRRORED",
     "MODELS",
     "StepConfig",
     "fused_reducers",
     "make_batch",
     "profile_steps",
-    "run_training",
+    "run_model",
     "step_configs",
 ]
 
@@ -58,9 +57,6 @@ MODELS: dict[str, tuple[Callable[[], keras.Model], tuple[int, ...]]] = {
     "mlp": (lambda: mlp(seed=0), (784,)),
 }
 """Model name -> (factory, input shape): ``mnist_cnn`` and the 784-2048-2048-10 MLP."""
-
-KNOWN_FAILURES: dict[tuple[str, str], str] = {}
-"""(algorithm, placement) pairs the bench does not run, with the reason."""
 
 MIRRORED = "MirroredStrategy"
 BASELINES = ("single device", MIRRORED, "MirroredStrategy (R1D)", "CentralStorageStrategy")
@@ -216,9 +212,6 @@ def step_configs(
     if ceiling:
         jobs.append(("noop", functools.partial(str, "noop"), "replicated"))
     for label, factory, placement in jobs:
-        if (label, placement) in KNOWN_FAILURES:
-            errors[f"towers {label}/{placement}"] = KNOWN_FAILURES[(label, placement)]
-            continue
         try:
             configs.append(towers_config(make_model, devices, x, y, factory(), placement, label))
         except Exception as err:  # reported as a row
@@ -284,16 +277,6 @@ def run_model(
     rows = _rows(model, configs, samples, losses, errors)
     del configs, runnable
     gc.collect()
-    return rows
-
-
-def run_training(
-    devices: Sequence[str], models: Sequence[str] = tuple(MODELS), **kwargs: Any
-) -> list[dict[str, Any]]:
-    """:func:`run_model` for every model; the rows of all of them."""
-    rows: list[dict[str, Any]] = []
-    for model in models:
-        rows.extend(run_model(model, devices, **kwargs))
     return rows
 
 

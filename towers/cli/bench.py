@@ -1,13 +1,12 @@
-"""``python -m towers bench``: all-reduce table, training steps, scaling, cost-model check.
+"""``python -m towers bench``: towers beside tf.distribute, all-reduce and training step.
 
-Everything runs in one process on simulated devices (``--towers``, default 4;
-scaling uses up to 16, so the process simulates max(16, towers) and the tables
-use prefixes); ``guard`` times what exactness costs (the guard and the update's
-barrier), ``opcount`` the graph size of the chunked all-reduces, ``xla`` the XLA rows.
-Results go to the terminal and to ``--out`` (default
-``benchmarks/``): ``bench.json`` (everything, with the environment and load),
-``allreduce.csv``, ``training.csv``, ``scaling.csv``, ``costmodel.csv``,
-``pipeline.csv``, ``allreduce_algbw.png`` and ``training_ratio.png``.
+Everything runs in one process on simulated devices (``--towers``, default 4): the
+all-reduce table and the cost model fitted to it, the training-step table, the
+per-phase profile, peak memory, the input pipeline, the cost model at 8 and 1024
+H100s and XLA rows (``--workers W``: the cross-process all-reduce instead).
+Results go to the terminal and to ``--out`` (default: a fresh folder
+``towers-bench-<date>-<time>`` in the current directory): ``bench.json``
+(everything, with the environment and load) and each section's CSV and PNG files.
 
 The machine may be shared: every table is timed in interleaved rounds and
 reports medians, minima and CPU time beside the load average.
@@ -26,17 +25,15 @@ from typing import Any
 from towers.cli.arguments import algorithms, choices, output_dir
 from towers.cli.train import at_least
 
-__all__ = ["EPILOG", "SECTIONS", "add_arguments", "run"]
+__all__ = ["EPILOG", "SECTIONS", "add_arguments", "fresh_folder", "run"]
 
-SECTIONS = (
-    "allreduce", "costmodel", "training", "scaling", "phases", "memory", "paper", "pipeline",
-    "guard", "opcount", "xla",
-)
+SECTIONS = ("allreduce", "costmodel", "training", "phases", "memory", "paper", "pipeline", "xla")
 TF_CONTENDERS = ("tf.CollectiveAllReduce", "tf.ReductionToOneDevice")
 """The ``tf.*`` names ``--algorithms`` takes beside towers' (the all-reduce table only)."""
 
 EPILOG = """examples:
   python -m towers bench --quick                     # 4 KB-1 MB, few rounds (~2 min)
+  python -m towers bench --quick --out results       # write into ./results/
   python -m towers bench                             # 4 KB-64 MB, both models (~6 min)
   python -m towers bench --sections allreduce --algorithms naive,ring,tf.CollectiveAllReduce
   python -m towers bench --sections training --models mlp --profile
@@ -75,9 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--towers", type=at_least(1), default=4,
         help="simulated devices for the tables (default 4)")
-    add("--quick", action="store_true", help="4 KB-1 MB, fewer rounds, scaling to 8 towers")
-    add("--out", type=output_dir, default=Path("benchmarks"),
-        help="output folder (default benchmarks/)")
+    add("--quick", action="store_true", help="4 KB-1 MB, fewer rounds")
+    add("--out", type=output_dir, default=None,
+        help="output folder (default: a new ./towers-bench-<date>-<time>/)")
     add("--sections", type=choices(SECTIONS, "section"), default=list(SECTIONS),
         help=f"comma list of {', '.join(SECTIONS)} (default all)")
     add("--algorithms", type=algorithms(TF_CONTENDERS), default=None,
@@ -92,7 +89,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--batch-size", type=at_least(1), default=256, help="global batch of the step table (256)")
     add("--placements", type=choices(_placements, "placement"), default=None,
         help="comma list of parameter_device, replicated (default both)")
-    add("--scaling-towers", type=_ints, default=None, help="default 2,4,8,16 (quick: 2,4,8)")
     add("--profile", action="store_true",
         help="also profile the step of each tf.distribute configuration and the fastest towers one")
     add("--no-plots", action="store_true", help="skip the PNG plots")
@@ -152,18 +148,25 @@ def _registered(name: str, devices: list[str]) -> str:
     return name
 
 
+def fresh_folder(parent: Path) -> Path:
+    """``parent/towers-bench-<date>-<time>``, with ``-2``, ``-3``… if that one exists."""
+    stem = "towers-bench-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    path, k = parent / stem, 1
+    while path.exists():
+        k += 1
+        path = parent / f"{stem}-{k}"
+    return path
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the chosen sections; returns 1 when a result is wrong, else 0."""
+    args.out = args.out or fresh_folder(Path.cwd())
     if args.workers:  # its own processes: towers.bench.workers (sizes in MB)
         from towers.bench import workers
 
         return workers.run(args.workers, args.out, args.sizes, args.rounds or 7)
-    from towers.bench.scaling import TOWERS
-
-    scaling_towers = args.scaling_towers or (TOWERS[:3] if args.quick else TOWERS)
-    needed = max(args.towers, *(scaling_towers if "scaling" in args.sections else [1]))
-    devices = _devices(needed)  # first: before TensorFlow runs any op
-    from towers.bench import sections, targets
+    devices = _devices(args.towers)  # first: before TensorFlow runs any op
+    from towers.bench import sections
 
     if args.algorithms:
         try:
@@ -179,8 +182,6 @@ def run(args: argparse.Namespace) -> int:
             ok = sections.SECTION[name](args, devices, results) and ok
             results.setdefault("seconds", {})[name] = time.perf_counter() - start
             print(f"({name}: {time.perf_counter() - start:.0f} s)", flush=True)
-    results["targets"] = targets.targets(results)
-    print(targets.targets_text(results["targets"]))
     path = sections.save_json(args.out, results)
     print(f"\nwrote {path} (and the CSV/PNG files beside it)")
     return 0 if ok else 1

@@ -9,8 +9,24 @@ import tensorflow as tf
 import towers
 from tests.conftest import DEVICES
 from towers.allreduce.machinery.packed import FUSE_BELOW
-from towers.bench.opcount import CHUNKED, op_count  # the bench's own count, tested here
 from towers.schedule import Schedule, ring_schedule
+
+CHUNKED = ("ring", "swing", "bruck", "pat", "torus_2d", "halving_doubling")
+
+
+def op_count(name: str, n: int, size: int = 1000) -> int:
+    """Ops in the traced all-reduce (``name``) of one ``size``-element value per tower."""
+    devices = [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(n)]
+
+    def run(*xs: tf.Tensor) -> list[tf.Tensor]:
+        values = []
+        for x, device in zip(xs, devices):
+            with tf.device(device):
+                values.append(tf.identity(x))
+        return towers.all_reduce(values, algorithm=name)
+
+    specs = [tf.TensorSpec([size], tf.float32)] * n
+    return len(tf.function(run).get_concrete_function(*specs).graph.get_operations())
 
 
 def messages(schedule: Schedule) -> int:

@@ -106,9 +106,8 @@ class PhasedStep:
         with_outputs: return ``(loss, outputs)`` instead of the loss.
         nested: one call per step (True) or two (False).
         barrier: False traces the update *into* the step, under the caller's settings:
-            no call op, no as-written, so Grappler may reorder its sums. A calibration,
-            never a trainer's form: ``towers bench --sections guard`` times it beside the
-            nested form to show what the barrier costs (nested only).
+            no call op, no as-written, so Grappler may reorder its sums. A control for
+            tests of the barrier, never a trainer's form (nested only).
     """
 
     def __init__(self, forward: Any, update: Any, with_outputs: bool = False,
