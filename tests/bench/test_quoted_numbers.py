@@ -1,4 +1,4 @@
-"""The README's performance table quotes the run in benchmarks/: every target's value there."""
+"""docs/benchmarks.md quotes the run in benchmarks/: every target's value there."""
 
 from __future__ import annotations
 
@@ -11,10 +11,9 @@ from towers.bench import floors
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_the_readme_quotes_the_benchmark_run_it_ships() -> None:
+def test_the_docs_quote_the_benchmark_run_they_ship() -> None:
     results = json.loads((ROOT / "benchmarks" / "bench.json").read_text())
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Performance"):readme.index("## Layout")]
+    section = (ROOT / "docs" / "benchmarks.md").read_text()
     quoted = [t for t in results["targets"] if not t["target"].startswith("cost model")]
     # 3 all-reduce targets, one per chunked schedule (6), 4 per model (2 models), the
     # guard's share per model and placement (2 x 2)
@@ -28,7 +27,7 @@ def test_the_readme_quotes_the_benchmark_run_it_ships() -> None:
 
 
 def test_the_exactness_table_quotes_the_guard_section_of_that_run() -> None:
-    """README and docs/performance.md show the default step's ratios to
+    """docs/benchmarks.md and docs/performance.md show the default step's ratios to
     CentralStorageStrategy, guarded/unguarded × barrier/inlined: the run's numbers."""
     results = json.loads((ROOT / "benchmarks" / "bench.json").read_text())
     names = {"conv-mnist": "conv-MNIST", "mlp": "wide MLP"}
@@ -37,14 +36,14 @@ def test_the_exactness_table_quotes_the_guard_section_of_that_run() -> None:
         rows = {(r["on_nonfinite"], r["update"]): r["vs_css"] for r in results["guard"]
                 if r["model"] == model and r["config"] == "towers naive/parameter_device"}
         line = f"| {label} | " + " | ".join(f"{rows[k]:.3f}" for k in order) + " |"
-        for page in ("README.md", "docs/performance.md"):
+        for page in ("docs/benchmarks.md", "docs/performance.md"):
             assert line in (ROOT / page).read_text(), (page, line)
 
 
 def test_the_pipeline_table_and_the_chunked_timings_quote_that_run() -> None:
-    """README's input-pipeline table is benchmarks/pipeline.csv; its chunked-schedule
-    bullet quotes the same run's 64 MB times and calibration ratios."""
-    readme = (ROOT / "README.md").read_text()
+    """docs/step.md's input-pipeline table is benchmarks/pipeline.csv; docs/benchmarks.md's
+    chunked-schedule bullet quotes the same run's 64 MB times and calibration ratios."""
+    readme = (ROOT / "docs" / "step.md").read_text()
     with (ROOT / "benchmarks" / "pipeline.csv").open() as f:
         rows = list(csv.DictReader(f))
     names = {"conv-mnist": "conv-mnist", "mlp": "wide MLP"}
@@ -59,7 +58,8 @@ def test_the_pipeline_table_and_the_chunked_timings_quote_that_run() -> None:
     us = {r["algorithm"]: r["time_us"] for r in results["allreduce"] if r["size"] == size}
     chunked = [us[a] / 1e3 for a in ("ring", "swing", "bruck", "pat", "torus_2d",
                                      "halving_doubling")]
-    bullet = readme[readme.index("- *Chunked schedules*"):readme.index("- *XLA*")]
+    page = (ROOT / "docs" / "benchmarks.md").read_text()
+    bullet = page[page.index("- *Chunked schedules*"):page.index("- *XLA*")]
     assert f"{min(chunked):.1f}–{max(chunked):.1f} ms at 64 MB" in bullet
     assert f"naive's {us['naive'] / 1e3:.1f} ms" in bullet
     ratios = [t / (us["naive"] / 1e3) for t in chunked]
@@ -74,10 +74,10 @@ def test_the_pipeline_table_and_the_chunked_timings_quote_that_run() -> None:
 
 
 def test_the_profile_and_xla_bullets_quote_that_run() -> None:
-    """The README's step-vs-CentralStorageStrategy and XLA bullets quote the same run's
-    profiled wall times, guard thread time and XLA rows."""
+    """docs/benchmarks.md's step-vs-CentralStorageStrategy and XLA bullets quote the same
+    run's profiled wall times, guard thread time and XLA rows."""
     results = json.loads((ROOT / "benchmarks" / "bench.json").read_text())
-    readme = " ".join((ROOT / "README.md").read_text().split())
+    readme = " ".join((ROOT / "docs" / "benchmarks.md").read_text().split())
     phase = {(p["model"], p["config"]): p for p in results["phases"]}
     towers, css = "towers naive/parameter_device", "CentralStorageStrategy"
     walls = [f"{phase[(m, towers)]['wall_ms']:.1f} against {phase[(m, css)]['wall_ms']:.1f}"
