@@ -5,8 +5,9 @@ repository's root as working directory, as a reader who cloned it runs it) and p
 what the README shows it printing. The README stays short (≤ 300 lines), shows the step
 as a picture in its first screen, and every docs page it links exists.
 
-The reference material lives in docs/: "Add your own reduction" (docs/algorithms.md) and
-the Keras quick tour (docs/keras.md) run in this process as printed; the mistake count of
+The reference material lives in docs/: docs/step.md's blocks run in a fresh process too;
+"Add your own reduction" (docs/algorithms.md) and the Keras quick tour (docs/keras.md) run
+in this process as printed; the mistake count of
 docs/reliability.md is the executed matrix's length; every picture a page shows is a file
 of the checkout.
 """
@@ -86,14 +87,27 @@ def test_the_readme_has_one_block_per_path() -> None:
 
 @pytest.mark.parametrize("index", range(len(PRINTS)))
 def test_each_readme_block_runs_as_pasted_in_a_fresh_process(index: int) -> None:
-    block = _readme_blocks()[index]
+    out = _run(_readme_blocks()[index])
+    for pattern in PRINTS[index]:
+        assert re.search(pattern, out), (pattern, out)
+
+
+def _run(code: str) -> str:
+    """``code`` in a fresh Python process from the repository's root; its stdout."""
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
     env.pop("PYTHONPATH", None)  # what a reader has: the checkout as working directory
-    done = subprocess.run([sys.executable, "-c", block], cwd=ROOT, env=env, capture_output=True,
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    for pattern in PRINTS[index]:
-        assert re.search(pattern, done.stdout), (pattern, done.stdout)
+    return done.stdout
+
+
+def test_the_step_page_runs_as_pasted_in_a_fresh_process() -> None:
+    """docs/step.md's blocks, in order in one process: the step, its phases, tf.data."""
+    code = "".join(PYTHON_BLOCK.findall((DOCS / "step.md").read_text()))
+    out = _run(code)
+    assert "examples per tower: [3, 3, 3, 1]" in out, out  # MirroredStrategy's split
+    assert "last batch per tower: [1, 1, 0, 0]" in out, out
 
 
 def test_each_readme_block_shows_what_it_prints() -> None:
