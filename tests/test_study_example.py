@@ -1,7 +1,7 @@
 """examples/study_codecs.py runs as a user runs it (own process, 4 simulated devices).
 
 ``--steps 1`` trains one step per reducer (about 13 s of CPU on 2 cores, most of it
-tracing four steps); the full run is the README's table.
+tracing four steps); the full run is docs/codecs.md's table.
 """
 
 from __future__ import annotations

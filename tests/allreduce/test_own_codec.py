@@ -1,10 +1,10 @@
-'''README "Write your own codec": its two blocks, run as printed.
+'''docs/codecs.md "Write your own codec": its two blocks, run as printed.
 
 ``CODEC`` is ``my_codecs.py`` and ``USAGE`` the code that checks, registers and trains with
-it, character for character as /work/wt/d-README.md gives them for README.md; once README.md
-has the section, its blocks must equal these (an edit on either side that breaks the other
-fails here). The only change made to run them in this process: the 8 devices conftest
-simulated are already there, so ``simulate_devices(4)`` takes the first 4 of them.
+it, character for character as docs/codecs.md gives them: its blocks must equal these (an
+edit on either side that breaks the other fails here). The only change made to run them in
+this process: the 8 devices conftest simulated are already there, so
+``simulate_devices(4)`` takes the first 4 of them.
 '''
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "codecs.md"
 
 CODEC = '''\
 import dataclasses
@@ -91,19 +91,15 @@ print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
 '''
 
 
-def _readme_blocks() -> list[str] | None:
-    text = README.read_text()
-    if "## Write your own codec" not in text:
-        return None  # the lead pastes the section from d-README.md
+def _page_blocks() -> list[str]:
+    text = PAGE.read_text()
     start = text.index("## Write your own codec")
     end = text.find("\n## ", start + 1)
     return re.findall(r"```python\n(.*?)```", text[start:end if end > 0 else None], re.S)
 
 
-def test_readme_blocks_are_these() -> None:
-    blocks = _readme_blocks()
-    if blocks is not None:
-        assert blocks[:2] == [CODEC, USAGE]
+def test_the_page_blocks_are_these() -> None:
+    assert _page_blocks()[:2] == [CODEC, USAGE]
 
 
 def test_the_codec_passes_its_check_and_trains(

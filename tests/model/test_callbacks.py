@@ -1,4 +1,4 @@
-"""Every callback in ``keras.callbacks`` on a TowerModel: one test per row of the README table.
+"""Every callback in ``keras.callbacks`` on a TowerModel: one test per row of docs/keras.md's table.
 
 Each test checks what the callback is for (a file written, training stopped, a value
 restored or changed) and that every replica agrees afterwards. The callbacks run on
