@@ -45,6 +45,11 @@ def _hyperparameters(optimizer: Any) -> dict[str, Any]:
     made inside ``load_model``), so a change is copied onto the inner object itself."""
     config = dict(optimizer.get_config())
     config.pop("name", None)
+    # A serialized object (a LearningRateSchedule as the learning rate) is no value anyone
+    # can set: Keras refuses to. Every replica's optimizer was made from the same config,
+    # so its schedule follows the same iterations; its serialized form may still differ
+    # after load_model (shared-object ids), which is no change.
+    config = {k: v for k, v in config.items() if not isinstance(v, dict)}
     inner = getattr(optimizer, "inner_optimizer", None)
     if isinstance(inner, keras.optimizers.Optimizer):
         config["inner_optimizer"] = _hyperparameters(inner)
