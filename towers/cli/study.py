@@ -25,7 +25,7 @@ from typing import Any
 
 from towers.cli.train import at_least, positive_float
 
-__all__ = ["EPILOG", "add_arguments", "run"]
+__all__ = ["EPILOG", "add_arguments", "run", "usage_problem"]
 
 EPILOG = """examples:
   python -m towers study ring fp16 "topk(0.1)" "powersgd(4)"
@@ -63,8 +63,9 @@ def _fail(message: str) -> int:
     return 2
 
 
-def _writable(prefix: str) -> str | None:
-    """Why PREFIX.csv / PREFIX.png cannot be written (None: they can)."""
+def usage_problem(args: argparse.Namespace) -> str | None:
+    """Why PREFIX.csv / PREFIX.png cannot be written (None: they can), before TensorFlow."""
+    prefix = args.out
     folder = Path(prefix).parent
     if not folder.is_dir():
         return f"--out: no such folder {str(folder)!r}"
@@ -88,9 +89,6 @@ def _data(model: str) -> tuple[Any, tuple]:
 
 def run(args: argparse.Namespace) -> int:
     """Run the study; returns a process exit code."""
-    why = _writable(args.out)
-    if why:
-        return _fail(why)
     from towers.trace.loading import start_devices
 
     try:
