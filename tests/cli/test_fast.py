@@ -85,10 +85,10 @@ def test_the_names_checked_without_tensorflow_are_the_registries() -> None:
     from towers.allreduce.machinery.base import DTYPES, OPS
     from towers.testing.compare import REFERENCES
 
-    assert names.ALGORITHMS == tuple(sorted(towers.ALGORITHMS))
-    assert names.OPS == tuple(OPS)
-    assert names.DTYPES == tuple(d.name for d in DTYPES)
-    assert names.REFERENCES == tuple(REFERENCES)
+    assert tuple(sorted(towers.ALGORITHMS)) == names.ALGORITHMS
+    assert tuple(OPS) == names.OPS
+    assert tuple(d.name for d in DTYPES) == names.DTYPES
+    assert tuple(REFERENCES) == names.REFERENCES
 
 
 def _help_entries(text: str) -> dict[str, str]:

@@ -70,7 +70,12 @@ def _side(text: str) -> str:
     if text in names.REFERENCES:
         return text
     if text.startswith("towers:"):
-        algorithm(text.removeprefix("towers:"))
+        name = text.removeprefix("towers:")
+        if not name or name in names.REFERENCES:
+            raise argparse.ArgumentTypeError(
+                f"expected an algorithm name after 'towers:', got {text!r}"
+                + (f" ({name} is a tf.distribute reference: name it alone)" if name else ""))
+        algorithm(name)
         return text
     return str(algorithm(text))  # a registered name or module:NAME that can be found
 
