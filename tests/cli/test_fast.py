@@ -48,6 +48,8 @@ USAGE_ERRORS = [
      "argument --step: cannot import 'no_such_module_xyz'"),
     (["launch", "--workers", "0", "--", "true"], "need --workers >= 1"),
     (["study", "--out", "/no/such/dir/s"], "--out: no such folder '/no/such/dir'"),
+    (["study", "ring", "fp61"], "argument REDUCER: 'fp61': unknown 'fp61' (did you mean fp16?)"),
+    (["study", "topk(0.1)@rign"], "unknown all-reduce 'rign' after @ (did you mean ring?)"),
 ]
 
 RUN_EACH = """
@@ -82,10 +84,12 @@ def test_every_usage_error_is_one_line_exit_2_before_tensorflow(tmp_path: Path) 
 
 def test_the_names_checked_without_tensorflow_are_the_registries() -> None:
     import towers
+    from towers.allreduce import CODECS
     from towers.allreduce.machinery.base import DTYPES, OPS
     from towers.testing.compare import REFERENCES
 
     assert tuple(sorted(towers.ALGORITHMS)) == names.ALGORITHMS
+    assert tuple(sorted(CODECS)) == names.CODECS
     assert tuple(OPS) == names.OPS
     assert tuple(d.name for d in DTYPES) == names.DTYPES
     assert tuple(REFERENCES) == names.REFERENCES

@@ -1,10 +1,10 @@
 """The names the command line checks while it parses, without importing TensorFlow.
 
-The registries (``towers.ALGORITHMS``, ``towers.allreduce.machinery.base.OPS`` and
-``DTYPES``, ``towers.testing.compare.REFERENCES``) import TensorFlow, which takes seconds;
-a usage error must not wait for it. These tuples are their names, in the registries'
-order; ``tests/cli/test_names.py`` keeps them equal, so a new algorithm is one line here
-beside its ``register`` call.
+The registries (``towers.ALGORITHMS``, ``towers.allreduce.CODECS``,
+``towers.allreduce.machinery.base.OPS`` and ``DTYPES``,
+``towers.testing.compare.REFERENCES``) import TensorFlow, which takes seconds; a usage
+error must not wait for it. These tuples are their names; ``tests/cli/test_fast.py``
+keeps them equal, so a new algorithm or codec is one line here beside its registration.
 
 A module under ``towers/allreduce`` could not hold them: importing any of its modules runs
 the package's ``__init__``, which imports TensorFlow.
@@ -12,13 +12,16 @@ the package's ``__init__``, which imports TensorFlow.
 
 from __future__ import annotations
 
-__all__ = ["ALGORITHMS", "DTYPES", "OPS", "REFERENCES"]
+__all__ = ["ALGORITHMS", "CODECS", "DTYPES", "OPS", "REFERENCES"]
 
 ALGORITHMS = (
     "bruck", "double_binary_tree", "halving_doubling", "hierarchical", "naive", "nccl",
     "nccl_ring", "nccl_tree", "parameter_device", "pat", "ring", "swing", "torus_2d", "tree",
 )
 """The registered all-reduces, sorted (``sorted(towers.ALGORITHMS)``)."""
+
+CODECS = ("bf16", "fp16", "identity", "powersgd", "topk")
+"""The registered codecs, sorted (``sorted(towers.allreduce.CODECS)``)."""
 
 OPS = ("sum", "mean", "max", "min")
 """The reductions of the contract."""

@@ -23,6 +23,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from towers.cli import names
+from towers.cli.arguments import did_you_mean, spec_found
 from towers.cli.train import at_least, positive_float
 
 __all__ = ["EPILOG", "add_arguments", "run", "usage_problem"]
@@ -36,9 +38,33 @@ EPILOG = """examples:
 SYSTEM_NAMES = ("8xH100", "1024xH100")
 
 
+def reducer(text: str) -> str:
+    """An argparse ``type``: a REDUCER's names checked without TensorFlow (the registered
+    all-reduce after ``@``, the registered name or the findable module before it); its
+    arguments and what a module holds are checked by ``towers.study.parse_spec``."""
+    head, at, algorithm = text.strip().rpartition("@")
+    head = head if at else algorithm
+    if at and algorithm not in names.ALGORITHMS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: unknown all-reduce {algorithm!r} after @"
+            f"{did_you_mean(algorithm, names.ALGORITHMS)}; choose from "
+            f"{', '.join(names.ALGORITHMS)}")
+    if ":" in head:
+        spec_found(head, "reducer")
+        return text
+    name = head.split("(", 1)[0].strip()
+    known = names.ALGORITHMS + names.CODECS
+    if name not in known:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: unknown {name!r}{did_you_mean(name, known)}; choose an all-reduce "
+            f"({', '.join(names.ALGORITHMS)}), a codec ({', '.join(names.CODECS)}) or "
+            "module:NAME")
+    return text
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``towers study``."""
-    parser.add_argument("reducers", nargs="*", metavar="REDUCER",
+    parser.add_argument("reducers", nargs="*", metavar="REDUCER", type=reducer,
                         default=["ring", "fp16", "topk(0.1)", "powersgd(4)"],
                         help='what to compare (default: ring fp16 "topk(0.1)" "powersgd(4)")')
     parser.add_argument("--towers", type=at_least(2), default=4,
