@@ -88,7 +88,7 @@ def parser() -> argparse.ArgumentParser:
 
 def _build() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The parser and each command's own (whose name its errors carry)."""
-    commands = {}
+    commands: dict[str, argparse.ArgumentParser] = {}
     top = _Parser(
         prog="towers", description="Exact, teachable data-parallel training in TensorFlow."
     )
