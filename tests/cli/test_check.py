@@ -142,9 +142,9 @@ def test_prove_0_skips_the_proof(capsys) -> None:
     [
         (["butterfly"], "argument algorithm: unknown algorithm 'butterfly'"),
         (["tests.cli.test_check:nothing"], "has no 'nothing'"),
-        (["ring", "--towers", "9"], "tower counts in 1..8"),
+        (["ring", "--towers", "9"], "argument --towers: 9 is more than --max-towers 8"),
         (["ring", "--dtypes", "float33"], "argument --dtypes: unknown dtype 'float33'"),
-        (["swing", "--prove", "-1"], "--prove >= 0"),
+        (["swing", "--prove", "-1"], "argument --prove: must be an integer >= 0"),
     ],
 )
 def test_bad_input_exits_2_with_a_message(args: list[str], message: str, capsys) -> None:

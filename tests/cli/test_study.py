@@ -29,7 +29,7 @@ class NotAnAlgorithm:
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["study", "zip"], "unknown codec 'zip'"),
+    (["study", "zip"], "unknown 'zip'; choose an all-reduce"),
     (["study", "ring", "--out", "/no/such/folder/s"], "--out: no such folder"),
     (["study", "ring", "--batch", "100000"], "--batch 100000 is more than"),
     (["study", "ring", "--towers", "1"], "must be an integer >= 2"),

@@ -13,20 +13,29 @@ Commands:
     compare   compare two training steps (yours or towers') on every batch, teacher-forced.
     study     compare reducers and codecs: loss against gradient bytes and predicted time.
 
-Each command lives in its own module with ``add_arguments(parser)`` and
-``run(args) -> exit code``. Algorithms and codecs are a registered name or ``module:NAME``
-in every command (:mod:`towers.cli.arguments`); a usage error is one line and exit
-status 2, before any work. Nothing starts TensorFlow's runtime before a command runs,
-so each can simulate the devices it needs first.
+Each command lives in its own module with ``add_arguments(parser)``, ``run(args) -> exit
+code`` and, when its options can contradict each other, ``usage_problem(args) -> str |
+None``. Algorithms and codecs are a registered name or ``module:NAME`` in every command
+(:mod:`towers.cli.arguments`). Arguments are parsed and ``usage_problem`` asked before
+TensorFlow is imported, so a usage error answers at once: one line on stderr, ``towers
+CMD: error: …`` naming the option (with the nearest known name for a near miss), and exit
+status 2, before any work. ``--help`` shows every option's default. Then TensorFlow is
+imported quietly (:mod:`towers.cli.quiet`; ``--verbose`` shows its log), what
+``module:NAME`` options name is imported and checked, and the command runs. Nothing starts
+TensorFlow's runtime before a command runs, so each can simulate the devices it needs first.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
+
+from towers.cli.arguments import Named, did_you_mean
+from towers.cli.quiet import quiet_tensorflow
 
 __all__ = ["COMMANDS", "main", "parser"]
 
@@ -46,35 +55,91 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 class _Parser(argparse.ArgumentParser):
-    """A usage error is one line on stderr, naming the option, and exit status 2."""
+    """A usage error is one line on stderr, naming the option, and exit status 2; an
+    invalid choice names the nearest one."""
 
     def error(self, message: str) -> NoReturn:
+        choice = _INVALID_CHOICE.search(message)
+        if choice:
+            known = [name.strip(" '") for name in choice["known"].split(",")]
+            message += did_you_mean(choice["word"], known)
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+_INVALID_CHOICE = re.compile(r"invalid choice: '(?P<word>[^']*)' \(choose from (?P<known>.*)\)$")
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """The module's docstring as written, and every option's default in its help (unless
+    the help already says it)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if ("default" in text or action.default in (None, False, argparse.SUPPRESS)
+                or not (action.option_strings or action.nargs in ("?", "*"))):
+            return text
+        return f"{text} (default: %(default)s)"
 
 
 def parser() -> argparse.ArgumentParser:
     """The argument parser with every subcommand."""
+    return _build()[0]
+
+
+def _build() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The parser and each command's own (whose name its errors carry)."""
+    commands: dict[str, argparse.ArgumentParser] = {}
     top = _Parser(
         prog="towers", description="Exact, teachable data-parallel training in TensorFlow."
     )
-    sub = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = top.add_subparsers(dest="towers_command", required=True, metavar="COMMAND",
+                             parser_class=_Parser)
     for name, (module_name, help_text) in COMMANDS.items():
         module = importlib.import_module(module_name)
-        command = sub.add_parser(
-            name,
-            help=help_text,
-            description=module.__doc__,
-            epilog=getattr(module, "EPILOG", None),
-            formatter_class=argparse.RawDescriptionHelpFormatter,
-        )
+        command = sub.add_parser(name, help=help_text, description=module.__doc__,
+                                 epilog=getattr(module, "EPILOG", None),
+                                 formatter_class=_Formatter)  # fmt: skip
         module.add_arguments(command)
-        command.set_defaults(func=module.run)
-    return top
+        command.add_argument("--verbose", action="store_true",
+                             help="show TensorFlow's own log lines (hidden by default)")
+        command.set_defaults(func=module.run, usage_problem=getattr(module, "usage_problem",
+                                                                    None))
+        commands[name] = command
+    return top, commands
+
+
+def _unrecognized(command: argparse.ArgumentParser, extra: Sequence[str]) -> str:
+    """argparse's message for arguments no option takes, with the nearest option."""
+    known = [s for action in command._actions for s in action.option_strings]
+    hints = [did_you_mean(word.split("=", 1)[0], known) for word in extra if word[:2] == "--"]
+    return f"unrecognized arguments: {' '.join(extra)}{''.join(h for h in hints if h)}"
+
+
+def _load_named(command: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Import and check what every ``module:NAME`` option names (a usage error if it fails)."""
+    for action in command._actions:
+        value = getattr(args, action.dest, None)
+        if isinstance(action.type, Named) and value is not None:
+            try:
+                action.type.load(value)
+            except argparse.ArgumentTypeError as err:
+                name = "/".join(action.option_strings) or action.metavar or action.dest
+                command.error(f"argument {name}: {err}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Parse ``argv`` and run the chosen command."""
-    args = parser().parse_args(argv)
+    """Parse ``argv`` (a usage error exits 2 before TensorFlow loads) and run the command."""
+    top, commands = _build()
+    args, extra = top.parse_known_args(argv)
+    command = commands[args.towers_command]
+    if extra:
+        command.error(_unrecognized(command, extra))
+    problem = args.usage_problem and args.usage_problem(args)
+    if problem:  # between options: one line and exit status 2, as argparse's own
+        print(f"{command.prog}: error: {problem}", file=sys.stderr)
+        return 2
+    quiet_tensorflow(args.verbose)
+    _load_named(command, args)
     return int(args.func(args))
 
 

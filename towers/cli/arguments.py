@@ -4,8 +4,13 @@ An algorithm or a codec is a registry name or ``module:NAME`` (``file.py:NAME``)
 command; a list is comma-separated; an output path must be writable. Each type is checked
 while the arguments are parsed, so a bad value exits 2 with one line that names the
 option, before any work (argparse: ``towers bench: error: argument --ops: ...``).
-Registry names need the registries, which import TensorFlow: the types import them only
-when a value is checked, never for ``--help``.
+
+Parsing imports no TensorFlow, so a usage error answers at once: registry names are
+checked against :mod:`towers.cli.names`, and ``module:NAME`` only as far as finding the
+file or the module without running it. A :class:`Named` type then ``load`` s what the
+user named, after parsing and before the command runs (the user's module may import
+TensorFlow): a module that fails to import, a missing or wrong ``NAME`` is still a usage
+error naming the option.
 
 Example:
     >>> parser.add_argument("--algorithm", type=algorithm, default="ring")  # doctest: +SKIP
@@ -15,27 +20,37 @@ Example:
 from __future__ import annotations
 
 import argparse
+import difflib
+import importlib.machinery
+import importlib.util
+import os
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import Any
+
+from towers.cli import names
 
 __all__ = [
-    "algorithm", "algorithms", "choices", "codec", "dtypes", "ops", "output_dir", "output_file",
+    "Named", "algorithm", "algorithms", "choices", "codec", "did_you_mean", "dtypes",
+    "importable", "ops", "output_dir", "output_file", "spec_found", "user_object",
 ]
+
+
+def did_you_mean(word: str, known: Iterable[str]) -> str:
+    """`` (did you mean X?)`` for the nearest of ``known`` to ``word``, or ``""``."""
+    close = difflib.get_close_matches(word, list(known), n=3, cutoff=0.6)
+    return f" (did you mean {' or '.join(close)}?)" if close else ""
 
 
 def ops() -> tuple[str, ...]:
     """The reductions of the contract (``towers.allreduce.machinery.base.OPS``)."""
-    from towers.allreduce.machinery.base import OPS
-
-    return tuple(OPS)
+    return names.OPS
 
 
 def dtypes() -> tuple[str, ...]:
     """The dtypes of the contract, by name (``towers.allreduce.machinery.base.DTYPES``)."""
-    from towers.allreduce.machinery.base import DTYPES
-
-    return tuple(d.name for d in DTYPES)
+    return names.DTYPES
 
 
 def _items(text: str) -> list[str]:
@@ -43,6 +58,70 @@ def _items(text: str) -> list[str]:
     if not items:
         raise argparse.ArgumentTypeError(f"expected a comma list, got {text!r}")
     return items
+
+
+class Named:
+    """An argparse ``type`` whose value may name a user's object (``module:NAME``).
+
+    Called while parsing, it checks without importing anything (a registered name, a file
+    that exists, a module that can be found); :meth:`load` then imports what the value
+    names and checks it, after parsing (``towers.cli.main`` calls it for every such option).
+
+    Args:
+        check: ``text -> value``, raising ``argparse.ArgumentTypeError``; no TensorFlow.
+        load_one: ``text -> None`` for one name, raising ``argparse.ArgumentTypeError``.
+        name: what argparse calls the type.
+    """
+
+    def __init__(self, check: Callable[[str], Any], load_one: Callable[[str], None],
+                 name: str) -> None:
+        self._check, self._load_one, self.__name__ = check, load_one, name
+
+    def __call__(self, text: str) -> Any:
+        return self._check(text)
+
+    def load(self, value: Any) -> None:
+        """Import and check every ``module:NAME`` in ``value`` (a name or a list of them)."""
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, str) and ":" in item:
+                self._load_one(item)
+
+
+def _findable(module: str) -> bool:
+    """Can ``module`` (dotted) be imported, as far as finding it without running it tells?
+    The current folder is searched last, as :func:`import_spec` does."""
+    top, *rest = module.split(".")
+    try:
+        spec = importlib.util.find_spec(top)
+    except (ImportError, ValueError):  # a module in sys.modules without a spec: it exists
+        return True
+    spec = spec or importlib.machinery.PathFinder.find_spec(top, [os.getcwd()])
+    for part in rest:
+        if spec is None:
+            return False
+        if spec.submodule_search_locations is None:  # a module's attribute (os.path): import
+            return True
+        spec = importlib.machinery.PathFinder.find_spec(f"{spec.name}.{part}",
+                                                        list(spec.submodule_search_locations))
+    return spec is not None
+
+
+def spec_found(text: str, what: str) -> str:
+    """``text`` as ``module:NAME`` or ``file.py:NAME`` whose file exists or whose module can
+    be found (nothing is imported: the module may import TensorFlow)."""
+    module, sep, attr = text.rpartition(":")
+    if not sep or not module or not attr:
+        raise argparse.ArgumentTypeError(
+            f"{what} {text!r}: expected module:NAME or file.py:NAME")
+    if module.endswith(".py"):
+        if not Path(module).is_file():
+            raise argparse.ArgumentTypeError(
+                f"no such file {module!r} (for {what} {text}); give the path of a .py file")
+    elif not _findable(module):
+        raise argparse.ArgumentTypeError(
+            f"cannot import {module!r} for {what} {text}: no such module on the path or in "
+            "the current folder")
+    return text
 
 
 def _user(text: str, what: str) -> object:
@@ -54,33 +133,52 @@ def _user(text: str, what: str) -> object:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
-def algorithm(text: str) -> str:
-    """A registered all-reduce (``towers.ALGORITHMS``, or ``noop``) or ``module:NAME``."""
-    from towers.allreduce import ALGORITHMS
-
+def _algorithm_name(text: str) -> str:
     if ":" in text:
-        from towers.allreduce.machinery.specs import is_reducer
-
-        obj = _user(text, "algorithm")
-        if not callable(obj) and not is_reducer(obj):
-            raise argparse.ArgumentTypeError(
-                f"{text} is a {type(obj).__name__}, not an all-reduce, a factory of one or a "
-                "GradientReducer")
-    elif text not in ALGORITHMS and text != "noop":
+        return spec_found(text, "algorithm")
+    if text not in names.ALGORITHMS and text != "noop":
         raise argparse.ArgumentTypeError(
-            f"unknown algorithm {text!r}; choose from {', '.join(sorted(ALGORITHMS))} "
-            "or name your own as module:NAME")
+            f"unknown algorithm {text!r}{did_you_mean(text, names.ALGORITHMS)}; choose from "
+            f"{', '.join(names.ALGORITHMS)} or name your own as module:NAME")
     return text
 
 
-def algorithms(extra: Sequence[str] = ()) -> Callable[[str], list[str]]:
-    """A comma list of :func:`algorithm` s, or of the ``extra`` names (``tf.*`` contenders)."""
+def _load_algorithm(text: str) -> None:
+    from towers.allreduce.machinery.specs import is_reducer
+
+    obj = _user(text, "algorithm")
+    if not callable(obj) and not is_reducer(obj):
+        raise argparse.ArgumentTypeError(
+            f"{text} is a {type(obj).__name__}, not an all-reduce, a factory of one or a "
+            "GradientReducer")
+
+
+algorithm = Named(_algorithm_name, _load_algorithm, "algorithm")
+"""A registered all-reduce (``towers.ALGORITHMS``, or ``noop``) or ``module:NAME``."""
+
+
+def algorithms(extra: Sequence[str] = ()) -> Named:
+    """A comma list of :data:`algorithm` s, or of the ``extra`` names (``tf.*`` contenders)."""
 
     def parse(text: str) -> list[str]:
         return [name if name in extra else algorithm(name) for name in _items(text)]
 
-    parse.__name__ = "algorithms"
-    return parse
+    return Named(parse, _load_algorithm, "algorithms")
+
+
+def importable(what: str) -> Callable[[str], None]:
+    """A loader for :class:`Named`: ``module:NAME``'s module imports and has ``NAME``."""
+
+    def load(text: str) -> None:
+        _user(text, what)
+
+    return load
+
+
+def user_object(what: str) -> Named:
+    """``module:NAME`` or ``file.py:NAME`` naming a ``what`` (a step factory, a model
+    factory), checked by :func:`importable` after parsing."""
+    return Named(lambda text: spec_found(text, what), importable(what), what)
 
 
 def codec(text: str) -> str:
@@ -106,7 +204,8 @@ def choices(allowed: Sequence[str] | Callable[[], Sequence[str]],
         unknown = [item for item in items if item not in known]
         if unknown:
             raise argparse.ArgumentTypeError(
-                f"unknown {what} {', '.join(map(repr, unknown))}; choose from {', '.join(known)}")
+                f"unknown {what} {', '.join(map(repr, unknown))}"
+                f"{did_you_mean(unknown[0], known)}; choose from {', '.join(known)}")
         return items
 
     parse.__name__ = f"{what} list"

@@ -22,7 +22,14 @@ from __future__ import annotations
 
 import argparse
 
-from towers.cli.compare import add_problem_arguments, exit_code, fail, load_problem, load_side
+from towers.cli.compare import (
+    add_problem_arguments,
+    exit_code,
+    fail,
+    load_problem,
+    load_side,
+    side,
+)
 from towers.cli.train import at_least, positive_float
 
 __all__ = ["EPILOG", "add_arguments", "run"]
@@ -37,10 +44,11 @@ EPILOG = """examples:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``towers bisect``."""
-    parser.add_argument("--a", required=True, metavar="CONFIG",
+    parser.add_argument("--a", required=True, metavar="CONFIG", type=side,
                         help="the teacher: an algorithm, towers:NAME, module:function, "
                         "mirrored or central_storage")
-    parser.add_argument("--b", required=True, metavar="CONFIG", help="the one under test")
+    parser.add_argument("--b", required=True, metavar="CONFIG", type=side,
+                        help="the one under test")
     parser.add_argument("--towers", type=at_least(1), default=4,
                         help="towers of both runs (default 4)")
     parser.add_argument("--variables", choices=("replicated", "parameter_device"),

@@ -32,8 +32,9 @@ import sys
 from typing import Any
 
 from towers.cli.arguments import algorithm, choices, dtypes, ops
+from towers.cli.train import at_least
 
-__all__ = ["EPILOG", "add_arguments", "run"]
+__all__ = ["EPILOG", "add_arguments", "budgets", "run", "usage_problem"]
 
 EPILOG = """examples:
   python -m towers check my_algos:star                     # ./my_algos.py
@@ -51,23 +52,31 @@ def _names(text: str) -> list[str]:
 
 def _counts(text: str) -> list[int]:
     try:
-        return sorted({int(part) for part in _names(text)})
+        counts = sorted({int(part) for part in _names(text)})
     except ValueError:
-        message = f"expected tower counts like 2,4,8; got {text!r}"
-        raise argparse.ArgumentTypeError(message) from None
+        counts = []
+    if not counts or counts[0] < 1:
+        raise argparse.ArgumentTypeError(f"expected tower counts >= 1 like 2,4,8; got {text!r}")
+    return counts
+
+
+def budgets(examples: int, count: int) -> list[int]:
+    """``examples`` spread over ``count`` tower counts as evenly as they go, at least 2 each:
+    what each count's search draws, so the total announced is the total run."""
+    return [max(2, examples // count + (k < examples % count)) for k in range(count)]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``towers check``."""
     parser.add_argument("algorithm", type=algorithm,
                         help="a registered name, module:function or file.py:function")
-    parser.add_argument("--max-towers", type=int, default=8,
+    parser.add_argument("--max-towers", type=at_least(1), default=8,
                         help="largest tower count; simulates this many devices (default 8)")
     parser.add_argument("--towers", type=_counts, default=None, metavar="N,N,...",
                         help="only these tower counts (default 1..max-towers), e.g. 2,4,8")
-    parser.add_argument("--examples", type=int, default=20,
-                        help="examples in all, spread over the tower counts, at least 2 each "
-                        "(default 20)")
+    parser.add_argument("--examples", type=at_least(1), default=20,
+                        help="drawn examples in all, spread over the tower counts, at least 2 "
+                        "each (default 20); each count also runs its stratified examples")
     parser.add_argument("--ops", type=choices(ops, "op"), default=None, metavar="OP,...",
                         help="ops to draw (default sum,mean,max,min)")
     parser.add_argument("--dtypes", type=choices(dtypes, "dtype"), default=None,
@@ -76,7 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "int64)")
     parser.add_argument("--seed", type=int, default=0,
                         help="Hypothesis seed for reproducible runs (default 0; -1: a fresh draw)")
-    parser.add_argument("--prove", type=int, default=64, metavar="N",
+    parser.add_argument("--prove", type=at_least(0), default=64, metavar="N",
                         help="schedule-defined algorithms: prove the schedule symbolically "
                         "for every tower count 1..N first (default 64; 0 skips)")
     parser.add_argument("--replay", action="store_true",
@@ -102,11 +111,10 @@ def _check(name: str, fn: Any, counts: list[int], examples: int, options: dict[s
 
     from towers.testing import check_all_reduce
 
-    per_count = max(2, -(-examples // len(counts)))  # as check_all_reduce spreads them
     bar = keras.utils.Progbar(len(counts), unit_name="tower count")
     total, strata, report = 0, 0, None
-    for k, n in enumerate(counts):
-        report = check_all_reduce(fn, tower_counts=[n], max_examples=per_count, **options)
+    for k, (n, budget) in enumerate(zip(counts, budgets(examples, len(counts)))):
+        report = check_all_reduce(fn, tower_counts=[n], max_examples=budget, **options)
         total, strata = total + report.examples, strata + report.stratified
         bar.update(k + 1, finalize=not report.ok or k + 1 == len(counts))
         if not report.ok:
@@ -128,14 +136,17 @@ def _prove(fn: Any, upto: int) -> bool:
     return report.ok
 
 
+def usage_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the options (None: nothing), before TensorFlow is imported."""
+    if args.towers and args.towers[-1] > args.max_towers:
+        return (f"argument --towers: {args.towers[-1]} is more than --max-towers "
+                f"{args.max_towers}; raise --max-towers or drop that count")
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the job; returns a process exit code."""
     counts = args.towers or list(range(1, args.max_towers + 1))
-    if (args.max_towers < 1 or args.examples < 1 or counts[0] < 1
-            or counts[-1] > args.max_towers or args.prove < 0):
-        print("towers check: error: need --max-towers >= 1, --examples >= 1, --prove >= 0 "
-              f"and tower counts in 1..{args.max_towers}", file=sys.stderr)
-        return 2
     from towers.trace.schedule import load_algorithm, start_devices
 
     devices = start_devices(args.max_towers)  # first thing: before TensorFlow's runtime starts
@@ -144,7 +155,9 @@ def run(args: argparse.Namespace) -> int:
         options = _options(args, devices)
         if not _prove(fn, args.prove):
             return 1
-        print(f"towers check: {name} over tower counts {counts}, {args.examples} examples")
+        drawn = sum(budgets(args.examples, len(counts)))
+        print(f"towers check: {name} over tower counts {counts}: {drawn} drawn examples, "
+              "then each count's stratified ones")
         report = _check(name, fn, counts, args.examples, options)
     except (ValueError, TypeError) as err:
         print(f"towers check: error: {err}", file=sys.stderr)

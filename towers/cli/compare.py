@@ -33,10 +33,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from towers.cli import names
+from towers.cli.arguments import Named, algorithm, importable, spec_found
 from towers.cli.train import at_least, positive_float
 
 __all__ = ["EPILOG", "KERNEL_NOISE", "add_arguments", "add_problem_arguments", "exit_code",
-           "load_problem", "load_side", "model_spec", "run"]  # fmt: skip
+           "load_problem", "load_side", "model_spec", "run", "side"]  # fmt: skip
 
 KERNEL_NOISE = 3
 """Exit status: outside the bound only by the towers' own kernels (``cause="kernels"``)."""
@@ -51,12 +53,41 @@ EPILOG = """examples:
 """
 
 
-def model_spec(text: str) -> str:
-    """An argparse ``type``: ``mlp``, ``conv`` or ``module:fn``."""
-    if text in MODELS or (":" in text and all(text.split(":", 1))):
+def _model(text: str) -> str:
+    if text in MODELS:
         return text
+    if ":" in text:
+        return spec_found(text, "model")
     raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from mlp, conv or "
                                      "module:fn, a factory of a built keras.Model)")  # fmt: skip
+
+
+model_spec = Named(_model, importable("model"), "model")
+"""An argparse ``type``: ``mlp``, ``conv`` or ``module:fn`` (a model factory)."""
+
+
+def _side(text: str) -> str:
+    if text in names.REFERENCES:
+        return text
+    if text.startswith("towers:"):
+        name = text.removeprefix("towers:")
+        if not name or name in names.REFERENCES:
+            raise argparse.ArgumentTypeError(
+                f"expected an algorithm name after 'towers:', got {text!r}"
+                + (f" ({name} is a tf.distribute reference: name it alone)" if name else ""))
+        algorithm(name)
+        return text
+    return str(algorithm(text))  # a registered name or module:NAME that can be found
+
+
+def _load_side(text: str) -> None:
+    if not text.startswith("towers:"):
+        importable("step")(text)
+
+
+side = Named(_side, _load_side, "step")
+"""An argparse ``type``: a step for ``--a``/``--b`` (see the module doc), checked as far as
+it can be without TensorFlow."""
 
 
 def data_file(text: str) -> str:
@@ -87,10 +118,11 @@ def add_problem_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``towers compare``."""
-    parser.add_argument("--a", required=True, metavar="STEP",
+    parser.add_argument("--a", required=True, metavar="STEP", type=side,
                         help="the teacher: module:factory of a step, or a towers/reference "
                         "configuration")  # fmt: skip
-    parser.add_argument("--b", required=True, metavar="STEP", help="the step under test")
+    parser.add_argument("--b", required=True, metavar="STEP", type=side,
+                        help="the step under test")
     parser.add_argument("--towers", type=at_least(1), default=4, help="towers (default 4)")
     parser.add_argument("--bound", type=positive_float, default=None, metavar="TOL",
                         help="a tolerance per element (needed for optimizers other than "

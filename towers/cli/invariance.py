@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from towers.cli.arguments import algorithm, user_object
 from towers.cli.compare import add_problem_arguments, exit_code, load_problem
 from towers.cli.train import positive_float
 
@@ -55,12 +56,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``towers invariance``."""
     parser.add_argument("--towers", type=tower_counts, default=[1, 2, 4, 8], metavar="N,N,...",
                         help="tower counts; the first is the reference (default 1,2,4,8)")
-    parser.add_argument("--algorithm", default="ring",
+    parser.add_argument("--algorithm", type=algorithm, default="ring",
                         help="a registered name, module:function or file.py:function "
                         "(default ring)")
     parser.add_argument("--variables", choices=("replicated", "parameter_device"),
                         default="replicated", help="placement (default replicated)")
-    parser.add_argument("--step", default=None, metavar="MODULE:FACTORY",
+    parser.add_argument("--step", type=user_object("step factory"), default=None,
+                        metavar="MODULE:FACTORY",
                         help="check your step instead: factory(model_fn, optimizer_fn, loss, "
                         "devices) is called once per tower count")  # fmt: skip
     parser.add_argument("--bound", type=positive_float, default=None, metavar="TOL",

@@ -14,9 +14,8 @@ exit code of a task that ended by itself; 2 for bad options.
 from __future__ import annotations
 
 import argparse
-import sys
 
-__all__ = ["EPILOG", "add_arguments", "run"]
+__all__ = ["EPILOG", "add_arguments", "run", "usage_problem"]
 
 EPILOG = """examples:
   python -m towers launch --workers 2 --towers-per-worker 2 -- python examples/multi_worker.py
@@ -38,16 +37,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="after --: the program and its arguments")
 
 
-def run(args: argparse.Namespace) -> int:
-    """Launch the tasks; returns a process exit code."""
-    from towers.cluster.launcher import launch
-    from towers.cluster.local import local_cluster
-
+def _command(args: argparse.Namespace) -> list[str]:
     command = list(args.command)
-    if command[:1] == ["--"]:
-        command = command[1:]
+    return command[1:] if command[:1] == ["--"] else command
+
+
+def usage_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the options (None: nothing), before TensorFlow is imported."""
     problems = []
-    if not command:
+    if not _command(args):
         problems.append("give the command after --")
     if args.workers < 1 or args.towers_per_worker < 1 or args.ps < 0:
         problems.append("need --workers >= 1, --towers-per-worker >= 1 and --ps >= 0")
@@ -55,9 +53,14 @@ def run(args: argparse.Namespace) -> int:
         problems.append("--timeout must be positive")
     if args.failure_grace < 0:
         problems.append("--failure-grace must be at least 0")
-    if problems:
-        print(f"towers launch: error: {'; '.join(problems)}", file=sys.stderr)
-        return 2
+    return "; ".join(problems) or None
+
+
+def run(args: argparse.Namespace) -> int:
+    """Launch the tasks; returns a process exit code."""
+    from towers.cluster.launcher import launch
+    from towers.cluster.local import local_cluster
+
     cluster = local_cluster(args.workers, ps=args.ps)
-    return launch(cluster, args.towers_per_worker, command, timeout=args.timeout,
+    return launch(cluster, args.towers_per_worker, _command(args), timeout=args.timeout,
                   failure_grace=args.failure_grace)

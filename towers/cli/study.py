@@ -23,9 +23,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from towers.cli import names
+from towers.cli.arguments import did_you_mean, spec_found
 from towers.cli.train import at_least, positive_float
 
-__all__ = ["EPILOG", "add_arguments", "run"]
+__all__ = ["EPILOG", "add_arguments", "run", "usage_problem"]
 
 EPILOG = """examples:
   python -m towers study ring fp16 "topk(0.1)" "powersgd(4)"
@@ -36,9 +38,33 @@ EPILOG = """examples:
 SYSTEM_NAMES = ("8xH100", "1024xH100")
 
 
+def reducer(text: str) -> str:
+    """An argparse ``type``: a REDUCER's names checked without TensorFlow (the registered
+    all-reduce after ``@``, the registered name or the findable module before it); its
+    arguments and what a module holds are checked by ``towers.study.parse_spec``."""
+    head, at, algorithm = text.strip().rpartition("@")
+    head = head if at else algorithm
+    if at and algorithm not in names.ALGORITHMS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: unknown all-reduce {algorithm!r} after @"
+            f"{did_you_mean(algorithm, names.ALGORITHMS)}; choose from "
+            f"{', '.join(names.ALGORITHMS)}")
+    if ":" in head:
+        spec_found(head, "reducer")
+        return text
+    name = head.split("(", 1)[0].strip()
+    known = names.ALGORITHMS + names.CODECS
+    if name not in known:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: unknown {name!r}{did_you_mean(name, known)}; choose an all-reduce "
+            f"({', '.join(names.ALGORITHMS)}), a codec ({', '.join(names.CODECS)}) or "
+            "module:NAME")
+    return text
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``towers study``."""
-    parser.add_argument("reducers", nargs="*", metavar="REDUCER",
+    parser.add_argument("reducers", nargs="*", metavar="REDUCER", type=reducer,
                         default=["ring", "fp16", "topk(0.1)", "powersgd(4)"],
                         help='what to compare (default: ring fp16 "topk(0.1)" "powersgd(4)")')
     parser.add_argument("--towers", type=at_least(2), default=4,
@@ -63,8 +89,9 @@ def _fail(message: str) -> int:
     return 2
 
 
-def _writable(prefix: str) -> str | None:
-    """Why PREFIX.csv / PREFIX.png cannot be written (None: they can)."""
+def usage_problem(args: argparse.Namespace) -> str | None:
+    """Why PREFIX.csv / PREFIX.png cannot be written (None: they can), before TensorFlow."""
+    prefix = args.out
     folder = Path(prefix).parent
     if not folder.is_dir():
         return f"--out: no such folder {str(folder)!r}"
@@ -88,9 +115,6 @@ def _data(model: str) -> tuple[Any, tuple]:
 
 def run(args: argparse.Namespace) -> int:
     """Run the study; returns a process exit code."""
-    why = _writable(args.out)
-    if why:
-        return _fail(why)
     from towers.trace.loading import start_devices
 
     try:

@@ -13,8 +13,9 @@ import sys
 from pathlib import Path
 
 from towers.cli.arguments import algorithm, output_file
+from towers.cli.train import at_least
 
-__all__ = ["EPILOG", "add_arguments", "run"]
+__all__ = ["EPILOG", "add_arguments", "run", "usage_problem"]
 
 __doc__ = ast.get_docstring(ast.parse(
     (Path(__file__).resolve().parents[1] / "trace" / "timeline.py").read_text())) or __doc__
@@ -32,33 +33,36 @@ Open the JSON at https://ui.perfetto.dev (Open trace file) or in chrome://tracin
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``towers timeline``."""
-    parser.add_argument("--towers", type=int, default=4, help="simulated devices (default 4)")
+    parser.add_argument("--towers", type=at_least(1), default=4,
+                        help="simulated devices (default 4)")
     parser.add_argument("--algorithm", type=algorithm, default="ring",
                         help="a registered name (default ring) or module:function")
     parser.add_argument("--variables", default="replicated",
                         choices=("replicated", "parameter_device"),
                         help="variable placement (default replicated)")
-    parser.add_argument("--batch-size", type=int, default=64, help="global batch (default 64)")
-    parser.add_argument("--repeats", type=int, default=5,
+    parser.add_argument("--batch-size", type=at_least(1), default=64,
+                        help="global batch, at least one example per tower (default 64)")
+    parser.add_argument("--repeats", type=at_least(1), default=5,
                         help="timed runs per phase; the median is used (default 5)")
     parser.add_argument("--out", type=output_file, default="timeline.json",
                         help="output (default timeline.json)")
-    parser.add_argument("--seed", type=int, default=0, help="seed for weights and the batch")
-    parser.add_argument("--measured", metavar="PNG", default=None,
+    parser.add_argument("--seed", type=at_least(0), default=0,
+                        help="seed for weights and the batch")
+    parser.add_argument("--measured", metavar="PNG", type=output_file, default=None,
                         help="also draw the profiler's op events of one real step (measured) "
                         "above the modelled timeline")
 
 
+def usage_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the options (None: nothing), before TensorFlow is imported."""
+    if args.batch_size < args.towers:
+        return (f"argument --batch-size: {args.batch_size} leaves some of the {args.towers} "
+                "towers without an example; give at least --towers")
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the job; returns a process exit code."""
-    if args.measured and not Path(args.measured).resolve().parent.is_dir():
-        print(f"towers timeline: error: --measured: no directory to write {args.measured!r} "
-              "into", file=sys.stderr)
-        return 2
-    if args.towers < 1 or args.repeats < 1 or args.batch_size < args.towers:
-        print("towers timeline: error: need --towers >= 1, --repeats >= 1 and a batch with at "
-              "least one example per tower", file=sys.stderr)
-        return 2
     from towers.trace.schedule import start_devices
 
     devices = start_devices(args.towers)  # first thing: before TensorFlow's runtime starts

@@ -8,7 +8,8 @@ tower, chunk, bytes, operation). The summary gives the bytes each tower sent
 tower finished which chunk, and the result checked against NumPy. The PNG shows
 towers as rows and ticks as columns, one arrow per transfer coloured by chunk, a
 star where a chunk is first complete, and at the right the chunks each tower holds
-at the end.
+at the end. The PNG is drawn to --out, or to ``<algorithm>.png`` when no other output
+(--state, --html, --json) is asked for: files appear only where asked.
 
 Ticks are the algorithm's own; transfers without one (tick=None) get one by order
 (marked *). Opaque collectives (nccl, nccl_ring, nccl_tree) move data outside
@@ -32,12 +33,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
-from towers.cli.arguments import output_file
+from towers.cli.arguments import algorithm, output_file
+from towers.cli.train import at_least
 
-__all__ = ["EPILOG", "add_arguments", "run"]
+__all__ = ["EPILOG", "add_arguments", "run", "usage_problem"]
 
 EPILOG = """examples:
   python -m towers trace --algorithm ring --towers 4
@@ -56,27 +57,29 @@ An unknown name lists the registered ones (towers.ALGORITHMS).
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``towers trace``."""
-    parser.add_argument("name", nargs="?", metavar="ALGO", default=None,
+    parser.add_argument("name", nargs="?", metavar="ALGO", type=algorithm, default=None,
                         help="the algorithm, as --algorithm (either, not both)")
     parser.add_argument(
-        "--algorithm", default=None,
+        "--algorithm", type=algorithm, default=None,
         help="a registered name (default ring) or module:function / file.py:function; a "
         "factory (anything not taking (values, *, op)) is called with no arguments",
     )
     parser.add_argument("--collective", default=None,
                         choices=("reduce_scatter", "all_gather", "broadcast"),
                         help="print this collective's schedule for --algorithm instead")
-    parser.add_argument("--towers", "--n", type=int, default=4,
+    parser.add_argument("--towers", "--n", type=at_least(1), default=4,
                         help="simulated devices (default 4)")
-    parser.add_argument("--size", type=int, default=16, help="float32 elements per tower (16)")
+    parser.add_argument("--size", type=at_least(1), default=16,
+                        help="float32 elements per tower (default 16)")
     parser.add_argument("--op", default="sum", choices=("sum", "mean", "max", "min"),
                         help="the reduction (default sum)")
     parser.add_argument("--out", metavar="PNG", type=output_file, default=None,
-                        help="where to draw the picture (default: <algorithm>.png)")
+                        help="where to draw the picture (default: <algorithm>.png, unless "
+                        "--state, --html or --json is given)")
     parser.add_argument("--no-png", action="store_true", help="print the table only")
-    parser.add_argument("--state", metavar="PNG", default=None,
+    parser.add_argument("--state", metavar="PNG", type=output_file, default=None,
                         help="also draw the links and every tower's chunk state per tick")
-    parser.add_argument("--html", metavar="PAGE", default=None,
+    parser.add_argument("--html", metavar="PAGE", type=output_file, default=None,
                         help="also write the step-through viewer (one self-contained HTML page)")
     parser.add_argument("--json", metavar="PATH", type=output_file, default=None,
                         help="also write the transfers, rows, bytes and result as JSON")
@@ -92,17 +95,19 @@ def _default_png(algorithm: str) -> str:
     return f"{stem}.png"
 
 
-def _usage_error(args: argparse.Namespace) -> str | None:
-    """What is wrong with the options, before any work (None: nothing)."""
+def usage_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the options (None: nothing), before TensorFlow is imported."""
     if args.name and args.algorithm and args.name != args.algorithm:
         return f"ALGO {args.name!r} and --algorithm {args.algorithm!r} disagree: give one"
-    if args.towers < 1 or args.size < 1:
-        return "--towers and --size must be at least 1"
-    for option, path in (("--state", args.state), ("--html", args.html), ("--out", args.out),
-                          ("--json", args.json)):
-        if path and not Path(path).resolve().parent.is_dir():
-            return f"{option}: no directory {str(Path(path).parent)!r} to write {path!r} into"
     return None
+
+
+def _png(args: argparse.Namespace) -> str | None:
+    """Where to draw the tick picture: --out, else the default unless another output was
+    asked for (or --no-png)."""
+    if args.no_png or (args.out is None and (args.state or args.html or args.json)):
+        return None
+    return str(args.out or _default_png(args.algorithm))
 
 
 def _state_outputs(args: argparse.Namespace, fn: Any, devices: list[str]) -> None:
@@ -134,10 +139,6 @@ def _collective(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     """Run the job; returns a process exit code."""
     args.algorithm = args.algorithm or args.name or "ring"
-    problem = _usage_error(args)
-    if problem:
-        print(f"towers trace: error: {problem}", file=sys.stderr)
-        return 2
     if args.collective:
         return _collective(args)
     from towers.trace.schedule import start_devices
@@ -161,8 +162,9 @@ def run(args: argparse.Namespace) -> int:
     print(tracing.format_table(trace))
     print()
     print(tracing.format_summary(trace))
-    if not args.no_png:
-        print(f"picture: {tracing.draw(trace, args.out or _default_png(args.algorithm))}")
+    png = _png(args)
+    if png:
+        print(f"picture: {tracing.draw(trace, png)}")
     if args.state or args.html:
         try:
             _state_outputs(args, fn, devices)

@@ -64,12 +64,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="variable placement (default replicated)")
     add("--epochs", type=at_least(1), default=6, help="epochs (default 6)")
     add("--batch-size", type=at_least(1), default=64, help="global batch (default 64)")
-    add("--lr", type=positive_float, default=3e-3, help="Adam learning rate")
-    add("--seed", type=at_least(0), default=0, help="seed for weights and shuffling")
+    add("--lr", type=positive_float, default=3e-3, help="Adam learning rate (default 3e-3)")
+    add("--seed", type=at_least(0), default=0, help="seed for weights and shuffling (default 0)")
     add("--reference", default="auto",
         choices=("auto", "collective", "reduction_to_one_device", "none"),
-        help="MirroredStrategy cross-device ops to compare against (auto: the one that adds "
-        "in the same order as --algorithm when there is one)")  # fmt: skip
+        help="MirroredStrategy cross-device ops to compare against (default auto: the one "
+        "that adds in the same order as --algorithm when there is one)")  # fmt: skip
 
 
 def _accuracy(model: Any, x: np.ndarray, y: np.ndarray) -> float:
@@ -89,12 +89,15 @@ def _replay(trainer: Any, data: tuple[np.ndarray, ...], args: argparse.Namespace
 
 def _fit_towers(tm: Any, data: tuple[np.ndarray, ...], args: argparse.Namespace) -> None:
     """``tm.fit`` epoch by epoch, each on the order :func:`towers.training.data.batches`
-    draws for it (the reference replays the same batches)."""
+    draws for it (the reference replays the same batches).
+
+    Each call fits one epoch, so Keras draws its progress bar without an ``Epoch k/N``
+    line of its own: the one epoch counter is towers'."""
     x_train, y_train, _, _ = data
     for epoch in range(args.epochs):
         order = np.random.default_rng(args.seed + epoch).permutation(len(x_train))
         history = tm.fit(x_train[order], y_train[order], batch_size=args.batch_size,
-                         initial_epoch=epoch, epochs=epoch + 1, shuffle=False, verbose=1)
+                         epochs=1, shuffle=False, verbose=1)
         acc = _accuracy(tm, x_train, y_train)
         print(f"towers epoch {epoch + 1}/{args.epochs}: loss {history.history['loss'][-1]:.4f}  "
               f"train accuracy {acc:.4f}")  # fmt: skip
