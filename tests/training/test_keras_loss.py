@@ -119,3 +119,44 @@ def test_the_crossentropy_alias_picks_the_loss_keras_picks(units: int, labels: s
     one, tm, want, got = _both(lambda: _dense_net(units, activation), alias, x, y)
     _assert_weights_close(one, tm)
     np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-5)
+
+
+# A user loss whose *output* breaks the contract, over the class: every way to lose the
+# batch axis or the floating dtype is refused where the loss is first traced, naming the
+# loss and both shapes, and the step that refused it changed nothing.
+_BROKEN: dict[str, Callable[[object, object], object]] = {
+    "mean_over_batch": lambda y, p: keras.ops.mean(keras.ops.square(y - p), keepdims=True)[0],
+    "mean_scalar": lambda y, p: keras.ops.mean(keras.ops.square(y - p)),
+    "batch_doubled": lambda y, p: keras.ops.concatenate([keras.ops.square(y - p)] * 2, 0),
+    "batch_transposed": lambda y, p: keras.ops.transpose(keras.ops.square(y - p)),
+    "integer_values": lambda y, p: keras.ops.cast(keras.ops.square(y - p) * 10, "int32"),
+}
+
+
+@pytest.mark.parametrize("towers_n", [1, 2, 3])
+@pytest.mark.parametrize("kind", sorted(_BROKEN))
+def test_a_loss_output_that_breaks_the_contract_is_refused_before_any_update(
+    kind: str, towers_n: int
+) -> None:
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(8, 5)).astype("f4")
+    y = rng.normal(size=(8, 2)).astype("f4")  # outputs [b, 2]: transposed is [2, b]
+    trainer = towers.TowerTrainer(_dense_net(2), keras.optimizers.SGD(0.1), _BROKEN[kind],
+                                  devices=DEVICES[:towers_n], all_reduce="naive")  # fmt: skip
+    before = trainer.get_weights()
+    with pytest.raises(ValueError, match=r"^loss must return"):
+        trainer.train_step(x, y)
+    for a, b in zip(trainer.get_weights(), before, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_loss_with_extra_axes_trains_as_keras_averages_them() -> None:
+    """The contract's other side: values ``[batch, k]`` are accepted and averaged over
+    ``k`` per example, what Keras's ``sum_over_batch_size`` does over every value."""
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(16, 5)).astype("f4")
+    y = rng.normal(size=(16, 2)).astype("f4")
+    one, tm, want, got = _both(lambda: _dense_net(2),
+                               lambda t, p: keras.ops.square(t - p), x, y)  # fmt: skip
+    np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-6)
+    _assert_weights_close(one, tm)

@@ -181,16 +181,11 @@ def per_example_loss(
     weighs nothing more. A per-example weight is the caller's.
 
     Raises:
-        ValueError: the loss returned a scalar; an element weight's shape is not the loss
-            values' (a multi-output loss has one value per example).
+        ValueError: the loss's values break the contract (:func:`_checked_values`); an
+            element weight's shape is not the loss values' (a multi-output loss has one
+            value per example).
     """
-    values = tf.convert_to_tensor(loss_fn(y_true, y_pred))
-    if values.shape.rank == 0:
-        raise ValueError(
-            "loss must return one value per example (shape [batch]), but it returned a "
-            "scalar: pass an unreduced loss, e.g. keras.losses.SparseCategoricalCrossentropy() "
-            "(towers calls its .call) or a function of (y_true, y_pred) without a mean"
-        )
+    values = _checked_values(loss_fn(y_true, y_pred), y_pred)
     if weighs_elements(sample_weight):
         weight = tf.convert_to_tensor(sample_weight)
         if weight.shape.rank != values.shape.rank or not weight.shape[1:].is_compatible_with(
@@ -204,6 +199,45 @@ def per_example_loss(
     if values.shape.rank is not None and values.shape.rank > 1:
         reduce = tf.reduce_sum if extra_axes == "sum" else tf.reduce_mean
         values = reduce(values, axis=list(range(1, values.shape.rank)))
+    return values
+
+
+def _checked_values(values: Any, y_pred: Any) -> tf.Tensor:
+    """A loss's output, checked where it is first traced: real floating values with the
+    batch as their first axis, one row per example of ``y_pred`` (its first axis; a loss
+    of a structured output is checked against its first leaf). A loss that averaged over
+    the batch, or broadcast labels against outputs into ``[batch, batch]``-like shapes of
+    the wrong length, would otherwise train on a wrong loss without a word.
+
+    Raises:
+        ValueError: a scalar, a non-floating or complex dtype, or a first axis that is
+            not the batch, naming ``loss`` and both shapes.
+    """
+    try:
+        values = tf.convert_to_tensor(values)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"loss must return a tensor of per-example values; got {values!r}"
+                         ) from err  # fmt: skip
+    if values.shape.rank == 0:
+        raise ValueError(
+            "loss must return one value per example (shape [batch]), but it returned a "
+            "scalar: pass an unreduced loss, e.g. keras.losses.SparseCategoricalCrossentropy() "
+            "(towers calls its .call) or a function of (y_true, y_pred) without a mean"
+        )
+    if not values.dtype.is_floating:
+        raise ValueError(
+            f"loss must return floating-point values to differentiate; it returned "
+            f"{values.dtype.name} values of shape {values.shape.as_list()}")
+    pred = tf.nest.flatten(y_pred)[0] if y_pred is not None else None
+    pred_shape = getattr(pred, "shape", None)
+    batch = pred_shape[0] if pred_shape is not None and pred_shape.rank else None
+    if values.shape.rank is not None and batch is not None and values.shape[0] is not None \
+            and values.shape[0] != batch:  # fmt: skip
+        raise ValueError(
+            f"loss must return one value per example (first axis = the batch, {batch}), "
+            f"but it returned shape {values.shape.as_list()} for predictions of shape "
+            f"{pred_shape.as_list()}: a mean over the batch, or labels broadcast against "
+            "the predictions? Return the unreduced values, as keras.losses.Loss.call does")
     return values
 
 
