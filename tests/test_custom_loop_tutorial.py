@@ -2,7 +2,7 @@
 
 The correct port passes against towers (``loss_denominator="per_replica"``) for SGD
 and Adam, each under its derived bound (``sgd_step_bound``, the tracked Adam bound of
-``towers.testing.optimizer_bounds``); the planted weighting bug fails, and the
+``towers.testing.bounds.optimizers``); the planted weighting bug fails, and the
 assertion's message names the step, the variable and both values.
 The functions run in this process (the suite's 8 logical devices); the script itself
 prints the same reports (``python examples/custom_loop_tutorial.py [--bug]``).

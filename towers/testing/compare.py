@@ -11,7 +11,7 @@ each step is judged on its own (see :mod:`towers.testing.bisect` for the drawing
                          a difference attributed to "reduction (B)" / "kernels"
                          (towers.testing.onestep)
     anything else        the weights after one update, within the bound that
-                         towers.testing.stepbound picks (plain SGD: sgd_step_bound;
+                         towers.testing.bounds.update picks (plain SGD: sgd_step_bound;
                          bound= a tolerance or a callable; an optimizer's tracked bound)
 
 ``compare`` checks every step; ``bisect`` stops at the first that leaves the bound.
@@ -34,6 +34,7 @@ import numpy as np
 from towers.allreduce.machinery.registry import algorithm_name
 from towers.devices import local_devices
 from towers.step import TowerTrainer
+from towers.testing.bounds.update import UpdateBound, resolve_bound
 from towers.testing.onestep import (
     Difference,
     algorithm_depth,
@@ -43,7 +44,6 @@ from towers.testing.onestep import (
     take_batches,
 )
 from towers.testing.report import BisectReport, Divergence
-from towers.testing.stepbound import UpdateBound, resolve_bound
 from towers.testing.steps import check_step, step_towers
 
 __all__ = ["REFERENCES", "Config", "advance", "compare", "config", "run_comparison",
@@ -269,7 +269,7 @@ def run_comparison(
 
 
 def update_bound(a: Any, b: Any, bound: Any, loss: Any, configs: bool = False) -> UpdateBound:
-    """The bound of an update comparison (towers.testing.stepbound), from the teacher."""
+    """The bound of an update comparison (towers.testing.bounds.update), from the teacher."""
     optimizer = getattr(a, "optimizer", None) or getattr(b, "optimizer", None)
     model = getattr(a, "model", None) or getattr(b, "model", None)
     loss = loss if loss is not None else getattr(a, "loss_fn", None) or getattr(b, "loss_fn", None)
