@@ -1,0 +1,171 @@
+"""Why two steps may have parted: the causes a comparison can read from its batches and sides.
+
+A divergence outside the bound is a bug, or two steps that compute different things on
+purpose. The second kind leaves traces a comparison can see without running anything::
+
+    cause               read from                              named when
+    uneven batch        the step's batch size, the tower       B % towers ≠ 0 or B below the
+                        count, each side's loss_denominator    largest batch, and the sides'
+                                                               divisors are not known equal
+    gradient clipping   clipnorm / global_clipnorm /           either optimizer clips, unless
+                        clipvalue on either optimizer          both clip alike on one device
+    BatchNormalization  a BatchNormalization layer in          either model has one, unless
+                        either side's model                    both are towers trainers alike
+    reduction order     |Δ| in ULPs of the element             |Δ| ≤ ORDER_ULPS ULPs
+
+Each is named with what it does (MirroredStrategy under Keras 3 divides, clips and keeps
+BatchNorm's statistics per replica: docs/invariance_and_bisect.md), and, where the
+difference is MirroredStrategy's semantics and a side is a towers trainer, the one
+setting that reproduces them: :data:`MIRRORED_SETTING`. A step declares what it divides by
+with an attribute ``loss_denominator`` (``"global"``, ``"per_replica"`` or a number:
+``TowerTrainer``'s option, the references' ``"global"``); without one it is unknown.
+
+Example:
+    >>> possible_causes(a, b, batches, step=4, towers=4, diff=2e-4,
+    ...                 value=0.25, dtype="float32")                 # doctest: +SKIP
+    (("uneven batch: step 4's batch of 10 splits 3+3+3+1 over 4 towers ...",), 'TowerTr...')
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import keras
+import numpy as np
+
+from towers.split import shard_sizes
+from towers.step import TowerTrainer
+
+__all__ = ["CLIPPING", "MIRRORED_SETTING", "ORDER_ULPS", "possible_causes"]
+
+ORDER_ULPS = 8
+"""A difference of at most this many ULPs of the value is what another summation order makes."""
+CLIPPING = ("clipnorm", "global_clipnorm", "clipvalue")
+MIRRORED_SETTING = (
+    'TowerTrainer(..., semantics="mirrored") (or TowerModel) reproduces MirroredStrategy\'s '
+    "semantics: each replica divides its loss by its shard × replicas, and the first "
+    "tower's non-trainable state is kept")
+"""The one setting named when a cause is MirroredStrategy's semantics."""
+
+
+def possible_causes(
+    a: Any, b: Any, sizes: Sequence[int], *, step: int, towers: int, diff: float,
+    value: float, dtype: Any,
+) -> tuple[tuple[str, ...], str]:
+    """The causes of a divergence at ``step`` that the batches and the two sides show.
+
+    Args:
+        a, b: the two steps (teacher and under test).
+        sizes: every batch's size, in order.
+        step: the divergent step, from 1.
+        towers: the comparison's tower count.
+        diff, value, dtype: the first element outside: ``|Δ|``, the larger of its two
+            values in magnitude, and its dtype (for the ULPs).
+
+    Returns:
+        ``(causes, setting)``: one ``"name: why"`` per cause (none when nothing readable
+        explains the divergence) and :data:`MIRRORED_SETTING` when it applies, else "".
+    """
+    found = [_uneven(a, b, sizes, step, towers), _clipping(a, b),
+             _batch_norm(a, b), _order(diff, value, dtype)]  # fmt: skip
+    lines = tuple(line for line in found if line)
+    mirrored = (found[0] and not _all_are(a, b, "loss_denominator", "per_replica")) or (
+        found[2] and not _all_are(a, b, "non_trainable_mode", "first_tower"))
+    return lines, MIRRORED_SETTING if mirrored and _towers_beside_mirrored(a, b) else ""
+
+
+def _towers_beside_mirrored(a: Any, b: Any) -> bool:
+    """One side is a towers trainer, the other runs under a strategy of several replicas."""
+    return any(isinstance(s, TowerTrainer) and _replicated(t) for s, t in ((a, b), (b, a)))
+
+
+def _all_are(a: Any, b: Any, attribute: str, value: str) -> bool:
+    """Every towers trainer among the sides already has ``attribute == value``."""
+    return all(getattr(s, attribute, None) == value for s in (a, b) if isinstance(s, TowerTrainer))
+
+
+def _divisor(side: Any, shards: list[int], towers: int) -> tuple[Any, str]:
+    """What a side divides each tower's loss sum by: its declared rule and what that is."""
+    rule = getattr(side, "loss_denominator", None)
+    per_replica = ", ".join(str(s * towers) for s in shards if s)
+    if rule == "global":
+        return rule, f"{sum(shards)} (the global batch)"
+    if rule == "per_replica":
+        return rule, f"{per_replica} (shard × replicas)"
+    if isinstance(rule, (int, float)) and not isinstance(rule, bool):
+        return rule, f"{rule:g} (a constant)"
+    return None, (f"what it does not declare (tf.nn.compute_average_loss without "
+                  f"global_batch_size: shard × replicas, {per_replica}; or a fixed global "
+                  "batch size)")  # fmt: skip
+
+
+def _uneven(a: Any, b: Any, sizes: Sequence[int], step: int, towers: int) -> str:
+    batch = int(sizes[step - 1])
+    shards = shard_sizes(batch, towers)
+    split, short = batch % towers != 0, batch < max(sizes)
+    (rule_a, by_a), (rule_b, by_b) = (_divisor(side, shards, towers) for side in (a, b))
+    if not (split or short) or (rule_a is not None and rule_a == rule_b):
+        return ""
+    shape = [f"splits {'+'.join(map(str, shards))} over {towers} towers"] if split else []
+    shape += [f"is shorter than the largest batch ({max(sizes)})"] if short else []
+    return (f"uneven batch: step {step}'s batch of {batch} {' and '.join(shape)}, and the "
+            f"sides' loss divisors may differ (A divides each tower's loss sum by "
+            f"{by_a}; B by {by_b}): its examples weigh differently")  # fmt: skip
+
+
+def _clips(side: Any) -> tuple[tuple[str, Any], ...]:
+    optimizer = getattr(side, "optimizer", None)
+    return tuple((k, getattr(optimizer, k)) for k in CLIPPING
+                 if getattr(optimizer, k, None) is not None)  # fmt: skip
+
+
+def _replicated(side: Any) -> bool:
+    """The side runs under a ``tf.distribute`` strategy of more than one replica."""
+    strategy = getattr(side, "strategy", None)
+    return strategy is not None and int(strategy.num_replicas_in_sync) > 1
+
+
+def _clipping(a: Any, b: Any) -> str:
+    clips = [_clips(side) for side in (a, b)]
+    if not any(clips) or (clips[0] == clips[1] and not _replicated(a) and not _replicated(b)):
+        return ""
+    said = "; ".join(f"{label}'s optimizer has " + ", ".join(f"{k}={v:g}" for k, v in c)
+                     for label, c in zip("AB", clips) if c)  # fmt: skip
+    return (f"gradient clipping: {said}. Keras 3 under MirroredStrategy clips each replica's "
+            "share before the all-reduce (the result depends on the replica count); a "
+            "TowerTrainer, like one device, clips the summed gradient; no derived bound covers "
+            "clipping: compare without it to check the rest")  # fmt: skip
+
+
+def _layers(model: Any) -> list[Any]:
+    out, todo = [], list(getattr(model, "layers", []))
+    while todo:
+        layer = todo.pop(0)
+        out.append(layer)
+        todo.extend(getattr(layer, "layers", []))
+    return out
+
+
+def _batch_norm(a: Any, b: Any) -> str:
+    names = sorted({layer.name for side in (a, b) for layer in _layers(getattr(side, "model", None))
+                    if isinstance(layer, keras.layers.BatchNormalization)})  # fmt: skip
+    alike = all(isinstance(s, TowerTrainer) for s in (a, b)) and (
+        len(a.devices), a.non_trainable_mode) == (len(b.devices), b.non_trainable_mode)
+    if not names or alike:
+        return ""
+    return (f"BatchNormalization ({', '.join(names)}): each replica normalizes its own shard "
+            "(one device: the whole batch), and under MirroredStrategy each replica updates "
+            "its own moving statistics (replica 0's are read); towers averages them across "
+            "towers unless non_trainable=\"first_tower\"")  # fmt: skip
+
+
+def _order(diff: float, value: float, dtype: Any) -> str:
+    kind = np.dtype(dtype) if np.dtype(dtype).kind == "f" else np.dtype("float32")
+    spacing = float(np.spacing(np.abs(np.asarray(value, kind))))
+    if not spacing or diff > ORDER_ULPS * spacing:
+        return ""
+    return (f"reduction order: |Δ| is {diff / spacing:.3g} ULP of the value, what adding the "
+            "same gradients in another order makes (another all-reduce, the reference's "
+            "collective order, Grappler's AddN sort); a bound that tight cannot hold two "
+            "correct steps")  # fmt: skip
