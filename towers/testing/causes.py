@@ -14,9 +14,10 @@ purpose. The second kind leaves traces a comparison can see without running anyt
     reduction order     |Δ| in ULPs of the element             |Δ| ≤ ORDER_ULPS ULPs
 
 Each is named with what it does (MirroredStrategy under Keras 3 divides, clips and keeps
-BatchNorm's statistics per replica: docs/invariance_and_bisect.md), and, where the
-difference is MirroredStrategy's semantics and a side is a towers trainer, the one
-setting that reproduces them: :data:`MIRRORED_SETTING`. A step declares what it divides by
+BatchNorm's statistics per replica: docs/invariance_and_bisect.md). When the cause is
+MirroredStrategy's semantics (its loss divisor, its non-trainable state) and a towers
+trainer is compared with a step under a strategy of several replicas, the one setting that
+reproduces them is named too: :data:`MIRRORED_SETTING`. A step declares what it divides by
 with an attribute ``loss_denominator`` (``"global"``, ``"per_replica"`` or a number:
 ``TowerTrainer``'s option, the references' ``"global"``); without one it is unknown.
 
@@ -28,6 +29,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,8 +38,9 @@ import numpy as np
 
 from towers.split import shard_sizes
 from towers.step import TowerTrainer
+from towers.testing.report import Divergence
 
-__all__ = ["CLIPPING", "MIRRORED_SETTING", "ORDER_ULPS", "possible_causes"]
+__all__ = ["CLIPPING", "MIRRORED_SETTING", "ORDER_ULPS", "explained", "possible_causes"]
 
 ORDER_ULPS = 8
 """A difference of at most this many ULPs of the value is what another summation order makes."""
@@ -78,6 +81,15 @@ def possible_causes(
 def _towers_beside_mirrored(a: Any, b: Any) -> bool:
     """One side is a towers trainer, the other runs under a strategy of several replicas."""
     return any(isinstance(s, TowerTrainer) and _replicated(t) for s, t in ((a, b), (b, a)))
+
+
+def explained(first: Divergence, a: Any, b: Any, sizes: Sequence[int], towers: int,
+              dtype: Any) -> Divergence:  # fmt: skip
+    """``first`` with the :func:`possible_causes` its batches and sides show."""
+    value = max(abs(first.value_a), abs(first.value_b))
+    causes, setting = possible_causes(a, b, sizes, step=first.step, towers=towers,
+                                      diff=first.diff, value=value, dtype=dtype)  # fmt: skip
+    return dataclasses.replace(first, causes=causes, setting=setting)
 
 
 def _all_are(a: Any, b: Any, attribute: str, value: str) -> bool:

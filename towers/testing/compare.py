@@ -15,10 +15,8 @@ each step is judged on its own (see :mod:`towers.testing.bisect` for the drawing
                          bound= a tolerance or a callable; an optimizer's tracked bound)
 
 ``compare`` checks every step; ``bisect`` stops at the first that leaves the bound.
-Both return a :class:`~towers.testing.report.BisectReport` naming the bound used, and
-the causes of a divergence that the batches and the two sides show
-(:mod:`towers.testing.causes`: an uneven batch with different loss divisors, clipping,
-BatchNorm, the reduction order) with the setting that reproduces MirroredStrategy.
+Both return a :class:`~towers.testing.report.BisectReport` naming the bound used and
+the causes of a divergence its batches and sides show (:mod:`towers.testing.causes`).
 
 Example:
     >>> report = compare(my_step, reference_step, batches)        # doctest: +SKIP
@@ -38,7 +36,7 @@ from towers.allreduce.machinery.registry import algorithm_name
 from towers.devices import local_devices
 from towers.step import TowerTrainer
 from towers.testing.bounds.update import UpdateBound, resolve_bound
-from towers.testing.causes import possible_causes
+from towers.testing.causes import explained
 from towers.testing.onestep import (
     Difference,
     algorithm_depth,
@@ -136,15 +134,6 @@ def _divergence(
                       _chunk(trainer_b, a.size, k), compared, row.cause, bound)  # fmt: skip
 
 
-def _explained(first: Divergence, a: Any, b: Any, sizes: list[int], n: int,
-               dtype: Any) -> Divergence:  # fmt: skip
-    """The divergence with the causes its batches and sides show (towers.testing.causes)."""
-    value = max(abs(first.value_a), abs(first.value_b))
-    causes, setting = possible_causes(a, b, sizes, step=first.step, towers=n, diff=first.diff,
-                                      value=value, dtype=dtype)  # fmt: skip
-    return dataclasses.replace(first, causes=causes, setting=setting)
-
-
 def _gradient_step(a: Any, b: Any, x: Any, y: Any, label: str, step: int) -> tuple[Any, ...]:
     """Two towers trainers from A's weights: their reduced gradients, bounded and attributed."""
     b.set_weights(a.get_weights())
@@ -154,7 +143,6 @@ def _gradient_step(a: Any, b: Any, x: Any, y: Any, label: str, step: int) -> tup
     rows = compare_runs(label, step, names, runs, depths, None)
     a.apply(runs[0].phases)
     return rows, runs[0].reduced, runs[1].reduced
-
 
 
 def _update_step(
@@ -266,8 +254,8 @@ def run_comparison(
         if bad is not None and first is None:
             compared = "gradient" if update is None else "update"
             first = _divergence(bad, want[bad.index], got[bad.index], compared, b, name)
-            first = _explained(first, a, b, [len(x) for x, _ in data], n or 1,
-                               want[bad.index].dtype)  # fmt: skip
+            first = explained(first, a, b, [len(x) for x, _ in data], n or 1,
+                              want[bad.index].dtype)  # fmt: skip
             if stop:
                 break
     kind = "bisect" if stop else "compare"
