@@ -14,6 +14,7 @@
     invariance.py  ``check_invariance``: the same training on 1, 2, 4, 8 towers, step by step
     steps.py       the step protocol (``Step``) and ``as_step``, the adapter for a user's step
     report.py      ``BisectReport`` / ``Divergence``: what a comparison found
+    causes.py      why a divergence may have happened: what its batches and sides show
     compare.py     ``compare``: two steps (or configurations), teacher-forced, every step
     bisect.py      ``bisect``: the first step, variable and element where two steps part
     matching.py    ``assert_steps_match`` and the ``step_cases`` strategy (plugin.py: fixture)

@@ -1,19 +1,11 @@
-"""The rounding model every error bound in towers is built on: ``u`` per dtype and ``γ_k``.
+"""The rounding model every error bound in towers builds on: ``u`` per dtype and ``γ_k``.
 
-Floating-point arithmetic is correctly rounded: ``fl(a ∘ b) = (a ∘ b)(1 + δ)`` with
-``|δ| ≤ u``, the *unit roundoff* of the dtype (half the gap above 1.0)::
-
-    float16   2^-11        bfloat16   2^-8        float32   2^-24        float64   2^-53
-
-A value that passes through ``k`` roundings is multiplied by ``Π(1 + δ_j)``, and
-``|Π(1 + δ_j) − 1| ≤ γ_k = k·u / (1 − k·u)`` (Higham, *Accuracy and Stability of
-Numerical Algorithms*, 2nd ed., Lemma 3.1): a sum of depth ``k`` lies within
-``γ_k·Σ|x_i|`` of the exact one.
-
-They are defined here, once, because the library bounds with them itself (each codec's
-``error_bound``, the check of a user's algorithm in :mod:`towers.guard.reduces`); every
-bound a test holds a step to builds on them in :mod:`towers.testing.bounds`, and
-:mod:`towers.testing` exports both.
+Each float operation is correctly rounded: ``fl(a ∘ b) = (a ∘ b)(1 + δ)``, ``|δ| ≤ u``, the
+dtype's *unit roundoff* (half the gap above 1.0); ``k`` chained roundings stay within
+``γ_k = k·u / (1 − k·u)`` (Higham, *Accuracy and Stability of Numerical Algorithms*, 2nd
+ed., Lemma 3.1). Defined here, once: the library bounds with them itself (each codec's
+``error_bound``, :mod:`towers.guard.reduces`), and :mod:`towers.testing.bounds` builds
+every comparison's bound on them.
 
 Example:
     >>> gamma(3, "float32") == 3 * 2.0**-24 / (1 - 3 * 2.0**-24)
