@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import keras
 import numpy as np
@@ -40,7 +40,7 @@ from towers.split import shard_sizes
 from towers.step import TowerTrainer
 from towers.testing.report import Divergence
 
-__all__ = ["CLIPPING", "MIRRORED_SETTING", "ORDER_ULPS", "explained", "possible_causes"]
+__all__ = ["CLIPPING", "MIRRORED_SETTING", "ORDER_ULPS", "Side", "explained", "possible_causes"]
 
 ORDER_ULPS = 8
 """A difference of at most this many ULPs of the value is what another summation order makes."""
@@ -70,17 +70,14 @@ def possible_causes(
         ``(causes, setting)``: one ``"name: why"`` per cause (none when nothing readable
         explains the divergence) and :data:`MIRRORED_SETTING` when it applies, else "".
     """
-    found = [_uneven(a, b, sizes, step, towers), _clipping(a, b),
-             _batch_norm(a, b), _order(diff, value, dtype)]  # fmt: skip
-    lines = tuple(line for line in found if line)
-    mirrored = (found[0] and not _all_are(a, b, "loss_denominator", "per_replica")) or (
-        found[2] and not _all_are(a, b, "non_trainable_mode", "first_tower"))
-    return lines, MIRRORED_SETTING if mirrored and _towers_beside_mirrored(a, b) else ""
-
-
-def _towers_beside_mirrored(a: Any, b: Any) -> bool:
-    """One side is a towers trainer, the other runs under a strategy of several replicas."""
-    return any(isinstance(s, TowerTrainer) and _replicated(t) for s, t in ((a, b), (b, a)))
+    sides = (_side(a), _side(b))
+    found = [_uneven(sides, sizes, step, towers), _clipping(a, b, sides),
+             _batch_norm(a, b, sides), _order(diff, value, dtype)]  # fmt: skip
+    ours = [s for s in sides if s.towers]
+    mirrored = (found[0] and not all(s.divisor == "per_replica" for s in ours)) or (
+        found[2] and not all(s.first_tower for s in ours))
+    beside = bool(ours) and any(s.replicated for s in sides)  # towers beside a strategy
+    return tuple(line for line in found if line), MIRRORED_SETTING if mirrored and beside else ""
 
 
 def explained(first: Divergence, a: Any, b: Any, sizes: Sequence[int], towers: int,
@@ -92,55 +89,71 @@ def explained(first: Divergence, a: Any, b: Any, sizes: Sequence[int], towers: i
     return dataclasses.replace(first, causes=causes, setting=setting)
 
 
-def _all_are(a: Any, b: Any, attribute: str, value: str) -> bool:
-    """Every towers trainer among the sides already has ``attribute == value``."""
-    return all(getattr(s, attribute, None) == value for s in (a, b) if isinstance(s, TowerTrainer))
+class Side(NamedTuple):
+    """What a step shows of how it computes.
+
+    Attributes:
+        divisor: what each tower divides its loss sum by: ``"global"``, ``"per_replica"``,
+            a number, or None (not declared).
+        first_tower: it keeps the first tower's non-trainable state (None: not declared).
+        towers: a towers trainer's tower count; 0 for any other step.
+        replicated: it runs under a ``tf.distribute`` strategy of several replicas.
+    """
+
+    divisor: Any
+    first_tower: bool | None
+    towers: int
+    replicated: bool
 
 
-def _divisor(side: Any, shards: list[int], towers: int) -> tuple[Any, str]:
-    """What a side divides each tower's loss sum by: its declared rule and what that is."""
-    rule = getattr(side, "loss_denominator", None)
+def _side(step: Any) -> Side:
+    """The one place a step's settings are read: a towers trainer's options, the divisor
+    any other step declares (``loss_denominator``), a strategy's replica count."""
+    if isinstance(step, TowerTrainer):
+        return Side(step.loss_denominator, step.non_trainable_mode == "first_tower",
+                    len(step.devices), False)  # fmt: skip
+    strategy = getattr(step, "strategy", None)
+    replicas = 1 if strategy is None else int(strategy.num_replicas_in_sync)
+    return Side(getattr(step, "loss_denominator", None), None, 0, replicas > 1)
+
+
+def _divisor(side: Side, shards: list[int], towers: int) -> str:
+    """What ``side`` divides each tower's loss sum by, in words."""
     per_replica = ", ".join(str(s * towers) for s in shards if s)
-    if rule == "global":
-        return rule, f"{sum(shards)} (the global batch)"
-    if rule == "per_replica":
-        return rule, f"{per_replica} (shard × replicas)"
-    if isinstance(rule, (int, float)) and not isinstance(rule, bool):
-        return rule, f"{rule:g} (a constant)"
-    return None, (f"what it does not declare (tf.nn.compute_average_loss without "
-                  f"global_batch_size: shard × replicas, {per_replica}; or a fixed global "
-                  "batch size)")  # fmt: skip
+    if side.divisor == "global":
+        return f"{sum(shards)} (the global batch)"
+    if side.divisor == "per_replica":
+        return f"{per_replica} (shard × replicas)"
+    if isinstance(side.divisor, (int, float)) and not isinstance(side.divisor, bool):
+        return f"{side.divisor:g} (a constant)"
+    return (f"what it does not declare (tf.nn.compute_average_loss without global_batch_size: "
+            f"shard × replicas, {per_replica}; or a fixed global batch size)")  # fmt: skip
 
 
-def _uneven(a: Any, b: Any, sizes: Sequence[int], step: int, towers: int) -> str:
+def _uneven(sides: tuple[Side, Side], sizes: Sequence[int], step: int, towers: int) -> str:
     batch = int(sizes[step - 1])
     shards = shard_sizes(batch, towers)
     split, short = batch % towers != 0, batch < max(sizes)
-    (rule_a, by_a), (rule_b, by_b) = (_divisor(side, shards, towers) for side in (a, b))
-    if not (split or short) or (rule_a is not None and rule_a == rule_b):
+    a, b = sides
+    if not (split or short) or (a.divisor is not None and a.divisor == b.divisor):
         return ""
     shape = [f"splits {'+'.join(map(str, shards))} over {towers} towers"] if split else []
     shape += [f"is shorter than the largest batch ({max(sizes)})"] if short else []
     return (f"uneven batch: step {step}'s batch of {batch} {' and '.join(shape)}, and the "
             f"sides' loss divisors may differ (A divides each tower's loss sum by "
-            f"{by_a}; B by {by_b}): its examples weigh differently")  # fmt: skip
+            f"{_divisor(a, shards, towers)}; B by {_divisor(b, shards, towers)}): its "
+            "examples weigh differently")  # fmt: skip
 
 
-def _clips(side: Any) -> tuple[tuple[str, Any], ...]:
-    optimizer = getattr(side, "optimizer", None)
+def _clips(step: Any) -> tuple[tuple[str, Any], ...]:
+    optimizer = getattr(step, "optimizer", None)
     return tuple((k, getattr(optimizer, k)) for k in CLIPPING
                  if getattr(optimizer, k, None) is not None)  # fmt: skip
 
 
-def _replicated(side: Any) -> bool:
-    """The side runs under a ``tf.distribute`` strategy of more than one replica."""
-    strategy = getattr(side, "strategy", None)
-    return strategy is not None and int(strategy.num_replicas_in_sync) > 1
-
-
-def _clipping(a: Any, b: Any) -> str:
-    clips = [_clips(side) for side in (a, b)]
-    if not any(clips) or (clips[0] == clips[1] and not _replicated(a) and not _replicated(b)):
+def _clipping(a: Any, b: Any, sides: tuple[Side, Side]) -> str:
+    clips = [_clips(a), _clips(b)]
+    if not any(clips) or (clips[0] == clips[1] and not any(s.replicated for s in sides)):
         return ""
     said = "; ".join(f"{label}'s optimizer has " + ", ".join(f"{k}={v:g}" for k, v in c)
                      for label, c in zip("AB", clips) if c)  # fmt: skip
@@ -159,11 +172,10 @@ def _layers(model: Any) -> list[Any]:
     return out
 
 
-def _batch_norm(a: Any, b: Any) -> str:
-    names = sorted({layer.name for side in (a, b) for layer in _layers(getattr(side, "model", None))
+def _batch_norm(a: Any, b: Any, sides: tuple[Side, Side]) -> str:
+    names = sorted({layer.name for step in (a, b) for layer in _layers(getattr(step, "model", None))
                     if isinstance(layer, keras.layers.BatchNormalization)})  # fmt: skip
-    alike = all(isinstance(s, TowerTrainer) for s in (a, b)) and (
-        len(a.devices), a.non_trainable_mode) == (len(b.devices), b.non_trainable_mode)
+    alike = sides[0].towers and sides[0][1:3] == sides[1][1:3]  # towers trainers, alike
     if not names or alike:
         return ""
     return (f"BatchNormalization ({', '.join(names)}): each replica normalizes its own shard "
