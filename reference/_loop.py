@@ -218,12 +218,17 @@ class StrategyTrainer:
         optimizer: the Keras optimizer, built for ``model.trainable_variables``.
         strategy: the ``tf.distribute.Strategy``.
         loss_fn: the resolved loss (a step of :mod:`towers.testing.steps`).
+        loss_denominator: ``"global"``: each replica divides its loss sum by the global
+            batch (``compute_average_loss(..., global_batch_size=B)``), as a towers
+            trainer's option of the same name says (read by :mod:`towers.testing.causes`).
 
     Example:
         >>> strategy = tf.distribute.OneDeviceStrategy("/cpu:0")         # doctest: +SKIP
         >>> trainer = StrategyTrainer(strategy, make_model, keras.optimizers.SGD(0.1), "mse")
         >>> trainer.train_step(x, y)                                    # doctest: +SKIP
     """
+
+    loss_denominator = "global"
 
     def __init__(
         self,

@@ -2,8 +2,10 @@
 
 The correct port passes against towers (``loss_denominator="per_replica"``) for SGD
 and Adam, each under its derived bound (``sgd_step_bound``, the tracked Adam bound of
-``towers.testing.optimizer_bounds``); the planted weighting bug fails, and the
-assertion's message names the step, the variable and both values.
+``towers.testing.bounds.optimizers``); the planted weighting bug fails, and the
+assertion's message names the step, the variable and both values; towers' default
+divisor against the tutorial's fails on the uneven last batch, and the message names it
+and the setting that reproduces MirroredStrategy's semantics.
 The functions run in this process (the suite's 8 logical devices); the script itself
 prints the same reports (``python examples/custom_loop_tutorial.py [--bug]``).
 """
@@ -48,6 +50,24 @@ def test_a_planted_weighting_bug_fails_naming_step_variable_and_values(
     assert values is not None, text
     a, b, diff, bound = (float(v) for v in values.groups())
     assert a != b and diff > 100 * bound > 0
+    assert "possible causes" not in text  # an even batch, no clipping, no BatchNorm: no hint
+
+
+def test_towers_default_against_the_tutorial_names_the_uneven_batch_and_the_setting(
+    steps_match,  # noqa: F811
+) -> None:
+    """The tutorial's divisor (shard × replicas) against towers' default (the global batch):
+    the uneven last batch parts them, and the report says so and names the setting."""
+    devices = DEVICES[:4]
+    with pytest.raises(AssertionError) as failed:
+        steps_match(towers_step(devices, "sgd", "global"), your_step(devices, "sgd"),
+                    tutorial_batches(2))  # fmt: skip
+    text = " ".join(str(failed.value).split())
+    assert "FIRST DIVERGENCE: step 2," in text, text
+    assert ("uneven batch: step 2's batch of 10 splits 3+3+3+1 over 4 towers and is shorter "
+            "than the largest batch (64)") in text, text
+    assert "A divides each tower's loss sum by 10 (the global batch)" in text
+    assert 'the setting: TowerTrainer(..., semantics="mirrored")' in text
 
 
 def test_the_example_says_what_it_teaches_and_simulates_devices_first() -> None:

@@ -40,6 +40,7 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 import numpy as np
 import tensorflow as tf
 
+from towers.allreduce.machinery.rounding import gamma, unit_roundoff
 from towers.allreduce.wire import Wire
 
 __all__ = [
@@ -54,9 +55,6 @@ __all__ = [
     "rounding",
     "topk",
 ]
-
-_U32 = 2.0**-24
-
 
 @runtime_checkable
 class Codec(Protocol):
@@ -113,9 +111,10 @@ class Codec(Protocol):
         ...
 
 
-def rounding(k: int, abs_sum: Any, u: float = _U32) -> np.ndarray:
-    """``γ_k·abs_sum`` = ``k·u / (1 − k·u)·abs_sum``: k roundings of unit roundoff ``u``."""
-    return k * u / (1 - k * u) * np.asarray(abs_sum, np.float64)
+def rounding(k: int, abs_sum: Any, dtype: Any = "float32") -> np.ndarray:
+    """``γ_k·abs_sum``: ``k`` roundings of ``dtype``'s unit roundoff
+    (:mod:`towers.allreduce.machinery.rounding`), as float64."""
+    return gamma(k, dtype) * np.asarray(abs_sum, np.float64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,9 +190,9 @@ class Cast:
 
     def error_bound(self, abs_sum: Any, towers: int, depth: int) -> np.ndarray:
         """The bound above for ``abs_sum`` = Σ|x_i| (element-wise), as float64."""
-        u = 2.0**-11 if self.dtype == tf.float16 else 2.0**-8
+        u, u32 = unit_roundoff(self.dtype), unit_roundoff(tf.float32)
         eta = 2.0**-25 if self.dtype == tf.float16 else 2.0**-126
-        rel = (1 + u) ** (depth + 1) * (1 + _U32) ** 2 - 1
+        rel = (1 + u) ** (depth + 1) * (1 + u32) ** 2 - 1
         return rel * np.asarray(abs_sum, np.float64) + towers**2 * eta
 
 

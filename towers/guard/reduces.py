@@ -13,7 +13,7 @@ returns its inputs unchanged, or a mean instead of a sum, kept it and trained
 silently wrong: with ``replicated`` every replica drifts its own way, with
 ``parameter_device`` the update uses tower 0's gradient alone. This check runs the
 algorithm once on small values and compares each output with the exact sum, within
-the summation bound of :mod:`towers.testing.bounds` (``γ_{n−1}·Σ|x_i|``, which holds
+the summation bound of :mod:`towers.testing.bounds.sums` (``γ_{n−1}·Σ|x_i|``, which holds
 for every summation tree of ``n`` leaves). The values are small integers: every
 partial sum is exact in float16, bfloat16 and float32, so any correct summation
 order meets the bound with no error at all, and a wrong one misses by at least 1.
@@ -41,13 +41,13 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 import tensorflow as tf
 
 from towers.allreduce.machinery.base import GradientReducer, StatefulReducer
 from towers.allreduce.machinery.registry import ALGORITHMS, record_of
 from towers.allreduce.machinery.resolve import get, noop
+from towers.allreduce.machinery.rounding import gamma
 from towers.guard.contract import algorithm_name, check_outputs, check_rows
 from towers.guard.errors import AlgorithmError
 
@@ -116,9 +116,8 @@ def _compare(algorithm: Any, shapes: Sequence[Sequence[int]], dtypes: Sequence[t
     for j, name in enumerate(names):
         stack = np.stack([_values(shapes[j], t, tf.float64) for t in range(n)])
         exact, magnitude = stack.sum(axis=0), np.abs(stack).sum(axis=0)
-        u = float(ml_dtypes.finfo(dtypes[j].as_numpy_dtype).eps) / 2
         k = max(n - 1, 0)
-        tolerance = k * u / (1 - k * u) * magnitude  # γ_{n−1}·Σ|x_i|
+        tolerance = gamma(k, dtypes[j]) * magnitude  # γ_{n−1}·Σ|x_i|
         for tower in range(n):
             got = np.asarray(outputs[tower][j], np.float64)
             miss = np.abs(got - exact) - tolerance

@@ -1,7 +1,9 @@
-"""Tools to prove a data-parallel setup right: Hypothesis strategies, one error bound, checkers.
+"""Tools to prove a data-parallel setup right: Hypothesis strategies, error bounds, checkers.
 
     strategies.py  model families, optimizers and training cases for equivalence tests
-    bounds.py      the one error bound: unit roundoff, γ_k, the sum and SGD-step bounds
+    bounds/        every error bound: the sum and SGD-step bounds (on the one unit roundoff
+                   and γ_k), the optimizers' tracked bounds, which bound holds an update,
+                   the kernel-noise floor
     values.py      tower values (Hypothesis), ``assert_close`` and ULP distances
     properties.py  the properties of one all-reduce example (value, placement, bytes, replay)
     check.py       ``check_all_reduce``: an algorithm's properties over towers, shapes, dtypes, ops
@@ -11,8 +13,8 @@
     onestep.py     one step from the same weights: per-example leaves, depths, the comparison
     invariance.py  ``check_invariance``: the same training on 1, 2, 4, 8 towers, step by step
     steps.py       the step protocol (``Step``) and ``as_step``, the adapter for a user's step
-    stepbound.py   which bound holds one update of two steps (SGD, ``bound=``, tracked)
     report.py      ``BisectReport`` / ``Divergence``: what a comparison found
+    causes.py      why a divergence may have happened: what its batches and sides show
     compare.py     ``compare``: two steps (or configurations), teacher-forced, every step
     bisect.py      ``bisect``: the first step, variable and element where two steps part
     matching.py    ``assert_steps_match`` and the ``step_cases`` strategy (plugin.py: fixture)

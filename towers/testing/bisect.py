@@ -23,7 +23,7 @@ runs would find where trajectories part, which rounding alone makes happen).
 Two towers trainers are compared on their reduced gradients (the step's public
 phases ``split → forward_backward → reduce``, run eagerly). Any other step exposes
 no gradient, so the comparison is the update of one step from the same weights,
-held to the bound :mod:`towers.testing.stepbound` picks and names: plain SGD's
+held to the bound :mod:`towers.testing.bounds.update` picks and names: plain SGD's
 :func:`towers.testing.sgd_step_bound` (the tower gradients as the summed terms), a
 ``bound=`` given, or an optimizer's tracked bound; otherwise it is refused. A towers
 side always runs its phases eagerly, so a stateful reduction (one that counts its
@@ -79,7 +79,7 @@ def bisect(
         towers: the tower count (configurations: default 4; steps: their own).
         steps: how many batches to check at most (default: all).
         bound: None (derived), a tolerance, or ``(weights, x, y) -> tolerances``
-            (:mod:`towers.testing.stepbound`).
+            (:mod:`towers.testing.bounds.update`).
 
     Returns:
         A :class:`~towers.testing.report.BisectReport`; ``report.first`` is the

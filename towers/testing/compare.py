@@ -11,11 +11,12 @@ each step is judged on its own (see :mod:`towers.testing.bisect` for the drawing
                          a difference attributed to "reduction (B)" / "kernels"
                          (towers.testing.onestep)
     anything else        the weights after one update, within the bound that
-                         towers.testing.stepbound picks (plain SGD: sgd_step_bound;
+                         towers.testing.bounds.update picks (plain SGD: sgd_step_bound;
                          bound= a tolerance or a callable; an optimizer's tracked bound)
 
 ``compare`` checks every step; ``bisect`` stops at the first that leaves the bound.
-Both return a :class:`~towers.testing.report.BisectReport` naming the bound used.
+Both return a :class:`~towers.testing.report.BisectReport` naming the bound used and
+the causes of a divergence its batches and sides show (:mod:`towers.testing.causes`).
 
 Example:
     >>> report = compare(my_step, reference_step, batches)        # doctest: +SKIP
@@ -34,6 +35,8 @@ import numpy as np
 from towers.allreduce.machinery.registry import algorithm_name
 from towers.devices import local_devices
 from towers.step import TowerTrainer
+from towers.testing.bounds.update import UpdateBound, resolve_bound
+from towers.testing.causes import explained
 from towers.testing.onestep import (
     Difference,
     algorithm_depth,
@@ -43,7 +46,6 @@ from towers.testing.onestep import (
     take_batches,
 )
 from towers.testing.report import BisectReport, Divergence
-from towers.testing.stepbound import UpdateBound, resolve_bound
 from towers.testing.steps import check_step, step_towers
 
 __all__ = ["REFERENCES", "Config", "advance", "compare", "config", "run_comparison",
@@ -141,16 +143,6 @@ def _gradient_step(a: Any, b: Any, x: Any, y: Any, label: str, step: int) -> tup
     rows = compare_runs(label, step, names, runs, depths, None)
     a.apply(runs[0].phases)
     return rows, runs[0].reduced, runs[1].reduced
-
-
-
-def _advance(step: Any, x: Any, y: Any) -> None:
-    """One update: a towers trainer through its phases eagerly (a stateful reduction is
-    called once per variable, as in the gradient comparison), anything else its step."""
-    if isinstance(step, TowerTrainer):
-        step.apply(step_gradients(step, x, y).phases)
-    else:
-        step.train_step(x, y)
 
 
 def _update_step(
@@ -262,6 +254,8 @@ def run_comparison(
         if bad is not None and first is None:
             compared = "gradient" if update is None else "update"
             first = _divergence(bad, want[bad.index], got[bad.index], compared, b, name)
+            first = explained(first, a, b, [len(x) for x, _ in data], n or 1,
+                              want[bad.index].dtype)  # fmt: skip
             if stop:
                 break
     kind = "bisect" if stop else "compare"
@@ -269,7 +263,7 @@ def run_comparison(
 
 
 def update_bound(a: Any, b: Any, bound: Any, loss: Any, configs: bool = False) -> UpdateBound:
-    """The bound of an update comparison (towers.testing.stepbound), from the teacher."""
+    """The bound of an update comparison (towers.testing.bounds.update), from the teacher."""
     optimizer = getattr(a, "optimizer", None) or getattr(b, "optimizer", None)
     model = getattr(a, "model", None) or getattr(b, "model", None)
     loss = loss if loss is not None else getattr(a, "loss_fn", None) or getattr(b, "loss_fn", None)

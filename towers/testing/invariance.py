@@ -20,7 +20,7 @@ each run's all-reduce against the exact sum of its towers' gradients (``γ_k·Σ
 with the algorithm's summation depth ``k``; no assumption) and the towers' kernels,
 which add a shard's examples: a tree over the per-example gradients ``c_e`` of depth
 ``largest shard − 1`` (``γ_{d+1}·Σ_e|c_e|`` per run, the leaves from one tower step per
-example). All three come from :func:`towers.testing.bounds.sum_bound`. The kernel
+example). All three come from :func:`towers.testing.bounds.sums.sum_bound`. The kernel
 part assumes an example's own values are computed alike at every shard size:
 oneDNN's MatMul breaks that (it blocks by batch size), and a difference outside the
 bound is then reported with ``cause="kernels"``, never blamed on the all-reduce.
@@ -38,7 +38,7 @@ Any step (:mod:`towers.testing.steps`) can be checked the same way: pass
 per tower count (``reference.MirroredTrainer`` is such a factory, and so is a
 function that builds your own loop and wraps it with ``as_step``). Such steps
 expose no gradient, so each count's weights after one update are compared with
-the first count's, held to the bound :mod:`towers.testing.stepbound` names (plain
+the first count's, held to the bound :mod:`towers.testing.bounds.update` names (plain
 SGD: ``sgd_step_bound`` over the per-example gradients, which covers every tower
 count's tree over them; else ``bound=``). No trajectory is run for them.
 
@@ -60,6 +60,7 @@ import numpy as np
 
 from towers.devices import local_devices
 from towers.step import TowerTrainer
+from towers.testing.bounds.sums import leaf_bounds
 from towers.testing.compare import advance, update_bound, update_rows
 from towers.testing.onestep import (
     Difference,
@@ -67,7 +68,6 @@ from towers.testing.onestep import (
     compare_runs,
     example_gradients,
     kernel_depth,
-    leaf_bounds,
     step_gradients,
     take_batches,
 )
@@ -189,7 +189,7 @@ def check_invariance(
         step: a step factory ``(model_fn, optimizer_fn, loss, devices) -> step`` to check
             instead of a ``TowerTrainer`` (``all_reduce``/``variables`` unused).
         bound: a ``step``'s bound: None (derived), a tolerance or a callable
-            (:mod:`towers.testing.stepbound`).
+            (:mod:`towers.testing.bounds.update`).
 
     Returns:
         An :class:`InvarianceReport`: ``ok``, ``first_failure``, the table as ``str``.

@@ -83,7 +83,8 @@ def assert_steps_match(a: Any, b: Any, batches: Iterable[Any], **options: Any) -
 
     Raises:
         AssertionError: a step left the bound; the message is the report, with the first
-            divergence's step, variable, element, both values, |Δ| and the bound used.
+            divergence's step, variable, element, both values, |Δ|, the bound used and the
+            causes the batches and the two sides show (:mod:`towers.testing.causes`).
     """
     report = compare(a, b, batches, **options)
     if not report.ok:

@@ -11,7 +11,7 @@ triangle inequality into parts each with its own derived bound::
                   reduction A    kernels        reduction B
 
 *Reduction.* An all-reduce of depth ``k`` lies within ``γ_k·Σ_i|g_i|`` of the exact
-sum of the towers' gradients it was given (:func:`towers.testing.bounds.sum_bound`,
+sum of the towers' gradients it was given (:func:`towers.testing.bounds.sums.sum_bound`,
 the one derivation): ``k`` from the algorithm's registry record, ``n − 1`` (which
 bounds every tree of ``n`` leaves) for a callable without one. No assumption: the
 leaves are the observed tower gradients.
@@ -46,7 +46,7 @@ import tensorflow as tf
 from towers.allreduce.machinery.registry import record_of
 from towers.guard.arguments import optional, positive_int
 from towers.split import shard_sizes
-from towers.testing.bounds import sgd_step_bound, sum_bound
+from towers.testing.bounds.sums import exact_sums, sgd_step_bound
 from towers.testing.strategies import per_tower_gradients
 from towers.tower import tower_step
 from towers.training.keras_loss import resolve_loss
@@ -57,10 +57,8 @@ __all__ = [
     "algorithm_depth",
     "compare_gradients",
     "compare_runs",
-    "exact_sums",
     "example_gradients",
     "kernel_depth",
-    "leaf_bounds",
     "plain_sgd_rate",
     "run_devices",
     "step_gradients",
@@ -186,14 +184,6 @@ def kernel_depth(batch: int, towers: int) -> int:
     return max(shard_sizes(batch, towers)) - 1 + 1
 
 
-def exact_sums(
-    towers: list[list[np.ndarray]], depth: int
-) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Per variable, the exact sum of the towers' gradients and a depth-``depth`` bound."""
-    pairs = [sum_bound([t[j] for t in towers], "sum", depth) for j in range(len(towers[0]))]
-    return [p[0] for p in pairs], [p[1] for p in pairs]
-
-
 def _within(got: np.ndarray, want: np.ndarray, tol: np.ndarray) -> bool:
     return bool(np.all(np.abs(got.astype(np.float64) - want) <= tol))
 
@@ -249,15 +239,6 @@ def compare_gradients(
         top = float(np.max(diff, initial=0.0))
         rows.append(Difference(label, step, name, j, top, worst, *at, not bool(np.any(bad))))
     return rows
-
-
-def leaf_bounds(leaves: list[list[np.ndarray]], depth_a: int, depth_b: int) -> list[np.ndarray]:
-    """Per variable, the kernel part's bound: two trees over the per-example ``leaves``."""
-    out = []
-    for j in range(len(leaves[0])):
-        column = [leaf[j] for leaf in leaves]
-        out.append(sum_bound(column, "sum", depth_a)[1] + sum_bound(column, "sum", depth_b)[1])
-    return out
 
 
 def plain_sgd_rate(optimizer: keras.optimizers.Optimizer) -> float:

@@ -11,11 +11,15 @@ fill a :class:`BisectReport`; its ``str`` is the report a test or the CLI prints
       element 3 (chunk 0 of 1: elements 0..5)
       A = 0.25  B = 0.2459  |Δ| = 0.0041 > bound 1.2e-08
       bound used: …
+      possible causes, read from the batches and both sides (towers.testing.causes):
+        - uneven batch: step 2's batch of 10 splits 3+3+3+1 over 4 towers, …
+      the setting: TowerTrainer(..., semantics="mirrored") …
 """
 
 from __future__ import annotations
 
 import dataclasses
+import textwrap
 
 from towers.testing.onestep import Difference
 
@@ -39,6 +43,10 @@ class Divergence:
         cause: gradients only: which part left its own bound (``"reduction (B)"``,
             ``"reduction (reference)"`` for A, or ``"kernels"``: the towers' inputs differ).
         bound_name: which bound held the step, and why that one (see :class:`BisectReport`).
+        causes: what the batches and the two sides show that may explain it, one
+            ``"name: why"`` each (:mod:`towers.testing.causes`); empty when nothing does.
+        setting: the setting that reproduces MirroredStrategy's semantics, when a cause
+            is them; else "".
     """
 
     step: int
@@ -53,6 +61,8 @@ class Divergence:
     compared: str
     cause: str = ""
     bound_name: str = ""
+    causes: tuple[str, ...] = ()
+    setting: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,4 +117,17 @@ class BisectReport:
         ]
         if d.bound_name:
             lines.append(f"  bound used: {d.bound_name}")
-        return "\n".join(lines)
+        return "\n".join(lines + _causes(d))
+
+
+def _causes(d: Divergence) -> list[str]:
+    """The possible causes and the setting, wrapped to the report's width."""
+    if not d.causes and not d.setting:
+        return []
+    lines = ["  possible causes, read from the batches and both sides (towers.testing.causes):"]
+    for cause in d.causes:
+        lines += textwrap.wrap(cause, 96, initial_indent="    - ", subsequent_indent="      ")
+    if d.setting:
+        lines += textwrap.wrap(d.setting, 96, initial_indent="  the setting: ",
+                               subsequent_indent="    ")  # fmt: skip
+    return lines

@@ -13,6 +13,7 @@
     sparse.py            IndexedSlices gathered in tower order, or densified
     ordering.py          as_written(): Grappler's rewrites off, additions in code order
     sharding.py          the sharded placement's flat chunks, reduce-scatter, all-gather
+    rounding.py          the unit roundoff u per dtype and γ_k: what every error bound builds on
 
 The algorithms themselves are the modules of :mod:`towers.allreduce` beside this package.
 """

@@ -1,16 +1,10 @@
-"""The one error bound: how far a correct all-reduce (or an SGD step built on one) may be off.
+"""The sum bound: how far a correct all-reduce (or an SGD step built on one) may be off.
 
-Derivation. Floating-point addition is correctly rounded: ``fl(a + b) = (a + b)(1 + δ)``
-with ``|δ| ≤ u``, the unit roundoff of the dtype (half the gap above 1.0):
-
-    =========  ========  ==========================================
-    float16    2^-11     bfloat16  2^-8
-    float32    2^-24     float64   2^-53
-    =========  ========  ==========================================
-
-Sum ``n`` values ``x_i`` in *any* tree (ring, tree, halving-doubling, one device in
-tower order, …). Each leaf ``x_i`` reaches the result through the additions on its
-path to the root, ``d_i`` of them, each contributing one factor ``(1 + δ)``:
+Derivation. Every addition rounds once: ``fl(a + b) = (a + b)(1 + δ)``, ``|δ| ≤ u``
+(the unit roundoff, :mod:`towers.allreduce.machinery.rounding`). Sum ``n`` values
+``x_i`` in *any* tree (ring, tree, halving-doubling, one device in tower order, …).
+Each leaf ``x_i`` reaches the result through the additions on its path to the root,
+``d_i`` of them, each contributing one factor ``(1 + δ)``:
 ``ŝ = Σ x_i·Π_{j ≤ d_i}(1 + δ_j)``. With ``k = max_i d_i``, the *summation depth*,
 ``|Π(1 + δ_j) − 1| ≤ γ_k = k·u / (1 − k·u)`` (Higham, *Accuracy and Stability of
 Numerical Algorithms*, 2nd ed., Lemma 3.1 and §4.2), so
@@ -32,8 +26,13 @@ of ``lr·g`` (≤ ``u·lr·Σ|g_i|``) and one of the subtraction (≤ ``u·|w'|`
 allowing two of each gives :func:`sgd_step_bound`,
 ``lr·(2γ_k + 4u)·Σ|g_i| + 4u·(|w| + lr·Σ|g_i|)``.
 
+Per variable, :func:`exact_sums` applies :func:`sum_bound` to every variable of a
+step's gradients (``values[term][var]``), and :func:`leaf_bounds` bounds two trees of
+different depths over the same per-example gradients (the kernel part of
+:mod:`towers.testing.onestep`).
+
 Example:
-    >>> gamma(3, "float32") == 3 * 2.0**-24 / (1 - 3 * 2.0**-24)
+    >>> float(gamma_exact(1, "float32")) == 2.0**-24 / (1 - 2.0**-24)
     True
 """
 
@@ -45,39 +44,10 @@ from fractions import Fraction
 from typing import Any
 
 import numpy as np
-import tensorflow as tf
 
-__all__ = [
-    "UNIT_ROUNDOFF",
-    "gamma",
-    "gamma_exact",
-    "sgd_step_bound",
-    "sum_bound",
-    "unit_roundoff",
-]
+from towers.allreduce.machinery.rounding import gamma, unit_roundoff
 
-UNIT_ROUNDOFF = {"float16": 2.0**-11, "bfloat16": 2.0**-8, "float32": 2.0**-24, "float64": 2.0**-53}
-"""``u`` per float dtype name (half the gap above 1.0)."""
-
-
-def unit_roundoff(dtype: Any) -> float:
-    """``u`` of a float dtype (TensorFlow, NumPy or a name); 0 for integers (they are exact).
-
-    Example:
-        >>> unit_roundoff("float32") == 2.0**-24
-        True
-    """
-    dtype = tf.as_dtype(dtype)
-    return 0.0 if dtype.is_integer else UNIT_ROUNDOFF[dtype.name]
-
-
-def gamma(k: int, dtype: Any = "float32") -> float:
-    """Higham's ``γ_k = k·u / (1 − k·u)``: the relative error of ``k`` chained roundings.
-
-    Infinite once ``k·u ≥ 1`` (no bound left).
-    """
-    u = unit_roundoff(dtype)
-    return math.inf if k * u >= 1 else k * u / (1.0 - k * u)
+__all__ = ["exact_sums", "gamma_exact", "leaf_bounds", "sgd_step_bound", "sum_bound"]
 
 
 def gamma_exact(k: int, dtype: Any = "float32") -> Fraction:
@@ -118,7 +88,8 @@ def sum_bound(
     k = depth + 2 * (op == "mean")
     smallest = np.finfo(np.float32 if stack.dtype.name == "bfloat16" else stack.dtype).tiny
     flushed = (k + 1) * float(smallest)  # each rounding may flush a subnormal to zero
-    tol = gamma(k, stack.dtype) * magnitude + 2.0**-52 * magnitude + flushed  # float64 reference
+    reference = 2 * unit_roundoff("float64")  # fsum, rounded once to float64
+    tol = gamma(k, stack.dtype) * magnitude + reference * magnitude + flushed
     if op == "mean":
         sums, tol = sums / n, tol / n + flushed
     shape = arrays[0].shape
@@ -140,9 +111,25 @@ def sgd_step_bound(
     Returns:
         ``lr·(2γ_depth + 4u)·Σ|g_i| + 4u·(|w| + lr·Σ|g_i|)`` per weight.
     """
-    u = UNIT_ROUNDOFF["float32"]
+    u = unit_roundoff("float32")
     out = []
     for j, w in enumerate(weights):
         total = np.sum([np.abs(g[j]) for g in grads], axis=0)
         out.append(lr * (2 * gamma(depth) + 4 * u) * total + 4 * u * (np.abs(w) + lr * total))
     return out
+
+
+def exact_sums(
+    values: Sequence[Sequence[np.ndarray]], depth: int
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Per variable, the exact sum over ``values[term][var]`` and its depth-``depth`` bound
+    (:func:`sum_bound` with ``op="sum"``)."""
+    pairs = [sum_bound([t[j] for t in values], "sum", depth) for j in range(len(values[0]))]
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def leaf_bounds(leaves: list[list[np.ndarray]], depth_a: int, depth_b: int) -> list[np.ndarray]:
+    """Per variable, how far two trees of depths ``depth_a`` and ``depth_b`` over the same
+    per-example ``leaves[e][var]`` may differ: the two trees' bounds added."""
+    bounds_a, bounds_b = exact_sums(leaves, depth_a)[1], exact_sums(leaves, depth_b)[1]
+    return [a + b for a, b in zip(bounds_a, bounds_b, strict=True)]

@@ -26,7 +26,7 @@ Measured (TF 2.21, x86 AVX-512 CPU, ``ModelSpec(family).batch(16, seed=0)``, tow
 On these small models the two graphs gave the same gradients; the floor comes from
 oneDNN (on vs off) and from the tower count (the shard's rows grouped differently).
 
-Each oneDNN setting runs in its own Python process (``python -m towers.testing.noise``),
+Each oneDNN setting runs in its own Python process (``python -m towers.testing.bounds.noise``),
 with a timeout: nothing may hang.
 """
 
@@ -122,8 +122,9 @@ def _run_worker(family: str, flag: str, counts: list[int], graphs: list[str], ba
                            "batch": batch, "seed": seed, "out": out})  # fmt: skip
         env = {**os.environ, "TF_ENABLE_ONEDNN_OPTS": flag, "TF_CPP_MIN_LOG_LEVEL": "2"}
         try:
-            done = subprocess.run([sys.executable, "-m", "towers.testing.noise", spec], env=env,
-                                  capture_output=True, text=True, timeout=timeout)  # fmt: skip
+            done = subprocess.run(
+                [sys.executable, "-m", "towers.testing.bounds.noise", spec], env=env,
+                capture_output=True, text=True, timeout=timeout)  # fmt: skip
         except subprocess.TimeoutExpired:
             raise RuntimeError(f"kernel_noise_floor: the oneDNN={flag} run passed "
                                f"timeout={timeout:g} s") from None  # fmt: skip

@@ -6,7 +6,7 @@ difference depends on the optimizer, and the report names the choice::
 
     bound=            a number: |Δ| ≤ it everywhere    a callable: bound(weights, x, y)
     None, plain SGD   sgd_step_bound(w, c_examples, lr, B): two steps that add the same
-                      B per-example gradients c_e in any two trees (towers.testing.bounds)
+                      B per-example gradients c_e in any two trees (towers.testing.bounds.sums)
     None, other       an optimizer's tracked bound, where one is known
                       (:func:`optimizer_tracker`); otherwise refused: pass bound=
 
@@ -41,10 +41,11 @@ from typing import Any
 import keras
 import numpy as np
 
+from towers.allreduce.machinery.rounding import unit_roundoff
 from towers.devices import local_devices
-from towers.testing.bounds import UNIT_ROUNDOFF, sgd_step_bound, sum_bound
+from towers.testing.bounds.optimizers import COVERED, update_bounds
+from towers.testing.bounds.sums import exact_sums, sgd_step_bound
 from towers.testing.onestep import example_gradients
-from towers.testing.optimizer_bounds import COVERED, update_bounds
 
 __all__ = ["UpdateBound", "optimizer_tracker", "resolve_bound"]
 
@@ -67,7 +68,7 @@ class UpdateBound:
 
 def optimizer_tracker(optimizer: Any) -> Any:
     """A tracker of ``optimizer``'s update error (``tracker.step(grads, grad_errors)``), or
-    None where no derived bound is known: :func:`towers.testing.optimizer_bounds.update_bounds`
+    None where no derived bound is known: :func:`towers.testing.bounds.optimizers.update_bounds`
     for the optimizers it covers (SGD with momentum or Nesterov, Adam, AdamW, Nadam,
     RMSprop; docs/bounds.md).
 
@@ -99,18 +100,17 @@ def _sgd(model: Any, loss: Any, lr: float) -> UpdateBound:
         return _spread(weights, trainable, tol)
 
     why = (f"sgd_step_bound (plain SGD, lr {lr:g}: two steps adding the same B per-example "
-           "gradients in trees of depth ≤ B; towers.testing.bounds derives it)")  # fmt: skip
+           "gradients in trees of depth ≤ B; towers.testing.bounds.sums derives it)")  # fmt: skip
     return UpdateBound(why, tolerances)
 
 
 def _tracked(model: Any, loss: Any, tracker: Any) -> UpdateBound:
-    leaves_of, u = _leaves(model, loss), UNIT_ROUNDOFF["float32"]
+    leaves_of, u = _leaves(model, loss), unit_roundoff("float32")
 
     def tolerances(weights: list[np.ndarray], x: Any, y: Any) -> list[np.ndarray]:
         trainable = _trainable_positions(model)
-        grads, depth = leaves_of(x, y), len(x)
-        pairs = [sum_bound([g[j] for g in grads], "sum", depth) for j in range(len(trainable))]
-        errs = tracker.step([p[0] for p in pairs], [2 * p[1] for p in pairs])  # two orders
+        exact, tol = exact_sums(leaves_of(x, y), len(x))
+        errs = tracker.step(exact, [2 * t for t in tol])  # two summation orders
         tol = [np.asarray(e) + 4 * u * np.abs(weights[i]) for e, i in zip(errs, trainable)]
         return _spread(weights, trainable, tol)
 
@@ -160,7 +160,7 @@ def resolve_bound(
     if not _plain_sgd(optimizer) and tracker is None:
         raise ValueError(
             f"{argument}: a derived bound on one update from the same weights exists for "
-            f"plain SGD, for {', '.join(COVERED)} (towers.testing.optimizer_bounds) and for two "
+            f"plain SGD, for {', '.join(COVERED)} (towers.testing.bounds.optimizers) and for two "
             f"towers trainers; got "
             f"{type(optimizer).__name__}: pass bound= (a tolerance or a callable)")
     if model is None or loss is None:

@@ -1,4 +1,4 @@
-"""towers.testing.optimizer_bounds: real Keras optimizers on two gradients within an error.
+"""towers.testing.bounds.optimizers: real Keras optimizers on two gradients within an error.
 
 Each case steps two copies of a Keras optimizer, teacher-forced (both start every step
 from the same weights, slots carried), with gradients ``g`` and ``g + e·s`` (``s``
@@ -21,8 +21,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import examples
-from towers.testing.intervals import Interval, pieces
-from towers.testing.optimizer_bounds import (
+from towers.testing.bounds.intervals import Interval, pieces
+from towers.testing.bounds.optimizers import (
     BOUNDED,
     ZERO_GRADIENT_NOISE,
     update_bounds,

@@ -10,7 +10,7 @@ difference (momentum, Adam's ``m`` and ``v``) to the next step::
     step t:  g ± e ──▶ slots_{t−1} ± E_{t−1} ──▶ slots_t ± E_t ──▶ Δ_t ± bound_t
 
 It keeps, per slot element, an interval holding *both* runs' values
-(:mod:`towers.testing.intervals`) and evaluates Keras 3's own update formulas
+(:mod:`towers.testing.bounds.intervals`) and evaluates Keras 3's own update formulas
 (``keras/src/optimizers/*.py``, op by op, each rounding widened by ``u·|x|``) on
 them. The gradient enters a rule twice (Adam: in ``m`` and in ``v``), so its
 interval is cut into :data:`PIECES` pieces and the images are joined; adaptive
@@ -44,9 +44,9 @@ from typing import Any
 import keras
 import numpy as np
 
+from towers.allreduce.machinery.rounding import unit_roundoff
 from towers.guard.arguments import positive_int
-from towers.testing.bounds import UNIT_ROUNDOFF
-from towers.testing.intervals import TINY, Interval, pieces
+from towers.testing.bounds.intervals import TINY, Interval, pieces
 
 __all__ = ["BOUNDED", "COVERED", "PIECES", "ZERO_GRADIENT_NOISE", "UpdateBounds", "update_bounds"]
 
@@ -54,7 +54,7 @@ PIECES = 16
 """How many pieces a gradient interval is cut into (the over-estimate shrinks as 1/PIECES)."""
 BOUNDED = "bounded"
 ZERO_GRADIENT_NOISE = "zero-gradient noise"
-U = UNIT_ROUNDOFF["float32"]
+U = unit_roundoff("float32")
 SAFETY = 1.0 + 2.0**-10
 """The tracker's constants (``1 − β₂ᵗ`` …) are float32 like Keras', up to an ULP of the
 power; a relative error of at most ~1e-4 in a width, covered by this factor."""

@@ -1,10 +1,10 @@
-"""towers.testing.noise: the kernel-noise floor of one towers step, measured in subprocesses."""
+"""towers.testing.bounds.noise: one towers step's kernel-noise floor, measured in subprocesses."""
 
 from __future__ import annotations
 
 import pytest
 
-from towers.testing.noise import kernel_noise_floor
+from towers.testing.bounds.noise import kernel_noise_floor
 
 
 def test_the_floor_of_a_dense_model_over_tower_counts() -> None:

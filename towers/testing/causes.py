@@ -1,0 +1,195 @@
+"""Why two steps may have parted: the causes a comparison can read from its batches and sides.
+
+A divergence outside the bound is a bug, or two steps that compute different things on
+purpose. The second kind leaves traces a comparison can see without running anything::
+
+    cause               read from                              named when
+    uneven batch        the step's batch size, the tower       B % towers ≠ 0 or B below the
+                        count, each side's loss_denominator    largest batch, and the sides'
+                                                               divisors are not known equal
+    gradient clipping   clipnorm / global_clipnorm /           either optimizer clips, unless
+                        clipvalue on either optimizer          both clip alike on one device
+    BatchNormalization  a BatchNormalization layer in          either model has one, unless
+                        either side's model                    both are towers trainers alike
+    reduction order     |Δ| in ULPs of the element             |Δ| ≤ ORDER_ULPS ULPs
+
+Each is named with what it does (MirroredStrategy under Keras 3 divides, clips and keeps
+BatchNorm's statistics per replica: docs/invariance_and_bisect.md). When the cause is
+MirroredStrategy's semantics (its loss divisor, its non-trainable state) and a towers
+trainer is compared with a step under a strategy of several replicas, the one setting that
+reproduces them is named too: :data:`MIRRORED_SETTING`. A step declares what it divides by
+with an attribute ``loss_denominator`` (``"global"``, ``"per_replica"`` or a number:
+``TowerTrainer``'s option, the references' ``"global"``); without one it is unknown.
+
+Example:
+    >>> possible_causes(a, b, batches, step=4, towers=4, diff=2e-4,
+    ...                 value=0.25, dtype="float32")                 # doctest: +SKIP
+    (("uneven batch: step 4's batch of 10 splits 3+3+3+1 over 4 towers ...",), 'TowerTr...')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import keras
+import numpy as np
+
+from towers.split import shard_sizes
+from towers.step import TowerTrainer
+from towers.testing.report import Divergence
+
+__all__ = ["CLIPPING", "MIRRORED_SETTING", "ORDER_ULPS", "Side", "explained", "possible_causes"]
+
+ORDER_ULPS = 8
+"""A difference of at most this many ULPs of the value is what another summation order makes."""
+CLIPPING = ("clipnorm", "global_clipnorm", "clipvalue")
+MIRRORED_SETTING = (
+    'TowerTrainer(..., semantics="mirrored") (or TowerModel) reproduces MirroredStrategy\'s '
+    "semantics: each replica divides its loss by its shard × replicas, and the first "
+    "tower's non-trainable state is kept")
+"""The one setting named when a cause is MirroredStrategy's semantics."""
+
+
+def possible_causes(
+    a: Any, b: Any, sizes: Sequence[int], *, step: int, towers: int, diff: float,
+    value: float, dtype: Any,
+) -> tuple[tuple[str, ...], str]:
+    """The causes of a divergence at ``step`` that the batches and the two sides show.
+
+    Args:
+        a, b: the two steps (teacher and under test).
+        sizes: every batch's size, in order.
+        step: the divergent step, from 1.
+        towers: the comparison's tower count.
+        diff, value, dtype: the first element outside: ``|Δ|``, the larger of its two
+            values in magnitude, and its dtype (for the ULPs).
+
+    Returns:
+        ``(causes, setting)``: one ``"name: why"`` per cause (none when nothing readable
+        explains the divergence) and :data:`MIRRORED_SETTING` when it applies, else "".
+    """
+    sides = (_side(a), _side(b))
+    found = [_uneven(sides, sizes, step, towers), _clipping(a, b, sides),
+             _batch_norm(a, b, sides), _order(diff, value, dtype)]  # fmt: skip
+    ours = [s for s in sides if s.towers]
+    mirrored = (found[0] and not all(s.divisor == "per_replica" for s in ours)) or (
+        found[2] and not all(s.first_tower for s in ours))
+    beside = bool(ours) and any(s.replicated for s in sides)  # towers beside a strategy
+    return tuple(line for line in found if line), MIRRORED_SETTING if mirrored and beside else ""
+
+
+def explained(first: Divergence, a: Any, b: Any, sizes: Sequence[int], towers: int,
+              dtype: Any) -> Divergence:  # fmt: skip
+    """``first`` with the :func:`possible_causes` its batches and sides show."""
+    value = max(abs(first.value_a), abs(first.value_b))
+    causes, setting = possible_causes(a, b, sizes, step=first.step, towers=towers,
+                                      diff=first.diff, value=value, dtype=dtype)  # fmt: skip
+    return dataclasses.replace(first, causes=causes, setting=setting)
+
+
+class Side(NamedTuple):
+    """What a step shows of how it computes.
+
+    Attributes:
+        divisor: what each tower divides its loss sum by: ``"global"``, ``"per_replica"``,
+            a number, or None (not declared).
+        first_tower: it keeps the first tower's non-trainable state (None: not declared).
+        towers: a towers trainer's tower count; 0 for any other step.
+        replicated: it runs under a ``tf.distribute`` strategy of several replicas.
+    """
+
+    divisor: Any
+    first_tower: bool | None
+    towers: int
+    replicated: bool
+
+
+def _side(step: Any) -> Side:
+    """The one place a step's settings are read: a towers trainer's options, the divisor
+    any other step declares (``loss_denominator``), a strategy's replica count."""
+    if isinstance(step, TowerTrainer):
+        return Side(step.loss_denominator, step.non_trainable_mode == "first_tower",
+                    len(step.devices), False)  # fmt: skip
+    strategy = getattr(step, "strategy", None)
+    replicas = 1 if strategy is None else int(strategy.num_replicas_in_sync)
+    return Side(getattr(step, "loss_denominator", None), None, 0, replicas > 1)
+
+
+def _divisor(side: Side, shards: list[int], towers: int) -> str:
+    """What ``side`` divides each tower's loss sum by, in words."""
+    per_replica = ", ".join(str(s * towers) for s in shards if s)
+    if side.divisor == "global":
+        return f"{sum(shards)} (the global batch)"
+    if side.divisor == "per_replica":
+        return f"{per_replica} (shard × replicas)"
+    if isinstance(side.divisor, (int, float)) and not isinstance(side.divisor, bool):
+        return f"{side.divisor:g} (a constant)"
+    return (f"what it does not declare (tf.nn.compute_average_loss without global_batch_size: "
+            f"shard × replicas, {per_replica}; or a fixed global batch size)")  # fmt: skip
+
+
+def _uneven(sides: tuple[Side, Side], sizes: Sequence[int], step: int, towers: int) -> str:
+    batch = int(sizes[step - 1])
+    shards = shard_sizes(batch, towers)
+    split, short = batch % towers != 0, batch < max(sizes)
+    a, b = sides
+    if not (split or short) or (a.divisor is not None and a.divisor == b.divisor):
+        return ""
+    shape = [f"splits {'+'.join(map(str, shards))} over {towers} towers"] if split else []
+    shape += [f"is shorter than the largest batch ({max(sizes)})"] if short else []
+    return (f"uneven batch: step {step}'s batch of {batch} {' and '.join(shape)}, and the "
+            f"sides' loss divisors may differ (A divides each tower's loss sum by "
+            f"{_divisor(a, shards, towers)}; B by {_divisor(b, shards, towers)}): its "
+            "examples weigh differently")  # fmt: skip
+
+
+def _clips(step: Any) -> tuple[tuple[str, Any], ...]:
+    optimizer = getattr(step, "optimizer", None)
+    return tuple((k, getattr(optimizer, k)) for k in CLIPPING
+                 if getattr(optimizer, k, None) is not None)  # fmt: skip
+
+
+def _clipping(a: Any, b: Any, sides: tuple[Side, Side]) -> str:
+    clips = [_clips(a), _clips(b)]
+    if not any(clips) or (clips[0] == clips[1] and not any(s.replicated for s in sides)):
+        return ""
+    said = "; ".join(f"{label}'s optimizer has " + ", ".join(f"{k}={v:g}" for k, v in c)
+                     for label, c in zip("AB", clips) if c)  # fmt: skip
+    return (f"gradient clipping: {said}. Keras 3 under MirroredStrategy clips each replica's "
+            "share before the all-reduce (the result depends on the replica count); a "
+            "TowerTrainer, like one device, clips the summed gradient; no derived bound covers "
+            "clipping: compare without it to check the rest")  # fmt: skip
+
+
+def _layers(model: Any) -> list[Any]:
+    out, todo = [], list(getattr(model, "layers", []))
+    while todo:
+        layer = todo.pop(0)
+        out.append(layer)
+        todo.extend(getattr(layer, "layers", []))
+    return out
+
+
+def _batch_norm(a: Any, b: Any, sides: tuple[Side, Side]) -> str:
+    names = sorted({layer.name for step in (a, b) for layer in _layers(getattr(step, "model", None))
+                    if isinstance(layer, keras.layers.BatchNormalization)})  # fmt: skip
+    alike = sides[0].towers and sides[0][1:3] == sides[1][1:3]  # towers trainers, alike
+    if not names or alike:
+        return ""
+    return (f"BatchNormalization ({', '.join(names)}): each replica normalizes its own shard "
+            "(one device: the whole batch), and under MirroredStrategy each replica updates "
+            "its own moving statistics (replica 0's are read); towers averages them across "
+            "towers unless non_trainable=\"first_tower\"")  # fmt: skip
+
+
+def _order(diff: float, value: float, dtype: Any) -> str:
+    kind = np.dtype(dtype) if np.dtype(dtype).kind == "f" else np.dtype("float32")
+    spacing = float(np.spacing(np.abs(np.asarray(value, kind))))
+    if not spacing or diff > ORDER_ULPS * spacing:
+        return ""
+    return (f"reduction order: |Δ| is {diff / spacing:.3g} ULP of the value, what adding the "
+            "same gradients in another order makes (another all-reduce, the reference's "
+            "collective order, Grappler's AddN sort); a bound that tight cannot hold two "
+            "correct steps")  # fmt: skip
