@@ -99,3 +99,13 @@ def pytest_addoption(parser):  # type: ignore[no-untyped-def]
 def pytest_configure(config):  # type: ignore[no-untyped-def]
     _profile[0] = config.getoption("--profile")
     settings.load_profile(_profile[0])
+
+
+def pytest_runtest_logreport(report):  # type: ignore[no-untyped-def]
+    """With ``TOWERS_TEST_TIMES=FILE``, append each test phase's time and outcome to FILE as
+    it ends (one tab-separated line): the times survive a run that is cut short, and
+    choosing what is a ``long`` proof reads them."""
+    path = os.environ.get("TOWERS_TEST_TIMES")
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{report.nodeid}\t{report.when}\t{report.duration:.3f}\t{report.outcome}\n")

@@ -642,7 +642,7 @@ class TowerTrainer:
         reduced = self.loss_scale.from_wire(summed, dtypes)
         state = combine_non_trainable(
             grads.towers, first_tower=self.non_trainable_mode == "first_tower",
-            device=self.parameter_device,
+            device=self.parameter_device, variables=self.model.non_trainable_variables,
         )  # fmt: skip
         p = self.parameter_device
         with tf.device(p):

@@ -43,6 +43,7 @@ from towers.devices import canonical_device
 from towers.training.keras_loss import LossFn, extra_axes, per_example_loss, weighs_elements
 
 __all__ = [
+    "AGGREGATIONS",
     "Gradients",
     "TowerResult",
     "combine_non_trainable",
@@ -335,30 +336,80 @@ def _unchanged(results: Sequence[TowerResult], j: int) -> bool:
     return all(r.changed is not None and r.changed[j] is False for r in results)
 
 
-def combine_non_trainable(
-    results: Sequence[TowerResult], *, first_tower: bool, device: str
-) -> list[tf.Tensor]:
-    """One new value per non-trainable variable, formed on ``device``.
+AGGREGATIONS = ("mean", "none", "sum", "only_first_replica")
+"""The rules :func:`combine_non_trainable` combines a variable's towers by, read from its
+Keras ``aggregation`` (``keras.Variable(aggregation=...)``, ``add_weight(aggregation=...)``):
 
-    Floating state is averaged over the towers that saw examples (an empty tower's
-    unchanged copy would drag the mean back), or taken from tower 0 when
-    ``first_tower`` (what MirroredStrategy shows when read). Integer state (seed
-    counters) advances identically on every tower: tower 0's is kept, and so is
-    state no tower changed (a frozen layer's weights: the mean of ``n`` equal values
-    is not always bitwise that value, e.g. ``(x + x + x) / 3``).
+=====================  ==================================================================
+``mean``, ``none``     floating state (BatchNorm's moving statistics): the mean over the
+                       towers that saw examples (an empty tower's copy would drag it back)
+``sum``                a running total each tower adds to (a count of examples, a running
+                       sum): ``old + Σ_i (new_i − old)``, what one device adds on the whole
+                       batch; integer or floating
+``only_first_replica`` tower 0's value
+``none``, integer      Keras's seed-generator state (advanced alike on every tower): tower
+                       0's; any other integer state changed by the towers has no rule (an
+                       average of counts is no count) and is refused, naming the variable
+=====================  ==================================================================
+State no tower changed is kept as it was, bitwise (the mean of ``n`` equal values is not
+always that value: ``(x + x + x) / 3``)."""
+
+
+def _rule(variable: Any, value: tf.Tensor) -> str:
+    """The rule of :data:`AGGREGATIONS` for a changed non-trainable ``variable``.
+
+    Raises:
+        ValueError: integer state with no declared aggregation (not a seed generator's).
+    """
+    aggregation = str(getattr(variable, "aggregation", "none") or "none").lower()
+    if aggregation in ("sum", "only_first_replica"):
+        return aggregation
+    if value.dtype.is_floating:
+        return "mean"
+    if "seed_generator_state" in (getattr(variable, "path", None) or variable.name):
+        return "only_first_replica"
+    name = getattr(variable, "path", None) or variable.name
+    raise ValueError(
+        f"non-trainable variable {name!r} ({value.dtype.name}) is changed by the towers, and "
+        "an average of integers has no meaning: declare how its towers combine with "
+        "add_weight(..., aggregation=...): 'sum' (a count each tower adds to), "
+        "'only_first_replica' (tower 0's value) or 'mean'")
+
+
+def combine_non_trainable(
+    results: Sequence[TowerResult], *, first_tower: bool, device: str,
+    variables: Sequence[Any] | None = None,
+) -> list[tf.Tensor]:
+    """One new value per non-trainable variable, formed on ``device``, by the rule of
+    :data:`AGGREGATIONS` its ``variables`` entry declares (``variables``: replica 0's
+    non-trainable variables, in the results' order; None: every one is ``none``), or tower
+    0's for every variable when ``first_tower`` (what MirroredStrategy shows when read).
+
+    Raises:
+        ValueError: changed integer state without a declared aggregation (when traced).
     """
     combined = []
     with tf.device(device):
         counts = [send(r.examples, device, note="state") for r in results]
         for j in range(len(results[0].non_trainable)):
             values = [r.non_trainable[j] for r in results]
-            if first_tower or not values[0].dtype.is_floating or _unchanged(results, j):
+            if first_tower or _unchanged(results, j):
                 combined.append(send(values[0], device, note="state"))
                 continue
-            masked = [
-                tf.where(c > 0, send(v, device, note="state"), tf.zeros_like(v))
-                for v, c in zip(values, counts)
-            ]
-            seen = tf.add_n([tf.cast(c > 0, values[0].dtype) for c in counts])
-            combined.append(reduce_on(masked, device, "sum") / seen)
+            rule = "none" if variables is None else _rule(variables[j], values[0])
+            if rule == "none":  # no variable to read the rule from: the historical one
+                rule = "mean" if values[0].dtype.is_floating else "only_first_replica"
+            if rule == "only_first_replica":
+                combined.append(send(values[0], device, note="state"))
+            elif rule == "sum":
+                old = tf.convert_to_tensor(variables[j].value) if variables else values[0]
+                deltas = [send(v, device, note="state") - old for v in values]
+                combined.append(old + reduce_on(deltas, device, "sum"))
+            else:
+                masked = [
+                    tf.where(c > 0, send(v, device, note="state"), tf.zeros_like(v))
+                    for v, c in zip(values, counts)
+                ]
+                seen = tf.add_n([tf.cast(c > 0, values[0].dtype) for c in counts])
+                combined.append(reduce_on(masked, device, "sum") / seen)
     return combined
