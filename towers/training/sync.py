@@ -5,14 +5,16 @@
     Keras writes replica 0 (tm.network, tm.optimizer)     set_weights, load_weights,
           │                                                a callback, load_model
           ▼
-    broadcast(trainer)      weights ─▶ replica 1 … n-1; (replicated) optimizer state too
+    copy_first_replica      weights ─▶ replica 1 … n-1; (replicated) optimizer state too
     Hyperparameters.follow  learning_rate, weight_decay, … ─▶ every replica's optimizer;
                             a Python number baked into the traced step ─▶ retrace
 
 Keras knows one model and one optimizer; a trainer holds one copy per replica
 (:mod:`towers.placement`), so whatever Keras changes on the first must be copied to the
 others before the next step reads them. ``sharded`` replicas own different optimizer
-shards: only their weights are copied.
+shards: only their weights are copied. The copies are
+:func:`towers.allreduce.broadcast` (``"flat"``: replica 0 sends to each, through ``send``),
+so they are bitwise and counted like every other transfer.
 """
 
 from __future__ import annotations
@@ -20,22 +22,27 @@ from __future__ import annotations
 from typing import Any
 
 import keras
-import tensorflow as tf
 
-__all__ = ["Hyperparameters", "broadcast"]
+from towers.allreduce.hand_collectives import broadcast
+
+__all__ = ["Hyperparameters", "copy_first_replica"]
 
 
-def broadcast(trainer: Any) -> None:
-    """Copy replica 0's weights to every other replica, and (``replicated``) its optimizer
-    variables to every other replica's optimizer (same structure: same model, same kind)."""
-    first = trainer.replicas[0]
-    for replica in trainer.replicas[1:]:
-        with tf.device(replica.device):
-            for source, target in zip(first.model.weights, replica.model.weights):
-                target.assign(source.value)
-            if trainer.placement.name == "replicated":
-                for source, target in zip(first.optimizer.variables, replica.optimizer.variables):
-                    target.assign(source.value)
+def copy_first_replica(trainer: Any) -> None:
+    """Broadcast replica 0's weights to every other replica, and (``replicated``) its
+    optimizer variables to every other replica's optimizer (same structure: same model,
+    same kind), one :func:`~towers.allreduce.broadcast` per variable."""
+    replicas = trainer.replicas
+    if len(replicas) < 2:
+        return
+    devices = [r.device for r in replicas]
+    copied = [r.model.weights for r in replicas]
+    if trainer.placement.name == "replicated":
+        copied = [w + list(r.optimizer.variables) for w, r in zip(copied, replicas)]
+    for variables in zip(*copied):
+        copies = broadcast(variables[0].value, devices, algorithm="flat")
+        for target, value in zip(variables[1:], copies[1:]):
+            target.assign(value)
 
 
 def _hyperparameters(optimizer: Any) -> dict[str, Any]:
