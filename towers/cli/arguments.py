@@ -45,31 +45,15 @@ def _items(text: str) -> list[str]:
     return items
 
 
-def _user(text: str, what: str) -> object:
-    from towers.allreduce.machinery.specs import import_spec
+def algorithm(text: str) -> str:
+    """A registered all-reduce (``towers.ALGORITHMS``, or ``noop``) or ``module:NAME``,
+    checked by :func:`towers.allreduce.machinery.resolve.check` (nothing built or run)."""
+    from towers.allreduce.machinery.resolve import check
 
     try:
-        return import_spec(text, what)
+        check(text, "algorithm")
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
-
-
-def algorithm(text: str) -> str:
-    """A registered all-reduce (``towers.ALGORITHMS``, or ``noop``) or ``module:NAME``."""
-    from towers.allreduce import ALGORITHMS
-
-    if ":" in text:
-        from towers.allreduce.machinery.specs import is_reducer
-
-        obj = _user(text, "algorithm")
-        if not callable(obj) and not is_reducer(obj):
-            raise argparse.ArgumentTypeError(
-                f"{text} is a {type(obj).__name__}, not an all-reduce, a factory of one or a "
-                "GradientReducer")
-    elif text not in ALGORITHMS and text != "noop":
-        raise argparse.ArgumentTypeError(
-            f"unknown algorithm {text!r}; choose from {', '.join(sorted(ALGORITHMS))} "
-            "or name your own as module:NAME")
     return text
 
 
@@ -84,15 +68,14 @@ def algorithms(extra: Sequence[str] = ()) -> Callable[[str], list[str]]:
 
 
 def codec(text: str) -> str:
-    """A registered codec (``towers.allreduce.CODECS``) or ``module:NAME``."""
-    from towers.allreduce import CODECS
+    """A registered codec (``towers.allreduce.CODECS``; ``topk(0.1)`` passes arguments) or
+    ``module:NAME``, built once by :func:`towers.allreduce.machinery.resolve.get_codec`."""
+    from towers.allreduce.machinery.resolve import get_codec
 
-    if ":" in text:
-        _user(text, "codec")
-    elif text not in CODECS:
-        raise argparse.ArgumentTypeError(
-            f"unknown codec {text!r}; choose from {', '.join(sorted(CODECS))} "
-            "or name your own as module:NAME")
+    try:
+        get_codec(text, argument="codec")
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
     return text
 
 

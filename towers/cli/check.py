@@ -136,11 +136,13 @@ def run(args: argparse.Namespace) -> int:
         print("towers check: error: need --max-towers >= 1, --examples >= 1, --prove >= 0 "
               f"and tower counts in 1..{args.max_towers}", file=sys.stderr)
         return 2
-    from towers.trace.schedule import load_algorithm, start_devices
+    from towers.allreduce.machinery.resolve import get, label
+    from towers.trace.schedule import start_devices
 
     devices = start_devices(args.max_towers)  # first thing: before TensorFlow's runtime starts
     try:
-        name, fn = load_algorithm(args.algorithm, devices)
+        name, fn = label(args.algorithm), get(args.algorithm, argument="algorithm",
+                                              devices=devices)
         options = _options(args, devices)
         if not _prove(fn, args.prove):
             return 1

@@ -160,11 +160,11 @@ def load_side(spec: str, problem: tuple[Any, ...], devices: list[str], variables
     ``Config`` for a name / reference / all-reduce (loaded as ``towers check`` does)."""
     import inspect
 
+    from towers.allreduce.machinery.resolve import get, imported, label
     from towers.testing.compare import Config, config
-    from towers.trace.loading import _import, load_algorithm
 
     if ":" in spec and not spec.startswith("towers:"):
-        obj = _import(*spec.rsplit(":", 1))
+        obj = imported(spec, "side")
         try:
             step_factory = inspect.signature(obj).bind(*problem[:3], devices) is not None
         except (TypeError, ValueError):
@@ -174,8 +174,8 @@ def load_side(spec: str, problem: tuple[Any, ...], devices: list[str], variables
     side = config(spec)  # checks "towers:NAME"
     if side.reference:
         return side
-    name, algorithm = load_algorithm(side.all_reduce, devices)
-    return Config(algorithm, variables, label=name)
+    algorithm = get(side.all_reduce, argument="all_reduce", devices=devices)
+    return Config(algorithm, variables, label=label(side.all_reduce))
 
 
 def _algorithm(obj: Any) -> bool:

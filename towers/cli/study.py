@@ -98,10 +98,11 @@ def run(args: argparse.Namespace) -> int:
     except RuntimeError as err:
         return _fail(str(err))
     from towers import study
+    from towers.allreduce.machinery.resolve import parse
 
     try:
         for spec in args.reducers:
-            study.parse_spec(spec)
+            parse(spec)
     except (ValueError, TypeError) as err:
         return _fail(str(err))
     model, data = _data(args.model)
