@@ -119,15 +119,17 @@ def _arrays(args: argparse.Namespace) -> tuple[Any, Any]:
 
 
 def _model_fn(spec: str) -> Callable[[], Any]:
-    from towers.trace.loading import _import
+    from towers.allreduce.machinery.resolve import imported
     from towers.training.models import digits_cnn, mlp
 
     if spec == "mlp":
         return lambda: mlp((64, 32, 10))
     if spec == "conv":
         return digits_cnn
-    fn: Callable[[], Any] = _import(*spec.rsplit(":", 1))
-    return fn
+    fn = imported(spec, "--model")
+    if not callable(fn):
+        raise TypeError(f"--model {spec} is a {type(fn).__name__}, not a callable")
+    return fn  # type: ignore[no-any-return]
 
 
 def load_problem(args: argparse.Namespace) -> tuple[Any, ...]:

@@ -1,20 +1,15 @@
-"""Every name a user types for an all-reduce or a codec, turned into the object: one grammar.
-
-The library (``TowerTrainer(all_reduce=...)``, ``towers.all_reduce``, the wrappers
-``compressed``, ``hierarchical``, ``bucketed``), the command line, ``towers trace`` and
-``towers study`` all resolve here, so a spelling that works in one works in all::
+"""Every name a user types for an all-reduce or a codec, turned into the object: one grammar
+for the library (trainers, ``towers.all_reduce``, the wrappers), the CLI, trace and study::
 
     ring                   a registered all-reduce (ALGORITHMS), or noop
     fp16, topk(0.1)        a registered codec (CODECS), its arguments Python literals
     mod:NAME, file.py:NAME a user's all-reduce, GradientReducer or codec, or a factory of
                            one (called with no arguments); NAME may be dotted
-    CODEC@ALGO             a reducer spec: CODEC over ALGO (over ring without @ALGO);
-                           an all-reduce alone is a spec too (:func:`parse`)
+    CODEC@ALGO             a reducer spec (:func:`parse`): CODEC over ALGO (default ring)
 
 A name nothing holds is a ``ValueError`` naming the argument and the value, listing the
-registered names and, for a near miss, the closest ("did you mean 'ring'?").
-It is its own module, below the wrappers, so that they resolve their inner algorithm
-without importing the package that imports them.
+registered names and the closest ("did you mean 'ring'?"). The module sits below the
+wrappers, so they resolve their inner algorithm without importing their own package.
 
 Example:
     >>> get("ring"), get("my_algos.py:star"), get_codec("powersgd(4)")   # doctest: +SKIP
@@ -163,12 +158,10 @@ def get(algorithm: str | AllReduce | GradientReducer, *, argument: str = "all_re
         devices: Sequence[str] | None = None, parameter_device: str | None = None) -> Any:
     """The all-reduce (or ``GradientReducer``) ``algorithm`` names; a callable passes through.
 
-    ``module:NAME`` may name an algorithm, a ``GradientReducer`` or a factory of either;
-    when the signature cannot tell an algorithm from a factory, one call on two small
-    tensors on ``devices`` (the first two TensorFlow devices when None) does. It comes
-    back as its registry record builds it when a record builds exactly it, so the tools
-    find its formulas. ``noop`` is kept out of the registry (it does not reduce) but
-    accepted for benchmarks.
+    ``module:NAME`` may name an algorithm, a ``GradientReducer`` or a factory of either
+    (when the signature cannot tell, one call on two small tensors on ``devices`` does);
+    it comes back as its registry record builds it, if one does, so tools find its
+    formulas. ``noop`` (no exchange: not registered, it does not reduce) is accepted.
 
     Args:
         algorithm: a registered name, ``module:NAME``, a callable or a ``GradientReducer``.
@@ -281,11 +274,8 @@ def _call(text: str, argument: str) -> tuple[str, tuple[Any, ...]]:
 
 
 def get_codec(codec: str | Codec | Record, *, argument: str = "codec") -> Codec:
-    """A fresh codec from a name in :data:`CODECS` (``name(args)`` passes arguments),
-    ``module:NAME``, a record or a codec.
-
-    ``module:NAME`` may name a codec, its class, a codec record (built with its defaults)
-    or a factory called with no arguments.
+    """A fresh codec from a name in :data:`CODECS` (``name(args)`` passes arguments), a
+    record or a codec, or ``module:NAME`` of any of these, a codec class or a factory.
 
     Raises:
         ValueError: an unknown name, bad arguments, a module or attribute that does not
@@ -366,19 +356,14 @@ def _is_codec(head: str, argument: str) -> bool:
     obj = imported(head, argument)
     if isinstance(obj, Record):
         return obj.kind == "codec"
-    if isinstance(obj, Codec) or is_reducer(obj):
-        return not is_reducer(obj)
-    if not callable(obj):
-        raise ValueError(f"{argument} {head} is a {type(obj).__name__}, not a callable (an "
-                         "all-reduce, a GradientReducer, a codec or a factory of one)")
+    if isinstance(obj, Codec):  # a codec or its class
+        return True
+    check(head, argument)  # else a callable or a GradientReducer
     try:
-        inspect.signature(obj).bind([], op="sum")
-        return False  # it takes (values, *, op)
-    except (TypeError, ValueError):
-        pass
-    try:
+        if is_reducer(obj) or _binds(inspect.signature(obj), [], op="sum"):
+            return False  # a GradientReducer, or it takes (values, *, op)
         made = obj()
-    except TypeError:
+    except (TypeError, ValueError):
         return False
     if isinstance(made, Codec) and not callable(made):
         return True
