@@ -69,8 +69,12 @@ def test_replica_0_reaches_every_replica_by_recorded_sends_in_any_dtype() -> Non
                rng.normal(size=w.shape).astype(w.dtype) for w in tm.get_weights()]
     with record() as sent:
         tm.set_weights(weights)  # Keras writes replica 0; the broadcast copies it
-    copied = len(first.model.weights) + len(first.optimizer.variables)
-    assert len(sent.transfers) == copied * len(others)  # one send per variable and replica
+    copied = [*first.model.weights, *first.optimizer.variables]
+    dtypes = {v.dtype for v in copied}
+    assert len(dtypes) >= 3  # float32, int8, the optimizer's int64 step count
+    assert len(sent.transfers) == len(dtypes) * len(others)  # one send per dtype and replica
+    nbytes = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in copied)
+    assert sum(t.nbytes or 0 for t in sent.transfers) == nbytes * len(others)
     assert {t.src for t in sent.transfers} == {first.device}
     assert {t.dst for t in sent.transfers} == {r.device for r in others}
     for replica in others:

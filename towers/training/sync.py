@@ -14,7 +14,7 @@ Keras knows one model and one optimizer; a trainer holds one copy per replica
 others before the next step reads them. ``sharded`` replicas own different optimizer
 shards: only their weights are copied. The copies are
 :func:`towers.allreduce.broadcast` (``"flat"``: replica 0 sends to each, through ``send``),
-so they are bitwise and counted like every other transfer.
+so they are bitwise and recorded like every other transfer.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 import keras
+import tensorflow as tf
 
 from towers.allreduce.hand_collectives import broadcast
 
@@ -31,18 +32,27 @@ __all__ = ["Hyperparameters", "copy_first_replica"]
 def copy_first_replica(trainer: Any) -> None:
     """Broadcast replica 0's weights to every other replica, and (``replicated``) its
     optimizer variables to every other replica's optimizer (same structure: same model,
-    same kind), one :func:`~towers.allreduce.broadcast` per variable."""
+    same kind): one :func:`~towers.allreduce.broadcast` per dtype of all those variables
+    flattened into one buffer (a call per variable would cost far more than the copy)."""
     replicas = trainer.replicas
     if len(replicas) < 2:
         return
     devices = [r.device for r in replicas]
-    copied = [r.model.weights for r in replicas]
+    copied = [list(r.model.weights) for r in replicas]
     if trainer.placement.name == "replicated":
         copied = [w + list(r.optimizer.variables) for w, r in zip(copied, replicas)]
-    for variables in zip(*copied):
-        copies = broadcast(variables[0].value, devices, algorithm="flat")
-        for target, value in zip(variables[1:], copies[1:]):
-            target.assign(value)
+    rows = list(zip(*copied))  # rows[j]: variable j on every replica
+    for dtype in dict.fromkeys(row[0].dtype for row in rows):
+        group = [row for row in rows if row[0].dtype == dtype]
+        with tf.device(devices[0]):
+            flat = tf.concat([tf.reshape(row[0].value, [-1]) for row in group], axis=0)
+        copies = broadcast(flat, devices, algorithm="flat")
+        sizes = [int(row[0].shape.num_elements()) for row in group]
+        for i in range(1, len(replicas)):
+            with tf.device(devices[i]):
+                pieces = tf.split(copies[i], sizes)
+                for row, piece in zip(group, pieces):
+                    row[i].assign(tf.reshape(piece, row[i].shape))
 
 
 def _hyperparameters(optimizer: Any) -> dict[str, Any]:
