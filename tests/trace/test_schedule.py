@@ -208,7 +208,7 @@ def test_user_algorithm_by_module_path_without_ticks(tmp_path: Path, monkeypatch
         ("butterfly", r"unknown algorithm 'butterfly'; registered: .*ring.*module:NAME"),
         ("no_such_module_xyz:fn", r"cannot import 'no_such_module_xyz'"),
         ("towers.allreduce.ring:nope", r"has no 'nope'; its callables: .*ring"),
-        ("towers.allreduce.ring:__doc__", r"is a str, not a callable"),
+        ("towers.allreduce.ring:__doc__", r"is a str, not an all-reduce"),
     ],
 )
 def test_unknown_algorithms_are_clear_errors(spec: str, message: str, capsys) -> None:

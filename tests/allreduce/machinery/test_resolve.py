@@ -103,7 +103,7 @@ def test_a_tower_model_saves_and_loads_its_module_name(user_module: str, tmp_pat
 
 
 @pytest.mark.parametrize(("spec", "error", "match"), [
-    ("user_star:SHOUT", ValueError, "all_reduce user_star:SHOUT is a str, not a callable"),
+    ("user_star:SHOUT", ValueError, "all_reduce user_star:SHOUT is a str, not an all-reduce"),
     ("user_star:nothing", ValueError, "has no 'nothing'"),
     ("no_such_module_here:star", ValueError, "cannot import 'no_such_module_here'"),
 ])  # fmt: skip

@@ -146,8 +146,8 @@ def check(text: str, argument: str = "all_reduce") -> Any:
     if ":" in text:
         obj = imported(text, argument)
         if not callable(obj) and not is_reducer(obj):
-            raise ValueError(f"{argument} {text} is a {type(obj).__name__}, not a callable (an "
-                             "all-reduce, a GradientReducer or a factory of either)")
+            raise ValueError(f"{argument} {text} is a {type(obj).__name__}, not an all-reduce, "
+                             "a GradientReducer or a factory of either")
         return obj
     if text != "noop" and text not in ALGORITHMS:
         raise _unknown(argument, text, [*ALGORITHMS, "noop"])
