@@ -181,7 +181,7 @@ def make_trainers(args, devices, workers: int) -> dict:  # type: ignore[no-untyp
     import keras
 
     import towers
-    from towers.cluster.reducer import CrossWorker
+    from towers.cluster.cross_worker import CrossWorker
     from towers.cluster.trainer import WorkerTrainer
 
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)

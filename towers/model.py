@@ -45,7 +45,7 @@ from towers.step import NON_TRAINABLE, TowerTrainer
 from towers.training import keras_functions
 from towers.training.backup import data_facts
 from towers.training.losses import OutputLosses, is_structured
-from towers.training.sync import Hyperparameters, broadcast
+from towers.training.sync import Hyperparameters, copy_first_replica
 
 __all__ = ["TowerModel"]
 
@@ -282,11 +282,11 @@ class TowerModel(keras.Model):
         self.broadcast()
 
     def broadcast(self) -> None:
-        """Copy replica 0 to every other replica (:func:`towers.training.sync.broadcast`)
+        """Copy replica 0 to every other replica (:func:`towers.training.sync.copy_first_replica`)
         and its optimizer's hyperparameters. Nothing to do before ``compile``."""
         if self.trainer is not None:
             self._hyper.follow(self.trainer)
-            broadcast(self.trainer)
+            copy_first_replica(self.trainer)
 
     # -- saving ------------------------------------------------------------------------------
 

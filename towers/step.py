@@ -54,7 +54,8 @@ from towers.allreduce.machinery.ordering import (
 )
 from towers.allreduce.machinery.primitives import Recorder, record, send
 from towers.allreduce.machinery.recording import StepStats
-from towers.allreduce.machinery.reducer import SPARSE, as_reducer, resolve
+from towers.allreduce.machinery.reducer import SPARSE, as_reducer
+from towers.allreduce.machinery.resolve import get
 from towers.guard import capabilities
 from towers.guard.arguments import check_bool, check_choice
 from towers.guard.deadline import Deadline, settled
@@ -221,7 +222,8 @@ class TowerTrainer:
         self.loss_fn = loss if isinstance(loss, OutputLosses) else resolve_loss(loss)
         self.loss_reduction = reduction_of(loss)  # Keras' reduction, over the global batch
         self.loss_denominator = check_loss_denominator(loss_denominator, self.loss_reduction)
-        reducer = naming("all_reduce", lambda: resolve(all_reduce, self.parameter_device))
+        reducer = naming(
+            "all_reduce", lambda: get(all_reduce, parameter_device=self.parameter_device))
         kind = capabilities.algorithm_kind(reducer)
         self.sparse = check_choice(
             "sparse", capabilities.default_sparse(self.placement.name, kind, sparse), SPARSE)

@@ -83,7 +83,7 @@ def _usage_error(argv: list[str], capsys: pytest.CaptureFixture[str],
     (["timeline", "--algorithm", "my_algos:nothing"], "argument --algorithm: module "
      "'my_algos' has no 'nothing'"),
     (["trace", "--json", "/proc/t.json"], "argument --json: cannot write '/proc/t.json'"),
-    (["train", "--codec", "zip"], "argument --codec: unknown codec 'zip'; choose from bf16"),
+    (["train", "--codec", "zip"], "argument --codec: unknown codec 'zip'; registered: bf16"),
     (["train", "--algorithm", "butterfly"], "argument --algorithm: unknown algorithm"),
 ], ids=["check-ops", "check-dtypes", "check-name", "check-module", "bench-module",
         "bench-name", "bench-section", "bench-model", "bench-out-file", "timeline-out",

@@ -34,7 +34,7 @@ class NotAnAlgorithm:
     (["study", "ring", "--batch", "100000"], "--batch 100000 is more than"),
     (["study", "ring", "--towers", "1"], "must be an integer >= 2"),
     (["study", "ring", "tests.cli.test_study:NotAnAlgorithm"], "made a NotAnAlgorithm: not"),
-    (["study", "ring", "tests.cli.test_study:__doc__"], "is a str: not an all-reduce"),
+    (["study", "ring", "tests.cli.test_study:__doc__"], "is a str, not an all-reduce"),
 ], ids=["codec", "out", "batch", "towers", "class", "not_callable"])
 def test_usage_errors_exit_2_with_one_line(argv: list[str], message: str, capsys) -> None:
     try:

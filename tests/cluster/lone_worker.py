@@ -22,7 +22,7 @@ def main() -> None:
     import numpy as np
 
     import towers
-    from towers.cluster.reducer import CrossWorker
+    from towers.cluster.cross_worker import CrossWorker
 
     trainer = towers.TowerTrainer(
         lambda: keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)]),

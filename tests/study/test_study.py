@@ -16,9 +16,10 @@ import pytest
 
 from tests.conftest import DEVICES
 from towers.allreduce.codecs import TopK
+from towers.allreduce.machinery.resolve import parse
 from towers.allreduce.ring import bytes_sent
 from towers.bench.costmodel.paper import predict_on
-from towers.study import parse_spec, plot, run_study, summary, summary_table, write_csv
+from towers.study import plot, run_study, summary, summary_table, write_csv
 from towers.training.data import digits
 from towers.training.models import mlp
 
@@ -104,10 +105,10 @@ def test_csv_png_and_summary(rows: list[dict], tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("spec, message", [
     ("", "non-empty"),
-    ("zip", "unknown codec 'zip'"),
+    ("zip", "unknown reducer 'zip'"),
     ("topk(2)", "ratio must be a number in \\(0, 1\\]"),
     ("topk(x)", "Python literals"),
-    ("fp16@nowhere", "unknown all-reduce 'nowhere' after @"),
+    ("fp16@nowhere", "unknown all_reduce 'nowhere'"),
     ("ring@tree", "ring is an all-reduce"),
     ("ring(2)", "an all-reduce takes no arguments here"),
     ("no_such_module_here:fn", "cannot import"),
@@ -115,19 +116,18 @@ def test_csv_png_and_summary(rows: list[dict], tmp_path: Path) -> None:
         "algorithm-arguments", "no-module"])
 def test_bad_specs_are_refused_before_training(spec: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        parse_spec(spec)
+        parse(spec)
 
 
 def test_specs_name_codecs_algorithms_and_users_codecs(tmp_path: Path, monkeypatch) -> None:
-    assert parse_spec("ring").codec is None and parse_spec("ring").algorithm == "ring"
-    assert parse_spec("powersgd(4)@tree").algorithm == "tree"
+    assert parse("ring").codec is None and parse("ring").algorithm == "ring"
+    assert parse("powersgd(4)@tree").algorithm == "tree"
     (tmp_path / "my_codecs.py").write_text(
         "from towers.allreduce.codecs import Cast\nimport tensorflow as tf\n"
         "def half():\n    return Cast(tf.float16)\n")
     monkeypatch.chdir(tmp_path)
-    entry = parse_spec("my_codecs.py:half@halving_doubling")
-    assert (entry.codec, entry.algorithm, entry.user) == ("my_codecs.py:half",
-                                                          "halving_doubling", None)
+    entry = parse("my_codecs.py:half@halving_doubling")
+    assert (entry.codec, entry.algorithm) == ("my_codecs.py:half", "halving_doubling")
 
 
 def test_one_tower_is_refused_before_training() -> None:

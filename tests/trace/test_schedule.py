@@ -21,12 +21,12 @@ import tensorflow as tf
 from tests.conftest import DEVICES
 from towers import cli
 from towers.allreduce import ALGORITHMS, Algorithm, check_values, combine, finish, send
+from towers.allreduce.machinery.resolve import get, label
 from towers.trace import (
     COLLECTIVE,
     draw,
     format_summary,
     format_table,
-    load_algorithm,
     to_json,
     trace_all_reduce,
     transfers_from_json,
@@ -197,7 +197,8 @@ def test_user_algorithm_by_module_path_without_ticks(tmp_path: Path, monkeypatch
     assert [r[0] for r in rows] == list(range(14)) and "* tick assigned by order" in out
     assert {r[2] for r in rows[:7]} == {7} and {r[1] for r in rows[7:]} == {7}
     _png(png)
-    name, fn = load_algorithm(f"{tmp_path / 'user_star_algos.py'}:star", DEVICES[:2])
+    spec = f"{tmp_path / 'user_star_algos.py'}:star"
+    name, fn = label(spec), get(spec, devices=DEVICES[:2])
     assert fn.__name__ == "star" and name.endswith(":star")
 
 

@@ -1,5 +1,6 @@
-"""towers.training.sync: a callback's optimizer change reaches every replica's optimizer,
-a wrapper's inner optimizer included (LossScaleOptimizer)."""
+"""towers.training.sync: replica 0 reaches the others through towers.allreduce.broadcast
+(recorded sends, bitwise, any dtype); a callback's optimizer change reaches every replica's
+optimizer, a wrapper's inner optimizer included (LossScaleOptimizer)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import numpy as np
 import towers
 from tests.conftest import DEVICES
 from tests.model.helpers import LOSS, assert_replicas_equal, data, network
+from towers.allreduce import record
 
 X, Y = data(12)
 
@@ -42,3 +44,41 @@ def test_a_loaded_loss_scaled_model_trains_on(tmp_path: Path) -> None:
     loaded.fit(X, Y, batch_size=4, shuffle=False, verbose=0)
     assert any(not np.array_equal(a, b) for a, b in zip(loaded.get_weights(), before))
     assert_replicas_equal(loaded)
+
+
+class Tagged(keras.layers.Layer):
+    """An int8 weight beside the float ones, as a quantized layer keeps its kernel."""
+
+    def build(self, shape: tuple[int, ...]) -> None:
+        self.tag = self.add_weight(shape=(3,), dtype="int8", initializer="zeros",
+                                   trainable=False)
+
+    def call(self, x: object) -> object:
+        return x
+
+
+def test_replica_0_reaches_every_replica_by_recorded_sends_in_any_dtype() -> None:
+    inputs = keras.Input((4,))
+    model = keras.Model(inputs, keras.layers.Dense(3)(Tagged()(inputs)))
+    tm = towers.TowerModel(model, devices=DEVICES[:3], variables="replicated")
+    tm.compile(keras.optimizers.SGD(0.1, momentum=0.9), LOSS)
+    assert tm.trainer is not None
+    first, others = tm.trainer.replicas[0], tm.trainer.replicas[1:]
+    rng = np.random.default_rng(0)
+    weights = [np.full(w.shape, -7, "int8") if w.dtype == "int8" else
+               rng.normal(size=w.shape).astype(w.dtype) for w in tm.get_weights()]
+    with record() as sent:
+        tm.set_weights(weights)  # Keras writes replica 0; the broadcast copies it
+    copied = [*first.model.weights, *first.optimizer.variables]
+    dtypes = {v.dtype for v in copied}
+    assert len(dtypes) >= 3  # float32, int8, the optimizer's int64 step count
+    assert len(sent.transfers) == len(dtypes) * len(others)  # one send per dtype and replica
+    nbytes = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in copied)
+    assert sum(t.nbytes or 0 for t in sent.transfers) == nbytes * len(others)
+    assert {t.src for t in sent.transfers} == {first.device}
+    assert {t.dst for t in sent.transfers} == {r.device for r in others}
+    for replica in others:
+        for got, want in zip(replica.model.get_weights(), weights, strict=True):
+            assert got.dtype == want.dtype
+            np.testing.assert_array_equal(got, want)
+    assert_replicas_equal(tm)

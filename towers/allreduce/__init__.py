@@ -18,7 +18,7 @@ from towers.allreduce.bruck import bruck
 from towers.allreduce.bucketed import bucketed, pack, unpack
 from towers.allreduce.codecs import bf16, fp16, topk
 from towers.allreduce.collective_registry import COLLECTIVE_ALGORITHMS
-from towers.allreduce.compressed import CODECS, compressed, register_codec
+from towers.allreduce.compressed import compressed
 from towers.allreduce.double_binary_tree import double_binary_tree
 from towers.allreduce.halving_doubling import halving_doubling
 from towers.allreduce.hand_collectives import all_gather, broadcast, reduce_scatter
@@ -40,7 +40,7 @@ from towers.allreduce.machinery.registry import (
     Registry,
     register,
 )
-from towers.allreduce.machinery.resolve import get, noop
+from towers.allreduce.machinery.resolve import CODECS, get, noop, register_codec
 from towers.allreduce.machinery.scheduled import run_schedule, scheduled
 from towers.allreduce.machinery.sparse import densify, gather_indexed_slices
 from towers.allreduce.naive import naive

@@ -35,80 +35,16 @@ from typing import Any
 
 import tensorflow as tf
 
-from towers.allreduce.codecs import Codec, bf16, fp16, identity, topk
+from towers.allreduce.codecs import Codec
 from towers.allreduce.machinery.base import AllReduce
-from towers.allreduce.machinery.registry import Record, Registry
-from towers.allreduce.machinery.resolve import get
-from towers.allreduce.machinery.specs import import_spec, is_spec
-from towers.allreduce.powersgd import powersgd
+from towers.allreduce.machinery.resolve import get, get_codec
 from towers.allreduce.wire import Wire
 from towers.devices import canonical_device
 from towers.guard.arguments import check_choice
 
-__all__ = ["CODECS", "DECODE", "Compressed", "compressed", "get_codec", "register_codec"]
+__all__ = ["DECODE", "Compressed", "compressed"]
 
 DECODE = ("once", "everywhere")
-
-CODECS = Registry(["codec"], [
-    Record("identity", identity, kind="codec", summary="S per tower, exact (the baseline)"),
-    Record("fp16", fp16, kind="codec", summary="S/2: x/n in float16"),
-    Record("bf16", bf16, kind="codec", summary="S/2: x/n in bfloat16"),
-    Record("topk", topk, kind="codec", summary="2·ratio·S: top-k with error feedback"),
-    Record("powersgd", powersgd, kind="codec",
-           summary="(m + c)·r per m×c matrix: rank-r power step with error feedback"),
-])
-"""Every codec by name (:class:`~towers.allreduce.machinery.registry.Record` s of kind ``codec``),
-filled here, in one place; ``CODECS[name]()`` builds it with its default settings."""
-
-
-def register_codec(record: Record) -> Record:
-    """Add a codec's record to :data:`CODECS` (replacing one of the same name); returns it.
-
-    Its name then works wherever a built-in codec's does: ``compressed("ring", name)``,
-    the command line.
-
-    Raises:
-        TypeError: not a :class:`~towers.allreduce.machinery.registry.Record` of kind ``codec``.
-
-    Example:
-        >>> register_codec(Record("sign", SignCodec, kind="codec", summary="1 bit"))  # +SKIP
-    """
-    return CODECS.register(record)
-
-
-def get_codec(codec: str | Codec | Record) -> Codec:
-    """Resolve a codec: a name in :data:`CODECS`, ``module:NAME``, a record, or a codec.
-
-    ``module:NAME`` (or ``file.py:NAME``) may name a codec, a codec record (built with its
-    defaults) or a factory called with no arguments.
-
-    Raises:
-        ValueError: an unknown name, a module or attribute that does not import, or
-            something that is not a codec (no ``init`` and ``reduce``).
-    """
-    if isinstance(codec, str) and is_spec(codec):
-        return _as_codec(codec, import_spec(codec, "codec"))
-    if isinstance(codec, str):
-        if codec not in CODECS:
-            raise ValueError(f"codec: unknown codec {codec!r}; known: {', '.join(sorted(CODECS))} "
-                             "(or name your own as module:NAME)")
-        return _as_codec(codec, CODECS[codec])
-    return _as_codec(repr(codec), codec)
-
-
-def _as_codec(name: str, obj: Any) -> Codec:
-    if isinstance(obj, Record) and obj.kind != "codec":
-        raise ValueError(f"codec: {name} is a record of kind {obj.kind!r}, not a codec")
-    if (isinstance(obj, type) or not isinstance(obj, Codec)) and callable(obj):
-        try:
-            obj = obj()  # a class, a record or a factory: its defaults
-        except TypeError as err:
-            raise ValueError(f"codec: {name} must be a codec (with init() and reduce()) or a "
-                             f"factory of one taking no arguments; calling it: {err}") from err
-    if isinstance(obj, type) or not isinstance(obj, Codec):
-        raise ValueError(f"codec: {name} must be a codec (with init() and reduce()) or a "
-                         f"factory of one, got {obj!r}")
-    return obj
 
 
 def _make(template: Any, values: Sequence[Any]) -> Any:
@@ -231,8 +167,9 @@ def compressed(
         algorithm: a registry name (``towers.ALGORITHMS``) or an all-reduce callable,
             used for the codec's dense exchanges (``topk`` gathers and does not use it).
         codec: a codec (``fp16()``, ``bf16()``, ``topk(ratio)``, ``powersgd(rank)``,
-            ``identity()``, yours), a name in ``CODECS`` (default settings) or
-            ``module:NAME`` for your own (see :func:`get_codec`).
+            ``identity()``, yours), a name in ``CODECS`` (``"topk(0.1)"`` passes
+            arguments) or ``module:NAME`` for your own
+            (:func:`~towers.allreduce.machinery.resolve.get_codec`).
         decode: ``"once"`` (tower 0 decodes and sends the result: bitwise-identical
             outputs) or ``"everywhere"`` (each tower decodes: fewer bytes).
 

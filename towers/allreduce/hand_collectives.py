@@ -188,10 +188,7 @@ def _check_broadcast(value: tf.Tensor, devices: Sequence[str], root: int) -> lis
         raise ValueError(f"root must be an index into devices [0, {len(names)}), got {root!r}")
     if not value.shape.is_fully_defined():
         raise ValueError(f"value needs a static shape, got {value.shape}")
-    if value.dtype not in DTYPES:
-        raise ValueError(f"dtype {value.dtype.name} is not supported; use one of "
-                         f"{', '.join(d.name for d in DTYPES)}")
-    if _device(value, "value") != names[root]:
+    if _device(value, "value") != names[root]:  # any dtype: a broadcast only copies
         raise ValueError(f"value is on {_device(value, 'value')}, not on devices[root={root}] "
                          f"{names[root]}: create it there (or pass that root)")
     return names
@@ -215,7 +212,7 @@ def broadcast(value: tf.Tensor, devices: Sequence[str], *, root: int = 0,
 
     Raises:
         ValueError: empty or repeated devices, ``root`` out of range, ``value`` not on
-            ``devices[root]``, an unsupported dtype or an unknown ``algorithm``.
+            ``devices[root]`` or an unknown ``algorithm``.
         TypeError: ``value`` not a tensor.
 
     Example:

@@ -83,13 +83,13 @@ class Named:
     def load(self, value: Any) -> None:
         """Import and check every ``module:NAME`` in ``value`` (a name or a list of them)."""
         for item in value if isinstance(value, list) else [value]:
-            if isinstance(item, str) and ":" in item:
+            if isinstance(item, str) and (":" in item or "(" in item):
                 self._load_one(item)
 
 
 def _findable(module: str) -> bool:
     """Can ``module`` (dotted) be imported, as far as finding it without running it tells?
-    The current folder is searched last, as :func:`import_spec` does."""
+    The current folder is searched last, as the resolver's ``imported`` does."""
     top, *rest = module.split(".")
     try:
         spec = importlib.util.find_spec(top)
@@ -125,10 +125,10 @@ def spec_found(text: str, what: str) -> str:
 
 
 def _user(text: str, what: str) -> object:
-    from towers.allreduce.machinery.specs import import_spec
+    from towers.allreduce.machinery.resolve import imported
 
     try:
-        return import_spec(text, what)
+        return imported(text, what)
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
 
@@ -144,13 +144,12 @@ def _algorithm_name(text: str) -> str:
 
 
 def _load_algorithm(text: str) -> None:
-    from towers.allreduce.machinery.specs import is_reducer
+    from towers.allreduce.machinery.resolve import check
 
-    obj = _user(text, "algorithm")
-    if not callable(obj) and not is_reducer(obj):
-        raise argparse.ArgumentTypeError(
-            f"{text} is a {type(obj).__name__}, not an all-reduce, a factory of one or a "
-            "GradientReducer")
+    try:
+        check(text, "algorithm")
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 algorithm = Named(_algorithm_name, _load_algorithm, "algorithm")
@@ -181,17 +180,30 @@ def user_object(what: str) -> Named:
     return Named(lambda text: spec_found(text, what), importable(what), what)
 
 
-def codec(text: str) -> str:
-    """A registered codec (``towers.allreduce.CODECS``) or ``module:NAME``."""
-    from towers.allreduce import CODECS
-
+def _codec_name(text: str) -> str:
     if ":" in text:
-        _user(text, "codec")
-    elif text not in CODECS:
+        return spec_found(text, "codec")
+    base = text.split("(", 1)[0].strip()
+    if base not in names.CODECS:
         raise argparse.ArgumentTypeError(
-            f"unknown codec {text!r}; choose from {', '.join(sorted(CODECS))} "
-            "or name your own as module:NAME")
+            f"unknown codec {text!r}{did_you_mean(base, names.CODECS)}; registered: "
+            f"{', '.join(names.CODECS)} (or name your own as module:NAME)")
     return text
+
+
+def _load_codec(text: str) -> None:
+    from towers.allreduce.machinery.resolve import get_codec
+
+    try:
+        get_codec(text, argument="codec")
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+codec = Named(_codec_name, _load_codec, "codec")
+"""A registered codec (``towers.allreduce.CODECS``; ``topk(0.1)`` passes arguments) or
+``module:NAME``: the name checked while parsing, the codec built once after
+(:func:`towers.allreduce.machinery.resolve.get_codec`)."""
 
 
 def choices(allowed: Sequence[str] | Callable[[], Sequence[str]],

@@ -137,9 +137,9 @@ def _registered(name: str, devices: list[str]) -> str:
     if ":" not in name:
         return name
     from towers.allreduce.machinery.registry import ALGORITHMS, Record, record_of
-    from towers.trace.loading import load_algorithm
+    from towers.allreduce.machinery.resolve import get
 
-    _, fn = load_algorithm(name, devices)
+    fn = get(name, argument="algorithm", devices=devices)
     configured = record_of(fn)
     if configured is not None:
         ALGORITHMS.register(configured.algorithm)

@@ -147,11 +147,13 @@ def usage_problem(args: argparse.Namespace) -> str | None:
 def run(args: argparse.Namespace) -> int:
     """Run the job; returns a process exit code."""
     counts = args.towers or list(range(1, args.max_towers + 1))
-    from towers.trace.schedule import load_algorithm, start_devices
+    from towers.allreduce.machinery.resolve import get, label
+    from towers.trace.schedule import start_devices
 
     devices = start_devices(args.max_towers)  # first thing: before TensorFlow's runtime starts
     try:
-        name, fn = load_algorithm(args.algorithm, devices)
+        name, fn = label(args.algorithm), get(args.algorithm, argument="algorithm",
+                                              devices=devices)
         options = _options(args, devices)
         if not _prove(fn, args.prove):
             return 1

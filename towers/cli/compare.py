@@ -151,15 +151,17 @@ def _arrays(args: argparse.Namespace) -> tuple[Any, Any]:
 
 
 def _model_fn(spec: str) -> Callable[[], Any]:
-    from towers.trace.loading import _import
+    from towers.allreduce.machinery.resolve import imported
     from towers.training.models import digits_cnn, mlp
 
     if spec == "mlp":
         return lambda: mlp((64, 32, 10))
     if spec == "conv":
         return digits_cnn
-    fn: Callable[[], Any] = _import(*spec.rsplit(":", 1))
-    return fn
+    fn = imported(spec, "--model")
+    if not callable(fn):
+        raise TypeError(f"--model {spec} is a {type(fn).__name__}, not a callable")
+    return fn  # type: ignore[no-any-return]
 
 
 def load_problem(args: argparse.Namespace) -> tuple[Any, ...]:
@@ -192,11 +194,11 @@ def load_side(spec: str, problem: tuple[Any, ...], devices: list[str], variables
     ``Config`` for a name / reference / all-reduce (loaded as ``towers check`` does)."""
     import inspect
 
+    from towers.allreduce.machinery.resolve import get, imported, label
     from towers.testing.compare import Config, config
-    from towers.trace.loading import _import, load_algorithm
 
     if ":" in spec and not spec.startswith("towers:"):
-        obj = _import(*spec.rsplit(":", 1))
+        obj = imported(spec, "side")
         try:
             step_factory = inspect.signature(obj).bind(*problem[:3], devices) is not None
         except (TypeError, ValueError):
@@ -206,8 +208,8 @@ def load_side(spec: str, problem: tuple[Any, ...], devices: list[str], variables
     side = config(spec)  # checks "towers:NAME"
     if side.reference:
         return side
-    name, algorithm = load_algorithm(side.all_reduce, devices)
-    return Config(algorithm, variables, label=name)
+    algorithm = get(side.all_reduce, argument="all_reduce", devices=devices)
+    return Config(algorithm, variables, label=label(side.all_reduce))
 
 
 def _algorithm(obj: Any) -> bool:

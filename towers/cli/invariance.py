@@ -77,14 +77,17 @@ def _fail(message: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Run the check; returns a process exit code."""
-    from towers.trace.loading import _import as import_object
-    from towers.trace.loading import load_algorithm, start_devices
+    from towers.allreduce.machinery.resolve import get, imported, label
+    from towers.trace.loading import start_devices
 
     try:
         devices = start_devices(max(args.towers))  # first: before TensorFlow's runtime starts
         problem = load_problem(args)
-        name, algorithm = load_algorithm(args.algorithm, devices)
-        factory = None if args.step is None else import_object(*args.step.rsplit(":", 1))
+        name = label(args.algorithm)
+        algorithm = get(args.algorithm, argument="algorithm", devices=devices)
+        factory = None if args.step is None else imported(args.step, "--step")
+        if factory is not None and not callable(factory):
+            raise TypeError(f"--step {args.step} is a {type(factory).__name__}, not a callable")
         name = name if factory is None else args.step
     except (ValueError, TypeError, RuntimeError) as err:
         return _fail(str(err))

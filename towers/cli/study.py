@@ -41,7 +41,8 @@ SYSTEM_NAMES = ("8xH100", "1024xH100")
 def reducer(text: str) -> str:
     """An argparse ``type``: a REDUCER's names checked without TensorFlow (the registered
     all-reduce after ``@``, the registered name or the findable module before it); its
-    arguments and what a module holds are checked by ``towers.study.parse_spec``."""
+    arguments and what a module holds are checked by
+    :func:`towers.allreduce.machinery.resolve.parse` when the study runs."""
     head, at, algorithm = text.strip().rpartition("@")
     head = head if at else algorithm
     if at and algorithm not in names.ALGORITHMS:
@@ -122,10 +123,11 @@ def run(args: argparse.Namespace) -> int:
     except RuntimeError as err:
         return _fail(str(err))
     from towers import study
+    from towers.allreduce.machinery.resolve import parse
 
     try:
         for spec in args.reducers:
-            study.parse_spec(spec)
+            parse(spec)
     except (ValueError, TypeError) as err:
         return _fail(str(err))
     model, data = _data(args.model)

@@ -145,9 +145,11 @@ def run(args: argparse.Namespace) -> int:
 
     devices = start_devices(args.towers)  # first thing: before TensorFlow's runtime starts
     from towers import trace as tracing
+    from towers.allreduce.machinery.resolve import get, label
 
     try:
-        name, fn = tracing.load_algorithm(args.algorithm, devices)
+        name = label(args.algorithm)
+        fn = get(args.algorithm, argument="algorithm", devices=devices)
     except (ValueError, TypeError) as err:
         print(f"towers trace: error: {err}", file=sys.stderr)
         return 2

@@ -112,7 +112,8 @@ def _reference_kind(args: argparse.Namespace) -> str:
 def run(args: argparse.Namespace) -> int:
     """Run the job; returns a process exit code."""
     import towers
-    from towers.trace.loading import load_algorithm, start_devices
+    from towers.allreduce.machinery.resolve import get
+    from towers.trace.loading import start_devices
 
     devices = start_devices(args.towers)  # first: before TensorFlow's runtime starts
     import keras
@@ -131,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     try:  # a user's algorithm or codec that is none, or breaks the contract: one line, exit 2
         if ":" in args.algorithm:
-            reducer = load_algorithm(args.algorithm, devices)[1]
+            reducer = get(args.algorithm, argument="algorithm", devices=devices)
         if args.codec is not None:
             reducer = towers.compressed(reducer, args.codec)
         tm = towers.TowerModel(digits_cnn(args.seed), devices=devices, all_reduce=reducer,

@@ -9,7 +9,7 @@
                  leave_together(): every worker exits after the last one's last step
     launcher.py  launch(): one process per task, prefixed output, timeouts;
                  start_servers(): local tf.distribute.Server processes for a client
-    reducer.py   CrossWorker: a GradientReducer that sums the local towers in tower
+    cross_worker.py  CrossWorker: a GradientReducer that sums the local towers in tower
                  order, then all-reduces across workers with TF collective ops
     server.py    ``python -m towers.cluster.server``: serve one task's towers
     ps.py        parameter servers: shard_variables(), ParameterStore (versioned SGD)
@@ -27,6 +27,7 @@
 
 from __future__ import annotations
 
+from towers.cluster.cross_worker import CrossWorker
 from towers.cluster.data import global_to_worker_batches, shard_dataset
 from towers.cluster.flat import AllTowers
 from towers.cluster.gpus import RuntimeStartedError, configure_gpus
@@ -36,7 +37,6 @@ from towers.cluster.ps import ParameterServerLost, ParameterStore, shard_variabl
 from towers.cluster.ps_local import connect_ps, local_ps_cluster
 from towers.cluster.ps_replay import load_log, replay, save_log
 from towers.cluster.ps_train import AsyncTrainer, UpdateLog, UpdateRecord
-from towers.cluster.reducer import CrossWorker
 from towers.cluster.runtime import (
     connect,
     leave_together,

@@ -1,6 +1,6 @@
 """``AllTowers``: one collective over every tower of every worker, in MWMS's order.
 
-:class:`~towers.cluster.reducer.CrossWorker` adds a worker's towers first and then
+:class:`~towers.cluster.cross_worker.CrossWorker` adds a worker's towers first and then
 all-reduces W partial sums. MultiWorkerMirroredStrategy (MWMS) on CPU does something
 else (read from TF 2.21's ``CollectiveAllReduce._all_reduce`` and
 ``CollectiveReplicaLauncher.batch_all_reduce``): every replica is a member of ONE
@@ -44,7 +44,7 @@ import tensorflow as tf
 from tensorflow.python.ops import collective_ops
 
 from towers.allreduce.machinery.tf_collective_ops import shared_keys, token
-from towers.cluster.reducer import check_cross_worker
+from towers.cluster.cross_worker import check_cross_worker
 
 __all__ = ["AllTowers"]
 

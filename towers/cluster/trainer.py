@@ -26,8 +26,8 @@ import tensorflow as tf
 from tensorflow.python.ops import collective_ops
 
 from towers.allreduce.machinery.tf_collective_ops import shared_keys, token
+from towers.cluster.cross_worker import check_cross_worker
 from towers.cluster.flat import AllTowers
-from towers.cluster.reducer import check_cross_worker
 from towers.guard.arguments import non_negative_int
 from towers.guard.inputs import batch_tensors
 from towers.split import Shards, shard_sizes

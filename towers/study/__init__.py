@@ -1,7 +1,8 @@
 """``towers study``: compare reducers and codecs by loss against bytes and predicted time.
 
-    specs.py    what the user types (``ring``, ``fp16``, ``topk(0.1)``, ``powersgd(4)@tree``,
-                ``module:NAME``) -> a fresh reducer, its all-reduce counted
+    specs.py    a parsed spec (``ring``, ``fp16``, ``topk(0.1)``, ``powersgd(4)@tree``,
+                ``module:NAME``; towers.allreduce.machinery.resolve.parse) -> a fresh
+                reducer, its all-reduce counted
     cost.py     one step's gradient bytes (bookkeeping left out), priced by the α-β-γ
                 model on 8xH100 and 1024xH100
     run.py      :func:`run_study`: the same start and batches for every reducer, a row a step
@@ -18,14 +19,13 @@ from __future__ import annotations
 from towers.study.cost import SYSTEMS, StepTraffic, step_traffic
 from towers.study.output import plot, summary, summary_table, write_csv
 from towers.study.run import run_study
-from towers.study.specs import Counted, Entry, parse_spec
+from towers.study.specs import Counted, build
 
 __all__ = [
     "SYSTEMS",
     "Counted",
-    "Entry",
     "StepTraffic",
-    "parse_spec",
+    "build",
     "plot",
     "run_study",
     "step_traffic",

@@ -6,7 +6,7 @@ batch is left out, so the step is traced once per run), with a
 fresh optimizer and a fresh reducer (codec state starts at zero), so the curves
 differ only by the reducer::
 
-    spec ─parse─▶ Entry ─build─▶ reducer ─▶ TowerTrainer(replicated) ─▶ train_step × steps
+    spec ─parse─▶ Spec  ─build─▶ reducer ─▶ TowerTrainer(replicated) ─▶ train_step × steps
                                     │                                     │
                                     └─ Counted all-reduce ─▶ step_traffic ◀┘ last_step_stats
                                                               bytes, predicted seconds
@@ -27,10 +27,11 @@ from typing import Any
 import keras
 import numpy as np
 
+from towers.allreduce.machinery.resolve import Spec, parse
 from towers.guard.arguments import positive_int
 from towers.step import TowerTrainer
 from towers.study.cost import SYSTEMS, StepTraffic, step_traffic
-from towers.study.specs import Entry, parse_spec
+from towers.study.specs import build
 from towers.training.data import batches, digits
 from towers.training.models import digits_cnn
 
@@ -42,12 +43,12 @@ def _accuracy(trainer: TowerTrainer, x: np.ndarray, y: np.ndarray) -> float:
     return float(np.mean(np.argmax(np.asarray(logits), axis=1) == y))
 
 
-def _row(entry: Entry, step: int, epoch: int, loss: float, traffic: StepTraffic,
+def _row(entry: Spec, step: int, epoch: int, loss: float, traffic: StepTraffic,
          totals: dict[str, float]) -> dict[str, Any]:
     """The CSV row of one step; ``totals`` (running sums) is updated in place."""
     totals["bytes"] += traffic.gradient_bytes
     row: dict[str, Any] = {
-        "reducer": entry.label, "step": step, "epoch": epoch, "loss": loss,
+        "reducer": entry.text, "step": step, "epoch": epoch, "loss": loss,
         "test_accuracy": "", "gradient_bytes": traffic.gradient_bytes,
         "gradient_bytes_per_tower": traffic.gradient_bytes_per_tower,
         "bookkeeping_bytes": traffic.bookkeeping_bytes,
@@ -61,11 +62,12 @@ def _row(entry: Entry, step: int, epoch: int, loss: float, traffic: StepTraffic,
     return row
 
 
-def _run_one(entry: Entry, devices: Sequence[str], start: list[np.ndarray], data: tuple,
+def _run_one(entry: Spec, devices: Sequence[str], start: list[np.ndarray], data: tuple,
              options: dict[str, Any]) -> list[dict[str, Any]]:
     """Train with one reducer; the rows of its steps."""
     x, y, x_test, y_test = data
-    reducer, counted = entry.build(devices)
+    reducer, counted = build(entry, devices)
+    priced = None if ":" in entry.algorithm else entry.algorithm  # a user's: not priced
     trainer = TowerTrainer(
         options["model"], lambda: keras.optimizers.Adam(options["learning_rate"]),
         keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -82,7 +84,7 @@ def _run_one(entry: Entry, devices: Sequence[str], start: list[np.ndarray], data
             loss = float(trainer.train_step(xb, yb))
             stats = trainer.last_step_stats
             if stats is not None:  # the bytes of the trace that ran (shapes decide them)
-                traffic = step_traffic(stats, counted, entry.algorithm, devices,
+                traffic = step_traffic(stats, counted, priced, devices,
                                        options["systems"])
             assert traffic is not None
             rows.append(_row(entry, len(rows), epoch, loss, traffic, totals))
@@ -130,7 +132,7 @@ def run_study(
         ValueError: a bad spec, system or count (naming it), or fewer than 2 devices,
             before anything trains.
     """
-    entries = [parse_spec(s) for s in specs]
+    entries = [parse(s) for s in specs]
     if not entries:
         raise ValueError("specs: name at least one reducer")
     if len(devices) < 2:
@@ -151,6 +153,6 @@ def run_study(
         mine = _run_one(entry, devices, start, data, options)
         rows += mine
         if progress is not None:
-            progress(f"{entry.label}: {len(mine)} steps, final loss {mine[-1]['loss']:.4f}, "
+            progress(f"{entry.text}: {len(mine)} steps, final loss {mine[-1]['loss']:.4f}, "
                      f"test accuracy {mine[-1]['test_accuracy']:.3f}")
     return rows

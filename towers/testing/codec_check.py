@@ -36,9 +36,9 @@ import numpy as np
 import tensorflow as tf
 
 from towers.allreduce.codecs import Codec, rounding
-from towers.allreduce.compressed import Compressed, compressed, get_codec
+from towers.allreduce.compressed import Compressed, compressed
 from towers.allreduce.machinery.registry import record_of
-from towers.allreduce.machinery.resolve import get
+from towers.allreduce.machinery.resolve import get, get_codec
 from towers.allreduce.wire import Wire
 from towers.devices import canonical_device, local_devices
 from towers.guard.arguments import positive_int

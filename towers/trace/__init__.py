@@ -1,7 +1,7 @@
 """See an algorithm run: tick tables, pictures and step timelines.
 
     schedule.py  run one all-reduce under ``record()``: who sends which chunk where, tick by tick
-    loading.py   what the user names (registry name, ``module:function``) as an algorithm
+    loading.py   start_devices(): the tools' devices, whether or not TensorFlow has started
     ticks.py     a tick for every transfer (the algorithm's, or by order) and chunk ownership
     text.py      the tick table and summary as text
     draw.py      the schedule as a PNG (towers as rows, ticks as columns)
@@ -27,7 +27,6 @@ from towers.trace.schedule import (
     TraceRow,
     assign_ticks,
     chunk_ownership,
-    load_algorithm,
     start_devices,
     to_json,
     trace_all_reduce,
@@ -48,7 +47,6 @@ __all__ = [
     "draw_state",
     "format_summary",
     "format_table",
-    "load_algorithm",
     "start_devices",
     "to_json",
     "trace_all_reduce",

@@ -23,11 +23,11 @@ chunk 0 in one tick, but neither sends what it receives.
 Opaque collectives move data outside ``send``: what they report with
 ``record_estimate`` is shown dashed and marked estimated; if they report nothing,
 their registry record's estimated ``bytes_sent``, when they have one, gives one
-estimated row per tower into a pseudo-device named ``collective``. Resolving what
-the user names (a registry name, ``module:function``, a callable) is
-:mod:`towers.trace.loading`'s. This module owns the run, the :class:`Trace` it makes
-and its JSON form; it re-exports the other two modules' names, so
-``towers.trace.schedule.<name>`` keeps working.
+estimated row per tower into a pseudo-device named ``collective``. What the user
+names (a registry name, ``module:NAME``, a callable) is resolved by
+:func:`towers.allreduce.machinery.resolve.get`. This module owns the run, the
+:class:`Trace` it makes and its JSON form; it re-exports the other two modules' names,
+so ``towers.trace.schedule.<name>`` keeps working.
 
 Example:
     >>> trace = trace_all_reduce("ring", devices[:4], size=16)    # doctest: +SKIP
@@ -45,11 +45,11 @@ import numpy as np
 from towers.allreduce.machinery.base import check_op
 from towers.allreduce.machinery.recording import Transfer, record
 from towers.allreduce.machinery.registry import record_of
-from towers.allreduce.machinery.specs import is_reducer
+from towers.allreduce.machinery.resolve import get, is_reducer, label
 from towers.devices import canonical_device
 from towers.guard.arguments import positive_int
 from towers.testing.values import ulp_distance
-from towers.trace.loading import load_algorithm, start_devices
+from towers.trace.loading import start_devices
 from towers.trace.ticks import TraceRow, assign_ticks, chunk_ownership
 
 __all__ = [
@@ -57,7 +57,6 @@ __all__ = [
     "TraceRow",
     "assign_ticks",
     "chunk_ownership",
-    "load_algorithm",
     "start_devices",
     "to_json",
     "trace_all_reduce",
@@ -236,8 +235,8 @@ def trace_all_reduce(
     """Run ``algorithm`` once on ``size`` float32 elements per tower and record what it sends.
 
     Args:
-        algorithm: a registry name, ``module:function`` or a callable (see
-            :func:`load_algorithm`).
+        algorithm: a registry name, ``module:NAME`` or a callable (see
+            :func:`towers.allreduce.machinery.resolve.get`).
         devices: one device per tower (e.g. ``towers.simulate_devices(4)``).
         size: elements per tower (tower ``i`` holds ``i·size + [0 … size-1]``).
         op: ``"sum"``, ``"mean"``, ``"max"`` or ``"min"``.
@@ -252,8 +251,8 @@ def trace_all_reduce(
     """
     check_op(op)
     positive_int("size", size)
-    resolved, fn = load_algorithm(algorithm, devices)
-    name = name or resolved
+    fn = get(algorithm, argument="algorithm", devices=devices)
+    name = name or label(algorithm)
     if is_reducer(fn):
         raise TypeError(f"{name} is a GradientReducer: it reduces a step's gradients all at "
                         "once, so trace a per-tensor algorithm, or see it in `towers timeline`")

@@ -39,8 +39,8 @@ import numpy as np
 
 from towers.allreduce.machinery.recording import record
 from towers.allreduce.machinery.registry import record_of
+from towers.allreduce.machinery.resolve import get
 from towers.devices import canonical_device
-from towers.trace.loading import load_algorithm
 from towers.trace.schedule import Trace, trace_all_reduce
 
 __all__ = ["StateTrace", "default_size", "runs", "trace_state"]
@@ -215,7 +215,7 @@ def trace_state(
     """Trace ``algorithm`` (op ``sum``) and compute every tower's chunk state per tick.
 
     Args:
-        algorithm: a registry name, ``module:function`` or a callable.
+        algorithm: a registry name, ``module:NAME`` or a callable.
         devices: one device per tower (at most 24 towers: the labels must stay exact).
         size: elements per tower (default :func:`default_size`).
 
@@ -232,7 +232,7 @@ def trace_state(
         raise ValueError(f"devices: a state trace labels {n} towers × {size} elements exactly "
                          "only while size·n·2ⁿ < 2²⁴ (at most 8 towers at the default size)")
     trace = trace_all_reduce(algorithm, devices, size=size, op="sum")
-    _, fn = load_algorithm(algorithm, devices)
+    fn = get(algorithm, argument="algorithm", devices=devices)
     transfers, payloads, outputs = _payloads(fn, devices, _labelled(n, size))
     if [(t.src, t.dst, t.nbytes) for t in transfers] != [
         (t.src, t.dst, t.nbytes) for t in trace.transfers

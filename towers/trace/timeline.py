@@ -42,8 +42,8 @@ from typing import Any, NamedTuple
 
 from towers.allreduce.machinery.ordering import as_written
 from towers.allreduce.machinery.recording import record
+from towers.allreduce.machinery.resolve import get
 from towers.step import TowerTrainer
-from towers.trace.loading import load_algorithm
 from towers.trace.measured import OpEvent, profile_step, split_compute
 from towers.trace.ticks import assign_ticks
 from towers.training.data import digits
@@ -80,7 +80,7 @@ def _setup(args: argparse.Namespace, devices: list[str]) -> _Setup:
     # Registry names go to the trainer as names ("parameter_device" means its device).
     algorithm = args.algorithm
     if ":" in algorithm:
-        algorithm = load_algorithm(algorithm, devices)[1]
+        algorithm = get(algorithm, argument="algorithm", devices=devices)
     x, y, _, _ = digits(seed=args.seed)
     trainer = TowerTrainer(
         lambda: digits_cnn(args.seed),

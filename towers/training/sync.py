@@ -5,14 +5,16 @@
     Keras writes replica 0 (tm.network, tm.optimizer)     set_weights, load_weights,
           │                                                a callback, load_model
           ▼
-    broadcast(trainer)      weights ─▶ replica 1 … n-1; (replicated) optimizer state too
+    copy_first_replica      weights ─▶ replica 1 … n-1; (replicated) optimizer state too
     Hyperparameters.follow  learning_rate, weight_decay, … ─▶ every replica's optimizer;
                             a Python number baked into the traced step ─▶ retrace
 
 Keras knows one model and one optimizer; a trainer holds one copy per replica
 (:mod:`towers.placement`), so whatever Keras changes on the first must be copied to the
 others before the next step reads them. ``sharded`` replicas own different optimizer
-shards: only their weights are copied.
+shards: only their weights are copied. The copies are
+:func:`towers.allreduce.broadcast` (``"flat"``: replica 0 sends to each, through ``send``),
+so they are bitwise and recorded like every other transfer.
 """
 
 from __future__ import annotations
@@ -22,20 +24,35 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-__all__ = ["Hyperparameters", "broadcast"]
+from towers.allreduce.hand_collectives import broadcast
+
+__all__ = ["Hyperparameters", "copy_first_replica"]
 
 
-def broadcast(trainer: Any) -> None:
-    """Copy replica 0's weights to every other replica, and (``replicated``) its optimizer
-    variables to every other replica's optimizer (same structure: same model, same kind)."""
-    first = trainer.replicas[0]
-    for replica in trainer.replicas[1:]:
-        with tf.device(replica.device):
-            for source, target in zip(first.model.weights, replica.model.weights):
-                target.assign(source.value)
-            if trainer.placement.name == "replicated":
-                for source, target in zip(first.optimizer.variables, replica.optimizer.variables):
-                    target.assign(source.value)
+def copy_first_replica(trainer: Any) -> None:
+    """Broadcast replica 0's weights to every other replica, and (``replicated``) its
+    optimizer variables to every other replica's optimizer (same structure: same model,
+    same kind): one :func:`~towers.allreduce.broadcast` per dtype of all those variables
+    flattened into one buffer (a call per variable would cost far more than the copy)."""
+    replicas = trainer.replicas
+    if len(replicas) < 2:
+        return
+    devices = [r.device for r in replicas]
+    copied = [list(r.model.weights) for r in replicas]
+    if trainer.placement.name == "replicated":
+        copied = [w + list(r.optimizer.variables) for w, r in zip(copied, replicas)]
+    rows = list(zip(*copied))  # rows[j]: variable j on every replica
+    for dtype in dict.fromkeys(row[0].dtype for row in rows):
+        group = [row for row in rows if row[0].dtype == dtype]
+        with tf.device(devices[0]):
+            flat = tf.concat([tf.reshape(row[0].value, [-1]) for row in group], axis=0)
+        copies = broadcast(flat, devices, algorithm="flat")
+        sizes = [int(row[0].shape.num_elements()) for row in group]
+        for i in range(1, len(replicas)):
+            with tf.device(devices[i]):
+                pieces = tf.split(copies[i], sizes)
+                for row, piece in zip(group, pieces):
+                    row[i].assign(tf.reshape(piece, row[i].shape))
 
 
 def _hyperparameters(optimizer: Any) -> dict[str, Any]:

@@ -6,7 +6,7 @@
     primitives.py        send (the one place data moves, counted), pad_split, unsplit
     recording.py         what a traced step sent: bytes per tower and link, ticks
     registry.py          one record shape (Record) and mapping (Registry) for every registry
-    resolve.py           a name or a callable -> an algorithm (get, noop)
+    resolve.py           every typed name -> its object: algorithms, codecs (CODECS), specs
     reducer.py           an algorithm lifted to a whole step's gradients (StepReducer)
     scheduled.py         the one schedule interpreter (run_slots), for every schedule
     tf_collective_ops.py TensorFlow's collective ops: instance keys, ordering tokens, wire format

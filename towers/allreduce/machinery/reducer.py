@@ -28,14 +28,12 @@ from towers.allreduce.machinery.base import (
     StatefulReducer,
     check_values,
 )
-from towers.allreduce.machinery.resolve import get
 from towers.allreduce.machinery.sparse import densify, gather_indexed_slices, to_dense
 from towers.allreduce.naive import naive
-from towers.allreduce.parameter_device import parameter_device
 from towers.guard.arguments import check_choice
 from towers.guard.contract import check_outputs, check_rows
 
-__all__ = ["SPARSE", "StepReducer", "as_reducer", "resolve"]
+__all__ = ["SPARSE", "StepReducer", "as_reducer"]
 
 SPARSE = ("gather", "densify")
 """What to do with sparse gradients: keep them sparse (gather), or densify and all-reduce."""
@@ -189,19 +187,3 @@ def as_reducer(algorithm: AllReduce | GradientReducer, *, sparse: str = "gather"
         return StepReducer(algorithm, naive, sparse)
     return StepReducer(None, algorithm, sparse)
 
-
-def resolve(all_reduce: Any, device: str) -> Any:
-    """The algorithm a trainer's ``all_reduce=`` argument names.
-
-    ``"parameter_device"`` means *this* trainer's parameter device (``device``); a
-    ``GradientReducer`` or a callable passes through; any other name comes from the
-    registry (:func:`towers.allreduce.get`).
-
-    Raises:
-        ValueError, TypeError: an unknown name, or neither a name nor a callable.
-    """
-    if all_reduce == "parameter_device":
-        return parameter_device(device)
-    if isinstance(all_reduce, GradientReducer):
-        return all_reduce
-    return get(all_reduce)

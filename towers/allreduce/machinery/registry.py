@@ -87,7 +87,7 @@ class Record:
     One record shape for every registry: all-reduce algorithms (:data:`ALGORITHMS`),
     the public collectives' algorithms
     (:data:`~towers.allreduce.collective_registry.COLLECTIVE_ALGORITHMS`), codecs
-    (:data:`~towers.allreduce.compressed.CODECS`) and placements
+    (:data:`~towers.allreduce.machinery.resolve.CODECS`) and placements
     (:data:`~towers.placement.PLACEMENTS`). Fields a kind has no use for stay None.
 
     Attributes:

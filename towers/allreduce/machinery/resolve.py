@@ -1,18 +1,72 @@
-"""Resolve an all-reduce by name: :func:`get` (the registry's names, and ``noop``).
+"""Every name a user types for an all-reduce or a codec, turned into the object: one grammar
+for the library (trainers, ``towers.all_reduce``, the wrappers), the CLI, trace and study::
 
-Its own module so that the wrappers (``bucketed``, ``compressed``, ``hierarchical``) and the
-step's reducer resolve their inner algorithm without importing the package that imports them.
+    ring                   a registered all-reduce (ALGORITHMS), or noop
+    fp16, topk(0.1)        a registered codec (CODECS), its arguments Python literals
+    mod:NAME, file.py:NAME a user's all-reduce, GradientReducer or codec, or a factory of
+                           one (called with no arguments); NAME may be dotted
+    CODEC@ALGO             a reducer spec (:func:`parse`): CODEC over ALGO (default ring)
+
+A name nothing holds is a ``ValueError`` naming the argument and the value, listing the
+registered names and the closest ("did you mean 'ring'?"). The module sits below the
+wrappers, so they resolve their inner algorithm without importing their own package.
+
+Example:
+    >>> get("ring"), get("my_algos.py:star"), get_codec("powersgd(4)")   # doctest: +SKIP
+    >>> parse("topk(0.1)@tree")               # Spec('topk(0.1)@tree', 'tree', 'topk(0.1)')
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import ast
+import difflib
+import importlib
+import importlib.util
+import inspect
+import os
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import tensorflow as tf
 
-from towers.allreduce.machinery.base import AllReduce, check_values
-from towers.allreduce.machinery.registry import ALGORITHMS
-from towers.allreduce.machinery.specs import is_spec, user_algorithm
+from towers.allreduce.codecs import Codec, bf16, fp16, identity, topk
+from towers.allreduce.machinery.base import AllReduce, GradientReducer, check_values
+from towers.allreduce.machinery.recording import record
+from towers.allreduce.machinery.registry import (
+    ALGORITHMS,
+    Configured,
+    Record,
+    Registry,
+    algorithm_name,
+)
+from towers.allreduce.parameter_device import parameter_device as _on_device
+from towers.allreduce.powersgd import powersgd
+
+__all__ = ["CODECS", "Spec", "check", "get", "get_codec", "imported", "is_reducer", "label",
+           "noop", "parse", "register_codec"]
+
+CODECS = Registry(["codec"], [
+    Record("identity", identity, kind="codec", summary="S per tower, exact (the baseline)"),
+    Record("fp16", fp16, kind="codec", summary="S/2: x/n in float16"),
+    Record("bf16", bf16, kind="codec", summary="S/2: x/n in bfloat16"),
+    Record("topk", topk, kind="codec", summary="2·ratio·S: top-k with error feedback"),
+    Record("powersgd", powersgd, kind="codec",
+           summary="(m + c)·r per m×c matrix: rank-r power step with error feedback"),
+])
+"""Every codec by name (:class:`~towers.allreduce.machinery.registry.Record` s of kind ``codec``);
+``CODECS[name]()`` builds it with its default settings."""
+
+
+def register_codec(record: Record) -> Record:
+    """Add a codec's record to :data:`CODECS` (replacing one of the same name); returns it.
+    Its name then works wherever a built-in codec's does (``compressed``, the command line).
+
+    Raises:
+        TypeError: not a :class:`~towers.allreduce.machinery.registry.Record` of kind ``codec``.
+    """
+    return CODECS.register(record)
 
 
 def noop(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
@@ -21,29 +75,299 @@ def noop(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
     return list(values)
 
 
-def get(algorithm: str | AllReduce) -> AllReduce:
-    """Resolve a registry name or a user's ``module:NAME`` (or pass a callable through).
+def _unknown(argument: str, value: str, names: Iterable[str]) -> ValueError:
+    """The one message for a name no registry holds: the registered names, and the closest."""
+    names = sorted(names)
+    close = ([n for n in names if n.lower() == value.lower()]
+             or difflib.get_close_matches(value, names, n=3))
+    hint = f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
+    return ValueError(f"unknown {argument} {value!r}{hint}; registered: {', '.join(names)} "
+                      "(or name your own as module:NAME)")
 
-    Registered names are kept in :data:`ALGORITHMS`; ``noop`` is kept out on purpose
-    (it does not reduce), but is accepted here for benchmarks. ``module:NAME`` (or
-    ``file.py:NAME``) names an algorithm, a ``GradientReducer`` or a factory of either,
-    as on the command line (:func:`~towers.allreduce.machinery.specs.user_algorithm`).
+
+def imported(spec: str, argument: str = "all_reduce") -> Any:
+    """The object ``module:NAME`` (or ``path/to/file.py:NAME``) names, unchecked.
+
+    The current directory is searched last, so ``my_module:fn`` finds ``./my_module.py``.
 
     Raises:
-        ValueError: an unknown name (the message lists the registered names), a module
-            that does not import.
-        TypeError: neither a name nor a callable; a ``module:NAME`` that is neither.
+        ValueError: no ``:``, a module that does not import (whatever it raised), or a
+            missing attribute, each naming ``argument`` and ``spec``.
     """
-    if isinstance(algorithm, str):
-        if is_spec(algorithm):
-            return user_algorithm(algorithm)[1]
-        if algorithm == "noop":
+    module, sep, attr = spec.rpartition(":")
+    if not sep or not module or not attr:
+        raise ValueError(f"{argument} {spec!r}: expected module:NAME or file.py:NAME")
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+    try:
+        loaded = _load_module(module)
+    except Exception as err:  # ImportError, and whatever the module raises (SyntaxError, ...)
+        raise ValueError(f"cannot import {module!r} for {argument} {spec} "
+                         f"({type(err).__name__}: {err})") from err
+    obj: Any = loaded
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            found = sorted(k for k, v in vars(loaded).items() if callable(v) and k[0] != "_")
+            raise ValueError(f"module {module!r} has no {attr!r}; its callables: "
+                             f"{', '.join(found) or 'none'} (for {argument} {spec})")
+        obj = getattr(obj, part)
+    return obj
+
+
+def _load_module(module: str) -> Any:
+    if not module.endswith(".py"):
+        return importlib.import_module(module)
+    spec = importlib.util.spec_from_file_location(Path(module).stem, module)
+    if spec is None or spec.loader is None or not Path(module).is_file():
+        raise ImportError(f"no such file: {module}")
+    loaded = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = loaded  # as an import would (dataclasses look it up)
+    try:
+        spec.loader.exec_module(loaded)
+    except BaseException:
+        sys.modules.pop(spec.name, None)  # as a failed import does: no half-made module left
+        raise
+    return loaded
+
+
+def is_reducer(obj: Any) -> bool:
+    """A :class:`~towers.allreduce.machinery.base.GradientReducer` (all gradients at once)?"""
+    return not isinstance(obj, type) and isinstance(obj, GradientReducer)
+
+
+def check(text: str, argument: str = "all_reduce") -> Any:
+    """What ``text`` names as an all-reduce, checked but not built (for a command's parser,
+    before TensorFlow starts): a registered name (or ``noop``) as it is, or the callable or
+    ``GradientReducer`` that ``module:NAME`` imports.
+
+    Raises:
+        ValueError: an unknown name, a module or attribute that does not import, neither.
+    """
+    if ":" in text:
+        obj = imported(text, argument)
+        if not callable(obj) and not is_reducer(obj):
+            raise ValueError(f"{argument} {text} is a {type(obj).__name__}, not an all-reduce, "
+                             "a GradientReducer or a factory of either")
+        return obj
+    if text != "noop" and text not in ALGORITHMS:
+        raise _unknown(argument, text, [*ALGORITHMS, "noop"])
+    return text
+
+
+def get(algorithm: str | AllReduce | GradientReducer, *, argument: str = "all_reduce",
+        devices: Sequence[str] | None = None, parameter_device: str | None = None) -> Any:
+    """The all-reduce (or ``GradientReducer``) ``algorithm`` names; a callable passes through.
+
+    ``module:NAME`` may name an algorithm, a ``GradientReducer`` or a factory of either
+    (when the signature cannot tell, one call on two small tensors on ``devices`` does);
+    it comes back as its registry record builds it, if one does, so tools find its
+    formulas. ``noop`` (no exchange: not registered, it does not reduce) is accepted.
+
+    Args:
+        algorithm: a registered name, ``module:NAME``, a callable or a ``GradientReducer``.
+        argument: the argument's name, for the errors.
+        devices: where to run the probe.
+        parameter_device: the device ``"parameter_device"`` means (default: the registry's).
+
+    Raises:
+        ValueError: as :func:`check`; a factory that made neither.
+        TypeError: neither a string nor a callable.
+    """
+    if not isinstance(algorithm, str):
+        if callable(algorithm) or is_reducer(algorithm):
+            return algorithm
+        raise TypeError(f"{argument} must be a registered name or a callable, got {algorithm!r}")
+    found = check(algorithm, argument)
+    if isinstance(found, str):
+        if found == "noop":
             return noop
-        if algorithm not in ALGORITHMS:
-            raise ValueError(
-                f"unknown all_reduce {algorithm!r}; registered: {', '.join(sorted(ALGORITHMS))} "
-                "(or name your own as module:NAME)")
-        return ALGORITHMS[algorithm]()
-    if callable(algorithm):
-        return algorithm
-    raise TypeError(f"all_reduce must be a registered name or a callable, got {algorithm!r}")
+        if found == "parameter_device" and parameter_device is not None:
+            return _on_device(parameter_device)
+        return ALGORITHMS[found]()
+    if is_reducer(found) or _is_algorithm(found, devices):
+        return _registered(found)
+    try:
+        made = found()
+    except TypeError as err:
+        raise ValueError(f"{argument} {algorithm}: neither an all-reduce (values, *, op) nor a "
+                         f"factory taking no arguments ({err})") from err
+    if not callable(made) and not is_reducer(made):
+        raise ValueError(f"{argument} {algorithm}: {algorithm}() made a {type(made).__name__}: "
+                         "not an all-reduce or a GradientReducer")
+    return _registered(made)
+
+
+def label(algorithm: Any) -> str:
+    """What tools call ``algorithm``: the name as typed (``file.py:NAME`` without its folder),
+    else the record's or the callable's name."""
+    if not isinstance(algorithm, str):
+        return algorithm_name(algorithm)
+    module, _, attr = algorithm.rpartition(":")
+    return f"{Path(module).name}:{attr}" if module.endswith(".py") else algorithm
+
+
+def _binds(sig: inspect.Signature, *args: Any, **kwargs: Any) -> bool:
+    try:
+        sig.bind(*args, **kwargs)
+    except TypeError:
+        return False
+    return True
+
+
+def _is_algorithm(obj: Any, devices: Sequence[str] | None) -> bool:
+    """Does ``obj`` follow the contract ``obj(values, *, op)`` (else it is a factory)? From
+    the signature when it can only be one, else by trying it on two small tensors (its
+    sends are not recorded anywhere that lasts)."""
+    try:
+        sig = inspect.signature(obj)
+        as_algorithm, as_factory = _binds(sig, [], op="sum"), _binds(sig)
+        if as_algorithm != as_factory:
+            return as_algorithm
+    except (TypeError, ValueError):
+        pass
+    if not devices:  # probe on the first two devices TensorFlow has
+        devices = [d.name for d in tf.config.list_logical_devices()][:2]
+    values = []
+    for i, device in enumerate(devices[:2]):
+        with tf.device(device):
+            values.append(tf.fill([4], float(i + 1)))
+    try:
+        with record():
+            out = obj(values, op="sum")
+    except TypeError:
+        return False
+    return isinstance(out, (list, tuple)) and len(out) == len(values)
+
+
+def _registered(fn: Any) -> Any:
+    """``fn`` as its registry record builds it, when a record in ``ALGORITHMS`` builds
+    exactly ``fn`` (``register(Algorithm("star", lambda: star, ...))`` beside ``star``);
+    else ``fn`` itself."""
+    if isinstance(fn, Configured):
+        return fn
+    module, fn_name = getattr(fn, "__module__", None), getattr(fn, "__name__", None)
+    for entry in ALGORITHMS.values():
+        if entry.name != fn_name and getattr(entry.factory, "__module__", None) != module:
+            continue
+        try:
+            built = entry()
+        except Exception:  # a factory that needs arguments cannot be this one
+            continue
+        if isinstance(built, Configured) and built.run is fn:
+            return built
+    return fn
+
+
+def _call(text: str, argument: str) -> tuple[str, tuple[Any, ...]]:
+    """``name(args)`` -> ``(name, args)`` with literal arguments; ``name`` -> ``(name, ())``."""
+    if "(" not in text:
+        return text, ()
+    name, _, rest = text.partition("(")
+    if not rest.endswith(")"):
+        raise ValueError(f"{argument} {text!r}: expected name(arguments)")
+    try:
+        args = ast.literal_eval(f"({rest[:-1]},)") if rest[:-1].strip() else ()
+    except (ValueError, SyntaxError) as err:
+        raise ValueError(f"{argument} {text!r}: arguments must be Python literals "
+                         f"({err})") from None
+    return name.strip(), tuple(args)
+
+
+def get_codec(codec: str | Codec | Record, *, argument: str = "codec") -> Codec:
+    """A fresh codec from a name in :data:`CODECS` (``name(args)`` passes arguments), a
+    record or a codec, or ``module:NAME`` of any of these, a codec class or a factory.
+
+    Raises:
+        ValueError: an unknown name, bad arguments, a module or attribute that does not
+            import, or something that is not a codec (no ``init`` and ``reduce``).
+    """
+    if not isinstance(codec, str):
+        return _as_codec(repr(codec), codec, argument)
+    if ":" in codec:
+        return _as_codec(codec, imported(codec, argument), argument)
+    name, args = _call(codec, argument)
+    if name not in CODECS:
+        raise _unknown(argument, name, CODECS)
+    try:
+        made = CODECS[name](*args)
+    except TypeError as err:
+        raise ValueError(f"{argument} {codec}: {err}") from None
+    return _as_codec(codec, made, argument)
+
+
+def _as_codec(name: str, obj: Any, argument: str) -> Codec:
+    if isinstance(obj, Record) and obj.kind != "codec":
+        raise ValueError(f"{argument}: {name} is a record of kind {obj.kind!r}, not a codec")
+    if (isinstance(obj, type) or not isinstance(obj, Codec)) and callable(obj):
+        try:
+            obj = obj()  # a class, a record or a factory: its defaults
+        except TypeError as err:
+            raise ValueError(f"{argument}: {name} must be a codec (with init() and reduce()) or "
+                             f"a factory of one taking no arguments; calling it: {err}") from err
+    if isinstance(obj, type) or not isinstance(obj, Codec):
+        raise ValueError(f"{argument}: {name} must be a codec (with init() and reduce()) or a "
+                         f"factory of one, got {obj!r}")
+    return obj
+
+
+class Spec(NamedTuple):
+    """A reducer spec, parsed: ``codec`` (None: uncompressed) over ``algorithm`` (a
+    registered name or ``module:NAME``), ``text`` as typed."""
+
+    text: str
+    algorithm: str
+    codec: str | None = None
+
+
+def parse(spec: str, argument: str = "reducer") -> Spec:
+    """Check a reducer spec (the module docstring's grammar) before anything trains: the
+    codec is built once, to check its arguments; an all-reduce as :func:`check` does.
+
+    Raises:
+        ValueError: an empty spec, an unknown name, bad arguments, an ``@ALGO`` after an
+            all-reduce, a module that does not import (each naming the spec).
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"{argument} must be a non-empty string, got {spec!r}")
+    text = spec.strip()
+    head, _, after = text.rpartition("@") if "@" in text else (text, "", "")
+    if after:
+        check(after, "all_reduce")
+    if _is_codec(head, argument):
+        get_codec(head, argument=argument)
+        return Spec(text, after or "ring", head)
+    if after:
+        raise ValueError(f"{argument} {text!r}: {head} is an all-reduce; @ALGO follows a codec")
+    if "(" in head:
+        raise ValueError(f"{argument} {text!r}: an all-reduce takes no arguments here; name a "
+                         "configured one as module:NAME")
+    return Spec(text, head)
+
+
+def _is_codec(head: str, argument: str) -> bool:
+    """Does ``head`` name a codec (else an all-reduce or a GradientReducer)?"""
+    if ":" not in head:
+        name = _call(head, argument)[0]
+        if name in CODECS:
+            return True
+        if name == "noop" or name in ALGORITHMS:
+            return False
+        raise _unknown(argument, name, [*CODECS, *ALGORITHMS, "noop"])
+    obj = imported(head, argument)
+    if isinstance(obj, Record):
+        return obj.kind == "codec"
+    if isinstance(obj, Codec):  # a codec or its class
+        return True
+    check(head, argument)  # else a callable or a GradientReducer
+    try:
+        if is_reducer(obj) or _binds(inspect.signature(obj), [], op="sum"):
+            return False  # a GradientReducer, or it takes (values, *, op)
+        made = obj()
+    except (TypeError, ValueError):
+        return False
+    if isinstance(made, Codec) and not callable(made):
+        return True
+    if not callable(made) and not is_reducer(made):
+        raise ValueError(f"{argument} {head}: {head}() made a {type(made).__name__}: not an "
+                         "all-reduce, a GradientReducer or a codec")
+    return False

@@ -13,7 +13,7 @@ import pytest
 
 import towers
 from towers.allreduce import GradientReducer
-from towers.cluster.reducer import CrossWorker
+from towers.cluster.cross_worker import CrossWorker
 
 from ..conftest import DEVICES
 
