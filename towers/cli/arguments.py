@@ -136,9 +136,10 @@ def _user(text: str, what: str) -> object:
 def _algorithm_name(text: str) -> str:
     if ":" in text:
         return spec_found(text, "algorithm")
-    if text not in names.ALGORITHMS and text != "noop":
+    known = (*names.ALGORITHMS, "noop")
+    if text not in known:
         raise argparse.ArgumentTypeError(
-            f"unknown algorithm {text!r}{did_you_mean(text, names.ALGORITHMS)}; choose from "
+            f"unknown algorithm {text!r}{did_you_mean(text, known)}; choose from "
             f"{', '.join(names.ALGORITHMS)} or name your own as module:NAME")
     return text
 
