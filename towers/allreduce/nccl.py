@@ -55,6 +55,7 @@ import tensorflow as tf
 from tensorflow.python.ops import collective_ops, nccl_ops
 
 from towers.allreduce.machinery.base import AllReduce, combine, finish
+from towers.allreduce.machinery.differentiable import differentiable
 from towers.allreduce.machinery.recording import record_estimate
 from towers.allreduce.machinery.registry import (
     Algorithm,
@@ -66,6 +67,7 @@ from towers.allreduce.machinery.registry import (
 from towers.allreduce.machinery.tf_collective_ops import (
     HINT,
     Body,
+    all_to_all,
     broadcast_send_recv,
     group_key,
     next_key,
@@ -144,15 +146,16 @@ def _ring_body(
     n, shape, dtype = len(values), values[0].shape, values[0].dtype
     length = int(shape.num_elements())
     chunk = -(-length // n)
-    group, scatter_key, gather_key = group_key(devices), next_key(), next_key()
-    outputs = []
+    rows = []
     for v, device in zip(values, devices, strict=True):
         with tf.device(device):
-            rows = tf.reshape(tf.pad(tf.reshape(v, [-1]), [[0, n * chunk - length]]), [n, chunk])
-            rows = collective_ops.all_to_all_v2(
-                rows, n, group, scatter_key, communication_hint=HINT, timeout=timeout,
-                ordering_token=token(device))
-            parts = tf.unstack(rows)
+            rows.append(tf.reshape(tf.pad(tf.reshape(v, [-1]), [[0, n * chunk - length]]),
+                                   [n, chunk]))
+    received_rows = all_to_all(rows, devices, timeout)
+    group, gather_key, outputs = group_key(devices), next_key(), []
+    for received, device in zip(received_rows, devices, strict=True):
+        with tf.device(device):
+            parts = tf.unstack(received)
             reduced = parts[0]
             for part in parts[1:]:
                 reduced = combine(reduced, part, op)
@@ -217,7 +220,7 @@ def _factory(body: Body, name: str, timeout_seconds: float | None) -> AllReduce:
         return outputs
 
     all_reduce.__name__ = all_reduce.__qualname__ = f"{name}_all_reduce"
-    return all_reduce
+    return differentiable(all_reduce)  # TensorFlow has no gradient for collective ops
 
 
 def _build_nccl(timeout_seconds: float | None = None) -> AllReduce:
