@@ -5,7 +5,7 @@ The ops are opaque: data moves inside the runtime, not through
 :func:`estimated_bytes_sent`). ``nccl()`` is one ``all_reduce_v2`` per tower (the
 runtime's schedule: a ring on CPU; NCCL's ring or tree on GPUs, or the raw
 ``nccl_ops.all_sum`` when every tower is its own physical GPU). The other two
-are composed from collectives, n = 4 (rank = place in the sorted device names)::
+are composed from collectives, n = 4 (rank: TensorFlow's, by task and device index)::
 
     nccl_ring  tick 0: all_to_all_v2          local             tick 1: all_gather_v2
     rank 0     row j → rank j; gets rows 0    c0 = Σ rows (+/n)  c0 → all; gets c1 c2 c3
@@ -107,7 +107,8 @@ def raw_nccl_usable(devices: Sequence[str], dtype: tf.DType) -> bool:
 
 
 def _raw_nccl(values: list[tf.Tensor], devices: tuple[str, ...], op: str) -> list[tf.Tensor]:
-    reduce = {"max": nccl_ops.all_max, "min": nccl_ops.all_min}.get(op, nccl_ops.all_sum)
+    reduce = {"max": nccl_ops.all_max, "min": nccl_ops.all_min,
+              "product": nccl_ops.all_prod}.get(op, nccl_ops.all_sum)
     finished = []
     for out, device in zip(reduce(values), devices, strict=True):
         with tf.device(device):  # correctly rounded: identical sums give identical means
@@ -120,7 +121,7 @@ def _all_reduce_ops(
 ) -> list[tf.Tensor]:
     """One all_reduce_v2 per tower (``group_size`` > len(values) only to test timeouts)."""
     group, instance = group_key(devices, group_size), next_key()
-    merge = {"max": "Max", "min": "Min"}.get(op, "Add")
+    merge = {"max": "Max", "min": "Min", "product": "Mul"}.get(op, "Add")
     outputs = []
     for v, device in zip(values, devices, strict=True):
         with tf.device(device):

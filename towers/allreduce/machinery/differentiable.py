@@ -11,12 +11,16 @@ gradient of output ``i``; ``x_j``: tower ``j``'s value; ``y``: the reduction)::
     sum        Σ_i dy_i                                  all-reduce sum of the dy
     mean       (Σ_i dy_i) / n                            all-reduce mean of the dy
     max, min   Σ_i dy_i · [x_j = y] / #{k : x_k = y}     all-reduce sum of (dy, [x = y])
+    product    Σ_i dy_i · Π_{k≠j} x_k                    all-reduce sum of (x in row k, dy)
 
 ``max``/``min`` follow ``tf.reduce_max``'s gradient over the stacked towers: the summed
 upstream gradient goes to the tower holding the extreme, split evenly between tied
 towers. (The hand-built algorithms differentiate their ``tf.maximum`` pairs instead:
 without ties the same; with ties the whole of it goes to one tied tower, the one the
-first ``tf.maximum`` to meet the tie keeps.) Integer values have no gradient.
+first ``tf.maximum`` to meet the tie keeps.) ``product`` follows ``tf.reduce_prod``'s:
+the other towers' product as exclusive cumulative products from both ends (no division,
+so a zero is fine); its backward all-reduce carries every tower's value (n times the
+data). Integer values have no gradient.
 
 In a graph, ``tf.custom_gradient`` joins every tower's output in one ``IdentityN``
 op: between logical CPU devices that passes pointers; on GPUs it would copy each
@@ -90,6 +94,8 @@ def _gradient(algorithm: AllReduce, xs: list[tf.Tensor], ys: list[tf.Tensor],
             upstream.append(tf.zeros_like(x) if dy is None else tf.identity(dy))
     if op in ("sum", "mean"):
         return list(algorithm(upstream, op=op))
+    if op == "product":
+        return _product_gradient(algorithm, xs, upstream, devices)
     pairs = []
     for x, y, dy, device in zip(xs, ys, upstream, devices, strict=True):
         with tf.device(device):
@@ -99,4 +105,23 @@ def _gradient(algorithm: AllReduce, xs: list[tf.Tensor], ys: list[tf.Tensor],
         with tf.device(device):
             indicator = tf.cast(tf.equal(x, y), total.dtype)
             grads.append(indicator / total[1] * total[0])  # tf.reduce_max's order
+    return grads
+
+
+def _product_gradient(algorithm: AllReduce, xs: list[tf.Tensor], upstream: list[tf.Tensor],
+                      devices: list[str]) -> list[tf.Tensor]:
+    """``tf.reduce_prod``'s gradient over the stacked towers: every tower's value reaches
+    every tower as row ``k`` of a sum (the other rows zero), the summed ``dy`` as row n."""
+    n, rows = len(xs), []
+    for k, (x, dy, device) in enumerate(zip(xs, upstream, devices, strict=True)):
+        with tf.device(device):
+            zero = tf.zeros_like(x)
+            rows.append(tf.stack([x if i == k else zero for i in range(n)] + [dy]))
+    grads = []
+    for k, (total, device) in enumerate(zip(algorithm(rows, op="sum"), devices, strict=True)):
+        with tf.device(device):
+            values = total[:n]
+            before = tf.math.cumprod(values, axis=0, exclusive=True)
+            after = tf.math.cumprod(values, axis=0, exclusive=True, reverse=True)
+            grads.append((before[k] * after[k]) * total[n])
     return grads

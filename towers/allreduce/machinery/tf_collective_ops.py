@@ -80,6 +80,7 @@ __all__ = [
     "broadcast_send_recv",
     "group_key",
     "next_key",
+    "ranks",
     "run",
     "shared_keys",
     "token",
@@ -191,7 +192,7 @@ def all_to_all(rows: Sequence[tf.Tensor], devices: Sequence[str], timeout: float
     """``rows[i]`` (``[n, chunk]`` on ``devices[i]``) sends its row ``j`` to rank ``j``;
     output ``i`` holds, in rank order, the row each rank sent to tower ``i``'s rank.
 
-    Ranks follow the sorted device names, as in every collective op. Up to
+    Ranks are TensorFlow's (:func:`ranks`). Up to
     :data:`MAX_ALL_TO_ALL` ranks this is one ``all_to_all_v2`` per tower; above, the
     pairs exchange their rows by broadcast send/recv in a round-robin tournament
     (:func:`_pairings`): each round a matching, each device in one pair per round, so
@@ -207,7 +208,7 @@ def all_to_all(rows: Sequence[tf.Tensor], devices: Sequence[str], timeout: float
                     x, n, group, instance, communication_hint=HINT, timeout=timeout,
                     ordering_token=token(device)))
         return outputs
-    rank = {d: r for r, d in enumerate(sorted(devices))}
+    rank = ranks(devices)
     got: list[dict[int, tf.Tensor]] = [{} for _ in devices]
     sent: list[list[tf.Tensor]] = [[] for _ in devices]
     for i, device in enumerate(devices):
@@ -226,6 +227,21 @@ def all_to_all(rows: Sequence[tf.Tensor], devices: Sequence[str], timeout: float
         with tf.device(device), tf.control_dependencies(sent[i]):
             outputs.append(tf.stack([got[i][r] for r in range(n)]))
     return outputs
+
+
+def ranks(devices: Sequence[str]) -> dict[str, int]:
+    """Each device's rank in a collective, as TensorFlow orders a group: by job, task and
+    device index (so ``CPU:10`` comes after ``CPU:9``, not after ``CPU:1``).
+
+    Example:
+        >>> ranks(["/device:CPU:10", "/device:CPU:9"])
+        {'/device:CPU:9': 0, '/device:CPU:10': 1}
+    """
+    def key(device: str) -> tuple[str, int, int, str]:
+        spec = tf.DeviceSpec.from_string(device)
+        return spec.job or "", spec.task or 0, spec.device_index or 0, device
+
+    return {d: r for r, d in enumerate(sorted(devices, key=key))}
 
 
 def _pairings(n: int) -> list[list[tuple[int, int]]]:
