@@ -1,8 +1,8 @@
 """Gradients through every registered all-reduce, against a one-device reference.
 
-The loss weights each tower's output differently (``Σ_i w_i · out_i``, integer-valued
-``w``, multiples of ``n``), so each tower's upstream gradient differs and the gradient must gather all of
-them. The reference reduces the stacked towers on one device (``tf.reduce_sum``,
+The loss weights each tower's output differently (``Σ_i w_i · out_i``, ``w`` integer
+multiples of ``n``), so each tower's upstream gradient differs and the gradient must
+gather all of them. The reference reduces the stacked towers on one device (``tf.reduce_sum``,
 ``tf.reduce_max``, ``tf.reduce_min`` over ``tf.stack(values)``; ``mean`` is the sum over
 ``n``) and differentiates the same loss. Integer-valued weights make both sides exact,
 so every tower's gradient is compared bitwise. Values are distinct, so ``max``/``min``

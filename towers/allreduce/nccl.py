@@ -11,6 +11,8 @@ are composed from collectives, n = 4 (rank: TensorFlow's, by task and device ind
     rank 0     row j → rank j; gets rows 0    c0 = Σ rows (+/n)  c0 → all; gets c1 c2 c3
     rank 1     row j → rank j; gets rows 1    c1 = Σ rows (+/n)  c1 → all; gets c0 c2 c3
     rank 2, 3  likewise (chunk r of the padded [n, ⌈L/n⌉] buffer reduced on rank r)
+    (from 11 ranks tick 0 is n − 1 rounds of pairwise broadcast send/recv instead:
+    TensorFlow's all_to_all_v2 misroutes from 12 ranks; see ``tf_collective_ops.all_to_all``)
 
     nccl_tree  tick 0     tick 1        tick 2 (broadcast_send/recv_v2)
     tower 0    ◀── t1     ◀── t2        s = finish(((x0+x1)+(x2+x3))) → t1 t2 t3
@@ -22,7 +24,10 @@ Index formula (tree): at level k tower i with i mod 2^(k+1) = 2^k sends to i −
 (a broadcast in the group of the two). Cost: nccl and nccl_ring 2(n−1)α +
 2(n−1)/n·Sβ + (n−1)/n·Sγ; nccl_tree 2⌈log2 n⌉(α + Sβ) + ⌈log2 n⌉·Sγ. Summation
 depth (their records' ``summation_depth``): n − 1 for nccl (CPU ring)
-and nccl_ring (rows added in rank order), ⌈log2 n⌉ for nccl_tree.
+and nccl_ring (rows added in rank order), ⌈log2 n⌉ for nccl_tree. Ops: sum, mean
+(the sum divided by n once), max, min, product. TensorFlow has no gradient for these
+ops; :func:`~towers.allreduce.machinery.differentiable.differentiable` gives every
+algorithm here one (an all-reduce of the upstream gradients).
 
 Measured on TF 2.21, logical CPUs:
 

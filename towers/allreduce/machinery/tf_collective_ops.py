@@ -73,8 +73,8 @@ from towers.devices import canonical_device
 __all__ = [
     "HINT",
     "KEY_START",
-    "SHARED_KEY_START",
     "MAX_ALL_TO_ALL",
+    "SHARED_KEY_START",
     "Body",
     "all_to_all",
     "broadcast_send_recv",
