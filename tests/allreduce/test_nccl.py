@@ -34,6 +34,7 @@ from towers.allreduce.nccl import (
 from towers.devices import has_gpu
 
 module = importlib.import_module("towers.allreduce.nccl")
+collective_ops_module = importlib.import_module("towers.allreduce.machinery.tf_collective_ops")
 
 ALGORITHMS: dict[str, Callable[..., Any]] = {
     "nccl": nccl,
@@ -73,6 +74,42 @@ def test_towers_in_any_device_order(name: str) -> None:
     values = make_values(case, devices)
     algo = ALGORITHMS[name]()
     check_all_reduce(algo(values, op="mean"), values, "mean", algo.summation_depth(4))
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 7, 8])
+def test_nccl_ring_by_pairwise_broadcasts(n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The construction nccl_ring uses above MAX_ALL_TO_ALL ranks, here at small counts:
+    every op and dtype, towers in any device order, bitwise the all_to_all path."""
+    devices = [DEVICES[i] for i in np.random.default_rng(n).permutation(8)[:n]]
+    # Two timeouts: two eager caches, so the patched run traces its own graph.
+    algo, by_pairs = nccl_ring(timeout_seconds=30), nccl_ring(timeout_seconds=31)
+    for k, (dtype, op) in enumerate([(tf.float32, "mean"), (tf.bfloat16, "sum"),
+                                     (tf.int32, "max"), (tf.float64, "min")]):
+        values = make_values(Case(n, (3, 5), dtype, op, k), devices)
+        direct = [o.numpy() for o in algo(values, op=op)]
+        monkeypatch.setattr(collective_ops_module, "MAX_ALL_TO_ALL", 1)
+        pairwise = by_pairs(values, op=op)
+        monkeypatch.undo()
+        check_all_reduce(pairwise, values, op, algo.summation_depth(n), devices=devices)
+        for got, want in zip(pairwise, direct, strict=True):
+            np.testing.assert_array_equal(got.numpy(), want)
+
+
+def test_pairings_meet_every_pair_once_one_pair_per_tower_per_round() -> None:
+    for n in range(1, 34):
+        rounds = collective_ops_module._pairings(n)
+        assert sorted(p for r in rounds for p in r) == [
+            (a, b) for a in range(n) for b in range(a + 1, n)]
+        for r in rounds:
+            towers_in_round = [t for pair in r for t in pair]
+            assert len(towers_in_round) == len(set(towers_in_round))
+        assert len(rounds) == (n - 1 if n % 2 == 0 else n)
+
+
+def test_ranks_follow_tensorflow_device_indices() -> None:
+    names = [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in (10, 2, 1, 0, 11)]
+    assert collective_ops_module.ranks(names) == {names[3]: 0, names[2]: 1, names[1]: 2,
+                                                  names[0]: 3, names[4]: 4}
 
 
 def test_two_algorithms_and_shapes_in_one_tf_function() -> None:

@@ -24,6 +24,7 @@ from towers.allreduce.halving_doubling import halving_doubling
 from towers.allreduce.hand_collectives import all_gather, broadcast, reduce_scatter
 from towers.allreduce.hierarchical import hierarchical
 from towers.allreduce.machinery.base import (
+    ALL_OPS,
     OPS,
     AllReduce,
     GradientReducer,
@@ -120,7 +121,8 @@ def all_reduce(
     Args:
         values: one tensor (or ``tf.IndexedSlices``) per tower, same shape and dtype.
         algorithm: a registry name (see ``towers.ALGORITHMS``) or an algorithm callable.
-        op: ``"sum"``, ``"mean"``, ``"max"`` or ``"min"``.
+        op: ``"sum"``, ``"mean"``, ``"max"``, ``"min"`` or ``"product"`` (``mean``: the
+            sum divided by the tower count; not for integers).
         devices: place ``values[i]`` on ``devices[i]`` first (for values without a device,
             such as ``tf.function`` arguments).
         sparse: for ``IndexedSlices``: ``"gather"`` (concatenate in tower order, the
@@ -136,7 +138,7 @@ def all_reduce(
             "values must be a list with one tensor per tower (output i goes to values[i]'s "
             f"device), got {type(values).__name__}"
         )
-    check_choice("op", op, OPS)
+    check_choice("op", op, ALL_OPS)
     try:
         fn = get(algorithm)
     except (TypeError, ValueError) as err:  # its message speaks of TowerTrainer's all_reduce

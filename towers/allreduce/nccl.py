@@ -5,12 +5,14 @@ The ops are opaque: data moves inside the runtime, not through
 :func:`estimated_bytes_sent`). ``nccl()`` is one ``all_reduce_v2`` per tower (the
 runtime's schedule: a ring on CPU; NCCL's ring or tree on GPUs, or the raw
 ``nccl_ops.all_sum`` when every tower is its own physical GPU). The other two
-are composed from collectives, n = 4 (rank = place in the sorted device names)::
+are composed from collectives, n = 4 (rank: TensorFlow's, by task and device index)::
 
     nccl_ring  tick 0: all_to_all_v2          local             tick 1: all_gather_v2
     rank 0     row j → rank j; gets rows 0    c0 = Σ rows (+/n)  c0 → all; gets c1 c2 c3
     rank 1     row j → rank j; gets rows 1    c1 = Σ rows (+/n)  c1 → all; gets c0 c2 c3
     rank 2, 3  likewise (chunk r of the padded [n, ⌈L/n⌉] buffer reduced on rank r)
+    (from 11 ranks tick 0 is n − 1 rounds of pairwise broadcast send/recv instead:
+    TensorFlow's all_to_all_v2 misroutes from 12 ranks; see ``tf_collective_ops.all_to_all``)
 
     nccl_tree  tick 0     tick 1        tick 2 (broadcast_send/recv_v2)
     tower 0    ◀── t1     ◀── t2        s = finish(((x0+x1)+(x2+x3))) → t1 t2 t3
@@ -22,7 +24,10 @@ Index formula (tree): at level k tower i with i mod 2^(k+1) = 2^k sends to i −
 (a broadcast in the group of the two). Cost: nccl and nccl_ring 2(n−1)α +
 2(n−1)/n·Sβ + (n−1)/n·Sγ; nccl_tree 2⌈log2 n⌉(α + Sβ) + ⌈log2 n⌉·Sγ. Summation
 depth (their records' ``summation_depth``): n − 1 for nccl (CPU ring)
-and nccl_ring (rows added in rank order), ⌈log2 n⌉ for nccl_tree.
+and nccl_ring (rows added in rank order), ⌈log2 n⌉ for nccl_tree. Ops: sum, mean
+(the sum divided by n once), max, min, product. TensorFlow has no gradient for these
+ops; :func:`~towers.allreduce.machinery.differentiable.differentiable` gives every
+algorithm here one (an all-reduce of the upstream gradients).
 
 Measured on TF 2.21, logical CPUs:
 
@@ -55,6 +60,7 @@ import tensorflow as tf
 from tensorflow.python.ops import collective_ops, nccl_ops
 
 from towers.allreduce.machinery.base import AllReduce, combine, finish
+from towers.allreduce.machinery.differentiable import differentiable
 from towers.allreduce.machinery.recording import record_estimate
 from towers.allreduce.machinery.registry import (
     Algorithm,
@@ -66,6 +72,7 @@ from towers.allreduce.machinery.registry import (
 from towers.allreduce.machinery.tf_collective_ops import (
     HINT,
     Body,
+    all_to_all,
     broadcast_send_recv,
     group_key,
     next_key,
@@ -105,7 +112,8 @@ def raw_nccl_usable(devices: Sequence[str], dtype: tf.DType) -> bool:
 
 
 def _raw_nccl(values: list[tf.Tensor], devices: tuple[str, ...], op: str) -> list[tf.Tensor]:
-    reduce = {"max": nccl_ops.all_max, "min": nccl_ops.all_min}.get(op, nccl_ops.all_sum)
+    reduce = {"max": nccl_ops.all_max, "min": nccl_ops.all_min,
+              "product": nccl_ops.all_prod}.get(op, nccl_ops.all_sum)
     finished = []
     for out, device in zip(reduce(values), devices, strict=True):
         with tf.device(device):  # correctly rounded: identical sums give identical means
@@ -118,7 +126,7 @@ def _all_reduce_ops(
 ) -> list[tf.Tensor]:
     """One all_reduce_v2 per tower (``group_size`` > len(values) only to test timeouts)."""
     group, instance = group_key(devices, group_size), next_key()
-    merge = {"max": "Max", "min": "Min"}.get(op, "Add")
+    merge = {"max": "Max", "min": "Min", "product": "Mul"}.get(op, "Add")
     outputs = []
     for v, device in zip(values, devices, strict=True):
         with tf.device(device):
@@ -144,15 +152,16 @@ def _ring_body(
     n, shape, dtype = len(values), values[0].shape, values[0].dtype
     length = int(shape.num_elements())
     chunk = -(-length // n)
-    group, scatter_key, gather_key = group_key(devices), next_key(), next_key()
-    outputs = []
+    rows = []
     for v, device in zip(values, devices, strict=True):
         with tf.device(device):
-            rows = tf.reshape(tf.pad(tf.reshape(v, [-1]), [[0, n * chunk - length]]), [n, chunk])
-            rows = collective_ops.all_to_all_v2(
-                rows, n, group, scatter_key, communication_hint=HINT, timeout=timeout,
-                ordering_token=token(device))
-            parts = tf.unstack(rows)
+            rows.append(tf.reshape(tf.pad(tf.reshape(v, [-1]), [[0, n * chunk - length]]),
+                                   [n, chunk]))
+    received_rows = all_to_all(rows, devices, timeout)
+    group, gather_key, outputs = group_key(devices), next_key(), []
+    for received, device in zip(received_rows, devices, strict=True):
+        with tf.device(device):
+            parts = tf.unstack(received)
             reduced = parts[0]
             for part in parts[1:]:
                 reduced = combine(reduced, part, op)
@@ -217,7 +226,7 @@ def _factory(body: Body, name: str, timeout_seconds: float | None) -> AllReduce:
         return outputs
 
     all_reduce.__name__ = all_reduce.__qualname__ = f"{name}_all_reduce"
-    return all_reduce
+    return differentiable(all_reduce)  # TensorFlow has no gradient for collective ops
 
 
 def _build_nccl(timeout_seconds: float | None = None) -> AllReduce:

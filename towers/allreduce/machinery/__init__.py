@@ -10,6 +10,7 @@
     reducer.py           an algorithm lifted to a whole step's gradients (StepReducer)
     scheduled.py         the one schedule interpreter (run_slots), for every schedule
     tf_collective_ops.py TensorFlow's collective ops: instance keys, ordering tokens, wire format
+    differentiable.py    a gradient for an all-reduce TensorFlow cannot differentiate (nccl*)
     sparse.py            IndexedSlices gathered in tower order, or densified
     ordering.py          as_written(): Grappler's rewrites off, additions in code order
     sharding.py          the sharded placement's flat chunks, reduce-scatter, all-gather

@@ -9,7 +9,7 @@ its own device. The result has as many tensors as ``values``; output ``i`` is on
 input ``i``'s device and every output holds the same reduction. Configurable
 algorithms are factories returning such a callable (``ring(subchunks=2)``).
 
-``op`` is ``"sum"``, ``"mean"``, ``"max"`` or ``"min"``. Algorithms combine pairs
+``op`` is ``"sum"``, ``"mean"``, ``"max"``, ``"min"`` or ``"product"``. Algorithms combine pairs
 with :func:`combine` (``"mean"`` combines as a sum) and finish each output with
 :func:`finish` (``"mean"`` divides by the tower count). Integer means are refused.
 """
@@ -25,6 +25,7 @@ from towers.devices import canonical_device
 from towers.guard.arguments import check_choice
 
 __all__ = [
+    "ALL_OPS",
     "DTYPES",
     "OPS",
     "AllReduce",
@@ -38,6 +39,9 @@ __all__ = [
 ]
 
 OPS = ("sum", "mean", "max", "min")
+"""The reductions every check draws (``check_all_reduce``, ``towers check``)."""
+ALL_OPS = (*OPS, "product")
+"""Every reduction an algorithm accepts (the checks' error bounds do not model ``product``)."""
 DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64)
 
 
@@ -113,7 +117,7 @@ def device_of(value: tf.Tensor | tf.IndexedSlices, index: int = 0) -> str:
 
 def check_op(op: str, dtype: tf.DType | None = None) -> str:
     """Validate ``op`` (and that ``mean`` is not asked of an integer dtype)."""
-    check_choice("op", op, OPS)
+    check_choice("op", op, ALL_OPS)
     if op == "mean" and dtype is not None and dtype.is_integer:
         raise ValueError(f"op='mean' is not defined for integer dtype {dtype.name}: use 'sum'")
     return op
@@ -171,7 +175,9 @@ def combine(a: tf.Tensor, b: tf.Tensor, op: str) -> tf.Tensor:
         return tf.maximum(a, b)
     if op == "min":
         return tf.minimum(a, b)
-    raise ValueError(f"op must be one of {', '.join(OPS)}; got {op!r}")
+    if op == "product":
+        return a * b
+    raise ValueError(f"op must be one of {', '.join(ALL_OPS)}; got {op!r}")
 
 
 def finish(reduced: tf.Tensor, op: str, n: int) -> tf.Tensor:

@@ -8,7 +8,8 @@ counters (:func:`next_key`, :func:`group_key` for one process's devices;
 ordering token (:func:`token`), the bfloat16 wire format (:func:`wire`,
 :func:`unwire`), TensorFlow's broadcast send/recv pair from one device to others with its ops
 kept in program order (:func:`broadcast_send_recv`; the public, hand-built
-broadcast is :func:`towers.allreduce.broadcast`), and :func:`run`, which checks the values,
+broadcast is :func:`towers.allreduce.broadcast`), an all-to-all that is correct at every
+group size (:func:`all_to_all`), and :func:`run`, which checks the values,
 short-cuts the trivial cases and runs an algorithm's body in the caller's graph
 or in a ``tf.function`` cached for eager calls.
 
@@ -25,6 +26,14 @@ Measured on TF 2.21, logical CPUs:
   program to reset."): every trace draws fresh keys; the timeout is a last resort.
 - Broadcast send/recv take no ordering token, and auto control dependencies
   neither order nor keep them (they may be pruned): outputs get control edges.
+- ``all_to_all_v2`` (``CollectiveAllToAllV2``) misroutes from 12 ranks: its rendezvous
+  key is the instance's key followed by the source and destination ranks with no
+  separator (``all_to_all.cc``: ``StrCat(exec_key, src_rank, target_rank)``), so
+  "1→10" and "11→0" are both ``…110``: "Second consumer arrived for key", or wrong
+  rows with no error. The key also ends in the while-loop iteration, so from 11 ranks
+  two iterations can collide ("1" + "10→0" and "11" + "0→0"). :func:`all_to_all` calls
+  it only while every rank is one digit (:data:`MAX_ALL_TO_ALL` ranks) and otherwise
+  exchanges the rows by broadcast send/recv between pairs (whose keys have separators).
 
 Keys. Group and instance keys are process-global; every member of a collective
 must pass the same ones. Local collectives draw theirs while a graph is traced
@@ -58,16 +67,20 @@ import tensorflow as tf
 from tensorflow.python.ops import collective_ops
 
 from towers.allreduce.machinery.base import check_values
+from towers.allreduce.machinery.ordering import as_written
 from towers.devices import canonical_device
 
 __all__ = [
     "HINT",
     "KEY_START",
+    "MAX_ALL_TO_ALL",
     "SHARED_KEY_START",
     "Body",
+    "all_to_all",
     "broadcast_send_recv",
     "group_key",
     "next_key",
+    "ranks",
     "run",
     "shared_keys",
     "token",
@@ -81,6 +94,8 @@ and ``reference.mirrored``, from 1_000_000)."""
 SHARED_KEY_START = 20_000_000
 """First key of collectives across processes (see "Keys" above)."""
 HINT = "nccl"
+MAX_ALL_TO_ALL = 10
+"""The largest group ``all_to_all_v2`` serves: every rank one digit (see its key above)."""
 Body = Callable[[list[tf.Tensor], tuple[str, ...], str, float], list[tf.Tensor]]
 """An algorithm's graph: ``body(values, devices, op, timeout) -> outputs``."""
 _LOCK = threading.Lock()
@@ -172,6 +187,79 @@ def broadcast_send_recv(
     return unwire(sent, x.dtype), received
 
 
+def all_to_all(rows: Sequence[tf.Tensor], devices: Sequence[str], timeout: float
+               ) -> list[tf.Tensor]:
+    """``rows[i]`` (``[n, chunk]`` on ``devices[i]``) sends its row ``j`` to rank ``j``;
+    output ``i`` holds, in rank order, the row each rank sent to tower ``i``'s rank.
+
+    Ranks are TensorFlow's (:func:`ranks`). Up to
+    :data:`MAX_ALL_TO_ALL` ranks this is one ``all_to_all_v2`` per tower; above, the
+    pairs exchange their rows by broadcast send/recv in a round-robin tournament
+    (:func:`_pairings`): each round a matching, each device in one pair per round, so
+    every device meets its peers in the same order and the rounds run in parallel.
+    """
+    n = len(devices)
+    if n <= MAX_ALL_TO_ALL:
+        group, instance = group_key(devices), next_key()
+        outputs = []
+        for x, device in zip(rows, devices, strict=True):
+            with tf.device(device):
+                outputs.append(collective_ops.all_to_all_v2(
+                    x, n, group, instance, communication_hint=HINT, timeout=timeout,
+                    ordering_token=token(device)))
+        return outputs
+    rank = ranks(devices)
+    got: list[dict[int, tf.Tensor]] = [{} for _ in devices]
+    sent: list[list[tf.Tensor]] = [[] for _ in devices]
+    for i, device in enumerate(devices):
+        with tf.device(device):
+            got[i][rank[device]] = rows[i][rank[device]]
+    for a, b in (pair for rnd in _pairings(n) for pair in rnd):
+        for src, dst in ((a, b), (b, a)):
+            with tf.device(devices[src]):
+                row = rows[src][rank[devices[dst]]]
+            out, (got[dst][rank[devices[src]]],) = broadcast_send_recv(
+                row, devices[src], [devices[dst]], timeout)
+            sent[src].append(out)
+    outputs = []
+    for i, device in enumerate(devices):
+        # The sends are nobody's input: the control edge keeps them from being pruned.
+        with tf.device(device), tf.control_dependencies(sent[i]):
+            outputs.append(tf.stack([got[i][r] for r in range(n)]))
+    return outputs
+
+
+def ranks(devices: Sequence[str]) -> dict[str, int]:
+    """Each device's rank in a collective, as TensorFlow orders a group: by job, task and
+    device index (so ``CPU:10`` comes after ``CPU:9``, not after ``CPU:1``).
+
+    Example:
+        >>> ranks(["/device:CPU:10", "/device:CPU:9"])
+        {'/device:CPU:9': 0, '/device:CPU:10': 1}
+    """
+    def key(device: str) -> tuple[str, int, int, str]:
+        spec = tf.DeviceSpec.from_string(device)
+        return spec.job or "", spec.task or 0, spec.device_index or 0, device
+
+    return {d: r for r, d in enumerate(sorted(devices, key=key))}
+
+
+def _pairings(n: int) -> list[list[tuple[int, int]]]:
+    """A round-robin tournament of ``n`` players (the circle method): ``n - 1`` rounds for
+    even ``n``, ``n`` for odd (one sits out each round); every pair meets once.
+
+    Example:
+        >>> _pairings(4)
+        [[(0, 3), (1, 2)], [(1, 3), (0, 2)], [(2, 3), (0, 1)]]
+    """
+    m = n + n % 2  # a ghost player m - 1 >= n makes the count even
+    rounds = []
+    for k in range(m - 1):
+        pairs = [(k, m - 1)] + [((k + i) % (m - 1), (k - i) % (m - 1)) for i in range(1, m // 2)]
+        rounds.append([(min(p), max(p)) for p in pairs if max(p) < n])
+    return rounds
+
+
 @contextlib.contextmanager
 def _after_previous(device: str) -> Iterator[Callable[[tf.Tensor], None]]:
     """Order a device's broadcast ops in program order (they take no ordering token).
@@ -219,9 +307,11 @@ def run(body: Body, values: Sequence[tf.Tensor], op: str, timeout: float) -> lis
 
             _EAGER[key] = tf.function(bound, autograph=False)  # static Python control flow
         fn = _EAGER[key]
+    with as_written():  # as every towers reduction: a mean is the sum divided by n, not x·fl(1/n)
+        results = fn(list(values))
     outputs = []
     # A tf.function's CPU outputs come back labelled with the caller's device: re-place them.
-    for out, device in zip(fn(list(values)), devices, strict=True):
+    for out, device in zip(results, devices, strict=True):
         with tf.device(device):
             outputs.append(tf.identity(out))
     return outputs
