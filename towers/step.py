@@ -27,10 +27,11 @@ Where variables live is the :class:`~towers.placement.Placement`: ``parameter_de
 applies once on the parameter device, ``replicated`` on every tower's copy.
 Non-trainable state (BatchNormalization's moving statistics) is combined explicitly,
 because Keras 3 under MirroredStrategy lets each replica's copy drift (see the
-project's docs): ``non_trainable="mean"`` (default) averages the towers' updates over
-the towers that saw examples, so every copy stays identical; ``"first_tower"`` keeps
-tower 0's update, reproducing what MirroredStrategy shows when read. Integer state
-(dropout seed counters) advances identically on every tower; tower 0's is kept.
+project's docs): ``semantics="one_device"`` (default) averages the towers' updates over
+the towers that saw examples, so every copy stays identical; ``"mirrored"`` keeps
+tower 0's update, reproducing what MirroredStrategy shows when read
+(:mod:`towers.guard.semantics`). Integer state (dropout seed counters) advances
+identically on every tower; tower 0's is kept.
 """
 
 from __future__ import annotations
@@ -44,9 +45,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from towers.allreduce.machinery.base import AllReduce, GradientReducer
 from towers.allreduce.machinery.ordering import (
-    FORWARD_GRAPHS,
     PhasedStep,
     as_written,
     nests,
@@ -54,16 +53,17 @@ from towers.allreduce.machinery.ordering import (
 )
 from towers.allreduce.machinery.primitives import Recorder, record, send
 from towers.allreduce.machinery.recording import StepStats
-from towers.allreduce.machinery.reducer import SPARSE, as_reducer, resolve
+from towers.allreduce.machinery.reducer import as_reducer, resolve
 from towers.guard import capabilities
-from towers.guard.arguments import check_bool, check_choice
+from towers.guard.arguments import check_bool
 from towers.guard.deadline import Deadline, settled
 from towers.guard.inputs import batch_tensors, check_batch_against_model, check_kinds, naming
-from towers.guard.loss_denominator import axis_value, check_loss_denominator, tower_divisor
-from towers.guard.loss_scale import REDUCE_DTYPES, LossScale, is_loss_scaled
-from towers.guard.nonfinite import NONFINITE, Guard, sums_exactly
+from towers.guard.loss_scale import LossScale, is_loss_scaled
+from towers.guard.nonfinite import Guard, sums_exactly
+from towers.guard.options import TowerOptions
 from towers.guard.reduces import check_sums
 from towers.guard.replicas import ReplicaCheck
+from towers.guard.semantics import check_semantics, clip_share, tower_divisor, unclipped
 from towers.guard.trainable import TrainableWatch
 from towers.placement import (
     PLACEMENTS,
@@ -88,9 +88,7 @@ from towers.training.keras_loss import LossFn, loss_divisor, resolve_loss
 from towers.training.losses import OutputLosses, is_structured, reduction_of
 from towers.training.shapes import RelaxedBatch, relaxes
 
-__all__ = ["NON_TRAINABLE", "PLACEMENTS", "Reduced", "StepStats", "TowerTrainer", "check_devices"]
-
-NON_TRAINABLE = ("mean", "first_tower")
+__all__ = ["PLACEMENTS", "Reduced", "StepStats", "TowerTrainer", "check_devices"]
 
 
 class Reduced(NamedTuple):
@@ -121,60 +119,19 @@ class TowerTrainer:
         optimizer: a Keras optimizer or a zero-argument factory.
         loss: a Keras loss, a loss name, or ``(y_true, y_pred) -> per-example losses``.
             A Keras loss's ``reduction`` is honoured over the global batch
-            (:data:`towers.training.keras_loss.REDUCTIONS`); ``"none"`` (per-example values) trains as the default. A model
-            with several outputs takes one per output (a list, a dict by output name, or a
+            (:data:`towers.training.keras_loss.REDUCTIONS`); ``"none"`` (per-example
+            values) trains as the default. A model with several outputs takes one per
+            output (a list, a dict by output name, or a
             :class:`~towers.training.losses.OutputLosses` with weights), or one for all.
         devices: the towers' devices (default: every local logical device).
-        all_reduce: a name from ``towers.ALGORITHMS``, an algorithm callable or a
-            ``GradientReducer``. Default (None) follows the placement: ``"ring"`` for
-            ``sharded``, ``"parameter_device"`` otherwise.
-        variables: ``"parameter_device"`` (one copy, updated on the parameter device;
-            CentralStorageStrategy's layout), ``"replicated"`` (one copy per tower,
-            all updated identically; MirroredStrategy's layout) or ``"sharded"`` (one
-            copy per tower, optimizer state and gradients sharded over the towers, ZeRO
-            1–2; it runs the ring's reduce-scatter; :mod:`towers.allreduce.machinery.sharding`).
-            Which options compose with which is the capability table
-            (:mod:`towers.guard.capabilities`): a combination it refuses raises a
-            ``ValueError`` naming both options before anything is built.
-        parameter_device: where the single copy lives (default: the first tower).
-        non_trainable: ``"mean"`` or ``"first_tower"`` (see the module docstring).
-        sparse: ``"gather"`` (keep ``IndexedSlices``, concatenated in tower order, as
-            MirroredStrategy does) or ``"densify"`` (dense all-reduce of sparse gradients).
-            Default (None) follows the placement: ``"densify"`` for ``sharded`` (a shard
-            owner updates a dense slice), ``"gather"`` otherwise.
-        on_nonfinite: ``"skip"`` (default: a step whose loss, gradients or state hold a
-            NaN/Inf on any tower changes nothing and is counted in :attr:`skipped_steps`),
-            ``"raise"`` (the same, then :class:`~towers.guard.errors.NonFiniteError`) or
-            ``"ignore"`` (apply whatever comes, as tf.distribute does). Skip is the
-            default because one bad batch should neither poison every replica nor end a
-            long run; see :mod:`towers.guard.nonfinite`.
-        step_timeout: seconds a step may run, then ``StepTimeout`` (:mod:`towers.guard.deadline`).
-        check_replicas_every: compare the replicas by checksum every k steps
-            (:mod:`towers.guard.replicas`). Both default to None: off.
-        reduce_dtype: ``"float32"`` (default) or ``"compute"`` (the model's dtype
-            policy's compute dtype) for the gradient all-reduce. Mixed precision is the
-            model's own policy (build it under ``keras.mixed_precision``) and, for
-            float16, a ``keras.optimizers.LossScaleOptimizer``: see
-            :mod:`towers.guard.loss_scale` and docs/mixed_precision.md.
-        check_algorithm: run a user's algorithm (a callable or ``GradientReducer``
-            without a registry record) once on small values on these devices and refuse
-            it, with an ``AlgorithmError``, unless every output is the sum of the inputs
-            (:mod:`towers.guard.reduces`). False skips it (a lossy compression of your own).
-        loss_denominator: what each tower divides its loss sum by: ``"global"`` (default:
-            the true global batch), a positive number (a constant, as an old tutorial's
-            ``GLOBAL_BATCH_SIZE``) or ``"per_replica"`` (its shard size × towers: what
-            ``tf.nn.compute_average_loss`` does without ``global_batch_size``), to port
-            a ``tf.distribute`` loop exactly (:mod:`towers.guard.loss_denominator`).
-        forward_graph: ``"default"`` (the towers' forward/backward compile under the
-            caller's Grappler settings, as tf.distribute's replica step does, and only the
-            reduction and update ``as_written()``: bitwise MirroredStrategy's gradients on
-            real Keras models; on GPUs one more function call per step) or ``"as_written"`` (the
-            whole step in one function, Grappler's rewrites off for the towers' kernels
-            too); the trade-off is measured in
-            :data:`~towers.allreduce.machinery.ordering.FORWARD_GRAPHS`.
-        jit_compile: compile each tower's forward and backward pass with XLA (one
-            cluster per tower, on its device); the reduction and the update stay as
-            written. Not bitwise equal to ``False``: docs/xla.md gives the bound.
+        **options: the trainer's options, each checked and together held in one
+            :class:`~towers.guard.options.TowerOptions` (:attr:`options`; its docstring
+            describes them): ``all_reduce``, ``variables``, ``parameter_device``,
+            ``semantics``, ``sparse``, ``on_nonfinite``, ``step_timeout``,
+            ``check_replicas_every``, ``reduce_dtype``, ``check_algorithm``,
+            ``loss_denominator``, ``forward_graph``, ``jit_compile``. Which compose is the
+            capability table (:mod:`towers.guard.capabilities`): a combination it refuses
+            raises a ``ValueError`` naming both options before anything is built.
 
     Example:
         >>> devices = towers.simulate_devices(4)                      # doctest: +SKIP
@@ -189,51 +146,36 @@ class TowerTrainer:
         optimizer: OptimizerLike,
         loss: str | LossFn | keras.losses.Loss,
         devices: Sequence[str] | None = None,
-        all_reduce: str | AllReduce | GradientReducer | None = None,
-        variables: str = "parameter_device",
-        parameter_device: str | None = None,
-        non_trainable: str = "mean",
-        sparse: str | None = None,
-        on_nonfinite: str = "skip",
-        step_timeout: float | None = None,
-        check_replicas_every: int | None = None,
-        reduce_dtype: str = "float32",
-        check_algorithm: bool = True,
-        loss_denominator: str | float = "global",
-        forward_graph: str = "default",
-        jit_compile: bool = False,
+        **options: Any,
     ) -> None:
         check_kinds(model, optimizer, loss)
         # Every argument is checked, and their combination against the capability table,
         # before any replica, variable or reducer state is built.
-        check_choice("on_nonfinite", on_nonfinite, NONFINITE)
-        check_choice("reduce_dtype", reduce_dtype, REDUCE_DTYPES)
-        self.forward_graph = check_choice("forward_graph", forward_graph, FORWARD_GRAPHS)
+        self.options = o = TowerOptions.of(type(self).__name__, options)
         self.devices = naming("devices", lambda: check_devices(devices))
-        self.placement = naming("variables", lambda: get_placement(variables))
-        all_reduce = capabilities.default_all_reduce(self.placement.name, all_reduce)
-        self.non_trainable_mode = check_choice("non_trainable", non_trainable, NON_TRAINABLE)
+        self.placement = naming("variables", lambda: get_placement(o.variables))
+        all_reduce = capabilities.default_all_reduce(self.placement.name, o.all_reduce)
         self.parameter_device = naming(
-            "parameter_device", lambda: check_devices([parameter_device or self.devices[0]])[0]
+            "parameter_device", lambda: check_devices([o.parameter_device or self.devices[0]])[0]
         )
         if is_structured(loss):  # a loss per output (bound to the model's outputs below)
             loss = OutputLosses(loss)
         self.loss_fn = loss if isinstance(loss, OutputLosses) else resolve_loss(loss)
         self.loss_reduction = reduction_of(loss)  # Keras' reduction, over the global batch
-        self.loss_denominator = check_loss_denominator(loss_denominator, self.loss_reduction)
+        kind_of_optimizer = _optimizer_object(optimizer)
+        check_semantics(o.semantics, o.loss_denominator, self.loss_reduction, kind_of_optimizer)
         reducer = naming("all_reduce", lambda: resolve(all_reduce, self.parameter_device))
         kind = capabilities.algorithm_kind(reducer)
-        self.sparse = check_choice(
-            "sparse", capabilities.default_sparse(self.placement.name, kind, sparse), SPARSE)
-        self.jit_compile = check_bool("jit_compile", jit_compile)
-        self.options = self._options(kind, optimizer, on_nonfinite, reduce_dtype, step_timeout,
-                                     check_replicas_every, check_algorithm)
-        self.options["jit_compile"] = "on" if self.jit_compile else "off"
-        capabilities.check(self.options, {"all_reduce": capabilities.spell(all_reduce)})
-        capabilities.check_limits(self.options, reducer)
-        self.deadline = Deadline(step_timeout, reducer)
+        self.sparse = capabilities.default_sparse(self.placement.name, kind, o.sparse)
+        trainer = type(self).__name__
+        self.cell = o.cell(trainer if trainer in capabilities.AXES["trainer"] else "TowerTrainer",
+                           self.placement.name, kind, self.sparse,
+                           is_loss_scaled(kind_of_optimizer))  # fmt: skip
+        capabilities.check(self.cell, {"all_reduce": capabilities.spell(all_reduce)})
+        capabilities.check_limits(self.cell, reducer)
+        self.deadline = Deadline(o.step_timeout, reducer)
         self.algorithm: Any = self.deadline.algorithm  # step_timeout bound where it takes one
-        self.replica_check = ReplicaCheck(check_replicas_every)
+        self.replica_check = ReplicaCheck(o.check_replicas_every)
         self.reducer = as_reducer(self.algorithm, sparse=self.sparse)
         homes = self.placement.homes(self.devices, self.parameter_device)
         self.replicas: list[Replica] = self.placement.make_replicas(
@@ -246,16 +188,16 @@ class TowerTrainer:
             per_output = self.loss_fn
             naming("loss", lambda: per_output.bind(self.model))
         self.reducer.build(self.model.trainable_variables, self.devices)
-        self.loss_scale = LossScale(self.optimizer, self.model, reduce_dtype)
-        if check_algorithm:  # a user's algorithm must sum (the registry's are proved)
+        self.loss_scale = LossScale(self.optimizer, self.model, o.reduce_dtype)
+        if o.check_algorithm:  # a user's algorithm must sum (the registry's are proved)
             check_sums(reducer, self.devices, self.model.trainable_variables,
                        self.loss_scale.wire_dtype)  # fmt: skip
         self.guard = Guard(
-            on_nonfinite, len(self.devices), self.parameter_device, self.loss_scale.active,
+            o.on_nonfinite, len(self.devices), self.parameter_device, self.loss_scale.active,
             agree=self.across_processes,
         )
         # reduce before the guard's cond, checking the reduced gradients (one process)
-        self._reduce_first = on_nonfinite != "ignore" and sums_exactly(
+        self._reduce_first = o.on_nonfinite != "ignore" and sums_exactly(
             reducer, self.placement.name) and type(self).reduce is TowerTrainer.reduce
         self.trace_count = 0
         self.last_trace_stats: Recorder | None = None
@@ -276,7 +218,7 @@ class TowerTrainer:
             functools.partial(self._train_shards, with_outputs=True), autograph=False
         )
         self._nested = nests((*self.devices, self.parameter_device))
-        if self.forward_graph == "default":  # forward_graph: ordering.FORWARD_GRAPHS
+        if self.options.forward_graph == "default":  # forward_graph: ordering.FORWARD_GRAPHS
             phased = functools.partial(PhasedStep, update=self._update_phase, nested=self._nested)
             self._step = phased(self._forward_phase)
             self._step_with_outputs = phased(
@@ -292,33 +234,6 @@ class TowerTrainer:
         # TowerModel.fit's step on a dataset whose batch dimension is unknown: functions of
         # its own, traced as Keras traces (towers.training.shapes)
         self._relaxed_step = RelaxedBatch(relaxed)
-
-    def _options(
-        self, kind: str, optimizer: Any, on_nonfinite: str, reduce_dtype: str,
-        step_timeout: float | None, check_replicas_every: int | None, check_algorithm: bool,
-    ) -> dict[str, str]:
-        """This trainer's cell of the capability table (:mod:`towers.guard.capabilities`).
-
-        An optimizer factory is called once here to learn its kind (the object is
-        dropped; the replicas call the factory again)."""
-        if callable(optimizer) and not isinstance(optimizer, keras.optimizers.Optimizer):
-            optimizer = optimizer()
-        return {
-            "trainer": type(self).__name__ if type(self).__name__ in capabilities.AXES["trainer"]
-            else "TowerTrainer",
-            "variables": self.placement.name,
-            "all_reduce": kind,
-            "optimizer": "loss_scale" if is_loss_scaled(optimizer) else "plain",
-            "on_nonfinite": on_nonfinite,
-            "reduce_dtype": reduce_dtype,
-            "sparse": self.sparse,
-            "step_timeout": "off" if step_timeout is None else "on",
-            "non_trainable": self.non_trainable_mode,
-            "check_replicas_every": "off" if check_replicas_every is None else "on",
-            "check_algorithm": "on" if check_algorithm else "off",
-            "loss_denominator": axis_value(self.loss_denominator),
-            "forward_graph": self.forward_graph,
-        }
 
     def _follow_trainable(self) -> None:
         """A change of ``trainable`` on :attr:`model` since the last step: every replica
@@ -409,7 +324,7 @@ class TowerTrainer:
 
     def _run_step(self, step: Any, inputs: tuple[Any, ...]) -> Any:
         # forward_graph="default": PhasedStep traces its update as_written() itself
-        whole = self.forward_graph == "as_written"
+        whole = self.options.forward_graph == "as_written"
         with as_written() if whole else contextlib.nullcontext():
             result = self.deadline.run(step, inputs)
         self.guard.raise_if_nonfinite(self.optimizer, self.devices)
@@ -616,8 +531,8 @@ class TowerTrainer:
         """
         if divisor is None:
             divisor = self.loss_divisor(shards)
-        divisor = tower_divisor(self.loss_denominator, divisor, shards.parts[tower],
-                                len(self.devices))  # fmt: skip
+        divisor = tower_divisor(self.options.semantics, self.options.loss_denominator, divisor,
+                                shards.parts[tower], len(self.devices))  # fmt: skip
         device, replica = self.devices[tower], self.replica_of(tower)
         with replica_scope(tower):  # MirroredStrategy's names: Grappler reads them
             trainable, frozen = read_weights(replica, device)
@@ -626,7 +541,7 @@ class TowerTrainer:
                 global_batch=divisor, num_towers=len(self.devices), device=device,
                 backward=backward,
                 loss_scale=self.loss_scale.scale(replica.optimizer, replica.device, device),
-                jit_compile=self.jit_compile, loss_reduction=self.loss_reduction,
+                jit_compile=self.options.jit_compile, loss_reduction=self.loss_reduction,
             )  # fmt: skip
 
     def reduce(self, grads: Gradients) -> Reduced:
@@ -636,12 +551,15 @@ class TowerTrainer:
         then the placement picks what each replica applies.
         """
         grads = grads.on_devices(self.devices)
-        summed = self.placement.reduce(self.reducer, self.loss_scale.to_wire(grads.grads))
+        shares = grads.grads
+        if self.options.semantics == "mirrored":  # each tower's share clipped, as Keras 3 does
+            shares = [self._clipped(i, g) for i, g in enumerate(shares)]
+        summed = self.placement.reduce(self.reducer, self.loss_scale.to_wire(shares))
         pending = tuple(self.reducer.take_pending())  # assigned in apply, if applied
         dtypes = [v.dtype for v in self.model.trainable_variables]
         reduced = self.loss_scale.from_wire(summed, dtypes)
         state = combine_non_trainable(
-            grads.towers, first_tower=self.non_trainable_mode == "first_tower",
+            grads.towers, first_tower=self.options.semantics == "mirrored",
             device=self.parameter_device,
         )  # fmt: skip
         p = self.parameter_device
@@ -649,12 +567,21 @@ class TowerTrainer:
             loss = tf.add_n([send(r.loss, p, note="loss") for r in grads.towers])
         return Reduced(reduced, state, loss, reducer_state=pending)
 
+    def _clipped(self, tower: int, grads: list[Any]) -> list[Any]:
+        with tf.device(self.devices[tower]):
+            return clip_share(self.replica_of(tower).optimizer, grads)
+
+    def _unclipped(self, optimizer: Any) -> Any:
+        """``"mirrored"``: the shares were clipped before the all-reduce, not the sum."""
+        mirrored = self.options.semantics == "mirrored"
+        return unclipped(optimizer) if mirrored else contextlib.nullcontext()
+
     def apply(self, reduced: Reduced) -> None:
         """Phase 4: each optimizer applies its gradients (every replica's, or every shard
         owner's), the placement finishes (``sharded``: all-gather), the state is assigned,
         and the reducer's new state with it (not on a loss-scale overflow)."""
         for update in self.placement.updates(self.replicas, reduced.grads):
-            with tf.device(update.device):
+            with tf.device(update.device), self._unclipped(update.optimizer):
                 self.loss_scale.apply(
                     update.optimizer, update.grads, reduced.grads_finite,
                     functools.partial(_apply_gradients, variables=update.variables),
@@ -751,6 +678,14 @@ def _static_dense_shape(grad: Any, variable: Any) -> Any:
     dtype = tf.int64 if grad.dense_shape is None else grad.dense_shape.dtype
     shape = tf.constant(variable.shape.as_list(), dtype)
     return tf.IndexedSlices(grad.values, grad.indices, shape)
+
+
+def _optimizer_object(optimizer: Any) -> Any:
+    """An optimizer factory called once to learn the optimizer's kind (the object is
+    dropped; the replicas call the factory again)."""
+    if callable(optimizer) and not isinstance(optimizer, keras.optimizers.Optimizer):
+        return optimizer()
+    return optimizer
 
 
 def _apply_gradients(optimizer: Any, grads: list[Any], variables: list[Any]) -> None:

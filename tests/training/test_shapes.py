@@ -105,7 +105,7 @@ def _mlp() -> keras.Model:
     (3, {"variables": "replicated", "all_reduce": "swing", "forward_graph": "as_written"}),
     (4, {"variables": "replicated", "all_reduce": "hierarchical", "on_nonfinite": "raise"}),
     (5, {"variables": "sharded", "all_reduce": "ring", "check_replicas_every": 1}),
-    (8, {"variables": "replicated", "all_reduce": "bruck", "non_trainable": "first_tower"}),
+    (8, {"variables": "replicated", "all_reduce": "bruck", "semantics": "mirrored"}),
 ], ids=lambda o: "-".join(map(str, o.values())) if isinstance(o, dict) else f"n{o}")  # fmt: skip
 def test_the_relaxed_trace_is_the_static_step(n: int, options: dict) -> None:
     """fit over n towers on 5n examples in batches of 2n (2n, 2n, a short n: one relaxed

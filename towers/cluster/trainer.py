@@ -163,8 +163,8 @@ def _refuse_state_across_workers(model: Any, num_workers: int) -> None:
     if state and num_workers > 1:
         raise ValueError(
             f"WorkerTrainer(num_workers={num_workers}) with non-trainable state ({', '.join(state)}"
-            ") is not supported: non_trainable='mean' and 'first_tower' combine it over this "
-            "worker's towers only, so the workers' copies would drift apart (as "
+            ") is not supported: semantics='one_device' averages it over this worker's "
+            "towers only, so the workers' copies would drift apart (as "
             "MultiWorkerMirroredStrategy's do). Use a model without it (LayerNormalization "
             "instead of BatchNormalization) or train in one process (TowerTrainer)")
 

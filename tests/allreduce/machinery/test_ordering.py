@@ -89,7 +89,7 @@ def _train(name: str, forward_graph: str) -> tuple[list[np.ndarray], list[np.nda
     opt = lambda: keras.optimizers.Adam(0.01)  # noqa: E731
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     ours = towers.TowerTrainer(make, opt, loss, devices=DEVICES[:2], all_reduce="naive",
-                               non_trainable="first_tower", forward_graph=forward_graph)
+                               semantics="mirrored", forward_graph=forward_graph)
     theirs = MirroredTrainer(make, opt, loss, DEVICES[:2],
                              cross_device_ops="reduction_to_one_device")
     theirs.set_weights(ours.get_weights())
