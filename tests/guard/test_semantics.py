@@ -31,7 +31,8 @@ CLIPS = ({"clipnorm": 0.02}, {"global_clipnorm": 0.02}, {"clipvalue": 0.002})
 
 
 @pytest.mark.parametrize("bad", [0, -2, float("inf"), "batch", "per_replica", True],
-                         ids=["zero", "negative", "inf", "name", "per-replica", "bool"])  # fmt: skip
+                         ids=["zero", "negative", "inf", "name", "per-replica",
+                              "bool"])  # fmt: skip
 def test_bad_denominators_are_refused_naming_the_argument(bad: object) -> None:
     with pytest.raises(ValueError, match="loss_denominator"):
         TowerOptions.of("TowerTrainer", {"loss_denominator": bad})
@@ -107,9 +108,9 @@ def test_mirrored_clips_each_towers_share_bitwise_as_mirrored_strategy(clip: dic
     for size, options in ((12, {}), (10, {"loss_denominator": "global"})):
         ours = _trainer(clip, n, "mirrored", **options)
         start = ours.get_weights()
-        theirs = MirroredTrainer(ModelSpec("dense", seed=3).build,
-                                 lambda c=clip: keras.optimizers.SGD(0.5, **c), loss_fn(),
-                                 DEVICES[:n], cross_device_ops="reduction_to_one_device")  # fmt: skip
+        theirs = MirroredTrainer(
+            ModelSpec("dense", seed=3).build, lambda c=clip: keras.optimizers.SGD(0.5, **c),
+            loss_fn(), DEVICES[:n], cross_device_ops="reduction_to_one_device")
         batches = _batches(size, 2)
         for a, b in zip(_train(ours, start, batches), _train(theirs, start, batches), strict=True):
             np.testing.assert_array_equal(a, b)

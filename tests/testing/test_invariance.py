@@ -193,7 +193,8 @@ def _towers_factory(semantics: str) -> Any:
 
 def test_any_step_factory_is_checked_across_tower_counts() -> None:
     """``step=``: MirroredStrategy itself is invariant within the derived SGD bound; towers
-    with MirroredStrategy's semantics (the tutorial's per-replica denominator) is not, on a batch of 10 over 4 towers
+    with MirroredStrategy's semantics (the tutorial's per-replica denominator) is
+    not, on a batch of 10 over 4 towers
     (3+3+3+1: the last example weighs 3×), and its first failure is at step 1."""
     mirrored = check_invariance(tiny_mlp, sgd, LOSS, batches(2, size=10), towers=(1, 4),
                                 step=MirroredTrainer)  # fmt: skip
