@@ -311,7 +311,7 @@ def test_phases_one_by_one_equal_train_step_bitwise(
     """split -> forward_backward -> reduce -> apply, called one at a time (each in its own
     tf.function, or eagerly) == train_step, bitwise: weights, optimizer state and loss.
     All four ``as_written()`` give ``forward_graph="as_written"``'s step; the first two
-    under Grappler's defaults give the default step's (``ordering.FORWARD_GRAPHS``).
+    under Grappler's defaults give the default step's (``towers.compile.step.FORWARD_GRAPHS``).
     Batches of 3 over 4 towers and 2 over 3 leave the last tower empty."""
     spec = ModelSpec(family)
     kwargs = {"variables": placement, "all_reduce": "ring", "optimizer": "adam",

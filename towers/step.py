@@ -7,21 +7,15 @@
     reduced = trainer.reduce(grads)                all-reduce; combine state; sum the loss
     trainer.apply(reduced)                         the optimizer, on every replica
 
-``train_step_shards(shards)`` is the step without its split, for a batch the per-device
-input pipeline already cut and placed (:func:`towers.split.distribute`).
-``train_step`` is exactly these four calls, traced once per input signature: split and
-forward_backward under the caller's Grappler settings (the kernels tf.distribute's
-replicas run), reduce and apply in a nested function traced
-:func:`towers.allreduce.machinery.ordering.as_written` so additions happen in the order the
-code states — one ``tf.function`` call per step on CPUs, two on GPUs
-(``ordering.PhasedStep``; ``forward_graph="as_written"``: all four in one function run
-so, see ``ordering.FORWARD_GRAPHS``); ``reduce`` and ``apply`` sit inside the
-non-finite guard's one ``tf.cond`` (:mod:`towers.guard.nonfinite`), so a step with a
-NaN or Inf on any tower changes nothing. A teacher can call the phases one at a time:
-each in its own ``tf.function`` under ``as_written()``, they give bitwise the step's
-loss, weights and optimizer state (eagerly too with Grappler's ``remapping`` off: a
-fused MatMul+BiasAdd rounds differently; see the README). Collective-op algorithms
-(``nccl``) need a ``tf.function``: their ops on every device must start together.
+``train_step`` is exactly these four calls: split and forward_backward, then reduce and
+apply inside the non-finite guard's one ``tf.cond`` (:meth:`TowerTrainer.reduce_and_apply`:
+a step with a NaN or Inf on any tower changes nothing), all within the deadline
+(:meth:`TowerTrainer._run`). How they are traced — the towers under the caller's Grappler
+settings, reduce and apply as written — is :mod:`towers.compile.step`. A teacher can call
+the phases one at a time: each in its own ``tf.function`` under ``as_written()``, they give
+bitwise the step's loss, weights and optimizer state. ``train_step_shards(shards)`` is the
+step without its split, for a batch the per-device input pipeline already cut and placed
+(:func:`towers.split.distribute`).
 
 Where variables live is the :class:`~towers.placement.Placement`: ``parameter_device``
 applies once on the parameter device, ``replicated`` on every tower's copy.
@@ -39,25 +33,21 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import keras
 import numpy as np
 import tensorflow as tf
 
-from towers.allreduce.machinery.ordering import (
-    PhasedStep,
-    as_written,
-    nests,
-    replica_scope,
-)
-from towers.allreduce.machinery.primitives import Recorder, record, send
+from towers.allreduce.machinery.ordering import replica_scope
+from towers.allreduce.machinery.primitives import Recorder, send
 from towers.allreduce.machinery.recording import StepStats
 from towers.allreduce.machinery.reducer import as_reducer, resolve
+from towers.compile.step import CompiledStep, relaxes
 from towers.guard import capabilities
 from towers.guard.arguments import check_bool
 from towers.guard.deadline import Deadline, settled
-from towers.guard.inputs import batch_tensors, check_batch_against_model, check_kinds, naming
+from towers.guard.inputs import batch_tensors, check_kinds, check_shards, naming
 from towers.guard.loss_scale import LossScale, is_loss_scaled
 from towers.guard.nonfinite import Guard, sums_exactly
 from towers.guard.options import TowerOptions
@@ -76,7 +66,7 @@ from towers.placement import (
     read_weights,
     variable_values,
 )
-from towers.split import Shards, concat, shard_batch, shard_sizes
+from towers.split import Shards, shard_batch
 from towers.tower import (
     Gradients,
     TowerResult,
@@ -86,7 +76,6 @@ from towers.tower import (
 )
 from towers.training.keras_loss import LossFn, loss_divisor, resolve_loss
 from towers.training.losses import OutputLosses, is_structured, reduction_of
-from towers.training.shapes import RelaxedBatch, relaxes
 
 __all__ = ["PLACEMENTS", "Reduced", "StepStats", "TowerTrainer", "check_devices"]
 
@@ -139,6 +128,10 @@ class TowerTrainer:
         ...     "sparse_categorical_crossentropy", devices=devices, all_reduce="naive")
         >>> loss = trainer.train_step(x, y)                            # doctest: +SKIP
     """
+
+    batch_is_global: ClassVar[bool] = True
+    """The batch handed to :meth:`train_step` is the global batch (``WorkerTrainer``: one
+    worker's part; it cannot take shards, nor trace Keras's relaxed batch)."""
 
     def __init__(
         self,
@@ -196,44 +189,13 @@ class TowerTrainer:
             o.on_nonfinite, len(self.devices), self.parameter_device, self.loss_scale.active,
             agree=self.across_processes,
         )
-        # reduce before the guard's cond, checking the reduced gradients (one process)
+        # an exact sum reduces before the guard's cond, which checks one reduced copy
         self._reduce_first = o.on_nonfinite != "ignore" and sums_exactly(
-            reducer, self.placement.name) and type(self).reduce is TowerTrainer.reduce
+            reducer, self.placement.name)
         self.trace_count = 0
         self.last_trace_stats: Recorder | None = None
-        self._forward_stats = Recorder()
         self.trainable_watch = TrainableWatch(self.replicas, self.placement.name)
-        self._new_step_functions()
-
-    def _new_step_functions(self) -> None:
-        # No reduce_retracing: a static batch size gives static shard sizes (empty towers are
-        # skipped at trace time); a new batch size costs one more trace, not one per step.
-        self._whole = tf.function(self._train_step, autograph=False)
-        self._step: Any = self._whole
-        self._step_with_outputs: Any = tf.function(
-            functools.partial(self._train_step, with_outputs=True), autograph=False
-        )
-        self._shard_step: Any = tf.function(self._train_shards, autograph=False)
-        self._shard_step_with_outputs: Any = tf.function(
-            functools.partial(self._train_shards, with_outputs=True), autograph=False
-        )
-        self._nested = nests((*self.devices, self.parameter_device))
-        if self.options.forward_graph == "default":  # forward_graph: ordering.FORWARD_GRAPHS
-            phased = functools.partial(PhasedStep, update=self._update_phase, nested=self._nested)
-            self._step = phased(self._forward_phase)
-            self._step_with_outputs = phased(
-                functools.partial(self._forward_phase, with_outputs=True), with_outputs=True)
-            self._shard_step = phased(self._forward_shards)
-            self._shard_step_with_outputs = phased(
-                functools.partial(self._forward_shards, with_outputs=True), with_outputs=True)
-            relaxed = phased(functools.partial(self._forward_phase, with_outputs=True),
-                             with_outputs=True)  # fmt: skip
-        else:
-            relaxed = tf.function(functools.partial(self._train_step, with_outputs=True),
-                                  autograph=False)  # fmt: skip
-        # TowerModel.fit's step on a dataset whose batch dimension is unknown: functions of
-        # its own, traced as Keras traces (towers.training.shapes)
-        self._relaxed_step = RelaxedBatch(relaxed)
+        self.compiled = CompiledStep(self)
 
     def _follow_trainable(self) -> None:
         """A change of ``trainable`` on :attr:`model` since the last step: every replica
@@ -241,7 +203,7 @@ class TowerTrainer:
         (:mod:`towers.guard.trainable`; ``sharded`` refuses)."""
         if self.trainable_watch.changed(self.replicas):
             self.reducer.build(self.model.trainable_variables, self.devices)
-            self._new_step_functions()
+            self.compiled = CompiledStep(self)
 
     @property
     def model(self) -> keras.Model:
@@ -278,16 +240,14 @@ class TowerTrainer:
                 trainable): :mod:`towers.guard.trainable`.
         """
         self._follow_trainable()
-        step = self._step_with_outputs if return_outputs else self._step
-        return self._run_step(step, self._inputs(x, y, sample_weight))
+        return self._run(self.compiled.steps[return_outputs], self._inputs(x, y, sample_weight))
 
     def train_step_as_keras(self, x: Any, y: Any, sample_weight: Any, *,
                             batch_unknown: bool) -> Any:  # fmt: skip
         """:meth:`train_step` with ``return_outputs=True`` as ``TowerModel.fit`` calls it:
-        with ``batch_unknown`` (Keras's dataset has no fixed batch size) the step is traced
-        with the batch dimension unknown, as Keras's own step is
-        (:mod:`towers.training.shapes`), unless this batch leaves a tower empty (that
-        trace stays static: an empty tower does not run the model).
+        with ``batch_unknown`` (Keras's dataset has no fixed batch size) traced with the
+        batch dimension unknown, as Keras's own step is (:mod:`towers.compile.step`),
+        unless this batch leaves a tower empty (an empty tower does not run the model).
 
         Raises:
             TypeError: ``batch_unknown`` is not True or False.
@@ -296,9 +256,8 @@ class TowerTrainer:
         check_bool("batch_unknown", batch_unknown)
         self._follow_trainable()
         inputs = self._inputs(x, y, sample_weight)
-        relax = type(self).split is TowerTrainer.split and relaxes(  # a WorkerTrainer: no
-            batch_unknown, inputs[0], len(self.devices))  # fmt: skip
-        return self._run_step(self._relaxed_step if relax else self._step_with_outputs, inputs)
+        relax = self.batch_is_global and relaxes(batch_unknown, inputs[0], len(self.devices))
+        return self._run(self.compiled.relaxed if relax else self.compiled.steps[True], inputs)
 
     def train_step_shards(self, shards: Shards, *, return_outputs: bool = False) -> Any:
         """Run one step on a global batch already split over the towers; return its loss.
@@ -310,171 +269,84 @@ class TowerTrainer:
         same global batch. ``return_outputs`` as in :meth:`train_step`.
 
         Raises:
-            TypeError: ``shards`` is not a :class:`~towers.split.Shards`; a subclass that
-                cuts its own batches (``WorkerTrainer``: its global batch spans workers).
-            ValueError: it has a part per tower other than this trainer's count, sizes
-                that are not MirroredStrategy's split of ``global_batch`` examples, no
-                example at all, or a part that does not fit the model.
+            TypeError: ``shards`` is not a :class:`~towers.split.Shards`; a trainer whose
+                batches are not global (``WorkerTrainer``: its global batch spans workers).
+            ValueError: a part per tower other than this trainer's count, sizes that are
+                not MirroredStrategy's split of ``global_batch`` examples, no example at
+                all, or a part that does not fit the model.
             NonFiniteError, StepTimeout, ReplicaMismatchError: as :meth:`train_step`.
         """
-        shards = self._shard_inputs(shards)
+        if not self.batch_is_global:
+            name = type(self).__name__
+            raise TypeError(f"train_step_shards: {name} cuts its batches itself ({name}.split);"
+                            " give it whole batches (train_step)")  # fmt: skip
+        shards = check_shards(shards, self.devices, self.model)
         self._follow_trainable()
-        step = self._shard_step_with_outputs if return_outputs else self._shard_step
-        return self._run_step(step, (shards,))
+        return self._run(self.compiled.steps[return_outputs], (shards,))
 
-    def _run_step(self, step: Any, inputs: tuple[Any, ...]) -> Any:
-        # forward_graph="default": PhasedStep traces its update as_written() itself
-        whole = self.options.forward_graph == "as_written"
-        with as_written() if whole else contextlib.nullcontext():
-            result = self.deadline.run(step, inputs)
+    def _run(self, step: Any, inputs: tuple[Any, ...]) -> Any:
+        """The wrappers around the compiled step, in the order they apply: the deadline
+        times its execution (:mod:`towers.guard.deadline`; inside it, the non-finite guard's
+        ``tf.cond`` holds reduce and apply: :meth:`reduce_and_apply`), then a skipped step
+        raises if asked to, then the replicas are compared every k steps."""
+        result = self.deadline.run(step, inputs)
         self.guard.raise_if_nonfinite(self.optimizer, self.devices)
         self.replica_check.after_step(self.replicas, self.deadline.name)
         return result
 
-    def retrace(self) -> None:
-        """Trace the step again on its next call: an optimizer's Python hyperparameter
-        (``weight_decay``, ``clipnorm``, …) is a constant in the traced graph, so a change
-        of one reaches the step only through a new trace (``towers.TowerModel`` calls this)."""
-        self._new_step_functions()
-
-    def step_function(self, x: Any, y: Any, sample_weight: Any = None) -> Any:
-        """The step traced for this input signature as one graph (a ``ConcreteFunction``;
-        with ``forward_graph="default"`` the step runs the same ops with its reduction and
-        update in a nested function, ``ordering.PhasedStep``)."""
-        self._follow_trainable()
-        return self._whole.get_concrete_function(*self._inputs(x, y, sample_weight))
-
-    def _inputs(self, x: Any, y: Any, sample_weight: Any) -> tuple[Any, Any, Any]:
-        return batch_tensors(x, y, sample_weight, self.model)
-
-    def _shard_inputs(self, shards: Any) -> Shards:
-        """``shards`` checked for :meth:`train_step_shards`; sample weights in the model's dtype."""
-        if type(self).split is not TowerTrainer.split:  # WorkerTrainer: B spans the workers
-            raise TypeError(f"train_step_shards: {type(self).__name__} cuts its batches itself "
-                            f"({type(self).__name__}.split); give it whole batches "
-                            "(train_step)")  # fmt: skip
-        if not isinstance(shards, Shards):
-            raise TypeError("shards must be a towers.split.Shards (from towers.split.distribute "
-                            f"or trainer.split), got {type(shards).__name__}")  # fmt: skip
-        n = len(self.devices)
-        if len(shards.parts) != n or any(len(p) != 3 for p in shards.parts):
-            raise ValueError(f"shards must hold {n} parts (x, y, sample_weight), one per tower; "
-                             f"got {len(shards.parts)}")  # fmt: skip
-        # static where known: inside a caller's tf.function (Keras' train_step) they may not be
-        total, sizes = tf.get_static_value(shards.global_batch), shards.sizes
-        if total is not None and None not in sizes and (
-                total < 1 or sizes != shard_sizes(int(total), n)):  # fmt: skip
-            raise ValueError(f"shards: sizes {sizes} are not MirroredStrategy's split of a "
-                             f"global batch of {total} over {n} towers "
-                             f"({shard_sizes(max(int(total), 0), n)})")  # fmt: skip
-        check_batch_against_model(*shards.parts[0], self.model)
-        dtype = tf.as_dtype(self.model.trainable_variables[0].dtype)
-        parts = []
-        for x, y, w in shards.parts:
-            if w is not None and w.dtype != dtype:
-                with tf.device(w.device):
-                    w = tf.cast(w, dtype)
-            parts.append((x, y, w))
-        return Shards(tuple(parts), shards.global_batch)
-
-    def _train_step(self, x: Any, y: Any, sample_weight: Any, with_outputs: bool = False) -> Any:
-        return self._step_body(lambda: self.split(x, y, sample_weight), with_outputs)
-
-    def _train_shards(self, shards: Shards, with_outputs: bool = False) -> Any:
-        return self._step_body(lambda: shards, with_outputs)  # split by the input pipeline
-
-    def _step_body(self, make_shards: Any, with_outputs: bool) -> Any:
-        self.trace_count += 1
-        with record() as recorder:
-            with tf.name_scope("split"):  # name scopes: the profiler's phases (bench.phases)
-                shards = make_shards()
-            grads = self.forward_backward(shards)
-            # reduce → apply inside the guard's one tf.cond: all of it or nothing
-            with tf.name_scope("guard"):
-                loss = self._guarded(grads)
-            if with_outputs:
-                outputs = concat([r.outputs for r in grads.towers], self.parameter_device)
-        self.last_trace_stats = recorder
-        return (loss, outputs) if with_outputs else loss
-
-    def _forward_phase(
-        self, x: Any, y: Any, sample_weight: Any, with_outputs: bool = False
-    ) -> tuple[Gradients, Any]:
-        """``forward_graph="default"``'s forward: split, forward_backward (``PhasedStep``)."""
-        return self._forward_body(lambda: self.split(x, y, sample_weight), with_outputs)
-
-    def _forward_shards(self, shards: Shards, with_outputs: bool = False) -> tuple[Gradients, Any]:
-        return self._forward_body(lambda: shards, with_outputs)  # split by the input pipeline
-
-    def _forward_body(self, make_shards: Any, with_outputs: bool) -> tuple[Gradients, Any]:
-        self.trace_count += 1
-        with record() as recorder:
-            with tf.name_scope("split"):
-                shards = make_shards()
-            grads = self.forward_backward(shards)
-            outputs = None
-            if with_outputs:
-                outputs = concat([r.outputs for r in grads.towers], self.parameter_device)
-        self._forward_stats = recorder
-        # the towers' model outputs are not handed over: the update never reads them, and
-        # every tensor that crosses into the update costs its call
-        return Gradients(tuple(_unchanged_as_none(r)._replace(outputs=None)
-                               for r in grads.towers)), outputs  # fmt: skip
-
-    def _update_phase(self, grads: Gradients) -> tf.Tensor:
-        """Its update (traced ``as_written()``): the guard's reduce and apply, as in the step."""
-        variables = self.model.trainable_variables
-        with tf.name_scope("forward_backward"):  # the towers' results, handed over (profiler)
-            handed = Gradients(tuple(
-                _none_as_unchanged(r, self.replica_of(i))._replace(grads=[
-                    _static_dense_shape(g, v) for g, v in zip(r.grads, variables)])
-                for i, r in enumerate(grads.towers)
-            ))  # fmt: skip
-            grads = handed.on_devices(self.devices)  # arguments come without a device
-        # Nested (one call, CPUs), the arguments arrive on the call op's device and the
-        # guard checks them on its own device: checks pinned to the towers' devices would
-        # add one partition per device to the nested function, each an executor run per
-        # step (docs/performance.md). Two calls (GPUs): on the towers, as in the step.
-        with record() as recorder, tf.name_scope("guard"):
-            loss = self._guarded(grads, handed.towers if self._nested else None)
-        self.last_trace_stats = Recorder(self._forward_stats.transfers + recorder.transfers)
-        return loss
-
-    def _guarded(self, grads: Gradients, central: Sequence[TowerResult] | None = None) -> tf.Tensor:
+    def reduce_and_apply(self, grads: Gradients, central: Sequence[TowerResult] | None = None
+                         ) -> tf.Tensor:  # fmt: skip
         """Reduce → apply inside the guard's one ``tf.cond``: all of it or nothing.
 
-        When the reduction :func:`~towers.guard.nonfinite.sums_exactly` (and keeps no
-        state), it runs before the cond and the guard's fast path sums one copy of the
-        reduced gradients instead of every tower's: a NaN or Inf anywhere is one there.
-        ``central``: the towers' results as the nested update received them, checked on
+        A reduction that :func:`~towers.guard.nonfinite.sums_exactly` runs before the cond,
+        and the guard checks one copy of the reduced gradients instead of every tower's (a
+        NaN or Inf anywhere is one there). ``apply`` waits for every reduced value
+        (:func:`~towers.guard.deadline.settled`: a hung reduction changes nothing).
+        ``central``: the towers' results as a nested update received them, checked on
         the guard's device (default: ``grads``' on the towers' devices).
         """
-        towers = grads.towers if central is None else central
-        run = functools.partial(self.guard.run, towers, self.devices, central=central is not None)
-        if not self._reduce_first:
-            return run(functools.partial(self._update, grads))  # update(grads_finite)
-        with tf.name_scope("reduce"):
-            reduced = self.reduce(grads)
-        return run(functools.partial(self._update_reduced, reduced),
-                   reduced=self.placement.covering(reduced.grads))
+        early = None
+        if self._reduce_first:
+            with tf.name_scope("reduce"):
+                early = self.reduce(grads)
 
-    def _update(self, grads: Gradients, grads_finite: tf.Tensor | None = None) -> tf.Tensor:
-        with tf.name_scope("reduce"):
-            reduced = self.reduce(grads)
-        return self._update_reduced(reduced, grads_finite)
+        def update(grads_finite: tf.Tensor | None) -> tf.Tensor:
+            reduced = early
+            if reduced is None:
+                with tf.name_scope("reduce"):
+                    reduced = self.reduce(grads)
+            if self.loss_scale.active:  # one flag for every replica's dynamic scale
+                flag = self.loss_scale.finite(reduced.grads[0], grads_finite,
+                                              self.parameter_device)  # fmt: skip
+                reduced = reduced._replace(grads_finite=flag)
+            with tf.name_scope("apply"):
+                settled(reduced, self.apply)
+            return reduced.loss
 
-    def _update_reduced(self, reduced: Reduced, grads_finite: tf.Tensor | None = None) -> tf.Tensor:
-        if self.loss_scale.active:  # one flag for every replica's dynamic scale
-            flag = self.loss_scale.finite(reduced.grads[0], grads_finite, self.parameter_device)
-            reduced = reduced._replace(grads_finite=flag)
-        with tf.name_scope("apply"):
-            settled(reduced, self.apply)  # nothing changes before every reduction completed
-        return reduced.loss
+        covering = None if early is None else self.placement.covering(early.grads)
+        return self.guard.run(grads.towers if central is None else central, self.devices,
+                              update, reduced=covering, central=central is not None)  # fmt: skip
 
     def across_processes(self, counts: tf.Tensor) -> tf.Tensor:
         """The guard's counts of bad towers summed over every process that steps together
         (the hook a multi-process trainer overrides; here: this process alone)."""
         return counts
+
+    def retrace(self) -> None:
+        """Trace the step again on its next call: an optimizer's Python hyperparameter
+        (``weight_decay``, ``clipnorm``, …) is a constant in the traced graph, so a change
+        of one reaches the step only through a new trace (``towers.TowerModel`` calls this)."""
+        self.compiled = CompiledStep(self)
+
+    def step_function(self, x: Any, y: Any, sample_weight: Any = None) -> Any:
+        """The step traced for this input signature as one graph (a ``ConcreteFunction``;
+        with ``forward_graph="default"`` the step runs the same ops with its reduction and
+        update in a nested function: :class:`~towers.compile.step.PhasedStep`)."""
+        self._follow_trainable()
+        return self.compiled.whole[False].get_concrete_function(*self._inputs(x, y, sample_weight))
+
+    def _inputs(self, x: Any, y: Any, sample_weight: Any) -> tuple[Any, Any, Any]:
+        return batch_tensors(x, y, sample_weight, self.model)
 
     def split(self, x: Any, y: Any, sample_weight: Any = None) -> Shards:
         """Phase 1: cut the global batch into one shard per tower (MirroredStrategy's split).
@@ -646,38 +518,6 @@ class TowerTrainer:
     def replica_weights(self) -> list[list[np.ndarray]]:
         """Every replica's weights (one list per replica; a single one for parameter_device)."""
         return [variable_values(r.model.weights) for r in self.replicas]
-
-
-def _unchanged_as_none(result: TowerResult) -> TowerResult:
-    """A tower's result as the first phase returns it: a ``tf.function`` turns the Python
-    ``changed`` flags into tensors, so a state value no tower pass assigned is returned as
-    None instead (part of the output structure, hence of the second phase's trace)."""
-    if result.changed is None:
-        return result
-    kept = [None if c is False else v for v, c in zip(result.non_trainable, result.changed)]
-    return result._replace(non_trainable=kept, changed=None)
-
-
-def _none_as_unchanged(result: TowerResult, replica: Replica) -> TowerResult:
-    """:func:`_unchanged_as_none` undone in the second phase: the variable's value (nothing
-    assigned it since the first phase read it) and ``changed`` False."""
-    if all(v is not None for v in result.non_trainable):
-        return result
-    with tf.device(replica.device):
-        values = [tf.convert_to_tensor(var.value) if v is None else v
-                  for v, var in zip(result.non_trainable, replica.model.non_trainable_variables)]
-    changed = tuple(v is not None for v in result.non_trainable)
-    return result._replace(non_trainable=values, changed=changed)
-
-
-def _static_dense_shape(grad: Any, variable: Any) -> Any:
-    """An ``IndexedSlices`` argument's ``dense_shape`` is a tensor of unknown value; the
-    variable's static shape restores what the one-function step knows (``densify``)."""
-    if not isinstance(grad, tf.IndexedSlices) or not variable.shape.is_fully_defined():
-        return grad
-    dtype = tf.int64 if grad.dense_shape is None else grad.dense_shape.dtype
-    shape = tf.constant(variable.shape.as_list(), dtype)
-    return tf.IndexedSlices(grad.values, grad.indices, shape)
 
 
 def _optimizer_object(optimizer: Any) -> Any:

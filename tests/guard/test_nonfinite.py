@@ -105,7 +105,7 @@ def test_a_nested_update_checks_on_the_guard_device(nested: bool, monkeypatch) -
     (GPUs): each tower's values are checked on its own device."""
     from towers.testing import ModelSpec
 
-    monkeypatch.setattr("towers.step.nests", lambda devices: nested)
+    monkeypatch.setattr("towers.compile.step.nests", lambda devices: nested)
     spec = ModelSpec("dense")
     built = {mode: towers.TowerTrainer(spec.build, keras.optimizers.SGD(0.1),
                                        "sparse_categorical_crossentropy", devices=DEVICES[:3],

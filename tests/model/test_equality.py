@@ -117,7 +117,7 @@ def test_a_keras_application_fits_bitwise_as_under_mirrored_strategy() -> None:
 
 def test_a_short_last_batch_is_bitwise_on_a_wide_convnext() -> None:
     """Keras traces a dataset with a short last batch with its batch dimension unknown;
-    towers traces that step the same way (towers.training.shapes). On ConvNeXt's wide
+    towers traces that step the same way (towers.compile.step). On ConvNeXt's wide
     blocks the static trace's constant folding ended 43 of 56 weights a few ULPs apart
     (measured before the fix, one tower, 8 examples at batch_size=32). Here: two towers,
     12 examples at batch_size=8 (8 + a short 4), one epoch, then evaluate and predict

@@ -12,7 +12,7 @@ Five steps of one model, timed in the same shuffled rounds::
     barrier share = median_r (nested_r / inlined_r) - 1        (same guard mode)
     x CSS         = median_r (step_r / CentralStorageStrategy_r)
 
-The *barrier* is :class:`~towers.allreduce.machinery.ordering.PhasedStep`'s nested
+The *barrier* is :class:`~towers.compile.step.PhasedStep`'s nested
 update: a call op that keeps Grappler's reordering passes off the reduction, so the sums
 happen in the stated order, but that starts only when every tower's gradients are ready
 and runs as its own executor pass. The *inlined* rows trace the same update into the step
@@ -32,9 +32,9 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from towers.allreduce.machinery.ordering import PhasedStep
 from towers.bench.timing import interleave, paired_ratio
 from towers.bench.training import MODELS, _baselines, _sgd, make_batch
+from towers.compile.step import PhasedStep
 from towers.step import TowerTrainer
 
 __all__ = ["GUARD_ROUNDS", "guard_rounds", "guard_rows", "guard_section", "guard_table"]
@@ -50,10 +50,11 @@ def _trainer(model: str, devices: Sequence[str], algorithm: str, placement: str,
     trainer = TowerTrainer(MODELS[model][0], _sgd, loss, devices=list(devices),
                            all_reduce=algorithm, variables=placement, on_nonfinite=mode)
     if form == "inlined":  # the calibration: the same update, no barrier (module docstring)
-        if not trainer._step.nested:
+        compiled = trainer.compiled
+        if not compiled.nested:
             raise ValueError("the inlined calibration needs a one-call step (CPU devices)")
-        trainer._step = PhasedStep(trainer._forward_phase, trainer._update_phase,
-                                   barrier=False)
+        compiled.steps[False] = PhasedStep(functools.partial(compiled.forward, outputs=False),
+                                           compiled.update, barrier=False)
     return trainer
 
 

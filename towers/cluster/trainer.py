@@ -76,6 +76,8 @@ class WorkerTrainer(TowerTrainer):
     shares add up to it).
     """
 
+    batch_is_global = False  # one worker's part of a global batch spanning the workers
+
     def __init__(self, model: Any, optimizer: Any, loss: Any, devices: Sequence[str],
                  all_reduce: Any = None, num_workers: int | None = None,
                  timeout_seconds: float = 60.0, **kwargs: Any) -> None:

@@ -19,7 +19,7 @@ is built and before any replica, variable or reducer state exists::
     semantics      one_device  mirrored       (towers.guard.semantics)
     check_replicas_every  off  on
     check_algorithm       on  off
-    forward_graph         default  as_written   (ordering.FORWARD_GRAPHS)
+    forward_graph         default  as_written   (towers.compile.step.FORWARD_GRAPHS)
     jit_compile           off  on     (XLA for each tower's forward/backward)
     loss_denominator      semantics  global  constant   (semantics: the semantics' divisor)
 
@@ -86,7 +86,7 @@ AXES: dict[str, tuple[str, ...]] = {
     "semantics": ("one_device", "mirrored"),
     "check_replicas_every": ("off", "on"),
     "check_algorithm": ("on", "off"),
-    # how the step is compiled (towers.allreduce.machinery.ordering.FORWARD_GRAPHS): the
+    # how the step is compiled (towers.compile.step.FORWARD_GRAPHS): the
     # towers' forward/backward under the caller's Grappler settings, or the whole step as
     # written; both run the same phases, so nothing is refused
     "forward_graph": ("default", "as_written"),

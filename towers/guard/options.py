@@ -22,8 +22,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from towers.allreduce.machinery.ordering import FORWARD_GRAPHS
 from towers.allreduce.machinery.reducer import SPARSE
+from towers.compile.step import FORWARD_GRAPHS
 from towers.guard.arguments import check_bool, check_choice, optional, positive_int
 from towers.guard.loss_scale import REDUCE_DTYPES
 from towers.guard.nonfinite import NONFINITE
@@ -86,7 +86,7 @@ class TowerOptions:
             caller's Grappler settings, as tf.distribute's replica step does, and only the
             reduction and update as written) or ``"as_written"`` (the whole step in one
             function with Grappler's rewrites off):
-            :data:`~towers.allreduce.machinery.ordering.FORWARD_GRAPHS`.
+            :data:`~towers.compile.step.FORWARD_GRAPHS`.
         jit_compile: compile each tower's forward and backward pass with XLA (one cluster
             per tower); the reduction and update stay as written (docs/xla.md).
     """

@@ -24,7 +24,8 @@ import tensorflow as tf
 import towers
 from reference import MirroredTrainer
 from tests.conftest import DEVICES
-from towers.allreduce.machinery.ordering import REWRITES, PhasedStep, as_written, nests
+from towers.allreduce.machinery.ordering import REWRITES, as_written
+from towers.compile.step import PhasedStep, nests
 
 
 def _init(seed: int) -> keras.initializers.Initializer:
@@ -105,7 +106,7 @@ def test_default_forward_graph_equals_mirrored_strategy_bitwise(
     name: str, nested: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Both forms of PhasedStep: one call on CPUs, two on GPUs (forced here on CPUs)."""
-    monkeypatch.setattr("towers.step.nests", lambda devices: nested)
+    monkeypatch.setattr("towers.compile.step.nests", lambda devices: nested)
     ours, theirs = _train(name, "default")
     for a, b in zip(ours, theirs, strict=True):
         np.testing.assert_array_equal(a, b)
