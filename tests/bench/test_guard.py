@@ -61,7 +61,7 @@ def test_the_inlined_calibration_trains_like_the_default_step_but_has_no_call() 
     assert losses[0][0] == losses[1][0]  # the first loss precedes any update
     np.testing.assert_allclose(losses[0][1], losses[1][1], rtol=1e-5)  # after one update
     for t, calls in zip(trainers, (1, 0)):
-        graph = t._step.get_concrete_function(*t._inputs(x, y, None)).graph
+        graph = t.compiled.steps[False].get_concrete_function(*t._inputs(x, y, None)).graph
         found = [op for op in graph.get_operations()
                  if op.type in ("PartitionedCall", "StatefulPartitionedCall")]
         assert len(found) == calls

@@ -155,18 +155,18 @@ def test_phased_step_nests_on_cpus_only() -> None:
     assert not nests(["/cpu:0", "/gpu:0"])
     assert not nests(["/GPU:0", "/GPU:1"])
     trainer = towers.TowerTrainer(_lstm, keras.optimizers.SGD(0.1), "mse", devices=DEVICES[:2])
-    assert trainer._step.nested
+    assert trainer.compiled.steps[False].nested
 
 
 def test_the_nested_update_runs_without_the_memory_optimizer() -> None:
     """Grappler's memory optimizer may turn the update's ``AddN`` into ``AssignAdd`` s
-    added in arrival order (``ordering._keep_sums``): the nested call op's config turns
+    added in arrival order (``towers.compile.step._keep_sums``): the nested call op's config turns
     it off, and keeps the as-written rewrites off."""
     from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
 
     trainer = towers.TowerTrainer(_lstm, keras.optimizers.SGD(0.1), "mse", devices=DEVICES[:2])
     x, y = np.zeros((4, 5, 4), "float32"), np.zeros((4, 3), "float32")
-    graph = trainer._step.get_concrete_function(*trainer._inputs(x, y, None)).graph
+    graph = trainer.compiled.steps[False].get_concrete_function(*trainer._inputs(x, y, None)).graph
     calls = [op for op in graph.get_operations()
              if op.type in ("PartitionedCall", "StatefulPartitionedCall")]  # fmt: skip
     assert len(calls) == 1  # the update, nested in the step's one call
