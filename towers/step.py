@@ -156,7 +156,7 @@ class TowerTrainer:
         self.loss_fn = loss if isinstance(loss, OutputLosses) else resolve_loss(loss)
         self.loss_reduction = reduction_of(loss)  # Keras' reduction, over the global batch
         kind_of_optimizer = _optimizer_object(optimizer)
-        check_semantics(o.semantics, o.loss_denominator, self.loss_reduction, kind_of_optimizer)
+        check_semantics(o.semantics, o.divisor, self.loss_reduction, kind_of_optimizer)
         reducer = naming("all_reduce", lambda: resolve(all_reduce, self.parameter_device))
         kind = capabilities.algorithm_kind(reducer)
         self.sparse = capabilities.default_sparse(self.placement.name, kind, o.sparse)
@@ -403,8 +403,8 @@ class TowerTrainer:
         """
         if divisor is None:
             divisor = self.loss_divisor(shards)
-        divisor = tower_divisor(self.options.semantics, self.options.loss_denominator, divisor,
-                                shards.parts[tower], len(self.devices))  # fmt: skip
+        divisor = tower_divisor(self.options.divisor, divisor, shards.parts[tower],
+                                len(self.devices))  # fmt: skip
         device, replica = self.devices[tower], self.replica_of(tower)
         with replica_scope(tower):  # MirroredStrategy's names: Grappler reads them
             trainable, frozen = read_weights(replica, device)

@@ -45,22 +45,26 @@ def test_a_reduction_without_a_batch_divisor_is_refused_naming_both() -> None:
     sgd = keras.optimizers.SGD(0.1)
     with pytest.raises(ValueError, match=r"semantics='mirrored' with a loss of "
                                          r"reduction='sum' is refused"):  # fmt: skip
-        check_semantics("mirrored", None, "sum", sgd)
-    with pytest.raises(ValueError, match=r"loss_denominator=64 with a loss of reduction='mean_"):
-        check_semantics("one_device", 64, "mean_with_sample_weight", sgd)
+        check_semantics("mirrored", "per_replica", "sum", sgd)
+    with pytest.raises(ValueError, match=r"loss_denominator=64.0 with a loss of reduction='mean_"):
+        check_semantics("one_device", 64.0, "mean_with_sample_weight", sgd)
     check_semantics("mirrored", "global", "sum", sgd)  # the global batch: nothing replaced
-    check_semantics("one_device", None, "sum", sgd)
+    check_semantics("one_device", "global", "sum", sgd)
+    rules = {(s, d): TowerOptions(semantics=s, loss_denominator=d).divisor
+             for s in ("one_device", "mirrored") for d in (None, "global", 16)}
+    assert rules == {("one_device", None): "global", ("mirrored", None): "per_replica",
+                     ("one_device", "global"): "global", ("mirrored", "global"): "global",
+                     ("one_device", 16): 16.0, ("mirrored", 16): 16.0}
 
 
 def test_each_rule_gives_each_tower_its_divisor() -> None:
     shard = (tf.zeros([3, 2]), tf.zeros([3]), None)
     divisor = tf.constant(10)
-    assert tower_divisor("one_device", None, divisor, shard, 4) is divisor
-    assert tower_divisor("mirrored", "global", divisor, shard, 4) is divisor
-    assert int(tower_divisor("mirrored", None, divisor, shard, 4)) == 12
-    constant = tower_divisor("one_device", 64.0, divisor, shard, 4)
+    assert tower_divisor("global", divisor, shard, 4) is divisor
+    assert int(tower_divisor("per_replica", divisor, shard, 4)) == 12
+    constant = tower_divisor(64.0, divisor, shard, 4)
     assert constant.dtype == tf.int32 and int(constant) == 64  # as compute_average_loss takes it
-    assert tower_divisor("one_device", 2.5, divisor, shard, 4).dtype == tf.float32
+    assert tower_divisor(2.5, divisor, shard, 4).dtype == tf.float32
 
 
 def test_mirrored_equals_the_tutorial_on_an_uneven_last_batch_and_one_device_does_not() -> None:

@@ -141,6 +141,14 @@ class TowerOptions:
                              "compute_average_loss without global_batch_size divides)")
         return cls(**given)
 
+    @property
+    def divisor(self) -> str | float:
+        """What every tower divides its loss sum by: ``"global"`` (the global batch),
+        ``"per_replica"`` (its shard size × towers: ``"mirrored"``'s) or a constant."""
+        if self.loss_denominator is None:
+            return "per_replica" if self.semantics == "mirrored" else "global"
+        return self.loss_denominator
+
     def arguments(self) -> dict[str, Any]:
         """The options as keyword arguments (``TowerModel``'s config, a trainer's)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

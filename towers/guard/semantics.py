@@ -67,12 +67,13 @@ def check_constant(value: Any) -> str | float | None:
                      f"positive number (a constant), got {value!r}")  # fmt: skip
 
 
-def check_semantics(semantics: str, loss_denominator: str | float | None, reduction: str,
+def check_semantics(semantics: str, divisor: str | float, reduction: str,
                     optimizer: Any) -> None:  # fmt: skip
     """Refuse a divisor the loss has no place for, and clipping under loss scaling.
 
     Args:
-        semantics, loss_denominator: checked options (:class:`~towers.guard.options.TowerOptions`).
+        semantics: the checked ``semantics``.
+        divisor: the options' divisor rule (:attr:`~towers.guard.options.TowerOptions.divisor`).
         reduction: the loss's Keras reduction (:func:`towers.training.losses.reduction_of`).
         optimizer: an optimizer object (its kind and clipping are read).
 
@@ -82,10 +83,8 @@ def check_semantics(semantics: str, loss_denominator: str | float | None, reduct
             both; ``semantics="mirrored"`` with a ``LossScaleOptimizer`` that clips (its
             towers' shares are scaled, so clipping them would clip the wrong values).
     """
-    rule = f"loss_denominator={loss_denominator!r}"
-    if loss_denominator is None:
-        rule = "semantics='mirrored'" if semantics == "mirrored" else "global"
-    if rule != "global" and rule != "loss_denominator='global'" and reduction not in _DIVIDED:
+    rule = "semantics='mirrored'" if divisor == "per_replica" else f"loss_denominator={divisor!r}"
+    if divisor != "global" and reduction not in _DIVIDED:
         raise ValueError(
             f"{rule} with a loss of reduction={reduction!r} is refused: that reduction does "
             "not divide by the batch size, so there is no divisor to replace; use reduction "
@@ -103,27 +102,25 @@ def _clips(optimizer: Any) -> bool:
     return any(getattr(optimizer, key, None) for key in CLIPS)
 
 
-def tower_divisor(semantics: str, loss_denominator: str | float | None, divisor: tf.Tensor,
-                  shard: Any, towers: int) -> tf.Tensor:  # fmt: skip
+def tower_divisor(rule: str | float, divisor: tf.Tensor, shard: Any, towers: int) -> tf.Tensor:
     """What one tower divides its loss sum by.
 
     Args:
-        semantics, loss_denominator: checked options.
+        rule: the options' divisor rule (:attr:`~towers.guard.options.TowerOptions.divisor`).
         divisor: the step's global divisor (``TowerTrainer.loss_divisor``).
         shard: the tower's ``(x, y, sample_weight)``.
         towers: the number of towers (``num_replicas_in_sync``).
 
     Returns:
-        ``divisor`` (``"global"``; ``"one_device"``'s); the constant (int32 when it is a
-        whole number, as ``compute_average_loss`` takes it); ``shard size × towers``
-        (int32; ``"mirrored"``'s).
+        ``divisor`` (``"global"``); ``shard size × towers`` (int32, ``"per_replica"``); the
+        constant (int32 when it is a whole number, as ``compute_average_loss`` takes it).
     """
-    if loss_denominator is None and semantics == "mirrored":
+    if rule == "per_replica":
         size = tf.shape(tf.nest.flatten(shard[0])[0])[0]  # compute_average_loss's shape[0]
         return size * towers
-    if loss_denominator is None or loss_denominator == "global":
+    if rule == "global":
         return divisor
-    constant = float(loss_denominator)
+    constant = float(rule)
     if constant.is_integer():
         return tf.constant(int(constant), tf.int32)
     return tf.constant(constant, tf.float32)
