@@ -14,8 +14,9 @@ Read the tutorial's loss rule closely: without ``global_batch_size``,
 ``compute_average_loss`` divides each replica's sum by *its shard size × replicas*.
 On an even batch that is the global batch; on the epoch's uneven last batch (10 over
 4 replicas: 3+3+3+1) it is 12, 12, 12, 4, so the last example weighs 3×. towers
-divides by the true batch by default; ``loss_denominator="per_replica"`` reproduces
-the tutorial's rule, and the difference between the two is printed (``--show-global``).
+divides by the true batch by default (``semantics="one_device"``);
+``semantics="mirrored"`` reproduces MirroredStrategy's observable step, the tutorial's
+rule included, and the difference between the two is printed (``--show-global``).
 
 ``--bug`` plants a weighting bug every port of the tutorial risks: each replica takes
 ``tf.reduce_mean`` of its own shard (no division by the replicas), so the summed
@@ -109,15 +110,15 @@ def your_step(devices: list[str], optimizer: str, bug: bool = False) -> Any:
     return as_step(step, model, strategy=strategy, optimizer=opt, loss=loss)  # the one line
 
 
-def towers_step(devices: list[str], optimizer: str, denominator: Any = "per_replica") -> Any:
-    """towers' trainer, dividing the loss as the tutorial does."""
+def towers_step(devices: list[str], optimizer: str, semantics: str = "mirrored") -> Any:
+    """towers' trainer; ``"mirrored"`` divides the loss as the tutorial does."""
     import keras
 
     return towers.TowerTrainer(
         make_model, optimizer_fn(optimizer)(),
         keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         devices=devices, all_reduce="ring", variables="replicated",
-        loss_denominator=denominator,
+        semantics=semantics,
     )  # fmt: skip
 
 
@@ -136,7 +137,7 @@ def global_difference(devices: list[str], data: list[Any]) -> float:
     on the uneven last batch, relative to the update: max |Δw_global − Δw_tutorial| / max |Δw|."""
     import numpy as np
 
-    ours, theirs = towers_step(devices, "sgd", "global"), your_step(devices, "sgd")
+    ours, theirs = towers_step(devices, "sgd", "one_device"), your_step(devices, "sgd")
     theirs.set_weights(ours.get_weights())
     start = ours.get_weights()
     ours.train_step(*data[-1]), theirs.train_step(*data[-1])
@@ -165,7 +166,7 @@ def main() -> int:
     print(report)
     if args.show_global:
         share = global_difference(devices, data)
-        print(f"towers' default (loss_denominator='global') vs the tutorial's rule on the "
+        print(f"towers' default (semantics='one_device') vs the tutorial's rule on the "
               f"uneven last batch: {share:.1%} of the update")  # fmt: skip
     return 0 if report.ok else 1
 

@@ -88,7 +88,7 @@ class CentralStorageTrainer(StrategyTrainer):
     """Train with ``tf.distribute.experimental.CentralStorageStrategy`` and a custom loop.
 
     The same constructor as ``towers.TowerTrainer``; TowerTrainer-only keywords
-    (``all_reduce=``, ``variables=``, ``non_trainable=``, …) are accepted and ignored.
+    (``all_reduce=``, ``variables=``, ``semantics=``, …) are accepted and ignored.
     Model and optimizer are created and built inside the strategy's scope, as in
     :class:`reference.MirroredTrainer`.
 

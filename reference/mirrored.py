@@ -99,7 +99,7 @@ class MirroredTrainer(StrategyTrainer):
     """Train with ``tf.distribute.MirroredStrategy`` and a custom loop (towers' reference).
 
     The same constructor as ``towers.TowerTrainer``; TowerTrainer-only keywords
-    (``all_reduce=``, ``variables=``, ``non_trainable=``, …) are accepted and ignored,
+    (``all_reduce=``, ``variables=``, ``semantics=``, …) are accepted and ignored,
     so a test can pass one set of keyword arguments to both.
 
     The model and optimizer are created inside ``strategy.scope()`` (a factory is

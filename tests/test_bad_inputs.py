@@ -76,6 +76,9 @@ def _own_step() -> keras.Model:
     return model
 
 
+_DENOMINATOR = r"loss_denominator must be None \(the semantics' divisor\), 'global' or a positive"
+
+
 def _new(model: Any = _dense, optimizer: Any = None, loss: Any = LOSS, **kw: Any) -> Any:
     optimizer = optimizer if optimizer is not None else (lambda: keras.optimizers.Adam(0.1))
     kw.setdefault("devices", DEVICES[:2])
@@ -222,8 +225,15 @@ CASES: list[Case] = [
       "all_reduce"),
     C("variables-unknown", "variables='mirrored'", lambda: _new(variables="mirrored"),
       ValueError, "variables must be one of parameter_device, replicated"),
-    C("non-trainable-unknown", "non_trainable='median'",
-      lambda: _new(non_trainable="median"), ValueError, "non_trainable must be one of"),
+    C("semantics-unknown", "semantics='median'",
+      lambda: _new(semantics="median"), ValueError,
+      "semantics must be one of one_device, mirrored"),
+    C("non-trainable", "non_trainable='first_tower'",
+      lambda: _new(non_trainable="first_tower"), TypeError,
+      "non_trainable= is not an option; non-trainable state follows semantics"),
+    C("option-unknown", "an unknown keyword (semantic='mirrored')",
+      lambda: _new(semantic="mirrored"), TypeError,
+      "TowerTrainer got an unexpected option 'semantic'"),
     C("sparse-unknown", "sparse='dense'", lambda: _new(sparse="dense"), ValueError,
       "sparse must be one of"),
     C("on-nonfinite-unknown", "on_nonfinite='warn'", lambda: _new(on_nonfinite="warn"),
@@ -461,15 +471,21 @@ CASES: list[Case] = [
       "checkpoint holds variables='replicated', trainer has variables='parameter_device'"),
     # -- the step's newer options, TowerModel, the input pipeline, codecs ------------------
     C("loss-denominator-name", "loss_denominator='half'",
-      lambda: _new(loss_denominator="half"), ValueError,
-      "loss_denominator must be 'global', 'per_replica' or a positive number"),
+      lambda: _new(loss_denominator="half"), ValueError, _DENOMINATOR),
     C("loss-denominator-zero", "loss_denominator=0", lambda: _new(loss_denominator=0),
-      ValueError, "loss_denominator must be 'global', 'per_replica' or a positive number"),
-    C("loss-denominator-sum", "loss_denominator='per_replica' with a reduction='sum' loss",
+      ValueError, _DENOMINATOR),
+    C("loss-denominator-per-replica", "loss_denominator='per_replica'",
+      lambda: _new(loss_denominator="per_replica"), ValueError,
+      "loss_denominator='per_replica' is semantics='mirrored'"),
+    C("mirrored-sum", "semantics='mirrored' with a reduction='sum' loss",
       lambda: _new(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True,
                                                                    reduction="sum"),
-                   loss_denominator="per_replica"), ValueError,
-      "loss_denominator='per_replica' with a loss of reduction='sum' is refused"),
+                   semantics="mirrored"), ValueError,
+      "semantics='mirrored' with a loss of reduction='sum' is refused"),
+    C("mirrored-loss-scale-clip", "semantics='mirrored', a LossScaleOptimizer that clips",
+      lambda: _new(optimizer=keras.optimizers.LossScaleOptimizer(
+          keras.optimizers.SGD(0.1, clipnorm=1.0)), semantics="mirrored"), ValueError,
+      r"semantics='mirrored' with a LossScaleOptimizer whose optimizer clips \(clipnorm\)"),
     C("forward-graph", "forward_graph='eager'", lambda: _new(forward_graph="eager"),
       ValueError, "forward_graph must be one of default, as_written"),
     C("jit-compile", "jit_compile='yes'", lambda: _new(jit_compile="yes"), TypeError,

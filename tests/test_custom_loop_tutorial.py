@@ -1,6 +1,6 @@
 """examples/custom_loop_tutorial.py: the ported tutorial step, tested with towers.testing's plugin.
 
-The correct port passes against towers (``loss_denominator="per_replica"``) for SGD
+The correct port passes against towers (``semantics="mirrored"``) for SGD
 and Adam, each under its derived bound (``sgd_step_bound``, the tracked Adam bound of
 ``towers.testing.bounds.optimizers``); the planted weighting bug fails, and the
 assertion's message names the step, the variable and both values; towers' default

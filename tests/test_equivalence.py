@@ -106,7 +106,9 @@ def _trainer(case: TrainingCase, all_reduce: object) -> towers.TowerTrainer:
         devices=DEVICES[: case.towers],
         all_reduce=all_reduce,
         variables=case.placement,
-        non_trainable="first_tower",  # MirroredStrategy's observable value (docs/architecture.md)
+        # MirroredStrategy's observable state and clipping (docs/architecture.md); the
+        # references divide by the global batch (compute_average_loss(global_batch_size=))
+        semantics="mirrored", loss_denominator="global",
     )
 
 

@@ -251,7 +251,7 @@ def test_sparse_gradients_are_densified_by_default_and_match() -> None:
     reference = _trainer(spec, 3, variables="replicated", sparse="densify")
     sharded = towers.TowerTrainer(spec.build, SHARDABLE["adam"], loss_fn(), devices=DEVICES[:3],
                                   variables="sharded")  # fmt: skip
-    assert (sharded.sparse, sharded.options["all_reduce"]) == ("densify", "ring")
+    assert (sharded.sparse, sharded.cell["all_reduce"]) == ("densify", "ring")
     for k in range(2):
         batch = spec.batch(6 + k, seed=k)
         assert float(reference.train_step(*batch)) == float(sharded.train_step(*batch))

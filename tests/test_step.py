@@ -82,13 +82,13 @@ def _bn_trainer(mode: str, n: int = 4) -> towers.TowerTrainer:
         devices=DEVICES[:n],
         variables="replicated",
         all_reduce="naive",
-        non_trainable=mode,
+        semantics=mode,
     )
 
 
 def test_non_trainable_mean_averages_tower_updates() -> None:
     x = np.arange(8, dtype="float32")[:, None]
-    trainer = _bn_trainer("mean")
+    trainer = _bn_trainer("one_device")
     trainer.train_step(x, np.zeros([8, 1], "float32"))
     means = [float(w[2][0]) for w in trainer.replica_weights()]  # gamma, beta, moving_mean
     # Each shard of 2 has mean 0.5, 2.5, 4.5, 6.5; momentum 0.5 from 0 -> half of it; averaged.
@@ -96,14 +96,14 @@ def test_non_trainable_mean_averages_tower_updates() -> None:
 
 
 def test_non_trainable_mean_skips_empty_towers() -> None:
-    trainer = _bn_trainer("mean")
+    trainer = _bn_trainer("one_device")
     trainer.train_step(np.array([[2.0], [4.0]], "float32"), np.zeros([2, 1], "float32"))
     assert float(trainer.get_weights()[2][0]) == 0.5 * 3.0  # two towers of one example
 
 
-def test_non_trainable_first_tower_reproduces_mirrored_reads() -> None:
+def test_mirrored_semantics_keeps_the_first_towers_state_as_mirrored_reads_show() -> None:
     x = np.arange(8, dtype="float32")[:, None]
-    trainer = _bn_trainer("first_tower")
+    trainer = _bn_trainer("mirrored")
     trainer.train_step(x, np.zeros([8, 1], "float32"))
     assert float(trainer.get_weights()[2][0]) == 0.25  # tower 0's shard [0, 1] × 0.5
 
@@ -140,7 +140,7 @@ def test_instances_are_accepted_and_trained() -> None:
         ({"devices": "/device:CPU:0"}, TypeError, "list of device names"),
         ({"variables": "zero3"}, ValueError, "variables must be one of"),
         ({"all_reduce": "carrier_pigeon"}, ValueError, r"registered: .*naive"),
-        ({"non_trainable": "sum"}, ValueError, "non_trainable must be one of"),
+        ({"semantics": "sum"}, ValueError, "semantics must be one of one_device, mirrored"),
         ({"parameter_device": "/device:CPU:42"}, ValueError, "unknown device"),
     ],
 )
@@ -311,7 +311,7 @@ def test_phases_one_by_one_equal_train_step_bitwise(
     """split -> forward_backward -> reduce -> apply, called one at a time (each in its own
     tf.function, or eagerly) == train_step, bitwise: weights, optimizer state and loss.
     All four ``as_written()`` give ``forward_graph="as_written"``'s step; the first two
-    under Grappler's defaults give the default step's (``ordering.FORWARD_GRAPHS``).
+    under Grappler's defaults give the default step's (``towers.compile.step.FORWARD_GRAPHS``).
     Batches of 3 over 4 towers and 2 over 3 leave the last tower empty."""
     spec = ModelSpec(family)
     kwargs = {"variables": placement, "all_reduce": "ring", "optimizer": "adam",

@@ -35,19 +35,20 @@ import keras
 import numpy as np
 
 from towers.devices import canonical_device
-from towers.guard.arguments import check_choice
 from towers.guard.inputs import check_keras_steps, naming
-from towers.guard.loss_scale import REDUCE_DTYPES
-from towers.guard.nonfinite import NONFINITE
+from towers.guard.options import TowerOptions
 from towers.guard.weights import check_devices
 from towers.placement import first_model, get_placement
-from towers.step import NON_TRAINABLE, TowerTrainer
+from towers.step import TowerTrainer
 from towers.training import keras_functions
 from towers.training.backup import data_facts
 from towers.training.losses import OutputLosses, is_structured
 from towers.training.sync import Hyperparameters, copy_first_replica
 
 __all__ = ["TowerModel"]
+
+_KERAS_KWARGS = ("trainable", "dtype")
+"""``keras.Model`` arguments a config may carry beside the towers options."""
 
 
 @keras.saving.register_keras_serializable(package="towers")
@@ -59,12 +60,11 @@ class TowerModel(keras.Model):
             network every tower runs. Its variables become replica 0's (it is cloned onto
             replica 0's device when they live elsewhere).
         devices: the towers' devices (default: every local logical device).
-        all_reduce, variables, parameter_device, non_trainable, sparse, on_nonfinite,
-        step_timeout, check_replicas_every, reduce_dtype, check_algorithm,
-        loss_denominator, forward_graph, jit_compile: the
-            :class:`~towers.TowerTrainer`'s options, passed through unchanged (the
-            combination is checked against the capability table at ``compile``).
         name: the Keras model's name.
+        **options: the :class:`~towers.TowerTrainer`'s options
+            (:class:`~towers.guard.options.TowerOptions`), each checked here and
+            handed to the trainer unchanged (the combination is checked against the
+            capability table at ``compile``).
 
     Raises:
         TypeError, ValueError: a wrong model, device list or option (naming it).
@@ -80,38 +80,16 @@ class TowerModel(keras.Model):
         self,
         model: keras.Model | Any,
         devices: Sequence[str] | None = None,
-        all_reduce: Any = None,
-        variables: str = "parameter_device",
-        parameter_device: str | None = None,
-        non_trainable: str = "mean",
-        sparse: str | None = None,
-        on_nonfinite: str = "skip",
-        step_timeout: float | None = None,
-        check_replicas_every: int | None = None,
-        reduce_dtype: str = "float32",
-        check_algorithm: bool = True,
-        loss_denominator: str | float = "global",
-        forward_graph: str = "default",
-        jit_compile: bool = False,
         name: str | None = None,
-        **kwargs: Any,
+        **options: Any,
     ) -> None:
-        super().__init__(name=name, **kwargs)
-        placement = naming("variables", lambda: get_placement(variables))
-        check_choice("non_trainable", non_trainable, NON_TRAINABLE)
-        check_choice("on_nonfinite", on_nonfinite, NONFINITE)
-        check_choice("reduce_dtype", reduce_dtype, REDUCE_DTYPES)
+        keras_kwargs = {k: options.pop(k) for k in _KERAS_KWARGS if k in options}
+        super().__init__(name=name, **keras_kwargs)
+        self.options = TowerOptions.of("TowerModel", options)
+        placement = naming("variables", lambda: get_placement(self.options.variables))
         self.devices = naming("devices", lambda: check_devices(devices))
-        self.options: dict[str, Any] = {
-            "all_reduce": all_reduce, "variables": variables, "parameter_device": parameter_device,
-            "non_trainable": non_trainable, "sparse": sparse, "on_nonfinite": on_nonfinite,
-            "step_timeout": step_timeout, "check_replicas_every": check_replicas_every,
-            "reduce_dtype": reduce_dtype, "check_algorithm": check_algorithm,
-            "loss_denominator": loss_denominator, "forward_graph": forward_graph,
-            "jit_compile": jit_compile,
-        }  # fmt: skip
-        pd = naming("parameter_device", lambda: check_devices([parameter_device or
-                                                                self.devices[0]])[0])
+        given = self.options.parameter_device
+        pd = naming("parameter_device", lambda: check_devices([given or self.devices[0]])[0])
         self.network = first_model(model, placement.homes(self.devices, pd)[0])
         # a factory makes the other replicas too (a subclassed model may not clone)
         self._factory: Callable[[], keras.Model] | None = (
@@ -173,7 +151,7 @@ class TowerModel(keras.Model):
         )  # fmt: skip
         compiled: Any = self.optimizer  # type: ignore[has-type]  # Keras sets it untyped
         self.trainer = TowerTrainer(self._replicas(), compiled, trainer_loss,
-                                    devices=self.devices, **self.options)  # fmt: skip
+                                    devices=self.devices, **self.options.arguments())  # fmt: skip
         first: Any = self.trainer.optimizer
         if first is not compiled:  # it was built already: the trainer made a copy
             self.optimizer = first
@@ -312,14 +290,14 @@ class TowerModel(keras.Model):
             ValueError: ``all_reduce`` is not a name (a registry name or ``module:NAME``: a
                 callable cannot be saved).
         """
-        algorithm = self.options["all_reduce"]
+        algorithm = self.options.all_reduce
         if algorithm is not None and not isinstance(algorithm, str):
             raise ValueError(
                 f"all_reduce={algorithm!r} cannot be saved in a .keras file (its config needs a "
                 "registry name or module:NAME); use tm.save_weights (ModelCheckpoint("
                 "save_weights_only=True)) or towers.training.checkpoint, or pass the reducer as "
                 "module:NAME")
-        options = dict(self.options)
+        options = self.options.arguments()
         pd = options["parameter_device"]
         options["parameter_device"] = None if pd is None else _index(self.devices, pd)
         return {

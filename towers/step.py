@@ -7,30 +7,25 @@
     reduced = trainer.reduce(grads)                all-reduce; combine state; sum the loss
     trainer.apply(reduced)                         the optimizer, on every replica
 
-``train_step_shards(shards)`` is the step without its split, for a batch the per-device
-input pipeline already cut and placed (:func:`towers.split.distribute`).
-``train_step`` is exactly these four calls, traced once per input signature: split and
-forward_backward under the caller's Grappler settings (the kernels tf.distribute's
-replicas run), reduce and apply in a nested function traced
-:func:`towers.allreduce.machinery.ordering.as_written` so additions happen in the order the
-code states — one ``tf.function`` call per step on CPUs, two on GPUs
-(``ordering.PhasedStep``; ``forward_graph="as_written"``: all four in one function run
-so, see ``ordering.FORWARD_GRAPHS``); ``reduce`` and ``apply`` sit inside the
-non-finite guard's one ``tf.cond`` (:mod:`towers.guard.nonfinite`), so a step with a
-NaN or Inf on any tower changes nothing. A teacher can call the phases one at a time:
-each in its own ``tf.function`` under ``as_written()``, they give bitwise the step's
-loss, weights and optimizer state (eagerly too with Grappler's ``remapping`` off: a
-fused MatMul+BiasAdd rounds differently; see the README). Collective-op algorithms
-(``nccl``) need a ``tf.function``: their ops on every device must start together.
+``train_step`` is exactly these four calls: split and forward_backward, then reduce and
+apply inside the non-finite guard's one ``tf.cond`` (:meth:`TowerTrainer.reduce_and_apply`:
+a step with a NaN or Inf on any tower changes nothing), all within the deadline
+(:meth:`TowerTrainer._run`). How they are traced — the towers under the caller's Grappler
+settings, reduce and apply as written — is :mod:`towers.compile.step`. A teacher can call
+the phases one at a time: each in its own ``tf.function`` under ``as_written()``, they give
+bitwise the step's loss, weights and optimizer state. ``train_step_shards(shards)`` is the
+step without its split, for a batch the per-device input pipeline already cut and placed
+(:func:`towers.split.distribute`).
 
 Where variables live is the :class:`~towers.placement.Placement`: ``parameter_device``
 applies once on the parameter device, ``replicated`` on every tower's copy.
 Non-trainable state (BatchNormalization's moving statistics) is combined explicitly,
 because Keras 3 under MirroredStrategy lets each replica's copy drift (see the
-project's docs): ``non_trainable="mean"`` (default) averages the towers' updates over
-the towers that saw examples, so every copy stays identical; ``"first_tower"`` keeps
-tower 0's update, reproducing what MirroredStrategy shows when read. Integer state
-(dropout seed counters) advances identically on every tower; tower 0's is kept.
+project's docs): ``semantics="one_device"`` (default) averages the towers' updates over
+the towers that saw examples, so every copy stays identical; ``"mirrored"`` keeps
+tower 0's update, reproducing what MirroredStrategy shows when read
+(:mod:`towers.guard.semantics`). Integer state (dropout seed counters) advances
+identically on every tower; tower 0's is kept.
 """
 
 from __future__ import annotations
@@ -38,33 +33,28 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import keras
 import numpy as np
 import tensorflow as tf
 
-from towers.allreduce.machinery.base import AllReduce, GradientReducer
-from towers.allreduce.machinery.ordering import (
-    FORWARD_GRAPHS,
-    PhasedStep,
-    as_written,
-    nests,
-    replica_scope,
-)
-from towers.allreduce.machinery.primitives import Recorder, record, send
+from towers.allreduce.machinery.ordering import replica_scope
+from towers.allreduce.machinery.primitives import Recorder, send
 from towers.allreduce.machinery.recording import StepStats
-from towers.allreduce.machinery.reducer import SPARSE, as_reducer
+from towers.allreduce.machinery.reducer import as_reducer
 from towers.allreduce.machinery.resolve import get
+from towers.compile.step import CompiledStep, relaxes
 from towers.guard import capabilities
-from towers.guard.arguments import check_bool, check_choice
+from towers.guard.arguments import check_bool
 from towers.guard.deadline import Deadline, settled
-from towers.guard.inputs import batch_tensors, check_batch_against_model, check_kinds, naming
-from towers.guard.loss_denominator import axis_value, check_loss_denominator, tower_divisor
-from towers.guard.loss_scale import REDUCE_DTYPES, LossScale, is_loss_scaled
-from towers.guard.nonfinite import NONFINITE, Guard, sums_exactly
+from towers.guard.inputs import batch_tensors, check_kinds, check_shards, naming
+from towers.guard.loss_scale import LossScale, is_loss_scaled
+from towers.guard.nonfinite import Guard, sums_exactly
+from towers.guard.options import TowerOptions
 from towers.guard.reduces import check_sums
 from towers.guard.replicas import ReplicaCheck
+from towers.guard.semantics import check_semantics, clip_share, tower_divisor, unclipped
 from towers.guard.trainable import TrainableWatch
 from towers.placement import (
     PLACEMENTS,
@@ -77,7 +67,7 @@ from towers.placement import (
     read_weights,
     variable_values,
 )
-from towers.split import Shards, concat, shard_batch, shard_sizes
+from towers.split import Shards, shard_batch
 from towers.tower import (
     Gradients,
     TowerResult,
@@ -87,11 +77,8 @@ from towers.tower import (
 )
 from towers.training.keras_loss import LossFn, loss_divisor, resolve_loss
 from towers.training.losses import OutputLosses, is_structured, reduction_of
-from towers.training.shapes import RelaxedBatch, relaxes
 
-__all__ = ["NON_TRAINABLE", "PLACEMENTS", "Reduced", "StepStats", "TowerTrainer", "check_devices"]
-
-NON_TRAINABLE = ("mean", "first_tower")
+__all__ = ["PLACEMENTS", "Reduced", "StepStats", "TowerTrainer", "check_devices"]
 
 
 class Reduced(NamedTuple):
@@ -122,60 +109,19 @@ class TowerTrainer:
         optimizer: a Keras optimizer or a zero-argument factory.
         loss: a Keras loss, a loss name, or ``(y_true, y_pred) -> per-example losses``.
             A Keras loss's ``reduction`` is honoured over the global batch
-            (:data:`towers.training.keras_loss.REDUCTIONS`); ``"none"`` (per-example values) trains as the default. A model
-            with several outputs takes one per output (a list, a dict by output name, or a
+            (:data:`towers.training.keras_loss.REDUCTIONS`); ``"none"`` (per-example
+            values) trains as the default. A model with several outputs takes one per
+            output (a list, a dict by output name, or a
             :class:`~towers.training.losses.OutputLosses` with weights), or one for all.
         devices: the towers' devices (default: every local logical device).
-        all_reduce: a name from ``towers.ALGORITHMS``, an algorithm callable or a
-            ``GradientReducer``. Default (None) follows the placement: ``"ring"`` for
-            ``sharded``, ``"parameter_device"`` otherwise.
-        variables: ``"parameter_device"`` (one copy, updated on the parameter device;
-            CentralStorageStrategy's layout), ``"replicated"`` (one copy per tower,
-            all updated identically; MirroredStrategy's layout) or ``"sharded"`` (one
-            copy per tower, optimizer state and gradients sharded over the towers, ZeRO
-            1–2; it runs the ring's reduce-scatter; :mod:`towers.allreduce.machinery.sharding`).
-            Which options compose with which is the capability table
-            (:mod:`towers.guard.capabilities`): a combination it refuses raises a
-            ``ValueError`` naming both options before anything is built.
-        parameter_device: where the single copy lives (default: the first tower).
-        non_trainable: ``"mean"`` or ``"first_tower"`` (see the module docstring).
-        sparse: ``"gather"`` (keep ``IndexedSlices``, concatenated in tower order, as
-            MirroredStrategy does) or ``"densify"`` (dense all-reduce of sparse gradients).
-            Default (None) follows the placement: ``"densify"`` for ``sharded`` (a shard
-            owner updates a dense slice), ``"gather"`` otherwise.
-        on_nonfinite: ``"skip"`` (default: a step whose loss, gradients or state hold a
-            NaN/Inf on any tower changes nothing and is counted in :attr:`skipped_steps`),
-            ``"raise"`` (the same, then :class:`~towers.guard.errors.NonFiniteError`) or
-            ``"ignore"`` (apply whatever comes, as tf.distribute does). Skip is the
-            default because one bad batch should neither poison every replica nor end a
-            long run; see :mod:`towers.guard.nonfinite`.
-        step_timeout: seconds a step may run, then ``StepTimeout`` (:mod:`towers.guard.deadline`).
-        check_replicas_every: compare the replicas by checksum every k steps
-            (:mod:`towers.guard.replicas`). Both default to None: off.
-        reduce_dtype: ``"float32"`` (default) or ``"compute"`` (the model's dtype
-            policy's compute dtype) for the gradient all-reduce. Mixed precision is the
-            model's own policy (build it under ``keras.mixed_precision``) and, for
-            float16, a ``keras.optimizers.LossScaleOptimizer``: see
-            :mod:`towers.guard.loss_scale` and docs/mixed_precision.md.
-        check_algorithm: run a user's algorithm (a callable or ``GradientReducer``
-            without a registry record) once on small values on these devices and refuse
-            it, with an ``AlgorithmError``, unless every output is the sum of the inputs
-            (:mod:`towers.guard.reduces`). False skips it (a lossy compression of your own).
-        loss_denominator: what each tower divides its loss sum by: ``"global"`` (default:
-            the true global batch), a positive number (a constant, as an old tutorial's
-            ``GLOBAL_BATCH_SIZE``) or ``"per_replica"`` (its shard size × towers: what
-            ``tf.nn.compute_average_loss`` does without ``global_batch_size``), to port
-            a ``tf.distribute`` loop exactly (:mod:`towers.guard.loss_denominator`).
-        forward_graph: ``"default"`` (the towers' forward/backward compile under the
-            caller's Grappler settings, as tf.distribute's replica step does, and only the
-            reduction and update ``as_written()``: bitwise MirroredStrategy's gradients on
-            real Keras models; on GPUs one more function call per step) or ``"as_written"`` (the
-            whole step in one function, Grappler's rewrites off for the towers' kernels
-            too); the trade-off is measured in
-            :data:`~towers.allreduce.machinery.ordering.FORWARD_GRAPHS`.
-        jit_compile: compile each tower's forward and backward pass with XLA (one
-            cluster per tower, on its device); the reduction and the update stay as
-            written. Not bitwise equal to ``False``: docs/xla.md gives the bound.
+        **options: the trainer's options, each checked and together held in one
+            :class:`~towers.guard.options.TowerOptions` (:attr:`options`; its docstring
+            describes them): ``all_reduce``, ``variables``, ``parameter_device``,
+            ``semantics``, ``sparse``, ``on_nonfinite``, ``step_timeout``,
+            ``check_replicas_every``, ``reduce_dtype``, ``check_algorithm``,
+            ``loss_denominator``, ``forward_graph``, ``jit_compile``. Which compose is the
+            capability table (:mod:`towers.guard.capabilities`): a combination it refuses
+            raises a ``ValueError`` naming both options before anything is built.
 
     Example:
         >>> devices = towers.simulate_devices(4)                      # doctest: +SKIP
@@ -184,58 +130,47 @@ class TowerTrainer:
         >>> loss = trainer.train_step(x, y)                            # doctest: +SKIP
     """
 
+    batch_is_global: ClassVar[bool] = True
+    """The batch handed to :meth:`train_step` is the global batch (``WorkerTrainer``: one
+    worker's part; it cannot take shards, nor trace Keras's relaxed batch)."""
+
     def __init__(
         self,
         model: ModelLike,
         optimizer: OptimizerLike,
         loss: str | LossFn | keras.losses.Loss,
         devices: Sequence[str] | None = None,
-        all_reduce: str | AllReduce | GradientReducer | None = None,
-        variables: str = "parameter_device",
-        parameter_device: str | None = None,
-        non_trainable: str = "mean",
-        sparse: str | None = None,
-        on_nonfinite: str = "skip",
-        step_timeout: float | None = None,
-        check_replicas_every: int | None = None,
-        reduce_dtype: str = "float32",
-        check_algorithm: bool = True,
-        loss_denominator: str | float = "global",
-        forward_graph: str = "default",
-        jit_compile: bool = False,
+        **options: Any,
     ) -> None:
         check_kinds(model, optimizer, loss)
         # Every argument is checked, and their combination against the capability table,
         # before any replica, variable or reducer state is built.
-        check_choice("on_nonfinite", on_nonfinite, NONFINITE)
-        check_choice("reduce_dtype", reduce_dtype, REDUCE_DTYPES)
-        self.forward_graph = check_choice("forward_graph", forward_graph, FORWARD_GRAPHS)
+        self.options = o = TowerOptions.of(type(self).__name__, options)
         self.devices = naming("devices", lambda: check_devices(devices))
-        self.placement = naming("variables", lambda: get_placement(variables))
-        all_reduce = capabilities.default_all_reduce(self.placement.name, all_reduce)
-        self.non_trainable_mode = check_choice("non_trainable", non_trainable, NON_TRAINABLE)
+        self.placement = naming("variables", lambda: get_placement(o.variables))
+        all_reduce = capabilities.default_all_reduce(self.placement.name, o.all_reduce)
         self.parameter_device = naming(
-            "parameter_device", lambda: check_devices([parameter_device or self.devices[0]])[0]
+            "parameter_device", lambda: check_devices([o.parameter_device or self.devices[0]])[0]
         )
         if is_structured(loss):  # a loss per output (bound to the model's outputs below)
             loss = OutputLosses(loss)
         self.loss_fn = loss if isinstance(loss, OutputLosses) else resolve_loss(loss)
         self.loss_reduction = reduction_of(loss)  # Keras' reduction, over the global batch
-        self.loss_denominator = check_loss_denominator(loss_denominator, self.loss_reduction)
+        kind_of_optimizer = _optimizer_object(optimizer)
+        check_semantics(o.semantics, o.divisor, self.loss_reduction, kind_of_optimizer)
         reducer = naming(
             "all_reduce", lambda: get(all_reduce, parameter_device=self.parameter_device))
         kind = capabilities.algorithm_kind(reducer)
-        self.sparse = check_choice(
-            "sparse", capabilities.default_sparse(self.placement.name, kind, sparse), SPARSE)
-        self.jit_compile = check_bool("jit_compile", jit_compile)
-        self.options = self._options(kind, optimizer, on_nonfinite, reduce_dtype, step_timeout,
-                                     check_replicas_every, check_algorithm)
-        self.options["jit_compile"] = "on" if self.jit_compile else "off"
-        capabilities.check(self.options, {"all_reduce": capabilities.spell(all_reduce)})
-        capabilities.check_limits(self.options, reducer)
-        self.deadline = Deadline(step_timeout, reducer)
+        self.sparse = capabilities.default_sparse(self.placement.name, kind, o.sparse)
+        trainer = type(self).__name__
+        self.cell = o.cell(trainer if trainer in capabilities.AXES["trainer"] else "TowerTrainer",
+                           self.placement.name, kind, self.sparse,
+                           is_loss_scaled(kind_of_optimizer))  # fmt: skip
+        capabilities.check(self.cell, {"all_reduce": capabilities.spell(all_reduce)})
+        capabilities.check_limits(self.cell, reducer)
+        self.deadline = Deadline(o.step_timeout, reducer)
         self.algorithm: Any = self.deadline.algorithm  # step_timeout bound where it takes one
-        self.replica_check = ReplicaCheck(check_replicas_every)
+        self.replica_check = ReplicaCheck(o.check_replicas_every)
         self.reducer = as_reducer(self.algorithm, sparse=self.sparse)
         homes = self.placement.homes(self.devices, self.parameter_device)
         self.replicas: list[Replica] = self.placement.make_replicas(
@@ -248,79 +183,21 @@ class TowerTrainer:
             per_output = self.loss_fn
             naming("loss", lambda: per_output.bind(self.model))
         self.reducer.build(self.model.trainable_variables, self.devices)
-        self.loss_scale = LossScale(self.optimizer, self.model, reduce_dtype)
-        if check_algorithm:  # a user's algorithm must sum (the registry's are proved)
+        self.loss_scale = LossScale(self.optimizer, self.model, o.reduce_dtype)
+        if o.check_algorithm:  # a user's algorithm must sum (the registry's are proved)
             check_sums(reducer, self.devices, self.model.trainable_variables,
                        self.loss_scale.wire_dtype)  # fmt: skip
         self.guard = Guard(
-            on_nonfinite, len(self.devices), self.parameter_device, self.loss_scale.active,
+            o.on_nonfinite, len(self.devices), self.parameter_device, self.loss_scale.active,
             agree=self.across_processes,
         )
-        # reduce before the guard's cond, checking the reduced gradients (one process)
-        self._reduce_first = on_nonfinite != "ignore" and sums_exactly(
-            reducer, self.placement.name) and type(self).reduce is TowerTrainer.reduce
+        # an exact sum reduces before the guard's cond, which checks one reduced copy
+        self._reduce_first = o.on_nonfinite != "ignore" and sums_exactly(
+            reducer, self.placement.name)
         self.trace_count = 0
         self.last_trace_stats: Recorder | None = None
-        self._forward_stats = Recorder()
         self.trainable_watch = TrainableWatch(self.replicas, self.placement.name)
-        self._new_step_functions()
-
-    def _new_step_functions(self) -> None:
-        # No reduce_retracing: a static batch size gives static shard sizes (empty towers are
-        # skipped at trace time); a new batch size costs one more trace, not one per step.
-        self._whole = tf.function(self._train_step, autograph=False)
-        self._step: Any = self._whole
-        self._step_with_outputs: Any = tf.function(
-            functools.partial(self._train_step, with_outputs=True), autograph=False
-        )
-        self._shard_step: Any = tf.function(self._train_shards, autograph=False)
-        self._shard_step_with_outputs: Any = tf.function(
-            functools.partial(self._train_shards, with_outputs=True), autograph=False
-        )
-        self._nested = nests((*self.devices, self.parameter_device))
-        if self.forward_graph == "default":  # forward_graph: ordering.FORWARD_GRAPHS
-            phased = functools.partial(PhasedStep, update=self._update_phase, nested=self._nested)
-            self._step = phased(self._forward_phase)
-            self._step_with_outputs = phased(
-                functools.partial(self._forward_phase, with_outputs=True), with_outputs=True)
-            self._shard_step = phased(self._forward_shards)
-            self._shard_step_with_outputs = phased(
-                functools.partial(self._forward_shards, with_outputs=True), with_outputs=True)
-            relaxed = phased(functools.partial(self._forward_phase, with_outputs=True),
-                             with_outputs=True)  # fmt: skip
-        else:
-            relaxed = tf.function(functools.partial(self._train_step, with_outputs=True),
-                                  autograph=False)  # fmt: skip
-        # TowerModel.fit's step on a dataset whose batch dimension is unknown: functions of
-        # its own, traced as Keras traces (towers.training.shapes)
-        self._relaxed_step = RelaxedBatch(relaxed)
-
-    def _options(
-        self, kind: str, optimizer: Any, on_nonfinite: str, reduce_dtype: str,
-        step_timeout: float | None, check_replicas_every: int | None, check_algorithm: bool,
-    ) -> dict[str, str]:
-        """This trainer's cell of the capability table (:mod:`towers.guard.capabilities`).
-
-        An optimizer factory is called once here to learn its kind (the object is
-        dropped; the replicas call the factory again)."""
-        if callable(optimizer) and not isinstance(optimizer, keras.optimizers.Optimizer):
-            optimizer = optimizer()
-        return {
-            "trainer": type(self).__name__ if type(self).__name__ in capabilities.AXES["trainer"]
-            else "TowerTrainer",
-            "variables": self.placement.name,
-            "all_reduce": kind,
-            "optimizer": "loss_scale" if is_loss_scaled(optimizer) else "plain",
-            "on_nonfinite": on_nonfinite,
-            "reduce_dtype": reduce_dtype,
-            "sparse": self.sparse,
-            "step_timeout": "off" if step_timeout is None else "on",
-            "non_trainable": self.non_trainable_mode,
-            "check_replicas_every": "off" if check_replicas_every is None else "on",
-            "check_algorithm": "on" if check_algorithm else "off",
-            "loss_denominator": axis_value(self.loss_denominator),
-            "forward_graph": self.forward_graph,
-        }
+        self.compiled = CompiledStep(self)
 
     def _follow_trainable(self) -> None:
         """A change of ``trainable`` on :attr:`model` since the last step: every replica
@@ -328,7 +205,7 @@ class TowerTrainer:
         (:mod:`towers.guard.trainable`; ``sharded`` refuses)."""
         if self.trainable_watch.changed(self.replicas):
             self.reducer.build(self.model.trainable_variables, self.devices)
-            self._new_step_functions()
+            self.compiled = CompiledStep(self)
 
     @property
     def model(self) -> keras.Model:
@@ -365,16 +242,14 @@ class TowerTrainer:
                 trainable): :mod:`towers.guard.trainable`.
         """
         self._follow_trainable()
-        step = self._step_with_outputs if return_outputs else self._step
-        return self._run_step(step, self._inputs(x, y, sample_weight))
+        return self._run(self.compiled.steps[return_outputs], self._inputs(x, y, sample_weight))
 
     def train_step_as_keras(self, x: Any, y: Any, sample_weight: Any, *,
                             batch_unknown: bool) -> Any:  # fmt: skip
         """:meth:`train_step` with ``return_outputs=True`` as ``TowerModel.fit`` calls it:
-        with ``batch_unknown`` (Keras's dataset has no fixed batch size) the step is traced
-        with the batch dimension unknown, as Keras's own step is
-        (:mod:`towers.training.shapes`), unless this batch leaves a tower empty (that
-        trace stays static: an empty tower does not run the model).
+        with ``batch_unknown`` (Keras's dataset has no fixed batch size) traced with the
+        batch dimension unknown, as Keras's own step is (:mod:`towers.compile.step`),
+        unless this batch leaves a tower empty (an empty tower does not run the model).
 
         Raises:
             TypeError: ``batch_unknown`` is not True or False.
@@ -383,9 +258,8 @@ class TowerTrainer:
         check_bool("batch_unknown", batch_unknown)
         self._follow_trainable()
         inputs = self._inputs(x, y, sample_weight)
-        relax = type(self).split is TowerTrainer.split and relaxes(  # a WorkerTrainer: no
-            batch_unknown, inputs[0], len(self.devices))  # fmt: skip
-        return self._run_step(self._relaxed_step if relax else self._step_with_outputs, inputs)
+        relax = self.batch_is_global and relaxes(batch_unknown, inputs[0], len(self.devices))
+        return self._run(self.compiled.relaxed if relax else self.compiled.steps[True], inputs)
 
     def train_step_shards(self, shards: Shards, *, return_outputs: bool = False) -> Any:
         """Run one step on a global batch already split over the towers; return its loss.
@@ -397,171 +271,84 @@ class TowerTrainer:
         same global batch. ``return_outputs`` as in :meth:`train_step`.
 
         Raises:
-            TypeError: ``shards`` is not a :class:`~towers.split.Shards`; a subclass that
-                cuts its own batches (``WorkerTrainer``: its global batch spans workers).
-            ValueError: it has a part per tower other than this trainer's count, sizes
-                that are not MirroredStrategy's split of ``global_batch`` examples, no
-                example at all, or a part that does not fit the model.
+            TypeError: ``shards`` is not a :class:`~towers.split.Shards`; a trainer whose
+                batches are not global (``WorkerTrainer``: its global batch spans workers).
+            ValueError: a part per tower other than this trainer's count, sizes that are
+                not MirroredStrategy's split of ``global_batch`` examples, no example at
+                all, or a part that does not fit the model.
             NonFiniteError, StepTimeout, ReplicaMismatchError: as :meth:`train_step`.
         """
-        shards = self._shard_inputs(shards)
+        if not self.batch_is_global:
+            name = type(self).__name__
+            raise TypeError(f"train_step_shards: {name} cuts its batches itself ({name}.split);"
+                            " give it whole batches (train_step)")  # fmt: skip
+        shards = check_shards(shards, self.devices, self.model)
         self._follow_trainable()
-        step = self._shard_step_with_outputs if return_outputs else self._shard_step
-        return self._run_step(step, (shards,))
+        return self._run(self.compiled.steps[return_outputs], (shards,))
 
-    def _run_step(self, step: Any, inputs: tuple[Any, ...]) -> Any:
-        # forward_graph="default": PhasedStep traces its update as_written() itself
-        whole = self.forward_graph == "as_written"
-        with as_written() if whole else contextlib.nullcontext():
-            result = self.deadline.run(step, inputs)
+    def _run(self, step: Any, inputs: tuple[Any, ...]) -> Any:
+        """The wrappers around the compiled step, in the order they apply: the deadline
+        times its execution (:mod:`towers.guard.deadline`; inside it, the non-finite guard's
+        ``tf.cond`` holds reduce and apply: :meth:`reduce_and_apply`), then a skipped step
+        raises if asked to, then the replicas are compared every k steps."""
+        result = self.deadline.run(step, inputs)
         self.guard.raise_if_nonfinite(self.optimizer, self.devices)
         self.replica_check.after_step(self.replicas, self.deadline.name)
         return result
 
-    def retrace(self) -> None:
-        """Trace the step again on its next call: an optimizer's Python hyperparameter
-        (``weight_decay``, ``clipnorm``, …) is a constant in the traced graph, so a change
-        of one reaches the step only through a new trace (``towers.TowerModel`` calls this)."""
-        self._new_step_functions()
-
-    def step_function(self, x: Any, y: Any, sample_weight: Any = None) -> Any:
-        """The step traced for this input signature as one graph (a ``ConcreteFunction``;
-        with ``forward_graph="default"`` the step runs the same ops with its reduction and
-        update in a nested function, ``ordering.PhasedStep``)."""
-        self._follow_trainable()
-        return self._whole.get_concrete_function(*self._inputs(x, y, sample_weight))
-
-    def _inputs(self, x: Any, y: Any, sample_weight: Any) -> tuple[Any, Any, Any]:
-        return batch_tensors(x, y, sample_weight, self.model)
-
-    def _shard_inputs(self, shards: Any) -> Shards:
-        """``shards`` checked for :meth:`train_step_shards`; sample weights in the model's dtype."""
-        if type(self).split is not TowerTrainer.split:  # WorkerTrainer: B spans the workers
-            raise TypeError(f"train_step_shards: {type(self).__name__} cuts its batches itself "
-                            f"({type(self).__name__}.split); give it whole batches "
-                            "(train_step)")  # fmt: skip
-        if not isinstance(shards, Shards):
-            raise TypeError("shards must be a towers.split.Shards (from towers.split.distribute "
-                            f"or trainer.split), got {type(shards).__name__}")  # fmt: skip
-        n = len(self.devices)
-        if len(shards.parts) != n or any(len(p) != 3 for p in shards.parts):
-            raise ValueError(f"shards must hold {n} parts (x, y, sample_weight), one per tower; "
-                             f"got {len(shards.parts)}")  # fmt: skip
-        # static where known: inside a caller's tf.function (Keras' train_step) they may not be
-        total, sizes = tf.get_static_value(shards.global_batch), shards.sizes
-        if total is not None and None not in sizes and (
-                total < 1 or sizes != shard_sizes(int(total), n)):  # fmt: skip
-            raise ValueError(f"shards: sizes {sizes} are not MirroredStrategy's split of a "
-                             f"global batch of {total} over {n} towers "
-                             f"({shard_sizes(max(int(total), 0), n)})")  # fmt: skip
-        check_batch_against_model(*shards.parts[0], self.model)
-        dtype = tf.as_dtype(self.model.trainable_variables[0].dtype)
-        parts = []
-        for x, y, w in shards.parts:
-            if w is not None and w.dtype != dtype:
-                with tf.device(w.device):
-                    w = tf.cast(w, dtype)
-            parts.append((x, y, w))
-        return Shards(tuple(parts), shards.global_batch)
-
-    def _train_step(self, x: Any, y: Any, sample_weight: Any, with_outputs: bool = False) -> Any:
-        return self._step_body(lambda: self.split(x, y, sample_weight), with_outputs)
-
-    def _train_shards(self, shards: Shards, with_outputs: bool = False) -> Any:
-        return self._step_body(lambda: shards, with_outputs)  # split by the input pipeline
-
-    def _step_body(self, make_shards: Any, with_outputs: bool) -> Any:
-        self.trace_count += 1
-        with record() as recorder:
-            with tf.name_scope("split"):  # name scopes: the profiler's phases (bench.phases)
-                shards = make_shards()
-            grads = self.forward_backward(shards)
-            # reduce → apply inside the guard's one tf.cond: all of it or nothing
-            with tf.name_scope("guard"):
-                loss = self._guarded(grads)
-            if with_outputs:
-                outputs = concat([r.outputs for r in grads.towers], self.parameter_device)
-        self.last_trace_stats = recorder
-        return (loss, outputs) if with_outputs else loss
-
-    def _forward_phase(
-        self, x: Any, y: Any, sample_weight: Any, with_outputs: bool = False
-    ) -> tuple[Gradients, Any]:
-        """``forward_graph="default"``'s forward: split, forward_backward (``PhasedStep``)."""
-        return self._forward_body(lambda: self.split(x, y, sample_weight), with_outputs)
-
-    def _forward_shards(self, shards: Shards, with_outputs: bool = False) -> tuple[Gradients, Any]:
-        return self._forward_body(lambda: shards, with_outputs)  # split by the input pipeline
-
-    def _forward_body(self, make_shards: Any, with_outputs: bool) -> tuple[Gradients, Any]:
-        self.trace_count += 1
-        with record() as recorder:
-            with tf.name_scope("split"):
-                shards = make_shards()
-            grads = self.forward_backward(shards)
-            outputs = None
-            if with_outputs:
-                outputs = concat([r.outputs for r in grads.towers], self.parameter_device)
-        self._forward_stats = recorder
-        # the towers' model outputs are not handed over: the update never reads them, and
-        # every tensor that crosses into the update costs its call
-        return Gradients(tuple(_unchanged_as_none(r)._replace(outputs=None)
-                               for r in grads.towers)), outputs  # fmt: skip
-
-    def _update_phase(self, grads: Gradients) -> tf.Tensor:
-        """Its update (traced ``as_written()``): the guard's reduce and apply, as in the step."""
-        variables = self.model.trainable_variables
-        with tf.name_scope("forward_backward"):  # the towers' results, handed over (profiler)
-            handed = Gradients(tuple(
-                _none_as_unchanged(r, self.replica_of(i))._replace(grads=[
-                    _static_dense_shape(g, v) for g, v in zip(r.grads, variables)])
-                for i, r in enumerate(grads.towers)
-            ))  # fmt: skip
-            grads = handed.on_devices(self.devices)  # arguments come without a device
-        # Nested (one call, CPUs), the arguments arrive on the call op's device and the
-        # guard checks them on its own device: checks pinned to the towers' devices would
-        # add one partition per device to the nested function, each an executor run per
-        # step (docs/performance.md). Two calls (GPUs): on the towers, as in the step.
-        with record() as recorder, tf.name_scope("guard"):
-            loss = self._guarded(grads, handed.towers if self._nested else None)
-        self.last_trace_stats = Recorder(self._forward_stats.transfers + recorder.transfers)
-        return loss
-
-    def _guarded(self, grads: Gradients, central: Sequence[TowerResult] | None = None) -> tf.Tensor:
+    def reduce_and_apply(self, grads: Gradients, central: Sequence[TowerResult] | None = None
+                         ) -> tf.Tensor:  # fmt: skip
         """Reduce → apply inside the guard's one ``tf.cond``: all of it or nothing.
 
-        When the reduction :func:`~towers.guard.nonfinite.sums_exactly` (and keeps no
-        state), it runs before the cond and the guard's fast path sums one copy of the
-        reduced gradients instead of every tower's: a NaN or Inf anywhere is one there.
-        ``central``: the towers' results as the nested update received them, checked on
+        A reduction that :func:`~towers.guard.nonfinite.sums_exactly` runs before the cond,
+        and the guard checks one copy of the reduced gradients instead of every tower's (a
+        NaN or Inf anywhere is one there). ``apply`` waits for every reduced value
+        (:func:`~towers.guard.deadline.settled`: a hung reduction changes nothing).
+        ``central``: the towers' results as a nested update received them, checked on
         the guard's device (default: ``grads``' on the towers' devices).
         """
-        towers = grads.towers if central is None else central
-        run = functools.partial(self.guard.run, towers, self.devices, central=central is not None)
-        if not self._reduce_first:
-            return run(functools.partial(self._update, grads))  # update(grads_finite)
-        with tf.name_scope("reduce"):
-            reduced = self.reduce(grads)
-        return run(functools.partial(self._update_reduced, reduced),
-                   reduced=self.placement.covering(reduced.grads))
+        early = None
+        if self._reduce_first:
+            with tf.name_scope("reduce"):
+                early = self.reduce(grads)
 
-    def _update(self, grads: Gradients, grads_finite: tf.Tensor | None = None) -> tf.Tensor:
-        with tf.name_scope("reduce"):
-            reduced = self.reduce(grads)
-        return self._update_reduced(reduced, grads_finite)
+        def update(grads_finite: tf.Tensor | None) -> tf.Tensor:
+            reduced = early
+            if reduced is None:
+                with tf.name_scope("reduce"):
+                    reduced = self.reduce(grads)
+            if self.loss_scale.active:  # one flag for every replica's dynamic scale
+                flag = self.loss_scale.finite(reduced.grads[0], grads_finite,
+                                              self.parameter_device)  # fmt: skip
+                reduced = reduced._replace(grads_finite=flag)
+            with tf.name_scope("apply"):
+                settled(reduced, self.apply)
+            return reduced.loss
 
-    def _update_reduced(self, reduced: Reduced, grads_finite: tf.Tensor | None = None) -> tf.Tensor:
-        if self.loss_scale.active:  # one flag for every replica's dynamic scale
-            flag = self.loss_scale.finite(reduced.grads[0], grads_finite, self.parameter_device)
-            reduced = reduced._replace(grads_finite=flag)
-        with tf.name_scope("apply"):
-            settled(reduced, self.apply)  # nothing changes before every reduction completed
-        return reduced.loss
+        covering = None if early is None else self.placement.covering(early.grads)
+        return self.guard.run(grads.towers if central is None else central, self.devices,
+                              update, reduced=covering, central=central is not None)  # fmt: skip
 
     def across_processes(self, counts: tf.Tensor) -> tf.Tensor:
         """The guard's counts of bad towers summed over every process that steps together
         (the hook a multi-process trainer overrides; here: this process alone)."""
         return counts
+
+    def retrace(self) -> None:
+        """Trace the step again on its next call: an optimizer's Python hyperparameter
+        (``weight_decay``, ``clipnorm``, …) is a constant in the traced graph, so a change
+        of one reaches the step only through a new trace (``towers.TowerModel`` calls this)."""
+        self.compiled = CompiledStep(self)
+
+    def step_function(self, x: Any, y: Any, sample_weight: Any = None) -> Any:
+        """The step traced for this input signature as one graph (a ``ConcreteFunction``;
+        with ``forward_graph="default"`` the step runs the same ops with its reduction and
+        update in a nested function: :class:`~towers.compile.step.PhasedStep`)."""
+        self._follow_trainable()
+        return self.compiled.whole[False].get_concrete_function(*self._inputs(x, y, sample_weight))
+
+    def _inputs(self, x: Any, y: Any, sample_weight: Any) -> tuple[Any, Any, Any]:
+        return batch_tensors(x, y, sample_weight, self.model)
 
     def split(self, x: Any, y: Any, sample_weight: Any = None) -> Shards:
         """Phase 1: cut the global batch into one shard per tower (MirroredStrategy's split).
@@ -618,7 +405,7 @@ class TowerTrainer:
         """
         if divisor is None:
             divisor = self.loss_divisor(shards)
-        divisor = tower_divisor(self.loss_denominator, divisor, shards.parts[tower],
+        divisor = tower_divisor(self.options.divisor, divisor, shards.parts[tower],
                                 len(self.devices))  # fmt: skip
         device, replica = self.devices[tower], self.replica_of(tower)
         with replica_scope(tower):  # MirroredStrategy's names: Grappler reads them
@@ -628,7 +415,7 @@ class TowerTrainer:
                 global_batch=divisor, num_towers=len(self.devices), device=device,
                 backward=backward,
                 loss_scale=self.loss_scale.scale(replica.optimizer, replica.device, device),
-                jit_compile=self.jit_compile, loss_reduction=self.loss_reduction,
+                jit_compile=self.options.jit_compile, loss_reduction=self.loss_reduction,
             )  # fmt: skip
 
     def reduce(self, grads: Gradients) -> Reduced:
@@ -638,12 +425,15 @@ class TowerTrainer:
         then the placement picks what each replica applies.
         """
         grads = grads.on_devices(self.devices)
-        summed = self.placement.reduce(self.reducer, self.loss_scale.to_wire(grads.grads))
+        shares = grads.grads
+        if self.options.semantics == "mirrored":  # each tower's share clipped, as Keras 3 does
+            shares = [self._clipped(i, g) for i, g in enumerate(shares)]
+        summed = self.placement.reduce(self.reducer, self.loss_scale.to_wire(shares))
         pending = tuple(self.reducer.take_pending())  # assigned in apply, if applied
         dtypes = [v.dtype for v in self.model.trainable_variables]
         reduced = self.loss_scale.from_wire(summed, dtypes)
         state = combine_non_trainable(
-            grads.towers, first_tower=self.non_trainable_mode == "first_tower",
+            grads.towers, first_tower=self.options.semantics == "mirrored",
             device=self.parameter_device, variables=self.model.non_trainable_variables,
         )  # fmt: skip
         p = self.parameter_device
@@ -651,12 +441,21 @@ class TowerTrainer:
             loss = tf.add_n([send(r.loss, p, note="loss") for r in grads.towers])
         return Reduced(reduced, state, loss, reducer_state=pending)
 
+    def _clipped(self, tower: int, grads: list[Any]) -> list[Any]:
+        with tf.device(self.devices[tower]):
+            return clip_share(self.replica_of(tower).optimizer, grads)
+
+    def _unclipped(self, optimizer: Any) -> Any:
+        """``"mirrored"``: the shares were clipped before the all-reduce, not the sum."""
+        mirrored = self.options.semantics == "mirrored"
+        return unclipped(optimizer) if mirrored else contextlib.nullcontext()
+
     def apply(self, reduced: Reduced) -> None:
         """Phase 4: each optimizer applies its gradients (every replica's, or every shard
         owner's), the placement finishes (``sharded``: all-gather), the state is assigned,
         and the reducer's new state with it (not on a loss-scale overflow)."""
         for update in self.placement.updates(self.replicas, reduced.grads):
-            with tf.device(update.device):
+            with tf.device(update.device), self._unclipped(update.optimizer):
                 self.loss_scale.apply(
                     update.optimizer, update.grads, reduced.grads_finite,
                     functools.partial(_apply_gradients, variables=update.variables),
@@ -723,36 +522,12 @@ class TowerTrainer:
         return [variable_values(r.model.weights) for r in self.replicas]
 
 
-def _unchanged_as_none(result: TowerResult) -> TowerResult:
-    """A tower's result as the first phase returns it: a ``tf.function`` turns the Python
-    ``changed`` flags into tensors, so a state value no tower pass assigned is returned as
-    None instead (part of the output structure, hence of the second phase's trace)."""
-    if result.changed is None:
-        return result
-    kept = [None if c is False else v for v, c in zip(result.non_trainable, result.changed)]
-    return result._replace(non_trainable=kept, changed=None)
-
-
-def _none_as_unchanged(result: TowerResult, replica: Replica) -> TowerResult:
-    """:func:`_unchanged_as_none` undone in the second phase: the variable's value (nothing
-    assigned it since the first phase read it) and ``changed`` False."""
-    if all(v is not None for v in result.non_trainable):
-        return result
-    with tf.device(replica.device):
-        values = [tf.convert_to_tensor(var.value) if v is None else v
-                  for v, var in zip(result.non_trainable, replica.model.non_trainable_variables)]
-    changed = tuple(v is not None for v in result.non_trainable)
-    return result._replace(non_trainable=values, changed=changed)
-
-
-def _static_dense_shape(grad: Any, variable: Any) -> Any:
-    """An ``IndexedSlices`` argument's ``dense_shape`` is a tensor of unknown value; the
-    variable's static shape restores what the one-function step knows (``densify``)."""
-    if not isinstance(grad, tf.IndexedSlices) or not variable.shape.is_fully_defined():
-        return grad
-    dtype = tf.int64 if grad.dense_shape is None else grad.dense_shape.dtype
-    shape = tf.constant(variable.shape.as_list(), dtype)
-    return tf.IndexedSlices(grad.values, grad.indices, shape)
+def _optimizer_object(optimizer: Any) -> Any:
+    """An optimizer factory called once to learn the optimizer's kind (the object is
+    dropped; the replicas call the factory again)."""
+    if callable(optimizer) and not isinstance(optimizer, keras.optimizers.Optimizer):
+        return optimizer()
+    return optimizer
 
 
 def _apply_gradients(optimizer: Any, grads: list[Any], variables: list[Any]) -> None:

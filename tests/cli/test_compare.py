@@ -113,7 +113,7 @@ def per_replica_trainer(model_fn: Any, optimizer_fn: Any, loss: Any, devices: li
     from towers import TowerTrainer
 
     return TowerTrainer(model_fn, optimizer_fn, loss, devices=devices, all_reduce="ring",
-                        variables="replicated", loss_denominator="per_replica")  # fmt: skip
+                        variables="replicated", semantics="mirrored")  # fmt: skip
 
 
 def test_invariance_of_a_users_step_factory(capsys, data: str) -> None:

@@ -68,7 +68,7 @@ def test_tower_trainer_on_remote_towers_equals_one_process_bitwise(
     client: dict[str, np.ndarray], reference: dict[str, np.ndarray]
 ) -> None:
     """Bitwise since the guard checks the nested update's arguments on the update's own
-    device (``TowerTrainer._update_phase``). Before, the remote tasks ran the guard's
+    device (``CompiledStep.update``). Before, the remote tasks ran the guard's
     checks, and its doubt branch, as their own pieces of the update, and one bias element
     came out 1 ULP off after 2 steps (an xfail here until 2026-11-24); which piece rounded
     differently was not isolated."""

@@ -90,7 +90,7 @@ def test_a_nan_batch_is_skipped_and_raise_raises_after_changing_nothing() -> Non
 
 
 @pytest.mark.parametrize("kwargs", [
-    {"check_replicas_every": 1}, {"step_timeout": 60.0}, {"non_trainable": "first_tower"},
+    {"check_replicas_every": 1}, {"step_timeout": 60.0},
     {"variables": "parameter_device"}, {"all_reduce": CrossWorker(1, op="sum")},
     {"all_reduce": "ring"},  # one worker: any local algorithm is the whole reduction
 ], ids=str)
@@ -152,11 +152,14 @@ def test_state_across_workers_is_refused_naming_the_variables_and_modes() -> Non
         return keras.Sequential([keras.Input((6,)), keras.layers.Dense(3),
                                  keras.layers.BatchNormalization()])
 
-    for mode in ("mean", "first_tower"):
-        with pytest.raises(ValueError, match=r"num_workers=2.*moving_mean.*'mean' and "
-                                             r"'first_tower'.*TowerTrainer"):
-            WorkerTrainer(with_bn, keras.optimizers.SGD(0.1), LOSS, devices=DEVICES[:2],
-                          num_workers=2, non_trainable=mode)
+    with pytest.raises(ValueError, match=r"num_workers=2.*moving_mean.*"
+                                         r"semantics='one_device'.*TowerTrainer"):
+        WorkerTrainer(with_bn, keras.optimizers.SGD(0.1), LOSS, devices=DEVICES[:2],
+                      num_workers=2)
+    with pytest.raises(ValueError, match=r"trainer='WorkerTrainer'.*semantics='mirrored' is "
+                                         r"refused.*semantics='one_device'"):
+        WorkerTrainer(with_bn, keras.optimizers.SGD(0.1), LOSS, devices=DEVICES[:2],
+                      num_workers=2, semantics="mirrored")
     one = WorkerTrainer(with_bn, keras.optimizers.SGD(0.1), LOSS, devices=DEVICES[:2],
                         num_workers=1)  # one worker: its towers are all the copies
     one.train_step(*_batch(4))

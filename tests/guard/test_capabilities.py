@@ -53,14 +53,14 @@ from towers.testing import ModelSpec, loss_fn, per_tower_gradients, sgd_step_bou
 
 LR = 0.1
 STEP_AXES = ("variables", "all_reduce", "optimizer", "on_nonfinite", "reduce_dtype", "sparse",
-             "step_timeout", "non_trainable", "check_replicas_every", "check_algorithm",
+             "step_timeout", "semantics", "check_replicas_every", "check_algorithm",
              "loss_denominator", "forward_graph", "jit_compile")
 """The axes a ``TowerTrainer`` takes (trainer kinds are tests/cluster's)."""
 TOWER_KINDS = tuple(k for k in AXES["all_reduce"] if k != "cross-worker")
 REGISTERED = tuple(sorted(n for n in towers.ALGORITHMS if n not in (*COLLECTIVE_OPS, "ring")))
 FAMILIES = ("dense", "embedding", "regularized", "batchnorm")
 LOSSY = ("compressed", "compressed+state")
-DENOMINATORS: dict[str, Any] = {"global": "global", "constant": 16, "per_replica": "per_replica"}
+DENOMINATORS: dict[str, Any] = {"semantics": None, "global": "global", "constant": 16}
 """A ``loss_denominator`` argument per axis value (the reference takes the same one)."""
 
 
@@ -107,7 +107,7 @@ def build(options: dict[str, str], k: int, spec: ModelSpec, n: int,
         on_nonfinite=options["on_nonfinite"], reduce_dtype=options["reduce_dtype"],
         sparse=options["sparse"],
         step_timeout=None if options["step_timeout"] == "off" else 120.0,
-        non_trainable=options["non_trainable"],
+        semantics=options["semantics"],
         check_replicas_every=None if options["check_replicas_every"] == "off" else 1,
         check_algorithm=options["check_algorithm"] == "on",
         loss_denominator=DENOMINATORS[options["loss_denominator"]],
@@ -168,6 +168,8 @@ def _heavier(options: dict[str, str], size: int, n: int) -> float:
     """How much heavier a tower's loss may weigh under ``loss_denominator`` than over the
     global batch (``per_tower_gradients`` divides by it): the bound's Σ|g_i| scales by it."""
     rule = DENOMINATORS[options["loss_denominator"]]
+    if rule is None:  # the semantics' divisor
+        rule = "per_replica" if options["semantics"] == "mirrored" else "global"
     if rule == "global":
         return 1.0
     smallest = size // n or 1  # per_replica: the smallest non-empty shard × n towers
@@ -310,9 +312,9 @@ def _refused_cells() -> list[dict[str, str]]:
                 continue  # not a TowerTrainer's (refused with trainer= above)
             base = {"variables": "replicated", "all_reduce": "ring", "optimizer": "plain",
                     "on_nonfinite": "skip", "reduce_dtype": "float32", "sparse": "gather",
-                    "step_timeout": "off", "non_trainable": "mean",
+                    "step_timeout": "off", "semantics": "one_device",
                     "check_replicas_every": "off", "check_algorithm": "on",
-                    "loss_denominator": "global", "forward_graph": "default",
+                    "loss_denominator": "semantics", "forward_graph": "default",
                     "jit_compile": "off"}
             cells.append({**base, a: x, b: y})
     return cells
@@ -368,8 +370,8 @@ def test_defaults_follow_the_placement() -> None:
     spec = ModelSpec("embedding")
     sharded = towers.TowerTrainer(spec.build, keras.optimizers.SGD(LR), loss_fn(),
                                   devices=DEVICES[:3], variables="sharded")  # fmt: skip
-    assert (sharded.options["all_reduce"], sharded.sparse) == ("ring", "densify")
+    assert (sharded.cell["all_reduce"], sharded.sparse) == ("ring", "densify")
     sharded.train_step(*spec.batch(5, seed=0))  # an Embedding trains without naming sparse
     replicated = towers.TowerTrainer(spec.build, keras.optimizers.SGD(LR), loss_fn(),
                                      devices=DEVICES[:3], variables="replicated")  # fmt: skip
-    assert (replicated.options["all_reduce"], replicated.sparse) == ("registered", "gather")
+    assert (replicated.cell["all_reduce"], replicated.sparse) == ("registered", "gather")

@@ -220,7 +220,8 @@ def test_step_timeout_says_truthfully_whether_the_step_was_applied(
     monkeypatch.setattr(deadline, "_TIMED_OUT", [])
     trainer = _trainer("naive", step_timeout=0.05)
     batch = SPEC.batch(6, seed=0)
-    monkeypatch.setattr(trainer, "_step", _WhenFired(trainer._step, fired, fail=not completes))
+    monkeypatch.setitem(trainer.compiled.steps, False,
+                        _WhenFired(trainer.compiled.steps[False], fired, fail=not completes))
     before = _state(trainer)
     with pytest.raises(StepTimeout) as info:
         trainer.train_step(*batch)

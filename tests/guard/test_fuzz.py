@@ -88,7 +88,7 @@ def _make() -> keras.Model:
 TRAINER = {
     "model": _make, "optimizer": lambda: keras.optimizers.Adam(0.01), "loss": LOSS,
     "devices": DEVICES[:2], "all_reduce": "naive", "variables": "replicated",
-    "parameter_device": None, "non_trainable": "mean", "sparse": None,
+    "parameter_device": None, "semantics": "one_device", "sparse": None,
     "on_nonfinite": "skip", "step_timeout": None, "check_replicas_every": None,
 }  # fmt: skip
 

@@ -87,7 +87,7 @@ def _off_device_nodes(trainer: towers.TowerTrainer, batch: Any, device: str) -> 
     """Nodes of the step's update (its functions and branches) placed on a device other
     than ``device``: each such device is one more partition of a nested update, run as
     its own executor every step."""
-    step = trainer._step
+    step = trainer.compiled.steps[False]
     concrete = step.get_concrete_function(*trainer._inputs(*batch, None))
     if step.nested:  # the update and its branches are functions in the step's library
         nodes = [n for f in concrete.graph.as_graph_def().library.function for n in f.node_def]
@@ -105,7 +105,7 @@ def test_a_nested_update_checks_on_the_guard_device(nested: bool, monkeypatch) -
     (GPUs): each tower's values are checked on its own device."""
     from towers.testing import ModelSpec
 
-    monkeypatch.setattr("towers.step.nests", lambda devices: nested)
+    monkeypatch.setattr("towers.compile.step.nests", lambda devices: nested)
     spec = ModelSpec("dense")
     built = {mode: towers.TowerTrainer(spec.build, keras.optimizers.SGD(0.1),
                                        "sparse_categorical_crossentropy", devices=DEVICES[:3],

@@ -98,7 +98,7 @@ def test_a_keras_application_fits_bitwise_as_under_mirrored_strategy() -> None:
     x, y = rng.uniform(0, 255, (16, 32, 32, 3)).astype(np.float32), rng.integers(0, 5, 16)
     loss = "sparse_categorical_crossentropy"
     tm = towers.TowerModel(mobilenet(), devices=DEVICES[:2], all_reduce="naive",
-                           variables="replicated", non_trainable="first_tower")
+                           variables="replicated", semantics="mirrored")
     tm.compile(keras.optimizers.SGD(1e-2), loss)
     with tf.distribute.MirroredStrategy(
         DEVICES[:2], cross_device_ops=tf.distribute.ReductionToOneDevice()
@@ -117,7 +117,7 @@ def test_a_keras_application_fits_bitwise_as_under_mirrored_strategy() -> None:
 
 def test_a_short_last_batch_is_bitwise_on_a_wide_convnext() -> None:
     """Keras traces a dataset with a short last batch with its batch dimension unknown;
-    towers traces that step the same way (towers.training.shapes). On ConvNeXt's wide
+    towers traces that step the same way (towers.compile.step). On ConvNeXt's wide
     blocks the static trace's constant folding ended 43 of 56 weights a few ULPs apart
     (measured before the fix, one tower, 8 examples at batch_size=32). Here: two towers,
     12 examples at batch_size=8 (8 + a short 4), one epoch, then evaluate and predict
@@ -132,7 +132,7 @@ def test_a_short_last_batch_is_bitwise_on_a_wide_convnext() -> None:
     x = rng.uniform(0, 255, (12, 32, 32, 3)).astype(np.float32)
     y = rng.integers(0, 5, 12)
     tm = towers.TowerModel(convnext(), devices=DEVICES[:2], all_reduce="naive",
-                           variables="replicated", non_trainable="first_tower")
+                           variables="replicated", semantics="mirrored")
     tm.compile(keras.optimizers.SGD(0.1), "sparse_categorical_crossentropy",
                metrics=["accuracy"])
     with tf.distribute.MirroredStrategy(

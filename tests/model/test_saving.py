@@ -16,6 +16,7 @@ import pytest
 import towers
 from tests.conftest import DEVICES
 from tests.model.helpers import N, assert_replicas_equal, data, network, tower_model
+from towers.guard.options import TowerOptions
 
 X, Y = data(20)
 
@@ -60,16 +61,16 @@ def test_save_refuses_sharded_optimizer_state(tmp_path: Path) -> None:
 
 def test_the_newer_trainer_options_pass_through_and_survive_a_save(tmp_path: Path) -> None:
     # every TowerTrainer option is a TowerModel argument, saved in its config
-    options = {"loss_denominator": "per_replica", "forward_graph": "as_written"}
+    options = {"semantics": "mirrored", "loss_denominator": 12, "forward_graph": "as_written"}
     tm = tower_model("replicated", **options)
     tm.fit(X, Y, batch_size=10, verbose=0)
-    assert (tm.trainer.loss_denominator, tm.trainer.forward_graph) == ("per_replica",
-                                                                        "as_written")
+    assert tm.trainer is not None
+    assert tm.trainer.options == tm.options == TowerOptions(
+        variables="replicated", all_reduce=tm.options.all_reduce, **options)
     tm.save(tmp_path / "m.keras")
     loaded = keras.models.load_model(tmp_path / "m.keras")
-    assert loaded.trainer.options["loss_denominator"] == "per_replica"
-    assert loaded.trainer.forward_graph == "as_written"
-    assert loaded.trainer.jit_compile is False
+    assert loaded.trainer.options == tm.trainer.options
+    assert loaded.trainer.options.jit_compile is False
     with pytest.raises(ValueError, match=r"TowerModel\(\.\.\., jit_compile=True\)"):
         tower_model("replicated").compile("sgd", "sparse_categorical_crossentropy",
                                           jit_compile=True)

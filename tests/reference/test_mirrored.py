@@ -262,7 +262,7 @@ def test_set_weights_reaches_every_replica_and_ignores_tower_keywords() -> None:
         DEVICES[:3],
         all_reduce="ring",
         variables="replicated",
-        non_trainable="mean",
+        semantics="one_device",
     )
     new = [np.full(w.shape, i + 1.5, np.float32) for i, w in enumerate(trainer.get_weights())]
     trainer.set_weights(new)

@@ -35,7 +35,7 @@ def _named(report: BisectReport) -> list[str]:
 
 
 def test_an_uneven_batch_with_different_divisors_is_named_with_both() -> None:
-    ours = towers_step(4, loss_denominator="per_replica")
+    ours = towers_step(4, semantics="mirrored")
     report = compare(ours, MirroredTrainer(tiny_mlp, sgd, LOSS, DEVICES[:4]), UNEVEN)
     first = _first(report)
     assert first.step == 2 and _named(report) == ["uneven batch"], str(report)

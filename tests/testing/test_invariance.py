@@ -185,23 +185,24 @@ def test_shard_size_dependent_kernels_are_not_blamed_on_the_all_reduce() -> None
     assert "note: 'kernels'" in str(report)
 
 
-def _towers_factory(denominator: str) -> Any:
+def _towers_factory(semantics: str) -> Any:
     return lambda model, optimizer, loss, devices: TowerTrainer(
         model, optimizer, loss, devices=devices, all_reduce="ring", variables="replicated",
-        loss_denominator=denominator)  # fmt: skip
+        semantics=semantics)  # fmt: skip
 
 
 def test_any_step_factory_is_checked_across_tower_counts() -> None:
     """``step=``: MirroredStrategy itself is invariant within the derived SGD bound; towers
-    with the tutorial's per-replica denominator is not, on a batch of 10 over 4 towers
+    with MirroredStrategy's semantics (the tutorial's per-replica denominator) is
+    not, on a batch of 10 over 4 towers
     (3+3+3+1: the last example weighs 3×), and its first failure is at step 1."""
     mirrored = check_invariance(tiny_mlp, sgd, LOSS, batches(2, size=10), towers=(1, 4),
                                 step=MirroredTrainer)  # fmt: skip
     assert mirrored.ok, str(mirrored)
     assert mirrored.max_diff(4) > 0 and mirrored.trajectory == {}
     per_replica = check_invariance(tiny_mlp, sgd, LOSS, batches(1, size=10), towers=(1, 4),
-                                   step=_towers_factory("per_replica"))  # fmt: skip
+                                   step=_towers_factory("mirrored"))  # fmt: skip
     bad = per_replica.first_failure
     assert bad is not None and (bad.towers, bad.step) == (4, 1)
     assert check_invariance(tiny_mlp, sgd, LOSS, batches(1, size=10), towers=(1, 4),
-                            step=_towers_factory("global")).ok  # fmt: skip
+                            step=_towers_factory("one_device")).ok  # fmt: skip

@@ -18,7 +18,7 @@ the phase its op name carries::
 
 A ``_Send``/``_Recv`` is named after the op whose value it carries, so it lands in
 that op's phase. Under ``forward_graph="default"`` the reduction and update are a nested
-function (:class:`~towers.allreduce.machinery.ordering.PhasedStep`); the ops at its
+function (:class:`~towers.compile.step.PhasedStep`); the ops at its
 boundary (its arguments: gradients and the variables' handles, captured ``unknown``
 ones too; cross-device control edges, top-level ``Identity`` and ``NoOp`` s) are the
 ``handoff``::

@@ -76,6 +76,8 @@ class WorkerTrainer(TowerTrainer):
     shares add up to it).
     """
 
+    batch_is_global = False  # one worker's part of a global batch spanning the workers
+
     def __init__(self, model: Any, optimizer: Any, loss: Any, devices: Sequence[str],
                  all_reduce: Any = None, num_workers: int | None = None,
                  timeout_seconds: float = 60.0, **kwargs: Any) -> None:
@@ -163,8 +165,8 @@ def _refuse_state_across_workers(model: Any, num_workers: int) -> None:
     if state and num_workers > 1:
         raise ValueError(
             f"WorkerTrainer(num_workers={num_workers}) with non-trainable state ({', '.join(state)}"
-            ") is not supported: non_trainable='mean' and 'first_tower' combine it over this "
-            "worker's towers only, so the workers' copies would drift apart (as "
+            ") is not supported: semantics='one_device' averages it over this worker's "
+            "towers only, so the workers' copies would drift apart (as "
             "MultiWorkerMirroredStrategy's do). Use a model without it (LayerNormalization "
             "instead of BatchNormalization) or train in one process (TowerTrainer)")
 

@@ -16,12 +16,12 @@ is built and before any replica, variable or reducer state exists::
     reduce_dtype   float32  compute
     sparse         gather  densify
     step_timeout   off  on
-    non_trainable  mean  first_tower
+    semantics      one_device  mirrored       (towers.guard.semantics)
     check_replicas_every  off  on
     check_algorithm       on  off
-    forward_graph         default  as_written   (ordering.FORWARD_GRAPHS)
+    forward_graph         default  as_written   (towers.compile.step.FORWARD_GRAPHS)
     jit_compile           off  on     (XLA for each tower's forward/backward)
-    loss_denominator      global  constant  per_replica   (towers.guard.loss_denominator)
+    loss_denominator      semantics  global  constant   (semantics: the semantics' divisor)
 
 ``all_reduce`` is classified by :func:`algorithm_kind`: ``ring`` is the registry's
 ring with one sub-chunk (the only reduce-scatter ``sharded`` runs); ``registered``
@@ -31,6 +31,7 @@ TensorFlow collective ops (``nccl*``); ``compressed`` a codec without state
 feedback); ``user`` a callable or reducer with no registry record;
 ``cross-worker`` the reducers of :mod:`towers.cluster`.
 
+A trainer's cell is read from its options (:meth:`towers.guard.options.TowerOptions.cell`).
 Refusals are data (:data:`REFUSALS`), one record per reason; the README's matrix
 is :func:`markdown` of them. A few cells work only under a condition no axis shows
 (:data:`LIMITS`: a ``WorkerTrainer``'s local reducer works with one worker); the
@@ -81,16 +82,17 @@ AXES: dict[str, tuple[str, ...]] = {
     "reduce_dtype": ("float32", "compute"),
     "sparse": ("gather", "densify"),
     "step_timeout": ("off", "on"),
-    "non_trainable": ("mean", "first_tower"),
+    # what the step computes: one device's result or MirroredStrategy's (towers.guard.semantics)
+    "semantics": ("one_device", "mirrored"),
     "check_replicas_every": ("off", "on"),
     "check_algorithm": ("on", "off"),
-    # how the step is compiled (towers.allreduce.machinery.ordering.FORWARD_GRAPHS): the
+    # how the step is compiled (towers.compile.step.FORWARD_GRAPHS): the
     # towers' forward/backward under the caller's Grappler settings, or the whole step as
     # written; both run the same phases, so nothing is refused
     "forward_graph": ("default", "as_written"),
     "jit_compile": ("off", "on"),  # XLA for each tower's forward/backward (docs/xla.md)
-    # what each tower divides its loss sum by (towers.guard.loss_denominator)
-    "loss_denominator": ("global", "constant", "per_replica"),
+    # what each tower divides its loss sum by: the semantics', the global batch, a constant
+    "loss_denominator": ("semantics", "global", "constant"),
 }
 """Every axis and its values, in the order the README's matrix shows them."""
 
@@ -173,12 +175,19 @@ REFUSALS: tuple[Refusal, ...] = (
         "use jit_compile=False with WorkerTrainer, or a TowerTrainer in one process",
     ),
     Refusal(
-        # a tutorial's GLOBAL_BATCH_SIZE counts every worker, per_replica every worker's
-        # replicas: neither is what one worker's shards would give
-        ("trainer", ("WorkerTrainer",)), ("loss_denominator", ("constant", "per_replica")),
-        "a worker divides by the global batch summed over workers; a constant or per-replica "
-        "denominator of one worker's shards would weigh the workers' examples differently",
-        "use loss_denominator='global' across workers (or a TowerTrainer in one process)",
+        # a tutorial's GLOBAL_BATCH_SIZE counts every worker: not what one worker's shards give
+        ("trainer", ("WorkerTrainer",)), ("loss_denominator", ("constant",)),
+        "a worker divides by the global batch summed over workers; a constant denominator "
+        "of one worker's shards would weigh the workers' examples differently",
+        "leave loss_denominator unset (or 'global') across workers (or use a TowerTrainer "
+        "in one process)",
+    ),
+    Refusal(
+        ("trainer", ("WorkerTrainer",)), ("semantics", ("mirrored",)),
+        "a worker divides by the global batch summed over workers and combines its state "
+        "over its own towers; MirroredStrategy's per-replica divisor and first-tower state "
+        "are a one-process comparison",
+        "use semantics='one_device' across workers (or a TowerTrainer in one process)",
     ),
 )
 """Every refused cell, one record per reason."""
@@ -220,10 +229,10 @@ LIMITS: tuple[Limit, ...] = (
         "global batch and sums)",
     ),
     Limit(
-        ("trainer", ("WorkerTrainer",)), ("non_trainable", ("mean", "first_tower")),
+        ("trainer", ("WorkerTrainer",)), ("semantics", ("one_device",)),
         "across workers a model with floating non-trainable state (BatchNormalization) is "
-        "refused, naming the variables: either mode combines it over one worker's towers "
-        "only, so the workers' copies would drift",
+        "refused, naming the variables: it is combined over one worker's towers only, so "
+        "the workers' copies would drift",
     ),
     Limit(
         ("trainer", ("WorkerTrainer",)), ("sparse", ("gather", "densify")),
@@ -330,7 +339,7 @@ ROW_AXES = ("trainer", "variables")
 
 NOT_AN_OPTION: dict[str, tuple[str, ...]] = {
     "AsyncTrainer": ("variables", "all_reduce", "optimizer", "reduce_dtype", "sparse",
-                     "step_timeout", "non_trainable", "check_replicas_every", "check_algorithm",
+                     "step_timeout", "semantics", "check_replicas_every", "check_algorithm",
                      "forward_graph", "jit_compile", "loss_denominator"),
 }
 """Axes a trainer kind has no argument for (its own fixed choice; shown as ``—``)."""

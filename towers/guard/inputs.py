@@ -16,11 +16,11 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from towers.split import check_batch
+from towers.split import Shards, check_batch, shard_sizes
 
 __all__ = [
     "KERAS_STEPS", "batch_tensors", "check_batch_against_model", "check_keras_steps", "check_kinds",
-    "naming",
+    "check_shards", "naming",
 ]
 
 T = TypeVar("T")
@@ -278,3 +278,37 @@ def batch_tensors(
         dtype = tf.as_dtype(model.trainable_variables[0].dtype)
         sample_weight = tf.convert_to_tensor(sample_weight, dtype=dtype)
     return x, y, sample_weight
+
+
+def check_shards(shards: Any, devices: Any, model: Any) -> Shards:
+    """``shards`` checked for ``TowerTrainer.train_step_shards``; sample weights cast to
+    the model's dtype.
+
+    Raises:
+        TypeError: ``shards`` is not a :class:`~towers.split.Shards`.
+        ValueError: a part per tower other than ``len(devices)``, sizes that are not
+            MirroredStrategy's split of ``global_batch``, or a part that does not fit the model.
+    """
+    if not isinstance(shards, Shards):
+        raise TypeError("shards must be a towers.split.Shards (from towers.split.distribute "
+                        f"or trainer.split), got {type(shards).__name__}")  # fmt: skip
+    n = len(devices)
+    if len(shards.parts) != n or any(len(p) != 3 for p in shards.parts):
+        raise ValueError(f"shards must hold {n} parts (x, y, sample_weight), one per tower; "
+                         f"got {len(shards.parts)}")  # fmt: skip
+    # static where known: inside a caller's tf.function (Keras' train_step) they may not be
+    total, sizes = tf.get_static_value(shards.global_batch), shards.sizes
+    if total is not None and None not in sizes and (
+            total < 1 or sizes != shard_sizes(int(total), n)):  # fmt: skip
+        raise ValueError(f"shards: sizes {sizes} are not MirroredStrategy's split of a "
+                         f"global batch of {total} over {n} towers "
+                         f"({shard_sizes(max(int(total), 0), n)})")  # fmt: skip
+    check_batch_against_model(*shards.parts[0], model)
+    dtype = tf.as_dtype(model.trainable_variables[0].dtype)
+    parts = []
+    for x, y, w in shards.parts:
+        if w is not None and w.dtype != dtype:
+            with tf.device(w.device):
+                w = tf.cast(w, dtype)
+        parts.append((x, y, w))
+    return Shards(tuple(parts), shards.global_batch)

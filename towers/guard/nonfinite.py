@@ -184,7 +184,7 @@ def gather_codes(towers: Sequence[Any], devices: Sequence[str], device: str,
             for the towers' gradients in the fast path (read once, not once per tower).
             On doubt the codes are still formed from each tower's own values.
         central: form every check on ``device``, from values handed there (a nested
-            update on CPUs: :class:`~towers.allreduce.machinery.ordering.PhasedStep`);
+            update on CPUs: :class:`~towers.compile.step.PhasedStep`);
             each tower's 4 bytes are still recorded as sent from its device, the traffic
             of the step as a model of separate devices.
     """

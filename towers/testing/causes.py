@@ -110,7 +110,7 @@ def _side(step: Any) -> Side:
     """The one place a step's settings are read: a towers trainer's options, the divisor
     any other step declares (``loss_denominator``), a strategy's replica count."""
     if isinstance(step, TowerTrainer):
-        return Side(step.loss_denominator, step.non_trainable_mode == "first_tower",
+        return Side(step.options.divisor, step.options.semantics == "mirrored",
                     len(step.devices), False)  # fmt: skip
     strategy = getattr(step, "strategy", None)
     replicas = 1 if strategy is None else int(strategy.num_replicas_in_sync)

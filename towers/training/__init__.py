@@ -2,7 +2,6 @@
 
     keras_functions.py  the per-batch functions ``TowerModel`` hands Keras's fit/evaluate/predict
     inference.py   the towers' inference pass of ``TowerModel.evaluate`` / ``predict``
-    shapes.py      the step traced with Keras's batch dimension (unknown: a short last batch)
     keras_loss.py  a Keras loss as compile prepares it: per-example values, reductions, divisor
     losses.py      a loss per model output (Keras's compile with a list or dict, loss_weights)
     checkpoint.py  ``save`` / ``restore``: every replica, optimizer slots, codec state

@@ -20,16 +20,16 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from towers.compile.step import batch_unknown, relaxes
 from towers.training.inference import inference
 from towers.training.keras_loss import loss_divisor
-from towers.training.shapes import batch_unknown, relaxes
 
 __all__ = ["predict_function", "test_function", "train_function"]
 
 
 def train_function(tm: Any) -> Callable[[Any], Any]:
     """Keras's ``train_function``: a towers step per batch (:func:`train_batch`), traced
-    with the batch dimension Keras's iterator gives (:mod:`towers.training.shapes`)."""
+    with the batch dimension Keras's iterator gives (:mod:`towers.compile.step`)."""
     return _loop(tm, train_batch)
 
 

@@ -24,7 +24,8 @@ import tensorflow as tf
 import towers
 from reference import MirroredTrainer
 from tests.conftest import DEVICES
-from towers.allreduce.machinery.ordering import REWRITES, PhasedStep, as_written, nests
+from towers.allreduce.machinery.ordering import REWRITES, as_written
+from towers.compile.step import PhasedStep, nests
 
 
 def _init(seed: int) -> keras.initializers.Initializer:
@@ -89,7 +90,7 @@ def _train(name: str, forward_graph: str) -> tuple[list[np.ndarray], list[np.nda
     opt = lambda: keras.optimizers.Adam(0.01)  # noqa: E731
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     ours = towers.TowerTrainer(make, opt, loss, devices=DEVICES[:2], all_reduce="naive",
-                               non_trainable="first_tower", forward_graph=forward_graph)
+                               semantics="mirrored", forward_graph=forward_graph)
     theirs = MirroredTrainer(make, opt, loss, DEVICES[:2],
                              cross_device_ops="reduction_to_one_device")
     theirs.set_weights(ours.get_weights())
@@ -105,7 +106,7 @@ def test_default_forward_graph_equals_mirrored_strategy_bitwise(
     name: str, nested: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Both forms of PhasedStep: one call on CPUs, two on GPUs (forced here on CPUs)."""
-    monkeypatch.setattr("towers.step.nests", lambda devices: nested)
+    monkeypatch.setattr("towers.compile.step.nests", lambda devices: nested)
     ours, theirs = _train(name, "default")
     for a, b in zip(ours, theirs, strict=True):
         np.testing.assert_array_equal(a, b)
@@ -154,18 +155,18 @@ def test_phased_step_nests_on_cpus_only() -> None:
     assert not nests(["/cpu:0", "/gpu:0"])
     assert not nests(["/GPU:0", "/GPU:1"])
     trainer = towers.TowerTrainer(_lstm, keras.optimizers.SGD(0.1), "mse", devices=DEVICES[:2])
-    assert trainer._step.nested
+    assert trainer.compiled.steps[False].nested
 
 
 def test_the_nested_update_runs_without_the_memory_optimizer() -> None:
     """Grappler's memory optimizer may turn the update's ``AddN`` into ``AssignAdd`` s
-    added in arrival order (``ordering._keep_sums``): the nested call op's config turns
+    added in arrival order (``towers.compile.step._keep_sums``): the nested call op's config turns
     it off, and keeps the as-written rewrites off."""
     from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
 
     trainer = towers.TowerTrainer(_lstm, keras.optimizers.SGD(0.1), "mse", devices=DEVICES[:2])
     x, y = np.zeros((4, 5, 4), "float32"), np.zeros((4, 3), "float32")
-    graph = trainer._step.get_concrete_function(*trainer._inputs(x, y, None)).graph
+    graph = trainer.compiled.steps[False].get_concrete_function(*trainer._inputs(x, y, None)).graph
     calls = [op for op in graph.get_operations()
              if op.type in ("PartitionedCall", "StatefulPartitionedCall")]  # fmt: skip
     assert len(calls) == 1  # the update, nested in the step's one call

@@ -98,7 +98,7 @@ def test_a_tower_model_saves_and_loads_its_module_name(user_module: str, tmp_pat
     tm.compile(keras.optimizers.SGD(0.1), "sparse_categorical_crossentropy")
     tm.save(tmp_path / "m.keras")
     loaded = keras.models.load_model(tmp_path / "m.keras")
-    assert loaded.options["all_reduce"] == f"{user_module}:star"
+    assert loaded.options.all_reduce == f"{user_module}:star"
     assert loaded.trainer.algorithm is get(f"{user_module}:star")
 
 

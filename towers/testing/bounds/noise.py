@@ -89,7 +89,7 @@ def kernel_noise_floor(
         family: a model family of :data:`towers.testing.strategies.FAMILIES`.
         towers: tower counts (each ≤ ``batch``).
         onednn: values of ``TF_ENABLE_ONEDNN_OPTS`` ("1", "0"), one subprocess each.
-        graphs: ``forward_graph`` settings (``ordering.FORWARD_GRAPHS``).
+        graphs: ``forward_graph`` settings (``towers.compile.step.FORWARD_GRAPHS``).
         batch, seed: the batch (``ModelSpec(family).batch(batch, seed)``).
         timeout: seconds per subprocess.
 

@@ -1,4 +1,4 @@
-"""towers/training/shapes.py: the step traced with Keras's batch dimension."""
+"""towers/compile/step.py: the step traced with Keras's batch dimension."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import tensorflow as tf
 
 import towers
 from tests.conftest import DEVICES
-from towers.training.shapes import RelaxedBatch, batch_unknown, relaxed_spec, relaxes
+from towers.compile.step import RelaxedBatch, batch_unknown, relaxed_spec, relaxes
 
 
 def _spec(dataset: tf.data.Dataset) -> object:
@@ -83,7 +83,7 @@ def test_fit_traces_unknown_batches_once_and_an_empty_tower_static(options: dict
     assert tm.trainer is not None
     assert tm.trainer.trace_count == 2  # one relaxed, one static (3 examples), over 6 steps
     assert np.isfinite(tm.evaluate(x, y, batch_size=8, verbose=0))
-    assert len(tm.trainer._relaxed_step._traced) == 1
+    assert len(tm.trainer.compiled.relaxed._traced) == 1
     # a dataset with a fixed batch size (drop_remainder): Keras's trace is static, so is ours
     again = towers.TowerModel(_conv(), devices=DEVICES[:4], variables="replicated",
                               all_reduce="naive", **options)  # fmt: skip
@@ -91,7 +91,7 @@ def test_fit_traces_unknown_batches_once_and_an_empty_tower_static(options: dict
     fixed = tf.data.Dataset.from_tensor_slices((x, y)).batch(8, drop_remainder=True)
     again.fit(fixed, epochs=2, shuffle=False, verbose=0)
     assert again.trainer is not None and again.trainer.trace_count == 1
-    assert not again.trainer._relaxed_step._traced
+    assert not again.trainer.compiled.relaxed._traced
 
 
 def _mlp() -> keras.Model:
@@ -105,7 +105,7 @@ def _mlp() -> keras.Model:
     (3, {"variables": "replicated", "all_reduce": "swing", "forward_graph": "as_written"}),
     (4, {"variables": "replicated", "all_reduce": "hierarchical", "on_nonfinite": "raise"}),
     (5, {"variables": "sharded", "all_reduce": "ring", "check_replicas_every": 1}),
-    (8, {"variables": "replicated", "all_reduce": "bruck", "non_trainable": "first_tower"}),
+    (8, {"variables": "replicated", "all_reduce": "bruck", "semantics": "mirrored"}),
 ], ids=lambda o: "-".join(map(str, o.values())) if isinstance(o, dict) else f"n{o}")  # fmt: skip
 def test_the_relaxed_trace_is_the_static_step(n: int, options: dict) -> None:
     """fit over n towers on 5n examples in batches of 2n (2n, 2n, a short n: one relaxed

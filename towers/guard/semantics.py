@@ -1,0 +1,151 @@
+"""``semantics``: what a step computes — one device's result, or MirroredStrategy's.
+
+towers' default, ``"one_device"``, is what one device computes on the whole batch.
+Keras 3 under ``MirroredStrategy`` differs from it in three observable ways, and
+``"mirrored"`` reproduces all three, so an equivalence test names its reference in one
+word::
+
+                          "one_device" (default)            "mirrored"
+    non-trainable state   mean over the towers that saw     tower 0's (what reading a
+    (BatchNorm moments)   examples: every copy identical    mirrored variable shows)
+    loss divisor          the global batch B                the tower's own shard size
+                                                            × towers (compute_average_loss
+                                                            without global_batch_size)
+    gradient clipping     on the reduced gradient, as one   on each tower's share, before
+    (clipnorm, clipvalue, device clips the whole gradient   the all-reduce (Keras 3 clips
+    global_clipnorm)                                        in the replica's apply)
+
+    batch 10 over 4 towers: shards 3 3 3 1
+    "one_device"  every tower ÷ 10
+    "mirrored"    ÷ 12   ÷ 12   ÷ 12   ÷ 4      (the last example weighs 3×)
+
+On a batch that splits evenly the two divisors are the same integer. The divisor is
+the one a loop writes, so ``loss_denominator`` may name it apart from the semantics:
+``"global"`` (a custom loop passing ``global_batch_size``, as ``reference.MirroredTrainer``
+does: ``semantics="mirrored", loss_denominator="global"`` equals it on any batch) or a
+positive number (an older tutorial's constant ``GLOBAL_BATCH_SIZE``). Integer divisors divide as
+``compute_average_loss`` does (an int32 size), so a port is bitwise the tutorial's
+division; a non-integer constant divides in float. Empty towers never run the model, so
+the mirrored divisor's zero never divides.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import numbers
+from collections.abc import Iterator
+from typing import Any
+
+import tensorflow as tf
+
+__all__ = ["CLIPS", "SEMANTICS", "check_constant", "check_semantics", "clip_share",
+           "tower_divisor", "unclipped"]
+
+SEMANTICS = ("one_device", "mirrored")
+"""The values of ``semantics``."""
+
+CLIPS = ("clipnorm", "global_clipnorm", "clipvalue")
+"""A Keras optimizer's gradient-clipping hyperparameters."""
+
+_DIVIDED = ("sum_over_batch_size", "mean")
+"""Keras reductions whose divisor is the batch size (the ones another divisor replaces)."""
+
+
+def check_constant(value: Any) -> str | float | None:
+    """``loss_denominator`` checked: None (the semantics' divisor), ``"global"`` or a
+    positive finite number (as a float).
+
+    Raises:
+        ValueError: anything else, naming ``loss_denominator``.
+    """
+    number = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if number and 0 < float(value) < float("inf"):
+        return float(value)
+    if value is None or (value == "global" and isinstance(value, str)):
+        return value
+    raise ValueError("loss_denominator must be None (the semantics' divisor), 'global' or a "
+                     f"positive number (a constant), got {value!r}")  # fmt: skip
+
+
+def check_semantics(semantics: str, divisor: str | float, reduction: str,
+                    optimizer: Any) -> None:  # fmt: skip
+    """Refuse a divisor the loss has no place for, and clipping under loss scaling.
+
+    Args:
+        semantics: the checked ``semantics``.
+        divisor: the options' divisor rule (:attr:`~towers.guard.options.TowerOptions.divisor`).
+        reduction: the loss's Keras reduction (:func:`towers.training.losses.reduction_of`).
+        optimizer: an optimizer object (its kind and clipping are read).
+
+    Raises:
+        ValueError: a mirrored or constant divisor with a loss whose reduction does not
+            divide by the batch size (``"sum"``, ``"mean_with_sample_weight"``), naming
+            both; ``semantics="mirrored"`` with a ``LossScaleOptimizer`` that clips (its
+            towers' shares are scaled, so clipping them would clip the wrong values).
+    """
+    rule = "semantics='mirrored'" if divisor == "per_replica" else f"loss_denominator={divisor!r}"
+    if divisor != "global" and reduction not in _DIVIDED:
+        raise ValueError(
+            f"{rule} with a loss of reduction={reduction!r} is refused: that reduction does "
+            "not divide by the batch size, so there is no divisor to replace; use reduction "
+            "'sum_over_batch_size' or loss_denominator='global'")
+    inner = getattr(optimizer, "inner_optimizer", None)
+    if semantics == "mirrored" and inner is not None and _clips(inner):
+        raise ValueError(
+            "semantics='mirrored' with a LossScaleOptimizer whose optimizer clips "
+            f"({', '.join(k for k in CLIPS if getattr(inner, k, None))}) is refused: each "
+            "tower's share is loss-scaled, so clipping it would clip the scaled values; use "
+            "semantics='one_device' (clipping the reduced gradient) or no clipping")
+
+
+def _clips(optimizer: Any) -> bool:
+    return any(getattr(optimizer, key, None) for key in CLIPS)
+
+
+def tower_divisor(rule: str | float, divisor: tf.Tensor, shard: Any, towers: int) -> tf.Tensor:
+    """What one tower divides its loss sum by.
+
+    Args:
+        rule: the options' divisor rule (:attr:`~towers.guard.options.TowerOptions.divisor`).
+        divisor: the step's global divisor (``TowerTrainer.loss_divisor``).
+        shard: the tower's ``(x, y, sample_weight)``.
+        towers: the number of towers (``num_replicas_in_sync``).
+
+    Returns:
+        ``divisor`` (``"global"``); ``shard size × towers`` (int32, ``"per_replica"``); the
+        constant (int32 when it is a whole number, as ``compute_average_loss`` takes it).
+    """
+    if rule == "per_replica":
+        size = tf.shape(tf.nest.flatten(shard[0])[0])[0]  # compute_average_loss's shape[0]
+        return size * towers
+    if rule == "global":
+        return divisor
+    constant = float(rule)
+    if constant.is_integer():
+        return tf.constant(int(constant), tf.int32)
+    return tf.constant(constant, tf.float32)
+
+
+def clip_share(optimizer: Any, grads: list[Any]) -> list[Any]:
+    """One tower's gradients clipped by ``optimizer``'s rule (``"mirrored"``: before the
+    all-reduce). Keras's own ``_clip_gradients``, so the arithmetic is the optimizer's."""
+    if not _clips(optimizer):
+        return grads
+    return list(optimizer._clip_gradients(list(grads)))
+
+
+@contextlib.contextmanager
+def unclipped(optimizer: Any) -> Iterator[None]:
+    """``optimizer`` without its clipping while the block traces an apply: the shares were
+    clipped before the all-reduce (``"mirrored"``), so the sum is applied as it is."""
+    saved = {key: getattr(optimizer, key, None) for key in CLIPS}
+    if not any(saved.values()):
+        yield
+        return
+    for key in CLIPS:
+        setattr(optimizer, key, None)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            setattr(optimizer, key, value)
