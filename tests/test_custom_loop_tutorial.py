@@ -24,6 +24,7 @@ from towers.testing.plugin import steps_match  # noqa: F401  (the plugin's fixtu
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_the_ported_tutorial_matches_towers(optimizer: str, steps_match) -> None:  # noqa: F811
     devices = DEVICES[:4]
@@ -34,6 +35,7 @@ def test_the_ported_tutorial_matches_towers(optimizer: str, steps_match) -> None
     assert report.bound.startswith(derived), report.bound
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_a_planted_weighting_bug_fails_naming_step_variable_and_values(
     optimizer: str, steps_match  # noqa: F811

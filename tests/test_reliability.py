@@ -23,6 +23,8 @@ from tests.conftest import DEVICES
 from towers.allreduce.codecs import topk
 from towers.testing import OPTIMIZERS, ModelSpec, loss_fn
 
+pytestmark = pytest.mark.long  # a long proof: python -m pytest -m long
+
 ALGORITHMS: dict[str, Callable[[], Any]] = {
     "naive": lambda: "naive",
     "ring": lambda: "ring",

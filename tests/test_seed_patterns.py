@@ -37,6 +37,8 @@ for gpu in gpus:
 import keras
 import towers
 
+pytestmark = pytest.mark.long  # a long proof: python -m pytest -m long
+
 devices = towers.simulate_devices(4, kind="cpu")
 model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
 trainer = towers.TowerTrainer(model, keras.optimizers.SGD(0.1), "mse", devices=devices)

@@ -12,6 +12,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.long  # a long proof: python -m pytest -m long
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

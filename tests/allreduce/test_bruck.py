@@ -68,6 +68,7 @@ def test_bruck_is_proved_for_every_n_up_to_64() -> None:
     assert report.depths == {n: (n - 1).bit_length() for n in range(1, 65)}
 
 
+@pytest.mark.long
 def test_bruck_is_proved_for_sampled_large_n() -> None:
     """Non-powers of two around the powers, up to 256 (a few seconds; 1024 takes ~a minute)."""
     start = time.perf_counter()

@@ -210,6 +210,7 @@ def _digits_batch(size: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     return x[idx], y[idx]
 
 
+@pytest.mark.long
 @pytest.mark.parametrize(
     ("family", "placement"),
     [("digits", "replicated"), ("embedding", "parameter_device"), ("batchnorm", "replicated")],
@@ -233,6 +234,7 @@ def test_bucketed_naive_trains_bitwise_like_naive(family: str, placement: str) -
                 assert a.tobytes() == b.tobytes()
 
 
+@pytest.mark.long
 def test_bucketed_ring_trains_like_the_reference_within_the_bound() -> None:
     n, lr = 4, 0.1
     opt = lambda: keras.optimizers.SGD(lr)  # noqa: E731

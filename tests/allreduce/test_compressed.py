@@ -404,6 +404,7 @@ def uncompressed() -> tuple[float, dict[str, int]]:
     return _train("ring")
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("codec", [fp16(), bf16(), topk(0.1), powersgd(4)],
                          ids=["fp16", "bf16", "topk0.1", "powersgd4"])
 def test_codecs_train_digits_as_well_as_uncompressed(

@@ -182,6 +182,7 @@ except tf.errors.DeadlineExceededError as err:
 """
 
 
+@pytest.mark.long
 def test_missing_peer_times_out_instead_of_hanging() -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TF_CPP_MIN_LOG_LEVEL": "3"}
     started = time.time()

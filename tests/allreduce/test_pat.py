@@ -40,6 +40,7 @@ def test_pat_is_proved_for_every_n_up_to_64(aggregation: int | None) -> None:
     assert report.depths == {n: (n - 1).bit_length() for n in range(1, 65)}
 
 
+@pytest.mark.long
 def test_pat_is_proved_for_sampled_large_n() -> None:
     report = check_schedule(pat_schedule, [65, 96, 127, 128, 129, 200, 255, 256])
     assert report.ok, report

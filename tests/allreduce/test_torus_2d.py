@@ -46,6 +46,7 @@ def test_every_grid_is_proved(rows: int) -> None:
     assert report.depths == {n: _depth(n, rows) for n in ns}
 
 
+@pytest.mark.long
 def test_torus_2d_is_proved_for_sampled_large_n() -> None:
     report = check_schedule(torus_2d_schedule, [96, 100, 128, 144, 256])
     assert report.ok, report

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from towers.bench.memory import memory_table, run_memory
 
 
+@pytest.mark.long
 def test_each_configuration_gets_its_own_process_and_a_growing_peak() -> None:
     from towers.bench.memory import _peak_mib
 

@@ -65,6 +65,7 @@ def test_a_real_step_is_attributed_to_named_phases_only(variables: str) -> None:
     assert profile["phases"]["forward_backward"] == pytest.approx(sum(profile["towers"].values()))
 
 
+@pytest.mark.long
 def test_the_section_writes_table_csv_and_plot(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

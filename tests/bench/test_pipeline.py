@@ -5,11 +5,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import DEVICES
 from towers.bench import pipeline
 from towers.split import PIPELINES
 
 
+@pytest.mark.long
 def test_the_section_times_every_configuration_from_the_same_loss(tmp_path: Path) -> None:
     args = argparse.Namespace(models=["conv-mnist"], step_rounds=1, quick=True, towers=2,
                               batch_size=5, quiet=True, out=tmp_path)  # fmt: skip

@@ -15,6 +15,7 @@ def rows() -> list[dict]:
                               algorithms=["naive"], placements=["parameter_device"], extra=fused)
 
 
+@pytest.mark.long
 def test_every_configuration_ran_from_the_same_loss(rows: list[dict]) -> None:
     names = {r["config"] for r in rows}
     assert set(training.BASELINES) <= names

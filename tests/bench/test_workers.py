@@ -10,6 +10,7 @@ import pytest
 from towers.bench import workers
 
 
+@pytest.mark.long
 def test_two_workers_time_every_implementation(tmp_path: Path) -> None:
     # each worker checks every output element (an all-reduce of ones must give W)
     assert workers.run(2, tmp_path, [1], rounds=1, timeout=240) == 0

@@ -131,6 +131,7 @@ def _trace(*args: str, verbose: bool = False) -> subprocess.CompletedProcess[str
     )  # fmt: skip
 
 
+@pytest.mark.long
 def test_tensorflow_logs_only_with_verbose() -> None:
     quiet = _trace()
     assert quiet.returncode == 0 and "result vs NumPy: OK" in quiet.stdout, quiet.stderr

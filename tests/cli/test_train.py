@@ -32,6 +32,7 @@ def _train(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.long
 def test_quick_start_learns_and_matches_mirrored_bitwise() -> None:
     done = _train("--epochs", "1")
     out = done.stdout

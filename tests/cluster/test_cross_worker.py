@@ -57,6 +57,7 @@ def test_is_a_gradient_reducer_and_checks_its_arguments(monkeypatch: pytest.Monk
         CrossWorker()
 
 
+@pytest.mark.long
 def test_a_missing_worker_is_an_error_within_the_timeout() -> None:
     root = Path(__file__).parent.parent.parent
     env = {**os.environ, "PYTHONPATH": str(root), "TF_CPP_MIN_LOG_LEVEL": "2"}

@@ -30,6 +30,8 @@ from towers.cluster.checkpoints import restore_latest, save_on_chief
 from towers.training import atomic, checkpoint
 from towers.training.data import digits
 
+pytestmark = pytest.mark.long  # a long proof: python -m pytest -m long
+
 TIMEOUT = 8.0
 """Step and collective timeout of the runs (start-up skew is absorbed by a barrier)."""
 DIE_AT = 3

@@ -84,6 +84,7 @@ def test_asking_nothing_after_the_runtime_started_returns_the_gpus() -> None:
     assert configure_gpus() == physical
 
 
+@pytest.mark.long
 def test_too_late_is_a_towers_runtime_error_and_first_thing_works() -> None:
     out = _child("cpu")
     assert out["before"] is False and out["after"] is True

@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.long  # a long proof: python -m pytest -m long
+
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent
 TIMEOUT = 120

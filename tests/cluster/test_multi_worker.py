@@ -18,6 +18,8 @@ import pytest
 
 from tests.cluster.conftest import Run, launch_workers
 
+pytestmark = pytest.mark.long  # a long proof: python -m pytest -m long
+
 ROOT = Path(__file__).parent.parent.parent
 DIFF = re.compile(r"\[worker (\d)\] max \|towers - MultiWorkerMirroredStrategy\| = (\S+)"
                   r"  \(bound (\S+)\)")

@@ -36,6 +36,8 @@ from towers.cluster.ps import FairLock, ParameterServerLost, ParameterStore, sha
 from towers.cluster.ps_replay import load_log, replay, replay_versions, save_log
 from towers.cluster.ps_train import AsyncTrainer
 
+pytestmark = pytest.mark.long  # a long proof: python -m pytest -m long
+
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent
 TIMEOUT = 150

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import towers
@@ -28,6 +29,8 @@ from tests.conftest import DEVICES
 from towers.cluster.trainer import worker_slice
 from towers.testing.bounds import sgd_step_bound
 from towers.training.data import digits
+
+pytestmark = pytest.mark.long  # a long proof: python -m pytest -m long
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 

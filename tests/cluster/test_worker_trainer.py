@@ -46,6 +46,7 @@ def _worker(optimizer: Any, **kwargs: Any) -> WorkerTrainer:
                          **kwargs)
 
 
+@pytest.mark.long
 def test_an_empty_worker_is_loss_scaled_like_its_other_towers() -> None:
     """A worker with 0 rows: tower 0 runs the model, towers 1 and 2 are empty towers that
     owe 1/3 of the regularization gradient each. The loss scale S is a power of two, so
@@ -89,6 +90,7 @@ def test_a_nan_batch_is_skipped_and_raise_raises_after_changing_nothing() -> Non
     assert strict.skipped_steps == 1
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("kwargs", [
     {"check_replicas_every": 1}, {"step_timeout": 60.0},
     {"variables": "parameter_device"}, {"all_reduce": CrossWorker(1, op="sum")},
@@ -130,6 +132,7 @@ def test_unsupported_combinations_are_refused_naming_the_options(
                       **{"num_workers": 1, **kwargs})
 
 
+@pytest.mark.long
 def test_workers_skip_and_raise_together_when_one_meets_a_nan() -> None:
     """2 workers × 2 towers (tests/cluster/train_worker.py), ``on_nonfinite="raise"``, a NaN
     in worker 0's part of step 1. The guard's decision is summed over the workers, so

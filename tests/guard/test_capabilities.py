@@ -296,6 +296,7 @@ def covering_rows() -> list[dict[str, str]]:
 COVER = covering_rows()
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("k", range(len(COVER)), ids=lambda k: "-".join(COVER[k].values()))
 def test_every_allowed_pair_works(k: int) -> None:
     check(COVER[k], k, FAMILIES[k % len(FAMILIES)], 1 + k % 8)

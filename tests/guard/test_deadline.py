@@ -141,6 +141,7 @@ def _run_cases(*cases: str) -> list[dict[str, Any]]:
     return results
 
 
+@pytest.mark.long
 def test_a_collective_that_never_completes_raises_step_timeout_and_changes_nothing() -> None:
     # "op": the user's own op timeout (1 s) fires; "watchdog": the op would wait 10 min,
     # step_timeout=1.5 aborts it; "compressed": PowerSGD's second all-reduce never
@@ -178,6 +179,7 @@ def test_step_timeout_is_bound_into_the_collectives_the_trainer_controls() -> No
     assert own.algorithm.timeout_seconds == 5  # the user's own op timeout is kept
 
 
+@pytest.mark.long
 def test_a_deadline_that_is_not_reached_changes_no_bit() -> None:
     timed, plain = _trainer("nccl", step_timeout=60), _trainer("nccl")
     for k in range(2):
@@ -210,6 +212,7 @@ class _WhenFired:
         return self.step(*inputs)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("completes", [True, False], ids=["completed", "aborted"])
 def test_step_timeout_says_truthfully_whether_the_step_was_applied(
     completes: bool, monkeypatch: pytest.MonkeyPatch

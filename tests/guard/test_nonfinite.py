@@ -185,6 +185,7 @@ def _state(trainer: towers.TowerTrainer) -> list[bytes]:
             for v in [*r.model.variables, *r.optimizer.variables]]
 
 
+@pytest.mark.long
 @given(
     algorithm=st.sampled_from(OWN),
     n=st.integers(1, 8),

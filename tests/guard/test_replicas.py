@@ -40,6 +40,7 @@ def _trainer(algorithm: Any, every: int | None, variables: str = "replicated") -
     )  # fmt: skip
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("every", [1, 3])
 def test_drifting_replicas_are_named_within_k_steps(every: int) -> None:
     trainer = _trainer(keep_own, every)
@@ -57,6 +58,7 @@ def test_drifting_replicas_are_named_within_k_steps(every: int) -> None:
     assert not np.array_equal(weights[0][0], weights[1][0])  # the check told the truth
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("algorithm", ["ring", "naive", "nccl"])
 def test_a_reducing_algorithm_never_triggers_it(algorithm: str) -> None:
     trainer = _trainer(algorithm, 1)

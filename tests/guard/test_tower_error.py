@@ -55,6 +55,7 @@ def _everything(trainer: towers.TowerTrainer) -> dict[str, bytes]:
     return state
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("variables", ["parameter_device", "replicated"])
 def test_a_failing_tower_raises_and_changes_nothing_anywhere(variables: str) -> None:
     trainer, twin = _trainer(variables), _trainer(variables)

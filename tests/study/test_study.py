@@ -62,6 +62,7 @@ def rows() -> list[dict[str, Any]]:
                      batch_size=48, epochs=1, eval_every=1)
 
 
+@pytest.mark.long
 def test_every_reducer_starts_from_the_same_weights_and_batches(rows: list[dict]) -> None:
     assert [r["reducer"] for r in rows] == [s for s in SPECS for _ in range(2)]
     first = [r["loss"] for r in rows if r["step"] == 0]

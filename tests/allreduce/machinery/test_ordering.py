@@ -100,6 +100,7 @@ def _train(name: str, forward_graph: str) -> tuple[list[np.ndarray], list[np.nda
     return ours.get_weights(), theirs.get_weights()
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("nested", [True, False], ids=["one_call", "two_calls"])
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_default_forward_graph_equals_mirrored_strategy_bitwise(

@@ -39,6 +39,7 @@ def _traced(name: str, n: int, size: int) -> tf.types.experimental.ConcreteFunct
     return run.get_concrete_function(*[tf.TensorSpec([size], tf.float32)] * n)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("name", ASSEMBLED)
 def test_one_memory_writes_one_output_and_every_tower_gets_it(name: str) -> None:
     """One concat in the graph (n of them before: one per tower), outputs exact on their

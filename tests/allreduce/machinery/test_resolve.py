@@ -75,6 +75,7 @@ def _weights(all_reduce: object, n: int) -> list[np.ndarray]:
     return trainer.get_weights()
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("n", [1, 3, 5])
 def test_a_trainer_takes_module_name_for_an_algorithm_or_its_factory(user_module: str,
                                                                      n: int) -> None:
@@ -85,6 +86,7 @@ def test_a_trainer_takes_module_name_for_an_algorithm_or_its_factory(user_module
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.long
 def test_a_wrapper_takes_module_name_for_its_inner_algorithm(user_module: str) -> None:
     got = _weights(hierarchical(f"{user_module}:star", "ring", group_size=2), 4)
     want = _weights(hierarchical("naive", "ring", group_size=2), 4)

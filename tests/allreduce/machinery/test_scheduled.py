@@ -44,6 +44,7 @@ def _schedule(name: str, n: int) -> Schedule:
     return (generator or ring_schedule)(n)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("name", CHUNKED)
 def test_op_count_grows_with_messages_not_chunk_steps(name: str) -> None:
     """From 8 to 16 towers the op count grows no faster than the messages do (30 % slack for
