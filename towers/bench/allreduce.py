@@ -41,6 +41,7 @@ import tensorflow as tf
 
 from towers import allreduce
 from towers.allreduce.machinery.ordering import as_written
+from towers.allreduce.machinery.scheduled import generator_of
 from towers.bench import costmodel
 from towers.bench.floors import (
     ASSEMBLY,
@@ -50,7 +51,6 @@ from towers.bench.floors import (
     chain_adds,
     leaf_adds,
     leaf_share,
-    schedule_of,
 )
 from towers.bench.onepass import ONE_PASS, OnePass
 from towers.bench.timing import Samples, interleave
@@ -131,7 +131,7 @@ def towers_contender(name: str, fn: allreduce.AllReduce | None = None) -> Conten
 
     chunked = _chunked(algorithm)
     return Contender(name, "towers", body, formula=formula, params=params, chunked=chunked,
-                     schedule=schedule_of(algorithm) if chunked else None)  # fmt: skip
+                     schedule=generator_of(algorithm) if chunked else None)  # fmt: skip
 
 
 def _chunked(algorithm: Any) -> bool:

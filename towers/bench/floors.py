@@ -31,19 +31,15 @@ chunked schedule beside its parts (:mod:`towers.bench.targets`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import tensorflow as tf
 
 from towers import allreduce
 from towers.allreduce.machinery.packed import assemble, pad_rows
-from towers.allreduce.machinery.scheduled import generator_of
-from towers.schedule.classic import ring_schedule
 from towers.schedule.ir import Schedule
 
 __all__ = [
     "ASSEMBLY", "CHAIN_ADDS", "LEAF_ADDS", "assembly", "chain_adds", "in_sequence",
-    "leaf_adds", "leaf_share", "schedule_of",
+    "leaf_adds", "leaf_share",
 ]
 
 LEAF_ADDS, CHAIN_ADDS, ASSEMBLY = "leaf adds", "chain adds", "assembly"
@@ -117,17 +113,6 @@ def leaf_share(schedule: Schedule) -> float:
             leaves += before[s.src][s.chunk] and before[s.dst][s.chunk]
             own[s.dst][s.chunk] = False
     return leaves / adds if adds else 0.0
-
-
-def schedule_of(algorithm: object) -> Callable[[int], Schedule] | None:
-    """The schedule generator a chunked algorithm runs, with its parameters bound
-    (:func:`~towers.allreduce.machinery.scheduled.generator_of`); the ring's own lowering
-    follows :func:`towers.schedule.classic.ring_schedule`. None for anything else."""
-    record = getattr(algorithm, "algorithm", None)
-    if getattr(record, "name", None) == "ring" and (
-            getattr(algorithm, "params", {}).get("subchunks", 1) == 1):  # fmt: skip
-        return ring_schedule
-    return generator_of(algorithm)
 
 
 def in_sequence(share: float, n: int, parts_us: dict[str, float]) -> float:

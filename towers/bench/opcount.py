@@ -18,7 +18,6 @@ from typing import Any
 import tensorflow as tf
 
 from towers.allreduce import ALGORITHMS, all_reduce
-from towers.schedule import ring_schedule
 
 __all__ = ["CHUNKED", "op_count", "opcount_rows", "opcount_section"]
 
@@ -45,7 +44,8 @@ def opcount_rows(names: Sequence[str] = CHUNKED,
     """One row per (algorithm, n): ops, messages and chunk steps of its schedule."""
     rows = []
     for name in names:
-        generator = ALGORITHMS[name].generator or ring_schedule  # ring: the primitives' ring
+        generator = ALGORITHMS[name].generator
+        assert generator is not None  # every CHUNKED algorithm is a schedule
         for n in counts:
             ticks = generator(n).ticks
             messages = sum(len({(s.src, s.dst) for s in tick}) for tick in ticks)
