@@ -1,14 +1,16 @@
 """Write your own all-reduce, check it with ``check_all_reduce``, then train with it.
 
 What it teaches: an algorithm is just ``fn(values, *, op) -> list`` (one tensor
-per tower in, one per tower out, output i on input i's device), composed here
-from the library's ring phases. A *bidirectional ring* sends half of every buffer
-clockwise and the other half anticlockwise, so both directions of every link
-carry data each tick: the same 2(n − 1) ticks as the ring, each moving half as
-much per direction. ``check_all_reduce`` draws tower counts, shapes, dtypes and
-ops and checks values, placement, agreement and the ``bytes_sent`` formula its
-registry record gives (``register(Algorithm(...))``, one line); once
-it passes, ``TowerTrainer(all_reduce=bidirectional_ring)`` trains with it.
+per tower in, one per tower out, output i on input i's device), written here as
+a schedule — data: per tick, which tower sends which chunk where, to copy or to
+reduce — that the library's one interpreter (``run_schedule``) runs. A
+*bidirectional ring* sends half of every buffer clockwise and the other half
+anticlockwise, so both directions of every link carry data each tick: the same
+2(n − 1) ticks as the ring, each moving half as much per direction.
+``check_all_reduce`` draws tower counts, shapes, dtypes and ops and checks values,
+placement, agreement and the ``bytes_sent`` its registry record counts from the
+schedule (``register(Algorithm(...))``, one line); once it passes,
+``TowerTrainer(all_reduce=bidirectional_ring)`` trains with it.
 
 Draw it: python -m towers trace --algorithm examples/custom_reduction.py:bidirectional_ring
 
@@ -22,45 +24,32 @@ from collections.abc import Sequence
 from typing import Any
 
 
+def bidirectional_ring_schedule(n: int) -> Any:
+    """Chunks 0..n-1 go round the ring clockwise (``towers.schedule.ring_schedule``),
+    chunks n..2n-1 round its mirror image (tower p plays tower -p mod n): anticlockwise."""
+    from towers.schedule import Schedule, Step, ring_schedule
+
+    ring = ring_schedule(n)
+    ticks = [tick + tuple(Step(-s.src % n, -s.dst % n, n + s.chunk, s.kind) for s in tick)
+             for tick in ring.ticks]
+    return Schedule("bidirectional_ring", n, 2 * n, tuple(ticks))
+
+
 def bidirectional_ring(values: Sequence[Any], *, op: str = "sum") -> list[Any]:
     """Half of each buffer goes round the ring clockwise, the other half anticlockwise."""
-    from towers.allreduce.machinery.base import check_values
-    from towers.allreduce.machinery.primitives import all_gather, pad_split, reduce_scatter, unsplit
+    from towers.allreduce import run_schedule
 
-    devices = check_values(values, op)
-    n = len(values)
-    split = [pad_split(v, 2 * n) for v in values]  # 2n equal chunks, zero-padded
-    _, shape, size = split[0]
-    out: list[list[Any]] = [[None] * (2 * n) for _ in range(n)]
-    clockwise, anticlockwise = list(range(n)), [0, *range(n - 1, 0, -1)]
-    for half, order in enumerate((clockwise, anticlockwise)):
-        ids = [half * n + k for k in range(n)]  # chunks 0..n-1 clockwise, n..2n-1 anti
-        mine = [[pieces[i] for i in ids] for pieces, _, _ in split]
-        owned = reduce_scatter(mine, devices, op, 0, order=order, chunk_ids=ids)
-        gathered = all_gather(owned, devices, n - 1, order=order, chunk_ids=ids)
-        for tower in range(n):
-            for g, i in enumerate(ids):
-                out[tower][i] = gathered[tower][g]
-    return [unsplit(out[tower], shape, size) for tower in range(n)]
-
-
-def _bytes_sent(n: int, nbytes: int, itemsize: int) -> list[int]:
-    """Each direction: 2(n - 1) chunks of ceil(size / 2n) elements per tower."""
-    chunk = -(-(nbytes // itemsize) // (2 * n))
-    return [2 * 2 * (n - 1) * chunk * itemsize] * n
-
-
-def _summation_depth(n: int) -> int:
-    """Each chunk goes once round its ring: n - 1 additions."""
-    return max(n - 1, 0)
+    return run_schedule(bidirectional_ring_schedule(len(values)), values, op=op)
 
 
 def _register() -> Any:
-    """One record tells tools what the algorithm is; ``ALGORITHMS["bidirectional_ring"]()``."""
+    """One record tells tools what the algorithm is; ``ALGORITHMS["bidirectional_ring"]()``.
+    Its bytes and summation depth are counted from the schedule."""
     from towers.allreduce import Algorithm, register
+    from towers.allreduce.machinery.registry import from_schedule
 
     return register(Algorithm("bidirectional_ring", lambda: bidirectional_ring,
-                              bytes_sent=_bytes_sent, summation_depth=_summation_depth))
+                              **from_schedule(bidirectional_ring_schedule)))
 
 
 def main() -> None:

@@ -18,18 +18,28 @@ from tests.allreduce.machinery.test_primitives import (
     assert_traced_graph_is_sound,
     cases,
     check_all_reduce,
+    make_arrays,
     place,
 )
+from tests.allreduce.test_tree import assert_bitwise, tree_model
 from tests.conftest import DEVICES
 from towers.allreduce.double_binary_tree import (
+    DOUBLE_BINARY_TREE,
     btree_parents,
-    bytes_sent,
     double_binary_tree,
     double_trees,
-    summation_depth,
 )
 from towers.allreduce.machinery.primitives import record
 from towers.allreduce.tree import tree_shape
+
+
+def model(arrays: list[np.ndarray], op: str, chunks: int) -> np.ndarray:
+    """Both trees' orders in NumPy: the first ``chunks`` of ``2·chunks`` padded pieces
+    through tree A, the rest through tree B (flattened)."""
+    flat = [a.reshape(-1) for a in arrays]
+    piece = max(1, -(-flat[0].size // (2 * chunks)))
+    first, second = (tree_model(flat, parents, op) for parents in double_trees(len(arrays)))
+    return np.where(np.arange(flat[0].size) // piece < chunks, first, second)
 
 
 @pytest.mark.parametrize(("dtype", "op"), DTYPE_OPS, ids=DTYPE_OP_IDS)
@@ -38,13 +48,15 @@ def test_every_output_matches_the_exact_reduction(dtype: tf.DType, op: str, data
     case = data.draw(cases(dtype, op))
     c = data.draw(st.integers(1, 2), label="chunks")
     nbytes = int(np.prod(case.shape)) * dtype.size
-    check_all_reduce(
+    algorithm = double_binary_tree(c)
+    outs = check_all_reduce(
         "double_binary_tree",
-        double_binary_tree(c),
+        algorithm,
         case,
-        depth=summation_depth(case.n, c),
-        expected_bytes=bytes_sent(case.n, nbytes, dtype.size, c),
+        depth=algorithm.summation_depth(case.n),
+        expected_bytes=algorithm.bytes_sent(case.n, nbytes, dtype.size),
     )
+    assert_bitwise(outs[0].numpy().reshape(-1), model(make_arrays(case), op, c), op)
 
 
 def test_the_trees_drawn_in_the_docstring() -> None:
@@ -82,12 +94,15 @@ def test_each_half_travels_its_own_tree(n: int) -> None:
 
 def test_byte_formula_and_depth() -> None:
     # 8 towers, 16 float32: halves of 8 elements (32 bytes); inner+leaf sends 3 + 1 halves
-    sent = bytes_sent(8, 64, 4)
-    assert sent[4] == 4 * 32 and sent[0] == 2 * 32
+    record, depth = DOUBLE_BINARY_TREE.bytes_sent, DOUBLE_BINARY_TREE.summation_depth
+    assert record is not None and depth is not None
+    sent = record(8, 64, 4)
+    assert sent is not None and sent[4] == 4 * 32 and sent[0] == 2 * 32
     for n in range(1, 65):  # no tower sends more than 2S: inner in one tree, leaf in the other
-        assert max(bytes_sent(n, 64, 4)) <= 2 * 64
-    assert bytes_sent(3, 12, 4, 2) == bytes_sent(3, 16, 4, 2)  # 3 vs 4 elements: padding
-    assert summation_depth(8) == 5 and summation_depth(1) == 0
+        assert max(record(n, 64, 4) or [0]) <= 2 * 64
+        assert depth(n) == max(tree_shape(p).adds[p.index(-1)] for p in double_trees(n))
+    assert record(3, 12, 4, chunks=2) == record(3, 16, 4, chunks=2)  # 3 vs 4 elements: padding
+    assert depth(8) == 5 and depth(1) == 0
 
 
 @pytest.mark.parametrize("op", ["sum", "mean", "max"])

@@ -22,15 +22,11 @@ from tests.conftest import DEVICES, examples
 from towers.allreduce import ALGORITHMS, pat
 from towers.allreduce.bruck import bruck_schedule
 from towers.allreduce.machinery.primitives import record
-from towers.allreduce.pat import (
-    bytes_sent,
-    chunks_per_dimension,
-    cost,
-    pat_schedule,
-    summation_depth,
-)
+from towers.allreduce.pat import PAT, chunks_per_dimension, cost, pat_schedule
 from towers.schedule import check_schedule
 from towers.schedule import cost as schedule_cost
+
+bytes_sent, summation_depth = PAT.bytes_sent, PAT.summation_depth  # the schedule's
 
 
 @pytest.mark.parametrize("aggregation", [None, 1, 2, 3])
@@ -100,13 +96,13 @@ def test_every_output_matches_the_reduction_and_naive(case: Case,
                                                       aggregation: int | None) -> None:
     values = make_values(case)
     algorithm = pat(aggregation=aggregation)
-    depth = summation_depth(case.n, aggregation)
+    depth = summation_depth(case.n, aggregation=aggregation)
     with record() as rec:
         outputs = algorithm(values, op=case.op)
     check_all_reduce(outputs, values, case.op, depth)
     assert_close_to_naive(outputs, values, case.op, depth)
     expected = algorithm.bytes_sent(case.n, nbytes(case), case.dtype.size)
-    assert expected == bytes_sent(case.n, nbytes(case), case.dtype.size, aggregation)
+    assert expected == bytes_sent(case.n, nbytes(case), case.dtype.size, aggregation=aggregation)
     check_bytes(rec, DEVICES[: case.n], expected)  # type: ignore[arg-type]
     assert rec.ticks() == pat_schedule(case.n, aggregation).num_ticks
 

@@ -22,9 +22,11 @@ from tests.allreduce.test_halving_doubling import (
 from tests.conftest import DEVICES, examples
 from towers.allreduce import ALGORITHMS, ring, torus_2d
 from towers.allreduce.machinery.primitives import record
-from towers.allreduce.torus_2d import bytes_sent, cost, grid, summation_depth, torus_2d_schedule
+from towers.allreduce.torus_2d import TORUS_2D, cost, grid, torus_2d_schedule
 from towers.schedule import check_schedule, ring_schedule
 from towers.schedule import cost as schedule_cost
+
+bytes_sent, summation_depth = TORUS_2D.bytes_sent, TORUS_2D.summation_depth  # the schedule's
 
 
 def _depth(n: int, rows: int | None = None) -> int:
@@ -113,7 +115,7 @@ def test_a_fixed_grid_runs(rows: int) -> None:
     algorithm = torus_2d(rows=rows)
     with record() as rec:
         outputs = algorithm(values, op="sum")
-    check_all_reduce(outputs, values, "sum", summation_depth(8, rows))
+    check_all_reduce(outputs, values, "sum", summation_depth(8, rows=rows))
     check_bytes(rec, DEVICES[:8], algorithm.bytes_sent(8, nbytes(case), 4))  # type: ignore[arg-type]
     assert rec.ticks() == torus_2d_schedule(8, rows).num_ticks
 

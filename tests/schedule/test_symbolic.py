@@ -162,10 +162,15 @@ def test_quantities_derived_from_the_schedule_match_the_ring_module() -> None:
 
     for n in range(1, 9):
         s = ring_schedule(n)
-        assert bytes_sent(s, 4 * 37, 4) == ring_module.bytes_sent(n, 4 * 37, 4)
+        assert bytes_sent(s, 4 * 37, 4) == [2 * (n - 1) * -(-37 // n) * 4] * n  # padded chunks
         assert cost(s, 1000.0) == pytest.approx(ring_module.cost(n, 1000.0))
-        assert summation_depth(s) == ring_module.summation_depth(n)
+        assert summation_depth(s) == max(n - 1, 0)
         assert summation_depths(s) == (max(n - 1, 0),) * n
+        for subchunks in (2, 3):  # s rings side by side: as many ticks, s chunks a tick
+            rings = ring_schedule(n, subchunks)
+            assert rings.num_ticks == s.num_ticks and summation_depth(rings) == max(n - 1, 0)
+            assert bytes_sent(rings, 4 * 37, 4) == [
+                2 * (n - 1) * subchunks * -(-37 // (n * subchunks)) * 4] * n
     assert link_bytes(ring_schedule(3), 12, 4) == {(0, 1): 16, (1, 2): 16, (2, 0): 16}
     drawn = format_schedule(ring_schedule(4)).splitlines()
     assert drawn[1].split() == ["tower", "0", "c3+▶1", "c2+▶1", "c1+▶1", "c0", "▶1", "c3", "▶1",

@@ -17,7 +17,7 @@ import pytest
 from tests.conftest import DEVICES
 from towers.allreduce.codecs import TopK
 from towers.allreduce.machinery.resolve import parse
-from towers.allreduce.ring import bytes_sent
+from towers.allreduce.ring import ring
 from towers.bench.costmodel.paper import predict_on
 from towers.study import plot, run_study, summary, summary_table, write_csv
 from towers.training.data import digits
@@ -35,7 +35,7 @@ COLUMNS = [
 
 
 def _ring(nbytes: int, itemsize: int = 4) -> int:
-    return bytes_sent(N, nbytes, itemsize)[0]
+    return ring().bytes_sent(N, nbytes, itemsize)[0]
 
 
 def _formula(spec: str) -> int:

@@ -18,10 +18,10 @@ from towers.allreduce.bruck import bruck
 from towers.allreduce.bucketed import bucketed, pack, unpack
 from towers.allreduce.codecs import bf16, fp16, topk
 from towers.allreduce.collective_registry import COLLECTIVE_ALGORITHMS
+from towers.allreduce.collectives import all_gather, broadcast, reduce_scatter
 from towers.allreduce.compressed import compressed
 from towers.allreduce.double_binary_tree import double_binary_tree
 from towers.allreduce.halving_doubling import halving_doubling
-from towers.allreduce.hand_collectives import all_gather, broadcast, reduce_scatter
 from towers.allreduce.hierarchical import hierarchical
 from towers.allreduce.machinery.base import (
     ALL_OPS,

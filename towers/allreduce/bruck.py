@@ -1,8 +1,8 @@
 """Bruck all-reduce: dissemination reduce-scatter and all-gather, partners 2^k apart, any n.
 
 Written as data: :func:`bruck_schedule` builds the :class:`~towers.schedule.Schedule`
-and :func:`~towers.allreduce.machinery.scheduled.run_schedule` runs it; bytes and depth
-below are derived from that same object. n = 5 towers, chunks c0..c4,
+and :func:`~towers.allreduce.machinery.scheduled.run_schedule` runs it; its record's bytes and
+depth are counted from that same object. n = 5 towers, chunks c0..c4,
 ``+▶t`` reduces into tower t, ``▶t`` copies to it::
 
     tick           0       1       2 │      3       4       5
@@ -51,23 +51,21 @@ from towers.allreduce.machinery.registry import (
     Algorithm,
     Coefficients,
     Configured,
+    from_schedule,
     register,
     schedule_of,
 )
 from towers.allreduce.machinery.scheduled import scheduled
 from towers.guard.arguments import positive_int
-from towers.schedule import ir, symbolic
 from towers.schedule.ir import Schedule, Step
 
 __all__ = [
     "BRUCK",
     "bruck",
     "bruck_schedule",
-    "bytes_sent",
     "cost",
     "gather_ticks",
     "steps_of",
-    "summation_depth",
     "transpose",
 ]
 
@@ -151,32 +149,14 @@ def bruck() -> Configured:
     """Build the Bruck all-reduce (any tower count; see the module docstring).
 
     Returns:
-        The configured algorithm ``(values, *, op="sum") -> list[tf.Tensor]``.
+        The configured algorithm ``(values, *, op="sum") -> list[tf.Tensor]``; its
+        ``bytes_sent`` and ``summation_depth``, counted from the schedule, are
+        ``2(n−1)·⌈L/n⌉·itemsize`` per tower and ``⌈log2 n⌉``.
 
     Example:
         >>> outs = bruck()(values, op="mean")   # doctest: +SKIP
     """
     return BRUCK()
-
-
-def bytes_sent(n: int, nbytes: int, itemsize: int) -> list[int]:
-    """Bytes each tower sends, counted from :func:`bruck_schedule`: ``2(n−1)·⌈L/n⌉·itemsize``.
-
-    Example:
-        >>> bytes_sent(4, 32, 4), bytes_sent(3, 20, 4)
-        ([48, 48, 48, 48], [32, 32, 32])
-    """
-    return ir.bytes_sent(bruck_schedule(n), nbytes, itemsize)
-
-
-def summation_depth(n: int) -> int:
-    """The deepest summation tree of :func:`bruck_schedule`'s result: ⌈log2 n⌉.
-
-    Example:
-        >>> [summation_depth(n) for n in (1, 2, 3, 4, 5, 8)]
-        [0, 1, 2, 2, 3, 3]
-    """
-    return symbolic.summation_depth(bruck_schedule(n))
 
 
 def cost(n: int, nbytes: float) -> Coefficients:
@@ -190,6 +170,6 @@ def cost(n: int, nbytes: float) -> Coefficients:
 
 
 BRUCK = register(
-    Algorithm("bruck", _build, bytes_sent, summation_depth, cost, schedule_of(__doc__),
-              generator=bruck_schedule)
+    Algorithm("bruck", _build, schedule=schedule_of(__doc__),
+              **from_schedule(bruck_schedule, cost=cost))
 )

@@ -38,9 +38,14 @@ piece ``k`` up at tick ``h + k``; a node at depth ``d`` copies it down at tick
     tower 2   c1 ▲1           c0 ▲0          .           c0 ▼1,3
     tower 3   c0 ▲2             .          c1 ▼1            .
 
-Order: as in :mod:`towers.allreduce.tree` (eager; a ``tf.function`` may regroup a
-node's two additions, up to ``2·D``); :func:`summation_depth` is the larger of the
-two trees' depths.
+Order: as in :mod:`towers.allreduce.tree` (own value first; eager; a ``tf.function``
+may regroup a node's two additions, up to ``2·D``); the summation depth is the larger
+of the two trees' depths.
+
+Written as data: :func:`double_binary_tree_schedule` (both trees'
+:func:`~towers.allreduce.tree.tree_ticks`, tick by tick) and the one interpreter,
+:func:`~towers.allreduce.machinery.scheduled.run_schedule`, runs it; bytes and
+depth are counted from that same schedule.
 
 Cost (n towers, S bytes, D = tree height ≈ log2 n; single-port full-duplex links
 as in :mod:`towers.bench.costmodel`): ``2D + C - 1`` ticks, both trees at once. A tower
@@ -58,31 +63,29 @@ References:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
 
-import tensorflow as tf
-
-from towers.allreduce.machinery.base import AllReduce, check_values
-from towers.allreduce.machinery.packed import assemble
-from towers.allreduce.machinery.primitives import pad_split, unsplit
+from towers.allreduce.machinery.base import AllReduce
 from towers.allreduce.machinery.registry import (
     Algorithm,
     Coefficients,
     Configured,
+    from_schedule,
     register,
     schedule_of,
 )
-from towers.allreduce.tree import reduce_broadcast, tick_loads, tree_bytes, tree_shape
+from towers.allreduce.machinery.scheduled import scheduled
+from towers.allreduce.tree import tick_loads, tree_ticks
 from towers.guard.arguments import positive_int
+from towers.schedule.ir import Schedule
 
 __all__ = [
     "DOUBLE_BINARY_TREE",
     "btree_parents",
-    "bytes_sent",
     "cost",
     "double_binary_tree",
+    "double_binary_tree_schedule",
     "double_trees",
-    "summation_depth",
 ]
 
 
@@ -117,29 +120,25 @@ def double_trees(n: int) -> tuple[list[int], list[int]]:
     return first, second
 
 
-def _double_binary_tree(values: Sequence[tf.Tensor], op: str, chunks: int) -> list[tf.Tensor]:
-    devices = check_values(values, op)
-    n = len(values)
-    split = [pad_split(v, 2 * chunks) for v in values]
-    _, shape, size = split[0]
-    halves = []
-    for h, parents in enumerate(double_trees(n)):
-        ids = [h * chunks + k for k in range(chunks)]
-        pieces = [[p[i] for i in ids] for p, _, _ in split]
-        halves.append(reduce_broadcast(pieces, parents, devices, op, chunk_ids=ids))
-    held = [halves[0][i] + halves[1][i] for i in range(n)]
-    return assemble(held, devices, lambda tower: unsplit(held[tower], shape, size))
+@functools.lru_cache(maxsize=256)
+def double_binary_tree_schedule(n: int, chunks: int = 1) -> Schedule:
+    """Both trees at once over ``n`` towers: half ``h``'s piece ``k`` is chunk ``h·C + k``.
+
+    Example:
+        >>> double_binary_tree_schedule(4).num_ticks
+        4
+    """
+    c = positive_int("chunks", chunks)
+    first, second = (tree_ticks(parents, range(h * c, (h + 1) * c))
+                     for h, parents in enumerate(double_trees(positive_int("n", n))))
+    # B is A mirrored or shifted: the same shape, so as many ticks
+    ticks = tuple(tuple(a + b) for a, b in zip(first, second, strict=True))
+    return Schedule("double_binary_tree", n, 2 * c, ticks)
 
 
 def _build(chunks: int = 1) -> AllReduce:
     c = positive_int("chunks", chunks)
-
-    def double_binary_tree_all_reduce(
-        values: Sequence[tf.Tensor], *, op: str = "sum"
-    ) -> list[tf.Tensor]:
-        return _double_binary_tree(values, op, c)
-
-    return double_binary_tree_all_reduce
+    return scheduled(functools.partial(double_binary_tree_schedule, chunks=c), own_first=True)
 
 
 def double_binary_tree(chunks: int = 1) -> Configured:
@@ -147,6 +146,11 @@ def double_binary_tree(chunks: int = 1) -> Configured:
 
     Args:
         chunks: pieces per half (``C``, default 1: each tree moves its half whole).
+
+    Returns:
+        The configured algorithm; its ``bytes_sent`` (``Σ_trees (1[not root] +
+        children)·C·⌈size/(2C)⌉·itemsize``) and ``summation_depth`` (5 for n = 8) are
+        counted from the schedule.
 
     Raises:
         ValueError: ``chunks`` < 1 or not an int.
@@ -157,33 +161,6 @@ def double_binary_tree(chunks: int = 1) -> Configured:
     return DOUBLE_BINARY_TREE(chunks=chunks)
 
 
-def bytes_sent(n: int, nbytes: int, itemsize: int, chunks: int = 1) -> list[int]:
-    """Exact bytes per tower: ``Σ_trees (1[not root] + children)·C·ceil(size/(2C))·itemsize``.
-
-    Example:
-        >>> bytes_sent(4, 16, 4)
-        [16, 32, 32, 16]
-    """
-    c = positive_int("chunks", chunks)
-    piece = -(-(nbytes // itemsize) // (2 * c)) * itemsize
-    first, second = double_trees(n)
-    per_tree = zip(tree_bytes(first, c, piece), tree_bytes(second, c, piece), strict=True)
-    return [a + b for a, b in per_tree]
-
-
-def summation_depth(n: int, chunks: int = 1) -> int:
-    """Most additions any result element went through, over both trees (5 for n = 8).
-
-    Example:
-        >>> summation_depth(8)
-        5
-    """
-    positive_int("chunks", chunks)
-    if n < 1:
-        return 0
-    return max(tree_shape(parents).adds[parents.index(-1)] for parents in double_trees(n))
-
-
 def cost(n: int, nbytes: float, *, chunks: int = 1) -> Coefficients:
     """α-β-γ coefficients ``M·(α + S/2C·β) + A·S/2C·γ`` over both trees' schedule."""
     messages, adds = tick_loads(double_trees(n), positive_int("chunks", chunks))
@@ -192,5 +169,6 @@ def cost(n: int, nbytes: float, *, chunks: int = 1) -> Coefficients:
 
 
 DOUBLE_BINARY_TREE = register(
-    Algorithm("double_binary_tree", _build, bytes_sent, summation_depth, cost, schedule_of(__doc__))
+    Algorithm("double_binary_tree", _build, schedule=schedule_of(__doc__),
+              **from_schedule(double_binary_tree_schedule, cost=cost))
 )

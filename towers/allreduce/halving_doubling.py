@@ -4,8 +4,8 @@ Written as data: :func:`halving_doubling_schedule` builds the
 :class:`~towers.schedule.Schedule` (the power-of-two core is
 :func:`~towers.schedule.halving_reduce_scatter` then
 :func:`~towers.schedule.doubling_all_gather` of ``towers.schedule``) and
-:func:`~towers.allreduce.machinery.scheduled.run_schedule` runs it; bytes and depth below
-are derived from that same object. With p = 2^⌊log2 n⌋ active towers and
+:func:`~towers.allreduce.machinery.scheduled.run_schedule` runs it; its record's bytes and
+depth are counted from that same object. With p = 2^⌊log2 n⌋ active towers and
 r = n − p extra ones, n = 6 (p = 4, r = 2), the buffer padded to p chunks
 c0..c3 (``+▶t`` reduces into tower t, ``▶t`` copies to it)::
 
@@ -49,21 +49,19 @@ from towers.allreduce.machinery.registry import (
     Algorithm,
     Coefficients,
     Configured,
+    from_schedule,
     register,
     schedule_of,
 )
 from towers.allreduce.machinery.scheduled import scheduled
-from towers.schedule import ir, symbolic
 from towers.schedule.collectives import doubling_all_gather, fold, halving_reduce_scatter
 from towers.schedule.ir import Schedule, Step
 
 __all__ = [
     "HALVING_DOUBLING",
-    "bytes_sent",
     "cost",
     "halving_doubling",
     "halving_doubling_schedule",
-    "summation_depth",
 ]
 
 
@@ -92,7 +90,11 @@ def halving_doubling() -> Configured:
 
     Returns:
         The configured algorithm ``(values, *, op="sum") -> list[tf.Tensor]``; its
-        ``bytes_sent`` and ``summation_depth`` give this module's formulas.
+        ``bytes_sent`` and ``summation_depth`` are counted from the schedule. In closed
+        form, with p = 2^⌊log2 n⌋, L = nbytes / itemsize and c = ⌈L/p⌉: tower i < p
+        sends 2(p−1)·c·itemsize, plus p·c·itemsize when i < n − p (fold-out); tower
+        p + j sends p·c·itemsize (fold-in); every element goes through ⌈log2 n⌉
+        additions.
 
     Raises:
         ValueError: (when called) bad values (see ``check_values``) or a shape that
@@ -103,30 +105,6 @@ def halving_doubling() -> Configured:
         >>> outs = algo([tf.ones([5]) for _ in range(3)], op="mean")  # doctest: +SKIP
     """
     return HALVING_DOUBLING()
-
-
-def bytes_sent(n: int, nbytes: int, itemsize: int) -> list[int]:
-    """Bytes each tower sends, counted from :func:`halving_doubling_schedule`.
-
-    In closed form, with p = 2^⌊log2 n⌋, L = nbytes / itemsize and c = ⌈L/p⌉ (the
-    padded chunk length): tower i < p sends 2(p−1)·c·itemsize, plus p·c·itemsize more
-    when i < n − p (fold-out); tower p + j sends p·c·itemsize (fold-in).
-
-    Example:
-        >>> bytes_sent(3, 20, 4)   # L = 5, p = 2, c = 3
-        [48, 24, 24]
-    """
-    return ir.bytes_sent(halving_doubling_schedule(n), nbytes, itemsize)
-
-
-def summation_depth(n: int) -> int:
-    """The deepest summation tree of the schedule's result: ⌈log2 n⌉ (fold-in + log2 p).
-
-    Example:
-        >>> summation_depth(6)
-        3
-    """
-    return symbolic.summation_depth(halving_doubling_schedule(n))
 
 
 def cost(n: int, nbytes: float) -> Coefficients:
@@ -145,6 +123,6 @@ def cost(n: int, nbytes: float) -> Coefficients:
 
 
 HALVING_DOUBLING = register(
-    Algorithm("halving_doubling", _build, bytes_sent, summation_depth, cost, schedule_of(__doc__),
-              generator=halving_doubling_schedule)
+    Algorithm("halving_doubling", _build, schedule=schedule_of(__doc__),
+              **from_schedule(halving_doubling_schedule, cost=cost))
 )

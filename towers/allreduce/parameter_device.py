@@ -35,7 +35,6 @@ from towers.allreduce.machinery.registry import (
     register,
     schedule_of,
 )
-from towers.allreduce.naive import rooted_cost
 from towers.devices import canonical_device
 
 __all__ = [
@@ -44,16 +43,19 @@ __all__ = [
     "cost",
     "parameter_device",
     "reduce_on",
+    "rooted_cost",
     "summation_depth",
 ]
 
 
-def reduce_on(values: Sequence[tf.Tensor], device: str, op: str) -> tf.Tensor:
-    """Combine ``values`` on ``device`` one at a time in tower order (not finished)."""
+def reduce_on(values: Sequence[tf.Tensor], device: str, op: str, *,
+              note: str = "to-parameter-device") -> tf.Tensor:
+    """Combine ``values`` on ``device`` one at a time in tower order (not finished):
+    ``((x0 ⊕ x1) ⊕ x2) ⊕ …``, each sent there at tick 0 (value ``i`` labelled chunk ``i``)."""
     with tf.device(device):
-        total = send(values[0], device, tick=0, chunk=0, note="to-parameter-device")
+        total = send(values[0], device, tick=0, chunk=0, note=note)
         for i, v in enumerate(values[1:], start=1):
-            total = combine(total, send(v, device, tick=0, chunk=i, note="to-parameter-device"), op)
+            total = combine(total, send(v, device, tick=0, chunk=i, note=note), op)
     return total
 
 
@@ -97,6 +99,16 @@ def bytes_sent(n: int, nbytes: int, itemsize: int, device: str | None = None) ->
 def summation_depth(n: int, device: str | None = None) -> int:
     """One addition at a time in tower order: n − 1 additions for the last value."""
     return max(n - 1, 0)
+
+
+def rooted_cost(n: int, nbytes: float, *, on_tower: bool = True) -> Coefficients:
+    """Everything through one root's port: ``2m·(α + S·β) + (n-1)·S·γ``.
+
+    ``m = n-1`` messages each way when the root is a tower (its own value stays),
+    ``m = n`` for a separate device (parameter_device off the towers).
+    """
+    m = n - 1 if on_tower else n
+    return 2 * m, 2 * m * nbytes, (n - 1) * nbytes
 
 
 def cost(n: int, nbytes: float, *, on_tower: bool = True) -> Coefficients:

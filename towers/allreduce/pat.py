@@ -1,8 +1,8 @@
 """PAT all-reduce: NCCL's Parallel Aggregated Trees reduce-scatter and all-gather, composed.
 
 Written as data: :func:`pat_schedule` builds the :class:`~towers.schedule.Schedule`
-and :func:`~towers.allreduce.machinery.scheduled.run_schedule` runs it; bytes and depth
-below are derived from that same object. n = 5 towers, chunks c0..c4,
+and :func:`~towers.allreduce.machinery.scheduled.run_schedule` runs it; its record's bytes and
+depth are counted from that same object. n = 5 towers, chunks c0..c4,
 ``+▶t`` reduces into tower t, ``▶t`` copies to it::
 
     tick           0       1       2 │      3       4       5
@@ -67,16 +67,15 @@ from towers.allreduce.machinery.registry import (
     Algorithm,
     Coefficients,
     Configured,
+    from_schedule,
     register,
     schedule_of,
 )
 from towers.allreduce.machinery.scheduled import scheduled
 from towers.guard.arguments import positive_int
-from towers.schedule import ir, symbolic
 from towers.schedule.ir import Schedule
 
-__all__ = ["PAT", "bytes_sent", "chunks_per_dimension", "cost", "pat", "pat_schedule",
-           "summation_depth"]
+__all__ = ["PAT", "chunks_per_dimension", "cost", "pat", "pat_schedule"]
 
 
 def _aggregation(aggregation: object) -> int | None:
@@ -126,7 +125,9 @@ def pat(aggregation: int | None = None) -> Configured:
             None aggregates whole dimensions.
 
     Returns:
-        The configured algorithm ``(values, *, op="sum") -> list[tf.Tensor]``.
+        The configured algorithm ``(values, *, op="sum") -> list[tf.Tensor]``; its
+        ``bytes_sent`` and ``summation_depth``, counted from the schedule, are
+        ``2(n−1)·⌈L/n⌉·itemsize`` per tower and ``⌈log2 n⌉``.
 
     Raises:
         ValueError: ``aggregation`` is not None or an int >= 1.
@@ -139,26 +140,6 @@ def pat(aggregation: int | None = None) -> Configured:
 
 def _build(aggregation: int | None = None) -> AllReduce:
     return scheduled(functools.partial(pat_schedule, aggregation=_aggregation(aggregation)))
-
-
-def bytes_sent(n: int, nbytes: int, itemsize: int, aggregation: int | None = None) -> list[int]:
-    """Bytes each tower sends, counted from :func:`pat_schedule`: ``2(n−1)·⌈L/n⌉·itemsize``.
-
-    Example:
-        >>> bytes_sent(4, 32, 4), bytes_sent(3, 20, 4, aggregation=1)
-        ([48, 48, 48, 48], [32, 32, 32])
-    """
-    return ir.bytes_sent(pat_schedule(n, _aggregation(aggregation)), nbytes, itemsize)
-
-
-def summation_depth(n: int, aggregation: int | None = None) -> int:
-    """The deepest summation tree of :func:`pat_schedule`'s result: ⌈log2 n⌉.
-
-    Example:
-        >>> [summation_depth(n) for n in (1, 2, 3, 4, 5, 8)]
-        [0, 1, 2, 2, 3, 3]
-    """
-    return symbolic.summation_depth(pat_schedule(n, _aggregation(aggregation)))
 
 
 def cost(n: int, nbytes: float, aggregation: int | None = None) -> Coefficients:
@@ -175,6 +156,6 @@ def cost(n: int, nbytes: float, aggregation: int | None = None) -> Coefficients:
 
 
 PAT = register(
-    Algorithm("pat", _build, bytes_sent, summation_depth, cost, schedule_of(__doc__),
-              generator=pat_schedule)
+    Algorithm("pat", _build, schedule=schedule_of(__doc__),
+              **from_schedule(pat_schedule, cost=cost))
 )

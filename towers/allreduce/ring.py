@@ -36,6 +36,11 @@ Summation depth ``n-1`` (a chain of additions). Consecutive additions to a chunk
 run on different towers, so a ``tf.function`` keeps this order too (Grappler only
 regroups adds on one device); it does turn ``mean``'s ``x / n`` into ``x * (1/n)``.
 
+Written as data: :func:`towers.schedule.ring_schedule` builds the schedule
+(:func:`towers.schedule.ring_orders` the rotated rings) and the one interpreter,
+:func:`~towers.allreduce.machinery.scheduled.run_schedule`, runs it; bytes and
+depth are counted from that same schedule.
+
 References:
     P. Patarasuk and X. Yuan, "Bandwidth optimal all-reduce algorithms for clusters
     of workstations", J. Parallel Distrib. Comput. 69(2), 2009. TensorFlow
@@ -44,61 +49,27 @@ References:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
 
-import tensorflow as tf
-
-from towers.allreduce.machinery.base import AllReduce, check_values
-from towers.allreduce.machinery.packed import assemble
-from towers.allreduce.machinery.primitives import all_gather, pad_split, reduce_scatter, unsplit
+from towers.allreduce.machinery.base import AllReduce
 from towers.allreduce.machinery.registry import (
     Algorithm,
     Coefficients,
     Configured,
+    from_schedule,
     register,
     schedule_of,
 )
+from towers.allreduce.machinery.scheduled import scheduled
 from towers.guard.arguments import positive_int
+from towers.schedule.collectives import ring_schedule
 
-__all__ = ["RING", "bytes_sent", "cost", "ring", "ring_orders", "summation_depth"]
-
-
-def ring_orders(n: int, subchunks: int = 1) -> list[list[int]]:
-    """The ``subchunks`` rings as towers by position: ring ``r`` rotated by ``r·max(1, n//s)``.
-
-    Example:
-        >>> ring_orders(4, 2)
-        [[0, 1, 2, 3], [2, 3, 0, 1]]
-    """
-    step = max(1, n // subchunks)
-    return [[(p + r * step) % n for p in range(n)] for r in range(subchunks)]
-
-
-def _ring_all_reduce(values: Sequence[tf.Tensor], op: str, subchunks: int) -> list[tf.Tensor]:
-    devices = check_values(values, op)
-    n, s = len(values), subchunks
-    split = [pad_split(v, n * s) for v in values]
-    chunks = [pieces for pieces, _, _ in split]
-    _, shape, size = split[0]
-    out: list[list[tf.Tensor]] = [[None] * (n * s) for _ in range(n)]
-    for r, order in enumerate(ring_orders(n, s)):
-        ids = [g * s + r for g in range(n)]  # segment g of ring r
-        mine = [[chunks[tower][i] for i in ids] for tower in range(n)]
-        owned = reduce_scatter(mine, devices, op, 0, order=order, chunk_ids=ids)
-        gathered = all_gather(owned, devices, n - 1, order=order, chunk_ids=ids)
-        for tower in range(n):
-            for g, i in enumerate(ids):
-                out[tower][i] = gathered[tower][g]
-    return assemble(out, devices, lambda tower: unsplit(out[tower], shape, size))
+__all__ = ["RING", "cost", "ring"]
 
 
 def _build(subchunks: int = 1) -> AllReduce:
     s = positive_int("subchunks", subchunks)
-
-    def ring_all_reduce(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
-        return _ring_all_reduce(values, op, s)
-
-    return ring_all_reduce
+    return scheduled(functools.partial(ring_schedule, subchunks=s))
 
 
 def ring(subchunks: int = 1) -> Configured:
@@ -108,7 +79,9 @@ def ring(subchunks: int = 1) -> Configured:
         subchunks: sub-chunks per chunk, i.e. parallel rings (``s``); any int >= 1.
 
     Returns:
-        The configured algorithm, ``(values, *, op="sum") -> list[tf.Tensor]``.
+        The configured algorithm, ``(values, *, op="sum") -> list[tf.Tensor]``; its
+        ``bytes_sent`` (``2(n-1)·s·⌈size/(n·s)⌉·itemsize``, padding included) and
+        ``summation_depth`` (``n - 1``) are counted from the schedule.
 
     Raises:
         ValueError: ``subchunks`` < 1 or not an int.
@@ -119,34 +92,9 @@ def ring(subchunks: int = 1) -> Configured:
     return RING(subchunks=subchunks)
 
 
-def bytes_sent(n: int, nbytes: int, itemsize: int, subchunks: int = 1) -> list[int]:
-    """Exact bytes each tower sends in one call: ``2(n-1)·s·ceil(size/(n·s))·itemsize``.
-
-    Equal to ``2(n-1)/n·nbytes`` when ``n·s`` divides the element count.
-
-    Example:
-        >>> bytes_sent(4, 400, 4)
-        [600, 600, 600, 600]
-    """
-    s = positive_int("subchunks", subchunks)
-    size = nbytes // itemsize
-    chunk = -(-size // (n * s))
-    return [2 * (n - 1) * s * chunk * itemsize] * n
-
-
-def summation_depth(n: int, subchunks: int = 1) -> int:
-    """Largest number of additions any result element went through: ``n - 1``.
-
-    Example:
-        >>> summation_depth(8)
-        7
-    """
-    positive_int("subchunks", subchunks)
-    return max(n - 1, 0)
-
-
 def cost(n: int, nbytes: float, *, subchunks: int = 1) -> Coefficients:
-    """α-β-γ coefficients: ``2(n-1)s·α + 2(n-1)/n·S·β + (n-1)/n·S·γ``.
+    """α-β-γ coefficients: ``2(n-1)s·α + 2(n-1)/n·S·β + (n-1)/n·S·γ`` (one α per ring's
+    message, the cost model's convention).
 
     Example:
         >>> cost(4, 1000.0)
@@ -156,4 +104,5 @@ def cost(n: int, nbytes: float, *, subchunks: int = 1) -> Coefficients:
     return 2 * (n - 1) * subchunks, 2 * (n - 1) / n * nbytes, (n - 1) / n * nbytes
 
 
-RING = register(Algorithm("ring", _build, bytes_sent, summation_depth, cost, schedule_of(__doc__)))
+RING = register(Algorithm("ring", _build, schedule=schedule_of(__doc__),
+                          **from_schedule(ring_schedule, cost=cost)))

@@ -1,8 +1,8 @@
 """Swing all-reduce: recursive halving and doubling with peers that swing left and right.
 
 Written as data: :func:`swing_schedule` builds the :class:`~towers.schedule.Schedule`
-and :func:`~towers.allreduce.machinery.scheduled.run_schedule` runs it; bytes and depth
-below are derived from that same object. p = 4 towers, chunks c0..c3,
+and :func:`~towers.allreduce.machinery.scheduled.run_schedule` runs it; its record's bytes and
+depth are counted from that same object. p = 4 towers, chunks c0..c3,
 ``+▶t`` reduces into tower t, ``▶t`` copies to it::
 
     tick          0        1    │     2        3
@@ -50,15 +50,15 @@ from towers.allreduce.machinery.registry import (
     Algorithm,
     Coefficients,
     Configured,
+    from_schedule,
     register,
     schedule_of,
 )
 from towers.allreduce.machinery.scheduled import scheduled
 from towers.guard.arguments import positive_int
-from towers.schedule import ir, symbolic
 from towers.schedule.ir import Schedule, Step
 
-__all__ = ["SWING", "bytes_sent", "cost", "peer", "summation_depth", "swing", "swing_schedule"]
+__all__ = ["SWING", "cost", "peer", "swing", "swing_schedule"]
 
 
 def _delta(step: int) -> int:
@@ -120,32 +120,14 @@ def swing() -> Configured:
     """Build the Swing all-reduce (any tower count; see the module docstring).
 
     Returns:
-        The configured algorithm ``(values, *, op="sum") -> list[tf.Tensor]``.
+        The configured algorithm ``(values, *, op="sum") -> list[tf.Tensor]``; its
+        ``bytes_sent`` and ``summation_depth``, counted from the schedule, are
+        ``2(p−1)·⌈L/p⌉·itemsize`` per tower (a fold adds ``p`` chunks) and ``⌈log2 n⌉``.
 
     Example:
         >>> outs = swing()(values, op="mean")   # doctest: +SKIP
     """
     return SWING()
-
-
-def bytes_sent(n: int, nbytes: int, itemsize: int) -> list[int]:
-    """Bytes each tower sends, counted from :func:`swing_schedule` (``towers.schedule.bytes_sent``).
-
-    Example:
-        >>> bytes_sent(4, 32, 4), bytes_sent(3, 20, 4)   # 2(p-1)·⌈L/p⌉; the fold sends p chunks
-        ([48, 48, 48, 48], [48, 24, 24])
-    """
-    return ir.bytes_sent(swing_schedule(n), nbytes, itemsize)
-
-
-def summation_depth(n: int) -> int:
-    """The deepest summation tree of :func:`swing_schedule`'s result: ⌈log2 n⌉.
-
-    Example:
-        >>> [summation_depth(n) for n in (1, 2, 3, 4, 5, 8)]
-        [0, 1, 2, 2, 3, 3]
-    """
-    return symbolic.summation_depth(swing_schedule(n))
 
 
 def cost(n: int, nbytes: float) -> Coefficients:
@@ -161,6 +143,6 @@ def cost(n: int, nbytes: float) -> Coefficients:
 
 
 SWING = register(
-    Algorithm("swing", _build, bytes_sent, summation_depth, cost, schedule_of(__doc__),
-              generator=swing_schedule)
+    Algorithm("swing", _build, schedule=schedule_of(__doc__),
+              **from_schedule(swing_schedule, cost=cost))
 )

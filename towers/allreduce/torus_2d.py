@@ -1,8 +1,8 @@
 """2D-torus all-reduce: reduce-scatter along rows, all-reduce along columns, all-gather along rows.
 
 Written as data: :func:`torus_2d_schedule` builds the :class:`~towers.schedule.Schedule`
-and :func:`~towers.allreduce.machinery.scheduled.run_schedule` runs it; bytes and depth
-below are derived from that same object. n = 4 towers as a 2×2 grid (tower
+and :func:`~towers.allreduce.machinery.scheduled.run_schedule` runs it; its record's bytes and
+depth are counted from that same object. n = 4 towers as a 2×2 grid (tower
 ``t = i·C + q``: row i, column q), chunks c0..c3 (part q of the buffer is chunks
 ``q·R .. q·R+R−1``), ``+▶t`` reduces into tower t, ``▶t`` copies to it::
 
@@ -52,16 +52,15 @@ from towers.allreduce.machinery.registry import (
     Algorithm,
     Coefficients,
     Configured,
+    from_schedule,
     register,
     schedule_of,
 )
 from towers.allreduce.machinery.scheduled import scheduled
 from towers.guard.arguments import positive_int
-from towers.schedule import ir, symbolic
 from towers.schedule.ir import Schedule, Step
 
-__all__ = ["TORUS_2D", "bytes_sent", "cost", "grid", "summation_depth", "torus_2d",
-           "torus_2d_schedule"]
+__all__ = ["TORUS_2D", "cost", "grid", "torus_2d", "torus_2d_schedule"]
 
 Tick = tuple[Step, ...]
 
@@ -133,7 +132,9 @@ def torus_2d(rows: int | None = None) -> Configured:
             on; None picks the most square grid for each n.
 
     Returns:
-        The configured algorithm ``(values, *, op="sum") -> list[tf.Tensor]``.
+        The configured algorithm ``(values, *, op="sum") -> list[tf.Tensor]``; its
+        ``bytes_sent`` and ``summation_depth``, counted from the schedule, are
+        ``2(n−1)·⌈L/n⌉·itemsize`` per tower and ``(C−1) + (R−1)``.
 
     Raises:
         ValueError: ``rows`` is not None or an int >= 1 (one that does not divide
@@ -150,26 +151,6 @@ def _build(rows: int | None = None) -> AllReduce:
     return scheduled(functools.partial(torus_2d_schedule, rows=rows))
 
 
-def bytes_sent(n: int, nbytes: int, itemsize: int, rows: int | None = None) -> list[int]:
-    """Bytes each tower sends, counted from :func:`torus_2d_schedule`: ``2(n−1)·⌈L/n⌉·itemsize``.
-
-    Example:
-        >>> bytes_sent(4, 32, 4), bytes_sent(6, 24, 4)
-        ([48, 48, 48, 48], [40, 40, 40, 40, 40, 40])
-    """
-    return ir.bytes_sent(torus_2d_schedule(n, rows), nbytes, itemsize)
-
-
-def summation_depth(n: int, rows: int | None = None) -> int:
-    """The deepest summation tree of :func:`torus_2d_schedule`'s result: ``(C−1) + (R−1)``.
-
-    Example:
-        >>> [summation_depth(n) for n in (1, 2, 4, 6, 7, 8, 9)]
-        [0, 1, 2, 3, 6, 4, 4]
-    """
-    return symbolic.summation_depth(torus_2d_schedule(n, rows))
-
-
 def cost(n: int, nbytes: float, rows: int | None = None) -> Coefficients:
     """α-β-γ coefficients: ``(2(C−1) + 2(R−1))·α + 2(n−1)/n·S·β + (n−1)/n·S·γ``.
 
@@ -182,6 +163,6 @@ def cost(n: int, nbytes: float, rows: int | None = None) -> Coefficients:
 
 
 TORUS_2D = register(
-    Algorithm("torus_2d", _build, bytes_sent, summation_depth, cost, schedule_of(__doc__),
-              generator=torus_2d_schedule)
+    Algorithm("torus_2d", _build, schedule=schedule_of(__doc__),
+              **from_schedule(torus_2d_schedule, cost=cost))
 )

@@ -23,20 +23,29 @@ one level per tick, so the ticks overlap: while lower levels still reduce piece
 copies p1 down as towers 1, 2 copy p0 down; on a link the up and down
 directions carry different pieces). In all ``2D + C - 1`` ticks.
 
-Order: node ``i`` forms ``x_i ⊕ p_a ⊕ p_b``, joining the child whose partial has
-been through fewer additions first, so the deeper subtree's values pass through
-one addition fewer; :func:`tree_shape` holds the order and the depth. That is the
-order eager execution runs. Inside a ``tf.function`` Grappler may fuse a node's two
-additions into one ``AddN`` and reorder its inputs (see ``towers/allreduce/replay.py``):
-then at most two additions per level, a depth of ``2·D``. Towers still agree bitwise.
+Order: node ``i`` forms ``(x_i ⊕ p_a) ⊕ p_b``, its own value first, joining the
+child whose partial has been through fewer additions first, so the deeper
+subtree's values pass through one addition fewer; :func:`tree_shape` holds the
+order and the depth. A child that joins after a sibling of greater height sends
+when that sibling does (n = 8: tower 2, height 1, sends at tick 2 beside tower 1),
+so the schedule adds in this order; the root still finishes at tick ``D``. That
+is the order eager execution runs. Inside a ``tf.function`` Grappler may fuse a
+node's two additions into one ``AddN`` and reorder its inputs (see
+:mod:`towers.testing.replay`): then at most two additions per level, a depth of
+``2·D``. Towers still agree bitwise.
+
+Written as data: :func:`tree_schedule` (:func:`tree_ticks` over any tree) and the
+one interpreter, :func:`~towers.allreduce.machinery.scheduled.run_schedule`, runs
+it, adding a node's own value first (``own_first``); bytes and depth are counted
+from that same schedule.
 
 Cost (n towers, S bytes, D = ⌊log2 n⌋; single-port full-duplex links, the
 convention of :mod:`towers.bench.costmodel`): ``2D + C - 1`` ticks. C = 1 is a binary
 (not binomial) tree: a node takes its two children's values one after the other,
 ``4D·(α + S·β) + 2D·S·γ``. Pipelined, a tick costs the busiest port, at most three
 pieces of ``S/C`` (one up, two down once reduce and broadcast overlap):
-``≲ (2D + C - 1)·3·(α + S/C·β) + (D + C - 1)·2·S/C·γ``. Bytes (exact in
-:func:`bytes_sent`): an inner node sends ``3·S``, a leaf ``S``.
+``≲ (2D + C - 1)·3·(α + S/C·β) + (D + C - 1)·2·S/C·γ``. Bytes: an inner node
+sends ``3·S``, a leaf ``S`` (``C·⌈size/C⌉`` elements each, padding included).
 
 References:
     P. Sanders, J. Speck, J. L. Träff, "Two-tree algorithms for full bandwidth
@@ -47,35 +56,35 @@ References:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 import numpy as np
-import tensorflow as tf
 
-from towers.allreduce.machinery.base import AllReduce, check_values, combine, finish
-from towers.allreduce.machinery.packed import assemble
-from towers.allreduce.machinery.primitives import pad_split, send, unsplit
+from towers.allreduce.machinery.base import AllReduce
 from towers.allreduce.machinery.registry import (
     Algorithm,
     Coefficients,
     Configured,
+    from_schedule,
     register,
     schedule_of,
 )
+from towers.allreduce.machinery.scheduled import scheduled
 from towers.guard.arguments import positive_int
+from towers.schedule.ir import Schedule, Step
 
 __all__ = [
     "TREE",
     "TreeShape",
-    "bytes_sent",
+    "cost",
     "heap_parents",
-    "reduce_broadcast",
-    "summation_depth",
     "tick_loads",
     "tree",
-    "tree_bytes",
+    "tree_schedule",
     "tree_shape",
+    "tree_ticks",
 ]
 
 
@@ -138,88 +147,57 @@ def tree_shape(parents: Sequence[int]) -> TreeShape:
     return TreeShape(roots[0], children, depth, height, adds)
 
 
-def _reduce_up(
-    pieces: Sequence[Sequence[tf.Tensor]], shape: TreeShape, devices: Sequence[str],
-    op: str, ids: Sequence[int],
-) -> list[tf.Tensor]:
-    """Combine every piece up the tree; returns the root's (unfinished) pieces."""
-    partial: list[list[tf.Tensor]] = [list(row) for row in pieces]
-    for node in sorted(range(len(devices)), key=lambda i: -shape.depth[i]):
-        dst = devices[node]
-        for k in range(len(ids)):
-            with tf.device(dst):
-                acc = pieces[node][k]
-                for child in shape.children[node]:
-                    moved = send(partial[child][k], dst, tick=shape.height[child] + k,
-                                 chunk=ids[k], note="reduce")
-                    acc = combine(acc, moved, op)
-            partial[node][k] = acc
-    return partial[shape.root]
-
-
-def _broadcast_down(
-    finished: Sequence[tf.Tensor], shape: TreeShape, devices: Sequence[str], ids: Sequence[int]
-) -> list[list[tf.Tensor]]:
-    """Copy the root's finished pieces down the tree, one level per tick."""
-    out: list[list[tf.Tensor]] = [[None] * len(ids) for _ in devices]
-    out[shape.root] = list(finished)
-    top = shape.height[shape.root]
-    for node in sorted(range(len(devices)), key=lambda i: shape.depth[i]):
+def _up_ticks(shape: TreeShape) -> list[int]:
+    """The tick each node sends piece 0 up: once its children's partials arrived, and not
+    before the sibling it is added after (the root's entry: the tick it finishes piece 0)."""
+    up = [0] * len(shape.depth)
+    for node in sorted(range(len(up)), key=lambda i: -shape.depth[i]):  # children first
+        after = 0
         for child in shape.children[node]:
-            for k in range(len(ids)):
-                out[child][k] = send(out[node][k], devices[child],
-                                     tick=top + shape.depth[node] + k, chunk=ids[k],
-                                     note="broadcast")
-    return out
+            up[child] = after = max(up[child], after)
+        up[node] = max((up[c] + 1 for c in shape.children[node]), default=0)
+    return up
 
 
-def reduce_broadcast(
-    pieces: Sequence[Sequence[tf.Tensor]],
-    parents: Sequence[int],
-    devices: Sequence[str],
-    op: str,
-    *,
-    chunk_ids: Sequence[int] | None = None,
-) -> list[list[tf.Tensor]]:
-    """Pipelined all-reduce over any tree: reduce each piece to the root, finish, copy down.
+def tree_ticks(parents: Sequence[int], chunks: Iterable[int]) -> list[list[Step]]:
+    """Pipelined reduce-then-broadcast over any tree: piece ``k`` is chunk ``chunks[k]``.
 
-    Args:
-        pieces: ``pieces[tower][k]``, the same number of equally shaped pieces per
-            tower, each on ``devices[tower]``.
-        parents: ``parents[tower]``, the parent tower, ``-1`` for the root.
-        devices: one device per tower.
-        op: ``"sum"``, ``"mean"``, ``"max"`` or ``"min"``.
-        chunk_ids: labels recorded for piece ``k`` (default ``k``).
-
-    Returns:
-        ``out[tower][k]``: piece ``k`` reduced and finished once on the root, on
-        ``devices[tower]``; every tower's copy is bitwise the same.
+    A node reduces piece ``k`` into its parent at its up tick + ``k`` (:func:`tree_shape`'s
+    order: a node's children in a tick are listed in the order they are added); the root
+    finishes it at tick ``D + k``, and a node at depth ``d`` copies it down at ``D + d + k``.
 
     Example:
-        >>> out = reduce_broadcast(pieces, heap_parents(n), devices, "sum")   # doctest: +SKIP
+        >>> [len(tick) for tick in tree_ticks([-1, 0, 0], [0])]
+        [2, 2]
     """
-    shape = tree_shape(parents)
-    if len(pieces) != len(devices) or len(parents) != len(devices):
-        raise ValueError(f"{len(pieces)} towers of pieces, {len(parents)} parents, "
-                         f"{len(devices)} devices: need one each")
-    ids = list(range(len(pieces[0]))) if chunk_ids is None else list(chunk_ids)
-    combined = _reduce_up(pieces, shape, devices, op, ids)
-    with tf.device(devices[shape.root]):
-        finished = [finish(c, op, len(devices)) for c in combined]
-    return _broadcast_down(finished, shape, devices, ids)
+    shape, pieces = tree_shape(parents), list(chunks)
+    up = _up_ticks(shape)
+    top = up[shape.root]
+    ticks: list[list[Step]] = [[] for _ in range(2 * top + len(pieces) - 1 if top else 0)]
+    for node, kids in enumerate(shape.children):
+        for child in kids:
+            for k, chunk in enumerate(pieces):
+                ticks[up[child] + k].append(Step(child, node, chunk, "reduce"))
+                ticks[top + shape.depth[node] + k].append(Step(node, child, chunk, "copy"))
+    return ticks
+
+
+@functools.lru_cache(maxsize=256)
+def tree_schedule(n: int, chunks: int = 1) -> Schedule:
+    """The binary-heap tree all-reduce over ``n`` towers, pipelined in ``chunks`` pieces.
+
+    Example:
+        >>> tree_schedule(7, 2).num_ticks
+        5
+    """
+    c = positive_int("chunks", chunks)
+    ticks = tree_ticks(heap_parents(positive_int("n", n)), range(c))
+    return Schedule("tree", n, c, tuple(tuple(tick) for tick in ticks))
 
 
 def _build(chunks: int = 1) -> AllReduce:
     c = positive_int("chunks", chunks)
-
-    def tree_all_reduce(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
-        devices = check_values(values, op)
-        split = [pad_split(v, c) for v in values]
-        _, shape, size = split[0]
-        out = reduce_broadcast([p for p, _, _ in split], heap_parents(len(values)), devices, op)
-        return assemble(out, devices, lambda tower: unsplit(out[tower], shape, size))
-
-    return tree_all_reduce
+    return scheduled(functools.partial(tree_schedule, chunks=c), own_first=True)
 
 
 def tree(chunks: int = 1) -> Configured:
@@ -227,6 +205,11 @@ def tree(chunks: int = 1) -> Configured:
 
     Args:
         chunks: pieces per value (``C``); more pieces overlap more ticks.
+
+    Returns:
+        The configured algorithm; its ``bytes_sent`` (``(1[i > 0] + children(i))·C·
+        ⌈size/C⌉·itemsize``) and ``summation_depth`` (4 for n = 8; at most
+        ``2·⌊log2 n⌋``) are counted from the schedule.
 
     Raises:
         ValueError: ``chunks`` < 1 or not an int.
@@ -237,57 +220,11 @@ def tree(chunks: int = 1) -> Configured:
     return TREE(chunks=chunks)
 
 
-def tree_bytes(parents: Sequence[int], pieces: int, piece_bytes: int) -> list[int]:
-    """Bytes each tower sends in :func:`reduce_broadcast`: one piece up, one per child, each."""
-    children = [0] * len(parents)
-    for p in parents:
-        if p != -1:
-            children[p] += 1
-    return [((p != -1) + children[i]) * pieces * piece_bytes for i, p in enumerate(parents)]
-
-
-def bytes_sent(n: int, nbytes: int, itemsize: int, chunks: int = 1) -> list[int]:
-    """Exact bytes per tower: ``(1[i > 0] + children(i))·C·ceil(size/C)·itemsize``.
-
-    Example:
-        >>> bytes_sent(3, 12, 4)
-        [24, 12, 12]
-    """
-    c = positive_int("chunks", chunks)
-    piece = -(-(nbytes // itemsize) // c) * itemsize
-    return tree_bytes(heap_parents(n), c, piece)
-
-
-def summation_depth(n: int, chunks: int = 1) -> int:
-    """Most additions any result element went through (4 for n = 8; at most 2·⌊log2 n⌋).
-
-    Example:
-        >>> summation_depth(8)
-        4
-    """
-    positive_int("chunks", chunks)
-    return tree_shape(heap_parents(n)).adds[0] if n > 0 else 0
-
-
-def _heights_depths(parents: Sequence[int]) -> tuple[list[int], list[int]]:
-    depth = [-1] * len(parents)
-
-    def find(i: int) -> int:
-        if depth[i] < 0:
-            depth[i] = 0 if parents[i] < 0 else find(parents[i]) + 1
-        return depth[i]
-
-    height = [0] * len(parents)
-    for i in sorted(range(len(parents)), key=find, reverse=True):  # children first
-        if parents[i] >= 0:
-            height[parents[i]] = max(height[parents[i]], height[i] + 1)
-    return height, depth
-
-
 def tick_loads(trees: Sequence[Sequence[int]], chunks: int) -> tuple[float, float]:
     """``(M, A)``: Σ over ticks of the most messages on one port and pieces added by one tower.
 
-    The schedule of :func:`reduce_broadcast` over ``trees`` run at once (single-port,
+    The schedule of :func:`tree_ticks` over ``trees`` run at once, each node sending up
+    at its height (the network need not wait for the order of additions; single-port,
     full duplex). Ports are columns ``[0, n)`` (out), ``[n, 2n)`` (in); adds
     ``[2n, 3n)``. Each event lasts ``chunks`` ticks (one piece per tick), so loads only
     change where an event starts or ends: count on those segments, weighted by their length.
@@ -295,7 +232,8 @@ def tick_loads(trees: Sequence[Sequence[int]], chunks: int) -> tuple[float, floa
     n = len(trees[0])
     starts, cols = [], []
     for parents in trees:
-        height, depth = _heights_depths(parents)
+        shape = tree_shape(parents)
+        height, depth = shape.height, shape.depth
         top = max(height)
         for i, p in enumerate(parents):
             if p >= 0:  # up: i → p at tick height[i]; down: p → i at tick top + depth[p]
@@ -318,4 +256,5 @@ def cost(n: int, nbytes: float, *, chunks: int = 1) -> Coefficients:
     return messages, messages * piece, adds * piece
 
 
-TREE = register(Algorithm("tree", _build, bytes_sent, summation_depth, cost, schedule_of(__doc__)))
+TREE = register(Algorithm("tree", _build, schedule=schedule_of(__doc__),
+                          **from_schedule(tree_schedule, cost=cost)))

@@ -4,15 +4,14 @@
 tick the steps ``(src, dst, chunk, copy|reduce)``) and what follows from it alone
 (bytes per tower and per link, ticks, α-β-γ); :mod:`~towers.schedule.symbolic`
 proves a generator ``n -> Schedule`` correct for every ``n`` by following sets of
-contributions; :mod:`~towers.schedule.classic` has the ring as data and
-:mod:`~towers.schedule.collectives` the reduce-scatter, all-gather and broadcast schedules. The
+contributions; :mod:`~towers.schedule.collectives` has the ring all-reduce and the
+reduce-scatter, all-gather and broadcast schedules. The
 interpreter that runs a schedule on TensorFlow devices is
 :mod:`towers.allreduce.machinery.scheduled` (this package imports nothing of TensorFlow).
 """
 
 from __future__ import annotations
 
-from towers.schedule.classic import ring_schedule
 from towers.schedule.collectives import (
     binomial_broadcast,
     chain_broadcast,
@@ -21,7 +20,9 @@ from towers.schedule.collectives import (
     flat_broadcast,
     halving_reduce_scatter,
     ring_all_gather,
+    ring_orders,
     ring_reduce_scatter,
+    ring_schedule,
     rooted,
 )
 from towers.schedule.ir import (
@@ -68,6 +69,7 @@ __all__ = [
     "halving_reduce_scatter",
     "link_bytes",
     "ring_all_gather",
+    "ring_orders",
     "ring_reduce_scatter",
     "ring_schedule",
     "rooted",

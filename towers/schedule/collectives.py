@@ -1,11 +1,17 @@
-"""Reduce-scatter, all-gather and broadcast as data: two schedules each, ``n -> Schedule``.
+"""The ring all-reduce, and reduce-scatter, all-gather and broadcast, as data: ``n -> Schedule``.
+
+:func:`ring_schedule` is :mod:`towers.allreduce.ring`'s schedule (drawn there):
+``n - 1`` reduce-scatter ticks in which the tower at ring position ``p`` reduces
+chunk ``(p - 1 - t) mod n`` into position ``p + 1``, then ``n - 1`` all-gather
+ticks in which it copies chunk ``(p - t) mod n``; with ``s`` sub-chunks, ``s``
+rings (:func:`ring_orders`) run side by side, ring ``r`` carrying chunks ``g·s + r``.
 
 Chunk ``c`` of a reduce-scatter or all-gather is tower ``c``'s shard (``n``
 chunks, ``owners[c] = c``); a broadcast cuts the value into ``chunks`` pieces,
 all the root's. Generators build root-0 broadcasts; :func:`rooted` turns tower
 labels so any tower is the root. ``c+▶`` reduces, ``c▶`` copies.
 
-Ring (the two halves of :func:`towers.schedule.ring_schedule`), n = 4::
+Ring (the two halves of :func:`ring_schedule`), n = 4::
 
     reduce-scatter: at tick t tower p reduces chunk (p-1-t) mod n into p+1
     tick      0      1      2             all-gather: at tick t tower p copies
@@ -55,14 +61,17 @@ References:
     fully connected processor-node networks" (2008): the pipelined chain.
 
 Example:
+    >>> ring_schedule(3).num_ticks, ring_schedule(3, subchunks=2).chunks
+    (4, 6)
     >>> halving_reduce_scatter(6).num_ticks, binomial_broadcast(5).num_ticks
     (4, 3)
 """
 
 from __future__ import annotations
 
+import functools
+
 from towers.guard.arguments import non_negative_int, positive_int
-from towers.schedule.classic import ring_schedule
 from towers.schedule.ir import Schedule, Step
 
 __all__ = [
@@ -74,7 +83,9 @@ __all__ = [
     "fold",
     "halving_reduce_scatter",
     "ring_all_gather",
+    "ring_orders",
     "ring_reduce_scatter",
+    "ring_schedule",
     "rooted",
 ]
 
@@ -107,6 +118,38 @@ def fold(n: int) -> tuple[int, int]:
     """
     m = 1 << (_towers(n).bit_length() - 1)
     return m, n - m
+
+
+def ring_orders(n: int, subchunks: int = 1) -> list[list[int]]:
+    """The ``subchunks`` rings as towers by position: ring ``r`` rotated by ``r·max(1, n//s)``.
+
+    Example:
+        >>> ring_orders(4, 2)
+        [[0, 1, 2, 3], [2, 3, 0, 1]]
+    """
+    step = max(1, n // subchunks)
+    return [[(p + r * step) % n for p in range(n)] for r in range(subchunks)]
+
+
+@functools.lru_cache(maxsize=256)
+def ring_schedule(n: int, subchunks: int = 1) -> Schedule:
+    """The ring all-reduce over ``n`` towers: ``s`` rotated rings, ``n·s`` chunks, ``2(n-1)`` ticks.
+
+    Chunk ``g·s + r`` is segment ``g`` of ring ``r`` (towers by position
+    ``ring_orders(n, s)[r]``); it ends finished on that ring's position ``g``.
+
+    Raises:
+        ValueError: ``n`` or ``subchunks`` not an int >= 1.
+    """
+    n, s = _towers(n), positive_int("subchunks", subchunks)
+    orders = ring_orders(n, s)
+
+    def tick(t: int, kind: str, lag: int) -> tuple[Step, ...]:
+        return tuple(Step(order[p], order[(p + 1) % n], (p - lag - t) % n * s + r, kind)
+                     for r, order in enumerate(orders) for p in range(n))
+
+    scatter = [tick(t, "reduce", 1) for t in range(n - 1)]
+    return Schedule("ring", n, n * s, tuple(scatter + [tick(t, "copy", 0) for t in range(n - 1)]))
 
 
 def ring_reduce_scatter(n: int) -> Schedule:

@@ -9,7 +9,7 @@ contribution; the right-hand column shows the chunks each tower holds at the end
     tower 0  c3 ─▶1     c2 ─▶1     c1 ─▶1  │   c0 ─▶1 ...          holds c0 c1 c2 c3
     tower 1  c0 ─▶2 ...                 ★c1 finished here (tick 2)
 
-Under each tick number is the tick's most common note (``reduce-scatter``, …);
+Under each tick number is the tick's most common note (``reduce``, ``copy``, …);
 ``*`` after it: the tick was assigned by order.
 
 Example:

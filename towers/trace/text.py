@@ -6,8 +6,8 @@ sums it up: bytes per tower against the algorithm's ``bytes_sent`` formula, tick
 which tower finished which chunk, and the check against NumPy (ring, 4 towers)::
 
      tick  from      to          chunk    bytes  operation
-        0  tower 0   -> tower 1      3       16  reduce-scatter
-           tower 1   -> tower 2      0       16  reduce-scatter
+        0  tower 0   -> tower 1      3       16  reduce
+           tower 1   -> tower 2      0       16  reduce
     ...
     ring: 4 towers × 16 float32 (64 bytes each), op=sum: 24 transfers in 6 ticks
     bytes sent: tower 0 96 · tower 1 96 · tower 2 96 · tower 3 96 (total 384)

@@ -6,7 +6,7 @@ where a student steps through the algorithm tick by tick: the links (laid out by
 as stacks of ``n`` squares (square ``i`` coloured: the chunk holds tower ``i``'s
 contribution), the sends of the tick as arrows labelled with element ranges::
 
-    [⏮] [◀ prev] [next ▶] [⏭]     tick 2 of 6: reduce-scatter
+    [⏮] [◀ prev] [next ▶] [⏭]     tick 2 of 6: reduce
     ( links )     tower 0  ▣▣□□ ▣□□□ …   ◀── 8:12 from tower 3
                   tower 1  …
 

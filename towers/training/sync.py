@@ -24,7 +24,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from towers.allreduce.hand_collectives import broadcast
+from towers.allreduce.collectives import broadcast
 
 __all__ = ["Hyperparameters", "copy_first_replica"]
 

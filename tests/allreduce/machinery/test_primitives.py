@@ -1,4 +1,4 @@
-"""Tests of the collective building blocks, and the checks every algorithm test shares.
+"""Tests of send, its recording and the chores, and the checks every algorithm test shares.
 
 The shared part (strategies, exact reference, error bound, byte counts) belongs in
 ``towers/testing.py`` once that module exists; the algorithm tests import it from here.
@@ -34,11 +34,8 @@ from hypothesis import strategies as st
 from tests.conftest import DEVICES
 from towers.allreduce.machinery.base import OPS
 from towers.allreduce.machinery.primitives import (
-    all_gather,
     pad_split,
     record,
-    reduce,
-    reduce_scatter,
     send,
     tick_offset,
     unsplit,
@@ -73,6 +70,7 @@ PLAIN_OPS = {
     "Pad",
     "Split",
     "ConcatV2",
+    "GatherV2",
     "StridedSlice",
     "AddV2",
     "Maximum",
@@ -250,7 +248,7 @@ def assert_traced_graph_is_sound(
     """Trace ``algorithm`` in one ``tf.function``: plain ops, placement, agreement, the bound.
 
     Inside a ``tf.function`` Grappler may regroup what eager runs as written (measured on
-    TF 2.21, see ``towers/allreduce/replay.py``): a chain of adds on one device becomes one
+    TF 2.21, see :mod:`towers.testing.replay`): a chain of adds on one device becomes one
     ``AddN`` with its inputs reordered, and ``x / n`` becomes ``x * (1/n)``. So a traced
     sum is held to the bound for ``graph_depth`` (the depth under any regrouping), a traced
     mean to one more rounding; max, min and integer sums must equal eager bitwise. The
@@ -352,94 +350,6 @@ def test_unsplit_refuses_chunks_on_two_devices() -> None:
         unsplit([a, b], (4,), 4)
     with pytest.raises(ValueError, match="at least one"):
         unsplit([], (0,), 0)
-
-
-# --- reduce_scatter / all_gather -------------------------------------------------------
-
-
-@given(cases(), st.randoms(use_true_random=False))
-def test_reduce_scatter_then_all_gather_is_an_all_reduce(case: Case, rnd: Any) -> None:
-    order = list(range(case.n))
-    rnd.shuffle(order)
-    arrays = make_arrays(case)
-    chunks = [pad_split(v, case.n)[0] for v in place(arrays)]
-    devices = DEVICES[: case.n]
-    with record() as rec:
-        owned = reduce_scatter(chunks, devices, case.op, 0, order=order)
-        gathered = all_gather(owned, devices, case.n - 1, order=order)
-    size = int(np.prod(case.shape))
-    first = unsplit(gathered[0], case.shape, size).numpy()
-    for tower, row in enumerate(gathered):
-        assert all(canonical_device(c.device) == devices[tower] for c in row)
-        got = unsplit(row, case.shape, size).numpy()
-        assert got.tobytes() == first.tobytes(), f"tower {tower} differs from tower 0"
-        assert_matches_reference([got], arrays, case.op, max(case.n - 1, 0))
-    chunk_bytes = int(chunks[0][0].shape[0]) * case.dtype.size
-    sent = rec.bytes_sent()
-    assert [sent.get(d, 0) for d in devices] == [2 * (case.n - 1) * chunk_bytes] * case.n
-    position = {DEVICES[tower]: p for p, tower in enumerate(order)}
-    for t in rec.transfers:  # position p sends to position p + 1 only
-        assert position[t.dst] == (position[t.src] + 1) % case.n
-    assert rec.ticks() == 2 * (case.n - 1)
-
-
-def test_reduce_scatter_owner_and_index_formula() -> None:
-    n = 4
-    values = place([np.full(n, 10.0**i, np.float64) for i in range(n)])
-    chunks = [pad_split(v, n)[0] for v in values]
-    with record() as rec:
-        owned = reduce_scatter(chunks, DEVICES[:n], "sum")
-    for tower in range(n):  # tower k owns chunk k, here the full sum 1111
-        assert canonical_device(owned[tower].device) == DEVICES[tower]
-        assert owned[tower].numpy().tolist() == [1111.0]
-    for t in rec.transfers:  # tick t: position p sends chunk (p - 1 - t) mod n
-        p = DEVICES.index(t.src)
-        assert t.chunk == (p - 1 - t.tick) % n and DEVICES.index(t.dst) == (p + 1) % n
-
-
-def test_reduce_scatter_checks_its_grid() -> None:
-    chunks = [pad_split(v, 2)[0] for v in place([np.ones(4, np.float32)] * 2)]
-    with pytest.raises(ValueError, match="one per tower"):
-        reduce_scatter([c + c for c in chunks], DEVICES[:2], "sum")
-    with pytest.raises(ValueError, match="permutation"):
-        reduce_scatter(chunks, DEVICES[:2], "sum", order=[0, 0])
-    with pytest.raises(ValueError, match="towers for"):
-        reduce_scatter(chunks[:1], DEVICES[:2], "sum")
-    with pytest.raises(ValueError, match="op must be one of"):
-        reduce_scatter(chunks, DEVICES[:2], "prod")
-    with pytest.raises(ValueError, match="blocks"):
-        all_gather([chunks[0][0]], DEVICES[:2])
-
-
-# --- reduce ----------------------------------------------------------------------------
-
-
-@given(cases(), st.integers(0, 7))
-def test_reduce_is_a_left_fold_in_tower_order(case: Case, root: int) -> None:
-    root %= case.n
-    arrays = make_arrays(case)
-    with record() as rec:
-        got = reduce(place(arrays), root, case.op)
-    assert canonical_device(got.device) == DEVICES[root]
-    assert_matches_reference([got.numpy()], arrays, case.op, case.n - 1)
-    # the same left fold in NumPy, rounding in the same dtype, is bitwise equal
-    fold = {"sum": np.add, "mean": np.add, "max": np.maximum, "min": np.minimum}[case.op]
-    want = arrays[0]
-    for a in arrays[1:]:
-        want = fold(want, a).astype(a.dtype)
-    if case.op == "mean":
-        want = (want / np.asarray(case.n, want.dtype)).astype(want.dtype)
-    assert got.numpy().tobytes() == np.asarray(want).tobytes()
-    nbytes = int(np.prod(case.shape)) * case.dtype.size
-    assert [rec.bytes_sent().get(d, 0) for d in DEVICES[: case.n]] == [
-        0 if i == root else nbytes for i in range(case.n)
-    ]
-
-
-def test_reduce_runs_the_base_checks() -> None:
-    assert_base_checks(lambda values, op="sum": [reduce(values, 0, op)])
-    with pytest.raises(ValueError, match="root=2"):
-        reduce(place([np.ones(2, np.float32)] * 2), 2, "sum")
 
 
 def test_tick_offset_shifts_recorded_ticks_and_nests() -> None:

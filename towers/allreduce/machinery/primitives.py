@@ -11,12 +11,10 @@ machinery (:class:`Transfer`, :class:`Recorder`, :func:`record`,
 :func:`tick_offset`, :func:`record_estimate`) lives in
 :mod:`towers.allreduce.machinery.recording` and is re-exported here.
 
-Below :func:`send` sit the ring phases research code composes
-(:func:`reduce_scatter`, :func:`all_gather`), the flat :func:`reduce` and the
-chores :func:`pad_split` / :func:`unsplit`; they move data only by :func:`send`.
-(The public collectives, one signature each, are
-:mod:`towers.allreduce.hand_collectives`: a flat broadcast is
-``broadcast(x, devices, root=src, algorithm="flat")``.)
+Below :func:`send` sit the chores :func:`pad_split` / :func:`unsplit`. Every
+schedule — the ring, the trees, the public reduce-scatter, all-gather and
+broadcast — runs through the one interpreter,
+:mod:`towers.allreduce.machinery.scheduled`, which moves data only by :func:`send`.
 
 Sends are recorded when the Python code runs, i.e. at trace time inside a
 ``tf.function``. Sizes come from static shapes; a tensor of unknown size is
@@ -29,7 +27,6 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
-from towers.allreduce.machinery.base import check_values, combine, finish
 from towers.allreduce.machinery.packed import pad_rows
 from towers.allreduce.machinery.recording import (
     Recorder,
@@ -45,12 +42,9 @@ from towers.guard.arguments import positive_int
 __all__ = [
     "Recorder",
     "Transfer",
-    "all_gather",
     "pad_split",
     "record",
     "record_estimate",
-    "reduce",
-    "reduce_scatter",
     "send",
     "tick_offset",
     "unsplit",
@@ -99,13 +93,6 @@ def send(
             log_send(row, src, dst, tick, c, note)
     return y
 
-
-# ---------------------------------------------------------------------------
-# Collective building blocks, composed from send() for research code.
-#
-# Lists are indexed ``chunks[tower][chunk]``: the outer index names the tower
-# (and ``devices[tower]`` its device), the inner one the piece of the buffer.
-# ---------------------------------------------------------------------------
 
 def pad_split(x: tf.Tensor, pieces: int) -> tuple[list[tf.Tensor], tuple[int, ...], int]:
     """Flatten ``x``, zero-pad it to a multiple of ``pieces`` elements and split it evenly.
@@ -178,153 +165,3 @@ def unsplit(chunks: Sequence[tf.Tensor], shape: Sequence[int], size: int) -> tf.
         if total != size:
             flat = flat[:size]
         return tf.reshape(flat, list(shape))
-
-
-def _ring_order(n: int, order: Sequence[int] | None) -> list[int]:
-    """The ring as a list of towers by position (default ``0, 1, ..., n-1``), checked."""
-    ring = list(range(n)) if order is None else [int(t) for t in order]
-    if sorted(ring) != list(range(n)):
-        raise ValueError(f"order must be a permutation of range({n}), got {ring}")
-    return ring
-
-
-def _check_grid(chunks: Sequence[Sequence[tf.Tensor]], devices: Sequence[str]) -> int:
-    n = len(devices)
-    if n == 0:
-        raise ValueError("devices is empty: expected one device per tower")
-    if len(chunks) != n:
-        raise ValueError(f"chunks has {len(chunks)} towers for {n} devices")
-    for tower, row in enumerate(chunks):
-        if len(row) != n:
-            raise ValueError(
-                f"chunks[{tower}] has {len(row)} chunks; a ring needs one per tower ({n})"
-            )
-    return n
-
-
-def reduce_scatter(
-    chunks: Sequence[Sequence[tf.Tensor]],
-    devices: Sequence[str],
-    op: str,
-    tick0: int = 0,
-    *,
-    order: Sequence[int] | None = None,
-    chunk_ids: Sequence[int] | None = None,
-) -> list[tf.Tensor]:
-    """Ring reduce-scatter: the tower at ring position ``k`` ends with chunk ``k`` fully reduced.
-
-    At tick ``tick0 + t`` (``t = 0 .. n-2``) the tower at ring position ``p`` sends
-    its running partial of chunk ``(p - 1 - t) mod n`` to position ``p + 1``, which
-    combines it with its own copy (``combine(received, own)``). Chunk ``k`` thus
-    starts at position ``k + 1`` and its last combination happens at position ``k``,
-    which then finishes it (``mean`` divides by ``n``) exactly once.
-
-    Args:
-        chunks: ``chunks[tower][k]``, ``n`` equally shaped chunks per tower, each on
-            ``devices[tower]``.
-        devices: one device per tower.
-        op: ``"sum"``, ``"mean"``, ``"max"`` or ``"min"`` (pass ``"sum"`` and finish
-            yourself when this is one stage of a larger reduction).
-        tick0: the tick label of the first step (for traces).
-        order: the ring as towers by position (default ``range(n)``).
-        chunk_ids: labels recorded for chunk ``k`` (default ``k``).
-
-    Returns:
-        ``owned[tower]``: the finished chunk ``order.index(tower)``, on that tower.
-
-    Example:
-        >>> owned = reduce_scatter([pad_split(v, n)[0] for v in values], devices, "sum")
-    """
-    n = _check_grid(chunks, devices)
-    ring = _ring_order(n, order)
-    ids = list(range(n)) if chunk_ids is None else list(chunk_ids)
-    partial = [chunks[ring[(k + 1) % n]][k] for k in range(n)]
-    for t in range(n - 1):
-        for k in range(n):
-            dst = ring[(k + 2 + t) % n]
-            with tf.device(devices[dst]):
-                moved = send(partial[k], devices[dst], tick=tick0 + t, chunk=ids[k],
-                             note="reduce-scatter")
-                partial[k] = combine(moved, chunks[dst][k], op)
-    owned: list[tf.Tensor] = [None] * n
-    for k in range(n):
-        with tf.device(devices[ring[k]]):
-            owned[ring[k]] = finish(partial[k], op, n)
-    return owned
-
-
-def all_gather(
-    owned: Sequence[tf.Tensor],
-    devices: Sequence[str],
-    tick0: int = 0,
-    *,
-    order: Sequence[int] | None = None,
-    chunk_ids: Sequence[int] | None = None,
-) -> list[list[tf.Tensor]]:
-    """Ring all-gather: every tower ends with every tower's block, in ring-position order.
-
-    At tick ``tick0 + t`` (``t = 0 .. n-2``) the tower at ring position ``p`` copies
-    block ``(p - t) mod n`` to position ``p + 1``. Blocks are only copied, so every
-    tower's copy of a block is bitwise the same.
-
-    Args:
-        owned: ``owned[tower]``, the block of the tower's ring position, on its device
-            (what :func:`reduce_scatter` returns).
-        devices: one device per tower.
-        tick0: the tick label of the first step.
-        order: the ring as towers by position (default ``range(n)``).
-        chunk_ids: labels recorded for block ``k`` (default ``k``).
-
-    Returns:
-        ``gathered[tower][k]``: block ``k`` (the one owned by ``order[k]``) on
-        ``devices[tower]``.
-
-    Example:
-        >>> gathered = all_gather(reduce_scatter(chunks, devices, "sum"), devices, tick0=n - 1)
-    """
-    n = len(devices)
-    if len(owned) != n or n == 0:
-        raise ValueError(f"owned has {len(owned)} blocks for {n} devices")
-    ring = _ring_order(n, order)
-    ids = list(range(n)) if chunk_ids is None else list(chunk_ids)
-    gathered: list[list[tf.Tensor]] = [[None] * n for _ in range(n)]
-    for k in range(n):
-        gathered[ring[k]][k] = owned[ring[k]]
-    for t in range(n - 1):
-        for k in range(n):
-            src, dst = ring[(k + t) % n], ring[(k + t + 1) % n]
-            gathered[dst][k] = send(gathered[src][k], devices[dst], tick=tick0 + t,
-                                    chunk=ids[k], note="all-gather")
-    return gathered
-
-
-def reduce(values: Sequence[tf.Tensor], root: int, op: str, *, tick: int = 0) -> tf.Tensor:
-    """Flat reduce: every tower sends its value to tower ``root``, which combines in tower order.
-
-    The result is ``((x0 op x1) op x2) ...`` on ``root``'s device, finished once
-    (``mean`` divides by ``len(values)``).
-
-    Args:
-        values: one tensor per tower, checked with :func:`check_values`.
-        root: the index of the receiving tower.
-        op: ``"sum"``, ``"mean"``, ``"max"`` or ``"min"``.
-        tick: the tick label of the sends.
-
-    Returns:
-        The reduction, on ``values[root]``'s device. Cost: ``root`` receives ``(n-1)·S``.
-
-    Raises:
-        ValueError: from :func:`check_values`, or ``root`` out of range.
-
-    Example:
-        >>> total = reduce(values, 0, "sum")
-    """
-    devices = check_values(values, op)
-    if not 0 <= root < len(devices):
-        raise ValueError(f"root={root} is not a tower index for {len(devices)} values")
-    dst = devices[root]
-    with tf.device(dst):
-        total = send(values[0], dst, tick=tick, chunk=0, note="reduce")
-        for i, v in enumerate(values[1:], start=1):
-            total = combine(total, send(v, dst, tick=tick, chunk=i, note="reduce"), op)
-        return finish(total, op, len(values))

@@ -143,6 +143,8 @@ algorithm module constructs in its ``register(Algorithm(...))`` line."""
 def from_schedule(
     generator: Callable[..., Schedule],
     count: Callable[[Schedule, int, int], list[int]] = ir.bytes_sent,
+    *,
+    cost: Callable[..., Coefficients] | None = None,
 ) -> dict[str, Any]:
     """``bytes_sent``, ``summation_depth`` and ``cost`` derived from a schedule generator.
 
@@ -150,9 +152,12 @@ def from_schedule(
         generator: ``(n, **params) -> Schedule``.
         count: how the schedule's bytes are counted (default: the padding rule of
             :func:`towers.schedule.bytes_sent`).
+        cost: a closed form to use instead of :func:`towers.schedule.cost` of the
+            schedule: the cost model asks for up to 1024 towers (a schedule of
+            ``2n(n-1)`` steps), and a convention of its own may count α per message.
 
     Example:
-        >>> Record("ring", build, **from_schedule(ring_schedule))   # doctest: +SKIP
+        >>> Record("ring", build, **from_schedule(ring_schedule, cost=ring_cost))   # doctest: +SKIP
     """
 
     def bytes_sent(n: int, nbytes: int, itemsize: int, **params: Any) -> list[int]:
@@ -161,11 +166,11 @@ def from_schedule(
     def summation_depth(n: int, **params: Any) -> int:
         return symbolic.summation_depth(generator(n, **params))
 
-    def cost(n: int, nbytes: float, **params: Any) -> Coefficients:
+    def counted(n: int, nbytes: float, **params: Any) -> Coefficients:
         return ir.cost(generator(n, **params), nbytes)
 
-    return {"bytes_sent": bytes_sent, "summation_depth": summation_depth, "cost": cost,
-            "generator": generator}
+    return {"bytes_sent": bytes_sent, "summation_depth": summation_depth,
+            "cost": cost or counted, "generator": generator}
 
 
 class Registry(dict[Any, Record]):

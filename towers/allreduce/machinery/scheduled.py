@@ -1,5 +1,11 @@
 """Run a :class:`~towers.schedule.Schedule` on TensorFlow devices: one interpreter for all.
 
+Every algorithm whose communication is a schedule runs here: ring, tree, double
+binary tree, halving-doubling, swing, bruck, pat, torus_2d, the public
+reduce-scatter, all-gather and broadcast, and the sharded placement's ring phases.
+(naive and parameter_device fold on one device with ``add_n`` or a chain, and
+hierarchical composes two all-reduces: no schedule of their own.)
+
 :func:`run_slots` is the interpreter, for every collective the IR names: it
 proves the schedule first (:func:`towers.schedule.simulate`, so a wrong schedule
 never reaches a device), then runs tick by tick over ``slots[tower][chunk]``:
@@ -7,8 +13,9 @@ a tick's small chunks from one tower to another are one message, packed
 (:mod:`towers.allreduce.machinery.packed`; a large chunk is a message alone) and sent
 with ``send(..., tick=t, chunks=(c, …))`` (recorded chunk by chunk), all first (a tick
 reads its slots as they were when it began), then each destination writes:
-``copy`` replaces its slot, ``reduce`` computes ``combine(received, own)`` (into
-an empty slot: the received value). A slot is finished (``mean`` divides)
+``copy`` replaces its slot, ``reduce`` computes ``combine(received, own)`` (the
+trees: ``combine(own, received)``, see :func:`run_schedule`; into an empty slot:
+the received value). A slot is finished (``mean`` divides)
 exactly once, on the tower where its last contribution is added; copies carry
 the finished value, so every output is bitwise the same. Slots complete from the
 start (``n = 1``) are finished at the end. The graph holds one pack, send and
@@ -24,7 +31,7 @@ combine per message of small chunks, not per chunk::
 concat of its rows — one in all where the towers share one memory
 (:func:`~towers.allreduce.machinery.packed.assemble`: the outputs are bitwise the same).
 The public reduce-scatter, all-gather and broadcast
-(:mod:`towers.allreduce.hand_collectives`) cut by the sharding rule instead.
+(:mod:`towers.allreduce.collectives`) cut by the sharding rule instead.
 
 Example:
     >>> outs = run_schedule(ring_schedule(3), values, op="mean")   # doctest: +SKIP
@@ -115,7 +122,7 @@ def run_slots(schedule: Schedule, slots: Slots, devices: Sequence[str], op: str 
 
     The one interpreter of :mod:`towers.schedule.ir` for every collective: the
     all-reduce (:func:`run_schedule`) and the public reduce-scatter, all-gather and
-    broadcast (:mod:`towers.allreduce.hand_collectives`) only cut the slots and put
+    broadcast (:mod:`towers.allreduce.collectives`) only cut the slots and put
     the results together. A reducing schedule's slot starts as its tower's own
     contribution; an all-gather's or broadcast's slot starts complete. A tick's chunks
     between two towers travel packed (:mod:`towers.allreduce.machinery.packed`).
@@ -147,14 +154,15 @@ def run_slots(schedule: Schedule, slots: Slots, devices: Sequence[str], op: str 
 
 
 def run_rows(schedule: Schedule, slots: Rows, devices: Sequence[str], op: str = "sum",
-             *, note: str = "") -> Rows:
+             *, note: str = "", own_first: bool = False) -> Rows:
     """:func:`run_slots` over packed slots (:class:`~towers.allreduce.machinery.packed.Row`).
 
     Tick by tick: every message's rows are packed and sent first (a tick reads its
     slots as they were when it began), then each lands: ``copy`` replaces the slots,
-    ``reduce`` computes ``combine(received, own)`` (into empty slots: the received
-    rows). A slot is finished (``mean`` divides) exactly once, where its last
-    contribution is added; slots complete from the start (``n = 1``) at the end.
+    ``reduce`` computes ``combine(received, own)`` (``combine(own, received)`` when
+    ``own_first``; into empty slots: the received rows). A slot is finished (``mean``
+    divides) exactly once, where its last contribution is added; slots complete from
+    the start (``n = 1``) at the end.
     """
     simulate(schedule)
     n, full = schedule.towers, (1 << schedule.towers) - 1
@@ -175,7 +183,8 @@ def run_rows(schedule: Schedule, slots: Rows, devices: Sequence[str], op: str = 
         for m, value, (masks, finished) in zip(messages, moved, sent):
             if m.kind == "reduce" and have[m.dst][m.chunks[0]]:
                 with tf.device(devices[m.dst]):
-                    value = combine(value, pack([slots[m.dst][c] for c in m.chunks]), op)
+                    own = pack([slots[m.dst][c] for c in m.chunks])
+                    value = combine(own, value, op) if own_first else combine(value, own, op)
                     masks = [mask | have[m.dst][c] for mask, c in zip(masks, m.chunks)]
                     finished = [mask == full for mask in masks]
                     if finished[0]:  # the last contribution arrived: finish here, once
@@ -201,7 +210,7 @@ def _finish_complete(slots: Rows, have: list[list[int]], done: list[list[bool]],
 
 
 def run_schedule(
-    schedule: Schedule, values: Sequence[tf.Tensor], *, op: str = "sum"
+    schedule: Schedule, values: Sequence[tf.Tensor], *, op: str = "sum", own_first: bool = False
 ) -> list[tf.Tensor]:
     """All-reduce ``values`` by following ``schedule``; output ``i`` on input ``i``'s device.
 
@@ -209,6 +218,10 @@ def run_schedule(
         schedule: an ``all_reduce`` schedule for ``len(values)`` towers.
         values: one tensor per tower (static shapes), checked with ``check_values``.
         op: ``"sum"``, ``"mean"``, ``"max"`` or ``"min"``.
+        own_first: a ``reduce`` computes ``combine(own, received)``, not
+            ``combine(received, own)``. Sums are bitwise the same either way (IEEE
+            addition commutes); ``max`` and ``min`` return the first of two equal
+            values, so the sign of a zero shows the order (the trees add own first).
 
     Returns:
         One reduced tensor per tower, each of the inputs' shape, all bitwise equal.
@@ -229,7 +242,7 @@ def run_schedule(
     split = [pad_rows(v, schedule.chunks) for v in values]
     _, shape, size = split[0]
     slots: Rows = [[Row(rows, c) for c in range(schedule.chunks)] for rows, _, _ in split]
-    slots = run_rows(schedule, slots, devices, op)
+    slots = run_rows(schedule, slots, devices, op, own_first=own_first)
 
     def build(tower: int) -> tf.Tensor:  # one concat (none when one tensor holds all)
         flat = tf.reshape(pack(slots[tower]), [-1])
@@ -244,27 +257,29 @@ class Scheduled:
     """An all-reduce defined by a schedule generator: runs ``generator(len(values))``.
 
     Tools find the generator here (:func:`generator_of`) to prove the algorithm with
-    :func:`towers.schedule.check_schedule` as well as run it.
+    :func:`towers.schedule.check_schedule` as well as run it. ``own_first``: see
+    :func:`run_schedule`.
     """
 
     generator: Callable[[int], Schedule]
+    own_first: bool = False
 
     def __call__(self, values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
         check_values(values, op)
-        return run_schedule(self.generator(len(values)), values, op=op)
+        return run_schedule(self.generator(len(values)), values, op=op, own_first=self.own_first)
 
     @property
     def __name__(self) -> str:  # for code that names callables by ``__name__``
         return str(getattr(self.generator, "__name__", "scheduled"))
 
 
-def scheduled(generator: Callable[[int], Schedule]) -> AllReduce:
+def scheduled(generator: Callable[[int], Schedule], *, own_first: bool = False) -> AllReduce:
     """The all-reduce that runs ``generator(len(values))`` with :func:`run_schedule`.
 
     Example:
         >>> algo = scheduled(ring_schedule); outs = algo(values, op="sum")   # doctest: +SKIP
     """
-    return Scheduled(generator)
+    return Scheduled(generator, own_first)
 
 
 def generator_of(fn: object) -> Callable[[int], Schedule] | None:

@@ -41,8 +41,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from towers.allreduce.machinery.primitives import all_gather, pad_split, reduce_scatter, unsplit
+from towers.allreduce.machinery.primitives import pad_split, tick_offset, unsplit
+from towers.allreduce.machinery.scheduled import run_slots
 from towers.allreduce.machinery.sparse import to_dense
+from towers.schedule.collectives import ring_all_gather, ring_reduce_scatter
 
 __all__ = [
     "NOT_ELEMENTWISE",
@@ -203,11 +205,13 @@ class ShardPlan:
         owned: list[list[Any]] = [[None] * len(self.layout) for _ in range(n)]
         for j, cut in enumerate(self.layout):
             chunks = [pad_split(_static(grads[tower][j], cut.shape), n)[0] for tower in range(n)]
-            summed = reduce_scatter(chunks, self.devices, "sum")
+            summed = run_slots(ring_reduce_scatter(n), chunks, self.devices, "sum",
+                               note="reduce_scatter")
             for k in range(n):
-                if cut.owned(k):
+                shard = summed[k][k]  # tower k ends with chunk k reduced
+                if cut.owned(k) and shard is not None:
                     with tf.device(self.devices[k]):
-                        owned[k][j] = summed[k][: cut.owned(k)]
+                        owned[k][j] = shard[: cut.owned(k)]
         return owned
 
     def pairs(self, owned: Sequence[Sequence[Any]]) -> list[tuple[list[Any], list[Any]]]:
@@ -244,7 +248,9 @@ class ShardPlan:
             if cut.size == 0:
                 continue
             blocks = [self._padded_shard(k, j, cut) for k in range(n)]
-            gathered = all_gather(blocks, self.devices, n - 1)
+            slots = [[b if c == k else None for c in range(n)] for k, b in enumerate(blocks)]
+            with tick_offset(n - 1):  # after the reduce-scatter's ticks, as in the ring
+                gathered = run_slots(ring_all_gather(n), slots, self.devices, note="all_gather")
             for tower in range(n):
                 with tf.device(self.devices[tower]):
                     value = unsplit(gathered[tower], cut.shape, cut.size)

@@ -1,4 +1,4 @@
-"""Public reduce-scatter, all-gather and broadcast, run from schedules with explicit sends.
+"""The other collectives: reduce-scatter, all-gather and broadcast, run from schedules.
 
 **Sharding rule.** :func:`reduce_scatter` flattens the reduced value (row-major,
 as ``tf.reshape(x, [-1])``) and gives tower ``i`` the ``i``-th of ``n`` runs cut
