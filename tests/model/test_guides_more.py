@@ -97,10 +97,11 @@ def test_data_augmentation_layers_in_the_model() -> None:
 def test_mixed_precision_float16() -> None:
     """The Mixed precision guide (https://tensorflow.org/versions/r2.8/api_docs/python/tf/
     keras/mixed_precision/set_global_policy): ``mixed_float16`` compute, float32 variables,
-    compile's automatic loss scaling. Tolerance: the forward pass rounds to float16
-    (u = 2⁻¹¹) per row, the same on every tower; what differs is the float32 gradient sum,
-    as in float32 training, plus the loss-scale division: 1e-3 of the movement (measured
-    below 1e-5; kept loose for float16's coarser gradients)."""
+    compile's automatic loss scaling. Tolerance: the kernel gradients are float16 matmuls
+    (x^T·δ, u = 2⁻¹¹) summed over each tower's rows and then across towers, so the
+    worst-case reassociation bound is γ_B ≈ 64·2⁻¹¹ ≈ 3e-2 per step, too loose to catch
+    anything; measured 1.8e-4 of the movement (4 towers, 2 epochs); 1e-3 is kept, 5×
+    the measurement."""
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:
         x, y = _classes(seed=12)
