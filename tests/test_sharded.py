@@ -236,7 +236,9 @@ def test_set_weights_steps_and_replica_check_work_sharded() -> None:
 
 def test_sparse_gradients_are_densified_by_default_and_match() -> None:
     """sharded's default sparse mode is "densify" (the capability table); "gather" is
-    refused at construction, before the model factory runs."""
+    refused at construction, before the model factory runs. Left unset with an optimizer
+    whose sparse and dense updates differ (Adam), the Embedding is refused by name
+    (tests/guard/test_layers.py); asked for, the dense update equals replicated's."""
     spec = ModelSpec("embedding")
     built: list[int] = []
 
@@ -248,9 +250,12 @@ def test_sparse_gradients_are_densified_by_default_and_match() -> None:
         towers.TowerTrainer(counting, SHARDABLE["adam"], loss_fn(), devices=DEVICES[:3],
                             variables="sharded", sparse="gather")  # fmt: skip
     assert built == []
+    with pytest.raises(ValueError, match=r"variables='sharded'.*Embedding.*optimizer Adam"):
+        towers.TowerTrainer(spec.build, SHARDABLE["adam"], loss_fn(), devices=DEVICES[:3],
+                            variables="sharded")  # fmt: skip
     reference = _trainer(spec, 3, variables="replicated", sparse="densify")
     sharded = towers.TowerTrainer(spec.build, SHARDABLE["adam"], loss_fn(), devices=DEVICES[:3],
-                                  variables="sharded")  # fmt: skip
+                                  variables="sharded", sparse="densify")  # fmt: skip
     assert (sharded.sparse, sharded.cell["all_reduce"]) == ("densify", "ring")
     for k in range(2):
         batch = spec.batch(6 + k, seed=k)

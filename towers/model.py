@@ -33,6 +33,7 @@ from typing import Any
 
 import keras
 import numpy as np
+from keras.src.saving.keras_saveable import KerasSaveable
 
 from towers.devices import canonical_device
 from towers.guard.inputs import check_keras_steps, naming
@@ -254,9 +255,19 @@ class TowerModel(keras.Model):
         super().set_weights(weights)
         self.broadcast()
 
+    def save_weights(self, filepath: Any, overwrite: bool = True,
+                     max_shard_size: Any = None) -> None:  # fmt: skip
+        """Keras's ``save_weights`` in :attr:`network`'s own layout (:class:`_AsNetwork`):
+        the user's plain Keras model loads the file, and the towers' optimizer state rides
+        along (every shard owner's, ``sharded``)."""
+        keras.saving.save_weights(_AsNetwork(self), filepath, overwrite=overwrite,
+                                  max_shard_size=max_shard_size)  # fmt: skip
+
     def load_weights(self, filepath: Any, skip_mismatch: bool = False, **kwargs: Any) -> None:
-        """Keras's ``load_weights`` into :attr:`network`, then to every replica."""
-        super().load_weights(filepath, skip_mismatch=skip_mismatch, **kwargs)
+        """Keras's ``load_weights`` into :attr:`network` (a ``.weights.h5`` file in the
+        network's layout: this model's or the user's plain model's), then to every replica."""
+        target = self if str(filepath).endswith(".keras") else _AsNetwork(self)
+        keras.saving.load_weights(target, filepath, skip_mismatch=skip_mismatch, **kwargs)
         self.broadcast()
 
     def broadcast(self) -> None:
@@ -317,6 +328,29 @@ class TowerModel(keras.Model):
         return cls(network, devices=devices,
                    parameter_device=None if pd is None or pd >= len(devices) else devices[pd],
                    **config)  # fmt: skip
+
+
+class _AsNetwork(KerasSaveable):  # type: ignore[misc]
+    """A ``TowerModel`` as Keras's weights files walk it: :attr:`TowerModel.network`'s own
+    layout (``layers/...``, not ``network/layers/...``), so the user's plain model reads
+    the file and writes one this model reads, plus the towers' optimizers."""
+
+    _TOWERS = ("optimizer", "shard_optimizers")
+
+    def __init__(self, model: TowerModel) -> None:
+        self._model = model
+
+    def _obj_type(self) -> str:
+        return str(self._model.network._obj_type())
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "_model":  # not set yet (copy, pickle): no recursion
+            raise AttributeError(name)
+        owner = self._model if name in self._TOWERS else self._model.network
+        return getattr(owner, name)
+
+    def __dir__(self) -> list[str]:
+        return sorted(set(dir(self._model.network)) | set(self._TOWERS))
 
 
 def _index(devices: list[str], device: str) -> int | None:

@@ -49,6 +49,7 @@ from towers.guard import capabilities
 from towers.guard.arguments import check_bool
 from towers.guard.deadline import Deadline, settled
 from towers.guard.inputs import batch_tensors, check_kinds, check_shards, naming
+from towers.guard.layers import check_layers
 from towers.guard.loss_scale import LossScale, is_loss_scaled
 from towers.guard.nonfinite import Guard, sums_exactly
 from towers.guard.options import TowerOptions
@@ -176,6 +177,7 @@ class TowerTrainer:
         self.replicas: list[Replica] = self.placement.make_replicas(
             model, optimizer, homes, self.algorithm
         )
+        check_layers(self.model, self.optimizer, len(self.devices), self.placement.name, o.sparse)
         if not isinstance(self.loss_fn, OutputLosses) and len(
                 getattr(self.model, "output_names", None) or []) > 1:  # fmt: skip
             self.loss_fn = OutputLosses(loss)  # one loss for every output, as Keras's

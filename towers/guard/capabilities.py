@@ -154,7 +154,8 @@ REFUSALS: tuple[Refusal, ...] = (
         ("variables", ("sharded",)), ("sparse", ("gather",)),
         "a shard owner updates a dense slice of every variable, so a sparse (Embedding) "
         "gradient cannot stay sparse",
-        "leave sparse unset (sharded densifies) or pass sparse='densify'",
+        "pass sparse='densify', or leave it unset (sharded densifies where the optimizer's "
+        "sparse and dense updates agree)",
     ),
     Refusal(
         ("variables", ("sharded",)), ("optimizer", ("loss_scale",)),
@@ -233,6 +234,14 @@ LIMITS: tuple[Limit, ...] = (
         "across workers a model with floating non-trainable state (BatchNormalization) is "
         "refused, naming the variables: it is combined over one worker's towers only, so "
         "the workers' copies would drift",
+    ),
+    Limit(
+        ("variables", ("sharded",)), ("sparse", ("densify",)),
+        "a model with a sparse-gradient layer (Embedding) and an optimizer whose update of a "
+        "sparse gradient with repeated rows differs from its dense update (measured when the "
+        "trainer is built: Adam, RMSprop, Adagrad, …; SGD and Lion agree) is refused, naming "
+        "all three, unless sparse='densify' is passed explicitly (then it equals "
+        "variables='replicated' with sparse='densify')",
     ),
     Limit(
         ("trainer", ("WorkerTrainer",)), ("sparse", ("gather", "densify")),
