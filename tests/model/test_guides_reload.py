@@ -121,11 +121,6 @@ def test_save_load_and_continue(tmp_path: Path) -> None:
     close(tm.get_weights(), one.get_weights(), start)
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason=(
-    "a weights file written by TowerModel.save_weights does not load into the plain "
-    "keras.Model it wraps: load_weights raises 'Layer dense_N expected 2 variables, but "
-    "received 0 variables during loading' (the file nests the network under the "
-    "TowerModel's own path)"))
 def test_weights_saved_by_towers_serve_in_plain_keras(tmp_path: Path) -> None:
     """Train with towers, serve with plain Keras (the save_and_load tutorial's
     ``save_weights`` / ``load_weights``): the served model holds the trained weights."""
