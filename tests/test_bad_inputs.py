@@ -595,7 +595,7 @@ CLI_CASES = [
     ("train", "--lr", "nan", "argument --lr: must be a finite number > 0, got nan"),
     ("train", "--seed", "-3", "argument --seed: must be an integer >= 0, got -3"),
     ("train", "--algorithm", "nope",
-     "argument --algorithm: unknown algorithm 'nope' (did you mean noop?)"),
+     "argument --algorithm: unknown algorithm 'nope' (did you mean 'noop'?)"),
     ("bench", "--sizes", "0", "argument --sizes: must be an integer >= 1, got 0"),
     ("bench", "--sizes", "4096,-8", "argument --sizes: must be an integer >= 1, got -8"),
     ("bench", "--sizes", ",", "argument --sizes: expected a comma list of integers"),

@@ -25,14 +25,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 USAGE_ERRORS = [
     (["train", "--epochz", "2"],
-     "unrecognized arguments: --epochz 2 (did you mean --epochs?)"),
+     "unrecognized arguments: --epochz 2 (did you mean '--epochs'?)"),
     (["trace", "--algorithm", "rign"], "argument --algorithm: unknown algorithm 'rign' "
-     "(did you mean ring?); choose from bruck"),
+     "(did you mean 'ring'?); choose from bruck"),
     (["check", "nosuchfile.py:f"], "argument algorithm: no such file 'nosuchfile.py'"),
     (["check", "no_such_module_xyz:f"], "argument algorithm: cannot import 'no_such_module_xyz'"),
     (["check", "ring", "--ops", "prod"],
      "argument --ops: unknown op 'prod'; choose from sum, mean, max, min"),
-    (["check", "ring", "--ops", "maximum"], "unknown op 'maximum' (did you mean max?)"),
+    (["check", "ring", "--ops", "maximum"], "unknown op 'maximum' (did you mean 'max'?)"),
     (["check", "ring", "--towers", "2,9"], "argument --towers: 9 is more than --max-towers 8"),
     (["train", "--variables", "paramter_device"],
      "argument --variables: invalid choice: 'paramter_device'"),
@@ -40,16 +40,16 @@ USAGE_ERRORS = [
     (["trace", "ring", "--html", "/no/such/dir/r.html"], "argument --html: cannot write"),
     (["timeline", "--towers", "8", "--batch-size", "4"], "argument --batch-size: 4 leaves"),
     (["compare", "--a", "rign", "--b", "mirrored"], "argument --a: unknown algorithm 'rign' "
-     "(did you mean ring?)"),
-    (["bisect", "--a", "towers:rign", "--b", "ring"], "(did you mean ring?)"),
+     "(did you mean 'ring'?)"),
+    (["bisect", "--a", "towers:rign", "--b", "ring"], "(did you mean 'ring'?)"),
     (["compare", "--a", "ring", "--b", "mirrored", "--model", "no_such_module_xyz:m"],
      "argument --model: cannot import 'no_such_module_xyz'"),
     (["invariance", "--step", "no_such_module_xyz:f"],
      "argument --step: cannot import 'no_such_module_xyz'"),
     (["launch", "--workers", "0", "--", "true"], "need --workers >= 1"),
     (["study", "--out", "/no/such/dir/s"], "--out: no such folder '/no/such/dir'"),
-    (["study", "ring", "fp61"], "argument REDUCER: 'fp61': unknown 'fp61' (did you mean fp16?)"),
-    (["study", "topk(0.1)@rign"], "unknown all-reduce 'rign' after @ (did you mean ring?)"),
+    (["study", "ring", "fp61"], "argument REDUCER: 'fp61': unknown 'fp61' (did you mean 'fp16'?)"),
+    (["study", "topk(0.1)@rign"], "unknown all-reduce 'rign' after @ (did you mean 'ring'?)"),
 ]
 
 RUN_EACH = """

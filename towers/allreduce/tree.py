@@ -224,7 +224,7 @@ def tick_loads(trees: Sequence[Sequence[int]], chunks: int) -> tuple[float, floa
     """``(M, A)``: Σ over ticks of the most messages on one port and pieces added by one tower.
 
     The schedule of :func:`tree_ticks` over ``trees`` run at once, each node sending up
-    at its height (the network need not wait for the order of additions; single-port,
+    at its up tick (:func:`_up_ticks`; the network need not wait for the order of additions; single-port,
     full duplex). Ports are columns ``[0, n)`` (out), ``[n, 2n)`` (in); adds
     ``[2n, 3n)``. Each event lasts ``chunks`` ticks (one piece per tick), so loads only
     change where an event starts or ends: count on those segments, weighted by their length.
@@ -233,11 +233,11 @@ def tick_loads(trees: Sequence[Sequence[int]], chunks: int) -> tuple[float, floa
     starts, cols = [], []
     for parents in trees:
         shape = tree_shape(parents)
-        height, depth = shape.height, shape.depth
-        top = max(height)
+        up, depth = _up_ticks(shape), shape.depth
+        top = up[shape.root]
         for i, p in enumerate(parents):
-            if p >= 0:  # up: i → p at tick height[i]; down: p → i at tick top + depth[p]
-                starts += [height[i]] * 3 + [top + depth[p]] * 2
+            if p >= 0:  # up: i → p at its up tick; down: p → i at tick top + depth[p]
+                starts += [up[i]] * 3 + [top + depth[p]] * 2
                 cols += [i, n + p, 2 * n + p, p, n + i]
     begin, where = np.array(starts), np.array(cols)
     bounds = np.unique(np.concatenate([begin, begin + chunks]))

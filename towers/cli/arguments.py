@@ -38,9 +38,12 @@ __all__ = [
 
 
 def did_you_mean(word: str, known: Iterable[str]) -> str:
-    """`` (did you mean X?)`` for the nearest of ``known`` to ``word``, or ``""``."""
-    close = difflib.get_close_matches(word, list(known), n=3, cutoff=0.6)
-    return f" (did you mean {' or '.join(close)}?)" if close else ""
+    """`` (did you mean 'X'?)`` for the nearest of ``known`` to ``word``, or ``""``: the
+    resolver's own wording (towers.allreduce.machinery.resolve), one style everywhere."""
+    known = list(known)
+    close = ([k for k in known if k.lower() == word.lower()]
+             or difflib.get_close_matches(word, known, n=3, cutoff=0.6))
+    return f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
 
 
 def ops() -> tuple[str, ...]:
