@@ -224,10 +224,10 @@ def tick_loads(trees: Sequence[Sequence[int]], chunks: int) -> tuple[float, floa
     """``(M, A)``: Σ over ticks of the most messages on one port and pieces added by one tower.
 
     The schedule of :func:`tree_ticks` over ``trees`` run at once, each node sending up
-    at its up tick (:func:`_up_ticks`; the network need not wait for the order of additions; single-port,
-    full duplex). Ports are columns ``[0, n)`` (out), ``[n, 2n)`` (in); adds
-    ``[2n, 3n)``. Each event lasts ``chunks`` ticks (one piece per tick), so loads only
-    change where an event starts or ends: count on those segments, weighted by their length.
+    at its up tick (:func:`_up_ticks`); single-port, full duplex. Ports are columns
+    ``[0, n)`` (out), ``[n, 2n)`` (in); adds ``[2n, 3n)``. Each event lasts ``chunks``
+    ticks (one piece per tick), so loads only change where an event starts or ends: count
+    on those segments, weighted by their length.
     """
     n = len(trees[0])
     starts, cols = [], []
