@@ -236,7 +236,7 @@ def _checked_values(values: Any, y_pred: Any) -> tf.Tensor:
         raise ValueError(
             f"loss must return one value per example (first axis = the batch, {batch}), "
             f"but it returned shape {values.shape.as_list()} for predictions of shape "
-            f"{pred_shape.as_list()}: a mean over the batch, or labels broadcast against "
+            f"{list(pred_shape)}: a mean over the batch, or labels broadcast against "
             "the predictions? Return the unreduced values, as keras.losses.Loss.call does")
     return values
 
