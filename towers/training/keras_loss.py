@@ -229,14 +229,14 @@ def _checked_values(values: Any, y_pred: Any) -> tf.Tensor:
             f"loss must return floating-point values to differentiate; it returned "
             f"{values.dtype.name} values of shape {values.shape.as_list()}")
     pred = tf.nest.flatten(y_pred)[0] if y_pred is not None else None
-    pred_shape = getattr(pred, "shape", None)
+    pred_shape: Any = getattr(pred, "shape", None)
     batch = pred_shape[0] if pred_shape is not None and pred_shape.rank else None
     if values.shape.rank is not None and batch is not None and values.shape[0] is not None \
             and values.shape[0] != batch:  # fmt: skip
         raise ValueError(
             f"loss must return one value per example (first axis = the batch, {batch}), "
             f"but it returned shape {values.shape.as_list()} for predictions of shape "
-            f"{list(pred_shape)}: a mean over the batch, or labels broadcast against "
+            f"{pred_shape.as_list()}: a mean over the batch, or labels broadcast against "
             "the predictions? Return the unreduced values, as keras.losses.Loss.call does")
     return values
 
