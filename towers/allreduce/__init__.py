@@ -15,7 +15,7 @@ import numpy as np
 import tensorflow as tf
 
 from towers.allreduce.bruck import bruck
-from towers.allreduce.bucketed import bucketed, pack, unpack
+from towers.allreduce.bucketed import bucketed, grouped, pack, unpack
 from towers.allreduce.codecs import bf16, fp16, topk
 from towers.allreduce.collective_registry import COLLECTIVE_ALGORITHMS
 from towers.allreduce.collectives import all_gather, all_to_all, broadcast, reduce_scatter
@@ -84,6 +84,7 @@ __all__ = [
     "finish",
     "fp16",
     "get",
+    "grouped",
     "halving_doubling",
     "hierarchical",
     "naive",
