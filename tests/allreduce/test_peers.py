@@ -4,6 +4,8 @@ Ported (inputs, shapes, tower counts and tolerances as the peers use them):
 
 * TensorFlow ``tensorflow/python/distribute/v1/all_reduce_test.py``: ``testRingAllReduce``,
   ``testShuffleAllReduce``, ``testRecursiveHDAllReduce`` (via ``_testAllReduce``).
+* TensorFlow ``cross_device_ops_test.py``: ``testAllReduceDense``,
+  ``testBatchAllReduceMixedDenseAndSparse``.
 * Horovod ``test/parallel/test_tensorflow.py``: ``test_horovod_allreduce_cpu``,
   ``test_horovod_allreduce_average_cpu``, ``test_horovod_allreduce_cpu_prescale`` /
   ``_postscale``, ``test_horovod_allreduce_min_cpu`` / ``max`` / ``product``.
@@ -216,3 +218,47 @@ def test_peer_cases_above_eight_towers() -> None:
                            "_run_16; _run_16()"], capture_output=True, text=True, env=env,
                           timeout=1800, check=False)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_cross_device_ops_all_reduce_dense(name: str) -> None:
+    """TF ``cross_device_ops_test.py`` ``testAllReduceDense``: replica ``i`` holds
+    ``[1.0, 2.0, 3.0, 4.0][i]`` at group sizes 1, 2, 4; sum 1, 3, 10 and mean 1, 1.5, 2.5."""
+    expect = {1: (1.0, 1.0), 2: (3.0, 1.5), 4: (10.0, 2.5)}
+    for n, (total, mean) in expect.items():
+        values = _devices_values([1.0, 2.0, 3.0, 4.0][:n])
+        for op, want in (("sum", total), ("mean", mean)):
+            for out in towers.all_reduce(values, algorithm=name, op=op):
+                np.testing.assert_allclose(out.numpy(), want)
+
+
+def _devices_values(scalars: list[float]) -> list[tf.Tensor]:
+    out = []
+    for x, device in zip(scalars, _devices()):
+        with tf.device(device):
+            out.append(tf.constant(x))
+    return out
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_cross_device_ops_batch_all_reduce_mixed_dense_and_sparse(name: str) -> None:
+    """TF ``cross_device_ops_test.py`` ``testBatchAllReduceMixedDenseAndSparse``: two
+    replicas each reduce ``[dense, dense, IndexedSlices, IndexedSlices]`` in one batch;
+    the sparse ones come back gathered in replica order (``towers.allreduce.grouped``)."""
+    data = [[1.0, 2.0, ([[1.0], [2.0]], [0, 1], [10, 1]), ([[3.0], [4.0]], [1, 2], [5, 1])],
+            [3.0, 4.0, ([[5.0], [6.0]], [1, 2], [10, 1]), ([[7.0], [8.0]], [0, 1], [5, 1])]]
+    values = []
+    for row, device in zip(data, _devices()):
+        with tf.device(device):
+            values.append([tf.constant(x) if isinstance(x, float) else
+                           tf.IndexedSlices(tf.constant(x[0]), tf.constant(x[1], tf.int64),
+                                            tf.constant(x[2], tf.int64)) for x in row])
+    for out in towers.allreduce.grouped(values, name, "sum"):
+        np.testing.assert_allclose([out[0].numpy(), out[1].numpy()], [4.0, 6.0])
+        for got, (vals, idx, shape) in zip(out[2:], [([[1.0], [2.0], [5.0], [6.0]],
+                                                      [0, 1, 1, 2], [10, 1]),
+                                                     ([[3.0], [4.0], [7.0], [8.0]],
+                                                      [1, 2, 0, 1], [5, 1])]):
+            np.testing.assert_allclose(got.values.numpy(), vals)
+            np.testing.assert_array_equal(got.indices.numpy(), idx)
+            np.testing.assert_array_equal(got.dense_shape.numpy(), shape)
