@@ -15,10 +15,10 @@ import numpy as np
 import tensorflow as tf
 
 from towers.allreduce.bruck import bruck
-from towers.allreduce.bucketed import bucketed, pack, unpack
+from towers.allreduce.bucketed import bucketed, grouped, pack, unpack
 from towers.allreduce.codecs import bf16, fp16, topk
 from towers.allreduce.collective_registry import COLLECTIVE_ALGORITHMS
-from towers.allreduce.collectives import all_gather, broadcast, reduce_scatter
+from towers.allreduce.collectives import all_gather, all_to_all, broadcast, reduce_scatter
 from towers.allreduce.compressed import compressed
 from towers.allreduce.double_binary_tree import double_binary_tree
 from towers.allreduce.halving_doubling import halving_doubling
@@ -28,9 +28,11 @@ from towers.allreduce.machinery.base import (
     OPS,
     AllReduce,
     GradientReducer,
+    check_scale,
     check_values,
     combine,
     finish,
+    scale,
 )
 from towers.allreduce.machinery.primitives import Recorder, Transfer, record, send
 from towers.allreduce.machinery.registry import (
@@ -70,6 +72,7 @@ __all__ = [
     "Transfer",
     "all_gather",
     "all_reduce",
+    "all_to_all",
     "bf16",
     "broadcast",
     "bruck",
@@ -81,6 +84,7 @@ __all__ = [
     "finish",
     "fp16",
     "get",
+    "grouped",
     "halving_doubling",
     "hierarchical",
     "naive",
@@ -115,6 +119,8 @@ def all_reduce(
     *,
     devices: Sequence[str] | None = None,
     sparse: str = "gather",
+    prescale: float = 1.0,
+    postscale: float = 1.0,
 ) -> list[tf.Tensor | tf.IndexedSlices]:
     """All-reduce one value per tower with ``algorithm``; output ``i`` is on ``values[i]``'s device.
 
@@ -127,6 +133,10 @@ def all_reduce(
             such as ``tf.function`` arguments).
         sparse: for ``IndexedSlices``: ``"gather"`` (concatenate in tower order, the
             default, as MirroredStrategy does) or ``"densify"`` (dense all-reduce).
+        prescale: each value is multiplied by it, in its own dtype, before the reduction
+            (Horovod's ``prescale_factor``: ``1/n`` keeps an fp16 sum from overflowing).
+        postscale: each output is multiplied by it, in its dtype, after the reduction.
+            A factor is a finite number; an integer dtype takes only an integer factor.
 
     Example:
         >>> out = towers.all_reduce([a, b], algorithm="naive", op="mean")   # doctest: +SKIP
@@ -144,18 +154,35 @@ def all_reduce(
     except (TypeError, ValueError) as err:  # its message speaks of TowerTrainer's all_reduce
         raise type(err)(f"algorithm: {err}") from None
     if devices is not None:
-        if (isinstance(devices, str) or not isinstance(devices, Sequence)
-                or not all(isinstance(d, str) for d in devices)):  # fmt: skip
-            raise TypeError(f"devices must be None or a list of device names, got {devices!r}")
-        if len(devices) != len(values):
-            raise ValueError(f"devices has {len(devices)} entries for {len(values)} values")
-        moved = []
-        for v, d in zip(values, devices):
-            with tf.device(d):
-                moved.append(v if isinstance(v, tf.IndexedSlices) else tf.identity(v))
-        values = moved
+        values = _place(values, devices)
     if not isinstance(sparse, str) or sparse not in ("gather", "densify"):
         raise ValueError(f"sparse must be 'gather' or 'densify', got {sparse!r}")
+    dtype = getattr(values[0], "dtype", tf.float32) if values else tf.float32
+    pre, post = check_scale("prescale", prescale, dtype), check_scale("postscale", postscale, dtype)
+    if pre != 1:
+        check_values(values, op)
+        values = [scale(v, pre) for v in values]
+    return [scale(v, post) for v in _reduce(fn, values, algorithm, op, sparse)]
+
+
+def _place(values: Sequence[tf.Tensor | tf.IndexedSlices], devices: Sequence[str]
+           ) -> list[tf.Tensor | tf.IndexedSlices]:
+    """``values[i]`` placed on ``devices[i]`` (checked to be a list of names, one per value)."""
+    if (isinstance(devices, str) or not isinstance(devices, Sequence)
+            or not all(isinstance(d, str) for d in devices)):  # fmt: skip
+        raise TypeError(f"devices must be None or a list of device names, got {devices!r}")
+    if len(devices) != len(values):
+        raise ValueError(f"devices has {len(devices)} entries for {len(values)} values")
+    moved = []
+    for v, d in zip(values, devices):
+        with tf.device(d):
+            moved.append(v if isinstance(v, tf.IndexedSlices) else tf.identity(v))
+    return moved
+
+
+def _reduce(fn: AllReduce, values: Sequence[tf.Tensor | tf.IndexedSlices],
+            algorithm: object, op: str, sparse: str) -> list[tf.Tensor | tf.IndexedSlices]:
+    """Run ``fn`` on dense values, or reduce ``IndexedSlices`` by ``sparse``'s rule."""
     kinds = {isinstance(v, tf.IndexedSlices) for v in values}
     if kinds == {True}:
         devs = check_values(values, op)

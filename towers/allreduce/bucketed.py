@@ -50,10 +50,12 @@ import tensorflow as tf
 
 from towers.allreduce.machinery.base import AllReduce, device_of
 from towers.allreduce.machinery.resolve import get
+from towers.allreduce.machinery.sparse import gather_indexed_slices
 from towers.devices import canonical_device
 from towers.guard.arguments import optional, positive_int
 
-__all__ = ["BucketLayout", "Bucketed", "Layout", "Slot", "bucketed", "pack", "plan", "unpack"]
+__all__ = ["BucketLayout", "Bucketed", "Layout", "Slot", "bucketed", "grouped", "pack", "plan",
+           "unpack"]
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 
@@ -237,27 +239,85 @@ class Bucketed:
             ValueError: towers whose gradients differ in shapes or dtypes, or a tower
                 count that differs from :meth:`build`'s devices.
         """
-        devices = self.devices or [device_of(g[0], t) for t, g in enumerate(grads)]
-        if len(grads) != len(devices):
-            raise ValueError(f"got gradients of {len(grads)} towers for {len(devices)} devices")
-        packed: list[tuple[list[tf.Tensor], Layout]] = []
-        for tower, device in enumerate(devices):
-            with tf.device(device):
-                buckets, layout = pack(grads[tower], self.bytes_per_bucket)
-            if tower and layout != packed[0][1]:
-                raise ValueError(f"tower {tower}'s gradients differ from tower 0's in shape/dtype")
-            packed.append((buckets, layout))
-        layout = packed[0][1]
-        reduced: list[list[tf.Tensor]] = [[] for _ in devices]
-        for k in range(len(layout.buckets)):
-            outs = self.algorithm([buckets[k] for buckets, _ in packed], op="sum")
-            for tower, out in enumerate(outs):
-                reduced[tower].append(out)
-        result = []
-        for tower, device in enumerate(devices):
-            with tf.device(device):
-                result.append(unpack(reduced[tower], layout))
-        return result
+        return grouped(grads, self.algorithm, "sum", bytes_per_bucket=self.bytes_per_bucket,
+                       devices=self.devices)
+
+
+def grouped(values: Sequence[Sequence[tf.Tensor | tf.IndexedSlices]],
+            algorithm: str | AllReduce = "ring", op: str = "sum", *,
+            bytes_per_bucket: int | None = DEFAULT_BUCKET_BYTES,
+            devices: Sequence[str] | None = None) -> list[list[tf.Tensor | tf.IndexedSlices]]:
+    """All-reduce a list of tensors per tower: ``values[tower][k]`` in, same layout out.
+
+    Dense tensors are packed into buckets (:func:`pack`) and each bucket is all-reduced
+    once with ``op``; element ``x`` of tensor ``k`` meets the same towers' elements as
+    in ``towers.all_reduce([v[k] for v in values], algorithm, op)``. ``tf.IndexedSlices``
+    (sum or mean only: the others have no meaning for rows that some towers lack) are
+    gathered in tower order, as ``towers.all_reduce(..., sparse="gather")`` does.
+
+    Args:
+        values: per tower, the same count of tensors, position ``k`` of one shape,
+            dtype and kind (dense or ``IndexedSlices``) on every tower.
+        algorithm: a registry name (``towers.ALGORITHMS``) or an all-reduce callable.
+        op: ``"sum"``, ``"mean"``, ``"max"``, ``"min"`` or ``"product"``.
+        bytes_per_bucket: the most bytes per bucket, or ``None`` for one per dtype.
+        devices: the towers' devices (default: each tower's first value's device).
+
+    Returns:
+        ``out[tower][k]``, on ``devices[tower]``.
+
+    Raises:
+        ValueError: towers that differ in count, kind, shape or dtype (naming them), an
+            ``op`` an ``IndexedSlices`` cannot take, or what ``algorithm`` refuses.
+    """
+    fn = get(algorithm)
+    if not values or isinstance(values[0], (tf.Tensor, tf.IndexedSlices)):
+        raise ValueError("values must be a non-empty list, per tower, of lists of tensors")
+    devices = list(devices or [device_of(v[0], t) for t, v in enumerate(values)])
+    if len(values) != len(devices):
+        raise ValueError(f"got values of {len(values)} towers for {len(devices)} devices")
+    sparse = [isinstance(x, tf.IndexedSlices) for x in values[0]]
+    for t, row in enumerate(values):
+        if [isinstance(x, tf.IndexedSlices) for x in row] != sparse:
+            raise ValueError(f"tower {t}'s values differ from tower 0's in count or kind "
+                             "(dense or IndexedSlices)")
+    out: list[list[Any]] = [[None] * len(sparse) for _ in devices]
+    for k in (k for k, s in enumerate(sparse) if s):
+        if op not in ("sum", "mean"):
+            raise ValueError(f"values[0][{k}] is an IndexedSlices: op must be 'sum' or 'mean' "
+                             f"(rows are gathered), got {op!r}")
+        for t, x in enumerate(gather_indexed_slices([v[k] for v in values], devices, op)):
+            out[t][k] = x
+    dense = [k for k, s in enumerate(sparse) if not s]
+    for t, reduced in enumerate(_reduce_dense([[v[k] for k in dense] for v in values],
+                                              devices, fn, op, bytes_per_bucket)):
+        for k, x in zip(dense, reduced):
+            out[t][k] = x
+    return out
+
+
+def _reduce_dense(values: list[list[tf.Tensor]], devices: list[str], fn: AllReduce, op: str,
+                  bytes_per_bucket: int | None) -> list[list[tf.Tensor]]:
+    """Pack each tower's dense ``values[tower]``, all-reduce bucket by bucket, unpack."""
+    if not values[0]:
+        return [[] for _ in devices]
+    packed: list[tuple[list[tf.Tensor], Layout]] = []
+    for tower, device in enumerate(devices):
+        with tf.device(device):
+            buckets, layout = pack(values[tower], bytes_per_bucket)
+        if tower and layout != packed[0][1]:
+            raise ValueError(f"tower {tower}'s values differ from tower 0's in shape/dtype")
+        packed.append((buckets, layout))
+    layout = packed[0][1]
+    reduced: list[list[tf.Tensor]] = [[] for _ in devices]
+    for k in range(len(layout.buckets)):
+        for tower, out in enumerate(fn([buckets[k] for buckets, _ in packed], op=op)):
+            reduced[tower].append(out)
+    result = []
+    for tower, device in enumerate(devices):
+        with tf.device(device):
+            result.append(unpack(reduced[tower], layout))
+    return result
 
 
 def bucketed(

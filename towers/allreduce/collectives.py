@@ -7,7 +7,8 @@ have one element more (``numpy.array_split``'s rule; no padding, a shard is
 empty when ``L < n``). :func:`all_gather` concatenates per-tower shards along
 their first axis in tower order, so ``all_gather(reduce_scatter(v))`` is the
 all-reduce, flattened, on every tower. :func:`broadcast` copies one value to
-every device.
+every device. :func:`all_to_all` transposes blocks: tower ``i`` gets block ``i`` of
+every tower's value, in tower order.
 
 Each runs a :class:`~towers.schedule.Schedule` from the collectives' registry
 (:mod:`towers.allreduce.collective_registry`), or any generator ``n -> Schedule``
@@ -31,13 +32,14 @@ from collections.abc import Callable, Sequence
 import tensorflow as tf
 
 from towers.allreduce.collective_registry import collective_algorithm
-from towers.allreduce.machinery.base import DTYPES, check_values
+from towers.allreduce.machinery.base import DTYPES, check_scale, check_values, scale
+from towers.allreduce.machinery.primitives import send
 from towers.allreduce.machinery.scheduled import Slots, run_slots
 from towers.devices import canonical_device
 from towers.schedule.collectives import even_sizes, rooted
 from towers.schedule.ir import Schedule
 
-__all__ = ["all_gather", "broadcast", "reduce_scatter"]
+__all__ = ["all_gather", "all_to_all", "broadcast", "reduce_scatter"]
 
 Algorithm = str | Callable[[int], Schedule]
 
@@ -74,7 +76,8 @@ def _schedule(collective: str, algorithm: Algorithm, n: int) -> Schedule:
 
 
 def reduce_scatter(values: Sequence[tf.Tensor], *, algorithm: Algorithm = "ring",
-                   op: str = "sum") -> list[tf.Tensor]:
+                   op: str = "sum", prescale: float = 1.0,
+                   postscale: float = 1.0) -> list[tf.Tensor]:
     """Reduce one value per tower and leave tower ``i`` with shard ``i`` of the result.
 
     Args:
@@ -82,7 +85,9 @@ def reduce_scatter(values: Sequence[tf.Tensor], *, algorithm: Algorithm = "ring"
             its own device.
         algorithm: ``"ring"`` or ``"halving"`` (any ``n``), or a generator
             ``n -> Schedule`` of a ``reduce_scatter`` with chunk ``i`` owned by tower ``i``.
-        op: ``"sum"``, ``"mean"``, ``"max"`` or ``"min"``.
+        op: ``"sum"``, ``"mean"``, ``"max"``, ``"min"`` or ``"product"``.
+        prescale, postscale: multiply each value before, each shard after, the
+            reduction, in the values' dtype (as in :func:`towers.all_reduce`).
 
     Returns:
         ``shards[i]``: a 1-D tensor on ``values[i]``'s device, elements
@@ -98,6 +103,8 @@ def reduce_scatter(values: Sequence[tf.Tensor], *, algorithm: Algorithm = "ring"
         ... # doctest: +SKIP
     """
     devices = check_values(values, op)
+    pre = check_scale("prescale", prescale, values[0].dtype)
+    post = check_scale("postscale", postscale, values[0].dtype)
     for i, v in enumerate(values):
         if not v.shape.is_fully_defined():
             raise ValueError(f"values[{i}] needs a static shape, got {v.shape}")
@@ -107,9 +114,9 @@ def reduce_scatter(values: Sequence[tf.Tensor], *, algorithm: Algorithm = "ring"
     slots: Slots = []
     for v, device in zip(values, devices):
         with tf.device(device):
-            slots.append(list(tf.split(tf.reshape(v, [-1]), sizes)))
+            slots.append(list(tf.split(tf.reshape(scale(v, pre), [-1]), sizes)))
     slots = run_slots(schedule, slots, devices, op, note="reduce_scatter")
-    return [slots[i][i] for i in range(n)]
+    return [scale(slots[i][i], post) for i in range(n)]
 
 
 def _check_shards(shards: Sequence[tf.Tensor]) -> list[str]:
@@ -230,4 +237,51 @@ def broadcast(value: tf.Tensor, devices: Sequence[str], *, root: int = 0,
     for i, (row, device) in enumerate(zip(slots, names)):
         with tf.device(device):
             out.append(value if i == root else tf.reshape(tf.concat(row, axis=0), shape))
+    return out
+
+
+def all_to_all(values: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+    """Tower ``i``'s output block ``j`` is tower ``j``'s block ``i``: a transpose of blocks.
+
+    Each ``values[i]`` is cut along axis 0 into ``n`` equal blocks of ``m = shape[0] / n``
+    rows (block ``j`` = rows ``[j*m, (j+1)*m)``). ``out[i]`` has ``values[i]``'s shape
+    and is ``concat([block i of values[0], block i of values[1], ..., block i of
+    values[n-1]], axis=0)``: with ``m = 1``, tower ``i``'s output row ``j`` is tower
+    ``j``'s row ``i``. Built from :func:`~towers.allreduce.machinery.primitives.send`
+    (one tick, every tower sends ``n - 1`` blocks), not from TensorFlow's collective.
+
+    Args:
+        values: one tensor per tower (rank >= 1, static shape, same shape and dtype,
+            axis 0 a multiple of the tower count), each on its own device.
+
+    Returns:
+        ``out[i]`` on ``values[i]``'s device; copies only, so bitwise the blocks sent.
+
+    Raises:
+        ValueError: bad ``values`` (see ``check_values``), a scalar, a shape that is not
+            static, or an axis 0 that is not a multiple of ``len(values)``.
+        TypeError: ``values`` not a list of tensors.
+
+    Example:
+        >>> all_to_all([a, b])   # a = [a0, a1], b = [b0, b1] -> [[a0, b0], [a1, b1]]
+        ... # doctest: +SKIP
+    """
+    devices = check_values(values)
+    n = len(values)
+    for i, v in enumerate(values):
+        if not v.shape.is_fully_defined() or v.shape.rank == 0:
+            raise ValueError(f"values[{i}] needs a static shape of rank >= 1, got {v.shape}")
+    if values[0].shape[0] % n:
+        raise ValueError(f"values[0] has {values[0].shape[0]} rows on axis 0, not a multiple "
+                         f"of the {n} towers: all_to_all cuts axis 0 into {n} equal blocks")
+    blocks = []
+    for v, device in zip(values, devices):
+        with tf.device(device):
+            blocks.append(tf.split(v, n, axis=0))
+    out = []
+    for i, device in enumerate(devices):
+        moved = [send(blocks[j][i], device, tick=0, chunk=j, note="all_to_all")
+                 for j in range(n)]
+        with tf.device(device):
+            out.append(tf.concat(moved, axis=0))
     return out

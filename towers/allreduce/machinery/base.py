@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
+import numpy as np
 import tensorflow as tf
 
 from towers.devices import canonical_device
@@ -32,10 +33,12 @@ __all__ = [
     "GradientReducer",
     "StatefulReducer",
     "check_op",
+    "check_scale",
     "check_values",
     "combine",
     "device_of",
     "finish",
+    "scale",
 ]
 
 OPS = ("sum", "mean", "max", "min")
@@ -121,6 +124,33 @@ def check_op(op: str, dtype: tf.DType | None = None) -> str:
     if op == "mean" and dtype is not None and dtype.is_integer:
         raise ValueError(f"op='mean' is not defined for integer dtype {dtype.name}: use 'sum'")
     return op
+
+
+def check_scale(name: str, factor: object, dtype: tf.DType) -> float | int:
+    """Validate a pre- or post-scaling ``factor`` for values of ``dtype``; return it.
+
+    A factor is a finite real number (a bool is not one); an integer dtype takes only
+    an integer factor, since multiplying in that dtype cannot round to a fraction.
+    """
+    if isinstance(factor, bool) or not isinstance(factor, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be a number, got {type(factor).__name__}")
+    if not np.isfinite(factor):
+        raise ValueError(f"{name} must be finite, got {factor!r}")
+    if dtype.is_integer and float(factor) != int(factor):
+        raise ValueError(f"{name}={factor!r} is not an integer: values of integer dtype "
+                         f"{dtype.name} can only be scaled by an integer")
+    return int(factor) if dtype.is_integer else float(factor)
+
+
+def scale(value: tf.Tensor | tf.IndexedSlices, factor: float | int
+          ) -> tf.Tensor | tf.IndexedSlices:
+    """``value * factor`` in ``value``'s dtype, on its device (``factor`` 1: ``value`` itself)."""
+    if factor == 1:
+        return value
+    if isinstance(value, tf.IndexedSlices):
+        return tf.IndexedSlices(scale(value.values, factor), value.indices, value.dense_shape)
+    with tf.device(value.device):
+        return value * tf.constant(factor, value.dtype)
 
 
 def _shape_of(value: tf.Tensor | tf.IndexedSlices) -> tf.TensorShape:
