@@ -186,7 +186,7 @@ class TowerTrainer:
         self.loss_scale = LossScale(self.optimizer, self.model, o.reduce_dtype)
         if o.check_algorithm:  # a user's algorithm must sum (the registry's are proved)
             check_sums(reducer, self.devices, self.model.trainable_variables,
-                       self.loss_scale.wire_dtype)  # fmt: skip
+                       self.loss_scale.wire_dtype, o.step_timeout)  # fmt: skip
         self.guard = Guard(
             o.on_nonfinite, len(self.devices), self.parameter_device, self.loss_scale.active,
             agree=self.across_processes,
