@@ -124,6 +124,28 @@ def _one_device(values: Any, *, op: str = "sum") -> list[tf.Tensor]:
         return [tf.identity(total) for _ in values]
 
 
+def _shared_reducer() -> Any:
+    """One compressed reducer (error feedback) handed to two trainers."""
+    reducer = towers.compressed("ring", "topk(0.5)")
+    first = _new(all_reduce=reducer)
+    return _new(all_reduce=reducer), first
+
+
+def _hangs_at_construction() -> None:
+    """``TowerTrainer(all_reduce=<waits on a queue>, step_timeout=2)``, in a fresh process:
+    the deadline's expiry aborts the process's collective ops."""
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "tests.guard.test_construction_deadline",
+                           "queue", "2"], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[1])  # fmt: skip
+    error = json.loads(proc.stdout.strip().splitlines()[-1])["error"]
+    kind, _, message = error.partition(": ")
+    raise {"TimeoutError": TimeoutError}.get(kind, RuntimeError)(message)
+
+
 def _gen() -> Any:
     yield X
 
@@ -236,6 +258,16 @@ CASES: list[Case] = [
       "TowerTrainer got an unexpected option 'semantic'"),
     C("sparse-unknown", "sparse='dense'", lambda: _new(sparse="dense"), ValueError,
       "sparse must be one of"),
+    C("update-nonfinite", "SGD(1e37) on large finite gradients, on_nonfinite='raise'",
+      lambda: _new(optimizer=lambda: keras.optimizers.SGD(1e37), on_nonfinite="raise")
+      .train_step(X * 1e4, Y), towers.NonFiniteError,
+      r"the optimizer's update of \S+ \(its gradients were finite"),
+    C("reducer-shared", "one compressed('ring', 'topk(0.5)') object handed to two trainers",
+      _shared_reducer, ValueError, r"all_reduce: Compressed object .* already serves another "
+      r"trainer.*Make a new one"),
+    C("all-reduce-hangs", "all_reduce=a function waiting on a queue nobody fills, "
+      "step_timeout=2", _hangs_at_construction, TimeoutError,
+      r"all_reduce: _queue did not complete within 2 s .* at construction"),
     C("on-nonfinite-unknown", "on_nonfinite='warn'", lambda: _new(on_nonfinite="warn"),
       ValueError, "on_nonfinite must be one of skip, raise, ignore"),
     C("step-timeout-zero", "step_timeout=0", lambda: _new(step_timeout=0), ValueError,

@@ -188,7 +188,7 @@ class TowerTrainer:
         self.loss_scale = LossScale(self.optimizer, self.model, o.reduce_dtype)
         if o.check_algorithm:  # a user's algorithm must sum (the registry's are proved)
             check_sums(reducer, self.devices, self.model.trainable_variables,
-                       self.loss_scale.wire_dtype)  # fmt: skip
+                       self.loss_scale.wire_dtype, o.step_timeout)  # fmt: skip
         self.guard = Guard(
             o.on_nonfinite, len(self.devices), self.parameter_device, self.loss_scale.active,
             agree=self.across_processes,
@@ -324,12 +324,21 @@ class TowerTrainer:
                                               self.parameter_device)  # fmt: skip
                 reduced = reduced._replace(grads_finite=flag)
             with tf.name_scope("apply"):
-                settled(reduced, self.apply)
+                self.guard.applied(self._state_variables(),
+                                   lambda: settled(reduced, self.apply))  # fmt: skip
             return reduced.loss
 
         covering = None if early is None else self.placement.covering(early.grads)
         return self.guard.run(grads.towers if central is None else central, self.devices,
                               update, reduced=covering, central=central is not None)  # fmt: skip
+
+    def _state_variables(self) -> list[tf.Variable]:
+        """Every variable a step's update may change, each once: every replica's model and
+        optimizer variables, and the reducer's state."""
+        found = [v for r in self.replicas for v in (*r.model.variables, *r.optimizer.variables)]
+        dense = self.reducer.dense
+        found += list(dense.variables) if isinstance(dense, tf.Module) else []
+        return list({id(v): v for v in found}.values())
 
     def across_processes(self, counts: tf.Tensor) -> tf.Tensor:
         """The guard's counts of bad towers summed over every process that steps together

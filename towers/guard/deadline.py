@@ -51,7 +51,7 @@ from tensorflow.python.eager import context
 from towers.guard.contract import algorithm_name
 from towers.guard.errors import StepTimeout
 
-__all__ = ["Deadline", "settled"]
+__all__ = ["Deadline", "settled", "within"]
 
 _TIMED_OUT: list[str] = []
 """The process's timed-out steps: TensorFlow's collective abort is process-wide too."""
@@ -156,6 +156,39 @@ class Deadline:
             # and one that says the step was applied, so a retry does not apply it twice.
             raise self._timeout(f"{message}; the step had completed", applied=True)
         return result
+
+
+def within(seconds: float, fn: Callable[[], Any], message: str) -> Any:
+    """``fn()``, or ``TimeoutError(message)`` once ``seconds`` pass without it returning.
+
+    ``fn`` runs on a daemon thread that the caller waits for with a deadline; on expiry
+    the process's collective ops are aborted (so a hung collective fails and the thread
+    ends) and the error is raised. A wait outside collectives (a queue nobody fills)
+    cannot be stopped: its thread is left behind, the caller is not. What ``fn`` raises
+    in time is raised here.
+
+    Raises:
+        TimeoutError: ``fn`` did not return within ``seconds``.
+    """
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["result"] = fn()
+        except BaseException as err:  # handed to the caller's thread
+            box["error"] = err
+
+    thread = threading.Thread(target=run, name="towers-within", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        _TIMED_OUT.append(message)
+        _abort_collectives(f"towers: {message}")
+        thread.join(5.0)  # let an aborted collective unwind; never wait for more
+        raise TimeoutError(message)
+    if "error" in box:
+        raise box["error"]
+    return box.get("result")
 
 
 def _abort_collectives(message: str) -> None:

@@ -29,14 +29,19 @@ class NonFiniteError(TowersError, FloatingPointError):
     Attributes:
         step: the optimizer's iteration count when the step ran (it did not advance).
         towers: ``{tower: what was non-finite}``, e.g. ``{1: ["loss", "gradients"]}``.
+        variable: the variable whose *update* was non-finite from finite inputs (the
+            optimizer overflowed), else None.
     """
 
-    def __init__(self, step: int, towers: dict[int, list[str]], devices: Sequence[str]) -> None:
-        self.step = step
-        self.towers = towers
+    def __init__(self, step: int, towers: dict[int, list[str]], devices: Sequence[str],
+                 variable: str | None = None) -> None:  # fmt: skip
+        self.step, self.towers, self.variable = step, towers, variable
         where = "; ".join(
             f"tower {i} ({devices[i]}): {', '.join(what)}" for i, what in sorted(towers.items())
         )
+        if variable is not None:
+            where = (f"the optimizer's update of {variable} (its gradients were finite; "
+                     "a learning rate or epsilon that overflows?)")
         where = where or "on another process's towers (this one's were finite)"
         super().__init__(
             f"step {step}: non-finite values on {len(towers)} tower(s) — {where}. Nothing was "

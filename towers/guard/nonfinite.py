@@ -48,6 +48,15 @@ Modes (``TowerTrainer(on_nonfinite=...)``):
 
 On finite steps all three give bitwise the same result: the guard only reads values.
 
+The update itself is checked too (:meth:`Guard.applied`): finite gradients can still
+make a non-finite update (SGD with a huge learning rate on large gradients overflows
+to Inf; Adam with ``epsilon=0`` divides 0 by 0 where a gradient is zero). The values
+every variable held before the update are kept (reads, no copy until the update
+writes), the updated values are summed the same way (one sum per variable, one
+``add_n``), and on a non-finite total every variable — weights, slots, ``iterations``,
+state, reducer state — is assigned its old value in one ``tf.cond``: the step is
+skipped and counted, or raised, naming the first variable whose update was non-finite.
+
 With a ``keras.optimizers.LossScaleOptimizer`` (``loss_scaled=True``) a non-finite
 *gradient* is an expected event, handled by the dynamic scale
 (:mod:`towers.guard.loss_scale`): bit 2 neither skips nor raises nor counts; it is
@@ -221,6 +230,12 @@ def gather_codes(towers: Sequence[Any], devices: Sequence[str], device: str,
         return tf.cond(tf.math.is_finite(total), lambda: tf.zeros([len(towers)], tf.int32), exact)
 
 
+def _resource(v: Any) -> tf.Variable:
+    """The ``tf.Variable`` behind a Keras variable (or ``v`` itself)."""
+    inner = getattr(v, "value", v)
+    return inner if isinstance(inner, tf.Variable) else v
+
+
 def _count(codes: tf.Tensor, bits: int) -> tf.Tensor:
     """How many towers' codes have any of ``bits`` (float32: summed across processes)."""
     return tf.reduce_sum(tf.cast(tf.not_equal(tf.bitwise.bitwise_and(codes, bits), 0), tf.float32))
@@ -252,7 +267,11 @@ class Guard:
         with tf.device(device):
             self.skipped = tf.Variable(0, dtype=tf.int64, trainable=False, name="skipped_steps")
             self.codes = tf.Variable(tf.zeros([towers], tf.int32), trainable=False, name="codes")
+            # the first variable whose update was non-finite, -1: none (on the last step)
+            self.bad_update = tf.Variable(-1, dtype=tf.int32, trainable=False,
+                                          name="bad_update")  # fmt: skip
         self._raised = 0  # skipped steps already raised for
+        self._updated: list[str] = []  # the names of the variables the update check reads
 
     def run(self, towers: Sequence[Any], devices: Sequence[str], update: Callable[..., Any],
             reduced: Sequence | None = None, central: bool = False) -> Any:
@@ -290,6 +309,7 @@ class Guard:
         def skip() -> tf.Tensor:
             with tf.device(self.device):
                 self.skipped.assign_add(1)
+                self.bad_update.assign(-1)  # the towers' values, not the update, were bad
                 # identity, not send(): only one branch runs, its traffic is counted once
                 return tf.add_n([tf.identity(r.loss) for r in towers])
 
@@ -297,6 +317,58 @@ class Guard:
         with tf.device(self.device):
             self.codes.assign(gathered)
         return result
+
+    def applied(self, variables: Sequence[tf.Variable], apply: Callable[[], Any]) -> None:
+        """``apply()``, then every variable as before it when an updated value is not
+        finite (see the module docstring); ``"ignore"``: ``apply()`` alone.
+
+        Args:
+            variables: every variable the update may change (each once).
+            apply: the update (inside :meth:`run`'s cond: it runs only on finite inputs).
+        """
+        if self.mode == "ignore":
+            apply()
+            return
+        self._updated = [getattr(v, "path", None) or v.name for v in variables]
+        variables = [_resource(v) for v in variables]
+        before = [v.read_value() for v in variables]
+        with tf.control_dependencies(before):
+            apply()
+        floating = [v for v in variables if v.dtype.is_floating]
+        sums = []
+        for v in floating:
+            with tf.device(v.device):
+                sums.append(tf.cast(tf.reduce_sum(v.read_value()), tf.float32))
+        with tf.device(self.device):
+            total = tf.add_n(sums) if len(sums) > 1 else sums[0] if sums else None
+
+        def restore(bad: tf.Tensor) -> tf.Tensor:
+            for v, old in zip(variables, before):
+                with tf.device(v.device):
+                    v.assign(old)
+            with tf.device(self.device):
+                self.bad_update.assign(bad)
+                self.skipped.assign_add(1)
+            return tf.constant(False)
+
+        def kept() -> tf.Tensor:
+            with tf.device(self.device):
+                self.bad_update.assign(-1)
+            return tf.constant(True)
+
+        def exact() -> tf.Tensor:  # on doubt: finite values whose sum overflowed keep
+            where = [i for i, v in enumerate(variables) if v.dtype.is_floating]
+            with tf.device(self.device):
+                finite = tf.stack([tf.reduce_all(tf.math.is_finite(variables[i].read_value()))
+                                   for i in where])  # fmt: skip
+                first = tf.gather(tf.constant(where, tf.int32),
+                                  tf.argmin(tf.cast(finite, tf.int32)))  # fmt: skip
+                return tf.cond(tf.reduce_all(finite), kept, lambda: restore(first))
+
+        if not sums:
+            return
+        with tf.device(self.device):
+            tf.cond(tf.math.is_finite(total), kept, exact)
 
     def raise_if_nonfinite(self, optimizer: Any, devices: Sequence[str]) -> None:
         """After a step: in ``"raise"`` mode, raise when the step was skipped — here, or
@@ -310,7 +382,9 @@ class Guard:
         skipped, before = int(self.skipped.numpy()), self._raised
         self._raised = skipped
         if skipped > before:
-            raise NonFiniteError(int(optimizer.iterations), self.last(), devices)
+            bad = int(self.bad_update.numpy())
+            variable = self._updated[bad] if 0 <= bad < len(self._updated) else None
+            raise NonFiniteError(int(optimizer.iterations), self.last(), devices, variable)
 
     def last(self) -> dict[int, list[str]]:
         """What made the last step skip, per tower (empty when it was not skipped; with

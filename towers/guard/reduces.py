@@ -49,9 +49,14 @@ from towers.allreduce.machinery.registry import ALGORITHMS, record_of
 from towers.allreduce.machinery.resolve import get, noop
 from towers.allreduce.machinery.rounding import gamma
 from towers.guard.contract import algorithm_name, check_outputs, check_rows
+from towers.guard.deadline import within
 from towers.guard.errors import AlgorithmError
 
-__all__ = ["check_sums", "unproved"]
+__all__ = ["CHECK_TIMEOUT", "check_sums", "unproved"]
+
+CHECK_TIMEOUT = 60.0
+"""Seconds the construction check of a user's algorithm may take when ``step_timeout`` is
+None: far above a check on a few small tensors, far below forever."""
 
 SHAPES = ((7,), (2, 3))
 """What a per-tensor algorithm is checked on: an odd length no tower count divides
@@ -155,21 +160,41 @@ def _run(algorithm: Any, shapes: Sequence[Sequence[int]], dtypes: Sequence[tf.DT
     return [[np.asarray(v.numpy()) for v in row] for row in result]
 
 
+def _hung(user: Any, seconds: float) -> str:
+    return (
+        f"all_reduce: {algorithm_name(user)} did not complete within {seconds:g} s when the "
+        "trainer ran it once on small values at construction (a collective whose group "
+        "some tower never joins, a wait nobody ends). Fix the algorithm; the bound is "
+        "step_timeout when set, else towers.guard.reduces.CHECK_TIMEOUT; "
+        "check_algorithm=False skips the check. Collective ops in this process are now "
+        "aborted: restart it."
+    )
+
+
 def check_sums(
     algorithm: Any,
     devices: Sequence[str],
     variables: Sequence[Any],
     wire_dtype: Any,
+    seconds: float | None = None,
 ) -> None:
     """Refuse an unproved algorithm whose outputs are not the sum of its inputs.
+
+    The check runs within a deadline (:func:`~towers.guard.deadline.within`): a user's
+    all-reduce that never completes (a collective group one tower short, a queue) fails
+    the trainer's construction instead of hanging it.
 
     Args:
         algorithm: the trainer's resolved algorithm (a ``GradientReducer`` already built).
         devices: the towers' devices.
         variables: the trainable variables (a ``GradientReducer`` gets their shapes).
         wire_dtype: ``dtype -> the dtype the step sums a gradient of that dtype in``.
+        seconds: the deadline (the trainer's ``step_timeout``); None:
+            :data:`CHECK_TIMEOUT`.
 
     Raises:
+        TimeoutError: it did not complete within the deadline, naming ``all_reduce``
+            and the seconds (collective ops in this process are then aborted).
         AlgorithmError: an output off the exact sum by more than the summation bound, or
             breaking the contract (count, shape, dtype, device); naming the algorithm,
             the tower and the value.
@@ -189,8 +214,12 @@ def check_sums(
         shapes = [s for s in SHAPES for _ in unique]
         dtypes = [tf.as_dtype(d) for _ in SHAPES for d in unique]
         names = [f"shape {s} {d.name}" for s, d in zip(shapes, dtypes)]
+    seconds = CHECK_TIMEOUT if seconds is None else seconds
     try:
-        outputs = _run(user, shapes, dtypes, devices, names)
+        outputs = within(seconds, lambda: _run(user, shapes, dtypes, devices, names),
+                         _hung(user, seconds))  # fmt: skip
+    except TimeoutError:
+        raise
     except TypeError as err:  # not an algorithm(values, *, op) at all: a loss, a layer, …
         raise TypeError(
             f"all_reduce: {algorithm_name(user)} is not an all-reduce algorithm "

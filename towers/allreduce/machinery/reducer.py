@@ -17,6 +17,7 @@ densified and all-reduced with the per-tensor algorithm (``sparse="densify"``).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,6 +35,9 @@ from towers.guard.arguments import check_choice
 from towers.guard.contract import check_outputs, check_rows
 
 __all__ = ["SPARSE", "StepReducer", "as_reducer"]
+
+# id(reducer) -> (the reducer, the first variable it was built for), both weakly held
+_OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 
 SPARSE = ("gather", "densify")
 """What to do with sparse gradients: keep them sparse (gather), or densify and all-reduce."""
@@ -76,9 +80,15 @@ class StepReducer:
 
     def build(self, variables: Sequence[tf.Variable], devices: Sequence[str]) -> None:
         """Build the wrapped ``GradientReducer`` (once, eagerly, before the first step);
-        keep the variables' names for the contract's errors."""
+        keep the variables' names for the contract's errors.
+
+        Raises:
+            ValueError: the ``GradientReducer`` was built for another model's variables
+                (:func:`claim`).
+        """
         self.names = [getattr(v, "path", None) or v.name for v in variables]
         if self.dense is not None:
+            claim(self.dense, variables)
             self.dense.build(variables, devices)
 
     def reduce_gradients(
@@ -149,6 +159,32 @@ class StepReducer:
             assign()
         else:
             tf.cond(applied, assign, lambda: tf.constant(False))
+
+
+def claim(reducer: GradientReducer, variables: Sequence[tf.Variable]) -> None:
+    """Let ``reducer`` serve ``variables`` only: a ``GradientReducer`` object keeps state
+    per trainer (error feedback, a bucket layout, the towers' devices), so one handed to
+    two trainers would mix theirs. Building it again for the same variables (a model
+    compiled again) is allowed; for others, while the first ones live, it is refused.
+
+    Raises:
+        ValueError: ``reducer`` already serves another trainer's variables.
+    """
+    if not variables:
+        return
+    for key, (ref, _) in list(_OWNERS.items()):
+        if ref() is None:
+            del _OWNERS[key]
+    ref_var = _OWNERS.get(id(reducer), (None, lambda: None))[1]
+    owner = ref_var()
+    if owner is not None and owner is not variables[0]:
+        raise ValueError(
+            f"all_reduce: {type(reducer).__name__} object {reducer!r:.60} already serves "
+            "another trainer; it keeps state per trainer (error feedback, buckets, devices), "
+            "so sharing it would mix theirs. Make a new one for each trainer, or pass its "
+            "name string instead, which makes one per trainer."
+        )
+    _OWNERS[id(reducer)] = (weakref.ref(reducer), weakref.ref(variables[0]))
 
 
 def _densified(
