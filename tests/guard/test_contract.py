@@ -100,7 +100,7 @@ def _state(trainer: towers.TowerTrainer) -> list[bytes]:
         (too_few, None, r"its outputs should be 3 outputs \(one per tower\), got 2"),
         (wrong_dtype, 2, r"output 2 \(tower 2\) should be .*float32.*got .*float64"),
         (not_a_list, None, r"its outputs should be a list of 3 tensors, got .*Tensor"),
-        (WrongRows(), None, r"'WrongRows' .*every variable: its outputs should be 3 rows"),
+        (WrongRows, None, r"'WrongRows' .*every variable: its outputs should be 3 rows"),
     ],
     ids=["wrong-device", "wrong-shape", "none", "too-few", "wrong-dtype", "not-a-list", "rows"],
 )
@@ -108,6 +108,8 @@ def _state(trainer: towers.TowerTrainer) -> list[bytes]:
 def test_a_broken_algorithm_is_named_with_the_tower_and_the_variable(
     algorithm: Any, tower: int | None, message: str, variables: str
 ) -> None:
+    if isinstance(algorithm, type):  # a reducer object serves one trainer: one per case
+        algorithm = algorithm()
     trainer = _trainer(algorithm, variables)
     before = _state(trainer)
     with pytest.raises(AlgorithmError, match=message) as info:
