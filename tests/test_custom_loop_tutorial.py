@@ -62,7 +62,7 @@ def test_towers_default_against_the_tutorial_names_the_uneven_batch_and_the_sett
     the uneven last batch parts them, and the report says so and names the setting."""
     devices = DEVICES[:4]
     with pytest.raises(AssertionError) as failed:
-        steps_match(towers_step(devices, "sgd", "global"), your_step(devices, "sgd"),
+        steps_match(towers_step(devices, "sgd", "one_device"), your_step(devices, "sgd"),
                     tutorial_batches(2))  # fmt: skip
     text = " ".join(str(failed.value).split())
     assert "FIRST DIVERGENCE: step 2," in text, text

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.long  # a long proof: python -m pytest -m long
+
 ROOT = Path(__file__).resolve().parents[1]
 
 PROGRAM = """
@@ -36,8 +38,6 @@ for gpu in gpus:
 
 import keras
 import towers
-
-pytestmark = pytest.mark.long  # a long proof: python -m pytest -m long
 
 devices = towers.simulate_devices(4, kind="cpu")
 model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])

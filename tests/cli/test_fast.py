@@ -90,6 +90,9 @@ def test_the_names_checked_without_tensorflow_are_the_registries() -> None:
 
     assert tuple(sorted(towers.ALGORITHMS)) == names.ALGORITHMS
     assert tuple(sorted(CODECS)) == names.CODECS
+    from towers.allreduce import COLLECTIVE_ALGORITHMS
+
+    assert tuple(sorted({name for _, name in COLLECTIVE_ALGORITHMS})) == names.COLLECTIVES
     assert tuple(OPS) == names.OPS
     assert tuple(d.name for d in DTYPES) == names.DTYPES
     assert tuple(REFERENCES) == names.REFERENCES

@@ -32,8 +32,9 @@ from typing import Any
 from towers.cli import names
 
 __all__ = [
-    "Named", "algorithm", "algorithms", "choices", "codec", "did_you_mean", "dtypes",
-    "importable", "ops", "output_dir", "output_file", "spec_found", "user_object",
+    "Named", "algorithm", "algorithm_or_collective", "algorithms", "choices", "codec",
+    "did_you_mean", "dtypes", "importable", "ops", "output_dir", "output_file", "spec_found",
+    "user_object",
 ]
 
 
@@ -157,6 +158,20 @@ def _load_algorithm(text: str) -> None:
 
 
 algorithm = Named(_algorithm_name, _load_algorithm, "algorithm")
+
+
+def _schedule_name(text: str) -> str:
+    return text if text in names.COLLECTIVES else _algorithm_name(text)
+
+
+def _load_schedule(text: str) -> None:
+    if text not in names.COLLECTIVES:
+        _load_algorithm(text)
+
+
+algorithm_or_collective = Named(_schedule_name, _load_schedule, "algorithm")
+"""An :data:`algorithm`, or a public collective's algorithm (``chain``, ``halving``, …:
+``towers trace --collective``, which checks the pair)."""
 """A registered all-reduce (``towers.ALGORITHMS``, or ``noop``) or ``module:NAME``."""
 
 

@@ -12,13 +12,17 @@ the package's ``__init__``, which imports TensorFlow.
 
 from __future__ import annotations
 
-__all__ = ["ALGORITHMS", "CODECS", "DTYPES", "OPS", "REFERENCES"]
+__all__ = ["ALGORITHMS", "CODECS", "COLLECTIVES", "DTYPES", "OPS", "REFERENCES"]
 
 ALGORITHMS = (
     "bruck", "double_binary_tree", "halving_doubling", "hierarchical", "naive", "nccl",
     "nccl_ring", "nccl_tree", "parameter_device", "pat", "ring", "swing", "torus_2d", "tree",
 )
 """The registered all-reduces, sorted (``sorted(towers.ALGORITHMS)``)."""
+
+COLLECTIVES = ("chain", "doubling", "flat", "halving", "ring", "tree")
+"""The public collectives' algorithms (``towers.allreduce.COLLECTIVE_ALGORITHMS``' second
+names), which ``towers trace --collective`` takes as ``--algorithm``."""
 
 CODECS = ("bf16", "fp16", "identity", "powersgd", "topk")
 """The registered codecs, sorted (``sorted(towers.allreduce.CODECS)``)."""

@@ -35,7 +35,7 @@ import json
 import sys
 from typing import Any
 
-from towers.cli.arguments import algorithm, output_file
+from towers.cli.arguments import algorithm_or_collective, output_file
 from towers.cli.train import at_least
 
 __all__ = ["EPILOG", "add_arguments", "run", "usage_problem"]
@@ -57,10 +57,10 @@ An unknown name lists the registered ones (towers.ALGORITHMS).
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``towers trace``."""
-    parser.add_argument("name", nargs="?", metavar="ALGO", type=algorithm, default=None,
-                        help="the algorithm, as --algorithm (either, not both)")
+    parser.add_argument("name", nargs="?", metavar="ALGO", type=algorithm_or_collective,
+                        default=None, help="the algorithm, as --algorithm (either, not both)")
     parser.add_argument(
-        "--algorithm", type=algorithm, default=None,
+        "--algorithm", type=algorithm_or_collective, default=None,
         help="a registered name (default ring) or module:function / file.py:function; a "
         "factory (anything not taking (values, *, op)) is called with no arguments",
     )
