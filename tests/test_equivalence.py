@@ -196,6 +196,7 @@ def test_same_order_matches_mirrored_reduction_to_one_device_bitwise(
 # --- 3. replicated vs MirroredStrategy's default CollectiveAllReduce --------------------------
 
 
+@pytest.mark.long
 @settings(max_examples=examples(ci=1))
 @given(case=training_cases(placements=("replicated",), max_steps=2))
 @example(case=_case("embedding", "adam", 5, (9, 2), "replicated", 11))

@@ -34,6 +34,7 @@ def test_hand_ring_prints_every_tick_and_matches_numpy() -> None:
     assert "towers bitwise identical: True" in out and "OK: the hand-written ring" in out
 
 
+@pytest.mark.long
 def test_custom_reduction_is_checked_then_trains() -> None:
     out = _run("custom_reduction.py", "--steps", "3", "--examples", "8")
     assert "PASS: bidirectional_ring (8 examples run)" in out
@@ -43,6 +44,7 @@ def test_custom_reduction_is_checked_then_trains() -> None:
     assert "6 ticks per all-reduce" in out
 
 
+@pytest.mark.long
 def test_equivalence_check_is_bitwise() -> None:
     out = _run("equivalence_check.py", "--steps", "2")
     assert out.count("max abs error 0  (0 ULP)") == 6  # every weight of the model

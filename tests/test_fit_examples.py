@@ -28,6 +28,7 @@ def _run(script: str, *args: str) -> str:
     return done.stdout
 
 
+@pytest.mark.long
 def test_custom_loop_trains_counts_bytes_and_resumes() -> None:
     out = _run("custom_loop_digits.py", "--epochs", "2")
     losses = [float(m) for m in re.findall(r"^epoch \d/2  loss (\S+)", out, re.MULTILINE)]
@@ -39,6 +40,7 @@ def test_custom_loop_trains_counts_bytes_and_resumes() -> None:
     assert "restored at step 46: bitwise equal True" in out  # 2 epochs of 23 batches
 
 
+@pytest.mark.long
 def test_fit_example_stops_early_logs_and_evaluates() -> None:
     out = _run("fit_digits.py")
     trained = int(re.search(r"trained (\d+) epochs", out).group(1))  # type: ignore[union-attr]

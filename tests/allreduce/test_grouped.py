@@ -23,6 +23,7 @@ def _tower(rng: np.random.Generator, device: str, op: str) -> list[tf.Tensor]:
                 for s, dtype in zip(SHAPES, (tf.float32, tf.float64, tf.float16, tf.float32))]
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("name", NAMES)
 def test_grouped_is_the_per_tensor_all_reduce(name: str) -> None:
     rng = np.random.default_rng(2)

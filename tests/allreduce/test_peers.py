@@ -155,6 +155,7 @@ HVD_CASES = [pytest.param(name, n, marks=pytest.mark.xfail(
     for name in NAMES for n in (1, 2, 3, 4, 8)]
 
 
+@pytest.mark.long
 @pytest.mark.parametrize(("name", "n"), HVD_CASES)
 def test_horovod_allreduce_cpu(name: str, n: int) -> None:
     """Horovod ``test_horovod_allreduce_cpu`` and ``test_horovod_allreduce_average_cpu``."""
@@ -171,6 +172,7 @@ def test_horovod_allreduce_cpu_prescale_postscale(name: str) -> None:
         hvd_sum_case(name, n, "sum", postscale=factor)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("name", NAMES)
 def test_horovod_allreduce_min_max_product_cpu(name: str) -> None:
     """Horovod ``test_horovod_allreduce_{min,max,product}_cpu``."""

@@ -68,6 +68,7 @@ def _conv() -> keras.Model:
                              keras.layers.Flatten(), keras.layers.Dense(3)])  # fmt: skip
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("options", [{}, {"jit_compile": True}])
 def test_fit_traces_unknown_batches_once_and_an_empty_tower_static(options: dict) -> None:
     """4 towers, 19 examples in batches of 8: 8 and 8 (2 each) share one relaxed trace; the
@@ -100,6 +101,7 @@ def _mlp() -> keras.Model:
                              keras.layers.BatchNormalization(), keras.layers.Dense(3)])  # fmt: skip
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("n,options", [
     (1, {"variables": "parameter_device", "step_timeout": 30.0}),
     (3, {"variables": "replicated", "all_reduce": "swing", "forward_graph": "as_written"}),

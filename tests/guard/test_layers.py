@@ -85,6 +85,7 @@ def _tokens(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     return rng.integers(0, 6, size=(n, 4)).astype("int32"), rng.integers(0, 3, size=n)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_sharded_embedding_is_refused_exactly_where_sparse_and_dense_differ(name: str) -> None:
     differ = not sparse_equals_dense(OPTIMIZERS[name]())

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 from keras.src.applications.convnext import ConvNeXt  # the blocks, at any width
 
@@ -81,6 +82,7 @@ def test_parameter_device_fit_equals_central_storage_strategy_bitwise() -> None:
                                rtol=gamma(70))  # fmt: skip
 
 
+@pytest.mark.long
 def test_a_keras_application_fits_bitwise_as_under_mirrored_strategy() -> None:
     """keras.applications.MobileNetV3Small, as a user builds it (rescaling, hard_swish,
     squeeze-excite, BatchNorm, dropout): one SGD step of ``fit`` on 2 towers equals
@@ -115,6 +117,7 @@ def test_a_keras_application_fits_bitwise_as_under_mirrored_strategy() -> None:
     assert moved > 100  # the step trained (kernels, BatchNorm parameters and statistics)
 
 
+@pytest.mark.long
 def test_a_short_last_batch_is_bitwise_on_a_wide_convnext() -> None:
     """Keras traces a dataset with a short last batch with its batch dimension unknown;
     towers traces that step the same way (towers.compile.step). On ConvNeXt's wide

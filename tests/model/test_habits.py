@@ -39,6 +39,7 @@ def subclassed() -> keras.Model:
     return model
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("variables", ["replicated", "sharded"])
 def test_a_factory_of_a_subclassed_model_makes_every_replica(variables: str) -> None:
     tm = towers.TowerModel(subclassed, devices=DEVICES[:N], variables=variables)

@@ -24,6 +24,7 @@ SCHEDULES = {
 }
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))
 def test_a_model_with_a_schedule_reloads_and_trains_on(schedule: str, optimizer: str,
