@@ -166,6 +166,8 @@ def test_bad_shards_are_refused_before_the_step() -> None:
 
 def test_a_trainer_that_cuts_its_own_batches_refuses_shards() -> None:
     class OwnSplit(TowerTrainer):
+        batch_is_global = False  # a trainer that cuts its batches itself declares it
+
         def split(self, x, y, sample_weight=None):  # type: ignore[no-untyped-def]
             return super().split(x, y, sample_weight)
 
