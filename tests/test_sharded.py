@@ -222,6 +222,7 @@ def test_checkpoint_round_trip_and_tower_count_refused(tmp_path: Any) -> None:
         np.testing.assert_array_equal(x, y)
 
 
+@pytest.mark.long
 def test_set_weights_steps_and_replica_check_work_sharded() -> None:
     spec = ModelSpec("batchnorm")
     reference, sharded = _pair(spec, 4, "adam", check_replicas_every=1)

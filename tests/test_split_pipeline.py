@@ -78,6 +78,7 @@ def _trainer(n: int, variables: str = "replicated", optimizer: str = "sgd") -> T
                         variables=variables)  # fmt: skip
 
 
+@pytest.mark.long
 def test_training_from_the_pipeline_is_bitwise_host_slicing() -> None:
     # 16 examples in batches of 7 over 3 towers: shards [3, 3, 1] and, for the last
     # batch of 2, [1, 1, 0] (an empty tower); float64 sample weights, cast by the step.

@@ -28,6 +28,7 @@ def _trainer(spec: ModelSpec, n: int, **kwargs: object) -> towers.TowerTrainer:
     )
 
 
+@pytest.mark.long
 @settings(max_examples=examples(ci=6))
 @given(
     family=st.sampled_from(["dense", "embedding", "batchnorm", "dropout", "regularized"]),
@@ -299,6 +300,7 @@ def _no_fused_kernels() -> Iterator[None]:
         tf.config.optimizer.set_experimental_options({"remapping": before})
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("placement", ["parameter_device", "replicated"])
 @pytest.mark.parametrize("mode", ["compiled", "eager"])
 @pytest.mark.parametrize(
@@ -354,6 +356,7 @@ def test_phases_hand_over_small_typed_values() -> None:
     assert int(trainer.optimizer.iterations) == 1
 
 
+@pytest.mark.long
 @pytest.mark.parametrize(
     ("change", "error", "fragment"),
     [

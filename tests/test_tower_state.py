@@ -58,6 +58,7 @@ def _state(model: keras.Model) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(layer.seen.numpy()), np.asarray(layer.total.numpy())
 
 
+@pytest.mark.long
 @settings(max_examples=examples(ci=6))
 @given(
     aggregation=st.sampled_from(["sum", "only_first_replica", "mean"]),

@@ -58,6 +58,7 @@ def _assert_equal(a: list, b: list) -> None:
         np.testing.assert_array_equal(x, y)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("variables", ["replicated", "parameter_device"])
 def test_a_layer_frozen_after_the_first_step_stays_bitwise_and_matches_a_fresh_trainer(
     variables: str,
@@ -82,6 +83,7 @@ def test_a_layer_frozen_after_the_first_step_stays_bitwise_and_matches_a_fresh_t
         _assert_equal(trainer.replica_weights()[0], replica)
 
 
+@pytest.mark.long
 def test_an_optimizer_with_slots_keeps_them_for_the_layers_still_trained() -> None:
     """Keras 3 optimizers map slots by variable: Adam, built for every layer, serves a subset."""
     trainer = _trainer("replicated", optimizer=lambda: keras.optimizers.Adam(0.01))

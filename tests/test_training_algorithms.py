@@ -31,6 +31,7 @@ from towers.testing import (
 LR = 0.1
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("placement", ["parameter_device", "replicated"])
 @pytest.mark.parametrize("name", sorted(ALGORITHMS))
 def test_algorithm_trains_like_the_reference(name: str, placement: str) -> None:

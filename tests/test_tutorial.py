@@ -24,6 +24,7 @@ def _code_cells() -> list[str]:
     return ["".join(c["source"]) for c in cells if c["cell_type"] == "code"]
 
 
+@pytest.mark.long
 def test_every_code_cell_runs_in_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                        capsys: pytest.CaptureFixture[str]) -> None:
     cells = _code_cells()

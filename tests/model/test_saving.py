@@ -76,6 +76,7 @@ def test_the_newer_trainer_options_pass_through_and_survive_a_save(tmp_path: Pat
                                           jit_compile=True)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("variables", ["sharded", "replicated"])
 def test_save_weights_then_load_weights_continues_bitwise_with_adam(
     variables: str, tmp_path: Path

@@ -23,6 +23,7 @@ from towers.testing import check_codec
 FAST = {"tower_counts": (1, 3), "shapes": ((5,), (8, 6)), "trainer": False, "devices": DEVICES}
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("name", sorted(CODECS))
 def test_every_built_in_codec_passes(name: str) -> None:
     report = check_codec(name, devices=DEVICES)

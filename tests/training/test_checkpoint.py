@@ -113,6 +113,7 @@ def _run(*args: str) -> dict[str, np.ndarray]:
         return dict(data)
 
 
+@pytest.mark.long
 def test_resume_in_a_new_process_is_bitwise(tmp_path: Path) -> None:
     ckpt = str(tmp_path / "ckpt")
     uninterrupted = _run("first", ckpt, str(tmp_path / "first.npz"))
@@ -220,6 +221,7 @@ def _trained(trainer: towers.TowerTrainer, steps: int = 1) -> towers.TowerTraine
     return trainer
 
 
+@pytest.mark.long
 @pytest.mark.parametrize(
     ("saved", "target", "fragment"),
     [
@@ -262,6 +264,7 @@ def _damage(prefix: str, suffix: str, how: str) -> None:
                                + data[mid + 16 :])  # fmt: skip
 
 
+@pytest.mark.long
 @pytest.mark.parametrize(
     ("suffix", "how"),
     [(".index", "truncate"), (".data-*", "truncate"), (".data-*", "corrupt"),

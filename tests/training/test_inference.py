@@ -38,6 +38,7 @@ def _model(weights: list[np.ndarray] | None = None) -> keras.Model:
     return model
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("variables", ["replicated", "parameter_device"])
 def test_evaluate_reports_the_models_own_losses_as_mirrored_strategy(variables: str) -> None:
     rng = np.random.default_rng(0)
