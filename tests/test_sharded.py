@@ -95,6 +95,7 @@ def _assert_same(reference: towers.TowerTrainer, sharded: towers.TowerTrainer) -
     assert steps == {int(reference.optimizer.iterations)}
 
 
+@pytest.mark.long
 @settings(max_examples=examples(ci=4), deadline=None)
 @given(
     family=st.sampled_from(["dense", "regularized", "batchnorm", "dropout"]),

@@ -328,6 +328,7 @@ def test_phases_one_by_one_equal_train_step_bitwise(
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize(
     ("family", "size", "n", "placement"),
     [("batchnorm", 3, 4, "replicated"), ("embedding", 5, 3, "parameter_device")],

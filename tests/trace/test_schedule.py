@@ -74,6 +74,7 @@ def _rows(stdout: str) -> list[tuple[int, int, int, str, int]]:
 # -- the command, once, in a fresh process -----------------------------------------------------
 
 
+@pytest.mark.long
 def test_ring_command_prints_the_table_draws_and_writes_json(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TF_CPP_MIN_LOG_LEVEL": "2"}
     cmd = [sys.executable, "-m", "towers", "trace", "--algorithm", "ring", "--towers", "4",

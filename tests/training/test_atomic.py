@@ -175,6 +175,7 @@ def test_bad_arguments_name_themselves(tmp_path: Path) -> None:
     assert atomic.latest(tmp_path / "nothing") is None
 
 
+@pytest.mark.long
 def test_os_exit_in_the_middle_of_a_save_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
     """The process dies inside its second save (resume_run saves after batches 4 and 8),
     after the data and before the manifest: ckpt-4 stays latest."""

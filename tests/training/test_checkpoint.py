@@ -244,6 +244,7 @@ def test_restore_with_other_codec_state_changes_nothing(
     assert _everything(other) == before
 
 
+@pytest.mark.long
 def test_restore_with_other_dtypes_changes_nothing(tmp_path: Path) -> None:
     prefix = checkpoint.save(_trained(_compressed(topk(0.5), "float64")), str(tmp_path / "c"))
     other = _trained(_compressed(topk(0.5)))
@@ -287,6 +288,7 @@ def test_missing_checkpoint_raises_checkpoint_error(tmp_path: Path) -> None:
         checkpoint.restore(_small(2), str(tmp_path / "nothing"))
 
 
+@pytest.mark.long
 def test_matching_restore_still_round_trips(tmp_path: Path) -> None:
     source = _trained(_compressed(topk(0.5)), 2)
     prefix = checkpoint.save(source, str(tmp_path / "c"))

@@ -46,6 +46,7 @@ def _assert_weights_close(one: keras.Model, tm: towers.TowerModel) -> None:
         np.testing.assert_allclose(a, b, rtol=0, atol=ATOL)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("loss", ["hinge", "kl_divergence", "poisson", "binary_crossentropy",
                                   keras.losses.hinge])  # fmt: skip
 def test_labels_of_one_rank_less_than_the_output_are_expanded_as_keras_does(loss: object) -> None:
@@ -106,6 +107,7 @@ def test_a_sum_reduction_adds_every_value_of_a_sequence_loss() -> None:
     np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-5)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize(("units", "labels"), [(1, "binary"), (3, "sparse"), (3, "one-hot")])
 @pytest.mark.parametrize("alias", ["crossentropy", "ce"])
 def test_the_crossentropy_alias_picks_the_loss_keras_picks(units: int, labels: str,
