@@ -81,63 +81,54 @@ def _rules(*rows: tuple[str, str, str]) -> tuple[Rule, ...]:
 
 REFUSALS = _rules(
     ("trainer=WorkerTrainer", "variables=sharded",
-     "sharding reduce-scatters over one process's towers with towers' own ring, and the "
+     "sharding reduce-scatters with towers' own ring within one process, and the "
      "cross-worker reducers all-reduce whole gradients; use variables='replicated' (or a "
-     "TowerTrainer with variables='sharded' in one process)"),
+     "TowerTrainer in one process)"),
     ("variables=sharded", "all_reduce!=ring",
-     "the sharded placement reduce-scatters with the ring's own phase and never calls "
-     "another algorithm or wrapper (bucketing, compression, a user's reducer would be "
-     "silently skipped); leave all_reduce unset (sharded uses the ring) or use "
+     "the sharded placement reduce-scatters with the ring's own phase and calls no other "
+     "algorithm or wrapper (it would be silently skipped); leave all_reduce unset or use "
      "variables='replicated' with this all_reduce"),
     ("variables=sharded", "sparse=gather",
      "a shard owner updates a dense slice of every variable, so a sparse (Embedding) "
-     "gradient cannot stay sparse; pass sparse='densify', or leave it unset (sharded "
-     "densifies where the optimizer's sparse and dense updates agree)"),
+     "gradient cannot stay sparse; pass sparse='densify', or leave it unset"),
     ("variables=sharded", "optimizer=loss_scale",
-     "a LossScaleOptimizer decides to skip a step from whole gradients, and under the "
-     "sharded placement each owner's optimizer sees only its shard; use "
-     "variables='replicated' (bitwise the same arithmetic, unsharded state)"),
+     "a LossScaleOptimizer decides to skip a step from whole gradients, and each shard "
+     "owner sees only its shard; use variables='replicated' (the same arithmetic)"),
     ("all_reduce=compressed compressed+state", "sparse=gather",
-     "a codec is built with one state per variable and reduces every gradient, so a "
-     "sparse (Embedding) gradient cannot be gathered beside it; leave sparse unset "
-     "(compressed reducers densify) or pass sparse='densify'"),
+     "a codec reduces every gradient with one state per variable, so a sparse (Embedding) "
+     "gradient cannot be gathered beside it; leave sparse unset or pass sparse='densify'"),
     ("trainer=WorkerTrainer", "jit_compile=on",
-     "XLA towers are built and measured in one process; a worker's step (its empty "
-     "towers run the model on no examples) is not yet checked under XLA; use "
-     "jit_compile=False with WorkerTrainer, or a TowerTrainer in one process"),
+     "a worker's step under XLA (its empty towers run the model on no examples) is not yet "
+     "checked; use jit_compile=False, or a TowerTrainer in one process"),
     ("trainer=WorkerTrainer", "loss_denominator=constant",
-     "a worker divides by the global batch summed over workers; a constant denominator "
-     "of one worker's shards would weigh the workers' examples differently; leave "
-     "loss_denominator unset (or 'global') across workers (or use a TowerTrainer in one "
-     "process)"),
+     "a worker divides by the global batch summed over workers; a constant of one "
+     "worker's shards would weigh the workers' examples differently; leave "
+     "loss_denominator unset or 'global'"),
     ("trainer=WorkerTrainer", "semantics=mirrored",
-     "a worker divides by the global batch summed over workers and combines its state "
-     "over its own towers; MirroredStrategy's per-replica divisor and first-tower state "
-     "are a one-process comparison; use semantics='one_device' across workers (or a "
-     "TowerTrainer in one process)"),
+     "MirroredStrategy's per-replica divisor and first-tower state are a one-process "
+     "comparison; use semantics='one_device' across workers (or a TowerTrainer in one "
+     "process)"),
 )
 """Every refused cell, one rule per reason."""
 
 LIMITS = _rules(
     ("trainer=WorkerTrainer", "all_reduce!=cross-worker",
-     "with num_workers=1 only: across workers the reducer must be AllTowers (the default) "
-     "or CrossWorker, and a local one is refused, naming num_workers (each worker would "
-     "train alone)"),
+     "with num_workers=1 only: across workers a local reducer is refused, naming "
+     "num_workers (each worker would train alone): use AllTowers (the default) or "
+     "CrossWorker"),
     ("trainer=TowerTrainer", "all_reduce=cross-worker",
-     "with op='mean' (each worker's loss is over its own batch: equal batches give the "
-     "global mean) or one worker; op='sum' across workers is refused, naming op (it "
-     "would multiply the gradient by the worker count; WorkerTrainer divides by the "
-     "global batch and sums)"),
+     "with op='mean' or one worker: op='sum' across workers is refused, naming op (each "
+     "worker's loss is over its own batch, so the gradient would be multiplied by the "
+     "worker count; WorkerTrainer divides by the global batch and sums)"),
     ("trainer=WorkerTrainer", "semantics=one_device",
-     "across workers a model with floating non-trainable state (BatchNormalization) is "
-     "refused, naming the variables: it is combined over one worker's towers only, so "
-     "the workers' copies would drift"),
+     "across workers, floating non-trainable state (BatchNormalization) is refused, naming "
+     "the variables: combined over one worker's towers only, the workers' copies would "
+     "drift"),
     ("variables=sharded", "sparse=densify",
-     "a model with a sparse-gradient layer (Embedding) and an optimizer whose update of a "
-     "sparse gradient with repeated rows differs from its dense update (measured when the "
-     "trainer is built: Adam, RMSprop, Adagrad, …; SGD and Lion agree) is refused, naming "
-     "all three, unless sparse='densify' is passed explicitly (then it equals "
-     "variables='replicated' with sparse='densify')"),
+     "an Embedding with an optimizer whose sparse update (repeated rows) differs from its "
+     "dense one (measured when the trainer is built: Adam, RMSprop, …; SGD and Lion agree) "
+     "is refused, naming all three, unless sparse='densify' is passed explicitly (then it "
+     "equals variables='replicated' with sparse='densify')"),
     ("trainer=WorkerTrainer", "sparse=gather densify",
      "across workers a sparse (Embedding) gradient is refused when the step is traced: the "
      "cross-worker reducers take dense gradients"),

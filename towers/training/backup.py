@@ -11,21 +11,16 @@
       after each trained batch: N += 1; N % k == 0 ─▶ write ckpt-N atomically
                                 (k None: at the end of every epoch instead)
 
-Keras's own ``BackupAndRestore`` resumes at the start of the epoch it saved in (its
-``_load_model`` sets only the initial epoch, even with an integer ``save_freq``), so
-the batches of that epoch before the save are trained twice. ``ExactResume`` resumes
-at the batch: the resumed run trains the very batches, in the very order, that the
-uninterrupted run would have, and ends with bitwise the same weights, optimizer slots,
-``iterations`` and all-reduce state (tests/training/test_resume.py kills a run with
-SIGKILL at random moments and crashes one at each stage of a save to check it).
+Keras's ``BackupAndRestore`` resumes at the start of the epoch it saved in, so that
+epoch's batches before the save are trained twice. ``ExactResume`` resumes at the batch:
+the resumed run trains the very batches the uninterrupted run would have, and ends with
+bitwise the same weights, slots, ``iterations`` and all-reduce state.
 
 That needs the same batches in every epoch of both runs: arrays with ``shuffle=False``
-(shuffle them once beforehand, seeded), or a dataset or ``PyDataset`` whose order is a
-function of the epoch. Keras's own shuffling of arrays is drawn afresh in each process,
-so ``shuffle=True`` with arrays is refused. The position counts batches, so it means
-something only for the data and batch size it was written with: ``position.json``
-records them (``data``), and a resume with any other is refused before the model
-changes. The logs of the resumed epoch cover the batches trained after the resume.
+(Keras shuffles arrays afresh in each process, so ``shuffle=True`` is refused), or a
+dataset whose order is a function of the epoch. The position counts batches of the data
+and batch size it was written with (recorded as ``data``): a resume with others is
+refused before the model changes.
 """
 
 from __future__ import annotations
@@ -51,17 +46,9 @@ _FACTS = (
 
 
 def data_facts(x: Any, batch_size: int | None, shuffle: Any) -> dict[str, Any]:
-    """What a saved position counts in: the data's kind and size, batch size, shuffling.
-
-    Args:
-        x: ``fit``'s training inputs (after Keras's ``validation_split``, if any).
-        batch_size: ``fit(batch_size=...)`` (Keras's default 32 for arrays when None).
-        shuffle: ``fit(shuffle=...)`` (array data only: a dataset orders itself).
-
-    Returns:
-        ``{"kind", "batch_size", "examples", "shuffle"}``; ``"steps"`` (batches per epoch)
-        is added from Keras's ``params`` when training begins.
-    """
+    """What a saved position counts in: ``{"kind", "batch_size", "examples", "shuffle"}``
+    of ``fit``'s ``x`` (after ``validation_split``), ``batch_size`` (None: Keras's 32 for
+    arrays) and ``shuffle``; ``ExactResume`` adds ``"steps"`` (batches per epoch)."""
     first = keras.tree.flatten(x)[0] if x is not None else None
     if first is None or not hasattr(first, "shape") or not hasattr(first, "__len__"):
         return {"kind": "dataset", "batch_size": None, "examples": None, "shuffle": None}
@@ -70,12 +57,8 @@ def data_facts(x: Any, batch_size: int | None, shuffle: Any) -> dict[str, Any]:
 
 
 def check_position(prefix: str, position: dict[str, Any], facts: dict[str, Any]) -> None:
-    """Refuse to resume from ``position`` with data described by other ``facts``.
-
-    Raises:
-        CheckpointError: naming both values of the first fact that differs (or a position
-            that records none: written before positions recorded their data).
-    """
+    """Refuse to resume from ``position`` with data described by other ``facts``: a
+    ``CheckpointError`` naming both values of the first fact that differs."""
     saved = position.get("data")
     if not isinstance(saved, dict):
         raise CheckpointError(prefix, "its position does not record the data and batch size "
@@ -93,9 +76,8 @@ def check_position(prefix: str, position: dict[str, Any], facts: dict[str, Any])
 
 
 class ExactResume(keras.callbacks.Callback):
-    """Atomic checksummed checkpoints every ``every`` batches, and an exact resume.
-
-    For :class:`towers.TowerModel` only (it needs the trainer and the skip hook).
+    """Atomic checksummed checkpoints every ``every`` batches, and an exact resume, for a
+    :class:`towers.TowerModel` (it needs the trainer and the skip hook).
 
     Args:
         directory: the run's checkpoint directory (created if missing).
