@@ -1,17 +1,7 @@
-"""What a trainer is given, checked before any of it is used: devices, layers, weights, data.
-
-Each check names the argument (and the index, variable or layer) in its error:
-
-- tower devices: a list of distinct names TensorFlow knows;
-- layers a trainer cannot run as written, refused when it is built:
-  ``BatchNormalization(synchronized=True)`` over more than one tower (it all-reduces through
-  ``tf.distribute``'s replica context, which the towers do not run in, so each tower would
-  normalize its own shard), and ``variables="sharded"`` with a sparse-gradient layer
-  (``Embedding``) and an optimizer whose sparse and dense updates differ (a shard owner
-  updates a dense slice: the dense update where one device applies the sparse one);
-- ``set_weights`` arrays: count, shape and dtype of every one;
-- a ``tf.data.Dataset`` of global batches for :func:`towers.split.distribute`.
-"""
+"""What a trainer is given, checked before any of it is used: tower devices, ``set_weights``
+arrays, a ``tf.data.Dataset`` of global batches (:func:`towers.split.distribute`) and the
+layers a trainer cannot run as written. Each error names the argument (and the index,
+variable or layer)."""
 
 from __future__ import annotations
 
@@ -111,13 +101,9 @@ def check_dataset(dataset: Any) -> None:
 
 def sparse_equals_dense(optimizer: keras.optimizers.Optimizer) -> bool:
     """Whether ``optimizer``'s update from an ``IndexedSlices`` gradient with duplicate rows
-    equals, bitwise, its update from the densified sum.
-
-    Measured: two fresh optimizers of the same config apply the two forms twice to two
-    copies of a 4×2 variable. Values and a numeric learning rate are dyadic (0.5), so the
-    rounding of the duplicate rows' sum plays no part: SGD's ``v - lr·g₁ - lr·g₂`` and
-    ``v - lr·(g₁ + g₂)`` are both exact. An optimizer that cannot be rebuilt from its
-    config counts as different.
+    equals, bitwise, its update from the densified sum: measured by two fresh copies on a
+    4×2 variable. The values and learning rate are dyadic, so the rounding of the rows' sum
+    plays no part; an optimizer that cannot be rebuilt from its config counts as different.
     """
     config = optimizer.get_config()
     if isinstance(config.get("learning_rate"), float):
@@ -141,16 +127,14 @@ def sparse_equals_dense(optimizer: keras.optimizers.Optimizer) -> bool:
 
 def check_layers(model: Any, optimizer: Any, towers: int, variables: str,
                  sparse: str | None) -> None:  # fmt: skip
-    """Refuse the layers this trainer cannot run as written (see the module doc).
-
-    Args:
-        sparse: the ``sparse`` argument as given (None: unset); ``"densify"`` asked for
-            explicitly is the user's choice of the dense update, and accepted.
+    """Refuse the layers this trainer cannot run as written.
 
     Raises:
-        ValueError: ``BatchNormalization(synchronized=True)`` over more than one tower; or
-            ``variables="sharded"`` with a sparse-gradient layer, an optimizer whose sparse
-            and dense updates differ and ``sparse`` unset (naming all three).
+        ValueError: ``BatchNormalization(synchronized=True)`` over more than one tower (it
+            syncs through ``tf.distribute``'s replica context, which towers do not run in);
+            or ``variables="sharded"`` with an Embedding, an optimizer whose sparse and dense
+            updates differ (a shard owner applies the dense one) and ``sparse`` unset
+            (``"densify"`` passed is the user's choice of the dense update).
     """
     flatten = getattr(model, "_flatten_layers", None)
     layers = list(flatten(include_self=True, recursive=True)) if flatten else []

@@ -40,12 +40,10 @@ from towers.guard.errors import AlgorithmError
 __all__ = ["CHECK_TIMEOUT", "check_sums", "unproved"]
 
 CHECK_TIMEOUT = 60.0
-"""Seconds the construction check of a user's algorithm may take when ``step_timeout`` is
-None: far above a check on a few small tensors, far below forever."""
+"""Seconds the check may take when ``step_timeout`` is None (far above its need)."""
 
 SHAPES = ((7,), (2, 3))
-"""What a per-tensor algorithm is checked on: an odd length no tower count divides
-evenly (padding) and a matrix (reshapes)."""
+"""What a per-tensor algorithm is checked on: an odd length (padding) and a matrix."""
 
 _HINT = (
     "Every tower must receive the sum of all towers' inputs, or the replicas drift apart "
@@ -159,21 +157,15 @@ def check_sums(algorithm: Any, devices: Sequence[str], variables: Sequence[Any],
 
     Args:
         algorithm: the trainer's resolved algorithm (a ``GradientReducer`` already built).
-        devices: the towers' devices.
         variables: the trainable variables (a ``GradientReducer`` gets their shapes).
         wire_dtype: ``dtype -> the dtype the step sums a gradient of that dtype in``.
-        seconds: the deadline (the trainer's ``step_timeout``); None:
-            :data:`CHECK_TIMEOUT`.
+        seconds: the deadline (the trainer's ``step_timeout``; None: :data:`CHECK_TIMEOUT`).
 
     Raises:
-        TimeoutError: it did not complete within the deadline, naming ``all_reduce``
-            and the seconds (collective ops in this process are then aborted).
-        AlgorithmError: an output off the exact sum by more than the summation bound, or
-            breaking the contract (count, shape, dtype, device); naming the algorithm,
-            the tower and the value.
-        TypeError: calling it as an algorithm fails with a TypeError (it is not one),
-            naming ``all_reduce``.
-        ValueError: it raised anything else while traced, naming ``all_reduce``.
+        AlgorithmError: an output off the sum by more than the bound, or breaking the
+            contract; naming the algorithm, the tower and the value.
+        TimeoutError, TypeError (it is not an algorithm), ValueError (it raised while
+            traced): naming ``all_reduce``.
     """
     user = unproved(algorithm)
     if user is None:

@@ -79,6 +79,7 @@ def _digest(path: Path) -> str:
 
 
 def _write_manifest(folder: Path) -> None:
+    """``MANIFEST``: each file's size and sha256; then everything fsynced."""
     files = sorted(p for p in folder.iterdir() if p.is_file())
     manifest = {p.name: [p.stat().st_size, _digest(p)] for p in files}
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
@@ -91,19 +92,10 @@ def write(
     ckpt: tf.train.Checkpoint, directory: Any, number: int, position: dict[str, Any],
     keep: int | None = 3,
 ) -> str:  # fmt: skip
-    """Save ``ckpt`` as ``directory/ckpt-<number>`` atomically (see the module's drawing).
-
-    Args:
-        ckpt: what to write (``towers.training.checkpoint.checkpoint(trainer)``).
-        directory: the run's checkpoint directory (created if needed).
-        number: the checkpoint's number, e.g. the count of batches trained (an int >= 0).
-        position: JSON-serializable facts saved alongside (where the data stream stood).
-        keep: how many of the newest checkpoints to keep (None: all).
-
-    Returns:
-        The new checkpoint's prefix, ``directory/ckpt-<number>/state`` (``ckpt-<number>.<k>``
-        when that number was saved before).
-    """
+    """Save ``ckpt`` (:func:`towers.training.checkpoint.checkpoint`) as
+    ``directory/ckpt-<number>`` atomically, as drawn above, with ``position`` (JSON facts:
+    where the data stream stood); keep the ``keep`` newest (None: all). Return its prefix,
+    ``directory/ckpt-<number>[.<k>]/state``."""
     non_negative_int("number", number)
     optional(positive_int, "keep", keep)
     root = check_directory(directory)
@@ -133,7 +125,6 @@ def write(
 
 
 def _point(root: Path, name: str) -> None:
-    """Replace the ``latest`` pointer atomically: a temporary file, fsync, rename."""
     pointer = root / f".{POINTER}.tmp"
     pointer.write_text(name + "\n")
     _fsync(pointer)

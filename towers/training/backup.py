@@ -36,13 +36,9 @@ from towers.training.checkpoint import checkpoint, restore
 
 __all__ = ["ExactResume", "data_facts"]
 
-_FACTS = (
-    ("kind", "data"),
-    ("batch_size", "batch_size"),
-    ("examples", "examples"),
-    ("shuffle", "shuffle"),
-    ("steps", "batches per epoch"),
-)
+_FACTS = {"kind": "data", "batch_size": "batch_size", "examples": "examples",
+          "shuffle": "shuffle", "steps": "batches per epoch"}  # fmt: skip
+"""What a position records of its data, and each fact's name in a refusal."""
 
 
 def data_facts(x: Any, batch_size: int | None, shuffle: Any) -> dict[str, Any]:
@@ -64,7 +60,7 @@ def check_position(prefix: str, position: dict[str, Any], facts: dict[str, Any])
         raise CheckpointError(prefix, "its position does not record the data and batch size "
                               "it counts in (written by an older towers): it cannot be resumed "
                               "exactly; start the run in a new directory")  # fmt: skip
-    for key, name in _FACTS:
+    for key, name in _FACTS.items():
         if saved.get(key) != facts[key]:
             raise CheckpointError(
                 prefix, f"was written by a fit with {name}={saved.get(key)!r}, this fit has "
@@ -88,11 +84,10 @@ class ExactResume(keras.callbacks.Callback):
             numbering new checkpoints from 1).
 
     Raises:
-        TypeError: ``directory`` is not a path, or ``resume`` not a bool.
-        ValueError: ``every`` is not None or an int >= 1, or ``keep`` not an int >= 1;
-            at ``fit``: not a TowerModel, or arrays with ``shuffle=True``.
+        TypeError, ValueError: a bad argument (naming it); at ``fit``: not a TowerModel, or
+            arrays with ``shuffle=True``.
         CheckpointError: at ``fit``: the latest checkpoint does not fit this model, or its
-            position another batch size or data (the model is unchanged).
+            position other data (the model is unchanged).
 
     Example:
         >>> tm.fit(x, y, batch_size=96, epochs=3, shuffle=False,          # doctest: +SKIP
@@ -166,8 +161,6 @@ class ExactResume(keras.callbacks.Callback):
         steps = self.data.get("steps")
         if steps is not None and batch >= steps:  # the epoch is done: resume at the next
             epoch, batch = epoch + 1, 0
-        position = {"epoch": epoch, "batch": batch, "batches": self.batches, "rng": None,
-                    "data": self.data}  # fmt: skip
-        return atomic.write(
-            checkpoint(self.model.trainer), self.directory, self.batches, position, self.keep
-        )
+        position = {"epoch": epoch, "batch": batch, "batches": self.batches, "data": self.data}
+        return atomic.write(checkpoint(self.model.trainer), self.directory, self.batches,
+                            position, self.keep)  # fmt: skip

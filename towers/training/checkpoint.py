@@ -11,16 +11,9 @@ What a step's result depends on, and so what a checkpoint holds::
     │                                residuals, error feedback: state that shapes the next step)
     └── record                       what all of it is (JSON, :mod:`towers.training.signature`)
 
-The variables are listed explicitly, replica by replica: a checkpoint tracking the Keras
-objects (``tf.train.Checkpoint(model=model)``) misses the dropout ``seed_generator_state``
-on Keras 3, so a resumed run would draw other dropout masks. Under ``variables="sharded"``
-``replica_<k>/optimizer`` is tower ``k``'s shard of the slots: such a checkpoint restores
-into the same number of towers only.
-
-A restore is all or nothing: into a trainer built the same way (model, optimizer class and
-hyperparameters, placement, replicas, all-reduce state), else a
-:class:`~towers.CheckpointError` naming the path and what differs, the trainer unchanged.
-The learning rate may differ: the checkpoint's is restored, with a ``UserWarning``.
+The variables are listed replica by replica (tracking the Keras objects misses the dropout
+``seed_generator_state``); under ``variables="sharded"`` ``replica_<k>/optimizer`` is tower
+``k``'s shard of the slots. A restore is all or nothing, into a trainer built the same way.
 """
 
 from __future__ import annotations
@@ -50,18 +43,8 @@ def _tf_variables(variables: list[Any]) -> list[tf.Variable]:
 
 
 def checkpoint(trainer: Trainer, **extra: Any) -> tf.train.Checkpoint:
-    """A ``tf.train.Checkpoint`` of everything that determines the trainer's next step.
-
-    Args:
-        trainer: the :class:`~towers.TowerTrainer`.
-        **extra: more trackable objects to save alongside (e.g. an epoch counter).
-
-    Returns:
-        A checkpoint with ``replica_<i>`` (``model`` and ``optimizer`` variable lists),
-        ``step``, ``record`` and, if the all-reduce algorithm is a ``tf.Module``, ``all_reduce``.
-
-    Raises:
-        ValueError: an ``extra`` name collides with one of those.
+    """A ``tf.train.Checkpoint`` of everything that determines the trainer's next step (see
+    the module's drawing), and ``extra`` trackables (a ``ValueError`` if a name collides).
 
     Example:
         >>> checkpoint(trainer, epoch=epoch_var).write("/tmp/run/ckpt")  # doctest: +SKIP
@@ -94,11 +77,7 @@ def save(trainer: Trainer, path: str) -> str:
 
 def load(trainer: Trainer, prefix: str) -> dict[str, Any]:
     """Restore one checkpoint of a directory (:func:`towers.training.atomic.write`), checked
-    against its manifest first; return the position saved with it.
-
-    Raises:
-        CheckpointError: naming ``prefix``: its files do not match their manifest
-            (truncated, corrupt), or :func:`restore` refuses it. The trainer is unchanged.
+    against its manifest first (a ``CheckpointError`` naming ``prefix``); return its position.
 
     Example:
         >>> load(trainer, latest("/tmp/run"))                        # doctest: +SKIP
@@ -113,14 +92,14 @@ def restore(trainer: Trainer, path: str) -> None:
 
     Before anything is assigned, the checkpoint's record is compared with this trainer
     (:func:`towers.training.signature.check`), the all-reduce's state is restored into a
-    copy and every value is read once (the bundle's checksums catch damaged data). Should
-    the real read still fail, the trainer's previous values are put back.
+    copy and every value is read once (the bundle's checksums catch damaged data); should
+    the real read still fail, the previous values are put back. The learning rate is the
+    checkpoint's (a ``UserWarning`` when it replaces another).
 
     Raises:
         TypeError: ``trainer`` is not a trainer, or ``path`` not a str or ``os.PathLike``.
-        CheckpointError: (a ``ValueError``) nothing is saved at ``path``; the files are
-            truncated or corrupt; it has no record; or it does not match this trainer (the
-            message names the difference). The trainer is unchanged.
+        CheckpointError: nothing at ``path``, damaged files, no record, or not this
+            trainer's (naming the difference). The trainer is unchanged.
 
     Example:
         >>> restore(trainer, "/tmp/run/ckpt")                        # doctest: +SKIP
