@@ -39,7 +39,7 @@ import tensorflow as tf
 from towers.guard.arguments import non_negative_int, optional, positive_int
 from towers.guard.errors import CheckpointError
 
-__all__ = ["check_directory", "checkpoints", "latest", "verify", "write"]
+__all__ = ["check_path", "checkpoints", "latest", "verify", "write"]
 
 PREFIX, MANIFEST, POSITION, POINTER = "state", "MANIFEST.json", "position.json", "latest"
 _NAME = re.compile(r"^ckpt-(\d+)(?:\.(\d+))?$")
@@ -54,11 +54,11 @@ def _reached(stage: str) -> None:
         crash_point(stage)
 
 
-def check_directory(directory: Any, name: str = "directory") -> Path:
-    """``directory`` as a ``Path``; a ``TypeError`` naming ``name`` if it is not a path."""
-    if not isinstance(directory, str | os.PathLike) or not str(directory):
-        raise TypeError(f"{name} must be a path (str or os.PathLike); got {directory!r}")
-    return Path(directory)
+def check_path(value: Any, name: str = "directory", kind: str = "a path") -> str:
+    """``value`` as a ``str``; a ``TypeError`` naming ``name`` if it is not a path."""
+    if not isinstance(value, str | os.PathLike) or not str(value):
+        raise TypeError(f"{name} must be {kind} (str or os.PathLike); got {value!r}")
+    return str(value)
 
 
 def _fsync(path: Path) -> None:
@@ -98,7 +98,7 @@ def write(
     ``directory/ckpt-<number>[.<k>]/state``."""
     non_negative_int("number", number)
     optional(positive_int, "keep", keep)
-    root = check_directory(directory)
+    root = Path(check_path(directory))
     root.mkdir(parents=True, exist_ok=True)
     name = f"ckpt-{number:08d}"
     tmp = root / f".tmp-{name}-{os.getpid()}"
@@ -135,7 +135,7 @@ def _point(root: Path, name: str) -> None:
 def checkpoints(directory: Any) -> list[str]:
     """The prefixes of every complete-looking ``ckpt-*`` in ``directory``, oldest first
     (unverified; temporary ``.tmp-*`` folders of an unfinished save are never listed)."""
-    return [str(p / PREFIX) for _, p in _folders(check_directory(directory))]
+    return [str(p / PREFIX) for _, p in _folders(Path(check_path(directory)))]
 
 
 def _folders(root: Path) -> list[tuple[tuple[int, int], Path]]:
@@ -154,7 +154,7 @@ def verify(prefix: Any) -> dict[str, Any]:
         CheckpointError: naming ``prefix``: no manifest or position, or a file missing, of
             another size or with another sha256 (truncated or corrupt).
     """
-    prefix = str(check_directory(prefix, "prefix"))
+    prefix = check_path(prefix, "prefix")
     folder = Path(prefix).parent
     try:
         manifest = json.loads((folder / MANIFEST).read_text())

@@ -97,7 +97,7 @@ class ExactResume(keras.callbacks.Callback):
     def __init__(self, directory: Any, every: int | None = None, keep: int = 3,
                  resume: bool = True) -> None:  # fmt: skip
         super().__init__()
-        atomic.check_directory(directory, "directory")
+        atomic.check_path(directory)
         optional(positive_int, "every", every)
         positive_int("keep", keep)
         if not isinstance(resume, bool):

@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import copy
 import gc
-import os
 import warnings
 from typing import Any
 
 import tensorflow as tf
 
 from towers.guard.errors import CheckpointError
-from towers.training.atomic import checkpoints, latest, verify
+from towers.training.atomic import check_path, checkpoints, latest, verify
 from towers.training.protocol import Trainer
 from towers.training.signature import Record, check
 
@@ -71,7 +70,7 @@ def save(trainer: Trainer, path: str) -> str:
     Raises:
         TypeError: ``trainer`` is not a trainer, or ``path`` not a str or ``os.PathLike``.
     """
-    written: str = checkpoint(trainer).write(_check_path(path))
+    written: str = checkpoint(trainer).write(check_path(path, "path", "a file prefix"))
     return written
 
 
@@ -82,7 +81,7 @@ def load(trainer: Trainer, prefix: str) -> dict[str, Any]:
     Example:
         >>> load(trainer, latest("/tmp/run"))                        # doctest: +SKIP
     """
-    position = verify(_check_path(prefix))
+    position = verify(check_path(prefix, "prefix", "a file prefix"))
     restore(trainer, prefix)
     return position
 
@@ -105,7 +104,7 @@ def restore(trainer: Trainer, path: str) -> None:
         >>> restore(trainer, "/tmp/run/ckpt")                        # doctest: +SKIP
     """
     _check_trainer(trainer)
-    path = _check_path(path)
+    path = check_path(path, "path", "a file prefix")
     try:
         reader = tf.train.load_checkpoint(path)
         saved = list(reader.get_variable_to_shape_map())
@@ -133,12 +132,6 @@ def restore(trainer: Trainer, path: str) -> None:
 def _check_trainer(trainer: Any) -> None:
     if not all(hasattr(trainer, a) for a in ("replicas", "optimizer", "algorithm")):
         raise TypeError(f"trainer must be a towers.TowerTrainer; got {type(trainer).__name__}")
-
-
-def _check_path(path: Any) -> str:
-    if not isinstance(path, str | os.PathLike) or not str(path):
-        raise TypeError(f"path must be a file prefix (str or os.PathLike); got {path!r}")
-    return str(path)
 
 
 def _check_algorithm_state(trainer: Trainer, path: str, saved: list[str]) -> None:
