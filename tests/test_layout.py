@@ -78,7 +78,7 @@ def test_no_import_cycles() -> None:
 def test_one_module_applies_gradients() -> None:
     """The step exists once: only towers.step calls apply_gradients (bench's tf.distribute
     baselines aside, which are the reference's loops, not towers' step; and
-    towers.guard.layers, which applies a fresh copy of the optimizer to a 4×2 probe
+    towers.guard.given, which applies a fresh copy of the optimizer to a 4×2 probe
     variable to learn whether its sparse and dense updates agree — a measurement, no step)."""
     applying = []
     for name, path in _modules().items():
@@ -88,7 +88,7 @@ def test_one_module_applies_gradients() -> None:
             if isinstance(node, ast.Attribute) and node.attr == "apply_gradients":
                 applying.append(name)
                 break
-    assert sorted(applying) == ["towers.guard.layers", "towers.step"]
+    assert sorted(applying) == ["towers.guard.given", "towers.step"]
 
 
 def test_no_import_shim_for_old_module_names() -> None:

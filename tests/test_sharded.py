@@ -240,7 +240,7 @@ def test_sparse_gradients_are_densified_by_default_and_match() -> None:
     """sharded's default sparse mode is "densify" (the capability table); "gather" is
     refused at construction, before the model factory runs. Left unset with an optimizer
     whose sparse and dense updates differ (Adam), the Embedding is refused by name
-    (tests/guard/test_layers.py); asked for, the dense update equals replicated's."""
+    (tests/guard/test_given.py); asked for, the dense update equals replicated's."""
     spec = ModelSpec("embedding")
     built: list[int] = []
 

@@ -36,9 +36,9 @@ import numpy as np
 from keras.src.saving.keras_saveable import KerasSaveable
 
 from towers.devices import canonical_device
+from towers.guard.given import check_devices
 from towers.guard.inputs import check_keras_steps, naming
 from towers.guard.options import TowerOptions
-from towers.guard.weights import check_devices
 from towers.placement import first_model, get_placement
 from towers.step import TowerTrainer
 from towers.training import keras_functions

@@ -39,7 +39,7 @@ from towers.allreduce.machinery.sharding import (
     state_bytes,
 )
 from towers.devices import canonical_device
-from towers.guard.weights import check_devices, check_weights
+from towers.guard.given import check_devices, check_weights
 
 __all__ = [
     "PLACEMENTS",

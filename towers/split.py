@@ -32,8 +32,7 @@ import tensorflow as tf
 from tensorflow.python.data.ops.multi_device_iterator_ops import MultiDeviceIterator
 
 from towers.guard.arguments import check_choice, non_negative_int, positive_int
-from towers.guard.datasets import check_dataset
-from towers.guard.weights import check_devices
+from towers.guard.given import check_dataset, check_devices
 
 __all__ = [
     "PIPELINES",

@@ -48,8 +48,8 @@ from towers.compile.step import CompiledStep, relaxes
 from towers.guard import capabilities
 from towers.guard.arguments import check_bool
 from towers.guard.deadline import Deadline, settled
+from towers.guard.given import check_layers
 from towers.guard.inputs import batch_tensors, check_kinds, check_shards, naming
-from towers.guard.layers import check_layers
 from towers.guard.loss_scale import LossScale, is_loss_scaled
 from towers.guard.nonfinite import Guard, sums_exactly
 from towers.guard.options import TowerOptions

@@ -4,8 +4,6 @@
     nonfinite.py  one flag per tower (loss, gradients, state finite?) gathered for the
                   step's single decision: apply, skip or raise
     inputs.py     the trainer's arguments and a batch, checked before anything is traced
-    datasets.py   a ``tf.data.Dataset`` of global batches for the input pipeline
-                  (:func:`towers.split.distribute`): batched ``(x, y[, sample_weight])``
     contract.py   what an all-reduce algorithm returned (count; per tower shape, dtype,
                   device), checked when the step is traced
     reduces.py    a user's all-reduce, run once on small values when the trainer is
@@ -16,7 +14,8 @@
     replicas.py   ``check_replicas_every``: every replica's variables compared by checksum
     loss_scale.py a ``LossScaleOptimizer``'s dynamic scale across towers: one finite flag
                   for every replica; ``reduce_dtype`` (docs/mixed_precision.md)
-    weights.py    tower devices and ``set_weights`` arrays, checked before any is used
+    given.py      what a trainer is given: tower devices, layers it cannot run as
+                  written, ``set_weights`` arrays, a ``tf.data.Dataset`` of global batches
 
 The step (:mod:`towers.step`) and the training tools import these modules; these
 modules import nothing of the step, so the dependencies point one way.

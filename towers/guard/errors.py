@@ -1,22 +1,12 @@
-"""The errors towers raises for its own failures (each a :class:`TowersError`).
-
-Every kind also derives from the built-in exception a caller would already catch
-(``ValueError``, ``FloatingPointError``, ``TimeoutError``), so ``except ValueError``
-written before these types existed keeps working.
-"""
+"""The errors towers raises for its own failures, each a :class:`TowersError` and the
+built-in exception a caller would already catch (``ValueError``, ``TimeoutError``, …)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = [
-    "AlgorithmError",
-    "CheckpointError",
-    "NonFiniteError",
-    "ReplicaMismatchError",
-    "StepTimeout",
-    "TowersError",
-]
+__all__ = ["AlgorithmError", "CheckpointError", "NonFiniteError", "ReplicaMismatchError",
+           "StepTimeout", "TowersError"]  # fmt: skip
 
 
 class TowersError(Exception):
@@ -52,18 +42,16 @@ class NonFiniteError(TowersError, FloatingPointError):
 
 
 class StepTimeout(TowersError, TimeoutError):
-    """A step ran past its deadline (a collective never completed, or the step completed
-    only as the watchdog fired).
+    """A step ran past its deadline (``step_timeout``, or a collective's op timeout).
 
     Attributes:
         algorithm: the all-reduce's name.
         seconds: ``step_timeout`` (None: the collective's own op timeout fired).
         usable: whether the trainer can run another step in this process.
-        earlier: set when this step failed at once because an earlier step's collective
-            had timed out (what that one was), None when this step hit the deadline.
-        applied: whether the step's update was applied (weights, slots, ``iterations``,
-            state). True only when the step completed as the watchdog fired: do not
-            retry that step, its batch is already in the weights. False: it changed nothing.
+        earlier: what an earlier step's timed-out collective was, when this step failed
+            at once because of it; None when this step hit the deadline.
+        applied: True only when the step completed as the watchdog fired: its update is
+            in the weights, do not retry it. False: it changed nothing.
     """
 
     def __init__(
@@ -74,32 +62,25 @@ class StepTimeout(TowersError, TimeoutError):
         self.earlier, self.applied = earlier, applied
         within = f"within {seconds:g} s" if seconds else "within its collectives' op timeout"
         if applied:
-            what = (
-                f"completed only as its deadline of {seconds or 0:g} s passed: the step WAS "
-                "applied (do not retry it; weights, optimizer state and iterations include it)"
-            )
+            what = (f"completed only as its deadline of {seconds or 0:g} s passed: the step WAS "
+                    "applied (do not retry it; weights, optimizer state and iterations include "
+                    "it)")  # fmt: skip
         elif earlier:
-            what = (
-                f"failed at once: an earlier step timed out ({earlier}) and TensorFlow aborts "
-                "every later collective op in the process; the step changed nothing"
-            )
+            what = (f"failed at once: an earlier step timed out ({earlier}) and TensorFlow "
+                    "aborts every later collective op in the process; the step changed nothing")
         else:
-            what = (
-                f"did not complete {within}: a collective never completed (a tower or peer "
-                "missing, or group keys or sizes that do not match); the step changed nothing"
-            )
-        after = (
-            "The trainer is still usable."
-            if usable
-            else "No collective op can run in this process any more (TensorFlow aborts them "
-            "all after a timeout): restart the process and resume from a checkpoint."
-        )
+            what = (f"did not complete {within}: a collective never completed (a tower or peer "
+                    "missing, or group keys or sizes that do not match); the step changed "
+                    "nothing")  # fmt: skip
+        after = "The trainer is still usable." if usable else (
+            "No collective op can run in this process any more (TensorFlow aborts them all "
+            "after a timeout): restart the process and resume from a checkpoint.")
         super().__init__(f"the step with all-reduce {algorithm!r} {what}. {after} [{detail}]")
 
 
 class AlgorithmError(TowersError, ValueError):
-    """An all-reduce algorithm broke its contract (checked when the step is traced, and
-    for a user's algorithm once when the trainer is built: :mod:`towers.guard.reduces`).
+    """An all-reduce algorithm broke its contract (when the step is traced, or when a
+    user's algorithm is run once as the trainer is built: :mod:`towers.guard.reduces`).
 
     Attributes:
         algorithm: its registry name or ``__name__``.
@@ -113,14 +94,11 @@ class AlgorithmError(TowersError, ValueError):
     ) -> None:  # fmt: skip
         self.algorithm, self.tower, self.variable = algorithm, tower, variable
         where = "its outputs" if tower is None else f"output {tower} (tower {tower})"
-        hint = hint or (
-            "An algorithm returns one tensor per input, output i with input i's shape and "
-            "dtype, on input i's device (see towers.allreduce.machinery.base)."
-        )
-        super().__init__(
-            f"all-reduce algorithm {algorithm!r} broke the contract reducing {variable}: "
-            f"{where} should be {expected}, got {got}. {hint}"
-        )
+        hint = hint or ("An algorithm returns one tensor per input, output i with input i's "
+                        "shape and dtype, on input i's device (see "
+                        "towers.allreduce.machinery.base).")  # fmt: skip
+        super().__init__(f"all-reduce algorithm {algorithm!r} broke the contract reducing "
+                         f"{variable}: {where} should be {expected}, got {got}. {hint}")
 
 
 class ReplicaMismatchError(TowersError, RuntimeError):
@@ -147,8 +125,7 @@ class ReplicaMismatchError(TowersError, RuntimeError):
 class CheckpointError(TowersError, ValueError):
     """A checkpoint cannot be restored: missing, truncated, corrupt or of another trainer.
 
-    Attributes:
-        path: the checkpoint's path (prefix).
+    Attribute ``path``: the checkpoint's path (prefix).
     """
 
     def __init__(self, path: str, reason: str) -> None:

@@ -8,31 +8,16 @@
     outputs[tower] ── contract (count, shape, dtype, device: towers.guard.contract)
                    └─ value: |outputs[tower] − Σ_i values[i]| ≤ γ_{n−1}·Σ_i |values[i]|
 
-The contract check at trace time reads static properties only, so an algorithm that
-returns its inputs unchanged, or a mean instead of a sum, kept it and trained
-silently wrong: with ``replicated`` every replica drifts its own way, with
-``parameter_device`` the update uses tower 0's gradient alone. This check runs the
-algorithm once on small values and compares each output with the exact sum, within
-the summation bound of :mod:`towers.testing.bounds.sums` (``γ_{n−1}·Σ|x_i|``, which holds
-for every summation tree of ``n`` leaves). The values are small integers: every
-partial sum is exact in float16, bfloat16 and float32, so any correct summation
-order meets the bound with no error at all, and a wrong one misses by at least 1.
+The contract check at trace time reads static properties only, so an algorithm returning
+its inputs unchanged, or a mean, would train silently wrong. The bound holds for every
+summation tree of ``n`` leaves (:mod:`towers.testing.bounds.sums`); the values are small
+integers, so every partial sum is exact in float16, bfloat16 and float32: a correct order
+meets the bound exactly, a wrong one misses by at least 1.
 
-Only algorithms the library has not proved are checked: a callable or
-``GradientReducer`` with no registry record and not defined in ``towers`` (the
-registry's algorithms and the library's reducers are checked by its test suite);
-the library's wrappers (``bucketed``, ``compressed``) have their inner algorithm
-checked when it is a user's. A ``GradientReducer`` runs once on gradients shaped
-like the model's trainable variables, after its ``build`` (a stateful reducer sees
-one extra call). ``TowerTrainer(check_algorithm=False)`` skips the check (a lossy
-compression of your own does not sum exactly).
-
-Cost, once per trainer (4 logical CPUs, 2 shared cores, 2026-11-24, median of 5 timed
-calls of :func:`check_sums`): a per-tensor callable 70–175 ms
-whatever the model (two small tensors); a ``GradientReducer`` 160–380 ms for a
-0.1 M-parameter MLP and about 1.0–1.4 s for 4.2 M parameters (a trace, one
-reduction of the whole model, a float64 comparison). Steps cost nothing: nothing is
-added to the step's graph.
+Only algorithms the library has not proved are checked (:func:`unproved`); a
+``GradientReducer`` runs once on gradients shaped like the trainable variables, after its
+``build``. ``TowerTrainer(check_algorithm=False)`` skips the check (a lossy compression of
+your own). It runs once per trainer, outside the step's graph.
 """
 
 from __future__ import annotations
@@ -55,12 +40,10 @@ from towers.guard.errors import AlgorithmError
 __all__ = ["CHECK_TIMEOUT", "check_sums", "unproved"]
 
 CHECK_TIMEOUT = 60.0
-"""Seconds the construction check of a user's algorithm may take when ``step_timeout`` is
-None: far above a check on a few small tensors, far below forever."""
+"""Seconds the check may take when ``step_timeout`` is None (far above its need)."""
 
 SHAPES = ((7,), (2, 3))
-"""What a per-tensor algorithm is checked on: an odd length no tower count divides
-evenly (padding) and a matrix (reshapes)."""
+"""What a per-tensor algorithm is checked on: an odd length (padding) and a matrix."""
 
 _HINT = (
     "Every tower must receive the sum of all towers' inputs, or the replicas drift apart "
@@ -101,15 +84,9 @@ def unproved(algorithm: Any) -> Any | None:
     return algorithm
 
 
-def _values(shape: Sequence[int], tower: int, dtype: tf.DType) -> np.ndarray:
-    """Integers in [-3, 3], different on every tower (so no output can equal its input)."""
-    size = int(np.prod(shape))
-    ints = (np.arange(size) * (2 * tower + 3) + 5 * tower + 1) % 7 - 3
-    return ints.reshape(shape).astype(dtype.as_numpy_dtype)
-
-
 def _tf_values(shape: Sequence[int], tower: int, dtype: tf.DType) -> tf.Tensor:
-    """:func:`_values` made by ops on the current device (no large constants in the graph)."""
+    """Integers in [-3, 3], different on every tower (so no output can equal its input),
+    made by ops on the current device (no large constants in the graph)."""
     size = int(np.prod(shape))
     ints = tf.math.floormod(tf.range(size, dtype=tf.int64) * (2 * tower + 3) + 5 * tower + 1, 7)
     return tf.cast(tf.reshape(ints - 3, shape), dtype)
@@ -119,7 +96,7 @@ def _compare(algorithm: Any, shapes: Sequence[Sequence[int]], dtypes: Sequence[t
              outputs: list[list[np.ndarray]], names: list[str]) -> None:  # fmt: skip
     n = len(outputs)
     for j, name in enumerate(names):
-        stack = np.stack([_values(shapes[j], t, tf.float64) for t in range(n)])
+        stack = np.stack([_tf_values(shapes[j], t, tf.float64).numpy() for t in range(n)])
         exact, magnitude = stack.sum(axis=0), np.abs(stack).sum(axis=0)
         k = max(n - 1, 0)
         tolerance = gamma(k, dtypes[j]) * magnitude  # γ_{n−1}·Σ|x_i|
@@ -138,8 +115,8 @@ def _compare(algorithm: Any, shapes: Sequence[Sequence[int]], dtypes: Sequence[t
 
 def _run(algorithm: Any, shapes: Sequence[Sequence[int]], dtypes: Sequence[tf.DType],
          devices: Sequence[str], names: list[str]) -> list[list[np.ndarray]]:  # fmt: skip
-    """Run ``algorithm`` once in a ``tf.function`` (collective ops need one); the contract
-    is checked on the traced outputs, the values are returned."""
+    """Run ``algorithm`` once in a ``tf.function`` (collective ops need one), checking the
+    contract on the traced outputs; return the output values."""
 
     def step() -> list[list[tf.Tensor]]:
         values = []
@@ -161,7 +138,7 @@ def _run(algorithm: Any, shapes: Sequence[Sequence[int]], dtypes: Sequence[tf.DT
 
 
 def _hung(user: Any, seconds: float) -> str:
-    return (
+    return (  # the message of the deadline's TimeoutError
         f"all_reduce: {algorithm_name(user)} did not complete within {seconds:g} s when the "
         "trainer ran it once on small values at construction (a collective whose group "
         "some tower never joins, a wait nobody ends). Fix the algorithm; the bound is "
@@ -171,36 +148,24 @@ def _hung(user: Any, seconds: float) -> str:
     )
 
 
-def check_sums(
-    algorithm: Any,
-    devices: Sequence[str],
-    variables: Sequence[Any],
-    wire_dtype: Any,
-    seconds: float | None = None,
-) -> None:
+def check_sums(algorithm: Any, devices: Sequence[str], variables: Sequence[Any],
+               wire_dtype: Any, seconds: float | None = None) -> None:  # fmt: skip
     """Refuse an unproved algorithm whose outputs are not the sum of its inputs.
 
-    The check runs within a deadline (:func:`~towers.guard.deadline.within`): a user's
-    all-reduce that never completes (a collective group one tower short, a queue) fails
-    the trainer's construction instead of hanging it.
+    It runs within a deadline (:func:`~towers.guard.deadline.within`): one that never
+    completes fails the trainer's construction instead of hanging it.
 
     Args:
         algorithm: the trainer's resolved algorithm (a ``GradientReducer`` already built).
-        devices: the towers' devices.
         variables: the trainable variables (a ``GradientReducer`` gets their shapes).
         wire_dtype: ``dtype -> the dtype the step sums a gradient of that dtype in``.
-        seconds: the deadline (the trainer's ``step_timeout``); None:
-            :data:`CHECK_TIMEOUT`.
+        seconds: the deadline (the trainer's ``step_timeout``; None: :data:`CHECK_TIMEOUT`).
 
     Raises:
-        TimeoutError: it did not complete within the deadline, naming ``all_reduce``
-            and the seconds (collective ops in this process are then aborted).
-        AlgorithmError: an output off the exact sum by more than the summation bound, or
-            breaking the contract (count, shape, dtype, device); naming the algorithm,
-            the tower and the value.
-        TypeError: calling it as an algorithm fails with a TypeError (it is not one),
-            naming ``all_reduce``.
-        ValueError: it raised anything else while traced, naming ``all_reduce``.
+        AlgorithmError: an output off the sum by more than the bound, or breaking the
+            contract; naming the algorithm, the tower and the value.
+        TimeoutError, TypeError (it is not an algorithm), ValueError (it raised while
+            traced): naming ``all_reduce``.
     """
     user = unproved(algorithm)
     if user is None:
@@ -218,7 +183,7 @@ def check_sums(
     try:
         outputs = within(seconds, lambda: _run(user, shapes, dtypes, devices, names),
                          _hung(user, seconds))  # fmt: skip
-    except TimeoutError:
+    except (TimeoutError, AlgorithmError):
         raise
     except TypeError as err:  # not an algorithm(values, *, op) at all: a loss, a layer, …
         raise TypeError(
@@ -226,8 +191,6 @@ def check_sums(
             f"(values, *, op) -> list nor a GradientReducer: calling it on one tensor per "
             f"tower failed with {type(err).__name__}: {err}"
         ) from err
-    except AlgorithmError:
-        raise
     except Exception as err:  # its own bug while traced (.numpy() in a graph, a bad index, …)
         raise ValueError(
             f"all_reduce: {algorithm_name(user)} raised {type(err).__name__} when the "

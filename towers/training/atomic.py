@@ -15,17 +15,11 @@ What a save does, and what a crash at each point leaves behind::
     latest(directory): ckpt-* newest first; the first whose MANIFEST matches every
     file (size and sha256) wins; a damaged one is skipped with a warning.
 
-``latest`` trusts the manifest, not the ``latest`` pointer: a crash between steps 3
-and 4 leaves a complete ``ckpt-12`` that the pointer does not name yet, and a file
-damaged after the fact (a truncated copy, a bad disk) is caught by its checksum. The
-pointer is for people and tools reading the directory.
-
-The same number saved again (a resumed run that passes a damaged checkpoint's number,
-or ``resume=False`` into an old directory) never deletes the old folder first: a
-directory cannot be renamed over a non-empty one, so the new save takes the next free
-generation, ``ckpt-00000012.1``, and the old ``ckpt-00000012`` is deleted only at step
-5, once the new one is complete and renamed into place. A crash between leaves both,
-and ``latest`` takes the newer generation (the older if the newer fails its manifest).
+``latest`` trusts the manifests, not the pointer (which is for people and tools): a crash
+between steps 3 and 4 leaves a complete ``ckpt-12`` the pointer does not name yet, and a
+file damaged later is caught by its checksum. A number saved again takes the next free
+generation, ``ckpt-00000012.1``; the old folder is deleted only at step 5 (a crash between
+leaves both, and ``latest`` takes the newer one that verifies).
 """
 
 from __future__ import annotations
@@ -45,12 +39,9 @@ import tensorflow as tf
 from towers.guard.arguments import non_negative_int, optional, positive_int
 from towers.guard.errors import CheckpointError
 
-__all__ = ["check_directory", "checkpoints", "latest", "verify", "write"]
+__all__ = ["check_path", "checkpoints", "latest", "verify", "write"]
 
-PREFIX = "state"
-MANIFEST = "MANIFEST.json"
-POSITION = "position.json"
-POINTER = "latest"
+PREFIX, MANIFEST, POSITION, POINTER = "state", "MANIFEST.json", "position.json", "latest"
 _NAME = re.compile(r"^ckpt-(\d+)(?:\.(\d+))?$")
 
 crash_point: Callable[[str], None] | None = None
@@ -63,19 +54,15 @@ def _reached(stage: str) -> None:
         crash_point(stage)
 
 
-def check_directory(directory: Any, name: str = "directory") -> Path:
-    """``directory`` as a ``Path``.
-
-    Raises:
-        TypeError: it is not a non-empty ``str`` or ``os.PathLike`` (the message names ``name``).
-    """
-    if not isinstance(directory, str | os.PathLike) or not str(directory):
-        raise TypeError(f"{name} must be a path (str or os.PathLike); got {directory!r}")
-    return Path(directory)
+def check_path(value: Any, name: str = "directory", kind: str = "a path") -> str:
+    """``value`` as a ``str``; a ``TypeError`` naming ``name`` if it is not a path."""
+    if not isinstance(value, str | os.PathLike) or not str(value):
+        raise TypeError(f"{name} must be {kind} (str or os.PathLike); got {value!r}")
+    return str(value)
 
 
 def _fsync(path: Path) -> None:
-    """Flush a file's or a directory's contents to disk (a directory: its entries)."""
+    """Flush a file's contents, or a directory's entries, to disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -92,6 +79,7 @@ def _digest(path: Path) -> str:
 
 
 def _write_manifest(folder: Path) -> None:
+    """``MANIFEST``: each file's size and sha256; then everything fsynced."""
     files = sorted(p for p in folder.iterdir() if p.is_file())
     manifest = {p.name: [p.stat().st_size, _digest(p)] for p in files}
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
@@ -104,22 +92,13 @@ def write(
     ckpt: tf.train.Checkpoint, directory: Any, number: int, position: dict[str, Any],
     keep: int | None = 3,
 ) -> str:  # fmt: skip
-    """Save ``ckpt`` as ``directory/ckpt-<number>`` atomically (see the module's drawing).
-
-    Args:
-        ckpt: what to write (``towers.training.checkpoint.checkpoint(trainer)``).
-        directory: the run's checkpoint directory (created if needed).
-        number: the checkpoint's number, e.g. the count of batches trained (an int >= 0).
-        position: JSON-serializable facts saved alongside (where the data stream stood).
-        keep: how many of the newest checkpoints to keep (None: all).
-
-    Returns:
-        The new checkpoint's prefix, ``directory/ckpt-<number>/state`` (``ckpt-<number>.<k>``
-        when that number was saved before: the old one is deleted once this one is in place).
-    """
+    """Save ``ckpt`` (:func:`towers.training.checkpoint.checkpoint`) as
+    ``directory/ckpt-<number>`` atomically, as drawn above, with ``position`` (JSON facts:
+    where the data stream stood); keep the ``keep`` newest (None: all). Return its prefix,
+    ``directory/ckpt-<number>[.<k>]/state``."""
     non_negative_int("number", number)
     optional(positive_int, "keep", keep)
-    root = check_directory(directory)
+    root = Path(check_path(directory))
     root.mkdir(parents=True, exist_ok=True)
     name = f"ckpt-{number:08d}"
     tmp = root / f".tmp-{name}-{os.getpid()}"
@@ -130,14 +109,14 @@ def write(
     _reached("data")
     _write_manifest(tmp)
     _reached("manifest")
-    older = [p for (n, _), p in _folders(root) if n == number]
-    final = root / (f"{name}.{1 + max(_key(p)[1] for p in older)}" if older else name)
+    older = [(k, p) for (n, k), p in _folders(root) if n == number]
+    final = root / (f"{name}.{1 + max(k for k, _ in older)}" if older else name)
     os.rename(tmp, final)
     _fsync(root)
     _reached("renamed")
     _point(root, final.name)
     _reached("pointer")
-    for old in older:  # replaced: only now that the new save is complete and in place
+    for _, old in older:  # replaced: only now that the new save is complete and in place
         shutil.rmtree(old, ignore_errors=True)
     if keep is not None:
         for stale in checkpoints(root)[:-keep]:
@@ -146,7 +125,6 @@ def write(
 
 
 def _point(root: Path, name: str) -> None:
-    """Replace the ``latest`` pointer atomically: a temporary file, fsync, rename."""
     pointer = root / f".{POINTER}.tmp"
     pointer.write_text(name + "\n")
     _fsync(pointer)
@@ -157,31 +135,26 @@ def _point(root: Path, name: str) -> None:
 def checkpoints(directory: Any) -> list[str]:
     """The prefixes of every complete-looking ``ckpt-*`` in ``directory``, oldest first
     (unverified; temporary ``.tmp-*`` folders of an unfinished save are never listed)."""
-    return [str(p / PREFIX) for _, p in _folders(check_directory(directory))]
-
-
-def _key(folder: Path) -> tuple[int, int]:
-    """``(N, 0)`` for ``ckpt-N``, ``(N, k)`` for ``ckpt-N.k`` (N's k-th save again)."""
-    match = _NAME.match(folder.name)
-    assert match is not None
-    return int(match[1]), int(match[2] or 0)
+    return [str(p / PREFIX) for _, p in _folders(Path(check_path(directory)))]
 
 
 def _folders(root: Path) -> list[tuple[tuple[int, int], Path]]:
-    """The ``ckpt-*`` folders of ``root`` with their keys, oldest first."""
+    """The ``ckpt-N`` and ``ckpt-N.k`` (N saved again) folders of ``root``, each with its
+    key ``(N, k)`` (``k`` 0 for ``ckpt-N``), oldest first."""
     if not root.is_dir():
         return []
-    return sorted((_key(p), p) for p in root.iterdir() if _NAME.match(p.name))
+    found = [(_NAME.match(p.name), p) for p in root.iterdir()]
+    return sorted(((int(m[1]), int(m[2] or 0)), p) for m, p in found if m)
 
 
 def verify(prefix: Any) -> dict[str, Any]:
     """Check a checkpoint written by :func:`write` against its manifest; return its position.
 
     Raises:
-        CheckpointError: naming ``prefix``: no manifest, a file missing, of another size
-            or with another sha256 (truncated or corrupt), or an unreadable position.
+        CheckpointError: naming ``prefix``: no manifest or position, or a file missing, of
+            another size or with another sha256 (truncated or corrupt).
     """
-    prefix = str(check_directory(prefix, "prefix"))
+    prefix = check_path(prefix, "prefix")
     folder = Path(prefix).parent
     try:
         manifest = json.loads((folder / MANIFEST).read_text())
@@ -190,10 +163,8 @@ def verify(prefix: Any) -> dict[str, Any]:
             if not path.is_file():
                 raise CheckpointError(prefix, f"{name} is missing")
             if path.stat().st_size != size:
-                raise CheckpointError(
-                    prefix, f"{name} has {path.stat().st_size} bytes, its manifest {size} "
-                    "(truncated?)",
-                )  # fmt: skip
+                raise CheckpointError(prefix, f"{name} has {path.stat().st_size} bytes, its "
+                                      f"manifest {size} (truncated?)")  # fmt: skip
             if _digest(path) != digest:
                 raise CheckpointError(prefix, f"{name} does not match its sha256 (corrupt)")
         position: dict[str, Any] = json.loads((folder / POSITION).read_text())
@@ -205,13 +176,8 @@ def verify(prefix: Any) -> dict[str, Any]:
 
 
 def latest(directory: Any) -> str | None:
-    """The prefix of the newest checkpoint in ``directory`` that verifies, or None.
-
-    A damaged newer checkpoint (truncated, corrupt, half deleted) is skipped with a
-    ``RuntimeWarning`` naming it and the reason; the previous good one is returned.
-
-    Raises:
-        TypeError: ``directory`` is not a path.
+    """The prefix of the newest checkpoint in ``directory`` that verifies, or None; a
+    damaged newer one is skipped with a ``RuntimeWarning`` naming it and the reason.
 
     Example:
         >>> prefix = latest("/tmp/run")          # doctest: +SKIP

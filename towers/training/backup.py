@@ -11,21 +11,16 @@
       after each trained batch: N += 1; N % k == 0 ─▶ write ckpt-N atomically
                                 (k None: at the end of every epoch instead)
 
-Keras's own ``BackupAndRestore`` resumes at the start of the epoch it saved in (its
-``_load_model`` sets only the initial epoch, even with an integer ``save_freq``), so
-the batches of that epoch before the save are trained twice. ``ExactResume`` resumes
-at the batch: the resumed run trains the very batches, in the very order, that the
-uninterrupted run would have, and ends with bitwise the same weights, optimizer slots,
-``iterations`` and all-reduce state (tests/training/test_resume.py kills a run with
-SIGKILL at random moments and crashes one at each stage of a save to check it).
+Keras's ``BackupAndRestore`` resumes at the start of the epoch it saved in, so that
+epoch's batches before the save are trained twice. ``ExactResume`` resumes at the batch:
+the resumed run trains the very batches the uninterrupted run would have, and ends with
+bitwise the same weights, slots, ``iterations`` and all-reduce state.
 
 That needs the same batches in every epoch of both runs: arrays with ``shuffle=False``
-(shuffle them once beforehand, seeded), or a dataset or ``PyDataset`` whose order is a
-function of the epoch. Keras's own shuffling of arrays is drawn afresh in each process,
-so ``shuffle=True`` with arrays is refused. The position counts batches, so it means
-something only for the data and batch size it was written with: ``position.json``
-records them (``data``), and a resume with any other is refused before the model
-changes. The logs of the resumed epoch cover the batches trained after the resume.
+(Keras shuffles arrays afresh in each process, so ``shuffle=True`` is refused), or a
+dataset whose order is a function of the epoch. The position counts batches of the data
+and batch size it was written with (recorded as ``data``): a resume with others is
+refused before the model changes.
 """
 
 from __future__ import annotations
@@ -41,27 +36,15 @@ from towers.training.checkpoint import checkpoint, restore
 
 __all__ = ["ExactResume", "data_facts"]
 
-_FACTS = (
-    ("kind", "data"),
-    ("batch_size", "batch_size"),
-    ("examples", "examples"),
-    ("shuffle", "shuffle"),
-    ("steps", "batches per epoch"),
-)
+_FACTS = {"kind": "data", "batch_size": "batch_size", "examples": "examples",
+          "shuffle": "shuffle", "steps": "batches per epoch"}  # fmt: skip
+"""What a position records of its data, and each fact's name in a refusal."""
 
 
 def data_facts(x: Any, batch_size: int | None, shuffle: Any) -> dict[str, Any]:
-    """What a saved position counts in: the data's kind and size, batch size, shuffling.
-
-    Args:
-        x: ``fit``'s training inputs (after Keras's ``validation_split``, if any).
-        batch_size: ``fit(batch_size=...)`` (Keras's default 32 for arrays when None).
-        shuffle: ``fit(shuffle=...)`` (array data only: a dataset orders itself).
-
-    Returns:
-        ``{"kind", "batch_size", "examples", "shuffle"}``; ``"steps"`` (batches per epoch)
-        is added from Keras's ``params`` when training begins.
-    """
+    """What a saved position counts in: ``{"kind", "batch_size", "examples", "shuffle"}``
+    of ``fit``'s ``x`` (after ``validation_split``), ``batch_size`` (None: Keras's 32 for
+    arrays) and ``shuffle``; ``ExactResume`` adds ``"steps"`` (batches per epoch)."""
     first = keras.tree.flatten(x)[0] if x is not None else None
     if first is None or not hasattr(first, "shape") or not hasattr(first, "__len__"):
         return {"kind": "dataset", "batch_size": None, "examples": None, "shuffle": None}
@@ -70,18 +53,14 @@ def data_facts(x: Any, batch_size: int | None, shuffle: Any) -> dict[str, Any]:
 
 
 def check_position(prefix: str, position: dict[str, Any], facts: dict[str, Any]) -> None:
-    """Refuse to resume from ``position`` with data described by other ``facts``.
-
-    Raises:
-        CheckpointError: naming both values of the first fact that differs (or a position
-            that records none: written before positions recorded their data).
-    """
+    """Refuse to resume from ``position`` with data described by other ``facts``: a
+    ``CheckpointError`` naming both values of the first fact that differs."""
     saved = position.get("data")
     if not isinstance(saved, dict):
         raise CheckpointError(prefix, "its position does not record the data and batch size "
                               "it counts in (written by an older towers): it cannot be resumed "
                               "exactly; start the run in a new directory")  # fmt: skip
-    for key, name in _FACTS:
+    for key, name in _FACTS.items():
         if saved.get(key) != facts[key]:
             raise CheckpointError(
                 prefix, f"was written by a fit with {name}={saved.get(key)!r}, this fit has "
@@ -93,9 +72,8 @@ def check_position(prefix: str, position: dict[str, Any], facts: dict[str, Any])
 
 
 class ExactResume(keras.callbacks.Callback):
-    """Atomic checksummed checkpoints every ``every`` batches, and an exact resume.
-
-    For :class:`towers.TowerModel` only (it needs the trainer and the skip hook).
+    """Atomic checksummed checkpoints every ``every`` batches, and an exact resume, for a
+    :class:`towers.TowerModel` (it needs the trainer and the skip hook).
 
     Args:
         directory: the run's checkpoint directory (created if missing).
@@ -106,11 +84,10 @@ class ExactResume(keras.callbacks.Callback):
             numbering new checkpoints from 1).
 
     Raises:
-        TypeError: ``directory`` is not a path, or ``resume`` not a bool.
-        ValueError: ``every`` is not None or an int >= 1, or ``keep`` not an int >= 1;
-            at ``fit``: not a TowerModel, or arrays with ``shuffle=True``.
+        TypeError, ValueError: a bad argument (naming it); at ``fit``: not a TowerModel, or
+            arrays with ``shuffle=True``.
         CheckpointError: at ``fit``: the latest checkpoint does not fit this model, or its
-            position another batch size or data (the model is unchanged).
+            position other data (the model is unchanged).
 
     Example:
         >>> tm.fit(x, y, batch_size=96, epochs=3, shuffle=False,          # doctest: +SKIP
@@ -120,7 +97,7 @@ class ExactResume(keras.callbacks.Callback):
     def __init__(self, directory: Any, every: int | None = None, keep: int = 3,
                  resume: bool = True) -> None:  # fmt: skip
         super().__init__()
-        atomic.check_directory(directory, "directory")
+        atomic.check_path(directory)
         optional(positive_int, "every", every)
         positive_int("keep", keep)
         if not isinstance(resume, bool):
@@ -184,8 +161,6 @@ class ExactResume(keras.callbacks.Callback):
         steps = self.data.get("steps")
         if steps is not None and batch >= steps:  # the epoch is done: resume at the next
             epoch, batch = epoch + 1, 0
-        position = {"epoch": epoch, "batch": batch, "batches": self.batches, "rng": None,
-                    "data": self.data}  # fmt: skip
-        return atomic.write(
-            checkpoint(self.model.trainer), self.directory, self.batches, position, self.keep
-        )
+        position = {"epoch": epoch, "batch": batch, "batches": self.batches, "data": self.data}
+        return atomic.write(checkpoint(self.model.trainer), self.directory, self.batches,
+                            position, self.keep)  # fmt: skip

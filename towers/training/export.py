@@ -2,17 +2,12 @@
 
 ::
 
-    trainer.model ──model.save──▶ <path>/model.keras     Keras: reload with load_model,
-                  │                                       keep training, inspect layers
-                  └─model.export─▶ <path>/saved_model/    TF Serving, TFLite, tf.saved_model.load
-                                                          (a traced graph: endpoint "serve")
+    trainer.model ──model.save──▶ <path>/model.keras     Keras: load_model, keep training
+                  └─model.export─▶ <path>/saved_model/    TF Serving, TFLite (endpoint "serve")
 
-Both hold one copy of the weights (the replicas are identical, so which copy does
-not matter). Reloading the ``.keras`` file runs the same Keras layers on the same
-weights: its outputs equal ``trainer.model``'s bitwise. The SavedModel runs a traced
-graph that Grappler optimizes when it is loaded (e.g. its remapper fuses
-Conv2D + BiasAdd + Relu and MatMul + BiasAdd into single kernels), so its outputs
-may differ from the eager model's in the last bits; expect agreement to a few ULPs.
+Both hold one copy of the weights (the replicas are identical). The ``.keras`` file
+reloads to outputs bitwise equal to ``trainer.model``'s; the SavedModel is a traced graph
+that Grappler fuses when loaded (MatMul + BiasAdd, …), so expect agreement to a few ULPs.
 """
 
 from __future__ import annotations
@@ -34,13 +29,6 @@ class Exported(NamedTuple):
 
 def export(trainer: Trainer, path: str) -> Exported:
     """Save ``trainer.model`` as ``<path>/model.keras`` and a SavedModel in ``<path>/saved_model``.
-
-    Args:
-        trainer: the :class:`~towers.TowerTrainer`.
-        path: a directory (created if missing).
-
-    Returns:
-        The two paths.
 
     Raises:
         ValueError: ``path`` exists and is not a directory.

@@ -1,5 +1,5 @@
 """Layers a trainer cannot run as written are refused by name when it is built
-(towers/guard/layers.py): ``BatchNormalization(synchronized=True)`` over more than one
+(towers/guard/given.py): ``BatchNormalization(synchronized=True)`` over more than one
 tower, and ``variables="sharded"`` with an Embedding and an optimizer whose sparse and
 dense updates differ — measured for every Keras optimizer, not listed.
 """
@@ -15,7 +15,7 @@ import pytest
 import towers
 from tests.conftest import DEVICES
 from tests.model.helpers import LOSS, data
-from towers.guard.layers import sparse_equals_dense
+from towers.guard.given import sparse_equals_dense
 
 X, Y = data(24, seed=2)
 
