@@ -13,7 +13,7 @@ returns its inputs unchanged, or a mean instead of a sum, kept it and trained
 silently wrong: with ``replicated`` every replica drifts its own way, with
 ``parameter_device`` the update uses tower 0's gradient alone. This check runs the
 algorithm once on small values and compares each output with the exact sum, within
-the summation bound of :mod:`towers.testing.bounds.sums` (``γ_{n−1}·Σ|x_i|``, which holds
+the summation bound of :mod:`towers.testing.bounds` (``γ_{n−1}·Σ|x_i|``, which holds
 for every summation tree of ``n`` leaves). The values are small integers: every
 partial sum is exact in float16, bfloat16 and float32, so any correct summation
 order meets the bound with no error at all, and a wrong one misses by at least 1.
