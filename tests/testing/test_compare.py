@@ -19,8 +19,7 @@ from reference import CentralStorageTrainer, MirroredTrainer
 from tests.conftest import DEVICES
 from tests.testing.test_invariance import LOSS, batches, sgd, tiny_mlp
 from towers import TowerTrainer
-from towers.testing import Step, as_step, bisect, compare
-from towers.testing import bounds
+from towers.testing import Step, as_step, bisect, bounds, compare
 from towers.testing.steps import check_step
 
 
