@@ -1,24 +1,14 @@
 """Tools to prove a data-parallel setup right: Hypothesis strategies, error bounds, checkers.
 
-    values.py      tower values (Hypothesis), ``assert_close``, ULP distances, weight reports
-    strategies.py  model families, optimizers, training cases and step batches
-    bounds/        every error bound on the one unit roundoff; optimizers' tracked bounds;
-                   the kernel-noise floor
-    check.py       ``check_all_reduce``: an algorithm's properties (properties.py: one
-                   example's) over towers, shapes, dtypes, ops
-    codec_check.py ``check_codec``: a codec's contract
-    replay.py      a NumPy interpreter of an algorithm's traced graph (kernels.py: its ops)
-    steps.py       the step protocol (``Step``) and ``as_step``, the adapter for a user's step
-    onestep.py     one step from the same weights: gradients, depths, the comparison
-    report.py      what a comparison found (``BisectReport``, ``Divergence``)
-    causes.py      why a divergence may have happened, read from its batches and sides
-    compare.py     ``compare``, ``bisect``, ``assert_steps_match`` (plugin.py: the fixture)
-    invariance.py  ``check_invariance``: the same training on 1, 2, 4, 8 towers
-
-Example::
-
-    from hypothesis import given
-    from towers.testing import training_cases, assert_weights_close, check_all_reduce
+    values, strategies   tower values, models, training cases, batches; assert_close, ULPs
+    bounds/              every error bound on the one unit roundoff
+    check, properties    check_all_reduce: an algorithm's properties over towers, shapes, dtypes
+    codec_check          check_codec: a codec's contract
+    replay, kernels      a NumPy interpreter of an algorithm's graph, bitwise
+    steps, onestep       the step protocol (as_step); one step from the same weights
+    compare, report      compare, bisect, assert_steps_match (plugin: the fixture); what they found
+    causes               why a divergence may have happened
+    invariance           check_invariance: the same training on 1, 2, 4, 8 towers
 """
 
 from __future__ import annotations
@@ -53,41 +43,10 @@ from towers.testing.values import (
     weight_report,
 )
 
-__all__ = [
-    "CENTRAL_STORAGE_FAMILIES",
-    "CENTRAL_STORAGE_OPTIMIZERS",
-    "FAMILIES",
-    "OPTIMIZERS",
-    "BisectReport",
-    "CheckReport",
-    "CodecReport",
-    "Config",
-    "Divergence",
-    "InvarianceReport",
-    "ModelSpec",
-    "Step",
-    "TrainingCase",
-    "as_step",
-    "assert_close",
-    "assert_steps_match",
-    "assert_weights_close",
-    "bisect",
-    "check_all_reduce",
-    "check_codec",
-    "check_invariance",
-    "compare",
-    "gamma",
-    "loss_fn",
-    "model_specs",
-    "no_empty_shards",
-    "per_tower_gradients",
-    "sgd_step_bound",
-    "step_batches",
-    "step_cases",
-    "sum_bound",
-    "tower_values",
-    "training_cases",
-    "ulp_distance",
-    "unit_roundoff",
-    "weight_report",
-]
+__all__ = ["CENTRAL_STORAGE_FAMILIES", "CENTRAL_STORAGE_OPTIMIZERS", "FAMILIES", "OPTIMIZERS",
+           "BisectReport", "CheckReport", "CodecReport", "Config", "Divergence", "InvarianceReport",
+           "ModelSpec", "Step", "TrainingCase", "as_step", "assert_close", "assert_steps_match",
+           "assert_weights_close", "bisect", "check_all_reduce", "check_codec", "check_invariance",
+           "compare", "gamma", "loss_fn", "model_specs", "no_empty_shards", "per_tower_gradients",
+           "sgd_step_bound", "step_batches", "step_cases", "sum_bound", "tower_values",
+           "training_cases", "ulp_distance", "unit_roundoff", "weight_report"]

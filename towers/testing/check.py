@@ -187,15 +187,14 @@ def check_all_reduce(
 
     Args:
         fn: an all-reduce callable, or a registry name (``"naive"``).
-        max_towers: the largest tower count.
-        dtypes, ops: what to draw (default: all the contract supports; no integer ``mean``).
-        shapes: shapes to draw (default :func:`~towers.testing.values.tower_shapes`).
-        max_examples: drawn examples in all (default 20), spread over the tower counts,
-            at least 2 each; the stratified examples come on top.
+        max_towers, tower_counts: the counts to check (default ``1..max_towers``).
+        dtypes, ops, shapes: what to draw (default: all the contract supports;
+            :func:`~towers.testing.values.tower_shapes`).
+        max_examples: drawn examples in all (default 20), at least 2 per tower count;
+            the stratified examples come on top.
         devices: the devices to place towers on (default ``towers.local_devices()``).
-        seed: Hypothesis seed, for reproducible runs; ``None`` draws afresh each run.
+        seed: Hypothesis seed; ``None`` draws afresh each run.
         replay: also demand bitwise equality with the NumPy replay (one trace per example).
-        tower_counts: the counts to check (default ``1..max_towers``).
 
     Raises:
         ValueError: ``max_towers`` < 1 or above the devices, tower counts outside

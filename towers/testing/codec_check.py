@@ -5,13 +5,12 @@ counts what each tower hands it, and checks:
 
 1. **Error feedback.** ``output + Σ_t r'_t == Σ_t (g_t + r_t)`` within the codec's
    ``error_bound`` (``r`` the state's ``residual``; without one, ``output == Σ_t g_t``).
-2. **Placement.** Output ``t`` lives on tower ``t``'s device.
-3. **Agreement.** All outputs bitwise identical, also with every tower decoding for itself.
-4. **State shape.** The new state has ``init``'s structure, shapes and dtypes.
-5. **Bytes.** What each tower hands the wire equals the codec's ``payload_bytes``.
-6. **Checkpoint.** In a trainer, the state saved comes back bitwise on restore.
-7. **Skipped step.** A non-finite batch with ``on_nonfinite="skip"`` leaves the state (and
-   any variable the codec holds itself) bitwise unchanged.
+2. **Placement and agreement.** Output ``t`` on tower ``t``'s device; all bitwise equal,
+   also with every tower decoding for itself.
+3. **State and bytes.** The new state has ``init``'s structure; what each tower hands the
+   wire equals the codec's ``payload_bytes``.
+4. **In a trainer.** The state saved comes back bitwise on restore; a non-finite batch with
+   ``on_nonfinite="skip"`` leaves it (and any variable the codec holds) unchanged.
 
 A wrong codec never raises: the :class:`CodecReport` says what failed, and where.
 

@@ -1,10 +1,8 @@
 """``compare`` and ``bisect``: two steps, teacher-forced from the same weights, within a bound.
 
-Two steps (:mod:`towers.testing.steps`) or configurations (an algorithm name,
-``"mirrored"``, a :class:`Config`, built into trainers here) train on the same batches.
-A is the teacher: before every step B is set to A's weights, so each step is judged on
-its own, and an in-order scan finds the first bad step exactly (free-running runs part
-through rounding alone)::
+Two steps (:mod:`towers.testing.steps`) or configurations (built into trainers here) train
+on the same batches. A is the teacher: before every step B is set to A's weights, so each
+step is judged on its own and an in-order scan finds the first bad one exactly::
 
     step:      1        2        3        4   …
     A (free)   W1 ────▶ W2 ────▶ W3 ────▶ W4
@@ -223,21 +221,15 @@ def compare(
     """Compare two steps on every batch, teacher-forced from A's weights.
 
     Args:
-        a: the teacher: a step (``train_step``/``get_weights``/``set_weights``) or a
-            configuration (an algorithm name, ``"towers:NAME"``, ``"mirrored"``,
-            ``"central_storage"``, an all-reduce callable, a :class:`Config`).
+        a: the teacher: a step or a configuration (an algorithm name, ``"towers:NAME"``,
+            ``"mirrored"``, ``"central_storage"``, an all-reduce callable, a :class:`Config`).
         b: the step under test, the same kinds.
         batches: ``(x, y)`` global batches.
         bound: None (derived), a tolerance, or ``(weights, x, y) -> [tolerance per weight]``.
-        loss: the loss (configurations; sizing a derived bound when the steps do not
-            carry ``loss_fn``).
+        loss: the loss (configurations, or a derived bound for steps without ``loss_fn``).
         towers: the tower count (configurations: default 4; steps: from their devices).
         steps: how many batches at most (default: all).
         model_fn, optimizer_fn: zero-argument factories (configurations only).
-
-    Returns:
-        A :class:`~towers.testing.report.BisectReport`: every step's rows, the first
-        divergence (step, variable, element, both values, |Δ|, bound) and the bound's name.
 
     Raises:
         TypeError: a side that is neither a step nor a configuration.

@@ -1,10 +1,8 @@
 """``check_invariance``: does training give the same result on 1, 2, 4, 8 towers?
 
-Every tower count trains the same batches from the same weights. The verdict compares one
-step at a time from the same weights (teacher forcing), so the bound stays a one-step
-bound (:mod:`towers.testing.onestep`: each run's all-reduce, plus the towers' kernels as
-trees over the per-example gradients); the free-running trajectories are shown beside it,
-not judged: over many steps the loss' curvature amplifies any difference without bound::
+Every tower count trains the same batches. The verdict compares one step at a time from the
+same weights (teacher forcing), within the one-step bound of :mod:`towers.testing.onestep`;
+the free-running trajectories are shown, not judged (curvature amplifies any difference)::
 
     step s:   W_s (the 1-tower run's weights)
                  │ set on every trainer
@@ -15,16 +13,9 @@ not judged: over many steps the loss' curvature amplifies any difference without
       ▼
     W_{s+1} = apply(G_1)        the 1-tower run moves on; the others are set to it
 
-Any step can be checked the same way: ``step=factory``, called as ``factory(model_fn,
-optimizer_fn, loss, devices)`` per tower count (``reference.MirroredTrainer`` is one).
-Such steps expose no gradient: each count's weights after one update are compared with
-the first count's, within the bound :func:`towers.testing.bounds.resolve_bound` names.
-
-Example:
-    >>> report = check_invariance(make_model, lambda: keras.optimizers.SGD(0.1),
-    ...     "sparse_categorical_crossentropy", batches, towers=(1, 2, 4))  # doctest: +SKIP
-    >>> report.ok, report.first_failure                                    # doctest: +SKIP
-    (True, None)
+Any step can be checked: ``step=factory(model_fn, optimizer_fn, loss, devices)`` (e.g.
+``reference.MirroredTrainer``); its weights after one update are compared with the first
+count's, within the bound :func:`towers.testing.bounds.resolve_bound` names.
 """
 
 from __future__ import annotations
@@ -165,7 +156,7 @@ def check_invariance(
 
     Raises:
         ValueError: a tower count outside ``1..len(local devices)`` or repeated, no
-            batches, bad ``steps``; the trainer's own errors for bad models and options.
+            batches, bad ``steps``.
     """
     devices = local_devices()
     counts = _check_towers(towers, len(devices))

@@ -35,17 +35,8 @@ from towers.step import TowerTrainer
 from towers.testing.bounds import exact_sums, summation_depth
 from towers.testing.report import Difference
 
-__all__ = [
-    "StepGradients",
-    "advance",
-    "algorithm_depth",
-    "compare_gradients",
-    "compare_runs",
-    "kernel_depth",
-    "step_gradients",
-    "take_batches",
-    "update_rows",
-]
+__all__ = ["StepGradients", "advance", "algorithm_depth", "compare_gradients", "compare_runs",
+           "kernel_depth", "step_gradients", "take_batches", "update_rows"]
 
 
 def take_batches(batches: Iterable[Any], steps: int | None) -> list[tuple[Any, Any]]:

@@ -8,21 +8,12 @@ equal to TensorFlow's result: every reordered or regrouped addition shows::
 
     algorithm ──trace──▶ graph ──interpret──▶ NumPy arrays == TensorFlow's, bit for bit
 
-What TensorFlow 2.21 does on CPU (``tests/testing/test_replay.py`` pins each fact):
-
-* ``AddN`` adds up to 9 inputs left to right; with more, a head of ``n mod 8`` inputs
-  (8 for 0, 9 for 1) left to right, then ``total + (block of 8, left to right)``.
-* Inside a ``tf.function`` Grappler collapses a chain of adds on one device into one
-  ``AddN``, sorts an ``AddN``'s inputs by node name, and turns ``x / n`` into
-  ``x * (1/n)``. Eager execution runs ops as written.
-
-Hence two modes: ``replay(...)`` interprets the graph as written (bitwise equal to eager
-execution); ``replay(..., optimized=True)`` runs the function once and interprets the
-graph Grappler produced (bitwise equal to the ``tf.function``). Collective ops are opaque
-(the runtime decides their order) and raise :class:`ReplayError`.
-
-Example:
-    >>> out = replay(naive, [np.ones(3, np.float32)] * 4)   # doctest: +SKIP
+On CPU ``AddN`` adds up to 9 inputs left to right; with more, a head of ``n mod 8`` (8 for
+0, 9 for 1), then ``total + (block of 8)``. Inside a ``tf.function`` Grappler folds add
+chains into ``AddN``, sorts its inputs by node name and turns ``x / n`` into ``x * (1/n)``
+(``tests/testing/test_replay.py`` pins each fact). Hence two modes: the graph as written
+(bitwise equal to eager execution) and, with ``optimized=True``, the graph Grappler made
+(bitwise equal to the ``tf.function``). Collective ops are opaque: :class:`ReplayError`.
 """
 
 from __future__ import annotations
@@ -219,10 +210,6 @@ def replay(
         optimized: interpret the graph Grappler produced (runs the function once) instead
             of the traced one.
 
-    Returns:
-        One array per output; on CPU bitwise equal to TensorFlow's (eager, or the
-        ``tf.function``'s when ``optimized``).
-
     Raises:
         ReplayError: an op without a NumPy kernel (named, with the supported ops), or an
             opaque collective op.
@@ -234,10 +221,8 @@ def replay(
     if devices is None:
         devices = local_devices()
     if len(devices) < len(arrays):
-        raise ValueError(
-            f"{len(arrays)} arrays but only {len(devices)} devices: call "
-            f"towers.simulate_devices({len(arrays)}) first, or pass devices="
-        )
+        raise ValueError(f"{len(arrays)} arrays but only {len(devices)} devices: call "
+                         f"towers.simulate_devices({len(arrays)}) first, or pass devices=")
     devices = list(devices)[: len(arrays)]
     fn = tf.function(_placed(algorithm, op, devices), autograph=False)
     concrete = fn.get_concrete_function(*[tf.TensorSpec(a.shape, a.dtype) for a in arrays])

@@ -9,10 +9,7 @@ A :class:`BisectReport`'s ``str`` is what a test or the CLI prints::
     FIRST DIVERGENCE: step 2, variable dense/bias (#1, update)
       element 3 (chunk 0 of 1: elements 0..5)
       A = 0.25  B = 0.2459  |Δ| = 0.0041 > bound 1.2e-08
-      bound used: …
-      possible causes, read from the batches and both sides (towers.testing.causes):
-        - uneven batch: step 2's batch of 10 splits 3+3+3+1 over 4 towers, …
-      the setting: TowerTrainer(..., semantics="mirrored") …
+      possible causes, read from the batches and both sides (towers.testing.causes): …
 """
 
 from __future__ import annotations
@@ -27,16 +24,9 @@ __all__ = ["BisectReport", "Difference", "Divergence"]
 class Difference:
     """One variable's largest difference at one step, and the bound it is held to.
 
-    Attributes:
-        towers: the tower count of the run compared (or a configuration's label).
-        step: the step, counted from 1.
-        variable, index: the variable's path and its place in model order.
-        max_diff: the largest |difference| over its elements.
-        worst: the flat index of the element with the largest ``diff / bound``;
-            ``worst_diff`` and ``bound`` are there.
-        ok: every element within its bound.
-        cause: when not ok, the part that left its own bound: ``"reduction (…)"`` or
-            ``"kernels"`` (:mod:`towers.testing.onestep`).
+    ``towers`` is the run's tower count (or a label); ``worst`` the flat index with the
+    largest ``diff / bound`` (``worst_diff`` and ``bound`` are there); ``cause``, when not
+    ``ok``: the part that left its own bound, ``"reduction (…)"`` or ``"kernels"``.
     """
 
     towers: int | str
@@ -55,21 +45,11 @@ class Difference:
 class Divergence:
     """Where two runs first part: the step, the variable and the first element outside.
 
-    Attributes:
-        step, variable, index: the step (from 1), the variable's path and model-order place.
-        element: the first flat index outside the bound.
-        value_a, value_b: that element in both runs (gradients, or weights after the step).
-        diff, bound: ``|value_a − value_b|`` and the bound there.
-        chunk: ``(k, pieces, lo, hi)``: the element lies in chunk ``k`` of ``pieces``
-            (flat elements ``lo..hi−1``) when B's algorithm pad-splits the variable into
-            ``n·subchunks`` pieces.
-        compared: ``"gradient"`` or ``"update"``.
-        cause: gradients only: ``"reduction (B)"``, ``"reduction (reference)"`` or ``"kernels"``.
-        bound_name: which bound held the step, and why that one.
-        causes: ``"name: why"`` for each cause the batches and sides show
-            (:mod:`towers.testing.causes`).
-        setting: the setting that reproduces MirroredStrategy's semantics, when a cause
-            is them; else "".
+    ``element`` is the first flat index outside, ``value_a``/``value_b`` its values, ``diff``
+    and ``bound`` there; ``chunk = (k, pieces, lo, hi)``: it lies in chunk ``k`` (elements
+    ``lo..hi−1``) of B's pad-split; ``compared``: ``"gradient"`` or ``"update"``; ``cause``:
+    which part left its bound; ``causes``: ``"name: why"`` for each cause the batches and
+    sides show; ``setting``: the one that reproduces MirroredStrategy's semantics, or "".
     """
 
     step: int

@@ -6,11 +6,10 @@ A *step* has three methods::
     step.get_weights() -> [np.ndarray]          in model.weights order
     step.set_weights(ws)                        every replica's copy
 
-``TowerTrainer`` (and ``TowerModel.trainer``) and the ``reference`` trainers are steps as
-they stand; a user's step function becomes one with :func:`as_step`. Optional attributes
-sharpen what a comparison can say: ``model`` (variable names, which weights train, the
-gradients that size a derived bound), ``optimizer`` (which bound applies), ``loss_fn``,
-``devices`` or ``strategy`` (the tower count).
+``TowerTrainer`` and the ``reference`` trainers are steps; a user's step function becomes
+one with :func:`as_step`. Optional attributes sharpen a comparison: ``model`` (names, the
+gradients that size a bound), ``optimizer`` (which bound), ``loss_fn``, ``devices`` or
+``strategy`` (the tower count).
 """
 
 from __future__ import annotations
@@ -104,13 +103,13 @@ def as_step(fn: Callable[[Any], Any], model: Any, *, strategy: Any = None,
     """A user's step function as a :class:`Step`: the one-line adapter.
 
     Args:
-        fn: the step function, called with one batch: ``(x, y)`` or
-            ``(x, y, sample_weight)`` (the tutorial's ``distributed_train_step(inputs)``).
+        fn: the step function, called with one batch ``(x, y)`` or ``(x, y, sample_weight)``
+            (the tutorial's ``distributed_train_step(inputs)``).
         model: the ``keras.Model`` it trains (its weights are the step's weights).
-        strategy: the ``tf.distribute.Strategy`` ``fn`` runs under, if any: the batch is
-            distributed by it first, and weights are set inside its scope.
-        optimizer: the optimizer ``fn`` applies (default ``model.optimizer``): it picks the bound.
-        loss: the loss ``fn`` minimizes: it sizes a derived bound.
+        strategy: the strategy ``fn`` runs under, if any: it distributes the batch, and
+            weights are set inside its scope.
+        optimizer, loss: what ``fn`` applies and minimizes (default ``model.optimizer``):
+            they pick and size the bound.
 
     Raises:
         TypeError: ``fn`` is not callable, or ``model`` has no ``weights``.

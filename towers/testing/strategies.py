@@ -28,21 +28,9 @@ from towers.split import shard_sizes
 from towers.tower import tower_step
 from towers.training.keras_loss import resolve_loss
 
-__all__ = [
-    "CENTRAL_STORAGE_FAMILIES",
-    "CENTRAL_STORAGE_OPTIMIZERS",
-    "FAMILIES",
-    "OPTIMIZERS",
-    "ModelSpec",
-    "TrainingCase",
-    "loss_fn",
-    "model_specs",
-    "no_empty_shards",
-    "per_tower_gradients",
-    "step_batches",
-    "step_cases",
-    "training_cases",
-]
+__all__ = ["CENTRAL_STORAGE_FAMILIES", "CENTRAL_STORAGE_OPTIMIZERS", "FAMILIES", "OPTIMIZERS",
+           "ModelSpec", "TrainingCase", "loss_fn", "model_specs", "no_empty_shards",
+           "per_tower_gradients", "step_batches", "step_cases", "training_cases"]
 
 FAMILIES = ("dense", "conv", "embedding", "batchnorm", "dropout", "regularized")
 
@@ -87,9 +75,8 @@ class ModelSpec:
             return inp, keras.layers.Flatten()(h)
         inp = keras.Input((5,))
         reg = keras.regularizers.L2(0.05) if self.family == "regularized" else None
-        h = keras.layers.Dense(
-            self.width, activation="tanh", kernel_initializer=init(0), kernel_regularizer=reg
-        )(inp)
+        h = keras.layers.Dense(self.width, activation="tanh", kernel_initializer=init(0),
+                               kernel_regularizer=reg)(inp)
         if self.family == "batchnorm":
             h = keras.layers.BatchNormalization(momentum=0.5)(h)
         if self.family == "dropout":
@@ -152,24 +139,15 @@ def no_empty_shards(batch: int, n: int) -> int:
 
 def model_specs(families: Sequence[str] = FAMILIES) -> st.SearchStrategy[ModelSpec]:
     """Small models of the given families with random widths and seeds."""
-    return st.builds(
-        ModelSpec,
-        family=st.sampled_from(list(families)),
-        width=st.integers(2, 6),
-        classes=st.integers(2, 4),
-        seed=st.integers(0, 1000),
-    )
+    return st.builds(ModelSpec, family=st.sampled_from(list(families)), width=st.integers(2, 6),
+                     classes=st.integers(2, 4), seed=st.integers(0, 1000))
 
 
-def training_cases(
-    families: Sequence[str] = FAMILIES,
-    optimizers: Sequence[str] = tuple(OPTIMIZERS),
-    max_towers: int = 8,
-    placements: Sequence[str] = ("parameter_device", "replicated"),
-    max_steps: int = 3,
-    max_batch: int = 12,
-    min_towers: int = 1,
-) -> st.SearchStrategy[TrainingCase]:
+def training_cases(families: Sequence[str] = FAMILIES,
+                   optimizers: Sequence[str] = tuple(OPTIMIZERS), max_towers: int = 8,
+                   placements: Sequence[str] = ("parameter_device", "replicated"),
+                   max_steps: int = 3, max_batch: int = 12, min_towers: int = 1,
+                   ) -> st.SearchStrategy[TrainingCase]:  # fmt: skip
     """Scenarios over models, optimizers, ``min_towers``–``max_towers`` towers, uneven batches.
 
     Batch sizes include sizes no tower count divides and sizes below it (empty shards),
@@ -188,25 +166,16 @@ def training_cases(
         sizes = draw(st.lists(st.integers(1, max_batch), min_size=1, max_size=max_steps))
         if spec.family in ("batchnorm", "conv"):
             sizes = [no_empty_shards(b, towers) for b in sizes]
-        return TrainingCase(
-            spec=spec,
-            optimizer=draw(st.sampled_from(list(optimizers))),
-            towers=towers,
-            batch_sizes=tuple(sizes),
-            placement=draw(st.sampled_from(list(placements))),
-            data_seed=draw(st.integers(0, 10_000)),
-        )
+        optimizer = draw(st.sampled_from(list(optimizers)))
+        placement = draw(st.sampled_from(list(placements)))
+        return TrainingCase(spec, optimizer, towers, tuple(sizes), placement,
+                            draw(st.integers(0, 10_000)))
 
     return build()
 
 
-def per_tower_gradients(
-    model: keras.Model,
-    x: np.ndarray,
-    y: np.ndarray,
-    devices: Sequence[str],
-    loss: keras.losses.Loss | None = None,
-) -> list[list[np.ndarray]]:
+def per_tower_gradients(model: keras.Model, x: np.ndarray, y: np.ndarray, devices: Sequence[str],
+                        loss: keras.losses.Loss | None = None) -> list[list[np.ndarray]]:
     """Each tower's dense gradient of its share of the global mean loss: ``grads[tower][var]``.
 
     Sizes error bounds (Σ_i |g_i|); never the thing under test. One device per example

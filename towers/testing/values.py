@@ -18,16 +18,8 @@ from hypothesis.extra import numpy as hnp
 
 from towers.allreduce.machinery.base import DTYPES
 
-__all__ = [
-    "Closeness",
-    "assert_close",
-    "assert_weights_close",
-    "is_float",
-    "tower_shapes",
-    "tower_values",
-    "ulp_distance",
-    "weight_report",
-]
+__all__ = ["Closeness", "assert_close", "assert_weights_close", "is_float", "tower_shapes",
+           "tower_values", "ulp_distance", "weight_report"]
 
 _PRIMES = (2, 3, 5, 7, 11, 13, 17, 31, 37, 101)
 _BITS = {2: np.int16, 4: np.int32, 8: np.int64}
@@ -37,9 +29,6 @@ _READABLE = ("float32", "float64", "int32", "int64", "float16", "bfloat16")
 def is_float(dtype: np.dtype) -> bool:
     """True for NumPy float dtypes, ml_dtypes' bfloat16 included (its kind is "V")."""
     return dtype.kind == "f" or dtype.name == "bfloat16"
-
-
-# -- comparisons --------------------------------------------------------------------------------
 
 
 def ulp_distance(a: Any, b: Any) -> np.ndarray:
@@ -90,30 +79,17 @@ def _errors(actual: np.ndarray, expected: np.ndarray) -> tuple[np.ndarray, np.nd
     return np.where(same, 0.0, np.nan_to_num(err, nan=np.inf)), ulps
 
 
-def _worst(values: np.ndarray) -> tuple[int, ...]:
-    return tuple(int(i) for i in np.unravel_index(int(np.argmax(values)), values.shape))
+def _mismatch_text(actual: np.ndarray, expected: np.ndarray, err: np.ndarray, ulps: np.ndarray,
+                   bad: np.ndarray) -> str:  # fmt: skip
+    masked = np.where(bad, err, -1.0)
+    i = tuple(int(k) for k in np.unravel_index(int(np.argmax(masked)), masked.shape))
+    return (f"{int(bad.sum())} of {bad.size} elements differ; worst at index {i}: got "
+            f"{actual[i].item()!r}, expected {expected[i].item()!r} (abs error {err[i]:.3g}, "
+            f"{int(ulps[i])} ULP); max abs error {float(err.max()):.3g}, max {int(ulps.max())} ULP")
 
 
-def _mismatch_text(
-    actual: np.ndarray, expected: np.ndarray, err: np.ndarray, ulps: np.ndarray, bad: np.ndarray
-) -> str:
-    i = _worst(np.where(bad, err, -1.0))
-    return (
-        f"{int(bad.sum())} of {bad.size} elements differ; worst at index {i}: got "
-        f"{actual[i].item()!r}, expected {expected[i].item()!r} (abs error {err[i]:.3g}, "
-        f"{int(ulps[i])} ULP); max abs error {float(err.max()):.3g}, max {int(ulps.max())} ULP"
-    )
-
-
-def assert_close(
-    actual: Any,
-    expected: Any,
-    *,
-    atol: float | np.ndarray = 0.0,
-    rtol: float = 0.0,
-    ulps: int | None = None,
-    what: str = "",
-) -> Closeness:
+def assert_close(actual: Any, expected: Any, *, atol: float | np.ndarray = 0.0, rtol: float = 0.0,
+                 ulps: int | None = None, what: str = "") -> Closeness:  # fmt: skip
     """Assert ``actual`` matches ``expected`` element-wise; report abs error and ULPs if not.
 
     An element passes when ``|actual - expected| <= atol + rtol·|expected|`` (``atol`` a
@@ -145,29 +121,20 @@ def assert_close(
     return Closeness(float(err.max()), int(dist.max()))
 
 
-# -- strategies ---------------------------------------------------------------------------------
-
-
 def tower_shapes() -> st.SearchStrategy[tuple[int, ...]]:
     """Shapes that trip chunking code (most sizes no tower count divides); shrinks to ``()``."""
-    return st.one_of(
-        st.just(()),
-        st.tuples(st.integers(0, 12)),
-        st.tuples(st.sampled_from(_PRIMES)),
-        st.tuples(st.integers(1, 4), st.integers(0, 6)),
-    )
+    primes = st.tuples(st.sampled_from(_PRIMES))
+    return st.one_of(st.just(()), st.tuples(st.integers(0, 12)), primes,
+                     st.tuples(st.integers(1, 4), st.integers(0, 6)))
 
 
 def _full_mantissa(dtype: tf.DType, top: int) -> st.SearchStrategy[float]:
     """``±m·2^e`` in [1, 2^13) with every mantissa bit drawn: nearly every sum of such
     values depends on its order, so a drifting replica cannot hide."""
     bits = {"float16": 11, "bfloat16": 8, "float32": 24, "float64": 53}[dtype.name]
-    return st.builds(
-        lambda sign, m, e: sign * math.ldexp(m, e - bits + 1),
-        st.sampled_from([1, -1]),
-        st.integers(2 ** (bits - 1), 2**bits - 1),
-        st.integers(0, min(top, 12)),
-    )
+    return st.builds(lambda sign, m, e: sign * math.ldexp(m, e - bits + 1),
+                     st.sampled_from([1, -1]), st.integers(2 ** (bits - 1), 2**bits - 1),
+                     st.integers(0, min(top, 12)))
 
 
 def _elements(dtype: tf.DType, max_towers: int, dense: bool) -> st.SearchStrategy[Any]:
@@ -179,22 +146,14 @@ def _elements(dtype: tf.DType, max_towers: int, dense: bool) -> st.SearchStrateg
     top = math.floor(math.log2(float(dtype.max) / (4 * max_towers)))
     if dense:
         return _full_mantissa(dtype, top)
-    width: Literal[16, 32, 64] = (
-        16 if dtype.name == "float16" else 64 if dtype == tf.float64 else 32
-    )
-    return st.floats(  # bfloat16 draws float32 values, then casts
-        -(2.0**top),
-        2.0**top,
-        width=width,
-        allow_nan=False,
-        allow_infinity=False,
-        allow_subnormal=False,
-    )
+    width: Literal[16, 32, 64] = 16 if dtype.name == "float16" else 32
+    width = 64 if dtype == tf.float64 else width
+    return st.floats(-(2.0**top), 2.0**top, width=width, allow_nan=False, allow_infinity=False,
+                     allow_subnormal=False)  # bfloat16 draws float32 values, then casts
 
 
-def _arrays(
-    dtype: tf.DType, shape: tuple[int, ...], max_towers: int, dense: bool
-) -> st.SearchStrategy[Any]:
+def _arrays(dtype: tf.DType, shape: tuple[int, ...], max_towers: int, dense: bool
+            ) -> st.SearchStrategy[Any]:  # fmt: skip
     target = np.dtype(dtype.as_numpy_dtype)
     drawn = target if target.name != "bfloat16" else np.dtype(np.float32)
     arrays = hnp.arrays(drawn, shape, elements=_elements(dtype, max_towers, dense))
@@ -230,9 +189,8 @@ def tower_values(
     return n, [draw(_arrays(dtype, shape, max_towers, dense)) for _ in range(n)]
 
 
-def weight_report(
-    actual: Sequence[np.ndarray], expected: Sequence[np.ndarray], names: Sequence[str] | None = None
-) -> list[tuple[str, float, int]]:
+def weight_report(actual: Sequence[np.ndarray], expected: Sequence[np.ndarray],
+                  names: Sequence[str] | None = None) -> list[tuple[str, float, int]]:  # fmt: skip
     """Per weight: (name, max abs error, max ULP distance)."""
     if len(actual) != len(expected):
         raise AssertionError(f"{len(actual)} weights vs {len(expected)} expected")
@@ -248,14 +206,9 @@ def weight_report(
     return rows
 
 
-def assert_weights_close(
-    actual: Sequence[np.ndarray],
-    expected: Sequence[np.ndarray],
-    *,
-    atol: float | Sequence[np.ndarray] = 0.0,
-    names: Sequence[str] | None = None,
-    what: str = "",
-) -> None:
+def assert_weights_close(actual: Sequence[np.ndarray], expected: Sequence[np.ndarray], *,
+                         atol: float | Sequence[np.ndarray] = 0.0,
+                         names: Sequence[str] | None = None, what: str = "") -> None:  # fmt: skip
     """Assert every weight matches within ``atol`` (a number, or one bound array per weight);
     the message lists each weight's max abs error and ULPs: rounding, or a bug?"""
     rows = weight_report(actual, expected, names)

@@ -41,20 +41,9 @@ from towers.testing.bounds.optimizers import COVERED, update_bounds
 from towers.testing.strategies import per_tower_gradients
 from towers.testing.values import is_float
 
-__all__ = [
-    "UNIT_ROUNDOFF",
-    "UpdateBound",
-    "exact_sums",
-    "gamma",
-    "gamma_exact",
-    "leaf_bounds",
-    "optimizer_tracker",
-    "resolve_bound",
-    "sgd_step_bound",
-    "sum_bound",
-    "summation_depth",
-    "unit_roundoff",
-]
+__all__ = ["UNIT_ROUNDOFF", "UpdateBound", "exact_sums", "gamma", "gamma_exact", "leaf_bounds",
+           "optimizer_tracker", "resolve_bound", "sgd_step_bound", "sum_bound", "summation_depth",
+           "unit_roundoff"]
 
 
 def gamma_exact(k: int, dtype: Any = "float32") -> Fraction:
