@@ -13,15 +13,8 @@ from hypothesis import given
 from tests.conftest import DEVICES, examples
 from towers.allreduce import Algorithm, naive, parameter_device, send
 from towers.allreduce.machinery.base import check_values, combine, finish
-from towers.testing.check import (
-    CheckReport,
-    Closeness,
-    assert_close,
-    check_all_reduce,
-    stratified,
-    tower_values,
-    ulp_distance,
-)
+from towers.testing.check import CheckReport, check_all_reduce, stratified
+from towers.testing.values import Closeness, assert_close, tower_values, ulp_distance
 
 # -- correct algorithms pass ---------------------------------------------------------------------
 

@@ -19,8 +19,7 @@ from reference import CentralStorageTrainer, MirroredTrainer
 from tests.conftest import DEVICES
 from tests.testing.test_invariance import LOSS, batches, sgd, tiny_mlp
 from towers import TowerTrainer
-from towers.testing import Step, as_step, bisect, compare
-from towers.testing.bounds import update
+from towers.testing import Step, as_step, bisect, bounds, compare
 from towers.testing.steps import check_step
 
 
@@ -114,7 +113,7 @@ class _SgdTracker:
 def test_the_tracked_bound_seam(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where an optimizer's tracker is known (``optimizer_tracker``), it sizes the bound."""
     tracker = _SgdTracker()
-    monkeypatch.setattr(update, "optimizer_tracker", lambda optimizer: tracker)
+    monkeypatch.setattr(bounds, "optimizer_tracker", lambda optimizer: tracker)
     momentum = lambda: keras.optimizers.SGD(0.1, momentum=0.0 + 1e-30)  # noqa: E731
     mirrored = MirroredTrainer(tiny_mlp, momentum, LOSS, DEVICES[:2])
     report = compare(towers_step(2, momentum), mirrored, batches(2))

@@ -10,7 +10,7 @@
 
 The contract check at trace time reads static properties only, so an algorithm returning
 its inputs unchanged, or a mean, would train silently wrong. The bound holds for every
-summation tree of ``n`` leaves (:mod:`towers.testing.bounds.sums`); the values are small
+summation tree of ``n`` leaves (:mod:`towers.testing.bounds`); the values are small
 integers, so every partial sum is exact in float16, bfloat16 and float32: a correct order
 meets the bound exactly, a wrong one misses by at least 1.
 

@@ -1,7 +1,7 @@
 """Why two steps may have parted: the causes a comparison can read from its batches and sides.
 
 A divergence outside the bound is a bug, or two steps that compute different things on
-purpose. The second kind leaves traces a comparison can see without running anything::
+purpose. The second kind leaves traces readable without running anything::
 
     cause               read from                              named when
     uneven batch        the step's batch size, the tower       B % towers ≠ 0 or B below the
@@ -13,18 +13,10 @@ purpose. The second kind leaves traces a comparison can see without running anyt
                         either side's model                    both are towers trainers alike
     reduction order     |Δ| in ULPs of the element             |Δ| ≤ ORDER_ULPS ULPs
 
-Each is named with what it does (MirroredStrategy under Keras 3 divides, clips and keeps
-BatchNorm's statistics per replica: docs/invariance_and_bisect.md). When the cause is
-MirroredStrategy's semantics (its loss divisor, its non-trainable state) and a towers
-trainer is compared with a step under a strategy of several replicas, the one setting that
-reproduces them is named too: :data:`MIRRORED_SETTING`. A step declares what it divides by
-with an attribute ``loss_denominator`` (``"global"``, ``"per_replica"`` or a number:
-``TowerTrainer``'s option, the references' ``"global"``); without one it is unknown.
-
-Example:
-    >>> possible_causes(a, b, batches, step=4, towers=4, diff=2e-4,
-    ...                 value=0.25, dtype="float32")                 # doctest: +SKIP
-    (("uneven batch: step 4's batch of 10 splits 3+3+3+1 over 4 towers ...",), 'TowerTr...')
+When the cause is MirroredStrategy's semantics and a towers trainer is compared with a
+step under a strategy of several replicas, :data:`MIRRORED_SETTING` is named too. A step
+declares its divisor with ``loss_denominator`` (``"global"``, ``"per_replica"`` or a
+number); without one it is unknown.
 """
 
 from __future__ import annotations
@@ -42,14 +34,12 @@ from towers.testing.report import Divergence
 
 __all__ = ["CLIPPING", "MIRRORED_SETTING", "ORDER_ULPS", "Side", "explained", "possible_causes"]
 
-ORDER_ULPS = 8
-"""A difference of at most this many ULPs of the value is what another summation order makes."""
+ORDER_ULPS = 8  # a difference another summation order makes, in ULPs of the value
 CLIPPING = ("clipnorm", "global_clipnorm", "clipvalue")
 MIRRORED_SETTING = (
     'TowerTrainer(..., semantics="mirrored") (or TowerModel) reproduces MirroredStrategy\'s '
     "semantics: each replica divides its loss by its shard × replicas, and the first "
     "tower's non-trainable state is kept")
-"""The one setting named when a cause is MirroredStrategy's semantics."""
 
 
 def possible_causes(
@@ -61,14 +51,13 @@ def possible_causes(
     Args:
         a, b: the two steps (teacher and under test).
         sizes: every batch's size, in order.
-        step: the divergent step, from 1.
-        towers: the comparison's tower count.
+        step, towers: the divergent step (from 1) and the comparison's tower count.
         diff, value, dtype: the first element outside: ``|Δ|``, the larger of its two
             values in magnitude, and its dtype (for the ULPs).
 
     Returns:
-        ``(causes, setting)``: one ``"name: why"`` per cause (none when nothing readable
-        explains the divergence) and :data:`MIRRORED_SETTING` when it applies, else "".
+        ``(causes, setting)``: one ``"name: why"`` per cause, and :data:`MIRRORED_SETTING`
+        when it applies, else "".
     """
     sides = (_side(a), _side(b))
     found = [_uneven(sides, sizes, step, towers), _clipping(a, b, sides),
@@ -90,15 +79,9 @@ def explained(first: Divergence, a: Any, b: Any, sizes: Sequence[int], towers: i
 
 
 class Side(NamedTuple):
-    """What a step shows of how it computes.
-
-    Attributes:
-        divisor: what each tower divides its loss sum by: ``"global"``, ``"per_replica"``,
-            a number, or None (not declared).
-        first_tower: it keeps the first tower's non-trainable state (None: not declared).
-        towers: a towers trainer's tower count; 0 for any other step.
-        replicated: it runs under a ``tf.distribute`` strategy of several replicas.
-    """
+    """What a step shows of how it computes: its loss ``divisor`` (None: not declared),
+    whether it keeps the ``first_tower``'s non-trainable state, a towers trainer's
+    ``towers`` (0 for any other step), ``replicated``: under a strategy of several replicas."""
 
     divisor: Any
     first_tower: bool | None
@@ -107,8 +90,7 @@ class Side(NamedTuple):
 
 
 def _side(step: Any) -> Side:
-    """The one place a step's settings are read: a towers trainer's options, the divisor
-    any other step declares (``loss_denominator``), a strategy's replica count."""
+    """The one place a step's settings are read."""
     if isinstance(step, TowerTrainer):
         return Side(step.options.divisor, step.options.semantics == "mirrored",
                     len(step.devices), False)  # fmt: skip

@@ -1,20 +1,16 @@
 """Check any codec against its contract (:class:`towers.allreduce.codecs.Codec`), and report.
 
-:func:`check_codec` runs the codec for a few steps on simulated towers, through a
-:class:`~towers.allreduce.wire.Wire` that counts what each tower hands it, and checks:
+:func:`check_codec` runs the codec for a few steps on simulated towers, through a wire that
+counts what each tower hands it, and checks:
 
-1. **Error feedback.** ``output + Σ_t r'_t == Σ_t (g_t + r_t)`` element-wise within the
-   codec's ``error_bound`` (``r`` the state's ``residual`` field; without one,
-   ``output == Σ_t g_t``), summed in float64.
-2. **Placement.** Output ``t`` lives on tower ``t``'s device.
-3. **Agreement.** All outputs are bitwise identical, with every tower decoding for itself
-   (``compressed(..., decode="everywhere")``; decoded once, the others get copies).
-4. **State shape.** The new state has ``init``'s structure, shapes and dtypes.
-5. **Bytes.** What each tower hands the wire equals the codec's ``payload_bytes``.
-6. **Checkpoint.** In a trainer, the state written by :func:`towers.training.checkpoint.save`
-   comes back bitwise by :func:`~towers.training.checkpoint.restore`.
-7. **Skipped step.** A non-finite batch with ``on_nonfinite="skip"`` leaves the state (and
-   any variable the codec holds itself) bitwise unchanged.
+1. **Error feedback.** ``output + Σ_t r'_t == Σ_t (g_t + r_t)`` within the codec's
+   ``error_bound`` (``r`` the state's ``residual``; without one, ``output == Σ_t g_t``).
+2. **Placement and agreement.** Output ``t`` on tower ``t``'s device; all bitwise equal,
+   also with every tower decoding for itself.
+3. **State and bytes.** The new state has ``init``'s structure; what each tower hands the
+   wire equals the codec's ``payload_bytes``.
+4. **In a trainer.** The state saved comes back bitwise on restore; a non-finite batch with
+   ``on_nonfinite="skip"`` leaves it (and any variable the codec holds) unchanged.
 
 A wrong codec never raises: the :class:`CodecReport` says what failed, and where.
 
@@ -37,18 +33,19 @@ import tensorflow as tf
 
 from towers.allreduce.codecs import Codec, rounding
 from towers.allreduce.compressed import Compressed, compressed
-from towers.allreduce.machinery.registry import record_of
 from towers.allreduce.machinery.resolve import get, get_codec
 from towers.allreduce.wire import Wire
 from towers.devices import canonical_device, local_devices
 from towers.guard.arguments import positive_int
 from towers.step import TowerTrainer
+from towers.testing.bounds import summation_depth
+from towers.testing.replay import place
 from towers.training import checkpoint
 
 __all__ = ["SHAPES", "CodecReport", "check_codec"]
 
+# a scalar, a vector, and two matrices PowerSGD compresses
 SHAPES: tuple[tuple[int, ...], ...] = ((), (7,), (8, 6), (2, 3, 4, 5))
-"""The default gradient shapes: a scalar, a vector, and two matrices PowerSGD compresses."""
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -161,18 +158,13 @@ def _feedback_failures(codec: Codec, where: str, grads: list[tf.Tensor], states:
 def _run_shape(codec: Codec, devices: list[str], algorithm: Any, shape: tuple[int, ...],
                steps: int, rng: np.random.Generator) -> list[str]:
     n = len(devices)
-    configured = record_of(algorithm)
-    depth = (configured.summation_depth(n) if configured is not None else None)
-    depth = n - 1 if depth is None else depth
+    depth = summation_depth(algorithm, n)
     states = []
     for device in devices:
         with tf.device(device):
             states.append(codec.init(tf.TensorShape(shape), tf.float32, 0))
     for step in range(steps):
-        grads = []
-        for device in devices:
-            with tf.device(device):
-                grads.append(tf.constant(rng.normal(size=shape).astype(np.float32)))
+        grads = place([rng.normal(size=shape).astype(np.float32) for _ in devices], devices)
         wire = _MeteredWire(tuple(devices), algorithm, (0,), [0] * n)
         where = f"n={n} towers, shape {shape}, step {step + 1}"
         failures, news = _step_failures(codec, where, grads, states, wire, depth)
@@ -185,10 +177,8 @@ def _run_shape(codec: Codec, devices: list[str], algorithm: Any, shape: tuple[in
 
 def _everywhere_failures(codec: Codec, where: str, grads: list[tf.Tensor], states: list[Any],
                          devices: list[str], algorithm: Any) -> list[str]:  # fmt: skip
-    """The same reduce with every tower decoding for itself (``decode="everywhere"``): a
-    decode that depends on the tower (its own order of the towers' parts) gives outputs
-    that differ, where one decoder hands out copies. Its new states are not kept (a
-    variable the codec holds itself advances once more)."""
+    """The same reduce with every tower decoding for itself: a decode that depends on the
+    tower gives outputs that differ (its new states are not kept)."""
     n = len(devices)
     outs, _ = codec.reduce(grads, states, Wire(tuple(devices), algorithm, tuple(range(n))))
     values = [np.asarray(o) for o in outs]
@@ -255,11 +245,8 @@ def check_codec(codec: Codec | str, *, tower_counts: Sequence[int] = (1, 2, 3, 4
         steps: consecutive steps per shape, so the state carries over.
         devices: the devices (default ``towers.local_devices()``).
         trainer: also check the checkpoint round trip and the skipped step in a
-            2-tower :class:`~towers.step.TowerTrainer` (needs 2 devices).
+            2-tower ``TowerTrainer``.
         seed: the values' seed.
-
-    Returns:
-        A :class:`CodecReport`: ``ok``, the failures, notes on what was not checked.
 
     Raises:
         ValueError: an unknown codec or algorithm, or fewer devices than a tower count.

@@ -1,52 +1,21 @@
 """``check_invariance``: does training give the same result on 1, 2, 4, 8 towers?
 
-Every tower count trains the same global batches from the same initial weights.
-The verdict compares *one step at a time from the same weights* (teacher forcing),
-so the bound stays a one-step bound; the free-running trajectories are reported
-beside it, as information::
+Every tower count trains the same batches. The verdict compares one step at a time from the
+same weights (teacher forcing), within the one-step bound of :mod:`towers.testing.onestep`;
+the free-running trajectories are shown, not judged (curvature amplifies any difference)::
 
     step s:   W_s (the 1-tower run's weights)
                  │ set on every trainer
       ┌──────────┼─────────────┬──────────────┐
       1 tower    2 towers      4 towers       8 towers      forward_backward + reduce
       G_1        G_2           G_4            G_8           (the reduced gradient)
-      │          │             │              │
       │        |G_2 − G_1| ≤ b_2  |G_4 − G_1| ≤ b_4   …      per variable, per element
       ▼
     W_{s+1} = apply(G_1)        the 1-tower run moves on; the others are set to it
 
-The bound (derived in :mod:`towers.testing.onestep`): the difference splits into
-each run's all-reduce against the exact sum of its towers' gradients (``γ_k·Σ_i|g_i|``
-with the algorithm's summation depth ``k``; no assumption) and the towers' kernels,
-which add a shard's examples: a tree over the per-example gradients ``c_e`` of depth
-``largest shard − 1`` (``γ_{d+1}·Σ_e|c_e|`` per run, the leaves from one tower step per
-example). All three come from :func:`towers.testing.bounds.sums.sum_bound`. The kernel
-part assumes an example's own values are computed alike at every shard size:
-oneDNN's MatMul breaks that (it blocks by batch size), and a difference outside the
-bound is then reported with ``cause="kernels"``, never blamed on the all-reduce.
-``TF_ENABLE_ONEDNN_OPTS=0`` held the kernels to the bound on the machine measured in
-docs/invariance_and_bisect.md; on an AMD EPYC (AVX2) Eigen's own MatMul still rounded a
-shard of 4 unlike a batch of 8 (the digits MLP, 1 against 2 towers).
-
-Over many steps no such bound holds for the free-running runs: a difference in
-step 1 moves step 2's weights, and the gradient's sensitivity to the weights (the
-loss' curvature, unbounded in general) amplifies it. That is why the verdict is
-per step from the same weights, and the trajectory difference is shown, not judged.
-
-Any step (:mod:`towers.testing.steps`) can be checked the same way: pass
-``step=factory``, called as ``factory(model_fn, optimizer_fn, loss, devices)`` once
-per tower count (``reference.MirroredTrainer`` is such a factory, and so is a
-function that builds your own loop and wraps it with ``as_step``). Such steps
-expose no gradient, so each count's weights after one update are compared with
-the first count's, held to the bound :mod:`towers.testing.bounds.update` names (plain
-SGD: ``sgd_step_bound`` over the per-example gradients, which covers every tower
-count's tree over them; else ``bound=``). No trajectory is run for them.
-
-Example:
-    >>> report = check_invariance(make_model, lambda: keras.optimizers.SGD(0.1),
-    ...     "sparse_categorical_crossentropy", batches, towers=(1, 2, 4))  # doctest: +SKIP
-    >>> report.ok, report.first_failure                                    # doctest: +SKIP
-    (True, None)
+Any step can be checked: ``step=factory(model_fn, optimizer_fn, loss, devices)`` (e.g.
+``reference.MirroredTrainer``); its weights after one update are compared with the first
+count's, within the bound :func:`towers.testing.bounds.resolve_bound` names.
 """
 
 from __future__ import annotations
@@ -60,31 +29,28 @@ import numpy as np
 
 from towers.devices import local_devices
 from towers.step import TowerTrainer
-from towers.testing.bounds.sums import leaf_bounds
-from towers.testing.compare import advance, update_bound, update_rows
+from towers.testing.bounds import leaf_bounds
+from towers.testing.compare import update_bound
 from towers.testing.onestep import (
-    Difference,
+    advance,
     algorithm_depth,
     compare_runs,
-    example_gradients,
     kernel_depth,
     step_gradients,
     take_batches,
+    update_rows,
 )
+from towers.testing.report import Difference
+from towers.testing.strategies import per_tower_gradients
 
 __all__ = ["InvarianceReport", "check_invariance"]
 
 
 @dataclasses.dataclass(frozen=True)
 class InvarianceReport:
-    """What :func:`check_invariance` found.
-
-    Attributes:
-        towers: the tower counts compared against the first one.
-        rows: one :class:`Difference` per (tower count, step, variable), teacher-forced.
-        trajectory: ``{towers: [max |weight difference| after each step]}`` of the
-            free-running runs (information, not judged: see the module docstring).
-    """
+    """What :func:`check_invariance` found: one :class:`Difference` per (tower count, step,
+    variable) against the first count, and the free-running ``trajectory``
+    ``{towers: [max |weight difference| after each step]}`` (shown, not judged)."""
 
     towers: tuple[int, ...]
     rows: tuple[Difference, ...]
@@ -134,8 +100,7 @@ class InvarianceReport:
                 verdict = "ok" if not causes else "OUTSIDE: " + ", ".join(causes)
                 lines.append(f"{n:>6}  {step:>4}  {top:>10.3g}  {worst.worst_diff:>10.3g}  "
                              f"{worst.bound:>10.3g}  {free:>10}  {verdict}")  # fmt: skip
-        # the line names what the verdict (and the CLI's exit code) is about: an
-        # all-reduce's failure before kernel noise, even when the noise came first
+        # the verdict (and the CLI's exit code) is about the all-reduce before kernel noise
         bad = self.first_reduction_failure or self.first_failure
         lines.append("PASS: every step within its bound" if bad is None else
                      f"FAIL: {bad.towers} towers, step {bad.step}, {bad.variable}: element "
@@ -177,26 +142,21 @@ def check_invariance(
     """Train one trainer per tower count on the same batches; compare each step with the first.
 
     Args:
-        model_fn: a zero-argument factory of a built ``keras.Model``.
-        optimizer_fn: a zero-argument factory of a Keras optimizer.
+        model_fn, optimizer_fn: zero-argument factories of a built ``keras.Model`` and an
+            optimizer.
         loss: a Keras loss, a loss name or ``(y_true, y_pred) -> per-example losses``.
         batches: ``(x, y)`` global batches, the same for every tower count.
         towers: the tower counts; the first (1 by default) is the reference.
-        all_reduce: the algorithm every trainer uses (name, callable or reducer).
-        variables: the placement, ``"replicated"`` or ``"parameter_device"``.
+        all_reduce, variables: every trainer's algorithm and placement.
         steps: how many batches to train on (default: all of them).
         trajectory: also run every tower count freely and report its weight difference.
         step: a step factory ``(model_fn, optimizer_fn, loss, devices) -> step`` to check
             instead of a ``TowerTrainer`` (``all_reduce``/``variables`` unused).
-        bound: a ``step``'s bound: None (derived), a tolerance or a callable
-            (:mod:`towers.testing.bounds.update`).
-
-    Returns:
-        An :class:`InvarianceReport`: ``ok``, ``first_failure``, the table as ``str``.
+        bound: a ``step``'s bound: None (derived), a tolerance or a callable.
 
     Raises:
         ValueError: a tower count outside ``1..len(local devices)`` or repeated, no
-            batches, bad ``steps``; the trainer's own errors for bad models and options.
+            batches, bad ``steps``.
     """
     devices = local_devices()
     counts = _check_towers(towers, len(devices))
@@ -220,7 +180,7 @@ def check_invariance(
     for number, (x, y) in enumerate(data, start=1):
         weights = ref.get_weights()
         want = step_gradients(ref, x, y)
-        leaves = example_gradients(ref.model, loss, x, y, ref.devices[0])
+        leaves = per_tower_gradients(ref.model, x, y, [ref.devices[0]] * len(x), loss=loss)
         for n in counts[1:]:
             trainers[n].set_weights(weights)
             got = step_gradients(trainers[n], x, y)

@@ -1,14 +1,8 @@
-"""NumPy kernels for the replay: one function per TensorFlow op type, rounding as TF's CPU does.
+"""The replay's NumPy kernels: one per TensorFlow op type, rounding as TF's CPU kernels do.
 
-This module owns :data:`KERNELS`, the table from op type to a NumPy kernel
-``(op, inputs) -> outputs`` that :func:`towers.testing.replay.replay` looks up
-for every op of an algorithm's graph, and :class:`ReplayError`, which a kernel
-raises for an attribute it cannot follow. A kernel computes in the inputs' own
-dtype and never upcasts, so each one rounds exactly as TensorFlow's CPU kernel
-does; ``AddN`` follows the CPU kernel's measured block order (see
-:mod:`towers.testing.replay`). Which ops to run, in which order, and what is
-opaque is the interpreter's business, not this module's. Add an entry to teach
-the replay another op.
+A kernel ``(op, inputs) -> outputs`` computes in the inputs' own dtype and never upcasts;
+``AddN`` follows the CPU kernel's measured block order (:mod:`towers.testing.replay`).
+Add an entry to :data:`KERNELS` to teach the replay another op.
 
 Example:
     >>> KERNELS["Abs"] = lambda op, xs: [np.abs(xs[0])]   # doctest: +SKIP
@@ -52,9 +46,8 @@ def _chain(xs: Sequence[np.ndarray]) -> np.ndarray:
 
 
 def _add_n(op: tf.Operation, xs: list[np.ndarray]) -> list[np.ndarray]:
-    # TF's CPU AddN: <= 9 inputs left to right; else a head of n mod 8 (8 for 0, 9 for 1)
-    # left to right, then `total + (block of 8, left to right)` (measured: see the
-    # docstring of towers.testing.replay).
+    # <= 9 inputs left to right; else a head of n mod 8 (8 for 0, 9 for 1), then
+    # `total + (block of 8, left to right)` (towers.testing.replay)
     n = len(xs)
     head = n if n <= 9 else {0: 8, 1: 9}.get(n % 8, n % 8)
     with np.errstate(all="ignore"):

@@ -1,8 +1,8 @@
-"""One step from the same weights: the shared machinery of ``check_invariance`` and ``bisect``.
+"""One step from the same weights: the machinery ``compare``, ``bisect`` and invariance share.
 
-Two runs start a step from the same weights (teacher forcing); their reduced
-gradients are compared element by element, and the difference is split by the
-triangle inequality into parts each with its own derived bound::
+Two runs start a step from the same weights (teacher forcing); their reduced gradients are
+compared element by element, the difference split by the triangle inequality into parts
+each with its own derived bound (:func:`towers.testing.bounds.sum_bound`)::
 
     W_s ─▶ run A: split → forward_backward ─▶ g_A[tower] ─▶ reduce ─▶ G_A
     W_s ─▶ run B: split → forward_backward ─▶ g_B[tower] ─▶ reduce ─▶ G_B
@@ -10,27 +10,14 @@ triangle inequality into parts each with its own derived bound::
     |G_A − G_B| ≤ |G_A − Σg_A| + |Σg_A − Σg_B| + |Σg_B − G_B|      Σ: exact (float64)
                   reduction A    kernels        reduction B
 
-*Reduction.* An all-reduce of depth ``k`` lies within ``γ_k·Σ_i|g_i|`` of the exact
-sum of the towers' gradients it was given (:func:`towers.testing.bounds.sums.sum_bound`,
-the one derivation): ``k`` from the algorithm's registry record, ``n − 1`` (which
-bounds every tree of ``n`` leaves) for a callable without one. No assumption: the
-leaves are the observed tower gradients.
-
-*Kernels.* With the same tower count both runs give their towers the same shards,
-so ``Σg_A = Σg_B`` (bitwise equal inputs; any difference is measured and added).
-Across tower counts the towers' kernels add a shard's examples, so each tower sum
-is a tree over the batch's per-example gradients ``c_e``: each run lies within
-``γ_{d+1}·Σ_e|c_e|`` of their exact sum, ``d = largest shard − 1`` (+1 for the
-product inside a leaf, which a MatMul may fuse). The leaves come from an
-independent path, one tower step per example. This part assumes each example's
-own forward and backward values are computed alike at every shard size (row-wise
-kernels: only the batch dimension is re-associated). TensorFlow's Eigen kernels do;
-oneDNN's MatMul (on by default on x86) blocks by batch size and breaks it, by a few
-hundred ULPs of ``Σ|c_e|`` where a gradient cancels (measured; run with
-``TF_ENABLE_ONEDNN_OPTS=0`` to hold kernels to it). A difference outside the bound
-is attributed to the part that left its own bound, so a kernel effect is never
-blamed on the all-reduce. A ``tf.distribute`` reference exposes no gradient: against
-one, :func:`update_step` compares one plain-SGD update within ``sgd_step_bound``.
+*Reduction*: within ``γ_k·Σ_i|g_i|`` of the observed tower gradients' exact sum, ``k`` the
+algorithm's summation depth. *Kernels*: with equal tower counts both runs' towers see the
+same shards (any difference is measured and added); across tower counts each tower sum is
+a tree of depth ``largest shard − 1`` (+1 for the product inside a leaf) over the batch's
+per-example gradients. That part assumes an example's own values are computed alike at
+every shard size: oneDNN's MatMul blocks by batch size and breaks it (run with
+``TF_ENABLE_ONEDNN_OPTS=0``). A difference outside the bound is attributed to the part
+that left its own bound, so kernel noise is never blamed on the all-reduce.
 """
 
 from __future__ import annotations
@@ -39,62 +26,17 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
-import keras
 import numpy as np
 import tensorflow as tf
 
-from towers.allreduce.machinery.registry import record_of
 from towers.guard.arguments import optional, positive_int
 from towers.split import shard_sizes
-from towers.testing.bounds.sums import exact_sums, sgd_step_bound
-from towers.testing.strategies import per_tower_gradients
-from towers.tower import tower_step
-from towers.training.keras_loss import resolve_loss
+from towers.step import TowerTrainer
+from towers.testing.bounds import exact_sums, summation_depth
+from towers.testing.report import Difference
 
-__all__ = [
-    "Difference",
-    "StepGradients",
-    "algorithm_depth",
-    "compare_gradients",
-    "compare_runs",
-    "example_gradients",
-    "kernel_depth",
-    "plain_sgd_rate",
-    "run_devices",
-    "step_gradients",
-    "take_batches",
-    "update_step",
-]
-
-
-@dataclasses.dataclass(frozen=True)
-class Difference:
-    """One variable's largest difference at one step, and the bound it is held to.
-
-    Attributes:
-        towers: the tower count of the run compared (or a configuration's label).
-        step: the step, counted from 1.
-        variable: the variable's path (``model.trainable_variables`` order).
-        index: its position in that order.
-        max_diff: the largest |difference| over its elements.
-        worst: the flat index of the element with the largest ``diff / bound``.
-        worst_diff: the |difference| at that element.
-        bound: the bound at that element.
-        ok: every element within its bound.
-        cause: when not ok, the part that left its own bound: ``"reduction (…)"`` or
-            ``"kernels"`` (see the module docstring).
-    """
-
-    towers: int | str
-    step: int
-    variable: str
-    index: int
-    max_diff: float
-    worst: int
-    worst_diff: float
-    bound: float
-    ok: bool
-    cause: str = ""
+__all__ = ["StepGradients", "advance", "algorithm_depth", "compare_gradients", "compare_runs",
+           "kernel_depth", "step_gradients", "take_batches", "update_rows"]
 
 
 def take_batches(batches: Iterable[Any], steps: int | None) -> list[tuple[Any, Any]]:
@@ -118,13 +60,8 @@ def take_batches(batches: Iterable[Any], steps: int | None) -> list[tuple[Any, A
 
 
 class StepGradients(NamedTuple):
-    """One run's gradients of one step, as NumPy arrays.
-
-    Attributes:
-        reduced: tower 0's reduced gradient per trainable variable.
-        towers: ``towers[tower][var]``, the all-reduce's input.
-        phases: the ``Reduced`` that ``trainer.apply`` takes.
-    """
+    """One run's step: tower 0's ``reduced`` gradients, the all-reduce's input
+    ``towers[tower][var]`` (NumPy), and the ``phases`` that ``trainer.apply`` takes."""
 
     reduced: list[np.ndarray]
     towers: list[list[np.ndarray]]
@@ -142,41 +79,9 @@ def step_gradients(trainer: Any, x: Any, y: Any) -> StepGradients:
     return StepGradients(_dense(reduced.grads[0]), [_dense(g) for g in grads.grads], reduced)
 
 
-def example_gradients(
-    model: keras.Model, loss: Any, x: Any, y: Any, device: str
-) -> list[list[np.ndarray]]:
-    """Each example's gradient of its share of the global mean loss: ``leaves[e][var]``.
-
-    One tower step per example (global batch ``B``, ``B`` towers, so regularization
-    losses are shared out as ``B`` towers would): the independent path that sizes the
-    bound, never the thing under test.
-    """
-    fn = resolve_loss(loss)
-    trainable = [tf.convert_to_tensor(v.value) for v in model.trainable_variables]
-    frozen = [tf.convert_to_tensor(v.value) for v in model.non_trainable_variables]
-    batch = len(x)
-    leaves = []
-    for e in range(batch):
-        result = tower_step(
-            model, trainable, frozen, (x[e : e + 1], y[e : e + 1], None), loss_fn=fn,
-            global_batch=tf.constant(batch), num_towers=batch, device=device,
-        )  # fmt: skip
-        leaves.append([np.asarray(tf.convert_to_tensor(g)) for g in result.grads])
-    return leaves
-
-
-def run_devices(trainer: Any) -> list[str]:
-    """A towers trainer's devices, or a ``tf.distribute`` reference's replicas."""
-    return list(getattr(trainer, "devices", None) or trainer.strategy.extended.worker_devices)
-
-
 def algorithm_depth(trainer: Any) -> int:
-    """The all-reduce's summation depth: its record's, else ``n − 1`` (any tree of n leaves;
-    also a ``tf.distribute`` reference's, whose collective order is not ours to know)."""
-    n = len(run_devices(trainer))
-    record = record_of(getattr(trainer, "algorithm", None))
-    depth = record.summation_depth(n) if record is not None else None
-    return n - 1 if depth is None else depth
+    """A towers trainer's all-reduce summation depth."""
+    return summation_depth(getattr(trainer, "algorithm", None), len(trainer.devices))
 
 
 def kernel_depth(batch: int, towers: int) -> int:
@@ -227,7 +132,8 @@ def compare_gradients(
     want: Sequence[np.ndarray],
     bounds: Sequence[np.ndarray],
 ) -> list[Difference]:
-    """One :class:`Difference` per variable: ``|got − want|`` against ``bounds``."""
+    """One :class:`~towers.testing.report.Difference` per variable: ``|got − want|`` against
+    ``bounds``."""
     rows = []
     for j, (name, a, b, tol) in enumerate(zip(names, got, want, bounds, strict=True)):
         diff = np.abs(a.astype(np.float64) - b.astype(np.float64)).ravel()
@@ -241,45 +147,34 @@ def compare_gradients(
     return rows
 
 
-def plain_sgd_rate(optimizer: keras.optimizers.Optimizer) -> float:
-    """The learning rate of a plain SGD optimizer (one update shows its gradient).
-
-    Raises:
-        ValueError: another optimizer, or SGD with momentum.
-    """
-    if type(optimizer) is not keras.optimizers.SGD or float(optimizer.momentum) != 0.0:
-        raise ValueError(
-            "optimizer_fn: against a tf.distribute reference bisect compares one update from "
-            "the same weights, which shows the gradient only for plain SGD (no momentum); got "
-            f"{type(optimizer).__name__}"
-        )
-    return float(np.asarray(optimizer.learning_rate))
+def advance(step: Any, x: Any, y: Any) -> list[np.ndarray]:
+    """One update of ``step``, its weights after it (a towers trainer through its phases,
+    eagerly: a stateful reduction is called once per variable, as in compare_runs)."""
+    if isinstance(step, TowerTrainer):
+        step.apply(step_gradients(step, x, y).phases)
+    else:
+        step.train_step(x, y)
+    return step.get_weights()
 
 
-def update_step(
-    runs: tuple[Any, Any], x: Any, y: Any, loss: Any, lr: float, label: int | str, step: int
-) -> tuple[list[Difference], list[np.ndarray], list[np.ndarray]]:
-    """One plain-SGD step of both runs from A's weights, within ``sgd_step_bound``.
-
-    A towers run steps through its phases, eagerly; a reference through ``train_step``.
+def update_rows(
+    a: Any, after_a: list[np.ndarray], others: list[Any], weights: list[np.ndarray],
+    tol: list[Any], x: Any, y: Any, label: int | str, step: int,
+) -> list[tuple[list[Difference], list[np.ndarray], list[np.ndarray]]]:
+    """Each of ``others`` set to ``weights`` and advanced once, against A's ``after_a``.
 
     Returns:
-        (one :class:`Difference` per trainable weight, A's and B's weights after the step).
+        Per other step: (one ``Difference`` per compared weight, A's and its weights).
     """
-    a, b = runs
-    weights = a.get_weights()
-    b.set_weights(weights)
-    trainable = [i for i, v in enumerate(a.model.weights) if v.trainable]
-    grads = per_tower_gradients(a.model, x, y, run_devices(a), loss=loss)
-    depth = max(algorithm_depth(a), algorithm_depth(b))
-    tol = sgd_step_bound([weights[i] for i in trainable], grads, lr, depth=depth)
-    after = []
-    for run in runs:
-        if hasattr(run, "algorithm"):
-            run.apply(step_gradients(run, x, y).phases)
-        else:
-            run.train_step(x, y)
-        now = run.get_weights()
-        after.append([now[i] for i in trainable])
-    names = [a.model.weights[i].path for i in trainable]
-    return compare_gradients(label, step, names, after[1], after[0], tol), after[0], after[1]
+    keep = [i for i, t in enumerate(tol) if t is not None]
+    model = getattr(a, "model", None)
+    names = [model.weights[i].path if model is not None else f"weights[{i}]" for i in keep]
+    want = [after_a[i] for i in keep]
+    out = []
+    for b in others:
+        b.set_weights(weights)
+        after_b = advance(b, x, y)
+        got = [after_b[i] for i in keep]
+        out.append((compare_gradients(label, step, names, got, want, [tol[i] for i in keep]),
+                    want, got))  # fmt: skip
+    return out

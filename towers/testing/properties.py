@@ -1,9 +1,8 @@
-"""Checking one example of an all-reduce: outputs, value bound, agreement, bytes, replay.
+"""One example of an all-reduce checked: outputs, value bound, agreement, bytes, replay.
 
 The properties :func:`towers.testing.check.check_all_reduce` searches over, one
-drawn example (:class:`Case`) at a time; each check returns what failed, as text.
-Formulas come from the algorithm's registry record (:class:`~towers.allreduce.machinery.registry.
-Configured`); a plain callable has none, and the checks that need one are skipped
+:class:`Case` at a time; each check returns what failed, as text. Formulas come from the
+algorithm's registry record; for a plain callable the checks that need one are skipped
 (:func:`unchecked` says which).
 """
 
@@ -19,15 +18,15 @@ from hypothesis import strategies as st
 from towers.allreduce.machinery.recording import Recorder, record
 from towers.allreduce.machinery.registry import algorithm_name, record_of
 from towers.devices import canonical_device
-from towers.testing.bounds import sum_bound
-from towers.testing.replay import ReplayError, replay
+from towers.testing.bounds import sum_bound, summation_depth
+from towers.testing.replay import ReplayError, place, replay
 from towers.testing.values import assert_close, is_float, tower_values
 
 __all__ = ["Case", "cases", "check_case", "describe", "replay_refusal", "unchecked"]
 
 
 class Case(NamedTuple):
-    """One drawn example: ``n`` towers, their arrays, the op."""
+    """One example: ``n`` towers, their arrays, the op."""
 
     n: int
     arrays: list[np.ndarray]
@@ -71,16 +70,8 @@ def replay_refusal(fn: Any) -> str | None:
     return f"replay impossible: {configured.name} is not replayable{why}"
 
 
-def _place(arrays: list[np.ndarray], devices: Sequence[str]) -> list[tf.Tensor]:
-    values = []
-    for array, device in zip(arrays, devices, strict=True):
-        with tf.device(device):
-            values.append(tf.identity(tf.constant(array)))
-    return values
-
-
 def _check_outputs(outs: Any, case: Case, devices: Sequence[str]) -> list[str]:
-    """Count, type, shape, dtype and placement of the outputs (check 2)."""
+    """Count, type, shape, dtype and placement of the outputs."""
     if not isinstance(outs, (list, tuple)) or len(outs) != case.n:
         count = len(outs) if isinstance(outs, (list, tuple)) else type(outs).__name__
         return [f"returned {count} outputs for {case.n} towers"]
@@ -90,15 +81,11 @@ def _check_outputs(outs: Any, case: Case, devices: Sequence[str]) -> list[str]:
         if not isinstance(out, (tf.Tensor, tf.Variable)):
             failures.append(f"output {i} is a {type(out).__name__}, not a tf.Tensor")
         elif out.dtype != want_dtype or tuple(out.shape) != want_shape:
-            failures.append(
-                f"output {i} is {out.dtype.name}{list(out.shape)}, "
-                f"expected {want_dtype.name}{list(want_shape)}"
-            )
+            failures.append(f"output {i} is {out.dtype.name}{list(out.shape)}, "
+                            f"expected {want_dtype.name}{list(want_shape)}")  # fmt: skip
         elif canonical_device(out.device) != canonical_device(devices[i]):
-            failures.append(
-                f"output {i} is on {canonical_device(out.device)}, but input {i} is on "
-                f"{canonical_device(devices[i])}"
-            )
+            failures.append(f"output {i} is on {canonical_device(out.device)}, but input {i} "
+                            f"is on {canonical_device(devices[i])}")  # fmt: skip
     return failures
 
 
@@ -114,7 +101,7 @@ def _bitwise(actual: np.ndarray, expected: np.ndarray, what: str) -> str | None:
 
 
 def _check_values(results: list[np.ndarray], case: Case, depth: int) -> list[str]:
-    """Check 1 (the bound) and check 3 (bitwise agreement)."""
+    """The bound, and bitwise agreement."""
     expected, tol = sum_bound(case.arrays, case.op, depth)
     failures = []
     for i, result in enumerate(results):
@@ -131,7 +118,7 @@ def _check_values(results: list[np.ndarray], case: Case, depth: int) -> list[str
 
 
 def _check_bytes(fn: Any, rec: Recorder, case: Case, devices: Sequence[str]) -> list[str]:
-    """Check 5: bytes each tower sent against the record's exact ``bytes_sent`` formula."""
+    """Bytes each tower sent against the record's exact ``bytes_sent`` formula."""
     configured = record_of(fn)
     if configured is None or configured.algorithm.estimated:
         return []
@@ -142,21 +129,19 @@ def _check_bytes(fn: Any, rec: Recorder, case: Case, devices: Sequence[str]) -> 
         return []
     sent = rec.bytes_sent()
     got = [sent.get(canonical_device(d), 0) for d in devices[: case.n]]
-    if got != expected:
-        unseen = ("" if rec.transfers else " (nothing was sent with towers.allreduce.send: "
-                  "move data with send so it is counted, or register the record with "
-                  "estimated=True)")
-        return [
-            f"bytes sent per tower {got} differ from bytes_sent(n={case.n}, nbytes={nbytes}, "
-            f"itemsize={itemsize}) = {expected}{unseen}"
-        ]
-    return []
+    if got == expected:
+        return []
+    unseen = ("" if rec.transfers else " (nothing was sent with towers.allreduce.send: "
+              "move data with send so it is counted, or register the record with "
+              "estimated=True)")  # fmt: skip
+    return [f"bytes sent per tower {got} differ from bytes_sent(n={case.n}, nbytes={nbytes}, "
+            f"itemsize={itemsize}) = {expected}{unseen}"]  # fmt: skip
 
 
 def _check_replay(
     fn: Any, results: list[np.ndarray], case: Case, devices: Sequence[str]
 ) -> list[str]:
-    """Check 4: bitwise equal to the NumPy replay; a replay that cannot run is a failure."""
+    """Bitwise equal to the NumPy replay; a replay that cannot run is a failure."""
     refused = replay_refusal(fn)
     if refused:
         return [refused]
@@ -166,24 +151,16 @@ def _check_replay(
         return [f"replay impossible: {err}"]
     except Exception as err:
         return [f"tracing it in a tf.function for replay raised {type(err).__name__}: {err}"]
-    diffs = [
-        _bitwise(result, np.asarray(again), f"output {i} vs its NumPy replay")
-        for i, (result, again) in enumerate(zip(results, replayed, strict=False))
-    ]
+    diffs = [_bitwise(result, np.asarray(again), f"output {i} vs its NumPy replay")
+             for i, (result, again) in enumerate(zip(results, replayed, strict=False))]
     return [d for d in diffs if d]
-
-
-def _depth(fn: Any, n: int) -> int:
-    configured = record_of(fn)
-    depth = None if configured is None else configured.summation_depth(n)
-    return max(n - 1, 0) if depth is None else depth
 
 
 def check_case(fn: Any, case: Case, devices: Sequence[str], replay: bool) -> list[str]:
     """Run ``fn`` on one example and return every failed property (empty: all held)."""
     placed = list(devices[: case.n])
     try:
-        values = _place(case.arrays, placed)
+        values = place(case.arrays, placed)
         with record() as rec:
             outs = fn(values, op=case.op)
     except Exception as err:
@@ -193,23 +170,18 @@ def check_case(fn: Any, case: Case, devices: Sequence[str], replay: bool) -> lis
         return failures
     results = [np.asarray(out.numpy()) for out in outs]
     try:
-        depth = _depth(fn, case.n)
+        depth = summation_depth(fn, case.n)
         failures = _check_values(results, case, depth) + _check_bytes(fn, rec, case, placed)
     except Exception as err:  # a formula that fails is the algorithm's failure too
         return [f"a summation_depth/bytes_sent formula raised {type(err).__name__}: {err}"]
     return failures + (_check_replay(fn, results, case, placed) if replay else [])
 
 
-def _show(array: np.ndarray) -> str:
-    shown = array.astype(np.float32) if array.dtype.name == "bfloat16" else array
-    return np.array2string(shown, threshold=24, floatmode="unique", separator=", ")
-
-
 def describe(case: Case, devices: Sequence[str]) -> str:
     first = case.arrays[0]
     lines = [f"n={case.n} towers, shape={first.shape}, dtype={first.dtype.name}, op={case.op!r}"]
-    lines += [
-        f"  values[{i}] on {canonical_device(devices[i])}: {_show(a)}"
-        for i, a in enumerate(case.arrays)
-    ]
+    for i, a in enumerate(case.arrays):
+        shown = a.astype(np.float32) if a.dtype.name == "bfloat16" else a
+        text = np.array2string(shown, threshold=24, floatmode="unique", separator=", ")
+        lines.append(f"  values[{i}] on {canonical_device(devices[i])}: {text}")
     return "\n".join(lines)

@@ -1,50 +1,19 @@
 """Replay an all-reduce in NumPy, adding in exactly the order TensorFlow does.
 
-:func:`replay` traces an algorithm once in a ``tf.function`` whose inputs sit on
-``n`` devices, then interprets the traced graph op by op with NumPy kernels, in
-creation (topological) order. NumPy's float16/bfloat16/float32/float64
-arithmetic rounds each operation exactly as TensorFlow's CPU kernels do, and no
-kernel here ever upcasts, so on CPU the replay is **bitwise** equal to
-TensorFlow's result: every reordered or regrouped addition shows up as a
-difference. ::
+:func:`replay` traces an algorithm once in a ``tf.function`` whose inputs sit on ``n``
+devices, then interprets the graph op by op with NumPy kernels (:data:`KERNELS`), in
+creation order. NumPy rounds each float16/bfloat16/float32/float64 operation as
+TensorFlow's CPU kernels do and no kernel upcasts, so on CPU the replay is **bitwise**
+equal to TensorFlow's result: every reordered or regrouped addition shows::
 
     algorithm ──trace──▶ graph ──interpret──▶ NumPy arrays == TensorFlow's, bit for bit
-                          Placeholder → Identity(on device i) → AddV2 → ... → outputs
 
-Measured on TF 2.21, CPU (``tests/allreduce/test_replay.py`` pins each fact):
-
-* **AddN's order.** The CPU ``AddN`` kernel adds up to 9 inputs strictly left to
-  right, ``((x0 + x1) + x2) + ...``. With more, it adds the first ``r = n mod 8``
-  inputs (8 when ``r`` is 0, 9 when ``r`` is 1) left to right, then sums each
-  further block of 8 left to right and adds that block sum to the total:
-  ``total + (((x_r + x_r+1) + ...) + x_r+7)``. Checked bitwise for n = 2..33
-  and every float dtype with values where the order changes the result.
-* **Grappler reorders sums inside a tf.function.** Eager execution runs ops as
-  written. Inside a ``tf.function`` the arithmetic optimizer (1) collapses a chain
-  of adds on one device (intermediates with one consumer) into one ``AddN``, and
-  (2) sorts the inputs of ``AddN`` (a commutative op) by *node name*. So a sum is
-  formed in the order of its inputs' names: ``a_10`` sorts before ``a_2``, and
-  ``AddN([z, b, a])`` runs as ``(a + b) + z``. For towers this means: a chain
-  ``((x0 + x1) + x2) ...`` over 10 or more values on one device becomes an AddN
-  with AddN's block order (above), and with inputs named out of tower order the
-  order changes for any n >= 3 (the names are those left after grappler drops
-  identities: often the ``tf.function``'s argument names). Separately,
-  constant folding turns ``x / n`` into ``x * (1/n)``: a ``mean`` over 3, 5, 6 or
-  7 towers differs from eager in about a third of the elements (3363 of 10000 for
-  n = 3). ``AddV2`` input swaps are harmless (IEEE addition commutes).
-
-Hence two modes. ``replay(...)`` interprets the graph as the algorithm wrote it:
-bitwise equal to eager execution. ``replay(..., optimized=True)`` runs the
-function once, takes the graph grappler produced (from TensorFlow's run
-metadata) and interprets that: bitwise equal to the ``tf.function`` result.
-
-Collective ops (``CollectiveReduceV2``, ``NcclAllReduce``, ...) are opaque: the
-collective decides the order, so they raise :class:`ReplayError`. Extend
-:data:`KERNELS` to teach the replay another op (the kernels themselves live in
-:mod:`towers.testing.kernels`; this module interprets the graph with them).
-
-Example:
-    >>> out = replay(naive, [np.ones(3, np.float32)] * 4)   # doctest: +SKIP
+On CPU ``AddN`` adds up to 9 inputs left to right; with more, a head of ``n mod 8`` (8 for
+0, 9 for 1), then ``total + (block of 8)``. Inside a ``tf.function`` Grappler folds add
+chains into ``AddN``, sorts its inputs by node name and turns ``x / n`` into ``x * (1/n)``
+(``tests/testing/test_replay.py`` pins each fact). Hence two modes: the graph as written
+(bitwise equal to eager execution) and, with ``optimized=True``, the graph Grappler made
+(bitwise equal to the ``tf.function``). Collective ops are opaque: :class:`ReplayError`.
 """
 
 from __future__ import annotations
@@ -58,15 +27,23 @@ import tensorflow as tf
 from towers.devices import local_devices
 from towers.testing.kernels import KERNELS, ReplayError, np_dtype
 
-__all__ = ["KERNELS", "ReplayError", "is_opaque", "replay", "supported_ops"]
-
-
-def is_opaque(op_type: str) -> bool:
-    """True for ops whose summation order TensorFlow's runtime decides (collectives, NCCL)."""
-    return op_type.lstrip("_").startswith(("Collective", "Nccl"))
-
+__all__ = ["KERNELS", "ReplayError", "place", "replay", "supported_ops"]
 
 _FED = ("Placeholder", "_Arg", "_DeviceArg")
+
+
+def place(arrays: Sequence[np.ndarray], devices: Sequence[str]) -> list[tf.Tensor]:
+    """Array i as a tensor on ``devices[i]``."""
+    values = []
+    for array, device in zip(arrays, devices, strict=True):
+        with tf.device(device):
+            values.append(tf.identity(tf.constant(array)))
+    return values
+
+
+def _opaque(op_type: str) -> bool:
+    """Ops whose summation order TensorFlow's runtime decides (collectives, NCCL)."""
+    return op_type.lstrip("_").startswith(("Collective", "Nccl"))
 
 
 def supported_ops() -> list[str]:
@@ -75,7 +52,7 @@ def supported_ops() -> list[str]:
 
 
 def _check_transparent(graph: tf.Graph) -> None:
-    opaque = sorted({op.type for op in graph.get_operations() if is_opaque(op.type)})
+    opaque = sorted({op.type for op in graph.get_operations() if _opaque(op.type)})
     if opaque:
         raise ReplayError(
             f"the algorithm is opaque to replay: it uses {', '.join(opaque)}, and TensorFlow's "
@@ -96,8 +73,6 @@ def _needed(fetches: Sequence[tf.Tensor], fed: set[str]) -> set[tf.Operation]:
 
 
 def _run_kernel(op: tf.Operation, inputs: list[np.ndarray]) -> list[np.ndarray]:
-    if is_opaque(op.type):
-        _check_transparent(op.graph)
     kernel = KERNELS.get(op.type)
     if kernel is None:
         raise ReplayError(
@@ -204,11 +179,7 @@ def _optimized_graph(metadata: Any, n_args: int) -> tf.Graph:
 def _replay_optimized(
     fn: Any, concrete: Any, arrays: list[np.ndarray], devices: Sequence[str]
 ) -> list[np.ndarray]:
-    inputs = []
-    for array, device in zip(arrays, devices, strict=True):
-        with tf.device(device):
-            inputs.append(tf.identity(tf.constant(array)))
-    metadata = _run_with_metadata(fn, inputs)
+    metadata = _run_with_metadata(fn, place(arrays, devices))
     args = arrays + _captured(concrete)
     graph = _optimized_graph(metadata, len(args))
     feeds: dict[str, np.ndarray] = {}
@@ -232,26 +203,17 @@ def replay(
     """Recompute ``algorithm(values, op=op)`` in NumPy, in exactly TensorFlow's order.
 
     Args:
-        algorithm: an all-reduce written with plain TensorFlow ops (see the module docstring).
+        algorithm: an all-reduce written with plain TensorFlow ops.
         arrays: one array per tower, all of one shape and dtype.
-        op: passed to the algorithm (``"sum"``, ``"mean"``, ``"max"``, ``"min"``).
+        op: passed to the algorithm.
         devices: where input i lives (default: ``towers.local_devices()[:n]``).
-        optimized: interpret the graph grappler produced instead of the traced one; this
-            runs the function once. Default ``False`` matches eager execution.
-
-    Returns:
-        One array per algorithm output, each of the input dtype; on CPU bitwise equal to
-        TensorFlow's results (eager ones, or the ``tf.function`` ones when ``optimized``).
+        optimized: interpret the graph Grappler produced (runs the function once) instead
+            of the traced one.
 
     Raises:
-        ReplayError: an op without a NumPy kernel (the message names it and lists the
-            supported ops), or an opaque collective op.
+        ReplayError: an op without a NumPy kernel (named, with the supported ops), or an
+            opaque collective op.
         ValueError: no arrays, or fewer devices than arrays.
-
-    Example:
-        >>> big = np.float32([1e8])
-        >>> replay(naive, [big, np.float32([1]), -big])   # doctest: +SKIP
-        [array([0.], dtype=float32), array([0.], dtype=float32), array([0.], dtype=float32)]
     """
     arrays = [np.asarray(a) for a in arrays]
     if not arrays:
@@ -259,10 +221,8 @@ def replay(
     if devices is None:
         devices = local_devices()
     if len(devices) < len(arrays):
-        raise ValueError(
-            f"{len(arrays)} arrays but only {len(devices)} devices: call "
-            f"towers.simulate_devices({len(arrays)}) first, or pass devices="
-        )
+        raise ValueError(f"{len(arrays)} arrays but only {len(devices)} devices: call "
+                         f"towers.simulate_devices({len(arrays)}) first, or pass devices=")
     devices = list(devices)[: len(arrays)]
     fn = tf.function(_placed(algorithm, op, devices), autograph=False)
     concrete = fn.get_concrete_function(*[tf.TensorSpec(a.shape, a.dtype) for a in arrays])

@@ -1,7 +1,6 @@
-"""What a comparison of two steps found: per-step rows and the first divergence.
+"""What a comparison of two steps found: per-variable rows, the first divergence, the report.
 
-``compare`` and ``bisect`` (:mod:`towers.testing.compare`, :mod:`towers.testing.bisect`)
-fill a :class:`BisectReport`; its ``str`` is the report a test or the CLI prints::
+A :class:`BisectReport`'s ``str`` is what a test or the CLI prints::
 
     bisect A (A, teacher) vs B (B), 4 towers, 3 step(s) checked from the same weights
     bound: sgd_step_bound (plain SGD: …)
@@ -10,10 +9,7 @@ fill a :class:`BisectReport`; its ``str`` is the report a test or the CLI prints
     FIRST DIVERGENCE: step 2, variable dense/bias (#1, update)
       element 3 (chunk 0 of 1: elements 0..5)
       A = 0.25  B = 0.2459  |Δ| = 0.0041 > bound 1.2e-08
-      bound used: …
-      possible causes, read from the batches and both sides (towers.testing.causes):
-        - uneven batch: step 2's batch of 10 splits 3+3+3+1 over 4 towers, …
-      the setting: TowerTrainer(..., semantics="mirrored") …
+      possible causes, read from the batches and both sides (towers.testing.causes): …
 """
 
 from __future__ import annotations
@@ -21,32 +17,39 @@ from __future__ import annotations
 import dataclasses
 import textwrap
 
-from towers.testing.onestep import Difference
+__all__ = ["BisectReport", "Difference", "Divergence"]
 
-__all__ = ["BisectReport", "Divergence"]
+
+@dataclasses.dataclass(frozen=True)
+class Difference:
+    """One variable's largest difference at one step, and the bound it is held to.
+
+    ``towers`` is the run's tower count (or a label); ``worst`` the flat index with the
+    largest ``diff / bound`` (``worst_diff`` and ``bound`` are there); ``cause``, when not
+    ``ok``: the part that left its own bound, ``"reduction (…)"`` or ``"kernels"``.
+    """
+
+    towers: int | str
+    step: int
+    variable: str
+    index: int
+    max_diff: float
+    worst: int
+    worst_diff: float
+    bound: float
+    ok: bool
+    cause: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
 class Divergence:
     """Where two runs first part: the step, the variable and the first element outside.
 
-    Attributes:
-        step: the step, counted from 1.
-        variable: the variable's path; ``index`` its place in model order.
-        element: the first flat index outside the bound.
-        value_a, value_b: that element in both runs (gradients, or weights after the step).
-        diff, bound: ``|value_a − value_b|`` and the bound there.
-        chunk: ``(k, pieces, lo, hi)``: the element lies in chunk ``k`` of ``pieces``
-            (flat elements ``lo..hi−1``) when B's algorithm splits the variable with
-            ``pad_split`` into ``n·subchunks`` pieces (ring, halving-doubling, …).
-        compared: ``"gradient"`` or ``"update"`` (one SGD step, against a reference).
-        cause: gradients only: which part left its own bound (``"reduction (B)"``,
-            ``"reduction (reference)"`` for A, or ``"kernels"``: the towers' inputs differ).
-        bound_name: which bound held the step, and why that one (see :class:`BisectReport`).
-        causes: what the batches and the two sides show that may explain it, one
-            ``"name: why"`` each (:mod:`towers.testing.causes`); empty when nothing does.
-        setting: the setting that reproduces MirroredStrategy's semantics, when a cause
-            is them; else "".
+    ``element`` is the first flat index outside, ``value_a``/``value_b`` its values, ``diff``
+    and ``bound`` there; ``chunk = (k, pieces, lo, hi)``: it lies in chunk ``k`` (elements
+    ``lo..hi−1``) of B's pad-split; ``compared``: ``"gradient"`` or ``"update"``; ``cause``:
+    which part left its bound; ``causes``: ``"name: why"`` for each cause the batches and
+    sides show; ``setting``: the one that reproduces MirroredStrategy's semantics, or "".
     """
 
     step: int
@@ -67,8 +70,8 @@ class Divergence:
 
 @dataclasses.dataclass(frozen=True)
 class BisectReport:
-    """What ``compare`` or ``bisect`` found: ``first`` is None when every step stayed within
-    bound; ``bound`` says which bound was used and why; ``kind`` which function ran."""
+    """What ``compare`` or ``bisect`` (``kind``) found: ``first`` is None when every step
+    stayed within ``bound``, which says which bound was used and why."""
 
     a: str
     b: str
@@ -85,12 +88,12 @@ class BisectReport:
 
     @property
     def step(self) -> int | None:
-        """The first divergence's step (from 1), or None (the contract's ``report.step``)."""
+        """The first divergence's step (from 1), or None."""
         return None if self.first is None else self.first.step
 
     @property
     def variable(self) -> str | None:
-        """The first divergence's variable path, or None (the contract's ``report.variable``)."""
+        """The first divergence's variable path, or None."""
         return None if self.first is None else self.first.variable
 
     def __str__(self) -> str:

@@ -1,25 +1,15 @@
 """The step protocol: anything ``compare``, ``bisect`` and ``assert_steps_match`` can drive.
 
-A *step* is an object with three methods::
+A *step* has three methods::
 
     step.train_step(x, y, sample_weight=None)   one synchronous update on a global batch
     step.get_weights() -> [np.ndarray]          in model.weights order
     step.set_weights(ws)                        every replica's copy
 
-``towers.TowerTrainer`` (and ``TowerModel.trainer``), ``reference.MirroredTrainer`` and
-``reference.CentralStorageTrainer`` are steps as they stand. A user's own step — the
-``distributed_train_step`` of TensorFlow's custom-loop tutorial, say — becomes one with
-:func:`as_step`, one line::
-
-    step = as_step(distributed_train_step, model, strategy=strategy, optimizer=optimizer)
-
-Optional attributes sharpen what a comparison can say: ``model`` (variable names and
-which weights are trainable; the gradients that size a derived bound), ``optimizer``
-(which bound applies), ``devices`` or ``strategy`` (the tower count).
-
-Example:
-    >>> isinstance(trainer, Step)                                  # doctest: +SKIP
-    True
+``TowerTrainer`` and the ``reference`` trainers are steps; a user's step function becomes
+one with :func:`as_step`. Optional attributes sharpen a comparison: ``model`` (names, the
+gradients that size a bound), ``optimizer`` (which bound), ``loss_fn``, ``devices`` or
+``strategy`` (the tower count).
 """
 
 from __future__ import annotations
@@ -30,7 +20,9 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import tensorflow as tf
 
-__all__ = ["AdaptedStep", "Step", "as_step", "check_step", "step_towers"]
+__all__ = ["AdaptedStep", "Step", "as_step", "check_step", "is_step", "step_towers"]
+
+_METHODS = ("train_step", "get_weights", "set_weights")
 
 
 @runtime_checkable
@@ -47,14 +39,18 @@ class Step(Protocol):
         """Set every replica's copy of every weight."""
 
 
+def is_step(value: Any) -> bool:
+    """``value`` has the protocol's three methods."""
+    return all(callable(getattr(value, m, None)) for m in _METHODS)
+
+
 def check_step(name: str, value: Any) -> Step:
-    """``value`` when it has the step protocol's three methods.
+    """``value`` when it is a step.
 
     Raises:
         TypeError: naming ``name`` and the missing methods.
     """
-    missing = [m for m in ("train_step", "get_weights", "set_weights")
-               if not callable(getattr(value, m, None))]  # fmt: skip
+    missing = [m for m in _METHODS if not callable(getattr(value, m, None))]
     if missing:
         raise TypeError(f"{name} must be a step (train_step(x, y, sample_weight=None), "
                         f"get_weights(), set_weights(ws)); {type(value).__name__} lacks "
@@ -73,14 +69,7 @@ def step_towers(step: Any) -> int | None:
 
 
 class AdaptedStep:
-    """A user's step function as a :class:`Step` (made by :func:`as_step`).
-
-    Attributes:
-        fn: the step function; it takes one argument, the batch ``(x, y)`` (or
-            ``(x, y, sample_weight)`` when one is given) — distributed by ``strategy``
-            when there is one, as ``strategy.experimental_distribute_dataset`` does.
-        model, optimizer, strategy: as given; ``loss_fn``: the ``loss`` given.
-    """
+    """A user's step function as a :class:`Step` (made by :func:`as_step`)."""
 
     def __init__(self, fn: Callable[[Any], Any], model: Any, *, strategy: Any = None,
                  optimizer: Any = None, loss: Any = None) -> None:  # fmt: skip
@@ -114,18 +103,13 @@ def as_step(fn: Callable[[Any], Any], model: Any, *, strategy: Any = None,
     """A user's step function as a :class:`Step`: the one-line adapter.
 
     Args:
-        fn: the step function, called with one batch: ``(x, y)`` or
-            ``(x, y, sample_weight)`` (the tutorial's ``distributed_train_step(inputs)``).
+        fn: the step function, called with one batch ``(x, y)`` or ``(x, y, sample_weight)``
+            (the tutorial's ``distributed_train_step(inputs)``).
         model: the ``keras.Model`` it trains (its weights are the step's weights).
-        strategy: the ``tf.distribute.Strategy`` ``fn`` runs under, if any: the batch is
-            distributed by it first, and weights are set inside its scope.
-        optimizer: the optimizer ``fn`` applies (default: ``model.optimizer``), so a
-            comparison can choose its bound.
-        loss: the loss ``fn`` minimizes (Keras loss, name or per-example callable), so a
-            derived bound can be sized from its gradients.
-
-    Returns:
-        An :class:`AdaptedStep`.
+        strategy: the strategy ``fn`` runs under, if any: it distributes the batch, and
+            weights are set inside its scope.
+        optimizer, loss: what ``fn`` applies and minimizes (default ``model.optimizer``):
+            they pick and size the bound.
 
     Raises:
         TypeError: ``fn`` is not callable, or ``model`` has no ``weights``.

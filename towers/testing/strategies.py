@@ -1,53 +1,36 @@
-"""Hypothesis strategies and comparison helpers for equivalence tests.
+"""Hypothesis strategies of models, optimizers, training cases and batches for equivalence tests.
 
-Users import these to test their own models and algorithms against a
-``tf.distribute`` reference::
+Model families cover what makes data parallelism subtle: Dense stacks, Conv2D, Embedding
+with duplicate token ids (sparse gradients), BatchNormalization (non-trainable state),
+Dropout with a fixed seed (per-tower random state) and kernel regularizers (regularization
+losses scaled by 1/towers)::
 
     from hypothesis import given
     from towers.testing import training_cases, assert_weights_close
 
     @given(training_cases())
     def test_my_setup(case): ...
-
-For all-reduce algorithms, :func:`towers.testing.check_all_reduce` runs the properties
-(exact sums within a derived bound, placement, bitwise-identical outputs, byte counts)
-and reports the smallest failing example.
-
-Model families cover what makes data parallelism subtle: Dense stacks, Conv2D,
-Embedding with duplicate token ids (sparse gradients), BatchNormalization
-(non-trainable state), Dropout with a fixed seed (per-tower random state) and
-kernel regularizers (regularization losses scaled by 1/towers).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import keras
 import numpy as np
+import tensorflow as tf
 from hypothesis import strategies as st
 
-from towers.guard.arguments import check_choice
+from towers.guard.arguments import check_choice, positive_int
 from towers.split import shard_sizes
-from towers.testing.values import ulp_distance
 from towers.tower import tower_step
 from towers.training.keras_loss import resolve_loss
 
-__all__ = [
-    "CENTRAL_STORAGE_FAMILIES",
-    "CENTRAL_STORAGE_OPTIMIZERS",
-    "FAMILIES",
-    "OPTIMIZERS",
-    "ModelSpec",
-    "TrainingCase",
-    "assert_weights_close",
-    "model_specs",
-    "no_empty_shards",
-    "per_tower_gradients",
-    "training_cases",
-    "weight_report",
-]
+__all__ = ["CENTRAL_STORAGE_FAMILIES", "CENTRAL_STORAGE_OPTIMIZERS", "FAMILIES", "OPTIMIZERS",
+           "ModelSpec", "TrainingCase", "loss_fn", "model_specs", "no_empty_shards",
+           "per_tower_gradients", "step_batches", "step_cases", "training_cases"]
 
 FAMILIES = ("dense", "conv", "embedding", "batchnorm", "dropout", "regularized")
 
@@ -61,15 +44,9 @@ OPTIMIZERS: dict[str, Callable[[], keras.optimizers.Optimizer]] = {
 """Optimizer factories by name (learning rates small enough for 1–3 stable steps)."""
 
 CENTRAL_STORAGE_FAMILIES = ("dense", "conv", "embedding", "regularized")
-"""The families CentralStorageStrategy can train (TF 2.21 / Keras 3.15, measured).
-
-BatchNormalization (moving statistics) and Dropout (its SeedGenerator state) assign
-variables in replica context, which the strategy refuses ("You must specify an
-aggregation method to update a AggregatingVariable in Replica Context"); see
-``reference.central_storage.known_failures``, which ``tests/reference`` checks
-against these lists, so a strategy drawing from them never draws a case the
-reference is known to fail on.
-"""
+"""The families CentralStorageStrategy can train: BatchNormalization and Dropout assign
+variables in replica context, which it refuses (``reference.central_storage.known_failures``,
+checked against these lists by ``tests/reference``)."""
 CENTRAL_STORAGE_OPTIMIZERS = ("sgd", "momentum", "adam", "rmsprop")
 """The optimizers CentralStorageStrategy can run (Keras 3 Nadam updates ``u_product``)."""
 
@@ -82,10 +59,6 @@ class ModelSpec:
     width: int = 4
     classes: int = 3
     seed: int = 0
-
-    @property
-    def has_batchnorm(self) -> bool:
-        return self.family == "batchnorm"
 
     def _init(self, k: int) -> keras.initializers.Initializer:
         return keras.initializers.GlorotUniform(seed=self.seed * 101 + k)
@@ -102,9 +75,8 @@ class ModelSpec:
             return inp, keras.layers.Flatten()(h)
         inp = keras.Input((5,))
         reg = keras.regularizers.L2(0.05) if self.family == "regularized" else None
-        h = keras.layers.Dense(
-            self.width, activation="tanh", kernel_initializer=init(0), kernel_regularizer=reg
-        )(inp)
+        h = keras.layers.Dense(self.width, activation="tanh", kernel_initializer=init(0),
+                               kernel_regularizer=reg)(inp)
         if self.family == "batchnorm":
             h = keras.layers.BatchNormalization(momentum=0.5)(h)
         if self.family == "dropout":
@@ -167,31 +139,20 @@ def no_empty_shards(batch: int, n: int) -> int:
 
 def model_specs(families: Sequence[str] = FAMILIES) -> st.SearchStrategy[ModelSpec]:
     """Small models of the given families with random widths and seeds."""
-    return st.builds(
-        ModelSpec,
-        family=st.sampled_from(list(families)),
-        width=st.integers(2, 6),
-        classes=st.integers(2, 4),
-        seed=st.integers(0, 1000),
-    )
+    return st.builds(ModelSpec, family=st.sampled_from(list(families)), width=st.integers(2, 6),
+                     classes=st.integers(2, 4), seed=st.integers(0, 1000))
 
 
-def training_cases(
-    families: Sequence[str] = FAMILIES,
-    optimizers: Sequence[str] = tuple(OPTIMIZERS),
-    max_towers: int = 8,
-    placements: Sequence[str] = ("parameter_device", "replicated"),
-    max_steps: int = 3,
-    max_batch: int = 12,
-    min_towers: int = 1,
-) -> st.SearchStrategy[TrainingCase]:
+def training_cases(families: Sequence[str] = FAMILIES,
+                   optimizers: Sequence[str] = tuple(OPTIMIZERS), max_towers: int = 8,
+                   placements: Sequence[str] = ("parameter_device", "replicated"),
+                   max_steps: int = 3, max_batch: int = 12, min_towers: int = 1,
+                   ) -> st.SearchStrategy[TrainingCase]:  # fmt: skip
     """Scenarios over models, optimizers, ``min_towers``–``max_towers`` towers, uneven batches.
 
-    Batch sizes include sizes not divisible by the tower count and sizes smaller
-    than it (empty shards). Models with BatchNormalization or Conv2D get no empty
-    shard, because the reference cannot run them on one: its BatchNormalization turns
-    an empty shard into NaN, and Keras 3's Conv2D fails on a batch of 0 (towers skips
-    empty towers, so it handles both; ``tests/test_step.py`` covers that).
+    Batch sizes include sizes no tower count divides and sizes below it (empty shards),
+    except for BatchNormalization and Conv2D, which the reference cannot run on an empty
+    shard (NaN statistics; Keras 3's Conv2D fails on a batch of 0).
 
     Example:
         >>> cases = training_cases(CENTRAL_STORAGE_FAMILIES, CENTRAL_STORAGE_OPTIMIZERS,
@@ -205,75 +166,21 @@ def training_cases(
         sizes = draw(st.lists(st.integers(1, max_batch), min_size=1, max_size=max_steps))
         if spec.family in ("batchnorm", "conv"):
             sizes = [no_empty_shards(b, towers) for b in sizes]
-        return TrainingCase(
-            spec=spec,
-            optimizer=draw(st.sampled_from(list(optimizers))),
-            towers=towers,
-            batch_sizes=tuple(sizes),
-            placement=draw(st.sampled_from(list(placements))),
-            data_seed=draw(st.integers(0, 10_000)),
-        )
+        optimizer = draw(st.sampled_from(list(optimizers)))
+        placement = draw(st.sampled_from(list(placements)))
+        return TrainingCase(spec, optimizer, towers, tuple(sizes), placement,
+                            draw(st.integers(0, 10_000)))
 
     return build()
 
 
-def weight_report(
-    actual: Sequence[np.ndarray], expected: Sequence[np.ndarray], names: Sequence[str] | None = None
-) -> list[tuple[str, float, int]]:
-    """Per weight: (name, max abs error, max ULP distance)."""
-    if len(actual) != len(expected):
-        raise AssertionError(f"{len(actual)} weights vs {len(expected)} expected")
-    names = list(names) if names is not None else [f"weight[{i}]" for i in range(len(actual))]
-    rows = []
-    for name, a, e in zip(names, actual, expected):
-        a, e = np.asarray(a), np.asarray(e)
-        if a.shape != e.shape:
-            raise AssertionError(f"{name}: shape {a.shape} vs expected {e.shape}")
-        err = float(np.max(np.abs(a.astype(np.float64) - e))) if a.size else 0.0
-        ulps = int(np.max(ulp_distance(a, e))) if a.size else 0
-        rows.append((name, err, ulps))
-    return rows
-
-
-def assert_weights_close(
-    actual: Sequence[np.ndarray],
-    expected: Sequence[np.ndarray],
-    *,
-    atol: float | Sequence[np.ndarray] = 0.0,
-    names: Sequence[str] | None = None,
-    what: str = "",
-) -> None:
-    """Assert every weight matches within ``atol`` (a number, or one bound array per weight).
-
-    The failure message lists each weight's max abs error and max ULP distance, so
-    a reader sees at once whether the gap is rounding (a few ULPs) or a bug.
-    """
-    rows = weight_report(actual, expected, names)
-    bounds = atol if isinstance(atol, Sequence) else [atol] * len(rows)
-    bad = []
-    for (name, _, _), a, e, bound in zip(rows, actual, expected, bounds):
-        diff = np.abs(np.asarray(a, np.float64) - np.asarray(e, np.float64))
-        if not np.all(diff <= np.asarray(bound)) or np.any(np.isnan(a) != np.isnan(e)):
-            bad.append(name)
-    if bad:
-        table = "\n".join(f"  {n}: max abs err {err:.3g}, max {u} ULPs" for n, err, u in rows)
-        raise AssertionError(f"{what} weights differ beyond the bound in {bad}:\n{table}")
-
-
-def per_tower_gradients(
-    model: keras.Model,
-    x: np.ndarray,
-    y: np.ndarray,
-    devices: Sequence[str],
-    loss: keras.losses.Loss | None = None,
-) -> list[list[np.ndarray]]:
+def per_tower_gradients(model: keras.Model, x: np.ndarray, y: np.ndarray, devices: Sequence[str],
+                        loss: keras.losses.Loss | None = None) -> list[list[np.ndarray]]:
     """Each tower's dense gradient of its share of the global mean loss: ``grads[tower][var]``.
 
-    Used to size error bounds (Σ_i |g_i|), not as the thing under test.
+    Sizes error bounds (Σ_i |g_i|); never the thing under test. One device per example
+    gives the per-example gradients (regularization shared out as over B towers).
     """
-    import tensorflow as tf
-
-
     fn = resolve_loss(loss or loss_fn())
     trainable = [tf.convert_to_tensor(v.value) for v in model.trainable_variables]
     frozen = [tf.convert_to_tensor(v.value) for v in model.non_trainable_variables]
@@ -283,15 +190,44 @@ def per_tower_gradients(
         if a == b:
             out.append([np.zeros(v.shape, "float32") for v in model.trainable_variables])
             continue
-        result = tower_step(
-            model,
-            trainable,
-            frozen,
-            (x[a:b], y[a:b], None),
-            loss_fn=fn,
-            global_batch=tf.constant(len(x)),
-            num_towers=len(devices),
-            device=d,
-        )
+        result = tower_step(model, trainable, frozen, (x[a:b], y[a:b], None), loss_fn=fn,
+                            global_batch=tf.constant(len(x)), num_towers=len(devices), device=d)
         out.append([np.asarray(tf.convert_to_tensor(g)) for g in result.grads])
     return out
+
+
+Batches = list[tuple[np.ndarray, np.ndarray]]
+
+
+def step_batches(features: int, classes: int, *, steps: int = 2,
+                 max_batch: int = 12) -> st.SearchStrategy[Batches]:  # fmt: skip
+    """Hypothesis: ``steps`` batches ``(x [b, features] float32 in [-1, 1], y [b] int32)``,
+    sizes in 1..``max_batch`` (uneven splits, empty towers), values from a drawn seed.
+
+    Raises:
+        ValueError: ``features``, ``classes``, ``steps`` or ``max_batch`` not an int >= 1.
+    """
+    for name, value in (("features", features), ("classes", classes), ("steps", steps),
+                        ("max_batch", max_batch)):  # fmt: skip
+        positive_int(name, value)
+
+    def make(sizes: list[int], seed: int) -> Batches:
+        rng = np.random.default_rng(seed)
+        return [(rng.uniform(-1, 1, (b, features)).astype("float32"),
+                 rng.integers(0, classes, b).astype("int32")) for b in sizes]  # fmt: skip
+
+    sizes = st.lists(st.integers(1, max_batch), min_size=steps, max_size=steps)
+    return st.builds(make, sizes, st.integers(0, 2**31 - 1))
+
+
+def step_cases(features: int, classes: int, *, max_towers: int = 4, steps: int = 2,
+               max_batch: int = 12) -> st.SearchStrategy[tuple[int, list[Any]]]:  # fmt: skip
+    """Hypothesis: ``(towers, batches)``, a tower count in 1..``max_towers`` and
+    :func:`step_batches`, for ``assert_steps_match(a(n), b(n), batches)``.
+
+    Raises:
+        ValueError: ``max_towers`` (or a :func:`step_batches` argument) not an int >= 1.
+    """
+    positive_int("max_towers", max_towers)
+    batches = step_batches(features, classes, steps=steps, max_batch=max_batch)
+    return st.tuples(st.integers(1, max_towers), batches)

@@ -1,10 +1,4 @@
-"""Tower values for tests, and comparing arrays: Hypothesis strategies, ULPs, ``assert_close``.
-
-:func:`tower_values` draws one array per tower (shapes that trip chunking code,
-every supported dtype, magnitudes that cannot overflow, mantissas full enough that
-summation order shows); :func:`assert_close` compares with a tolerance and reports
-the worst absolute error and ULP distance; :func:`ulp_distance` counts representable
-values between two arrays.
+"""Tower values for tests and comparing arrays: Hypothesis strategies, ULPs, ``assert_close``.
 
 Example:
     >>> @given(tower_values(4, dtypes=["float32"]))   # doctest: +SKIP
@@ -24,14 +18,8 @@ from hypothesis.extra import numpy as hnp
 
 from towers.allreduce.machinery.base import DTYPES
 
-__all__ = [
-    "Closeness",
-    "assert_close",
-    "is_float",
-    "tower_shapes",
-    "tower_values",
-    "ulp_distance",
-]
+__all__ = ["Closeness", "assert_close", "assert_weights_close", "is_float", "tower_shapes",
+           "tower_values", "ulp_distance", "weight_report"]
 
 _PRIMES = (2, 3, 5, 7, 11, 13, 17, 31, 37, 101)
 _BITS = {2: np.int16, 4: np.int32, 8: np.int64}
@@ -43,19 +31,11 @@ def is_float(dtype: np.dtype) -> bool:
     return dtype.kind == "f" or dtype.name == "bfloat16"
 
 
-# -- comparisons --------------------------------------------------------------------------------
-
-
 def ulp_distance(a: Any, b: Any) -> np.ndarray:
     """How many representable values of ``a``'s dtype lie between ``a`` and ``b``, element-wise.
 
-    ``b`` is first rounded to ``a``'s dtype; distances are counted on that dtype's bit
-    patterns (float16, bfloat16, float32, float64), so ``+0`` and ``-0`` are 0 apart and
-    the largest finite float is 1 from infinity. Integers give ``|a - b|``. Two NaNs
-    are 0 apart, a NaN and a number the maximum uint64.
-
-    Returns:
-        A ``uint64`` array of ``a``'s broadcast shape.
+    Counted on the bit patterns of ``a``'s dtype (``b`` rounded to it): ``+0`` and ``-0``
+    are 0 apart, two NaNs 0, a NaN and a number the maximum uint64; integers ``|a - b|``.
 
     Example:
         >>> ulp_distance(np.float32(1), np.float32(1) + np.float32(2**-23))
@@ -99,46 +79,23 @@ def _errors(actual: np.ndarray, expected: np.ndarray) -> tuple[np.ndarray, np.nd
     return np.where(same, 0.0, np.nan_to_num(err, nan=np.inf)), ulps
 
 
-def _worst(values: np.ndarray) -> tuple[int, ...]:
-    return tuple(int(i) for i in np.unravel_index(int(np.argmax(values)), values.shape))
+def _mismatch_text(actual: np.ndarray, expected: np.ndarray, err: np.ndarray, ulps: np.ndarray,
+                   bad: np.ndarray) -> str:  # fmt: skip
+    masked = np.where(bad, err, -1.0)
+    i = tuple(int(k) for k in np.unravel_index(int(np.argmax(masked)), masked.shape))
+    return (f"{int(bad.sum())} of {bad.size} elements differ; worst at index {i}: got "
+            f"{actual[i].item()!r}, expected {expected[i].item()!r} (abs error {err[i]:.3g}, "
+            f"{int(ulps[i])} ULP); max abs error {float(err.max()):.3g}, max {int(ulps.max())} ULP")
 
 
-def _mismatch_text(
-    actual: np.ndarray, expected: np.ndarray, err: np.ndarray, ulps: np.ndarray, bad: np.ndarray
-) -> str:
-    i = _worst(np.where(bad, err, -1.0))
-    return (
-        f"{int(bad.sum())} of {bad.size} elements differ; worst at index {i}: got "
-        f"{actual[i].item()!r}, expected {expected[i].item()!r} (abs error {err[i]:.3g}, "
-        f"{int(ulps[i])} ULP); max abs error {float(err.max()):.3g}, max {int(ulps.max())} ULP"
-    )
-
-
-def assert_close(
-    actual: Any,
-    expected: Any,
-    *,
-    atol: float | np.ndarray = 0.0,
-    rtol: float = 0.0,
-    ulps: int | None = None,
-    what: str = "",
-) -> Closeness:
+def assert_close(actual: Any, expected: Any, *, atol: float | np.ndarray = 0.0, rtol: float = 0.0,
+                 ulps: int | None = None, what: str = "") -> Closeness:  # fmt: skip
     """Assert ``actual`` matches ``expected`` element-wise; report abs error and ULPs if not.
 
-    An element passes when ``|actual - expected| <= atol + rtol·|expected|``, or, when
-    ``ulps`` is given, when it is at most ``ulps`` ULPs away (counted in ``actual``'s
-    dtype). The defaults demand exact equality. NaNs must sit at the same places.
-
-    Args:
-        actual: the array under test (its dtype decides what a ULP is).
-        expected: the reference, e.g. a float64 reduction.
-        atol: absolute tolerance, a number or an array broadcastable to the shape.
-        rtol: relative tolerance.
-        ulps: alternative tolerance in units in the last place.
-        what: names the value in the message ("output 2").
-
-    Returns:
-        The :class:`Closeness` (max abs error, max ULP distance).
+    An element passes when ``|actual - expected| <= atol + rtol·|expected|`` (``atol`` a
+    number or an array), or when it is at most ``ulps`` ULPs away in ``actual``'s dtype.
+    The defaults demand exact equality; NaNs must sit at the same places. ``what`` names
+    the value in the message.
 
     Raises:
         AssertionError: shapes differ, or some element is outside the tolerance.
@@ -164,40 +121,20 @@ def assert_close(
     return Closeness(float(err.max()), int(dist.max()))
 
 
-# -- strategies ---------------------------------------------------------------------------------
-
-
 def tower_shapes() -> st.SearchStrategy[tuple[int, ...]]:
-    """Shapes that trip chunking code: ``()``, ``(0,)``, small sizes, primes, 2-D.
-
-    Most sizes are not divisible by the tower count, so padding paths run. Shrinks
-    towards ``()``.
-    """
-    return st.one_of(
-        st.just(()),
-        st.tuples(st.integers(0, 12)),
-        st.tuples(st.sampled_from(_PRIMES)),
-        st.tuples(st.integers(1, 4), st.integers(0, 6)),
-    )
-
-
-def _np_dtype(dtype: tf.DType) -> np.dtype:
-    return np.dtype(dtype.as_numpy_dtype)
+    """Shapes that trip chunking code (most sizes no tower count divides); shrinks to ``()``."""
+    primes = st.tuples(st.sampled_from(_PRIMES))
+    return st.one_of(st.just(()), st.tuples(st.integers(0, 12)), primes,
+                     st.tuples(st.integers(1, 4), st.integers(0, 6)))
 
 
 def _full_mantissa(dtype: tf.DType, top: int) -> st.SearchStrategy[float]:
-    """``±m·2^e`` in [1, 2^13) with every mantissa bit drawn.
-
-    Magnitudes within a few binary orders of each other, with random low bits, make
-    nearly every sum depend on its order: a drifting replica cannot hide.
-    """
+    """``±m·2^e`` in [1, 2^13) with every mantissa bit drawn: nearly every sum of such
+    values depends on its order, so a drifting replica cannot hide."""
     bits = {"float16": 11, "bfloat16": 8, "float32": 24, "float64": 53}[dtype.name]
-    return st.builds(
-        lambda sign, m, e: sign * math.ldexp(m, e - bits + 1),
-        st.sampled_from([1, -1]),
-        st.integers(2 ** (bits - 1), 2**bits - 1),
-        st.integers(0, min(top, 12)),
-    )
+    return st.builds(lambda sign, m, e: sign * math.ldexp(m, e - bits + 1),
+                     st.sampled_from([1, -1]), st.integers(2 ** (bits - 1), 2**bits - 1),
+                     st.integers(0, min(top, 12)))
 
 
 def _elements(dtype: tf.DType, max_towers: int, dense: bool) -> st.SearchStrategy[Any]:
@@ -209,23 +146,15 @@ def _elements(dtype: tf.DType, max_towers: int, dense: bool) -> st.SearchStrateg
     top = math.floor(math.log2(float(dtype.max) / (4 * max_towers)))
     if dense:
         return _full_mantissa(dtype, top)
-    width: Literal[16, 32, 64] = (
-        16 if dtype.name == "float16" else 64 if dtype == tf.float64 else 32
-    )
-    return st.floats(  # bfloat16 draws float32 values, then casts
-        -(2.0**top),
-        2.0**top,
-        width=width,
-        allow_nan=False,
-        allow_infinity=False,
-        allow_subnormal=False,
-    )
+    width: Literal[16, 32, 64] = 16 if dtype.name == "float16" else 32
+    width = 64 if dtype == tf.float64 else width
+    return st.floats(-(2.0**top), 2.0**top, width=width, allow_nan=False, allow_infinity=False,
+                     allow_subnormal=False)  # bfloat16 draws float32 values, then casts
 
 
-def _arrays(
-    dtype: tf.DType, shape: tuple[int, ...], max_towers: int, dense: bool
-) -> st.SearchStrategy[Any]:
-    target = _np_dtype(dtype)
+def _arrays(dtype: tf.DType, shape: tuple[int, ...], max_towers: int, dense: bool
+            ) -> st.SearchStrategy[Any]:  # fmt: skip
+    target = np.dtype(dtype.as_numpy_dtype)
     drawn = target if target.name != "bfloat16" else np.dtype(np.float32)
     arrays = hnp.arrays(drawn, shape, elements=_elements(dtype, max_towers, dense))
     return arrays if drawn == target else arrays.map(lambda a: a.astype(target))
@@ -240,24 +169,12 @@ def tower_values(
     *,
     min_towers: int = 1,
 ) -> tuple[int, list[np.ndarray]]:
-    """``(n, arrays)``: min_towers..max_towers towers, one array each, one shape and dtype.
+    """``(n, arrays)``: ``min_towers..max_towers`` towers, one array each, one shape and dtype.
 
-    Magnitudes are bounded per dtype so that no sum over ``max_towers`` towers
-    overflows; integers stay within 2^20 (int32) or 2^40 (int64); no NaN, infinity
-    or subnormal is drawn. About half the examples are *dense*: every value has all
-    its mantissa bits drawn and a magnitude in [1, 2^13), so that summation order
-    shows in the result (plain Hypothesis floats favour round numbers and extremes,
-    where one value swamps the rest). bfloat16 arrays are ``ml_dtypes.bfloat16``.
-
-    Args:
-        max_towers: the largest tower count.
-        dtypes: TensorFlow or NumPy dtypes (or names) to draw from.
-        shapes: a strategy or a list of shapes (default :func:`tower_shapes`).
-        min_towers: the smallest tower count (``min_towers=max_towers`` fixes it).
-
-    Example:
-        >>> @given(tower_values(4, dtypes=["float32"]))   # doctest: +SKIP
-        ... def test_mine(case): n, arrays = case
+    No sum over ``max_towers`` towers overflows; no NaN, infinity or subnormal is drawn.
+    About half the examples are *dense* (:func:`_full_mantissa`), so summation order shows
+    (plain Hypothesis floats favour round numbers and extremes). ``dtypes``: TensorFlow or
+    NumPy dtypes or names; ``shapes``: a strategy or a list (default :func:`tower_shapes`).
     """
     n = draw(st.integers(min_towers, max_towers))
     # Shrinking moves towards the first dtype: put the most readable one there.
@@ -270,3 +187,37 @@ def tower_values(
     shape = draw(shapes)
     dense = draw(st.booleans())  # shrinks to False: plain Hypothesis floats
     return n, [draw(_arrays(dtype, shape, max_towers, dense)) for _ in range(n)]
+
+
+def weight_report(actual: Sequence[np.ndarray], expected: Sequence[np.ndarray],
+                  names: Sequence[str] | None = None) -> list[tuple[str, float, int]]:  # fmt: skip
+    """Per weight: (name, max abs error, max ULP distance)."""
+    if len(actual) != len(expected):
+        raise AssertionError(f"{len(actual)} weights vs {len(expected)} expected")
+    names = list(names) if names is not None else [f"weight[{i}]" for i in range(len(actual))]
+    rows = []
+    for name, a, e in zip(names, actual, expected):
+        a, e = np.asarray(a), np.asarray(e)
+        if a.shape != e.shape:
+            raise AssertionError(f"{name}: shape {a.shape} vs expected {e.shape}")
+        err = float(np.max(np.abs(a.astype(np.float64) - e))) if a.size else 0.0
+        ulps = int(np.max(ulp_distance(a, e))) if a.size else 0
+        rows.append((name, err, ulps))
+    return rows
+
+
+def assert_weights_close(actual: Sequence[np.ndarray], expected: Sequence[np.ndarray], *,
+                         atol: float | Sequence[np.ndarray] = 0.0,
+                         names: Sequence[str] | None = None, what: str = "") -> None:  # fmt: skip
+    """Assert every weight matches within ``atol`` (a number, or one bound array per weight);
+    the message lists each weight's max abs error and ULPs: rounding, or a bug?"""
+    rows = weight_report(actual, expected, names)
+    bounds = atol if isinstance(atol, Sequence) else [atol] * len(rows)
+    bad = []
+    for (name, _, _), a, e, bound in zip(rows, actual, expected, bounds):
+        diff = np.abs(np.asarray(a, np.float64) - np.asarray(e, np.float64))
+        if not np.all(diff <= np.asarray(bound)) or np.any(np.isnan(a) != np.isnan(e)):
+            bad.append(name)
+    if bad:
+        table = "\n".join(f"  {n}: max abs err {err:.3g}, max {u} ULPs" for n, err, u in rows)
+        raise AssertionError(f"{what} weights differ beyond the bound in {bad}:\n{table}")

@@ -1,46 +1,223 @@
-"""Every error bound a comparison holds two runs to, in one place.
+"""Every error bound a comparison holds two runs to, on one rounding model.
 
-Each bound is derived in its module's docstring from one rounding model: the unit
-roundoff ``u`` of each dtype and ``γ_k = k·u / (1 − k·u)``, defined once in
-:mod:`towers.allreduce.machinery.rounding` (the library's codecs and its check of a
-user's algorithm bound with them too, so they live beside the all-reduce, not here)::
+Every addition rounds once: ``fl(a + b) = (a + b)(1 + δ)``, ``|δ| ≤ u``, the unit roundoff of
+:mod:`towers.allreduce.machinery.rounding`. In any summation tree each leaf ``x_i`` reaches
+the root through at most ``k`` additions (the *summation depth*), so
 
-    rounding (u, γ_k)
-       │
-       ├─ sums.py        a sum of depth k: γ_k·Σ|x_i| (sum_bound); one SGD step on two
-       │                 summation orders (sgd_step_bound); per variable, and two trees
-       │                 over the same per-example leaves (exact_sums, leaf_bounds)
-       ├─ intervals.py   interval arithmetic with rounding: the sets two runs' values lie in
-       ├─ optimizers.py  a gradient error carried through an optimizer and its slots
-       │                 (SGD with momentum, Adam, AdamW, Nadam, RMSprop: update_bounds)
-       ├─ update.py      which of them holds one teacher-forced update, and why (resolve_bound)
-       └─ noise.py       the kernels' own noise floor, measured (kernel_noise_floor)
+    |ŝ − Σ x_i| ≤ γ_k · Σ |x_i|,    γ_k = k·u / (1 − k·u)
 
-Split into modules because together they exceed one readable module (~900 lines);
-the summation bounds, which nearly every caller wants, are importable from here.
+(Higham, *Accuracy and Stability of Numerical Algorithms*, 2nd ed., Lemma 3.1, §4.2).
+``k ≤ n − 1`` for every tree of ``n`` leaves; an algorithm whose record gives
+``summation_depth(n)`` is held to its own ``k``::
 
-Example:
-    >>> from towers.testing.bounds import gamma, sum_bound       # doctest: +SKIP
+    sum_bound       one reduction: the exact result and γ_k·Σ|x_i| (mean: k + 2; max, min
+                    and integers exact), plus the float64 reference's rounding and one
+                    flushed subnormal per rounding (TensorFlow's CPU kernels flush them)
+    sgd_step_bound  two plain-SGD steps on two summation orders: 2γ_k·Σ|g_i| in g, and two
+                    roundings each of lr·g and of w − lr·g per run:
+                    lr·(2γ_k + 4u)·Σ|g_i| + 4u·(|w| + lr·Σ|g_i|)
+    resolve_bound   which bound holds one teacher-forced update: a tolerance given, plain
+                    SGD over the B per-example gradients (every step's tree over them has
+                    depth ≤ B), or an optimizer's tracked bound (optimizers.py)
+    noise.py        the kernels' own noise floor, measured
 """
 
 from __future__ import annotations
 
-from towers.allreduce.machinery.rounding import UNIT_ROUNDOFF, gamma, unit_roundoff
-from towers.testing.bounds.sums import (
-    exact_sums,
-    gamma_exact,
-    leaf_bounds,
-    sgd_step_bound,
-    sum_bound,
-)
+import dataclasses
+import math
+import numbers
+from collections.abc import Callable, Sequence
+from fractions import Fraction
+from typing import Any
 
-__all__ = [
-    "UNIT_ROUNDOFF",
-    "exact_sums",
-    "gamma",
-    "gamma_exact",
-    "leaf_bounds",
-    "sgd_step_bound",
-    "sum_bound",
-    "unit_roundoff",
-]
+import keras
+import numpy as np
+
+from towers.allreduce.machinery.registry import record_of
+from towers.allreduce.machinery.rounding import UNIT_ROUNDOFF, gamma, unit_roundoff
+from towers.devices import local_devices
+from towers.testing.bounds.optimizers import COVERED, update_bounds
+from towers.testing.strategies import per_tower_gradients
+from towers.testing.values import is_float
+
+__all__ = ["UNIT_ROUNDOFF", "UpdateBound", "exact_sums", "gamma", "gamma_exact", "leaf_bounds",
+           "optimizer_tracker", "resolve_bound", "sgd_step_bound", "sum_bound", "summation_depth",
+           "unit_roundoff"]
+
+
+def gamma_exact(k: int, dtype: Any = "float32") -> Fraction:
+    """:func:`gamma` as an exact fraction, for checks in exact arithmetic."""
+    u = Fraction(unit_roundoff(dtype))
+    return k * u / (1 - k * u)
+
+
+def summation_depth(algorithm: Any, n: int) -> int:
+    """``k`` of ``algorithm`` at ``n`` towers: its record's, else ``n − 1`` (any tree)."""
+    record = record_of(algorithm)
+    depth = None if record is None else record.summation_depth(n)
+    return n - 1 if depth is None else depth
+
+
+def sum_bound(
+    arrays: Sequence[np.ndarray], op: str, depth: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The exact reduction of ``arrays`` and the element-wise tolerance of a correct result.
+
+    Returns:
+        ``(expected, tolerance)``, both of the arrays' shape.
+    """
+    stack = np.stack(arrays)
+    if op in ("max", "min"):
+        exact = np.max(stack, axis=0) if op == "max" else np.min(stack, axis=0)
+        return exact, np.zeros(exact.shape)
+    if not is_float(stack.dtype):
+        exact_int = np.asarray(np.sum(stack.astype(object), axis=0), dtype=stack.dtype)
+        return exact_int, np.zeros(exact_int.shape)
+    wide = stack.astype(np.float64).reshape(len(arrays), -1)
+    sums = np.array([math.fsum(column) for column in wide.T], np.float64)
+    magnitude = np.sum(np.abs(wide), axis=0)
+    n = len(arrays)
+    # mean: a division, or a multiply by a rounded 1/n (grappler's rewrite): two more roundings.
+    k = depth + 2 * (op == "mean")
+    smallest = np.finfo(np.float32 if stack.dtype.name == "bfloat16" else stack.dtype).tiny
+    flushed = (k + 1) * float(smallest)  # each rounding may flush a subnormal to zero
+    reference = 2 * unit_roundoff("float64")  # fsum, rounded once to float64
+    tol = gamma(k, stack.dtype) * magnitude + reference * magnitude + flushed
+    if op == "mean":
+        sums, tol = sums / n, tol / n + flushed
+    shape = arrays[0].shape
+    return sums.reshape(shape), tol.reshape(shape)
+
+
+def sgd_step_bound(
+    weights: Sequence[np.ndarray], grads: list[list[np.ndarray]], lr: float, depth: int
+) -> list[np.ndarray]:
+    """How far two plain-SGD steps summing ``grads[term][var]`` in two orders of depth
+    ``depth`` may differ, per weight element (float32)."""
+    u = unit_roundoff("float32")
+    out = []
+    for j, w in enumerate(weights):
+        total = np.sum([np.abs(g[j]) for g in grads], axis=0)
+        out.append(lr * (2 * gamma(depth) + 4 * u) * total + 4 * u * (np.abs(w) + lr * total))
+    return out
+
+
+def exact_sums(
+    values: Sequence[Sequence[np.ndarray]], depth: int
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Per variable, the exact sum over ``values[term][var]`` and its :func:`sum_bound`."""
+    pairs = [sum_bound([t[j] for t in values], "sum", depth) for j in range(len(values[0]))]
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def leaf_bounds(leaves: list[list[np.ndarray]], depth_a: int, depth_b: int) -> list[np.ndarray]:
+    """Per variable, how far two trees of depths ``depth_a`` and ``depth_b`` over the same
+    ``leaves[e][var]`` may differ: the two trees' bounds added."""
+    bounds_a, bounds_b = exact_sums(leaves, depth_a)[1], exact_sums(leaves, depth_b)[1]
+    return [a + b for a, b in zip(bounds_a, bounds_b, strict=True)]
+
+
+Tolerances = Callable[[list[np.ndarray], Any, Any], list[np.ndarray]]
+"""``(weights before the step, x, y) -> tolerance per weight`` (``model.weights`` order)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateBound:
+    """A bound on one update's difference: ``name`` says which and why."""
+
+    name: str
+    tolerances: Tolerances
+
+
+def optimizer_tracker(optimizer: Any) -> Any:
+    """:func:`~towers.testing.bounds.optimizers.update_bounds` for the optimizers it covers,
+    else None (the seam for a derived optimizer bound)."""
+    if type(optimizer).__name__ not in COVERED:
+        return None
+    return update_bounds(optimizer)
+
+
+def _plain_sgd(optimizer: Any) -> bool:
+    return type(optimizer) is keras.optimizers.SGD and float(optimizer.momentum) == 0.0
+
+
+def _leaves(model: Any, loss: Any, x: Any, y: Any) -> list[list[np.ndarray]]:
+    """Each example's gradient of its share of the global mean loss: ``leaves[e][var]``."""
+    return per_tower_gradients(model, x, y, [local_devices()[0]] * len(x), loss=loss)
+
+
+def _spread(model: Any, weights: list[np.ndarray], tol: Sequence[Any]) -> list[Any]:
+    """Per weight: the trainable ones' tolerances, None (not compared) for the others."""
+    out: list[Any] = [None] * len(weights)
+    trainable = [i for i, v in enumerate(model.weights) if v.trainable]
+    for i, t in zip(trainable, tol, strict=True):
+        out[i] = np.asarray(t, np.float64)
+    return out
+
+
+def _sgd(model: Any, loss: Any, lr: float) -> UpdateBound:
+    def tolerances(weights: list[np.ndarray], x: Any, y: Any) -> list[np.ndarray]:
+        trainable = [w for w, v in zip(weights, model.weights) if v.trainable]
+        return _spread(model, weights, sgd_step_bound(trainable, _leaves(model, loss, x, y),
+                                                      lr, len(x)))  # fmt: skip
+
+    why = (f"sgd_step_bound (plain SGD, lr {lr:g}: two steps adding the same B per-example "
+           "gradients in trees of depth ≤ B; towers.testing.bounds derives it)")  # fmt: skip
+    return UpdateBound(why, tolerances)
+
+
+def _tracked(model: Any, loss: Any, tracker: Any) -> UpdateBound:
+    u = unit_roundoff("float32")
+
+    def tolerances(weights: list[np.ndarray], x: Any, y: Any) -> list[np.ndarray]:
+        exact, tol = exact_sums(_leaves(model, loss, x, y), len(x))
+        errs = tracker.step(exact, [2 * t for t in tol])  # two summation orders
+        trainable = [w for w, v in zip(weights, model.weights) if v.trainable]
+        return _spread(model, weights, [np.asarray(e) + 4 * u * np.abs(w)
+                                        for e, w in zip(errs, trainable)])  # fmt: skip
+
+    name = (f"{type(tracker).__name__} (the optimizer's tracked update bound over B "
+            "per-example gradients, depth ≤ B)")  # fmt: skip
+    return UpdateBound(name, tolerances)
+
+
+def resolve_bound(
+    bound: Any, optimizer: Any, model: Any, loss: Any, argument: str = "bound"
+) -> UpdateBound:
+    """The :class:`UpdateBound` for ``bound`` (as given) or for ``optimizer``.
+
+    Args:
+        bound: None, a tolerance (a number ≥ 0) or ``(weights, x, y) -> tolerances``.
+        optimizer, model, loss: the teacher step's (sizing a derived bound).
+        argument: the argument to name when no bound applies.
+
+    Raises:
+        ValueError: a negative or non-finite tolerance; no ``bound`` and an optimizer
+            without a derived bound; a derived bound without a model or loss.
+    """
+    if isinstance(bound, numbers.Real) and not isinstance(bound, bool):
+        if not 0 <= float(bound) < float("inf"):
+            raise ValueError(f"bound must be a tolerance >= 0 or a callable, got {bound!r}")
+        tol = float(bound)
+        return UpdateBound(f"tolerance {tol:g} (given as bound=)",
+                           lambda w, x, y: [np.full(a.shape, tol) for a in w])  # fmt: skip
+    if callable(bound):
+        name = getattr(bound, "__name__", type(bound).__name__)
+        return UpdateBound(f"{name} (given as bound=)", bound)
+    if bound is not None:
+        raise ValueError(f"bound must be None, a tolerance >= 0 or a callable, got {bound!r}")
+    tracker = None if _plain_sgd(optimizer) else optimizer_tracker(optimizer)
+    if not _plain_sgd(optimizer) and tracker is None:
+        raise ValueError(
+            f"{argument}: a derived bound on one update from the same weights exists for "
+            f"plain SGD, for {', '.join(COVERED)} (towers.testing.bounds.optimizers) and for two "
+            f"towers trainers; got "
+            f"{type(optimizer).__name__}: pass bound= (a tolerance or a callable)")
+    if model is None or loss is None:
+        raise ValueError("bound: sizing the derived bound needs the teacher's model and the "
+                         "loss: pass loss=, or steps with model and loss_fn "
+                         "(as_step(fn, model, loss=...))")  # fmt: skip
+    if tracker is not None:
+        return _tracked(model, loss, tracker)
+    return _sgd(model, loss, float(np.asarray(optimizer.learning_rate)))

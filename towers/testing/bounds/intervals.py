@@ -1,20 +1,10 @@
 """Element-wise interval arithmetic with rounding: the sets two runs' float values lie in.
 
-An :class:`Interval` holds, per element, ``[lo, hi]`` (float64) containing the value
-*each* of two runs computes. Two runs that start from values inside their intervals
-and apply the same float32 operation end inside the operation's exact image of the
-intervals, widened by the operation's rounding (``u·|result|`` per rounding, and one
-smallest normal per rounding for the subnormals TensorFlow's CPU kernels flush).
-The width ``hi − lo`` then bounds ``|a − b|`` for the two runs' values ``a`` and ``b``.
-
-Every operation here is the exact image for arguments that appear once in an
-expression. An argument used twice (the gradient in Adam's ``m`` and ``v``) is
-over-estimated by the plain interval rule (the *dependency problem*); the optimizer
-bounds split such an argument into pieces (:func:`pieces`) and take the union of the
-images, which shrinks the over-estimate by the number of pieces.
+Each operation is the exact image for arguments that appear once in an expression; an
+argument used twice is over-estimated (the *dependency problem*), which :func:`pieces`
+shrinks: cut it, take each piece's image, join them.
 
 Example:
-    >>> import numpy as np
     >>> x = Interval.around(np.array([1.0]), np.array([0.5]))
     >>> (x * x).hi.tolist(), x.square().lo.tolist()
     ([2.25], [0.25])
@@ -28,8 +18,7 @@ import numpy as np
 
 __all__ = ["TINY", "Interval", "pieces"]
 
-TINY = float(np.finfo(np.float32).tiny)
-"""The smallest normal float32: what one flushed subnormal may lose."""
+TINY = float(np.finfo(np.float32).tiny)  # what one flushed subnormal may lose
 
 
 def _as_interval(x: Interval | float) -> Interval:
@@ -38,7 +27,7 @@ def _as_interval(x: Interval | float) -> Interval:
 
 @dataclasses.dataclass(frozen=True)
 class Interval:
-    """``[lo, hi]`` element-wise (float64 arrays of one shape, or broadcastable)."""
+    """``[lo, hi]`` element-wise, holding the value each of two runs computes (float64)."""
 
     lo: np.ndarray
     hi: np.ndarray
@@ -50,11 +39,6 @@ class Interval:
         return cls(center - radius, center + radius)
 
     @property
-    def width(self) -> np.ndarray:
-        """``hi − lo``: the most two values inside may differ by."""
-        return self.hi - self.lo
-
-    @property
     def magnitude(self) -> np.ndarray:
         """``max(|lo|, |hi|)``: the largest absolute value inside."""
         return np.maximum(np.abs(self.lo), np.abs(self.hi))
@@ -63,24 +47,15 @@ class Interval:
         other = _as_interval(other)
         return Interval(self.lo + other.lo, self.hi + other.hi)
 
-    def __radd__(self, other: float) -> Interval:
-        return self + other
-
     def __sub__(self, other: Interval | float) -> Interval:
         other = _as_interval(other)
         return Interval(self.lo - other.hi, self.hi - other.lo)
-
-    def __rsub__(self, other: float) -> Interval:
-        return _as_interval(other) - self
 
     def __mul__(self, other: Interval | float) -> Interval:
         other = _as_interval(other)
         corners = np.stack(np.broadcast_arrays(
             self.lo * other.lo, self.lo * other.hi, self.hi * other.lo, self.hi * other.hi))
         return Interval(corners.min(axis=0), corners.max(axis=0))
-
-    def __rmul__(self, other: float) -> Interval:
-        return self * other
 
     def __truediv__(self, other: Interval | float) -> Interval:
         """Division by an interval that excludes 0 (every divisor here is positive)."""
@@ -123,12 +98,7 @@ class Interval:
 
 
 def pieces(x: Interval, count: int) -> Interval:
-    """``x`` cut into ``count`` equal sub-intervals, stacked along a new axis 0.
-
-    Example:
-        >>> pieces(Interval(np.array([0.0]), np.array([1.0])), 2).hi.tolist()
-        [[0.5], [1.0]]
-    """
+    """``x`` cut into ``count`` equal sub-intervals, stacked along a new axis 0."""
     steps = np.arange(count + 1, dtype=np.float64).reshape((-1,) + (1,) * np.ndim(x.lo)) / count
     edges = x.lo + steps * (x.hi - x.lo)
     return Interval(edges[:-1], edges[1:])

@@ -1,33 +1,15 @@
 """The kernel-noise floor: how far one towers step's gradient moves with the kernels alone.
 
-The same model, weights and batch; only the kernel configuration changes::
+The same model, weights and batch under every kernel configuration (oneDNN on/off, set
+before TensorFlow starts, so one subprocess each; tower counts; the towers' forward graph
+under Grappler's defaults or ``as_written``), the towers' gradients summed in float64 so
+no reduction order enters::
 
-    config c:  TF_ENABLE_ONEDNN_OPTS ∈ {1, 0}    (set before TensorFlow starts: a subprocess)
-               towers n                          (each tower's kernels see B/n rows)
-               forward_graph ∈ {default, as_written}   (Grappler on the towers' graph)
-         ──▶  G_c = Σ_towers g_tower   (float64, exact: no reduction order in it)
+    floor = max over configurations c, variables j of
+            max|G_c[j] − G_ref[j]| / spacing(max|G_ref[j]|)        (ULPs of the gradient)
 
-    floor = max over configurations c and variables j of
-            max|G_c[j] − G_ref[j]| / spacing(max|G_ref[j]|)        ULPs of the gradient
-
-The reference ``G_ref`` is the first configuration (for :data:`SHARD_DEPENDENT` families,
-the first of each tower count: BatchNorm's statistics and dropout's masks are per tower,
-so another tower count is another computation, not kernel noise). The tower gradients are summed in
-float64, so the floor holds the towers' kernels only, never an all-reduce's order; a
-difference between two correct steps that is within ``floor`` ULPs of the gradient's
-largest element is kernel noise (the ``e`` of docs/bounds.md must include it).
-
-Measured (TF 2.21, x86 AVX-512 CPU, ``ModelSpec(family).batch(16, seed=0)``, towers
-1/2/4 × oneDNN on/off × both graphs; ULPs of the variable's largest gradient element)::
-
-    dense 5.5   conv 10.0   embedding 1.5   batchnorm 10.1*   dropout 3.75*   regularized 5.5
-    (* at equal tower counts)
-
-On these small models the two graphs gave the same gradients; the floor comes from
-oneDNN (on vs off) and from the tower count (the shard's rows grouped differently).
-
-Each oneDNN setting runs in its own Python process (``python -m towers.testing.bounds.noise``),
-with a timeout: nothing may hang.
+A difference between two correct steps within the floor is kernel noise (docs/bounds.md §3
+has the derivation's ``e`` and the measured floors).
 """
 
 from __future__ import annotations
@@ -56,22 +38,16 @@ from towers.testing.strategies import FAMILIES, ModelSpec, loss_fn
 __all__ = ["NoiseReport", "kernel_noise_floor"]
 
 ONEDNN = ("1", "0")
+# batch statistics and per-tower dropout masks: another tower count is another computation,
+# so these families are compared at equal tower counts only
 SHARD_DEPENDENT = ("batchnorm", "dropout")
-"""Families whose math depends on the shard (batch statistics, per-tower dropout masks):
-compared only at equal tower counts (across counts they are different computations)."""
 GRAPHS = ("default", "as_written")
 
 
 @dataclasses.dataclass(frozen=True)
 class NoiseReport:
-    """The floor of one model family.
-
-    Attributes:
-        family: the :class:`~towers.testing.strategies.ModelSpec` family.
-        floor_ulps: the largest difference, in ULPs of the variable's largest gradient.
-        worst: ``(configuration, variable index)`` where it was met (None: all equal).
-        ulps: per configuration label, its largest difference from the reference.
-    """
+    """The floor of one model family, in ULPs of a variable's largest gradient element;
+    ``worst`` is ``(configuration, variable index)`` where it was met (None: all equal)."""
 
     family: str
     floor_ulps: float
@@ -89,12 +65,9 @@ def kernel_noise_floor(
         family: a model family of :data:`towers.testing.strategies.FAMILIES`.
         towers: tower counts (each ≤ ``batch``).
         onednn: values of ``TF_ENABLE_ONEDNN_OPTS`` ("1", "0"), one subprocess each.
-        graphs: ``forward_graph`` settings (``towers.compile.step.FORWARD_GRAPHS``).
+        graphs: ``forward_graph`` settings.
         batch, seed: the batch (``ModelSpec(family).batch(batch, seed)``).
         timeout: seconds per subprocess.
-
-    Returns:
-        A :class:`NoiseReport`.
 
     Raises:
         ValueError: a bad argument (named). RuntimeError: a subprocess failed or timed out.
@@ -139,8 +112,8 @@ def _run_worker(family: str, flag: str, counts: list[int], graphs: list[str], ba
 
 
 def _compare(family: str, grads: dict[str, list[np.ndarray]]) -> NoiseReport:
-    """Each configuration against the first one it may be compared with: the first of all,
-    or of its tower count where the model's math depends on the shard."""
+    """Each configuration against the first of all (or of its tower count, for
+    :data:`SHARD_DEPENDENT` families)."""
     ulps: dict[str, float] = {}
     worst: tuple[str, int] | None = None
     floor = 0.0
@@ -160,8 +133,7 @@ def _compare(family: str, grads: dict[str, list[np.ndarray]]) -> NoiseReport:
 
 
 def _worker(spec: dict[str, Any]) -> None:
-    """One oneDNN setting (fixed by the environment): every tower count × graph, saved."""
-    # the first use of TensorFlow's devices in this process: the logical CPUs come first
+    """The subprocess of one oneDNN setting: every tower count × graph, saved."""
     devices = simulate_devices(max(spec["towers"]), kind="cpu")
     model_spec = ModelSpec(spec["family"], seed=spec["seed"])
     x, y = model_spec.batch(spec["batch"], seed=spec["seed"])

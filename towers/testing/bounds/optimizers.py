@@ -1,33 +1,13 @@
 """How a bounded gradient difference moves through one optimizer step and its slots.
 
-Two runs (a step under test and its reference) apply the same Keras optimizer to
-the same weights with gradients that differ element-wise by at most ``e``
-(``|g_a − g_b| ≤ e``). :func:`update_bounds` returns a tracker whose
-:meth:`UpdateBounds.step` gives, per weight element, a bound on ``|Δ_a − Δ_b|``,
-the difference of the two runs' weight movements, and carries the slots'
-difference (momentum, Adam's ``m`` and ``v``) to the next step::
-
-    step t:  g ± e ──▶ slots_{t−1} ± E_{t−1} ──▶ slots_t ± E_t ──▶ Δ_t ± bound_t
-
-It keeps, per slot element, an interval holding *both* runs' values
-(:mod:`towers.testing.bounds.intervals`) and evaluates Keras 3's own update formulas
-(``keras/src/optimizers/*.py``, op by op, each rounding widened by ``u·|x|``) on
-them. The gradient enters a rule twice (Adam: in ``m`` and in ``v``), so its
-interval is cut into :data:`PIECES` pieces and the images are joined; adaptive
-rules are also capped by the largest step each run can take (Cauchy–Schwarz on
-the slots, docs/bounds.md). The derivation of each rule's first-order bound and
-the constants are in docs/bounds.md.
-
-Supported: ``SGD`` (momentum, Nesterov), ``Adam`` (AMSGrad), ``AdamW`` (the decay
-``w − w·wd·lr`` is bitwise alike on equal weights: it adds only the final
-rounding), ``Nadam``, ``RMSprop`` (momentum; not ``centered``). Gradient clipping,
-EMA, gradient accumulation and a loss-scale factor are refused.
-
-*Zero-gradient noise.* Where a variable's gradient is within its error of zero
-everywhere, its exact gradient may be 0 and both runs move it by rounding noise
-alone; Adam, Nadam and RMSprop divide by the noise's own size and turn it into
-full-size steps (``≈ lr``). :attr:`UpdateBounds.kinds` names such variables
-``"zero-gradient noise"``: a difference there is not a bug in the reduction.
+Two runs apply one Keras optimizer to the same weights with gradients ``|g_a − g_b| ≤ e``.
+:meth:`UpdateBounds.step` bounds ``|Δ_a − Δ_b|`` per element and carries the slots'
+difference to the next step (``g ± e → slots ± E → Δ ± bound``): per slot element an
+:class:`Interval` holds both runs' values, and Keras 3's update formulas are evaluated on
+it op by op, each rounding widened by ``u·|x|`` plus one flushed subnormal. A gradient
+used twice (Adam's ``m`` and ``v``) is cut into :data:`PIECES` pieces whose images are
+joined; adaptive rules are capped by the largest step either run can take. Derivations,
+constants and measured tightness: docs/bounds.md §2.
 
 Example:
     >>> tracker = update_bounds(keras.optimizers.Adam(0.01))          # doctest: +SKIP
@@ -50,14 +30,11 @@ from towers.testing.bounds.intervals import TINY, Interval, pieces
 
 __all__ = ["BOUNDED", "COVERED", "PIECES", "ZERO_GRADIENT_NOISE", "UpdateBounds", "update_bounds"]
 
-PIECES = 16
-"""How many pieces a gradient interval is cut into (the over-estimate shrinks as 1/PIECES)."""
+PIECES = 16  # pieces a gradient interval is cut into: the over-estimate shrinks as 1/PIECES
 BOUNDED = "bounded"
 ZERO_GRADIENT_NOISE = "zero-gradient noise"
 U = unit_roundoff("float32")
-SAFETY = 1.0 + 2.0**-10
-"""The tracker's constants (``1 − β₂ᵗ`` …) are float32 like Keras', up to an ULP of the
-power; a relative error of at most ~1e-4 in a width, covered by this factor."""
+SAFETY = 1.0 + 2.0**-10  # Keras' float32 constants (1 − β₂ᵗ …) are up to an ULP off ours
 _REFUSED = ("clipnorm", "clipvalue", "global_clipnorm", "loss_scale_factor",
             "gradient_accumulation_steps", "ema_overwrite_frequency")  # fmt: skip
 _CLASSES = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW", "adam_w": "AdamW",
@@ -133,29 +110,27 @@ def _rmsprop(g: Interval, slots: Slots, c: Mapping[str, Any], t: int) -> tuple[I
     return m, {"v": v, "m": m}
 
 
-_RULES: dict[str, tuple[Rule, Callable[[Mapping[str, Any]], tuple[str, ...]], bool]] = {
-    # class: (rule, its slots for a config, adaptive: divides by the gradient's size)
-    "SGD": (_sgd, lambda c: ("m",) if c["momentum"] else (), False),
-    "Adam": (_adam, lambda c: ("m", "v", "v_hat") if c.get("amsgrad") else ("m", "v"), True),
-    "AdamW": (_adam, lambda c: ("m", "v", "v_hat") if c.get("amsgrad") else ("m", "v"), True),
-    "Nadam": (_nadam, lambda c: ("m", "v"), True),
-    "RMSprop": (_rmsprop, lambda c: ("v", "m") if c["momentum"] > 0 else ("v",), True),
+def _adam_slots(c: Mapping[str, Any]) -> tuple[str, ...]:
+    return ("m", "v", "v_hat") if c.get("amsgrad") else ("m", "v")
+
+
+_RULES: dict[str, tuple[Rule, Callable[[Mapping[str, Any]], tuple[str, ...]]]] = {
+    # class: (rule, its slots for a config)
+    "SGD": (_sgd, lambda c: ("m",) if c["momentum"] else ()),
+    "Adam": (_adam, _adam_slots),
+    "AdamW": (_adam, _adam_slots),
+    "Nadam": (_nadam, lambda c: ("m", "v")),
+    "RMSprop": (_rmsprop, lambda c: ("v", "m") if c["momentum"] > 0 else ("v",)),
 }
 
 
 class UpdateBounds:
-    """The per-step bound of one optimizer; made by :func:`update_bounds`.
-
-    Attributes:
-        name: the optimizer class (``"Adam"``, …).
-        config: the optimizer's ``get_config()``.
-        steps: how many steps have been bounded.
-        kinds: per variable of the last step, :data:`BOUNDED` or :data:`ZERO_GRADIENT_NOISE`.
-    """
+    """The per-step bound of one optimizer (``name``, its ``config``); ``kinds`` names each
+    variable of the last step :data:`BOUNDED` or :data:`ZERO_GRADIENT_NOISE`."""
 
     def __init__(self, name: str, config: Mapping[str, Any], pieces: int = PIECES) -> None:
         self.name, self.config = name, dict(config)
-        self.rule, self._slot_names, self.adaptive = _RULES[name]
+        self.rule, self._slot_names = _RULES[name]
         self.pieces = positive_int("pieces", pieces)
         self.steps = 0
         self.kinds: list[str] = []
@@ -173,18 +148,14 @@ class UpdateBounds:
         """Bound ``|Δ_a − Δ_b|`` for this step, per variable and element, and carry the slots.
 
         Args:
-            grads: run a's gradient per variable: the same run's at every step (the
-                tracker follows a's slots exactly and b's within their carried error).
+            grads: run a's gradient per variable (a's slots are followed exactly, b's
+                within their carried error).
             grad_errors: per variable, an element-wise bound on ``|g_a − g_b|`` (≥ 0).
             weights: the weights both runs start from; given, the bound covers the new
-                weights (the assignment's rounding, ``u·|w'|`` per run) instead of the movement.
-
-        Returns:
-            float64 arrays of the gradients' shapes.
+                weights (``u·|w'|`` per run for the assignment) instead of the movement.
 
         Raises:
-            ValueError: grads, grad_errors (or weights) differ in count or shape, an error
-                is negative, or a value is not finite.
+            ValueError: counts or shapes differ, an error is negative, a value not finite.
         """
         g, e = _check_pairs(grads, grad_errors, weights)
         if self._slots is None:
@@ -236,20 +207,12 @@ def _check_pairs(
     return g, e
 
 
-COVERED = tuple(_RULES)
-"""The Keras optimizer classes :func:`update_bounds` bounds, by name."""
+COVERED = tuple(_RULES)  # the Keras optimizer classes update_bounds bounds
+
 
 def update_bounds(optimizer: Any, pieces: int = PIECES) -> UpdateBounds:
     """A fresh per-step bound tracker for a Keras optimizer (or its ``get_config()`` /
     ``keras.optimizers.serialize`` dict).
-
-    Args:
-        optimizer: ``SGD``, ``Adam``, ``AdamW``, ``Nadam`` or ``RMSprop`` with slots at
-            zero (not yet stepped), a float learning rate and none of the refused options.
-        pieces: how many pieces a gradient interval is cut into (:data:`PIECES`).
-
-    Returns:
-        An :class:`UpdateBounds` at step 0.
 
     Raises:
         ValueError: an optimizer class, option or learning rate it cannot bound, or one
