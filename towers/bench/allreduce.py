@@ -1,20 +1,12 @@
 """The all-reduce table: every algorithm and tf.distribute's cross-device ops, side by side.
 
-For each message size (bytes per tower) every contender is compiled once in its own
-``tf.function``; then every (size, contender) pair is timed in one interleaved loop
-(:mod:`towers.bench.timing`) inside one :func:`~towers.allreduce.machinery.ordering.as_written`
-block (switching Grappler's process-wide options between calls would rebuild every
-call's options; tf.distribute's lone collectives have no arithmetic for it to rewrite).
-The rows follow nccl-tests::
-
-    size  count  type  redop  algorithm  time (µs)  algbw (GB/s)  busbw (GB/s)  #wrong
-
-``algbw = S / t`` and ``busbw = algbw · 2(n−1)/n``. The inputs are small integers in
-float32, so every summation order is exact and ``#wrong`` counts, over all ``n``
-outputs, the elements that differ from NumPy's sum (an output on the wrong device
-counts all its elements). Two calibration rows join the CSV for the cost model:
-``send`` (one copy of ``S`` bytes between towers) and ``add`` (``add_n`` of the ``n``
-inputs on one device).
+Every (size, contender) pair is compiled once, then timed in one interleaved loop inside
+one ``as_written()`` block. The rows follow nccl-tests (``size count type redop algorithm
+time algbw busbw #wrong``; ``algbw = S / t``, ``busbw = algbw · 2(n−1)/n``). The inputs
+are small integers in float32, so every summation order is exact: ``#wrong`` counts the
+output elements, over all ``n`` outputs, that differ from NumPy's sum (an output on the
+wrong device: all of its). Two calibration rows join the CSV: ``send`` (one copy of ``S``
+bytes between towers) and ``add`` (``add_n`` of the ``n`` inputs on one device).
 """
 
 from __future__ import annotations
@@ -51,23 +43,14 @@ Body = Callable[[list[tf.Tensor]], list[tf.Tensor]]
 
 @dataclasses.dataclass(frozen=True)
 class Contender:
-    """One row kind of the table.
-
-    Attributes:
-        name: the algorithm column.
-        kind: ``"towers"``, ``"tf.distribute"`` or ``"calibration"``.
-        body: per-tower tensors (already placed) -> outputs; traced in a ``tf.function``.
-        formula: the :mod:`towers.bench.costmodel` name that models it (None: none does).
-        params: keyword parameters for that formula.
-        outputs: ``"all"`` (one sum per tower), ``"sum"`` (one sum) or ``"copy"`` (input 1).
-    """
+    """One row kind of the table: ``body`` maps placed per-tower tensors to outputs."""
 
     name: str
-    kind: str
+    kind: str  # "towers", "tf.distribute" or "calibration"
     body: Body
-    formula: str | None = None
-    params: dict[str, Any] = dataclasses.field(default_factory=dict)
-    outputs: str = "all"
+    formula: str | None = None  # the cost model's name for it (None: not modelled)
+    params: dict[str, Any] = dataclasses.field(default_factory=dict)  # the formula's
+    outputs: str = "all"  # one sum per tower; "sum": one sum; "copy": input 1
 
 
 def towers_contender(name: str) -> Contender:
@@ -202,44 +185,18 @@ def calls_per_sample(nbytes: int) -> int:
     return 3 if nbytes <= 1 << 18 else 1
 
 
-@dataclasses.dataclass
-class _Size:
-    """One size's inputs and compiled contenders (and the reasons of those that failed)."""
-
-    nbytes: int
-    inputs: list[tf.Tensor]
-    compiled: dict[str, Compiled]
-    errors: dict[str, str]
-
-
-def _prepare(cands: Sequence[Contender], devices: Sequence[str], nbytes: int) -> _Size:
-    """Make the inputs and trace every contender once (call under ``as_written``)."""
-    if nbytes % 4:
-        raise ValueError(f"sizes must be multiples of 4 bytes (float32), got {nbytes}")
-    size = _Size(nbytes, make_inputs(devices, nbytes, seed=nbytes), {}, {})
+def _compile(cands: Sequence[Contender], devices: Sequence[str],
+             inputs: list[tf.Tensor]) -> tuple[dict[str, Compiled], dict[str, str]]:
+    """Every contender traced once (a failure is its row's reason), under ``as_written``."""
+    compiled, errors = {}, {}
     for c in cands:
         try:
-            size.compiled[c.name] = Compiled(c, devices)
-            size.compiled[c.name](*size.inputs)  # trace now, so a failure names its contender
+            compiled[c.name] = Compiled(c, devices)
+            compiled[c.name](*inputs)
         except Exception as err:  # a contender that cannot run here gets a row saying why
-            size.compiled.pop(c.name, None)
-            size.errors[c.name] = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
-    return size
-
-
-def _check(cands: Sequence[Contender], size: _Size, devices: Sequence[str],
-           samples: dict[str, Samples]) -> list[dict[str, Any]]:
-    """One row per contender at ``size``: timings from ``samples``, #wrong from a fresh call."""
-    host = [x.numpy() for x in size.inputs]
-    rows = []
-    for c in cands:
-        row = _row(c, len(devices), size.nbytes, samples.get(f"{size.nbytes}|{c.name}"))
-        if c.name in size.compiled:
-            fn = size.compiled[c.name]
-            row["wrong"] = count_wrong(c, fn(*size.inputs), host, devices, fn.homes)
-        row["error"] = size.errors.get(c.name, "")
-        rows.append(row)
-    return rows
+            compiled.pop(c.name, None)
+            errors[c.name] = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
+    return compiled, errors
 
 
 def run_allreduce(
@@ -248,16 +205,28 @@ def run_allreduce(
 ) -> list[dict[str, Any]]:
     """Every contender at every size, timed in one interleaved loop (so load drift hits
     every size alike and one contender's times across sizes, which the cost model fits,
-    stay comparable); one row (nccl-tests columns and more) per contender and size."""
+    stay comparable); one row per contender and size, #wrong from a fresh call."""
+    if any(nbytes % 4 for nbytes in sizes):
+        raise ValueError(f"sizes must be multiples of 4 bytes (float32), got {list(sizes)}")
     cands = contenders(devices, algorithms)
     with as_written():
-        prepared = [_prepare(cands, devices, nbytes) for nbytes in sizes]
-        calls = {f"{s.nbytes}|{name}": (lambda fn=fn, s=s: fn(*s.inputs))
-                 for s in prepared for name, fn in s.compiled.items()}
-        per_sample = {key: calls_per_sample(int(key.split("|")[0])) for key in calls}
-        samples = interleave(calls, rounds, calls=per_sample, warmup=3, verbose=verbose,
+        inputs = {s: make_inputs(devices, s, seed=s) for s in sizes}
+        built = {s: _compile(cands, devices, inputs[s]) for s in sizes}
+        calls = {f"{s}|{name}": (lambda fn=fn, x=inputs[s]: fn(*x))
+                 for s in sizes for name, fn in built[s][0].items()}
+        samples = interleave(calls, rounds, warmup=3, verbose=verbose,
+                             calls={k: calls_per_sample(int(k.split("|")[0])) for k in calls},
                              label=f"all-reduce: {len(calls)} (size, algorithm) pairs")
-        return [row for s in prepared for row in _check(cands, s, devices, samples)]
+        rows = []
+        for s in sizes:
+            (compiled, errors), host = built[s], [x.numpy() for x in inputs[s]]
+            for c in cands:
+                row = _row(c, len(devices), s, samples.get(f"{s}|{c.name}"))
+                if c.name in compiled:
+                    fn = compiled[c.name]
+                    row["wrong"] = count_wrong(c, fn(*inputs[s]), host, devices, fn.homes)
+                rows.append({**row, "error": errors.get(c.name, "")})
+        return rows
 
 
 COLUMNS: list[report.Column] = [
@@ -270,10 +239,6 @@ COLUMNS: list[report.Column] = [
 ]
 
 
-def _shown(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [r for r in rows if r.get("kind") != "calibration" and r.get("algbw")]
-
-
 def table(rows: Sequence[dict[str, Any]]) -> str:
     """The nccl-tests style table (calibration rows left out); failed contenders after."""
     shown = [r for r in rows if r.get("kind") != "calibration" and not r.get("error")]
@@ -282,23 +247,11 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
         f"\n# {k}: not run ({v})" for k, v in failed.items())
 
 
-def pivot(rows: Sequence[dict[str, Any]]) -> str:
-    """algbw (GB/s) with sizes down and algorithms across."""
-    shown = _shown(rows)
-    names = list(dict.fromkeys(r["algorithm"] for r in shown))
-    value = {(r["size"], r["algorithm"]): r["algbw"] for r in shown}
-    columns = [("size\n(B)", "r", num("size", "d"))] + [(f"{n}\n", "r", num(n, ".3f"))
-                                                        for n in names]
-    by_size = [{"size": s, **{n: value.get((s, n)) for n in names}}
-               for s in sorted({r["size"] for r in shown})]
-    return report.format_table(columns, by_size)
-
-
 def plot(rows: Sequence[dict[str, Any]], path: Any, title: str) -> Any:
     """algbw against message size, one line per algorithm (log x; tf.distribute dashed)."""
     fig = report.figure(8, 5)
     ax = fig.add_subplot()
-    shown = _shown(rows)
+    shown = [r for r in rows if r.get("kind") != "calibration" and r.get("algbw")]
     for name in dict.fromkeys(r["algorithm"] for r in shown):
         mine = sorted((r["size"], r["algbw"]) for r in shown if r["algorithm"] == name)
         ax.plot(*zip(*mine), "--" if name.startswith("tf.") else "-", marker="o",
@@ -318,7 +271,7 @@ def section(args: argparse.Namespace, devices: list[str], results: dict) -> bool
     rows = run_allreduce(tables, sizes, algorithms=args.algorithms,
                          rounds=args.rounds or (9 if args.quick else 15), verbose=not args.quiet)
     print(f"# time = median of interleaved rounds; busbw = algbw * 2(n-1)/n, n = {len(tables)}")
-    print(table(rows) + "\n\nalgbw (GB/s), algorithms side by side:\n" + pivot(rows))
+    print(table(rows))
     results["allreduce"], results["allreduce_load"] = rows, load_average()
     report.write_csv(args.out / "allreduce.csv", rows)
     if not args.no_plots:

@@ -1,10 +1,9 @@
 """Peak memory of a training step, per configuration, each in a fresh process.
 
-A process's peak resident set (``VmHWM``) only grows, so each configuration runs alone
-in a child process (``python -m towers.bench.memory``): import TensorFlow, simulate the
-devices, build the configuration, read the peak (``built``), run a few steps, read it
-again (``peak``). ``step = peak − built`` is what the steps added on top of the model,
-its copies and the optimizer's slots: activations, gradients, reduction buffers.
+A peak resident set (``VmHWM``) only grows, so each configuration runs alone in a child
+(``python -m towers.bench.memory``) that reads it after import, after building
+(``built``) and after a few steps (``peak``): ``step = peak − built`` is what the steps
+added (activations, gradients, reduction buffers) on top of the model and its slots.
 """
 
 from __future__ import annotations

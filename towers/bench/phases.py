@@ -1,36 +1,28 @@
 """Where each millisecond of a step goes, phase by phase, from TensorFlow's profiler.
 
-The towers step names its phases with ``tf.name_scope`` (``split``, ``guard``, and inside
-the guard's ``tf.cond`` ``reduce`` and ``apply``; :mod:`towers.compile.step`). Its towers
-carry ``MirroredStrategy``'s replica names (``ordering.replica_scope``):
-tower ``i > 0`` under ``replica_<i>``, tower 0 under none, so an op outside every phase
-scope is tower 0's. :func:`phase_profile` runs a step under ``tf.profiler.experimental``
-and sums every op event of the trace (an XSpace) by the phase its op name carries::
+The towers step names its phases with ``tf.name_scope`` (``split``, ``guard``, inside it
+``reduce`` and ``apply``); its towers carry MirroredStrategy's replica names
+(``replica_<i>``; tower 0 none, so an op outside every phase scope is tower 0's).
+:func:`phase_profile` runs a step under ``tf.profiler.experimental`` and sums every op
+event of the trace by the phase its name carries (a ``_Send``/``_Recv`` by the op whose
+value it carries)::
 
     split/strided_slice_3:StridedSlice                      -> split
     gradient_tape/replica_2/dense_1/MatMul/MatMul:_MklMatMul  -> forward_backward (tower 2)
-    gradient_tape/dense_1/MatMul/MatMul:_MklMatMul          -> forward_backward (tower 0)
     guard/cond/then/_0/guard/cond/reduce/concat:ConcatV2    -> reduce (innermost scope)
-    guard/cond/then/_0/guard/cond/apply/sgd_3/...           -> apply
     guard/IsFinite_11:IsFinite                              -> guard (the non-finite check)
+    Identity_10/_61:_Recv                                   -> handoff
 
-A ``_Send``/``_Recv`` is named after the op whose value it carries, so it lands in that
-op's phase. Under ``forward_graph="default"`` the reduction and update are a nested
-function (:class:`~towers.compile.step.PhasedStep`); the ops at its boundary (its
-arguments, captured handles, cross-device control edges, top-level ``Identity`` and
-``NoOp``) are the ``handoff``. tf.distribute's steps carry no scopes: their ops are
-attributed by type (reductions and collectives -> reduce, variable updates -> apply,
-the rest -> forward_backward), a rougher picture.
-
-The figures are *thread* time per step summed over TensorFlow's threads (on 2 cores up
-to twice the wall time, and a preempted op counts its wait), beside the wall time.
+The ``handoff`` is the boundary of the nested reduce-and-update function
+(:class:`~towers.compile.step.PhasedStep`). tf.distribute's ops carry no scopes and are
+attributed by type. Times are *thread* ms per step summed over TensorFlow's threads (on
+2 cores up to twice the wall time), beside the wall time.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import functools
 import glob
 import os
 import re
@@ -158,16 +150,13 @@ def run_phases(model: str, devices: Sequence[str], names: Sequence[str], *, batc
     return rows
 
 
-def _share(row: dict[str, Any], phase: str) -> str:
-    return f"{row[phase]:.1f} {row[phase] / (row['thread_ms'] or 1.0):4.0%}"
-
-
 def table(rows: Sequence[dict[str, Any]]) -> str:
     """Wall ms and thread ms per phase (with its share), one row per configuration."""
     columns: list[report.Column] = [("model\n", "l", report.text("model")),
                                     ("config\n", "l", report.text("config")),
                                     ("wall\n(ms)", "r", report.num("wall_ms", ".1f"))]
-    columns += [(f"{p}\n(ms, %)", "r", functools.partial(_share, phase=p)) for p in PHASES]
+    columns += [(f"{p}\n(ms, %)", "r",
+                 lambda r, p=p: f"{r[p]:.1f} {r[p] / (r['thread_ms'] or 1):4.0%}") for p in PHASES]
     return report.format_table(columns, rows)
 
 

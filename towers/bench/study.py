@@ -1,33 +1,17 @@
 """``towers study``: compare reducers and codecs by loss against bytes and predicted time.
 
-Every run starts from the same weights (the model built once) and sees the same full
-batches in the same order (``batches(..., seed=epoch)``; an epoch's short last batch is
-left out, so the step is traced once per run), with a fresh optimizer and a fresh
-reducer (codec state starts at zero), so the curves differ only by the reducer::
-
-    spec ─parse─▶ Spec ─build─▶ reducer ─▶ TowerTrainer(replicated) ─▶ train_step × steps
-                                   │                                      │
-                                   └─ Counted all-reduce ─▶ step_traffic ◀─┘ last_step_stats
-                                                             bytes, predicted seconds
-
-A spec is parsed by :func:`towers.allreduce.machinery.resolve.parse` (``ring``, ``fp16``,
-``topk(0.1)``, ``powersgd(4)@tree``, ``module:NAME``). Codecs run with
-``decode="everywhere"``, so the bytes on the wire are the codec's own. The bytes are
-measured: the trainer's ``last_step_stats`` counts every ``send`` of the traced step, and
-only gradient traffic is kept (the loss, state and guard sends are bookkeeping). The time
-is predicted by the α-β-γ model on :data:`~towers.bench.costmodel.SYSTEMS`, at *their*
-GPU count N, from what the step did at the simulated n::
+Every run starts from the same weights and full batches (a short last batch is left out,
+so the step is traced once), with a fresh optimizer and a fresh reducer. A spec is
+:func:`towers.allreduce.machinery.resolve.parse`'s (``ring``, ``fp16``, ``topk(0.1)``,
+``powersgd(4)@tree``, ``module:NAME``); codecs decode on every tower, so the bytes on the
+wire are the codec's own. The gradient bytes are measured (``last_step_stats``); the time
+is predicted on :data:`~towers.bench.costmodel.SYSTEMS` at *their* GPU count N::
 
     step time(N) = Σ over the all-reduce calls  predict_on(system, algorithm, payload)
                  + (N-1)/(n-1) · max over ports (messages·α + bytes·β)   other sends
 
-The second term charges the sends outside an all-reduce (top-k's gathers from every
-tower) by the single-port model at the busiest tower, grown from n-1 to N-1 peers. A
-user's all-reduce or reducer has no cost formula: no prediction (None, "-").
-
-A row holds the step's loss, the test accuracy (every ``eval_every`` steps and at the
-last), the step's gradient and bookkeeping bytes, the running gradient bytes, and per
-system the step's predicted communication seconds and their running sum.
+(the second term: sends outside an all-reduce, such as top-k's gathers, by the single-port
+model, grown from the simulated n-1 peers). A user's reducer is not priced ("-").
 
 Example:
     >>> rows = run_study(["ring", "fp16", "topk(0.1)", "powersgd(4)"], devices)  # doctest: +SKIP
@@ -119,7 +103,8 @@ def step_traffic(stats: StepStats, counted: Counted | None, algorithm: str | Non
 
 def _row(entry: Spec, step: int, epoch: int, loss: float, traffic: dict[str, Any],
          totals: dict[str, float]) -> dict[str, Any]:
-    """The CSV row of one step; ``totals`` (running sums) is updated in place."""
+    """One step's row: loss, test accuracy (filled every ``eval_every`` steps), bytes, and per
+    system the predicted seconds and their running sum (``totals``, updated in place)."""
     totals["bytes"] += traffic["gradient_bytes"]
     row: dict[str, Any] = {
         "reducer": entry.text, "step": step, "epoch": epoch, "loss": loss, "test_accuracy": "",
@@ -240,19 +225,14 @@ def _systems(rows: Sequence[dict[str, Any]]) -> list[str]:
 
 def summary(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per reducer: bytes per step, predicted ms per step, final loss and accuracy."""
-    out = []
-    for label, mine in _runs(rows).items():
-        last = mine[-1]
-        entry = {"reducer": label, "steps": len(mine),
-                 "gradient_bytes_per_step": last["gradient_bytes"],
-                 "gradient_bytes_per_tower": last["gradient_bytes_per_tower"],
-                 "final_loss": float(np.mean([r["loss"] for r in mine[-5:]])),
-                 "test_accuracy": last["test_accuracy"]}
-        for system in _systems(rows):
-            seconds = last[f"predicted_s_{system}"]
-            entry[f"ms_{system}"] = None if seconds == "" else 1e3 * float(seconds)
-        out.append(entry)
-    return out
+    return [{"reducer": label, "steps": len(mine),
+             "gradient_bytes_per_step": mine[-1]["gradient_bytes"],
+             "gradient_bytes_per_tower": mine[-1]["gradient_bytes_per_tower"],
+             "final_loss": float(np.mean([r["loss"] for r in mine[-5:]])),
+             "test_accuracy": mine[-1]["test_accuracy"],
+             **{f"ms_{s}": None if mine[-1][f"predicted_s_{s}"] == "" else
+                1e3 * float(mine[-1][f"predicted_s_{s}"]) for s in _systems(rows)}}
+            for label, mine in _runs(rows).items()]
 
 
 def summary_table(rows: Sequence[dict[str, Any]]) -> str:

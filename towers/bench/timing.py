@@ -1,14 +1,8 @@
 """Interleaved timing: every configuration runs once per round, in a shuffled order.
 
-On a shared machine the load drifts while a benchmark runs; timing A for a minute and
-then B lets the drift decide which is faster. :func:`interleave` takes one sample of
-every configuration per round (in a fresh seeded shuffle), so medians, minima and
-paired ratios all see the same drift::
-
-    round 0:  A  B  C
-    round 1:  C  A  B      median(A), median over rounds of B/A, ...
-
-Each sample records wall time and this process's CPU time (all threads).
+On a shared machine the load drifts while a benchmark runs; one sample of every
+configuration per round (a fresh seeded shuffle each round) lets medians, minima and
+paired ratios all see the same drift. A sample is wall time and this process's CPU time.
 """
 
 from __future__ import annotations
@@ -75,14 +69,9 @@ def interleave(
 
     Args:
         fns: name -> zero-argument callable that runs (and finishes) one operation.
-        rounds: samples per function.
         calls: calls averaged into one sample (> 1 for very short calls), one number for
             all or one per name (default 1).
-        verbose: show a progress bar, ``label`` above it.
-        seed: seeds the per-round shuffles.
-
-    Returns:
-        name -> :class:`Samples`, one sample per round.
+        verbose: show a progress bar, ``label`` above it; ``seed`` seeds the shuffles.
 
     Raises:
         ValueError: ``rounds`` or ``calls`` < 1.

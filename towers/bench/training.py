@@ -1,27 +1,17 @@
-"""The training-step table: towers against a single device and tf.distribute.
+"""The training-step table: towers against tf.distribute, as ratios.
 
-Every configuration builds the same seeded model and SGD and trains on one fixed batch
-of random examples, pre-converted to tensors:
-
-- ``single device``: a plain Keras custom step (tape, ``apply_gradients``) on tower 0;
-- ``MirroredStrategy`` (its default ``CollectiveAllReduce``), ``MirroredStrategy (R1D)``
-  (``ReductionToOneDevice``) and ``CentralStorageStrategy``, from :mod:`reference`, in a
-  custom loop fed a distributed batch made once (so the iterator is not timed);
-- ``towers <algorithm>/<placement>``: ``TowerTrainer.train_step`` on the tensors;
-- ``towers noop/replicated``: no exchange at all, the ceiling (not a valid step);
-- ``towers fused(<algorithm>)/<placement>``: every gradient in one flat buffer per tower
-  (:func:`towers.allreduce.bucketed.bucketed` with no size limit).
-
-Every configuration's first call returns the loss of the same weights on the same batch,
-so ``first_loss`` must agree across the table. ``ratio`` is the median over interleaved
-rounds of the step time over MirroredStrategy's in the same round.
+Every configuration builds the same seeded model and SGD and trains on one fixed batch:
+``MirroredStrategy`` (its default ``CollectiveAllReduce``) and ``CentralStorageStrategy``
+from :mod:`reference`, in a custom loop fed a batch distributed once; ``towers
+<algorithm>/<placement>`` (``TowerTrainer.train_step``); and ``towers noop/replicated``,
+no exchange at all: the ceiling (not a valid step). Their first losses must agree.
+``ratio``: the median over interleaved rounds of the step time over MirroredStrategy's.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import gc
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -32,14 +22,13 @@ import tensorflow as tf
 
 from reference import CentralStorageTrainer, MirroredTrainer
 from towers import allreduce
-from towers.allreduce.bucketed import bucketed
 from towers.bench import report
 from towers.bench.report import num, text
 from towers.bench.timing import interleave, load_average, paired_ratio
 from towers.step import PLACEMENTS, TowerTrainer
 from towers.training.models import mlp, mnist_cnn
 
-__all__ = ["BASELINES", "MIRRORED", "MODELS", "StepConfig", "fused_reducers", "make_batch",
+__all__ = ["BASELINES", "MIRRORED", "MODELS", "StepConfig", "make_batch",
            "named_steps", "run_model", "section", "step_configs", "table"]
 
 MODELS: dict[str, tuple[Callable[[], keras.Model], tuple[int, ...]]] = {
@@ -49,7 +38,7 @@ MODELS: dict[str, tuple[Callable[[], keras.Model], tuple[int, ...]]] = {
 """Model name -> (factory, input shape): ``mnist_cnn`` and the 784-2048-2048-10 MLP."""
 
 MIRRORED = "MirroredStrategy"
-BASELINES = ("single device", MIRRORED, "MirroredStrategy (R1D)", "CentralStorageStrategy")
+BASELINES = (MIRRORED, "CentralStorageStrategy")
 QUICK_ALGORITHMS = ("naive", "parameter_device", "ring", "tree")
 """Towers algorithms in the table under ``--quick`` (every registered one otherwise)."""
 LOSS_TOLERANCE = 1e-4
@@ -60,7 +49,7 @@ class StepConfig:
     """One row: ``step()`` runs one synchronous training step and returns its loss."""
 
     name: str
-    kind: str  # "baseline", "tf.distribute", "towers" or "ceiling"
+    kind: str  # "tf.distribute", "towers" or "ceiling"
     step: Callable[[], tf.Tensor]
     algorithm: str = ""
     placement: str = ""
@@ -73,38 +62,12 @@ def make_batch(model: str, batch: int = 256, seed: int = 0) -> tuple[tf.Tensor, 
     return tf.constant(x), tf.constant(rng.integers(0, 10, size=batch).astype(np.int32))
 
 
-def _per_example(y: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:
-    return keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True)
-
-
-def _sgd() -> keras.optimizers.Optimizer:
+def _sgd() -> keras.optimizers.Optimizer:  # a fresh one per model
     return keras.optimizers.SGD(0.01)
 
 
 def _loss() -> keras.losses.Loss:
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-
-def single_device_step(make_model: Callable[[], keras.Model], device: str, x: tf.Tensor,
-                       y: tf.Tensor) -> Callable[[], tf.Tensor]:
-    """The plain Keras custom step on one device: no split, no exchange."""
-    with tf.device(device):
-        model, optimizer = make_model(), _sgd()
-        optimizer.build(model.trainable_variables)
-
-    @tf.function
-    def step(x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(_per_example(y, model(x, training=True)))
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        return loss
-
-    def run() -> tf.Tensor:
-        with tf.device(device):
-            return step(x, y)
-
-    return run
 
 
 def strategy_step(trainer: Any, x: tf.Tensor, y: tf.Tensor) -> Callable[[], tf.Tensor]:
@@ -117,7 +80,8 @@ def strategy_step(trainer: Any, x: tf.Tensor, y: tf.Tensor) -> Callable[[], tf.T
 
     def replica_step(xs: tf.Tensor, ys: tf.Tensor) -> tf.Tensor:
         with tf.GradientTape() as tape:
-            per_example = _per_example(ys, model(xs, training=True))
+            per_example = keras.losses.sparse_categorical_crossentropy(
+                ys, model(xs, training=True), from_logits=True)
             loss = tf.nn.compute_average_loss(per_example, global_batch_size=batch)
         grads = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
@@ -136,59 +100,41 @@ def _baselines(make_model: Callable[[], keras.Model], devices: Sequence[str], x:
     """The reference steps called ``names`` (only those are built)."""
     devices = list(devices)
     build: dict[str, Callable[[], Callable[[], tf.Tensor]]] = {
-        "single device": lambda: single_device_step(make_model, devices[0], x, y),
         MIRRORED: lambda: strategy_step(MirroredTrainer(make_model, _sgd, _loss(), devices),
                                         x, y),
-        "MirroredStrategy (R1D)": lambda: strategy_step(MirroredTrainer(
-            make_model, _sgd, _loss(), devices, cross_device_ops="reduction_to_one_device"),
-            x, y),
         "CentralStorageStrategy": lambda: strategy_step(
             CentralStorageTrainer(make_model, _sgd, _loss(), devices), x, y),
     }
-    return [StepConfig(name, "baseline" if name == "single device" else "tf.distribute",
-                       build[name]()) for name in BASELINES if name in names]
+    return [StepConfig(name, "tf.distribute", build[name]()) for name in BASELINES
+            if name in names]
 
 
 def towers_config(make_model: Callable[[], keras.Model], devices: Sequence[str], x: tf.Tensor,
-                  y: tf.Tensor, algorithm: Any, placement: str, label: str) -> StepConfig:
-    """``TowerTrainer.train_step`` with ``algorithm`` (name or callable) and ``placement``."""
+                  y: tf.Tensor, algorithm: str, placement: str) -> StepConfig:
+    """``TowerTrainer.train_step`` with ``algorithm`` (a registered name) and ``placement``."""
     trainer = TowerTrainer(make_model, _sgd, _loss(), devices=list(devices),
                            all_reduce=algorithm, variables=placement,
                            check_algorithm=algorithm != "noop")  # the ceiling does not sum
     kind = "ceiling" if algorithm == "noop" else "towers"
-    return StepConfig(f"towers {label}/{placement}", kind, lambda: trainer.train_step(x, y),
-                      algorithm=label, placement=placement)
-
-
-def fused_reducers() -> dict[str, Callable[[], Any]]:
-    """Flat-buffer reducers (all of a step's gradients in one bucket): label -> factory."""
-    return {f"fused({name})": functools.partial(bucketed, name, None)
-            for name in ("naive", "parameter_device")}
+    return StepConfig(f"towers {algorithm}/{placement}", kind, lambda: trainer.train_step(x, y),
+                      algorithm=algorithm, placement=placement)
 
 
 def step_configs(
     model: str, devices: Sequence[str], x: tf.Tensor, y: tf.Tensor, *,
     algorithms: Sequence[str] | None = None, placements: Sequence[str] = tuple(PLACEMENTS),
-    ceiling: bool = True, extra: dict[str, Callable[[], Any]] | None = None,
+    ceiling: bool = True,
 ) -> tuple[list[StepConfig], dict[str, str]]:
-    """Every configuration for ``model``; those that cannot be built are returned as errors.
-
-    Args:
-        extra: more towers reducers, label -> zero-argument factory of an algorithm or a
-            ``GradientReducer`` (called once per configuration: reducers keep state).
-    """
+    """Every configuration for ``model``; those that cannot be built are returned as errors."""
     make_model = MODELS[model][0]
     configs, errors = _baselines(make_model, devices, x, y), {}
-    names = list(allreduce.ALGORITHMS if algorithms is None else algorithms)
-    jobs = [(a, functools.partial(str, a), p) for a in names for p in placements]
-    jobs += [(k, f, p) for k, f in (extra or {}).items() for p in placements]
-    if ceiling:
-        jobs.append(("noop", functools.partial(str, "noop"), "replicated"))
-    for label, factory, placement in jobs:
+    names = allreduce.ALGORITHMS if algorithms is None else algorithms
+    jobs = [(a, p) for a in names for p in placements] + [("noop", "replicated")] * ceiling
+    for algorithm, placement in jobs:
         try:
-            configs.append(towers_config(make_model, devices, x, y, factory(), placement, label))
+            configs.append(towers_config(make_model, devices, x, y, algorithm, placement))
         except Exception as err:  # reported as a row
-            errors[f"towers {label}/{placement}"] = f"{type(err).__name__}: {err}"[:160]
+            errors[f"towers {algorithm}/{placement}"] = f"{type(err).__name__}: {err}"[:160]
     return configs, errors
 
 
@@ -249,12 +195,10 @@ def named_steps(model: str, devices: Sequence[str], names: Sequence[str],
     x, y = make_batch(model, batch)
     make_model = MODELS[model][0]
     configs = _baselines(make_model, devices, x, y, names)
-    fused = fused_reducers()
     for name in names:
         if name.startswith("towers "):
-            label, placement = name.removeprefix("towers ").rsplit("/", 1)
-            algorithm = fused[label]() if label in fused else label
-            configs.append(towers_config(make_model, devices, x, y, algorithm, placement, label))
+            algorithm, placement = name.removeprefix("towers ").rsplit("/", 1)
+            configs.append(towers_config(make_model, devices, x, y, algorithm, placement))
     return {c.name: c.step for c in configs}
 
 
@@ -315,8 +259,7 @@ def section(args: argparse.Namespace, devices: list[str], results: dict) -> bool
               f"  (load average {load_average()[0]:.2f})", flush=True)
         rows += run_model(model, tables, algorithms=algorithms, verbose=not args.quiet,
                           rounds=args.step_rounds or (5 if args.quick else 13),
-                          batch=args.batch_size, placements=args.placements or PLACEMENTS,
-                          extra=None if args.quick or args.algorithms else fused_reducers())
+                          batch=args.batch_size, placements=args.placements or PLACEMENTS)
     print("\n" + table(rows))
     results["training"], results["training_load"] = rows, load_average()
     report.write_csv(args.out / "training.csv", rows)

@@ -1,17 +1,11 @@
 """``towers bench --workers W``: cross-process all-reduce throughput, towers beside MWMS.
 
-The command launches W local worker processes (``towers launch``'s way, one tower each);
-each runs ``python -m towers.bench.workers``, which times, for each size, in interleaved
-rounds, the same all-reduce three ways::
-
-    round r, size S:  CrossWorker (op="sum")   ─┐ each one collective all_reduce_v2 of S
-                      AllTowers   (op="sum")   ─┤ bytes over W processes (gRPC, RING),
-                      MWMS replica all_reduce  ─┘ called in a tf.function, waited for
-
-and worker 0 prints one ``RESULT {json}`` line per size. The parent writes
-``workers.csv``: seconds, algbw = S / t, busbw = algbw · 2(W − 1)/W and the ratio of each
-towers reducer's time to MWMS's (< 1: towers faster). Every call is a collective, so the
-workers stay in step; the launch has a timeout.
+The command launches W local worker processes (one tower each, as ``towers launch``);
+each runs ``python -m towers.bench.workers`` and times, per size, in interleaved rounds,
+one collective all-reduce of S bytes three ways: ``CrossWorker``, ``AllTowers`` and
+MultiWorkerMirroredStrategy's replica ``all_reduce`` (gRPC, RING). Worker 0 prints one
+``RESULT {json}`` line per size; the parent writes ``workers.csv``: seconds, algbw = S / t,
+busbw = algbw · 2(W − 1)/W and each towers reducer's time over MWMS's (< 1: faster).
 """
 
 from __future__ import annotations

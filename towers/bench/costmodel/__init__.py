@@ -1,9 +1,4 @@
-"""The α-β-γ cost model: every algorithm's time as ``a·α + b·β + c·γ``, fitted and extrapolated.
-
-    model.py    links (α, β, γ), presets, :func:`coefficients`, :func:`predict`,
-                :func:`simulate` to 1024 towers, :func:`predict_on` 8 and 1024 H100s
-                (each algorithm's formula lives in its registry record)
-    fitting.py  :func:`fit` α, β, γ to measured rows, :func:`compare`, :func:`holdout`
+"""The α-β-γ cost model: formulas and predictions (``model.py``), fits (``fitting.py``).
 
 Example:
     >>> from towers.bench import costmodel

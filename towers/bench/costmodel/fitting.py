@@ -28,15 +28,12 @@ _CALIBRATION = ("send", "add")
 """Not all-reduces: rows that join every per-algorithm fit (they split β from γ)."""
 
 
-def _row(row: Any) -> tuple[str, int, float, float, dict[str, Any]]:
-    def get(key: str, default: Any = None) -> Any:
-        return row.get(key, default) if isinstance(row, Mapping) else getattr(row, key, default)
-
-    algorithm, n, nbytes, seconds = (get(k) for k in ("algorithm", "n", "nbytes", "seconds"))
+def _row(row: Mapping[str, Any]) -> tuple[str, int, float, float, dict[str, Any]]:
+    algorithm, n, nbytes, seconds = (row.get(k) for k in ("algorithm", "n", "nbytes", "seconds"))
     if algorithm is None or n is None or nbytes is None or seconds is None:
         raise ValueError(f"rows need algorithm, n, nbytes and seconds; got {row!r}")
     model.algbw(nbytes, seconds)  # validates both
-    return algorithm, n, nbytes, seconds, dict(get("params") or {})
+    return algorithm, n, nbytes, seconds, dict(row.get("params") or {})
 
 
 def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -70,7 +67,7 @@ def fit(rows: Sequence[Any], *, per_algorithm: bool = False, name: str = "fit") 
     """Estimate α, β, γ from measured rows by non-negative least squares on relative error.
 
     Args:
-        rows: mappings (or objects) with ``algorithm``, ``n``, ``nbytes``, ``seconds`` and
+        rows: mappings with ``algorithm``, ``n``, ``nbytes``, ``seconds`` and
             optional ``params``.
         per_algorithm: one :class:`Link` per algorithm; ``send``/``add`` rows join every fit.
         name: the fitted link's name (per algorithm: ``"name:algorithm"``).
@@ -124,12 +121,6 @@ def holdout(rows: Sequence[Any], train_sizes: Collection[float], *,
 
     Raises:
         ValueError: as :func:`fit`; an algorithm with no row at a training size.
-
-    Example:
-        >>> rows = [{"algorithm": "ring", "n": 4, "nbytes": s, "seconds": 1e-5 + s * 1e-9}
-        ...         for s in (1e3, 1e4, 1e5)]
-        >>> [(r["train"], round(r["rel_error"], 6)) for r in holdout(rows, {1e3, 1e5})]
-        [(True, 0.0), (False, 0.0), (True, 0.0)]
     """
     parsed = [_row(r) for r in rows]
     trained = {alg for alg, _, s, _, _ in parsed if s in train_sizes}

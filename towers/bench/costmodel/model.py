@@ -6,27 +6,12 @@ Every algorithm's time is linear in the three constants, ``t = a·α + b·β + c
 :func:`predict` the seconds. A tower sends one and receives one message at a time
 (single-port, full duplex, as in Thakur et al.), so messages through one port add up.
 
-    ==========================  ===================================================
-    naive, parameter_device     2m·(α + S·β) + (n-1)·S·γ     (m = n-1; n off-tower)
-    ring (s sub-chunks)         2(n-1)s·α + 2(n-1)/n·S·β + (n-1)/n·S·γ
-    nccl, nccl_ring             ring with s = 1
-    nccl_tree (binomial)        2⌈lg n⌉·(α + S·β) + ⌈lg n⌉·S·γ
-    tree (C pieces)             M·(α + S/C·β) + A·S/C·γ     (M, A: busiest port per tick)
-    double_binary_tree          M·(α + S/2C·β) + A·S/2C·γ   (M, A of both trees' schedule)
-    halving_doubling            (2h + 2f)·α + (2(p-1)/p + 2f)·S·β + ((p-1)/p + f)·S·γ
-    hierarchical                inner(k, S) + outer(n/k, S) + (k-1)·(α + S·β)
-    send / add (calibration)    α + S·β  /  (n-1)·S·γ
-    ==========================  ===================================================
-
-Each algorithm's formula is its registry record's ``cost``, derived beside its schedule in
-the algorithm's module; only the calibration rows ``send`` and ``add`` are defined here.
-Algorithms that move twice the bytes they reduce (``b = 2c``: naive, ring,
-halving_doubling) fix only ``2β + γ`` from their timings; ``send`` and ``add`` rows
-separate β from γ.
-
-:data:`SYSTEMS` prices an all-reduce on two machines on paper: ``8xH100`` (one NVLink 4
-node) and ``1024xH100`` (128 such nodes, one 400 Gb/s InfiniBand NIC per GPU; flat
-algorithms pay IB for every step, ``hierarchical`` pays NVLink inside a node).
+Each algorithm's formula is its registry record's ``cost``, derived and drawn beside its
+schedule in the algorithm's module (ring: ``2(n-1)·α + 2(n-1)/n·S·β + (n-1)/n·S·γ``); only
+the calibration rows are defined here: ``send`` (``α + S·β``) and ``add`` (``(n-1)·S·γ``).
+:data:`SYSTEMS` prices an all-reduce on paper on 8 H100s (one NVLink 4 node) and 1024
+(128 such nodes, one 400 Gb/s InfiniBand NIC per GPU; flat algorithms pay IB for every
+step, ``hierarchical`` NVLink inside a node).
 
 References:
     Thakur, Rabenseifner, Gropp, "Optimization of Collective Communication Operations in
@@ -63,12 +48,7 @@ NCCL_H100_RING_BUSBW = 370e9
 
 @dataclass(frozen=True)
 class Link:
-    """A link's constants: ``alpha`` s per message, ``beta`` s per byte, ``gamma`` s per byte added.
-
-    Example:
-        >>> Link(alpha=5e-6, beta=1 / 12.5e9, gamma=0.0, name="ib").bandwidth
-        12500000000.0
-    """
+    """A link: ``alpha`` s per message, ``beta`` s per byte sent, ``gamma`` s per byte added."""
 
     alpha: float
     beta: float
@@ -96,9 +76,6 @@ PRESETS: dict[str, Link] = {
     "ib-100g": Link(alpha=7e-6, beta=1 / 12.5e9, gamma=3 / 3.35e12, name="ib-100g"),
     # 400 Gb/s NDR InfiniBand = 50 GB/s per direction per GPU, ~8 µs a step.
     "ib-400g": Link(alpha=8e-6, beta=1 / 50e9, gamma=3 / 3.35e12, name="ib-400g"),
-    # Logical CPU devices share host memory: a placeholder of plausible magnitude (TF op
-    # dispatch ~50 µs, memcpy ~10 GB/s, a one-core add ~3 GB/s). Replace it with fit().
-    "cpu-logical": Link(alpha=50e-6, beta=1 / 10e9, gamma=1 / 3e9, name="cpu-logical"),
 }
 
 SYSTEMS: dict[str, dict[str, Any]] = {
@@ -135,21 +112,13 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def _check_size(n: Any, nbytes: Any) -> int:
-    n = positive_int("n", n)
-    non_negative_float("nbytes", nbytes)
-    return n
-
-
 def coefficients(algorithm: str, n: int, nbytes: float, **params: Any) -> Coefficients:
     """``(a, b, c)`` such that the time is ``a·α + b·β + c·γ`` (see the module table).
 
     Args:
-        algorithm: one of :data:`ALGORITHMS`.
-        n: tower count (``n = 1`` costs nothing).
-        nbytes: bytes per tower (``S``).
-        **params: the formula's, e.g. ``subchunks`` (ring), ``chunks`` (tree),
-            ``on_tower`` (parameter_device), ``inner``/``outer``/``group_size`` (hierarchical).
+        algorithm: one of :data:`ALGORITHMS`; ``n``: towers (1 costs nothing); ``nbytes``:
+            bytes per tower; ``**params``: the formula's (ring's ``subchunks``, tree's
+            ``chunks``, hierarchical's ``inner``/``outer``/``group_size``...).
 
     Raises:
         ValueError: an unknown algorithm (listing the known ones), a bad ``n``, ``nbytes``
@@ -162,7 +131,8 @@ def coefficients(algorithm: str, n: int, nbytes: float, **params: Any) -> Coeffi
     formulas = _formulas()
     if algorithm not in formulas:
         raise ValueError(f"unknown algorithm {algorithm!r}; known: {', '.join(sorted(formulas))}")
-    n = _check_size(n, nbytes)
+    n = positive_int("n", n)
+    non_negative_float("nbytes", nbytes)
     accepted = inspect.signature(formulas[algorithm]).parameters
     for key in params:
         if key not in accepted or key in ("n", "nbytes", "s"):
@@ -176,9 +146,8 @@ def predict(algorithm: str, n: int, nbytes: float, link: Link, **params: Any) ->
     """Predicted seconds for one all-reduce of ``nbytes`` per tower over ``n`` towers.
 
     Args:
-        algorithm, n, nbytes, **params: as for :func:`coefficients`.
-        link: the link's constants. For ``hierarchical``, ``inner_link=`` gives the
-            intra-group link (default: ``link`` for both levels).
+        algorithm, n, nbytes, **params: as for :func:`coefficients`; for ``hierarchical``,
+            ``inner_link=`` is the link within a group (default: ``link`` for both levels).
 
     Raises:
         ValueError: as :func:`coefficients`; ``inner_link`` on another algorithm.
@@ -259,7 +228,7 @@ def algbw(nbytes: float, seconds: float) -> float:
         >>> algbw(1e9, 0.5)
         2000000000.0
     """
-    _check_size(1, nbytes)
+    non_negative_float("nbytes", nbytes)
     if not isinstance(seconds, numbers.Real) or not math.isfinite(seconds) or seconds <= 0:
         raise ValueError(f"seconds must be finite and > 0, got {seconds!r}")
     return nbytes / seconds
