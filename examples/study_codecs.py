@@ -1,7 +1,7 @@
 """The classic codec comparison on the bundled digits: none, fp16, top-k, PowerSGD.
 
 Trains the digits CNN on 4 simulated towers once per reducer, from the same weights
-on the same batches (``towers.study.run_study``), and prints what each step sent
+on the same batches (``towers.bench.study.run_study``), and prints what each step sent
 and what the α-β-γ model predicts that would cost on 8 H100s (NVLink) and on 1024
 (InfiniBand between nodes), beside the final loss and test accuracy. Writes
 ``study_codecs.csv`` (one row per step) and ``study_codecs.png`` (loss against bytes
@@ -39,7 +39,7 @@ def main() -> None:
     if args.epochs < 1 or (args.steps is not None and args.steps < 1):
         parser.error("--epochs and --steps must be at least 1")
     devices = towers.simulate_devices(4)  # first thing: before TensorFlow starts
-    from towers import study
+    from towers.bench import study
 
     start = time.perf_counter()
     rows = study.run_study(REDUCERS, devices, epochs=args.epochs, eval_every=5,

@@ -10,7 +10,6 @@ from tests.conftest import DEVICES
 from towers import allreduce
 from towers.allreduce import Algorithm, naive
 from towers.bench import allreduce as bench
-from towers.bench.report import allreduce_table
 
 COLUMNS = {"size", "count", "type", "redop", "algorithm", "time_us", "algbw", "busbw", "wrong"}
 
@@ -41,7 +40,7 @@ def test_a_contender_that_cannot_run_gets_a_row_with_the_reason(monkeypatch) -> 
     failed = [r for r in rows if r["algorithm"] == "needs_four"]
     assert failed and all("built for 4 towers" in r["error"] for r in failed)
     assert all(not r["error"] for r in rows if r["algorithm"] == "naive")
-    assert "needs_four: not run" in allreduce_table(rows)
+    assert "needs_four: not run" in bench.table(rows)
 
 
 def test_columns_and_busbw_formula(rows: list[dict]) -> None:
@@ -58,10 +57,10 @@ def test_columns_and_busbw_formula(rows: list[dict]) -> None:
 
 
 def test_table_has_nccl_tests_columns(rows: list[dict]) -> None:
-    head = allreduce_table(rows).splitlines()[0].split()
+    head = bench.table(rows).splitlines()[0].split()
     assert head[:4] == ["size", "count", "type", "redop"]
     assert {"algbw", "busbw", "#wrong"} <= set(head)
-    assert not any(line.split()[4] == "send" for line in allreduce_table(rows).splitlines()[2:]
+    assert not any(line.split()[4] == "send" for line in bench.table(rows).splitlines()[2:]
                    if len(line.split()) > 4)
 
 
@@ -100,11 +99,9 @@ def test_sizes_must_be_whole_float32_elements() -> None:
 def test_every_registered_algorithm_hands_the_cost_model_params_it_takes() -> None:
     """The full bench fits every algorithm: a run-time setting in a record's params (a
     collective's timeout) must not reach the cost formula."""
-    from towers import allreduce
     from towers.bench import costmodel
-    from towers.bench.allreduce import towers_contender
 
     for name in allreduce.ALGORITHMS:
-        contender = towers_contender(name)
+        contender = bench.towers_contender(name)
         if contender.formula is not None:
             costmodel.coefficients(contender.formula, 4, 4096.0, **contender.params)

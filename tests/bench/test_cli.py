@@ -50,7 +50,7 @@ def test_by_default_a_fresh_folder_in_the_working_directory(
     shipped = _files(ROOT / "benchmarks")
     monkeypatch.chdir(tmp_path)
     for _ in range(2):
-        assert run(_args("--towers", "2", "--sections", "paper", "--quiet")) == 0
+        assert run(_args("--towers", "2", "--sections", "costmodel", "--quiet")) == 0
     folders = sorted(p.name for p in tmp_path.iterdir())
     assert len(folders) == 2 and all(f.startswith("towers-bench-") for f in folders), folders
     for folder in folders:

@@ -1,4 +1,4 @@
-"""Held-out prediction: which sizes train, and what the fit on them predicts elsewhere."""
+"""Held-out prediction: what a fit on some sizes predicts at the others."""
 
 from __future__ import annotations
 
@@ -16,25 +16,6 @@ LINK = Link(alpha=20e-6, beta=1 / 8e9, gamma=1 / 2e9)
 def _rows(algorithms=("ring", "tree"), sizes=(1e3, 1e4, 1e5, 1e6, 1e7), link=LINK) -> list:
     return [{"algorithm": a, "n": 8, "nbytes": s, "seconds": predict(a, 8, s, link)}
             for a in algorithms for s in sizes]
-
-
-@pytest.mark.parametrize(
-    ("how", "sizes", "expected"),
-    [
-        ("interleaved", [1, 2, 3, 4], ([1, 3], [2, 4])),
-        ("interleaved", [4, 1, 3, 2, 2], ([1, 3], [2, 4])),  # sorted, repeats once
-        ("extrapolated", [1, 2, 3, 4], ([1, 2], [3, 4])),
-        ("extrapolated", [1], ([1], [])),
-        ("interleaved", [], ([], [])),
-    ],
-)
-def test_split_sizes(how, sizes, expected):
-    assert costfit.split_sizes(sizes, how) == expected
-
-
-def test_split_sizes_rejects_an_unknown_split():
-    with pytest.raises(ValueError, match="how"):
-        costfit.split_sizes([1, 2], "random")
 
 
 def test_holdout_predicts_unseen_sizes_of_rows_the_model_made():

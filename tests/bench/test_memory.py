@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from towers.bench.memory import memory_table, run_memory
+from towers.bench.memory import run_memory, table
 
 
 @pytest.mark.long
@@ -22,7 +22,7 @@ def test_each_configuration_gets_its_own_process_and_a_growing_peak() -> None:
     assert good["peak_mib"] - good["imported_mib"] > 1  # the build and the step show up
     assert good["step_mib"] == good["peak_mib"] - good["built_mib"]
     assert bad["error"].startswith("exit ") and "peak_mib" not in bad  # an unknown algorithm
-    assert "naive/parameter_device" in memory_table(rows) and "exit" in memory_table(rows)
+    assert "naive/parameter_device" in table(rows) and "exit" in table(rows)
 
 
 def test_sharded_adam_state_per_tower_is_a_quarter_on_four_towers() -> None:

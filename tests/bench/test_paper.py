@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from towers.bench.costmodel import PRESETS, predict
-from towers.bench.costmodel.paper import IB_400G, SYSTEMS, predict_on, scale_on_paper
+from towers.bench.costmodel import PRESETS, SYSTEMS, predict, predict_on, scale_on_paper
+
+IB_400G = PRESETS["ib-400g"]
 
 
 def _row(rows: list[dict], system: str, algorithm: str, size: int) -> dict:

@@ -72,7 +72,7 @@ def test_the_section_writes_table_csv_and_plot(
     args = argparse.Namespace(towers=2, models=["mlp"], batch_size=8, quiet=True, out=tmp_path,
                               no_plots=False, placements=["replicated"])
     results: dict = {}
-    assert phases.phases_section(args, DEVICES[:2], results)
+    assert phases.section(args, DEVICES[:2], results)
     configs = [r["config"] for r in results["phases"]]
     assert "MirroredStrategy" in configs and "towers noop/replicated" in configs
     assert all(c.endswith("/replicated") for c in configs if c.startswith("towers "))

@@ -7,7 +7,8 @@ import json
 import math
 from pathlib import Path
 
-from towers.bench import report
+from towers.bench import allreduce, report, training
+from towers.bench.costmodel.fitting import FIT_COLUMNS
 
 ROW = {"size": 4096, "count": 1024, "type": "float", "redop": "sum", "algorithm": "ring",
        "kind": "towers", "time_us": 100.0, "algbw": 0.041, "busbw": 0.061, "wrong": 0,
@@ -15,7 +16,7 @@ ROW = {"size": 4096, "count": 1024, "type": "float", "redop": "sum", "algorithm"
 
 
 def test_format_table_aligns_two_header_lines() -> None:
-    text = report.allreduce_table([ROW, {**ROW, "algorithm": "tf.CollectiveAllReduce"}])
+    text = allreduce.table([ROW, {**ROW, "algorithm": "tf.CollectiveAllReduce"}])
     lines = text.splitlines()
     assert len(lines) == 4 and lines[1].strip().startswith("(B)")
     assert len({len(line) for line in lines[2:]}) == 1
@@ -34,10 +35,10 @@ def test_csv_and_json_round_trip(tmp_path: Path) -> None:
 
 def test_plots_are_png(tmp_path: Path) -> None:
     rows = [ROW, {**ROW, "size": 16384, "algbw": 0.1}]
-    png = report.plot_algbw(rows, tmp_path / "a.png")
+    png = allreduce.plot(rows, tmp_path / "a.png", "title")
     steps = [{"model": "m", "config": c, "kind": k, "ratio": v} for c, k, v in
              [("MirroredStrategy", "tf.distribute", 1.0), ("towers naive", "towers", 0.7)]]
-    bars = report.plot_ratios(steps, tmp_path / "b.png")
+    bars = training.plot(steps, tmp_path / "b.png")
     for path in (png, bars):
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -48,7 +49,7 @@ def test_costmodel_table_shows_the_fit_as_bandwidth_and_percent() -> None:
               "held_out_max_error": 0.03}
     short = {**fitted, "algorithm": "tree", "formula": "tree", "per_byte": 0.0,
              "held_out_median_error": None, "held_out_max_error": None}
-    lines = report.costmodel_table([fitted, short]).splitlines()
+    lines = report.format_table(FIT_COLUMNS, [fitted, short]).splitlines()
     assert lines[0].split()[:4] == ["algorithm", "formula", "alpha", "1/(2beta+gamma)"]
     assert lines[2].split() == ["ring", "ring", "20.0", "1.00", "5.0", "10.0", "2.0", "3.0"]
     assert lines[3].split()[3:] == ["inf", "5.0", "10.0", "-", "-"]

@@ -1,4 +1,4 @@
-"""The cost-model section's fit, on all-reduce rows of known origin."""
+"""The cost-model section's fit, on all-reduce table rows of known origin."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from towers.bench import costmodel
-from towers.bench.sections import fit_measured
+from towers.bench.costmodel import fit_measured
 
 SIZES = [4096 * 4**k for k in range(8)]  # the benchmark's: 4 KB ... 64 MB
 LINK = costmodel.Link(alpha=1e-4, beta=1e-10, gamma=3e-10)

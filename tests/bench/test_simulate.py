@@ -8,12 +8,11 @@ PERFORMANCE.md), computed in this file from the link's three constants, not thro
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 
+from towers.bench import costmodel as sim
 from towers.bench.costmodel import DEFAULT_TOWERS, NCCL_H100_RING_BUSBW, PRESETS, Link, busbw
-from towers.bench.costmodel import simulation as sim
 
 ODD = Link(alpha=7e-6, beta=1 / 11e9, gamma=1 / 3e9, name="odd")  # no two terms alike
 LINKS = [ODD, PRESETS["h100-nvlink"], PRESETS["ib-100g"]]
@@ -85,29 +84,3 @@ def test_h100_ring_busbw_at_8_gpus_is_in_the_published_range():
     assert busbw(s, t, n) == pytest.approx(expected, rel=1e-12)
     assert 360e9 < expected < 380e9  # the published figure, ~370 GB/s
     assert expected == pytest.approx(NCCL_H100_RING_BUSBW, rel=0.03)
-
-
-def test_the_plot_draws_the_simulated_numbers(tmp_path: Path, monkeypatch):
-    from matplotlib.figure import Figure
-
-    figures = []
-    save = Figure.savefig
-    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: (figures.append(fig),
-                                                                   save(fig, *a, **k)))
-    towers = [*DEFAULT_TOWERS, 12]
-    specs = {"ring": {}, "naive": {}, "hierarchical": {"group_size": 8}}
-    out = sim.plot_simulation(specs, towers, nbytes=2**26, link=ODD, path=tmp_path / "s.png")
-    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    [ax] = figures[0].axes
-    lines = {line.get_label(): line for line in ax.get_lines()}
-    assert list(lines) == list(specs)
-    for name, formula in (("ring", ring), ("naive", naive)):
-        assert list(lines[name].get_xdata()) == towers
-        assert list(lines[name].get_ydata()) == pytest.approx(
-            [formula(n, 2**26, ODD) for n in towers], rel=1e-12)
-    # hierarchical with groups of 8 takes every tower count (the last group holds the rest,
-    # 12 -> 8 + 4; 2 -> one group of 2): a point everywhere, the simulator's own numbers.
-    y = list(lines["hierarchical"].get_ydata())
-    assert not any(math.isnan(v) for v in y)
-    assert y == pytest.approx(sim.simulate("hierarchical", towers, 2**26, ODD, group_size=8),
-                              rel=1e-12)

@@ -1,29 +1,17 @@
 """The all-reduce table: every algorithm and tf.distribute's cross-device ops, side by side.
 
-For each message size (bytes per tower) every contender is compiled once in its
-own ``tf.function`` and warmed up; then every (size, contender) pair is timed in
-one interleaved loop (see :mod:`towers.bench.timing`), all inside one
-:func:`towers.allreduce.machinery.ordering.as_written` block. tf.distribute's ops run there too:
-the two Grappler passes it switches off rewrite chains of arithmetic, and a lone
-collective or ``add_n`` has none, while switching the process-wide options
-between calls would rebuild the cached function-call options on every call.
-The rows follow nccl-tests::
-
-    size  count  type  redop  algorithm  time (µs)  algbw (GB/s)  busbw (GB/s)  #wrong
-
-``algbw = S / t`` and ``busbw = algbw · 2(n−1)/n`` (:func:`towers.bench.costmodel.busbw`).
-The inputs are small integers stored as float32, so every summation order gives
-the exact sum and ``#wrong`` counts, over all ``n`` outputs, the elements that
-differ from NumPy's sum (an output on the wrong device counts all its elements).
-
-Two calibration contenders run beside them, for the cost model: ``send`` (one copy
-of ``S`` bytes between towers: on logical CPUs a pointer passes, so this is the call
-overhead) and ``add`` (``add_n`` of the ``n`` inputs on one device: the arithmetic).
-They are not all-reduces and stay out of the table (they are in the CSV).
+Every (size, contender) pair is compiled once, then timed in one interleaved loop inside
+one ``as_written()`` block. The rows follow nccl-tests (``size count type redop algorithm
+time algbw busbw #wrong``; ``algbw = S / t``, ``busbw = algbw · 2(n−1)/n``). The inputs
+are small integers in float32, so every summation order is exact: ``#wrong`` counts the
+output elements, over all ``n`` outputs, that differ from NumPy's sum (an output on the
+wrong device: all of its). Two calibration rows join the CSV: ``send`` (one copy of ``S``
+bytes between towers) and ``add`` (``add_n`` of the ``n`` inputs on one device).
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import inspect
 from collections.abc import Callable, Sequence
@@ -31,15 +19,19 @@ from typing import Any
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.distribute import values as values_lib
 
+from reference.mirrored import collective_all_reduce
 from towers import allreduce
 from towers.allreduce.machinery.ordering import as_written
-from towers.bench import costmodel
-from towers.bench.timing import Samples, interleave
+from towers.bench import costmodel, report
+from towers.bench.report import num, text
+from towers.bench.timing import Samples, interleave, load_average
 from towers.devices import canonical_device
 
 __all__ = ["QUICK_SIZES", "SIZES", "Compiled", "Contender", "calls_per_sample", "contenders",
-           "cost_rows", "count_wrong", "make_inputs", "run_allreduce", "towers_contender"]
+           "count_wrong", "make_inputs", "run_allreduce", "section", "table",
+           "towers_contender"]
 
 SIZES = tuple(4096 * 4**k for k in range(8))
 """Bytes per tower: 4 KB, 16 KB, … 64 MB (×4 steps)."""
@@ -51,44 +43,27 @@ Body = Callable[[list[tf.Tensor]], list[tf.Tensor]]
 
 @dataclasses.dataclass(frozen=True)
 class Contender:
-    """One row kind of the table: how to build its body and what it should return.
-
-    Attributes:
-        name: the algorithm column.
-        kind: ``"towers"``, ``"tf.distribute"`` or ``"calibration"``.
-        body: per-tower tensors (already placed) -> outputs; traced in a ``tf.function``.
-        formula: the :mod:`towers.bench.costmodel` algorithm that models it (None: none does).
-        params: keyword parameters for that formula.
-        outputs: ``"all"`` (one sum per tower), ``"sum"`` (one sum) or ``"copy"`` (input 1).
-    """
+    """One row kind of the table: ``body`` maps placed per-tower tensors to outputs."""
 
     name: str
-    kind: str
+    kind: str  # "towers", "tf.distribute" or "calibration"
     body: Body
-    formula: str | None = None
-    params: dict[str, Any] = dataclasses.field(default_factory=dict)
-    outputs: str = "all"
+    formula: str | None = None  # the cost model's name for it (None: not modelled)
+    params: dict[str, Any] = dataclasses.field(default_factory=dict)  # the formula's
+    outputs: str = "all"  # one sum per tower; "sum": one sum; "copy": input 1
 
 
-def _formula_params(name: str, fn: Any) -> tuple[str | None, dict[str, Any]]:
-    """The cost-model formula and parameters of a registered algorithm (None if unmodelled)."""
-    if name not in costmodel.ALGORITHMS:
-        return None, {}
-    params = dict(getattr(fn, "params", {}))
-    # Only what the formula takes: run-time settings (a collective's timeout) cost nothing.
+def towers_contender(name: str) -> Contender:
+    """A registered towers algorithm, with its cost formula's parameters (if it has one)."""
+    algorithm = allreduce.get(name)
     cost = allreduce.ALGORITHMS[name].cost
-    accepted = inspect.signature(cost).parameters if cost is not None else {}
-    params = {k: v for k, v in params.items() if k in accepted and k not in ("n", "nbytes")}
-    named = all(isinstance(params.get(k), str) for k in ("inner", "outer"))
-    if name == "hierarchical" and not named:
-        return None, {}  # a hand-made inner/outer algorithm has no formula by name
-    return name, params
-
-
-def towers_contender(name: str, fn: allreduce.AllReduce | None = None) -> Contender:
-    """A towers algorithm, by registry name (or ``fn`` under that name)."""
-    algorithm = fn if fn is not None else allreduce.get(name)
-    formula, params = _formula_params(name, algorithm)
+    formula, params = None, {}
+    if cost is not None:  # only what the formula takes: run-time settings cost nothing
+        accepted = inspect.signature(cost).parameters
+        params = {k: v for k, v in dict(getattr(algorithm, "params", {})).items()
+                  if k in accepted and k not in ("n", "nbytes")}
+        named = all(isinstance(params.get(k), str) for k in ("inner", "outer"))
+        formula = None if name == "hierarchical" and not named else name
 
     def body(values: list[tf.Tensor]) -> list[tf.Tensor]:
         return list(algorithm(values, op="sum"))
@@ -97,8 +72,6 @@ def towers_contender(name: str, fn: allreduce.AllReduce | None = None) -> Conten
 
 
 def _tf_contender(name: str, ops: tf.distribute.CrossDeviceOps, formula: str) -> Contender:
-    from tensorflow.python.distribute import values as values_lib
-
     def body(values: list[tf.Tensor]) -> list[tf.Tensor]:
         per_replica = values_lib.PerReplica(values)
         mirrored = ops.reduce(tf.distribute.ReduceOp.SUM, per_replica, destinations=per_replica)
@@ -115,10 +88,8 @@ def _calibration() -> list[Contender]:
         with tf.device(values[0].device):
             return [tf.add_n(values)]
 
-    return [
-        Contender("send", "calibration", send, formula="send", outputs="copy"),
-        Contender("add", "calibration", add, formula="add", outputs="sum"),
-    ]
+    return [Contender("send", "calibration", send, formula="send", outputs="copy"),
+            Contender("add", "calibration", add, formula="add", outputs="sum")]
 
 
 def contenders(devices: Sequence[str], algorithms: Sequence[str] | None = None) -> list[Contender]:
@@ -126,44 +97,31 @@ def contenders(devices: Sequence[str], algorithms: Sequence[str] | None = None) 
 
     Args:
         devices: the towers' devices (tf.distribute's ops are built for them).
-        algorithms: registry names (default: all of ``towers.ALGORITHMS``); the names
-            ``"tf.CollectiveAllReduce"`` and ``"tf.ReductionToOneDevice"`` select those.
+        algorithms: registry names (default: every one); ``"tf.CollectiveAllReduce"`` and
+            ``"tf.ReductionToOneDevice"`` select those.
     """
-    from reference.mirrored import collective_all_reduce
-
-    tf_ops = {
-        "tf.CollectiveAllReduce": (collective_all_reduce(list(devices)), "ring"),
-        "tf.ReductionToOneDevice": (tf.distribute.ReductionToOneDevice(), "naive"),
-    }
-    names = list(allreduce.ALGORITHMS) + list(tf_ops) if algorithms is None else list(algorithms)
-    out = []
-    for name in names:
-        if name in tf_ops:
-            ops, formula = tf_ops[name]
-            out.append(_tf_contender(name, ops, formula))
-        else:
-            out.append(towers_contender(name))
+    tf_ops = {"tf.CollectiveAllReduce": (collective_all_reduce(list(devices)), "ring"),
+              "tf.ReductionToOneDevice": (tf.distribute.ReductionToOneDevice(), "naive")}
+    names = list(allreduce.ALGORITHMS) + list(tf_ops) if algorithms is None else algorithms
+    out = [_tf_contender(name, *tf_ops[name]) if name in tf_ops else towers_contender(name)
+           for name in names]
     return out + (_calibration() if len(devices) > 1 else [])
 
 
 def make_inputs(devices: Sequence[str], nbytes: int, seed: int = 0) -> list[tf.Tensor]:
     """One float32 tensor of ``nbytes`` per device, holding integers in [-64, 64]."""
     rng = np.random.default_rng(seed)
-    count = nbytes // 4
     out = []
     for device in devices:
-        data = rng.integers(-64, 65, size=count).astype(np.float32)
+        data = rng.integers(-64, 65, size=nbytes // 4).astype(np.float32)
         with tf.device(device):
             out.append(tf.identity(tf.constant(data)))
     return out
 
 
 class Compiled:
-    """A contender compiled for one set of devices; ``homes`` are its outputs' devices.
-
-    The devices are taken from the traced graph: an eager output of a ``tf.function``
-    over logical CPUs reports the host CPU whatever device produced it.
-    """
+    """A contender compiled for ``devices``; ``homes`` are its outputs' devices, read from
+    the traced graph (an eager output over logical CPUs reports the host CPU)."""
 
     def __init__(self, contender: Contender, devices: Sequence[str]) -> None:
         self.contender, self.devices = contender, list(devices)
@@ -187,14 +145,8 @@ def count_wrong(
     contender: Contender, outputs: Sequence[tf.Tensor], inputs: Sequence[np.ndarray],
     devices: Sequence[str], homes: Sequence[str],
 ) -> int:
-    """Elements that differ from the exact answer, over all outputs (misplaced: all wrong).
-
-    Args:
-        homes: the device each output was placed on (from the traced graph).
-    """
-    total = inputs[0].copy()
-    for x in inputs[1:]:
-        total += x  # exact: small integers in float32
+    """Elements that differ from the exact answer, over all outputs (misplaced: all wrong)."""
+    total = np.sum(inputs, axis=0)  # exact: small integers in float32
     if contender.outputs == "copy":
         expected, wanted = [inputs[1]], [devices[0]]
     elif contender.outputs == "sum":
@@ -212,23 +164,17 @@ def count_wrong(
     return wrong
 
 
-def _bind(fn: Compiled, inputs: Sequence[tf.Tensor]) -> Callable[[], list[tf.Tensor]]:
-    return lambda: fn(*inputs)
-
-
 def _row(contender: Contender, n: int, nbytes: int, samples: Samples | None) -> dict[str, Any]:
     row: dict[str, Any] = {
         "size": nbytes, "count": nbytes // 4, "type": "float", "redop": "sum",
         "algorithm": contender.name, "kind": contender.kind, "n": n,
         "formula": contender.formula, "params": dict(contender.params),
-        "time_us": None, "min_us": None, "cpu_us": None, "algbw": None, "busbw": None,
-        "wrong": None, "error": "",
+        **dict.fromkeys(("time_us", "min_us", "cpu_us", "algbw", "busbw", "wrong")), "error": "",
     }
     if samples is not None:
         seconds = samples.median
         row.update(time_us=seconds * 1e6, min_us=samples.minimum * 1e6,
-                   cpu_us=samples.cpu_median * 1e6,
-                   algbw=costmodel.algbw(nbytes, seconds) / 1e9,
+                   cpu_us=samples.cpu_median * 1e6, algbw=costmodel.algbw(nbytes, seconds) / 1e9,
                    busbw=costmodel.busbw(nbytes, seconds, n) / 1e9
                    if contender.kind != "calibration" else None)
     return row
@@ -239,83 +185,99 @@ def calls_per_sample(nbytes: int) -> int:
     return 3 if nbytes <= 1 << 18 else 1
 
 
-@dataclasses.dataclass
-class _Size:
-    """One size's inputs and compiled contenders (and the reasons of those that failed)."""
-
-    nbytes: int
-    inputs: list[tf.Tensor]
-    compiled: dict[str, Compiled]
-    errors: dict[str, str]
-
-
-def _prepare(cands: Sequence[Contender], devices: Sequence[str], nbytes: int) -> _Size:
-    """Make the inputs and trace every contender once (call under ``as_written``)."""
-    if nbytes % 4:
-        raise ValueError(f"sizes must be multiples of 4 bytes (float32), got {nbytes}")
-    size = _Size(nbytes, make_inputs(devices, nbytes, seed=nbytes), {}, {})
+def _compile(cands: Sequence[Contender], devices: Sequence[str],
+             inputs: list[tf.Tensor]) -> tuple[dict[str, Compiled], dict[str, str]]:
+    """Every contender traced once (a failure is its row's reason), under ``as_written``."""
+    compiled, errors = {}, {}
     for c in cands:
         try:
-            size.compiled[c.name] = Compiled(c, devices)
-            size.compiled[c.name](*size.inputs)  # trace now, so a failure names its contender
+            compiled[c.name] = Compiled(c, devices)
+            compiled[c.name](*inputs)
         except Exception as err:  # a contender that cannot run here gets a row saying why
-            size.compiled.pop(c.name, None)
-            size.errors[c.name] = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
-    return size
-
-
-def _check(
-    cands: Sequence[Contender], size: _Size, devices: Sequence[str], samples: dict[str, Samples]
-) -> list[dict[str, Any]]:
-    """One row per contender at ``size``: timings from ``samples``, #wrong from a fresh call."""
-    host = [x.numpy() for x in size.inputs]
-    rows = []
-    for c in cands:
-        row = _row(c, len(devices), size.nbytes, samples.get(f"{size.nbytes}|{c.name}"))
-        if c.name in size.compiled:
-            fn = size.compiled[c.name]
-            row["wrong"] = count_wrong(c, fn(*size.inputs), host, devices, fn.homes)
-        row["error"] = size.errors.get(c.name, "")
-        rows.append(row)
-    return rows
+            compiled.pop(c.name, None)
+            errors[c.name] = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
+    return compiled, errors
 
 
 def run_allreduce(
     devices: Sequence[str], sizes: Sequence[int] = SIZES, *,
     algorithms: Sequence[str] | None = None, rounds: int = 15, verbose: bool = False,
 ) -> list[dict[str, Any]]:
-    """The whole table: every contender at every size, timed in one interleaved loop.
-
-    Interleaving sizes as well as contenders lets load drift hit every size alike,
-    so one contender's times across sizes (what the cost model fits) stay
-    comparable. Everything runs inside one :func:`~towers.allreduce.machinery.ordering.as_written`
-    block.
-
-    Args:
-        devices: the towers' devices.
-        sizes: bytes per tower, multiples of 4.
-        algorithms: see :func:`contenders`.
-        rounds: samples per (size, contender); the median is reported.
-        verbose: show a progress bar.
-
-    Returns:
-        One row (a dict, nccl-tests columns and more) per contender and size.
-    """
+    """Every contender at every size, timed in one interleaved loop (so load drift hits
+    every size alike and one contender's times across sizes, which the cost model fits,
+    stay comparable); one row per contender and size, #wrong from a fresh call."""
+    if any(nbytes % 4 for nbytes in sizes):
+        raise ValueError(f"sizes must be multiples of 4 bytes (float32), got {list(sizes)}")
     cands = contenders(devices, algorithms)
-    with as_written():  # held throughout: flipping Grappler's options costs every call
-        prepared = [_prepare(cands, devices, nbytes) for nbytes in sizes]
-        calls: dict[str, Callable[[], Any]] = {f"{s.nbytes}|{name}": _bind(fn, s.inputs)
-                 for s in prepared for name, fn in s.compiled.items()}
-        per_sample = {key: calls_per_sample(int(key.split("|")[0])) for key in calls}
-        samples = interleave(calls, rounds, calls=per_sample, warmup=3, verbose=verbose,
+    with as_written():
+        inputs = {s: make_inputs(devices, s, seed=s) for s in sizes}
+        built = {s: _compile(cands, devices, inputs[s]) for s in sizes}
+        calls = {f"{s}|{name}": (lambda fn=fn, x=inputs[s]: fn(*x))
+                 for s in sizes for name, fn in built[s][0].items()}
+        samples = interleave(calls, rounds, warmup=3, verbose=verbose,
+                             calls={k: calls_per_sample(int(k.split("|")[0])) for k in calls},
                              label=f"all-reduce: {len(calls)} (size, algorithm) pairs")
-        return [row for s in prepared for row in _check(cands, s, devices, samples)]
+        rows = []
+        for s in sizes:
+            (compiled, errors), host = built[s], [x.numpy() for x in inputs[s]]
+            for c in cands:
+                row = _row(c, len(devices), s, samples.get(f"{s}|{c.name}"))
+                if c.name in compiled:
+                    fn = compiled[c.name]
+                    row["wrong"] = count_wrong(c, fn(*inputs[s]), host, devices, fn.homes)
+                rows.append({**row, "error": errors.get(c.name, "")})
+        return rows
 
 
-def cost_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Rows :func:`towers.bench.costmodel.fit` accepts: modelled, timed rows only."""
-    return [
-        {"algorithm": r["formula"], "n": r["n"], "nbytes": r["size"],
-         "seconds": r["time_us"] * 1e-6, "params": r["params"], "name": r["algorithm"]}
-        for r in rows if r["formula"] and r["time_us"]
-    ]
+COLUMNS: list[report.Column] = [
+    ("size\n(B)", "r", num("size", "d")), ("count\n(elements)", "r", num("count", "d")),
+    ("type\n", "r", text("type")), ("redop\n", "r", text("redop")),
+    ("algorithm\n", "l", text("algorithm")), ("time\n(us)", "r", num("time_us", ".1f")),
+    ("algbw\n(GB/s)", "r", num("algbw", ".3f")), ("busbw\n(GB/s)", "r", num("busbw", ".3f")),
+    ("#wrong\n", "r", num("wrong", "d")), ("min\n(us)", "r", num("min_us", ".1f")),
+    ("cpu\n(us)", "r", num("cpu_us", ".1f")),
+]
+
+
+def table(rows: Sequence[dict[str, Any]]) -> str:
+    """The nccl-tests style table (calibration rows left out); failed contenders after."""
+    shown = [r for r in rows if r.get("kind") != "calibration" and not r.get("error")]
+    failed = {r["algorithm"]: r["error"] for r in rows if r.get("error")}
+    return report.format_table(COLUMNS, shown) + "".join(
+        f"\n# {k}: not run ({v})" for k, v in failed.items())
+
+
+def plot(rows: Sequence[dict[str, Any]], path: Any, title: str) -> Any:
+    """algbw against message size, one line per algorithm (log x; tf.distribute dashed)."""
+    fig = report.figure(8, 5)
+    ax = fig.add_subplot()
+    shown = [r for r in rows if r.get("kind") != "calibration" and r.get("algbw")]
+    for name in dict.fromkeys(r["algorithm"] for r in shown):
+        mine = sorted((r["size"], r["algbw"]) for r in shown if r["algorithm"] == name)
+        ax.plot(*zip(*mine), "--" if name.startswith("tf.") else "-", marker="o",
+                markersize=3, label=name)
+    ax.set(xscale="log", xlabel="bytes per tower", ylabel="algbw (GB/s)", title=title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    return report.save(fig, path)
+
+
+def section(args: argparse.Namespace, devices: list[str], results: dict) -> bool:
+    """``--sections allreduce``: the table, the algbw pivot, CSV and plot; False if #wrong."""
+    sizes = args.sizes or (QUICK_SIZES if args.quick else SIZES)
+    tables = devices[: args.towers]
+    print(f"\n== all-reduce, {len(tables)} towers, float32 sum, {sizes[0]}..{sizes[-1]} B "
+          f"per tower  (load average {load_average()[0]:.2f})", flush=True)
+    rows = run_allreduce(tables, sizes, algorithms=args.algorithms,
+                         rounds=args.rounds or (9 if args.quick else 15), verbose=not args.quiet)
+    print(f"# time = median of interleaved rounds; busbw = algbw * 2(n-1)/n, n = {len(tables)}")
+    print(table(rows))
+    results["allreduce"], results["allreduce_load"] = rows, load_average()
+    report.write_csv(args.out / "allreduce.csv", rows)
+    if not args.no_plots:
+        plot(rows, args.out / "allreduce_algbw.png",
+             f"all-reduce over {len(tables)} simulated devices (float32 sum)")
+    wrong = [r for r in rows if r.get("wrong")]
+    for r in wrong:
+        print(f"WRONG: {r['algorithm']} at {r['size']} B: {r['wrong']} elements")
+    return not wrong

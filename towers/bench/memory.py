@@ -1,12 +1,9 @@
 """Peak memory of a training step, per configuration, each in a fresh process.
 
-A process's peak resident set (``VmHWM``) only grows, so each configuration
-runs alone in a child process (``python -m towers.bench.memory``): import
-TensorFlow, simulate the devices, build the configuration, read the peak
-(``built``), run a few steps, read it again (``peak``). ``step = peak − built`` is
-what the steps added on top of the model, its copies and the optimizer's slots:
-activations, gradients, reduction buffers. The wide MLP makes the weights
-dominate (a copy per tower under ``replicated``, one under ``parameter_device``).
+A peak resident set (``VmHWM``) only grows, so each configuration runs alone in a child
+(``python -m towers.bench.memory``) that reads it after import, after building
+(``built``) and after a few steps (``peak``): ``step = peak − built`` is what the steps
+added (activations, gradients, reduction buffers) on top of the model and its slots.
 """
 
 from __future__ import annotations
@@ -20,31 +17,25 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+import keras
+
 from towers.bench import report
-from towers.bench.report import format_table
-from towers.bench.training import profile_steps
+from towers.bench.training import named_steps
 from towers.devices import simulate_devices
 from towers.placement import optimizer_state_bytes
 from towers.step import TowerTrainer
 from towers.training.models import mlp
 
-__all__ = [
-    "CONFIGS", "measure", "memory_section", "memory_table", "optimizer_state", "run_memory",
-]
+__all__ = ["CONFIGS", "measure", "optimizer_state", "run_memory", "section", "table"]
 
-CONFIGS = (
-    "MirroredStrategy", "CentralStorageStrategy", "towers naive/parameter_device",
-    "towers ring/replicated",
-)
+CONFIGS = ("MirroredStrategy", "CentralStorageStrategy", "towers naive/parameter_device",
+           "towers ring/replicated")
 TIMEOUT_S = 300
 
 
 def _peak_mib() -> float:
-    """This process's peak RSS in MiB: ``VmHWM`` (Linux), else ``ru_maxrss``.
-
-    ``ru_maxrss`` survives ``execve``: a child started by a big parent would report the
-    parent's peak, so ``VmHWM`` (per address space, fresh after ``execve``) comes first.
-    """
+    """This process's peak RSS in MiB: ``VmHWM`` (Linux: fresh after ``execve``, where
+    ``ru_maxrss`` would report a big parent's peak), else ``ru_maxrss``."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
@@ -58,30 +49,25 @@ def _peak_mib() -> float:
 def measure(config: str, model: str, towers: int, batch: int, steps: int) -> dict[str, Any]:
     """In this process: build ``config`` and run ``steps`` steps; peak RSS in MiB."""
     devices = simulate_devices(towers)
-
     start = _peak_mib()
-    [step] = profile_steps(model, devices, [config], batch=batch).values()
+    [step] = named_steps(model, devices, [config], batch=batch).values()
     built = _peak_mib()
     for _ in range(steps):
         step()
     peak = _peak_mib()
     return {"config": config, "model": model, "towers": towers, "batch": batch,
-            "imported_mib": start, "built_mib": built, "peak_mib": peak,
-            "step_mib": peak - built}
+            "imported_mib": start, "built_mib": built, "peak_mib": peak, "step_mib": peak - built}
 
 
-def run_memory(
-    configs: Sequence[str] = CONFIGS, *, model: str = "mlp", towers: int = 4, batch: int = 256,
-    steps: int = 3,
-) -> list[dict[str, Any]]:
+def run_memory(configs: Sequence[str] = CONFIGS, *, model: str = "mlp", towers: int = 4,
+               batch: int = 256, steps: int = 3) -> list[dict[str, Any]]:
     """:func:`measure` each configuration in its own child process; one row each."""
     rows = []
     for config in configs:
-        argv = [sys.executable, "-m", "towers.bench.memory", "--config", config,
-                "--model", model, "--towers", str(towers), "--batch", str(batch),
-                "--steps", str(steps)]
-        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
+        argv = [sys.executable, "-m", "towers.bench.memory", "--config", config, "--model", model,
+                "--towers", str(towers), "--batch", str(batch), "--steps", str(steps)]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=TIMEOUT_S,
+                              env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
         lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
         if done.returncode != 0 or not lines:
             tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
@@ -92,25 +78,21 @@ def run_memory(
     return rows
 
 
-def memory_table(rows: Sequence[dict[str, Any]]) -> str:
+def table(rows: Sequence[dict[str, Any]]) -> str:
     """MiB after import, after building, at the peak of the steps, and what the steps added."""
-    def mib(key: str) -> Any:
-        return lambda r: f"{r[key]:.0f}" if r.get(key) is not None else "-"
-
-    return format_table([
-        ("config\n", "l", lambda r: r["config"]),
-        ("imported\n(MiB)", "r", mib("imported_mib")), ("built\n(MiB)", "r", mib("built_mib")),
-        ("peak\n(MiB)", "r", mib("peak_mib")), ("step\n(MiB)", "r", mib("step_mib")),
-        ("error\n", "l", lambda r: r.get("error", "")),
-    ], list(rows))
+    return report.format_table([
+        ("config\n", "l", report.text("config")),
+        ("imported\n(MiB)", "r", report.num("imported_mib", ".0f")),
+        ("built\n(MiB)", "r", report.num("built_mib", ".0f")),
+        ("peak\n(MiB)", "r", report.num("peak_mib", ".0f")),
+        ("step\n(MiB)", "r", report.num("step_mib", ".0f")),
+        ("error\n", "l", report.text("error")),
+    ], rows)
 
 
 def optimizer_state(devices: Sequence[str]) -> list[dict[str, Any]]:
     """Adam's state per tower on the wide MLP, ``replicated`` against ``sharded`` (exact
     bytes of every replica's ``optimizer.variables``; ZeRO's promise is 1/n)."""
-    import keras
-
-
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     rows: list[dict[str, Any]] = []
     for variables in ("replicated", "sharded"):
@@ -124,18 +106,17 @@ def optimizer_state(devices: Sequence[str]) -> list[dict[str, Any]]:
     return rows
 
 
-def memory_section(args: Any, devices: list[str], results: dict) -> bool:
-    """``towers bench --sections memory``: peak RSS per configuration on the wide MLP."""
+def section(args: argparse.Namespace, devices: list[str], results: dict) -> bool:
+    """``--sections memory``: peak RSS per configuration on the wide MLP, Adam's state."""
     print(f"\n== memory: peak RSS of mlp steps, {args.towers} towers, batch {args.batch_size}, "
           "one fresh process per configuration", flush=True)
     rows = run_memory(towers=args.towers, batch=args.batch_size)
-    print(memory_table(rows))
-    results["memory"] = rows
+    print(table(rows))
     state = optimizer_state(devices[: args.towers])
     print("\nAdam state per tower (wide MLP), bytes: " + "; ".join(
         f"{r['placement']} {r['max_bytes_per_tower']:,} ({r['ratio_to_replicated']:.3f})"
         for r in state))
-    results["optimizer_state"] = state
+    results["memory"], results["optimizer_state"] = rows, state
     report.write_csv(args.out / "memory.csv", rows)
     return not any(r["error"] for r in rows)
 
@@ -143,11 +124,10 @@ def memory_section(args: Any, devices: list[str], results: dict) -> bool:
 def main(argv: Sequence[str] | None = None) -> int:
     """Child process entry point: print one JSON row."""
     parser = argparse.ArgumentParser(prog="python -m towers.bench.memory")
+    for option, default in (("--model", "mlp"), ("--towers", 4), ("--batch", 256),
+                            ("--steps", 3)):
+        parser.add_argument(option, type=type(default), default=default)
     parser.add_argument("--config", required=True)
-    parser.add_argument("--model", default="mlp")
-    parser.add_argument("--towers", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=3)
     a = parser.parse_args(argv)
     print(json.dumps(measure(a.config, a.model, a.towers, a.batch, a.steps)), flush=True)
     return 0

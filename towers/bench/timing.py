@@ -1,18 +1,8 @@
 """Interleaved timing: every configuration runs once per round, in a shuffled order.
 
-On a shared machine the load drifts while a benchmark runs. Timing configuration
-A for a minute and then B for a minute lets the drift decide which is faster.
-:func:`interleave` runs one sample of every configuration per round (the order
-is shuffled each round, so nobody always runs after the same neighbour or at the
-same point of a round) and keeps every sample, so medians, minima and paired
-ratios all see the same drift::
-
-    round 0:  A  B  C
-    round 1:  C  A  B      (a fresh shuffle each round, seeded)
-    round 2:  B  C  A      median(A), median(B/A per round), ...
-
-Each sample records wall time and this process's CPU time (all threads), which
-is less sensitive to other processes than wall time is.
+On a shared machine the load drifts while a benchmark runs; one sample of every
+configuration per round (a fresh seeded shuffle each round) lets medians, minima and
+paired ratios all see the same drift. A sample is wall time and this process's CPU time.
 """
 
 from __future__ import annotations
@@ -25,9 +15,11 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import keras
+
 from towers.guard.arguments import positive_int
 
-__all__ = ["Samples", "interleave", "load_average", "paired_ratio", "progress"]
+__all__ = ["Samples", "interleave", "load_average", "paired_ratio"]
 
 
 @dataclasses.dataclass
@@ -61,22 +53,6 @@ def load_average() -> tuple[float, float, float]:
         return (0.0, 0.0, 0.0)
 
 
-class _Silent:
-    def update(self, current: int, values: Any = None) -> None:
-        """Ignore progress."""
-
-
-def progress(total: int, verbose: bool, label: str = "") -> Any:
-    """A ``keras.utils.Progbar`` of ``total`` steps (a silent stand-in when not verbose)."""
-    if not verbose or total <= 0:
-        return _Silent()
-    import keras
-
-    if label:
-        print(label, flush=True)
-    return keras.utils.Progbar(total, stateful_metrics=["load"])
-
-
 def _sample(fn: Callable[[], Any], calls: int) -> tuple[float, float]:
     cpu0, wall0 = time.process_time(), time.perf_counter()
     for _ in range(calls):
@@ -85,29 +61,17 @@ def _sample(fn: Callable[[], Any], calls: int) -> tuple[float, float]:
 
 
 def interleave(
-    fns: Mapping[str, Callable[[], Any]],
-    rounds: int,
-    *,
-    calls: int | Mapping[str, int] = 1,
-    warmup: int = 2,
-    verbose: bool = False,
-    label: str = "",
-    seed: int = 0,
+    fns: Mapping[str, Callable[[], Any]], rounds: int, *,
+    calls: int | Mapping[str, int] = 1, warmup: int = 2, verbose: bool = False,
+    label: str = "", seed: int = 0,
 ) -> dict[str, Samples]:
     """Time every function ``rounds`` times, round-robin, after ``warmup`` untimed calls each.
 
     Args:
         fns: name -> zero-argument callable that runs (and finishes) one operation.
-        rounds: samples per function.
-        calls: calls per sample (the sample is their mean; > 1 for very short calls),
-            one number for all or one per name.
-        warmup: untimed calls per function first (tracing, allocator warm-up).
-        verbose: show a progress bar.
-        label: printed above the progress bar.
-        seed: seeds the per-round shuffles.
-
-    Returns:
-        name -> :class:`Samples`, one sample per round.
+        calls: calls averaged into one sample (> 1 for very short calls), one number for
+            all or one per name (default 1).
+        verbose: show a progress bar, ``label`` above it; ``seed`` seeds the shuffles.
 
     Raises:
         ValueError: ``rounds`` or ``calls`` < 1.
@@ -121,7 +85,9 @@ def interleave(
         for _ in range(warmup):
             fns[name]()
     out = {name: Samples() for name in names}
-    bar = progress(rounds, verbose, label)
+    if verbose and label:
+        print(label, flush=True)
+    bar = keras.utils.Progbar(rounds, stateful_metrics=["load"], verbose=int(verbose))
     order = random.Random(seed)
     for r in range(rounds):
         for name in order.sample(names, len(names)):

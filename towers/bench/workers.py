@@ -1,25 +1,16 @@
 """``towers bench --workers W``: cross-process all-reduce throughput, towers beside MWMS.
 
-The command launches W local worker processes (``towers launch``'s way, one tower
-each); every worker runs ``python -m towers.bench.workers``, which times, for each
-size, in interleaved rounds, the same all-reduce three ways::
-
-    round r, size S:  CrossWorker (op="sum")   ─┐ each one collective all_reduce_v2 of S
-                      AllTowers   (op="sum")   ─┤ bytes over W processes (gRPC, RING),
-                      MWMS replica all_reduce  ─┘ called in a tf.function, waited for
-
-and worker 0 prints one ``RESULT {json}`` line per size with the medians. The parent
-writes ``workers.csv``: seconds, algbw = S / t, busbw = algbw · 2(W − 1)/W (what each
-process sends and receives in a ring, NCCL-tests' convention) and the ratio of each
-towers reducer's time to MWMS's (< 1: towers faster).
-
-Every call is a collective, so the workers stay in step; the launch has a timeout.
+The command launches W local worker processes (one tower each, as ``towers launch``);
+each runs ``python -m towers.bench.workers`` and times, per size, in interleaved rounds,
+one collective all-reduce of S bytes three ways: ``CrossWorker``, ``AllTowers`` and
+MultiWorkerMirroredStrategy's replica ``all_reduce`` (gRPC, RING). Worker 0 prints one
+``RESULT {json}`` line per size; the parent writes ``workers.csv``: seconds, algbw = S / t,
+busbw = algbw · 2(W − 1)/W and each towers reducer's time over MWMS's (< 1: faster).
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import io
 import json
 import os
@@ -29,35 +20,34 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import tensorflow as tf
+
+from towers.bench import report
 from towers.cluster import launch, leave_together, local_cluster, resolve, set_logical_devices
 from towers.cluster.cross_worker import CrossWorker
 from towers.cluster.flat import AllTowers
 from towers.devices import set_local_task
 from towers.guard.arguments import int_at_least, positive_int
 
-__all__ = ["FIELDS", "SIZES_MB", "main", "run", "write_csv"]
+__all__ = ["SIZES_MB", "main", "rows", "run"]
 
 SIZES_MB = (1, 4, 16, 64)
-FIELDS = ("workers", "megabytes", "impl", "median_s", "min_s", "algbw_GBps", "busbw_GBps",
-          "ratio_to_mwms")
 _IMPLS = ("CrossWorker", "AllTowers", "MWMS")
+_CPU = "/device:CPU:0"
 
 
 def _functions(strategy: Any, workers: int, elements: int) -> dict[str, Any]:
     """One compiled all-reduce per implementation, for a float32 vector of ``elements``."""
-    import tensorflow as tf
-
-
-    device = "/device:CPU:0"
-    with tf.device(device):
+    with tf.device(_CPU):
         probe = tf.Variable(tf.zeros([elements]))
     cross = CrossWorker(workers, op="sum", timeout_seconds=300.0)
     flat = AllTowers(workers, op="sum", timeout_seconds=300.0)
     for reducer in (cross, flat):
-        reducer.build([probe], [device])
+        reducer.build([probe], [_CPU])
 
     def replica(v: tf.Tensor) -> tf.Tensor:
-        with tf.device(device):  # MWMS reduces "to the value's devices": give it one
+        with tf.device(_CPU):  # MWMS reduces "to the value's devices": give it one
             v = tf.identity(v)
         return tf.distribute.get_replica_context().all_reduce("sum", v)
 
@@ -73,12 +63,9 @@ def _functions(strategy: Any, workers: int, elements: int) -> dict[str, Any]:
 
 def _time_size(strategy: Any, workers: int, megabytes: int, rounds: int) -> dict[str, Any]:
     """Median and minimum seconds of each implementation for one size."""
-    import numpy as np
-    import tensorflow as tf
-
     elements = megabytes * 2**20 // 4
     functions = _functions(strategy, workers, elements)
-    with tf.device("/device:CPU:0"):
+    with tf.device(_CPU):
         x = tf.constant(np.ones(elements, np.float32))
     seconds: dict[str, list[float]] = {name: [] for name in _IMPLS}
     for fn in functions.values():  # trace and warm up (the first call meets the group)
@@ -88,7 +75,8 @@ def _time_size(strategy: Any, workers: int, megabytes: int, rounds: int) -> dict
             start = time.perf_counter()
             out = np.asarray(fn(x))
             seconds[name].append(time.perf_counter() - start)
-            assert np.all(out == workers), f"{name}: an all-reduce of ones gave {out[:4]}…"
+            if not np.all(out == workers):
+                raise RuntimeError(f"{name}: an all-reduce of ones gave {out[:4]}…")
     return {"megabytes": megabytes, "workers": workers,
             "median_s": {k: statistics.median(v) for k, v in seconds.items()},
             "min_s": {k: min(v) for k, v in seconds.items()}}
@@ -100,11 +88,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sizes", default=",".join(map(str, SIZES_MB)), help="megabytes")
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args(argv)
-
     cluster = resolve()
     set_logical_devices(1)
-    import tensorflow as tf
-
     ring = tf.distribute.experimental.CommunicationImplementation.RING
     strategy = tf.distribute.MultiWorkerMirroredStrategy(
         communication_options=tf.distribute.experimental.CommunicationOptions(
@@ -122,27 +107,16 @@ def rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The CSV rows (one per size and implementation) from the workers' RESULT lines."""
     out = []
     for r in results:
-        w, size = r["workers"], r["megabytes"] * 2**20
+        w = r["workers"]
         for impl in _IMPLS:
             t = r["median_s"][impl]
-            algbw = size / t / 1e9
-            out.append({
-                "workers": w, "megabytes": r["megabytes"], "impl": impl,
-                "median_s": f"{t:.5f}", "min_s": f"{r['min_s'][impl]:.5f}",
-                "algbw_GBps": f"{algbw:.3f}", "busbw_GBps": f"{algbw * 2 * (w - 1) / w:.3f}",
-                "ratio_to_mwms": f"{t / r['median_s']['MWMS']:.3f}",
-            })
+            algbw = r["megabytes"] * 2**20 / t / 1e9
+            out.append({"workers": w, "megabytes": r["megabytes"], "impl": impl,
+                        "median_s": f"{t:.5f}", "min_s": f"{r['min_s'][impl]:.5f}",
+                        "algbw_GBps": f"{algbw:.3f}",
+                        "busbw_GBps": f"{algbw * 2 * (w - 1) / w:.3f}",
+                        "ratio_to_mwms": f"{t / r['median_s']['MWMS']:.3f}"})
     return out
-
-
-def write_csv(table: list[dict[str, Any]], path: Path) -> Path:
-    """Write the rows to ``path`` (folders made as needed)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS)
-        writer.writeheader()
-        writer.writerows(table)
-    return path
 
 
 def run(workers: int, out_dir: Path, sizes: list[int] | None = None, rounds: int = 7,
@@ -168,8 +142,8 @@ def run(workers: int, out_dir: Path, sizes: list[int] | None = None, rounds: int
         return code or 1
     table = rows(results)
     for row in table:
-        print("  ".join(f"{k}={row[k]}" for k in FIELDS), flush=True)
-    print(f"wrote {write_csv(table, out_dir / 'workers.csv')}")
+        print("  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+    print(f"wrote {report.write_csv(out_dir / 'workers.csv', table)}")
     return 0
 
 

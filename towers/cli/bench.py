@@ -2,8 +2,8 @@
 
 Everything runs in one process on simulated devices (``--towers``, default 4): the
 all-reduce table and the cost model fitted to it, the training-step table, the
-per-phase profile, peak memory, the input pipeline, the cost model at 8 and 1024
-H100s and XLA rows (``--workers W``: the cross-process all-reduce instead).
+per-phase profile, peak memory and the cost model at 8 and 1024 H100s
+(``--workers W``: the cross-process all-reduce instead).
 Results go to the terminal and to ``--out`` (default: a fresh folder
 ``towers-bench-<date>-<time>`` in the current directory): ``bench.json``
 (everything, with the environment and load) and each section's CSV and PNG files.
@@ -27,7 +27,7 @@ from towers.cli.train import at_least
 
 __all__ = ["EPILOG", "SECTIONS", "add_arguments", "fresh_folder", "run"]
 
-SECTIONS = ("allreduce", "costmodel", "training", "phases", "memory", "paper", "pipeline", "xla")
+SECTIONS = ("allreduce", "costmodel", "training", "phases", "memory")
 TF_CONTENDERS = ("tf.CollectiveAllReduce", "tf.ReductionToOneDevice")
 """The ``tf.*`` names ``--algorithms`` takes beside towers' (the all-reduce table only)."""
 
@@ -36,8 +36,7 @@ EPILOG = """examples:
   python -m towers bench --quick --out results       # write into ./results/
   python -m towers bench                             # 4 KB-64 MB, both models (~6 min)
   python -m towers bench --sections allreduce --algorithms naive,ring,tf.CollectiveAllReduce
-  python -m towers bench --sections training --models mlp --profile
-  python -m towers bench --sections pipeline         # host slicing vs per-device input pipeline
+  python -m towers bench --sections training,phases --models mlp
   python -m towers bench --sections allreduce --algorithms ring,my_algos:star   # ./my_algos.py
 """
 
@@ -89,8 +88,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--batch-size", type=at_least(1), default=256, help="global batch of the step table (256)")
     add("--placements", type=choices(_placements, "placement"), default=None,
         help="comma list of parameter_device, replicated (default both)")
-    add("--profile", action="store_true",
-        help="also profile the step of each tf.distribute configuration and the fastest towers one")
     add("--no-plots", action="store_true", help="skip the PNG plots")
     add("--quiet", action="store_true", help="no progress bars")
     add("--workers", type=at_least(2), default=None, help="instead: cross-process all-reduce "
@@ -166,8 +163,10 @@ def run(args: argparse.Namespace) -> int:
 
         return workers.run(args.workers, args.out, args.sizes, args.rounds or 7)
     devices = _devices(args.towers)  # first: before TensorFlow runs any op
-    from towers.bench import sections
+    from towers.bench import allreduce, costmodel, memory, phases, report, training
 
+    section = {"allreduce": allreduce.section, "costmodel": costmodel.fitting.section,
+               "training": training.section, "phases": phases.section, "memory": memory.section}
     if args.algorithms:
         try:
             args.algorithms = [_registered(name, devices) for name in args.algorithms]
@@ -179,9 +178,9 @@ def run(args: argparse.Namespace) -> int:
     for name in SECTIONS:
         if name in args.sections:
             start = time.perf_counter()
-            ok = sections.SECTION[name](args, devices, results) and ok
+            ok = section[name](args, devices, results) and ok
             results.setdefault("seconds", {})[name] = time.perf_counter() - start
             print(f"({name}: {time.perf_counter() - start:.0f} s)", flush=True)
-    path = sections.save_json(args.out, results)
+    path = report.write_json(args.out / "bench.json", results)
     print(f"\nwrote {path} (and the CSV/PNG files beside it)")
     return 0 if ok else 1

@@ -122,8 +122,8 @@ def run(args: argparse.Namespace) -> int:
         devices = start_devices(args.towers)  # first: before TensorFlow's runtime starts
     except RuntimeError as err:
         return _fail(str(err))
-    from towers import study
     from towers.allreduce.machinery.resolve import parse
+    from towers.bench import study
 
     try:
         for spec in args.reducers:

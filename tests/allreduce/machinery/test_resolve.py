@@ -25,7 +25,7 @@ from towers.allreduce import ALGORITHMS, CODECS, compressed, get, hierarchical
 from towers.allreduce.machinery.registry import Configured
 from towers.allreduce.machinery.resolve import check, get_codec, label, parse
 from towers.cli import arguments
-from towers.study import build
+from towers.bench.study import build
 
 LOSS = "sparse_categorical_crossentropy"
 

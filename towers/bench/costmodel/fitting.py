@@ -1,44 +1,43 @@
-"""Fit the α-β-γ cost model to measured rows, and check its predictions.
+"""Fit the α-β-γ cost model to measured rows, check its predictions, and the bench section.
 
 :func:`fit` estimates a :class:`~towers.bench.costmodel.Link` by non-negative least
 squares on relative error; :func:`compare` sets predicted against measured time per
-row; :func:`format_table` prints that. The formulas are
-:func:`towers.bench.costmodel.coefficients`: every time is ``a·α + b·β + c·γ``.
+row; :func:`holdout` fits on some sizes and predicts the others.
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import math
+import statistics
 import warnings
-from collections.abc import Collection, Iterable, Mapping, Sequence
-from typing import Any, Literal, overload
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
-from towers.bench.costmodel import model as costmodel
+from towers.bench import report
+from towers.bench.costmodel import model
 from towers.bench.costmodel.model import Link
-from towers.guard.arguments import check_choice
+from towers.bench.report import num, text
 
-__all__ = ["SPLITS", "compare", "fit", "format_table", "holdout", "split_sizes"]
+__all__ = ["compare", "fit", "fit_measured", "holdout", "section"]
 
 _CALIBRATION = ("send", "add")
 """Not all-reduces: rows that join every per-algorithm fit (they split β from γ)."""
 
 
-def _row(row: Any) -> tuple[str, int, float, float, dict[str, Any]]:
-    def get(key: str, default: Any = None) -> Any:
-        return row.get(key, default) if isinstance(row, Mapping) else getattr(row, key, default)
-
-    algorithm, n, nbytes, seconds = (get(k) for k in ("algorithm", "n", "nbytes", "seconds"))
+def _row(row: Mapping[str, Any]) -> tuple[str, int, float, float, dict[str, Any]]:
+    algorithm, n, nbytes, seconds = (row.get(k) for k in ("algorithm", "n", "nbytes", "seconds"))
     if algorithm is None or n is None or nbytes is None or seconds is None:
         raise ValueError(f"rows need algorithm, n, nbytes and seconds; got {row!r}")
-    costmodel.algbw(nbytes, seconds)  # validates both
-    return algorithm, n, nbytes, seconds, dict(get("params") or {})
+    model.algbw(nbytes, seconds)  # validates both
+    return algorithm, n, nbytes, seconds, dict(row.get("params") or {})
 
 
-def _nnls_small(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Exact non-negative least squares for a few columns: try every support set."""
+def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Exact non-negative least squares for a few columns: the best of every support set."""
     best, best_x = math.inf, np.zeros(a.shape[1])
     for support in itertools.product((False, True), repeat=a.shape[1]):
         x = np.zeros(a.shape[1])
@@ -50,49 +49,25 @@ def _nnls_small(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return best_x
 
 
-def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    try:
-        from scipy.optimize import nnls
-    except ImportError:
-        return _nnls_small(a, b)
-    return np.asarray(nnls(a, b)[0])
-
-
 def _fit_link(rows: list[tuple[str, int, float, float, dict[str, Any]]], name: str) -> Link:
     if not rows:
         raise ValueError("rows is empty: nothing to fit")
-    a = np.array([costmodel.coefficients(alg, n, s, **p) for alg, n, s, _, p in rows], dtype=float)
-    t = np.array([row[3] for row in rows])
-    a, t = a / t[:, None], np.ones_like(t)  # minimize relative error: small rows count too
+    a = np.array([model.coefficients(alg, n, s, **p) for alg, n, s, _, p in rows], dtype=float)
+    a = a / np.array([row[3] for row in rows])[:, None]  # relative error: small rows count too
     scale = np.where(a.max(axis=0) > 0, a.max(axis=0), 1.0)
     if np.linalg.matrix_rank(a / scale) < 3:
-        warnings.warn(
-            f"fit {name!r}: the rows do not determine α, β and γ separately (ring-like "
-            "all-reduces fix only 2β + γ): add 'send' and 'add' rows; one of many solutions "
-            "is returned",
-            stacklevel=3,
-        )
-    alpha, beta, gamma = (float(v) for v in _nnls(a / scale, t) / scale)
+        warnings.warn(f"fit {name!r}: the rows do not determine α, β and γ separately "
+                      "(ring-like all-reduces fix only 2β + γ): add 'send' and 'add' rows; "
+                      "one of many solutions is returned", stacklevel=3)
+    alpha, beta, gamma = (float(v) for v in _nnls(a / scale, np.ones(len(rows))) / scale)
     return Link(alpha=alpha, beta=beta, gamma=gamma, name=name)
 
 
-@overload
-def fit(rows: Sequence[Any], *, per_algorithm: Literal[False] = ..., name: str = ...) -> Link: ...
-
-
-@overload
-def fit(
-    rows: Sequence[Any], *, per_algorithm: Literal[True], name: str = ...
-) -> dict[str, Link]: ...
-
-
-def fit(
-    rows: Sequence[Any], *, per_algorithm: bool = False, name: str = "fit"
-) -> Link | dict[str, Link]:
+def fit(rows: Sequence[Any], *, per_algorithm: bool = False, name: str = "fit") -> Any:
     """Estimate α, β, γ from measured rows by non-negative least squares on relative error.
 
     Args:
-        rows: mappings (or objects) with ``algorithm``, ``n``, ``nbytes``, ``seconds`` and
+        rows: mappings with ``algorithm``, ``n``, ``nbytes``, ``seconds`` and
             optional ``params``.
         per_algorithm: one :class:`Link` per algorithm; ``send``/``add`` rows join every fit.
         name: the fitted link's name (per algorithm: ``"name:algorithm"``).
@@ -129,66 +104,16 @@ def compare(rows: Sequence[Any], link_or_links: Link | Mapping[str, Link]) -> li
         if isinstance(link_or_links, Mapping) and algorithm not in link_or_links:
             raise ValueError(f"link_or_links has no link for {algorithm!r}")
         link = link_or_links[algorithm] if isinstance(link_or_links, Mapping) else link_or_links
-        predicted = costmodel.predict(algorithm, n, nbytes, link, **params)
+        predicted = model.predict(algorithm, n, nbytes, link, **params)
         out.append({"algorithm": algorithm, "n": n, "nbytes": nbytes, "params": params,
                     "measured": seconds, "predicted": predicted,
                     "rel_error": predicted / seconds - 1})
     return out
 
 
-def format_table(results: Sequence[Mapping[str, Any]]) -> str:
-    """:func:`compare`'s rows as an aligned text table (times in µs, error in %)."""
-    head = ("algorithm", "n", "bytes", "measured µs", "predicted µs", "error %")
-    body = [(r["algorithm"], str(r["n"]), f"{r['nbytes']:.4g}", f"{r['measured'] * 1e6:.1f}",
-             f"{r['predicted'] * 1e6:.1f}", f"{r['rel_error'] * 100:+.1f}") for r in results]
-    widths = [max(len(row[i]) for row in [head, *body]) for i in range(len(head))]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in
-                       enumerate(zip(row, widths, strict=True))) for row in [head, *body]]
-    return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:]])
-
-
-SPLITS = ("interleaved", "extrapolated")
-"""How :func:`split_sizes` picks the training sizes."""
-
-
-def split_sizes(
-    sizes: Iterable[float], how: str = "interleaved"
-) -> tuple[list[float], list[float]]:
-    """``(train, held_out)``: which message sizes to fit on and which to predict.
-
-    Args:
-        sizes: the measured sizes (repeats are fine).
-        how: ``"interleaved"``: every other size from the smallest trains, so each
-            held-out size lies between two training sizes (the largest, with an even
-            count, just beyond). ``"extrapolated"``: the smaller half (rounded up)
-            trains and the larger half is predicted, as a simulation predicts sizes
-            and tower counts never measured.
-
-    Raises:
-        ValueError: an unknown ``how``.
-
-    Example:
-        >>> split_sizes([1, 2, 3, 4, 5])
-        ([1, 3, 5], [2, 4])
-        >>> split_sizes([1, 2, 3, 4, 5], "extrapolated")
-        ([1, 2, 3], [4, 5])
-    """
-    ordered = sorted(set(sizes))
-    if check_choice("how", how, SPLITS) == "interleaved":
-        return ordered[::2], ordered[1::2]
-    half = (len(ordered) + 1) // 2
-    return ordered[:half], ordered[half:]
-
-
-def holdout(
-    rows: Sequence[Any], train_sizes: Collection[float], *, name: str = "holdout"
-) -> list[dict[str, Any]]:
+def holdout(rows: Sequence[Any], train_sizes: Collection[float], *,
+            name: str = "holdout") -> list[dict[str, Any]]:
     """Fit per algorithm on the rows at ``train_sizes`` only, and predict every row.
-
-    Args:
-        rows: as for :func:`fit` (``send``/``add`` rows at training sizes join every fit).
-        train_sizes: the ``nbytes`` values to fit on; the other rows are held out.
-        name: as for :func:`fit`.
 
     Returns:
         :func:`compare`'s rows (calibration rows left out), each with ``train``: whether
@@ -196,19 +121,82 @@ def holdout(
 
     Raises:
         ValueError: as :func:`fit`; an algorithm with no row at a training size.
-
-    Example:
-        >>> rows = [{"algorithm": "ring", "n": 4, "nbytes": s, "seconds": 1e-5 + s * 1e-9}
-        ...         for s in (1e3, 1e4, 1e5)]
-        >>> [(r["train"], round(r["rel_error"], 6)) for r in holdout(rows, {1e3, 1e5})]
-        [(True, 0.0), (False, 0.0), (True, 0.0)]
     """
     parsed = [_row(r) for r in rows]
-    trained = {alg for alg, _, s, _, _ in parsed if s in train_sizes} - set(_CALIBRATION)
+    trained = {alg for alg, _, s, _, _ in parsed if s in train_sizes}
     missing = sorted({alg for alg, *_ in parsed} - trained - set(_CALIBRATION))
     if missing:
         raise ValueError(f"no row at a training size for {', '.join(missing)}")
-    links = fit([r for r, p in zip(rows, parsed, strict=True) if p[2] in train_sizes],
+    links = fit([r for r, p in zip(rows, parsed) if p[2] in train_sizes],
                 per_algorithm=True, name=name)
-    modelled = [r for r, p in zip(rows, parsed, strict=True) if p[0] not in _CALIBRATION]
+    modelled = [r for r, p in zip(rows, parsed) if p[0] not in _CALIBRATION]
     return [{**c, "train": c["nbytes"] in train_sizes} for c in compare(modelled, links)]
+
+
+def _errors(compared: list[dict[str, Any]], prefix: str) -> dict[str, float | None]:
+    errors = [abs(c["rel_error"]) for c in compared if not c.get("train")]
+    return {f"{prefix}median_error": statistics.median(errors) if errors else None,
+            f"{prefix}max_error": max(errors) if errors else None}
+
+
+def fit_measured(table: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per contender of the all-reduce table: α and ``2β + γ`` fitted to its times.
+
+    Every all-reduce formula moves twice the bytes it reduces, so its rows fix α and
+    ``2β + γ`` only. The ``send``/``add`` rows are left out (on logical CPUs their call
+    overhead would dominate the fit). ``fit_*``: the error of a fit to every size;
+    ``held_out_*``: fitted on every other size, the error on the sizes it did not see.
+    """
+    modelled = [{"algorithm": r["formula"], "n": r["n"], "nbytes": r["size"],
+                 "seconds": r["time_us"] * 1e-6, "params": r["params"], "name": r["algorithm"]}
+                for r in table if r["formula"] not in (None, *_CALIBRATION) and r["time_us"]]
+    train = set(sorted({r["nbytes"] for r in modelled})[::2])
+    out = []
+    for name in dict.fromkeys(r["name"] for r in modelled):
+        own = [r for r in modelled if r["name"] == name]
+        sizes = {r["nbytes"] for r in own}
+        with warnings.catch_warnings():  # "only 2β + γ": expected, as said above
+            warnings.simplefilter("ignore")
+            links = fit(own, per_algorithm=True)
+            held = holdout(own, train & sizes) if len(train & sizes) >= 2 and sizes - train else []
+        link = links[own[0]["algorithm"]]
+        out.append({"algorithm": name, "formula": own[0]["algorithm"], "alpha": link.alpha,
+                    "per_byte": 2 * link.beta + link.gamma,
+                    **_errors(compare(own, links), "fit_"), **_errors(held, "held_out_")})
+    return out
+
+
+FIT_COLUMNS: list[report.Column] = [
+    ("algorithm\n", "l", text("algorithm")), ("formula\n", "l", text("formula")),
+    ("alpha\n(us)", "r", num("alpha", ".1f", 1e6)),
+    ("1/(2beta+gamma)\n(GB/s)", "r",
+     lambda r: f"{1 / r['per_byte'] / 1e9:.2f}" if r["per_byte"] else "inf"),
+    ("fit all sizes\n|err| med %", "r", num("fit_median_error", ".1f", 100)),
+    ("\nmax %", "r", num("fit_max_error", ".1f", 100)),
+    ("held-out sizes\n|err| med %", "r", num("held_out_median_error", ".1f", 100)),
+    ("\nmax %", "r", num("held_out_max_error", ".1f", 100)),
+]
+PAPER_COLUMNS: list[report.Column] = [
+    ("system\n", "l", text("system")), ("algorithm\n", "l", text("algorithm")),
+    ("size\n(B)", "r", num("size", "d")), ("time\n(us)", "r", num("time_us", ".1f")),
+    ("busbw\n(GB/s)", "r", num("busbw", ".1f")),
+    ("published / bound\n(GB/s)", "r", lambda r: f"{r['anchor_busbw']:.0f} {r['anchor']}"),
+]
+
+
+def section(args: argparse.Namespace, devices: list[str], results: dict) -> bool:
+    """``--sections costmodel``: α and ``2β + γ`` fitted to the all-reduce rows (when that
+    section ran), and the model at 8 and 1024 H100s (``scale_on_paper.csv``)."""
+    if results.get("allreduce"):
+        print("\n== cost model: alpha-beta-gamma fitted per algorithm to its median times")
+        rows = fit_measured(results["allreduce"])
+        print(report.format_table(FIT_COLUMNS, rows))
+        results["costmodel"] = rows
+        report.write_csv(args.out / "costmodel.csv", rows)
+    print("\n== scale on paper: the alpha-beta-gamma model at 8 and 1024 H100s "
+          "(arithmetic on the presets' stated constants, not a measurement)", flush=True)
+    paper = model.scale_on_paper()
+    print(report.format_table(PAPER_COLUMNS, paper))
+    results["paper"] = paper
+    report.write_csv(args.out / "scale_on_paper.csv", paper)
+    return True

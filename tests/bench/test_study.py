@@ -1,4 +1,4 @@
-"""towers.study: the same start for every reducer, bytes by each codec's formula, CSV and PNG.
+"""towers.bench.study: the same start for every reducer, bytes by each codec's formula, CSV and PNG.
 
 One tiny study (the 64-32-10 MLP on 96 digits, 3 towers, 2 steps per reducer) runs
 once for the module; every assertion reads its rows.
@@ -18,8 +18,8 @@ from tests.conftest import DEVICES
 from towers.allreduce.codecs import TopK
 from towers.allreduce.machinery.resolve import parse
 from towers.allreduce.ring import ring
-from towers.bench.costmodel.paper import predict_on
-from towers.study import plot, run_study, summary, summary_table, write_csv
+from towers.bench.costmodel import predict_on
+from towers.bench.study import plot, run_study, summary, summary_table, write_csv
 from towers.training.data import digits
 from towers.training.models import mlp
 
