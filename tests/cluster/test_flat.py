@@ -16,7 +16,7 @@ import towers
 from reference import MirroredTrainer
 from tests.cluster.train_worker import make_model
 from tests.conftest import DEVICES
-from towers.cluster.flat import AllTowers
+from towers.cluster.cross_worker import AllTowers
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 

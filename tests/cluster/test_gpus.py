@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import tensorflow as tf
 
-from towers.cluster.gpus import RuntimeStartedError, configure_gpus, runtime_started
+from towers.cluster.runtime import RuntimeStartedError, configure_gpus, runtime_started
 from towers.guard.errors import TowersError
 
 from ..conftest import GPUS
@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 CHILD = """
 import json, sys
 import tensorflow as tf
-from towers.cluster.gpus import RuntimeStartedError, configure_gpus, runtime_started
+from towers.cluster.runtime import RuntimeStartedError, configure_gpus, runtime_started
 out = {}
 if sys.argv[1] == "cpu":
     out["before"] = runtime_started()
