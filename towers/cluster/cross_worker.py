@@ -70,14 +70,26 @@ def check_cross_worker(num_workers: int | None, op: str, timeout_seconds: float)
 
 
 class _AcrossWorkers:
-    """What both reducers share: their settings, keys, checks and name."""
+    """What both reducers share: their settings, keys, checks and name.
+
+    Args:
+        num_workers: worker processes taking part (default: chief + workers of TF_CONFIG).
+        op: ``"mean"`` (divide by the worker count) or ``"sum"`` (default: the class's).
+        timeout_seconds: per collective op: a missing worker becomes an error, not a hang.
+        communication_hint: one of :attr:`hints` (``"ring"``: MWMS's ``RING``).
+
+    Raises:
+        ValueError: a bad worker count, op, timeout or hint.
+    """
 
     cross_worker = True
     """Sums over every worker (the capability table's ``cross-worker`` kind)."""
     hints: tuple[str, ...] = ("ring", "auto", "nccl")
+    default_op = "mean"
 
-    def __init__(self, num_workers: int | None = None, *, op: str = "mean",
+    def __init__(self, num_workers: int | None = None, *, op: str | None = None,
                  timeout_seconds: float = 60.0, communication_hint: str = "ring") -> None:
+        op = self.default_op if op is None else op
         self.num_workers = check_cross_worker(num_workers, op, timeout_seconds)
         if communication_hint not in self.hints:
             raise ValueError(f"communication_hint must be one of {self.hints}, "
@@ -114,21 +126,8 @@ class _AcrossWorkers:
 
 
 class CrossWorker(_AcrossWorkers):
-    """A ``GradientReducer``: sum the local towers in tower order, then across workers.
-
-    Args:
-        num_workers: worker processes taking part (default: chief + workers of TF_CONFIG).
-        op: ``"mean"`` (divide by the worker count; see the module docstring) or ``"sum"``.
-        timeout_seconds: per collective op: a missing worker becomes an error, not a hang.
-        communication_hint: ``"ring"``, ``"auto"`` or ``"nccl"`` (across GPUs).
-
-    Raises:
-        ValueError: a bad worker count, op, timeout or hint.
-
-    Example:
-        >>> trainer = towers.TowerTrainer(model, opt, loss, devices=start_worker(),
-        ...                               all_reduce=CrossWorker())    # doctest: +SKIP
-    """
+    """A ``GradientReducer``: sum the local towers in tower order, then across workers
+    (``op="mean"`` by default; arguments as :class:`_AcrossWorkers`)."""
 
     def build(self, variables: Sequence[tf.Variable], devices: Sequence[str]) -> None:
         """Draw one key per variable (and the group's), and tower 0's ordering token."""
@@ -140,12 +139,8 @@ class CrossWorker(_AcrossWorkers):
         return (towers - 1) + (self.num_workers - 1)
 
     def reduce_gradients(self, grads: Sequence[Sequence[tf.Tensor]]) -> list[list[tf.Tensor]]:
-        """``grads[tower][var]`` -> the reduced gradient of every variable, on every tower.
-
-        Raises:
-            RuntimeError: called before :meth:`build`, or with another tower count.
-            tf.errors.DeadlineExceededError: a worker did not join within the timeout.
-        """
+        """``grads[tower][var]`` -> the reduced gradient of every variable, on every tower
+        (``tf.errors.DeadlineExceededError``: a worker did not join within the timeout)."""
         self._check_built(grads)
         home = self.devices[0]
         reduced = [self._reduce_one([g[j] for g in grads], j, home) for j in range(len(grads[0]))]
@@ -164,26 +159,11 @@ class CrossWorker(_AcrossWorkers):
 
 
 class AllTowers(_AcrossWorkers):
-    """A ``GradientReducer``: every tower of every worker in one MWMS-ordered collective.
-
-    Args:
-        num_workers: worker processes (default: chief + workers of TF_CONFIG).
-        op: ``"sum"`` (MWMS's: the loss is already over the global batch) or ``"mean"``
-            (divide by the worker count; see the module docstring).
-        timeout_seconds: per collective op: a missing worker becomes an error, not a hang.
-        communication_hint: ``"ring"`` (MWMS's ``CommunicationImplementation.RING``) or
-            ``"auto"``.
-
-    Raises:
-        ValueError: a bad worker count, op, timeout or hint.
-    """
+    """A ``GradientReducer``: every tower of every worker in one MWMS-ordered collective
+    (``op="sum"`` by default, MWMS's; arguments as :class:`_AcrossWorkers`)."""
 
     hints = ("ring", "auto")
-
-    def __init__(self, num_workers: int | None = None, *, op: str = "sum",
-                 timeout_seconds: float = 60.0, communication_hint: str = "ring") -> None:
-        super().__init__(num_workers, op=op, timeout_seconds=timeout_seconds,
-                         communication_hint=communication_hint)
+    default_op = "sum"
 
     def build(self, variables: Sequence[tf.Variable], devices: Sequence[str]) -> None:
         """Draw the keys (one group, one instance; eagerly, once) and every tower's token."""
@@ -194,12 +174,8 @@ class AllTowers(_AcrossWorkers):
         return self.num_workers * towers - 1
 
     def reduce_gradients(self, grads: Sequence[Sequence[tf.Tensor]]) -> list[list[tf.Tensor]]:
-        """``grads[tower][var]`` -> the reduced gradient of every variable, on every tower.
-
-        Raises:
-            RuntimeError: called before :meth:`build`, or with another tower count.
-            tf.errors.DeadlineExceededError: a worker did not join within the timeout.
-        """
+        """``grads[tower][var]`` -> the reduced gradient of every variable, on every tower
+        (``tf.errors.DeadlineExceededError``: a worker did not join within the timeout)."""
         self._check_built(grads)
         return [self._reduce_tower(list(g), t) for t, g in enumerate(grads)]
 

@@ -95,17 +95,11 @@ def shard_dataset(dataset: Any, cluster: Any, *, policy: str = "auto",
     """The input of one worker: ``dataset`` sharded by tf.data's auto-shard ``policy``.
 
     Args:
-        dataset: a ``tf.data.Dataset`` of unbatched elements, or a file list (a list
-            of names, or a dataset of scalar strings such as ``list_files(...,
-            shuffle=False)``).
+        dataset: a ``tf.data.Dataset`` of unbatched elements, or a file list.
         cluster: a ``Cluster`` (this task) or a ``(num_workers, worker_index)`` pair.
         policy: ``"auto"``, ``"file"``, ``"data"`` or ``"off"`` (module docstring).
-        read: for a file list, turns file names into records (e.g.
-            ``tf.data.TFRecordDataset``); None returns the (sharded) names themselves.
-
-    Returns:
-        This worker's dataset: its files' records ("file"), every element whose index
-        ≡ worker (mod W) ("data"), or everything ("off").
+        read: for a file list, turns names into records (``tf.data.TFRecordDataset``);
+            None returns the (sharded) names themselves.
 
     Raises:
         TypeError: a bad ``dataset``, ``cluster`` or ``read``.
@@ -161,14 +155,9 @@ def _cut(workers: int, index: int) -> Callable[..., Any]:
 def global_to_worker_batches(dataset: tf.data.Dataset, cluster: Any) -> tf.data.Dataset:
     """Each global batch of ``dataset`` cut to this worker's rows (``worker_slice``).
 
-    Every worker reads the same global batches (policy ``"off"``); concatenated in
-    worker order the parts are the global batch, bitwise. A worker past the end of a
-    short batch gets 0 rows, not an error (``WorkerTrainer`` handles empty workers).
-
-    Args:
-        dataset: a dataset of batches (tensors or structures of tensors, all with the
-            same leading dimension and rank >= 1).
-        cluster: a ``Cluster`` (this task) or a ``(num_workers, worker_index)`` pair.
+    Every worker reads the same global batches; concatenated in worker order the parts
+    are the global batch, bitwise. A worker past the end of a short batch gets 0 rows.
+    ``cluster``: a ``Cluster`` (this task) or a ``(num_workers, worker_index)`` pair.
 
     Raises:
         TypeError: ``dataset`` is not a ``tf.data.Dataset``, or a bad ``cluster``.
