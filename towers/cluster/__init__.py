@@ -8,7 +8,7 @@
                  connect() (in-graph); leave_together(): workers exit after the last step
     server.py    ``python -m towers.cluster.server``: serve one task's towers
     launcher.py  launch(): one process per task, prefixed output, timeouts;
-                 start_servers() / local_ps_cluster(): local servers for one client
+                 start_servers(): local worker and ps servers for one client
     cross_worker.py  CrossWorker (local towers, then across workers) and AllTowers
                  (one collective over all W·T towers, MWMS's order, bitwise)
     trainer.py   WorkerTrainer: loss over the global batch; chief checkpoints, resume
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from towers.cluster.cross_worker import AllTowers, CrossWorker
 from towers.cluster.data import global_to_worker_batches, shard_dataset
-from towers.cluster.launcher import launch, local_ps_cluster, start_servers
+from towers.cluster.launcher import launch, start_servers
 from towers.cluster.ps import ParameterServerLost, ParameterStore, connect_ps, shard_variables
 from towers.cluster.ps_train import (
     AsyncTrainer,
@@ -60,7 +60,7 @@ __all__ = [
     "ParameterServerLost", "ParameterStore", "RuntimeStartedError", "UpdateLog", "UpdateRecord",
     "WorkerTrainer", "configure_gpus", "connect", "connect_ps", "free_ports",
     "global_to_worker_batches", "launch", "leave_together", "load_log", "local_cluster",
-    "local_ps_cluster", "replay", "resolve", "save_log", "set_logical_devices", "shard_dataset",
+    "replay", "resolve", "save_log", "set_logical_devices", "shard_dataset",
     "shard_variables", "start_server", "start_servers", "start_worker", "tf_config",
     "towers_per_task",
 ]

@@ -14,8 +14,8 @@ trainers are done. Every task is its own process group: when the launch ends, ev
 group is terminated (then killed), and a process a finished worker left running fails
 the launch (:data:`LEFTOVER_EXIT`). Each task imports the launcher's own ``towers``.
 
-:func:`start_servers` and :func:`local_ps_cluster` serve local tasks for one client
-(in-graph training, parameter servers); servers exit with their parent.
+:func:`start_servers` serves local worker (and ps) tasks for one client (in-graph
+training, parameter servers); servers exit with their parent.
 """
 
 from __future__ import annotations
@@ -31,12 +31,10 @@ from collections.abc import Iterator, Sequence
 from typing import IO
 
 from towers.cluster.spec import TOWERS_ENV, Cluster, local_cluster, tf_config
-from towers.guard.arguments import non_negative_float, positive_int
+from towers.guard.arguments import non_negative_float
 
-__all__ = [
-    "LEFTOVER_EXIT", "TIMEOUT_EXIT", "LocalPSCluster", "TaskProcess", "launch",
-    "local_ps_cluster", "start_servers",
-]
+__all__ = ["LEFTOVER_EXIT", "TIMEOUT_EXIT", "LocalServers", "TaskProcess", "launch",
+           "start_servers"]
 
 TIMEOUT_EXIT = 124
 """Exit code of a launch that ran past its timeout (as coreutils ``timeout``)."""
@@ -220,53 +218,9 @@ def launch(cluster: Cluster, towers: int, command: Sequence[str],
     return code
 
 
-@contextlib.contextmanager
-def _serving(cluster: Cluster, towers: dict[str, int], ready_timeout: float,
-             out: IO[str] | None) -> Iterator[dict[tuple[str, int], TaskProcess]]:
-    """Serve every task of the jobs in ``towers`` (job -> its logical CPUs) while in the block.
-
-    Raises:
-        RuntimeError: a server exited or did not start within ``ready_timeout``.
-    """
-    lock = threading.Lock()
-    tasks = {}
-    try:
-        for job, count in towers.items():
-            for k in range(len(cluster.jobs[job])):
-                tasks[(job, k)] = TaskProcess(cluster, job, k, count, SERVER_COMMAND,
-                                              out or sys.stderr, lock)
-        deadline = time.monotonic() + ready_timeout
-        while not all(t.serving for t in tasks.values()):
-            if any(t.poll() is not None for t in tasks.values()) or time.monotonic() > deadline:
-                raise RuntimeError(f"the local servers {sorted(tasks)} did not start within "
-                                   f"{ready_timeout:g} s")
-            time.sleep(0.05)
-        yield tasks
-    finally:
-        for task in tasks.values():
-            task.stop()
-        for task in tasks.values():
-            task.finish()
-
-
-@contextlib.contextmanager
-def start_servers(workers: int, towers_per_worker: int, *, ready_timeout: float = 60.0,
-                  out: IO[str] | None = None) -> Iterator[Cluster]:
-    """Serve ``workers`` local tasks (``python -m towers.cluster.server``) while in the block.
-
-    Yields:
-        The cluster (no task: this process is the client); see :func:`towers.cluster.connect`.
-
-    Raises:
-        RuntimeError: a server exited or did not start in time.
-    """
-    cluster = local_cluster(workers)
-    with _serving(cluster, {"worker": towers_per_worker}, ready_timeout, out):
-        yield cluster
-
-
-class LocalPSCluster:
-    """The running servers: ``cluster`` and each task's process."""
+class LocalServers:
+    """The running servers: ``cluster`` (no task: this process is the client) and each
+    task's process."""
 
     def __init__(self, cluster: Cluster, tasks: dict[tuple[str, int], TaskProcess]) -> None:
         self.cluster, self.tasks = cluster, tasks
@@ -277,19 +231,36 @@ class LocalPSCluster:
 
 
 @contextlib.contextmanager
-def local_ps_cluster(workers: int, ps: int, towers_per_worker: int, *,
-                     chief: bool = False, ready_timeout: float = 60.0,
-                     out: IO[str] | None = None) -> Iterator[LocalPSCluster]:
-    """Serve ``workers`` worker and ``ps`` parameter-server tasks on localhost while in the block.
+def start_servers(workers: int, towers_per_worker: int, *, ps: int = 0, chief: bool = False,
+                  ready_timeout: float = 60.0, out: IO[str] | None = None
+                  ) -> Iterator[LocalServers]:
+    """Serve ``workers`` worker and ``ps`` parameter-server tasks on localhost while in the
+    block (``python -m towers.cluster.server``; then :func:`towers.cluster.connect`).
 
     ``chief=True`` adds a ``chief`` address for the client itself (not started), as
     ``ParameterServerStrategy``'s client needs.
 
     Raises:
-        ValueError: fewer than 1 worker or 1 ps.
+        ValueError: fewer than 1 worker, or a negative ``ps``.
         RuntimeError: a server exited or did not start within ``ready_timeout``.
     """
-    positive_int("ps", ps)
     cluster = local_cluster(workers, ps=ps, chief=chief)
-    with _serving(cluster, {"worker": towers_per_worker, "ps": 1}, ready_timeout, out) as tasks:
-        yield LocalPSCluster(cluster, tasks)
+    lock = threading.Lock()
+    tasks = {}
+    try:
+        for job, towers in (("worker", towers_per_worker), ("ps", 1)):
+            for k in range(len(cluster.jobs.get(job, ()))):
+                tasks[(job, k)] = TaskProcess(cluster, job, k, towers, SERVER_COMMAND,
+                                              out or sys.stderr, lock)
+        deadline = time.monotonic() + ready_timeout
+        while not all(t.serving for t in tasks.values()):
+            if any(t.poll() is not None for t in tasks.values()) or time.monotonic() > deadline:
+                raise RuntimeError(f"the local servers ({workers} workers, {ps} ps) did not "
+                                   f"start within {ready_timeout:g} s")
+            time.sleep(0.05)
+        yield LocalServers(cluster, tasks)
+    finally:
+        for task in tasks.values():
+            task.stop()
+        for task in tasks.values():
+            task.finish()

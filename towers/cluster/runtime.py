@@ -190,14 +190,8 @@ def start_worker(cluster: Any = None, towers: int | None = None) -> list[str]:
 
 
 def start_server(cluster: Any = None, towers: int | None = None) -> tf.distribute.Server:
-    """Start this task's ``tf.distribute.Server`` with ``towers`` CPUs (in-graph mode).
-
-    Args:
-        cluster: anything :func:`towers.cluster.resolve` takes (default: TF_CONFIG).
-        towers: logical devices of this task (default: ``$TOWERS_PER_TASK`` or 1).
-
-    Returns:
-        The started server (``server.join()`` serves until the process is killed).
+    """Start this task's ``tf.distribute.Server`` with ``towers`` CPUs (in-graph mode);
+    arguments as :func:`start_worker`. ``server.join()`` serves until killed.
 
     Raises:
         ValueError: no task for this process, or a malformed cluster.
@@ -274,15 +268,8 @@ def _full(name: str) -> str:
 
 
 def connect(cluster: Any, towers_per_task: int, job: str = "worker") -> list[str]:
-    """Connect this client to a running cluster and return every task's tower names.
-
-    Args:
-        cluster: the cluster's description (anything :func:`towers.cluster.resolve` takes).
-        towers_per_task: logical devices each task of ``job`` serves.
-        job: the job whose tasks hold towers.
-
-    Returns:
-        ``/job:worker/replica:0/task:k/device:CPU:i`` for every task k and tower i.
+    """Connect this client to a running cluster and return every task's tower names,
+    ``/job:worker/replica:0/task:k/device:CPU:i`` for every task k of ``job`` and tower i.
 
     Raises:
         ValueError: the tasks do not expose those devices.
