@@ -176,7 +176,8 @@ def launch(cluster: Cluster, towers: int, command: Sequence[str],
         raise ValueError("the cluster has no 'chief' or 'worker' task to run the command")
     out = out or sys.stdout
     lock = threading.Lock()
-    trainers, servers = [], []
+    trainers: list[TaskProcess] = []
+    servers: list[TaskProcess] = []
     for job, addresses in cluster.jobs.items():
         trains = job in ("chief", "worker")
         for k in range(len(addresses)):
