@@ -11,23 +11,15 @@ One client (this process) drives W workers, one Python thread each, as
     log: [UpdateRecord(worker, worker_step, batch, read={ps k: version}, version), …]
          + the gradient each update applied
 
-Each worker is a :class:`towers.TowerTrainer` over its own towers (``all_reduce="naive"``:
-its towers' gradients added in tower order). ``max_staleness=k``: a push whose read is
-more than k updates old is refused, and the worker recomputes the same batch on fresh
-weights (counted in :attr:`AsyncTrainer.refused`).
-
-The log replays bitwise in NumPy (:func:`replay`): float32 elementwise NumPy rounds as
-TensorFlow's CPU ``Mul``, ``Sub``, ``AssignSub``/``AssignAddVariableOp`` do (one IEEE
-operation each, no fused multiply-add)::
+Each worker is a :class:`towers.TowerTrainer` over its own towers (``all_reduce="naive"``).
+The log replays bitwise in NumPy (:func:`replay`): float32 NumPy rounds as TensorFlow's
+CPU kernels do (one IEEE operation each, no fused multiply-add)::
 
     version 0 = initial weights
     for u, record in enumerate(log.records):        # the order the ps applied them
         (SGD)       w ← w − g_u·lr
         (momentum)  m ← m·μ − g_u·lr ;  w ← w + m
         version u+1 = w                              # record.version == u + 1
-
-On disk (:func:`save_log`): ``PREFIX.json`` (records, rule) and ``PREFIX.npz``
-(``u{u}_v{i}``: update u's gradient for variable i).
 """
 
 from __future__ import annotations
@@ -86,14 +78,14 @@ class AsyncTrainer:
     """Asynchronous SGD: workers compute gradients on their towers, the ps apply them as pushed.
 
     Args:
-        model: a zero-argument factory returning a built ``keras.Model`` (trainable
-            variables only: non-trainable state has no asynchronous meaning here).
+        model: a zero-argument factory of a built ``keras.Model`` (trainable variables only).
         loss: as for :class:`towers.TowerTrainer`.
         workers: ``workers[w]``: the towers (devices) of worker w, e.g. one task's CPUs.
         ps_devices: the parameter servers' devices (``/job:ps/replica:0/task:k/device:CPU:0``).
         learning_rate, momentum: the SGD rule the ps apply.
         policy: variable placement over the ps (:func:`~towers.cluster.ps.shard_variables`).
-        max_staleness: refuse pushes whose read is more than this many updates old.
+        max_staleness: refuse pushes whose read is more than this many updates old (the
+            worker recomputes the batch on fresh weights; counted in :attr:`refused`).
         timeout: seconds one pull or push may take (then ``ParameterServerLost``).
         on_nonfinite: per push, ``"skip"`` (default: a NaN/Inf gradient or loss on any
             tower is pushed nowhere; the batch is listed in :attr:`skipped_batches`),
@@ -158,13 +150,8 @@ class AsyncTrainer:
                 raise RuntimeError(f"worker {worker}: its weights were not set")
 
     def run(self, batches: Sequence[tuple[Any, Any]]) -> UpdateLog:
-        """Train on every batch once, asynchronously; return the log (also :attr:`log`).
-
-        Batches are handed out in order to whichever worker asks next (one shared queue).
-
-        Raises:
-            ParameterServerLost: a ps task stopped answering (the other workers stop too).
-        """
+        """Train on every batch once, handed out in order to whichever worker asks next;
+        return the log (also :attr:`log`). A lost ps raises ``ParameterServerLost``."""
         queue = iter(range(len(batches)))
         take, stop = threading.Lock(), threading.Event()
         errors: list[BaseException] = []
@@ -232,8 +219,8 @@ class AsyncTrainer:
 
 
 def _gradient_fn(trainer: TowerTrainer, guarded: bool) -> Callable[[tf.Tensor, tf.Tensor], Any]:
-    """The worker's gradient: its towers' phases, summed in tower order on its first tower,
-    its loss and (``guarded``) the guard's per-tower codes, taken before the sum (else None)."""
+    """The worker's gradient (its towers' phases, summed in tower order), its loss and
+    (``guarded``) the guard's per-tower codes."""
 
     def grads(x: tf.Tensor, y: tf.Tensor) -> tuple[list[tf.Tensor], tf.Tensor, Any]:
         towers = trainer.forward_backward(trainer.split(x, y))
@@ -249,8 +236,6 @@ def _gradient_fn(trainer: TowerTrainer, guarded: bool) -> Callable[[tf.Tensor, t
 
 
 def _setter(targets: Sequence[Any]) -> Callable[[list[tf.Tensor]], None]:
-    """A function that assigns values to ``targets`` (captured, so they stay variables)."""
-
     @tf.function(autograph=False)
     def assign(values: list[tf.Tensor]) -> None:
         for var, value in zip(targets, values):
@@ -260,7 +245,8 @@ def _setter(targets: Sequence[Any]) -> Callable[[list[tf.Tensor]], None]:
 
 
 def save_log(log: UpdateLog, prefix: str | Path) -> tuple[Path, Path]:
-    """Write ``PREFIX.json`` and ``PREFIX.npz``; return both paths."""
+    """Write ``PREFIX.json`` (records, rule) and ``PREFIX.npz`` (``u{u}_v{i}``: update u's
+    gradient for variable i); return both paths."""
     prefix = Path(prefix)
     meta = {"learning_rate": log.learning_rate, "momentum": log.momentum,
             "placement": log.placement,
@@ -273,11 +259,7 @@ def save_log(log: UpdateLog, prefix: str | Path) -> tuple[Path, Path]:
 
 
 def load_log(prefix: str | Path) -> UpdateLog:
-    """Read a log written by :func:`save_log`.
-
-    Raises:
-        ValueError: the files disagree (a gradient missing).
-    """
+    """Read a log written by :func:`save_log` (``ValueError``: a gradient is missing)."""
     prefix = Path(prefix)
     meta = json.loads(prefix.with_suffix(".json").read_text())
     records = [UpdateRecord(**r) for r in meta["records"]]
@@ -294,12 +276,8 @@ def load_log(prefix: str | Path) -> UpdateLog:
 
 def replay_versions(log: UpdateLog,
                     initial_weights: Sequence[np.ndarray]) -> Iterator[list[np.ndarray]]:
-    """Yield the weights of version 0, 1, …, len(log.records), in NumPy float32.
-
-    Raises:
-        ValueError: the log is out of order (a record's version is not its position + 1)
-            or its gradients do not match the weights' shapes.
-    """
+    """Yield the weights of version 0, 1, …, len(log.records), in NumPy float32
+    (``ValueError``: the log is out of order or its shapes differ from the weights')."""
     lr, mu = np.float32(log.learning_rate), np.float32(log.momentum)
     weights = [np.array(w, np.float32) for w in initial_weights]
     moments = [np.zeros_like(w) for w in weights]
