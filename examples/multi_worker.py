@@ -150,7 +150,7 @@ def main() -> None:
         set_logical_devices,
         start_worker,
     )
-    from towers.cluster.local import towers_per_task
+    from towers.cluster.spec import towers_per_task
     from towers.devices import set_local_task
 
     if "TF_CONFIG" not in os.environ:  # run alone: a cluster of one worker

@@ -69,10 +69,10 @@ def run_pss(out: str, epochs: int, lr: float, momentum: float) -> None:
     import keras
 
     from reference.parameter_server import train_parameter_server
-    from towers.cluster import local_ps_cluster
+    from towers.cluster import start_servers
 
     train, _, _ = data(epochs)
-    with local_ps_cluster(2, 1, 1, chief=True) as local:
+    with start_servers(2, 1, ps=1, chief=True) as local:
         weights = train_parameter_server(
             local.cluster.cluster_spec(), make_model, train, learning_rate=lr,
             momentum=momentum, loss=keras.losses.sparse_categorical_crossentropy)
@@ -81,17 +81,10 @@ def run_pss(out: str, epochs: int, lr: float, momentum: float) -> None:
 
 def run_towers(epochs: int, lr: float, momentum: float, folder: Path,
                max_staleness: int | None = None) -> list[np.ndarray]:
-    from towers.cluster import (
-        AsyncTrainer,
-        connect_ps,
-        load_log,
-        local_ps_cluster,
-        replay,
-        save_log,
-    )
+    from towers.cluster import AsyncTrainer, connect_ps, load_log, replay, save_log, start_servers
 
     train, _, _ = data(epochs)
-    with local_ps_cluster(2, 2, 2) as local:
+    with start_servers(2, 2, ps=2) as local:
         workers, ps = connect_ps(local.cluster, 2)
         trainer = AsyncTrainer(make_model, "sparse_categorical_crossentropy", workers=workers,
                                ps_devices=ps, learning_rate=lr, momentum=momentum,

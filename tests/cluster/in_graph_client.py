@@ -69,8 +69,8 @@ def main(mode: str, out: str) -> None:
         return
     from towers.cluster import connect, start_servers
 
-    with start_servers(2, 2) as cluster:
-        devices = connect(cluster, 2)
+    with start_servers(2, 2) as local:
+        devices = connect(local.cluster, 2)
         results["devices"] = np.array(devices)
         results["remote_sum"] = remote_sum(devices)
         try:

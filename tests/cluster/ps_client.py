@@ -48,12 +48,11 @@ def batches(n: int = BATCHES, seed: int = 0) -> list[tuple[np.ndarray, np.ndarra
 
 
 def run_async(out: str) -> None:
-    from towers.cluster.ps_local import connect_ps, local_ps_cluster
-    from towers.cluster.ps_replay import replay_versions, save_log
-    from towers.cluster.ps_train import AsyncTrainer
+    from towers.cluster import connect_ps, start_servers
+    from towers.cluster.ps_train import AsyncTrainer, replay_versions, save_log
 
     data = batches()
-    with local_ps_cluster(2, 2, TOWERS) as local:
+    with start_servers(2, TOWERS, ps=2) as local:
         workers, ps = connect_ps(local.cluster, TOWERS)
         trainer = AsyncTrainer(make_model, "mse", workers=workers, ps_devices=ps,
                                learning_rate=LR, momentum=MOMENTUM, policy="size_balanced")
@@ -119,9 +118,9 @@ def lose_a_ps(local, trainer, data, out: str) -> None:  # type: ignore[no-untype
 def run_pss(out: str) -> None:
     """ParameterServerStrategy (2 workers, 1 ps) on the same batches; final weights or error."""
     from reference.parameter_server import train_parameter_server
-    from towers.cluster.ps_local import local_ps_cluster
+    from towers.cluster import start_servers
 
-    with local_ps_cluster(2, 1, 1, chief=True) as local:
+    with start_servers(2, 1, ps=1, chief=True) as local:
         try:
             weights = train_parameter_server(local.cluster.cluster_spec(), make_model,
                                              batches(), learning_rate=LR, momentum=MOMENTUM)

@@ -26,7 +26,7 @@ from tests.cluster.conftest import BATCHES, LR, Run, run_workers
 from tests.cluster.train_worker import make_model
 from tests.conftest import DEVICES
 from towers.cluster import launch, local_cluster
-from towers.cluster.checkpoints import restore_latest, save_on_chief
+from towers.cluster.trainer import restore_latest, save_on_chief
 from towers.training import atomic, checkpoint
 from towers.training.data import digits
 

@@ -33,8 +33,7 @@ import towers
 from tests.cluster.ps_client import BATCHES, batches, make_model
 from tests.conftest import DEVICES, examples
 from towers.cluster.ps import FairLock, ParameterServerLost, ParameterStore, shard_variables
-from towers.cluster.ps_replay import load_log, replay, replay_versions, save_log
-from towers.cluster.ps_train import AsyncTrainer
+from towers.cluster.ps_train import AsyncTrainer, load_log, replay, replay_versions, save_log
 
 pytestmark = pytest.mark.long  # a long proof: python -m pytest -m long
 

@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 from towers.cluster import TOWERS_ENV, Cluster, free_ports, local_cluster, resolve, tf_config
-from towers.cluster.local import towers_per_task
+from towers.cluster.spec import towers_per_task
 
 JOBS = {"worker": ["127.0.0.1:2222", "127.0.0.1:2223"], "ps": ["127.0.0.1:2224"]}
 

@@ -96,8 +96,7 @@ def main() -> None:
     import numpy as np
 
     import towers
-    from towers.cluster.checkpoints import restore_latest, save_on_chief
-    from towers.cluster.trainer import WorkerTrainer, worker_slice
+    from towers.cluster.trainer import WorkerTrainer, restore_latest, save_on_chief, worker_slice
     from towers.training.data import digits
 
     cluster = resolve()

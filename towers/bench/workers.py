@@ -25,8 +25,7 @@ import tensorflow as tf
 
 from towers.bench import report
 from towers.cluster import launch, leave_together, local_cluster, resolve, set_logical_devices
-from towers.cluster.cross_worker import CrossWorker
-from towers.cluster.flat import AllTowers
+from towers.cluster.cross_worker import AllTowers, CrossWorker
 from towers.devices import set_local_task
 from towers.guard.arguments import int_at_least, positive_int
 

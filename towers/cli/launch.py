@@ -59,7 +59,7 @@ def usage_problem(args: argparse.Namespace) -> str | None:
 def run(args: argparse.Namespace) -> int:
     """Launch the tasks; returns a process exit code."""
     from towers.cluster.launcher import launch
-    from towers.cluster.local import local_cluster
+    from towers.cluster.spec import local_cluster
 
     cluster = local_cluster(args.workers, ps=args.ps)
     return launch(cluster, args.towers_per_worker, _command(args), timeout=args.timeout,

@@ -1,9 +1,10 @@
-"""``CrossWorker``: between-graph all-reduce over every tower of every worker.
+"""Gradient reducers across worker processes: ``CrossWorker`` and ``AllTowers``.
 
-Each worker process runs the same program and its own ``TowerTrainer`` on its own
-towers; the trainer hands this reducer ``grads[tower][var]`` and gets back what
-every tower applies. W workers, T towers each (here W = 2, T = 2)::
+Each worker runs the same program and its own trainer on its own towers; the trainer
+hands a reducer ``grads[tower][var]`` and gets back what every tower applies.
+W workers, T towers each (here W = 2, T = 2)::
 
+    CrossWorker: the local towers first, then W partial sums (depth (T − 1) + (W − 1))
     worker 0   tower 0: g00 ─┐ local sum in tower order        ┌─▶ tower 0
                tower 1: g01 ─┴▶ s0 = g00 + g01 (on tower 0) ─┐ │─▶ tower 1
                                                              │ all_reduce_v2, group of W
@@ -11,32 +12,31 @@ every tower applies. W workers, T towers each (here W = 2, T = 2)::
                tower 1: g11 ─┴▶ s1 = g10 + g11 (on tower 0) ─┘  tower 0 of each worker)
                                     result = (s0 + s1) / W  ──▶ every local tower
 
-Why ``/ W`` (``op="mean"``, the default): each worker's ``TowerTrainer`` divides its
-loss by its *local* batch, so with equal local batches the global mean gradient is
-the mean of the workers' gradients. For W a power of two the division is exact, and
-the result equals dividing every loss by the global batch (MultiWorkerMirroredStrategy).
+    AllTowers: ONE group of W·T, MultiWorkerMirroredStrategy's order (depth W·T − 1)
+    worker 0  tower 0: flat(g00[::-1]) ─┐
+              tower 1: flat(g01[::-1]) ─┤  all_reduce_v2, group of W·T, RING:
+    worker 1  tower 0: flat(g10[::-1]) ─┤  member r adds chunk c in the ring's order
+              tower 1: flat(g11[::-1]) ─┘  (rank = task, then device)
+                        │
+              split, reverse back ──▶ every tower its own copy
 
-Collective keys: TF's group and instance keys are process-global and must be equal on
-every worker for the ops to meet. They come from the cross-process range of
-:mod:`towers.allreduce.machinery.tf_collective_ops`
-(:func:`~towers.allreduce.machinery.tf_collective_ops.shared_keys`,
-apart from towers' local collectives and tf.distribute's), one block per reducer at
-``build``: identical on every worker when every worker builds its reducers in the same
-order, as the same program does. All of a worker's cross-worker ops sit on its tower 0
-and use that device's one ordering token (``tf_collective_ops.token``), so they run in
-program order (without a token, automatic control dependencies may start them in
-different orders on two workers, and they wait for each other until the timeout).
+``AllTowers`` issues the op MWMS issues on CPU (TF 2.21 ``CollectiveAllReduce``:
+gradients reversed, flattened and packed into one vector, ring ``all_reduce_v2``), so
+the runtime adds the same W·T vectors in the same order: bitwise MWMS.
 
-Summation depth: (T − 1) local additions, then the runtime's ring over W: W − 1.
-Cost per variable of S bytes: (T − 1) local copies and adds, then the ring's
-2(W − 1)α + 2(W − 1)/W·Sβ + (W − 1)/W·Sγ across workers.
+``op="mean"`` divides by W (exact for W a power of two), for a ``TowerTrainer`` whose
+towers divide by the *local* batch; with a :class:`~towers.cluster.trainer.WorkerTrainer`
+(loss over the global batch) use ``op="sum"``, MWMS's own arithmetic.
 
-MultiWorkerMirroredStrategy adds in another order (one collective over all W·T
-replicas); :class:`towers.cluster.flat.AllTowers` reproduces it bit for bit.
+Collective keys are process-global and must match on every worker: each reducer draws
+a block from :func:`~towers.allreduce.machinery.tf_collective_ops.shared_keys` at
+``build``, identical everywhere when every worker builds in the same order. Every op
+carries its device's ordering token, so the workers issue them in program order.
 
 References:
-    TensorFlow ``CollectiveReplicaLauncher`` (ordering tokens, keys);
-    Goyal et al., *Accurate, Large Minibatch SGD* (2017), hierarchical all-reduce.
+    TensorFlow ``cross_device_ops.CollectiveAllReduce``, ``CollectiveReplicaLauncher``;
+    Goyal et al., *Accurate, Large Minibatch SGD* (2017), hierarchical all-reduce;
+    Patarasuk & Yuan, *Bandwidth optimal all-reduce algorithms* (2009).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from towers.allreduce.machinery.tf_collective_ops import shared_keys, token
 from towers.cluster.spec import resolve
 from towers.guard.arguments import positive_float, positive_int
 
-__all__ = ["CrossWorker"]
+__all__ = ["AllTowers", "CrossWorker"]
 
 
 def check_cross_worker(num_workers: int | None, op: str, timeout_seconds: float) -> int:
@@ -69,56 +69,79 @@ def check_cross_worker(num_workers: int | None, op: str, timeout_seconds: float)
     return workers
 
 
-class CrossWorker:
-    """A ``GradientReducer``: sum the local towers in tower order, then across workers.
+class _AcrossWorkers:
+    """What both reducers share: their settings, keys, checks and name.
 
     Args:
         num_workers: worker processes taking part (default: chief + workers of TF_CONFIG).
-        op: ``"mean"`` (divide by the worker count; see the module docstring) or ``"sum"``.
+        op: ``"mean"`` (divide by the worker count) or ``"sum"`` (default: the class's).
         timeout_seconds: per collective op: a missing worker becomes an error, not a hang.
-        communication_hint: ``"ring"`` or ``"auto"`` (``"nccl"`` across GPUs).
+        communication_hint: one of :attr:`hints` (``"ring"``: MWMS's ``RING``).
 
     Raises:
-        ValueError: a bad worker count, op or timeout.
-
-    Example:
-        >>> devices = towers.cluster.start_worker()         # doctest: +SKIP
-        >>> trainer = towers.TowerTrainer(model, opt, loss, devices=devices,
-        ...                               all_reduce=CrossWorker())    # doctest: +SKIP
+        ValueError: a bad worker count, op, timeout or hint.
     """
 
     cross_worker = True
     """Sums over every worker (the capability table's ``cross-worker`` kind)."""
+    hints: tuple[str, ...] = ("ring", "auto", "nccl")
+    default_op = "mean"
 
-    def __init__(self, num_workers: int | None = None, *, op: str = "mean",
+    def __init__(self, num_workers: int | None = None, *, op: str | None = None,
                  timeout_seconds: float = 60.0, communication_hint: str = "ring") -> None:
+        op = self.default_op if op is None else op
         self.num_workers = check_cross_worker(num_workers, op, timeout_seconds)
+        if communication_hint not in self.hints:
+            raise ValueError(f"communication_hint must be one of {self.hints}, "
+                             f"got {communication_hint!r}")
         self.op, self.timeout_seconds = op, float(timeout_seconds)
         self.communication_hint = communication_hint
         self.devices: list[str] = []
-        self.group_key = self.first_instance_key = -1
+        self.group_key = self.instance_key = -1
+
+    def _draw(self, devices: Sequence[str], keys: int) -> None:
+        """Draw ``keys`` keys (group, then instances; eagerly, once) and the tokens."""
+        self.devices = list(devices)
+        self.group_key = shared_keys(keys)
+        self.instance_key = self.group_key + 1
+        for device in self.devices:
+            token(device)
+
+    def _check_built(self, grads: Sequence[Sequence[tf.Tensor]]) -> None:
+        if self.group_key < 0 or len(grads) != len(self.devices):
+            raise RuntimeError(f"{type(self).__name__}.build(variables, devices) must run "
+                               "first, once per trainer, with the towers that "
+                               "reduce_gradients receives")
+
+    def _all_reduce(self, value: tf.Tensor, group_size: int, instance_key: int,
+                    device: str, final_op: str = "Id") -> tf.Tensor:
+        return collective_ops.all_reduce_v2(
+            value, group_size=group_size, group_key=self.group_key,
+            instance_key=instance_key, merge_op="Add", final_op=final_op,
+            communication_hint=self.communication_hint, timeout=self.timeout_seconds,
+            ordering_token=token(device))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(num_workers={self.num_workers}, op={self.op!r})"
+
+
+class CrossWorker(_AcrossWorkers):
+    """A ``GradientReducer``: sum the local towers in tower order, then across workers
+    (``op="mean"`` by default; arguments as :class:`_AcrossWorkers`)."""
 
     def build(self, variables: Sequence[tf.Variable], devices: Sequence[str]) -> None:
-        """Draw this reducer's keys (eagerly, once) and tower 0's ordering token."""
+        """Draw one key per variable (and the group's), and tower 0's ordering token."""
+        self._draw(devices[:1], len(variables) + 1)
         self.devices = list(devices)
-        first = shared_keys(len(variables) + 1)
-        self.group_key, self.first_instance_key = first, first + 1
-        token(self.devices[0])
 
     def summation_depth(self, towers: int) -> int:
         """Additions on the longest path to one element: (T − 1) + (W − 1)."""
         return (towers - 1) + (self.num_workers - 1)
 
     def reduce_gradients(self, grads: Sequence[Sequence[tf.Tensor]]) -> list[list[tf.Tensor]]:
-        """``grads[tower][var]`` -> the reduced gradient of every variable, on every tower.
-
-        Raises:
-            RuntimeError: called before :meth:`build`, or with another tower count.
-            tf.errors.DeadlineExceededError: a worker did not join within the timeout.
-        """
-        if self.group_key < 0 or len(grads) != len(self.devices):
-            raise RuntimeError("CrossWorker.build(variables, devices) must run first, once "
-                               "per trainer, with the towers that reduce_gradients receives")
+        """``grads[tower][var]`` -> the reduced gradient of every variable, on every tower
+        (``tf.errors.DeadlineExceededError``: a worker did not join within the timeout)."""
+        self._check_built(grads)
         home = self.devices[0]
         reduced = [self._reduce_one([g[j] for g in grads], j, home) for j in range(len(grads[0]))]
         return [[send(r, device, src=home, note="cross-worker") for r in reduced]
@@ -131,14 +154,42 @@ class CrossWorker:
                 total = total + send(v, home, note="local-sum")
             if self.num_workers == 1 or values[0].shape.num_elements() == 0:
                 return total
-            return collective_ops.all_reduce_v2(
-                total, group_size=self.num_workers, group_key=self.group_key,
-                instance_key=self.first_instance_key + index, merge_op="Add",
-                final_op="Div" if self.op == "mean" else "Id",
-                communication_hint=self.communication_hint, timeout=self.timeout_seconds,
-                ordering_token=token(home),
-            )
+            return self._all_reduce(total, self.num_workers, self.instance_key + index, home,
+                                    final_op="Div" if self.op == "mean" else "Id")
 
-    def __repr__(self) -> str:
-        return f"CrossWorker(num_workers={self.num_workers}, op={self.op!r})"
 
+class AllTowers(_AcrossWorkers):
+    """A ``GradientReducer``: every tower of every worker in one MWMS-ordered collective
+    (``op="sum"`` by default, MWMS's; arguments as :class:`_AcrossWorkers`)."""
+
+    hints = ("ring", "auto")
+    default_op = "sum"
+
+    def build(self, variables: Sequence[tf.Variable], devices: Sequence[str]) -> None:
+        """Draw the keys (one group, one instance; eagerly, once) and every tower's token."""
+        self._draw(devices, 2)
+
+    def summation_depth(self, towers: int) -> int:
+        """Additions on the longest path to one element: W·T − 1."""
+        return self.num_workers * towers - 1
+
+    def reduce_gradients(self, grads: Sequence[Sequence[tf.Tensor]]) -> list[list[tf.Tensor]]:
+        """``grads[tower][var]`` -> the reduced gradient of every variable, on every tower
+        (``tf.errors.DeadlineExceededError``: a worker did not join within the timeout)."""
+        self._check_built(grads)
+        return [self._reduce_tower(list(g), t) for t, g in enumerate(grads)]
+
+    def _reduce_tower(self, grads: list[tf.Tensor], tower: int) -> list[tf.Tensor]:
+        group_size = self.num_workers * len(self.devices)
+        device = self.devices[tower]
+        with tf.device(device):
+            backwards = grads[::-1]  # MWMS reverses before packing
+            flat = tf.concat([tf.reshape(g, [-1]) for g in backwards], axis=0)
+            if group_size > 1:
+                flat = self._all_reduce(flat, group_size, self.instance_key, device)
+            if self.op == "mean" and self.num_workers > 1:
+                flat = flat / tf.constant(self.num_workers, flat.dtype)
+            sizes = [int(g.shape.num_elements() or 0) for g in backwards]
+            parts = tf.split(flat, sizes, axis=0)
+            out = [tf.reshape(p, g.shape) for p, g in zip(parts, backwards, strict=True)]
+        return out[::-1]

@@ -1,9 +1,8 @@
 """One worker's input: tf.data's auto-shard policies, written out, and global batches cut.
 
-MultiWorkerMirroredStrategy shards a dataset over its W workers by
-``tf.data.experimental.AutoShardPolicy``; :func:`shard_dataset` does the same by hand,
-so what each worker reads is visible. Worker k of W (chief first, as MWMS numbers
-them: chief → 0, ``worker:i`` → i + #chief)::
+:func:`shard_dataset` shards a dataset over W workers as MultiWorkerMirroredStrategy's
+``AutoShardPolicy`` does, so what each worker reads is visible. Worker k of W (chief
+first: chief → 0, ``worker:i`` → i + #chief)::
 
     policy "file"  files  f0 f1 f2 f3 f4           worker 0: f0 f2 f4   (file i → i mod W)
                    W = 2                           worker 1: f1 f3
@@ -13,28 +12,17 @@ them: chief → 0, ``worker:i`` → i + #chief)::
     policy "off"   every worker reads everything: cut each global batch with
                    global_to_worker_batches (worker_slice) instead
 
-A *file list* is a Python list/tuple of file names, or a dataset whose elements are
-scalar strings (what ``tf.data.Dataset.list_files`` makes). It is never guessed from a
-dataset that already reads files: pass the names, and ``read`` to turn a worker's names
-into records (``read=tf.data.TFRecordDataset``). As in tf.data, ``"file"`` with fewer
-files than workers is an error (a worker would read nothing), and ``"auto"`` then falls
-back to ``"data"`` over the records of every file. ``list_files`` shuffles by default
-with a seed of its own per process: use ``shuffle=False`` (or a fixed seed), or the
-workers' shards overlap.
-
-``"data"`` must come before ``batch``: sharding batches would hand whole global batches
-to single workers. :func:`global_to_worker_batches` is the other way, that of
-MWMS's ``experimental_distribute_dataset``: every worker reads the same global batches
-and keeps its part of each, ``worker_slice``'s cut (ceil(B/W) rows per worker, the last
-ones short or empty)::
+A *file list* is a list of file names or a dataset of scalar strings (``list_files``
+with ``shuffle=False``: its own per-process seed would make the shards overlap); it is
+never guessed from a dataset that already reads files. :func:`global_to_worker_batches`
+keeps this worker's rows of every global batch (ceil(B/W) each, the last short or
+empty)::
 
     global batch of B = 5, W = 2:   rows 0 1 2 | 3 4
                                     worker 0   | worker 1
 
-MWMS cuts a global batch B that W does not divide differently: its rebatch
-(``batch_sizes_for_worker``) gives B // W rows to each worker and one more to the first
-B mod W (B = 5, W = 4: 2 1 1 1, where ``worker_slice`` gives 2 2 1 0). Both keep every
-row exactly once, in order; ``WorkerTrainer`` divides by the global B either way.
+(MWMS's rebatch gives B // W rows and one more to the first B mod W workers; both keep
+every row once, in order, and ``WorkerTrainer`` divides by the global B either way.)
 """
 
 from __future__ import annotations
@@ -59,10 +47,6 @@ def worker_of(cluster: Any) -> tuple[int, int]:
     Raises:
         TypeError: ``cluster`` is neither.
         ValueError: not a training task (chief/worker), or an index out of range.
-
-    Example:
-        >>> worker_of((4, 1))
-        (4, 1)
     """
     if isinstance(cluster, Cluster):
         job, index = cluster.task_type, cluster.task_index
@@ -111,17 +95,11 @@ def shard_dataset(dataset: Any, cluster: Any, *, policy: str = "auto",
     """The input of one worker: ``dataset`` sharded by tf.data's auto-shard ``policy``.
 
     Args:
-        dataset: a ``tf.data.Dataset`` of unbatched elements, or a file list (a list
-            of names, or a dataset of scalar strings such as ``list_files(...,
-            shuffle=False)``).
+        dataset: a ``tf.data.Dataset`` of unbatched elements, or a file list.
         cluster: a ``Cluster`` (this task) or a ``(num_workers, worker_index)`` pair.
         policy: ``"auto"``, ``"file"``, ``"data"`` or ``"off"`` (module docstring).
-        read: for a file list, turns file names into records (e.g.
-            ``tf.data.TFRecordDataset``); None returns the (sharded) names themselves.
-
-    Returns:
-        This worker's dataset: its files' records ("file"), every element whose index
-        ≡ worker (mod W) ("data"), or everything ("off").
+        read: for a file list, turns names into records (``tf.data.TFRecordDataset``);
+            None returns the (sharded) names themselves.
 
     Raises:
         TypeError: a bad ``dataset``, ``cluster`` or ``read``.
@@ -177,14 +155,9 @@ def _cut(workers: int, index: int) -> Callable[..., Any]:
 def global_to_worker_batches(dataset: tf.data.Dataset, cluster: Any) -> tf.data.Dataset:
     """Each global batch of ``dataset`` cut to this worker's rows (``worker_slice``).
 
-    Every worker reads the same global batches (policy ``"off"``); concatenated in
-    worker order the parts are the global batch, bitwise. A worker past the end of a
-    short batch gets 0 rows, not an error (``WorkerTrainer`` handles empty workers).
-
-    Args:
-        dataset: a dataset of batches (tensors or structures of tensors, all with the
-            same leading dimension and rank >= 1).
-        cluster: a ``Cluster`` (this task) or a ``(num_workers, worker_index)`` pair.
+    Every worker reads the same global batches; concatenated in worker order the parts
+    are the global batch, bitwise. A worker past the end of a short batch gets 0 rows.
+    ``cluster``: a ``Cluster`` (this task) or a ``(num_workers, worker_index)`` pair.
 
     Raises:
         TypeError: ``dataset`` is not a ``tf.data.Dataset``, or a bad ``cluster``.

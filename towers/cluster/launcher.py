@@ -1,4 +1,4 @@
-"""Run one process per task on localhost: ``towers launch`` and :func:`start_servers`.
+"""Run one process per task on localhost: ``towers launch`` and local servers for a client.
 
 ::
 
@@ -10,12 +10,12 @@
                         which they may end by themselves); --timeout → all are killed (124)
 
 Trainers (chief and worker tasks) run the command; parameter servers serve until the
-trainers are done. Every task is its own process group, so ending a task ends whatever it
-started: when the launch ends, every task's whole group is terminated (then killed),
-also when the task itself already exited — a process a worker left running fails the
-launch (:data:`LEFTOVER_EXIT`), named in a ``[launch]`` line. (A process that leaves the
-group with ``setsid`` is out of any launcher's reach.) Each task imports the launcher's
-own ``towers`` (PYTHONPATH).
+trainers are done. Every task is its own process group: when the launch ends, every
+group is terminated (then killed), and a process a finished worker left running fails
+the launch (:data:`LEFTOVER_EXIT`). Each task imports the launcher's own ``towers``.
+
+:func:`start_servers` serves local worker (and ps) tasks for one client (in-graph
+training, parameter servers); servers exit with their parent.
 """
 
 from __future__ import annotations
@@ -28,13 +28,13 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from typing import IO, Protocol
+from typing import IO
 
-from towers.cluster.local import TOWERS_ENV, local_cluster
-from towers.cluster.spec import Cluster, tf_config
+from towers.cluster.spec import TOWERS_ENV, Cluster, local_cluster, tf_config
 from towers.guard.arguments import non_negative_float
 
-__all__ = ["LEFTOVER_EXIT", "TIMEOUT_EXIT", "Sink", "TaskProcess", "launch", "start_servers"]
+__all__ = ["LEFTOVER_EXIT", "TIMEOUT_EXIT", "LocalServers", "TaskProcess", "launch",
+           "start_servers"]
 
 TIMEOUT_EXIT = 124
 """Exit code of a launch that ran past its timeout (as coreutils ``timeout``)."""
@@ -44,19 +44,12 @@ SERVER_COMMAND = (sys.executable, "-m", "towers.cluster.server")
 _GRACE_SECONDS = 5.0
 
 
-class Sink(Protocol):
-    """Where prefixed output lines go: any text stream."""
-
-    def write(self, text: str, /) -> int: ...
-
-    def flush(self) -> None: ...
-
-
 class TaskProcess:
-    """One task's process; its output lines are copied to ``out`` prefixed ``[job k]``."""
+    """One task's process; its output lines are copied to ``out`` prefixed ``[job k]``
+    (``serving`` turns True at a server's "serving" line)."""
 
     def __init__(self, cluster: Cluster, job: str, index: int, towers: int,
-                 command: Sequence[str], out: Sink, lock: threading.Lock) -> None:
+                 command: Sequence[str], out: IO[str], lock: threading.Lock) -> None:
         self.job, self.index, self.label = job, index, f"[{job} {index}]"
         env = {**os.environ, "TF_CONFIG": tf_config(cluster, job, index),
                TOWERS_ENV: str(towers), "PYTHONUNBUFFERED": "1", "PYTHONPATH": _python_path()}
@@ -64,7 +57,7 @@ class TaskProcess:
             list(command), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, text=True, errors="replace", start_new_session=True,
         )
-        self.killed = False
+        self.killed = self.serving = False
         self._out, self._lock = out, lock
         self._reader = threading.Thread(target=self._copy, daemon=True)
         self._reader.start()
@@ -72,6 +65,7 @@ class TaskProcess:
     def _copy(self) -> None:
         assert self.process.stdout is not None
         for line in self.process.stdout:
+            self.serving = self.serving or line.startswith("serving ")
             with self._lock:
                 self._out.write(f"{self.label} {line.rstrip()}\n")
                 self._out.flush()
@@ -152,18 +146,6 @@ def _python_path() -> str:
     return os.pathsep.join([root, rest]) if rest else root
 
 
-def _start_all(cluster: Cluster, towers: int, command: Sequence[str], out: Sink,
-               lock: threading.Lock) -> tuple[list[TaskProcess], list[TaskProcess]]:
-    trainers, servers = [], []
-    for job, addresses in cluster.jobs.items():
-        for k in range(len(addresses)):
-            if job in ("chief", "worker"):
-                trainers.append(TaskProcess(cluster, job, k, towers, command, out, lock))
-            else:
-                servers.append(TaskProcess(cluster, job, k, towers, SERVER_COMMAND, out, lock))
-    return trainers, servers
-
-
 def launch(cluster: Cluster, towers: int, command: Sequence[str],
            timeout: float | None = None, out: IO[str] | None = None,
            failure_grace: float = 0.0) -> int:
@@ -194,15 +176,22 @@ def launch(cluster: Cluster, towers: int, command: Sequence[str],
         raise ValueError("the cluster has no 'chief' or 'worker' task to run the command")
     out = out or sys.stdout
     lock = threading.Lock()
-    trainers, servers = _start_all(cluster, towers, command, out, lock)
+    trainers: list[TaskProcess] = []
+    servers: list[TaskProcess] = []
+    for job, addresses in cluster.jobs.items():
+        trains = job in ("chief", "worker")
+        for k in range(len(addresses)):
+            (trainers if trains else servers).append(TaskProcess(
+                cluster, job, k, towers, command if trains else SERVER_COMMAND, out, lock))
     deadline = None if timeout is None else time.monotonic() + timeout
     code = 0
     try:
         while any(t.poll() is None for t in trainers):
             failed = [c for t in trainers if (c := t.poll()) not in (None, 0)]
             if failed:
-                _wait_for(trainers, min(time.monotonic() + failure_grace,
-                                        deadline if deadline is not None else float("inf")))
+                until = min(time.monotonic() + failure_grace, deadline or float("inf"))
+                while any(t.poll() is None for t in trainers) and time.monotonic() < until:
+                    time.sleep(0.05)
                 code = max(c for t in trainers if (c := t.poll()) is not None)
                 break
             if deadline is not None and time.monotonic() > deadline:
@@ -230,57 +219,49 @@ def launch(cluster: Cluster, towers: int, command: Sequence[str],
     return code
 
 
-def _wait_for(tasks: list[TaskProcess], until: float) -> None:
-    """Let running tasks end by themselves until ``until`` (monotonic seconds)."""
-    while any(t.poll() is None for t in tasks) and time.monotonic() < until:
-        time.sleep(0.05)
+class LocalServers:
+    """The running servers: ``cluster`` (no task: this process is the client) and each
+    task's process."""
+
+    def __init__(self, cluster: Cluster, tasks: dict[tuple[str, int], TaskProcess]) -> None:
+        self.cluster, self.tasks = cluster, tasks
+
+    def stop(self, job: str, index: int) -> None:
+        """Stop one task's server now (the others keep serving; a lost ps, on purpose)."""
+        self.tasks[(job, index)].stop()
 
 
 @contextlib.contextmanager
-def start_servers(workers: int, towers_per_worker: int, *, ready_timeout: float = 60.0,
-                  out: IO[str] | None = None) -> Iterator[Cluster]:
-    """Serve ``workers`` local tasks (``python -m towers.cluster.server``) while in the block.
+def start_servers(workers: int, towers_per_worker: int, *, ps: int = 0, chief: bool = False,
+                  ready_timeout: float = 60.0, out: IO[str] | None = None
+                  ) -> Iterator[LocalServers]:
+    """Serve ``workers`` worker and ``ps`` parameter-server tasks on localhost while in the
+    block (``python -m towers.cluster.server``; then :func:`towers.cluster.connect`).
 
-    Args:
-        workers: worker tasks, each a ``tf.distribute.Server`` process.
-        towers_per_worker: logical CPUs each serves.
-        ready_timeout: seconds to wait for every server to report it is serving.
-        out: where their prefixed output goes (default ``sys.stderr``).
-
-    Yields:
-        The cluster (no task: this process is the client); see :func:`towers.cluster.connect`.
+    ``chief=True`` adds a ``chief`` address for the client itself (not started), as
+    ``ParameterServerStrategy``'s client needs.
 
     Raises:
-        RuntimeError: a server exited or did not start in time.
+        ValueError: fewer than 1 worker, or a negative ``ps``.
+        RuntimeError: a server exited or did not start within ``ready_timeout``.
     """
-    cluster = local_cluster(workers)
+    cluster = local_cluster(workers, ps=ps, chief=chief)
     lock = threading.Lock()
-    watches = [ServingWatch(out or sys.stderr) for _ in range(workers)]
-    tasks = [TaskProcess(cluster, "worker", k, towers_per_worker, SERVER_COMMAND, watch, lock)
-             for k, watch in enumerate(watches)]
+    tasks = {}
     try:
+        for job, towers in (("worker", towers_per_worker), ("ps", 1)):
+            for k in range(len(cluster.jobs.get(job, ()))):
+                tasks[(job, k)] = TaskProcess(cluster, job, k, towers, SERVER_COMMAND,
+                                              out or sys.stderr, lock)
         deadline = time.monotonic() + ready_timeout
-        while not all(watch.ready for watch in watches):
-            if any(t.poll() is not None for t in tasks) or time.monotonic() > deadline:
-                raise RuntimeError(f"the {workers} local servers did not start")
+        while not all(t.serving for t in tasks.values()):
+            if any(t.poll() is not None for t in tasks.values()) or time.monotonic() > deadline:
+                raise RuntimeError(f"the local servers ({workers} workers, {ps} ps) did not "
+                                   f"start within {ready_timeout:g} s")
             time.sleep(0.05)
-        yield cluster
+        yield LocalServers(cluster, tasks)
     finally:
-        for task in tasks:
+        for task in tasks.values():
             task.stop()
-        for task in tasks:
+        for task in tasks.values():
             task.finish()
-
-
-class ServingWatch:
-    """A text sink that forwards lines and notes the server's "serving" line."""
-
-    def __init__(self, out: IO[str]) -> None:
-        self.out, self.ready = out, False
-
-    def write(self, text: str) -> int:
-        self.ready = self.ready or "] serving " in text
-        return self.out.write(text)
-
-    def flush(self) -> None:
-        self.out.flush()

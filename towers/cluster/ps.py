@@ -15,13 +15,10 @@
                                                       │ versions of its shards += 1   │
                                                       └───────────────────────────────┘
 
-Consistency model: reads and updates are serialized by one Python lock in the client
-(as ClusterCoordinator's client dispatches everything), so every pull sees whole
-updates and its recorded versions are the versions of the weights it copied. Gradients
-are computed outside the lock, in parallel on the workers: that is the asynchrony.
-
-The update is Keras ``SGD.update_step``'s arithmetic op for op (``assign_sub(g * lr)``
-without momentum), so one worker equals :class:`towers.TowerTrainer` with SGD bitwise.
+Reads and updates are serialized by one lock in the client (as ClusterCoordinator's
+client dispatches everything), so a pull sees whole updates; gradients are computed
+outside it, in parallel on the workers. The update is Keras ``SGD.update_step``'s
+arithmetic op for op, so one worker equals :class:`towers.TowerTrainer` with SGD bitwise.
 
 References:
     Dean et al., "Large Scale Distributed Deep Networks" (DistBelief, 2012);
@@ -39,12 +36,14 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from towers.cluster.runtime import connect
+from towers.cluster.spec import Cluster
 from towers.guard.arguments import check_choice, positive_float
 from towers.guard.errors import TowersError
 
 __all__ = [
     "POLICIES", "FairLock", "ParameterServerLost", "ParameterStore", "check_rule",
-    "shard_variables", "sizes_of",
+    "connect_ps", "shard_variables",
 ]
 
 POLICIES = ("round_robin", "size_balanced")
@@ -55,12 +54,8 @@ class ParameterServerLost(TowersError, ConnectionError):
     """A parameter server did not answer: its task died or the network to it failed."""
 
 
-def sizes_of(variables: Sequence[Any]) -> list[int]:
-    """Element counts of ``variables`` (anything with a ``shape``, or a shape tuple).
-
-    Raises:
-        ValueError: an item has neither a shape nor is a shape.
-    """
+def _sizes(variables: Sequence[Any]) -> list[int]:
+    """Element counts of ``variables`` (anything with a ``shape``, or a shape tuple)."""
     sizes = []
     for i, v in enumerate(variables):
         shape = getattr(v, "shape", v)
@@ -78,18 +73,11 @@ def sizes_of(variables: Sequence[Any]) -> list[int]:
 
 def shard_variables(variables: Sequence[Any], ps_devices: Sequence[str],
                     policy: str = "round_robin") -> list[str]:
-    """Which ps device holds each variable.
+    """``placement[i]``: the ps device of variable i (variables, arrays or shapes).
 
-    Args:
-        variables: the variables (or arrays, or shapes), in model order.
-        ps_devices: the parameter servers' devices, at least one.
-        policy: ``"round_robin"`` (variable i on task i mod P, TensorFlow's default
-            placement) or ``"size_balanced"`` (largest variable first onto the task
-            holding the fewest elements so far; ties go to the earlier variable and the
-            lower task, so the result is deterministic).
-
-    Returns:
-        ``placement[i]``: the device of variable i.
+    ``policy="round_robin"``: variable i on task i mod P (TensorFlow's default);
+    ``"size_balanced"``: largest first onto the least-loaded task (ties: the earlier
+    variable, the lower task).
 
     Raises:
         ValueError: no ps devices, an unknown policy or an item without a shape.
@@ -101,7 +89,7 @@ def shard_variables(variables: Sequence[Any], ps_devices: Sequence[str],
     if isinstance(ps_devices, str) or not ps_devices:
         raise ValueError(f"ps_devices must be a non-empty list of devices, got {ps_devices!r}")
     check_choice("policy", policy, POLICIES)
-    sizes = sizes_of(variables)
+    sizes = _sizes(variables)
     if policy == "round_robin":
         return [ps_devices[i % len(ps_devices)] for i in range(len(sizes))]
     load = [0] * len(ps_devices)
@@ -114,12 +102,8 @@ def shard_variables(variables: Sequence[Any], ps_devices: Sequence[str],
 
 
 class FairLock:
-    """A first-come, first-served lock (a ticket lock).
-
-    ``threading.Lock`` is not fair: a worker that releases it and asks again at once
-    often wins, and the other worker's finished gradient waits (measured here: updates
-    8 versions stale with 2 workers, where a FIFO lock keeps them at about 1).
-    """
+    """A first-come, first-served lock (a ticket lock): with ``threading.Lock`` a worker
+    that releases it and asks again at once often wins, and the others' updates go stale."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
@@ -139,15 +123,9 @@ class FairLock:
 
 
 class ParameterStore:
-    """The variables on the ps tasks, one version counter per ps task, and the update rule.
-
-    Args:
-        weights: initial values of the trainable variables (model order).
-        ps_devices: the parameter servers' devices.
-        learning_rate: SGD's learning rate.
-        momentum: SGD's momentum (0: plain SGD; Keras' non-Nesterov rule otherwise).
-        policy: see :func:`shard_variables`.
-        timeout: seconds a pull or push may take before :class:`ParameterServerLost`.
+    """The variables on the ps tasks, one version counter per ps task, and the SGD rule
+    (``momentum``: Keras' non-Nesterov rule); a pull or push longer than ``timeout``
+    seconds raises :class:`ParameterServerLost`.
 
     Raises:
         ValueError: a bad learning rate, momentum or timeout (and see :func:`shard_variables`).
@@ -212,8 +190,8 @@ class ParameterStore:
              record: Callable[[int], None] | None = None) -> int | None:
         """Apply ``grads`` computed on the weights of versions ``read``; the new version.
 
-        ``record(version)`` runs inside the same critical section, after the update: a
-        log written there lists updates in the order they were applied.
+        ``record(version)`` runs in the same critical section, after the update (a log
+        written there lists updates in the order they were applied).
 
         Returns:
             The number of updates applied so far (this update's version), or None when
@@ -259,12 +237,7 @@ class ParameterStore:
 
 
 def check_rule(learning_rate: Any, momentum: Any, timeout: Any) -> None:
-    """Check the ps update rule's settings (before anything is built).
-
-    Raises:
-        ValueError: a learning rate or timeout that is not a positive number, a momentum
-            outside [0, 1).
-    """
+    """Check the ps update rule's settings (before anything is built), naming the bad one."""
     positive_float("learning_rate", learning_rate)
     positive_float("timeout", timeout)
     if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) \
@@ -275,3 +248,18 @@ def check_rule(learning_rate: Any, momentum: Any, timeout: Any) -> None:
 def _device_of(variable: Any) -> str:
     """The device of a ``tf.Variable`` or of a Keras variable's backing ``tf.Variable``."""
     return str(getattr(variable, "value", variable).device)
+
+
+def connect_ps(cluster: Cluster, towers_per_worker: int) -> tuple[list[list[str]], list[str]]:
+    """Connect this client; return each worker's towers and the ps devices.
+
+    Raises:
+        ValueError: the cluster has no ps job, or does not serve the towers.
+    """
+    if "ps" not in cluster.jobs:
+        raise ValueError(f"the cluster has no 'ps' job: {sorted(cluster.jobs)}")
+    towers = connect(cluster, towers_per_worker)
+    workers = [towers[k:k + towers_per_worker]
+               for k in range(0, len(towers), towers_per_worker)]
+    ps = [f"{cluster.task_name('ps', k)}/device:CPU:0" for k in range(len(cluster.jobs["ps"]))]
+    return workers, ps

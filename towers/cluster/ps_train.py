@@ -11,20 +11,25 @@ One client (this process) drives W workers, one Python thread each, as
     log: [UpdateRecord(worker, worker_step, batch, read={ps k: version}, version), …]
          + the gradient each update applied
 
-Each worker is a :class:`towers.TowerTrainer` over its own towers with its one copy of
-the weights on its first tower: its public phases ``split → forward_backward → reduce``
-(``all_reduce="naive"``: the towers' gradients added in tower order) make the gradient.
-``max_staleness=k``: a push whose read is more than k updates old is refused; the
-worker re-reads the weights and recomputes the gradient of the same batch (the log
-keeps only applied updates and counts the refusals in :attr:`AsyncTrainer.refused`).
+Each worker is a :class:`towers.TowerTrainer` over its own towers (``all_reduce="naive"``).
+The log replays bitwise in NumPy (:func:`replay`): float32 NumPy rounds as TensorFlow's
+CPU kernels do (one IEEE operation each, no fused multiply-add)::
+
+    version 0 = initial weights
+    for u, record in enumerate(log.records):        # the order the ps applied them
+        (SGD)       w ← w − g_u·lr
+        (momentum)  m ← m·μ − g_u·lr ;  w ← w + m
+        version u+1 = w                              # record.version == u + 1
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import keras
@@ -37,22 +42,17 @@ from towers.guard.errors import NonFiniteError
 from towers.guard.nonfinite import NONFINITE, describe, gather_codes
 from towers.step import TowerTrainer
 
-__all__ = ["AsyncTrainer", "UpdateLog", "UpdateRecord"]
+__all__ = [
+    "AsyncTrainer", "UpdateLog", "UpdateRecord", "load_log", "replay", "replay_versions",
+    "save_log",
+]
 
 
 @dataclasses.dataclass(frozen=True)
 class UpdateRecord:
-    """One applied update.
-
-    Attributes:
-        worker: which worker pushed it.
-        worker_step: that worker's count of applied updates before this one.
-        batch: index of the batch it computed its gradient on.
-        read: the version of every ps task's shard it read (``{ps device: version}``).
-        version: the update's number (1 for the first applied update): the weights after it
-            are version ``version``.
-        loss: the worker's mean loss on that batch (at the weights it read).
-    """
+    """One applied update: which worker pushed it (its ``worker_step``-th), on which batch,
+    the version of every ps shard it read, its own version (1 for the first; the weights
+    after it) and the worker's loss on that batch at the weights it read."""
 
     worker: int
     worker_step: int
@@ -64,14 +64,8 @@ class UpdateRecord:
 
 @dataclasses.dataclass
 class UpdateLog:
-    """Every applied update in order, its gradient, and what the replay needs.
-
-    Attributes:
-        records: the updates in the order the parameter servers applied them.
-        gradients: ``gradients[u][var]``, the gradient update ``u`` applied (float32).
-        learning_rate, momentum: the ps update rule (SGD).
-        placement: the ps device of each variable.
-    """
+    """The updates in the order the ps applied them, ``gradients[u][var]`` of each, the
+    SGD rule and each variable's ps device: all the replay needs."""
 
     records: list[UpdateRecord]
     gradients: list[list[np.ndarray]]
@@ -84,31 +78,23 @@ class AsyncTrainer:
     """Asynchronous SGD: workers compute gradients on their towers, the ps apply them as pushed.
 
     Args:
-        model: a zero-argument factory returning a built ``keras.Model`` (trainable
-            variables only: non-trainable state has no asynchronous meaning here).
+        model: a zero-argument factory of a built ``keras.Model`` (trainable variables only).
         loss: as for :class:`towers.TowerTrainer`.
         workers: ``workers[w]``: the towers (devices) of worker w, e.g. one task's CPUs.
         ps_devices: the parameter servers' devices (``/job:ps/replica:0/task:k/device:CPU:0``).
         learning_rate, momentum: the SGD rule the ps apply.
         policy: variable placement over the ps (:func:`~towers.cluster.ps.shard_variables`).
-        max_staleness: refuse pushes whose read is more than this many updates old.
+        max_staleness: refuse pushes whose read is more than this many updates old (the
+            worker recomputes the batch on fresh weights; counted in :attr:`refused`).
         timeout: seconds one pull or push may take (then ``ParameterServerLost``).
-        on_nonfinite: the non-finite guard's modes (:mod:`towers.guard.nonfinite`), per
-            push: ``"skip"`` (default: a gradient or loss with a NaN/Inf on any of the
-            worker's towers is pushed to no ps; the batch is counted in
-            :attr:`skipped_steps` and listed in :attr:`skipped_batches`), ``"raise"``
-            (the same, then :class:`~towers.guard.errors.NonFiniteError`; the other
-            workers stop) or ``"ignore"`` (push whatever comes: one NaN batch turns
-            every ps weight into NaN).
+        on_nonfinite: per push, ``"skip"`` (default: a NaN/Inf gradient or loss on any
+            tower is pushed nowhere; the batch is listed in :attr:`skipped_batches`),
+            ``"raise"`` (then :class:`~towers.guard.errors.NonFiniteError`; the other
+            workers stop) or ``"ignore"`` (push it: every ps weight becomes NaN).
 
     Raises:
         ValueError: no workers, a model with non-trainable variables, a bad staleness,
             an unknown ``on_nonfinite``.
-
-    Example:
-        >>> trainer = AsyncTrainer(make_model, "mse", workers=[w0, w1], ps_devices=[ps0],
-        ...                        learning_rate=0.1)                  # doctest: +SKIP
-        >>> log = trainer.run(batches)                                 # doctest: +SKIP
     """
 
     def __init__(self, model: Callable[[], keras.Model], loss: Any, *,
@@ -157,21 +143,15 @@ class AsyncTrainer:
     def set_worker_weights(self, worker: int, weights: Sequence[np.ndarray]) -> None:
         """Overwrite worker ``worker``'s copy of the weights (for recomputing a logged update)."""
         targets = self.workers[worker].model.trainable_variables
-        # One function call, as the pull: remote eager assigns are enqueued asynchronously
-        # (measured: a gradient function could run before them and read older weights).
+        # one function call, as the pull: remote eager assigns would run asynchronously
         self._setters[worker]([tf.constant(np.asarray(w, np.float32)) for w in weights])
         for var, w in zip(targets, weights):
             if not np.array_equal(var.numpy(), w):
                 raise RuntimeError(f"worker {worker}: its weights were not set")
 
     def run(self, batches: Sequence[tuple[Any, Any]]) -> UpdateLog:
-        """Train on every batch once, asynchronously; return the log (also :attr:`log`).
-
-        Batches are handed out in order to whichever worker asks next (one shared queue).
-
-        Raises:
-            ParameterServerLost: a ps task stopped answering (the other workers stop too).
-        """
+        """Train on every batch once, handed out in order to whichever worker asks next;
+        return the log (also :attr:`log`). A lost ps raises ``ParameterServerLost``."""
         queue = iter(range(len(batches)))
         take, stop = threading.Lock(), threading.Event()
         errors: list[BaseException] = []
@@ -239,8 +219,8 @@ class AsyncTrainer:
 
 
 def _gradient_fn(trainer: TowerTrainer, guarded: bool) -> Callable[[tf.Tensor, tf.Tensor], Any]:
-    """The worker's gradient: its towers' phases, summed in tower order on its first tower,
-    its loss and (``guarded``) the guard's per-tower codes, taken before the sum (else None)."""
+    """The worker's gradient (its towers' phases, summed in tower order), its loss and
+    (``guarded``) the guard's per-tower codes."""
 
     def grads(x: tf.Tensor, y: tf.Tensor) -> tuple[list[tf.Tensor], tf.Tensor, Any]:
         towers = trainer.forward_backward(trainer.split(x, y))
@@ -255,13 +235,71 @@ def _gradient_fn(trainer: TowerTrainer, guarded: bool) -> Callable[[tf.Tensor, t
     return grads
 
 
-
 def _setter(targets: Sequence[Any]) -> Callable[[list[tf.Tensor]], None]:
-    """A function that assigns values to ``targets`` (captured, so they stay variables)."""
-
     @tf.function(autograph=False)
     def assign(values: list[tf.Tensor]) -> None:
         for var, value in zip(targets, values):
             var.assign(value)
 
     return assign
+
+
+def save_log(log: UpdateLog, prefix: str | Path) -> tuple[Path, Path]:
+    """Write ``PREFIX.json`` (records, rule) and ``PREFIX.npz`` (``u{u}_v{i}``: update u's
+    gradient for variable i); return both paths."""
+    prefix = Path(prefix)
+    meta = {"learning_rate": log.learning_rate, "momentum": log.momentum,
+            "placement": log.placement,
+            "records": [vars(r) for r in log.records]}
+    json_path, npz_path = prefix.with_suffix(".json"), prefix.with_suffix(".npz")
+    json_path.write_text(json.dumps(meta, indent=1))
+    arrays = {f"u{u}_v{i}": g for u, grads in enumerate(log.gradients) for i, g in enumerate(grads)}
+    np.savez(npz_path, **arrays)  # type: ignore[arg-type]
+    return json_path, npz_path
+
+
+def load_log(prefix: str | Path) -> UpdateLog:
+    """Read a log written by :func:`save_log` (``ValueError``: a gradient is missing)."""
+    prefix = Path(prefix)
+    meta = json.loads(prefix.with_suffix(".json").read_text())
+    records = [UpdateRecord(**r) for r in meta["records"]]
+    n = len(meta["placement"])
+    with np.load(prefix.with_suffix(".npz")) as data:
+        missing = [f"u{u}_v{i}" for u in range(len(records)) for i in range(n)
+                   if f"u{u}_v{i}" not in data.files]
+        if missing:
+            raise ValueError(f"log {prefix}: the .npz lacks gradients {missing[:5]}")
+        gradients = [[data[f"u{u}_v{i}"] for i in range(n)] for u in range(len(records))]
+    return UpdateLog(records, gradients, meta["learning_rate"], meta["momentum"],
+                     meta["placement"])
+
+
+def replay_versions(log: UpdateLog,
+                    initial_weights: Sequence[np.ndarray]) -> Iterator[list[np.ndarray]]:
+    """Yield the weights of version 0, 1, …, len(log.records), in NumPy float32
+    (``ValueError``: the log is out of order or its shapes differ from the weights')."""
+    lr, mu = np.float32(log.learning_rate), np.float32(log.momentum)
+    weights = [np.array(w, np.float32) for w in initial_weights]
+    moments = [np.zeros_like(w) for w in weights]
+    yield [w.copy() for w in weights]
+    for u, (record, grads) in enumerate(zip(log.records, log.gradients)):
+        if record.version != u + 1:
+            raise ValueError(f"log: update {u} has version {record.version}, expected {u + 1}")
+        if [g.shape for g in grads] != [w.shape for w in weights]:
+            raise ValueError(f"log: update {u}'s gradient shapes {[g.shape for g in grads]} "
+                             f"do not match the weights' {[w.shape for w in weights]}")
+        for i, g in enumerate(grads):
+            g = np.asarray(g, np.float32)
+            if log.momentum:
+                moments[i] = moments[i] * mu - g * lr
+                weights[i] = weights[i] + moments[i]
+            else:
+                weights[i] = weights[i] - g * lr
+        yield [w.copy() for w in weights]
+
+
+def replay(log: UpdateLog, initial_weights: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """The final weights: every logged gradient applied in logged order to version 0's
+    weights (``AsyncTrainer.initial_weights()``), bitwise as the ps applied them."""
+    *_, last = replay_versions(log, initial_weights)
+    return last

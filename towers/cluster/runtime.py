@@ -1,4 +1,4 @@
-"""Start TensorFlow's distributed runtime in this process: a worker, a server, or a client.
+"""Start TensorFlow's distributed runtime in this process: a worker, a server or a client.
 
 Two ways to train on several processes, both on TensorFlow's own gRPC runtime::
 
@@ -8,11 +8,8 @@ Two ways to train on several processes, both on TensorFlow's own gRPC runtime::
     and CrossWorker's collectives          /job:worker/replica:0/task:k/device:CPU:i
     (MultiWorkerMirroredStrategy's way)    (tf.distribute.Server + connect_to_cluster)
 
-Order matters (measured, TF 2.21): logical devices and ``configure_collective_ops``
-must precede the first op ("Collective ops must be configured at program startup"),
-so :func:`start_worker` splits the CPU itself with ``set_logical_device_configuration``
-(which, unlike listing devices, does not start the runtime) and then enables collective
-ops with a ``ServerDef``, as MultiWorkerMirroredStrategy does. Afterwards a bare
+Devices (:func:`configure_gpus`, :func:`set_logical_devices`) and collective ops must be
+set before the first op, so call these first thing in the program. Afterwards a bare
 ``/device:CPU:1`` means this task's CPU:1.
 """
 
@@ -23,22 +20,104 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import tensorflow as tf
-from tensorflow.core.protobuf import rewriter_config_pb2
+from tensorflow.core.protobuf import rewriter_config_pb2, tensorflow_server_pb2
+from tensorflow.python.eager import context
 from tensorflow.python.ops import collective_ops
 
 from towers.allreduce.machinery.ordering import REWRITES
 from towers.allreduce.machinery.tf_collective_ops import shared_keys
-from towers.cluster.local import towers_per_task
-from towers.cluster.spec import Cluster, resolve
+from towers.cluster.spec import Cluster, resolve, towers_per_task
 from towers.devices import set_local_task
 from towers.guard.arguments import positive_float, positive_int
+from towers.guard.errors import TowersError
 
 __all__ = [
-    "connect", "leave_together", "serve", "set_logical_devices", "start_server", "start_worker",
+    "RuntimeStartedError", "configure_gpus", "connect", "leave_together", "serve",
+    "set_logical_devices", "start_server", "start_worker",
 ]
+
+
+class RuntimeStartedError(TowersError, RuntimeError):
+    """A device setting came after TensorFlow's runtime had fixed the devices."""
+
+
+def runtime_started() -> bool:
+    """True once TensorFlow's eager runtime exists (its device list is then fixed)."""
+    return context.context()._context_handle is not None  # private: no public query
+
+
+def _check(visible: Any, memory_growth: Any, memory_limit_mb: Any) -> list[int] | None:
+    """The arguments checked before TensorFlow is touched; ``visible`` as a list."""
+    if visible is not None:
+        if isinstance(visible, (str, bytes)) or not isinstance(visible, Sequence):
+            raise TypeError(f"visible must be None or a list of GPU indices (ints), got "
+                            f"{visible!r}")
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in visible):
+            raise ValueError(f"visible must hold GPU indices (ints >= 0), got {list(visible)!r}")
+        if len(set(visible)) != len(visible):
+            raise ValueError(f"visible names a GPU twice: {list(visible)!r}")
+    if memory_growth is not None and not isinstance(memory_growth, bool):
+        raise TypeError(f"memory_growth must be None, True or False, got {memory_growth!r}")
+    if memory_limit_mb is not None:
+        if isinstance(memory_limit_mb, bool) or not isinstance(memory_limit_mb, int):
+            raise TypeError(f"memory_limit_mb must be None or an int (MiB), got "
+                            f"{memory_limit_mb!r}")
+        positive_int("memory_limit_mb", memory_limit_mb)
+        if memory_growth:
+            raise ValueError("memory_growth=True and memory_limit_mb exclude each other "
+                             "(TensorFlow refuses memory growth on a GPU with a memory limit)")
+    return None if visible is None else list(visible)
+
+
+def configure_gpus(visible: Sequence[int] | None = None, memory_growth: bool | None = None,
+                   memory_limit_mb: int | None = None) -> list[str]:
+    """Choose this process's GPUs and how they take memory; call it first thing.
+
+    Args:
+        visible: indices of the physical GPUs to use (``[]``: none); None keeps them all.
+        memory_growth: True to allocate GPU memory as needed, False to take it at once;
+            None leaves TensorFlow's default. Excludes ``memory_limit_mb``.
+        memory_limit_mb: a fixed memory limit (MiB) per chosen GPU; None: no limit.
+
+    Returns:
+        The physical names of the chosen GPUs, e.g. ``['/physical_device:GPU:1']``.
+
+    Raises:
+        TypeError, ValueError: a bad argument (named); ``visible`` asking for a GPU that
+            does not exist (the message lists those that do).
+        RuntimeStartedError: a setting asked for after TensorFlow's runtime started.
+    """
+    indices = _check(visible, memory_growth, memory_limit_mb)
+    gpus = tf.config.list_physical_devices("GPU")
+    if indices is not None and any(i >= len(gpus) for i in indices):
+        raise ValueError(f"visible={indices} asks for a GPU that does not exist: this machine "
+                         f"has {len(gpus)} GPU(s) {[g.name for g in gpus]} (indices "
+                         f"0..{len(gpus) - 1})" if gpus else
+                         f"visible={indices} asks for a GPU, and this machine has none "
+                         f"(use visible=[] or None)")
+    chosen = gpus if indices is None else [gpus[i] for i in indices]
+    late = ("configure_gpus must be called before TensorFlow initializes its devices; call it "
+            "first thing in the program, before any TensorFlow op or device listing (and "
+            "before towers.simulate_devices or start_worker)")
+    asked = indices is not None or memory_growth is not None or memory_limit_mb is not None
+    if asked and runtime_started():
+        raise RuntimeStartedError(late)
+    try:
+        if indices is not None:
+            tf.config.set_visible_devices(chosen, "GPU")
+        for gpu in chosen:
+            if memory_growth is not None:
+                tf.config.experimental.set_memory_growth(gpu, memory_growth)
+            if memory_limit_mb is not None:
+                tf.config.set_logical_device_configuration(
+                    gpu, [tf.config.LogicalDeviceConfiguration(memory_limit=memory_limit_mb)])
+    except RuntimeError as err:  # the runtime started between the check and the call
+        raise RuntimeStartedError(f"{late} ({err})") from err
+    return [g.name for g in chosen]
 
 
 def set_logical_devices(n: int) -> None:
@@ -46,7 +125,7 @@ def set_logical_devices(n: int) -> None:
 
     Raises:
         ValueError: ``n`` < 1.
-        RuntimeError: the runtime already started with another count (what to do).
+        RuntimeError: the runtime already started with another count.
     """
     n = positive_int("towers per task", n)
     cpu = tf.config.list_physical_devices("CPU")[0]
@@ -63,22 +142,20 @@ def set_logical_devices(n: int) -> None:
         ) from err
 
 
-def _port(cluster: Cluster) -> int:
-    assert cluster.task_type is not None and cluster.task_index is not None
-    return int(cluster.jobs[cluster.task_type][cluster.task_index].rsplit(":", 1)[1])
-
-
-def _need_task(cluster: Cluster, what: str) -> None:
-    if cluster.task_type is None:
+def _this_task(cluster: Any, towers: int | None, what: str) -> tuple[Cluster, int]:
+    """The cluster with this process's task (required) and its tower count."""
+    found = resolve(cluster)
+    if found.task_type is None:
         raise ValueError(f"{what} needs this process's task: set TF_CONFIG's 'task' or pass it")
+    return found, positive_int("towers per task", towers_per_task() if towers is None else towers)
 
 
 def start_worker(cluster: Any = None, towers: int | None = None) -> list[str]:
     """Join the cluster for between-graph training and return this task's towers.
 
-    Splits the CPU into ``towers`` logical devices, points collective ops at the
-    chief (the group leader) and starts this task's gRPC server, as
-    MultiWorkerMirroredStrategy does at start-up. Call it first thing.
+    Splits the CPU into ``towers`` logical devices, points collective ops at the chief
+    and starts this task's gRPC server, as MultiWorkerMirroredStrategy does. Call it
+    first thing.
 
     Args:
         cluster: anything :func:`towers.cluster.resolve` takes (default: TF_CONFIG).
@@ -91,12 +168,7 @@ def start_worker(cluster: Any = None, towers: int | None = None) -> list[str]:
         ValueError: no task for this process, or a malformed cluster.
         RuntimeError: TensorFlow's runtime already started.
     """
-    from tensorflow.core.protobuf import tensorflow_server_pb2
-    from tensorflow.python.eager import context
-
-    found = resolve(cluster)
-    _need_task(found, "start_worker")
-    n = towers_per_task() if towers is None else towers
+    found, n = _this_task(cluster, towers, "start_worker")
     set_logical_devices(n)
     set_local_task(str(found.task_type), int(found.task_index or 0))  # its devices: short names
     ctx = context.context()
@@ -106,45 +178,28 @@ def start_worker(cluster: Any = None, towers: int | None = None) -> list[str]:
             device_filters=(found.task_name(),),  # don't wait on the other tasks' devices
         )
     except RuntimeError as err:
-        raise RuntimeError(
-            "start_worker came too late: TensorFlow's runtime already started. Call "
-            "towers.cluster.start_worker() first thing in the program."
-        ) from err
-    server_def = tensorflow_server_pb2.ServerDef(
-        cluster=found.cluster_spec().as_cluster_def(),
-        default_session_config=ctx.config,
-        job_name=found.task_type,
-        task_index=found.task_index,
-        protocol="grpc",
-        port=_port(found),
-    )
-    ctx.enable_collective_ops(server_def)
+        raise RuntimeError("start_worker came too late: TensorFlow's runtime already started. "
+                           "Call towers.cluster.start_worker() first thing in the program."
+                           ) from err
+    port = int(found.jobs[str(found.task_type)][int(found.task_index or 0)].rsplit(":", 1)[1])
+    ctx.enable_collective_ops(tensorflow_server_pb2.ServerDef(
+        cluster=found.cluster_spec().as_cluster_def(), default_session_config=ctx.config,
+        job_name=found.task_type, task_index=found.task_index, protocol="grpc", port=port))
     ctx.ensure_initialized()
     return [f"/device:CPU:{i}" for i in range(n)]
 
 
 def start_server(cluster: Any = None, towers: int | None = None) -> tf.distribute.Server:
-    """Start this task's ``tf.distribute.Server`` with ``towers`` CPUs (in-graph mode).
-
-    Args:
-        cluster: anything :func:`towers.cluster.resolve` takes (default: TF_CONFIG).
-        towers: logical devices of this task (default: ``$TOWERS_PER_TASK`` or 1).
-
-    Returns:
-        The started server (``server.join()`` serves until the process is killed).
+    """Start this task's ``tf.distribute.Server`` with ``towers`` CPUs (in-graph mode);
+    arguments as :func:`start_worker`. ``server.join()`` serves until killed.
 
     Raises:
         ValueError: no task for this process, or a malformed cluster.
     """
-    found = resolve(cluster)
-    _need_task(found, "start_server")
-    n = towers_per_task() if towers is None else towers
-    n = positive_int("towers per task", n)
-    # The server's devices come from its own ConfigProto, not from the eager context's
-    # logical-device configuration (measured: that one leaves the server with CPU:0 only).
+    found, n = _this_task(cluster, towers, "start_server")
+    # the server's devices come from its own ConfigProto, not the eager context's
     config = tf.compat.v1.ConfigProto(device_count={"CPU": n})
-    # A remote task optimizes the graph pieces it runs with its own options: keep additions
-    # as written there too (towers.allreduce.machinery.ordering.REWRITES, docs/architecture.md).
+    # a remote task optimizes its graph pieces itself: keep additions as written there too
     rewrites = config.graph_options.rewrite_options
     for name in REWRITES:
         setattr(rewrites, name, rewriter_config_pb2.RewriterConfig.OFF)
@@ -157,11 +212,7 @@ def start_server(cluster: Any = None, towers: int | None = None) -> tf.distribut
 
 
 def serve(cluster: Any = None, towers: int | None = None) -> None:
-    """Start this task's server and serve until killed or orphaned (never returns).
-
-    A server whose parent process dies exits too, so a client killed by a timeout
-    leaves no server behind.
-    """
+    """Serve this task until killed or until its parent process dies (never returns)."""
     server = start_server(cluster, towers)
     print(f"serving {server.target}", flush=True)
     parent = os.getppid()
@@ -176,29 +227,20 @@ _LOCAL = ("127.0.0.1", "localhost", "[::1]")
 def leave_together(cluster: Any = None, limit: float = 60.0) -> bool:
     """Wait until every training task of this run has called this (or ``limit`` s passed).
 
-    Call it after a worker's last step, before the process exits. A collective's
-    receiver pulls its last buffer from the sender (gRPC ``RecvBuf``), so a worker that
-    exits as soon as its own last all-reduce returns can leave a peer's last pull
-    unanswered, and the peer fails with "Socket closed" (seen in CI). When every task
-    is on this machine, each one marks a file in a folder named after the cluster's
-    addresses (its ports are this run's own) and waits for the others' marks; this uses
-    no gRPC, so no pull is left behind. Across machines it is one more all-reduce, which
-    waits for every data collective before it; only the barrier's own last pull is then
-    still racing the exit.
+    Call it after a worker's last step: a worker that exits as soon as its own last
+    all-reduce returns can leave a peer's last pull (gRPC ``RecvBuf``) unanswered, and
+    the peer fails with "Socket closed". On one machine each task marks a file in a
+    folder named after the cluster's addresses and waits for the others' marks (no
+    gRPC); across machines it is one more all-reduce.
 
-    Args:
-        cluster: the cluster (anything :func:`towers.cluster.resolve` takes).
-        limit: seconds to wait at most (a lost peer must not hang the exit).
-
-    Returns:
-        True when every task arrived in time.
+    Returns True when every task arrived within ``limit`` seconds (a lost peer must
+    not hang the exit).
 
     Raises:
         ValueError: ``limit`` is not a positive number, or this process is no task.
     """
     positive_float("limit", limit)
-    found = resolve(cluster)
-    _need_task(found, "leave_together")
+    found = _this_task(cluster, 1, "leave_together")[0]
     workers = found.num_workers
     addresses = [a for job in ("chief", "worker") for a in found.jobs.get(job, ())]
     if not all(a.rsplit(":", 1)[0] in _LOCAL for a in addresses):
@@ -226,15 +268,8 @@ def _full(name: str) -> str:
 
 
 def connect(cluster: Any, towers_per_task: int, job: str = "worker") -> list[str]:
-    """Connect this client to a running cluster and return every task's tower names.
-
-    Args:
-        cluster: the cluster's description (anything :func:`towers.cluster.resolve` takes).
-        towers_per_task: logical devices each task of ``job`` serves.
-        job: the job whose tasks hold towers.
-
-    Returns:
-        ``/job:worker/replica:0/task:k/device:CPU:i`` for every task k and tower i.
+    """Connect this client to a running cluster and return every task's tower names,
+    ``/job:worker/replica:0/task:k/device:CPU:i`` for every task k of ``job`` and tower i.
 
     Raises:
         ValueError: the tasks do not expose those devices.

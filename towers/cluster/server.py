@@ -1,10 +1,7 @@
 """``python -m towers.cluster.server``: serve this task's towers until killed (in-graph mode).
 
-Reads ``TF_CONFIG`` (this task) and ``TOWERS_PER_TASK`` (its logical CPUs); a client
-then connects with :func:`towers.cluster.connect`. ``towers launch`` starts one per task.
+Reads ``TF_CONFIG`` (this task) and ``TOWERS_PER_TASK`` (its logical CPUs).
 """
-
-from __future__ import annotations
 
 from towers.cluster.runtime import serve
 

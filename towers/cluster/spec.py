@@ -1,8 +1,7 @@
-"""Which cluster this process belongs to: jobs, task addresses, this task, the chief.
+"""Which cluster this process belongs to: jobs, addresses, this task, the chief.
 
-TensorFlow's distributed runtime describes a cluster as named jobs, each a list of
-``host:port`` addresses (a ``tf.train.ClusterSpec``); a process learns its own place
-from ``TF_CONFIG``::
+A cluster is named jobs of ``host:port`` addresses (a ``tf.train.ClusterSpec``); a
+process learns its own place from ``TF_CONFIG``::
 
     TF_CONFIG = {"cluster": {"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]},
                  "task": {"type": "worker", "index": 1}}
@@ -10,39 +9,40 @@ from ``TF_CONFIG``::
     job:worker  task 0 ── /job:worker/replica:0/task:0/device:CPU:0 … CPU:T-1   (chief)
                 task 1 ── /job:worker/replica:0/task:1/device:CPU:0 … CPU:T-1   (this one)
 
-:func:`resolve` accepts that JSON (from the environment or given), a
-``tf.train.ClusterSpec``, a plain dict or a ``ClusterResolver`` and returns one
-frozen :class:`Cluster`. The chief is task 0 of job ``chief`` when there is one,
-else worker 0 (``multi_worker_util.is_chief``'s rule). Nothing here starts
-TensorFlow's runtime, so a process can still choose its logical devices afterwards
-(:func:`towers.cluster.devices.simulate_task_devices`).
+:func:`resolve` turns that JSON, a ``tf.train.ClusterSpec``, a dict or a
+``ClusterResolver`` into one frozen :class:`Cluster`. The chief is ``chief:0`` when
+there is one, else ``worker:0`` (``multi_worker_util.is_chief``'s rule).
+
+``towers launch`` runs every task on 127.0.0.1 (:func:`local_cluster`) and tells each
+how many towers to simulate through :data:`TOWERS_ENV` (:func:`towers_per_task`).
+Nothing here starts TensorFlow's runtime.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import socket
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from towers.guard.arguments import positive_int
+from towers.guard.arguments import non_negative_int, positive_int
 
-__all__ = ["TASK_TYPES", "Cluster", "resolve", "tf_config"]
+__all__ = [
+    "HOST", "TOWERS_ENV", "Cluster", "free_ports", "local_cluster", "resolve", "tf_config",
+    "towers_per_task",
+]
 
-TASK_TYPES = ("chief", "worker", "ps", "evaluator")
-"""The job names TensorFlow's multi-worker code understands."""
+HOST = "127.0.0.1"
+TOWERS_ENV = "TOWERS_PER_TASK"
+"""Environment variable: how many logical devices (towers) this task simulates."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Cluster:
-    """A cluster (job name -> task addresses) and this process's task in it.
-
-    Attributes:
-        jobs: job name -> addresses, e.g. ``{"worker": ("127.0.0.1:2222", ...)}``.
-        task_type: this process's job (``None`` for a client outside the cluster).
-        task_index: this process's index in its job (``None`` for a client).
-    """
+    """Job name -> task addresses, and this process's task (``None``: a client outside)."""
 
     jobs: Mapping[str, tuple[str, ...]]
     task_type: str | None = None
@@ -80,15 +80,9 @@ class Cluster:
         _check_task(self.jobs, job, index)
         return f"/job:{job}/replica:0/task:{index}"
 
-    def tower_devices(
-        self, towers_per_task: int, job: str = "worker", kind: str = "CPU"
-    ) -> list[str]:
-        """Every tower of ``job``: task 0's devices 0…T-1, then task 1's, …
-
-        Args:
-            towers_per_task: logical devices (towers) each task runs, at least 1.
-            job: the job whose tasks hold towers.
-            kind: ``"CPU"`` or ``"GPU"``.
+    def tower_devices(self, towers_per_task: int, job: str = "worker",
+                      kind: str = "CPU") -> list[str]:
+        """Every tower of ``job``: task 0's ``kind`` devices 0…T-1, then task 1's, …
 
         Raises:
             ValueError: an unknown job, a count below 1 or an unknown kind.
@@ -98,11 +92,8 @@ class Cluster:
             raise ValueError(f"kind must be 'CPU' or 'GPU', got {kind!r}")
         if job not in self.jobs:
             raise ValueError(f"job {job!r} is not in the cluster; jobs: {sorted(self.jobs)}")
-        return [
-            f"{self.task_name(job, k)}/device:{kind}:{i}"
-            for k in range(len(self.jobs[job]))
-            for i in range(towers_per_task)
-        ]
+        return [f"{self.task_name(job, k)}/device:{kind}:{i}"
+                for k in range(len(self.jobs[job])) for i in range(towers_per_task)]
 
     def as_dict(self) -> dict[str, list[str]]:
         """The cluster as ``{job: [addresses]}`` (TF_CONFIG's ``cluster``)."""
@@ -114,10 +105,6 @@ class Cluster:
 
         return tf.train.ClusterSpec(self.as_dict())
 
-    def for_task(self, job: str, index: int) -> Cluster:
-        """The same cluster seen from another task."""
-        return Cluster(self.jobs, job, index)
-
 
 def _check_jobs(jobs: Any, argument: str) -> None:
     if not isinstance(jobs, Mapping) or not jobs:
@@ -126,10 +113,8 @@ def _check_jobs(jobs: Any, argument: str) -> None:
         if not isinstance(job, str) or not job:
             raise ValueError(f"{argument}: job names must be non-empty strings, got {job!r}")
         if isinstance(addresses, str) or not isinstance(addresses, Sequence) or not addresses:
-            raise ValueError(
-                f"{argument}[{job!r}] must be a non-empty list of 'host:port' strings, "
-                f"got {addresses!r}"
-            )
+            raise ValueError(f"{argument}[{job!r}] must be a non-empty list of 'host:port' "
+                             f"strings, got {addresses!r}")
         for address in addresses:
             if not isinstance(address, str) or ":" not in address:
                 raise ValueError(f"{argument}[{job!r}]: {address!r} is not 'host:port'")
@@ -141,15 +126,13 @@ def _check_task(jobs: Mapping[str, Sequence[str]], job: str | None, index: int |
     if job is None or index is None:
         raise ValueError(f"task needs both a type and an index, got type={job!r} index={index!r}")
     if job not in jobs:
-        raise ValueError(
-            f"task type {job!r} is not a job of the cluster; jobs: {', '.join(sorted(jobs))}"
-        )
+        raise ValueError(f"task type {job!r} is not a job of the cluster; jobs: "
+                         f"{', '.join(sorted(jobs))}")
     if isinstance(index, bool) or not isinstance(index, int):
         raise ValueError(f"task index must be an int, got {index!r}")
     if not 0 <= index < len(jobs[job]):
-        raise ValueError(
-            f"task index {index} is out of range: job {job!r} has {len(jobs[job])} task(s)"
-        )
+        raise ValueError(f"task index {index} is out of range: job {job!r} has "
+                         f"{len(jobs[job])} task(s)")
 
 
 def _from_tf_config(text: str, argument: str) -> Cluster:
@@ -165,11 +148,9 @@ def _from_tf_config(text: str, argument: str) -> Cluster:
     task = config.get("task") or {}
     if not isinstance(task, dict):
         raise ValueError(f"{argument}['task'] must be an object, got {task!r}")
-    if "type" in task and "index" not in task:
-        task = {**task, "index": 0}
     jobs = {job: tuple(a) for job, a in config["cluster"].items()}
     try:
-        return Cluster(jobs, task.get("type"), task.get("index"))
+        return Cluster(jobs, task.get("type"), task.get("index", 0 if "type" in task else None))
     except ValueError as err:
         raise ValueError(f"{argument}['task']: {err}") from err
 
@@ -186,18 +167,9 @@ def resolve(cluster: Any = None, task_type: str | None = None,
         task_type: this process's job; overrides what ``cluster`` says.
         task_index: this process's index in its job; overrides what ``cluster`` says.
 
-    Returns:
-        A :class:`Cluster`.
-
     Raises:
-        ValueError: TF_CONFIG unset or malformed (no ``cluster``, an unknown task type,
-            an index out of range), naming the argument or variable at fault.
+        ValueError: TF_CONFIG unset or malformed, naming the argument or variable at fault.
         TypeError: ``cluster`` of another type.
-
-    Example:
-        >>> c = resolve({"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, "worker", 1)
-        >>> c.tower_devices(1)
-        ['/job:worker/replica:0/task:0/device:CPU:0', '/job:worker/replica:0/task:1/device:CPU:0']
     """
     found = _found(cluster)
     job = task_type if task_type is not None else found.task_type
@@ -228,18 +200,14 @@ def _found(cluster: Any) -> Cluster:
 def _from_tensorflow(cluster: Any) -> Cluster:
     import tensorflow as tf
 
-    resolver_type = tf.distribute.cluster_resolver.ClusterResolver
-    if isinstance(cluster, tf.train.ClusterSpec):
-        return _from_cluster_spec(cluster, None, None)
-    if isinstance(cluster, resolver_type):
-        return _from_cluster_spec(cluster.cluster_spec(), cluster.task_type, cluster.task_id)
-    raise TypeError(
-        "cluster must be None (TF_CONFIG), a TF_CONFIG string or dict, a {job: [addresses]} "
-        f"dict, a tf.train.ClusterSpec or a ClusterResolver; got {type(cluster).__name__}"
-    )
-
-
-def _from_cluster_spec(spec: Any, job: str | None, index: int | None) -> Cluster:
+    spec, job, index = cluster, None, None
+    if isinstance(cluster, tf.distribute.cluster_resolver.ClusterResolver):
+        spec, job, index = cluster.cluster_spec(), cluster.task_type, cluster.task_id
+    elif not isinstance(cluster, tf.train.ClusterSpec):
+        raise TypeError(
+            "cluster must be None (TF_CONFIG), a TF_CONFIG string or dict, a {job: "
+            "[addresses]} dict, a tf.train.ClusterSpec or a ClusterResolver; got "
+            f"{type(cluster).__name__}")
     jobs = {}
     for name in spec.jobs:
         tasks = spec.job_tasks(name)  # a sparse job lists None for missing indices
@@ -254,13 +222,62 @@ def tf_config(cluster: Cluster | Mapping[str, Sequence[str]], job: str, index: i
 
     Raises:
         ValueError: an unknown job or an index out of range.
-
-    Example:
-        >>> tf_config({"worker": ["127.0.0.1:5"]}, "worker", 0)
-        '{"cluster": {"worker": ["127.0.0.1:5"]}, "task": {"type": "worker", "index": 0}}'
     """
     jobs = cluster.as_dict() if isinstance(cluster, Cluster) else {
         j: list(a) for j, a in cluster.items()
     }
     Cluster({j: tuple(a) for j, a in jobs.items()}, job, index)
     return json.dumps({"cluster": jobs, "task": {"type": job, "index": index}})
+
+
+def free_ports(n: int, host: str = HOST) -> list[int]:
+    """``n`` distinct TCP ports free on ``host`` now (another process may still take one).
+
+    Raises:
+        ValueError: ``n`` < 0.
+    """
+    non_negative_int("n", n)
+    with contextlib.ExitStack() as stack:
+        ports = []
+        for _ in range(n):
+            sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            sock.bind((host, 0))
+            ports.append(sock.getsockname()[1])
+    return ports
+
+
+def local_cluster(workers: int, ps: int = 0, chief: bool = False) -> Cluster:
+    """``workers`` workers, ``ps`` parameter servers (and a ``chief`` task) on free local ports.
+
+    Raises:
+        ValueError: ``workers`` < 1 or ``ps`` < 0.
+    """
+    positive_int("workers", workers)
+    non_negative_int("ps", ps)
+    ports = iter(free_ports(workers + ps + int(chief)))
+    jobs: dict[str, tuple[str, ...]] = {}
+    if chief:
+        jobs["chief"] = (f"{HOST}:{next(ports)}",)
+    jobs["worker"] = tuple(f"{HOST}:{next(ports)}" for _ in range(workers))
+    if ps:
+        jobs["ps"] = tuple(f"{HOST}:{next(ports)}" for _ in range(ps))
+    return Cluster(jobs)
+
+
+def towers_per_task(default: int = 1) -> int:
+    """The tower count :data:`TOWERS_ENV` asks for (``default`` when unset).
+
+    Raises:
+        ValueError: the variable is not a positive integer.
+    """
+    text = os.environ.get(TOWERS_ENV)
+    if text is None or text == "":
+        return default
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"{TOWERS_ENV} must be a positive integer, got {text!r}")
+    return n
+

@@ -1,11 +1,9 @@
 """``WorkerTrainer``: one worker's ``TowerTrainer`` whose loss is over the GLOBAL batch.
 
-A plain ``TowerTrainer`` divides its towers' losses by the batch it was given: on a
-worker that is the *local* batch, right only when every worker holds as many examples
-(then ``CrossWorker(op="mean")`` divides by W). With unequal local batches (a global
-batch B not divisible by W) the mean must be over B, as MultiWorkerMirroredStrategy's
-``tf.nn.compute_average_loss(..., global_batch_size=B)`` does. This trainer learns B
-inside the step by all-reducing the local counts (exact: integers in float32)::
+A ``TowerTrainer`` divides by the batch it was given, on a worker the *local* one. With
+unequal local batches the mean must be over the global B, as MultiWorkerMirroredStrategy's
+``compute_average_loss(..., global_batch_size=B)``; this trainer all-reduces the local
+counts inside the step (exact: integers in float32)::
 
     global batch B ─split over workers (shard_sizes(B, W))─▶ worker k: b_k examples
       worker k:  b_k ──all_reduce_v2 (group of W)──▶ B = Σ b_k
@@ -14,6 +12,15 @@ inside the step by all-reducing the local counts (exact: integers in float32)::
 
 so the gradient every worker applies is Σ over all examples / B, whatever the split.
 :func:`worker_slice` cuts a worker's part of a global batch with that rule.
+
+Checkpoints: every worker holds the same weights after a step, so the chief alone
+writes them (:func:`save_on_chief`, atomically, as ``ExactResume``) and every worker
+reads the newest good one (:func:`restore_latest`). They are numbered by the steps
+TAKEN, not ``optimizer.iterations`` (which a skipped step does not advance), so a
+resumed run never trains a batch twice::
+
+    step k (0-based) trained ─▶ chief: ckpt-<k + 1> ─▶ restart: every worker restores
+    the latest good ckpt-N, the same bits everywhere ─▶ goes on with step N, batch N
 """
 
 from __future__ import annotations
@@ -26,16 +33,20 @@ import tensorflow as tf
 from tensorflow.python.ops import collective_ops
 
 from towers.allreduce.machinery.tf_collective_ops import shared_keys, token
-from towers.cluster.cross_worker import check_cross_worker
-from towers.cluster.flat import AllTowers
+from towers.cluster.cross_worker import AllTowers, check_cross_worker
+from towers.cluster.spec import resolve
 from towers.guard.arguments import non_negative_int
+from towers.guard.errors import CheckpointError
 from towers.guard.inputs import batch_tensors
 from towers.split import Shards, shard_sizes
 from towers.step import Reduced, TowerTrainer
 from towers.tower import Gradients
+from towers.training import atomic
+from towers.training.checkpoint import checkpoint, restore
 from towers.training.losses import reduction_of
+from towers.training.protocol import Trainer
 
-__all__ = ["WorkerTrainer", "worker_slice"]
+__all__ = ["WorkerTrainer", "restore_latest", "save_on_chief", "worker_slice"]
 
 
 def worker_slice(batch_size: int, workers: int, worker: int) -> slice:
@@ -43,10 +54,6 @@ def worker_slice(batch_size: int, workers: int, worker: int) -> slice:
 
     Raises:
         ValueError: a negative size, no workers, or a worker index out of range.
-
-    Example:
-        >>> [worker_slice(5, 2, k) for k in (0, 1)]
-        [slice(0, 3, None), slice(3, 5, None)]
     """
     non_negative_int("batch_size", batch_size)
     if workers < 1 or not 0 <= worker < workers:
@@ -72,8 +79,7 @@ class WorkerTrainer(TowerTrainer):
         ValueError: a bad ``num_workers`` or ``timeout_seconds``, a reducer that averages
             (``op="mean"``), or any ``TowerTrainer`` error.
 
-    ``train_step`` returns this worker's share of the global mean loss (the workers'
-    shares add up to it).
+    ``train_step`` returns this worker's share of the global mean loss.
     """
 
     batch_is_global = False  # one worker's part of a global batch spanning the workers
@@ -103,8 +109,7 @@ class WorkerTrainer(TowerTrainer):
 
     def model_towers(self, shards: Shards) -> list[int]:
         """As ``TowerTrainer``'s, and on an empty worker tower 0 runs the model on 0 rows
-        (as MWMS's empty replica does: loss 0, zero data gradients); the other empty
-        towers are ``TowerTrainer``'s empty towers, loss scale included."""
+        (as MWMS's empty replica does: loss 0, zero data gradients)."""
         return sorted({0, *super().model_towers(shards)})
 
     def split(self, x: Any, y: Any, sample_weight: Any = None) -> Shards:
@@ -119,13 +124,8 @@ class WorkerTrainer(TowerTrainer):
         return tf.cast(total, tf.int32)
 
     def reduce(self, grads: Gradients) -> Reduced:
-        """As ``TowerTrainer``'s, after refusing sparse gradients across workers.
-
-        Raises:
-            ValueError: ``num_workers`` > 1 and a gradient is a ``tf.IndexedSlices`` (an
-                Embedding's): the cross-worker reducers take dense gradients, so it would
-                be summed on this worker alone (raised when the step is traced).
-        """
+        """As ``TowerTrainer``'s, after refusing sparse gradients across workers (raised
+        when the step is traced: the cross-worker reducers take dense gradients only)."""
         sparse = [v.path for v, g in zip(self.model.trainable_variables, grads.towers[0].grads)
                   if isinstance(g, tf.IndexedSlices)]
         if sparse and self.num_workers > 1:
@@ -156,11 +156,7 @@ class WorkerTrainer(TowerTrainer):
 
 
 def _refuse_state_across_workers(model: Any, num_workers: int) -> None:
-    """Refuse floating non-trainable state (BatchNormalization statistics) across workers.
-
-    Raises:
-        ValueError: ``num_workers`` > 1 and the model holds such state.
-    """
+    """Refuse floating non-trainable state (BatchNormalization statistics) across workers."""
     state = [v.path for v in model.non_trainable_variables if tf.as_dtype(v.dtype).is_floating]
     if state and num_workers > 1:
         raise ValueError(
@@ -173,12 +169,7 @@ def _refuse_state_across_workers(model: Any, num_workers: int) -> None:
 
 def _cross_worker_reducer(all_reduce: Any, num_workers: int, timeout_seconds: float) -> Any:
     """``all_reduce`` (default ``AllTowers``), after refusing one that would not sum over
-    every worker.
-
-    Raises:
-        ValueError: a reducer that averages, or (with more than one worker) one that
-            does not reduce across the same number of workers.
-    """
+    every worker."""
     if all_reduce is None:
         return AllTowers(num_workers, op="sum", timeout_seconds=timeout_seconds)
     if getattr(all_reduce, "op", "sum") != "sum":
@@ -192,3 +183,49 @@ def _cross_worker_reducer(all_reduce: Any, num_workers: int, timeout_seconds: fl
             "leave every worker training alone (a compressed or local algorithm is not "
             "supported across workers)")
     return all_reduce
+
+
+def save_on_chief(
+    trainer: Trainer, directory: str, steps: int, cluster: Any = None, keep: int | None = None
+) -> str | None:
+    """On the chief, write the trainer's state as ``directory/ckpt-<steps>``; elsewhere nothing.
+
+    Args:
+        trainer: this worker's trainer (all workers hold the same state).
+        directory: the run's checkpoint directory (shared by every worker).
+        steps: the steps taken so far, skipped ones included (after step ``k``: ``k + 1``).
+        cluster: anything :func:`towers.cluster.resolve` takes (default: TF_CONFIG).
+        keep: how many of the newest checkpoints to keep (None: all).
+
+    Returns:
+        The checkpoint's prefix on the chief; None on every other worker.
+
+    Raises:
+        ValueError: ``steps`` is not an int >= 0, or ``keep`` not None or an int >= 1.
+    """
+    if not resolve(cluster).is_chief:
+        return None
+    return atomic.write(checkpoint(trainer), directory, steps, {"steps": steps}, keep)
+
+
+def restore_latest(trainer: Trainer, directory: str) -> int:
+    """On every worker, restore the newest good checkpoint of ``directory``; return its steps.
+
+    Returns:
+        The steps taken when it was saved: the index of the next step to run (0 when
+        there is no checkpoint: the trainer is unchanged and the run starts afresh).
+
+    Raises:
+        towers.CheckpointError: the checkpoint does not fit this trainer, or is corrupt
+            (the trainer is unchanged).
+    """
+    prefix = atomic.latest(directory)
+    if prefix is None:
+        return 0
+    position = atomic.verify(prefix)
+    steps = position.get("steps")
+    if isinstance(steps, bool) or not isinstance(steps, int):
+        raise CheckpointError(prefix, "its position holds no count of steps taken (not written "
+                              "by save_on_chief): the step to go on with is unknown")  # fmt: skip
+    restore(trainer, prefix)
+    return steps
