@@ -24,7 +24,10 @@ import os
 from pathlib import Path
 from typing import Any
 
+import matplotlib
 import numpy as np
+from matplotlib.lines import Line2D
+from matplotlib.patches import FancyArrowPatch, Rectangle
 
 from towers.trace.state import StateTrace, range_label, sends_by_tick
 from towers.trace.table import Trace
@@ -37,8 +40,7 @@ _GREY = "0.45"
 
 
 def pyplot() -> Any:
-    import matplotlib
-
+    """``matplotlib.pyplot`` on the Agg backend (no display needed)."""
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -46,8 +48,6 @@ def pyplot() -> Any:
 
 
 def _palette(n: int) -> list[Any]:
-    import matplotlib
-
     cmap = matplotlib.colormaps["tab10" if n <= 10 else "tab20"]
     return [cmap(i % cmap.N) for i in range(n)]
 
@@ -106,14 +106,12 @@ def _draw_ownership(ax: Any, trace: Trace, colours: dict[int, Any], x0: float,
         ax.text(x0 + width / 2, (len(trace.places) - 1) / 2, "not observable\n(opaque)",
                 ha="center", va="center", fontsize=8)
         return
-    import matplotlib.patches as patches
-
     w = width / len(trace.chunks)
     finished_by = {c: p for c, (p, _) in trace.finished.items()}
     for p, held in enumerate(trace.holds):
         for j, c in enumerate(trace.chunks):
             mine = finished_by.get(c) == p
-            ax.add_patch(patches.Rectangle(
+            ax.add_patch(Rectangle(
                 (x0 + j * w + 0.03, p - 0.25), w - 0.06, 0.5,
                 facecolor=colours.get(c, _GREY) if c in held else "white",
                 edgecolor="black" if mine else "0.6", lw=2.2 if mine else 0.8))
@@ -122,8 +120,6 @@ def _draw_ownership(ax: Any, trace: Trace, colours: dict[int, Any], x0: float,
 
 
 def _legend(ax: Any, trace: Trace, colours: dict[int, Any]) -> None:
-    from matplotlib.lines import Line2D
-
     shown = sorted({r.chunk for r in trace.rows if r.chunk is not None})[:12]
     handles = [Line2D([], [], color=colours[c], lw=2, label=f"chunk {c}") for c in shown]
     if any(r.chunk is None for r in trace.rows):
@@ -195,8 +191,6 @@ def _draw_topology(ax: Any, topo: Topology, colours: list[Any]) -> None:
 
 def _draw_link(ax: Any, positions: list[tuple[float, float]], a: int, b: int) -> None:
     """A straight line, or an arc where the line would run through another tower (wrap-around)."""
-    from matplotlib.patches import FancyArrowPatch
-
     (xa, ya), (xb, yb) = positions[a], positions[b]
     length2 = (xb - xa) ** 2 + (yb - ya) ** 2 or 1.0
     through = False

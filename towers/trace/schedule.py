@@ -1,17 +1,10 @@
-"""Trace one all-reduce: who sends which chunk where, tick by tick, checked against NumPy.
+"""Trace one all-reduce: every ``send`` recorded as a row of the tick table, checked against NumPy.
 
 :func:`trace_all_reduce` runs an algorithm eagerly on one small vector per tower inside
-:func:`~towers.allreduce.machinery.recording.record`, so every ``send`` becomes a row of
-the tick table (:mod:`towers.trace.table`), and checks the outputs against NumPy::
-
-    tick      0          1          2      │    3          4          5
-    tower 0  c3 ─▶1     c2 ─▶1     c1 ─▶1  │   c0 ─▶1 ...          holds c0 c1 c2 c3
-    tower 1  c0 ─▶2 ...                 ★c1 finished here (tick 2)
-
-When the chunk labels say a send leaves no later than its data arrived, the algorithm is
-traced once more in a ``tf.function`` (not run) to follow the data each send carries: in a
-full-buffer exchange both towers send chunk 0 in one tick, but neither sends what it
-receives. An opaque collective moves data outside ``send``: its record's estimated
+``record()``. When the chunk labels say a send leaves no later than its data arrived, the
+algorithm is traced once more in a ``tf.function`` (not run) to follow the data each send
+carries: in a full-buffer exchange both towers send chunk 0 in one tick, but neither sends
+what it receives. An opaque collective moves data outside ``send``: its record's estimated
 ``bytes_sent`` gives one dashed row per tower into the pseudo-device ``collective``.
 
 Example:

@@ -32,7 +32,6 @@ def viewer_data(state: StateTrace) -> dict[str, Any]:
     return {
         "algorithm": state.trace.algorithm,
         "towers": state.towers,
-        "size": state.trace.size,
         "segments": [list(s) for s in state.segments],
         "states": [[[sorted(h) for h in tower] for tower in k] for k in state.states],
         "sends": [[{"src": s, "dst": d, "ranges": range_label(r)}
@@ -40,14 +39,12 @@ def viewer_data(state: StateTrace) -> dict[str, Any]:
                   for tick in range(state.ticks)],
         "notes": [state.trace.note(t) for t in range(state.ticks)],
         "topology": {"kind": topo.kind, "positions": topo.positions, "links": topo.links},
-        "messages": state.messages,
-        "alpha": state.alpha,
         "observed": state.observed,
         "colours": [_COLOURS[i % len(_COLOURS)] for i in range(state.towers)],
     }
 
 
-_PAGE = """<!DOCTYPE html>
+_PAGE = r"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>__TITLE__</title>
 <style>
 body { font: 14px system-ui, sans-serif; margin: 16px; color: #222; }
@@ -68,11 +65,6 @@ Arrows: this tick's sends, labelled with the elements they carry.</div>
 <svg id="view" xmlns="http://www.w3.org/2000/svg"></svg>
 <script id="data" type="application/json">__DATA__</script>
 <script>
-__SCRIPT__
-</script></body></html>
-"""
-
-_SCRIPT = r"""
 const D = JSON.parse(document.getElementById('data').textContent);
 const N = D.towers, T = D.states.length - 1, S = D.segments.length;
 const NS = 'http://www.w3.org/2000/svg';
@@ -167,6 +159,7 @@ function fromHash() {
 }
 window.addEventListener('hashchange', fromHash);
 fromHash();
+</script></body></html>
 """
 
 
@@ -176,7 +169,6 @@ def write_html(state: StateTrace, path: str | os.PathLike[str]) -> Path:
     title = (f"{state.trace.algorithm} on {state.towers} towers: {state.ticks} ticks, "
              f"α = {state.messages} messages (cost formula {alpha})")
     data = json.dumps(viewer_data(state)).replace("</", "<\\/")
-    page = (_PAGE.replace("__TITLE__", html.escape(title)).replace("__SCRIPT__", _SCRIPT)
-            .replace("__DATA__", data))
+    page = _PAGE.replace("__TITLE__", html.escape(title)).replace("__DATA__", data)
     Path(path).write_text(page, encoding="utf-8")
     return Path(path)
