@@ -30,6 +30,7 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import pytest
 from hypothesis import HealthCheck, Phase, settings
 
 import towers
@@ -109,3 +110,59 @@ def pytest_runtest_logreport(report):  # type: ignore[no-untyped-def]
     if path:
         with open(path, "a") as f:
             f.write(f"{report.nodeid}\t{report.when}\t{report.duration:.3f}\t{report.outcome}\n")
+
+
+USER_STAR = '''\
+import tensorflow as tf
+
+from towers.allreduce import Algorithm, check_values, combine, finish, register, send
+
+
+def star(values, *, op="sum"):
+    """Everyone sends to the last tower, which adds in tower order and sends back; no ticks."""
+    devices = check_values(values, op)
+    hub = devices[-1]
+    with tf.device(hub):
+        total = send(values[0], hub)
+        for v in values[1:]:
+            total = combine(total, send(v, hub), op)
+        total = finish(total, op, len(values))
+    return [send(total, d) for d in devices]
+
+
+def make_star():
+    return star
+
+
+def star_d(values, *, op="sum"):
+    """The star with a registry record beside it (bytes and depth for the tools)."""
+    return star(values, op=op)
+
+
+register(Algorithm(
+    "star_d", lambda: star_d,
+    bytes_sent=lambda n, nbytes, itemsize: [nbytes] * (n - 1) + [(n - 1) * nbytes],
+    summation_depth=lambda n: n - 1,
+))
+
+SHOUT = "not an algorithm"
+'''
+"""A user's algorithm module, as a user writes ``my_algos.py``: ``star`` (no ticks),
+``make_star`` (a factory), ``star_d`` (registered) and ``SHOUT`` (not an algorithm)."""
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
+    """``user_star.py`` (:data:`USER_STAR`) in the test's current folder, importable as
+    ``user_star``; its module and registry record are removed afterwards."""
+    import sys
+
+    from towers.allreduce import ALGORITHMS
+
+    (tmp_path / "user_star.py").write_text(USER_STAR)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "user_star", raising=False)
+    yield "user_star"
+    sys.modules.pop("user_star", None)
+    ALGORITHMS.pop("star_d", None)

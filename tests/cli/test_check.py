@@ -2,7 +2,8 @@
 
 Runs in-process through ``towers.cli.main``; ``--max-towers 8`` matches the 8
 devices conftest configured, so ``simulate_devices`` is a no-op here. The
-algorithms under test live in this module and are named ``tests.cli.test_check:…``.
+broken algorithms under test live in this module and are named ``tests.cli.test_check:…``;
+the correct star is conftest's ``user_module``.
 """
 
 from __future__ import annotations
@@ -13,25 +14,8 @@ import pytest
 import tensorflow as tf
 
 from towers import cli
-from towers.allreduce import AllReduce, check_values, combine, finish, scheduled, send
+from towers.allreduce import check_values, combine, finish, scheduled, send
 from towers.schedule import Schedule, ring_schedule
-
-
-def star(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
-    """Everyone sends to the last tower, which reduces in tower order and sends back."""
-    devices = check_values(values, op)
-    hub = devices[-1]
-    with tf.device(hub):
-        total = send(values[0], hub)
-        for v in values[1:]:
-            total = combine(total, send(v, hub), op)
-        total = finish(total, op, len(values))
-    return [send(total, d) for d in devices]
-
-
-def make_star() -> AllReduce:
-    """A factory: ``towers check`` calls it with no arguments."""
-    return star
 
 
 def forgets_the_last(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
@@ -54,11 +38,12 @@ def _check(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, st
 
 
 @pytest.mark.parametrize("name", ["star", "make_star"])
-def test_a_correct_algorithm_passes_with_exit_code_0(name: str, capsys) -> None:
-    code, out, _ = _check(capsys, f"tests.cli.test_check:{name}", "--towers", "1,2,3",
+def test_a_correct_algorithm_passes_with_exit_code_0(name: str, user_module: str,
+                                                     capsys) -> None:
+    code, out, _ = _check(capsys, f"{user_module}:{name}", "--towers", "1,2,3",
                           "--examples", "6")
     assert code == 0, out
-    assert f"PASS: tests.cli.test_check:{name} (6 examples run)" in out
+    assert f"PASS: {user_module}:{name} (6 examples run)" in out
     assert "tower count" in out  # the progress bar
 
 

@@ -6,7 +6,6 @@ have positive durations, and every tower shows forward and backward op time.
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,7 @@ from towers.trace.measured import (
     profile_step,
     split_compute,
 )
-from towers.trace.timeline import _setup
+from towers.trace.timeline import digits_trainer
 
 
 @pytest.mark.parametrize(("name", "expected"), [
@@ -47,9 +46,8 @@ def test_busy_time_is_the_union_of_intervals() -> None:
 
 
 def test_a_profiled_step_has_real_forward_and_backward_on_every_tower(tmp_path: Path) -> None:
-    args = argparse.Namespace(algorithm="ring", variables="replicated", batch_size=16, seed=0)
-    setup = _setup(args, DEVICES[:2])
-    events = profile_step(setup.trainer, *setup.batch)
+    trainer, batch = digits_trainer(DEVICES[:2], batch_size=16)
+    events = profile_step(trainer, *batch)
     assert len(events) > 50 and all(e.duration > 0 and e.start >= 0 for e in events)
     spent = busy(events, 2)
     for tower in range(2):

@@ -35,26 +35,6 @@ from towers.trace import (
 ROOT = Path(__file__).resolve().parents[2]
 ROW = re.compile(r"^\s*(\d+)?\*?\s+tower (\d+)\s+-> tower (\d+)\s+(\S+)\s+~?(\d+)\s+(.*)$")
 
-STAR = '''
-import tensorflow as tf
-from towers.allreduce import check_values, combine, finish, send
-
-def star(values, *, op="sum"):
-    """Everyone sends to the last tower, which reduces and sends back; no ticks given."""
-    devices = check_values(values, op)
-    hub = devices[-1]
-    with tf.device(hub):
-        total = send(values[0], hub)
-        for v in values[1:]:
-            total = combine(total, send(v, hub), op)
-        total = finish(total, op, len(values))
-    return [send(total, d) for d in devices]
-
-def make_star():
-    return star
-'''
-
-
 def _png(path: Path) -> None:
     assert path.stat().st_size > 1000
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -185,11 +165,10 @@ def test_a_full_buffer_exchange_sends_its_own_data_not_what_it_receives() -> Non
     assert [r.tick for r in again.rows] == [r.tick for r in trace.rows]
 
 
-def test_user_algorithm_by_module_path_without_ticks(tmp_path: Path, monkeypatch, capsys) -> None:
-    (tmp_path / "user_star_algos.py").write_text(STAR)
-    monkeypatch.syspath_prepend(str(tmp_path))
+def test_user_algorithm_by_module_path_without_ticks(user_module: str, tmp_path: Path,
+                                                     capsys) -> None:
     png = tmp_path / "star.png"
-    code = cli.main(["trace", "--algorithm", "user_star_algos:make_star", "--towers", "8",
+    code = cli.main(["trace", "--algorithm", f"{user_module}:make_star", "--towers", "8",
                      "--out", str(png)])
     out = capsys.readouterr().out
     assert code == 0, out
@@ -198,7 +177,7 @@ def test_user_algorithm_by_module_path_without_ticks(tmp_path: Path, monkeypatch
     assert [r[0] for r in rows] == list(range(14)) and "* tick assigned by order" in out
     assert {r[2] for r in rows[:7]} == {7} and {r[1] for r in rows[7:]} == {7}
     _png(png)
-    spec = f"{tmp_path / 'user_star_algos.py'}:star"
+    spec = f"{tmp_path / 'user_star.py'}:star"
     name, fn = label(spec), get(spec, devices=DEVICES[:2])
     assert fn.__name__ == "star" and name.endswith(":star")
 

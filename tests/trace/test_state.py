@@ -17,8 +17,8 @@ import tensorflow as tf
 
 from tests.conftest import DEVICES
 from towers.allreduce import ALGORITHMS, check_values, combine, send
-from towers.trace.picture import draw_state, sends_by_tick
-from towers.trace.state import default_size, trace_state
+from towers.trace.draw import draw_state
+from towers.trace.state import default_size, sends_by_tick, trace_state
 from towers.trace.topology import topology
 
 NAMES = sorted(ALGORITHMS)

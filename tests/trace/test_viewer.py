@@ -17,8 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import DEVICES
-from towers.trace.picture import range_label, sends_by_tick
-from towers.trace.state import trace_state
+from towers.trace.state import range_label, sends_by_tick, trace_state
 from towers.trace.viewer import viewer_data, write_html
 
 BROWSER = shutil.which("chromium") or shutil.which("chromium-browser")

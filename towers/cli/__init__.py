@@ -1,43 +1,30 @@
-"""The ``towers`` command line: ``python -m towers <command>``.
+"""The ``towers`` command line: ``python -m towers <command>`` (the commands: :data:`COMMANDS`).
 
-Commands:
-    train     train a CNN on the bundled digits over simulated towers and compare with
-              MirroredStrategy.
-    trace     run one all-reduce, print its tick table and draw its schedule.
-    check     check an all-reduce against the contract with Hypothesis.
-    timeline  write one training step as a Perfetto / chrome://tracing timeline.
-    bench     all-reduce and training-step benchmarks side by side with tf.distribute.
-    launch    run a command once per task of a localhost cluster, each with its TF_CONFIG.
-    invariance  check that training gives the same result on 1, 2, 4, 8 towers.
-    bisect    find the first step, variable and element where two steps part.
-    compare   compare two training steps (yours or towers') on every batch, teacher-forced.
-    study     compare reducers and codecs: loss against gradient bytes and predicted time.
-
-Each command lives in its own module with ``add_arguments(parser)``, ``run(args) -> exit
-code`` and, when its options can contradict each other, ``usage_problem(args) -> str |
-None``. Algorithms and codecs are a registered name or ``module:NAME`` in every command
-(:mod:`towers.cli.arguments`). Arguments are parsed and ``usage_problem`` asked before
-TensorFlow is imported, so a usage error answers at once: one line on stderr, ``towers
-CMD: error: …`` naming the option (with the nearest known name for a near miss), and exit
-status 2, before any work. ``--help`` shows every option's default. Then TensorFlow is
-imported quietly (:mod:`towers.cli.quiet`; ``--verbose`` shows its log), what
-``module:NAME`` options name is imported and checked, and the command runs. Nothing starts
-TensorFlow's runtime before a command runs, so each can simulate the devices it needs first.
+Each command is a module with ``add_arguments(parser)``, ``run(args) -> exit code`` and,
+when its options can contradict each other, ``usage_problem(args) -> str | None``; its
+docstring is its ``--help``. Algorithms and codecs are a registered name or ``module:NAME``
+in every command (:mod:`towers.cli.arguments`). Arguments are parsed and ``usage_problem``
+asked before TensorFlow is imported, so a usage error answers at once: one line on stderr,
+``towers CMD: error: …`` naming the option (with the nearest known name for a near miss),
+exit status 2. Then TensorFlow is imported quietly (:func:`quiet_tensorflow`), what
+``module:NAME`` options name is imported and checked, and the command runs; nothing starts
+TensorFlow's runtime before, so each command can simulate the devices it needs first.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import re
 import sys
+import tempfile
 from collections.abc import Sequence
 from typing import NoReturn
 
 from towers.cli.arguments import Named, did_you_mean
-from towers.cli.quiet import quiet_tensorflow
 
-__all__ = ["COMMANDS", "main", "parser"]
+__all__ = ["COMMANDS", "main", "parser", "quiet_tensorflow"]
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("towers.cli.train", "train a CNN on digits over simulated towers"),
@@ -53,10 +40,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 """Command name -> (module with add_arguments/run, one-line help)."""
 
+_INVALID_CHOICE = re.compile(r"invalid choice: '(?P<word>[^']*)' \(choose from (?P<known>.*)\)$")
+
 
 class _Parser(argparse.ArgumentParser):
-    """A usage error is one line on stderr, naming the option, and exit status 2; an
-    invalid choice names the nearest one."""
+    """A usage error is one line on stderr and exit status 2; an invalid choice names the
+    nearest one."""
 
     def error(self, message: str) -> NoReturn:
         choice = _INVALID_CHOICE.search(message)
@@ -66,12 +55,8 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-_INVALID_CHOICE = re.compile(r"invalid choice: '(?P<word>[^']*)' \(choose from (?P<known>.*)\)$")
-
-
 class _Formatter(argparse.RawDescriptionHelpFormatter):
-    """The module's docstring as written, and every option's default in its help (unless
-    the help already says it)."""
+    """The module's docstring as written, and every option's default in its help."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
@@ -89,30 +74,56 @@ def parser() -> argparse.ArgumentParser:
 def _build() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The parser and each command's own (whose name its errors carry)."""
     commands: dict[str, argparse.ArgumentParser] = {}
-    top = _Parser(
-        prog="towers", description="Exact, teachable data-parallel training in TensorFlow."
-    )
+    top = _Parser(prog="towers",
+                  description="Exact, teachable data-parallel training in TensorFlow.")
     sub = top.add_subparsers(dest="towers_command", required=True, metavar="COMMAND",
                              parser_class=_Parser)
     for name, (module_name, help_text) in COMMANDS.items():
         module = importlib.import_module(module_name)
         command = sub.add_parser(name, help=help_text, description=module.__doc__,
-                                 epilog=getattr(module, "EPILOG", None),
-                                 formatter_class=_Formatter)  # fmt: skip
+                                 epilog=getattr(module, "EPILOG", None), formatter_class=_Formatter)
         module.add_arguments(command)
         command.add_argument("--verbose", action="store_true",
                              help="show TensorFlow's own log lines (hidden by default)")
-        command.set_defaults(func=module.run, usage_problem=getattr(module, "usage_problem",
-                                                                    None))
+        command.set_defaults(func=module.run,
+                             usage_problem=getattr(module, "usage_problem", None))
         commands[name] = command
     return top, commands
 
 
-def _unrecognized(command: argparse.ArgumentParser, extra: Sequence[str]) -> str:
-    """argparse's message for arguments no option takes, with the nearest option."""
-    known = [s for action in command._actions for s in action.option_strings]
-    hints = [did_you_mean(word.split("=", 1)[0], known) for word in extra if word[:2] == "--"]
-    return f"unrecognized arguments: {' '.join(extra)}{''.join(h for h in hints if h)}"
+def quiet_tensorflow(verbose: bool) -> None:
+    """Import TensorFlow with its C++ log quiet unless ``verbose``.
+
+    Its runtime prints lines that say nothing about the user's job and look like failures
+    (``failed call to cuInit`` without a GPU, oneDNN and CPU-instruction notes that Abseil
+    prints whatever ``TF_CPP_MIN_LOG_LEVEL`` says). So: ``TF_CPP_MIN_LOG_LEVEL=3`` unless
+    the environment sets it (child processes inherit it), the import with file descriptor 2
+    sent to a temporary file shown only if the import fails, and Abseil at errors only.
+    ``verbose`` sets the level to 0 and hides nothing.
+    """
+    if verbose:
+        os.environ["TF_CPP_MIN_LOG_LEVEL"] = "0"
+        return
+    if os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3") in ("", "0"):
+        return  # the user asked for every line
+    if "tensorflow" not in sys.modules:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        with tempfile.TemporaryFile() as log:
+            os.dup2(log.fileno(), 2)
+            try:
+                import tensorflow  # noqa: F401
+            except BaseException:
+                os.dup2(saved, 2)
+                log.seek(0)
+                sys.stderr.write(log.read().decode(errors="replace"))
+                raise
+            finally:
+                os.dup2(saved, 2)
+                os.close(saved)
+    import absl.logging
+
+    absl.logging.set_verbosity(absl.logging.ERROR)
 
 
 def _load_named(command: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -132,8 +143,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     top, commands = _build()
     args, extra = top.parse_known_args(argv)
     command = commands[args.towers_command]
-    if extra:
-        command.error(_unrecognized(command, extra))
+    if extra:  # argparse's message, with the nearest option
+        known = [s for action in command._actions for s in action.option_strings]
+        hints = "".join(did_you_mean(w.split("=", 1)[0], known) for w in extra if w[:2] == "--")
+        command.error(f"unrecognized arguments: {' '.join(extra)}{hints}")
     problem = args.usage_problem and args.usage_problem(args)
     if problem:  # between options: one line and exit status 2, as argparse's own
         print(f"{command.prog}: error: {problem}", file=sys.stderr)

@@ -1,20 +1,16 @@
-"""The command line's one grammar: argparse types every command uses for names and paths.
+"""The command line's one grammar: the argparse types every command uses.
 
 An algorithm or a codec is a registry name or ``module:NAME`` (``file.py:NAME``) in every
 command; a list is comma-separated; an output path must be writable. Each type is checked
-while the arguments are parsed, so a bad value exits 2 with one line that names the
-option, before any work (argparse: ``towers bench: error: argument --ops: ...``).
-
-Parsing imports no TensorFlow, so a usage error answers at once: registry names are
-checked against :mod:`towers.cli.names`, and ``module:NAME`` only as far as finding the
-file or the module without running it. A :class:`Named` type then ``load`` s what the
-user named, after parsing and before the command runs (the user's module may import
-TensorFlow): a module that fails to import, a missing or wrong ``NAME`` is still a usage
+while the arguments are parsed, so a bad value exits 2 with one line naming the option,
+before any work. Parsing imports no TensorFlow: registry names are checked against
+:mod:`towers.cli.names`, ``module:NAME`` only as far as finding the file or module. A
+:class:`Named` type then ``load`` s what the user named, after parsing and before the
+command runs: a module that fails to import, a missing or wrong ``NAME``, is still a usage
 error naming the option.
 
 Example:
     >>> parser.add_argument("--algorithm", type=algorithm, default="ring")  # doctest: +SKIP
-    >>> parser.add_argument("--ops", type=choices(ops, "op"))               # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -24,6 +20,7 @@ import difflib
 import importlib.machinery
 import importlib.util
 import os
+import sys
 import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -31,30 +28,68 @@ from typing import Any
 
 from towers.cli import names
 
-__all__ = [
-    "Named", "algorithm", "algorithm_or_collective", "algorithms", "choices", "codec",
-    "did_you_mean", "dtypes", "importable", "ops", "output_dir", "output_file", "spec_found",
-    "user_object",
-]
+__all__ = ["Named", "algorithm", "algorithm_or_collective", "algorithms", "at_least", "choices",
+           "codec", "did_you_mean", "fail", "importable", "output_dir", "output_file",
+           "positive_float", "spec_found", "tower_counts", "user_object"]
+
+MAX_TOWERS = 64
+"""The most towers a list of tower counts may name."""
 
 
 def did_you_mean(word: str, known: Iterable[str]) -> str:
-    """`` (did you mean 'X'?)`` for the nearest of ``known`` to ``word``, or ``""``: the
-    resolver's own wording (towers.allreduce.machinery.resolve), one style everywhere."""
+    """`` (did you mean 'X'?)`` for the nearest of ``known`` to ``word``, or ``""`` (the
+    resolver's wording, one style everywhere)."""
     known = list(known)
     close = ([k for k in known if k.lower() == word.lower()]
              or difflib.get_close_matches(word, known, n=3, cutoff=0.6))
     return f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
 
 
-def ops() -> tuple[str, ...]:
-    """The reductions of the contract (``towers.allreduce.machinery.base.OPS``)."""
-    return names.OPS
+def fail(command: str, err: Exception | str) -> int:
+    """A usage error found at run time: one line on stderr; returns exit status 2."""
+    print(f"towers {command}: error: {err}", file=sys.stderr)
+    return 2
 
 
-def dtypes() -> tuple[str, ...]:
-    """The dtypes of the contract, by name (``towers.allreduce.machinery.base.DTYPES``)."""
-    return names.DTYPES
+def at_least(low: int) -> Callable[[str], int]:
+    """An int >= ``low``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {value}")
+        return value
+
+    parse.__name__ = f"int >= {low}"
+    return parse
+
+
+def positive_float(text: str) -> float:
+    """A finite float > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def tower_counts(text: str) -> list[int]:
+    """Distinct tower counts like ``1,2,4,8``, each in 1..64, in the order given."""
+    try:
+        counts = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected tower counts like 1,2,4,8; got {text!r}") from None
+    if not counts or len(set(counts)) != len(counts) or not all(
+            1 <= n <= MAX_TOWERS for n in counts):
+        raise argparse.ArgumentTypeError(
+            f"expected distinct tower counts in 1..{MAX_TOWERS} like 1,2,4,8; got {text!r}")
+    return counts
 
 
 def _items(text: str) -> list[str]:
@@ -64,17 +99,31 @@ def _items(text: str) -> list[str]:
     return items
 
 
+def choices(allowed: Sequence[str] | Callable[[], Sequence[str]],
+            what: str) -> Callable[[str], list[str]]:
+    """A comma list of ``allowed`` values (each a ``what``); ``allowed`` may be a function,
+    called when a value is checked (a registry that imports TensorFlow)."""
+
+    def parse(text: str) -> list[str]:
+        items, known = _items(text), allowed() if callable(allowed) else allowed
+        unknown = [item for item in items if item not in known]
+        if unknown:
+            raise argparse.ArgumentTypeError(
+                f"unknown {what} {', '.join(map(repr, unknown))}"
+                f"{did_you_mean(unknown[0], known)}; choose from {', '.join(known)}")
+        return items
+
+    parse.__name__ = f"{what} list"
+    return parse
+
+
 class Named:
     """An argparse ``type`` whose value may name a user's object (``module:NAME``).
 
-    Called while parsing, it checks without importing anything (a registered name, a file
-    that exists, a module that can be found); :meth:`load` then imports what the value
-    names and checks it, after parsing (``towers.cli.main`` calls it for every such option).
-
-    Args:
-        check: ``text -> value``, raising ``argparse.ArgumentTypeError``; no TensorFlow.
-        load_one: ``text -> None`` for one name, raising ``argparse.ArgumentTypeError``.
-        name: what argparse calls the type.
+    Called while parsing, ``check(text)`` looks without importing (a registered name, a file
+    that exists, a module that can be found); :meth:`load` then imports and checks each
+    ``module:NAME`` with ``load_one(text)``, after parsing (``towers.cli.main`` calls it).
+    Both raise ``argparse.ArgumentTypeError``.
     """
 
     def __init__(self, check: Callable[[str], Any], load_one: Callable[[str], None],
@@ -92,8 +141,8 @@ class Named:
 
 
 def _findable(module: str) -> bool:
-    """Can ``module`` (dotted) be imported, as far as finding it without running it tells?
-    The current folder is searched last, as the resolver's ``imported`` does."""
+    """Can ``module`` (dotted) be found without running it? The current folder is searched
+    last, as the resolver's ``imported`` does."""
     top, *rest = module.split(".")
     try:
         spec = importlib.util.find_spec(top)
@@ -115,8 +164,7 @@ def spec_found(text: str, what: str) -> str:
     be found (nothing is imported: the module may import TensorFlow)."""
     module, sep, attr = text.rpartition(":")
     if not sep or not module or not attr:
-        raise argparse.ArgumentTypeError(
-            f"{what} {text!r}: expected module:NAME or file.py:NAME")
+        raise argparse.ArgumentTypeError(f"{what} {text!r}: expected module:NAME or file.py:NAME")
     if module.endswith(".py"):
         if not Path(module).is_file():
             raise argparse.ArgumentTypeError(
@@ -128,13 +176,27 @@ def spec_found(text: str, what: str) -> str:
     return text
 
 
-def _user(text: str, what: str) -> object:
-    from towers.allreduce.machinery.resolve import imported
-
+def _as_usage_error(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     try:
-        return imported(text, what)
+        return fn(*args, **kwargs)
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def importable(what: str) -> Callable[[str], None]:
+    """A loader for :class:`Named`: ``module:NAME``'s module imports and has ``NAME``."""
+
+    def load(text: str) -> None:
+        from towers.allreduce.machinery.resolve import imported
+
+        _as_usage_error(imported, text, what)
+
+    return load
+
+
+def user_object(what: str) -> Named:
+    """``module:NAME`` or ``file.py:NAME`` naming a ``what`` (a step factory, a model factory)."""
+    return Named(lambda text: spec_found(text, what), importable(what), what)
 
 
 def _algorithm_name(text: str) -> str:
@@ -151,28 +213,17 @@ def _algorithm_name(text: str) -> str:
 def _load_algorithm(text: str) -> None:
     from towers.allreduce.machinery.resolve import check
 
-    try:
-        check(text, "algorithm")
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
+    _as_usage_error(check, text, "algorithm")
 
 
 algorithm = Named(_algorithm_name, _load_algorithm, "algorithm")
-
-
-def _schedule_name(text: str) -> str:
-    return text if text in names.COLLECTIVES else _algorithm_name(text)
-
-
-def _load_schedule(text: str) -> None:
-    if text not in names.COLLECTIVES:
-        _load_algorithm(text)
-
-
-algorithm_or_collective = Named(_schedule_name, _load_schedule, "algorithm")
-"""An :data:`algorithm`, or a public collective's algorithm (``chain``, ``halving``, …:
-``towers trace --collective``, which checks the pair)."""
 """A registered all-reduce (``towers.ALGORITHMS``, or ``noop``) or ``module:NAME``."""
+
+algorithm_or_collective = Named(
+    lambda text: text if text in names.COLLECTIVES else _algorithm_name(text),
+    _load_algorithm, "algorithm")
+"""An :data:`algorithm`, or a public collective's (``chain``, ``halving``, …:
+``towers trace --collective``)."""
 
 
 def algorithms(extra: Sequence[str] = ()) -> Named:
@@ -182,21 +233,6 @@ def algorithms(extra: Sequence[str] = ()) -> Named:
         return [name if name in extra else algorithm(name) for name in _items(text)]
 
     return Named(parse, _load_algorithm, "algorithms")
-
-
-def importable(what: str) -> Callable[[str], None]:
-    """A loader for :class:`Named`: ``module:NAME``'s module imports and has ``NAME``."""
-
-    def load(text: str) -> None:
-        _user(text, what)
-
-    return load
-
-
-def user_object(what: str) -> Named:
-    """``module:NAME`` or ``file.py:NAME`` naming a ``what`` (a step factory, a model
-    factory), checked by :func:`importable` after parsing."""
-    return Named(lambda text: spec_found(text, what), importable(what), what)
 
 
 def _codec_name(text: str) -> str:
@@ -213,34 +249,12 @@ def _codec_name(text: str) -> str:
 def _load_codec(text: str) -> None:
     from towers.allreduce.machinery.resolve import get_codec
 
-    try:
-        get_codec(text, argument="codec")
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
+    _as_usage_error(get_codec, text, argument="codec")
 
 
 codec = Named(_codec_name, _load_codec, "codec")
-"""A registered codec (``towers.allreduce.CODECS``; ``topk(0.1)`` passes arguments) or
-``module:NAME``: the name checked while parsing, the codec built once after
-(:func:`towers.allreduce.machinery.resolve.get_codec`)."""
-
-
-def choices(allowed: Sequence[str] | Callable[[], Sequence[str]],
-            what: str) -> Callable[[str], list[str]]:
-    """A comma list of ``allowed`` values (each one a ``what``); ``allowed`` may be a
-    function, called when a value is checked (a registry that imports TensorFlow)."""
-
-    def parse(text: str) -> list[str]:
-        items, known = _items(text), allowed() if callable(allowed) else allowed
-        unknown = [item for item in items if item not in known]
-        if unknown:
-            raise argparse.ArgumentTypeError(
-                f"unknown {what} {', '.join(map(repr, unknown))}"
-                f"{did_you_mean(unknown[0], known)}; choose from {', '.join(known)}")
-        return items
-
-    parse.__name__ = f"{what} list"
-    return parse
+"""A registered codec (``topk(0.1)`` passes arguments) or ``module:NAME``, built once after
+parsing (:func:`towers.allreduce.machinery.resolve.get_codec`)."""
 
 
 def _probe(folder: Path, text: str) -> None:
@@ -259,23 +273,21 @@ def output_file(text: str) -> str:
     path = Path(text)
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a folder; give a file name")
-    folder = path.parent
-    if not folder.is_dir():
-        raise argparse.ArgumentTypeError(f"cannot write {text!r}: no folder {str(folder)!r}")
-    _probe(folder, text)
+    if not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: no folder {str(path.parent)!r}")
+    _probe(path.parent, text)
     return text
 
 
 def output_dir(text: str) -> Path:
     """A folder that is writable, or can be created (its nearest existing parent is)."""
-    path = Path(text)
+    path = existing = Path(text)
     if path.exists() and not path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a file, not a folder")
-    existing = path
     while not existing.is_dir():
         if existing.exists() or existing == existing.parent:
-            raise argparse.ArgumentTypeError(f"cannot create folder {text!r}: {existing} "
-                                             "is not a folder")
+            raise argparse.ArgumentTypeError(
+                f"cannot create folder {text!r}: {existing} is not a folder")
         existing = existing.parent
     _probe(existing, text)
     return path

@@ -22,8 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from towers.cli.arguments import algorithms, choices, output_dir
-from towers.cli.train import at_least
+from towers.cli.arguments import algorithms, at_least, choices, output_dir
 
 __all__ = ["EPILOG", "SECTIONS", "add_arguments", "fresh_folder", "run"]
 

@@ -22,15 +22,7 @@ from __future__ import annotations
 
 import argparse
 
-from towers.cli.compare import (
-    add_problem_arguments,
-    exit_code,
-    fail,
-    load_problem,
-    load_side,
-    side,
-)
-from towers.cli.train import at_least, positive_float
+from towers.cli.compare import add_arguments, run_steps
 
 __all__ = ["EPILOG", "add_arguments", "run"]
 
@@ -42,38 +34,6 @@ EPILOG = """examples:
 """
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``towers bisect``."""
-    parser.add_argument("--a", required=True, metavar="CONFIG", type=side,
-                        help="the teacher: an algorithm, towers:NAME, module:function, "
-                        "mirrored or central_storage")
-    parser.add_argument("--b", required=True, metavar="CONFIG", type=side,
-                        help="the one under test")
-    parser.add_argument("--towers", type=at_least(1), default=4,
-                        help="towers of both runs (default 4)")
-    parser.add_argument("--variables", choices=("replicated", "parameter_device"),
-                        default="replicated", help="placement of towers runs (default replicated)")
-    parser.add_argument("--bound", type=positive_float, default=None, metavar="TOL",
-                        help="a tolerance per element (optimizers without a derived bound)")
-    add_problem_arguments(parser)
-
-
 def run(args: argparse.Namespace) -> int:
     """Run the bisection; returns a process exit code."""
-    from towers.trace.loading import start_devices
-
-    try:
-        devices = start_devices(args.towers)  # first: before TensorFlow's runtime starts
-        problem = load_problem(args)
-        sides = [load_side(spec, problem, devices, args.variables) for spec in (args.a, args.b)]
-        from towers.testing import bisect
-
-        print(f"towers bisect: {args.a} vs {args.b}, {args.model}, {args.towers} towers, "
-              f"batch {args.batch}, up to {args.steps} steps")  # fmt: skip
-        report = bisect(sides[0], sides[1], problem[3], model_fn=problem[0],
-                        optimizer_fn=problem[1], loss=problem[2], towers=args.towers,
-                        steps=args.steps, bound=args.bound)  # fmt: skip
-    except (ValueError, TypeError, RuntimeError) as err:
-        return fail("bisect", err)
-    print(report)
-    return exit_code(report)
+    return run_steps(args, "bisect")

@@ -28,22 +28,27 @@ Exit status (the same for ``towers bisect``; ``towers invariance`` too):
 from __future__ import annotations
 
 import argparse
-import sys
+import inspect
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from towers.cli import names
-from towers.cli.arguments import Named, algorithm, importable, spec_found
-from towers.cli.train import at_least, positive_float
+from towers.cli.arguments import (
+    Named,
+    algorithm,
+    at_least,
+    fail,
+    importable,
+    positive_float,
+    spec_found,
+)
 
 __all__ = ["EPILOG", "KERNEL_NOISE", "add_arguments", "add_problem_arguments", "exit_code",
-           "load_problem", "load_side", "model_spec", "run", "side"]  # fmt: skip
+           "load_problem", "run", "run_steps"]
 
 KERNEL_NOISE = 3
 """Exit status: outside the bound only by the towers' own kernels (``cause="kernels"``)."""
-
-MODELS = ("mlp", "conv")
 
 EPILOG = """examples:
   python -m towers compare --a towers.step:TowerTrainer --b my_loop:make_step --optimizer adam \\
@@ -54,16 +59,12 @@ EPILOG = """examples:
 
 
 def _model(text: str) -> str:
-    if text in MODELS:
+    if text in ("mlp", "conv"):
         return text
     if ":" in text:
         return spec_found(text, "model")
     raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from mlp, conv or "
-                                     "module:fn, a factory of a built keras.Model)")  # fmt: skip
-
-
-model_spec = Named(_model, importable("model"), "model")
-"""An argparse ``type``: ``mlp``, ``conv`` or ``module:fn`` (a model factory)."""
+                                     "module:fn, a factory of a built keras.Model)")
 
 
 def _side(text: str) -> str:
@@ -85,50 +86,42 @@ def _load_side(text: str) -> None:
         importable("step")(text)
 
 
-side = Named(_side, _load_side, "step")
-"""An argparse ``type``: a step for ``--a``/``--b`` (see the module doc), checked as far as
-it can be without TensorFlow."""
-
-
-def data_file(text: str) -> str:
-    """An argparse ``type``: an existing ``.npz`` file."""
+def _data_file(text: str) -> str:
     if not text.endswith(".npz") or not Path(text).is_file():
         raise argparse.ArgumentTypeError(f"expected an existing .npz file (arrays x, y), got "
-                                         f"{text!r}")  # fmt: skip
+                                         f"{text!r}")
     return text
 
 
 def add_problem_arguments(parser: argparse.ArgumentParser) -> None:
     """The options shared by compare, bisect and invariance: model, data, optimizer, loss."""
-    parser.add_argument("--model", type=model_spec, default="mlp", metavar="MODEL",
-                        help="mlp (64-32-10, tanh), conv (the digits CNN) or module:fn "
-                        "(default mlp)")  # fmt: skip
-    parser.add_argument("--data", type=data_file, default=None, metavar="FILE.npz",
-                        help="arrays x and y to train on (default: the bundled digits)")
-    parser.add_argument("--optimizer", default="sgd", metavar="NAME",
-                        help="a Keras optimizer name: sgd, adam, rmsprop, … (default sgd)")
-    parser.add_argument("--loss", default=None, metavar="NAME",
-                        help="a Keras loss name (default: cross-entropy on logits)")
-    parser.add_argument("--steps", type=at_least(1), default=5, help="steps (default 5)")
-    parser.add_argument("--batch", type=at_least(1), default=32,
-                        help="global batch size (default 32)")
-    parser.add_argument("--lr", type=positive_float, default=0.1,
-                        help="learning rate (default 0.1)")
+    add = parser.add_argument
+    add("--model", type=Named(_model, importable("model"), "model"), default="mlp",
+        metavar="MODEL", help="mlp (64-32-10, tanh), conv (the digits CNN) or module:fn")
+    add("--data", type=_data_file, default=None, metavar="FILE.npz",
+        help="arrays x and y to train on (default: the bundled digits)")
+    add("--optimizer", default="sgd", metavar="NAME",
+        help="a Keras optimizer name: sgd, adam, rmsprop, …")
+    add("--loss", default=None, metavar="NAME",
+        help="a Keras loss name (default: cross-entropy on logits)")
+    add("--steps", type=at_least(1), default=5, help="steps")
+    add("--batch", type=at_least(1), default=32, help="global batch size")
+    add("--lr", type=positive_float, default=0.1, help="learning rate")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``towers compare``."""
-    parser.add_argument("--a", required=True, metavar="STEP", type=side,
-                        help="the teacher: module:factory of a step, or a towers/reference "
-                        "configuration")  # fmt: skip
-    parser.add_argument("--b", required=True, metavar="STEP", type=side,
-                        help="the step under test")
-    parser.add_argument("--towers", type=at_least(1), default=4, help="towers (default 4)")
-    parser.add_argument("--bound", type=positive_float, default=None, metavar="TOL",
-                        help="a tolerance per element (needed for optimizers other than "
-                        "plain SGD between steps that are not both towers trainers)")
-    parser.add_argument("--variables", choices=("replicated", "parameter_device"),
-                        default="replicated", help="placement of towers runs (default replicated)")
+    """Options of ``towers compare`` and ``towers bisect``."""
+    add = parser.add_argument
+    side = Named(_side, _load_side, "step")
+    add("--a", required=True, metavar="STEP", type=side,
+        help="the teacher: module:factory of a step, or a towers/reference configuration")
+    add("--b", required=True, metavar="STEP", type=side, help="the step under test")
+    add("--towers", type=at_least(1), default=4, help="towers of both runs")
+    add("--bound", type=positive_float, default=None, metavar="TOL",
+        help="a tolerance per element (needed for optimizers other than plain SGD between "
+        "steps that are not both towers trainers)")
+    add("--variables", choices=("replicated", "parameter_device"), default="replicated",
+        help="placement of towers runs")
     add_problem_arguments(parser)
 
 
@@ -143,7 +136,7 @@ def _arrays(args: argparse.Namespace) -> tuple[Any, Any]:
     with np.load(args.data) as arrays:
         if "x" not in arrays or "y" not in arrays:
             raise ValueError(f"--data {args.data}: expected arrays 'x' and 'y', got "
-                             f"{sorted(arrays)}")  # fmt: skip
+                             f"{sorted(arrays)}")
         x, y = arrays["x"], arrays["y"]
     if len(x) != len(y):
         raise ValueError(f"--data {args.data}: x has {len(x)} rows and y {len(y)}")
@@ -154,10 +147,8 @@ def _model_fn(spec: str) -> Callable[[], Any]:
     from towers.allreduce.machinery.resolve import imported
     from towers.training.models import digits_cnn, mlp
 
-    if spec == "mlp":
-        return lambda: mlp((64, 32, 10))
-    if spec == "conv":
-        return digits_cnn
+    if spec in ("mlp", "conv"):
+        return (lambda: mlp((64, 32, 10))) if spec == "mlp" else digits_cnn
     fn = imported(spec, "--model")
     if not callable(fn):
         raise TypeError(f"--model {spec} is a {type(fn).__name__}, not a callable")
@@ -175,51 +166,47 @@ def load_problem(args: argparse.Namespace) -> tuple[Any, ...]:
     x, y = _arrays(args)
     if args.batch * args.steps > len(x):
         raise ValueError(f"--batch × --steps must be at most {len(x)} (the training set), got "
-                         f"{args.batch} × {args.steps}")  # fmt: skip
+                         f"{args.batch} × {args.steps}")
     try:
         keras.optimizers.get({"class_name": args.optimizer, "config": {}})
         loss = (keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-                if args.loss is None else keras.losses.get(args.loss))  # fmt: skip
+                if args.loss is None else keras.losses.get(args.loss))
     except ValueError as err:
         raise ValueError(f"--optimizer/--loss: {err}") from None
-    optimizer_fn = lambda: keras.optimizers.get(  # noqa: E731
-        {"class_name": args.optimizer, "config": {"learning_rate": args.lr}})
+
+    def optimizer_fn() -> Any:
+        return keras.optimizers.get({"class_name": args.optimizer,
+                                     "config": {"learning_rate": args.lr}})
+
     data = [(x[k:k + args.batch], y[k:k + args.batch])
-            for k in range(0, args.batch * args.steps, args.batch)]  # fmt: skip
+            for k in range(0, args.batch * args.steps, args.batch)]
     return _model_fn(args.model), optimizer_fn, loss, data
 
 
-def load_side(spec: str, problem: tuple[Any, ...], devices: list[str], variables: str) -> Any:
-    """A step from ``module:factory`` (called with model_fn, optimizer_fn, loss, devices), or a
-    ``Config`` for a name / reference / all-reduce (loaded as ``towers check`` does)."""
-    import inspect
+def _binds(obj: Any, *args: Any, **kwargs: Any) -> bool:
+    try:
+        inspect.signature(obj).bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return False
+    return True
 
+
+def _load_side_step(spec: str, problem: tuple[Any, ...], devices: list[str],
+                    variables: str) -> Any:
+    """A step from ``module:factory`` (called with model_fn, optimizer_fn, loss, devices), or
+    a ``Config`` for a name, a reference or an all-reduce (as ``towers check`` loads it)."""
     from towers.allreduce.machinery.resolve import get, imported, label
     from towers.testing.compare import Config, config
 
     if ":" in spec and not spec.startswith("towers:"):
         obj = imported(spec, "side")
-        try:
-            step_factory = inspect.signature(obj).bind(*problem[:3], devices) is not None
-        except (TypeError, ValueError):
-            step_factory = False
-        if step_factory and not _algorithm(obj):
+        if _binds(obj, *problem[:3], devices) and not _binds(obj, [], op="sum"):
             return obj(*problem[:3], devices)
     side = config(spec)  # checks "towers:NAME"
     if side.reference:
         return side
-    algorithm = get(side.all_reduce, argument="all_reduce", devices=devices)
-    return Config(algorithm, variables, label=label(side.all_reduce))
-
-
-def _algorithm(obj: Any) -> bool:
-    import inspect
-
-    try:
-        inspect.signature(obj).bind([], op="sum")
-    except (TypeError, ValueError):
-        return False
-    return True
+    return Config(get(side.all_reduce, argument="all_reduce", devices=devices), variables,
+                  label=label(side.all_reduce))
 
 
 def exit_code(report: Any) -> int:
@@ -235,25 +222,28 @@ def exit_code(report: Any) -> int:
     return KERNEL_NOISE if first is not None and first.cause == "kernels" else 1
 
 
-def fail(command: str, err: Exception) -> int:
-    """One line on stderr, exit 2."""
-    print(f"towers {command}: error: {err}", file=sys.stderr)
-    return 2
+def run_steps(args: argparse.Namespace, command: str) -> int:
+    """``towers compare`` or ``towers bisect``: the two steps on the same batches."""
+    from towers.trace.schedule import start_devices
+
+    try:
+        devices = start_devices(args.towers)  # first: before TensorFlow's runtime starts
+        model_fn, optimizer_fn, loss, batches = problem = load_problem(args)
+        a, b = (_load_side_step(s, problem, devices, args.variables) for s in (args.a, args.b))
+        from towers import testing
+
+        if command == "bisect":
+            print(f"towers bisect: {args.a} vs {args.b}, {args.model}, {args.towers} towers, "
+                  f"batch {args.batch}, up to {args.steps} steps")
+        report = getattr(testing, command)(
+            a, b, batches, bound=args.bound, loss=loss, towers=args.towers, steps=args.steps,
+            model_fn=model_fn, optimizer_fn=optimizer_fn)
+    except (ValueError, TypeError, RuntimeError) as err:
+        return fail(command, err)
+    print(report)
+    return exit_code(report)
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the comparison; returns a process exit code."""
-    from towers.trace.loading import start_devices
-
-    try:
-        devices = start_devices(args.towers)  # first: before TensorFlow's runtime starts
-        problem = load_problem(args)
-        a, b = (load_side(s, problem, devices, args.variables) for s in (args.a, args.b))
-        from towers.testing import compare
-
-        report = compare(a, b, problem[3], bound=args.bound, loss=problem[2], towers=args.towers,
-                         model_fn=problem[0], optimizer_fn=problem[1])  # fmt: skip
-    except (ValueError, TypeError, RuntimeError) as err:
-        return fail("compare", err)
-    print(report)
-    return exit_code(report)
+    return run_steps(args, "compare")

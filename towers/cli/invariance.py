@@ -19,13 +19,11 @@ bad options.
 from __future__ import annotations
 
 import argparse
-import sys
 
-from towers.cli.arguments import algorithm, user_object
+from towers.cli.arguments import algorithm, fail, positive_float, tower_counts, user_object
 from towers.cli.compare import add_problem_arguments, exit_code, load_problem
-from towers.cli.train import positive_float
 
-__all__ = ["EPILOG", "add_arguments", "run", "tower_counts"]
+__all__ = ["EPILOG", "add_arguments", "run"]
 
 EPILOG = """examples:
   python -m towers invariance --towers 1,2,4,8 --algorithm ring --steps 5
@@ -33,73 +31,44 @@ EPILOG = """examples:
   python -m towers invariance --towers 1,4 --step reference:MirroredTrainer --batch 10
 """
 
-MAX_TOWERS = 64
-
-
-def tower_counts(text: str) -> list[int]:
-    """An argparse ``type``: distinct tower counts like ``1,2,4,8``, each in 1..64."""
-    try:
-        counts = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        message = f"expected tower counts like 1,2,4,8; got {text!r}"
-        raise argparse.ArgumentTypeError(message) from None
-    if not counts or len(set(counts)) != len(counts) or not all(
-        1 <= n <= MAX_TOWERS for n in counts
-    ):
-        raise argparse.ArgumentTypeError(
-            f"expected distinct tower counts in 1..{MAX_TOWERS} like 1,2,4,8; got {text!r}"
-        )
-    return counts
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``towers invariance``."""
-    parser.add_argument("--towers", type=tower_counts, default=[1, 2, 4, 8], metavar="N,N,...",
-                        help="tower counts; the first is the reference (default 1,2,4,8)")
-    parser.add_argument("--algorithm", type=algorithm, default="ring",
-                        help="a registered name, module:function or file.py:function "
-                        "(default ring)")
-    parser.add_argument("--variables", choices=("replicated", "parameter_device"),
-                        default="replicated", help="placement (default replicated)")
-    parser.add_argument("--step", type=user_object("step factory"), default=None,
-                        metavar="MODULE:FACTORY",
-                        help="check your step instead: factory(model_fn, optimizer_fn, loss, "
-                        "devices) is called once per tower count")  # fmt: skip
-    parser.add_argument("--bound", type=positive_float, default=None, metavar="TOL",
-                        help="--step's tolerance per element (optimizers other than plain SGD)")
+    add = parser.add_argument
+    add("--towers", type=tower_counts, default=[1, 2, 4, 8], metavar="N,N,...",
+        help="tower counts; the first is the reference")
+    add("--algorithm", type=algorithm, default="ring",
+        help="a registered name, module:function or file.py:function")
+    add("--variables", choices=("replicated", "parameter_device"), default="replicated",
+        help="placement")
+    add("--step", type=user_object("step factory"), default=None, metavar="MODULE:FACTORY",
+        help="check your step instead: factory(model_fn, optimizer_fn, loss, devices) is "
+        "called once per tower count")
+    add("--bound", type=positive_float, default=None, metavar="TOL",
+        help="--step's tolerance per element (optimizers other than plain SGD)")
     add_problem_arguments(parser)
-
-
-def _fail(message: str) -> int:
-    print(f"towers invariance: error: {message}", file=sys.stderr)
-    return 2
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the check; returns a process exit code."""
-    from towers.allreduce.machinery.resolve import get, imported, label
-    from towers.trace.loading import start_devices
+    from towers.trace.schedule import start_devices
 
     try:
         devices = start_devices(max(args.towers))  # first: before TensorFlow's runtime starts
         problem = load_problem(args)
-        name = label(args.algorithm)
-        algorithm = get(args.algorithm, argument="algorithm", devices=devices)
+        from towers.allreduce.machinery.resolve import get, imported, label
+        from towers.testing import check_invariance
+
+        all_reduce = get(args.algorithm, argument="algorithm", devices=devices)
         factory = None if args.step is None else imported(args.step, "--step")
         if factory is not None and not callable(factory):
             raise TypeError(f"--step {args.step} is a {type(factory).__name__}, not a callable")
-        name = name if factory is None else args.step
-    except (ValueError, TypeError, RuntimeError) as err:
-        return _fail(str(err))
-    from towers.testing import check_invariance
-
-    print(f"towers invariance: {name}, {args.model}, towers {args.towers}, "
-          f"batch {args.batch}, {args.steps} steps")  # fmt: skip
-    try:
-        report = check_invariance(*problem, towers=args.towers, all_reduce=algorithm,
+        print(f"towers invariance: {label(args.algorithm) if factory is None else args.step}, "
+              f"{args.model}, towers {args.towers}, batch {args.batch}, {args.steps} steps")
+        report = check_invariance(*problem, towers=args.towers, all_reduce=all_reduce,
                                   variables=args.variables, steps=args.steps, step=factory,
-                                  bound=args.bound)  # fmt: skip
-    except (ValueError, TypeError) as err:
-        return _fail(str(err))
+                                  bound=args.bound)
+    except (ValueError, TypeError, RuntimeError) as err:
+        return fail("invariance", err)
     print(report)
     return exit_code(report)

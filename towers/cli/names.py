@@ -1,13 +1,9 @@
 """The names the command line checks while it parses, without importing TensorFlow.
 
-The registries (``towers.ALGORITHMS``, ``towers.allreduce.CODECS``,
-``towers.allreduce.machinery.base.OPS`` and ``DTYPES``,
-``towers.testing.compare.REFERENCES``) import TensorFlow, which takes seconds; a usage
-error must not wait for it. These tuples are their names; ``tests/cli/test_fast.py``
-keeps them equal, so a new algorithm or codec is one line here beside its registration.
-
-A module under ``towers/allreduce`` could not hold them: importing any of its modules runs
-the package's ``__init__``, which imports TensorFlow.
+The registries import TensorFlow, which takes seconds, and a usage error must not wait for
+it (nor can a module under ``towers/allreduce`` hold them: its package imports TensorFlow).
+These tuples are their names; ``tests/cli/test_fast.py`` keeps them equal, so a new
+algorithm or codec is one line here beside its registration.
 """
 
 from __future__ import annotations

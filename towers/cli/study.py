@@ -24,8 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from towers.cli import names
-from towers.cli.arguments import did_you_mean, spec_found
-from towers.cli.train import at_least, positive_float
+from towers.cli.arguments import at_least, did_you_mean, positive_float, spec_found
 
 __all__ = ["EPILOG", "add_arguments", "run", "usage_problem"]
 
@@ -116,7 +115,7 @@ def _data(model: str) -> tuple[Any, tuple]:
 
 def run(args: argparse.Namespace) -> int:
     """Run the study; returns a process exit code."""
-    from towers.trace.loading import start_devices
+    from towers.trace.schedule import start_devices
 
     try:
         devices = start_devices(args.towers)  # first: before TensorFlow's runtime starts

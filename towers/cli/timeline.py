@@ -1,24 +1,37 @@
-"""``towers timeline``: the command (options, writing and checking the JSON).
+"""Write one training step as a timeline for Perfetto (ui.perfetto.dev) or chrome://tracing.
 
-Its description is :mod:`towers.trace.timeline`'s docstring, which does the measuring and
-the layout; it is read from the source, so ``--help`` imports no TensorFlow.
+A small CNN on the bundled 8×8 digits is trained over simulated towers with
+``TowerTrainer``; the trainer's own phases are then compiled one by one and timed (median
+of --repeats runs after a warm-up run):
+
+  forward     per tower: trainer.tower_step(shards, i) (forward and backward) timed,
+  backward    then split by the op times tf.profiler saw for that tower in one profiled
+              train_step (ops under gradient_tape/ are backward; see towers.trace.measured)
+  all-reduce  trainer.reduce(grads): every gradient through --algorithm, the
+              non-trainable state and the loss
+  apply       trainer.apply(reduced): the optimizer's update, every replica at once
+
+and laid out as the step orders them: the towers start together, the reduction starts when
+the slowest tower's backward ends, its ticks follow one another, and the apply follows.
+Each tick's events sit on the towers that send or receive in it (args list the transfers).
+
+What the numbers mean: forward, backward, apply and the whole all-reduce are measured; a
+tick's length is the all-reduce's measured time split over its ticks in proportion to the
+bytes each moves, so tick lengths are a model, and all positions are derived. The whole
+compiled step is measured too (its own row) and differs from the laid-out phases: pieces
+compiled apart each pay a call's overhead and cannot overlap, and the whole step runs its
+towers side by side on the host's shared cores.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import sys
-from pathlib import Path
 
-from towers.cli.arguments import algorithm, output_file
-from towers.cli.train import at_least
+from towers.cli.arguments import algorithm, at_least, fail, output_file
 
 __all__ = ["EPILOG", "add_arguments", "run", "usage_problem"]
-
-__doc__ = ast.get_docstring(ast.parse(
-    (Path(__file__).resolve().parents[1] / "trace" / "timeline.py").read_text())) or __doc__
 
 EPILOG = """examples:
   python -m towers timeline                                  # 4 towers, ring
@@ -33,24 +46,21 @@ Open the JSON at https://ui.perfetto.dev (Open trace file) or in chrome://tracin
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``towers timeline``."""
-    parser.add_argument("--towers", type=at_least(1), default=4,
-                        help="simulated devices (default 4)")
-    parser.add_argument("--algorithm", type=algorithm, default="ring",
-                        help="a registered name (default ring) or module:function")
-    parser.add_argument("--variables", default="replicated",
-                        choices=("replicated", "parameter_device"),
-                        help="variable placement (default replicated)")
-    parser.add_argument("--batch-size", type=at_least(1), default=64,
-                        help="global batch, at least one example per tower (default 64)")
-    parser.add_argument("--repeats", type=at_least(1), default=5,
-                        help="timed runs per phase; the median is used (default 5)")
-    parser.add_argument("--out", type=output_file, default="timeline.json",
-                        help="output (default timeline.json)")
-    parser.add_argument("--seed", type=at_least(0), default=0,
-                        help="seed for weights and the batch")
-    parser.add_argument("--measured", metavar="PNG", type=output_file, default=None,
-                        help="also draw the profiler's op events of one real step (measured) "
-                        "above the modelled timeline")
+    add = parser.add_argument
+    add("--towers", type=at_least(1), default=4, help="simulated devices")
+    add("--algorithm", type=algorithm, default="ring",
+        help="a registered name or module:function")
+    add("--variables", default="replicated", choices=("replicated", "parameter_device"),
+        help="variable placement")
+    add("--batch-size", type=at_least(1), default=64,
+        help="global batch, at least one example per tower")
+    add("--repeats", type=at_least(1), default=5,
+        help="timed runs per phase; the median is used")
+    add("--out", type=output_file, default="timeline.json", help="output")
+    add("--seed", type=at_least(0), default=0, help="seed for weights and the batch")
+    add("--measured", metavar="PNG", type=output_file, default=None,
+        help="also draw the profiler's op events of one real step (measured) above the "
+        "modelled timeline")
 
 
 def usage_problem(args: argparse.Namespace) -> str | None:
@@ -63,18 +73,20 @@ def usage_problem(args: argparse.Namespace) -> str | None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the job; returns a process exit code."""
-    from towers.trace.schedule import start_devices
+    from towers.trace import schedule
 
-    devices = start_devices(args.towers)  # first thing: before TensorFlow's runtime starts
+    devices = schedule.start_devices(args.towers)  # first: before TensorFlow's runtime starts
+    from towers.trace.measured import OpEvent, draw_measured
     from towers.trace.timeline import build_timeline, validate
 
     print(f"towers timeline: one step of digits_cnn, batch {args.batch_size}, {args.towers} "
           f"towers, all_reduce={args.algorithm}, variables={args.variables}")
     try:
-        data, report = build_timeline(args, devices)
+        data, report = build_timeline(devices, algorithm=args.algorithm,
+                                      variables=args.variables, batch_size=args.batch_size,
+                                      repeats=args.repeats, seed=args.seed)
     except (ValueError, TypeError) as err:  # an unknown algorithm, a bad model/batch
-        print(f"towers timeline: error: {err}", file=sys.stderr)
-        return 2
+        return fail("timeline", err)
     with open(args.out, "w") as f:
         json.dump(data, f, indent=1)
     with open(args.out) as f:
@@ -83,8 +95,6 @@ def run(args: argparse.Namespace) -> int:
     count = sum(e["ph"] == "X" for e in data["traceEvents"])
     print(f"wrote {args.out}: {count} events (open at https://ui.perfetto.dev or chrome://tracing)")
     if args.measured:
-        from towers.trace.measured import OpEvent, draw_measured
-
         ops = [OpEvent(*e) for e in data["measuredOps"]]
         if not ops:
             print("towers timeline: no profiler events to draw", file=sys.stderr)

@@ -10,45 +10,16 @@ MirroredStrategy computes.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from towers.cli.arguments import algorithm, codec
+from towers.cli.arguments import algorithm, at_least, codec, fail, positive_float
 
-__all__ = ["add_arguments", "at_least", "positive_float", "run"]
+__all__ = ["add_arguments", "run"]
 
 _EXACT_ORDER = ("naive", "parameter_device")
-
-
-def at_least(low: int) -> Callable[[str], int]:
-    """An argparse ``type``: an int >= ``low`` (else a one-line usage error, exit 2)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {value}")
-        return value
-
-    parse.__name__ = f"int >= {low}"
-    return parse
-
-
-def positive_float(text: str) -> float:
-    """An argparse ``type``: a finite float > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -77,93 +48,74 @@ def _accuracy(model: Any, x: np.ndarray, y: np.ndarray) -> float:
     return float(np.mean(np.argmax(logits, axis=1) == y))
 
 
-def _replay(trainer: Any, data: tuple[np.ndarray, ...], args: argparse.Namespace) -> None:
-    """The reference's loop: ``train_step`` on the batches :func:`_fit_towers` fed to fit."""
-    from towers.training.data import batches
-
-    x_train, y_train, _, _ = data
-    for epoch in range(args.epochs):
-        for xb, yb in batches(x_train, y_train, args.batch_size, args.seed + epoch):
-            trainer.train_step(xb, yb)
-
-
 def _fit_towers(tm: Any, data: tuple[np.ndarray, ...], args: argparse.Namespace) -> None:
-    """``tm.fit`` epoch by epoch, each on the order :func:`towers.training.data.batches`
-    draws for it (the reference replays the same batches).
-
-    Each call fits one epoch, so Keras draws its progress bar without an ``Epoch k/N``
-    line of its own: the one epoch counter is towers'."""
+    """``tm.fit`` one epoch per call (one epoch counter: towers'), each on the order
+    :func:`towers.training.data.batches` draws for it, which the reference replays."""
     x_train, y_train, _, _ = data
     for epoch in range(args.epochs):
         order = np.random.default_rng(args.seed + epoch).permutation(len(x_train))
         history = tm.fit(x_train[order], y_train[order], batch_size=args.batch_size,
                          epochs=1, shuffle=False, verbose=1)
-        acc = _accuracy(tm, x_train, y_train)
         print(f"towers epoch {epoch + 1}/{args.epochs}: loss {history.history['loss'][-1]:.4f}  "
-              f"train accuracy {acc:.4f}")  # fmt: skip
+              f"train accuracy {_accuracy(tm, x_train, y_train):.4f}")
 
 
-def _reference_kind(args: argparse.Namespace) -> str:
-    if args.reference != "auto":
-        return str(args.reference)
-    return "reduction_to_one_device" if args.algorithm in _EXACT_ORDER else "collective"
+def _compare(tm: Any, data: tuple[np.ndarray, ...], args: argparse.Namespace,
+             devices: list[str]) -> None:
+    """Replay the same batches through MirroredStrategy; print the largest weight difference."""
+    import keras
+
+    from reference import MirroredTrainer
+    from towers.training.data import batches
+    from towers.training.models import digits_cnn
+
+    kind = args.reference if args.reference != "auto" else (
+        "reduction_to_one_device" if args.algorithm in _EXACT_ORDER else "collective")
+    print(f"replaying the same {args.epochs} epochs with MirroredStrategy ({kind}) ...")
+    ref = MirroredTrainer(lambda: digits_cnn(args.seed), lambda: keras.optimizers.Adam(args.lr),
+                          keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                          devices=devices, cross_device_ops=kind)
+    for epoch in range(args.epochs):
+        for xb, yb in batches(data[0], data[1], args.batch_size, args.seed + epoch):
+            ref.train_step(xb, yb)
+    diffs = [float(np.max(np.abs(a - b))) for a, b in zip(tm.get_weights(), ref.get_weights())]
+    scale = max(float(np.max(np.abs(w))) for w in ref.get_weights())
+    print(f"largest weight difference to MirroredStrategy ({kind}): {max(diffs):.3g} "
+          f"(largest weight {scale:.3g}; float32 epsilon 1.19e-07)")
+    print(f"reference test accuracy: {_accuracy(ref.model, data[2], data[3]):.4f}")
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the job; returns a process exit code."""
-    import towers
-    from towers.allreduce.machinery.resolve import get
-    from towers.trace.loading import start_devices
+    from towers.trace.schedule import start_devices
 
     devices = start_devices(args.towers)  # first: before TensorFlow's runtime starts
     import keras
 
+    import towers
+    from towers.allreduce.machinery.resolve import get
     from towers.training.data import digits
     from towers.training.models import digits_cnn
 
     data = digits(seed=args.seed)
-    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    print(
-        f"towers train: {args.towers} towers {devices}, all_reduce={args.algorithm}, "
-        f"variables={args.variables}, codec={args.codec}, {len(data[0])} training / "
-        f"{len(data[2])} test digits"
-    )
-    reducer: Any = args.algorithm  # a name as it is; a module:NAME loaded
+    print(f"towers train: {args.towers} towers {devices}, all_reduce={args.algorithm}, "
+          f"variables={args.variables}, codec={args.codec}, {len(data[0])} training / "
+          f"{len(data[2])} test digits")
     start = time.perf_counter()
     try:  # a user's algorithm or codec that is none, or breaks the contract: one line, exit 2
-        if ":" in args.algorithm:
-            reducer = get(args.algorithm, argument="algorithm", devices=devices)
+        reducer: Any = (get(args.algorithm, argument="algorithm", devices=devices)
+                        if ":" in args.algorithm else args.algorithm)
         if args.codec is not None:
             reducer = towers.compressed(reducer, args.codec)
         tm = towers.TowerModel(digits_cnn(args.seed), devices=devices, all_reduce=reducer,
-                               variables=args.variables)  # fmt: skip
-        tm.compile(keras.optimizers.Adam(args.lr), loss)
+                               variables=args.variables)
+        tm.compile(keras.optimizers.Adam(args.lr),
+                   keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     except (ValueError, TypeError) as err:
-        print(f"towers train: error: {err}", file=sys.stderr)
-        return 2
+        return fail("train", err)
     _fit_towers(tm, data, args)
-    seconds = time.perf_counter() - start
-    test_acc = _accuracy(tm, data[2], data[3])
-    print(f"test accuracy: {test_acc:.4f}   ({seconds:.1f} s)")
-    if args.reference == "none":
-        return 0
-    from reference import MirroredTrainer
-
-    kind = _reference_kind(args)
-    print(f"replaying the same {args.epochs} epochs with MirroredStrategy ({kind}) ...")
-    ref = MirroredTrainer(
-        lambda: digits_cnn(args.seed),
-        lambda: keras.optimizers.Adam(args.lr),
-        loss,
-        devices=devices,
-        cross_device_ops=kind,
-    )
-    _replay(ref, data, args)
-    diffs = [float(np.max(np.abs(a - b))) for a, b in zip(tm.get_weights(), ref.get_weights())]
-    scale = max(float(np.max(np.abs(w))) for w in ref.get_weights())
-    print(
-        f"largest weight difference to MirroredStrategy ({kind}): {max(diffs):.3g} "
-        f"(largest weight {scale:.3g}; float32 epsilon 1.19e-07)"
-    )
-    print(f"reference test accuracy: {_accuracy(ref.model, data[2], data[3]):.4f}")
+    print(f"test accuracy: {_accuracy(tm, data[2], data[3]):.4f}   "
+          f"({time.perf_counter() - start:.1f} s)")
+    if args.reference != "none":
+        _compare(tm, data, args, devices)
     return 0

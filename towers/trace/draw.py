@@ -1,50 +1,83 @@
-"""Draw a trace as a PNG: towers as rows, ticks as columns, one arrow per transfer.
+"""The two pictures of a trace, as PNGs (matplotlib, Agg: no display needed).
 
-:func:`draw` renders a :class:`~towers.trace.Trace` with matplotlib (Agg, so no
-display is needed). Arrows are coloured by chunk (dashed: estimated traffic of an
-opaque collective); a star marks where a chunk first held every tower's
-contribution; the right-hand column shows the chunks each tower holds at the end::
+:func:`draw` shows a :class:`~towers.trace.schedule.Trace`: towers as rows, ticks as
+columns, one arrow per transfer coloured by chunk (dashed: estimated), a star where a chunk
+first held every contribution, and the chunks each tower holds at the end::
 
     tick      0          1          2      │    3          4          5
     tower 0  c3 ─▶1     c2 ─▶1     c1 ─▶1  │   c0 ─▶1 ...          holds c0 c1 c2 c3
-    tower 1  c0 ─▶2 ...                 ★c1 finished here (tick 2)
 
-Under each tick number is the tick's most common note (``reduce``, ``copy``, …);
-``*`` after it: the tick was assigned by order.
+:func:`draw_state` shows a :class:`~towers.trace.state.StateTrace`: on the left the links
+(:mod:`towers.trace.topology`), then one column per state (the inputs, then after each
+tick) with every tower's chunks, each a stack of ``n`` squares, square ``i`` coloured when
+the chunk holds tower ``i``'s contribution; between columns the tick's sends, labelled
+with the element ranges they carry.
 
 Example:
-    >>> draw(trace_all_reduce("ring", devices[:4]), "ring.png")   # doctest: +SKIP
+    >>> draw(trace_all_reduce("ring", devices[:4]), "ring.png")          # doctest: +SKIP
+    >>> draw_state(trace_state("halving_doubling", devices[:8]), "hd.png")  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:  # type hints only: schedule.py does not import this module
-    from towers.trace.schedule import Trace
+import matplotlib
+import numpy as np
+from matplotlib.lines import Line2D
+from matplotlib.patches import FancyArrowPatch, Rectangle
 
-__all__ = ["draw"]
+from towers.trace.state import StateTrace, range_label, sends_by_tick
+from towers.trace.table import Trace
+from towers.trace.topology import Topology, topology
+
+__all__ = ["draw", "draw_state", "pyplot", "save_png"]
+
+_GAP = 0.9  # the state picture's arrow lane between two state columns (a column is 1 wide)
+_GREY = "0.45"
 
 
-def _colours(trace: Trace) -> dict[int, Any]:
-    import matplotlib
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the Agg backend (no display needed)."""
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
 
-    labels = sorted({r.chunk for r in trace.rows if r.chunk is not None} | set(trace.chunks))
-    cmap = matplotlib.colormaps["tab10" if len(labels) <= 10 else "tab20"]
-    return {c: cmap(k % cmap.N) for k, c in enumerate(labels)}
+    return plt
 
 
-def _column_notes(trace: Trace) -> list[str]:
-    """Per tick: its most common note, and ``*`` when the tick was assigned by order."""
-    out = []
-    for tick in range(trace.ticks):
-        rows = [r for r in trace.rows if r.tick == tick]
-        notes = [r.note for r in rows if r.note]
-        star = "*" if any(r.assigned for r in rows) else ""
-        out.append(f"{tick}{star}\n{max(set(notes), key=notes.count) if notes else ''}")
-    return out
+def _palette(n: int) -> list[Any]:
+    cmap = matplotlib.colormaps["tab10" if n <= 10 else "tab20"]
+    return [cmap(i % cmap.N) for i in range(n)]
+
+
+def _arrow(ax: Any, start: tuple[float, int], end: tuple[float, int], colour: Any,
+           lw: float, dashed: bool = False) -> None:
+    far = abs(end[1] - start[1]) > 1  # arc past the rows in between
+    ax.annotate("", xy=end, xytext=start, arrowprops={
+        "arrowstyle": "-|>", "color": colour, "lw": lw, "shrinkA": 2, "shrinkB": 2,
+        "linestyle": "--" if dashed else "-", "connectionstyle": f"arc3,rad={0.3 * far}"})
+
+
+def _frame(ax: Any, rows: list[str], columns: list[tuple[float, str]], fontsize: int) -> None:
+    """Row names on the left, column headers on top, no spines."""
+    ax.set_yticks(range(len(rows)), rows, fontsize=8)
+    ax.set_xticks([x for x, _ in columns], [text for _, text in columns], fontsize=fontsize)
+    ax.xaxis.tick_top()
+    ax.tick_params(length=0)
+    for side in ax.spines.values():
+        side.set_visible(False)
+
+
+def save_png(fig: Any, path: str | os.PathLike[str], dpi: int) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    pyplot().close(fig)
+    return Path(path)
+
+
+# -- the tick picture -------------------------------------------------------------------------
 
 
 def _draw_arrows(ax: Any, trace: Trace, colours: dict[int, Any]) -> None:
@@ -53,61 +86,46 @@ def _draw_arrows(ax: Any, trace: Trace, colours: dict[int, Any]) -> None:
     for r in trace.rows:
         k = seen[(r.tick, r.src, r.dst)] = seen.get((r.tick, r.src, r.dst), -1) + 1
         x = r.tick + 0.1 * k - 0.05 * (k > 0)
-        colour = colours.get(r.chunk, "0.45") if r.chunk is not None else "0.45"
-        ax.annotate(
-            "", xy=(x + 0.3, r.dst), xytext=(x - 0.3, r.src),
-            arrowprops={
-                "arrowstyle": "-|>", "color": colour, "lw": 1.8, "shrinkA": 3, "shrinkB": 3,
-                "linestyle": "--" if r.estimated else "-",
-                "connectionstyle": f"arc3,rad={0.3 if abs(r.dst - r.src) > 1 else 0.0}",
-            },
-        )
+        colour = colours.get(r.chunk, _GREY) if r.chunk is not None else _GREY
+        _arrow(ax, (x - 0.3, r.src), (x + 0.3, r.dst), colour, 1.8, r.estimated)
         here = labelled.setdefault((r.tick, r.src), [])
         if r.chunk not in here:  # one label per chunk leaving a tower in a tick, side by side
-            text = f"c{r.chunk}" if r.chunk is not None else ""
-            text = f"~{r.nbytes}" if r.estimated else text
+            text = f"~{r.nbytes}" if r.estimated else "" if r.chunk is None else f"c{r.chunk}"
             ax.text(r.tick - 0.36 + 0.17 * len(here), r.src - 0.2, text, fontsize=7,
                     color=colour, ha="left")
             here.append(r.chunk)
     for c, (p, tick) in trace.finished.items():
-        ax.plot(tick + 0.44, p, marker="*", ms=13, color=colours.get(c, "0.45"), mec="black")
+        ax.plot(tick + 0.44, p, marker="*", ms=13, color=colours.get(c, _GREY), mec="black")
 
 
-def _draw_ownership(ax: Any, trace: Trace, colours: dict[int, Any], x0: float) -> float:
+def _draw_ownership(ax: Any, trace: Trace, colours: dict[int, Any], x0: float,
+                    width: float) -> None:
     """The right-hand column: per place, one square per chunk it holds complete at the end."""
-    chunks = trace.chunks
-    width = max(1.2, 0.3 * len(chunks))
     ax.text(x0 + width / 2, -0.75, "holds at end\n(★ = finished here)", ha="center", fontsize=8)
     if not trace.holds:
         ax.text(x0 + width / 2, (len(trace.places) - 1) / 2, "not observable\n(opaque)",
                 ha="center", va="center", fontsize=8)
-        return width
-    import matplotlib.patches as patches
-
-    w = width / len(chunks)
+        return
+    w = width / len(trace.chunks)
     finished_by = {c: p for c, (p, _) in trace.finished.items()}
     for p, held in enumerate(trace.holds):
-        for j, c in enumerate(chunks):
+        for j, c in enumerate(trace.chunks):
             mine = finished_by.get(c) == p
-            ax.add_patch(patches.Rectangle(
+            ax.add_patch(Rectangle(
                 (x0 + j * w + 0.03, p - 0.25), w - 0.06, 0.5,
-                facecolor=colours.get(c, "0.45") if c in held else "white",
-                edgecolor="black" if mine else "0.6", lw=2.2 if mine else 0.8,
-            ))
+                facecolor=colours.get(c, _GREY) if c in held else "white",
+                edgecolor="black" if mine else "0.6", lw=2.2 if mine else 0.8))
             if mine:
                 ax.text(x0 + (j + 0.5) * w, p, "★", ha="center", va="center", fontsize=8)
-    return width
 
 
 def _legend(ax: Any, trace: Trace, colours: dict[int, Any]) -> None:
-    from matplotlib.lines import Line2D
-
     shown = sorted({r.chunk for r in trace.rows if r.chunk is not None})[:12]
     handles = [Line2D([], [], color=colours[c], lw=2, label=f"chunk {c}") for c in shown]
     if any(r.chunk is None for r in trace.rows):
-        handles.append(Line2D([], [], color="0.45", lw=2, label="no chunk label"))
+        handles.append(Line2D([], [], color=_GREY, lw=2, label="no chunk label"))
     if any(r.estimated for r in trace.rows):
-        handles.append(Line2D([], [], color="0.45", lw=2, ls="--", label="estimated"))
+        handles.append(Line2D([], [], color=_GREY, lw=2, ls="--", label="estimated"))
     if trace.finished:
         handles.append(Line2D([], [], color="0.6", marker="*", ms=11, mec="black", lw=0,
                               label="chunk complete"))
@@ -117,47 +135,138 @@ def _legend(ax: Any, trace: Trace, colours: dict[int, Any]) -> None:
 
 
 def draw(trace: Trace, path: str | os.PathLike[str]) -> Path:
-    """Draw the trace as a PNG (matplotlib, Agg): towers as rows, ticks as columns.
+    """Draw the tick picture of ``trace`` as a PNG (see the module docstring); returns ``path``.
 
-    Each transfer is an arrow from its source row to its destination row within its
-    tick's column, coloured by chunk (dashed: estimated); a star marks where a chunk
-    first holds every tower's contribution; the right-hand column shows which chunks
-    each tower holds complete at the end (a bold square: finished there).
-
-    Returns:
-        The path written.
+    Under each tick number is the tick's most common note; ``*`` after it: the tick was
+    assigned by order.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ticks, places, colours = max(trace.ticks, 1), len(trace.places), _colours(trace)
+    labels = sorted({r.chunk for r in trace.rows if r.chunk is not None} | set(trace.chunks))
+    colours = dict(zip(labels, _palette(len(labels))))
+    ticks, places = max(trace.ticks, 1), len(trace.places)
     width = max(1.2, 0.3 * len(trace.chunks))
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.25 * ticks + 2.2 + width), 1.0 + 0.7 * places))
+    fig, ax = pyplot().subplots(figsize=(max(6.0, 1.25 * ticks + 2.2 + width),
+                                          1.0 + 0.7 * places))
     for p in range(places):
         ax.axhspan(p - 0.45, p + 0.45, color="0.96" if p % 2 else "0.91", zorder=0)
     for t in range(ticks + 1):
         ax.axvline(t - 0.5, color="white", lw=2, zorder=0)
     _draw_arrows(ax, trace, colours)
-    _draw_ownership(ax, trace, colours, ticks - 0.3)
+    _draw_ownership(ax, trace, colours, ticks - 0.3, width)
     ax.set_xlim(-0.5, ticks - 0.2 + width)
     ax.set_ylim(places - 0.5, -1.1)
-    ax.set_yticks(range(places), [trace.place_name(p) for p in range(places)])
-    ax.set_xticks(range(trace.ticks), _column_notes(trace), fontsize=8)
-    ax.xaxis.tick_top()
-    ax.tick_params(length=0)
-    for side in ax.spines.values():
-        side.set_visible(False)
+    stars = ["*" if any(r.assigned for r in trace.rows if r.tick == t) else ""
+             for t in range(trace.ticks)]
+    _frame(ax, [trace.place_name(p) for p in range(places)],
+           [(t, f"{t}{stars[t]}\n{trace.note(t)}") for t in range(trace.ticks)], 8)
     verdict = "= NumPy" if trace.ok else "WRONG vs NumPy"
-    ax.set_title(
-        f"{trace.algorithm}: {trace.towers} towers × {trace.size} {trace.dtype}, op={trace.op}, "
-        f"{len(trace.rows)} transfers in {trace.ticks} tick{'' if trace.ticks == 1 else 's'}, "
-        f"result {verdict}",
-        fontsize=10,
-    )
+    ax.set_title(f"{trace.algorithm}: {trace.towers} towers × {trace.size} {trace.dtype}, "
+                 f"op={trace.op}, {len(trace.rows)} transfers in {trace.ticks} "
+                 f"tick{'' if trace.ticks == 1 else 's'}, result {verdict}", fontsize=10)
     _legend(ax, trace, colours)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return Path(path)
+    return save_png(fig, path, 110)
+
+
+# -- the state picture ------------------------------------------------------------------------
+
+
+def _draw_topology(ax: Any, topo: Topology, colours: list[Any]) -> None:
+    n = len(topo.positions)
+    if topo.kind == "butterfly":
+        _draw_butterfly(ax, n, topo.links, colours)
+    else:
+        for a, b in topo.links:
+            _draw_link(ax, topo.positions, a, b)
+        if topo.kind == "collective":
+            ax.plot(0, 0, "s", ms=22, color="0.8", zorder=1)
+            ax.text(0, 0, "opaque", ha="center", va="center", fontsize=7)
+            for x, y in topo.positions:
+                ax.plot([0, x], [0, y], color="0.75", lw=1, ls="--", zorder=1)
+        for i, (x, y) in enumerate(topo.positions):
+            ax.plot(x, y, "o", ms=15, color=colours[i], mec="black", zorder=2)
+            ax.text(x, y, str(i), ha="center", va="center", fontsize=8, color="white", zorder=3)
+    ax.set_title(f"links: {topo.kind}", fontsize=9)
+    ax.set_aspect("equal", adjustable="datalim")
+    ax.axis("off")
+
+
+def _draw_link(ax: Any, positions: list[tuple[float, float]], a: int, b: int) -> None:
+    """A straight line, or an arc where the line would run through another tower (wrap-around)."""
+    (xa, ya), (xb, yb) = positions[a], positions[b]
+    length2 = (xb - xa) ** 2 + (yb - ya) ** 2 or 1.0
+    through = False
+    for i, (x, y) in enumerate(positions):
+        u = ((x - xa) * (xb - xa) + (y - ya) * (yb - ya)) / length2
+        near = (x - xa - u * (xb - xa)) ** 2 + (y - ya - u * (yb - ya)) ** 2 < 1e-4
+        through |= i not in (a, b) and 0 < u < 1 and near
+    ax.add_patch(FancyArrowPatch((xa, ya), (xb, yb), arrowstyle="-", color="0.55", lw=1.2,
+                                 connectionstyle=f"arc3,rad={0.35 * through}", zorder=1))
+
+
+def _draw_butterfly(ax: Any, n: int, links: list[tuple[int, int]], colours: list[Any]) -> None:
+    """Stages left to right, one per bit: tower i meets tower i xor 2ᵏ at stage k."""
+    bits = n.bit_length() - 1
+    ys = [1 - 2 * i / (n - 1) for i in range(n)]
+    for k in range(bits):
+        x0, x1 = -1 + 2 * k / bits, -1 + 2 * (k + 1) / bits
+        for i in range(n):
+            ax.plot([x0, x1], [ys[i], ys[i]], color="0.8", lw=0.8, zorder=1)
+            j = i ^ (1 << k)
+            if (min(i, j), max(i, j)) in links:
+                ax.plot([x0, x1], [ys[i], ys[j]], color=_GREY, lw=1.0, zorder=1)
+    for k in range(bits + 1):
+        for i in range(n):
+            x = -1 + 2 * k / bits
+            ax.plot(x, ys[i], "o", ms=9, color=colours[i], mec="black", zorder=2)
+            if k == 0:
+                ax.text(x - 0.15, ys[i], str(i), ha="right", va="center", fontsize=7)
+
+
+def _draw_cell(ax: Any, x: float, p: int, held: Any, n: int, colours: list[Any]) -> None:
+    """One tower's state: a column per chunk, row i filled when it holds tower i's part."""
+    pixels = np.full((n, len(held), 4), 0.93)
+    pixels[..., 3] = 1.0
+    for s, contributors in enumerate(held):
+        for i in contributors:
+            pixels[i, s] = colours[i]
+    ax.imshow(pixels, extent=(x + 0.05, x + 0.95, p + 0.38, p - 0.38), interpolation="nearest",
+              aspect="auto", zorder=1)
+
+
+def _state_title(state: StateTrace) -> str:
+    alpha = "none" if state.alpha is None else f"{state.alpha:g}"
+    done = "every chunk holds all contributions" if state.complete() else "INCOMPLETE"
+    if state.states[-1] != state.outputs:
+        done += "; the OUTPUTS hold less than the state says"
+    seen = "" if state.observed else " (opaque: end state read from the outputs)"
+    chunks = f"{len(state.segments)} chunk{'' if len(state.segments) == 1 else 's'}"
+    return (f"{state.trace.algorithm}: {state.towers} towers × {state.trace.size} elements in "
+            f"{chunks}; {state.ticks} ticks, α = {state.messages} messages "
+            f"(cost formula: {alpha}); {done}{seen}")
+
+
+def draw_state(state: StateTrace, path: str | os.PathLike[str], *, dpi: int = 100) -> Path:
+    """Draw the state picture of ``state`` as a PNG (see the module docstring); returns ``path``."""
+    n, columns = state.towers, len(state.states)
+    colours = _palette(n)
+    span = columns * (1 + _GAP) - _GAP
+    fig, (left, right) = pyplot().subplots(
+        1, 2, figsize=(3.0 + 1.1 * span, 1.6 + 0.55 * n),
+        gridspec_kw={"width_ratios": [2.6, 1.1 * span]})
+    _draw_topology(left, topology(state), colours)
+    for k, towers in enumerate(state.states):  # before the limits: imshow resets them
+        for p, held in enumerate(towers):
+            _draw_cell(right, k * (1 + _GAP), p, held, n, colours)
+    lanes: dict[tuple[int, int], int] = {}
+    for (tick, src, dst), ranges in sends_by_tick(state).items():
+        k = lanes[(tick, src)] = lanes.get((tick, src), -1) + 1
+        x = (tick + 1) * (1 + _GAP) - _GAP + 0.12 + 0.12 * k
+        _arrow(right, (x, src), (x + 0.3, dst), colours[src], 1.2)
+        right.text(x - 0.05, src - 0.42 + 0.1 * k, range_label(ranges), fontsize=5,
+                   color=colours[src])
+    right.set_xlim(-0.1, span + 0.1)
+    right.set_ylim(n - 0.5, -0.6)
+    headers = [(0.5, "inputs")] + [((t + 1) * (1 + _GAP) + 0.5, f"after tick {t}\n"
+                                    f"{state.trace.note(t)}"[:40]) for t in range(state.ticks)]
+    _frame(right, [f"tower {p}" for p in range(n)], headers, 7)
+    fig.suptitle(_state_title(state), fontsize=9)
+    return save_png(fig, path, dpi)

@@ -1,26 +1,16 @@
 """A measured timeline: the profiler's op events of one real training step, drawn beside the model.
 
-:func:`profile_step` runs one ``trainer.train_step`` under TensorFlow's profiler
-(``tf.profiler.experimental``, host tracer level 3, so every op kernel is an
-event) and reads the XSpace it writes back: one :class:`OpEvent` per op, with
-its name, type, thread and start and duration in microseconds. Ops are sorted into
-phases by the name scopes the step gives them (:func:`towers.bench.phases.phase_of`;
-tower 0 has MirroredStrategy's replica 0 names, no scope of its own)::
+:func:`profile_step` runs one ``trainer.train_step`` under TensorFlow's profiler (host
+tracer level 3: every op kernel is an event) and reads back one :class:`OpEvent` per op.
+Ops are sorted into phases by the name scopes the step gives them
+(:func:`towers.bench.phases.phase_of`; tower 0 has MirroredStrategy's replica 0 names)::
 
     replica_3/conv2d_1/Relu:Relu                       forward,  tower 3
     gradient_tape/replica_3/conv2d_1/Conv2DBackprop…   backward, tower 3
-    conv2d_1/Relu:Relu                                 forward,  tower 0
     guard/…, split/…, the all-reduce, the update       step (everything else)
 
-:func:`draw_measured` draws them, one row per tower and phase on the step's real
-clock (the host's shared cores run towers side by side), above the modelled
-timeline of ``towers timeline`` (phases timed apart and laid end to end), so the
-two can be compared: the measured backward passes are real op time, where the
-modelled ones subtract two separately compiled runs.
-
-Example:
-    >>> events = profile_step(trainer, x, y, "/tmp/prof")        # doctest: +SKIP
-    >>> draw_measured(events, 4, "step.png", modelled=data)       # doctest: +SKIP
+:func:`draw_measured` draws them on the step's real clock, one row per tower and phase,
+above the modelled timeline of ``towers timeline``.
 """
 
 from __future__ import annotations
@@ -31,13 +21,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import tensorflow as tf
+
 from towers.bench.phases import phase_of as step_phase
+from towers.trace.draw import pyplot, save_png
 
-__all__ = [
-    "OpEvent", "busy", "draw_measured", "phase_of", "profile_step", "read_xspace", "split_compute",
-]
-
-
+__all__ = ["OpEvent", "busy", "draw_measured", "phase_of", "profile_step", "read_xspace",
+           "split_compute"]
 
 class OpEvent(NamedTuple):
     """One op kernel as the profiler saw it; times in microseconds from the first event."""
@@ -83,21 +73,13 @@ def read_xspace(path: str | os.PathLike[str]) -> list[OpEvent]:
 
 
 def profile_step(trainer: Any, x: Any, y: Any, logdir: str | None = None) -> list[OpEvent]:
-    """Profile one ``trainer.train_step(x, y)`` (after one warm-up step) and read its op events.
+    """Profile one ``trainer.train_step(x, y)`` (after a warm-up step); its op events by start.
 
-    Args:
-        trainer: a :class:`~towers.TowerTrainer`.
-        x, y: one global batch.
-        logdir: where the profiler writes (default: a temporary directory, removed after).
-
-    Returns:
-        The op events, by start time.
+    ``logdir``: where the profiler writes (default: a temporary directory, removed after).
 
     Raises:
         RuntimeError: the profiler wrote no XSpace file.
     """
-    import tensorflow as tf
-
     trainer.train_step(x, y)  # compile outside the profile
     with tempfile.TemporaryDirectory() as tmp:
         where = logdir or tmp
@@ -135,15 +117,11 @@ def busy(events: Sequence[OpEvent], towers: int) -> dict[tuple[int | None, str],
 def split_compute(
     compute: Sequence[float], events: Sequence[OpEvent]
 ) -> tuple[list[float], list[float]] | None:
-    """Split each tower's measured forward+backward time by its profiled op-time shares.
-
-    Args:
-        compute: per tower, the measured seconds of one forward and backward pass.
-        events: the profiler's op events of one step on those towers.
+    """Split each tower's measured forward+backward seconds by its profiled op-time shares.
 
     Returns:
-        ``(forward, backward)`` seconds per tower, each share > 0 where the profile saw
-        both phases; None when some tower's forward or backward ops were not seen.
+        ``(forward, backward)`` seconds per tower; None when some tower's forward or
+        backward ops were not seen.
     """
     spent = busy(events, len(compute))
     shares = []
@@ -157,27 +135,15 @@ def split_compute(
 
 
 _COLOURS = {"forward": "tab:blue", "backward": "tab:orange", "step": "0.5",
-            "all-reduce": "tab:green", "apply": "tab:red", "compute": "tab:blue"}
-
-
-_Row = tuple[str, tuple[int | None, str], list[OpEvent]]
-
-
-def _rows(events: Sequence[OpEvent], towers: int) -> list[_Row]:
-    """Per tower its forward and backward ops, then the rest of the step."""
-    keys: list[tuple[int | None, str]] = [(t, p) for t in range(towers)
-                                          for p in ("forward", "backward")]
-    keys.append((None, "step"))
-    return [(f"tower {t} {p}" if t is not None else "step (guard, reduce, apply)", (t, p),
-             [e for e in events if phase_of(e.name) == (t, p)]) for t, p in keys]
+            "all-reduce": "tab:green", "apply": "tab:red"}
 
 
 def _draw_modelled(ax: Any, modelled: dict[str, Any], towers: int) -> None:
-    events = [e for e in modelled["traceEvents"] if e.get("ph") == "X" and e["pid"] < towers]
-    for e in events:
-        kind = e["name"] if e["name"] in ("forward", "backward", "apply") else "all-reduce"
-        row = e["pid"] * 2 + (e["tid"] == 1)
-        ax.barh(row, e["dur"] / 1e3, left=e["ts"] / 1e3, height=0.7, color=_COLOURS[kind])
+    for e in modelled["traceEvents"]:
+        if e.get("ph") == "X" and e["pid"] < towers:
+            kind = e["name"] if e["name"] in ("forward", "backward", "apply") else "all-reduce"
+            ax.barh(e["pid"] * 2 + (e["tid"] == 1), e["dur"] / 1e3, left=e["ts"] / 1e3,
+                    height=0.7, color=_COLOURS[kind])
     ax.set_yticks(range(2 * towers), [f"tower {p} {t}" for p in range(towers)
                                       for t in ("compute", "all-reduce")], fontsize=7)
     ax.set_ylim(2 * towers - 0.5, -0.5)
@@ -188,34 +154,23 @@ def _draw_modelled(ax: Any, modelled: dict[str, Any], towers: int) -> None:
 
 def draw_measured(events: Sequence[OpEvent], towers: int, path: str | os.PathLike[str], *,
                   modelled: dict[str, Any] | None = None) -> Path:
-    """Draw the measured op events (and, given, the modelled timeline below) as a PNG.
-
-    Returns:
-        The path written.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = _rows(events, towers)
-    panels = 2 if modelled else 1
-    fig, axes = plt.subplots(panels, 1, figsize=(11, 1.2 + 0.3 * len(rows) * panels),
-                             squeeze=False)
-    ax = axes[0][0]
-    for k, (_, (_, phase), mine) in enumerate(rows):
-        ax.broken_barh([(e.start / 1e3, e.duration / 1e3) for e in mine], (k - 0.35, 0.7),
-                       color=_COLOURS[phase])
+    """Draw the measured op events, one row per tower and phase, then the rest of the step
+    (and, given, the modelled timeline below) as a PNG; returns ``path``."""
+    keys = [(t, p) for t in range(towers) for p in ("forward", "backward")] + [(None, "step")]
     spent = busy(events, towers)
-    labels = [f"{label}  {spent.get(key, 0.0) / 1e3:.2f} ms" for label, key, _ in rows]
-    ax.set_yticks(range(len(rows)), labels, fontsize=7)
-    ax.set_ylim(len(rows) - 0.5, -0.5)
+    fig, axes = pyplot().subplots(2 if modelled else 1, 1, squeeze=False, figsize=(
+        11, 1.2 + 0.3 * len(keys) * (2 if modelled else 1)))
+    ax = axes[0][0]
+    for k, key in enumerate(keys):
+        ax.broken_barh([(e.start / 1e3, e.duration / 1e3) for e in events
+                        if phase_of(e.name) == key], (k - 0.35, 0.7), color=_COLOURS[key[1]])
+    ax.set_yticks(range(len(keys)), [
+        f"{'step (guard, reduce, apply)' if t is None else f'tower {t} {p}'}  "
+        f"{spent.get((t, p), 0.0) / 1e3:.2f} ms" for t, p in keys], fontsize=7)
+    ax.set_ylim(len(keys) - 0.5, -0.5)
     ax.set_title(f"measured (tf.profiler op events of one train_step, {len(events)} ops; "
                  "ms of op time per row)", fontsize=9)
     ax.set_xlabel("ms")
     if modelled:
         _draw_modelled(axes[1][0], modelled, towers)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return Path(path)
+    return save_png(fig, path, 100)

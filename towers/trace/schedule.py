@@ -1,37 +1,14 @@
-"""Trace one all-reduce: who sends which chunk where, tick by tick, drawn and checked.
+"""Trace one all-reduce: every ``send`` recorded as a row of the tick table, checked against NumPy.
 
-:func:`trace_all_reduce` runs an algorithm eagerly on one small vector per tower
-inside :func:`~towers.allreduce.machinery.primitives.record`, so every
-:func:`~towers.allreduce.machinery.primitives.send` becomes a row of the tick table, and
-checks the outputs against NumPy. :func:`~towers.trace.draw.draw` turns the rows
-into a picture (towers as rows, ticks as columns, one arrow per transfer, one
-colour per chunk), :func:`~towers.trace.text.format_table` and
-:func:`~towers.trace.text.format_summary` into text; :mod:`towers.trace` exports
-all of them::
-
-    tick      0          1          2      │    3          4          5
-    tower 0  c3 ─▶1     c2 ─▶1     c1 ─▶1  │   c0 ─▶1 ...          holds c0 c1 c2 c3
-    tower 1  c0 ─▶2 ...                 ★c1 finished here (tick 2)
-
-Ticks are the algorithm's own (``send(..., tick=t)``); a transfer without one
-gets one by order, and chunk ownership is followed by data flow, both in
-:mod:`towers.trace.ticks`. When the chunk labels say a send leaves no later than
-its data arrived, the algorithm is traced once more in a ``tf.function`` (not run)
-to follow the data each send carries: in a full-buffer exchange both towers send
-chunk 0 in one tick, but neither sends what it receives.
-
-Opaque collectives move data outside ``send``: what they report with
-``record_estimate`` is shown dashed and marked estimated; if they report nothing,
-their registry record's estimated ``bytes_sent``, when they have one, gives one
-estimated row per tower into a pseudo-device named ``collective``. What the user
-names (a registry name, ``module:NAME``, a callable) is resolved by
-:func:`towers.allreduce.machinery.resolve.get`. This module owns the run, the
-:class:`Trace` it makes and its JSON form; it re-exports the other two modules' names,
-so ``towers.trace.schedule.<name>`` keeps working.
+:func:`trace_all_reduce` runs an algorithm eagerly on one small vector per tower inside
+``record()``. When the chunk labels say a send leaves no later than its data arrived, the
+algorithm is traced once more in a ``tf.function`` (not run) to follow the data each send
+carries: in a full-buffer exchange both towers send chunk 0 in one tick, but neither sends
+what it receives. An opaque collective moves data outside ``send``: its record's estimated
+``bytes_sent`` gives one dashed row per tower into the pseudo-device ``collective``.
 
 Example:
     >>> trace = trace_all_reduce("ring", devices[:4], size=16)    # doctest: +SKIP
-    >>> print(format_table(trace)); draw(trace, "ring.png")        # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -41,148 +18,83 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+import tensorflow as tf
+from tensorflow.python.framework import op_callbacks
 
 from towers.allreduce.machinery.base import check_op
 from towers.allreduce.machinery.recording import Transfer, record
 from towers.allreduce.machinery.registry import record_of
 from towers.allreduce.machinery.resolve import get, is_reducer, label
-from towers.devices import canonical_device
+from towers.devices import canonical_device, local_devices, simulate_devices
 from towers.guard.arguments import positive_int
 from towers.testing.values import ulp_distance
-from towers.trace.loading import start_devices
-from towers.trace.ticks import TraceRow, assign_ticks, chunk_ownership
+from towers.trace.table import Trace, assign_ticks, chunk_ownership
 
-__all__ = [
-    "Trace",
-    "TraceRow",
-    "assign_ticks",
-    "chunk_ownership",
-    "start_devices",
-    "to_json",
-    "trace_all_reduce",
-    "transfers_from_json",
-]
+__all__ = ["COLLECTIVE", "resolve", "run_trace", "start_devices", "to_json", "trace_all_reduce",
+           "transfers_from_json"]
 
 COLLECTIVE = "collective"
 """The pseudo-device that estimated traffic of a silent opaque collective goes to."""
 
 
-@dataclasses.dataclass(frozen=True)
-class Trace:
-    """What one traced all-reduce did; ``places[:towers]`` are the towers' devices."""
+def start_devices(n: int) -> list[str]:
+    """``towers.simulate_devices(n)``, or the first ``n`` devices if TensorFlow already runs.
 
-    algorithm: str
-    places: tuple[str, ...]
-    towers: int
-    op: str
-    size: int
-    dtype: str
-    transfers: tuple[Transfer, ...]  # as recorded (or estimated), in program order
-    rows: tuple[TraceRow, ...]
-    finished: dict[int, tuple[int, int]]  # chunk -> (place, tick) where it was first held
-    holds: tuple[frozenset[int], ...]  # per place: chunks held complete at the end
-    formula: tuple[int, ...] | None  # the algorithm's bytes_sent, if it has one
-    max_abs_error: float
-    max_ulps: int
-    identical: bool  # outputs bitwise identical across towers
-
-    @property
-    def ticks(self) -> int:
-        """Number of ticks shown (the largest tick + 1; 0 without transfers)."""
-        return 1 + max((r.tick for r in self.rows), default=-1)
-
-    @property
-    def chunks(self) -> list[int]:
-        """The chunk labels followed for ownership (``[0]``: the whole buffer)."""
-        return sorted({c for held in self.holds for c in held} | set(self.finished)) or [0]
-
-    @property
-    def ok(self) -> bool:
-        """True when every output is within ``towers + 2`` ULPs of NumPy's and all agree."""
-        return self.identical and self.max_ulps <= self.towers + 2
-
-    @property
-    def early(self) -> int:
-        """Rows the algorithm placed no later than the tick their data reached their source."""
-        return sum(not r.assigned and not r.estimated and r.tick <= r.ready for r in self.rows)
-
-    def place_name(self, p: int) -> str:
-        """How place ``p`` is shown: ``tower p`` for a tower, else its device name."""
-        return f"tower {p}" if p < self.towers else self.places[p]
-
-    def bytes_sent(self) -> list[int]:
-        """Bytes sent per place (unknown sizes count as 0)."""
-        out = [0] * len(self.places)
-        for r in self.rows:
-            out[r.src] += r.nbytes or 0
-        return out
-
-
-# -- running ----------------------------------------------------------------------------------
-
-
-def _inputs(n: int, size: int) -> list[np.ndarray]:
-    """Tower i holds ``i·size + [0, 1, …]``: distinct small integers, so float32 sums are exact."""
-    return [(i * size + np.arange(size)).astype(np.float32) for i in range(n)]
-
-
-def _expected(arrays: Sequence[np.ndarray], op: str) -> np.ndarray:
-    stack = np.stack(arrays).astype(np.float64)
-    return np.asarray(getattr(np, op)(stack, axis=0))  # np.sum, np.mean, np.max, np.min
-
-
-def _estimates(fn: Any, devices: Sequence[str], nbytes: int) -> list[Transfer]:
-    """One estimated row per tower from an estimated record (silent opaque collectives)."""
-    configured = record_of(fn)
-    if configured is None or not configured.algorithm.estimated or len(devices) < 2:
-        return []
-    per_tower = configured.bytes_sent(len(devices), nbytes, 4)
-    if per_tower is None:
-        return []
-    return [
-        Transfer(d, COLLECTIVE, round(b), tick=0, note="opaque collective", estimated=True)
-        for d, b in zip(devices, per_tower)
-    ]
-
-
-def _formula_bytes(fn: Any, n: int, nbytes: int, itemsize: int) -> tuple[int, ...] | None:
-    """The record's exact ``bytes_sent`` (None: no record, an estimate, or no formula here)."""
-    configured = record_of(fn)
-    if configured is None or configured.algorithm.estimated:
-        return None
+    Raises:
+        RuntimeError: TensorFlow already started with fewer than ``n`` devices.
+    """
     try:
-        value = configured.bytes_sent(n, nbytes, itemsize)
+        return simulate_devices(n)
+    except RuntimeError:
+        have = local_devices()
+        if len(have) < n:
+            raise
+        return have[:n]
+
+
+def _bytes_formula(fn: Any, n: int, nbytes: int) -> tuple[tuple[float, ...] | None, bool]:
+    """The record's ``bytes_sent`` per tower (None: no record or no formula for this ``n``)
+    and whether it is an estimate."""
+    configured = record_of(fn)
+    if configured is None:
+        return None, False
+    try:
+        value = configured.bytes_sent(n, nbytes, 4)
     except Exception:  # a formula for other tower counts: nothing to compare with
-        return None
-    return None if value is None else tuple(int(v) for v in value)
+        value = None
+    return (None if value is None else tuple(value)), configured.algorithm.estimated
 
 
-def _places(transfers: Sequence[Transfer], devices: Sequence[str]) -> list[str]:
-    places = [canonical_device(d) for d in devices]
-    for t in transfers:
-        for device in (t.src, t.dst):
-            if device not in places:
-                places.append(device)
-    return places
-
-
-def _placed(arrays: list[np.ndarray], devices: Sequence[str]) -> list[Any]:
-    import tensorflow as tf
-
+def _placed(arrays: Sequence[Any], devices: Sequence[str]) -> list[tf.Tensor]:
     values = []
     for array, device in zip(arrays, devices):
-        with tf.device(device):
-            values.append(tf.identity(tf.constant(array)))
+        with tf.device(device):  # inside a graph too: each input sits on its tower
+            values.append(tf.identity(array))
     return values
 
 
-def _run(fn: Any, name: str, devices: Sequence[str], arrays: list[np.ndarray], op: str) -> Any:
-    """Run ``fn`` eagerly: ``(results, transfers)``, NumPy outputs and what was recorded."""
-    import tensorflow as tf
+def _run(fn: Any, name: str, devices: Sequence[str], arrays: list[np.ndarray], op: str,
+         payloads: bool) -> tuple[list[np.ndarray], list[Transfer], list[Any]]:
+    """Run ``fn`` eagerly: NumPy outputs, the transfers and (``payloads``) what each carried,
+    read from the ``Identity`` that ``send`` places on the destination."""
+    captured: list[tuple[int, str, str, Any]] = []
 
-    values = _placed(arrays, devices)
+    def on_op(op_type: Any, inputs: Any, attrs: Any, outputs: Any, *rest: Any, **kw: Any) -> None:
+        kind = op_type.decode() if isinstance(op_type, bytes) else op_type
+        if kind == "Identity" and hasattr(outputs[0], "numpy"):
+            src, dst = canonical_device(inputs[0].device), canonical_device(outputs[0].device)
+            if src != dst:  # `send` logs its transfer right after this copy
+                captured.append((len(recorder.transfers), src, dst, outputs[0].numpy()))
+
+    values = _placed([tf.constant(a) for a in arrays], devices)
     with record() as recorder:
-        outs = fn(values, op=op)
+        if payloads:
+            op_callbacks.add_op_callback(on_op)
+        try:
+            outs = fn(values, op=op)
+        finally:
+            if payloads:
+                op_callbacks.remove_op_callback(on_op)
     if not isinstance(outs, (list, tuple)) or len(outs) != len(values):
         count = len(outs) if isinstance(outs, (list, tuple)) else type(outs).__name__
         raise ValueError(f"{name} returned {count} outputs for {len(values)} towers")
@@ -190,32 +102,22 @@ def _run(fn: Any, name: str, devices: Sequence[str], arrays: list[np.ndarray], o
     for i, result in enumerate(results):
         if result.shape != arrays[0].shape:
             raise ValueError(f"{name}: output {i} has shape {result.shape}, not {arrays[0].shape}")
-    return results, list(recorder.transfers)
+    transfers = list(recorder.transfers)
+    carried: list[Any] = [None] * len(transfers)
+    for index, src, dst, value in captured:
+        if index < len(transfers) and (transfers[index].src, transfers[index].dst) == (src, dst):
+            carried[index] = value
+    return results, transfers, carried
 
 
-def _follow(
-    fn: Any, devices: Sequence[str], arrays: list[np.ndarray], op: str,
-    transfers: Sequence[Transfer],
-) -> list[frozenset[int] | None] | None:
-    """Trace ``fn`` in a ``tf.function`` (not run) to learn what data each send carries.
-
-    Returns:
-        Per transfer, the earlier transfers its tensor was computed from
-        (``record(follow_data=True)``), or None when the graph made other sends than
-        the eager run (data-dependent Python) or could not be traced.
-    """
-    import tensorflow as tf
-
-    def placed(*args: Any) -> Any:
-        values = []
-        for arg, device in zip(args, devices):
-            with tf.device(device):  # inside the graph each input sits on its tower
-                values.append(tf.identity(arg))
-        return fn(values, op=op)
-
+def _follow(fn: Any, devices: Sequence[str], arrays: list[np.ndarray], op: str,
+            transfers: Sequence[Transfer]) -> list[frozenset[int] | None] | None:
+    """Per transfer, the earlier transfers its tensor was computed from, learned by tracing
+    ``fn`` in a ``tf.function``; None when the graph sends differently or cannot be traced."""
     try:
         with record(follow_data=True) as recorder:
-            tf.function(placed).get_concrete_function(*_placed(arrays, devices))
+            tf.function(lambda *args: fn(_placed(args, devices), op=op)).get_concrete_function(
+                *_placed([tf.constant(a) for a in arrays], devices))
     except Exception:  # an algorithm that only runs eagerly: the chunk labels decide
         return None
     same = [dataclasses.astuple(t) for t in recorder.transfers] == [
@@ -223,44 +125,20 @@ def _follow(
     return list(recorder.sources) if same else None
 
 
-def trace_all_reduce(
-    algorithm: str | Callable[..., Any],
-    devices: Sequence[str],
-    *,
-    size: int = 16,
-    op: str = "sum",
-    by_order: bool = False,
-    name: str | None = None,
-) -> Trace:
-    """Run ``algorithm`` once on ``size`` float32 elements per tower and record what it sends.
-
-    Args:
-        algorithm: a registry name, ``module:NAME`` or a callable (see
-            :func:`towers.allreduce.machinery.resolve.get`).
-        devices: one device per tower (e.g. ``towers.simulate_devices(4)``).
-        size: elements per tower (tower ``i`` holds ``i·size + [0 … size-1]``).
-        op: ``"sum"``, ``"mean"``, ``"max"`` or ``"min"``.
-        by_order: ignore the algorithm's ticks and assign every tick by order.
-        name: what to call it (default: the name ``algorithm`` resolves to).
-
-    Returns:
-        The :class:`Trace`: rows, ownership, bytes and the check against NumPy.
-
-    Raises:
-        ValueError: a bad ``op`` or ``size``, an unknown algorithm, wrong output count.
-    """
-    check_op(op)
-    positive_int("size", size)
-    fn = get(algorithm, argument="algorithm", devices=devices)
-    name = name or label(algorithm)
-    if is_reducer(fn):
-        raise TypeError(f"{name} is a GradientReducer: it reduces a step's gradients all at "
-                        "once, so trace a per-tensor algorithm, or see it in `towers timeline`")
-    n, arrays = len(devices), _inputs(len(devices), size)
-    results, transfers = _run(fn, name, devices, arrays, op)
-    whole = size * 4
-    transfers = transfers or _estimates(fn, devices, whole)
-    places = _places(transfers, devices)
+def run_trace(fn: Any, devices: Sequence[str], arrays: list[np.ndarray], *, op: str, name: str,
+              by_order: bool = False, payloads: bool = False
+              ) -> tuple[Trace, list[Any], list[np.ndarray]]:
+    """Trace the resolved ``fn`` on ``arrays`` (one per tower): the :class:`Trace`, with
+    ``payloads`` the array each transfer carried (else None), and the outputs."""
+    n, size, whole = len(devices), arrays[0].size, arrays[0].size * 4
+    results, transfers, carried = _run(fn, name, devices, arrays, op, payloads)
+    formula, estimated = _bytes_formula(fn, n, whole)
+    if not transfers and estimated and formula and n > 1:
+        transfers = [Transfer(d, COLLECTIVE, round(b), tick=0, note="opaque collective",
+                              estimated=True) for d, b in zip(devices, formula)]
+        carried = [None] * len(transfers)
+    places = [canonical_device(d) for d in devices]
+    places += list(dict.fromkeys(d for t in transfers for d in (t.src, t.dst) if d not in places))
     rows = assign_ticks(transfers, places, whole, by_order=by_order)
     own = rows if not by_order else assign_ticks(transfers, places, whole)
     if any(not r.assigned and not r.estimated and r.tick <= r.ready for r in own):
@@ -268,42 +146,69 @@ def trace_all_reduce(
         if sources is not None:
             rows = assign_ticks(transfers, places, whole, by_order=by_order, sources=sources)
     finished, holds = chunk_ownership(transfers, rows, n, len(places), whole)
-    expected = _expected(arrays, op)
-    return Trace(
+    expected = np.asarray(getattr(np, op)(np.stack(arrays).astype(np.float64), axis=0))
+    trace = Trace(
         algorithm=name, places=tuple(places), towers=n, op=op, size=size, dtype="float32",
         transfers=tuple(transfers), rows=tuple(rows), finished=finished, holds=holds,
-        formula=_formula_bytes(fn, n, whole, 4),
+        formula=None if estimated or formula is None else tuple(int(v) for v in formula),
         max_abs_error=max(float(np.max(np.abs(r - expected))) for r in results),
         max_ulps=max(int(np.max(ulp_distance(r, expected))) for r in results),
         identical=all(r.tobytes() == results[0].tobytes() for r in results),
     )
+    return trace, carried, results
 
 
-# -- JSON ----------------------------------------------------------------------------------------
+def resolve(algorithm: str | Callable[..., Any], devices: Sequence[str]) -> Any:
+    """The per-tensor all-reduce ``algorithm`` names (a registry name, ``module:NAME`` or a
+    callable; :func:`towers.allreduce.machinery.resolve.get`).
+
+    Raises:
+        TypeError: a ``GradientReducer``, which reduces a whole step at once.
+    """
+    fn = get(algorithm, argument="algorithm", devices=devices)
+    if is_reducer(fn):
+        raise TypeError(f"{label(algorithm)} is a GradientReducer: it reduces a step's "
+                        "gradients all at once, so trace a per-tensor algorithm, or see it in "
+                        "`towers timeline`")
+    return fn
+
+
+def trace_all_reduce(algorithm: str | Callable[..., Any], devices: Sequence[str], *,
+                     size: int = 16, op: str = "sum", by_order: bool = False,
+                     name: str | None = None) -> Trace:
+    """Run ``algorithm`` once on ``size`` float32 elements per tower and record what it sends.
+
+    Args:
+        algorithm: a registry name, ``module:NAME`` or a callable.
+        devices: one device per tower (e.g. ``towers.simulate_devices(4)``).
+        size: elements per tower (tower ``i`` holds ``i·size + [0 … size-1]``: exact sums).
+        op: ``"sum"``, ``"mean"``, ``"max"`` or ``"min"``.
+        by_order: ignore the algorithm's ticks and assign every tick by order.
+        name: what to call it (default: the name ``algorithm`` resolves to).
+
+    Raises:
+        ValueError: a bad ``op`` or ``size``, an unknown algorithm, wrong output count.
+    """
+    check_op(op)
+    positive_int("size", size)
+    fn = resolve(algorithm, devices)
+    arrays = [(i * size + np.arange(size)).astype(np.float32) for i in range(len(devices))]
+    return run_trace(fn, devices, arrays, op=op, name=name or label(algorithm),
+                     by_order=by_order)[0]
 
 
 def to_json(trace: Trace) -> dict[str, Any]:
     """A JSON-ready dict: the recorded transfers, the rows as shown, bytes, ownership, result."""
     return {
-        "algorithm": trace.algorithm,
-        "towers": trace.towers,
+        **{k: getattr(trace, k) for k in ("algorithm", "towers", "op", "size", "dtype", "ticks")},
         "places": list(trace.places),
-        "op": trace.op,
-        "size": trace.size,
-        "dtype": trace.dtype,
-        "ticks": trace.ticks,
         "transfers": [dataclasses.asdict(t) for t in trace.transfers],
         "rows": [dataclasses.asdict(r) for r in trace.rows],
         "bytes_sent": dict(zip(trace.places, trace.bytes_sent())),
         "bytes_sent_formula": None if trace.formula is None else list(trace.formula),
         "finished": {str(c): list(pt) for c, pt in sorted(trace.finished.items())},
         "holds": {trace.places[p]: sorted(h) for p, h in enumerate(trace.holds)},
-        "result": {
-            "ok": trace.ok,
-            "max_abs_error": trace.max_abs_error,
-            "max_ulps": trace.max_ulps,
-            "identical": trace.identical,
-        },
+        "result": {k: getattr(trace, k) for k in ("ok", "max_abs_error", "max_ulps", "identical")},
     }
 
 

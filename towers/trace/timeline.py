@@ -1,61 +1,62 @@
-"""Write one training step as a timeline for Perfetto (ui.perfetto.dev) or chrome://tracing.
+"""One training step as a timeline for Perfetto (ui.perfetto.dev) or chrome://tracing.
 
-A small CNN on the bundled 8×8 digits is trained over simulated towers with
-``TowerTrainer``; the trainer's own phases are then compiled one by one and timed
-(median of --repeats runs after a warm-up run):
-
-  forward     per tower: trainer.tower_step(shards, i) (forward and backward) timed,
-  backward    then split by the op times tf.profiler saw for that tower in one profiled
-              train_step (ops under gradient_tape/tower_i are backward; see
-              towers.trace.measured); without a profile, backward is that time
-              minus a forward-only run's (noisy on shared cores: often 0)
-  all-reduce  trainer.reduce(grads): every gradient through --algorithm, the
-              non-trainable state and the loss
-  apply       trainer.apply(reduced): the optimizer's update, every replica at once
-
-and laid out as the step orders them: the towers start together, the reduction
-starts when the slowest tower's backward ends, its ticks follow one another, and
-the apply follows. Each tick's events sit on the towers that send or receive in
-it (args list the transfers, summed over variables).
-
-What the numbers mean: forward, backward, apply and the whole all-reduce are
-measured; a tick's length is the all-reduce's measured time split over its ticks
-in proportion to the bytes each moves (the ticks of one compiled all-reduce are
-not timed one by one), so tick lengths are a model, and all positions are
-derived. Ticks are the algorithm's own, summed over the variables; the loss and
-state sends of the reduce phase are timed with it but drawn as no tick. The
-whole compiled step is measured too (its own row) and differs from the laid-out
-phases: pieces compiled apart each pay a call's overhead and cannot
-overlap, and the whole step runs its towers side by side on the host's shared
-cores (a tower timed alone runs faster).
-
-Every tower gets a process (pid) with a "compute" and an "all-reduce" thread.
+:func:`build_timeline` compiles the phases of a ``TowerTrainer`` (the digits CNN) one by one,
+times each (median of ``repeats`` runs after a warm-up) and lays them out as the step orders
+them: the towers start together, each tower's forward+backward split by the op times the
+profiler saw in one real step (:mod:`towers.trace.measured`); the reduction starts when the
+slowest tower ends, its ticks one after another, and the apply follows. Every tower is a
+process (pid) with a "compute" and an "all-reduce" thread; the whole compiled step, measured,
+has its own row.
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+import keras
+import tensorflow as tf
+
 from towers.allreduce.machinery.ordering import as_written
-from towers.allreduce.machinery.recording import record
+from towers.allreduce.machinery.recording import BOOKKEEPING_NOTES, Transfer, record
 from towers.allreduce.machinery.resolve import get
 from towers.step import TowerTrainer
 from towers.trace.measured import OpEvent, profile_step, split_compute
-from towers.trace.ticks import assign_ticks
+from towers.trace.table import assign_ticks
 from towers.training.data import digits
 from towers.training.models import digits_cnn
 
-__all__ = ["BOOKKEEPING", "build_timeline", "validate"]
+__all__ = ["TIMINGS", "build_timeline", "digits_trainer", "validate"]
 
-BOOKKEEPING = ("loss", "state")
-"""Notes of the reduce phase's sends that are not the all-reduce (drawn as no tick)."""
+TIMINGS = ("forward, backward (split by profiled op time), the whole all-reduce and the apply "
+           "are measured; a tick's length is the all-reduce's time split by the bytes each "
+           "tick moves (a model); positions are derived")
+"""What the numbers mean, as the JSON's ``otherData`` says it."""
 
 
-# -- measuring ----------------------------------------------------------------------------------
+class _Phases(NamedTuple):
+    forward: list[float]  # seconds, per tower
+    backward: list[float]
+    reduce: float
+    apply: float  # every replica, one call
+    step: float
+    whole: int  # one tower's gradient bytes
+    transfers: list[Transfer]  # the all-reduce's sends (bookkeeping left out)
+    events: list[OpEvent]  # the profiler's op events of one step (empty: no profile)
+
+
+def digits_trainer(devices: list[str], *, algorithm: str = "ring", variables: str = "replicated",
+                   batch_size: int = 64, seed: int = 0) -> tuple[TowerTrainer, tuple[Any, Any]]:
+    """A ``TowerTrainer`` of the digits CNN (SGD 0.05) on ``devices``, and one global batch."""
+    x, y, _, _ = digits(seed=seed)
+    trainer = TowerTrainer(  # registry names go as names: "parameter_device" means its device
+        lambda: digits_cnn(seed), lambda: keras.optimizers.SGD(0.05),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True), devices=devices,
+        all_reduce=get(algorithm, argument="algorithm", devices=devices)
+        if ":" in algorithm else algorithm, variables=variables)
+    return trainer, (x[:batch_size], y[:batch_size])
 
 
 def _median_seconds(fn: Callable[[], Any], repeats: int) -> float:
@@ -69,108 +70,31 @@ def _median_seconds(fn: Callable[[], Any], repeats: int) -> float:
     return statistics.median(times)
 
 
-class _Setup(NamedTuple):
-    trainer: Any
-    batch: tuple[Any, Any]
+def _compiled(fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
+    return tf.function(lambda: fn(*args), autograph=False)
 
 
-def _setup(args: argparse.Namespace, devices: list[str]) -> _Setup:
-    import keras
-
-    # Registry names go to the trainer as names ("parameter_device" means its device).
-    algorithm = args.algorithm
-    if ":" in algorithm:
-        algorithm = get(algorithm, argument="algorithm", devices=devices)
-    x, y, _, _ = digits(seed=args.seed)
-    trainer = TowerTrainer(
-        lambda: digits_cnn(args.seed),
-        lambda: keras.optimizers.SGD(0.05),
-        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        devices=devices, all_reduce=algorithm, variables=args.variables,
-    )
-    return _Setup(trainer, (x[: args.batch_size], y[: args.batch_size]))
-
-
-def _compiled(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Callable[[], Any]:
-    """``fn(*args, **kwargs)`` as one compiled call (the trainer's phases take no tape)."""
-    import tensorflow as tf
-
-    return tf.function(lambda: fn(*args, **kwargs), autograph=False)
-
-
-class _Phases(NamedTuple):
-    forward: list[float]  # seconds, per tower
-    backward: list[float]
-    reduce: float
-    apply: float  # every replica, one call
-    step: float
-    groups: list[tuple[int, list[Any]]]  # (bytes per tower, the all-reduce's transfers)
-    events: list[OpEvent] | None  # the profiler's op events of one step (None: no profile)
-
-
-def _group(grads: Any, transfers: list[Any]) -> tuple[int, list[Any]]:
-    """The all-reduce's sends (bookkeeping left out) and one tower's gradient bytes."""
-    whole = sum(int(g.shape.num_elements()) * g.dtype.size for g in grads.grads[0])
-    return whole, [t for t in transfers if t.note not in BOOKKEEPING]
-
-
-def _measure(setup: _Setup, repeats: int, bar: Any) -> _Phases:
-    trainer = setup.trainer
-    shards = trainer.split(*setup.batch)
-    forward: list[float] = []
-    backward: list[float] = []
-    compute: list[float] = []
+def _measure(trainer: TowerTrainer, batch: tuple[Any, Any], repeats: int, bar: Any) -> _Phases:
+    shards = trainer.split(*batch)
+    compute = []
     for tower in range(len(trainer.devices)):
-        fwd = _compiled(trainer.tower_step, shards, tower, backward=False)
-        forward.append(_median_seconds(fwd, repeats))
         compute.append(_median_seconds(_compiled(trainer.tower_step, shards, tower), repeats))
-        backward.append(max(compute[-1] - forward[-1], 0.0))
         bar.add(1)
     grads = _compiled(trainer.forward_backward, shards)()
     reduce = _compiled(trainer.reduce, grads)
     with record() as sent:  # sends are recorded when the first call traces it
         reduce_time = _median_seconds(reduce, repeats)
-    reduced = reduce()
+    apply_time = _median_seconds(_compiled(trainer.apply, reduce()), repeats)
+    step = _median_seconds(lambda: trainer.train_step(*batch), repeats)
     bar.add(1)
-    apply_time = _median_seconds(_compiled(trainer.apply, reduced), repeats)
-    bar.add(1)
-    step = _median_seconds(lambda: trainer.train_step(*setup.batch), repeats)
-    bar.add(1)
-    group = _group(grads, sent.transfers)
     try:
-        events: list[OpEvent] | None = profile_step(trainer, *setup.batch)
-    except RuntimeError:  # no profiler output here: keep the subtraction
-        events = None
-    split = split_compute(compute, events) if events else None
-    forward, backward = split or (forward, backward)
-    return _Phases(forward, backward, reduce_time, apply_time, step, [group], events)
-
-
-# -- laying out ---------------------------------------------------------------------------------
-
-
-def _places(devices: Sequence[str], groups: list[tuple[int, list[Any]]]) -> list[str]:
-    places = list(devices)
-    for _, transfers in groups:
-        for t in transfers:
-            places += [d for d in (t.src, t.dst) if d not in places]
-    return places
-
-
-def _ticks(groups: list[tuple[int, list[Any]]], places: list[str]) -> dict[int, dict[str, Any]]:
-    """Per tick, summed over every all-reduce call: bytes, and per place what it sent/got."""
-    out: dict[int, dict[str, Any]] = {}
-    for whole, transfers in groups:
-        for row in assign_ticks(transfers, places, whole):
-            tick = out.setdefault(row.tick, {"bytes": 0, "notes": {}, "places": {}})
-            tick["bytes"] += row.nbytes or 0
-            tick["notes"][row.note] = tick["notes"].get(row.note, 0) + 1
-            for p, key in ((row.src, "sent"), (row.dst, "received")):
-                entry = tick["places"].setdefault(p, {"sent": 0, "received": 0, "sends": 0})
-                entry[key] += row.nbytes or 0
-            tick["places"][row.src]["sends"] += 1
-            tick["estimated"] = tick.get("estimated", False) or row.estimated
-    return out
+        events = profile_step(trainer, *batch)
+    except RuntimeError:  # no profiler output here: forward+backward drawn as forward
+        events = []
+    forward, backward = split_compute(compute, events) or (compute, [0.0] * len(compute))
+    whole = sum(int(g.shape.num_elements()) * g.dtype.size for g in grads.grads[0])
+    transfers = [t for t in sent.transfers if t.note not in BOOKKEEPING_NOTES]
+    return _Phases(forward, backward, reduce_time, apply_time, step, whole, transfers, events)
 
 
 def _x(name: str, pid: int, tid: int, start: float, seconds: float, **args: Any) -> dict[str, Any]:
@@ -181,60 +105,62 @@ def _x(name: str, pid: int, tid: int, start: float, seconds: float, **args: Any)
 
 def _metadata(places: list[str], towers: int) -> list[dict[str, Any]]:
     events: list[dict[str, Any]] = []
-    for p, device in enumerate([*places, "whole step"]):
-        label = f"tower {p} ({device})" if p < towers else device
-        if p == len(places):
-            label = "whole step (compiled, measured)"
-        events.append({"name": "process_name", "ph": "M", "pid": p, "args": {"name": label}})
-        events.append({"name": "process_sort_index", "ph": "M", "pid": p,
-                       "args": {"sort_index": p}})
-        for tid, thread in ((0, "compute"), (1, "all-reduce")):
-            events.append({"name": "thread_name", "ph": "M", "pid": p, "tid": tid,
-                            "args": {"name": thread}})
+    for p, device in enumerate([*places, ""]):
+        name = f"tower {p} ({device})" if p < towers else device
+        name = "whole step (compiled, measured)" if p == len(places) else name
+        events += [{"name": "process_name", "ph": "M", "pid": p, "args": {"name": name}},
+                   {"name": "process_sort_index", "ph": "M", "pid": p, "args": {"sort_index": p}}]
+        events += [{"name": "thread_name", "ph": "M", "pid": p, "tid": tid, "args": {"name": t}}
+                   for tid, t in ((0, "compute"), (1, "all-reduce"))]
     return events
 
 
-def _tick_events(
-    ticks: dict[int, dict[str, Any]], start: float, total: float
-) -> list[dict[str, Any]]:
-    """Tick lengths: the measured all-reduce time split in proportion to each tick's bytes."""
-    moved = sum(t["bytes"] for t in ticks.values())
-    events, now = [], start
-    for tick in sorted(ticks):
-        info = ticks[tick]
-        share = info["bytes"] / moved if moved else 1 / len(ticks)
-        note = max(info["notes"], key=info["notes"].get)
-        for p, entry in sorted(info["places"].items()):
-            events.append(_x(f"tick {tick}: {note}", p, 1, now, total * share, cat="all-reduce",
-                             tick=tick, estimated=info.get("estimated", False), **entry))
-        now += total * share
+def _tick_events(phases: _Phases, places: list[str], start: float) -> list[dict[str, Any]]:
+    """Per tick and place what it sent and got; tick lengths split the all-reduce's measured
+    time in proportion to each tick's bytes."""
+    ticks: dict[int, dict[str, Any]] = {}
+    for row in assign_ticks(phases.transfers, places, phases.whole):
+        tick = ticks.setdefault(row.tick, {"bytes": 0, "notes": [], "places": {},
+                                           "estimated": False})
+        tick["bytes"] += row.nbytes or 0
+        tick["notes"].append(row.note)
+        tick["estimated"] |= row.estimated
+        for p, key in ((row.src, "sent"), (row.dst, "received")):
+            entry = tick["places"].setdefault(p, {"sent": 0, "received": 0, "sends": 0})
+            entry[key] += row.nbytes or 0
+        tick["places"][row.src]["sends"] += 1
+    moved, events, now = sum(t["bytes"] for t in ticks.values()), [], start
+    for number, info in sorted(ticks.items()):
+        seconds = phases.reduce * (info["bytes"] / moved if moved else 1 / len(ticks))
+        note = max(info["notes"], key=info["notes"].count)
+        events += [_x(f"tick {number}: {note}", p, 1, now, seconds, cat="all-reduce",
+                      tick=number, estimated=info["estimated"], **entry)
+                   for p, entry in sorted(info["places"].items())]
+        now += seconds
     return events
 
 
-def _events(trainer: Any, phases: _Phases) -> tuple[list[dict[str, Any]], int]:
-    devices, n = trainer.devices, len(trainer.devices)
-    places = _places(devices, phases.groups)
+def _events(trainer: TowerTrainer, phases: _Phases) -> list[dict[str, Any]]:
+    n = len(trainer.devices)
+    places = list(trainer.devices)
+    places += list(dict.fromkeys(d for t in phases.transfers for d in (t.src, t.dst)
+                                 if d not in places))
     events = _metadata(places, n)
     for i in range(n):
-        events.append(_x("forward", i, 0, 0.0, phases.forward[i]))
-        events.append(_x("backward", i, 0, phases.forward[i], phases.backward[i]))
+        events += [_x("forward", i, 0, 0.0, phases.forward[i]),
+                   _x("backward", i, 0, phases.forward[i], phases.backward[i])]
     start = max(f + b for f, b in zip(phases.forward, phases.backward))
-    ticks = _ticks(phases.groups, places)
-    if ticks:
-        events += _tick_events(ticks, start, phases.reduce)
-    else:  # an opaque algorithm that reported nothing
-        events += [_x("all-reduce (no sends recorded)", i, 1, start, phases.reduce,
-                      cat="all-reduce") for i in range(n)]
-    for replica in trainer.replicas:  # one compiled call updates them all
-        events.append(_x("apply", places.index(replica.device), 0, start + phases.reduce,
-                         phases.apply, replicas=len(trainer.replicas)))
-    events.append(_x("train_step", len(places), 0, 0.0, phases.step))
-    return events, len(ticks)
+    events += _tick_events(phases, places, start) or [  # an opaque algorithm that said nothing
+        _x("all-reduce (no sends recorded)", i, 1, start, phases.reduce, cat="all-reduce")
+        for i in range(n)]
+    events += [_x("apply", places.index(replica.device), 0, start + phases.reduce,
+                  phases.apply, replicas=len(trainer.replicas)) for replica in trainer.replicas]
+    return [*events, _x("train_step", len(places), 0, 0.0, phases.step)]
 
 
 def validate(data: dict[str, Any], towers: int, ticks: int) -> None:
-    """Check a timeline: well-formed complete events, forward/backward on every tower,
-    and at least one event for every tick.
+    """Check a timeline: well-formed complete events, forward/backward on every tower, and
+    at least one event for every tick.
 
     Raises:
         ValueError: what is missing or malformed.
@@ -255,46 +181,42 @@ def validate(data: dict[str, Any], towers: int, ticks: int) -> None:
         raise ValueError(f"tick events for {sorted(seen)}, expected 0..{ticks - 1}")
 
 
-def _report(phases: _Phases, towers: int, ticks: int, repeats: int) -> str:
-    ms = 1e3
-    head = "".join(f"{f'tower {i}':>10}" for i in range(towers))
-    lines = [f"{'phase (ms, median of ' + str(repeats) + ')':<28}{head}"]
-    for name, values in (("forward", phases.forward), ("backward", phases.backward)):
-        lines.append(f"{name:<28}" + "".join(f"{v * ms:>10.3f}" for v in values))
-    moved = sum(t.nbytes or 0 for _, group in phases.groups for t in group)
-    label = f"all-reduce ({ticks} tick{'' if ticks == 1 else 's'}, {moved} B)"
-    lines.append(f"{label:<28}{phases.reduce * ms:>10.3f}")
-    lines.append(f"{'apply (every replica)':<28}{phases.apply * ms:>10.3f}")
+def _report(phases: _Phases, ticks: int, repeats: int) -> str:
+    def row(name: str, values: Sequence[float]) -> str:
+        return f"{name:<28}" + "".join(f"{v * 1e3:>10.3f}" for v in values)
+
+    n = len(phases.forward)
+    moved = sum(t.nbytes or 0 for t in phases.transfers)
     laid_out = max(f + b for f, b in zip(phases.forward, phases.backward))
     laid_out += phases.reduce + phases.apply
-    lines.append(f"whole step, compiled: {phases.step * ms:.3f} ms measured; "
-                 f"phases laid out end to end: {laid_out * ms:.3f} ms")
-    return "\n".join(lines)
+    return "\n".join([
+        f"{f'phase (ms, median of {repeats})':<28}" + "".join(f"{f'tower {i}':>10}"
+                                                              for i in range(n)),
+        row("forward", phases.forward), row("backward", phases.backward),
+        row(f"all-reduce ({ticks} tick{'' if ticks == 1 else 's'}, {moved} B)", [phases.reduce]),
+        row("apply (every replica)", [phases.apply]),
+        f"whole step, compiled: {phases.step * 1e3:.3f} ms measured; phases laid out end to "
+        f"end: {laid_out * 1e3:.3f} ms"])
 
 
-def _meaning() -> str:
-    """The docstring's paragraph on what the numbers mean, on one line."""
-    text = (__doc__ or "").split("What the numbers mean: ")[-1].split("\n\n")[0]
-    return " ".join(text.split())
-
-
-def build_timeline(args: argparse.Namespace, devices: list[str]) -> tuple[dict[str, Any], str]:
+def build_timeline(devices: list[str], *, algorithm: str = "ring", variables: str = "replicated",
+                   batch_size: int = 64, repeats: int = 5,
+                   seed: int = 0) -> tuple[dict[str, Any], str]:
     """Measure one step's phases on ``devices`` and lay them out.
 
     Returns:
-        ``(data, report)``: the chrome-trace dict (``traceEvents``, ``otherData``) and
-        the table of timings printed by ``towers timeline``.
+        ``(data, report)``: the chrome-trace dict (``traceEvents``, ``otherData`` and the
+        profiler's ``measuredOps``) and the table of timings ``towers timeline`` prints.
     """
-    import keras
-
-
-    setup = _setup(args, devices)
-    bar = keras.utils.Progbar(len(devices) + 3, unit_name="phase")
+    trainer, batch = digits_trainer(devices, algorithm=algorithm, variables=variables,
+                                    batch_size=batch_size, seed=seed)
+    bar = keras.utils.Progbar(len(devices) + 1, unit_name="phase")
     with as_written():
-        phases = _measure(setup, args.repeats, bar)
-    events, ticks = _events(setup.trainer, phases)
-    other = {"algorithm": args.algorithm, "towers": len(devices), "ticks": ticks,
-             "variables": args.variables, "batch": args.batch_size, "timings": _meaning()}
+        phases = _measure(trainer, batch, repeats, bar)
+    events = _events(trainer, phases)
+    ticks = len({e["args"]["tick"] for e in events if "tick" in e["args"]})
+    other = {"algorithm": algorithm, "towers": len(devices), "ticks": ticks,
+             "variables": variables, "batch": batch_size, "timings": TIMINGS}
     data = {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other,
-            "measuredOps": [list(e) for e in phases.events or []]}  # OpEvent fields
-    return data, _report(phases, len(devices), ticks, args.repeats)
+            "measuredOps": [list(e) for e in phases.events]}  # OpEvent fields
+    return data, _report(phases, ticks, repeats)

@@ -1,26 +1,12 @@
 """A step-through viewer: one self-contained HTML page (inline SVG, CSS and JS, no network).
 
-:func:`write_html` turns a :class:`~towers.trace.state.StateTrace` into a page
-where a student steps through the algorithm tick by tick: the links (laid out by
-:mod:`towers.trace.topology`) with this tick's sends lit, and every tower's chunks
-as stacks of ``n`` squares (square ``i`` coloured: the chunk holds tower ``i``'s
-contribution), the sends of the tick as arrows labelled with element ranges::
-
-    [⏮] [◀ prev] [next ▶] [⏭]     tick 2 of 6: reduce
-    ( links )     tower 0  ▣▣□□ ▣□□□ …   ◀── 8:12 from tower 3
-                  tower 1  …
-
-Keys: → / space next, ← previous, Home / End. The URL fragment sets the position,
-so a page can be linked (and tested) at a tick: ``#tick=3`` shows tick 3's sends
-and the state after it, ``#tick=-1`` the inputs, ``&press=next`` then presses the
-*next* button once, ``&key=ArrowLeft`` (any key name) presses that key. The
-drawing is in the DOM for tests: every chunk is a
-``<g class="chunk" data-tower data-segment data-held="0 2 3">``, every send a
-``<g class="send" data-src data-dst data-ranges>``, the position
-``#status[data-tick]``.
-
-Example:
-    >>> write_html(trace_state("ring", devices[:4]), "ring.html")   # doctest: +SKIP
+The page shows a :class:`~towers.trace.state.StateTrace` tick by tick: the links with this
+tick's sends lit, every tower's chunks as stacks of ``n`` squares, and the sends as arrows
+labelled with element ranges. Keys: → / space next, ← previous, Home / End. The URL fragment
+sets the position: ``#tick=3`` (``-1``: the inputs), ``&press=next`` presses *next* once,
+``&key=ArrowLeft`` presses a key. Tests read the DOM: each chunk is a ``<g class="chunk"
+data-tower data-segment data-held="0 2 3">``, each send a ``<g class="send" data-src
+data-dst data-ranges>``, the position ``#status[data-tick]``.
 """
 
 from __future__ import annotations
@@ -31,8 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from towers.trace.picture import range_label, sends_by_tick
-from towers.trace.state import StateTrace
+from towers.trace.state import StateTrace, range_label, sends_by_tick
 from towers.trace.topology import topology
 
 __all__ = ["viewer_data", "write_html"]
@@ -44,29 +29,22 @@ _COLOURS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#
 def viewer_data(state: StateTrace) -> dict[str, Any]:
     """Everything the page draws, as JSON-ready data (``states[k]``: after tick ``k - 1``)."""
     topo = topology(state)
-    notes = []
-    for t in range(state.ticks):
-        found = [r.note for r in state.trace.rows if r.tick == t and r.note]
-        notes.append(max(set(found), key=found.count) if found else "")
     return {
         "algorithm": state.trace.algorithm,
         "towers": state.towers,
-        "size": state.trace.size,
         "segments": [list(s) for s in state.segments],
         "states": [[[sorted(h) for h in tower] for tower in k] for k in state.states],
         "sends": [[{"src": s, "dst": d, "ranges": range_label(r)}
                    for (t, s, d), r in sends_by_tick(state).items() if t == tick]
                   for tick in range(state.ticks)],
-        "notes": notes,
+        "notes": [state.trace.note(t) for t in range(state.ticks)],
         "topology": {"kind": topo.kind, "positions": topo.positions, "links": topo.links},
-        "messages": state.messages,
-        "alpha": state.alpha,
         "observed": state.observed,
         "colours": [_COLOURS[i % len(_COLOURS)] for i in range(state.towers)],
     }
 
 
-_PAGE = """<!DOCTYPE html>
+_PAGE = r"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>__TITLE__</title>
 <style>
 body { font: 14px system-ui, sans-serif; margin: 16px; color: #222; }
@@ -87,11 +65,6 @@ Arrows: this tick's sends, labelled with the elements they carry.</div>
 <svg id="view" xmlns="http://www.w3.org/2000/svg"></svg>
 <script id="data" type="application/json">__DATA__</script>
 <script>
-__SCRIPT__
-</script></body></html>
-"""
-
-_SCRIPT = r"""
 const D = JSON.parse(document.getElementById('data').textContent);
 const N = D.towers, T = D.states.length - 1, S = D.segments.length;
 const NS = 'http://www.w3.org/2000/svg';
@@ -186,20 +159,16 @@ function fromHash() {
 }
 window.addEventListener('hashchange', fromHash);
 fromHash();
+</script></body></html>
 """
 
 
 def write_html(state: StateTrace, path: str | os.PathLike[str]) -> Path:
-    """Write the step-through viewer for ``state`` (see the module docstring).
-
-    Returns:
-        The path written.
-    """
+    """Write the step-through viewer for ``state``; returns ``path``."""
     alpha = "none" if state.alpha is None else f"{state.alpha:g}"
     title = (f"{state.trace.algorithm} on {state.towers} towers: {state.ticks} ticks, "
              f"α = {state.messages} messages (cost formula {alpha})")
     data = json.dumps(viewer_data(state)).replace("</", "<\\/")
-    page = (_PAGE.replace("__TITLE__", html.escape(title)).replace("__SCRIPT__", _SCRIPT)
-            .replace("__DATA__", data))
+    page = _PAGE.replace("__TITLE__", html.escape(title)).replace("__DATA__", data)
     Path(path).write_text(page, encoding="utf-8")
     return Path(path)
