@@ -61,7 +61,7 @@ from tensorflow.python.ops import collective_ops, nccl_ops
 
 from towers.allreduce.machinery.base import AllReduce, combine, finish
 from towers.allreduce.machinery.differentiable import differentiable
-from towers.allreduce.machinery.recording import record_estimate
+from towers.allreduce.machinery.primitives import record_estimate
 from towers.allreduce.machinery.registry import (
     Algorithm,
     Coefficients,

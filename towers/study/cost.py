@@ -2,7 +2,7 @@
 
 The bytes are measured: :attr:`~towers.step.TowerTrainer.last_step_stats` counts every
 ``send`` of the traced step, and only gradient traffic is kept
-(:func:`~towers.allreduce.machinery.recording.traffic_kind`: the loss, state and guard
+(:func:`~towers.allreduce.machinery.primitives.traffic_kind`: the loss, state and guard
 sends are bookkeeping). The time is predicted by the α-β-γ model
 (:mod:`towers.bench.costmodel`) on the systems of :mod:`towers.bench.costmodel.paper`
 (``8xH100``: NVLink 4; ``1024xH100``: 400 Gb/s InfiniBand between nodes), at *their*
@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from towers.allreduce.machinery.recording import StepStats, Transfer, traffic_kind
+from towers.allreduce.machinery.primitives import StepStats, Transfer, traffic_kind
 from towers.bench.costmodel import model
 from towers.bench.costmodel.paper import SYSTEMS, predict_on
 from towers.study.specs import Counted

@@ -22,7 +22,7 @@ from typing import Any
 import tensorflow as tf
 
 from towers.allreduce.compressed import compressed
-from towers.allreduce.machinery.recording import Transfer, record
+from towers.allreduce.machinery.primitives import Transfer, record
 from towers.allreduce.machinery.resolve import Spec, get, is_reducer
 
 __all__ = ["Counted", "build"]

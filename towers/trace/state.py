@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from towers.allreduce.machinery.recording import record
+from towers.allreduce.machinery.primitives import record
 from towers.allreduce.machinery.registry import record_of
 from towers.allreduce.machinery.resolve import get
 from towers.devices import canonical_device

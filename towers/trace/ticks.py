@@ -36,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from towers.allreduce.machinery.recording import Transfer
+from towers.allreduce.machinery.primitives import Transfer
 
 __all__ = ["TraceRow", "assign_ticks", "chunk_ownership"]
 

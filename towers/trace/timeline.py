@@ -41,7 +41,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from towers.allreduce.machinery.ordering import as_written
-from towers.allreduce.machinery.recording import record
+from towers.allreduce.machinery.primitives import record
 from towers.allreduce.machinery.resolve import get
 from towers.step import TowerTrainer
 from towers.trace.measured import OpEvent, profile_step, split_compute

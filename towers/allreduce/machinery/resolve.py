@@ -33,7 +33,7 @@ import tensorflow as tf
 
 from towers.allreduce.codecs import Codec, bf16, fp16, identity, topk
 from towers.allreduce.machinery.base import AllReduce, GradientReducer, check_values
-from towers.allreduce.machinery.recording import record
+from towers.allreduce.machinery.primitives import record
 from towers.allreduce.machinery.registry import (
     ALGORITHMS,
     Configured,

@@ -27,7 +27,7 @@ combine per message of small chunks, not per chunk::
 :func:`run_schedule` all-reduces with it: every tower's value is cut into
 ``schedule.chunks`` equal rows with :func:`~towers.allreduce.machinery.packed.pad_rows`
 (zero padding at the end, the rule :mod:`towers.schedule.ir` counts bytes with, as
-:func:`~towers.allreduce.machinery.primitives.pad_split` cuts) and put back together by one
+:func:`~towers.allreduce.machinery.packed.pad_split` cuts) and put back together by one
 concat of its rows — one in all where the towers share one memory
 (:func:`~towers.allreduce.machinery.packed.assemble`: the outputs are bitwise the same).
 The public reduce-scatter, all-gather and broadcast
