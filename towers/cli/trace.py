@@ -126,7 +126,7 @@ def _state_outputs(args: argparse.Namespace, fn: Any, devices: list[str]) -> Non
 
 def _collective(args: argparse.Namespace) -> int:
     """``--collective``: print that collective's schedule (text only)."""
-    from towers.allreduce.collective_registry import format_collective
+    from towers.allreduce.collectives import format_collective
 
     try:
         print(format_collective(args.collective, args.algorithm, args.towers, 4 * args.size))

@@ -1,7 +1,7 @@
 """Check any codec against its contract (:class:`towers.allreduce.codecs.Codec`), and report.
 
 :func:`check_codec` runs the codec for a few steps on simulated towers, through a
-:class:`~towers.allreduce.wire.Wire` that counts what each tower hands it, and checks:
+:class:`~towers.allreduce.codecs.Wire` that counts what each tower hands it, and checks:
 
 1. **Error feedback.** ``output + Σ_t r'_t == Σ_t (g_t + r_t)`` element-wise within the
    codec's ``error_bound`` (``r`` the state's ``residual`` field; without one,
@@ -35,11 +35,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from towers.allreduce.codecs import Codec, rounding
+from towers.allreduce.codecs import Codec, Wire, rounding
 from towers.allreduce.compressed import Compressed, compressed
 from towers.allreduce.machinery.registry import record_of
 from towers.allreduce.machinery.resolve import get, get_codec
-from towers.allreduce.wire import Wire
 from towers.devices import canonical_device, local_devices
 from towers.guard.arguments import positive_int
 from towers.step import TowerTrainer
