@@ -37,7 +37,7 @@ import time
 from typing import Any
 
 import towers
-from towers.allreduce.machinery.recording import traffic_kind
+from towers.allreduce.machinery.primitives import traffic_kind
 
 TOWERS = 4
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import towers
 from tests.conftest import DEVICES, examples
-from towers.allreduce.machinery.recording import traffic_kind
+from towers.allreduce.machinery.primitives import traffic_kind
 from towers.testing import OPTIMIZERS, ModelSpec, loss_fn
 
 

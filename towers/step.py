@@ -40,8 +40,7 @@ import numpy as np
 import tensorflow as tf
 
 from towers.allreduce.machinery.ordering import replica_scope
-from towers.allreduce.machinery.primitives import Recorder, send
-from towers.allreduce.machinery.recording import StepStats
+from towers.allreduce.machinery.primitives import Recorder, StepStats, send
 from towers.allreduce.machinery.reducer import as_reducer
 from towers.allreduce.machinery.resolve import get
 from towers.compile.step import CompiledStep, relaxes

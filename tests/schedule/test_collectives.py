@@ -11,11 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import examples
-from towers.allreduce.collective_registry import (
+from towers.allreduce.collectives import (
     COLLECTIVE_ALGORITHMS,
     collective_algorithm,
     format_collective,
-    schedule_bytes,
 )
 from towers.schedule import (
     Schedule,
@@ -34,7 +33,7 @@ from towers.schedule import (
     rooted,
     summation_depth,
 )
-from towers.schedule.collectives import fold
+from towers.schedule.collectives import fold, schedule_bytes
 
 GENERATORS = {
     "ring_reduce_scatter": ring_reduce_scatter,
@@ -70,7 +69,7 @@ def test_registry_closed_forms_match_the_schedules(key: tuple[str, str]) -> None
         assert record.cost(n, 1000.0)[0] == s.num_ticks  # no empty ticks
 
 
-# The summation depths in closed form (the collective_registry docstring's table).
+# The summation depths in closed form (the collectives docstring's table).
 DEPTHS = {
     ("reduce_scatter", "ring"): lambda n: n - 1,
     ("reduce_scatter", "halving"): lambda n: fold(n)[0].bit_length() - 1 + (fold(n)[1] > 0),

@@ -16,8 +16,7 @@ import tensorflow as tf
 
 from tests.conftest import DEVICES
 from towers.allreduce import CODECS
-from towers.allreduce.codecs import Cast, Identity, TopK, TopKState
-from towers.allreduce.wire import Wire
+from towers.allreduce.codecs import Cast, Identity, TopK, TopKState, Wire
 from towers.testing import check_codec
 
 FAST = {"tower_counts": (1, 3), "shapes": ((5,), (8, 6)), "trainer": False, "devices": DEVICES}

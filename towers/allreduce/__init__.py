@@ -17,8 +17,13 @@ import tensorflow as tf
 from towers.allreduce.bruck import bruck
 from towers.allreduce.bucketed import bucketed, grouped, pack, unpack
 from towers.allreduce.codecs import bf16, fp16, topk
-from towers.allreduce.collective_registry import COLLECTIVE_ALGORITHMS
-from towers.allreduce.collectives import all_gather, all_to_all, broadcast, reduce_scatter
+from towers.allreduce.collectives import (
+    COLLECTIVE_ALGORITHMS,
+    all_gather,
+    all_to_all,
+    broadcast,
+    reduce_scatter,
+)
 from towers.allreduce.compressed import compressed
 from towers.allreduce.double_binary_tree import double_binary_tree
 from towers.allreduce.halving_doubling import halving_doubling

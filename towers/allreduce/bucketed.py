@@ -1,17 +1,10 @@
 """Bucketed all-reduce: pack many gradients into a few flat buffers, reduce each buffer once.
 
-One all-reduce per variable pays the latency term α once per variable (a ResNet-50
-has 161 of them). PyTorch DDP and TensorFlow's CollectiveAllReduce instead pack the
-gradients into flat *buckets* of up to ``bytes_per_bucket`` (DDP: 25 MiB) and run
-one all-reduce per bucket. Gradients are packed in **reverse** variable order:
-back-propagation produces the last layer's gradients first, so the first bucket is
-ready first (DDP starts its all-reduce while backward is still running; here the
-whole step is one graph, so the order fixes the launch order, not an overlap).
-
-Buckets hold one dtype each (every dtype keeps its own open bucket; buckets are listed
-in the order they were opened); a tensor never straddles two buckets, and a tensor
-larger than a bucket gets a bucket of its own. (DDP also caps its first bucket at
-1 MiB so communication starts sooner; not modelled here.) Six variables, ``B`` =
+One all-reduce per variable pays the latency α once per variable; PyTorch DDP and
+TensorFlow's CollectiveAllReduce pack the gradients into flat *buckets* of up to
+``bytes_per_bucket`` (DDP: 25 MiB), in **reverse** variable order (backward produces
+the last layer's first), and run one all-reduce per bucket. A bucket holds one dtype;
+a tensor never straddles two, and one larger than a bucket gets its own. ``B`` =
 bucket size::
 
     model order           w0   b0   w1   b1   w2   b2        (w1 alone is > B bytes)
@@ -24,14 +17,9 @@ bucket size::
                    reduced_k[t] ─unpack─▶ out[t][0..5]   (original shapes and order)
 
 Cost (n towers, K buckets, S bytes in all, ring): ``2(n-1)·K·α + 2(n-1)/n·S·β +
-(n-1)/n·S·γ`` instead of ``2(n-1)·V·α + …`` for V variables: bucketing trades the
-latency term for one buffer copy in and one out per tower (pack and unpack).
-
-Summation order: every element is still reduced by the same algorithm over the same
-n towers. With ``naive`` (element-wise ``add_n`` in tower order) the order of each
-element's sum is unchanged, so the result is bitwise that of per-variable ``naive``.
-With ``ring`` the chunk boundaries move, so an element's sum starts on a different
-tower, but its depth stays ``n - 1``: the same error bound holds.
+(n-1)/n·S·γ`` instead of ``2(n-1)·V·α + …`` for V variables, for one copy in and out.
+Every element is reduced by the same algorithm over the same towers: bitwise equal to
+per-variable ``naive``; with ``ring`` the chunk boundaries move, the depth stays n − 1.
 
 References:
     S. Li et al., "PyTorch Distributed: Experiences on Accelerating Data Parallel
@@ -98,20 +86,11 @@ def _close(dtype: tf.DType, slots: list[Slot]) -> BucketLayout:
 def plan(
     specs: Sequence[tuple[Sequence[int], Any]], bytes_per_bucket: int | None = DEFAULT_BUCKET_BYTES
 ) -> Layout:
-    """Assign tensors (given as ``(shape, dtype)``) to buckets, walking them in reverse order.
+    """Assign tensors (``(shape, dtype)`` in variable order) to buckets, in reverse order.
 
-    Each dtype has one open bucket. A tensor that would push its dtype's open bucket
-    past ``bytes_per_bucket`` closes that bucket first; a bucket that reaches the
-    limit closes at once (so an oversized tensor ends up alone). Buckets are listed
-    in the order they were opened: the one holding the last tensor comes first.
-
-    Args:
-        specs: ``(shape, dtype)`` per tensor, in variable order; shapes fully known.
-        bytes_per_bucket: the most bytes a bucket may hold, or ``None`` for one
-            bucket per dtype.
-
-    Returns:
-        The :class:`Layout`.
+    Each dtype has one open bucket. A tensor that would push it past ``bytes_per_bucket``
+    (``None``: no limit) closes it first; a bucket that reaches the limit closes at once.
+    Buckets are listed in the order they were opened.
 
     Raises:
         ValueError: ``bytes_per_bucket`` < 1 or not an int, or a shape with an unknown size.
@@ -153,20 +132,9 @@ def _on(device: str) -> contextlib.AbstractContextManager[Any]:
 def pack(
     tensors: Sequence[tf.Tensor], bytes_per_bucket: int | None = DEFAULT_BUCKET_BYTES
 ) -> tuple[list[tf.Tensor], Layout]:
-    """Flatten and concatenate ``tensors`` into 1-D buckets laid out by :func:`plan`.
-
-    Only copies: ``unpack(*pack(x))`` returns ``x`` bit for bit (NaN payloads, ``-0.0``
-    and subnormals included). Each bucket is built on its first tensor's device.
-
-    Args:
-        tensors: one tower's tensors, with fully defined shapes (any dtypes).
-        bytes_per_bucket: the most bytes per bucket, or ``None`` for one per dtype.
-
-    Returns:
-        ``(buckets, layout)``: the 1-D buckets in all-reduce order and their layout.
-
-    Raises:
-        ValueError: as :func:`plan`.
+    """``(buckets, layout)``: one tower's ``tensors`` flattened into the 1-D buckets of
+    :func:`plan`, each on its first tensor's device (only copies: ``unpack(*pack(x))``
+    is ``x`` bit for bit).
 
     Example:
         >>> buckets, layout = pack([tf.ones([2, 3]), tf.zeros([])], None)  # one 7-element bucket
@@ -182,14 +150,7 @@ def pack(
 
 
 def unpack(buckets: Sequence[tf.Tensor], layout: Layout) -> list[tf.Tensor]:
-    """Undo :func:`pack`: split each bucket, restore shapes and the original order.
-
-    Args:
-        buckets: 1-D buckets matching ``layout`` (e.g. all-reduced ones).
-        layout: what :func:`pack` returned.
-
-    Returns:
-        ``layout.count`` tensors in their original order, each on its bucket's device.
+    """Undo :func:`pack`: ``layout.count`` tensors in their original order and shapes.
 
     Raises:
         ValueError: the bucket count or a bucket's length or dtype does not match.
@@ -216,11 +177,8 @@ def unpack(buckets: Sequence[tf.Tensor], layout: Layout) -> list[tf.Tensor]:
 
 @dataclasses.dataclass
 class Bucketed:
-    """A :class:`~towers.allreduce.machinery.base.GradientReducer` that all-reduces packed buckets.
-
-    Built by :func:`bucketed`; ``layout`` is the bucket layout of the variables given
-    to :meth:`build` (``None`` before).
-    """
+    """A :class:`~towers.allreduce.machinery.base.GradientReducer` over packed buckets
+    (built by :func:`bucketed`; ``layout``: that of :meth:`build`'s variables)."""
 
     algorithm: AllReduce
     bytes_per_bucket: int | None
@@ -233,12 +191,7 @@ class Bucketed:
         self.layout = plan([(v.shape, v.dtype) for v in variables], self.bytes_per_bucket)
 
     def reduce_gradients(self, grads: Sequence[Sequence[tf.Tensor]]) -> list[list[tf.Tensor]]:
-        """Pack each tower's ``grads[tower]``, all-reduce bucket by bucket, unpack.
-
-        Raises:
-            ValueError: towers whose gradients differ in shapes or dtypes, or a tower
-                count that differs from :meth:`build`'s devices.
-        """
+        """Pack each tower's ``grads[tower]``, all-reduce bucket by bucket, unpack."""
         return grouped(grads, self.algorithm, "sum", bytes_per_bucket=self.bytes_per_bucket,
                        devices=self.devices)
 
@@ -249,22 +202,10 @@ def grouped(values: Sequence[Sequence[tf.Tensor | tf.IndexedSlices]],
             devices: Sequence[str] | None = None) -> list[list[tf.Tensor | tf.IndexedSlices]]:
     """All-reduce a list of tensors per tower: ``values[tower][k]`` in, same layout out.
 
-    Dense tensors are packed into buckets (:func:`pack`) and each bucket is all-reduced
-    once with ``op``; element ``x`` of tensor ``k`` meets the same towers' elements as
-    in ``towers.all_reduce([v[k] for v in values], algorithm, op)``. ``tf.IndexedSlices``
-    (sum or mean only: the others have no meaning for rows that some towers lack) are
-    gathered in tower order, as ``towers.all_reduce(..., sparse="gather")`` does.
-
-    Args:
-        values: per tower, the same count of tensors, position ``k`` of one shape,
-            dtype and kind (dense or ``IndexedSlices``) on every tower.
-        algorithm: a registry name (``towers.ALGORITHMS``) or an all-reduce callable.
-        op: ``"sum"``, ``"mean"``, ``"max"``, ``"min"`` or ``"product"``.
-        bytes_per_bucket: the most bytes per bucket, or ``None`` for one per dtype.
-        devices: the towers' devices (default: each tower's first value's device).
-
-    Returns:
-        ``out[tower][k]``, on ``devices[tower]``.
+    Dense tensors are packed into buckets (:func:`pack`), each all-reduced once with
+    ``op``; ``tf.IndexedSlices`` (sum or mean) are gathered in tower order, as
+    ``towers.all_reduce(..., sparse="gather")``. ``devices`` defaults to each tower's
+    first value's device; ``bytes_per_bucket`` ``None`` means one bucket per dtype.
 
     Raises:
         ValueError: towers that differ in count, kind, shape or dtype (naming them), an
@@ -325,14 +266,8 @@ def bucketed(
 ) -> Bucketed:
     """Reduce all of a step's gradients in flat buckets of at most ``bytes_per_bucket``.
 
-    Args:
-        algorithm: a registry name (``towers.ALGORITHMS``) or an all-reduce callable;
-            it runs once per bucket with ``op="sum"``.
-        bytes_per_bucket: the most bytes a bucket holds (default 25 MiB, as DDP), or
-            ``None`` for one bucket per dtype.
-
-    Returns:
-        A :class:`Bucketed` gradient reducer for ``TowerTrainer(all_reduce=...)``.
+    ``algorithm`` (a name or a callable) runs once per bucket with ``op="sum"``;
+    ``bytes_per_bucket`` defaults to 25 MiB, as DDP (``None``: one bucket per dtype).
 
     Raises:
         ValueError: ``bytes_per_bucket`` < 1 or not an int, or an unknown algorithm name.

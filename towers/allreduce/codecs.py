@@ -1,11 +1,9 @@
 """Gradient codecs for :func:`towers.allreduce.compressed`: fewer bytes on the wire.
 
 A codec turns one variable's per-tower gradients into a (lossy) sum, moving data only
-through a :class:`~towers.allreduce.wire.Wire`. Its per-tower halves follow Horovod's
-``compress`` / ``decompress``: ``encode(tensor, state) -> (payload, state)`` on each
-tower, the payload crosses the wire, ``decode`` rebuilds a dense tensor. State (error
-feedback, PowerSGD's ``Q``) is an explicit ``NamedTuple`` of tensors, as in optax; the
-:class:`~towers.allreduce.compressed.Compressed` module keeps it in variables::
+through a :class:`Wire`, so its bytes can be counted. As Horovod's ``compress`` /
+``decompress``: ``encode`` on each tower, the payload crosses the wire, ``decode`` rebuilds
+a dense tensor; state (error feedback, PowerSGD's ``Q``) is a ``NamedTuple`` of tensors::
 
     tower t:  g_t ─encode(g_t, state_t)─▶ payload_t ──wire──▶ decode ─▶ Σ_t g_t (approx.)
                           └─▶ state_t' (e.g. the residual left out, added next step)
@@ -20,10 +18,6 @@ codec          payload per tower (S bytes fp32)    exchange             error
 ``powersgd``   (m + c)·r·4 per m×c matrix          all-reduce P, Q      dropped part fed back
 =============  ==================================  ===================  ============================
 
-``decode`` runs on the wire's *decoder* towers; with one decoder (``decode="once"``) the
-other towers receive its result by :func:`~towers.allreduce.machinery.primitives.send`, so every
-tower's output is bitwise the same whatever the kernels do.
-
 References:
     Horovod ``horovod.tensorflow.compression``; PyTorch ``ddp_comm_hooks``
     (``default_hooks.fp16_compress_hook``, ``powerSGD_hook``); Aji and Heafield 2017 and
@@ -34,14 +28,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 import tensorflow as tf
 
+from towers.allreduce.machinery.base import AllReduce
+from towers.allreduce.machinery.primitives import send
 from towers.allreduce.machinery.rounding import gamma, unit_roundoff
-from towers.allreduce.wire import Wire
 
 __all__ = [
     "Cast",
@@ -49,12 +44,58 @@ __all__ = [
     "Identity",
     "TopK",
     "TopKState",
+    "Wire",
     "bf16",
     "fp16",
     "identity",
     "rounding",
     "topk",
 ]
+
+@dataclasses.dataclass(frozen=True)
+class Wire:
+    """All a codec may use to talk to the other towers during one step: the dense
+    all-reduce ``algorithm`` (``op="sum"``), gathers, and decoding on ``decoders`` (the
+    other towers receive ``decoders[0]``'s result by ``send``: bitwise-equal outputs)."""
+
+    devices: tuple[str, ...]
+    algorithm: AllReduce
+    decoders: tuple[int, ...] = (0,)
+
+    @property
+    def towers(self) -> int:
+        """The tower count."""
+        return len(self.devices)
+
+    def all_reduce(self, values: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+        """Sum ``values[tower]`` with the algorithm; output ``t`` on ``devices[t]``."""
+        outs = list(self.algorithm(list(values), op="sum"))
+        if len(outs) != len(values):
+            raise ValueError(f"algorithm returned {len(outs)} outputs for {len(values)} values")
+        return outs
+
+    def per_tower(self, fn: Callable[[int], Any]) -> list[Any]:
+        """``[fn(tower) for tower]``, each call under that tower's device (local work)."""
+        out = []
+        for t, device in enumerate(self.devices):
+            with tf.device(device):
+                out.append(fn(t))
+        return out
+
+    def gather(self, values: Sequence[tf.Tensor], dst: int) -> list[tf.Tensor]:
+        """Every tower's value on tower ``dst``, in tower order (one send per other tower)."""
+        return [send(v, self.devices[dst], note="gather") for v in values]
+
+    def decode(self, fn: Callable[[int], tf.Tensor]) -> list[tf.Tensor]:
+        """Run ``fn(tower)`` on each decoder tower; copy decoder 0's result to the rest."""
+        done = {}
+        for t in self.decoders:
+            with tf.device(self.devices[t]):
+                done[t] = fn(t)
+        first = done[self.decoders[0]]
+        return [done[t] if t in done else send(first, d, note="decoded")
+                for t, d in enumerate(self.devices)]
+
 
 @runtime_checkable
 class Codec(Protocol):
@@ -81,33 +122,16 @@ class Codec(Protocol):
     """
 
     def init(self, shape: tf.TensorShape, dtype: tf.DType, key: int) -> tuple[Any, ...]:
-        """One tower's initial state for one variable.
-
-        Args:
-            shape: the variable's (gradient's) shape.
-            dtype: its dtype.
-            key: the variable's index in the model, the same on every tower (a seed).
-
-        Returns:
-            A tuple of tensors, the same on every tower (``()`` when stateless).
-        """
+        """One tower's initial state for one variable (a tuple of tensors, the same on
+        every tower; ``key``: the variable's index in the model, a seed)."""
         ...
 
     def reduce(
         self, tensors: Sequence[tf.Tensor], states: Sequence[Any], wire: Wire
     ) -> tuple[list[tf.Tensor], list[Any]]:
-        """Sum one variable's gradients across towers, moving data only through ``wire``.
-
-        Args:
-            tensors: ``tensors[tower]``, each tower's gradient on its device.
-            states: ``states[tower]``, each tower's state (as ``init`` made it).
-            wire: the devices, the dense all-reduce, gathers and the decoders.
-
-        Returns:
-            ``(outputs, new_states)``: ``outputs[tower]`` on ``wire.devices[tower]``, bitwise
-            the same on every tower (decode with ``wire.decode``), and each tower's next
-            state, of the same structure, shapes and dtypes.
-        """
+        """Sum one variable's gradients ``tensors[tower]`` (with ``states[tower]``) through
+        ``wire``; returns ``(outputs, new_states)``, ``outputs[tower]`` on its device and
+        bitwise the same on every tower (decode with ``wire.decode``)."""
         ...
 
 
@@ -146,19 +170,14 @@ class Cast:
     Dividing *before* the cast keeps the sum in range (float16 overflows at 65504;
     DDP's ``fp16_compress_hook`` divides first too). Stateless.
 
-    Error bound, per element, for n towers and an algorithm of summation depth ``k``
-    (``n - 1`` for every algorithm here), ``u`` the low precision's unit roundoff
-    (2^-11 float16, 2^-8 bfloat16), ``u32`` = 2^-24: each ``x_i`` passes through one
-    float32 division, **one rounding to the low precision**, at most ``k`` low-precision
-    additions (the sum's rounding; they are correctly rounded) and one float32 multiply,
-    each a factor ``(1 + δ)``, so
+    Error bound per element, for summation depth ``k``, ``u`` the low precision's unit
+    roundoff and ``u32`` = 2^-24 (each ``x_i``: one float32 division, one rounding to the
+    low precision, ``k`` low-precision additions, one float32 multiply)::
 
         |out − Σ x_i| ≤ ((1 + u)^(k+1)·(1 + u32)² − 1)·Σ|x_i| + n²·η
 
-    with ``η`` the absolute error of rounding into the low precision's subnormal range
-    (2^-25 for float16; 2^-126 for bfloat16, whose subnormals float32 kernels flush).
-    The ``u32`` factors vanish when ``n`` is a power of two. Requires ``|x_i|/n`` below
-    the low precision's largest finite value (65504 for float16).
+    with ``η`` the error of rounding into the subnormals (2^-25 float16; 2^-126 bfloat16,
+    whose subnormals float32 kernels flush). Requires ``|x_i|/n`` < 65504 for float16.
     """
 
     dtype: tf.DType
@@ -206,13 +225,10 @@ class TopKState(NamedTuple):
 class TopK:
     """Send each tower's largest-magnitude ``ratio`` of entries; feed the rest back.
 
-    ``encode``: ``Δ = g + residual``; keep the ``k = ceil(ratio·size)`` (at least one)
-    entries of largest ``|Δ|`` (``tf.math.top_k``: ties go to the lower index) as
-    ``(int32 indices, values)``; the new residual is ``Δ`` with those entries zeroed,
-    so ``scatter(values) + residual == Δ`` exactly. The pairs are gathered on the
-    decoder in tower order and scatter-added into zeros, one tower at a time, so
-    each element is summed in tower order (depth ≤ n − 1 roundings, as ``naive``).
-    The algorithm is not used.
+    ``Δ = g + residual``; the ``k = ceil(ratio·size)`` (≥ 1) entries of largest ``|Δ|``
+    (ties to the lower index) go as ``(int32 indices, values)``; the new residual is ``Δ``
+    with them zeroed (exact). The decoder scatter-adds the gathered pairs into zeros in
+    tower order (depth ≤ n − 1, as ``naive``); the algorithm is not used.
     """
 
     ratio: float
@@ -265,29 +281,17 @@ class TopK:
 
 
 def identity() -> Identity:
-    """The uncompressed baseline codec.
-
-    Example:
-        >>> reducer = compressed("ring", identity())   # doctest: +SKIP
-    """
+    """The uncompressed baseline codec."""
     return Identity()
 
 
 def fp16() -> Cast:
-    """Pre-divide by the tower count and send float16 (DDP's ``fp16_compress_hook``).
-
-    Example:
-        >>> reducer = compressed("ring", fp16())   # doctest: +SKIP
-    """
+    """Pre-divide by the tower count and send float16 (DDP's ``fp16_compress_hook``)."""
     return Cast(tf.float16)
 
 
 def bf16() -> Cast:
-    """Pre-divide by the tower count and send bfloat16 (DDP's ``bf16_compress_hook``).
-
-    Example:
-        >>> reducer = compressed("ring", bf16())   # doctest: +SKIP
-    """
+    """Pre-divide by the tower count and send bfloat16 (DDP's ``bf16_compress_hook``)."""
     return Cast(tf.bfloat16)
 
 

@@ -1,23 +1,26 @@
-"""The other collectives: reduce-scatter, all-gather and broadcast, run from schedules.
+"""The other collectives: reduce-scatter, all-gather, broadcast (run from schedules), all-to-all.
 
-**Sharding rule.** :func:`reduce_scatter` flattens the reduced value (row-major,
-as ``tf.reshape(x, [-1])``) and gives tower ``i`` the ``i``-th of ``n`` runs cut
-by :func:`~towers.schedule.collectives.even_sizes`: the first ``L mod n`` runs
-have one element more (``numpy.array_split``'s rule; no padding, a shard is
-empty when ``L < n``). :func:`all_gather` concatenates per-tower shards along
-their first axis in tower order, so ``all_gather(reduce_scatter(v))`` is the
-all-reduce, flattened, on every tower. :func:`broadcast` copies one value to
-every device. :func:`all_to_all` transposes blocks: tower ``i`` gets block ``i`` of
-every tower's value, in tower order.
+**Sharding rule.** :func:`reduce_scatter` flattens the reduced value (row-major) and gives
+tower ``i`` the ``i``-th of ``n`` runs cut by :func:`~towers.schedule.collectives.even_sizes`
+(``numpy.array_split``'s rule: no padding); :func:`all_gather` concatenates the shards
+along axis 0 in tower order, so ``all_gather(reduce_scatter(v))`` is the flattened
+all-reduce. :func:`broadcast` copies one value to every device; :func:`all_to_all`
+transposes blocks. Each runs a schedule of :data:`COLLECTIVE_ALGORITHMS`, or any
+generator ``n -> Schedule`` of its collective, through the one interpreter
+(:func:`~towers.allreduce.machinery.scheduled.run_slots`). Their records::
 
-Each runs a :class:`~towers.schedule.Schedule` from the collectives' registry
-(:mod:`towers.allreduce.collective_registry`), or any generator ``n -> Schedule``
-for its collective, run by the one interpreter of every schedule,
-:func:`towers.allreduce.machinery.scheduled.run_slots` (proved first; ``copy`` replaces
-the destination's slot, ``reduce`` computes ``combine(received, own)``; a run is
-finished, ``mean`` divides, once, where its last contribution arrives). This
-module only cuts the values into slots by the sharding rule and puts the
-results together.
+    collective       name      ticks                       depth
+    reduce_scatter   ring      n - 1                       n - 1
+    reduce_scatter   halving   log2 m + 2·[n ≠ m]          log2 m + [n ≠ m]
+    all_gather       ring      n - 1                       0
+    all_gather       doubling  log2 m + 2·[n ≠ m]          0
+    broadcast        flat      1 (n > 1)                   0
+    broadcast        tree      ⌈log2 n⌉                    0
+    broadcast        chain     chunks + n - 2 (n > 1)      0
+
+(``m``: the largest power of two ≤ ``n``.) Bytes, depth and cost are derived from the
+schedules (:func:`~towers.allreduce.machinery.registry.from_schedule`); the schedules are
+drawn in :mod:`towers.schedule.collectives`.
 
 Example:
     >>> shards = reduce_scatter(values, algorithm="halving", op="sum")   # doctest: +SKIP
@@ -28,18 +31,92 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import tensorflow as tf
 
-from towers.allreduce.collective_registry import collective_algorithm
 from towers.allreduce.machinery.base import DTYPES, check_scale, check_values, scale
 from towers.allreduce.machinery.primitives import send
+from towers.allreduce.machinery.registry import Record, Registry, from_schedule
 from towers.allreduce.machinery.scheduled import Slots, run_slots
 from towers.devices import canonical_device
+from towers.schedule import collectives as sc
 from towers.schedule.collectives import even_sizes, rooted
-from towers.schedule.ir import Schedule
+from towers.schedule.ir import Schedule, cost, format_schedule
 
-__all__ = ["all_gather", "all_to_all", "broadcast", "reduce_scatter"]
+__all__ = ["COLLECTIVE_ALGORITHMS", "all_gather", "all_to_all", "broadcast",
+           "collective_algorithm", "format_collective", "reduce_scatter"]
+
+PUBLIC = ("reduce_scatter", "all_gather", "broadcast")
+
+
+def _folded_ticks(n: int) -> int:
+    m, r = sc.fold(n)
+    return m.bit_length() - 1 + 2 * (r > 0)
+
+
+def _chain_ticks(n: int, chunks: int = 4) -> int:
+    return chunks + n - 2 if n > 1 else 0
+
+
+def _record(collective: str, name: str, generator: Callable[..., Schedule],
+            ticks: Callable[..., int], summary: str) -> Record:
+    """A collective's record, derived from ``generator``; ``ticks`` in closed form."""
+    return Record(name, generator, kind=collective, summary=summary, ticks=ticks,
+                  **from_schedule(generator, sc.schedule_bytes))
+
+
+COLLECTIVE_ALGORITHMS = Registry(PUBLIC, [
+    _record("reduce_scatter", "ring", sc.ring_reduce_scatter, lambda n: n - 1,
+            "the ring's first half: n-1 ticks"),
+    _record("reduce_scatter", "halving", sc.halving_reduce_scatter, _folded_ticks,
+            "recursive halving: log2 n ticks (+2 off powers of two)"),
+    _record("all_gather", "ring", sc.ring_all_gather, lambda n: n - 1,
+            "the ring's second half: n-1 ticks"),
+    _record("all_gather", "doubling", sc.doubling_all_gather, _folded_ticks,
+            "recursive doubling: log2 n ticks (+2 off powers of two)"),
+    _record("broadcast", "flat", sc.flat_broadcast, lambda n: int(n > 1),
+            "flat: 1 tick, the root sends to every tower"),
+    _record("broadcast", "tree", sc.binomial_broadcast, lambda n: (n - 1).bit_length(),
+            "binomial tree: ceil(log2 n) ticks, whole value per send"),
+    _record("broadcast", "chain", sc.chain_broadcast, _chain_ticks,
+            "pipelined chain: chunks+n-2 ticks, 1/chunks per send"),
+], by_kind=True)
+"""``(collective, name) -> Record`` for every public collective's algorithms."""
+
+
+def collective_algorithm(collective: str, name: str) -> Record:
+    """The record for ``name`` running ``collective``, or an error listing what exists.
+
+    Example:
+        >>> collective_algorithm("broadcast", "tree").ticks(5)
+        3
+    """
+    if collective not in PUBLIC:
+        raise ValueError(f"collective must be one of {', '.join(PUBLIC)}; got {collective!r}")
+    if (collective, name) not in COLLECTIVE_ALGORITHMS:
+        names = sorted(a for c, a in COLLECTIVE_ALGORITHMS if c == collective)
+        raise ValueError(f"algorithm must be one of {', '.join(names)} for {collective} "
+                         f"(or a schedule generator n -> Schedule); got {name!r}")
+    return COLLECTIVE_ALGORITHMS[(collective, name)]
+
+
+def format_collective(collective: str, name: str, n: int, nbytes: int = 4096,
+                      itemsize: int = 4, **params: Any) -> str:
+    """One collective's schedule drawn (towers × ticks) with its ticks, depth, bytes and cost."""
+    record = collective_algorithm(collective, name)
+    assert record.generator is not None and record.summation_depth is not None
+    schedule = record.generator(n, **params)
+    a, b, c = cost(schedule, float(nbytes))
+    return "\n".join([
+        f"{collective}/{name} on {n} towers: {schedule.num_ticks} ticks, summation depth "
+        f"{record.summation_depth(n)}  ({record.summary})",
+        format_schedule(schedule),
+        f"bytes sent per tower for {nbytes} bytes: "
+        f"{sc.schedule_bytes(schedule, nbytes, itemsize)}",
+        f"cost: {a}·α + {b:g}·β + {c:g}·γ",
+    ])
+
 
 Algorithm = str | Callable[[int], Schedule]
 
@@ -78,29 +155,16 @@ def _schedule(collective: str, algorithm: Algorithm, n: int) -> Schedule:
 def reduce_scatter(values: Sequence[tf.Tensor], *, algorithm: Algorithm = "ring",
                    op: str = "sum", prescale: float = 1.0,
                    postscale: float = 1.0) -> list[tf.Tensor]:
-    """Reduce one value per tower and leave tower ``i`` with shard ``i`` of the result.
+    """Reduce one value per tower (static shapes) and leave tower ``i`` with shard ``i``.
 
     Args:
-        values: one tensor per tower (static shape, same shape and dtype), each on
-            its own device.
-        algorithm: ``"ring"`` or ``"halving"`` (any ``n``), or a generator
-            ``n -> Schedule`` of a ``reduce_scatter`` with chunk ``i`` owned by tower ``i``.
+        algorithm: ``"ring"``, ``"halving"`` or a generator ``n -> Schedule`` of a
+            ``reduce_scatter`` with chunk ``i`` owned by tower ``i``.
         op: ``"sum"``, ``"mean"``, ``"max"``, ``"min"`` or ``"product"``.
-        prescale, postscale: multiply each value before, each shard after, the
-            reduction, in the values' dtype (as in :func:`towers.all_reduce`).
+        prescale, postscale: as in :func:`towers.all_reduce`.
 
     Returns:
-        ``shards[i]``: a 1-D tensor on ``values[i]``'s device, elements
-        ``[start_i, start_i + even_sizes(L, n)[i])`` of the flattened reduction.
-
-    Raises:
-        ValueError: bad ``values`` or ``op`` (see ``check_values``), a shape that is not
-            static, or an unknown ``algorithm``.
-        TypeError: ``values`` not a list of tensors, or ``algorithm`` not a name or callable.
-
-    Example:
-        >>> reduce_scatter([a, b], op="sum")   # a, b of 5 elements -> shards of 3 and 2
-        ... # doctest: +SKIP
+        ``shards[i]``: 1-D, on ``values[i]``'s device, run ``i`` of the flattened reduction.
     """
     devices = check_values(values, op)
     pre = check_scale("prescale", prescale, values[0].dtype)
@@ -148,25 +212,10 @@ def _check_shards(shards: Sequence[tf.Tensor]) -> list[str]:
 
 
 def all_gather(shards: Sequence[tf.Tensor], *, algorithm: Algorithm = "ring") -> list[tf.Tensor]:
-    """Every tower ends with ``concat(shards, axis=0)``: the inverse of :func:`reduce_scatter`.
+    """Every tower ends with ``concat(shards, axis=0)`` (copies only: bitwise equal).
 
-    Args:
-        shards: one tensor per tower (rank >= 1, one dtype, equal beyond axis 0; the
-            first axis may differ), each on its own device.
-        algorithm: ``"ring"`` or ``"doubling"`` (any ``n``), or a generator
-            ``n -> Schedule`` of an ``all_gather`` with chunk ``i`` owned by tower ``i``.
-
-    Returns:
-        ``out[i]`` on ``shards[i]``'s device; copies only, so all are bitwise equal.
-
-    Raises:
-        ValueError: an empty list, a scalar, differing dtypes or trailing shapes, two
-            shards on one device, or an unknown ``algorithm``.
-        TypeError: ``shards`` not a list of tensors.
-
-    Example:
-        >>> all_gather(reduce_scatter(values))   # the flattened sum on every tower
-        ... # doctest: +SKIP
+    ``shards``: one per tower (rank >= 1, one dtype, equal beyond axis 0); ``algorithm``:
+    ``"ring"``, ``"doubling"`` or a generator of an ``all_gather``.
     """
     devices = _check_shards(shards)
     n = len(shards)
@@ -203,27 +252,11 @@ def _check_broadcast(value: tf.Tensor, devices: Sequence[str], root: int) -> lis
 
 def broadcast(value: tf.Tensor, devices: Sequence[str], *, root: int = 0,
               algorithm: Algorithm = "tree") -> list[tf.Tensor]:
-    """Copy ``value`` from ``devices[root]`` to every device in ``devices``.
+    """Copy ``value`` (static shape, on ``devices[root]``) to every device in ``devices``.
 
-    Args:
-        value: a tensor with a static shape, on ``devices[root]``.
-        devices: the towers' devices, distinct.
-        root: the index of the device holding ``value``.
-        algorithm: ``"tree"`` (binomial), ``"chain"`` (pipelined, 4 chunks) or
-            ``"flat"`` (the root sends to every device in one tick), or a generator
-            ``n -> Schedule`` of a ``broadcast`` (its root is turned to ``root``).
-
-    Returns:
-        ``out[i]`` on ``devices[i]``, of ``value``'s shape; ``out[root]`` is ``value``.
-        Copies only, so all are bitwise equal.
-
-    Raises:
-        ValueError: empty or repeated devices, ``root`` out of range, ``value`` not on
-            ``devices[root]`` or an unknown ``algorithm``.
-        TypeError: ``value`` not a tensor.
-
-    Example:
-        >>> copies = broadcast(w, devices, root=0, algorithm="chain")   # doctest: +SKIP
+    ``algorithm``: ``"tree"`` (binomial), ``"chain"`` (pipelined, 4 chunks), ``"flat"``
+    (one tick) or a generator of a ``broadcast`` (its root turned to ``root``).
+    ``out[root]`` is ``value``; copies only, so all are bitwise equal.
     """
     names = _check_broadcast(value, devices, root)
     schedule = rooted(_schedule("broadcast", algorithm, len(names)), root)
@@ -243,24 +276,9 @@ def broadcast(value: tf.Tensor, devices: Sequence[str], *, root: int = 0,
 def all_to_all(values: Sequence[tf.Tensor]) -> list[tf.Tensor]:
     """Tower ``i``'s output block ``j`` is tower ``j``'s block ``i``: a transpose of blocks.
 
-    Each ``values[i]`` is cut along axis 0 into ``n`` equal blocks of ``m = shape[0] / n``
-    rows (block ``j`` = rows ``[j*m, (j+1)*m)``). ``out[i]`` has ``values[i]``'s shape
-    and is ``concat([block i of values[0], block i of values[1], ..., block i of
-    values[n-1]], axis=0)``: with ``m = 1``, tower ``i``'s output row ``j`` is tower
-    ``j``'s row ``i``. Built from :func:`~towers.allreduce.machinery.primitives.send`
-    (one tick, every tower sends ``n - 1`` blocks), not from TensorFlow's collective.
-
-    Args:
-        values: one tensor per tower (rank >= 1, static shape, same shape and dtype,
-            axis 0 a multiple of the tower count), each on its own device.
-
-    Returns:
-        ``out[i]`` on ``values[i]``'s device; copies only, so bitwise the blocks sent.
-
-    Raises:
-        ValueError: bad ``values`` (see ``check_values``), a scalar, a shape that is not
-            static, or an axis 0 that is not a multiple of ``len(values)``.
-        TypeError: ``values`` not a list of tensors.
+    Each ``values[i]`` (static shape, rank >= 1) is cut along axis 0 into ``n`` equal
+    blocks; ``out[i] = concat([block i of values[j] for j], axis=0)``. One tick of
+    ``send``: every tower sends ``n - 1`` blocks.
 
     Example:
         >>> all_to_all([a, b])   # a = [a0, a1], b = [b0, b1] -> [[a0, b0], [a1, b1]]

@@ -1,10 +1,9 @@
 """Compressed all-reduce: a codec around any algorithm, with checkpointable per-tower state.
 
 ``compressed(algorithm, codec)`` is a :class:`~towers.allreduce.machinery.base.GradientReducer`
-(what PyTorch calls a communication hook and Horovod a compression): for every
-variable it hands the towers' gradients and states to the codec, which encodes them
-on each tower, moves the payloads over a :class:`~towers.allreduce.wire.Wire` (the
-algorithm's all-reduce, or gathers) and decodes a dense sum. n = 3, one variable::
+(PyTorch's communication hook, Horovod's compression): for every variable the codec
+encodes each tower's gradient, moves the payloads over a :class:`~towers.allreduce.codecs.Wire`
+(the algorithm's all-reduce, or gathers) and decodes a dense sum. n = 3, one variable::
 
     tower 0   g_0, s_0 ─encode─▶ payload_0 ─┐                      ┌─▶ out ─────────▶ out_0
     tower 1   g_1, s_1 ─encode─▶ payload_1 ─┼─ wire (all-reduce) ─▶│ decode once   ─send─▶ out_1
@@ -12,19 +11,15 @@ algorithm's all-reduce, or gathers) and decodes a dense sum. n = 3, one variable
               s_t ◀── new state (error feedback, Q), written back to tower t's variables
                       only when the step is applied (commit; see below)
 
-**Decode once** (the default): only tower 0 decodes; the others receive its dense
-result by :func:`~towers.allreduce.machinery.primitives.send`, so every tower's output is bitwise
-the same whatever the kernels do (a matmul's blocking may depend on alignment). That
-costs ``(n-1)·S`` dense bytes from tower 0. ``decode="everywhere"`` lets every tower
-decode its own (identical) payload instead: the bytes stay compressed, and identical
-outputs then rest on deterministic kernels (the tests check them on CPU).
+**Decode once** (the default): tower 0 decodes and sends its dense result, ``(n-1)·S``
+bytes, so every output is bitwise the same whatever the kernels do;
+``decode="everywhere"``: every tower decodes its own (identical) payload, fewer bytes,
+identical outputs resting on deterministic kernels.
 
-State is created eagerly in :meth:`Compressed.build`, one copy per tower on that
-tower's device, as ``tf.Variable`` s tracked by this ``tf.Module``, so
-``tf.train.Checkpoint(reducer=...)`` saves and restores it with the model. In a
-trainer the new state is computed in the reduce phase (:meth:`Compressed.reduce_deferred`)
-and assigned in the apply phase (:meth:`Compressed.commit`) under the optimizer update's
-own condition, so a skipped, overflowed or timed-out step leaves it bitwise as it was
+State is created eagerly in :meth:`Compressed.build`, one copy per tower on its device,
+as variables tracked by this ``tf.Module`` (``tf.train.Checkpoint(reducer=...)`` saves
+it). It is computed in :meth:`Compressed.reduce_deferred` and assigned by
+:meth:`Compressed.commit` under the update's condition
 (:class:`~towers.allreduce.machinery.base.StatefulReducer`).
 """
 
@@ -35,10 +30,9 @@ from typing import Any
 
 import tensorflow as tf
 
-from towers.allreduce.codecs import Codec
+from towers.allreduce.codecs import Codec, Wire
 from towers.allreduce.machinery.base import AllReduce
 from towers.allreduce.machinery.resolve import get, get_codec
-from towers.allreduce.wire import Wire
 from towers.devices import canonical_device
 from towers.guard.arguments import check_choice
 
@@ -53,12 +47,8 @@ def _make(template: Any, values: Sequence[Any]) -> Any:
 
 
 class Compressed(tf.Module):
-    """A gradient reducer that compresses each gradient with a codec. See :func:`compressed`.
-
-    Attributes:
-        state: ``state[tower][var]``, the codec's state variables (a tuple per variable,
-            empty for stateless codecs); empty before :meth:`build`.
-        devices: the towers' devices, set by :meth:`build`.
+    """A gradient reducer that compresses each gradient with a codec (see :func:`compressed`);
+    ``state[tower][var]``: the codec's state variables, made by :meth:`build`.
     """
 
     def __init__(self, algorithm: AllReduce, codec: Codec, decode: str = "once") -> None:
@@ -71,12 +61,8 @@ class Compressed(tf.Module):
         self._templates: list[Any] = []
 
     def build(self, variables: Sequence[tf.Variable], devices: Sequence[str]) -> None:
-        """Create the codec's state for ``variables``, one copy per tower on its device.
-
-        Calling it again starts from fresh state.
-
-        Raises:
-            RuntimeError: called inside a ``tf.function`` (variables must be created eagerly).
+        """Create the codec's state for ``variables``, one copy per tower on its device (fresh
+        each call); eagerly only (a ``RuntimeError`` inside ``tf.function``).
         """
         if not tf.executing_eagerly():
             raise RuntimeError("Compressed.build must run eagerly, not inside tf.function")
@@ -106,11 +92,7 @@ class Compressed(tf.Module):
         return [(t, v) for t, row in enumerate(self.state) for var in row for v in var]
 
     def commit(self, new_state: Sequence[tf.Tensor]) -> None:
-        """Assign ``new_state`` (from :meth:`reduce_deferred`), each on its tower's device.
-
-        Raises:
-            ValueError: ``new_state`` does not hold one tensor per state variable.
-        """
+        """Assign ``new_state`` (from :meth:`reduce_deferred`), each on its tower's device."""
         flat = self._flat()
         if len(new_state) != len(flat):
             raise ValueError(f"expected {len(flat)} state values, got {len(new_state)}")
@@ -119,12 +101,7 @@ class Compressed(tf.Module):
                 var.assign(value)
 
     def reduce_gradients(self, grads: Sequence[Sequence[tf.Tensor]]) -> list[list[tf.Tensor]]:
-        """``grads[tower][var]`` -> the codec's sums ``out[tower][var]``; updates the state
-        (:meth:`reduce_deferred`, then :meth:`commit`).
-
-        Raises:
-            RuntimeError, ValueError: as :meth:`reduce_deferred`.
-        """
+        """``grads[tower][var]`` -> the codec's sums; updates the state (deferred, then commit)."""
         out, new_state = self.reduce_deferred(grads)
         self.commit(new_state)
         return out
@@ -132,10 +109,8 @@ class Compressed(tf.Module):
     def reduce_deferred(
         self, grads: Sequence[Sequence[tf.Tensor]]
     ) -> tuple[list[list[tf.Tensor]], list[tf.Tensor]]:
-        """``(out[tower][var], new_state)``: the codec's sums and the state's next values
-        (one per state variable, as :meth:`commit` takes them); nothing is assigned, so
-        a step that is not applied leaves the state as it was
-        (:class:`~towers.allreduce.machinery.base.StatefulReducer`).
+        """``(out[tower][var], new_state)``: the codec's sums and the state's next values (one per
+        state variable, as :meth:`commit` takes them); nothing is assigned.
 
         Raises:
             RuntimeError: :meth:`build` has not run.
@@ -164,17 +139,12 @@ def compressed(
     """Reduce gradients through ``codec`` over ``algorithm``.
 
     Args:
-        algorithm: a registry name (``towers.ALGORITHMS``) or an all-reduce callable,
-            used for the codec's dense exchanges (``topk`` gathers and does not use it).
+        algorithm: a registry name or an all-reduce callable, for the codec's dense
+            exchanges (``topk`` gathers and does not use it).
         codec: a codec (``fp16()``, ``bf16()``, ``topk(ratio)``, ``powersgd(rank)``,
-            ``identity()``, yours), a name in ``CODECS`` (``"topk(0.1)"`` passes
-            arguments) or ``module:NAME`` for your own
-            (:func:`~towers.allreduce.machinery.resolve.get_codec`).
-        decode: ``"once"`` (tower 0 decodes and sends the result: bitwise-identical
-            outputs) or ``"everywhere"`` (each tower decodes: fewer bytes).
-
-    Returns:
-        A :class:`Compressed` reducer for ``TowerTrainer(all_reduce=...)``.
+            ``identity()``, yours), a name in ``CODECS`` (``"topk(0.1)"`` passes arguments)
+            or ``module:NAME``.
+        decode: ``"once"`` (bitwise-identical outputs) or ``"everywhere"`` (fewer bytes).
 
     Raises:
         ValueError: an unknown algorithm or codec name, or a bad ``decode``.
@@ -183,7 +153,6 @@ def compressed(
     Example:
         >>> reducer = compressed("ring", powersgd(2))                   # doctest: +SKIP
         >>> trainer = towers.TowerTrainer(..., all_reduce=reducer)       # doctest: +SKIP
-        >>> tf.train.Checkpoint(model=trainer.model, reducer=reducer).save(path)  # +SKIP
     """
     check_choice("decode", decode, DECODE)
     return Compressed(get(algorithm), get_codec(codec), decode)

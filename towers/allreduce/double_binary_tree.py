@@ -1,9 +1,8 @@
 """Double binary tree all-reduce (NCCL's "tree"): two complementary trees, half the data each.
 
-One binary tree makes its inner nodes do all the sending (a leaf sends one
-value, an inner node three). NCCL builds two trees over the same towers so that
-a tower inner in one is a leaf in the other, and reduces-then-broadcasts one
-half of the data through each tree at the same time.
+In one binary tree the inner nodes do all the sending (a leaf sends one value, an inner
+node three). NCCL builds two trees so that a tower inner in one is a leaf in the other,
+and reduces-then-broadcasts one half of the data through each at the same time.
 
 Tree A (NCCL's ``ncclGetBtree``, root 0): tower ``r > 0`` with lowest set bit
 ``b`` has parent ``(r ^ b) | 2b``, or ``r ^ b`` when that is out of range; the
@@ -23,9 +22,7 @@ is odd. n = 8::
 
     inner in A: 0 4 2 6  (leaves 1 3 5 7)   inner in B: 7 3 5 1  (leaves 6 4 2 0)
 
-For even ``n`` every tower is inner in one tree and a leaf in the other; for odd
-``n`` tower 0 is inner in both (A's root, and B's image of ``n-1``), every other
-tower is a leaf in one of them.
+(For odd ``n`` tower 0 is inner in both trees.)
 
 Schedule: both trees run at once, each half as in :mod:`towers.allreduce.tree`
 (half ``h``'s piece ``k`` is chunk ``h·C + k``): a node of height ``h`` sends
@@ -38,14 +35,8 @@ piece ``k`` up at tick ``h + k``; a node at depth ``d`` copies it down at tick
     tower 2   c1 ▲1           c0 ▲0          .           c0 ▼1,3
     tower 3   c0 ▲2             .          c1 ▼1            .
 
-Order: as in :mod:`towers.allreduce.tree` (own value first; eager; a ``tf.function``
-may regroup a node's two additions, up to ``2·D``); the summation depth is the larger
-of the two trees' depths.
-
-Written as data: :func:`double_binary_tree_schedule` (both trees'
-:func:`~towers.allreduce.tree.tree_ticks`, tick by tick) and the one interpreter,
-:func:`~towers.allreduce.machinery.scheduled.run_schedule`, runs it; bytes and
-depth are counted from that same schedule.
+Order as in :mod:`towers.allreduce.tree`; the depth is the larger of the two trees'.
+Schedule :func:`double_binary_tree_schedule` (run by ``run_schedule``).
 
 Cost (n towers, S bytes, D = tree height ≈ log2 n; single-port full-duplex links
 as in :mod:`towers.bench.costmodel`): ``2D + C - 1`` ticks, both trees at once. A tower
@@ -144,19 +135,11 @@ def _build(chunks: int = 1) -> AllReduce:
 def double_binary_tree(chunks: int = 1) -> Configured:
     """Build the double-binary-tree all-reduce; each half is pipelined in ``chunks`` pieces.
 
-    Args:
-        chunks: pieces per half (``C``, default 1: each tree moves its half whole).
-
-    Returns:
-        The configured algorithm; its ``bytes_sent`` (``Σ_trees (1[not root] +
-        children)·C·⌈size/(2C)⌉·itemsize``) and ``summation_depth`` (5 for n = 8) are
-        counted from the schedule.
+    Its ``bytes_sent`` (``Σ_trees (1[not root] + children)·C·⌈size/(2C)⌉·itemsize``) and
+    ``summation_depth`` are counted from the schedule.
 
     Raises:
         ValueError: ``chunks`` < 1 or not an int.
-
-    Example:
-        >>> outs = double_binary_tree()([a, b, c, d], op="mean")   # doctest: +SKIP
     """
     return DOUBLE_BINARY_TREE(chunks=chunks)
 

@@ -1,13 +1,10 @@
 """Rabenseifner's all-reduce: reduce-scatter by recursive halving, all-gather by recursive doubling.
 
-Written as data: :func:`halving_doubling_schedule` builds the
-:class:`~towers.schedule.Schedule` (the power-of-two core is
+Schedule :func:`halving_doubling_schedule` (its power-of-two core
 :func:`~towers.schedule.halving_reduce_scatter` then
-:func:`~towers.schedule.doubling_all_gather` of ``towers.schedule``) and
-:func:`~towers.allreduce.machinery.scheduled.run_schedule` runs it; its record's bytes and
-depth are counted from that same object. With p = 2^⌊log2 n⌋ active towers and
-r = n − p extra ones, n = 6 (p = 4, r = 2), the buffer padded to p chunks
-c0..c3 (``+▶t`` reduces into tower t, ``▶t`` copies to it)::
+:func:`~towers.schedule.doubling_all_gather`).
+With p = 2^⌊log2 n⌋ active towers and r = n − p extra ones, n = 6 (p = 4, r = 2), the
+buffer padded to p chunks c0..c3 (``+▶t`` reduces into tower t, ``▶t`` copies to it)::
 
     tick:    0 fold-in      1 halve d=2  2 halve d=1  3 double d=1  4 double d=2  5 fold-out
     tower 0                 c2c3+▶2      c1+▶1        c0▶1          c0c1▶2        c0c1c2c3▶4
@@ -26,9 +23,8 @@ holds to i XOR d. Extra tower p + j folds its whole buffer into tower j first
 and gets the result from it last. Chunk i is finished (``mean`` divides) once,
 on tower i.
 
-Padding: the flattened length L is zero-padded to p·⌈L/p⌉ (TF's own builder
-refuses lengths not divisible by 2^h and non-power-of-two counts); the fold
-messages carry the p padded chunks too.
+The length L is zero-padded to p·⌈L/p⌉ (TF's own builder refuses what 2^h does not
+divide, and non-powers of two).
 
 Cost (S bytes; f = 1 when r > 0 else 0):
 (2·log2 p + 2f)·α + (2(p−1)/p + 2f)·Sβ + ((p−1)/p + f)·Sγ. Every element goes
@@ -88,32 +84,15 @@ def _build() -> AllReduce:
 def halving_doubling() -> Configured:
     """Build Rabenseifner's halving-doubling all-reduce for any tower count and any length.
 
-    Returns:
-        The configured algorithm ``(values, *, op="sum") -> list[tf.Tensor]``; its
-        ``bytes_sent`` and ``summation_depth`` are counted from the schedule. In closed
-        form, with p = 2^⌊log2 n⌋, L = nbytes / itemsize and c = ⌈L/p⌉: tower i < p
-        sends 2(p−1)·c·itemsize, plus p·c·itemsize when i < n − p (fold-out); tower
-        p + j sends p·c·itemsize (fold-in); every element goes through ⌈log2 n⌉
-        additions.
-
-    Raises:
-        ValueError: (when called) bad values (see ``check_values``) or a shape that
-            is not fully defined.
-
-    Example:
-        >>> algo = halving_doubling()                              # doctest: +SKIP
-        >>> outs = algo([tf.ones([5]) for _ in range(3)], op="mean")  # doctest: +SKIP
+    Bytes and depth are counted from the schedule; in closed form, with p = 2^⌊log2 n⌋ and
+    c = ⌈L/p⌉ elements: tower i < p sends 2(p−1)·c, plus p·c when i < n − p (fold-out);
+    tower p + j sends p·c (fold-in); depth ⌈log2 n⌉.
     """
     return HALVING_DOUBLING()
 
 
 def cost(n: int, nbytes: float) -> Coefficients:
-    """α-β-γ coefficients: ``(2h + 2f)·α + (2(p-1)/p + 2f)·S·β + ((p-1)/p + f)·S·γ``.
-
-    Example:
-        >>> cost(6, 400.0)
-        (6, 1400.0, 700.0)
-    """
+    """α-β-γ coefficients: ``(2h + 2f)·α + (2(p-1)/p + 2f)·S·β + ((p-1)/p + f)·S·γ``."""
     h = n.bit_length() - 1
     p = 1 << h
     a, b, c = 2 * h, 2 * (p - 1) / p * nbytes, (p - 1) / p * nbytes

@@ -11,42 +11,23 @@ of each group is its leader. n = 4, k = 2::
     tower 2 *  inner(x2, x3)[0] = s23      outer(s01, s23)[1] = s      s ──▶ tower 3
     tower 3    (inner's copy unused)                                   ◀── s
 
-Uneven groups, n = 5, k = 2 (groups {0, 1}, {2, 3}, {4}; tower 4 leads a group
-of one: its inner all-reduce moves nothing, and it has no member to copy to)::
-
-    phase:     1 inner                     2 outer (3 leaders)         3 group broadcast
-    tower 0 *  inner(x0, x1)[0] = s01      outer(s01, s23, x4)[0] = s  s ──▶ tower 1
-    tower 1    (inner's copy unused)                                   ◀── s
-    tower 2 *  inner(x2, x3)[0] = s23      outer(s01, s23, x4)[1] = s  s ──▶ tower 3
-    tower 3    (inner's copy unused)                                   ◀── s
-    tower 4 *  inner(x4)[0] = x4           outer(s01, s23, x4)[2] = s  (no members)
-
-Ticks run on from phase to phase: the groups' inner all-reduces run side by side
-in ticks 0 … a−1 (a: the inner part's ticks), the outer one is shifted by
-:func:`~towers.allreduce.machinery.primitives.tick_offset` to a … a+b−1, and the leaders'
-copies to their members go at tick a+b. Only the recorded labels move.
+Uneven groups (n = 5, k = 2: {0, 1}, {2, 3}, {4}): tower 4 leads a group of one; its
+inner all-reduce moves nothing and it has no member to copy to. The outer phase's ticks
+are shifted past the inner ones by :func:`~towers.allreduce.machinery.primitives.tick_offset`.
 
 Index formula: tower i is in group g = i // k, whose leader is g·k and whose
 members are g·k … min(g·k + k, n) − 1; leader g is tower g of the outer
 all-reduce, which runs on ⌈n/k⌉ leaders.
 
-How the parts are used: ``inner`` is a whole all-reduce run on each group's
-values; only the leader's output (index 0) is kept. An all-reduce also delivers
-the group sum to the other members; those copies are discarded (they are
-recorded by :func:`~towers.allreduce.machinery.primitives.record`, and counted in
-:func:`bytes_sent`; inside a ``tf.function`` TensorFlow prunes them as unused).
-``outer`` all-reduces the leaders' group results. Both run with ``op="sum"``
-when ``op="mean"``; each leader then divides its (bitwise identical) total by
-n once, and copies it to its members with ``send``. Division is correctly
-rounded, so equal totals give equal means on every leader.
+``inner`` is a whole all-reduce on each group's values; only the leader's output is
+kept (the members' copies are recorded and counted, and pruned as unused in a graph).
+For ``op="mean"`` both parts sum; each leader divides its bitwise-identical total by n
+once (correctly rounded: equal means everywhere) and sends it to its members.
 
 Cost: max over groups of inner(k_g, S) + outer(⌈n/k⌉, S) + (k_max − 1)·(α + Sβ)
-for the leader's copies; with a fast inner link (NVLink) and a slow outer one
-(network) only the outer phase crosses the slow link, on n/k towers instead of n.
-The groups run side by side, so the inner phase costs its slowest group: the
-coefficient-wise max over group sizes, exact when one group's coefficients are all
-the largest (every registered algorithm but halving_doubling, whose 3-tower cost
-carries more β than its 4-tower one), an upper bound otherwise.
+for the leader's copies: only the outer phase crosses the slow link, on n/k towers.
+The inner max is coefficient-wise: exact when one group's coefficients are all the
+largest (all but halving_doubling), an upper bound otherwise.
 
 References:
     Horovod hierarchical all-reduce (Sergeev & Del Balso, "Horovod", 2018);
@@ -112,12 +93,8 @@ def group_sizes(n: int, group_size: int) -> list[int]:
 
 
 def _after(seen: Recorder, start: int, shift: int) -> int:
-    """The tick after a phase that began at ``start`` (``start`` if it gave no ticks).
-
-    ``seen`` holds the phase's sends, recorded under ``tick_offset(start)``; ``shift``
-    is the total offset that was in effect, enclosing ones (a hierarchical inside
-    another) included, which are taken off again.
-    """
+    """The tick after a phase that began at ``start`` (``start`` if it gave no ticks);
+    ``shift``: the total offset in effect while ``seen`` recorded it, taken off again."""
     ticks = [t.tick for t in seen.transfers if t.tick is not None]
     return max(start, max(ticks) - shift + start + 1) if ticks else start
 
@@ -164,16 +141,9 @@ def _build(inner: Part = "naive", outer: Part = "ring", group_size: int = 2) -> 
 def hierarchical(inner: Part = "naive", outer: Part = "ring", group_size: int = 2) -> Configured:
     """Build a two-level all-reduce: ``inner`` within groups, ``outer`` among group leaders.
 
-    Args:
-        inner: all-reduce run inside each group of ``group_size`` consecutive towers
-            (a registry name, resolved when called, or a callable).
-        outer: all-reduce run among the group leaders (name or callable).
-        group_size: towers per group; the last group holds the remainder when it does
-            not divide the tower count (see :func:`group_sizes`).
-
-    Returns:
-        The configured algorithm; ``bytes_sent`` and ``summation_depth`` compose the
-        parts' (which then need registry records).
+    ``inner`` runs inside each group of ``group_size`` consecutive towers (the last
+    holds the remainder), ``outer`` among the leaders: registry names (resolved when
+    called) or callables; ``bytes_sent`` and ``summation_depth`` compose the parts'.
 
     Raises:
         TypeError: ``group_size`` not an int, or a part neither a name nor a callable.
@@ -190,17 +160,12 @@ def bytes_sent(
     n: int, nbytes: int, itemsize: int, *, inner: Part = "naive", outer: Part = "ring",
     group_size: int = 2,
 ) -> list[int]:
-    """Exact bytes each tower sends for one all-reduce of ``nbytes`` per tower.
-
-    Member r of group g (of k_g towers) sends ``inner(k_g)[r]``; a leader adds
-    ``outer(⌈n/k⌉)[g]`` and (k_g − 1)·nbytes of group broadcast. The parts'
-    records give their shares.
+    """Exact bytes per tower: member r of group g sends ``inner(k_g)[r]``; a leader adds
+    ``outer(⌈n/k⌉)[g]`` and (k_g − 1)·nbytes of group broadcast.
 
     Example:
         >>> bytes_sent(4, 8, 4, inner="naive", outer="naive", group_size=2)
         [24, 8, 24, 8]
-        >>> bytes_sent(3, 8, 4, inner="naive", outer="naive", group_size=2)
-        [24, 8, 8]
     """
     sizes = group_sizes(n, group_size)
     inner_fn, outer_fn = _configured(inner, "bytes_sent"), _configured(outer, "bytes_sent")
@@ -227,8 +192,6 @@ def summation_depth(
     Example:
         >>> summation_depth(8, inner="naive", outer="naive", group_size=4)
         4
-        >>> summation_depth(7, inner="naive", outer="naive", group_size=2)
-        4
     """
     sizes = group_sizes(n, group_size)
     inner_fn = _configured(inner, "summation_depth")
@@ -253,12 +216,8 @@ def _part_cost(cost: Callable[..., Coefficients], k: int, nbytes: float) -> Coef
 def cost_levels(
     n: int, nbytes: float, *, inner: str = "naive", outer: str = "ring", group_size: int = 2
 ) -> tuple[Coefficients, Coefficients]:
-    """``(within groups, among leaders)``: the coefficients on the inner and the outer link.
-
-    Within groups: the slowest group's inner all-reduce (coefficient-wise max over the
-    group sizes) plus ``k_max − 1`` copies of ``S`` from each leader; among leaders:
-    ``outer`` on ⌈n/k⌉ towers.
-    """
+    """``(within groups, among leaders)``: the coefficients on the inner and the outer
+    link (the slowest group plus ``k_max − 1`` copies; ``outer`` on ⌈n/k⌉ towers)."""
     k = positive_int("group_size", group_size)
     inner_cost, outer_cost = _flat_cost(inner, "inner"), _flat_cost(outer, "outer")
     sizes = group_sizes(n, k)

@@ -23,28 +23,12 @@ are composed from collectives, n = 4 (rank: TensorFlow's, by task and device ind
 Index formula (tree): at level k tower i with i mod 2^(k+1) = 2^k sends to i − 2^k
 (a broadcast in the group of the two). Cost: nccl and nccl_ring 2(n−1)α +
 2(n−1)/n·Sβ + (n−1)/n·Sγ; nccl_tree 2⌈log2 n⌉(α + Sβ) + ⌈log2 n⌉·Sγ. Summation
-depth (their records' ``summation_depth``): n − 1 for nccl (CPU ring)
-and nccl_ring (rows added in rank order), ⌈log2 n⌉ for nccl_tree. Ops: sum, mean
-(the sum divided by n once), max, min, product. TensorFlow has no gradient for these
-ops; :func:`~towers.allreduce.machinery.differentiable.differentiable` gives every
-algorithm here one (an all-reduce of the upstream gradients).
-
-Measured on TF 2.21, logical CPUs:
-
-- ``all_reduce_v2``, ``all_gather_v2``, ``all_to_all_v2`` (``CollectiveAllToAllV2``)
-  and broadcast send/recv run with hint "nccl" (it falls back to the CPU ring).
-  ``all_to_all_v3`` needs a communicator resource; it is not used.
-- dtypes: all_reduce_v2 and all_to_all_v2 take float16, bfloat16, float32,
-  float64, int32, int64. all_gather_v2 and broadcast send/recv refuse bfloat16
-  when traced ("Value passed to parameter 'input' has DataType bfloat16 not in
-  list of allowed values: float32, float16, float64, int32, int64"), so bfloat16
-  crosses those two as its float16 bit pattern (``tf.bitcast``: exact, same size).
-  The raw ``NcclAllReduce`` takes float16/32/64 and int32/64 (bfloat16 stays on
-  the collective path).
-
-The keys, ordering tokens, wire format, broadcast send/recv and the shared runner (with the
-facts they answer: empty tensors, eager calls, aborted collectives, unordered
-broadcasts) live in :mod:`towers.allreduce.machinery.tf_collective_ops`.
+depth: n − 1 for nccl (CPU ring) and nccl_ring (rows added in rank order), ⌈log2 n⌉
+for nccl_tree. TensorFlow has no gradient for these ops:
+:func:`~towers.allreduce.machinery.differentiable.differentiable` gives them one. On
+logical CPUs the hint "nccl" falls back to the CPU ring; the raw ``NcclAllReduce`` takes
+float16/32/64 and int32/64 (bfloat16 stays on the collective path). The plumbing (keys,
+tokens, wire format, the runner) is :mod:`towers.allreduce.machinery.tf_collective_ops`.
 
 References:
     NVIDIA NCCL; nccl-tests' bus bandwidth; TensorFlow
@@ -61,7 +45,7 @@ from tensorflow.python.ops import collective_ops, nccl_ops
 
 from towers.allreduce.machinery.base import AllReduce, combine, finish
 from towers.allreduce.machinery.differentiable import differentiable
-from towers.allreduce.machinery.recording import record_estimate
+from towers.allreduce.machinery.primitives import record_estimate
 from towers.allreduce.machinery.registry import (
     Algorithm,
     Coefficients,
@@ -244,14 +228,9 @@ def _build_tree(timeout_seconds: float | None = None) -> AllReduce:
 def nccl(timeout_seconds: float | None = None) -> Configured:
     """Build the all-reduce that calls one ``all_reduce_v2`` per tower (raw NCCL on real GPUs).
 
-    All three factories share this contract.
-
     Args:
         timeout_seconds: per-op timeout (default :data:`TIMEOUT_SECONDS`, read at call time);
             the raw ``nccl_ops`` path has no timeout parameter.
-
-    Returns:
-        The configured algorithm; its ``summation_depth(n)`` is its record's.
 
     Raises:
         ValueError: ``timeout_seconds`` not positive; when called, bad values (see
@@ -266,34 +245,18 @@ def nccl(timeout_seconds: float | None = None) -> Configured:
 
 
 def nccl_ring(timeout_seconds: float | None = None) -> Configured:
-    """Build reduce-scatter (all-to-all + local sum) then all-gather, from collective ops.
-
-    Args:
-        timeout_seconds: per-op timeout (default :data:`TIMEOUT_SECONDS`, read at call time).
-
-    Example:
-        >>> outs = nccl_ring()(values, op="sum")   # doctest: +SKIP
-    """
+    """Build reduce-scatter (all-to-all + local sum) then all-gather (as :func:`nccl`)."""
     return NCCL_RING(timeout_seconds=timeout_seconds)
 
 
 def nccl_tree(timeout_seconds: float | None = None) -> Configured:
-    """Build binomial-tree reduce to tower 0 then broadcast, from broadcast send/recv.
-
-    Args:
-        timeout_seconds: per-op timeout (default :data:`TIMEOUT_SECONDS`, read at call time).
-
-    Example:
-        >>> outs = nccl_tree()(values, op="max")   # doctest: +SKIP
-    """
+    """Build binomial-tree reduce to tower 0 then broadcast (as :func:`nccl`)."""
     return NCCL_TREE(timeout_seconds=timeout_seconds)
 
 
 def estimated_bytes_sent(n: int, nbytes: int) -> list[float]:
-    """An ESTIMATE of bytes each tower sends: NCCL's ring figure 2(n−1)/n·S.
-
-    The ops are opaque (nothing passes through ``send``); this is the bus
-    traffic nccl-tests assumes for any all-reduce algorithm, not a measurement.
+    """An ESTIMATE of bytes each tower sends: NCCL's ring figure 2(n−1)/n·S (the bus
+    traffic nccl-tests assumes; the ops are opaque, nothing passes through ``send``).
 
     Example:
         >>> estimated_bytes_sent(4, 1000)

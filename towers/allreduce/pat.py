@@ -1,9 +1,7 @@
 """PAT all-reduce: NCCL's Parallel Aggregated Trees reduce-scatter and all-gather, composed.
 
-Written as data: :func:`pat_schedule` builds the :class:`~towers.schedule.Schedule`
-and :func:`~towers.allreduce.machinery.scheduled.run_schedule` runs it; its record's bytes and
-depth are counted from that same object. n = 5 towers, chunks c0..c4,
-``+▶t`` reduces into tower t, ``▶t`` copies to it::
+Schedule :func:`pat_schedule` (bytes and depth counted from it, run by ``run_schedule``);
+n = 5 towers, chunks c0..c4, ``+▶t`` reduces into tower t, ``▶t`` copies to it::
 
     tick           0       1       2 │      3       4       5
                    reduce-scatter    │     all-gather (copy)
@@ -15,32 +13,17 @@ depth are counted from that same object. n = 5 towers, chunks c0..c4,
                       tower r now owns c_r, finished
 
 Index formula (K = ⌈log2 n⌉ dimensions): PAT is Bruck's algorithm
-(:mod:`towers.allreduce.bruck`) with the dimensions reversed. Each chunk is
-broadcast along its own binomial tree shifted to start at its owner (the "parallel
-trees"), and all trees' transfers of one step travel in one message per peer (the
-"aggregation"). Chunk c reaches tower ``c − j`` (offset j = 1..n−1) at the
-dimension of j's *lowest* set bit ``k``, from the tower at offset ``j − 2^k``; the
-all-gather runs k = K−1 down to 0, so tower r first copies its own chunk ``2^(K−1)``
-away and ends copying about n/2 chunks to its neighbour ``r − 1``. The far hops
-carry the little data, the near hops the much: the opposite of Bruck, whose last
-step sends n/2 chunks ``2^(K−1)`` away — the long-distance traffic PAT avoids. The
-reduce-scatter is that all-gather transposed and run backwards (arrows reversed,
-copies become reductions): the big reductions happen between neighbours first, and
-only one partial chunk crosses the longest distance, last.
+(:mod:`towers.allreduce.bruck`) with the dimensions reversed: each chunk is broadcast
+along its own binomial tree shifted to its owner (the "parallel trees"), one message
+per peer per step (the "aggregation"). Chunk c reaches tower ``c − j`` (j = 1..n−1) at
+the dimension of j's *lowest* set bit ``k``, from offset ``j − 2^k``; the all-gather runs
+k = K−1 down to 0, so the far hops carry little data and the near hops much (the
+opposite of Bruck). The reduce-scatter is that all-gather transposed and run backwards.
+Any n works: the trees are binomial trees cut at n.
 
-Bounded buffers (``aggregation``): NCCL sizes PAT's staging buffer independently of
-the operation and aggregates only as many trees per message as it holds. Here
-``pat(aggregation=A)`` sends at most A chunks per tower per tick, splitting a
-dimension over ⌈m/A⌉ ticks to the same peer (A = 1: one chunk per peer per tick,
-n − 1 ticks per phase); the default None aggregates a whole dimension (⌈log2 n⌉
-ticks per phase). What NCCL interleaves when it splits (it may start a nearer
-dimension before a farther one finished) is not reproduced: the split ticks run
-in dimension order.
-
-Any n works without padding the tower count: offsets j < n are reached through
-offsets ``j − 2^k < j``, so the trees are binomial trees cut at n (n = 5 above:
-dimension 2 carries 1 chunk, dimension 1 one, dimension 0 two).
-``towers.schedule.check_schedule`` proves the pattern for every n up to 64.
+``pat(aggregation=A)`` bounds the staging buffer as NCCL does: at most A chunks per
+tower per tick, a dimension split over ⌈m/A⌉ ticks to the same peer (None: a whole
+dimension per tick); the split ticks run in dimension order.
 
 Padding: the buffer is cut into n chunks of ⌈L/n⌉ elements. Cost (S bytes, every
 tower sends ``n − 1`` chunks per phase; ``m_k = ⌊(n − 1 − 2^k)/2^(k+1)⌋ + 1`` chunks
@@ -49,11 +32,8 @@ in dimension k): ``2·Σ_k ⌈m_k/A⌉·α + 2(n−1)/n·S·β + (n−1)/n·S·�
 
 References:
     S. Jeaugey, "PAT: a new algorithm for all-gather and reduce-scatter operations
-    at scale", arXiv:2506.20252, 2025 (followed: Bruck with the dimensions
-    reversed, aggregation bounded by the buffer); NVIDIA, "New Scaling Algorithm and
-    Initialization with NCCL 2.23" (developer blog, 2024); NVIDIA/nccl issues #1473
-    and #1594 ("a variation of Bruck's algorithm reordering the schedule to keep the
-    memory needs limited"; "a binomial tree algorithm").
+    at scale", arXiv:2506.20252, 2025; NVIDIA, "New Scaling Algorithm and
+    Initialization with NCCL 2.23" (developer blog, 2024); NVIDIA/nccl #1473, #1594.
 """
 
 from __future__ import annotations
@@ -98,14 +78,8 @@ def chunks_per_dimension(n: int) -> list[int]:
 
 @functools.lru_cache(maxsize=256)
 def pat_schedule(n: int, aggregation: int | None = None) -> Schedule:
-    """PAT's reduce-scatter then all-gather over ``n`` towers (see the module docstring).
-
-    Args:
-        n: the tower count, >= 1.
-        aggregation: at most this many chunks per tower per tick (None: unbounded).
-
-    Raises:
-        ValueError: ``n`` or ``aggregation`` is not an int >= 1.
+    """PAT's reduce-scatter then all-gather over ``n`` towers, at most ``aggregation`` chunks
+    per tower per tick (None: unbounded).
 
     Example:
         >>> pat_schedule(5).num_ticks, pat_schedule(5, aggregation=1).num_ticks
@@ -118,22 +92,13 @@ def pat_schedule(n: int, aggregation: int | None = None) -> Schedule:
 
 
 def pat(aggregation: int | None = None) -> Configured:
-    """Build the PAT all-reduce (any tower count; see the module docstring).
+    """Build the PAT all-reduce; ``aggregation``: the most chunks a tower sends per tick.
 
-    Args:
-        aggregation: the most chunks a tower sends per tick (the bounded buffer);
-            None aggregates whole dimensions.
-
-    Returns:
-        The configured algorithm ``(values, *, op="sum") -> list[tf.Tensor]``; its
-        ``bytes_sent`` and ``summation_depth``, counted from the schedule, are
-        ``2(n−1)·⌈L/n⌉·itemsize`` per tower and ``⌈log2 n⌉``.
+    Its ``bytes_sent`` and ``summation_depth`` (``2(n−1)·⌈L/n⌉·itemsize`` per tower,
+    ``⌈log2 n⌉``) are counted from the schedule.
 
     Raises:
         ValueError: ``aggregation`` is not None or an int >= 1.
-
-    Example:
-        >>> outs = pat(aggregation=2)(values, op="mean")   # doctest: +SKIP
     """
     return PAT(aggregation)
 

@@ -16,19 +16,13 @@ n towers, ``Q`` an ``c × r`` matrix every tower holds the same copy of::
     8     out = P̂ · Qᵀ  = Σ_t P̂P̂ᵀΔ_t          (decoders; sent to rest)   m × c
     9     next step's Q = this Q               (warm start)
 
-Bytes per tower through the algorithm: ``(m + c)·r`` elements instead of ``m·c``.
-Since ``out + Σ_t e_t' = Σ_t Δ_t`` up to rounding, nothing is lost, only delayed.
-Orthogonalization is modified Gram-Schmidt (a zero column stays zero). ``Q`` starts
-as a standard normal draw from a seed shared by every tower, so all towers project
-on the same subspace; warm starting reuses the previous step's reduced ``Q``, which
-makes successive steps a power iteration on the slowly changing gradient.
-
-Vectors (biases) and matrices too small to gain (``(m + c)·r·min_compression_rate
-≥ m·c``, as PyTorch's hook) are all-reduced uncompressed and need no state.
-Error feedback follows the paper's Algorithm 2: ``e_t`` is tower t's own dropped
-part ``Δ_t − P̂P̂ᵀΔ_t``. (PyTorch's hook keeps ``Δ_t − P̂·Q̄ᵀ``, the tower's input minus
-the *mean* approximation, and warm-starts from the mean ``Q̄``; the totals ``Σ_t e_t``
-are the same, and ``P̂`` does not depend on the scale of ``Q``.)
+Bytes per tower through the algorithm: ``(m + c)·r`` elements instead of ``m·c``, and
+``out + Σ_t e_t' = Σ_t Δ_t`` up to rounding. Orthogonalization is modified Gram-Schmidt.
+``Q`` starts as a standard normal draw from a seed shared by every tower; warm starting
+makes successive steps a power iteration. Vectors and matrices too small to gain
+(``(m + c)·r·min_compression_rate ≥ m·c``, as PyTorch) are all-reduced uncompressed.
+Error feedback follows the paper's Algorithm 2 (PyTorch's hook keeps the tower's input
+minus the *mean* approximation: the totals ``Σ_t e_t`` are the same).
 
 References:
     T. Vogels, S. P. Karimireddy and M. Jaggi, "PowerSGD: Practical Low-Rank Gradient
@@ -45,8 +39,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import tensorflow as tf
 
-from towers.allreduce.codecs import rounding
-from towers.allreduce.wire import Wire
+from towers.allreduce.codecs import Wire, rounding
 from towers.guard.arguments import positive_int
 
 __all__ = ["PowerSGD", "PowerSGDState", "orthogonalize", "powersgd"]

@@ -22,11 +22,9 @@ so it is ``x_{k+1} ⊕ x_{k+2} ⊕ … ⊕ x_k``: a different order per chunk.
 
 Sub-chunks (``s > 1``, as TF's ``build_ring_all_reduce``): chunk ``g·s + r`` is
 segment ``g`` of ring ``r``, and ring ``r`` lists the towers rotated by
-``r·max(1, n // s)`` positions, so each ring's segments start, end and get
-finished on different towers, and every link carries ``s`` smaller pieces per
-tick instead of one. On one flat ring of towers a rotation keeps the same
-``n`` links (tower ``i`` always sends to ``i + 1``); TF's rotation pays off
-when the rings are spliced across machines, where the inter-machine links differ.
+``r·max(1, n // s)`` positions, so each ring's segments are finished on different
+towers and every link carries ``s`` smaller pieces per tick (the rotation pays off
+when rings are spliced across machines).
 
 Cost (n towers, S bytes): every tower sends ``2(n-1)`` chunks of ``S/n``, i.e.
 ``2(n-1)/n·S`` (plus padding when ``n·s`` does not divide the element count):
@@ -36,10 +34,7 @@ Summation depth ``n-1`` (a chain of additions). Consecutive additions to a chunk
 run on different towers, so a ``tf.function`` keeps this order too (Grappler only
 regroups adds on one device); it does turn ``mean``'s ``x / n`` into ``x * (1/n)``.
 
-Written as data: :func:`towers.schedule.ring_schedule` builds the schedule
-(:func:`towers.schedule.ring_orders` the rotated rings) and the one interpreter,
-:func:`~towers.allreduce.machinery.scheduled.run_schedule`, runs it; bytes and
-depth are counted from that same schedule.
+Schedule :func:`towers.schedule.ring_schedule`, run by ``run_schedule``.
 
 References:
     P. Patarasuk and X. Yuan, "Bandwidth optimal all-reduce algorithms for clusters
@@ -73,15 +68,10 @@ def _build(subchunks: int = 1) -> AllReduce:
 
 
 def ring(subchunks: int = 1) -> Configured:
-    """Build the ring all-reduce with ``subchunks`` rotated rings.
+    """Build the ring all-reduce with ``subchunks`` rotated rings (``s``, any int >= 1).
 
-    Args:
-        subchunks: sub-chunks per chunk, i.e. parallel rings (``s``); any int >= 1.
-
-    Returns:
-        The configured algorithm, ``(values, *, op="sum") -> list[tf.Tensor]``; its
-        ``bytes_sent`` (``2(n-1)·s·⌈size/(n·s)⌉·itemsize``, padding included) and
-        ``summation_depth`` (``n - 1``) are counted from the schedule.
+    Its ``bytes_sent`` (``2(n-1)·s·⌈size/(n·s)⌉·itemsize``, padding included) and
+    ``summation_depth`` (``n - 1``) are counted from the schedule.
 
     Raises:
         ValueError: ``subchunks`` < 1 or not an int.

@@ -1,9 +1,7 @@
 """Swing all-reduce: recursive halving and doubling with peers that swing left and right.
 
-Written as data: :func:`swing_schedule` builds the :class:`~towers.schedule.Schedule`
-and :func:`~towers.allreduce.machinery.scheduled.run_schedule` runs it; its record's bytes and
-depth are counted from that same object. p = 4 towers, chunks c0..c3,
-``+▶t`` reduces into tower t, ``▶t`` copies to it::
+Schedule :func:`swing_schedule` (bytes and depth counted from it, run by ``run_schedule``);
+p = 4 towers, chunks c0..c3, ``+▶t`` reduces into tower t, ``▶t`` copies to it::
 
     tick          0        1    │     2        3
                   reduce-scatter │     all-gather (copy)
@@ -21,18 +19,10 @@ towers x reaches through steps s..k-1 (``R(x, k) = {x}``,
 chunks ``R(ρ(r, s), s+1)`` into its peer (half of what it still holds), so after
 k steps r owns chunk r; all-gather runs the steps backwards, r copying the
 finished chunks ``R(r, s+1)`` to ``ρ(r, s)``. Against recursive halving's
-``r XOR 2^s``, a peer is at distance ``|δ(s)| < 2^s`` on a ring or torus: fewer
-hops, the paper's point. ``towers.schedule.check_schedule`` proves that the
-``R`` sets split evenly for every p up to 64.
-
-Other tower counts (the paper's own extension is not implemented): with
-p = 2^⌊log2 n⌋, extra tower p + j folds its whole buffer into tower j in a first
-tick and gets the result back from it in a last tick, as ``halving_doubling``
-does (n = 6: tick 0 ``4 ─c0c1c2c3+▶ 0``, ``5 ─…+▶ 1``; tick 5 ``0 ─c0c1c2c3▶ 4``,
-``1 ─…▶ 5``).
-
-Padding: the buffer is cut into p chunks of ⌈L/p⌉ elements (the fold messages
-too carry the p padded chunks). Cost (S bytes; f = 1 when n > p else 0):
+``r XOR 2^s``, a peer is at distance ``|δ(s)| < 2^s`` on a ring or torus: fewer hops.
+Other n (not the paper's extension): with p = 2^⌊log2 n⌋, extra tower p + j folds its
+buffer into tower j in a first tick and gets the result back in a last one, as
+``halving_doubling`` does. Chunks of ⌈L/p⌉ elements. Cost (S bytes; f = 1 when n > p else 0):
 ``(2·log2 p + 2f)·α + (2(p−1)/p + 2f)·S·β + ((p−1)/p + f)·S·γ``, the same as
 Rabenseifner's; summation depth ⌈log2 n⌉.
 
@@ -117,26 +107,12 @@ def _build() -> AllReduce:
 
 
 def swing() -> Configured:
-    """Build the Swing all-reduce (any tower count; see the module docstring).
-
-    Returns:
-        The configured algorithm ``(values, *, op="sum") -> list[tf.Tensor]``; its
-        ``bytes_sent`` and ``summation_depth``, counted from the schedule, are
-        ``2(p−1)·⌈L/p⌉·itemsize`` per tower (a fold adds ``p`` chunks) and ``⌈log2 n⌉``.
-
-    Example:
-        >>> outs = swing()(values, op="mean")   # doctest: +SKIP
-    """
+    """Build the Swing all-reduce (any tower count; see the module docstring)."""
     return SWING()
 
 
 def cost(n: int, nbytes: float) -> Coefficients:
-    """α-β-γ coefficients: ``(2k + 2f)·α + (2(p-1)/p + 2f)·S·β + ((p-1)/p + f)·S·γ``.
-
-    Example:
-        >>> cost(4, 1000.0)
-        (4, 1500.0, 750.0)
-    """
+    """α-β-γ coefficients: ``(2k + 2f)·α + (2(p-1)/p + 2f)·S·β + ((p-1)/p + f)·S·γ``."""
     k = n.bit_length() - 1
     p, f = 1 << k, int(n > 1 << k)
     return 2 * k + 2 * f, (2 * (p - 1) / p + 2 * f) * nbytes, ((p - 1) / p + f) * nbytes

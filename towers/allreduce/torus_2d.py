@@ -1,10 +1,8 @@
 """2D-torus all-reduce: reduce-scatter along rows, all-reduce along columns, all-gather along rows.
 
-Written as data: :func:`torus_2d_schedule` builds the :class:`~towers.schedule.Schedule`
-and :func:`~towers.allreduce.machinery.scheduled.run_schedule` runs it; its record's bytes and
-depth are counted from that same object. n = 4 towers as a 2×2 grid (tower
-``t = i·C + q``: row i, column q), chunks c0..c3 (part q of the buffer is chunks
-``q·R .. q·R+R−1``), ``+▶t`` reduces into tower t, ``▶t`` copies to it::
+Schedule :func:`torus_2d_schedule` (bytes and depth counted from it, run by ``run_schedule``);
+n = 4 towers as a 2×2 grid (tower ``t = i·C + q``: row i, column q), chunks c0..c3 (part
+q of the buffer is chunks ``q·R .. q·R+R−1``), ``+▶t`` reduces into t, ``▶t`` copies::
 
     tick           0 │       1       2 │       3
               row RS │   column ring   │  row AG (copy)
@@ -23,23 +21,17 @@ towers of column q over part q's R chunks: at tick s row i reduces chunk
 complete. (3) Row all-gather: at tick s column q copies part ``(q − s) mod C`` to
 column ``q + 1`` (C − 1 ticks).
 
-The grid: ``rows=None`` takes R = the largest divisor of n not above √n (8 → 2×4,
-9 → 3×3, 6 → 2×3); ``torus_2d(rows=R)`` fixes R (it must divide n). A prime n
-has no other factoring and degenerates to 1×n: no column phase, the ring
-(:func:`towers.schedule.ring_schedule`, the same ticks). The point (Mikami et al.)
-is latency: ``2(C−1) + 2(R−1)`` ticks instead of the ring's ``2(n−1)``, for the
-same bytes.
-
-Padding: the buffer is cut into n chunks of ⌈L/n⌉ elements. Cost (S bytes; every
-tower sends ``2(n−1)`` chunks):
+The grid: ``rows=None`` takes R = the largest divisor of n not above √n (8 → 2×4);
+``torus_2d(rows=R)`` fixes R (it must divide n); a prime n degenerates to the ring.
+The point is latency: ``2(C−1) + 2(R−1)`` ticks instead of ``2(n−1)``, same bytes.
+Cost (S bytes, chunks of ⌈L/n⌉ elements):
 ``(2(C−1) + 2(R−1))·α + 2(n−1)/n·S·β + (n−1)/n·S·γ``; summation depth
 ``(C−1) + (R−1)``.
 
 References:
     H. Mikami, H. Suganuma, P. U-chupala, Y. Tanaka, Y. Kageyama, "Massively
     Distributed SGD: ImageNet/ResNet-50 Training in a Flash", arXiv:1811.05233,
-    2018 (2D-Torus all-reduce: reduce-scatter horizontal, all-reduce vertical,
-    all-gather horizontal).
+    2018.
 """
 
 from __future__ import annotations
@@ -106,14 +98,7 @@ def _column_ticks(rows: int, cols: int) -> list[Tick]:
 
 @functools.lru_cache(maxsize=256)
 def torus_2d_schedule(n: int, rows: int | None = None) -> Schedule:
-    """The 2D-torus all-reduce over ``n`` towers on an R×C grid (see the module docstring).
-
-    Args:
-        n: the tower count, >= 1.
-        rows: R, a divisor of n (None: as square as n allows).
-
-    Raises:
-        ValueError: see :func:`grid`.
+    """The 2D-torus all-reduce over ``n`` towers on an R×C grid (``rows``: see :func:`grid`).
 
     Example:
         >>> torus_2d_schedule(8).num_ticks, torus_2d_schedule(8, rows=1).num_ticks
@@ -125,23 +110,11 @@ def torus_2d_schedule(n: int, rows: int | None = None) -> Schedule:
 
 
 def torus_2d(rows: int | None = None) -> Configured:
-    """Build the 2D-torus all-reduce (any tower count; see the module docstring).
-
-    Args:
-        rows: the grid's row count R, which must divide every tower count it runs
-            on; None picks the most square grid for each n.
-
-    Returns:
-        The configured algorithm ``(values, *, op="sum") -> list[tf.Tensor]``; its
-        ``bytes_sent`` and ``summation_depth``, counted from the schedule, are
-        ``2(n−1)·⌈L/n⌉·itemsize`` per tower and ``(C−1) + (R−1)``.
+    """Build the 2D-torus all-reduce; ``rows`` (R) must divide every tower count it runs on
+    (None: the most square grid for each n).
 
     Raises:
-        ValueError: ``rows`` is not None or an int >= 1 (one that does not divide
-            the tower count is refused when the algorithm runs).
-
-    Example:
-        >>> outs = torus_2d(rows=2)(values, op="mean")   # doctest: +SKIP
+        ValueError: ``rows`` is not None or an int >= 1.
     """
     return TORUS_2D(rows)
 
@@ -152,12 +125,7 @@ def _build(rows: int | None = None) -> AllReduce:
 
 
 def cost(n: int, nbytes: float, rows: int | None = None) -> Coefficients:
-    """α-β-γ coefficients: ``(2(C−1) + 2(R−1))·α + 2(n−1)/n·S·β + (n−1)/n·S·γ``.
-
-    Example:
-        >>> cost(4, 1000.0), cost(8, 1000.0, rows=1)
-        ((4, 1500.0, 750.0), (14, 1750.0, 875.0))
-    """
+    """α-β-γ coefficients: ``(2(C−1) + 2(R−1))·α + 2(n−1)/n·S·β + (n−1)/n·S·γ``."""
     r, c = grid(n, rows)
     return 2 * (c - 1) + 2 * (r - 1), 2 * (n - 1) / n * nbytes, (n - 1) / n * nbytes
 

@@ -18,26 +18,15 @@ n = 7, C = 2 (``pK`` = piece K, ``▲a`` = send up to a, ``▼a,b`` = copy down 
 Index formula (``h`` = a node's height, its longest path down to a leaf; ``d`` =
 its depth; ``D`` = the root's height): a node sends piece ``k`` up at tick
 ``h + k`` and copies it to its children at tick ``D + d + k``. Each piece moves
-one level per tick, so the ticks overlap: while lower levels still reduce piece
-``k + 1``, upper levels already broadcast piece ``k`` (tick 3 above: tower 0
-copies p1 down as towers 1, 2 copy p0 down; on a link the up and down
-directions carry different pieces). In all ``2D + C - 1`` ticks.
+one level per tick, so reduce and broadcast overlap (tick 3 above). In all
+``2D + C - 1`` ticks.
 
-Order: node ``i`` forms ``(x_i ⊕ p_a) ⊕ p_b``, its own value first, joining the
-child whose partial has been through fewer additions first, so the deeper
-subtree's values pass through one addition fewer; :func:`tree_shape` holds the
-order and the depth. A child that joins after a sibling of greater height sends
-when that sibling does (n = 8: tower 2, height 1, sends at tick 2 beside tower 1),
-so the schedule adds in this order; the root still finishes at tick ``D``. That
-is the order eager execution runs. Inside a ``tf.function`` Grappler may fuse a
-node's two additions into one ``AddN`` and reorder its inputs (see
-:mod:`towers.testing.replay`): then at most two additions per level, a depth of
-``2·D``. Towers still agree bitwise.
-
-Written as data: :func:`tree_schedule` (:func:`tree_ticks` over any tree) and the
-one interpreter, :func:`~towers.allreduce.machinery.scheduled.run_schedule`, runs
-it, adding a node's own value first (``own_first``); bytes and depth are counted
-from that same schedule.
+Order: node ``i`` forms ``(x_i ⊕ p_a) ⊕ p_b``, its own value first, joining first the
+child whose partial went through fewer additions (:func:`tree_shape`); a child that
+joins after a taller sibling sends when that sibling does. Inside a ``tf.function``
+Grappler may fuse a node's two additions into one ``AddN`` (depth up to ``2·D``);
+towers still agree bitwise. The schedule is data (:func:`tree_schedule`), run by
+:func:`~towers.allreduce.machinery.scheduled.run_schedule` with ``own_first``.
 
 Cost (n towers, S bytes, D = ⌊log2 n⌋; single-port full-duplex links, the
 convention of :mod:`towers.bench.costmodel`): ``2D + C - 1`` ticks. C = 1 is a binary
@@ -162,13 +151,8 @@ def _up_ticks(shape: TreeShape) -> list[int]:
 def tree_ticks(parents: Sequence[int], chunks: Iterable[int]) -> list[list[Step]]:
     """Pipelined reduce-then-broadcast over any tree: piece ``k`` is chunk ``chunks[k]``.
 
-    A node reduces piece ``k`` into its parent at its up tick + ``k`` (:func:`tree_shape`'s
-    order: a node's children in a tick are listed in the order they are added); the root
-    finishes it at tick ``D + k``, and a node at depth ``d`` copies it down at ``D + d + k``.
-
-    Example:
-        >>> [len(tick) for tick in tree_ticks([-1, 0, 0], [0])]
-        [2, 2]
+    A node reduces piece ``k`` into its parent at its up tick + ``k``; the root finishes it
+    at tick ``D + k``; a node at depth ``d`` copies it down at ``D + d + k``.
     """
     shape, pieces = tree_shape(parents), list(chunks)
     up = _up_ticks(shape)
@@ -201,21 +185,13 @@ def _build(chunks: int = 1) -> AllReduce:
 
 
 def tree(chunks: int = 1) -> Configured:
-    """Build the binary-tree all-reduce, pipelined in ``chunks`` pieces.
+    """Build the binary-tree all-reduce, pipelined in ``chunks`` pieces (``C``; more overlap more).
 
-    Args:
-        chunks: pieces per value (``C``); more pieces overlap more ticks.
-
-    Returns:
-        The configured algorithm; its ``bytes_sent`` (``(1[i > 0] + children(i))·C·
-        ⌈size/C⌉·itemsize``) and ``summation_depth`` (4 for n = 8; at most
-        ``2·⌊log2 n⌋``) are counted from the schedule.
+    Its ``bytes_sent`` (``(1[i > 0] + children(i))·C·⌈size/C⌉·itemsize``) and
+    ``summation_depth`` (at most ``2·⌊log2 n⌋``) are counted from the schedule.
 
     Raises:
         ValueError: ``chunks`` < 1 or not an int.
-
-    Example:
-        >>> outs = tree(chunks=4)([a, b, c], op="sum")   # doctest: +SKIP
     """
     return TREE(chunks=chunks)
 
@@ -223,11 +199,8 @@ def tree(chunks: int = 1) -> Configured:
 def tick_loads(trees: Sequence[Sequence[int]], chunks: int) -> tuple[float, float]:
     """``(M, A)``: Σ over ticks of the most messages on one port and pieces added by one tower.
 
-    The schedule of :func:`tree_ticks` over ``trees`` run at once, each node sending up
-    at its up tick (:func:`_up_ticks`); single-port, full duplex. Ports are columns
-    ``[0, n)`` (out), ``[n, 2n)`` (in); adds ``[2n, 3n)``. Each event lasts ``chunks``
-    ticks (one piece per tick), so loads only change where an event starts or ends: count
-    on those segments, weighted by their length.
+    The trees' :func:`tree_ticks` run at once (single-port, full duplex); each event lasts
+    ``chunks`` ticks, so loads are counted on the segments where one starts or ends.
     """
     n = len(trees[0])
     starts, cols = [], []

@@ -29,7 +29,7 @@ import numpy as np
 import tensorflow as tf
 
 from towers.allreduce.compressed import compressed
-from towers.allreduce.machinery.recording import StepStats, Transfer, record, traffic_kind
+from towers.allreduce.machinery.primitives import StepStats, Transfer, record, traffic_kind
 from towers.allreduce.machinery.resolve import Spec, get, is_reducer, parse
 from towers.bench import costmodel, report
 from towers.bench.costmodel import SYSTEMS, predict_on

@@ -81,7 +81,7 @@ def usage_problem(args: argparse.Namespace) -> str | None:
 
 
 def _collective(args: argparse.Namespace) -> int:
-    from towers.allreduce.collective_registry import format_collective
+    from towers.allreduce.collectives import format_collective
 
     try:
         print(format_collective(args.collective, args.algorithm, args.towers, 4 * args.size))

@@ -74,8 +74,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from towers.allreduce.machinery.primitives import send
-from towers.allreduce.machinery.recording import log_send
+from towers.allreduce.machinery.primitives import log_send, send
 from towers.allreduce.machinery.registry import ALGORITHMS, record_of
 from towers.devices import canonical_device
 from towers.guard.arguments import check_choice

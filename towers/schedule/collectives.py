@@ -1,15 +1,10 @@
 """The ring all-reduce, and reduce-scatter, all-gather and broadcast, as data: ``n -> Schedule``.
 
-:func:`ring_schedule` is :mod:`towers.allreduce.ring`'s schedule (drawn there):
-``n - 1`` reduce-scatter ticks in which the tower at ring position ``p`` reduces
-chunk ``(p - 1 - t) mod n`` into position ``p + 1``, then ``n - 1`` all-gather
-ticks in which it copies chunk ``(p - t) mod n``; with ``s`` sub-chunks, ``s``
-rings (:func:`ring_orders`) run side by side, ring ``r`` carrying chunks ``g·s + r``.
-
-Chunk ``c`` of a reduce-scatter or all-gather is tower ``c``'s shard (``n``
-chunks, ``owners[c] = c``); a broadcast cuts the value into ``chunks`` pieces,
-all the root's. Generators build root-0 broadcasts; :func:`rooted` turns tower
-labels so any tower is the root. ``c+▶`` reduces, ``c▶`` copies.
+:func:`ring_schedule` is :mod:`towers.allreduce.ring`'s schedule (drawn there); with
+``s`` sub-chunks, ``s`` rings (:func:`ring_orders`) run side by side, ring ``r`` carrying
+chunks ``g·s + r``. Chunk ``c`` of a reduce-scatter or all-gather is tower ``c``'s shard;
+a broadcast cuts the value into ``chunks`` pieces, all the root's (generators build
+root 0; :func:`rooted` turns the labels). ``c+▶`` reduces, ``c▶`` copies.
 
 Ring (the two halves of :func:`ring_schedule`), n = 4::
 
@@ -30,12 +25,10 @@ reduces (d = n/2, …, 1), doubling sends everything it holds (d = 1, …, n/2):
     tower 2  c0c1+▶0          c3+▶3             tower 2   c2▶3          c2c3▶0
     tower 3  c0c1+▶1          c2+▶2             tower 3   c3▶2          c2c3▶1
 
-Any ``n``: with ``m`` the largest power of two ≤ ``n`` and ``r = n - m``, the
-``r`` extra towers ``m+i`` first fold their whole buffer into tower ``i``
-(halving) or hand their chunk to it (doubling); the ``m`` towers run the
-power-of-two schedule, tower ``i < r`` standing for chunks ``i`` and ``m+i``;
-a last tick gives tower ``m+i`` its chunk (halving) or everything (doubling).
-So a non-power of two costs 2 more ticks, and towers ``i < r`` send twice.
+Any ``n`` (``m`` the largest power of two ≤ ``n``, ``r = n - m``): extra tower ``m+i``
+first folds its buffer into tower ``i`` (halving) or hands it its chunk (doubling);
+the ``m`` towers run the power-of-two schedule, tower ``i < r`` standing for chunks
+``i`` and ``m+i``; a last tick gives tower ``m+i`` its part: 2 more ticks.
 
 Broadcast, root 0, n = 5: flat (the root sends to every tower in one tick, not
 drawn), binomial tree (a tower forwards in the tick after it receives;
@@ -60,16 +53,12 @@ References:
     workstations" (JPDC 2009): the ring. Träff, Ripke, "Optimal broadcast for
     fully connected processor-node networks" (2008): the pipelined chain.
 
-Example:
-    >>> ring_schedule(3).num_ticks, ring_schedule(3, subchunks=2).chunks
-    (4, 6)
-    >>> halving_reduce_scatter(6).num_ticks, binomial_broadcast(5).num_ticks
-    (4, 3)
 """
 
 from __future__ import annotations
 
 import functools
+from collections import Counter
 
 from towers.guard.arguments import non_negative_int, positive_int
 from towers.schedule.ir import Schedule, Step
@@ -87,6 +76,7 @@ __all__ = [
     "ring_reduce_scatter",
     "ring_schedule",
     "rooted",
+    "schedule_bytes",
 ]
 
 
@@ -95,10 +85,8 @@ def _towers(n: int) -> int:
 
 
 def even_sizes(length: int, pieces: int) -> list[int]:
-    """The sharding rule: ``length`` elements cut into ``pieces`` runs differing by at most one.
-
-    The first ``length mod pieces`` runs get one element more, as ``numpy.array_split``
-    cuts (no padding; a run is empty when ``length < pieces``).
+    """The sharding rule: ``length`` elements cut into ``pieces`` runs differing by at most one
+    (the first ``length mod pieces`` runs one longer, as ``numpy.array_split``; no padding).
 
     Example:
         >>> even_sizes(10, 4), even_sizes(2, 3)
@@ -107,6 +95,22 @@ def even_sizes(length: int, pieces: int) -> list[int]:
     non_negative_int("length", length)
     base, extra = divmod(length, positive_int("pieces", pieces))
     return [base + (i < extra) for i in range(pieces)]
+
+
+def schedule_bytes(schedule: Schedule, nbytes: int, itemsize: int) -> list[int]:
+    """Exact bytes each tower sends when ``nbytes`` are cut by ``even_sizes`` into the chunks.
+
+    Example:
+        >>> schedule_bytes(ring_all_gather(3), 12, 4)   # runs of 1, 1, 1 elements
+        [8, 8, 8]
+    """
+    if itemsize < 1 or nbytes < 0 or nbytes % itemsize:
+        raise ValueError(f"nbytes must be a multiple of itemsize; got {nbytes}, {itemsize}")
+    sizes = even_sizes(nbytes // itemsize, schedule.chunks)
+    sent: Counter[int] = Counter()
+    for _, step in schedule.steps():
+        sent[step.src] += sizes[step.chunk] * itemsize
+    return [sent[tower] for tower in range(schedule.towers)]
 
 
 def fold(n: int) -> tuple[int, int]:
@@ -135,11 +139,8 @@ def ring_orders(n: int, subchunks: int = 1) -> list[list[int]]:
 def ring_schedule(n: int, subchunks: int = 1) -> Schedule:
     """The ring all-reduce over ``n`` towers: ``s`` rotated rings, ``n·s`` chunks, ``2(n-1)`` ticks.
 
-    Chunk ``g·s + r`` is segment ``g`` of ring ``r`` (towers by position
-    ``ring_orders(n, s)[r]``); it ends finished on that ring's position ``g``.
-
-    Raises:
-        ValueError: ``n`` or ``subchunks`` not an int >= 1.
+    Chunk ``g·s + r`` is segment ``g`` of ring ``r`` (``ring_orders(n, s)[r]``); it ends
+    finished on that ring's position ``g``.
     """
     n, s = _towers(n), positive_int("subchunks", subchunks)
     orders = ring_orders(n, s)
@@ -224,28 +225,13 @@ def binomial_broadcast(n: int) -> Schedule:
 
 
 def flat_broadcast(n: int) -> Schedule:
-    """Flat broadcast from tower 0: one tick, the root sends the whole value to every tower.
-
-    The parameter device's broadcast: one ``α``, but the root sends ``(n-1)·S``.
-
-    Example:
-        >>> flat_broadcast(3).ticks
-        ((Step(src=0, dst=1, chunk=0, kind='copy'), Step(src=0, dst=2, chunk=0, kind='copy')),)
-    """
+    """Flat broadcast from tower 0: one tick (one ``α``), the root sends ``(n-1)·S``."""
     steps = tuple(Step(0, p, 0, "copy") for p in range(1, _towers(n)))
     return Schedule("flat_broadcast", n, 1, (steps,) if steps else (), "broadcast")
 
 
 def chain_broadcast(n: int, chunks: int = 4) -> Schedule:
-    """Pipelined chain broadcast from tower 0: ``chunks`` pieces flow ``0 → 1 → … → n-1``.
-
-    Args:
-        n: the tower count.
-        chunks: how many pieces the value is cut into (the pipeline depth).
-
-    Raises:
-        ValueError: ``n`` or ``chunks`` not an int >= 1.
-    """
+    """Pipelined chain broadcast from tower 0: ``chunks`` pieces flow ``0 → 1 → … → n-1``."""
     _towers(n), positive_int("chunks", chunks)
     ticks = [tuple(Step(p, p + 1, t - p, "copy") for p in range(n - 1) if 0 <= t - p < chunks)
              for t in range(chunks + n - 2)] if n > 1 else []
@@ -253,14 +239,8 @@ def chain_broadcast(n: int, chunks: int = 4) -> Schedule:
 
 
 def rooted(schedule: Schedule, root: int) -> Schedule:
-    """``schedule`` with every tower ``t`` renamed ``(t + shift) mod n`` so the root is ``root``.
-
-    Args:
-        schedule: a ``broadcast`` schedule.
-        root: the tower that should hold the value first.
-
-    Raises:
-        ValueError: not a broadcast schedule, or ``root`` not a tower of it.
+    """``schedule`` (a broadcast) with every tower ``t`` renamed ``(t + shift) mod n`` so the
+    root is ``root``.
 
     Example:
         >>> rooted(binomial_broadcast(3), 2).ticks[0]

@@ -19,7 +19,7 @@ the tower that ends with chunk ``c`` reduced (reduce-scatter) or starts with it
 Everything below is derived from the same object: bytes per tower and per link,
 ticks, and the α-β-γ coefficients. **Padding rule**: a buffer of ``L`` elements
 is zero-padded to ``chunks·⌈L/chunks⌉`` and every chunk has ``⌈L/chunks⌉``
-elements, as :func:`towers.allreduce.machinery.primitives.pad_split` cuts it, so every
+elements, as :func:`towers.allreduce.machinery.packed.pad_split` cuts it, so every
 step moves ``⌈L/chunks⌉·itemsize`` bytes.
 
 Example:

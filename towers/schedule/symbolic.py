@@ -1,17 +1,11 @@
 """Prove a schedule correct without TensorFlow: follow sets of contributions, tick by tick.
 
-Each slot ``(tower, chunk)`` carries the *set* of towers whose inputs it sums
-(a bit mask), the summation tree that produced it (up to commutativity: ``a ⊕ b``
-and ``b ⊕ a`` are one tree, as IEEE addition is commutative) and that tree's
-depth. Initially, for ``all_reduce`` and ``reduce_scatter`` tower ``t`` holds
-``{t}`` in every chunk; for ``all_gather`` the owner of chunk ``c`` holds it
-*complete* (all ``n`` contributions) and the others hold nothing; ``broadcast`` is
-the same with one owner, the root, for every chunk.
-
-**Holds.** Tower ``t`` *holds* chunk ``c`` when its slot carries at least one
-contribution, and holds it *complete* when the slot carries all ``n``. A tick
-reads every slot as it was when the tick began, so a tower cannot forward in
-tick ``t`` what it receives in tick ``t``. The rules, checked step by step:
+Each slot ``(tower, chunk)`` carries the *set* of towers whose inputs it sums (a bit
+mask), its summation tree (up to commutativity) and that tree's depth. Initially, for
+``all_reduce`` and ``reduce_scatter`` tower ``t`` holds ``{t}`` in every chunk; for
+``all_gather`` (``broadcast``: the root owns every chunk) the owner of chunk ``c`` holds
+it *complete* (all ``n`` contributions), the others nothing. A tick reads every slot as
+it was when the tick began. The rules, checked step by step:
 
 1. a step names towers and chunks in range, and no tower sends to itself;
 2. **send before receipt**: a ``reduce`` sends a chunk its source holds; a
@@ -20,14 +14,11 @@ tick ``t`` what it receives in tick ``t``. The rules, checked step by step:
 3. **double count**: a ``reduce`` never adds a contribution the destination
    already has;
 4. a ``copy`` is the only write to its slot in its tick;
-5. at the end (**dropped chunk**): ``all_reduce``/``all_gather``/``broadcast``: every tower holds
-   every chunk complete, and all towers hold the same summation tree per chunk
-   (so the outputs agree bitwise); ``reduce_scatter``: each chunk's owner holds it
-   complete.
+5. at the end (**dropped chunk**): every tower holds every chunk complete, in one
+   summation tree per chunk (outputs agree bitwise); ``reduce_scatter``: each owner.
 
-:func:`check_schedule` runs a generator for every ``n`` and reports the smallest
-failing ``n``, the first tick that breaks a rule (``the end`` for rule 5) and the
-state at that tick, drawn.
+:func:`check_schedule` reports the smallest failing ``n``, the first tick that breaks a
+rule and the state at that tick, drawn.
 
 Example:
     >>> report = check_schedule(ring_schedule)           # n = 1 .. 64
@@ -220,11 +211,7 @@ def _final(s: Schedule, state: _State) -> None:
 
 
 def _order(state: _State, tree: int, limit: int = 160) -> str:
-    """A summation tree as an expression of tower numbers, e.g. ``(0+1)+(2+3)``.
-
-    Leaves are the towers' inputs (tree ``t + 1``); each pair is written smaller
-    tower first (addition is commutative); longer than ``limit``: cut with ``…``.
-    """
+    """A summation tree as tower numbers, e.g. ``(0+1)+(2+3)`` (cut at ``limit``)."""
     parts = {node: pair for pair, node in state.nodes.items()}
     memo: dict[int, tuple[int, str]] = {}  # tree -> (smallest leaf, text)
 
@@ -243,14 +230,8 @@ def _order(state: _State, tree: int, limit: int = 160) -> str:
 
 
 def simulate(schedule: Schedule) -> list[list[int]]:
-    """Run ``schedule`` symbolically; the summation depth of every final slot.
-
-    Returns:
-        ``depth[tower][chunk]``: additions on the path to the slot's value.
-
-    Raises:
-        ScheduleError: the first broken rule, with its tick and the state drawn.
-    """
+    """Run ``schedule`` symbolically: ``depth[tower][chunk]`` of every final slot, or a
+    :class:`ScheduleError` for the first broken rule."""
     state = _initial(schedule)
     for tick in range(schedule.num_ticks):
         _tick(schedule, state, tick)
@@ -316,15 +297,8 @@ class ScheduleReport:
 
 
 def check_schedule(generator: Generator, ns: Iterable[int] = range(1, 65)) -> ScheduleReport:
-    """Prove ``generator(n)`` keeps its collective's promise for every ``n`` in ``ns``.
-
-    Args:
-        generator: ``n -> Schedule``.
-        ns: the tower counts, checked in ascending order (default 1..64).
-
-    Returns:
-        A :class:`ScheduleReport`: the smallest failing ``n``, the first bad tick and
-        the state drawn, or the summation depth per ``n``.
+    """Prove ``generator(n)`` keeps its collective's promise for every ``n`` in ``ns``
+    (ascending); the report holds the first failure drawn, or the depth per ``n``.
 
     Example:
         >>> print(check_schedule(ring_schedule, range(1, 9)))   # doctest: +SKIP

@@ -31,10 +31,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from towers.allreduce.codecs import Codec, rounding
+from towers.allreduce.codecs import Codec, Wire, rounding
 from towers.allreduce.compressed import Compressed, compressed
 from towers.allreduce.machinery.resolve import get, get_codec
-from towers.allreduce.wire import Wire
 from towers.devices import canonical_device, local_devices
 from towers.guard.arguments import positive_int
 from towers.step import TowerTrainer

@@ -15,7 +15,7 @@ import numpy as np
 import tensorflow as tf
 from hypothesis import strategies as st
 
-from towers.allreduce.machinery.recording import Recorder, record
+from towers.allreduce.machinery.primitives import Recorder, record
 from towers.allreduce.machinery.registry import algorithm_name, record_of
 from towers.devices import canonical_device
 from towers.testing.bounds import sum_bound, summation_depth

@@ -22,7 +22,7 @@ import tensorflow as tf
 from tensorflow.python.framework import op_callbacks
 
 from towers.allreduce.machinery.base import check_op
-from towers.allreduce.machinery.recording import Transfer, record
+from towers.allreduce.machinery.primitives import Transfer, record
 from towers.allreduce.machinery.registry import record_of
 from towers.allreduce.machinery.resolve import get, is_reducer, label
 from towers.devices import canonical_device, local_devices, simulate_devices

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from towers.allreduce.machinery.recording import Transfer
+from towers.allreduce.machinery.primitives import Transfer
 
 __all__ = ["Trace", "TraceRow", "assign_ticks", "chunk_ownership", "format_summary", "format_table"]
 

@@ -20,7 +20,7 @@ import keras
 import tensorflow as tf
 
 from towers.allreduce.machinery.ordering import as_written
-from towers.allreduce.machinery.recording import BOOKKEEPING_NOTES, Transfer, record
+from towers.allreduce.machinery.primitives import BOOKKEEPING_NOTES, Transfer, record
 from towers.allreduce.machinery.resolve import get
 from towers.step import TowerTrainer
 from towers.trace.measured import OpEvent, profile_step, split_compute

@@ -33,13 +33,8 @@ from hypothesis import strategies as st
 
 from tests.conftest import DEVICES
 from towers.allreduce.machinery.base import OPS
-from towers.allreduce.machinery.primitives import (
-    pad_split,
-    record,
-    send,
-    tick_offset,
-    unsplit,
-)
+from towers.allreduce.machinery.packed import pad_split, unsplit
+from towers.allreduce.machinery.primitives import record, send, tick_offset
 from towers.devices import canonical_device
 from towers.testing.bounds import gamma_exact
 

@@ -24,8 +24,8 @@ from towers import cli
 from towers.allreduce import ALGORITHMS, CODECS, compressed, get, hierarchical
 from towers.allreduce.machinery.registry import Configured
 from towers.allreduce.machinery.resolve import check, get_codec, label, parse
-from towers.cli import arguments
 from towers.bench.study import build
+from towers.cli import arguments
 
 LOSS = "sparse_categorical_crossentropy"
 

@@ -3,8 +3,7 @@
 ::
 
     base.py              the contract: algorithm(values, *, op) -> outputs; GradientReducer
-    primitives.py        send (the one place data moves, counted), pad_split, unsplit
-    recording.py         what a traced step sent: bytes per tower and link, ticks
+    primitives.py        send (the one place data moves) and its record: bytes, links, ticks
     registry.py          one record shape (Record) and mapping (Registry) for every registry
     resolve.py           every typed name -> its object: algorithms, codecs (CODECS), specs
     reducer.py           an algorithm lifted to a whole step's gradients (StepReducer)

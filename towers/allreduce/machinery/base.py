@@ -59,12 +59,8 @@ class AllReduce(Protocol):
 class GradientReducer(Protocol):
     """Reduces *all* of a step's dense gradients at once: ``grads[tower][var]`` in, same out.
 
-    For reducers that need to see every gradient together (buckets that pack several
-    tensors into one buffer, compression with per-variable state). ``build`` runs once,
-    eagerly, before the first step, so state variables can be created outside
-    ``tf.function``. A plain :class:`AllReduce` is applied one variable at a time instead.
-    A reducer that keeps state across steps is a :class:`StatefulReducer`: its state may
-    change only on a step whose update is applied.
+    For reducers that see every gradient together (buckets, compression with per-variable
+    state); ``build`` runs once, eagerly, before the first step, so it can create variables.
     """
 
     def build(self, variables: Sequence[tf.Variable], devices: Sequence[str]) -> None: ...
@@ -74,25 +70,19 @@ class GradientReducer(Protocol):
 
 @runtime_checkable
 class StatefulReducer(GradientReducer, Protocol):
-    """A :class:`GradientReducer` with state (error feedback, PowerSGD's ``Q``) that a step
-    may change only when the step's update is applied.
+    """A :class:`GradientReducer` with state (error feedback, PowerSGD's ``Q``) that changes
+    exactly when the step's update is applied.
 
-    The contract: the state changes exactly when the optimizer's update does. A step whose
-    update does not happen — skipped by the non-finite guard (``on_nonfinite`` "skip" or
-    "raise"), a ``LossScaleOptimizer`` overflow, a collective that timed out — leaves
-    every state variable bitwise as it was. Otherwise an overflowed step's Inf lands in
-    the error feedback, every later step "overflows" too, and the loss scale halves for
-    ever. So the trainer calls ``reduce_deferred`` in its reduce phase, which computes
-    the new state without assigning it, and ``commit`` in its apply phase, under the
-    same condition as the optimizer update (and after every reduction completed)::
+    A step whose update does not happen (skipped by the non-finite guard, a
+    ``LossScaleOptimizer`` overflow, a timed-out collective) leaves every state variable
+    bitwise as it was; otherwise an overflow's Inf lands in the error feedback and every
+    later step overflows too. So the trainer computes the new state in its reduce phase and
+    assigns it in its apply phase, under the update's own condition::
 
         reduce:  outs, new_state = reducer.reduce_deferred(grads)      nothing assigned
         apply:   tf.cond(applied, commit(new_state), no-op)            with the update
 
-    ``reduce_gradients`` (for use outside a trainer) is ``reduce_deferred`` then
-    ``commit``. A reducer that only has ``reduce_gradients`` and assigns its state
-    there breaks the contract on loss-scale overflows and timeouts (the guard's skip
-    still protects it: the whole reduce sits inside its ``tf.cond``).
+    ``reduce_gradients`` (outside a trainer) is ``reduce_deferred`` then ``commit``.
     """
 
     def reduce_deferred(

@@ -33,10 +33,12 @@ from typing import NamedTuple
 
 import tensorflow as tf
 
-from towers.devices import one_memory
+from towers.devices import canonical_device, one_memory
+from towers.guard.arguments import positive_int
 
 __all__ = [
-    "FUSE_BELOW", "Row", "assemble", "materialize", "pack", "pad_rows", "row_of", "small",
+    "FUSE_BELOW", "Row", "assemble", "materialize", "pack", "pad_rows", "pad_split", "row_of",
+    "small", "unsplit",
 ]
 
 
@@ -62,6 +64,59 @@ def pad_rows(x: tf.Tensor, pieces: int) -> tuple[tf.Tensor, tuple[int, ...], int
         if length * pieces != size:
             flat = tf.pad(flat, [[0, length * pieces - size]])
         return tf.reshape(flat, [pieces, length]), shape, size
+
+
+def pad_split(x: tf.Tensor, pieces: int) -> tuple[list[tf.Tensor], tuple[int, ...], int]:
+    """Flatten ``x``, zero-pad it to a multiple of ``pieces`` elements and split it evenly.
+
+    Every chunk has ``ceil(size / pieces)`` elements (the padding ends the last chunks);
+    the ops run on ``x``'s device; scalars and empty tensors work.
+
+    Returns:
+        ``(chunks, shape, size)``: the 1-D chunks, ``x``'s shape and its element count,
+        which is what :func:`unsplit` needs to undo this.
+
+    Raises:
+        ValueError: ``pieces`` < 1 or not an int, or ``x`` has no static shape.
+
+    Example:
+        >>> chunks, shape, size = pad_split(tf.range(5.0), 2)   # [0 1 2] [3 4 0]
+    """
+    pieces = positive_int("pieces", pieces)
+    if not x.shape.is_fully_defined():
+        raise ValueError(f"pad_split needs a static shape, got {x.shape}")
+    rows, shape, size = pad_rows(x, pieces)
+    with tf.device(x.device):
+        # split the [pieces, length] view along its rows, not the flat vector: where a row
+        # is a whole number of alignment units TensorFlow hands out views, not copies
+        chunks = [tf.reshape(c, [-1]) for c in tf.split(rows, pieces)] if pieces > 1 \
+            else [tf.reshape(rows, [-1])]
+    return chunks, shape, size
+
+
+def unsplit(chunks: Sequence[tf.Tensor], shape: Sequence[int], size: int) -> tf.Tensor:
+    """Undo :func:`pad_split` on the chunks' one device (move them there with ``send``).
+
+    Raises:
+        ValueError: no chunks, chunks on different devices, or too few elements.
+    """
+    if not chunks:
+        raise ValueError("unsplit needs at least one chunk")
+    device = canonical_device(chunks[0].device)
+    for i, c in enumerate(chunks):
+        if canonical_device(c.device) != device:
+            raise ValueError(
+                f"chunks[{i}] is on {canonical_device(c.device)}, chunks[0] on {device}: "
+                "send them to one device before unsplit"
+            )
+    total = sum(int(c.shape[0]) for c in chunks)
+    if total < size:
+        raise ValueError(f"chunks hold {total} elements, fewer than size={size}")
+    with tf.device(chunks[0].device):
+        flat = tf.concat(list(chunks), 0) if len(chunks) > 1 else chunks[0]
+        if total != size:
+            flat = flat[:size]
+        return tf.reshape(flat, list(shape))
 
 
 def row_of(x: tf.Tensor) -> Row:

@@ -1,54 +1,54 @@
-"""Communication primitives: :func:`send` is the one place where data moves.
+""":func:`send` is the one place data moves, and every send is recorded here.
 
-Every algorithm in :mod:`towers.allreduce` moves data only through :func:`send`,
-an explicit copy under ``tf.device(dst)``. That makes communication visible: a
-:func:`record` block collects one :class:`Transfer` per send (source,
-destination, bytes, and the tick and chunk the algorithm says it belongs to), so
-tests can check byte counts against formulas and ``towers trace`` can draw the
-schedule. A composite algorithm shifts the ticks of a later phase with
-:func:`tick_offset`, so its phases do not overlap in the schedule. The recording
-machinery (:class:`Transfer`, :class:`Recorder`, :func:`record`,
-:func:`tick_offset`, :func:`record_estimate`) lives in
-:mod:`towers.allreduce.machinery.recording` and is re-exported here.
+Every algorithm moves data only through :func:`send`, an explicit copy under
+``tf.device(dst)``. A :func:`record` block collects one :class:`Transfer` per send
+(source, destination, bytes, and the tick and chunk the algorithm says it belongs
+to), so tests check byte counts against formulas and ``towers trace`` draws the
+schedule. A composite algorithm shifts a later phase's ticks with :func:`tick_offset`;
+an opaque collective states what it expects to move with :func:`record_estimate`.
 
-Below :func:`send` sit the chores :func:`pad_split` / :func:`unsplit`. Every
-schedule — the ring, the trees, the public reduce-scatter, all-gather and
-broadcast — runs through the one interpreter,
-:mod:`towers.allreduce.machinery.scheduled`, which moves data only by :func:`send`.
+Sends are recorded when the Python code runs (at trace time inside a ``tf.function``);
+sizes come from static shapes (``nbytes=None`` when unknown). ``record(follow_data=True)``
+also finds, for each send, which earlier sends' received tensors its data was computed
+from (:attr:`Recorder.sources`), so a trace tells a forwarded chunk from a tower's own.
 
-Sends are recorded when the Python code runs, i.e. at trace time inside a
-``tf.function``. Sizes come from static shapes; a tensor of unknown size is
-recorded with ``nbytes=None``.
+Example:
+    >>> with record() as recorder:                        # doctest: +SKIP
+    ...     y = send(x, "/device:CPU:1", tick=0)
+    >>> recorder.bytes_sent()                             # doctest: +SKIP
+    {'/job:localhost/replica:0/task:0/device:CPU:0': 16}
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import dataclasses
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import tensorflow as tf
 
-from towers.allreduce.machinery.packed import pad_rows
-from towers.allreduce.machinery.recording import (
-    Recorder,
-    Transfer,
-    log_send,
-    record,
-    record_estimate,
-    tick_offset,
-)
 from towers.devices import canonical_device
-from towers.guard.arguments import positive_int
 
 __all__ = [
+    "BOOKKEEPING_NOTES",
+    "WEIGHT_NOTES",
     "Recorder",
+    "StepStats",
     "Transfer",
-    "pad_split",
+    "log_send",
     "record",
     "record_estimate",
     "send",
     "tick_offset",
-    "unsplit",
+    "traffic_kind",
 ]
+
+BOOKKEEPING_NOTES = frozenset({"loss", "state", "guard", "loss-scale"})
+"""Notes of a step's bookkeeping sends: losses, example counts, state, guard, loss scale."""
+
+WEIGHT_NOTES = frozenset({"read-weights"})
+"""Notes of weight reads (``parameter_device``: each tower reads the weights it runs)."""
 
 
 def send(
@@ -61,23 +61,19 @@ def send(
     src: str | None = None,
     chunks: Sequence[int] | None = None,
 ) -> tf.Tensor:
-    """Copy ``x`` to device ``dst`` and record the transfer.
-
-    A send to the device ``x`` already lives on is free: ``x`` comes back unchanged
-    and nothing is recorded.
+    """Copy ``x`` to device ``dst`` and record the transfer (a send to ``x``'s own device
+    returns ``x`` and records nothing).
 
     Args:
         x: the tensor to move (it must have a device).
         dst: destination device name.
-        tick: the algorithm step this transfer belongs to (for traces and counts);
-            shifted by any enclosing :func:`tick_offset`.
+        tick: the algorithm step this transfer belongs to; shifted by any :func:`tick_offset`.
         chunk: which chunk of the buffer moves (for traces).
-        note: free text, e.g. ``"reduce-scatter"``.
+        note: what it carries, e.g. ``"reduce-scatter"`` (see :func:`traffic_kind`).
         src: where ``x`` lives, for a tensor whose ``.device`` is empty (a variable read
             inside ``tf.function`` is colocated with its variable but carries no name).
-        chunks: ``x`` packs one chunk per row (``x[i]`` is chunk ``chunks[i]``): one copy
-            moves them, recorded as one transfer per chunk (``chunk`` is then ignored), so
-            counts and traces are those of the chunks sent one by one.
+        chunks: ``x`` packs one chunk per row (``x[i]`` is chunk ``chunks[i]``): one copy,
+            recorded as one transfer per chunk (``chunk`` is then ignored).
     """
     src = canonical_device(x.device) or canonical_device(src or "")
     dst = canonical_device(dst)
@@ -94,74 +90,205 @@ def send(
     return y
 
 
-def pad_split(x: tf.Tensor, pieces: int) -> tuple[list[tf.Tensor], tuple[int, ...], int]:
-    """Flatten ``x``, zero-pad it to a multiple of ``pieces`` elements and split it evenly.
+def traffic_kind(note: str) -> str:
+    """What a transfer with ``note`` carries: ``"bookkeeping"``, ``"weights"`` or
+    ``"gradients"`` (everything the reducer and the placement send)."""
+    if note in BOOKKEEPING_NOTES:
+        return "bookkeeping"
+    return "weights" if note in WEIGHT_NOTES else "gradients"
 
-    Every chunk has ``ceil(size / pieces)`` elements; the padding (at most
-    ``pieces - 1`` zeros) sits at the end of the last chunks. The ops run on
-    ``x``'s device. Scalars and empty tensors work (an empty tensor gives
-    ``pieces`` empty chunks).
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+    """One recorded copy from ``src`` to ``dst``."""
+
+    src: str
+    dst: str
+    nbytes: int | None
+    tick: int | None = None
+    chunk: int | None = None
+    note: str = ""
+    estimated: bool = False
+
+
+@dataclasses.dataclass
+class Recorder:
+    """The transfers seen inside one :func:`record` block.
+
+    ``sources[i]`` (only with ``follow_data``, else None): the indices of the nearest
+    earlier transfers whose received tensor transfer ``i``'s tensor was computed from.
+    """
+
+    transfers: list[Transfer] = dataclasses.field(default_factory=list)
+    follow_data: bool = False
+    sources: list[frozenset[int] | None] = dataclasses.field(default_factory=list)
+    _received: dict[str, int] = dataclasses.field(default_factory=dict, repr=False)
+    _memo: dict[str, frozenset[int]] = dataclasses.field(default_factory=dict, repr=False)
+
+    def add(self, transfer: Transfer, x: Any = None, out: Any = None) -> None:
+        """Append one transfer; with ``follow_data``, find what ``x`` was computed from."""
+        sources = None
+        if self.follow_data and _symbolic(x):
+            sources = self._sources_of(x)
+        self.transfers.append(transfer)
+        self.sources.append(sources)
+        if self.follow_data and _symbolic(out):
+            self._received[out.op.name] = len(self.transfers) - 1
+
+    def _sources_of(self, x: Any) -> frozenset[int]:
+        """The nearest received tensors among ``x``'s ancestors (iterative, memoized)."""
+        stack, memo = [x.op], self._memo
+        while stack:
+            op = stack[-1]
+            if op.name in memo:
+                stack.pop()
+                continue
+            parents = [t.op for t in op.inputs] + list(op.control_inputs)
+            todo = [p for p in parents if p.name not in memo and p.name not in self._received]
+            if todo:
+                stack.extend(todo)
+                continue
+            found: set[int] = set()
+            for p in parents:
+                found |= {self._received[p.name]} if p.name in self._received else memo[p.name]
+            memo[op.name] = frozenset(found)
+            stack.pop()
+        if x.op.name in self._received:
+            return frozenset({self._received[x.op.name]})
+        return memo[x.op.name]
+
+    def bytes_sent(self) -> dict[str, int]:
+        """Bytes sent per source device (unknown sizes count as 0)."""
+        return _per_source(self.transfers)
+
+    def bytes_per_link(self) -> dict[tuple[str, str], int]:
+        """Bytes per directed link ``(src, dst)``."""
+        out: dict[tuple[str, str], int] = {}
+        for t in self.transfers:
+            out[(t.src, t.dst)] = out.get((t.src, t.dst), 0) + (t.nbytes or 0)
+        return out
+
+    def ticks(self) -> int:
+        """Number of distinct ticks the algorithm annotated (0 when none)."""
+        return len({t.tick for t in self.transfers if t.tick is not None})
+
+
+_ACTIVE: list[Recorder] = []
+_OFFSETS: list[int] = []
+
+
+def _symbolic(x: Any) -> bool:
+    """True for a graph tensor (inside a ``tf.function``), whose inputs can be followed."""
+    return x is not None and tf.is_symbolic_tensor(x) and hasattr(x, "op")
+
+
+@contextlib.contextmanager
+def record(*, follow_data: bool = False) -> Iterator[Recorder]:
+    """Collect every :func:`send` made inside the block (nesting is allowed).
 
     Args:
-        x: a tensor with a fully defined static shape.
-        pieces: the number of chunks, at least 1.
+        follow_data: also fill :attr:`Recorder.sources` for sends traced in a graph.
+    """
+    recorder = Recorder(follow_data=follow_data)
+    _ACTIVE.append(recorder)
+    try:
+        yield recorder
+    finally:
+        # By identity: recorders compare by value, and a nested one can equal its parent.
+        del _ACTIVE[next(i for i, r in enumerate(_ACTIVE) if r is recorder)]
 
-    Returns:
-        ``(chunks, shape, size)``: the list of 1-D chunks, ``x``'s shape as a tuple,
-        and its element count, which is what :func:`unsplit` needs to undo this.
+
+@contextlib.contextmanager
+def tick_offset(k: int) -> Iterator[int]:
+    """Add ``k`` to the tick of every :func:`send` inside the block (nested offsets add up).
+
+    A composite algorithm's parts each number their ticks from 0; shifting a later
+    phase keeps the recorded schedule sequential (only labels change, never data).
+
+    Yields:
+        The total offset now in effect.
 
     Raises:
-        ValueError: ``pieces`` < 1 or not an int, or ``x`` has no static shape.
-
-    Example:
-        >>> chunks, shape, size = pad_split(tf.range(5.0), 2)   # [0 1 2] [3 4 0]
+        TypeError: ``k`` is not an int.
     """
-    pieces = positive_int("pieces", pieces)
-    if not x.shape.is_fully_defined():
-        raise ValueError(f"pad_split needs a static shape, got {x.shape}")
-    rows, shape, size = pad_rows(x, pieces)
-    with tf.device(x.device):
-        # split the [pieces, length] view along its rows, not the flat vector: where a row
-        # is a whole number of alignment units TensorFlow hands out views, not copies
-        chunks = [tf.reshape(c, [-1]) for c in tf.split(rows, pieces)] if pieces > 1 \
-            else [tf.reshape(rows, [-1])]
-    return chunks, shape, size
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise TypeError(f"tick offset must be an int, got {type(k).__name__}")
+    _OFFSETS.append(k)
+    try:
+        yield sum(_OFFSETS)
+    finally:
+        _OFFSETS.pop()
 
 
-def unsplit(chunks: Sequence[tf.Tensor], shape: Sequence[int], size: int) -> tf.Tensor:
-    """Undo :func:`pad_split`: concatenate, strip the padding, restore the shape.
+def record_estimate(src: str, dst: str, nbytes: int | None, *, note: str = "") -> None:
+    """Record traffic an opaque collective makes outside :func:`send` (``estimated=True``)."""
+    src, dst = canonical_device(src), canonical_device(dst)
+    transfer = Transfer(src, dst, nbytes, note=note, estimated=True)
+    for recorder in _ACTIVE:  # one object in every block: a nested one's are its parent's
+        recorder.add(transfer)
 
-    The chunks must all be on one device (concatenating across devices would be a
-    hidden copy: move them with :func:`send` first); the ops run there.
 
-    Args:
-        chunks: 1-D chunks in order, all on one device.
-        shape: the original shape.
-        size: the original element count (``prod(shape)``).
+def log_send(
+    x: tf.Tensor, src: str, dst: str, tick: int | None, chunk: int | None, note: str,
+    out: tf.Tensor | None = None,
+) -> None:
+    """Record one send of ``x`` in every active :func:`record` block (``tick`` shifted by
+    any :func:`tick_offset`; ``out``: the received tensor, for ``follow_data``)."""
+    if tick is not None and _OFFSETS:
+        tick += sum(_OFFSETS)
+    nbytes = int(x.shape.num_elements()) * x.dtype.size if x.shape.is_fully_defined() else None
+    transfer = Transfer(src, dst, nbytes, tick, chunk, note)
+    for recorder in _ACTIVE:
+        recorder.add(transfer, x, out)
 
-    Returns:
-        A tensor of ``shape`` on the chunks' device.
 
-    Raises:
-        ValueError: no chunks, chunks on different devices, or too few elements.
+def _per_source(transfers: Sequence[Transfer], kind: str | None = None) -> dict[str, int]:
+    """Bytes per source device of the transfers (of one :func:`traffic_kind`, if given)."""
+    out: dict[str, int] = {}
+    for t in transfers:
+        if kind is None or traffic_kind(t.note) == kind:
+            out[t.src] = out.get(t.src, 0) + (t.nbytes or 0)
+    return out
 
-    Example:
-        >>> x = unsplit(*pad_split(tf.ones([2, 3]), 4))   # back to shape [2, 3]
+
+@dataclasses.dataclass(frozen=True)
+class StepStats:
+    """What one training step sends: per tower, per directed link, and how many ticks.
+
+    The ``*_bytes_per_tower`` fields split ``bytes_per_tower`` by :func:`traffic_kind`
+    (a source with none of a kind is left out); the three add up to it.
     """
-    if not chunks:
-        raise ValueError("unsplit needs at least one chunk")
-    device = canonical_device(chunks[0].device)
-    for i, c in enumerate(chunks):
-        if canonical_device(c.device) != device:
-            raise ValueError(
-                f"chunks[{i}] is on {canonical_device(c.device)}, chunks[0] on {device}: "
-                "send them to one device before unsplit"
-            )
-    total = sum(int(c.shape[0]) for c in chunks)
-    if total < size:
-        raise ValueError(f"chunks hold {total} elements, fewer than size={size}")
-    with tf.device(chunks[0].device):
-        flat = tf.concat(list(chunks), 0) if len(chunks) > 1 else chunks[0]
-        if total != size:
-            flat = flat[:size]
-        return tf.reshape(flat, list(shape))
+
+    bytes_per_tower: dict[str, int]
+    bytes_per_link: dict[tuple[str, str], int]
+    ticks: int
+    estimated: bool
+    transfers: tuple[Transfer, ...]
+    gradient_bytes_per_tower: dict[str, int] = dataclasses.field(default_factory=dict)
+    bookkeeping_bytes_per_tower: dict[str, int] = dataclasses.field(default_factory=dict)
+    weight_bytes_per_tower: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    @property
+    def gradient_bytes(self) -> int:
+        """Gradient bytes sent by all devices together in one step."""
+        return sum(self.gradient_bytes_per_tower.values())
+
+    @property
+    def bookkeeping_bytes(self) -> int:
+        """Bookkeeping bytes (loss, state, guard, loss scale) sent in one step."""
+        return sum(self.bookkeeping_bytes_per_tower.values())
+
+    @classmethod
+    def from_recorder(cls, recorder: Recorder) -> StepStats:
+        """The figures of everything ``recorder`` saw (one traced step)."""
+        transfers = list(recorder.transfers)
+        return cls(
+            bytes_per_tower=recorder.bytes_sent(),
+            bytes_per_link=recorder.bytes_per_link(),
+            ticks=recorder.ticks(),
+            estimated=any(t.estimated for t in transfers),
+            transfers=tuple(transfers),
+            gradient_bytes_per_tower=_per_source(transfers, "gradients"),
+            bookkeeping_bytes_per_tower=_per_source(transfers, "bookkeeping"),
+            weight_bytes_per_tower=_per_source(transfers, "weights"),
+        )

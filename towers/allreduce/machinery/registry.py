@@ -1,32 +1,18 @@
 """The registries' one record shape, and the all-reduce registry with its configured algorithm.
 
-A :class:`Record` describes one registered thing, whatever the registry: an
-all-reduce (:data:`ALGORITHMS`), a reduce-scatter / all-gather / broadcast
-algorithm (``COLLECTIVE_ALGORITHMS``), a codec (``CODECS``) or a placement
-(``PLACEMENTS``); each registry is a :class:`Registry`. Where the thing is a
-schedule, :func:`from_schedule` derives its bytes, depth and cost from the
-generator. An all-reduce's record (``Algorithm``) holds everything tools need
-to know about an algorithm: its name, the factory that builds it, the bytes each tower sends, the
-summation depth (for the error bound), the α-β-γ cost, the schedule drawn in its
-module docstring, and two flags (``estimated``: the bytes are an estimate, the
-data moves inside opaque collectives; ``replayable``: its traced graph can be
-replayed in NumPy). Every formula takes the factory's parameters as keywords.
-
-Calling a record builds the algorithm: ``ALGORITHMS["ring"](subchunks=2)`` (and
-``ring(subchunks=2)``, the same record) returns a :class:`Configured`, a frozen
-callable that knows its record and its parameters, so its formulas need no
-attributes pinned on a function::
-
-    >>> algo = ring(subchunks=2)                  # doctest: +SKIP
-    >>> algo.params, algo.bytes_sent(4, 64, 4)    # doctest: +SKIP
-    ({'subchunks': 2}, [96, 96, 96, 96])
-
+A :class:`Record` describes one registered thing: an all-reduce (:data:`ALGORITHMS`), a
+reduce-scatter / all-gather / broadcast algorithm (``COLLECTIVE_ALGORITHMS``), a codec
+(``CODECS``) or a placement (``PLACEMENTS``); each registry is a :class:`Registry`.
+Where the thing is a schedule, :func:`from_schedule` derives its bytes, depth and cost.
+Calling a record builds the thing: ``ALGORITHMS["ring"](subchunks=2)`` (and
+``ring(subchunks=2)``) returns a :class:`Configured`, a frozen callable that knows its
+record and parameters, so its formulas need no attributes pinned on a function.
 Adding an algorithm is one module and one line at its end::
 
     RING = register(Algorithm("ring", _build, bytes_sent=..., summation_depth=..., cost=...))
 
-A user's algorithm registers the same way; a plain callable without a record is
-still accepted everywhere (tools then say which properties they could not check).
+A plain callable without a record is still accepted everywhere (tools then say which
+properties they could not check).
 """
 
 from __future__ import annotations
@@ -84,28 +70,22 @@ KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "codec", "pl
 class Record:
     """What a registered thing is: its name, factory, formulas, schedule and flags.
 
-    One record shape for every registry: all-reduce algorithms (:data:`ALGORITHMS`),
-    the public collectives' algorithms
-    (:data:`~towers.allreduce.collective_registry.COLLECTIVE_ALGORITHMS`), codecs
-    (:data:`~towers.allreduce.machinery.resolve.CODECS`) and placements
-    (:data:`~towers.placement.PLACEMENTS`). Fields a kind has no use for stay None.
+    Fields a kind has no use for stay None. Formulas take the factory's parameters as keywords.
 
     Attributes:
         name: the registry name.
         factory: builds the thing; its keyword parameters are the formulas' ``params``.
-        bytes_sent: ``(n, nbytes, itemsize, **params) -> per-tower bytes`` (None:
-            unknown for these params), exact for algorithms that send with ``send``.
-        summation_depth: ``(n, **params) -> int``, the most additions any element
-            goes through (the error bound's ``k``).
-        cost: ``(n, nbytes, **params) -> (a, b, c)``, the α-β-γ coefficients; its
-            parameters are the cost model's (they may differ from the factory's).
+        bytes_sent: ``(n, nbytes, itemsize, **params) -> per-tower bytes`` (None: unknown),
+            exact for algorithms that send with ``send``.
+        summation_depth: ``(n, **params) -> int``, the most additions any element goes
+            through (the error bound's ``k``).
+        cost: ``(n, nbytes, **params) -> (a, b, c)``, the α-β-γ coefficients.
         schedule: the ASCII schedule from the module docstring.
         estimated: ``bytes_sent`` is an estimate (opaque collectives move the data).
         replayable: the NumPy replay can follow its traced graph.
         kind: one of :data:`KINDS` (default ``"all_reduce"``).
         summary: one line for listings.
-        generator: ``(n, **params) -> Schedule`` where the thing is a schedule;
-            :func:`from_schedule` derives ``bytes_sent`` and ``cost`` from it.
+        generator: ``(n, **params) -> Schedule`` where the thing is a schedule.
         ticks: ``(n, **params) -> int``, the α count in closed form.
     """
 
@@ -127,8 +107,7 @@ class Record:
             raise ValueError(f"kind must be one of {', '.join(KINDS)}; got {self.kind!r}")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Build it (``ALGORITHMS[name]()`` gives the defaults); an all-reduce comes back
-        as a :class:`Configured` that knows its record and parameters."""
+        """Build it; an all-reduce comes back as a :class:`Configured`."""
         built = self.factory(*args, **kwargs)
         if self.kind != "all_reduce" or (isinstance(built, Configured) and built.algorithm is self):
             return built
@@ -146,18 +125,11 @@ def from_schedule(
     *,
     cost: Callable[..., Coefficients] | None = None,
 ) -> dict[str, Any]:
-    """``bytes_sent``, ``summation_depth`` and ``cost`` derived from a schedule generator.
+    """``bytes_sent``, ``summation_depth`` and ``cost`` derived from a generator ``(n, **params)``.
 
-    Args:
-        generator: ``(n, **params) -> Schedule``.
-        count: how the schedule's bytes are counted (default: the padding rule of
-            :func:`towers.schedule.bytes_sent`).
-        cost: a closed form to use instead of :func:`towers.schedule.cost` of the
-            schedule: the cost model asks for up to 1024 towers (a schedule of
-            ``2n(n-1)`` steps), and a convention of its own may count α per message.
-
-    Example:
-        >>> Record("ring", build, **from_schedule(ring_schedule, cost=ring_cost))   # doctest: +SKIP
+    ``count`` counts the schedule's bytes (default: the padding rule of
+    :func:`towers.schedule.bytes_sent`); ``cost`` is a closed form to use instead of
+    counting (the cost model asks for up to 1024 towers).
     """
 
     def bytes_sent(n: int, nbytes: int, itemsize: int, **params: Any) -> list[int]:
@@ -174,12 +146,7 @@ def from_schedule(
 
 
 class Registry(dict[Any, Record]):
-    """One registry: key -> :class:`Record` for the records of some kinds.
-
-    Keyed by name, or by ``(kind, name)`` when ``by_kind`` (the collectives: a
-    ``ring`` reduce-scatter and a ``ring`` all-gather). A plain dict otherwise:
-    ``REGISTRY[key]()`` builds the default.
-    """
+    """One registry: key -> :class:`Record` (by name, or by ``(kind, name)`` when ``by_kind``)."""
 
     def __init__(self, kinds: Sequence[str], records: Sequence[Record] = (), *,
                  by_kind: bool = False) -> None:

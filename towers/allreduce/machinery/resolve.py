@@ -7,9 +7,8 @@ for the library (trainers, ``towers.all_reduce``, the wrappers), the CLI, trace 
                            one (called with no arguments); NAME may be dotted
     CODEC@ALGO             a reducer spec (:func:`parse`): CODEC over ALGO (default ring)
 
-A name nothing holds is a ``ValueError`` naming the argument and the value, listing the
-registered names and the closest ("did you mean 'ring'?"). The module sits below the
-wrappers, so they resolve their inner algorithm without importing their own package.
+A name nothing holds is a ``ValueError`` naming the argument, the registered names and
+the closest ("did you mean 'ring'?").
 
 Example:
     >>> get("ring"), get("my_algos.py:star"), get_codec("powersgd(4)")   # doctest: +SKIP
@@ -33,7 +32,7 @@ import tensorflow as tf
 
 from towers.allreduce.codecs import Codec, bf16, fp16, identity, topk
 from towers.allreduce.machinery.base import AllReduce, GradientReducer, check_values
-from towers.allreduce.machinery.recording import record
+from towers.allreduce.machinery.primitives import record
 from towers.allreduce.machinery.registry import (
     ALGORITHMS,
     Configured,
@@ -55,17 +54,12 @@ CODECS = Registry(["codec"], [
     Record("powersgd", powersgd, kind="codec",
            summary="(m + c)·r per m×c matrix: rank-r power step with error feedback"),
 ])
-"""Every codec by name (:class:`~towers.allreduce.machinery.registry.Record` s of kind ``codec``);
-``CODECS[name]()`` builds it with its default settings."""
+"""Every codec by name; ``CODECS[name]()`` builds it with its default settings."""
 
 
 def register_codec(record: Record) -> Record:
-    """Add a codec's record to :data:`CODECS` (replacing one of the same name); returns it.
-    Its name then works wherever a built-in codec's does (``compressed``, the command line).
-
-    Raises:
-        TypeError: not a :class:`~towers.allreduce.machinery.registry.Record` of kind ``codec``.
-    """
+    """Add a codec's record (kind ``codec``) to :data:`CODECS`: its name then works
+    wherever a built-in codec's does (``compressed``, the command line)."""
     return CODECS.register(record)
 
 
@@ -86,14 +80,8 @@ def _unknown(argument: str, value: str, names: Iterable[str]) -> ValueError:
 
 
 def imported(spec: str, argument: str = "all_reduce") -> Any:
-    """The object ``module:NAME`` (or ``path/to/file.py:NAME``) names, unchecked.
-
-    The current directory is searched last, so ``my_module:fn`` finds ``./my_module.py``.
-
-    Raises:
-        ValueError: no ``:``, a module that does not import (whatever it raised), or a
-            missing attribute, each naming ``argument`` and ``spec``.
-    """
+    """The object ``module:NAME`` (or ``path/to/file.py:NAME``) names, unchecked (the
+    current directory is searched last); a ``ValueError`` naming ``argument`` otherwise."""
     module, sep, attr = spec.rpartition(":")
     if not sep or not module or not attr:
         raise ValueError(f"{argument} {spec!r}: expected module:NAME or file.py:NAME")
@@ -136,13 +124,9 @@ def is_reducer(obj: Any) -> bool:
 
 
 def check(text: str, argument: str = "all_reduce") -> Any:
-    """What ``text`` names as an all-reduce, checked but not built (for a command's parser,
-    before TensorFlow starts): a registered name (or ``noop``) as it is, or the callable or
-    ``GradientReducer`` that ``module:NAME`` imports.
-
-    Raises:
-        ValueError: an unknown name, a module or attribute that does not import, neither.
-    """
+    """What ``text`` names as an all-reduce, checked but not built (a command's parser
+    runs it before TensorFlow starts): a registered name as it is, else what
+    ``module:NAME`` imports (a callable or a ``GradientReducer``)."""
     if ":" in text:
         obj = imported(text, argument)
         if not callable(obj) and not is_reducer(obj):
@@ -160,14 +144,8 @@ def get(algorithm: str | AllReduce | GradientReducer, *, argument: str = "all_re
 
     ``module:NAME`` may name an algorithm, a ``GradientReducer`` or a factory of either
     (when the signature cannot tell, one call on two small tensors on ``devices`` does);
-    it comes back as its registry record builds it, if one does, so tools find its
-    formulas. ``noop`` (no exchange: not registered, it does not reduce) is accepted.
-
-    Args:
-        algorithm: a registered name, ``module:NAME``, a callable or a ``GradientReducer``.
-        argument: the argument's name, for the errors.
-        devices: where to run the probe.
-        parameter_device: the device ``"parameter_device"`` means (default: the registry's).
+    it comes back as its registry record builds it, if one does. ``noop`` is accepted;
+    ``parameter_device`` is the device the ``"parameter_device"`` algorithm means.
 
     Raises:
         ValueError: as :func:`check`; a factory that made neither.
@@ -215,9 +193,8 @@ def _binds(sig: inspect.Signature, *args: Any, **kwargs: Any) -> bool:
 
 
 def _is_algorithm(obj: Any, devices: Sequence[str] | None) -> bool:
-    """Does ``obj`` follow the contract ``obj(values, *, op)`` (else it is a factory)? From
-    the signature when it can only be one, else by trying it on two small tensors (its
-    sends are not recorded anywhere that lasts)."""
+    """Does ``obj`` follow ``obj(values, *, op)`` (else it is a factory)? From the
+    signature when it can only be one, else by trying it on two small tensors."""
     try:
         sig = inspect.signature(obj)
         as_algorithm, as_factory = _binds(sig, [], op="sum"), _binds(sig)
@@ -240,9 +217,7 @@ def _is_algorithm(obj: Any, devices: Sequence[str] | None) -> bool:
 
 
 def _registered(fn: Any) -> Any:
-    """``fn`` as its registry record builds it, when a record in ``ALGORITHMS`` builds
-    exactly ``fn`` (``register(Algorithm("star", lambda: star, ...))`` beside ``star``);
-    else ``fn`` itself."""
+    """``fn`` as the record in ``ALGORITHMS`` that builds exactly ``fn`` builds it, else ``fn``."""
     if isinstance(fn, Configured):
         return fn
     module, fn_name = getattr(fn, "__module__", None), getattr(fn, "__name__", None)
@@ -275,12 +250,8 @@ def _call(text: str, argument: str) -> tuple[str, tuple[Any, ...]]:
 
 def get_codec(codec: str | Codec | Record, *, argument: str = "codec") -> Codec:
     """A fresh codec from a name in :data:`CODECS` (``name(args)`` passes arguments), a
-    record or a codec, or ``module:NAME`` of any of these, a codec class or a factory.
-
-    Raises:
-        ValueError: an unknown name, bad arguments, a module or attribute that does not
-            import, or something that is not a codec (no ``init`` and ``reduce``).
-    """
+    record or a codec, or ``module:NAME`` of any of these, a codec class or a factory
+    (a ``ValueError`` for anything else)."""
     if not isinstance(codec, str):
         return _as_codec(repr(codec), codec, argument)
     if ":" in codec:
@@ -320,13 +291,8 @@ class Spec(NamedTuple):
 
 
 def parse(spec: str, argument: str = "reducer") -> Spec:
-    """Check a reducer spec (the module docstring's grammar) before anything trains: the
-    codec is built once, to check its arguments; an all-reduce as :func:`check` does.
-
-    Raises:
-        ValueError: an empty spec, an unknown name, bad arguments, an ``@ALGO`` after an
-            all-reduce, a module that does not import (each naming the spec).
-    """
+    """Check a reducer spec (the module docstring's grammar) before anything trains (the
+    codec is built once, to check its arguments); a ``ValueError`` names what is wrong."""
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"{argument} must be a non-empty string, got {spec!r}")
     text = spec.strip()

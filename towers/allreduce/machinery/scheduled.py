@@ -1,40 +1,23 @@
 """Run a :class:`~towers.schedule.Schedule` on TensorFlow devices: one interpreter for all.
 
-Every algorithm whose communication is a schedule runs here: ring, tree, double
-binary tree, halving-doubling, swing, bruck, pat, torus_2d, the public
-reduce-scatter, all-gather and broadcast, and the sharded placement's ring phases.
-(naive and parameter_device fold on one device with ``add_n`` or a chain, and
-hierarchical composes two all-reduces: no schedule of their own.)
-
-:func:`run_slots` is the interpreter, for every collective the IR names: it
-proves the schedule first (:func:`towers.schedule.simulate`, so a wrong schedule
-never reaches a device), then runs tick by tick over ``slots[tower][chunk]``:
-a tick's small chunks from one tower to another are one message, packed
-(:mod:`towers.allreduce.machinery.packed`; a large chunk is a message alone) and sent
-with ``send(..., tick=t, chunks=(c, …))`` (recorded chunk by chunk), all first (a tick
-reads its slots as they were when it began), then each destination writes:
-``copy`` replaces its slot, ``reduce`` computes ``combine(received, own)`` (the
-trees: ``combine(own, received)``, see :func:`run_schedule`; into an empty slot:
-the received value). A slot is finished (``mean`` divides)
-exactly once, on the tower where its last contribution is added; copies carry
-the finished value, so every output is bitwise the same. Slots complete from the
-start (``n = 1``) are finished at the end. The graph holds one pack, send and
-combine per message of small chunks, not per chunk::
+Every algorithm whose communication is a schedule runs here (ring, tree, double binary
+tree, halving-doubling, swing, bruck, pat, torus_2d, the public reduce-scatter,
+all-gather and broadcast, the sharded placement's ring phases). :func:`run_slots` proves
+the schedule first (:func:`towers.schedule.simulate`), then runs tick by tick over
+``slots[tower][chunk]``: a tick's small chunks from one tower to another are one message,
+packed (:mod:`towers.allreduce.machinery.packed`) and sent with ``send(..., chunks=…)``,
+all first (a tick reads its slots as they began), then each destination writes: ``copy``
+replaces its slot, ``reduce`` computes ``combine(received, own)``. A slot is finished
+(``mean`` divides) exactly once, where its last contribution is added; copies carry the
+finished value, so every output is bitwise the same::
 
     tick t:  tower 0 ──(chunks 2,3: one [2, L] tensor)──▶ tower 2: combine(recv, own[2:4])
              tower 1 ──(chunks 0,1)───────────────────▶ tower 3: combine(recv, own[0:2])
 
-:func:`run_schedule` all-reduces with it: every tower's value is cut into
-``schedule.chunks`` equal rows with :func:`~towers.allreduce.machinery.packed.pad_rows`
-(zero padding at the end, the rule :mod:`towers.schedule.ir` counts bytes with, as
-:func:`~towers.allreduce.machinery.primitives.pad_split` cuts) and put back together by one
-concat of its rows — one in all where the towers share one memory
-(:func:`~towers.allreduce.machinery.packed.assemble`: the outputs are bitwise the same).
-The public reduce-scatter, all-gather and broadcast
-(:mod:`towers.allreduce.collectives`) cut by the sharding rule instead.
-
-Example:
-    >>> outs = run_schedule(ring_schedule(3), values, op="mean")   # doctest: +SKIP
+:func:`run_schedule` all-reduces with it: each value cut into ``schedule.chunks`` equal
+rows (:func:`~towers.allreduce.machinery.packed.pad_rows`, the padding rule
+:mod:`towers.schedule.ir` counts bytes with) and put back together by one concat
+(:func:`~towers.allreduce.machinery.packed.assemble`).
 """
 
 from __future__ import annotations
@@ -82,18 +65,12 @@ class _Message(NamedTuple):
 
 def _messages(tick: Sequence[Step], slots: Rows, have: list[list[int]],
               done: list[list[bool]], full: int) -> list[_Message]:
-    """The tick's steps fused per (src, dst): one message for the :func:`small` chunks
-    that travel and land alike (kind, into an empty slot or not, finishing or not, row
-    length); a large chunk is a message of its own.
+    """The tick's steps fused per (src, dst): one message for the :func:`small` chunks that
+    travel and land alike; a large chunk is a message of its own (fusing large ones makes
+    the tick's ops fewer and longer, which the executor overlaps worse).
 
-    A large chunk is already an op's worth of work: fusing two saves one op of overhead
-    (microseconds) and makes the tick's ops fewer and longer, which the executor overlaps
-    worse across ticks (measured at 64 MB on 4 logical CPUs: halving_doubling 1.49× naive
-    fused, 1.36× one per message; at 16 MB 1.85× and 1.67×; at 1 and 4 MB the two
-    agree within the runs' noise, ±0.05×).
-
-    A tick that writes a slot twice (several reductions into one slot apply in the order
-    listed) keeps one message per step, in that order: fusing could reorder them.
+    A tick that writes a slot twice keeps one message per step, in order: fusing could
+    reorder the reductions.
     """
     writes = [(s.dst, s.chunk) for s in tick]
     if len(set(writes)) != len(writes):
@@ -118,25 +95,11 @@ def _messages(tick: Sequence[Step], slots: Rows, have: list[list[int]],
 
 def run_slots(schedule: Schedule, slots: Slots, devices: Sequence[str], op: str = "sum",
               *, note: str = "") -> Slots:
-    """Follow ``schedule`` over ``slots[tower][chunk]`` (None: empty) on ``devices``.
+    """Follow ``schedule`` (proved first) over ``slots[tower][chunk]`` (None: empty; replaced
+    in place) on ``devices``; every complete reduced slot is finished once.
 
-    The one interpreter of :mod:`towers.schedule.ir` for every collective: the
-    all-reduce (:func:`run_schedule`) and the public reduce-scatter, all-gather and
-    broadcast (:mod:`towers.allreduce.collectives`) only cut the slots and put
-    the results together. A reducing schedule's slot starts as its tower's own
-    contribution; an all-gather's or broadcast's slot starts complete. A tick's chunks
-    between two towers travel packed (:mod:`towers.allreduce.machinery.packed`).
-
-    Args:
-        schedule: a schedule for ``len(devices)`` towers, proved before anything runs.
-        slots: the starting pieces, each on its tower's device; replaced in place.
-        devices: one device per tower.
-        op: how ``reduce`` steps combine (``sum``, ``mean``, ``max``, ``min``).
-        note: recorded before each step's kind (``"reduce_scatter"`` → ``"reduce_scatter
-            reduce"``).
-
-    Returns:
-        ``slots`` after the last tick; every complete reduced slot is finished once.
+    ``op`` is how ``reduce`` steps combine; ``note`` is recorded before each step's kind
+    (``"reduce_scatter"`` → ``"reduce_scatter reduce"``).
 
     Raises:
         towers.schedule.ScheduleError: the schedule breaks a rule of the checker.
@@ -155,14 +118,8 @@ def run_slots(schedule: Schedule, slots: Slots, devices: Sequence[str], op: str 
 
 def run_rows(schedule: Schedule, slots: Rows, devices: Sequence[str], op: str = "sum",
              *, note: str = "", own_first: bool = False) -> Rows:
-    """:func:`run_slots` over packed slots (:class:`~towers.allreduce.machinery.packed.Row`).
-
-    Tick by tick: every message's rows are packed and sent first (a tick reads its
-    slots as they were when it began), then each lands: ``copy`` replaces the slots,
-    ``reduce`` computes ``combine(received, own)`` (``combine(own, received)`` when
-    ``own_first``; into empty slots: the received rows). A slot is finished (``mean``
-    divides) exactly once, where its last contribution is added; slots complete from
-    the start (``n = 1``) at the end.
+    """:func:`run_slots` over packed slots (:class:`~towers.allreduce.machinery.packed.Row`);
+    ``own_first``: a ``reduce`` computes ``combine(own, received)``.
     """
     simulate(schedule)
     n, full = schedule.towers, (1 << schedule.towers) - 1
@@ -214,22 +171,13 @@ def run_schedule(
 ) -> list[tf.Tensor]:
     """All-reduce ``values`` by following ``schedule``; output ``i`` on input ``i``'s device.
 
-    Args:
-        schedule: an ``all_reduce`` schedule for ``len(values)`` towers.
-        values: one tensor per tower (static shapes), checked with ``check_values``.
-        op: ``"sum"``, ``"mean"``, ``"max"`` or ``"min"``.
-        own_first: a ``reduce`` computes ``combine(own, received)``, not
-            ``combine(received, own)``. Sums are bitwise the same either way (IEEE
-            addition commutes); ``max`` and ``min`` return the first of two equal
-            values, so the sign of a zero shows the order (the trees add own first).
-
-    Returns:
-        One reduced tensor per tower, each of the inputs' shape, all bitwise equal.
+    ``own_first``: a ``reduce`` computes ``combine(own, received)``: sums are bitwise the
+    same either way; ``max``/``min`` return the first of two equal values, so the sign of a
+    zero shows the order (the trees add own first).
 
     Raises:
         ValueError: bad values, a shape that is not fully defined, a schedule for another
-            tower count or collective, or a schedule the symbolic checker rejects
-            (:class:`towers.schedule.ScheduleError`).
+            tower count or collective, or one the checker rejects (``ScheduleError``).
     """
     devices = check_values(values, op)
     n = len(values)
@@ -254,11 +202,8 @@ def run_schedule(
 
 @dataclasses.dataclass(frozen=True)
 class Scheduled:
-    """An all-reduce defined by a schedule generator: runs ``generator(len(values))``.
-
-    Tools find the generator here (:func:`generator_of`) to prove the algorithm with
-    :func:`towers.schedule.check_schedule` as well as run it. ``own_first``: see
-    :func:`run_schedule`.
+    """An all-reduce defined by a schedule generator: runs ``generator(len(values))`` (tools
+    find the generator with :func:`generator_of`, to prove it).
     """
 
     generator: Callable[[int], Schedule]
@@ -274,11 +219,7 @@ class Scheduled:
 
 
 def scheduled(generator: Callable[[int], Schedule], *, own_first: bool = False) -> AllReduce:
-    """The all-reduce that runs ``generator(len(values))`` with :func:`run_schedule`.
-
-    Example:
-        >>> algo = scheduled(ring_schedule); outs = algo(values, op="sum")   # doctest: +SKIP
-    """
+    """The all-reduce that runs ``generator(len(values))`` with :func:`run_schedule`."""
     return Scheduled(generator, own_first)
 
 

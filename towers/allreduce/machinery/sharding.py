@@ -41,7 +41,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from towers.allreduce.machinery.primitives import pad_split, tick_offset, unsplit
+from towers.allreduce.machinery.packed import pad_split, unsplit
+from towers.allreduce.machinery.primitives import tick_offset
 from towers.allreduce.machinery.scheduled import run_slots
 from towers.allreduce.machinery.sparse import to_dense
 from towers.schedule.collectives import ring_all_gather, ring_reduce_scatter

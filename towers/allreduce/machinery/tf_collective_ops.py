@@ -1,58 +1,31 @@
 """TensorFlow's collective ops as towers uses them: keys, ordering tokens, wire format, running.
 
-This module owns the plumbing every user of TensorFlow's collective ops shares
-(the algorithms of :mod:`towers.allreduce.nccl` and the cross-worker reducers of
-:mod:`towers.cluster`), and no schedule of its own: the process-wide key
-counters (:func:`next_key`, :func:`group_key` for one process's devices;
-:func:`shared_keys` for collectives that span processes), each device's one
-ordering token (:func:`token`), the bfloat16 wire format (:func:`wire`,
-:func:`unwire`), TensorFlow's broadcast send/recv pair from one device to others with its ops
-kept in program order (:func:`broadcast_send_recv`; the public, hand-built
-broadcast is :func:`towers.allreduce.broadcast`), an all-to-all that is correct at every
-group size (:func:`all_to_all`), and :func:`run`, which checks the values,
-short-cuts the trivial cases and runs an algorithm's body in the caller's graph
-or in a ``tf.function`` cached for eager calls.
+The plumbing shared by :mod:`towers.allreduce.nccl` and :mod:`towers.cluster`, with no
+schedule of its own. Measured on TF 2.21, logical CPUs, and what each fact decides:
 
-Measured on TF 2.21, logical CPUs:
-
-- all_gather_v2 and broadcast send/recv refuse bfloat16 when traced, so bfloat16
-  crosses them as its float16 bit pattern (``tf.bitcast``: exact, same size).
-- Empty tensors crash all_gather_v2, all_to_all_v2 and broadcast (segmentation
-  fault); n = 1 or size 0 therefore never reaches a collective here.
-- An eager collective blocks Python until its peers join, which they never do:
-  eager calls run through a ``tf.function`` cached per devices/op/shape/dtype.
+- all_gather_v2 and broadcast send/recv refuse bfloat16 when traced: it crosses them
+  as its float16 bit pattern (:func:`wire`, :func:`unwire`: exact, same size).
+- Empty tensors crash all_gather_v2, all_to_all_v2 and broadcast: n = 1 or size 0
+  never reaches a collective (:func:`run`).
+- An eager collective blocks until its peers join, which they never do: eager calls
+  run through a ``tf.function`` cached per devices/op/shape/dtype (:func:`run`).
 - A timeout, or an instance key reused with another shape, aborts every later
-  collective in the process ("Collective ops is aborted by: ... Restart your
-  program to reset."): every trace draws fresh keys; the timeout is a last resort.
-- Broadcast send/recv take no ordering token, and auto control dependencies
-  neither order nor keep them (they may be pruned): outputs get control edges.
-- ``all_to_all_v2`` (``CollectiveAllToAllV2``) misroutes from 12 ranks: its rendezvous
-  key is the instance's key followed by the source and destination ranks with no
-  separator (``all_to_all.cc``: ``StrCat(exec_key, src_rank, target_rank)``), so
-  "1→10" and "11→0" are both ``…110``: "Second consumer arrived for key", or wrong
-  rows with no error. The key also ends in the while-loop iteration, so from 11 ranks
-  two iterations can collide ("1" + "10→0" and "11" + "0→0"). :func:`all_to_all` calls
-  it only while every rank is one digit (:data:`MAX_ALL_TO_ALL` ranks) and otherwise
-  exchanges the rows by broadcast send/recv between pairs (whose keys have separators).
+  collective in the process: every trace draws fresh keys (:func:`next_key`).
+- Broadcast send/recv take no ordering token and auto control dependencies neither
+  order nor keep them: they get control edges (:func:`broadcast_send_recv`).
+- ``all_to_all_v2`` misroutes from 12 ranks (its rendezvous key joins the source and
+  destination ranks with no separator: "1→10" and "11→0" are both ``…110``; from 11
+  the while-loop iteration collides too): :func:`all_to_all` calls it only up to
+  :data:`MAX_ALL_TO_ALL` ranks, else exchanges rows by broadcast send/recv pairs.
 
-Keys. Group and instance keys are process-global; every member of a collective
-must pass the same ones. Local collectives draw theirs while a graph is traced
-(:func:`next_key`, from :data:`KEY_START`); a collective across processes cannot,
-because two workers may trace different numbers of times (unequal local batches
-retrace), so its keys come from a second range (:func:`shared_keys`, from
-:data:`SHARED_KEY_START`), drawn only when a reducer or trainer is built: equal on
-every worker when each builds in the same order, as the same program does.
-
-Tokens. One ordering token per device for every collective on it: automatic
-control dependencies then run a device's collectives in program order, the same
-order on every member (without one they may start in different orders on two
-members and wait for each other until the timeout).
+Keys are process-global; every member of a collective passes the same ones. Local
+collectives draw theirs while tracing (:func:`next_key`); collectives across processes
+draw from a second range when a reducer or trainer is built (:func:`shared_keys`), as
+workers may trace different numbers of times. One ordering token per device
+(:func:`token`) runs a device's collectives in program order on every member.
 
 References:
     TensorFlow ``cross_device_utils.CollectiveReplicaLauncher`` (ordering tokens, keys).
-
-Example:
-    >>> sent, (got,) = broadcast_send_recv(x, devices[1], [devices[0]], 60.0)  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -126,14 +99,8 @@ def group_key(devices: Sequence[str], size: int | None = None) -> int:
 
 
 def shared_keys(size: int) -> int:
-    """The first of ``size`` consecutive keys for collectives across processes.
-
-    Draw them when a reducer or trainer is built, never while tracing: every
-    process must draw the same keys in the same order.
-
-    Example:
-        >>> group = shared_keys(2); instance = group + 1   # doctest: +SKIP
-    """
+    """The first of ``size`` consecutive keys for collectives across processes (draw
+    them when a reducer or trainer is built, never while tracing)."""
     with _LOCK:
         first = _SHARED[0]
         _SHARED[0] += size
@@ -141,11 +108,7 @@ def shared_keys(size: int) -> int:
 
 
 def token(device: str) -> tf.Tensor:
-    """The device's one ordering token, shared by every collective on it.
-
-    Without it the collectives of one tf.function deadlock; sharing it runs them in
-    program order (see "Tokens" above).
-    """
+    """The device's one ordering token, shared by every collective on it."""
     name = canonical_device(device) or device
     with _LOCK:
         if name not in _TOKENS:
@@ -262,13 +225,8 @@ def _pairings(n: int) -> list[list[tuple[int, int]]]:
 
 @contextlib.contextmanager
 def _after_previous(device: str) -> Iterator[Callable[[tf.Tensor], None]]:
-    """Order a device's broadcast ops in program order (they take no ordering token).
-
-    Several broadcasts in one graph (one per gradient, say) must start in the same
-    order on every device, or two devices wait on each other's first op until the
-    timeout. Each new broadcast op on ``device`` gets a control edge from the previous
-    one in the same graph.
-    """
+    """A control edge from ``device``'s previous broadcast op in this graph: broadcasts
+    must start in the same order on every device, or two wait on each other."""
     if tf.executing_eagerly():
         yield lambda _: None
         return
