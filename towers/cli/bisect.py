@@ -1,21 +1,19 @@
 """Find where two steps part: the first step, variable and element outside the bound.
 
-Runs ``towers.testing.bisect`` (on the bundled digits, or your model and data): step
-A (the teacher) and B train on the same batches from the same weights; before every
-step B is set to A's weights, so each step is judged on its own, and it stops at the
-first step outside. Two towers trainers are compared on their reduced gradients (the
-step's phases); anything else (a ``tf.distribute`` reference, your step) on one
-update, within the bound the report names (plain SGD's derived one, or ``--bound``).
-The report names the first step outside the bound, its first variable in model
-order, and the first element there: its chunk under B's split, both values, the
-difference and the bound.
+Runs ``towers.testing.bisect`` (on the bundled digits, or your model and data): A (the
+teacher) and B train on the same batches; before every step B is set to A's weights, and
+it stops at the first step outside the bound. Two towers trainers are compared on their
+reduced gradients; anything else (a ``tf.distribute`` reference, your step) on one update,
+within the bound the report names (plain SGD's derived one, or ``--bound``). The report
+names the step, its first variable in model order and the first element there: its chunk
+under B's split, both values, the difference and the bound.
 
---a and --b take ``module:factory`` (your step: see ``towers compare``), a
-registered name, ``towers:NAME``, ``module:function`` or ``file.py:function`` (a
-user's reduction, or a factory of one), ``mirrored`` or ``central_storage``.
+--a and --b take what ``towers compare`` takes: ``module:factory`` (your step), a
+registered name, ``towers:NAME``, ``module:function`` (a user's reduction or a factory of
+one), ``mirrored`` or ``central_storage``.
 
-Exit status: 0 when no step left the bound, 1 when one did (the reduction or the
-step differs), 3 when only kernel noise did (see ``towers compare``), 2 for bad options.
+Exit status: 0 when no step left the bound, 1 when one did, 3 when only kernel noise did
+(see ``towers compare``), 2 for bad options.
 """
 
 from __future__ import annotations

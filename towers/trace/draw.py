@@ -1,21 +1,12 @@
-"""The two pictures of a trace, as PNGs (matplotlib, Agg: no display needed).
+"""The two pictures of a trace, as PNGs.
 
-:func:`draw` shows a :class:`~towers.trace.schedule.Trace`: towers as rows, ticks as
-columns, one arrow per transfer coloured by chunk (dashed: estimated), a star where a chunk
-first held every contribution, and the chunks each tower holds at the end::
-
-    tick      0          1          2      │    3          4          5
-    tower 0  c3 ─▶1     c2 ─▶1     c1 ─▶1  │   c0 ─▶1 ...          holds c0 c1 c2 c3
-
-:func:`draw_state` shows a :class:`~towers.trace.state.StateTrace`: on the left the links
-(:mod:`towers.trace.topology`), then one column per state (the inputs, then after each
-tick) with every tower's chunks, each a stack of ``n`` squares, square ``i`` coloured when
-the chunk holds tower ``i``'s contribution; between columns the tick's sends, labelled
-with the element ranges they carry.
-
-Example:
-    >>> draw(trace_all_reduce("ring", devices[:4]), "ring.png")          # doctest: +SKIP
-    >>> draw_state(trace_state("halving_doubling", devices[:8]), "hd.png")  # doctest: +SKIP
+:func:`draw` (a :class:`~towers.trace.table.Trace`): towers as rows, ticks as columns, one
+arrow per transfer coloured by chunk (dashed: estimated), a star where a chunk first held
+every contribution, and the chunks each tower holds at the end. :func:`draw_state` (a
+:class:`~towers.trace.state.StateTrace`): the links on the left, then per state (the
+inputs, then after each tick) every tower's chunks, each a stack of ``n`` squares, square
+``i`` coloured when the chunk holds tower ``i``'s contribution; between the columns the
+tick's sends, labelled with the element ranges they carry.
 """
 
 from __future__ import annotations

@@ -12,10 +12,6 @@ A tower's state after tick ``t`` is its own contribution plus everything it rece
 ticks ``0 … t``. Chunks (segments) are the element ranges no send splits. An opaque
 collective (nccl) sends nothing observable: its one tick goes from the inputs straight to
 the decoded outputs.
-
-Example:
-    >>> state = trace_state("ring", devices[:4])          # doctest: +SKIP
-    >>> state.states[-1][0]     # tower 0 after the last tick: every segment, every tower
 """
 
 from __future__ import annotations

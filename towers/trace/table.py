@@ -2,20 +2,17 @@
 
 Ticks are the algorithm's own (``send(..., tick=t)``). A transfer without one gets one
 **by order**: one tick after the later of its source's previous send, its destination's
-previous receive and the arrival of its data (the single-port model of
-:mod:`towers.bench.costmodel`)::
+previous receive and the arrival of its data (the single-port model of the cost model)::
 
     tower 0  ──c0──▶ tower 1                    tick 0 (nothing sent before)
     tower 1  ──c0──▶ tower 2                    tick 1 (after c0 reached tower 1 at 0)
-    tower 2  ──c1──▶ tower 0                    tick 0 (tower 2 had sent nothing)
 
-Its data arrived when the transfers its tensor was computed from did (``sources``, from
-``record(follow_data=True)``), else, by the chunk labels, at its source's last receive of a
-chunk it carries. A transfer labelled ``c`` of ``b`` bytes carries chunks ``c .. c + b/u - 1``
-(``u``: the smallest labelled piece); one without a label, or of the whole buffer, carries
-every chunk. A receiver combines what it gets, so a tower *holds* chunk ``c`` once every
-tower's contribution could have reached it; the first to hold it *finished* it. Estimated
-rows (an opaque collective's) wait for no data and carry none.
+Its data arrived when the transfers its tensor was computed from did (``sources``), else,
+by the chunk labels, at its source's last receive of a chunk it carries: a transfer
+labelled ``c`` of ``b`` bytes carries chunks ``c .. c + b/u - 1`` (``u``: the smallest
+labelled piece), one without a label or of the whole buffer every chunk. A tower *holds*
+chunk ``c`` once every tower's contribution could have reached it; the first to hold it
+*finished* it. Estimated rows (an opaque collective's) wait for no data and carry none.
 """
 
 from __future__ import annotations
