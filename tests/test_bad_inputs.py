@@ -187,6 +187,12 @@ def _embedding() -> keras.Model:
     return keras.Model(inp, keras.layers.Dense(3)(h))
 
 
+def _synced_norm() -> keras.Model:
+    inp = keras.Input((5,))
+    h = keras.layers.BatchNormalization(synchronized=True, name="synced")(inp)
+    return keras.Model(inp, keras.layers.Dense(3)(h))
+
+
 C = Case
 CASES: list[Case] = [
     # -- TowerTrainer(model, optimizer, loss, ...) -------------------------------------------
@@ -464,6 +470,13 @@ CASES: list[Case] = [
     C("sharded-gather", "variables='sharded', sparse='gather'",
       lambda: _new(variables="sharded", sparse="gather"), ValueError,
       "variables='sharded' with sparse='gather' is refused.*sparse='densify'"),
+    C("sharded-sparse-adam", "variables='sharded', an Embedding and Adam (sparse unset)",
+      lambda: _new(_embedding, variables="sharded"), ValueError,
+      r"variables='sharded' with layers \['embedding.*'\] .* optimizer Adam is refused.*"
+      "sparse='densify'"),
+    C("sync-batch-norm", "BatchNormalization(synchronized=True) over 2 towers",
+      lambda: _new(_synced_norm), ValueError,
+      r"layer 'synced' is BatchNormalization\(synchronized=True\).*use synchronized=False"),
     C("sharded-ema", "variables='sharded' with an optimizer of use_ema=True",
       lambda: _new(optimizer=lambda: keras.optimizers.Adam(0.1, use_ema=True),
                    variables="sharded"), ValueError,
