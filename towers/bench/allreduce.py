@@ -259,7 +259,7 @@ def plot(rows: Sequence[dict[str, Any]], path: Any, title: str) -> Any:
 
 
 def section(args: argparse.Namespace, devices: list[str], results: dict) -> bool:
-    """``--sections allreduce``: the table, the algbw pivot, CSV and plot; False if #wrong."""
+    """``--sections allreduce``: the table, its CSV and plot; False if any #wrong."""
     sizes = args.sizes or (QUICK_SIZES if args.quick else SIZES)
     tables = devices[: args.towers]
     print(f"\n== all-reduce, {len(tables)} towers, float32 sum, {sizes[0]}..{sizes[-1]} B "
