@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from towers.bench import costfit
 from towers.bench.costmodel import Link, predict
-from towers.bench.costmodel import fitting as costfit
 
 # Ring and tree rows fix only α and 2β + γ: fit says so, and that is all these tests need.
 pytestmark = pytest.mark.filterwarnings("ignore:fit .*do not determine")

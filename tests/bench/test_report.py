@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 
 from towers.bench import allreduce, report, training
-from towers.bench.costmodel.fitting import FIT_COLUMNS
+from towers.bench.costfit import FIT_COLUMNS
 
 ROW = {"size": 4096, "count": 1024, "type": "float", "redop": "sum", "algorithm": "ring",
        "kind": "towers", "time_us": 100.0, "algbw": 0.041, "busbw": 0.061, "wrong": 0,

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from towers.bench import costmodel
-from towers.bench.costmodel import fit_measured
+from towers.bench.costfit import fit_measured
 
 SIZES = [4096 * 4**k for k in range(8)]  # the benchmark's: 4 KB ... 64 MB
 LINK = costmodel.Link(alpha=1e-4, beta=1e-10, gamma=3e-10)

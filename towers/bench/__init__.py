@@ -4,7 +4,8 @@ One module per section of the command, each with its ``section(args, devices, re
 
     allreduce.py  the nccl-tests style table: every algorithm and tf.distribute's ops,
                   4 KB … 64 MB, #wrong checked against NumPy
-    costmodel/    α-β-γ formulas, fitted to that table; 8 and 1024 H100s on paper
+    costmodel.py  α-β-γ formulas from the registry, 8 and 1024 H100s on paper
+    costfit.py    the formulas fitted to the all-reduce table (the costmodel section)
     training.py   one training step: towers (algorithm × placement) against a single
                   device, MirroredStrategy and CentralStorageStrategy
     phases.py     the step's time per phase (split, forward/backward, reduce, apply, guard)

@@ -33,12 +33,8 @@ __all__ = ["QUICK_SIZES", "SIZES", "Compiled", "Contender", "calls_per_sample", 
            "count_wrong", "make_inputs", "run_allreduce", "section", "table",
            "towers_contender"]
 
-SIZES = tuple(4096 * 4**k for k in range(8))
-"""Bytes per tower: 4 KB, 16 KB, … 64 MB (×4 steps)."""
-QUICK_SIZES = SIZES[:5]
-"""4 KB … 1 MB, for ``--quick``."""
-
-Body = Callable[[list[tf.Tensor]], list[tf.Tensor]]
+SIZES = tuple(4096 * 4**k for k in range(8))  # bytes per tower: 4 KB, 16 KB, … 64 MB
+QUICK_SIZES = SIZES[:5]  # 4 KB … 1 MB, for --quick
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +43,7 @@ class Contender:
 
     name: str
     kind: str  # "towers", "tf.distribute" or "calibration"
-    body: Body
+    body: Callable[[list[tf.Tensor]], list[tf.Tensor]]
     formula: str | None = None  # the cost model's name for it (None: not modelled)
     params: dict[str, Any] = dataclasses.field(default_factory=dict)  # the formula's
     outputs: str = "all"  # one sum per tower; "sum": one sum; "copy": input 1
@@ -263,7 +259,7 @@ def plot(rows: Sequence[dict[str, Any]], path: Any, title: str) -> Any:
 
 
 def section(args: argparse.Namespace, devices: list[str], results: dict) -> bool:
-    """``--sections allreduce``: the table, the algbw pivot, CSV and plot; False if #wrong."""
+    """``--sections allreduce``: the table, its CSV and plot; False if any #wrong."""
     sizes = args.sizes or (QUICK_SIZES if args.quick else SIZES)
     tables = devices[: args.towers]
     print(f"\n== all-reduce, {len(tables)} towers, float32 sum, {sizes[0]}..{sizes[-1]} B "

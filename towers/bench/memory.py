@@ -30,7 +30,6 @@ __all__ = ["CONFIGS", "measure", "optimizer_state", "run_memory", "section", "ta
 
 CONFIGS = ("MirroredStrategy", "CentralStorageStrategy", "towers naive/parameter_device",
            "towers ring/replicated")
-TIMEOUT_S = 300
 
 
 def _peak_mib() -> float:
@@ -66,7 +65,7 @@ def run_memory(configs: Sequence[str] = CONFIGS, *, model: str = "mlp", towers: 
     for config in configs:
         argv = [sys.executable, "-m", "towers.bench.memory", "--config", config, "--model", model,
                 "--towers", str(towers), "--batch", str(batch), "--steps", str(steps)]
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=TIMEOUT_S,
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=300,
                               env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
         lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
         if done.returncode != 0 or not lines:

@@ -91,10 +91,12 @@ def step_traffic(stats: StepStats, counted: Counted | None, algorithm: str | Non
     inside = {id(t) for _, transfers in calls for t in transfers}
     others = [t for t in stats.transfers
               if traffic_kind(t.note) == "gradients" and id(t) not in inside]
-    priced = counted is not None and algorithm is not None and (
-        not calls or algorithm in costmodel.ALGORITHMS)
-    seconds = {s: sum(predict_on(s, algorithm, payload) for payload, _ in calls)
-               + _other_seconds(others, len(devices), s) if priced else None for s in systems}
+    seconds: dict[str, float | None] = dict.fromkeys(systems)
+    if counted is not None and algorithm is not None and (
+            not calls or algorithm in costmodel.ALGORITHMS):
+        for s in systems:
+            seconds[s] = sum(predict_on(s, algorithm, payload) for payload, _ in calls) + (
+                _other_seconds(others, len(devices), s))
     per_tower = stats.gradient_bytes_per_tower
     return {"gradient_bytes": stats.gradient_bytes,
             "gradient_bytes_per_tower": max((per_tower.get(d, 0) for d in devices), default=0),

@@ -28,8 +28,8 @@ from towers.bench.timing import interleave, load_average, paired_ratio
 from towers.step import PLACEMENTS, TowerTrainer
 from towers.training.models import mlp, mnist_cnn
 
-__all__ = ["BASELINES", "MIRRORED", "MODELS", "StepConfig", "make_batch",
-           "named_steps", "run_model", "section", "step_configs", "table"]
+__all__ = ["BASELINES", "MIRRORED", "MODELS", "StepConfig", "build_steps", "config_names",
+           "make_batch", "named_steps", "run_model", "section", "table"]
 
 MODELS: dict[str, tuple[Callable[[], keras.Model], tuple[int, ...]]] = {
     "conv-mnist": (lambda: mnist_cnn(0), (28, 28, 1)),
@@ -95,20 +95,6 @@ def strategy_step(trainer: Any, x: tf.Tensor, y: tf.Tensor) -> Callable[[], tf.T
     return lambda: step(inputs)
 
 
-def _baselines(make_model: Callable[[], keras.Model], devices: Sequence[str], x: tf.Tensor,
-               y: tf.Tensor, names: Sequence[str] = BASELINES) -> list[StepConfig]:
-    """The reference steps called ``names`` (only those are built)."""
-    devices = list(devices)
-    build: dict[str, Callable[[], Callable[[], tf.Tensor]]] = {
-        MIRRORED: lambda: strategy_step(MirroredTrainer(make_model, _sgd, _loss(), devices),
-                                        x, y),
-        "CentralStorageStrategy": lambda: strategy_step(
-            CentralStorageTrainer(make_model, _sgd, _loss(), devices), x, y),
-    }
-    return [StepConfig(name, "tf.distribute", build[name]()) for name in BASELINES
-            if name in names]
-
-
 def towers_config(make_model: Callable[[], keras.Model], devices: Sequence[str], x: tf.Tensor,
                   y: tf.Tensor, algorithm: str, placement: str) -> StepConfig:
     """``TowerTrainer.train_step`` with ``algorithm`` (a registered name) and ``placement``."""
@@ -120,21 +106,33 @@ def towers_config(make_model: Callable[[], keras.Model], devices: Sequence[str],
                       algorithm=algorithm, placement=placement)
 
 
-def step_configs(
-    model: str, devices: Sequence[str], x: tf.Tensor, y: tf.Tensor, *,
-    algorithms: Sequence[str] | None = None, placements: Sequence[str] = tuple(PLACEMENTS),
-    ceiling: bool = True,
-) -> tuple[list[StepConfig], dict[str, str]]:
-    """Every configuration for ``model``; those that cannot be built are returned as errors."""
-    make_model = MODELS[model][0]
-    configs, errors = _baselines(make_model, devices, x, y), {}
+def config_names(algorithms: Sequence[str] | None = None,
+                 placements: Sequence[str] = tuple(PLACEMENTS), ceiling: bool = True) -> list[str]:
+    """The table's configurations: the baselines, ``towers <algorithm>/<placement>`` for
+    ``algorithms`` (default: every registered one) × ``placements``, and the ceiling."""
     names = allreduce.ALGORITHMS if algorithms is None else algorithms
-    jobs = [(a, p) for a in names for p in placements] + [("noop", "replicated")] * ceiling
-    for algorithm, placement in jobs:
+    towers = [f"towers {a}/{p}" for a in names for p in placements]
+    return [*BASELINES, *towers, *(["towers noop/replicated"] if ceiling else [])]
+
+
+def build_steps(model: str, devices: Sequence[str], names: Sequence[str], x: tf.Tensor,
+                y: tf.Tensor) -> tuple[list[StepConfig], dict[str, str]]:
+    """The configurations called ``names`` (as :func:`config_names` spells them), and the
+    reasons of those that cannot be built."""
+    make_model = MODELS[model][0]
+    configs: list[StepConfig] = []
+    errors: dict[str, str] = {}
+    for name in names:
         try:
-            configs.append(towers_config(make_model, devices, x, y, algorithm, placement))
+            if name.startswith("towers "):
+                algorithm, placement = name.removeprefix("towers ").rsplit("/", 1)
+                configs.append(towers_config(make_model, devices, x, y, algorithm, placement))
+            else:
+                reference = MirroredTrainer if name == MIRRORED else CentralStorageTrainer
+                trainer = reference(make_model, _sgd, _loss(), list(devices))
+                configs.append(StepConfig(name, "tf.distribute", strategy_step(trainer, x, y)))
         except Exception as err:  # reported as a row
-            errors[f"towers {algorithm}/{placement}"] = f"{type(err).__name__}: {err}"[:160]
+            errors[name] = f"{type(err).__name__}: {err}"[:160]
     return configs, errors
 
 
@@ -175,10 +173,10 @@ def _rows(model: str, configs: list[StepConfig], samples: dict[str, Any],
 
 def run_model(model: str, devices: Sequence[str], *, batch: int = 256, rounds: int = 13,
               calls: int = 1, verbose: bool = False, **options: Any) -> list[dict[str, Any]]:
-    """Build every configuration for ``model`` (``options``: :func:`step_configs`'), take
+    """Build the configurations for ``model`` (``options``: :func:`config_names`'), take
     their first losses, time them interleaved; one row each."""
     x, y = make_batch(model, batch)
-    configs, errors = step_configs(model, devices, x, y, **options)
+    configs, errors = build_steps(model, devices, config_names(**options), x, y)
     losses = _first_losses(configs, errors)
     runnable = {c.name: c.step for c in configs if c.name not in errors}
     samples = interleave(runnable, rounds, calls=calls, warmup=1, verbose=verbose,
@@ -191,14 +189,14 @@ def run_model(model: str, devices: Sequence[str], *, batch: int = 256, rounds: i
 
 def named_steps(model: str, devices: Sequence[str], names: Sequence[str],
                 batch: int = 256) -> dict[str, Callable[[], tf.Tensor]]:
-    """Fresh steps of the configurations called ``names`` (as in the table's rows)."""
-    x, y = make_batch(model, batch)
-    make_model = MODELS[model][0]
-    configs = _baselines(make_model, devices, x, y, names)
-    for name in names:
-        if name.startswith("towers "):
-            algorithm, placement = name.removeprefix("towers ").rsplit("/", 1)
-            configs.append(towers_config(make_model, devices, x, y, algorithm, placement))
+    """Fresh steps of the configurations called ``names``.
+
+    Raises:
+        ValueError: a configuration that cannot be built (with its reason).
+    """
+    configs, errors = build_steps(model, devices, names, *make_batch(model, batch))
+    if errors:
+        raise ValueError("; ".join(f"{k}: {v}" for k, v in errors.items()))
     return {c.name: c.step for c in configs}
 
 

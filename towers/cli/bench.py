@@ -162,9 +162,9 @@ def run(args: argparse.Namespace) -> int:
 
         return workers.run(args.workers, args.out, args.sizes, args.rounds or 7)
     devices = _devices(args.towers)  # first: before TensorFlow runs any op
-    from towers.bench import allreduce, costmodel, memory, phases, report, training
+    from towers.bench import allreduce, costfit, memory, phases, report, training
 
-    section = {"allreduce": allreduce.section, "costmodel": costmodel.fitting.section,
+    section = {"allreduce": allreduce.section, "costmodel": costfit.section,
                "training": training.section, "phases": phases.section, "memory": memory.section}
     if args.algorithms:
         try:

@@ -3,8 +3,9 @@
 A message of ``m`` bytes costs ``α + m·β`` on a link; reducing ``m`` bytes costs ``m·γ``.
 Every algorithm's time is linear in the three constants, ``t = a·α + b·β + c·γ``;
 :func:`coefficients` gives ``(a, b, c)`` for ``n`` towers and ``S`` bytes per tower,
-:func:`predict` the seconds. A tower sends one and receives one message at a time
-(single-port, full duplex, as in Thakur et al.), so messages through one port add up.
+:func:`predict` the seconds (:mod:`towers.bench.costfit` fits α, β, γ to measured rows).
+A tower sends one and receives one message at a time (single-port, full duplex, as in
+Thakur et al.), so messages through one port add up.
 
 Each algorithm's formula is its registry record's ``cost``, derived and drawn beside its
 schedule in the algorithm's module (ring: ``2(n-1)·α + 2(n-1)/n·S·β + (n-1)/n·S·γ``); only

@@ -1,4 +1,4 @@
-"""Fit the α-β-γ cost model to measured rows, check its predictions, and the bench section.
+"""The cost model fitted to measured rows, and the ``costmodel`` section of ``towers bench``.
 
 :func:`fit` estimates a :class:`~towers.bench.costmodel.Link` by non-negative least
 squares on relative error; :func:`compare` sets predicted against measured time per
@@ -17,9 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from towers.bench import report
-from towers.bench.costmodel import model
-from towers.bench.costmodel.model import Link
+from towers.bench import costmodel, report
+from towers.bench.costmodel import Link
 from towers.bench.report import num, text
 
 __all__ = ["compare", "fit", "fit_measured", "holdout", "section"]
@@ -32,7 +31,7 @@ def _row(row: Mapping[str, Any]) -> tuple[str, int, float, float, dict[str, Any]
     algorithm, n, nbytes, seconds = (row.get(k) for k in ("algorithm", "n", "nbytes", "seconds"))
     if algorithm is None or n is None or nbytes is None or seconds is None:
         raise ValueError(f"rows need algorithm, n, nbytes and seconds; got {row!r}")
-    model.algbw(nbytes, seconds)  # validates both
+    costmodel.algbw(nbytes, seconds)  # validates both
     return algorithm, n, nbytes, seconds, dict(row.get("params") or {})
 
 
@@ -52,7 +51,7 @@ def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 def _fit_link(rows: list[tuple[str, int, float, float, dict[str, Any]]], name: str) -> Link:
     if not rows:
         raise ValueError("rows is empty: nothing to fit")
-    a = np.array([model.coefficients(alg, n, s, **p) for alg, n, s, _, p in rows], dtype=float)
+    a = np.array([costmodel.coefficients(alg, n, s, **p) for alg, n, s, _, p in rows], dtype=float)
     a = a / np.array([row[3] for row in rows])[:, None]  # relative error: small rows count too
     scale = np.where(a.max(axis=0) > 0, a.max(axis=0), 1.0)
     if np.linalg.matrix_rank(a / scale) < 3:
@@ -104,7 +103,7 @@ def compare(rows: Sequence[Any], link_or_links: Link | Mapping[str, Link]) -> li
         if isinstance(link_or_links, Mapping) and algorithm not in link_or_links:
             raise ValueError(f"link_or_links has no link for {algorithm!r}")
         link = link_or_links[algorithm] if isinstance(link_or_links, Mapping) else link_or_links
-        predicted = model.predict(algorithm, n, nbytes, link, **params)
+        predicted = costmodel.predict(algorithm, n, nbytes, link, **params)
         out.append({"algorithm": algorithm, "n": n, "nbytes": nbytes, "params": params,
                     "measured": seconds, "predicted": predicted,
                     "rel_error": predicted / seconds - 1})
@@ -195,7 +194,7 @@ def section(args: argparse.Namespace, devices: list[str], results: dict) -> bool
         report.write_csv(args.out / "costmodel.csv", rows)
     print("\n== scale on paper: the alpha-beta-gamma model at 8 and 1024 H100s "
           "(arithmetic on the presets' stated constants, not a measurement)", flush=True)
-    paper = model.scale_on_paper()
+    paper = costmodel.scale_on_paper()
     print(report.format_table(PAPER_COLUMNS, paper))
     results["paper"] = paper
     report.write_csv(args.out / "scale_on_paper.csv", paper)
