@@ -120,10 +120,6 @@ class TrainingCase:
     placement: str
     data_seed: int = 0
 
-    @property
-    def steps(self) -> int:
-        return len(self.batch_sizes)
-
     def batches(self) -> list[tuple[np.ndarray, np.ndarray]]:
         """The batches of every step, reproducible from ``data_seed``."""
         return [self.spec.batch(b, self.data_seed + k) for k, b in enumerate(self.batch_sizes)]
