@@ -4,7 +4,7 @@ Runs ``towers.testing.check_invariance``: one trainer per tower count, the same
 batches from the same initial weights. Each step is compared from the same
 weights (teacher forcing): every tower count's reduced gradient against the first
 count's, element by element, within the bound of both runs' summation depths
-(``towers.testing.onestep``). The free-running weight difference is printed beside
+(``towers.testing.steps``). The free-running weight difference is printed beside
 it, as information. The table names the first (towers, step, variable) outside.
 
 --model, --data, --optimizer and --loss take your model (``module:fn``), data

@@ -5,7 +5,7 @@
     check, properties    check_all_reduce: an algorithm's properties over towers, shapes, dtypes
     codec_check          check_codec: a codec's contract
     replay, kernels      a NumPy interpreter of an algorithm's graph, bitwise
-    steps, onestep       the step protocol (as_step); one step from the same weights
+    steps                the step protocol (as_step); one step of two from the same weights
     compare, report      compare, bisect, assert_steps_match (plugin: the fixture); what they found
     causes               why a divergence may have happened
     invariance           check_invariance: the same training on 1, 2, 4, 8 towers

@@ -48,12 +48,8 @@ def possible_causes(
 ) -> tuple[tuple[str, ...], str]:
     """The causes of a divergence at ``step`` that the batches and the two sides show.
 
-    Args:
-        a, b: the two steps (teacher and under test).
-        sizes: every batch's size, in order.
-        step, towers: the divergent step (from 1) and the comparison's tower count.
-        diff, value, dtype: the first element outside: ``|Δ|``, the larger of its two
-            values in magnitude, and its dtype (for the ULPs).
+    ``sizes`` are every batch's size; ``diff``, ``value`` and ``dtype`` describe the first
+    element outside (``|Δ|``, the larger of its two values, its dtype: for the ULPs).
 
     Returns:
         ``(causes, setting)``: one ``"name: why"`` per cause, and :data:`MIRRORED_SETTING`

@@ -92,6 +92,12 @@ class _MeteredWire(Wire):
             self.handed[t] += _nbytes(value)
 
 
+def _differ(outs: Sequence[tf.Tensor]) -> tuple[list[np.ndarray], list[int]]:
+    """The outputs as arrays, and the towers whose output differs from tower 0's in a bit."""
+    values = [np.asarray(o) for o in outs]
+    return values, [t for t in range(1, len(values)) if values[t].tobytes() != values[0].tobytes()]
+
+
 def _structure(state: Any) -> Any:
     return type(state).__name__, [(tuple(x.shape), tf.as_dtype(x.dtype).name) for x in state]
 
@@ -112,8 +118,7 @@ def _step_failures(codec: Codec, where: str, grads: list[tf.Tensor], states: lis
     failures = [f"{where}: output {t} is on {o.device}, not tower {t}'s {wire.devices[t]}"
                 for t, o in enumerate(outs)
                 if canonical_device(o.device) != canonical_device(wire.devices[t])]
-    values = [np.asarray(o) for o in outs]
-    differ = [t for t in range(1, n) if values[t].tobytes() != values[0].tobytes()]
+    values, differ = _differ(outs)
     if differ:
         failures.append(f"{where}: outputs of towers {differ} differ from tower 0's (max "
                         f"|diff| {max(np.max(np.abs(values[t] - values[0])) for t in differ):.3g})")
@@ -178,10 +183,9 @@ def _everywhere_failures(codec: Codec, where: str, grads: list[tf.Tensor], state
                          devices: list[str], algorithm: Any) -> list[str]:  # fmt: skip
     """The same reduce with every tower decoding for itself: a decode that depends on the
     tower gives outputs that differ (its new states are not kept)."""
-    n = len(devices)
-    outs, _ = codec.reduce(grads, states, Wire(tuple(devices), algorithm, tuple(range(n))))
-    values = [np.asarray(o) for o in outs]
-    differ = [t for t in range(1, n) if values[t].tobytes() != values[0].tobytes()]
+    everywhere = Wire(tuple(devices), algorithm, tuple(range(len(devices))))
+    outs, _ = codec.reduce(grads, states, everywhere)
+    differ = _differ(outs)[1]
     if not differ:
         return []
     return [f"{where}, decode='everywhere': outputs of towers {differ} differ from tower 0's "

@@ -13,7 +13,7 @@ step is judged on its own and an in-order scan finds the first bad one exactly::
                                      pad_split, both values, |Δ|, the bound
 
 Two towers trainers are compared on their reduced gradients under the reduction bound
-(:mod:`towers.testing.onestep`); any other pair on the weights after one update, within
+(:mod:`towers.testing.steps`); any other pair on the weights after one update, within
 the bound :func:`towers.testing.bounds.resolve_bound` picks and names. ``compare`` checks
 every step, ``bisect`` stops at the first outside it, ``assert_steps_match`` raises.
 
@@ -36,16 +36,18 @@ from towers.devices import local_devices
 from towers.step import TowerTrainer
 from towers.testing.bounds import UpdateBound, resolve_bound
 from towers.testing.causes import explained
-from towers.testing.onestep import (
+from towers.testing.report import BisectReport, Difference, Divergence
+from towers.testing.steps import (
     advance,
     algorithm_depth,
+    check_step,
     compare_runs,
+    is_step,
     step_gradients,
+    step_towers,
     take_batches,
     update_rows,
 )
-from towers.testing.report import BisectReport, Difference, Divergence
-from towers.testing.steps import check_step, is_step, step_towers
 
 __all__ = ["REFERENCES", "Config", "assert_steps_match", "bisect", "compare", "config",
            "update_bound"]
@@ -55,7 +57,7 @@ REFERENCES = ("mirrored", "central_storage")
 
 _REDUCTION_BOUND = ("reduction bound: each run's all-reduce within γ_k·Σ|g_i| of the exact sum "
                     "of its towers' gradients, plus their measured difference "
-                    "(towers.testing.onestep)")  # fmt: skip
+                    "(towers.testing.steps)")  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """``check_invariance``: does training give the same result on 1, 2, 4, 8 towers?
 
 Every tower count trains the same batches. The verdict compares one step at a time from the
-same weights (teacher forcing), within the one-step bound of :mod:`towers.testing.onestep`;
+same weights (teacher forcing), within the one-step bound of :mod:`towers.testing.steps`;
 the free-running trajectories are shown, not judged (curvature amplifies any difference)::
 
     step s:   W_s (the 1-tower run's weights)
@@ -31,7 +31,8 @@ from towers.devices import local_devices
 from towers.step import TowerTrainer
 from towers.testing.bounds import leaf_bounds
 from towers.testing.compare import update_bound
-from towers.testing.onestep import (
+from towers.testing.report import Difference
+from towers.testing.steps import (
     advance,
     algorithm_depth,
     compare_runs,
@@ -40,7 +41,6 @@ from towers.testing.onestep import (
     take_batches,
     update_rows,
 )
-from towers.testing.report import Difference
 from towers.testing.strategies import per_tower_gradients
 
 __all__ = ["InvarianceReport", "check_invariance"]

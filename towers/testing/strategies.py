@@ -1,15 +1,8 @@
 """Hypothesis strategies of models, optimizers, training cases and batches for equivalence tests.
 
-Model families cover what makes data parallelism subtle: Dense stacks, Conv2D, Embedding
-with duplicate token ids (sparse gradients), BatchNormalization (non-trainable state),
-Dropout with a fixed seed (per-tower random state) and kernel regularizers (regularization
-losses scaled by 1/towers)::
-
-    from hypothesis import given
-    from towers.testing import training_cases, assert_weights_close
-
-    @given(training_cases())
-    def test_my_setup(case): ...
+The model families cover what makes data parallelism subtle: Dense, Conv2D, Embedding with
+duplicate ids (sparse gradients), BatchNormalization (non-trainable state), seeded Dropout
+(per-tower random state) and kernel regularizers (losses scaled by 1/towers).
 """
 
 from __future__ import annotations
@@ -119,10 +112,6 @@ class TrainingCase:
     batch_sizes: tuple[int, ...]
     placement: str
     data_seed: int = 0
-
-    @property
-    def steps(self) -> int:
-        return len(self.batch_sizes)
 
     def batches(self) -> list[tuple[np.ndarray, np.ndarray]]:
         """The batches of every step, reproducible from ``data_seed``."""
