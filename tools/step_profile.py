@@ -20,6 +20,7 @@ def main() -> int:
     parser.add_argument("--list", action="store_true", help="print every module and function")
     args = parser.parse_args()
 
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's towers
     import towers
 
     devices = towers.simulate_devices(args.towers)

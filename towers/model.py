@@ -23,7 +23,7 @@ weights (and, ``replicated``, optimizer state) before its first step, so a callb
 direct write lands too; an optimizer hyperparameter changed by a callback (learning rate,
 weight decay, …) is copied to every replica's optimizer before the next step, retracing
 the step where it is a Python number baked into the graph; a layer frozen or unfrozen is
-followed by the trainer (:mod:`towers.guard.trainable`).
+followed by the trainer (:mod:`towers.training.sync`).
 """
 
 from __future__ import annotations

@@ -55,7 +55,10 @@ Batch = tuple[Any, Any, Any]
 
 def shard_sizes(batch: int, n: int) -> list[int]:
     """Python-side shard sizes for a batch of ``batch`` examples over ``n`` towers."""
-    n, batch = positive_int("n", n), non_negative_int("batch", batch)
+    return _sizes(non_negative_int("batch", batch), positive_int("n", n))
+
+
+def _sizes(batch: int, n: int) -> list[int]:
     per = -(-batch // n)
     return [max(0, min(per, batch - i * per)) for i in range(n)]
 
@@ -181,7 +184,7 @@ def shard_batch(x: Any, y: Any, sample_weight: Any, n: int) -> Shards:
     if static is None:
         pieces = split(present, n)
     else:
-        bounds = np.cumsum([0, *shard_sizes(int(static), n)])
+        bounds = np.cumsum([0, *_sizes(int(static), n)])
         pieces = [
             tf.nest.map_structure(lambda t, a=a, b=b: t[a:b], present)
             for a, b in itertools.pairwise(bounds)

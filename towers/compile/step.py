@@ -41,8 +41,8 @@ __all__ = ["FORWARD_GRAPHS", "CompiledStep", "PhasedStep", "RelaxedBatch", "batc
 
 FORWARD_GRAPHS = ("default", "as_written")
 """``forward_graph``: :class:`PhasedStep` (the towers under the caller's Grappler settings,
-the reduction and update as written; on CPUs one call per step, on GPUs two: medians at
-2 CPU towers 0.41 ms against ``"as_written"``'s 0.45 ms) or the whole step in one function
+the reduction and update as written; on CPUs one call per step, on GPUs two) or the
+whole step in one function
 as written (a tower's gradient then equals an *eager* computation's, several hundred ULPs
 from MirroredStrategy's where a gradient cancels: for references run ``as_written()``)."""
 
@@ -201,7 +201,7 @@ class PhasedStep:
             return self.step(*inputs)
         # The update's concrete function is the forward's partner, found once: calling
         # it directly skips tf.function's matching of every tower's gradients against
-        # its signatures (measured 1.9 -> 1.2 ms per step on conv-MNIST, 4 towers).
+        # its signatures.
         update = self._updates[self.get_concrete_function(*inputs)]
         grads, outputs = self.forward(*inputs)
         with as_written():

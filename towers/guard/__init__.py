@@ -4,14 +4,11 @@
     nonfinite.py  one flag per tower (loss, gradients, state finite?) gathered for the
                   step's single decision: apply, skip or raise
     inputs.py     the trainer's arguments and a batch, checked before anything is traced
-    contract.py   what an all-reduce algorithm returned (count; per tower shape, dtype,
-                  device), checked when the step is traced
     reduces.py    a user's all-reduce, run once on small values when the trainer is
                   built: each output must be the sum (``check_algorithm=False``: off)
     deadline.py   ``step_timeout``: a watchdog over the step's collectives, every
                   timed-out collective a ``StepTimeout``; the update waits for all of
                   the reduction (a hung step changes nothing)
-    replicas.py   ``check_replicas_every``: every replica's variables compared by checksum
     loss_scale.py a ``LossScaleOptimizer``'s dynamic scale across towers: one finite flag
                   for every replica; ``reduce_dtype`` (docs/mixed_precision.md)
     given.py      what a trainer is given: tower devices, layers it cannot run as

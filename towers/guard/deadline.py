@@ -48,7 +48,7 @@ from typing import Any
 import tensorflow as tf
 from tensorflow.python.eager import context
 
-from towers.guard.contract import algorithm_name
+from towers.allreduce.machinery.reducer import algorithm_name
 from towers.guard.errors import StepTimeout
 
 __all__ = ["Deadline", "settled", "within"]

@@ -68,6 +68,7 @@ mode: ``"skip"`` changes nothing at all, the scale included.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -312,7 +313,7 @@ class Guard:
                 # identity, not send(): only one branch runs, its traffic is counted once
                 return tf.add_n([tf.identity(r.loss) for r in towers])
 
-        result = tf.cond(ok, lambda: update(grads_ok), skip)
+        result = tf.cond(ok, functools.partial(update, grads_ok), skip)
         with tf.device(self.device):
             self.codes.assign(gathered)
         return result

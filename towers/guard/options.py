@@ -69,7 +69,7 @@ class TowerOptions:
         step_timeout: seconds a step may run, then ``StepTimeout``
             (:mod:`towers.guard.deadline`). None (default): no deadline.
         check_replicas_every: compare the replicas by checksum every k steps
-            (:mod:`towers.guard.replicas`). None (default): never.
+            (:mod:`towers.training.sync`). None (default): never.
         reduce_dtype: ``"float32"`` (default) or ``"compute"`` (the model's dtype policy's
             compute dtype) for the gradient all-reduce (:mod:`towers.guard.loss_scale`,
             docs/mixed_precision.md).

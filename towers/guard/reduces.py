@@ -5,7 +5,7 @@
     values[tower] = small integers, distinct per tower     on the trainer's own devices,
           │                                                in the dtype the step sums in
           ▼  algorithm (in a tf.function, as the step runs it)
-    outputs[tower] ── contract (count, shape, dtype, device: towers.guard.contract)
+    outputs[tower] ── contract (count, shape, dtype, device: towers.allreduce.machinery.reducer)
                    └─ value: |outputs[tower] − Σ_i values[i]| ≤ γ_{n−1}·Σ_i |values[i]|
 
 The contract check at trace time reads static properties only, so an algorithm returning
@@ -30,10 +30,10 @@ import numpy as np
 import tensorflow as tf
 
 from towers.allreduce.machinery.base import GradientReducer, StatefulReducer
+from towers.allreduce.machinery.reducer import algorithm_name, check_outputs, check_rows
 from towers.allreduce.machinery.registry import ALGORITHMS, record_of
 from towers.allreduce.machinery.resolve import get, noop
 from towers.allreduce.machinery.rounding import gamma
-from towers.guard.contract import algorithm_name, check_outputs, check_rows
 from towers.guard.deadline import within
 from towers.guard.errors import AlgorithmError
 

@@ -36,10 +36,8 @@ import numbers
 from collections.abc import Iterator
 from typing import Any
 
-import tensorflow as tf
-
 __all__ = ["CLIPS", "SEMANTICS", "check_constant", "check_semantics", "clip_share",
-           "tower_divisor", "unclipped"]
+           "unclipped"]
 
 SEMANTICS = ("one_device", "mirrored")
 """The values of ``semantics``."""
@@ -100,30 +98,6 @@ def check_semantics(semantics: str, divisor: str | float, reduction: str,
 
 def _clips(optimizer: Any) -> bool:
     return any(getattr(optimizer, key, None) for key in CLIPS)
-
-
-def tower_divisor(rule: str | float, divisor: tf.Tensor, shard: Any, towers: int) -> tf.Tensor:
-    """What one tower divides its loss sum by.
-
-    Args:
-        rule: the options' divisor rule (:attr:`~towers.guard.options.TowerOptions.divisor`).
-        divisor: the step's global divisor (``TowerTrainer.loss_divisor``).
-        shard: the tower's ``(x, y, sample_weight)``.
-        towers: the number of towers (``num_replicas_in_sync``).
-
-    Returns:
-        ``divisor`` (``"global"``); ``shard size × towers`` (int32, ``"per_replica"``); the
-        constant (int32 when it is a whole number, as ``compute_average_loss`` takes it).
-    """
-    if rule == "per_replica":
-        size = tf.shape(tf.nest.flatten(shard[0])[0])[0]  # compute_average_loss's shape[0]
-        return size * towers
-    if rule == "global":
-        return divisor
-    constant = float(rule)
-    if constant.is_integer():
-        return tf.constant(int(constant), tf.int32)
-    return tf.constant(constant, tf.float32)
 
 
 def clip_share(optimizer: Any, grads: list[Any]) -> list[Any]:

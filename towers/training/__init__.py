@@ -8,7 +8,8 @@
     signature.py   what a checkpoint holds (optimizer, model, placement); restore refuses others
     atomic.py      numbered checkpoints written atomically; ``latest`` skips damaged ones
     backup.py      ``ExactResume``: a callback saving every k batches, resuming at the batch
-    sync.py        replica 0 -> every replica: what ``towers.TowerModel`` copies after Keras writes
+    sync.py        replica 0 -> every replica (weights, hyperparameters, trainable flags);
+                   ``check_replicas_every``'s checksums
     export.py      ``.keras`` and SavedModel export of the trained model
     data.py        scikit-learn's bundled 8×8 digits, split and batched
     models.py      the small models the CLI, examples and benchmarks train

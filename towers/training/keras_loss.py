@@ -34,6 +34,7 @@ __all__ = [
     "per_example_loss",
     "resolve_loss",
     "same_rank",
+    "tower_divisor",
     "weighs_elements",
 ]
 
@@ -164,6 +165,30 @@ def loss_divisor(
         if weighs_elements(weights[0]):  # per_example_loss averaged w·l over these axes
             total = total / tf.cast(tf.reduce_prod(tf.shape(weights[0])[1:]), tf.float32)
         return total
+
+
+def tower_divisor(rule: str | float, divisor: tf.Tensor, shard: Any, towers: int) -> tf.Tensor:
+    """What one tower divides its loss sum by.
+
+    Args:
+        rule: the options' divisor rule (:attr:`~towers.guard.options.TowerOptions.divisor`).
+        divisor: the step's global divisor (``TowerTrainer.loss_divisor``).
+        shard: the tower's ``(x, y, sample_weight)``.
+        towers: the number of towers (``num_replicas_in_sync``).
+
+    Returns:
+        ``divisor`` (``"global"``); ``shard size × towers`` (int32, ``"per_replica"``); the
+        constant (int32 when it is a whole number, as ``compute_average_loss`` takes it).
+    """
+    if rule == "per_replica":
+        size = tf.shape(tf.nest.flatten(shard[0])[0])[0]  # compute_average_loss's shape[0]
+        return size * towers
+    if rule == "global":
+        return divisor
+    constant = float(rule)
+    if constant.is_integer():
+        return tf.constant(int(constant), tf.int32)
+    return tf.constant(constant, tf.float32)
 
 
 def per_example_loss(

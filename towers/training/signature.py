@@ -34,7 +34,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from towers.guard.contract import algorithm_name
+from towers.allreduce.machinery.reducer import algorithm_name
 from towers.guard.errors import CheckpointError
 from towers.training.protocol import Trainer
 

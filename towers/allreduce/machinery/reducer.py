@@ -13,10 +13,17 @@ their indices and values gathered in tower order, as MirroredStrategy does — o
 densified and all-reduced with the per-tensor algorithm (``sparse="densify"``).
 :func:`as_reducer` folds these cases into one object, so the step calls
 ``reducer.reduce_gradients(grads)`` and nothing else.
+
+What an algorithm returns is checked against the contract when the step is traced
+(:func:`check_outputs`: as many outputs as inputs, output ``i`` with input ``i``'s shape,
+dtype and device). The check reads static properties only, so it adds no op to the graph;
+without it a wrong device is silently accepted and a wrong shape fails deep inside the
+optimizer. Every error is an ``AlgorithmError`` naming the algorithm, tower and variable.
 """
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -31,10 +38,11 @@ from towers.allreduce.machinery.base import (
 )
 from towers.allreduce.machinery.sparse import densify, gather_indexed_slices, to_dense
 from towers.allreduce.naive import naive
+from towers.devices import canonical_device
 from towers.guard.arguments import check_choice
-from towers.guard.contract import check_outputs, check_rows
+from towers.guard.errors import AlgorithmError
 
-__all__ = ["SPARSE", "StepReducer", "as_reducer"]
+__all__ = ["SPARSE", "StepReducer", "algorithm_name", "as_reducer", "check_outputs", "check_rows"]
 
 # id(reducer) -> (the reducer, the first variable it was built for), both weakly held
 _OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
@@ -48,7 +56,7 @@ def _reduce_one(
 ) -> list:
     """One variable's gradients, one per tower, through ``fn`` (sparse ones as ``sparse`` says).
 
-    What ``fn`` returns is checked against the contract (:mod:`towers.guard.contract`).
+    What ``fn`` returns is checked against the contract (:func:`check_outputs`).
     """
     if isinstance(values[0], tf.IndexedSlices):
         devices = check_values(values, "sum")
@@ -223,3 +231,83 @@ def as_reducer(algorithm: AllReduce | GradientReducer, *, sparse: str = "gather"
         return StepReducer(algorithm, naive, sparse)
     return StepReducer(None, algorithm, sparse)
 
+
+def algorithm_name(algorithm: Any) -> str:
+    """A name to put in an error: the registry name, ``__name__``, or the type's name."""
+    while isinstance(algorithm, functools.partial):
+        algorithm = algorithm.func
+    for attribute in ("name", "__name__"):
+        name = getattr(algorithm, attribute, None)
+        if isinstance(name, str) and name:
+            return name
+    return type(algorithm).__name__
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, tf.IndexedSlices):
+        value = value.values
+    device = canonical_device(value.device) or "(none)"
+    return f"shape {value.shape}, dtype {value.dtype.name}, device {device!r}"
+
+
+def check_outputs(
+    algorithm: Any, values: Sequence[Any], outputs: Any, variable: str = "a value"
+) -> list[Any]:
+    """``outputs`` as a list when they keep the contract for ``values``; else raise.
+
+    Args:
+        algorithm: the algorithm (for its name in the message).
+        values: its inputs, one per tower.
+        outputs: what it returned.
+        variable: which variable's gradient this was (for the message).
+
+    Raises:
+        AlgorithmError: not a list of as many tensors as inputs, or output ``i`` with a
+            shape, dtype or device other than input ``i``'s.
+    """
+    name = algorithm_name(algorithm)
+    if isinstance(outputs, (tf.Tensor, tf.IndexedSlices)) or not isinstance(outputs, Sequence):
+        raise AlgorithmError(name, None, variable, f"a list of {len(values)} tensors",
+                             f"{type(outputs).__name__}")  # fmt: skip
+    if len(outputs) != len(values):
+        raise AlgorithmError(name, None, variable, f"{len(values)} outputs (one per tower)",
+                             f"{len(outputs)}")  # fmt: skip
+    for tower, (value, out) in enumerate(zip(values, outputs)):
+        expected = _describe(value)
+        if not isinstance(out, (tf.Tensor, tf.Variable, tf.IndexedSlices)):
+            raise AlgorithmError(name, tower, variable, f"a tensor with {expected}",
+                                 f"{type(out).__name__}")  # fmt: skip
+        want, got = (v.values if isinstance(v, tf.IndexedSlices) else v for v in (value, out))
+        same = (
+            want.dtype == got.dtype
+            and want.shape.is_compatible_with(got.shape)
+            and got.shape.rank == want.shape.rank
+            and canonical_device(got.device) == canonical_device(want.device)
+        )
+        if not same:
+            raise AlgorithmError(name, tower, variable, expected, _describe(out))
+    return list(outputs)
+
+
+def check_rows(
+    algorithm: Any, grads: Sequence[Sequence[Any]], rows: Any, variables: Sequence[str]
+) -> list[list[Any]]:
+    """The contract for a ``GradientReducer``: ``rows[tower][var]`` like ``grads``.
+
+    Raises:
+        AlgorithmError: a wrong number of rows (towers) or of gradients in a row, or
+            an output that :func:`check_outputs` refuses.
+    """
+    name = algorithm_name(algorithm)
+    if not isinstance(rows, Sequence) or len(rows) != len(grads):
+        got = len(rows) if isinstance(rows, Sequence) else type(rows).__name__
+        raise AlgorithmError(name, None, "every variable", f"{len(grads)} rows (one per tower)",
+                             str(got))  # fmt: skip
+    for tower, row in enumerate(rows):
+        if not isinstance(row, Sequence) or len(row) != len(grads[tower]):
+            got = len(row) if isinstance(row, Sequence) else type(row).__name__
+            raise AlgorithmError(name, tower, "every variable",
+                                 f"{len(grads[tower])} gradients", str(got))  # fmt: skip
+    for j, variable in enumerate(variables):
+        check_outputs(algorithm, [g[j] for g in grads], [row[j] for row in rows], variable)
+    return [list(row) for row in rows]

@@ -17,7 +17,7 @@ import tensorflow as tf
 import towers
 from tests.conftest import DEVICES
 from towers.allreduce import naive
-from towers.guard.contract import algorithm_name
+from towers.allreduce.machinery.reducer import algorithm_name
 from towers.guard.errors import AlgorithmError
 from towers.testing import OPTIMIZERS, ModelSpec, loss_fn
 
