@@ -122,7 +122,7 @@ Algorithm = str | Callable[[int], Schedule]
 
 
 def _device(x: tf.Tensor, what: str) -> str:
-    """``x``'s canonical device, or an error naming ``what`` (``shards[2]``, ``value``)."""
+    """``x``'s canonical device, or an error naming ``what``."""
     device = canonical_device(x.device)
     if not device:
         raise ValueError(f"{what} has no device: create it under tf.device(...) (inside "
