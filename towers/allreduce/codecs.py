@@ -132,8 +132,7 @@ class Codec(Protocol):
 
 
 def rounding(k: int, abs_sum: Any, dtype: Any = "float32") -> np.ndarray:
-    """``γ_k·abs_sum``: ``k`` roundings of ``dtype``'s unit roundoff
-    (:mod:`towers.allreduce.machinery.rounding`), as float64."""
+    """``γ_k·abs_sum`` in float64: ``k`` roundings of ``dtype``'s unit roundoff."""
     return gamma(k, dtype) * np.asarray(abs_sum, np.float64)
 
 
@@ -251,8 +250,9 @@ class TopK:
         return self.count(int(tf.TensorShape(shape).num_elements())) * (4 + tf.as_dtype(dtype).size)
 
     def error_bound(self, abs_sum: Any, towers: int, depth: int) -> np.ndarray:
-        """``Δ = g + r`` rounds once; the split of ``Δ`` is exact; the scatter-adds in
-        tower order round at most ``towers − 1`` times: ``γ_towers·Σ(|g_t| + |r_t|)``."""
+        """``Δ = g + r`` rounds once, the split is exact, the scatter-adds round ``towers − 1``
+        times: ``γ_towers·Σ(|g_t| + |r_t|)``.
+        """
         return rounding(towers, abs_sum)
 
     def decode(

@@ -23,9 +23,7 @@ schedules (:func:`~towers.allreduce.machinery.registry.from_schedule`); the sche
 drawn in :mod:`towers.schedule.collectives`.
 
 Example:
-    >>> shards = reduce_scatter(values, algorithm="halving", op="sum")   # doctest: +SKIP
-    >>> full = all_gather(shards, algorithm="doubling")                   # doctest: +SKIP
-    >>> copies = broadcast(x, devices, root=2, algorithm="chain")         # doctest: +SKIP
+    >>> full = all_gather(reduce_scatter(values, algorithm="halving"))   # doctest: +SKIP
 """
 
 from __future__ import annotations
