@@ -1,10 +1,9 @@
 """All-reduce algorithms built by hand from explicit cross-device copies.
 
-The registry :data:`ALGORITHMS` maps a name to its :class:`Record` (``registry.py``:
-the one record shape, shared with :data:`COLLECTIVE_ALGORITHMS`, :data:`CODECS` and
-``towers.placement.PLACEMENTS``); ``ALGORITHMS[name]()`` builds the algorithm with its
-default settings. Each algorithm module registers itself in its last line. :func:`all_reduce` is the
-convenient entry point; :func:`get` resolves a name or passes a callable through.
+:data:`ALGORITHMS` maps a name to its :class:`Record` (``registry.py``); ``ALGORITHMS[name]()``
+builds it with its default settings; each algorithm module registers itself in its last
+line. :func:`all_reduce` is the entry point; :func:`get` resolves a name or passes a
+callable through.
 """
 
 from __future__ import annotations

@@ -52,6 +52,7 @@ __all__ = [
     "topk",
 ]
 
+
 @dataclasses.dataclass(frozen=True)
 class Wire:
     """All a codec may use to talk to the other towers during one step: the dense
@@ -64,7 +65,6 @@ class Wire:
 
     @property
     def towers(self) -> int:
-        """The tower count."""
         return len(self.devices)
 
     def all_reduce(self, values: Sequence[tf.Tensor]) -> list[tf.Tensor]:
@@ -101,11 +101,9 @@ class Wire:
 class Codec(Protocol):
     """The contract of a codec: how one variable's per-tower gradients become one sum.
 
-    **State.** One tower's state for one variable is a tuple of tensors (a ``NamedTuple``
-    reads best; ``()`` when stateless). ``Compressed`` keeps one copy per tower in
-    variables on that tower's device, with the shapes and dtypes ``init`` gave them
-    (they never change), checkpoints them, and hands them back to ``reduce`` as the same
-    tuple type. A step that is not applied (skipped, overflowed) leaves them untouched.
+    **State.** One tower's state for one variable is a tuple of tensors (``()`` when
+    stateless); ``Compressed`` keeps it in variables on that tower's device (shapes and
+    dtypes fixed by ``init``), checkpoints it and hands it back to ``reduce``.
 
     **Error feedback.** A state field named ``residual`` (the variable's shape) is what a
     tower has not sent yet. A codec keeps the invariant, for every element, with ``r``
@@ -113,12 +111,10 @@ class Codec(Protocol):
 
         output + Σ_t r'_t  ==  Σ_t (g_t + r_t)        within error_bound(Σ_t |g_t| + |r_t|)
 
-    so nothing is lost, only delayed. Without a residual it reads ``output == Σ_t g_t``.
-
-    Optional formulas that :func:`towers.testing.check_codec` checks when present:
-    ``payload_bytes(shape, dtype) -> int`` (bytes one tower hands the :class:`Wire` for
-    one variable in one step) and ``error_bound(abs_sum, towers, depth) -> ndarray``
-    (the invariant's rounding, element-wise, float64).
+    Without a residual it reads ``output == Σ_t g_t``. Optional formulas that
+    :func:`towers.testing.check_codec` checks: ``payload_bytes(shape, dtype) -> int``
+    (bytes one tower hands the :class:`Wire` per variable and step) and
+    ``error_bound(abs_sum, towers, depth) -> ndarray`` (the invariant's rounding, float64).
     """
 
     def init(self, shape: tf.TensorShape, dtype: tf.DType, key: int) -> tuple[Any, ...]:
@@ -136,8 +132,7 @@ class Codec(Protocol):
 
 
 def rounding(k: int, abs_sum: Any, dtype: Any = "float32") -> np.ndarray:
-    """``γ_k·abs_sum``: ``k`` roundings of ``dtype``'s unit roundoff
-    (:mod:`towers.allreduce.machinery.rounding`), as float64."""
+    """``γ_k·abs_sum`` in float64: ``k`` roundings of ``dtype``'s unit roundoff."""
     return gamma(k, dtype) * np.asarray(abs_sum, np.float64)
 
 
@@ -255,8 +250,9 @@ class TopK:
         return self.count(int(tf.TensorShape(shape).num_elements())) * (4 + tf.as_dtype(dtype).size)
 
     def error_bound(self, abs_sum: Any, towers: int, depth: int) -> np.ndarray:
-        """``Δ = g + r`` rounds once; the split of ``Δ`` is exact; the scatter-adds in
-        tower order round at most ``towers − 1`` times: ``γ_towers·Σ(|g_t| + |r_t|)``."""
+        """``Δ = g + r`` rounds once, the split is exact, the scatter-adds round ``towers − 1``
+        times: ``γ_towers·Σ(|g_t| + |r_t|)``.
+        """
         return rounding(towers, abs_sum)
 
     def decode(
@@ -296,13 +292,7 @@ def bf16() -> Cast:
 
 
 def topk(ratio: float = 0.01) -> TopK:
-    """Send the largest ``ratio`` of each gradient's entries, with error feedback.
-
-    Args:
-        ratio: the fraction of entries each tower sends, in (0, 1].
-
-    Raises:
-        ValueError: ``ratio`` outside (0, 1].
+    """Send the largest ``ratio`` (in (0, 1]) of each gradient's entries, with error feedback.
 
     Example:
         >>> reducer = compressed("naive", topk(0.1))   # doctest: +SKIP

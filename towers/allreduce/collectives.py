@@ -23,9 +23,7 @@ schedules (:func:`~towers.allreduce.machinery.registry.from_schedule`); the sche
 drawn in :mod:`towers.schedule.collectives`.
 
 Example:
-    >>> shards = reduce_scatter(values, algorithm="halving", op="sum")   # doctest: +SKIP
-    >>> full = all_gather(shards, algorithm="doubling")                   # doctest: +SKIP
-    >>> copies = broadcast(x, devices, root=2, algorithm="chain")         # doctest: +SKIP
+    >>> full = all_gather(reduce_scatter(values, algorithm="halving"))   # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -122,7 +120,7 @@ Algorithm = str | Callable[[int], Schedule]
 
 
 def _device(x: tf.Tensor, what: str) -> str:
-    """``x``'s canonical device, or an error naming ``what`` (``shards[2]``, ``value``)."""
+    """``x``'s canonical device, or an error naming ``what``."""
     device = canonical_device(x.device)
     if not device:
         raise ValueError(f"{what} has no device: create it under tf.device(...) (inside "

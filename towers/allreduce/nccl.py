@@ -38,6 +38,7 @@ References:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import tensorflow as tf
@@ -200,7 +201,7 @@ def _record_estimates(values: Sequence[tf.Tensor]) -> None:
         record_estimate(v.device, dst, round(per_tower[i]), note=f"{len(values)}-way collective")
 
 
-def _factory(body: Body, name: str, timeout_seconds: float | None) -> AllReduce:
+def _factory(body: Body, name: str, timeout_seconds: float | None = None) -> AllReduce:
     if timeout_seconds is not None:
         positive_float("timeout_seconds", timeout_seconds)
 
@@ -213,33 +214,17 @@ def _factory(body: Body, name: str, timeout_seconds: float | None) -> AllReduce:
     return differentiable(all_reduce)  # TensorFlow has no gradient for collective ops
 
 
-def _build_nccl(timeout_seconds: float | None = None) -> AllReduce:
-    return _factory(_nccl_body, "nccl", timeout_seconds)
-
-
-def _build_ring(timeout_seconds: float | None = None) -> AllReduce:
-    return _factory(_ring_body, "nccl_ring", timeout_seconds)
-
-
-def _build_tree(timeout_seconds: float | None = None) -> AllReduce:
-    return _factory(_tree_body, "nccl_tree", timeout_seconds)
-
-
 def nccl(timeout_seconds: float | None = None) -> Configured:
     """Build the all-reduce that calls one ``all_reduce_v2`` per tower (raw NCCL on real GPUs).
 
-    Args:
-        timeout_seconds: per-op timeout (default :data:`TIMEOUT_SECONDS`, read at call time);
-            the raw ``nccl_ops`` path has no timeout parameter.
+    ``timeout_seconds``: per-op timeout (default :data:`TIMEOUT_SECONDS`, read at call time;
+    the raw ``nccl_ops`` path has none).
 
     Raises:
-        ValueError: ``timeout_seconds`` not positive; when called, bad values (see
-            ``check_values``) or a shape that is not fully defined.
-        tf.errors.DeadlineExceededError: a peer did not join within the timeout
-            (this aborts every later collective in the process).
-
-    Example:
-        >>> outs = nccl(timeout_seconds=10)(values, op="mean")   # doctest: +SKIP
+        ValueError: ``timeout_seconds`` not positive; when called, bad values or a shape
+            that is not fully defined.
+        tf.errors.DeadlineExceededError: a peer did not join within the timeout (this
+            aborts every later collective in the process).
     """
     return NCCL(timeout_seconds=timeout_seconds)
 
@@ -274,12 +259,10 @@ def _estimate(
 
 
 def _ring_depth(n: int, timeout_seconds: float | None = None) -> int:
-    """A ring on CPU (nccl), rows added in rank order (nccl_ring): n − 1."""
     return max(n - 1, 0)
 
 
 def _tree_depth(n: int, timeout_seconds: float | None = None) -> int:
-    """Binomial levels: ⌈log2 n⌉."""
     return (n - 1).bit_length()
 
 
@@ -298,6 +281,8 @@ def _record(name: str, build: Callable[..., AllReduce], depth: Any, cost: Any) -
                      replayable=False)
 
 
-NCCL = register(_record("nccl", _build_nccl, _ring_depth, _ring_cost))
-NCCL_RING = register(_record("nccl_ring", _build_ring, _ring_depth, _ring_cost))
-NCCL_TREE = register(_record("nccl_tree", _build_tree, _tree_depth, _tree_cost))
+NCCL = register(_record("nccl", partial(_factory, _nccl_body, "nccl"), _ring_depth, _ring_cost))
+NCCL_RING = register(_record("nccl_ring", partial(_factory, _ring_body, "nccl_ring"),
+                             _ring_depth, _ring_cost))
+NCCL_TREE = register(_record("nccl_tree", partial(_factory, _tree_body, "nccl_tree"),
+                             _tree_depth, _tree_cost))

@@ -163,17 +163,12 @@ def powersgd(rank: int = 1, warm_start: bool = True, seed: int = 0,
              min_compression_rate: float = 2.0) -> PowerSGD:
     """Rank-``rank`` PowerSGD with error feedback (Vogels et al. 2019).
 
-    Args:
-        rank: the approximation rank r, at least 1.
-        warm_start: reuse last step's reduced ``Q`` (else draw a fresh one each step).
-        seed: the seed every tower draws the first ``Q`` from.
-        min_compression_rate: compress a matrix only if it shrinks by more than this.
+    ``warm_start`` reuses last step's reduced ``Q`` (else a fresh draw each step); ``seed``
+    is what every tower draws the first ``Q`` from; a matrix is compressed only if it
+    shrinks by more than ``min_compression_rate``.
 
     Raises:
         ValueError: ``rank`` < 1 or not an int, or ``min_compression_rate`` < 1.
-
-    Example:
-        >>> reducer = compressed("ring", powersgd(2))   # doctest: +SKIP
     """
     rank = positive_int("rank", rank)
     if not min_compression_rate >= 1:

@@ -8,22 +8,15 @@ it *complete* (all ``n`` contributions), the others nothing. A tick reads every 
 it was when the tick began. The rules, checked step by step:
 
 1. a step names towers and chunks in range, and no tower sends to itself;
-2. **send before receipt**: a ``reduce`` sends a chunk its source holds; a
-   ``copy`` sends a chunk its source holds *complete* (a copy replaces the
-   destination's slot, so anything less forwards a chunk before all of it arrived);
-3. **double count**: a ``reduce`` never adds a contribution the destination
-   already has;
+2. **send before receipt**: a ``reduce`` sends a chunk its source holds; a ``copy``
+   one its source holds *complete* (a copy replaces the destination's slot);
+3. **double count**: a ``reduce`` never adds a contribution the destination has;
 4. a ``copy`` is the only write to its slot in its tick;
 5. at the end (**dropped chunk**): every tower holds every chunk complete, in one
    summation tree per chunk (outputs agree bitwise); ``reduce_scatter``: each owner.
 
 :func:`check_schedule` reports the smallest failing ``n``, the first tick that breaks a
-rule and the state at that tick, drawn.
-
-Example:
-    >>> report = check_schedule(ring_schedule)           # n = 1 .. 64
-    >>> report.ok, report.failure
-    (True, None)
+rule and the state at that tick, drawn (``check_schedule(ring_schedule).ok``).
 """
 
 from __future__ import annotations
@@ -49,8 +42,7 @@ MAX_DRAWN = 12  # towers / chunks drawn in full; beyond, the ones involved and t
 
 
 def when(tick: int | None, end: bool = False) -> str:
-    """How a failure's place is named: ``tick t`` for a step, the state *after* the last
-    tick for the end (``tick`` = ``num_ticks`` there), ``the generator`` for None."""
+    """How a failure's place is named: ``tick t``, the end state, or ``the generator`` (None)."""
     if tick is None:
         return "the generator"
     if not end:
@@ -59,8 +51,7 @@ def when(tick: int | None, end: bool = False) -> str:
 
 
 class ScheduleError(ValueError):
-    """A schedule broke a rule: ``tick`` (``num_ticks`` for the end state, then ``end`` is
-    True), why, the state drawn."""
+    """A schedule broke a rule at ``tick`` (``num_ticks`` and ``end`` for the end state)."""
 
     def __init__(self, tick: int, message: str, drawing: str, *, end: bool = False) -> None:
         super().__init__(f"{when(tick, end)}: {message}")
@@ -246,23 +237,19 @@ def summation_depths(schedule: Schedule) -> tuple[int, ...]:
 
 
 def summation_depth(schedule: Schedule) -> int:
-    """The most additions any result element goes through.
-
-    Example:
-        >>> summation_depth(ring_schedule(8))
-        7
-    """
+    """The most additions any result element goes through."""
     return max(summation_depths(schedule))
 
 
 class Failure(NamedTuple):
-    """The first broken rule: at ``n`` towers, ``tick`` (None: the generator failed)."""
+    """The first broken rule: at ``n`` towers, ``tick`` (None: the generator failed; ``end``:
+    the end state failed, ``tick`` = num_ticks)."""
 
     n: int
     tick: int | None
     message: str
     drawing: str
-    end: bool = False  # the end state failed (after the last tick; ``tick`` = num_ticks)
+    end: bool = False
 
 
 @dataclasses.dataclass(frozen=True, repr=False)

@@ -13,18 +13,10 @@ gradient of output ``i``; ``x_j``: tower ``j``'s value; ``y``: the reduction)::
     max, min   Σ_i dy_i · [x_j = y] / #{k : x_k = y}     all-reduce sum of (dy, [x = y])
     product    Σ_i dy_i · Π_{k≠j} x_k                    all-reduce sum of (x in row k, dy)
 
-``max``/``min`` follow ``tf.reduce_max``'s gradient over the stacked towers: the summed
-upstream gradient goes to the tower holding the extreme, split evenly between tied
-towers. (The hand-built algorithms differentiate their ``tf.maximum`` pairs instead:
-without ties the same; with ties the whole of it goes to one tied tower, the one the
-first ``tf.maximum`` to meet the tie keeps.) ``product`` follows ``tf.reduce_prod``'s:
-the other towers' product as exclusive cumulative products from both ends (no division,
-so a zero is fine); its backward all-reduce carries every tower's value (n times the
-data). Integer values have no gradient.
-
-In a graph, ``tf.custom_gradient`` joins every tower's output in one ``IdentityN``
-op: between logical CPU devices that passes pointers; on GPUs it would copy each
-output through one device.
+``max``/``min`` follow ``tf.reduce_max``'s gradient over the stacked towers (tied towers
+split it; the hand-built algorithms' ``tf.maximum`` pairs give it to one). ``product``
+follows ``tf.reduce_prod``'s (exclusive cumulative products: a zero is fine). Integer
+values have no gradient.
 """
 
 from __future__ import annotations
@@ -39,15 +31,8 @@ __all__ = ["differentiable"]
 
 
 def differentiable(algorithm: AllReduce) -> AllReduce:
-    """Wrap ``algorithm`` (any all-reduce) so that a ``tf.GradientTape`` passes through it.
-
-    The backward pass calls ``algorithm`` itself on the upstream gradients (see the
-    module docstring for the rule per op).
-
-    Example:
-        >>> fn = differentiable(my_opaque_all_reduce)          # doctest: +SKIP
-        >>> with tf.GradientTape() as tape:                     # doctest: +SKIP
-        ...     outs = fn(values, op="mean")
+    """Wrap ``algorithm`` (any all-reduce) so that a ``tf.GradientTape`` passes through it; the
+    backward pass calls ``algorithm`` itself on the upstream gradients.
     """
 
     def all_reduce(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:

@@ -5,8 +5,7 @@ travel as one tensor and are combined by one op.
 
     tower's buffer  [chunks, L]   rows = chunks (pad_rows: zero padding at the end)
          │ tick t, src → dst: the small chunks src sends dst (kind, state alike);
-         │ a large chunk travels alone (a row of one tensor: packing it copies
-         │ nothing)
+         │ a large chunk travels alone (a row of one tensor: packing it copies nothing)
          ▼
     pack: consecutive rows of one tensor → one slice (a view: no copy);
           small rows anywhere → one gather (a copy cheaper than an op per chunk)
@@ -15,15 +14,9 @@ travel as one tensor and are combined by one op.
     dst: combine(received [k, L], pack(own rows) [k, L])   one op → a new [k, L] tensor,
          whose rows are the k slots from now on
 
-At the end :func:`assemble` writes each tower's output from its rows — once in all where
-the towers share one memory, as their finished rows are the same bits.
-
-A :class:`Row` is ``(tensor, row)``; nothing is cut into per-chunk tensors until a caller
-asks for one (:func:`materialize`). Every element goes through exactly the ``combine`` and
-``finish`` it went through chunk by chunk, in the same order, so results are bitwise the
-same. Below :data:`FUSE_BELOW` bytes a chunk, the graph holds a fixed number of ops per
-message ``(tick, src, dst)`` instead of per chunk; above it every chunk is a message of its
-own, as chunk by chunk.
+A :class:`Row` is ``(tensor, row)``; nothing is cut into per-chunk tensors until asked
+(:func:`materialize`). Every element goes through exactly the ``combine`` and ``finish``
+it went through chunk by chunk, in the same order: results are bitwise the same.
 """
 
 from __future__ import annotations
@@ -50,11 +43,8 @@ class Row(NamedTuple):
 
 
 def pad_rows(x: tf.Tensor, pieces: int) -> tuple[tf.Tensor, tuple[int, ...], int]:
-    """``x`` flattened, zero-padded and viewed as ``[pieces, ⌈size/pieces⌉]``.
-
-    Returns:
-        ``(rows, shape, size)``: the 2-D tensor on ``x``'s device, ``x``'s shape and
-        element count (``x`` needs a fully defined static shape; the caller checks).
+    """``(rows, shape, size)``: ``x`` (static shape) flattened, zero-padded and viewed as
+    ``[pieces, ⌈size/pieces⌉]`` on its device, with its shape and element count.
     """
     shape = tuple(int(d) for d in x.shape)
     size = int(x.shape.num_elements())
@@ -138,9 +128,8 @@ def small(r: Row) -> bool:
 def pack(rows: Sequence[Row | None]) -> tf.Tensor:
     """The rows as one ``[len(rows), L]`` tensor, under the caller's device scope.
 
-    Consecutive rows of one tensor become one slice (all of it: the tensor itself, no
-    copy); other rows of one tensor one gather when they are :func:`small`, else one
-    slice per consecutive run; the parts are concatenated.
+    Consecutive rows of one tensor become one slice (the whole tensor: no copy); other rows
+    one gather when :func:`small`, else one slice per run; the parts are concatenated.
 
     Raises:
         ValueError: an empty slot (None) among the rows: a proved schedule never sends one.
@@ -198,8 +187,8 @@ def materialize(r: Row, shape: Sequence[int]) -> tf.Tensor:
 
 def assemble(held: Sequence[Sequence[tf.Tensor]], devices: Sequence[str],
              build: Callable[[int], tf.Tensor]) -> list[tf.Tensor]:
-    """Every tower's output from the finished chunks it holds: ``build(tower)`` on its
-    device — once, where the towers share one memory.
+    """Every tower's output from the finished chunks it holds: ``build(tower)`` on its device
+    — once, where the towers share one memory.
 
     ::
 
@@ -207,16 +196,9 @@ def assemble(held: Sequence[Sequence[tf.Tensor]], devices: Sequence[str],
         one memory (CPUs):    tower 0: out = build(0)          one S-byte write in all
                               tower i: out_i = out, after every chunk of held[i] arrived
 
-    After an all-reduce every tower holds the same finished chunks, bitwise (copies carry
-    them), and between logical CPUs a copy passes a pointer: n concatenations would write
-    n identical buffers. Tower ``i``'s output still waits for its own chunks (a control
-    dependency), so every send of the schedule runs and nothing is pruned; naive's one
-    sum is shared the same way.
-
-    Args:
-        held: ``held[tower]``: the tensors tower ``tower``'s output is built from.
-        devices: one device per tower.
-        build: tower -> its output, traced under that tower's device.
+    The finished chunks are bitwise the same on every tower, and between logical CPUs a
+    copy passes a pointer; tower ``i``'s output still waits for its own chunks (a control
+    dependency), so no send of the schedule is pruned.
     """
     shared = one_memory(devices)
     outputs: list[tf.Tensor] = []

@@ -113,10 +113,8 @@ class Transfer:
 
 @dataclasses.dataclass
 class Recorder:
-    """The transfers seen inside one :func:`record` block.
-
-    ``sources[i]`` (only with ``follow_data``, else None): the indices of the nearest
-    earlier transfers whose received tensor transfer ``i``'s tensor was computed from.
+    """The transfers seen inside one :func:`record` block; ``sources[i]`` (``follow_data``):
+    the nearest earlier transfers whose received tensor transfer ``i``'s was computed from.
     """
 
     transfers: list[Transfer] = dataclasses.field(default_factory=list)
@@ -200,16 +198,9 @@ def record(*, follow_data: bool = False) -> Iterator[Recorder]:
 
 @contextlib.contextmanager
 def tick_offset(k: int) -> Iterator[int]:
-    """Add ``k`` to the tick of every :func:`send` inside the block (nested offsets add up).
-
-    A composite algorithm's parts each number their ticks from 0; shifting a later
-    phase keeps the recorded schedule sequential (only labels change, never data).
-
-    Yields:
-        The total offset now in effect.
-
-    Raises:
-        TypeError: ``k`` is not an int.
+    """Add ``k`` (an int) to the tick of every :func:`send` inside the block (nested offsets
+    add up), so a composite algorithm's later phase follows the earlier one in the recorded
+    schedule (only labels change, never data); yields the total offset in effect.
     """
     if isinstance(k, bool) or not isinstance(k, int):
         raise TypeError(f"tick offset must be an int, got {type(k).__name__}")

@@ -1,14 +1,9 @@
 """Sparse values (``tf.IndexedSlices``): gather indices and values in tower order.
 
-An Embedding's gradient is an ``IndexedSlices`` whose indices may repeat. Summing
-sparse gradients is done by concatenation: tower 0's rows, then tower 1's, and
-so on, duplicates kept. This is exactly what ``MirroredStrategy`` does (it
-all-gathers indices and values), and it matters: Keras 3's Adam applied to
-duplicated rows is not the same math as Adam applied to their dense sum (see
-docs/architecture.md), so densifying would break equivalence. :func:`densify` is there for
-callers who want the dense sum instead.
-
-Schedule (n towers; each tower sends its slices to every other tower)::
+An Embedding's gradient is an ``IndexedSlices`` whose indices may repeat; summing is
+concatenation, tower 0's rows first, duplicates kept, as ``MirroredStrategy`` does
+(Keras 3's Adam on duplicated rows is not Adam on their dense sum, so densifying would
+break equivalence; :func:`densify` is there for callers who want the dense sum)::
 
     tower:   0        1        2
     has:    s0       s1       s2

@@ -152,14 +152,12 @@ def broadcast_send_recv(
 
 def all_to_all(rows: Sequence[tf.Tensor], devices: Sequence[str], timeout: float
                ) -> list[tf.Tensor]:
-    """``rows[i]`` (``[n, chunk]`` on ``devices[i]``) sends its row ``j`` to rank ``j``;
-    output ``i`` holds, in rank order, the row each rank sent to tower ``i``'s rank.
+    """``rows[i]`` (``[n, chunk]`` on ``devices[i]``) sends its row ``j`` to rank ``j``
+    (:func:`ranks`); output ``i`` holds, in rank order, the rows sent to its rank.
 
-    Ranks are TensorFlow's (:func:`ranks`). Up to
-    :data:`MAX_ALL_TO_ALL` ranks this is one ``all_to_all_v2`` per tower; above, the
-    pairs exchange their rows by broadcast send/recv in a round-robin tournament
-    (:func:`_pairings`): each round a matching, each device in one pair per round, so
-    every device meets its peers in the same order and the rounds run in parallel.
+    Up to :data:`MAX_ALL_TO_ALL` ranks one ``all_to_all_v2`` per tower; above, the pairs
+    exchange rows by broadcast send/recv in a round-robin tournament (:func:`_pairings`),
+    every device meeting its peers in the same order.
     """
     n = len(devices)
     if n <= MAX_ALL_TO_ALL:
@@ -194,7 +192,7 @@ def all_to_all(rows: Sequence[tf.Tensor], devices: Sequence[str], timeout: float
 
 def ranks(devices: Sequence[str]) -> dict[str, int]:
     """Each device's rank in a collective, as TensorFlow orders a group: by job, task and
-    device index (so ``CPU:10`` comes after ``CPU:9``, not after ``CPU:1``).
+    device index (``CPU:10`` after ``CPU:9``).
 
     Example:
         >>> ranks(["/device:CPU:10", "/device:CPU:9"])
