@@ -38,8 +38,10 @@ from typing import Any
 
 import tensorflow as tf
 
-__all__ = ["CLIPS", "SEMANTICS", "check_constant", "check_semantics", "clip_share",
-           "tower_divisor", "unclipped"]
+from towers.allreduce.machinery.registry import record_of
+
+__all__ = ["CLIPS", "ORDERED_SUMS", "SEMANTICS", "check_constant", "check_semantics",
+           "clip_share", "in_mirrored_order", "mirrored_order", "tower_divisor", "unclipped"]
 
 SEMANTICS = ("one_device", "mirrored")
 """The values of ``semantics``."""
@@ -149,3 +151,52 @@ def unclipped(optimizer: Any) -> Iterator[None]:
     finally:
         for key, value in saved.items():
             setattr(optimizer, key, value)
+
+
+ORDERED_SUMS = ("naive", "parameter_device")
+"""The algorithms that add every tower's value in one sum, as ``ReductionToOneDevice``
+(MirroredStrategy) and ``CentralStorageStrategy`` do: ``"mirrored"`` adds in their order."""
+
+
+def mirrored_order(model_name: str, towers: int) -> list[int]:
+    """The order MirroredStrategy's sum adds its replicas' gradients in, for a model's name.
+
+    Replica 0's ops are named ``<model>/…``, replica ``i``'s ``replica_<i>/…``, and
+    Grappler's arithmetic optimizer sorts an ``AddN``'s inputs by name, so the sum adds
+    the replicas in the order of those names (measured on TF 2.21, 2 to 12 replicas)::
+
+        "my_model", 4 towers        0 1 2 3          ("my_model/" sorts first)
+        "sequential", 4 towers      1 2 3 0
+        "sequential", 12 towers     1 10 11 2 3 4 5 6 7 8 9 0
+
+    Example:
+        >>> mirrored_order("sequential", 4)
+        [1, 2, 3, 0]
+    """
+    names = [f"{model_name}/"] + [f"replica_{i}/" for i in range(1, towers)]
+    return sorted(range(towers), key=names.__getitem__)
+
+
+def in_mirrored_order(algorithm: Any, fn: Any, model_name: str, towers: int) -> Any:
+    """``fn`` adding the towers' values in :func:`mirrored_order`, each output still on its
+    own tower, when ``algorithm`` is one of :data:`ORDERED_SUMS`; else ``fn`` itself.
+
+    Args:
+        algorithm: the resolved ``all_reduce`` (its registry record is read).
+        fn: the per-tensor all-reduce the step calls (``algorithm``, maybe with a deadline).
+        model_name: the Keras model's ``name``.
+        towers: the number of towers.
+    """
+    record = record_of(algorithm)
+    order = mirrored_order(model_name, towers)
+    if record is None or record.name not in ORDERED_SUMS or order == sorted(order):
+        return fn
+
+    def mirrored_sum(values: list[Any], *, op: str = "sum") -> list[Any]:
+        outs = fn([values[i] for i in order], op=op)
+        back: list[Any] = [None] * len(order)
+        for k, i in enumerate(order):
+            back[i] = outs[k]
+        return back
+
+    return mirrored_sum
