@@ -1,8 +1,8 @@
 """``semantics``: what a step computes — one device's result, or MirroredStrategy's.
 
 towers' default, ``"one_device"``, is what one device computes on the whole batch.
-Keras 3 under ``MirroredStrategy`` differs from it in three observable ways, and
-``"mirrored"`` reproduces all three, so an equivalence test names its reference in one
+Keras 3 under ``MirroredStrategy`` differs from it in four observable ways, and
+``"mirrored"`` reproduces all four, so an equivalence test names its reference in one
 word::
 
                           "one_device" (default)            "mirrored"
@@ -14,6 +14,9 @@ word::
     gradient clipping     on the reduced gradient, as one   on each tower's share, before
     (clipnorm, clipvalue, device clips the whole gradient   the all-reduce (Keras 3 clips
     global_clipnorm)                                        in the replica's apply)
+    order of the sum      tower order                       the strategy's, by the ops'
+    (naive,                                                 names (:func:`mirrored_order`)
+    parameter_device)
 
     batch 10 over 4 towers: shards 3 3 3 1
     "one_device"  every tower ÷ 10
