@@ -42,7 +42,7 @@ from towers.guard.loss_scale import LossScale, is_loss_scaled
 from towers.guard.nonfinite import Guard, sums_exactly
 from towers.guard.options import TowerOptions
 from towers.guard.reduces import check_sums
-from towers.guard.semantics import check_semantics, clip_share, unclipped
+from towers.guard.semantics import check_semantics, clip_share, in_mirrored_order, unclipped
 from towers.placement import (
     PLACEMENTS,
     ModelLike,
@@ -134,6 +134,9 @@ class TowerTrainer:
         homes = self.placement.homes(self.devices, self.parameter_device)
         self.replicas: list[Replica] = self.placement.make_replicas(
             model, optimizer, homes, self.algorithm)
+        if o.semantics == "mirrored":  # the sum adds in MirroredStrategy's order
+            self.reducer.per_tensor = in_mirrored_order(
+                reducer, self.algorithm, self.model.name, len(self.devices))
         check_layers(self.model, self.optimizer, len(self.devices), self.placement.name, o.sparse)
         if not isinstance(self.loss_fn, OutputLosses) and len(
                 getattr(self.model, "output_names", None) or []) > 1:  # fmt: skip
