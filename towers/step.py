@@ -48,11 +48,11 @@ from towers.placement import (
     ModelLike,
     OptimizerLike,
     Replica,
+    Replicas,
     check_devices,
-    check_weights,
     get_placement,
+    place,
     read_weights,
-    variable_values,
 )
 from towers.split import Shards, shard_batch
 from towers.tower import Gradients, TowerResult, combine_non_trainable, empty_tower_step
@@ -131,9 +131,8 @@ class TowerTrainer:
         self.algorithm: Any = self.deadline.algorithm  # step_timeout bound where it takes one
         self.replica_check = ReplicaCheck(o.check_replicas_every)
         self.reducer = as_reducer(self.algorithm, sparse=self.sparse)
-        homes = self.placement.homes(self.devices, self.parameter_device)
-        self.replicas: list[Replica] = self.placement.make_replicas(
-            model, optimizer, homes, self.algorithm)
+        self.replicas: Replicas = place(self.placement, model, optimizer, self.devices,
+                                        self.parameter_device, self.algorithm)  # fmt: skip
         check_layers(self.model, self.optimizer, len(self.devices), self.placement.name, o.sparse)
         if not isinstance(self.loss_fn, OutputLosses) and len(
                 getattr(self.model, "output_names", None) or []) > 1:  # fmt: skip
@@ -300,7 +299,7 @@ class TowerTrainer:
             flag = self.loss_scale.finite(reduced.grads[0], grads_finite, self.parameter_device)
             reduced = reduced._replace(grads_finite=flag)
         with tf.name_scope("apply"):
-            self.guard.applied(self._state_variables(), functools.partial(
+            self.guard.applied(self.replicas.state_variables(self.reducer), functools.partial(
                 settled, reduced, self.apply))  # fmt: skip
         return reduced.loss
 
@@ -362,13 +361,6 @@ class TowerTrainer:
             self.reducer.build(self.model.trainable_variables, self.devices)
             self.compiled = CompiledStep(self)
 
-    def _state_variables(self) -> list[tf.Variable]:
-        """Every variable an update may change, each once (replicas' and reducer's)."""
-        found = [v for r in self.replicas for v in (*r.model.variables, *r.optimizer.variables)]
-        dense = self.reducer.dense
-        found += list(dense.variables) if isinstance(dense, tf.Module) else []
-        return list({id(v): v for v in found}.values())
-
     def across_processes(self, counts: tf.Tensor) -> tf.Tensor:
         """The guard's counts summed over every process stepping together (the hook a
         multi-process trainer overrides; here: this process alone)."""
@@ -408,22 +400,15 @@ class TowerTrainer:
 
     def get_weights(self) -> list[np.ndarray]:
         """The model's weights as NumPy arrays, in ``model.weights`` order."""
-        return variable_values(self.model.weights)
+        return self.replicas.get_weights()
 
     def set_weights(self, weights: Sequence[np.ndarray]) -> None:
-        """Set every replica's weights (``model.weights`` order), all or nothing.
-
-        Raises:
-            TypeError, ValueError: a wrong count, shape or dtype (naming the index).
-        """
-        arrays = check_weights(self.model.weights, weights)
-        for replica in self.replicas:
-            for variable, value in zip(replica.model.weights, arrays):
-                variable.assign(value)
+        """Set every replica's weights, all or nothing (:meth:`Replicas.set_weights`)."""
+        self.replicas.set_weights(weights)
 
     def replica_weights(self) -> list[list[np.ndarray]]:
         """Every replica's weights (one list per replica)."""
-        return [variable_values(r.model.weights) for r in self.replicas]
+        return self.replicas.weights()
 
 
 def _apply_gradients(optimizer: Any, grads: list[Any], variables: list[Any]) -> None:
