@@ -57,8 +57,8 @@ from towers.placement import (
 from towers.split import Shards, shard_batch
 from towers.tower import Gradients, TowerResult, combine_non_trainable, empty_tower_step
 from towers.tower import tower_step as run_tower
-from towers.training.keras_loss import LossFn, loss_divisor, resolve_loss, tower_divisor
-from towers.training.losses import OutputLosses, is_structured, reduction_of
+from towers.training.keras_loss import LossFn, loss_divisor, tower_divisor
+from towers.training.losses import bind_loss, reduction_of, step_loss
 from towers.training.sync import ReplicaCheck, TrainableWatch
 
 __all__ = ["PLACEMENTS", "Reduced", "StepStats", "TowerTrainer", "check_devices"]
@@ -110,9 +110,7 @@ class TowerTrainer:
         all_reduce = capabilities.default_all_reduce(self.placement.name, o.all_reduce)
         self.parameter_device = naming(
             "parameter_device", lambda: check_devices([o.parameter_device or self.devices[0]])[0])
-        if is_structured(loss):  # a loss per output (bound to the model's outputs below)
-            loss = OutputLosses(loss)
-        self.loss_fn = loss if isinstance(loss, OutputLosses) else resolve_loss(loss)
+        self.loss_fn = step_loss(loss)  # bound to the model's outputs below
         self.loss_reduction = reduction_of(loss)
         made = callable(optimizer) and not isinstance(optimizer, keras.optimizers.Optimizer)
         kind_of_optimizer = optimizer() if made else optimizer  # a factory: called to learn
@@ -134,12 +132,7 @@ class TowerTrainer:
         self.replicas: Replicas = place(self.placement, model, optimizer, self.devices,
                                         self.parameter_device, self.algorithm)  # fmt: skip
         check_layers(self.model, self.optimizer, len(self.devices), self.placement.name, o.sparse)
-        if not isinstance(self.loss_fn, OutputLosses) and len(
-                getattr(self.model, "output_names", None) or []) > 1:  # fmt: skip
-            self.loss_fn = OutputLosses(loss)  # one loss for every output, as Keras's
-        if isinstance(self.loss_fn, OutputLosses):
-            per_output = self.loss_fn
-            naming("loss", lambda: per_output.bind(self.model))
+        self.loss_fn = bind_loss(self.loss_fn, loss, self.model)
         self.reducer.build(self.model.trainable_variables, self.devices)
         self.loss_scale = LossScale(self.optimizer, self.model, o.reduce_dtype)
         if o.check_algorithm:  # a user's algorithm must sum (the registry's are proved)
