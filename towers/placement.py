@@ -48,6 +48,7 @@ __all__ = [
     "ParameterDevice",
     "Placement",
     "Replica",
+    "Replicas",
     "Replicated",
     "Sharded",
     "Update",
@@ -57,6 +58,7 @@ __all__ = [
     "get_placement",
     "make_replicas",
     "optimizer_state_bytes",
+    "place",
     "read_weights",
 ]
 
@@ -341,6 +343,47 @@ def make_replicas(
         opt = _new_optimizer(optimizer, variables, device, first=not replicas)
         replicas.append(Replica(device, made, opt))
     return replicas
+
+
+class Replicas(list[Replica]):
+    """A trainer's replicas (a list, replica 0 first) and the placement that made them."""
+
+    def __init__(self, replicas: list[Replica], placement: Placement) -> None:
+        super().__init__(replicas)
+        self.placement = placement
+
+    def get_weights(self) -> list[np.ndarray]:
+        """Replica 0's weights as NumPy arrays, in ``model.weights`` order."""
+        return variable_values(self[0].model.weights)
+
+    def set_weights(self, weights: Sequence[np.ndarray]) -> None:
+        """Set every replica's weights (``model.weights`` order), all or nothing.
+
+        Raises:
+            TypeError, ValueError: a wrong count, shape or dtype (naming the index).
+        """
+        arrays = check_weights(self[0].model.weights, weights)
+        for replica in self:
+            for variable, value in zip(replica.model.weights, arrays):
+                variable.assign(value)
+
+    def weights(self) -> list[list[np.ndarray]]:
+        """Every replica's weights (one list per replica)."""
+        return [variable_values(r.model.weights) for r in self]
+
+    def state_variables(self, reducer: Any) -> list[tf.Variable]:
+        """Every variable an update may change, each once (replicas' and reducer's)."""
+        found = [v for r in self for v in (*r.model.variables, *r.optimizer.variables)]
+        dense = reducer.dense
+        found += list(dense.variables) if isinstance(dense, tf.Module) else []
+        return list({id(v): v for v in found}.values())
+
+
+def place(placement: Placement, model: ModelLike, optimizer: OptimizerLike,
+          devices: Sequence[str], parameter_device: str, all_reduce: Any) -> Replicas:
+    """A trainer's replicas, made where ``placement`` puts them, all starting equal."""
+    homes = placement.homes(devices, parameter_device)
+    return Replicas(placement.make_replicas(model, optimizer, homes, all_reduce), placement)
 
 
 def optimizer_state_bytes(trainer: Any) -> list[int]:

@@ -48,17 +48,17 @@ from towers.placement import (
     ModelLike,
     OptimizerLike,
     Replica,
+    Replicas,
     check_devices,
-    check_weights,
     get_placement,
+    place,
     read_weights,
-    variable_values,
 )
 from towers.split import Shards, shard_batch
 from towers.tower import Gradients, TowerResult, combine_non_trainable, empty_tower_step
 from towers.tower import tower_step as run_tower
-from towers.training.keras_loss import LossFn, loss_divisor, resolve_loss, tower_divisor
-from towers.training.losses import OutputLosses, is_structured, reduction_of
+from towers.training.keras_loss import LossFn, loss_divisor, tower_divisor
+from towers.training.losses import bind_loss, reduction_of, step_loss
 from towers.training.sync import ReplicaCheck, TrainableWatch
 
 __all__ = ["PLACEMENTS", "Reduced", "StepStats", "TowerTrainer", "check_devices"]
@@ -110,9 +110,7 @@ class TowerTrainer:
         all_reduce = capabilities.default_all_reduce(self.placement.name, o.all_reduce)
         self.parameter_device = naming(
             "parameter_device", lambda: check_devices([o.parameter_device or self.devices[0]])[0])
-        if is_structured(loss):  # a loss per output (bound to the model's outputs below)
-            loss = OutputLosses(loss)
-        self.loss_fn = loss if isinstance(loss, OutputLosses) else resolve_loss(loss)
+        self.loss_fn = step_loss(loss)  # bound to the model's outputs below
         self.loss_reduction = reduction_of(loss)
         made = callable(optimizer) and not isinstance(optimizer, keras.optimizers.Optimizer)
         kind_of_optimizer = optimizer() if made else optimizer  # a factory: called to learn
@@ -131,19 +129,13 @@ class TowerTrainer:
         self.algorithm: Any = self.deadline.algorithm  # step_timeout bound where it takes one
         self.replica_check = ReplicaCheck(o.check_replicas_every)
         self.reducer = as_reducer(self.algorithm, sparse=self.sparse)
-        homes = self.placement.homes(self.devices, self.parameter_device)
-        self.replicas: list[Replica] = self.placement.make_replicas(
-            model, optimizer, homes, self.algorithm)
+        self.replicas: Replicas = place(self.placement, model, optimizer, self.devices,
+                                        self.parameter_device, self.algorithm)  # fmt: skip
         if o.semantics == "mirrored":  # the sum adds in MirroredStrategy's order
             self.reducer.per_tensor = in_mirrored_order(
                 reducer, self.algorithm, self.model.name, len(self.devices))
         check_layers(self.model, self.optimizer, len(self.devices), self.placement.name, o.sparse)
-        if not isinstance(self.loss_fn, OutputLosses) and len(
-                getattr(self.model, "output_names", None) or []) > 1:  # fmt: skip
-            self.loss_fn = OutputLosses(loss)  # one loss for every output, as Keras's
-        if isinstance(self.loss_fn, OutputLosses):
-            per_output = self.loss_fn
-            naming("loss", lambda: per_output.bind(self.model))
+        self.loss_fn = bind_loss(self.loss_fn, loss, self.model)
         self.reducer.build(self.model.trainable_variables, self.devices)
         self.loss_scale = LossScale(self.optimizer, self.model, o.reduce_dtype)
         if o.check_algorithm:  # a user's algorithm must sum (the registry's are proved)
@@ -303,7 +295,7 @@ class TowerTrainer:
             flag = self.loss_scale.finite(reduced.grads[0], grads_finite, self.parameter_device)
             reduced = reduced._replace(grads_finite=flag)
         with tf.name_scope("apply"):
-            self.guard.applied(self._state_variables(), functools.partial(
+            self.guard.applied(self.replicas.state_variables(self.reducer), functools.partial(
                 settled, reduced, self.apply))  # fmt: skip
         return reduced.loss
 
@@ -365,13 +357,6 @@ class TowerTrainer:
             self.reducer.build(self.model.trainable_variables, self.devices)
             self.compiled = CompiledStep(self)
 
-    def _state_variables(self) -> list[tf.Variable]:
-        """Every variable an update may change, each once (replicas' and reducer's)."""
-        found = [v for r in self.replicas for v in (*r.model.variables, *r.optimizer.variables)]
-        dense = self.reducer.dense
-        found += list(dense.variables) if isinstance(dense, tf.Module) else []
-        return list({id(v): v for v in found}.values())
-
     def across_processes(self, counts: tf.Tensor) -> tf.Tensor:
         """The guard's counts summed over every process stepping together (the hook a
         multi-process trainer overrides; here: this process alone)."""
@@ -411,22 +396,15 @@ class TowerTrainer:
 
     def get_weights(self) -> list[np.ndarray]:
         """The model's weights as NumPy arrays, in ``model.weights`` order."""
-        return variable_values(self.model.weights)
+        return self.replicas.get_weights()
 
     def set_weights(self, weights: Sequence[np.ndarray]) -> None:
-        """Set every replica's weights (``model.weights`` order), all or nothing.
-
-        Raises:
-            TypeError, ValueError: a wrong count, shape or dtype (naming the index).
-        """
-        arrays = check_weights(self.model.weights, weights)
-        for replica in self.replicas:
-            for variable, value in zip(replica.model.weights, arrays):
-                variable.assign(value)
+        """Set every replica's weights, all or nothing (:meth:`Replicas.set_weights`)."""
+        self.replicas.set_weights(weights)
 
     def replica_weights(self) -> list[list[np.ndarray]]:
         """Every replica's weights (one list per replica)."""
-        return [variable_values(r.model.weights) for r in self.replicas]
+        return self.replicas.weights()
 
 
 def _apply_gradients(optimizer: Any, grads: list[Any], variables: list[Any]) -> None:

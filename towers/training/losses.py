@@ -23,6 +23,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from towers.guard.inputs import naming
 from towers.training.keras_loss import (
     extra_axes,
     loss_reduction,
@@ -30,7 +31,7 @@ from towers.training.keras_loss import (
     resolve_loss,
 )
 
-__all__ = ["OutputLosses", "is_structured", "reduction_of"]
+__all__ = ["OutputLosses", "bind_loss", "is_structured", "reduction_of", "step_loss"]
 
 
 def is_structured(loss: Any) -> bool:
@@ -156,3 +157,26 @@ def _output_names(model: keras.Model) -> list[str]:
     except (AttributeError, ValueError):
         outputs = None
     return [f"output_{i}" for i in range(len(outputs))] if outputs else ["output_0"]
+
+
+def step_loss(loss: Any) -> Any:
+    """The step's loss before the model exists: one per output, or one resolved callable."""
+    if isinstance(loss, OutputLosses):
+        return loss
+    return OutputLosses(loss) if is_structured(loss) else resolve_loss(loss)
+
+
+def bind_loss(resolved: Any, loss: Any, model: keras.Model) -> Any:
+    """``resolved`` bound to ``model``'s outputs (one ``loss`` for every output, as Keras's,
+    when a model with several outputs was given one).
+
+    Raises:
+        ValueError: the losses do not match the model's outputs (naming ``loss``).
+    """
+    if not isinstance(resolved, OutputLosses) and len(
+            getattr(model, "output_names", None) or []) > 1:  # fmt: skip
+        resolved = OutputLosses(loss)
+    if isinstance(resolved, OutputLosses):
+        per_output = resolved
+        naming("loss", lambda: per_output.bind(model))
+    return resolved
