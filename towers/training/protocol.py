@@ -20,10 +20,12 @@ class Trainer(Protocol):
 
     devices: list[str]
     parameter_device: str
-    replicas: list[Any]
     algorithm: Any
     loss_fn: Any
     loss_reduction: str
+
+    @property
+    def replicas(self) -> list[Any]: ...
 
     @property
     def model(self) -> keras.Model: ...
