@@ -9,7 +9,6 @@ mean", and junk refused with a ValueError naming the argument."""
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import keras
@@ -28,35 +27,6 @@ from towers.bench.study import build
 from towers.cli import arguments
 
 LOSS = "sparse_categorical_crossentropy"
-
-STAR = '''
-import tensorflow as tf
-from towers.allreduce import check_values, combine, finish, send
-
-def star(values, *, op="sum"):
-    """Everyone sends to the last tower, which adds in tower order and sends back."""
-    devices = check_values(values, op)
-    hub = devices[-1]
-    with tf.device(hub):
-        total = send(values[0], hub)
-        for v in values[1:]:
-            total = combine(total, send(v, hub), op)
-        total = finish(total, op, len(values))
-    return [send(total, d) for d in devices]
-
-def make_star():
-    return star
-
-SHOUT = "not an algorithm"
-'''
-
-
-@pytest.fixture
-def user_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
-    (tmp_path / "user_star.py").write_text(STAR)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    yield "user_star"
-    sys.modules.pop("user_star", None)
 
 
 def _net() -> keras.Model:
