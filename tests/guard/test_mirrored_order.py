@@ -111,12 +111,13 @@ def test_the_order_is_the_measured_one() -> None:
     assert mirrored_order("replica", 8) == mirrored_order("my_model", 8) == list(range(8))
 
 
-@pytest.mark.parametrize("n", [2, 3, 4, 8])
+@pytest.mark.parametrize("n", [2, 3, 4, pytest.param(8, marks=pytest.mark.long)])
 @pytest.mark.parametrize("kind", KINDS)
 def test_mirrored_fit_is_bitwise_for_any_keras_model(kind: str, n: int) -> None:
     _assert_bitwise(fit_pair(_devices(n), kind))
 
 
+@pytest.mark.long
 @given(name=st.from_regex(r"[A-Za-z0-9][A-Za-z0-9_]{0,11}", fullmatch=True),
        n=st.sampled_from([3, 4, 8]))
 @example(name="replica_2x", n=8)  # between replica_2 and replica_3
