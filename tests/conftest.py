@@ -27,6 +27,9 @@ so ``thorough`` really runs more everywhere.
 from __future__ import annotations
 
 import os
+from typing import Any
+
+import numpy as np
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -166,3 +169,13 @@ def user_module(tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
     yield "user_star"
     sys.modules.pop("user_star", None)
     ALGORITHMS.pop("star_d", None)
+
+
+def replica_bytes(trainer: Any) -> list[bytes]:
+    """Every replica's model and optimizer variables as bytes: compare two snapshots to
+    prove a step (or a refused call) changed nothing, bit for bit."""
+    return [
+        np.asarray(v.numpy()).tobytes()
+        for r in trainer.replicas
+        for v in [*r.model.variables, *r.optimizer.variables]
+    ]

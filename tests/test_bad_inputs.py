@@ -19,7 +19,7 @@ import pytest
 import tensorflow as tf
 
 import towers
-from tests.conftest import DEVICES
+from tests.conftest import DEVICES, replica_bytes
 from towers.cluster import AllTowers, AsyncTrainer, WorkerTrainer
 from towers.guard.errors import AlgorithmError
 from towers.split import distribute
@@ -89,14 +89,6 @@ def _new(model: Any = _dense, optimizer: Any = None, loss: Any = LOSS, **kw: Any
 def _trainer(kind: str) -> towers.TowerTrainer:
     model = {"dense": _dense, "dict": _dict_model, "two": _two_inputs}[kind]
     return _new(model, variables="replicated", all_reduce="naive")
-
-
-def _state(trainer: towers.TowerTrainer) -> list[bytes]:
-    return [
-        np.asarray(v.numpy()).tobytes()
-        for r in trainer.replicas
-        for v in [*r.model.variables, *r.optimizer.variables]
-    ]
 
 
 X = np.ones([8, 5], "float32")
@@ -594,12 +586,12 @@ def test_the_matrix_is_large_and_its_ids_unique() -> None:
     ids=[c.id for c in CASES],
 )  # fmt: skip
 def test_bad_input_gets_a_clear_error_and_changes_nothing(case: Case) -> None:
-    before = {k: _state(_trainer(k)) for k in ("dense", "dict", "two")}
+    before = {k: replica_bytes(_trainer(k)) for k in ("dense", "dict", "two")}
     with pytest.raises(case.error, match=case.fragment) as info:
         case.call()
     assert type(info.value).__module__.split(".")[0] in ("builtins", "towers"), info.value
     for kind, state in before.items():
-        assert _state(_trainer(kind)) == state, f"{kind} trainer changed"
+        assert replica_bytes(_trainer(kind)) == state, f"{kind} trainer changed"
 
 
 @pytest.mark.parametrize(
@@ -609,9 +601,9 @@ def test_bad_input_gets_a_clear_error_and_changes_nothing(case: Case) -> None:
 )  # fmt: skip
 def test_good_inputs_of_every_shape_still_train(kind: str, x: Any) -> None:
     trainer = _new({"dense": _dense, "dict": _dict_model, "two": _two_inputs}[kind])
-    before = _state(trainer)
+    before = replica_bytes(trainer)
     assert np.isfinite(float(trainer.train_step(x, Y)))
-    assert _state(trainer) != before
+    assert replica_bytes(trainer) != before
 
 
 def table() -> str:

@@ -25,13 +25,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import tensorflow as tf
 from tensorflow.python.ops import collective_ops
 
 import towers
-from tests.conftest import DEVICES
+from tests.conftest import DEVICES, replica_bytes
 from towers.allreduce import compressed
 from towers.allreduce.compressed import Compressed
 from towers.allreduce.machinery.tf_collective_ops import next_key, token
@@ -86,14 +85,6 @@ def _trainer(algorithm: Any, **kwargs: Any) -> towers.TowerTrainer:
     )  # fmt: skip
 
 
-def _state(trainer: towers.TowerTrainer) -> list[bytes]:
-    return [
-        np.asarray(v.numpy()).tobytes()
-        for r in trainer.replicas
-        for v in [*r.model.variables, *r.optimizer.variables]
-    ]
-
-
 def _reducer_state(trainer: towers.TowerTrainer) -> list[bytes]:
     reducer = trainer.reducer.dense
     if not isinstance(reducer, Compressed):
@@ -106,7 +97,7 @@ def _case(algorithm: Any, step_timeout: float | None) -> dict[str, Any]:
     trainer = _trainer(algorithm, step_timeout=step_timeout)
     batch = SPEC.batch(6, seed=0)
     trainer.step_function(*batch)  # trace first: the deadline times execution
-    before, reducer_before, out = _state(trainer), _reducer_state(trainer), {}
+    before, reducer_before, out = replica_bytes(trainer), _reducer_state(trainer), {}
     for attempt in ("first", "again"):
         start = time.perf_counter()
         try:
@@ -116,7 +107,7 @@ def _case(algorithm: Any, step_timeout: float | None) -> dict[str, Any]:
             out[attempt] = f"{type(err).__module__}.{type(err).__name__}: {err}"
             out[attempt + "_applied"] = getattr(err, "applied", None)
         out[attempt + "_seconds"] = time.perf_counter() - start
-    out["unchanged"] = _state(trainer) == before
+    out["unchanged"] = replica_bytes(trainer) == before
     out["reducer_unchanged"] = _reducer_state(trainer) == reducer_before
     out["reducer_state"] = len(reducer_before)
     for other in ("naive", "nccl"):
@@ -185,7 +176,7 @@ def test_a_deadline_that_is_not_reached_changes_no_bit() -> None:
     for k in range(2):
         losses = {float(t.train_step(*SPEC.batch(6, seed=k))).hex() for t in (timed, plain)}
         assert len(losses) == 1
-    assert _state(timed) == _state(plain)
+    assert replica_bytes(timed) == replica_bytes(plain)
 
 
 @pytest.mark.parametrize("bad", [0, -1, "10", True, float("nan")])
@@ -225,12 +216,12 @@ def test_step_timeout_says_truthfully_whether_the_step_was_applied(
     batch = SPEC.batch(6, seed=0)
     monkeypatch.setitem(trainer.compiled.steps, False,
                         _WhenFired(trainer.compiled.steps[False], fired, fail=not completes))
-    before = _state(trainer)
+    before = replica_bytes(trainer)
     with pytest.raises(StepTimeout) as info:
         trainer.train_step(*batch)
     advanced = int(trainer.optimizer.iterations) == 1
     assert info.value.applied is completes is advanced  # applied ⇔ iterations advanced
-    assert (_state(trainer) != before) is completes  # weights and slots moved with it
+    assert (replica_bytes(trainer) != before) is completes  # weights and slots moved with it
     if completes:
         assert "the step WAS applied (do not retry it" in str(info.value)
         assert "changed nothing" not in str(info.value)

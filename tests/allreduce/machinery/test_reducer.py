@@ -10,12 +10,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 import pytest
 import tensorflow as tf
 
 import towers
-from tests.conftest import DEVICES
+from tests.conftest import DEVICES, replica_bytes
 from towers.allreduce import naive
 from towers.allreduce.machinery.reducer import algorithm_name
 from towers.guard.errors import AlgorithmError
@@ -83,14 +82,6 @@ def _trainer(algorithm: Any, variables: str = "replicated") -> towers.TowerTrain
     )  # fmt: skip
 
 
-def _state(trainer: towers.TowerTrainer) -> list[bytes]:
-    return [
-        np.asarray(v.numpy()).tobytes()
-        for r in trainer.replicas
-        for v in [*r.model.variables, *r.optimizer.variables]
-    ]
-
-
 @pytest.mark.parametrize(
     ("algorithm", "tower", "message"),
     [
@@ -111,7 +102,7 @@ def test_a_broken_algorithm_is_named_with_the_tower_and_the_variable(
     if isinstance(algorithm, type):  # a reducer object serves one trainer: one per case
         algorithm = algorithm()
     trainer = _trainer(algorithm, variables)
-    before = _state(trainer)
+    before = replica_bytes(trainer)
     with pytest.raises(AlgorithmError, match=message) as info:
         trainer.train_step(*SPEC.batch(6, seed=0))
     name = algorithm_name(algorithm)
@@ -122,7 +113,7 @@ def test_a_broken_algorithm_is_named_with_the_tower_and_the_variable(
         assert info.value.variable == trainer.model.trainable_variables[0].path
         assert trainer.model.trainable_variables[0].path in str(info.value)
     assert isinstance(info.value, ValueError)  # `except ValueError` keeps working
-    assert _state(trainer) == before
+    assert replica_bytes(trainer) == before
 
 
 def test_registered_and_wrapped_algorithms_keep_the_contract() -> None:
