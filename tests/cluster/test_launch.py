@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -77,11 +78,17 @@ def test_bad_options_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert "give the command after --" in capsys.readouterr().err
 
 
+# Each worker starts a child, says so, and waits (at most 30 s) until both workers have said so
+# before it exits: a worker that ended first would have the launch stop the other one before
+# that one had printed its child's pid.
 LEAVE_CHILD = (
-    "import json, os, subprocess, sys; "
+    "import json, os, subprocess, sys, time; "
     "i = json.loads(os.environ['TF_CONFIG'])['task']['index']; "
     "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
-    "print('child', p.pid, flush=True); sys.exit({code} if i == 0 else 0)"
+    "print('child', p.pid, flush=True); open(os.path.join({ready!r}, str(i)), 'w').close(); "
+    "end = time.monotonic() + 30\n"
+    "while len(os.listdir({ready!r})) < 2 and time.monotonic() < end: time.sleep(0.05)\n"
+    "sys.exit({code} if i == 0 else 0)"
 )
 
 
@@ -96,13 +103,13 @@ def _alive(pid: int) -> bool:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc (Linux)")
 @pytest.mark.parametrize("worker_code", [0, 3])
 def test_a_child_a_worker_left_running_ends_with_the_launch(
-    capsys: pytest.CaptureFixture[str], worker_code: int
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, worker_code: int
 ) -> None:
     """Every task's whole process group ends with the launch: a worker that exits (0 or
     failing) while its own child still runs does not leave the child behind, and a launch
     whose workers all succeeded fails when one of them left a process running."""
     code, out, _ = _launch(capsys, "--workers", "2", "--timeout", "60", "--",
-                           sys.executable, "-c", LEAVE_CHILD.format(code=worker_code))
+                           sys.executable, "-c", LEAVE_CHILD.format(code=worker_code, ready=str(tmp_path)))
     children = [int(line.split()[-1]) for line in out.splitlines() if " child " in line]
     assert len(children) == 2, out
     assert not any(_alive(pid) for pid in children), out
