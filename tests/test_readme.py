@@ -217,3 +217,20 @@ def test_every_link_between_docs_pages_exists() -> None:
             for target in re.findall(r"\]\(([^)#\s]+\.(?:md|ipynb))\)", page.read_text())
             if not target.startswith("http") and not (page.parent / target).resolve().is_file()]
     assert not dead, dead
+
+
+def test_the_readme_algorithm_table_is_the_registry_and_the_contract() -> None:
+    """The README's table of built-in algorithms names every registered algorithm once and
+    the contract's dtypes and ops; the behaviour of each cell is proven where it lives
+    (every count in tests/allreduce/test_any_tower_count.py, gradients in
+    tests/allreduce/test_gradients.py, dtypes and ops in tests/allreduce/machinery/)."""
+    from towers.allreduce.machinery.base import ALL_OPS, DTYPES
+
+    text = README.read_text()
+    table = text[text.index("| algorithms | towers |"):].split("\n\n")[0].splitlines()[2:]
+    names = [n for row in table for n in re.findall(r"`(\w+)`", row.split("|")[1])]
+    assert sorted(names) == sorted(ALGORITHMS), names
+    first = [cell.strip() for cell in table[0].split("|")[1:-1]]
+    assert first[1] == "any n ≥ 1"
+    assert first[2].split() == [d.name for d in DTYPES]
+    assert re.findall(r"[a-z]+(?= \(floats\)|,|$)", first[3]) == list(ALL_OPS), first[3]
