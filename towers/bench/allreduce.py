@@ -1,12 +1,9 @@
 """The all-reduce table: every algorithm and tf.distribute's cross-device ops, side by side.
 
-Every (size, contender) pair is compiled once, then timed in one interleaved loop inside
-one ``as_written()`` block. The rows follow nccl-tests (``size count type redop algorithm
-time algbw busbw #wrong``; ``algbw = S / t``, ``busbw = algbw · 2(n−1)/n``). The inputs
-are small integers in float32, so every summation order is exact: ``#wrong`` counts the
-output elements, over all ``n`` outputs, that differ from NumPy's sum (an output on the
-wrong device: all of its). Two calibration rows join the CSV: ``send`` (one copy of ``S``
-bytes between towers) and ``add`` (``add_n`` of the ``n`` inputs on one device).
+nccl-tests' columns (``algbw = S / t``, ``busbw = algbw · 2(n−1)/n``); the inputs are small
+integers in float32, so every summation order is exact and ``#wrong`` counts output elements
+that differ from NumPy's sum (a misplaced output: all of them). Calibration rows for the
+cost model: ``send`` (one copy of ``S`` bytes) and ``add`` (``add_n`` of the inputs).
 """
 
 from __future__ import annotations

@@ -1,9 +1,4 @@
-"""The cost model fitted to measured rows, and the ``costmodel`` section of ``towers bench``.
-
-:func:`fit` estimates a :class:`~towers.bench.costmodel.Link` by non-negative least
-squares on relative error; :func:`compare` sets predicted against measured time per
-row; :func:`holdout` fits on some sizes and predicts the others.
-"""
+"""The cost model fitted to measured rows (non-negative least squares on relative error)."""
 
 from __future__ import annotations
 

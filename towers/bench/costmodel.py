@@ -1,24 +1,14 @@
 """The α-β-γ cost model of towers' all-reduce schedules: formulas, presets, predictions.
 
-A message of ``m`` bytes costs ``α + m·β`` on a link; reducing ``m`` bytes costs ``m·γ``.
-Every algorithm's time is linear in the three constants, ``t = a·α + b·β + c·γ``;
-:func:`coefficients` gives ``(a, b, c)`` for ``n`` towers and ``S`` bytes per tower,
-:func:`predict` the seconds (:mod:`towers.bench.costfit` fits α, β, γ to measured rows).
-A tower sends one and receives one message at a time (single-port, full duplex, as in
-Thakur et al.), so messages through one port add up.
-
-Each algorithm's formula is its registry record's ``cost``, derived and drawn beside its
-schedule in the algorithm's module (ring: ``2(n-1)·α + 2(n-1)/n·S·β + (n-1)/n·S·γ``); only
-the calibration rows are defined here: ``send`` (``α + S·β``) and ``add`` (``(n-1)·S·γ``).
-:data:`SYSTEMS` prices an all-reduce on paper on 8 H100s (one NVLink 4 node) and 1024
-(128 such nodes, one 400 Gb/s InfiniBand NIC per GPU; flat algorithms pay IB for every
-step, ``hierarchical`` NVLink inside a node).
+A message of ``m`` bytes costs ``α + m·β``; reducing ``m`` bytes costs ``m·γ``; a tower sends
+and receives one message at a time (single-port, full duplex). Each algorithm's formula is
+its registry record's ``cost``; only the calibration rows ``send`` (``α + S·β``) and ``add``
+(``(n-1)·S·γ``) are defined here. :data:`SYSTEMS` prices 8 H100s (one NVLink 4 node) and
+1024 (128 nodes, one 400 Gb/s InfiniBand NIC per GPU).
 
 References:
     Thakur, Rabenseifner, Gropp, "Optimization of Collective Communication Operations in
-    MPICH", IJHPCA 2005; Sanders, Speck, Träff, "Two-tree algorithms for full bandwidth
-    broadcast, reduction and scan", Parallel Computing 2009; NVIDIA nccl-tests
-    ``doc/PERFORMANCE.md`` (algbw and busbw).
+    MPICH", IJHPCA 2005; NVIDIA nccl-tests ``doc/PERFORMANCE.md`` (algbw and busbw).
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
-"""Peak memory of a training step, per configuration, each in a fresh process.
+"""Peak memory (``VmHWM``) of a training step, per configuration, each in a fresh process.
 
-A peak resident set (``VmHWM``) only grows, so each configuration runs alone in a child
-(``python -m towers.bench.memory``) that reads it after import, after building
-(``built``) and after a few steps (``peak``): ``step = peak − built`` is what the steps
-added (activations, gradients, reduction buffers) on top of the model and its slots.
+A peak only grows, so each configuration runs alone in ``python -m towers.bench.memory``,
+read after import, after building and after a few steps (``step = peak − built``).
 """
 
 from __future__ import annotations

@@ -1,22 +1,10 @@
 """Where each millisecond of a step goes, phase by phase, from TensorFlow's profiler.
 
 The towers step names its phases with ``tf.name_scope`` (``split``, ``guard``, inside it
-``reduce`` and ``apply``); its towers carry MirroredStrategy's replica names
-(``replica_<i>``; tower 0 none, so an op outside every phase scope is tower 0's).
-:func:`phase_profile` runs a step under ``tf.profiler.experimental`` and sums every op
-event of the trace by the phase its name carries (a ``_Send``/``_Recv`` by the op whose
-value it carries)::
-
-    split/strided_slice_3:StridedSlice                      -> split
-    gradient_tape/replica_2/dense_1/MatMul/MatMul:_MklMatMul  -> forward_backward (tower 2)
-    guard/cond/then/_0/guard/cond/reduce/concat:ConcatV2    -> reduce (innermost scope)
-    guard/IsFinite_11:IsFinite                              -> guard (the non-finite check)
-    Identity_10/_61:_Recv                                   -> handoff
-
-The ``handoff`` is the boundary of the nested reduce-and-update function
-(:class:`~towers.compile.step.PhasedStep`). tf.distribute's ops carry no scopes and are
-attributed by type. Times are *thread* ms per step summed over TensorFlow's threads (on
-2 cores up to twice the wall time), beside the wall time.
+``reduce`` and ``apply``) and its towers ``replica_<i>`` (tower 0 none); every op event is
+summed by the innermost phase its name carries, ``_Send``/``_Recv`` at the boundary of the
+nested update function as ``handoff``. tf.distribute's ops carry no scopes and are
+attributed by type. Times are thread ms per step summed over threads, beside wall time.
 """
 
 from __future__ import annotations

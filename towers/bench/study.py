@@ -1,21 +1,9 @@
 """``towers study``: compare reducers and codecs by loss against bytes and predicted time.
 
-Every run starts from the same weights and full batches (a short last batch is left out,
-so the step is traced once), with a fresh optimizer and a fresh reducer. A spec is
-:func:`towers.allreduce.machinery.resolve.parse`'s (``ring``, ``fp16``, ``topk(0.1)``,
-``powersgd(4)@tree``, ``module:NAME``); codecs decode on every tower, so the bytes on the
-wire are the codec's own. The gradient bytes are measured (``last_step_stats``); the time
-is predicted on :data:`~towers.bench.costmodel.SYSTEMS` at *their* GPU count N::
-
-    step time(N) = Σ over the all-reduce calls  predict_on(system, algorithm, payload)
-                 + (N-1)/(n-1) · max over ports (messages·α + bytes·β)   other sends
-
-(the second term: sends outside an all-reduce, such as top-k's gathers, by the single-port
-model, grown from the simulated n-1 peers). A user's reducer is not priced ("-").
-
-Example:
-    >>> rows = run_study(["ring", "fp16", "topk(0.1)", "powersgd(4)"], devices)  # doctest: +SKIP
-    >>> write_csv(rows, "study.csv"); plot(rows, "study.png")                      # +SKIP
+Every run starts from the same weights and full batches with a fresh optimizer and reducer;
+gradient bytes are measured, the time predicted on :data:`~towers.bench.costmodel.SYSTEMS`
+at their GPU count N: the all-reduce calls by ``predict_on``, other sends (top-k's gathers)
+by the single-port model grown from n-1 to N-1 peers (docs/codecs.md).
 """
 
 from __future__ import annotations

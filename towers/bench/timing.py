@@ -1,8 +1,5 @@
-"""Interleaved timing: every configuration runs once per round, in a shuffled order.
-
-On a shared machine the load drifts while a benchmark runs; one sample of every
-configuration per round (a fresh seeded shuffle each round) lets medians, minima and
-paired ratios all see the same drift. A sample is wall time and this process's CPU time.
+"""Interleaved timing: every configuration once per round, in a seeded shuffled order, so
+medians, minima and paired ratios see the same load drift.
 """
 
 from __future__ import annotations

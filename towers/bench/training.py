@@ -1,11 +1,8 @@
-"""The training-step table: towers against tf.distribute, as ratios.
+"""The training-step table: towers against tf.distribute, as ratios to MirroredStrategy.
 
-Every configuration builds the same seeded model and SGD and trains on one fixed batch:
-``MirroredStrategy`` (its default ``CollectiveAllReduce``) and ``CentralStorageStrategy``
-from :mod:`reference`, in a custom loop fed a batch distributed once; ``towers
-<algorithm>/<placement>`` (``TowerTrainer.train_step``); and ``towers noop/replicated``,
-no exchange at all: the ceiling (not a valid step). Their first losses must agree.
-``ratio``: the median over interleaved rounds of the step time over MirroredStrategy's.
+The same seeded model and SGD on one fixed batch: MirroredStrategy and CentralStorageStrategy
+in a custom loop, ``towers <algorithm>/<placement>``, and ``towers noop/replicated`` (no
+exchange: the ceiling, not a valid step). Their first losses must agree.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
 """``towers bench --workers W``: cross-process all-reduce throughput, towers beside MWMS.
 
-The command launches W local worker processes (one tower each, as ``towers launch``);
-each runs ``python -m towers.bench.workers`` and times, per size, in interleaved rounds,
-one collective all-reduce of S bytes three ways: ``CrossWorker``, ``AllTowers`` and
-MultiWorkerMirroredStrategy's replica ``all_reduce`` (gRPC, RING). Worker 0 prints one
-``RESULT {json}`` line per size; the parent writes ``workers.csv``: seconds, algbw = S / t,
-busbw = algbw · 2(W − 1)/W and each towers reducer's time over MWMS's (< 1: faster).
+W local workers (as ``towers launch``) time ``CrossWorker``, ``AllTowers`` and
+MultiWorkerMirroredStrategy's ``all_reduce`` per size; worker 0 prints ``RESULT {json}``.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
-"""Tools to prove a data-parallel setup right: Hypothesis strategies, error bounds, checkers.
+"""Tools to prove a data-parallel setup right: strategies, error bounds, checkers (docs/testing.md).
 
-    values, strategies   tower values, models, training cases, batches; assert_close, ULPs
-    bounds/              every error bound on the one unit roundoff
-    check, properties    check_all_reduce: an algorithm's properties over towers, shapes, dtypes
-    codec_check          check_codec: a codec's contract
-    replay, kernels      a NumPy interpreter of an algorithm's graph, bitwise
-    steps                the step protocol (as_step); one step of two from the same weights
-    compare, report      compare, bisect, assert_steps_match (plugin: the fixture); what they found
-    causes               why a divergence may have happened
-    invariance           check_invariance: the same training on 1, 2, 4, 8 towers
+check_all_reduce and check_codec check an algorithm or a codec against its contract; compare,
+bisect and assert_steps_match hold two steps to a derived bound (plugin: the fixture);
+check_invariance trains on 1, 2, 4, 8 towers; bounds/ holds every bound on one unit roundoff.
 """
 
 from __future__ import annotations

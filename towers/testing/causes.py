@@ -1,22 +1,7 @@
-"""Why two steps may have parted: the causes a comparison can read from its batches and sides.
+"""Why two steps may have parted: causes read from the batches and the two sides.
 
-A divergence outside the bound is a bug, or two steps that compute different things on
-purpose. The second kind leaves traces readable without running anything::
-
-    cause               read from                              named when
-    uneven batch        the step's batch size, the tower       B % towers ≠ 0 or B below the
-                        count, each side's loss_denominator    largest batch, and the sides'
-                                                               divisors are not known equal
-    gradient clipping   clipnorm / global_clipnorm /           either optimizer clips, unless
-                        clipvalue on either optimizer          both clip alike on one device
-    BatchNormalization  a BatchNormalization layer in          either model has one, unless
-                        either side's model                    both are towers trainers alike
-    reduction order     |Δ| in ULPs of the element             |Δ| ≤ ORDER_ULPS ULPs
-
-When the cause is MirroredStrategy's semantics and a towers trainer is compared with a
-step under a strategy of several replicas, :data:`MIRRORED_SETTING` is named too. A step
-declares its divisor with ``loss_denominator`` (``"global"``, ``"per_replica"`` or a
-number); without one it is unknown.
+Uneven batches with loss divisors not known equal, gradient clipping, BatchNormalization,
+and a difference within :data:`ORDER_ULPS` (reduction order); docs/invariance_and_bisect.md.
 """
 
 from __future__ import annotations

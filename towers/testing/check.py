@@ -1,25 +1,9 @@
 """``check_all_reduce``: any all-reduce against the contract, searched with Hypothesis.
 
-Every tower count gets its own search over shapes (``()``, ``(0,)``, primes, sizes no tower
-count divides), dtypes and ops, then *stratified* examples: one per op (``2n + 1`` dense
-random elements) and a scalar and an empty tensor, so every (tower count, op) pair runs
-whatever the budget. Each example's outputs are checked:
-
-1. **Value.** Within ``γ_k·Σ|x_i|`` of the exact sum (:func:`towers.testing.bounds.sum_bound`),
-   ``k`` the record's summation depth or ``n − 1``; integer sums, ``max``, ``min`` exact.
-2. **Placement.** Output i on input i's device, with the input's shape and dtype.
-3. **Agreement.** All outputs bitwise identical (replicas must not drift).
-4. **Replay** (``replay=True``): bitwise equal to :func:`towers.testing.replay.replay`; an
-   algorithm that cannot be replayed fails, with the reason.
-5. **Bytes.** What each tower sent with ``send`` equals the record's ``bytes_sent``.
-
-A wrong algorithm never raises: the :class:`CheckReport` says what failed, on the smallest
-example Hypothesis shrank to; a plain callable (no record) is checked too, and the report's
-notes say what could not be.
-
-Example:
-    >>> report = check_all_reduce("naive", max_towers=4)   # doctest: +SKIP
-    >>> assert report.ok, report
+Per tower count a search over shapes, dtypes and ops, then stratified examples (one per op,
+a scalar, an empty tensor); each checked for value bound, placement, bitwise agreement,
+bytes sent and (``replay=True``) the NumPy replay. A wrong algorithm never raises: the
+:class:`CheckReport` says what failed, on the smallest example (docs/testing.md).
 """
 
 from __future__ import annotations

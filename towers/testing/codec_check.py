@@ -1,22 +1,8 @@
-"""Check any codec against its contract (:class:`towers.allreduce.codecs.Codec`), and report.
+"""``check_codec``: a codec against its contract (:class:`towers.allreduce.codecs.Codec`).
 
-:func:`check_codec` runs the codec for a few steps on simulated towers, through a wire that
-counts what each tower hands it, and checks:
-
-1. **Error feedback.** ``output + Σ_t r'_t == Σ_t (g_t + r_t)`` within the codec's
-   ``error_bound`` (``r`` the state's ``residual``; without one, ``output == Σ_t g_t``).
-2. **Placement and agreement.** Output ``t`` on tower ``t``'s device; all bitwise equal,
-   also with every tower decoding for itself.
-3. **State and bytes.** The new state has ``init``'s structure; what each tower hands the
-   wire equals the codec's ``payload_bytes``.
-4. **In a trainer.** The state saved comes back bitwise on restore; a non-finite batch with
-   ``on_nonfinite="skip"`` leaves it (and any variable the codec holds) unchanged.
-
-A wrong codec never raises: the :class:`CodecReport` says what failed, and where.
-
-Example:
-    >>> report = check_codec(topk(0.1))     # doctest: +SKIP
-    >>> assert report.ok, report
+Error feedback within ``error_bound``, placement and bitwise agreement (also decoding on
+every tower), state structure and ``payload_bytes``, and in a trainer the checkpoint round
+trip and a skipped non-finite step (docs/codecs.md). A wrong codec never raises.
 """
 
 from __future__ import annotations

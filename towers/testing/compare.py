@@ -1,25 +1,8 @@
 """``compare`` and ``bisect``: two steps, teacher-forced from the same weights, within a bound.
 
-Two steps (:mod:`towers.testing.steps`) or configurations (built into trainers here) train
-on the same batches. A is the teacher: before every step B is set to A's weights, so each
-step is judged on its own and an in-order scan finds the first bad one exactly::
-
-    step:      1        2        3        4   …
-    A (free)   W1 ────▶ W2 ────▶ W3 ────▶ W4
-               │set     │set     │set
-    B          G1'      G2'      G3'  ✗       first step outside the bound
-                                  ├─ first variable in model order outside it
-                                  └─ first element outside it, its chunk under B's
-                                     pad_split, both values, |Δ|, the bound
-
-Two towers trainers are compared on their reduced gradients under the reduction bound
-(:mod:`towers.testing.steps`); any other pair on the weights after one update, within
-the bound :func:`towers.testing.bounds.resolve_bound` picks and names. ``compare`` checks
-every step, ``bisect`` stops at the first outside it, ``assert_steps_match`` raises.
-
-Example:
-    >>> report = compare(my_step, reference_step, batches)        # doctest: +SKIP
-    >>> report.ok, report.first                                    # doctest: +SKIP
+Before every step B is set to the teacher A's weights, so each step is judged on its own;
+two towers trainers are compared on their reduced gradients, any other pair on the weights
+after one update (docs/invariance_and_bisect.md).
 """
 
 from __future__ import annotations

@@ -1,21 +1,8 @@
 """``check_invariance``: does training give the same result on 1, 2, 4, 8 towers?
 
-Every tower count trains the same batches. The verdict compares one step at a time from the
-same weights (teacher forcing), within the one-step bound of :mod:`towers.testing.steps`;
-the free-running trajectories are shown, not judged (curvature amplifies any difference)::
-
-    step s:   W_s (the 1-tower run's weights)
-                 │ set on every trainer
-      ┌──────────┼─────────────┬──────────────┐
-      1 tower    2 towers      4 towers       8 towers      forward_backward + reduce
-      G_1        G_2           G_4            G_8           (the reduced gradient)
-      │        |G_2 − G_1| ≤ b_2  |G_4 − G_1| ≤ b_4   …      per variable, per element
-      ▼
-    W_{s+1} = apply(G_1)        the 1-tower run moves on; the others are set to it
-
-Any step can be checked: ``step=factory(model_fn, optimizer_fn, loss, devices)`` (e.g.
-``reference.MirroredTrainer``); its weights after one update are compared with the first
-count's, within the bound :func:`towers.testing.bounds.resolve_bound` names.
+Each step is compared from the first count's weights (teacher forcing) within the bound of
+:mod:`towers.testing.steps`; free-running trajectories are shown, not judged
+(docs/invariance_and_bisect.md).
 """
 
 from __future__ import annotations

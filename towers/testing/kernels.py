@@ -1,12 +1,4 @@
-"""The replay's NumPy kernels: one per TensorFlow op type, rounding as TF's CPU kernels do.
-
-A kernel ``(op, inputs) -> outputs`` computes in the inputs' own dtype and never upcasts;
-``AddN`` follows the CPU kernel's measured block order (:mod:`towers.testing.replay`).
-Add an entry to :data:`KERNELS` to teach the replay another op.
-
-Example:
-    >>> KERNELS["Abs"] = lambda op, xs: [np.abs(xs[0])]   # doctest: +SKIP
-"""
+"""The replay's NumPy kernels, one per TensorFlow op type, rounding as TF's CPU kernels do."""
 
 from __future__ import annotations
 

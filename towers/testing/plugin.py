@@ -1,11 +1,4 @@
-"""The pytest plugin: the fixture ``steps_match``, :func:`towers.testing.assert_steps_match`.
-
-Load it from a conftest, ``pytest_plugins = ["towers.testing.plugin"]`` (not an entry
-point: importing :mod:`towers.testing` never imports pytest); then::
-
-    def test_my_step(steps_match):
-        steps_match(towers_step, my_step, batches)   # AssertionError: the first divergence
-"""
+"""The pytest plugin: `pytest_plugins = ["towers.testing.plugin"]` gives `steps_match`."""
 
 from __future__ import annotations
 

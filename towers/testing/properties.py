@@ -1,10 +1,4 @@
-"""One example of an all-reduce checked: outputs, value bound, agreement, bytes, replay.
-
-The properties :func:`towers.testing.check.check_all_reduce` searches over, one
-:class:`Case` at a time; each check returns what failed, as text. Formulas come from the
-algorithm's registry record; for a plain callable the checks that need one are skipped
-(:func:`unchecked` says which).
-"""
+"""One example of an all-reduce checked: outputs, value bound, agreement, bytes, replay."""
 
 from __future__ import annotations
 

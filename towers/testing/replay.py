@@ -1,19 +1,8 @@
-"""Replay an all-reduce in NumPy, adding in exactly the order TensorFlow does.
+"""Replay an all-reduce in NumPy, adding in exactly the order TensorFlow does (bitwise on CPU).
 
-:func:`replay` traces an algorithm once in a ``tf.function`` whose inputs sit on ``n``
-devices, then interprets the graph op by op with NumPy kernels (:data:`KERNELS`), in
-creation order. NumPy rounds each float16/bfloat16/float32/float64 operation as
-TensorFlow's CPU kernels do and no kernel upcasts, so on CPU the replay is **bitwise**
-equal to TensorFlow's result: every reordered or regrouped addition shows::
-
-    algorithm ──trace──▶ graph ──interpret──▶ NumPy arrays == TensorFlow's, bit for bit
-
-On CPU ``AddN`` adds up to 9 inputs left to right; with more, a head of ``n mod 8`` (8 for
-0, 9 for 1), then ``total + (block of 8)``. Inside a ``tf.function`` Grappler folds add
-chains into ``AddN``, sorts its inputs by node name and turns ``x / n`` into ``x * (1/n)``
-(``tests/testing/test_replay.py`` pins each fact). Hence two modes: the graph as written
-(bitwise equal to eager execution) and, with ``optimized=True``, the graph Grappler made
-(bitwise equal to the ``tf.function``). Collective ops are opaque: :class:`ReplayError`.
+The algorithm is traced once and its graph interpreted op by op in creation order: the graph
+as written (equal to eager execution) or, ``optimized=True``, the graph Grappler made (equal
+to the ``tf.function``). Collective ops are opaque: :class:`ReplayError` (docs/testing.md).
 """
 
 from __future__ import annotations

@@ -1,16 +1,4 @@
-"""What a comparison of two steps found: per-variable rows, the first divergence, the report.
-
-A :class:`BisectReport`'s ``str`` is what a test or the CLI prints::
-
-    bisect A (A, teacher) vs B (B), 4 towers, 3 step(s) checked from the same weights
-    bound: sgd_step_bound (plain SGD: …)
-      step 1: max |Δ| 2.9e-09  ok
-      step 2: max |Δ| 0.0041  OUTSIDE
-    FIRST DIVERGENCE: step 2, variable dense/bias (#1, update)
-      element 3 (chunk 0 of 1: elements 0..5)
-      A = 0.25  B = 0.2459  |Δ| = 0.0041 > bound 1.2e-08
-      possible causes, read from the batches and both sides (towers.testing.causes): …
-"""
+"""What a comparison of two steps found: per-variable rows, the first divergence, the report."""
 
 from __future__ import annotations
 

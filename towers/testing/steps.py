@@ -1,38 +1,15 @@
 """A step, and one step of two of them from the same weights: what every comparison drives.
 
-A *step* has three methods (:class:`Step`)::
-
-    step.train_step(x, y, sample_weight=None)   one synchronous update on a global batch
-    step.get_weights() -> [np.ndarray]          in model.weights order
-    step.set_weights(ws)                        every replica's copy
-
-``TowerTrainer`` and the ``reference`` trainers are steps; a user's step function becomes
-one with :func:`as_step`. Optional attributes sharpen a comparison: ``model`` (names, the
-gradients that size a bound), ``optimizer`` (which bound), ``loss_fn``, ``devices`` or
-``strategy`` (the tower count).
-
-Two runs start a step from the same weights (teacher forcing); their reduced gradients are
-compared element by element, the difference split by the triangle inequality into parts
-each with its own derived bound (:func:`towers.testing.bounds.sum_bound`)::
-
-    W_s ─▶ run A: split → forward_backward ─▶ g_A[tower] ─▶ reduce ─▶ G_A
-    W_s ─▶ run B: split → forward_backward ─▶ g_B[tower] ─▶ reduce ─▶ G_B
-
-    |G_A − G_B| ≤ |G_A − Σg_A| + |Σg_A − Σg_B| + |Σg_B − G_B|      Σ: exact (float64)
-                  reduction A    kernels        reduction B
-
-*Reduction*: within ``γ_k·Σ_i|g_i|`` of the observed tower gradients' exact sum, ``k`` the
-algorithm's summation depth. *Kernels*: with equal tower counts both runs' towers see the
-same shards (any difference is measured and added); across tower counts each tower sum is
-a tree of depth ``largest shard − 1`` (+1 for the product inside a leaf) over the batch's
-per-example gradients. That part assumes an example's own values are computed alike at
-every shard size: oneDNN's MatMul blocks by batch size and breaks it (run with
-``TF_ENABLE_ONEDNN_OPTS=0``). A difference outside the bound is attributed to the part
-that left its own bound, so kernel noise is never blamed on the all-reduce.
+Two runs' reduced gradients differ by at most the sum of three bounded parts (the triangle
+inequality, docs/invariance_and_bisect.md): each run's reduction within ``γ_k·Σ|g_i|`` of its
+towers' exact sum, and the kernels (measured at equal tower counts; across counts a tree of
+depth ``largest shard`` over the per-example gradients). A difference outside is attributed
+to the part that left its own bound, so kernel noise is never blamed on the all-reduce.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple, Protocol, runtime_checkable
@@ -67,18 +44,18 @@ class Step(Protocol):
         """Set every replica's copy of every weight."""
 
 
+def _missing(value: Any) -> list[str]:
+    return [m for m in _METHODS if not callable(getattr(value, m, None))]
+
+
 def is_step(value: Any) -> bool:
     """``value`` has the protocol's three methods."""
-    return all(callable(getattr(value, m, None)) for m in _METHODS)
+    return not _missing(value)
 
 
 def check_step(name: str, value: Any) -> Step:
-    """``value`` when it is a step.
-
-    Raises:
-        TypeError: naming ``name`` and the missing methods.
-    """
-    missing = [m for m in _METHODS if not callable(getattr(value, m, None))]
+    """``value`` when it is a step; else a TypeError naming ``name`` and what it lacks."""
+    missing = _missing(value)
     if missing:
         raise TypeError(f"{name} must be a step (train_step(x, y, sample_weight=None), "
                         f"get_weights(), set_weights(ws)); {type(value).__name__} lacks "
@@ -118,12 +95,8 @@ class AdaptedStep:
 
     def set_weights(self, weights: Sequence[Any]) -> None:
         """Assign the model's weights (every replica's copy under a strategy)."""
-        arrays = [np.asarray(w) for w in weights]
-        if self.strategy is None:
-            self.model.set_weights(arrays)
-            return
-        with self.strategy.scope():
-            self.model.set_weights(arrays)
+        with self.strategy.scope() if self.strategy else contextlib.nullcontext():
+            self.model.set_weights([np.asarray(w) for w in weights])
 
 
 def as_step(fn: Callable[[Any], Any], model: Any, *, strategy: Any = None,
@@ -141,19 +114,12 @@ def as_step(fn: Callable[[Any], Any], model: Any, *, strategy: Any = None,
 
     Raises:
         TypeError: ``fn`` is not callable, or ``model`` has no ``weights``.
-
-    Example:
-        >>> step = as_step(distributed_train_step, model, strategy=strategy,
-        ...                optimizer=optimizer)                       # doctest: +SKIP
     """
     if not callable(fn):
         raise TypeError(f"fn must be a step function (called with one batch), got {fn!r}")
     if not hasattr(model, "weights"):
         raise TypeError(f"model must be the keras.Model the step trains, got {model!r}")
     return AdaptedStep(fn, model, strategy=strategy, optimizer=optimizer, loss=loss)
-
-
-# -- one step of two runs from the same weights ----------------------------------------------
 
 
 def take_batches(batches: Iterable[Any], steps: int | None) -> list[tuple[Any, Any]]:
@@ -214,13 +180,9 @@ def compare_runs(
     label: int | str, step: int, names: Sequence[str], runs: tuple[StepGradients, StepGradients],
     depths: tuple[int, int], kernels: list[np.ndarray] | None,
 ) -> list[Difference]:
-    """Run B against run A (the reference), bounded and attributed as the module says.
-
-    Args:
-        runs, depths: ``(A, B)`` and their all-reduce depths.
-        kernels: the kernel part's bound per variable (different tower counts), or
-            None: the same shards, so the measured difference of the exact tower sums.
-    """
+    """Run B against run A (the reference), bounded and attributed as the module says;
+    ``kernels``: the kernel part's bound per variable, or None (the same shards: the
+    measured difference of the exact tower sums)."""
     (a, b), (depth_a, depth_b) = runs, depths
     exact_a, tol_a = exact_sums(a.towers, depth_a)
     exact_b, tol_b = exact_sums(b.towers, depth_b)
@@ -242,15 +204,10 @@ def compare_runs(
 
 
 def compare_gradients(
-    label: int | str,
-    step: int,
-    names: Sequence[str],
-    got: Sequence[np.ndarray],
-    want: Sequence[np.ndarray],
-    bounds: Sequence[np.ndarray],
+    label: int | str, step: int, names: Sequence[str], got: Sequence[np.ndarray],
+    want: Sequence[np.ndarray], bounds: Sequence[np.ndarray],
 ) -> list[Difference]:
-    """One :class:`~towers.testing.report.Difference` per variable: ``|got − want|`` against
-    ``bounds``."""
+    """One :class:`Difference` per variable: ``|got − want|`` against ``bounds``."""
     rows = []
     for j, (name, a, b, tol) in enumerate(zip(names, got, want, bounds, strict=True)):
         diff = np.abs(a.astype(np.float64) - b.astype(np.float64)).ravel()
@@ -278,11 +235,8 @@ def update_rows(
     a: Any, after_a: list[np.ndarray], others: list[Any], weights: list[np.ndarray],
     tol: list[Any], x: Any, y: Any, label: int | str, step: int,
 ) -> list[tuple[list[Difference], list[np.ndarray], list[np.ndarray]]]:
-    """Each of ``others`` set to ``weights`` and advanced once, against A's ``after_a``.
-
-    Returns:
-        Per other step: (one ``Difference`` per compared weight, A's and its weights).
-    """
+    """Each of ``others`` set to ``weights`` and advanced once, against A's ``after_a``:
+    per other step (one ``Difference`` per compared weight, A's and its weights)."""
     keep = [i for i, t in enumerate(tol) if t is not None]
     model = getattr(a, "model", None)
     names = [model.weights[i].path if model is not None else f"weights[{i}]" for i in keep]

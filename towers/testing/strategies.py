@@ -1,9 +1,4 @@
-"""Hypothesis strategies of models, optimizers, training cases and batches for equivalence tests.
-
-The model families cover what makes data parallelism subtle: Dense, Conv2D, Embedding with
-duplicate ids (sparse gradients), BatchNormalization (non-trainable state), seeded Dropout
-(per-tower random state) and kernel regularizers (losses scaled by 1/towers).
-"""
+"""Hypothesis strategies of models, optimizers, training cases and batches for equivalence tests."""
 
 from __future__ import annotations
 

@@ -1,9 +1,4 @@
-"""Tower values for tests and comparing arrays: Hypothesis strategies, ULPs, ``assert_close``.
-
-Example:
-    >>> @given(tower_values(4, dtypes=["float32"]))   # doctest: +SKIP
-    ... def test_mine(case): n, arrays = case
-"""
+"""Tower values for tests, and comparing arrays: Hypothesis strategies, ULPs, ``assert_close``."""
 
 from __future__ import annotations
 

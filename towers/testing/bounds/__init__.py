@@ -1,25 +1,9 @@
-"""Every error bound a comparison holds two runs to, on one rounding model.
+"""Every error bound a comparison holds two runs to, on one rounding model (docs/bounds.md).
 
-Every addition rounds once: ``fl(a + b) = (a + b)(1 + δ)``, ``|δ| ≤ u``, the unit roundoff of
-:mod:`towers.allreduce.machinery.rounding`. In any summation tree each leaf ``x_i`` reaches
-the root through at most ``k`` additions (the *summation depth*), so
-
-    |ŝ − Σ x_i| ≤ γ_k · Σ |x_i|,    γ_k = k·u / (1 − k·u)
-
-(Higham, *Accuracy and Stability of Numerical Algorithms*, 2nd ed., Lemma 3.1, §4.2).
-``k ≤ n − 1`` for every tree of ``n`` leaves; an algorithm whose record gives
-``summation_depth(n)`` is held to its own ``k``::
-
-    sum_bound       one reduction: the exact result and γ_k·Σ|x_i| (mean: k + 2; max, min
-                    and integers exact), plus the float64 reference's rounding and one
-                    flushed subnormal per rounding (TensorFlow's CPU kernels flush them)
-    sgd_step_bound  two plain-SGD steps on two summation orders: 2γ_k·Σ|g_i| in g, and two
-                    roundings each of lr·g and of w − lr·g per run:
-                    lr·(2γ_k + 4u)·Σ|g_i| + 4u·(|w| + lr·Σ|g_i|)
-    resolve_bound   which bound holds one teacher-forced update: a tolerance given, plain
-                    SGD over the B per-example gradients (every step's tree over them has
-                    depth ≤ B), or an optimizer's tracked bound (optimizers.py)
-    noise.py        the kernels' own noise floor, measured
+Each addition rounds once (``|δ| ≤ u``); a leaf that reaches the root of a summation tree
+through at most ``k`` additions (the *summation depth*, ``k ≤ n − 1``) gives
+``|ŝ − Σ x_i| ≤ γ_k · Σ |x_i|``, ``γ_k = k·u / (1 − k·u)`` (Higham, *Accuracy and Stability
+of Numerical Algorithms*, 2nd ed., Lemma 3.1, §4.2).
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
 """Element-wise interval arithmetic with rounding: the sets two runs' float values lie in.
 
-Each operation is the exact image for arguments that appear once in an expression; an
-argument used twice is over-estimated (the *dependency problem*), which :func:`pieces`
-shrinks: cut it, take each piece's image, join them.
-
-Example:
-    >>> x = Interval.around(np.array([1.0]), np.array([0.5]))
-    >>> (x * x).hi.tolist(), x.square().lo.tolist()
-    ([2.25], [0.25])
+An argument used twice is over-estimated (the dependency problem); :func:`pieces` cuts it,
+and the pieces' images are joined.
 """
 
 from __future__ import annotations

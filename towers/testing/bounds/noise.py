@@ -1,15 +1,9 @@
-"""The kernel-noise floor: how far one towers step's gradient moves with the kernels alone.
+"""The kernel-noise floor: how far one step's gradient moves with the kernels alone.
 
-The same model, weights and batch under every kernel configuration (oneDNN on/off, set
-before TensorFlow starts, so one subprocess each; tower counts; the towers' forward graph
-under Grappler's defaults or ``as_written``), the towers' gradients summed in float64 so
-no reduction order enters::
-
-    floor = max over configurations c, variables j of
-            max|G_c[j] − G_ref[j]| / spacing(max|G_ref[j]|)        (ULPs of the gradient)
-
-A difference between two correct steps within the floor is kernel noise (docs/bounds.md §3
-has the derivation's ``e`` and the measured floors).
+The same model, weights and batch under every kernel configuration (oneDNN on/off, one
+subprocess each; tower counts; Grappler's graph or ``as_written``), tower gradients summed
+in float64; the floor is the largest difference in ULPs of a variable's largest gradient
+element (docs/bounds.md §3).
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
 """How a bounded gradient difference moves through one optimizer step and its slots.
 
-Two runs apply one Keras optimizer to the same weights with gradients ``|g_a − g_b| ≤ e``.
-:meth:`UpdateBounds.step` bounds ``|Δ_a − Δ_b|`` per element and carries the slots'
-difference to the next step (``g ± e → slots ± E → Δ ± bound``): per slot element an
-:class:`Interval` holds both runs' values, and Keras 3's update formulas are evaluated on
-it op by op, each rounding widened by ``u·|x|`` plus one flushed subnormal. A gradient
-used twice (Adam's ``m`` and ``v``) is cut into :data:`PIECES` pieces whose images are
-joined; adaptive rules are capped by the largest step either run can take. Derivations,
-constants and measured tightness: docs/bounds.md §2.
-
-Example:
-    >>> tracker = update_bounds(keras.optimizers.Adam(0.01))          # doctest: +SKIP
-    >>> errs = tracker.step([g], [np.full_like(g, 1e-6)])              # doctest: +SKIP
+Per slot element an :class:`Interval` holds both runs' values; Keras 3's update formulas
+are evaluated on it op by op, each rounding widened by ``u·|x|`` plus one flushed
+subnormal (derivations and measured tightness: docs/bounds.md §2).
 """
 
 from __future__ import annotations
