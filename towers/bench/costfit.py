@@ -60,17 +60,9 @@ def _fit_link(rows: list[tuple[str, int, float, float, dict[str, Any]]], name: s
 def fit(rows: Sequence[Any], *, per_algorithm: bool = False, name: str = "fit") -> Any:
     """Estimate α, β, γ from measured rows by non-negative least squares on relative error.
 
-    Args:
-        rows: mappings with ``algorithm``, ``n``, ``nbytes``, ``seconds`` and
-            optional ``params``.
-        per_algorithm: one :class:`Link` per algorithm; ``send``/``add`` rows join every fit.
-        name: the fitted link's name (per algorithm: ``"name:algorithm"``).
-
-    Returns:
-        A :class:`Link`, or ``dict[str, Link]`` with ``per_algorithm``.
-
-    Raises:
-        ValueError: no rows, or a bad row (naming the field).
+    ``rows``: mappings with ``algorithm``, ``n``, ``nbytes``, ``seconds`` and optional
+    ``params``. Returns a :class:`Link` named ``name``, or with ``per_algorithm`` a
+    ``dict[str, Link]`` (``send``/``add`` rows join every fit). ValueError: no or bad rows.
 
     Example:
         >>> rows = [{"algorithm": "send", "n": 2, "nbytes": s, "seconds": 1e-6 + s * 1e-9}
@@ -88,11 +80,7 @@ def fit(rows: Sequence[Any], *, per_algorithm: bool = False, name: str = "fit") 
 
 
 def compare(rows: Sequence[Any], link_or_links: Link | Mapping[str, Link]) -> list[dict[str, Any]]:
-    """Predicted against measured time per row, with ``rel_error = predicted/measured - 1``.
-
-    Raises:
-        ValueError: a row whose algorithm has no link in a ``dict`` of links.
-    """
+    """Predicted against measured time per row, with ``rel_error = predicted/measured - 1``."""
     out = []
     for algorithm, n, nbytes, seconds, params in (_row(r) for r in rows):
         if isinstance(link_or_links, Mapping) and algorithm not in link_or_links:
@@ -107,15 +95,8 @@ def compare(rows: Sequence[Any], link_or_links: Link | Mapping[str, Link]) -> li
 
 def holdout(rows: Sequence[Any], train_sizes: Collection[float], *,
             name: str = "holdout") -> list[dict[str, Any]]:
-    """Fit per algorithm on the rows at ``train_sizes`` only, and predict every row.
-
-    Returns:
-        :func:`compare`'s rows (calibration rows left out), each with ``train``: whether
-        the fit saw it. The held-out rows' ``rel_error`` is a prediction's error.
-
-    Raises:
-        ValueError: as :func:`fit`; an algorithm with no row at a training size.
-    """
+    """Fit per algorithm on the rows at ``train_sizes`` only, and predict every row:
+    :func:`compare`'s rows (calibration left out), each with ``train``: whether the fit saw it."""
     parsed = [_row(r) for r in rows]
     trained = {alg for alg, _, s, _, _ in parsed if s in train_sizes}
     missing = sorted({alg for alg, *_ in parsed} - trained - set(_CALIBRATION))
@@ -134,13 +115,9 @@ def _errors(compared: list[dict[str, Any]], prefix: str) -> dict[str, float | No
 
 
 def fit_measured(table: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per contender of the all-reduce table: α and ``2β + γ`` fitted to its times.
-
-    Every all-reduce formula moves twice the bytes it reduces, so its rows fix α and
-    ``2β + γ`` only. The ``send``/``add`` rows are left out (on logical CPUs their call
-    overhead would dominate the fit). ``fit_*``: the error of a fit to every size;
-    ``held_out_*``: fitted on every other size, the error on the sizes it did not see.
-    """
+    """Per contender of the all-reduce table: α and ``2β + γ`` (all its rows fix) fitted to
+    its times, without ``send``/``add`` (their call overhead would dominate on logical CPUs).
+    ``fit_*``: the error of a fit to every size; ``held_out_*``: fitted on every other size."""
     modelled = [{"algorithm": r["formula"], "n": r["n"], "nbytes": r["size"],
                  "seconds": r["time_us"] * 1e-6, "params": r["params"], "name": r["algorithm"]}
                 for r in table if r["formula"] not in (None, *_CALIBRATION) and r["time_us"]]

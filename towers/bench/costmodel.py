@@ -78,19 +78,11 @@ SYSTEMS: dict[str, dict[str, Any]] = {
 """The machines :func:`predict_on` prices; ``anchor``: a published busbw, or a bound."""
 
 
-def _send(n: int, s: float) -> Coefficients:
-    return 1, s, 0
-
-
-def _add(n: int, s: float) -> Coefficients:
-    return 0, 0, (n - 1) * s
-
-
 def _formulas() -> dict[str, Callable[..., Coefficients]]:
     """Every name with a cost: the registered algorithms' records (read now: a user's
-    registered algorithm counts), and the calibration rows."""
+    registered algorithm counts), and the calibration rows ``send`` and ``add``."""
     costs = {name: r.cost for name, r in RECORDS.items() if r.cost is not None}
-    return {**costs, "send": _send, "add": _add}
+    return {**costs, "send": lambda n, s: (1, s, 0), "add": lambda n, s: (0, 0, (n - 1) * s)}
 
 
 ALGORITHMS: tuple[str, ...]  # computed on each access by __getattr__ (the registry grows)
@@ -104,16 +96,10 @@ def __getattr__(name: str) -> Any:
 
 
 def coefficients(algorithm: str, n: int, nbytes: float, **params: Any) -> Coefficients:
-    """``(a, b, c)`` such that the time is ``a·α + b·β + c·γ`` (see the module table).
+    """``(a, b, c)`` such that the time is ``a·α + b·β + c·γ`` (ValueError: bad arguments).
 
-    Args:
-        algorithm: one of :data:`ALGORITHMS`; ``n``: towers (1 costs nothing); ``nbytes``:
-            bytes per tower; ``**params``: the formula's (ring's ``subchunks``, tree's
-            ``chunks``, hierarchical's ``inner``/``outer``/``group_size``...).
-
-    Raises:
-        ValueError: an unknown algorithm (listing the known ones), a bad ``n``, ``nbytes``
-            or parameter (naming it).
+    ``n`` towers (1 costs nothing), ``nbytes`` per tower; ``params``: the formula's (ring's
+    ``subchunks``, hierarchical's ``inner``/``outer``/``group_size``...).
 
     Example:
         >>> coefficients("ring", 4, 1000.0)
@@ -136,12 +122,8 @@ def coefficients(algorithm: str, n: int, nbytes: float, **params: Any) -> Coeffi
 def predict(algorithm: str, n: int, nbytes: float, link: Link, **params: Any) -> float:
     """Predicted seconds for one all-reduce of ``nbytes`` per tower over ``n`` towers.
 
-    Args:
-        algorithm, n, nbytes, **params: as for :func:`coefficients`; for ``hierarchical``,
-            ``inner_link=`` is the link within a group (default: ``link`` for both levels).
-
-    Raises:
-        ValueError: as :func:`coefficients`; ``inner_link`` on another algorithm.
+    Arguments as for :func:`coefficients`; ``hierarchical`` takes ``inner_link=``, the link
+    within a group (default: ``link`` for both levels).
 
     Example:
         >>> round(predict("ring", 8, 1 << 30, PRESETS["h100-nvlink"]) * 1e3, 2)
@@ -164,22 +146,13 @@ def predict(algorithm: str, n: int, nbytes: float, link: Link, **params: Any) ->
 
 def simulate(algorithm: str, towers: Sequence[int], nbytes: float, link: Link,
              **params: Any) -> list[float]:
-    """:func:`predict` at each tower count in ``towers`` (to 1024 and beyond).
-
-    Example:
-        >>> simulate("naive", [1, 2], 0, Link(1e-6, 0, 0))
-        [0.0, 2e-06]
-    """
+    """:func:`predict` at each tower count in ``towers`` (to 1024 and beyond)."""
     return [predict(algorithm, n, nbytes, link, **params) for n in towers]
 
 
 def predict_on(system: str, algorithm: str, nbytes: float) -> float:
     """Predicted seconds of one all-reduce of ``nbytes`` per GPU on ``SYSTEMS[system]``
-    (``hierarchical``: ring inside a node, ring among the nodes' leaders).
-
-    Raises:
-        ValueError: an unknown system (listing :data:`SYSTEMS`) or algorithm.
-    """
+    (``hierarchical``: ring inside a node, ring among the nodes' leaders)."""
     if system not in SYSTEMS:
         raise ValueError(f"unknown system {system!r}; known: {', '.join(SYSTEMS)}")
     machine = SYSTEMS[system]
@@ -213,12 +186,7 @@ def scale_on_paper(algorithms: Sequence[str] = PAPER_ALGORITHMS,
 
 
 def algbw(nbytes: float, seconds: float) -> float:
-    """Algorithm bandwidth in bytes/s, ``S / t`` (nccl-tests; divide by 1e9 for GB/s).
-
-    Example:
-        >>> algbw(1e9, 0.5)
-        2000000000.0
-    """
+    """Algorithm bandwidth in bytes/s, ``S / t`` (nccl-tests; divide by 1e9 for GB/s)."""
     non_negative_float("nbytes", nbytes)
     if not isinstance(seconds, numbers.Real) or not math.isfinite(seconds) or seconds <= 0:
         raise ValueError(f"seconds must be finite and > 0, got {seconds!r}")
@@ -227,11 +195,6 @@ def algbw(nbytes: float, seconds: float) -> float:
 
 def busbw(nbytes: float, seconds: float, n: int) -> float:
     """Bus bandwidth in bytes/s, ``algbw · 2(n-1)/n``: every element needs 2(n-1)/n
-    transfers per tower whatever the algorithm, so it is comparable across tower counts.
-
-    Example:
-        >>> busbw(1e9, 0.5, 4)
-        3000000000.0
-    """
+    transfers per tower whatever the algorithm, so it compares across tower counts."""
     positive_int("n", n)
     return algbw(nbytes, seconds) * 2 * (n - 1) / n

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
@@ -91,18 +91,12 @@ class _Failed(AssertionError):
         self.example, self.failures = example, failures
 
 
-class _Options(NamedTuple):
-    devices: list[str]
-    replay: bool
-    seed: int | None
-
-
 def _search(
-    algorithm: Any, n: int, examples: int, cases: st.SearchStrategy[Case], options: _Options
+    algorithm: Any, n: int, examples: int, cases: st.SearchStrategy[Case], devices: list[str],
+    replay: bool, seed: int | None,
 ) -> tuple[int, _Failed | None]:
     """One Hypothesis search at ``n`` towers: (examples run, the shrunk failure or None)."""
     runs = [0]
-    devices, replay, seed = options
 
     @settings(max_examples=examples, deadline=None, database=None, derandomize=False,
               report_multiple_bugs=False, print_blob=False, verbosity=Verbosity.quiet,
@@ -124,13 +118,14 @@ def _search(
     return runs[0], None
 
 
-def _strata(algorithm: Any, cases: Sequence[Case], options: _Options) -> _Failed | None:
+def _strata(algorithm: Any, cases: Sequence[Case], devices: list[str],
+            replay: bool) -> _Failed | None:  # fmt: skip
     """The first stratified example that fails (not shrunk), or None."""
     for case in cases:
-        failures = check_case(algorithm, case, options.devices, options.replay)
+        failures = check_case(algorithm, case, devices, replay)
         if failures:
-            return _Failed(describe(case, options.devices) + "\n  (a stratified example, not "
-                           "shrunk)", failures)
+            return _Failed(describe(case, devices) + "\n  (a stratified example, not shrunk)",
+                           failures)  # fmt: skip
     return None
 
 
@@ -166,8 +161,7 @@ def check_all_reduce(
 ) -> CheckReport:
     """Run Hypothesis over towers, shapes, dtypes and ops; report every broken promise.
 
-    Tower counts are searched in ascending order, so the first failure has the fewest
-    towers; Hypothesis then shrinks its shape, dtype, op and values.
+    Tower counts are searched in ascending order, so the first failure has the fewest towers.
 
     Args:
         fn: an all-reduce callable, or a registry name (``"naive"``).
@@ -192,7 +186,6 @@ def check_all_reduce(
     if len(devices) < max_towers:
         raise ValueError(f"max_towers={max_towers} but only {len(devices)} devices: call "
                          f"towers.simulate_devices({max_towers}) first thing, or lower max_towers")
-    options = _Options(devices, replay, seed)
     dtypes = [d for d in dtypes if d.is_floating or any(o != "mean" for o in ops)]
     if not dtypes or not ops:
         raise ValueError(f"no op in {list(ops)} applies to the dtypes asked for")
@@ -207,12 +200,13 @@ def check_all_reduce(
         return CheckReport(name, False, 0, (refused,), None, notes)
     total, strata = 0, 0
     for n in counts:
-        runs, failed = _search(algorithm, n, per_count, cases(n, dtypes, ops, shapes), options)
+        runs, failed = _search(algorithm, n, per_count, cases(n, dtypes, ops, shapes), devices,
+                               replay, seed)  # fmt: skip
         total += runs
         if failed is None:
             explicit = stratified(n, dtypes, ops, seed or 0)
             strata += len(explicit)
-            failed = _strata(algorithm, explicit, options)
+            failed = _strata(algorithm, explicit, devices, replay)
         if failed is not None:
             return CheckReport(name, False, total, tuple(failed.failures), failed.example, notes,
                                strata)

@@ -232,25 +232,14 @@ def bisect(
     loss: Any = None, towers: int | None = None, steps: int | None = None, bound: Any = None,
 ) -> BisectReport:
     """:func:`compare` that stops at the first step, variable and element where B leaves
-    A's bound: ``report.ok``, ``report.step``, ``report.variable``, ``report.first``.
-
-    Example:
-        >>> report = bisect("ring", "mirrored", batches, model_fn=make_model,
-        ...                 optimizer_fn=lambda: keras.optimizers.SGD(0.1),
-        ...                 loss="sparse_categorical_crossentropy")    # doctest: +SKIP
-    """
+    A's bound: ``report.ok``, ``report.step``, ``report.variable``, ``report.first``."""
     return _run(config_a, config_b, batches, stop=True, bound=bound, loss=loss, towers=towers,
                 steps=steps, model_fn=model_fn, optimizer_fn=optimizer_fn)  # fmt: skip
 
 
 def assert_steps_match(a: Any, b: Any, batches: Iterable[Any], **options: Any) -> BisectReport:
     """Assert step ``b`` matches the teacher ``a`` on every batch (:func:`compare`'s
-    ``options``); returns the report.
-
-    Raises:
-        AssertionError: a step left the bound; the message is the report (the first
-            divergence's step, variable, element, both values, |Δ|, the bound, the causes).
-    """
+    ``options``); returns the report, else raises AssertionError with it as the message."""
     report = compare(a, b, batches, **options)
     if not report.ok:
         raise AssertionError(f"the steps differ\n{report}")

@@ -137,10 +137,6 @@ def training_cases(families: Sequence[str] = FAMILIES,
     Batch sizes include sizes no tower count divides and sizes below it (empty shards),
     except for BatchNormalization and Conv2D, which the reference cannot run on an empty
     shard (NaN statistics; Keras 3's Conv2D fails on a batch of 0).
-
-    Example:
-        >>> cases = training_cases(CENTRAL_STORAGE_FAMILIES, CENTRAL_STORAGE_OPTIMIZERS,
-        ...                        placements=("parameter_device",), min_towers=2)
     """
 
     @st.composite
@@ -160,11 +156,8 @@ def training_cases(families: Sequence[str] = FAMILIES,
 
 def per_tower_gradients(model: keras.Model, x: np.ndarray, y: np.ndarray, devices: Sequence[str],
                         loss: keras.losses.Loss | None = None) -> list[list[np.ndarray]]:
-    """Each tower's dense gradient of its share of the global mean loss: ``grads[tower][var]``.
-
-    Sizes error bounds (Σ_i |g_i|); never the thing under test. One device per example
-    gives the per-example gradients (regularization shared out as over B towers).
-    """
+    """Each tower's dense gradient of its share of the global mean loss, ``grads[tower][var]``,
+    to size error bounds; one device per example gives the per-example gradients."""
     fn = resolve_loss(loss or loss_fn())
     trainable = [tf.convert_to_tensor(v.value) for v in model.trainable_variables]
     frozen = [tf.convert_to_tensor(v.value) for v in model.non_trainable_variables]
@@ -186,13 +179,9 @@ Batches = list[tuple[np.ndarray, np.ndarray]]
 def step_batches(features: int, classes: int, *, steps: int = 2,
                  max_batch: int = 12) -> st.SearchStrategy[Batches]:  # fmt: skip
     """Hypothesis: ``steps`` batches ``(x [b, features] float32 in [-1, 1], y [b] int32)``,
-    sizes in 1..``max_batch`` (uneven splits, empty towers), values from a drawn seed.
-
-    Raises:
-        ValueError: ``features``, ``classes``, ``steps`` or ``max_batch`` not an int >= 1.
-    """
-    for name, value in (("features", features), ("classes", classes), ("steps", steps),
-                        ("max_batch", max_batch)):  # fmt: skip
+    sizes in 1..``max_batch`` (uneven splits, empty towers), values from a drawn seed."""
+    for name, value in zip(("features", "classes", "steps", "max_batch"),
+                           (features, classes, steps, max_batch), strict=True):
         positive_int(name, value)
 
     def make(sizes: list[int], seed: int) -> Batches:
@@ -207,11 +196,7 @@ def step_batches(features: int, classes: int, *, steps: int = 2,
 def step_cases(features: int, classes: int, *, max_towers: int = 4, steps: int = 2,
                max_batch: int = 12) -> st.SearchStrategy[tuple[int, list[Any]]]:  # fmt: skip
     """Hypothesis: ``(towers, batches)``, a tower count in 1..``max_towers`` and
-    :func:`step_batches`, for ``assert_steps_match(a(n), b(n), batches)``.
-
-    Raises:
-        ValueError: ``max_towers`` (or a :func:`step_batches` argument) not an int >= 1.
-    """
+    :func:`step_batches`, for ``assert_steps_match(a(n), b(n), batches)``."""
     positive_int("max_towers", max_towers)
     batches = step_batches(features, classes, steps=steps, max_batch=max_batch)
     return st.tuples(st.integers(1, max_towers), batches)

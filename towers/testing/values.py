@@ -92,9 +92,6 @@ def assert_close(actual: Any, expected: Any, *, atol: float | np.ndarray = 0.0, 
     The defaults demand exact equality; NaNs must sit at the same places. ``what`` names
     the value in the message.
 
-    Raises:
-        AssertionError: shapes differ, or some element is outside the tolerance.
-
     Example:
         >>> assert_close(np.float32(1.0000001), 1.0, ulps=1)
         Closeness(max_abs_error=1.1920928955078125e-07, max_ulps=1)
@@ -166,10 +163,9 @@ def tower_values(
 ) -> tuple[int, list[np.ndarray]]:
     """``(n, arrays)``: ``min_towers..max_towers`` towers, one array each, one shape and dtype.
 
-    No sum over ``max_towers`` towers overflows; no NaN, infinity or subnormal is drawn.
-    About half the examples are *dense* (:func:`_full_mantissa`), so summation order shows
-    (plain Hypothesis floats favour round numbers and extremes). ``dtypes``: TensorFlow or
-    NumPy dtypes or names; ``shapes``: a strategy or a list (default :func:`tower_shapes`).
+    No sum overflows; no NaN, infinity or subnormal is drawn. About half the examples are
+    *dense* (:func:`_full_mantissa`), so summation order shows. ``shapes``: a strategy or a
+    list (default :func:`tower_shapes`).
     """
     n = draw(st.integers(min_towers, max_towers))
     # Shrinking moves towards the first dtype: put the most readable one there.
