@@ -50,12 +50,8 @@ def _by_type(op_type: str) -> str:
 
 
 def phase_of(op_name: str, op_type: str = "", *, scoped: bool = True) -> tuple[str, int | None]:
-    """The phase of one op event (and its tower for forward_backward, else None).
-
-    Args:
-        op_name: the op's full name (name scopes included).
-        op_type: its type, used when ``scoped`` is False.
-        scoped: whether the step names its phases (towers' step does; tf.distribute's not).
+    """The phase of one op event (and its tower for forward_backward, else None); by
+    ``op_type`` when not ``scoped`` (tf.distribute's steps name no phases).
 
     Example:
         >>> phase_of("gradient_tape/replica_2/dense/MatMul/MatMul"), phase_of("dense/Relu")
@@ -96,12 +92,8 @@ def _op_events(logdir: str) -> collections.Counter[tuple[str, str]]:
 
 
 def phase_profile(step: Callable[[], Any], steps: int = 5, *, scoped: bool = True) -> dict:
-    """Profile ``steps`` calls of ``step`` (warm it up first) and split the time by phase.
-
-    Returns:
-        ``{"wall_ms": wall ms per step, "phases": {phase: thread ms per step},
-        "towers": {tower: thread ms per step of its forward_backward}, "thread_ms": total}``.
-    """
+    """Profile ``steps`` calls of ``step`` (warm it up first) and split the time by phase:
+    ``{"wall_ms", "phases": {phase: thread ms}, "towers": {tower: ms}, "thread_ms"}``."""
     with tempfile.TemporaryDirectory() as logdir:
         tf.profiler.experimental.start(logdir)
         try:

@@ -156,19 +156,14 @@ def run_study(
     """Train ``model`` once per reducer spec from the same start; one row per step.
 
     Args:
-        specs: reducer specs (the module docstring's grammar), checked before any training.
-        devices: the towers.
+        specs: reducer specs (``ring``, ``fp16``, ``topk(0.1)``, ``powersgd(4)@tree``,
+            ``module:NAME``), checked before any training.
         model: builds the model (the first build's weights are every run's start).
         data: ``(x, y, x_test, y_test)`` (default: the bundled digits).
-        epochs, batch_size, learning_rate: the training (Adam, sparse cross-entropy).
         systems: where to predict the communication time (names in ``SYSTEMS``).
         eval_every: test accuracy every this many steps (and at the last).
         steps: stop each run after this many steps (None: every epoch to its end).
         progress: called with one line per finished run.
-
-    Raises:
-        ValueError: a bad spec, system or count (naming it), or fewer than 2 devices,
-            before anything trains.
     """
     entries = [parse(s) for s in specs]
     if not entries:

@@ -64,14 +64,8 @@ def interleave(
 ) -> dict[str, Samples]:
     """Time every function ``rounds`` times, round-robin, after ``warmup`` untimed calls each.
 
-    Args:
-        fns: name -> zero-argument callable that runs (and finishes) one operation.
-        calls: calls averaged into one sample (> 1 for very short calls), one number for
-            all or one per name (default 1).
-        verbose: show a progress bar, ``label`` above it; ``seed`` seeds the shuffles.
-
-    Raises:
-        ValueError: ``rounds`` or ``calls`` < 1.
+    ``calls``: calls averaged into one sample, one number or one per name; ``verbose``: a
+    progress bar under ``label``; ``seed`` seeds the shuffles.
     """
     names = list(fns)
     per_name = {n: calls if isinstance(calls, int) else calls.get(n, 1) for n in names}

@@ -92,15 +92,20 @@ def strategy_step(trainer: Any, x: tf.Tensor, y: tf.Tensor) -> Callable[[], tf.T
     return lambda: step(inputs)
 
 
-def towers_config(make_model: Callable[[], keras.Model], devices: Sequence[str], x: tf.Tensor,
-                  y: tf.Tensor, algorithm: str, placement: str) -> StepConfig:
-    """``TowerTrainer.train_step`` with ``algorithm`` (a registered name) and ``placement``."""
-    trainer = TowerTrainer(make_model, _sgd, _loss(), devices=list(devices),
-                           all_reduce=algorithm, variables=placement,
-                           check_algorithm=algorithm != "noop")  # the ceiling does not sum
+def _config(name: str, model: str, devices: Sequence[str], x: tf.Tensor,
+            y: tf.Tensor) -> StepConfig:  # fmt: skip
+    """A reference's custom loop, or ``TowerTrainer.train_step`` for ``towers ALGO/PLACEMENT``."""
+    make_model = MODELS[model][0]
+    if not name.startswith("towers "):
+        reference = MirroredTrainer if name == MIRRORED else CentralStorageTrainer
+        trainer = reference(make_model, _sgd, _loss(), list(devices))
+        return StepConfig(name, "tf.distribute", strategy_step(trainer, x, y))
+    algorithm, placement = name.removeprefix("towers ").rsplit("/", 1)
+    towers = TowerTrainer(make_model, _sgd, _loss(), devices=list(devices),
+                          all_reduce=algorithm, variables=placement,
+                          check_algorithm=algorithm != "noop")  # the ceiling does not sum
     kind = "ceiling" if algorithm == "noop" else "towers"
-    return StepConfig(f"towers {algorithm}/{placement}", kind, lambda: trainer.train_step(x, y),
-                      algorithm=algorithm, placement=placement)
+    return StepConfig(name, kind, lambda: towers.train_step(x, y), algorithm, placement)
 
 
 def config_names(algorithms: Sequence[str] | None = None,
@@ -116,18 +121,11 @@ def build_steps(model: str, devices: Sequence[str], names: Sequence[str], x: tf.
                 y: tf.Tensor) -> tuple[list[StepConfig], dict[str, str]]:
     """The configurations called ``names`` (as :func:`config_names` spells them), and the
     reasons of those that cannot be built."""
-    make_model = MODELS[model][0]
     configs: list[StepConfig] = []
     errors: dict[str, str] = {}
     for name in names:
         try:
-            if name.startswith("towers "):
-                algorithm, placement = name.removeprefix("towers ").rsplit("/", 1)
-                configs.append(towers_config(make_model, devices, x, y, algorithm, placement))
-            else:
-                reference = MirroredTrainer if name == MIRRORED else CentralStorageTrainer
-                trainer = reference(make_model, _sgd, _loss(), list(devices))
-                configs.append(StepConfig(name, "tf.distribute", strategy_step(trainer, x, y)))
+            configs.append(_config(name, model, devices, x, y))
         except Exception as err:  # reported as a row
             errors[name] = f"{type(err).__name__}: {err}"[:160]
     return configs, errors

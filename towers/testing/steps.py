@@ -111,9 +111,6 @@ def as_step(fn: Callable[[Any], Any], model: Any, *, strategy: Any = None,
             weights are set inside its scope.
         optimizer, loss: what ``fn`` applies and minimizes (default ``model.optimizer``):
             they pick and size the bound.
-
-    Raises:
-        TypeError: ``fn`` is not callable, or ``model`` has no ``weights``.
     """
     if not callable(fn):
         raise TypeError(f"fn must be a step function (called with one batch), got {fn!r}")
@@ -123,12 +120,8 @@ def as_step(fn: Callable[[Any], Any], model: Any, *, strategy: Any = None,
 
 
 def take_batches(batches: Iterable[Any], steps: int | None) -> list[tuple[Any, Any]]:
-    """The first ``steps`` batches (all when None) as ``(x, y)`` pairs.
-
-    Raises:
-        ValueError: no batches, fewer than ``steps``, a batch that is not ``(x, y)``,
-            or ``steps`` not an integer >= 1.
-    """
+    """The first ``steps`` batches (all when None) as ``(x, y)`` pairs (ValueError: fewer,
+    or a batch that is not a pair)."""
     optional(positive_int, "steps", steps)
     out = []
     for k, batch in enumerate(batches):

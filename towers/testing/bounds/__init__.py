@@ -46,11 +46,8 @@ def summation_depth(algorithm: Any, n: int) -> int:
 def sum_bound(
     arrays: Sequence[np.ndarray], op: str, depth: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    """The exact reduction of ``arrays`` and the element-wise tolerance of a correct result.
-
-    Returns:
-        ``(expected, tolerance)``, both of the arrays' shape.
-    """
+    """``(expected, tolerance)``: the exact reduction of ``arrays`` and the element-wise
+    tolerance of a correct result (mean: ``k + 2``; max, min and integers exact)."""
     stack = np.stack(arrays)
     if op in ("max", "min"):
         exact = np.max(stack, axis=0) if op == "max" else np.min(stack, axis=0)
@@ -169,17 +166,9 @@ def _tracked(model: Any, loss: Any, tracker: Any) -> UpdateBound:
 def resolve_bound(
     bound: Any, optimizer: Any, model: Any, loss: Any, argument: str = "bound"
 ) -> UpdateBound:
-    """The :class:`UpdateBound` for ``bound`` (as given) or for ``optimizer``.
-
-    Args:
-        bound: None, a tolerance (a number ≥ 0) or ``(weights, x, y) -> tolerances``.
-        optimizer, model, loss: the teacher step's (sizing a derived bound).
-        argument: the argument to name when no bound applies.
-
-    Raises:
-        ValueError: a negative or non-finite tolerance; no ``bound`` and an optimizer
-            without a derived bound; a derived bound without a model or loss.
-    """
+    """The :class:`UpdateBound` for ``bound`` as given (a tolerance ≥ 0 or ``(weights, x, y)
+    -> tolerances``) or, when None, derived for the teacher's ``optimizer``, ``model`` and
+    ``loss``; ValueError (naming ``argument``) when no bound applies."""
     if isinstance(bound, numbers.Real) and not isinstance(bound, bool):
         if not 0 <= float(bound) < float("inf"):
             raise ValueError(f"bound must be a tolerance >= 0 or a callable, got {bound!r}")

@@ -55,16 +55,9 @@ def kernel_noise_floor(
 ) -> NoiseReport:
     """Run one step's forward/backward under every kernel configuration; report the floor.
 
-    Args:
-        family: a model family of :data:`towers.testing.strategies.FAMILIES`.
-        towers: tower counts (each ≤ ``batch``).
-        onednn: values of ``TF_ENABLE_ONEDNN_OPTS`` ("1", "0"), one subprocess each.
-        graphs: ``forward_graph`` settings.
-        batch, seed: the batch (``ModelSpec(family).batch(batch, seed)``).
-        timeout: seconds per subprocess.
-
-    Raises:
-        ValueError: a bad argument (named). RuntimeError: a subprocess failed or timed out.
+    ``family``: one of :data:`~towers.testing.strategies.FAMILIES`; ``onednn``: values of
+    ``TF_ENABLE_ONEDNN_OPTS``, one subprocess each (``timeout`` seconds); ``graphs``:
+    ``"default"`` and/or ``"as_written"``. RuntimeError: a subprocess failed or timed out.
     """
     check_choice("family", family, FAMILIES)
     counts = [positive_int("towers", n) for n in towers]

@@ -138,15 +138,9 @@ class UpdateBounds:
     ) -> list[np.ndarray]:
         """Bound ``|Δ_a − Δ_b|`` for this step, per variable and element, and carry the slots.
 
-        Args:
-            grads: run a's gradient per variable (a's slots are followed exactly, b's
-                within their carried error).
-            grad_errors: per variable, an element-wise bound on ``|g_a − g_b|`` (≥ 0).
-            weights: the weights both runs start from; given, the bound covers the new
-                weights (``u·|w'|`` per run for the assignment) instead of the movement.
-
-        Raises:
-            ValueError: counts or shapes differ, an error is negative, a value not finite.
+        ``grads``: run a's gradient per variable; ``grad_errors``: element-wise bounds on
+        ``|g_a − g_b|``; ``weights`` (optional, where both start): the bound then covers
+        the new weights (``u·|w'|`` per run for the assignment) instead of the movement.
         """
         g, e = _check_pairs(grads, grad_errors, weights)
         if self._slots is None:
@@ -202,13 +196,9 @@ COVERED = tuple(_RULES)  # the Keras optimizer classes update_bounds bounds
 
 
 def update_bounds(optimizer: Any, pieces: int = PIECES) -> UpdateBounds:
-    """A fresh per-step bound tracker for a Keras optimizer (or its ``get_config()`` /
-    ``keras.optimizers.serialize`` dict).
-
-    Raises:
-        ValueError: an optimizer class, option or learning rate it cannot bound, or one
-            that has already stepped (its slots are not the tracker's zeros).
-    """
+    """A fresh per-step bound tracker for a Keras optimizer that has not stepped (or its
+    ``get_config()`` / ``keras.optimizers.serialize`` dict); ValueError for what it cannot
+    bound (a class, option, schedule)."""
     name, config = _identify(optimizer)
     for option in _REFUSED:
         if config.get(option) is not None:
