@@ -147,17 +147,11 @@ def _options(max_towers: Any, ops: Any, dtypes: Any) -> tuple[list[str], list[tf
 
 
 def check_all_reduce(
-    fn: AllReduce | str,
-    *,
-    max_towers: int = 8,
-    dtypes: Sequence[Any] = DTYPES,
+    fn: AllReduce | str, *, max_towers: int = 8, dtypes: Sequence[Any] = DTYPES,
     ops: Sequence[str] = OPS,
     shapes: st.SearchStrategy[tuple[int, ...]] | Sequence[tuple[int, ...]] | None = None,
-    max_examples: int | None = None,
-    devices: Sequence[str] | None = None,
-    seed: int | None = 0,
-    replay: bool = False,
-    tower_counts: Sequence[int] | None = None,
+    max_examples: int | None = None, devices: Sequence[str] | None = None,
+    seed: int | None = 0, replay: bool = False, tower_counts: Sequence[int] | None = None,
 ) -> CheckReport:
     """Run Hypothesis over towers, shapes, dtypes and ops; report every broken promise.
 
@@ -175,9 +169,7 @@ def check_all_reduce(
         replay: also demand bitwise equality with the NumPy replay (one trace per example).
 
     Raises:
-        ValueError: ``max_towers`` < 1 or above the devices, tower counts outside
-            ``1..max_towers``, an op or dtype the contract does not have, or no op applies
-            to any dtype. A wrong algorithm never raises; its report says what failed.
+        ValueError: bad options only (named); a wrong algorithm never raises.
     """
     algorithm = get(fn)
     name = fn if isinstance(fn, str) else algorithm_name(fn)

@@ -228,17 +228,11 @@ def check_codec(codec: Codec | str, *, tower_counts: Sequence[int] = (1, 2, 3, 4
 
     Args:
         codec: a codec, a name in ``CODECS`` or ``module:NAME``.
-        tower_counts: the tower counts to run (each needs that many devices).
         algorithm: the dense all-reduce of the wire (a name or a callable).
         shapes: the gradients' shapes (float32, standard normal values).
         steps: consecutive steps per shape, so the state carries over.
-        devices: the devices (default ``towers.local_devices()``).
         trainer: also check the checkpoint round trip and the skipped step in a
             2-tower ``TowerTrainer``.
-        seed: the values' seed.
-
-    Raises:
-        ValueError: an unknown codec or algorithm, or fewer devices than a tower count.
     """
     built, steps = get_codec(codec), positive_int("steps", steps)
     devices = list(local_devices() if devices is None else devices)

@@ -113,18 +113,10 @@ def _check_towers(towers: Sequence[int], have: int) -> tuple[int, ...]:
 
 
 def check_invariance(
-    model_fn: Callable[[], keras.Model],
-    optimizer_fn: Callable[[], keras.optimizers.Optimizer],
-    loss: Any,
-    batches: Iterable[Any],
-    *,
-    towers: Sequence[int] = (1, 2, 4, 8),
-    all_reduce: Any = "ring",
-    variables: str = "replicated",
-    steps: int | None = None,
-    trajectory: bool = True,
-    step: Callable[..., Any] | None = None,
-    bound: Any = None,
+    model_fn: Callable[[], keras.Model], optimizer_fn: Callable[[], keras.optimizers.Optimizer],
+    loss: Any, batches: Iterable[Any], *, towers: Sequence[int] = (1, 2, 4, 8),
+    all_reduce: Any = "ring", variables: str = "replicated", steps: int | None = None,
+    trajectory: bool = True, step: Callable[..., Any] | None = None, bound: Any = None,
 ) -> InvarianceReport:
     """Train one trainer per tower count on the same batches; compare each step with the first.
 
@@ -142,8 +134,7 @@ def check_invariance(
         bound: a ``step``'s bound: None (derived), a tolerance or a callable.
 
     Raises:
-        ValueError: a tower count outside ``1..len(local devices)`` or repeated, no
-            batches, bad ``steps``.
+        ValueError: a tower count outside ``1..len(local devices)`` or repeated, bad batches.
     """
     devices = local_devices()
     counts = _check_towers(towers, len(devices))

@@ -119,11 +119,6 @@ def _strided_slice(op: tf.Operation, xs: list[np.ndarray]) -> list[np.ndarray]:
     return [np.asarray(x[tuple(index)])]
 
 
-def _squeeze(op: tf.Operation, xs: list[np.ndarray]) -> list[np.ndarray]:
-    dims = tuple(op.get_attr("squeeze_dims"))
-    return [np.squeeze(xs[0], axis=dims) if dims else np.squeeze(xs[0])]
-
-
 def _range(op: tf.Operation, xs: list[np.ndarray]) -> list[np.ndarray]:
     start, limit, delta = xs
     dtype = np_dtype(op.get_attr("Tidx"))
@@ -140,10 +135,6 @@ def _gather(op: tf.Operation, xs: list[np.ndarray]) -> list[np.ndarray]:
     return [np.take(xs[0], xs[1], axis=int(xs[2]))]
 
 
-def _const(op: tf.Operation, xs: list[np.ndarray]) -> list[np.ndarray]:
-    return [tf.make_ndarray(op.get_attr("value"))]
-
-
 def _shape_like(fill: Callable[..., np.ndarray]) -> Kernel:
     return lambda op, xs: [fill(xs[0].shape, xs[0].dtype)]
 
@@ -154,6 +145,10 @@ def _out_type(fn: Callable[[np.ndarray], Any]) -> Kernel:
 
 def _passthrough(op: tf.Operation, xs: list[np.ndarray]) -> list[np.ndarray]:
     return list(xs)
+
+
+def _const(op: tf.Operation, xs: list[np.ndarray]) -> list[np.ndarray]:
+    return [tf.make_ndarray(op.get_attr("value"))]
 
 
 KERNELS: dict[str, Kernel] = {
@@ -176,7 +171,8 @@ KERNELS: dict[str, Kernel] = {
     ],
     "Split": lambda op, xs: list(np.split(xs[1], op.get_attr("num_split"), axis=int(xs[0]))),
     "SplitV": _split_v, "Slice": _slice, "StridedSlice": _strided_slice,
-    "Squeeze": _squeeze, "ExpandDims": lambda op, xs: [np.expand_dims(xs[0], int(xs[1]))],
+    "Squeeze": lambda op, xs: [np.squeeze(xs[0], tuple(op.get_attr("squeeze_dims")) or None)],
+    "ExpandDims": lambda op, xs: [np.expand_dims(xs[0], int(xs[1]))],
     "Shape": _out_type(np.shape), "Size": _out_type(np.size),
     "Rank": lambda op, xs: [np.asarray(xs[0].ndim, np.int32)],
     "Fill": lambda op, xs: [np.full(xs[0].tolist(), xs[1], xs[1].dtype)],

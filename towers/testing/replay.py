@@ -182,27 +182,20 @@ def _replay_optimized(
 
 
 def replay(
-    algorithm: Callable[..., Any],
-    arrays: Sequence[np.ndarray],
-    op: str = "sum",
-    *,
-    devices: Sequence[str] | None = None,
-    optimized: bool = False,
+    algorithm: Callable[..., Any], arrays: Sequence[np.ndarray], op: str = "sum", *,
+    devices: Sequence[str] | None = None, optimized: bool = False,
 ) -> list[np.ndarray]:
     """Recompute ``algorithm(values, op=op)`` in NumPy, in exactly TensorFlow's order.
 
     Args:
-        algorithm: an all-reduce written with plain TensorFlow ops.
-        arrays: one array per tower, all of one shape and dtype.
-        op: passed to the algorithm.
-        devices: where input i lives (default: ``towers.local_devices()[:n]``).
+        arrays: one array per tower, all of one shape and dtype; input i lives on
+            ``devices[i]`` (default: ``towers.local_devices()``).
         optimized: interpret the graph Grappler produced (runs the function once) instead
             of the traced one.
 
     Raises:
         ReplayError: an op without a NumPy kernel (named, with the supported ops), or an
             opaque collective op.
-        ValueError: no arrays, or fewer devices than arrays.
     """
     arrays = [np.asarray(a) for a in arrays]
     if not arrays:

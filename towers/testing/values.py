@@ -154,11 +154,8 @@ def _arrays(dtype: tf.DType, shape: tuple[int, ...], max_towers: int, dense: boo
 
 @st.composite
 def tower_values(
-    draw: st.DrawFn,
-    max_towers: int = 8,
-    dtypes: Sequence[Any] = DTYPES,
-    shapes: st.SearchStrategy[tuple[int, ...]] | Sequence[tuple[int, ...]] | None = None,
-    *,
+    draw: st.DrawFn, max_towers: int = 8, dtypes: Sequence[Any] = DTYPES,
+    shapes: st.SearchStrategy[tuple[int, ...]] | Sequence[tuple[int, ...]] | None = None, *,
     min_towers: int = 1,
 ) -> tuple[int, list[np.ndarray]]:
     """``(n, arrays)``: ``min_towers..max_towers`` towers, one array each, one shape and dtype.
