@@ -55,10 +55,6 @@ class CodecReport:
     __repr__ = __str__
 
 
-def _nbytes(value: tf.Tensor) -> int:
-    return int(value.shape.num_elements()) * value.dtype.size
-
-
 @dataclasses.dataclass(frozen=True)
 class _MeteredWire(Wire):
     """A wire that adds up the bytes each tower hands it (all-reduce inputs, gathers)."""
@@ -75,7 +71,7 @@ class _MeteredWire(Wire):
 
     def _count(self, values: Sequence[tf.Tensor]) -> None:
         for t, value in enumerate(values):
-            self.handed[t] += _nbytes(value)
+            self.handed[t] += int(value.shape.num_elements()) * value.dtype.size
 
 
 def _differ(outs: Sequence[tf.Tensor]) -> tuple[list[np.ndarray], list[int]]:
