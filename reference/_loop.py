@@ -220,7 +220,7 @@ class StrategyTrainer:
         loss_fn: the resolved loss (a step of :mod:`towers.testing.steps`).
         loss_denominator: ``"global"``: each replica divides its loss sum by the global
             batch (``compute_average_loss(..., global_batch_size=B)``), as a towers
-            trainer's option of the same name says (read by :mod:`towers.testing.causes`).
+            trainer's option of the same name says (read by :mod:`towers.testing.report`).
 
     Example:
         >>> strategy = tf.distribute.OneDeviceStrategy("/cpu:0")         # doctest: +SKIP

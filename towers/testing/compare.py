@@ -18,8 +18,7 @@ from towers.allreduce.machinery.registry import algorithm_name
 from towers.devices import local_devices
 from towers.step import TowerTrainer
 from towers.testing.bounds import UpdateBound, resolve_bound
-from towers.testing.causes import explained
-from towers.testing.report import BisectReport, Difference, Divergence
+from towers.testing.report import BisectReport, Difference, Divergence, explained
 from towers.testing.steps import (
     advance,
     algorithm_depth,

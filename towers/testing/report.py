@@ -1,11 +1,25 @@
-"""What a comparison of two steps found: per-variable rows, the first divergence, the report."""
+"""What a comparison of two steps found, and why they may have parted.
+
+Per-variable rows, the first divergence and the report; the causes a divergence's batches
+and sides show: uneven batches with loss divisors not known equal, gradient clipping,
+BatchNormalization, a difference within :data:`ORDER_ULPS` (reduction order).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import textwrap
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
-__all__ = ["BisectReport", "Difference", "Divergence"]
+import keras
+import numpy as np
+
+from towers.split import shard_sizes
+from towers.step import TowerTrainer
+
+__all__ = ["CLIPPING", "MIRRORED_SETTING", "ORDER_ULPS", "BisectReport", "Difference",
+           "Divergence", "Side", "explained", "possible_causes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,10 +129,149 @@ def _causes(d: Divergence) -> list[str]:
     """The possible causes and the setting, wrapped to the report's width."""
     if not d.causes and not d.setting:
         return []
-    lines = ["  possible causes, read from the batches and both sides (towers.testing.causes):"]
+    lines = ["  possible causes, read from the batches and both sides (towers.testing.report):"]
     for cause in d.causes:
         lines += textwrap.wrap(cause, 96, initial_indent="    - ", subsequent_indent="      ")
     if d.setting:
         lines += textwrap.wrap(d.setting, 96, initial_indent="  the setting: ",
                                subsequent_indent="    ")  # fmt: skip
     return lines
+
+
+ORDER_ULPS = 8  # a difference another summation order makes, in ULPs of the value
+CLIPPING = ("clipnorm", "global_clipnorm", "clipvalue")
+MIRRORED_SETTING = (
+    'TowerTrainer(..., semantics="mirrored") (or TowerModel) reproduces MirroredStrategy\'s '
+    "semantics: each replica divides its loss by its shard × replicas, and the first "
+    "tower's non-trainable state is kept")
+
+
+def possible_causes(
+    a: Any, b: Any, sizes: Sequence[int], *, step: int, towers: int, diff: float,
+    value: float, dtype: Any,
+) -> tuple[tuple[str, ...], str]:
+    """The causes of a divergence at ``step`` that the batches and the two sides show.
+
+    ``sizes`` are every batch's size; ``diff``, ``value`` and ``dtype`` describe the first
+    element outside (``|Δ|``, the larger of its two values, its dtype: for the ULPs).
+
+    Returns:
+        ``(causes, setting)``: one ``"name: why"`` per cause, and :data:`MIRRORED_SETTING`
+        when it applies, else "".
+    """
+    sides = (_side(a), _side(b))
+    found = [_uneven(sides, sizes, step, towers), _clipping(a, b, sides),
+             _batch_norm(a, b, sides), _order(diff, value, dtype)]  # fmt: skip
+    ours = [s for s in sides if s.towers]
+    mirrored = (found[0] and not all(s.divisor == "per_replica" for s in ours)) or (
+        found[2] and not all(s.first_tower for s in ours))
+    beside = bool(ours) and any(s.replicated for s in sides)  # towers beside a strategy
+    return tuple(line for line in found if line), MIRRORED_SETTING if mirrored and beside else ""
+
+
+def explained(first: Divergence, a: Any, b: Any, sizes: Sequence[int], towers: int,
+              dtype: Any) -> Divergence:  # fmt: skip
+    """``first`` with the :func:`possible_causes` its batches and sides show."""
+    value = max(abs(first.value_a), abs(first.value_b))
+    causes, setting = possible_causes(a, b, sizes, step=first.step, towers=towers,
+                                      diff=first.diff, value=value, dtype=dtype)  # fmt: skip
+    return dataclasses.replace(first, causes=causes, setting=setting)
+
+
+class Side(NamedTuple):
+    """What a step shows of how it computes: its loss ``divisor`` (None: not declared),
+    whether it keeps the ``first_tower``'s non-trainable state, a towers trainer's
+    ``towers`` (0 for any other step), ``replicated``: under a strategy of several replicas."""
+
+    divisor: Any
+    first_tower: bool | None
+    towers: int
+    replicated: bool
+
+
+def _side(step: Any) -> Side:
+    """The one place a step's settings are read."""
+    if isinstance(step, TowerTrainer):
+        return Side(step.options.divisor, step.options.semantics == "mirrored",
+                    len(step.devices), False)  # fmt: skip
+    strategy = getattr(step, "strategy", None)
+    replicas = 1 if strategy is None else int(strategy.num_replicas_in_sync)
+    return Side(getattr(step, "loss_denominator", None), None, 0, replicas > 1)
+
+
+def _divisor(side: Side, shards: list[int], towers: int) -> str:
+    """What ``side`` divides each tower's loss sum by, in words."""
+    per_replica = ", ".join(str(s * towers) for s in shards if s)
+    if side.divisor == "global":
+        return f"{sum(shards)} (the global batch)"
+    if side.divisor == "per_replica":
+        return f"{per_replica} (shard × replicas)"
+    if isinstance(side.divisor, (int, float)) and not isinstance(side.divisor, bool):
+        return f"{side.divisor:g} (a constant)"
+    return (f"what it does not declare (tf.nn.compute_average_loss without global_batch_size: "
+            f"shard × replicas, {per_replica}; or a fixed global batch size)")  # fmt: skip
+
+
+def _uneven(sides: tuple[Side, Side], sizes: Sequence[int], step: int, towers: int) -> str:
+    batch = int(sizes[step - 1])
+    shards = shard_sizes(batch, towers)
+    split, short = batch % towers != 0, batch < max(sizes)
+    a, b = sides
+    if not (split or short) or (a.divisor is not None and a.divisor == b.divisor):
+        return ""
+    shape = [f"splits {'+'.join(map(str, shards))} over {towers} towers"] if split else []
+    shape += [f"is shorter than the largest batch ({max(sizes)})"] if short else []
+    return (f"uneven batch: step {step}'s batch of {batch} {' and '.join(shape)}, and the "
+            f"sides' loss divisors may differ (A divides each tower's loss sum by "
+            f"{_divisor(a, shards, towers)}; B by {_divisor(b, shards, towers)}): its "
+            "examples weigh differently")  # fmt: skip
+
+
+def _clips(step: Any) -> tuple[tuple[str, Any], ...]:
+    optimizer = getattr(step, "optimizer", None)
+    return tuple((k, getattr(optimizer, k)) for k in CLIPPING
+                 if getattr(optimizer, k, None) is not None)  # fmt: skip
+
+
+def _clipping(a: Any, b: Any, sides: tuple[Side, Side]) -> str:
+    clips = [_clips(a), _clips(b)]
+    if not any(clips) or (clips[0] == clips[1] and not any(s.replicated for s in sides)):
+        return ""
+    said = "; ".join(f"{label}'s optimizer has " + ", ".join(f"{k}={v:g}" for k, v in c)
+                     for label, c in zip("AB", clips) if c)  # fmt: skip
+    return (f"gradient clipping: {said}. Keras 3 under MirroredStrategy clips each replica's "
+            "share before the all-reduce (the result depends on the replica count); a "
+            "TowerTrainer, like one device, clips the summed gradient; no derived bound covers "
+            "clipping: compare without it to check the rest")  # fmt: skip
+
+
+def _layers(model: Any) -> list[Any]:
+    out, todo = [], list(getattr(model, "layers", []))
+    while todo:
+        layer = todo.pop(0)
+        out.append(layer)
+        todo.extend(getattr(layer, "layers", []))
+    return out
+
+
+def _batch_norm(a: Any, b: Any, sides: tuple[Side, Side]) -> str:
+    names = sorted({layer.name for step in (a, b) for layer in _layers(getattr(step, "model", None))
+                    if isinstance(layer, keras.layers.BatchNormalization)})  # fmt: skip
+    alike = sides[0].towers and sides[0][1:3] == sides[1][1:3]  # towers trainers, alike
+    if not names or alike:
+        return ""
+    return (f"BatchNormalization ({', '.join(names)}): each replica normalizes its own shard "
+            "(one device: the whole batch), and under MirroredStrategy each replica updates "
+            "its own moving statistics (replica 0's are read); towers averages them across "
+            "towers unless non_trainable=\"first_tower\"")  # fmt: skip
+
+
+def _order(diff: float, value: float, dtype: Any) -> str:
+    kind = np.dtype(dtype) if np.dtype(dtype).kind == "f" else np.dtype("float32")
+    spacing = float(np.spacing(np.abs(np.asarray(value, kind))))
+    if not spacing or diff > ORDER_ULPS * spacing:
+        return ""
+    return (f"reduction order: |Δ| is {diff / spacing:.3g} ULP of the value, what adding the "
+            "same gradients in another order makes (another all-reduce, the reference's "
+            "collective order, Grappler's AddN sort); a bound that tight cannot hold two "
+            "correct steps")  # fmt: skip

@@ -20,7 +20,7 @@ from tests.testing.test_compare import towers_step, users_step
 from tests.testing.test_invariance import LOSS, DropsATower, batches, sgd, tiny_mlp
 from towers import TowerTrainer
 from towers.testing import BisectReport, as_step, compare
-from towers.testing.causes import MIRRORED_SETTING, possible_causes
+from towers.testing.report import MIRRORED_SETTING, possible_causes
 
 UNEVEN = batches(1, 12) + batches(1, 10)  # the second splits 3+3+3+1 over 4 towers
 
