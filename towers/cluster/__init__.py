@@ -55,12 +55,10 @@ from towers.cluster.spec import (
 )
 from towers.cluster.trainer import WorkerTrainer
 
-__all__ = [
-    "HOST", "TOWERS_ENV", "AllTowers", "AsyncTrainer", "Cluster", "CrossWorker",
-    "ParameterServerLost", "ParameterStore", "RuntimeStartedError", "UpdateLog", "UpdateRecord",
-    "WorkerTrainer", "configure_gpus", "connect", "connect_ps", "free_ports",
-    "global_to_worker_batches", "launch", "leave_together", "load_log", "local_cluster",
-    "replay", "resolve", "save_log", "set_logical_devices", "shard_dataset",
-    "shard_variables", "start_server", "start_servers", "start_worker", "tf_config",
-    "towers_per_task",
-]
+__all__ = ["HOST", "TOWERS_ENV", "AllTowers", "AsyncTrainer", "Cluster", "CrossWorker",
+           "ParameterServerLost", "ParameterStore", "RuntimeStartedError", "UpdateLog",
+           "UpdateRecord", "WorkerTrainer", "configure_gpus", "connect", "connect_ps",
+           "free_ports", "global_to_worker_batches", "launch", "leave_together", "load_log",
+           "local_cluster", "replay", "resolve", "save_log", "set_logical_devices",
+           "shard_dataset", "shard_variables", "start_server", "start_servers", "start_worker",
+           "tf_config", "towers_per_task"]

@@ -41,10 +41,8 @@ from towers.cluster.spec import Cluster
 from towers.guard.arguments import check_choice, positive_float
 from towers.guard.errors import TowersError
 
-__all__ = [
-    "POLICIES", "FairLock", "ParameterServerLost", "ParameterStore", "check_rule",
-    "connect_ps", "shard_variables",
-]
+__all__ = ["POLICIES", "FairLock", "ParameterServerLost", "ParameterStore", "check_rule",
+           "connect_ps", "shard_variables"]
 
 POLICIES = ("round_robin", "size_balanced")
 """Placement policies of :func:`shard_variables`."""

@@ -42,10 +42,8 @@ from towers.guard.errors import NonFiniteError
 from towers.guard.nonfinite import NONFINITE, describe, gather_codes
 from towers.step import TowerTrainer
 
-__all__ = [
-    "AsyncTrainer", "UpdateLog", "UpdateRecord", "load_log", "replay", "replay_versions",
-    "save_log",
-]
+__all__ = ["AsyncTrainer", "UpdateLog", "UpdateRecord", "load_log", "replay", "replay_versions",
+           "save_log"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,10 +35,8 @@ from towers.devices import set_local_task
 from towers.guard.arguments import positive_float, positive_int
 from towers.guard.errors import TowersError
 
-__all__ = [
-    "RuntimeStartedError", "configure_gpus", "connect", "leave_together", "serve",
-    "set_logical_devices", "start_server", "start_worker",
-]
+__all__ = ["RuntimeStartedError", "configure_gpus", "connect", "leave_together", "serve",
+           "set_logical_devices", "start_server", "start_worker"]
 
 
 class RuntimeStartedError(TowersError, RuntimeError):

@@ -30,10 +30,8 @@ from typing import Any
 
 from towers.guard.arguments import non_negative_int, positive_int
 
-__all__ = [
-    "HOST", "TOWERS_ENV", "Cluster", "free_ports", "local_cluster", "resolve", "tf_config",
-    "towers_per_task",
-]
+__all__ = ["HOST", "TOWERS_ENV", "Cluster", "free_ports", "local_cluster", "resolve", "tf_config",
+           "towers_per_task"]
 
 HOST = "127.0.0.1"
 TOWERS_ENV = "TOWERS_PER_TASK"

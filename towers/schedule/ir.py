@@ -37,18 +37,8 @@ from typing import NamedTuple
 
 from towers.guard.arguments import positive_int
 
-__all__ = [
-    "COLLECTIVES",
-    "KINDS",
-    "Generator",
-    "Schedule",
-    "Step",
-    "bytes_sent",
-    "chunk_bytes",
-    "cost",
-    "format_schedule",
-    "link_bytes",
-]
+__all__ = ["COLLECTIVES", "KINDS", "Generator", "Schedule", "Step", "bytes_sent", "chunk_bytes",
+           "cost", "format_schedule", "link_bytes"]
 
 KINDS = ("copy", "reduce")
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
