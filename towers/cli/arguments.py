@@ -29,7 +29,7 @@ from typing import Any
 from towers.cli import names
 
 __all__ = ["Named", "algorithm", "algorithm_or_collective", "algorithms", "at_least", "choices",
-           "codec", "did_you_mean", "fail", "importable", "output_dir", "output_file",
+           "codec", "comma_list", "did_you_mean", "fail", "importable", "output_dir", "output_file",
            "positive_float", "spec_found", "tower_counts", "user_object"]
 
 MAX_TOWERS = 64
@@ -92,7 +92,8 @@ def tower_counts(text: str) -> list[int]:
     return counts
 
 
-def _items(text: str) -> list[str]:
+def comma_list(text: str) -> list[str]:
+    """The non-empty items of a comma list (at least one)."""
     items = [part.strip() for part in text.split(",") if part.strip()]
     if not items:
         raise argparse.ArgumentTypeError(f"expected a comma list, got {text!r}")
@@ -105,7 +106,7 @@ def choices(allowed: Sequence[str] | Callable[[], Sequence[str]],
     called when a value is checked (a registry that imports TensorFlow)."""
 
     def parse(text: str) -> list[str]:
-        items, known = _items(text), allowed() if callable(allowed) else allowed
+        items, known = comma_list(text), allowed() if callable(allowed) else allowed
         unknown = [item for item in items if item not in known]
         if unknown:
             raise argparse.ArgumentTypeError(
@@ -230,7 +231,7 @@ def algorithms(extra: Sequence[str] = ()) -> Named:
     """A comma list of :data:`algorithm` s, or of the ``extra`` names (``tf.*`` contenders)."""
 
     def parse(text: str) -> list[str]:
-        return [name if name in extra else algorithm(name) for name in _items(text)]
+        return [name if name in extra else algorithm(name) for name in comma_list(text)]
 
     return Named(parse, _load_algorithm, "algorithms")
 

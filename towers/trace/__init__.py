@@ -2,8 +2,8 @@
 
     schedule.py  run one all-reduce under ``record()``, checked against NumPy
     table.py     the Trace: a tick for every transfer, chunk ownership, the table as text
-    state.py     every tower's chunk state per tick, read from what each send carries
-    topology.py  the links an algorithm used, laid out: ring, tree, butterfly, torus
+    state.py     every tower's chunk state per tick, read from what each send carries,
+                 and the links it used, laid out (ring, tree, butterfly, torus)
     draw.py      the tick picture and the state picture (PNG)
     viewer.py    the step-through viewer: one self-contained HTML page
     timeline.py  one training step as a chrome://tracing / Perfetto JSON

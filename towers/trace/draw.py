@@ -20,9 +20,8 @@ import numpy as np
 from matplotlib.lines import Line2D
 from matplotlib.patches import FancyArrowPatch, Rectangle
 
-from towers.trace.state import StateTrace, range_label, sends_by_tick
+from towers.trace.state import StateTrace, Topology, range_label, sends_by_tick, topology
 from towers.trace.table import Trace
-from towers.trace.topology import Topology, topology
 
 __all__ = ["draw", "draw_state", "pyplot", "save_png"]
 
