@@ -1,16 +1,9 @@
 """The command line's one grammar: the argparse types every command uses.
 
-An algorithm or a codec is a registry name or ``module:NAME`` (``file.py:NAME``) in every
-command; a list is comma-separated; an output path must be writable. Each type is checked
-while the arguments are parsed, so a bad value exits 2 with one line naming the option,
-before any work. Parsing imports no TensorFlow: registry names are checked against
-:mod:`towers.cli.names`, ``module:NAME`` only as far as finding the file or module. A
-:class:`Named` type then ``load`` s what the user named, after parsing and before the
-command runs: a module that fails to import, a missing or wrong ``NAME``, is still a usage
-error naming the option.
-
-Example:
-    >>> parser.add_argument("--algorithm", type=algorithm, default="ring")  # doctest: +SKIP
+An algorithm or a codec is a registry name or ``module:NAME`` (``file.py:NAME``); a list is
+comma-separated; an output path must be writable. Parsing imports no TensorFlow: names are
+checked against :mod:`towers.cli.names`, ``module:NAME`` as far as finding the module; a
+:class:`Named` type ``load`` s it after parsing, still a usage error naming the option.
 """
 
 from __future__ import annotations
@@ -37,8 +30,7 @@ MAX_TOWERS = 64
 
 
 def did_you_mean(word: str, known: Iterable[str]) -> str:
-    """`` (did you mean 'X'?)`` for the nearest of ``known`` to ``word``, or ``""`` (the
-    resolver's wording, one style everywhere)."""
+    """`` (did you mean 'X'?)`` for the nearest of ``known`` to ``word``, or ``""``."""
     known = list(known)
     close = ([k for k in known if k.lower() == word.lower()]
              or difflib.get_close_matches(word, known, n=3, cutoff=0.6))
@@ -102,8 +94,7 @@ def comma_list(text: str) -> list[str]:
 
 def choices(allowed: Sequence[str] | Callable[[], Sequence[str]],
             what: str) -> Callable[[str], list[str]]:
-    """A comma list of ``allowed`` values (each a ``what``); ``allowed`` may be a function,
-    called when a value is checked (a registry that imports TensorFlow)."""
+    """A comma list of ``allowed`` values (or a function returning them, called late)."""
 
     def parse(text: str) -> list[str]:
         items, known = comma_list(text), allowed() if callable(allowed) else allowed
@@ -119,12 +110,9 @@ def choices(allowed: Sequence[str] | Callable[[], Sequence[str]],
 
 
 class Named:
-    """An argparse ``type`` whose value may name a user's object (``module:NAME``).
-
-    Called while parsing, ``check(text)`` looks without importing (a registered name, a file
-    that exists, a module that can be found); :meth:`load` then imports and checks each
-    ``module:NAME`` with ``load_one(text)``, after parsing (``towers.cli.main`` calls it).
-    Both raise ``argparse.ArgumentTypeError``.
+    """An argparse ``type`` whose value may name a user's object (``module:NAME``):
+    ``check(text)`` looks without importing while parsing; :meth:`load` imports each
+    ``module:NAME`` with ``load_one(text)`` after parsing. Both raise ``ArgumentTypeError``.
     """
 
     def __init__(self, check: Callable[[str], Any], load_one: Callable[[str], None],
@@ -142,8 +130,7 @@ class Named:
 
 
 def _findable(module: str) -> bool:
-    """Can ``module`` (dotted) be found without running it? The current folder is searched
-    last, as the resolver's ``imported`` does."""
+    """Can ``module`` (dotted) be found without running it? (the current folder last)"""
     top, *rest = module.split(".")
     try:
         spec = importlib.util.find_spec(top)
@@ -161,8 +148,7 @@ def _findable(module: str) -> bool:
 
 
 def spec_found(text: str, what: str) -> str:
-    """``text`` as ``module:NAME`` or ``file.py:NAME`` whose file exists or whose module can
-    be found (nothing is imported: the module may import TensorFlow)."""
+    """``text`` as ``module:NAME`` or ``file.py:NAME`` whose module can be found (unimported)."""
     module, sep, attr = text.rpartition(":")
     if not sep or not module or not attr:
         raise argparse.ArgumentTypeError(f"{what} {text!r}: expected module:NAME or file.py:NAME")
@@ -223,8 +209,7 @@ algorithm = Named(_algorithm_name, _load_algorithm, "algorithm")
 algorithm_or_collective = Named(
     lambda text: text if text in names.COLLECTIVES else _algorithm_name(text),
     _load_algorithm, "algorithm")
-"""An :data:`algorithm`, or a public collective's (``chain``, ``halving``, …:
-``towers trace --collective``)."""
+"""An :data:`algorithm`, or a collective's (``chain``, ``halving``, …: ``--collective``)."""
 
 
 def algorithms(extra: Sequence[str] = ()) -> Named:
@@ -254,13 +239,11 @@ def _load_codec(text: str) -> None:
 
 
 codec = Named(_codec_name, _load_codec, "codec")
-"""A registered codec (``topk(0.1)`` passes arguments) or ``module:NAME``, built once after
-parsing (:func:`towers.allreduce.machinery.resolve.get_codec`)."""
+"""A registered codec (``topk(0.1)`` passes arguments) or ``module:NAME``."""
 
 
 def _probe(folder: Path, text: str) -> None:
-    """Create and remove a file in ``folder``: the one test of writability that holds for
-    root too (``os.access`` says yes to /proc)."""
+    """Create and remove a file in ``folder`` (``os.access`` says yes to /proc for root)."""
     try:
         with tempfile.TemporaryFile(dir=folder):
             pass
