@@ -81,7 +81,10 @@ def test_a_hanging_task_is_killed_by_the_timeout(capsys: pytest.CaptureFixture[s
 
 
 def test_bad_options_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["launch", "--workers", "0", "--", "true"]) == 2
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["launch", "--workers", "0", "--", "true"])
+    assert exit_.value.code == 2
+    assert "argument --workers: must be an integer >= 1, got 0" in capsys.readouterr().err
     assert cli.main(["launch", "--workers", "1"]) == 2
     assert "give the command after --" in capsys.readouterr().err
 

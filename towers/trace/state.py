@@ -50,12 +50,10 @@ class StateTrace:
 
     @property
     def towers(self) -> int:
-        """Number of towers."""
         return self.trace.towers
 
     @property
     def ticks(self) -> int:
-        """Number of ticks (``len(states) - 1``)."""
         return len(self.states) - 1
 
     @property
@@ -111,11 +109,7 @@ def sends_by_tick(state: StateTrace) -> dict[tuple[int, int, int], Ranges]:
 
 
 def _decode(values: Any, n: int) -> dict[int, frozenset[int]]:
-    """Element index -> contributing towers, for every nonzero element (zeros: padding).
-
-    Raises:
-        ValueError: a value no sum of labelled inputs can take.
-    """
+    """Element index -> contributing towers, for every nonzero element (zeros: padding)."""
     flat = np.rint(np.asarray(values, dtype=np.float64).reshape(-1)).astype(np.int64)
     out: dict[int, frozenset[int]] = {}
     for v in flat[flat != 0]:
@@ -160,13 +154,8 @@ def trace_state(algorithm: str | Callable[..., Any], devices: Sequence[str], *,
                 size: int | None = None) -> StateTrace:
     """Trace ``algorithm`` (op ``sum``) and compute every tower's chunk state per tick.
 
-    Args:
-        algorithm: a registry name, ``module:NAME`` or a callable.
-        devices: one device per tower (at most 24: the labels must stay exact).
-        size: elements per tower (default :func:`default_size`).
-
-    Raises:
-        ValueError: too many towers or elements, or sends that are no sums of contributions.
+    ``size``: elements per tower (default :func:`default_size`). ``ValueError``: too many
+    towers or elements, or sends that are no sums of contributions.
     """
     n = len(devices)
     size = size or default_size(n)
