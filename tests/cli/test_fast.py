@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from towers import cli
-from towers.cli import names
+from towers.cli import arguments
 from towers.cli.check import budgets
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -88,14 +88,14 @@ def test_the_names_checked_without_tensorflow_are_the_registries() -> None:
     from towers.allreduce.machinery.base import DTYPES, OPS
     from towers.testing.compare import REFERENCES
 
-    assert tuple(sorted(towers.ALGORITHMS)) == names.ALGORITHMS
-    assert tuple(sorted(CODECS)) == names.CODECS
+    assert tuple(sorted(towers.ALGORITHMS)) == arguments.ALGORITHMS
+    assert tuple(sorted(CODECS)) == arguments.CODECS
     from towers.allreduce import COLLECTIVE_ALGORITHMS
 
-    assert tuple(sorted({name for _, name in COLLECTIVE_ALGORITHMS})) == names.COLLECTIVES
-    assert tuple(OPS) == names.OPS
-    assert tuple(d.name for d in DTYPES) == names.DTYPES
-    assert tuple(REFERENCES) == names.REFERENCES
+    assert tuple(sorted({name for _, name in COLLECTIVE_ALGORITHMS})) == arguments.COLLECTIVES
+    assert tuple(OPS) == arguments.OPS
+    assert tuple(d.name for d in DTYPES) == arguments.DTYPES
+    assert tuple(REFERENCES) == arguments.REFERENCES
 
 
 def _help_entries(text: str) -> dict[str, str]:

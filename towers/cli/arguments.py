@@ -2,7 +2,8 @@
 
 An algorithm or a codec is a registry name or ``module:NAME`` (``file.py:NAME``); a list is
 comma-separated; an output path must be writable. Parsing imports no TensorFlow: names are
-checked against :mod:`towers.cli.names`, ``module:NAME`` as far as finding the module; a
+checked against the tuples below (``tests/cli/test_fast.py`` keeps them equal to the
+registries, which import TensorFlow), ``module:NAME`` as far as finding the module; a
 :class:`Named` type ``load`` s it after parsing, still a usage error naming the option.
 """
 
@@ -19,14 +20,34 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from towers.cli import names
-
-__all__ = ["Named", "algorithm", "algorithm_or_collective", "algorithms", "at_least", "choices",
-           "codec", "comma_list", "did_you_mean", "fail", "importable", "output_dir", "output_file",
+__all__ = ["ALGORITHMS", "CODECS", "COLLECTIVES", "DTYPES", "OPS", "REFERENCES", "Named",
+           "algorithm", "algorithm_or_collective", "algorithms", "at_least", "choices", "codec",
+           "comma_list", "did_you_mean", "fail", "importable", "output_dir", "output_file",
            "positive_float", "spec_found", "tower_counts", "user_object"]
 
 MAX_TOWERS = 64
 """The most towers a list of tower counts may name."""
+
+ALGORITHMS = (
+    "bruck", "double_binary_tree", "halving_doubling", "hierarchical", "naive", "nccl",
+    "nccl_ring", "nccl_tree", "parameter_device", "pat", "ring", "swing", "torus_2d", "tree",
+)
+"""The registered all-reduces, sorted (``sorted(towers.ALGORITHMS)``)."""
+
+COLLECTIVES = ("chain", "doubling", "flat", "halving", "ring", "tree")
+"""The collectives' algorithms (``COLLECTIVE_ALGORITHMS``), for ``towers trace --collective``."""
+
+CODECS = ("bf16", "fp16", "identity", "powersgd", "topk")
+"""The registered codecs, sorted (``sorted(towers.allreduce.CODECS)``)."""
+
+OPS = ("sum", "mean", "max", "min")
+"""The reductions of the contract."""
+
+DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64")
+"""The dtypes of the contract, by name."""
+
+REFERENCES = ("mirrored", "central_storage")
+"""The ``tf.distribute`` references ``towers compare`` and ``towers bisect`` may name."""
 
 
 def did_you_mean(word: str, known: Iterable[str]) -> str:
@@ -189,11 +210,11 @@ def user_object(what: str) -> Named:
 def _algorithm_name(text: str) -> str:
     if ":" in text:
         return spec_found(text, "algorithm")
-    known = (*names.ALGORITHMS, "noop")
+    known = (*ALGORITHMS, "noop")
     if text not in known:
         raise argparse.ArgumentTypeError(
             f"unknown algorithm {text!r}{did_you_mean(text, known)}; choose from "
-            f"{', '.join(names.ALGORITHMS)} or name your own as module:NAME")
+            f"{', '.join(ALGORITHMS)} or name your own as module:NAME")
     return text
 
 
@@ -207,7 +228,7 @@ algorithm = Named(_algorithm_name, _load_algorithm, "algorithm")
 """A registered all-reduce (``towers.ALGORITHMS``, or ``noop``) or ``module:NAME``."""
 
 algorithm_or_collective = Named(
-    lambda text: text if text in names.COLLECTIVES else _algorithm_name(text),
+    lambda text: text if text in COLLECTIVES else _algorithm_name(text),
     _load_algorithm, "algorithm")
 """An :data:`algorithm`, or a collective's (``chain``, ``halving``, …: ``--collective``)."""
 
@@ -225,10 +246,10 @@ def _codec_name(text: str) -> str:
     if ":" in text:
         return spec_found(text, "codec")
     base = text.split("(", 1)[0].strip()
-    if base not in names.CODECS:
+    if base not in CODECS:
         raise argparse.ArgumentTypeError(
-            f"unknown codec {text!r}{did_you_mean(base, names.CODECS)}; registered: "
-            f"{', '.join(names.CODECS)} (or name your own as module:NAME)")
+            f"unknown codec {text!r}{did_you_mean(base, CODECS)}; registered: "
+            f"{', '.join(CODECS)} (or name your own as module:NAME)")
     return text
 
 

@@ -25,8 +25,7 @@ import argparse
 import dataclasses
 from typing import Any
 
-from towers.cli import names
-from towers.cli.arguments import algorithm, at_least, choices, fail, tower_counts
+from towers.cli.arguments import DTYPES, OPS, algorithm, at_least, choices, fail, tower_counts
 
 __all__ = ["EPILOG", "add_arguments", "budgets", "run", "usage_problem"]
 
@@ -57,10 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--examples", type=at_least(1), default=20,
         help="drawn examples in all, spread over the tower counts, at least 2 each; each "
         "count also runs its stratified examples")
-    add("--ops", type=choices(names.OPS, "op"), default=None, metavar="OP,...",
-        help=f"ops to draw (default {','.join(names.OPS)})")
-    add("--dtypes", type=choices(names.DTYPES, "dtype"), default=None, metavar="DTYPE,...",
-        help=f"dtypes to draw (default {','.join(names.DTYPES)})")
+    add("--ops", type=choices(OPS, "op"), default=None, metavar="OP,...",
+        help=f"ops to draw (default {','.join(OPS)})")
+    add("--dtypes", type=choices(DTYPES, "dtype"), default=None, metavar="DTYPE,...",
+        help=f"dtypes to draw (default {','.join(DTYPES)})")
     add("--seed", type=int, default=0, help="Hypothesis seed (default 0; -1: a fresh draw)")
     add("--prove", type=at_least(0), default=64, metavar="N",
         help="schedule-defined algorithms: prove the schedule symbolically for every tower "

@@ -23,8 +23,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from towers.cli import names
-from towers.cli.arguments import at_least, did_you_mean, fail, positive_float, spec_found
+from towers.cli.arguments import (
+    ALGORITHMS,
+    CODECS,
+    at_least,
+    did_you_mean,
+    fail,
+    positive_float,
+    spec_found,
+)
 
 __all__ = ["EPILOG", "add_arguments", "run", "usage_problem"]
 
@@ -44,20 +51,20 @@ def reducer(text: str) -> str:
     :func:`towers.allreduce.machinery.resolve.parse` when the study runs."""
     head, at, algorithm = text.strip().rpartition("@")
     head = head if at else algorithm
-    if at and algorithm not in names.ALGORITHMS:
+    if at and algorithm not in ALGORITHMS:
         raise argparse.ArgumentTypeError(
             f"{text!r}: unknown all-reduce {algorithm!r} after @"
-            f"{did_you_mean(algorithm, names.ALGORITHMS)}; choose from "
-            f"{', '.join(names.ALGORITHMS)}")
+            f"{did_you_mean(algorithm, ALGORITHMS)}; choose from "
+            f"{', '.join(ALGORITHMS)}")
     if ":" in head:
         spec_found(head, "reducer")
         return text
     name = head.split("(", 1)[0].strip()
-    known = names.ALGORITHMS + names.CODECS
+    known = ALGORITHMS + CODECS
     if name not in known:
         raise argparse.ArgumentTypeError(
             f"{text!r}: unknown {name!r}{did_you_mean(name, known)}; choose an all-reduce "
-            f"({', '.join(names.ALGORITHMS)}), a codec ({', '.join(names.CODECS)}) or "
+            f"({', '.join(ALGORITHMS)}), a codec ({', '.join(CODECS)}) or "
             "module:NAME")
     return text
 

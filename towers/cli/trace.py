@@ -24,8 +24,7 @@ import argparse
 import json
 import sys
 
-from towers.cli import names
-from towers.cli.arguments import algorithm_or_collective, at_least, fail, output_file
+from towers.cli.arguments import OPS, algorithm_or_collective, at_least, fail, output_file
 
 __all__ = ["EPILOG", "add_arguments", "run", "usage_problem"]
 
@@ -54,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="print this collective's schedule for --algorithm instead")
     add("--towers", "--n", type=at_least(1), default=4, help="simulated devices")
     add("--size", type=at_least(1), default=16, help="float32 elements per tower")
-    add("--op", default="sum", choices=names.OPS, help="the reduction")
+    add("--op", default="sum", choices=OPS, help="the reduction")
     add("--out", metavar="PNG", type=output_file, default=None,
         help="where to draw the picture (default: <algorithm>.png, unless --state, --html or "
         "--json is given)")
