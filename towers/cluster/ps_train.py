@@ -89,9 +89,7 @@ class AsyncTrainer:
             list the batch in :attr:`skipped_batches`), ``"raise"`` (``NonFiniteError``;
             the other workers stop) or ``"ignore"`` (push it: every ps weight becomes NaN).
 
-    Raises:
-        ValueError: no workers, a model with non-trainable variables, a bad staleness,
-            an unknown ``on_nonfinite``.
+    ``ValueError``: no workers, non-trainable variables or a bad setting, named.
     """
 
     def __init__(self, model: Callable[[], keras.Model], loss: Any, *,

@@ -8,11 +8,6 @@
     viewer.py    the step-through viewer: one self-contained HTML page
     timeline.py  one training step as a chrome://tracing / Perfetto JSON
     measured.py  the profiler's op events of one real step, drawn beside the model
-
-Example:
-    >>> from towers.trace import trace_all_reduce, format_table, draw   # doctest: +SKIP
-    >>> t = trace_all_reduce("ring", devices[:4], size=16)
-    >>> print(format_table(t)); draw(t, "ring.png")
 """
 
 from __future__ import annotations
