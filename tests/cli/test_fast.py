@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from towers import cli
-from towers.cli import names
+from towers.cli import arguments
 from towers.cli.check import budgets
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,7 +46,7 @@ USAGE_ERRORS = [
      "argument --model: cannot import 'no_such_module_xyz'"),
     (["invariance", "--step", "no_such_module_xyz:f"],
      "argument --step: cannot import 'no_such_module_xyz'"),
-    (["launch", "--workers", "0", "--", "true"], "need --workers >= 1"),
+    (["launch", "--workers", "0", "--", "true"], "argument --workers: must be an integer >= 1"),
     (["study", "--out", "/no/such/dir/s"], "--out: no such folder '/no/such/dir'"),
     (["study", "ring", "fp61"], "argument REDUCER: 'fp61': unknown 'fp61' (did you mean 'fp16'?)"),
     (["study", "topk(0.1)@rign"], "unknown all-reduce 'rign' after @ (did you mean 'ring'?)"),
@@ -88,14 +88,14 @@ def test_the_names_checked_without_tensorflow_are_the_registries() -> None:
     from towers.allreduce.machinery.base import DTYPES, OPS
     from towers.testing.compare import REFERENCES
 
-    assert tuple(sorted(towers.ALGORITHMS)) == names.ALGORITHMS
-    assert tuple(sorted(CODECS)) == names.CODECS
+    assert tuple(sorted(towers.ALGORITHMS)) == arguments.ALGORITHMS
+    assert tuple(sorted(CODECS)) == arguments.CODECS
     from towers.allreduce import COLLECTIVE_ALGORITHMS
 
-    assert tuple(sorted({name for _, name in COLLECTIVE_ALGORITHMS})) == names.COLLECTIVES
-    assert tuple(OPS) == names.OPS
-    assert tuple(d.name for d in DTYPES) == names.DTYPES
-    assert tuple(REFERENCES) == names.REFERENCES
+    assert tuple(sorted({name for _, name in COLLECTIVE_ALGORITHMS})) == arguments.COLLECTIVES
+    assert tuple(OPS) == arguments.OPS
+    assert tuple(d.name for d in DTYPES) == arguments.DTYPES
+    assert tuple(REFERENCES) == arguments.REFERENCES
 
 
 def _help_entries(text: str) -> dict[str, str]:

@@ -18,8 +18,7 @@ import tensorflow as tf
 from tests.conftest import DEVICES
 from towers.allreduce import ALGORITHMS, check_values, combine, send
 from towers.trace.draw import draw_state
-from towers.trace.state import default_size, sends_by_tick, trace_state
-from towers.trace.topology import topology
+from towers.trace.state import default_size, sends_by_tick, topology, trace_state
 
 NAMES = sorted(ALGORITHMS)
 PNG = b"\x89PNG\r\n\x1a\n"

@@ -1,14 +1,11 @@
 """The ``towers`` command line: ``python -m towers <command>`` (the commands: :data:`COMMANDS`).
 
-Each command is a module with ``add_arguments(parser)``, ``run(args) -> exit code`` and,
-when its options can contradict each other, ``usage_problem(args) -> str | None``; its
-docstring is its ``--help``. Algorithms and codecs are a registered name or ``module:NAME``
-in every command (:mod:`towers.cli.arguments`). Arguments are parsed and ``usage_problem``
-asked before TensorFlow is imported, so a usage error answers at once: one line on stderr,
-``towers CMD: error: …`` naming the option (with the nearest known name for a near miss),
-exit status 2. Then TensorFlow is imported quietly (:func:`quiet_tensorflow`), what
-``module:NAME`` options name is imported and checked, and the command runs; nothing starts
-TensorFlow's runtime before, so each command can simulate the devices it needs first.
+Each command is a module with ``add_arguments(parser)``, ``run(args) -> exit code`` and
+maybe ``usage_problem(args) -> str | None``; its docstring is its ``--help``. Arguments are
+checked before TensorFlow is imported, so a usage error answers at once: one line on
+stderr naming the option (and the nearest known name), exit status 2. Then TensorFlow is
+imported quietly, ``module:NAME`` options are imported and checked, and the command runs
+(it simulates its devices first).
 """
 
 from __future__ import annotations
@@ -44,8 +41,7 @@ _INVALID_CHOICE = re.compile(r"invalid choice: '(?P<word>[^']*)' \(choose from (
 
 
 class _Parser(argparse.ArgumentParser):
-    """A usage error is one line on stderr and exit status 2; an invalid choice names the
-    nearest one."""
+    """A usage error is one line and exit status 2; an invalid choice names the nearest."""
 
     def error(self, message: str) -> NoReturn:
         choice = _INVALID_CHOICE.search(message)
@@ -94,12 +90,10 @@ def _build() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser
 def quiet_tensorflow(verbose: bool) -> None:
     """Import TensorFlow with its C++ log quiet unless ``verbose``.
 
-    Its runtime prints lines that say nothing about the user's job and look like failures
-    (``failed call to cuInit`` without a GPU, oneDNN and CPU-instruction notes that Abseil
-    prints whatever ``TF_CPP_MIN_LOG_LEVEL`` says). So: ``TF_CPP_MIN_LOG_LEVEL=3`` unless
-    the environment sets it (child processes inherit it), the import with file descriptor 2
-    sent to a temporary file shown only if the import fails, and Abseil at errors only.
-    ``verbose`` sets the level to 0 and hides nothing.
+    Its runtime prints lines that look like failures (``failed call to cuInit`` without a
+    GPU, oneDNN notes Abseil prints whatever ``TF_CPP_MIN_LOG_LEVEL`` says): so level 3
+    unless the environment sets one, stderr kept aside during the import (shown if it
+    fails), and Abseil at errors only.
     """
     if verbose:
         os.environ["TF_CPP_MIN_LOG_LEVEL"] = "0"

@@ -1,16 +1,10 @@
 """The command line's one grammar: the argparse types every command uses.
 
-An algorithm or a codec is a registry name or ``module:NAME`` (``file.py:NAME``) in every
-command; a list is comma-separated; an output path must be writable. Each type is checked
-while the arguments are parsed, so a bad value exits 2 with one line naming the option,
-before any work. Parsing imports no TensorFlow: registry names are checked against
-:mod:`towers.cli.names`, ``module:NAME`` only as far as finding the file or module. A
-:class:`Named` type then ``load`` s what the user named, after parsing and before the
-command runs: a module that fails to import, a missing or wrong ``NAME``, is still a usage
-error naming the option.
-
-Example:
-    >>> parser.add_argument("--algorithm", type=algorithm, default="ring")  # doctest: +SKIP
+An algorithm or a codec is a registry name or ``module:NAME`` (``file.py:NAME``); a list is
+comma-separated; an output path must be writable. Parsing imports no TensorFlow: names are
+checked against the tuples below (``tests/cli/test_fast.py`` keeps them equal to the
+registries, which import TensorFlow), ``module:NAME`` as far as finding the module; a
+:class:`Named` type ``load`` s it after parsing, still a usage error naming the option.
 """
 
 from __future__ import annotations
@@ -26,19 +20,38 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from towers.cli import names
-
-__all__ = ["Named", "algorithm", "algorithm_or_collective", "algorithms", "at_least", "choices",
-           "codec", "did_you_mean", "fail", "importable", "output_dir", "output_file",
+__all__ = ["ALGORITHMS", "CODECS", "COLLECTIVES", "DTYPES", "OPS", "REFERENCES", "Named",
+           "algorithm", "algorithm_or_collective", "algorithms", "at_least", "choices", "codec",
+           "comma_list", "did_you_mean", "fail", "importable", "output_dir", "output_file",
            "positive_float", "spec_found", "tower_counts", "user_object"]
 
 MAX_TOWERS = 64
 """The most towers a list of tower counts may name."""
 
+ALGORITHMS = (
+    "bruck", "double_binary_tree", "halving_doubling", "hierarchical", "naive", "nccl",
+    "nccl_ring", "nccl_tree", "parameter_device", "pat", "ring", "swing", "torus_2d", "tree",
+)
+"""The registered all-reduces, sorted (``sorted(towers.ALGORITHMS)``)."""
+
+COLLECTIVES = ("chain", "doubling", "flat", "halving", "ring", "tree")
+"""The collectives' algorithms (``COLLECTIVE_ALGORITHMS``), for ``towers trace --collective``."""
+
+CODECS = ("bf16", "fp16", "identity", "powersgd", "topk")
+"""The registered codecs, sorted (``sorted(towers.allreduce.CODECS)``)."""
+
+OPS = ("sum", "mean", "max", "min")
+"""The reductions of the contract."""
+
+DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64")
+"""The dtypes of the contract, by name."""
+
+REFERENCES = ("mirrored", "central_storage")
+"""The ``tf.distribute`` references ``towers compare`` and ``towers bisect`` may name."""
+
 
 def did_you_mean(word: str, known: Iterable[str]) -> str:
-    """`` (did you mean 'X'?)`` for the nearest of ``known`` to ``word``, or ``""`` (the
-    resolver's wording, one style everywhere)."""
+    """`` (did you mean 'X'?)`` for the nearest of ``known`` to ``word``, or ``""``."""
     known = list(known)
     close = ([k for k in known if k.lower() == word.lower()]
              or difflib.get_close_matches(word, known, n=3, cutoff=0.6))
@@ -92,7 +105,8 @@ def tower_counts(text: str) -> list[int]:
     return counts
 
 
-def _items(text: str) -> list[str]:
+def comma_list(text: str) -> list[str]:
+    """The non-empty items of a comma list (at least one)."""
     items = [part.strip() for part in text.split(",") if part.strip()]
     if not items:
         raise argparse.ArgumentTypeError(f"expected a comma list, got {text!r}")
@@ -101,11 +115,10 @@ def _items(text: str) -> list[str]:
 
 def choices(allowed: Sequence[str] | Callable[[], Sequence[str]],
             what: str) -> Callable[[str], list[str]]:
-    """A comma list of ``allowed`` values (each a ``what``); ``allowed`` may be a function,
-    called when a value is checked (a registry that imports TensorFlow)."""
+    """A comma list of ``allowed`` values (or a function returning them, called late)."""
 
     def parse(text: str) -> list[str]:
-        items, known = _items(text), allowed() if callable(allowed) else allowed
+        items, known = comma_list(text), allowed() if callable(allowed) else allowed
         unknown = [item for item in items if item not in known]
         if unknown:
             raise argparse.ArgumentTypeError(
@@ -118,12 +131,9 @@ def choices(allowed: Sequence[str] | Callable[[], Sequence[str]],
 
 
 class Named:
-    """An argparse ``type`` whose value may name a user's object (``module:NAME``).
-
-    Called while parsing, ``check(text)`` looks without importing (a registered name, a file
-    that exists, a module that can be found); :meth:`load` then imports and checks each
-    ``module:NAME`` with ``load_one(text)``, after parsing (``towers.cli.main`` calls it).
-    Both raise ``argparse.ArgumentTypeError``.
+    """An argparse ``type`` whose value may name a user's object (``module:NAME``):
+    ``check(text)`` looks without importing while parsing; :meth:`load` imports each
+    ``module:NAME`` with ``load_one(text)`` after parsing. Both raise ``ArgumentTypeError``.
     """
 
     def __init__(self, check: Callable[[str], Any], load_one: Callable[[str], None],
@@ -141,8 +151,7 @@ class Named:
 
 
 def _findable(module: str) -> bool:
-    """Can ``module`` (dotted) be found without running it? The current folder is searched
-    last, as the resolver's ``imported`` does."""
+    """Can ``module`` (dotted) be found without running it? (the current folder last)"""
     top, *rest = module.split(".")
     try:
         spec = importlib.util.find_spec(top)
@@ -160,8 +169,7 @@ def _findable(module: str) -> bool:
 
 
 def spec_found(text: str, what: str) -> str:
-    """``text`` as ``module:NAME`` or ``file.py:NAME`` whose file exists or whose module can
-    be found (nothing is imported: the module may import TensorFlow)."""
+    """``text`` as ``module:NAME`` or ``file.py:NAME`` whose module can be found (unimported)."""
     module, sep, attr = text.rpartition(":")
     if not sep or not module or not attr:
         raise argparse.ArgumentTypeError(f"{what} {text!r}: expected module:NAME or file.py:NAME")
@@ -202,11 +210,11 @@ def user_object(what: str) -> Named:
 def _algorithm_name(text: str) -> str:
     if ":" in text:
         return spec_found(text, "algorithm")
-    known = (*names.ALGORITHMS, "noop")
+    known = (*ALGORITHMS, "noop")
     if text not in known:
         raise argparse.ArgumentTypeError(
             f"unknown algorithm {text!r}{did_you_mean(text, known)}; choose from "
-            f"{', '.join(names.ALGORITHMS)} or name your own as module:NAME")
+            f"{', '.join(ALGORITHMS)} or name your own as module:NAME")
     return text
 
 
@@ -220,17 +228,16 @@ algorithm = Named(_algorithm_name, _load_algorithm, "algorithm")
 """A registered all-reduce (``towers.ALGORITHMS``, or ``noop``) or ``module:NAME``."""
 
 algorithm_or_collective = Named(
-    lambda text: text if text in names.COLLECTIVES else _algorithm_name(text),
+    lambda text: text if text in COLLECTIVES else _algorithm_name(text),
     _load_algorithm, "algorithm")
-"""An :data:`algorithm`, or a public collective's (``chain``, ``halving``, …:
-``towers trace --collective``)."""
+"""An :data:`algorithm`, or a collective's (``chain``, ``halving``, …: ``--collective``)."""
 
 
 def algorithms(extra: Sequence[str] = ()) -> Named:
     """A comma list of :data:`algorithm` s, or of the ``extra`` names (``tf.*`` contenders)."""
 
     def parse(text: str) -> list[str]:
-        return [name if name in extra else algorithm(name) for name in _items(text)]
+        return [name if name in extra else algorithm(name) for name in comma_list(text)]
 
     return Named(parse, _load_algorithm, "algorithms")
 
@@ -239,10 +246,10 @@ def _codec_name(text: str) -> str:
     if ":" in text:
         return spec_found(text, "codec")
     base = text.split("(", 1)[0].strip()
-    if base not in names.CODECS:
+    if base not in CODECS:
         raise argparse.ArgumentTypeError(
-            f"unknown codec {text!r}{did_you_mean(base, names.CODECS)}; registered: "
-            f"{', '.join(names.CODECS)} (or name your own as module:NAME)")
+            f"unknown codec {text!r}{did_you_mean(base, CODECS)}; registered: "
+            f"{', '.join(CODECS)} (or name your own as module:NAME)")
     return text
 
 
@@ -253,13 +260,11 @@ def _load_codec(text: str) -> None:
 
 
 codec = Named(_codec_name, _load_codec, "codec")
-"""A registered codec (``topk(0.1)`` passes arguments) or ``module:NAME``, built once after
-parsing (:func:`towers.allreduce.machinery.resolve.get_codec`)."""
+"""A registered codec (``topk(0.1)`` passes arguments) or ``module:NAME``."""
 
 
 def _probe(folder: Path, text: str) -> None:
-    """Create and remove a file in ``folder``: the one test of writability that holds for
-    root too (``os.access`` says yes to /proc)."""
+    """Create and remove a file in ``folder`` (``os.access`` says yes to /proc for root)."""
     try:
         with tempfile.TemporaryFile(dir=folder):
             pass

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from towers.cli.arguments import algorithms, at_least, choices, output_dir
+from towers.cli.arguments import algorithms, at_least, choices, comma_list, output_dir
 
 __all__ = ["EPILOG", "SECTIONS", "add_arguments", "fresh_folder", "run"]
 
@@ -40,10 +40,6 @@ EPILOG = """examples:
 """
 
 
-def _csv(text: str) -> list[str]:
-    return [part.strip() for part in text.split(",") if part.strip()]
-
-
 def _models() -> list[str]:
     from towers.bench.training import MODELS
 
@@ -58,11 +54,7 @@ def _placements() -> list[str]:
 
 def _ints(text: str) -> list[int]:
     """A comma list of integers >= 1 (else a one-line usage error, exit 2)."""
-    positive = at_least(1)
-    values = [positive(part) for part in _csv(text)]
-    if not values:
-        raise argparse.ArgumentTypeError(f"expected a comma list of integers, got {text!r}")
-    return values
+    return [at_least(1)(part) for part in comma_list(text)]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -91,20 +83,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--quiet", action="store_true", help="no progress bars")
     add("--workers", type=at_least(2), default=None, help="instead: cross-process all-reduce "
         "of W worker processes, towers vs MWMS (towers.bench.workers; --sizes in MB)")
-
-
-def _devices(count: int) -> list[str]:
-    """``count`` simulated devices; reuse the runtime's if it already has enough."""
-    import tensorflow as tf
-
-    import towers
-    from towers.devices import has_gpu
-
-    physical = tf.config.list_physical_devices("GPU" if has_gpu() else "CPU")[0]
-    configured = tf.config.get_logical_device_configuration(physical)
-    if configured is not None and len(configured) >= count:
-        return towers.local_devices()[:count]
-    return towers.simulate_devices(count)
 
 
 def environment(devices: list[str]) -> dict[str, Any]:
@@ -161,7 +139,9 @@ def run(args: argparse.Namespace) -> int:
         from towers.bench import workers
 
         return workers.run(args.workers, args.out, args.sizes, args.rounds or 7)
-    devices = _devices(args.towers)  # first: before TensorFlow runs any op
+    from towers.trace.schedule import start_devices
+
+    devices = start_devices(args.towers)  # first: before TensorFlow runs any op
     from towers.bench import allreduce, costfit, memory, phases, report, training
 
     section = {"allreduce": allreduce.section, "costmodel": costfit.section,
@@ -172,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
         except (ValueError, TypeError) as err:  # a module:NAME that is no algorithm
             print(f"towers bench: error: argument --algorithms: {err}", file=sys.stderr)
             return 2
-    results: dict[str, Any] = {"environment": environment(devices[: args.towers])}
+    results: dict[str, Any] = {"environment": environment(devices)}
     ok = True
     for name in SECTIONS:
         if name in args.sections:

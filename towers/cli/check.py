@@ -1,19 +1,16 @@
 """Check an all-reduce against the contract, on simulated towers, with Hypothesis.
 
 Runs ``towers.testing.check_all_reduce`` for every tower count from 1 to --max-towers (or
-the counts given with --towers), drawing shapes (``()``, ``(0,)``, primes, sizes no tower
-count divides), dtypes and ops, and checks every output: its value within the
-summation-depth bound of the exact reduction, its device, bitwise agreement between
-towers, the bytes counted at ``send`` against the registry record's ``bytes_sent`` and,
-with --replay, bitwise equality with the NumPy replay of its graph. An algorithm that
-cannot be replayed (opaque collectives such as nccl, or ops the replay has no kernel for)
-fails --replay with the reason; it never passes silently. The verdict names the smallest
-failing example Hypothesis could shrink to.
+--towers), drawing shapes (``()``, ``(0,)``, primes, sizes no tower count divides), dtypes
+and ops, and checks every output: within the summation-depth bound of the exact reduction,
+on its device, bitwise equal across towers, the bytes counted at ``send`` against the
+record's ``bytes_sent`` and, with --replay, bitwise equal to the NumPy replay of its graph
+(an algorithm that cannot be replayed fails --replay with the reason). The verdict names
+the smallest failing example.
 
-An algorithm defined by a schedule (``swing``, or ``towers.allreduce.scheduled(gen)``) is
-first proved symbolically for every tower count 1..--prove (see
-``towers.schedule.check_schedule``): a wrong schedule is rejected with the smallest failing
-tower count and the first tick that breaks, drawn, before anything runs on devices.
+A schedule-defined algorithm (``swing``, ``towers.allreduce.scheduled(gen)``) is first
+proved symbolically for every tower count 1..--prove: a wrong schedule is rejected with
+the smallest failing count and the first tick that breaks, drawn.
 
 The algorithm is a registered name or module:function (file.py:function); a factory
 (anything not taking ``(values, *, op)``) is called with no arguments.
@@ -28,8 +25,7 @@ import argparse
 import dataclasses
 from typing import Any
 
-from towers.cli import names
-from towers.cli.arguments import algorithm, at_least, choices, fail, tower_counts
+from towers.cli.arguments import DTYPES, OPS, algorithm, at_least, choices, fail, tower_counts
 
 __all__ = ["EPILOG", "add_arguments", "budgets", "run", "usage_problem"]
 
@@ -44,8 +40,7 @@ EPILOG = """examples:
 
 
 def budgets(examples: int, count: int) -> list[int]:
-    """``examples`` spread over ``count`` tower counts as evenly as they go, at least 2 each:
-    what each count's search draws, so the total announced is the total run."""
+    """``examples`` spread over ``count`` tower counts as evenly as they go, at least 2 each."""
     return [max(2, examples // count + (k < examples % count)) for k in range(count)]
 
 
@@ -61,10 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--examples", type=at_least(1), default=20,
         help="drawn examples in all, spread over the tower counts, at least 2 each; each "
         "count also runs its stratified examples")
-    add("--ops", type=choices(names.OPS, "op"), default=None, metavar="OP,...",
-        help=f"ops to draw (default {','.join(names.OPS)})")
-    add("--dtypes", type=choices(names.DTYPES, "dtype"), default=None, metavar="DTYPE,...",
-        help=f"dtypes to draw (default {','.join(names.DTYPES)})")
+    add("--ops", type=choices(OPS, "op"), default=None, metavar="OP,...",
+        help=f"ops to draw (default {','.join(OPS)})")
+    add("--dtypes", type=choices(DTYPES, "dtype"), default=None, metavar="DTYPE,...",
+        help=f"dtypes to draw (default {','.join(DTYPES)})")
     add("--seed", type=int, default=0, help="Hypothesis seed (default 0; -1: a fresh draw)")
     add("--prove", type=at_least(0), default=64, metavar="N",
         help="schedule-defined algorithms: prove the schedule symbolically for every tower "
@@ -96,7 +91,7 @@ def _prove(fn: Any, upto: int) -> bool:
 
 def _check(args: argparse.Namespace, name: str, fn: Any, counts: list[int],
            devices: list[str]) -> Any:
-    """One search per tower count, ascending, with a progress bar; stops at the first failure."""
+    """One search per tower count, ascending, stopping at the first failure."""
     import keras
 
     from towers.allreduce.machinery.base import DTYPES, OPS

@@ -33,8 +33,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from towers.cli import names
 from towers.cli.arguments import (
+    REFERENCES,
     Named,
     algorithm,
     at_least,
@@ -68,11 +68,11 @@ def _model(text: str) -> str:
 
 
 def _side(text: str) -> str:
-    if text in names.REFERENCES:
+    if text in REFERENCES:
         return text
     if text.startswith("towers:"):
         name = text.removeprefix("towers:")
-        if not name or name in names.REFERENCES:
+        if not name or name in REFERENCES:
             raise argparse.ArgumentTypeError(
                 f"expected an algorithm name after 'towers:', got {text!r}"
                 + (f" ({name} is a tf.distribute reference: name it alone)" if name else ""))

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 
+from towers.cli.arguments import at_least, positive_float
+
 __all__ = ["EPILOG", "add_arguments", "run", "usage_problem"]
 
 EPILOG = """examples:
@@ -25,16 +27,16 @@ EPILOG = """examples:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``towers launch``."""
-    parser.add_argument("--workers", type=int, default=2, help="worker tasks (default 2)")
-    parser.add_argument("--towers-per-worker", type=int, default=1,
-                        help="logical devices each task simulates (default 1)")
-    parser.add_argument("--ps", type=int, default=0, help="parameter-server tasks (default 0)")
-    parser.add_argument("--timeout", type=float, default=None,
-                        help="seconds before every task is killed (exit 124)")
-    parser.add_argument("--failure-grace", type=float, default=0.0,
-                        help="seconds the other tasks may run on after one failed (default 0)")
-    parser.add_argument("command", nargs=argparse.REMAINDER,
-                        help="after --: the program and its arguments")
+    add = parser.add_argument
+    add("--workers", type=at_least(1), default=2, help="worker tasks (default 2)")
+    add("--towers-per-worker", type=at_least(1), default=1,
+        help="logical devices each task simulates (default 1)")
+    add("--ps", type=at_least(0), default=0, help="parameter-server tasks (default 0)")
+    add("--timeout", type=positive_float, default=None,
+        help="seconds before every task is killed (exit 124)")
+    add("--failure-grace", type=float, default=0.0,
+        help="seconds the other tasks may run on after one failed (default 0)")
+    add("command", nargs=argparse.REMAINDER, help="after --: the program and its arguments")
 
 
 def _command(args: argparse.Namespace) -> list[str]:
@@ -44,13 +46,7 @@ def _command(args: argparse.Namespace) -> list[str]:
 
 def usage_problem(args: argparse.Namespace) -> str | None:
     """What is wrong with the options (None: nothing), before TensorFlow is imported."""
-    problems = []
-    if not _command(args):
-        problems.append("give the command after --")
-    if args.workers < 1 or args.towers_per_worker < 1 or args.ps < 0:
-        problems.append("need --workers >= 1, --towers-per-worker >= 1 and --ps >= 0")
-    if args.timeout is not None and args.timeout <= 0:
-        problems.append("--timeout must be positive")
+    problems = [] if _command(args) else ["give the command after --"]
     if args.failure_grace < 0:
         problems.append("--failure-grace must be at least 0")
     return "; ".join(problems) or None

@@ -23,8 +23,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from towers.cli import names
-from towers.cli.arguments import at_least, did_you_mean, positive_float, spec_found
+from towers.cli.arguments import (
+    ALGORITHMS,
+    CODECS,
+    at_least,
+    did_you_mean,
+    fail,
+    positive_float,
+    spec_found,
+)
 
 __all__ = ["EPILOG", "add_arguments", "run", "usage_problem"]
 
@@ -44,49 +51,42 @@ def reducer(text: str) -> str:
     :func:`towers.allreduce.machinery.resolve.parse` when the study runs."""
     head, at, algorithm = text.strip().rpartition("@")
     head = head if at else algorithm
-    if at and algorithm not in names.ALGORITHMS:
+    if at and algorithm not in ALGORITHMS:
         raise argparse.ArgumentTypeError(
             f"{text!r}: unknown all-reduce {algorithm!r} after @"
-            f"{did_you_mean(algorithm, names.ALGORITHMS)}; choose from "
-            f"{', '.join(names.ALGORITHMS)}")
+            f"{did_you_mean(algorithm, ALGORITHMS)}; choose from "
+            f"{', '.join(ALGORITHMS)}")
     if ":" in head:
         spec_found(head, "reducer")
         return text
     name = head.split("(", 1)[0].strip()
-    known = names.ALGORITHMS + names.CODECS
+    known = ALGORITHMS + CODECS
     if name not in known:
         raise argparse.ArgumentTypeError(
             f"{text!r}: unknown {name!r}{did_you_mean(name, known)}; choose an all-reduce "
-            f"({', '.join(names.ALGORITHMS)}), a codec ({', '.join(names.CODECS)}) or "
+            f"({', '.join(ALGORITHMS)}), a codec ({', '.join(CODECS)}) or "
             "module:NAME")
     return text
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``towers study``."""
-    parser.add_argument("reducers", nargs="*", metavar="REDUCER", type=reducer,
-                        default=["ring", "fp16", "topk(0.1)", "powersgd(4)"],
-                        help='what to compare (default: ring fp16 "topk(0.1)" "powersgd(4)")')
-    parser.add_argument("--towers", type=at_least(2), default=4,
-                        help="simulated devices, at least 2 (default 4)")
-    parser.add_argument("--model", choices=("cnn", "mlp"), default="cnn",
-                        help="cnn (the digits CNN, default) or mlp (64-32-10)")
-    parser.add_argument("--epochs", type=at_least(1), default=1, help="epochs (default 1)")
-    parser.add_argument("--batch", type=at_least(1), default=64,
-                        help="global batch size (default 64)")
-    parser.add_argument("--lr", type=positive_float, default=3e-3,
-                        help="Adam learning rate (default 3e-3)")
-    parser.add_argument("--steps", type=at_least(1), default=None,
-                        help="stop each run after this many steps (default: every epoch)")
-    parser.add_argument("--eval-every", type=at_least(1), default=1,
-                        help="test accuracy every this many steps (default 1)")
-    parser.add_argument("--out", default="study", metavar="PREFIX",
-                        help="writes PREFIX.csv and PREFIX.png (default study)")
-
-
-def _fail(message: str) -> int:
-    print(f"towers study: error: {message}", file=sys.stderr)
-    return 2
+    add = parser.add_argument
+    add("reducers", nargs="*", metavar="REDUCER", type=reducer,
+        default=["ring", "fp16", "topk(0.1)", "powersgd(4)"],
+        help='what to compare (default: ring fp16 "topk(0.1)" "powersgd(4)")')
+    add("--towers", type=at_least(2), default=4, help="simulated devices, at least 2 (default 4)")
+    add("--model", choices=("cnn", "mlp"), default="cnn",
+        help="cnn (the digits CNN, default) or mlp (64-32-10)")
+    add("--epochs", type=at_least(1), default=1, help="epochs (default 1)")
+    add("--batch", type=at_least(1), default=64, help="global batch size (default 64)")
+    add("--lr", type=positive_float, default=3e-3, help="Adam learning rate (default 3e-3)")
+    add("--steps", type=at_least(1), default=None,
+        help="stop each run after this many steps (default: every epoch)")
+    add("--eval-every", type=at_least(1), default=1,
+        help="test accuracy every this many steps (default 1)")
+    add("--out", default="study", metavar="PREFIX",
+        help="writes PREFIX.csv and PREFIX.png (default study)")
 
 
 def usage_problem(args: argparse.Namespace) -> str | None:
@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         devices = start_devices(args.towers)  # first: before TensorFlow's runtime starts
     except RuntimeError as err:
-        return _fail(str(err))
+        return fail("study", str(err))
     from towers.allreduce.machinery.resolve import parse
     from towers.bench import study
 
@@ -128,10 +128,10 @@ def run(args: argparse.Namespace) -> int:
         for spec in args.reducers:
             parse(spec)
     except (ValueError, TypeError) as err:
-        return _fail(str(err))
+        return fail("study", str(err))
     model, data = _data(args.model)
     if args.batch > len(data[0]):
-        return _fail(f"--batch {args.batch} is more than the {len(data[0])} training examples")
+        return fail("study", f"--batch {args.batch} is more than the {len(data[0])} examples")
     print(f"towers study: {', '.join(args.reducers)} on {args.towers} towers, {args.model}, "
           f"{args.epochs} epoch(s) of batch {args.batch}, Adam {args.lr:g}", flush=True)
     try:

@@ -16,11 +16,9 @@ the slowest tower's backward ends, its ticks follow one another, and the apply f
 Each tick's events sit on the towers that send or receive in it (args list the transfers).
 
 What the numbers mean: forward, backward, apply and the whole all-reduce are measured; a
-tick's length is the all-reduce's measured time split over its ticks in proportion to the
-bytes each moves, so tick lengths are a model, and all positions are derived. The whole
-compiled step is measured too (its own row) and differs from the laid-out phases: pieces
-compiled apart each pay a call's overhead and cannot overlap, and the whole step runs its
-towers side by side on the host's shared cores.
+tick's length is the all-reduce's time split by the bytes each tick moves (a model);
+positions are derived. The whole compiled step, measured too, differs from the phases laid
+end to end: pieces compiled apart each pay a call's overhead and cannot overlap.
 """
 
 from __future__ import annotations

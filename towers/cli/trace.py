@@ -1,15 +1,12 @@
 """Trace one all-reduce on simulated towers: the tick table, a summary and a picture.
 
-Runs the algorithm once on --size float32 elements per tower (tower i holds i·size + [0, 1,
-…], so sums are exact) and records every ``send``: one row of the tick table each (tick,
-from, to, chunk, bytes, operation). The summary gives the bytes each tower sent (against
-the algorithm's ``bytes_sent`` formula), the ticks, which tower finished which chunk, and
-the result against NumPy. The PNG shows towers as rows and ticks as columns, one arrow per
-transfer coloured by chunk, a star where a chunk is first complete and the chunks each
-tower holds at the end; it is drawn to --out, or to ``<algorithm>.png`` when no other
-output (--state, --html, --json) is asked for. Transfers without a tick get one by order
-(marked *); opaque collectives (nccl, nccl_ring, nccl_tree) move data outside ``send``:
-their estimated traffic is drawn dashed.
+Runs the algorithm once on --size float32 elements per tower (exact sums) and records every
+``send``: one row of the tick table each (tick, from, to, chunk, bytes, operation). The
+summary gives the bytes each tower sent (against the record's ``bytes_sent``), the ticks,
+which tower finished which chunk, and the result against NumPy. The PNG (--out, or
+``<algorithm>.png`` when no other output is asked for) shows towers × ticks, one arrow per
+transfer coloured by chunk, a star where a chunk is first complete. Transfers without a
+tick get one by order (marked *); opaque collectives (nccl…) are drawn dashed, estimated.
 
 ``--state PNG`` draws every tower's chunk state tick by tick beside the links; ``--html
 PAGE`` writes the step-through viewer, one self-contained page for any browser. Both run
@@ -27,8 +24,7 @@ import argparse
 import json
 import sys
 
-from towers.cli import names
-from towers.cli.arguments import algorithm_or_collective, at_least, fail, output_file
+from towers.cli.arguments import OPS, algorithm_or_collective, at_least, fail, output_file
 
 __all__ = ["EPILOG", "add_arguments", "run", "usage_problem"]
 
@@ -57,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="print this collective's schedule for --algorithm instead")
     add("--towers", "--n", type=at_least(1), default=4, help="simulated devices")
     add("--size", type=at_least(1), default=16, help="float32 elements per tower")
-    add("--op", default="sum", choices=names.OPS, help="the reduction")
+    add("--op", default="sum", choices=OPS, help="the reduction")
     add("--out", metavar="PNG", type=output_file, default=None,
         help="where to draw the picture (default: <algorithm>.png, unless --state, --html or "
         "--json is given)")

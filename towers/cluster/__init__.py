@@ -2,22 +2,15 @@
 
 ::
 
-    spec.py      resolve(): TF_CONFIG / ClusterSpec / dict / ClusterResolver → Cluster
-                 (this task, the chief, every task's tower names); localhost clusters
-    runtime.py   configure_gpus(); start_worker() (between-graph), start_server() +
-                 connect() (in-graph); leave_together(): workers exit after the last step
-    server.py    ``python -m towers.cluster.server``: serve one task's towers
-    launcher.py  launch(): one process per task, prefixed output, timeouts;
-                 start_servers(): local worker and ps servers for one client
-    cross_worker.py  CrossWorker (local towers, then across workers) and AllTowers
-                 (one collective over all W·T towers, MWMS's order, bitwise)
-    trainer.py   WorkerTrainer: loss over the global batch; chief checkpoints, resume
-    data.py      shard_dataset() (tf.data's auto-shard policies), global_to_worker_batches()
-    ps.py        parameter servers: shard_variables(), ParameterStore (versioned SGD)
-    ps_train.py  AsyncTrainer: async workers pushing to the ps, every update logged;
-                 save_log / load_log, replay(): the log replayed bitwise in NumPy
-
-``towers launch`` (:mod:`towers.cli.launch`) is the command line of ``launch``.
+    spec.py          resolve(): TF_CONFIG, ClusterSpec, dict or resolver → Cluster
+    runtime.py       start_worker() (between-graph), start_server() + connect() (in-graph)
+    server.py        ``python -m towers.cluster.server``: serve one task's towers
+    launcher.py      launch() (``towers launch``), start_servers() for one client
+    cross_worker.py  CrossWorker and AllTowers (MWMS's order, bitwise)
+    trainer.py       WorkerTrainer: loss over the global batch; chief checkpoints
+    data.py          shard_dataset(), global_to_worker_batches()
+    ps.py            parameter servers: shard_variables(), ParameterStore
+    ps_train.py      AsyncTrainer, its update log and replay() in NumPy
 """
 
 from __future__ import annotations
@@ -55,12 +48,10 @@ from towers.cluster.spec import (
 )
 from towers.cluster.trainer import WorkerTrainer
 
-__all__ = [
-    "HOST", "TOWERS_ENV", "AllTowers", "AsyncTrainer", "Cluster", "CrossWorker",
-    "ParameterServerLost", "ParameterStore", "RuntimeStartedError", "UpdateLog", "UpdateRecord",
-    "WorkerTrainer", "configure_gpus", "connect", "connect_ps", "free_ports",
-    "global_to_worker_batches", "launch", "leave_together", "load_log", "local_cluster",
-    "replay", "resolve", "save_log", "set_logical_devices", "shard_dataset",
-    "shard_variables", "start_server", "start_servers", "start_worker", "tf_config",
-    "towers_per_task",
-]
+__all__ = ["HOST", "TOWERS_ENV", "AllTowers", "AsyncTrainer", "Cluster", "CrossWorker",
+           "ParameterServerLost", "ParameterStore", "RuntimeStartedError", "UpdateLog",
+           "UpdateRecord", "WorkerTrainer", "configure_gpus", "connect", "connect_ps",
+           "free_ports", "global_to_worker_batches", "launch", "leave_together", "load_log",
+           "local_cluster", "replay", "resolve", "save_log", "set_logical_devices",
+           "shard_dataset", "shard_variables", "start_server", "start_servers", "start_worker",
+           "tf_config", "towers_per_task"]

@@ -20,18 +20,12 @@ W workers, T towers each (here W = 2, T = 2)::
                         │
               split, reverse back ──▶ every tower its own copy
 
-``AllTowers`` issues the op MWMS issues on CPU (TF 2.21 ``CollectiveAllReduce``:
-gradients reversed, flattened and packed into one vector, ring ``all_reduce_v2``), so
-the runtime adds the same W·T vectors in the same order: bitwise MWMS.
-
-``op="mean"`` divides by W (exact for W a power of two), for a ``TowerTrainer`` whose
-towers divide by the *local* batch; with a :class:`~towers.cluster.trainer.WorkerTrainer`
-(loss over the global batch) use ``op="sum"``, MWMS's own arithmetic.
-
-Collective keys are process-global and must match on every worker: each reducer draws
-a block from :func:`~towers.allreduce.machinery.tf_collective_ops.shared_keys` at
-``build``, identical everywhere when every worker builds in the same order. Every op
-carries its device's ordering token, so the workers issue them in program order.
+``AllTowers`` issues the op MWMS issues on CPU (gradients reversed, flattened and packed
+into one vector, ring ``all_reduce_v2``): the same W·T vectors added in the same order.
+``op="mean"`` divides by W, for a ``TowerTrainer`` whose towers divide by the *local*
+batch; a :class:`~towers.cluster.trainer.WorkerTrainer` (global batch) sums, as MWMS.
+Collective keys are drawn at ``build`` (``shared_keys``), identical on every worker that
+builds in the same order; ordering tokens make the workers issue ops in program order.
 
 References:
     TensorFlow ``cross_device_ops.CollectiveAllReduce``, ``CollectiveReplicaLauncher``;
@@ -55,12 +49,7 @@ __all__ = ["AllTowers", "CrossWorker"]
 
 
 def check_cross_worker(num_workers: int | None, op: str, timeout_seconds: float) -> int:
-    """The worker count (from the cluster when None), after checking the three settings
-    every cross-worker reducer takes.
-
-    Raises:
-        ValueError: a bad worker count, op or timeout, naming it.
-    """
+    """The worker count (from the cluster when None); ``ValueError`` names a bad setting."""
     workers = positive_int(
         "num_workers", resolve().num_workers if num_workers is None else num_workers)
     if op not in ("mean", "sum"):
@@ -100,7 +89,6 @@ class _AcrossWorkers:
         self.group_key = self.instance_key = -1
 
     def _draw(self, devices: Sequence[str], keys: int) -> None:
-        """Draw ``keys`` keys (group, then instances; eagerly, once) and the tokens."""
         self.devices = list(devices)
         self.group_key = shared_keys(keys)
         self.instance_key = self.group_key + 1
@@ -130,7 +118,6 @@ class CrossWorker(_AcrossWorkers):
     (``op="mean"`` by default; arguments as :class:`_AcrossWorkers`)."""
 
     def build(self, variables: Sequence[tf.Variable], devices: Sequence[str]) -> None:
-        """Draw one key per variable (and the group's), and tower 0's ordering token."""
         self._draw(devices[:1], len(variables) + 1)
         self.devices = list(devices)
 
@@ -166,7 +153,6 @@ class AllTowers(_AcrossWorkers):
     default_op = "sum"
 
     def build(self, variables: Sequence[tf.Variable], devices: Sequence[str]) -> None:
-        """Draw the keys (one group, one instance; eagerly, once) and every tower's token."""
         self._draw(devices, 2)
 
     def summation_depth(self, towers: int) -> int:

@@ -13,16 +13,10 @@ first: chief → 0, ``worker:i`` → i + #chief)::
                    global_to_worker_batches (worker_slice) instead
 
 A *file list* is a list of file names or a dataset of scalar strings (``list_files``
-with ``shuffle=False``: its own per-process seed would make the shards overlap); it is
-never guessed from a dataset that already reads files. :func:`global_to_worker_batches`
-keeps this worker's rows of every global batch (ceil(B/W) each, the last short or
-empty)::
-
-    global batch of B = 5, W = 2:   rows 0 1 2 | 3 4
-                                    worker 0   | worker 1
-
-(MWMS's rebatch gives B // W rows and one more to the first B mod W workers; both keep
-every row once, in order, and ``WorkerTrainer`` divides by the global B either way.)
+with ``shuffle=False``: a per-process seed would make the shards overlap).
+:func:`global_to_worker_batches` keeps this worker's ceil(B/W) rows of every global batch
+(B = 5, W = 2: rows 0 1 2 | 3 4); every row is kept once, in order, and ``WorkerTrainer``
+divides by the global B.
 """
 
 from __future__ import annotations
@@ -42,12 +36,8 @@ POLICIES = ("auto", "file", "data", "off")
 
 
 def worker_of(cluster: Any) -> tuple[int, int]:
-    """``(num_workers, worker_index)`` of a ``Cluster`` or of a ``(num_workers, index)`` pair.
-
-    Raises:
-        TypeError: ``cluster`` is neither.
-        ValueError: not a training task (chief/worker), or an index out of range.
-    """
+    """``(num_workers, worker_index)`` of a ``Cluster`` (a chief or worker task) or of a
+    ``(num_workers, index)`` pair; ``TypeError``/``ValueError`` otherwise."""
     if isinstance(cluster, Cluster):
         job, index = cluster.task_type, cluster.task_index
         if job not in ("chief", "worker") or index is None:
@@ -82,13 +72,6 @@ def _file_list(dataset: Any) -> tf.data.Dataset | None:
     return None
 
 
-def _check_policy(policy: Any, read: Any) -> None:
-    check_choice("policy", policy, POLICIES)
-    if read is not None and not callable(read):
-        raise TypeError(f"read must be a callable (dataset of file names -> dataset of "
-                        f"records), got {read!r}")
-
-
 def shard_dataset(dataset: Any, cluster: Any, *, policy: str = "auto",
                   read: Callable[[tf.data.Dataset], tf.data.Dataset] | None = None
                   ) -> tf.data.Dataset:
@@ -102,16 +85,18 @@ def shard_dataset(dataset: Any, cluster: Any, *, policy: str = "auto",
             None returns the (sharded) names themselves.
 
     Raises:
-        TypeError: a bad ``dataset``, ``cluster`` or ``read``.
-        ValueError: an unknown ``policy``; ``"file"`` on input that is not a file list,
-            or with fewer files than workers.
+        TypeError, ValueError: a bad argument; ``"file"`` without a file list, or with
+            fewer files than workers.
 
     Example:
         >>> ds = tf.data.Dataset.range(5)
         >>> [int(v) for v in shard_dataset(ds, (2, 1), policy="data")]
         [1, 3]
     """
-    _check_policy(policy, read)
+    check_choice("policy", policy, POLICIES)
+    if read is not None and not callable(read):
+        raise TypeError(f"read must be a callable (dataset of file names -> dataset of "
+                        f"records), got {read!r}")
     workers, index = worker_of(cluster)
     files = _file_list(dataset)
     if files is None:
@@ -155,13 +140,11 @@ def _cut(workers: int, index: int) -> Callable[..., Any]:
 def global_to_worker_batches(dataset: tf.data.Dataset, cluster: Any) -> tf.data.Dataset:
     """Each global batch of ``dataset`` cut to this worker's rows (``worker_slice``).
 
-    Every worker reads the same global batches; concatenated in worker order the parts
-    are the global batch, bitwise. A worker past the end of a short batch gets 0 rows.
-    ``cluster``: a ``Cluster`` (this task) or a ``(num_workers, worker_index)`` pair.
+    Concatenated in worker order the parts are the global batch, bitwise; a worker past
+    the end of a short batch gets 0 rows. ``cluster``: as :func:`shard_dataset`'s.
 
     Raises:
-        TypeError: ``dataset`` is not a ``tf.data.Dataset``, or a bad ``cluster``.
-        ValueError: an element holds a scalar (no batch dimension).
+        TypeError, ValueError: not a dataset of batches, or a bad ``cluster``.
 
     Example:
         >>> ds = tf.data.Dataset.range(5).batch(5)

@@ -9,13 +9,10 @@
       one task fails  → the others are terminated (after failure_grace seconds, in
                         which they may end by themselves); --timeout → all are killed (124)
 
-Trainers (chief and worker tasks) run the command; parameter servers serve until the
-trainers are done. Every task is its own process group: when the launch ends, every
-group is terminated (then killed), and a process a finished worker left running fails
-the launch (:data:`LEFTOVER_EXIT`). Each task imports the launcher's own ``towers``.
-
-:func:`start_servers` serves local worker (and ps) tasks for one client (in-graph
-training, parameter servers); servers exit with their parent.
+Parameter servers serve until the trainers are done. Every task is its own process
+group: when the launch ends every group is terminated (then killed), and a process a
+finished worker left running fails the launch (:data:`LEFTOVER_EXIT`).
+:func:`start_servers` serves local worker (and ps) tasks for one client.
 """
 
 from __future__ import annotations
@@ -71,14 +68,13 @@ class TaskProcess:
                 self._out.flush()
 
     def poll(self) -> int | None:
-        """The exit code (128 + signal for a signalled process), or None while it runs."""
+        """The exit code (128 + signal number if signalled), or None while it runs."""
         code = self.process.poll()
         return None if code is None else (128 - code if code < 0 else code)
 
     def stop(self) -> int:
-        """Terminate the task's whole process group, the task's own process first; kill
-        what is left after a grace period. Returns how many processes the group still
-        held after the task itself had exited (left running by it)."""
+        """Terminate the task's process group (kill it after a grace period); returns how
+        many processes the task left running when it had exited by itself."""
         if self.process.poll() is None:
             self.killed = True
             leftover = 0
@@ -98,7 +94,7 @@ class TaskProcess:
         return _group_members(self.process.pid)
 
     def finish(self) -> None:
-        """Wait for the output to be copied (after the process ended)."""
+        """Wait for the output to be copied."""
         self.process.wait()
         self._reader.join(timeout=_GRACE_SECONDS)
 
@@ -157,14 +153,12 @@ def launch(cluster: Cluster, towers: int, command: Sequence[str],
         command: the program and its arguments.
         timeout: seconds before every task is killed (None: no limit).
         out: where prefixed output lines go (default ``sys.stdout``).
-        failure_grace: seconds the other trainers may run on after one failed (to
-            report the failure themselves, e.g. a ``StepTimeout``) before they are
-            terminated; their exit codes then count.
+        failure_grace: seconds the other trainers may run on after one failed (to report
+            it themselves) before they are terminated; their exit codes then count.
 
     Returns:
-        0 when every trainer exits 0; :data:`TIMEOUT_EXIT` after a timeout; otherwise
-        the largest exit code among tasks that ended by themselves (128 + signal number
-        for a signalled one). Tasks terminated because another failed do not count.
+        0 when every trainer exits 0; :data:`TIMEOUT_EXIT` after a timeout; otherwise the
+        largest exit code of a task that ended by itself.
 
     Raises:
         ValueError: an empty command, a cluster without trainers or a negative grace.
@@ -220,7 +214,7 @@ def launch(cluster: Cluster, towers: int, command: Sequence[str],
 
 
 class LocalServers:
-    """The running servers: ``cluster`` (no task: this process is the client) and each
+    """The running servers: ``cluster`` (this process, the client, has no task) and each
     task's process."""
 
     def __init__(self, cluster: Cluster, tasks: dict[tuple[str, int], TaskProcess]) -> None:
@@ -236,10 +230,8 @@ def start_servers(workers: int, towers_per_worker: int, *, ps: int = 0, chief: b
                   ready_timeout: float = 60.0, out: IO[str] | None = None
                   ) -> Iterator[LocalServers]:
     """Serve ``workers`` worker and ``ps`` parameter-server tasks on localhost while in the
-    block (``python -m towers.cluster.server``; then :func:`towers.cluster.connect`).
-
-    ``chief=True`` adds a ``chief`` address for the client itself (not started), as
-    ``ParameterServerStrategy``'s client needs.
+    block (then :func:`towers.cluster.connect`); ``chief=True`` adds a ``chief`` address
+    for the client itself (not started), as ``ParameterServerStrategy``'s client needs.
 
     Raises:
         ValueError: fewer than 1 worker, or a negative ``ps``.

@@ -15,10 +15,9 @@
                                                       │ versions of its shards += 1   │
                                                       └───────────────────────────────┘
 
-Reads and updates are serialized by one lock in the client (as ClusterCoordinator's
-client dispatches everything), so a pull sees whole updates; gradients are computed
-outside it, in parallel on the workers. The update is Keras ``SGD.update_step``'s
-arithmetic op for op, so one worker equals :class:`towers.TowerTrainer` with SGD bitwise.
+One lock in the client serializes reads and updates (a pull sees whole updates); the
+gradients are computed outside it, in parallel. The update is Keras ``SGD.update_step``'s
+arithmetic op for op: one worker equals :class:`towers.TowerTrainer` with SGD bitwise.
 
 References:
     Dean et al., "Large Scale Distributed Deep Networks" (DistBelief, 2012);
@@ -41,10 +40,8 @@ from towers.cluster.spec import Cluster
 from towers.guard.arguments import check_choice, positive_float
 from towers.guard.errors import TowersError
 
-__all__ = [
-    "POLICIES", "FairLock", "ParameterServerLost", "ParameterStore", "check_rule",
-    "connect_ps", "shard_variables",
-]
+__all__ = ["POLICIES", "FairLock", "ParameterServerLost", "ParameterStore", "check_rule",
+           "connect_ps", "shard_variables"]
 
 POLICIES = ("round_robin", "size_balanced")
 """Placement policies of :func:`shard_variables`."""
@@ -78,9 +75,6 @@ def shard_variables(variables: Sequence[Any], ps_devices: Sequence[str],
     ``policy="round_robin"``: variable i on task i mod P (TensorFlow's default);
     ``"size_balanced"``: largest first onto the least-loaded task (ties: the earlier
     variable, the lower task).
-
-    Raises:
-        ValueError: no ps devices, an unknown policy or an item without a shape.
 
     Example:
         >>> shard_variables([(4, 3), (3,), (3, 2), (2,)], ["ps0", "ps1"], "size_balanced")
@@ -125,11 +119,7 @@ class FairLock:
 class ParameterStore:
     """The variables on the ps tasks, one version counter per ps task, and the SGD rule
     (``momentum``: Keras' non-Nesterov rule); a pull or push longer than ``timeout``
-    seconds raises :class:`ParameterServerLost`.
-
-    Raises:
-        ValueError: a bad learning rate, momentum or timeout (and see :func:`shard_variables`).
-    """
+    seconds raises :class:`ParameterServerLost`."""
 
     def __init__(self, weights: Sequence[np.ndarray], ps_devices: Sequence[str], *,
                  learning_rate: float, momentum: float = 0.0, policy: str = "round_robin",
@@ -163,11 +153,7 @@ class ParameterStore:
                     var.assign_sub(g * lr)
 
     def reader(self, targets: Sequence[tf.Variable]) -> Callable[[], dict[str, int]]:
-        """A pull into ``targets`` (a worker's copies): returns the versions it read.
-
-        Raises (when called):
-            ParameterServerLost: a ps task did not answer within ``timeout``.
-        """
+        """A pull into ``targets`` (a worker's copies) that returns the versions it read."""
         if len(targets) != len(self.variables):
             raise ValueError(f"targets must hold {len(self.variables)} variables, "
                              f"got {len(targets)}")
@@ -188,18 +174,9 @@ class ParameterStore:
     def push(self, grads: Sequence[tf.Tensor], read: dict[str, int],
              max_staleness: int | None = None,
              record: Callable[[int], None] | None = None) -> int | None:
-        """Apply ``grads`` computed on the weights of versions ``read``; the new version.
-
-        ``record(version)`` runs in the same critical section, after the update (a log
-        written there lists updates in the order they were applied).
-
-        Returns:
-            The number of updates applied so far (this update's version), or None when
-            the read is more than ``max_staleness`` updates old (nothing applied).
-
-        Raises:
-            ParameterServerLost: a ps task did not answer within ``timeout``.
-        """
+        """Apply ``grads`` computed on the weights of versions ``read``; return this
+        update's version, or None when the read is more than ``max_staleness`` updates old
+        (nothing applied). ``record(version)`` runs in the same critical section."""
         with self.lock:
             if max_staleness is not None and self.updates - max(read.values()) > max_staleness:
                 return None
@@ -251,11 +228,7 @@ def _device_of(variable: Any) -> str:
 
 
 def connect_ps(cluster: Cluster, towers_per_worker: int) -> tuple[list[list[str]], list[str]]:
-    """Connect this client; return each worker's towers and the ps devices.
-
-    Raises:
-        ValueError: the cluster has no ps job, or does not serve the towers.
-    """
+    """Connect this client; return each worker's towers and the ps devices."""
     if "ps" not in cluster.jobs:
         raise ValueError(f"the cluster has no 'ps' job: {sorted(cluster.jobs)}")
     towers = connect(cluster, towers_per_worker)

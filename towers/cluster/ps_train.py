@@ -42,10 +42,8 @@ from towers.guard.errors import NonFiniteError
 from towers.guard.nonfinite import NONFINITE, describe, gather_codes
 from towers.step import TowerTrainer
 
-__all__ = [
-    "AsyncTrainer", "UpdateLog", "UpdateRecord", "load_log", "replay", "replay_versions",
-    "save_log",
-]
+__all__ = ["AsyncTrainer", "UpdateLog", "UpdateRecord", "load_log", "replay", "replay_versions",
+           "save_log"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,14 +85,11 @@ class AsyncTrainer:
         max_staleness: refuse pushes whose read is more than this many updates old (the
             worker recomputes the batch on fresh weights; counted in :attr:`refused`).
         timeout: seconds one pull or push may take (then ``ParameterServerLost``).
-        on_nonfinite: per push, ``"skip"`` (default: a NaN/Inf gradient or loss on any
-            tower is pushed nowhere; the batch is listed in :attr:`skipped_batches`),
-            ``"raise"`` (then :class:`~towers.guard.errors.NonFiniteError`; the other
-            workers stop) or ``"ignore"`` (push it: every ps weight becomes NaN).
+        on_nonfinite: a NaN/Inf gradient or loss on any tower: ``"skip"`` (push nothing;
+            list the batch in :attr:`skipped_batches`), ``"raise"`` (``NonFiniteError``;
+            the other workers stop) or ``"ignore"`` (push it: every ps weight becomes NaN).
 
-    Raises:
-        ValueError: no workers, a model with non-trainable variables, a bad staleness,
-            an unknown ``on_nonfinite``.
+    ``ValueError``: no workers, non-trainable variables or a bad setting, named.
     """
 
     def __init__(self, model: Callable[[], keras.Model], loss: Any, *,
@@ -199,7 +194,6 @@ class AsyncTrainer:
         return len(self.skipped_batches)
 
     def _skip(self, w: int, b: int, bad: dict[int, list[str]]) -> None:
-        """Count batch ``b`` as skipped (nothing was pushed); raise in ``"raise"`` mode."""
         with self.store.lock:
             self.skipped_batches.append(b)
             version = self.store.updates
@@ -236,12 +230,8 @@ def _gradient_fn(trainer: TowerTrainer, guarded: bool) -> Callable[[tf.Tensor, t
 
 
 def _setter(targets: Sequence[Any]) -> Callable[[list[tf.Tensor]], None]:
-    @tf.function(autograph=False)
-    def assign(values: list[tf.Tensor]) -> None:
-        for var, value in zip(targets, values):
-            var.assign(value)
-
-    return assign
+    return tf.function(lambda values: [v.assign(x) for v, x in zip(targets, values)],
+                       autograph=False)
 
 
 def save_log(log: UpdateLog, prefix: str | Path) -> tuple[Path, Path]:

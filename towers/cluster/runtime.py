@@ -8,9 +8,7 @@ Two ways to train on several processes, both on TensorFlow's own gRPC runtime::
     and CrossWorker's collectives          /job:worker/replica:0/task:k/device:CPU:i
     (MultiWorkerMirroredStrategy's way)    (tf.distribute.Server + connect_to_cluster)
 
-Devices (:func:`configure_gpus`, :func:`set_logical_devices`) and collective ops must be
-set before the first op, so call these first thing in the program. Afterwards a bare
-``/device:CPU:1`` means this task's CPU:1.
+Devices and collective ops must be set before the first op: call these first thing.
 """
 
 from __future__ import annotations
@@ -35,10 +33,8 @@ from towers.devices import set_local_task
 from towers.guard.arguments import positive_float, positive_int
 from towers.guard.errors import TowersError
 
-__all__ = [
-    "RuntimeStartedError", "configure_gpus", "connect", "leave_together", "serve",
-    "set_logical_devices", "start_server", "start_worker",
-]
+__all__ = ["RuntimeStartedError", "configure_gpus", "connect", "leave_together", "serve",
+           "set_logical_devices", "start_server", "start_worker"]
 
 
 class RuntimeStartedError(TowersError, RuntimeError):
@@ -47,7 +43,7 @@ class RuntimeStartedError(TowersError, RuntimeError):
 
 def runtime_started() -> bool:
     """True once TensorFlow's eager runtime exists (its device list is then fixed)."""
-    return context.context()._context_handle is not None  # private: no public query
+    return context.context()._context_handle is not None  # no public query
 
 
 def _check(visible: Any, memory_growth: Any, memory_limit_mb: Any) -> list[int] | None:
@@ -79,16 +75,14 @@ def configure_gpus(visible: Sequence[int] | None = None, memory_growth: bool | N
 
     Args:
         visible: indices of the physical GPUs to use (``[]``: none); None keeps them all.
-        memory_growth: True to allocate GPU memory as needed, False to take it at once;
-            None leaves TensorFlow's default. Excludes ``memory_limit_mb``.
+        memory_growth: allocate GPU memory as needed (True) or at once (False); None:
+            TensorFlow's default. Excludes ``memory_limit_mb``.
         memory_limit_mb: a fixed memory limit (MiB) per chosen GPU; None: no limit.
 
-    Returns:
-        The physical names of the chosen GPUs, e.g. ``['/physical_device:GPU:1']``.
+    Returns the physical names of the chosen GPUs (``['/physical_device:GPU:1']``).
 
     Raises:
-        TypeError, ValueError: a bad argument (named); ``visible`` asking for a GPU that
-            does not exist (the message lists those that do).
+        TypeError, ValueError: a bad argument, or a GPU that does not exist (named).
         RuntimeStartedError: a setting asked for after TensorFlow's runtime started.
     """
     indices = _check(visible, memory_growth, memory_limit_mb)
@@ -121,12 +115,8 @@ def configure_gpus(visible: Sequence[int] | None = None, memory_growth: bool | N
 
 
 def set_logical_devices(n: int) -> None:
-    """Split the host CPU into ``n`` logical devices without starting the runtime.
-
-    Raises:
-        ValueError: ``n`` < 1.
-        RuntimeError: the runtime already started with another count.
-    """
+    """Split the host CPU into ``n`` logical devices without starting the runtime
+    (``RuntimeError``: it already started with another count)."""
     n = positive_int("towers per task", n)
     cpu = tf.config.list_physical_devices("CPU")[0]
     configs = tf.config.get_logical_device_configuration(cpu)
@@ -151,18 +141,13 @@ def _this_task(cluster: Any, towers: int | None, what: str) -> tuple[Cluster, in
 
 
 def start_worker(cluster: Any = None, towers: int | None = None) -> list[str]:
-    """Join the cluster for between-graph training and return this task's towers.
+    """Join the cluster for between-graph training; return this task's towers
+    (``['/device:CPU:0', …]``, no job prefix).
 
-    Splits the CPU into ``towers`` logical devices, points collective ops at the chief
-    and starts this task's gRPC server, as MultiWorkerMirroredStrategy does. Call it
-    first thing.
-
-    Args:
-        cluster: anything :func:`towers.cluster.resolve` takes (default: TF_CONFIG).
-        towers: logical devices of this task (default: ``$TOWERS_PER_TASK`` or 1).
-
-    Returns:
-        This task's tower names, ``['/device:CPU:0', …]`` (local: no job prefix).
+    Splits the CPU into ``towers`` logical devices (default ``$TOWERS_PER_TASK`` or 1),
+    points collective ops at the chief and starts this task's gRPC server, as
+    MultiWorkerMirroredStrategy does; ``cluster``: anything :func:`resolve` takes
+    (default TF_CONFIG). Call it first thing.
 
     Raises:
         ValueError: no task for this process, or a malformed cluster.
@@ -191,11 +176,7 @@ def start_worker(cluster: Any = None, towers: int | None = None) -> list[str]:
 
 def start_server(cluster: Any = None, towers: int | None = None) -> tf.distribute.Server:
     """Start this task's ``tf.distribute.Server`` with ``towers`` CPUs (in-graph mode);
-    arguments as :func:`start_worker`. ``server.join()`` serves until killed.
-
-    Raises:
-        ValueError: no task for this process, or a malformed cluster.
-    """
+    arguments and ``ValueError`` as :func:`start_worker`."""
     found, n = _this_task(cluster, towers, "start_server")
     # the server's devices come from its own ConfigProto, not the eager context's
     config = tf.compat.v1.ConfigProto(device_count={"CPU": n})
@@ -228,16 +209,10 @@ def leave_together(cluster: Any = None, limit: float = 60.0) -> bool:
     """Wait until every training task of this run has called this (or ``limit`` s passed).
 
     Call it after a worker's last step: a worker that exits as soon as its own last
-    all-reduce returns can leave a peer's last pull (gRPC ``RecvBuf``) unanswered, and
-    the peer fails with "Socket closed". On one machine each task marks a file in a
-    folder named after the cluster's addresses and waits for the others' marks (no
-    gRPC); across machines it is one more all-reduce.
-
-    Returns True when every task arrived within ``limit`` seconds (a lost peer must
-    not hang the exit).
-
-    Raises:
-        ValueError: ``limit`` is not a positive number, or this process is no task.
+    all-reduce returns can leave a peer's last pull (gRPC ``RecvBuf``) unanswered ("Socket
+    closed"). On one machine each task marks a file in a folder named after the cluster and
+    waits for the others' marks; across machines it is one more all-reduce. Returns True
+    when every task arrived in time (a lost peer must not hang the exit).
     """
     positive_float("limit", limit)
     found = _this_task(cluster, 1, "leave_together")[0]
@@ -268,12 +243,8 @@ def _full(name: str) -> str:
 
 
 def connect(cluster: Any, towers_per_task: int, job: str = "worker") -> list[str]:
-    """Connect this client to a running cluster and return every task's tower names,
-    ``/job:worker/replica:0/task:k/device:CPU:i`` for every task k of ``job`` and tower i.
-
-    Raises:
-        ValueError: the tasks do not expose those devices.
-    """
+    """Connect this client to a running cluster; every task's tower names,
+    ``/job:worker/replica:0/task:k/device:CPU:i`` (``ValueError``: the tasks lack them)."""
     found = resolve(cluster)
     tf.config.experimental_connect_to_cluster(found.cluster_spec())
     towers = found.tower_devices(towers_per_task, job=job)

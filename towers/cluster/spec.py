@@ -1,7 +1,6 @@
-"""Which cluster this process belongs to: jobs, addresses, this task, the chief.
+"""Which cluster this process belongs to: jobs of ``host:port`` addresses, this task, the chief.
 
-A cluster is named jobs of ``host:port`` addresses (a ``tf.train.ClusterSpec``); a
-process learns its own place from ``TF_CONFIG``::
+A process learns its place from ``TF_CONFIG``::
 
     TF_CONFIG = {"cluster": {"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]},
                  "task": {"type": "worker", "index": 1}}
@@ -10,12 +9,8 @@ process learns its own place from ``TF_CONFIG``::
                 task 1 ── /job:worker/replica:0/task:1/device:CPU:0 … CPU:T-1   (this one)
 
 :func:`resolve` turns that JSON, a ``tf.train.ClusterSpec``, a dict or a
-``ClusterResolver`` into one frozen :class:`Cluster`. The chief is ``chief:0`` when
-there is one, else ``worker:0`` (``multi_worker_util.is_chief``'s rule).
-
-``towers launch`` runs every task on 127.0.0.1 (:func:`local_cluster`) and tells each
-how many towers to simulate through :data:`TOWERS_ENV` (:func:`towers_per_task`).
-Nothing here starts TensorFlow's runtime.
+``ClusterResolver`` into one frozen :class:`Cluster`. ``towers launch`` runs every task on
+127.0.0.1 (:func:`local_cluster`) and sets :data:`TOWERS_ENV`. Nothing here starts TensorFlow.
 """
 
 from __future__ import annotations
@@ -30,10 +25,8 @@ from typing import Any
 
 from towers.guard.arguments import non_negative_int, positive_int
 
-__all__ = [
-    "HOST", "TOWERS_ENV", "Cluster", "free_ports", "local_cluster", "resolve", "tf_config",
-    "towers_per_task",
-]
+__all__ = ["HOST", "TOWERS_ENV", "Cluster", "free_ports", "local_cluster", "resolve", "tf_config",
+           "towers_per_task"]
 
 HOST = "127.0.0.1"
 TOWERS_ENV = "TOWERS_PER_TASK"
@@ -83,10 +76,7 @@ class Cluster:
     def tower_devices(self, towers_per_task: int, job: str = "worker",
                       kind: str = "CPU") -> list[str]:
         """Every tower of ``job``: task 0's ``kind`` devices 0…T-1, then task 1's, …
-
-        Raises:
-            ValueError: an unknown job, a count below 1 or an unknown kind.
-        """
+        (``ValueError``: an unknown job or kind, a count below 1)."""
         positive_int("towers_per_task", towers_per_task)
         if kind not in ("CPU", "GPU"):
             raise ValueError(f"kind must be 'CPU' or 'GPU', got {kind!r}")
@@ -100,7 +90,7 @@ class Cluster:
         return {job: list(addresses) for job, addresses in self.jobs.items()}
 
     def cluster_spec(self) -> Any:
-        """The cluster as a ``tf.train.ClusterSpec`` (imports TensorFlow, starts nothing)."""
+        """The cluster as a ``tf.train.ClusterSpec``."""
         import tensorflow as tf
 
         return tf.train.ClusterSpec(self.as_dict())
@@ -164,8 +154,7 @@ def resolve(cluster: Any = None, task_type: str | None = None,
             JSON string or dict (with ``"cluster"`` and optional ``"task"``), a plain
             ``{job: [addresses]}`` dict, a ``tf.train.ClusterSpec``, a
             ``tf.distribute.cluster_resolver.ClusterResolver`` or a :class:`Cluster`.
-        task_type: this process's job; overrides what ``cluster`` says.
-        task_index: this process's index in its job; overrides what ``cluster`` says.
+        task_type, task_index: this process's task, overriding what ``cluster`` says.
 
     Raises:
         ValueError: TF_CONFIG unset or malformed, naming the argument or variable at fault.
@@ -218,11 +207,8 @@ def _from_tensorflow(cluster: Any) -> Cluster:
 
 
 def tf_config(cluster: Cluster | Mapping[str, Sequence[str]], job: str, index: int) -> str:
-    """The TF_CONFIG JSON that puts a process at task ``index`` of ``job``.
-
-    Raises:
-        ValueError: an unknown job or an index out of range.
-    """
+    """The TF_CONFIG JSON that puts a process at task ``index`` of ``job`` (``ValueError``:
+    an unknown job or an index out of range)."""
     jobs = cluster.as_dict() if isinstance(cluster, Cluster) else {
         j: list(a) for j, a in cluster.items()
     }
@@ -231,11 +217,7 @@ def tf_config(cluster: Cluster | Mapping[str, Sequence[str]], job: str, index: i
 
 
 def free_ports(n: int, host: str = HOST) -> list[int]:
-    """``n`` distinct TCP ports free on ``host`` now (another process may still take one).
-
-    Raises:
-        ValueError: ``n`` < 0.
-    """
+    """``n`` distinct TCP ports free on ``host`` now (another process may still take one)."""
     non_negative_int("n", n)
     with contextlib.ExitStack() as stack:
         ports = []
@@ -247,11 +229,7 @@ def free_ports(n: int, host: str = HOST) -> list[int]:
 
 
 def local_cluster(workers: int, ps: int = 0, chief: bool = False) -> Cluster:
-    """``workers`` workers, ``ps`` parameter servers (and a ``chief`` task) on free local ports.
-
-    Raises:
-        ValueError: ``workers`` < 1 or ``ps`` < 0.
-    """
+    """``workers`` workers, ``ps`` parameter servers (and a ``chief`` task) on free local ports."""
     positive_int("workers", workers)
     non_negative_int("ps", ps)
     ports = iter(free_ports(workers + ps + int(chief)))
@@ -265,11 +243,8 @@ def local_cluster(workers: int, ps: int = 0, chief: bool = False) -> Cluster:
 
 
 def towers_per_task(default: int = 1) -> int:
-    """The tower count :data:`TOWERS_ENV` asks for (``default`` when unset).
-
-    Raises:
-        ValueError: the variable is not a positive integer.
-    """
+    """The tower count :data:`TOWERS_ENV` asks for (``default`` when unset; ``ValueError``:
+    not a positive integer)."""
     text = os.environ.get(TOWERS_ENV)
     if text is None or text == "":
         return default

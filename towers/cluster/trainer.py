@@ -1,23 +1,18 @@
 """``WorkerTrainer``: one worker's ``TowerTrainer`` whose loss is over the GLOBAL batch.
 
-A ``TowerTrainer`` divides by the batch it was given, on a worker the *local* one. With
-unequal local batches the mean must be over the global B, as MultiWorkerMirroredStrategy's
-``compute_average_loss(..., global_batch_size=B)``; this trainer all-reduces the local
-counts inside the step (exact: integers in float32)::
+The mean is over the global B, as MultiWorkerMirroredStrategy's
+``compute_average_loss(..., global_batch_size=B)``; the local counts are all-reduced
+inside the step (exact: integers in float32)::
 
     global batch B ─split over workers (shard_sizes(B, W))─▶ worker k: b_k examples
       worker k:  b_k ──all_reduce_v2 (group of W)──▶ B = Σ b_k
                  shard_sizes(b_k, T) over its towers; tower loss = Σ per-example / B
                  gradients ──AllTowers(op="sum") or CrossWorker(op="sum")──▶ apply
 
-so the gradient every worker applies is Σ over all examples / B, whatever the split.
-:func:`worker_slice` cuts a worker's part of a global batch with that rule.
-
-Checkpoints: every worker holds the same weights after a step, so the chief alone
-writes them (:func:`save_on_chief`, atomically, as ``ExactResume``) and every worker
-reads the newest good one (:func:`restore_latest`). They are numbered by the steps
-TAKEN, not ``optimizer.iterations`` (which a skipped step does not advance), so a
-resumed run never trains a batch twice::
+Checkpoints: the chief alone writes them (:func:`save_on_chief`, atomically) and every
+worker reads the newest good one (:func:`restore_latest`), numbered by the steps TAKEN
+(not ``optimizer.iterations``, which a skipped step does not advance), so a resumed run
+never trains a batch twice::
 
     step k (0-based) trained ─▶ chief: ckpt-<k + 1> ─▶ restart: every worker restores
     the latest good ckpt-N, the same bits everywhere ─▶ goes on with step N, batch N
@@ -50,11 +45,7 @@ __all__ = ["WorkerTrainer", "restore_latest", "save_on_chief", "worker_slice"]
 
 
 def worker_slice(batch_size: int, workers: int, worker: int) -> slice:
-    """Worker ``worker``'s part of a global batch: MirroredStrategy's split over workers.
-
-    Raises:
-        ValueError: a negative size, no workers, or a worker index out of range.
-    """
+    """Worker ``worker``'s part of a global batch: MirroredStrategy's split over workers."""
     non_negative_int("batch_size", batch_size)
     if workers < 1 or not 0 <= worker < workers:
         raise ValueError(f"worker must be in [0, {workers}), got {worker}")
@@ -72,14 +63,10 @@ class WorkerTrainer(TowerTrainer):
             ``AllTowers(num_workers, op="sum")``, bitwise MultiWorkerMirroredStrategy's order).
         num_workers: worker processes (default: from TF_CONFIG).
         timeout_seconds: of the count all-reduce (a missing worker → an error).
-        **kwargs: the rest of ``TowerTrainer``'s arguments (``variables`` defaults to
-            ``"replicated"``).
+        **kwargs: the rest of ``TowerTrainer``'s arguments (``variables="replicated"``).
 
-    Raises:
-        ValueError: a bad ``num_workers`` or ``timeout_seconds``, a reducer that averages
-            (``op="mean"``), or any ``TowerTrainer`` error.
-
-    ``train_step`` returns this worker's share of the global mean loss.
+    Raises ``ValueError`` as ``TowerTrainer``, and for a reducer that averages. ``train_step``
+    returns this worker's share of the global mean loss.
     """
 
     batch_is_global = False  # one worker's part of a global batch spanning the workers
@@ -108,8 +95,7 @@ class WorkerTrainer(TowerTrainer):
         return batch_tensors(x, y, sample_weight, self.model, allow_empty=True)
 
     def model_towers(self, shards: Shards) -> list[int]:
-        """As ``TowerTrainer``'s, and on an empty worker tower 0 runs the model on 0 rows
-        (as MWMS's empty replica does: loss 0, zero data gradients)."""
+        """As ``TowerTrainer``'s; on an empty worker tower 0 runs on 0 rows (as MWMS)."""
         return sorted({0, *super().model_towers(shards)})
 
     def split(self, x: Any, y: Any, sample_weight: Any = None) -> Shards:
@@ -124,8 +110,7 @@ class WorkerTrainer(TowerTrainer):
         return tf.cast(total, tf.int32)
 
     def reduce(self, grads: Gradients) -> Reduced:
-        """As ``TowerTrainer``'s, after refusing sparse gradients across workers (raised
-        when the step is traced: the cross-worker reducers take dense gradients only)."""
+        """As ``TowerTrainer``'s, after refusing sparse gradients across workers."""
         sparse = [v.path for v, g in zip(self.model.trainable_variables, grads.towers[0].grads)
                   if isinstance(g, tf.IndexedSlices)]
         if sparse and self.num_workers > 1:
@@ -168,8 +153,7 @@ def _refuse_state_across_workers(model: Any, num_workers: int) -> None:
 
 
 def _cross_worker_reducer(all_reduce: Any, num_workers: int, timeout_seconds: float) -> Any:
-    """``all_reduce`` (default ``AllTowers``), after refusing one that would not sum over
-    every worker."""
+    """``all_reduce`` (default ``AllTowers``), refused unless it sums over every worker."""
     if all_reduce is None:
         return AllTowers(num_workers, op="sum", timeout_seconds=timeout_seconds)
     if getattr(all_reduce, "op", "sum") != "sum":
@@ -190,18 +174,9 @@ def save_on_chief(
 ) -> str | None:
     """On the chief, write the trainer's state as ``directory/ckpt-<steps>``; elsewhere nothing.
 
-    Args:
-        trainer: this worker's trainer (all workers hold the same state).
-        directory: the run's checkpoint directory (shared by every worker).
-        steps: the steps taken so far, skipped ones included (after step ``k``: ``k + 1``).
-        cluster: anything :func:`towers.cluster.resolve` takes (default: TF_CONFIG).
-        keep: how many of the newest checkpoints to keep (None: all).
-
-    Returns:
-        The checkpoint's prefix on the chief; None on every other worker.
-
-    Raises:
-        ValueError: ``steps`` is not an int >= 0, or ``keep`` not None or an int >= 1.
+    ``steps``: the steps taken so far, skipped ones included; ``keep``: how many of the
+    newest checkpoints to keep (None: all); ``cluster``: as :func:`towers.cluster.resolve`.
+    Returns the checkpoint's prefix on the chief, None elsewhere.
     """
     if not resolve(cluster).is_chief:
         return None
@@ -211,13 +186,8 @@ def save_on_chief(
 def restore_latest(trainer: Trainer, directory: str) -> int:
     """On every worker, restore the newest good checkpoint of ``directory``; return its steps.
 
-    Returns:
-        The steps taken when it was saved: the index of the next step to run (0 when
-        there is no checkpoint: the trainer is unchanged and the run starts afresh).
-
-    Raises:
-        towers.CheckpointError: the checkpoint does not fit this trainer, or is corrupt
-            (the trainer is unchanged).
+    Returns the index of the next step to run (0 without a checkpoint). Raises
+    ``towers.CheckpointError`` for one that does not fit or is corrupt (nothing changed).
     """
     prefix = atomic.latest(directory)
     if prefix is None:

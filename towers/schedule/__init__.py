@@ -1,13 +1,9 @@
 """Collectives as data: a TensorFlow-free schedule, its derived quantities and its proof.
 
-:mod:`~towers.schedule.ir` holds the :class:`Schedule` (towers, chunks, and per
-tick the steps ``(src, dst, chunk, copy|reduce)``) and what follows from it alone
-(bytes per tower and per link, ticks, α-β-γ); :mod:`~towers.schedule.symbolic`
-proves a generator ``n -> Schedule`` correct for every ``n`` by following sets of
-contributions; :mod:`~towers.schedule.collectives` has the ring all-reduce and the
-reduce-scatter, all-gather and broadcast schedules. The
-interpreter that runs a schedule on TensorFlow devices is
-:mod:`towers.allreduce.machinery.scheduled` (this package imports nothing of TensorFlow).
+``ir`` (the :class:`Schedule` and what follows from it alone: bytes, ticks, α-β-γ),
+``symbolic`` (a generator ``n -> Schedule`` proved for every ``n``) and ``collectives``
+(ring, reduce-scatter, all-gather, broadcast). :mod:`towers.allreduce.machinery.scheduled`
+runs a schedule on TensorFlow devices; this package imports nothing of TensorFlow.
 """
 
 from __future__ import annotations
@@ -47,33 +43,9 @@ from towers.schedule.symbolic import (
     summation_depths,
 )
 
-__all__ = [
-    "COLLECTIVES",
-    "KINDS",
-    "Failure",
-    "Generator",
-    "Schedule",
-    "ScheduleError",
-    "ScheduleReport",
-    "Step",
-    "binomial_broadcast",
-    "bytes_sent",
-    "chain_broadcast",
-    "check_schedule",
-    "chunk_bytes",
-    "cost",
-    "doubling_all_gather",
-    "even_sizes",
-    "flat_broadcast",
-    "format_schedule",
-    "halving_reduce_scatter",
-    "link_bytes",
-    "ring_all_gather",
-    "ring_orders",
-    "ring_reduce_scatter",
-    "ring_schedule",
-    "rooted",
-    "simulate",
-    "summation_depth",
-    "summation_depths",
-]
+__all__ = ["COLLECTIVES", "KINDS", "Failure", "Generator", "Schedule", "ScheduleError",
+           "ScheduleReport", "Step", "binomial_broadcast", "bytes_sent", "chain_broadcast",
+           "check_schedule", "chunk_bytes", "cost", "doubling_all_gather", "even_sizes",
+           "flat_broadcast", "format_schedule", "halving_reduce_scatter", "link_bytes",
+           "ring_all_gather", "ring_orders", "ring_reduce_scatter", "ring_schedule", "rooted",
+           "simulate", "summation_depth", "summation_depths"]

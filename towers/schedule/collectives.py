@@ -63,21 +63,9 @@ from collections import Counter
 from towers.guard.arguments import non_negative_int, positive_int
 from towers.schedule.ir import Schedule, Step
 
-__all__ = [
-    "binomial_broadcast",
-    "chain_broadcast",
-    "doubling_all_gather",
-    "even_sizes",
-    "flat_broadcast",
-    "fold",
-    "halving_reduce_scatter",
-    "ring_all_gather",
-    "ring_orders",
-    "ring_reduce_scatter",
-    "ring_schedule",
-    "rooted",
-    "schedule_bytes",
-]
+__all__ = ["binomial_broadcast", "chain_broadcast", "doubling_all_gather", "even_sizes",
+           "flat_broadcast", "fold", "halving_reduce_scatter", "ring_all_gather", "ring_orders",
+           "ring_reduce_scatter", "ring_schedule", "rooted", "schedule_bytes"]
 
 
 def _towers(n: int) -> int:

@@ -1,26 +1,22 @@
 """A collective as data: towers, chunks, and per tick the steps that move them.
 
-A :class:`Schedule` is a frozen, TensorFlow-free description of one collective
-over ``towers`` towers whose buffer is cut into ``chunks`` equal pieces. Tick
-``t`` is a tuple of :class:`Step` ``(src, dst, chunk, kind)``:
+A :class:`Schedule` is a frozen, TensorFlow-free collective over ``towers`` towers whose
+buffer is cut into ``chunks`` equal pieces. Tick ``t`` is a tuple of :class:`Step`
+``(src, dst, chunk, kind)``:
 
 * ``copy``: ``dst``'s slot for ``chunk`` becomes ``src``'s (overwritten);
 * ``reduce``: ``dst``'s slot becomes ``dst ⊕ src`` (``combine(received, own)``,
   the received partial on the left); into an empty slot it is a plain receive.
 
-All steps of a tick read the slots as they were when the tick began (they run
-at once), then write; several ``reduce`` steps into one slot in one tick apply
-in the order listed. ``collective`` names the semantics the schedule claims
-(``all_reduce``, ``reduce_scatter``, ``all_gather``, ``broadcast``); ``owners[c]`` is
-the tower that ends with chunk ``c`` reduced (reduce-scatter) or starts with it
-(all-gather; broadcast: the root, one tower for every chunk).
-:mod:`towers.schedule.symbolic` proves the claim for each ``n``.
+A tick's steps read the slots as the tick began, then write; several ``reduce`` steps into
+one slot apply in the order listed. ``collective`` names the semantics claimed (proved per
+``n`` by :mod:`towers.schedule.symbolic`); ``owners[c]`` is the tower that ends with chunk
+``c`` reduced (reduce-scatter) or starts with it (all-gather; broadcast: the root).
 
-Everything below is derived from the same object: bytes per tower and per link,
-ticks, and the α-β-γ coefficients. **Padding rule**: a buffer of ``L`` elements
-is zero-padded to ``chunks·⌈L/chunks⌉`` and every chunk has ``⌈L/chunks⌉``
-elements, as :func:`towers.allreduce.machinery.packed.pad_split` cuts it, so every
-step moves ``⌈L/chunks⌉·itemsize`` bytes.
+Bytes per tower and per link, ticks and the α-β-γ coefficients are derived from it.
+**Padding rule**: ``L`` elements are zero-padded to ``chunks·⌈L/chunks⌉`` (as
+:func:`towers.allreduce.machinery.packed.pad_split` cuts), so a step moves
+``⌈L/chunks⌉·itemsize`` bytes.
 
 Example:
     >>> s = Schedule("pair", 2, 1, ((Step(0, 1, 0, "reduce"),), (Step(1, 0, 0, "copy"),)))
@@ -37,18 +33,8 @@ from typing import NamedTuple
 
 from towers.guard.arguments import positive_int
 
-__all__ = [
-    "COLLECTIVES",
-    "KINDS",
-    "Generator",
-    "Schedule",
-    "Step",
-    "bytes_sent",
-    "chunk_bytes",
-    "cost",
-    "format_schedule",
-    "link_bytes",
-]
+__all__ = ["COLLECTIVES", "KINDS", "Generator", "Schedule", "Step", "bytes_sent", "chunk_bytes",
+           "cost", "format_schedule", "link_bytes"]
 
 KINDS = ("copy", "reduce")
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
@@ -68,19 +54,14 @@ class Schedule:
     """A collective over ``towers`` towers and ``chunks`` chunks, tick by tick.
 
     Attributes:
-        name: for reports and drawings.
-        towers: the tower count ``n``.
-        chunks: how many equal pieces the buffer is cut into.
         ticks: ``ticks[t]`` is the tuple of :class:`Step` run at once at tick ``t``.
         collective: the semantics claimed, one of :data:`COLLECTIVES`.
-        owners: for ``reduce_scatter``/``all_gather``, the tower owning each chunk
-            (default: chunk ``c`` is tower ``c mod n``'s; ``broadcast``: all tower 0's).
+        owners: the tower owning each chunk (default: chunk ``c`` is tower ``c mod n``'s;
+            ``broadcast``: all tower 0's).
 
     Raises:
-        ValueError: an unknown collective or kind, a count < 1, an owner out of range,
-            or a broadcast with more than one root.
-            (Steps naming towers or chunks out of range are reported by the checker,
-            with their tick, rather than refused here.)
+        ValueError: an unknown collective or kind, a count < 1, an owner out of range, or
+            a broadcast with two roots (steps out of range are the checker's to report).
     """
 
     name: str

@@ -22,21 +22,15 @@ rule and the state at that tick, drawn (``check_schedule(ring_schedule).ok``).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from collections.abc import Iterable
 from typing import NamedTuple
 
 from towers.schedule.ir import Generator, Schedule, Step
 
-__all__ = [
-    "Failure",
-    "ScheduleError",
-    "ScheduleReport",
-    "check_schedule",
-    "simulate",
-    "summation_depth",
-    "summation_depths",
-]
+__all__ = ["Failure", "ScheduleError", "ScheduleReport", "check_schedule", "simulate",
+           "summation_depth", "summation_depths"]
 
 MAX_DRAWN = 12  # towers / chunks drawn in full; beyond, the ones involved and the ends
 
@@ -84,19 +78,13 @@ def _initial(s: Schedule) -> _State:
 
 
 def _members(mask: int, n: int) -> str:
+    """The towers in ``mask`` as runs (``0-2,5``): ``all``, or ``·`` for none."""
     if mask == (1 << n) - 1:
         return "all"
-    if not mask:
-        return "·"
     bits = [t for t in range(n) if mask >> t & 1]
-    runs, i = [], 0
-    while i < len(bits):
-        j = i
-        while j + 1 < len(bits) and bits[j + 1] == bits[j] + 1:
-            j += 1
-        runs.append(str(bits[i]) if i == j else f"{bits[i]}-{bits[j]}")
-        i = j + 1
-    return ",".join(runs)
+    runs = [[b for _, b in run] for _, run in itertools.groupby(enumerate(bits),
+                                                                lambda ib: ib[1] - ib[0])]
+    return ",".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs) or "·"
 
 
 def _shown(total: int, involved: Iterable[int]) -> list[int]:

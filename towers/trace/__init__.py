@@ -2,17 +2,12 @@
 
     schedule.py  run one all-reduce under ``record()``, checked against NumPy
     table.py     the Trace: a tick for every transfer, chunk ownership, the table as text
-    state.py     every tower's chunk state per tick, read from what each send carries
-    topology.py  the links an algorithm used, laid out: ring, tree, butterfly, torus
+    state.py     every tower's chunk state per tick, read from what each send carries,
+                 and the links it used, laid out (ring, tree, butterfly, torus)
     draw.py      the tick picture and the state picture (PNG)
     viewer.py    the step-through viewer: one self-contained HTML page
     timeline.py  one training step as a chrome://tracing / Perfetto JSON
     measured.py  the profiler's op events of one real step, drawn beside the model
-
-Example:
-    >>> from towers.trace import trace_all_reduce, format_table, draw   # doctest: +SKIP
-    >>> t = trace_all_reduce("ring", devices[:4], size=16)
-    >>> print(format_table(t)); draw(t, "ring.png")
 """
 
 from __future__ import annotations

@@ -20,9 +20,8 @@ import numpy as np
 from matplotlib.lines import Line2D
 from matplotlib.patches import FancyArrowPatch, Rectangle
 
-from towers.trace.state import StateTrace, range_label, sends_by_tick
+from towers.trace.state import StateTrace, Topology, range_label, sends_by_tick, topology
 from towers.trace.table import Trace
-from towers.trace.topology import Topology, topology
 
 __all__ = ["draw", "draw_state", "pyplot", "save_png"]
 
@@ -126,11 +125,8 @@ def _legend(ax: Any, trace: Trace, colours: dict[int, Any]) -> None:
 
 
 def draw(trace: Trace, path: str | os.PathLike[str]) -> Path:
-    """Draw the tick picture of ``trace`` as a PNG (see the module docstring); returns ``path``.
-
-    Under each tick number is the tick's most common note; ``*`` after it: the tick was
-    assigned by order.
-    """
+    """Draw the tick picture of ``trace`` as a PNG; returns ``path`` (under each tick its most
+    common note; ``*``: assigned by order)."""
     labels = sorted({r.chunk for r in trace.rows if r.chunk is not None} | set(trace.chunks))
     colours = dict(zip(labels, _palette(len(labels))))
     ticks, places = max(trace.ticks, 1), len(trace.places)

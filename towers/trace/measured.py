@@ -48,11 +48,7 @@ def phase_of(name: str) -> tuple[int | None, str]:
 
 
 def read_xspace(path: str | os.PathLike[str]) -> list[OpEvent]:
-    """The op events (``scope/name:Type``) of a profiler ``*.xplane.pb`` file, by start time.
-
-    Raises:
-        RuntimeError: this TensorFlow has no XSpace protobuf to read the file with.
-    """
+    """The op events (``scope/name:Type``) of a profiler ``*.xplane.pb`` file, by start time."""
     try:
         from tensorflow.tsl.profiler.protobuf import xplane_pb2
     except ImportError as err:  # the module moved in this TensorFlow
@@ -73,13 +69,8 @@ def read_xspace(path: str | os.PathLike[str]) -> list[OpEvent]:
 
 
 def profile_step(trainer: Any, x: Any, y: Any, logdir: str | None = None) -> list[OpEvent]:
-    """Profile one ``trainer.train_step(x, y)`` (after a warm-up step); its op events by start.
-
-    ``logdir``: where the profiler writes (default: a temporary directory, removed after).
-
-    Raises:
-        RuntimeError: the profiler wrote no XSpace file.
-    """
+    """Profile one ``trainer.train_step(x, y)`` (after a warm-up step); its op events by start
+    (``RuntimeError``: the profiler wrote none). ``logdir`` default: a temporary directory."""
     trainer.train_step(x, y)  # compile outside the profile
     with tempfile.TemporaryDirectory() as tmp:
         where = logdir or tmp
@@ -117,12 +108,8 @@ def busy(events: Sequence[OpEvent], towers: int) -> dict[tuple[int | None, str],
 def split_compute(
     compute: Sequence[float], events: Sequence[OpEvent]
 ) -> tuple[list[float], list[float]] | None:
-    """Split each tower's measured forward+backward seconds by its profiled op-time shares.
-
-    Returns:
-        ``(forward, backward)`` seconds per tower; None when some tower's forward or
-        backward ops were not seen.
-    """
+    """Split each tower's measured forward+backward seconds by its profiled op-time shares:
+    ``(forward, backward)`` per tower, or None when some tower's ops were not seen."""
     spent = busy(events, len(compute))
     shares = []
     for tower in range(len(compute)):

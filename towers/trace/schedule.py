@@ -1,14 +1,10 @@
 """Trace one all-reduce: every ``send`` recorded as a row of the tick table, checked against NumPy.
 
 :func:`trace_all_reduce` runs an algorithm eagerly on one small vector per tower inside
-``record()``. When the chunk labels say a send leaves no later than its data arrived, the
-algorithm is traced once more in a ``tf.function`` (not run) to follow the data each send
-carries: in a full-buffer exchange both towers send chunk 0 in one tick, but neither sends
-what it receives. An opaque collective moves data outside ``send``: its record's estimated
-``bytes_sent`` gives one dashed row per tower into the pseudo-device ``collective``.
-
-Example:
-    >>> trace = trace_all_reduce("ring", devices[:4], size=16)    # doctest: +SKIP
+``record()``. When the chunk labels say a send leaves no later than its data arrived, it is
+traced once more in a ``tf.function`` to follow the data each send carries (in a
+full-buffer exchange neither tower sends what it receives). An opaque collective's
+estimated ``bytes_sent`` gives one dashed row per tower into the pseudo-device ``collective``.
 """
 
 from __future__ import annotations
@@ -38,11 +34,8 @@ COLLECTIVE = "collective"
 
 
 def start_devices(n: int) -> list[str]:
-    """``towers.simulate_devices(n)``, or the first ``n`` devices if TensorFlow already runs.
-
-    Raises:
-        RuntimeError: TensorFlow already started with fewer than ``n`` devices.
-    """
+    """``towers.simulate_devices(n)``, or the first ``n`` devices if TensorFlow already runs
+    (``RuntimeError``: it runs with fewer)."""
     try:
         return simulate_devices(n)
     except RuntimeError:
@@ -53,8 +46,7 @@ def start_devices(n: int) -> list[str]:
 
 
 def _bytes_formula(fn: Any, n: int, nbytes: int) -> tuple[tuple[float, ...] | None, bool]:
-    """The record's ``bytes_sent`` per tower (None: no record or no formula for this ``n``)
-    and whether it is an estimate."""
+    """The record's ``bytes_sent`` per tower (or None) and whether it is an estimate."""
     configured = record_of(fn)
     if configured is None:
         return None, False
@@ -128,8 +120,8 @@ def _follow(fn: Any, devices: Sequence[str], arrays: list[np.ndarray], op: str,
 def run_trace(fn: Any, devices: Sequence[str], arrays: list[np.ndarray], *, op: str, name: str,
               by_order: bool = False, payloads: bool = False
               ) -> tuple[Trace, list[Any], list[np.ndarray]]:
-    """Trace the resolved ``fn`` on ``arrays`` (one per tower): the :class:`Trace`, with
-    ``payloads`` the array each transfer carried (else None), and the outputs."""
+    """Trace ``fn`` on ``arrays`` (one per tower): the :class:`Trace`, what each transfer
+    carried (``payloads``; else None) and the outputs."""
     n, size, whole = len(devices), arrays[0].size, arrays[0].size * 4
     results, transfers, carried = _run(fn, name, devices, arrays, op, payloads)
     formula, estimated = _bytes_formula(fn, n, whole)
@@ -159,12 +151,7 @@ def run_trace(fn: Any, devices: Sequence[str], arrays: list[np.ndarray], *, op: 
 
 
 def resolve(algorithm: str | Callable[..., Any], devices: Sequence[str]) -> Any:
-    """The per-tensor all-reduce ``algorithm`` names (a registry name, ``module:NAME`` or a
-    callable; :func:`towers.allreduce.machinery.resolve.get`).
-
-    Raises:
-        TypeError: a ``GradientReducer``, which reduces a whole step at once.
-    """
+    """The per-tensor all-reduce ``algorithm`` names (``TypeError``: a ``GradientReducer``)."""
     fn = get(algorithm, argument="algorithm", devices=devices)
     if is_reducer(fn):
         raise TypeError(f"{label(algorithm)} is a GradientReducer: it reduces a step's "
@@ -182,9 +169,7 @@ def trace_all_reduce(algorithm: str | Callable[..., Any], devices: Sequence[str]
         algorithm: a registry name, ``module:NAME`` or a callable.
         devices: one device per tower (e.g. ``towers.simulate_devices(4)``).
         size: elements per tower (tower ``i`` holds ``i·size + [0 … size-1]``: exact sums).
-        op: ``"sum"``, ``"mean"``, ``"max"`` or ``"min"``.
         by_order: ignore the algorithm's ticks and assign every tick by order.
-        name: what to call it (default: the name ``algorithm`` resolves to).
 
     Raises:
         ValueError: a bad ``op`` or ``size``, an unknown algorithm, wrong output count.
@@ -198,7 +183,7 @@ def trace_all_reduce(algorithm: str | Callable[..., Any], devices: Sequence[str]
 
 
 def to_json(trace: Trace) -> dict[str, Any]:
-    """A JSON-ready dict: the recorded transfers, the rows as shown, bytes, ownership, result."""
+    """A JSON-ready dict: the transfers, the rows as shown, bytes, ownership, result."""
     return {
         **{k: getattr(trace, k) for k in ("algorithm", "towers", "op", "size", "dtype", "ticks")},
         "places": list(trace.places),

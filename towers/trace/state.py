@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -28,7 +29,8 @@ from towers.allreduce.machinery.resolve import label
 from towers.trace.schedule import resolve, run_trace
 from towers.trace.table import Trace
 
-__all__ = ["StateTrace", "default_size", "range_label", "runs", "sends_by_tick", "trace_state"]
+__all__ = ["StateTrace", "Topology", "default_size", "range_label", "runs", "sends_by_tick",
+           "topology", "trace_state"]
 
 Held = tuple[frozenset[int], ...]  # per segment: the towers whose contributions it holds
 Ranges = tuple[tuple[int, int], ...]  # element ranges [start, stop)
@@ -48,12 +50,10 @@ class StateTrace:
 
     @property
     def towers(self) -> int:
-        """Number of towers."""
         return self.trace.towers
 
     @property
     def ticks(self) -> int:
-        """Number of ticks (``len(states) - 1``)."""
         return len(self.states) - 1
 
     @property
@@ -109,11 +109,7 @@ def sends_by_tick(state: StateTrace) -> dict[tuple[int, int, int], Ranges]:
 
 
 def _decode(values: Any, n: int) -> dict[int, frozenset[int]]:
-    """Element index -> contributing towers, for every nonzero element (zeros: padding).
-
-    Raises:
-        ValueError: a value no sum of labelled inputs can take.
-    """
+    """Element index -> contributing towers, for every nonzero element (zeros: padding)."""
     flat = np.rint(np.asarray(values, dtype=np.float64).reshape(-1)).astype(np.int64)
     out: dict[int, frozenset[int]] = {}
     for v in flat[flat != 0]:
@@ -158,13 +154,8 @@ def trace_state(algorithm: str | Callable[..., Any], devices: Sequence[str], *,
                 size: int | None = None) -> StateTrace:
     """Trace ``algorithm`` (op ``sum``) and compute every tower's chunk state per tick.
 
-    Args:
-        algorithm: a registry name, ``module:NAME`` or a callable.
-        devices: one device per tower (at most 24: the labels must stay exact).
-        size: elements per tower (default :func:`default_size`).
-
-    Raises:
-        ValueError: too many towers or elements, or sends that are no sums of contributions.
+    ``size``: elements per tower (default :func:`default_size`). ``ValueError``: too many
+    towers or elements, or sends that are no sums of contributions.
     """
     n = len(devices)
     size = size or default_size(n)
@@ -188,3 +179,95 @@ def trace_state(algorithm: str | Callable[..., Any], devices: Sequence[str], *,
         tuple(tuple(frozenset({p}) for _ in segments) for p in range(n)), outputs]
     return StateTrace(trace, segments, tuple(carried), tuple(states), outputs, observed,
                       _alpha(fn, n, size * 4))
+
+
+Positions = list[tuple[float, float]]
+Links = list[tuple[int, int]]
+
+
+class Topology(NamedTuple):
+    """A layout: its kind, a position per tower and the undirected links between towers."""
+
+    kind: str
+    positions: Positions
+    links: Links
+
+
+def _circle(n: int) -> Positions:
+    return [(math.sin(2 * math.pi * i / n), math.cos(2 * math.pi * i / n)) for i in range(n)]
+
+
+def _butterfly(n: int, links: Links) -> Positions | None:
+    if n < 4 or n & (n - 1) or any(bin(a ^ b).count("1") != 1 for a, b in links):
+        return None
+    return _circle(n)  # a circle for the viewer; the picture draws the stages
+
+
+def _ring(n: int, links: Links) -> Positions | None:
+    want = {tuple(sorted((i, (i + 1) % n))) for i in range(n)}
+    return _circle(n) if n >= 3 and set(links) == want else None
+
+
+def _tree(n: int, links: Links, root: int) -> Positions | None:
+    if len(links) != n - 1:
+        return None
+    near: dict[int, list[int]] = {i: [] for i in range(n)}
+    for a, b in links:
+        near[a].append(b)
+        near[b].append(a)
+    depth, order = {root: 0}, [root]
+    for node in order:
+        for peer in sorted(near[node]):
+            if peer not in depth:
+                depth[peer] = depth[node] + 1
+                order.append(peer)
+    if len(depth) != n:
+        return None
+    layers: dict[int, list[int]] = {}
+    for node in order:
+        layers.setdefault(depth[node], []).append(node)
+    positions = [(0.0, 0.0)] * n
+    for d, nodes in layers.items():
+        for k, node in enumerate(nodes):
+            positions[node] = ((k + 1) / (len(nodes) + 1) * 2 - 1, 1 - 2 * d / (max(layers) or 1))
+    return positions
+
+
+def _torus(n: int, links: Links) -> tuple[str, Positions] | None:
+    for cols in range(2, n // 2 + 1):
+        rows = n // cols
+        in_row = [a // cols == b // cols for a, b in links]
+        in_col = [a % cols == b % cols for a, b in links]
+        if (n % cols == 0 and rows >= 2 and all(r or c for r, c in zip(in_row, in_col))
+                and any(in_row) and any(c and not r for r, c in zip(in_row, in_col))):
+            return f"torus {rows}×{cols}", [(2 * (i % cols) / (cols - 1) - 1,
+                                             1 - 2 * (i // cols) / (rows - 1)) for i in range(n)]
+    return None
+
+
+def _first_complete(state: StateTrace) -> int:
+    """The first tower to hold every contribution in some segment (a tree's root)."""
+    everyone = frozenset(range(state.towers))
+    return next((p for towers in state.states for p, held in enumerate(towers)
+                 if everyone in held), 0)
+
+
+def topology(state: StateTrace) -> Topology:
+    """The layout the traced links fit, the first of: ``butterfly`` (n = 2ᵏ ≥ 4, every link
+    joins towers differing in one bit), ``ring`` (exactly i ↔ i+1 mod n), ``tree`` (connected,
+    n - 1 links, layers from the first tower to hold all), ``torus R×C`` (every link inside a
+    row or a column, both used), else ``graph`` (a circle with chords); ``collective`` (no
+    links seen: a hub) and ``single`` (one tower)."""
+    n = state.towers
+    links = sorted({(min(r.src, r.dst), max(r.src, r.dst)) for r in state.trace.rows
+                    if not r.estimated and r.src < n and r.dst < n})
+    if n == 1:
+        return Topology("single", [(0.0, 0.0)], [])
+    if not links:
+        return Topology("collective", _circle(n), [])
+    for kind, found in (("butterfly", _butterfly(n, links)), ("ring", _ring(n, links)),
+                        ("tree", _tree(n, links, _first_complete(state)))):
+        if found:
+            return Topology(kind, found, links)
+    grid = _torus(n, links)
+    return Topology(*grid, links) if grid else Topology("graph", _circle(n), links)

@@ -61,7 +61,6 @@ class Trace:
 
     @property
     def ticks(self) -> int:
-        """Number of ticks shown (the largest tick + 1; 0 without transfers)."""
         return 1 + max((r.tick for r in self.rows), default=-1)
 
     @property
@@ -80,7 +79,6 @@ class Trace:
         return sum(not r.assigned and not r.estimated and r.tick <= r.ready for r in self.rows)
 
     def place_name(self, p: int) -> str:
-        """How place ``p`` is shown: ``tower p`` for a tower, else its device name."""
         return f"tower {p}" if p < self.towers else self.places[p]
 
     def note(self, tick: int) -> str:
@@ -89,7 +87,7 @@ class Trace:
         return max(set(notes), key=notes.count) if notes else ""
 
     def bytes_sent(self) -> list[int]:
-        """Bytes sent per place (unknown sizes count as 0)."""
+        """Bytes sent per place (unknown sizes as 0)."""
         out = [0] * len(self.places)
         for r in self.rows:
             out[r.src] += r.nbytes or 0
@@ -115,12 +113,8 @@ def _labels(transfers: Sequence[Transfer], whole: int) -> tuple[list[int], int]:
 def assign_ticks(transfers: Sequence[Transfer], places: Sequence[str], whole: int, *,
                  by_order: bool = False,
                  sources: Sequence[frozenset[int] | None] = ()) -> list[TraceRow]:
-    """Rows with a tick each: the algorithm's, or (``tick=None``, or ``by_order``) by order.
-
-    Args:
-        whole: the bytes of one tower's buffer.
-        sources: per transfer, the earlier transfers its tensor was computed from, if known.
-    """
+    """Rows with a tick each: the algorithm's, or (``tick=None``, or ``by_order``) by order;
+    ``whole``: one tower's bytes; ``sources``: per transfer, the transfers it was computed from."""
     labels, unit = _labels(transfers, whole)
     last_send, last_recv = [-1] * len(places), [-1] * len(places)
     got: list[dict[int, int]] = [{} for _ in places]
@@ -147,13 +141,9 @@ def assign_ticks(transfers: Sequence[Transfer], places: Sequence[str], whole: in
 def chunk_ownership(
     transfers: Sequence[Transfer], rows: Sequence[TraceRow], towers: int, places: int, whole: int
 ) -> tuple[dict[int, tuple[int, int]], tuple[frozenset[int], ...]]:
-    """Follow each chunk's contributions through the rows in program order.
-
-    Returns:
-        ``(finished, holds)``: ``finished[chunk] = (place, tick)`` where the chunk first
-        held every tower's contribution, and per place the chunks it holds complete at the
-        end; ``holds`` is empty when every row is estimated (not observable).
-    """
+    """``(finished, holds)``: ``finished[chunk] = (place, tick)`` where the chunk first held
+    every contribution, and per place the chunks held complete at the end (empty when every
+    row is estimated)."""
     if towers > 1 and all(r.estimated for r in rows):
         return {}, ()
     labels, unit = _labels(transfers, whole)

@@ -159,12 +159,8 @@ def _events(trainer: TowerTrainer, phases: _Phases) -> list[dict[str, Any]]:
 
 
 def validate(data: dict[str, Any], towers: int, ticks: int) -> None:
-    """Check a timeline: well-formed complete events, forward/backward on every tower, and
-    at least one event for every tick.
-
-    Raises:
-        ValueError: what is missing or malformed.
-    """
+    """Check a timeline: well-formed complete events, forward/backward on every tower, an
+    event for every tick (``ValueError`` says what is missing or malformed)."""
     events = data.get("traceEvents")
     if not isinstance(events, list) or not events:
         raise ValueError("no traceEvents list")
@@ -202,12 +198,8 @@ def _report(phases: _Phases, ticks: int, repeats: int) -> str:
 def build_timeline(devices: list[str], *, algorithm: str = "ring", variables: str = "replicated",
                    batch_size: int = 64, repeats: int = 5,
                    seed: int = 0) -> tuple[dict[str, Any], str]:
-    """Measure one step's phases on ``devices`` and lay them out.
-
-    Returns:
-        ``(data, report)``: the chrome-trace dict (``traceEvents``, ``otherData`` and the
-        profiler's ``measuredOps``) and the table of timings ``towers timeline`` prints.
-    """
+    """Measure one step's phases on ``devices`` and lay them out: the chrome-trace dict
+    (``traceEvents``, ``otherData``, the profiler's ``measuredOps``) and the timings table."""
     trainer, batch = digits_trainer(devices, algorithm=algorithm, variables=variables,
                                     batch_size=batch_size, seed=seed)
     bar = keras.utils.Progbar(len(devices) + 1, unit_name="phase")

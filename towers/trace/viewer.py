@@ -17,8 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from towers.trace.state import StateTrace, range_label, sends_by_tick
-from towers.trace.topology import topology
+from towers.trace.state import StateTrace, range_label, sends_by_tick, topology
 
 __all__ = ["viewer_data", "write_html"]
 
