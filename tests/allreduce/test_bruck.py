@@ -24,7 +24,7 @@ from tests.allreduce.test_halving_doubling import (
 )
 from tests.conftest import DEVICES, examples
 from towers.allreduce import ALGORITHMS, bruck, naive
-from towers.allreduce.bruck import BRUCK, bruck_schedule, cost
+from towers.allreduce.bruck import bruck_schedule, cost
 from towers.allreduce.machinery.primitives import record
 from towers.schedule import check_schedule
 from towers.schedule import cost as schedule_cost
@@ -32,7 +32,7 @@ from towers.testing.bounds import sum_bound
 
 # ---- shared with test_pat and test_torus_2d ---------------------------------------------------
 
-bytes_sent, summation_depth = BRUCK.bytes_sent, BRUCK.summation_depth  # the schedule's
+bytes_sent, summation_depth = bruck.bytes_sent, bruck.summation_depth  # the schedule's
 
 
 def assert_close_to_naive(outputs: Sequence[tf.Tensor], values: Sequence[tf.Tensor], op: str,

@@ -24,7 +24,6 @@ from tests.allreduce.machinery.test_primitives import (
 from tests.allreduce.test_tree import assert_bitwise, tree_model
 from tests.conftest import DEVICES
 from towers.allreduce.double_binary_tree import (
-    DOUBLE_BINARY_TREE,
     btree_parents,
     double_binary_tree,
     double_trees,
@@ -94,7 +93,7 @@ def test_each_half_travels_its_own_tree(n: int) -> None:
 
 def test_byte_formula_and_depth() -> None:
     # 8 towers, 16 float32: halves of 8 elements (32 bytes); inner+leaf sends 3 + 1 halves
-    record, depth = DOUBLE_BINARY_TREE.bytes_sent, DOUBLE_BINARY_TREE.summation_depth
+    record, depth = double_binary_tree.bytes_sent, double_binary_tree.summation_depth
     assert record is not None and depth is not None
     sent = record(8, 64, 4)
     assert sent is not None and sent[4] == 4 * 32 and sent[0] == 2 * 32

@@ -16,7 +16,6 @@ from hypothesis import strategies as st
 from tests.allreduce.machinery.test_primitives import FLOATS, Case, assert_outputs
 from tests.conftest import DEVICES
 from towers.allreduce.halving_doubling import (
-    HALVING_DOUBLING,
     cost,
     halving_doubling,
     halving_doubling_schedule,
@@ -26,8 +25,8 @@ from towers.allreduce.machinery.primitives import record
 from towers.devices import canonical_device
 from towers.schedule import check_schedule, format_schedule, ir
 
-bytes_sent = HALVING_DOUBLING.bytes_sent  # counted from the schedule
-summation_depth = HALVING_DOUBLING.summation_depth
+bytes_sent = halving_doubling.bytes_sent  # counted from the schedule
+summation_depth = halving_doubling.summation_depth
 
 # ---- shared checks ---------------------------------------------------------------------------
 

@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import tensorflow as tf
 
-from towers.allreduce.codecs import rounding
+from towers.allreduce.machinery.rounding import rounding
 
 
 class Int8State(NamedTuple):

@@ -22,11 +22,11 @@ from tests.conftest import DEVICES, examples
 from towers.allreduce import ALGORITHMS, pat
 from towers.allreduce.bruck import bruck_schedule
 from towers.allreduce.machinery.primitives import record
-from towers.allreduce.pat import PAT, chunks_per_dimension, cost, pat_schedule
+from towers.allreduce.pat import chunks_per_dimension, cost, pat_schedule
 from towers.schedule import check_schedule
 from towers.schedule import cost as schedule_cost
 
-bytes_sent, summation_depth = PAT.bytes_sent, PAT.summation_depth  # the schedule's
+bytes_sent, summation_depth = pat.bytes_sent, pat.summation_depth  # the schedule's
 
 
 @pytest.mark.parametrize("aggregation", [None, 1, 2, 3])

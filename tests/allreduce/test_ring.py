@@ -24,7 +24,7 @@ from tests.allreduce.machinery.test_primitives import (
 from tests.allreduce.test_tree import FOLD, assert_bitwise
 from tests.conftest import DEVICES
 from towers.allreduce.machinery.primitives import record
-from towers.allreduce.ring import RING, ring
+from towers.allreduce.ring import ring
 from towers.schedule import ring_orders
 
 
@@ -58,9 +58,9 @@ def test_each_tower_sends_2_n_minus_1_over_n_of_the_buffer(n: int, s: int) -> No
 
 def test_padding_is_counted_when_the_size_does_not_divide() -> None:
     # 5 elements over 4 towers and 2 rings: chunks of ceil(5/8) = 1 element, 3 of them zeros
-    assert RING.bytes_sent(4, 20, 4, subchunks=2) == [2 * 3 * 2 * 1 * 4] * 4
-    assert RING.bytes_sent(3, 0, 8) == [0, 0, 0]
-    assert RING.bytes_sent(1, 400, 4) == [0]
+    assert ring.bytes_sent(4, 20, 4, subchunks=2) == [2 * 3 * 2 * 1 * 4] * 4
+    assert ring.bytes_sent(3, 0, 8) == [0, 0, 0]
+    assert ring.bytes_sent(1, 400, 4) == [0]
 
 
 @pytest.mark.parametrize(("n", "s"), [(4, 1), (4, 2), (5, 3), (3, 4)])
@@ -120,7 +120,7 @@ def test_one_tf_function_uses_plain_ops_and_keeps_the_order(op: str) -> None:
 
 
 def test_summation_depth_is_a_chain() -> None:
-    assert [RING.summation_depth(n, subchunks=2) for n in range(1, 9)] == list(range(8))
+    assert [ring.summation_depth(n, subchunks=2) for n in range(1, 9)] == list(range(8))
 
 
 @pytest.mark.parametrize("subchunks", [0, -1, 1.5, "2", True, None])

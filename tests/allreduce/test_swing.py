@@ -24,12 +24,12 @@ from tests.allreduce.test_halving_doubling import (
 from tests.conftest import DEVICES
 from towers.allreduce import ALGORITHMS, run_schedule, swing
 from towers.allreduce.machinery.primitives import record
-from towers.allreduce.swing import SWING, cost, peer, swing_schedule
+from towers.allreduce.swing import cost, peer, swing_schedule
 from towers.devices import canonical_device
 from towers.schedule import Schedule, ScheduleError, Step, check_schedule, ring_schedule
 from towers.schedule import cost as schedule_cost
 
-bytes_sent, summation_depth = SWING.bytes_sent, SWING.summation_depth  # the schedule's
+bytes_sent, summation_depth = swing.bytes_sent, swing.summation_depth  # the schedule's
 
 
 def test_swing_is_proved_for_every_n_up_to_64() -> None:

@@ -22,11 +22,11 @@ from tests.allreduce.test_halving_doubling import (
 from tests.conftest import DEVICES, examples
 from towers.allreduce import ALGORITHMS, ring, torus_2d
 from towers.allreduce.machinery.primitives import record
-from towers.allreduce.torus_2d import TORUS_2D, cost, grid, torus_2d_schedule
+from towers.allreduce.torus_2d import cost, grid, torus_2d_schedule
 from towers.schedule import check_schedule, ring_schedule
 from towers.schedule import cost as schedule_cost
 
-bytes_sent, summation_depth = TORUS_2D.bytes_sent, TORUS_2D.summation_depth  # the schedule's
+bytes_sent, summation_depth = torus_2d.bytes_sent, torus_2d.summation_depth  # the schedule's
 
 
 def _depth(n: int, rows: int | None = None) -> int:

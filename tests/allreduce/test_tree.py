@@ -23,7 +23,7 @@ from tests.allreduce.machinery.test_primitives import (
 )
 from tests.conftest import DEVICES
 from towers.allreduce.machinery.primitives import record
-from towers.allreduce.tree import TREE, heap_parents, tree, tree_schedule, tree_shape
+from towers.allreduce.tree import heap_parents, tree, tree_schedule, tree_shape
 from towers.schedule import Step
 
 FOLD = {"sum": np.add, "mean": np.add, "max": np.maximum, "min": np.minimum}
@@ -108,16 +108,16 @@ def test_a_child_added_after_a_taller_sibling_sends_with_it() -> None:
 def test_heap_layout_and_byte_formula() -> None:
     assert heap_parents(7) == [-1, 0, 0, 1, 1, 2, 2]
     # 10 float32 over 3 pieces: ceil(10/3) = 4 elements a piece, padding included
-    assert TREE.bytes_sent(4, 40, 4, chunks=3) == [2 * 3 * 16, 2 * 3 * 16, 3 * 16, 3 * 16]
-    assert TREE.bytes_sent(1, 40, 4) == [0]
+    assert tree.bytes_sent(4, 40, 4, chunks=3) == [2 * 3 * 16, 2 * 3 * 16, 3 * 16, 3 * 16]
+    assert tree.bytes_sent(1, 40, 4) == [0]
 
 
 def test_summation_depth_stays_logarithmic() -> None:
-    assert TREE.summation_depth is not None
-    assert [TREE.summation_depth(n) for n in range(1, 9)] == [0, 1, 2, 2, 3, 3, 4, 4]
+    assert tree.summation_depth is not None
+    assert [tree.summation_depth(n) for n in range(1, 9)] == [0, 1, 2, 2, 3, 3, 4, 4]
     for n in range(2, 65):
-        assert TREE.summation_depth(n) == tree_shape(heap_parents(n)).adds[0]
-        assert TREE.summation_depth(n) <= 2 * (n.bit_length() - 1)
+        assert tree.summation_depth(n) == tree_shape(heap_parents(n)).adds[0]
+        assert tree.summation_depth(n) <= 2 * (n.bit_length() - 1)
 
 
 def test_tree_shape_refuses_non_trees() -> None:

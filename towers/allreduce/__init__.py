@@ -15,7 +15,7 @@ import tensorflow as tf
 
 from towers.allreduce.bruck import bruck
 from towers.allreduce.bucketed import bucketed, grouped, pack, unpack
-from towers.allreduce.codecs import bf16, fp16, topk
+from towers.allreduce.codecs import CODECS, bf16, fp16, register_codec, topk
 from towers.allreduce.collectives import (
     COLLECTIVE_ALGORITHMS,
     all_gather,
@@ -47,10 +47,10 @@ from towers.allreduce.machinery.registry import (
     Registry,
     register,
 )
-from towers.allreduce.machinery.resolve import CODECS, get, noop, register_codec
+from towers.allreduce.machinery.resolve import get
 from towers.allreduce.machinery.scheduled import run_schedule, scheduled
 from towers.allreduce.machinery.sparse import densify, gather_indexed_slices
-from towers.allreduce.naive import naive
+from towers.allreduce.naive import naive, noop
 from towers.allreduce.nccl import nccl, nccl_ring, nccl_tree
 from towers.allreduce.parameter_device import parameter_device
 from towers.allreduce.pat import pat
@@ -61,59 +61,14 @@ from towers.allreduce.torus_2d import torus_2d
 from towers.allreduce.tree import tree
 from towers.guard.arguments import check_choice
 
-__all__ = [
-    "ALGORITHMS",
-    "CODECS",
-    "COLLECTIVE_ALGORITHMS",
-    "OPS",
-    "Algorithm",
-    "AllReduce",
-    "Configured",
-    "GradientReducer",
-    "Record",
-    "Recorder",
-    "Registry",
-    "Transfer",
-    "all_gather",
-    "all_reduce",
-    "all_to_all",
-    "bf16",
-    "broadcast",
-    "bruck",
-    "bucketed",
-    "check_values",
-    "combine",
-    "compressed",
-    "double_binary_tree",
-    "finish",
-    "fp16",
-    "get",
-    "grouped",
-    "halving_doubling",
-    "hierarchical",
-    "naive",
-    "nccl",
-    "nccl_ring",
-    "nccl_tree",
-    "noop",
-    "pack",
-    "parameter_device",
-    "pat",
-    "powersgd",
-    "record",
-    "reduce_scatter",
-    "register",
-    "register_codec",
-    "ring",
-    "run_schedule",
-    "scheduled",
-    "send",
-    "swing",
-    "topk",
-    "torus_2d",
-    "tree",
-    "unpack",
-]
+__all__ = ["ALGORITHMS", "CODECS", "COLLECTIVE_ALGORITHMS", "OPS", "Algorithm", "AllReduce",
+           "Configured", "GradientReducer", "Record", "Recorder", "Registry", "Transfer",
+           "all_gather", "all_reduce", "all_to_all", "bf16", "broadcast", "bruck", "bucketed",
+           "check_values", "combine", "compressed", "double_binary_tree", "finish", "fp16", "get",
+           "grouped", "halving_doubling", "hierarchical", "naive", "nccl", "nccl_ring", "nccl_tree",
+           "noop", "pack", "parameter_device", "pat", "powersgd", "record", "reduce_scatter",
+           "register", "register_codec", "ring", "run_schedule", "scheduled", "send", "swing",
+           "topk", "torus_2d", "tree", "unpack"]
 
 
 def all_reduce(

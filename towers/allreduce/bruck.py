@@ -34,33 +34,14 @@ import functools
 from collections.abc import Callable, Sequence
 
 from towers.allreduce.machinery.base import AllReduce
-from towers.allreduce.machinery.registry import (
-    Algorithm,
-    Coefficients,
-    Configured,
-    from_schedule,
-    register,
-    schedule_of,
-)
+from towers.allreduce.machinery.registry import Coefficients, register_schedule
 from towers.allreduce.machinery.scheduled import scheduled
 from towers.guard.arguments import positive_int
 from towers.schedule.ir import Schedule, Step
 
-__all__ = [
-    "BRUCK",
-    "bruck",
-    "bruck_schedule",
-    "cost",
-    "gather_ticks",
-    "steps_of",
-    "transpose",
-]
+__all__ = ["bruck", "bruck_schedule", "cost", "gather_ticks", "steps_of", "transpose"]
 
 Tick = tuple[Step, ...]
-
-
-def _tower_count(n: object) -> int:
-    return positive_int("n", n)
 
 
 def gather_ticks(
@@ -99,18 +80,14 @@ def steps_of(n: int) -> int:
 @functools.lru_cache(maxsize=128)
 def bruck_schedule(n: int) -> Schedule:
     """Bruck's reduce-scatter then all-gather over ``n`` towers, ``2⌈log2 n⌉`` ticks."""
-    n = _tower_count(n)
+    n = positive_int("n", n)
     gather = gather_ticks(n, range(steps_of(n)), lambda j: j.bit_length() - 1)
     return Schedule("bruck", n, n, tuple(transpose(gather) + gather))
 
 
 def _build() -> AllReduce:
-    return scheduled(bruck_schedule)
-
-
-def bruck() -> Configured:
     """Build the Bruck all-reduce (any tower count; see the module docstring)."""
-    return BRUCK()
+    return scheduled(bruck_schedule)
 
 
 def cost(n: int, nbytes: float) -> Coefficients:
@@ -118,7 +95,4 @@ def cost(n: int, nbytes: float) -> Coefficients:
     return 2 * steps_of(n), 2 * (n - 1) / n * nbytes, (n - 1) / n * nbytes
 
 
-BRUCK = register(
-    Algorithm("bruck", _build, schedule=schedule_of(__doc__),
-              **from_schedule(bruck_schedule, cost=cost))
-)
+bruck = register_schedule("bruck", _build, bruck_schedule, cost)

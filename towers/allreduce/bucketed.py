@@ -94,10 +94,6 @@ def plan(
 
     Raises:
         ValueError: ``bytes_per_bucket`` < 1 or not an int, or a shape with an unknown size.
-
-    Example:
-        >>> [len(b.slots) for b in plan([((3,), tf.float32)] * 4, 8).buckets]
-        [1, 1, 1, 1]
     """
     limit = optional(positive_int, "bytes_per_bucket", bytes_per_bucket)
     closed: list[tuple[int, BucketLayout]] = []  # (opening rank, bucket)
@@ -134,11 +130,7 @@ def pack(
 ) -> tuple[list[tf.Tensor], Layout]:
     """``(buckets, layout)``: one tower's ``tensors`` flattened into the 1-D buckets of
     :func:`plan`, each on its first tensor's device (only copies: ``unpack(*pack(x))``
-    is ``x`` bit for bit).
-
-    Example:
-        >>> buckets, layout = pack([tf.ones([2, 3]), tf.zeros([])], None)  # one 7-element bucket
-    """
+    is ``x`` bit for bit)."""
     layout = plan([(t.shape, t.dtype) for t in tensors], bytes_per_bucket)
     buckets = []
     for bucket in layout.buckets:
@@ -154,9 +146,6 @@ def unpack(buckets: Sequence[tf.Tensor], layout: Layout) -> list[tf.Tensor]:
 
     Raises:
         ValueError: the bucket count or a bucket's length or dtype does not match.
-
-    Example:
-        >>> tensors = unpack(*pack([tf.ones([2, 3]), tf.zeros([])], 16))
     """
     if len(buckets) != len(layout.buckets):
         raise ValueError(f"got {len(buckets)} buckets, the layout has {len(layout.buckets)}")
@@ -274,7 +263,6 @@ def bucketed(
         TypeError: ``algorithm`` is neither a name nor a callable.
 
     Example:
-        >>> trainer = towers.TowerTrainer(make_model, opt, loss, devices=devices,
-        ...                               all_reduce=bucketed("ring", 2**20))  # doctest: +SKIP
+        >>> trainer = towers.TowerTrainer(..., all_reduce=bucketed("ring", 2**20))  # doctest: +SKIP
     """
     return Bucketed(get(algorithm), optional(positive_int, "bytes_per_bucket", bytes_per_bucket))

@@ -3,20 +3,11 @@
 A codec turns one variable's per-tower gradients into a (lossy) sum, moving data only
 through a :class:`Wire`, so its bytes can be counted. As Horovod's ``compress`` /
 ``decompress``: ``encode`` on each tower, the payload crosses the wire, ``decode`` rebuilds
-a dense tensor; state (error feedback, PowerSGD's ``Q``) is a ``NamedTuple`` of tensors::
+a dense tensor; state (error feedback, PowerSGD's ``Q``) is a ``NamedTuple`` of tensors;
+:data:`CODECS` lists the built-in codecs with their payloads::
 
     tower t:  g_t ─encode(g_t, state_t)─▶ payload_t ──wire──▶ decode ─▶ Σ_t g_t (approx.)
                           └─▶ state_t' (e.g. the residual left out, added next step)
-
-=============  ==================================  ===================  ============================
-codec          payload per tower (S bytes fp32)    exchange             error
-=============  ==================================  ===================  ============================
-``identity``   S                                   all-reduce           none (the baseline)
-``fp16``       S/2 (x/n in float16)                all-reduce           relative, see :class:`Cast`
-``bf16``       S/2 (x/n in bfloat16)               all-reduce           relative, see :class:`Cast`
-``topk``       2·ratio·S (int32 index + value)     gather, scatter-add  dropped part fed back
-``powersgd``   (m + c)·r·4 per m×c matrix          all-reduce P, Q      dropped part fed back
-=============  ==================================  ===================  ============================
 
 References:
     Horovod ``horovod.tensorflow.compression``; PyTorch ``ddp_comm_hooks``
@@ -36,21 +27,11 @@ import tensorflow as tf
 
 from towers.allreduce.machinery.base import AllReduce
 from towers.allreduce.machinery.primitives import send
-from towers.allreduce.machinery.rounding import gamma, unit_roundoff
+from towers.allreduce.machinery.registry import Record, Registry
+from towers.allreduce.machinery.rounding import rounding, unit_roundoff
 
-__all__ = [
-    "Cast",
-    "Codec",
-    "Identity",
-    "TopK",
-    "TopKState",
-    "Wire",
-    "bf16",
-    "fp16",
-    "identity",
-    "rounding",
-    "topk",
-]
+__all__ = ["CODECS", "Cast", "Codec", "Identity", "TopK", "TopKState", "Wire", "bf16", "fp16",
+           "identity", "register_codec", "topk"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,11 +110,6 @@ class Codec(Protocol):
         ``wire``; returns ``(outputs, new_states)``, ``outputs[tower]`` on its device and
         bitwise the same on every tower (decode with ``wire.decode``)."""
         ...
-
-
-def rounding(k: int, abs_sum: Any, dtype: Any = "float32") -> np.ndarray:
-    """``γ_k·abs_sum`` in float64: ``k`` roundings of ``dtype``'s unit roundoff."""
-    return gamma(k, dtype) * np.asarray(abs_sum, np.float64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -300,3 +276,17 @@ def topk(ratio: float = 0.01) -> TopK:
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
         raise ValueError(f"ratio must be a number in (0, 1], got {ratio!r}")
     return TopK(float(ratio))
+
+
+CODECS = Registry(["codec"], [
+    Record("identity", identity, kind="codec", summary="S per tower, exact (the baseline)"),
+    Record("fp16", fp16, kind="codec", summary="S/2: x/n in float16, relative error"),
+    Record("bf16", bf16, kind="codec", summary="S/2: x/n in bfloat16, relative error"),
+    Record("topk", topk, kind="codec",
+           summary="2·ratio·S (int32 index + value), gathered: top-k with error feedback"),
+])
+"""Every codec by name (payload per tower for S bytes; ``powersgd`` registers itself in
+:mod:`towers.allreduce.powersgd`); ``CODECS[name]()`` builds it with its defaults."""
+
+register_codec = CODECS.register
+"""Add a codec's :class:`Record`: its name then works wherever a built-in codec's does."""

@@ -7,20 +7,10 @@ along axis 0 in tower order, so ``all_gather(reduce_scatter(v))`` is the flatten
 all-reduce. :func:`broadcast` copies one value to every device; :func:`all_to_all`
 transposes blocks. Each runs a schedule of :data:`COLLECTIVE_ALGORITHMS`, or any
 generator ``n -> Schedule`` of its collective, through the one interpreter
-(:func:`~towers.allreduce.machinery.scheduled.run_slots`). Their records::
-
-    collective       name      ticks                       depth
-    reduce_scatter   ring      n - 1                       n - 1
-    reduce_scatter   halving   log2 m + 2·[n ≠ m]          log2 m + [n ≠ m]
-    all_gather       ring      n - 1                       0
-    all_gather       doubling  log2 m + 2·[n ≠ m]          0
-    broadcast        flat      1 (n > 1)                   0
-    broadcast        tree      ⌈log2 n⌉                    0
-    broadcast        chain     chunks + n - 2 (n > 1)      0
-
-(``m``: the largest power of two ≤ ``n``.) Bytes, depth and cost are derived from the
-schedules (:func:`~towers.allreduce.machinery.registry.from_schedule`); the schedules are
-drawn in :mod:`towers.schedule.collectives`.
+(:func:`~towers.allreduce.machinery.scheduled.run_slots`). Each record's ``summary`` gives
+its ticks (``ticks``: the closed form); bytes, depth and cost are derived from the schedules
+(:func:`~towers.allreduce.machinery.registry.from_schedule`), drawn in
+:mod:`towers.schedule.collectives` and by :func:`format_collective`.
 
 Example:
     >>> full = all_gather(reduce_scatter(values, algorithm="halving"))   # doctest: +SKIP

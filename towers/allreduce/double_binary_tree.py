@@ -57,27 +57,14 @@ from __future__ import annotations
 import functools
 
 from towers.allreduce.machinery.base import AllReduce
-from towers.allreduce.machinery.registry import (
-    Algorithm,
-    Coefficients,
-    Configured,
-    from_schedule,
-    register,
-    schedule_of,
-)
+from towers.allreduce.machinery.registry import Coefficients, register_schedule
 from towers.allreduce.machinery.scheduled import scheduled
 from towers.allreduce.tree import tick_loads, tree_ticks
 from towers.guard.arguments import positive_int
 from towers.schedule.ir import Schedule
 
-__all__ = [
-    "DOUBLE_BINARY_TREE",
-    "btree_parents",
-    "cost",
-    "double_binary_tree",
-    "double_binary_tree_schedule",
-    "double_trees",
-]
+__all__ = ["btree_parents", "cost", "double_binary_tree",
+           "double_binary_tree_schedule", "double_trees"]
 
 
 def btree_parents(n: int) -> list[int]:
@@ -128,20 +115,13 @@ def double_binary_tree_schedule(n: int, chunks: int = 1) -> Schedule:
 
 
 def _build(chunks: int = 1) -> AllReduce:
-    c = positive_int("chunks", chunks)
-    return scheduled(functools.partial(double_binary_tree_schedule, chunks=c), own_first=True)
-
-
-def double_binary_tree(chunks: int = 1) -> Configured:
     """Build the double-binary-tree all-reduce; each half is pipelined in ``chunks`` pieces.
-
-    Its ``bytes_sent`` (``Σ_trees (1[not root] + children)·C·⌈size/(2C)⌉·itemsize``) and
-    ``summation_depth`` are counted from the schedule.
 
     Raises:
         ValueError: ``chunks`` < 1 or not an int.
     """
-    return DOUBLE_BINARY_TREE(chunks=chunks)
+    c = positive_int("chunks", chunks)
+    return scheduled(functools.partial(double_binary_tree_schedule, chunks=c), own_first=True)
 
 
 def cost(n: int, nbytes: float, *, chunks: int = 1) -> Coefficients:
@@ -151,7 +131,5 @@ def cost(n: int, nbytes: float, *, chunks: int = 1) -> Coefficients:
     return messages, messages * piece, adds * piece
 
 
-DOUBLE_BINARY_TREE = register(
-    Algorithm("double_binary_tree", _build, schedule=schedule_of(__doc__),
-              **from_schedule(double_binary_tree_schedule, cost=cost))
-)
+double_binary_tree = register_schedule("double_binary_tree", _build,
+                                       double_binary_tree_schedule, cost)

@@ -41,24 +41,12 @@ from __future__ import annotations
 import functools
 
 from towers.allreduce.machinery.base import AllReduce
-from towers.allreduce.machinery.registry import (
-    Algorithm,
-    Coefficients,
-    Configured,
-    from_schedule,
-    register,
-    schedule_of,
-)
+from towers.allreduce.machinery.registry import Coefficients, register_schedule
 from towers.allreduce.machinery.scheduled import scheduled
 from towers.schedule.collectives import doubling_all_gather, fold, halving_reduce_scatter
 from towers.schedule.ir import Schedule, Step
 
-__all__ = [
-    "HALVING_DOUBLING",
-    "cost",
-    "halving_doubling",
-    "halving_doubling_schedule",
-]
+__all__ = ["cost", "halving_doubling", "halving_doubling_schedule"]
 
 
 @functools.lru_cache(maxsize=128)
@@ -78,17 +66,8 @@ def halving_doubling_schedule(n: int) -> Schedule:
 
 
 def _build() -> AllReduce:
+    """Build Rabenseifner's halving-doubling all-reduce for any tower count and any length."""
     return scheduled(halving_doubling_schedule)
-
-
-def halving_doubling() -> Configured:
-    """Build Rabenseifner's halving-doubling all-reduce for any tower count and any length.
-
-    Bytes and depth are counted from the schedule; in closed form, with p = 2^⌊log2 n⌋ and
-    c = ⌈L/p⌉ elements: tower i < p sends 2(p−1)·c, plus p·c when i < n − p (fold-out);
-    tower p + j sends p·c (fold-in); depth ⌈log2 n⌉.
-    """
-    return HALVING_DOUBLING()
 
 
 def cost(n: int, nbytes: float) -> Coefficients:
@@ -101,7 +80,4 @@ def cost(n: int, nbytes: float) -> Coefficients:
     return a, b, c
 
 
-HALVING_DOUBLING = register(
-    Algorithm("halving_doubling", _build, schedule=schedule_of(__doc__),
-              **from_schedule(halving_doubling_schedule, cost=cost))
-)
+halving_doubling = register_schedule("halving_doubling", _build, halving_doubling_schedule, cost)

@@ -54,25 +54,22 @@ from towers.allreduce.machinery.registry import (
 from towers.allreduce.machinery.resolve import get
 from towers.guard.arguments import positive_int
 
-__all__ = [
-    "HIERARCHICAL",
-    "bytes_sent",
-    "cost",
-    "cost_levels",
-    "group_sizes",
-    "hierarchical",
-    "summation_depth",
-]
+__all__ = ["bytes_sent", "cost", "cost_levels", "group_sizes", "hierarchical",
+           "summation_depth"]
 
 Part: TypeAlias = "str | AllReduce"
 
 
-def _configured(algorithm: Part, what: str) -> Configured:
-    fn = get(algorithm)
+def _formula(part: Part, what: str, *args: Any) -> Any:
+    """``part``'s ``what`` formula (``bytes_sent``, ``summation_depth``) at ``args``."""
+    fn = get(part)
     if not isinstance(fn, Configured):
-        raise ValueError(f"{algorithm!r} has no registry record: cannot compute hierarchical's "
+        raise ValueError(f"{part!r} has no registry record: cannot compute hierarchical's "
                          f"{what}(); register(Algorithm(...)) it or pass a registered one")
-    return fn
+    value = getattr(fn, what)(*args)
+    if value is None:
+        raise ValueError(f"{part!r} has no {what} formula: cannot compute hierarchical's")
+    return value
 
 
 def _check_group_size(group_size: int) -> int:
@@ -127,18 +124,6 @@ def _all_reduce(
 
 
 def _build(inner: Part = "naive", outer: Part = "ring", group_size: int = 2) -> AllReduce:
-    _check_group_size(group_size)
-    for name, part in (("inner", inner), ("outer", outer)):
-        if not isinstance(part, str) and not callable(part):
-            raise TypeError(f"{name} must be a registry name or an all-reduce callable: {part!r}")
-
-    def hierarchical_all_reduce(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
-        return _all_reduce(values, op, inner, outer, group_size)
-
-    return hierarchical_all_reduce
-
-
-def hierarchical(inner: Part = "naive", outer: Part = "ring", group_size: int = 2) -> Configured:
     """Build a two-level all-reduce: ``inner`` within groups, ``outer`` among group leaders.
 
     ``inner`` runs inside each group of ``group_size`` consecutive towers (the last
@@ -153,7 +138,15 @@ def hierarchical(inner: Part = "naive", outer: Part = "ring", group_size: int = 
         >>> algo = hierarchical("naive", halving_doubling(), group_size=4)  # doctest: +SKIP
         >>> outs = algo(values, op="mean")                                  # doctest: +SKIP
     """
-    return HIERARCHICAL(inner=inner, outer=outer, group_size=group_size)
+    _check_group_size(group_size)
+    for name, part in (("inner", inner), ("outer", outer)):
+        if not isinstance(part, str) and not callable(part):
+            raise TypeError(f"{name} must be a registry name or an all-reduce callable: {part!r}")
+
+    def hierarchical_all_reduce(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
+        return _all_reduce(values, op, inner, outer, group_size)
+
+    return hierarchical_all_reduce
 
 
 def bytes_sent(
@@ -168,20 +161,13 @@ def bytes_sent(
         [24, 8, 24, 8]
     """
     sizes = group_sizes(n, group_size)
-    inner_fn, outer_fn = _configured(inner, "bytes_sent"), _configured(outer, "bytes_sent")
-    outer_b = _known(outer_fn.bytes_sent(len(sizes), nbytes, itemsize), outer, "bytes_sent")
+    outer_b = _formula(outer, "bytes_sent", len(sizes), nbytes, itemsize)
     out: list[int] = []
     for g, size in enumerate(sizes):
-        inner_b = _known(inner_fn.bytes_sent(size, nbytes, itemsize), inner, "bytes_sent")
+        inner_b = _formula(inner, "bytes_sent", size, nbytes, itemsize)
         out.append(int(inner_b[0] + outer_b[g] + (size - 1) * nbytes))
         out += [int(b) for b in inner_b[1:]]
     return out
-
-
-def _known(value: Any, part: Part, what: str) -> Any:
-    if value is None:
-        raise ValueError(f"{part!r} has no {what} formula: cannot compute hierarchical's")
-    return value
 
 
 def summation_depth(
@@ -194,12 +180,8 @@ def summation_depth(
         4
     """
     sizes = group_sizes(n, group_size)
-    inner_fn = _configured(inner, "summation_depth")
-    outer_fn = _configured(outer, "summation_depth")
-    inner_d = max(_known(inner_fn.summation_depth(k), inner, "summation_depth")
-                  for k in set(sizes)) if sizes else 0
-    outer_d = _known(outer_fn.summation_depth(len(sizes)), outer, "summation_depth")
-    return int(inner_d) + int(outer_d)
+    inner_d = max(_formula(inner, "summation_depth", k) for k in set(sizes)) if sizes else 0
+    return int(inner_d) + int(_formula(outer, "summation_depth", len(sizes)))
 
 
 def _flat_cost(name: Any, key: str) -> Callable[..., Coefficients]:
@@ -241,6 +223,6 @@ def cost(
     return tuple(float(sum(col)) for col in zip(*levels, strict=True))  # type: ignore[return-value]
 
 
-HIERARCHICAL = register(
+hierarchical = register(
     Algorithm("hierarchical", _build, bytes_sent, summation_depth, cost, schedule_of(__doc__))
 )

@@ -32,17 +32,12 @@ from towers.allreduce.machinery.primitives import send
 from towers.allreduce.machinery.registry import Algorithm, register, schedule_of
 from towers.allreduce.parameter_device import bytes_sent, cost, reduce_on, summation_depth
 
-__all__ = ["NAIVE", "naive"]
+__all__ = ["NAIVE", "naive", "noop"]
 
 
 def naive_all_reduce(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
-    """Reduce everything on tower 0 (``add_n`` for sums), then copy the result to each tower.
-
-    Example:
-        >>> outs = naive([tf.ones([2]), tf.ones([2])])   # doctest: +SKIP
-
-    ``naive`` is this function with its registry record (:data:`NAIVE`).
-    """
+    """Reduce everything on tower 0 (``add_n`` for sums), then copy the result to each tower;
+    ``naive`` is this function with its registry record (:data:`NAIVE`)."""
     devices = check_values(values, op)
     root = devices[0]
     with tf.device(root):
@@ -58,9 +53,8 @@ _CHAIN_ABOVE_BYTES = 16 * 2**20
 
 
 def _large(x: tf.Tensor) -> bool:
-    """Above ~16 MB TensorFlow's CPU ``AddN`` slows down (measured: 4.0 GB/s at 16 MB,
-    2.0 GB/s at 64 MB) while a chain of two-input adds keeps 3.3 GB/s. Both add left to
-    right, so the bits are the same."""
+    """Above ~16 MB a chain of two-input adds beats TensorFlow's CPU ``AddN``; both add left
+    to right, so the bits are the same."""
     size = x.shape.num_elements() if x.shape.is_fully_defined() else None
     return size is not None and size * x.dtype.size > _CHAIN_ABOVE_BYTES
 
@@ -74,3 +68,9 @@ NAIVE = register(
 )
 naive = NAIVE()
 """The naive all-reduce (:func:`naive_all_reduce` with its record)."""
+
+
+def noop(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
+    """No exchange at all: every tower keeps its own value (a ceiling for benchmarks, not a sum)."""
+    check_values(values, op)
+    return list(values)

@@ -47,13 +47,7 @@ from tensorflow.python.ops import collective_ops, nccl_ops
 from towers.allreduce.machinery.base import AllReduce, combine, finish
 from towers.allreduce.machinery.differentiable import differentiable
 from towers.allreduce.machinery.primitives import record_estimate
-from towers.allreduce.machinery.registry import (
-    Algorithm,
-    Coefficients,
-    Configured,
-    register,
-    schedule_of,
-)
+from towers.allreduce.machinery.registry import Algorithm, Coefficients, register, schedule_of
 from towers.allreduce.machinery.tf_collective_ops import (
     HINT,
     Body,
@@ -66,20 +60,12 @@ from towers.allreduce.machinery.tf_collective_ops import (
     unwire,
     wire,
 )
+from towers.allreduce.ring import cost as ring_cost
 from towers.devices import has_gpu
 from towers.guard.arguments import non_negative_float, positive_float, positive_int
 
-__all__ = [
-    "NCCL",
-    "NCCL_RING",
-    "NCCL_TREE",
-    "TIMEOUT_SECONDS",
-    "estimated_bytes_sent",
-    "nccl",
-    "nccl_ring",
-    "nccl_tree",
-    "raw_nccl_usable",
-]
+__all__ = ["TIMEOUT_SECONDS", "estimated_bytes_sent", "nccl",
+           "nccl_ring", "nccl_tree", "raw_nccl_usable"]
 
 TIMEOUT_SECONDS = 60.0
 """Default timeout of every collective op: a missing peer becomes an error, not a hang."""
@@ -202,6 +188,16 @@ def _record_estimates(values: Sequence[tf.Tensor]) -> None:
 
 
 def _factory(body: Body, name: str, timeout_seconds: float | None = None) -> AllReduce:
+    """Build ``nccl`` (one ``all_reduce_v2`` per tower; raw NCCL on real GPUs), ``nccl_ring``
+    (all-to-all + local sum, then all-gather) or ``nccl_tree`` (binomial reduce, broadcast).
+
+    ``timeout_seconds``: per-op timeout (default :data:`TIMEOUT_SECONDS`; raw NCCL has none).
+
+    Raises:
+        ValueError: ``timeout_seconds`` not positive; when called, bad values or no static shape.
+        tf.errors.DeadlineExceededError: a peer did not join in time (this aborts every later
+            collective in the process).
+    """
     if timeout_seconds is not None:
         positive_float("timeout_seconds", timeout_seconds)
 
@@ -214,34 +210,9 @@ def _factory(body: Body, name: str, timeout_seconds: float | None = None) -> All
     return differentiable(all_reduce)  # TensorFlow has no gradient for collective ops
 
 
-def nccl(timeout_seconds: float | None = None) -> Configured:
-    """Build the all-reduce that calls one ``all_reduce_v2`` per tower (raw NCCL on real GPUs).
-
-    ``timeout_seconds``: per-op timeout (default :data:`TIMEOUT_SECONDS`, read at call time;
-    the raw ``nccl_ops`` path has none).
-
-    Raises:
-        ValueError: ``timeout_seconds`` not positive; when called, bad values or a shape
-            that is not fully defined.
-        tf.errors.DeadlineExceededError: a peer did not join within the timeout (this
-            aborts every later collective in the process).
-    """
-    return NCCL(timeout_seconds=timeout_seconds)
-
-
-def nccl_ring(timeout_seconds: float | None = None) -> Configured:
-    """Build reduce-scatter (all-to-all + local sum) then all-gather (as :func:`nccl`)."""
-    return NCCL_RING(timeout_seconds=timeout_seconds)
-
-
-def nccl_tree(timeout_seconds: float | None = None) -> Configured:
-    """Build binomial-tree reduce to tower 0 then broadcast (as :func:`nccl`)."""
-    return NCCL_TREE(timeout_seconds=timeout_seconds)
-
-
 def estimated_bytes_sent(n: int, nbytes: int) -> list[float]:
-    """An ESTIMATE of bytes each tower sends: NCCL's ring figure 2(n−1)/n·S (the bus
-    traffic nccl-tests assumes; the ops are opaque, nothing passes through ``send``).
+    """An ESTIMATE of bytes each tower sends (the ops are opaque): NCCL's ring figure
+    2(n−1)/n·S, the bus traffic nccl-tests assumes.
 
     Example:
         >>> estimated_bytes_sent(4, 1000)
@@ -266,10 +237,6 @@ def _tree_depth(n: int, timeout_seconds: float | None = None) -> int:
     return (n - 1).bit_length()
 
 
-def _ring_cost(n: int, nbytes: float) -> Coefficients:
-    return 2 * (n - 1), 2 * (n - 1) / n * nbytes, (n - 1) / n * nbytes
-
-
 def _tree_cost(n: int, nbytes: float) -> Coefficients:
     d = (n - 1).bit_length()  # binomial levels: one message per tower per level, each way
     return 2 * d, 2 * d * nbytes, d * nbytes
@@ -281,8 +248,8 @@ def _record(name: str, build: Callable[..., AllReduce], depth: Any, cost: Any) -
                      replayable=False)
 
 
-NCCL = register(_record("nccl", partial(_factory, _nccl_body, "nccl"), _ring_depth, _ring_cost))
-NCCL_RING = register(_record("nccl_ring", partial(_factory, _ring_body, "nccl_ring"),
-                             _ring_depth, _ring_cost))
-NCCL_TREE = register(_record("nccl_tree", partial(_factory, _tree_body, "nccl_tree"),
+nccl = register(_record("nccl", partial(_factory, _nccl_body, "nccl"), _ring_depth, ring_cost))
+nccl_ring = register(_record("nccl_ring", partial(_factory, _ring_body, "nccl_ring"),
+                             _ring_depth, ring_cost))
+nccl_tree = register(_record("nccl_tree", partial(_factory, _tree_body, "nccl_tree"),
                              _tree_depth, _tree_cost))

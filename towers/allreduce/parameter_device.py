@@ -37,15 +37,8 @@ from towers.allreduce.machinery.registry import (
 )
 from towers.devices import canonical_device
 
-__all__ = [
-    "PARAMETER_DEVICE",
-    "bytes_sent",
-    "cost",
-    "parameter_device",
-    "reduce_on",
-    "rooted_cost",
-    "summation_depth",
-]
+__all__ = ["PARAMETER_DEVICE", "bytes_sent", "cost", "parameter_device", "reduce_on",
+           "summation_depth"]
 
 
 def reduce_on(values: Sequence[tf.Tensor], device: str, op: str, *,
@@ -101,19 +94,11 @@ def summation_depth(n: int, device: str | None = None) -> int:
     return max(n - 1, 0)
 
 
-def rooted_cost(n: int, nbytes: float, *, on_tower: bool = True) -> Coefficients:
-    """Everything through one root's port: ``2m·(α + S·β) + (n-1)·S·γ``.
-
-    ``m = n-1`` messages each way when the root is a tower (its own value stays),
-    ``m = n`` for a separate device (parameter_device off the towers).
-    """
+def cost(n: int, nbytes: float, *, on_tower: bool = True) -> Coefficients:
+    """α-β-γ coefficients, everything through one port: ``2m·(α + S·β) + (n-1)·S·γ``, with
+    ``m = n-1`` messages each way on a tower (its own value stays), else ``m = n``."""
     m = n - 1 if on_tower else n
     return 2 * m, 2 * m * nbytes, (n - 1) * nbytes
-
-
-def cost(n: int, nbytes: float, *, on_tower: bool = True) -> Coefficients:
-    """α-β-γ coefficients: ``2m·(α + S·β) + (n-1)·S·γ``, ``m = n-1`` on a tower, else ``n``."""
-    return rooted_cost(n, nbytes, on_tower=on_tower)
 
 
 PARAMETER_DEVICE = register(

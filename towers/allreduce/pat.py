@@ -43,19 +43,12 @@ import math
 
 from towers.allreduce.bruck import gather_ticks, steps_of, transpose
 from towers.allreduce.machinery.base import AllReduce
-from towers.allreduce.machinery.registry import (
-    Algorithm,
-    Coefficients,
-    Configured,
-    from_schedule,
-    register,
-    schedule_of,
-)
+from towers.allreduce.machinery.registry import Coefficients, register_schedule
 from towers.allreduce.machinery.scheduled import scheduled
 from towers.guard.arguments import positive_int
 from towers.schedule.ir import Schedule
 
-__all__ = ["PAT", "chunks_per_dimension", "cost", "pat", "pat_schedule"]
+__all__ = ["chunks_per_dimension", "cost", "pat", "pat_schedule"]
 
 
 def _aggregation(aggregation: object) -> int | None:
@@ -91,19 +84,12 @@ def pat_schedule(n: int, aggregation: int | None = None) -> Schedule:
     return Schedule("pat", n, n, tuple(transpose(gather) + gather))
 
 
-def pat(aggregation: int | None = None) -> Configured:
+def _build(aggregation: int | None = None) -> AllReduce:
     """Build the PAT all-reduce; ``aggregation``: the most chunks a tower sends per tick.
-
-    Its ``bytes_sent`` and ``summation_depth`` (``2(n−1)·⌈L/n⌉·itemsize`` per tower,
-    ``⌈log2 n⌉``) are counted from the schedule.
 
     Raises:
         ValueError: ``aggregation`` is not None or an int >= 1.
     """
-    return PAT(aggregation)
-
-
-def _build(aggregation: int | None = None) -> AllReduce:
     return scheduled(functools.partial(pat_schedule, aggregation=_aggregation(aggregation)))
 
 
@@ -120,7 +106,4 @@ def cost(n: int, nbytes: float, aggregation: int | None = None) -> Coefficients:
     return 2 * ticks, 2 * (n - 1) / n * nbytes, (n - 1) / n * nbytes
 
 
-PAT = register(
-    Algorithm("pat", _build, schedule=schedule_of(__doc__),
-              **from_schedule(pat_schedule, cost=cost))
-)
+pat = register_schedule("pat", _build, pat_schedule, cost)

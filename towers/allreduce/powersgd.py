@@ -39,7 +39,9 @@ from typing import Any, NamedTuple
 import numpy as np
 import tensorflow as tf
 
-from towers.allreduce.codecs import Wire, rounding
+from towers.allreduce.codecs import Wire, register_codec
+from towers.allreduce.machinery.registry import Record
+from towers.allreduce.machinery.rounding import rounding
 from towers.guard.arguments import positive_int
 
 __all__ = ["PowerSGD", "PowerSGDState", "orthogonalize", "powersgd"]
@@ -174,3 +176,7 @@ def powersgd(rank: int = 1, warm_start: bool = True, seed: int = 0,
     if not min_compression_rate >= 1:
         raise ValueError(f"min_compression_rate must be >= 1, got {min_compression_rate!r}")
     return PowerSGD(rank, bool(warm_start), int(seed), float(min_compression_rate))
+
+
+register_codec(Record("powersgd", powersgd, kind="codec",
+                      summary="(m + c)·r per m×c matrix, all-reduced: rank-r power step"))

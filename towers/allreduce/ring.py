@@ -47,31 +47,16 @@ from __future__ import annotations
 import functools
 
 from towers.allreduce.machinery.base import AllReduce
-from towers.allreduce.machinery.registry import (
-    Algorithm,
-    Coefficients,
-    Configured,
-    from_schedule,
-    register,
-    schedule_of,
-)
+from towers.allreduce.machinery.registry import Coefficients, register_schedule
 from towers.allreduce.machinery.scheduled import scheduled
 from towers.guard.arguments import positive_int
 from towers.schedule.collectives import ring_schedule
 
-__all__ = ["RING", "cost", "ring"]
+__all__ = ["cost", "ring"]
 
 
 def _build(subchunks: int = 1) -> AllReduce:
-    s = positive_int("subchunks", subchunks)
-    return scheduled(functools.partial(ring_schedule, subchunks=s))
-
-
-def ring(subchunks: int = 1) -> Configured:
     """Build the ring all-reduce with ``subchunks`` rotated rings (``s``, any int >= 1).
-
-    Its ``bytes_sent`` (``2(n-1)·s·⌈size/(n·s)⌉·itemsize``, padding included) and
-    ``summation_depth`` (``n - 1``) are counted from the schedule.
 
     Raises:
         ValueError: ``subchunks`` < 1 or not an int.
@@ -79,7 +64,8 @@ def ring(subchunks: int = 1) -> Configured:
     Example:
         >>> outs = ring(subchunks=2)([a, b, c], op="mean")   # doctest: +SKIP
     """
-    return RING(subchunks=subchunks)
+    s = positive_int("subchunks", subchunks)
+    return scheduled(functools.partial(ring_schedule, subchunks=s))
 
 
 def cost(n: int, nbytes: float, *, subchunks: int = 1) -> Coefficients:
@@ -94,5 +80,4 @@ def cost(n: int, nbytes: float, *, subchunks: int = 1) -> Coefficients:
     return 2 * (n - 1) * subchunks, 2 * (n - 1) / n * nbytes, (n - 1) / n * nbytes
 
 
-RING = register(Algorithm("ring", _build, schedule=schedule_of(__doc__),
-                          **from_schedule(ring_schedule, cost=cost)))
+ring = register_schedule("ring", _build, ring_schedule, cost)

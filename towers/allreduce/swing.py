@@ -36,19 +36,12 @@ from __future__ import annotations
 import functools
 
 from towers.allreduce.machinery.base import AllReduce
-from towers.allreduce.machinery.registry import (
-    Algorithm,
-    Coefficients,
-    Configured,
-    from_schedule,
-    register,
-    schedule_of,
-)
+from towers.allreduce.machinery.registry import Coefficients, register_schedule
 from towers.allreduce.machinery.scheduled import scheduled
 from towers.guard.arguments import positive_int
 from towers.schedule.ir import Schedule, Step
 
-__all__ = ["SWING", "cost", "peer", "swing", "swing_schedule"]
+__all__ = ["cost", "peer", "swing", "swing_schedule"]
 
 
 def _delta(step: int) -> int:
@@ -103,12 +96,8 @@ def swing_schedule(n: int) -> Schedule:
 
 
 def _build() -> AllReduce:
-    return scheduled(swing_schedule)
-
-
-def swing() -> Configured:
     """Build the Swing all-reduce (any tower count; see the module docstring)."""
-    return SWING()
+    return scheduled(swing_schedule)
 
 
 def cost(n: int, nbytes: float) -> Coefficients:
@@ -118,7 +107,4 @@ def cost(n: int, nbytes: float) -> Coefficients:
     return 2 * k + 2 * f, (2 * (p - 1) / p + 2 * f) * nbytes, ((p - 1) / p + f) * nbytes
 
 
-SWING = register(
-    Algorithm("swing", _build, schedule=schedule_of(__doc__),
-              **from_schedule(swing_schedule, cost=cost))
-)
+swing = register_schedule("swing", _build, swing_schedule, cost)

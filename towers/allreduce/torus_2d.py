@@ -40,19 +40,12 @@ import functools
 import math
 
 from towers.allreduce.machinery.base import AllReduce
-from towers.allreduce.machinery.registry import (
-    Algorithm,
-    Coefficients,
-    Configured,
-    from_schedule,
-    register,
-    schedule_of,
-)
+from towers.allreduce.machinery.registry import Coefficients, register_schedule
 from towers.allreduce.machinery.scheduled import scheduled
 from towers.guard.arguments import positive_int
 from towers.schedule.ir import Schedule, Step
 
-__all__ = ["TORUS_2D", "cost", "grid", "torus_2d", "torus_2d_schedule"]
+__all__ = ["cost", "grid", "torus_2d", "torus_2d_schedule"]
 
 Tick = tuple[Step, ...]
 
@@ -109,17 +102,13 @@ def torus_2d_schedule(n: int, rows: int | None = None) -> Schedule:
     return Schedule("torus_2d", n, n, tuple(ticks))
 
 
-def torus_2d(rows: int | None = None) -> Configured:
+def _build(rows: int | None = None) -> AllReduce:
     """Build the 2D-torus all-reduce; ``rows`` (R) must divide every tower count it runs on
     (None: the most square grid for each n).
 
     Raises:
         ValueError: ``rows`` is not None or an int >= 1.
     """
-    return TORUS_2D(rows)
-
-
-def _build(rows: int | None = None) -> AllReduce:
     rows = None if rows is None else positive_int("rows", rows)
     return scheduled(functools.partial(torus_2d_schedule, rows=rows))
 
@@ -130,7 +119,4 @@ def cost(n: int, nbytes: float, rows: int | None = None) -> Coefficients:
     return 2 * (c - 1) + 2 * (r - 1), 2 * (n - 1) / n * nbytes, (n - 1) / n * nbytes
 
 
-TORUS_2D = register(
-    Algorithm("torus_2d", _build, schedule=schedule_of(__doc__),
-              **from_schedule(torus_2d_schedule, cost=cost))
-)
+torus_2d = register_schedule("torus_2d", _build, torus_2d_schedule, cost)

@@ -52,29 +52,13 @@ from typing import NamedTuple
 import numpy as np
 
 from towers.allreduce.machinery.base import AllReduce
-from towers.allreduce.machinery.registry import (
-    Algorithm,
-    Coefficients,
-    Configured,
-    from_schedule,
-    register,
-    schedule_of,
-)
+from towers.allreduce.machinery.registry import Coefficients, register_schedule
 from towers.allreduce.machinery.scheduled import scheduled
 from towers.guard.arguments import positive_int
 from towers.schedule.ir import Schedule, Step
 
-__all__ = [
-    "TREE",
-    "TreeShape",
-    "cost",
-    "heap_parents",
-    "tick_loads",
-    "tree",
-    "tree_schedule",
-    "tree_shape",
-    "tree_ticks",
-]
+__all__ = ["TreeShape", "cost", "heap_parents", "tick_loads", "tree", "tree_schedule",
+           "tree_shape", "tree_ticks"]
 
 
 class TreeShape(NamedTuple):
@@ -180,20 +164,13 @@ def tree_schedule(n: int, chunks: int = 1) -> Schedule:
 
 
 def _build(chunks: int = 1) -> AllReduce:
-    c = positive_int("chunks", chunks)
-    return scheduled(functools.partial(tree_schedule, chunks=c), own_first=True)
-
-
-def tree(chunks: int = 1) -> Configured:
     """Build the binary-tree all-reduce, pipelined in ``chunks`` pieces (``C``; more overlap more).
-
-    Its ``bytes_sent`` (``(1[i > 0] + children(i))·C·⌈size/C⌉·itemsize``) and
-    ``summation_depth`` (at most ``2·⌊log2 n⌋``) are counted from the schedule.
 
     Raises:
         ValueError: ``chunks`` < 1 or not an int.
     """
-    return TREE(chunks=chunks)
+    c = positive_int("chunks", chunks)
+    return scheduled(functools.partial(tree_schedule, chunks=c), own_first=True)
 
 
 def tick_loads(trees: Sequence[Sequence[int]], chunks: int) -> tuple[float, float]:
@@ -229,5 +206,4 @@ def cost(n: int, nbytes: float, *, chunks: int = 1) -> Coefficients:
     return messages, messages * piece, adds * piece
 
 
-TREE = register(Algorithm("tree", _build, schedule=schedule_of(__doc__),
-                          **from_schedule(tree_schedule, cost=cost)))
+tree = register_schedule("tree", _build, tree_schedule, cost)

@@ -17,9 +17,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from towers.allreduce.codecs import Codec, Wire, rounding
+from towers.allreduce.codecs import Codec, Wire
 from towers.allreduce.compressed import Compressed, compressed
 from towers.allreduce.machinery.resolve import get, get_codec
+from towers.allreduce.machinery.rounding import rounding
 from towers.devices import canonical_device, local_devices
 from towers.guard.arguments import positive_int
 from towers.step import TowerTrainer

@@ -29,10 +29,8 @@ import tensorflow as tf
 from towers.devices import canonical_device, one_memory
 from towers.guard.arguments import positive_int
 
-__all__ = [
-    "FUSE_BELOW", "Row", "assemble", "materialize", "pack", "pad_rows", "pad_split", "row_of",
-    "small", "unsplit",
-]
+__all__ = ["FUSE_BELOW", "Row", "assemble", "materialize", "pack", "pad_rows", "pad_split",
+           "row_of", "small", "unsplit"]
 
 
 class Row(NamedTuple):
@@ -57,20 +55,12 @@ def pad_rows(x: tf.Tensor, pieces: int) -> tuple[tf.Tensor, tuple[int, ...], int
 
 
 def pad_split(x: tf.Tensor, pieces: int) -> tuple[list[tf.Tensor], tuple[int, ...], int]:
-    """Flatten ``x``, zero-pad it to a multiple of ``pieces`` elements and split it evenly.
-
-    Every chunk has ``ceil(size / pieces)`` elements (the padding ends the last chunks);
-    the ops run on ``x``'s device; scalars and empty tensors work.
-
-    Returns:
-        ``(chunks, shape, size)``: the 1-D chunks, ``x``'s shape and its element count,
-        which is what :func:`unsplit` needs to undo this.
+    """``(chunks, shape, size)``: ``x`` flattened, zero-padded to a multiple of ``pieces``
+    elements and split evenly (``ceil(size / pieces)`` each) on its device, with what
+    :func:`unsplit` needs to undo it; ``pad_split(tf.range(5.0), 2)`` gives [0 1 2] [3 4 0].
 
     Raises:
         ValueError: ``pieces`` < 1 or not an int, or ``x`` has no static shape.
-
-    Example:
-        >>> chunks, shape, size = pad_split(tf.range(5.0), 2)   # [0 1 2] [3 4 0]
     """
     pieces = positive_int("pieces", pieces)
     if not x.shape.is_fully_defined():

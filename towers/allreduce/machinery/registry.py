@@ -9,7 +9,7 @@ Calling a record builds the thing: ``ALGORITHMS["ring"](subchunks=2)`` (and
 record and parameters, so its formulas need no attributes pinned on a function.
 Adding an algorithm is one module and one line at its end::
 
-    RING = register(Algorithm("ring", _build, bytes_sent=..., summation_depth=..., cost=...))
+    ring = register(Algorithm("ring", _build, bytes_sent=..., summation_depth=..., cost=...))
 
 A plain callable without a record is still accepted everywhere (tools then say which
 properties they could not check).
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
@@ -29,20 +30,9 @@ from towers.allreduce.machinery.base import AllReduce
 from towers.schedule import ir, symbolic
 from towers.schedule.ir import Schedule
 
-__all__ = [
-    "ALGORITHMS",
-    "KINDS",
-    "Algorithm",
-    "Coefficients",
-    "Configured",
-    "Record",
-    "Registry",
-    "algorithm_name",
-    "from_schedule",
-    "record_of",
-    "register",
-    "schedule_of",
-]
+__all__ = ["ALGORITHMS", "KINDS", "Algorithm", "Coefficients", "Configured", "Record", "Registry",
+           "algorithm_name", "from_schedule", "record_of", "register", "register_schedule",
+           "schedule_of"]
 
 Coefficients = tuple[float, float, float]
 """``(a, b, c)``: a time of ``a·α + b·β + c·γ`` (see :mod:`towers.bench.costmodel`)."""
@@ -234,20 +224,13 @@ class Configured:
 ALGORITHMS = Registry(["all_reduce"])
 """Registered algorithms: name -> :class:`Record`; ``ALGORITHMS[name]()`` builds the default."""
 
+register = ALGORITHMS.register
+"""Add an :class:`Algorithm` record to :data:`ALGORITHMS` (replacing one of the same name).
 
-def register(algorithm: Record) -> Record:
-    """Add ``algorithm`` to :data:`ALGORITHMS` (replacing one of the same name); returns it.
-
-    Raises:
-        TypeError: not a :class:`Record` of kind ``"all_reduce"``.
-
-    Example:
-        >>> register(Algorithm("mine", lambda: my_all_reduce, summation_depth=lambda n: n - 1))
-        ... # doctest: +SKIP
-    """
-    if not isinstance(algorithm, Record):
-        raise TypeError(f"register takes an Algorithm record, got {algorithm!r}")
-    return ALGORITHMS.register(algorithm)
+Example:
+    >>> register(Algorithm("mine", lambda: my_all_reduce, summation_depth=lambda n: n - 1))
+    ... # doctest: +SKIP
+"""
 
 
 def record_of(fn: Any) -> Configured | None:
@@ -260,3 +243,14 @@ def algorithm_name(fn: Any) -> str:
     if isinstance(fn, Configured):
         return fn.name
     return str(getattr(fn, "__name__", repr(fn)))
+
+
+def register_schedule(name: str, build: Callable[..., AllReduce],
+                      generator: Callable[..., Schedule], cost: Callable[..., Coefficients]
+                      ) -> Record:
+    """Register the all-reduce ``build`` makes of ``generator``'s schedules: its bytes and
+    depth counted from them, ``cost`` in closed form, its schedule drawn in ``build``'s
+    module docstring."""
+    doc = sys.modules[build.__module__].__doc__
+    return register(Algorithm(name, build, schedule=schedule_of(doc),
+                              **from_schedule(generator, cost=cost)))

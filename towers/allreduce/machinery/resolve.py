@@ -2,17 +2,13 @@
 for the library (trainers, ``towers.all_reduce``, the wrappers), the CLI, trace and study::
 
     ring                   a registered all-reduce (ALGORITHMS), or noop
-    fp16, topk(0.1)        a registered codec (CODECS), its arguments Python literals
+    fp16, topk(0.1)        a registered codec (codecs.CODECS), its arguments Python literals
     mod:NAME, file.py:NAME a user's all-reduce, GradientReducer or codec, or a factory of
                            one (called with no arguments); NAME may be dotted
     CODEC@ALGO             a reducer spec (:func:`parse`): CODEC over ALGO (default ring)
 
 A name nothing holds is a ``ValueError`` naming the argument, the registered names and
 the closest ("did you mean 'ring'?").
-
-Example:
-    >>> get("ring"), get("my_algos.py:star"), get_codec("powersgd(4)")   # doctest: +SKIP
-    >>> parse("topk(0.1)@tree")               # Spec('topk(0.1)@tree', 'tree', 'topk(0.1)')
 """
 
 from __future__ import annotations
@@ -30,43 +26,14 @@ from typing import Any, NamedTuple
 
 import tensorflow as tf
 
-from towers.allreduce.codecs import Codec, bf16, fp16, identity, topk
-from towers.allreduce.machinery.base import AllReduce, GradientReducer, check_values
+from towers.allreduce.codecs import CODECS, Codec
+from towers.allreduce.machinery.base import AllReduce, GradientReducer
 from towers.allreduce.machinery.primitives import record
-from towers.allreduce.machinery.registry import (
-    ALGORITHMS,
-    Configured,
-    Record,
-    Registry,
-    algorithm_name,
-)
+from towers.allreduce.machinery.registry import ALGORITHMS, Configured, Record, algorithm_name
+from towers.allreduce.naive import noop
 from towers.allreduce.parameter_device import parameter_device as _on_device
-from towers.allreduce.powersgd import powersgd
 
-__all__ = ["CODECS", "Spec", "check", "get", "get_codec", "imported", "is_reducer", "label",
-           "noop", "parse", "register_codec"]
-
-CODECS = Registry(["codec"], [
-    Record("identity", identity, kind="codec", summary="S per tower, exact (the baseline)"),
-    Record("fp16", fp16, kind="codec", summary="S/2: x/n in float16"),
-    Record("bf16", bf16, kind="codec", summary="S/2: x/n in bfloat16"),
-    Record("topk", topk, kind="codec", summary="2·ratio·S: top-k with error feedback"),
-    Record("powersgd", powersgd, kind="codec",
-           summary="(m + c)·r per m×c matrix: rank-r power step with error feedback"),
-])
-"""Every codec by name; ``CODECS[name]()`` builds it with its default settings."""
-
-
-def register_codec(record: Record) -> Record:
-    """Add a codec's record (kind ``codec``) to :data:`CODECS`: its name then works
-    wherever a built-in codec's does (``compressed``, the command line)."""
-    return CODECS.register(record)
-
-
-def noop(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
-    """No exchange at all: every tower keeps its own value (a ceiling for benchmarks, not a sum)."""
-    check_values(values, op)
-    return list(values)
+__all__ = ["Spec", "check", "get", "get_codec", "imported", "is_reducer", "label", "parse"]
 
 
 def _unknown(argument: str, value: str, names: Iterable[str]) -> ValueError:
@@ -80,8 +47,7 @@ def _unknown(argument: str, value: str, names: Iterable[str]) -> ValueError:
 
 
 def imported(spec: str, argument: str = "all_reduce") -> Any:
-    """The object ``module:NAME`` (or ``path/to/file.py:NAME``) names, unchecked (the
-    current directory is searched last); a ``ValueError`` naming ``argument`` otherwise."""
+    """The object ``module:NAME`` (or ``file.py:NAME``; the cwd searched last) names, unchecked."""
     module, sep, attr = spec.rpartition(":")
     if not sep or not module or not attr:
         raise ValueError(f"{argument} {spec!r}: expected module:NAME or file.py:NAME")
@@ -119,14 +85,13 @@ def _load_module(module: str) -> Any:
 
 
 def is_reducer(obj: Any) -> bool:
-    """A :class:`~towers.allreduce.machinery.base.GradientReducer` (all gradients at once)?"""
+    """A :class:`~towers.allreduce.machinery.base.GradientReducer` instance?"""
     return not isinstance(obj, type) and isinstance(obj, GradientReducer)
 
 
 def check(text: str, argument: str = "all_reduce") -> Any:
-    """What ``text`` names as an all-reduce, checked but not built (a command's parser
-    runs it before TensorFlow starts): a registered name as it is, else what
-    ``module:NAME`` imports (a callable or a ``GradientReducer``)."""
+    """What ``text`` names as an all-reduce, checked but not built (before TensorFlow starts):
+    a registered name as it is, else what ``module:NAME`` imports."""
     if ":" in text:
         obj = imported(text, argument)
         if not callable(obj) and not is_reducer(obj):
@@ -142,14 +107,13 @@ def get(algorithm: str | AllReduce | GradientReducer, *, argument: str = "all_re
         devices: Sequence[str] | None = None, parameter_device: str | None = None) -> Any:
     """The all-reduce (or ``GradientReducer``) ``algorithm`` names; a callable passes through.
 
-    ``module:NAME`` may name an algorithm, a ``GradientReducer`` or a factory of either
-    (when the signature cannot tell, one call on two small tensors on ``devices`` does);
-    it comes back as its registry record builds it, if one does. ``noop`` is accepted;
-    ``parameter_device`` is the device the ``"parameter_device"`` algorithm means.
+    ``module:NAME`` may name a factory of either (when the signature cannot tell, one call
+    on two small tensors on ``devices`` decides); it comes back as its registry record
+    builds it, if one does. ``parameter_device``: the device ``"parameter_device"`` means.
 
     Raises:
-        ValueError: as :func:`check`; a factory that made neither.
-        TypeError: neither a string nor a callable.
+        ValueError: as :func:`check`; a factory that made neither. TypeError: not a
+            string or a callable.
     """
     if not isinstance(algorithm, str):
         if callable(algorithm) or is_reducer(algorithm):
@@ -176,8 +140,7 @@ def get(algorithm: str | AllReduce | GradientReducer, *, argument: str = "all_re
 
 
 def label(algorithm: Any) -> str:
-    """What tools call ``algorithm``: the name as typed (``file.py:NAME`` without its folder),
-    else the record's or the callable's name."""
+    """What tools call ``algorithm``: the name as typed (``file.py:NAME`` without its folder)."""
     if not isinstance(algorithm, str):
         return algorithm_name(algorithm)
     module, _, attr = algorithm.rpartition(":")
@@ -193,8 +156,7 @@ def _binds(sig: inspect.Signature, *args: Any, **kwargs: Any) -> bool:
 
 
 def _is_algorithm(obj: Any, devices: Sequence[str] | None) -> bool:
-    """Does ``obj`` follow ``obj(values, *, op)`` (else it is a factory)? From the
-    signature when it can only be one, else by trying it on two small tensors."""
+    """Does ``obj`` take ``(values, *, op)`` (else it is a factory)? By its signature, or a try."""
     try:
         sig = inspect.signature(obj)
         as_algorithm, as_factory = _binds(sig, [], op="sum"), _binds(sig)
@@ -222,14 +184,13 @@ def _registered(fn: Any) -> Any:
         return fn
     module, fn_name = getattr(fn, "__module__", None), getattr(fn, "__name__", None)
     for entry in ALGORITHMS.values():
-        if entry.name != fn_name and getattr(entry.factory, "__module__", None) != module:
-            continue
-        try:
-            built = entry()
-        except Exception:  # a factory that needs arguments cannot be this one
-            continue
-        if isinstance(built, Configured) and built.run is fn:
-            return built
+        if entry.name == fn_name or getattr(entry.factory, "__module__", None) == module:
+            try:
+                built = entry()
+            except Exception:  # a factory that needs arguments cannot be this one
+                continue
+            if isinstance(built, Configured) and built.run is fn:
+                return built
     return fn
 
 
@@ -250,8 +211,7 @@ def _call(text: str, argument: str) -> tuple[str, tuple[Any, ...]]:
 
 def get_codec(codec: str | Codec | Record, *, argument: str = "codec") -> Codec:
     """A fresh codec from a name in :data:`CODECS` (``name(args)`` passes arguments), a
-    record or a codec, or ``module:NAME`` of any of these, a codec class or a factory
-    (a ``ValueError`` for anything else)."""
+    record, a codec, a codec class or factory, or ``module:NAME`` of any of these."""
     if not isinstance(codec, str):
         return _as_codec(repr(codec), codec, argument)
     if ":" in codec:
@@ -282,8 +242,7 @@ def _as_codec(name: str, obj: Any, argument: str) -> Codec:
 
 
 class Spec(NamedTuple):
-    """A reducer spec, parsed: ``codec`` (None: uncompressed) over ``algorithm`` (a
-    registered name or ``module:NAME``), ``text`` as typed."""
+    """A reducer spec, parsed: ``codec`` (None: uncompressed) over ``algorithm``."""
 
     text: str
     algorithm: str
@@ -291,8 +250,7 @@ class Spec(NamedTuple):
 
 
 def parse(spec: str, argument: str = "reducer") -> Spec:
-    """Check a reducer spec (the module docstring's grammar) before anything trains (the
-    codec is built once, to check its arguments); a ``ValueError`` names what is wrong."""
+    """Check a reducer spec (the module docstring's grammar; the codec is built once)."""
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"{argument} must be a non-empty string, got {spec!r}")
     text = spec.strip()
@@ -320,10 +278,8 @@ def _is_codec(head: str, argument: str) -> bool:
             return False
         raise _unknown(argument, name, [*CODECS, *ALGORITHMS, "noop"])
     obj = imported(head, argument)
-    if isinstance(obj, Record):
-        return obj.kind == "codec"
-    if isinstance(obj, Codec):  # a codec or its class
-        return True
+    if isinstance(obj, (Record, Codec)):  # a record, a codec or a codec's class
+        return not isinstance(obj, Record) or obj.kind == "codec"
     check(head, argument)  # else a callable or a GradientReducer
     try:
         if is_reducer(obj) or _binds(inspect.signature(obj), [], op="sum"):

@@ -17,9 +17,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import tensorflow as tf
 
-__all__ = ["UNIT_ROUNDOFF", "gamma", "unit_roundoff"]
+__all__ = ["UNIT_ROUNDOFF", "gamma", "rounding", "unit_roundoff"]
 
 UNIT_ROUNDOFF = {"float16": 2.0**-11, "bfloat16": 2.0**-8, "float32": 2.0**-24, "float64": 2.0**-53}
 """``u`` per float dtype name (half the gap above 1.0)."""
@@ -43,3 +44,8 @@ def gamma(k: int, dtype: Any = "float32") -> float:
     """
     u = unit_roundoff(dtype)
     return math.inf if k * u >= 1 else k * u / (1.0 - k * u)
+
+
+def rounding(k: int, abs_sum: Any, dtype: Any = "float32") -> np.ndarray:
+    """``γ_k·abs_sum`` in float64: ``k`` roundings of ``dtype``'s unit roundoff."""
+    return gamma(k, dtype) * np.asarray(abs_sum, np.float64)

@@ -43,10 +43,8 @@ from towers.allreduce.machinery.registry import Configured
 from towers.schedule.ir import Schedule, Step
 from towers.schedule.symbolic import simulate
 
-__all__ = [
-    "Rows", "Scheduled", "Slots", "generator_of", "run_rows", "run_schedule", "run_slots",
-    "scheduled",
-]
+__all__ = ["Rows", "Scheduled", "Slots", "generator_of", "run_rows", "run_schedule", "run_slots",
+           "scheduled"]
 
 Slots = list[list[tf.Tensor | None]]
 """``slots[tower][chunk]``: the piece a tower holds of each chunk (None: none yet)."""

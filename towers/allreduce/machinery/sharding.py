@@ -47,14 +47,8 @@ from towers.allreduce.machinery.scheduled import run_slots
 from towers.allreduce.machinery.sparse import to_dense
 from towers.schedule.collectives import ring_all_gather, ring_reduce_scatter
 
-__all__ = [
-    "NOT_ELEMENTWISE",
-    "ShardPlan",
-    "VariableShards",
-    "check_optimizer",
-    "dense_gradients",
-    "state_bytes",
-]
+__all__ = ["NOT_ELEMENTWISE", "ShardPlan", "VariableShards", "check_optimizer", "dense_gradients",
+           "state_bytes"]
 
 NOT_ELEMENTWISE = ("Adafactor", "Lamb", "Muon")
 """Optimizer classes whose update of one element reads others (factored moments, trust

@@ -43,23 +43,9 @@ from towers.allreduce.machinery.base import check_values
 from towers.allreduce.machinery.ordering import as_written
 from towers.devices import canonical_device
 
-__all__ = [
-    "HINT",
-    "KEY_START",
-    "MAX_ALL_TO_ALL",
-    "SHARED_KEY_START",
-    "Body",
-    "all_to_all",
-    "broadcast_send_recv",
-    "group_key",
-    "next_key",
-    "ranks",
-    "run",
-    "shared_keys",
-    "token",
-    "unwire",
-    "wire",
-]
+__all__ = ["HINT", "KEY_START", "MAX_ALL_TO_ALL", "SHARED_KEY_START", "Body", "all_to_all",
+           "broadcast_send_recv", "group_key", "next_key", "ranks", "run", "shared_keys", "token",
+           "unwire", "wire"]
 
 KEY_START = 10_000_000
 """First key of one process's collectives (tf.distribute counts from 1; its test helpers,
