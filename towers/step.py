@@ -26,40 +26,21 @@ from collections.abc import Sequence
 from typing import Any, ClassVar, NamedTuple
 
 import keras
-import numpy as np
 import tensorflow as tf
 
-from towers.allreduce.machinery.ordering import replica_scope
-from towers.allreduce.machinery.primitives import Recorder, StepStats, send
-from towers.allreduce.machinery.reducer import as_reducer
-from towers.allreduce.machinery.resolve import get
-from towers.compile.step import CompiledStep, relaxes
-from towers.guard import capabilities
-from towers.guard.deadline import Deadline, settled
-from towers.guard.given import check_layers
-from towers.guard.inputs import batch_tensors, check_kinds, check_shards, naming
-from towers.guard.loss_scale import LossScale, is_loss_scaled
-from towers.guard.nonfinite import Guard, sums_exactly
-from towers.guard.options import TowerOptions
-from towers.guard.reduces import check_sums
-from towers.guard.semantics import check_semantics, clip_share, in_mirrored_order, unclipped
-from towers.placement import (
-    PLACEMENTS,
-    ModelLike,
-    OptimizerLike,
-    Replica,
-    Replicas,
-    check_devices,
-    get_placement,
-    place,
-    read_weights,
-)
+from towers.allreduce.machinery.primitives import StepStats, send
+from towers.compile.ordering import replica_scope
+from towers.compile.step import CompiledStep
+from towers.guard.deadline import settled
+from towers.guard.inputs import batch_tensors, check_shards
+from towers.guard.options import TrainerParts
+from towers.guard.semantics import clip_share, unclipped
+from towers.placement import PLACEMENTS, Replica, check_devices, read_weights
 from towers.split import Shards, shard_batch
 from towers.tower import Gradients, TowerResult, combine_non_trainable, empty_tower_step
 from towers.tower import tower_step as run_tower
-from towers.training.keras_loss import LossFn, loss_divisor, tower_divisor
-from towers.training.losses import bind_loss, reduction_of, step_loss
-from towers.training.sync import ReplicaCheck, TrainableWatch
+from towers.training.keras_functions import relaxes
+from towers.training.keras_loss import loss_divisor, tower_divisor
 
 __all__ = ["PLACEMENTS", "Reduced", "StepStats", "TowerTrainer", "check_devices"]
 
@@ -77,7 +58,7 @@ class Reduced(NamedTuple):
     reducer_state: tuple[tf.Tensor, ...] = ()
 
 
-class TowerTrainer:
+class TowerTrainer(TrainerParts):
     """Data-parallel training over explicit towers with a hand-built all-reduce.
 
     Args:
@@ -98,58 +79,6 @@ class TowerTrainer:
 
     batch_is_global: ClassVar[bool] = True
     """``train_step`` takes the global batch (``WorkerTrainer``: one worker's part)."""
-
-    def __init__(self, model: ModelLike, optimizer: OptimizerLike,
-                 loss: str | LossFn | keras.losses.Loss, devices: Sequence[str] | None = None,
-                 **options: Any) -> None:  # fmt: skip
-        check_kinds(model, optimizer, loss)
-        self.options = o = TowerOptions.of(type(self).__name__, options)
-        self.divisor_rule = o.divisor  # "global", "per_replica" or a constant
-        self.devices = naming("devices", lambda: check_devices(devices))
-        self.placement = naming("variables", lambda: get_placement(o.variables))
-        all_reduce = capabilities.default_all_reduce(self.placement.name, o.all_reduce)
-        self.parameter_device = naming(
-            "parameter_device", lambda: check_devices([o.parameter_device or self.devices[0]])[0])
-        self.loss_fn = step_loss(loss)  # bound to the model's outputs below
-        self.loss_reduction = reduction_of(loss)
-        made = callable(optimizer) and not isinstance(optimizer, keras.optimizers.Optimizer)
-        kind_of_optimizer = optimizer() if made else optimizer  # a factory: called to learn
-        check_semantics(o.semantics, o.divisor, self.loss_reduction, kind_of_optimizer)
-        reducer = naming("all_reduce", lambda: get(all_reduce,
-                                                   parameter_device=self.parameter_device))
-        kind = capabilities.algorithm_kind(reducer)
-        self.sparse = capabilities.default_sparse(self.placement.name, kind, o.sparse)
-        trainer = type(self).__name__
-        self.cell = o.cell(trainer if trainer in capabilities.AXES["trainer"] else "TowerTrainer",
-                           self.placement.name, kind, self.sparse,
-                           is_loss_scaled(kind_of_optimizer))  # fmt: skip
-        capabilities.check(self.cell, {"all_reduce": capabilities.spell(all_reduce)})
-        capabilities.check_limits(self.cell, reducer)
-        self.deadline = Deadline(o.step_timeout, reducer)
-        self.algorithm: Any = self.deadline.algorithm  # step_timeout bound where it takes one
-        self.replica_check = ReplicaCheck(o.check_replicas_every)
-        self.reducer = as_reducer(self.algorithm, sparse=self.sparse)
-        self.replicas: Replicas = place(self.placement, model, optimizer, self.devices,
-                                        self.parameter_device, self.algorithm)  # fmt: skip
-        if o.semantics == "mirrored":  # the sum adds in MirroredStrategy's order
-            self.reducer.per_tensor = in_mirrored_order(
-                reducer, self.algorithm, self.model.name, len(self.devices))
-        check_layers(self.model, self.optimizer, len(self.devices), self.placement.name, o.sparse)
-        self.loss_fn = bind_loss(self.loss_fn, loss, self.model)
-        self.reducer.build(self.model.trainable_variables, self.devices)
-        self.loss_scale = LossScale(self.optimizer, self.model, o.reduce_dtype)
-        if o.check_algorithm:  # a user's algorithm must sum (the registry's are proved)
-            check_sums(reducer, self.devices, self.model.trainable_variables,
-                       self.loss_scale.wire_dtype, o.step_timeout)  # fmt: skip
-        self.guard = Guard(o.on_nonfinite, len(self.devices), self.parameter_device,
-                           self.loss_scale.active, agree=self.across_processes)  # fmt: skip
-        # an exact sum reduces before the guard's cond, which checks one reduced copy
-        self._reduce_first = o.on_nonfinite != "ignore" and sums_exactly(
-            reducer, self.placement.name)
-        self.trace_count = 0
-        self.last_trace_stats: Recorder | None = None
-        self.trainable_watch = TrainableWatch(self.replicas, self.placement.name)
-        self.compiled = CompiledStep(self)
 
     @property
     def model(self) -> keras.Model:
@@ -362,49 +291,10 @@ class TowerTrainer:
         multi-process trainer overrides; here: this process alone)."""
         return counts
 
-    def retrace(self) -> None:
-        """Trace the step again on its next call (a changed Python hyperparameter)."""
-        self.compiled = CompiledStep(self)
-
     def step_function(self, x: Any, y: Any, sample_weight: Any = None) -> Any:
         """The step traced for this input signature as one ``ConcreteFunction``."""
         self._follow_trainable()
         return self.compiled.whole[False].get_concrete_function(*self._inputs(x, y, sample_weight))
-
-    @property
-    def last_step_stats(self) -> StepStats | None:
-        """Communication of one step (bytes per tower and link, ticks; gradient and
-        bookkeeping bytes apart), counted at ``send`` when traced; None before a step."""
-        if self.last_trace_stats is None:
-            return None
-        return StepStats.from_recorder(self.last_trace_stats)
-
-    @property
-    def on_nonfinite(self) -> str:
-        """What a step with a NaN or Inf does: ``"skip"``, ``"raise"`` or ``"ignore"``."""
-        return self.guard.mode
-
-    @property
-    def skipped_steps(self) -> int:
-        """How many steps the non-finite guard skipped."""
-        return int(self.guard.skipped.numpy())
-
-    @property
-    def last_step_nonfinite(self) -> dict[int, list[str]]:
-        """``{tower: ["loss", "gradients", …]}`` of the last step (empty: not skipped)."""
-        return self.guard.last()
-
-    def get_weights(self) -> list[np.ndarray]:
-        """The model's weights as NumPy arrays, in ``model.weights`` order."""
-        return self.replicas.get_weights()
-
-    def set_weights(self, weights: Sequence[np.ndarray]) -> None:
-        """Set every replica's weights, all or nothing (:meth:`Replicas.set_weights`)."""
-        self.replicas.set_weights(weights)
-
-    def replica_weights(self) -> list[list[np.ndarray]]:
-        """Every replica's weights (one list per replica)."""
-        return self.replicas.weights()
 
 
 def _apply_gradients(optimizer: Any, grads: list[Any], variables: list[Any]) -> None:
