@@ -2,18 +2,23 @@
 
 ::
 
-    train_step(x, y, w)                                        the wrappers, in order (_run):
+    train_step(x, y, w)
       shards  = split(x, y, w)           batch ─▶ shard_0 … shard_{n-1}   towers/split.py
       grads   = forward_backward(shards) tower i: tf.device(d_i), tape   towers/tower.py
-      ┌ non-finite guard: one tf.cond (reduce_and_apply) ──────────┐   deadline: timed run
-      │ reduced = reduce(grads)    all-reduce; combine state; loss  │   raise if skipped
-      │ apply(reduced)             the optimizer on every replica   │   replica check
-      └─────────────────────────────────────────────────────────────┘   (towers/guard/)
+      ┌ non-finite guard: one tf.cond (reduce_and_apply) ──────────┐
+      │ reduced = reduce(grads)    all-reduce; combine state; loss  │
+      │ apply(reduced)             the optimizer on every replica   │
+      └─────────────────────────────────────────────────────────────┘
 
-How the phases are traced (the towers under the caller's Grappler settings, reduce and
-apply as written, Keras's unknown batch dimension) is :mod:`towers.compile.step`. Each
-phase called alone inside ``as_written()`` gives bitwise the step's result. Where the
-variables live is the :class:`~towers.placement.Placement`; what a step computes for
+    the wrappers fit's step passes, outermost first:
+      Keras function   one step per batch                training/keras_functions.py
+      relaxed batch    traced with Keras's batch unknown  compile/relaxed.py
+      _run: deadline   timed; then raise if skipped, replica check   guard/deadline.py
+      PhasedStep       towers as the caller's, update as_written     compile/step.py
+      guard's tf.cond  reduce → apply, or nothing        guard/nonfinite.py
+
+Each phase called alone inside ``as_written()`` gives bitwise the step's result. Where
+the variables live is the :class:`~towers.placement.Placement`; what a step computes for
 non-trainable state, the loss divisor and clipping is ``semantics``
 (:mod:`towers.guard.semantics`).
 """
@@ -46,10 +51,9 @@ __all__ = ["PLACEMENTS", "Reduced", "StepStats", "TowerTrainer", "check_devices"
 
 
 class Reduced(NamedTuple):
-    """What ``reduce`` hands to ``apply``: ``grads[replica][var]`` (what each replica
-    applies), the combined ``non_trainable`` state, the global mean ``loss``; with a
-    ``LossScaleOptimizer`` the step's one ``grads_finite`` flag (None: each replica
-    checks); a stateful reducer's new state, assigned only when the update is."""
+    """What ``reduce`` hands to ``apply``: ``grads[replica][var]``, the combined state,
+    the global mean loss; a ``LossScaleOptimizer``'s one ``grads_finite`` flag (None: each
+    replica checks); a stateful reducer's new state, assigned only when the update is."""
 
     grads: list[list[tf.Tensor | tf.IndexedSlices]]
     non_trainable: list[tf.Tensor]
@@ -94,8 +98,6 @@ class TowerTrainer(TrainerParts):
         """The replica whose weights tower ``tower`` reads."""
         return self.replicas[self.placement.replica_of(tower)]
 
-    # -- the step ------------------------------------------------------------------------------
-
     def train_step(self, x: Any, y: Any, sample_weight: Any = None, *,
                    return_outputs: bool = False) -> Any:  # fmt: skip
         """One synchronous step on a global batch; the global mean loss (with
@@ -126,8 +128,7 @@ class TowerTrainer(TrainerParts):
         (:func:`towers.split.distribute`, :meth:`split`): bitwise :meth:`train_step`'s.
 
         Raises:
-            TypeError: not a :class:`~towers.split.Shards`; a trainer whose batches are not
-                global (``WorkerTrainer``).
+            TypeError: not :class:`~towers.split.Shards`; batches not global (``WorkerTrainer``).
             ValueError: shards that are not MirroredStrategy's split for this trainer.
         """
         if not self.batch_is_global:
@@ -139,9 +140,8 @@ class TowerTrainer(TrainerParts):
         return self._run(self.compiled.steps[return_outputs], (shards,))
 
     def _run(self, step: Any, inputs: tuple[Any, ...]) -> Any:
-        """The wrappers around the compiled step, in the order they apply: the deadline
-        times its run; a step the guard skipped raises if asked to; every k steps the
-        replicas are compared."""
+        """The deadline times the compiled step; then a skipped step raises if asked to,
+        and every k steps the replicas are compared."""
         result = self.deadline.run(step, inputs)
         self.guard.raise_if_nonfinite(self.optimizer, self.devices)
         self.replica_check.after_step(self.replicas, self.deadline.name)
@@ -200,7 +200,7 @@ class TowerTrainer(TrainerParts):
                          central: Sequence[TowerResult] | None = None) -> tf.Tensor:  # fmt: skip
         """Reduce → apply inside the guard's one ``tf.cond``: all of it or nothing.
 
-        A reduction that :func:`~towers.guard.nonfinite.sums_exactly` runs first, and the
+        A reduction that :func:`~towers.guard.capabilities.sums_exactly` runs first, and the
         guard checks one reduced copy. ``central``: the towers' results as a nested update
         received them, checked on the guard's device.
         """
@@ -273,8 +273,6 @@ class TowerTrainer(TrainerParts):
                 for var, value in zip(replica.model.non_trainable_variables, reduced.non_trainable):
                     value = send(value, replica.device, note="state")
                     var.assign(value if applied is None else tf.where(applied, value, var.value))
-
-    # -- around the step -----------------------------------------------------------------------
 
     def _inputs(self, x: Any, y: Any, sample_weight: Any) -> tuple[Any, Any, Any]:
         return batch_tensors(x, y, sample_weight, self.model)

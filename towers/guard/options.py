@@ -28,12 +28,12 @@ from towers.allreduce.machinery.reducer import SPARSE, as_reducer
 from towers.allreduce.machinery.resolve import get
 from towers.compile.step import FORWARD_GRAPHS, CompiledStep
 from towers.guard import capabilities
-from towers.guard.arguments import check_bool, check_choice, optional, positive_int
+from towers.guard.arguments import check_bool, check_choice, naming, optional, positive_int
 from towers.guard.deadline import Deadline
 from towers.guard.given import check_layers
-from towers.guard.inputs import check_kinds, naming
+from towers.guard.inputs import check_kinds
 from towers.guard.loss_scale import REDUCE_DTYPES, LossScale, is_loss_scaled
-from towers.guard.nonfinite import NONFINITE, Guard, sums_exactly
+from towers.guard.nonfinite import NONFINITE, Guard
 from towers.guard.reduces import check_sums
 from towers.guard.semantics import SEMANTICS, check_constant, check_semantics, in_mirrored_order
 from towers.placement import ModelLike, OptimizerLike, Replicas, check_devices, get_placement, place
@@ -64,14 +64,11 @@ class TowerOptions:
             the ring's reduce-scatter; :mod:`towers.allreduce.machinery.sharding`).
         parameter_device: where the single copy lives (default: the first tower).
         semantics: what the step computes (:mod:`towers.guard.semantics`).
-            ``"one_device"`` (default): what one device computes on the whole batch —
-            non-trainable state averaged over the towers, every tower's loss divided by
-            the global batch, gradient clipping on the reduced gradient. ``"mirrored"``:
-            what Keras 3 under ``MirroredStrategy`` observably does — tower 0's
-            non-trainable state, each tower's loss divided by its own shard size × towers
-            (``compute_average_loss`` without ``global_batch_size``), the optimizer's
-            ``clipnorm``/``global_clipnorm``/``clipvalue`` applied to each tower's share
-            before the all-reduce — for exact comparisons.
+            ``"one_device"`` (default): what one device computes on the whole batch (state
+            averaged over the towers, the loss over the global batch, clipping on the sum).
+            ``"mirrored"``: what Keras 3 under ``MirroredStrategy`` observably does (tower
+            0's non-trainable state, each tower's loss divided by its shard size × towers,
+            clipping applied to each tower's share), for exact comparisons.
         sparse: ``"gather"`` (keep ``IndexedSlices``, concatenated in tower order, as
             MirroredStrategy does) or ``"densify"`` (dense all-reduce of sparse gradients).
             None follows the placement: ``"densify"`` for ``sharded`` (a shard owner
@@ -94,11 +91,9 @@ class TowerOptions:
             semantics' divisor (None, default): ``"global"`` (the global batch: a custom
             loop passing ``global_batch_size``) or a positive number (an older tutorial's
             constant ``GLOBAL_BATCH_SIZE``).
-        forward_graph: ``"default"`` (the towers' forward/backward compile under the
-            caller's Grappler settings, as tf.distribute's replica step does, and only the
-            reduction and update as written) or ``"as_written"`` (the whole step in one
-            function with Grappler's rewrites off):
-            :data:`~towers.compile.step.FORWARD_GRAPHS`.
+        forward_graph: ``"default"`` (the towers under the caller's Grappler settings, as
+            tf.distribute's, the reduction and update as written) or ``"as_written"`` (the
+            whole step so): :data:`~towers.compile.step.FORWARD_GRAPHS`.
         jit_compile: compile each tower's forward and backward pass with XLA (one cluster
             per tower); the reduction and update stay as written (docs/xla.md).
     """
@@ -200,17 +195,11 @@ def _denominator_axis(value: str | float | None) -> str:
 
 
 class TrainerParts:
-    """What a trainer is made of, built from its options and checked before anything
-    exists (the capability table, the algorithm, the layers); and what one reads of it
-    between steps. :class:`~towers.step.TowerTrainer` adds the step.
-
-    Attributes:
-        options, devices, placement, parameter_device, replicas: as given, resolved.
-        loss_fn, loss_reduction, divisor_rule: the loss, bound to the model's outputs.
-        algorithm, reducer, sparse, cell: the all-reduce and the capability table's cell.
-        deadline, guard, loss_scale, replica_check: the wrappers around the step.
-        compiled: the traced step (:class:`~towers.compile.step.CompiledStep`).
-    """
+    """What a trainer is made of (``options``, ``devices``, ``placement``, ``replicas``,
+    the bound loss, the ``reducer``, the wrappers ``deadline``, ``guard``, ``loss_scale``,
+    ``replica_check``, the ``compiled`` step), built from its options and checked before
+    anything exists; and what one reads of it between steps. :class:`~towers.step.TowerTrainer`
+    adds the step."""
 
     across_processes: Any  # the guard's agreement hook (TowerTrainer.across_processes)
 
@@ -264,7 +253,7 @@ class TrainerParts:
         self.guard = Guard(o.on_nonfinite, n, self.parameter_device, self.loss_scale.active,
                            agree=self.across_processes)  # fmt: skip
         # an exact sum reduces before the guard's cond, which checks one reduced copy
-        self._reduce_first = o.on_nonfinite != "ignore" and sums_exactly(
+        self._reduce_first = o.on_nonfinite != "ignore" and capabilities.sums_exactly(
             reducer, self.placement.name)
         self.trace_count = 0
         self.last_trace_stats: Recorder | None = None
