@@ -1,6 +1,6 @@
 """The central property: towers trains exactly what tf.distribute trains.
 
-Both sides run :func:`towers.allreduce.machinery.ordering.as_written` (Grappler's arithmetic
+Both sides run :func:`towers.compile.ordering.as_written` (Grappler's arithmetic
 rewrites off):
 Grappler reorders additions differently in the two graphs (measured: 2 ULPs at 6 towers,
 and it absorbed the reference's replica-0 gradient ``AddN`` into its reduction), so
@@ -52,7 +52,7 @@ import towers
 from reference import CentralStorageTrainer, MirroredTrainer, ReferenceUnavailable
 from tests.conftest import DEVICES, examples
 from towers.allreduce.bucketed import bucketed
-from towers.allreduce.machinery.ordering import as_written
+from towers.compile.ordering import as_written
 from towers.testing import (
     OPTIMIZERS,
     ModelSpec,

@@ -265,7 +265,7 @@ def _run_phases(trainer: towers.TowerTrainer, batch: tuple, mode: str) -> float:
     defaults and only reduce and apply ``as_written()``."""
     import tensorflow as tf
 
-    from towers.allreduce.machinery.ordering import as_written
+    from towers.compile.ordering import as_written
 
     def wrap(fn):  # type: ignore[no-untyped-def]
         return fn if mode == "eager" else tf.function(fn, autograph=False)

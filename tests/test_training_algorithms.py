@@ -19,7 +19,7 @@ import towers
 from reference import MirroredTrainer
 from tests.conftest import DEVICES
 from towers.allreduce import ALGORITHMS
-from towers.allreduce.machinery.ordering import as_written
+from towers.compile.ordering import as_written
 from towers.testing import (
     ModelSpec,
     assert_weights_close,

@@ -36,8 +36,9 @@ import numpy as np
 from keras.src.saving.keras_saveable import KerasSaveable
 
 from towers.devices import canonical_device
+from towers.guard.arguments import naming
 from towers.guard.given import check_devices
-from towers.guard.inputs import check_keras_steps, naming
+from towers.guard.inputs import check_keras_steps
 from towers.guard.options import TowerOptions
 from towers.placement import first_model, get_placement
 from towers.step import TowerTrainer

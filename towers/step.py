@@ -2,18 +2,23 @@
 
 ::
 
-    train_step(x, y, w)                                        the wrappers, in order (_run):
+    train_step(x, y, w)
       shards  = split(x, y, w)           batch ─▶ shard_0 … shard_{n-1}   towers/split.py
       grads   = forward_backward(shards) tower i: tf.device(d_i), tape   towers/tower.py
-      ┌ non-finite guard: one tf.cond (reduce_and_apply) ──────────┐   deadline: timed run
-      │ reduced = reduce(grads)    all-reduce; combine state; loss  │   raise if skipped
-      │ apply(reduced)             the optimizer on every replica   │   replica check
-      └─────────────────────────────────────────────────────────────┘   (towers/guard/)
+      ┌ non-finite guard: one tf.cond (reduce_and_apply) ──────────┐
+      │ reduced = reduce(grads)    all-reduce; combine state; loss  │
+      │ apply(reduced)             the optimizer on every replica   │
+      └─────────────────────────────────────────────────────────────┘
 
-How the phases are traced (the towers under the caller's Grappler settings, reduce and
-apply as written, Keras's unknown batch dimension) is :mod:`towers.compile.step`. Each
-phase called alone inside ``as_written()`` gives bitwise the step's result. Where the
-variables live is the :class:`~towers.placement.Placement`; what a step computes for
+    the wrappers fit's step passes, outermost first:
+      Keras function   one step per batch                training/keras_functions.py
+      relaxed batch    traced with Keras's batch unknown  compile/relaxed.py
+      _run: deadline   timed; then raise if skipped, replica check   guard/deadline.py
+      PhasedStep       towers as the caller's, update as_written     compile/step.py
+      guard's tf.cond  reduce → apply, or nothing        guard/nonfinite.py
+
+Each phase called alone inside ``as_written()`` gives bitwise the step's result. Where
+the variables live is the :class:`~towers.placement.Placement`; what a step computes for
 non-trainable state, the loss divisor and clipping is ``semantics``
 (:mod:`towers.guard.semantics`).
 """
@@ -26,49 +31,29 @@ from collections.abc import Sequence
 from typing import Any, ClassVar, NamedTuple
 
 import keras
-import numpy as np
 import tensorflow as tf
 
-from towers.allreduce.machinery.ordering import replica_scope
-from towers.allreduce.machinery.primitives import Recorder, StepStats, send
-from towers.allreduce.machinery.reducer import as_reducer
-from towers.allreduce.machinery.resolve import get
-from towers.compile.step import CompiledStep, relaxes
-from towers.guard import capabilities
-from towers.guard.deadline import Deadline, settled
-from towers.guard.given import check_layers
-from towers.guard.inputs import batch_tensors, check_kinds, check_shards, naming
-from towers.guard.loss_scale import LossScale, is_loss_scaled
-from towers.guard.nonfinite import Guard, sums_exactly
-from towers.guard.options import TowerOptions
-from towers.guard.reduces import check_sums
-from towers.guard.semantics import check_semantics, clip_share, in_mirrored_order, unclipped
-from towers.placement import (
-    PLACEMENTS,
-    ModelLike,
-    OptimizerLike,
-    Replica,
-    Replicas,
-    check_devices,
-    get_placement,
-    place,
-    read_weights,
-)
+from towers.allreduce.machinery.primitives import StepStats, send
+from towers.compile.ordering import replica_scope
+from towers.compile.step import CompiledStep
+from towers.guard.deadline import settled
+from towers.guard.inputs import batch_tensors, check_shards
+from towers.guard.options import TrainerParts
+from towers.guard.semantics import clip_share, unclipped
+from towers.placement import PLACEMENTS, Replica, check_devices, read_weights
 from towers.split import Shards, shard_batch
 from towers.tower import Gradients, TowerResult, combine_non_trainable, empty_tower_step
 from towers.tower import tower_step as run_tower
-from towers.training.keras_loss import LossFn, loss_divisor, tower_divisor
-from towers.training.losses import bind_loss, reduction_of, step_loss
-from towers.training.sync import ReplicaCheck, TrainableWatch
+from towers.training.keras_functions import relaxes
+from towers.training.keras_loss import loss_divisor, tower_divisor
 
 __all__ = ["PLACEMENTS", "Reduced", "StepStats", "TowerTrainer", "check_devices"]
 
 
 class Reduced(NamedTuple):
-    """What ``reduce`` hands to ``apply``: ``grads[replica][var]`` (what each replica
-    applies), the combined ``non_trainable`` state, the global mean ``loss``; with a
-    ``LossScaleOptimizer`` the step's one ``grads_finite`` flag (None: each replica
-    checks); a stateful reducer's new state, assigned only when the update is."""
+    """What ``reduce`` hands to ``apply``: ``grads[replica][var]``, the combined state,
+    the global mean loss; a ``LossScaleOptimizer``'s one ``grads_finite`` flag (None: each
+    replica checks); a stateful reducer's new state, assigned only when the update is."""
 
     grads: list[list[tf.Tensor | tf.IndexedSlices]]
     non_trainable: list[tf.Tensor]
@@ -77,7 +62,7 @@ class Reduced(NamedTuple):
     reducer_state: tuple[tf.Tensor, ...] = ()
 
 
-class TowerTrainer:
+class TowerTrainer(TrainerParts):
     """Data-parallel training over explicit towers with a hand-built all-reduce.
 
     Args:
@@ -99,58 +84,6 @@ class TowerTrainer:
     batch_is_global: ClassVar[bool] = True
     """``train_step`` takes the global batch (``WorkerTrainer``: one worker's part)."""
 
-    def __init__(self, model: ModelLike, optimizer: OptimizerLike,
-                 loss: str | LossFn | keras.losses.Loss, devices: Sequence[str] | None = None,
-                 **options: Any) -> None:  # fmt: skip
-        check_kinds(model, optimizer, loss)
-        self.options = o = TowerOptions.of(type(self).__name__, options)
-        self.divisor_rule = o.divisor  # "global", "per_replica" or a constant
-        self.devices = naming("devices", lambda: check_devices(devices))
-        self.placement = naming("variables", lambda: get_placement(o.variables))
-        all_reduce = capabilities.default_all_reduce(self.placement.name, o.all_reduce)
-        self.parameter_device = naming(
-            "parameter_device", lambda: check_devices([o.parameter_device or self.devices[0]])[0])
-        self.loss_fn = step_loss(loss)  # bound to the model's outputs below
-        self.loss_reduction = reduction_of(loss)
-        made = callable(optimizer) and not isinstance(optimizer, keras.optimizers.Optimizer)
-        kind_of_optimizer = optimizer() if made else optimizer  # a factory: called to learn
-        check_semantics(o.semantics, o.divisor, self.loss_reduction, kind_of_optimizer)
-        reducer = naming("all_reduce", lambda: get(all_reduce,
-                                                   parameter_device=self.parameter_device))
-        kind = capabilities.algorithm_kind(reducer)
-        self.sparse = capabilities.default_sparse(self.placement.name, kind, o.sparse)
-        trainer = type(self).__name__
-        self.cell = o.cell(trainer if trainer in capabilities.AXES["trainer"] else "TowerTrainer",
-                           self.placement.name, kind, self.sparse,
-                           is_loss_scaled(kind_of_optimizer))  # fmt: skip
-        capabilities.check(self.cell, {"all_reduce": capabilities.spell(all_reduce)})
-        capabilities.check_limits(self.cell, reducer)
-        self.deadline = Deadline(o.step_timeout, reducer)
-        self.algorithm: Any = self.deadline.algorithm  # step_timeout bound where it takes one
-        self.replica_check = ReplicaCheck(o.check_replicas_every)
-        self.reducer = as_reducer(self.algorithm, sparse=self.sparse)
-        self.replicas: Replicas = place(self.placement, model, optimizer, self.devices,
-                                        self.parameter_device, self.algorithm)  # fmt: skip
-        if o.semantics == "mirrored":  # the sum adds in MirroredStrategy's order
-            self.reducer.per_tensor = in_mirrored_order(
-                reducer, self.algorithm, self.model.name, len(self.devices))
-        check_layers(self.model, self.optimizer, len(self.devices), self.placement.name, o.sparse)
-        self.loss_fn = bind_loss(self.loss_fn, loss, self.model)
-        self.reducer.build(self.model.trainable_variables, self.devices)
-        self.loss_scale = LossScale(self.optimizer, self.model, o.reduce_dtype)
-        if o.check_algorithm:  # a user's algorithm must sum (the registry's are proved)
-            check_sums(reducer, self.devices, self.model.trainable_variables,
-                       self.loss_scale.wire_dtype, o.step_timeout)  # fmt: skip
-        self.guard = Guard(o.on_nonfinite, len(self.devices), self.parameter_device,
-                           self.loss_scale.active, agree=self.across_processes)  # fmt: skip
-        # an exact sum reduces before the guard's cond, which checks one reduced copy
-        self._reduce_first = o.on_nonfinite != "ignore" and sums_exactly(
-            reducer, self.placement.name)
-        self.trace_count = 0
-        self.last_trace_stats: Recorder | None = None
-        self.trainable_watch = TrainableWatch(self.replicas, self.placement.name)
-        self.compiled = CompiledStep(self)
-
     @property
     def model(self) -> keras.Model:
         """The trained model (the parameter-device copy, or tower 0's replica)."""
@@ -164,8 +97,6 @@ class TowerTrainer:
     def replica_of(self, tower: int) -> Replica:
         """The replica whose weights tower ``tower`` reads."""
         return self.replicas[self.placement.replica_of(tower)]
-
-    # -- the step ------------------------------------------------------------------------------
 
     def train_step(self, x: Any, y: Any, sample_weight: Any = None, *,
                    return_outputs: bool = False) -> Any:  # fmt: skip
@@ -197,8 +128,7 @@ class TowerTrainer:
         (:func:`towers.split.distribute`, :meth:`split`): bitwise :meth:`train_step`'s.
 
         Raises:
-            TypeError: not a :class:`~towers.split.Shards`; a trainer whose batches are not
-                global (``WorkerTrainer``).
+            TypeError: not :class:`~towers.split.Shards`; batches not global (``WorkerTrainer``).
             ValueError: shards that are not MirroredStrategy's split for this trainer.
         """
         if not self.batch_is_global:
@@ -210,9 +140,8 @@ class TowerTrainer:
         return self._run(self.compiled.steps[return_outputs], (shards,))
 
     def _run(self, step: Any, inputs: tuple[Any, ...]) -> Any:
-        """The wrappers around the compiled step, in the order they apply: the deadline
-        times its run; a step the guard skipped raises if asked to; every k steps the
-        replicas are compared."""
+        """The deadline times the compiled step; then a skipped step raises if asked to,
+        and every k steps the replicas are compared."""
         result = self.deadline.run(step, inputs)
         self.guard.raise_if_nonfinite(self.optimizer, self.devices)
         self.replica_check.after_step(self.replicas, self.deadline.name)
@@ -271,7 +200,7 @@ class TowerTrainer:
                          central: Sequence[TowerResult] | None = None) -> tf.Tensor:  # fmt: skip
         """Reduce → apply inside the guard's one ``tf.cond``: all of it or nothing.
 
-        A reduction that :func:`~towers.guard.nonfinite.sums_exactly` runs first, and the
+        A reduction that :func:`~towers.guard.capabilities.sums_exactly` runs first, and the
         guard checks one reduced copy. ``central``: the towers' results as a nested update
         received them, checked on the guard's device.
         """
@@ -345,8 +274,6 @@ class TowerTrainer:
                     value = send(value, replica.device, note="state")
                     var.assign(value if applied is None else tf.where(applied, value, var.value))
 
-    # -- around the step -----------------------------------------------------------------------
-
     def _inputs(self, x: Any, y: Any, sample_weight: Any) -> tuple[Any, Any, Any]:
         return batch_tensors(x, y, sample_weight, self.model)
 
@@ -362,49 +289,10 @@ class TowerTrainer:
         multi-process trainer overrides; here: this process alone)."""
         return counts
 
-    def retrace(self) -> None:
-        """Trace the step again on its next call (a changed Python hyperparameter)."""
-        self.compiled = CompiledStep(self)
-
     def step_function(self, x: Any, y: Any, sample_weight: Any = None) -> Any:
         """The step traced for this input signature as one ``ConcreteFunction``."""
         self._follow_trainable()
         return self.compiled.whole[False].get_concrete_function(*self._inputs(x, y, sample_weight))
-
-    @property
-    def last_step_stats(self) -> StepStats | None:
-        """Communication of one step (bytes per tower and link, ticks; gradient and
-        bookkeeping bytes apart), counted at ``send`` when traced; None before a step."""
-        if self.last_trace_stats is None:
-            return None
-        return StepStats.from_recorder(self.last_trace_stats)
-
-    @property
-    def on_nonfinite(self) -> str:
-        """What a step with a NaN or Inf does: ``"skip"``, ``"raise"`` or ``"ignore"``."""
-        return self.guard.mode
-
-    @property
-    def skipped_steps(self) -> int:
-        """How many steps the non-finite guard skipped."""
-        return int(self.guard.skipped.numpy())
-
-    @property
-    def last_step_nonfinite(self) -> dict[int, list[str]]:
-        """``{tower: ["loss", "gradients", …]}`` of the last step (empty: not skipped)."""
-        return self.guard.last()
-
-    def get_weights(self) -> list[np.ndarray]:
-        """The model's weights as NumPy arrays, in ``model.weights`` order."""
-        return self.replicas.get_weights()
-
-    def set_weights(self, weights: Sequence[np.ndarray]) -> None:
-        """Set every replica's weights, all or nothing (:meth:`Replicas.set_weights`)."""
-        self.replicas.set_weights(weights)
-
-    def replica_weights(self) -> list[list[np.ndarray]]:
-        """Every replica's weights (one list per replica)."""
-        return self.replicas.weights()
 
 
 def _apply_gradients(optimizer: Any, grads: list[Any], variables: list[Any]) -> None:

@@ -29,8 +29,8 @@ from tests.allreduce.machinery.test_primitives import assert_matches_reference, 
 from tests.conftest import DEVICES
 from towers.allreduce import naive, ring
 from towers.allreduce.bucketed import Layout, bucketed, pack, plan, unpack
-from towers.allreduce.machinery.ordering import as_written
 from towers.allreduce.machinery.primitives import record
+from towers.compile.ordering import as_written
 from towers.devices import canonical_device
 from towers.testing import (
     OPTIMIZERS,

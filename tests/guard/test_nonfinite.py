@@ -17,8 +17,8 @@ from towers.allreduce.codecs import topk
 from towers.allreduce.machinery.registry import Configured
 from towers.devices import canonical_device
 from towers.guard import capabilities
-from towers.guard.capabilities import COLLECTIVE_OPS
-from towers.guard.nonfinite import gather_codes, sums_exactly, tower_code, tower_sum
+from towers.guard.capabilities import COLLECTIVE_OPS, sums_exactly
+from towers.guard.nonfinite import gather_codes, tower_code, tower_sum
 
 BIG = np.float32(3e38)  # two of them overflow float32's sum
 

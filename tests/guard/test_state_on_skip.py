@@ -36,9 +36,9 @@ from towers.allreduce import compressed
 from towers.allreduce.codecs import topk
 from towers.allreduce.compressed import Compressed
 from towers.allreduce.machinery.base import StatefulReducer
-from towers.allreduce.machinery.ordering import as_written
 from towers.allreduce.naive import naive
 from towers.allreduce.powersgd import powersgd
+from towers.compile.ordering import as_written
 from towers.guard.errors import NonFiniteError
 
 CODECS: dict[str, Callable[[], Any]] = {"powersgd": lambda: powersgd(1), "topk": lambda: topk(0.25)}

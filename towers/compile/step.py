@@ -16,10 +16,9 @@
     CompiledStep.relaxed: TowerModel.fit's step, traced with the batch dimension unknown
     (RelaxedBatch) as Keras traces its own ``train_function``.
 
-Grappler's arithmetic optimizer and constant folding reorder sums
-(:mod:`towers.allreduce.machinery.ordering`), so the reduction and the update always run
-as written; the towers' kernels compile under the caller's settings by default, which
-makes their gradients MirroredStrategy's bitwise on real Keras models (docs/bounds.md).
+Grappler reorders sums (:mod:`towers.compile.ordering`), so the reduction and the update
+always run as written; the towers' kernels compile under the caller's settings, which makes
+their gradients MirroredStrategy's bitwise on real Keras models (docs/bounds.md).
 """
 
 from __future__ import annotations
@@ -31,13 +30,13 @@ import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
 
-from towers.allreduce.machinery.ordering import as_written
 from towers.allreduce.machinery.primitives import Recorder, record
-from towers.split import batch_size, concat, shard_sizes
+from towers.compile.ordering import as_written
+from towers.compile.relaxed import RelaxedBatch
+from towers.split import concat
 from towers.tower import Gradients, TowerResult
 
-__all__ = ["FORWARD_GRAPHS", "CompiledStep", "PhasedStep", "RelaxedBatch", "batch_unknown",
-           "nests", "relaxed_spec", "relaxes"]
+__all__ = ["FORWARD_GRAPHS", "CompiledStep", "PhasedStep", "nests"]
 
 FORWARD_GRAPHS = ("default", "as_written")
 """``forward_graph``: :class:`PhasedStep` (the towers under the caller's Grappler settings,
@@ -273,76 +272,3 @@ def _static_dense_shape(grad: Any, variable: Any) -> Any:
     dtype = tf.int64 if grad.dense_shape is None else grad.dense_shape.dtype
     shape = tf.constant(variable.shape.as_list(), dtype)
     return tf.IndexedSlices(grad.values, grad.indices, shape)
-
-
-# -- Keras's unknown batch dimension ---------------------------------------------------------
-#
-# Keras runs a step inside a tf.function over its dataset iterator, so the step's tensors
-# have the iterator's element_spec: an unknown batch dimension whenever the batches are not
-# all one size. Grappler's constant folding can rewrite a static graph's shape arithmetic
-# in ways the unknown one keeps (ConvNeXt's wide blocks: a few ULPs), so TowerModel.fit's
-# step is traced with the batch dimension unknown, then called with concrete batches.
-
-
-def batch_unknown(element_spec: Any) -> bool:
-    """True when some tensor of ``element_spec`` (a dataset's or iterator's) has a
-    leading dimension of unknown size: Keras's step traces that batch dimension unknown."""
-    for spec in tf.nest.flatten(element_spec):
-        shape = getattr(spec, "shape", None)
-        if shape is not None and (shape.rank is None or (shape.rank > 0 and shape[0] is None)):
-            return True
-    return False
-
-
-def relaxes(batch_unknown: bool, x: Any, towers: int) -> bool:
-    """Whether a step on batch ``x`` over ``towers`` towers takes the relaxed trace: Keras's
-    batch dimension is unknown and no tower is left empty (a batch with an empty tower keeps
-    its static trace, in which the empty towers do not run the model)."""
-    if not batch_unknown:
-        return False
-    size = tf.get_static_value(batch_size(x))
-    return size is not None and 0 not in shard_sizes(int(size), towers)
-
-
-def relaxed_spec(inputs: Any) -> Any:
-    """``inputs`` (nested; None kept) as type specs: a dense tensor's ``tf.TensorSpec``
-    with the leading dimension unknown; any other value's own spec."""
-
-    def spec(t: Any) -> Any:
-        if t is None:
-            return None
-        if not isinstance(t, tf.Tensor):
-            return tf.type_spec_from_value(t)
-        shape = tf.TensorShape(t.shape)
-        if shape.rank:
-            shape = tf.TensorShape([None]).concatenate(shape[1:])
-        return tf.TensorSpec(shape, t.dtype)
-
-    return tf.nest.map_structure(spec, inputs, expand_composites=False)
-
-
-class RelaxedBatch:
-    """``step`` (anything with ``get_concrete_function``) traced with the batch dimension
-    unknown, once per signature, and called with concrete batches of any size (a supertype
-    trace serves them). ``step`` must be used for nothing else."""
-
-    def __init__(self, step: Any) -> None:
-        self.step = step
-        self._traced: set[Any] = set()
-
-    def _trace(self, inputs: tuple[Any, ...]) -> None:
-        specs = relaxed_spec(inputs)
-        key = tuple(tf.nest.flatten(specs)), str(tf.nest.map_structure(lambda _: 0, specs))
-        if key not in self._traced:
-            self.step.get_concrete_function(*specs)
-            self._traced.add(key)
-
-    def __call__(self, *inputs: Any) -> Any:
-        self._trace(inputs)
-        return self.step(*inputs)
-
-    def get_concrete_function(self, *inputs: Any) -> Any:
-        """The relaxed trace serving ``inputs``."""
-        self._trace(inputs)
-        return self.step.get_concrete_function(*inputs)
-

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import re
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -26,6 +27,7 @@ __all__ = [
     "check_bool",
     "check_choice",
     "int_at_least",
+    "naming",
     "non_negative_float",
     "non_negative_int",
     "optional",
@@ -121,3 +123,21 @@ def optional(check: Callable[[str, Any], T], name: str, value: Any) -> T | None:
         if said.startswith(prefix):
             said = f"{prefix}None or {said[len(prefix):]}"
         raise ValueError(said) from None
+
+
+def naming(name: str, check: Callable[[], T]) -> T:
+    """Run ``check``; a plain ``TypeError``/``ValueError`` it raises names ``name``.
+
+    A message that does not mention the argument (one from TensorFlow or NumPy, say)
+    is prefixed with ``"<name>: "``; towers' own error types pass unchanged.
+
+    Example:
+        >>> naming("variables", lambda: get_placement(["x"]))  # doctest: +SKIP
+        TypeError: variables: unhashable type: 'list'
+    """
+    try:
+        return check()
+    except (TypeError, ValueError) as err:
+        if type(err) not in (TypeError, ValueError) or re.search(rf"\b{name}\b", str(err)):
+            raise
+        raise type(err)(f"{name}: {err}") from err

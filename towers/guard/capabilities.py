@@ -18,11 +18,11 @@ import tensorflow as tf
 
 from towers.allreduce.bucketed import Bucketed
 from towers.allreduce.compressed import Compressed
-from towers.allreduce.machinery.registry import algorithm_name, record_of
+from towers.allreduce.machinery.registry import ALGORITHMS, algorithm_name, record_of
 
 __all__ = [
     "AXES", "LIMITS", "REFUSALS", "Rule", "algorithm_kind", "check", "check_limits",
-    "default_all_reduce", "default_sparse", "markdown", "refusal_for", "spell",
+    "default_all_reduce", "default_sparse", "markdown", "refusal_for", "spell", "sums_exactly",
 ]  # fmt: skip
 
 AXES: dict[str, tuple[str, ...]] = {
@@ -272,3 +272,25 @@ def markdown() -> str:
         lines.append(f"{k}. `{a}` ∈ {{{', '.join(va)}}} with `{b}` ∈ {{{', '.join(vb)}}}"
                      f"{scope}: {rule.text}.")
     return "\n".join(lines)
+
+
+def sums_exactly(algorithm: Any, placement: str) -> bool:
+    """The step's reduction adds every tower's elements with IEEE additions into each
+    output it hands the optimizers, and keeps no state, so a NaN or Inf in any tower's
+    gradient is one in every output: the library's own all-reduces built on copies
+    (the registry's, not a user's registered one, nor collective ops), and ``sharded``'s
+    ring reduce-scatter. Not a user's callable, a codec, a bucketed or stateful reducer.
+    """
+    if placement == "sharded":
+        return True
+    record = record_of(algorithm)
+    module = str(getattr(record.algorithm.factory, "__module__", "") or "") if record else ""
+    if record is None or algorithm_kind(algorithm) not in ("ring", "registered") \
+            or not module.startswith("towers."):
+        return False
+    # a library algorithm built from parts (hierarchical's inner and outer) is exact
+    # only when its parts are: a part may be a user's callable or registered name
+    parts = [v for v in record.params.values() if callable(v)
+             or (isinstance(v, str) and v in ALGORITHMS)]
+    return all(sums_exactly(ALGORITHMS[p]() if isinstance(p, str) else p, placement)
+               for p in parts)  # fmt: skip

@@ -8,9 +8,8 @@ lists every case the tests hold, with the error it gets.
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Iterator
+from typing import Any
 
 import keras
 import numpy as np
@@ -20,29 +19,8 @@ from towers.split import Shards, check_batch, shard_sizes
 
 __all__ = [
     "KERAS_STEPS", "batch_tensors", "check_batch_against_model", "check_keras_steps", "check_kinds",
-    "check_shards", "naming",
+    "check_shards",
 ]
-
-T = TypeVar("T")
-
-
-def naming(name: str, check: Callable[[], T]) -> T:
-    """Run ``check``; a plain ``TypeError``/``ValueError`` it raises names ``name``.
-
-    A message that does not mention the argument (one from TensorFlow or NumPy, say)
-    is prefixed with ``"<name>: "``; towers' own error types pass unchanged.
-
-    Example:
-        >>> naming("variables", lambda: get_placement(["x"]))  # doctest: +SKIP
-        TypeError: variables: unhashable type: 'list'
-    """
-    try:
-        return check()
-    except (TypeError, ValueError) as err:
-        if type(err) not in (TypeError, ValueError) or re.search(rf"\b{name}\b", str(err)):
-            raise
-        raise type(err)(f"{name}: {err}") from err
-
 
 def _kind(obj: object) -> str | None:
     """What Keras object ``obj`` is, for arguments passed in the wrong place."""
@@ -160,24 +138,17 @@ def _check_dtype(name: str, dtype: Any, allow_strings: bool = False) -> None:
         )
 
 
-def _model_inputs(model: keras.Model) -> Any:
-    """The model's input structure of KerasTensors, or None (a subclassed model)."""
+def _model_io(model: keras.Model, which: str) -> Any:
+    """The model's ``"input"`` or ``"output"`` structure of KerasTensors, or None (a
+    subclassed model)."""
     try:
-        return model.input
-    except (AttributeError, ValueError):
-        return None
-
-
-def _model_outputs(model: keras.Model) -> Any:
-    """The model's output structure of KerasTensors, or None (a subclassed model)."""
-    try:
-        return model.output
+        return getattr(model, which)
     except (AttributeError, ValueError):
         return None
 
 
 def _check_x(x: Any, model: keras.Model) -> None:
-    expected = _model_inputs(model)
+    expected = _model_io(model, "input")
     if expected is None:
         return
     if isinstance(expected, dict):
@@ -231,12 +202,12 @@ def check_batch_against_model(x: Any, y: Any, sample_weight: Any, model: keras.M
         raise ValueError("x is None: pass the batch's inputs (arrays or tensors)")
     if y is None:
         raise ValueError("y is None: train_step needs the targets the loss compares with")
-    if isinstance(x, dict) or _model_inputs(model) is not None:
+    if isinstance(x, dict) or _model_io(model, "input") is not None:
         _check_x(x, model)
     else:
         for i, leaf in enumerate(tf.nest.flatten(x)):
             _check_dtype(f"x[{i}]", _leaf_dtype_and_shape(f"x[{i}]", leaf)[0], True)
-    output = _model_outputs(model)
+    output = _model_io(model, "output")
     outputs = len(output) if isinstance(output, dict | list | tuple) else 1
     # Keras's per-output forms, a dict or one array per output (fit(..., sample_weight=[w_a,
     # w_b])): refused, not read as one [outputs, batch] array (a batch-size or TF error)

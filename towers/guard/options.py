@@ -17,17 +17,31 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from towers.allreduce.machinery.reducer import SPARSE
-from towers.compile.step import FORWARD_GRAPHS
-from towers.guard.arguments import check_bool, check_choice, optional, positive_int
-from towers.guard.loss_scale import REDUCE_DTYPES
-from towers.guard.nonfinite import NONFINITE
-from towers.guard.semantics import SEMANTICS, check_constant
+import keras
+import numpy as np
 
-__all__ = ["TowerOptions"]
+from towers.allreduce.machinery.primitives import Recorder, StepStats
+from towers.allreduce.machinery.reducer import SPARSE, as_reducer
+from towers.allreduce.machinery.resolve import get
+from towers.compile.step import FORWARD_GRAPHS, CompiledStep
+from towers.guard import capabilities
+from towers.guard.arguments import check_bool, check_choice, naming, optional, positive_int
+from towers.guard.deadline import Deadline
+from towers.guard.given import check_layers
+from towers.guard.inputs import check_kinds
+from towers.guard.loss_scale import REDUCE_DTYPES, LossScale, is_loss_scaled
+from towers.guard.nonfinite import NONFINITE, Guard
+from towers.guard.reduces import check_sums
+from towers.guard.semantics import SEMANTICS, check_constant, check_semantics, in_mirrored_order
+from towers.placement import ModelLike, OptimizerLike, Replicas, check_devices, get_placement, place
+from towers.training.keras_loss import LossFn
+from towers.training.losses import bind_loss, reduction_of, step_loss
+from towers.training.sync import ReplicaCheck, TrainableWatch
+
+__all__ = ["TowerOptions", "TrainerParts"]
 
 _NOT_OPTIONS = {
     "non_trainable": "non-trainable state follows semantics: 'one_device' (default) averages "
@@ -50,14 +64,11 @@ class TowerOptions:
             the ring's reduce-scatter; :mod:`towers.allreduce.machinery.sharding`).
         parameter_device: where the single copy lives (default: the first tower).
         semantics: what the step computes (:mod:`towers.guard.semantics`).
-            ``"one_device"`` (default): what one device computes on the whole batch —
-            non-trainable state averaged over the towers, every tower's loss divided by
-            the global batch, gradient clipping on the reduced gradient. ``"mirrored"``:
-            what Keras 3 under ``MirroredStrategy`` observably does — tower 0's
-            non-trainable state, each tower's loss divided by its own shard size × towers
-            (``compute_average_loss`` without ``global_batch_size``), the optimizer's
-            ``clipnorm``/``global_clipnorm``/``clipvalue`` applied to each tower's share
-            before the all-reduce — for exact comparisons.
+            ``"one_device"`` (default): what one device computes on the whole batch (state
+            averaged over the towers, the loss over the global batch, clipping on the sum).
+            ``"mirrored"``: what Keras 3 under ``MirroredStrategy`` observably does (tower
+            0's non-trainable state, each tower's loss divided by its shard size × towers,
+            clipping applied to each tower's share), for exact comparisons.
         sparse: ``"gather"`` (keep ``IndexedSlices``, concatenated in tower order, as
             MirroredStrategy does) or ``"densify"`` (dense all-reduce of sparse gradients).
             None follows the placement: ``"densify"`` for ``sharded`` (a shard owner
@@ -80,11 +91,9 @@ class TowerOptions:
             semantics' divisor (None, default): ``"global"`` (the global batch: a custom
             loop passing ``global_batch_size``) or a positive number (an older tutorial's
             constant ``GLOBAL_BATCH_SIZE``).
-        forward_graph: ``"default"`` (the towers' forward/backward compile under the
-            caller's Grappler settings, as tf.distribute's replica step does, and only the
-            reduction and update as written) or ``"as_written"`` (the whole step in one
-            function with Grappler's rewrites off):
-            :data:`~towers.compile.step.FORWARD_GRAPHS`.
+        forward_graph: ``"default"`` (the towers under the caller's Grappler settings, as
+            tf.distribute's, the reduction and update as written) or ``"as_written"`` (the
+            whole step so): :data:`~towers.compile.step.FORWARD_GRAPHS`.
         jit_compile: compile each tower's forward and backward pass with XLA (one cluster
             per tower); the reduction and update stay as written (docs/xla.md).
     """
@@ -183,3 +192,109 @@ class TowerOptions:
 def _denominator_axis(value: str | float | None) -> str:
     """The capability table's ``loss_denominator`` value: semantics, global or constant."""
     return "semantics" if value is None else "global" if value == "global" else "constant"
+
+
+class TrainerParts:
+    """What a trainer is made of (``options``, ``devices``, ``placement``, ``replicas``,
+    the bound loss, the ``reducer``, the wrappers ``deadline``, ``guard``, ``loss_scale``,
+    ``replica_check``, the ``compiled`` step), built from its options and checked before
+    anything exists; and what one reads of it between steps. :class:`~towers.step.TowerTrainer`
+    adds the step."""
+
+    across_processes: Any  # the guard's agreement hook (TowerTrainer.across_processes)
+
+    def __init__(self, model: ModelLike, optimizer: OptimizerLike,
+                 loss: str | LossFn | keras.losses.Loss, devices: Sequence[str] | None = None,
+                 **options: Any) -> None:  # fmt: skip
+        check_kinds(model, optimizer, loss)
+        self.options = o = TowerOptions.of(type(self).__name__, options)
+        self.divisor_rule = o.divisor  # "global", "per_replica" or a constant
+        self.devices = naming("devices", lambda: check_devices(devices))
+        self.placement = naming("variables", lambda: get_placement(o.variables))
+        all_reduce = capabilities.default_all_reduce(self.placement.name, o.all_reduce)
+        self.parameter_device = naming(
+            "parameter_device", lambda: check_devices([o.parameter_device or self.devices[0]])[0])
+        self.loss_fn = step_loss(loss)  # bound to the model's outputs below
+        self.loss_reduction = reduction_of(loss)
+        made = callable(optimizer) and not isinstance(optimizer, keras.optimizers.Optimizer)
+        kind_of_optimizer = optimizer() if made else optimizer  # a factory: called to learn
+        check_semantics(o.semantics, o.divisor, self.loss_reduction, kind_of_optimizer)
+        reducer = naming("all_reduce", lambda: get(all_reduce,
+                                                   parameter_device=self.parameter_device))
+        kind = capabilities.algorithm_kind(reducer)
+        self.sparse = capabilities.default_sparse(self.placement.name, kind, o.sparse)
+        trainer = type(self).__name__
+        self.cell = o.cell(trainer if trainer in capabilities.AXES["trainer"] else "TowerTrainer",
+                           self.placement.name, kind, self.sparse,
+                           is_loss_scaled(kind_of_optimizer))  # fmt: skip
+        capabilities.check(self.cell, {"all_reduce": capabilities.spell(all_reduce)})
+        capabilities.check_limits(self.cell, reducer)
+        self.deadline = Deadline(o.step_timeout, reducer)
+        self.algorithm: Any = self.deadline.algorithm  # step_timeout bound where it takes one
+        self.replica_check = ReplicaCheck(o.check_replicas_every)
+        self.reducer = as_reducer(self.algorithm, sparse=self.sparse)
+        self.replicas: Replicas = place(self.placement, model, optimizer, self.devices,
+                                        self.parameter_device, self.algorithm)  # fmt: skip
+        self._build_step(reducer, loss)
+
+    def _build_step(self, reducer: Any, loss: Any) -> None:
+        """The loss, the reducer, the loss scale and the guard, on the built replicas."""
+        o, first, n = self.options, self.replicas[0], len(self.devices)
+        if o.semantics == "mirrored":  # the sum adds in MirroredStrategy's order
+            self.reducer.per_tensor = in_mirrored_order(reducer, self.algorithm,
+                                                        first.model.name, n)  # fmt: skip
+        check_layers(first.model, first.optimizer, n, self.placement.name, o.sparse)
+        self.loss_fn = bind_loss(self.loss_fn, loss, first.model)
+        self.reducer.build(first.model.trainable_variables, self.devices)
+        self.loss_scale = LossScale(first.optimizer, first.model, o.reduce_dtype)
+        if o.check_algorithm:  # a user's algorithm must sum (the registry's are proved)
+            check_sums(reducer, self.devices, first.model.trainable_variables,
+                       self.loss_scale.wire_dtype, o.step_timeout)  # fmt: skip
+        self.guard = Guard(o.on_nonfinite, n, self.parameter_device, self.loss_scale.active,
+                           agree=self.across_processes)  # fmt: skip
+        # an exact sum reduces before the guard's cond, which checks one reduced copy
+        self._reduce_first = o.on_nonfinite != "ignore" and capabilities.sums_exactly(
+            reducer, self.placement.name)
+        self.trace_count = 0
+        self.last_trace_stats: Recorder | None = None
+        self.trainable_watch = TrainableWatch(self.replicas, self.placement.name)
+        self.compiled = CompiledStep(self)
+
+    def retrace(self) -> None:
+        """Trace the step again on its next call (a changed Python hyperparameter)."""
+        self.compiled = CompiledStep(self)
+
+    @property
+    def last_step_stats(self) -> StepStats | None:
+        """Communication of one step (bytes per tower and link, ticks; gradient and
+        bookkeeping bytes apart), counted at ``send`` when traced; None before a step."""
+        if self.last_trace_stats is None:
+            return None
+        return StepStats.from_recorder(self.last_trace_stats)
+
+    @property
+    def on_nonfinite(self) -> str:
+        """What a step with a NaN or Inf does: ``"skip"``, ``"raise"`` or ``"ignore"``."""
+        return self.guard.mode
+
+    @property
+    def skipped_steps(self) -> int:
+        """How many steps the non-finite guard skipped."""
+        return int(self.guard.skipped.numpy())
+
+    @property
+    def last_step_nonfinite(self) -> dict[int, list[str]]:
+        """``{tower: ["loss", "gradients", …]}`` of the last step (empty: not skipped)."""
+        return self.guard.last()
+
+    def get_weights(self) -> list[np.ndarray]:
+        """The model's weights as NumPy arrays, in ``model.weights`` order."""
+        return self.replicas.get_weights()
+
+    def set_weights(self, weights: Sequence[np.ndarray]) -> None:
+        """Set every replica's weights, all or nothing (:meth:`Replicas.set_weights`)."""
+        self.replicas.set_weights(weights)
+
+    def replica_weights(self) -> list[list[np.ndarray]]:
+        """Every replica's weights (one list per replica)."""
+        return self.replicas.weights()

@@ -21,7 +21,7 @@ import keras
 import tensorflow as tf
 
 from towers.allreduce.machinery.primitives import send
-from towers.compile.step import RelaxedBatch
+from towers.compile.relaxed import RelaxedBatch
 from towers.placement import read_weights
 from towers.split import Batch, concat, shard_batch
 from towers.training.keras_loss import extra_axes, per_example_loss, weighs_elements

@@ -20,11 +20,11 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from towers.compile.step import batch_unknown, relaxes
+from towers.split import batch_size, shard_sizes
 from towers.training.inference import inference
 from towers.training.keras_loss import loss_divisor
 
-__all__ = ["predict_function", "test_function", "train_function"]
+__all__ = ["batch_unknown", "predict_function", "relaxes", "test_function", "train_function"]
 
 
 def train_function(tm: Any) -> Callable[[Any], Any]:
@@ -123,3 +123,23 @@ def update_metrics(tm: Any, x: Any, y: Any, outputs: Any, sample_weight: Any,
     if getattr(tm, "output_names", None):  # a model with several outputs: "a_loss", "b_loss"
         tm._compile_loss(y, outputs, sample_weight)  # updates Keras's per-output trackers
     return tm.compute_metrics(x, y, outputs, sample_weight=sample_weight)  # type: ignore[no-any-return]
+
+
+def batch_unknown(element_spec: Any) -> bool:
+    """True when some tensor of ``element_spec`` (a dataset's or iterator's) has a
+    leading dimension of unknown size: Keras's step traces that batch dimension unknown."""
+    for spec in tf.nest.flatten(element_spec):
+        shape = getattr(spec, "shape", None)
+        if shape is not None and (shape.rank is None or (shape.rank > 0 and shape[0] is None)):
+            return True
+    return False
+
+
+def relaxes(batch_unknown: bool, x: Any, towers: int) -> bool:
+    """Whether a step on batch ``x`` over ``towers`` towers takes the relaxed trace: Keras's
+    batch dimension is unknown and no tower is left empty (a batch with an empty tower keeps
+    its static trace, in which the empty towers do not run the model)."""
+    if not batch_unknown:
+        return False
+    size = tf.get_static_value(batch_size(x))
+    return size is not None and 0 not in shard_sizes(int(size), towers)

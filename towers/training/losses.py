@@ -23,7 +23,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from towers.guard.inputs import naming
+from towers.guard.arguments import naming
 from towers.training.keras_loss import (
     extra_axes,
     loss_reduction,

@@ -12,7 +12,6 @@
     tf_collective_ops.py TensorFlow's collective ops: instance keys, ordering tokens, wire format
     differentiable.py    a gradient for an all-reduce TensorFlow cannot differentiate (nccl*)
     sparse.py            IndexedSlices gathered in tower order, or densified
-    ordering.py          as_written(): Grappler's rewrites off, additions in code order
     sharding.py          the sharded placement's flat chunks, reduce-scatter, all-gather
     rounding.py          the unit roundoff u per dtype and γ_k: what every error bound builds on
 

@@ -1,5 +1,4 @@
-"""Lift any all-reduce to a :class:`~towers.allreduce.machinery.base.GradientReducer` of a whole
-step.
+"""Lift any all-reduce to a :class:`~towers.allreduce.machinery.base.GradientReducer` of a step.
 
 The step reduces ``grads[tower][var]``: every trainable variable's gradient on every
 tower. Two kinds of algorithm can do it::
@@ -16,9 +15,8 @@ densified and all-reduced with the per-tensor algorithm (``sparse="densify"``).
 
 What an algorithm returns is checked against the contract when the step is traced
 (:func:`check_outputs`: as many outputs as inputs, output ``i`` with input ``i``'s shape,
-dtype and device). The check reads static properties only, so it adds no op to the graph;
-without it a wrong device is silently accepted and a wrong shape fails deep inside the
-optimizer. Every error is an ``AlgorithmError`` naming the algorithm, tower and variable.
+dtype and device; static properties only, no op): an ``AlgorithmError`` naming the
+algorithm, tower and variable, not a wrong device accepted silently.
 """
 
 from __future__ import annotations
@@ -51,13 +49,10 @@ SPARSE = ("gather", "densify")
 """What to do with sparse gradients: keep them sparse (gather), or densify and all-reduce."""
 
 
-def _reduce_one(
-    values: list[tf.Tensor | tf.IndexedSlices], fn: AllReduce, sparse: str, variable: str
-) -> list:
-    """One variable's gradients, one per tower, through ``fn`` (sparse ones as ``sparse`` says).
-
-    What ``fn`` returns is checked against the contract (:func:`check_outputs`).
-    """
+def _reduce_one(values: list[tf.Tensor | tf.IndexedSlices], fn: AllReduce, sparse: str,
+                variable: str) -> list:  # fmt: skip
+    """One variable's gradients, one per tower, through ``fn`` (sparse ones as ``sparse``
+    says), checked against the contract (:func:`check_outputs`)."""
     if isinstance(values[0], tf.IndexedSlices):
         devices = check_values(values, "sum")
         if sparse == "densify":
@@ -148,13 +143,9 @@ class StepReducer:
         return pending
 
     def commit(self, new_state: Sequence[tf.Tensor], applied: tf.Tensor | None) -> None:
-        """Assign ``new_state`` (from :meth:`take_pending`) when ``applied`` holds.
-
-        Args:
-            new_state: the reducer's new state values; nothing happens when empty.
-            applied: a boolean tensor, the step's update happens (a ``LossScaleOptimizer``'s
-                "gradients finite"); None: it does (the caller is inside the guard's cond).
-        """
+        """Assign ``new_state`` (from :meth:`take_pending`; empty: nothing) when the boolean
+        ``applied`` holds (a ``LossScaleOptimizer``'s "gradients finite"; None: the caller
+        is inside the guard's cond, it does)."""
         if not new_state or not isinstance(self.dense, StatefulReducer):
             return
         dense = self.dense
@@ -253,30 +244,23 @@ def _describe(value: Any) -> str:
 def check_outputs(
     algorithm: Any, values: Sequence[Any], outputs: Any, variable: str = "a value"
 ) -> list[Any]:
-    """``outputs`` as a list when they keep the contract for ``values``; else raise.
-
-    Args:
-        algorithm: the algorithm (for its name in the message).
-        values: its inputs, one per tower.
-        outputs: what it returned.
-        variable: which variable's gradient this was (for the message).
+    """``outputs`` (what ``algorithm`` returned for ``values``, one per tower, the
+    gradients of ``variable``) as a list when they keep the contract; else raise.
 
     Raises:
         AlgorithmError: not a list of as many tensors as inputs, or output ``i`` with a
             shape, dtype or device other than input ``i``'s.
     """
-    name = algorithm_name(algorithm)
     if isinstance(outputs, (tf.Tensor, tf.IndexedSlices)) or not isinstance(outputs, Sequence):
-        raise AlgorithmError(name, None, variable, f"a list of {len(values)} tensors",
-                             f"{type(outputs).__name__}")  # fmt: skip
+        raise AlgorithmError(algorithm_name(algorithm), None, variable,
+                             f"a list of {len(values)} tensors", f"{type(outputs).__name__}")
     if len(outputs) != len(values):
-        raise AlgorithmError(name, None, variable, f"{len(values)} outputs (one per tower)",
-                             f"{len(outputs)}")  # fmt: skip
+        raise AlgorithmError(algorithm_name(algorithm), None, variable,
+                             f"{len(values)} outputs (one per tower)", f"{len(outputs)}")
     for tower, (value, out) in enumerate(zip(values, outputs)):
-        expected = _describe(value)
         if not isinstance(out, (tf.Tensor, tf.Variable, tf.IndexedSlices)):
-            raise AlgorithmError(name, tower, variable, f"a tensor with {expected}",
-                                 f"{type(out).__name__}")  # fmt: skip
+            raise AlgorithmError(algorithm_name(algorithm), tower, variable,
+                                 f"a tensor with {_describe(value)}", f"{type(out).__name__}")
         want, got = (v.values if isinstance(v, tf.IndexedSlices) else v for v in (value, out))
         same = (
             want.dtype == got.dtype
@@ -285,7 +269,8 @@ def check_outputs(
             and canonical_device(got.device) == canonical_device(want.device)
         )
         if not same:
-            raise AlgorithmError(name, tower, variable, expected, _describe(out))
+            raise AlgorithmError(algorithm_name(algorithm), tower, variable, _describe(value),
+                                 _describe(out))
     return list(outputs)
 
 

@@ -40,7 +40,7 @@ import tensorflow as tf
 from tensorflow.python.ops import collective_ops
 
 from towers.allreduce.machinery.base import check_values
-from towers.allreduce.machinery.ordering import as_written
+from towers.compile.ordering import as_written
 from towers.devices import canonical_device
 
 __all__ = ["HINT", "KEY_START", "MAX_ALL_TO_ALL", "SHARED_KEY_START", "Body", "all_to_all",

@@ -1,4 +1,5 @@
-"""towers/compile/step.py: the step traced with Keras's batch dimension."""
+"""towers/compile/relaxed.py (and the Keras functions' choice of it): the step traced with
+Keras's batch dimension."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import tensorflow as tf
 
 import towers
 from tests.conftest import DEVICES
-from towers.compile.step import RelaxedBatch, batch_unknown, relaxed_spec, relaxes
+from towers.compile.relaxed import RelaxedBatch, relaxed_spec
+from towers.training.keras_functions import batch_unknown, relaxes
 
 
 def _spec(dataset: tf.data.Dataset) -> object:
