@@ -39,12 +39,13 @@ from towers.devices import canonical_device
 from towers.guard.given import check_devices
 from towers.guard.inputs import check_keras_steps, naming
 from towers.guard.options import TowerOptions
-from towers.placement import first_model, get_placement
+from towers.placement import get_placement
 from towers.step import TowerTrainer
 from towers.training import keras_functions
 from towers.training.backup import data_facts
+from towers.training.keras_copies import new_model
 from towers.training.losses import OutputLosses, is_structured
-from towers.training.sync import Hyperparameters, copy_first_replica
+from towers.training.sync import Hyperparameters
 
 __all__ = ["TowerModel"]
 
@@ -91,7 +92,7 @@ class TowerModel(keras.Model):
         self.devices = naming("devices", lambda: check_devices(devices))
         given = self.options.parameter_device
         pd = naming("parameter_device", lambda: check_devices([given or self.devices[0]])[0])
-        self.network = first_model(model, placement.homes(self.devices, pd)[0])
+        self.network = new_model(model, placement.homes(self.devices, pd)[0], None)
         # a factory makes the other replicas too (a subclassed model may not clone)
         self._factory: Callable[[], keras.Model] | None = (
             None if isinstance(model, keras.Model) else model)
@@ -271,11 +272,11 @@ class TowerModel(keras.Model):
         self.broadcast()
 
     def broadcast(self) -> None:
-        """Copy replica 0 to every other replica (:func:`towers.training.sync.copy_first_replica`)
+        """Copy replica 0 to every other replica (:meth:`towers.placement.Replicas.broadcast`)
         and its optimizer's hyperparameters. Nothing to do before ``compile``."""
         if self.trainer is not None:
             self._hyper.follow(self.trainer)
-            copy_first_replica(self.trainer)
+            self.trainer.replicas.broadcast()
 
     # -- saving ------------------------------------------------------------------------------
 

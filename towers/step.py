@@ -55,9 +55,10 @@ from towers.placement import (
     read_weights,
 )
 from towers.split import Shards, shard_batch
-from towers.tower import Gradients, TowerResult, combine_non_trainable, empty_tower_step
+from towers.tower import Gradients, TowerResult, empty_tower_step
 from towers.tower import tower_step as run_tower
 from towers.training.keras_loss import LossFn, loss_divisor, tower_divisor
+from towers.training.keras_state import combine_non_trainable
 from towers.training.losses import bind_loss, reduction_of, step_loss
 from towers.training.sync import ReplicaCheck, TrainableWatch
 
@@ -130,7 +131,7 @@ class TowerTrainer:
         self.replica_check = ReplicaCheck(o.check_replicas_every)
         self.reducer = as_reducer(self.algorithm, sparse=self.sparse)
         self.replicas: Replicas = place(self.placement, model, optimizer, self.devices,
-                                        self.parameter_device, self.algorithm)  # fmt: skip
+                                        self.parameter_device)  # fmt: skip
         if o.semantics == "mirrored":  # the sum adds in MirroredStrategy's order
             self.reducer.per_tensor = in_mirrored_order(
                 reducer, self.algorithm, self.model.name, len(self.devices))
