@@ -11,19 +11,15 @@
     loss tracker ← the step's global mean loss; compiled metrics ← the step's own outputs
 
 A ``TowerModel`` is a real ``keras.Model`` wrapping the user's model (:attr:`network`,
-replica 0's copy). ``compile`` builds the :class:`~towers.TowerTrainer` from the compiled
-optimizer and loss; ``make_train_function``/``make_test_function``/``make_predict_function``
-hand Keras functions (:mod:`towers.training.keras_functions`) that pull one batch at a
-time and run the towers' step (or their inference pass), so everything else is Keras's own.
+replica 0's copy). ``compile`` builds the :class:`~towers.TowerTrainer`; the Keras
+functions (:mod:`towers.training.keras_functions`) pull one batch at a time and run the
+towers' step or inference pass, so everything else is Keras's own.
 
-Writes reach every replica (:mod:`towers.training.sync`): ``set_weights``/``load_weights``
-broadcast replica 0 at once;
-every ``fit``/``evaluate``/``predict`` and every epoch (Keras's ``reset_metrics``) broadcasts
-weights (and, ``replicated``, optimizer state) before its first step, so a callback's
-direct write lands too; an optimizer hyperparameter changed by a callback (learning rate,
-weight decay, …) is copied to every replica's optimizer before the next step, retracing
-the step where it is a Python number baked into the graph; a layer frozen or unfrozen is
-followed by the trainer (:mod:`towers.training.sync`).
+Writes reach every replica: ``set_weights``/``load_weights`` broadcast replica 0 at once
+(:meth:`towers.placement.Replicas.broadcast`), and so does every ``fit``/``evaluate``/
+``predict`` and every epoch before its first step, so a callback's direct write lands too;
+a callback's change of an optimizer hyperparameter or of ``layer.trainable`` is followed
+(:mod:`towers.training.sync`).
 """
 
 from __future__ import annotations
@@ -33,19 +29,20 @@ from typing import Any
 
 import keras
 import numpy as np
-from keras.src.saving.keras_saveable import KerasSaveable
 
 from towers.devices import canonical_device
 from towers.guard.arguments import naming
 from towers.guard.given import check_devices
 from towers.guard.inputs import check_keras_steps
 from towers.guard.options import TowerOptions
-from towers.placement import first_model, get_placement
+from towers.placement import get_placement
 from towers.step import TowerTrainer
 from towers.training import keras_functions
 from towers.training.backup import data_facts
+from towers.training.export import AsNetwork
+from towers.training.keras_copies import new_model
 from towers.training.losses import OutputLosses, is_structured
-from towers.training.sync import Hyperparameters, copy_first_replica
+from towers.training.sync import Hyperparameters
 
 __all__ = ["TowerModel"]
 
@@ -64,9 +61,8 @@ class TowerModel(keras.Model):
         devices: the towers' devices (default: every local logical device).
         name: the Keras model's name.
         **options: the :class:`~towers.TowerTrainer`'s options
-            (:class:`~towers.guard.options.TowerOptions`), each checked here and
-            handed to the trainer unchanged (the combination is checked against the
-            capability table at ``compile``).
+            (:class:`~towers.guard.options.TowerOptions`), each checked here (their
+            combination at ``compile``).
 
     Raises:
         TypeError, ValueError: a wrong model, device list or option (naming it).
@@ -78,13 +74,8 @@ class TowerModel(keras.Model):
         >>> history = tm.fit(x, y, batch_size=64, epochs=3, validation_split=0.1)
     """
 
-    def __init__(
-        self,
-        model: keras.Model | Any,
-        devices: Sequence[str] | None = None,
-        name: str | None = None,
-        **options: Any,
-    ) -> None:
+    def __init__(self, model: keras.Model | Any, devices: Sequence[str] | None = None,
+                 name: str | None = None, **options: Any) -> None:  # fmt: skip
         keras_kwargs = {k: options.pop(k) for k in _KERAS_KWARGS if k in options}
         super().__init__(name=name, **keras_kwargs)
         self.options = TowerOptions.of("TowerModel", options)
@@ -92,7 +83,7 @@ class TowerModel(keras.Model):
         self.devices = naming("devices", lambda: check_devices(devices))
         given = self.options.parameter_device
         pd = naming("parameter_device", lambda: check_devices([given or self.devices[0]])[0])
-        self.network = first_model(model, placement.homes(self.devices, pd)[0])
+        self.network = new_model(model, placement.homes(self.devices, pd)[0], None)
         # a factory makes the other replicas too (a subclassed model may not clone)
         self._factory: Callable[[], keras.Model] | None = (
             None if isinstance(model, keras.Model) else model)
@@ -113,25 +104,16 @@ class TowerModel(keras.Model):
 
     # -- compile: the trainer ----------------------------------------------------------------
 
-    def compile(
-        self,
-        optimizer: Any = "rmsprop",
-        loss: Any = None,
-        loss_weights: Any = None,
-        metrics: Any = None,
-        weighted_metrics: Any = None,
-        run_eagerly: bool = False,
-        steps_per_execution: int = 1,
-        jit_compile: Any = "auto",
-        auto_scale_loss: bool = True,
-    ) -> None:
+    def compile(self, optimizer: Any = "rmsprop", loss: Any = None, loss_weights: Any = None,
+                metrics: Any = None, weighted_metrics: Any = None, run_eagerly: bool = False,
+                steps_per_execution: int = 1, jit_compile: Any = "auto",
+                auto_scale_loss: bool = True) -> None:  # fmt: skip
         """Keras's ``compile``, then the :class:`~towers.TowerTrainer` for this optimizer and loss.
 
         Raises:
-            ValueError: no loss, losses or ``loss_weights`` that do not match the model's
-                outputs (:class:`~towers.training.losses.OutputLosses`), ``jit_compile=True``
-                (the towers' step is its own ``tf.function``), or options the capability
-                table refuses together.
+            ValueError: no loss, losses or ``loss_weights`` that do not match the outputs,
+                ``jit_compile=True`` (``TowerModel(jit_compile=True)`` is XLA for the
+                towers), or options the capability table refuses together.
             TypeError: ``loss_weights`` that is not a list or a dict.
         """
         if loss is None:
@@ -145,29 +127,25 @@ class TowerModel(keras.Model):
         if jit_compile is True:
             raise ValueError("jit_compile must be False or 'auto' in TowerModel.compile, got "
                              "True: XLA for the towers is TowerModel(..., jit_compile=True)")
-        super().compile(
-            optimizer=optimizer, loss=loss, loss_weights=loss_weights, metrics=metrics,
-            weighted_metrics=weighted_metrics,
-            run_eagerly=run_eagerly, steps_per_execution=steps_per_execution, jit_compile=False,
-            auto_scale_loss=auto_scale_loss,
-        )  # fmt: skip
+        super().compile(optimizer=optimizer, loss=loss, loss_weights=loss_weights, metrics=metrics,
+                        weighted_metrics=weighted_metrics, run_eagerly=run_eagerly,
+                        steps_per_execution=steps_per_execution, jit_compile=False,
+                        auto_scale_loss=auto_scale_loss)  # fmt: skip
         compiled: Any = self.optimizer  # type: ignore[has-type]  # Keras sets it untyped
         self.trainer = TowerTrainer(self._replicas(), compiled, trainer_loss,
                                     devices=self.devices, **self.options.arguments())  # fmt: skip
         first: Any = self.trainer.optimizer
         if first is not compiled:  # it was built already: the trainer made a copy
             self.optimizer = first
-        # sharded: every other owner's optimizer holds its own shard's slots; tracked here so
-        # that save_weights/load_weights (BackupAndRestore, ModelCheckpoint) carry them too,
-        # not replica 0's shard alone
+        # sharded: every owner's optimizer holds its own shard's slots; tracked so that
+        # save_weights/load_weights carry them all
         self.shard_optimizers = ([r.optimizer for r in self.trainer.replicas[1:]]
                                  if self.trainer.placement.name == "sharded" else [])
         self._hyper = Hyperparameters(first)
 
     def _replicas(self) -> Any:
-        """What the trainer makes its replicas from: the network, or, when the user gave a
-        factory, one that hands out the network first and the user's new models after
-        (a subclassed model cannot be cloned onto the other towers)."""
+        """The network, or (a user's factory: a subclassed model may not clone) a factory
+        that hands out the network first and the user's new models after."""
         factory = self._factory
         if factory is None:
             return self.network
@@ -196,12 +174,8 @@ class TowerModel(keras.Model):
         validation_steps: int | None = None, validation_batch_size: int | None = None,
         validation_freq: int = 1,
     ) -> keras.callbacks.History:
-        """Keras's ``fit``; it records the data's facts for
-        :class:`~towers.training.backup.ExactResume` (:func:`~towers.training.backup.data_facts`).
-
-        Returns:
-            Keras's ``History``.
-        """
+        """Keras's ``fit``, recording the data's facts for
+        :class:`~towers.training.backup.ExactResume`."""
         self.fit_facts = data_facts(x, batch_size, shuffle)
         try:
             return super().fit(
@@ -230,10 +204,8 @@ class TowerModel(keras.Model):
         return self.test_function
 
     def make_predict_function(self, force: bool = False) -> Any:
-        """The towers' inference pass on each batch Keras hands over, outputs concatenated.
-        Before ``compile`` (``keras.models.load_model(path, compile=False)``, a model built
-        only to predict) there are no towers: Keras's own one-device pass over
-        :attr:`network`, as Keras predicts with a model it has not compiled."""
+        """The towers' inference pass on each batch, outputs concatenated; before
+        ``compile`` (``load_model(path, compile=False)``), Keras's own one-device pass."""
         if self.trainer is None:
             return super().make_predict_function(force=True)
         self.broadcast()
@@ -243,10 +215,9 @@ class TowerModel(keras.Model):
     # -- writes reach every replica ----------------------------------------------------------
 
     def reset_metrics(self) -> None:
-        """Keras's ``reset_metrics`` (every epoch, every evaluate), then :meth:`broadcast`;
-        and once more before the epoch's first step: Keras calls ``on_epoch_begin`` *after*
-        ``reset_metrics``, so a write there (SwapEMAWeights(swap_on_epoch=True) swapping
-        back) would otherwise reach the other replicas only an epoch later."""
+        """Keras's ``reset_metrics``, then :meth:`broadcast`, and once more before the
+        epoch's first step (Keras calls ``on_epoch_begin`` after ``reset_metrics``: a write
+        there, SwapEMAWeights swapping back, would otherwise land an epoch later)."""
         super().reset_metrics()
         self.broadcast()
         self.broadcast_pending = True
@@ -258,25 +229,24 @@ class TowerModel(keras.Model):
 
     def save_weights(self, filepath: Any, overwrite: bool = True,
                      max_shard_size: Any = None) -> None:  # fmt: skip
-        """Keras's ``save_weights`` in :attr:`network`'s own layout (:class:`_AsNetwork`):
-        the user's plain Keras model loads the file, and the towers' optimizer state rides
-        along (every shard owner's, ``sharded``)."""
-        keras.saving.save_weights(_AsNetwork(self), filepath, overwrite=overwrite,
+        """Keras's ``save_weights`` in :attr:`network`'s own layout (the user's plain model
+        loads it), with every optimizer's state (every shard owner's, ``sharded``)."""
+        keras.saving.save_weights(AsNetwork(self), filepath, overwrite=overwrite,
                                   max_shard_size=max_shard_size)  # fmt: skip
 
     def load_weights(self, filepath: Any, skip_mismatch: bool = False, **kwargs: Any) -> None:
-        """Keras's ``load_weights`` into :attr:`network` (a ``.weights.h5`` file in the
-        network's layout: this model's or the user's plain model's), then to every replica."""
-        target = self if str(filepath).endswith(".keras") else _AsNetwork(self)
+        """Keras's ``load_weights`` into :attr:`network` (this model's file or the user's
+        plain model's), then to every replica."""
+        target = self if str(filepath).endswith(".keras") else AsNetwork(self)
         keras.saving.load_weights(target, filepath, skip_mismatch=skip_mismatch, **kwargs)
         self.broadcast()
 
     def broadcast(self) -> None:
-        """Copy replica 0 to every other replica (:func:`towers.training.sync.copy_first_replica`)
+        """Copy replica 0 to every other replica (:meth:`towers.placement.Replicas.broadcast`)
         and its optimizer's hyperparameters. Nothing to do before ``compile``."""
         if self.trainer is not None:
             self._hyper.follow(self.trainer)
-            copy_first_replica(self.trainer)
+            self.trainer.replicas.broadcast()
 
     # -- saving ------------------------------------------------------------------------------
 
@@ -285,9 +255,7 @@ class TowerModel(keras.Model):
         """Keras's ``save`` (a ``.keras`` file that ``keras.models.load_model`` opens).
 
         Raises:
-            ValueError: ``variables="sharded"``: the optimizer state is spread over the
-                towers and a ``.keras`` file holds one optimizer (use ``save_weights`` and
-                :mod:`towers.training.checkpoint`, which keep every shard).
+            ValueError: ``variables="sharded"`` (a ``.keras`` file holds one optimizer).
         """
         if self.trainer is not None and self.trainer.placement.name == "sharded":
             raise ValueError(
@@ -296,11 +264,10 @@ class TowerModel(keras.Model):
         super().save(filepath, overwrite=overwrite, zipped=zipped, **kwargs)
 
     def get_config(self) -> dict[str, Any]:
-        """The network's config and the towers options; devices as a count (re-resolved on load).
+        """The network's config and the towers options; devices as a count.
 
         Raises:
-            ValueError: ``all_reduce`` is not a name (a registry name or ``module:NAME``: a
-                callable cannot be saved).
+            ValueError: ``all_reduce`` is a callable (a name or ``module:NAME`` saves).
         """
         algorithm = self.options.all_reduce
         if algorithm is not None and not isinstance(algorithm, str):
@@ -310,8 +277,8 @@ class TowerModel(keras.Model):
                 "save_weights_only=True)) or towers.training.checkpoint, or pass the reducer as "
                 "module:NAME")
         options = self.options.arguments()
-        pd = options["parameter_device"]
-        options["parameter_device"] = None if pd is None else _index(self.devices, pd)
+        pd = options["parameter_device"] and canonical_device(options["parameter_device"])
+        options["parameter_device"] = self.devices.index(pd) if pd in self.devices else None
         return {
             "name": self.name, "model": keras.saving.serialize_keras_object(self.network),
             "num_devices": len(self.devices), **options,
@@ -329,32 +296,3 @@ class TowerModel(keras.Model):
         return cls(network, devices=devices,
                    parameter_device=None if pd is None or pd >= len(devices) else devices[pd],
                    **config)  # fmt: skip
-
-
-class _AsNetwork(KerasSaveable):  # type: ignore[misc]
-    """A ``TowerModel`` as Keras's weights files walk it: :attr:`TowerModel.network`'s own
-    layout (``layers/...``, not ``network/layers/...``), so the user's plain model reads
-    the file and writes one this model reads, plus the towers' optimizers."""
-
-    _TOWERS = ("optimizer", "shard_optimizers")
-
-    def __init__(self, model: TowerModel) -> None:
-        self._model = model
-
-    def _obj_type(self) -> str:
-        return str(self._model.network._obj_type())
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "_model":  # not set yet (copy, pickle): no recursion
-            raise AttributeError(name)
-        owner = self._model if name in self._TOWERS else self._model.network
-        return getattr(owner, name)
-
-    def __dir__(self) -> list[str]:
-        return sorted(set(dir(self._model.network)) | set(self._TOWERS))
-
-
-def _index(devices: list[str], device: str) -> int | None:
-    """The position of ``device`` among ``devices`` (None: not one of them)."""
-    name = canonical_device(device)
-    return devices.index(name) if name in devices else None

@@ -42,10 +42,11 @@ from towers.guard.options import TrainerParts
 from towers.guard.semantics import clip_share, unclipped
 from towers.placement import PLACEMENTS, Replica, check_devices, read_weights
 from towers.split import Shards, shard_batch
-from towers.tower import Gradients, TowerResult, combine_non_trainable, empty_tower_step
+from towers.tower import Gradients, TowerResult, empty_tower_step
 from towers.tower import tower_step as run_tower
 from towers.training.keras_functions import relaxes
 from towers.training.keras_loss import loss_divisor, tower_divisor
+from towers.training.keras_state import combine_non_trainable
 
 __all__ = ["PLACEMENTS", "Reduced", "StepStats", "TowerTrainer", "check_devices"]
 

@@ -4,21 +4,17 @@ Each tower computes its share of the *global* mean loss::
 
     loss_i = sum_k w_k * l(y_k, f(x_k)) / B_global  +  R(weights) / n_towers
 
-where the sum runs over tower ``i``'s shard, ``w`` is the sample weight (1 when
-absent), ``B_global`` is the whole batch's size and ``R`` is the model's
-regularization losses. These are exactly ``tf.nn.compute_average_loss`` and
-``tf.nn.scale_regularization_loss`` under a strategy with ``n_towers`` replicas,
-so the towers' gradients add up to the gradient of the global mean loss, and an
-uneven or empty shard is weighted correctly. A Keras loss's ``reduction`` changes the
-divisor ``B_global`` (:mod:`towers.training.keras_loss`: ``REDUCTIONS``, ``loss_divisor``):
-1 for ``"sum"``, the global sum of sample weights for ``"mean_with_sample_weight"``; its
-per-example values are Keras's (``per_example_loss``).
+where the sum runs over tower ``i``'s shard, ``w`` is the sample weight (1 when absent),
+``B_global`` the whole batch's size and ``R`` the model's regularization losses: exactly
+``tf.nn.compute_average_loss`` and ``tf.nn.scale_regularization_loss`` under a strategy
+with ``n_towers`` replicas, so the towers' gradients add up to the gradient of the global
+mean loss, uneven or empty shards included. A Keras loss's ``reduction`` changes the
+divisor (:mod:`towers.training.keras_loss`): 1 for ``"sum"``, the global sum of sample
+weights for ``"mean_with_sample_weight"``.
 
-The model runs through Keras' ``stateless_call``: the tower passes in its own
-copy of the variable values and gets back the updated non-trainable values
-(BatchNormalization statistics, dropout seed state) instead of letting each
-tower overwrite the shared variables. The trainer then decides how to combine
-them (see :mod:`towers.step`).
+The network runs through ``stateless_call`` (:func:`run_network`): the tower passes in
+its replica's values and gets back the new non-trainable values, which the step combines
+(:mod:`towers.training.keras_state`) instead of each tower overwriting shared variables.
 """
 
 from __future__ import annotations
@@ -37,36 +33,25 @@ try:  # Keras's layer call context (private): where training=True reaches inner 
 except ImportError:  # pragma: no cover - another Keras layout
     CallContext = None
 
-from towers.allreduce.machinery.primitives import send
-from towers.allreduce.parameter_device import reduce_on
 from towers.devices import canonical_device
 from towers.training.keras_loss import LossFn, extra_axes, per_example_loss, weighs_elements
 
-__all__ = [
-    "AGGREGATIONS",
-    "Gradients",
-    "TowerResult",
-    "combine_non_trainable",
-    "empty_tower_step",
-    "tower_step",
-]
+__all__ = ["Gradients", "TowerResult", "empty_tower_step", "run_network", "tower_step"]
 
 
 class TowerResult(NamedTuple):
     """What one tower hands to the reduction (all of it on the tower's device).
 
     Attributes:
-        loss: the tower's share of the global mean loss (its losses / global batch,
-            plus its share of the regularization losses).
+        loss: the tower's share of the global mean loss (and of the regularization losses).
         grads: gradient of ``loss`` per trainable variable (``IndexedSlices`` stay
             sparse); empty when only the forward pass ran.
-        non_trainable: the non-trainable values after this tower's forward pass
-            (BatchNormalization statistics, seed state), per non-trainable variable.
+        non_trainable: the non-trainable values after this tower's forward pass.
         examples: how many examples the tower saw (an int32 scalar).
         outputs: the model's outputs on the tower's shard (training mode).
         changed: per non-trainable variable, whether this tower's forward pass assigned
-            it (Python bools, known when traced; None: assume it did). A variable no
-            tower changed (a frozen layer's weights) keeps its value bitwise.
+            it (Python bools, known when traced; None: assume it did); state no tower
+            changed keeps its value bitwise.
     """
 
     loss: tf.Tensor
@@ -121,11 +106,8 @@ class Gradients(NamedTuple):
 def _check_gradients(grads: Sequence[Any], names: Sequence[str]) -> None:
     missing = [name for g, name in zip(grads, names) if g is None]
     if missing:
-        raise ValueError(
-            "no gradient for trainable variable(s) "
-            + ", ".join(missing)
-            + ": they do not influence the loss. Freeze them (trainable=False) or use them."
-        )
+        raise ValueError(f"no gradient for trainable variable(s) {', '.join(missing)}: they do "
+                         "not influence the loss. Freeze them (trainable=False) or use them.")
 
 
 @contextlib.contextmanager
@@ -146,29 +128,33 @@ def _training_context(model: keras.Model) -> Iterator[None]:
         global_state.set_global_attribute("current_call_ctx", previous)
 
 
-def _forward(
-    model: keras.Model,
-    trainable: Sequence[tf.Tensor],
-    non_trainable: Sequence[tf.Tensor],
-    shard: tuple[Any, Any, Any],
-    loss_fn: LossFn,
-    global_batch: tf.Tensor,
-    num_towers: int,
-    axes: str,
-) -> TowerResult:
+def run_network(model: keras.Model, trainable: Sequence[tf.Tensor],
+                non_trainable: Sequence[tf.Tensor], x: Any, training: bool) -> tuple:
+    """``model`` on one replica's values, as its ``__call__`` runs it: the one way every
+    tower runs the network, training or inferring (the layer state Keras keeps outside
+    variables is ``model``'s own, so it holds on every tower).
+
+    The model's own name scope, as ``__call__`` opens it under tf.distribute (Grappler reads
+    the names: ``ordering.replica_scope``); ``training`` as an argument where ``call`` takes
+    one and, when training, in Keras's call context, where inner layers look for it.
+
+    Returns:
+        ``(outputs, new non-trainable values, the model's losses)`` of ``stateless_call``.
+    """
+    given = {"training": training} if getattr(model, "_call_has_training_arg", True) else {}
+    context = _training_context(model) if training else contextlib.nullcontext()
+    with keras.name_scope(model.name, caller=model), context:
+        result: tuple = model.stateless_call(list(trainable), list(non_trainable), x,
+                                             return_losses=True, **given)  # fmt: skip
+    return result
+
+
+def _forward(model: keras.Model, trainable: Sequence[tf.Tensor],
+             non_trainable: Sequence[tf.Tensor], shard: tuple[Any, Any, Any], loss_fn: LossFn,
+             global_batch: tf.Tensor, num_towers: int, axes: str) -> TowerResult:  # fmt: skip
     """The forward pass and the tower's loss share (no gradients yet)."""
     x, y, sample_weight = shard
-    # the model's own name scope, as its __call__ opens it under tf.distribute: the ops then
-    # carry the strategy's names (Grappler reads them: ordering.replica_scope), and a layer
-    # named "_x" is not a root scope, which TensorFlow refuses
-    # training=True as model.__call__ passes it: as an argument where call takes one, and in
-    # Keras's call context, where the inner layers look for it (a subclassed call that does
-    # not hand it to its Dropout)
-    given = {"training": True} if getattr(model, "_call_has_training_arg", True) else {}
-    with keras.name_scope(model.name, caller=model), _training_context(model):
-        y_pred, new_non_trainable, reg_losses = model.stateless_call(
-            list(trainable), list(non_trainable), x, return_losses=True, **given
-        )
+    y_pred, new_non_trainable, reg_losses = run_network(model, trainable, non_trainable, x, True)
     per_ex = per_example_loss(loss_fn, y, y_pred, sample_weight, extra_axes=axes)
     if weighs_elements(sample_weight):  # weighed element by element above
         sample_weight = None
@@ -188,49 +174,31 @@ def _forward(
     return TowerResult(loss, [], list(new_non_trainable), tf.shape(per_ex)[0], y_pred, changed)
 
 
-def tower_step(
-    model: keras.Model,
-    trainable: Sequence[tf.Tensor],
-    non_trainable: Sequence[tf.Tensor],
-    shard: tuple[Any, Any, Any],
-    *,
-    loss_fn: LossFn,
-    global_batch: tf.Tensor,
-    num_towers: int,
-    device: str,
-    backward: bool = True,
-    loss_scale: tf.Tensor | None = None,
-    jit_compile: bool = False,
-    loss_reduction: str = "sum_over_batch_size",
-) -> TowerResult:
+def tower_step(model: keras.Model, trainable: Sequence[tf.Tensor],
+               non_trainable: Sequence[tf.Tensor], shard: tuple[Any, Any, Any], *,
+               loss_fn: LossFn, global_batch: tf.Tensor, num_towers: int, device: str,
+               backward: bool = True, loss_scale: tf.Tensor | None = None,
+               jit_compile: bool = False, loss_reduction: str = "sum_over_batch_size",
+               ) -> TowerResult:  # fmt: skip
     """Run forward and backward for one tower's shard on ``device``.
 
     Args:
         model: the Keras model (its variables are not touched; values come in).
-        trainable: this tower's copy of the trainable values, in ``model.trainable_variables``
-            order.
-        non_trainable: likewise for ``model.non_trainable_variables``.
+        trainable, non_trainable: this tower's replica's values, in the order of
+            ``model.trainable_variables`` and ``model.non_trainable_variables``.
         shard: ``(x, y, sample_weight)`` for this tower; ``sample_weight`` may be None.
-        loss_fn: per-example loss, see :func:`resolve_loss`.
-        global_batch: what the tower's weighted loss sum is divided by: the whole
-            batch's size (an integer tensor), 1 for a ``"sum"`` reduction, or the global
-            sum of sample weights (a float tensor); see :func:`loss_divisor`.
+        loss_fn: per-example loss (:mod:`towers.training.keras_loss`).
+        global_batch: what the tower's weighted loss sum is divided by: the batch size
+            (an integer tensor), 1 (``"sum"``), or the global sum of sample weights.
         num_towers: number of towers (divides the regularization losses).
         device: this tower's device.
-        backward: False runs the forward pass alone (no tape; ``grads`` is empty),
-            e.g. to time it.
-        loss_scale: the dynamic loss scale ``S`` of a ``LossScaleOptimizer`` (on
-            ``device``), or None. The tape differentiates ``S·loss`` — Keras'
-            ``optimizer.scale_loss`` — so float16 gradients do not underflow; the
-            gradients come back scaled (the optimizer unscales), the loss unscaled.
-        jit_compile: compile the forward and backward pass as one XLA cluster on
-            ``device`` (``TowerTrainer(jit_compile=True)``; docs/xla.md gives its bound).
-        loss_reduction: the loss's Keras reduction (:data:`REDUCTIONS`): ``"sum"`` adds a
-            loss value's extra axes, every other averages them (:func:`per_example_loss`).
-
-    Returns:
-        The tower's loss share, gradients (``IndexedSlices`` stay sparse), updated
-        non-trainable values and example count.
+        backward: False runs the forward pass alone (no tape; ``grads`` is empty).
+        loss_scale: a ``LossScaleOptimizer``'s dynamic scale ``S`` on ``device``, or None:
+            the tape differentiates ``S·loss`` (Keras's ``scale_loss``); the gradients
+            come back scaled (the optimizer unscales), the loss unscaled.
+        jit_compile: the forward and backward pass as one XLA cluster on ``device``.
+        loss_reduction: the loss's Keras reduction: ``"sum"`` adds a loss value's extra
+            axes, every other averages them.
     """
     args = (model, trainable, non_trainable, shard, loss_fn, global_batch, num_towers,
             extra_axes(loss_reduction))
@@ -290,16 +258,10 @@ def _zeros_like_gradient(variable: Any, like: Any) -> tf.Tensor | tf.IndexedSlic
     return tf.zeros(variable.shape, like.dtype)
 
 
-def empty_tower_step(
-    model: keras.Model,
-    trainable: Sequence[tf.Tensor],
-    non_trainable: Sequence[tf.Tensor],
-    *,
-    template: TowerResult,
-    num_towers: int,
-    device: str,
-    loss_scale: tf.Tensor | None = None,
-) -> TowerResult:
+def empty_tower_step(model: keras.Model, trainable: Sequence[tf.Tensor],
+                     non_trainable: Sequence[tf.Tensor], *, template: TowerResult,
+                     num_towers: int, device: str, loss_scale: tf.Tensor | None = None,
+                     ) -> TowerResult:  # fmt: skip
     """What a tower without examples contributes, without running the model on 0 rows.
 
     Its data loss is 0, but it still owes its share ``R / n_towers`` of the
@@ -322,94 +284,8 @@ def empty_tower_step(
                 loss += reg / tf.cast(num_towers, reg.dtype)
             target = loss if loss_scale is None else keras.ops.multiply(loss, loss_scale)
         grads = tape.gradient(target, list(trainable)) if reg_losses else [None] * len(trainable)
-        grads = [
-            _zeros_like_gradient(v, like) if g is None else g
-            for g, v, like in zip(grads, model.trainable_variables, template.grads)
-        ]
+        grads = [_zeros_like_gradient(v, like) if g is None else g
+                 for g, v, like in zip(grads, model.trainable_variables, template.grads)]
         outputs = tf.nest.map_structure(lambda t: t[:0], template.outputs)
         return TowerResult(loss, grads, list(non_trainable), tf.constant(0, tf.int32), outputs,
                            (False,) * len(non_trainable))  # fmt: skip
-
-
-def _unchanged(results: Sequence[TowerResult], j: int) -> bool:
-    """No tower changed non-trainable variable ``j`` (known when traced)."""
-    return all(r.changed is not None and r.changed[j] is False for r in results)
-
-
-AGGREGATIONS = ("mean", "none", "sum", "only_first_replica")
-"""The rules :func:`combine_non_trainable` combines a variable's towers by, read from its
-Keras ``aggregation`` (``keras.Variable(aggregation=...)``, ``add_weight(aggregation=...)``):
-
-=====================  ==================================================================
-``mean``, ``none``     floating state (BatchNorm's moving statistics): the mean over the
-                       towers that saw examples (an empty tower's copy would drag it back)
-``sum``                a running total each tower adds to (a count of examples, a running
-                       sum): ``old + Σ_i (new_i − old)``, what one device adds on the whole
-                       batch; integer or floating
-``only_first_replica`` tower 0's value
-``none``, integer      Keras's seed-generator state (advanced alike on every tower): tower
-                       0's; any other integer state changed by the towers has no rule (an
-                       average of counts is no count) and is refused, naming the variable
-=====================  ==================================================================
-State no tower changed is kept as it was, bitwise (the mean of ``n`` equal values is not
-always that value: ``(x + x + x) / 3``)."""
-
-
-def _rule(variable: Any, value: tf.Tensor) -> str:
-    """The rule of :data:`AGGREGATIONS` for a changed non-trainable ``variable``.
-
-    Raises:
-        ValueError: integer state with no declared aggregation (not a seed generator's).
-    """
-    aggregation = str(getattr(variable, "aggregation", "none") or "none").lower()
-    if aggregation in ("sum", "only_first_replica"):
-        return aggregation
-    if value.dtype.is_floating:
-        return "mean"
-    if "seed_generator_state" in (getattr(variable, "path", None) or variable.name):
-        return "only_first_replica"
-    name = getattr(variable, "path", None) or variable.name
-    raise ValueError(
-        f"non-trainable variable {name!r} ({value.dtype.name}) is changed by the towers, and "
-        "an average of integers has no meaning: declare how its towers combine with "
-        "add_weight(..., aggregation=...): 'sum' (a count each tower adds to), "
-        "'only_first_replica' (tower 0's value) or 'mean'")
-
-
-def combine_non_trainable(
-    results: Sequence[TowerResult], *, first_tower: bool, device: str,
-    variables: Sequence[Any] | None = None,
-) -> list[tf.Tensor]:
-    """One new value per non-trainable variable, formed on ``device``, by the rule of
-    :data:`AGGREGATIONS` its ``variables`` entry declares (``variables``: replica 0's
-    non-trainable variables, in the results' order; None: every one is ``none``), or tower
-    0's for every variable when ``first_tower`` (what MirroredStrategy shows when read).
-
-    Raises:
-        ValueError: changed integer state without a declared aggregation (when traced).
-    """
-    combined = []
-    with tf.device(device):
-        counts = [send(r.examples, device, note="state") for r in results]
-        for j in range(len(results[0].non_trainable)):
-            values = [r.non_trainable[j] for r in results]
-            if first_tower or _unchanged(results, j):
-                combined.append(send(values[0], device, note="state"))
-                continue
-            rule = "none" if variables is None else _rule(variables[j], values[0])
-            if rule == "none":  # no variable to read the rule from: the historical one
-                rule = "mean" if values[0].dtype.is_floating else "only_first_replica"
-            if rule == "only_first_replica":
-                combined.append(send(values[0], device, note="state"))
-            elif rule == "sum":
-                old = tf.convert_to_tensor(variables[j].value) if variables else values[0]
-                deltas = [send(v, device, note="state") - old for v in values]
-                combined.append(old + reduce_on(deltas, device, "sum"))
-            else:
-                masked = [
-                    tf.where(c > 0, send(v, device, note="state"), tf.zeros_like(v))
-                    for v, c in zip(values, counts)
-                ]
-                seen = tf.add_n([tf.cast(c > 0, values[0].dtype) for c in counts])
-                combined.append(reduce_on(masked, device, "sum") / seen)
-    return combined

@@ -18,9 +18,11 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import towers
-from tests.conftest import DEVICES
+from tests.conftest import DEVICES, examples
 
 RTOL = 1e-6
 
@@ -73,11 +75,26 @@ def _strings() -> tuple[keras.Model, np.ndarray, np.ndarray]:
     return keras.Model(inputs, keras.layers.Dense(3)(lookup(inputs))), tf.constant(words), y
 
 
+def _text() -> tuple[keras.Model, np.ndarray, np.ndarray]:
+    """A TextVectorization adapted on sentences, then an embedding (the text guides' shape)."""
+    sentences = np.array(["the cat sat", "a dog ran far", "the dog sat down", "cats and dogs",
+                          "far and away", "a cat ran"] * 7)  # fmt: skip
+    y = np.array([0, 1, 1, 0, 1, 0] * 7, "int64")
+    vectorize = keras.layers.TextVectorization(max_tokens=16, output_sequence_length=5)
+    vectorize.adapt(sentences)
+    keras.utils.set_random_seed(5)
+    inputs = keras.Input((1,), dtype="string")
+    h = keras.layers.Embedding(16, 4)(vectorize(inputs))
+    outputs = keras.layers.Dense(2)(keras.layers.GlobalAveragePooling1D()(h))
+    return keras.Model(inputs, outputs), tf.constant(sentences[:, None]), y
+
+
 CASES: dict[str, tuple[Callable[[], tuple], str]] = {
     "normalization": (_regression, "mse"),
     "integer_lookup": (_lookup, "sparse_categorical_crossentropy"),
     "discretization": (_discretize, "sparse_categorical_crossentropy"),
     "string_lookup": (_strings, "sparse_categorical_crossentropy"),
+    "text_vectorization": (_text, "sparse_categorical_crossentropy"),
 }
 
 
@@ -105,3 +122,43 @@ def test_adapted_layers_hold_on_every_tower(case: str, variables: str) -> None:
                                reference.predict(x, batch_size=10, verbose=0),
                                rtol=RTOL, atol=1e-6)  # fmt: skip
     assert want_val != history.history["val_loss"][-1]  # it trained
+
+
+@settings(max_examples=examples(ci=6))
+@given(
+    case=st.sampled_from(sorted(CASES)),
+    n=st.integers(1, 6),
+    rows=st.integers(1, 17),
+    variables=st.sampled_from(["replicated", "parameter_device"]),
+)
+def test_inference_equals_the_plain_model_over_the_class(case: str, n: int, rows: int,
+                                                         variables: str) -> None:  # fmt: skip
+    """Any adapted preprocessing layer, any tower count, any batch (towers left empty
+    included): predict and evaluate are what the plain Keras model computes."""
+    make, loss = CASES[case]
+    model, x, y = make()
+    reference, _, _ = make()
+    reference.set_weights(model.get_weights())
+    reference.compile(keras.optimizers.SGD(0.01), loss)
+    tm = towers.TowerModel(model, devices=DEVICES[:n], variables=variables)
+    tm.compile(keras.optimizers.SGD(0.01), loss)
+    np.testing.assert_allclose(tm.predict(x[:rows], batch_size=rows, verbose=0),
+                               reference.predict(x[:rows], batch_size=rows, verbose=0),
+                               rtol=RTOL, atol=1e-6)  # fmt: skip
+    np.testing.assert_allclose(tm.evaluate(x[:rows], y[:rows], batch_size=rows, verbose=0),
+                               reference.evaluate(x[:rows], y[:rows], batch_size=rows, verbose=0),
+                               rtol=1e-5)  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_every_replica_is_the_whole_model(case: str) -> None:
+    """Each replica's own model object computes what the network does: the clones carry
+    the adapted statistics and lookup tables, not only the variables."""
+    make, loss = CASES[case]
+    model, x, _ = make()
+    tm = towers.TowerModel(model, devices=DEVICES[:3], variables="replicated")
+    tm.compile(keras.optimizers.SGD(0.01), loss)
+    want = np.asarray(tm.network(x[:6]))
+    for replica in tm.trainer.replicas[1:]:
+        assert replica.model is not tm.network
+        np.testing.assert_allclose(np.asarray(replica.model(x[:6])), want, rtol=RTOL, atol=1e-6)

@@ -234,7 +234,7 @@ class TrainerParts:
         self.replica_check = ReplicaCheck(o.check_replicas_every)
         self.reducer = as_reducer(self.algorithm, sparse=self.sparse)
         self.replicas: Replicas = place(self.placement, model, optimizer, self.devices,
-                                        self.parameter_device, self.algorithm)  # fmt: skip
+                                        self.parameter_device)  # fmt: skip
         self._build_step(reducer, loss)
 
     def _build_step(self, reducer: Any, loss: Any) -> None:

@@ -1,4 +1,5 @@
-"""Export the trained model for use without towers: a ``.keras`` file and a SavedModel.
+"""Export the trained model for use without towers: a ``.keras`` file and a SavedModel;
+``TowerModel``'s weights files in the plain network's layout (:class:`AsNetwork`).
 
 ::
 
@@ -13,11 +14,13 @@ that Grappler fuses when loaded (MatMul + BiasAdd, …), so expect agreement to 
 from __future__ import annotations
 
 import os
-from typing import NamedTuple
+from typing import Any, NamedTuple
+
+from keras.src.saving.keras_saveable import KerasSaveable
 
 from towers.training.protocol import Trainer
 
-__all__ = ["Exported", "export"]
+__all__ = ["AsNetwork", "Exported", "export"]
 
 
 class Exported(NamedTuple):
@@ -46,3 +49,27 @@ def export(trainer: Trainer, path: str) -> Exported:
     trainer.model.save(out.keras)
     trainer.model.export(out.saved_model, verbose=False)
     return out
+
+
+class AsNetwork(KerasSaveable):  # type: ignore[misc]
+    """A ``TowerModel`` as Keras's weights files walk it (``TowerModel.save_weights``,
+    ``load_weights``): its network's own layout (``layers/...``, not ``network/layers/...``),
+    so the user's plain model reads the file and writes one the ``TowerModel`` reads, plus
+    the towers' optimizers (every shard owner's, ``sharded``)."""
+
+    _TOWERS = ("optimizer", "shard_optimizers")
+
+    def __init__(self, model: Any) -> None:
+        self._model = model
+
+    def _obj_type(self) -> str:
+        return str(self._model.network._obj_type())
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "_model":  # not set yet (copy, pickle): no recursion
+            raise AttributeError(name)
+        owner = self._model if name in self._TOWERS else self._model.network
+        return getattr(owner, name)
+
+    def __dir__(self) -> list[str]:
+        return sorted(set(dir(self._model.network)) | set(self._TOWERS))

@@ -6,10 +6,10 @@
           ─▶ concat(out_0 … out_{n-1}) on the parameter device, in tower order
 
 The split is the step's own (:func:`towers.split.shard_batch`); an empty tower sits out.
-Every tower runs the trainer's one network (replica 0's model object) on its replica's
-variable values through ``stateless_call``, as the training step does: the layer state
-Keras keeps outside variables (adapted ``Normalization`` statistics, lookup tables) is
-that network's, so it holds on every tower.
+Every tower reads its replica's values (:meth:`towers.placement.Replicas.read`) and runs
+the network as the training step does (:func:`towers.tower.run_network`), in inference
+mode: the layer state Keras keeps outside variables (adapted statistics, lookup tables)
+holds on every tower.
 """
 
 from __future__ import annotations
@@ -17,13 +17,12 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-import keras
 import tensorflow as tf
 
 from towers.allreduce.machinery.primitives import send
 from towers.compile.relaxed import RelaxedBatch
-from towers.placement import read_weights
 from towers.split import Batch, concat, shard_batch
+from towers.tower import run_network
 from towers.training.keras_loss import extra_axes, per_example_loss, weighs_elements
 from towers.training.protocol import Trainer
 
@@ -57,17 +56,14 @@ class _Inference:
         regularizers) are the ones ``stateless_call`` returns for the tower's call."""
         trainer = self._get()
         shards = shard_batch(*batch, len(trainer.devices))
-        network = trainer.model
-        given = {"training": False} if getattr(network, "_call_has_training_arg", True) else {}
         done = []
         for i, (size, shard) in enumerate(zip(shards.sizes, shards.parts)):
             if size == 0:  # Conv2D (and others) fail on 0 rows: an empty tower sits out
                 continue
             device = trainer.devices[i]
-            trainable, frozen = read_weights(trainer.replica_of(i), device)
-            with tf.device(device), keras.name_scope(network.name, caller=network):
-                out, _, losses = network.stateless_call(
-                    trainable, frozen, shard[0], return_losses=True, **given)
+            trainable, frozen = trainer.replicas.read(i, device)
+            with tf.device(device):
+                out, _, losses = run_network(trainer.model, trainable, frozen, shard[0], False)
                 done.append((device, shard, out, list(losses)))
         return done
 

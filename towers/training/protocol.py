@@ -12,6 +12,8 @@ from typing import Any, Protocol
 import keras
 import numpy as np
 
+from towers.placement import Replicas
+
 __all__ = ["Trainer"]
 
 
@@ -25,7 +27,7 @@ class Trainer(Protocol):
     loss_reduction: str
 
     @property
-    def replicas(self) -> list[Any]: ...
+    def replicas(self) -> Replicas: ...
 
     @property
     def model(self) -> keras.Model: ...

@@ -5,7 +5,8 @@
     Keras writes replica 0 (tm.network, tm.optimizer)     set_weights, load_weights,
           │                                                a callback, load_model
           ▼
-    copy_first_replica      weights ─▶ replica 1 … n-1; (replicated) optimizer state too
+    Replicas.broadcast      weights ─▶ replica 1 … n-1; (replicated) optimizer state too
+                            (towers/placement.py)
     Hyperparameters.follow  learning_rate, weight_decay, … ─▶ every replica's optimizer;
                             a Python number baked into the traced step ─▶ retrace
     TrainableWatch.changed  layer.trainable changed on replica 0 ─▶ every replica's layers
@@ -15,14 +16,11 @@
 
 Keras knows one model and one optimizer; a trainer holds one copy per replica
 (:mod:`towers.placement`), so whatever Keras changes on the first is copied to the
-others before the next step reads them (``sharded`` replicas own different optimizer
-shards: only their weights are copied). The copies are :func:`towers.allreduce.broadcast`
-(``"flat"``, through ``send``), so they are bitwise and recorded like every other transfer.
-Keras reads ``trainable`` in Python when a step is traced, so a change is followed by a
-retrace; a variable not trainable when the trainer was built has no optimizer slot, so
-making it trainable is refused. The replica checksum reads raw bits (0.0 differs from
--0.0, NaN payloads count), weighted by position (swapped elements differ); it runs
-outside the step, so the step's bits are the same with the check on or off.
+others before the next step reads them. Keras reads ``trainable`` in Python when a step
+is traced, so a change is followed by a retrace; a variable not trainable when the
+trainer was built has no optimizer slot, so making it trainable is refused. The replica
+checksum reads raw bits (0.0 differs from -0.0, NaN payloads count), weighted by position
+(swapped elements differ); it runs outside the step, so the step's bits do not change.
 """
 
 from __future__ import annotations
@@ -34,38 +32,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from towers.allreduce.collectives import broadcast
 from towers.guard.arguments import optional, positive_int
 from towers.guard.errors import ReplicaMismatchError
 
-__all__ = ["Hyperparameters", "ReplicaCheck", "TrainableWatch", "checksum", "copy_first_replica",
-           "trainable_flags"]
-
-
-def copy_first_replica(trainer: Any) -> None:
-    """Broadcast replica 0's weights to every other replica, and (``replicated``) its
-    optimizer variables to every other replica's optimizer (same structure: same model,
-    same kind): one :func:`~towers.allreduce.broadcast` per dtype of all those variables
-    flattened into one buffer (a call per variable would cost far more than the copy)."""
-    replicas = trainer.replicas
-    if len(replicas) < 2:
-        return
-    devices = [r.device for r in replicas]
-    copied = [list(r.model.weights) for r in replicas]
-    if trainer.placement.name == "replicated":
-        copied = [w + list(r.optimizer.variables) for w, r in zip(copied, replicas)]
-    rows = list(zip(*copied))  # rows[j]: variable j on every replica
-    for dtype in dict.fromkeys(row[0].dtype for row in rows):
-        group = [row for row in rows if row[0].dtype == dtype]
-        with tf.device(devices[0]):
-            flat = tf.concat([tf.reshape(row[0].value, [-1]) for row in group], axis=0)
-        copies = broadcast(flat, devices, algorithm="flat")
-        sizes = [int(row[0].shape.num_elements()) for row in group]
-        for i in range(1, len(replicas)):
-            with tf.device(devices[i]):
-                pieces = tf.split(copies[i], sizes)
-                for row, piece in zip(group, pieces):
-                    row[i].assign(tf.reshape(piece, row[i].shape))
+__all__ = ["Hyperparameters", "ReplicaCheck", "TrainableWatch", "checksum", "trainable_flags"]
 
 
 def _hyperparameters(optimizer: Any) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""Non-trainable state is combined by its meaning (towers.tower.AGGREGATIONS), over the class.
+"""Non-trainable state is combined by its meaning (towers.training.keras_state.AGGREGATIONS),
+over the class.
 
 A layer keeps a running count of the examples it saw and a running sum of its inputs,
 declared with Keras's ``aggregation``; one device on the whole batch is the reference:
