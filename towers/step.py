@@ -42,7 +42,13 @@ from towers.guard.loss_scale import LossScale, is_loss_scaled
 from towers.guard.nonfinite import Guard, sums_exactly
 from towers.guard.options import TowerOptions
 from towers.guard.reduces import check_sums
-from towers.guard.semantics import check_semantics, clip_share, in_mirrored_order, unclipped
+from towers.guard.semantics import (
+    check_semantics,
+    clip_share,
+    in_mirrored_order,
+    strategy_rewrites,
+    unclipped,
+)
 from towers.placement import (
     PLACEMENTS,
     ModelLike,
@@ -125,7 +131,7 @@ class TowerTrainer:
                            is_loss_scaled(kind_of_optimizer))  # fmt: skip
         capabilities.check(self.cell, {"all_reduce": capabilities.spell(all_reduce)})
         capabilities.check_limits(self.cell, reducer)
-        self.deadline = Deadline(o.step_timeout, reducer)
+        self.deadline = Deadline(o.step_timeout, reducer, self.parameter_device)
         self.algorithm: Any = self.deadline.algorithm  # step_timeout bound where it takes one
         self.replica_check = ReplicaCheck(o.check_replicas_every)
         self.reducer = as_reducer(self.algorithm, sparse=self.sparse)
@@ -296,7 +302,7 @@ class TowerTrainer:
             reduced = reduced._replace(grads_finite=flag)
         with tf.name_scope("apply"):
             self.guard.applied(self.replicas.state_variables(self.reducer), functools.partial(
-                settled, reduced, self.apply))  # fmt: skip
+                settled, reduced, self.apply, self.deadline.began))  # fmt: skip
         return reduced.loss
 
     def reduce(self, grads: Gradients) -> Reduced:
@@ -328,12 +334,14 @@ class TowerTrainer:
         for update in self.placement.updates(self.replicas, reduced.grads):
             keep = unclipped(update.optimizer) if mirrored else contextlib.nullcontext()
             with tf.device(update.device), keep:
+                apply = functools.partial(_apply_gradients, variables=update.variables)
+                if mirrored and self.options.forward_graph == "default":
+                    apply = strategy_rewrites(apply)  # the strategy's Grappler rewrites
                 if self.loss_scale.active:  # the dynamic scale's rule around the apply
-                    apply = functools.partial(_apply_gradients, variables=update.variables)
                     self.loss_scale.apply(update.optimizer, update.grads, reduced.grads_finite,
                                           apply)  # fmt: skip
                 else:
-                    _apply_gradients(update.optimizer, update.grads, update.variables)
+                    apply(update.optimizer, update.grads)
         self.placement.finish(self.replicas)
         applied = reduced.grads_finite
         if applied is None and self.loss_scale.active:  # the phases called one by one
