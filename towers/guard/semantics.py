@@ -1,8 +1,8 @@
 """``semantics``: what a step computes — one device's result, or MirroredStrategy's.
 
 towers' default, ``"one_device"``, is what one device computes on the whole batch.
-Keras 3 under ``MirroredStrategy`` differs from it in four observable ways, and
-``"mirrored"`` reproduces all four, so an equivalence test names its reference in one
+Keras 3 under ``MirroredStrategy`` differs from it in five observable ways, and
+``"mirrored"`` reproduces all five, so an equivalence test names its reference in one
 word::
 
                           "one_device" (default)            "mirrored"
@@ -17,6 +17,8 @@ word::
     order of the sum      tower order                       the strategy's, by the ops'
     (naive,                                                 names (:func:`mirrored_order`)
     parameter_device)
+    the update            as written                        Grappler's default rewrites
+                                                            (:func:`strategy_rewrites`)
 
     batch 10 over 4 towers: shards 3 3 3 1
     "one_device"  every tower ÷ 10
