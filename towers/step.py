@@ -334,7 +334,7 @@ class TowerTrainer:
         for update in self.placement.updates(self.replicas, reduced.grads):
             keep = unclipped(update.optimizer) if mirrored else contextlib.nullcontext()
             with tf.device(update.device), keep:
-                apply = functools.partial(_apply_gradients, variables=update.variables)
+                apply: Any = functools.partial(_apply_gradients, variables=update.variables)
                 if mirrored and self.options.forward_graph == "default":
                     apply = strategy_rewrites(apply)  # the strategy's Grappler rewrites
                 if self.loss_scale.active:  # the dynamic scale's rule around the apply
