@@ -39,7 +39,7 @@ from towers.compile.step import CompiledStep
 from towers.guard.deadline import settled
 from towers.guard.inputs import batch_tensors, check_shards
 from towers.guard.options import TrainerParts
-from towers.guard.semantics import clip_share, unclipped
+from towers.guard.semantics import clip_share, strategy_rewrites, unclipped
 from towers.placement import PLACEMENTS, Replica, check_devices, read_weights
 from towers.split import Shards, shard_batch
 from towers.tower import Gradients, TowerResult, empty_tower_step
@@ -226,7 +226,7 @@ class TowerTrainer(TrainerParts):
             reduced = reduced._replace(grads_finite=flag)
         with tf.name_scope("apply"):
             self.guard.applied(self.replicas.state_variables(self.reducer), functools.partial(
-                settled, reduced, self.apply))  # fmt: skip
+                settled, reduced, self.apply, self.deadline.began))  # fmt: skip
         return reduced.loss
 
     def reduce(self, grads: Gradients) -> Reduced:
@@ -258,12 +258,14 @@ class TowerTrainer(TrainerParts):
         for update in self.placement.updates(self.replicas, reduced.grads):
             keep = unclipped(update.optimizer) if mirrored else contextlib.nullcontext()
             with tf.device(update.device), keep:
+                apply: Any = functools.partial(_apply_gradients, variables=update.variables)
+                if mirrored and self.options.forward_graph == "default":
+                    apply = strategy_rewrites(apply)  # the strategy's Grappler rewrites
                 if self.loss_scale.active:  # the dynamic scale's rule around the apply
-                    apply = functools.partial(_apply_gradients, variables=update.variables)
                     self.loss_scale.apply(update.optimizer, update.grads, reduced.grads_finite,
                                           apply)  # fmt: skip
                 else:
-                    _apply_gradients(update.optimizer, update.grads, update.variables)
+                    apply(update.optimizer, update.grads)
         self.placement.finish(self.replicas)
         applied = reduced.grads_finite
         if applied is None and self.loss_scale.active:  # the phases called one by one

@@ -30,13 +30,19 @@ again in this process (its next step fails at once, also as ``StepTimeout``); tr
 on towers' own algorithms (``naive``, ``ring``… built on copies, not collectives) still
 can. So :class:`~towers.guard.errors.StepTimeout` says: restart the process and resume
 from a checkpoint. A step that failed changed nothing: the update runs after every
-reduced value exists (the step's control dependencies), so a hang leaves every
-variable, slot, counter and reducer state as it was (``StepTimeout.applied`` is False).
-A step can also complete just as the watchdog fires: its update ran (``iterations``
-advanced, weights moved) while the collectives are aborted all the same; its
-``StepTimeout`` has ``applied=True`` and says so, so a caller does not retry it and
-apply the batch twice. The rule is exact: the step function returned ⇔ applied. A hang
-outside collective ops (a ``py_function`` that never returns) cannot be aborted this way.
+reduced value exists (the step's control dependencies), so a hang in the forward pass
+or the reduction leaves every variable, slot, counter and reducer state as it was
+(``StepTimeout.applied`` is False). The update itself begins by setting a flag
+(:attr:`Deadline.began`), and a step that fails after it says ``applied=True``: a hang
+inside the update (``sharded``: some owners applied, or the all-gather of the updated
+shards timed out) leaves it applied in part, and its ``StepTimeout`` says so, as does
+a step that completed just as the watchdog fired (weights moved, ``iterations``
+advanced, the collectives aborted all the same); either way a caller does not retry it
+and apply the batch twice. The rule: the update began ⇔ applied. A hang outside
+collective ops (a ``py_function`` that never returns) cannot be aborted this way.
+
+    hang planted in     forward   reduce    apply (an owner)   all-gather   none (watchdog)
+    StepTimeout.applied False     False     True, in part      True, in part True
 """
 
 from __future__ import annotations
@@ -63,23 +69,28 @@ class Deadline:
     Args:
         seconds: the deadline of one step's execution, or None.
         algorithm: the trainer's all-reduce (resolved).
+        device: where :attr:`began` lives (None: TensorFlow's default).
 
     Attributes:
         algorithm: ``algorithm`` with ``seconds`` as its op timeout where it takes one
             (a registry algorithm whose ``timeout_seconds`` was left at None).
         name: the algorithm's name, for errors.
+        began: a boolean variable the step sets as its update begins (:func:`settled`),
+            cleared before each run: a failed step applied (in part) ⇔ it is set.
 
     Raises:
         ValueError: ``seconds`` is not None or a positive number.
     """
 
-    def __init__(self, seconds: float | None, algorithm: Any) -> None:
+    def __init__(self, seconds: float | None, algorithm: Any, device: str | None = None) -> None:
         number = isinstance(seconds, (int, float)) and not isinstance(seconds, bool)
         if seconds is not None and not (number and seconds > 0):
             raise ValueError(f"step_timeout must be None or seconds > 0; got {seconds!r}")
         self.seconds, self.name = seconds, algorithm_name(algorithm)
         self._fired = False  # the watchdog of the step now running fired
         self.algorithm = self._bind(algorithm)
+        with tf.init_scope(), tf.device(device):
+            self.began = tf.Variable(False, trainable=False, name="update_began")
 
     def _bind(self, algorithm: Any) -> Any:
         params = getattr(algorithm, "params", None)
@@ -98,6 +109,7 @@ class Deadline:
                 completed just as the watchdog fired (``applied=True``: it must not be
                 retried).
         """
+        self.began.assign(False)
         try:
             if self.seconds is None:
                 return step(*inputs)
@@ -106,7 +118,7 @@ class Deadline:
         except tf.errors.DeadlineExceededError as err:
             lines = [ln.strip() for ln in str(err.message).splitlines()]
             said = [ln for ln in lines if any(k in ln for k in ("aborted", "timed out", "eadline"))]
-            raise self._timeout((said or lines)[-1][:200], applied=False) from None
+            raise self._timeout((said or lines)[-1][:200]) from None
         except tf.errors.CancelledError as err:
             # Once collectives are aborted, the executor may report a node that was
             # cancelled with them (an Assert beside the collective, measured in CI)
@@ -116,19 +128,21 @@ class Deadline:
                 raise
             lines = [ln.strip() for ln in str(err.message).splitlines() if ln.strip()]
             raise self._timeout(f"cancelled with the aborted collectives: "
-                                f"{lines[-1][:200] if lines else err}", applied=False) from None
+                                f"{lines[-1][:200] if lines else err}") from None
         except tf.errors.UnavailableError as err:
             # A peer lost in the middle of a transfer ("Socket closed" on a RecvBuf) fails
             # the collective at once instead of letting it time out: the same fault, the
             # same remedy (restart, resume), and the step function did not return.
             lines = [ln.strip() for ln in str(err.message).splitlines() if ln.strip()]
-            raise self._timeout(f"a peer was lost: {lines[0][:200] if lines else err}",
-                                applied=False) from None
+            raise self._timeout(f"a peer was lost: {lines[0][:200] if lines else err}") from None
 
-    def _timeout(self, detail: str, applied: bool) -> StepTimeout:
+    def _timeout(self, detail: str, completed: bool = False) -> StepTimeout:
+        """The step's error; a step that failed is applied in part if its update began."""
         earlier = _TIMED_OUT[0] if _TIMED_OUT else None
         _TIMED_OUT.append(f"all-reduce {self.name!r}")
-        return StepTimeout(self.name, self.seconds, False, detail, earlier, applied=applied)
+        applied = completed or bool(self.began.numpy())
+        return StepTimeout(self.name, self.seconds, False, detail, earlier, applied=applied,
+                           partly=applied and not completed)  # fmt: skip
 
     def _watched(self, step: Callable[..., Any], inputs: tuple[Any, ...]) -> Any:
         lock, state = threading.Lock(), {"done": False, "fired": False}
@@ -154,7 +168,7 @@ class Deadline:
             # The step returned, so its update ran (the apply phase is part of the step),
             # but the watchdog aborted the process's collectives as it finished: an error,
             # and one that says the step was applied, so a retry does not apply it twice.
-            raise self._timeout(f"{message}; the step had completed", applied=True)
+            raise self._timeout(f"{message}; the step had completed", completed=True)
         return result
 
 
@@ -196,15 +210,18 @@ def _abort_collectives(message: str) -> None:
     context.context().abort_collective_ops(tf.errors.DEADLINE_EXCEEDED, message)
 
 
-def settled(reduced: Any, apply: Callable[[Any], None]) -> None:
-    """``apply(reduced)`` with every op it makes waiting until all of ``reduced`` exists.
+def settled(reduced: Any, apply: Callable[[Any], None], began: Any = None) -> None:
+    """``apply(reduced)`` with every op it makes waiting until all of ``reduced`` exists,
+    and after ``began`` (:attr:`Deadline.began`, if given) is set.
 
-    So a collective that never completes leaves every variable, optimizer slot and
-    ``iterations`` as it was (without it, ``iterations`` and BatchNorm statistics,
-    which do not wait for the gradients, were updated by a step that then timed out:
-    9 of 66 variables in tests/guard/test_deadline.py's model). Control edges only:
-    the values, and so the bits, are those of the unsettled step.
+    So a collective that never completes before the update leaves every variable,
+    optimizer slot and ``iterations`` as it was (without it, ``iterations`` and BatchNorm
+    statistics, which do not wait for the gradients, were updated by a step that then
+    timed out), and one inside it is known to have applied the step in part. Control
+    edges only: the values, and so the bits, are those of the unsettled step.
     """
     flat = [t for t in tf.nest.flatten(reduced, expand_composites=True) if t is not None]
     with tf.control_dependencies(flat):
+        marks = [] if began is None else [began.assign(True)]
+    with tf.control_dependencies(flat + marks):
         apply(reduced)

@@ -50,18 +50,24 @@ class StepTimeout(TowersError, TimeoutError):
         usable: whether the trainer can run another step in this process.
         earlier: what an earlier step's timed-out collective was, when this step failed
             at once because of it; None when this step hit the deadline.
-        applied: True only when the step completed as the watchdog fired: its update is
-            in the weights, do not retry it. False: it changed nothing.
+        applied: True when the step's update began: it completed as the watchdog fired
+            (its update is in the weights), or it was cut short inside the update
+            (``partly``); do not retry it. False: it changed nothing.
+        partly: the update was cut short: some variables, slots or ``iterations`` moved.
     """
 
     def __init__(
         self, algorithm: str, seconds: float | None, usable: bool, detail: str,
-        earlier: str | None = None, *, applied: bool = False,
+        earlier: str | None = None, *, applied: bool = False, partly: bool = False,
     ) -> None:  # fmt: skip
         self.algorithm, self.seconds, self.usable = algorithm, seconds, usable
-        self.earlier, self.applied = earlier, applied
+        self.earlier, self.applied, self.partly = earlier, applied, applied and partly
         within = f"within {seconds:g} s" if seconds else "within its collectives' op timeout"
-        if applied:
+        if self.partly:
+            what = ("was cut short after its update began: the step WAS applied in part (do "
+                    "not retry it; some variables, optimizer slots or iterations moved and the "
+                    "replicas may disagree)")  # fmt: skip
+        elif applied:
             what = (f"completed only as its deadline of {seconds or 0:g} s passed: the step WAS "
                     "applied (do not retry it; weights, optimizer state and iterations include "
                     "it)")  # fmt: skip

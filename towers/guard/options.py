@@ -229,7 +229,7 @@ class TrainerParts:
                            is_loss_scaled(kind_of_optimizer))  # fmt: skip
         capabilities.check(self.cell, {"all_reduce": capabilities.spell(all_reduce)})
         capabilities.check_limits(self.cell, reducer)
-        self.deadline = Deadline(o.step_timeout, reducer)
+        self.deadline = Deadline(o.step_timeout, reducer, self.parameter_device)
         self.algorithm: Any = self.deadline.algorithm  # step_timeout bound where it takes one
         self.replica_check = ReplicaCheck(o.check_replicas_every)
         self.reducer = as_reducer(self.algorithm, sparse=self.sparse)

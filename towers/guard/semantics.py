@@ -1,8 +1,8 @@
 """``semantics``: what a step computes — one device's result, or MirroredStrategy's.
 
 towers' default, ``"one_device"``, is what one device computes on the whole batch.
-Keras 3 under ``MirroredStrategy`` differs from it in four observable ways, and
-``"mirrored"`` reproduces all four, so an equivalence test names its reference in one
+Keras 3 under ``MirroredStrategy`` differs from it in five observable ways, and
+``"mirrored"`` reproduces all five, so an equivalence test names its reference in one
 word::
 
                           "one_device" (default)            "mirrored"
@@ -17,6 +17,8 @@ word::
     order of the sum      tower order                       the strategy's, by the ops'
     (naive,                                                 names (:func:`mirrored_order`)
     parameter_device)
+    the update            as written                        Grappler's default rewrites
+                                                            (:func:`strategy_rewrites`)
 
     batch 10 over 4 towers: shards 3 3 3 1
     "one_device"  every tower ÷ 10
@@ -36,13 +38,17 @@ from __future__ import annotations
 
 import contextlib
 import numbers
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import tensorflow as tf
+
+from towers.allreduce.machinery.ordering import REWRITES
 from towers.allreduce.machinery.registry import record_of
 
 __all__ = ["CLIPS", "ORDERED_SUMS", "SEMANTICS", "check_constant", "check_semantics",
-           "clip_share", "in_mirrored_order", "mirrored_order", "unclipped"]
+           "clip_share", "in_mirrored_order", "mirrored_order", "strategy_rewrites",
+           "unclipped"]
 
 SEMANTICS = ("one_device", "mirrored")
 """The values of ``semantics``."""
@@ -177,3 +183,29 @@ def in_mirrored_order(algorithm: Any, fn: Any, model_name: str, towers: int) -> 
         return back
 
     return mirrored_sum
+
+
+def strategy_rewrites(apply: Callable[[Any, list[Any]], None]) -> Callable[[Any, list[Any]], None]:
+    """``apply(optimizer, grads)`` as a call op that Grappler optimizes with its default
+    rewrites, as it does MirroredStrategy's whole step (``"mirrored"``; the reduction
+    before it stays as written, so the sum still adds in :func:`mirrored_order`).
+
+    Grappler's arithmetic optimizer rewrites an update's ``x / sqrt(y)`` (RMSprop,
+    Adagrad, Adadelta, Ftrl, Adafactor): the last bits of the strategy's update. A call
+    op keeps the rewrite settings it was made under (its ``config_proto``) and is not
+    inlined (``_noinline``), so the apply gets the defaults inside a step traced with
+    them off.
+    """
+
+    def call(optimizer: Any, grads: list[Any]) -> None:
+        function = tf.function(lambda g: apply(optimizer, g), autograph=False,
+                               experimental_attributes={"_noinline": True})  # fmt: skip
+        before = tf.config.optimizer.get_experimental_options()
+        tf.config.optimizer.set_experimental_options({name: None for name in REWRITES})
+        try:
+            function(list(grads))
+        finally:
+            tf.config.optimizer.set_experimental_options(
+                {name: before.get(name) for name in REWRITES})
+
+    return call
