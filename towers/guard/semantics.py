@@ -43,8 +43,8 @@ from typing import Any
 
 import tensorflow as tf
 
-from towers.allreduce.machinery.ordering import REWRITES
 from towers.allreduce.machinery.registry import record_of
+from towers.compile.ordering import REWRITES
 
 __all__ = ["CLIPS", "ORDERED_SUMS", "SEMANTICS", "check_constant", "check_semantics",
            "clip_share", "in_mirrored_order", "mirrored_order", "strategy_rewrites",
