@@ -137,30 +137,27 @@ def _spread(model: Any, weights: list[np.ndarray], tol: Sequence[Any]) -> list[A
     return out
 
 
-def _sgd(model: Any, loss: Any, lr: float) -> UpdateBound:
-    def tolerances(weights: list[np.ndarray], x: Any, y: Any) -> list[np.ndarray]:
-        trainable = [w for w, v in zip(weights, model.weights) if v.trainable]
-        return _spread(model, weights, sgd_step_bound(trainable, _leaves(model, loss, x, y),
-                                                      lr, len(x)))  # fmt: skip
-
-    why = (f"sgd_step_bound (plain SGD, lr {lr:g}: two steps adding the same B per-example "
-           "gradients in trees of depth ≤ B; towers.testing.bounds derives it)")  # fmt: skip
-    return UpdateBound(why, tolerances)
-
-
-def _tracked(model: Any, loss: Any, tracker: Any) -> UpdateBound:
+def _derived(model: Any, loss: Any, lr: float, tracker: Any) -> UpdateBound:
+    """Plain SGD's :func:`sgd_step_bound` (``tracker`` None), or the optimizer's tracked
+    bound, over the B per-example gradients (trees of depth ≤ B)."""
     u = unit_roundoff("float32")
 
     def tolerances(weights: list[np.ndarray], x: Any, y: Any) -> list[np.ndarray]:
-        exact, tol = exact_sums(_leaves(model, loss, x, y), len(x))
-        errs = tracker.step(exact, [2 * t for t in tol])  # two summation orders
+        leaves = _leaves(model, loss, x, y)
         trainable = [w for w, v in zip(weights, model.weights) if v.trainable]
+        if tracker is None:
+            return _spread(model, weights, sgd_step_bound(trainable, leaves, lr, len(x)))
+        exact, tol = exact_sums(leaves, len(x))
+        errs = tracker.step(exact, [2 * t for t in tol])  # two summation orders
         return _spread(model, weights, [np.asarray(e) + 4 * u * np.abs(w)
                                         for e, w in zip(errs, trainable)])  # fmt: skip
 
-    name = (f"{type(tracker).__name__} (the optimizer's tracked update bound over B "
-            "per-example gradients, depth ≤ B)")  # fmt: skip
-    return UpdateBound(name, tolerances)
+    if tracker is not None:
+        return UpdateBound(f"{type(tracker).__name__} (the optimizer's tracked update bound "
+                           "over B per-example gradients, depth ≤ B)", tolerances)  # fmt: skip
+    return UpdateBound(f"sgd_step_bound (plain SGD, lr {lr:g}: two steps adding the same B "
+                       "per-example gradients in trees of depth ≤ B; towers.testing.bounds "
+                       "derives it)", tolerances)  # fmt: skip
 
 
 def resolve_bound(
@@ -191,6 +188,5 @@ def resolve_bound(
         raise ValueError("bound: sizing the derived bound needs the teacher's model and the "
                          "loss: pass loss=, or steps with model and loss_fn "
                          "(as_step(fn, model, loss=...))")  # fmt: skip
-    if tracker is not None:
-        return _tracked(model, loss, tracker)
-    return _sgd(model, loss, float(np.asarray(optimizer.learning_rate)))
+    lr = 0.0 if tracker is not None else float(np.asarray(optimizer.learning_rate))
+    return _derived(model, loss, lr, tracker)
