@@ -22,8 +22,8 @@ from typing import Any
 
 __all__ = ["ALGORITHMS", "CODECS", "COLLECTIVES", "DTYPES", "OPS", "REFERENCES", "Named",
            "algorithm", "algorithm_or_collective", "algorithms", "at_least", "choices", "codec",
-           "comma_list", "did_you_mean", "fail", "importable", "output_dir", "output_file",
-           "positive_float", "spec_found", "tower_counts", "user_object"]
+           "did_you_mean", "fail", "importable", "output_dir", "output_file", "positive_float",
+           "spec_found", "tower_counts", "user_object"]
 
 MAX_TOWERS = 64
 """The most towers a list of tower counts may name."""
@@ -105,8 +105,7 @@ def tower_counts(text: str) -> list[int]:
     return counts
 
 
-def comma_list(text: str) -> list[str]:
-    """The non-empty items of a comma list (at least one)."""
+def _items(text: str) -> list[str]:
     items = [part.strip() for part in text.split(",") if part.strip()]
     if not items:
         raise argparse.ArgumentTypeError(f"expected a comma list, got {text!r}")
@@ -118,7 +117,7 @@ def choices(allowed: Sequence[str] | Callable[[], Sequence[str]],
     """A comma list of ``allowed`` values (or a function returning them, called late)."""
 
     def parse(text: str) -> list[str]:
-        items, known = comma_list(text), allowed() if callable(allowed) else allowed
+        items, known = _items(text), allowed() if callable(allowed) else allowed
         unknown = [item for item in items if item not in known]
         if unknown:
             raise argparse.ArgumentTypeError(
@@ -237,7 +236,7 @@ def algorithms(extra: Sequence[str] = ()) -> Named:
     """A comma list of :data:`algorithm` s, or of the ``extra`` names (``tf.*`` contenders)."""
 
     def parse(text: str) -> list[str]:
-        return [name if name in extra else algorithm(name) for name in comma_list(text)]
+        return [name if name in extra else algorithm(name) for name in _items(text)]
 
     return Named(parse, _load_algorithm, "algorithms")
 

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from towers.cli.arguments import algorithms, at_least, choices, comma_list, output_dir
+from towers.cli.arguments import algorithms, at_least, choices, output_dir
 
 __all__ = ["EPILOG", "SECTIONS", "add_arguments", "fresh_folder", "run"]
 
@@ -54,7 +54,10 @@ def _placements() -> list[str]:
 
 def _ints(text: str) -> list[int]:
     """A comma list of integers >= 1 (else a one-line usage error, exit 2)."""
-    return [at_least(1)(part) for part in comma_list(text)]
+    values = [at_least(1)(part.strip()) for part in text.split(",") if part.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected a comma list of integers, got {text!r}")
+    return values
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
