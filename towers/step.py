@@ -11,7 +11,8 @@
       └─────────────────────────────────────────────────────────────┘   (towers/guard/)
 
 How the phases are traced (the towers under the caller's Grappler settings, reduce and
-apply as written, Keras's unknown batch dimension) is :mod:`towers.compile.step`. Each
+apply as written — ``semantics="mirrored"``: the apply under the caller's too — Keras's
+unknown batch dimension) is :mod:`towers.compile.step`. Each
 phase called alone inside ``as_written()`` gives bitwise the step's result. Where the
 variables live is the :class:`~towers.placement.Placement`; what a step computes for
 non-trainable state, the loss divisor and clipping is ``semantics``

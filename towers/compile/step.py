@@ -17,8 +17,9 @@
     (RelaxedBatch) as Keras traces its own ``train_function``.
 
 Grappler's arithmetic optimizer and constant folding reorder sums
-(:mod:`towers.allreduce.machinery.ordering`), so the reduction and the update always run
-as written; the towers' kernels compile under the caller's settings by default, which
+(:mod:`towers.allreduce.machinery.ordering`), so the reduction always runs as written, and
+the update too unless ``semantics="mirrored"`` (:func:`towers.guard.semantics.strategy_rewrites`);
+the towers' kernels compile under the caller's settings by default, which
 makes their gradients MirroredStrategy's bitwise on real Keras models (docs/bounds.md).
 """
 
