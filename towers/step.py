@@ -14,8 +14,9 @@
       Keras function   one step per batch                training/keras_functions.py
       relaxed batch    traced with Keras's batch unknown  compile/relaxed.py
       _run: deadline   timed; then raise if skipped, replica check   guard/deadline.py
-      PhasedStep       towers as the caller's, update as_written     compile/step.py
+      PhasedStep       towers as the caller's, update as_written*  compile/step.py
       guard's tf.cond  reduce → apply, or nothing        guard/nonfinite.py
+    (* semantics="mirrored": the update under the caller's settings too)
 
 Each phase called alone inside ``as_written()`` gives bitwise the step's result. Where
 the variables live is the :class:`~towers.placement.Placement`; what a step computes for

@@ -123,3 +123,17 @@ def test_the_default_semantics_applies_as_written() -> None:
     ours, theirs = fit_pair(lambda: OPT.RMSprop(0.01), semantics="one_device")
     gaps = [float(np.abs(a - b).max()) for a, b in zip(ours, theirs, strict=True)]
     assert 0 < max(gaps) < 1e-4, gaps
+
+
+def test_the_apply_takes_the_callers_settings() -> None:
+    """What the mirrored apply compiles under: the settings outside towers' own
+    ``as_written()`` (Grappler's defaults, or off inside a caller's ``as_written()``)."""
+    from towers.compile.ordering import REWRITES, as_written, callers_rewrites
+
+    defaults = {name: None for name in REWRITES}
+    assert callers_rewrites() == defaults
+    with as_written():  # towers' own, around its update
+        assert callers_rewrites() == defaults
+        with as_written():
+            assert callers_rewrites() == {name: False for name in REWRITES}
+    assert callers_rewrites() == defaults

@@ -17,10 +17,13 @@ from typing import Any
 
 import tensorflow as tf
 
-__all__ = ["REWRITES", "as_written", "replica_scope", "scoped_tower"]
+__all__ = ["REWRITES", "as_written", "callers_rewrites", "replica_scope", "scoped_tower"]
 
 REWRITES = ("arithmetic_optimization", "constant_folding")
 """The Grappler passes that change the order or form of floating-point arithmetic."""
+
+_CALLERS: list[dict[str, Any]] = []
+"""The settings each open :func:`as_written` block replaced, innermost last."""
 
 @contextlib.contextmanager
 def as_written() -> Iterator[None]:
@@ -33,11 +36,20 @@ def as_written() -> Iterator[None]:
     """
     before = tf.config.optimizer.get_experimental_options()
     tf.config.optimizer.set_experimental_options({name: False for name in REWRITES})
+    _CALLERS.append(before)
     try:
         yield
     finally:
+        _CALLERS.pop()
         # None restores TensorFlow's default for a pass nobody had set.
         tf.config.optimizer.set_experimental_options({name: before.get(name) for name in REWRITES})
+
+
+def callers_rewrites() -> dict[str, Any]:
+    """The :data:`REWRITES` settings outside the innermost :func:`as_written` block (the
+    caller's, while towers traces its update), else the current ones; None: the default."""
+    source = _CALLERS[-1] if _CALLERS else tf.config.optimizer.get_experimental_options()
+    return {name: source.get(name) for name in REWRITES}
 
 
 _REPLICA = re.compile(r"replica_(\d+)$")

@@ -16,9 +16,11 @@
     CompiledStep.relaxed: TowerModel.fit's step, traced with the batch dimension unknown
     (RelaxedBatch) as Keras traces its own ``train_function``.
 
-Grappler reorders sums (:mod:`towers.compile.ordering`), so the reduction and the update
-always run as written; the towers' kernels compile under the caller's settings, which makes
-their gradients MirroredStrategy's bitwise on real Keras models (docs/bounds.md).
+Grappler's arithmetic optimizer and constant folding reorder sums
+(:mod:`towers.compile.ordering`), so the reduction always runs as written, and
+the update too unless ``semantics="mirrored"`` (:func:`towers.guard.semantics.strategy_rewrites`);
+the towers' kernels compile under the caller's settings by default, which
+makes their gradients MirroredStrategy's bitwise on real Keras models (docs/bounds.md).
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ word::
     order of the sum      tower order                       the strategy's, by the ops'
     (naive,                                                 names (:func:`mirrored_order`)
     parameter_device)
-    the update            as written                        Grappler's default rewrites
-                                                            (:func:`strategy_rewrites`)
+    the update            as written                        under the caller's Grappler
+                                                            settings (:func:`strategy_rewrites`)
 
     batch 10 over 4 towers: shards 3 3 3 1
     "one_device"  every tower ÷ 10
@@ -44,7 +44,7 @@ from typing import Any
 import tensorflow as tf
 
 from towers.allreduce.machinery.registry import record_of
-from towers.compile.ordering import REWRITES
+from towers.compile.ordering import REWRITES, callers_rewrites
 
 __all__ = ["CLIPS", "ORDERED_SUMS", "SEMANTICS", "check_constant", "check_semantics",
            "clip_share", "in_mirrored_order", "mirrored_order", "strategy_rewrites",
@@ -186,22 +186,22 @@ def in_mirrored_order(algorithm: Any, fn: Any, model_name: str, towers: int) -> 
 
 
 def strategy_rewrites(apply: Callable[[Any, list[Any]], None]) -> Callable[[Any, list[Any]], None]:
-    """``apply(optimizer, grads)`` as a call op that Grappler optimizes with its default
-    rewrites, as it does MirroredStrategy's whole step (``"mirrored"``; the reduction
+    """``apply(optimizer, grads)`` as a call op that Grappler optimizes under the caller's
+    settings, as it does MirroredStrategy's whole step (``"mirrored"``; the reduction
     before it stays as written, so the sum still adds in :func:`mirrored_order`).
 
     Grappler's arithmetic optimizer rewrites an update's ``x / sqrt(y)`` (RMSprop,
     Adagrad, Adadelta, Ftrl, Adafactor): the last bits of the strategy's update. A call
     op keeps the rewrite settings it was made under (its ``config_proto``) and is not
-    inlined (``_noinline``), so the apply gets the defaults inside a step traced with
-    them off.
+    inlined (``_noinline``), so the apply gets the caller's settings (Grappler's defaults,
+    or off inside a caller's ``as_written()``) inside a step traced with them off.
     """
 
     def call(optimizer: Any, grads: list[Any]) -> None:
         function = tf.function(lambda g: apply(optimizer, g), autograph=False,
                                experimental_attributes={"_noinline": True})  # fmt: skip
         before = tf.config.optimizer.get_experimental_options()
-        tf.config.optimizer.set_experimental_options({name: None for name in REWRITES})
+        tf.config.optimizer.set_experimental_options(callers_rewrites())
         try:
             function(list(grads))
         finally:
