@@ -58,9 +58,8 @@ from towers.split import Shards, shard_batch
 from towers.tower import Gradients, TowerResult, empty_tower_step
 from towers.tower import tower_step as run_tower
 from towers.training.keras_loss import LossFn, loss_divisor, tower_divisor
-from towers.training.keras_state import combine_non_trainable
 from towers.training.losses import bind_loss, reduction_of, step_loss
-from towers.training.sync import ReplicaCheck, TrainableWatch
+from towers.training.sync import ReplicaCheck, TrainableWatch, combine_non_trainable
 
 __all__ = ["PLACEMENTS", "Reduced", "StepStats", "TowerTrainer", "check_devices"]
 
