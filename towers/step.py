@@ -47,7 +47,7 @@ from towers.tower import Gradients, TowerResult, empty_tower_step
 from towers.tower import tower_step as run_tower
 from towers.training.keras_functions import relaxes
 from towers.training.keras_loss import loss_divisor, tower_divisor
-from towers.training.keras_state import combine_non_trainable
+from towers.training.sync import combine_non_trainable
 
 __all__ = ["PLACEMENTS", "Reduced", "StepStats", "TowerTrainer", "check_devices"]
 

@@ -14,7 +14,8 @@ weights for ``"mean_with_sample_weight"``.
 
 The network runs through ``stateless_call`` (:func:`run_network`): the tower passes in
 its replica's values and gets back the new non-trainable values, which the step combines
-(:mod:`towers.training.keras_state`) instead of each tower overwriting shared variables.
+(:func:`towers.training.sync.combine_non_trainable`) instead of each tower overwriting
+shared variables.
 """
 
 from __future__ import annotations
@@ -101,13 +102,6 @@ class Gradients(NamedTuple):
             tf.nest.map_structure(functools.partial(pin, device=d), r)
             for r, d in zip(self.towers, devices)
         ))  # fmt: skip
-
-
-def _check_gradients(grads: Sequence[Any], names: Sequence[str]) -> None:
-    missing = [name for g, name in zip(grads, names) if g is None]
-    if missing:
-        raise ValueError(f"no gradient for trainable variable(s) {', '.join(missing)}: they do "
-                         "not influence the loss. Freeze them (trainable=False) or use them.")
 
 
 @contextlib.contextmanager
@@ -207,8 +201,10 @@ def tower_step(model: keras.Model, trainable: Sequence[tf.Tensor],
             result = _compiled(args, loss_scale, backward)
         else:
             result = _differentiate(args, loss_scale, backward)
-    if backward:
-        _check_gradients(result.grads, [v.path for v in model.trainable_variables])
+    missing = [v.path for g, v in zip(result.grads, model.trainable_variables) if g is None]
+    if missing:
+        raise ValueError(f"no gradient for trainable variable(s) {', '.join(missing)}: they do "
+                         "not influence the loss. Freeze them (trainable=False) or use them.")
     return result
 
 

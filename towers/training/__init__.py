@@ -4,13 +4,13 @@
     inference.py   the towers' inference pass of ``TowerModel.evaluate`` / ``predict``
     keras_loss.py  a Keras loss as compile prepares it: per-example values, reductions, divisor
     keras_copies.py  a Keras model and optimizer copied onto a device, whole (a replica's parts)
-    keras_state.py   non-trainable state combined over towers by its Keras ``aggregation``
     losses.py      a loss per model output (Keras's compile with a list or dict, loss_weights)
     checkpoint.py  ``save`` / ``restore``: every replica, optimizer slots, codec state
     signature.py   what a checkpoint holds (optimizer, model, placement); restore refuses others
     atomic.py      numbered checkpoints written atomically; ``latest`` skips damaged ones
     backup.py      ``ExactResume``: a callback saving every k batches, resuming at the batch
-    sync.py        replica 0 -> every replica (hyperparameters, trainable flags);
+    sync.py        the towers' state combined by its Keras ``aggregation``; replica 0 ->
+                   every replica (hyperparameters, trainable flags);
                    ``check_replicas_every``'s checksums
     export.py      ``.keras`` and SavedModel export of the trained model
     data.py        scikit-learn's bundled 8×8 digits, split and batched

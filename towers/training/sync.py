@@ -1,12 +1,10 @@
-"""Replica 0 -> every replica, and every replica checked against it.
+"""The replicas kept one model: the towers' state combined, replica 0's changes followed,
+every replica checked against replica 0.
 
 ::
 
-    Keras writes replica 0 (tm.network, tm.optimizer)     set_weights, load_weights,
-          │                                                a callback, load_model
-          ▼
-    Replicas.broadcast      weights ─▶ replica 1 … n-1; (replicated) optimizer state too
-                            (towers/placement.py)
+    combine_non_trainable   every tower's new non-trainable values ─▶ one value each, by
+                            its Keras aggregation (AGGREGATIONS), assigned to every replica
     Hyperparameters.follow  learning_rate, weight_decay, … ─▶ every replica's optimizer;
                             a Python number baked into the traced step ─▶ retrace
     TrainableWatch.changed  layer.trainable changed on replica 0 ─▶ every replica's layers
@@ -14,13 +12,9 @@
     ReplicaCheck            every k steps: c[r][v] = (Σ_k b_k, Σ_k (k+1)·b_k) of v's bits
                             on each replica; the first v with c[r][v] != c[0][v] raises
 
-Keras knows one model and one optimizer; a trainer holds one copy per replica
-(:mod:`towers.placement`), so whatever Keras changes on the first is copied to the
-others before the next step reads them. Keras reads ``trainable`` in Python when a step
-is traced, so a change is followed by a retrace; a variable not trainable when the
-trainer was built has no optimizer slot, so making it trainable is refused. The replica
-checksum reads raw bits (0.0 differs from -0.0, NaN payloads count), weighted by position
-(swapped elements differ); it runs outside the step, so the step's bits do not change.
+Keras writes replica 0 only; its values reach the others by
+:meth:`towers.placement.Replicas.broadcast`. The checksum reads raw bits (0.0 differs
+from -0.0, NaN payloads count), weighted by position, outside the step.
 """
 
 from __future__ import annotations
@@ -32,23 +26,96 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from towers.allreduce.machinery.primitives import send
+from towers.allreduce.parameter_device import reduce_on
 from towers.guard.arguments import optional, positive_int
 from towers.guard.errors import ReplicaMismatchError
 
-__all__ = ["Hyperparameters", "ReplicaCheck", "TrainableWatch", "checksum", "trainable_flags"]
+__all__ = ["AGGREGATIONS", "Hyperparameters", "ReplicaCheck", "TrainableWatch", "checksum",
+           "combine_non_trainable", "trainable_flags"]
+
+
+AGGREGATIONS = ("mean", "none", "sum", "only_first_replica")
+"""How :func:`combine_non_trainable` combines a variable's towers, by its Keras
+``aggregation`` (``add_weight(aggregation=...)``):
+
+=====================  ==================================================================
+``mean``, ``none``     floating state (BatchNorm's moving statistics): the mean over the
+                       towers that saw examples (an empty tower's copy would drag it back)
+``sum``                a running total each tower adds to (a count of examples, a running
+                       sum): ``old + Σ_i (new_i − old)``, what one device adds on the whole
+                       batch; integer or floating
+``only_first_replica`` tower 0's value
+``none``, integer      Keras's seed-generator state: tower 0's; any other integer state the
+                       towers change has no rule and is refused, naming the variable
+=====================  ==================================================================
+State no tower changed is kept bitwise (``(x + x + x) / 3`` is not always ``x``)."""
+
+
+def _rule(variable: Any, value: tf.Tensor) -> str:
+    """The rule of :data:`AGGREGATIONS` for a changed non-trainable ``variable``.
+
+    Raises:
+        ValueError: integer state with no declared aggregation (not a seed generator's).
+    """
+    aggregation = str(getattr(variable, "aggregation", "none") or "none").lower()
+    if aggregation in ("sum", "only_first_replica"):
+        return aggregation
+    if value.dtype.is_floating:
+        return "mean"
+    if "seed_generator_state" in (getattr(variable, "path", None) or variable.name):
+        return "only_first_replica"
+    name = getattr(variable, "path", None) or variable.name
+    raise ValueError(
+        f"non-trainable variable {name!r} ({value.dtype.name}) is changed by the towers, and "
+        "an average of integers has no meaning: declare how its towers combine with "
+        "add_weight(..., aggregation=...): 'sum' (a count each tower adds to), "
+        "'only_first_replica' (tower 0's value) or 'mean'")
+
+
+def combine_non_trainable(results: Sequence[Any], *, first_tower: bool, device: str,
+                          variables: Sequence[Any] | None = None) -> list[tf.Tensor]:
+    """One value per non-trainable variable, formed on ``device`` from every tower's
+    :class:`~towers.tower.TowerResult` by the rule of :data:`AGGREGATIONS` its entry of
+    ``variables`` (replica 0's; None: all ``none``) declares, or tower 0's for every
+    variable when ``first_tower`` (what MirroredStrategy shows when read).
+
+    Raises:
+        ValueError: changed integer state without a declared aggregation (when traced).
+    """
+    combined = []
+    with tf.device(device):
+        counts = [send(r.examples, device, note="state") for r in results]
+        for j in range(len(results[0].non_trainable)):
+            values = [r.non_trainable[j] for r in results]
+            unchanged = all(r.changed is not None and r.changed[j] is False for r in results)
+            if first_tower or unchanged:  # (known when traced)
+                combined.append(send(values[0], device, note="state"))
+                continue
+            rule = "none" if variables is None else _rule(variables[j], values[0])
+            if rule == "none":  # no variable to read the rule from: the historical one
+                rule = "mean" if values[0].dtype.is_floating else "only_first_replica"
+            if rule == "only_first_replica":
+                combined.append(send(values[0], device, note="state"))
+            elif rule == "sum":
+                old = tf.convert_to_tensor(variables[j].value) if variables else values[0]
+                deltas = [send(v, device, note="state") - old for v in values]
+                combined.append(old + reduce_on(deltas, device, "sum"))
+            else:
+                masked = [tf.where(c > 0, send(v, device, note="state"), tf.zeros_like(v))
+                          for v, c in zip(values, counts)]  # fmt: skip
+                seen = tf.add_n([tf.cast(c > 0, values[0].dtype) for c in counts])
+                combined.append(reduce_on(masked, device, "sum") / seen)
+    return combined
 
 
 def _hyperparameters(optimizer: Any) -> dict[str, Any]:
-    """What a callback may change on an optimizer: its config, minus its name. A wrapper's
-    inner optimizer (``LossScaleOptimizer.inner_optimizer``) is compared by its own
-    hyperparameters, not by its serialized form (a dict, with a ``shared_object_id`` when
-    made inside ``load_model``), so a change is copied onto the inner object itself."""
+    """What a callback may change on an optimizer: its config, minus its name; a wrapper's
+    inner optimizer by its own hyperparameters (a change is copied onto the inner object)."""
     config = dict(optimizer.get_config())
     config.pop("name", None)
-    # A serialized object (a LearningRateSchedule as the learning rate) is no value anyone
-    # can set: Keras refuses to. Every replica's optimizer was made from the same config,
-    # so its schedule follows the same iterations; its serialized form may still differ
-    # after load_model (shared-object ids), which is no change.
+    # a serialized object (a LearningRateSchedule) cannot be set, and every replica's
+    # follows the same iterations: no hyperparameter
     config = {k: v for k, v in config.items() if not isinstance(v, dict)}
     inner = getattr(optimizer, "inner_optimizer", None)
     if isinstance(inner, keras.optimizers.Optimizer):
@@ -86,20 +153,14 @@ def _keys(changed: dict[str, Any]) -> set[str]:
 
 
 class Hyperparameters:
-    """Replica 0's optimizer hyperparameters as last seen; :meth:`follow` copies a change.
-
-    Example:
-        >>> watch = Hyperparameters(trainer.optimizer)      # doctest: +SKIP
-        >>> trainer.optimizer.weight_decay = 0.1; watch.follow(trainer)
-    """
+    """Replica 0's optimizer hyperparameters as last seen; :meth:`follow` copies a change."""
 
     def __init__(self, optimizer: Any) -> None:
         self.seen = _hyperparameters(optimizer)
 
     def follow(self, trainer: Any) -> None:
-        """Copy what changed on ``trainer.optimizer`` since last seen to every replica's
-        optimizer; retrace the step when anything but the learning rate (a variable every
-        trace reads) changed."""
+        """Copy what changed on ``trainer.optimizer`` to every replica's optimizer; retrace
+        when anything but the learning rate (a variable every trace reads) changed."""
         now = _hyperparameters(trainer.optimizer)
         if now == self.seen:
             return
@@ -111,19 +172,14 @@ class Hyperparameters:
         self.seen = now
 
 
-def _layers(model: keras.Model) -> list[keras.layers.Layer]:
-    # Keras' own walk (what Layer.trainable's setter and model.trainable_variables use).
+def _layers(model: keras.Model) -> list[keras.layers.Layer]:  # Keras's own walk
     return list(model._flatten_layers(include_self=True, recursive=True))
 
 
-def trainable_flags(
-    layers: Sequence[Any], weights: Sequence[Any]
-) -> tuple[tuple[bool, ...], tuple[bool, ...]]:
+def trainable_flags(layers: Sequence[Any], weights: Sequence[Any],
+                    ) -> tuple[tuple[bool, ...], tuple[bool, ...]]:  # fmt: skip
     """Every layer's ``trainable`` and every variable's (``model.weights`` order)."""
-    return (
-        tuple(bool(layer.trainable) for layer in layers),
-        tuple(bool(v.trainable) for v in weights),
-    )
+    return tuple(bool(x.trainable) for x in layers), tuple(bool(v.trainable) for v in weights)
 
 
 def _copy_flags(source: keras.Model, target: keras.Model) -> None:
@@ -136,12 +192,8 @@ def _copy_flags(source: keras.Model, target: keras.Model) -> None:
 
 
 class TrainableWatch:
-    """What ``trainer.model``'s trainable flags were when the step was last traced.
-
-    Args:
-        replicas: the trainer's replicas; replica 0's model is ``trainer.model``.
-        placement: the trainer's placement name (``"sharded"`` cannot follow a change).
-    """
+    """What ``trainer.model``'s trainable flags were when the step was last traced
+    (``placement``: the trainer's placement name; ``"sharded"`` cannot follow a change)."""
 
     def __init__(self, replicas: Sequence[Any], placement: str) -> None:
         model = replicas[0].model
@@ -152,14 +204,13 @@ class TrainableWatch:
         self.built = {id(v) for v in model.trainable_variables}
 
     def changed(self, replicas: Sequence[Any]) -> bool:
-        """True when ``trainer.model``'s flags changed since the last call (then every
-        replica has been given them); False when nothing changed.
+        """Whether ``trainer.model``'s flags changed since the last call (then every
+        replica has been given them).
 
         Raises:
-            ValueError: under ``variables="sharded"`` (any change), when every variable
-                is frozen, or when a variable that was not trainable when the trainer was
-                built is trainable now; nothing is changed then (the replicas keep their
-                flags).
+            ValueError: any change under ``variables="sharded"``, every variable frozen, or
+                a variable trainable now that was not when the trainer was built (nothing
+                is changed then).
         """
         model = replicas[0].model
         flags = trainable_flags(self.layers, self.weights)
@@ -173,27 +224,21 @@ class TrainableWatch:
 
     def _check(self, model: keras.Model) -> None:
         if self.placement == "sharded":
-            raise ValueError(
-                "variables='sharded' cannot follow a change of trainable after the trainer "
-                "was built: its shard plan and the owners' optimizer slots are cut for the "
-                "trainable variables it was built with. Set layer.trainable before building "
-                "the trainer, or use variables='replicated' (or 'parameter_device'), which "
-                "follow the change"
-            )
+            raise ValueError("variables='sharded' cannot follow a change of trainable after the "
+                             "trainer was built: its shard plan and the owners' optimizer slots "
+                             "are cut for the trainable variables it was built with. Set "
+                             "layer.trainable before building the trainer, or use "
+                             "variables='replicated' (or 'parameter_device'), which follow it")
         if not model.trainable_variables:
-            raise ValueError(
-                "trainable: every variable of the model is frozen now, so a step has nothing "
-                "to train; unfreeze a layer (or stop calling train_step)"
-            )
+            raise ValueError("trainable: every variable of the model is frozen now, so a step "
+                             "has nothing to train; unfreeze a layer (or stop calling train_step)")
         new = [v for v in model.trainable_variables if id(v) not in self.built]
         if new:
             names = ", ".join(getattr(v, "path", v.name) for v in new)
-            raise ValueError(
-                f"trainable: {names} became trainable but was not trainable when the trainer "
-                "was built, so its optimizer has no state for it. Build the trainer with "
-                "every layer you will train trainable (freezing later is followed), or "
-                "build a new trainer"
-            )
+            raise ValueError(f"trainable: {names} became trainable but was not trainable when "
+                             "the trainer was built, so its optimizer has no state for it. Build "
+                             "the trainer with every layer you will train trainable (freezing "
+                             "later is followed), or build a new trainer")
 
 
 _BITS = {1: tf.int8, 2: tf.int16, 4: tf.int32, 8: tf.int64}
@@ -217,7 +262,7 @@ def _variables(replica: Any) -> list[tf.Variable]:
 
 
 class ReplicaCheck:
-    """Compare the replicas every ``every`` steps (None or 0: never).
+    """Compare the replicas every ``every`` steps (None: never).
 
     Raises:
         ValueError: ``every`` is not None or a positive int.
@@ -235,11 +280,8 @@ class ReplicaCheck:
             self.check(replicas, algorithm)
 
     def check(self, replicas: Sequence[Any], algorithm: str) -> None:
-        """Raise when any replica's copy of a variable differs from replica 0's.
-
-        Raises:
-            ReplicaMismatchError: naming the first variable that differs and the replicas.
-        """
+        """Raises ReplicaMismatchError naming the first variable a replica holds other
+        bits of than replica 0, and the replicas."""
         if len(replicas) < 2:
             return
         if self._sums is None:  # one graph for every replica's checksums, traced once
