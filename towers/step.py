@@ -41,7 +41,7 @@ from towers.guard.deadline import settled
 from towers.guard.inputs import batch_tensors, check_shards
 from towers.guard.options import TrainerParts
 from towers.guard.semantics import clip_share, strategy_rewrites, unclipped
-from towers.placement import PLACEMENTS, Replica, check_devices, read_weights
+from towers.placement import PLACEMENTS, Replica, check_devices
 from towers.split import Shards, shard_batch
 from towers.tower import Gradients, TowerResult, empty_tower_step
 from towers.tower import tower_step as run_tower
@@ -77,10 +77,7 @@ class TowerTrainer(TrainerParts):
         **options: :class:`~towers.guard.options.TowerOptions` (:attr:`options`), checked
             with their combination against the capability table before anything is built.
 
-    Example:
-        >>> trainer = towers.TowerTrainer(make_model, keras.optimizers.SGD(0.1),
-        ...     "sparse_categorical_crossentropy", devices=devices)  # doctest: +SKIP
-        >>> loss = trainer.train_step(x, y)                            # doctest: +SKIP
+    The README's first path shows it in use.
     """
 
     batch_is_global: ClassVar[bool] = True
@@ -165,7 +162,7 @@ class TowerTrainer(TrainerParts):
                 results.append(ran[i])
                 continue
             replica = self.replica_of(i)
-            trainable, frozen = read_weights(replica, device)
+            trainable, frozen = self.replicas.read(i, device)
             results.append(empty_tower_step(
                 self.model, trainable, frozen, template=ran[min(ran)],
                 num_towers=len(self.devices), device=device,
@@ -191,7 +188,7 @@ class TowerTrainer(TrainerParts):
         divisor = tower_divisor(self.divisor_rule, divisor, part, n)
         device, replica = self.devices[tower], self.replica_of(tower)
         with replica_scope(tower):  # MirroredStrategy's names: Grappler reads them
-            trainable, frozen = read_weights(replica, device)
+            trainable, frozen = self.replicas.read(tower, device)
             return run_tower(
                 self.model, trainable, frozen, part, loss_fn=self.loss_fn, global_batch=divisor,
                 num_towers=n, device=device, backward=backward,
