@@ -67,6 +67,7 @@ class TreeShape(NamedTuple):
     root: int
     children: list[list[int]]  # in combine order: fewer additions first
     depth: list[int]
+    height: list[int]
     adds: list[int]  # most additions any value in a node's partial went through
 
 
@@ -94,7 +95,7 @@ def _depths(parents: Sequence[int]) -> list[int]:
 
 
 def tree_shape(parents: Sequence[int]) -> TreeShape:
-    """Check ``parents`` (``-1`` marks the one root) and derive order, depth and adds.
+    """Check ``parents`` (``-1`` marks the one root) and derive order, depth, height, adds.
 
     Example:
         >>> tree_shape([-1, 0, 0]).adds[0]
@@ -109,13 +110,14 @@ def tree_shape(parents: Sequence[int]) -> TreeShape:
     for i, p in enumerate(parents):
         if p != -1:
             children[p].append(i)
-    adds = [0] * n
+    height, adds = [0] * n, [0] * n
     for i in sorted(range(n), key=lambda i: -depth[i]):  # children before their parent
         kids = sorted(children[i], key=lambda c: (adds[c], c))
         children[i] = kids
         m = len(kids)
+        height[i] = 1 + max(height[c] for c in kids) if kids else 0
         adds[i] = max([m] + [adds[c] + m - j for j, c in enumerate(kids)])
-    return TreeShape(roots[0], children, depth, adds)
+    return TreeShape(roots[0], children, depth, height, adds)
 
 
 def _up_ticks(shape: TreeShape) -> list[int]:
