@@ -5,7 +5,7 @@
     base.py              the contract: algorithm(values, *, op) -> outputs; GradientReducer
     primitives.py        send (the one place data moves) and its record: bytes, links, ticks
     registry.py          one record shape (Record) and mapping (Registry) for every registry
-    resolve.py           every typed name -> its object: algorithms, codecs (CODECS), specs
+    resolve.py           every typed name -> its object: algorithms, codecs, reducer specs
     reducer.py           an algorithm lifted to a whole step's gradients (StepReducer)
     scheduled.py         the one schedule interpreter (run_slots), for every schedule
     packed.py            slots as rows of one tensor (one message per tick and pair); pad_split

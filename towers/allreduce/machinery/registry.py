@@ -4,12 +4,12 @@ A :class:`Record` describes one registered thing: an all-reduce (:data:`ALGORITH
 reduce-scatter / all-gather / broadcast algorithm (``COLLECTIVE_ALGORITHMS``), a codec
 (``CODECS``) or a placement (``PLACEMENTS``); each registry is a :class:`Registry`.
 Where the thing is a schedule, :func:`from_schedule` derives its bytes, depth and cost.
-Calling a record builds the thing: ``ALGORITHMS["ring"](subchunks=2)`` (and
-``ring(subchunks=2)``) returns a :class:`Configured`, a frozen callable that knows its
-record and parameters, so its formulas need no attributes pinned on a function.
-Adding an algorithm is one module and one line at its end::
+A record is its thing's factory: ``ring(subchunks=2)`` (``ring is ALGORITHMS["ring"]``)
+returns a :class:`Configured`, a frozen callable that knows its record and parameters.
+Adding an algorithm is one module and one line at its end (:func:`register_schedule`
+where it is a schedule)::
 
-    ring = register(Algorithm("ring", _build, bytes_sent=..., summation_depth=..., cost=...))
+    mine = register(Algorithm("mine", _build, bytes_sent=..., summation_depth=..., cost=...))
 
 A plain callable without a record is still accepted everywhere (tools then say which
 properties they could not check).
