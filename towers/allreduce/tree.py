@@ -189,6 +189,8 @@ def tick_loads(trees: Sequence[Sequence[int]], chunks: int) -> tuple[float, floa
             if p >= 0:  # up: i → p at its up tick; down: p → i at tick top + depth[p]
                 starts += [up[i]] * 3 + [top + depth[p]] * 2
                 cols += [i, n + p, 2 * n + p, p, n + i]
+    if not starts:  # one tower: nothing moves
+        return 0.0, 0.0
     begin, where = np.array(starts), np.array(cols)
     bounds = np.unique(np.concatenate([begin, begin + chunks]))
     load = np.zeros((len(bounds), 3 * n))

@@ -50,6 +50,18 @@ def test_every_record_is_complete() -> None:
             assert len(built.bytes_sent(n, 64, 4) or []) == n
 
 
+@pytest.mark.parametrize("name", sorted(ALGORITHMS))
+def test_every_cost_is_defined_at_every_tower_count(name: str) -> None:
+    """The α-β-γ coefficients exist for every count a user can pass, are never negative,
+    and are zero for one tower (nothing moves, nothing is added)."""
+    cost = ALGORITHMS[name].cost
+    assert tuple(cost(1, 4096.0)) == (0.0, 0.0, 0.0), name
+    for n in (*range(2, 9), 12, 16):
+        coefficients = tuple(cost(n, 4096.0))
+        assert len(coefficients) == 3 and all(np.isfinite(c) and c >= 0 for c in coefficients)
+        assert coefficients[0] > 0, (name, n)  # at least one message
+
+
 def test_configured_algorithms_know_their_params() -> None:
     from towers.allreduce import hierarchical, parameter_device, ring, tree
 
