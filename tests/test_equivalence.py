@@ -51,20 +51,23 @@ from hypothesis import strategies as st
 import towers
 from reference import CentralStorageTrainer, MirroredTrainer, ReferenceUnavailable
 from tests.conftest import DEVICES, examples
+from tests.strategies import (
+    CENTRAL_STORAGE_FAMILIES,
+    CENTRAL_STORAGE_OPTIMIZERS,
+    OPTIMIZERS,
+    TrainingCase,
+    no_empty_shards,
+    training_cases,
+)
 from towers.allreduce.bucketed import bucketed
 from towers.compile.ordering import as_written
 from towers.testing import (
-    OPTIMIZERS,
     ModelSpec,
-    TrainingCase,
     assert_weights_close,
     loss_fn,
-    no_empty_shards,
     per_tower_gradients,
     sgd_step_bound,
-    training_cases,
 )
-from towers.testing.strategies import CENTRAL_STORAGE_FAMILIES, CENTRAL_STORAGE_OPTIMIZERS
 
 MAX_REJECTED_SHARE = 1 / 8
 """At most one example in eight may be rejected (the reference could not run it).

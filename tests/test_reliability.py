@@ -20,8 +20,9 @@ from hypothesis import strategies as st
 
 import towers
 from tests.conftest import DEVICES
+from tests.strategies import OPTIMIZERS
 from towers.allreduce.codecs import topk
-from towers.testing import OPTIMIZERS, ModelSpec, loss_fn
+from towers.testing import ModelSpec, loss_fn
 
 pytestmark = pytest.mark.long  # a long proof: python -m pytest -m long
 

@@ -21,11 +21,12 @@ from hypothesis import strategies as st
 
 import towers
 from tests.conftest import DEVICES, examples
+from tests.strategies import OPTIMIZERS
 from towers.allreduce.machinery.sharding import VariableShards
 from towers.allreduce.ring import ring
 from towers.guard.errors import CheckpointError
 from towers.placement import optimizer_state_bytes
-from towers.testing import OPTIMIZERS, ModelSpec, loss_fn
+from towers.testing import ModelSpec, loss_fn
 from towers.training import checkpoint
 from towers.training.models import mlp
 

@@ -13,8 +13,9 @@ from hypothesis import strategies as st
 
 import towers
 from tests.conftest import DEVICES, examples
+from tests.strategies import OPTIMIZERS
 from towers.allreduce.machinery.primitives import traffic_kind
-from towers.testing import OPTIMIZERS, ModelSpec, loss_fn
+from towers.testing import ModelSpec, loss_fn
 
 
 def _trainer(spec: ModelSpec, n: int, **kwargs: object) -> towers.TowerTrainer:

@@ -31,6 +31,7 @@ from tensorflow.python.ops import collective_ops
 
 import towers
 from tests.conftest import DEVICES, replica_bytes
+from tests.strategies import OPTIMIZERS
 from towers.allreduce import compressed
 from towers.allreduce.compressed import Compressed
 from towers.allreduce.machinery.tf_collective_ops import next_key, token
@@ -39,7 +40,7 @@ from towers.allreduce.powersgd import powersgd
 from towers.guard import deadline
 from towers.guard.deadline import Deadline
 from towers.guard.errors import StepTimeout
-from towers.testing import OPTIMIZERS, ModelSpec, loss_fn
+from towers.testing import ModelSpec, loss_fn
 
 SPEC = ModelSpec("batchnorm")  # BatchNorm: state that does not wait for the gradients
 ROOT = Path(__file__).resolve().parents[2]

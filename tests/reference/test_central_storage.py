@@ -159,11 +159,11 @@ def test_bad_arguments() -> None:
 
 
 def test_strategies_draw_exactly_what_central_storage_can_train() -> None:
-    """towers.testing's CENTRAL_STORAGE_* lists agree with the reference's known failures,
+    """tests.strategies' CENTRAL_STORAGE_* lists agree with the reference's known failures,
     so the equivalence test against CentralStorageStrategy draws no case it must reject."""
     from reference.central_storage import known_failures
-    from towers.testing import FAMILIES, OPTIMIZERS, ModelSpec
-    from towers.testing.strategies import CENTRAL_STORAGE_FAMILIES, CENTRAL_STORAGE_OPTIMIZERS
+    from tests.strategies import CENTRAL_STORAGE_FAMILIES, CENTRAL_STORAGE_OPTIMIZERS, OPTIMIZERS
+    from towers.testing import FAMILIES, ModelSpec
 
     sgd = SGD(0.1)
     for family in FAMILIES:

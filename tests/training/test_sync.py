@@ -17,9 +17,10 @@ import tensorflow as tf
 import towers
 from tests.conftest import DEVICES
 from tests.model.helpers import LOSS, assert_replicas_equal, data, network
+from tests.strategies import OPTIMIZERS
 from towers.allreduce import record
 from towers.guard.errors import ReplicaMismatchError
-from towers.testing import OPTIMIZERS, ModelSpec, loss_fn
+from towers.testing import ModelSpec, loss_fn
 from towers.training.sync import ReplicaCheck, checksum
 
 X, Y = data(12)

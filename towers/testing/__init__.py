@@ -15,19 +15,12 @@ from towers.testing.invariance import InvarianceReport, check_invariance
 from towers.testing.report import BisectReport, Divergence
 from towers.testing.steps import Step, as_step
 from towers.testing.strategies import (
-    CENTRAL_STORAGE_FAMILIES,
-    CENTRAL_STORAGE_OPTIMIZERS,
     FAMILIES,
-    OPTIMIZERS,
     ModelSpec,
-    TrainingCase,
     loss_fn,
-    model_specs,
-    no_empty_shards,
     per_tower_gradients,
     step_batches,
     step_cases,
-    training_cases,
 )
 from towers.testing.values import (
     assert_close,
@@ -37,10 +30,9 @@ from towers.testing.values import (
     weight_report,
 )
 
-__all__ = ["CENTRAL_STORAGE_FAMILIES", "CENTRAL_STORAGE_OPTIMIZERS", "FAMILIES", "OPTIMIZERS",
-           "BisectReport", "CheckReport", "CodecReport", "Config", "Divergence", "InvarianceReport",
-           "ModelSpec", "Step", "TrainingCase", "as_step", "assert_close", "assert_steps_match",
+__all__ = ["FAMILIES", "BisectReport", "CheckReport", "CodecReport", "Config", "Divergence",
+           "InvarianceReport", "ModelSpec", "Step", "as_step", "assert_close", "assert_steps_match",
            "assert_weights_close", "bisect", "check_all_reduce", "check_codec", "check_invariance",
-           "compare", "gamma", "loss_fn", "model_specs", "no_empty_shards", "per_tower_gradients",
-           "sgd_step_bound", "step_batches", "step_cases", "sum_bound", "tower_values",
-           "training_cases", "ulp_distance", "unit_roundoff", "weight_report"]
+           "compare", "gamma", "loss_fn", "per_tower_gradients", "sgd_step_bound", "step_batches",
+           "step_cases", "sum_bound", "tower_values", "ulp_distance", "unit_roundoff",
+           "weight_report"]

@@ -15,10 +15,11 @@ import tensorflow as tf
 
 import towers
 from tests.conftest import DEVICES, replica_bytes
+from tests.strategies import OPTIMIZERS
 from towers.allreduce import naive
 from towers.allreduce.machinery.reducer import algorithm_name
 from towers.guard.errors import AlgorithmError
-from towers.testing import OPTIMIZERS, ModelSpec, loss_fn
+from towers.testing import ModelSpec, loss_fn
 
 SPEC = ModelSpec("dense")
 
