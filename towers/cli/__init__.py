@@ -1,7 +1,8 @@
 """The ``towers`` command line: ``python -m towers <command>`` (the commands: :data:`COMMANDS`).
 
 Each command is a module with ``add_arguments(parser)``, ``run(args) -> exit code`` and
-maybe ``usage_problem(args) -> str | None``; its docstring is its ``--help``. Arguments are
+maybe ``usage_problem(args) -> str | None`` (``args.towers_command`` names the command when
+a module serves two); its docstring is its ``--help``. Arguments are
 checked before TensorFlow is imported, so a usage error answers at once: one line on
 stderr naming the option (and the nearest known name), exit status 2. Then TensorFlow is
 imported quietly, ``module:NAME`` options are imported and checked, and the command runs
@@ -31,7 +32,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("towers.cli.bench", "benchmark all-reduce and training steps against tf.distribute"),
     "launch": ("towers.cli.launch", "run a command once per task of a localhost cluster"),
     "invariance": ("towers.cli.invariance", "check training is the same on 1, 2, 4, 8 towers"),
-    "bisect": ("towers.cli.bisect", "find the first step and variable where two setups part"),
+    "bisect": ("towers.cli.compare", "find the first step and variable where two setups part"),
     "compare": ("towers.cli.compare", "compare two training steps, yours or towers', per step"),
     "study": ("towers.cli.study", "compare reducers and codecs: loss vs bytes and predicted time"),
 }

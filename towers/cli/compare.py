@@ -1,9 +1,13 @@
-"""Compare two training steps — yours or towers' — on every batch, teacher-forced.
+"""Two training steps side by side (``compare``), or where they part (``bisect``).
 
-Runs ``towers.testing.compare``: step A (the teacher) and step B train on the same
-batches; before every step B is set to A's weights, so each step is judged on its
-own, and the report names the first step, variable and element outside the bound,
-both values, the difference and which bound was used (and why).
+``towers compare`` runs ``towers.testing.compare``, ``towers bisect`` runs
+``towers.testing.bisect`` (and stops at the first step outside the bound): step A (the
+teacher) and step B train on the same batches; before every step B is set to A's weights,
+so each step is judged on its own. Two towers trainers are compared on their reduced
+gradients; anything else (a ``tf.distribute`` reference, your step) on one update, within
+the bound the report names (plain SGD's derived one, or ``--bound``). The report names the
+first step, variable (in model order) and element outside the bound: its chunk under B's
+split, both values, the difference and which bound was used (and why).
 
 --a and --b take:
   module:factory   your step: ``factory(model_fn, optimizer_fn, loss, devices)``
@@ -12,12 +16,11 @@ both values, the difference and which bound was used (and why).
                    wraps a step function); ``towers.step:TowerTrainer`` and
                    ``reference:MirroredTrainer`` are such factories
   NAME, towers:NAME, mirrored, central_storage, module:function
-                   a towers trainer with that all-reduce, or a tf.distribute
-                   reference (as ``towers bisect`` always took)
+                   a towers trainer with that all-reduce, or a tf.distribute reference
 --model takes mlp, conv (the bundled digits) or module:fn (a zero-argument factory of
 a built keras.Model); --data file.npz (arrays ``x`` and ``y``) replaces the digits.
 
-Exit status (the same for ``towers bisect``; ``towers invariance`` too):
+Exit status (``towers invariance`` too):
   0  every step within its bound
   1  a step differs: the reduction, or the step itself (a weighting, a missing term)
   2  bad options (one line on stderr, before any work)
@@ -45,7 +48,7 @@ from towers.cli.arguments import (
 )
 
 __all__ = ["EPILOG", "KERNEL_NOISE", "add_arguments", "add_problem_arguments", "exit_code",
-           "load_problem", "run", "run_steps"]
+           "load_problem", "run"]
 
 KERNEL_NOISE = 3
 """Exit status: outside the bound only by the towers' own kernels (``cause="kernels"``)."""
@@ -55,6 +58,9 @@ EPILOG = """examples:
       --bound 1e-7
   python -m towers compare --a ring --b reference:MirroredTrainer --model my_models:small \\
       --data train.npz --batch 32
+  python -m towers bisect --a ring --b towers:naive --towers 4 --steps 5
+  python -m towers bisect --a ring --b mirrored --model conv
+  python -m towers bisect --a naive --b my_algos.py:star --towers 3
 """
 
 
@@ -222,10 +228,11 @@ def exit_code(report: Any) -> int:
     return KERNEL_NOISE if first is not None and first.cause == "kernels" else 1
 
 
-def run_steps(args: argparse.Namespace, command: str) -> int:
-    """``towers compare`` or ``towers bisect``: the two steps on the same batches."""
+def run(args: argparse.Namespace) -> int:
+    """Run ``towers compare`` or ``towers bisect`` on the two steps; returns an exit code."""
     from towers.trace.schedule import start_devices
 
+    command = args.towers_command
     try:
         devices = start_devices(args.towers)  # first: before TensorFlow's runtime starts
         model_fn, optimizer_fn, loss, batches = problem = load_problem(args)
@@ -242,8 +249,3 @@ def run_steps(args: argparse.Namespace, command: str) -> int:
         return fail(command, err)
     print(report)
     return exit_code(report)
-
-
-def run(args: argparse.Namespace) -> int:
-    """Run the comparison; returns a process exit code."""
-    return run_steps(args, "compare")
