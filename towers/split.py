@@ -16,6 +16,7 @@ onto its tower (``experimental_distribute_dataset``)::
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
@@ -175,15 +176,15 @@ def _shard_of(element: tuple[Any, ...], tower: tf.Tensor, n: int) -> tuple[Any, 
     return tf.nest.map_structure(lambda t: t[start:stop], element)
 
 
+@dataclasses.dataclass(frozen=True)
 class DistributedDataset:
     """Global batches as :class:`Shards`, ``parts[i]`` on ``devices[i]``; each ``iter()`` is
     one epoch (made by :func:`distribute`)."""
 
-    def __init__(self, dataset: tf.data.Dataset, devices: list[str], pipeline: str,
-                 prefetch: int) -> None:  # fmt: skip
-        check_dataset(dataset)
-        self.dataset, self.devices, self.pipeline, self.prefetch = (
-            dataset, devices, pipeline, prefetch)  # fmt: skip
+    dataset: tf.data.Dataset
+    devices: list[str]
+    pipeline: str
+    prefetch: int
 
     def __iter__(self) -> Iterator[Shards]:
         n = len(self.devices)
@@ -241,4 +242,5 @@ def distribute(
     devices = check_devices(devices)
     check_choice("pipeline", pipeline, PIPELINES)
     prefetch = positive_int("prefetch", prefetch)
+    check_dataset(dataset)
     return DistributedDataset(dataset, devices, pipeline, prefetch)
