@@ -119,11 +119,7 @@ def _leading_dims(name: str, structure: Any) -> set[int]:
 
 def check_batch(x: Any, y: Any, sample_weight: Any, *, allow_empty: bool = False) -> None:
     """Check that ``x``, ``y`` and ``sample_weight`` share a batch size, non-zero unless
-    ``allow_empty``.
-
-    Raises:
-        ValueError: they disagree (statically), a part is a scalar, or the batch is empty.
-    """
+    ``allow_empty`` (a ``ValueError`` when they disagree, a part is a scalar or it is empty)."""
     parts = {"x": x, "y": y, "sample_weight": sample_weight}
     dims = {k: _leading_dims(k, v) for k, v in parts.items() if v is not None}
     all_sizes = set().union(*dims.values())

@@ -96,11 +96,8 @@ def new_optimizer(
     optimizer: OptimizerLike, variables: list[Any], device: str, first: bool
 ) -> keras.optimizers.Optimizer:
     """An optimizer on ``device`` built for ``variables``: ``optimizer`` itself when it is
-    replica 0's (``first``) and unbuilt, else a copy from its config or the factory's.
-
-    Raises:
-        TypeError: ``optimizer`` is neither a Keras optimizer nor a factory of one.
-    """
+    replica 0's (``first``) and unbuilt, else a copy from its config or the factory's (a
+    ``TypeError`` when it is neither a Keras optimizer nor a factory of one)."""
     with tf.device(device):
         if isinstance(optimizer, keras.optimizers.Optimizer):
             if first and not optimizer.built:

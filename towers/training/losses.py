@@ -61,17 +61,13 @@ class OutputLosses:
         self.losses, self.weights = losses, weights
         self.names: list[str] | None = None
         self._fns: list[tuple[Any, float]] = []
-        reductions = {loss_reduction(loss) for loss in self._given(losses)}
+        given = losses.values() if isinstance(losses, Mapping) else (
+            losses if isinstance(losses, list | tuple) else [losses])  # fmt: skip
+        reductions = {loss_reduction(loss) for loss in given if loss is not None}
         if len(reductions) > 1:
             raise ValueError(f"loss: every output's loss must ask for the same reduction, "
                              f"got {sorted(reductions)}")  # fmt: skip
         self.reduction = reductions.pop() if reductions else "sum_over_batch_size"
-
-    @staticmethod
-    def _given(losses: Any) -> list[Any]:
-        values = losses.values() if isinstance(losses, Mapping) else (
-            losses if isinstance(losses, list | tuple) else [losses])  # fmt: skip
-        return [loss for loss in values if loss is not None]
 
     def bind(self, model: keras.Model) -> OutputLosses:
         """Match the losses and weights to ``model``'s outputs (by position or name)."""

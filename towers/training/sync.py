@@ -217,11 +217,7 @@ def _variables(replica: Any) -> list[tf.Variable]:
 
 
 class ReplicaCheck:
-    """Compare the replicas every ``every`` steps (None: never).
-
-    Raises:
-        ValueError: ``every`` is not None or a positive int.
-    """
+    """Compare the replicas every ``every`` steps (None: never; else a positive int)."""
 
     def __init__(self, every: int | None) -> None:
         optional(positive_int, "check_replicas_every", every)
