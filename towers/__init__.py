@@ -12,17 +12,10 @@ The package's top level is the data flow of one step (docs/architecture.md)::
     model.py      TowerModel: the Keras face of step.py (compile, fit, evaluate, predict,
                   save run the towers step) — the last stage of the data flow
 
-Tools are sub-packages that call the step's public phases: ``training/`` (fit,
-checkpoint, export), ``trace/`` (schedules, pictures, timelines), ``bench/``
-(benchmarks, cost model), ``testing/`` (Hypothesis strategies, error bound,
-checker), ``guard/`` (the checks a step makes before it changes anything, and the
-package's error types) and ``cli/`` (``python -m towers``).
-
-The top-level names are loaded on first use (PEP 562): ``import towers`` does not
-import TensorFlow, so ``towers --help`` answers at once and ``towers.cli`` parses its
-arguments before TensorFlow starts. ``_LAZY`` maps each name to the module that owns it;
-a new public name is one line there, one in the ``TYPE_CHECKING`` block and one in
-``__all__``.
+Tools are sub-packages that call the step's public phases (``training/``, ``trace/``,
+``bench/``, ``testing/``, ``guard/``, ``cli/``). The top-level names are loaded on first use
+(PEP 562), so ``import towers`` does not import TensorFlow and ``towers --help`` answers at
+once; ``_LAZY`` maps each name to the module that owns it.
 """
 
 from __future__ import annotations
@@ -64,7 +57,6 @@ _LAZY: dict[str, str] = {
     "TowerTrainer": "towers.step",
     "TowerModel": "towers.model",
 }
-"""Public name -> the module that defines it (imported on first access)."""
 
 __all__ = [
     "ALGORITHMS",
@@ -88,11 +80,7 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> Any:
-    """Import the module that owns ``name`` on first access and cache the value here.
-
-    Raises:
-        AttributeError: ``name`` is not a public name of the package.
-    """
+    """Import the module that owns ``name`` on first access and cache the value here."""
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'towers' has no attribute {name!r}")
@@ -106,11 +94,8 @@ def __dir__() -> list[str]:
 
 
 class _Package(types.ModuleType):
-    """The package's module type: a submodule never hides the public name it shares.
-
-    Importing ``towers.split`` (the module) would set ``towers.split`` to it; the public
-    ``towers.split`` is the function, as it was when this file imported it eagerly.
-    """
+    """The package's module type: importing ``towers.split`` (the module) does not hide the
+    public function ``towers.split``."""
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in _LAZY and isinstance(value, types.ModuleType):

@@ -1,8 +1,6 @@
 """Where the variables live, and a trainer's replicas: each one the whole model.
 
-A *replica* is one (model, optimizer) pair whose variables sit on one device. A
-:class:`Placement` says where the replicas live, which one each tower reads its
-weights from, and which reduced gradients each replica applies::
+A *replica* is one (model, optimizer) pair whose variables sit on one device::
 
     placement          homes                 tower i reads    replica k applies
     parameter_device   [parameter device]    replica 0        reduced[0] (all are equal)
@@ -10,17 +8,15 @@ weights from, and which reduced gradients each replica applies::
     sharded            [tower 0 … n-1]       replica i        its chunk of every gradient
                                                               to its shard, then all-gather
 
-:class:`Replicas` makes a replica's whole state (variables, optimizer slots, the layer
-state Keras keeps outside variables), synchronizes it (:meth:`~Replicas.broadcast`) and
-reads it (:meth:`~Replicas.read`): every tower, training or inferring, runs replica 0's
-network on its replica's values.
+:class:`Replicas` makes, synchronizes (:meth:`~Replicas.broadcast`) and reads
+(:meth:`~Replicas.read`) them: every tower runs replica 0's network on its replica's values.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar, NamedTuple, TypeVar
+from typing import Any, ClassVar, NamedTuple
 
 import keras
 import numpy as np
@@ -35,10 +31,7 @@ from towers.training.keras_copies import ModelLike, OptimizerLike, new_model, ne
 
 __all__ = ["PLACEMENTS", "ModelLike", "OptimizerLike", "ParameterDevice", "Placement", "Replica",
            "Replicas", "Replicated", "Sharded", "Update", "check_devices", "get_placement",
-           "make_replicas", "optimizer_state_bytes", "place", "read_weights"]
-
-T = TypeVar("T")
-
+           "optimizer_state_bytes", "place"]
 
 @dataclasses.dataclass
 class Replica:
@@ -67,11 +60,11 @@ class Placement:
     def make_replicas(self, model: ModelLike, optimizer: OptimizerLike,
                       homes: list[str]) -> list[Replica]:  # fmt: skip
         """The trainer's replicas, one per home."""
-        return make_replicas(model, optimizer, homes)
+        return _make_replicas(model, optimizer, homes)
 
     def reduce(self, reducer: Any, grads: list[list[Any]]) -> list[list[Any]]:
-        """``grads[tower][var]`` -> what each replica applies (default: all-reduce, then pick)."""
-        return self.for_replicas(reducer.reduce_gradients(grads))
+        """``grads[tower][var]`` -> what each replica applies (default: the all-reduce's)."""
+        return list(reducer.reduce_gradients(grads))
 
     def updates(self, replicas: Sequence[Replica], reduced: list[list[Any]]) -> list[Update]:
         """The optimizer updates of one step (default: every replica applies its gradients)."""
@@ -93,10 +86,6 @@ class Placement:
         """The replica whose weights tower ``tower`` reads (default: its own)."""
         return tower
 
-    def for_replicas(self, reduced: list[T]) -> list[T]:
-        """``reduced[tower]`` (the all-reduce's outputs) -> what each replica applies."""
-        return list(reduced)
-
 
 class ParameterDevice(Placement):
     """One copy on the parameter device (CentralStorageStrategy's layout)."""
@@ -109,9 +98,9 @@ class ParameterDevice(Placement):
     def replica_of(self, tower: int) -> int:
         return 0
 
-    def for_replicas(self, reduced: list[T]) -> list[T]:
+    def reduce(self, reducer: Any, grads: list[list[Any]]) -> list[list[Any]]:
         # Every output holds the same sum; the unused copies are pruned from the graph.
-        return reduced[:1]
+        return list(reducer.reduce_gradients(grads))[:1]
 
 
 class Replicated(Placement):
@@ -138,7 +127,7 @@ class Sharded(Replicated):
             ValueError: the optimizer is not elementwise.
         """
         self.plan = sharding.ShardPlan(homes)
-        replicas = make_replicas(model, optimizer, homes, build_on=self.plan.shards_for)
+        replicas = _make_replicas(model, optimizer, homes, build_on=self.plan.shards_for)
         sharding.check_optimizer(replicas[0].optimizer)
         return [dataclasses.replace(r, sharded=True) for r in replicas]
 
@@ -172,11 +161,8 @@ PLACEMENTS = Registry(["placement"], [
 
 
 def get_placement(name: str | Placement) -> Placement:
-    """The placement called ``name`` (a :class:`Placement` passes through).
-
-    Raises:
-        ValueError: an unknown name.
-    """
+    """The placement called ``name`` (a :class:`Placement` passes through; a ``ValueError``
+    for an unknown name)."""
     if isinstance(name, Placement):
         return name
     if name not in PLACEMENTS:
@@ -198,18 +184,21 @@ class Replicas(list[Replica]):
 
     def read(self, tower: int, device: str) -> tuple[list[tf.Tensor], list[tf.Tensor]]:
         """Tower ``tower``'s trainable and non-trainable values, on ``device``."""
-        return read_weights(self.replica_of(tower), device)
+        replica = self.replica_of(tower)
+        with tf.device(replica.device):
+            trainable = [tf.convert_to_tensor(v.value) for v in replica.model.trainable_variables]
+            frozen = [tf.convert_to_tensor(v.value) for v in replica.model.non_trainable_variables]
+        src = replica.device
+        return ([send(t, device, src=src, note="read-weights") for t in trainable],
+                [send(t, device, src=src, note="read-weights") for t in frozen])  # fmt: skip
 
     def get_weights(self) -> list[np.ndarray]:
         """Replica 0's weights as NumPy arrays, in ``model.weights`` order."""
         return _values(self[0].model.weights)
 
     def set_weights(self, weights: Sequence[np.ndarray]) -> None:
-        """Set every replica's weights (``model.weights`` order), all or nothing.
-
-        Raises:
-            TypeError, ValueError: a wrong count, shape or dtype (naming the index).
-        """
+        """Set every replica's weights (``model.weights`` order), all or nothing (a
+        ``TypeError``/``ValueError`` naming the index of a wrong count, shape or dtype)."""
         arrays = check_weights(self[0].model.weights, weights)
         for replica in self:
             for variable, value in zip(replica.model.weights, arrays):
@@ -228,8 +217,7 @@ class Replicas(list[Replica]):
 
     def broadcast(self) -> None:
         """Copy replica 0's weights, and (``replicated``) its optimizer variables, to every
-        other replica: one :func:`~towers.allreduce.broadcast` per dtype of all of them
-        flattened into one buffer (a call per variable would cost far more than the copy)."""
+        other replica: one :func:`~towers.allreduce.broadcast` per dtype, of one flat buffer."""
         if len(self) < 2:
             return
         devices = [r.device for r in self]
@@ -249,12 +237,11 @@ class Replicas(list[Replica]):
                         row[i].assign(tf.reshape(piece, row[i].shape))
 
 
-def make_replicas(model: ModelLike, optimizer: OptimizerLike, devices: list[str],
+def _make_replicas(model: ModelLike, optimizer: OptimizerLike, devices: list[str],
                   build_on: Callable[[int, keras.Model], list[Any]] | None = None,
                   ) -> list[Replica]:  # fmt: skip
-    """One replica per device, each a whole copy of the first (:mod:`towers.training.
-    keras_copies`); ``build_on(k, model_k)``: what replica k's optimizer is built for
-    (default: the trainable variables; ``sharded``: its shard variables).
+    """One replica per device, each a whole copy of the first; ``build_on(k, model_k)``: what
+    replica k's optimizer is built for (default: the trainable variables).
 
     Raises:
         ValueError: the model is unbuilt, cannot be cloned, or has no trainable variables.
@@ -288,13 +275,3 @@ def optimizer_state_bytes(trainer: Any) -> list[int]:
 
 def _values(variables: list[Any]) -> list[np.ndarray]:
     return [np.asarray(v.numpy()) for v in variables]
-
-
-def read_weights(replica: Replica, device: str) -> tuple[list[tf.Tensor], list[tf.Tensor]]:
-    """A replica's trainable and non-trainable values, moved onto ``device``."""
-    with tf.device(replica.device):
-        trainable = [tf.convert_to_tensor(v.value) for v in replica.model.trainable_variables]
-        frozen = [tf.convert_to_tensor(v.value) for v in replica.model.non_trainable_variables]
-    src = replica.device
-    return ([send(t, device, src=src, note="read-weights") for t in trainable],
-            [send(t, device, src=src, note="read-weights") for t in frozen])  # fmt: skip

@@ -1,21 +1,14 @@
 """Split a batch over towers exactly as ``tf.distribute.MirroredStrategy`` does.
 
-MirroredStrategy gives every replica ``ceil(B / n)`` examples until the batch
-runs out (measured on TF 2.21)::
+Every tower takes ``c = ceil(B / n)`` examples until the batch runs out (TF 2.21)::
 
     B = 10, n = 4  ->  [3, 3, 3, 1]
     B =  3, n = 4  ->  [1, 1, 1, 0]      (an empty shard)
-    B =  9, n = 4  ->  [3, 3, 3, 0]
 
-so tower ``i`` takes rows ``[min(i*c, B), min((i+1)*c, B))`` with ``c = ceil(B/n)``.
-Splitting the same way keeps towers' per-shard arithmetic identical to the
-reference's, which is what makes bitwise comparisons possible.
-
-Two places apply the rule. Host slicing: ``TowerTrainer.split`` cuts the global batch
-inside the step (:func:`shard_batch`). The per-device input pipeline, as tf.distribute's
-``experimental_distribute_dataset``: :func:`distribute` cuts each batch of a
-``tf.data.Dataset`` in tf.data and prefetches every shard onto its tower's device, and
-``TowerTrainer.train_step_shards`` takes the shards as they are::
+so tower ``i`` takes rows ``[min(i*c, B), min((i+1)*c, B))``: the same per-shard arithmetic
+as the reference, which makes bitwise comparisons possible. :func:`shard_batch` cuts inside
+the step; :func:`distribute` cuts a ``tf.data.Dataset`` in tf.data and prefetches every shard
+onto its tower (``experimental_distribute_dataset``)::
 
     batches ─▶ flat_map: shard_0 … shard_{n-1} ─▶ MultiDeviceIterator: buffers on d_0 … d_{n-1}
                                                    next() ─▶ Shards ─▶ train_step_shards
@@ -23,6 +16,7 @@ inside the step (:func:`shard_batch`). The per-device input pipeline, as tf.dist
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
@@ -34,20 +28,8 @@ from tensorflow.python.data.ops.multi_device_iterator_ops import MultiDeviceIter
 from towers.guard.arguments import check_choice, non_negative_int, positive_int
 from towers.guard.given import check_dataset, check_devices
 
-__all__ = [
-    "PIPELINES",
-    "Batch",
-    "DistributedDataset",
-    "Shards",
-    "batch_size",
-    "check_batch",
-    "concat",
-    "distribute",
-    "shard_batch",
-    "shard_bounds",
-    "shard_sizes",
-    "split",
-]
+__all__ = ["PIPELINES", "Batch", "DistributedDataset", "Shards", "batch_size", "check_batch",
+           "concat", "distribute", "shard_batch", "shard_bounds", "shard_sizes", "split"]
 
 Batch = tuple[Any, Any, Any]
 """``(x, y, sample_weight)``: ``y`` and ``sample_weight`` may be None."""
@@ -67,8 +49,7 @@ def batch_size(structure: Any) -> tf.Tensor:
     """The common leading dimension of every tensor in ``structure`` (an int32 scalar).
 
     Raises:
-        ValueError: the tensors' leading dimensions differ (checked statically when
-            known), or a tensor is a scalar.
+        ValueError: a scalar, or static leading dimensions that differ.
     """
     leaves = [tf.convert_to_tensor(t) for t in tf.nest.flatten(structure)]
     if not leaves:
@@ -96,14 +77,8 @@ def shard_bounds(batch: tf.Tensor, n: int) -> list[tuple[tf.Tensor, tf.Tensor]]:
 def split(structure: Any, n: int) -> list[Any]:
     """Split every tensor of a nested structure along axis 0 into ``n`` shards.
 
-    Args:
-        structure: a tensor, or a tuple/list/dict nest of tensors sharing their
-            leading dimension.
-        n: number of towers.
-
-    Returns:
-        ``n`` structures of the same nesting; shard ``i`` goes to tower ``i``.
-        Shards may be empty when the batch has fewer than ``n`` examples.
+    Returns ``n`` structures of the same nesting, shard ``i`` for tower ``i`` (empty when
+    the batch has fewer than ``n`` examples).
 
     Example:
         >>> [int(s.shape[0]) for s in split(tf.zeros([10, 2]), 4)]
@@ -112,26 +87,14 @@ def split(structure: Any, n: int) -> list[Any]:
     positive_int("n", n)
     batch = batch_size(structure)
     leaves = [tf.convert_to_tensor(t) for t in tf.nest.flatten(structure)]
-    shards = []
-    for start, stop in shard_bounds(batch, n):
-        parts = [t[start:stop] for t in leaves]
-        shards.append(tf.nest.pack_sequence_as(structure, parts))
-    return shards
+    return [tf.nest.pack_sequence_as(structure, [t[start:stop] for t in leaves])
+            for start, stop in shard_bounds(batch, n)]
 
 
 class Shards(NamedTuple):
-    """A global batch cut into one ``(x, y, sample_weight)`` piece per tower.
-
-    What :meth:`towers.TowerTrainer.split` hands to ``forward_backward``. It is a nest
-    of tensors, so it can cross a ``tf.function`` boundary; the shard sizes are read
-    from the pieces' static shapes (:attr:`sizes`), which is how an empty tower is
-    recognised at trace time.
-
-    Attributes:
-        parts: ``parts[tower] = (x, y, sample_weight)``; ``y``/``sample_weight`` may be None.
-        global_batch: the whole batch's size, an int32 scalar (every tower divides its
-            loss by it).
-    """
+    """A global batch cut into one ``(x, y, sample_weight)`` piece per tower: a nest of
+    tensors (it crosses a ``tf.function`` boundary) whose static shapes tell an empty tower
+    at trace time; ``global_batch`` is the whole batch's size (int32)."""
 
     parts: tuple[Batch, ...]
     global_batch: tf.Tensor
@@ -156,11 +119,7 @@ def _leading_dims(name: str, structure: Any) -> set[int]:
 
 def check_batch(x: Any, y: Any, sample_weight: Any, *, allow_empty: bool = False) -> None:
     """Check that ``x``, ``y`` and ``sample_weight`` share a batch size, non-zero unless
-    ``allow_empty`` (a worker's part of a global batch may hold no example).
-
-    Raises:
-        ValueError: they disagree (statically), a part is a scalar, or the batch is empty.
-    """
+    ``allow_empty`` (a ``ValueError`` when they disagree, a part is a scalar or it is empty)."""
     parts = {"x": x, "y": y, "sample_weight": sample_weight}
     dims = {k: _leading_dims(k, v) for k, v in parts.items() if v is not None}
     all_sizes = set().union(*dims.values())
@@ -172,12 +131,8 @@ def check_batch(x: Any, y: Any, sample_weight: Any, *, allow_empty: bool = False
 
 
 def shard_batch(x: Any, y: Any, sample_weight: Any, n: int) -> Shards:
-    """Cut a batch of tensors into ``n`` :class:`Shards` (MirroredStrategy's split).
-
-    With a static batch size the cuts are Python slices, so every shard's size is
-    static (an empty tower is known at trace time); otherwise :func:`split` cuts at
-    run time and the sizes are unknown.
-    """
+    """Cut a batch into ``n`` :class:`Shards`: Python slices (static sizes) when the batch
+    size is static, else :func:`split` at run time."""
     batch = (x, y, sample_weight)
     present = tuple(part for part in batch if part is not None)
     static = tf.TensorShape(tf.nest.flatten(x)[0].shape)[0]
@@ -203,18 +158,11 @@ def concat(parts: list[Any], device: str) -> Any:
         return tf.nest.map_structure(lambda *t: tf.concat(t, 0), *parts)
 
 
-# -- the per-device input pipeline --------------------------------------------------------------
-
 PIPELINES = ("multi_device", "per_device")
-"""How :func:`distribute` moves shards to the towers (both measured in ``towers bench``):
-
-- ``multi_device``: the source is read once; its global batches are cut into shards
-  inside tf.data and dealt to the towers by one ``MultiDeviceIterator`` (tf.distribute's
-  own machinery), which keeps ``prefetch`` shards buffered on each tower's device.
-- ``per_device``: one ``prefetch_to_device`` iterator per tower, each reading the source
-  and keeping its own shard. The source runs once per tower, so it must yield the same
-  batches every time it is read (no unseeded shuffle, no random augmentation).
-"""
+"""How :func:`distribute` moves shards to the towers: ``multi_device`` reads the source once
+and deals the shards with one ``MultiDeviceIterator``; ``per_device`` runs one
+``prefetch_to_device`` iterator per tower, each reading the source (which must then yield
+the same batches every time: no unseeded shuffle)."""
 
 
 def _shard_of(element: tuple[Any, ...], tower: tf.Tensor, n: int) -> tuple[Any, ...]:
@@ -224,19 +172,15 @@ def _shard_of(element: tuple[Any, ...], tower: tf.Tensor, n: int) -> tuple[Any, 
     return tf.nest.map_structure(lambda t: t[start:stop], element)
 
 
+@dataclasses.dataclass(frozen=True)
 class DistributedDataset:
-    """A dataset of global batches, each delivered as :class:`Shards` on the towers' devices.
+    """Global batches as :class:`Shards`, ``parts[i]`` on ``devices[i]``; each ``iter()`` is
+    one epoch (made by :func:`distribute`)."""
 
-    Made by :func:`distribute`. Each ``iter()`` starts a new pass over the dataset
-    (an epoch); every element is one global batch cut by MirroredStrategy's rule,
-    ``parts[i]`` already on ``devices[i]`` (an empty tower gets empty tensors there).
-    """
-
-    def __init__(self, dataset: tf.data.Dataset, devices: list[str], pipeline: str,
-                 prefetch: int) -> None:  # fmt: skip
-        check_dataset(dataset)
-        self.dataset, self.devices, self.pipeline, self.prefetch = (
-            dataset, devices, pipeline, prefetch)  # fmt: skip
+    dataset: tf.data.Dataset
+    devices: list[str]
+    pipeline: str
+    prefetch: int
 
     def __iter__(self) -> Iterator[Shards]:
         n = len(self.devices)
@@ -278,15 +222,13 @@ def distribute(
         prefetch: shards buffered on each device ahead of the step.
 
     Returns:
-        A :class:`DistributedDataset`: iterate it for one :class:`Shards` per global
-        batch, to pass to :meth:`towers.TowerTrainer.train_step_shards`. Which rows each
-        tower gets is exactly :func:`split`'s (and MirroredStrategy's) rule.
+        A :class:`DistributedDataset` of one :class:`Shards` per global batch, for
+        :meth:`towers.TowerTrainer.train_step_shards`.
 
     Raises:
-        TypeError: ``dataset`` is not a Dataset of ``(x, y[, sample_weight])`` tensors;
-            ``devices`` is not a list of device names.
-        ValueError: ``dataset`` looks unbatched; ``devices`` is empty or unknown;
-            ``pipeline`` or ``prefetch`` is not one of the accepted values.
+        TypeError: ``dataset`` is not a Dataset of tensors; ``devices`` not device names.
+        ValueError: an unbatched ``dataset``, empty or unknown ``devices``, a bad
+            ``pipeline`` or ``prefetch``.
 
     Example:
         >>> data = tf.data.Dataset.from_tensor_slices((x, y)).batch(256)  # doctest: +SKIP
@@ -296,4 +238,5 @@ def distribute(
     devices = check_devices(devices)
     check_choice("pipeline", pipeline, PIPELINES)
     prefetch = positive_int("prefetch", prefetch)
+    check_dataset(dataset)
     return DistributedDataset(dataset, devices, pipeline, prefetch)

@@ -9,9 +9,7 @@
     signature.py   what a checkpoint holds (optimizer, model, placement); restore refuses others
     atomic.py      numbered checkpoints written atomically; ``latest`` skips damaged ones
     backup.py      ``ExactResume``: a callback saving every k batches, resuming at the batch
-    sync.py        the towers' state combined by its Keras ``aggregation``; replica 0 ->
-                   every replica (hyperparameters, trainable flags);
-                   ``check_replicas_every``'s checksums
+    sync.py        the towers' state combined; replica 0's changes followed; replica checksums
     export.py      ``.keras`` and SavedModel export of the trained model
     data.py        scikit-learn's bundled 8×8 digits, split and batched
     models.py      the small models the CLI, examples and benchmarks train

@@ -15,11 +15,8 @@ What a save does, and what a crash at each point leaves behind::
     latest(directory): ckpt-* newest first; the first whose MANIFEST matches every
     file (size and sha256) wins; a damaged one is skipped with a warning.
 
-``latest`` trusts the manifests, not the pointer (which is for people and tools): a crash
-between steps 3 and 4 leaves a complete ``ckpt-12`` the pointer does not name yet, and a
-file damaged later is caught by its checksum. A number saved again takes the next free
-generation, ``ckpt-00000012.1``; the old folder is deleted only at step 5 (a crash between
-leaves both, and ``latest`` takes the newer one that verifies).
+``latest`` trusts the manifests, not the pointer (for people and tools). A number saved
+again takes the next generation, ``ckpt-00000012.1``; the old one goes only at step 5.
 """
 
 from __future__ import annotations
@@ -92,10 +89,8 @@ def write(
     ckpt: tf.train.Checkpoint, directory: Any, number: int, position: dict[str, Any],
     keep: int | None = 3,
 ) -> str:  # fmt: skip
-    """Save ``ckpt`` (:func:`towers.training.checkpoint.checkpoint`) as
-    ``directory/ckpt-<number>`` atomically, as drawn above, with ``position`` (JSON facts:
-    where the data stream stood); keep the ``keep`` newest (None: all). Return its prefix,
-    ``directory/ckpt-<number>[.<k>]/state``."""
+    """Save ``ckpt`` as ``directory/ckpt-<number>`` atomically, as drawn above, with
+    ``position`` (JSON); keep the ``keep`` newest (None: all). Return its prefix."""
     non_negative_int("number", number)
     optional(positive_int, "keep", keep)
     root = Path(check_path(directory))
@@ -133,14 +128,12 @@ def _point(root: Path, name: str) -> None:
 
 
 def checkpoints(directory: Any) -> list[str]:
-    """The prefixes of every complete-looking ``ckpt-*`` in ``directory``, oldest first
-    (unverified; temporary ``.tmp-*`` folders of an unfinished save are never listed)."""
+    """The prefixes of every ``ckpt-*`` in ``directory``, oldest first (unverified)."""
     return [str(p / PREFIX) for _, p in _folders(Path(check_path(directory)))]
 
 
 def _folders(root: Path) -> list[tuple[tuple[int, int], Path]]:
-    """The ``ckpt-N`` and ``ckpt-N.k`` (N saved again) folders of ``root``, each with its
-    key ``(N, k)`` (``k`` 0 for ``ckpt-N``), oldest first."""
+    """``((N, k), folder)`` of each ``ckpt-N`` (k = 0) and ``ckpt-N.k`` of ``root``, by age."""
     if not root.is_dir():
         return []
     found = [(_NAME.match(p.name), p) for p in root.iterdir()]
@@ -151,8 +144,7 @@ def verify(prefix: Any) -> dict[str, Any]:
     """Check a checkpoint written by :func:`write` against its manifest; return its position.
 
     Raises:
-        CheckpointError: naming ``prefix``: no manifest or position, or a file missing, of
-            another size or with another sha256 (truncated or corrupt).
+        CheckpointError: no manifest or position, or a file missing, truncated or corrupt.
     """
     prefix = check_path(prefix, "prefix")
     folder = Path(prefix).parent
@@ -177,12 +169,7 @@ def verify(prefix: Any) -> dict[str, Any]:
 
 def latest(directory: Any) -> str | None:
     """The prefix of the newest checkpoint in ``directory`` that verifies, or None; a
-    damaged newer one is skipped with a ``RuntimeWarning`` naming it and the reason.
-
-    Example:
-        >>> prefix = latest("/tmp/run")          # doctest: +SKIP
-        >>> checkpoint.restore(trainer, prefix)  # doctest: +SKIP
-    """
+    damaged newer one is skipped with a ``RuntimeWarning``."""
     for prefix in reversed(checkpoints(directory)):
         try:
             verify(prefix)

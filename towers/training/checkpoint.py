@@ -1,19 +1,17 @@
 """Save a trainer's whole state and resume it, bitwise, in another process.
 
-What a step's result depends on, and so what a checkpoint holds::
+::
 
     checkpoint
-    ├── replica_0/model/0 … k        every variable of every replica's model: weights,
-    │   replica_0/optimizer/0 … m    BatchNorm statistics, dropout seed state; the optimizer's
-    ├── replica_1/…                  iteration count, learning rate and slots (Adam's m, v)
-    ├── step                         the optimizer's iteration counter (one per train_step)
-    ├── all_reduce                   the algorithm, when it is a tf.Module (compression
-    │                                residuals, error feedback: state that shapes the next step)
-    └── record                       what all of it is (JSON, :mod:`towers.training.signature`)
+    ├── replica_0/model/0 … k        every variable of every replica's model (weights,
+    │   replica_0/optimizer/0 … m    BatchNorm statistics, seed state) and optimizer
+    ├── replica_1/…                  (iterations, learning rate, slots; sharded: its shard)
+    ├── step                         the optimizer's iteration counter
+    ├── all_reduce                   the algorithm, when it is a tf.Module (error feedback)
+    └── record                       what all of it is (:mod:`towers.training.signature`)
 
-The variables are listed replica by replica (tracking the Keras objects misses the dropout
-``seed_generator_state``); under ``variables="sharded"`` ``replica_<k>/optimizer`` is tower
-``k``'s shard of the slots. A restore is all or nothing, into a trainer built the same way.
+Variables are listed, not tracked through Keras objects (which misses the dropout
+``seed_generator_state``). A restore is all or nothing, into a trainer built the same way.
 """
 
 from __future__ import annotations
@@ -42,8 +40,8 @@ def _tf_variables(variables: list[Any]) -> list[tf.Variable]:
 
 
 def checkpoint(trainer: Trainer, **extra: Any) -> tf.train.Checkpoint:
-    """A ``tf.train.Checkpoint`` of everything that determines the trainer's next step (see
-    the module's drawing), and ``extra`` trackables (a ``ValueError`` if a name collides).
+    """A ``tf.train.Checkpoint`` of everything that determines the trainer's next step, and
+    ``extra`` trackables (a ``ValueError`` if a name collides).
 
     Example:
         >>> checkpoint(trainer, epoch=epoch_var).write("/tmp/run/ckpt")  # doctest: +SKIP
@@ -75,8 +73,8 @@ def save(trainer: Trainer, path: str) -> str:
 
 
 def load(trainer: Trainer, prefix: str) -> dict[str, Any]:
-    """Restore one checkpoint of a directory (:func:`towers.training.atomic.write`), checked
-    against its manifest first (a ``CheckpointError`` naming ``prefix``); return its position.
+    """Restore one checkpoint of a directory (:func:`towers.training.atomic.write`), verified
+    against its manifest first; return its position.
 
     Example:
         >>> load(trainer, latest("/tmp/run"))                        # doctest: +SKIP
@@ -89,11 +87,9 @@ def load(trainer: Trainer, prefix: str) -> dict[str, Any]:
 def restore(trainer: Trainer, path: str) -> None:
     """Load a state written by :func:`save` into a trainer built the same way: all or nothing.
 
-    Before anything is assigned, the checkpoint's record is compared with this trainer
-    (:func:`towers.training.signature.check`), the all-reduce's state is restored into a
-    copy and every value is read once (the bundle's checksums catch damaged data); should
-    the real read still fail, the previous values are put back. The learning rate is the
-    checkpoint's (a ``UserWarning`` when it replaces another).
+    The record is checked, the all-reduce's state restored into a copy and every value read
+    once before anything is assigned; should the real read fail, the old values are put
+    back. The learning rate is the checkpoint's (a ``UserWarning`` when it replaces another).
 
     Raises:
         TypeError: ``trainer`` is not a trainer, or ``path`` not a str or ``os.PathLike``.
@@ -135,8 +131,8 @@ def _check_trainer(trainer: Any) -> None:
 
 
 def _check_algorithm_state(trainer: Trainer, path: str, saved: list[str]) -> None:
-    """Restore the all-reduce's state (codec, error feedback) into a copy first: a shape,
-    dtype or count that differs fails there, before any of the trainer's state is written."""
+    """Restore the all-reduce's state into a copy first: a difference fails there, before
+    any of the trainer's state is written."""
     in_file = [k for k in saved if k.startswith("all_reduce/")]
     if not isinstance(trainer.algorithm, tf.Module):
         if in_file:
@@ -163,8 +159,7 @@ def _check_algorithm_state(trainer: Trainer, path: str, saved: list[str]) -> Non
 
 
 def _written(trainer: Trainer) -> list[tf.Variable]:
-    """Every variable a restore writes."""
-    found: list[Any] = [trainer.optimizer.iterations]
+    found: list[Any] = [trainer.optimizer.iterations]  # every variable a restore writes
     for r in trainer.replicas:
         found += [*r.model.variables, *r.optimizer.variables]
     variables = _tf_variables(found)

@@ -1,7 +1,4 @@
-"""Small real data for examples and the main job: scikit-learn's bundled 8×8 digits.
-
-``load_digits`` ships inside scikit-learn, so nothing is downloaded.
-"""
+"""Small real data for examples: scikit-learn's bundled 8×8 digits (nothing is downloaded)."""
 
 from __future__ import annotations
 

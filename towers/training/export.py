@@ -1,14 +1,13 @@
-"""Export the trained model for use without towers: a ``.keras`` file and a SavedModel;
-``TowerModel``'s weights files in the plain network's layout (:class:`AsNetwork`).
+"""Export the trained model for use without towers; ``TowerModel``'s weights files in the
+plain network's layout (:class:`AsNetwork`).
 
 ::
 
     trainer.model ──model.save──▶ <path>/model.keras     Keras: load_model, keep training
                   └─model.export─▶ <path>/saved_model/    TF Serving, TFLite (endpoint "serve")
 
-Both hold one copy of the weights (the replicas are identical). The ``.keras`` file
-reloads to outputs bitwise equal to ``trainer.model``'s; the SavedModel is a traced graph
-that Grappler fuses when loaded (MatMul + BiasAdd, …), so expect agreement to a few ULPs.
+The ``.keras`` file reloads bitwise; the SavedModel is a traced graph Grappler fuses when
+loaded, so it agrees to a few ULPs.
 """
 
 from __future__ import annotations
@@ -52,10 +51,9 @@ def export(trainer: Trainer, path: str) -> Exported:
 
 
 class AsNetwork(KerasSaveable):  # type: ignore[misc]
-    """A ``TowerModel`` as Keras's weights files walk it (``TowerModel.save_weights``,
-    ``load_weights``): its network's own layout (``layers/...``, not ``network/layers/...``),
-    so the user's plain model reads the file and writes one the ``TowerModel`` reads, plus
-    the towers' optimizers (every shard owner's, ``sharded``)."""
+    """A ``TowerModel`` as Keras's weights files walk it: its network's own layout (so the
+    plain model reads the file, and writes one the ``TowerModel`` reads) plus the towers'
+    optimizers."""
 
     _TOWERS = ("optimizer", "shard_optimizers")
 

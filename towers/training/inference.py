@@ -5,11 +5,8 @@
     batch ─split─▶ shard_i ─tf.device(tower_i): network(replica_i's values, shard_i)─▶ out_i
           ─▶ concat(out_0 … out_{n-1}) on the parameter device, in tower order
 
-The split is the step's own (:func:`towers.split.shard_batch`); an empty tower sits out.
-Every tower reads its replica's values (:meth:`towers.placement.Replicas.read`) and runs
-the network as the training step does (:func:`towers.tower.run_network`), in inference
-mode: the layer state Keras keeps outside variables (adapted statistics, lookup tables)
-holds on every tower.
+The split and the network call are the training step's (:func:`towers.split.shard_batch`,
+:func:`towers.tower.run_network`), in inference mode; an empty tower sits out.
 """
 
 from __future__ import annotations
@@ -30,12 +27,7 @@ __all__ = ["inference"]
 
 
 class _Inference:
-    """A trainer's compiled inference passes (traced once per batch shape): the step's
-    split (:func:`towers.split.shard_batch`), then every tower's replica on its shard in
-    inference mode, outputs concatenated in tower order on the parameter device.
-
-    Holds the trainer weakly so that the cache below does not keep it alive.
-    """
+    """A trainer's compiled inference passes; holds the trainer weakly (for the cache)."""
 
     def __init__(self, trainer: Trainer) -> None:
         self._trainer = weakref.ref(trainer)
@@ -51,9 +43,7 @@ class _Inference:
         return trainer
 
     def _run(self, batch: Batch) -> list[tuple[str, Batch, Any, list[Any]]]:
-        """``(device, shard, outputs, model losses)`` of every tower that has examples, in
-        tower order. The model's losses (``add_loss`` in ``call``, activity and weight
-        regularizers) are the ones ``stateless_call`` returns for the tower's call."""
+        """``(device, shard, outputs, model losses)`` of every tower with examples, in order."""
         trainer = self._get()
         shards = shard_batch(*batch, len(trainer.devices))
         done = []
@@ -73,16 +63,12 @@ class _Inference:
 
     def _loss_and_outputs(self, x: Any, y: Any, sample_weight: Any
                           ) -> tuple[tf.Tensor, Any, tf.Tensor]:  # fmt: skip
-        """``(Σ w·l over the batch, outputs, model losses)``: each tower sums its own losses.
-
-        The model's losses R_i (``model.losses`` of tower i: ``add_loss``, activity and
-        weight regularizers; 0 for a model without any) are averaged over the towers that
-        ran, weighted by their examples b_i: Σ R_i·b_i / Σ b_i, what MirroredStrategy's
-        loss tracker reports (each replica adds its loss + R_i with weight b_i)."""
+        """``(Σ w·l over the batch, outputs, model losses)``; the model's losses R_i
+        (``add_loss``, regularizers) averaged over the towers by their examples b_i,
+        Σ R_i·b_i / Σ b_i, as MirroredStrategy's loss tracker reports."""
         trainer = self._get()
         done = self._run((x, y, sample_weight))
-        sums = []
-        extra, examples = [], []
+        sums, extra, examples = [], [], []
         for device, shard, out, losses in done:
             with tf.device(device):
                 per_ex = per_example_loss(trainer.loss_fn, shard[1], out, shard[2],

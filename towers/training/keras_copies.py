@@ -1,8 +1,7 @@
 """A Keras model and optimizer copied onto a device, whole: what a replica is made of.
 
-A copy takes every variable of the first replica (seed-generator state included) and the
-layer state Keras keeps outside variables, so every replica starts bitwise equal and is
-the whole model (:class:`towers.placement.Replicas` makes them).
+A copy takes every variable (seed-generator state included) and the layer state Keras keeps
+outside variables, so every replica starts bitwise equal.
 """
 
 from __future__ import annotations
@@ -67,9 +66,8 @@ def new_model(model: ModelLike, device: str, first: keras.Model | None) -> keras
 
 def copy_state(source: keras.Model, target: keras.Model) -> None:
     """Give ``target`` (a copy of ``source``'s architecture) ``source``'s whole state: every
-    variable, then each layer's state as Keras's own weights files carry it
-    (``save_own_variables``/``load_own_variables``: adapted ``Normalization`` statistics
-    are finalized there; ``save_assets``/``load_assets``: a lookup table's vocabulary).
+    variable, then each layer's own variables and assets as Keras's weights files carry them
+    (``Normalization`` statistics, a lookup table's vocabulary).
 
     Raises:
         ValueError: the copies differ in their variables (a factory that is not deterministic).
@@ -98,11 +96,8 @@ def new_optimizer(
     optimizer: OptimizerLike, variables: list[Any], device: str, first: bool
 ) -> keras.optimizers.Optimizer:
     """An optimizer on ``device`` built for ``variables``: ``optimizer`` itself when it is
-    replica 0's (``first``) and unbuilt, else a copy from its config or the factory's.
-
-    Raises:
-        TypeError: ``optimizer`` is neither a Keras optimizer nor a factory of one.
-    """
+    replica 0's (``first``) and unbuilt, else a copy from its config or the factory's (a
+    ``TypeError`` when it is neither a Keras optimizer nor a factory of one)."""
     with tf.device(device):
         if isinstance(optimizer, keras.optimizers.Optimizer):
             if first and not optimizer.built:

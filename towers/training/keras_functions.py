@@ -3,11 +3,9 @@
 ::
 
     Keras fit/evaluate/predict ──▶ function(iterator)     steps_per_execution batches per call
-        train:   batch ─▶ (resume_skip > 0: pulled, not trained; empty logs)
-                        └▶ trainer.train_step_as_keras(x, y, w, batch_unknown)  towers/step.py
+        train:   batch ─▶ trainer.train_step_as_keras(x, y, w, batch_unknown)  (resume: skipped)
         test:    batch ─▶ inference(trainer).loss_and_outputs ─▶ loss / divisor (+ model losses)
         predict: batches ─▶ inference(trainer).outputs ─▶ concatenated
-    loss tracker ← the batch's global mean loss (weight: its size); compiled metrics ← outputs
 
 Each takes the ``TowerModel`` (typed ``Any``: this package sits below :mod:`towers.model`).
 """
@@ -28,14 +26,12 @@ __all__ = ["batch_unknown", "predict_function", "relaxes", "test_function", "tra
 
 
 def train_function(tm: Any) -> Callable[[Any], Any]:
-    """Keras's ``train_function``: a towers step per batch (:func:`train_batch`), traced
-    with the batch dimension Keras's iterator gives (:mod:`towers.compile.step`)."""
+    """Keras's ``train_function``: a towers step per batch (:func:`train_batch`)."""
     return _loop(tm, train_batch)
 
 
 def test_function(tm: Any) -> Callable[[Any], Any]:
-    """Keras's ``test_function``: the towers' inference pass per batch (:func:`test_batch`),
-    traced with the batch dimension Keras's iterator gives."""
+    """Keras's ``test_function``: the towers' inference pass per batch (:func:`test_batch`)."""
     return _loop(tm, test_batch)
 
 
@@ -56,8 +52,7 @@ def predict_function(tm: Any) -> Callable[[Sequence[Any]], Any]:
 
 
 def _loop(tm: Any, one_batch: Callable[..., dict[str, Any]]) -> Callable[[Any], Any]:
-    """``steps_per_execution`` calls ``one_batch(tm, data, batch_unknown=...)``, told
-    whether the iterator's batch dimension is unknown."""
+    """``steps_per_execution`` calls of ``one_batch``, told whether the batch size is unknown."""
 
     def function(iterator: Any) -> Any:
         unknown = batch_unknown(getattr(iterator, "element_spec", None))
@@ -72,12 +67,7 @@ def _loop(tm: Any, one_batch: Callable[..., dict[str, Any]]) -> Callable[[Any], 
 
 
 def train_batch(tm: Any, data: Any, *, batch_unknown: bool = False) -> dict[str, Any]:
-    """One towers step on ``data``; the metrics' logs.
-
-    A batch a resume skips (``tm.resume_skip > 0``,
-    :class:`towers.training.backup.ExactResume`) is pulled, not trained, and reports
-    empty logs.
-    """
+    """One towers step on ``data``; the metrics' logs (empty for a batch a resume skips)."""
     if tm.resume_skip > 0:
         tm.resume_skip -= 1
         return {}
@@ -92,8 +82,7 @@ def train_batch(tm: Any, data: Any, *, batch_unknown: bool = False) -> dict[str,
 
 
 def test_batch(tm: Any, data: Any, *, batch_unknown: bool = False) -> dict[str, Any]:
-    """The towers' inference pass on ``data``: the global mean loss and the outputs
-    (``batch_unknown``: traced with the batch dimension unknown, :func:`relaxes`)."""
+    """The towers' inference pass on ``data``: the global mean loss and the metrics' logs."""
     trainer = tm._trainer()
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     passes = inference(trainer)
@@ -111,13 +100,8 @@ def test_batch(tm: Any, data: Any, *, batch_unknown: bool = False) -> dict[str, 
 
 def update_metrics(tm: Any, x: Any, y: Any, outputs: Any, sample_weight: Any,
                    loss: Any) -> dict[str, Any]:  # fmt: skip
-    """The loss tracker takes the batch's global mean loss, weighted by the batch size
-    (what MirroredStrategy's per-replica trackers sum to); the compiled metrics the
-    outputs, concatenated in tower order.
-
-    Returns:
-        Keras's ``compute_metrics`` logs.
-    """
+    """Feed the loss tracker the batch's mean loss (weight: its size, as MirroredStrategy's
+    trackers sum to) and the compiled metrics the outputs; Keras's ``compute_metrics`` logs."""
     size = tf.shape(tf.nest.flatten(x)[0])[0]
     tm._loss_tracker.update_state(loss, sample_weight=size)
     if getattr(tm, "output_names", None):  # a model with several outputs: "a_loss", "b_loss"
@@ -126,8 +110,7 @@ def update_metrics(tm: Any, x: Any, y: Any, outputs: Any, sample_weight: Any,
 
 
 def batch_unknown(element_spec: Any) -> bool:
-    """True when some tensor of ``element_spec`` (a dataset's or iterator's) has a
-    leading dimension of unknown size: Keras's step traces that batch dimension unknown."""
+    """Whether some tensor of ``element_spec`` has an unknown leading dimension."""
     for spec in tf.nest.flatten(element_spec):
         shape = getattr(spec, "shape", None)
         if shape is not None and (shape.rank is None or (shape.rank > 0 and shape[0] is None)):
@@ -136,9 +119,8 @@ def batch_unknown(element_spec: Any) -> bool:
 
 
 def relaxes(batch_unknown: bool, x: Any, towers: int) -> bool:
-    """Whether a step on batch ``x`` over ``towers`` towers takes the relaxed trace: Keras's
-    batch dimension is unknown and no tower is left empty (a batch with an empty tower keeps
-    its static trace, in which the empty towers do not run the model)."""
+    """Whether a step on ``x`` takes the relaxed trace: the batch size is unknown to Keras
+    and no tower is empty (empty towers need the static trace, which skips them)."""
     if not batch_unknown:
         return False
     size = tf.get_static_value(batch_size(x))

@@ -1,16 +1,12 @@
 """A Keras loss as ``compile`` prepares it, one value per example, for the towers' step.
 
-What Keras's ``compile`` and ``Loss.__call__`` do between a model's output and the
-scalar it trains on, cut where the towers need it: per example, before the global
-divisor (towers/tower.py divides every tower's weighted sum by it)::
+Cut where the towers need it: per example, before the global divisor (towers/tower.py
+divides every tower's weighted sum by it)::
 
     loss given   "hinge" | "ce" | keras.losses.Loss | fn(y_true, y_pred)   resolve_loss
     labels       brought to the output's rank, as Keras wraps a loss       same_rank
-    values       l[b, t…] ── · w[b, t…] (a per-element sample weight) ──▶ mean over t…
-                 (sum over t… for the reduction "sum")                     per_example_loss
+    values       l[b, t…] · w[b, t…] ──▶ mean over t… (sum for "sum")      per_example_loss
     divisor      B, 1 ("sum") or Σw ("mean_with_sample_weight")            loss_divisor
-
-:data:`REDUCTIONS` lists the reductions a trainer honours over the *global* batch.
 """
 
 from __future__ import annotations
@@ -24,30 +20,15 @@ import tensorflow as tf
 
 from towers.allreduce.machinery.primitives import send
 
-__all__ = [
-    "CROSSENTROPY",
-    "REDUCTIONS",
-    "LossFn",
-    "extra_axes",
-    "loss_divisor",
-    "loss_reduction",
-    "per_example_loss",
-    "resolve_loss",
-    "same_rank",
-    "tower_divisor",
-    "weighs_elements",
-]
+__all__ = ["CROSSENTROPY", "REDUCTIONS", "LossFn", "extra_axes", "loss_divisor", "loss_reduction",
+           "per_example_loss", "resolve_loss", "same_rank", "tower_divisor", "weighs_elements"]
 
 LossFn = Callable[[Any, Any], Any]
 
 REDUCTIONS = ("sum_over_batch_size", "sum", "mean", "mean_with_sample_weight")
-"""The Keras loss reductions a trainer honours, each over the *global* batch (what one
-device computes on the whole batch; ``keras.losses.Loss(reduction=...)``):
-``sum_over_batch_size`` (the default) and ``mean`` (the same in Keras): ``Σ w·l / B``;
-``sum``: ``Σ w·l``; ``mean_with_sample_weight``: ``Σ w·l / Σ w`` with sample weights,
-``Σ w·l / B`` without. ``"none"`` (or None), the loss of a custom training loop that
-hands its per-example values to ``tf.nn.compute_average_loss``, trains exactly so:
-``Σ w·l / B`` over the global batch, the same as the default."""
+"""The Keras loss reductions a trainer honours, each over the *global* batch:
+``sum_over_batch_size`` (the default), ``mean`` and ``"none"``/None: ``Σ w·l / B``; ``sum``:
+``Σ w·l``; ``mean_with_sample_weight``: ``Σ w·l / Σ w`` (``Σ w·l / B`` without weights)."""
 
 
 def resolve_loss(loss: str | LossFn | keras.losses.Loss) -> LossFn:
@@ -61,10 +42,9 @@ def resolve_loss(loss: str | LossFn | keras.losses.Loss) -> LossFn:
         return _crossentropy
     if isinstance(loss, str):
         try:
-            resolved = keras.losses.get(loss)
+            loss = keras.losses.get(loss)
         except ValueError as err:
             raise ValueError(f"loss: unknown Keras loss name {loss!r}") from err
-        loss = resolved
     if isinstance(loss, keras.losses.Loss):
         # Loss.call gives the unreduced values; __call__ would average them.
         return loss.call
@@ -78,9 +58,8 @@ CROSSENTROPY = ("crossentropy", "ce")
 
 
 def _crossentropy(y_true: Any, y_pred: Any) -> Any:
-    """``loss="crossentropy"`` (or ``"ce"``): binary cross-entropy for one output unit,
-    sparse categorical for labels of a lower rank or one column, else categorical — the
-    rule of Keras's ``compile`` (``is_binary_or_sparse_categorical``)."""
+    """``loss="crossentropy"``/``"ce"``: binary for one output unit, sparse categorical for
+    labels of a lower rank or one column, else categorical (Keras's ``compile`` rule)."""
     y_true, y_pred = tf.convert_to_tensor(y_true), tf.convert_to_tensor(y_pred)
     true, pred = y_true.shape, y_pred.shape
     if pred[-1] == 1:
@@ -94,9 +73,8 @@ def _crossentropy(y_true: Any, y_pred: Any) -> Any:
 
 def same_rank(fn: LossFn) -> LossFn:
     """``fn`` with ``y_true`` squeezed or expanded to ``y_pred``'s rank first, as Keras's
-    ``compile`` wraps a loss function (``LossFunctionWrapper``): labels of shape ``(B,)``
-    against a ``(B, 1)`` output would otherwise broadcast to ``(B, B)`` (a wrong loss for
-    ``hinge``, ``poisson``, ``kl_divergence``; an error for ``binary_crossentropy``)."""
+    ``LossFunctionWrapper`` does: labels ``(B,)`` against outputs ``(B, 1)`` would otherwise
+    broadcast to ``(B, B)``."""
 
     @functools.wraps(fn)
     def call(y_true: Any, y_pred: Any) -> Any:
@@ -120,10 +98,8 @@ def same_rank(fn: LossFn) -> LossFn:
 
 
 def loss_reduction(loss: str | LossFn | keras.losses.Loss) -> str:
-    """The reduction a loss asks for (a Keras ``Loss``'s ``reduction``; the default else).
-
-    ``"none"``/None is the default: per-example values, averaged over the global batch
-    as ``tf.nn.compute_average_loss`` averages them.
+    """The reduction a loss asks for (a Keras ``Loss``'s ``reduction``, ``"none"`` meaning the
+    default; the default for any other loss).
 
     Raises:
         ValueError: a reduction not in :data:`REDUCTIONS`, naming ``loss`` and the reduction.
@@ -146,14 +122,9 @@ def loss_reduction(loss: str | LossFn | keras.losses.Loss) -> str:
 def loss_divisor(
     reduction: str, global_batch: tf.Tensor, sample_weights: Sequence[Any], device: str
 ) -> tf.Tensor:
-    """What every tower divides its weighted loss sum by, for ``reduction`` (global batch).
-
-    The global batch size (an int32, as ``tf.nn.compute_average_loss`` takes it) for
-    ``sum_over_batch_size`` and ``mean`` — and for ``mean_with_sample_weight`` without
-    sample weights, as Keras does; 1 for ``sum``; for ``mean_with_sample_weight`` with
-    sample weights their sum over the whole batch (float32, formed on ``device`` from
-    every tower's shard, in tower order).
-    """
+    """What every tower divides its weighted loss sum by: the global batch size (int32),
+    1 for ``sum``, or the sample weights' global sum for ``mean_with_sample_weight`` (float32,
+    formed on ``device`` in tower order)."""
     if reduction == "sum":
         return tf.ones([], global_batch.dtype)
     weights = [w for w in sample_weights if w is not None]
@@ -168,18 +139,10 @@ def loss_divisor(
 
 
 def tower_divisor(rule: str | float, divisor: tf.Tensor, shard: Any, towers: int) -> tf.Tensor:
-    """What one tower divides its loss sum by.
-
-    Args:
-        rule: the options' divisor rule (:attr:`~towers.guard.options.TowerOptions.divisor`).
-        divisor: the step's global divisor (``TowerTrainer.loss_divisor``).
-        shard: the tower's ``(x, y, sample_weight)``.
-        towers: the number of towers (``num_replicas_in_sync``).
-
-    Returns:
-        ``divisor`` (``"global"``); ``shard size × towers`` (int32, ``"per_replica"``); the
-        constant (int32 when it is a whole number, as ``compute_average_loss`` takes it).
-    """
+    """What one tower divides its loss sum by, for ``rule``
+    (:attr:`~towers.guard.options.TowerOptions.divisor`): the global ``divisor``
+    (``"global"``), ``shard size × towers`` (``"per_replica"``), or the constant (int32 when
+    whole, as ``compute_average_loss`` takes it)."""
     if rule == "per_replica":
         size = tf.shape(tf.nest.flatten(shard[0])[0])[0]  # compute_average_loss's shape[0]
         return size * towers
@@ -195,20 +158,14 @@ def per_example_loss(
     loss_fn: LossFn, y_true: Any, y_pred: Any, sample_weight: Any = None, *,
     extra_axes: str = "mean",
 ) -> tf.Tensor:
-    """Per-example losses, shape ``[batch]``: a loss value's extra axes (per timestep, per
-    pixel) are averaged (``extra_axes="mean"``) or added (``"sum"``, for Keras's reduction
-    ``"sum"``, which adds every value; :func:`extra_axes`), so that dividing their total by
-    the batch divides it by every value as Keras's other reductions do.
-
-    A ``sample_weight`` that weighs elements, not examples (per timestep: ``[batch, T]``
-    for loss values of shape ``[batch, T]``, :func:`weighs_elements`), is applied here, to
-    the values before their extra axes are averaged, as Keras applies it; the caller then
-    weighs nothing more. A per-example weight is the caller's.
+    """Per-example losses, shape ``[batch]``: extra axes (per timestep, per pixel) averaged
+    (``extra_axes="mean"``) or added (``"sum"``, Keras's reduction ``"sum"``). A weight per
+    element (:func:`weighs_elements`) is applied here, before that, as Keras applies it; a
+    per-example weight is the caller's.
 
     Raises:
-        ValueError: the loss's values break the contract (:func:`_checked_values`); an
-            element weight's shape is not the loss values' (a multi-output loss has one
-            value per example).
+        ValueError: values that break :func:`_checked_values`'s contract; an element
+            weight whose shape is not the values'.
     """
     values = _checked_values(loss_fn(y_true, y_pred), y_pred)
     if weighs_elements(sample_weight):
@@ -228,15 +185,12 @@ def per_example_loss(
 
 
 def _checked_values(values: Any, y_pred: Any) -> tf.Tensor:
-    """A loss's output, checked where it is first traced: real floating values with the
-    batch as their first axis, one row per example of ``y_pred`` (its first axis; a loss
-    of a structured output is checked against its first leaf). A loss that averaged over
-    the batch, or broadcast labels against outputs into ``[batch, batch]``-like shapes of
-    the wrong length, would otherwise train on a wrong loss without a word.
+    """A loss's output, checked when traced: floating values, one row per example of
+    ``y_pred`` (its first leaf), so a loss averaged over the batch or broadcast against the
+    outputs is not trained on silently.
 
     Raises:
-        ValueError: a scalar, a non-floating or complex dtype, or a first axis that is
-            not the batch, naming ``loss`` and both shapes.
+        ValueError: a scalar, a non-floating dtype, or a first axis that is not the batch.
     """
     try:
         values = tf.convert_to_tensor(values)
@@ -272,8 +226,8 @@ def extra_axes(reduction: str) -> str:
 
 
 def weighs_elements(sample_weight: Any) -> bool:
-    """Whether ``sample_weight`` weighs a loss's elements (it has axes beyond the batch and
-    a trailing 1) rather than its examples (``[batch]`` or ``[batch, 1]``)."""
+    """Whether ``sample_weight`` weighs a loss's elements rather than its examples
+    (``[batch]`` or ``[batch, 1]``)."""
     shape = getattr(sample_weight, "shape", None)
     if shape is None:
         return False

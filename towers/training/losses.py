@@ -4,15 +4,12 @@
 
     y_pred = model(x)      [out_a, out_b]  (a list, a tuple or a dict)
     y_true                 [y_a,   y_b]    (by position, or a dict by output name)
-    losses                 [L_a,   L_b]    (or {name: L}; one loss: every output)
-    weights                [w_a,   w_b]    (or {name: w}; None: 1)
+    losses, weights        [L_a,   L_b], [w_a, w_b]  (or dicts by name; one loss: every output)
 
     per example i:   w_a · L_a(y_a, out_a)_i  +  w_b · L_b(y_b, out_b)_i
 
-so the towers' step divides this sum, as any per-example loss, by the global batch
-(:func:`towers.training.keras_loss.per_example_loss` averages a loss's extra axes first).
-Every output's loss must ask for the same Keras reduction; an output whose loss is None
-trains no term.
+which the step divides, as any per-example loss, by the global batch. Every output's loss
+must ask for the same Keras reduction; an output whose loss is None trains no term.
 """
 
 from __future__ import annotations
@@ -40,14 +37,8 @@ def is_structured(loss: Any) -> bool:
 
 
 def reduction_of(loss: Any) -> str:
-    """The Keras reduction ``loss`` asks for: one loss's
-    (:func:`towers.training.keras_loss.loss_reduction`) or, for a loss per output, the one
-    they all ask for.
-
-    Raises:
-        ValueError: as :func:`~towers.training.keras_loss.loss_reduction`; outputs' losses
-            that disagree.
-    """
+    """The Keras reduction ``loss`` asks for (for a loss per output, the one they share; a
+    ``ValueError`` when they disagree or it is unsupported)."""
     if isinstance(loss, OutputLosses):
         return loss.reduction
     return OutputLosses(loss).reduction if is_structured(loss) else loss_reduction(loss)
@@ -57,10 +48,8 @@ class OutputLosses:
     """``(y_true, y_pred) -> per-example losses`` summed over a multi-output model's outputs.
 
     Args:
-        losses: one loss (every output takes it), a list or tuple (one per output, in the
-            model's output order), or a dict by output name (an output left out, or given
-            None, trains no term). Each a Keras loss, a loss name or a callable
-            ``(y_true, y_pred) -> per-example losses``.
+        losses: one loss (every output), a list (model output order) or a dict by output
+            name (an output left out or None trains no term).
         weights: None (all 1), a list (per output) or a dict by output name.
 
     Raises:
@@ -72,17 +61,13 @@ class OutputLosses:
         self.losses, self.weights = losses, weights
         self.names: list[str] | None = None
         self._fns: list[tuple[Any, float]] = []
-        reductions = {loss_reduction(loss) for loss in self._given(losses)}
+        given = losses.values() if isinstance(losses, Mapping) else (
+            losses if isinstance(losses, list | tuple) else [losses])  # fmt: skip
+        reductions = {loss_reduction(loss) for loss in given if loss is not None}
         if len(reductions) > 1:
             raise ValueError(f"loss: every output's loss must ask for the same reduction, "
                              f"got {sorted(reductions)}")  # fmt: skip
         self.reduction = reductions.pop() if reductions else "sum_over_batch_size"
-
-    @staticmethod
-    def _given(losses: Any) -> list[Any]:
-        values = losses.values() if isinstance(losses, Mapping) else (
-            losses if isinstance(losses, list | tuple) else [losses])  # fmt: skip
-        return [loss for loss in values if loss is not None]
 
     def bind(self, model: keras.Model) -> OutputLosses:
         """Match the losses and weights to ``model``'s outputs (by position or name)."""
@@ -145,10 +130,8 @@ class OutputLosses:
         return total
 
 
-
 def _output_names(model: keras.Model) -> list[str]:
-    """The model's output names (a Functional model's); a Sequential or subclassed model
-    has none: its outputs are numbered (``output_0``…), one when it cannot tell."""
+    """The model's output names, else ``output_0``, ``output_1``… (one when it cannot tell)."""
     names = getattr(model, "output_names", None)
     if names:
         return list(names)
@@ -167,12 +150,8 @@ def step_loss(loss: Any) -> Any:
 
 
 def bind_loss(resolved: Any, loss: Any, model: keras.Model) -> Any:
-    """``resolved`` bound to ``model``'s outputs (one ``loss`` for every output, as Keras's,
-    when a model with several outputs was given one).
-
-    Raises:
-        ValueError: the losses do not match the model's outputs (naming ``loss``).
-    """
+    """``resolved`` bound to ``model``'s outputs (one ``loss`` for each, when a model with
+    several outputs was given one); a ``ValueError`` naming ``loss`` when they do not match."""
     if not isinstance(resolved, OutputLosses) and len(
             getattr(model, "output_names", None) or []) > 1:  # fmt: skip
         resolved = OutputLosses(loss)

@@ -1,8 +1,5 @@
-"""What the training tools need of a trainer, as a ``typing.Protocol``.
-
-``towers.training`` sits downstream of the step: it calls a trainer but never imports
-:mod:`towers.step` (``towers.model`` imports both), so the package has no import cycle.
-"""
+"""What the training tools need of a trainer, as a ``typing.Protocol`` (so that
+``towers.training`` never imports :mod:`towers.step`: no import cycle)."""
 
 from __future__ import annotations
 

@@ -1,28 +1,20 @@
 """What a checkpoint holds, written beside its values, and the check a restore makes of it.
 
-A bundle of variables alone says nothing about what they mean: restored by position,
-``SGD(momentum=0.9)``'s momentum became an ``RMSprop``'s mean square (NaN on the next
-step). So every checkpoint carries a record (JSON, in the bundle itself as
-``record/.ATTRIBUTES/py_state``) of the trainer that wrote it, and
-:func:`mismatch` compares it with the trainer a restore writes into::
+Restored by position, ``SGD(momentum=0.9)``'s momentum would become an ``RMSprop``'s mean
+square. So every checkpoint carries a JSON record (``record/.ATTRIBUTES/py_state``) of the
+trainer that wrote it, and :func:`mismatch` compares it with the trainer a restore writes into::
 
     record                                       refused when it differs
-    ├── placement, towers, replicas              placement; replicas (replicated/sharded:
-    │                                            one per tower; sharded slots are per shard)
-    ├── optimizer: class, config, inner          class (LossScaleOptimizer's inner too) and
+    ├── placement, towers, replicas              placement; replicas
+    ├── optimizer: class, config, inner          class (an inner optimizer's too) and
     │   learning_rate                            every hyperparameter but the learning rate
-    ├── model: [path, shape, dtype, trainable]   any entry (weights, BatchNorm statistics,
-    │                                            dropout seed state)
-    ├── slots: per replica [path, shape, dtype]  any entry (iterations, Adam's m and v,
-    │                                            the dynamic loss scale and its counter)
+    ├── model: [path, shape, dtype, trainable]   any entry
+    ├── slots: per replica [path, shape, dtype]  any entry
     └── all_reduce: identity, state shapes       the identity, when either side has state
 
-Allowed to differ: the learning rate (a float rate is run state: the checkpoint's value
-is restored and :func:`learning_rate_note` says so when it differs), the devices, the
-number of towers of a ``parameter_device`` trainer (one copy of everything), and a
-stateless all-reduce (it orders the sum; the resumed run is then within rounding of the
-original, not bitwise). Keras names variables uniquely per process (``dense_3/kernel``),
-so paths are compared without those numeric suffixes.
+Allowed to differ: the learning rate (restored, with a warning), the devices, the number of
+towers of a ``parameter_device`` trainer, and a stateless all-reduce (the resumed run is then
+within rounding, not bitwise). Paths are compared without Keras's numeric suffixes.
 """
 
 from __future__ import annotations
@@ -38,16 +30,8 @@ from towers.allreduce.machinery.reducer import algorithm_name
 from towers.guard.errors import CheckpointError
 from towers.training.protocol import Trainer
 
-__all__ = [
-    "FORMAT",
-    "KEY",
-    "Record",
-    "check",
-    "describe",
-    "learning_rate_note",
-    "mismatch",
-    "record",
-]
+__all__ = ["FORMAT", "KEY", "Record", "check", "describe", "learning_rate_note", "mismatch",
+           "record"]
 
 FORMAT = 1
 """The record's layout version; a checkpoint of another version is refused."""
@@ -165,19 +149,14 @@ def _entries(what: str, saved: list[Any], mine: list[Any]) -> str | None:
 
 
 def _show(entry: list[Any]) -> str:
-    """``dense/kernel float32[64, 10]`` (and ``(non-trainable)`` for model variables)."""
+    """``dense/kernel float32[64, 10]`` (``(non-trainable)`` too, for model variables)."""
     extra = " (non-trainable)" if entry[3:] == ["non-trainable"] else ""
     return f"{entry[0]} {entry[2]}{entry[1]}{extra}"
 
 
 def mismatch(saved: dict[str, Any], mine: dict[str, Any]) -> str | None:
-    """Why a checkpoint recorded as ``saved`` must not restore into ``mine``, or None.
-
-    Returns:
-        One sentence naming what differs and what to build instead, the first of:
-        placement, replicas, optimizer class, hyperparameters, model variables,
-        optimizer variables, all-reduce identity.
-    """
+    """Why a checkpoint recorded as ``saved`` must not restore into ``mine`` (one sentence
+    naming the first difference and what to build instead), or None."""
     for check_part in (_layout_mismatch, _optimizer_mismatch):
         if problem := check_part(saved, mine):
             return problem
@@ -229,9 +208,7 @@ def learning_rate_note(saved: dict[str, Any], mine: dict[str, Any]) -> str | Non
     a, b = saved["optimizer"], mine["optimizer"]
     while a["learning_rate"] is None and a["inner"] is not None and b["inner"] is not None:
         a, b = a["inner"], b["inner"]
-    if a["learning_rate"] is None or b["learning_rate"] is None:
-        return None
-    if a["learning_rate"] == b["learning_rate"]:
+    if None in (a["learning_rate"], b["learning_rate"]) or a["learning_rate"] == b["learning_rate"]:
         return None
     return (f"the learning rate is now the checkpoint's, {_fmt(a['learning_rate'])}; the "
             f"trainer was built with {_fmt(b['learning_rate'])}. To train at the trainer's rate, "
@@ -253,15 +230,8 @@ class Record(tf.train.experimental.PythonState):
 
 
 def check(reader: Any, path: str, trainer: Trainer) -> str | None:
-    """Compare the record in a checkpoint with ``trainer``'s; return the learning-rate note.
-
-    Args:
-        reader: the checkpoint's ``tf.train.load_checkpoint`` reader.
-        path: its prefix (for the error).
-        trainer: the trainer a restore would write into.
-
-    Returns:
-        :func:`learning_rate_note`'s sentence, or None.
+    """Compare the record in checkpoint ``path`` (read by ``reader``) with ``trainer``'s;
+    return :func:`learning_rate_note`'s sentence, or None.
 
     Raises:
         CheckpointError: no record, an unreadable one, or a mismatch (named).

@@ -5,16 +5,10 @@ every replica checked against replica 0.
 
     combine_non_trainable   every tower's new non-trainable values ─▶ one value each, by
                             its Keras aggregation (AGGREGATIONS), assigned to every replica
-    Hyperparameters.follow  learning_rate, weight_decay, … ─▶ every replica's optimizer;
-                            a Python number baked into the traced step ─▶ retrace
+    Hyperparameters.follow  replica 0's learning_rate, weight_decay, … ─▶ every replica
     TrainableWatch.changed  layer.trainable changed on replica 0 ─▶ every replica's layers
-                            (the trainer rebuilds its reducer and retraces; sharded refuses)
-    ReplicaCheck            every k steps: c[r][v] = (Σ_k b_k, Σ_k (k+1)·b_k) of v's bits
-                            on each replica; the first v with c[r][v] != c[0][v] raises
-
-Keras writes replica 0 only; its values reach the others by
-:meth:`towers.placement.Replicas.broadcast`. The checksum reads raw bits (0.0 differs
-from -0.0, NaN payloads count), weighted by position, outside the step.
+    ReplicaCheck            every k steps: a checksum of each variable's raw bits on each
+                            replica; the first that differs from replica 0's raises
 """
 
 from __future__ import annotations
@@ -32,7 +26,7 @@ from towers.guard.arguments import optional, positive_int
 from towers.guard.errors import ReplicaMismatchError
 
 __all__ = ["AGGREGATIONS", "Hyperparameters", "ReplicaCheck", "TrainableWatch", "checksum",
-           "combine_non_trainable", "trainable_flags"]
+           "combine_non_trainable"]
 
 
 AGGREGATIONS = ("mean", "none", "sum", "only_first_replica")
@@ -40,24 +34,17 @@ AGGREGATIONS = ("mean", "none", "sum", "only_first_replica")
 ``aggregation`` (``add_weight(aggregation=...)``):
 
 =====================  ==================================================================
-``mean``, ``none``     floating state (BatchNorm's moving statistics): the mean over the
-                       towers that saw examples (an empty tower's copy would drag it back)
-``sum``                a running total each tower adds to (a count of examples, a running
-                       sum): ``old + Σ_i (new_i − old)``, what one device adds on the whole
-                       batch; integer or floating
+``mean``, ``none``     floating state: the mean over the towers that saw examples
+``sum``                a running total: ``old + Σ_i (new_i − old)``, as one device adds
 ``only_first_replica`` tower 0's value
-``none``, integer      Keras's seed-generator state: tower 0's; any other integer state the
-                       towers change has no rule and is refused, naming the variable
+``none``, integer      a seed generator's state: tower 0's; other integer state is refused
 =====================  ==================================================================
 State no tower changed is kept bitwise (``(x + x + x) / 3`` is not always ``x``)."""
 
 
 def _rule(variable: Any, value: tf.Tensor) -> str:
-    """The rule of :data:`AGGREGATIONS` for a changed non-trainable ``variable``.
-
-    Raises:
-        ValueError: integer state with no declared aggregation (not a seed generator's).
-    """
+    """The rule of :data:`AGGREGATIONS` for a changed non-trainable ``variable`` (a
+    ``ValueError`` for integer state with no declared aggregation)."""
     aggregation = str(getattr(variable, "aggregation", "none") or "none").lower()
     if aggregation in ("sum", "only_first_replica"):
         return aggregation
@@ -76,9 +63,8 @@ def _rule(variable: Any, value: tf.Tensor) -> str:
 def combine_non_trainable(results: Sequence[Any], *, first_tower: bool, device: str,
                           variables: Sequence[Any] | None = None) -> list[tf.Tensor]:
     """One value per non-trainable variable, formed on ``device`` from every tower's
-    :class:`~towers.tower.TowerResult` by the rule of :data:`AGGREGATIONS` its entry of
-    ``variables`` (replica 0's; None: all ``none``) declares, or tower 0's for every
-    variable when ``first_tower`` (what MirroredStrategy shows when read).
+    :class:`~towers.tower.TowerResult` by its rule in :data:`AGGREGATIONS` (``variables``:
+    replica 0's; None: all ``none``), or tower 0's for all when ``first_tower``.
 
     Raises:
         ValueError: changed integer state without a declared aggregation (when traced).
@@ -92,9 +78,8 @@ def combine_non_trainable(results: Sequence[Any], *, first_tower: bool, device: 
             if first_tower or unchanged:  # (known when traced)
                 combined.append(send(values[0], device, note="state"))
                 continue
-            rule = "none" if variables is None else _rule(variables[j], values[0])
-            if rule == "none":  # no variable to read the rule from: the historical one
-                rule = "mean" if values[0].dtype.is_floating else "only_first_replica"
+            rule = (_rule(variables[j], values[0]) if variables is not None
+                    else "mean" if values[0].dtype.is_floating else "only_first_replica")
             if rule == "only_first_replica":
                 combined.append(send(values[0], device, note="state"))
             elif rule == "sum":
@@ -109,47 +94,16 @@ def combine_non_trainable(results: Sequence[Any], *, first_tower: bool, device: 
     return combined
 
 
-def _hyperparameters(optimizer: Any) -> dict[str, Any]:
-    """What a callback may change on an optimizer: its config, minus its name; a wrapper's
-    inner optimizer by its own hyperparameters (a change is copied onto the inner object)."""
-    config = dict(optimizer.get_config())
-    config.pop("name", None)
-    # a serialized object (a LearningRateSchedule) cannot be set, and every replica's
-    # follows the same iterations: no hyperparameter
-    config = {k: v for k, v in config.items() if not isinstance(v, dict)}
+def _hyperparameters(optimizer: Any, path: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
+    """What a callback may change on an optimizer, by attribute path: its config minus its
+    name and serialized objects (a schedule follows the same iterations everywhere); a
+    wrapper's inner optimizer's under ``("inner_optimizer", ...)``."""
+    found = {(*path, k): v for k, v in optimizer.get_config().items()
+             if k != "name" and not isinstance(v, dict)}  # fmt: skip
     inner = getattr(optimizer, "inner_optimizer", None)
     if isinstance(inner, keras.optimizers.Optimizer):
-        config["inner_optimizer"] = _hyperparameters(inner)
-    return config
-
-
-def _changes(seen: dict[str, Any], now: dict[str, Any]) -> dict[str, Any]:
-    """What differs in ``now`` from ``seen`` (an inner optimizer's changes nested)."""
-    out: dict[str, Any] = {}
-    for key, value in now.items():
-        if key == "inner_optimizer" and isinstance(value, dict):
-            inner = _changes(seen.get(key) or {}, value)
-            if inner:
-                out[key] = inner
-        elif seen.get(key) != value:
-            out[key] = value
-    return out
-
-
-def _assign(optimizer: Any, changed: dict[str, Any]) -> None:
-    """Set each changed hyperparameter on ``optimizer`` (an inner one's on the inner)."""
-    for key, value in changed.items():
-        if key == "inner_optimizer":
-            _assign(optimizer.inner_optimizer, value)
-        else:
-            setattr(optimizer, key, value)
-
-
-def _keys(changed: dict[str, Any]) -> set[str]:
-    """The changed hyperparameters' names, an inner optimizer's included."""
-    keys = {k for k in changed if k != "inner_optimizer"}
-    inner = changed.get("inner_optimizer")
-    return keys | _keys(inner) if isinstance(inner, dict) else keys
+        found.update(_hyperparameters(inner, (*path, "inner_optimizer")))
+    return found
 
 
 class Hyperparameters:
@@ -164,22 +118,20 @@ class Hyperparameters:
         now = _hyperparameters(trainer.optimizer)
         if now == self.seen:
             return
-        changed = _changes(self.seen, now)
+        changed = {path: v for path, v in now.items() if self.seen.get(path) != v}
         for replica in trainer.replicas[1:]:
-            _assign(replica.optimizer, changed)
-        if _keys(changed) - {"learning_rate"}:
+            for path, value in changed.items():
+                owner = replica.optimizer
+                for name in path[:-1]:
+                    owner = getattr(owner, name)
+                setattr(owner, path[-1], value)
+        if {path[-1] for path in changed} - {"learning_rate"}:
             trainer.retrace()
         self.seen = now
 
 
 def _layers(model: keras.Model) -> list[keras.layers.Layer]:  # Keras's own walk
     return list(model._flatten_layers(include_self=True, recursive=True))
-
-
-def trainable_flags(layers: Sequence[Any], weights: Sequence[Any],
-                    ) -> tuple[tuple[bool, ...], tuple[bool, ...]]:  # fmt: skip
-    """Every layer's ``trainable`` and every variable's (``model.weights`` order)."""
-    return tuple(bool(x.trainable) for x in layers), tuple(bool(v.trainable) for v in weights)
 
 
 def _copy_flags(source: keras.Model, target: keras.Model) -> None:
@@ -200,12 +152,15 @@ class TrainableWatch:
         self.placement = placement
         # a built model's layers and variables are fixed: walk them once, read flags per step
         self.layers, self.weights = _layers(model), list(model.weights)
-        self.flags = trainable_flags(self.layers, self.weights)
+        self.flags = self._flags()
         self.built = {id(v) for v in model.trainable_variables}
 
+    def _flags(self) -> tuple[tuple[bool, ...], tuple[bool, ...]]:
+        return (tuple(bool(x.trainable) for x in self.layers),
+                tuple(bool(v.trainable) for v in self.weights))
+
     def changed(self, replicas: Sequence[Any]) -> bool:
-        """Whether ``trainer.model``'s flags changed since the last call (then every
-        replica has been given them).
+        """Whether replica 0's flags changed since the last call (then every replica has them).
 
         Raises:
             ValueError: any change under ``variables="sharded"``, every variable frozen, or
@@ -213,7 +168,7 @@ class TrainableWatch:
                 is changed then).
         """
         model = replicas[0].model
-        flags = trainable_flags(self.layers, self.weights)
+        flags = self._flags()
         if flags == self.flags:
             return False
         self._check(model)
@@ -262,11 +217,7 @@ def _variables(replica: Any) -> list[tf.Variable]:
 
 
 class ReplicaCheck:
-    """Compare the replicas every ``every`` steps (None: never).
-
-    Raises:
-        ValueError: ``every`` is not None or a positive int.
-    """
+    """Compare the replicas every ``every`` steps (None: never; else a positive int)."""
 
     def __init__(self, every: int | None) -> None:
         optional(positive_int, "check_replicas_every", every)
