@@ -201,7 +201,9 @@ class TrainerParts:
     anything exists; and what one reads of it between steps. :class:`~towers.step.TowerTrainer`
     adds the step."""
 
-    across_processes: Any  # the guard's agreement hook (TowerTrainer.across_processes)
+    across_processes: Any = None
+    """The guard's agreement hook: a multi-process trainer's method summing the guard's
+    counts over the processes stepping together (None: this process alone)."""
 
     def __init__(self, model: ModelLike, optimizer: OptimizerLike,
                  loss: str | LossFn | keras.losses.Loss, devices: Sequence[str] | None = None,
