@@ -24,6 +24,7 @@ a callback's change of an optimizer hyperparameter or of ``layer.trainable`` is 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -93,7 +94,7 @@ class TowerModel(keras.Model):
             self.output_names = list(self.network.output_names)
         self.trainer: TowerTrainer | None = None
         self._hyper: Hyperparameters
-        self.fit_facts: dict[str, Any] | None = None  # what ExactResume records and checks
+        self.fit_facts: Any = None  # () -> what ExactResume records and checks, during fit
         self.resume_skip = 0  # batches the train function pulls but does not train
         self.broadcast_pending = False  # broadcast again before the next step (reset_metrics)
         self.built = True
@@ -176,7 +177,7 @@ class TowerModel(keras.Model):
     ) -> keras.callbacks.History:
         """Keras's ``fit``, recording the data's facts for
         :class:`~towers.training.backup.ExactResume`."""
-        self.fit_facts = data_facts(x, batch_size, shuffle)
+        self.fit_facts = functools.partial(data_facts, x, batch_size, shuffle)
         try:
             return super().fit(
                 x=x, y=y, batch_size=batch_size, epochs=epochs, verbose=verbose,

@@ -123,8 +123,7 @@ class TowerTrainer(TrainerParts):
         return self._run(self.compiled.relaxed if relax else self.compiled.steps[True], inputs)
 
     def train_step_shards(self, shards: Shards, *, return_outputs: bool = False) -> Any:
-        """The step without its split, on ``shards`` already cut and placed
-        (:func:`towers.split.distribute`, :meth:`split`): bitwise :meth:`train_step`'s.
+        """The step on ``shards`` already cut and placed: bitwise :meth:`train_step`'s.
 
         Raises:
             TypeError: not :class:`~towers.split.Shards`; batches not global (``WorkerTrainer``).
@@ -139,11 +138,12 @@ class TowerTrainer(TrainerParts):
         return self._run(self.compiled.steps[return_outputs], (shards,))
 
     def _run(self, step: Any, inputs: tuple[Any, ...]) -> Any:
-        """The deadline times the compiled step; then a skipped step raises if asked to,
-        and every k steps the replicas are compared."""
+        """The compiled step within its deadline; then the guard's and replica checks."""
         result = self.deadline.run(step, inputs)
-        self.guard.raise_if_nonfinite(self.optimizer, self.devices)
-        self.replica_check.after_step(self.replicas, self.deadline.name)
+        if self.guard.mode == "raise":
+            self.guard.raise_if_nonfinite(self.optimizer, self.devices)
+        if self.replica_check.every:
+            self.replica_check.after_step(self.replicas, self.deadline.name)
         return result
 
     def split(self, x: Any, y: Any, sample_weight: Any = None) -> Shards:
@@ -151,9 +151,8 @@ class TowerTrainer(TrainerParts):
         return shard_batch(*self._inputs(x, y, sample_weight), len(self.devices))
 
     def forward_backward(self, shards: Shards) -> Gradients:
-        """Phase 2: every tower's forward and backward pass on its shard, on its device.
-        An empty tower does not run the model: zero gradients, its share of the
-        regularization losses, unchanged state."""
+        """Phase 2: every tower's forward and backward pass on its shard, on its device
+        (an empty tower: zero gradients, its share of the regularization losses)."""
         divisor = self.loss_divisor(shards)
         ran = {i: self.tower_step(shards, i, divisor=divisor) for i in self.model_towers(shards)}
         results = []
@@ -186,23 +185,22 @@ class TowerTrainer(TrainerParts):
             divisor = self.loss_divisor(shards)
         part, n = shards.parts[tower], len(self.devices)
         divisor = tower_divisor(self.divisor_rule, divisor, part, n)
-        device, replica = self.devices[tower], self.replica_of(tower)
+        device, replica, scale = self.devices[tower], self.replica_of(tower), self.loss_scale
         with replica_scope(tower):  # MirroredStrategy's names: Grappler reads them
             trainable, frozen = self.replicas.read(tower, device)
             return run_tower(
                 self.model, trainable, frozen, part, loss_fn=self.loss_fn, global_batch=divisor,
                 num_towers=n, device=device, backward=backward,
-                loss_scale=self.loss_scale.scale(replica.optimizer, replica.device, device),
+                loss_scale=scale.scale(replica.optimizer, replica.device, device)
+                if scale.active else None,
                 jit_compile=self.options.jit_compile, loss_reduction=self.loss_reduction)
 
     def reduce_and_apply(self, grads: Gradients,
                          central: Sequence[TowerResult] | None = None) -> tf.Tensor:  # fmt: skip
-        """Reduce → apply inside the guard's one ``tf.cond``: all of it or nothing.
-
-        A reduction that :func:`~towers.guard.capabilities.sums_exactly` runs first, and the
+        """Reduce → apply inside the guard's one ``tf.cond``: all of it or nothing. A
+        reduction that :func:`~towers.guard.capabilities.sums_exactly` runs first, and the
         guard checks one reduced copy. ``central``: the towers' results as a nested update
-        received them, checked on the guard's device.
-        """
+        received them, checked on the guard's device."""
         early = None
         if self._reduce_first:
             with tf.name_scope("reduce"):
@@ -214,8 +212,7 @@ class TowerTrainer(TrainerParts):
 
     def _update(self, grads: Gradients, reduced: Reduced | None,
                 grads_finite: tf.Tensor | None) -> tf.Tensor:  # fmt: skip
-        """The guard's true branch: reduce (unless done before), then apply once every
-        reduced value exists (``settled``: a hung reduction changes nothing)."""
+        """The guard's true branch: reduce (unless done before), then apply once settled."""
         if reduced is None:
             with tf.name_scope("reduce"):
                 reduced = self.reduce(grads)
@@ -236,10 +233,12 @@ class TowerTrainer(TrainerParts):
         for i, device in enumerate(self.devices if mirrored else ()):  # clipped, as Keras 3
             with tf.device(device):
                 shares[i] = clip_share(self.replica_of(i).optimizer, shares[i])
-        summed = self.placement.reduce(self.reducer, self.loss_scale.to_wire(shares))
+        casts = self.loss_scale.casts  # else the wire carries the variables' dtypes
+        summed = self.placement.reduce(self.reducer, self.loss_scale.to_wire(shares) if casts
+                                       else shares)  # fmt: skip
         pending = tuple(self.reducer.take_pending())  # assigned in apply, if applied
         dtypes = [v.dtype for v in self.model.trainable_variables]
-        reduced = self.loss_scale.from_wire(summed, dtypes)
+        reduced = self.loss_scale.from_wire(summed, dtypes) if casts else summed
         state = combine_non_trainable(grads.towers, first_tower=mirrored,
                                       device=self.parameter_device,
                                       variables=self.model.non_trainable_variables)  # fmt: skip
@@ -284,11 +283,6 @@ class TowerTrainer(TrainerParts):
         if self.trainable_watch.changed(self.replicas):
             self.reducer.build(self.model.trainable_variables, self.devices)
             self.compiled = CompiledStep(self)
-
-    def across_processes(self, counts: tf.Tensor) -> tf.Tensor:
-        """The guard's counts summed over every process stepping together (the hook a
-        multi-process trainer overrides; here: this process alone)."""
-        return counts
 
     def step_function(self, x: Any, y: Any, sample_weight: Any = None) -> Any:
         """The step traced for this input signature as one ``ConcreteFunction``."""

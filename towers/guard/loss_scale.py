@@ -101,6 +101,9 @@ class LossScale:
         self.reduce_dtype = reduce_dtype
         compute = tf.as_dtype(model.dtype_policy.compute_dtype)
         self.compute_dtype = compute if compute.is_floating else tf.float32
+        # whether to_wire may change a gradient of this model (else the wire is the identity)
+        floats = {d for d in map(tf.as_dtype, {v.dtype for v in model.variables}) if d.is_floating}
+        self.casts = any(self.wire_dtype(d) != d for d in floats)
 
     def scale(self, optimizer: Any, src: str, device: str) -> tf.Tensor | None:
         """The replica's current scale ``S`` on ``device`` (None without loss scaling)."""

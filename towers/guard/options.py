@@ -201,7 +201,7 @@ class TrainerParts:
     anything exists; and what one reads of it between steps. :class:`~towers.step.TowerTrainer`
     adds the step."""
 
-    across_processes: Any  # the guard's agreement hook (TowerTrainer.across_processes)
+    across_processes: Any = None  # a multi-process trainer's method: the guard's counts summed
 
     def __init__(self, model: ModelLike, optimizer: OptimizerLike,
                  loss: str | LossFn | keras.losses.Loss, devices: Sequence[str] | None = None,

@@ -113,6 +113,7 @@ class ExactResume(keras.callbacks.Callback):
         if facts is None or getattr(self.model, "trainer", None) is None:
             raise ValueError("ExactResume must be a callback of a compiled towers.TowerModel's "
                              f"fit, got a {type(self.model).__name__}")  # fmt: skip
+        facts = facts()
         if facts["shuffle"]:
             raise ValueError(
                 "shuffle must be False with ExactResume and array data: Keras shuffles arrays "

@@ -34,6 +34,7 @@ from towers.allreduce.machinery.base import (
     StatefulReducer,
     check_values,
 )
+from towers.allreduce.machinery.registry import Configured
 from towers.allreduce.machinery.sparse import densify, gather_indexed_slices, to_dense
 from towers.allreduce.naive import naive
 from towers.devices import canonical_device
@@ -53,12 +54,13 @@ def _reduce_one(values: list[tf.Tensor | tf.IndexedSlices], fn: AllReduce, spars
                 variable: str) -> list:  # fmt: skip
     """One variable's gradients, one per tower, through ``fn`` (sparse ones as ``sparse``
     says), checked against the contract (:func:`check_outputs`)."""
+    run = fn.run if isinstance(fn, Configured) else fn  # its function, called directly
     if isinstance(values[0], tf.IndexedSlices):
         devices = check_values(values, "sum")
         if sparse == "densify":
-            return list(densify(fn, values, devices, "sum"))
+            return list(densify(run, values, devices, "sum"))
         return list(gather_indexed_slices(values, devices, "sum"))
-    return check_outputs(fn, values, fn(list(values), op="sum"), variable)
+    return check_outputs(fn, values, run(list(values), op="sum"), variable)
 
 
 class StepReducer:
