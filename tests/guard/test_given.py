@@ -15,6 +15,7 @@ import pytest
 import towers
 from tests.conftest import DEVICES
 from tests.model.helpers import LOSS, data
+from tests.strategies import OPTIMIZERS as STEP_OPTIMIZERS
 from towers.guard.given import sparse_equals_dense
 
 X, Y = data(24, seed=2)
@@ -58,14 +59,10 @@ def test_synchronized_batchnorm_at_one_tower_equals_one_device() -> None:
 
 
 OPTIMIZERS: dict[str, Callable[[], keras.optimizers.Optimizer]] = {
-    "sgd": lambda: keras.optimizers.SGD(0.1),
-    "momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
-    "adam": lambda: keras.optimizers.Adam(0.01),
+    **STEP_OPTIMIZERS,  # sgd, momentum, adam, nadam, rmsprop; and every other built-in one:
     "adamw": lambda: keras.optimizers.AdamW(0.01),
-    "nadam": lambda: keras.optimizers.Nadam(0.01),
     "adamax": lambda: keras.optimizers.Adamax(0.01),
     "adagrad": lambda: keras.optimizers.Adagrad(0.1),
-    "rmsprop": lambda: keras.optimizers.RMSprop(0.01),
     "adadelta": lambda: keras.optimizers.Adadelta(1.0),
     "ftrl": lambda: keras.optimizers.Ftrl(0.1),
     "lion": lambda: keras.optimizers.Lion(0.001),
