@@ -17,7 +17,8 @@ from typing import Any
 
 import tensorflow as tf
 
-__all__ = ["REWRITES", "as_written", "callers_rewrites", "replica_scope", "scoped_tower"]
+__all__ = ["REWRITES", "as_written", "callers_rewrites", "replica_scope", "rewrites",
+           "scoped_tower"]
 
 REWRITES = ("arithmetic_optimization", "constant_folding")
 """The Grappler passes that change the order or form of floating-point arithmetic."""
@@ -26,23 +27,32 @@ _CALLERS: list[dict[str, Any]] = []
 """The settings each open :func:`as_written` block replaced, innermost last."""
 
 @contextlib.contextmanager
+def rewrites(settings: dict[str, Any]) -> Iterator[None]:
+    """Run ``tf.function`` calls in the block with the :data:`REWRITES` set to ``settings``
+    (TensorFlow's process-wide optimizer setting; None: the default), restored after."""
+    before = tf.config.optimizer.get_experimental_options()
+    tf.config.optimizer.set_experimental_options(settings)
+    try:
+        yield
+    finally:  # None restores TensorFlow's default for a pass nobody had set
+        tf.config.optimizer.set_experimental_options({name: before.get(name) for name in REWRITES})
+
+
+@contextlib.contextmanager
 def as_written() -> Iterator[None]:
-    """Run ``tf.function`` calls in the block without the :data:`REWRITES` (TensorFlow's
-    process-wide optimizer setting, restored after: other code keeps Grappler's defaults).
+    """Run ``tf.function`` calls in the block without the :data:`REWRITES` (other code keeps
+    Grappler's defaults).
 
     Example:
         >>> with as_written():                  # doctest: +SKIP
         ...     out = my_function(x)
     """
-    before = tf.config.optimizer.get_experimental_options()
-    tf.config.optimizer.set_experimental_options({name: False for name in REWRITES})
-    _CALLERS.append(before)
+    _CALLERS.append(tf.config.optimizer.get_experimental_options())
     try:
-        yield
+        with rewrites({name: False for name in REWRITES}):
+            yield
     finally:
         _CALLERS.pop()
-        # None restores TensorFlow's default for a pass nobody had set.
-        tf.config.optimizer.set_experimental_options({name: before.get(name) for name in REWRITES})
 
 
 def callers_rewrites() -> dict[str, Any]:

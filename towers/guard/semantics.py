@@ -44,7 +44,7 @@ from typing import Any
 import tensorflow as tf
 
 from towers.allreduce.machinery.registry import record_of
-from towers.compile.ordering import REWRITES, callers_rewrites
+from towers.compile.ordering import callers_rewrites, rewrites
 
 __all__ = ["CLIPS", "ORDERED_SUMS", "SEMANTICS", "check_constant", "check_semantics",
            "clip_share", "in_mirrored_order", "mirrored_order", "strategy_rewrites",
@@ -200,12 +200,7 @@ def strategy_rewrites(apply: Callable[[Any, list[Any]], None]) -> Callable[[Any,
     def call(optimizer: Any, grads: list[Any]) -> None:
         function = tf.function(lambda g: apply(optimizer, g), autograph=False,
                                experimental_attributes={"_noinline": True})  # fmt: skip
-        before = tf.config.optimizer.get_experimental_options()
-        tf.config.optimizer.set_experimental_options(callers_rewrites())
-        try:
+        with rewrites(callers_rewrites()):
             function(list(grads))
-        finally:
-            tf.config.optimizer.set_experimental_options(
-                {name: before.get(name) for name in REWRITES})
 
     return call
