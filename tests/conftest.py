@@ -26,7 +26,9 @@ so ``thorough`` really runs more everywhere.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -179,3 +181,20 @@ def replica_bytes(trainer: Any) -> list[bytes]:
         for r in trainer.replicas
         for v in [*r.model.variables, *r.optimizer.variables]
     ]
+
+
+def collective_threads() -> int:
+    """Threads of TensorFlow's collective executor in this process (Linux's /proc).
+
+    Its pool only grows to the most collectives ever blocked at once; a collective op
+    with its own ``timeout=`` adds one thread that sleeps the whole timeout.
+    """
+    tasks = Path("/proc/self/task")
+    names = []
+    for task in tasks.iterdir():
+        with contextlib.suppress(OSError):  # a thread that ended while listed
+            names.append((task / "comm").read_text().strip())
+    return names.count("collective_ops")
+
+
+HAS_PROC = Path("/proc/self/task").is_dir()

@@ -3,7 +3,9 @@
 The suite's process has 8 logical devices (tests/conftest.py), so one subprocess
 simulates 32 and runs every algorithm there. TensorFlow's own ``all_to_all_v2``
 misroutes from 12 ranks (towers.allreduce.machinery.tf_collective_ops), and 11
-is the last count before that: ``nccl_ring`` must be right on both sides of it.
+is the last count before that: ``nccl_ring`` must be right on both sides of it. The
+collective executor's threads stay bounded over all of it (a thread per op used to
+sleep out each op's timeout: 30,000 threads, and a crash where threads are capped).
 
 Inputs: integer-valued floats, whose sums are exact in any order (every output
 equals NumPy's bitwise, for ``sum``, ``mean`` — the sum divided by ``n`` once — and
@@ -28,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 COUNTS = (11, 12, 16, 32)
 
 _SCRIPT = """
-import json, sys
+import json, os, sys
 import numpy as np
 import towers
 devices = towers.simulate_devices(32)
@@ -65,6 +67,9 @@ for name in sorted(towers.ALGORITHMS):
             if bad:
                 failures.append(f"{name} n={n} {op} random floats: towers {bad} outside the bound")
         print(name, n, flush=True, file=sys.stderr)
+threads = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+if threads.count("collective_ops") > 4 * 32:  # the most ever blocked at once: ≤ 2 per tower
+    failures.append(f"{threads.count('collective_ops')} collective threads (op timeouts?)")
 print(json.dumps(failures))
 """
 

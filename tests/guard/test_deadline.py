@@ -30,16 +30,19 @@ import tensorflow as tf
 from tensorflow.python.ops import collective_ops
 
 import towers
-from tests.conftest import DEVICES, replica_bytes
+from tests.conftest import DEVICES, HAS_PROC, collective_threads, replica_bytes
 from tests.strategies import OPTIMIZERS
 from towers.allreduce import compressed
 from towers.allreduce.compressed import Compressed
 from towers.allreduce.machinery.tf_collective_ops import next_key, token
 from towers.allreduce.naive import naive
+from towers.allreduce.nccl import TIMEOUT_SECONDS
 from towers.allreduce.powersgd import powersgd
+from towers.cluster.cross_worker import AllTowers
 from towers.guard import deadline
 from towers.guard.deadline import Deadline
 from towers.guard.errors import StepTimeout
+from towers.guard.options import TowerOptions
 from towers.testing import ModelSpec, loss_fn
 
 SPEC = ModelSpec("batchnorm")  # BatchNorm: state that does not wait for the gradients
@@ -161,14 +164,48 @@ def test_a_collective_that_never_completes_raises_step_timeout_and_changes_nothi
     assert partial["unchanged"] and partial["reducer_unchanged"]
     assert "Collective has timed out waiting for other workers.]" in op["first"]
     assert "within 1.5 s" in watchdog["first"]
-    assert "[Collective ops is aborted by: towers: step_timeout=1.5 s passed" in watchdog["first"]
+    assert "[Collective ops is aborted by: towers: the step's deadline of 1.5 s passed" \
+        in watchdog["first"]
 
 
-def test_step_timeout_is_bound_into_the_collectives_the_trainer_controls() -> None:
-    trainer = _trainer("nccl", step_timeout=30)
-    assert trainer.algorithm.timeout_seconds == 30.0
-    own = _trainer(towers.allreduce.nccl(timeout_seconds=5), step_timeout=30)
-    assert own.algorithm.timeout_seconds == 5  # the user's own op timeout is kept
+def test_the_deadline_is_step_timeout_else_the_algorithms_own() -> None:
+    assert _trainer("nccl", step_timeout=30).deadline.seconds == 30
+    assert _trainer("nccl").deadline.seconds == TIMEOUT_SECONDS
+    assert _trainer(towers.allreduce.nccl(timeout_seconds=5)).deadline.seconds == 5
+    assert _trainer(towers.allreduce.nccl(timeout_seconds=5), step_timeout=30).deadline.seconds \
+        == 30
+    assert _trainer("ring").deadline.seconds is None  # copies: nothing waits for a peer
+
+
+def _collective_ops(graph: Any) -> list[Any]:
+    """Every collective op of a traced step, its functions (the guard's cond) included."""
+    nodes = list(graph.as_graph_def().node)
+    for function in graph.as_graph_def().library.function:
+        nodes.extend(function.node_def)
+    return [node for node in nodes if node.op.startswith("Collective")]
+
+
+@pytest.mark.skipif(not HAS_PROC, reason="counts the process's threads in Linux's /proc")
+@pytest.mark.parametrize("algorithm", [
+    "nccl", "nccl_ring", "nccl_tree", AllTowers(1, op="sum"),  # CrossWorker(1): no collective
+], ids=["nccl", "nccl_ring", "nccl_tree", "AllTowers"])
+def test_a_trainer_on_collectives_holds_no_thread_per_op(algorithm: Any) -> None:
+    # an op's own timeout held a thread asleep for 60 s: a small model on nccl over 8
+    # towers ran the process out of threads within one epoch (measured); the step's
+    # deadline is one watchdog, its collectives carry no timeout
+    trainer = towers.TowerTrainer(
+        SPEC.build, OPTIMIZERS["sgd"], loss_fn(), devices=DEVICES[:8], all_reduce=algorithm,
+        variables="replicated")  # fmt: skip
+    batch = SPEC.batch(16, seed=0)
+    trainer.train_step(*batch)
+    first = collective_threads()
+    for _ in range(25):
+        trainer.train_step(*batch)
+    assert collective_threads() <= max(first, 4 * 8)
+    graph = trainer.step_function(*batch).graph
+    ops = _collective_ops(graph)
+    assert ops and all(op.attr["timeout_seconds"].f == 0 for op in ops), ops
+    assert trainer.deadline.seconds == 60.0
 
 
 @pytest.mark.long
@@ -183,7 +220,7 @@ def test_a_deadline_that_is_not_reached_changes_no_bit() -> None:
 @pytest.mark.parametrize("bad", [0, -1, "10", True, float("nan")])
 def test_a_bad_step_timeout_is_refused(bad: Any) -> None:
     with pytest.raises(ValueError, match="step_timeout must be None or seconds > 0"):
-        Deadline(bad, "naive")
+        TowerOptions(step_timeout=bad)
 
 
 class _WhenFired:

@@ -68,7 +68,8 @@ __all__ = ["TIMEOUT_SECONDS", "estimated_bytes_sent", "nccl",
            "nccl_ring", "nccl_tree", "raw_nccl_usable"]
 
 TIMEOUT_SECONDS = 60.0
-"""Default timeout of every collective op: a missing peer becomes an error, not a hang."""
+"""Default deadline of a call (or a step) of these algorithms: a missing peer becomes an
+error, not a hang."""
 
 
 def raw_nccl_usable(devices: Sequence[str], dtype: tf.DType) -> bool:
@@ -93,7 +94,7 @@ def _raw_nccl(values: list[tf.Tensor], devices: tuple[str, ...], op: str) -> lis
 
 
 def _all_reduce_ops(
-    values: list[tf.Tensor], devices: Sequence[str], op: str, timeout: float, group_size: int
+    values: list[tf.Tensor], devices: Sequence[str], op: str, group_size: int
 ) -> list[tf.Tensor]:
     """One all_reduce_v2 per tower (``group_size`` > len(values) only to test timeouts)."""
     group, instance = group_key(devices, group_size), next_key()
@@ -104,21 +105,17 @@ def _all_reduce_ops(
             outputs.append(collective_ops.all_reduce_v2(
                 v, group_size, group, instance, merge_op=merge,
                 final_op="Div" if op == "mean" else "Id", communication_hint=HINT,
-                timeout=timeout, ordering_token=token(device)))
+                ordering_token=token(device)))
     return outputs
 
 
-def _nccl_body(
-    values: list[tf.Tensor], devices: tuple[str, ...], op: str, timeout: float
-) -> list[tf.Tensor]:
+def _nccl_body(values: list[tf.Tensor], devices: tuple[str, ...], op: str) -> list[tf.Tensor]:
     if raw_nccl_usable(devices, values[0].dtype):
         return _raw_nccl(values, devices, op)
-    return _all_reduce_ops(values, devices, op, timeout, len(values))
+    return _all_reduce_ops(values, devices, op, len(values))
 
 
-def _ring_body(
-    values: list[tf.Tensor], devices: tuple[str, ...], op: str, timeout: float
-) -> list[tf.Tensor]:
+def _ring_body(values: list[tf.Tensor], devices: tuple[str, ...], op: str) -> list[tf.Tensor]:
     """Reduce-scatter as all-to-all + a local sum, then all-gather; chunk r finished once."""
     n, shape, dtype = len(values), values[0].shape, values[0].dtype
     length = int(shape.num_elements())
@@ -128,7 +125,7 @@ def _ring_body(
         with tf.device(device):
             rows.append(tf.reshape(tf.pad(tf.reshape(v, [-1]), [[0, n * chunk - length]]),
                                    [n, chunk]))
-    received_rows = all_to_all(rows, devices, timeout)
+    received_rows = all_to_all(rows, devices)
     group, gather_key, outputs = group_key(devices), next_key(), []
     for received, device in zip(received_rows, devices, strict=True):
         with tf.device(device):
@@ -138,14 +135,12 @@ def _ring_body(
                 reduced = combine(reduced, part, op)
             full = collective_ops.all_gather_v2(
                 wire(finish(reduced, op, n)), n, group, gather_key, communication_hint=HINT,
-                timeout=timeout, ordering_token=token(device))
+                ordering_token=token(device))
             outputs.append(tf.reshape(unwire(full, dtype)[:length], shape))
     return outputs
 
 
-def _tree_body(
-    values: list[tf.Tensor], devices: tuple[str, ...], op: str, timeout: float
-) -> list[tf.Tensor]:
+def _tree_body(values: list[tf.Tensor], devices: tuple[str, ...], op: str) -> list[tf.Tensor]:
     """Binomial-tree reduce onto tower 0 (groups of two), then one broadcast to all."""
     n, shape = len(values), values[0].shape
     acc = []
@@ -156,18 +151,18 @@ def _tree_body(
     while step < n:
         for dst in range(0, n - step, 2 * step):
             sent, (got,) = broadcast_send_recv(
-                acc[dst + step], devices[dst + step], [devices[dst]], timeout)
+                acc[dst + step], devices[dst + step], [devices[dst]])
             # The control edge keeps the send alive: auto control deps may prune it.
             with tf.device(devices[dst]), tf.control_dependencies([sent]):
                 acc[dst] = combine(acc[dst], got, op)
         step *= 2
     with tf.device(devices[0]):
         total = finish(acc[0], op, n)
-    sent, received = broadcast_send_recv(total, devices[0], devices[1:], timeout)
+    sent, received = broadcast_send_recv(total, devices[0], devices[1:])
     outputs = []
     # Every output waits for every op of the broadcast: a caller that uses only some
     # outputs (the parameter-device placement keeps output 0) must not let the unused
-    # receives be pruned, or the send waits for them until the timeout.
+    # receives be pruned, or the send waits for them until the deadline.
     everyone = [sent, *received]
     for device, flat in zip(devices, everyone, strict=True):
         with tf.device(device), tf.control_dependencies(everyone):
@@ -187,22 +182,24 @@ def _record_estimates(values: Sequence[tf.Tensor]) -> None:
         record_estimate(v.device, dst, round(per_tower[i]), note=f"{len(values)}-way collective")
 
 
-def _factory(body: Body, name: str, timeout_seconds: float | None = None) -> AllReduce:
+def _factory(body: Body, name: str, timeout_seconds: float = TIMEOUT_SECONDS) -> AllReduce:
     """Build ``nccl`` (one ``all_reduce_v2`` per tower; raw NCCL on real GPUs), ``nccl_ring``
     (all-to-all + local sum, then all-gather) or ``nccl_tree`` (binomial reduce, broadcast).
 
-    ``timeout_seconds``: per-op timeout (default :data:`TIMEOUT_SECONDS`; raw NCCL has none).
+    ``timeout_seconds``: the deadline of an eager call, and of a trainer's step when it
+    has no ``step_timeout`` (default :data:`TIMEOUT_SECONDS`). The ops carry none of their
+    own (see :mod:`~towers.allreduce.machinery.tf_collective_ops`); a call inside your own
+    ``tf.function`` is bounded by whatever bounds that function.
 
     Raises:
         ValueError: ``timeout_seconds`` not positive; when called, bad values or no static shape.
-        tf.errors.DeadlineExceededError: a peer did not join in time (this aborts every later
-            collective in the process).
+        tf.errors.DeadlineExceededError: an eager call's peer did not join in time (this
+            aborts every later collective in the process).
     """
-    if timeout_seconds is not None:
-        positive_float("timeout_seconds", timeout_seconds)
+    positive_float("timeout_seconds", timeout_seconds)
 
     def all_reduce(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
-        outputs = run(body, values, op, timeout_seconds or TIMEOUT_SECONDS)
+        outputs = run(body, values, op, timeout_seconds)
         _record_estimates(values)
         return outputs
 
@@ -224,16 +221,16 @@ def estimated_bytes_sent(n: int, nbytes: int) -> list[float]:
 
 
 def _estimate(
-    n: int, nbytes: int, itemsize: int, timeout_seconds: float | None = None
+    n: int, nbytes: int, itemsize: int, timeout_seconds: float = TIMEOUT_SECONDS
 ) -> list[float]:
     return estimated_bytes_sent(n, nbytes)
 
 
-def _ring_depth(n: int, timeout_seconds: float | None = None) -> int:
+def _ring_depth(n: int, timeout_seconds: float = TIMEOUT_SECONDS) -> int:
     return max(n - 1, 0)
 
 
-def _tree_depth(n: int, timeout_seconds: float | None = None) -> int:
+def _tree_depth(n: int, timeout_seconds: float = TIMEOUT_SECONDS) -> int:
     return (n - 1).bit_length()
 
 

@@ -64,7 +64,8 @@ class _AcrossWorkers:
     Args:
         num_workers: worker processes taking part (default: chief + workers of TF_CONFIG).
         op: ``"mean"`` (divide by the worker count) or ``"sum"`` (default: the class's).
-        timeout_seconds: per collective op: a missing worker becomes an error, not a hang.
+        timeout_seconds: the deadline of a trainer's step without ``step_timeout`` (a
+            missing worker becomes ``StepTimeout``, not a hang; the ops carry none).
         communication_hint: one of :attr:`hints` (``"ring"``: MWMS's ``RING``).
 
     Raises:
@@ -106,8 +107,7 @@ class _AcrossWorkers:
         return collective_ops.all_reduce_v2(
             value, group_size=group_size, group_key=self.group_key,
             instance_key=instance_key, merge_op="Add", final_op=final_op,
-            communication_hint=self.communication_hint, timeout=self.timeout_seconds,
-            ordering_token=token(device))
+            communication_hint=self.communication_hint, ordering_token=token(device))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(num_workers={self.num_workers}, op={self.op!r})"

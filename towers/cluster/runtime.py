@@ -31,6 +31,7 @@ from towers.cluster.spec import Cluster, resolve, towers_per_task
 from towers.compile.ordering import REWRITES
 from towers.devices import set_local_task
 from towers.guard.arguments import positive_float, positive_int
+from towers.guard.deadline import watched
 from towers.guard.errors import TowersError
 
 __all__ = ["RuntimeStartedError", "configure_gpus", "connect", "leave_together", "serve",
@@ -220,10 +221,13 @@ def leave_together(cluster: Any = None, limit: float = 60.0) -> bool:
     addresses = [a for job in ("chief", "worker") for a in found.jobs.get(job, ())]
     if not all(a.rsplit(":", 1)[0] in _LOCAL for a in addresses):
         key = shared_keys(2)
-        with tf.device("/device:CPU:0"):
-            collective_ops.all_reduce_v2(
-                tf.ones([1]), group_size=workers, group_key=key, instance_key=key + 1,
-                merge_op="Add", final_op="Id", timeout=limit)
+        try:
+            with tf.device("/device:CPU:0"), watched(limit, "towers: leave_together"):
+                collective_ops.all_reduce_v2(
+                    tf.ones([1]), group_size=workers, group_key=key, instance_key=key + 1,
+                    merge_op="Add", final_op="Id")
+        except (tf.errors.DeadlineExceededError, tf.errors.CancelledError):
+            return False
         return True
     spec = json.dumps(found.as_dict(), sort_keys=True).encode()
     folder = os.path.join(tempfile.gettempdir(),

@@ -62,7 +62,8 @@ class WorkerTrainer(TowerTrainer):
         all_reduce: a cross-worker ``GradientReducer`` with ``op="sum"`` (default:
             ``AllTowers(num_workers, op="sum")``, bitwise MultiWorkerMirroredStrategy's order).
         num_workers: worker processes (default: from TF_CONFIG).
-        timeout_seconds: of the count all-reduce (a missing worker → an error).
+        timeout_seconds: the step's deadline unless ``step_timeout`` is given (a missing
+            worker → ``StepTimeout``), and the default reducer's.
         **kwargs: the rest of ``TowerTrainer``'s arguments (``variables="replicated"``).
 
     Raises ``ValueError`` as ``TowerTrainer``, and for a reducer that averages. ``train_step``
@@ -83,7 +84,7 @@ class WorkerTrainer(TowerTrainer):
                              "see; use 'sum_over_batch_size' (the default) or 'sum'")
         # towers.guard.reduces compares with the local towers' sum: one worker only
         kwargs.setdefault("check_algorithm", self.num_workers == 1)
-        self.timeout_seconds = float(timeout_seconds)
+        kwargs.setdefault("step_timeout", float(timeout_seconds))
         # one group (tower 0 of every worker): the batch count, then the guard's decision
         self._count_key = shared_keys(3)
         super().__init__(model, optimizer, loss, devices=devices, all_reduce=all_reduce,
@@ -135,8 +136,7 @@ class WorkerTrainer(TowerTrainer):
             return collective_ops.all_reduce_v2(
                 value, group_size=self.num_workers, group_key=self._count_key,
                 instance_key=instance_key, merge_op="Add", final_op="Id",
-                communication_hint="ring", timeout=self.timeout_seconds,
-                ordering_token=token(self.devices[0]),
+                communication_hint="ring", ordering_token=token(self.devices[0]),
             )
 
 

@@ -12,15 +12,18 @@
            tf.errors.UnavailableError (a peer lost mid-transfer)    ─▶ StepTimeout
            tf.errors.CancelledError, after an abort                 ─▶ StepTimeout
 
-Two deadlines, one error:
-
-- collectives the trainer controls (the registry's ``nccl`` algorithms, built with
-  ``timeout_seconds=None``) get ``step_timeout`` as their per-op timeout;
-- any other collective (a user's ``all_reduce_v2`` with no or a longer timeout) is
-  stopped by a watchdog thread that calls TensorFlow's ``abort_collective_ops`` (what
-  ``MultiWorkerMirroredStrategy``'s peer health check does) once ``step_timeout``
-  seconds of the step's *execution* have passed. The step is traced before the clock
-  starts, so a slow first trace never trips it.
+One watchdog (:func:`watched`), no op timeouts: a step's collectives carry no
+``timeout=`` of their own. TensorFlow starts one thread per collective op that sleeps
+for its whole timeout (``TODO: Share the timeout watchdog thread among collectives`` in
+its ``BaseCollectiveExecutor``); measured on TF 2.21: 16 threads per 8-tower call that
+live 60 s, so a small model on ``nccl`` ran the process out of threads within one
+epoch. The deadline of a step is ``step_timeout``, else the algorithm's own
+``timeout_seconds`` (the ``nccl`` family, the reducers of :mod:`towers.cluster`);
+one process-wide thread calls TensorFlow's ``abort_collective_ops`` (what
+``MultiWorkerMirroredStrategy``'s peer health check does) once that many seconds of the
+step's *execution* have passed. The step is traced before the clock starts, so a slow
+first trace never trips it. A user's own collective with its own ``timeout=`` still
+fires as written: either way the error is a ``StepTimeout``.
 
 Measured on TF 2.21 (``tests/guard/test_deadline.py``): a collective that timed out,
 by its own ``timeout=`` or by the watchdog, aborts every later collective op in the
@@ -47,56 +50,42 @@ collective ops (a ``py_function`` that never returns) cannot be aborted this way
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import tensorflow as tf
 from tensorflow.python.eager import context
 
-from towers.allreduce.machinery.reducer import algorithm_name
 from towers.guard.errors import StepTimeout
 
-__all__ = ["Deadline", "settled", "within"]
+__all__ = ["Alarm", "Deadline", "settled", "watched", "within"]
 
 _TIMED_OUT: list[str] = []
 """The process's timed-out steps: TensorFlow's collective abort is process-wide too."""
 
 
 class Deadline:
-    """A trainer's step deadline (``step_timeout`` seconds, None: only op timeouts).
+    """A trainer's step deadline.
 
     Args:
-        seconds: the deadline of one step's execution, or None.
-        algorithm: the trainer's all-reduce (resolved).
+        seconds: the deadline of one step's execution (``step_timeout``, else the
+            algorithm's ``timeout_seconds``), or None: no watchdog.
+        name: the all-reduce's name, for errors.
         device: where :attr:`began` lives (None: TensorFlow's default).
 
     Attributes:
-        algorithm: ``algorithm`` with ``seconds`` as its op timeout where it takes one
-            (a registry algorithm whose ``timeout_seconds`` was left at None).
-        name: the algorithm's name, for errors.
         began: a boolean variable the step sets as its update begins (:func:`settled`),
             cleared before each run: a failed step applied (in part) ⇔ it is set.
-
-    Raises:
-        ValueError: ``seconds`` is not None or a positive number.
     """
 
-    def __init__(self, seconds: float | None, algorithm: Any, device: str | None = None) -> None:
-        number = isinstance(seconds, (int, float)) and not isinstance(seconds, bool)
-        if seconds is not None and not (number and seconds > 0):
-            raise ValueError(f"step_timeout must be None or seconds > 0; got {seconds!r}")
-        self.seconds, self.name = seconds, algorithm_name(algorithm)
-        self._fired = False  # the watchdog of the step now running fired
-        self.algorithm = self._bind(algorithm)
+    def __init__(self, seconds: float | None, name: str, device: str | None = None) -> None:
+        self.seconds, self.name = seconds, name
+        self._alarm: Alarm | None = None  # the watchdog's alarm of the step now running
         with tf.init_scope(), tf.device(device):
             self.began = tf.Variable(False, trainable=False, name="update_began")
-
-    def _bind(self, algorithm: Any) -> Any:
-        params = getattr(algorithm, "params", None)
-        if self.seconds is None or params is None or params.get("timeout_seconds", 0) is not None:
-            return algorithm
-        return algorithm.algorithm(**{**params, "timeout_seconds": float(self.seconds)})
 
     def run(self, step: Any, inputs: tuple[Any, ...]) -> Any:
         """``step(*inputs)`` within the deadline.
@@ -124,7 +113,7 @@ class Deadline:
             # cancelled with them (an Assert beside the collective, measured in CI)
             # instead of the collective's own DEADLINE_EXCEEDED: the same fault. A
             # cancellation with no abort behind it is not a timeout and is raised as is.
-            if not (_TIMED_OUT or self._fired):
+            if not (_TIMED_OUT or (self._alarm and self._alarm.fired)):
                 raise
             lines = [ln.strip() for ln in str(err.message).splitlines() if ln.strip()]
             raise self._timeout(f"cancelled with the aborted collectives: "
@@ -145,31 +134,61 @@ class Deadline:
                            partly=applied and not completed)  # fmt: skip
 
     def _watched(self, step: Callable[..., Any], inputs: tuple[Any, ...]) -> Any:
-        lock, state = threading.Lock(), {"done": False, "fired": False}
-        message = f"towers: step_timeout={self.seconds:g} s passed ({self.name})"
-        self._fired = False
-
-        def fire() -> None:
-            with lock:
-                if not state["done"]:
-                    state["fired"] = self._fired = True
-                    _abort_collectives(message)
-
-        timer = threading.Timer(float(self.seconds or 0), fire)
-        timer.daemon = True
-        timer.start()
-        try:
+        message = f"towers: the step's deadline of {self.seconds:g} s passed ({self.name})"
+        with watched(float(self.seconds or 0), message) as self._alarm:
             result = step(*inputs)
-        finally:
-            with lock:
-                state["done"] = True
-            timer.cancel()
-        if state["fired"]:
+        if self._alarm.fired:
             # The step returned, so its update ran (the apply phase is part of the step),
             # but the watchdog aborted the process's collectives as it finished: an error,
             # and one that says the step was applied, so a retry does not apply it twice.
             raise self._timeout(f"{message}; the step had completed", completed=True)
         return result
+
+
+class Alarm:
+    """One deadline armed by :func:`watched`; ``fired`` once the watchdog acted on it."""
+
+    def __init__(self, due: float, message: str) -> None:
+        self.due, self.message, self.fired = due, message, False
+
+
+_WATCH = threading.Condition()
+_ARMED: set[Alarm] = set()
+_WATCHER: list[threading.Thread] = []
+
+
+@contextlib.contextmanager
+def watched(seconds: float, message: str) -> Iterator[Alarm]:
+    """Run the body within ``seconds``: past them, every collective op in the process is
+    aborted with ``message`` (a collective waiting for a peer fails instead of hanging).
+
+    One daemon thread serves every alarm of the process. Once the body has left, its
+    alarm can no longer fire: ``alarm.fired`` is then final.
+    """
+    alarm = Alarm(time.monotonic() + seconds, message)
+    with _WATCH:
+        if not (_WATCHER and _WATCHER[0].is_alive()):
+            _WATCHER[:] = [threading.Thread(target=_watch, name="towers-watchdog", daemon=True)]
+            _WATCHER[0].start()
+        _ARMED.add(alarm)
+        _WATCH.notify()
+    try:
+        yield alarm
+    finally:
+        with _WATCH:
+            _ARMED.discard(alarm)
+
+
+def _watch() -> None:
+    """The watchdog: sleep until the earliest alarm is due, fire every due one, repeat."""
+    with _WATCH:
+        while True:
+            now = time.monotonic()
+            for alarm in [a for a in _ARMED if a.due <= now]:
+                _ARMED.discard(alarm)
+                alarm.fired = True
+                _abort_collectives(alarm.message)
+            _WATCH.wait(min((a.due for a in _ARMED), default=now + 3600.0) - now)
 
 
 def within(seconds: float, fn: Callable[[], Any], message: str) -> Any:

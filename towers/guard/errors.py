@@ -42,11 +42,12 @@ class NonFiniteError(TowersError, FloatingPointError):
 
 
 class StepTimeout(TowersError, TimeoutError):
-    """A step ran past its deadline (``step_timeout``, or a collective's op timeout).
+    """A step ran past its deadline (``step_timeout`` or the algorithm's ``timeout_seconds``,
+    or a user's collective's own op timeout).
 
     Attributes:
         algorithm: the all-reduce's name.
-        seconds: ``step_timeout`` (None: the collective's own op timeout fired).
+        seconds: the step's deadline (None: a user's collective's own op timeout fired).
         usable: whether the trainer can run another step in this process.
         earlier: what an earlier step's timed-out collective was, when this step failed
             at once because of it; None when this step hit the deadline.

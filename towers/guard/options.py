@@ -24,7 +24,7 @@ import keras
 import numpy as np
 
 from towers.allreduce.machinery.primitives import Recorder, StepStats
-from towers.allreduce.machinery.reducer import SPARSE, as_reducer
+from towers.allreduce.machinery.reducer import SPARSE, algorithm_name, as_reducer
 from towers.allreduce.machinery.resolve import get
 from towers.compile.step import FORWARD_GRAPHS, CompiledStep
 from towers.guard import capabilities
@@ -77,8 +77,8 @@ class TowerOptions:
             NaN/Inf on any tower changes nothing and is counted), ``"raise"`` (the same,
             then ``NonFiniteError``) or ``"ignore"`` (apply whatever comes, as
             tf.distribute does): :mod:`towers.guard.nonfinite`.
-        step_timeout: seconds a step may run, then ``StepTimeout``
-            (:mod:`towers.guard.deadline`). None (default): no deadline.
+        step_timeout: seconds a step may run, then ``StepTimeout`` (:mod:`towers.guard.deadline`).
+            None (default): the algorithm's ``timeout_seconds`` (``nccl``: 60 s) if any.
         check_replicas_every: compare the replicas by checksum every k steps
             (:mod:`towers.training.sync`). None (default): never.
         reduce_dtype: ``"float32"`` (default) or ``"compute"`` (the model's dtype policy's
@@ -229,10 +229,11 @@ class TrainerParts:
                            is_loss_scaled(kind_of_optimizer))  # fmt: skip
         capabilities.check(self.cell, {"all_reduce": capabilities.spell(all_reduce)})
         capabilities.check_limits(self.cell, reducer)
-        self.deadline = Deadline(o.step_timeout, reducer, self.parameter_device)
-        self.algorithm: Any = self.deadline.algorithm  # step_timeout bound where it takes one
+        seconds = o.step_timeout or getattr(reducer, "timeout_seconds", None)
+        self.deadline = Deadline(seconds, algorithm_name(reducer), self.parameter_device)
+        self.algorithm: Any = reducer
         self.replica_check = ReplicaCheck(o.check_replicas_every)
-        self.reducer = as_reducer(self.algorithm, sparse=self.sparse)
+        self.reducer = as_reducer(reducer, sparse=self.sparse)
         self.replicas: Replicas = place(self.placement, model, optimizer, self.devices,
                                         self.parameter_device)  # fmt: skip
         self._build_step(reducer, loss)
@@ -241,8 +242,7 @@ class TrainerParts:
         """The loss, the reducer, the loss scale and the guard, on the built replicas."""
         o, first, n = self.options, self.replicas[0], len(self.devices)
         if o.semantics == "mirrored":  # the sum adds in MirroredStrategy's order
-            self.reducer.per_tensor = in_mirrored_order(reducer, self.algorithm,
-                                                        first.model.name, n)  # fmt: skip
+            self.reducer.per_tensor = in_mirrored_order(reducer, first.model.name, n)
         check_layers(first.model, first.optimizer, n, self.placement.name, o.sparse)
         self.loss_fn = bind_loss(self.loss_fn, loss, first.model)
         self.reducer.build(first.model.trainable_variables, self.devices)

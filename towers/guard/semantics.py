@@ -160,23 +160,22 @@ def mirrored_order(model_name: str, towers: int) -> list[int]:
     return sorted(range(towers), key=names.__getitem__)
 
 
-def in_mirrored_order(algorithm: Any, fn: Any, model_name: str, towers: int) -> Any:
-    """``fn`` adding the towers' values in :func:`mirrored_order`, each output still on its
-    own tower, when ``algorithm`` is one of :data:`ORDERED_SUMS`; else ``fn`` itself.
+def in_mirrored_order(algorithm: Any, model_name: str, towers: int) -> Any:
+    """``algorithm`` adding the towers' values in :func:`mirrored_order`, each output still
+    on its own tower, when it is one of :data:`ORDERED_SUMS`; else ``algorithm`` itself.
 
     Args:
         algorithm: the resolved ``all_reduce`` (its registry record is read).
-        fn: the per-tensor all-reduce the step calls (``algorithm``, maybe with a deadline).
         model_name: the Keras model's ``name``.
         towers: the number of towers.
     """
     record = record_of(algorithm)
     order = mirrored_order(model_name, towers)
     if record is None or record.name not in ORDERED_SUMS or order == sorted(order):
-        return fn
+        return algorithm
 
     def mirrored_sum(values: list[Any], *, op: str = "sum") -> list[Any]:
-        outs = fn([values[i] for i in order], op=op)
+        outs = algorithm([values[i] for i in order], op=op)
         back: list[Any] = [None] * len(order)
         for k, i in enumerate(order):
             back[i] = outs[k]

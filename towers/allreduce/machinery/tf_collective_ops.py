@@ -11,6 +11,11 @@ schedule of its own. Measured on TF 2.21, logical CPUs, and what each fact decid
   run through a ``tf.function`` cached per devices/op/shape/dtype (:func:`run`).
 - A timeout, or an instance key reused with another shape, aborts every later
   collective in the process: every trace draws fresh keys (:func:`next_key`).
+- An op's own ``timeout=`` holds one thread for the whole timeout, per op: 16 threads
+  for 60 s per 8-tower call, a process out of threads within one epoch of a small
+  model. No op here takes one: an eager call runs within one watchdog
+  (:func:`towers.guard.deadline.watched`, :func:`run`), a trainer's step within its
+  deadline (:class:`towers.guard.deadline.Deadline`).
 - Broadcast send/recv take no ordering token and auto control dependencies neither
   order nor keep them: they get control edges (:func:`broadcast_send_recv`).
 - ``all_to_all_v2`` misroutes from 12 ranks (its rendezvous key joins the source and
@@ -42,6 +47,7 @@ from tensorflow.python.ops import collective_ops
 from towers.allreduce.machinery.base import check_values
 from towers.compile.ordering import as_written
 from towers.devices import canonical_device
+from towers.guard.deadline import watched
 
 __all__ = ["HINT", "KEY_START", "MAX_ALL_TO_ALL", "SHARED_KEY_START", "Body", "all_to_all",
            "broadcast_send_recv", "group_key", "next_key", "ranks", "run", "shared_keys", "token",
@@ -55,8 +61,8 @@ SHARED_KEY_START = 20_000_000
 HINT = "nccl"
 MAX_ALL_TO_ALL = 10
 """The largest group ``all_to_all_v2`` serves: every rank one digit (see its key above)."""
-Body = Callable[[list[tf.Tensor], tuple[str, ...], str, float], list[tf.Tensor]]
-"""An algorithm's graph: ``body(values, devices, op, timeout) -> outputs``."""
+Body = Callable[[list[tf.Tensor], tuple[str, ...], str], list[tf.Tensor]]
+"""An algorithm's graph: ``body(values, devices, op) -> outputs``."""
 _LOCK = threading.Lock()
 _NEXT = [KEY_START]
 _SHARED = [SHARED_KEY_START]
@@ -114,7 +120,7 @@ def unwire(x: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
 
 
 def broadcast_send_recv(
-    x: tf.Tensor, src: str, dsts: Sequence[str], timeout: float
+    x: tf.Tensor, src: str, dsts: Sequence[str]
 ) -> tuple[tf.Tensor, list[tf.Tensor]]:
     """TF's ``broadcast_send_v2`` of ``x`` (on ``src``) and a ``broadcast_recv_v2`` on each
     of ``dsts``; returns the send's output and the received tensors."""
@@ -122,22 +128,20 @@ def broadcast_send_recv(
     group, instance, size = group_key(members), next_key(), len(members)
     with tf.device(src), _after_previous(src) as chain:
         sent = collective_ops.broadcast_send_v2(
-            wire(x), size, group, instance, communication_hint=HINT, timeout=timeout)
+            wire(x), size, group, instance, communication_hint=HINT)
         chain(sent)
     received = []
     for dst in dsts:
         with tf.device(dst), _after_previous(dst) as chain:
             shape = tf.constant(x.shape.as_list(), tf.int32)
             got = collective_ops.broadcast_recv_v2(
-                shape, wire(x).dtype, size, group, instance, communication_hint=HINT,
-                timeout=timeout)
+                shape, wire(x).dtype, size, group, instance, communication_hint=HINT)
             chain(got)
             received.append(unwire(got, x.dtype))
     return unwire(sent, x.dtype), received
 
 
-def all_to_all(rows: Sequence[tf.Tensor], devices: Sequence[str], timeout: float
-               ) -> list[tf.Tensor]:
+def all_to_all(rows: Sequence[tf.Tensor], devices: Sequence[str]) -> list[tf.Tensor]:
     """``rows[i]`` (``[n, chunk]`` on ``devices[i]``) sends its row ``j`` to rank ``j``
     (:func:`ranks`); output ``i`` holds, in rank order, the rows sent to its rank.
 
@@ -152,7 +156,7 @@ def all_to_all(rows: Sequence[tf.Tensor], devices: Sequence[str], timeout: float
         for x, device in zip(rows, devices, strict=True):
             with tf.device(device):
                 outputs.append(collective_ops.all_to_all_v2(
-                    x, n, group, instance, communication_hint=HINT, timeout=timeout,
+                    x, n, group, instance, communication_hint=HINT,
                     ordering_token=token(device)))
         return outputs
     rank = ranks(devices)
@@ -166,7 +170,7 @@ def all_to_all(rows: Sequence[tf.Tensor], devices: Sequence[str], timeout: float
             with tf.device(devices[src]):
                 row = rows[src][rank[devices[dst]]]
             out, (got[dst][rank[devices[src]]],) = broadcast_send_recv(
-                row, devices[src], [devices[dst]], timeout)
+                row, devices[src], [devices[dst]])
             sent[src].append(out)
     outputs = []
     for i, device in enumerate(devices):
@@ -226,7 +230,13 @@ def _after_previous(device: str) -> Iterator[Callable[[tf.Tensor], None]]:
 
 
 def run(body: Body, values: Sequence[tf.Tensor], op: str, timeout: float) -> list[tf.Tensor]:
-    """Check, short-cut trivial cases, and run ``body`` in the caller's graph or a cached one."""
+    """Check, short-cut trivial cases, and run ``body`` in the caller's graph or, eagerly,
+    in a cached one within ``timeout`` seconds.
+
+    Raises:
+        tf.errors.DeadlineExceededError: an eager call did not complete within ``timeout``
+            (a peer never joined); every later collective in the process fails too.
+    """
     devices = tuple(check_values(values, op))
     shape, dtype = values[0].shape, values[0].dtype
     if not shape.is_fully_defined():
@@ -239,18 +249,25 @@ def run(body: Body, values: Sequence[tf.Tensor], op: str, timeout: float) -> lis
                 outputs.append(tf.identity(v))
         return outputs
     if not tf.executing_eagerly():
-        return body(list(values), devices, op, timeout)
-    key = (body, devices, op, timeout, tuple(shape), dtype)
+        return body(list(values), devices, op)
+    key = (body, devices, op, tuple(shape), dtype)
     with _LOCK:
         if key not in _EAGER:
 
             def bound(vals: list[tf.Tensor]) -> list[tf.Tensor]:
-                return body(vals, devices, op, timeout)
+                return body(vals, devices, op)
 
             _EAGER[key] = tf.function(bound, autograph=False)  # static Python control flow
         fn = _EAGER[key]
-    with as_written():  # as every towers reduction: a mean is the sum divided by n, not x·fl(1/n)
-        results = fn(list(values))
+    message = f"towers: a collective did not complete within {timeout:g} s"
+    # as every towers reduction: a mean is the sum divided by n, not x·fl(1/n)
+    with as_written(), watched(timeout, message) as alarm:
+        try:
+            results = fn(list(values))
+        except tf.errors.CancelledError:  # a node cancelled beside the aborted collective
+            if not alarm.fired:
+                raise
+            raise tf.errors.DeadlineExceededError(None, None, message) from None
     outputs = []
     # A tf.function's CPU outputs come back labelled with the caller's device: re-place them.
     for out, device in zip(results, devices, strict=True):
