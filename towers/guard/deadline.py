@@ -53,6 +53,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -84,6 +85,7 @@ class Deadline:
     def __init__(self, seconds: float | None, name: str, device: str | None = None) -> None:
         self.seconds, self.name = seconds, name
         self._alarm: Alarm | None = None  # the watchdog's alarm of the step now running
+        self._traced: weakref.WeakKeyDictionary[Any, set[Any]] = weakref.WeakKeyDictionary()
         with tf.init_scope(), tf.device(device):
             self.began = tf.Variable(False, trainable=False, name="update_began")
 
@@ -102,7 +104,7 @@ class Deadline:
         try:
             if self.seconds is None:
                 return step(*inputs)
-            step.get_concrete_function(*inputs)  # trace (or find) it before the clock starts
+            self._trace(step, inputs)
             return self._watched(step, inputs)
         except tf.errors.DeadlineExceededError as err:
             lines = [ln.strip() for ln in str(err.message).splitlines()]
@@ -124,6 +126,16 @@ class Deadline:
             # same remedy (restart, resume), and the step function did not return.
             lines = [ln.strip() for ln in str(err.message).splitlines() if ln.strip()]
             raise self._timeout(f"a peer was lost: {lines[0][:200] if lines else err}") from None
+
+    def _trace(self, step: Any, inputs: tuple[Any, ...]) -> None:
+        """Trace ``step`` for ``inputs`` before the clock starts (a slow first trace must not
+        trip the deadline); a signature seen before skips the lookup (0.2 ms a step)."""
+        flat = tf.nest.flatten(inputs)
+        signature = tuple((tuple(x.shape), x.dtype) if hasattr(x, "dtype") else x for x in flat)
+        seen = self._traced.setdefault(step, set())
+        if signature not in seen:
+            step.get_concrete_function(*inputs)
+            seen.add(signature)
 
     def _timeout(self, detail: str, completed: bool = False) -> StepTimeout:
         """The step's error; a step that failed is applied in part if its update began."""
