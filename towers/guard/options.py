@@ -243,7 +243,7 @@ class TrainerParts:
         if o.semantics == "mirrored":  # the sum adds in MirroredStrategy's order
             self.reducer.per_tensor = in_mirrored_order(reducer, self.algorithm,
                                                         first.model.name, n)  # fmt: skip
-        check_layers(first.model, first.optimizer, n, self.placement.name, o.sparse)
+        self.synchronized = check_layers(first.model, first.optimizer, n, self.cell, o.sparse)
         self.loss_fn = bind_loss(self.loss_fn, loss, first.model)
         self.reducer.build(first.model.trainable_variables, self.devices)
         self.loss_scale = LossScale(first.optimizer, first.model, o.reduce_dtype)
