@@ -1,7 +1,8 @@
 """Layers a trainer cannot run as written are refused by name when it is built
 (towers/guard/given.py): ``BatchNormalization(synchronized=True)`` over more than one
-tower where the capability table refuses it, and ``variables="sharded"`` with an Embedding and an optimizer whose sparse and
-dense updates differ — measured for every Keras optimizer, not listed.
+tower where the capability table refuses it, and ``variables="sharded"`` with an
+Embedding and an optimizer whose sparse and dense updates differ — measured for every
+Keras optimizer, not listed.
 """
 
 from __future__ import annotations

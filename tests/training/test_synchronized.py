@@ -218,6 +218,6 @@ def test_a_keras_without_the_function_is_named(monkeypatch: pytest.MonkeyPatch) 
 
     trainer = _trainer(_input_bn, 2)
     monkeypatch.delattr(keras_nn, "_compute_moments_sync")
-    with pytest.raises(RuntimeError, match="has no keras.src.backend.tensorflow.nn."
-                                           "_compute_moments_sync.*synchronized=False"):
+    with pytest.raises(RuntimeError, match=r"has no keras\.src\.backend\.tensorflow\.nn\."
+                                           r"_compute_moments_sync.*synchronized=False"):
         trainer.train_step(*_dyadic(4, seed=0))
