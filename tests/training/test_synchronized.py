@@ -194,11 +194,17 @@ def test_fit_takes_the_global_batch_statistics(variables: str) -> None:
     np.testing.assert_array_equal(tm.predict(x[:3], verbose=0).shape, (3, 3))
 
 
-def test_one_tower_of_a_step_alone_is_refused() -> None:
+def test_phases_that_cannot_meet_are_refused() -> None:
+    """One tower alone, or the towers eagerly (each collective would wait for peers that
+    do not exist yet); in a tf.function, the phases give the step's gradients."""
     trainer = _trainer(_input_bn, 2)
     shards = trainer.split(*_dyadic(4, seed=0))
     with pytest.raises(ValueError, match=r"tower_step: .*\['bn'\].*call forward_backward"):
         trainer.tower_step(shards, 0)
+    with pytest.raises(ValueError, match=r"forward_backward ran eagerly: .*\['bn'\].*tf\.function"):
+        trainer.forward_backward(shards)
+    one = _trainer(_input_bn, 1)
+    assert len(one.forward_backward(one.split(*_dyadic(4, seed=0))).towers) == 1
 
 
 def test_refused_across_a_worker_and_under_xla() -> None:

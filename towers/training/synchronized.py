@@ -49,9 +49,18 @@ _ACTIVE: list[Rendezvous] = []
 
 def synchronized_towers(trainer: Any, shards: Any, divisor: Any) -> dict[int, Any]:
     """``TowerTrainer.forward_backward``'s towers that run the model, traced within
-    :func:`synchronized` over their devices: ``{tower: TowerResult}``."""
+    :func:`synchronized` over their devices: ``{tower: TowerResult}``.
+
+    Raises:
+        ValueError: run eagerly over more than one tower (each op would run, and wait for
+            its peers, before the next tower's exist).
+    """
     ran = {}
     model_towers = trainer.model_towers(shards)
+    if tf.executing_eagerly() and len(model_towers) > 1:  # the first collective would wait
+        raise ValueError(f"forward_backward ran eagerly: the BatchNormalization(synchronized="
+                         f"True) layers {trainer.synchronized} meet every tower's statistics "
+                         "when one graph runs them; call it inside a tf.function")
     with synchronized([trainer.devices[i] for i in model_towers]) as rendezvous:
         for position, i in enumerate(model_towers):
             with rendezvous.tower(position):
