@@ -20,7 +20,8 @@ weights (moving statistics included), and each step's result is held to a bound.
   (the same three tensors over the same group: the same sums, bitwise), so the towers'
   gradients equal its replicas'; the runs differ in the order the gradients are summed:
   ``sgd_step_bound`` at depth ``n − 1`` over the towers' gradients (as
-  tests/guard/test_capabilities.py).
+  tests/guard/test_capabilities.py). The moving statistics tower 0 computes are its
+  replica 0's bitwise (``semantics="mirrored"`` keeps tower 0's).
 """
 
 from __future__ import annotations
@@ -160,6 +161,24 @@ def test_gradients_through_the_statistics_equal_mirrored(make: Factory, shape: t
         trainer.train_step(x, y)
         mirrored.train_step(x, y)
         _assert_step(trainer.model, start, trainer.get_weights(), mirrored.get_weights(), bound, n)
+
+
+@pytest.mark.parametrize(("make", "shape", "n", "size"), [
+    (_dense_bn, (5,), 4, 10), (_dense_bn, (5,), 8, 5), (_conv_bn, (6, 6, 2), 3, 8)])
+def test_statistics_are_mirroreds_bitwise(make: Factory, shape: tuple[int, ...], n: int,
+                                          size: int) -> None:
+    """The same three all-reduces over the same group as MirroredStrategy's replica context:
+    from the same weights, tower 0's moving statistics (``semantics="mirrored"`` keeps
+    them) are its replica 0's, bitwise."""
+    trainer = _trainer(make, n, semantics="mirrored", loss_denominator="global")
+    mirrored = MirroredTrainer(make, keras.optimizers.SGD(LR), LOSS, DEVICES[:n])
+    trainer.set_weights(mirrored.get_weights())
+    x, y = _normal(size, shape, seed=7)
+    trainer.train_step(x, y)
+    mirrored.train_step(x, y)
+    for got, want in zip(_moving(trainer.model, trainer.get_weights()),
+                         _moving(trainer.model, mirrored.get_weights()), strict=True):
+        np.testing.assert_array_equal(got, want)
 
 
 def test_not_synchronized_keeps_each_towers_statistics() -> None:
