@@ -143,8 +143,8 @@ def test_statistics_of_the_global_batch_equal_mirrored_and_one_device(n: int, si
 
 
 @pytest.mark.parametrize(("make", "shape", "n", "size"), [
-    (_dense_bn, (5,), 4, 10),  # 3, 3, 2, 2
-    (_dense_bn, (5,), 3, 16),  # 6, 5, 5
+    (_dense_bn, (5,), 4, 10),  # 3, 3, 3, 1
+    (_dense_bn, (5,), 3, 16),  # 6, 6, 4
     (_dense_bn, (5,), 8, 5),  # 1 × 5 and three empty towers
     (_conv_bn, (6, 6, 2), 3, 8),  # 3, 3, 2
 ])  # fmt: skip
@@ -198,19 +198,41 @@ def test_not_synchronized_keeps_each_towers_statistics() -> None:
 
 @pytest.mark.parametrize("variables", ["replicated", "sharded", "parameter_device"])
 def test_fit_takes_the_global_batch_statistics(variables: str) -> None:
-    """``TowerModel.fit`` (a last batch of 6 over 4 towers: 2, 2, 1, 1) moves the moving
-    mean by the global batches' means: ``m_t = m_{t−1}·μ + mean_t·(1 − μ)``, each a few
-    roundings of exact means (within ``γ_8``)."""
-    x, y = _dyadic(14, seed=5)
+    """``TowerModel.fit`` (8 over 4 towers: the relaxed trace; a last batch of 2: 1, 1 and
+    two empty towers, the static trace) moves the moving statistics by the global batches'
+    (exact: ``m_t = m_{t−1}·μ + s_t·(1 − μ)``, a few roundings, within ``γ_8``); each
+    tower's own would give the last batch a variance of 0."""
+    x, y = _dyadic(10, seed=5)
     tm = towers.TowerModel(_input_bn(), devices=DEVICES[:4], variables=variables)
     tm.compile(keras.optimizers.SGD(LR), LOSS)
     tm.fit(x, y, batch_size=8, shuffle=False, verbose=0)
     bn = tm.trainer.model.get_layer("bn")
-    want = np.zeros(5)
+    mean, variance = np.zeros(5), np.ones(5)
     for batch in (x[:8], x[8:]):
-        want = want * bn.momentum + batch.mean(axis=0) * (1 - bn.momentum)
-    np.testing.assert_allclose(bn.moving_mean.numpy(), want, rtol=gamma(8), atol=1e-12)
+        mean = mean * bn.momentum + batch.mean(axis=0) * (1 - bn.momentum)
+        variance = variance * bn.momentum + batch.var(axis=0) * (1 - bn.momentum)
+    np.testing.assert_allclose(bn.moving_mean.numpy(), mean, rtol=gamma(8), atol=1e-12)
+    np.testing.assert_allclose(bn.moving_variance.numpy(), variance, rtol=gamma(8), atol=0)
     np.testing.assert_array_equal(tm.predict(x[:3], verbose=0).shape, (3, 3))
+
+
+def test_the_relaxed_trace_equals_the_static_one() -> None:
+    """``TowerModel.fit``'s trace with the batch dimension unknown (one trace for 7 and 10
+    examples over 4 towers: 2, 2, 2, 1 and 3, 3, 3, 1) meets over every tower as the
+    static trace does."""
+    relaxed, static = _trainer(_input_bn, 4), _trainer(_input_bn, 4)
+    for size in (7, 10):
+        x, y = _dyadic(size, seed=size)
+        start = static.get_weights()
+        relaxed.set_weights(start)
+        leaves = _trainer(_input_bn, size)
+        leaves.set_weights(start)
+        bound = sgd_step_bound(_trainable(static.model, start), _tower_gradients(leaves, x, y),
+                               LR, depth=size + 2)  # fmt: skip
+        relaxed.train_step_as_keras(x, y, None, batch_unknown=True)
+        static.train_step(x, y)
+        _assert_step(static.model, start, relaxed.get_weights(), static.get_weights(), bound, 4)
+    assert len(relaxed.compiled.relaxed._traced) == 1  # one trace served both sizes
 
 
 def test_phases_that_cannot_meet_are_refused() -> None:
