@@ -23,7 +23,9 @@ MirroredStrategy's collective ring. The gradient of a sum all-reduce is the sum
 all-reduce of the upstream gradients, as ``ReplicaContext.all_reduce``'s.
 
 A single tower in the group (one tower, or every other one empty: an empty tower runs
-no model and would add zeros) keeps Keras's own local moments.
+no model and would add zeros) keeps Keras's own local moments. A Keras without that
+function is refused when the step is traced, never silently run per tower; a tower
+alone, or the towers eagerly, cannot meet and are refused too.
 """
 
 from __future__ import annotations
@@ -78,15 +80,16 @@ class Rendezvous:
 
     Args:
         devices: the devices of the towers that run the model, in tower order.
+        local: Keras's own ``_compute_moments_sync`` (a group of one keeps it).
     """
 
-    def __init__(self, devices: Sequence[str]) -> None:
+    def __init__(self, devices: Sequence[str], local: Callable[..., Any]) -> None:
         self.devices = tuple(devices)
+        self.local = local
         self.group = group_key(self.devices) if len(self.devices) > 1 else 0
         self.keys: dict[str, list[int]] = {"forward": [], "backward": []}
         self.calls = [0] * len(self.devices)
         self.current: int | None = None
-        self.local: Callable[..., Any] | None = None  # Keras's own function
 
     @contextlib.contextmanager
     def tower(self, position: int) -> Iterator[None]:
@@ -110,7 +113,6 @@ class Rendezvous:
             raise RuntimeError("a synchronized BatchNormalization ran outside a tower of "
                                "TowerTrainer.forward_backward: its peers cannot meet it")
         if len(self.devices) == 1:
-            assert self.local is not None
             return self.local(x, axes, keepdims)  # type: ignore[no-any-return]
         position, call = self.current, self.calls[self.current]
         self.calls[position] += 1
@@ -136,7 +138,10 @@ class Rendezvous:
             outs = (self._all_reduce(a, device, self.key("forward", 3 * call)),
                     self._all_reduce(b, device, self.key("forward", 3 * call + 1)))
 
-            def backward(da: tf.Tensor, db: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+            def backward(da: tf.Tensor | None, db: tf.Tensor | None
+                         ) -> tuple[tf.Tensor, tf.Tensor]:  # fmt: skip
+                da = tf.zeros_like(a) if da is None else da  # every tower meets, used or not
+                db = tf.zeros_like(b) if db is None else db
                 return (self._all_reduce(da, device, self.key("backward", 2 * call)),
                         self._all_reduce(db, device, self.key("backward", 2 * call + 1)))
 
@@ -175,8 +180,7 @@ def synchronized(devices: Sequence[str]) -> Iterator[Rendezvous]:
             f"BatchNormalization(synchronized=True): this Keras ({keras.__version__}) has no "
             f"{KERAS_MODULE}.{KERAS_FUNCTION}, which towers replaces to all-reduce the "
             "statistics over the towers; use synchronized=False or one tower")
-    rendezvous = Rendezvous(devices)
-    rendezvous.local = original
+    rendezvous = Rendezvous(devices, original)
     setattr(module, KERAS_FUNCTION, rendezvous.moments)
     _ACTIVE.append(rendezvous)
     try:
