@@ -202,6 +202,7 @@ class TrainerParts:
     adds the step."""
 
     across_processes: Any = None  # a multi-process trainer's method: the guard's counts summed
+    synchronized: list[str]  # the BatchNormalization(synchronized=True) layers the towers meet in
 
     def __init__(self, model: ModelLike, optimizer: OptimizerLike,
                  loss: str | LossFn | keras.losses.Loss, devices: Sequence[str] | None = None,
