@@ -466,9 +466,10 @@ CASES: list[Case] = [
       lambda: _new(_embedding, variables="sharded"), ValueError,
       r"variables='sharded' with layers \['embedding.*'\] .* optimizer Adam is refused.*"
       "sparse='densify'"),
-    C("sync-batch-norm", "BatchNormalization(synchronized=True) over 2 towers",
-      lambda: _new(_synced_norm), ValueError,
-      r"layer 'synced' is BatchNormalization\(synchronized=True\).*use synchronized=False"),
+    C("sync-batch-norm", "BatchNormalization(synchronized=True) over 2 towers, jit_compile=True",
+      lambda: _new(_synced_norm, jit_compile=True), ValueError,
+      r"layers \['synced'\] are BatchNormalization\(synchronized=True\): "
+      r"batch_norm='synchronized' with jit_compile='on' is refused"),
     C("sharded-ema", "variables='sharded' with an optimizer of use_ema=True",
       lambda: _new(optimizer=lambda: keras.optimizers.Adam(0.1, use_ema=True),
                    variables="sharded"), ValueError,

@@ -48,6 +48,8 @@ from towers.tower import tower_step as run_tower
 from towers.training.keras_functions import relaxes
 from towers.training.keras_loss import loss_divisor, tower_divisor
 from towers.training.sync import combine_non_trainable
+from towers.training.synchronized import active as synchronized_active
+from towers.training.synchronized import synchronized_towers
 
 __all__ = ["PLACEMENTS", "Reduced", "StepStats", "TowerTrainer", "check_devices"]
 
@@ -154,7 +156,11 @@ class TowerTrainer(TrainerParts):
         """Phase 2: every tower's forward and backward pass on its shard, on its device
         (an empty tower: zero gradients, its share of the regularization losses)."""
         divisor = self.loss_divisor(shards)
-        ran = {i: self.tower_step(shards, i, divisor=divisor) for i in self.model_towers(shards)}
+        if self.synchronized:  # BatchNormalization(synchronized=True): the towers meet
+            ran = synchronized_towers(self, shards, divisor)
+        else:
+            ran = {i: self.tower_step(shards, i, divisor=divisor)
+                   for i in self.model_towers(shards)}  # fmt: skip
         results = []
         for i, device in enumerate(self.devices):
             if i in ran:
@@ -181,6 +187,10 @@ class TowerTrainer(TrainerParts):
     def tower_step(self, shards: Shards, tower: int, *, backward: bool = True,
                    divisor: Any = None) -> TowerResult:  # fmt: skip
         """One tower of :meth:`forward_backward` (``backward=False``: the forward alone)."""
+        if self.synchronized and not synchronized_active():
+            raise ValueError(f"tower_step: the model's BatchNormalization(synchronized=True) "
+                             f"layers {self.synchronized} meet every tower's statistics, so one "
+                             "tower cannot run alone; call forward_backward (every tower)")
         if divisor is None:
             divisor = self.loss_divisor(shards)
         part, n = shards.parts[tower], len(self.devices)

@@ -42,6 +42,8 @@ AXES: dict[str, tuple[str, ...]] = {
     "forward_graph": ("default", "as_written"),
     "jit_compile": ("off", "on"),
     "loss_denominator": ("semantics", "global", "constant"),
+    # the model's BatchNormalization: synchronized=True over more than one tower, or not
+    "batch_norm": ("per_tower", "synchronized"),
 }  # fmt: skip
 """Every axis and its values, in the order the matrix shows them."""
 
@@ -104,6 +106,12 @@ REFUSALS = _rules(
      "a worker divides by the global batch summed over workers; a constant of one "
      "worker's shards would weigh the workers' examples differently; leave "
      "loss_denominator unset or 'global'"),
+    ("batch_norm=synchronized", "jit_compile=on",
+     "the towers' statistics meet through TensorFlow's collective ops, which an XLA "
+     "cluster does not run (measured on CPU: UnimplementedError); use jit_compile=False"),
+    ("trainer=WorkerTrainer", "batch_norm=synchronized",
+     "the statistics would meet over one worker's towers only; use synchronized=False, or "
+     "a TowerTrainer in one process"),
     ("trainer=WorkerTrainer", "semantics=mirrored",
      "MirroredStrategy's per-replica divisor and first-tower state are a one-process "
      "comparison; use semantics='one_device' across workers (or a TowerTrainer in one "

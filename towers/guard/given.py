@@ -13,6 +13,7 @@ import numpy as np
 import tensorflow as tf
 
 from towers.devices import canonical_device, local_devices
+from towers.guard import capabilities
 
 __all__ = ["check_dataset", "check_devices", "check_layers", "check_weights",
            "sparse_equals_dense"]  # fmt: skip
@@ -125,30 +126,31 @@ def sparse_equals_dense(optimizer: keras.optimizers.Optimizer) -> bool:
     return bool(np.array_equal(results[0], results[1]))
 
 
-def check_layers(model: Any, optimizer: Any, towers: int, variables: str,
-                 sparse: str | None) -> None:  # fmt: skip
-    """Refuse the layers this trainer cannot run as written.
+def check_layers(model: Any, optimizer: Any, towers: int, cell: dict[str, str],
+                 sparse: str | None) -> list[str]:  # fmt: skip
+    """Refuse the layers this trainer cannot run as written; return the names of the
+    ``BatchNormalization(synchronized=True)`` layers the towers synchronize (none at one
+    tower: its own statistics are the global batch's).
 
     Raises:
-        ValueError: ``BatchNormalization(synchronized=True)`` over more than one tower (it
-            syncs through ``tf.distribute``'s replica context, which towers do not run in);
-            or ``variables="sharded"`` with an Embedding, an optimizer whose sparse and dense
+        ValueError: ``BatchNormalization(synchronized=True)`` over more than one tower in
+            a ``cell`` the capability table refuses (``batch_norm="synchronized"``); or
+            ``variables="sharded"`` with an Embedding, an optimizer whose sparse and dense
             updates differ (a shard owner applies the dense one) and ``sparse`` unset
             (``"densify"`` passed is the user's choice of the dense update).
     """
     flatten = getattr(model, "_flatten_layers", None)
     layers = list(flatten(include_self=True, recursive=True)) if flatten else []
-    for layer in layers:
-        if towers > 1 and isinstance(layer, keras.layers.BatchNormalization) \
-                and layer.synchronized:
-            raise ValueError(
-                f"layer {layer.name!r} is BatchNormalization(synchronized=True), which "
-                f"all-reduces its batch statistics through tf.distribute's replica context; "
-                f"the towers run each tower's forward on its own, so over {towers} towers it "
-                "would normalize each tower's shard alone; use synchronized=False (each tower "
-                "normalizes its own shard, as MirroredStrategy does without it) or one tower")
-    if variables != "sharded" or sparse is not None:
-        return
+    synced = [layer.name for layer in layers if towers > 1
+              and isinstance(layer, keras.layers.BatchNormalization) and layer.synchronized]
+    try:
+        if synced:
+            capabilities.check({**cell, "batch_norm": "synchronized"})
+    except ValueError as refused:
+        raise ValueError(f"layers {synced} are BatchNormalization(synchronized=True): "
+                         f"{refused}") from None
+    if cell["variables"] != "sharded" or sparse is not None:
+        return synced
     embeddings = [layer.name for layer in layers
                   if isinstance(layer, keras.layers.Embedding) and layer.trainable]
     if embeddings and not sparse_equals_dense(optimizer):
@@ -161,3 +163,4 @@ def check_layers(model: Any, optimizer: Any, towers: int, variables: str,
             "variables='replicated' (keeps the gradient sparse), an optimizer whose sparse and "
             "dense updates agree (SGD, Lion), or pass sparse='densify' to choose the dense "
             "update (then equal to variables='replicated' with sparse='densify')")
+    return synced

@@ -202,6 +202,7 @@ class TrainerParts:
     adds the step."""
 
     across_processes: Any = None  # a multi-process trainer's method: the guard's counts summed
+    synchronized: list[str]  # the BatchNormalization(synchronized=True) layers the towers meet in
 
     def __init__(self, model: ModelLike, optimizer: OptimizerLike,
                  loss: str | LossFn | keras.losses.Loss, devices: Sequence[str] | None = None,
@@ -243,7 +244,7 @@ class TrainerParts:
         o, first, n = self.options, self.replicas[0], len(self.devices)
         if o.semantics == "mirrored":  # the sum adds in MirroredStrategy's order
             self.reducer.per_tensor = in_mirrored_order(reducer, first.model.name, n)
-        check_layers(first.model, first.optimizer, n, self.placement.name, o.sparse)
+        self.synchronized = check_layers(first.model, first.optimizer, n, self.cell, o.sparse)
         self.loss_fn = bind_loss(self.loss_fn, loss, first.model)
         self.reducer.build(first.model.trainable_variables, self.devices)
         self.loss_scale = LossScale(first.optimizer, first.model, o.reduce_dtype)
