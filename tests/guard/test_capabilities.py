@@ -54,7 +54,7 @@ from towers.testing import ModelSpec, loss_fn, per_tower_gradients, sgd_step_bou
 LR = 0.1
 STEP_AXES = ("variables", "all_reduce", "optimizer", "on_nonfinite", "reduce_dtype", "sparse",
              "step_timeout", "semantics", "check_replicas_every", "check_algorithm",
-             "loss_denominator", "forward_graph", "jit_compile")
+             "loss_denominator", "forward_graph", "jit_compile", "batch_norm")
 """The axes a ``TowerTrainer`` takes (trainer kinds are tests/cluster's)."""
 TOWER_KINDS = tuple(k for k in AXES["all_reduce"] if k != "cross-worker")
 REGISTERED = tuple(sorted(n for n in towers.ALGORITHMS if n not in (*COLLECTIVE_OPS, "ring")))
@@ -115,8 +115,24 @@ def build(options: dict[str, str], k: int, spec: ModelSpec, n: int,
         jit_compile=options["jit_compile"] == "on",
     )  # fmt: skip
     kwargs.update(overrides)
-    return towers.TowerTrainer(model or spec.build, _optimizer(options["optimizer"])(), loss_fn(),
+    model = model or spec.build
+    if options.get("batch_norm") == "synchronized":  # the model's axis, not an argument
+        model = _synchronized(model)
+    return towers.TowerTrainer(model, _optimizer(options["optimizer"])(), loss_fn(),
                                **kwargs)  # fmt: skip
+
+
+def _synchronized(build: Callable[[], keras.Model]) -> Callable[[], keras.Model]:
+    """``build``'s model with every BatchNormalization ``synchronized=True``."""
+
+    def make() -> keras.Model:
+        model = build()
+        for layer in model._flatten_layers(include_self=False, recursive=True):
+            if isinstance(layer, keras.layers.BatchNormalization):
+                layer.synchronized = True
+        return model
+
+    return make
 
 
 def _state(trainer: towers.TowerTrainer) -> dict[str, np.ndarray]:
@@ -177,6 +193,17 @@ def _heavier(options: dict[str, str], size: int, n: int) -> float:
     return max(1.0, size / divisor)
 
 
+def _tower_gradients(trainer: towers.TowerTrainer, options: dict[str, str], x: np.ndarray,
+                     y: np.ndarray, n: int) -> list[list[np.ndarray]]:
+    """Each tower's gradient, to size the bound: a synchronized BatchNormalization's
+    comes from the trainer's own towers, which meet (alone, a tower's gradient of a bias
+    before it is ~0, and would bound the sum of the synchronized ones by 0)."""
+    if options.get("batch_norm") != "synchronized":
+        return per_tower_gradients(trainer.model, x, y, DEVICES[:n])
+    phases = tf.function(lambda a, b: trainer.forward_backward(trainer.split(a, b)).grads)
+    return [[np.asarray(tf.convert_to_tensor(g)) for g in tower] for tower in phases(x, y)]
+
+
 def check_works(options: dict[str, str], k: int, spec: ModelSpec, n: int) -> None:
     """Two steps equal the reference; replicas identical; a NaN step changes nothing."""
     trainer, reference = build(options, k, spec, n), _reference(options, k, spec, n)
@@ -186,7 +213,7 @@ def check_works(options: dict[str, str], k: int, spec: ModelSpec, n: int) -> Non
         if not lossy:
             reference.set_weights(trainer.get_weights())  # teacher forcing: same start
         start = _trainable(trainer)
-        grads = per_tower_gradients(trainer.model, x, y, DEVICES[:n])
+        grads = _tower_gradients(trainer, options, x, y, n)
         grads = [[g * _heavier(options, size, n) for g in tower] for tower in grads]
         ours, theirs = trainer.train_step(x, y), reference.train_step(x, y)
         bound = [np.zeros_like(w) for w in start] if lossy else sgd_step_bound(
@@ -262,8 +289,10 @@ def check_refused(options: dict[str, str], spec: ModelSpec, n: int) -> None:
 
 
 def check(options: dict[str, str], k: int, family: str, n: int) -> None:
+    if options.get("batch_norm") == "synchronized":
+        family = "batchnorm"  # the family with a BatchNormalization to synchronize
     spec = ModelSpec(family)
-    if options["all_reduce"] == "collective" and n == 1:
+    if (options["all_reduce"] == "collective" or family == "batchnorm") and n == 1:
         n = 2  # nothing reaches a collective op at one tower: make the cell mean something
     if refusal_for({"trainer": "TowerTrainer", **options}) is not None:
         check_refused({"trainer": "TowerTrainer", **options}, spec, n)
@@ -281,15 +310,20 @@ def covering_rows() -> list[dict[str, str]]:
     rows = [dict(zip(STEP_AXES, combo)) for combo in itertools.product(*values)]
     rows = [r for r in rows if _allowed(r)]
 
-    def pairs(row: dict[str, str]) -> set[tuple[str, str, str, str]]:
-        return {(a, row[a], b, row[b]) for a, b in itertools.combinations(STEP_AXES, 2)}
+    index: dict[tuple[str, str, str, str], int] = {}
 
-    todo = set().union(*(pairs(r) for r in rows))
-    chosen = []
+    def pairs(row: dict[str, str]) -> int:  # the row's pairs of values as bits of one int
+        bits = 0
+        for a, b in itertools.combinations(STEP_AXES, 2):
+            bits |= 1 << index.setdefault((a, row[a], b, row[b]), len(index))
+        return bits
+
+    masks = [pairs(r) for r in rows]
+    todo, chosen = (1 << len(index)) - 1, []
     while todo:
-        best = max(rows, key=lambda r: len(pairs(r) & todo))
-        chosen.append(best)
-        todo -= pairs(best)
+        best = max(range(len(rows)), key=lambda i: (masks[i] & todo).bit_count())
+        chosen.append(rows[best])
+        todo &= ~masks[best]
     return chosen
 
 

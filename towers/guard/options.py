@@ -1,10 +1,9 @@
 """``TowerOptions``: a trainer's options, written once and checked once.
 
-``TowerTrainer``, ``TowerModel`` and the cluster's ``WorkerTrainer`` take the same
-keyword arguments; each hands them to :meth:`TowerOptions.of`, which checks every value
-on its own (a wrong one raises naming the argument) and returns one frozen object. The
-trainer then reads its cell of the capability table from it (:meth:`TowerOptions.cell`,
-:mod:`towers.guard.capabilities`), which refuses the combinations that do not compose.
+``TowerTrainer``, ``TowerModel`` and ``WorkerTrainer`` hand the same keyword arguments to
+:meth:`TowerOptions.of`: each value checked (a wrong one raises naming the argument), one
+frozen object, whose cell of the capability table (:mod:`towers.guard.capabilities`)
+refuses the combinations that do not compose.
 
 Example:
     >>> TowerOptions.of("TowerTrainer", {"variables": "replicated"}).semantics
@@ -26,6 +25,7 @@ import numpy as np
 from towers.allreduce.machinery.primitives import Recorder, StepStats
 from towers.allreduce.machinery.reducer import SPARSE, algorithm_name, as_reducer
 from towers.allreduce.machinery.resolve import get
+from towers.allreduce.machinery.tf_collective_ops import token
 from towers.compile.step import FORWARD_GRAPHS, CompiledStep
 from towers.guard import capabilities
 from towers.guard.arguments import check_bool, check_choice, naming, optional, positive_int
@@ -195,11 +195,9 @@ def _denominator_axis(value: str | float | None) -> str:
 
 
 class TrainerParts:
-    """What a trainer is made of (``options``, ``devices``, ``placement``, ``replicas``,
-    the bound loss, the ``reducer``, the wrappers ``deadline``, ``guard``, ``loss_scale``,
-    ``replica_check``, the ``compiled`` step), built from its options and checked before
-    anything exists; and what one reads of it between steps. :class:`~towers.step.TowerTrainer`
-    adds the step."""
+    """What a trainer is made of (``options``, ``devices``, ``placement``, ``replicas``, the
+    loss, ``reducer``, ``deadline``, ``guard``, ``loss_scale``, ``replica_check``, ``compiled``),
+    checked before anything exists; and what one reads of it between steps."""
 
     across_processes: Any = None  # a multi-process trainer's method: the guard's counts summed
     synchronized: list[str]  # the BatchNormalization(synchronized=True) layers the towers meet in
@@ -245,6 +243,8 @@ class TrainerParts:
         if o.semantics == "mirrored":  # the sum adds in MirroredStrategy's order
             self.reducer.per_tensor = in_mirrored_order(reducer, first.model.name, n)
         self.synchronized = check_layers(first.model, first.optimizer, n, self.cell, o.sparse)
+        for device in self.devices if self.synchronized else ():  # not made mid-trace
+            token(device)  # (a tower empty in the first batch joins in a later trace)
         self.loss_fn = bind_loss(self.loss_fn, loss, first.model)
         self.reducer.build(first.model.trainable_variables, self.devices)
         self.loss_scale = LossScale(first.optimizer, first.model, o.reduce_dtype)
