@@ -48,8 +48,7 @@ from towers.tower import tower_step as run_tower
 from towers.training.keras_functions import relaxes
 from towers.training.keras_loss import loss_divisor, tower_divisor
 from towers.training.sync import combine_non_trainable
-from towers.training.synchronized import active as synchronized_active
-from towers.training.synchronized import synchronized_towers
+from towers.training.synchronized import check_not_alone, synchronized_towers
 
 __all__ = ["PLACEMENTS", "Reduced", "StepStats", "TowerTrainer", "check_devices"]
 
@@ -187,10 +186,7 @@ class TowerTrainer(TrainerParts):
     def tower_step(self, shards: Shards, tower: int, *, backward: bool = True,
                    divisor: Any = None) -> TowerResult:  # fmt: skip
         """One tower of :meth:`forward_backward` (``backward=False``: the forward alone)."""
-        if self.synchronized and not synchronized_active():
-            raise ValueError(f"tower_step: the model's BatchNormalization(synchronized=True) "
-                             f"layers {self.synchronized} meet every tower's statistics, so one "
-                             "tower cannot run alone; call forward_backward (every tower)")
+        check_not_alone(self.synchronized)
         if divisor is None:
             divisor = self.loss_divisor(shards)
         part, n = shards.parts[tower], len(self.devices)

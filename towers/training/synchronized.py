@@ -41,7 +41,7 @@ from tensorflow.python.ops import collective_ops
 
 from towers.allreduce.machinery.tf_collective_ops import HINT, group_key, next_key, token
 
-__all__ = ["Rendezvous", "active", "synchronized", "synchronized_towers"]
+__all__ = ["Rendezvous", "check_not_alone", "synchronized", "synchronized_towers"]
 
 KERAS_MODULE = "keras.src.backend.tensorflow.nn"
 KERAS_FUNCTION = "_compute_moments_sync"
@@ -70,9 +70,13 @@ def synchronized_towers(trainer: Any, shards: Any, divisor: Any) -> dict[int, An
     return ran
 
 
-def active() -> bool:
-    """Whether a :func:`synchronized` context is open (a tower's forward may meet its peers)."""
-    return bool(_ACTIVE)
+def check_not_alone(synchronized: Sequence[str]) -> None:
+    """Refuse one tower's step alone when the model has ``synchronized`` layers: they meet
+    every tower's statistics (within :func:`synchronized_towers` all towers run)."""
+    if synchronized and not _ACTIVE:
+        raise ValueError(f"tower_step: the model's BatchNormalization(synchronized=True) "
+                         f"layers {list(synchronized)} meet every tower's statistics, so one "
+                         "tower cannot run alone; call forward_backward (every tower)")
 
 
 class Rendezvous:
