@@ -312,6 +312,29 @@ def test_a_cancelled_step_with_no_abort_behind_it_is_raised_as_is(
         Deadline(NO_HANG, "naive").run(_cancelled, ())
 
 
+def _fires(alarm: deadline.Alarm) -> bool:
+    """Whether the watchdog's thread fires ``alarm`` within NO_HANG seconds."""
+    limit = time.monotonic() + NO_HANG
+    while not alarm.fired and time.monotonic() < limit:
+        threading.Event().wait(0.01)
+    return alarm.fired
+
+
+def test_the_watchdog_fires_only_past_a_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    aborted: list[str] = []
+    monkeypatch.setattr(deadline, "_abort_collectives", aborted.append)
+    with deadline.watched(float("inf"), "never") as forever:  # must not break the watchdog
+        with deadline.watched(NO_HANG, "in time") as in_time:
+            pass
+        with deadline.watched(0.05, "late") as late:
+            assert _fires(late)
+    assert (in_time.fired, forever.fired) == (False, False)
+    assert aborted == ["late"]
+    with deadline.watched(0.05, "again") as again:  # the thread still serves alarms
+        assert _fires(again)
+    assert aborted == ["late", "again"]
+
+
 if __name__ == "__main__":
     case = sys.argv[1]
     algorithm = {

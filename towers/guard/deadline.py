@@ -200,7 +200,8 @@ def _watch() -> None:
                 _ARMED.discard(alarm)
                 alarm.fired = True
                 _abort_collectives(alarm.message)
-            _WATCH.wait(min((a.due for a in _ARMED), default=now + 3600.0) - now)
+            # at most an hour at a time: a deadline of float("inf") is a wait too long to pass
+            _WATCH.wait(min([a.due - now for a in _ARMED] + [3600.0]))
 
 
 def within(seconds: float, fn: Callable[[], Any], message: str) -> Any:
