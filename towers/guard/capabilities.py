@@ -1,11 +1,9 @@
 """The capability table: which of a trainer's options compose, as data and a short reader.
 
-A trainer's options lie on the axes of :data:`AXES`; a value on each of two axes makes a
-*cell*. A cell works (tests/guard/test_capabilities.py trains it against its reference),
-works under a condition the trainer checks itself (:data:`LIMITS`), or is refused
-(:data:`REFUSALS`): :func:`check` raises a ``ValueError`` naming both options, why and
-what to use instead, when the trainer is built, before any replica, variable or reducer
-state exists. docs/options.md shows :func:`markdown` of the table.
+A value on each of two axes of :data:`AXES` makes a *cell*. A cell works (trained against
+its reference by tests/guard/test_capabilities.py), works under a condition the trainer
+checks (:data:`LIMITS`), or is refused (:data:`REFUSALS`: :func:`check` raises a
+``ValueError`` naming both options, why and what to use, before any state exists).
 """
 
 from __future__ import annotations
@@ -22,8 +20,7 @@ from towers.allreduce.machinery.registry import ALGORITHMS, algorithm_name, reco
 
 __all__ = [
     "AXES", "LIMITS", "REFUSALS", "Rule", "algorithm_kind", "check", "check_limits",
-    "default_all_reduce", "default_sparse", "markdown", "refusal_for", "spell", "sums_exactly",
-]  # fmt: skip
+    "default_all_reduce", "default_sparse", "markdown", "refusal_for", "spell", "sums_exactly"]
 
 AXES: dict[str, tuple[str, ...]] = {
     "trainer": ("TowerTrainer", "WorkerTrainer", "AsyncTrainer"),
@@ -285,9 +282,8 @@ def markdown() -> str:
 def sums_exactly(algorithm: Any, placement: str) -> bool:
     """The step's reduction adds every tower's elements with IEEE additions into each
     output it hands the optimizers, and keeps no state, so a NaN or Inf in any tower's
-    gradient is one in every output: the library's own all-reduces built on copies
-    (the registry's, not a user's registered one, nor collective ops), and ``sharded``'s
-    ring reduce-scatter. Not a user's callable, a codec, a bucketed or stateful reducer.
+    gradient is one in every output: the registry's own all-reduces on copies, ``sharded``'s
+    ring reduce-scatter; not a user's (registered or not), collectives, codecs, bucketed.
     """
     if placement == "sharded":
         return True

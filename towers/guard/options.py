@@ -181,8 +181,7 @@ class TowerOptions:
             "optimizer": "loss_scale" if loss_scaled else "plain",
             "on_nonfinite": self.on_nonfinite, "reduce_dtype": self.reduce_dtype,
             "sparse": sparse, "step_timeout": on(self.step_timeout),
-            "semantics": self.semantics,
-            "check_replicas_every": on(self.check_replicas_every),
+            "semantics": self.semantics, "check_replicas_every": on(self.check_replicas_every),
             "check_algorithm": on(self.check_algorithm),
             "loss_denominator": _denominator_axis(self.loss_denominator),
             "forward_graph": self.forward_graph, "jit_compile": on(self.jit_compile),
@@ -200,7 +199,7 @@ class TrainerParts:
     checked before anything exists; and what one reads of it between steps."""
 
     across_processes: Any = None  # a multi-process trainer's method: the guard's counts summed
-    synchronized: list[str]  # the BatchNormalization(synchronized=True) layers the towers meet in
+    synchronized: list[str]  # its BatchNormalization(synchronized=True) layers: towers meet there
 
     def __init__(self, model: ModelLike, optimizer: OptimizerLike,
                  loss: str | LossFn | keras.losses.Loss, devices: Sequence[str] | None = None,
