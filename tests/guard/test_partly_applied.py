@@ -10,12 +10,19 @@ The hang is planted as a node that fails in one phase, a ``py_function`` whose i
 order it after what the phase did before it, and its error is handed to the deadline
 as the ``DeadlineExceededError`` a timed-out collective raises there: deterministic,
 and in process (a real timed-out collective aborts every later collective of the
-process: tests/guard/test_deadline.py runs those in subprocesses).
+process: tests/guard/test_deadline.py runs those in subprocesses). One real hang inside
+the update runs here in a subprocess: an optimizer whose second variable's update waits
+on a collective nobody else joins, cut short by the step's deadline.
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+import textwrap
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import keras
@@ -166,3 +173,59 @@ def test_a_step_that_completes_clears_the_flag() -> None:
     with pytest.raises(StepTimeout) as info:
         trainer.deadline.run(fails, ())
     assert steps and info.value.applied is False
+
+
+_REAL_HANG = """
+import json
+import numpy as np
+import keras
+import tensorflow as tf
+from tensorflow.python.ops import collective_ops
+import towers
+from towers.allreduce.machinery.tf_collective_ops import next_key
+
+devices = towers.simulate_devices(2)
+
+
+class Stuck(keras.optimizers.SGD):
+    # The second variable's update waits on a collective of a group of 2 that only it
+    # joins: a real hang, inside the update, after the first variable's was applied.
+    def update_step(self, gradient, variable, learning_rate):
+        if tuple(variable.shape) == (4,):  # the first Dense's bias: the second variable
+            group, instance = next_key(), next_key()
+            with tf.device(variable.device):
+                gradient = collective_ops.all_reduce_v2(
+                    gradient, 2, group, instance, merge_op="Add", final_op="Id")
+        super().update_step(gradient, variable, learning_rate)
+
+
+model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4), keras.layers.Dense(2)])
+trainer = towers.TowerTrainer(model, Stuck(0.1), "mse", devices=devices,
+                              variables="parameter_device", step_timeout=1.5)
+x, y = np.ones((4, 5), "f4"), np.ones((4, 2), "f4")
+trainer.step_function(x, y)  # traced before the clock starts
+before = [w.copy() for w in trainer.get_weights()]
+try:
+    trainer.train_step(x, y)
+    print(json.dumps({"error": None}))
+except towers.StepTimeout as err:
+    after = trainer.get_weights()
+    moved = [i for i, (a, b) in enumerate(zip(before, after)) if not np.array_equal(a, b)]
+    print(json.dumps({"error": str(err), "applied": err.applied, "partly": err.partly,
+                      "moved": moved}))
+"""
+
+
+@pytest.mark.long
+def test_a_real_hang_inside_the_update_says_applied_in_part() -> None:
+    # a subprocess: the watchdog's abort stops every later collective of its process
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(_REAL_HANG)], cwd=root,
+                          capture_output=True, text=True, timeout=300, check=False)
+    lines = done.stdout.strip().splitlines()
+    assert lines, done.stderr[-3000:]
+    result = json.loads(lines[-1])
+    assert result["error"] and "step's deadline of 1.5 s passed" in result["error"], result
+    assert result["applied"] is True and result["partly"] is True, result
+    assert "WAS applied in part" in result["error"]
+    assert 0 in result["moved"] and 1 not in result["moved"], result  # kernel 0 yes, bias 0 no
