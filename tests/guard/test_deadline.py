@@ -333,6 +333,10 @@ def test_the_watchdog_fires_only_past_a_deadline(monkeypatch: pytest.MonkeyPatch
     with deadline.watched(0.05, "again") as again:  # the thread still serves alarms
         assert _fires(again)
     assert aborted == ["late", "again"]
+    for bad in (0, -1.0, float("nan"), "30", None, True):
+        with pytest.raises(ValueError, match="seconds must be positive"), \
+                deadline.watched(bad, "bad"):  # type: ignore[arg-type]
+            pass
 
 
 if __name__ == "__main__":

@@ -60,6 +60,7 @@ from typing import Any
 import tensorflow as tf
 from tensorflow.python.eager import context
 
+from towers.guard.arguments import positive_float
 from towers.guard.errors import StepTimeout
 
 __all__ = ["Alarm", "Deadline", "settled", "watched", "within"]
@@ -176,8 +177,11 @@ def watched(seconds: float, message: str) -> Iterator[Alarm]:
 
     One daemon thread serves every alarm of the process. Once the body has left, its
     alarm can no longer fire: ``alarm.fired`` is then final.
+
+    Raises:
+        ValueError: ``seconds`` is not a number > 0 (``float("inf")``: never fires).
     """
-    alarm = Alarm(time.monotonic() + seconds, message)
+    alarm = Alarm(time.monotonic() + positive_float("seconds", seconds), message)
     with _WATCH:
         if not (_WATCHER and _WATCHER[0].is_alive()):
             _WATCHER[:] = [threading.Thread(target=_watch, name="towers-watchdog", daemon=True)]
