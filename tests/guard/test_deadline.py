@@ -187,8 +187,9 @@ def _collective_ops(graph: Any) -> list[Any]:
 
 @pytest.mark.skipif(not HAS_PROC, reason="counts the process's threads in Linux's /proc")
 @pytest.mark.parametrize("algorithm", [
-    "nccl", "nccl_ring", "nccl_tree", AllTowers(1, op="sum"),  # CrossWorker(1): no collective
-], ids=["nccl", "nccl_ring", "nccl_tree", "AllTowers"])
+    "nccl", *(pytest.param(a, marks=pytest.mark.long)
+              for a in ("nccl_ring", "nccl_tree", AllTowers(1, op="sum"))),
+], ids=["nccl", "nccl_ring", "nccl_tree", "AllTowers"])  # CrossWorker(1): no collective
 def test_a_trainer_on_collectives_holds_no_thread_per_op(algorithm: Any) -> None:
     # an op's own timeout held a thread asleep for 60 s: a small model on nccl over 8
     # towers ran the process out of threads within one epoch (measured); the step's

@@ -144,9 +144,9 @@ def test_statistics_of_the_global_batch_equal_mirrored_and_one_device(n: int, si
 
 @pytest.mark.parametrize(("make", "shape", "n", "size"), [
     (_dense_bn, (5,), 4, 10),  # 3, 3, 3, 1
-    (_dense_bn, (5,), 3, 16),  # 6, 6, 4
+    pytest.param(_dense_bn, (5,), 3, 16, marks=pytest.mark.long),  # 6, 6, 4
     (_dense_bn, (5,), 8, 5),  # 1 × 5 and three empty towers
-    (_conv_bn, (6, 6, 2), 3, 8),  # 3, 3, 2
+    pytest.param(_conv_bn, (6, 6, 2), 3, 8, marks=pytest.mark.long),  # 3, 3, 2
 ])  # fmt: skip
 def test_gradients_through_the_statistics_equal_mirrored(make: Factory, shape: tuple[int, ...],
                                                          n: int, size: int) -> None:
@@ -196,7 +196,8 @@ def test_not_synchronized_keeps_each_towers_statistics() -> None:
     assert not np.allclose(moving_mean, x.mean(axis=0) * (1 - momentum))
 
 
-@pytest.mark.parametrize("variables", ["replicated", "sharded", "parameter_device"])
+@pytest.mark.parametrize("variables", [
+    "replicated", pytest.param("sharded", marks=pytest.mark.long), "parameter_device"])
 def test_fit_takes_the_global_batch_statistics(variables: str) -> None:
     """``TowerModel.fit`` (8 over 4 towers: the relaxed trace; a last batch of 2: 1, 1 and
     two empty towers, the static trace) moves the moving statistics by the global batches'
