@@ -8,8 +8,8 @@ import pytest
 import tensorflow as tf
 
 from tests.conftest import DEVICES
-from towers.tower import tower_step
-from towers.training.keras_loss import per_example_loss, resolve_loss
+from towers.tower import per_example_loss, tower_step
+from towers.training.keras_loss import resolve_loss
 
 
 def _values(model: keras.Model) -> tuple[list[tf.Tensor], list[tf.Tensor]]:

@@ -3,23 +3,18 @@
 ::
 
     keras fit/evaluate/predict loop      (data adapters, callbacks, progress bar, History)
-          │  one batch from Keras's iterator per step
+          │  steps_per_execution batches per call of a Keras function
           ▼
-    train_function ─▶ trainer.train_step_as_keras(x, y, w, batch_unknown)  towers/step.py
-          │              split → forward_backward → reduce → apply (unchanged)
+    train_batch ─▶ trainer.train_step_as_keras(x, y, w, batch_unknown)   towers/step.py
+    test_batch, predict_batches: the towers' inference pass   towers/training/inference.py
           ▼
     loss tracker ← the step's global mean loss; compiled metrics ← the step's own outputs
 
-A ``TowerModel`` is a real ``keras.Model`` wrapping the user's model (:attr:`network`,
-replica 0's copy). ``compile`` builds the :class:`~towers.TowerTrainer`; the Keras
-functions (:mod:`towers.training.keras_functions`) pull one batch at a time and run the
-towers' step or inference pass, so everything else is Keras's own.
-
-Writes reach every replica: ``set_weights``/``load_weights`` broadcast replica 0 at once
-(:meth:`towers.placement.Replicas.broadcast`), and so does every ``fit``/``evaluate``/
-``predict`` and every epoch before its first step, so a callback's direct write lands too;
-a callback's change of an optimizer hyperparameter or of ``layer.trainable`` is followed
-(:mod:`towers.training.sync`).
+A real ``keras.Model`` wrapping the user's model (:attr:`network`, replica 0's copy);
+``compile`` builds the :class:`~towers.TowerTrainer`. Writes reach every replica:
+``set_weights``/``load_weights``, every ``fit``/``evaluate``/``predict`` and every epoch's
+first step broadcast replica 0 (a callback's write lands too); a callback's change of a
+hyperparameter or of ``layer.trainable`` is followed (:mod:`towers.placement`).
 """
 
 from __future__ import annotations
@@ -30,20 +25,20 @@ from typing import Any
 
 import keras
 import numpy as np
+import tensorflow as tf
 
-from towers.devices import canonical_device
 from towers.guard.arguments import naming
 from towers.guard.given import check_devices
 from towers.guard.inputs import check_keras_steps
 from towers.guard.options import TowerOptions
-from towers.placement import get_placement
+from towers.placement import Hyperparameters, get_placement
+from towers.split import batch_unknown
 from towers.step import TowerTrainer
-from towers.training import keras_functions
 from towers.training.backup import data_facts
-from towers.training.export import AsNetwork
+from towers.training.export import AsNetwork, tower_model_arguments, tower_model_config
+from towers.training.inference import predict_batches, test_batch
 from towers.training.keras_copies import new_model
 from towers.training.losses import OutputLosses, is_structured
-from towers.training.sync import Hyperparameters
 
 __all__ = ["TowerModel"]
 
@@ -57,16 +52,13 @@ class TowerModel(keras.Model):
 
     Args:
         model: a built ``keras.Model`` (or a zero-argument factory returning one): the
-            network every tower runs. Its variables become replica 0's (it is cloned onto
-            replica 0's device when they live elsewhere).
+            network every tower runs; its variables become replica 0's.
         devices: the towers' devices (default: every local logical device).
         name: the Keras model's name.
-        **options: the :class:`~towers.TowerTrainer`'s options
-            (:class:`~towers.guard.options.TowerOptions`), each checked here (their
-            combination at ``compile``).
+        **options: the trainer's :class:`~towers.guard.options.TowerOptions`, each checked
+            here (their combination at ``compile``).
 
-    Raises:
-        TypeError, ValueError: a wrong model, device list or option (naming it).
+    Raises TypeError or ValueError for a wrong model, device list or option (naming it).
 
     Example:
         >>> tm = towers.TowerModel(model, devices=devices, variables="replicated",
@@ -102,8 +94,6 @@ class TowerModel(keras.Model):
     def call(self, inputs: Any, training: bool | None = None) -> Any:
         """The wrapped network on one device (Keras's symbolic build and a plain call)."""
         return self.network(inputs, training=training)
-
-    # -- compile: the trainer ----------------------------------------------------------------
 
     def compile(self, optimizer: Any = "rmsprop", loss: Any = None, loss_weights: Any = None,
                 metrics: Any = None, weighted_metrics: Any = None, run_eagerly: bool = False,
@@ -145,8 +135,7 @@ class TowerModel(keras.Model):
         self._hyper = Hyperparameters(first)
 
     def _replicas(self) -> Any:
-        """The network, or (a user's factory: a subclassed model may not clone) a factory
-        that hands out the network first and the user's new models after."""
+        """The network, or a factory handing out the network first, then the user's models."""
         factory = self._factory
         if factory is None:
             return self.network
@@ -175,8 +164,7 @@ class TowerModel(keras.Model):
         validation_steps: int | None = None, validation_batch_size: int | None = None,
         validation_freq: int = 1,
     ) -> keras.callbacks.History:
-        """Keras's ``fit``, recording the data's facts for
-        :class:`~towers.training.backup.ExactResume`."""
+        """Keras's ``fit``, recording the data's facts for ``ExactResume``."""
         self.fit_facts = functools.partial(data_facts, x, batch_size, shuffle)
         try:
             return super().fit(
@@ -190,18 +178,18 @@ class TowerModel(keras.Model):
         finally:
             self.fit_facts, self.resume_skip = None, 0
 
-    # -- the Keras functions (towers/training/keras_functions.py) ----------------------------
+    # -- the Keras functions: one towers step (or inference pass) per batch -----------------
 
     def make_train_function(self, force: bool = False) -> Any:
         """One towers step per batch (``steps_per_execution`` batches per call)."""
         self.broadcast()
-        self.train_function = keras_functions.train_function(self)
+        self.train_function = self._per_batch(self._train_batch)
         return self.train_function
 
     def make_test_function(self, force: bool = False) -> Any:
         """The towers' inference pass per batch; loss and compiled metrics updated."""
         self.broadcast()
-        self.test_function = keras_functions.test_function(self)
+        self.test_function = self._per_batch(functools.partial(test_batch, self))
         return self.test_function
 
     def make_predict_function(self, force: bool = False) -> Any:
@@ -210,15 +198,52 @@ class TowerModel(keras.Model):
         if self.trainer is None:
             return super().make_predict_function(force=True)
         self.broadcast()
-        self.predict_function = keras_functions.predict_function(self)
+        self.predict_function = functools.partial(predict_batches, self.trainer)
         return self.predict_function
+
+    def _per_batch(self, one_batch: Callable[..., dict[str, Any]]) -> Callable[[Any], Any]:
+        """A Keras function: ``steps_per_execution`` calls of ``one_batch``."""
+
+        def function(iterator: Any) -> Any:
+            unknown = batch_unknown(getattr(iterator, "element_spec", None))
+            logs = None
+            for _, data in zip(range(self.steps_per_execution), iterator):
+                logs = one_batch(data, batch_unknown=unknown) or logs or {}
+            if logs is None:  # the data ran out: Keras's catch_stop_iteration ends the epoch
+                raise StopIteration
+            return logs
+
+        return function
+
+    def _train_batch(self, data: Any, *, batch_unknown: bool = False) -> dict[str, Any]:
+        """One towers step on ``data``; the metrics' logs (empty for a batch a resume skips)."""
+        if self.resume_skip > 0:
+            self.resume_skip -= 1
+            return {}
+        trainer = self._trainer()
+        if self.broadcast_pending:  # an epoch's first step: on_epoch_begin's writes land
+            self.broadcast_pending = False
+            self.broadcast()
+        self._hyper.follow(trainer)
+        x, y, weight = keras.utils.unpack_x_y_sample_weight(data)
+        loss, outputs = trainer.train_step_as_keras(x, y, weight, batch_unknown=batch_unknown)
+        return self._update_metrics(x, y, outputs, weight, loss)
+
+    def _update_metrics(self, x: Any, y: Any, outputs: Any, sample_weight: Any,
+                       loss: Any) -> dict[str, Any]:  # fmt: skip
+        """Feed the loss tracker the batch's mean loss (weight: its size, as MirroredStrategy's
+        trackers sum to) and the compiled metrics the outputs; Keras's ``compute_metrics`` logs."""
+        self._loss_tracker.update_state(loss, sample_weight=tf.shape(tf.nest.flatten(x)[0])[0])
+        if getattr(self, "output_names", None):  # several outputs: "a_loss", "b_loss"
+            self._compile_loss(y, outputs, sample_weight)  # Keras's per-output trackers
+        logs: dict[str, Any] = self.compute_metrics(x, y, outputs, sample_weight=sample_weight)
+        return logs
 
     # -- writes reach every replica ----------------------------------------------------------
 
     def reset_metrics(self) -> None:
-        """Keras's ``reset_metrics``, then :meth:`broadcast`, and once more before the
-        epoch's first step (Keras calls ``on_epoch_begin`` after ``reset_metrics``: a write
-        there, SwapEMAWeights swapping back, would otherwise land an epoch later)."""
+        """Keras's ``reset_metrics``, then :meth:`broadcast`, and again before the epoch's
+        first step (a write in ``on_epoch_begin``, which Keras calls after this, lands)."""
         super().reset_metrics()
         self.broadcast()
         self.broadcast_pending = True
@@ -265,35 +290,11 @@ class TowerModel(keras.Model):
         super().save(filepath, overwrite=overwrite, zipped=zipped, **kwargs)
 
     def get_config(self) -> dict[str, Any]:
-        """The network's config and the towers options; devices as a count.
-
-        Raises:
-            ValueError: ``all_reduce`` is a callable (a name or ``module:NAME`` saves).
-        """
-        algorithm = self.options.all_reduce
-        if algorithm is not None and not isinstance(algorithm, str):
-            raise ValueError(
-                f"all_reduce={algorithm!r} cannot be saved in a .keras file (its config needs a "
-                "registry name or module:NAME); use tm.save_weights (ModelCheckpoint("
-                "save_weights_only=True)) or towers.training.checkpoint, or pass the reducer as "
-                "module:NAME")
-        options = self.options.arguments()
-        pd = options["parameter_device"] and canonical_device(options["parameter_device"])
-        options["parameter_device"] = self.devices.index(pd) if pd in self.devices else None
-        return {
-            "name": self.name, "model": keras.saving.serialize_keras_object(self.network),
-            "num_devices": len(self.devices), **options,
-        }  # fmt: skip
+        """The network's config and the towers options; devices as a count
+        (:func:`towers.training.export.tower_model_config`)."""
+        return tower_model_config(self)
 
     @classmethod
     def from_config(cls, config: dict[str, Any], custom_objects: Any = None) -> TowerModel:
         """A TowerModel on the first ``num_devices`` local devices (all of them if fewer)."""
-        config = dict(config)
-        network = keras.saving.deserialize_keras_object(config.pop("model"),
-                                                        custom_objects=custom_objects)
-        local = check_devices(None)
-        devices = local[: config.pop("num_devices")]
-        pd = config.pop("parameter_device", None)
-        return cls(network, devices=devices,
-                   parameter_device=None if pd is None or pd >= len(devices) else devices[pd],
-                   **config)  # fmt: skip
+        return cls(**tower_model_arguments(config, custom_objects))

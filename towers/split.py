@@ -28,8 +28,9 @@ from tensorflow.python.data.ops.multi_device_iterator_ops import MultiDeviceIter
 from towers.guard.arguments import check_choice, non_negative_int, positive_int
 from towers.guard.given import check_dataset, check_devices
 
-__all__ = ["PIPELINES", "Batch", "DistributedDataset", "Shards", "batch_size", "check_batch",
-           "concat", "distribute", "shard_batch", "shard_bounds", "shard_sizes", "split"]
+__all__ = ["PIPELINES", "Batch", "DistributedDataset", "Shards", "batch_size", "batch_unknown",
+           "check_batch", "concat", "distribute", "relaxes", "shard_batch", "shard_bounds",
+           "shard_sizes", "split"]
 
 Batch = tuple[Any, Any, Any]
 """``(x, y, sample_weight)``: ``y`` and ``sample_weight`` may be None."""
@@ -66,6 +67,25 @@ def batch_size(structure: Any) -> tf.Tensor:
             + ", ".join(f"element {i}: {b}" for i, b in static.items())
         )
     return tf.shape(leaves[0], out_type=tf.int32)[0]
+
+
+def batch_unknown(element_spec: Any) -> bool:
+    """Whether some tensor of ``element_spec`` has an unknown leading dimension."""
+    for spec in tf.nest.flatten(element_spec):
+        shape = getattr(spec, "shape", None)
+        if shape is not None and (shape.rank is None or (shape.rank > 0 and shape[0] is None)):
+            return True
+    return False
+
+
+def relaxes(batch_unknown: bool, x: Any, towers: int) -> bool:
+    """Whether a step on ``x`` is traced with the batch dimension unknown
+    (:mod:`towers.compile.relaxed`): it is unknown to Keras and no tower is empty (empty
+    towers need the static trace, which skips them)."""
+    if not batch_unknown:
+        return False
+    size = tf.get_static_value(batch_size(x))
+    return size is not None and 0 not in shard_sizes(int(size), towers)
 
 
 def shard_bounds(batch: tf.Tensor, n: int) -> list[tuple[tf.Tensor, tf.Tensor]]:

@@ -10,18 +10,14 @@
       │ apply(reduced)             the optimizer on every replica   │
       └─────────────────────────────────────────────────────────────┘
 
-    the wrappers fit's step passes, outermost first:
-      Keras function   one step per batch                training/keras_functions.py
+    the wrappers fit's step passes, outermost first (_run composes them):
       relaxed batch    traced with Keras's batch unknown  compile/relaxed.py
-      _run: deadline   timed; then raise if skipped, replica check   guard/deadline.py
+      deadline         if the step has one                guard/deadline.py
       PhasedStep       towers as the caller's, update as_written*  compile/step.py
       guard's tf.cond  reduce → apply, or nothing        guard/nonfinite.py
     (* semantics="mirrored": the update under the caller's settings too)
 
-Each phase called alone inside ``as_written()`` gives bitwise the step's result. Where
-the variables live is the :class:`~towers.placement.Placement`; what a step computes for
-non-trainable state, the loss divisor and clipping is ``semantics``
-(:mod:`towers.guard.semantics`).
+Each phase called alone inside ``as_written()`` gives bitwise the step's result.
 """
 
 from __future__ import annotations
@@ -37,26 +33,21 @@ import tensorflow as tf
 from towers.allreduce.machinery.primitives import StepStats, send
 from towers.compile.ordering import replica_scope
 from towers.compile.step import CompiledStep
-from towers.guard.deadline import settled
 from towers.guard.inputs import batch_tensors, check_shards
 from towers.guard.options import TrainerParts
 from towers.guard.semantics import clip_share, strategy_rewrites, unclipped
-from towers.placement import PLACEMENTS, Replica, check_devices
-from towers.split import Shards, shard_batch
-from towers.tower import Gradients, TowerResult, empty_tower_step
+from towers.placement import PLACEMENTS, Replica, check_devices, combine_non_trainable
+from towers.split import Shards, relaxes, shard_batch
+from towers.tower import Gradients, TowerResult, empty_tower_step, loss_divisor, tower_divisor
 from towers.tower import tower_step as run_tower
-from towers.training.keras_functions import relaxes
-from towers.training.keras_loss import loss_divisor, tower_divisor
-from towers.training.sync import combine_non_trainable
 from towers.training.synchronized import check_not_alone, synchronized_towers
 
 __all__ = ["PLACEMENTS", "Reduced", "StepStats", "TowerTrainer", "check_devices"]
 
 
 class Reduced(NamedTuple):
-    """What ``reduce`` hands to ``apply``: ``grads[replica][var]``, the combined state,
-    the global mean loss; a ``LossScaleOptimizer``'s one ``grads_finite`` flag (None: each
-    replica checks); a stateful reducer's new state, assigned only when the update is."""
+    """What ``reduce`` hands to ``apply``: ``grads[replica][var]``, the combined state, the
+    loss; a loss scale's ``grads_finite`` flag; a stateful reducer's new state."""
 
     grads: list[list[tf.Tensor | tf.IndexedSlices]]
     non_trainable: list[tf.Tensor]
@@ -77,8 +68,6 @@ class TowerTrainer(TrainerParts):
         devices: the towers' devices (default: every local logical device).
         **options: :class:`~towers.guard.options.TowerOptions` (:attr:`options`), checked
             with their combination against the capability table before anything is built.
-
-    The README's first path shows it in use.
     """
 
     batch_is_global: ClassVar[bool] = True
@@ -105,7 +94,7 @@ class TowerTrainer(TrainerParts):
 
         Raises:
             ValueError: a batch that does not fit the model or is empty; ``trainable``
-                changed where the trainer cannot follow (:mod:`towers.training.sync`).
+                changed where the trainer cannot follow (:mod:`towers.placement`).
             NonFiniteError, StepTimeout, ReplicaMismatchError: ``on_nonfinite="raise"``,
                 ``step_timeout``, ``check_replicas_every``.
         """
@@ -139,8 +128,8 @@ class TowerTrainer(TrainerParts):
         return self._run(self.compiled.steps[return_outputs], (shards,))
 
     def _run(self, step: Any, inputs: tuple[Any, ...]) -> Any:
-        """The compiled step within its deadline; then the guard's and replica checks."""
-        result = self.deadline.run(step, inputs)
+        """The compiled step within its deadline (if any); the guard's and replica checks."""
+        result = self.deadline.run(step, inputs) if self.deadline.seconds else step(*inputs)
         if self.guard.mode == "raise":
             self.guard.raise_if_nonfinite(self.optimizer, self.devices)
         if self.replica_check.every:
@@ -186,7 +175,8 @@ class TowerTrainer(TrainerParts):
     def tower_step(self, shards: Shards, tower: int, *, backward: bool = True,
                    divisor: Any = None) -> TowerResult:  # fmt: skip
         """One tower of :meth:`forward_backward` (``backward=False``: the forward alone)."""
-        check_not_alone(self.synchronized)
+        if self.synchronized:
+            check_not_alone(self.synchronized)
         if divisor is None:
             divisor = self.loss_divisor(shards)
         part, n = shards.parts[tower], len(self.devices)
@@ -203,10 +193,9 @@ class TowerTrainer(TrainerParts):
 
     def reduce_and_apply(self, grads: Gradients,
                          central: Sequence[TowerResult] | None = None) -> tf.Tensor:  # fmt: skip
-        """Reduce → apply inside the guard's one ``tf.cond``: all of it or nothing. A
-        reduction that :func:`~towers.guard.capabilities.sums_exactly` runs first, and the
-        guard checks one reduced copy. ``central``: the towers' results as a nested update
-        received them, checked on the guard's device."""
+        """Reduce → apply in the guard's ``tf.cond``: all or nothing. A reduction that
+        :func:`~towers.guard.capabilities.sums_exactly` runs first (the guard checks one
+        reduced copy). ``central``: the towers' results as a nested update received them."""
         early = None
         if self._reduce_first:
             with tf.name_scope("reduce"):
@@ -225,9 +214,10 @@ class TowerTrainer(TrainerParts):
         if self.loss_scale.active:  # one flag for every replica's dynamic scale
             flag = self.loss_scale.finite(reduced.grads[0], grads_finite, self.parameter_device)
             reduced = reduced._replace(grads_finite=flag)
+        began = self.deadline.began if self.deadline.seconds else None
         with tf.name_scope("apply"):
             self.guard.applied(self.replicas.state_variables(self.reducer), functools.partial(
-                settled, reduced, self.apply, self.deadline.began))  # fmt: skip
+                _settled, reduced, self.apply, began))  # fmt: skip
         return reduced.loss
 
     def reduce(self, grads: Gradients) -> Reduced:
@@ -284,8 +274,7 @@ class TowerTrainer(TrainerParts):
         return batch_tensors(x, y, sample_weight, self.model)
 
     def _follow_trainable(self) -> None:
-        """``trainable`` changed on :attr:`model`: every replica takes it, the reducer is
-        rebuilt, the step retraced (:mod:`towers.training.sync`)."""
+        """``trainable`` changed on :attr:`model`: every replica follows, the step retraces."""
         if self.trainable_watch.changed(self.replicas):
             self.reducer.build(self.model.trainable_variables, self.devices)
             self.compiled = CompiledStep(self)
@@ -298,3 +287,14 @@ class TowerTrainer(TrainerParts):
 
 def _apply_gradients(optimizer: Any, grads: list[Any], variables: list[Any]) -> None:
     optimizer.apply_gradients(zip(grads, variables))
+
+
+def _settled(reduced: Reduced, apply: Any, began: tf.Variable | None) -> None:
+    """``apply(reduced)`` once all of ``reduced`` exists, after setting ``began``: a
+    collective that never completes leaves every variable, slot and counter as it was
+    (:mod:`towers.guard.deadline`). Control edges only: the bits are unchanged."""
+    flat = [t for t in tf.nest.flatten(reduced, expand_composites=True) if t is not None]
+    with tf.control_dependencies(flat):
+        marks = [] if began is None else [began.assign(True)]
+    with tf.control_dependencies(flat + marks):
+        apply(reduced)

@@ -9,12 +9,12 @@ where the sum runs over tower ``i``'s shard, ``w`` is the sample weight (1 when 
 ``tf.nn.compute_average_loss`` and ``tf.nn.scale_regularization_loss`` under a strategy
 with ``n_towers`` replicas, so the towers' gradients add up to the gradient of the global
 mean loss, uneven or empty shards included. A Keras loss's ``reduction`` changes the
-divisor (:mod:`towers.training.keras_loss`): 1 for ``"sum"``, the global sum of sample
+divisor (:func:`loss_divisor`): 1 for ``"sum"``, the global sum of sample
 weights for ``"mean_with_sample_weight"``.
 
 The network runs through ``stateless_call`` (:func:`run_network`): the tower passes in
 its replica's values and gets back the new non-trainable values, which the step combines
-(:func:`towers.training.sync.combine_non_trainable`) instead of each tower overwriting
+(:func:`towers.placement.combine_non_trainable`) instead of each tower overwriting
 shared variables.
 """
 
@@ -34,10 +34,12 @@ try:  # Keras's layer call context (private): where training=True reaches inner 
 except ImportError:  # pragma: no cover - another Keras layout
     CallContext = None
 
+from towers.allreduce.machinery.primitives import send
 from towers.devices import canonical_device
-from towers.training.keras_loss import LossFn, extra_axes, per_example_loss, weighs_elements
+from towers.training.keras_loss import LossFn
 
-__all__ = ["Gradients", "TowerResult", "empty_tower_step", "run_network", "tower_step"]
+__all__ = ["Gradients", "TowerResult", "empty_tower_step", "extra_axes", "loss_divisor",
+           "per_example_loss", "run_network", "tower_divisor", "tower_step", "weighs_elements"]
 
 
 class TowerResult(NamedTuple):
@@ -166,6 +168,125 @@ def _forward(model: keras.Model, trainable: Sequence[tf.Tensor],
     # stateless_call hands back the very tensor it was given for a variable nobody assigned
     changed = tuple(new is not old for new, old in zip(new_non_trainable, non_trainable))
     return TowerResult(loss, [], list(new_non_trainable), tf.shape(per_ex)[0], y_pred, changed)
+
+
+# -- the loss: per example, and what a tower divides its sum by ---------------------------
+
+
+def loss_divisor(
+    reduction: str, global_batch: tf.Tensor, sample_weights: Sequence[Any], device: str
+) -> tf.Tensor:
+    """What every tower divides its weighted loss sum by: the global batch size (int32),
+    1 for ``sum``, or the sample weights' global sum for ``mean_with_sample_weight`` (float32,
+    formed on ``device`` in tower order)."""
+    if reduction == "sum":
+        return tf.ones([], global_batch.dtype)
+    weights = [w for w in sample_weights if w is not None]
+    if reduction != "mean_with_sample_weight" or not weights:
+        return global_batch
+    with tf.device(device):
+        parts = [tf.cast(send(w, device, note="loss"), tf.float32) for w in weights]
+        total = tf.reduce_sum(tf.concat([tf.reshape(w, [-1]) for w in parts], 0))
+        if weighs_elements(weights[0]):  # per_example_loss averaged w·l over these axes
+            total = total / tf.cast(tf.reduce_prod(tf.shape(weights[0])[1:]), tf.float32)
+        return total
+
+
+def tower_divisor(rule: str | float, divisor: tf.Tensor, shard: Any, towers: int) -> tf.Tensor:
+    """What one tower divides its loss sum by, for ``rule``
+    (:attr:`~towers.guard.options.TowerOptions.divisor`): the global ``divisor``
+    (``"global"``), ``shard size × towers`` (``"per_replica"``), or the constant (int32 when
+    whole, as ``compute_average_loss`` takes it)."""
+    if rule == "per_replica":
+        size = tf.shape(tf.nest.flatten(shard[0])[0])[0]  # compute_average_loss's shape[0]
+        return size * towers
+    if rule == "global":
+        return divisor
+    constant = float(rule)
+    if constant.is_integer():
+        return tf.constant(int(constant), tf.int32)
+    return tf.constant(constant, tf.float32)
+
+
+def per_example_loss(
+    loss_fn: LossFn, y_true: Any, y_pred: Any, sample_weight: Any = None, *,
+    extra_axes: str = "mean",
+) -> tf.Tensor:
+    """Per-example losses, shape ``[batch]``: extra axes (per timestep, per pixel) averaged
+    (``extra_axes="mean"``) or added (``"sum"``, Keras's reduction ``"sum"``). A weight per
+    element (:func:`weighs_elements`) is applied here, before that, as Keras applies it; a
+    per-example weight is the caller's.
+
+    Raises:
+        ValueError: values that break :func:`_checked_values`'s contract; an element
+            weight whose shape is not the values'.
+    """
+    values = _checked_values(loss_fn(y_true, y_pred), y_pred)
+    if weighs_elements(sample_weight):
+        weight = tf.convert_to_tensor(sample_weight)
+        if weight.shape.rank != values.shape.rank or not weight.shape[1:].is_compatible_with(
+                values.shape[1:]):  # fmt: skip
+            raise ValueError(
+                f"sample_weight of shape {weight.shape.as_list()} weighs the loss's elements, "
+                f"but the loss values have shape {values.shape.as_list()}: give one weight "
+                "per example (shape [batch]) or one per loss value (as Keras takes a "
+                "per-timestep weight for a sequence loss)")  # fmt: skip
+        values = values * tf.cast(weight, values.dtype)
+    if values.shape.rank is not None and values.shape.rank > 1:
+        reduce = tf.reduce_sum if extra_axes == "sum" else tf.reduce_mean
+        values = reduce(values, axis=list(range(1, values.shape.rank)))
+    return values
+
+
+def _checked_values(values: Any, y_pred: Any) -> tf.Tensor:
+    """A loss's output, checked when traced: floating values, one row per example of
+    ``y_pred`` (its first leaf), so a loss averaged over the batch or broadcast against the
+    outputs is not trained on silently.
+
+    Raises:
+        ValueError: a scalar, a non-floating dtype, or a first axis that is not the batch.
+    """
+    try:
+        values = tf.convert_to_tensor(values)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"loss must return a tensor of per-example values; got {values!r}"
+                         ) from err  # fmt: skip
+    if values.shape.rank == 0:
+        raise ValueError(
+            "loss must return one value per example (shape [batch]), but it returned a "
+            "scalar: pass an unreduced loss, e.g. keras.losses.SparseCategoricalCrossentropy() "
+            "(towers calls its .call) or a function of (y_true, y_pred) without a mean"
+        )
+    if not values.dtype.is_floating:
+        raise ValueError(
+            f"loss must return floating-point values to differentiate; it returned "
+            f"{values.dtype.name} values of shape {values.shape.as_list()}")
+    pred = tf.nest.flatten(y_pred)[0] if y_pred is not None else None
+    pred_shape: Any = getattr(pred, "shape", None)
+    batch = pred_shape[0] if pred_shape is not None and pred_shape.rank else None
+    if values.shape.rank is not None and batch is not None and values.shape[0] is not None \
+            and values.shape[0] != batch:  # fmt: skip
+        raise ValueError(
+            f"loss must return one value per example (first axis = the batch, {batch}), "
+            f"but it returned shape {values.shape.as_list()} for predictions of shape "
+            f"{pred_shape.as_list()}: a mean over the batch, or labels broadcast against "
+            "the predictions? Return the unreduced values, as keras.losses.Loss.call does")
+    return values
+
+
+def extra_axes(reduction: str) -> str:
+    """How :func:`per_example_loss` reduces a loss value's extra axes for ``reduction``."""
+    return "sum" if reduction == "sum" else "mean"
+
+
+def weighs_elements(sample_weight: Any) -> bool:
+    """Whether ``sample_weight`` weighs a loss's elements rather than its examples
+    (``[batch]`` or ``[batch, 1]``)."""
+    shape = getattr(sample_weight, "shape", None)
+    if shape is None:
+        return False
+    dims = list(shape)
+    return len(dims) > 2 or (len(dims) == 2 and dims[1] != 1)
 
 
 def tower_step(model: keras.Model, trainable: Sequence[tf.Tensor],

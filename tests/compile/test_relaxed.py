@@ -11,7 +11,7 @@ import tensorflow as tf
 import towers
 from tests.conftest import DEVICES
 from towers.compile.relaxed import RelaxedBatch, relaxed_spec
-from towers.training.keras_functions import batch_unknown, relaxes
+from towers.split import batch_unknown, relaxes
 
 
 def _spec(dataset: tf.data.Dataset) -> object:

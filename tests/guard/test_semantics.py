@@ -26,7 +26,7 @@ from towers.compile.ordering import as_written
 from towers.guard.options import TowerOptions
 from towers.guard.semantics import check_constant, check_semantics
 from towers.testing import ModelSpec, compare, loss_fn
-from towers.training.keras_loss import tower_divisor
+from towers.tower import tower_divisor
 
 CLIPS = ({"clipnorm": 0.02}, {"global_clipnorm": 0.02}, {"clipvalue": 0.002})
 

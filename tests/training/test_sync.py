@@ -1,4 +1,5 @@
-"""towers.training.sync: replica 0 reaches the others through towers.allreduce.broadcast
+"""towers.placement and towers.guard.replicas: replica 0 reaches the others through
+towers.allreduce.broadcast
 (recorded sends, bitwise, any dtype); a callback's optimizer change reaches every replica's
 optimizer, a wrapper's inner optimizer included (LossScaleOptimizer); replicas that drift
 apart are named by the replica check within k steps."""
@@ -20,8 +21,8 @@ from tests.model.helpers import LOSS, assert_replicas_equal, data, network
 from tests.strategies import OPTIMIZERS
 from towers.allreduce import record
 from towers.guard.errors import ReplicaMismatchError
+from towers.guard.replicas import ReplicaCheck, checksum
 from towers.testing import ModelSpec, loss_fn
-from towers.training.sync import ReplicaCheck, checksum
 
 X, Y = data(12)
 SPEC = ModelSpec("batchnorm")

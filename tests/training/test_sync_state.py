@@ -1,4 +1,4 @@
-"""Non-trainable state is combined by its meaning (towers.training.sync.AGGREGATIONS),
+"""Non-trainable state is combined by its meaning (towers.placement.AGGREGATIONS),
 over the class.
 
 A layer keeps a running count of the examples it saw and a running sum of its inputs,

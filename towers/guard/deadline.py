@@ -63,7 +63,7 @@ from tensorflow.python.eager import context
 from towers.guard.arguments import positive_float
 from towers.guard.errors import StepTimeout
 
-__all__ = ["Alarm", "Deadline", "settled", "watched", "within"]
+__all__ = ["Alarm", "Deadline", "watched", "within"]
 
 _TIMED_OUT: list[str] = []
 """The process's timed-out steps: TensorFlow's collective abort is process-wide too."""
@@ -79,7 +79,7 @@ class Deadline:
         device: where :attr:`began` lives (None: TensorFlow's default).
 
     Attributes:
-        began: a boolean variable the step sets as its update begins (:func:`settled`),
+        began: a boolean variable the step sets as its update begins (``towers.step``),
             cleared before each run: a failed step applied (in part) ⇔ it is set.
     """
 
@@ -244,20 +244,3 @@ def within(seconds: float, fn: Callable[[], Any], message: str) -> Any:
 def _abort_collectives(message: str) -> None:
     """Abort every pending and later collective op in the process (the watchdog's act)."""
     context.context().abort_collective_ops(tf.errors.DEADLINE_EXCEEDED, message)
-
-
-def settled(reduced: Any, apply: Callable[[Any], None], began: Any = None) -> None:
-    """``apply(reduced)`` with every op it makes waiting until all of ``reduced`` exists,
-    and after ``began`` (:attr:`Deadline.began`, if given) is set.
-
-    So a collective that never completes before the update leaves every variable,
-    optimizer slot and ``iterations`` as it was (without it, ``iterations`` and BatchNorm
-    statistics, which do not wait for the gradients, were updated by a step that then
-    timed out), and one inside it is known to have applied the step in part. Control
-    edges only: the values, and so the bits, are those of the unsettled step.
-    """
-    flat = [t for t in tf.nest.flatten(reduced, expand_composites=True) if t is not None]
-    with tf.control_dependencies(flat):
-        marks = [] if began is None else [began.assign(True)]
-    with tf.control_dependencies(flat + marks):
-        apply(reduced)

@@ -30,16 +30,17 @@ from towers.compile.step import FORWARD_GRAPHS, CompiledStep
 from towers.guard import capabilities
 from towers.guard.arguments import check_bool, check_choice, naming, optional, positive_int
 from towers.guard.deadline import Deadline
-from towers.guard.given import check_layers
+from towers.guard.given import check_devices, check_layers
 from towers.guard.inputs import check_kinds
 from towers.guard.loss_scale import REDUCE_DTYPES, LossScale, is_loss_scaled
 from towers.guard.nonfinite import NONFINITE, Guard
 from towers.guard.reduces import check_sums
+from towers.guard.replicas import ReplicaCheck
 from towers.guard.semantics import SEMANTICS, check_constant, check_semantics, in_mirrored_order
-from towers.placement import ModelLike, OptimizerLike, Replicas, check_devices, get_placement, place
+from towers.placement import Replicas, TrainableWatch, get_placement, place
+from towers.training.keras_copies import ModelLike, OptimizerLike
 from towers.training.keras_loss import LossFn
 from towers.training.losses import bind_loss, reduction_of, step_loss
-from towers.training.sync import ReplicaCheck, TrainableWatch
 
 __all__ = ["TowerOptions", "TrainerParts"]
 
@@ -80,7 +81,7 @@ class TowerOptions:
         step_timeout: seconds a step may run, then ``StepTimeout`` (:mod:`towers.guard.deadline`).
             None (default): the algorithm's ``timeout_seconds`` (``nccl``: 60 s) if any.
         check_replicas_every: compare the replicas by checksum every k steps
-            (:mod:`towers.training.sync`). None (default): never.
+            (:mod:`towers.guard.replicas`). None (default): never.
         reduce_dtype: ``"float32"`` (default) or ``"compute"`` (the model's dtype policy's
             compute dtype) for the gradient all-reduce (:mod:`towers.guard.loss_scale`,
             docs/mixed_precision.md).
@@ -266,8 +267,7 @@ class TrainerParts:
 
     @property
     def last_step_stats(self) -> StepStats | None:
-        """Communication of one step (bytes per tower and link, ticks; gradient and
-        bookkeeping bytes apart), counted at ``send`` when traced; None before a step."""
+        """One step's communication (bytes per tower and link, ticks), counted at ``send``."""
         if self.last_trace_stats is None:
             return None
         return StepStats.from_recorder(self.last_trace_stats)

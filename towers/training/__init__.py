@@ -1,6 +1,5 @@
 """What Keras lacks around the step: exact checkpoints and resume, replica sync, export, data.
 
-    keras_functions.py  the per-batch functions ``TowerModel`` hands Keras's fit/evaluate/predict
     inference.py   the towers' inference pass of ``TowerModel.evaluate`` / ``predict``
     keras_loss.py  a Keras loss as compile prepares it: per-example values, reductions, divisor
     keras_copies.py  a Keras model and optimizer copied onto a device, whole (a replica's parts)
@@ -9,7 +8,6 @@
     signature.py   what a checkpoint holds (optimizer, model, placement); restore refuses others
     atomic.py      numbered checkpoints written atomically; ``latest`` skips damaged ones
     backup.py      ``ExactResume``: a callback saving every k batches, resuming at the batch
-    sync.py        the towers' state combined; replica 0's changes followed; replica checksums
     export.py      ``.keras`` and SavedModel export of the trained model
     data.py        scikit-learn's bundled 8×8 digits, split and batched
     models.py      the small models the CLI, examples and benchmarks train

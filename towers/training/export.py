@@ -15,11 +15,14 @@ from __future__ import annotations
 import os
 from typing import Any, NamedTuple
 
+import keras
 from keras.src.saving.keras_saveable import KerasSaveable
 
+from towers.devices import canonical_device
+from towers.guard.given import check_devices
 from towers.training.protocol import Trainer
 
-__all__ = ["AsNetwork", "Exported", "export"]
+__all__ = ["AsNetwork", "Exported", "export", "tower_model_arguments", "tower_model_config"]
 
 
 class Exported(NamedTuple):
@@ -71,3 +74,38 @@ class AsNetwork(KerasSaveable):  # type: ignore[misc]
 
     def __dir__(self) -> list[str]:
         return sorted(set(dir(self._model.network)) | set(self._TOWERS))
+
+
+def tower_model_config(tm: Any) -> dict[str, Any]:
+    """A ``TowerModel``'s config: its network's, its options, its devices as a count.
+
+    Raises:
+        ValueError: ``all_reduce`` is a callable (a name or ``module:NAME`` saves).
+    """
+    algorithm = tm.options.all_reduce
+    if algorithm is not None and not isinstance(algorithm, str):
+        raise ValueError(
+            f"all_reduce={algorithm!r} cannot be saved in a .keras file (its config needs a "
+            "registry name or module:NAME); use tm.save_weights (ModelCheckpoint("
+            "save_weights_only=True)) or towers.training.checkpoint, or pass the reducer as "
+            "module:NAME")
+    options = tm.options.arguments()
+    pd = options["parameter_device"] and canonical_device(options["parameter_device"])
+    options["parameter_device"] = tm.devices.index(pd) if pd in tm.devices else None
+    return {
+        "name": tm.name, "model": keras.saving.serialize_keras_object(tm.network),
+        "num_devices": len(tm.devices), **options,
+    }  # fmt: skip
+
+
+def tower_model_arguments(config: dict[str, Any], custom_objects: Any = None) -> dict[str, Any]:
+    """``TowerModel``'s arguments from :func:`tower_model_config`: the first ``num_devices``
+    local devices (all of them if fewer)."""
+    config = dict(config)
+    network = keras.saving.deserialize_keras_object(config.pop("model"),
+                                                    custom_objects=custom_objects)
+    devices = check_devices(None)[: config.pop("num_devices")]
+    pd = config.pop("parameter_device", None)
+    return {"model": network, "devices": devices,
+            "parameter_device": None if pd is None or pd >= len(devices) else devices[pd],
+            **config}  # fmt: skip

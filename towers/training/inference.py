@@ -2,6 +2,9 @@
 
 ::
 
+    Keras evaluate ─▶ test_batch:     loss_and_outputs ─▶ loss / divisor (+ model losses)
+    Keras predict  ─▶ predict_batches: outputs of each batch, concatenated
+
     batch ─split─▶ shard_i ─tf.device(tower_i): network(replica_i's values, shard_i)─▶ out_i
           ─▶ concat(out_0 … out_{n-1}) on the parameter device, in tower order
 
@@ -12,18 +15,19 @@ The split and the network call are the training step's (:func:`towers.split.shar
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
+import keras
 import tensorflow as tf
 
 from towers.allreduce.machinery.primitives import send
 from towers.compile.relaxed import RelaxedBatch
-from towers.split import Batch, concat, shard_batch
-from towers.tower import run_network
-from towers.training.keras_loss import extra_axes, per_example_loss, weighs_elements
+from towers.split import Batch, concat, relaxes, shard_batch
+from towers.tower import extra_axes, loss_divisor, per_example_loss, run_network, weighs_elements
 from towers.training.protocol import Trainer
 
-__all__ = ["inference"]
+__all__ = ["inference", "predict_batches", "test_batch"]
 
 
 class _Inference:
@@ -97,3 +101,31 @@ def inference(trainer: Trainer) -> _Inference:
     if trainer not in _CACHE:
         _CACHE[trainer] = _Inference(trainer)
     return _CACHE[trainer]
+
+
+def test_batch(tm: Any, data: Any, *, batch_unknown: bool = False) -> dict[str, Any]:
+    """``TowerModel``'s evaluation of one batch: the global mean loss and the metrics' logs."""
+    trainer = tm._trainer()
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    passes = inference(trainer)
+    relaxed = relaxes(batch_unknown, x, len(trainer.devices))
+    total, outputs, model_loss = (passes.relaxed_loss_and_outputs if relaxed
+                                  else passes.loss_and_outputs)(x, y, sample_weight)  # fmt: skip
+    size = tf.shape(tf.nest.flatten(x)[0])[0]
+    weights = [] if sample_weight is None else [sample_weight]
+    divisor = loss_divisor(trainer.loss_reduction, size, weights, trainer.parameter_device)
+    # the model's losses come out of the traced pass: model.losses read here, outside it,
+    # would hold that graph's tensors (add_loss, activity regularizers)
+    loss = total / tf.cast(divisor, total.dtype) + model_loss
+    return tm._update_metrics(x, y, outputs, sample_weight, loss)  # type: ignore[no-any-return]
+
+
+def predict_batches(trainer: Trainer, data: Sequence[Any]) -> Any:
+    """``TowerModel``'s prediction: the towers' outputs on each batch, concatenated."""
+    outs = []
+    for batch in data:
+        x, _, _ = keras.utils.unpack_x_y_sample_weight(batch)
+        outs.append(inference(trainer).outputs(x))
+    if len(outs) == 1:
+        return outs[0]
+    return tf.nest.map_structure(lambda *parts: tf.concat(parts, 0), *outs)

@@ -21,12 +21,8 @@ import keras
 import tensorflow as tf
 
 from towers.guard.arguments import naming
-from towers.training.keras_loss import (
-    extra_axes,
-    loss_reduction,
-    per_example_loss,
-    resolve_loss,
-)
+from towers.tower import extra_axes, per_example_loss
+from towers.training.keras_loss import loss_reduction, resolve_loss
 
 __all__ = ["OutputLosses", "bind_loss", "is_structured", "reduction_of", "step_loss"]
 
