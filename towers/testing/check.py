@@ -1,9 +1,7 @@
 """``check_all_reduce``: any all-reduce against the contract, searched with Hypothesis.
 
-Per tower count a search over shapes, dtypes and ops, then stratified examples (one per op,
-a scalar, an empty tensor); each checked for value bound, placement, bitwise agreement,
-bytes sent and (``replay=True``) the NumPy replay. A wrong algorithm never raises: the
-:class:`CheckReport` says what failed, on the smallest example (docs/testing.md).
+Per tower count a search over shapes, dtypes and ops, then stratified examples; a wrong
+algorithm never raises: the :class:`CheckReport` says what failed, on the smallest example.
 """
 
 from __future__ import annotations
@@ -118,17 +116,6 @@ def _search(
     return runs[0], None
 
 
-def _strata(algorithm: Any, cases: Sequence[Case], devices: list[str],
-            replay: bool) -> _Failed | None:  # fmt: skip
-    """The first stratified example that fails (not shrunk), or None."""
-    for case in cases:
-        failures = check_case(algorithm, case, devices, replay)
-        if failures:
-            return _Failed(describe(case, devices) + "\n  (a stratified example, not shrunk)",
-                           failures)  # fmt: skip
-    return None
-
-
 def _options(max_towers: Any, ops: Any, dtypes: Any) -> tuple[list[str], list[tf.DType]]:
     """The caller's options, checked: a bad one must not read as the algorithm's failure."""
     if isinstance(max_towers, bool) or not isinstance(max_towers, int) or max_towers < 1:
@@ -153,20 +140,18 @@ def check_all_reduce(
     max_examples: int | None = None, devices: Sequence[str] | None = None,
     seed: int | None = 0, replay: bool = False, tower_counts: Sequence[int] | None = None,
 ) -> CheckReport:
-    """Run Hypothesis over towers, shapes, dtypes and ops; report every broken promise.
-
-    Tower counts are searched in ascending order, so the first failure has the fewest towers.
+    """Run Hypothesis over towers (ascending: the first failure has the fewest), shapes,
+    dtypes and ops; report every broken promise.
 
     Args:
         fn: an all-reduce callable, or a registry name (``"naive"``).
         max_towers, tower_counts: the counts to check (default ``1..max_towers``).
-        dtypes, ops, shapes: what to draw (default: all the contract supports;
-            :func:`~towers.testing.values.tower_shapes`).
-        max_examples: drawn examples in all (default 20), at least 2 per tower count;
-            the stratified examples come on top.
-        devices: the devices to place towers on (default ``towers.local_devices()``).
+        dtypes, ops, shapes: what to draw (default: all the contract supports).
+        max_examples: drawn examples in all (default 20), at least 2 per tower count,
+            plus the stratified ones.
+        devices: where towers live (default ``towers.local_devices()``).
         seed: Hypothesis seed; ``None`` draws afresh each run.
-        replay: also demand bitwise equality with the NumPy replay (one trace per example).
+        replay: also demand bitwise equality with the NumPy replay.
 
     Raises:
         ValueError: bad options only (named); a wrong algorithm never raises.
@@ -198,7 +183,12 @@ def check_all_reduce(
         if failed is None:
             explicit = stratified(n, dtypes, ops, seed or 0)
             strata += len(explicit)
-            failed = _strata(algorithm, explicit, devices, replay)
+            for case in explicit:
+                failures = check_case(algorithm, case, devices, replay)
+                if failures:
+                    failed = _Failed(describe(case, devices) + "\n  (a stratified example, "
+                                     "not shrunk)", failures)  # fmt: skip
+                    break
         if failed is not None:
             return CheckReport(name, False, total, tuple(failed.failures), failed.example, notes,
                                strata)

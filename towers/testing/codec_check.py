@@ -1,8 +1,7 @@
 """``check_codec``: a codec against its contract (:class:`towers.allreduce.codecs.Codec`).
 
-Error feedback within ``error_bound``, placement and bitwise agreement (also decoding on
-every tower), state structure and ``payload_bytes``, and in a trainer the checkpoint round
-trip and a skipped non-finite step (docs/codecs.md). A wrong codec never raises.
+Error feedback within ``error_bound``, placement, bitwise agreement, state structure,
+``payload_bytes``, and in a trainer the checkpoint round trip and a skipped step.
 """
 
 from __future__ import annotations

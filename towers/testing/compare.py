@@ -1,9 +1,4 @@
-"""``compare`` and ``bisect``: two steps, teacher-forced from the same weights, within a bound.
-
-Before every step B is set to the teacher A's weights, so each step is judged on its own;
-two towers trainers are compared on their reduced gradients, any other pair on the weights
-after one update (docs/invariance_and_bisect.md).
-"""
+"""``compare`` and ``bisect``: two steps, teacher-forced from the same weights, within a bound."""
 
 from __future__ import annotations
 
@@ -34,9 +29,8 @@ _REDUCTION_BOUND = ("reduction bound: each run's all-reduce within γ_k·Σ|g_i|
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """One side of a comparison: a towers trainer's ``all_reduce`` (name, callable or
-    reducer; or ``"mirrored"`` / ``"central_storage"``, a reference) and ``variables``
-    placement; ``label`` names it in the report (default: from ``all_reduce``)."""
+    """One side of a comparison: ``all_reduce`` (a name, callable, reducer, or a reference in
+    :data:`REFERENCES`), ``variables`` placement, and its ``label`` in the report."""
 
     all_reduce: Any = "ring"
     variables: str = "replicated"
@@ -57,11 +51,8 @@ class Config:
 
 
 def config(spec: Any) -> Config:
-    """A :class:`Config` from a Config, ``"towers:NAME"``, a name, a reference or a callable.
-
-    Raises:
-        ValueError: an empty name, or ``"towers:"`` naming a reference.
-    """
+    """A :class:`Config` from a Config, ``"towers:NAME"``, a name, a reference or a callable
+    (ValueError: an empty name, or ``"towers:"`` naming a reference)."""
     if isinstance(spec, Config):
         return spec
     if isinstance(spec, str):

@@ -1,9 +1,4 @@
-"""``check_invariance``: does training give the same result on 1, 2, 4, 8 towers?
-
-Each step is compared from the first count's weights (teacher forcing) within the bound of
-:mod:`towers.testing.steps`; free-running trajectories are shown, not judged
-(docs/invariance_and_bisect.md).
-"""
+"""``check_invariance``: does training give the same result on 1, 2, 4, 8 towers?"""
 
 from __future__ import annotations
 
@@ -28,9 +23,8 @@ __all__ = ["InvarianceReport", "check_invariance"]
 
 @dataclasses.dataclass(frozen=True)
 class InvarianceReport:
-    """What :func:`check_invariance` found: one :class:`Difference` per (tower count, step,
-    variable) against the first count, and the free-running ``trajectory``
-    ``{towers: [max |weight difference| after each step]}`` (shown, not judged)."""
+    """One :class:`Difference` per (tower count, step, variable) against the first count, and
+    the free-running ``trajectory`` ``{towers: [max |ΔW| after each step]}`` (not judged)."""
 
     towers: tuple[int, ...]
     rows: tuple[Difference, ...]
@@ -114,14 +108,13 @@ def check_invariance(
     """Train one trainer per tower count on the same batches; compare each step with the first.
 
     Args:
-        model_fn, optimizer_fn: zero-argument factories of a built ``keras.Model`` and an
-            optimizer.
+        model_fn, optimizer_fn: zero-argument factories of a built model and an optimizer.
         loss: a Keras loss, a loss name or ``(y_true, y_pred) -> per-example losses``.
         batches: ``(x, y)`` global batches, the same for every tower count.
-        towers: the tower counts; the first (1 by default) is the reference.
+        towers: the tower counts; the first is the reference.
         all_reduce, variables: every trainer's algorithm and placement.
-        steps: how many batches to train on (default: all of them).
-        trajectory: also run every tower count freely and report its weight difference.
+        steps: how many batches to train on (default: all).
+        trajectory: also train every count freely and report its weight difference.
         step: a step factory ``(model_fn, optimizer_fn, loss, devices) -> step`` to check
             instead of a ``TowerTrainer`` (``all_reduce``/``variables`` unused).
         bound: a ``step``'s bound: None (derived), a tolerance or a callable.

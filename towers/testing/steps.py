@@ -1,10 +1,9 @@
-"""A step, and one step of two of them from the same weights: what every comparison drives.
+"""A step, and one teacher-forced step of two or more of them: what every comparison drives.
 
-Two runs' reduced gradients differ by at most the sum of three bounded parts (the triangle
-inequality, docs/invariance_and_bisect.md): each run's reduction within ``γ_k·Σ|g_i|`` of its
-towers' exact sum, and the kernels (measured at equal tower counts; across counts a tree of
-depth ``largest shard`` over the per-example gradients). A difference outside is attributed
-to the part that left its own bound, so kernel noise is never blamed on the all-reduce.
+Two runs' reduced gradients differ by at most three bounded parts (the triangle inequality):
+each run's reduction within ``γ_k·Σ|g_i|`` of its towers' exact sum, and the kernels (at
+equal tower counts measured; across counts a tree of depth ``largest shard`` over the
+per-example gradients). A difference outside is blamed on the part that left its own bound.
 """
 
 from __future__ import annotations
@@ -104,11 +103,9 @@ def as_step(fn: Callable[[Any], Any], model: Any, *, strategy: Any = None,
     """A user's step function as a :class:`Step`: the one-line adapter.
 
     Args:
-        fn: the step function, called with one batch ``(x, y)`` or ``(x, y, sample_weight)``
-            (the tutorial's ``distributed_train_step(inputs)``).
+        fn: the step function, called with one batch ``(x, y)`` or ``(x, y, sample_weight)``.
         model: the ``keras.Model`` it trains (its weights are the step's weights).
-        strategy: the strategy ``fn`` runs under, if any: it distributes the batch, and
-            weights are set inside its scope.
+        strategy: the strategy ``fn`` runs under, if any (it distributes the batch).
         optimizer, loss: what ``fn`` applies and minimizes (default ``model.optimizer``):
             they pick and size the bound.
     """

@@ -1,16 +1,10 @@
-"""A measured timeline: the profiler's op events of one real training step, drawn beside the model.
+"""The profiler's op events of one real training step, drawn beside the modelled timeline.
 
-:func:`profile_step` runs one ``trainer.train_step`` under TensorFlow's profiler (host
-tracer level 3: every op kernel is an event) and reads back one :class:`OpEvent` per op.
-Ops are sorted into phases by the name scopes the step gives them
-(:func:`towers.bench.phases.phase_of`; tower 0 has MirroredStrategy's replica 0 names)::
+Ops are sorted into phases by their name scopes (:func:`towers.bench.phases.phase_of`)::
 
     replica_3/conv2d_1/Relu:Relu                       forward,  tower 3
     gradient_tape/replica_3/conv2d_1/Conv2DBackprop…   backward, tower 3
     guard/…, split/…, the all-reduce, the update       step (everything else)
-
-:func:`draw_measured` draws them on the step's real clock, one row per tower and phase,
-above the modelled timeline of ``towers timeline``.
 """
 
 from __future__ import annotations
