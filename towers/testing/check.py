@@ -22,7 +22,7 @@ from towers.allreduce.machinery.resolve import get
 from towers.devices import local_devices
 from towers.testing.properties import Case, cases, check_case, describe, replay_refusal, unchecked
 
-__all__ = ["DEFAULT_EXAMPLES", "CheckReport", "check_all_reduce", "stratified"]
+__all__ = ["DEFAULT_EXAMPLES", "CheckReport", "check_all_reduce", "stratified", "verdict"]
 
 DEFAULT_EXAMPLES = 20
 
@@ -43,18 +43,24 @@ class CheckReport:
         return self.ok
 
     def __str__(self) -> str:
-        head = f"{'PASS' if self.ok else 'FAIL'}: {self.algorithm} ({self.examples} examples run)"
         strata = (f"plus {self.stratified} stratified examples: every (tower count, op) pair, "
                   "and a scalar and an empty tensor at every tower count",
                   ) if self.stratified else ()
-        lines = [head, *(f"  note: {note}" for note in (*self.notes, *strata))]
-        if self.example is not None:
-            lines += ["Smallest failing example:", self.example]
-        if self.failures:
-            lines += ["Failures:", *(f"  - {f}" for f in self.failures)]
-        return "\n".join(lines)
+        return verdict(self.ok, f"{self.algorithm} ({self.examples} examples run)",
+                       (*self.notes, *strata), self.failures, self.example)
 
     __repr__ = __str__
+
+
+def verdict(ok: bool, what: str, notes: Sequence[str], failures: Sequence[str],
+            example: str | None = None) -> str:  # fmt: skip
+    """A checker's report as text: PASS or FAIL, the notes, the example, the failures."""
+    lines = [f"{'PASS' if ok else 'FAIL'}: {what}", *(f"  note: {note}" for note in notes)]
+    if example is not None:
+        lines += ["Smallest failing example:", example]
+    if failures:
+        lines += ["Failures:", *(f"  - {f}" for f in failures)]
+    return "\n".join(lines)
 
 
 def stratified(n: int, dtypes: Sequence[tf.DType], ops: Sequence[str], seed: int = 0
