@@ -64,9 +64,6 @@ def save_png(fig: Any, path: str | os.PathLike[str], dpi: int) -> Path:
     return Path(path)
 
 
-# -- the tick picture -------------------------------------------------------------------------
-
-
 def _draw_arrows(ax: Any, trace: Trace, colours: dict[int, Any]) -> None:
     seen: dict[tuple[int, int, int], int] = {}
     labelled: dict[tuple[int, int], list[int | None]] = {}
@@ -148,9 +145,6 @@ def draw(trace: Trace, path: str | os.PathLike[str]) -> Path:
                  f"tick{'' if trace.ticks == 1 else 's'}, result {verdict}", fontsize=10)
     _legend(ax, trace, colours)
     return save_png(fig, path, 110)
-
-
-# -- the state picture ------------------------------------------------------------------------
 
 
 def _draw_topology(ax: Any, topo: Topology, colours: list[Any]) -> None:

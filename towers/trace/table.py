@@ -160,12 +160,10 @@ def chunk_ownership(
 
 
 def format_table(trace: Trace) -> str:
-    """One line per transfer, by tick then source tower (ring, 4 towers)::
+    """One line per transfer, by tick then source (``*``: tick by order; ``~``: estimated)::
 
          tick  from      to          chunk    bytes  operation
             0  tower 0   -> tower 1      3       16  reduce
-
-    ``*`` after a tick: assigned by order; ``~`` before bytes: an estimate.
     """
     lines = [f"{'tick':>5}  {'from':<10}{'to':<12}{'chunk':>5}  {'bytes':>7}  operation"]
     shown = -1
