@@ -126,8 +126,8 @@ def check_invariance(
     counts = _check_towers(towers, len(devices))
     data = take_batches(batches, steps)
     trainers = step is None
-    factory = step or (lambda *args: TowerTrainer(
-        *args[:3], devices=args[3], all_reduce=all_reduce, variables=variables,
+    factory = step or (lambda model, opt, lossfn, devs: TowerTrainer(
+        model, opt, lossfn, devices=devs, all_reduce=all_reduce, variables=variables,
         check_algorithm=False))  # this check reports on the algorithm instead
     made = {n: factory(model_fn, optimizer_fn, loss, devices[:n]) for n in counts}
     ref, others = made[counts[0]], [made[n] for n in counts[1:]]
