@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import tensorflow as tf
+from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
 from towers.bench.phases import phase_of as step_phase
 from towers.trace.draw import pyplot, save_png
@@ -43,10 +44,6 @@ def phase_of(name: str) -> tuple[int | None, str]:
 
 def read_xspace(path: str | os.PathLike[str]) -> list[OpEvent]:
     """The op events (``scope/name:Type``) of a profiler ``*.xplane.pb`` file, by start time."""
-    try:
-        from tensorflow.tsl.profiler.protobuf import xplane_pb2
-    except ImportError as err:  # the module moved in this TensorFlow
-        raise RuntimeError(f"cannot read profiler output: {err}") from err
     space = xplane_pb2.XSpace()
     space.ParseFromString(Path(path).read_bytes())
     events = []
