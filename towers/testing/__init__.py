@@ -1,9 +1,4 @@
-"""Tools to prove a data-parallel setup right: strategies, error bounds, checkers (docs/testing.md).
-
-check_all_reduce and check_codec check an algorithm or a codec against its contract; compare,
-bisect and assert_steps_match hold two steps to a derived bound (plugin: the fixture);
-check_invariance trains on 1, 2, 4, 8 towers; bounds/ holds every bound on one unit roundoff.
-"""
+"""Tools to prove a data-parallel setup right: strategies, bounds, checkers (docs/testing.md)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """``check_all_reduce``: any all-reduce against the contract, searched with Hypothesis.
 
-Per tower count a search over shapes, dtypes and ops, then stratified examples (one per op,
-a scalar, an empty tensor); each checked for value bound, placement, bitwise agreement,
-bytes sent and (``replay=True``) the NumPy replay. A wrong algorithm never raises: the
-:class:`CheckReport` says what failed, on the smallest example (docs/testing.md).
+Per tower count a search over shapes, dtypes and ops, then stratified examples; a wrong
+algorithm never raises: the :class:`CheckReport` says what failed, on the smallest example.
 """
 
 from __future__ import annotations
@@ -24,7 +22,7 @@ from towers.allreduce.machinery.resolve import get
 from towers.devices import local_devices
 from towers.testing.properties import Case, cases, check_case, describe, replay_refusal, unchecked
 
-__all__ = ["DEFAULT_EXAMPLES", "CheckReport", "check_all_reduce", "stratified"]
+__all__ = ["DEFAULT_EXAMPLES", "CheckReport", "check_all_reduce", "stratified", "verdict"]
 
 DEFAULT_EXAMPLES = 20
 
@@ -45,18 +43,24 @@ class CheckReport:
         return self.ok
 
     def __str__(self) -> str:
-        head = f"{'PASS' if self.ok else 'FAIL'}: {self.algorithm} ({self.examples} examples run)"
         strata = (f"plus {self.stratified} stratified examples: every (tower count, op) pair, "
                   "and a scalar and an empty tensor at every tower count",
                   ) if self.stratified else ()
-        lines = [head, *(f"  note: {note}" for note in (*self.notes, *strata))]
-        if self.example is not None:
-            lines += ["Smallest failing example:", self.example]
-        if self.failures:
-            lines += ["Failures:", *(f"  - {f}" for f in self.failures)]
-        return "\n".join(lines)
+        return verdict(self.ok, f"{self.algorithm} ({self.examples} examples run)",
+                       (*self.notes, *strata), self.failures, self.example)
 
     __repr__ = __str__
+
+
+def verdict(ok: bool, what: str, notes: Sequence[str], failures: Sequence[str],
+            example: str | None = None) -> str:  # fmt: skip
+    """A checker's report as text: PASS or FAIL, the notes, the example, the failures."""
+    lines = [f"{'PASS' if ok else 'FAIL'}: {what}", *(f"  note: {note}" for note in notes)]
+    if example is not None:
+        lines += ["Smallest failing example:", example]
+    if failures:
+        lines += ["Failures:", *(f"  - {f}" for f in failures)]
+    return "\n".join(lines)
 
 
 def stratified(n: int, dtypes: Sequence[tf.DType], ops: Sequence[str], seed: int = 0
@@ -118,17 +122,6 @@ def _search(
     return runs[0], None
 
 
-def _strata(algorithm: Any, cases: Sequence[Case], devices: list[str],
-            replay: bool) -> _Failed | None:  # fmt: skip
-    """The first stratified example that fails (not shrunk), or None."""
-    for case in cases:
-        failures = check_case(algorithm, case, devices, replay)
-        if failures:
-            return _Failed(describe(case, devices) + "\n  (a stratified example, not shrunk)",
-                           failures)  # fmt: skip
-    return None
-
-
 def _options(max_towers: Any, ops: Any, dtypes: Any) -> tuple[list[str], list[tf.DType]]:
     """The caller's options, checked: a bad one must not read as the algorithm's failure."""
     if isinstance(max_towers, bool) or not isinstance(max_towers, int) or max_towers < 1:
@@ -153,20 +146,18 @@ def check_all_reduce(
     max_examples: int | None = None, devices: Sequence[str] | None = None,
     seed: int | None = 0, replay: bool = False, tower_counts: Sequence[int] | None = None,
 ) -> CheckReport:
-    """Run Hypothesis over towers, shapes, dtypes and ops; report every broken promise.
-
-    Tower counts are searched in ascending order, so the first failure has the fewest towers.
+    """Run Hypothesis over towers (ascending: the first failure has the fewest), shapes,
+    dtypes and ops; report every broken promise.
 
     Args:
         fn: an all-reduce callable, or a registry name (``"naive"``).
         max_towers, tower_counts: the counts to check (default ``1..max_towers``).
-        dtypes, ops, shapes: what to draw (default: all the contract supports;
-            :func:`~towers.testing.values.tower_shapes`).
-        max_examples: drawn examples in all (default 20), at least 2 per tower count;
-            the stratified examples come on top.
-        devices: the devices to place towers on (default ``towers.local_devices()``).
+        dtypes, ops, shapes: what to draw (default: all the contract supports).
+        max_examples: drawn examples in all (default 20), at least 2 per tower count,
+            plus the stratified ones.
+        devices: where towers live (default ``towers.local_devices()``).
         seed: Hypothesis seed; ``None`` draws afresh each run.
-        replay: also demand bitwise equality with the NumPy replay (one trace per example).
+        replay: also demand bitwise equality with the NumPy replay.
 
     Raises:
         ValueError: bad options only (named); a wrong algorithm never raises.
@@ -198,7 +189,12 @@ def check_all_reduce(
         if failed is None:
             explicit = stratified(n, dtypes, ops, seed or 0)
             strata += len(explicit)
-            failed = _strata(algorithm, explicit, devices, replay)
+            for case in explicit:
+                failures = check_case(algorithm, case, devices, replay)
+                if failures:
+                    failed = _Failed(describe(case, devices) + "\n  (a stratified example, "
+                                     "not shrunk)", failures)  # fmt: skip
+                    break
         if failed is not None:
             return CheckReport(name, False, total, tuple(failed.failures), failed.example, notes,
                                strata)

@@ -1,8 +1,7 @@
 """``check_codec``: a codec against its contract (:class:`towers.allreduce.codecs.Codec`).
 
-Error feedback within ``error_bound``, placement and bitwise agreement (also decoding on
-every tower), state structure and ``payload_bytes``, and in a trainer the checkpoint round
-trip and a skipped non-finite step (docs/codecs.md). A wrong codec never raises.
+Error feedback within ``error_bound``, placement, bitwise agreement, state structure,
+``payload_bytes``, and in a trainer the checkpoint round trip and a skipped step.
 """
 
 from __future__ import annotations
@@ -25,6 +24,7 @@ from towers.devices import canonical_device, local_devices
 from towers.guard.arguments import positive_int
 from towers.step import TowerTrainer
 from towers.testing.bounds import summation_depth
+from towers.testing.check import verdict
 from towers.testing.replay import place
 from towers.training import checkpoint
 
@@ -47,11 +47,7 @@ class CodecReport:
         return self.ok
 
     def __str__(self) -> str:
-        lines = [f"{'PASS' if self.ok else 'FAIL'}: codec {self.codec}"]
-        lines += [f"  note: {note}" for note in self.notes]
-        if self.failures:
-            lines += ["Failures:", *(f"  - {f}" for f in self.failures)]
-        return "\n".join(lines)
+        return verdict(self.ok, f"codec {self.codec}", self.notes, self.failures)
 
     __repr__ = __str__
 

@@ -1,9 +1,4 @@
-"""``compare`` and ``bisect``: two steps, teacher-forced from the same weights, within a bound.
-
-Before every step B is set to the teacher A's weights, so each step is judged on its own;
-two towers trainers are compared on their reduced gradients, any other pair on the weights
-after one update (docs/invariance_and_bisect.md).
-"""
+"""``compare`` and ``bisect``: two steps, teacher-forced from the same weights, within a bound."""
 
 from __future__ import annotations
 
@@ -19,17 +14,7 @@ from towers.devices import local_devices
 from towers.step import TowerTrainer
 from towers.testing.bounds import UpdateBound, resolve_bound
 from towers.testing.report import BisectReport, Difference, Divergence, explained
-from towers.testing.steps import (
-    advance,
-    algorithm_depth,
-    check_step,
-    compare_runs,
-    is_step,
-    step_gradients,
-    step_towers,
-    take_batches,
-    update_rows,
-)
+from towers.testing.steps import check_step, is_step, step_towers, take_batches, teacher_step
 
 __all__ = ["REFERENCES", "Config", "assert_steps_match", "bisect", "compare", "config",
            "update_bound"]
@@ -44,9 +29,8 @@ _REDUCTION_BOUND = ("reduction bound: each run's all-reduce within γ_k·Σ|g_i|
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """One side of a comparison: a towers trainer's ``all_reduce`` (name, callable or
-    reducer; or ``"mirrored"`` / ``"central_storage"``, a reference) and ``variables``
-    placement; ``label`` names it in the report (default: from ``all_reduce``)."""
+    """One side of a comparison: ``all_reduce`` (a name, callable, reducer, or a reference in
+    :data:`REFERENCES`), ``variables`` placement, and its ``label`` in the report."""
 
     all_reduce: Any = "ring"
     variables: str = "replicated"
@@ -67,11 +51,8 @@ class Config:
 
 
 def config(spec: Any) -> Config:
-    """A :class:`Config` from a Config, ``"towers:NAME"``, a name, a reference or a callable.
-
-    Raises:
-        ValueError: an empty name, or ``"towers:"`` naming a reference.
-    """
+    """A :class:`Config` from a Config, ``"towers:NAME"``, a name, a reference or a callable
+    (ValueError: an empty name, or ``"towers:"`` naming a reference)."""
     if isinstance(spec, Config):
         return spec
     if isinstance(spec, str):
@@ -142,21 +123,6 @@ def _divergence(
                       _chunk(trainer_b, a.size, k), compared, row.cause, bound)  # fmt: skip
 
 
-def _one_step(a: Any, b: Any, x: Any, y: Any, bound: UpdateBound | None, label: str,
-              step: int) -> tuple[Any, ...]:  # fmt: skip
-    """Both sides from A's weights, one step: (rows, A's and B's compared values)."""
-    if bound is not None:  # the weights after one update
-        weights = a.get_weights()
-        tol = bound.tolerances(weights, x, y)  # sized at the weights both start from
-        return update_rows(a, advance(a, x, y), [b], weights, tol, x, y, label, step)[0]
-    b.set_weights(a.get_weights())  # two towers trainers: their reduced gradients
-    runs = step_gradients(a, x, y), step_gradients(b, x, y)
-    names = [v.path for v in a.model.trainable_variables]
-    rows = compare_runs(label, step, names, runs, (algorithm_depth(a), algorithm_depth(b)), None)
-    a.apply(runs[0].phases)
-    return rows, runs[0].reduced, runs[1].reduced
-
-
 def _run(a: Any, b: Any, batches: Iterable[Any], *, stop: bool, bound: Any, loss: Any,
          towers: int | None, steps: int | None, model_fn: Any, optimizer_fn: Any,
          ) -> BisectReport:  # fmt: skip
@@ -173,7 +139,7 @@ def _run(a: Any, b: Any, batches: Iterable[Any], *, stop: bool, bound: Any, loss
     rows: list[Difference] = []
     first = None
     for step, (x, y) in enumerate(data, start=1):
-        found, want, got = _one_step(a, b, x, y, update, label_b, step)
+        found, want, got = teacher_step(a, [b], x, y, update, [label_b], step)[0]
         rows.extend(found)
         bad = next((r for r in found if not r.ok), None)
         if bad is not None and first is None:

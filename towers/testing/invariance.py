@@ -1,14 +1,10 @@
-"""``check_invariance``: does training give the same result on 1, 2, 4, 8 towers?
-
-Each step is compared from the first count's weights (teacher forcing) within the bound of
-:mod:`towers.testing.steps`; free-running trajectories are shown, not judged
-(docs/invariance_and_bisect.md).
-"""
+"""``check_invariance``: does training give the same result on 1, 2, 4, 8 towers?"""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 from typing import Any
 
 import keras
@@ -19,15 +15,7 @@ from towers.step import TowerTrainer
 from towers.testing.bounds import leaf_bounds
 from towers.testing.compare import update_bound
 from towers.testing.report import Difference
-from towers.testing.steps import (
-    advance,
-    algorithm_depth,
-    compare_runs,
-    kernel_depth,
-    step_gradients,
-    take_batches,
-    update_rows,
-)
+from towers.testing.steps import advance, kernel_depth, take_batches, teacher_step
 from towers.testing.strategies import per_tower_gradients
 
 __all__ = ["InvarianceReport", "check_invariance"]
@@ -35,9 +23,8 @@ __all__ = ["InvarianceReport", "check_invariance"]
 
 @dataclasses.dataclass(frozen=True)
 class InvarianceReport:
-    """What :func:`check_invariance` found: one :class:`Difference` per (tower count, step,
-    variable) against the first count, and the free-running ``trajectory``
-    ``{towers: [max |weight difference| after each step]}`` (shown, not judged)."""
+    """One :class:`Difference` per (tower count, step, variable) against the first count, and
+    the free-running ``trajectory`` ``{towers: [max |ΔW| after each step]}`` (not judged)."""
 
     towers: tuple[int, ...]
     rows: tuple[Difference, ...]
@@ -121,14 +108,13 @@ def check_invariance(
     """Train one trainer per tower count on the same batches; compare each step with the first.
 
     Args:
-        model_fn, optimizer_fn: zero-argument factories of a built ``keras.Model`` and an
-            optimizer.
+        model_fn, optimizer_fn: zero-argument factories of a built model and an optimizer.
         loss: a Keras loss, a loss name or ``(y_true, y_pred) -> per-example losses``.
         batches: ``(x, y)`` global batches, the same for every tower count.
-        towers: the tower counts; the first (1 by default) is the reference.
+        towers: the tower counts; the first is the reference.
         all_reduce, variables: every trainer's algorithm and placement.
-        steps: how many batches to train on (default: all of them).
-        trajectory: also run every tower count freely and report its weight difference.
+        steps: how many batches to train on (default: all).
+        trajectory: also train every count freely and report its weight difference.
         step: a step factory ``(model_fn, optimizer_fn, loss, devices) -> step`` to check
             instead of a ``TowerTrainer`` (``all_reduce``/``variables`` unused).
         bound: a ``step``'s bound: None (derived), a tolerance or a callable.
@@ -139,36 +125,32 @@ def check_invariance(
     devices = local_devices()
     counts = _check_towers(towers, len(devices))
     data = take_batches(batches, steps)
-    if step is not None:
-        made = {n: step(model_fn, optimizer_fn, loss, devices[:n]) for n in counts}
-        return _step_invariance(made, counts, data, bound, loss)
-    trainers = {
-        n: TowerTrainer(model_fn, optimizer_fn, loss, devices=devices[:n],
-                        all_reduce=all_reduce, variables=variables,
-                        check_algorithm=False)  # this check reports on it instead
-        for n in counts
-    }  # fmt: skip
-    ref = trainers[counts[0]]
+    trainers = step is None
+    factory = step or (lambda model, opt, lossfn, devs: TowerTrainer(
+        model, opt, lossfn, devices=devs, all_reduce=all_reduce, variables=variables,
+        check_algorithm=False))  # this check reports on the algorithm instead
+    made = {n: factory(model_fn, optimizer_fn, loss, devices[:n]) for n in counts}
+    ref, others = made[counts[0]], [made[n] for n in counts[1:]]
     start = ref.get_weights()
-    for n in counts[1:]:
-        trainers[n].set_weights(start)
-    names = [v.path for v in ref.model.trainable_variables]
+    for other in others:
+        other.set_weights(start)
+    limit = None if trainers else update_bound(ref, ref, bound, loss)
     rows: list[Difference] = []
     path = []
     for number, (x, y) in enumerate(data, start=1):
-        weights = ref.get_weights()
-        want = step_gradients(ref, x, y)
-        leaves = per_tower_gradients(ref.model, x, y, [ref.devices[0]] * len(x), loss=loss)
-        for n in counts[1:]:
-            trainers[n].set_weights(weights)
-            got = step_gradients(trainers[n], x, y)
-            kernels = leaf_bounds(leaves, kernel_depth(len(x), counts[0]), kernel_depth(len(x), n))
-            depths = (algorithm_depth(ref), algorithm_depth(trainers[n]))
-            rows.extend(compare_runs(n, number, names, (want, got), depths, kernels))
-        ref.apply(want.phases)
+        kernels = partial(_kernels, ref, loss, x, y, counts) if trainers else None
+        for found, _, _ in teacher_step(ref, others, x, y, limit, counts[1:], number, kernels):
+            rows.extend(found)
         path.append(ref.get_weights())
-    free = _free_run(trainers, counts, data, start, path) if trajectory else {}
+    free = _free_run(made, counts, data, start, path) if trajectory and trainers else {}
     return InvarianceReport(counts, tuple(rows), free)
+
+
+def _kernels(ref: Any, loss: Any, x: Any, y: Any, counts: tuple[int, ...]) -> list[Any]:
+    """Per other count, the kernel part's bound: trees over the per-example gradients."""
+    leaves = per_tower_gradients(ref.model, x, y, [ref.devices[0]] * len(x), loss=loss)
+    first = kernel_depth(len(x), counts[0])
+    return [leaf_bounds(leaves, first, kernel_depth(len(x), n)) for n in counts[1:]]
 
 
 def _free_run(
@@ -178,33 +160,10 @@ def _free_run(
     """Each other tower count trained freely (its optimizer is still fresh) against ``path``."""
     out: dict[int, list[float]] = {}
     for n in counts[1:]:
-        trainer = trainers[n]
-        trainer.set_weights(start)
+        trainers[n].set_weights(start)
         out[n] = []
         for (x, y), want in zip(data, path, strict=True):
-            trainer.apply(step_gradients(trainer, x, y).phases)
             diffs = [np.max(np.abs(a.astype(np.float64) - b), initial=0.0)
-                     for a, b in zip(trainer.get_weights(), want, strict=True)]  # fmt: skip
+                     for a, b in zip(advance(trainers[n], x, y), want, strict=True)]  # fmt: skip
             out[n].append(float(max(diffs, default=0.0)))
     return out
-
-
-def _step_invariance(
-    made: dict[int, Any], counts: tuple[int, ...], data: list[Any], bound: Any, loss: Any
-) -> InvarianceReport:
-    """Steps from a factory: each count's update from the first count's weights."""
-    ref = made[counts[0]]
-    others = [made[n] for n in counts[1:]]
-    start = ref.get_weights()
-    for other in others:
-        other.set_weights(start)
-    limit = update_bound(ref, ref, bound, loss)
-    rows: list[Difference] = []
-    for number, (x, y) in enumerate(data, start=1):
-        weights = ref.get_weights()
-        tol = limit.tolerances(weights, x, y)
-        after = advance(ref, x, y)
-        found = update_rows(ref, after, others, weights, tol, x, y, 0, number)
-        for n, (diffs, _, _) in zip(counts[1:], found, strict=True):
-            rows.extend(dataclasses.replace(d, towers=n) for d in diffs)
-    return InvarianceReport(counts, tuple(rows), {})

@@ -96,26 +96,21 @@ def _slice(op: tf.Operation, xs: list[np.ndarray]) -> list[np.ndarray]:
     return [x[index]]
 
 
-def _bits(mask: int, i: int) -> bool:
-    return bool(mask >> i & 1)
-
-
 def _strided_slice(op: tf.Operation, xs: list[np.ndarray]) -> list[np.ndarray]:
     x, begin, end, strides = xs[0], xs[1].tolist(), xs[2].tolist(), xs[3].tolist()
-    masks = {m: op.get_attr(m) for m in ("begin_mask", "end_mask", "ellipsis_mask")}
-    new_axis, shrink = op.get_attr("new_axis_mask"), op.get_attr("shrink_axis_mask")
+    masks = [op.get_attr(f"{m}_mask") for m in ("ellipsis", "new_axis", "shrink_axis",
+                                                   "begin", "end")]  # fmt: skip
     index: list[Any] = []
     for i, (b, e, s) in enumerate(zip(begin, end, strides, strict=True)):
-        if _bits(masks["ellipsis_mask"], i):
+        ellipsis, new_axis, shrink, no_begin, no_end = (m >> i & 1 for m in masks)
+        if ellipsis:
             index.append(Ellipsis)
-        elif _bits(new_axis, i):
+        elif new_axis:
             index.append(np.newaxis)
-        elif _bits(shrink, i):
+        elif shrink:
             index.append(b)  # one element, the dimension dropped; negative counts from the end
         else:
-            start = None if _bits(masks["begin_mask"], i) else b
-            stop = None if _bits(masks["end_mask"], i) else e
-            index.append(slice(start, stop, s))
+            index.append(slice(None if no_begin else b, None if no_end else e, s))
     return [np.asarray(x[tuple(index)])]
 
 

@@ -1,8 +1,7 @@
 """Replay an all-reduce in NumPy, adding in exactly the order TensorFlow does (bitwise on CPU).
 
-The algorithm is traced once and its graph interpreted op by op in creation order: the graph
-as written (equal to eager execution) or, ``optimized=True``, the graph Grappler made (equal
-to the ``tf.function``). Collective ops are opaque: :class:`ReplayError` (docs/testing.md).
+The traced graph (as eager execution runs it) or, ``optimized=True``, Grappler's graph (as
+the ``tf.function`` runs it) is interpreted op by op; collective ops are opaque.
 """
 
 from __future__ import annotations
@@ -21,18 +20,13 @@ __all__ = ["KERNELS", "ReplayError", "place", "replay", "supported_ops"]
 _FED = ("Placeholder", "_Arg", "_DeviceArg")
 
 
-def place(arrays: Sequence[np.ndarray], devices: Sequence[str]) -> list[tf.Tensor]:
-    """Array i as a tensor on ``devices[i]``."""
-    values = []
-    for array, device in zip(arrays, devices, strict=True):
+def place(values: Sequence[Any], devices: Sequence[str]) -> list[tf.Tensor]:
+    """Value i (an array, or a tensor in a graph) as a tensor on ``devices[i]``."""
+    out = []
+    for value, device in zip(values, devices, strict=True):
         with tf.device(device):
-            values.append(tf.identity(tf.constant(array)))
-    return values
-
-
-def _opaque(op_type: str) -> bool:
-    """Ops whose summation order TensorFlow's runtime decides (collectives, NCCL)."""
-    return op_type.lstrip("_").startswith(("Collective", "Nccl"))
+            out.append(tf.identity(value))
+    return out
 
 
 def supported_ops() -> list[str]:
@@ -41,7 +35,8 @@ def supported_ops() -> list[str]:
 
 
 def _check_transparent(graph: tf.Graph) -> None:
-    opaque = sorted({op.type for op in graph.get_operations() if _opaque(op.type)})
+    opaque = sorted({op.type for op in graph.get_operations()  # the runtime orders these
+                     if op.type.lstrip("_").startswith(("Collective", "Nccl"))})
     if opaque:
         raise ReplayError(
             f"the algorithm is opaque to replay: it uses {', '.join(opaque)}, and TensorFlow's "
@@ -105,19 +100,6 @@ def _interpret(
         outputs = _run_kernel(op, [values[t.name] for t in op.inputs])
         values.update((t.name, out) for t, out in zip(op.outputs, outputs, strict=True))
     return [values[t.name] for t in fetches]
-
-
-def _placed(algorithm: Callable[..., Any], op: str, devices: Sequence[str]) -> Callable[..., Any]:
-    """``algorithm`` behind a function of plain inputs that pins input i to ``devices[i]``."""
-
-    def placed(*args: tf.Tensor) -> list[tf.Tensor]:
-        values = []
-        for arg, device in zip(args, devices, strict=True):
-            with tf.device(device):
-                values.append(tf.identity(arg))
-        return list(algorithm(values, op=op))
-
-    return placed
 
 
 def _captured(concrete: Any) -> list[np.ndarray]:
@@ -188,14 +170,11 @@ def replay(
     """Recompute ``algorithm(values, op=op)`` in NumPy, in exactly TensorFlow's order.
 
     Args:
-        arrays: one array per tower, all of one shape and dtype; input i lives on
-            ``devices[i]`` (default: ``towers.local_devices()``).
-        optimized: interpret the graph Grappler produced (runs the function once) instead
-            of the traced one.
+        arrays: one array per tower, of one shape and dtype, input i on ``devices[i]``.
+        optimized: interpret Grappler's graph (runs the function once), not the traced one.
 
     Raises:
-        ReplayError: an op without a NumPy kernel (named, with the supported ops), or an
-            opaque collective op.
+        ReplayError: an op without a NumPy kernel (named), or an opaque collective op.
     """
     arrays = [np.asarray(a) for a in arrays]
     if not arrays:
@@ -206,7 +185,7 @@ def replay(
         raise ValueError(f"{len(arrays)} arrays but only {len(devices)} devices: call "
                          f"towers.simulate_devices({len(arrays)}) first, or pass devices=")
     devices = list(devices)[: len(arrays)]
-    fn = tf.function(_placed(algorithm, op, devices), autograph=False)
+    fn = tf.function(lambda *args: list(algorithm(place(args, devices), op=op)), autograph=False)
     concrete = fn.get_concrete_function(*[tf.TensorSpec(a.shape, a.dtype) for a in arrays])
     _check_transparent(concrete.graph)  # before anything runs or reads captured values
     if optimized:

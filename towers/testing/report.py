@@ -1,9 +1,4 @@
-"""What a comparison of two steps found, and why they may have parted.
-
-Per-variable rows, the first divergence and the report; the causes a divergence's batches
-and sides show: uneven batches with loss divisors not known equal, gradient clipping,
-BatchNormalization, a difference within :data:`ORDER_ULPS` (reduction order).
-"""
+"""What a comparison of two steps found, and the causes its batches and sides show."""
 
 from __future__ import annotations
 
@@ -24,12 +19,9 @@ __all__ = ["CLIPPING", "MIRRORED_SETTING", "ORDER_ULPS", "BisectReport", "Differ
 
 @dataclasses.dataclass(frozen=True)
 class Difference:
-    """One variable's largest difference at one step, and the bound it is held to.
-
-    ``towers`` is the run's tower count (or a label); ``worst`` the flat index with the
-    largest ``diff / bound`` (``worst_diff`` and ``bound`` are there); ``cause``, when not
-    ``ok``: the part that left its own bound, ``"reduction (…)"`` or ``"kernels"``.
-    """
+    """One variable's largest difference at one step, and its bound: ``towers`` the run's
+    tower count (or a label), ``worst`` the flat index of the largest ``diff / bound``,
+    ``cause`` (not ``ok``) the part that left its bound, ``"reduction (…)"`` or ``"kernels"``."""
 
     towers: int | str
     step: int
@@ -45,14 +37,10 @@ class Difference:
 
 @dataclasses.dataclass(frozen=True)
 class Divergence:
-    """Where two runs first part: the step, the variable and the first element outside.
-
-    ``element`` is the first flat index outside, ``value_a``/``value_b`` its values, ``diff``
-    and ``bound`` there; ``chunk = (k, pieces, lo, hi)``: it lies in chunk ``k`` (elements
-    ``lo..hi−1``) of B's pad-split; ``compared``: ``"gradient"`` or ``"update"``; ``cause``:
-    which part left its bound; ``causes``: ``"name: why"`` for each cause the batches and
-    sides show; ``setting``: the one that reproduces MirroredStrategy's semantics, or "".
-    """
+    """Where two runs first part: ``element`` the first flat index outside, in chunk ``k``
+    (elements ``lo..hi−1``) of B's pad-split ``chunk = (k, pieces, lo, hi)``; ``causes``:
+    ``"name: why"`` per cause the batches and sides show; ``setting``: the one that
+    reproduces MirroredStrategy's semantics, or ""."""
 
     step: int
     variable: str
@@ -150,15 +138,10 @@ def possible_causes(
     a: Any, b: Any, sizes: Sequence[int], *, step: int, towers: int, diff: float,
     value: float, dtype: Any,
 ) -> tuple[tuple[str, ...], str]:
-    """The causes of a divergence at ``step`` that the batches and the two sides show.
-
-    ``sizes`` are every batch's size; ``diff``, ``value`` and ``dtype`` describe the first
-    element outside (``|Δ|``, the larger of its two values, its dtype: for the ULPs).
-
-    Returns:
-        ``(causes, setting)``: one ``"name: why"`` per cause, and :data:`MIRRORED_SETTING`
-        when it applies, else "".
-    """
+    """``(causes, setting)``: one ``"name: why"`` per cause of a divergence at ``step`` that
+    the batch ``sizes`` and the two sides show, and :data:`MIRRORED_SETTING` when it applies
+    (else ""); ``diff``, ``value``, ``dtype``: the first element outside (|Δ|, its larger
+    value, its dtype: for the ULPs)."""
     sides = (_side(a), _side(b))
     found = [_uneven(sides, sizes, step, towers), _clipping(a, b, sides),
              _batch_norm(a, b, sides), _order(diff, value, dtype)]  # fmt: skip
@@ -179,9 +162,8 @@ def explained(first: Divergence, a: Any, b: Any, sizes: Sequence[int], towers: i
 
 
 class Side(NamedTuple):
-    """What a step shows of how it computes: its loss ``divisor`` (None: not declared),
-    whether it keeps the ``first_tower``'s non-trainable state, a towers trainer's
-    ``towers`` (0 for any other step), ``replicated``: under a strategy of several replicas."""
+    """How a step computes: its loss ``divisor`` (None: undeclared), whether it keeps the
+    ``first_tower``'s state, ``towers`` (0: not a towers trainer), under several replicas."""
 
     divisor: Any
     first_tower: bool | None
@@ -190,7 +172,6 @@ class Side(NamedTuple):
 
 
 def _side(step: Any) -> Side:
-    """The one place a step's settings are read."""
     if isinstance(step, TowerTrainer):
         return Side(step.options.divisor, step.options.semantics == "mirrored",
                     len(step.devices), False)  # fmt: skip

@@ -1,10 +1,9 @@
-"""A step, and one step of two of them from the same weights: what every comparison drives.
+"""A step, and one teacher-forced step of two or more of them: what every comparison drives.
 
-Two runs' reduced gradients differ by at most the sum of three bounded parts (the triangle
-inequality, docs/invariance_and_bisect.md): each run's reduction within ``γ_k·Σ|g_i|`` of its
-towers' exact sum, and the kernels (measured at equal tower counts; across counts a tree of
-depth ``largest shard`` over the per-example gradients). A difference outside is attributed
-to the part that left its own bound, so kernel noise is never blamed on the all-reduce.
+Two runs' reduced gradients differ by at most three bounded parts (the triangle inequality):
+each run's reduction within ``γ_k·Σ|g_i|`` of its towers' exact sum, and the kernels (at
+equal tower counts measured; across counts a tree of depth ``largest shard`` over the
+per-example gradients). A difference outside is blamed on the part that left its own bound.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ from towers.testing.report import Difference
 
 __all__ = ["AdaptedStep", "Step", "StepGradients", "advance", "algorithm_depth", "as_step",
            "check_step", "compare_gradients", "compare_runs", "is_step", "kernel_depth",
-           "step_gradients", "step_towers", "take_batches", "update_rows"]
+           "step_gradients", "step_towers", "take_batches", "teacher_step"]
 
 _METHODS = ("train_step", "get_weights", "set_weights")
 
@@ -104,11 +103,9 @@ def as_step(fn: Callable[[Any], Any], model: Any, *, strategy: Any = None,
     """A user's step function as a :class:`Step`: the one-line adapter.
 
     Args:
-        fn: the step function, called with one batch ``(x, y)`` or ``(x, y, sample_weight)``
-            (the tutorial's ``distributed_train_step(inputs)``).
+        fn: the step function, called with one batch ``(x, y)`` or ``(x, y, sample_weight)``.
         model: the ``keras.Model`` it trains (its weights are the step's weights).
-        strategy: the strategy ``fn`` runs under, if any: it distributes the batch, and
-            weights are set inside its scope.
+        strategy: the strategy ``fn`` runs under, if any (it distributes the batch).
         optimizer, loss: what ``fn`` applies and minimizes (default ``model.optimizer``):
             they pick and size the bound.
     """
@@ -224,21 +221,42 @@ def advance(step: Any, x: Any, y: Any) -> list[np.ndarray]:
     return step.get_weights()
 
 
-def update_rows(
-    a: Any, after_a: list[np.ndarray], others: list[Any], weights: list[np.ndarray],
-    tol: list[Any], x: Any, y: Any, label: int | str, step: int,
+def teacher_step(
+    a: Any, others: Sequence[Any], x: Any, y: Any, bound: Any, labels: Sequence[int | str],
+    step: int, kernels: Callable[[], list[Any]] | None = None,
 ) -> list[tuple[list[Difference], list[np.ndarray], list[np.ndarray]]]:
-    """Each of ``others`` set to ``weights`` and advanced once, against A's ``after_a``:
-    per other step (one ``Difference`` per compared weight, A's and its weights)."""
+    """Each of ``others`` from A's weights, one step, then A's step: per other (one
+    ``Difference`` per compared variable, A's and its compared values).
+
+    ``bound`` None: towers trainers, on their reduced gradients (``kernels()``, called after
+    A's gradients: per other the kernel part's bound; None: the same shards); else an
+    ``UpdateBound`` on the weights after one update (a tolerance None: not compared).
+    """
+    weights = a.get_weights()
+    if bound is None:
+        want = step_gradients(a, x, y)
+        names = [v.path for v in a.model.trainable_variables]
+        parts = kernels() if kernels is not None else [None] * len(others)
+        out = []
+        for b, label, kernel in zip(others, labels, parts, strict=True):
+            b.set_weights(weights)
+            got = step_gradients(b, x, y)
+            depths = algorithm_depth(a), algorithm_depth(b)
+            rows = compare_runs(label, step, names, (want, got), depths, kernel)
+            out.append((rows, want.reduced, got.reduced))
+        a.apply(want.phases)
+        return out
+    tol = bound.tolerances(weights, x, y)  # sized at the weights both start from
+    after_a = advance(a, x, y)
     keep = [i for i, t in enumerate(tol) if t is not None]
     model = getattr(a, "model", None)
     names = [model.weights[i].path if model is not None else f"weights[{i}]" for i in keep]
-    want = [after_a[i] for i in keep]
+    want_a = [after_a[i] for i in keep]
     out = []
-    for b in others:
+    for b, label in zip(others, labels, strict=True):
         b.set_weights(weights)
         after_b = advance(b, x, y)
-        got = [after_b[i] for i in keep]
-        out.append((compare_gradients(label, step, names, got, want, [tol[i] for i in keep]),
-                    want, got))  # fmt: skip
+        got_b = [after_b[i] for i in keep]
+        rows = compare_gradients(label, step, names, got_b, want_a, [tol[i] for i in keep])
+        out.append((rows, want_a, got_b))
     return out

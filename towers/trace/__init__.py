@@ -1,14 +1,4 @@
-"""See an algorithm run: tick tables, pictures and step timelines.
-
-    schedule.py  run one all-reduce under ``record()``, checked against NumPy
-    table.py     the Trace: a tick for every transfer, chunk ownership, the table as text
-    state.py     every tower's chunk state per tick, read from what each send carries,
-                 and the links it used, laid out (ring, tree, butterfly, torus)
-    draw.py      the tick picture and the state picture (PNG)
-    viewer.py    the step-through viewer: one self-contained HTML page
-    timeline.py  one training step as a chrome://tracing / Perfetto JSON
-    measured.py  the profiler's op events of one real step, drawn beside the model
-"""
+"""See an algorithm run: tick tables, chunk-state pictures, a step-through viewer, timelines."""
 
 from __future__ import annotations
 

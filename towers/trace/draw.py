@@ -1,12 +1,9 @@
 """The two pictures of a trace, as PNGs.
 
-:func:`draw` (a :class:`~towers.trace.table.Trace`): towers as rows, ticks as columns, one
-arrow per transfer coloured by chunk (dashed: estimated), a star where a chunk first held
-every contribution, and the chunks each tower holds at the end. :func:`draw_state` (a
-:class:`~towers.trace.state.StateTrace`): the links on the left, then per state (the
-inputs, then after each tick) every tower's chunks, each a stack of ``n`` squares, square
-``i`` coloured when the chunk holds tower ``i``'s contribution; between the columns the
-tick's sends, labelled with the element ranges they carry.
+:func:`draw`: towers as rows, ticks as columns, an arrow per transfer coloured by chunk
+(dashed: estimated), a star where a chunk first held every contribution. :func:`draw_state`:
+the links, then per state every tower's chunks as stacks of ``n`` squares (square ``i``
+coloured when it holds tower ``i``'s contribution), the tick's sends between the columns.
 """
 
 from __future__ import annotations
@@ -65,9 +62,6 @@ def save_png(fig: Any, path: str | os.PathLike[str], dpi: int) -> Path:
     fig.savefig(path, dpi=dpi)
     pyplot().close(fig)
     return Path(path)
-
-
-# -- the tick picture -------------------------------------------------------------------------
 
 
 def _draw_arrows(ax: Any, trace: Trace, colours: dict[int, Any]) -> None:
@@ -151,9 +145,6 @@ def draw(trace: Trace, path: str | os.PathLike[str]) -> Path:
                  f"tick{'' if trace.ticks == 1 else 's'}, result {verdict}", fontsize=10)
     _legend(ax, trace, colours)
     return save_png(fig, path, 110)
-
-
-# -- the state picture ------------------------------------------------------------------------
 
 
 def _draw_topology(ax: Any, topo: Topology, colours: list[Any]) -> None:

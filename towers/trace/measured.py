@@ -1,16 +1,10 @@
-"""A measured timeline: the profiler's op events of one real training step, drawn beside the model.
+"""The profiler's op events of one real training step, drawn beside the modelled timeline.
 
-:func:`profile_step` runs one ``trainer.train_step`` under TensorFlow's profiler (host
-tracer level 3: every op kernel is an event) and reads back one :class:`OpEvent` per op.
-Ops are sorted into phases by the name scopes the step gives them
-(:func:`towers.bench.phases.phase_of`; tower 0 has MirroredStrategy's replica 0 names)::
+Ops are sorted into phases by their name scopes (:func:`towers.bench.phases.phase_of`)::
 
     replica_3/conv2d_1/Relu:Relu                       forward,  tower 3
     gradient_tape/replica_3/conv2d_1/Conv2DBackprop…   backward, tower 3
     guard/…, split/…, the all-reduce, the update       step (everything else)
-
-:func:`draw_measured` draws them on the step's real clock, one row per tower and phase,
-above the modelled timeline of ``towers timeline``.
 """
 
 from __future__ import annotations
@@ -22,6 +16,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import tensorflow as tf
+from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
 from towers.bench.phases import phase_of as step_phase
 from towers.trace.draw import pyplot, save_png
@@ -49,10 +44,6 @@ def phase_of(name: str) -> tuple[int | None, str]:
 
 def read_xspace(path: str | os.PathLike[str]) -> list[OpEvent]:
     """The op events (``scope/name:Type``) of a profiler ``*.xplane.pb`` file, by start time."""
-    try:
-        from tensorflow.tsl.profiler.protobuf import xplane_pb2
-    except ImportError as err:  # the module moved in this TensorFlow
-        raise RuntimeError(f"cannot read profiler output: {err}") from err
     space = xplane_pb2.XSpace()
     space.ParseFromString(Path(path).read_bytes())
     events = []

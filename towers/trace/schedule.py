@@ -1,9 +1,7 @@
 """Trace one all-reduce: every ``send`` recorded as a row of the tick table, checked against NumPy.
 
-:func:`trace_all_reduce` runs an algorithm eagerly on one small vector per tower inside
-``record()``. When the chunk labels say a send leaves no later than its data arrived, it is
-traced once more in a ``tf.function`` to follow the data each send carries (in a
-full-buffer exchange neither tower sends what it receives). An opaque collective's
+When the chunk labels say a send leaves before its data arrived, the algorithm is traced
+again in a ``tf.function`` to follow the data each send carries. An opaque collective's
 estimated ``bytes_sent`` gives one dashed row per tower into the pseudo-device ``collective``.
 """
 
@@ -23,6 +21,7 @@ from towers.allreduce.machinery.registry import record_of
 from towers.allreduce.machinery.resolve import get, is_reducer, label
 from towers.devices import canonical_device, local_devices, simulate_devices
 from towers.guard.arguments import positive_int
+from towers.testing.replay import place
 from towers.testing.values import ulp_distance
 from towers.trace.table import Trace, assign_ticks, chunk_ownership
 
@@ -57,14 +56,6 @@ def _bytes_formula(fn: Any, n: int, nbytes: int) -> tuple[tuple[float, ...] | No
     return (None if value is None else tuple(value)), configured.algorithm.estimated
 
 
-def _placed(arrays: Sequence[Any], devices: Sequence[str]) -> list[tf.Tensor]:
-    values = []
-    for array, device in zip(arrays, devices):
-        with tf.device(device):  # inside a graph too: each input sits on its tower
-            values.append(tf.identity(array))
-    return values
-
-
 def _run(fn: Any, name: str, devices: Sequence[str], arrays: list[np.ndarray], op: str,
          payloads: bool) -> tuple[list[np.ndarray], list[Transfer], list[Any]]:
     """Run ``fn`` eagerly: NumPy outputs, the transfers and (``payloads``) what each carried,
@@ -78,7 +69,7 @@ def _run(fn: Any, name: str, devices: Sequence[str], arrays: list[np.ndarray], o
             if src != dst:  # `send` logs its transfer right after this copy
                 captured.append((len(recorder.transfers), src, dst, outputs[0].numpy()))
 
-    values = _placed([tf.constant(a) for a in arrays], devices)
+    values = place(arrays, devices)
     with record() as recorder:
         if payloads:
             op_callbacks.add_op_callback(on_op)
@@ -108,8 +99,8 @@ def _follow(fn: Any, devices: Sequence[str], arrays: list[np.ndarray], op: str,
     ``fn`` in a ``tf.function``; None when the graph sends differently or cannot be traced."""
     try:
         with record(follow_data=True) as recorder:
-            tf.function(lambda *args: fn(_placed(args, devices), op=op)).get_concrete_function(
-                *_placed([tf.constant(a) for a in arrays], devices))
+            tf.function(lambda *args: fn(place(args, devices), op=op)).get_concrete_function(
+                *place(arrays, devices))
     except Exception:  # an algorithm that only runs eagerly: the chunk labels decide
         return None
     same = [dataclasses.astuple(t) for t in recorder.transfers] == [

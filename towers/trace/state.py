@@ -1,17 +1,13 @@
 """What every tower holds after every tick: which towers' contributions each chunk carries.
 
-:func:`trace_state` traces an algorithm (op ``sum``) on inputs that name themselves: tower
-``i`` holds ``j·2ⁿ + 2ⁱ`` at element ``j``, so a sum of contributions from a set ``S`` of
-towers is ``|S|·j·2ⁿ + mask(S)`` and every element a send carries says which element it is
-and whose contributions it holds (exact in float32 while below 2²⁴)::
+Inputs name themselves: tower ``i`` holds ``j·2ⁿ + 2ⁱ`` at element ``j``, so a sum over a
+set ``S`` of towers is ``|S|·j·2ⁿ + mask(S)`` (exact in float32 below 2²⁴)::
 
-    element j of tower i:   j·2ⁿ + 2ⁱ            (n = 4, j = 5: 80 + 2ⁱ)
-    sum from towers {0, 2}: 2·5·16 + 0b0101 = 165  →  j = 5, holds {0, 2}
+    sum from towers {0, 2}: 2·5·16 + 0b0101 = 165  →  j = 5, holds {0, 2}   (n = 4)
 
-A tower's state after tick ``t`` is its own contribution plus everything it received in
-ticks ``0 … t``. Chunks (segments) are the element ranges no send splits. An opaque
-collective (nccl) sends nothing observable: its one tick goes from the inputs straight to
-the decoded outputs.
+A tower's state after tick ``t``: its own contribution plus all it received by ``t``.
+Chunks (segments) are the element ranges no send splits. An opaque collective sends
+nothing observable: its one tick goes from the inputs to the decoded outputs.
 """
 
 from __future__ import annotations
@@ -152,11 +148,9 @@ def _alpha(fn: Any, n: int, nbytes: int) -> float | None:
 
 def trace_state(algorithm: str | Callable[..., Any], devices: Sequence[str], *,
                 size: int | None = None) -> StateTrace:
-    """Trace ``algorithm`` (op ``sum``) and compute every tower's chunk state per tick.
-
-    ``size``: elements per tower (default :func:`default_size`). ``ValueError``: too many
-    towers or elements, or sends that are no sums of contributions.
-    """
+    """Trace ``algorithm`` (op ``sum``, ``size`` elements per tower, default
+    :func:`default_size`) and every tower's chunk state per tick (``ValueError``: too many
+    towers or elements, or sends that are no sums of contributions)."""
     n = len(devices)
     size = size or default_size(n)
     if n > 24 or size * n << n >= 1 << 24:
@@ -195,17 +189,6 @@ class Topology(NamedTuple):
 
 def _circle(n: int) -> Positions:
     return [(math.sin(2 * math.pi * i / n), math.cos(2 * math.pi * i / n)) for i in range(n)]
-
-
-def _butterfly(n: int, links: Links) -> Positions | None:
-    if n < 4 or n & (n - 1) or any(bin(a ^ b).count("1") != 1 for a, b in links):
-        return None
-    return _circle(n)  # a circle for the viewer; the picture draws the stages
-
-
-def _ring(n: int, links: Links) -> Positions | None:
-    want = {tuple(sorted((i, (i + 1) % n))) for i in range(n)}
-    return _circle(n) if n >= 3 and set(links) == want else None
 
 
 def _tree(n: int, links: Links, root: int) -> Positions | None:
@@ -265,9 +248,12 @@ def topology(state: StateTrace) -> Topology:
         return Topology("single", [(0.0, 0.0)], [])
     if not links:
         return Topology("collective", _circle(n), [])
-    for kind, found in (("butterfly", _butterfly(n, links)), ("ring", _ring(n, links)),
-                        ("tree", _tree(n, links, _first_complete(state)))):
-        if found:
-            return Topology(kind, found, links)
+    if n >= 4 and not n & (n - 1) and all(bin(a ^ b).count("1") == 1 for a, b in links):
+        return Topology("butterfly", _circle(n), links)  # the picture draws the stages
+    if n >= 3 and set(links) == {tuple(sorted((i, (i + 1) % n))) for i in range(n)}:
+        return Topology("ring", _circle(n), links)
+    tree = _tree(n, links, _first_complete(state))
+    if tree:
+        return Topology("tree", tree, links)
     grid = _torus(n, links)
     return Topology(*grid, links) if grid else Topology("graph", _circle(n), links)

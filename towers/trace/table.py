@@ -1,18 +1,16 @@
 """The tick table (:class:`Trace`): a tick for every transfer, chunk ownership, and as text.
 
-Ticks are the algorithm's own (``send(..., tick=t)``). A transfer without one gets one
-**by order**: one tick after the later of its source's previous send, its destination's
-previous receive and the arrival of its data (the single-port model of the cost model)::
+A transfer without the algorithm's own tick (``send(..., tick=t)``) gets one **by order**:
+one after the later of its source's last send, its destination's last receive and its data's
+arrival (the cost model's single-port model)::
 
     tower 0  ──c0──▶ tower 1                    tick 0 (nothing sent before)
     tower 1  ──c0──▶ tower 2                    tick 1 (after c0 reached tower 1 at 0)
 
-Its data arrived when the transfers its tensor was computed from did (``sources``), else,
-by the chunk labels, at its source's last receive of a chunk it carries: a transfer
-labelled ``c`` of ``b`` bytes carries chunks ``c .. c + b/u - 1`` (``u``: the smallest
-labelled piece), one without a label or of the whole buffer every chunk. A tower *holds*
-chunk ``c`` once every tower's contribution could have reached it; the first to hold it
-*finished* it. Estimated rows (an opaque collective's) wait for no data and carry none.
+Data arrives with the transfers its tensor was computed from (``sources``), else with the
+chunks it carries: label ``c`` of ``b`` bytes is chunks ``c .. c + b/u - 1`` (``u``: the
+smallest labelled piece; no label, or the whole buffer: every chunk). A tower *holds* a
+chunk once every contribution could have reached it; the first *finished* it.
 """
 
 from __future__ import annotations
@@ -162,12 +160,10 @@ def chunk_ownership(
 
 
 def format_table(trace: Trace) -> str:
-    """One line per transfer, by tick then source tower (ring, 4 towers)::
+    """One line per transfer, by tick then source (``*``: tick by order; ``~``: estimated)::
 
          tick  from      to          chunk    bytes  operation
             0  tower 0   -> tower 1      3       16  reduce
-
-    ``*`` after a tick: assigned by order; ``~`` before bytes: an estimate.
     """
     lines = [f"{'tick':>5}  {'from':<10}{'to':<12}{'chunk':>5}  {'bytes':>7}  operation"]
     shown = -1

@@ -1,12 +1,9 @@
 """One training step as a timeline for Perfetto (ui.perfetto.dev) or chrome://tracing.
 
-:func:`build_timeline` compiles the phases of a ``TowerTrainer`` (the digits CNN) one by one,
-times each (median of ``repeats`` runs after a warm-up) and lays them out as the step orders
-them: the towers start together, each tower's forward+backward split by the op times the
-profiler saw in one real step (:mod:`towers.trace.measured`); the reduction starts when the
-slowest tower ends, its ticks one after another, and the apply follows. Every tower is a
-process (pid) with a "compute" and an "all-reduce" thread; the whole compiled step, measured,
-has its own row.
+Each phase of a digits-CNN ``TowerTrainer`` is compiled and timed apart, then laid out as
+the step orders them: forward+backward per tower (split by profiled op time), the
+all-reduce's ticks after the slowest tower, then the apply. A tower is a process with a
+"compute" and an "all-reduce" thread; the whole compiled step has its own row.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
-"""A step-through viewer: one self-contained HTML page (inline SVG, CSS and JS, no network).
+"""A step-through viewer of a :class:`~towers.trace.state.StateTrace`: one self-contained HTML page.
 
-The page shows a :class:`~towers.trace.state.StateTrace` tick by tick: the links with this
-tick's sends lit, every tower's chunks as stacks of ``n`` squares, and the sends as arrows
-labelled with element ranges. Keys: → / space next, ← previous, Home / End. The URL fragment
-sets the position: ``#tick=3`` (``-1``: the inputs), ``&press=next`` presses *next* once,
-``&key=ArrowLeft`` presses a key. Tests read the DOM: each chunk is a ``<g class="chunk"
-data-tower data-segment data-held="0 2 3">``, each send a ``<g class="send" data-src
-data-dst data-ranges>``, the position ``#status[data-tick]``.
+Keys: → / space next, ← previous, Home / End; ``#tick=3`` (``-1``: the inputs),
+``&press=next`` and ``&key=ArrowLeft`` set the position. Tests read the DOM: ``<g
+class="chunk" data-tower data-segment data-held>``, ``<g class="send" data-src data-dst
+data-ranges>``, ``#status[data-tick]``.
 """
 
 from __future__ import annotations

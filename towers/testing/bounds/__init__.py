@@ -123,11 +123,6 @@ def _plain_sgd(optimizer: Any) -> bool:
     return type(optimizer) is keras.optimizers.SGD and float(optimizer.momentum) == 0.0
 
 
-def _leaves(model: Any, loss: Any, x: Any, y: Any) -> list[list[np.ndarray]]:
-    """Each example's gradient of its share of the global mean loss: ``leaves[e][var]``."""
-    return per_tower_gradients(model, x, y, [local_devices()[0]] * len(x), loss=loss)
-
-
 def _spread(model: Any, weights: list[np.ndarray], tol: Sequence[Any]) -> list[Any]:
     """Per weight: the trainable ones' tolerances, None (not compared) for the others."""
     out: list[Any] = [None] * len(weights)
@@ -143,7 +138,7 @@ def _derived(model: Any, loss: Any, lr: float, tracker: Any) -> UpdateBound:
     u = unit_roundoff("float32")
 
     def tolerances(weights: list[np.ndarray], x: Any, y: Any) -> list[np.ndarray]:
-        leaves = _leaves(model, loss, x, y)
+        leaves = per_tower_gradients(model, x, y, [local_devices()[0]] * len(x), loss=loss)
         trainable = [w for w, v in zip(weights, model.weights) if v.trainable]
         if tracker is None:
             return _spread(model, weights, sgd_step_bound(trainable, leaves, lr, len(x)))

@@ -1,7 +1,6 @@
 """Element-wise interval arithmetic with rounding: the sets two runs' float values lie in.
 
-An argument used twice is over-estimated (the dependency problem); :func:`pieces` cuts it,
-and the pieces' images are joined.
+An argument used twice is over-estimated (the dependency problem): :func:`pieces` cuts it.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """The kernel-noise floor: how far one step's gradient moves with the kernels alone.
 
-The same model, weights and batch under every kernel configuration (oneDNN on/off, one
-subprocess each; tower counts; Grappler's graph or ``as_written``), tower gradients summed
-in float64; the floor is the largest difference in ULPs of a variable's largest gradient
-element (docs/bounds.md §3).
+The same step under every kernel configuration (oneDNN on/off in a subprocess each, tower
+counts, Grappler's graph or ``as_written``); the floor is the largest difference in ULPs of
+a variable's largest gradient element (docs/bounds.md §3).
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """How a bounded gradient difference moves through one optimizer step and its slots.
 
-Per slot element an :class:`Interval` holds both runs' values; Keras 3's update formulas
-are evaluated on it op by op, each rounding widened by ``u·|x|`` plus one flushed
-subnormal (derivations and measured tightness: docs/bounds.md §2).
+Keras 3's update formulas are evaluated on an :class:`Interval` per slot element, each
+rounding widened by ``u·|x|`` plus one flushed subnormal (docs/bounds.md §2).
 """
 
 from __future__ import annotations
