@@ -1,4 +1,5 @@
-"""Split a batch over towers exactly as ``tf.distribute.MirroredStrategy`` does.
+"""Check a batch against the model, then split it over towers exactly as
+``tf.distribute.MirroredStrategy`` does.
 
 Every tower takes ``c = ceil(B / n)`` examples until the batch runs out (TF 2.21)::
 
@@ -6,7 +7,10 @@ Every tower takes ``c = ceil(B / n)`` examples until the batch runs out (TF 2.21
     B =  3, n = 4  ->  [1, 1, 1, 0]      (an empty shard)
 
 so tower ``i`` takes rows ``[min(i*c, B), min((i+1)*c, B))``: the same per-shard arithmetic
-as the reference, which makes bitwise comparisons possible. :func:`shard_batch` cuts inside
+as the reference, which makes bitwise comparisons possible. Before that,
+:func:`batch_tensors` refuses a batch that does not fit the model with an error naming
+the argument (docs/bad_inputs.md), never a raw error from the traced step.
+:func:`shard_batch` cuts inside
 the step; :func:`distribute` cuts a ``tf.data.Dataset`` in tf.data and prefetches every shard
 onto its tower (``experimental_distribute_dataset``)::
 
@@ -21,6 +25,7 @@ import itertools
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
+import keras
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.data.ops.multi_device_iterator_ops import MultiDeviceIterator
@@ -28,9 +33,9 @@ from tensorflow.python.data.ops.multi_device_iterator_ops import MultiDeviceIter
 from towers.guard.arguments import check_choice, non_negative_int, positive_int
 from towers.guard.given import check_dataset, check_devices
 
-__all__ = ["PIPELINES", "Batch", "DistributedDataset", "Shards", "batch_size", "batch_unknown",
-           "check_batch", "concat", "distribute", "relaxes", "shard_batch", "shard_bounds",
-           "shard_sizes", "split"]
+__all__ = ["PIPELINES", "Batch", "DistributedDataset", "Shards", "batch_size", "batch_tensors",
+           "batch_unknown", "check_batch", "check_batch_against_model", "concat", "distribute",
+           "relaxes", "shard_batch", "shard_bounds", "shard_sizes", "split"]
 
 Batch = tuple[Any, Any, Any]
 """``(x, y, sample_weight)``: ``y`` and ``sample_weight`` may be None."""
@@ -148,6 +153,169 @@ def check_batch(x: Any, y: Any, sample_weight: Any, *, allow_empty: bool = False
         raise ValueError(f"x, y and sample_weight must share their batch size; got {detail}")
     if all_sizes == {0} and not allow_empty:
         raise ValueError("the batch is empty: x has 0 examples")
+
+
+# -- the batch checked against the model, before anything is traced ---------------------
+
+_NUMERIC = "biuf"  # NumPy dtype kinds a model and a loss can take
+
+
+def _leaf_dtype_and_shape(name: str, leaf: Any) -> tuple[tf.DType | np.dtype, tuple]:
+    """A batch element's dtype and shape, without converting a tensor."""
+    if isinstance(leaf, tf.RaggedTensor):
+        raise TypeError(f"{name} is a tf.RaggedTensor: pad it to a dense tensor (.to_tensor())")
+    if isinstance(leaf, tf.SparseTensor):
+        raise TypeError(f"{name} is a tf.SparseTensor: densify it (tf.sparse.to_dense)")
+    if isinstance(leaf, (tf.Tensor, tf.Variable)):
+        return leaf.dtype, tuple(leaf.shape)
+    if isinstance(leaf, (tf.data.Dataset, Iterator)) or callable(leaf):
+        raise TypeError(
+            f"{name} must be arrays or tensors (one batch); got {type(leaf).__name__}: "
+            "use towers.TowerModel.fit for a dataset or a generator"
+        )
+    try:
+        array = np.asarray(leaf)
+    except ValueError as err:  # NumPy refuses rows of different lengths
+        raise ValueError(f"{name} is ragged (rows of different lengths): pad it ({err})") from err
+    return array.dtype, array.shape
+
+
+def _dtype_kind(dtype: Any) -> str:
+    """A NumPy-style kind letter for a NumPy or TensorFlow dtype."""
+    if isinstance(dtype, tf.DType):
+        if dtype == tf.string:
+            return "S"
+        if dtype.is_bool:
+            return "b"
+        if dtype.is_integer:
+            return "i"
+        return "f" if dtype.is_floating else "c" if dtype.is_complex else "O"
+    return str(np.dtype(dtype).kind)
+
+
+def _check_dtype(name: str, dtype: Any, allow_strings: bool = False) -> None:
+    kind = _dtype_kind(dtype)
+    if kind in "SU" and allow_strings:
+        return
+    if kind not in _NUMERIC:
+        what = "strings" if kind in "SU" else f"dtype {dtype}"
+        raise TypeError(
+            f"{name} holds {what}: expected numbers (booleans, integers or floats)"
+            + ("; encode strings first, e.g. keras.layers.StringLookup" if kind in "SU" else "")
+        )
+
+
+def _model_io(model: keras.Model, which: str) -> Any:
+    """The model's ``"input"`` or ``"output"`` structure of KerasTensors, or None (a
+    subclassed model)."""
+    try:
+        return getattr(model, which)
+    except (AttributeError, ValueError):
+        return None
+
+
+def _check_x(x: Any, model: keras.Model) -> None:
+    expected = _model_io(model, "input")
+    if expected is None:
+        return
+    if isinstance(expected, dict):
+        if not isinstance(x, dict):
+            raise ValueError(
+                f"x must be a dict with keys {sorted(expected)}; got {type(x).__name__}"
+            )
+        missing, extra = sorted(set(expected) - set(x)), sorted(set(x) - set(expected))
+        if missing:
+            raise ValueError(f"x is missing the model's input(s) {missing}; it has {sorted(x)}")
+        if extra:
+            raise ValueError(f"x has key(s) {extra} the model has no input for; inputs: "
+                             f"{sorted(expected)}")  # fmt: skip
+        pairs = [(f"x[{k!r}]", x[k], expected[k]) for k in sorted(expected)]
+    else:
+        flat = tf.nest.flatten(expected)
+        # a list is one array per input, except a plain nested list for a one-input model
+        listed = isinstance(x, (list, tuple)) and (
+            len(flat) > 1 or all(hasattr(leaf, "shape") for leaf in x)
+        )
+        leaves = list(x) if listed else [x]
+        if len(leaves) != len(flat):
+            raise ValueError(f"x has {len(leaves)} arrays; the model takes {len(flat)} input(s)")
+        one = not listed
+        pairs = [
+            ("x" if one else f"x[{i}]", leaf, t) for i, (leaf, t) in enumerate(zip(leaves, flat))
+        ]
+    for name, leaf, tensor in pairs:
+        dtype, shape = _leaf_dtype_and_shape(name, leaf)
+        _check_dtype(name, dtype, allow_strings=tensor.dtype == "string")
+        want = tuple(tensor.shape)
+        if len(shape) != len(want) or any(w is not None and w != s for s, w in
+                                          zip(shape[1:], want[1:])):  # fmt: skip
+            raise ValueError(
+                f"{name} has shape {list(shape)}; the model's input {tensor.name!r} takes "
+                f"{['batch', *want[1:]]}"
+            )
+
+
+def check_batch_against_model(x: Any, y: Any, sample_weight: Any, model: keras.Model) -> None:
+    """Check a step's batch before it is traced: present, numeric, dense, fitting the model.
+
+    Raises:
+        TypeError: a ragged or sparse tensor, strings or objects where numbers are
+            needed, a dataset or generator instead of one batch, a dict of sample weights.
+        ValueError: ``x`` or ``y`` is None or empty; a dict input missing a key (or with an
+            extra one); a feature shape, rank or input count that does not fit the model;
+            ``y`` a dict for a model with one output.
+    """
+    if x is None:
+        raise ValueError("x is None: pass the batch's inputs (arrays or tensors)")
+    if y is None:
+        raise ValueError("y is None: train_step needs the targets the loss compares with")
+    if isinstance(x, dict) or _model_io(model, "input") is not None:
+        _check_x(x, model)
+    else:
+        for i, leaf in enumerate(tf.nest.flatten(x)):
+            _check_dtype(f"x[{i}]", _leaf_dtype_and_shape(f"x[{i}]", leaf)[0], True)
+    output = _model_io(model, "output")
+    outputs = len(output) if isinstance(output, dict | list | tuple) else 1
+    # Keras's per-output forms, a dict or one array per output (fit(..., sample_weight=[w_a,
+    # w_b])): refused, not read as one [outputs, batch] array (a batch-size or TF error)
+    per_output = "a dict" if isinstance(sample_weight, dict) else (
+        f"a {type(sample_weight).__name__} of {outputs} arrays, one per output"
+        if outputs > 1 and isinstance(sample_weight, list | tuple)
+        and len(sample_weight) == outputs
+        and all(isinstance(w, list | tuple) or len(getattr(w, "shape", ())) >= 1
+                for w in sample_weight) else None)  # fmt: skip
+    if per_output:
+        raise TypeError(f"sample_weight must be an array (one weight per example), got "
+                        f"{per_output}: per-output sample weights are not supported; one array "
+                        "weighs every output's loss")
+    if isinstance(y, dict) and output is not None and not isinstance(output, dict | list | tuple):
+        raise ValueError(f"y is a dict (keys {sorted(y, key=str)}); the model has one output")
+    for name, part in (("y", y), ("sample_weight", sample_weight)):
+        if part is None:
+            continue
+        leaves = tf.nest.flatten(part)
+        if not leaves:
+            raise ValueError(f"{name} is empty ({part!r}): expected arrays or tensors")
+        for i, leaf in enumerate(leaves):
+            label = name if len(leaves) == 1 else f"{name}[{i}]"
+            _check_dtype(label, _leaf_dtype_and_shape(label, leaf)[0])
+
+
+def batch_tensors(
+    x: Any, y: Any, sample_weight: Any, model: keras.Model, *, allow_empty: bool = False
+) -> tuple[Any, Any, Any]:
+    """A step's batch, checked (:func:`check_batch_against_model`, equal lengths, non-zero
+    unless ``allow_empty``) and converted to tensors; ``sample_weight`` takes the model's
+    float dtype.
+    """
+    check_batch_against_model(x, y, sample_weight, model)
+    check_batch(x, y, sample_weight, allow_empty=allow_empty)
+    x = tf.nest.map_structure(tf.convert_to_tensor, x)
+    y = tf.nest.map_structure(tf.convert_to_tensor, y)
+    if sample_weight is not None:
+        dtype = tf.as_dtype(model.trainable_variables[0].dtype)
+        sample_weight = tf.convert_to_tensor(sample_weight, dtype=dtype)
+    return x, y, sample_weight
 
 
 def shard_batch(x: Any, y: Any, sample_weight: Any, n: int) -> Shards:

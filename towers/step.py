@@ -33,11 +33,11 @@ import tensorflow as tf
 from towers.allreduce.machinery.primitives import StepStats, send
 from towers.compile.ordering import replica_scope
 from towers.compile.step import CompiledStep
-from towers.guard.inputs import batch_tensors, check_shards
+from towers.guard.inputs import check_shards
 from towers.guard.options import TrainerParts
 from towers.guard.semantics import clip_share, strategy_rewrites, unclipped
 from towers.placement import PLACEMENTS, Replica, check_devices, combine_non_trainable
-from towers.split import Shards, relaxes, shard_batch
+from towers.split import Shards, batch_tensors, relaxes, shard_batch
 from towers.tower import Gradients, TowerResult, empty_tower_step, loss_divisor, tower_divisor
 from towers.tower import tower_step as run_tower
 from towers.training.synchronized import check_not_alone, synchronized_towers

@@ -32,8 +32,7 @@ from towers.cluster.cross_worker import AllTowers, check_cross_worker
 from towers.cluster.spec import resolve
 from towers.guard.arguments import non_negative_int
 from towers.guard.errors import CheckpointError
-from towers.guard.inputs import batch_tensors
-from towers.split import Shards, shard_sizes
+from towers.split import Shards, batch_tensors, shard_sizes
 from towers.step import Reduced, TowerTrainer
 from towers.tower import Gradients
 from towers.training import atomic
