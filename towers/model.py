@@ -31,7 +31,7 @@ from towers.guard.arguments import naming
 from towers.guard.given import check_devices
 from towers.guard.inputs import check_keras_steps
 from towers.guard.options import TowerOptions
-from towers.placement import Hyperparameters, get_placement
+from towers.placement import get_placement
 from towers.split import batch_unknown
 from towers.step import TowerTrainer
 from towers.training.backup import data_facts
@@ -85,7 +85,6 @@ class TowerModel(keras.Model):
             # Keras's compile reads them: per-output metric names ("a_accuracy", "b_loss")
             self.output_names = list(self.network.output_names)
         self.trainer: TowerTrainer | None = None
-        self._hyper: Hyperparameters
         self.fit_facts: Any = None  # () -> what ExactResume records and checks, during fit
         self.resume_skip = 0  # batches the train function pulls but does not train
         self.broadcast_pending = False  # broadcast again before the next step (reset_metrics)
@@ -132,7 +131,6 @@ class TowerModel(keras.Model):
         # save_weights/load_weights carry them all
         self.shard_optimizers = ([r.optimizer for r in self.trainer.replicas[1:]]
                                  if self.trainer.placement.name == "sharded" else [])
-        self._hyper = Hyperparameters(first)
 
     def _replicas(self) -> Any:
         """The network, or a factory handing out the network first, then the user's models."""
@@ -224,7 +222,6 @@ class TowerModel(keras.Model):
         if self.broadcast_pending:  # an epoch's first step: on_epoch_begin's writes land
             self.broadcast_pending = False
             self.broadcast()
-        self._hyper.follow(trainer)
         x, y, weight = keras.utils.unpack_x_y_sample_weight(data)
         loss, outputs = trainer.train_step_as_keras(x, y, weight, batch_unknown=batch_unknown)
         return self._update_metrics(x, y, outputs, weight, loss)
@@ -271,7 +268,7 @@ class TowerModel(keras.Model):
         """Copy replica 0 to every other replica (:meth:`towers.placement.Replicas.broadcast`)
         and its optimizer's hyperparameters. Nothing to do before ``compile``."""
         if self.trainer is not None:
-            self._hyper.follow(self.trainer)
+            self.trainer.hyperparameters.follow(self.trainer)
             self.trainer.replicas.broadcast()
 
     # -- saving ------------------------------------------------------------------------------

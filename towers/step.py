@@ -98,8 +98,7 @@ class TowerTrainer(TrainerParts):
             NonFiniteError, StepTimeout, ReplicaMismatchError: ``on_nonfinite="raise"``,
                 ``step_timeout``, ``check_replicas_every``.
         """
-        self._follow_trainable()
-        return self._run(self.compiled.steps[return_outputs], self._inputs(x, y, sample_weight))
+        return self._run(return_outputs, self._inputs(x, y, sample_weight))
 
     def train_step_as_keras(self, x: Any, y: Any, sample_weight: Any, *,
                             batch_unknown: bool) -> Any:  # fmt: skip
@@ -107,10 +106,9 @@ class TowerTrainer(TrainerParts):
         with the batch dimension unknown when Keras's is (unless a tower would be empty)."""
         if batch_unknown is not True and batch_unknown is not False:
             raise TypeError(f"batch_unknown must be True or False, got {batch_unknown!r}")
-        self._follow_trainable()
         inputs = self._inputs(x, y, sample_weight)
         relax = self.batch_is_global and relaxes(batch_unknown, inputs[0], len(self.devices))
-        return self._run(self.compiled.relaxed if relax else self.compiled.steps[True], inputs)
+        return self._run("relaxed" if relax else True, inputs)
 
     def train_step_shards(self, shards: Shards, *, return_outputs: bool = False) -> Any:
         """The step on ``shards`` already cut and placed: bitwise :meth:`train_step`'s.
@@ -123,12 +121,13 @@ class TowerTrainer(TrainerParts):
             name = type(self).__name__
             raise TypeError(f"train_step_shards: {name} cuts its batches itself ({name}.split);"
                             " give it whole batches (train_step)")  # fmt: skip
-        shards = check_shards(shards, self.devices, self.model)
-        self._follow_trainable()
-        return self._run(self.compiled.steps[return_outputs], (shards,))
+        return self._run(return_outputs, (check_shards(shards, self.devices, self.model),))
 
-    def _run(self, step: Any, inputs: tuple[Any, ...]) -> Any:
-        """The compiled step within its deadline (if any); the guard's and replica checks."""
+    def _run(self, outputs: bool | str, inputs: tuple[Any, ...]) -> Any:
+        """The compiled step (``outputs``: True, False or ``"relaxed"``) within its deadline
+        (if any), after following replica 0; then the guard's and replica checks."""
+        self._follow()
+        step = self.compiled.relaxed if outputs == "relaxed" else self.compiled.steps[outputs]
         result = self.deadline.run(step, inputs) if self.deadline.seconds else step(*inputs)
         if self.guard.mode == "raise":
             self.guard.raise_if_nonfinite(self.optimizer, self.devices)
@@ -221,8 +220,8 @@ class TowerTrainer(TrainerParts):
         return reduced.loss
 
     def reduce(self, grads: Gradients) -> Reduced:
-        """Phase 3: all-reduce the gradients (:attr:`reducer`, then the placement picks
-        what each replica applies), combine the state, add up the loss."""
+        """Phase 3: all-reduce the gradients (the placement picks each replica's share),
+        combine the state, add up the loss."""
         grads = grads.on_devices(self.devices)
         mirrored = self.options.semantics == "mirrored"
         shares = grads.grads
@@ -273,15 +272,16 @@ class TowerTrainer(TrainerParts):
     def _inputs(self, x: Any, y: Any, sample_weight: Any) -> tuple[Any, Any, Any]:
         return batch_tensors(x, y, sample_weight, self.model)
 
-    def _follow_trainable(self) -> None:
-        """``trainable`` changed on :attr:`model`: every replica follows, the step retraces."""
+    def _follow(self) -> None:
+        """Replica 0's trainable flags and hyperparameters reach every replica (may retrace)."""
         if self.trainable_watch.changed(self.replicas):
             self.reducer.build(self.model.trainable_variables, self.devices)
             self.compiled = CompiledStep(self)
+        self.hyperparameters.follow(self)
 
     def step_function(self, x: Any, y: Any, sample_weight: Any = None) -> Any:
         """The step traced for this input signature as one ``ConcreteFunction``."""
-        self._follow_trainable()
+        self._follow()
         return self.compiled.whole[False].get_concrete_function(*self._inputs(x, y, sample_weight))
 
 

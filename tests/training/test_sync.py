@@ -57,6 +57,45 @@ def test_a_loaded_loss_scaled_model_trains_on(tmp_path: Path) -> None:
     assert_replicas_equal(loaded)
 
 
+CHANGES = [  # (optimizer, attribute, new value): a variable and Python hyperparameters
+    (lambda: keras.optimizers.SGD(0.1), "learning_rate", 0.5),
+    (lambda: keras.optimizers.SGD(0.1, momentum=0.5), "momentum", 0.9),
+    (lambda: keras.optimizers.Adam(0.01), "beta_1", 0.5),
+    (lambda: keras.optimizers.AdamW(0.01), "weight_decay", 0.3),
+]
+
+
+@pytest.mark.parametrize("variables", [  # the placements with one replica per tower
+    "replicated", pytest.param("sharded", marks=pytest.mark.long)])
+@pytest.mark.parametrize("make,name,value", CHANGES, ids=[c[1] for c in CHANGES])
+def test_a_trainers_own_optimizer_change_reaches_every_replica(
+    variables: str, make: Any, name: str, value: float
+) -> None:
+    """``trainer.optimizer.<hyperparameter> = v`` between steps (no TowerModel, no
+    callback) trains as a trainer built with ``v`` from there on: every replica follows.
+    Before, only replica 0's optimizer changed and the replicas drifted apart silently."""
+    def trainer() -> towers.TowerTrainer:
+        return towers.TowerTrainer(network(1), make(), LOSS, devices=DEVICES[:3],
+                                   variables=variables)  # fmt: skip
+
+    changed, fresh = trainer(), trainer()
+    changed.train_step(X, Y)
+    fresh.train_step(X, Y)
+    setattr(changed.optimizer, name, value)
+    for replica in fresh.replicas:
+        setattr(replica.optimizer, name, value)
+    fresh.retrace()
+    changed.train_step(X, Y)
+    fresh.train_step(X, Y)
+    for got, want in zip(changed.replica_weights(), fresh.replica_weights(), strict=True):
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_array_equal(a, b)
+    weights = changed.replica_weights()
+    for other in weights[1:]:
+        for a, b in zip(weights[0], other, strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
 class Tagged(keras.layers.Layer):
     """An int8 weight beside the float ones, as a quantized layer keeps its kernel."""
 

@@ -37,7 +37,7 @@ from towers.guard.nonfinite import NONFINITE, Guard
 from towers.guard.reduces import check_sums
 from towers.guard.replicas import ReplicaCheck
 from towers.guard.semantics import SEMANTICS, check_constant, check_semantics, in_mirrored_order
-from towers.placement import Replicas, TrainableWatch, get_placement, place
+from towers.placement import Hyperparameters, Replicas, TrainableWatch, get_placement, place
 from towers.training.keras_copies import ModelLike, OptimizerLike
 from towers.training.keras_loss import LossFn
 from towers.training.losses import bind_loss, reduction_of, step_loss
@@ -253,12 +253,12 @@ class TrainerParts:
                        self.loss_scale.wire_dtype, o.step_timeout)  # fmt: skip
         self.guard = Guard(o.on_nonfinite, n, self.parameter_device, self.loss_scale.active,
                            agree=self.across_processes)  # fmt: skip
-        # an exact sum reduces before the guard's cond, which checks one reduced copy
         self._reduce_first = o.on_nonfinite != "ignore" and capabilities.sums_exactly(
             reducer, self.placement.name)
         self.trace_count = 0
         self.last_trace_stats: Recorder | None = None
         self.trainable_watch = TrainableWatch(self.replicas, self.placement.name)
+        self.hyperparameters = Hyperparameters(first.optimizer)
         self.compiled = CompiledStep(self)
 
     def retrace(self) -> None:
