@@ -12,36 +12,19 @@
            tf.errors.UnavailableError (a peer lost mid-transfer)    ─▶ StepTimeout
            tf.errors.CancelledError, after an abort                 ─▶ StepTimeout
 
-One watchdog (:func:`watched`), no op timeouts: a step's collectives carry no
-``timeout=`` of their own. TensorFlow starts one thread per collective op that sleeps
-for its whole timeout (``TODO: Share the timeout watchdog thread among collectives`` in
-its ``BaseCollectiveExecutor``); measured on TF 2.21: 16 threads per 8-tower call that
-live 60 s, so a small model on ``nccl`` ran the process out of threads within one
-epoch. The deadline of a step is ``step_timeout``, else the algorithm's own
-``timeout_seconds`` (the ``nccl`` family, the reducers of :mod:`towers.cluster`);
-one process-wide thread calls TensorFlow's ``abort_collective_ops`` (what
-``MultiWorkerMirroredStrategy``'s peer health check does) once that many seconds of the
-step's *execution* have passed. The step is traced before the clock starts, so a slow
-first trace never trips it. A user's own collective with its own ``timeout=`` still
-fires as written: either way the error is a ``StepTimeout``.
+One process-wide watchdog thread (:func:`watched`), no op timeouts: TensorFlow keeps one
+thread asleep per collective op for its whole ``timeout=``, which ran small models out
+of threads (docs/reliability.md). A step's deadline is ``step_timeout``, else the
+algorithm's own ``timeout_seconds`` (the ``nccl`` family, :mod:`towers.cluster`'s
+reducers), else none; past it, the watchdog calls ``abort_collective_ops``, as
+``MultiWorkerMirroredStrategy``'s peer health check does. The step is traced before the
+clock starts, so a slow first trace never trips it.
 
-Measured on TF 2.21 (``tests/guard/test_deadline.py``): a collective that timed out,
-by its own ``timeout=`` or by the watchdog, aborts every later collective op in the
-process ("Collective ops is aborted by: ... Restart your program to reset."), in this
-trainer and in any other. A trainer whose algorithm uses collective ops cannot step
-again in this process (its next step fails at once, also as ``StepTimeout``); trainers
-on towers' own algorithms (``naive``, ``ring``… built on copies, not collectives) still
-can. So :class:`~towers.guard.errors.StepTimeout` says: restart the process and resume
-from a checkpoint. A step that failed changed nothing: the update runs after every
-reduced value exists (the step's control dependencies), so a hang in the forward pass
-or the reduction leaves every variable, slot, counter and reducer state as it was
-(``StepTimeout.applied`` is False). The update itself begins by setting a flag
-(:attr:`Deadline.began`), and a step that fails after it says ``applied=True``: a hang
-inside the update (``sharded``: some owners applied, or the all-gather of the updated
-shards timed out) leaves it applied in part, and its ``StepTimeout`` says so, as does
-a step that completed just as the watchdog fired (weights moved, ``iterations``
-advanced, the collectives aborted all the same); either way a caller does not retry it
-and apply the batch twice. The rule: the update began ⇔ applied. A hang outside
+An aborted collective aborts every later one in the process, so a ``StepTimeout`` says:
+restart and resume from a checkpoint. The update waits for every reduced value
+(``towers.step._settled``), so a hang before it changes nothing (``applied`` False); the
+update sets :attr:`Deadline.began` first, so a hang inside it, or a step that completed
+as the watchdog fired, says ``applied=True`` and is not retried. A hang outside
 collective ops (a ``py_function`` that never returns) cannot be aborted this way.
 
     hang planted in     forward   reduce    apply (an owner)   all-gather   none (watchdog)
