@@ -1,6 +1,5 @@
 """Bruck all-reduce: dissemination reduce-scatter and all-gather, partners 2^k apart, any n.
 
-Schedule :func:`bruck_schedule` (bytes and depth counted from it, run by ``run_schedule``);
 n = 5 towers, chunks c0..c4, ``+▶t`` reduces into tower t, ``▶t`` copies to it::
 
     tick           0       1       2 │      3       4       5
@@ -49,12 +48,7 @@ def gather_ticks(
 ) -> list[Tick]:
     """All-gather ticks of shifted binomial trees: chunk c reaches tower ``c − j`` (mod n)
     at dimension ``k = hop(j)``, copied from offset ``j − 2^k``; dimensions run in ``dims``
-    order, at most ``batch`` chunks per tower per tick (None: one tick per dimension).
-
-    Example:
-        >>> [len(t) for t in gather_ticks(5, [0, 1, 2], lambda j: j.bit_length() - 1)]
-        [5, 10, 5]
-    """
+    order, at most ``batch`` chunks per tower per tick (None: one tick per dimension)."""
     ticks: list[Tick] = []
     for k in dims:
         offsets = [j for j in range(1, n) if hop(j) == k]
