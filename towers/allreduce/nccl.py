@@ -24,11 +24,8 @@ Index formula (tree): at level k tower i with i mod 2^(k+1) = 2^k sends to i −
 (a broadcast in the group of the two). Cost: nccl and nccl_ring 2(n−1)α +
 2(n−1)/n·Sβ + (n−1)/n·Sγ; nccl_tree 2⌈log2 n⌉(α + Sβ) + ⌈log2 n⌉·Sγ. Summation
 depth: n − 1 for nccl (CPU ring) and nccl_ring (rows added in rank order), ⌈log2 n⌉
-for nccl_tree. TensorFlow has no gradient for these ops:
-:func:`~towers.allreduce.machinery.differentiable.differentiable` gives them one. On
-logical CPUs the hint "nccl" falls back to the CPU ring; the raw ``NcclAllReduce`` takes
-float16/32/64 and int32/64 (bfloat16 stays on the collective path). The plumbing (keys,
-tokens, wire format, the runner) is :mod:`towers.allreduce.machinery.tf_collective_ops`.
+for nccl_tree. :func:`~towers.allreduce.machinery.differentiable.differentiable` gives
+the ops a gradient. The plumbing is :mod:`towers.allreduce.machinery.tf_collective_ops`.
 
 References:
     NVIDIA NCCL; nccl-tests' bus bandwidth; TensorFlow
@@ -209,12 +206,7 @@ def _factory(body: Body, name: str, timeout_seconds: float = TIMEOUT_SECONDS) ->
 
 def estimated_bytes_sent(n: int, nbytes: int) -> list[float]:
     """An ESTIMATE of bytes each tower sends (the ops are opaque): NCCL's ring figure
-    2(n−1)/n·S, the bus traffic nccl-tests assumes.
-
-    Example:
-        >>> estimated_bytes_sent(4, 1000)
-        [1500.0, 1500.0, 1500.0, 1500.0]
-    """
+    2(n−1)/n·S, the bus traffic nccl-tests assumes."""
     positive_int("n", n)
     non_negative_float("nbytes", nbytes)
     return [2 * (n - 1) / n * nbytes] * n

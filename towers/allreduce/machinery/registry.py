@@ -1,18 +1,15 @@
 """The registries' one record shape, and the all-reduce registry with its configured algorithm.
 
-A :class:`Record` describes one registered thing: an all-reduce (:data:`ALGORITHMS`), a
-reduce-scatter / all-gather / broadcast algorithm (``COLLECTIVE_ALGORITHMS``), a codec
-(``CODECS``) or a placement (``PLACEMENTS``); each registry is a :class:`Registry`.
-Where the thing is a schedule, :func:`from_schedule` derives its bytes, depth and cost.
-A record is its thing's factory: ``ring(subchunks=2)`` (``ring is ALGORITHMS["ring"]``)
-returns a :class:`Configured`, a frozen callable that knows its record and parameters.
-Adding an algorithm is one module and one line at its end (:func:`register_schedule`
-where it is a schedule)::
+A :class:`Record` describes one registered thing: an all-reduce (:data:`ALGORITHMS`),
+another collective's algorithm (``COLLECTIVE_ALGORITHMS``), a codec (``CODECS``) or a
+placement (``PLACEMENTS``). A record is its thing's factory: ``ring(subchunks=2)``
+(``ring is ALGORITHMS["ring"]``) returns a :class:`Configured`, a frozen callable that
+knows its record and parameters. Adding an algorithm is one module and one line at its
+end (:func:`register_schedule` where it is a schedule, its formulas derived)::
 
     mine = register(Algorithm("mine", _build, bytes_sent=..., summation_depth=..., cost=...))
 
-A plain callable without a record is still accepted everywhere (tools then say which
-properties they could not check).
+A plain callable without a record is still accepted everywhere.
 """
 
 from __future__ import annotations
@@ -105,8 +102,7 @@ class Record:
 
 
 Algorithm = Record
-"""The record of an all-reduce (a :class:`Record` of kind ``"all_reduce"``): what every
-algorithm module constructs in its ``register(Algorithm(...))`` line."""
+"""The record of an all-reduce (a :class:`Record` of kind ``"all_reduce"``)."""
 
 
 def from_schedule(
@@ -115,11 +111,8 @@ def from_schedule(
     *,
     cost: Callable[..., Coefficients] | None = None,
 ) -> dict[str, Any]:
-    """``bytes_sent``, ``summation_depth`` and ``cost`` derived from a generator ``(n, **params)``.
-
-    ``count`` counts the schedule's bytes (default: the padding rule of
-    :func:`towers.schedule.bytes_sent`); ``cost`` is a closed form to use instead of
-    counting (the cost model asks for up to 1024 towers).
+    """``bytes_sent``, ``summation_depth`` and ``cost`` derived from a generator ``(n, **params)``;
+    ``count`` counts a schedule's bytes, ``cost`` is a closed form to use instead of counting.
     """
 
     def bytes_sent(n: int, nbytes: int, itemsize: int, **params: Any) -> list[int]:
@@ -225,12 +218,7 @@ ALGORITHMS = Registry(["all_reduce"])
 """Registered algorithms: name -> :class:`Record`; ``ALGORITHMS[name]()`` builds the default."""
 
 register = ALGORITHMS.register
-"""Add an :class:`Algorithm` record to :data:`ALGORITHMS` (replacing one of the same name).
-
-Example:
-    >>> register(Algorithm("mine", lambda: my_all_reduce, summation_depth=lambda n: n - 1))
-    ... # doctest: +SKIP
-"""
+"""Add an :class:`Algorithm` record to :data:`ALGORITHMS` (replacing one of the same name)."""
 
 
 def record_of(fn: Any) -> Configured | None:
