@@ -32,9 +32,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 
-from towers.allreduce.machinery.base import AllReduce
 from towers.allreduce.machinery.registry import Coefficients, register_schedule
-from towers.allreduce.machinery.scheduled import scheduled
 from towers.guard.arguments import positive_int
 from towers.schedule.ir import Schedule, Step
 
@@ -79,14 +77,9 @@ def bruck_schedule(n: int) -> Schedule:
     return Schedule("bruck", n, n, tuple(transpose(gather) + gather))
 
 
-def _build() -> AllReduce:
-    """Build the Bruck all-reduce (any tower count; see the module docstring)."""
-    return scheduled(bruck_schedule)
-
-
 def cost(n: int, nbytes: float) -> Coefficients:
     """α-β-γ coefficients: ``2⌈log2 n⌉·α + 2(n−1)/n·S·β + (n−1)/n·S·γ``."""
     return 2 * steps_of(n), 2 * (n - 1) / n * nbytes, (n - 1) / n * nbytes
 
 
-bruck = register_schedule("bruck", _build, bruck_schedule, cost)
+bruck = register_schedule("bruck", bruck_schedule, cost, __doc__)

@@ -52,9 +52,7 @@ from __future__ import annotations
 
 import functools
 
-from towers.allreduce.machinery.base import AllReduce
 from towers.allreduce.machinery.registry import Coefficients, register_schedule
-from towers.allreduce.machinery.scheduled import scheduled
 from towers.allreduce.tree import tick_loads, tree_ticks
 from towers.guard.arguments import positive_int
 from towers.schedule.ir import Schedule
@@ -95,12 +93,6 @@ def double_binary_tree_schedule(n: int, chunks: int = 1) -> Schedule:
     return Schedule("double_binary_tree", n, 2 * c, ticks)
 
 
-def _build(chunks: int = 1) -> AllReduce:
-    """Build the double-binary-tree all-reduce; each half is pipelined in ``chunks`` pieces."""
-    c = positive_int("chunks", chunks)
-    return scheduled(functools.partial(double_binary_tree_schedule, chunks=c), own_first=True)
-
-
 def cost(n: int, nbytes: float, *, chunks: int = 1) -> Coefficients:
     """α-β-γ coefficients ``M·(α + S/2C·β) + A·S/2C·γ`` over both trees' schedule."""
     messages, adds = tick_loads(double_trees(n), positive_int("chunks", chunks))
@@ -108,5 +100,5 @@ def cost(n: int, nbytes: float, *, chunks: int = 1) -> Coefficients:
     return messages, messages * piece, adds * piece
 
 
-double_binary_tree = register_schedule("double_binary_tree", _build,
-                                       double_binary_tree_schedule, cost)
+double_binary_tree = register_schedule("double_binary_tree", double_binary_tree_schedule,
+                                       cost, __doc__, own_first=True)

@@ -39,9 +39,7 @@ from __future__ import annotations
 
 import functools
 
-from towers.allreduce.machinery.base import AllReduce
 from towers.allreduce.machinery.registry import Coefficients, register_schedule
-from towers.allreduce.machinery.scheduled import scheduled
 from towers.schedule.collectives import doubling_all_gather, fold, folded, halving_reduce_scatter
 from towers.schedule.ir import Schedule
 
@@ -56,11 +54,6 @@ def halving_doubling_schedule(n: int) -> Schedule:
     return folded("halving_doubling", n, core)
 
 
-def _build() -> AllReduce:
-    """Build Rabenseifner's halving-doubling all-reduce for any tower count and any length."""
-    return scheduled(halving_doubling_schedule)
-
-
 def cost(n: int, nbytes: float) -> Coefficients:
     """α-β-γ coefficients: ``(2h + 2f)·α + (2(p-1)/p + 2f)·S·β + ((p-1)/p + f)·S·γ``."""
     h = n.bit_length() - 1
@@ -71,4 +64,4 @@ def cost(n: int, nbytes: float) -> Coefficients:
     return a, b, c
 
 
-halving_doubling = register_schedule("halving_doubling", _build, halving_doubling_schedule, cost)
+halving_doubling = register_schedule("halving_doubling", halving_doubling_schedule, cost, __doc__)

@@ -41,9 +41,7 @@ import functools
 import math
 
 from towers.allreduce.bruck import gather_ticks, steps_of, transpose
-from towers.allreduce.machinery.base import AllReduce
 from towers.allreduce.machinery.registry import Coefficients, register_schedule
-from towers.allreduce.machinery.scheduled import scheduled
 from towers.guard.arguments import positive_int
 from towers.schedule.ir import Schedule
 
@@ -73,11 +71,6 @@ def pat_schedule(n: int, aggregation: int | None = None) -> Schedule:
     return Schedule("pat", n, n, tuple(transpose(gather) + gather))
 
 
-def _build(aggregation: int | None = None) -> AllReduce:
-    """Build the PAT all-reduce; ``aggregation``: the most chunks a tower sends per tick."""
-    return scheduled(functools.partial(pat_schedule, aggregation=_aggregation(aggregation)))
-
-
 def cost(n: int, nbytes: float, aggregation: int | None = None) -> Coefficients:
     """α-β-γ coefficients: ``2·Σ_k ⌈m_k/A⌉·α + 2(n−1)/n·S·β + (n−1)/n·S·γ``."""
     batch = _aggregation(aggregation)
@@ -86,4 +79,4 @@ def cost(n: int, nbytes: float, aggregation: int | None = None) -> Coefficients:
     return 2 * ticks, 2 * (n - 1) / n * nbytes, (n - 1) / n * nbytes
 
 
-pat = register_schedule("pat", _build, pat_schedule, cost)
+pat = register_schedule("pat", pat_schedule, cost, __doc__)

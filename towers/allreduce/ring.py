@@ -42,21 +42,11 @@ References:
 
 from __future__ import annotations
 
-import functools
-
-from towers.allreduce.machinery.base import AllReduce
 from towers.allreduce.machinery.registry import Coefficients, register_schedule
-from towers.allreduce.machinery.scheduled import scheduled
 from towers.guard.arguments import positive_int
 from towers.schedule.collectives import ring_schedule
 
 __all__ = ["cost", "ring"]
-
-
-def _build(subchunks: int = 1) -> AllReduce:
-    """Build the ring all-reduce with ``subchunks`` rotated rings (``s``, an int >= 1)."""
-    s = positive_int("subchunks", subchunks)
-    return scheduled(functools.partial(ring_schedule, subchunks=s))
 
 
 def cost(n: int, nbytes: float, *, subchunks: int = 1) -> Coefficients:
@@ -66,4 +56,4 @@ def cost(n: int, nbytes: float, *, subchunks: int = 1) -> Coefficients:
     return 2 * (n - 1) * subchunks, 2 * (n - 1) / n * nbytes, (n - 1) / n * nbytes
 
 
-ring = register_schedule("ring", _build, ring_schedule, cost)
+ring = register_schedule("ring", ring_schedule, cost, __doc__)

@@ -35,9 +35,7 @@ from __future__ import annotations
 import functools
 
 from towers.allreduce.halving_doubling import cost
-from towers.allreduce.machinery.base import AllReduce
 from towers.allreduce.machinery.registry import register_schedule
-from towers.allreduce.machinery.scheduled import scheduled
 from towers.guard.arguments import positive_int
 from towers.schedule.collectives import fold, folded
 from towers.schedule.ir import Schedule, Step
@@ -80,9 +78,4 @@ def swing_schedule(n: int) -> Schedule:
     return folded("swing", n, ticks)
 
 
-def _build() -> AllReduce:
-    """Build the Swing all-reduce (any tower count; see the module docstring)."""
-    return scheduled(swing_schedule)
-
-
-swing = register_schedule("swing", _build, swing_schedule, cost)
+swing = register_schedule("swing", swing_schedule, cost, __doc__)

@@ -38,9 +38,7 @@ from __future__ import annotations
 import functools
 import math
 
-from towers.allreduce.machinery.base import AllReduce
 from towers.allreduce.machinery.registry import Coefficients, register_schedule
-from towers.allreduce.machinery.scheduled import scheduled
 from towers.guard.arguments import positive_int
 from towers.schedule.ir import Schedule, Step
 
@@ -92,17 +90,10 @@ def torus_2d_schedule(n: int, rows: int | None = None) -> Schedule:
     return Schedule("torus_2d", n, n, tuple(ticks))
 
 
-def _build(rows: int | None = None) -> AllReduce:
-    """Build the 2D-torus all-reduce; ``rows`` (R) must divide every tower count it runs on
-    (None: the most square grid for each n)."""
-    rows = None if rows is None else positive_int("rows", rows)
-    return scheduled(functools.partial(torus_2d_schedule, rows=rows))
-
-
 def cost(n: int, nbytes: float, rows: int | None = None) -> Coefficients:
     """α-β-γ coefficients: ``(2(C−1) + 2(R−1))·α + 2(n−1)/n·S·β + (n−1)/n·S·γ``."""
     r, c = grid(n, rows)
     return 2 * (c - 1) + 2 * (r - 1), 2 * (n - 1) / n * nbytes, (n - 1) / n * nbytes
 
 
-torus_2d = register_schedule("torus_2d", _build, torus_2d_schedule, cost)
+torus_2d = register_schedule("torus_2d", torus_2d_schedule, cost, __doc__)

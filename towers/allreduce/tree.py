@@ -48,9 +48,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from towers.allreduce.machinery.base import AllReduce
 from towers.allreduce.machinery.registry import Coefficients, register_schedule
-from towers.allreduce.machinery.scheduled import scheduled
 from towers.guard.arguments import positive_int
 from towers.schedule.ir import Schedule, Step
 
@@ -145,12 +143,6 @@ def tree_schedule(n: int, chunks: int = 1) -> Schedule:
     return Schedule("tree", n, c, tuple(tuple(tick) for tick in ticks))
 
 
-def _build(chunks: int = 1) -> AllReduce:
-    """Build the binary-tree all-reduce, pipelined in ``chunks`` pieces (``C``)."""
-    c = positive_int("chunks", chunks)
-    return scheduled(functools.partial(tree_schedule, chunks=c), own_first=True)
-
-
 def tick_loads(trees: Sequence[Sequence[int]], chunks: int) -> tuple[float, float]:
     """``(M, A)``: Σ over ticks of the most messages on one port and pieces added by one tower.
 
@@ -186,4 +178,4 @@ def cost(n: int, nbytes: float, *, chunks: int = 1) -> Coefficients:
     return messages, messages * piece, adds * piece
 
 
-tree = register_schedule("tree", _build, tree_schedule, cost)
+tree = register_schedule("tree", tree_schedule, cost, __doc__, own_first=True)

@@ -15,8 +15,8 @@ A plain callable without a record is still accepted everywhere.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
@@ -24,6 +24,8 @@ from typing import Any
 import tensorflow as tf
 
 from towers.allreduce.machinery.base import AllReduce
+from towers.allreduce.machinery.scheduled import Scheduled
+from towers.guard.arguments import positive_int
 from towers.schedule import ir, symbolic
 from towers.schedule.ir import Schedule
 
@@ -233,12 +235,28 @@ def algorithm_name(fn: Any) -> str:
     return str(getattr(fn, "__name__", repr(fn)))
 
 
-def register_schedule(name: str, build: Callable[..., AllReduce],
-                      generator: Callable[..., Schedule], cost: Callable[..., Coefficients]
-                      ) -> Record:
-    """Register the all-reduce ``build`` makes of ``generator``'s schedules: its bytes and
-    depth counted from them, ``cost`` in closed form, its schedule drawn in ``build``'s
-    module docstring."""
-    doc = sys.modules[build.__module__].__doc__
+def register_schedule(name: str, generator: Callable[..., Schedule],
+                      cost: Callable[..., Coefficients], doc: str | None, *,
+                      own_first: bool = False) -> Record:
+    """Register the all-reduce that runs ``generator(n, **params)`` (:class:`Scheduled`).
+
+    Its factory takes the generator's parameters after ``n``, each an int >= 1 (or None
+    where that is the default); bytes and depth are counted from the schedules, ``cost``
+    is in closed form, the schedule is the one drawn in ``doc``.
+    """
+    signature = inspect.signature(generator)
+    signature = signature.replace(parameters=list(signature.parameters.values())[1:],
+                                  return_annotation=AllReduce)
+
+    def build(*args: Any, **kwargs: Any) -> AllReduce:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        params = {key: None if value is None and signature.parameters[key].default is None
+                  else positive_int(key, value) for key, value in bound.arguments.items()}
+        run = functools.partial(generator, **params) if params else generator
+        return Scheduled(run, own_first)
+
+    build.__signature__ = signature  # type: ignore[attr-defined]
+    build.__name__ = build.__qualname__ = name
     return register(Algorithm(name, build, schedule=schedule_of(doc),
                               **from_schedule(generator, cost=cost)))

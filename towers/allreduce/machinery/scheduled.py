@@ -36,7 +36,6 @@ from towers.allreduce.machinery.packed import (
     small,
 )
 from towers.allreduce.machinery.primitives import send
-from towers.allreduce.machinery.registry import Configured
 from towers.schedule.ir import Schedule, Step
 from towers.schedule.symbolic import simulate
 
@@ -209,7 +208,7 @@ class Scheduled:
 def generator_of(fn: object) -> Callable[[int], Schedule] | None:
     """The schedule generator behind an algorithm (a :class:`Scheduled`, or a registry
     :class:`~towers.allreduce.machinery.registry.Configured` running one), else None."""
-    fn = getattr(fn, "run", fn) if isinstance(fn, Configured) else fn
+    fn = fn if isinstance(fn, Scheduled) else getattr(fn, "run", None)
     return fn.generator if isinstance(fn, Scheduled) else None
 
 

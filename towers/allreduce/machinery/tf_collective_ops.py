@@ -196,8 +196,8 @@ def _pairings(n: int) -> list[list[tuple[int, int]]]:
 
 @contextlib.contextmanager
 def _after_previous(device: str) -> Iterator[Callable[[tf.Tensor], None]]:
-    """A control edge from ``device``'s previous broadcast op in this graph: broadcasts
-    must start in the same order on every device, or two wait on each other."""
+    """A control edge from ``device``'s previous broadcast op in this graph (broadcasts must
+    start in the same order on every device, or two wait on each other)."""
     if tf.executing_eagerly():
         yield lambda _: None
         return
@@ -214,25 +214,28 @@ def _after_previous(device: str) -> Iterator[Callable[[tf.Tensor], None]]:
 
 def run(body: Body, values: Sequence[tf.Tensor], op: str, timeout: float) -> list[tf.Tensor]:
     """Check, short-cut trivial cases, and run ``body`` in the caller's graph or, eagerly,
-    in a cached one within ``timeout`` seconds.
-
-    Raises:
-        tf.errors.DeadlineExceededError: an eager call did not complete within ``timeout``
-            (a peer never joined); every later collective in the process fails too.
-    """
+    in a cached one within ``timeout`` seconds (else ``tf.errors.DeadlineExceededError``)."""
     devices = tuple(check_values(values, op))
-    shape, dtype = values[0].shape, values[0].dtype
+    shape = values[0].shape
     if not shape.is_fully_defined():
         raise ValueError(f"the nccl algorithms need a fully defined static shape, got {shape}")
-    if len(values) == 1 or shape.num_elements() == 0:
-        # Nothing to exchange (and empty tensors crash all_gather/all_to_all/broadcast).
-        outputs = []
-        for v, device in zip(values, devices, strict=True):
-            with tf.device(device):
-                outputs.append(tf.identity(v))
-        return outputs
-    if not tf.executing_eagerly():
+    # Nothing to exchange (and empty tensors crash all_gather/all_to_all/broadcast).
+    trivial = len(values) == 1 or shape.num_elements() == 0
+    if not trivial and not tf.executing_eagerly():
         return body(list(values), devices, op)
+    results = values if trivial else _run_eagerly(body, values, devices, op, timeout)
+    outputs = []
+    # A tf.function's CPU outputs come back labelled with the caller's device: re-place them.
+    for out, device in zip(results, devices, strict=True):
+        with tf.device(device):
+            outputs.append(tf.identity(out))
+    return outputs
+
+
+def _run_eagerly(body: Body, values: Sequence[tf.Tensor], devices: tuple[str, ...], op: str,
+                 timeout: float) -> list[tf.Tensor]:
+    """``body`` in a ``tf.function`` cached per devices/op/shape/dtype, within ``timeout``."""
+    shape, dtype = values[0].shape, values[0].dtype
     key = (body, devices, op, tuple(shape), dtype)
     with _LOCK:
         if key not in _EAGER:
@@ -251,9 +254,4 @@ def run(body: Body, values: Sequence[tf.Tensor], op: str, timeout: float) -> lis
             if not alarm.fired:
                 raise
             raise tf.errors.DeadlineExceededError(None, None, message) from None
-    outputs = []
-    # A tf.function's CPU outputs come back labelled with the caller's device: re-place them.
-    for out, device in zip(results, devices, strict=True):
-        with tf.device(device):
-            outputs.append(tf.identity(out))
-    return outputs
+    return results
