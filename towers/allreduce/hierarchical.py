@@ -120,10 +120,6 @@ def _build(inner: Part = "naive", outer: Part = "ring", group_size: int = 2) -> 
     Raises:
         TypeError: ``group_size`` not an int, or a part neither a name nor a callable.
         ValueError: ``group_size`` < 1; when called, an unknown part name or bad values.
-
-    Example:
-        >>> algo = hierarchical("naive", halving_doubling(), group_size=4)  # doctest: +SKIP
-        >>> outs = algo(values, op="mean")                                  # doctest: +SKIP
     """
     _check_group_size(group_size)
     for name, part in (("inner", inner), ("outer", outer)):

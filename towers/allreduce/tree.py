@@ -25,13 +25,11 @@ Order: node ``i`` forms ``(x_i ⊕ p_a) ⊕ p_b``, its own value first (``own_fi
 joining first the child whose partial went through fewer additions (:func:`tree_shape`);
 a child that joins after a taller sibling sends when that sibling does.
 
-Cost (n towers, S bytes, D = ⌊log2 n⌋; single-port full-duplex links, the
-convention of :mod:`towers.bench.costmodel`): ``2D + C - 1`` ticks. C = 1 is a binary
-(not binomial) tree: a node takes its two children's values one after the other,
+Cost (n towers, S bytes, D = ⌊log2 n⌋, single-port full-duplex links): ``2D + C - 1``
+ticks. C = 1: a node takes its two children's values one after the other,
 ``4D·(α + S·β) + 2D·S·γ``. Pipelined, a tick costs the busiest port, at most three
-pieces of ``S/C`` (one up, two down once reduce and broadcast overlap):
-``≲ (2D + C - 1)·3·(α + S/C·β) + (D + C - 1)·2·S/C·γ``. Bytes: an inner node
-sends ``3·S``, a leaf ``S`` (``C·⌈size/C⌉`` elements each, padding included).
+pieces of ``S/C``: ``≲ (2D + C - 1)·3·(α + S/C·β) + (D + C - 1)·2·S/C·γ``. Bytes: an
+inner node sends ``3·S``, a leaf ``S`` (padding included).
 
 References:
     P. Sanders, J. Speck, J. L. Träff, "Two-tree algorithms for full bandwidth

@@ -70,12 +70,7 @@ def even_sizes(length: int, pieces: int) -> list[int]:
 
 
 def schedule_bytes(schedule: Schedule, nbytes: int, itemsize: int) -> list[int]:
-    """Exact bytes each tower sends when ``nbytes`` are cut by ``even_sizes`` into the chunks.
-
-    Example:
-        >>> schedule_bytes(ring_all_gather(3), 12, 4)   # runs of 1, 1, 1 elements
-        [8, 8, 8]
-    """
+    """Exact bytes each tower sends when ``nbytes`` are cut by ``even_sizes`` into the chunks."""
     if itemsize < 1 or nbytes < 0 or nbytes % itemsize:
         raise ValueError(f"nbytes must be a multiple of itemsize; got {nbytes}, {itemsize}")
     sizes = even_sizes(nbytes // itemsize, schedule.chunks)
@@ -86,12 +81,7 @@ def schedule_bytes(schedule: Schedule, nbytes: int, itemsize: int) -> list[int]:
 
 
 def fold(n: int) -> tuple[int, int]:
-    """``(m, r)``: ``m`` the largest power of two ≤ ``n``, ``r = n - m`` extra towers.
-
-    Example:
-        >>> fold(6), fold(8)
-        ((4, 2), (8, 0))
-    """
+    """``(m, r)``: ``m`` the largest power of two ≤ ``n``, ``r = n - m`` extra towers."""
     m = 1 << (_towers(n).bit_length() - 1)
     return m, n - m
 
@@ -109,12 +99,8 @@ def folded(name: str, n: int, core: Sequence[tuple[Step, ...]]) -> Schedule:
 
 
 def ring_orders(n: int, subchunks: int = 1) -> list[list[int]]:
-    """The ``subchunks`` rings as towers by position: ring ``r`` rotated by ``r·max(1, n//s)``.
-
-    Example:
-        >>> ring_orders(4, 2)
-        [[0, 1, 2, 3], [2, 3, 0, 1]]
-    """
+    """The ``subchunks`` rings as towers by position: ring ``r`` rotated by ``r·max(1, n//s)``
+    (4, 2: ``[[0, 1, 2, 3], [2, 3, 0, 1]]``)."""
     step = max(1, n // subchunks)
     return [[(p + r * step) % n for p in range(n)] for r in range(subchunks)]
 
