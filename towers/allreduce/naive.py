@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
-from towers.allreduce.machinery.base import AllReduce, check_values, finish
+from towers.allreduce.machinery.base import check_values, finish
 from towers.allreduce.machinery.primitives import send
 from towers.allreduce.machinery.registry import Algorithm, register, schedule_of
 from towers.allreduce.parameter_device import bytes_sent, cost, reduce_on, summation_depth
@@ -57,13 +57,8 @@ def _large(x: tf.Tensor) -> bool:
     return size is not None and size * x.dtype.size > _CHAIN_ABOVE_BYTES
 
 
-def _build() -> AllReduce:
-    return naive_all_reduce
-
-
-NAIVE = register(
-    Algorithm("naive", _build, bytes_sent, summation_depth, cost, schedule_of(__doc__))
-)
+NAIVE = register(Algorithm("naive", lambda: naive_all_reduce, bytes_sent, summation_depth, cost,
+                           schedule_of(__doc__)))
 naive = NAIVE()
 """The naive all-reduce (:func:`naive_all_reduce` with its record)."""
 
