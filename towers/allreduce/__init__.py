@@ -1,9 +1,7 @@
 """All-reduce algorithms built by hand from explicit cross-device copies.
 
-:data:`ALGORITHMS` maps a name to its :class:`Record` (``registry.py``); ``ALGORITHMS[name]()``
-builds it with its default settings; each algorithm module registers itself in its last
-line. :func:`all_reduce` is the entry point; :func:`get` resolves a name or passes a
-callable through.
+:data:`ALGORITHMS` maps a name to its :class:`Record`; ``ALGORITHMS[name]()`` builds it with
+its defaults. :func:`all_reduce` is the entry point; :func:`get` resolves a name.
 """
 
 from __future__ import annotations
@@ -96,9 +94,6 @@ def all_reduce(
             (Horovod's ``prescale_factor``: ``1/n`` keeps an fp16 sum from overflowing).
         postscale: each output is multiplied by it, in its dtype, after the reduction.
             A factor is a finite number; an integer dtype takes only an integer factor.
-
-    Example:
-        >>> out = towers.all_reduce([a, b], algorithm="naive", op="mean")   # doctest: +SKIP
     """
     if isinstance(values, (tf.Tensor, tf.Variable, tf.IndexedSlices, np.ndarray)) or not (
         isinstance(values, Sequence)

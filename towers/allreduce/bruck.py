@@ -1,6 +1,5 @@
 """Bruck all-reduce: dissemination reduce-scatter and all-gather, partners 2^k apart, any n.
 
-Schedule :func:`bruck_schedule` (bytes and depth counted from it, run by ``run_schedule``);
 n = 5 towers, chunks c0..c4, ``+▶t`` reduces into tower t, ``▶t`` copies to it::
 
     tick           0       1       2 │      3       4       5
@@ -33,9 +32,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 
-from towers.allreduce.machinery.base import AllReduce
 from towers.allreduce.machinery.registry import Coefficients, register_schedule
-from towers.allreduce.machinery.scheduled import scheduled
 from towers.guard.arguments import positive_int
 from towers.schedule.ir import Schedule, Step
 
@@ -49,12 +46,7 @@ def gather_ticks(
 ) -> list[Tick]:
     """All-gather ticks of shifted binomial trees: chunk c reaches tower ``c − j`` (mod n)
     at dimension ``k = hop(j)``, copied from offset ``j − 2^k``; dimensions run in ``dims``
-    order, at most ``batch`` chunks per tower per tick (None: one tick per dimension).
-
-    Example:
-        >>> [len(t) for t in gather_ticks(5, [0, 1, 2], lambda j: j.bit_length() - 1)]
-        [5, 10, 5]
-    """
+    order, at most ``batch`` chunks per tower per tick (None: one tick per dimension)."""
     ticks: list[Tick] = []
     for k in dims:
         offsets = [j for j in range(1, n) if hop(j) == k]
@@ -85,14 +77,9 @@ def bruck_schedule(n: int) -> Schedule:
     return Schedule("bruck", n, n, tuple(transpose(gather) + gather))
 
 
-def _build() -> AllReduce:
-    """Build the Bruck all-reduce (any tower count; see the module docstring)."""
-    return scheduled(bruck_schedule)
-
-
 def cost(n: int, nbytes: float) -> Coefficients:
     """α-β-γ coefficients: ``2⌈log2 n⌉·α + 2(n−1)/n·S·β + (n−1)/n·S·γ``."""
     return 2 * steps_of(n), 2 * (n - 1) / n * nbytes, (n - 1) / n * nbytes
 
 
-bruck = register_schedule("bruck", _build, bruck_schedule, cost)
+bruck = register_schedule("bruck", bruck_schedule, cost, __doc__)

@@ -1,11 +1,10 @@
 """Bucketed all-reduce: pack many gradients into a few flat buffers, reduce each buffer once.
 
-One all-reduce per variable pays the latency α once per variable; PyTorch DDP and
-TensorFlow's CollectiveAllReduce pack the gradients into flat *buckets* of up to
-``bytes_per_bucket`` (DDP: 25 MiB), in **reverse** variable order (backward produces
-the last layer's first), and run one all-reduce per bucket. A bucket holds one dtype;
-a tensor never straddles two, and one larger than a bucket gets its own. ``B`` =
-bucket size::
+One all-reduce per variable pays the latency α once per variable; as PyTorch DDP and
+TensorFlow's CollectiveAllReduce, pack the gradients into flat *buckets* of up to
+``bytes_per_bucket`` (DDP: 25 MiB) in **reverse** variable order (backward produces the
+last layer's first) and run one all-reduce per bucket. A bucket holds one dtype; a
+tensor never straddles two. ``B`` = bucket size::
 
     model order           w0   b0   w1   b1   w2   b2        (w1 alone is > B bytes)
     reverse order         b2   w2   b1 │ w1 │ b0   w0
@@ -18,8 +17,6 @@ bucket size::
 
 Cost (n towers, K buckets, S bytes in all, ring): ``2(n-1)·K·α + 2(n-1)/n·S·β +
 (n-1)/n·S·γ`` instead of ``2(n-1)·V·α + …`` for V variables, for one copy in and out.
-Every element is reduced by the same algorithm over the same towers: bitwise equal to
-per-variable ``naive``; with ``ring`` the chunk boundaries move, the depth stays n − 1.
 
 References:
     S. Li et al., "PyTorch Distributed: Experiences on Accelerating Data Parallel
@@ -88,8 +85,8 @@ def plan(
 ) -> Layout:
     """Assign tensors (``(shape, dtype)`` in variable order) to buckets, in reverse order.
 
-    Each dtype has one open bucket. A tensor that would push it past ``bytes_per_bucket``
-    (``None``: no limit) closes it first; a bucket that reaches the limit closes at once.
+    Each dtype has one open bucket; a tensor that would push it past ``bytes_per_bucket``
+    (``None``: no limit) closes it first, one that reaches the limit closes it after.
     Buckets are listed in the order they were opened.
 
     Raises:
@@ -166,8 +163,7 @@ def unpack(buckets: Sequence[tf.Tensor], layout: Layout) -> list[tf.Tensor]:
 
 @dataclasses.dataclass
 class Bucketed:
-    """A :class:`~towers.allreduce.machinery.base.GradientReducer` over packed buckets
-    (built by :func:`bucketed`; ``layout``: that of :meth:`build`'s variables)."""
+    """A ``GradientReducer`` over packed buckets (``layout``: :meth:`build`'s variables')."""
 
     algorithm: AllReduce
     bytes_per_bucket: int | None
@@ -192,9 +188,8 @@ def grouped(values: Sequence[Sequence[tf.Tensor | tf.IndexedSlices]],
     """All-reduce a list of tensors per tower: ``values[tower][k]`` in, same layout out.
 
     Dense tensors are packed into buckets (:func:`pack`), each all-reduced once with
-    ``op``; ``tf.IndexedSlices`` (sum or mean) are gathered in tower order, as
-    ``towers.all_reduce(..., sparse="gather")``. ``devices`` defaults to each tower's
-    first value's device; ``bytes_per_bucket`` ``None`` means one bucket per dtype.
+    ``op``; ``tf.IndexedSlices`` (sum or mean) are gathered in tower order. ``devices``
+    defaults to each tower's first value's device.
 
     Raises:
         ValueError: towers that differ in count, kind, shape or dtype (naming them), an
@@ -253,16 +248,11 @@ def _reduce_dense(values: list[list[tf.Tensor]], devices: list[str], fn: AllRedu
 def bucketed(
     algorithm: str | AllReduce = "ring", bytes_per_bucket: int | None = DEFAULT_BUCKET_BYTES
 ) -> Bucketed:
-    """Reduce all of a step's gradients in flat buckets of at most ``bytes_per_bucket``.
-
-    ``algorithm`` (a name or a callable) runs once per bucket with ``op="sum"``;
-    ``bytes_per_bucket`` defaults to 25 MiB, as DDP (``None``: one bucket per dtype).
+    """Reduce all of a step's gradients in flat buckets of at most ``bytes_per_bucket``
+    (``None``: one bucket per dtype), ``algorithm`` (a name or a callable) once per bucket.
 
     Raises:
         ValueError: ``bytes_per_bucket`` < 1 or not an int, or an unknown algorithm name.
         TypeError: ``algorithm`` is neither a name nor a callable.
-
-    Example:
-        >>> trainer = towers.TowerTrainer(..., all_reduce=bucketed("ring", 2**20))  # doctest: +SKIP
     """
     return Bucketed(get(algorithm), optional(positive_int, "bytes_per_bucket", bytes_per_bucket))

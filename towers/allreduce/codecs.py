@@ -93,9 +93,8 @@ class Codec(Protocol):
         output + Σ_t r'_t  ==  Σ_t (g_t + r_t)        within error_bound(Σ_t |g_t| + |r_t|)
 
     Without a residual it reads ``output == Σ_t g_t``. Optional formulas that
-    :func:`towers.testing.check_codec` checks: ``payload_bytes(shape, dtype) -> int``
-    (bytes one tower hands the :class:`Wire` per variable and step) and
-    ``error_bound(abs_sum, towers, depth) -> ndarray`` (the invariant's rounding, float64).
+    :func:`towers.testing.check_codec` checks: ``payload_bytes(shape, dtype) -> int`` (per
+    tower, variable and step) and ``error_bound(abs_sum, towers, depth) -> ndarray``.
     """
 
     def init(self, shape: tf.TensorShape, dtype: tf.DType, key: int) -> tuple[Any, ...]:
@@ -156,23 +155,16 @@ class Cast:
     def init(self, shape: tf.TensorShape, dtype: tf.DType, key: int) -> tuple[()]:
         return ()
 
-    def encode(
-        self, tensor: tf.Tensor, state: tuple[()], towers: int
-    ) -> tuple[tf.Tensor, tuple[()]]:
-        """``(cast(tensor / towers), state)``."""
-        return tf.cast(tensor / tf.constant(towers, tensor.dtype), self.dtype), state
-
-    def decode(self, payload: tf.Tensor, towers: int, dtype: tf.DType) -> tf.Tensor:
-        """``cast(payload, dtype) * towers``."""
-        return tf.cast(payload, dtype) * tf.constant(towers, dtype)
-
     def reduce(
         self, tensors: Sequence[tf.Tensor], states: Sequence[Any], wire: Wire
     ) -> tuple[list[tf.Tensor], list[Any]]:
+        """Encode ``cast(x / n)``, all-reduce, decode ``cast(sum, dtype) * n``."""
         n = wire.towers
-        payloads = wire.per_tower(lambda t: self.encode(tensors[t], states[t], n)[0])
-        reduced = wire.all_reduce(payloads)
-        return wire.decode(lambda t: self.decode(reduced[t], n, tensors[t].dtype)), list(states)
+        reduced = wire.all_reduce(wire.per_tower(
+            lambda t: tf.cast(tensors[t] / tf.constant(n, tensors[t].dtype), self.dtype)))
+        return wire.decode(
+            lambda t: tf.cast(reduced[t], tensors[t].dtype) * tf.constant(n, tensors[t].dtype)
+        ), list(states)
 
     def payload_bytes(self, shape: tf.TensorShape, dtype: tf.DType) -> int:
         """Every element in 16 bits: ``S/2`` for float32."""
@@ -268,11 +260,7 @@ def bf16() -> Cast:
 
 
 def topk(ratio: float = 0.01) -> TopK:
-    """Send the largest ``ratio`` (in (0, 1]) of each gradient's entries, with error feedback.
-
-    Example:
-        >>> reducer = compressed("naive", topk(0.1))   # doctest: +SKIP
-    """
+    """Send the largest ``ratio`` (in (0, 1]) of each gradient's entries, with error feedback."""
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
         raise ValueError(f"ratio must be a number in (0, 1], got {ratio!r}")
     return TopK(float(ratio))

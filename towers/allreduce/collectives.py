@@ -1,16 +1,12 @@
 """The other collectives: reduce-scatter, all-gather, broadcast (run from schedules), all-to-all.
 
-**Sharding rule.** :func:`reduce_scatter` flattens the reduced value (row-major) and gives
-tower ``i`` the ``i``-th of ``n`` runs cut by :func:`~towers.schedule.collectives.even_sizes`
-(``numpy.array_split``'s rule: no padding); :func:`all_gather` concatenates the shards
-along axis 0 in tower order, so ``all_gather(reduce_scatter(v))`` is the flattened
-all-reduce. :func:`broadcast` copies one value to every device; :func:`all_to_all`
-transposes blocks. Each runs a schedule of :data:`COLLECTIVE_ALGORITHMS`, or any
-generator ``n -> Schedule`` of its collective, through the one interpreter
-(:func:`~towers.allreduce.machinery.scheduled.run_slots`). Each record's ``summary`` gives
-its ticks (``ticks``: the closed form); bytes, depth and cost are derived from the schedules
-(:func:`~towers.allreduce.machinery.registry.from_schedule`), drawn in
-:mod:`towers.schedule.collectives` and by :func:`format_collective`.
+**Sharding rule.** :func:`reduce_scatter` flattens the reduced value and gives tower ``i``
+the ``i``-th of ``n`` runs cut by :func:`~towers.schedule.collectives.even_sizes` (no
+padding); :func:`all_gather` concatenates the shards along axis 0 in tower order, so
+``all_gather(reduce_scatter(v))`` is the flattened all-reduce. The first three run a
+schedule of :data:`COLLECTIVE_ALGORITHMS` (drawn in :mod:`towers.schedule.collectives`
+and by :func:`format_collective`), or any generator ``n -> Schedule`` of their collective,
+through :func:`~towers.allreduce.machinery.scheduled.run_slots`.
 
 Example:
     >>> full = all_gather(reduce_scatter(values, algorithm="halving"))   # doctest: +SKIP
@@ -74,12 +70,7 @@ COLLECTIVE_ALGORITHMS = Registry(PUBLIC, [
 
 
 def collective_algorithm(collective: str, name: str) -> Record:
-    """The record for ``name`` running ``collective``, or an error listing what exists.
-
-    Example:
-        >>> collective_algorithm("broadcast", "tree").ticks(5)
-        3
-    """
+    """The record for ``name`` running ``collective``, or an error listing what exists."""
     if collective not in PUBLIC:
         raise ValueError(f"collective must be one of {', '.join(PUBLIC)}; got {collective!r}")
     if (collective, name) not in COLLECTIVE_ALGORITHMS:
@@ -265,12 +256,7 @@ def all_to_all(values: Sequence[tf.Tensor]) -> list[tf.Tensor]:
     """Tower ``i``'s output block ``j`` is tower ``j``'s block ``i``: a transpose of blocks.
 
     Each ``values[i]`` (static shape, rank >= 1) is cut along axis 0 into ``n`` equal
-    blocks; ``out[i] = concat([block i of values[j] for j], axis=0)``. One tick of
-    ``send``: every tower sends ``n - 1`` blocks.
-
-    Example:
-        >>> all_to_all([a, b])   # a = [a0, a1], b = [b0, b1] -> [[a0, b0], [a1, b1]]
-        ... # doctest: +SKIP
+    blocks; ``out[i] = concat([block i of values[j] for j], axis=0)``, in one tick.
     """
     devices = check_values(values)
     n = len(values)

@@ -12,15 +12,12 @@ encodes each tower's gradient, moves the payloads over a :class:`~towers.allredu
                       only when the step is applied (commit; see below)
 
 **Decode once** (the default): tower 0 decodes and sends its dense result, ``(n-1)·S``
-bytes, so every output is bitwise the same whatever the kernels do;
-``decode="everywhere"``: every tower decodes its own (identical) payload, fewer bytes,
-identical outputs resting on deterministic kernels.
+bytes, so outputs are bitwise the same whatever the kernels do; ``decode="everywhere"``:
+every tower decodes its own payload, fewer bytes, resting on deterministic kernels.
 
-State is created eagerly in :meth:`Compressed.build`, one copy per tower on its device,
-as variables tracked by this ``tf.Module`` (``tf.train.Checkpoint(reducer=...)`` saves
-it). It is computed in :meth:`Compressed.reduce_deferred` and assigned by
-:meth:`Compressed.commit` under the update's condition
-(:class:`~towers.allreduce.machinery.base.StatefulReducer`).
+State is made by :meth:`Compressed.build`, one copy per tower, as variables of this
+``tf.Module`` (a ``tf.train.Checkpoint`` saves it); :meth:`Compressed.reduce_deferred`
+computes it and :meth:`Compressed.commit` assigns it under the update's condition.
 """
 
 from __future__ import annotations
@@ -47,9 +44,7 @@ def _make(template: Any, values: Sequence[Any]) -> Any:
 
 
 class Compressed(tf.Module):
-    """A gradient reducer that compresses each gradient with a codec (see :func:`compressed`);
-    ``state[tower][var]``: the codec's state variables, made by :meth:`build`.
-    """
+    """A gradient reducer through a codec; ``state[tower][var]``: the codec's state variables."""
 
     def __init__(self, algorithm: AllReduce, codec: Codec, decode: str = "once") -> None:
         super().__init__(name="compressed")
@@ -61,9 +56,7 @@ class Compressed(tf.Module):
         self._templates: list[Any] = []
 
     def build(self, variables: Sequence[tf.Variable], devices: Sequence[str]) -> None:
-        """Create the codec's state for ``variables``, one copy per tower on its device (fresh
-        each call); eagerly only (a ``RuntimeError`` inside ``tf.function``).
-        """
+        """Create the codec's state for ``variables``, one fresh copy per tower, eagerly."""
         if not tf.executing_eagerly():
             raise RuntimeError("Compressed.build must run eagerly, not inside tf.function")
         self.devices = [canonical_device(d) for d in devices]
@@ -109,8 +102,8 @@ class Compressed(tf.Module):
     def reduce_deferred(
         self, grads: Sequence[Sequence[tf.Tensor]]
     ) -> tuple[list[list[tf.Tensor]], list[tf.Tensor]]:
-        """``(out[tower][var], new_state)``: the codec's sums and the state's next values (one per
-        state variable, as :meth:`commit` takes them); nothing is assigned.
+        """``(out[tower][var], new_state)``: the codec's sums and the state's next values (as
+        :meth:`commit` takes them); nothing is assigned.
 
         Raises:
             RuntimeError: :meth:`build` has not run.
@@ -149,10 +142,6 @@ def compressed(
     Raises:
         ValueError: an unknown algorithm or codec name, or a bad ``decode``.
         TypeError: ``algorithm`` is neither a name nor a callable.
-
-    Example:
-        >>> reducer = compressed("ring", powersgd(2))                   # doctest: +SKIP
-        >>> trainer = towers.TowerTrainer(..., all_reduce=reducer)       # doctest: +SKIP
     """
     check_choice("decode", decode, DECODE)
     return Compressed(get(algorithm), get_codec(codec), decode)

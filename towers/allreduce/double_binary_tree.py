@@ -24,10 +24,8 @@ is odd. n = 8::
 
 (For odd ``n`` tower 0 is inner in both trees.)
 
-Schedule: both trees run at once, each half as in :mod:`towers.allreduce.tree`
-(half ``h``'s piece ``k`` is chunk ``h·C + k``): a node of height ``h`` sends
-piece ``k`` up at tick ``h + k``; a node at depth ``d`` copies it down at tick
-``D + d + k``. n = 4, C = 1 (A: 0─2─{1,3}; B mirrored: 3─1─{2,0})::
+Schedule: both trees run at once, each half pipelined as in :mod:`towers.allreduce.tree`
+(half ``h``'s piece ``k`` is chunk ``h·C + k``). n = 4, C = 1 (A: 0─2─{1,3}; B: 3─1─{2,0})::
 
     tick        0                1            2             3
     tower 0   c1 ▲1             .          c0 ▼2            .
@@ -36,10 +34,8 @@ piece ``k`` up at tick ``h + k``; a node at depth ``d`` copies it down at tick
     tower 3   c0 ▲2             .          c1 ▼1            .
 
 Order as in :mod:`towers.allreduce.tree`; the depth is the larger of the two trees'.
-Schedule :func:`double_binary_tree_schedule` (run by ``run_schedule``).
 
-Cost (n towers, S bytes, D = tree height ≈ log2 n; single-port full-duplex links
-as in :mod:`towers.bench.costmodel`): ``2D + C - 1`` ticks, both trees at once. A tower
+Cost (n towers, S bytes, D = tree height ≈ log2 n): ``2D + C - 1`` ticks. A tower
 sends at most ``2S`` (``3·S/2`` as an inner node, ``S/2`` as a leaf), like the
 ring's ``2(n-1)/n·S``, with ``2D`` instead of ``2(n-1)`` latency terms. C = 1: an
 inner node takes two halves per level, ``4D·(α + S/2·β) + D·S·γ``; pipelining
@@ -56,9 +52,7 @@ from __future__ import annotations
 
 import functools
 
-from towers.allreduce.machinery.base import AllReduce
 from towers.allreduce.machinery.registry import Coefficients, register_schedule
-from towers.allreduce.machinery.scheduled import scheduled
 from towers.allreduce.tree import tick_loads, tree_ticks
 from towers.guard.arguments import positive_int
 from towers.schedule.ir import Schedule
@@ -68,12 +62,7 @@ __all__ = ["btree_parents", "cost", "double_binary_tree",
 
 
 def btree_parents(n: int) -> list[int]:
-    """NCCL's binary tree rooted at 0, as ``parents[tower]`` (``-1`` for the root).
-
-    Example:
-        >>> btree_parents(8)
-        [-1, 2, 4, 2, 0, 6, 4, 6]
-    """
+    """NCCL's binary tree rooted at 0, as ``parents[tower]`` (``-1`` for the root)."""
     parents = [-1] * n
     for rank in range(1, n):
         bit = rank & -rank  # lowest set bit: the rank's level above the leaves
@@ -83,12 +72,7 @@ def btree_parents(n: int) -> list[int]:
 
 
 def double_trees(n: int) -> tuple[list[int], list[int]]:
-    """Tree A and tree B as parent lists: B is A mirrored (even ``n``) or shifted by one (odd).
-
-    Example:
-        >>> double_trees(4)
-        ([-1, 2, 0, 2], [1, 3, 1, -1])
-    """
+    """Tree A and tree B as parent lists: B is A mirrored (even ``n``) or shifted by one (odd)."""
     first = btree_parents(n)
     if n % 2 == 0:
         second = [-1 if first[n - 1 - r] == -1 else n - 1 - first[n - 1 - r] for r in range(n)]
@@ -100,28 +84,13 @@ def double_trees(n: int) -> tuple[list[int], list[int]]:
 
 @functools.lru_cache(maxsize=256)
 def double_binary_tree_schedule(n: int, chunks: int = 1) -> Schedule:
-    """Both trees at once over ``n`` towers: half ``h``'s piece ``k`` is chunk ``h·C + k``.
-
-    Example:
-        >>> double_binary_tree_schedule(4).num_ticks
-        4
-    """
+    """Both trees at once over ``n`` towers: half ``h``'s piece ``k`` is chunk ``h·C + k``."""
     c = positive_int("chunks", chunks)
     first, second = (tree_ticks(parents, range(h * c, (h + 1) * c))
                      for h, parents in enumerate(double_trees(positive_int("n", n))))
     # B is A mirrored or shifted: the same shape, so as many ticks
     ticks = tuple(tuple(a + b) for a, b in zip(first, second, strict=True))
     return Schedule("double_binary_tree", n, 2 * c, ticks)
-
-
-def _build(chunks: int = 1) -> AllReduce:
-    """Build the double-binary-tree all-reduce; each half is pipelined in ``chunks`` pieces.
-
-    Raises:
-        ValueError: ``chunks`` < 1 or not an int.
-    """
-    c = positive_int("chunks", chunks)
-    return scheduled(functools.partial(double_binary_tree_schedule, chunks=c), own_first=True)
 
 
 def cost(n: int, nbytes: float, *, chunks: int = 1) -> Coefficients:
@@ -131,5 +100,5 @@ def cost(n: int, nbytes: float, *, chunks: int = 1) -> Coefficients:
     return messages, messages * piece, adds * piece
 
 
-double_binary_tree = register_schedule("double_binary_tree", _build,
-                                       double_binary_tree_schedule, cost)
+double_binary_tree = register_schedule("double_binary_tree", double_binary_tree_schedule,
+                                       cost, __doc__, own_first=True)

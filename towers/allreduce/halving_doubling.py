@@ -1,10 +1,9 @@
 """Rabenseifner's all-reduce: reduce-scatter by recursive halving, all-gather by recursive doubling.
 
-Schedule :func:`halving_doubling_schedule` (its power-of-two core
-:func:`~towers.schedule.halving_reduce_scatter` then
-:func:`~towers.schedule.doubling_all_gather`).
-With p = 2^⌊log2 n⌋ active towers and r = n − p extra ones, n = 6 (p = 4, r = 2), the
-buffer padded to p chunks c0..c3 (``+▶t`` reduces into tower t, ``▶t`` copies to it)::
+Its power-of-two core is :func:`~towers.schedule.halving_reduce_scatter` then
+:func:`~towers.schedule.doubling_all_gather`. With p = 2^⌊log2 n⌋ active towers and
+r = n − p extra ones, n = 6 (p = 4, r = 2), the buffer padded to p chunks c0..c3
+(``+▶t`` reduces into tower t, ``▶t`` copies to it)::
 
     tick:    0 fold-in      1 halve d=2  2 halve d=1  3 double d=1  4 double d=2  5 fold-out
     tower 0                 c2c3+▶2      c1+▶1        c0▶1          c0c1▶2        c0c1c2c3▶4
@@ -40,34 +39,19 @@ from __future__ import annotations
 
 import functools
 
-from towers.allreduce.machinery.base import AllReduce
 from towers.allreduce.machinery.registry import Coefficients, register_schedule
-from towers.allreduce.machinery.scheduled import scheduled
-from towers.schedule.collectives import doubling_all_gather, fold, halving_reduce_scatter
-from towers.schedule.ir import Schedule, Step
+from towers.schedule.collectives import doubling_all_gather, fold, folded, halving_reduce_scatter
+from towers.schedule.ir import Schedule
 
 __all__ = ["cost", "halving_doubling", "halving_doubling_schedule"]
 
 
 @functools.lru_cache(maxsize=128)
 def halving_doubling_schedule(n: int) -> Schedule:
-    """Rabenseifner's all-reduce over ``n`` towers as a schedule (fold in/out beyond p).
-
-    Example:
-        >>> [halving_doubling_schedule(n).num_ticks for n in (1, 2, 4, 6, 8)]
-        [0, 2, 4, 6, 6]
-    """
-    p, r = fold(n)
+    """Rabenseifner's all-reduce over ``n`` towers as a schedule (fold in/out beyond p)."""
+    p = fold(n)[0]
     core = halving_reduce_scatter(p).ticks + doubling_all_gather(p).ticks
-    fold_in = (tuple(Step(p + j, j, c, "reduce") for j in range(r) for c in range(p)),)
-    fold_out = (tuple(Step(j, p + j, c, "copy") for j in range(r) for c in range(p)),)
-    ticks = fold_in + core + fold_out if r else core
-    return Schedule("halving_doubling", n, p, ticks)
-
-
-def _build() -> AllReduce:
-    """Build Rabenseifner's halving-doubling all-reduce for any tower count and any length."""
-    return scheduled(halving_doubling_schedule)
+    return folded("halving_doubling", n, core)
 
 
 def cost(n: int, nbytes: float) -> Coefficients:
@@ -80,4 +64,4 @@ def cost(n: int, nbytes: float) -> Coefficients:
     return a, b, c
 
 
-halving_doubling = register_schedule("halving_doubling", _build, halving_doubling_schedule, cost)
+halving_doubling = register_schedule("halving_doubling", halving_doubling_schedule, cost, __doc__)

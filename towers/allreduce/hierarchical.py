@@ -11,18 +11,13 @@ of each group is its leader. n = 4, k = 2::
     tower 2 *  inner(x2, x3)[0] = s23      outer(s01, s23)[1] = s      s ──▶ tower 3
     tower 3    (inner's copy unused)                                   ◀── s
 
-Uneven groups (n = 5, k = 2: {0, 1}, {2, 3}, {4}): tower 4 leads a group of one; its
-inner all-reduce moves nothing and it has no member to copy to. The outer phase's ticks
-are shifted past the inner ones by :func:`~towers.allreduce.machinery.primitives.tick_offset`.
-
 Index formula: tower i is in group g = i // k, whose leader is g·k and whose
-members are g·k … min(g·k + k, n) − 1; leader g is tower g of the outer
-all-reduce, which runs on ⌈n/k⌉ leaders.
+members are g·k … min(g·k + k, n) − 1 (n = 5, k = 2: {0, 1}, {2, 3}, {4}); leader g
+is tower g of the outer all-reduce, which runs on ⌈n/k⌉ leaders.
 
 ``inner`` is a whole all-reduce on each group's values; only the leader's output is
-kept (the members' copies are recorded and counted, and pruned as unused in a graph).
-For ``op="mean"`` both parts sum; each leader divides its bitwise-identical total by n
-once (correctly rounded: equal means everywhere) and sends it to its members.
+kept (the members' copies are pruned as unused in a graph). For ``op="mean"`` both parts
+sum; each leader divides its bitwise-identical total by n once and sends it on.
 
 Cost: max over groups of inner(k_g, S) + outer(⌈n/k⌉, S) + (k_max − 1)·(α + Sβ)
 for the leader's copies: only the outer phase crosses the slow link, on n/k towers.
@@ -79,12 +74,7 @@ def _check_group_size(group_size: int) -> int:
 
 
 def group_sizes(n: int, group_size: int) -> list[int]:
-    """Consecutive groups of ``group_size``; the last holds the remainder.
-
-    Example:
-        >>> group_sizes(7, 2)
-        [2, 2, 2, 1]
-    """
+    """Consecutive groups of ``group_size``; the last holds the remainder (7, 2: 2, 2, 2, 1)."""
     k = _check_group_size(group_size)
     return [min(k, n - start) for start in range(0, n, k)]
 
@@ -124,19 +114,12 @@ def _all_reduce(
 
 
 def _build(inner: Part = "naive", outer: Part = "ring", group_size: int = 2) -> AllReduce:
-    """Build a two-level all-reduce: ``inner`` within groups, ``outer`` among group leaders.
-
-    ``inner`` runs inside each group of ``group_size`` consecutive towers (the last
-    holds the remainder), ``outer`` among the leaders: registry names (resolved when
-    called) or callables; ``bytes_sent`` and ``summation_depth`` compose the parts'.
+    """Build a two-level all-reduce: ``inner`` within groups, ``outer`` among group leaders
+    (registry names, resolved when called, or callables).
 
     Raises:
         TypeError: ``group_size`` not an int, or a part neither a name nor a callable.
         ValueError: ``group_size`` < 1; when called, an unknown part name or bad values.
-
-    Example:
-        >>> algo = hierarchical("naive", halving_doubling(), group_size=4)  # doctest: +SKIP
-        >>> outs = algo(values, op="mean")                                  # doctest: +SKIP
     """
     _check_group_size(group_size)
     for name, part in (("inner", inner), ("outer", outer)):
@@ -154,12 +137,7 @@ def bytes_sent(
     group_size: int = 2,
 ) -> list[int]:
     """Exact bytes per tower: member r of group g sends ``inner(k_g)[r]``; a leader adds
-    ``outer(⌈n/k⌉)[g]`` and (k_g − 1)·nbytes of group broadcast.
-
-    Example:
-        >>> bytes_sent(4, 8, 4, inner="naive", outer="naive", group_size=2)
-        [24, 8, 24, 8]
-    """
+    ``outer(⌈n/k⌉)[g]`` and (k_g − 1)·nbytes of group broadcast."""
     sizes = group_sizes(n, group_size)
     outer_b = _formula(outer, "bytes_sent", len(sizes), nbytes, itemsize)
     out: list[int] = []
@@ -173,12 +151,7 @@ def bytes_sent(
 def summation_depth(
     n: int, *, inner: Part = "naive", outer: Part = "ring", group_size: int = 2
 ) -> int:
-    """Most additions on any element: inner's depth on the groups plus outer's on ⌈n/k⌉.
-
-    Example:
-        >>> summation_depth(8, inner="naive", outer="naive", group_size=4)
-        4
-    """
+    """Most additions on any element: inner's depth on the groups plus outer's on ⌈n/k⌉."""
     sizes = group_sizes(n, group_size)
     inner_d = max(_formula(inner, "summation_depth", k) for k in set(sizes)) if sizes else 0
     return int(inner_d) + int(_formula(outer, "summation_depth", len(sizes)))
@@ -213,12 +186,7 @@ def cost_levels(
 def cost(
     n: int, nbytes: float, *, inner: str = "naive", outer: str = "ring", group_size: int = 2
 ) -> Coefficients:
-    """α-β-γ coefficients: the sum of :func:`cost_levels`.
-
-    Example:
-        >>> cost(16, 100.0, group_size=4)   # naive(4) + ring(4) + 3 copies
-        (15.0, 1050.0, 375.0)
-    """
+    """α-β-γ coefficients: the sum of :func:`cost_levels`."""
     levels = cost_levels(n, nbytes, inner=inner, outer=outer, group_size=group_size)
     return tuple(float(sum(col)) for col in zip(*levels, strict=True))  # type: ignore[return-value]
 

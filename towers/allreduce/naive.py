@@ -13,9 +13,8 @@ Order: ``((x0 + x1) + x2) + ...`` — TensorFlow's CPU ``AddN`` kernel adds its
 inputs left to right, so the sum is sequential in tower order.
 
 Cost (n towers, S bytes): tower 0 receives (n-1)·S and sends (n-1)·S; every other
-tower sends S. Time 2(n-1)·(α + Sβ) + (n-1)·Sγ: everything crosses tower 0. These
-are :mod:`towers.allreduce.parameter_device`'s on tower 0 (the same sends, the same
-order), so the record takes its formulas.
+tower sends S. Time 2(n-1)·(α + Sβ) + (n-1)·Sγ: everything crosses tower 0 (the
+formulas of :mod:`towers.allreduce.parameter_device` on tower 0).
 
 References:
     TensorFlow ``cross_device_ops.ReductionToOneDevice``; d2l.ai "Multiple GPUs".
@@ -27,7 +26,7 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
-from towers.allreduce.machinery.base import AllReduce, check_values, finish
+from towers.allreduce.machinery.base import check_values, finish
 from towers.allreduce.machinery.primitives import send
 from towers.allreduce.machinery.registry import Algorithm, register, schedule_of
 from towers.allreduce.parameter_device import bytes_sent, cost, reduce_on, summation_depth
@@ -36,8 +35,7 @@ __all__ = ["NAIVE", "naive", "noop"]
 
 
 def naive_all_reduce(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
-    """Reduce everything on tower 0 (``add_n`` for sums), then copy the result to each tower;
-    ``naive`` is this function with its registry record (:data:`NAIVE`)."""
+    """Reduce everything on tower 0 (``add_n`` for sums), then copy the result to each tower."""
     devices = check_values(values, op)
     root = devices[0]
     with tf.device(root):
@@ -59,13 +57,8 @@ def _large(x: tf.Tensor) -> bool:
     return size is not None and size * x.dtype.size > _CHAIN_ABOVE_BYTES
 
 
-def _build() -> AllReduce:
-    return naive_all_reduce
-
-
-NAIVE = register(
-    Algorithm("naive", _build, bytes_sent, summation_depth, cost, schedule_of(__doc__))
-)
+NAIVE = register(Algorithm("naive", lambda: naive_all_reduce, bytes_sent, summation_depth, cost,
+                           schedule_of(__doc__)))
 naive = NAIVE()
 """The naive all-reduce (:func:`naive_all_reduce` with its record)."""
 

@@ -24,11 +24,8 @@ Index formula (tree): at level k tower i with i mod 2^(k+1) = 2^k sends to i −
 (a broadcast in the group of the two). Cost: nccl and nccl_ring 2(n−1)α +
 2(n−1)/n·Sβ + (n−1)/n·Sγ; nccl_tree 2⌈log2 n⌉(α + Sβ) + ⌈log2 n⌉·Sγ. Summation
 depth: n − 1 for nccl (CPU ring) and nccl_ring (rows added in rank order), ⌈log2 n⌉
-for nccl_tree. TensorFlow has no gradient for these ops:
-:func:`~towers.allreduce.machinery.differentiable.differentiable` gives them one. On
-logical CPUs the hint "nccl" falls back to the CPU ring; the raw ``NcclAllReduce`` takes
-float16/32/64 and int32/64 (bfloat16 stays on the collective path). The plumbing (keys,
-tokens, wire format, the runner) is :mod:`towers.allreduce.machinery.tf_collective_ops`.
+for nccl_tree. :func:`~towers.allreduce.machinery.differentiable.differentiable` gives
+the ops a gradient. The plumbing is :mod:`towers.allreduce.machinery.tf_collective_ops`.
 
 References:
     NVIDIA NCCL; nccl-tests' bus bandwidth; TensorFlow
@@ -37,7 +34,7 @@ References:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
@@ -68,8 +65,7 @@ __all__ = ["TIMEOUT_SECONDS", "estimated_bytes_sent", "nccl",
            "nccl_ring", "nccl_tree", "raw_nccl_usable"]
 
 TIMEOUT_SECONDS = 60.0
-"""Default deadline of a call (or a step) of these algorithms: a missing peer becomes an
-error, not a hang."""
+"""Default deadline of a call (or a step): a missing peer becomes an error, not a hang."""
 
 
 def raw_nccl_usable(devices: Sequence[str], dtype: tf.DType) -> bool:
@@ -183,13 +179,11 @@ def _record_estimates(values: Sequence[tf.Tensor]) -> None:
 
 
 def _factory(body: Body, name: str, timeout_seconds: float = TIMEOUT_SECONDS) -> AllReduce:
-    """Build ``nccl`` (one ``all_reduce_v2`` per tower; raw NCCL on real GPUs), ``nccl_ring``
-    (all-to-all + local sum, then all-gather) or ``nccl_tree`` (binomial reduce, broadcast).
+    """Build ``nccl``, ``nccl_ring`` or ``nccl_tree`` (the module docstring's schedules).
 
     ``timeout_seconds``: the deadline of an eager call, and of a trainer's step when it
-    has no ``step_timeout`` (default :data:`TIMEOUT_SECONDS`). The ops carry none of their
-    own (see :mod:`~towers.allreduce.machinery.tf_collective_ops`); a call inside your own
-    ``tf.function`` is bounded by whatever bounds that function.
+    has no ``step_timeout``; a call inside your own ``tf.function`` is bounded by whatever
+    bounds that function.
 
     Raises:
         ValueError: ``timeout_seconds`` not positive; when called, bad values or no static shape.
@@ -209,12 +203,7 @@ def _factory(body: Body, name: str, timeout_seconds: float = TIMEOUT_SECONDS) ->
 
 def estimated_bytes_sent(n: int, nbytes: int) -> list[float]:
     """An ESTIMATE of bytes each tower sends (the ops are opaque): NCCL's ring figure
-    2(n−1)/n·S, the bus traffic nccl-tests assumes.
-
-    Example:
-        >>> estimated_bytes_sent(4, 1000)
-        [1500.0, 1500.0, 1500.0, 1500.0]
-    """
+    2(n−1)/n·S, the bus traffic nccl-tests assumes."""
     positive_int("n", n)
     non_negative_float("nbytes", nbytes)
     return [2 * (n - 1) / n * nbytes] * n
@@ -239,14 +228,11 @@ def _tree_cost(n: int, nbytes: float) -> Coefficients:
     return 2 * d, 2 * d * nbytes, d * nbytes
 
 
-def _record(name: str, build: Callable[..., AllReduce], depth: Any, cost: Any) -> Algorithm:
-    schedule = schedule_of(__doc__)
-    return Algorithm(name, build, _estimate, depth, cost, schedule, estimated=True,
-                     replayable=False)
+def _register(name: str, body: Body, depth: Any, cost: Any) -> Algorithm:
+    return register(Algorithm(name, partial(_factory, body, name), _estimate, depth, cost,
+                              schedule_of(__doc__), estimated=True, replayable=False))
 
 
-nccl = register(_record("nccl", partial(_factory, _nccl_body, "nccl"), _ring_depth, ring_cost))
-nccl_ring = register(_record("nccl_ring", partial(_factory, _ring_body, "nccl_ring"),
-                             _ring_depth, ring_cost))
-nccl_tree = register(_record("nccl_tree", partial(_factory, _tree_body, "nccl_tree"),
-                             _tree_depth, _tree_cost))
+nccl = _register("nccl", _nccl_body, _ring_depth, ring_cost)
+nccl_ring = _register("nccl_ring", _ring_body, _ring_depth, ring_cost)
+nccl_tree = _register("nccl_tree", _tree_body, _tree_depth, _tree_cost)

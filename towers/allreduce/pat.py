@@ -1,6 +1,5 @@
 """PAT all-reduce: NCCL's Parallel Aggregated Trees reduce-scatter and all-gather, composed.
 
-Schedule :func:`pat_schedule` (bytes and depth counted from it, run by ``run_schedule``);
 n = 5 towers, chunks c0..c4, ``+▶t`` reduces into tower t, ``▶t`` copies to it::
 
     tick           0       1       2 │      3       4       5
@@ -42,9 +41,7 @@ import functools
 import math
 
 from towers.allreduce.bruck import gather_ticks, steps_of, transpose
-from towers.allreduce.machinery.base import AllReduce
 from towers.allreduce.machinery.registry import Coefficients, register_schedule
-from towers.allreduce.machinery.scheduled import scheduled
 from towers.guard.arguments import positive_int
 from towers.schedule.ir import Schedule
 
@@ -60,50 +57,26 @@ def _lowest_bit(j: int) -> int:
 
 
 def chunks_per_dimension(n: int) -> list[int]:
-    """``m_k``: the chunks a tower sends in dimension k (offsets whose lowest set bit is k).
-
-    Example:
-        >>> chunks_per_dimension(5), chunks_per_dimension(8)
-        ([2, 1, 1], [4, 2, 1])
-    """
+    """``m_k``: the chunks a tower sends in dimension k (offsets whose lowest set bit is k)."""
     return [(n - 1 - (1 << k)) // (1 << (k + 1)) + 1 for k in range(steps_of(n))]
 
 
 @functools.lru_cache(maxsize=256)
 def pat_schedule(n: int, aggregation: int | None = None) -> Schedule:
     """PAT's reduce-scatter then all-gather over ``n`` towers, at most ``aggregation`` chunks
-    per tower per tick (None: unbounded).
-
-    Example:
-        >>> pat_schedule(5).num_ticks, pat_schedule(5, aggregation=1).num_ticks
-        (6, 8)
-    """
+    per tower per tick (None: unbounded)."""
     n = positive_int("n", n)
     batch = _aggregation(aggregation)
     gather = gather_ticks(n, range(steps_of(n) - 1, -1, -1), _lowest_bit, batch)
     return Schedule("pat", n, n, tuple(transpose(gather) + gather))
 
 
-def _build(aggregation: int | None = None) -> AllReduce:
-    """Build the PAT all-reduce; ``aggregation``: the most chunks a tower sends per tick.
-
-    Raises:
-        ValueError: ``aggregation`` is not None or an int >= 1.
-    """
-    return scheduled(functools.partial(pat_schedule, aggregation=_aggregation(aggregation)))
-
-
 def cost(n: int, nbytes: float, aggregation: int | None = None) -> Coefficients:
-    """α-β-γ coefficients: ``2·Σ_k ⌈m_k/A⌉·α + 2(n−1)/n·S·β + (n−1)/n·S·γ``.
-
-    Example:
-        >>> cost(4, 1000.0), cost(4, 1000.0, aggregation=1)
-        ((4, 1500.0, 750.0), (6, 1500.0, 750.0))
-    """
+    """α-β-γ coefficients: ``2·Σ_k ⌈m_k/A⌉·α + 2(n−1)/n·S·β + (n−1)/n·S·γ``."""
     batch = _aggregation(aggregation)
     per = chunks_per_dimension(n)
     ticks = len(per) if batch is None else sum(math.ceil(m / batch) for m in per)
     return 2 * ticks, 2 * (n - 1) / n * nbytes, (n - 1) / n * nbytes
 
 
-pat = register_schedule("pat", _build, pat_schedule, cost)
+pat = register_schedule("pat", pat_schedule, cost, __doc__)

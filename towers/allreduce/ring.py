@@ -30,11 +30,9 @@ Cost (n towers, S bytes): every tower sends ``2(n-1)`` chunks of ``S/n``, i.e.
 ``2(n-1)/n·S`` (plus padding when ``n·s`` does not divide the element count):
 ``2(n-1)·α + 2(n-1)/n·S·β + (n-1)/n·S·γ`` — bandwidth-optimal, latency linear
 in ``n`` (``s`` rings: ``2(n-1)`` ticks still, each of ``s`` sends of ``S/(n·s)``).
-Summation depth ``n-1`` (a chain of additions). Consecutive additions to a chunk
-run on different towers, so a ``tf.function`` keeps this order too (Grappler only
-regroups adds on one device); it does turn ``mean``'s ``x / n`` into ``x * (1/n)``.
-
-Schedule :func:`towers.schedule.ring_schedule`, run by ``run_schedule``.
+Summation depth ``n-1`` (a chain of additions on different towers, so Grappler,
+which regroups adds on one device, keeps the order). Schedule
+:func:`towers.schedule.ring_schedule`.
 
 References:
     P. Patarasuk and X. Yuan, "Bandwidth optimal all-reduce algorithms for clusters
@@ -44,40 +42,18 @@ References:
 
 from __future__ import annotations
 
-import functools
-
-from towers.allreduce.machinery.base import AllReduce
 from towers.allreduce.machinery.registry import Coefficients, register_schedule
-from towers.allreduce.machinery.scheduled import scheduled
 from towers.guard.arguments import positive_int
 from towers.schedule.collectives import ring_schedule
 
 __all__ = ["cost", "ring"]
 
 
-def _build(subchunks: int = 1) -> AllReduce:
-    """Build the ring all-reduce with ``subchunks`` rotated rings (``s``, any int >= 1).
-
-    Raises:
-        ValueError: ``subchunks`` < 1 or not an int.
-
-    Example:
-        >>> outs = ring(subchunks=2)([a, b, c], op="mean")   # doctest: +SKIP
-    """
-    s = positive_int("subchunks", subchunks)
-    return scheduled(functools.partial(ring_schedule, subchunks=s))
-
-
 def cost(n: int, nbytes: float, *, subchunks: int = 1) -> Coefficients:
     """α-β-γ coefficients: ``2(n-1)s·α + 2(n-1)/n·S·β + (n-1)/n·S·γ`` (one α per ring's
-    message, the cost model's convention).
-
-    Example:
-        >>> cost(4, 1000.0)
-        (6, 1500.0, 750.0)
-    """
+    message, the cost model's convention)."""
     subchunks = positive_int("subchunks", subchunks)
     return 2 * (n - 1) * subchunks, 2 * (n - 1) / n * nbytes, (n - 1) / n * nbytes
 
 
-ring = register_schedule("ring", _build, ring_schedule, cost)
+ring = register_schedule("ring", ring_schedule, cost, __doc__)

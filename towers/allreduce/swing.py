@@ -1,6 +1,5 @@
 """Swing all-reduce: recursive halving and doubling with peers that swing left and right.
 
-Schedule :func:`swing_schedule` (bytes and depth counted from it, run by ``run_schedule``);
 p = 4 towers, chunks c0..c3, ``+▶t`` reduces into tower t, ``▶t`` copies to it::
 
     tick          0        1    │     2        3
@@ -35,10 +34,10 @@ from __future__ import annotations
 
 import functools
 
-from towers.allreduce.machinery.base import AllReduce
-from towers.allreduce.machinery.registry import Coefficients, register_schedule
-from towers.allreduce.machinery.scheduled import scheduled
+from towers.allreduce.halving_doubling import cost
+from towers.allreduce.machinery.registry import register_schedule
 from towers.guard.arguments import positive_int
+from towers.schedule.collectives import fold, folded
 from towers.schedule.ir import Schedule, Step
 
 __all__ = ["cost", "peer", "swing", "swing_schedule"]
@@ -49,12 +48,7 @@ def _delta(step: int) -> int:
 
 
 def peer(rank: int, step: int, p: int) -> int:
-    """Swing's ``ρ(r, s)`` among ``p`` towers: ``r ± δ(s) mod p`` (+ for even r).
-
-    Example:
-        >>> [peer(0, s, 8) for s in range(3)], [peer(1, s, 8) for s in range(3)]
-        ([1, 7, 3], [0, 2, 6])
-    """
+    """Swing's ``ρ(r, s)`` among ``p`` towers: ``r ± δ(s) mod p`` (+ for even r)."""
     d = _delta(step)
     return (rank + d) % p if rank % 2 == 0 else (rank - d) % p
 
@@ -71,40 +65,17 @@ def _reach(p: int) -> list[list[frozenset[int]]]:
 
 @functools.lru_cache(maxsize=128)
 def swing_schedule(n: int) -> Schedule:
-    """Swing's all-reduce over ``n`` towers as a schedule (fold in/out beyond 2^⌊log2 n⌋).
-
-    Example:
-        >>> swing_schedule(4).num_ticks, swing_schedule(6).num_ticks
-        (4, 6)
-    """
-    n = positive_int("n", n)
-    p = 1 << (n.bit_length() - 1)
-    k, extra = p.bit_length() - 1, range(n - p)
-    reach = _reach(p)
+    """Swing's all-reduce over ``n`` towers as a schedule (fold in/out beyond 2^⌊log2 n⌋)."""
+    p = fold(positive_int("n", n))[0]
+    k, reach = p.bit_length() - 1, _reach(p)
     ticks: list[tuple[Step, ...]] = []
-    if extra:
-        ticks.append(tuple(Step(p + j, j, c, "reduce") for j in extra for c in range(p)))
     for s in range(k):  # reduce-scatter: hand the peer the half it will own
         ticks.append(tuple(Step(r, peer(r, s, p), c, "reduce")
                            for r in range(p) for c in sorted(reach[s + 1][peer(r, s, p)])))
     for s in reversed(range(k)):  # all-gather: the same steps backwards, copying
         ticks.append(tuple(Step(r, peer(r, s, p), c, "copy")
                            for r in range(p) for c in sorted(reach[s + 1][r])))
-    if extra:
-        ticks.append(tuple(Step(j, p + j, c, "copy") for j in extra for c in range(p)))
-    return Schedule("swing", n, p, tuple(ticks))
+    return folded("swing", n, ticks)
 
 
-def _build() -> AllReduce:
-    """Build the Swing all-reduce (any tower count; see the module docstring)."""
-    return scheduled(swing_schedule)
-
-
-def cost(n: int, nbytes: float) -> Coefficients:
-    """α-β-γ coefficients: ``(2k + 2f)·α + (2(p-1)/p + 2f)·S·β + ((p-1)/p + f)·S·γ``."""
-    k = n.bit_length() - 1
-    p, f = 1 << k, int(n > 1 << k)
-    return 2 * k + 2 * f, (2 * (p - 1) / p + 2 * f) * nbytes, ((p - 1) / p + f) * nbytes
-
-
-swing = register_schedule("swing", _build, swing_schedule, cost)
+swing = register_schedule("swing", swing_schedule, cost, __doc__)

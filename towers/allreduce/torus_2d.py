@@ -1,6 +1,5 @@
 """2D-torus all-reduce: reduce-scatter along rows, all-reduce along columns, all-gather along rows.
 
-Schedule :func:`torus_2d_schedule` (bytes and depth counted from it, run by ``run_schedule``);
 n = 4 towers as a 2×2 grid (tower ``t = i·C + q``: row i, column q), chunks c0..c3 (part
 q of the buffer is chunks ``q·R .. q·R+R−1``), ``+▶t`` reduces into t, ``▶t`` copies::
 
@@ -39,9 +38,7 @@ from __future__ import annotations
 import functools
 import math
 
-from towers.allreduce.machinery.base import AllReduce
 from towers.allreduce.machinery.registry import Coefficients, register_schedule
-from towers.allreduce.machinery.scheduled import scheduled
 from towers.guard.arguments import positive_int
 from towers.schedule.ir import Schedule, Step
 
@@ -55,10 +52,6 @@ def grid(n: int, rows: int | None = None) -> tuple[int, int]:
 
     Raises:
         ValueError: ``n`` or ``rows`` is not an int >= 1, or ``rows`` does not divide n.
-
-    Example:
-        >>> grid(8), grid(9), grid(7), grid(8, rows=4)
-        ((2, 4), (3, 3), (1, 7), (4, 2))
     """
     n = positive_int("n", n)
     if rows is None:
@@ -91,26 +84,10 @@ def _column_ticks(rows: int, cols: int) -> list[Tick]:
 
 @functools.lru_cache(maxsize=256)
 def torus_2d_schedule(n: int, rows: int | None = None) -> Schedule:
-    """The 2D-torus all-reduce over ``n`` towers on an R×C grid (``rows``: see :func:`grid`).
-
-    Example:
-        >>> torus_2d_schedule(8).num_ticks, torus_2d_schedule(8, rows=1).num_ticks
-        (8, 14)
-    """
+    """The 2D-torus all-reduce over ``n`` towers on an R×C grid (``rows``: see :func:`grid`)."""
     r, c = grid(n, rows)
     ticks = _row_ticks(r, c, "reduce") + _column_ticks(r, c) + _row_ticks(r, c, "copy")
     return Schedule("torus_2d", n, n, tuple(ticks))
-
-
-def _build(rows: int | None = None) -> AllReduce:
-    """Build the 2D-torus all-reduce; ``rows`` (R) must divide every tower count it runs on
-    (None: the most square grid for each n).
-
-    Raises:
-        ValueError: ``rows`` is not None or an int >= 1.
-    """
-    rows = None if rows is None else positive_int("rows", rows)
-    return scheduled(functools.partial(torus_2d_schedule, rows=rows))
 
 
 def cost(n: int, nbytes: float, rows: int | None = None) -> Coefficients:
@@ -119,4 +96,4 @@ def cost(n: int, nbytes: float, rows: int | None = None) -> Coefficients:
     return 2 * (c - 1) + 2 * (r - 1), 2 * (n - 1) / n * nbytes, (n - 1) / n * nbytes
 
 
-torus_2d = register_schedule("torus_2d", _build, torus_2d_schedule, cost)
+torus_2d = register_schedule("torus_2d", torus_2d_schedule, cost, __doc__)

@@ -21,20 +21,15 @@ its depth; ``D`` = the root's height): a node sends piece ``k`` up at tick
 one level per tick, so reduce and broadcast overlap (tick 3 above). In all
 ``2D + C - 1`` ticks.
 
-Order: node ``i`` forms ``(x_i ⊕ p_a) ⊕ p_b``, its own value first, joining first the
-child whose partial went through fewer additions (:func:`tree_shape`); a child that
-joins after a taller sibling sends when that sibling does. Inside a ``tf.function``
-Grappler may fuse a node's two additions into one ``AddN`` (depth up to ``2·D``);
-towers still agree bitwise. The schedule is data (:func:`tree_schedule`), run by
-:func:`~towers.allreduce.machinery.scheduled.run_schedule` with ``own_first``.
+Order: node ``i`` forms ``(x_i ⊕ p_a) ⊕ p_b``, its own value first (``own_first``),
+joining first the child whose partial went through fewer additions (:func:`tree_shape`);
+a child that joins after a taller sibling sends when that sibling does.
 
-Cost (n towers, S bytes, D = ⌊log2 n⌋; single-port full-duplex links, the
-convention of :mod:`towers.bench.costmodel`): ``2D + C - 1`` ticks. C = 1 is a binary
-(not binomial) tree: a node takes its two children's values one after the other,
+Cost (n towers, S bytes, D = ⌊log2 n⌋, single-port full-duplex links): ``2D + C - 1``
+ticks. C = 1: a node takes its two children's values one after the other,
 ``4D·(α + S·β) + 2D·S·γ``. Pipelined, a tick costs the busiest port, at most three
-pieces of ``S/C`` (one up, two down once reduce and broadcast overlap):
-``≲ (2D + C - 1)·3·(α + S/C·β) + (D + C - 1)·2·S/C·γ``. Bytes: an inner node
-sends ``3·S``, a leaf ``S`` (``C·⌈size/C⌉`` elements each, padding included).
+pieces of ``S/C``: ``≲ (2D + C - 1)·3·(α + S/C·β) + (D + C - 1)·2·S/C·γ``. Bytes: an
+inner node sends ``3·S``, a leaf ``S`` (padding included).
 
 References:
     P. Sanders, J. Speck, J. L. Träff, "Two-tree algorithms for full bandwidth
@@ -51,9 +46,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from towers.allreduce.machinery.base import AllReduce
 from towers.allreduce.machinery.registry import Coefficients, register_schedule
-from towers.allreduce.machinery.scheduled import scheduled
 from towers.guard.arguments import positive_int
 from towers.schedule.ir import Schedule, Step
 
@@ -72,12 +65,7 @@ class TreeShape(NamedTuple):
 
 
 def heap_parents(n: int) -> list[int]:
-    """Binary-heap parents: ``parents[i] = (i - 1) // 2``, ``-1`` for the root (tower 0).
-
-    Example:
-        >>> heap_parents(5)
-        [-1, 0, 0, 1, 1]
-    """
+    """Binary-heap parents: ``parents[i] = (i - 1) // 2``, ``-1`` for the root (tower 0)."""
     return [(i - 1) // 2 if i else -1 for i in range(n)]
 
 
@@ -95,12 +83,7 @@ def _depths(parents: Sequence[int]) -> list[int]:
 
 
 def tree_shape(parents: Sequence[int]) -> TreeShape:
-    """Check ``parents`` (``-1`` marks the one root) and derive order, depth, height, adds.
-
-    Example:
-        >>> tree_shape([-1, 0, 0]).adds[0]
-        2
-    """
+    """Check ``parents`` (``-1`` marks the one root) and derive order, depth, height, adds."""
     roots = [i for i, p in enumerate(parents) if p == -1]
     if len(roots) != 1:
         raise ValueError(f"parents must have exactly one root (-1), got {list(parents)}")
@@ -152,25 +135,10 @@ def tree_ticks(parents: Sequence[int], chunks: Iterable[int]) -> list[list[Step]
 
 @functools.lru_cache(maxsize=256)
 def tree_schedule(n: int, chunks: int = 1) -> Schedule:
-    """The binary-heap tree all-reduce over ``n`` towers, pipelined in ``chunks`` pieces.
-
-    Example:
-        >>> tree_schedule(7, 2).num_ticks
-        5
-    """
+    """The binary-heap tree all-reduce over ``n`` towers, pipelined in ``chunks`` pieces."""
     c = positive_int("chunks", chunks)
     ticks = tree_ticks(heap_parents(positive_int("n", n)), range(c))
     return Schedule("tree", n, c, tuple(tuple(tick) for tick in ticks))
-
-
-def _build(chunks: int = 1) -> AllReduce:
-    """Build the binary-tree all-reduce, pipelined in ``chunks`` pieces (``C``; more overlap more).
-
-    Raises:
-        ValueError: ``chunks`` < 1 or not an int.
-    """
-    c = positive_int("chunks", chunks)
-    return scheduled(functools.partial(tree_schedule, chunks=c), own_first=True)
 
 
 def tick_loads(trees: Sequence[Sequence[int]], chunks: int) -> tuple[float, float]:
@@ -208,4 +176,4 @@ def cost(n: int, nbytes: float, *, chunks: int = 1) -> Coefficients:
     return messages, messages * piece, adds * piece
 
 
-tree = register_schedule("tree", _build, tree_schedule, cost)
+tree = register_schedule("tree", tree_schedule, cost, __doc__, own_first=True)

@@ -1,34 +1,18 @@
 """The ring all-reduce, and reduce-scatter, all-gather and broadcast, as data: ``n -> Schedule``.
 
-:func:`ring_schedule` is :mod:`towers.allreduce.ring`'s schedule (drawn there); with
-``s`` sub-chunks, ``s`` rings (:func:`ring_orders`) run side by side, ring ``r`` carrying
-chunks ``g·s + r``. Chunk ``c`` of a reduce-scatter or all-gather is tower ``c``'s shard;
-a broadcast cuts the value into ``chunks`` pieces, all the root's (generators build
-root 0; :func:`rooted` turns the labels). ``c+▶`` reduces, ``c▶`` copies.
+Chunk ``c`` of a reduce-scatter or all-gather is tower ``c``'s shard; a broadcast cuts
+the value into ``chunks`` pieces, all the root's (generators build root 0; :func:`rooted`
+turns the labels). ``c+▶`` reduces, ``c▶`` copies.
 
-Ring (the two halves of :func:`ring_schedule`), n = 4::
-
-    reduce-scatter: at tick t tower p reduces chunk (p-1-t) mod n into p+1
-    tick      0      1      2             all-gather: at tick t tower p copies
-    tower 0  c3+▶1  c2+▶1  c1+▶1          chunk (p-t) mod n to p+1
-    tower 1  c0+▶2  c3+▶2  c2+▶2          tick     0     1     2
-    tower 2  c1+▶3  c0+▶3  c3+▶3          tower 0  c0▶1  c3▶1  c2▶1
-    tower 3  c2+▶0  c1+▶0  c0+▶0          tower 1  c1▶2  c0▶2  c3▶2   ...
-
-Recursive halving (reduce-scatter) / recursive doubling (all-gather), n = 4:
-partners ``p xor d``; halving sends the partner's half of what it still
-reduces (d = n/2, …, 1), doubling sends everything it holds (d = 1, …, n/2)::
-
-    halving  tick 0 (d=2)     tick 1 (d=1)      doubling  tick 0 (d=1)  tick 1 (d=2)
-    tower 0  c2c3+▶2          c1+▶1             tower 0   c0▶1          c0c1▶2
-    tower 1  c2c3+▶3          c0+▶0             tower 1   c1▶0          c0c1▶3
-    tower 2  c0c1+▶0          c3+▶3             tower 2   c2▶3          c2c3▶0
-    tower 3  c0c1+▶1          c2+▶2             tower 3   c3▶2          c2c3▶1
-
-Any ``n`` (``m`` the largest power of two ≤ ``n``, ``r = n - m``): extra tower ``m+i``
-first folds its buffer into tower ``i`` (halving) or hands it its chunk (doubling);
-the ``m`` towers run the power-of-two schedule, tower ``i < r`` standing for chunks
-``i`` and ``m+i``; a last tick gives tower ``m+i`` its part: 2 more ticks.
+The ring (:func:`ring_schedule`, drawn in :mod:`towers.allreduce.ring`) is a
+reduce-scatter (:func:`ring_reduce_scatter`) then an all-gather (:func:`ring_all_gather`).
+Recursive halving (reduce-scatter) and doubling (all-gather), drawn in
+:mod:`towers.allreduce.halving_doubling`, pair ``p`` with ``p xor d``: halving sends the
+partner's half of what it still reduces (d = n/2, …, 1), doubling everything it holds
+(d = 1, …, n/2). For any ``n`` (:func:`fold`: ``m`` the largest power of two ≤ ``n``,
+``r = n - m``) extra tower ``m+i`` first folds its buffer into tower ``i`` (halving) or
+hands it its chunk (doubling), tower ``i < r`` stands for chunks ``i`` and ``m+i``, and a
+last tick gives tower ``m+i`` its part: 2 more ticks.
 
 Broadcast, root 0, n = 5: flat (the root sends to every tower in one tick, not
 drawn), binomial tree (a tower forwards in the tick after it receives;
@@ -52,20 +36,20 @@ References:
     Patarasuk, Yuan, "Bandwidth optimal all-reduce algorithms for clusters of
     workstations" (JPDC 2009): the ring. Träff, Ripke, "Optimal broadcast for
     fully connected processor-node networks" (2008): the pipelined chain.
-
 """
 
 from __future__ import annotations
 
 import functools
 from collections import Counter
+from collections.abc import Sequence
 
 from towers.guard.arguments import non_negative_int, positive_int
 from towers.schedule.ir import Schedule, Step
 
 __all__ = ["binomial_broadcast", "chain_broadcast", "doubling_all_gather", "even_sizes",
-           "flat_broadcast", "fold", "halving_reduce_scatter", "ring_all_gather", "ring_orders",
-           "ring_reduce_scatter", "ring_schedule", "rooted", "schedule_bytes"]
+           "flat_broadcast", "fold", "folded", "halving_reduce_scatter", "ring_all_gather",
+           "ring_orders", "ring_reduce_scatter", "ring_schedule", "rooted", "schedule_bytes"]
 
 
 def _towers(n: int) -> int:
@@ -86,12 +70,7 @@ def even_sizes(length: int, pieces: int) -> list[int]:
 
 
 def schedule_bytes(schedule: Schedule, nbytes: int, itemsize: int) -> list[int]:
-    """Exact bytes each tower sends when ``nbytes`` are cut by ``even_sizes`` into the chunks.
-
-    Example:
-        >>> schedule_bytes(ring_all_gather(3), 12, 4)   # runs of 1, 1, 1 elements
-        [8, 8, 8]
-    """
+    """Exact bytes each tower sends when ``nbytes`` are cut by ``even_sizes`` into the chunks."""
     if itemsize < 1 or nbytes < 0 or nbytes % itemsize:
         raise ValueError(f"nbytes must be a multiple of itemsize; got {nbytes}, {itemsize}")
     sizes = even_sizes(nbytes // itemsize, schedule.chunks)
@@ -102,23 +81,26 @@ def schedule_bytes(schedule: Schedule, nbytes: int, itemsize: int) -> list[int]:
 
 
 def fold(n: int) -> tuple[int, int]:
-    """``(m, r)``: ``m`` the largest power of two ≤ ``n``, ``r = n - m`` extra towers.
-
-    Example:
-        >>> fold(6), fold(8)
-        ((4, 2), (8, 0))
-    """
+    """``(m, r)``: ``m`` the largest power of two ≤ ``n``, ``r = n - m`` extra towers."""
     m = 1 << (_towers(n).bit_length() - 1)
     return m, n - m
 
 
-def ring_orders(n: int, subchunks: int = 1) -> list[list[int]]:
-    """The ``subchunks`` rings as towers by position: ring ``r`` rotated by ``r·max(1, n//s)``.
+def folded(name: str, n: int, core: Sequence[tuple[Step, ...]]) -> Schedule:
+    """An all-reduce over ``n`` towers from ``core``, ticks over the ``m`` towers of
+    :func:`fold`: extra tower ``m + j`` first reduces its buffer into tower ``j``, and
+    gets the result back from it in a last tick."""
+    m, r = fold(n)
+    if not r:
+        return Schedule(name, n, m, tuple(core))
+    fold_in = tuple(Step(m + j, j, c, "reduce") for j in range(r) for c in range(m))
+    fold_out = tuple(Step(j, m + j, c, "copy") for j in range(r) for c in range(m))
+    return Schedule(name, n, m, (fold_in, *core, fold_out))
 
-    Example:
-        >>> ring_orders(4, 2)
-        [[0, 1, 2, 3], [2, 3, 0, 1]]
-    """
+
+def ring_orders(n: int, subchunks: int = 1) -> list[list[int]]:
+    """The ``subchunks`` rings as towers by position: ring ``r`` rotated by ``r·max(1, n//s)``
+    (4, 2: ``[[0, 1, 2, 3], [2, 3, 0, 1]]``)."""
     step = max(1, n // subchunks)
     return [[(p + r * step) % n for p in range(n)] for r in range(subchunks)]
 

@@ -51,13 +51,9 @@ class Step(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-    """A collective over ``towers`` towers and ``chunks`` chunks, tick by tick.
+    """A collective over ``towers`` towers and ``chunks`` chunks, ``ticks[t]`` run at once.
 
-    Attributes:
-        ticks: ``ticks[t]`` is the tuple of :class:`Step` run at once at tick ``t``.
-        collective: the semantics claimed, one of :data:`COLLECTIVES`.
-        owners: the tower owning each chunk (default: chunk ``c`` is tower ``c mod n``'s;
-            ``broadcast``: all tower 0's).
+    ``owners`` defaults to chunk ``c`` owned by tower ``c mod n`` (``broadcast``: tower 0).
 
     Raises:
         ValueError: an unknown collective or kind, a count < 1, an owner out of range, or
@@ -118,36 +114,21 @@ Generator = Callable[[int], Schedule]
 
 
 def chunk_bytes(schedule: Schedule, nbytes: int, itemsize: int) -> int:
-    """Bytes one step moves: ``⌈L/chunks⌉·itemsize`` for ``L = nbytes/itemsize`` elements.
-
-    Example:
-        >>> chunk_bytes(Schedule("x", 4, 4, ()), 20, 4)   # 5 elements -> chunks of 2
-        8
-    """
+    """Bytes one step moves: ``⌈L/chunks⌉·itemsize`` for ``L = nbytes/itemsize`` elements."""
     if itemsize < 1 or nbytes < 0 or nbytes % itemsize:
         raise ValueError(f"nbytes must be a multiple of itemsize; got {nbytes}, {itemsize}")
     return -(-(nbytes // itemsize) // schedule.chunks) * itemsize
 
 
 def bytes_sent(schedule: Schedule, nbytes: int, itemsize: int) -> list[int]:
-    """Bytes each tower sends: its number of steps × :func:`chunk_bytes`.
-
-    Example:
-        >>> bytes_sent(Schedule("x", 2, 2, ((Step(0, 1, 1, "copy"),),)), 16, 4)
-        [8, 0]
-    """
+    """Bytes each tower sends: its number of steps × :func:`chunk_bytes`."""
     size = chunk_bytes(schedule, nbytes, itemsize)
     counts = Counter(step.src for _, step in schedule.steps())
     return [counts[tower] * size for tower in range(schedule.towers)]
 
 
 def link_bytes(schedule: Schedule, nbytes: int, itemsize: int) -> dict[tuple[int, int], int]:
-    """Bytes per directed link ``(src, dst)`` over the whole schedule (links that carry any).
-
-    Example:
-        >>> link_bytes(Schedule("x", 2, 1, ((Step(0, 1, 0, "copy"),),)), 8, 4)
-        {(0, 1): 8}
-    """
+    """Bytes per directed link ``(src, dst)`` over the whole schedule (links that carry any)."""
     size = chunk_bytes(schedule, nbytes, itemsize)
     counts = Counter((step.src, step.dst) for _, step in schedule.steps())
     return {link: count * size for link, count in sorted(counts.items())}
@@ -156,12 +137,7 @@ def link_bytes(schedule: Schedule, nbytes: int, itemsize: int) -> dict[tuple[int
 def cost(schedule: Schedule, nbytes: float) -> tuple[float, float, float]:
     """α-β-γ coefficients, tick by tick: each tick costs one ``α``, the most chunks any
     tower sends in it (× ``S/chunks``) ``β`` and the most chunks any tower reduces in
-    it ``γ``; empty ticks cost nothing.
-
-    Example:
-        >>> cost(Schedule("x", 2, 1, ((Step(0, 1, 0, "reduce"),), (Step(1, 0, 0, "copy"),))), 8.0)
-        (2, 16.0, 8.0)
-    """
+    it ``γ``; empty ticks cost nothing."""
     piece = nbytes / schedule.chunks
     a, b, c = 0, 0.0, 0.0
     for tick in schedule.ticks:

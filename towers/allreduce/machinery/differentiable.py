@@ -1,11 +1,10 @@
 """A gradient for an all-reduce whose ops TensorFlow cannot differentiate.
 
-TensorFlow registers no gradient for its collective ops (``CollectiveReduceV2``,
-``CollectiveGatherV2``, broadcast send/recv), so the collective-op algorithms of
-:mod:`towers.allreduce.nccl` would stop a ``tf.GradientTape`` with a ``LookupError``.
-:func:`differentiable` gives such an algorithm the gradient the hand-built ones get
-from their own additions, computed by the same algorithm (``dy_i``: the upstream
-gradient of output ``i``; ``x_j``: tower ``j``'s value; ``y``: the reduction)::
+TensorFlow registers no gradient for its collective ops, so :mod:`towers.allreduce.nccl`
+would stop a ``tf.GradientTape`` with a ``LookupError``. :func:`differentiable` gives an
+algorithm the gradient the hand-built ones get from their own additions, computed by
+the same algorithm (``dy_i``: output ``i``'s upstream gradient; ``x_j``: tower ``j``'s
+value; ``y``: the reduction)::
 
     op         gradient to tower j                       backward collective
     sum        Σ_i dy_i                                  all-reduce sum of the dy

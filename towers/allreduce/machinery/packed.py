@@ -55,8 +55,7 @@ def pad_rows(x: tf.Tensor, pieces: int) -> tuple[tf.Tensor, tuple[int, ...], int
 
 
 def pad_split(x: tf.Tensor, pieces: int) -> tuple[list[tf.Tensor], tuple[int, ...], int]:
-    """``(chunks, shape, size)``: ``x`` flattened, zero-padded to a multiple of ``pieces``
-    elements and split evenly (``ceil(size / pieces)`` each) on its device, with what
+    """``(chunks, shape, size)``: :func:`pad_rows`' rows as 1-D chunks, with what
     :func:`unsplit` needs to undo it; ``pad_split(tf.range(5.0), 2)`` gives [0 1 2] [3 4 0].
 
     Raises:
@@ -177,17 +176,9 @@ def materialize(r: Row, shape: Sequence[int]) -> tf.Tensor:
 
 def assemble(held: Sequence[Sequence[tf.Tensor]], devices: Sequence[str],
              build: Callable[[int], tf.Tensor]) -> list[tf.Tensor]:
-    """Every tower's output from the finished chunks it holds: ``build(tower)`` on its device
-    — once, where the towers share one memory.
-
-    ::
-
-        GPUs (own memories):  tower i: out_i = build(i)        one S-byte write per tower
-        one memory (CPUs):    tower 0: out = build(0)          one S-byte write in all
-                              tower i: out_i = out, after every chunk of held[i] arrived
-
-    The finished chunks are bitwise the same on every tower, and between logical CPUs a
-    copy passes a pointer; tower ``i``'s output still waits for its own chunks (a control
+    """Every tower's output from the finished chunks it holds: ``build(tower)`` on its device,
+    or, where the towers share one memory, ``build(0)`` once (the chunks are bitwise the
+    same everywhere), tower ``i``'s copy waiting for its own chunks ``held[i]`` (a control
     dependency), so no send of the schedule is pruned.
     """
     shared = one_memory(devices)

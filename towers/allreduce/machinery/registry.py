@@ -1,25 +1,22 @@
 """The registries' one record shape, and the all-reduce registry with its configured algorithm.
 
-A :class:`Record` describes one registered thing: an all-reduce (:data:`ALGORITHMS`), a
-reduce-scatter / all-gather / broadcast algorithm (``COLLECTIVE_ALGORITHMS``), a codec
-(``CODECS``) or a placement (``PLACEMENTS``); each registry is a :class:`Registry`.
-Where the thing is a schedule, :func:`from_schedule` derives its bytes, depth and cost.
-A record is its thing's factory: ``ring(subchunks=2)`` (``ring is ALGORITHMS["ring"]``)
-returns a :class:`Configured`, a frozen callable that knows its record and parameters.
-Adding an algorithm is one module and one line at its end (:func:`register_schedule`
-where it is a schedule)::
+A :class:`Record` describes one registered thing: an all-reduce (:data:`ALGORITHMS`),
+another collective's algorithm (``COLLECTIVE_ALGORITHMS``), a codec (``CODECS``) or a
+placement (``PLACEMENTS``). A record is its thing's factory: ``ring(subchunks=2)``
+(``ring is ALGORITHMS["ring"]``) returns a :class:`Configured`, a frozen callable that
+knows its record and parameters. Adding an algorithm is one module and one line at its
+end (:func:`register_schedule` where it is a schedule, its formulas derived)::
 
     mine = register(Algorithm("mine", _build, bytes_sent=..., summation_depth=..., cost=...))
 
-A plain callable without a record is still accepted everywhere (tools then say which
-properties they could not check).
+A plain callable without a record is still accepted everywhere.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
@@ -27,6 +24,8 @@ from typing import Any
 import tensorflow as tf
 
 from towers.allreduce.machinery.base import AllReduce
+from towers.allreduce.machinery.scheduled import Scheduled
+from towers.guard.arguments import positive_int
 from towers.schedule import ir, symbolic
 from towers.schedule.ir import Schedule
 
@@ -105,8 +104,7 @@ class Record:
 
 
 Algorithm = Record
-"""The record of an all-reduce (a :class:`Record` of kind ``"all_reduce"``): what every
-algorithm module constructs in its ``register(Algorithm(...))`` line."""
+"""The record of an all-reduce (a :class:`Record` of kind ``"all_reduce"``)."""
 
 
 def from_schedule(
@@ -115,11 +113,8 @@ def from_schedule(
     *,
     cost: Callable[..., Coefficients] | None = None,
 ) -> dict[str, Any]:
-    """``bytes_sent``, ``summation_depth`` and ``cost`` derived from a generator ``(n, **params)``.
-
-    ``count`` counts the schedule's bytes (default: the padding rule of
-    :func:`towers.schedule.bytes_sent`); ``cost`` is a closed form to use instead of
-    counting (the cost model asks for up to 1024 towers).
+    """``bytes_sent``, ``summation_depth`` and ``cost`` derived from a generator ``(n, **params)``;
+    ``count`` counts a schedule's bytes, ``cost`` is a closed form to use instead of counting.
     """
 
     def bytes_sent(n: int, nbytes: int, itemsize: int, **params: Any) -> list[int]:
@@ -225,12 +220,7 @@ ALGORITHMS = Registry(["all_reduce"])
 """Registered algorithms: name -> :class:`Record`; ``ALGORITHMS[name]()`` builds the default."""
 
 register = ALGORITHMS.register
-"""Add an :class:`Algorithm` record to :data:`ALGORITHMS` (replacing one of the same name).
-
-Example:
-    >>> register(Algorithm("mine", lambda: my_all_reduce, summation_depth=lambda n: n - 1))
-    ... # doctest: +SKIP
-"""
+"""Add an :class:`Algorithm` record to :data:`ALGORITHMS` (replacing one of the same name)."""
 
 
 def record_of(fn: Any) -> Configured | None:
@@ -245,12 +235,28 @@ def algorithm_name(fn: Any) -> str:
     return str(getattr(fn, "__name__", repr(fn)))
 
 
-def register_schedule(name: str, build: Callable[..., AllReduce],
-                      generator: Callable[..., Schedule], cost: Callable[..., Coefficients]
-                      ) -> Record:
-    """Register the all-reduce ``build`` makes of ``generator``'s schedules: its bytes and
-    depth counted from them, ``cost`` in closed form, its schedule drawn in ``build``'s
-    module docstring."""
-    doc = sys.modules[build.__module__].__doc__
+def register_schedule(name: str, generator: Callable[..., Schedule],
+                      cost: Callable[..., Coefficients], doc: str | None, *,
+                      own_first: bool = False) -> Record:
+    """Register the all-reduce that runs ``generator(n, **params)`` (:class:`Scheduled`).
+
+    Its factory takes the generator's parameters after ``n``, each an int >= 1 (or None
+    where that is the default); bytes and depth are counted from the schedules, ``cost``
+    is in closed form, the schedule is the one drawn in ``doc``.
+    """
+    signature = inspect.signature(generator)
+    signature = signature.replace(parameters=list(signature.parameters.values())[1:],
+                                  return_annotation=AllReduce)
+
+    def build(*args: Any, **kwargs: Any) -> AllReduce:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        params = {key: None if value is None and signature.parameters[key].default is None
+                  else positive_int(key, value) for key, value in bound.arguments.items()}
+        run = functools.partial(generator, **params) if params else generator
+        return Scheduled(run, own_first)
+
+    build.__signature__ = signature  # type: ignore[attr-defined]
+    build.__name__ = build.__qualname__ = name
     return register(Algorithm(name, build, schedule=schedule_of(doc),
                               **from_schedule(generator, cost=cost)))

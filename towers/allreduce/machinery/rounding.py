@@ -3,13 +3,8 @@
 Each float operation is correctly rounded: ``fl(a ∘ b) = (a ∘ b)(1 + δ)``, ``|δ| ≤ u``, the
 dtype's *unit roundoff* (half the gap above 1.0); ``k`` chained roundings stay within
 ``γ_k = k·u / (1 − k·u)`` (Higham, *Accuracy and Stability of Numerical Algorithms*, 2nd
-ed., Lemma 3.1). Defined here, once: the library bounds with them itself (each codec's
-``error_bound``, :mod:`towers.guard.reduces`), and :mod:`towers.testing.bounds` builds
-every comparison's bound on them.
-
-Example:
-    >>> gamma(3, "float32") == 3 * 2.0**-24 / (1 - 3 * 2.0**-24)
-    True
+ed., Lemma 3.1). Defined once, here: codecs, :mod:`towers.guard.reduces` and
+:mod:`towers.testing.bounds` build their bounds on them.
 """
 
 from __future__ import annotations
@@ -27,21 +22,14 @@ UNIT_ROUNDOFF = {"float16": 2.0**-11, "bfloat16": 2.0**-8, "float32": 2.0**-24, 
 
 
 def unit_roundoff(dtype: Any) -> float:
-    """``u`` of a float dtype (TensorFlow, NumPy or a name); 0 for integers (they are exact).
-
-    Example:
-        >>> unit_roundoff("float32") == 2.0**-24
-        True
-    """
+    """``u`` of a float dtype (TensorFlow, NumPy or a name); 0 for integers (they are exact)."""
     dtype = tf.as_dtype(dtype)
     return 0.0 if dtype.is_integer else UNIT_ROUNDOFF[dtype.name]
 
 
 def gamma(k: int, dtype: Any = "float32") -> float:
-    """Higham's ``γ_k = k·u / (1 − k·u)``: the relative error of ``k`` chained roundings.
-
-    Infinite once ``k·u ≥ 1`` (no bound left).
-    """
+    """Higham's ``γ_k = k·u / (1 − k·u)``, the relative error of ``k`` chained roundings
+    (infinite once ``k·u ≥ 1``)."""
     u = unit_roundoff(dtype)
     return math.inf if k * u >= 1 else k * u / (1.0 - k * u)
 

@@ -1,23 +1,20 @@
 """Run a :class:`~towers.schedule.Schedule` on TensorFlow devices: one interpreter for all.
 
-Every algorithm whose communication is a schedule runs here (ring, tree, double binary
-tree, halving-doubling, swing, bruck, pat, torus_2d, the public reduce-scatter,
-all-gather and broadcast, the sharded placement's ring phases). :func:`run_slots` proves
-the schedule first (:func:`towers.schedule.simulate`), then runs tick by tick over
-``slots[tower][chunk]``: a tick's small chunks from one tower to another are one message,
-packed (:mod:`towers.allreduce.machinery.packed`) and sent with ``send(..., chunks=…)``,
-all first (a tick reads its slots as they began), then each destination writes: ``copy``
-replaces its slot, ``reduce`` computes ``combine(received, own)``. A slot is finished
-(``mean`` divides) exactly once, where its last contribution is added; copies carry the
-finished value, so every output is bitwise the same::
+Every schedule runs here (the scheduled all-reduces, the public reduce-scatter, all-gather
+and broadcast, the sharded placement's ring phases). :func:`run_slots` proves the schedule
+(:func:`towers.schedule.simulate`), then runs it tick by tick over ``slots[tower][chunk]``:
+a tick's small chunks from one tower to another are one message
+(:mod:`~towers.allreduce.machinery.packed`), all sent first (a tick reads its slots as
+they began), then each destination writes: ``copy`` replaces its slot, ``reduce``
+computes ``combine(received, own)``. A slot is finished (``mean`` divides) once, where its
+last contribution is added; copies carry the finished value, so outputs agree bitwise::
 
     tick t:  tower 0 ──(chunks 2,3: one [2, L] tensor)──▶ tower 2: combine(recv, own[2:4])
              tower 1 ──(chunks 0,1)───────────────────▶ tower 3: combine(recv, own[0:2])
 
 :func:`run_schedule` all-reduces with it: each value cut into ``schedule.chunks`` equal
-rows (:func:`~towers.allreduce.machinery.packed.pad_rows`, the padding rule
-:mod:`towers.schedule.ir` counts bytes with) and put back together by one concat
-(:func:`~towers.allreduce.machinery.packed.assemble`).
+rows (:func:`~towers.allreduce.machinery.packed.pad_rows`) and put back together by one
+concat (:func:`~towers.allreduce.machinery.packed.assemble`).
 """
 
 from __future__ import annotations
@@ -28,7 +25,7 @@ from typing import NamedTuple
 
 import tensorflow as tf
 
-from towers.allreduce.machinery.base import AllReduce, check_values, combine, finish
+from towers.allreduce.machinery.base import check_values, combine, finish
 from towers.allreduce.machinery.packed import (
     Row,
     assemble,
@@ -39,7 +36,6 @@ from towers.allreduce.machinery.packed import (
     small,
 )
 from towers.allreduce.machinery.primitives import send
-from towers.allreduce.machinery.registry import Configured
 from towers.schedule.ir import Schedule, Step
 from towers.schedule.symbolic import simulate
 
@@ -64,12 +60,8 @@ class _Message(NamedTuple):
 def _messages(tick: Sequence[Step], slots: Rows, have: list[list[int]],
               done: list[list[bool]], full: int) -> list[_Message]:
     """The tick's steps fused per (src, dst): one message for the :func:`small` chunks that
-    travel and land alike; a large chunk is a message of its own (fusing large ones makes
-    the tick's ops fewer and longer, which the executor overlaps worse).
-
-    A tick that writes a slot twice keeps one message per step, in order: fusing could
-    reorder the reductions.
-    """
+    travel and land alike; a large chunk alone (long ops overlap worse); a tick that writes
+    a slot twice keeps one message per step, in order (fusing could reorder reductions)."""
     writes = [(s.dst, s.chunk) for s in tick]
     if len(set(writes)) != len(writes):
         return [_Message(s.src, s.dst, s.kind, (s.chunk,)) for s in tick]
@@ -169,9 +161,8 @@ def run_schedule(
 ) -> list[tf.Tensor]:
     """All-reduce ``values`` by following ``schedule``; output ``i`` on input ``i``'s device.
 
-    ``own_first``: a ``reduce`` computes ``combine(own, received)``: sums are bitwise the
-    same either way; ``max``/``min`` return the first of two equal values, so the sign of a
-    zero shows the order (the trees add own first).
+    ``own_first``: a ``reduce`` computes ``combine(own, received)`` (the trees' order; it
+    shows in ``max``/``min`` of zeros of either sign).
 
     Raises:
         ValueError: bad values, a shape that is not fully defined, a schedule for another
@@ -200,9 +191,7 @@ def run_schedule(
 
 @dataclasses.dataclass(frozen=True)
 class Scheduled:
-    """An all-reduce defined by a schedule generator: runs ``generator(len(values))`` (tools
-    find the generator with :func:`generator_of`, to prove it).
-    """
+    """The all-reduce that runs ``generator(len(values))`` with :func:`run_schedule`."""
 
     generator: Callable[[int], Schedule]
     own_first: bool = False
@@ -216,13 +205,11 @@ class Scheduled:
         return str(getattr(self.generator, "__name__", "scheduled"))
 
 
-def scheduled(generator: Callable[[int], Schedule], *, own_first: bool = False) -> AllReduce:
-    """The all-reduce that runs ``generator(len(values))`` with :func:`run_schedule`."""
-    return Scheduled(generator, own_first)
-
-
 def generator_of(fn: object) -> Callable[[int], Schedule] | None:
     """The schedule generator behind an algorithm (a :class:`Scheduled`, or a registry
     :class:`~towers.allreduce.machinery.registry.Configured` running one), else None."""
-    fn = getattr(fn, "run", fn) if isinstance(fn, Configured) else fn
+    fn = fn if isinstance(fn, Scheduled) else getattr(fn, "run", None)
     return fn.generator if isinstance(fn, Scheduled) else None
+
+
+scheduled = Scheduled

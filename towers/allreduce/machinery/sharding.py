@@ -1,13 +1,11 @@
 """Sharded optimizer state (ZeRO stages 1–2): ring reduce-scatter, owner update, all-gather.
 
-The sharding rule is the ring all-reduce's own chunking (:func:`pad_split`): every
-trainable variable is flattened, zero-padded to a multiple of ``n`` and cut into ``n``
-chunks of ``L = ceil(size / n)`` elements. Tower ``k`` owns chunk ``k`` of every
-variable: its real elements ``[k·L, min((k+1)·L, size))`` — none when ``k·L >= size``
-(a variable smaller than ``n``, or more towers than elements). Gradients travel the
-ring's reduce-scatter phase unchanged, so chunk ``k``'s sum is ``g_{k+1} ⊕ … ⊕ g_k``,
-bitwise the ``ring`` all-reduce's; the owner's optimizer (slots for its chunks only)
-updates its shard; the all-gather phase copies the updated shards into every replica.
+The sharding rule is the ring all-reduce's chunking (:func:`pad_split`): every trainable
+variable is cut into ``n`` chunks of ``L = ceil(size / n)`` elements; tower ``k`` owns
+the real elements ``[k·L, min((k+1)·L, size))`` of chunk ``k`` (none when ``k·L >= size``).
+Gradients travel the ring's reduce-scatter phase, so chunk ``k``'s sum is bitwise the
+``ring`` all-reduce's; the owner's optimizer (slots for its chunks only) updates its
+shard; the all-gather phase copies the updated shards into every replica.
 n = 3 (``gK``: gradient chunk K, ``pK``: parameter chunk K)::
 
     tick       0        1      │  update (owner k)   │    2        3
@@ -16,15 +14,11 @@ n = 3 (``gK``: gradient chunk K, ``pK``: parameter chunk K)::
     tower 1   g0 ─▶2   g2 ─▶2  │  p1 ← opt_1(p1, g1) │   p1 ─▶2   p0 ─▶2
     tower 2   g1 ─▶0   g0 ─▶0  │  p2 ← opt_2(p2, g2) │   p2 ─▶0   p1 ─▶0
 
-Index formula: as :mod:`towers.allreduce.ring` (``s = 1``): in the reduce-scatter
-position ``p`` sends chunk ``(p - 1 - t) mod n``, in the all-gather chunk ``(p - t) mod n``.
-
-Cost (n towers, S bytes of parameters): the ring's ``2(n-1)·α + 2(n-1)/n·S·β +
-(n-1)/n·S·γ`` — the same traffic as the ring all-reduce — plus one optimizer update
-of ``S/n`` per tower instead of ``S``. Optimizer state per tower: ``≈ 1/n`` of the
-replicated layout. Each owner also keeps its shard of the parameters as its
-optimizer's variables (``S/n`` bytes), refreshed from its replica before each update,
-so ``set_weights`` and checkpoint restores need no extra step.
+Index formula and cost: the ring's (:mod:`towers.allreduce.ring`, ``s = 1``), plus one
+optimizer update of ``S/n`` per tower instead of ``S``; optimizer state per tower ``≈ 1/n``
+of the replicated layout. Each owner keeps its shard of the parameters as its optimizer's
+variables, refreshed from its replica before each update (so ``set_weights`` and restores
+need no extra step).
 
 References:
     S. Rajbhandari et al., "ZeRO: Memory optimizations toward training trillion
@@ -51,9 +45,7 @@ __all__ = ["NOT_ELEMENTWISE", "ShardPlan", "VariableShards", "check_optimizer", 
            "state_bytes"]
 
 NOT_ELEMENTWISE = ("Adafactor", "Lamb", "Muon")
-"""Optimizer classes whose update of one element reads others (factored moments, trust
-ratios, orthogonalization): a shard cannot update alone. (A LossScaleOptimizer, whose
-skip decision is global, is refused by the capability table.)"""
+"""Optimizer classes whose update of one element reads others: a shard cannot update alone."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,13 +72,9 @@ class VariableShards:
 
 
 def check_optimizer(optimizer: keras.optimizers.Optimizer) -> None:
-    """Refuse an optimizer whose update is not elementwise (a shard cannot apply it alone).
-
-    Raises:
-        ValueError: ``use_ema``, ``clipnorm`` or ``global_clipnorm`` set, variables excluded from
-            weight decay, or a class in :data:`NOT_ELEMENTWISE`, naming the argument
-            and the way out.
-    """
+    """Refuse an optimizer whose update is not elementwise (``ValueError`` naming the way out):
+    a class in :data:`NOT_ELEMENTWISE`, ``use_ema``, ``clipnorm``, ``global_clipnorm`` or
+    variables excluded from weight decay."""
     name = type(optimizer).__name__
     if name in NOT_ELEMENTWISE:
         raise ValueError(
@@ -119,10 +107,7 @@ def check_optimizer(optimizer: keras.optimizers.Optimizer) -> None:
 
 
 def dense_gradients(grads: Sequence[Sequence[Any]]) -> list[list[tf.Tensor]]:
-    """``grads[tower][var]`` with sparse gradients densified on their towers.
-
-    (The capability table refuses ``sparse="gather"`` with this placement.)
-    """
+    """``grads[tower][var]`` with sparse gradients densified on their towers."""
     if not any(isinstance(g, tf.IndexedSlices) for g in grads[0]):
         return [list(row) for row in grads]
     out = []
@@ -141,8 +126,7 @@ def state_bytes(optimizer: keras.optimizers.Optimizer) -> int:
 
 
 def _static(grad: tf.Tensor, shape: tuple[int, ...]) -> tf.Tensor:
-    """``grad`` with its variable's static shape: a gradient traced with an unknown batch
-    dimension (TowerModel.fit's short last batch; a Dense on a rank-3 input) may lose it."""
+    """``grad`` with its variable's static shape (one traced with an unknown batch may lose it)."""
     if grad.shape.is_fully_defined():
         return grad
     with tf.device(grad.device):
@@ -166,10 +150,7 @@ class ShardPlan:
         self.shards: list[list[Any]] = []
 
     def shards_for(self, owner: int, model: keras.Model) -> list[Any]:
-        """Create tower ``owner``'s shard variables from its replica ``model`` (in order).
-
-        Called once per owner, 0 first; owners must come in order.
-        """
+        """Create tower ``owner``'s shard variables from its replica ``model`` (0 first)."""
         if owner == 0:
             n = len(self.devices)
             self.layout = [
@@ -191,11 +172,8 @@ class ShardPlan:
         return [s for s in row if s is not None]
 
     def reduce_scatter(self, grads: Sequence[Sequence[tf.Tensor]]) -> list[list[Any]]:
-        """``grads[tower][var]`` -> ``owned[owner][var]``: the owner's summed chunk, or None.
-
-        Each variable goes through the ring's reduce-scatter phase (op ``"sum"``) on its
-        ring chunks, exactly as the ``ring`` all-reduce does; padding is then dropped.
-        """
+        """``grads[tower][var]`` -> ``owned[owner][var]``: the owner's summed chunk (the ring's
+        reduce-scatter, padding dropped), or None."""
         n = len(self.devices)
         owned: list[list[Any]] = [[None] * len(self.layout) for _ in range(n)]
         for j, cut in enumerate(self.layout):
@@ -229,11 +207,8 @@ class ShardPlan:
                         shard.assign(flat[start : start + cut.owned(k)])
 
     def all_gather(self, replicas: Sequence[Any]) -> None:
-        """Copy every owner's updated shards into every replica's variables (ring all-gather).
-
-        An owner without any shard (more towers than elements) applied nothing; its
-        optimizer still counts the step, so every replica's ``iterations`` agree.
-        """
+        """Copy every owner's updated shards into every replica's variables (ring all-gather);
+        an owner without any shard still counts the step, so ``iterations`` agree."""
         n = len(self.devices)
         for k, row in enumerate(self.shards):
             if all(s is None for s in row):

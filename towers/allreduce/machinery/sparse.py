@@ -1,9 +1,8 @@
 """Sparse values (``tf.IndexedSlices``): gather indices and values in tower order.
 
 An Embedding's gradient is an ``IndexedSlices`` whose indices may repeat; summing is
-concatenation, tower 0's rows first, duplicates kept, as ``MirroredStrategy`` does
-(Keras 3's Adam on duplicated rows is not Adam on their dense sum, so densifying would
-break equivalence; :func:`densify` is there for callers who want the dense sum)::
+concatenation, tower 0's rows first, duplicates kept, as ``MirroredStrategy`` does (Adam
+on duplicated rows is not Adam on their dense sum; :func:`densify` gives the dense sum)::
 
     tower:   0        1        2
     has:    s0       s1       s2
@@ -27,10 +26,8 @@ __all__ = ["densify", "gather_indexed_slices", "to_dense"]
 def gather_indexed_slices(
     values: Sequence[tf.IndexedSlices], devices: Sequence[str], op: str = "sum"
 ) -> list[tf.IndexedSlices]:
-    """All-gather sparse values in tower order; output ``i`` is built on ``devices[i]``.
-
-    ``op`` must be ``"sum"`` or ``"mean"`` (``mean`` scales the gathered values by 1/n).
-    """
+    """All-gather sparse values in tower order onto each of ``devices`` (``op``: ``"sum"``,
+    or ``"mean"``, which scales the gathered values by 1/n)."""
     if op not in ("sum", "mean"):
         raise ValueError(f"sparse values support op 'sum' or 'mean', got {op!r}")
     check_op(op, values[0].dtype)

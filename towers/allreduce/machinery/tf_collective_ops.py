@@ -11,16 +11,13 @@ schedule of its own. Measured on TF 2.21, logical CPUs, and what each fact decid
   run through a ``tf.function`` cached per devices/op/shape/dtype (:func:`run`).
 - A timeout, or an instance key reused with another shape, aborts every later
   collective in the process: every trace draws fresh keys (:func:`next_key`).
-- An op's own ``timeout=`` holds one thread for the whole timeout, per op: 16 threads
-  for 60 s per 8-tower call, a process out of threads within one epoch of a small
-  model. No op here takes one: an eager call runs within one watchdog
-  (:func:`towers.guard.deadline.watched`, :func:`run`), a trainer's step within its
-  deadline (:class:`towers.guard.deadline.Deadline`).
+- An op's own ``timeout=`` holds a thread per op for the whole timeout: no op here
+  takes one; an eager call runs within one watchdog (:func:`run`), a trainer's step
+  within its deadline (:class:`towers.guard.deadline.Deadline`).
 - Broadcast send/recv take no ordering token and auto control dependencies neither
   order nor keep them: they get control edges (:func:`broadcast_send_recv`).
-- ``all_to_all_v2`` misroutes from 12 ranks (its rendezvous key joins the source and
-  destination ranks with no separator: "1→10" and "11→0" are both ``…110``; from 11
-  the while-loop iteration collides too): :func:`all_to_all` calls it only up to
+- ``all_to_all_v2`` misroutes from 12 ranks (its rendezvous key joins two ranks with no
+  separator: "1→10" and "11→0" collide): :func:`all_to_all` calls it only up to
   :data:`MAX_ALL_TO_ALL` ranks, else exchanges rows by broadcast send/recv pairs.
 
 Keys are process-global; every member of a collective passes the same ones. Local
@@ -54,8 +51,7 @@ __all__ = ["HINT", "KEY_START", "MAX_ALL_TO_ALL", "SHARED_KEY_START", "Body", "a
            "unwire", "wire"]
 
 KEY_START = 10_000_000
-"""First key of one process's collectives (tf.distribute counts from 1; its test helpers,
-and ``reference.mirrored``, from 1_000_000)."""
+"""First key of one process's collectives (tf.distribute's count from 1 and 1_000_000)."""
 SHARED_KEY_START = 20_000_000
 """First key of collectives across processes (see "Keys" above)."""
 HINT = "nccl"
@@ -143,11 +139,8 @@ def broadcast_send_recv(
 
 def all_to_all(rows: Sequence[tf.Tensor], devices: Sequence[str]) -> list[tf.Tensor]:
     """``rows[i]`` (``[n, chunk]`` on ``devices[i]``) sends its row ``j`` to rank ``j``
-    (:func:`ranks`); output ``i`` holds, in rank order, the rows sent to its rank.
-
-    Up to :data:`MAX_ALL_TO_ALL` ranks one ``all_to_all_v2`` per tower; above, the pairs
-    exchange rows by broadcast send/recv in a round-robin tournament (:func:`_pairings`),
-    every device meeting its peers in the same order.
+    (:func:`ranks`); output ``i`` holds, in rank order, the rows sent to its rank (above
+    :data:`MAX_ALL_TO_ALL` ranks, by pairs in a round-robin tournament, :func:`_pairings`).
     """
     n = len(devices)
     if n <= MAX_ALL_TO_ALL:
@@ -182,12 +175,7 @@ def all_to_all(rows: Sequence[tf.Tensor], devices: Sequence[str]) -> list[tf.Ten
 
 def ranks(devices: Sequence[str]) -> dict[str, int]:
     """Each device's rank in a collective, as TensorFlow orders a group: by job, task and
-    device index (``CPU:10`` after ``CPU:9``).
-
-    Example:
-        >>> ranks(["/device:CPU:10", "/device:CPU:9"])
-        {'/device:CPU:9': 0, '/device:CPU:10': 1}
-    """
+    device index (``CPU:10`` after ``CPU:9``)."""
     def key(device: str) -> tuple[str, int, int, str]:
         spec = tf.DeviceSpec.from_string(device)
         return spec.job or "", spec.task or 0, spec.device_index or 0, device
@@ -197,12 +185,7 @@ def ranks(devices: Sequence[str]) -> dict[str, int]:
 
 def _pairings(n: int) -> list[list[tuple[int, int]]]:
     """A round-robin tournament of ``n`` players (the circle method): ``n - 1`` rounds for
-    even ``n``, ``n`` for odd (one sits out each round); every pair meets once.
-
-    Example:
-        >>> _pairings(4)
-        [[(0, 3), (1, 2)], [(1, 3), (0, 2)], [(2, 3), (0, 1)]]
-    """
+    even ``n``, ``n`` for odd (one sits out each round); every pair meets once."""
     m = n + n % 2  # a ghost player m - 1 >= n makes the count even
     rounds = []
     for k in range(m - 1):
@@ -213,8 +196,8 @@ def _pairings(n: int) -> list[list[tuple[int, int]]]:
 
 @contextlib.contextmanager
 def _after_previous(device: str) -> Iterator[Callable[[tf.Tensor], None]]:
-    """A control edge from ``device``'s previous broadcast op in this graph: broadcasts
-    must start in the same order on every device, or two wait on each other."""
+    """A control edge from ``device``'s previous broadcast op in this graph (broadcasts must
+    start in the same order on every device, or two wait on each other)."""
     if tf.executing_eagerly():
         yield lambda _: None
         return
@@ -231,25 +214,28 @@ def _after_previous(device: str) -> Iterator[Callable[[tf.Tensor], None]]:
 
 def run(body: Body, values: Sequence[tf.Tensor], op: str, timeout: float) -> list[tf.Tensor]:
     """Check, short-cut trivial cases, and run ``body`` in the caller's graph or, eagerly,
-    in a cached one within ``timeout`` seconds.
-
-    Raises:
-        tf.errors.DeadlineExceededError: an eager call did not complete within ``timeout``
-            (a peer never joined); every later collective in the process fails too.
-    """
+    in a cached one within ``timeout`` seconds (else ``tf.errors.DeadlineExceededError``)."""
     devices = tuple(check_values(values, op))
-    shape, dtype = values[0].shape, values[0].dtype
+    shape = values[0].shape
     if not shape.is_fully_defined():
         raise ValueError(f"the nccl algorithms need a fully defined static shape, got {shape}")
-    if len(values) == 1 or shape.num_elements() == 0:
-        # Nothing to exchange (and empty tensors crash all_gather/all_to_all/broadcast).
-        outputs = []
-        for v, device in zip(values, devices, strict=True):
-            with tf.device(device):
-                outputs.append(tf.identity(v))
-        return outputs
-    if not tf.executing_eagerly():
+    # Nothing to exchange (and empty tensors crash all_gather/all_to_all/broadcast).
+    trivial = len(values) == 1 or shape.num_elements() == 0
+    if not trivial and not tf.executing_eagerly():
         return body(list(values), devices, op)
+    results = values if trivial else _run_eagerly(body, values, devices, op, timeout)
+    outputs = []
+    # A tf.function's CPU outputs come back labelled with the caller's device: re-place them.
+    for out, device in zip(results, devices, strict=True):
+        with tf.device(device):
+            outputs.append(tf.identity(out))
+    return outputs
+
+
+def _run_eagerly(body: Body, values: Sequence[tf.Tensor], devices: tuple[str, ...], op: str,
+                 timeout: float) -> list[tf.Tensor]:
+    """``body`` in a ``tf.function`` cached per devices/op/shape/dtype, within ``timeout``."""
+    shape, dtype = values[0].shape, values[0].dtype
     key = (body, devices, op, tuple(shape), dtype)
     with _LOCK:
         if key not in _EAGER:
@@ -268,9 +254,4 @@ def run(body: Body, values: Sequence[tf.Tensor], op: str, timeout: float) -> lis
             if not alarm.fired:
                 raise
             raise tf.errors.DeadlineExceededError(None, None, message) from None
-    outputs = []
-    # A tf.function's CPU outputs come back labelled with the caller's device: re-place them.
-    for out, device in zip(results, devices, strict=True):
-        with tf.device(device):
-            outputs.append(tf.identity(out))
-    return outputs
+    return results
