@@ -29,6 +29,7 @@ from towers.allreduce.collectives import broadcast
 from towers.allreduce.machinery import sharding
 from towers.allreduce.machinery.primitives import send
 from towers.allreduce.machinery.registry import Record, Registry
+from towers.allreduce.machinery.sparse import densified
 from towers.allreduce.parameter_device import reduce_on
 from towers.guard.given import check_devices, check_weights
 from towers.training.keras_copies import ModelLike, OptimizerLike, new_model, new_optimizer
@@ -138,7 +139,7 @@ class Sharded(Replicated):
 
     def reduce(self, reducer: Any, grads: list[list[Any]]) -> list[list[Any]]:
         """``grads[tower][var]`` -> ``owned[owner][var]`` (None where a shard is empty)."""
-        return self.plan.reduce_scatter(sharding.dense_gradients(grads))
+        return self.plan.reduce_scatter(densified(grads))
 
     def updates(self, replicas: Sequence[Replica], reduced: list[list[Any]]) -> list[Update]:
         """Refresh each owner's shard from its replica; one update per owner with a shard."""

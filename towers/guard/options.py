@@ -23,7 +23,8 @@ import keras
 import numpy as np
 
 from towers.allreduce.machinery.primitives import Recorder, StepStats
-from towers.allreduce.machinery.reducer import SPARSE, algorithm_name, as_reducer
+from towers.allreduce.machinery.reducer import SPARSE, as_reducer
+from towers.allreduce.machinery.registry import algorithm_name
 from towers.allreduce.machinery.resolve import get
 from towers.allreduce.machinery.tf_collective_ops import token
 from towers.compile.step import FORWARD_GRAPHS, CompiledStep
@@ -80,8 +81,7 @@ class TowerOptions:
             tf.distribute does): :mod:`towers.guard.nonfinite`.
         step_timeout: seconds a step may run, then ``StepTimeout`` (:mod:`towers.guard.deadline`).
             None (default): the algorithm's ``timeout_seconds`` (``nccl``: 60 s) if any.
-        check_replicas_every: compare the replicas by checksum every k steps
-            (:mod:`towers.guard.replicas`). None (default): never.
+        check_replicas_every: compare the replicas' checksums every k steps (None: never).
         reduce_dtype: ``"float32"`` (default) or ``"compute"`` (the model's dtype policy's
             compute dtype) for the gradient all-reduce (:mod:`towers.guard.loss_scale`,
             docs/mixed_precision.md).

@@ -30,8 +30,8 @@ import numpy as np
 import tensorflow as tf
 
 from towers.allreduce.machinery.base import GradientReducer, StatefulReducer
-from towers.allreduce.machinery.reducer import algorithm_name, check_outputs, check_rows
-from towers.allreduce.machinery.registry import ALGORITHMS, record_of
+from towers.allreduce.machinery.reducer import check_outputs, check_rows
+from towers.allreduce.machinery.registry import ALGORITHMS, algorithm_name, record_of
 from towers.allreduce.machinery.resolve import get
 from towers.allreduce.machinery.rounding import gamma
 from towers.allreduce.naive import noop

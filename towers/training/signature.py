@@ -26,7 +26,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from towers.allreduce.machinery.reducer import algorithm_name
+from towers.allreduce.machinery.registry import algorithm_name
 from towers.guard.errors import CheckpointError
 from towers.training.protocol import Trainer
 

@@ -17,7 +17,7 @@ import towers
 from tests.conftest import DEVICES, replica_bytes
 from tests.strategies import OPTIMIZERS
 from towers.allreduce import naive
-from towers.allreduce.machinery.reducer import algorithm_name
+from towers.allreduce.machinery.registry import algorithm_name
 from towers.guard.errors import AlgorithmError
 from towers.testing import ModelSpec, loss_fn
 

@@ -21,7 +21,6 @@ algorithm, tower and variable, not a wrong device accepted silently.
 
 from __future__ import annotations
 
-import functools
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -34,14 +33,14 @@ from towers.allreduce.machinery.base import (
     StatefulReducer,
     check_values,
 )
-from towers.allreduce.machinery.registry import Configured
-from towers.allreduce.machinery.sparse import densify, gather_indexed_slices, to_dense
+from towers.allreduce.machinery.registry import Configured, algorithm_name
+from towers.allreduce.machinery.sparse import densified, densify, gather_indexed_slices
 from towers.allreduce.naive import naive
 from towers.devices import canonical_device
 from towers.guard.arguments import check_choice
 from towers.guard.errors import AlgorithmError
 
-__all__ = ["SPARSE", "StepReducer", "algorithm_name", "as_reducer", "check_outputs", "check_rows"]
+__all__ = ["SPARSE", "StepReducer", "as_reducer", "check_outputs", "check_rows"]
 
 # id(reducer) -> (the reducer, the first variable it was built for), both weakly held
 _OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
@@ -110,7 +109,7 @@ class StepReducer:
         """
         self._pending = []  # nothing left from an earlier trace
         if self.dense is not None and self.sparse == "densify":
-            grads = _densified(grads)  # through the reducer, like every other gradient
+            grads = densified(grads)  # through the reducer, like every other gradient
         n_vars = len(grads[0])
         names = (
             self.names if len(self.names) == n_vars else [f"gradient {j}" for j in range(n_vars)]
@@ -188,22 +187,6 @@ def claim(reducer: GradientReducer, variables: Sequence[tf.Variable]) -> None:
     _OWNERS[id(reducer)] = (weakref.ref(reducer), weakref.ref(variables[0]))
 
 
-def _densified(
-    grads: Sequence[Sequence[tf.Tensor | tf.IndexedSlices]],
-) -> list[list[tf.Tensor | tf.IndexedSlices]]:
-    """``grads[tower][var]`` with every sparse gradient made dense on its tower."""
-    out = []
-    for row in grads:
-        dense = []
-        for g in row:
-            if isinstance(g, tf.IndexedSlices):
-                with tf.device(g.values.device):
-                    g = to_dense(g)
-            dense.append(g)
-        out.append(dense)
-    return out
-
-
 def as_reducer(algorithm: AllReduce | GradientReducer, *, sparse: str = "gather") -> StepReducer:
     """The step's reducer for ``algorithm``: a per-tensor ``AllReduce`` or a ``GradientReducer``.
 
@@ -223,17 +206,6 @@ def as_reducer(algorithm: AllReduce | GradientReducer, *, sparse: str = "gather"
     if isinstance(algorithm, GradientReducer):
         return StepReducer(algorithm, naive, sparse)
     return StepReducer(None, algorithm, sparse)
-
-
-def algorithm_name(algorithm: Any) -> str:
-    """A name to put in an error: the registry name, ``__name__``, or the type's name."""
-    while isinstance(algorithm, functools.partial):
-        algorithm = algorithm.func
-    for attribute in ("name", "__name__"):
-        name = getattr(algorithm, attribute, None)
-        if isinstance(name, str) and name:
-            return name
-    return type(algorithm).__name__
 
 
 def _describe(value: Any) -> str:

@@ -228,11 +228,16 @@ def record_of(fn: Any) -> Configured | None:
     return fn if isinstance(fn, Configured) else None
 
 
-def algorithm_name(fn: Any) -> str:
-    """A readable name: the record's, else the callable's ``__name__``, else its repr."""
-    if isinstance(fn, Configured):
-        return fn.name
-    return str(getattr(fn, "__name__", repr(fn)))
+def algorithm_name(algorithm: Any) -> str:
+    """A readable name (in errors, reports): the record's or the object's ``name``, else
+    ``__name__``, else the type's name; a ``functools.partial``'s function's."""
+    while isinstance(algorithm, functools.partial):
+        algorithm = algorithm.func
+    for attribute in ("name", "__name__"):
+        name = getattr(algorithm, attribute, None)
+        if isinstance(name, str) and name:
+            return name
+    return type(algorithm).__name__
 
 
 def register_schedule(name: str, generator: Callable[..., Schedule],

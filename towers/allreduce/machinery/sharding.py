@@ -38,10 +38,9 @@ import tensorflow as tf
 from towers.allreduce.machinery.packed import pad_split, unsplit
 from towers.allreduce.machinery.primitives import tick_offset
 from towers.allreduce.machinery.scheduled import run_slots
-from towers.allreduce.machinery.sparse import to_dense
 from towers.schedule.collectives import ring_all_gather, ring_reduce_scatter
 
-__all__ = ["NOT_ELEMENTWISE", "ShardPlan", "VariableShards", "check_optimizer", "dense_gradients",
+__all__ = ["NOT_ELEMENTWISE", "ShardPlan", "VariableShards", "check_optimizer",
            "state_bytes"]
 
 NOT_ELEMENTWISE = ("Adafactor", "Lamb", "Muon")
@@ -104,17 +103,6 @@ def check_optimizer(optimizer: keras.optimizers.Optimizer) -> None:
                 "shard owner sees under variables='sharded'; use clipvalue or "
                 "variables='replicated'"
             )
-
-
-def dense_gradients(grads: Sequence[Sequence[Any]]) -> list[list[tf.Tensor]]:
-    """``grads[tower][var]`` with sparse gradients densified on their towers."""
-    if not any(isinstance(g, tf.IndexedSlices) for g in grads[0]):
-        return [list(row) for row in grads]
-    out = []
-    for row in grads:
-        with tf.device(row[0].device):
-            out.append([to_dense(g) if isinstance(g, tf.IndexedSlices) else g for g in row])
-    return out
 
 
 def state_bytes(optimizer: keras.optimizers.Optimizer) -> int:

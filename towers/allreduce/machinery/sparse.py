@@ -14,13 +14,14 @@ Cost: every tower receives the other towers' rows, (n-1)·S_sparse bytes in.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import tensorflow as tf
 
 from towers.allreduce.machinery.base import check_op
 from towers.allreduce.machinery.primitives import send
 
-__all__ = ["densify", "gather_indexed_slices", "to_dense"]
+__all__ = ["densified", "densify", "gather_indexed_slices", "to_dense"]
 
 
 def gather_indexed_slices(
@@ -65,3 +66,17 @@ def to_dense(value: tf.IndexedSlices) -> tf.Tensor:
     if static is not None:
         dense.set_shape(static)  # convert_to_tensor leaves the gathered axis unknown
     return dense
+
+
+def densified(grads: Sequence[Sequence[Any]]) -> list[list[Any]]:
+    """``grads[tower][var]`` with every sparse gradient made dense on its own device."""
+    out = []
+    for row in grads:
+        dense = []
+        for g in row:
+            if isinstance(g, tf.IndexedSlices):
+                with tf.device(g.values.device):
+                    g = to_dense(g)
+            dense.append(g)
+        out.append(dense)
+    return out
