@@ -73,8 +73,8 @@ def save(trainer: Trainer, path: str) -> str:
 
 
 def load(trainer: Trainer, prefix: str) -> dict[str, Any]:
-    """Restore one checkpoint of a directory (:func:`towers.training.atomic.write`), verified
-    against its manifest first; return its position.
+    """Restore a checkpoint of :func:`towers.training.atomic.write`, verified first; return
+    its position.
 
     Example:
         >>> load(trainer, latest("/tmp/run"))                        # doctest: +SKIP
@@ -85,11 +85,9 @@ def load(trainer: Trainer, prefix: str) -> dict[str, Any]:
 
 
 def restore(trainer: Trainer, path: str) -> None:
-    """Load a state written by :func:`save` into a trainer built the same way: all or nothing.
-
-    The record is checked, the all-reduce's state restored into a copy and every value read
-    once before anything is assigned; should the real read fail, the old values are put
-    back. The learning rate is the checkpoint's (a ``UserWarning`` when it replaces another).
+    """Load a state written by :func:`save` into a trainer built the same way: all or nothing
+    (everything is checked and read once first; a failed read puts the old values back).
+    The learning rate is the checkpoint's (a ``UserWarning`` when it replaces another).
 
     Raises:
         TypeError: ``trainer`` is not a trainer, or ``path`` not a str or ``os.PathLike``.
@@ -131,8 +129,7 @@ def _check_trainer(trainer: Any) -> None:
 
 
 def _check_algorithm_state(trainer: Trainer, path: str, saved: list[str]) -> None:
-    """Restore the all-reduce's state into a copy first: a difference fails there, before
-    any of the trainer's state is written."""
+    """Restore the all-reduce's state into a copy first, before the trainer's is written."""
     in_file = [k for k in saved if k.startswith("all_reduce/")]
     if not isinstance(trainer.algorithm, tf.Module):
         if in_file:
