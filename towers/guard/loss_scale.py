@@ -45,11 +45,14 @@ def is_loss_scaled(optimizer: Any) -> bool:
 
 
 def _cast(value: Any, dtype: tf.DType) -> Any:
+    """``value`` (dense, sparse or None) in ``dtype``, cast on its own device."""
     if value is None or value.dtype == dtype or not value.dtype.is_floating:
         return value
-    if isinstance(value, tf.IndexedSlices):
-        return tf.IndexedSlices(tf.cast(value.values, dtype), value.indices, value.dense_shape)
-    return tf.cast(value, dtype)
+    with tf.device(value.device):
+        if isinstance(value, tf.IndexedSlices):
+            return tf.IndexedSlices(tf.cast(value.values, dtype), value.indices,
+                                    value.dense_shape)
+        return tf.cast(value, dtype)
 
 
 def _divide(value: Any, scale: tf.Tensor) -> Any:
@@ -104,28 +107,11 @@ class LossScale:
 
     def to_wire(self, grads: Sequence[Sequence[Any]]) -> list[list[Any]]:
         """``grads[tower][var]`` in the dtype they are summed in (on their devices)."""
-        out = []
-        for tower in grads:
-            row = []
-            for g in tower:
-                with tf.device(g.device):
-                    row.append(_cast(g, self.wire_dtype(g.dtype)))
-            out.append(row)
-        return out
+        return [[_cast(g, self.wire_dtype(g.dtype)) for g in tower] for tower in grads]
 
     def from_wire(self, reduced: Sequence[Sequence[Any]], dtypes: Sequence[Any]) -> list[list[Any]]:
-        """The reduced gradients back in their variables' dtypes."""
-        out = []
-        for row in reduced:
-            cast: list[Any] = []
-            for g, dtype in zip(row, dtypes):
-                if g is None:  # an empty shard (variables="sharded")
-                    cast.append(g)
-                    continue
-                with tf.device(g.device):
-                    cast.append(_cast(g, tf.as_dtype(dtype)))
-            out.append(cast)
-        return out
+        """The reduced gradients back in their variables' dtypes (None: an empty shard)."""
+        return [[_cast(g, tf.as_dtype(d)) for g, d in zip(row, dtypes)] for row in reduced]
 
     def finite(self, reduced: Sequence[Any], local: tf.Tensor | None, device: str) -> tf.Tensor:
         """The step's one flag: the towers' local gradients (``local``, the guard's) and
