@@ -112,9 +112,8 @@ class FairLock:
 
 
 class ParameterStore:
-    """The variables on the ps tasks, one version counter per ps task, and the SGD rule
-    (``momentum``: Keras' non-Nesterov rule); a pull or push longer than ``timeout``
-    seconds raises :class:`ParameterServerLost`."""
+    """The variables on the ps tasks, a version counter per task and the SGD rule (Keras'
+    non-Nesterov momentum); a pull or push over ``timeout`` s is ``ParameterServerLost``."""
 
     def __init__(self, weights: Sequence[np.ndarray], ps_devices: Sequence[str], *,
                  learning_rate: float, momentum: float = 0.0, policy: str = "round_robin",

@@ -63,11 +63,7 @@ def checkpoint(trainer: Trainer, **extra: Any) -> tf.train.Checkpoint:
 
 
 def save(trainer: Trainer, path: str) -> str:
-    """Write the trainer's state to ``path`` (a file prefix) and return the prefix.
-
-    Raises:
-        TypeError: ``trainer`` is not a trainer, or ``path`` not a str or ``os.PathLike``.
-    """
+    """Write the trainer's state to ``path`` (a file prefix) and return the prefix."""
     written: str = checkpoint(trainer).write(check_path(path, "path", "a file prefix"))
     return written
 
@@ -90,9 +86,8 @@ def restore(trainer: Trainer, path: str) -> None:
     The learning rate is the checkpoint's (a ``UserWarning`` when it replaces another).
 
     Raises:
-        TypeError: ``trainer`` is not a trainer, or ``path`` not a str or ``os.PathLike``.
-        CheckpointError: nothing at ``path``, damaged files, no record, or not this
-            trainer's (naming the difference). The trainer is unchanged.
+        TypeError: ``trainer`` is not a trainer, or ``path`` not a path.
+        CheckpointError: nothing at ``path``, damaged, or not this trainer's (named).
 
     Example:
         >>> restore(trainer, "/tmp/run/ckpt")                        # doctest: +SKIP
