@@ -20,12 +20,9 @@ W workers, T towers each (here W = 2, T = 2)::
                         │
               split, reverse back ──▶ every tower its own copy
 
-``AllTowers`` issues the op MWMS issues on CPU (gradients reversed, flattened and packed
-into one vector, ring ``all_reduce_v2``): the same W·T vectors added in the same order.
-``op="mean"`` divides by W, for a ``TowerTrainer`` whose towers divide by the *local*
-batch; a :class:`~towers.cluster.trainer.WorkerTrainer` (global batch) sums, as MWMS.
-Collective keys are drawn at ``build`` (``shared_keys``), identical on every worker that
-builds in the same order; ordering tokens make the workers issue ops in program order.
+``AllTowers`` issues MWMS's CPU op: the same W·T vectors added in the same order.
+``op="mean"`` divides by W (a ``TowerTrainer``'s towers divide by the local batch); a
+``WorkerTrainer`` sums. Keys are drawn at ``build``, equal on workers that build alike.
 
 References:
     TensorFlow ``cross_device_ops.CollectiveAllReduce``, ``CollectiveReplicaLauncher``;
@@ -59,21 +56,19 @@ def check_cross_worker(num_workers: int | None, op: str, timeout_seconds: float)
 
 
 class _AcrossWorkers:
-    """What both reducers share: their settings, keys, checks and name.
+    """What both reducers share.
 
     Args:
         num_workers: worker processes taking part (default: chief + workers of TF_CONFIG).
         op: ``"mean"`` (divide by the worker count) or ``"sum"`` (default: the class's).
-        timeout_seconds: the deadline of a trainer's step without ``step_timeout`` (a
-            missing worker becomes ``StepTimeout``, not a hang; the ops carry none).
+        timeout_seconds: the step's deadline without ``step_timeout`` (``StepTimeout``).
         communication_hint: one of :attr:`hints` (``"ring"``: MWMS's ``RING``).
 
     Raises:
         ValueError: a bad worker count, op, timeout or hint.
     """
 
-    cross_worker = True
-    """Sums over every worker (the capability table's ``cross-worker`` kind)."""
+    cross_worker = True  # the capability table's ``cross-worker`` kind
     hints: tuple[str, ...] = ("ring", "auto", "nccl")
     default_op = "mean"
 
@@ -126,8 +121,7 @@ class CrossWorker(_AcrossWorkers):
         return (towers - 1) + (self.num_workers - 1)
 
     def reduce_gradients(self, grads: Sequence[Sequence[tf.Tensor]]) -> list[list[tf.Tensor]]:
-        """``grads[tower][var]`` -> the reduced gradient of every variable, on every tower
-        (``tf.errors.DeadlineExceededError``: a worker did not join within the timeout)."""
+        """``grads[tower][var]`` -> the reduced gradient of every variable, on every tower."""
         self._check_built(grads)
         home = self.devices[0]
         reduced = [self._reduce_one([g[j] for g in grads], j, home) for j in range(len(grads[0]))]
@@ -160,8 +154,7 @@ class AllTowers(_AcrossWorkers):
         return self.num_workers * towers - 1
 
     def reduce_gradients(self, grads: Sequence[Sequence[tf.Tensor]]) -> list[list[tf.Tensor]]:
-        """``grads[tower][var]`` -> the reduced gradient of every variable, on every tower
-        (``tf.errors.DeadlineExceededError``: a worker did not join within the timeout)."""
+        """``grads[tower][var]`` -> the reduced gradient of every variable, on every tower."""
         self._check_built(grads)
         return [self._reduce_tower(list(g), t) for t, g in enumerate(grads)]
 

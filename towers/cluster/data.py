@@ -12,11 +12,9 @@ first: chief → 0, ``worker:i`` → i + #chief)::
     policy "off"   every worker reads everything: cut each global batch with
                    global_to_worker_batches (worker_slice) instead
 
-A *file list* is a list of file names or a dataset of scalar strings (``list_files``
-with ``shuffle=False``: a per-process seed would make the shards overlap).
-:func:`global_to_worker_batches` keeps this worker's ceil(B/W) rows of every global batch
-(B = 5, W = 2: rows 0 1 2 | 3 4); every row is kept once, in order, and ``WorkerTrainer``
-divides by the global B.
+A *file list* is a list of names or a dataset of scalar strings (``list_files`` with
+``shuffle=False``). :func:`global_to_worker_batches` keeps this worker's ceil(B/W) rows of
+every global batch (B = 5, W = 2: rows 0 1 2 | 3 4).
 """
 
 from __future__ import annotations
@@ -36,8 +34,7 @@ POLICIES = ("auto", "file", "data", "off")
 
 
 def worker_of(cluster: Any) -> tuple[int, int]:
-    """``(num_workers, worker_index)`` of a ``Cluster`` (a chief or worker task) or of a
-    ``(num_workers, index)`` pair; ``TypeError``/``ValueError`` otherwise."""
+    """``(num_workers, worker_index)`` of a ``Cluster`` task or a ``(num_workers, index)`` pair."""
     if isinstance(cluster, Cluster):
         job, index = cluster.task_type, cluster.task_index
         if job not in ("chief", "worker") or index is None:
@@ -84,9 +81,7 @@ def shard_dataset(dataset: Any, cluster: Any, *, policy: str = "auto",
         read: for a file list, turns names into records (``tf.data.TFRecordDataset``);
             None returns the (sharded) names themselves.
 
-    Raises:
-        TypeError, ValueError: a bad argument; ``"file"`` without a file list, or with
-            fewer files than workers.
+    ``TypeError``/``ValueError``: a bad argument, or ``"file"`` without enough files.
 
     Example:
         >>> ds = tf.data.Dataset.range(5)
@@ -140,11 +135,7 @@ def _cut(workers: int, index: int) -> Callable[..., Any]:
 def global_to_worker_batches(dataset: tf.data.Dataset, cluster: Any) -> tf.data.Dataset:
     """Each global batch of ``dataset`` cut to this worker's rows (``worker_slice``).
 
-    Concatenated in worker order the parts are the global batch, bitwise; a worker past
-    the end of a short batch gets 0 rows. ``cluster``: as :func:`shard_dataset`'s.
-
-    Raises:
-        TypeError, ValueError: not a dataset of batches, or a bad ``cluster``.
+    In worker order the parts are the global batch; past a short batch's end, 0 rows.
 
     Example:
         >>> ds = tf.data.Dataset.range(5).batch(5)

@@ -9,10 +9,8 @@
       one task fails  → the others are terminated (after failure_grace seconds, in
                         which they may end by themselves); --timeout → all are killed (124)
 
-Parameter servers serve until the trainers are done. Every task is its own process
-group: when the launch ends every group is terminated (then killed), and a process a
-finished worker left running fails the launch (:data:`LEFTOVER_EXIT`).
-:func:`start_servers` serves local worker (and ps) tasks for one client.
+Every task is its own process group, terminated (then killed) when the launch ends; a
+process a finished worker left running fails the launch (:data:`LEFTOVER_EXIT`).
 """
 
 from __future__ import annotations
@@ -100,8 +98,7 @@ class TaskProcess:
 
 
 def _group_members(pgid: int) -> list[int]:
-    """Live (not zombie) processes in process group ``pgid``, read from /proc (Linux);
-    elsewhere one placeholder when the group still accepts signals."""
+    """Live processes of group ``pgid`` from /proc; elsewhere one if it takes signals."""
     proc = "/proc"
     if not os.path.isdir(proc):
         try:
@@ -126,7 +123,7 @@ def _group_members(pgid: int) -> list[int]:
 
 
 def _wait_group_empty(pgid: int, seconds: float = _GRACE_SECONDS) -> bool:
-    """Whether group ``pgid`` has no live process left within ``seconds``."""
+    """Whether group ``pgid`` empties within ``seconds``."""
     until = time.monotonic() + seconds
     while _group_members(pgid):
         if time.monotonic() > until:
@@ -136,7 +133,7 @@ def _wait_group_empty(pgid: int, seconds: float = _GRACE_SECONDS) -> bool:
 
 
 def _python_path() -> str:
-    """PYTHONPATH that imports this very ``towers`` first (a task must run the launcher's code)."""
+    """PYTHONPATH that imports this very ``towers`` first."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     rest = os.environ.get("PYTHONPATH", "")
     return os.pathsep.join([root, rest]) if rest else root
@@ -153,15 +150,10 @@ def launch(cluster: Cluster, towers: int, command: Sequence[str],
         command: the program and its arguments.
         timeout: seconds before every task is killed (None: no limit).
         out: where prefixed output lines go (default ``sys.stdout``).
-        failure_grace: seconds the other trainers may run on after one failed (to report
-            it themselves) before they are terminated; their exit codes then count.
+        failure_grace: seconds the other trainers may run on after one failed.
 
-    Returns:
-        0 when every trainer exits 0; :data:`TIMEOUT_EXIT` after a timeout; otherwise the
-        largest exit code of a task that ended by itself.
-
-    Raises:
-        ValueError: an empty command, a cluster without trainers or a negative grace.
+    Returns 0 when every trainer exits 0, :data:`TIMEOUT_EXIT` after a timeout, else the
+    largest exit code of a task that ended by itself. ``ValueError``: a bad argument.
     """
     non_negative_float("failure_grace", failure_grace)
     if not command:
@@ -230,12 +222,8 @@ def start_servers(workers: int, towers_per_worker: int, *, ps: int = 0, chief: b
                   ready_timeout: float = 60.0, out: IO[str] | None = None
                   ) -> Iterator[LocalServers]:
     """Serve ``workers`` worker and ``ps`` parameter-server tasks on localhost while in the
-    block (then :func:`towers.cluster.connect`); ``chief=True`` adds a ``chief`` address
-    for the client itself (not started), as ``ParameterServerStrategy``'s client needs.
-
-    Raises:
-        ValueError: fewer than 1 worker, or a negative ``ps``.
-        RuntimeError: a server exited or did not start within ``ready_timeout``.
+    block; ``chief=True`` adds a ``chief`` address for the client itself (not started).
+    ``ValueError``: a bad count; ``RuntimeError``: a server did not start in time.
     """
     cluster = local_cluster(workers, ps=ps, chief=chief)
     lock = threading.Lock()

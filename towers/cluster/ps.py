@@ -15,9 +15,8 @@
                                                       │ versions of its shards += 1   │
                                                       └───────────────────────────────┘
 
-One lock in the client serializes reads and updates (a pull sees whole updates); the
-gradients are computed outside it, in parallel. The update is Keras ``SGD.update_step``'s
-arithmetic op for op: one worker equals :class:`towers.TowerTrainer` with SGD bitwise.
+One lock in the client serializes pulls and pushes; the gradients are computed outside it.
+The update is Keras ``SGD.update_step``'s arithmetic: one worker equals ``TowerTrainer`` bitwise.
 
 References:
     Dean et al., "Large Scale Distributed Deep Networks" (DistBelief, 2012);
@@ -70,11 +69,7 @@ def _sizes(variables: Sequence[Any]) -> list[int]:
 
 def shard_variables(variables: Sequence[Any], ps_devices: Sequence[str],
                     policy: str = "round_robin") -> list[str]:
-    """``placement[i]``: the ps device of variable i (variables, arrays or shapes).
-
-    ``policy="round_robin"``: variable i on task i mod P (TensorFlow's default);
-    ``"size_balanced"``: largest first onto the least-loaded task (ties: the earlier
-    variable, the lower task).
+    """``placement[i]``: the ps device of variable i (variables, arrays or shapes), as drawn.
 
     Example:
         >>> shard_variables([(4, 3), (3,), (3, 2), (2,)], ["ps0", "ps1"], "size_balanced")
@@ -96,8 +91,8 @@ def shard_variables(variables: Sequence[Any], ps_devices: Sequence[str],
 
 
 class FairLock:
-    """A first-come, first-served lock (a ticket lock): with ``threading.Lock`` a worker
-    that releases it and asks again at once often wins, and the others' updates go stale."""
+    """A first-come, first-served (ticket) lock: with ``threading.Lock`` a worker that
+    releases and asks again at once often wins, and the others' updates go stale."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
@@ -117,9 +112,8 @@ class FairLock:
 
 
 class ParameterStore:
-    """The variables on the ps tasks, one version counter per ps task, and the SGD rule
-    (``momentum``: Keras' non-Nesterov rule); a pull or push longer than ``timeout``
-    seconds raises :class:`ParameterServerLost`."""
+    """The variables on the ps tasks, a version counter per task and the SGD rule (Keras'
+    non-Nesterov momentum); a pull or push over ``timeout`` s is ``ParameterServerLost``."""
 
     def __init__(self, weights: Sequence[np.ndarray], ps_devices: Sequence[str], *,
                  learning_rate: float, momentum: float = 0.0, policy: str = "round_robin",
@@ -198,19 +192,19 @@ class ParameterStore:
         pool = concurrent.futures.ThreadPoolExecutor(1)
         future = pool.submit(fn)
         pool.shutdown(wait=False)
+        where = f"the {what} on the parameter servers {self.ps_devices}"
+        again = "Restart the cluster and resume from the last saved weights."
         try:
             return future.result(self.timeout)
         except concurrent.futures.TimeoutError:
             raise ParameterServerLost(
-                f"the {what} on the parameter servers {self.ps_devices} did not complete within "
-                f"timeout={self.timeout:g} s: a ps task is gone or unreachable. Restart the "
-                "cluster and resume from the last saved weights.") from None
+                f"{where} did not complete within timeout={self.timeout:g} s: a ps task is "
+                f"gone or unreachable. {again}") from None
         except (tf.errors.UnavailableError, tf.errors.CancelledError,
                 tf.errors.AbortedError, tf.errors.InternalError) as err:
             raise ParameterServerLost(
-                f"the {what} on the parameter servers {self.ps_devices} failed: a ps task is "
-                f"gone or unreachable ({type(err).__name__}: {str(err).splitlines()[0]}). "
-                "Restart the cluster and resume from the last saved weights.") from err
+                f"{where} failed: a ps task is gone or unreachable ({type(err).__name__}: "
+                f"{str(err).splitlines()[0]}). {again}") from err
 
 
 def check_rule(learning_rate: Any, momentum: Any, timeout: Any) -> None:

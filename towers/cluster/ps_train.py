@@ -1,8 +1,7 @@
 """Asynchronous data-parallel training against parameter servers, every update logged.
 
-One client (this process) drives W workers, one Python thread each, as
-``ClusterCoordinator`` does; the variables live on the ps tasks
-(:class:`~towers.cluster.ps.ParameterStore`)::
+One client drives W workers, one thread each (as ``ClusterCoordinator``); the variables
+live on the ps tasks (:class:`~towers.cluster.ps.ParameterStore`)::
 
     worker 0 thread:  take batch b ─ pull (v) ─ towers: split, grads, sum in tower order ─ push
     worker 1 thread:      take batch b+1 ─ pull (v) ─ … grads on its own towers … ─ push
@@ -11,9 +10,8 @@ One client (this process) drives W workers, one Python thread each, as
     log: [UpdateRecord(worker, worker_step, batch, read={ps k: version}, version), …]
          + the gradient each update applied
 
-Each worker is a :class:`towers.TowerTrainer` over its own towers (``all_reduce="naive"``).
-The log replays bitwise in NumPy (:func:`replay`): float32 NumPy rounds as TensorFlow's
-CPU kernels do (one IEEE operation each, no fused multiply-add)::
+Each worker is a ``TowerTrainer`` over its own towers. The log replays bitwise in NumPy
+(:func:`replay`: float32 NumPy rounds as TF's CPU kernels, no fused multiply-add)::
 
     version 0 = initial weights
     for u, record in enumerate(log.records):        # the order the ps applied them
@@ -48,9 +46,8 @@ __all__ = ["AsyncTrainer", "UpdateLog", "UpdateRecord", "load_log", "replay", "r
 
 @dataclasses.dataclass(frozen=True)
 class UpdateRecord:
-    """One applied update: which worker pushed it (its ``worker_step``-th), on which batch,
-    the version of every ps shard it read, its own version (1 for the first; the weights
-    after it) and the worker's loss on that batch at the weights it read."""
+    """One applied update: its worker and that worker's step, the batch, the versions it
+    read, its own version (1 for the first) and the loss at the weights it read."""
 
     worker: int
     worker_step: int
@@ -62,8 +59,7 @@ class UpdateRecord:
 
 @dataclasses.dataclass
 class UpdateLog:
-    """The updates in the order the ps applied them, ``gradients[u][var]`` of each, the
-    SGD rule and each variable's ps device: all the replay needs."""
+    """All the replay needs: the updates in apply order, ``gradients[u][var]``, the rule."""
 
     records: list[UpdateRecord]
     gradients: list[list[np.ndarray]]
@@ -82,12 +78,11 @@ class AsyncTrainer:
         ps_devices: the parameter servers' devices (``/job:ps/replica:0/task:k/device:CPU:0``).
         learning_rate, momentum: the SGD rule the ps apply.
         policy: variable placement over the ps (:func:`~towers.cluster.ps.shard_variables`).
-        max_staleness: refuse pushes whose read is more than this many updates old (the
-            worker recomputes the batch on fresh weights; counted in :attr:`refused`).
+        max_staleness: refuse pushes read more than this many updates ago (the worker
+            recomputes on fresh weights; counted in :attr:`refused`).
         timeout: seconds one pull or push may take (then ``ParameterServerLost``).
-        on_nonfinite: a NaN/Inf gradient or loss on any tower: ``"skip"`` (push nothing;
-            list the batch in :attr:`skipped_batches`), ``"raise"`` (``NonFiniteError``;
-            the other workers stop) or ``"ignore"`` (push it: every ps weight becomes NaN).
+        on_nonfinite: a NaN/Inf on any tower: ``"skip"`` (listed in
+            :attr:`skipped_batches`), ``"raise"`` (``NonFiniteError``) or ``"ignore"``.
 
     ``ValueError``: no workers, non-trainable variables or a bad setting, named.
     """
@@ -145,8 +140,7 @@ class AsyncTrainer:
                 raise RuntimeError(f"worker {worker}: its weights were not set")
 
     def run(self, batches: Sequence[tuple[Any, Any]]) -> UpdateLog:
-        """Train on every batch once, handed out in order to whichever worker asks next;
-        return the log (also :attr:`log`). A lost ps raises ``ParameterServerLost``."""
+        """Train on every batch once, each to the next free worker; return :attr:`log`."""
         queue = iter(range(len(batches)))
         take, stop = threading.Lock(), threading.Event()
         errors: list[BaseException] = []
@@ -213,8 +207,7 @@ class AsyncTrainer:
 
 
 def _gradient_fn(trainer: TowerTrainer, guarded: bool) -> Callable[[tf.Tensor, tf.Tensor], Any]:
-    """The worker's gradient (its towers' phases, summed in tower order), its loss and
-    (``guarded``) the guard's per-tower codes."""
+    """The worker's gradient (summed in tower order), its loss and the guard's codes."""
 
     def grads(x: tf.Tensor, y: tf.Tensor) -> tuple[list[tf.Tensor], tf.Tensor, Any]:
         towers = trainer.forward_backward(trainer.split(x, y))
@@ -266,8 +259,8 @@ def load_log(prefix: str | Path) -> UpdateLog:
 
 def replay_versions(log: UpdateLog,
                     initial_weights: Sequence[np.ndarray]) -> Iterator[list[np.ndarray]]:
-    """Yield the weights of version 0, 1, …, len(log.records), in NumPy float32
-    (``ValueError``: the log is out of order or its shapes differ from the weights')."""
+    """Yield the weights of version 0, 1, …, len(log.records) (float32 NumPy); a
+    ``ValueError`` when the log is out of order or its shapes differ from the weights'."""
     lr, mu = np.float32(log.learning_rate), np.float32(log.momentum)
     weights = [np.array(w, np.float32) for w in initial_weights]
     moments = [np.zeros_like(w) for w in weights]
@@ -289,7 +282,6 @@ def replay_versions(log: UpdateLog,
 
 
 def replay(log: UpdateLog, initial_weights: Sequence[np.ndarray]) -> list[np.ndarray]:
-    """The final weights: every logged gradient applied in logged order to version 0's
-    weights (``AsyncTrainer.initial_weights()``), bitwise as the ps applied them."""
+    """The final weights, bitwise as the ps applied them, from ``initial_weights()``."""
     *_, last = replay_versions(log, initial_weights)
     return last

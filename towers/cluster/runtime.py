@@ -80,11 +80,8 @@ def configure_gpus(visible: Sequence[int] | None = None, memory_growth: bool | N
             TensorFlow's default. Excludes ``memory_limit_mb``.
         memory_limit_mb: a fixed memory limit (MiB) per chosen GPU; None: no limit.
 
-    Returns the physical names of the chosen GPUs (``['/physical_device:GPU:1']``).
-
-    Raises:
-        TypeError, ValueError: a bad argument, or a GPU that does not exist (named).
-        RuntimeStartedError: a setting asked for after TensorFlow's runtime started.
+    Returns the physical names of the chosen GPUs. Raises ``TypeError``/``ValueError``
+    for a bad argument or a missing GPU, ``RuntimeStartedError`` after the runtime started.
     """
     indices = _check(visible, memory_growth, memory_limit_mb)
     gpus = tf.config.list_physical_devices("GPU")
@@ -116,8 +113,7 @@ def configure_gpus(visible: Sequence[int] | None = None, memory_growth: bool | N
 
 
 def set_logical_devices(n: int) -> None:
-    """Split the host CPU into ``n`` logical devices without starting the runtime
-    (``RuntimeError``: it already started with another count)."""
+    """Split the host CPU into ``n`` logical devices (``RuntimeError``: too late)."""
     n = positive_int("towers per task", n)
     cpu = tf.config.list_physical_devices("CPU")[0]
     configs = tf.config.get_logical_device_configuration(cpu)
@@ -143,16 +139,11 @@ def _this_task(cluster: Any, towers: int | None, what: str) -> tuple[Cluster, in
 
 def start_worker(cluster: Any = None, towers: int | None = None) -> list[str]:
     """Join the cluster for between-graph training; return this task's towers
-    (``['/device:CPU:0', …]``, no job prefix).
+    (``['/device:CPU:0', …]``). Call it first thing.
 
-    Splits the CPU into ``towers`` logical devices (default ``$TOWERS_PER_TASK`` or 1),
-    points collective ops at the chief and starts this task's gRPC server, as
-    MultiWorkerMirroredStrategy does; ``cluster``: anything :func:`resolve` takes
-    (default TF_CONFIG). Call it first thing.
-
-    Raises:
-        ValueError: no task for this process, or a malformed cluster.
-        RuntimeError: TensorFlow's runtime already started.
+    Splits the CPU into ``towers`` devices (default ``$TOWERS_PER_TASK`` or 1), points
+    collective ops at the chief and starts this task's gRPC server, as MWMS does.
+    ``ValueError``: no task or a malformed cluster; ``RuntimeError``: too late.
     """
     found, n = _this_task(cluster, towers, "start_worker")
     set_logical_devices(n)
@@ -207,13 +198,11 @@ _LOCAL = ("127.0.0.1", "localhost", "[::1]")
 
 
 def leave_together(cluster: Any = None, limit: float = 60.0) -> bool:
-    """Wait until every training task of this run has called this (or ``limit`` s passed).
+    """Wait until every training task has called this, or ``limit`` s; True if all came.
 
-    Call it after a worker's last step: a worker that exits as soon as its own last
-    all-reduce returns can leave a peer's last pull (gRPC ``RecvBuf``) unanswered ("Socket
-    closed"). On one machine each task marks a file in a folder named after the cluster and
-    waits for the others' marks; across machines it is one more all-reduce. Returns True
-    when every task arrived in time (a lost peer must not hang the exit).
+    Call it after the last step: a worker that exits at once can leave a peer's last pull
+    unanswered ("Socket closed"). On one machine each task marks a file in a folder named
+    after the cluster; across machines it is one more all-reduce.
     """
     positive_float("limit", limit)
     found = _this_task(cluster, 1, "leave_together")[0]

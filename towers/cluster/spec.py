@@ -75,8 +75,7 @@ class Cluster:
 
     def tower_devices(self, towers_per_task: int, job: str = "worker",
                       kind: str = "CPU") -> list[str]:
-        """Every tower of ``job``: task 0's ``kind`` devices 0…T-1, then task 1's, …
-        (``ValueError``: an unknown job or kind, a count below 1)."""
+        """Every tower of ``job``: task 0's ``kind`` devices 0…T-1, then task 1's, …"""
         positive_int("towers_per_task", towers_per_task)
         if kind not in ("CPU", "GPU"):
             raise ValueError(f"kind must be 'CPU' or 'GPU', got {kind!r}")
@@ -150,15 +149,11 @@ def resolve(cluster: Any = None, task_type: str | None = None,
     """The cluster and this process's task, from whichever description is at hand.
 
     Args:
-        cluster: ``None`` (read the ``TF_CONFIG`` environment variable), a TF_CONFIG
-            JSON string or dict (with ``"cluster"`` and optional ``"task"``), a plain
-            ``{job: [addresses]}`` dict, a ``tf.train.ClusterSpec``, a
-            ``tf.distribute.cluster_resolver.ClusterResolver`` or a :class:`Cluster`.
+        cluster: ``None`` (``TF_CONFIG``), a TF_CONFIG JSON string or dict, a ``{job:
+            [addresses]}`` dict, a ``ClusterSpec``, a ``ClusterResolver`` or a ``Cluster``.
         task_type, task_index: this process's task, overriding what ``cluster`` says.
 
-    Raises:
-        ValueError: TF_CONFIG unset or malformed, naming the argument or variable at fault.
-        TypeError: ``cluster`` of another type.
+    ``ValueError``: TF_CONFIG unset or malformed (named); ``TypeError``: another type.
     """
     found = _found(cluster)
     job = task_type if task_type is not None else found.task_type
@@ -207,8 +202,7 @@ def _from_tensorflow(cluster: Any) -> Cluster:
 
 
 def tf_config(cluster: Cluster | Mapping[str, Sequence[str]], job: str, index: int) -> str:
-    """The TF_CONFIG JSON that puts a process at task ``index`` of ``job`` (``ValueError``:
-    an unknown job or an index out of range)."""
+    """The TF_CONFIG JSON that puts a process at task ``index`` of ``job``."""
     jobs = cluster.as_dict() if isinstance(cluster, Cluster) else {
         j: list(a) for j, a in cluster.items()
     }
@@ -243,8 +237,7 @@ def local_cluster(workers: int, ps: int = 0, chief: bool = False) -> Cluster:
 
 
 def towers_per_task(default: int = 1) -> int:
-    """The tower count :data:`TOWERS_ENV` asks for (``default`` when unset; ``ValueError``:
-    not a positive integer)."""
+    """The tower count :data:`TOWERS_ENV` asks for (``default`` when unset)."""
     text = os.environ.get(TOWERS_ENV)
     if text is None or text == "":
         return default

@@ -1,18 +1,16 @@
 """``WorkerTrainer``: one worker's ``TowerTrainer`` whose loss is over the GLOBAL batch.
 
-The mean is over the global B, as MultiWorkerMirroredStrategy's
-``compute_average_loss(..., global_batch_size=B)``; the local counts are all-reduced
-inside the step (exact: integers in float32)::
+The mean is over the global B, as MWMS's ``compute_average_loss(..., global_batch_size=B)``;
+the local counts are all-reduced inside the step (exact: integers in float32)::
 
     global batch B ─split over workers (shard_sizes(B, W))─▶ worker k: b_k examples
       worker k:  b_k ──all_reduce_v2 (group of W)──▶ B = Σ b_k
                  shard_sizes(b_k, T) over its towers; tower loss = Σ per-example / B
                  gradients ──AllTowers(op="sum") or CrossWorker(op="sum")──▶ apply
 
-Checkpoints: the chief alone writes them (:func:`save_on_chief`, atomically) and every
-worker reads the newest good one (:func:`restore_latest`), numbered by the steps TAKEN
-(not ``optimizer.iterations``, which a skipped step does not advance), so a resumed run
-never trains a batch twice::
+Checkpoints: the chief alone writes them (:func:`save_on_chief`) and every worker reads
+the newest good one (:func:`restore_latest`), numbered by the steps TAKEN (a skipped step
+does not advance ``iterations``), so a resumed run never trains a batch twice::
 
     step k (0-based) trained ─▶ chief: ckpt-<k + 1> ─▶ restart: every worker restores
     the latest good ckpt-N, the same bits everywhere ─▶ goes on with step N, batch N
@@ -65,8 +63,8 @@ class WorkerTrainer(TowerTrainer):
             worker → ``StepTimeout``), and the default reducer's.
         **kwargs: the rest of ``TowerTrainer``'s arguments (``variables="replicated"``).
 
-    Raises ``ValueError`` as ``TowerTrainer``, and for a reducer that averages. ``train_step``
-    returns this worker's share of the global mean loss.
+    ``ValueError``: as ``TowerTrainer``, or a reducer that averages. ``train_step`` returns
+    this worker's share of the global mean loss.
     """
 
     batch_is_global = False  # one worker's part of a global batch spanning the workers
@@ -171,23 +169,17 @@ def _cross_worker_reducer(all_reduce: Any, num_workers: int, timeout_seconds: fl
 def save_on_chief(
     trainer: Trainer, directory: str, steps: int, cluster: Any = None, keep: int | None = None
 ) -> str | None:
-    """On the chief, write the trainer's state as ``directory/ckpt-<steps>``; elsewhere nothing.
-
-    ``steps``: the steps taken so far, skipped ones included; ``keep``: how many of the
-    newest checkpoints to keep (None: all); ``cluster``: as :func:`towers.cluster.resolve`.
-    Returns the checkpoint's prefix on the chief, None elsewhere.
-    """
+    """On the chief, write the trainer's state as ``directory/ckpt-<steps>`` and return its
+    prefix; elsewhere None. ``steps``: taken so far, skipped ones included; ``keep``: how
+    many of the newest to keep (None: all)."""
     if not resolve(cluster).is_chief:
         return None
     return atomic.write(checkpoint(trainer), directory, steps, {"steps": steps}, keep)
 
 
 def restore_latest(trainer: Trainer, directory: str) -> int:
-    """On every worker, restore the newest good checkpoint of ``directory``; return its steps.
-
-    Returns the index of the next step to run (0 without a checkpoint). Raises
-    ``towers.CheckpointError`` for one that does not fit or is corrupt (nothing changed).
-    """
+    """On every worker, restore the newest good checkpoint of ``directory``; return the next
+    step to run (0 without one). ``CheckpointError``: it does not fit (nothing changed)."""
     prefix = atomic.latest(directory)
     if prefix is None:
         return 0

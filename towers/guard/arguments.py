@@ -1,11 +1,8 @@
 """Argument checks, written once: each returns the value it checked or raises naming it.
 
-Every public function of towers checks its plain arguments (counts, sizes, seconds, a
-choice among names) through these, so the same mistake gets the same message everywhere:
-``"<name> must be <what was expected>, got <value>"``. A wrong value, and a number of the
-wrong kind (``2.5`` or ``True`` for a count), is a ``ValueError``; towers' checks of whole
-objects (a model in the optimizer's place) raise ``TypeError`` and live in
-:mod:`towers.guard.inputs`.
+The same mistake gets the same message everywhere: ``"<name> must be <what was expected>,
+got <value>"``, a ``ValueError`` (also for ``2.5`` or ``True`` as a count). Checks of whole
+objects raise ``TypeError`` and live in :mod:`towers.guard.inputs`.
 
 Example:
     >>> positive_int("chunks", 4), optional(positive_int, "keep", None)
@@ -23,29 +20,15 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-__all__ = [
-    "check_bool",
-    "check_choice",
-    "int_at_least",
-    "naming",
-    "non_negative_float",
-    "non_negative_int",
-    "optional",
-    "positive_float",
-    "positive_int",
-]
+__all__ = ["check_bool", "check_choice", "int_at_least", "naming", "non_negative_float",
+           "non_negative_int", "optional", "positive_float", "positive_int"]
 
 T = TypeVar("T")
 
 
 def int_at_least(name: str, value: Any, low: int) -> int:
-    """``value`` as an ``int`` when it is an integer (not a bool) ``>= low``.
-
-    NumPy integers count as integers; ``2.0`` does not.
-
-    Raises:
-        ValueError: ``<name> must be an int >= <low>, got <value>``.
-    """
+    """``value`` as an ``int`` when it is an integer ``>= low`` (NumPy's too; not a bool
+    nor ``2.0``)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
         raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
     return int(value)
@@ -62,22 +45,14 @@ def non_negative_int(name: str, value: Any) -> int:
 
 
 def positive_float(name: str, value: Any) -> float:
-    """``value`` as a ``float > 0`` (seconds, a learning rate); ints are welcome.
-
-    Raises:
-        ValueError: ``<name> must be positive, got <value>`` (NaN, bools and strings too).
-    """
+    """``value`` as a ``float > 0`` (seconds, a learning rate); ints are welcome."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not float(value) > 0:
         raise ValueError(f"{name} must be positive, got {value!r}")
     return float(value)
 
 
 def non_negative_float(name: str, value: Any) -> float:
-    """``value`` as a finite ``float >= 0`` (a cost coefficient, a byte count).
-
-    Raises:
-        ValueError: ``<name> must be a finite number >= 0, got <value>``.
-    """
+    """``value`` as a finite ``float >= 0`` (a cost coefficient, a byte count)."""
     if (isinstance(value, bool) or not isinstance(value, numbers.Real)
             or not math.isfinite(value) or float(value) < 0):  # fmt: skip
         raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
@@ -85,34 +60,22 @@ def non_negative_float(name: str, value: Any) -> float:
 
 
 def check_bool(name: str, value: object) -> bool:
-    """``value`` when it is True or False.
-
-    Raises:
-        TypeError: ``<name> must be True or False, got <value>``.
-    """
+    """``value`` when it is True or False (else a ``TypeError``)."""
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be True or False, got {value!r}")
     return bool(value)
 
 
 def check_choice(name: str, value: object, choices: Sequence[str]) -> str:
-    """``value`` when it is one of the names in ``choices``.
-
-    Raises:
-        ValueError: ``<name> must be one of <choices>, got <value>``.
-    """
+    """``value`` when it is one of the names in ``choices``."""
     if not isinstance(value, str) or value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
     return value
 
 
 def optional(check: Callable[[str, Any], T], name: str, value: Any) -> T | None:
-    """``None`` passes; anything else goes through ``check(name, value)``.
-
-    Raises:
-        ValueError: ``check``'s message, saying that ``None`` was welcome too
-            (``keep must be None or an int >= 1, got 0``).
-    """
+    """``None`` passes; anything else goes through ``check(name, value)``, whose message
+    then says that ``None`` was welcome too (``keep must be None or an int >= 1, got 0``)."""
     if value is None:
         return None
     try:
@@ -126,10 +89,8 @@ def optional(check: Callable[[str, Any], T], name: str, value: Any) -> T | None:
 
 
 def naming(name: str, check: Callable[[], T]) -> T:
-    """Run ``check``; a plain ``TypeError``/``ValueError`` it raises names ``name``.
-
-    A message that does not mention the argument (one from TensorFlow or NumPy, say)
-    is prefixed with ``"<name>: "``; towers' own error types pass unchanged.
+    """Run ``check``; a plain ``TypeError``/``ValueError`` whose message does not mention
+    ``name`` (one from TensorFlow, say) is prefixed ``"<name>: "``; towers' own pass.
 
     Example:
         >>> naming("variables", lambda: get_placement(["x"]))  # doctest: +SKIP

@@ -53,9 +53,8 @@ OPTIONS_OF = {"AsyncTrainer": ("on_nonfinite",)}
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
-    """A refused pair of options (``text``: why; what instead), or one that works under a
-    condition (``text``). ``first`` and ``second`` are ``(axis, values)``: the rule holds for
-    options with one of ``first``'s values on its axis and one of ``second``'s on its."""
+    """A refused pair of options, or one that works under a condition (``text``): options
+    with one of ``first``'s ``(axis, values)`` and one of ``second``'s."""
 
     first: tuple[str, tuple[str, ...]]
     second: tuple[str, tuple[str, ...]]
@@ -147,15 +146,10 @@ def refusal_for(options: Mapping[str, str]) -> Rule | None:
 
 
 def check(options: Mapping[str, str], shown: Mapping[str, str] | None = None) -> None:
-    """Refuse a combination the table does not support.
+    """Refuse a combination of ``options`` (axis -> value) the table does not support.
 
-    Args:
-        options: axis -> value (see :data:`AXES`); axes left out are not checked.
-        shown: axis -> the argument as the user gave it, for the message.
-
-    Raises:
-        ValueError: a value that is not on its axis, or a refused combination (the
-            message names both options, the reason and the alternative).
+    ``shown``: axis -> the argument as the user gave it, for the message. Raises a
+    ``ValueError`` for a value not on its axis, or naming both options of a refusal.
     """
     for axis, value in options.items():
         if axis not in AXES or value not in AXES[axis]:
@@ -174,12 +168,8 @@ def check(options: Mapping[str, str], shown: Mapping[str, str] | None = None) ->
 
 
 def check_limits(options: Mapping[str, str], algorithm: Any) -> None:
-    """The conditions of :data:`LIMITS` that only the resolved algorithm shows.
-
-    Raises:
-        ValueError: a ``TowerTrainer`` with a cross-worker reducer that sums over more
-            than one worker (its loss is over this worker's batch only).
-    """
+    """The conditions of :data:`LIMITS` that only the resolved algorithm shows: a
+    ``ValueError`` for a ``TowerTrainer`` with a reducer summing over several workers."""
     if options.get("trainer") == "TowerTrainer" and options.get("all_reduce") == "cross-worker":
         op, workers = getattr(algorithm, "op", "sum"), getattr(algorithm, "num_workers", 1)
         if op == "sum" and workers > 1:
@@ -205,13 +195,9 @@ def default_sparse(variables: str, kind: str, sparse: str | None) -> str:
 
 
 def algorithm_kind(algorithm: Any) -> str:
-    """The ``all_reduce`` axis value of a resolved algorithm or reducer.
+    """The ``all_reduce`` axis value of a resolved algorithm or reducer (docs/options.md).
 
-    ``ring``: the registry's ring with one sub-chunk (the only reduce-scatter ``sharded``
-    runs); ``collective``: one of :data:`COLLECTIVE_OPS`; ``registered``: any other
-    registered algorithm; ``compressed``: a codec without state (fp16, bf16),
-    ``compressed+state`` one with state (top-k, PowerSGD); ``user``: no registry record;
-    ``cross-worker``: the reducers of :mod:`towers.cluster`.
+    ``ring`` is the registry's ring with one sub-chunk: the only reduce-scatter ``sharded`` runs.
     """
     if isinstance(algorithm, Compressed):
         state = algorithm.codec.init(tf.TensorShape([2]), tf.float32, 0)
@@ -258,9 +244,7 @@ def _cell(column: dict[str, str], axis: str, value: str, notes: list[Rule]) -> s
 
 def markdown() -> str:
     """The table as a Markdown matrix: a row per option value, a column per trainer
-    (``TowerTrainer`` by placement); ✓ works and is tested, ✓n works under note n's
-    condition, ✗n refused (note n), — not an option of that trainer. Refusals between
-    two rows' axes follow as notes."""
+    (``TowerTrainer`` by placement), then the notes (docs/options.md)."""
     columns = [(p, {"trainer": "TowerTrainer", "variables": p}) for p in AXES["variables"]]
     columns += [(t, {"trainer": t}) for t in AXES["trainer"][1:]]
     notes: list[Rule] = []
@@ -280,10 +264,9 @@ def markdown() -> str:
 
 
 def sums_exactly(algorithm: Any, placement: str) -> bool:
-    """The step's reduction adds every tower's elements with IEEE additions into each
-    output it hands the optimizers, and keeps no state, so a NaN or Inf in any tower's
-    gradient is one in every output: the registry's own all-reduces on copies, ``sharded``'s
-    ring reduce-scatter; not a user's (registered or not), collectives, codecs, bucketed.
+    """The reduction adds every tower's elements with IEEE additions and keeps no state, so
+    a NaN in any tower is one in every output: the library's own registry algorithms and
+    ``sharded``'s ring; not a user's, collectives, codecs or bucketed.
     """
     if placement == "sharded":
         return True

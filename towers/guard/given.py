@@ -102,10 +102,8 @@ def check_dataset(dataset: Any) -> None:
 
 def sparse_equals_dense(optimizer: keras.optimizers.Optimizer) -> bool:
     """Whether ``optimizer``'s update from an ``IndexedSlices`` gradient with duplicate rows
-    equals, bitwise, its update from the densified sum: measured by two fresh copies on a
-    4×2 variable. The values and learning rate are dyadic, so the rounding of the rows' sum
-    plays no part; an optimizer that cannot be rebuilt from its config counts as different.
-    """
+    equals, bitwise, its update from the densified sum (measured on dyadic values; one that
+    cannot be rebuilt from its config counts as different)."""
     config = optimizer.get_config()
     if isinstance(config.get("learning_rate"), float):
         config["learning_rate"] = 0.5
@@ -129,15 +127,12 @@ def sparse_equals_dense(optimizer: keras.optimizers.Optimizer) -> bool:
 def check_layers(model: Any, optimizer: Any, towers: int, cell: dict[str, str],
                  sparse: str | None) -> list[str]:  # fmt: skip
     """Refuse the layers this trainer cannot run as written; return the names of the
-    ``BatchNormalization(synchronized=True)`` layers the towers synchronize (none at one
-    tower: its own statistics are the global batch's).
+    ``BatchNormalization(synchronized=True)`` layers the towers synchronize (none at one tower).
 
     Raises:
-        ValueError: ``BatchNormalization(synchronized=True)`` over more than one tower in
-            a ``cell`` the capability table refuses (``batch_norm="synchronized"``); or
-            ``variables="sharded"`` with an Embedding, an optimizer whose sparse and dense
-            updates differ (a shard owner applies the dense one) and ``sparse`` unset
-            (``"densify"`` passed is the user's choice of the dense update).
+        ValueError: synchronized BatchNormalization in a ``cell`` the capability table
+            refuses; or ``variables="sharded"`` with an Embedding, ``sparse`` unset and an
+            optimizer whose sparse and dense updates differ.
     """
     flatten = getattr(model, "_flatten_layers", None)
     layers = list(flatten(include_self=True, recursive=True)) if flatten else []

@@ -13,17 +13,11 @@
         apply Σ S·g_i / S;  counter == growth − 1 ? (S ← 2S, counter ← 0) : counter += 1,
         S ← S / 2;  counter ← 0)              weights, slots, iterations untouched
 
-This is Keras 3's ``LossScaleOptimizer`` rule (``_stateful_handle_finite_grads``: unscale
-by the current ``S``, apply the inner optimizer, then grow or count; a non-finite step
-halves ``S`` and resets the counter), with the finite flag taken once for the whole
-step instead of per replica. ``optimizer.iterations`` is the inner optimizer's: it
-advances on finite steps only, as in Keras. Under ``tf.distribute.MirroredStrategy``
-Keras decides from replica 0's *unreduced* gradients, so an overflow on another replica
-is applied (measured: docs/mixed_precision.md); here any tower's overflow drops the step.
-
-Cost: one ``is_finite`` pass over the reduced gradients (the local ones are the guard's
-own check), one scalar read of ``S`` per tower. ``S`` is a power of two, so scaling
-and unscaling are exact in float32 unless a value over- or underflows.
+This is Keras 3's ``LossScaleOptimizer`` rule (``_stateful_handle_finite_grads``) with
+the finite flag taken once for the whole step: under ``MirroredStrategy`` Keras decides
+from replica 0's unreduced gradients (docs/mixed_precision.md); here any tower's overflow
+drops the step. ``iterations`` advances on finite steps only. ``S`` is a power of two, so
+scaling and unscaling are exact unless a value over- or underflows.
 """
 
 from __future__ import annotations
@@ -51,11 +45,14 @@ def is_loss_scaled(optimizer: Any) -> bool:
 
 
 def _cast(value: Any, dtype: tf.DType) -> Any:
+    """``value`` (dense, sparse or None) in ``dtype``, cast on its own device."""
     if value is None or value.dtype == dtype or not value.dtype.is_floating:
         return value
-    if isinstance(value, tf.IndexedSlices):
-        return tf.IndexedSlices(tf.cast(value.values, dtype), value.indices, value.dense_shape)
-    return tf.cast(value, dtype)
+    with tf.device(value.device):
+        if isinstance(value, tf.IndexedSlices):
+            return tf.IndexedSlices(tf.cast(value.values, dtype), value.indices,
+                                    value.dense_shape)
+        return tf.cast(value, dtype)
 
 
 def _divide(value: Any, scale: tf.Tensor) -> Any:
@@ -79,20 +76,9 @@ class LossScale:
         optimizer: the first replica's optimizer; a ``LossScaleOptimizer`` turns
             scaling on (:attr:`active`), any other optimizer leaves the step as it was.
         model: the first replica's model; its ``dtype_policy`` gives the compute dtype.
-        reduce_dtype: ``"float32"`` (default: every gradient is summed in its own dtype,
-            at least float32 — a float16/bfloat16 gradient is widened for the sum and
-            narrowed after; Keras' mixed policies keep float32 variables, so their
-            gradients are float32 already) or ``"compute"`` (cast to the policy's compute
-            dtype, e.g. float16, for the sum: half the bytes, and a sum that overflows
-            there is a non-finite step).
-
-    Raises:
-        ValueError: an unknown ``reduce_dtype``.
-
-    Example:
-        >>> scale = LossScale(keras.optimizers.SGD(0.1), model)          # doctest: +SKIP
-        >>> scale.active
-        False
+        reduce_dtype: ``"float32"`` (each gradient summed in its own dtype, at least
+            float32) or ``"compute"`` (in the policy's compute dtype, e.g. float16: half
+            the bytes; a sum that overflows there is a non-finite step).
     """
 
     def __init__(self, optimizer: Any, model: keras.Model, reduce_dtype: str = "float32") -> None:
@@ -121,28 +107,11 @@ class LossScale:
 
     def to_wire(self, grads: Sequence[Sequence[Any]]) -> list[list[Any]]:
         """``grads[tower][var]`` in the dtype they are summed in (on their devices)."""
-        out = []
-        for tower in grads:
-            row = []
-            for g in tower:
-                with tf.device(g.device):
-                    row.append(_cast(g, self.wire_dtype(g.dtype)))
-            out.append(row)
-        return out
+        return [[_cast(g, self.wire_dtype(g.dtype)) for g in tower] for tower in grads]
 
     def from_wire(self, reduced: Sequence[Sequence[Any]], dtypes: Sequence[Any]) -> list[list[Any]]:
-        """The reduced gradients back in their variables' dtypes."""
-        out = []
-        for row in reduced:
-            cast: list[Any] = []
-            for g, dtype in zip(row, dtypes):
-                if g is None:  # an empty shard (variables="sharded")
-                    cast.append(g)
-                    continue
-                with tf.device(g.device):
-                    cast.append(_cast(g, tf.as_dtype(dtype)))
-            out.append(cast)
-        return out
+        """The reduced gradients back in their variables' dtypes (None: an empty shard)."""
+        return [[_cast(g, tf.as_dtype(d)) for g, d in zip(row, dtypes)] for row in reduced]
 
     def finite(self, reduced: Sequence[Any], local: tf.Tensor | None, device: str) -> tf.Tensor:
         """The step's one flag: the towers' local gradients (``local``, the guard's) and
@@ -163,8 +132,7 @@ class LossScale:
             optimizer: the replica's optimizer.
             grads: its reduced gradients, ``S·Σg`` when loss-scaled.
             finite: the step's flag from :meth:`finite` (ignored without loss scaling).
-            apply: ``apply(optimizer, grads)`` applies gradients (the step's own code:
-                only ``towers.step`` calls ``apply_gradients``).
+            apply: ``apply(optimizer, grads)``, the step's own apply.
         """
         if not self.active:
             apply(optimizer, grads)

@@ -8,16 +8,11 @@
     outputs[tower] ── contract (count, shape, dtype, device: towers.allreduce.machinery.reducer)
                    └─ value: |outputs[tower] − Σ_i values[i]| ≤ γ_{n−1}·Σ_i |values[i]|
 
-The contract check at trace time reads static properties only, so an algorithm returning
-its inputs unchanged, or a mean, would train silently wrong. The bound holds for every
-summation tree of ``n`` leaves (:mod:`towers.testing.bounds`); the values are small
-integers, so every partial sum is exact in float16, bfloat16 and float32: a correct order
-meets the bound exactly, a wrong one misses by at least 1.
-
-Only algorithms the library has not proved are checked (:func:`unproved`); a
-``GradientReducer`` runs once on gradients shaped like the trainable variables, after its
-``build``. ``TowerTrainer(check_algorithm=False)`` skips the check (a lossy compression of
-your own). It runs once per trainer, outside the step's graph.
+The trace-time contract check reads static properties only: an algorithm returning its
+inputs, or a mean, would train silently wrong. Small integers make every partial sum exact
+in float16, bfloat16 and float32, so a wrong result misses the bound by at least 1. Only
+algorithms the library has not proved are checked (:func:`unproved`); a ``GradientReducer``
+runs on gradients shaped like the trainable variables. ``check_algorithm=False`` skips it.
 """
 
 from __future__ import annotations
@@ -61,19 +56,14 @@ def _library_made(algorithm: Any) -> bool:
 
 
 def unproved(algorithm: Any) -> Any | None:
-    """The user's algorithm inside ``algorithm`` that the library has not proved, or None.
-
-    One of the library's own registry algorithms is proved (a user's registered record is
-    not: it is checked as any callable); a library algorithm or wrapper (``hierarchical``'s
-    parts, ``bucketed``, ``compressed``) is as good as the algorithms it was given.
-    """
+    """The user's algorithm inside ``algorithm`` that the library has not proved, or None:
+    a library algorithm or wrapper is as good as the algorithms it was given."""
     if algorithm is noop:  # library-made, but it does not reduce: never proved to sum
         return algorithm
     configured = record_of(algorithm)
     if configured is not None:
-        # A record proves nothing by itself: a user's register(Algorithm(...)) gives one to
-        # any callable. Only the library's own algorithms are proved, and only when every
-        # algorithm they were configured with (hierarchical's inner/outer) is proved too.
+        # a user's register(Algorithm(...)) gives any callable a record: only the library's
+        # own are proved, and only when their parts (hierarchical's inner/outer) are
         if not _library_made(configured.run):
             return algorithm
         parts = [get(p) if isinstance(p, str) and p in ALGORITHMS else p
@@ -151,10 +141,8 @@ def _hung(user: Any, seconds: float) -> str:
 
 def check_sums(algorithm: Any, devices: Sequence[str], variables: Sequence[Any],
                wire_dtype: Any, seconds: float | None = None) -> None:  # fmt: skip
-    """Refuse an unproved algorithm whose outputs are not the sum of its inputs.
-
-    It runs within a deadline (:func:`~towers.guard.deadline.within`): one that never
-    completes fails the trainer's construction instead of hanging it.
+    """Refuse an unproved algorithm whose outputs are not the sum of its inputs, within a
+    deadline (one that never completes fails the construction instead of hanging it).
 
     Args:
         algorithm: the trainer's resolved algorithm (a ``GradientReducer`` already built).

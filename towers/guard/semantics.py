@@ -24,14 +24,10 @@ word::
     "one_device"  every tower ÷ 10
     "mirrored"    ÷ 12   ÷ 12   ÷ 12   ÷ 4      (the last example weighs 3×)
 
-On a batch that splits evenly the two divisors are the same integer. The divisor is
-the one a loop writes, so ``loss_denominator`` may name it apart from the semantics:
-``"global"`` (a custom loop passing ``global_batch_size``, as ``reference.MirroredTrainer``
-does: ``semantics="mirrored", loss_denominator="global"`` equals it on any batch) or a
-positive number (an older tutorial's constant ``GLOBAL_BATCH_SIZE``). Integer divisors divide as
-``compute_average_loss`` does (an int32 size), so a port is bitwise the tutorial's
-division; a non-integer constant divides in float. Empty towers never run the model, so
-the mirrored divisor's zero never divides.
+``loss_denominator`` names the divisor apart from the semantics: ``"global"`` (a loop
+passing ``global_batch_size``, as ``reference.MirroredTrainer``) or a positive number (an
+older tutorial's ``GLOBAL_BATCH_SIZE``). Integer divisors divide as
+``compute_average_loss`` does (an int32 size); empty towers never divide by zero.
 """
 
 from __future__ import annotations
@@ -61,12 +57,7 @@ _DIVIDED = ("sum_over_batch_size", "mean")
 
 
 def check_constant(value: Any) -> str | float | None:
-    """``loss_denominator`` checked: None (the semantics' divisor), ``"global"`` or a
-    positive finite number (as a float).
-
-    Raises:
-        ValueError: anything else, naming ``loss_denominator``.
-    """
+    """``loss_denominator`` checked: None, ``"global"`` or a positive finite number."""
     number = isinstance(value, numbers.Real) and not isinstance(value, bool)
     if number and 0 < float(value) < float("inf"):
         return float(value)
@@ -80,17 +71,10 @@ def check_semantics(semantics: str, divisor: str | float, reduction: str,
                     optimizer: Any) -> None:  # fmt: skip
     """Refuse a divisor the loss has no place for, and clipping under loss scaling.
 
-    Args:
-        semantics: the checked ``semantics``.
-        divisor: the options' divisor rule (:attr:`~towers.guard.options.TowerOptions.divisor`).
-        reduction: the loss's Keras reduction (:func:`towers.training.losses.reduction_of`).
-        optimizer: an optimizer object (its kind and clipping are read).
-
     Raises:
-        ValueError: a mirrored or constant divisor with a loss whose reduction does not
-            divide by the batch size (``"sum"``, ``"mean_with_sample_weight"``), naming
-            both; ``semantics="mirrored"`` with a ``LossScaleOptimizer`` that clips (its
-            towers' shares are scaled, so clipping them would clip the wrong values).
+        ValueError: a mirrored or constant ``divisor`` (the options' rule) with a loss whose
+            ``reduction`` does not divide by the batch size, naming both; ``"mirrored"``
+            with a ``LossScaleOptimizer`` that clips (it would clip scaled values).
     """
     rule = "semantics='mirrored'" if divisor == "per_replica" else f"loss_denominator={divisor!r}"
     if divisor != "global" and reduction not in _DIVIDED:
@@ -161,14 +145,8 @@ def mirrored_order(model_name: str, towers: int) -> list[int]:
 
 
 def in_mirrored_order(algorithm: Any, model_name: str, towers: int) -> Any:
-    """``algorithm`` adding the towers' values in :func:`mirrored_order`, each output still
-    on its own tower, when it is one of :data:`ORDERED_SUMS`; else ``algorithm`` itself.
-
-    Args:
-        algorithm: the resolved ``all_reduce`` (its registry record is read).
-        model_name: the Keras model's ``name``.
-        towers: the number of towers.
-    """
+    """``algorithm`` adding the towers' values in :func:`mirrored_order` (each output on
+    its own tower) when it is one of :data:`ORDERED_SUMS`; else ``algorithm`` itself."""
     record = record_of(algorithm)
     order = mirrored_order(model_name, towers)
     if record is None or record.name not in ORDERED_SUMS or order == sorted(order):
@@ -185,15 +163,11 @@ def in_mirrored_order(algorithm: Any, model_name: str, towers: int) -> Any:
 
 
 def strategy_rewrites(apply: Callable[[Any, list[Any]], None]) -> Callable[[Any, list[Any]], None]:
-    """``apply(optimizer, grads)`` as a call op that Grappler optimizes under the caller's
-    settings, as it does MirroredStrategy's whole step (``"mirrored"``; the reduction
-    before it stays as written, so the sum still adds in :func:`mirrored_order`).
+    """``apply(optimizer, grads)`` as a call op Grappler optimizes under the caller's
+    settings, as MirroredStrategy's whole step (the sum before it stays as written).
 
-    Grappler's arithmetic optimizer rewrites an update's ``x / sqrt(y)`` (RMSprop,
-    Adagrad, Adadelta, Ftrl, Adafactor): the last bits of the strategy's update. A call
-    op keeps the rewrite settings it was made under (its ``config_proto``) and is not
-    inlined (``_noinline``), so the apply gets the caller's settings (Grappler's defaults,
-    or off inside a caller's ``as_written()``) inside a step traced with them off.
+    Grappler rewrites an update's ``x / sqrt(y)`` (RMSprop, Adagrad, …); a call op keeps
+    the settings it was made under and, ``_noinline``, is not inlined into the step.
     """
 
     def call(optimizer: Any, grads: list[Any]) -> None:

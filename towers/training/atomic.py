@@ -42,8 +42,7 @@ PREFIX, MANIFEST, POSITION, POINTER = "state", "MANIFEST.json", "position.json",
 _NAME = re.compile(r"^ckpt-(\d+)(?:\.(\d+))?$")
 
 crash_point: Callable[[str], None] | None = None
-"""A test hook: called with "data", "manifest", "renamed", "pointer" after each step of
-:func:`write` (tests make it raise or ``os._exit`` to crash a save part way)."""
+"""A test hook, called with "data", "manifest", "renamed", "pointer" in :func:`write`."""
 
 
 def _reached(stage: str) -> None:
@@ -141,11 +140,8 @@ def _folders(root: Path) -> list[tuple[tuple[int, int], Path]]:
 
 
 def verify(prefix: Any) -> dict[str, Any]:
-    """Check a checkpoint written by :func:`write` against its manifest; return its position.
-
-    Raises:
-        CheckpointError: no manifest or position, or a file missing, truncated or corrupt.
-    """
+    """Check a checkpoint written by :func:`write` against its manifest; return its position
+    (``CheckpointError``: no manifest or position, a file missing, truncated or corrupt)."""
     prefix = check_path(prefix, "prefix")
     folder = Path(prefix).parent
     try:

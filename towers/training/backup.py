@@ -11,16 +11,10 @@
       after each trained batch: N += 1; N % k == 0 ─▶ write ckpt-N atomically
                                 (k None: at the end of every epoch instead)
 
-Keras's ``BackupAndRestore`` resumes at the start of the epoch it saved in, so that
-epoch's batches before the save are trained twice. ``ExactResume`` resumes at the batch:
-the resumed run trains the very batches the uninterrupted run would have, and ends with
-bitwise the same weights, slots, ``iterations`` and all-reduce state.
-
-That needs the same batches in every epoch of both runs: arrays with ``shuffle=False``
-(Keras shuffles arrays afresh in each process, so ``shuffle=True`` is refused), or a
-dataset whose order is a function of the epoch. The position counts batches of the data
-and batch size it was written with (recorded as ``data``): a resume with others is
-refused before the model changes.
+Keras's ``BackupAndRestore`` resumes at the start of the epoch, training its first
+batches twice; the resumed run here ends bitwise as the uninterrupted one. That needs the
+same batches in every epoch: arrays with ``shuffle=False``, or a dataset whose order is a
+function of the epoch. A resume with other data or batch size is refused.
 """
 
 from __future__ import annotations
@@ -42,9 +36,8 @@ _FACTS = {"kind": "data", "batch_size": "batch_size", "examples": "examples",
 
 
 def data_facts(x: Any, batch_size: int | None, shuffle: Any) -> dict[str, Any]:
-    """What a saved position counts in: ``{"kind", "batch_size", "examples", "shuffle"}``
-    of ``fit``'s ``x`` (after ``validation_split``), ``batch_size`` (None: Keras's 32 for
-    arrays) and ``shuffle``; ``ExactResume`` adds ``"steps"`` (batches per epoch)."""
+    """What a saved position counts in: the kind, batch size, examples and shuffle of
+    ``fit``'s ``x`` (``ExactResume`` adds ``"steps"``, batches per epoch)."""
     first = keras.tree.flatten(x)[0] if x is not None else None
     if first is None or not hasattr(first, "shape") or not hasattr(first, "__len__"):
         return {"kind": "dataset", "batch_size": None, "examples": None, "shuffle": None}
@@ -53,8 +46,7 @@ def data_facts(x: Any, batch_size: int | None, shuffle: Any) -> dict[str, Any]:
 
 
 def check_position(prefix: str, position: dict[str, Any], facts: dict[str, Any]) -> None:
-    """Refuse to resume from ``position`` with data described by other ``facts``: a
-    ``CheckpointError`` naming both values of the first fact that differs."""
+    """A ``CheckpointError`` naming the first of ``facts`` that differs from ``position``'s."""
     saved = position.get("data")
     if not isinstance(saved, dict):
         raise CheckpointError(prefix, "its position does not record the data and batch size "
@@ -72,8 +64,8 @@ def check_position(prefix: str, position: dict[str, Any], facts: dict[str, Any])
 
 
 class ExactResume(keras.callbacks.Callback):
-    """Atomic checksummed checkpoints every ``every`` batches, and an exact resume, for a
-    :class:`towers.TowerModel` (it needs the trainer and the skip hook).
+    """Atomic checksummed checkpoints every ``every`` batches and an exact resume, for a
+    :class:`towers.TowerModel`.
 
     Args:
         directory: the run's checkpoint directory (created if missing).

@@ -63,18 +63,14 @@ def checkpoint(trainer: Trainer, **extra: Any) -> tf.train.Checkpoint:
 
 
 def save(trainer: Trainer, path: str) -> str:
-    """Write the trainer's state to ``path`` (a file prefix) and return the prefix.
-
-    Raises:
-        TypeError: ``trainer`` is not a trainer, or ``path`` not a str or ``os.PathLike``.
-    """
+    """Write the trainer's state to ``path`` (a file prefix) and return the prefix."""
     written: str = checkpoint(trainer).write(check_path(path, "path", "a file prefix"))
     return written
 
 
 def load(trainer: Trainer, prefix: str) -> dict[str, Any]:
-    """Restore one checkpoint of a directory (:func:`towers.training.atomic.write`), verified
-    against its manifest first; return its position.
+    """Restore a checkpoint of :func:`towers.training.atomic.write`, verified first; return
+    its position.
 
     Example:
         >>> load(trainer, latest("/tmp/run"))                        # doctest: +SKIP
@@ -85,16 +81,13 @@ def load(trainer: Trainer, prefix: str) -> dict[str, Any]:
 
 
 def restore(trainer: Trainer, path: str) -> None:
-    """Load a state written by :func:`save` into a trainer built the same way: all or nothing.
-
-    The record is checked, the all-reduce's state restored into a copy and every value read
-    once before anything is assigned; should the real read fail, the old values are put
-    back. The learning rate is the checkpoint's (a ``UserWarning`` when it replaces another).
+    """Load a state written by :func:`save` into a trainer built the same way: all or nothing
+    (everything is checked and read once first; a failed read puts the old values back).
+    The learning rate is the checkpoint's (a ``UserWarning`` when it replaces another).
 
     Raises:
-        TypeError: ``trainer`` is not a trainer, or ``path`` not a str or ``os.PathLike``.
-        CheckpointError: nothing at ``path``, damaged files, no record, or not this
-            trainer's (naming the difference). The trainer is unchanged.
+        TypeError: ``trainer`` is not a trainer, or ``path`` not a path.
+        CheckpointError: nothing at ``path``, damaged, or not this trainer's (named).
 
     Example:
         >>> restore(trainer, "/tmp/run/ckpt")                        # doctest: +SKIP
@@ -131,8 +124,7 @@ def _check_trainer(trainer: Any) -> None:
 
 
 def _check_algorithm_state(trainer: Trainer, path: str, saved: list[str]) -> None:
-    """Restore the all-reduce's state into a copy first: a difference fails there, before
-    any of the trainer's state is written."""
+    """Restore the all-reduce's state into a copy first, before the trainer's is written."""
     in_file = [k for k in saved if k.startswith("all_reduce/")]
     if not isinstance(trainer.algorithm, tf.Module):
         if in_file:

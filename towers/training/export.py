@@ -6,8 +6,7 @@ plain network's layout (:class:`AsNetwork`).
     trainer.model ──model.save──▶ <path>/model.keras     Keras: load_model, keep training
                   └─model.export─▶ <path>/saved_model/    TF Serving, TFLite (endpoint "serve")
 
-The ``.keras`` file reloads bitwise; the SavedModel is a traced graph Grappler fuses when
-loaded, so it agrees to a few ULPs.
+The ``.keras`` file reloads bitwise; the SavedModel (fused by Grappler) to a few ULPs.
 """
 
 from __future__ import annotations

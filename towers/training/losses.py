@@ -48,9 +48,8 @@ class OutputLosses:
             name (an output left out or None trains no term).
         weights: None (all 1), a list (per output) or a dict by output name.
 
-    Raises:
-        ValueError: losses or weights that do not match the model's outputs (at
-            :meth:`bind`), or losses that ask for different Keras reductions.
+    ``ValueError``: losses asking for different reductions, or (at :meth:`bind`) losses or
+    weights that do not match the model's outputs.
     """
 
     def __init__(self, losses: Any, weights: Any = None) -> None:

@@ -12,9 +12,8 @@ trainer that wrote it, and :func:`mismatch` compares it with the trainer a resto
     ├── slots: per replica [path, shape, dtype]  any entry
     └── all_reduce: identity, state shapes       the identity, when either side has state
 
-Allowed to differ: the learning rate (restored, with a warning), the devices, the number of
-towers of a ``parameter_device`` trainer, and a stateless all-reduce (the resumed run is then
-within rounding, not bitwise). Paths are compared without Keras's numeric suffixes.
+Allowed to differ: the learning rate (restored, with a warning), the devices, a
+``parameter_device`` trainer's tower count and a stateless all-reduce (then within rounding).
 """
 
 from __future__ import annotations
@@ -230,12 +229,8 @@ class Record(tf.train.experimental.PythonState):
 
 
 def check(reader: Any, path: str, trainer: Trainer) -> str | None:
-    """Compare the record in checkpoint ``path`` (read by ``reader``) with ``trainer``'s;
-    return :func:`learning_rate_note`'s sentence, or None.
-
-    Raises:
-        CheckpointError: no record, an unreadable one, or a mismatch (named).
-    """
+    """Compare the record in checkpoint ``path`` with ``trainer``'s; return
+    :func:`learning_rate_note`'s sentence, or None (``CheckpointError``: none, or a mismatch)."""
     try:
         saved = json.loads(reader.get_tensor(KEY))
     except _READ_ERRORS as err:
