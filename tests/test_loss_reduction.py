@@ -1,5 +1,5 @@
 """A Keras loss's ``reduction`` is honoured over the global batch
-(towers.training.keras_loss.REDUCTIONS).
+(towers.training.losses.REDUCTIONS).
 
 Reference: the same model on one device, ``model.compile(loss=...)`` and one
 ``train_on_batch`` step of plain SGD on the whole batch. The towers split the batch of

@@ -9,7 +9,7 @@ import tensorflow as tf
 
 from tests.conftest import DEVICES
 from towers.tower import per_example_loss, tower_step
-from towers.training.keras_loss import resolve_loss
+from towers.training.losses import resolve_loss
 
 
 def _values(model: keras.Model) -> tuple[list[tf.Tensor], list[tf.Tensor]]:

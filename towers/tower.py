@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import keras
@@ -36,10 +36,13 @@ except ImportError:  # pragma: no cover - another Keras layout
 
 from towers.allreduce.machinery.primitives import send
 from towers.devices import canonical_device
-from towers.training.keras_loss import LossFn
 
-__all__ = ["Gradients", "TowerResult", "empty_tower_step", "extra_axes", "loss_divisor",
+__all__ = ["Gradients", "LossFn", "TowerResult", "empty_tower_step", "extra_axes", "loss_divisor",
            "per_example_loss", "run_network", "tower_divisor", "tower_step", "weighs_elements"]
+
+
+LossFn = Callable[[Any, Any], Any]
+"""A loss: ``(y_true, y_pred) -> one value per example``."""
 
 
 class TowerResult(NamedTuple):
@@ -302,7 +305,7 @@ def tower_step(model: keras.Model, trainable: Sequence[tf.Tensor],
         trainable, non_trainable: this tower's replica's values, in the order of
             ``model.trainable_variables`` and ``model.non_trainable_variables``.
         shard: ``(x, y, sample_weight)`` for this tower; ``sample_weight`` may be None.
-        loss_fn: per-example loss (:mod:`towers.training.keras_loss`).
+        loss_fn: per-example loss (:mod:`towers.training.losses`).
         global_batch: what the tower's weighted loss sum is divided by: the batch size
             (an integer tensor), 1 (``"sum"``), or the global sum of sample weights.
         num_towers: number of towers (divides the regularization losses).

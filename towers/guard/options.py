@@ -39,8 +39,8 @@ from towers.guard.reduces import check_sums
 from towers.guard.replicas import ReplicaCheck
 from towers.guard.semantics import SEMANTICS, check_constant, check_semantics, in_mirrored_order
 from towers.placement import Hyperparameters, Replicas, TrainableWatch, get_placement, place
+from towers.tower import LossFn
 from towers.training.keras_copies import ModelLike, OptimizerLike
-from towers.training.keras_loss import LossFn
 from towers.training.losses import bind_loss, reduction_of, step_loss
 
 __all__ = ["TowerOptions", "TrainerParts"]

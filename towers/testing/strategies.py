@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from towers.guard.arguments import check_choice, positive_int
 from towers.split import shard_sizes
 from towers.tower import tower_step
-from towers.training.keras_loss import resolve_loss
+from towers.training.losses import resolve_loss
 
 __all__ = ["FAMILIES", "ModelSpec", "loss_fn", "per_tower_gradients", "step_batches", "step_cases"]
 

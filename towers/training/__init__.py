@@ -1,9 +1,8 @@
 """What Keras lacks around the step: exact checkpoints and resume, replica sync, export, data.
 
     inference.py   the towers' inference pass of ``TowerModel.evaluate`` / ``predict``
-    keras_loss.py  a Keras loss as compile prepares it: per-example values, reductions, divisor
     keras_copies.py  a Keras model and optimizer copied onto a device, whole (a replica's parts)
-    losses.py      a loss per model output (Keras's compile with a list or dict, loss_weights)
+    losses.py      a Keras loss as compile prepares it; one per model output (loss_weights)
     checkpoint.py  ``save`` / ``restore``: every replica, optimizer slots, codec state
     signature.py   what a checkpoint holds (optimizer, model, placement); restore refuses others
     atomic.py      numbered checkpoints written atomically; ``latest`` skips damaged ones

@@ -1,4 +1,4 @@
-"""Losses as Keras's ``compile`` prepares them (towers/training/keras_loss.py: ``resolve_loss``,
+"""Losses as Keras's ``compile`` prepares them (towers/training/losses.py: ``resolve_loss``,
 ``per_example_loss``): labels brought to the output's rank, per-timestep sample weights.
 
 Reference: the same network on one device, plain Keras ``compile``/``fit`` on the same
