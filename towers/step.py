@@ -127,7 +127,7 @@ class TowerTrainer(TrainerParts):
         """The compiled step (``outputs``: True, False or ``"relaxed"``) within its deadline
         (if any), after following replica 0; then the guard's and replica checks."""
         self._follow()
-        step = self.compiled.relaxed if outputs == "relaxed" else self.compiled.steps[outputs]
+        step = self.compiled.relaxed if isinstance(outputs, str) else self.compiled.steps[outputs]
         result = self.deadline.run(step, inputs) if self.deadline.seconds else step(*inputs)
         if self.guard.mode == "raise":
             self.guard.raise_if_nonfinite(self.optimizer, self.devices)
