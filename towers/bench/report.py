@@ -12,7 +12,10 @@ from typing import Any
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-__all__ = ["Column", "figure", "format_table", "num", "save", "text", "write_csv", "write_json"]
+from towers.bench.timing import load_average
+
+__all__ = ["Column", "figure", "format_table", "heading", "num", "publish", "reason", "save",
+           "text", "write_csv", "write_json"]
 
 Column = tuple[str, str, Callable[[dict[str, Any]], str]]
 """``(title\\nunit, "l" or "r" alignment, row -> cell)``."""
@@ -94,3 +97,23 @@ def save(fig: Figure, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, format="png", dpi=100)
     return path
+
+
+def heading(title: str) -> None:
+    """A section's title line, with the load average its numbers were taken under."""
+    print(f"\n== {title}  (load average {load_average()[0]:.2f})", flush=True)
+
+
+def reason(err: Exception) -> str:
+    """Why a row was not run: the error's type and first line."""
+    return f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"[:160]
+
+
+def publish(args: Any, results: dict, name: str, rows: list[dict[str, Any]],
+            plot: Callable[[Path], Any] | None = None) -> None:
+    """Keep ``rows`` as ``results[name]``, write ``name.csv`` and, unless ``--no-plots``,
+    ``plot(args.out)``."""
+    results[name] = rows
+    write_csv(args.out / f"{name}.csv", rows)
+    if plot is not None and not args.no_plots:
+        plot(args.out)
