@@ -20,8 +20,7 @@ from tensorflow.python.distribute import values as values_lib
 from reference.mirrored import collective_all_reduce
 from towers import allreduce
 from towers.bench import costmodel, report
-from towers.bench.report import num, text
-from towers.bench.timing import Samples, interleave, load_average
+from towers.bench.report import Samples, interleave, load_average, num, text
 from towers.compile.ordering import as_written
 from towers.devices import canonical_device
 

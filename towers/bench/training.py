@@ -20,8 +20,7 @@ import tensorflow as tf
 from reference import CentralStorageTrainer, MirroredTrainer
 from towers import allreduce
 from towers.bench import report
-from towers.bench.report import num, text
-from towers.bench.timing import interleave, load_average, paired_ratio
+from towers.bench.report import interleave, load_average, num, paired_ratio, text
 from towers.step import PLACEMENTS, TowerTrainer
 from towers.training.models import mlp, mnist_cnn
 
