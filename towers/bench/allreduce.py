@@ -1,9 +1,8 @@
 """The all-reduce table: every algorithm and tf.distribute's cross-device ops, side by side.
 
-nccl-tests' columns (``algbw = S / t``, ``busbw = algbw · 2(n−1)/n``); the inputs are small
-integers in float32, so every summation order is exact and ``#wrong`` counts output elements
-that differ from NumPy's sum (a misplaced output: all of them). Calibration rows for the
-cost model: ``send`` (one copy of ``S`` bytes) and ``add`` (``add_n`` of the inputs).
+nccl-tests' columns (``algbw = S / t``, ``busbw = algbw · 2(n−1)/n``). The inputs are small
+integers in float32, so every summation order is exact and ``#wrong`` counts the output
+elements that differ from NumPy's sum. ``send`` and ``add`` rows calibrate the cost model.
 """
 
 from __future__ import annotations
@@ -21,8 +20,7 @@ from tensorflow.python.distribute import values as values_lib
 from reference.mirrored import collective_all_reduce
 from towers import allreduce
 from towers.bench import costmodel, report
-from towers.bench.report import num, text
-from towers.bench.timing import Samples, interleave, load_average
+from towers.bench.report import Samples, interleave, load_average, num, text
 from towers.compile.ordering import as_written
 from towers.devices import canonical_device
 
@@ -58,10 +56,8 @@ def towers_contender(name: str) -> Contender:
         named = all(isinstance(params.get(k), str) for k in ("inner", "outer"))
         formula = None if name == "hierarchical" and not named else name
 
-    def body(values: list[tf.Tensor]) -> list[tf.Tensor]:
-        return list(algorithm(values, op="sum"))
-
-    return Contender(name, "towers", body, formula=formula, params=params)
+    return Contender(name, "towers", lambda values: list(algorithm(values, op="sum")),
+                     formula=formula, params=params)
 
 
 def _tf_contender(name: str, ops: tf.distribute.CrossDeviceOps, formula: str) -> Contender:
@@ -86,13 +82,8 @@ def _calibration() -> list[Contender]:
 
 
 def contenders(devices: Sequence[str], algorithms: Sequence[str] | None = None) -> list[Contender]:
-    """Towers' algorithms, MirroredStrategy's two cross-device ops and the calibration pair.
-
-    Args:
-        devices: the towers' devices (tf.distribute's ops are built for them).
-        algorithms: registry names (default: every one); ``"tf.CollectiveAllReduce"`` and
-            ``"tf.ReductionToOneDevice"`` select those.
-    """
+    """Towers' ``algorithms`` (default: every registered one; ``tf.CollectiveAllReduce`` and
+    ``tf.ReductionToOneDevice`` name MirroredStrategy's ops) and the calibration pair."""
     tf_ops = {"tf.CollectiveAllReduce": (collective_all_reduce(list(devices)), "ring"),
               "tf.ReductionToOneDevice": (tf.distribute.ReductionToOneDevice(), "naive")}
     names = list(allreduce.ALGORITHMS) + list(tf_ops) if algorithms is None else algorithms
@@ -106,9 +97,8 @@ def make_inputs(devices: Sequence[str], nbytes: int, seed: int = 0) -> list[tf.T
     rng = np.random.default_rng(seed)
     out = []
     for device in devices:
-        data = rng.integers(-64, 65, size=nbytes // 4).astype(np.float32)
         with tf.device(device):
-            out.append(tf.identity(tf.constant(data)))
+            out.append(tf.identity(rng.integers(-64, 65, size=nbytes // 4).astype(np.float32)))
     return out
 
 
@@ -188,7 +178,7 @@ def _compile(cands: Sequence[Contender], devices: Sequence[str],
             compiled[c.name](*inputs)
         except Exception as err:  # a contender that cannot run here gets a row saying why
             compiled.pop(c.name, None)
-            errors[c.name] = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
+            errors[c.name] = report.reason(err)
     return compiled, errors
 
 
@@ -196,9 +186,8 @@ def run_allreduce(
     devices: Sequence[str], sizes: Sequence[int] = SIZES, *,
     algorithms: Sequence[str] | None = None, rounds: int = 15, verbose: bool = False,
 ) -> list[dict[str, Any]]:
-    """Every contender at every size, timed in one interleaved loop (so load drift hits
-    every size alike and one contender's times across sizes, which the cost model fits,
-    stay comparable); one row per contender and size, #wrong from a fresh call."""
+    """Every contender at every size, timed in one interleaved loop (load drift hits every
+    size alike, so the cost model fits comparable times); #wrong from a fresh call."""
     if any(nbytes % 4 for nbytes in sizes):
         raise ValueError(f"sizes must be multiples of 4 bytes (float32), got {list(sizes)}")
     cands = contenders(devices, algorithms)
@@ -258,18 +247,16 @@ def plot(rows: Sequence[dict[str, Any]], path: Any, title: str) -> Any:
 def section(args: argparse.Namespace, devices: list[str], results: dict) -> bool:
     """``--sections allreduce``: the table, its CSV and plot; False if any #wrong."""
     sizes = args.sizes or (QUICK_SIZES if args.quick else SIZES)
-    tables = devices[: args.towers]
-    print(f"\n== all-reduce, {len(tables)} towers, float32 sum, {sizes[0]}..{sizes[-1]} B "
-          f"per tower  (load average {load_average()[0]:.2f})", flush=True)
-    rows = run_allreduce(tables, sizes, algorithms=args.algorithms,
+    report.heading(f"all-reduce, {len(devices)} towers, float32 sum, {sizes[0]}..{sizes[-1]} B "
+                   "per tower")
+    rows = run_allreduce(devices, sizes, algorithms=args.algorithms,
                          rounds=args.rounds or (9 if args.quick else 15), verbose=not args.quiet)
-    print(f"# time = median of interleaved rounds; busbw = algbw * 2(n-1)/n, n = {len(tables)}")
+    print(f"# time = median of interleaved rounds; busbw = algbw * 2(n-1)/n, n = {len(devices)}")
     print(table(rows))
-    results["allreduce"], results["allreduce_load"] = rows, load_average()
-    report.write_csv(args.out / "allreduce.csv", rows)
-    if not args.no_plots:
-        plot(rows, args.out / "allreduce_algbw.png",
-             f"all-reduce over {len(tables)} simulated devices (float32 sum)")
+    report.publish(args, results, "allreduce", rows, lambda out: plot(
+        rows, out / "allreduce_algbw.png",
+        f"all-reduce over {len(devices)} simulated devices (float32 sum)"))
+    results["allreduce_load"] = load_average()
     wrong = [r for r in rows if r.get("wrong")]
     for r in wrong:
         print(f"WRONG: {r['algorithm']} at {r['size']} B: {r['wrong']} elements")

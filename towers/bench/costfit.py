@@ -162,8 +162,7 @@ def section(args: argparse.Namespace, devices: list[str], results: dict) -> bool
         print("\n== cost model: alpha-beta-gamma fitted per algorithm to its median times")
         rows = fit_measured(results["allreduce"])
         print(report.format_table(FIT_COLUMNS, rows))
-        results["costmodel"] = rows
-        report.write_csv(args.out / "costmodel.csv", rows)
+        report.publish(args, results, "costmodel", rows)
     print("\n== scale on paper: the alpha-beta-gamma model at 8 and 1024 H100s "
           "(arithmetic on the presets' stated constants, not a measurement)", flush=True)
     paper = costmodel.scale_on_paper()

@@ -113,8 +113,8 @@ def section(args: argparse.Namespace, devices: list[str], results: dict) -> bool
     print("\nAdam state per tower (wide MLP), bytes: " + "; ".join(
         f"{r['placement']} {r['max_bytes_per_tower']:,} ({r['ratio_to_replicated']:.3f})"
         for r in state))
-    results["memory"], results["optimizer_state"] = rows, state
-    report.write_csv(args.out / "memory.csv", rows)
+    report.publish(args, results, "memory", rows)
+    results["optimizer_state"] = state
     return not any(r["error"] for r in rows)
 
 

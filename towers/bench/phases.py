@@ -1,10 +1,8 @@
 """Where each millisecond of a step goes, phase by phase, from TensorFlow's profiler.
 
-The towers step names its phases with ``tf.name_scope`` (``split``, ``guard``, inside it
-``reduce`` and ``apply``) and its towers ``replica_<i>`` (tower 0 none); every op event is
-summed by the innermost phase its name carries, ``_Send``/``_Recv`` at the boundary of the
-nested update function as ``handoff``. tf.distribute's ops carry no scopes and are
-attributed by type. Times are thread ms per step summed over threads, beside wall time.
+An op event counts for the innermost phase scope its name carries (``split``, ``guard``,
+``reduce``, ``apply``; towers ``replica_<i>``, tower 0 none), or ``handoff`` at the nested
+update's boundary; tf.distribute's unscoped ops count by type. Thread ms beside wall ms.
 """
 
 from __future__ import annotations
@@ -23,7 +21,6 @@ import tensorflow as tf
 from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
 from towers.bench import report
-from towers.bench.timing import load_average
 from towers.bench.training import MODELS, named_steps
 from towers.compile.ordering import scoped_tower
 
@@ -50,8 +47,8 @@ def _by_type(op_type: str) -> str:
 
 
 def phase_of(op_name: str, op_type: str = "", *, scoped: bool = True) -> tuple[str, int | None]:
-    """The phase of one op event (and its tower for forward_backward, else None); by
-    ``op_type`` when not ``scoped`` (tf.distribute's steps name no phases).
+    """The phase of one op event and its tower (forward_backward only); by ``op_type``
+    when not ``scoped``.
 
     Example:
         >>> phase_of("gradient_tape/replica_2/dense/MatMul/MatMul"), phase_of("dense/Relu")
@@ -179,16 +176,13 @@ def _picks(results: dict[str, Any], model: str, placements: Sequence[str] | None
 
 def section(args: argparse.Namespace, devices: list[str], results: dict) -> bool:
     """``--sections phases``: the breakdown table, its CSV and its PNG."""
-    tables, rows = devices[: args.towers], []
+    rows = []
     for model in args.models or list(MODELS):
-        print(f"\n== phases: {model}, batch {args.batch_size}, {len(tables)} towers (profiler; "
-              f"load average {load_average()[0]:.2f})", flush=True)
-        rows += run_phases(model, tables, _picks(results, model, args.placements),
+        report.heading(f"phases: {model}, batch {args.batch_size}, {len(devices)} towers "
+                       "(profiler)")
+        rows += run_phases(model, devices, _picks(results, model, args.placements),
                            batch=args.batch_size, verbose=not args.quiet)
     print("thread ms per step by phase (share of the step's thread time); wall = elapsed:")
     print(table(rows))
-    results["phases"] = rows
-    report.write_csv(args.out / "phases.csv", rows)
-    if not args.no_plots:
-        plot(rows, args.out / "phases.png")
+    report.publish(args, results, "phases", rows, lambda out: plot(rows, out / "phases.png"))
     return True

@@ -1,8 +1,8 @@
 """The training-step table: towers against tf.distribute, as ratios to MirroredStrategy.
 
 The same seeded model and SGD on one fixed batch: MirroredStrategy and CentralStorageStrategy
-in a custom loop, ``towers <algorithm>/<placement>``, and ``towers noop/replicated`` (no
-exchange: the ceiling, not a valid step). Their first losses must agree.
+in a custom loop, ``towers <algorithm>/<placement>``, and ``towers noop/replicated`` (the
+ceiling: no exchange). Their first losses must agree.
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ import tensorflow as tf
 from reference import CentralStorageTrainer, MirroredTrainer
 from towers import allreduce
 from towers.bench import report
-from towers.bench.report import num, text
-from towers.bench.timing import interleave, load_average, paired_ratio
+from towers.bench.report import interleave, load_average, num, paired_ratio, text
 from towers.step import PLACEMENTS, TowerTrainer
 from towers.training.models import mlp, mnist_cnn
 
@@ -63,13 +62,8 @@ def _sgd() -> keras.optimizers.Optimizer:  # a fresh one per model
     return keras.optimizers.SGD(0.01)
 
 
-def _loss() -> keras.losses.Loss:
-    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-
 def strategy_step(trainer: Any, x: tf.Tensor, y: tf.Tensor) -> Callable[[], tf.Tensor]:
-    """A custom loop over a :mod:`reference` trainer's strategy, model and optimizer; the
-    batch is distributed once, up front."""
+    """A custom loop over a :mod:`reference` trainer's strategy, model and optimizer."""
     strategy, model, optimizer = trainer.strategy, trainer.model, trainer.optimizer
     batch = int(x.shape[0])
     inputs = next(iter(strategy.experimental_distribute_dataset(
@@ -96,12 +90,13 @@ def _config(name: str, model: str, devices: Sequence[str], x: tf.Tensor,
             y: tf.Tensor) -> StepConfig:  # fmt: skip
     """A reference's custom loop, or ``TowerTrainer.train_step`` for ``towers ALGO/PLACEMENT``."""
     make_model = MODELS[model][0]
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     if not name.startswith("towers "):
         reference = MirroredTrainer if name == MIRRORED else CentralStorageTrainer
-        trainer = reference(make_model, _sgd, _loss(), list(devices))
+        trainer = reference(make_model, _sgd, loss, list(devices))
         return StepConfig(name, "tf.distribute", strategy_step(trainer, x, y))
     algorithm, placement = name.removeprefix("towers ").rsplit("/", 1)
-    towers = TowerTrainer(make_model, _sgd, _loss(), devices=list(devices),
+    towers = TowerTrainer(make_model, _sgd, loss, devices=list(devices),
                           all_reduce=algorithm, variables=placement,
                           check_algorithm=algorithm != "noop")  # the ceiling does not sum
     kind = "ceiling" if algorithm == "noop" else "towers"
@@ -119,15 +114,15 @@ def config_names(algorithms: Sequence[str] | None = None,
 
 def build_steps(model: str, devices: Sequence[str], names: Sequence[str], x: tf.Tensor,
                 y: tf.Tensor) -> tuple[list[StepConfig], dict[str, str]]:
-    """The configurations called ``names`` (as :func:`config_names` spells them), and the
-    reasons of those that cannot be built."""
+    """The configurations called ``names`` (as :func:`config_names` spells them), and why
+    the others cannot be built."""
     configs: list[StepConfig] = []
     errors: dict[str, str] = {}
     for name in names:
         try:
             configs.append(_config(name, model, devices, x, y))
         except Exception as err:  # reported as a row
-            errors[name] = f"{type(err).__name__}: {err}"[:160]
+            errors[name] = report.reason(err)
     return configs, errors
 
 
@@ -137,7 +132,7 @@ def _first_losses(configs: list[StepConfig], errors: dict[str, str]) -> dict[str
         try:
             losses[c.name] = float(c.step())
         except Exception as err:  # reported as a row
-            errors[c.name] = f"{type(err).__name__}: {str(err).splitlines()[0]}"[:160]
+            errors[c.name] = report.reason(err)
     return losses
 
 
@@ -168,8 +163,8 @@ def _rows(model: str, configs: list[StepConfig], samples: dict[str, Any],
 
 def run_model(model: str, devices: Sequence[str], *, batch: int = 256, rounds: int = 13,
               calls: int = 1, verbose: bool = False, **options: Any) -> list[dict[str, Any]]:
-    """Build the configurations for ``model`` (``options``: :func:`config_names`'), take
-    their first losses, time them interleaved; one row each."""
+    """Build ``model``'s configurations (``options``: :func:`config_names`'), take their
+    first losses, time them interleaved; one row each."""
     x, y = make_batch(model, batch)
     configs, errors = build_steps(model, devices, config_names(**options), x, y)
     losses = _first_losses(configs, errors)
@@ -184,11 +179,7 @@ def run_model(model: str, devices: Sequence[str], *, batch: int = 256, rounds: i
 
 def named_steps(model: str, devices: Sequence[str], names: Sequence[str],
                 batch: int = 256) -> dict[str, Callable[[], tf.Tensor]]:
-    """Fresh steps of the configurations called ``names``.
-
-    Raises:
-        ValueError: a configuration that cannot be built (with its reason).
-    """
+    """Fresh steps of the configurations called ``names`` (ValueError: one cannot be built)."""
     configs, errors = build_steps(model, devices, names, *make_batch(model, batch))
     if errors:
         raise ValueError("; ".join(f"{k}: {v}" for k, v in errors.items()))
@@ -243,19 +234,18 @@ def _losses_agree(rows: list[dict]) -> bool:
 
 def section(args: argparse.Namespace, devices: list[str], results: dict) -> bool:
     """``--sections training``: the step table, CSV and plot; False if first losses differ."""
-    tables, rows = devices[: args.towers], []
+    rows: list[dict[str, Any]] = []
     algorithms = list(QUICK_ALGORITHMS) if args.quick else None
     if args.algorithms is not None:  # the tf.* names are the all-reduce table's
         algorithms = [a for a in args.algorithms if not a.startswith("tf.")]
     for model in args.models or list(MODELS):
-        print(f"\n== training step: {model}, batch {args.batch_size}, SGD, {len(tables)} towers"
-              f"  (load average {load_average()[0]:.2f})", flush=True)
-        rows += run_model(model, tables, algorithms=algorithms, verbose=not args.quiet,
+        report.heading(f"training step: {model}, batch {args.batch_size}, SGD, "
+                       f"{len(devices)} towers")
+        rows += run_model(model, devices, algorithms=algorithms, verbose=not args.quiet,
                           rounds=args.step_rounds or (5 if args.quick else 13),
                           batch=args.batch_size, placements=args.placements or PLACEMENTS)
     print("\n" + table(rows))
-    results["training"], results["training_load"] = rows, load_average()
-    report.write_csv(args.out / "training.csv", rows)
-    if not args.no_plots:
-        plot(rows, args.out / "training_ratio.png")
+    report.publish(args, results, "training", rows,
+                   lambda out: plot(rows, out / "training_ratio.png"))
+    results["training_load"] = load_average()
     return _losses_agree(rows)

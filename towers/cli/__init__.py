@@ -1,12 +1,10 @@
 """The ``towers`` command line: ``python -m towers <command>`` (the commands: :data:`COMMANDS`).
 
 Each command is a module with ``add_arguments(parser)``, ``run(args) -> exit code`` and
-maybe ``usage_problem(args) -> str | None`` (``args.towers_command`` names the command when
-a module serves two); its docstring is its ``--help``. Arguments are
-checked before TensorFlow is imported, so a usage error answers at once: one line on
-stderr naming the option (and the nearest known name), exit status 2. Then TensorFlow is
-imported quietly, ``module:NAME`` options are imported and checked, and the command runs
-(it simulates its devices first).
+maybe ``usage_problem(args) -> str | None``; its docstring is its ``--help``. Arguments are
+checked before TensorFlow is imported, so a usage error answers at once: one line naming
+the option, exit status 2. Then TensorFlow is imported quietly, ``module:NAME`` options are
+imported and checked, and the command runs.
 """
 
 from __future__ import annotations
@@ -91,8 +89,7 @@ def _build() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser
 def quiet_tensorflow(verbose: bool) -> None:
     """Import TensorFlow with its C++ log quiet unless ``verbose``.
 
-    Its runtime prints lines that look like failures (``failed call to cuInit`` without a
-    GPU, oneDNN notes Abseil prints whatever ``TF_CPP_MIN_LOG_LEVEL`` says): so level 3
+    Its runtime prints lines that look like failures (``failed call to cuInit``): so level 3
     unless the environment sets one, stderr kept aside during the import (shown if it
     fails), and Abseil at errors only.
     """

@@ -2,9 +2,8 @@
 
 An algorithm or a codec is a registry name or ``module:NAME`` (``file.py:NAME``); a list is
 comma-separated; an output path must be writable. Parsing imports no TensorFlow: names are
-checked against the tuples below (``tests/cli/test_fast.py`` keeps them equal to the
-registries, which import TensorFlow), ``module:NAME`` as far as finding the module; a
-:class:`Named` type ``load`` s it after parsing, still a usage error naming the option.
+checked against the tuples below (tests keep them equal to the registries), ``module:NAME``
+as far as finding the module; a :class:`Named` type ``load`` s it after parsing.
 """
 
 from __future__ import annotations
@@ -130,10 +129,8 @@ def choices(allowed: Sequence[str] | Callable[[], Sequence[str]],
 
 
 class Named:
-    """An argparse ``type`` whose value may name a user's object (``module:NAME``):
-    ``check(text)`` looks without importing while parsing; :meth:`load` imports each
-    ``module:NAME`` with ``load_one(text)`` after parsing. Both raise ``ArgumentTypeError``.
-    """
+    """An argparse ``type`` that may name a user's object (``module:NAME``): ``check`` looks
+    without importing; :meth:`load` imports after parsing. Both raise ``ArgumentTypeError``."""
 
     def __init__(self, check: Callable[[str], Any], load_one: Callable[[str], None],
                  name: str) -> None:

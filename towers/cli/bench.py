@@ -1,15 +1,11 @@
 """``python -m towers bench``: towers beside tf.distribute, all-reduce and training step.
 
-Everything runs in one process on simulated devices (``--towers``, default 4): the
-all-reduce table and the cost model fitted to it, the training-step table, the
-per-phase profile, peak memory and the cost model at 8 and 1024 H100s
-(``--workers W``: the cross-process all-reduce instead).
-Results go to the terminal and to ``--out`` (default: a fresh folder
-``towers-bench-<date>-<time>`` in the current directory): ``bench.json``
-(everything, with the environment and load) and each section's CSV and PNG files.
-
-The machine may be shared: every table is timed in interleaved rounds and
-reports medians, minima and CPU time beside the load average.
+On simulated devices: the all-reduce table and the cost model fitted to it, the
+training-step table, the per-phase profile, peak memory and the cost model at 8 and 1024
+H100s (``--workers W``: the cross-process all-reduce instead). Results go to the terminal
+and to ``--out``: ``bench.json`` (everything, with the environment and load) and each
+section's CSV and PNG files. Tables are timed in interleaved rounds (medians, minima, CPU
+time) beside the load average, as the machine may be shared.
 """
 
 from __future__ import annotations
@@ -96,7 +92,7 @@ def environment(devices: list[str]) -> dict[str, Any]:
     import numpy as np
     import tensorflow as tf
 
-    from towers.bench.timing import load_average
+    from towers.bench.report import load_average
 
     return {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -109,8 +105,7 @@ def environment(devices: list[str]) -> dict[str, Any]:
 
 
 def _registered(name: str, devices: list[str]) -> str:
-    """The registry name every section looks ``name`` up by: a ``module:NAME`` algorithm is
-    registered (its own record, or a bare one under ``module:NAME``) for this run."""
+    """The registry name of ``name``: a ``module:NAME`` algorithm is registered for this run."""
     if ":" not in name:
         return name
     from towers.allreduce.machinery.registry import ALGORITHMS, Record, record_of

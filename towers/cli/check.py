@@ -1,22 +1,16 @@
 """Check an all-reduce against the contract, on simulated towers, with Hypothesis.
 
-Runs ``towers.testing.check_all_reduce`` for every tower count from 1 to --max-towers (or
---towers), drawing shapes (``()``, ``(0,)``, primes, sizes no tower count divides), dtypes
-and ops, and checks every output: within the summation-depth bound of the exact reduction,
-on its device, bitwise equal across towers, the bytes counted at ``send`` against the
-record's ``bytes_sent`` and, with --replay, bitwise equal to the NumPy replay of its graph
-(an algorithm that cannot be replayed fails --replay with the reason). The verdict names
-the smallest failing example.
-
-A schedule-defined algorithm (``swing``, ``towers.allreduce.scheduled(gen)``) is first
-proved symbolically for every tower count 1..--prove: a wrong schedule is rejected with
-the smallest failing count and the first tick that breaks, drawn.
+For every tower count (1..--max-towers, or --towers) Hypothesis draws shapes (``()``,
+``(0,)``, primes), dtypes and ops; every output must be within the summation-depth bound
+of the exact reduction, on its device, bitwise equal across towers, its bytes equal to the
+record's ``bytes_sent`` and, with --replay, bitwise equal to the NumPy replay of its graph.
+The verdict names the smallest failing example. A schedule-defined algorithm (``swing``)
+is first proved symbolically for every tower count 1..--prove.
 
 The algorithm is a registered name or module:function (file.py:function); a factory
 (anything not taking ``(values, *, op)``) is called with no arguments.
 
-Exit status: 0 only when every claimed property was verified, 1 on a failure (a replay
-that cannot replay included), 2 for bad options.
+Exit status: 0 when every property was verified, 1 on a failure, 2 for bad options.
 """
 
 from __future__ import annotations
@@ -69,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def usage_problem(args: argparse.Namespace) -> str | None:
-    """What is wrong with the options (None: nothing), before TensorFlow is imported."""
+    """What is wrong with the options (None: nothing)."""
     if args.towers and max(args.towers) > args.max_towers:
         return (f"argument --towers: {max(args.towers)} is more than --max-towers "
                 f"{args.max_towers}; raise --max-towers or drop that count")

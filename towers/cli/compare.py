@@ -1,13 +1,11 @@
 """Two training steps side by side (``compare``), or where they part (``bisect``).
 
 ``towers compare`` runs ``towers.testing.compare``, ``towers bisect`` runs
-``towers.testing.bisect`` (and stops at the first step outside the bound): step A (the
-teacher) and step B train on the same batches; before every step B is set to A's weights,
-so each step is judged on its own. Two towers trainers are compared on their reduced
-gradients; anything else (a ``tf.distribute`` reference, your step) on one update, within
-the bound the report names (plain SGD's derived one, or ``--bound``). The report names the
-first step, variable (in model order) and element outside the bound: its chunk under B's
-split, both values, the difference and which bound was used (and why).
+``towers.testing.bisect`` (stopping at the first step outside the bound): step A (the
+teacher) and step B train on the same batches, B set to A's weights before every step.
+Two towers trainers are compared on their reduced gradients, anything else on one update,
+within plain SGD's derived bound or ``--bound``. The report names the first step, variable
+and element outside: its chunk under B's split, both values and the bound used.
 
 --a and --b take:
   module:factory   your step: ``factory(model_fn, optimizer_fn, loss, devices)``
@@ -162,11 +160,7 @@ def _model_fn(spec: str) -> Callable[[], Any]:
 
 
 def load_problem(args: argparse.Namespace) -> tuple[Any, ...]:
-    """``(model_fn, optimizer_fn, loss, batches)`` from the options.
-
-    Raises:
-        ValueError: unknown optimizer or loss, bad data, ``batch·steps`` over the data.
-    """
+    """``(model_fn, optimizer_fn, loss, batches)`` from the options (ValueError: bad ones)."""
     import keras
 
     x, y = _arrays(args)
@@ -199,8 +193,7 @@ def _binds(obj: Any, *args: Any, **kwargs: Any) -> bool:
 
 def _load_side_step(spec: str, problem: tuple[Any, ...], devices: list[str],
                     variables: str) -> Any:
-    """A step from ``module:factory`` (called with model_fn, optimizer_fn, loss, devices), or
-    a ``Config`` for a name, a reference or an all-reduce (as ``towers check`` loads it)."""
+    """A step from ``module:factory``, or a ``Config`` for a name, reference or all-reduce."""
     from towers.allreduce.machinery.resolve import get, imported, label
     from towers.testing.compare import Config, config
 
@@ -216,10 +209,7 @@ def _load_side_step(spec: str, problem: tuple[Any, ...], devices: list[str],
 
 
 def exit_code(report: Any) -> int:
-    """0 within the bound, 3 only kernel noise, 1 a real difference (see the module doc).
-
-    A ``BisectReport`` is kernel noise when its first divergence's cause is ``"kernels"``;
-    an ``InvarianceReport`` when every difference outside is (``reduction_ok``)."""
+    """0 within the bound, 3 only kernel noise, 1 a real difference (see the module doc)."""
     if report.ok:
         return 0
     if hasattr(report, "reduction_ok"):

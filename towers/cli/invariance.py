@@ -1,19 +1,13 @@
 """Does training give the same result on 1, 2, 4, 8 towers? Check it on digits or your data.
 
-Runs ``towers.testing.check_invariance``: one trainer per tower count, the same
-batches from the same initial weights. Each step is compared from the same
-weights (teacher forcing): every tower count's reduced gradient against the first
-count's, element by element, within the bound of both runs' summation depths
-(``towers.testing.steps``). The free-running weight difference is printed beside
-it, as information. The table names the first (towers, step, variable) outside.
+Runs ``towers.testing.check_invariance``: one trainer per tower count, the same batches
+from the same weights. Each step starts from the same weights (teacher forcing); every
+count's reduced gradient must match the first count's within the bound of both runs'
+summation depths. The table names the first (towers, step, variable) outside.
+--model, --data, --optimizer and --loss are as in ``towers compare``.
 
---model, --data, --optimizer and --loss take your model (``module:fn``), data
-(``file.npz`` with ``x`` and ``y``) and optimizer, as in ``towers compare``.
-
-Exit status: 0 when every step lies within its bound, 1 when one does not because of
-the all-reduce, 3 when only kernel noise does (every all-reduce within its own bound;
-the towers' kernels computed an example differently at another shard size), 2 for
-bad options.
+Exit status: 0 within every bound, 1 outside because of the all-reduce, 3 only kernel
+noise (every all-reduce within its own bound), 2 for bad options.
 """
 
 from __future__ import annotations

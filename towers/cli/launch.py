@@ -1,11 +1,9 @@
 """Run a command once per task of a localhost cluster, each with its own TF_CONFIG.
 
-Starts --workers worker processes (and --ps parameter servers, which serve with
-``python -m towers.cluster.server``) on 127.0.0.1 with free ports. Each task gets
-``TF_CONFIG`` (the cluster and its own task) and ``TOWERS_PER_TASK`` (how many
-logical devices to simulate). Output lines are prefixed ``[worker 0]``, ``[ps 0]``…
-If one task fails the others are terminated (after --failure-grace seconds, in which
-they may report the failure and exit themselves); --timeout kills everything.
+Starts --workers workers (and --ps parameter servers, serving with ``python -m
+towers.cluster.server``) on 127.0.0.1. Each task gets ``TF_CONFIG`` and
+``TOWERS_PER_TASK`` (logical devices to simulate); its lines are prefixed ``[worker 0]``.
+If one task fails the others are ended after --failure-grace seconds; --timeout ends all.
 
 Exit status: 0 when every worker exits 0, 124 after --timeout, otherwise the largest
 exit code of a task that ended by itself; 2 for bad options.
@@ -45,7 +43,7 @@ def _command(args: argparse.Namespace) -> list[str]:
 
 
 def usage_problem(args: argparse.Namespace) -> str | None:
-    """What is wrong with the options (None: nothing), before TensorFlow is imported."""
+    """What is wrong with the options (None: nothing)."""
     problems = [] if _command(args) else ["give the command after --"]
     if args.failure_grace < 0:
         problems.append("--failure-grace must be at least 0")

@@ -1,19 +1,15 @@
 """Compare reducers and codecs: loss against gradient bytes and predicted communication time.
 
-Trains the bundled digits once per REDUCER from the same weights, on the same
-batches, over simulated towers, and records every step: the training loss, the test
-accuracy, the gradient bytes the step sent (the loss, state and guard sends left
-out) and the α-β-γ cost model's communication time for that step on 8xH100 (NVLink)
-and 1024xH100 (InfiniBand between nodes). Writes PREFIX.csv (one row per step) and
-PREFIX.png (loss against bytes, loss against predicted time), and prints a summary.
+Trains the bundled digits once per REDUCER from the same weights on the same batches, and
+records every step: loss, test accuracy, the gradient bytes sent and the α-β-γ model's
+communication time on 8xH100 (NVLink) and 1024xH100 (InfiniBand). Writes PREFIX.csv (one
+row per step) and PREFIX.png (loss against bytes and against time), prints a summary.
 
 A REDUCER is an all-reduce (``ring``), a codec over ring (``fp16``, ``topk(0.1)``,
 ``powersgd(4)``), a codec over another all-reduce (``powersgd(4)@halving_doubling``),
-or a user's codec or all-reduce as ``module:NAME`` (``file.py:NAME``). Codecs decode
-on every tower, so the bytes are the codec's own.
+or your codec or all-reduce as ``module:NAME`` (``file.py:NAME``).
 
-Exit status: 0 when every run trained, 1 when one failed, 2 for bad options (told
-before anything trains).
+Exit status: 0 when every run trained, 1 when one failed, 2 for bad options.
 """
 
 from __future__ import annotations
@@ -45,10 +41,7 @@ SYSTEM_NAMES = ("8xH100", "1024xH100")
 
 
 def reducer(text: str) -> str:
-    """An argparse ``type``: a REDUCER's names checked without TensorFlow (the registered
-    all-reduce after ``@``, the registered name or the findable module before it); its
-    arguments and what a module holds are checked by
-    :func:`towers.allreduce.machinery.resolve.parse` when the study runs."""
+    """A REDUCER's names, checked without TensorFlow (its arguments: when the study runs)."""
     head, at, algorithm = text.strip().rpartition("@")
     head = head if at else algorithm
     if at and algorithm not in ALGORITHMS:
@@ -90,7 +83,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def usage_problem(args: argparse.Namespace) -> str | None:
-    """Why PREFIX.csv / PREFIX.png cannot be written (None: they can), before TensorFlow."""
+    """Why PREFIX.csv / PREFIX.png cannot be written (None: they can)."""
     prefix = args.out
     folder = Path(prefix).parent
     if not folder.is_dir():

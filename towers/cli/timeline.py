@@ -1,24 +1,12 @@
 """Write one training step as a timeline for Perfetto (ui.perfetto.dev) or chrome://tracing.
 
-A small CNN on the bundled 8×8 digits is trained over simulated towers with
-``TowerTrainer``; the trainer's own phases are then compiled one by one and timed (median
-of --repeats runs after a warm-up run):
-
-  forward     per tower: trainer.tower_step(shards, i) (forward and backward) timed,
-  backward    then split by the op times tf.profiler saw for that tower in one profiled
-              train_step (ops under gradient_tape/ are backward; see towers.trace.measured)
-  all-reduce  trainer.reduce(grads): every gradient through --algorithm, the
-              non-trainable state and the loss
-  apply       trainer.apply(reduced): the optimizer's update, every replica at once
-
-and laid out as the step orders them: the towers start together, the reduction starts when
-the slowest tower's backward ends, its ticks follow one another, and the apply follows.
-Each tick's events sit on the towers that send or receive in it (args list the transfers).
-
-What the numbers mean: forward, backward, apply and the whole all-reduce are measured; a
-tick's length is the all-reduce's time split by the bytes each tick moves (a model);
-positions are derived. The whole compiled step, measured too, differs from the phases laid
-end to end: pieces compiled apart each pay a call's overhead and cannot overlap.
+A small CNN on the bundled digits trains over simulated towers with ``TowerTrainer``; its
+phases are compiled one by one and timed (median of --repeats runs): forward and backward
+per tower (split by the profiler's op times), the all-reduce, and the apply. They are laid
+out as the step orders them; each all-reduce tick sits on the towers that send or receive
+in it, its length the all-reduce's time split by the bytes it moves (a model). The whole
+compiled step, measured too, is shorter than the phases end to end: pieces compiled apart
+each pay a call's overhead and cannot overlap.
 """
 
 from __future__ import annotations
@@ -62,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def usage_problem(args: argparse.Namespace) -> str | None:
-    """What is wrong with the options (None: nothing), before TensorFlow is imported."""
+    """What is wrong with the options (None: nothing)."""
     if args.batch_size < args.towers:
         return (f"argument --batch-size: {args.batch_size} leaves some of the {args.towers} "
                 "towers without an example; give at least --towers")

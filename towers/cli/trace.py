@@ -1,21 +1,15 @@
 """Trace one all-reduce on simulated towers: the tick table, a summary and a picture.
 
-Runs the algorithm once on --size float32 elements per tower (exact sums) and records every
-``send``: one row of the tick table each (tick, from, to, chunk, bytes, operation). The
-summary gives the bytes each tower sent (against the record's ``bytes_sent``), the ticks,
-which tower finished which chunk, and the result against NumPy. The PNG (--out, or
-``<algorithm>.png`` when no other output is asked for) shows towers × ticks, one arrow per
-transfer coloured by chunk, a star where a chunk is first complete. Transfers without a
-tick get one by order (marked *); opaque collectives (nccl…) are drawn dashed, estimated.
-
-``--state PNG`` draws every tower's chunk state tick by tick beside the links; ``--html
-PAGE`` writes the step-through viewer, one self-contained page for any browser. Both run
-the algorithm on labelled inputs (op sum) and read what each send carries.
-``--collective reduce_scatter|all_gather|broadcast`` prints that collective's schedule for
-``--algorithm`` instead (text only).
+Runs the algorithm once on --size float32 elements per tower and records every ``send``:
+one row each (tick, from, to, chunk, bytes, operation). The summary gives each tower's
+bytes (against the record's ``bytes_sent``), the ticks and the result against NumPy. The
+PNG (--out, or ``<algorithm>.png``) draws towers × ticks, one arrow per transfer coloured
+by chunk; transfers without a tick get one by order (marked *), opaque collectives (nccl…)
+are dashed. ``--state`` draws every tower's chunk state per tick, ``--html`` writes a
+step-through page for any browser.
 
 Exit status: 0 when the result matches NumPy, 1 when it does not (or the algorithm
-raised), 2 for an unknown algorithm or bad options.
+raised), 2 for bad options.
 """
 
 from __future__ import annotations
@@ -70,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def usage_problem(args: argparse.Namespace) -> str | None:
-    """What is wrong with the options (None: nothing), before TensorFlow is imported."""
+    """What is wrong with the options (None: nothing)."""
     if args.name and args.algorithm and args.name != args.algorithm:
         return f"ALGO {args.name!r} and --algorithm {args.algorithm!r} disagree: give one"
     return None

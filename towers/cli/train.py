@@ -1,10 +1,8 @@
-"""The main job: train a small CNN on the bundled digits over simulated towers.
+"""Train a small CNN on the bundled digits over simulated towers, then check it.
 
-The towers side is Keras as a user writes it: ``towers.TowerModel``, ``compile``,
-``fit`` (one call per epoch, on that epoch's shuffled order). It then replays the same
-batches through the ``tf.distribute`` reference and reports the largest weight
-difference, so a newcomer sees at once that the hand-built step computes what
-MirroredStrategy computes.
+Keras as a user writes it (``towers.TowerModel``, ``compile``, ``fit``); the same batches
+then replay through MirroredStrategy and the largest weight difference is printed: the
+hand-built step computes what MirroredStrategy computes.
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ _EXACT_ORDER = ("naive", "parameter_device")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``towers train`` (each checked by argparse: nonsense exits 2 with one line)."""
+    """Options of ``towers train``."""
     add = parser.add_argument
     add("--towers", type=at_least(1), default=4, help="simulated devices (default 4)")
     add("--algorithm", type=algorithm, default="naive",
@@ -49,8 +47,7 @@ def _accuracy(model: Any, x: np.ndarray, y: np.ndarray) -> float:
 
 
 def _fit_towers(tm: Any, data: tuple[np.ndarray, ...], args: argparse.Namespace) -> None:
-    """``tm.fit`` one epoch per call (one epoch counter: towers'), each on the order
-    :func:`towers.training.data.batches` draws for it, which the reference replays."""
+    """``tm.fit`` one epoch per call, on the order the reference replays."""
     x_train, y_train, _, _ = data
     for epoch in range(args.epochs):
         order = np.random.default_rng(args.seed + epoch).permutation(len(x_train))
