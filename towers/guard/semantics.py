@@ -193,13 +193,21 @@ def strategy_rewrites(apply: Callable[[Any, list[Any]], None]) -> Callable[[Any,
     Adagrad, Adadelta, Ftrl, Adafactor): the last bits of the strategy's update. A call
     op keeps the rewrite settings it was made under (its ``config_proto``) and is not
     inlined (``_noinline``), so the apply gets the caller's settings (Grappler's defaults,
-    or off inside a caller's ``as_written()``) inside a step traced with them off.
+    or off inside a caller's ``as_written()``) inside a step traced with them off. Its
+    output is used (an ``Assert``), so it keeps a fetch: constant folding pushes a
+    constant down (centered RMSprop's ``(v - ḡ²) + ε`` to ``(ε - ḡ²) + v``, as in the
+    strategy's step) only in a graph with one, and a call whose output nothing reads is
+    specialized without it.
     """
 
     def call(optimizer: Any, grads: list[Any]) -> None:
-        function = tf.function(lambda g: apply(optimizer, g), autograph=False,
+        def fetched(g: list[Any]) -> tf.Tensor:
+            apply(optimizer, g)
+            return tf.constant(True)
+
+        function = tf.function(fetched, autograph=False,
                                experimental_attributes={"_noinline": True})  # fmt: skip
         with rewrites(callers_rewrites()):
-            function(list(grads))
+            tf.debugging.Assert(function(list(grads)), ["the update ran"])  # its fetch, used
 
     return call
