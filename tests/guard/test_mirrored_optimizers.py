@@ -9,8 +9,9 @@ reduction still as written in the strategy's order
 3 steps: SGD (with momentum, Nesterov), Adam (AMSGrad), AdamW, Adamax, Nadam, Lion and
 every schedule under Adam or SGD were already bitwise; RMSprop (with momentum, centered,
 Keras's ``"rmsprop"``), Adagrad, Adadelta, Ftrl and Adafactor differed by up to 6e-8.
-Now all are bitwise but centered RMSprop (3 of 163 elements, up to 3e-8 after three
-steps): the one condition the claim excludes, tested as such.
+Centered RMSprop needs one more of the strategy's rewrites: constant folding turns its
+``(v - ḡ²) + ε`` into ``(ε - ḡ²) + v`` only in a graph with a fetch, so the apply returns
+one that the step reads (3 of 163 elements 3e-8 apart without it).
 """
 
 from __future__ import annotations
@@ -41,13 +42,9 @@ OPTIMIZERS: dict[str, Callable[[], Any]] = {
     "adafactor": lambda: OPT.Adafactor(0.01),
     "rmsprop": lambda: "rmsprop",  # Keras's compile default
     "rmsprop_momentum": lambda: OPT.RMSprop(0.01, momentum=0.9),
-}
-CENTERED: dict[str, Callable[[], Any]] = {
     "rmsprop_centered": lambda: OPT.RMSprop(0.01, centered=True),
     "rmsprop_momentum_centered": lambda: OPT.RMSprop(0.01, momentum=0.9, centered=True),
 }
-"""Not matched: the strategy's update differs in the last bits of a few elements (its
-slots are bitwise; ``lr·g / sqrt(v - ḡ² + ε)`` is not), as the README says."""
 SCHEDULES: dict[str, Callable[[], Any]] = {
     "exponential": lambda: S.ExponentialDecay(0.01, 1, 0.9),
     "cosine": lambda: S.CosineDecay(0.01, 10),
@@ -57,8 +54,8 @@ SCHEDULES: dict[str, Callable[[], Any]] = {
     "polynomial": lambda: S.PolynomialDecay(0.01, 10, 0.001),
     "inverse_time": lambda: S.InverseTimeDecay(0.01, 1, 0.5),
 }
-FAST = {"rmsprop", "adagrad", "cosine-rmsprop"}
-"""In the fast suite: Keras's default and two the rewrite changed (about 30 s)."""
+FAST = {"rmsprop", "adagrad", "rmsprop_centered", "cosine-rmsprop"}
+"""In the fast suite: Keras's default and three the rewrites changed (about 40 s)."""
 
 
 def _cases() -> list[Any]:
@@ -103,17 +100,6 @@ def test_mirrored_fit_is_bitwise(make: Callable[[], Any]) -> None:
     ours, theirs = fit_pair(make)
     for got, want in zip(ours, theirs, strict=True):
         np.testing.assert_array_equal(got, want)
-
-
-def _gaps(pair: tuple[list[np.ndarray], list[np.ndarray]]) -> list[float]:
-    return [float(np.abs(a - b).max()) for a, b in zip(*pair, strict=True)]
-
-
-@pytest.mark.long
-@pytest.mark.parametrize("make", CENTERED.values(), ids=CENTERED.keys())
-def test_centered_rmsprop_is_rounding_apart(make: Callable[[], Any]) -> None:
-    """The excluded condition: a few last bits apart, not bitwise, not a different step."""
-    assert 0 < max(_gaps(fit_pair(make))) < 1e-6
 
 
 @pytest.mark.long

@@ -167,13 +167,21 @@ def strategy_rewrites(apply: Callable[[Any, list[Any]], None]) -> Callable[[Any,
     settings, as MirroredStrategy's whole step (the sum before it stays as written).
 
     Grappler rewrites an update's ``x / sqrt(y)`` (RMSprop, Adagrad, …); a call op keeps
-    the settings it was made under and, ``_noinline``, is not inlined into the step.
+    the settings it was made under and, ``_noinline``, is not inlined into the step. Its
+    output is used (an ``Assert``), so it keeps a fetch: constant folding pushes a constant
+    down (centered RMSprop's ``(v - ḡ²) + ε`` to ``(ε - ḡ²) + v``, as in the strategy's
+    step) only in a graph with one; a call whose output nothing reads is specialized
+    without it.
     """
 
     def call(optimizer: Any, grads: list[Any]) -> None:
-        function = tf.function(lambda g: apply(optimizer, g), autograph=False,
+        def fetched(g: list[Any]) -> tf.Tensor:
+            apply(optimizer, g)
+            return tf.constant(True)
+
+        function = tf.function(fetched, autograph=False,
                                experimental_attributes={"_noinline": True})  # fmt: skip
         with rewrites(callers_rewrites()):
-            function(list(grads))
+            tf.debugging.Assert(function(list(grads)), ["the update ran"])  # its fetch, used
 
     return call
