@@ -74,6 +74,7 @@ def assert_bitwise(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> N
     assert not differ, f"not bitwise equal: {differ}"
 
 
+@pytest.mark.long  # a real kill -9 of a training process: one of the README's long proofs
 def test_kill_9_and_resume_ends_bitwise_where_an_uninterrupted_run_ends(tmp_path: Path) -> None:
     seed = int(os.environ.get("TOWERS_KILL_SEED", random.randrange(2**32)))  # to replay one
     rng = random.Random(seed)

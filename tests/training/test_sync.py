@@ -57,17 +57,19 @@ def test_a_loaded_loss_scaled_model_trains_on(tmp_path: Path) -> None:
     assert_replicas_equal(loaded)
 
 
+LONG = pytest.mark.long  # each case traces two trainers twice: the long proofs run the rest
 CHANGES = [  # (optimizer, attribute, new value): a variable and Python hyperparameters
-    (lambda: keras.optimizers.SGD(0.1), "learning_rate", 0.5),
-    (lambda: keras.optimizers.SGD(0.1, momentum=0.5), "momentum", 0.9),
-    (lambda: keras.optimizers.Adam(0.01), "beta_1", 0.5),
-    (lambda: keras.optimizers.AdamW(0.01), "weight_decay", 0.3),
+    pytest.param(lambda: keras.optimizers.SGD(0.1), "learning_rate", 0.5, id="learning_rate"),
+    pytest.param(lambda: keras.optimizers.SGD(0.1, momentum=0.5), "momentum", 0.9, id="momentum"),
+    pytest.param(lambda: keras.optimizers.Adam(0.01), "beta_1", 0.5, id="beta_1", marks=LONG),
+    pytest.param(lambda: keras.optimizers.AdamW(0.01), "weight_decay", 0.3, id="weight_decay",
+                 marks=LONG),
 ]
 
 
 @pytest.mark.parametrize("variables", [  # the placements with one replica per tower
     "replicated", pytest.param("sharded", marks=pytest.mark.long)])
-@pytest.mark.parametrize("make,name,value", CHANGES, ids=[c[1] for c in CHANGES])
+@pytest.mark.parametrize("make,name,value", CHANGES)
 def test_a_trainers_own_optimizer_change_reaches_every_replica(
     variables: str, make: Any, name: str, value: float
 ) -> None:

@@ -2,11 +2,13 @@
 
 A small CNN on the bundled digits trains over simulated towers with ``TowerTrainer``; its
 phases are compiled one by one and timed (median of --repeats runs): forward and backward
-per tower (split by the profiler's op times), the all-reduce, and the apply. They are laid
-out as the step orders them; each all-reduce tick sits on the towers that send or receive
-in it, its length the all-reduce's time split by the bytes it moves (a model). The whole
-compiled step, measured too, is shorter than the phases end to end: pieces compiled apart
-each pay a call's overhead and cannot overlap.
+per tower (split by the profiler's op times), the all-reduce, and the apply, laid out as
+the step orders them; each all-reduce tick sits on the towers that send or receive in it.
+
+What the numbers mean: forward, backward, apply and the whole all-reduce are measured; a
+tick's length is the all-reduce's time split by the bytes each tick moves (a model);
+positions are derived. The whole compiled step, measured too, is shorter than the phases
+end to end: pieces compiled apart each pay a call's overhead and cannot overlap.
 """
 
 from __future__ import annotations
