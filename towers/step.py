@@ -12,7 +12,7 @@
 
     the wrappers fit's step passes, outermost first (_run composes them):
       relaxed batch    traced with Keras's batch unknown  compile/relaxed.py
-      deadline         if the step has one                guard/deadline.py
+      deadline         where a peer could be waited on   guard/deadline.py
       PhasedStep       towers as the caller's, update as_written*  compile/step.py
       guard's tf.cond  reduce → apply, or nothing        guard/nonfinite.py
     (* semantics="mirrored": the update under the caller's settings too)
@@ -124,11 +124,11 @@ class TowerTrainer(TrainerParts):
         return self._run(return_outputs, (check_shards(shards, self.devices, self.model),))
 
     def _run(self, outputs: bool | str, inputs: tuple[Any, ...]) -> Any:
-        """The compiled step (``outputs``: True, False or ``"relaxed"``) within its deadline
-        (if any), after following replica 0; then the guard's and replica checks."""
+        """The compiled step (``outputs``: True, False or ``"relaxed"``), under the deadline
+        where something can wait on a peer; then the guard's and replica checks."""
         self._follow()
         step = self.compiled.relaxed if isinstance(outputs, str) else self.compiled.steps[outputs]
-        result = self.deadline.run(step, inputs) if self.deadline.seconds else step(*inputs)
+        result = self.deadline.run(step, inputs) if self.timed else step(*inputs)
         if self.guard.mode == "raise":
             self.guard.raise_if_nonfinite(self.optimizer, self.devices)
         if self.replica_check.every:
@@ -213,7 +213,7 @@ class TowerTrainer(TrainerParts):
         if self.loss_scale.active:  # one flag for every replica's dynamic scale
             flag = self.loss_scale.finite(reduced.grads[0], grads_finite, self.parameter_device)
             reduced = reduced._replace(grads_finite=flag)
-        began = self.deadline.began if self.deadline.seconds else None
+        began = self.deadline.began if self.timed else None
         with tf.name_scope("apply"):
             self.guard.applied(self.replicas.state_variables(self.reducer), functools.partial(
                 _settled, reduced, self.apply, began))  # fmt: skip

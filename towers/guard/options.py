@@ -230,6 +230,7 @@ class TrainerParts:
         capabilities.check_limits(self.cell, reducer)
         seconds = o.step_timeout or getattr(reducer, "timeout_seconds", None)
         self.deadline = Deadline(seconds, algorithm_name(reducer), self.parameter_device)
+        self.timed = seconds is not None or kind not in ("registered", "ring")  # else: copies
         self.algorithm: Any = reducer
         self.replica_check = ReplicaCheck(o.check_replicas_every)
         self.reducer = as_reducer(reducer, sparse=self.sparse)
@@ -268,9 +269,8 @@ class TrainerParts:
     @property
     def last_step_stats(self) -> StepStats | None:
         """One step's communication (bytes per tower and link, ticks), counted at ``send``."""
-        if self.last_trace_stats is None:
-            return None
-        return StepStats.from_recorder(self.last_trace_stats)
+        stats = self.last_trace_stats
+        return None if stats is None else StepStats.from_recorder(stats)
 
     @property
     def on_nonfinite(self) -> str:
