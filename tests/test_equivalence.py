@@ -157,6 +157,7 @@ def _train_both_and_compare(
 @example(case=_case("conv", "rmsprop", 5, (9,), "parameter_device", 3), algorithm="naive")
 @example(case=_case("dense", "sgd", 2, (3, 1, 5), "parameter_device", 4),
          algorithm="parameter_device")
+@pytest.mark.long  # slow (>6 s): the fast suite's 10 minutes; CI's second command runs it
 def test_parameter_device_matches_central_storage_bitwise(
     case: TrainingCase, algorithm: str
 ) -> None:

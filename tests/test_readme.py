@@ -102,6 +102,7 @@ def _run(code: str) -> str:
     return done.stdout
 
 
+@pytest.mark.long  # slow (>6 s): the fast suite's 10 minutes; CI's second command runs it
 def test_the_step_page_runs_as_pasted_in_a_fresh_process() -> None:
     """docs/step.md's blocks, in order in one process: the step, its phases, tf.data."""
     code = "".join(PYTHON_BLOCK.findall((DOCS / "step.md").read_text()))

@@ -199,6 +199,7 @@ def test_skipped_step_changes_no_shard_state() -> None:
     _assert_same(reference, sharded)
 
 
+@pytest.mark.long  # slow (>6 s): the fast suite's 10 minutes; CI's second command runs it
 def test_checkpoint_round_trip_and_tower_count_refused(tmp_path: Any) -> None:
     spec = ModelSpec("dropout")
     batches = [spec.batch(9, seed=k) for k in range(3)]
@@ -237,6 +238,7 @@ def test_set_weights_steps_and_replica_check_work_sharded() -> None:
     _assert_same(reference, sharded)  # the last batch of 2 leaves towers 2 and 3 empty
 
 
+@pytest.mark.long  # slow (>6 s): the fast suite's 10 minutes; CI's second command runs it
 def test_sparse_gradients_are_densified_by_default_and_match() -> None:
     """sharded's default sparse mode is "densify" (the capability table); "gather" is
     refused at construction, before the model factory runs. Left unset with an optimizer

@@ -100,6 +100,7 @@ def test_an_optimizer_with_slots_keeps_them_for_the_layers_still_trained() -> No
     assert int(trainer.optimizer.iterations) == 3
 
 
+@pytest.mark.long  # slow (>6 s): the fast suite's 10 minutes; CI's second command runs it
 def test_unfreezing_is_followed_too() -> None:
     trainer = _trainer("replicated")
     trainer.train_step(*_batch(0))

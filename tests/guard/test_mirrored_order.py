@@ -132,6 +132,7 @@ def test_parameter_device_is_central_storage_strategys_order(kind: str, n: int) 
     _assert_bitwise(fit_pair(_devices(n), kind, variables="parameter_device"))
 
 
+@pytest.mark.long  # slow (>6 s): the fast suite's 10 minutes; CI's second command runs it
 def test_the_default_adds_in_tower_order() -> None:
     """``sequential_N`` sorts after ``replica_``: the default's tower order is not the
     strategy's (the last bits differ), while a name that sorts first is bitwise."""

@@ -70,6 +70,7 @@ def _batch(magnitude: float) -> tuple[np.ndarray, np.ndarray]:
 @settings(max_examples=examples(6), deadline=None)
 @given(kind=st.sampled_from(KINDS), scale=st.sampled_from([1.0, 10.0, 1e2]),
        variables=st.sampled_from(PLACEMENTS))  # fmt: skip
+@pytest.mark.long  # slow (>6 s): the fast suite's 10 minutes; CI's second command runs it
 def test_a_non_finite_update_changes_nothing_under_skip(kind: str, scale: float,
                                                         variables: str) -> None:  # fmt: skip
     optimizer, magnitude = _overflowing(kind, scale)

@@ -164,6 +164,7 @@ def test_a_short_last_batch_is_bitwise_on_a_wide_convnext() -> None:
     np.testing.assert_allclose(got["evaluate"][0], want["evaluate"][0], rtol=ulps, atol=0)
 
 
+@pytest.mark.long  # slow (>6 s): the fast suite's 10 minutes; CI's second command runs it
 def test_gradient_clipping_clips_the_global_gradient_as_one_device_does() -> None:
     """clipnorm / clipvalue / global_clipnorm act on the reduced gradient, so a TowerModel
     trains as one device does. Keras 3 under MirroredStrategy clips each replica's share

@@ -76,6 +76,7 @@ def _sequence_network() -> keras.Model:
     return keras.Model(inputs, keras.layers.Dense(3)(pooled))
 
 
+@pytest.mark.long  # slow (>6 s): the fast suite's 10 minutes; CI's second command runs it
 def test_sharded_fits_a_sequence_input_with_a_short_last_batch_as_replicated() -> None:
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(10, 6, 4)).astype("f4"), rng.integers(0, 3, size=10)

@@ -163,6 +163,7 @@ def test_epoch_end_checkpoints_resume_the_next_epoch_bitwise(tmp_path: Path) -> 
     assert int(fresh.optimizer.iterations) == 5
 
 
+@pytest.mark.long  # slow (>6 s): the fast suite's 10 minutes; CI's second command runs it
 def test_a_resume_inside_an_epoch_trains_only_the_rest_of_it_bitwise(tmp_path: Path) -> None:
     """A run stopped after 7 batches (a save at 6: epoch 1, batch 1) resumes at batch 1
     of epoch 1, where Keras's BackupAndRestore would start epoch 1 over (checked below)."""

@@ -149,6 +149,7 @@ def test_a_codec_with_other_settings_is_refused_though_its_state_has_the_same_sh
              "(4): restore into a trainer built with the same all-reduce and codec")  # fmt: skip
 
 
+@pytest.mark.long  # slow (>6 s): the fast suite's 10 minutes; CI's second command runs it
 def test_what_may_differ_restores(tmp_path: Path) -> None:
     """A stateless all-reduce and a parameter_device trainer's tower count may differ."""
     source = _trainer(variables="parameter_device")
