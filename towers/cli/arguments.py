@@ -19,7 +19,8 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ALGORITHMS", "CODECS", "COLLECTIVES", "DTYPES", "OPS", "REFERENCES", "Named",
+__all__ = ["ALGORITHMS", "CODECS", "COLLECTIVES", "DTYPES", "OPS", "REFERENCES", "VARIABLES",
+           "Named",
            "algorithm", "algorithm_or_collective", "algorithms", "at_least", "choices", "codec",
            "did_you_mean", "fail", "importable", "output_dir", "output_file", "positive_float",
            "spec_found", "tower_counts", "user_object"]
@@ -47,6 +48,9 @@ DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64")
 
 REFERENCES = ("mirrored", "central_storage")
 """The ``tf.distribute`` references ``towers compare`` and ``towers bisect`` may name."""
+
+VARIABLES = ("replicated", "parameter_device")
+"""The variable placements a command line may name."""
 
 
 def did_you_mean(word: str, known: Iterable[str]) -> str:

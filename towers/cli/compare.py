@@ -36,6 +36,7 @@ from typing import Any
 
 from towers.cli.arguments import (
     REFERENCES,
+    VARIABLES,
     Named,
     algorithm,
     at_least,
@@ -124,8 +125,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--bound", type=positive_float, default=None, metavar="TOL",
         help="a tolerance per element (needed for optimizers other than plain SGD between "
         "steps that are not both towers trainers)")
-    add("--variables", choices=("replicated", "parameter_device"), default="replicated",
-        help="placement of towers runs")
+    add("--variables", choices=VARIABLES, default="replicated", help="placement of towers runs")
     add_problem_arguments(parser)
 
 

@@ -14,7 +14,14 @@ from __future__ import annotations
 
 import argparse
 
-from towers.cli.arguments import algorithm, fail, positive_float, tower_counts, user_object
+from towers.cli.arguments import (
+    VARIABLES,
+    algorithm,
+    fail,
+    positive_float,
+    tower_counts,
+    user_object,
+)
 from towers.cli.compare import add_problem_arguments, exit_code, load_problem
 
 __all__ = ["EPILOG", "add_arguments", "run"]
@@ -33,8 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="tower counts; the first is the reference")
     add("--algorithm", type=algorithm, default="ring",
         help="a registered name, module:function or file.py:function")
-    add("--variables", choices=("replicated", "parameter_device"), default="replicated",
-        help="placement")
+    add("--variables", choices=VARIABLES, default="replicated", help="placement")
     add("--step", type=user_object("step factory"), default=None, metavar="MODULE:FACTORY",
         help="check your step instead: factory(model_fn, optimizer_fn, loss, devices) is "
         "called once per tower count")

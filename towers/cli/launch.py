@@ -26,14 +26,12 @@ EPILOG = """examples:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``towers launch``."""
     add = parser.add_argument
-    add("--workers", type=at_least(1), default=2, help="worker tasks (default 2)")
-    add("--towers-per-worker", type=at_least(1), default=1,
-        help="logical devices each task simulates (default 1)")
-    add("--ps", type=at_least(0), default=0, help="parameter-server tasks (default 0)")
+    add("--workers", type=at_least(1), default=2, help="worker tasks")
+    add("--towers-per-worker", type=at_least(1), default=1, help="logical devices per task")
+    add("--ps", type=at_least(0), default=0, help="parameter-server tasks")
     add("--timeout", type=positive_float, default=None,
         help="seconds before every task is killed (exit 124)")
-    add("--failure-grace", type=float, default=0.0,
-        help="seconds the other tasks may run on after one failed (default 0)")
+    add("--failure-grace", type=float, default=0.0, help="seconds the rest run after a failure")
     add("command", nargs=argparse.REMAINDER, help="after --: the program and its arguments")
 
 

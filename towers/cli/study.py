@@ -68,18 +68,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("reducers", nargs="*", metavar="REDUCER", type=reducer,
         default=["ring", "fp16", "topk(0.1)", "powersgd(4)"],
         help='what to compare (default: ring fp16 "topk(0.1)" "powersgd(4)")')
-    add("--towers", type=at_least(2), default=4, help="simulated devices, at least 2 (default 4)")
+    add("--towers", type=at_least(2), default=4, help="simulated devices, at least 2")
     add("--model", choices=("cnn", "mlp"), default="cnn",
         help="cnn (the digits CNN, default) or mlp (64-32-10)")
-    add("--epochs", type=at_least(1), default=1, help="epochs (default 1)")
-    add("--batch", type=at_least(1), default=64, help="global batch size (default 64)")
-    add("--lr", type=positive_float, default=3e-3, help="Adam learning rate (default 3e-3)")
+    add("--epochs", type=at_least(1), default=1, help="epochs")
+    add("--batch", type=at_least(1), default=64, help="global batch size")
+    add("--lr", type=positive_float, default=3e-3, help="Adam learning rate")
     add("--steps", type=at_least(1), default=None,
         help="stop each run after this many steps (default: every epoch)")
-    add("--eval-every", type=at_least(1), default=1,
-        help="test accuracy every this many steps (default 1)")
-    add("--out", default="study", metavar="PREFIX",
-        help="writes PREFIX.csv and PREFIX.png (default study)")
+    add("--eval-every", type=at_least(1), default=1, help="test accuracy every this many steps")
+    add("--out", default="study", metavar="PREFIX", help="writes PREFIX.csv and PREFIX.png")
 
 
 def usage_problem(args: argparse.Namespace) -> str | None:

@@ -17,7 +17,7 @@ import argparse
 import json
 import sys
 
-from towers.cli.arguments import algorithm, at_least, fail, output_file
+from towers.cli.arguments import VARIABLES, algorithm, at_least, fail, output_file
 
 __all__ = ["EPILOG", "add_arguments", "run", "usage_problem"]
 
@@ -38,8 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--towers", type=at_least(1), default=4, help="simulated devices")
     add("--algorithm", type=algorithm, default="ring",
         help="a registered name or module:function")
-    add("--variables", default="replicated", choices=("replicated", "parameter_device"),
-        help="variable placement")
+    add("--variables", default="replicated", choices=VARIABLES, help="variable placement")
     add("--batch-size", type=at_least(1), default=64,
         help="global batch, at least one example per tower")
     add("--repeats", type=at_least(1), default=5,

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from towers.cli.arguments import algorithm, at_least, codec, fail, positive_float
+from towers.cli.arguments import VARIABLES, algorithm, at_least, codec, fail, positive_float
 
 __all__ = ["add_arguments", "run"]
 
@@ -23,18 +23,17 @@ _EXACT_ORDER = ("naive", "parameter_device")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``towers train``."""
     add = parser.add_argument
-    add("--towers", type=at_least(1), default=4, help="simulated devices (default 4)")
+    add("--towers", type=at_least(1), default=4, help="simulated devices")
     add("--algorithm", type=algorithm, default="naive",
-        help="all-reduce: a registered name (default naive) or module:NAME")
+        help="all-reduce: a registered name or module:NAME")
     add("--codec", type=codec, default=None,
         help="compress the gradients with this codec over --algorithm: a registered name "
         "(fp16, bf16, topk, powersgd, identity) or module:NAME")
-    add("--variables", default="replicated", choices=("replicated", "parameter_device"),
-        help="variable placement (default replicated)")
-    add("--epochs", type=at_least(1), default=6, help="epochs (default 6)")
-    add("--batch-size", type=at_least(1), default=64, help="global batch (default 64)")
-    add("--lr", type=positive_float, default=3e-3, help="Adam learning rate (default 3e-3)")
-    add("--seed", type=at_least(0), default=0, help="seed for weights and shuffling (default 0)")
+    add("--variables", default="replicated", choices=VARIABLES, help="variable placement")
+    add("--epochs", type=at_least(1), default=6, help="epochs")
+    add("--batch-size", type=at_least(1), default=64, help="global batch")
+    add("--lr", type=positive_float, default=3e-3, help="Adam learning rate")
+    add("--seed", type=at_least(0), default=0, help="seed for weights and shuffling")
     add("--reference", default="auto",
         choices=("auto", "collective", "reduction_to_one_device", "none"),
         help="MirroredStrategy cross-device ops to compare against (default auto: the one "
