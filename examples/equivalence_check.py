@@ -4,7 +4,7 @@ What it teaches: how to prove a hand-built data-parallel step computes what
 ``tf.distribute`` computes. ``towers.TowerTrainer`` with ``all_reduce="naive"``
 adds the towers' gradients left to right on tower 0, the order MirroredStrategy's
 ``ReductionToOneDevice`` uses, so after the same batches every weight is
-*bitwise* equal, provided both run inside ``towers.compile.ordering.as_written()``
+*bitwise* equal, provided both run inside ``towers.allreduce.as_written()``
 (which
 stops Grappler from reordering additions). The per-weight report gives the max
 abs error and ULP distance, so a failure shows at once whether it is rounding
@@ -43,7 +43,7 @@ def main() -> None:
     import keras
 
     from reference import MirroredTrainer
-    from towers.compile.ordering import as_written
+    from towers.allreduce import as_written
     from towers.testing import assert_weights_close, weight_report
     from towers.training.data import batches, digits
 

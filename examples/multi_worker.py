@@ -201,8 +201,8 @@ def run(args, devices, workers: int, worker: int, strategy) -> None:  # type: ig
     """Train both, print each step's losses and the weight difference with its bound."""
     import numpy as np
 
+    from towers.allreduce import as_written
     from towers.cluster.trainer import worker_slice
-    from towers.compile.ordering import as_written
     from towers.split import shard_sizes
     from towers.training.data import batches, digits
 

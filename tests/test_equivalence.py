@@ -1,6 +1,6 @@
 """The central property: towers trains exactly what tf.distribute trains.
 
-Both sides run :func:`towers.compile.ordering.as_written` (Grappler's arithmetic
+Both sides run :func:`towers.allreduce.as_written` (Grappler's arithmetic
 rewrites off):
 Grappler reorders additions differently in the two graphs (measured: 2 ULPs at 6 towers,
 and it absorbed the reference's replica-0 gradient ``AddN`` into its reduction), so
@@ -59,8 +59,8 @@ from tests.strategies import (
     no_empty_shards,
     training_cases,
 )
+from towers.allreduce import as_written
 from towers.allreduce.bucketed import bucketed
-from towers.compile.ordering import as_written
 from towers.testing import (
     ModelSpec,
     assert_weights_close,

@@ -39,8 +39,8 @@ from hypothesis import strategies as st
 import towers
 from reference import MirroredTrainer
 from tests.conftest import DEVICES, examples
+from towers.allreduce import as_written
 from towers.allreduce.naive import naive_all_reduce
-from towers.compile.ordering import as_written
 from towers.guard.errors import NonFiniteError
 from towers.split import shard_sizes
 from towers.testing import assert_weights_close, gamma, sgd_step_bound

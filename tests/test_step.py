@@ -266,7 +266,7 @@ def _run_phases(trainer: towers.TowerTrainer, batch: tuple, mode: str) -> float:
     defaults and only reduce and apply ``as_written()``."""
     import tensorflow as tf
 
-    from towers.compile.ordering import as_written
+    from towers.allreduce import as_written
 
     def wrap(fn):  # type: ignore[no-untyped-def]
         return fn if mode == "eager" else tf.function(fn, autograph=False)

@@ -18,8 +18,7 @@ import pytest
 import towers
 from reference import MirroredTrainer
 from tests.conftest import DEVICES
-from towers.allreduce import ALGORITHMS
-from towers.compile.ordering import as_written
+from towers.allreduce import ALGORITHMS, as_written
 from towers.testing import (
     ModelSpec,
     assert_weights_close,

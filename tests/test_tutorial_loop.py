@@ -9,7 +9,7 @@ step: towers divides the towers' per-example sums by the global batch too.
 The strategy here adds the replicas' gradients with ``ReductionToOneDevice`` (``add_n`` on
 device 0, replica order), and the trainer with ``naive`` (left to right in tower order on
 one device), so the same values meet in the same order: both steps run under
-:func:`~towers.compile.ordering.as_written` (Grappler's reordering off), and
+:func:`~towers.allreduce.as_written` (Grappler's reordering off), and
 the weights must come out bitwise equal, on an uneven batch (10 over 4: [3, 3, 3, 1]).
 """
 
@@ -22,7 +22,7 @@ import tensorflow as tf
 
 import towers
 from tests.conftest import DEVICES
-from towers.compile.ordering import as_written
+from towers.allreduce import as_written
 
 GLOBAL_BATCH = 10
 

@@ -30,8 +30,8 @@ from typing import Any, ClassVar, NamedTuple
 import keras
 import tensorflow as tf
 
+from towers.allreduce.machinery.base import replica_scope
 from towers.allreduce.machinery.primitives import StepStats, send
-from towers.compile.ordering import replica_scope
 from towers.compile.step import CompiledStep
 from towers.guard.inputs import check_shards
 from towers.guard.options import TrainerParts

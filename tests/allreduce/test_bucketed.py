@@ -28,10 +28,9 @@ from reference import MirroredTrainer
 from tests.allreduce.machinery.test_primitives import assert_matches_reference, place
 from tests.conftest import DEVICES
 from tests.strategies import OPTIMIZERS
-from towers.allreduce import naive, ring
+from towers.allreduce import as_written, naive, ring
 from towers.allreduce.bucketed import Layout, bucketed, pack, plan, unpack
 from towers.allreduce.machinery.primitives import record
-from towers.compile.ordering import as_written
 from towers.devices import canonical_device
 from towers.testing import (
     ModelSpec,

@@ -11,7 +11,7 @@ import tensorflow as tf
 
 import towers
 from tests.conftest import DEVICES
-from towers.compile.ordering import as_written
+from towers.allreduce import as_written
 
 NAMES = sorted(towers.ALGORITHMS)
 

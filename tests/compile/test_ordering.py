@@ -24,7 +24,7 @@ import tensorflow as tf
 import towers
 from reference import MirroredTrainer
 from tests.conftest import DEVICES
-from towers.compile.ordering import REWRITES, as_written
+from towers.allreduce.machinery.base import REWRITES, as_written
 from towers.compile.step import PhasedStep, nests
 
 

@@ -114,7 +114,7 @@ def test_the_default_semantics_applies_as_written() -> None:
 def test_the_apply_takes_the_callers_settings() -> None:
     """What the mirrored apply compiles under: the settings outside towers' own
     ``as_written()`` (Grappler's defaults, or off inside a caller's ``as_written()``)."""
-    from towers.compile.ordering import REWRITES, as_written, callers_rewrites
+    from towers.allreduce.machinery.base import REWRITES, as_written, callers_rewrites
 
     defaults = {name: None for name in REWRITES}
     assert callers_rewrites() == defaults

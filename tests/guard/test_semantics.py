@@ -22,7 +22,7 @@ import towers
 from examples.custom_loop_tutorial import towers_step, tutorial_batches, your_step
 from reference import MirroredTrainer
 from tests.conftest import DEVICES
-from towers.compile.ordering import as_written
+from towers.allreduce import as_written
 from towers.guard.options import TowerOptions
 from towers.guard.semantics import check_constant, check_semantics
 from towers.testing import ModelSpec, compare, loss_fn

@@ -32,13 +32,12 @@ import tensorflow as tf
 
 import towers
 from tests.conftest import DEVICES
-from towers.allreduce import compressed
+from towers.allreduce import as_written, compressed
 from towers.allreduce.codecs import topk
 from towers.allreduce.compressed import Compressed
 from towers.allreduce.machinery.base import StatefulReducer
 from towers.allreduce.naive import naive
 from towers.allreduce.powersgd import powersgd
-from towers.compile.ordering import as_written
 from towers.guard.errors import NonFiniteError
 
 CODECS: dict[str, Callable[[], Any]] = {"powersgd": lambda: powersgd(1), "topk": lambda: topk(0.25)}

@@ -30,6 +30,7 @@ from towers.allreduce.machinery.base import (
     OPS,
     AllReduce,
     GradientReducer,
+    as_written,
     check_scale,
     check_values,
     combine,
@@ -61,12 +62,12 @@ from towers.guard.arguments import check_choice
 
 __all__ = ["ALGORITHMS", "CODECS", "COLLECTIVE_ALGORITHMS", "OPS", "Algorithm", "AllReduce",
            "Configured", "GradientReducer", "Record", "Recorder", "Registry", "Transfer",
-           "all_gather", "all_reduce", "all_to_all", "bf16", "broadcast", "bruck", "bucketed",
-           "check_values", "combine", "compressed", "double_binary_tree", "finish", "fp16", "get",
-           "grouped", "halving_doubling", "hierarchical", "naive", "nccl", "nccl_ring", "nccl_tree",
-           "noop", "pack", "parameter_device", "pat", "powersgd", "record", "reduce_scatter",
-           "register", "register_codec", "ring", "run_schedule", "scheduled", "send", "swing",
-           "topk", "torus_2d", "tree", "unpack"]
+           "all_gather", "all_reduce", "all_to_all", "as_written", "bf16", "broadcast", "bruck",
+           "bucketed", "check_values", "combine", "compressed", "double_binary_tree", "finish",
+           "fp16", "get", "grouped", "halving_doubling", "hierarchical", "naive", "nccl",
+           "nccl_ring", "nccl_tree", "noop", "pack", "parameter_device", "pat", "powersgd",
+           "record", "reduce_scatter", "register", "register_codec", "ring", "run_schedule",
+           "scheduled", "send", "swing", "topk", "torus_2d", "tree", "unpack"]
 
 
 def all_reduce(

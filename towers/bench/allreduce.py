@@ -19,9 +19,9 @@ from tensorflow.python.distribute import values as values_lib
 
 from reference.mirrored import collective_all_reduce
 from towers import allreduce
+from towers.allreduce.machinery.base import as_written
 from towers.bench import costmodel, report
 from towers.bench.report import Samples, interleave, load_average, num, text
-from towers.compile.ordering import as_written
 from towers.devices import canonical_device
 
 __all__ = ["QUICK_SIZES", "SIZES", "Compiled", "Contender", "calls_per_sample", "contenders",

@@ -20,9 +20,9 @@ from typing import Any
 import tensorflow as tf
 from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
+from towers.allreduce.machinery.base import scoped_tower
 from towers.bench import report
 from towers.bench.training import MODELS, named_steps
-from towers.compile.ordering import scoped_tower
 
 __all__ = ["PHASES", "phase_of", "phase_profile", "run_phases", "section", "table"]
 

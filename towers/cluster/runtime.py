@@ -26,9 +26,9 @@ from tensorflow.core.protobuf import rewriter_config_pb2, tensorflow_server_pb2
 from tensorflow.python.eager import context
 from tensorflow.python.ops import collective_ops
 
+from towers.allreduce.machinery.base import REWRITES
 from towers.allreduce.machinery.tf_collective_ops import shared_keys
 from towers.cluster.spec import Cluster, resolve, towers_per_task
-from towers.compile.ordering import REWRITES
 from towers.devices import set_local_task
 from towers.guard.arguments import positive_float, positive_int
 from towers.guard.deadline import watched

@@ -17,7 +17,7 @@
     (RelaxedBatch) as Keras traces its own ``train_function``.
 
 Grappler's arithmetic optimizer and constant folding reorder sums
-(:mod:`towers.compile.ordering`), so the reduction always runs as written, and
+(:mod:`towers.allreduce.machinery.base`), so the reduction always runs as written, and
 the update too unless ``semantics="mirrored"`` (:func:`towers.guard.semantics.strategy_rewrites`);
 the towers' kernels compile under the caller's settings by default, which
 makes their gradients MirroredStrategy's bitwise on real Keras models (docs/bounds.md).
@@ -32,8 +32,8 @@ import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
 
+from towers.allreduce.machinery.base import as_written
 from towers.allreduce.machinery.primitives import Recorder, record
-from towers.compile.ordering import as_written
 from towers.compile.relaxed import RelaxedBatch
 from towers.split import concat
 from towers.tower import Gradients, TowerResult

@@ -39,8 +39,8 @@ from typing import Any
 
 import tensorflow as tf
 
+from towers.allreduce.machinery.base import callers_rewrites, rewrites
 from towers.allreduce.machinery.registry import record_of
-from towers.compile.ordering import callers_rewrites, rewrites
 
 __all__ = ["CLIPS", "ORDERED_SUMS", "SEMANTICS", "check_constant", "check_semantics",
            "clip_share", "in_mirrored_order", "mirrored_order", "strategy_rewrites",

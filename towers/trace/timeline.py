@@ -16,9 +16,9 @@ from typing import Any, NamedTuple
 import keras
 import tensorflow as tf
 
+from towers.allreduce.machinery.base import as_written
 from towers.allreduce.machinery.primitives import BOOKKEEPING_NOTES, Transfer, record
 from towers.allreduce.machinery.resolve import get
-from towers.compile.ordering import as_written
 from towers.step import TowerTrainer
 from towers.trace.measured import OpEvent, profile_step, split_compute
 from towers.trace.table import assign_ticks

@@ -41,8 +41,7 @@ from typing import Any
 import tensorflow as tf
 from tensorflow.python.ops import collective_ops
 
-from towers.allreduce.machinery.base import check_values
-from towers.compile.ordering import as_written
+from towers.allreduce.machinery.base import as_written, check_values
 from towers.devices import canonical_device
 from towers.guard.deadline import watched
 

@@ -22,7 +22,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from towers.compile.ordering import as_written
+from towers.allreduce.machinery.base import as_written
 from towers.devices import simulate_devices
 from towers.guard.arguments import check_choice, positive_float, positive_int
 from towers.step import TowerTrainer
