@@ -88,10 +88,6 @@ class Placement:
         """The device of each replica (default: one per tower)."""
         return list(devices)
 
-    def replica_of(self, tower: int) -> int:
-        """The replica whose weights tower ``tower`` reads (default: its own)."""
-        return tower
-
 
 class ParameterDevice(Placement):
     """One copy on the parameter device (CentralStorageStrategy's layout)."""
@@ -100,9 +96,6 @@ class ParameterDevice(Placement):
 
     def homes(self, devices: Sequence[str], parameter_device: str) -> list[str]:
         return [parameter_device]
-
-    def replica_of(self, tower: int) -> int:
-        return 0
 
     def reduce(self, reducer: Any, grads: list[list[Any]]) -> list[list[Any]]:
         # Every output holds the same sum; the unused copies are pruned from the graph.
@@ -185,8 +178,8 @@ class Replicas(list[Replica]):
         self.placement = placement
 
     def replica_of(self, tower: int) -> Replica:
-        """The replica whose weights tower ``tower`` reads."""
-        return self[self.placement.replica_of(tower)]
+        """The replica whose weights tower ``tower`` reads: the only one, or its own."""
+        return self[0] if len(self) == 1 else self[tower]
 
     def read(self, tower: int, device: str) -> tuple[list[tf.Tensor], list[tf.Tensor]]:
         """Tower ``tower``'s trainable and non-trainable values, on ``device``."""

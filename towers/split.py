@@ -130,23 +130,18 @@ class Shards(NamedTuple):
         return [tf.TensorShape(tf.nest.flatten(p[0])[0].shape)[0] for p in self.parts]
 
 
-def _leading_dims(name: str, structure: Any) -> set[int]:
-    """Static leading dimensions of every tensor in ``structure`` (unknown ones skipped)."""
-    dims: set[int] = set()
-    for t in tf.nest.flatten(structure):
-        shape = tf.TensorShape(getattr(t, "shape", np.shape(t)))
-        if shape.rank == 0:
-            raise ValueError(f"{name} has a scalar where a batch was expected")
-        if shape.rank is not None and shape[0] is not None:
-            dims.add(int(shape[0]))
-    return dims
-
-
 def check_batch(x: Any, y: Any, sample_weight: Any, *, allow_empty: bool = False) -> None:
     """Check that ``x``, ``y`` and ``sample_weight`` share a batch size, non-zero unless
     ``allow_empty`` (a ``ValueError`` when they disagree, a part is a scalar or it is empty)."""
     parts = {"x": x, "y": y, "sample_weight": sample_weight}
-    dims = {k: _leading_dims(k, v) for k, v in parts.items() if v is not None}
+    dims: dict[str, set[int]] = {}  # static leading dimensions (unknown ones skipped)
+    for name, part in parts.items():
+        for t in [] if part is None else tf.nest.flatten(part):
+            shape = tf.TensorShape(getattr(t, "shape", np.shape(t)))
+            if shape.rank == 0:
+                raise ValueError(f"{name} has a scalar where a batch was expected")
+            known = shape.rank is not None and shape[0] is not None
+            dims.setdefault(name, set()).update([int(shape[0])] if known else [])
     all_sizes = set().union(*dims.values())
     if len(all_sizes) > 1:
         detail = ", ".join(f"{k}: {sorted(v)}" for k, v in dims.items())
@@ -180,21 +175,13 @@ def _leaf_dtype_and_shape(name: str, leaf: Any) -> tuple[tf.DType | np.dtype, tu
     return array.dtype, array.shape
 
 
-def _dtype_kind(dtype: Any) -> str:
-    """A NumPy-style kind letter for a NumPy or TensorFlow dtype."""
-    if isinstance(dtype, tf.DType):
-        if dtype == tf.string:
-            return "S"
-        if dtype.is_bool:
-            return "b"
-        if dtype.is_integer:
-            return "i"
-        return "f" if dtype.is_floating else "c" if dtype.is_complex else "O"
-    return str(np.dtype(dtype).kind)
-
-
 def _check_dtype(name: str, dtype: Any, allow_strings: bool = False) -> None:
-    kind = _dtype_kind(dtype)
+    """Refuse a NumPy or TensorFlow dtype that is not numeric (strings where allowed)."""
+    if isinstance(dtype, tf.DType):  # a NumPy-style kind letter
+        kind = ("S" if dtype == tf.string else "b" if dtype.is_bool else "i" if dtype.is_integer
+                else "f" if dtype.is_floating else "O")  # fmt: skip
+    else:
+        kind = str(np.dtype(dtype).kind)
     if kind in "SU" and allow_strings:
         return
     if kind not in _NUMERIC:
@@ -328,10 +315,9 @@ def shard_batch(x: Any, y: Any, sample_weight: Any, n: int) -> Shards:
         pieces = split(present, n)
     else:
         bounds = np.cumsum([0, *_sizes(int(static), n)])
-        pieces = [
-            tf.nest.map_structure(lambda t, a=a, b=b: t[a:b], present)
-            for a, b in itertools.pairwise(bounds)
-        ]
+        leaves = tf.nest.flatten(present)
+        pieces = [tf.nest.pack_sequence_as(present, [t[a:b] for t in leaves])
+                  for a, b in itertools.pairwise(bounds)]  # fmt: skip
     parts: list[Batch] = []
     for piece in pieces:
         it = iter(piece)
@@ -342,8 +328,9 @@ def shard_batch(x: Any, y: Any, sample_weight: Any, n: int) -> Shards:
 
 def concat(parts: list[Any], device: str) -> Any:
     """Undo a split: concatenate per-tower outputs on ``device``, in tower order."""
+    columns = zip(*(tf.nest.flatten(p) for p in parts))  # each leaf, in tower order
     with tf.device(device):
-        return tf.nest.map_structure(lambda *t: tf.concat(t, 0), *parts)
+        return tf.nest.pack_sequence_as(parts[0], [tf.concat(c, 0) for c in columns])
 
 
 PIPELINES = ("multi_device", "per_device")

@@ -27,7 +27,6 @@ import functools
 from collections.abc import Sequence
 from typing import Any, ClassVar, NamedTuple
 
-import keras
 import tensorflow as tf
 
 from towers.allreduce.machinery.base import replica_scope
@@ -36,7 +35,7 @@ from towers.compile.step import CompiledStep
 from towers.guard.inputs import check_shards
 from towers.guard.options import TrainerParts
 from towers.guard.semantics import clip_share, strategy_rewrites, unclipped
-from towers.placement import PLACEMENTS, Replica, check_devices, combine_non_trainable
+from towers.placement import PLACEMENTS, check_devices, combine_non_trainable
 from towers.split import Shards, batch_tensors, relaxes, shard_batch
 from towers.tower import Gradients, TowerResult, empty_tower_step, loss_divisor, tower_divisor
 from towers.tower import tower_step as run_tower
@@ -68,24 +67,14 @@ class TowerTrainer(TrainerParts):
         devices: the towers' devices (default: every local logical device).
         **options: :class:`~towers.guard.options.TowerOptions` (:attr:`options`), checked
             with their combination against the capability table before anything is built.
+
+    Attributes:
+        model: the trained model (the parameter-device copy, or tower 0's replica).
+        optimizer: its optimizer.
     """
 
     batch_is_global: ClassVar[bool] = True
     """``train_step`` takes the global batch (``WorkerTrainer``: one worker's part)."""
-
-    @property
-    def model(self) -> keras.Model:
-        """The trained model (the parameter-device copy, or tower 0's replica)."""
-        return self.replicas[0].model
-
-    @property
-    def optimizer(self) -> keras.optimizers.Optimizer:
-        """The optimizer of :attr:`model`."""
-        return self.replicas[0].optimizer
-
-    def replica_of(self, tower: int) -> Replica:
-        """The replica whose weights tower ``tower`` reads."""
-        return self.replicas[self.placement.replica_of(tower)]
 
     def train_step(self, x: Any, y: Any, sample_weight: Any = None, *,
                    return_outputs: bool = False) -> Any:  # fmt: skip
@@ -98,7 +87,7 @@ class TowerTrainer(TrainerParts):
             NonFiniteError, StepTimeout, ReplicaMismatchError: ``on_nonfinite="raise"``,
                 ``step_timeout``, ``check_replicas_every``.
         """
-        return self._run(return_outputs, self._inputs(x, y, sample_weight))
+        return self._run(return_outputs, batch_tensors(x, y, sample_weight, self.model))
 
     def train_step_as_keras(self, x: Any, y: Any, sample_weight: Any, *,
                             batch_unknown: bool) -> Any:  # fmt: skip
@@ -106,7 +95,7 @@ class TowerTrainer(TrainerParts):
         with the batch dimension unknown when Keras's is (unless a tower would be empty)."""
         if batch_unknown is not True and batch_unknown is not False:
             raise TypeError(f"batch_unknown must be True or False, got {batch_unknown!r}")
-        inputs = self._inputs(x, y, sample_weight)
+        inputs = batch_tensors(x, y, sample_weight, self.model)
         relax = self.batch_is_global and relaxes(batch_unknown, inputs[0], len(self.devices))
         return self._run("relaxed" if relax else True, inputs)
 
@@ -137,7 +126,7 @@ class TowerTrainer(TrainerParts):
 
     def split(self, x: Any, y: Any, sample_weight: Any = None) -> Shards:
         """Phase 1: one shard per tower (MirroredStrategy's split of the global batch)."""
-        return shard_batch(*self._inputs(x, y, sample_weight), len(self.devices))
+        return shard_batch(*batch_tensors(x, y, sample_weight, self.model), len(self.devices))
 
     def forward_backward(self, shards: Shards) -> Gradients:
         """Phase 2: every tower's forward and backward pass on its shard, on its device
@@ -153,7 +142,7 @@ class TowerTrainer(TrainerParts):
             if i in ran:
                 results.append(ran[i])
                 continue
-            replica = self.replica_of(i)
+            replica = self.replicas.replica_of(i)
             trainable, frozen = self.replicas.read(i, device)
             results.append(empty_tower_step(
                 self.model, trainable, frozen, template=ran[min(ran)],
@@ -180,7 +169,8 @@ class TowerTrainer(TrainerParts):
             divisor = self.loss_divisor(shards)
         part, n = shards.parts[tower], len(self.devices)
         divisor = tower_divisor(self.divisor_rule, divisor, part, n)
-        device, replica, scale = self.devices[tower], self.replica_of(tower), self.loss_scale
+        device, scale = self.devices[tower], self.loss_scale
+        replica = self.replicas.replica_of(tower)
         with replica_scope(tower):  # MirroredStrategy's names: Grappler reads them
             trainable, frozen = self.replicas.read(tower, device)
             return run_tower(
@@ -227,7 +217,7 @@ class TowerTrainer(TrainerParts):
         shares = grads.grads
         for i, device in enumerate(self.devices if mirrored else ()):  # clipped, as Keras 3
             with tf.device(device):
-                shares[i] = clip_share(self.replica_of(i).optimizer, shares[i])
+                shares[i] = clip_share(self.replicas.replica_of(i).optimizer, shares[i])
         casts = self.loss_scale.casts  # else the wire carries the variables' dtypes
         summed = self.placement.reduce(self.reducer, self.loss_scale.to_wire(shares) if casts
                                        else shares)  # fmt: skip
@@ -269,9 +259,6 @@ class TowerTrainer(TrainerParts):
                     value = send(value, replica.device, note="state")
                     var.assign(value if applied is None else tf.where(applied, value, var.value))
 
-    def _inputs(self, x: Any, y: Any, sample_weight: Any) -> tuple[Any, Any, Any]:
-        return batch_tensors(x, y, sample_weight, self.model)
-
     def _follow(self) -> None:
         """Replica 0's trainable flags and hyperparameters reach every replica (may retrace)."""
         if self.trainable_watch.changed(self.replicas):
@@ -282,7 +269,8 @@ class TowerTrainer(TrainerParts):
     def step_function(self, x: Any, y: Any, sample_weight: Any = None) -> Any:
         """The step traced for this input signature as one ``ConcreteFunction``."""
         self._follow()
-        return self.compiled.whole[False].get_concrete_function(*self._inputs(x, y, sample_weight))
+        return self.compiled.whole[False].get_concrete_function(
+            *batch_tensors(x, y, sample_weight, self.model))
 
 
 def _apply_gradients(optimizer: Any, grads: list[Any], variables: list[Any]) -> None:

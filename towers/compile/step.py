@@ -77,31 +77,31 @@ class CompiledStep:
         return PhasedStep(functools.partial(self.forward, outputs=outputs), self.update,
                           with_outputs=outputs, nested=self.nested)  # fmt: skip
 
-    def _phases(self, inputs: tuple[Any, ...]) -> Gradients:
-        self.trainer.trace_count += 1
+    def _phases(self, inputs: tuple[Any, ...], outputs: bool) -> tuple[Gradients, Any]:
+        """Split and forward_backward; the towers' outputs concatenated (or None)."""
+        trainer = self.trainer
+        trainer.trace_count += 1
         with tf.name_scope("split"):  # name scopes: the profiler's phases (bench.phases)
-            shards = inputs[0] if len(inputs) == 1 else self.trainer.split(*inputs)
-        return self.trainer.forward_backward(shards)
-
-    def _outputs(self, grads: Gradients) -> Any:
-        return concat([r.outputs for r in grads.towers], self.trainer.parameter_device)
+            shards = inputs[0] if len(inputs) == 1 else trainer.split(*inputs)
+        grads = trainer.forward_backward(shards)
+        if not outputs:
+            return grads, None
+        return grads, concat([r.outputs for r in grads.towers], trainer.parameter_device)
 
     def run_whole(self, *inputs: Any, outputs: bool) -> Any:
         """The four phases in one graph: ``(x, y, w)`` or ``(shards,)`` in, the loss out."""
         with record() as recorder:
-            grads = self._phases(inputs)
+            grads, concatenated = self._phases(inputs, outputs)
             with tf.name_scope("guard"):
                 loss = self.trainer.reduce_and_apply(grads)
-            result = (loss, self._outputs(grads)) if outputs else loss
         self.trainer.last_trace_stats = recorder
-        return result
+        return (loss, concatenated) if outputs else loss
 
     def forward(self, *inputs: Any, outputs: bool) -> tuple[Gradients, Any]:
         """:class:`PhasedStep`'s forward: split and forward_backward. The towers' model
         outputs are not handed over (every tensor crossing into the update costs its call)."""
         with record() as recorder:
-            grads = self._phases(inputs)
-            concatenated = self._outputs(grads) if outputs else None
+            grads, concatenated = self._phases(inputs, outputs)
         self.forward_stats = recorder
         return Gradients(tuple(_unchanged_as_none(r)._replace(outputs=None)
                                for r in grads.towers)), concatenated  # fmt: skip
@@ -112,7 +112,7 @@ class CompiledStep:
         variables = trainer.model.trainable_variables
         with tf.name_scope("forward_backward"):  # the towers' results, handed over (profiler)
             handed = Gradients(tuple(
-                _none_as_unchanged(r, trainer.replica_of(i))._replace(grads=[
+                _none_as_unchanged(r, trainer.replicas.replica_of(i))._replace(grads=[
                     _static_dense_shape(g, v) for g, v in zip(r.grads, variables)])
                 for i, r in enumerate(grads.towers)
             ))  # fmt: skip

@@ -146,18 +146,8 @@ def gather_codes(towers: Sequence[Any], devices: Sequence[str], device: str,
             return tf.stack(codes)
 
     with tf.device(device):
-        return tf.cond(tf.math.is_finite(total), lambda: tf.zeros([len(towers)], tf.int32), exact)
-
-
-def _resource(v: Any) -> tf.Variable:
-    """The ``tf.Variable`` behind a Keras variable (or ``v`` itself)."""
-    inner = getattr(v, "value", v)
-    return inner if isinstance(inner, tf.Variable) else v
-
-
-def _count(codes: tf.Tensor, bits: int) -> tf.Tensor:
-    """How many towers' codes have any of ``bits`` (float32: summed across processes)."""
-    return tf.reduce_sum(tf.cast(tf.not_equal(tf.bitwise.bitwise_and(codes, bits), 0), tf.float32))
+        return tf.cond(tf.math.is_finite(total),
+                       functools.partial(tf.zeros, [len(towers)], tf.int32), exact)
 
 
 class Guard:
@@ -204,8 +194,12 @@ class Guard:
         if self.mode == "ignore":
             return update(None)
         gathered = gather_codes(towers, devices, self.device, reduced, central)
-        with tf.device(self.device):
-            counts = tf.stack([_count(gathered, self.fatal), _count(gathered, _GRADIENTS)])
+        with tf.device(self.device):  # towers with a fatal bit, with a gradient bit (float32:
+            # summed across processes)
+            counts = tf.stack([
+                tf.reduce_sum(tf.cast(tf.not_equal(tf.bitwise.bitwise_and(gathered, bits), 0),
+                                      tf.float32))
+                for bits in (self.fatal, _GRADIENTS)])
         if self.agree is not None:
             counts = self.agree(counts)
         with tf.device(self.device):
@@ -232,7 +226,9 @@ class Guard:
             apply()
             return
         self._updated = [getattr(v, "path", None) or v.name for v in variables]
-        variables = [_resource(v) for v in variables]
+        # the tf.Variable behind a Keras variable
+        variables = [v.value if isinstance(getattr(v, "value", None), tf.Variable) else v
+                     for v in variables]
         before = [v.read_value() for v in variables]
         with tf.control_dependencies(before):
             apply()
@@ -265,7 +261,7 @@ class Guard:
                                    for i in where])  # fmt: skip
                 first = tf.gather(tf.constant(where, tf.int32),
                                   tf.argmin(tf.cast(finite, tf.int32)))  # fmt: skip
-                return tf.cond(tf.reduce_all(finite), kept, lambda: restore(first))
+                return tf.cond(tf.reduce_all(finite), kept, functools.partial(restore, first))
 
         if not sums:
             return

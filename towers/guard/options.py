@@ -236,6 +236,8 @@ class TrainerParts:
         self.reducer = as_reducer(reducer, sparse=self.sparse)
         self.replicas: Replicas = place(self.placement, model, optimizer, self.devices,
                                         self.parameter_device)  # fmt: skip
+        # the trained model (the parameter-device copy, or tower 0's replica), its optimizer
+        self.model, self.optimizer = self.replicas[0].model, self.replicas[0].optimizer
         self._build_step(reducer, loss)
 
     def _build_step(self, reducer: Any, loss: Any) -> None:

@@ -26,13 +26,8 @@ class Trainer(Protocol):
     @property
     def replicas(self) -> Replicas: ...
 
-    @property
-    def model(self) -> keras.Model: ...
-
-    @property
-    def optimizer(self) -> keras.optimizers.Optimizer: ...
-
-    def replica_of(self, tower: int) -> Any: ...
+    model: keras.Model
+    optimizer: keras.optimizers.Optimizer
 
     def train_step(
         self, x: Any, y: Any, sample_weight: Any = None, *, return_outputs: bool = False
