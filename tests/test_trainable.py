@@ -1,5 +1,5 @@
 """``layer.trainable`` changed after the first step is followed or refused
-(towers.placement.TrainableWatch).
+(towers.placement.Follower).
 
 Plain SGD keeps no optimizer state, so a trainer that froze a layer after its first step
 and a fresh trainer built with that layer frozen, started from the same weights, run

@@ -268,7 +268,7 @@ class TowerModel(keras.Model):
         """Copy replica 0 to every other replica (:meth:`towers.placement.Replicas.broadcast`)
         and its optimizer's hyperparameters. Nothing to do before ``compile``."""
         if self.trainer is not None:
-            self.trainer.hyperparameters.follow(self.trainer)
+            self.trainer.follower.follow(self.trainer)
             self.trainer.replicas.broadcast()
 
     # -- saving ------------------------------------------------------------------------------

@@ -11,8 +11,8 @@ A *replica* is one (model, optimizer) pair whose variables sit on one device::
 :class:`Replicas` makes, synchronizes (:meth:`~Replicas.broadcast`) and reads
 (:meth:`~Replicas.read`) them: every tower runs replica 0's network on its replica's values.
 The replicas stay one model: the towers' new state is combined by its Keras aggregation
-(:func:`combine_non_trainable`), and replica 0's hyperparameters (:class:`Hyperparameters`)
-and trainable flags (:class:`TrainableWatch`) are followed by every replica.
+(:func:`combine_non_trainable`), and replica 0's hyperparameters and trainable flags are
+followed by every replica (:class:`Follower`).
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ from towers.allreduce.parameter_device import reduce_on
 from towers.guard.given import check_devices, check_weights
 from towers.training.keras_copies import ModelLike, OptimizerLike, new_model, new_optimizer
 
-__all__ = ["AGGREGATIONS", "PLACEMENTS", "Hyperparameters", "ModelLike", "OptimizerLike",
+__all__ = ["AGGREGATIONS", "PLACEMENTS", "Follower", "ModelLike", "OptimizerLike",
            "ParameterDevice", "Placement", "Replica", "Replicas", "Replicated", "Sharded",
-           "TrainableWatch", "Update", "check_devices", "combine_non_trainable", "get_placement",
+           "Update", "check_devices", "combine_non_trainable", "get_placement",
            "optimizer_state_bytes", "place"]
 
 @dataclasses.dataclass
@@ -355,30 +355,6 @@ def _hyperparameters(optimizer: Any, path: tuple[str, ...] = ()) -> dict[tuple[s
     return found
 
 
-class Hyperparameters:
-    """Replica 0's optimizer hyperparameters as last seen; :meth:`follow` copies a change."""
-
-    def __init__(self, optimizer: Any) -> None:
-        self.seen = _hyperparameters(optimizer)
-
-    def follow(self, trainer: Any) -> None:
-        """Copy what changed on ``trainer.optimizer`` to every replica's optimizer; retrace
-        when anything but the learning rate (a variable every trace reads) changed."""
-        now = _hyperparameters(trainer.optimizer)
-        if now == self.seen:
-            return
-        changed = {path: v for path, v in now.items() if self.seen.get(path) != v}
-        for replica in trainer.replicas[1:]:
-            for path, value in changed.items():
-                owner = replica.optimizer
-                for name in path[:-1]:
-                    owner = getattr(owner, name)
-                setattr(owner, path[-1], value)
-        if {path[-1] for path in changed} - {"learning_rate"}:
-            trainer.retrace()
-        self.seen = now
-
-
 def _layers(model: keras.Model) -> list[keras.layers.Layer]:  # Keras's own walk
     return list(model._flatten_layers(include_self=True, recursive=True))
 
@@ -392,39 +368,56 @@ def _copy_flags(source: keras.Model, target: keras.Model) -> None:
         theirs.trainable = mine.trainable
 
 
-class TrainableWatch:
-    """What ``trainer.model``'s trainable flags were when the step was last traced
-    (``placement``: the trainer's placement name; ``"sharded"`` cannot follow a change)."""
+def _trainable_flags(layers: list[Any], weights: list[Any]) -> tuple[tuple[bool, ...], ...]:
+    return tuple(bool(x.trainable) for x in layers), tuple(bool(v.trainable) for v in weights)
+
+
+class Follower:
+    """Replica 0's trainable flags and optimizer hyperparameters as the step was last traced;
+    :meth:`follow` brings every replica along (``placement``: the trainer's placement name;
+    ``"sharded"`` cannot follow a change of flags)."""
 
     def __init__(self, replicas: Sequence[Any], placement: str) -> None:
         model = replicas[0].model
         self.placement = placement
         # a built model's layers and variables are fixed: walk them once, read flags per step
         self.layers, self.weights = _layers(model), list(model.weights)
-        self.flags = self._flags()
+        self.flags = _trainable_flags(self.layers, self.weights)
         self.built = {id(v) for v in model.trainable_variables}
+        self.seen = _hyperparameters(replicas[0].optimizer)
 
-    def _flags(self) -> tuple[tuple[bool, ...], tuple[bool, ...]]:
-        return (tuple(bool(x.trainable) for x in self.layers),
-                tuple(bool(v.trainable) for v in self.weights))
-
-    def changed(self, replicas: Sequence[Any]) -> bool:
-        """Whether replica 0's flags changed since the last call (then every replica has them).
+    def follow(self, trainer: Any) -> None:
+        """Copy replica 0's changed flags (then rebuild the reducer and retrace) and changed
+        hyperparameters (retrace unless only the learning rate, a variable every trace
+        reads, changed) to every replica.
 
         Raises:
-            ValueError: any change under ``variables="sharded"``, every variable frozen, or
-                a variable trainable now that was not when the trainer was built (nothing
-                is changed then).
+            ValueError: a flag changed under ``variables="sharded"``, every variable frozen,
+                or a variable trainable now that was not when the trainer was built
+                (nothing is changed then).
         """
-        model = replicas[0].model
-        flags = self._flags()
-        if flags == self.flags:
-            return False
-        self._check(model)
+        model, replicas = trainer.model, trainer.replicas
+        flags = _trainable_flags(self.layers, self.weights)
+        if flags != self.flags:
+            self._check(model)
+            for replica in replicas[1:]:
+                _copy_flags(model, replica.model)
+            self.flags = flags
+            trainer.reducer.build(model.trainable_variables, trainer.devices)
+            trainer.retrace()
+        now = _hyperparameters(trainer.optimizer)
+        if now == self.seen:
+            return
+        changed = {path: v for path, v in now.items() if self.seen.get(path) != v}
         for replica in replicas[1:]:
-            _copy_flags(model, replica.model)
-        self.flags = flags
-        return True
+            for path, value in changed.items():
+                owner = replica.optimizer
+                for name in path[:-1]:
+                    owner = getattr(owner, name)
+                setattr(owner, path[-1], value)
+        if {path[-1] for path in changed} - {"learning_rate"}:
+            trainer.retrace()
+        self.seen = now
 
     def _check(self, model: keras.Model) -> None:
         if self.placement == "sharded":

@@ -31,7 +31,6 @@ import tensorflow as tf
 
 from towers.allreduce.machinery.base import replica_scope
 from towers.allreduce.machinery.primitives import StepStats, send
-from towers.compile.step import CompiledStep
 from towers.guard.inputs import check_shards
 from towers.guard.options import TrainerParts
 from towers.guard.semantics import clip_share, strategy_rewrites, unclipped
@@ -115,7 +114,7 @@ class TowerTrainer(TrainerParts):
     def _run(self, outputs: bool | str, inputs: tuple[Any, ...]) -> Any:
         """The compiled step (``outputs``: True, False or ``"relaxed"``), under the deadline
         where something can wait on a peer; then the guard's and replica checks."""
-        self._follow()
+        self.follower.follow(self)  # replica 0's flags and hyperparameters reach all
         step = self.compiled.relaxed if isinstance(outputs, str) else self.compiled.steps[outputs]
         result = self.deadline.run(step, inputs) if self.timed else step(*inputs)
         if self.guard.mode == "raise":
@@ -259,16 +258,9 @@ class TowerTrainer(TrainerParts):
                     value = send(value, replica.device, note="state")
                     var.assign(value if applied is None else tf.where(applied, value, var.value))
 
-    def _follow(self) -> None:
-        """Replica 0's trainable flags and hyperparameters reach every replica (may retrace)."""
-        if self.trainable_watch.changed(self.replicas):
-            self.reducer.build(self.model.trainable_variables, self.devices)
-            self.compiled = CompiledStep(self)
-        self.hyperparameters.follow(self)
-
     def step_function(self, x: Any, y: Any, sample_weight: Any = None) -> Any:
         """The step traced for this input signature as one ``ConcreteFunction``."""
-        self._follow()
+        self.follower.follow(self)  # replica 0's flags and hyperparameters reach all
         return self.compiled.whole[False].get_concrete_function(
             *batch_tensors(x, y, sample_weight, self.model))
 

@@ -37,7 +37,7 @@ except ImportError:  # pragma: no cover - another Keras layout
 from towers.allreduce.machinery.primitives import send
 from towers.devices import canonical_device
 
-__all__ = ["Gradients", "LossFn", "TowerResult", "empty_tower_step", "extra_axes", "loss_divisor",
+__all__ = ["Gradients", "LossFn", "TowerResult", "empty_tower_step", "loss_divisor",
            "per_example_loss", "run_network", "tower_divisor", "tower_step", "weighs_elements"]
 
 
@@ -150,11 +150,11 @@ def run_network(model: keras.Model, trainable: Sequence[tf.Tensor],
 
 def _forward(model: keras.Model, trainable: Sequence[tf.Tensor],
              non_trainable: Sequence[tf.Tensor], shard: tuple[Any, Any, Any], loss_fn: LossFn,
-             global_batch: tf.Tensor, num_towers: int, axes: str) -> TowerResult:  # fmt: skip
+             global_batch: tf.Tensor, num_towers: int, reduction: str) -> TowerResult:  # fmt: skip
     """The forward pass and the tower's loss share (no gradients yet)."""
     x, y, sample_weight = shard
     y_pred, new_non_trainable, reg_losses = run_network(model, trainable, non_trainable, x, True)
-    per_ex = per_example_loss(loss_fn, y, y_pred, sample_weight, extra_axes=axes)
+    per_ex = per_example_loss(loss_fn, y, y_pred, sample_weight, reduction=reduction)
     if weighs_elements(sample_weight):  # weighed element by element above
         sample_weight = None
     if global_batch.dtype.is_integer:  # the batch size, or 1 (reduction "sum")
@@ -213,10 +213,10 @@ def tower_divisor(rule: str | float, divisor: tf.Tensor, shard: Any, towers: int
 
 def per_example_loss(
     loss_fn: LossFn, y_true: Any, y_pred: Any, sample_weight: Any = None, *,
-    extra_axes: str = "mean",
+    reduction: str = "sum_over_batch_size",
 ) -> tf.Tensor:
-    """Per-example losses, shape ``[batch]``: extra axes (per timestep, per pixel) averaged
-    (``extra_axes="mean"``) or added (``"sum"``, Keras's reduction ``"sum"``). A weight per
+    """Per-example losses, shape ``[batch]``: extra axes (per timestep, per pixel) averaged,
+    or added for Keras's ``reduction="sum"``. A weight per
     element (:func:`weighs_elements`) is applied here, before that, as Keras applies it; a
     per-example weight is the caller's.
 
@@ -236,7 +236,7 @@ def per_example_loss(
                 "per-timestep weight for a sequence loss)")  # fmt: skip
         values = values * tf.cast(weight, values.dtype)
     if values.shape.rank is not None and values.shape.rank > 1:
-        reduce = tf.reduce_sum if extra_axes == "sum" else tf.reduce_mean
+        reduce = tf.reduce_sum if reduction == "sum" else tf.reduce_mean
         values = reduce(values, axis=list(range(1, values.shape.rank)))
     return values
 
@@ -277,11 +277,6 @@ def _checked_values(values: Any, y_pred: Any) -> tf.Tensor:
     return values
 
 
-def extra_axes(reduction: str) -> str:
-    """How :func:`per_example_loss` reduces a loss value's extra axes for ``reduction``."""
-    return "sum" if reduction == "sum" else "mean"
-
-
 def weighs_elements(sample_weight: Any) -> bool:
     """Whether ``sample_weight`` weighs a loss's elements rather than its examples
     (``[batch]`` or ``[batch, 1]``)."""
@@ -319,7 +314,7 @@ def tower_step(model: keras.Model, trainable: Sequence[tf.Tensor],
             axes, every other averages them.
     """
     args = (model, trainable, non_trainable, shard, loss_fn, global_batch, num_towers,
-            extra_axes(loss_reduction))
+            loss_reduction)
     with tf.device(device):
         if jit_compile:
             result = _compiled(args, loss_scale, backward)
@@ -351,12 +346,13 @@ def _compiled(args: tuple, loss_scale: tf.Tensor | None, backward: bool) -> Towe
 
     ``changed`` is a trace-time fact about tensor identity inside the function, so it
     is read there and handed out beside the compiled outputs."""
-    model, trainable, non_trainable, shard, loss_fn, global_batch, num_towers, axes = args
+    model, trainable, non_trainable, shard, loss_fn, global_batch, num_towers, reduction = args
     seen: dict[str, Any] = {}
 
     def run(trainable: list, non_trainable: list, shard: Any, global_batch: tf.Tensor,
             loss_scale: tf.Tensor | None) -> TowerResult:
-        inner = (model, trainable, non_trainable, shard, loss_fn, global_batch, num_towers, axes)
+        inner = (model, trainable, non_trainable, shard, loss_fn, global_batch, num_towers,
+                 reduction)
         result = _differentiate(inner, loss_scale, backward)
         seen["changed"] = result.changed
         return result._replace(changed=None)

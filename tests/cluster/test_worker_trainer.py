@@ -20,7 +20,7 @@ from tests.conftest import DEVICES
 from towers.allreduce.compressed import compressed
 from towers.cluster.cross_worker import AllTowers, CrossWorker
 from towers.cluster.trainer import WorkerTrainer
-from towers.split import shard_batch
+from towers.split import batch_tensors, shard_batch
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
@@ -178,7 +178,8 @@ def test_sparse_gradients_across_workers_are_refused_when_traced() -> None:
     trainer = WorkerTrainer(embedding, keras.optimizers.SGD(0.1), LOSS, devices=DEVICES[:2],
                             num_workers=2)
     x, y = np.array([[0, 1], [1, 1], [4, 2]], np.int32), np.array([0, 2, 1], np.int32)
-    shards = shard_batch(*trainer._inputs(x, y, None), 2)  # local split: no count all-reduce
+    # a local split: no count all-reduce
+    shards = shard_batch(*batch_tensors(x, y, None, trainer.model), 2)
     with pytest.raises(ValueError, match=r"num_workers=2\) with sparse gradients .*embeddings"
                                          r".*sparse='gather'.*TowerTrainer"):
         trainer.reduce(trainer.forward_backward(shards))

@@ -26,6 +26,7 @@ from reference import MirroredTrainer
 from tests.conftest import DEVICES
 from towers.allreduce.machinery.base import REWRITES, as_written
 from towers.compile.step import PhasedStep, nests
+from towers.split import batch_tensors
 
 
 def _init(seed: int) -> keras.initializers.Initializer:
@@ -167,7 +168,8 @@ def test_the_nested_update_runs_without_the_memory_optimizer() -> None:
 
     trainer = towers.TowerTrainer(_lstm, keras.optimizers.SGD(0.1), "mse", devices=DEVICES[:2])
     x, y = np.zeros((4, 5, 4), "float32"), np.zeros((4, 3), "float32")
-    graph = trainer.compiled.steps[False].get_concrete_function(*trainer._inputs(x, y, None)).graph
+    graph = trainer.compiled.steps[False].get_concrete_function(
+        *batch_tensors(x, y, None, trainer.model)).graph
     calls = [op for op in graph.get_operations()
              if op.type in ("PartitionedCall", "StatefulPartitionedCall")]  # fmt: skip
     assert len(calls) == 1  # the update, nested in the step's one call

@@ -19,6 +19,7 @@ from towers.devices import canonical_device
 from towers.guard import capabilities
 from towers.guard.capabilities import COLLECTIVE_OPS, sums_exactly
 from towers.guard.nonfinite import gather_codes, tower_code, tower_sum
+from towers.split import batch_tensors
 
 BIG = np.float32(3e38)  # two of them overflow float32's sum
 
@@ -88,7 +89,7 @@ def _off_device_nodes(trainer: towers.TowerTrainer, batch: Any, device: str) -> 
     than ``device``: each such device is one more partition of a nested update, run as
     its own executor every step."""
     step = trainer.compiled.steps[False]
-    concrete = step.get_concrete_function(*trainer._inputs(*batch, None))
+    concrete = step.get_concrete_function(*batch_tensors(*batch, None, trainer.model))
     if step.nested:  # the update and its branches are functions in the step's library
         nodes = [n for f in concrete.graph.as_graph_def().library.function for n in f.node_def]
     else:  # two calls: the update's own function

@@ -38,6 +38,7 @@ from towers.cluster.ps import POLICIES, ParameterStore, check_rule
 from towers.guard.arguments import check_choice, non_negative_int, optional
 from towers.guard.errors import NonFiniteError
 from towers.guard.nonfinite import NONFINITE, describe, gather_codes
+from towers.split import batch_tensors
 from towers.step import TowerTrainer
 
 __all__ = ["AsyncTrainer", "UpdateLog", "UpdateRecord", "load_log", "replay", "replay_versions",
@@ -127,7 +128,8 @@ class AsyncTrainer:
 
     def gradient(self, worker: int, x: Any, y: Any) -> tuple[list[np.ndarray], float]:
         """Worker ``worker``'s gradient and loss on ``(x, y)`` at its current weights."""
-        grads, loss, _ = self._grads[worker](*self.workers[worker]._inputs(x, y, None)[:2])
+        x, y, _ = batch_tensors(x, y, None, self.workers[worker].model)
+        grads, loss, _ = self._grads[worker](x, y)
         return [g.numpy() for g in grads], float(loss.numpy())
 
     def set_worker_weights(self, worker: int, weights: Sequence[np.ndarray]) -> None:
@@ -168,7 +170,7 @@ class AsyncTrainer:
         return self.log
 
     def _one_update(self, w: int, b: int, batch: tuple[Any, Any]) -> None:
-        x, y = self.workers[w]._inputs(batch[0], batch[1], None)[:2]
+        x, y = batch_tensors(batch[0], batch[1], None, self.workers[w].model)[:2]
         while True:
             read = self._pulls[w]()
             grads, loss, codes = self._grads[w](x, y)

@@ -38,7 +38,7 @@ from towers.guard.nonfinite import NONFINITE, Guard
 from towers.guard.reduces import check_sums
 from towers.guard.replicas import ReplicaCheck
 from towers.guard.semantics import SEMANTICS, check_constant, check_semantics, in_mirrored_order
-from towers.placement import Hyperparameters, Replicas, TrainableWatch, get_placement, place
+from towers.placement import Follower, Replicas, get_placement, place
 from towers.tower import LossFn
 from towers.training.keras_copies import ModelLike, OptimizerLike
 from towers.training.losses import bind_loss, reduction_of, step_loss
@@ -260,8 +260,7 @@ class TrainerParts:
             reducer, self.placement.name)
         self.trace_count = 0
         self.last_trace_stats: Recorder | None = None
-        self.trainable_watch = TrainableWatch(self.replicas, self.placement.name)
-        self.hyperparameters = Hyperparameters(first.optimizer)
+        self.follower = Follower(self.replicas, self.placement.name)
         self.compiled = CompiledStep(self)
 
     def retrace(self) -> None:

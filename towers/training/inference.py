@@ -24,7 +24,7 @@ import tensorflow as tf
 from towers.allreduce.machinery.primitives import send
 from towers.compile.relaxed import RelaxedBatch
 from towers.split import Batch, concat, relaxes, shard_batch
-from towers.tower import extra_axes, loss_divisor, per_example_loss, run_network, weighs_elements
+from towers.tower import loss_divisor, per_example_loss, run_network, weighs_elements
 from towers.training.protocol import Trainer
 
 __all__ = ["inference", "predict_batches", "test_batch"]
@@ -76,7 +76,7 @@ class _Inference:
         for device, shard, out, losses in done:
             with tf.device(device):
                 per_ex = per_example_loss(trainer.loss_fn, shard[1], out, shard[2],
-                                          extra_axes=extra_axes(trainer.loss_reduction))
+                                          reduction=trainer.loss_reduction)
                 if sample_weight is not None and not weighs_elements(shard[2]):
                     per_ex = per_ex * tf.cast(shard[2], per_ex.dtype)
                 sums.append(tf.reduce_sum(per_ex))

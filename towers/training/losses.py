@@ -27,7 +27,7 @@ import keras
 import tensorflow as tf
 
 from towers.guard.arguments import naming
-from towers.tower import LossFn, extra_axes, per_example_loss
+from towers.tower import LossFn, per_example_loss
 
 __all__ = ["CROSSENTROPY", "REDUCTIONS", "LossFn", "OutputLosses", "bind_loss", "is_structured",
            "loss_reduction", "reduction_of", "resolve_loss", "same_rank", "step_loss"]
@@ -218,7 +218,7 @@ class OutputLosses:
         for (fn, weight), t, p in zip(self._fns, trues, preds):
             if fn is None:
                 continue
-            values = per_example_loss(fn, t, p, extra_axes=extra_axes(self.reduction))
+            values = per_example_loss(fn, t, p, reduction=self.reduction)
             term = values if weight == 1.0 else values * tf.cast(weight, values.dtype)
             total = term if total is None else total + term
         assert total is not None
