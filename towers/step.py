@@ -202,10 +202,15 @@ class TowerTrainer(TrainerParts):
         if self.loss_scale.active:  # one flag for every replica's dynamic scale
             flag = self.loss_scale.finite(reduced.grads[0], grads_finite, self.parameter_device)
             reduced = reduced._replace(grads_finite=flag)
-        began = self.deadline.began if self.timed else None
-        with tf.name_scope("apply"):
-            self.guard.applied(self.replicas.state_variables(self.reducer), functools.partial(
-                _settled, reduced, self.apply, began))  # fmt: skip
+        # Apply once all of ``reduced`` exists, after marking that the apply began: a
+        # collective that never completes leaves every variable, slot and counter as it was
+        # (guard/deadline.py). Control edges only: the bits are unchanged.
+        flat = [t for t in tf.nest.flatten(reduced, expand_composites=True) if t is not None]
+        with tf.control_dependencies(flat):
+            marks = [self.deadline.began.assign(True)] if self.timed else []
+        with tf.name_scope("apply"), tf.control_dependencies(flat + marks):
+            self.guard.applied(self.replicas.state_variables(self.reducer),
+                               functools.partial(self.apply, reduced))  # fmt: skip
         return reduced.loss
 
     def reduce(self, grads: Gradients) -> Reduced:
@@ -267,14 +272,3 @@ class TowerTrainer(TrainerParts):
 
 def _apply_gradients(optimizer: Any, grads: list[Any], variables: list[Any]) -> None:
     optimizer.apply_gradients(zip(grads, variables))
-
-
-def _settled(reduced: Reduced, apply: Any, began: tf.Variable | None) -> None:
-    """``apply(reduced)`` once all of ``reduced`` exists, after setting ``began``: a
-    collective that never completes leaves every variable, slot and counter as it was
-    (:mod:`towers.guard.deadline`). Control edges only: the bits are unchanged."""
-    flat = [t for t in tf.nest.flatten(reduced, expand_composites=True) if t is not None]
-    with tf.control_dependencies(flat):
-        marks = [] if began is None else [began.assign(True)]
-    with tf.control_dependencies(flat + marks):
-        apply(reduced)

@@ -1,7 +1,7 @@
 """A ``StepTimeout`` says truthfully whether the step was applied, wherever it hangs.
 
 A collective that times out fails the step at the node where it sits. The update
-waits for every reduced value (``towers.step._settled``), so a hang in the
+waits for every reduced value (``TowerTrainer._update`` in towers/step.py), so a hang in the
 forward pass or the reduction changes nothing; one inside the update (an owner's apply,
 or ``sharded``'s all-gather of the updated shards) leaves the step applied in part, and
 the error says so (``applied=True``, ``partly=True``): nothing is half-updated silently.

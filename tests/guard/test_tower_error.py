@@ -5,7 +5,7 @@ A label out of range in tower 2's shard only fails when the loss op runs
 TensorFlow's own ``tf.errors.InvalidArgumentError`` — towers does not wrap it: the
 message names the bad label and the op, and the error is the data's, not towers' —
 and because the update waits for every tower's gradients (the guard's ``tf.cond``
-and ``towers.step._settled``), no variable was written: every replica's
+and ``TowerTrainer._update`` in towers/step.py), no variable was written: every replica's
 weights and optimizer slots, ``iterations``, the all-reduce's error-feedback state
 and the non-finite guard's counter are bitwise as before, in both placements, and
 the trainer's next step is bitwise the step of a twin that never saw the bad batch.

@@ -109,13 +109,9 @@ class CompiledStep:
     def update(self, grads: Gradients) -> tf.Tensor:
         """:class:`PhasedStep`'s update: the guard's reduce and apply, as in the step."""
         trainer = self.trainer
-        variables = trainer.model.trainable_variables
         with tf.name_scope("forward_backward"):  # the towers' results, handed over (profiler)
-            handed = Gradients(tuple(
-                _none_as_unchanged(r, trainer.replicas.replica_of(i))._replace(grads=[
-                    _static_dense_shape(g, v) for g, v in zip(r.grads, variables)])
-                for i, r in enumerate(grads.towers)
-            ))  # fmt: skip
+            handed = Gradients(tuple(_as_received(r, trainer.replicas.replica_of(i))
+                                     for i, r in enumerate(grads.towers)))  # fmt: skip
             grads = handed.on_devices(trainer.devices)  # arguments come without a device
         # Nested, the arguments arrive on the call op's device and the guard checks them
         # there: checks pinned to the towers' devices would add one partition per device
@@ -254,23 +250,21 @@ def _unchanged_as_none(result: TowerResult) -> TowerResult:
     return result._replace(non_trainable=kept, changed=None)
 
 
-def _none_as_unchanged(result: TowerResult, replica: Any) -> TowerResult:
-    """:func:`_unchanged_as_none` undone in the update: the variable's value (nothing
-    assigned it since the forward read it) and ``changed`` False."""
-    if all(v is not None for v in result.non_trainable):
-        return result
-    with tf.device(replica.device):
-        values = [tf.convert_to_tensor(var.value) if v is None else v
-                  for v, var in zip(result.non_trainable, replica.model.non_trainable_variables)]
-    changed = tuple(v is not None for v in result.non_trainable)
-    return result._replace(non_trainable=values, changed=changed)
-
-
-def _static_dense_shape(grad: Any, variable: Any) -> Any:
-    """An ``IndexedSlices`` argument's ``dense_shape`` is a tensor of unknown value; the
-    variable's static shape restores what the one-function step knows (``densify``)."""
-    if not isinstance(grad, tf.IndexedSlices) or not variable.shape.is_fully_defined():
-        return grad
-    dtype = tf.int64 if grad.dense_shape is None else grad.dense_shape.dtype
-    shape = tf.constant(variable.shape.as_list(), dtype)
-    return tf.IndexedSlices(grad.values, grad.indices, shape)
+def _as_received(result: TowerResult, replica: Any) -> TowerResult:
+    """A tower's result as the update receives it, with what the one-function step knows:
+    :func:`_unchanged_as_none` undone (the variable's value, nothing assigned it since the
+    forward read it; ``changed`` False), and each ``IndexedSlices``'s ``dense_shape`` (an
+    argument's is a tensor of unknown value) its variable's static shape (``densify``)."""
+    if any(v is None for v in result.non_trainable):
+        with tf.device(replica.device):
+            values = [tf.convert_to_tensor(var.value) if v is None else v for v, var
+                      in zip(result.non_trainable, replica.model.non_trainable_variables)]
+        changed = tuple(v is not None for v in result.non_trainable)
+        result = result._replace(non_trainable=values, changed=changed)
+    grads = []
+    for g, var in zip(result.grads, replica.model.trainable_variables):
+        if isinstance(g, tf.IndexedSlices) and var.shape.is_fully_defined():
+            dtype = tf.int64 if g.dense_shape is None else g.dense_shape.dtype
+            g = tf.IndexedSlices(g.values, g.indices, tf.constant(var.shape.as_list(), dtype))
+        grads.append(g)
+    return result._replace(grads=grads)

@@ -22,7 +22,7 @@ clock starts, so a slow first trace never trips it.
 
 An aborted collective aborts every later one in the process, so a ``StepTimeout`` says:
 restart and resume from a checkpoint. The update waits for every reduced value
-(``towers.step._settled``), so a hang before it changes nothing (``applied`` False); the
+(``TowerTrainer._update``), so a hang before it changes nothing (``applied`` False); the
 update sets :attr:`Deadline.began` first, so a hang inside it, or a step that completed
 as the watchdog fired, says ``applied=True`` and is not retried. A hang outside
 collective ops (a ``py_function`` that never returns) cannot be aborted this way.
