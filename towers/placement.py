@@ -368,10 +368,6 @@ def _copy_flags(source: keras.Model, target: keras.Model) -> None:
         theirs.trainable = mine.trainable
 
 
-def _trainable_flags(layers: list[Any], weights: list[Any]) -> tuple[tuple[bool, ...], ...]:
-    return tuple(bool(x.trainable) for x in layers), tuple(bool(v.trainable) for v in weights)
-
-
 class Follower:
     """Replica 0's trainable flags and optimizer hyperparameters as the step was last traced;
     :meth:`follow` brings every replica along (``placement``: the trainer's placement name;
@@ -381,8 +377,8 @@ class Follower:
         model = replicas[0].model
         self.placement = placement
         # a built model's layers and variables are fixed: walk them once, read flags per step
-        self.layers, self.weights = _layers(model), list(model.weights)
-        self.flags = _trainable_flags(self.layers, self.weights)
+        self.watched = [*_layers(model), *model.weights]
+        self.flags = tuple(bool(x.trainable) for x in self.watched)
         self.built = {id(v) for v in model.trainable_variables}
         self.seen = _hyperparameters(replicas[0].optimizer)
 
@@ -397,7 +393,7 @@ class Follower:
                 (nothing is changed then).
         """
         model, replicas = trainer.model, trainer.replicas
-        flags = _trainable_flags(self.layers, self.weights)
+        flags = tuple(bool(x.trainable) for x in self.watched)
         if flags != self.flags:
             self._check(model)
             for replica in replicas[1:]:

@@ -34,7 +34,7 @@ from towers.guard.arguments import check_choice, non_negative_int, positive_int
 from towers.guard.given import check_dataset, check_devices
 
 __all__ = ["PIPELINES", "Batch", "DistributedDataset", "Shards", "batch_size", "batch_tensors",
-           "batch_unknown", "check_batch", "check_batch_against_model", "concat", "distribute",
+           "batch_unknown", "check_batch_against_model", "concat", "distribute",
            "relaxes", "shard_batch", "shard_bounds", "shard_sizes", "split"]
 
 Batch = tuple[Any, Any, Any]
@@ -128,26 +128,6 @@ class Shards(NamedTuple):
     def sizes(self) -> list[int | None]:
         """Examples per tower, or None where the size is only known when the step runs."""
         return [tf.TensorShape(tf.nest.flatten(p[0])[0].shape)[0] for p in self.parts]
-
-
-def check_batch(x: Any, y: Any, sample_weight: Any, *, allow_empty: bool = False) -> None:
-    """Check that ``x``, ``y`` and ``sample_weight`` share a batch size, non-zero unless
-    ``allow_empty`` (a ``ValueError`` when they disagree, a part is a scalar or it is empty)."""
-    parts = {"x": x, "y": y, "sample_weight": sample_weight}
-    dims: dict[str, set[int]] = {}  # static leading dimensions (unknown ones skipped)
-    for name, part in parts.items():
-        for t in [] if part is None else tf.nest.flatten(part):
-            shape = tf.TensorShape(getattr(t, "shape", np.shape(t)))
-            if shape.rank == 0:
-                raise ValueError(f"{name} has a scalar where a batch was expected")
-            known = shape.rank is not None and shape[0] is not None
-            dims.setdefault(name, set()).update([int(shape[0])] if known else [])
-    all_sizes = set().union(*dims.values())
-    if len(all_sizes) > 1:
-        detail = ", ".join(f"{k}: {sorted(v)}" for k, v in dims.items())
-        raise ValueError(f"x, y and sample_weight must share their batch size; got {detail}")
-    if all_sizes == {0} and not allow_empty:
-        raise ValueError("the batch is empty: x has 0 examples")
 
 
 # -- the batch checked against the model, before anything is traced ---------------------
@@ -291,12 +271,30 @@ def check_batch_against_model(x: Any, y: Any, sample_weight: Any, model: keras.M
 def batch_tensors(
     x: Any, y: Any, sample_weight: Any, model: keras.Model, *, allow_empty: bool = False
 ) -> tuple[Any, Any, Any]:
-    """A step's batch, checked (:func:`check_batch_against_model`, equal lengths, non-zero
-    unless ``allow_empty``) and converted to tensors; ``sample_weight`` takes the model's
-    float dtype.
+    """A step's batch, checked (:func:`check_batch_against_model`; ``x``, ``y`` and
+    ``sample_weight`` of one batch size, non-zero unless ``allow_empty``) and converted to
+    tensors; ``sample_weight`` takes the model's float dtype.
+
+    Raises:
+        ValueError: as :func:`check_batch_against_model`; batch sizes that differ, a part
+            that is a scalar, or an empty batch.
     """
     check_batch_against_model(x, y, sample_weight, model)
-    check_batch(x, y, sample_weight, allow_empty=allow_empty)
+    parts = {"x": x, "y": y, "sample_weight": sample_weight}
+    dims: dict[str, set[int]] = {}  # static leading dimensions (unknown ones skipped)
+    for name, part in parts.items():
+        for t in [] if part is None else tf.nest.flatten(part):
+            shape = tf.TensorShape(getattr(t, "shape", np.shape(t)))
+            if shape.rank == 0:
+                raise ValueError(f"{name} has a scalar where a batch was expected")
+            known = shape.rank is not None and shape[0] is not None
+            dims.setdefault(name, set()).update([int(shape[0])] if known else [])
+    all_sizes = set().union(*dims.values())
+    if len(all_sizes) > 1:
+        detail = ", ".join(f"{k}: {sorted(v)}" for k, v in dims.items())
+        raise ValueError(f"x, y and sample_weight must share their batch size; got {detail}")
+    if all_sizes == {0} and not allow_empty:
+        raise ValueError("the batch is empty: x has 0 examples")
     x = tf.nest.map_structure(tf.convert_to_tensor, x)
     y = tf.nest.map_structure(tf.convert_to_tensor, y)
     if sample_weight is not None:

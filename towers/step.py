@@ -225,7 +225,7 @@ class TowerTrainer(TrainerParts):
         casts = self.loss_scale.casts  # else the wire carries the variables' dtypes
         summed = self.placement.reduce(self.reducer, self.loss_scale.to_wire(shares) if casts
                                        else shares)  # fmt: skip
-        pending = tuple(self.reducer.take_pending())  # assigned in apply, if applied
+        pending = tuple(self.reducer.pending)  # assigned in apply, if applied
         dtypes = [v.dtype for v in self.model.trainable_variables]
         reduced = self.loss_scale.from_wire(summed, dtypes) if casts else summed
         state = combine_non_trainable(grads.towers, first_tower=mirrored,

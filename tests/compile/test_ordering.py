@@ -162,8 +162,8 @@ def test_phased_step_nests_on_cpus_only() -> None:
 
 def test_the_nested_update_runs_without_the_memory_optimizer() -> None:
     """Grappler's memory optimizer may turn the update's ``AddN`` into ``AssignAdd`` s
-    added in arrival order (``towers.compile.step._keep_sums``): the nested call op's config turns
-    it off, and keeps the as-written rewrites off."""
+    added in arrival order (``towers.compile.step.PhasedStep._step``): the nested call op's
+    config turns it off, and keeps the as-written rewrites off."""
     from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
 
     trainer = towers.TowerTrainer(_lstm, keras.optimizers.SGD(0.1), "mse", devices=DEVICES[:2])

@@ -188,9 +188,18 @@ class PhasedStep:
         made = len(graph.get_operations())
         with as_written():  # read when the call op is made: it goes into its config_proto
             loss = self.update(grads)
+        # Grappler's memory optimizer off in the update's call op: its scheduling pass
+        # rewrites an AddN with inputs alive at the estimated peak into one AssignAdd per
+        # input, added in arrival order (a reduction's stated order lost). The eager
+        # context has no switch for that pass, so the call op's config_proto gets it.
         for op in graph.get_operations()[made:]:
             if op.type in ("PartitionedCall", "StatefulPartitionedCall"):
-                _keep_sums(op)
+                config = config_pb2.ConfigProto()
+                config.ParseFromString(op.get_attr("config_proto"))
+                config.graph_options.rewrite_options.memory_optimization = (
+                    rewriter_config_pb2.RewriterConfig.NO_MEM_OPT)
+                op._set_attr("config_proto",
+                             attr_value_pb2.AttrValue(s=config.SerializeToString()))
         return (loss, outputs) if self.with_outputs else loss
 
     def __call__(self, *inputs: Any) -> Any:
@@ -215,18 +224,6 @@ class PhasedStep:
                 self._updates[forward] = self.update.get_concrete_function(
                     forward.structured_outputs[0])
         return forward
-
-
-def _keep_sums(call: tf.Operation) -> None:
-    """Turn Grappler's memory optimizer off in ``call``'s ``config_proto``: its scheduling
-    pass rewrites an ``AddN`` with inputs alive at the estimated peak into one
-    ``AssignAdd`` per input, added in arrival order (a reduction's stated order lost).
-    The eager context has no switch for that pass, so the nested update's call op gets it."""
-    config = config_pb2.ConfigProto()
-    config.ParseFromString(call.get_attr("config_proto"))
-    config.graph_options.rewrite_options.memory_optimization = (
-        rewriter_config_pb2.RewriterConfig.NO_MEM_OPT)
-    call._set_attr("config_proto", attr_value_pb2.AttrValue(s=config.SerializeToString()))
 
 
 def nests(devices: Any) -> bool:

@@ -72,6 +72,8 @@ class StepReducer:
         dense: the wrapped ``GradientReducer``, or None for a per-tensor algorithm.
         per_tensor: the per-tensor algorithm (``naive`` beside a ``GradientReducer``).
         sparse: ``"gather"`` or ``"densify"``.
+        pending: the new state of a ``StatefulReducer`` that the last
+            :meth:`reduce_gradients` computed in the graph being traced (else empty).
     """
 
     def __init__(
@@ -80,7 +82,7 @@ class StepReducer:
         check_choice("sparse", sparse, SPARSE)
         self.dense, self.per_tensor, self.sparse = dense, per_tensor, sparse
         self.names: list[str] = []
-        self._pending: list[tf.Tensor] = []
+        self.pending: list[tf.Tensor] = []
 
     def build(self, variables: Sequence[tf.Variable], devices: Sequence[str]) -> None:
         """Build the wrapped ``GradientReducer`` (once, eagerly, before the first step);
@@ -101,13 +103,13 @@ class StepReducer:
         """``grads[tower][var]`` -> ``reduced[tower][var]``, each the sum over towers.
 
         A :class:`~towers.allreduce.machinery.base.StatefulReducer`'s new state is *not* assigned:
-        :meth:`take_pending` hands it to the step, which passes it to :meth:`commit`.
+        :attr:`pending` holds it for the step, which passes it to :meth:`commit`.
 
         Raises:
             AlgorithmError: the algorithm's outputs break the contract (count; per tower
                 shape, dtype, device), naming the algorithm, the tower and the variable.
         """
-        self._pending = []  # nothing left from an earlier trace
+        self.pending = []  # nothing left from an earlier trace
         if self.dense is not None and self.sparse == "densify":
             grads = densified(grads)  # through the reducer, like every other gradient
         n_vars = len(grads[0])
@@ -133,18 +135,12 @@ class StepReducer:
 
     def _dense_rows(self, dense: GradientReducer, inputs: list[list[Any]]) -> list[list[Any]]:
         if isinstance(dense, StatefulReducer):
-            rows, self._pending = dense.reduce_deferred(inputs)
+            rows, self.pending = dense.reduce_deferred(inputs)
             return rows
         return dense.reduce_gradients(inputs)
 
-    def take_pending(self) -> list[tf.Tensor]:
-        """The new reducer state the last :meth:`reduce_gradients` computed (in the graph
-        being traced), once; empty for a stateless reducer."""
-        pending, self._pending = self._pending, []
-        return pending
-
     def commit(self, new_state: Sequence[tf.Tensor], applied: tf.Tensor | None) -> None:
-        """Assign ``new_state`` (from :meth:`take_pending`; empty: nothing) when the boolean
+        """Assign ``new_state`` (:attr:`pending`; empty: nothing) when the boolean
         ``applied`` holds (a ``LossScaleOptimizer``'s "gradients finite"; None: the caller
         is inside the guard's cond, it does)."""
         if not new_state or not isinstance(self.dense, StatefulReducer):
