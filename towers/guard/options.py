@@ -184,20 +184,17 @@ class TowerOptions:
             "sparse": sparse, "step_timeout": on(self.step_timeout),
             "semantics": self.semantics, "check_replicas_every": on(self.check_replicas_every),
             "check_algorithm": on(self.check_algorithm),
-            "loss_denominator": _denominator_axis(self.loss_denominator),
+            "loss_denominator": "semantics" if self.loss_denominator is None else "global"
+            if self.loss_denominator == "global" else "constant",
             "forward_graph": self.forward_graph, "jit_compile": on(self.jit_compile),
         }  # fmt: skip
 
 
-def _denominator_axis(value: str | float | None) -> str:
-    """The capability table's ``loss_denominator`` value: semantics, global or constant."""
-    return "semantics" if value is None else "global" if value == "global" else "constant"
-
-
 class TrainerParts:
-    """What a trainer is made of (``options``, ``devices``, ``placement``, ``replicas``, the
-    loss, ``reducer``, ``deadline``, ``guard``, ``loss_scale``, ``replica_check``, ``compiled``),
-    checked before anything exists; and what one reads of it between steps."""
+    """What a trainer is made of (``options``, ``devices``, ``placement``, ``replicas``, replica
+    0's ``model`` and ``optimizer``, the loss, ``reducer``, ``deadline``, ``guard``,
+    ``loss_scale``, ``replica_check``, ``compiled``), checked before anything exists; and
+    what one reads of it between steps."""
 
     across_processes: Any = None  # a multi-process trainer's method: the guard's counts summed
     synchronized: list[str]  # its BatchNormalization(synchronized=True) layers: towers meet there
@@ -236,7 +233,6 @@ class TrainerParts:
         self.reducer = as_reducer(reducer, sparse=self.sparse)
         self.replicas: Replicas = place(self.placement, model, optimizer, self.devices,
                                         self.parameter_device)  # fmt: skip
-        # the trained model (the parameter-device copy, or tower 0's replica), its optimizer
         self.model, self.optimizer = self.replicas[0].model, self.replicas[0].optimizer
         self._build_step(reducer, loss)
 
