@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import ast
 import importlib
+import os
+import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -132,3 +135,30 @@ def test_no_property_test_pins_its_example_count() -> None:
         if re.search(r"@settings\(.*max_examples=\d", line)
     ]
     assert not pinned, f"pinned example counts: {pinned}"
+
+
+def _spine() -> str:
+    """docs/architecture.md's drawing of one fit step (its first code block)."""
+    text = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    return text.split("```", 2)[1]
+
+
+def test_every_file_the_spine_names_exists() -> None:
+    named = set(re.findall(r"towers/[\w/]+\.py", _spine()))
+    assert len(named) >= 10
+    assert not [p for p in sorted(named) if not (PACKAGE.parent / p).is_file()]
+
+
+@pytest.mark.long
+def test_the_spine_draws_every_module_one_fit_step_enters() -> None:
+    """tools/step_profile.py profiles one ``TowerModel.fit`` step: every towers module it
+    enters is a box of the spine, and they are at most a dozen (a reader's one sitting)."""
+    script = PACKAGE.parent / "tools" / "step_profile.py"
+    run = subprocess.run([sys.executable, str(script), "--list"], capture_output=True,
+                         text=True, timeout=600, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    entered = {line.split(" ", 1)[0] for line in run.stdout.splitlines()
+               if line.endswith("]") and line.split(" ", 1)[0].endswith(".py")}
+    assert 8 <= len(entered) <= 12, sorted(entered)
+    spine = _spine()
+    assert not [m for m in sorted(entered) if f"towers/{m}" not in spine]
