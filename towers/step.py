@@ -86,7 +86,7 @@ class TowerTrainer(TrainerParts):
             NonFiniteError, StepTimeout, ReplicaMismatchError: ``on_nonfinite="raise"``,
                 ``step_timeout``, ``check_replicas_every``.
         """
-        return self._run(return_outputs, batch_tensors(x, y, sample_weight, self.model))
+        return self._run(return_outputs, self._inputs(x, y, sample_weight))
 
     def train_step_as_keras(self, x: Any, y: Any, sample_weight: Any, *,
                             batch_unknown: bool) -> Any:  # fmt: skip
@@ -94,7 +94,7 @@ class TowerTrainer(TrainerParts):
         with the batch dimension unknown when Keras's is (unless a tower would be empty)."""
         if batch_unknown is not True and batch_unknown is not False:
             raise TypeError(f"batch_unknown must be True or False, got {batch_unknown!r}")
-        inputs = batch_tensors(x, y, sample_weight, self.model)
+        inputs = self._inputs(x, y, sample_weight)
         relax = self.batch_is_global and relaxes(batch_unknown, inputs[0], len(self.devices))
         return self._run("relaxed" if relax else True, inputs)
 
@@ -125,7 +125,7 @@ class TowerTrainer(TrainerParts):
 
     def split(self, x: Any, y: Any, sample_weight: Any = None) -> Shards:
         """Phase 1: one shard per tower (MirroredStrategy's split of the global batch)."""
-        return shard_batch(*batch_tensors(x, y, sample_weight, self.model), len(self.devices))
+        return shard_batch(*self._inputs(x, y, sample_weight), len(self.devices))
 
     def forward_backward(self, shards: Shards) -> Gradients:
         """Phase 2: every tower's forward and backward pass on its shard, on its device
@@ -263,11 +263,16 @@ class TowerTrainer(TrainerParts):
                     value = send(value, replica.device, note="state")
                     var.assign(value if applied is None else tf.where(applied, value, var.value))
 
+    def _inputs(self, x: Any, y: Any, sample_weight: Any) -> tuple[Any, Any, Any]:
+        """The batch checked against the model and made tensors (a worker's part may be
+        empty: with fewer examples than workers, it still joins every collective)."""
+        return batch_tensors(x, y, sample_weight, self.model, allow_empty=not self.batch_is_global)
+
     def step_function(self, x: Any, y: Any, sample_weight: Any = None) -> Any:
         """The step traced for this input signature as one ``ConcreteFunction``."""
         self.follower.follow(self)  # replica 0's flags and hyperparameters reach all
         return self.compiled.whole[False].get_concrete_function(
-            *batch_tensors(x, y, sample_weight, self.model))
+            *self._inputs(x, y, sample_weight))
 
 
 def _apply_gradients(optimizer: Any, grads: list[Any], variables: list[Any]) -> None:

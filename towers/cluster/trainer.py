@@ -30,7 +30,7 @@ from towers.cluster.cross_worker import AllTowers, check_cross_worker
 from towers.cluster.spec import resolve
 from towers.guard.arguments import non_negative_int
 from towers.guard.errors import CheckpointError
-from towers.split import Shards, batch_tensors, shard_sizes
+from towers.split import Shards, shard_sizes
 from towers.step import Reduced, TowerTrainer
 from towers.tower import Gradients
 from towers.training import atomic
@@ -87,10 +87,6 @@ class WorkerTrainer(TowerTrainer):
         super().__init__(model, optimizer, loss, devices=devices, all_reduce=all_reduce,
                          **kwargs)
         _refuse_state_across_workers(self.model, self.num_workers)  # before any collective
-
-    def _inputs(self, x: Any, y: Any, sample_weight: Any) -> tuple[Any, Any, Any]:
-        # B < W leaves a worker without examples; it still joins every collective.
-        return batch_tensors(x, y, sample_weight, self.model, allow_empty=True)
 
     def model_towers(self, shards: Shards) -> list[int]:
         """As ``TowerTrainer``'s; on an empty worker tower 0 runs on 0 rows (as MWMS)."""
