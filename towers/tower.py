@@ -38,7 +38,8 @@ from towers.allreduce.machinery.primitives import send
 from towers.devices import canonical_device
 
 __all__ = ["Gradients", "LossFn", "TowerResult", "empty_tower_step", "loss_divisor",
-           "per_example_loss", "run_network", "tower_divisor", "tower_step", "weighs_elements"]
+           "per_example_loss", "run_network", "static_dense_shapes", "tower_divisor", "tower_step",
+           "weighs_elements"]
 
 
 LossFn = Callable[[Any, Any], Any]
@@ -359,12 +360,21 @@ def _compiled(args: tuple, loss_scale: tf.Tensor | None, backward: bool) -> Towe
 
     compiled = tf.function(run, jit_compile=True, autograph=False)
     result = compiled(list(trainable), list(non_trainable), shard, global_batch, loss_scale)
-    # a sparse gradient's dense_shape leaves the function as a tensor: give back the static
-    # shape (a densifying reducer needs it)
-    grads = [tf.IndexedSlices(g.values, g.indices,
-                              tf.constant(w.shape.as_list(), g.dense_shape.dtype))
-             if isinstance(g, tf.IndexedSlices) else g for g, w in zip(result.grads, trainable)]
+    grads = static_dense_shapes(result.grads, trainable)
     return result._replace(grads=grads, changed=seen["changed"])
+
+
+def static_dense_shapes(grads: Sequence[Any], variables: Sequence[Any]) -> list[Any]:
+    """``grads`` with each ``IndexedSlices``'s ``dense_shape`` its variable's static shape:
+    one that left a ``tf.function`` (an output, an argument) is a tensor of unknown value,
+    and a densifying reducer needs the shape."""
+    out = []
+    for g, var in zip(grads, variables):
+        if isinstance(g, tf.IndexedSlices) and var.shape.is_fully_defined():
+            dtype = tf.int64 if g.dense_shape is None else g.dense_shape.dtype
+            g = tf.IndexedSlices(g.values, g.indices, tf.constant(var.shape.as_list(), dtype))
+        out.append(g)
+    return out
 
 
 def _zeros_like_gradient(variable: Any, like: Any) -> tf.Tensor | tf.IndexedSlices:

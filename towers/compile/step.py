@@ -36,7 +36,7 @@ from towers.allreduce.machinery.base import as_written
 from towers.allreduce.machinery.primitives import Recorder, record
 from towers.compile.relaxed import RelaxedBatch
 from towers.split import concat
-from towers.tower import Gradients, TowerResult
+from towers.tower import Gradients, TowerResult, static_dense_shapes
 
 __all__ = ["FORWARD_GRAPHS", "CompiledStep", "PhasedStep", "nests"]
 
@@ -251,17 +251,12 @@ def _as_received(result: TowerResult, replica: Any) -> TowerResult:
     """A tower's result as the update receives it, with what the one-function step knows:
     :func:`_unchanged_as_none` undone (the variable's value, nothing assigned it since the
     forward read it; ``changed`` False), and each ``IndexedSlices``'s ``dense_shape`` (an
-    argument's is a tensor of unknown value) its variable's static shape (``densify``)."""
+    argument's is a tensor of unknown value) its variable's static shape."""
     if any(v is None for v in result.non_trainable):
         with tf.device(replica.device):
             values = [tf.convert_to_tensor(var.value) if v is None else v for v, var
                       in zip(result.non_trainable, replica.model.non_trainable_variables)]
         changed = tuple(v is not None for v in result.non_trainable)
         result = result._replace(non_trainable=values, changed=changed)
-    grads = []
-    for g, var in zip(result.grads, replica.model.trainable_variables):
-        if isinstance(g, tf.IndexedSlices) and var.shape.is_fully_defined():
-            dtype = tf.int64 if g.dense_shape is None else g.dense_shape.dtype
-            g = tf.IndexedSlices(g.values, g.indices, tf.constant(var.shape.as_list(), dtype))
-        grads.append(g)
-    return result._replace(grads=grads)
+    return result._replace(grads=static_dense_shapes(result.grads,
+                                                     replica.model.trainable_variables))
