@@ -135,7 +135,7 @@ def run_network(model: keras.Model, trainable: Sequence[tf.Tensor],
     variables is ``model``'s own, so it holds on every tower).
 
     The model's own name scope, as ``__call__`` opens it under tf.distribute (Grappler reads
-    the names: ``ordering.replica_scope``); ``training`` as an argument where ``call`` takes
+    the names: ``replica_scope``); ``training`` as an argument where ``call`` takes
     one and, when training, in Keras's call context, where inner layers look for it.
 
     Returns:

@@ -87,7 +87,7 @@ def test_a_keras_application_fits_bitwise_as_under_mirrored_strategy() -> None:
     """keras.applications.MobileNetV3Small, as a user builds it (rescaling, hard_swish,
     squeeze-excite, BatchNorm, dropout): one SGD step of ``fit`` on 2 towers equals
     ``model.fit`` under MirroredStrategy bitwise in every weight. Its hard_swish gradients
-    depend on the ops' names (``ordering.replica_scope``): with the towers' ops under
+    depend on the ops' names (``replica_scope``): with the towers' ops under
     ``tower_<i>`` scopes this test failed (with Adam, 10 of a conv kernel's 432 elements
     differing; SGD shows it too, in half the time)."""
 
