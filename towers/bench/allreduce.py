@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -127,21 +128,13 @@ def count_wrong(
 ) -> int:
     """Elements that differ from the exact answer, over all outputs (misplaced: all wrong)."""
     total = np.sum(inputs, axis=0)  # exact: small integers in float32
-    if contender.outputs == "copy":
-        expected, wanted = [inputs[1]], [devices[0]]
-    elif contender.outputs == "sum":
-        expected, wanted = [total], [devices[0]]
-    else:
-        expected, wanted = [total] * len(devices), list(devices)
+    expected = {"copy": [inputs[1]], "sum": [total]}.get(contender.outputs,
+                                                         [total] * len(devices))
     if len(outputs) != len(expected) or len(homes) != len(expected):
         return int(sum(e.size for e in expected))
-    wrong = 0
-    for out, want, home, should in zip(outputs, expected, homes, wanted):
-        if canonical_device(home) != canonical_device(should):
-            wrong += want.size
-        else:
-            wrong += int(np.count_nonzero(out.numpy().reshape(-1) != want))
-    return wrong
+    return sum(want.size if canonical_device(home) != canonical_device(should)
+               else int(np.count_nonzero(out.numpy().reshape(-1) != want))
+               for out, want, home, should in zip(outputs, expected, homes, devices))
 
 
 def _row(contender: Contender, n: int, nbytes: int, samples: Samples | None) -> dict[str, Any]:
@@ -183,7 +176,7 @@ def run_allreduce(
             try:  # traced once; a contender that cannot run here gets a row saying why
                 built[key] = Compiled(c, devices)
                 built[key](*inputs[s])
-                calls[key] = lambda fn=built[key], x=inputs[s]: fn(*x)
+                calls[key] = functools.partial(built[key], *inputs[s])
             except Exception as err:
                 built.pop(key, None)
                 errors[key] = report.reason(err)

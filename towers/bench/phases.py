@@ -121,14 +121,16 @@ def run_phases(model: str, devices: Sequence[str], names: Sequence[str], *, batc
     return rows
 
 
+def _share(phase: str) -> Callable[[dict[str, Any]], str]:
+    return lambda row: f"{row[phase]:.1f} {row[phase] / (row['thread_ms'] or 1):4.0%}"
+
+
 def table(rows: Sequence[dict[str, Any]]) -> str:
     """Wall ms and thread ms per phase (with its share), one row per configuration."""
     columns: list[report.Column] = [("model\n", "l", report.text("model")),
                                     ("config\n", "l", report.text("config")),
                                     ("wall\n(ms)", "r", report.num("wall_ms", ".1f"))]
-    columns += [(f"{p}\n(ms, %)", "r",
-                 lambda row, p=p: f"{row[p]:.1f} {row[p] / (row['thread_ms'] or 1):4.0%}")
-                for p in PHASES]
+    columns += [(f"{p}\n(ms, %)", "r", _share(p)) for p in PHASES]
     return report.format_table(columns, rows)
 
 
