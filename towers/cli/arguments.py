@@ -22,8 +22,7 @@ from typing import Any
 __all__ = ["ALGORITHMS", "CODECS", "COLLECTIVES", "DTYPES", "MODELS", "OPS", "PLACEMENTS",
            "REFERENCES", "VARIABLES", "Named", "algorithm", "algorithm_or_collective",
            "algorithms", "at_least", "choices", "codec", "did_you_mean", "fail", "loader",
-           "output_dir", "output_file", "positive_float", "spec_found", "tower_counts",
-           "user_object"]
+           "output_dir", "output_file", "positive_float", "spec_found", "tower_counts"]
 
 ALGORITHMS = (
     "bruck", "double_binary_tree", "halving_doubling", "hierarchical", "naive", "nccl",
@@ -200,11 +199,6 @@ def loader(function: str, what: str) -> Callable[[str], None]:
             raise argparse.ArgumentTypeError(str(err)) from None
 
     return load
-
-
-def user_object(what: str) -> Named:
-    """``module:NAME`` or ``file.py:NAME`` naming a ``what`` (a step factory, a model factory)."""
-    return Named(lambda text: spec_found(text, what), loader("imported", what), what)
 
 
 def _algorithm_name(text: str) -> str:
