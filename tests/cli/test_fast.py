@@ -96,6 +96,10 @@ def test_the_names_checked_without_tensorflow_are_the_registries() -> None:
     assert tuple(OPS) == arguments.OPS
     assert tuple(d.name for d in DTYPES) == arguments.DTYPES
     assert tuple(REFERENCES) == arguments.REFERENCES
+    from towers.bench.training import MODELS
+    from towers.step import PLACEMENTS
+
+    assert tuple(MODELS) == arguments.MODELS and tuple(PLACEMENTS) == arguments.PLACEMENTS
 
 
 def _help_entries(text: str) -> dict[str, str]:

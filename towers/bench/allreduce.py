@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -69,16 +70,9 @@ def _tf_contender(name: str, ops: tf.distribute.CrossDeviceOps, formula: str) ->
     return Contender(name, "tf.distribute", body, formula=formula)
 
 
-def _calibration() -> list[Contender]:
-    def send(values: list[tf.Tensor]) -> list[tf.Tensor]:
-        return [allreduce.send(values[1], values[0].device)]
-
-    def add(values: list[tf.Tensor]) -> list[tf.Tensor]:
-        with tf.device(values[0].device):
-            return [tf.add_n(values)]
-
-    return [Contender("send", "calibration", send, formula="send", outputs="copy"),
-            Contender("add", "calibration", add, formula="add", outputs="sum")]
+def _add(values: list[tf.Tensor]) -> list[tf.Tensor]:
+    with tf.device(values[0].device):
+        return [tf.add_n(values)]
 
 
 def contenders(devices: Sequence[str], algorithms: Sequence[str] | None = None) -> list[Contender]:
@@ -89,7 +83,11 @@ def contenders(devices: Sequence[str], algorithms: Sequence[str] | None = None) 
     names = list(allreduce.ALGORITHMS) + list(tf_ops) if algorithms is None else algorithms
     out = [_tf_contender(name, *tf_ops[name]) if name in tf_ops else towers_contender(name)
            for name in names]
-    return out + (_calibration() if len(devices) > 1 else [])
+    if len(devices) < 2:
+        return out
+    return [*out, Contender("send", "calibration", lambda v: [allreduce.send(v[1], v[0].device)],
+                            formula="send", outputs="copy"),
+            Contender("add", "calibration", _add, formula="add", outputs="sum")]
 
 
 def make_inputs(devices: Sequence[str], nbytes: int, seed: int = 0) -> list[tf.Tensor]:
@@ -130,21 +128,13 @@ def count_wrong(
 ) -> int:
     """Elements that differ from the exact answer, over all outputs (misplaced: all wrong)."""
     total = np.sum(inputs, axis=0)  # exact: small integers in float32
-    if contender.outputs == "copy":
-        expected, wanted = [inputs[1]], [devices[0]]
-    elif contender.outputs == "sum":
-        expected, wanted = [total], [devices[0]]
-    else:
-        expected, wanted = [total] * len(devices), list(devices)
+    expected = {"copy": [inputs[1]], "sum": [total]}.get(contender.outputs,
+                                                         [total] * len(devices))
     if len(outputs) != len(expected) or len(homes) != len(expected):
         return int(sum(e.size for e in expected))
-    wrong = 0
-    for out, want, home, should in zip(outputs, expected, homes, wanted):
-        if canonical_device(home) != canonical_device(should):
-            wrong += want.size
-        else:
-            wrong += int(np.count_nonzero(out.numpy().reshape(-1) != want))
-    return wrong
+    return sum(want.size if canonical_device(home) != canonical_device(should)
+               else int(np.count_nonzero(out.numpy().reshape(-1) != want))
+               for out, want, home, should in zip(outputs, expected, homes, devices))
 
 
 def _row(contender: Contender, n: int, nbytes: int, samples: Samples | None) -> dict[str, Any]:
@@ -168,20 +158,6 @@ def calls_per_sample(nbytes: int) -> int:
     return 3 if nbytes <= 1 << 18 else 1
 
 
-def _compile(cands: Sequence[Contender], devices: Sequence[str],
-             inputs: list[tf.Tensor]) -> tuple[dict[str, Compiled], dict[str, str]]:
-    """Every contender traced once (a failure is its row's reason), under ``as_written``."""
-    compiled, errors = {}, {}
-    for c in cands:
-        try:
-            compiled[c.name] = Compiled(c, devices)
-            compiled[c.name](*inputs)
-        except Exception as err:  # a contender that cannot run here gets a row saying why
-            compiled.pop(c.name, None)
-            errors[c.name] = report.reason(err)
-    return compiled, errors
-
-
 def run_allreduce(
     devices: Sequence[str], sizes: Sequence[int] = SIZES, *,
     algorithms: Sequence[str] | None = None, rounds: int = 15, verbose: bool = False,
@@ -193,21 +169,30 @@ def run_allreduce(
     cands = contenders(devices, algorithms)
     with as_written():
         inputs = {s: make_inputs(devices, s, seed=s) for s in sizes}
-        built = {s: _compile(cands, devices, inputs[s]) for s in sizes}
-        calls = {f"{s}|{name}": (lambda fn=fn, x=inputs[s]: fn(*x))
-                 for s in sizes for name, fn in built[s][0].items()}
+        built: dict[str, Compiled] = {}
+        errors: dict[str, str] = {}
+        calls: dict[str, Callable[[], Any]] = {}
+        for key, s, c in ((f"{s}|{c.name}", s, c) for s in sizes for c in cands):
+            try:  # traced once; a contender that cannot run here gets a row saying why
+                built[key] = Compiled(c, devices)
+                built[key](*inputs[s])
+                calls[key] = functools.partial(built[key], *inputs[s])
+            except Exception as err:
+                built.pop(key, None)
+                errors[key] = report.reason(err)
         samples = interleave(calls, rounds, warmup=3, verbose=verbose,
                              calls={k: calls_per_sample(int(k.split("|")[0])) for k in calls},
                              label=f"all-reduce: {len(calls)} (size, algorithm) pairs")
         rows = []
         for s in sizes:
-            (compiled, errors), host = built[s], [x.numpy() for x in inputs[s]]
+            host = [x.numpy() for x in inputs[s]]
             for c in cands:
-                row = _row(c, len(devices), s, samples.get(f"{s}|{c.name}"))
-                if c.name in compiled:
-                    fn = compiled[c.name]
-                    row["wrong"] = count_wrong(c, fn(*inputs[s]), host, devices, fn.homes)
-                rows.append({**row, "error": errors.get(c.name, "")})
+                key = f"{s}|{c.name}"
+                row = _row(c, len(devices), s, samples.get(key))
+                if key in built:
+                    outputs, homes = built[key](*inputs[s]), built[key].homes
+                    row["wrong"] = count_wrong(c, outputs, host, devices, homes)
+                rows.append({**row, "error": errors.get(key, "")})
         return rows
 
 

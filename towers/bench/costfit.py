@@ -128,12 +128,11 @@ def fit_measured(table: list[dict[str, Any]]) -> list[dict[str, Any]]:
         sizes = {r["nbytes"] for r in own}
         with warnings.catch_warnings():  # "only 2β + γ": expected, as said above
             warnings.simplefilter("ignore")
-            links = fit(own, per_algorithm=True)
+            link = fit(own)
             held = holdout(own, train & sizes) if len(train & sizes) >= 2 and sizes - train else []
-        link = links[own[0]["algorithm"]]
         out.append({"algorithm": name, "formula": own[0]["algorithm"], "alpha": link.alpha,
                     "per_byte": 2 * link.beta + link.gamma,
-                    **_errors(compare(own, links), "fit_"), **_errors(held, "held_out_")})
+                    **_errors(compare(own, link), "fit_"), **_errors(held, "held_out_")})
     return out
 
 

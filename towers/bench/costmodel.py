@@ -33,8 +33,7 @@ __all__ = [
 Coefficients = tuple[float, float, float]
 DEFAULT_TOWERS = tuple(2**i for i in range(1, 11))
 NCCL_H100_RING_BUSBW = 370e9
-"""Published busbw (bytes/s) of NCCL's ring all-reduce on 8×H100 NVLink 4, large messages
-(the model gives 371 GB/s; with γ = 0, as NCCL fuses the add into its copy, 446)."""
+"""Published busbw (bytes/s) of NCCL's ring all-reduce on 8×H100 NVLink 4, large messages."""
 
 
 @dataclass(frozen=True)
@@ -164,11 +163,8 @@ def predict_on(system: str, algorithm: str, nbytes: float) -> float:
     return predict(algorithm, machine["n"], nbytes, machine["link"], **params)
 
 
-PAPER_ALGORITHMS = ("ring", "tree", "double_binary_tree", "halving_doubling", "swing",
-                    "hierarchical")
-
-
-def scale_on_paper(algorithms: Sequence[str] = PAPER_ALGORITHMS,
+def scale_on_paper(algorithms: Sequence[str] = ("ring", "tree", "double_binary_tree",
+                                                "halving_doubling", "swing", "hierarchical"),
                    sizes: Sequence[int] = (1 << 20, 1 << 30)) -> list[dict[str, Any]]:
     """One row per (system, algorithm, size): predicted µs, algbw and busbw (GB/s), and the
     system's published or bound busbw beside it. Arithmetic, not a measurement."""

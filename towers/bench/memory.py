@@ -1,6 +1,6 @@
 """Peak memory (``VmHWM``) of a training step, per configuration, each in a fresh process.
 
-A peak only grows, so each configuration runs alone in ``python -m towers.bench.memory``,
+A peak only grows, so each configuration runs alone in a child process (:func:`measure`),
 read after import, after building and after a few steps (``step = peak − built``).
 """
 
@@ -61,10 +61,10 @@ def run_memory(configs: Sequence[str] = CONFIGS, *, model: str = "mlp", towers: 
     """:func:`measure` each configuration in its own child process; one row each."""
     rows = []
     for config in configs:
-        argv = [sys.executable, "-m", "towers.bench.memory", "--config", config, "--model", model,
-                "--towers", str(towers), "--batch", str(batch), "--steps", str(steps)]
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=300,
-                              env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+        call = f"measure{(config, model, towers, batch, steps)!r}"
+        code = f"import json; from towers.bench.memory import measure; print(json.dumps({call}))"
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=300, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
         lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
         if done.returncode != 0 or not lines:
             tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
@@ -117,18 +117,3 @@ def section(args: argparse.Namespace, devices: list[str], results: dict) -> bool
     results["optimizer_state"] = state
     return not any(r["error"] for r in rows)
 
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Child process entry point: print one JSON row."""
-    parser = argparse.ArgumentParser(prog="python -m towers.bench.memory")
-    for option, default in (("--model", "mlp"), ("--towers", 4), ("--batch", 256),
-                            ("--steps", 3)):
-        parser.add_argument(option, type=type(default), default=default)
-    parser.add_argument("--config", required=True)
-    a = parser.parse_args(argv)
-    print(json.dumps(measure(a.config, a.model, a.towers, a.batch, a.steps)), flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -38,14 +38,6 @@ _REDUCE_TYPES = {
 }
 
 
-def _by_type(op_type: str) -> str:
-    if op_type in _REDUCE_TYPES:
-        return "reduce"
-    if op_type.startswith(("Assign", "ResourceApply", "ResourceSparseApply")):
-        return "apply"
-    return "forward_backward"
-
-
 def phase_of(op_name: str, op_type: str = "", *, scoped: bool = True) -> tuple[str, int | None]:
     """The phase of one op event and its tower (forward_backward only); by ``op_type``
     when not ``scoped``.
@@ -55,7 +47,9 @@ def phase_of(op_name: str, op_type: str = "", *, scoped: bool = True) -> tuple[s
         (('forward_backward', 2), ('forward_backward', 0))
     """
     if not scoped:
-        return _by_type(op_type), None
+        applies = op_type.startswith(("Assign", "ResourceApply", "ResourceSparseApply"))
+        return ("reduce" if op_type in _REDUCE_TYPES else "apply" if applies
+                else "forward_backward"), None
     if _HANDOFF.match(op_name.split("/")[0]):
         return "handoff", None
     tower = scoped_tower(op_name)
@@ -164,24 +158,19 @@ DEFAULT_CONFIGS = ("MirroredStrategy", "CentralStorageStrategy", "towers naive/p
 """Profiled always; the fastest towers row of the training table joins them when it ran."""
 
 
-def _picks(results: dict[str, Any], model: str, placements: Sequence[str] | None) -> list[str]:
-    rows = [r for r in results.get("training", []) if r["model"] == model and r.get("ms")]
-    best = min((r for r in rows if r["kind"] == "towers"), key=lambda r: r["ms"], default=None)
-    picks = [c for c in DEFAULT_CONFIGS
-             if not c.startswith("towers ") or not placements or c.rsplit("/", 1)[1] in placements]
-    if best is not None and best["config"] not in picks:
-        picks.insert(2, best["config"])
-    return picks
-
-
 def section(args: argparse.Namespace, devices: list[str], results: dict) -> bool:
     """``--sections phases``: the breakdown table, its CSV and its PNG."""
     rows = []
+    picks = [c for c in DEFAULT_CONFIGS if not c.startswith("towers ") or not args.placements
+             or c.rsplit("/", 1)[1] in args.placements]
     for model in args.models or list(MODELS):
         report.heading(f"phases: {model}, batch {args.batch_size}, {len(devices)} towers "
                        "(profiler)")
-        rows += run_phases(model, devices, _picks(results, model, args.placements),
-                           batch=args.batch_size, verbose=not args.quiet)
+        timed = [r for r in results.get("training", [])
+                 if r["model"] == model and r.get("ms") and r["kind"] == "towers"]
+        best = [min(timed, key=lambda r: r["ms"])["config"]] if timed else []
+        names = picks[:2] + [c for c in best if c not in picks] + picks[2:]
+        rows += run_phases(model, devices, names, batch=args.batch_size, verbose=not args.quiet)
     print("thread ms per step by phase (share of the step's thread time); wall = elapsed:")
     print(table(rows))
     report.publish(args, results, "phases", rows, lambda out: plot(rows, out / "phases.png"))

@@ -52,18 +52,8 @@ class Samples:
 
 
 def load_average() -> tuple[float, float, float]:
-    """``os.getloadavg()`` (1, 5, 15 minutes), or zeros where the OS has none."""
-    try:
-        return os.getloadavg()
-    except OSError:  # pragma: no cover - not on Linux/macOS
-        return (0.0, 0.0, 0.0)
-
-
-def _sample(fn: Callable[[], Any], calls: int) -> tuple[float, float]:
-    cpu0, wall0 = time.process_time(), time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - wall0) / calls, (time.process_time() - cpu0) / calls
+    """The machine's load average over 1, 5 and 15 minutes (the numbers may share it)."""
+    return os.getloadavg()
 
 
 def interleave(
@@ -77,10 +67,9 @@ def interleave(
     progress bar under ``label``; ``seed`` seeds the shuffles.
     """
     names = list(fns)
-    per_name = {n: calls if isinstance(calls, int) else calls.get(n, 1) for n in names}
     positive_int("rounds", rounds)
-    for name, count in per_name.items():
-        positive_int(f"calls[{name!r}]", count)
+    per_name = {n: positive_int(f"calls[{n!r}]", calls if isinstance(calls, int)
+                                else calls.get(n, 1)) for n in names}
     for name in names:
         for _ in range(warmup):
             fns[name]()
@@ -91,9 +80,11 @@ def interleave(
     order = random.Random(seed)
     for r in range(rounds):
         for name in order.sample(names, len(names)):
-            wall, cpu = _sample(fns[name], per_name[name])
-            out[name].wall.append(wall)
-            out[name].cpu.append(cpu)
+            cpu, wall = time.process_time(), time.perf_counter()
+            for _ in range(per_name[name]):
+                fns[name]()
+            out[name].wall.append((time.perf_counter() - wall) / per_name[name])
+            out[name].cpu.append((time.process_time() - cpu) / per_name[name])
         bar.update(r + 1, [("load", load_average()[0])])
     return out
 
@@ -173,9 +164,7 @@ def write_csv(path: Path, rows: Sequence[dict[str, Any]]) -> Path:
 
 def figure(width: float, height: float) -> Figure:
     """A matplotlib figure drawn off screen (no pyplot state)."""
-    fig = Figure(figsize=(width, height))
-    FigureCanvasAgg(fig)
-    return fig
+    return FigureCanvasAgg(Figure(figsize=(width, height))).figure
 
 
 def save(fig: Figure, path: Path) -> Path:

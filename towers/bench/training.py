@@ -126,16 +126,6 @@ def build_steps(model: str, devices: Sequence[str], names: Sequence[str], x: tf.
     return configs, errors
 
 
-def _first_losses(configs: list[StepConfig], errors: dict[str, str]) -> dict[str, float]:
-    losses = {}
-    for c in configs:
-        try:
-            losses[c.name] = float(c.step())
-        except Exception as err:  # reported as a row
-            errors[c.name] = report.reason(err)
-    return losses
-
-
 def _rows(model: str, configs: list[StepConfig], samples: dict[str, Any],
           losses: dict[str, float], errors: dict[str, str]) -> list[dict[str, Any]]:
     mirrored = samples.get(MIRRORED)
@@ -167,7 +157,12 @@ def run_model(model: str, devices: Sequence[str], *, batch: int = 256, rounds: i
     first losses, time them interleaved; one row each."""
     x, y = make_batch(model, batch)
     configs, errors = build_steps(model, devices, config_names(**options), x, y)
-    losses = _first_losses(configs, errors)
+    losses = {}
+    for c in configs:
+        try:
+            losses[c.name] = float(c.step())
+        except Exception as err:  # reported as a row
+            errors[c.name] = report.reason(err)
     runnable = {c.name: c.step for c in configs if c.name not in errors}
     samples = interleave(runnable, rounds, calls=calls, warmup=1, verbose=verbose,
                          label=f"training steps: {model}, batch {batch}, {len(devices)} towers")
@@ -222,16 +217,6 @@ def plot(rows: Sequence[dict[str, Any]], path: Any) -> Any:
     return report.save(fig, path)
 
 
-def _losses_agree(rows: list[dict]) -> bool:
-    ok = True
-    for model in dict.fromkeys(r["model"] for r in rows):
-        losses = [r["first_loss"] for r in rows if r["model"] == model and r.get("first_loss")]
-        if losses and max(losses) - min(losses) > LOSS_TOLERANCE * max(1.0, abs(losses[0])):
-            print(f"WRONG: first-step losses of {model} disagree: {min(losses)}..{max(losses)}")
-            ok = False
-    return ok
-
-
 def section(args: argparse.Namespace, devices: list[str], results: dict) -> bool:
     """``--sections training``: the step table, CSV and plot; False if first losses differ."""
     rows: list[dict[str, Any]] = []
@@ -248,4 +233,10 @@ def section(args: argparse.Namespace, devices: list[str], results: dict) -> bool
     report.publish(args, results, "training", rows,
                    lambda out: plot(rows, out / "training_ratio.png"))
     results["training_load"] = load_average()
-    return _losses_agree(rows)
+    ok = True
+    for model in dict.fromkeys(r["model"] for r in rows):
+        losses = [r["first_loss"] for r in rows if r["model"] == model and r.get("first_loss")]
+        if losses and max(losses) - min(losses) > LOSS_TOLERANCE * max(1.0, abs(losses[0])):
+            print(f"WRONG: first-step losses of {model} disagree: {min(losses)}..{max(losses)}")
+            ok = False
+    return ok

@@ -6,7 +6,6 @@ MultiWorkerMirroredStrategy's ``all_reduce`` per size; worker 0 prints ``RESULT 
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import os
@@ -77,12 +76,8 @@ def _time_size(strategy: Any, workers: int, megabytes: int, rounds: int) -> dict
             "min_s": {k: min(v) for k, v in seconds.items()}}
 
 
-def main(argv: list[str] | None = None) -> None:
-    """One worker's part (run under the launcher): time every size, worker 0 reports."""
-    parser = argparse.ArgumentParser(description="one worker of towers bench --workers")
-    parser.add_argument("--sizes", default=",".join(map(str, SIZES_MB)), help="megabytes")
-    parser.add_argument("--rounds", type=int, default=7)
-    args = parser.parse_args(argv)
+def main(sizes: list[int], rounds: int) -> None:
+    """One worker's part (run under the launcher): time every size (MB), worker 0 reports."""
     cluster = resolve()
     set_logical_devices(1)
     ring = tf.distribute.experimental.CommunicationImplementation.RING
@@ -90,8 +85,8 @@ def main(argv: list[str] | None = None) -> None:
         communication_options=tf.distribute.experimental.CommunicationOptions(
             implementation=ring))
     set_local_task(str(cluster.task_type), int(cluster.task_index or 0))
-    for mb in (int(s) for s in args.sizes.split(",")):
-        result = _time_size(strategy, cluster.num_workers, mb, args.rounds)
+    for mb in sizes:
+        result = _time_size(strategy, cluster.num_workers, mb, rounds)
         if cluster.is_chief:
             print("RESULT " + json.dumps(result), flush=True)
     leave_together(cluster)  # a peer may still be pulling this worker's last buffer
@@ -127,9 +122,9 @@ def run(workers: int, out_dir: Path, sizes: list[int] | None = None, rounds: int
     for size in sizes:
         positive_int("sizes (MB)", size)
     text = io.StringIO()
-    command = [sys.executable, "-m", "towers.bench.workers", "--sizes",
-               ",".join(map(str, sizes)), "--rounds", str(rounds)]
-    code = launch(local_cluster(workers), 1, command, timeout=timeout, out=text)
+    program = f"from towers.bench.workers import main; main({sizes!r}, {rounds!r})"
+    code = launch(local_cluster(workers), 1, [sys.executable, "-c", program], timeout=timeout,
+                  out=text)
     results = [json.loads(line.split("RESULT ", 1)[1]) for line in text.getvalue().splitlines()
                if line.startswith("[worker 0] RESULT ")]
     if code != 0 or len(results) != len(sizes):
@@ -141,6 +136,3 @@ def run(workers: int, out_dir: Path, sizes: list[int] | None = None, rounds: int
     print(f"wrote {report.write_csv(out_dir / 'workers.csv', table)}")
     return 0
 
-
-if __name__ == "__main__":
-    main()

@@ -87,12 +87,8 @@ def _build() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser
 
 
 def quiet_tensorflow(verbose: bool) -> None:
-    """Import TensorFlow with its C++ log quiet unless ``verbose``.
-
-    Its runtime prints lines that look like failures (``failed call to cuInit``): so level 3
-    unless the environment sets one, stderr kept aside during the import (shown if it
-    fails), and Abseil at errors only.
-    """
+    """Import TensorFlow with its C++ log quiet unless ``verbose``: its runtime prints lines
+    that look like failures (``failed call to cuInit``); stderr is shown if the import fails."""
     if verbose:
         os.environ["TF_CPP_MIN_LOG_LEVEL"] = "0"
         return

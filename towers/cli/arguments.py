@@ -19,14 +19,10 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ALGORITHMS", "CODECS", "COLLECTIVES", "DTYPES", "OPS", "REFERENCES", "VARIABLES",
-           "Named",
-           "algorithm", "algorithm_or_collective", "algorithms", "at_least", "choices", "codec",
-           "did_you_mean", "fail", "importable", "output_dir", "output_file", "positive_float",
-           "spec_found", "tower_counts", "user_object"]
-
-MAX_TOWERS = 64
-"""The most towers a list of tower counts may name."""
+__all__ = ["ALGORITHMS", "CODECS", "COLLECTIVES", "DTYPES", "MODELS", "OPS", "PLACEMENTS",
+           "REFERENCES", "VARIABLES", "Named", "algorithm", "algorithm_or_collective",
+           "algorithms", "at_least", "choices", "codec", "did_you_mean", "fail", "loader",
+           "output_dir", "output_file", "positive_float", "spec_found", "tower_counts"]
 
 ALGORITHMS = (
     "bruck", "double_binary_tree", "halving_doubling", "hierarchical", "naive", "nccl",
@@ -51,6 +47,12 @@ REFERENCES = ("mirrored", "central_storage")
 
 VARIABLES = ("replicated", "parameter_device")
 """The variable placements a command line may name."""
+
+PLACEMENTS = ("parameter_device", "replicated", "sharded")
+"""Every placement (``towers.step.PLACEMENTS``), for ``towers bench --placements``."""
+
+MODELS = ("conv-mnist", "mlp")
+"""The models of ``towers bench``'s step table (``towers.bench.training.MODELS``)."""
 
 
 def did_you_mean(word: str, known: Iterable[str]) -> str:
@@ -96,15 +98,16 @@ def positive_float(text: str) -> float:
 
 def tower_counts(text: str) -> list[int]:
     """Distinct tower counts like ``1,2,4,8``, each in 1..64, in the order given."""
+    most = 64
     try:
         counts = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"expected tower counts like 1,2,4,8; got {text!r}") from None
     if not counts or len(set(counts)) != len(counts) or not all(
-            1 <= n <= MAX_TOWERS for n in counts):
+            1 <= n <= most for n in counts):
         raise argparse.ArgumentTypeError(
-            f"expected distinct tower counts in 1..{MAX_TOWERS} like 1,2,4,8; got {text!r}")
+            f"expected distinct tower counts in 1..{most} like 1,2,4,8; got {text!r}")
     return counts
 
 
@@ -115,17 +118,16 @@ def _items(text: str) -> list[str]:
     return items
 
 
-def choices(allowed: Sequence[str] | Callable[[], Sequence[str]],
-            what: str) -> Callable[[str], list[str]]:
-    """A comma list of ``allowed`` values (or a function returning them, called late)."""
+def choices(allowed: Sequence[str], what: str) -> Callable[[str], list[str]]:
+    """A comma list of ``allowed`` values."""
 
     def parse(text: str) -> list[str]:
-        items, known = _items(text), allowed() if callable(allowed) else allowed
-        unknown = [item for item in items if item not in known]
+        items = _items(text)
+        unknown = [item for item in items if item not in allowed]
         if unknown:
             raise argparse.ArgumentTypeError(
                 f"unknown {what} {', '.join(map(repr, unknown))}"
-                f"{did_you_mean(unknown[0], known)}; choose from {', '.join(known)}")
+                f"{did_you_mean(unknown[0], allowed)}; choose from {', '.join(allowed)}")
         return items
 
     parse.__name__ = f"{what} list"
@@ -184,27 +186,19 @@ def spec_found(text: str, what: str) -> str:
     return text
 
 
-def _as_usage_error(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    try:
-        return fn(*args, **kwargs)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-
-
-def importable(what: str) -> Callable[[str], None]:
-    """A loader for :class:`Named`: ``module:NAME``'s module imports and has ``NAME``."""
+def loader(function: str, what: str) -> Callable[[str], None]:
+    """A loader for :class:`Named`: ``resolve.<function>(text, argument=what)``, its
+    ValueError a usage error (``imported``: the module imports and has ``NAME``)."""
 
     def load(text: str) -> None:
-        from towers.allreduce.machinery.resolve import imported
+        from towers.allreduce.machinery import resolve
 
-        _as_usage_error(imported, text, what)
+        try:
+            getattr(resolve, function)(text, argument=what)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
 
     return load
-
-
-def user_object(what: str) -> Named:
-    """``module:NAME`` or ``file.py:NAME`` naming a ``what`` (a step factory, a model factory)."""
-    return Named(lambda text: spec_found(text, what), importable(what), what)
 
 
 def _algorithm_name(text: str) -> str:
@@ -218,12 +212,7 @@ def _algorithm_name(text: str) -> str:
     return text
 
 
-def _load_algorithm(text: str) -> None:
-    from towers.allreduce.machinery.resolve import check
-
-    _as_usage_error(check, text, "algorithm")
-
-
+_load_algorithm = loader("check", "algorithm")
 algorithm = Named(_algorithm_name, _load_algorithm, "algorithm")
 """A registered all-reduce (``towers.ALGORITHMS``, or ``noop``) or ``module:NAME``."""
 
@@ -253,13 +242,7 @@ def _codec_name(text: str) -> str:
     return text
 
 
-def _load_codec(text: str) -> None:
-    from towers.allreduce.machinery.resolve import get_codec
-
-    _as_usage_error(get_codec, text, argument="codec")
-
-
-codec = Named(_codec_name, _load_codec, "codec")
+codec = Named(_codec_name, loader("get_codec", "codec"), "codec")
 """A registered codec (``topk(0.1)`` passes arguments) or ``module:NAME``."""
 
 

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from towers.cli.arguments import algorithms, at_least, choices, output_dir
+from towers.cli.arguments import MODELS, PLACEMENTS, algorithms, at_least, choices, output_dir
 
 __all__ = ["EPILOG", "SECTIONS", "add_arguments", "fresh_folder", "run"]
 
@@ -34,18 +34,6 @@ EPILOG = """examples:
   python -m towers bench --sections training,phases --models mlp
   python -m towers bench --sections allreduce --algorithms ring,my_algos:star   # ./my_algos.py
 """
-
-
-def _models() -> list[str]:
-    from towers.bench.training import MODELS
-
-    return list(MODELS)
-
-
-def _placements() -> list[str]:
-    from towers.step import PLACEMENTS
-
-    return list(PLACEMENTS)
 
 
 def _ints(text: str) -> list[int]:
@@ -72,11 +60,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--rounds", type=at_least(1), default=None, help="all-reduce rounds (default 15; quick 9)")
     add("--step-rounds", type=at_least(1), default=None,
         help="training rounds (default 13; quick 5)")
-    add("--models", type=choices(_models, "model"), default=None,
-        help="comma list of conv-mnist, mlp (default both)")
+    add("--models", type=choices(MODELS, "model"), default=None,
+        help=f"comma list of {', '.join(MODELS)} (default all)")
     add("--batch-size", type=at_least(1), default=256, help="global batch of the step table (256)")
-    add("--placements", type=choices(_placements, "placement"), default=None,
-        help="comma list of parameter_device, replicated (default both)")
+    add("--placements", type=choices(PLACEMENTS, "placement"), default=None,
+        help=f"comma list of {', '.join(PLACEMENTS)} (default all)")
     add("--no-plots", action="store_true", help="skip the PNG plots")
     add("--quiet", action="store_true", help="no progress bars")
     add("--workers", type=at_least(2), default=None, help="instead: cross-process all-reduce "

@@ -70,19 +70,6 @@ def usage_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _prove(fn: Any, upto: int) -> bool:
-    """Print the symbolic verdict for a schedule-defined algorithm; False when rejected."""
-    from towers.allreduce.machinery.scheduled import generator_of
-    from towers.schedule import check_schedule
-
-    generator = generator_of(fn)
-    if generator is None or upto < 1:
-        return True
-    report = check_schedule(generator, range(1, upto + 1))
-    print(report)
-    return report.ok
-
-
 def _check(args: argparse.Namespace, name: str, fn: Any, counts: list[int],
            devices: list[str]) -> Any:
     """One search per tower count, ascending, stopping at the first failure."""
@@ -112,13 +99,19 @@ def run(args: argparse.Namespace) -> int:
 
     devices = start_devices(args.max_towers)  # first: before TensorFlow's runtime starts
     from towers.allreduce.machinery.resolve import get, label
+    from towers.allreduce.machinery.scheduled import generator_of
+    from towers.schedule import check_schedule
 
     counts = sorted(args.towers or range(1, args.max_towers + 1))
     try:
         name, fn = label(args.algorithm), get(args.algorithm, argument="algorithm",
                                               devices=devices)
-        if not _prove(fn, args.prove):
-            return 1
+        generator = generator_of(fn)
+        if generator is not None and args.prove > 0:  # a schedule: proved symbolically first
+            proof = check_schedule(generator, range(1, args.prove + 1))
+            print(proof)
+            if not proof.ok:
+                return 1
         print(f"towers check: {name} over tower counts {counts}: "
               f"{sum(budgets(args.examples, len(counts)))} drawn examples, then each count's "
               "stratified ones")

@@ -41,7 +41,7 @@ from towers.cli.arguments import (
     algorithm,
     at_least,
     fail,
-    importable,
+    loader,
     positive_float,
     spec_found,
 )
@@ -86,11 +86,6 @@ def _side(text: str) -> str:
     return str(algorithm(text))  # a registered name or module:NAME that can be found
 
 
-def _load_side(text: str) -> None:
-    if not text.startswith("towers:"):
-        importable("step")(text)
-
-
 def _data_file(text: str) -> str:
     if not text.endswith(".npz") or not Path(text).is_file():
         raise argparse.ArgumentTypeError(f"expected an existing .npz file (arrays x, y), got "
@@ -101,7 +96,7 @@ def _data_file(text: str) -> str:
 def add_problem_arguments(parser: argparse.ArgumentParser) -> None:
     """The options shared by compare, bisect and invariance: model, data, optimizer, loss."""
     add = parser.add_argument
-    add("--model", type=Named(_model, importable("model"), "model"), default="mlp",
+    add("--model", type=Named(_model, loader("imported", "model"), "model"), default="mlp",
         metavar="MODEL", help="mlp (64-32-10, tanh), conv (the digits CNN) or module:fn")
     add("--data", type=_data_file, default=None, metavar="FILE.npz",
         help="arrays x and y to train on (default: the bundled digits)")
@@ -117,7 +112,8 @@ def add_problem_arguments(parser: argparse.ArgumentParser) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``towers compare`` and ``towers bisect``."""
     add = parser.add_argument
-    side = Named(_side, _load_side, "step")
+    side = Named(_side, lambda text: None if text.startswith("towers:")
+                 else loader("imported", "step")(text), "step")
     add("--a", required=True, metavar="STEP", type=side,
         help="the teacher: module:factory of a step, or a towers/reference configuration")
     add("--b", required=True, metavar="STEP", type=side, help="the step under test")

@@ -16,11 +16,13 @@ import argparse
 
 from towers.cli.arguments import (
     VARIABLES,
+    Named,
     algorithm,
     fail,
+    loader,
     positive_float,
+    spec_found,
     tower_counts,
-    user_object,
 )
 from towers.cli.compare import add_problem_arguments, exit_code, load_problem
 
@@ -41,7 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--algorithm", type=algorithm, default="ring",
         help="a registered name, module:function or file.py:function")
     add("--variables", choices=VARIABLES, default="replicated", help="placement")
-    add("--step", type=user_object("step factory"), default=None, metavar="MODULE:FACTORY",
+    step = Named(lambda text: spec_found(text, "step"), loader("imported", "step"), "step")
+    add("--step", type=step, default=None, metavar="MODULE:FACTORY",
         help="check your step instead: factory(model_fn, optimizer_fn, loss, devices) is "
         "called once per tower count")
     add("--bound", type=positive_float, default=None, metavar="TOL",

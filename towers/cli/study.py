@@ -37,8 +37,6 @@ EPILOG = """examples:
   python -m towers study ring my_codecs.py:sign --out results/sign
 """
 
-SYSTEM_NAMES = ("8xH100", "1024xH100")
-
 
 def reducer(text: str) -> str:
     """A REDUCER's names, checked without TensorFlow (its arguments: when the study runs)."""
@@ -128,8 +126,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         rows = study.run_study(
             args.reducers, devices, model=model, data=data, epochs=args.epochs,
-            batch_size=args.batch, learning_rate=args.lr, systems=SYSTEM_NAMES,
-            eval_every=args.eval_every, steps=args.steps,
+            batch_size=args.batch, learning_rate=args.lr, eval_every=args.eval_every,
+            steps=args.steps,
             progress=lambda line: print("  " + line, flush=True),
         )
     except Exception as err:  # a user's reducer failed while training

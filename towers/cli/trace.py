@@ -70,16 +70,6 @@ def usage_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _collective(args: argparse.Namespace) -> int:
-    from towers.allreduce.collectives import format_collective
-
-    try:
-        print(format_collective(args.collective, args.algorithm, args.towers, 4 * args.size))
-    except ValueError as err:
-        return fail("trace", err)
-    return 0
-
-
 def _state(args: argparse.Namespace, fn: object, devices: list[str]) -> None:
     from towers.trace import draw_state, trace_state, write_html
 
@@ -96,7 +86,13 @@ def run(args: argparse.Namespace) -> int:
     """Run the job; returns a process exit code."""
     args.algorithm = args.algorithm or args.name or "ring"
     if args.collective:
-        return _collective(args)
+        from towers.allreduce.collectives import format_collective
+
+        try:
+            print(format_collective(args.collective, args.algorithm, args.towers, 4 * args.size))
+        except ValueError as err:
+            return fail("trace", err)
+        return 0
     from towers.trace import schedule
 
     devices = schedule.start_devices(args.towers)  # first: before TensorFlow's runtime starts

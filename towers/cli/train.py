@@ -17,8 +17,6 @@ from towers.cli.arguments import VARIABLES, algorithm, at_least, codec, fail, po
 
 __all__ = ["add_arguments", "run"]
 
-_EXACT_ORDER = ("naive", "parameter_device")
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``towers train``."""
@@ -66,7 +64,8 @@ def _compare(tm: Any, data: tuple[np.ndarray, ...], args: argparse.Namespace,
     from towers.training.models import digits_cnn
 
     kind = args.reference if args.reference != "auto" else (
-        "reduction_to_one_device" if args.algorithm in _EXACT_ORDER else "collective")
+        "reduction_to_one_device" if args.algorithm in ("naive", "parameter_device")
+        else "collective")
     print(f"replaying the same {args.epochs} epochs with MirroredStrategy ({kind}) ...")
     ref = MirroredTrainer(lambda: digits_cnn(args.seed), lambda: keras.optimizers.Adam(args.lr),
                           keras.losses.SparseCategoricalCrossentropy(from_logits=True),
