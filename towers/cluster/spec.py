@@ -1,6 +1,4 @@
-"""Which cluster this process belongs to: jobs of ``host:port`` addresses, this task, the chief.
-
-A process learns its place from ``TF_CONFIG``::
+"""Which cluster this process belongs to: jobs of ``host:port`` addresses, this task, the chief::
 
     TF_CONFIG = {"cluster": {"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]},
                  "task": {"type": "worker", "index": 1}}
@@ -8,9 +6,8 @@ A process learns its place from ``TF_CONFIG``::
     job:worker  task 0 ── /job:worker/replica:0/task:0/device:CPU:0 … CPU:T-1   (chief)
                 task 1 ── /job:worker/replica:0/task:1/device:CPU:0 … CPU:T-1   (this one)
 
-:func:`resolve` turns that JSON, a ``tf.train.ClusterSpec``, a dict or a
-``ClusterResolver`` into one frozen :class:`Cluster`. ``towers launch`` runs every task on
-127.0.0.1 (:func:`local_cluster`) and sets :data:`TOWERS_ENV`. Nothing here starts TensorFlow.
+:func:`resolve` turns that JSON, a ``tf.train.ClusterSpec``, a dict or a ``ClusterResolver``
+into one frozen :class:`Cluster`. Nothing here starts TensorFlow.
 """
 
 from __future__ import annotations

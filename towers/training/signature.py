@@ -44,13 +44,10 @@ def _plain(value: Any) -> Any:
     return json.loads(json.dumps(value, default=repr, sort_keys=True))
 
 
-def _path(variable: Any) -> str:
-    """A variable's path without Keras' suffixes, ``dense_3/kernel``: ``dense/kernel``."""
-    return _SUFFIX.sub("", str(getattr(variable, "path", None) or variable.name))
-
-
-def _entry(variable: Any) -> list[Any]:  # [path, shape, dtype]
-    return [_path(variable), [int(d) for d in variable.shape], tf.as_dtype(variable.dtype).name]
+def _entry(variable: Any) -> list[Any]:
+    """``[path, shape, dtype]``; the path without Keras' suffixes (``dense_3``: ``dense``)."""
+    path = _SUFFIX.sub("", str(getattr(variable, "path", None) or variable.name))
+    return [path, [int(d) for d in variable.shape], tf.as_dtype(variable.dtype).name]
 
 
 def _optimizer(optimizer: Any) -> dict[str, Any]:
