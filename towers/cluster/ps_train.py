@@ -154,7 +154,11 @@ class AsyncTrainer:
             read = self._pulls[w]()
             grads, loss, codes = self._grads[w](x, y)
             if codes is not None and (bad := describe(codes.numpy())):
-                self._skip(w, b, bad)
+                with self.store.lock:
+                    self.skipped_batches.append(b)
+                    version = self.store.updates
+                if self.on_nonfinite == "raise":
+                    raise NonFiniteError(version, bad, self.workers[w].devices)
                 return
             arrays, value = [g.numpy() for g in grads], float(loss.numpy())
             record = functools.partial(self._record, w, b, read, arrays, value)
@@ -167,13 +171,6 @@ class AsyncTrainer:
     def skipped_steps(self) -> int:
         """How many batches the non-finite guard kept from the ps (``"skip"``/``"raise"``)."""
         return len(self.skipped_batches)
-
-    def _skip(self, w: int, b: int, bad: dict[int, list[str]]) -> None:
-        with self.store.lock:
-            self.skipped_batches.append(b)
-            version = self.store.updates
-        if self.on_nonfinite == "raise":
-            raise NonFiniteError(version, bad, self.workers[w].devices)
 
     def _record(self, w: int, b: int, read: dict[str, int], arrays: list[np.ndarray],
                 value: float, version: int) -> None:
