@@ -176,7 +176,7 @@ def start_server(cluster: Any = None, towers: int | None = None) -> tf.distribut
     rewrites = config.graph_options.rewrite_options
     for name in REWRITES:
         setattr(rewrites, name, rewriter_config_pb2.RewriterConfig.OFF)
-    # and no AddN turned into AssignAdds summed in arrival order (ordering._keep_sums)
+    # and no AddN turned into AssignAdds summed in arrival order (compile.step.PhasedStep)
     rewrites.memory_optimization = rewriter_config_pb2.RewriterConfig.NO_MEM_OPT
     return tf.distribute.Server(
         found.cluster_spec(), job_name=found.task_type, task_index=found.task_index,

@@ -30,7 +30,7 @@ from towers.cluster.cross_worker import AllTowers, check_cross_worker
 from towers.cluster.spec import resolve
 from towers.guard.arguments import non_negative_int
 from towers.guard.errors import CheckpointError
-from towers.split import Shards, batch_tensors, shard_batch, shard_sizes
+from towers.split import Shards, shard_sizes
 from towers.step import Reduced, TowerTrainer
 from towers.tower import Gradients
 from towers.training import atomic
@@ -93,10 +93,8 @@ class WorkerTrainer(TowerTrainer):
         return sorted({0, *super().model_towers(shards)})
 
     def split(self, x: Any, y: Any, sample_weight: Any = None) -> Shards:
-        """Cut the local batch over the towers; every tower divides by the global batch.
-        B < W leaves a worker without examples: it still joins every collective."""
-        batch = batch_tensors(x, y, sample_weight, self.model, allow_empty=True)
-        shards = shard_batch(*batch, len(self.devices))
+        """Cut the local batch over the towers; every tower divides by the global batch."""
+        shards = super().split(x, y, sample_weight)
         if self.num_workers == 1:
             return shards
         total = self._sum_over_workers(tf.cast(shards.global_batch, tf.float32),
