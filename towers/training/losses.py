@@ -135,9 +135,7 @@ def is_structured(loss: Any) -> bool:
 def reduction_of(loss: Any) -> str:
     """The Keras reduction ``loss`` asks for (for a loss per output, the one they share; a
     ``ValueError`` when they disagree or it is unsupported)."""
-    if isinstance(loss, OutputLosses):
-        return loss.reduction
-    return OutputLosses(loss).reduction if is_structured(loss) else loss_reduction(loss)
+    return (loss if isinstance(loss, OutputLosses) else OutputLosses(loss)).reduction
 
 
 class OutputLosses:
