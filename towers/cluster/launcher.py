@@ -45,7 +45,7 @@ class TaskProcess:
 
     def __init__(self, cluster: Cluster, job: str, index: int, towers: int,
                  command: Sequence[str], out: IO[str], lock: threading.Lock) -> None:
-        self.job, self.index, self.label = job, index, f"[{job} {index}]"
+        self.label = f"[{job} {index}]"
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         # this very towers first
         path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
