@@ -65,8 +65,8 @@ def run_async(out: str) -> None:
         versions = list(replay_versions(log, trainer.initial_weights()))
         recomputed = {}
         for u, r in enumerate(log.records):
-            trainer.set_worker_weights(r.worker, versions[max(r.read.values())])
-            grads, _ = trainer.gradient(r.worker, *data[r.batch])
+            grads = worker_gradient(trainer.workers[r.worker], versions[max(r.read.values())],
+                                    *data[r.batch])
             recomputed.update({f"u{u}_v{i}": g for i, g in enumerate(grads)})
         np.savez(os.path.join(out, "recompute.npz"), **recomputed)
         sync = one_worker_vs_tower_trainer(workers[0], ps[0], data[:3])
@@ -75,6 +75,24 @@ def run_async(out: str) -> None:
             json.dump({"seconds": seconds, "refused": trainer.refused,
                        "placement": log.placement}, f)
         lose_a_ps(local, trainer, data[:2], out)
+
+
+def worker_gradient(worker, weights, x, y):  # type: ignore[no-untyped-def]
+    """A worker's gradient on ``(x, y)`` at ``weights``, through the trainer's public phases."""
+    import tensorflow as tf
+
+    from towers.split import batch_tensors
+
+    targets = worker.model.trainable_variables
+    # one function call, as the pull: remote eager assigns would run asynchronously
+    tf.function(lambda values: [v.assign(w) for v, w in zip(targets, values)],
+                autograph=False)([tf.constant(np.asarray(w, np.float32)) for w in weights])
+    for var, w in zip(targets, weights):
+        assert np.array_equal(var.numpy(), w), "the worker's weights were not set"
+    x, y, _ = batch_tensors(x, y, None, worker.model)
+    grads = tf.function(lambda x, y: worker.reduce(worker.forward_backward(worker.split(x, y))
+                                                   ).grads[0], autograph=False)(x, y)
+    return [g.numpy() for g in grads]
 
 
 def one_worker_vs_tower_trainer(towers: list[str], ps: str,

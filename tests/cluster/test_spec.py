@@ -55,7 +55,7 @@ def test_tower_devices_task_major() -> None:
         "/job:worker/replica:0/task:1/device:CPU:0",
         "/job:worker/replica:0/task:1/device:CPU:1",
     ]
-    assert c.tower_devices(1, job="ps", kind="GPU") == ["/job:ps/replica:0/task:0/device:GPU:0"]
+    assert c.tower_devices(1, job="ps") == ["/job:ps/replica:0/task:0/device:CPU:0"]
     with pytest.raises(ValueError, match="towers_per_task"):
         c.tower_devices(0)
     with pytest.raises(ValueError, match="job 'chief' is not in the cluster"):

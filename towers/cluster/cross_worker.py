@@ -40,7 +40,7 @@ from tensorflow.python.ops import collective_ops
 from towers.allreduce import send
 from towers.allreduce.machinery.tf_collective_ops import shared_keys, token
 from towers.cluster.spec import resolve
-from towers.guard.arguments import positive_float, positive_int
+from towers.guard.arguments import check_choice, positive_float, positive_int
 
 __all__ = ["AllTowers", "CrossWorker"]
 
@@ -49,8 +49,7 @@ def check_cross_worker(num_workers: int | None, op: str, timeout_seconds: float)
     """The worker count (from the cluster when None); ``ValueError`` names a bad setting."""
     workers = positive_int(
         "num_workers", resolve().num_workers if num_workers is None else num_workers)
-    if op not in ("mean", "sum"):
-        raise ValueError(f"op must be 'mean' or 'sum', got {op!r}")
+    check_choice("op", op, ("mean", "sum"))
     positive_float("timeout_seconds", timeout_seconds)
     return workers
 
@@ -76,9 +75,7 @@ class _AcrossWorkers:
                  timeout_seconds: float = 60.0, communication_hint: str = "ring") -> None:
         op = self.default_op if op is None else op
         self.num_workers = check_cross_worker(num_workers, op, timeout_seconds)
-        if communication_hint not in self.hints:
-            raise ValueError(f"communication_hint must be one of {self.hints}, "
-                             f"got {communication_hint!r}")
+        check_choice("communication_hint", communication_hint, self.hints)
         self.op, self.timeout_seconds = op, float(timeout_seconds)
         self.communication_hint = communication_hint
         self.devices: list[str] = []

@@ -77,7 +77,6 @@ def shard_dataset(dataset: Any, cluster: Any, *, policy: str = "auto",
     Args:
         dataset: a ``tf.data.Dataset`` of unbatched elements, or a file list.
         cluster: a ``Cluster`` (this task) or a ``(num_workers, worker_index)`` pair.
-        policy: ``"auto"``, ``"file"``, ``"data"`` or ``"off"`` (module docstring).
         read: for a file list, turns names into records (``tf.data.TFRecordDataset``);
             None returns the (sharded) names themselves.
 

@@ -45,9 +45,12 @@ class TaskProcess:
 
     def __init__(self, cluster: Cluster, job: str, index: int, towers: int,
                  command: Sequence[str], out: IO[str], lock: threading.Lock) -> None:
-        self.job, self.index, self.label = job, index, f"[{job} {index}]"
+        self.label = f"[{job} {index}]"
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        # this very towers first
+        path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
         env = {**os.environ, "TF_CONFIG": tf_config(cluster, job, index),
-               TOWERS_ENV: str(towers), "PYTHONUNBUFFERED": "1", "PYTHONPATH": _python_path()}
+               TOWERS_ENV: str(towers), "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
         self.process = subprocess.Popen(
             list(command), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, text=True, errors="replace", start_new_session=True,
@@ -87,10 +90,6 @@ class TaskProcess:
                 break
         return leftover
 
-    def survivors(self) -> list[int]:
-        """Processes of the task's group still alive (after :meth:`stop`)."""
-        return _group_members(self.process.pid)
-
     def finish(self) -> None:
         """Wait for the output to be copied."""
         self.process.wait()
@@ -122,21 +121,14 @@ def _group_members(pgid: int) -> list[int]:
     return members
 
 
-def _wait_group_empty(pgid: int, seconds: float = _GRACE_SECONDS) -> bool:
-    """Whether group ``pgid`` empties within ``seconds``."""
-    until = time.monotonic() + seconds
+def _wait_group_empty(pgid: int) -> bool:
+    """Whether group ``pgid`` empties within the grace period."""
+    until = time.monotonic() + _GRACE_SECONDS
     while _group_members(pgid):
         if time.monotonic() > until:
             return False
         time.sleep(0.05)
     return True
-
-
-def _python_path() -> str:
-    """PYTHONPATH that imports this very ``towers`` first."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    rest = os.environ.get("PYTHONPATH", "")
-    return os.pathsep.join([root, rest]) if rest else root
 
 
 def launch(cluster: Cluster, towers: int, command: Sequence[str],
@@ -145,9 +137,7 @@ def launch(cluster: Cluster, towers: int, command: Sequence[str],
     """Run ``command`` once per trainer task of ``cluster`` and return the worst exit code.
 
     Args:
-        cluster: the cluster (e.g. :func:`towers.cluster.local_cluster`).
         towers: logical devices per task (``TOWERS_PER_TASK`` in each task's environment).
-        command: the program and its arguments.
         timeout: seconds before every task is killed (None: no limit).
         out: where prefixed output lines go (default ``sys.stdout``).
         failure_grace: seconds the other trainers may run on after one failed.
@@ -198,16 +188,14 @@ def launch(cluster: Cluster, towers: int, command: Sequence[str],
                       "process(es) of its group running: terminated\n")
             code = code or LEFTOVER_EXIT
     for task in trainers + servers:
-        if task.survivors():
-            out.write(f"[launch] {task.label[1:-1]}: processes {task.survivors()} survived "
-                      "SIGKILL\n")
+        if survivors := _group_members(task.process.pid):
+            out.write(f"[launch] {task.label[1:-1]}: processes {survivors} survived SIGKILL\n")
             code = code or LEFTOVER_EXIT
     return code
 
 
 class LocalServers:
-    """The running servers: ``cluster`` (this process, the client, has no task) and each
-    task's process."""
+    """The running servers: ``cluster`` (the client has no task) and each task's process."""
 
     def __init__(self, cluster: Cluster, tasks: dict[tuple[str, int], TaskProcess]) -> None:
         self.cluster, self.tasks = cluster, tasks

@@ -15,7 +15,6 @@
                                                       │ versions of its shards += 1   │
                                                       └───────────────────────────────┘
 
-One lock in the client serializes pulls and pushes; the gradients are computed outside it.
 The update is Keras ``SGD.update_step``'s arithmetic: one worker equals ``TowerTrainer`` bitwise.
 
 References:
@@ -54,9 +53,8 @@ def _sizes(variables: Sequence[Any]) -> list[int]:
     """Element counts of ``variables`` (anything with a ``shape``, or a shape tuple)."""
     sizes = []
     for i, v in enumerate(variables):
-        shape = getattr(v, "shape", v)
         try:
-            dims = [int(d) for d in shape]
+            dims = [int(d) for d in getattr(v, "shape", v)]
         except (TypeError, ValueError):
             raise ValueError(
                 f"variables[{i}] must have a fully known shape (a variable, an array or a "
@@ -155,7 +153,7 @@ class ParameterStore:
         @tf.function(autograph=False)
         def copy() -> None:
             for target, var in zip(targets, self.variables):
-                with tf.device(_device_of(target)):
+                with tf.device(str(getattr(target, "value", target).device)):
                     target.assign(var)
 
         def pull() -> dict[str, int]:
@@ -214,11 +212,6 @@ def check_rule(learning_rate: Any, momentum: Any, timeout: Any) -> None:
     if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) \
             or not 0.0 <= momentum < 1.0:
         raise ValueError(f"momentum must be a float in [0, 1), got {momentum!r}")
-
-
-def _device_of(variable: Any) -> str:
-    """The device of a ``tf.Variable`` or of a Keras variable's backing ``tf.Variable``."""
-    return str(getattr(variable, "value", variable).device)
 
 
 def connect_ps(cluster: Cluster, towers_per_worker: int) -> tuple[list[list[str]], list[str]]:

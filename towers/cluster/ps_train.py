@@ -22,6 +22,7 @@ Each worker is a ``TowerTrainer`` over its own towers. The log replays bitwise i
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import json
@@ -115,7 +116,6 @@ class AsyncTrainer:
         guarded = self.on_nonfinite != "ignore"
         self._grads = [tf.function(_gradient_fn(w, guarded), autograph=False)
                        for w in self.workers]
-        self._setters = [_setter(w.model.trainable_variables) for w in self.workers]
         self.refused = 0
         self.skipped_batches: list[int] = []
         self._steps = [0] * len(self.workers)
@@ -126,47 +126,26 @@ class AsyncTrainer:
         """The weights of version 0 (before any update)."""
         return [np.asarray(w) for w in self._initial]
 
-    def gradient(self, worker: int, x: Any, y: Any) -> tuple[list[np.ndarray], float]:
-        """Worker ``worker``'s gradient and loss on ``(x, y)`` at its current weights."""
-        x, y, _ = batch_tensors(x, y, None, self.workers[worker].model)
-        grads, loss, _ = self._grads[worker](x, y)
-        return [g.numpy() for g in grads], float(loss.numpy())
-
-    def set_worker_weights(self, worker: int, weights: Sequence[np.ndarray]) -> None:
-        """Overwrite worker ``worker``'s copy of the weights (for recomputing a logged update)."""
-        targets = self.workers[worker].model.trainable_variables
-        # one function call, as the pull: remote eager assigns would run asynchronously
-        self._setters[worker]([tf.constant(np.asarray(w, np.float32)) for w in weights])
-        for var, w in zip(targets, weights):
-            if not np.array_equal(var.numpy(), w):
-                raise RuntimeError(f"worker {worker}: its weights were not set")
-
     def run(self, batches: Sequence[tuple[Any, Any]]) -> UpdateLog:
         """Train on every batch once, each to the next free worker; return :attr:`log`."""
-        queue = iter(range(len(batches)))
-        take, stop = threading.Lock(), threading.Event()
-        errors: list[BaseException] = []
+        queue, lock, stop = iter(range(len(batches))), threading.Lock(), threading.Event()
+
+        def take() -> int | None:
+            with lock:
+                return None if stop.is_set() else next(queue, None)
 
         def work(w: int) -> None:
             try:
-                while not stop.is_set():
-                    with take:
-                        b = next(queue, None)
-                    if b is None:
-                        return
+                while (b := take()) is not None:
                     self._one_update(w, b, batches[b])
-            except BaseException as err:  # re-raised in the caller below
-                errors.append(err)
+            except BaseException:
                 stop.set()
+                raise
 
-        threads = [threading.Thread(target=work, args=(w,), daemon=True)
-                   for w in range(len(self.workers))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
+        with concurrent.futures.ThreadPoolExecutor(len(self.workers)) as pool:
+            futures = [pool.submit(work, w) for w in range(len(self.workers))]
+        for future in futures:
+            future.result()
         return self.log
 
     def _one_update(self, w: int, b: int, batch: tuple[Any, Any]) -> None:
@@ -175,7 +154,11 @@ class AsyncTrainer:
             read = self._pulls[w]()
             grads, loss, codes = self._grads[w](x, y)
             if codes is not None and (bad := describe(codes.numpy())):
-                self._skip(w, b, bad)
+                with self.store.lock:
+                    self.skipped_batches.append(b)
+                    version = self.store.updates
+                if self.on_nonfinite == "raise":
+                    raise NonFiniteError(version, bad, self.workers[w].devices)
                 return
             arrays, value = [g.numpy() for g in grads], float(loss.numpy())
             record = functools.partial(self._record, w, b, read, arrays, value)
@@ -188,13 +171,6 @@ class AsyncTrainer:
     def skipped_steps(self) -> int:
         """How many batches the non-finite guard kept from the ps (``"skip"``/``"raise"``)."""
         return len(self.skipped_batches)
-
-    def _skip(self, w: int, b: int, bad: dict[int, list[str]]) -> None:
-        with self.store.lock:
-            self.skipped_batches.append(b)
-            version = self.store.updates
-        if self.on_nonfinite == "raise":
-            raise NonFiniteError(version, bad, self.workers[w].devices)
 
     def _record(self, w: int, b: int, read: dict[str, int], arrays: list[np.ndarray],
                 value: float, version: int) -> None:
@@ -222,11 +198,6 @@ def _gradient_fn(trainer: TowerTrainer, guarded: bool) -> Callable[[tf.Tensor, t
         return list(reduced.grads[0]), reduced.loss, codes
 
     return grads
-
-
-def _setter(targets: Sequence[Any]) -> Callable[[list[tf.Tensor]], None]:
-    return tf.function(lambda values: [v.assign(x) for v, x in zip(targets, values)],
-                       autograph=False)
 
 
 def save_log(log: UpdateLog, prefix: str | Path) -> tuple[Path, Path]:

@@ -34,7 +34,7 @@ from towers.guard.arguments import positive_float, positive_int
 from towers.guard.deadline import watched
 from towers.guard.errors import TowersError
 
-__all__ = ["RuntimeStartedError", "configure_gpus", "connect", "leave_together", "serve",
+__all__ = ["RuntimeStartedError", "configure_gpus", "connect", "leave_together",
            "set_logical_devices", "start_server", "start_worker"]
 
 
@@ -182,16 +182,6 @@ def start_server(cluster: Any = None, towers: int | None = None) -> tf.distribut
         found.cluster_spec(), job_name=found.task_type, task_index=found.task_index,
         protocol="grpc", config=config, start=True,
     )
-
-
-def serve(cluster: Any = None, towers: int | None = None) -> None:
-    """Serve this task until killed or until its parent process dies (never returns)."""
-    server = start_server(cluster, towers)
-    print(f"serving {server.target}", flush=True)
-    parent = os.getppid()
-    while os.getppid() == parent:
-        time.sleep(0.5)
-    os._exit(0)
 
 
 _LOCAL = ("127.0.0.1", "localhost", "[::1]")

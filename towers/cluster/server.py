@@ -1,9 +1,18 @@
-"""``python -m towers.cluster.server``: serve this task's towers until killed (in-graph mode).
+"""``python -m towers.cluster.server``: serve this task's towers (in-graph mode) until
+killed or until its parent process dies.
 
 Reads ``TF_CONFIG`` (this task) and ``TOWERS_PER_TASK`` (its logical CPUs).
 """
 
-from towers.cluster.runtime import serve
+import os
+import time
+
+from towers.cluster.runtime import start_server
 
 if __name__ == "__main__":
-    serve()
+    server = start_server()
+    print(f"serving {server.target}", flush=True)
+    parent = os.getppid()
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(0)

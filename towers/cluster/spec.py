@@ -1,6 +1,4 @@
-"""Which cluster this process belongs to: jobs of ``host:port`` addresses, this task, the chief.
-
-A process learns its place from ``TF_CONFIG``::
+"""Which cluster this process belongs to: jobs of ``host:port`` addresses, this task, the chief::
 
     TF_CONFIG = {"cluster": {"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]},
                  "task": {"type": "worker", "index": 1}}
@@ -8,9 +6,8 @@ A process learns its place from ``TF_CONFIG``::
     job:worker  task 0 ── /job:worker/replica:0/task:0/device:CPU:0 … CPU:T-1   (chief)
                 task 1 ── /job:worker/replica:0/task:1/device:CPU:0 … CPU:T-1   (this one)
 
-:func:`resolve` turns that JSON, a ``tf.train.ClusterSpec``, a dict or a
-``ClusterResolver`` into one frozen :class:`Cluster`. ``towers launch`` runs every task on
-127.0.0.1 (:func:`local_cluster`) and sets :data:`TOWERS_ENV`. Nothing here starts TensorFlow.
+:func:`resolve` turns that JSON, a ``tf.train.ClusterSpec``, a dict or a ``ClusterResolver``
+into one frozen :class:`Cluster`. Nothing here starts TensorFlow.
 """
 
 from __future__ import annotations
@@ -73,15 +70,12 @@ class Cluster:
         _check_task(self.jobs, job, index)
         return f"/job:{job}/replica:0/task:{index}"
 
-    def tower_devices(self, towers_per_task: int, job: str = "worker",
-                      kind: str = "CPU") -> list[str]:
-        """Every tower of ``job``: task 0's ``kind`` devices 0…T-1, then task 1's, …"""
+    def tower_devices(self, towers_per_task: int, job: str = "worker") -> list[str]:
+        """Every tower of ``job``: task 0's CPUs 0…T-1, then task 1's, …"""
         positive_int("towers_per_task", towers_per_task)
-        if kind not in ("CPU", "GPU"):
-            raise ValueError(f"kind must be 'CPU' or 'GPU', got {kind!r}")
         if job not in self.jobs:
             raise ValueError(f"job {job!r} is not in the cluster; jobs: {sorted(self.jobs)}")
-        return [f"{self.task_name(job, k)}/device:{kind}:{i}"
+        return [f"{self.task_name(job, k)}/device:CPU:{i}"
                 for k in range(len(self.jobs[job])) for i in range(towers_per_task)]
 
     def as_dict(self) -> dict[str, list[str]]:
@@ -158,9 +152,7 @@ def resolve(cluster: Any = None, task_type: str | None = None,
     found = _found(cluster)
     job = task_type if task_type is not None else found.task_type
     index = task_index if task_index is not None else found.task_index
-    if job is not None and index is None:
-        index = 0
-    return Cluster(found.jobs, job, index)
+    return Cluster(found.jobs, job, 0 if job is not None and index is None else index)
 
 
 def _found(cluster: Any) -> Cluster:
@@ -201,13 +193,10 @@ def _from_tensorflow(cluster: Any) -> Cluster:
     return Cluster(jobs, job, index)
 
 
-def tf_config(cluster: Cluster | Mapping[str, Sequence[str]], job: str, index: int) -> str:
+def tf_config(cluster: Cluster, job: str, index: int) -> str:
     """The TF_CONFIG JSON that puts a process at task ``index`` of ``job``."""
-    jobs = cluster.as_dict() if isinstance(cluster, Cluster) else {
-        j: list(a) for j, a in cluster.items()
-    }
-    Cluster({j: tuple(a) for j, a in jobs.items()}, job, index)
-    return json.dumps({"cluster": jobs, "task": {"type": job, "index": index}})
+    Cluster(cluster.jobs, job, index)  # the task is checked
+    return json.dumps({"cluster": cluster.as_dict(), "task": {"type": job, "index": index}})
 
 
 def free_ports(n: int, host: str = HOST) -> list[int]:
@@ -238,14 +227,10 @@ def local_cluster(workers: int, ps: int = 0, chief: bool = False) -> Cluster:
 
 def towers_per_task(default: int = 1) -> int:
     """The tower count :data:`TOWERS_ENV` asks for (``default`` when unset)."""
-    text = os.environ.get(TOWERS_ENV)
-    if text is None or text == "":
+    text = os.environ.get(TOWERS_ENV, "").strip()
+    if not text:
         return default
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
+    if not text.isdigit() or int(text) < 1:
         raise ValueError(f"{TOWERS_ENV} must be a positive integer, got {text!r}")
-    return n
+    return int(text)
 

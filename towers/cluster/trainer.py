@@ -95,13 +95,11 @@ class WorkerTrainer(TowerTrainer):
     def split(self, x: Any, y: Any, sample_weight: Any = None) -> Shards:
         """Cut the local batch over the towers; every tower divides by the global batch."""
         shards = super().split(x, y, sample_weight)
-        return shards._replace(global_batch=self._global_batch(shards.global_batch))
-
-    def _global_batch(self, local: tf.Tensor) -> tf.Tensor:
         if self.num_workers == 1:
-            return local
-        total = self._sum_over_workers(tf.cast(local, tf.float32), self._count_key + 1)
-        return tf.cast(total, tf.int32)
+            return shards
+        total = self._sum_over_workers(tf.cast(shards.global_batch, tf.float32),
+                                       self._count_key + 1)
+        return shards._replace(global_batch=tf.cast(total, tf.int32))
 
     def reduce(self, grads: Gradients) -> Reduced:
         """As ``TowerTrainer``'s, after refusing sparse gradients across workers."""
@@ -111,9 +109,8 @@ class WorkerTrainer(TowerTrainer):
             raise ValueError(
                 f"WorkerTrainer(num_workers={self.num_workers}) with sparse gradients (of "
                 f"{', '.join(sparse)}; sparse={self.sparse!r}) is not supported: the "
-                "cross-worker reducers all-reduce dense gradients only, so these would be "
-                "summed on this worker alone. Train the model in one process (TowerTrainer "
-                "keeps them sparse) or replace the Embedding's sparse lookup by a dense one")
+                "cross-worker reducers all-reduce dense gradients only. Train in one process "
+                "(TowerTrainer) or replace the Embedding's sparse lookup by a dense one")
         return super().reduce(grads)
 
     def across_processes(self, counts: tf.Tensor) -> tf.Tensor:
@@ -139,10 +136,9 @@ def _refuse_state_across_workers(model: Any, num_workers: int) -> None:
     if state and num_workers > 1:
         raise ValueError(
             f"WorkerTrainer(num_workers={num_workers}) with non-trainable state ({', '.join(state)}"
-            ") is not supported: semantics='one_device' averages it over this worker's "
-            "towers only, so the workers' copies would drift apart (as "
-            "MultiWorkerMirroredStrategy's do). Use a model without it (LayerNormalization "
-            "instead of BatchNormalization) or train in one process (TowerTrainer)")
+            ") is not supported: semantics='one_device' averages it over this worker's towers "
+            "only, so the workers' copies would drift apart. Use LayerNormalization instead "
+            "of BatchNormalization, or train in one process (TowerTrainer)")
 
 
 def _cross_worker_reducer(all_reduce: Any, num_workers: int, timeout_seconds: float) -> Any:
@@ -157,17 +153,15 @@ def _cross_worker_reducer(all_reduce: Any, num_workers: int, timeout_seconds: fl
             f"WorkerTrainer(num_workers={num_workers}) needs an all_reduce across those "
             f"{num_workers} workers — AllTowers({num_workers}, op='sum') (the default) or "
             f"CrossWorker({num_workers}, op='sum'); got all_reduce={all_reduce!r}, which would "
-            "leave every worker training alone (a compressed or local algorithm is not "
-            "supported across workers)")
+            "leave every worker training alone")
     return all_reduce
 
 
 def save_on_chief(
     trainer: Trainer, directory: str, steps: int, cluster: Any = None, keep: int | None = None
 ) -> str | None:
-    """On the chief, write the trainer's state as ``directory/ckpt-<steps>`` and return its
-    prefix; elsewhere None. ``steps``: taken so far, skipped ones included; ``keep``: how
-    many of the newest to keep (None: all)."""
+    """On the chief, write the trainer's state as ``directory/ckpt-<steps>`` (``steps``
+    taken, skipped ones included; the ``keep`` newest kept) and return its prefix."""
     if not resolve(cluster).is_chief:
         return None
     return atomic.write(checkpoint(trainer), directory, steps, {"steps": steps}, keep)

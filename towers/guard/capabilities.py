@@ -155,16 +155,11 @@ def check(options: Mapping[str, str], shown: Mapping[str, str] | None = None) ->
         if axis not in AXES or value not in AXES[axis]:
             raise ValueError(f"capabilities: {axis}={value!r} is not in the table {AXES.get(axis)}")
     refusal = refusal_for(options)
-    if refusal is None:
-        return
-
-    def spelled(axis: str) -> str:
-        given = (shown or {}).get(axis)
-        value = options[axis]
-        return f"{axis}={value!r}" if given is None else f"{axis}={given} (a {value!r} kind)"
-
-    first, second = spelled(refusal.first[0]), spelled(refusal.second[0])
-    raise ValueError(f"{first} with {second} is refused: {refusal.text}")
+    if refusal is not None:
+        first, second = (f"{a}={options[a]!r}" if (shown or {}).get(a) is None
+                         else f"{a}={(shown or {})[a]} (a {options[a]!r} kind)"
+                         for a in (refusal.first[0], refusal.second[0]))
+        raise ValueError(f"{first} with {second} is refused: {refusal.text}")
 
 
 def check_limits(options: Mapping[str, str], algorithm: Any) -> None:

@@ -128,17 +128,6 @@ def _run(algorithm: Any, shapes: Sequence[Sequence[int]], dtypes: Sequence[tf.DT
     return [[np.asarray(v.numpy()) for v in row] for row in result]
 
 
-def _hung(user: Any, seconds: float) -> str:
-    return (  # the message of the deadline's TimeoutError
-        f"all_reduce: {algorithm_name(user)} did not complete within {seconds:g} s when the "
-        "trainer ran it once on small values at construction (a collective whose group "
-        "some tower never joins, a wait nobody ends). Fix the algorithm; the bound is "
-        "step_timeout when set, else towers.guard.reduces.CHECK_TIMEOUT; "
-        "check_algorithm=False skips the check. Collective ops in this process are now "
-        "aborted: restart it."
-    )
-
-
 def check_sums(algorithm: Any, devices: Sequence[str], variables: Sequence[Any],
                wire_dtype: Any, seconds: float | None = None) -> None:  # fmt: skip
     """Refuse an unproved algorithm whose outputs are not the sum of its inputs, within a
@@ -171,7 +160,13 @@ def check_sums(algorithm: Any, devices: Sequence[str], variables: Sequence[Any],
     seconds = CHECK_TIMEOUT if seconds is None else seconds
     try:
         outputs = within(seconds, lambda: _run(user, shapes, dtypes, devices, names),
-                         _hung(user, seconds))  # fmt: skip
+                         f"all_reduce: {algorithm_name(user)} did not complete within "
+                         f"{seconds:g} s when the trainer ran it once on small values at "
+                         "construction (a collective whose group some tower never joins, a "
+                         "wait nobody ends). Fix the algorithm; the bound is step_timeout when "
+                         "set, else towers.guard.reduces.CHECK_TIMEOUT; check_algorithm=False "
+                         "skips the check. Collective ops in this process are now aborted: "
+                         "restart it.")  # fmt: skip
     except (TimeoutError, AlgorithmError):
         raise
     except TypeError as err:  # not an algorithm(values, *, op) at all: a loss, a layer, …

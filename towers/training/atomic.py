@@ -108,7 +108,11 @@ def write(
     os.rename(tmp, final)
     _fsync(root)
     _reached("renamed")
-    _point(root, final.name)
+    pointer = root / f".{POINTER}.tmp"
+    pointer.write_text(final.name + "\n")
+    _fsync(pointer)
+    os.replace(pointer, root / POINTER)
+    _fsync(root)
     _reached("pointer")
     for _, old in older:  # replaced: only now that the new save is complete and in place
         shutil.rmtree(old, ignore_errors=True)
@@ -116,14 +120,6 @@ def write(
         for stale in checkpoints(root)[:-keep]:
             shutil.rmtree(Path(stale).parent, ignore_errors=True)
     return str(final / PREFIX)
-
-
-def _point(root: Path, name: str) -> None:
-    pointer = root / f".{POINTER}.tmp"
-    pointer.write_text(name + "\n")
-    _fsync(pointer)
-    os.replace(pointer, root / POINTER)
-    _fsync(root)
 
 
 def checkpoints(directory: Any) -> list[str]:

@@ -23,7 +23,7 @@ from typing import Any
 
 import keras
 
-from towers.guard.arguments import optional, positive_int
+from towers.guard.arguments import check_bool, optional, positive_int
 from towers.guard.errors import CheckpointError
 from towers.training import atomic
 from towers.training.checkpoint import checkpoint, restore
@@ -92,8 +92,7 @@ class ExactResume(keras.callbacks.Callback):
         atomic.check_path(directory)
         optional(positive_int, "every", every)
         positive_int("keep", keep)
-        if not isinstance(resume, bool):
-            raise TypeError(f"resume must be True or False, got {resume!r}")
+        check_bool("resume", resume)
         self.directory, self.every, self.keep, self.resume = directory, every, keep, resume
         self.batches = 0  # batches trained over the whole run, resumed ones included
         self.epoch, self.done, self.skip = 0, 0, (-1, 0)

@@ -41,11 +41,7 @@ def _tf_variables(variables: list[Any]) -> list[tf.Variable]:
 
 def checkpoint(trainer: Trainer, **extra: Any) -> tf.train.Checkpoint:
     """A ``tf.train.Checkpoint`` of everything that determines the trainer's next step, and
-    ``extra`` trackables (a ``ValueError`` if a name collides).
-
-    Example:
-        >>> checkpoint(trainer, epoch=epoch_var).write("/tmp/run/ckpt")  # doctest: +SKIP
-    """
+    ``extra`` trackables (a ``ValueError`` if a name collides)."""
     _check_trainer(trainer)
     clash = [k for k in extra if k in ("step", "all_reduce", "record") or k.startswith("replica_")]
     if clash:
@@ -70,11 +66,7 @@ def save(trainer: Trainer, path: str) -> str:
 
 def load(trainer: Trainer, prefix: str) -> dict[str, Any]:
     """Restore a checkpoint of :func:`towers.training.atomic.write`, verified first; return
-    its position.
-
-    Example:
-        >>> load(trainer, latest("/tmp/run"))                        # doctest: +SKIP
-    """
+    its position (``load(trainer, latest("/tmp/run"))``)."""
     position = verify(check_path(prefix, "prefix", "a file prefix"))
     restore(trainer, prefix)
     return position
@@ -88,9 +80,6 @@ def restore(trainer: Trainer, path: str) -> None:
     Raises:
         TypeError: ``trainer`` is not a trainer, or ``path`` not a path.
         CheckpointError: nothing at ``path``, damaged, or not this trainer's (named).
-
-    Example:
-        >>> restore(trainer, "/tmp/run/ckpt")                        # doctest: +SKIP
     """
     _check_trainer(trainer)
     path = check_path(path, "path", "a file prefix")

@@ -22,10 +22,6 @@ ModelLike: TypeAlias = "keras.Model | Callable[[], keras.Model]"
 OptimizerLike: TypeAlias = "keras.optimizers.Optimizer | Callable[[], keras.optimizers.Optimizer]"
 
 
-def _on_device(model: keras.Model, device: str) -> bool:
-    return all(canonical_device(v.value.device) == device for v in model.variables)
-
-
 def new_model(model: ModelLike, device: str, first: keras.Model | None) -> keras.Model:
     """``model`` on ``device`` with ``first``'s state (None: its own): ``model`` itself
     when it is replica 0's and lives there, else a clone or the factory's new model.
@@ -36,7 +32,8 @@ def new_model(model: ModelLike, device: str, first: keras.Model | None) -> keras
     """
     with tf.device(device):
         if isinstance(model, keras.Model):
-            if first is None and model.built and _on_device(model, device):
+            if first is None and model.built and all(
+                    canonical_device(v.value.device) == device for v in model.variables):
                 return model
             if not model.built:
                 raise ValueError(
@@ -78,7 +75,8 @@ def copy_state(source: keras.Model, target: keras.Model) -> None:
         raise ValueError("model copies differ in their variables: the factory is not deterministic")
     for s, t in zip(source.variables, target.variables):
         t.assign(np.asarray(s.numpy()))
-    for mine, theirs in zip(_layers(source), _layers(target)):
+    layers = [list(m._flatten_layers(include_self=False, recursive=True)) for m in (source, target)]
+    for mine, theirs in zip(*layers):
         store: dict[str, Any] = {}
         mine.save_own_variables(store)
         theirs.load_own_variables(store)
@@ -86,10 +84,6 @@ def copy_state(source: keras.Model, target: keras.Model) -> None:
             with tempfile.TemporaryDirectory() as folder:
                 mine.save_assets(folder)
                 theirs.load_assets(folder)
-
-
-def _layers(model: keras.Model) -> list[Any]:
-    return list(model._flatten_layers(include_self=False, recursive=True))
 
 
 def new_optimizer(

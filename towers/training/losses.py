@@ -135,9 +135,7 @@ def is_structured(loss: Any) -> bool:
 def reduction_of(loss: Any) -> str:
     """The Keras reduction ``loss`` asks for (for a loss per output, the one they share; a
     ``ValueError`` when they disagree or it is unsupported)."""
-    if isinstance(loss, OutputLosses):
-        return loss.reduction
-    return OutputLosses(loss).reduction if is_structured(loss) else loss_reduction(loss)
+    return (loss if isinstance(loss, OutputLosses) else OutputLosses(loss)).reduction
 
 
 class OutputLosses:
@@ -166,16 +164,12 @@ class OutputLosses:
 
     def bind(self, model: keras.Model) -> OutputLosses:
         """Match the losses and weights to ``model``'s outputs (by position or name)."""
-        names = _output_names(model)
-        self.names = names
+        self.names = names = _output_names(model)
         losses = self._aligned("loss", self.losses, names, broadcast=True)
         weights = self._aligned("loss_weights", self.weights, names, broadcast=False)
-        self._fns = []
-        for loss, weight in zip(losses, weights):
-            if loss is None:
-                self._fns.append((None, 0.0))
-                continue
-            self._fns.append((resolve_loss(loss), 1.0 if weight is None else float(weight)))
+        self._fns = [(None, 0.0) if loss is None else
+                     (resolve_loss(loss), 1.0 if weight is None else float(weight))
+                     for loss, weight in zip(losses, weights)]
         if all(fn is None for fn, _ in self._fns):
             raise ValueError(f"loss: no output of the model ({', '.join(names)}) has a loss")
         return self
@@ -247,10 +241,7 @@ def step_loss(loss: Any) -> Any:
 def bind_loss(resolved: Any, loss: Any, model: keras.Model) -> Any:
     """``resolved`` bound to ``model``'s outputs (one ``loss`` for each, when a model with
     several outputs was given one); a ``ValueError`` naming ``loss`` when they do not match."""
-    if not isinstance(resolved, OutputLosses) and len(
-            getattr(model, "output_names", None) or []) > 1:  # fmt: skip
-        resolved = OutputLosses(loss)
-    if isinstance(resolved, OutputLosses):
-        per_output = resolved
-        naming("loss", lambda: per_output.bind(model))
+    if isinstance(resolved, OutputLosses) or len(getattr(model, "output_names", None) or []) > 1:
+        per_output = resolved if isinstance(resolved, OutputLosses) else OutputLosses(loss)
+        return naming("loss", lambda: per_output.bind(model))
     return resolved

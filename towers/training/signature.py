@@ -1,8 +1,7 @@
 """What a checkpoint holds, written beside its values, and the check a restore makes of it.
 
 Restored by position, ``SGD(momentum=0.9)``'s momentum would become an ``RMSprop``'s mean
-square. So every checkpoint carries a JSON record (``record/.ATTRIBUTES/py_state``) of the
-trainer that wrote it, and :func:`mismatch` compares it with the trainer a restore writes into::
+square: every checkpoint carries a JSON record of its trainer, compared on restore::
 
     record                                       refused when it differs
     ├── placement, towers, replicas              placement; replicas
@@ -45,13 +44,10 @@ def _plain(value: Any) -> Any:
     return json.loads(json.dumps(value, default=repr, sort_keys=True))
 
 
-def _path(variable: Any) -> str:
-    """A variable's path without Keras' suffixes, ``dense_3/kernel``: ``dense/kernel``."""
-    return _SUFFIX.sub("", str(getattr(variable, "path", None) or variable.name))
-
-
 def _entry(variable: Any) -> list[Any]:
-    return [_path(variable), [int(d) for d in variable.shape], tf.as_dtype(variable.dtype).name]
+    """``[path, shape, dtype]``; the path without Keras' suffixes (``dense_3``: ``dense``)."""
+    path = _SUFFIX.sub("", str(getattr(variable, "path", None) or variable.name))
+    return [path, [int(d) for d in variable.shape], tf.as_dtype(variable.dtype).name]
 
 
 def _optimizer(optimizer: Any) -> dict[str, Any]:
@@ -156,18 +152,6 @@ def _show(entry: list[Any]) -> str:
 def mismatch(saved: dict[str, Any], mine: dict[str, Any]) -> str | None:
     """Why a checkpoint recorded as ``saved`` must not restore into ``mine`` (one sentence
     naming the first difference and what to build instead), or None."""
-    for check_part in (_layout_mismatch, _optimizer_mismatch):
-        if problem := check_part(saved, mine):
-            return problem
-    if problem := _entries("model variable", saved["model"], mine["model"]):
-        return f"{problem}: restore into a trainer built with the same model"
-    for k, (a, b) in enumerate(zip(saved["slots"], mine["slots"])):
-        if problem := _entries(f"replica {k}'s optimizer variable", a, b):
-            return f"{problem}: restore into a trainer built with the same optimizer and model"
-    return _all_reduce_mismatch(saved["all_reduce"], mine["all_reduce"])
-
-
-def _layout_mismatch(saved: dict[str, Any], mine: dict[str, Any]) -> str | None:
     if saved.get("format") != FORMAT:
         return f"its record has format {saved.get('format')!r}, this towers reads {FORMAT}"
     if saved["placement"] != mine["placement"]:
@@ -179,27 +163,24 @@ def _layout_mismatch(saved: dict[str, Any], mine: dict[str, Any]) -> str | None:
                 f"{saved['placement']!r} over {saved['towers']} towers), trainer has "
                 f"{mine['replicas']} ({mine['towers']} towers): restore into a trainer with "
                 f"{saved['towers']} towers (a checkpoint is not re-sharded)")  # fmt: skip
-    return None
-
-
-def _optimizer_mismatch(saved: dict[str, Any], mine: dict[str, Any]) -> str | None:
     ours, theirs = saved["optimizer"], mine["optimizer"]
+    held = f"checkpoint holds optimizer {describe(ours)}, trainer has {describe(theirs)}"
     if _classes(ours) != _classes(theirs):
-        return (f"checkpoint holds optimizer {describe(ours)}, trainer has {describe(theirs)}: "
-                "restore into a trainer built with the same optimizer class")  # fmt: skip
+        return f"{held}: restore into a trainer built with the same optimizer class"
     if diff := _config_diff(ours, theirs):
-        return (f"checkpoint holds optimizer {describe(ours)}, trainer has {describe(theirs)} "
-                f"({'; '.join(diff)}): build the trainer's optimizer with the checkpoint's "
-                "hyperparameters")  # fmt: skip
-    return None
-
-
-def _all_reduce_mismatch(saved: dict[str, Any], mine: dict[str, Any]) -> str | None:
-    if saved["name"] == mine["name"] or not (saved["state"] or mine["state"]):
+        return (f"{held} ({'; '.join(diff)}): build the trainer's optimizer with the "
+                "checkpoint's hyperparameters")  # fmt: skip
+    if problem := _entries("model variable", saved["model"], mine["model"]):
+        return f"{problem}: restore into a trainer built with the same model"
+    for k, (a, b) in enumerate(zip(saved["slots"], mine["slots"])):
+        if problem := _entries(f"replica {k}'s optimizer variable", a, b):
+            return f"{problem}: restore into a trainer built with the same optimizer and model"
+    ours, theirs = saved["all_reduce"], mine["all_reduce"]
+    if ours["name"] == theirs["name"] or not (ours["state"] or theirs["state"]):
         return None
-    return (f"checkpoint holds all-reduce {saved['name']} ({len(saved['state'])} state values), "
-            f"trainer has {mine['name']} ({len(mine['state'])}): restore into a trainer built "
-            "with the same all-reduce and codec")  # fmt: skip
+    return (f"checkpoint holds all-reduce {ours['name']} ({len(ours['state'])} state values), "
+            f"trainer has {theirs['name']} ({len(theirs['state'])}): restore into a trainer "
+            "built with the same all-reduce and codec")  # fmt: skip
 
 
 def learning_rate_note(saved: dict[str, Any], mine: dict[str, Any]) -> str | None:
@@ -216,7 +197,7 @@ def learning_rate_note(saved: dict[str, Any], mine: dict[str, Any]) -> str | Non
 
 
 class Record(tf.train.experimental.PythonState):
-    """The trainer's record as a string in the bundle; read back by :func:`check`."""
+    """The trainer's record as a string in the bundle; read back by :func:`check`, not here."""
 
     def __init__(self, trainer: Trainer) -> None:
         self.text = json.dumps(record(trainer), sort_keys=True)
@@ -225,7 +206,7 @@ class Record(tf.train.experimental.PythonState):
         return self.text
 
     def deserialize(self, string_value: Any) -> None:
-        """Nothing: a restore reads and compares the record before it writes anything."""
+        pass
 
 
 def check(reader: Any, path: str, trainer: Trainer) -> str | None:
