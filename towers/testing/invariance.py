@@ -12,7 +12,7 @@ import numpy as np
 
 from towers.devices import local_devices
 from towers.step import TowerTrainer
-from towers.testing.bounds import leaf_bounds
+from towers.testing.bounds import exact_sums
 from towers.testing.compare import update_bound
 from towers.testing.report import Difference
 from towers.testing.steps import advance, kernel_depth, take_batches, teacher_step
@@ -147,10 +147,12 @@ def check_invariance(
 
 
 def _kernels(ref: Any, loss: Any, x: Any, y: Any, counts: tuple[int, ...]) -> list[Any]:
-    """Per other count, the kernel part's bound: trees over the per-example gradients."""
+    """Per other count, the kernel part's bound: two trees over the per-example gradients, of
+    the first count's and its own depth, each within its :func:`exact_sums` bound."""
     leaves = per_tower_gradients(ref.model, x, y, [ref.devices[0]] * len(x), loss=loss)
-    first = kernel_depth(len(x), counts[0])
-    return [leaf_bounds(leaves, first, kernel_depth(len(x), n)) for n in counts[1:]]
+    first = exact_sums(leaves, kernel_depth(len(x), counts[0]))[1]
+    return [[a + b for a, b in zip(first, exact_sums(leaves, kernel_depth(len(x), n))[1],
+                                   strict=True)] for n in counts[1:]]
 
 
 def _free_run(

@@ -14,7 +14,7 @@ from towers.split import shard_sizes
 from towers.step import TowerTrainer
 
 __all__ = ["CLIPPING", "MIRRORED_SETTING", "ORDER_ULPS", "BisectReport", "Difference",
-           "Divergence", "Side", "explained", "possible_causes"]
+           "Divergence", "Side", "possible_causes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,15 +152,6 @@ def possible_causes(
     return tuple(line for line in found if line), MIRRORED_SETTING if mirrored and beside else ""
 
 
-def explained(first: Divergence, a: Any, b: Any, sizes: Sequence[int], towers: int,
-              dtype: Any) -> Divergence:  # fmt: skip
-    """``first`` with the :func:`possible_causes` its batches and sides show."""
-    value = max(abs(first.value_a), abs(first.value_b))
-    causes, setting = possible_causes(a, b, sizes, step=first.step, towers=towers,
-                                      diff=first.diff, value=value, dtype=dtype)  # fmt: skip
-    return dataclasses.replace(first, causes=causes, setting=setting)
-
-
 class Side(NamedTuple):
     """How a step computes: its loss ``divisor`` (None: undeclared), whether it keeps the
     ``first_tower``'s state, ``towers`` (0: not a towers trainer), under several replicas."""
@@ -208,14 +199,9 @@ def _uneven(sides: tuple[Side, Side], sizes: Sequence[int], step: int, towers: i
             "examples weigh differently")  # fmt: skip
 
 
-def _clips(step: Any) -> tuple[tuple[str, Any], ...]:
-    optimizer = getattr(step, "optimizer", None)
-    return tuple((k, getattr(optimizer, k)) for k in CLIPPING
-                 if getattr(optimizer, k, None) is not None)  # fmt: skip
-
-
 def _clipping(a: Any, b: Any, sides: tuple[Side, Side]) -> str:
-    clips = [_clips(a), _clips(b)]
+    clips = [tuple((k, getattr(o, k)) for k in CLIPPING if getattr(o, k, None) is not None)
+             for o in (getattr(a, "optimizer", None), getattr(b, "optimizer", None))]
     if not any(clips) or (clips[0] == clips[1] and not any(s.replicated for s in sides)):
         return ""
     said = "; ".join(f"{label}'s optimizer has " + ", ".join(f"{k}={v:g}" for k, v in c)

@@ -20,9 +20,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from towers.allreduce.machinery.registry import record_of
 from towers.allreduce.machinery.resolve import label
-from towers.trace.schedule import resolve, run_trace
+from towers.trace.schedule import record_formula, resolve, run_trace
 from towers.trace.table import Trace
 
 __all__ = ["StateTrace", "Topology", "default_size", "range_label", "runs", "sends_by_tick",
@@ -136,16 +135,6 @@ def _states(trace: Trace, masks: list[dict[int, frozenset[int]]], size: int,
     return out
 
 
-def _alpha(fn: Any, n: int, nbytes: int) -> float | None:
-    configured = record_of(fn)
-    if configured is None or configured.algorithm.cost is None:
-        return None
-    try:
-        return float(configured.algorithm.cost(n, nbytes, **configured.params)[0])
-    except Exception:  # a formula that does not cover this n: nothing to compare
-        return None
-
-
 def trace_state(algorithm: str | Callable[..., Any], devices: Sequence[str], *,
                 size: int | None = None) -> StateTrace:
     """Trace ``algorithm`` (op ``sum``, ``size`` elements per tower, default
@@ -171,8 +160,8 @@ def trace_state(algorithm: str | Callable[..., Any], devices: Sequence[str], *,
     observed = any(masks) or not trace.rows
     states = _states(trace, masks, size, segments) if observed else [
         tuple(tuple(frozenset({p}) for _ in segments) for p in range(n)), outputs]
-    return StateTrace(trace, segments, tuple(carried), tuple(states), outputs, observed,
-                      _alpha(fn, n, size * 4))
+    alpha = record_formula(fn, lambda r: float(r.algorithm.cost(n, size * 4, **r.params)[0]))
+    return StateTrace(trace, segments, tuple(carried), tuple(states), outputs, observed, alpha)
 
 
 Positions = list[tuple[float, float]]

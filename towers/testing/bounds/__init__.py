@@ -12,7 +12,6 @@ import dataclasses
 import math
 import numbers
 from collections.abc import Callable, Sequence
-from fractions import Fraction
 from typing import Any
 
 import keras
@@ -25,15 +24,9 @@ from towers.testing.bounds.optimizers import COVERED, update_bounds
 from towers.testing.strategies import per_tower_gradients
 from towers.testing.values import is_float
 
-__all__ = ["UNIT_ROUNDOFF", "UpdateBound", "exact_sums", "gamma", "gamma_exact", "leaf_bounds",
+__all__ = ["UNIT_ROUNDOFF", "UpdateBound", "exact_sums", "gamma",
            "optimizer_tracker", "resolve_bound", "sgd_step_bound", "sum_bound", "summation_depth",
            "unit_roundoff"]
-
-
-def gamma_exact(k: int, dtype: Any = "float32") -> Fraction:
-    """:func:`gamma` as an exact fraction, for checks in exact arithmetic."""
-    u = Fraction(unit_roundoff(dtype))
-    return k * u / (1 - k * u)
 
 
 def summation_depth(algorithm: Any, n: int) -> int:
@@ -90,13 +83,6 @@ def exact_sums(
     """Per variable, the exact sum over ``values[term][var]`` and its :func:`sum_bound`."""
     pairs = [sum_bound([t[j] for t in values], "sum", depth) for j in range(len(values[0]))]
     return [p[0] for p in pairs], [p[1] for p in pairs]
-
-
-def leaf_bounds(leaves: list[list[np.ndarray]], depth_a: int, depth_b: int) -> list[np.ndarray]:
-    """Per variable, how far two trees of depths ``depth_a`` and ``depth_b`` over the same
-    ``leaves[e][var]`` may differ: the two trees' bounds added."""
-    bounds_a, bounds_b = exact_sums(leaves, depth_a)[1], exact_sums(leaves, depth_b)[1]
-    return [a + b for a, b in zip(bounds_a, bounds_b, strict=True)]
 
 
 Tolerances = Callable[[list[np.ndarray], Any, Any], list[np.ndarray]]
