@@ -152,24 +152,17 @@ def _run_shape(codec: Codec, devices: list[str], algorithm: Any, shape: tuple[in
         wire = _MeteredWire(tuple(devices), algorithm, (0,), [0] * n)
         where = f"n={n} towers, shape {shape}, step {step + 1}"
         failures, news = _step_failures(codec, where, grads, states, wire, depth)
-        failures += _everywhere_failures(codec, where, grads, states, devices, algorithm)
+        # every tower decoding for itself: a decode that depends on the tower differs
+        everywhere = Wire(tuple(devices), algorithm, tuple(range(n)))
+        differ = _differ(codec.reduce(grads, states, everywhere)[0])[1]
+        if differ:
+            failures.append(f"{where}, decode='everywhere': outputs of towers {differ} differ "
+                            "from tower 0's (each tower decodes for itself: decode(t) must not "
+                            "depend on t)")
         if failures:
             return failures
         states = news
     return []
-
-
-def _everywhere_failures(codec: Codec, where: str, grads: list[tf.Tensor], states: list[Any],
-                         devices: list[str], algorithm: Any) -> list[str]:  # fmt: skip
-    """The same reduce with every tower decoding for itself: a decode that depends on the
-    tower gives outputs that differ (its new states are not kept)."""
-    everywhere = Wire(tuple(devices), algorithm, tuple(range(len(devices))))
-    outs, _ = codec.reduce(grads, states, everywhere)
-    differ = _differ(outs)[1]
-    if not differ:
-        return []
-    return [f"{where}, decode='everywhere': outputs of towers {differ} differ from tower 0's "
-            "(each tower decodes for itself: decode(t) must not depend on t)"]
 
 
 def _state(trainer: TowerTrainer, codec: Codec) -> list[bytes]:

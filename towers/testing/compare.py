@@ -103,27 +103,23 @@ def _sides(a: Any, b: Any, build: dict[str, Any], towers: int | None) -> tuple[A
     return steps[0], steps[1], labels[0], labels[1], n
 
 
-def _chunk(trainer: Any, size: int, element: int) -> tuple[int, int, int, int]:
-    """Where ``element`` falls when B's algorithm pad-splits the flat variable."""
-    params = getattr(getattr(trainer, "algorithm", None), "params", {}) or {}
-    towered = isinstance(trainer, TowerTrainer)
-    pieces = len(trainer.devices) * int(params.get("subchunks", 1)) if towered else 1
-    length = max(1, -(-size // pieces))  # pad_split: ceil(size / pieces) elements each
-    k = element // length
-    return k, pieces, k * length, min(size, (k + 1) * length)
-
-
 def _divergence(row: Difference, want: np.ndarray, got: np.ndarray, a: Any, b: Any,
                 compared: str, bound: str, sizes: list[int], towers: int) -> Divergence:
     """The first element outside (``row.worst``: the first with an infinite ratio) and the
     :func:`possible_causes` its batches and sides show."""
     k = row.worst
     values = float(want.ravel()[k]), float(got.ravel()[k])
+    params = getattr(getattr(b, "algorithm", None), "params", {}) or {}
+    towered = isinstance(b, TowerTrainer)  # where k falls when B's algorithm pad-splits:
+    pieces = len(b.devices) * int(params.get("subchunks", 1)) if towered else 1
+    span = max(1, -(-want.size // pieces))  # ceil(size / pieces) elements each
+    c = k // span
+    chunk = (c, pieces, c * span, min(want.size, (c + 1) * span))
     causes, setting = possible_causes(a, b, sizes, step=row.step, towers=towers,
                                       diff=row.worst_diff, value=max(map(abs, values)),
                                       dtype=want.dtype)  # fmt: skip
     return Divergence(row.step, row.variable, row.index, k, *values, row.worst_diff, row.bound,
-                      _chunk(b, want.size, k), compared, row.cause, bound, causes, setting)
+                      chunk, compared, row.cause, bound, causes, setting)
 
 
 def _run(a: Any, b: Any, batches: Iterable[Any], *, stop: bool, bound: Any, loss: Any,

@@ -212,25 +212,20 @@ def _clipping(a: Any, b: Any, sides: tuple[Side, Side]) -> str:
             "clipping: compare without it to check the rest")  # fmt: skip
 
 
-def _layers(model: Any) -> list[Any]:
-    out, todo = [], list(getattr(model, "layers", []))
-    while todo:
-        layer = todo.pop(0)
-        out.append(layer)
-        todo.extend(getattr(layer, "layers", []))
-    return out
-
-
 def _batch_norm(a: Any, b: Any, sides: tuple[Side, Side]) -> str:
-    names = sorted({layer.name for step in (a, b) for layer in _layers(getattr(step, "model", None))
-                    if isinstance(layer, keras.layers.BatchNormalization)})  # fmt: skip
+    names, todo = set(), [getattr(step, "model", None) for step in (a, b)]
+    while todo:  # both models' layers, nested ones too
+        layer = todo.pop()
+        todo.extend(getattr(layer, "layers", []))
+        if isinstance(layer, keras.layers.BatchNormalization):
+            names.add(layer.name)
     alike = sides[0].towers and sides[0][1:3] == sides[1][1:3]  # towers trainers, alike
     if not names or alike:
         return ""
-    return (f"BatchNormalization ({', '.join(names)}): each replica normalizes its own shard "
-            "(one device: the whole batch), and under MirroredStrategy each replica updates "
-            "its own moving statistics (replica 0's are read); towers averages them across "
-            "towers unless non_trainable=\"first_tower\"")  # fmt: skip
+    return (f"BatchNormalization ({', '.join(sorted(names))}): each replica normalizes its "
+            "own shard (one device: the whole batch), and under MirroredStrategy each replica "
+            "updates its own moving statistics (replica 0's are read); towers averages them "
+            "across towers unless non_trainable=\"first_tower\"")  # fmt: skip
 
 
 def _order(diff: float, value: float, dtype: Any) -> str:

@@ -140,14 +140,6 @@ def _elements(dtype: tf.DType, max_towers: int, dense: bool) -> st.SearchStrateg
                      allow_subnormal=False)  # bfloat16 draws float32 values, then casts
 
 
-def _arrays(dtype: tf.DType, shape: tuple[int, ...], max_towers: int, dense: bool
-            ) -> st.SearchStrategy[Any]:  # fmt: skip
-    target = np.dtype(dtype.as_numpy_dtype)
-    drawn = target if target.name != "bfloat16" else np.dtype(np.float32)
-    arrays = hnp.arrays(drawn, shape, elements=_elements(dtype, max_towers, dense))
-    return arrays if drawn == target else arrays.map(lambda a: a.astype(target))
-
-
 @st.composite
 def tower_values(
     draw: st.DrawFn, max_towers: int = 8, dtypes: Sequence[Any] = DTYPES,
@@ -170,7 +162,10 @@ def tower_values(
         shapes = st.sampled_from([tuple(s) for s in shapes])
     shape = draw(shapes)
     dense = draw(st.booleans())  # shrinks to False: plain Hypothesis floats
-    return n, [draw(_arrays(dtype, shape, max_towers, dense)) for _ in range(n)]
+    target = np.dtype(dtype.as_numpy_dtype)
+    drawn = target if target.name != "bfloat16" else np.dtype(np.float32)
+    arrays = hnp.arrays(drawn, shape, elements=_elements(dtype, max_towers, dense))
+    return n, [draw(arrays).astype(target) for _ in range(n)]
 
 
 def weight_report(actual: Sequence[np.ndarray], expected: Sequence[np.ndarray],

@@ -59,12 +59,11 @@ def read_xspace(path: str | os.PathLike[str]) -> list[OpEvent]:
     return sorted((e._replace(start=e.start - first) for e in events), key=lambda e: e.start)
 
 
-def profile_step(trainer: Any, x: Any, y: Any, logdir: str | None = None) -> list[OpEvent]:
+def profile_step(trainer: Any, x: Any, y: Any) -> list[OpEvent]:
     """Profile one ``trainer.train_step(x, y)`` (after a warm-up step); its op events by start
-    (``RuntimeError``: the profiler wrote none). ``logdir`` default: a temporary directory."""
+    (``RuntimeError``: the profiler wrote none)."""
     trainer.train_step(x, y)  # compile outside the profile
-    with tempfile.TemporaryDirectory() as tmp:
-        where = logdir or tmp
+    with tempfile.TemporaryDirectory() as where:
         options = tf.profiler.experimental.ProfilerOptions(
             host_tracer_level=3, python_tracer_level=0, device_tracer_level=0)
         tf.profiler.experimental.start(where, options=options)

@@ -217,13 +217,6 @@ def _torus(n: int, links: Links) -> tuple[str, Positions] | None:
     return None
 
 
-def _first_complete(state: StateTrace) -> int:
-    """The first tower to hold every contribution in some segment (a tree's root)."""
-    everyone = frozenset(range(state.towers))
-    return next((p for towers in state.states for p, held in enumerate(towers)
-                 if everyone in held), 0)
-
-
 def topology(state: StateTrace) -> Topology:
     """The layout the traced links fit, the first of: ``butterfly`` (n = 2ᵏ ≥ 4, every link
     joins towers differing in one bit), ``ring`` (exactly i ↔ i+1 mod n), ``tree`` (connected,
@@ -241,7 +234,10 @@ def topology(state: StateTrace) -> Topology:
         return Topology("butterfly", _circle(n), links)  # the picture draws the stages
     if n >= 3 and set(links) == {tuple(sorted((i, (i + 1) % n))) for i in range(n)}:
         return Topology("ring", _circle(n), links)
-    tree = _tree(n, links, _first_complete(state))
+    everyone = frozenset(range(n))  # a tree's root: the first tower to hold all somewhere
+    root = next((p for towers in state.states for p, held in enumerate(towers)
+                 if everyone in held), 0)
+    tree = _tree(n, links, root)
     if tree:
         return Topology("tree", tree, links)
     grid = _torus(n, links)

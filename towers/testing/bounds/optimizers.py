@@ -159,13 +159,10 @@ class UpdateBounds:
                 bound = bound + 2 * (U * moved + TINY)
             out.append(bound)
         self._slots = (slots_a, slots_b)
-        self.kinds = [_kind(grad, err) for grad, err in zip(g, e)]
+        # zero-gradient noise: every element's gradient is within its error of zero
+        self.kinds = [ZERO_GRADIENT_NOISE if np.all(np.abs(grad) <= err) and err.any()
+                      else BOUNDED for grad, err in zip(g, e)]  # fmt: skip
         return out
-
-
-def _kind(grad: np.ndarray, err: np.ndarray) -> str:
-    """Zero-gradient noise: every element's gradient is within its error of zero."""
-    return ZERO_GRADIENT_NOISE if bool(np.all(np.abs(grad) <= err)) and err.any() else BOUNDED
 
 
 def _check_pairs(
