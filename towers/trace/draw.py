@@ -210,18 +210,6 @@ def _draw_cell(ax: Any, x: float, p: int, held: Any, n: int, colours: list[Any])
               aspect="auto", zorder=1)
 
 
-def _state_title(state: StateTrace) -> str:
-    alpha = "none" if state.alpha is None else f"{state.alpha:g}"
-    done = "every chunk holds all contributions" if state.complete() else "INCOMPLETE"
-    if state.states[-1] != state.outputs:
-        done += "; the OUTPUTS hold less than the state says"
-    seen = "" if state.observed else " (opaque: end state read from the outputs)"
-    chunks = f"{len(state.segments)} chunk{'' if len(state.segments) == 1 else 's'}"
-    return (f"{state.trace.algorithm}: {state.towers} towers × {state.trace.size} elements in "
-            f"{chunks}; {state.ticks} ticks, α = {state.messages} messages "
-            f"(cost formula: {alpha}); {done}{seen}")
-
-
 def draw_state(state: StateTrace, path: str | os.PathLike[str], *, dpi: int = 100) -> Path:
     """Draw the state picture of ``state`` as a PNG (see the module docstring); returns ``path``."""
     n, columns = state.towers, len(state.states)
@@ -246,5 +234,5 @@ def draw_state(state: StateTrace, path: str | os.PathLike[str], *, dpi: int = 10
     headers = [(0.5, "inputs")] + [((t + 1) * (1 + _GAP) + 0.5, f"after tick {t}\n"
                                     f"{state.trace.note(t)}"[:40]) for t in range(state.ticks)]
     _frame(right, [f"tower {p}" for p in range(n)], headers, 7)
-    fig.suptitle(_state_title(state), fontsize=9)
+    fig.suptitle(str(state), fontsize=9)
     return save_png(fig, path, dpi)

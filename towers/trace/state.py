@@ -65,6 +65,17 @@ class StateTrace:
             total += max((len(peers) for peers in ports.values()), default=0)
         return total
 
+    def __str__(self) -> str:
+        alpha = "none" if self.alpha is None else f"{self.alpha:g}"
+        done = "every chunk holds all contributions" if self.complete() else "INCOMPLETE"
+        if self.states[-1] != self.outputs:
+            done += "; the OUTPUTS hold less than the state says"
+        seen = "" if self.observed else " (opaque: end state read from the outputs)"
+        chunks = f"{len(self.segments)} chunk{'' if len(self.segments) == 1 else 's'}"
+        return (f"{self.trace.algorithm}: {self.towers} towers × {self.trace.size} elements in "
+                f"{chunks}; {self.ticks} ticks, α = {self.messages} messages "
+                f"(cost formula: {alpha}); {done}{seen}")
+
     def complete(self, k: int = -1) -> bool:
         """True when after state ``k`` every tower's every segment holds all contributions."""
         everyone = frozenset(range(self.towers))
