@@ -23,10 +23,7 @@ from towers.devices import local_devices
 from towers.guard.arguments import positive_int
 from towers.testing.properties import Case, cases, check_case, describe, replay_refusal, unchecked
 
-__all__ = ["DEFAULT_EXAMPLES", "CheckReport", "check_all_reduce", "stratified", "verdict"]
-
-DEFAULT_EXAMPLES = 20
-
+__all__ = ["CheckReport", "check_all_reduce", "stratified", "verdict"]
 
 @dataclasses.dataclass(frozen=True, repr=False)
 class CheckReport:
@@ -175,7 +172,7 @@ def check_all_reduce(
     counts = sorted(set(tower_counts or range(1, max_towers + 1)))
     if counts[0] < 1 or counts[-1] > max_towers:
         raise ValueError(f"tower_counts must lie in 1..max_towers={max_towers}, got {counts}")
-    per_count = max(2, -(-(max_examples or DEFAULT_EXAMPLES) // len(counts)))
+    per_count = max(2, -(-(max_examples or 20) // len(counts)))
     notes = (*unchecked(algorithm), *(() if replay else (
         "replay not checked (replay=True compares with the NumPy replay)",)))
     refused = replay_refusal(algorithm) if replay else None

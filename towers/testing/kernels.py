@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -30,22 +31,15 @@ def _elementwise(fn: Callable[..., Any]) -> Kernel:
     return kernel
 
 
-def _chain(xs: Sequence[np.ndarray]) -> np.ndarray:
-    total = xs[0]
-    for x in xs[1:]:
-        total = total + x
-    return np.asarray(total)
-
-
 def _add_n(op: tf.Operation, xs: list[np.ndarray]) -> list[np.ndarray]:
     # <= 9 inputs left to right; else a head of n mod 8 (8 for 0, 9 for 1), then
     # `total + (block of 8, left to right)` (towers.testing.replay)
     n = len(xs)
     head = n if n <= 9 else {0: 8, 1: 9}.get(n % 8, n % 8)
     with np.errstate(all="ignore"):
-        total = _chain(xs[:head])
+        total = np.asarray(functools.reduce(np.add, xs[:head]))
         for start in range(head, n, 8):
-            total = np.asarray(total + _chain(xs[start : start + 8]))
+            total = np.asarray(total + functools.reduce(np.add, xs[start : start + 8]))
     return [total]
 
 

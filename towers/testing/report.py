@@ -110,20 +110,15 @@ class BisectReport:
         ]
         if d.bound_name:
             lines.append(f"  bound used: {d.bound_name}")
-        return "\n".join(lines + _causes(d))
-
-
-def _causes(d: Divergence) -> list[str]:
-    """The possible causes and the setting, wrapped to the report's width."""
-    if not d.causes and not d.setting:
-        return []
-    lines = ["  possible causes, read from the batches and both sides (towers.testing.report):"]
-    for cause in d.causes:
-        lines += textwrap.wrap(cause, 96, initial_indent="    - ", subsequent_indent="      ")
-    if d.setting:
-        lines += textwrap.wrap(d.setting, 96, initial_indent="  the setting: ",
-                               subsequent_indent="    ")  # fmt: skip
-    return lines
+        if d.causes or d.setting:  # wrapped to the report's width
+            lines.append("  possible causes, read from the batches and both sides "
+                         "(towers.testing.report):")
+        for cause in d.causes:
+            lines += textwrap.wrap(cause, 96, initial_indent="    - ", subsequent_indent="      ")
+        if d.setting:
+            lines += textwrap.wrap(d.setting, 96, initial_indent="  the setting: ",
+                                   subsequent_indent="    ")  # fmt: skip
+        return "\n".join(lines)
 
 
 ORDER_ULPS = 8  # a difference another summation order makes, in ULPs of the value

@@ -93,18 +93,6 @@ def _x(name: str, pid: int, tid: int, start: float, seconds: float, **args: Any)
             "dur": round(seconds * 1e6, 3), "cat": args.pop("cat", "compute"), "args": args}
 
 
-def _metadata(places: list[str], towers: int) -> list[dict[str, Any]]:
-    events: list[dict[str, Any]] = []
-    for p, device in enumerate([*places, ""]):
-        name = f"tower {p} ({device})" if p < towers else device
-        name = "whole step (compiled, measured)" if p == len(places) else name
-        events += [{"name": "process_name", "ph": "M", "pid": p, "args": {"name": name}},
-                   {"name": "process_sort_index", "ph": "M", "pid": p, "args": {"sort_index": p}}]
-        events += [{"name": "thread_name", "ph": "M", "pid": p, "tid": tid, "args": {"name": t}}
-                   for tid, t in ((0, "compute"), (1, "all-reduce"))]
-    return events
-
-
 def _tick_events(phases: _Phases, places: list[str], start: float) -> list[dict[str, Any]]:
     """Per tick and place what it sent and got; tick lengths split the all-reduce's measured
     time in proportion to each tick's bytes."""
@@ -135,7 +123,14 @@ def _events(trainer: TowerTrainer, phases: _Phases) -> list[dict[str, Any]]:
     places = list(trainer.devices)
     places += list(dict.fromkeys(d for t in phases.transfers for d in (t.src, t.dst)
                                  if d not in places))
-    events = _metadata(places, n)
+    events: list[dict[str, Any]] = []
+    for p, device in enumerate([*places, ""]):  # names: a process per place, then the step
+        name = f"tower {p} ({device})" if p < n else device
+        name = "whole step (compiled, measured)" if p == len(places) else name
+        events += [{"name": "process_name", "ph": "M", "pid": p, "args": {"name": name}},
+                   {"name": "process_sort_index", "ph": "M", "pid": p, "args": {"sort_index": p}}]
+        events += [{"name": "thread_name", "ph": "M", "pid": p, "tid": tid, "args": {"name": t}}
+                   for tid, t in ((0, "compute"), (1, "all-reduce"))]
     for i in range(n):
         events += [_x("forward", i, 0, 0.0, phases.forward[i]),
                    _x("backward", i, 0, phases.forward[i], phases.backward[i])]
