@@ -100,13 +100,7 @@ class UpdateBound:
 def optimizer_tracker(optimizer: Any) -> Any:
     """:func:`~towers.testing.bounds.optimizers.update_bounds` for the optimizers it covers,
     else None (the seam for a derived optimizer bound)."""
-    if type(optimizer).__name__ not in COVERED:
-        return None
-    return update_bounds(optimizer)
-
-
-def _plain_sgd(optimizer: Any) -> bool:
-    return type(optimizer) is keras.optimizers.SGD and float(optimizer.momentum) == 0.0
+    return update_bounds(optimizer) if type(optimizer).__name__ in COVERED else None
 
 
 def _spread(model: Any, weights: list[np.ndarray], tol: Sequence[Any]) -> list[Any]:
@@ -158,8 +152,9 @@ def resolve_bound(
         return UpdateBound(f"{name} (given as bound=)", bound)
     if bound is not None:
         raise ValueError(f"bound must be None, a tolerance >= 0 or a callable, got {bound!r}")
-    tracker = None if _plain_sgd(optimizer) else optimizer_tracker(optimizer)
-    if not _plain_sgd(optimizer) and tracker is None:
+    plain = type(optimizer) is keras.optimizers.SGD and float(optimizer.momentum) == 0.0
+    tracker = None if plain else optimizer_tracker(optimizer)
+    if not plain and tracker is None:
         raise ValueError(
             f"{argument}: a derived bound on one update from the same weights exists for "
             f"plain SGD, for {', '.join(COVERED)} (towers.testing.bounds.optimizers) and for two "
