@@ -124,14 +124,6 @@ def _gather(op: tf.Operation, xs: list[np.ndarray]) -> list[np.ndarray]:
     return [np.take(xs[0], xs[1], axis=int(xs[2]))]
 
 
-def _shape_like(fill: Callable[..., np.ndarray]) -> Kernel:
-    return lambda op, xs: [fill(xs[0].shape, xs[0].dtype)]
-
-
-def _out_type(fn: Callable[[np.ndarray], Any]) -> Kernel:
-    return lambda op, xs: [np.asarray(fn(xs[0]), np_dtype(op.get_attr("out_type")))]
-
-
 def _passthrough(op: tf.Operation, xs: list[np.ndarray]) -> list[np.ndarray]:
     return list(xs)
 
@@ -162,10 +154,12 @@ KERNELS: dict[str, Kernel] = {
     "SplitV": _split_v, "Slice": _slice, "StridedSlice": _strided_slice,
     "Squeeze": lambda op, xs: [np.squeeze(xs[0], tuple(op.get_attr("squeeze_dims")) or None)],
     "ExpandDims": lambda op, xs: [np.expand_dims(xs[0], int(xs[1]))],
-    "Shape": _out_type(np.shape), "Size": _out_type(np.size),
+    "Shape": lambda op, xs: [np.asarray(xs[0].shape, np_dtype(op.get_attr("out_type")))],
+    "Size": lambda op, xs: [np.asarray(xs[0].size, np_dtype(op.get_attr("out_type")))],
     "Rank": lambda op, xs: [np.asarray(xs[0].ndim, np.int32)],
     "Fill": lambda op, xs: [np.full(xs[0].tolist(), xs[1], xs[1].dtype)],
-    "ZerosLike": _shape_like(np.zeros), "OnesLike": _shape_like(np.ones),
+    "ZerosLike": lambda op, xs: [np.zeros_like(xs[0])],
+    "OnesLike": lambda op, xs: [np.ones_like(xs[0])],
     "Range": _range, "GatherV2": _gather,
     "Transpose": lambda op, xs: [np.transpose(xs[0], xs[1].tolist())],
 }  # fmt: skip
