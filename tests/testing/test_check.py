@@ -374,8 +374,8 @@ def test_a_byte_formula_is_not_passed_when_nothing_was_sent_to_count() -> None:
     [
         ({"ops": ["prod"]}, r"ops: unknown \['prod'\]"),
         ({"dtypes": [tf.int8]}, r"dtypes: \['int8'\] not supported"),
-        ({"max_towers": 0}, "max_towers must be an integer >= 1"),
-        ({"max_towers": True}, "max_towers must be an integer >= 1"),
+        ({"max_towers": 0}, "max_towers must be an int >= 1"),
+        ({"max_towers": True}, "max_towers must be an int >= 1"),
     ],
 )
 def test_a_bad_option_is_the_callers_error_not_the_algorithms(kwargs: dict, message: str) -> None:

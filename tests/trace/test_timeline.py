@@ -14,7 +14,6 @@ import pytest
 import towers.trace.schedule as trace
 from tests.conftest import DEVICES
 from towers import cli
-from towers.trace import timeline as timeline_job
 
 
 def _complete(data: dict) -> list[dict]:
@@ -32,7 +31,8 @@ def test_ring_step_has_every_tower_and_tick(tmp_path: Path, monkeypatch, capsys)
     data = json.loads(out.read_text())  # it loads
     events, n, ticks = _complete(data), 3, 2 * (3 - 1)
     assert data["otherData"]["ticks"] == ticks and "measured" in data["otherData"]["timings"]
-    timeline_job.validate(data, n, ticks)
+    for e in events:  # well-formed complete events
+        assert {"name", "ts", "dur", "pid", "tid"} <= e.keys() and e["dur"] >= 0 and e["ts"] >= 0
     for tower in range(n):
         names = [e["name"] for e in events if e["pid"] == tower]
         assert names[:2] == ["forward", "backward"] and "apply" in names
@@ -51,19 +51,6 @@ def test_ring_step_has_every_tower_and_tick(tmp_path: Path, monkeypatch, capsys)
     assert all(e["dur"] > 0 for e in events if e["name"] in ("forward", "backward"))
     assert data["measuredOps"] and all(op[4] > 0 for op in data["measuredOps"])
     assert (tmp_path / "measured.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
-def test_validate_names_what_is_missing() -> None:
-    event = {"name": "forward", "ph": "X", "ts": 0, "dur": 1, "pid": 0, "tid": 0, "args": {}}
-    backward = {**event, "name": "backward"}
-    with pytest.raises(ValueError, match="no traceEvents"):
-        timeline_job.validate({}, 1, 0)
-    with pytest.raises(ValueError, match="tower 1 lacks"):
-        timeline_job.validate({"traceEvents": [event, backward]}, 2, 0)
-    with pytest.raises(ValueError, match=r"tick events for \[\], expected 0..1"):
-        timeline_job.validate({"traceEvents": [event, backward]}, 1, 2)
-    with pytest.raises(ValueError, match="malformed"):
-        timeline_job.validate({"traceEvents": [{**event, "dur": -1}]}, 1, 0)
 
 
 def test_help_describes_the_options_and_the_timings(capsys) -> None:

@@ -20,12 +20,10 @@ from towers.allreduce.machinery.base import DTYPES, OPS, AllReduce
 from towers.allreduce.machinery.registry import algorithm_name
 from towers.allreduce.machinery.resolve import get
 from towers.devices import local_devices
+from towers.guard.arguments import positive_int
 from towers.testing.properties import Case, cases, check_case, describe, replay_refusal, unchecked
 
-__all__ = ["DEFAULT_EXAMPLES", "CheckReport", "check_all_reduce", "stratified", "verdict"]
-
-DEFAULT_EXAMPLES = 20
-
+__all__ = ["CheckReport", "check_all_reduce", "stratified", "verdict"]
 
 @dataclasses.dataclass(frozen=True, repr=False)
 class CheckReport:
@@ -124,8 +122,7 @@ def _search(
 
 def _options(max_towers: Any, ops: Any, dtypes: Any) -> tuple[list[str], list[tf.DType]]:
     """The caller's options, checked: a bad one must not read as the algorithm's failure."""
-    if isinstance(max_towers, bool) or not isinstance(max_towers, int) or max_towers < 1:
-        raise ValueError(f"max_towers must be an integer >= 1, got {max_towers!r}")
+    positive_int("max_towers", max_towers)
     ops = [ops] if isinstance(ops, str) else list(ops)
     bad_ops = [o for o in ops if o not in OPS]
     if bad_ops:
@@ -175,7 +172,7 @@ def check_all_reduce(
     counts = sorted(set(tower_counts or range(1, max_towers + 1)))
     if counts[0] < 1 or counts[-1] > max_towers:
         raise ValueError(f"tower_counts must lie in 1..max_towers={max_towers}, got {counts}")
-    per_count = max(2, -(-(max_examples or DEFAULT_EXAMPLES) // len(counts)))
+    per_count = max(2, -(-(max_examples or 20) // len(counts)))
     notes = (*unchecked(algorithm), *(() if replay else (
         "replay not checked (replay=True compares with the NumPy replay)",)))
     refused = replay_refusal(algorithm) if replay else None

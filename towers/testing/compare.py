@@ -13,7 +13,7 @@ from towers.allreduce.machinery.registry import algorithm_name
 from towers.devices import local_devices
 from towers.step import TowerTrainer
 from towers.testing.bounds import UpdateBound, resolve_bound
-from towers.testing.report import BisectReport, Difference, Divergence, explained
+from towers.testing.report import BisectReport, Difference, Divergence, possible_causes
 from towers.testing.steps import check_step, is_step, step_towers, take_batches, teacher_step
 
 __all__ = ["REFERENCES", "Config", "assert_steps_match", "bisect", "compare", "config",
@@ -103,24 +103,23 @@ def _sides(a: Any, b: Any, build: dict[str, Any], towers: int | None) -> tuple[A
     return steps[0], steps[1], labels[0], labels[1], n
 
 
-def _chunk(trainer: Any, size: int, element: int) -> tuple[int, int, int, int]:
-    """Where ``element`` falls when B's algorithm pad-splits the flat variable."""
-    params = getattr(getattr(trainer, "algorithm", None), "params", {}) or {}
-    towered = isinstance(trainer, TowerTrainer)
-    pieces = len(trainer.devices) * int(params.get("subchunks", 1)) if towered else 1
-    length = max(1, -(-size // pieces))  # pad_split: ceil(size / pieces) elements each
-    k = element // length
-    return k, pieces, k * length, min(size, (k + 1) * length)
-
-
-def _divergence(
-    row: Difference, a: np.ndarray, b: np.ndarray, compared: str, trainer_b: Any, bound: str,
-) -> Divergence:
-    """The first element outside (``row.worst``: the first with an infinite ratio)."""
+def _divergence(row: Difference, want: np.ndarray, got: np.ndarray, a: Any, b: Any,
+                compared: str, bound: str, sizes: list[int], towers: int) -> Divergence:
+    """The first element outside (``row.worst``: the first with an infinite ratio) and the
+    :func:`possible_causes` its batches and sides show."""
     k = row.worst
-    values = float(a.ravel()[k]), float(b.ravel()[k])
+    values = float(want.ravel()[k]), float(got.ravel()[k])
+    params = getattr(getattr(b, "algorithm", None), "params", {}) or {}
+    towered = isinstance(b, TowerTrainer)  # where k falls when B's algorithm pad-splits:
+    pieces = len(b.devices) * int(params.get("subchunks", 1)) if towered else 1
+    span = max(1, -(-want.size // pieces))  # ceil(size / pieces) elements each
+    c = k // span
+    chunk = (c, pieces, c * span, min(want.size, (c + 1) * span))
+    causes, setting = possible_causes(a, b, sizes, step=row.step, towers=towers,
+                                      diff=row.worst_diff, value=max(map(abs, values)),
+                                      dtype=want.dtype)  # fmt: skip
     return Divergence(row.step, row.variable, row.index, k, *values, row.worst_diff, row.bound,
-                      _chunk(trainer_b, a.size, k), compared, row.cause, bound)  # fmt: skip
+                      chunk, compared, row.cause, bound, causes, setting)
 
 
 def _run(a: Any, b: Any, batches: Iterable[Any], *, stop: bool, bound: Any, loss: Any,
@@ -144,9 +143,8 @@ def _run(a: Any, b: Any, batches: Iterable[Any], *, stop: bool, bound: Any, loss
         bad = next((r for r in found if not r.ok), None)
         if bad is not None and first is None:
             compared = "gradient" if update is None else "update"
-            first = _divergence(bad, want[bad.index], got[bad.index], compared, b, name)
-            first = explained(first, a, b, [len(x) for x, _ in data], n or 1,
-                              want[bad.index].dtype)  # fmt: skip
+            first = _divergence(bad, want[bad.index], got[bad.index], a, b, compared, name,
+                                [len(x) for x, _ in data], n or 1)  # fmt: skip
             if stop:
                 break
     return BisectReport(label_a, label_b, n or 0, tuple(rows), first, name,

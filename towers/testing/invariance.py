@@ -11,11 +11,12 @@ import keras
 import numpy as np
 
 from towers.devices import local_devices
+from towers.split import shard_sizes
 from towers.step import TowerTrainer
-from towers.testing.bounds import leaf_bounds
+from towers.testing.bounds import exact_sums
 from towers.testing.compare import update_bound
 from towers.testing.report import Difference
-from towers.testing.steps import advance, kernel_depth, take_batches, teacher_step
+from towers.testing.steps import advance, take_batches, teacher_step
 from towers.testing.strategies import per_tower_gradients
 
 __all__ = ["InvarianceReport", "check_invariance"]
@@ -147,10 +148,12 @@ def check_invariance(
 
 
 def _kernels(ref: Any, loss: Any, x: Any, y: Any, counts: tuple[int, ...]) -> list[Any]:
-    """Per other count, the kernel part's bound: trees over the per-example gradients."""
+    """Per other count, the kernel part's bound: two trees over the per-example gradients,
+    each within its :func:`exact_sums` bound; a leaf inside a tower is rounded by ``largest
+    shard − 1`` additions and one product (depth: the largest shard)."""
     leaves = per_tower_gradients(ref.model, x, y, [ref.devices[0]] * len(x), loss=loss)
-    first = kernel_depth(len(x), counts[0])
-    return [leaf_bounds(leaves, first, kernel_depth(len(x), n)) for n in counts[1:]]
+    tol = {n: exact_sums(leaves, max(shard_sizes(len(x), n)))[1] for n in counts}
+    return [[a + b for a, b in zip(tol[counts[0]], tol[n], strict=True)] for n in counts[1:]]
 
 
 def _free_run(

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -30,22 +31,15 @@ def _elementwise(fn: Callable[..., Any]) -> Kernel:
     return kernel
 
 
-def _chain(xs: Sequence[np.ndarray]) -> np.ndarray:
-    total = xs[0]
-    for x in xs[1:]:
-        total = total + x
-    return np.asarray(total)
-
-
 def _add_n(op: tf.Operation, xs: list[np.ndarray]) -> list[np.ndarray]:
     # <= 9 inputs left to right; else a head of n mod 8 (8 for 0, 9 for 1), then
     # `total + (block of 8, left to right)` (towers.testing.replay)
     n = len(xs)
     head = n if n <= 9 else {0: 8, 1: 9}.get(n % 8, n % 8)
     with np.errstate(all="ignore"):
-        total = _chain(xs[:head])
+        total = np.asarray(functools.reduce(np.add, xs[:head]))
         for start in range(head, n, 8):
-            total = np.asarray(total + _chain(xs[start : start + 8]))
+            total = np.asarray(total + functools.reduce(np.add, xs[start : start + 8]))
     return [total]
 
 
@@ -130,14 +124,6 @@ def _gather(op: tf.Operation, xs: list[np.ndarray]) -> list[np.ndarray]:
     return [np.take(xs[0], xs[1], axis=int(xs[2]))]
 
 
-def _shape_like(fill: Callable[..., np.ndarray]) -> Kernel:
-    return lambda op, xs: [fill(xs[0].shape, xs[0].dtype)]
-
-
-def _out_type(fn: Callable[[np.ndarray], Any]) -> Kernel:
-    return lambda op, xs: [np.asarray(fn(xs[0]), np_dtype(op.get_attr("out_type")))]
-
-
 def _passthrough(op: tf.Operation, xs: list[np.ndarray]) -> list[np.ndarray]:
     return list(xs)
 
@@ -168,10 +154,12 @@ KERNELS: dict[str, Kernel] = {
     "SplitV": _split_v, "Slice": _slice, "StridedSlice": _strided_slice,
     "Squeeze": lambda op, xs: [np.squeeze(xs[0], tuple(op.get_attr("squeeze_dims")) or None)],
     "ExpandDims": lambda op, xs: [np.expand_dims(xs[0], int(xs[1]))],
-    "Shape": _out_type(np.shape), "Size": _out_type(np.size),
+    "Shape": lambda op, xs: [np.asarray(xs[0].shape, np_dtype(op.get_attr("out_type")))],
+    "Size": lambda op, xs: [np.asarray(xs[0].size, np_dtype(op.get_attr("out_type")))],
     "Rank": lambda op, xs: [np.asarray(xs[0].ndim, np.int32)],
     "Fill": lambda op, xs: [np.full(xs[0].tolist(), xs[1], xs[1].dtype)],
-    "ZerosLike": _shape_like(np.zeros), "OnesLike": _shape_like(np.ones),
+    "ZerosLike": lambda op, xs: [np.zeros_like(xs[0])],
+    "OnesLike": lambda op, xs: [np.ones_like(xs[0])],
     "Range": _range, "GatherV2": _gather,
     "Transpose": lambda op, xs: [np.transpose(xs[0], xs[1].tolist())],
 }  # fmt: skip

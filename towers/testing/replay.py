@@ -109,26 +109,6 @@ def _captured(concrete: Any) -> list[np.ndarray]:
         raise ReplayError(f"the algorithm captures a value replay cannot read: {err}") from err
 
 
-def _replay_traced(concrete: Any, arrays: list[np.ndarray]) -> list[np.ndarray]:
-    graph = concrete.graph
-    feeds = {p.name: a for p, a in zip(graph.inputs, arrays, strict=False)}
-    captures = zip(graph.captures, _captured(concrete), strict=True)
-    feeds.update({internal.name: value for (_, internal), value in captures})
-    return _interpret(graph, feeds, concrete.outputs)
-
-
-def _run_with_metadata(fn: Any, inputs: list[tf.Tensor]) -> Any:
-    from tensorflow.python.eager import context  # run metadata has no public API
-
-    ctx = context.context()
-    ctx.enable_run_metadata()
-    try:
-        fn(*inputs)
-        return ctx.export_run_metadata()
-    finally:
-        ctx.disable_run_metadata()
-
-
 def _optimized_graph(metadata: Any, n_args: int) -> tf.Graph:
     """The graph grappler made from our function (the one with ``n_args`` arguments)."""
     for function_graph in reversed(metadata.function_graphs):
@@ -150,7 +130,15 @@ def _optimized_graph(metadata: Any, n_args: int) -> tf.Graph:
 def _replay_optimized(
     fn: Any, concrete: Any, arrays: list[np.ndarray], devices: Sequence[str]
 ) -> list[np.ndarray]:
-    metadata = _run_with_metadata(fn, place(arrays, devices))
+    from tensorflow.python.eager import context  # run metadata has no public API
+
+    ctx = context.context()
+    ctx.enable_run_metadata()
+    try:
+        fn(*place(arrays, devices))
+        metadata = ctx.export_run_metadata()
+    finally:
+        ctx.disable_run_metadata()
     args = arrays + _captured(concrete)
     graph = _optimized_graph(metadata, len(args))
     feeds: dict[str, np.ndarray] = {}
@@ -190,4 +178,8 @@ def replay(
     _check_transparent(concrete.graph)  # before anything runs or reads captured values
     if optimized:
         return _replay_optimized(fn, concrete, arrays, devices)
-    return _replay_traced(concrete, arrays)
+    graph = concrete.graph
+    feeds = {p.name: a for p, a in zip(graph.inputs, arrays, strict=False)}
+    captures = zip(graph.captures, _captured(concrete), strict=True)
+    feeds.update({internal.name: value for (_, internal), value in captures})
+    return _interpret(graph, feeds, concrete.outputs)

@@ -14,7 +14,7 @@ from towers.split import shard_sizes
 from towers.step import TowerTrainer
 
 __all__ = ["CLIPPING", "MIRRORED_SETTING", "ORDER_ULPS", "BisectReport", "Difference",
-           "Divergence", "Side", "explained", "possible_causes"]
+           "Divergence", "Side", "possible_causes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,20 +110,15 @@ class BisectReport:
         ]
         if d.bound_name:
             lines.append(f"  bound used: {d.bound_name}")
-        return "\n".join(lines + _causes(d))
-
-
-def _causes(d: Divergence) -> list[str]:
-    """The possible causes and the setting, wrapped to the report's width."""
-    if not d.causes and not d.setting:
-        return []
-    lines = ["  possible causes, read from the batches and both sides (towers.testing.report):"]
-    for cause in d.causes:
-        lines += textwrap.wrap(cause, 96, initial_indent="    - ", subsequent_indent="      ")
-    if d.setting:
-        lines += textwrap.wrap(d.setting, 96, initial_indent="  the setting: ",
-                               subsequent_indent="    ")  # fmt: skip
-    return lines
+        if d.causes or d.setting:  # wrapped to the report's width
+            lines.append("  possible causes, read from the batches and both sides "
+                         "(towers.testing.report):")
+        for cause in d.causes:
+            lines += textwrap.wrap(cause, 96, initial_indent="    - ", subsequent_indent="      ")
+        if d.setting:
+            lines += textwrap.wrap(d.setting, 96, initial_indent="  the setting: ",
+                                   subsequent_indent="    ")  # fmt: skip
+        return "\n".join(lines)
 
 
 ORDER_ULPS = 8  # a difference another summation order makes, in ULPs of the value
@@ -150,15 +145,6 @@ def possible_causes(
         found[2] and not all(s.first_tower for s in ours))
     beside = bool(ours) and any(s.replicated for s in sides)  # towers beside a strategy
     return tuple(line for line in found if line), MIRRORED_SETTING if mirrored and beside else ""
-
-
-def explained(first: Divergence, a: Any, b: Any, sizes: Sequence[int], towers: int,
-              dtype: Any) -> Divergence:  # fmt: skip
-    """``first`` with the :func:`possible_causes` its batches and sides show."""
-    value = max(abs(first.value_a), abs(first.value_b))
-    causes, setting = possible_causes(a, b, sizes, step=first.step, towers=towers,
-                                      diff=first.diff, value=value, dtype=dtype)  # fmt: skip
-    return dataclasses.replace(first, causes=causes, setting=setting)
 
 
 class Side(NamedTuple):
@@ -208,14 +194,9 @@ def _uneven(sides: tuple[Side, Side], sizes: Sequence[int], step: int, towers: i
             "examples weigh differently")  # fmt: skip
 
 
-def _clips(step: Any) -> tuple[tuple[str, Any], ...]:
-    optimizer = getattr(step, "optimizer", None)
-    return tuple((k, getattr(optimizer, k)) for k in CLIPPING
-                 if getattr(optimizer, k, None) is not None)  # fmt: skip
-
-
 def _clipping(a: Any, b: Any, sides: tuple[Side, Side]) -> str:
-    clips = [_clips(a), _clips(b)]
+    clips = [tuple((k, getattr(o, k)) for k in CLIPPING if getattr(o, k, None) is not None)
+             for o in (getattr(a, "optimizer", None), getattr(b, "optimizer", None))]
     if not any(clips) or (clips[0] == clips[1] and not any(s.replicated for s in sides)):
         return ""
     said = "; ".join(f"{label}'s optimizer has " + ", ".join(f"{k}={v:g}" for k, v in c)
@@ -226,25 +207,20 @@ def _clipping(a: Any, b: Any, sides: tuple[Side, Side]) -> str:
             "clipping: compare without it to check the rest")  # fmt: skip
 
 
-def _layers(model: Any) -> list[Any]:
-    out, todo = [], list(getattr(model, "layers", []))
-    while todo:
-        layer = todo.pop(0)
-        out.append(layer)
-        todo.extend(getattr(layer, "layers", []))
-    return out
-
-
 def _batch_norm(a: Any, b: Any, sides: tuple[Side, Side]) -> str:
-    names = sorted({layer.name for step in (a, b) for layer in _layers(getattr(step, "model", None))
-                    if isinstance(layer, keras.layers.BatchNormalization)})  # fmt: skip
+    names, todo = set(), [getattr(step, "model", None) for step in (a, b)]
+    while todo:  # both models' layers, nested ones too
+        layer = todo.pop()
+        todo.extend(getattr(layer, "layers", []))
+        if isinstance(layer, keras.layers.BatchNormalization):
+            names.add(layer.name)
     alike = sides[0].towers and sides[0][1:3] == sides[1][1:3]  # towers trainers, alike
     if not names or alike:
         return ""
-    return (f"BatchNormalization ({', '.join(names)}): each replica normalizes its own shard "
-            "(one device: the whole batch), and under MirroredStrategy each replica updates "
-            "its own moving statistics (replica 0's are read); towers averages them across "
-            "towers unless non_trainable=\"first_tower\"")  # fmt: skip
+    return (f"BatchNormalization ({', '.join(sorted(names))}): each replica normalizes its "
+            "own shard (one device: the whole batch), and under MirroredStrategy each replica "
+            "updates its own moving statistics (replica 0's are read); towers averages them "
+            "across towers unless non_trainable=\"first_tower\"")  # fmt: skip
 
 
 def _order(diff: float, value: float, dtype: Any) -> str:

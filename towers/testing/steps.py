@@ -17,13 +17,12 @@ import numpy as np
 import tensorflow as tf
 
 from towers.guard.arguments import optional, positive_int
-from towers.split import shard_sizes
 from towers.step import TowerTrainer
 from towers.testing.bounds import exact_sums, summation_depth
 from towers.testing.report import Difference
 
-__all__ = ["AdaptedStep", "Step", "StepGradients", "advance", "algorithm_depth", "as_step",
-           "check_step", "compare_gradients", "compare_runs", "is_step", "kernel_depth",
+__all__ = ["AdaptedStep", "Step", "StepGradients", "advance", "as_step", "check_step",
+           "compare_gradients", "compare_runs", "is_step",
            "step_gradients", "step_towers", "take_batches", "teacher_step"]
 
 _METHODS = ("train_step", "get_weights", "set_weights")
@@ -152,23 +151,13 @@ def step_gradients(trainer: Any, x: Any, y: Any) -> StepGradients:
     return StepGradients(_dense(reduced.grads[0]), [_dense(g) for g in grads.grads], reduced)
 
 
-def algorithm_depth(trainer: Any) -> int:
-    """A towers trainer's all-reduce summation depth."""
-    return summation_depth(getattr(trainer, "algorithm", None), len(trainer.devices))
-
-
-def kernel_depth(batch: int, towers: int) -> int:
-    """Roundings of a leaf inside a tower: ``largest shard − 1`` additions, one product."""
-    return max(shard_sizes(batch, towers))
-
-
 def _within(got: np.ndarray, want: np.ndarray, tol: np.ndarray) -> bool:
     return bool(np.all(np.abs(got.astype(np.float64) - want) <= tol))
 
 
 def compare_runs(
     label: int | str, step: int, names: Sequence[str], runs: tuple[StepGradients, StepGradients],
-    depths: tuple[int, int], kernels: list[np.ndarray] | None,
+    depths: Sequence[int], kernels: list[np.ndarray] | None,
 ) -> list[Difference]:
     """Run B against run A (the reference), bounded and attributed as the module says;
     ``kernels``: the kernel part's bound per variable, or None (the same shards: the
@@ -241,7 +230,8 @@ def teacher_step(
         for b, label, kernel in zip(others, labels, parts, strict=True):
             b.set_weights(weights)
             got = step_gradients(b, x, y)
-            depths = algorithm_depth(a), algorithm_depth(b)
+            depths = [summation_depth(getattr(t, "algorithm", None), len(t.devices))
+                      for t in (a, b)]  # fmt: skip
             rows = compare_runs(label, step, names, (want, got), depths, kernel)
             out.append((rows, want.reduced, got.reduced))
         a.apply(want.phases)

@@ -74,15 +74,6 @@ def _errors(actual: np.ndarray, expected: np.ndarray) -> tuple[np.ndarray, np.nd
     return np.where(same, 0.0, np.nan_to_num(err, nan=np.inf)), ulps
 
 
-def _mismatch_text(actual: np.ndarray, expected: np.ndarray, err: np.ndarray, ulps: np.ndarray,
-                   bad: np.ndarray) -> str:  # fmt: skip
-    masked = np.where(bad, err, -1.0)
-    i = tuple(int(k) for k in np.unravel_index(int(np.argmax(masked)), masked.shape))
-    return (f"{int(bad.sum())} of {bad.size} elements differ; worst at index {i}: got "
-            f"{actual[i].item()!r}, expected {expected[i].item()!r} (abs error {err[i]:.3g}, "
-            f"{int(ulps[i])} ULP); max abs error {float(err.max()):.3g}, max {int(ulps.max())} ULP")
-
-
 def assert_close(actual: Any, expected: Any, *, atol: float | np.ndarray = 0.0, rtol: float = 0.0,
                  ulps: int | None = None, what: str = "") -> Closeness:  # fmt: skip
     """Assert ``actual`` matches ``expected`` element-wise; report abs error and ULPs if not.
@@ -109,7 +100,12 @@ def assert_close(actual: Any, expected: Any, *, atol: float | np.ndarray = 0.0, 
     if ulps is not None:
         ok |= dist <= ulps
     if not np.all(ok):
-        raise AssertionError(label + _mismatch_text(a, e, err, dist, ~ok))
+        masked = np.where(ok, -1.0, err)
+        i = tuple(int(k) for k in np.unravel_index(int(np.argmax(masked)), masked.shape))
+        raise AssertionError(
+            f"{label}{int((~ok).sum())} of {ok.size} elements differ; worst at index {i}: got "
+            f"{a[i].item()!r}, expected {e[i].item()!r} (abs error {err[i]:.3g}, "
+            f"{int(dist[i])} ULP); max abs error {float(err.max()):.3g}, max {int(dist.max())} ULP")
     return Closeness(float(err.max()), int(dist.max()))
 
 
@@ -144,14 +140,6 @@ def _elements(dtype: tf.DType, max_towers: int, dense: bool) -> st.SearchStrateg
                      allow_subnormal=False)  # bfloat16 draws float32 values, then casts
 
 
-def _arrays(dtype: tf.DType, shape: tuple[int, ...], max_towers: int, dense: bool
-            ) -> st.SearchStrategy[Any]:  # fmt: skip
-    target = np.dtype(dtype.as_numpy_dtype)
-    drawn = target if target.name != "bfloat16" else np.dtype(np.float32)
-    arrays = hnp.arrays(drawn, shape, elements=_elements(dtype, max_towers, dense))
-    return arrays if drawn == target else arrays.map(lambda a: a.astype(target))
-
-
 @st.composite
 def tower_values(
     draw: st.DrawFn, max_towers: int = 8, dtypes: Sequence[Any] = DTYPES,
@@ -174,7 +162,10 @@ def tower_values(
         shapes = st.sampled_from([tuple(s) for s in shapes])
     shape = draw(shapes)
     dense = draw(st.booleans())  # shrinks to False: plain Hypothesis floats
-    return n, [draw(_arrays(dtype, shape, max_towers, dense)) for _ in range(n)]
+    target = np.dtype(dtype.as_numpy_dtype)
+    drawn = target if target.name != "bfloat16" else np.dtype(np.float32)
+    arrays = hnp.arrays(drawn, shape, elements=_elements(dtype, max_towers, dense))
+    return n, [draw(arrays).astype(target) for _ in range(n)]
 
 
 def weight_report(actual: Sequence[np.ndarray], expected: Sequence[np.ndarray],

@@ -199,29 +199,6 @@ def _draw_butterfly(ax: Any, n: int, links: list[tuple[int, int]], colours: list
                 ax.text(x - 0.15, ys[i], str(i), ha="right", va="center", fontsize=7)
 
 
-def _draw_cell(ax: Any, x: float, p: int, held: Any, n: int, colours: list[Any]) -> None:
-    """One tower's state: a column per chunk, row i filled when it holds tower i's part."""
-    pixels = np.full((n, len(held), 4), 0.93)
-    pixels[..., 3] = 1.0
-    for s, contributors in enumerate(held):
-        for i in contributors:
-            pixels[i, s] = colours[i]
-    ax.imshow(pixels, extent=(x + 0.05, x + 0.95, p + 0.38, p - 0.38), interpolation="nearest",
-              aspect="auto", zorder=1)
-
-
-def _state_title(state: StateTrace) -> str:
-    alpha = "none" if state.alpha is None else f"{state.alpha:g}"
-    done = "every chunk holds all contributions" if state.complete() else "INCOMPLETE"
-    if state.states[-1] != state.outputs:
-        done += "; the OUTPUTS hold less than the state says"
-    seen = "" if state.observed else " (opaque: end state read from the outputs)"
-    chunks = f"{len(state.segments)} chunk{'' if len(state.segments) == 1 else 's'}"
-    return (f"{state.trace.algorithm}: {state.towers} towers × {state.trace.size} elements in "
-            f"{chunks}; {state.ticks} ticks, α = {state.messages} messages "
-            f"(cost formula: {alpha}); {done}{seen}")
-
-
 def draw_state(state: StateTrace, path: str | os.PathLike[str], *, dpi: int = 100) -> Path:
     """Draw the state picture of ``state`` as a PNG (see the module docstring); returns ``path``."""
     n, columns = state.towers, len(state.states)
@@ -231,9 +208,13 @@ def draw_state(state: StateTrace, path: str | os.PathLike[str], *, dpi: int = 10
         1, 2, figsize=(3.0 + 1.1 * span, 1.6 + 0.55 * n),
         gridspec_kw={"width_ratios": [2.6, 1.1 * span]})
     _draw_topology(left, topology(state), colours)
+    palette, blank = np.array(colours)[:, None, :], np.array([0.93, 0.93, 0.93, 1.0])
     for k, towers in enumerate(state.states):  # before the limits: imshow resets them
-        for p, held in enumerate(towers):
-            _draw_cell(right, k * (1 + _GAP), p, held, n, colours)
+        for p, held in enumerate(towers):  # a column per chunk, row i: holds tower i's part
+            mask = np.array([[i in h for h in held] for i in range(n)])[..., None]
+            x = k * (1 + _GAP)
+            right.imshow(np.where(mask, palette, blank), interpolation="nearest", aspect="auto",
+                         extent=(x + 0.05, x + 0.95, p + 0.38, p - 0.38), zorder=1)
     lanes: dict[tuple[int, int], int] = {}
     for (tick, src, dst), ranges in sends_by_tick(state).items():
         k = lanes[(tick, src)] = lanes.get((tick, src), -1) + 1
@@ -246,5 +227,5 @@ def draw_state(state: StateTrace, path: str | os.PathLike[str], *, dpi: int = 10
     headers = [(0.5, "inputs")] + [((t + 1) * (1 + _GAP) + 0.5, f"after tick {t}\n"
                                     f"{state.trace.note(t)}"[:40]) for t in range(state.ticks)]
     _frame(right, [f"tower {p}" for p in range(n)], headers, 7)
-    fig.suptitle(_state_title(state), fontsize=9)
+    fig.suptitle(str(state), fontsize=9)
     return save_png(fig, path, dpi)

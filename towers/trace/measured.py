@@ -59,12 +59,11 @@ def read_xspace(path: str | os.PathLike[str]) -> list[OpEvent]:
     return sorted((e._replace(start=e.start - first) for e in events), key=lambda e: e.start)
 
 
-def profile_step(trainer: Any, x: Any, y: Any, logdir: str | None = None) -> list[OpEvent]:
+def profile_step(trainer: Any, x: Any, y: Any) -> list[OpEvent]:
     """Profile one ``trainer.train_step(x, y)`` (after a warm-up step); its op events by start
-    (``RuntimeError``: the profiler wrote none). ``logdir`` default: a temporary directory."""
+    (``RuntimeError``: the profiler wrote none)."""
     trainer.train_step(x, y)  # compile outside the profile
-    with tempfile.TemporaryDirectory() as tmp:
-        where = logdir or tmp
+    with tempfile.TemporaryDirectory() as where:
         options = tf.profiler.experimental.ProfilerOptions(
             host_tracer_level=3, python_tracer_level=0, device_tracer_level=0)
         tf.profiler.experimental.start(where, options=options)
@@ -116,20 +115,6 @@ _COLOURS = {"forward": "tab:blue", "backward": "tab:orange", "step": "0.5",
             "all-reduce": "tab:green", "apply": "tab:red"}
 
 
-def _draw_modelled(ax: Any, modelled: dict[str, Any], towers: int) -> None:
-    for e in modelled["traceEvents"]:
-        if e.get("ph") == "X" and e["pid"] < towers:
-            kind = e["name"] if e["name"] in ("forward", "backward", "apply") else "all-reduce"
-            ax.barh(e["pid"] * 2 + (e["tid"] == 1), e["dur"] / 1e3, left=e["ts"] / 1e3,
-                    height=0.7, color=_COLOURS[kind])
-    ax.set_yticks(range(2 * towers), [f"tower {p} {t}" for p in range(towers)
-                                      for t in ("compute", "all-reduce")], fontsize=7)
-    ax.set_ylim(2 * towers - 0.5, -0.5)
-    ax.set_title("modelled (towers timeline: phases timed apart, laid end to end; "
-                 "forward / backward / all-reduce / apply)", fontsize=9)
-    ax.set_xlabel("ms")
-
-
 def draw_measured(events: Sequence[OpEvent], towers: int, path: str | os.PathLike[str], *,
                   modelled: dict[str, Any] | None = None) -> Path:
     """Draw the measured op events, one row per tower and phase, then the rest of the step
@@ -149,6 +134,17 @@ def draw_measured(events: Sequence[OpEvent], towers: int, path: str | os.PathLik
     ax.set_title(f"measured (tf.profiler op events of one train_step, {len(events)} ops; "
                  "ms of op time per row)", fontsize=9)
     ax.set_xlabel("ms")
-    if modelled:
-        _draw_modelled(axes[1][0], modelled, towers)
+    if modelled:  # below: the modelled timeline
+        ax = axes[1][0]
+        for e in modelled["traceEvents"]:
+            if e.get("ph") == "X" and e["pid"] < towers:
+                kind = e["name"] if e["name"] in ("forward", "backward", "apply") else "all-reduce"
+                ax.barh(e["pid"] * 2 + (e["tid"] == 1), e["dur"] / 1e3, left=e["ts"] / 1e3,
+                        height=0.7, color=_COLOURS[kind])
+        ax.set_yticks(range(2 * towers), [f"tower {p} {t}" for p in range(towers)
+                                          for t in ("compute", "all-reduce")], fontsize=7)
+        ax.set_ylim(2 * towers - 0.5, -0.5)
+        ax.set_title("modelled (towers timeline: phases timed apart, laid end to end; "
+                     "forward / backward / all-reduce / apply)", fontsize=9)
+        ax.set_xlabel("ms")
     return save_png(fig, path, 100)

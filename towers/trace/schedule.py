@@ -25,8 +25,8 @@ from towers.testing.replay import place
 from towers.testing.values import ulp_distance
 from towers.trace.table import Trace, assign_ticks, chunk_ownership
 
-__all__ = ["COLLECTIVE", "resolve", "run_trace", "start_devices", "to_json", "trace_all_reduce",
-           "transfers_from_json"]
+__all__ = ["COLLECTIVE", "record_formula", "resolve", "run_trace", "start_devices", "to_json",
+           "trace_all_reduce", "transfers_from_json"]
 
 COLLECTIVE = "collective"
 """The pseudo-device that estimated traffic of a silent opaque collective goes to."""
@@ -44,16 +44,14 @@ def start_devices(n: int) -> list[str]:
         return have[:n]
 
 
-def _bytes_formula(fn: Any, n: int, nbytes: int) -> tuple[tuple[float, ...] | None, bool]:
-    """The record's ``bytes_sent`` per tower (or None) and whether it is an estimate."""
+def record_formula(fn: Any, formula: Callable[[Any], Any]) -> Any:
+    """``formula(record)`` of ``fn``'s registry record; None without a record, or when the
+    formula does not cover this case (another tower count: nothing to compare with)."""
     configured = record_of(fn)
-    if configured is None:
-        return None, False
     try:
-        value = configured.bytes_sent(n, nbytes, 4)
-    except Exception:  # a formula for other tower counts: nothing to compare with
-        value = None
-    return (None if value is None else tuple(value)), configured.algorithm.estimated
+        return None if configured is None else formula(configured)
+    except Exception:
+        return None
 
 
 def _run(fn: Any, name: str, devices: Sequence[str], arrays: list[np.ndarray], op: str,
@@ -115,7 +113,8 @@ def run_trace(fn: Any, devices: Sequence[str], arrays: list[np.ndarray], *, op: 
     carried (``payloads``; else None) and the outputs."""
     n, size, whole = len(devices), arrays[0].size, arrays[0].size * 4
     results, transfers, carried = _run(fn, name, devices, arrays, op, payloads)
-    formula, estimated = _bytes_formula(fn, n, whole)
+    formula = record_formula(fn, lambda r: r.bytes_sent(n, whole, 4))
+    estimated = bool(record_formula(fn, lambda r: r.algorithm.estimated))
     if not transfers and estimated and formula and n > 1:
         transfers = [Transfer(d, COLLECTIVE, round(b), tick=0, note="opaque collective",
                               estimated=True) for d, b in zip(devices, formula)]

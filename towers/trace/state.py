@@ -20,9 +20,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from towers.allreduce.machinery.registry import record_of
 from towers.allreduce.machinery.resolve import label
-from towers.trace.schedule import resolve, run_trace
+from towers.trace.schedule import record_formula, resolve, run_trace
 from towers.trace.table import Trace
 
 __all__ = ["StateTrace", "Topology", "default_size", "range_label", "runs", "sends_by_tick",
@@ -65,6 +64,17 @@ class StateTrace:
                     ports.setdefault(("in", r.dst), set()).add(r.src)
             total += max((len(peers) for peers in ports.values()), default=0)
         return total
+
+    def __str__(self) -> str:
+        alpha = "none" if self.alpha is None else f"{self.alpha:g}"
+        done = "every chunk holds all contributions" if self.complete() else "INCOMPLETE"
+        if self.states[-1] != self.outputs:
+            done += "; the OUTPUTS hold less than the state says"
+        seen = "" if self.observed else " (opaque: end state read from the outputs)"
+        chunks = f"{len(self.segments)} chunk{'' if len(self.segments) == 1 else 's'}"
+        return (f"{self.trace.algorithm}: {self.towers} towers × {self.trace.size} elements in "
+                f"{chunks}; {self.ticks} ticks, α = {self.messages} messages "
+                f"(cost formula: {alpha}); {done}{seen}")
 
     def complete(self, k: int = -1) -> bool:
         """True when after state ``k`` every tower's every segment holds all contributions."""
@@ -136,16 +146,6 @@ def _states(trace: Trace, masks: list[dict[int, frozenset[int]]], size: int,
     return out
 
 
-def _alpha(fn: Any, n: int, nbytes: int) -> float | None:
-    configured = record_of(fn)
-    if configured is None or configured.algorithm.cost is None:
-        return None
-    try:
-        return float(configured.algorithm.cost(n, nbytes, **configured.params)[0])
-    except Exception:  # a formula that does not cover this n: nothing to compare
-        return None
-
-
 def trace_state(algorithm: str | Callable[..., Any], devices: Sequence[str], *,
                 size: int | None = None) -> StateTrace:
     """Trace ``algorithm`` (op ``sum``, ``size`` elements per tower, default
@@ -171,8 +171,8 @@ def trace_state(algorithm: str | Callable[..., Any], devices: Sequence[str], *,
     observed = any(masks) or not trace.rows
     states = _states(trace, masks, size, segments) if observed else [
         tuple(tuple(frozenset({p}) for _ in segments) for p in range(n)), outputs]
-    return StateTrace(trace, segments, tuple(carried), tuple(states), outputs, observed,
-                      _alpha(fn, n, size * 4))
+    alpha = record_formula(fn, lambda r: float(r.algorithm.cost(n, size * 4, **r.params)[0]))
+    return StateTrace(trace, segments, tuple(carried), tuple(states), outputs, observed, alpha)
 
 
 Positions = list[tuple[float, float]]
@@ -228,13 +228,6 @@ def _torus(n: int, links: Links) -> tuple[str, Positions] | None:
     return None
 
 
-def _first_complete(state: StateTrace) -> int:
-    """The first tower to hold every contribution in some segment (a tree's root)."""
-    everyone = frozenset(range(state.towers))
-    return next((p for towers in state.states for p, held in enumerate(towers)
-                 if everyone in held), 0)
-
-
 def topology(state: StateTrace) -> Topology:
     """The layout the traced links fit, the first of: ``butterfly`` (n = 2ᵏ ≥ 4, every link
     joins towers differing in one bit), ``ring`` (exactly i ↔ i+1 mod n), ``tree`` (connected,
@@ -252,7 +245,10 @@ def topology(state: StateTrace) -> Topology:
         return Topology("butterfly", _circle(n), links)  # the picture draws the stages
     if n >= 3 and set(links) == {tuple(sorted((i, (i + 1) % n))) for i in range(n)}:
         return Topology("ring", _circle(n), links)
-    tree = _tree(n, links, _first_complete(state))
+    everyone = frozenset(range(n))  # a tree's root: the first tower to hold all somewhere
+    root = next((p for towers in state.states for p, held in enumerate(towers)
+                 if everyone in held), 0)
+    tree = _tree(n, links, root)
     if tree:
         return Topology("tree", tree, links)
     grid = _torus(n, links)

@@ -1,16 +1,8 @@
 """The tick table (:class:`Trace`): a tick for every transfer, chunk ownership, and as text.
 
-A transfer without the algorithm's own tick (``send(..., tick=t)``) gets one **by order**:
-one after the later of its source's last send, its destination's last receive and its data's
-arrival (the cost model's single-port model)::
-
-    tower 0  ──c0──▶ tower 1                    tick 0 (nothing sent before)
-    tower 1  ──c0──▶ tower 2                    tick 1 (after c0 reached tower 1 at 0)
-
-Data arrives with the transfers its tensor was computed from (``sources``), else with the
-chunks it carries: label ``c`` of ``b`` bytes is chunks ``c .. c + b/u - 1`` (``u``: the
-smallest labelled piece; no label, or the whole buffer: every chunk). A tower *holds* a
-chunk once every contribution could have reached it; the first *finished* it.
+A transfer without the algorithm's own tick gets one **by order**: one after the later of its
+source's last send, its destination's last receive and its data's arrival (the cost model's
+single-port model). A tower *holds* a chunk once every contribution could have reached it.
 """
 
 from __future__ import annotations
@@ -182,17 +174,6 @@ def format_table(trace: Trace) -> str:
     return "\n".join(lines)
 
 
-def _ownership_lines(trace: Trace) -> list[str]:
-    if not trace.holds:
-        return ["chunk ownership: not observable (an opaque collective moved the data)"]
-    label = "the whole buffer" if len(trace.chunks) == 1 else f"all {len(trace.chunks)} chunks"
-    finished = " · ".join(f"c{c} on {trace.place_name(p)} (tick {t})"
-                          for c, (p, t) in sorted(trace.finished.items()))
-    holding = [str(p) for p in range(trace.towers) if len(trace.holds[p]) == len(trace.chunks)]
-    lines = [f"chunks finished: {finished}"] if finished else []
-    return [*lines, f"holding {label} at the end: towers {', '.join(holding) or 'none'}"]
-
-
 def format_summary(trace: Trace) -> str:
     """Bytes per tower (against the algorithm's formula), ticks, ownership, the NumPy check."""
     n, sent = trace.towers, trace.bytes_sent()
@@ -209,8 +190,17 @@ def format_summary(trace: Trace) -> str:
         lines.append(f"note: by the algorithm's ticks, {trace.early} transfers leave no later "
                      "than their data arrived (nested algorithms may each count from 0); "
                      "--ticks order reschedules")
+    if not trace.holds:
+        lines.append("chunk ownership: not observable (an opaque collective moved the data)")
+    else:
+        finished = " · ".join(f"c{c} on {trace.place_name(p)} (tick {t})"
+                              for c, (p, t) in sorted(trace.finished.items()))
+        whole = len(trace.chunks)
+        label = "the whole buffer" if whole == 1 else f"all {whole} chunks"
+        holding = [str(p) for p in range(n) if len(trace.holds[p]) == whole]
+        lines += [f"chunks finished: {finished}"] if finished else []
+        lines.append(f"holding {label} at the end: towers {', '.join(holding) or 'none'}")
     agree = "bitwise identical" if trace.identical else "NOT identical"
-    return "\n".join([*lines, *_ownership_lines(trace),
-                      f"result vs NumPy: {'OK' if trace.ok else 'WRONG'}: max abs error "
+    return "\n".join([*lines, f"result vs NumPy: {'OK' if trace.ok else 'WRONG'}: max abs error "
                       f"{trace.max_abs_error:.3g} ({trace.max_ulps} ULP); outputs {agree} on "
                       f"all {n} towers"])

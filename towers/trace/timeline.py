@@ -8,8 +8,6 @@ all-reduce's ticks after the slowest tower, then the apply. A tower is a process
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -19,13 +17,14 @@ import tensorflow as tf
 from towers.allreduce.machinery.base import as_written
 from towers.allreduce.machinery.primitives import BOOKKEEPING_NOTES, Transfer, record
 from towers.allreduce.machinery.resolve import get
+from towers.bench.report import interleave
 from towers.step import TowerTrainer
 from towers.trace.measured import OpEvent, profile_step, split_compute
 from towers.trace.table import assign_ticks
 from towers.training.data import digits
 from towers.training.models import digits_cnn
 
-__all__ = ["TIMINGS", "build_timeline", "digits_trainer", "validate"]
+__all__ = ["TIMINGS", "build_timeline", "digits_trainer"]
 
 TIMINGS = ("forward, backward (split by profiled op time), the whole all-reduce and the apply "
            "are measured; a tick's length is the all-reduce's time split by the bytes each "
@@ -58,13 +57,7 @@ def digits_trainer(devices: list[str], *, algorithm: str = "ring", variables: st
 
 def _median_seconds(fn: Callable[[], Any], repeats: int) -> float:
     """Median wall time of ``fn()`` after one warm-up call (which also compiles it)."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return interleave({"phase": fn}, repeats, warmup=1)["phase"].median
 
 
 def _compiled(fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
@@ -100,18 +93,6 @@ def _x(name: str, pid: int, tid: int, start: float, seconds: float, **args: Any)
             "dur": round(seconds * 1e6, 3), "cat": args.pop("cat", "compute"), "args": args}
 
 
-def _metadata(places: list[str], towers: int) -> list[dict[str, Any]]:
-    events: list[dict[str, Any]] = []
-    for p, device in enumerate([*places, ""]):
-        name = f"tower {p} ({device})" if p < towers else device
-        name = "whole step (compiled, measured)" if p == len(places) else name
-        events += [{"name": "process_name", "ph": "M", "pid": p, "args": {"name": name}},
-                   {"name": "process_sort_index", "ph": "M", "pid": p, "args": {"sort_index": p}}]
-        events += [{"name": "thread_name", "ph": "M", "pid": p, "tid": tid, "args": {"name": t}}
-                   for tid, t in ((0, "compute"), (1, "all-reduce"))]
-    return events
-
-
 def _tick_events(phases: _Phases, places: list[str], start: float) -> list[dict[str, Any]]:
     """Per tick and place what it sent and got; tick lengths split the all-reduce's measured
     time in proportion to each tick's bytes."""
@@ -142,7 +123,14 @@ def _events(trainer: TowerTrainer, phases: _Phases) -> list[dict[str, Any]]:
     places = list(trainer.devices)
     places += list(dict.fromkeys(d for t in phases.transfers for d in (t.src, t.dst)
                                  if d not in places))
-    events = _metadata(places, n)
+    events: list[dict[str, Any]] = []
+    for p, device in enumerate([*places, ""]):  # names: a process per place, then the step
+        name = f"tower {p} ({device})" if p < n else device
+        name = "whole step (compiled, measured)" if p == len(places) else name
+        events += [{"name": "process_name", "ph": "M", "pid": p, "args": {"name": name}},
+                   {"name": "process_sort_index", "ph": "M", "pid": p, "args": {"sort_index": p}}]
+        events += [{"name": "thread_name", "ph": "M", "pid": p, "tid": tid, "args": {"name": t}}
+                   for tid, t in ((0, "compute"), (1, "all-reduce"))]
     for i in range(n):
         events += [_x("forward", i, 0, 0.0, phases.forward[i]),
                    _x("backward", i, 0, phases.forward[i], phases.backward[i])]
@@ -153,25 +141,6 @@ def _events(trainer: TowerTrainer, phases: _Phases) -> list[dict[str, Any]]:
     events += [_x("apply", places.index(replica.device), 0, start + phases.reduce,
                   phases.apply, replicas=len(trainer.replicas)) for replica in trainer.replicas]
     return [*events, _x("train_step", len(places), 0, 0.0, phases.step)]
-
-
-def validate(data: dict[str, Any], towers: int, ticks: int) -> None:
-    """Check a timeline: well-formed complete events, forward/backward on every tower, an
-    event for every tick (``ValueError`` says what is missing or malformed)."""
-    events = data.get("traceEvents")
-    if not isinstance(events, list) or not events:
-        raise ValueError("no traceEvents list")
-    complete = [e for e in events if e.get("ph") == "X"]
-    for e in complete:
-        if not {"name", "ts", "dur", "pid", "tid"} <= e.keys() or e["dur"] < 0 or e["ts"] < 0:
-            raise ValueError(f"malformed complete event {e}")
-    for tower in range(towers):
-        names = {e["name"] for e in complete if e["pid"] == tower}
-        if not {"forward", "backward"} <= names:
-            raise ValueError(f"tower {tower} lacks forward/backward events: {sorted(names)}")
-    seen = {e["args"]["tick"] for e in complete if "tick" in e.get("args", {})}
-    if seen != set(range(ticks)):
-        raise ValueError(f"tick events for {sorted(seen)}, expected 0..{ticks - 1}")
 
 
 def _report(phases: _Phases, ticks: int, repeats: int) -> str:

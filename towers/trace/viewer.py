@@ -161,9 +161,7 @@ fromHash();
 
 def write_html(state: StateTrace, path: str | os.PathLike[str]) -> Path:
     """Write the step-through viewer for ``state``; returns ``path``."""
-    alpha = "none" if state.alpha is None else f"{state.alpha:g}"
-    title = (f"{state.trace.algorithm} on {state.towers} towers: {state.ticks} ticks, "
-             f"α = {state.messages} messages (cost formula {alpha})")
+    title = str(state)
     data = json.dumps(viewer_data(state)).replace("</", "<\\/")
     page = _PAGE.replace("__TITLE__", html.escape(title)).replace("__DATA__", data)
     Path(path).write_text(page, encoding="utf-8")

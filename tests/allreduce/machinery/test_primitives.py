@@ -35,8 +35,8 @@ from tests.conftest import DEVICES
 from towers.allreduce.machinery.base import OPS
 from towers.allreduce.machinery.packed import pad_split, unsplit
 from towers.allreduce.machinery.primitives import record, send, tick_offset
+from towers.allreduce.machinery.rounding import unit_roundoff
 from towers.devices import canonical_device
-from towers.testing.bounds import gamma_exact
 
 FLOATS = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
 DTYPES = (*FLOATS, tf.int32, tf.int64)
@@ -135,6 +135,12 @@ def place(arrays: Sequence[np.ndarray]) -> list[tf.Tensor]:
         with tf.device(DEVICES[i]):
             values.append(tf.identity(tf.constant(a)))
     return values
+
+
+def gamma_exact(k: int, dtype: Any) -> Fraction:
+    """γ_k of ``dtype`` as an exact fraction."""
+    u = Fraction(unit_roundoff(dtype))
+    return k * u / (1 - k * u)
 
 
 def _ulp(v: Fraction, p: int, emin: int) -> Fraction:

@@ -140,8 +140,6 @@ def test_bad_step_inputs_name_the_argument() -> None:
         tracker.step([np.zeros(2)], [-np.ones(2)])
     with pytest.raises(ValueError, match="must be finite"):
         tracker.step([np.array([np.nan])], [np.zeros(1)])
-    with pytest.raises(ValueError, match="pieces must be an int >= 1"):
-        update_bounds(keras.optimizers.SGD(0.1), pieces=0)
 
 
 def test_pieces_cover_the_interval() -> None:

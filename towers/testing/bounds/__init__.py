@@ -12,7 +12,6 @@ import dataclasses
 import math
 import numbers
 from collections.abc import Callable, Sequence
-from fractions import Fraction
 from typing import Any
 
 import keras
@@ -25,15 +24,9 @@ from towers.testing.bounds.optimizers import COVERED, update_bounds
 from towers.testing.strategies import per_tower_gradients
 from towers.testing.values import is_float
 
-__all__ = ["UNIT_ROUNDOFF", "UpdateBound", "exact_sums", "gamma", "gamma_exact", "leaf_bounds",
+__all__ = ["UNIT_ROUNDOFF", "UpdateBound", "exact_sums", "gamma",
            "optimizer_tracker", "resolve_bound", "sgd_step_bound", "sum_bound", "summation_depth",
            "unit_roundoff"]
-
-
-def gamma_exact(k: int, dtype: Any = "float32") -> Fraction:
-    """:func:`gamma` as an exact fraction, for checks in exact arithmetic."""
-    u = Fraction(unit_roundoff(dtype))
-    return k * u / (1 - k * u)
 
 
 def summation_depth(algorithm: Any, n: int) -> int:
@@ -92,13 +85,6 @@ def exact_sums(
     return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
-def leaf_bounds(leaves: list[list[np.ndarray]], depth_a: int, depth_b: int) -> list[np.ndarray]:
-    """Per variable, how far two trees of depths ``depth_a`` and ``depth_b`` over the same
-    ``leaves[e][var]`` may differ: the two trees' bounds added."""
-    bounds_a, bounds_b = exact_sums(leaves, depth_a)[1], exact_sums(leaves, depth_b)[1]
-    return [a + b for a, b in zip(bounds_a, bounds_b, strict=True)]
-
-
 Tolerances = Callable[[list[np.ndarray], Any, Any], list[np.ndarray]]
 """``(weights before the step, x, y) -> tolerance per weight`` (``model.weights`` order)."""
 
@@ -114,13 +100,7 @@ class UpdateBound:
 def optimizer_tracker(optimizer: Any) -> Any:
     """:func:`~towers.testing.bounds.optimizers.update_bounds` for the optimizers it covers,
     else None (the seam for a derived optimizer bound)."""
-    if type(optimizer).__name__ not in COVERED:
-        return None
-    return update_bounds(optimizer)
-
-
-def _plain_sgd(optimizer: Any) -> bool:
-    return type(optimizer) is keras.optimizers.SGD and float(optimizer.momentum) == 0.0
+    return update_bounds(optimizer) if type(optimizer).__name__ in COVERED else None
 
 
 def _spread(model: Any, weights: list[np.ndarray], tol: Sequence[Any]) -> list[Any]:
@@ -172,8 +152,9 @@ def resolve_bound(
         return UpdateBound(f"{name} (given as bound=)", bound)
     if bound is not None:
         raise ValueError(f"bound must be None, a tolerance >= 0 or a callable, got {bound!r}")
-    tracker = None if _plain_sgd(optimizer) else optimizer_tracker(optimizer)
-    if not _plain_sgd(optimizer) and tracker is None:
+    plain = type(optimizer) is keras.optimizers.SGD and float(optimizer.momentum) == 0.0
+    tracker = None if plain else optimizer_tracker(optimizer)
+    if not plain and tracker is None:
         raise ValueError(
             f"{argument}: a derived bound on one update from the same weights exists for "
             f"plain SGD, for {', '.join(COVERED)} (towers.testing.bounds.optimizers) and for two "

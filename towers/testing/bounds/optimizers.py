@@ -15,7 +15,6 @@ import keras
 import numpy as np
 
 from towers.allreduce.machinery.rounding import unit_roundoff
-from towers.guard.arguments import positive_int
 from towers.testing.bounds.intervals import TINY, Interval, pieces
 
 __all__ = ["BOUNDED", "COVERED", "PIECES", "ZERO_GRADIENT_NOISE", "UpdateBounds", "update_bounds"]
@@ -118,10 +117,9 @@ class UpdateBounds:
     """The per-step bound of one optimizer (``name``, its ``config``); ``kinds`` names each
     variable of the last step :data:`BOUNDED` or :data:`ZERO_GRADIENT_NOISE`."""
 
-    def __init__(self, name: str, config: Mapping[str, Any], pieces: int = PIECES) -> None:
+    def __init__(self, name: str, config: Mapping[str, Any]) -> None:
         self.name, self.config = name, dict(config)
         self.rule, self._slot_names = _RULES[name]
-        self.pieces = positive_int("pieces", pieces)
         self.steps = 0
         self.kinds: list[str] = []
         self._slots: tuple[list[Slots], list[Slots]] | None = None  # run a's, run b's
@@ -151,8 +149,7 @@ class UpdateBounds:
         for j, (grad, err) in enumerate(zip(g, e)):
             # run a (the given gradient) alone, and any b within the error of it
             move_a, new_a = self._image(Interval(grad, grad), 1, self._slots[0][j])
-            move_b, new_b = self._image(Interval.around(grad, err), self.pieces,
-                                        self._slots[1][j])  # fmt: skip
+            move_b, new_b = self._image(Interval.around(grad, err), PIECES, self._slots[1][j])
             slots_a.append(new_a)
             slots_b.append(new_b)
             bound = np.maximum(move_b.hi - move_a.lo, move_a.hi - move_b.lo) * SAFETY
@@ -162,13 +159,10 @@ class UpdateBounds:
                 bound = bound + 2 * (U * moved + TINY)
             out.append(bound)
         self._slots = (slots_a, slots_b)
-        self.kinds = [_kind(grad, err) for grad, err in zip(g, e)]
+        # zero-gradient noise: every element's gradient is within its error of zero
+        self.kinds = [ZERO_GRADIENT_NOISE if np.all(np.abs(grad) <= err) and err.any()
+                      else BOUNDED for grad, err in zip(g, e)]  # fmt: skip
         return out
-
-
-def _kind(grad: np.ndarray, err: np.ndarray) -> str:
-    """Zero-gradient noise: every element's gradient is within its error of zero."""
-    return ZERO_GRADIENT_NOISE if bool(np.all(np.abs(grad) <= err)) and err.any() else BOUNDED
 
 
 def _check_pairs(
@@ -194,7 +188,7 @@ def _check_pairs(
 COVERED = tuple(_RULES)  # the Keras optimizer classes update_bounds bounds
 
 
-def update_bounds(optimizer: Any, pieces: int = PIECES) -> UpdateBounds:
+def update_bounds(optimizer: Any) -> UpdateBounds:
     """A fresh per-step bound tracker for a Keras optimizer that has not stepped (or its
     ``get_config()`` / ``keras.optimizers.serialize`` dict); ValueError for what it cannot
     bound (a class, option, schedule)."""
@@ -211,7 +205,7 @@ def update_bounds(optimizer: Any, pieces: int = PIECES) -> UpdateBounds:
             config.get("learning_rate"), (int, float)):
         raise ValueError(f"update_bounds needs a float learning_rate, got "
                          f"{config.get('learning_rate')!r} (a schedule is not bounded)")
-    return UpdateBounds(name, config, pieces)
+    return UpdateBounds(name, config)
 
 
 def _identify(optimizer: Any) -> tuple[str, dict[str, Any]]:
