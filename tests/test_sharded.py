@@ -291,7 +291,7 @@ def test_what_sharding_cannot_do_is_refused(kwargs: dict[str, Any], message: str
                             variables="sharded", **kwargs)  # fmt: skip
 
 
-@pytest.mark.parametrize("mode", ["compiled", "eager"])
+@pytest.mark.parametrize("mode", [pytest.param("compiled", marks=pytest.mark.long), "eager"])
 def test_phases_one_by_one_equal_train_step_bitwise(mode: str) -> None:
     """split -> forward_backward -> reduce (reduce-scatter) -> apply (update, all-gather),
     one phase at a time == train_step, bitwise; 3 examples over 4 towers leave one empty.

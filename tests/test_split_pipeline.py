@@ -97,6 +97,7 @@ def test_training_from_the_pipeline_is_bitwise_host_slicing() -> None:
         np.testing.assert_array_equal(a.numpy(), b.numpy())
 
 
+@pytest.mark.long  # 11 s
 def test_outputs_are_the_host_steps_and_two_epochs_are_two_passes() -> None:
     """per_device with parameter_device variables: outputs and losses of two epochs."""
     x = np.arange(30, dtype=np.float32).reshape(6, 5) / 30

@@ -111,7 +111,7 @@ def test_the_order_is_the_measured_one() -> None:
     assert mirrored_order("replica", 8) == mirrored_order("my_model", 8) == list(range(8))
 
 
-@pytest.mark.parametrize("n", [2, 3, 4, pytest.param(8, marks=pytest.mark.long)])
+@pytest.mark.parametrize("n", [3, *(pytest.param(n, marks=pytest.mark.long) for n in (2, 4, 8))])
 @pytest.mark.parametrize("kind", KINDS)
 def test_mirrored_fit_is_bitwise_for_any_keras_model(kind: str, n: int) -> None:
     _assert_bitwise(fit_pair(_devices(n), kind))

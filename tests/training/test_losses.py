@@ -86,7 +86,8 @@ def test_an_outputs_loss_metric_is_its_example_weighted_mean() -> None:
     assert history["loss"][0] == pytest.approx(total.mean(), rel=1e-6)
 
 
-@pytest.mark.parametrize("variables", ["parameter_device", "sharded"])
+@pytest.mark.parametrize("variables", ["parameter_device",
+                                       pytest.param("sharded", marks=pytest.mark.long)])
 def test_every_placement_trains_a_loss_per_output_as_replicated(variables: str) -> None:
     def fitted(variables: str) -> list[np.ndarray]:
         all_reduce = "ring" if variables != "parameter_device" else None

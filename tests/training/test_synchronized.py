@@ -117,6 +117,7 @@ def _assert_step(model: keras.Model, start: list[np.ndarray], got: list[np.ndarr
                                                         _trainable(model, start)))  # a step
 
 
+@pytest.mark.long  # 22 s; test_statistics_are_mirroreds_bitwise is the fast suite's
 @settings(max_examples=examples(ci=1))
 @given(n=st.integers(1, 8), size=st.sampled_from([1, 2, 4, 8]), seed=st.integers(0, 99))
 @example(n=4, size=8, seed=0)  # 2, 2, 2, 2
@@ -145,7 +146,7 @@ def test_statistics_of_the_global_batch_equal_mirrored_and_one_device(n: int, si
 @pytest.mark.parametrize(("make", "shape", "n", "size"), [
     (_dense_bn, (5,), 4, 10),  # 3, 3, 3, 1
     pytest.param(_dense_bn, (5,), 3, 16, marks=pytest.mark.long),  # 6, 6, 4
-    (_dense_bn, (5,), 8, 5),  # 1 × 5 and three empty towers
+    pytest.param(_dense_bn, (5,), 8, 5, marks=pytest.mark.long),  # 1 × 5, three empty towers
     pytest.param(_conv_bn, (6, 6, 2), 3, 8, marks=pytest.mark.long),  # 3, 3, 2
 ])  # fmt: skip
 def test_gradients_through_the_statistics_equal_mirrored(make: Factory, shape: tuple[int, ...],
@@ -217,6 +218,7 @@ def test_fit_takes_the_global_batch_statistics(variables: str) -> None:
     np.testing.assert_array_equal(tm.predict(x[:3], verbose=0).shape, (3, 3))
 
 
+@pytest.mark.long  # 10 s
 def test_the_relaxed_trace_equals_the_static_one() -> None:
     """``TowerModel.fit``'s trace with the batch dimension unknown (one trace for 7 and 10
     examples over 4 towers: 2, 2, 2, 1 and 3, 3, 3, 1) meets over every tower as the
