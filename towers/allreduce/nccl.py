@@ -179,17 +179,8 @@ def _record_estimates(values: Sequence[tf.Tensor]) -> None:
 
 
 def _factory(body: Body, name: str, timeout_seconds: float = TIMEOUT_SECONDS) -> AllReduce:
-    """Build ``nccl``, ``nccl_ring`` or ``nccl_tree`` (the module docstring's schedules).
-
-    ``timeout_seconds``: the deadline of an eager call, and of a trainer's step when it
-    has no ``step_timeout``; a call inside your own ``tf.function`` is bounded by whatever
-    bounds that function.
-
-    Raises:
-        ValueError: ``timeout_seconds`` not positive; when called, bad values or no static shape.
-        tf.errors.DeadlineExceededError: an eager call's peer did not join in time (this
-            aborts every later collective in the process).
-    """
+    """Build ``nccl``, ``nccl_ring`` or ``nccl_tree``; ``timeout_seconds`` bounds an eager
+    call (and a trainer's step without ``step_timeout``), else tf.errors.DeadlineExceededError."""
     positive_float("timeout_seconds", timeout_seconds)
 
     def all_reduce(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
@@ -209,30 +200,20 @@ def estimated_bytes_sent(n: int, nbytes: int) -> list[float]:
     return [2 * (n - 1) / n * nbytes] * n
 
 
-def _estimate(
-    n: int, nbytes: int, itemsize: int, timeout_seconds: float = TIMEOUT_SECONDS
-) -> list[float]:
-    return estimated_bytes_sent(n, nbytes)
-
-
-def _ring_depth(n: int, timeout_seconds: float = TIMEOUT_SECONDS) -> int:
-    return max(n - 1, 0)
-
-
-def _tree_depth(n: int, timeout_seconds: float = TIMEOUT_SECONDS) -> int:
-    return (n - 1).bit_length()
-
-
 def _tree_cost(n: int, nbytes: float) -> Coefficients:
     d = (n - 1).bit_length()  # binomial levels: one message per tower per level, each way
     return 2 * d, 2 * d * nbytes, d * nbytes
 
 
 def _register(name: str, body: Body, depth: Any, cost: Any) -> Algorithm:
-    return register(Algorithm(name, partial(_factory, body, name), _estimate, depth, cost,
+    def estimate(n: int, nbytes: int, itemsize: int, **_: Any) -> list[float]:
+        return estimated_bytes_sent(n, nbytes)
+
+    return register(Algorithm(name, partial(_factory, body, name), estimate,
+                              lambda n, **_: depth(n), cost,
                               schedule_of(__doc__), estimated=True, replayable=False))
 
 
-nccl = _register("nccl", _nccl_body, _ring_depth, ring_cost)
-nccl_ring = _register("nccl_ring", _ring_body, _ring_depth, ring_cost)
-nccl_tree = _register("nccl_tree", _tree_body, _tree_depth, _tree_cost)
+nccl = _register("nccl", _nccl_body, lambda n: max(n - 1, 0), ring_cost)
+nccl_ring = _register("nccl_ring", _ring_body, lambda n: max(n - 1, 0), ring_cost)
+nccl_tree = _register("nccl_tree", _tree_body, lambda n: (n - 1).bit_length(), _tree_cost)

@@ -59,23 +59,12 @@ KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "codec", "pl
 class Record:
     """What a registered thing is: its name, factory, formulas, schedule and flags.
 
-    Fields a kind has no use for stay None. Formulas take the factory's parameters as keywords.
-
-    Attributes:
-        name: the registry name.
-        factory: builds the thing; its keyword parameters are the formulas' ``params``.
-        bytes_sent: ``(n, nbytes, itemsize, **params) -> per-tower bytes`` (None: unknown),
-            exact for algorithms that send with ``send``.
-        summation_depth: ``(n, **params) -> int``, the most additions any element goes
-            through (the error bound's ``k``).
-        cost: ``(n, nbytes, **params) -> (a, b, c)``, the α-β-γ coefficients.
-        schedule: the ASCII schedule from the module docstring.
-        estimated: ``bytes_sent`` is an estimate (opaque collectives move the data).
-        replayable: the NumPy replay can follow its traced graph.
-        kind: one of :data:`KINDS` (default ``"all_reduce"``).
-        summary: one line for listings.
-        generator: ``(n, **params) -> Schedule`` where the thing is a schedule.
-        ticks: ``(n, **params) -> int``, the α count in closed form.
+    Fields a kind has no use for stay None; formulas take ``n`` (``bytes_sent``: ``n, nbytes,
+    itemsize``) and the factory's parameters as keywords. ``bytes_sent`` is per tower
+    (``estimated`` where opaque collectives move the data), ``summation_depth`` the error
+    bound's ``k``, ``cost`` the α-β-γ coefficients, ``ticks`` the α count, ``schedule`` the
+    module docstring's drawing, ``generator`` ``(n, **params) -> Schedule`` where it is one;
+    ``replayable``: the NumPy replay can follow its traced graph.
     """
 
     name: str
