@@ -88,9 +88,6 @@ def plan(
     Each dtype has one open bucket; a tensor that would push it past ``bytes_per_bucket``
     (``None``: no limit) closes it first, one that reaches the limit closes it after.
     Buckets are listed in the order they were opened.
-
-    Raises:
-        ValueError: ``bytes_per_bucket`` < 1 or not an int, or a shape with an unknown size.
     """
     limit = optional(positive_int, "bytes_per_bucket", bytes_per_bucket)
     closed: list[tuple[int, BucketLayout]] = []  # (opening rank, bucket)
@@ -139,11 +136,7 @@ def pack(
 
 
 def unpack(buckets: Sequence[tf.Tensor], layout: Layout) -> list[tf.Tensor]:
-    """Undo :func:`pack`: ``layout.count`` tensors in their original order and shapes.
-
-    Raises:
-        ValueError: the bucket count or a bucket's length or dtype does not match.
-    """
+    """Undo :func:`pack`: ``layout.count`` tensors in their original order and shapes."""
     if len(buckets) != len(layout.buckets):
         raise ValueError(f"got {len(buckets)} buckets, the layout has {len(layout.buckets)}")
     out: list[tf.Tensor] = [None] * layout.count
@@ -190,10 +183,6 @@ def grouped(values: Sequence[Sequence[tf.Tensor | tf.IndexedSlices]],
     Dense tensors are packed into buckets (:func:`pack`), each all-reduced once with
     ``op``; ``tf.IndexedSlices`` (sum or mean) are gathered in tower order. ``devices``
     defaults to each tower's first value's device.
-
-    Raises:
-        ValueError: towers that differ in count, kind, shape or dtype (naming them), an
-            ``op`` an ``IndexedSlices`` cannot take, or what ``algorithm`` refuses.
     """
     fn = get(algorithm)
     if not values or isinstance(values[0], (tf.Tensor, tf.IndexedSlices)):
@@ -249,10 +238,5 @@ def bucketed(
     algorithm: str | AllReduce = "ring", bytes_per_bucket: int | None = DEFAULT_BUCKET_BYTES
 ) -> Bucketed:
     """Reduce all of a step's gradients in flat buckets of at most ``bytes_per_bucket``
-    (``None``: one bucket per dtype), ``algorithm`` (a name or a callable) once per bucket.
-
-    Raises:
-        ValueError: ``bytes_per_bucket`` < 1 or not an int, or an unknown algorithm name.
-        TypeError: ``algorithm`` is neither a name nor a callable.
-    """
+    (``None``: one bucket per dtype), ``algorithm`` (a name or a callable) once per bucket."""
     return Bucketed(get(algorithm), optional(positive_int, "bytes_per_bucket", bytes_per_bucket))

@@ -11,13 +11,9 @@ encodes each tower's gradient, moves the payloads over a :class:`~towers.allredu
               s_t ◀── new state (error feedback, Q), written back to tower t's variables
                       only when the step is applied (commit; see below)
 
-**Decode once** (the default): tower 0 decodes and sends its dense result, ``(n-1)·S``
-bytes, so outputs are bitwise the same whatever the kernels do; ``decode="everywhere"``:
-every tower decodes its own payload, fewer bytes, resting on deterministic kernels.
-
-State is made by :meth:`Compressed.build`, one copy per tower, as variables of this
-``tf.Module`` (a ``tf.train.Checkpoint`` saves it); :meth:`Compressed.reduce_deferred`
-computes it and :meth:`Compressed.commit` assigns it under the update's condition.
+**Decode once** (the default) sends tower 0's dense result, ``(n-1)·S`` bytes, so outputs
+are bitwise the same; ``decode="everywhere"`` decodes on every tower (fewer bytes). The
+state is variables of this ``tf.Module`` (checkpointed), assigned by :meth:`Compressed.commit`.
 """
 
 from __future__ import annotations
@@ -80,13 +76,9 @@ class Compressed(tf.Module):
         with tf.device(self.devices[tower]):
             return _make(self._templates[j], [v.read_value() for v in self.state[tower][j]])
 
-    def _flat(self) -> list[tuple[int, tf.Variable]]:
-        """Every state variable with its tower, in ``state[tower][var][k]`` order."""
-        return [(t, v) for t, row in enumerate(self.state) for var in row for v in var]
-
     def commit(self, new_state: Sequence[tf.Tensor]) -> None:
         """Assign ``new_state`` (from :meth:`reduce_deferred`), each on its tower's device."""
-        flat = self._flat()
+        flat = [(t, v) for t, row in enumerate(self.state) for var in row for v in var]
         if len(new_state) != len(flat):
             raise ValueError(f"expected {len(flat)} state values, got {len(new_state)}")
         for (tower, var), value in zip(flat, new_state):
@@ -103,12 +95,7 @@ class Compressed(tf.Module):
         self, grads: Sequence[Sequence[tf.Tensor]]
     ) -> tuple[list[list[tf.Tensor]], list[tf.Tensor]]:
         """``(out[tower][var], new_state)``: the codec's sums and the state's next values (as
-        :meth:`commit` takes them); nothing is assigned.
-
-        Raises:
-            RuntimeError: :meth:`build` has not run.
-            ValueError: the tower or variable count differs from :meth:`build`'s.
-        """
+        :meth:`commit` takes them); nothing is assigned."""
         if not self.devices:
             raise RuntimeError("call build(variables, devices) before reduce_gradients")
         n, count = len(self.devices), len(self._templates)

@@ -57,9 +57,6 @@ def pad_rows(x: tf.Tensor, pieces: int) -> tuple[tf.Tensor, tuple[int, ...], int
 def pad_split(x: tf.Tensor, pieces: int) -> tuple[list[tf.Tensor], tuple[int, ...], int]:
     """``(chunks, shape, size)``: :func:`pad_rows`' rows as 1-D chunks, with what
     :func:`unsplit` needs to undo it; ``pad_split(tf.range(5.0), 2)`` gives [0 1 2] [3 4 0].
-
-    Raises:
-        ValueError: ``pieces`` < 1 or not an int, or ``x`` has no static shape.
     """
     pieces = positive_int("pieces", pieces)
     if not x.shape.is_fully_defined():
@@ -74,11 +71,7 @@ def pad_split(x: tf.Tensor, pieces: int) -> tuple[list[tf.Tensor], tuple[int, ..
 
 
 def unsplit(chunks: Sequence[tf.Tensor], shape: Sequence[int], size: int) -> tf.Tensor:
-    """Undo :func:`pad_split` on the chunks' one device (move them there with ``send``).
-
-    Raises:
-        ValueError: no chunks, chunks on different devices, or too few elements.
-    """
+    """Undo :func:`pad_split` on the chunks' one device (move them there with ``send``)."""
     if not chunks:
         raise ValueError("unsplit needs at least one chunk")
     device = canonical_device(chunks[0].device)
@@ -119,9 +112,6 @@ def pack(rows: Sequence[Row | None]) -> tf.Tensor:
 
     Consecutive rows of one tensor become one slice (the whole tensor: no copy); other rows
     one gather when :func:`small`, else one slice per run; the parts are concatenated.
-
-    Raises:
-        ValueError: an empty slot (None) among the rows: a proved schedule never sends one.
     """
     segments: list[tuple[tf.Tensor, list[int]]] = []
     for r in rows:

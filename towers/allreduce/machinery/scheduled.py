@@ -89,10 +89,7 @@ def run_slots(schedule: Schedule, slots: Slots, devices: Sequence[str], op: str 
     in place) on ``devices``; every complete reduced slot is finished once.
 
     ``op`` is how ``reduce`` steps combine; ``note`` is recorded before each step's kind
-    (``"reduce_scatter"`` → ``"reduce_scatter reduce"``).
-
-    Raises:
-        towers.schedule.ScheduleError: the schedule breaks a rule of the checker.
+    (``"reduce_scatter"`` → ``"reduce_scatter reduce"``); a ``ScheduleError`` if unproved.
     """
     shapes = {c: x.shape for row in slots for c, x in enumerate(row) if x is not None}
     rows: Rows = []
@@ -163,10 +160,6 @@ def run_schedule(
 
     ``own_first``: a ``reduce`` computes ``combine(own, received)`` (the trees' order; it
     shows in ``max``/``min`` of zeros of either sign).
-
-    Raises:
-        ValueError: bad values, a shape that is not fully defined, a schedule for another
-            tower count or collective, or one the checker rejects (``ScheduleError``).
     """
     devices = check_values(values, op)
     n = len(values)

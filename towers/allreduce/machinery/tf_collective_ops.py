@@ -167,8 +167,7 @@ def ranks(devices: Sequence[str]) -> dict[str, int]:
 
 
 def _pairings(n: int) -> list[list[tuple[int, int]]]:
-    """A round-robin tournament of ``n`` players (the circle method): ``n - 1`` rounds for
-    even ``n``, ``n`` for odd (one sits out each round); every pair meets once."""
+    """A round-robin tournament of ``n`` players (the circle method): every pair meets once."""
     m = n + n % 2  # a ghost player m - 1 >= n makes the count even
     rounds = []
     for k in range(m - 1):
