@@ -134,16 +134,12 @@ def _schedule(collective: str, algorithm: Algorithm, n: int) -> Schedule:
 def reduce_scatter(values: Sequence[tf.Tensor], *, algorithm: Algorithm = "ring",
                    op: str = "sum", prescale: float = 1.0,
                    postscale: float = 1.0) -> list[tf.Tensor]:
-    """Reduce one value per tower (static shapes) and leave tower ``i`` with shard ``i``.
+    """Reduce one value per tower (static shapes) and leave tower ``i`` with shard ``i``:
+    1-D, on ``values[i]``'s device, run ``i`` of the flattened reduction.
 
-    Args:
-        algorithm: ``"ring"``, ``"halving"`` or a generator ``n -> Schedule`` of a
-            ``reduce_scatter`` with chunk ``i`` owned by tower ``i``.
-        op: ``"sum"``, ``"mean"``, ``"max"``, ``"min"`` or ``"product"``.
-        prescale, postscale: as in :func:`towers.all_reduce`.
-
-    Returns:
-        ``shards[i]``: 1-D, on ``values[i]``'s device, run ``i`` of the flattened reduction.
+    ``algorithm``: ``"ring"``, ``"halving"`` or a generator ``n -> Schedule`` of a
+    ``reduce_scatter`` (chunk ``i`` owned by tower ``i``); ``op``, ``prescale`` and
+    ``postscale`` as in :func:`towers.all_reduce`.
     """
     devices = check_values(values, op)
     pre = check_scale("prescale", prescale, values[0].dtype)

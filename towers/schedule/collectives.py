@@ -4,15 +4,9 @@ Chunk ``c`` of a reduce-scatter or all-gather is tower ``c``'s shard; a broadcas
 the value into ``chunks`` pieces, all the root's (generators build root 0; :func:`rooted`
 turns the labels). ``c+▶`` reduces, ``c▶`` copies.
 
-The ring (:func:`ring_schedule`, drawn in :mod:`towers.allreduce.ring`) is a
-reduce-scatter (:func:`ring_reduce_scatter`) then an all-gather (:func:`ring_all_gather`).
-Recursive halving (reduce-scatter) and doubling (all-gather), drawn in
-:mod:`towers.allreduce.halving_doubling`, pair ``p`` with ``p xor d``: halving sends the
-partner's half of what it still reduces (d = n/2, …, 1), doubling everything it holds
-(d = 1, …, n/2). For any ``n`` (:func:`fold`: ``m`` the largest power of two ≤ ``n``,
-``r = n - m``) extra tower ``m+i`` first folds its buffer into tower ``i`` (halving) or
-hands it its chunk (doubling), tower ``i < r`` stands for chunks ``i`` and ``m+i``, and a
-last tick gives tower ``m+i`` its part: 2 more ticks.
+The ring (drawn in :mod:`towers.allreduce.ring`) is a reduce-scatter then an all-gather;
+recursive halving and doubling are drawn in :mod:`towers.allreduce.halving_doubling` (any
+``n``: :func:`fold`'s extra towers fold in first and get their part in a last tick).
 
 Broadcast, root 0, n = 5: flat (the root sends to every tower in one tick, not
 drawn), binomial tree (a tower forwards in the tick after it receives;

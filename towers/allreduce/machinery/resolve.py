@@ -110,10 +110,6 @@ def get(algorithm: str | AllReduce | GradientReducer, *, argument: str = "all_re
     ``module:NAME`` may name a factory of either (when the signature cannot tell, one call
     on two small tensors on ``devices`` decides); it comes back as its registry record
     builds it, if one does. ``parameter_device``: the device ``"parameter_device"`` means.
-
-    Raises:
-        ValueError: as :func:`check`; a factory that made neither. TypeError: not a
-            string or a callable.
     """
     if not isinstance(algorithm, str):
         if callable(algorithm) or is_reducer(algorithm):
