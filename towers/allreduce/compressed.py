@@ -38,11 +38,6 @@ __all__ = ["DECODE", "Compressed", "compressed"]
 DECODE = ("once", "everywhere")
 
 
-def _make(template: Any, values: Sequence[Any]) -> Any:
-    """Rebuild a state of ``template``'s type (a NamedTuple or a plain tuple) from values."""
-    return template._make(values) if hasattr(template, "_make") else tuple(values)
-
-
 class Compressed(tf.Module):
     """A gradient reducer through a codec; ``state[tower][var]``: the codec's state variables."""
 
@@ -77,16 +72,15 @@ class Compressed(tf.Module):
         self.state = state
 
     def _read(self, tower: int, j: int) -> Any:
+        """``state[tower][j]``'s values, as the type ``init`` gave (NamedTuple or tuple)."""
+        template = self._templates[j]
         with tf.device(self.devices[tower]):
-            return _make(self._templates[j], [v.read_value() for v in self.state[tower][j]])
-
-    def _flat(self) -> list[tuple[int, tf.Variable]]:
-        """Every state variable with its tower, in ``state[tower][var][k]`` order."""
-        return [(t, v) for t, row in enumerate(self.state) for var in row for v in var]
+            values = [v.read_value() for v in self.state[tower][j]]
+            return template._make(values) if hasattr(template, "_make") else tuple(values)
 
     def commit(self, new_state: Sequence[tf.Tensor]) -> None:
         """Assign ``new_state`` (from :meth:`reduce_deferred`), each on its tower's device."""
-        flat = self._flat()
+        flat = [(t, v) for t, row in enumerate(self.state) for var in row for v in var]
         if len(new_state) != len(flat):
             raise ValueError(f"expected {len(flat)} state values, got {len(new_state)}")
         for (tower, var), value in zip(flat, new_state):

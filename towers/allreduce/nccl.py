@@ -79,16 +79,6 @@ def raw_nccl_usable(devices: Sequence[str], dtype: tf.DType) -> bool:
     return one_rank_per_gpu and dtype in (tf.float16, tf.float32, tf.float64, tf.int32, tf.int64)
 
 
-def _raw_nccl(values: list[tf.Tensor], devices: tuple[str, ...], op: str) -> list[tf.Tensor]:
-    reduce = {"max": nccl_ops.all_max, "min": nccl_ops.all_min,
-              "product": nccl_ops.all_prod}.get(op, nccl_ops.all_sum)
-    finished = []
-    for out, device in zip(reduce(values), devices, strict=True):
-        with tf.device(device):  # correctly rounded: identical sums give identical means
-            finished.append(finish(out, op, len(values)))
-    return finished
-
-
 def _all_reduce_ops(
     values: list[tf.Tensor], devices: Sequence[str], op: str, group_size: int
 ) -> list[tf.Tensor]:
@@ -106,9 +96,15 @@ def _all_reduce_ops(
 
 
 def _nccl_body(values: list[tf.Tensor], devices: tuple[str, ...], op: str) -> list[tf.Tensor]:
-    if raw_nccl_usable(devices, values[0].dtype):
-        return _raw_nccl(values, devices, op)
-    return _all_reduce_ops(values, devices, op, len(values))
+    if not raw_nccl_usable(devices, values[0].dtype):
+        return _all_reduce_ops(values, devices, op, len(values))
+    reduce = {"max": nccl_ops.all_max, "min": nccl_ops.all_min,
+              "product": nccl_ops.all_prod}.get(op, nccl_ops.all_sum)
+    finished = []
+    for out, device in zip(reduce(values), devices, strict=True):
+        with tf.device(device):  # correctly rounded: identical sums give identical means
+            finished.append(finish(out, op, len(values)))
+    return finished
 
 
 def _ring_body(values: list[tf.Tensor], devices: tuple[str, ...], op: str) -> list[tf.Tensor]:
@@ -166,18 +162,6 @@ def _tree_body(values: list[tf.Tensor], devices: tuple[str, ...], op: str) -> li
     return outputs
 
 
-def _record_estimates(values: Sequence[tf.Tensor]) -> None:
-    """Tell any active ``record()`` what the opaque ops are expected to send (ring figure)."""
-    n = len(values)
-    if n < 2 or not values[0].shape.is_fully_defined():
-        return
-    nbytes = int(values[0].shape.num_elements()) * values[0].dtype.size
-    per_tower = estimated_bytes_sent(n, nbytes)
-    for i, v in enumerate(values):
-        dst = values[(i + 1) % n].device
-        record_estimate(v.device, dst, round(per_tower[i]), note=f"{len(values)}-way collective")
-
-
 def _factory(body: Body, name: str, timeout_seconds: float = TIMEOUT_SECONDS) -> AllReduce:
     """Build ``nccl``, ``nccl_ring`` or ``nccl_tree`` (the module docstring's schedules).
 
@@ -194,7 +178,13 @@ def _factory(body: Body, name: str, timeout_seconds: float = TIMEOUT_SECONDS) ->
 
     def all_reduce(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
         outputs = run(body, values, op, timeout_seconds)
-        _record_estimates(values)
+        n = len(values)
+        if n > 1 and values[0].shape.is_fully_defined():  # any record(): the ring's figure
+            nbytes = int(values[0].shape.num_elements()) * values[0].dtype.size
+            sent = round(estimated_bytes_sent(n, nbytes)[0])
+            for i, v in enumerate(values):
+                record_estimate(v.device, values[(i + 1) % n].device, sent,
+                                note=f"{n}-way collective")
         return outputs
 
     all_reduce.__name__ = all_reduce.__qualname__ = f"{name}_all_reduce"
@@ -209,30 +199,19 @@ def estimated_bytes_sent(n: int, nbytes: int) -> list[float]:
     return [2 * (n - 1) / n * nbytes] * n
 
 
-def _estimate(
-    n: int, nbytes: int, itemsize: int, timeout_seconds: float = TIMEOUT_SECONDS
-) -> list[float]:
-    return estimated_bytes_sent(n, nbytes)
-
-
-def _ring_depth(n: int, timeout_seconds: float = TIMEOUT_SECONDS) -> int:
-    return max(n - 1, 0)
-
-
-def _tree_depth(n: int, timeout_seconds: float = TIMEOUT_SECONDS) -> int:
-    return (n - 1).bit_length()
-
-
 def _tree_cost(n: int, nbytes: float) -> Coefficients:
     d = (n - 1).bit_length()  # binomial levels: one message per tower per level, each way
     return 2 * d, 2 * d * nbytes, d * nbytes
 
 
 def _register(name: str, body: Body, depth: Any, cost: Any) -> Algorithm:
-    return register(Algorithm(name, partial(_factory, body, name), _estimate, depth, cost,
-                              schedule_of(__doc__), estimated=True, replayable=False))
+    """The record: bytes estimated, formulas ignoring ``timeout_seconds``."""
+    return register(Algorithm(
+        name, partial(_factory, body, name),
+        lambda n, nbytes, itemsize, **_: estimated_bytes_sent(n, nbytes),
+        lambda n, **_: depth(n), cost, schedule_of(__doc__), estimated=True, replayable=False))
 
 
-nccl = _register("nccl", _nccl_body, _ring_depth, ring_cost)
-nccl_ring = _register("nccl_ring", _ring_body, _ring_depth, ring_cost)
-nccl_tree = _register("nccl_tree", _tree_body, _tree_depth, _tree_cost)
+nccl = _register("nccl", _nccl_body, lambda n: max(n - 1, 0), ring_cost)
+nccl_ring = _register("nccl_ring", _ring_body, lambda n: max(n - 1, 0), ring_cost)
+nccl_tree = _register("nccl_tree", _tree_body, lambda n: (n - 1).bit_length(), _tree_cost)

@@ -1,30 +1,22 @@
 """TensorFlow's collective ops as towers uses them: keys, ordering tokens, wire format, running.
 
-The plumbing shared by :mod:`towers.allreduce.nccl` and :mod:`towers.cluster`, with no
-schedule of its own. Measured on TF 2.21, logical CPUs, and what each fact decides:
+The plumbing shared by :mod:`towers.allreduce.nccl` and :mod:`towers.cluster`. TensorFlow's
+limits (TF 2.21) and what each decides:
 
-- all_gather_v2 and broadcast send/recv refuse bfloat16 when traced: it crosses them
-  as its float16 bit pattern (:func:`wire`, :func:`unwire`: exact, same size).
-- Empty tensors crash all_gather_v2, all_to_all_v2 and broadcast: n = 1 or size 0
-  never reaches a collective (:func:`run`).
-- An eager collective blocks until its peers join, which they never do: eager calls
-  run through a ``tf.function`` cached per devices/op/shape/dtype (:func:`run`).
-- A timeout, or an instance key reused with another shape, aborts every later
-  collective in the process: every trace draws fresh keys (:func:`next_key`).
-- An op's own ``timeout=`` holds a thread per op for the whole timeout: no op here
-  takes one; an eager call runs within one watchdog (:func:`run`), a trainer's step
-  within its deadline (:class:`towers.guard.deadline.Deadline`).
-- Broadcast send/recv take no ordering token and auto control dependencies neither
-  order nor keep them: they get control edges (:func:`broadcast_send_recv`).
-- ``all_to_all_v2`` misroutes from 12 ranks (its rendezvous key joins two ranks with no
-  separator: "1→10" and "11→0" collide): :func:`all_to_all` calls it only up to
-  :data:`MAX_ALL_TO_ALL` ranks, else exchanges rows by broadcast send/recv pairs.
+- traced all_gather_v2 and broadcast refuse bfloat16: it crosses as float16 bits (:func:`wire`);
+- empty tensors crash them: n = 1 or size 0 never reaches a collective (:func:`run`);
+- an eager collective never sees its peers join: eager calls run in a cached ``tf.function``;
+- a timeout, or a key reused with another shape, aborts every later collective: every trace
+  draws fresh keys (:func:`next_key`), and no op takes ``timeout=`` (it holds a thread per
+  op): an eager call runs within one watchdog, a step within its deadline;
+- broadcast send/recv take no ordering token: they get control edges;
+- ``all_to_all_v2`` misroutes from 12 ranks ("1→10" and "11→0" share a key): above
+  :data:`MAX_ALL_TO_ALL` ranks, :func:`all_to_all` exchanges by broadcast send/recv pairs.
 
-Keys are process-global; every member of a collective passes the same ones. Local
-collectives draw theirs while tracing (:func:`next_key`); collectives across processes
-draw from a second range when a reducer or trainer is built (:func:`shared_keys`), as
-workers may trace different numbers of times. One ordering token per device
-(:func:`token`) runs a device's collectives in program order on every member.
+Keys are process-global and the same on every member. Local collectives draw theirs while
+tracing; collectives across processes draw from a second range when a reducer or trainer is
+built (:func:`shared_keys`), as workers may trace different numbers of times. One ordering
+token per device (:func:`token`) runs a device's collectives in program order.
 
 References:
     TensorFlow ``cross_device_utils.CollectiveReplicaLauncher`` (ordering tokens, keys).
