@@ -38,23 +38,17 @@ def naive_all_reduce(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf
     """Reduce everything on tower 0 (``add_n`` for sums), then copy the result to each tower."""
     devices = check_values(values, op)
     root = devices[0]
+    size = values[0].shape.num_elements()  # None: not static
+    # Above ~16 MB a chain of two-input adds beats TensorFlow's CPU AddN; both add left to
+    # right, so the bits are the same.
+    large = size is not None and size * values[0].dtype.size > 16 * 2**20
     with tf.device(root):
-        if op in ("sum", "mean") and len(values) > 1 and not _large(values[0]):
+        if op in ("sum", "mean") and len(values) > 1 and not large:
             total = tf.add_n([send(v, root, tick=0, chunk=0, note="gather") for v in values])
         else:  # the same left fold, one add at a time (max and min too)
             total = reduce_on(values, root, op, note="gather")
         total = finish(total, op, len(values))
     return [send(total, d, tick=1, chunk=0, note="broadcast") for d in devices]
-
-
-_CHAIN_ABOVE_BYTES = 16 * 2**20
-
-
-def _large(x: tf.Tensor) -> bool:
-    """Above ~16 MB a chain of two-input adds beats TensorFlow's CPU ``AddN``; both add left
-    to right, so the bits are the same."""
-    size = x.shape.num_elements() if x.shape.is_fully_defined() else None
-    return size is not None and size * x.dtype.size > _CHAIN_ABOVE_BYTES
 
 
 NAIVE = register(Algorithm("naive", lambda: naive_all_reduce, bytes_sent, summation_depth, cost,

@@ -100,7 +100,12 @@ class Record:
         built = self.factory(*args, **kwargs)
         if self.kind != "all_reduce" or (isinstance(built, Configured) and built.algorithm is self):
             return built
-        return Configured(self, built, _bound(self.factory, args, kwargs))
+        try:
+            bound = inspect.signature(self.factory).bind(*args, **kwargs)
+        except (TypeError, ValueError):
+            return Configured(self, built, dict(kwargs))
+        bound.apply_defaults()
+        return Configured(self, built, dict(bound.arguments))
 
 
 Algorithm = Record
@@ -151,15 +156,6 @@ class Registry(dict[Any, Record]):
                             f"got {record!r}")
         self[(record.kind, record.name) if self.by_kind else record.name] = record
         return record
-
-
-def _bound(factory: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    try:
-        bound = inspect.signature(factory).bind(*args, **kwargs)
-    except (TypeError, ValueError):
-        return dict(kwargs)
-    bound.apply_defaults()
-    return dict(bound.arguments)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
