@@ -229,12 +229,8 @@ def _run_eagerly(body: Body, values: Sequence[tf.Tensor], devices: tuple[str, ..
     shape, dtype = values[0].shape, values[0].dtype
     key = (body, devices, op, tuple(shape), dtype)
     with _LOCK:
-        if key not in _EAGER:
-
-            def bound(vals: list[tf.Tensor]) -> list[tf.Tensor]:
-                return body(vals, devices, op)
-
-            _EAGER[key] = tf.function(bound, autograph=False)  # static Python control flow
+        if key not in _EAGER:  # autograph off: static Python control flow
+            _EAGER[key] = tf.function(lambda vals: body(vals, devices, op), autograph=False)
         fn = _EAGER[key]
     message = f"towers: a collective did not complete within {timeout:g} s"
     # as every towers reduction: a mean is the sum divided by n, not x·fl(1/n)
