@@ -33,9 +33,7 @@ from towers.allreduce.machinery.resolve import get, get_codec
 from towers.devices import canonical_device
 from towers.guard.arguments import check_choice
 
-__all__ = ["DECODE", "Compressed", "compressed"]
-
-DECODE = ("once", "everywhere")
+__all__ = ["Compressed", "compressed"]
 
 
 class Compressed(tf.Module):
@@ -137,5 +135,5 @@ def compressed(
         ValueError: an unknown algorithm or codec name, or a bad ``decode``.
         TypeError: ``algorithm`` is neither a name nor a callable.
     """
-    check_choice("decode", decode, DECODE)
+    check_choice("decode", decode, ("once", "everywhere"))
     return Compressed(get(algorithm), get_codec(codec), decode)

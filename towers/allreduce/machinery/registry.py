@@ -193,12 +193,10 @@ class Configured:
 
     @property
     def name(self) -> str:
-        """The record's name."""
+        """The record's name (also ``__name__``, for code that names callables by it)."""
         return self.algorithm.name
 
-    @property
-    def __name__(self) -> str:  # for code that names callables by ``__name__``
-        return self.algorithm.name
+    __name__ = name  # type: ignore[assignment]
 
     def bytes_sent(self, n: int, nbytes: int, itemsize: int) -> list[float] | None:
         """Bytes each tower sends (None when the record has no formula for these params)."""
