@@ -31,7 +31,7 @@ from towers.allreduce.machinery.primitives import send
 from towers.allreduce.machinery.registry import Algorithm, register, schedule_of
 from towers.allreduce.parameter_device import bytes_sent, cost, reduce_on, summation_depth
 
-__all__ = ["NAIVE", "naive", "noop"]
+__all__ = ["naive", "noop"]
 
 
 def naive_all_reduce(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
@@ -51,9 +51,8 @@ def naive_all_reduce(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf
     return [send(total, d, tick=1, chunk=0, note="broadcast") for d in devices]
 
 
-NAIVE = register(Algorithm("naive", lambda: naive_all_reduce, bytes_sent, summation_depth, cost,
-                           schedule_of(__doc__)))
-naive = NAIVE()
+naive = register(Algorithm("naive", lambda: naive_all_reduce, bytes_sent, summation_depth, cost,
+                           schedule_of(__doc__)))()
 """The naive all-reduce (:func:`naive_all_reduce` with its record)."""
 
 

@@ -43,13 +43,9 @@ from towers.schedule.ir import Schedule, Step
 __all__ = ["cost", "peer", "swing", "swing_schedule"]
 
 
-def _delta(step: int) -> int:
-    return (1 - (-2) ** (step + 1)) // 3
-
-
 def peer(rank: int, step: int, p: int) -> int:
     """Swing's ``ρ(r, s)`` among ``p`` towers: ``r ± δ(s) mod p`` (+ for even r)."""
-    d = _delta(step)
+    d = (1 - (-2) ** (step + 1)) // 3  # δ(s) = 1, -1, 3, -5, 11, …
     return (rank + d) % p if rank % 2 == 0 else (rank - d) % p
 
 
