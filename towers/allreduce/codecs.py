@@ -223,25 +223,21 @@ class TopK:
         """
         return rounding(towers, abs_sum)
 
-    def decode(
-        self, indices: Sequence[tf.Tensor], values: Sequence[tf.Tensor], like: tf.Tensor
-    ) -> tf.Tensor:
-        """Scatter-add every tower's ``(indices, values)``, in tower order, into zeros."""
-        dense = tf.zeros([like.shape.num_elements()], like.dtype)
-        for idx, val in zip(indices, values):
-            dense = tf.tensor_scatter_nd_add(dense, idx[:, None], val)
-        return tf.reshape(dense, like.shape)
-
     def reduce(
         self, tensors: Sequence[tf.Tensor], states: Sequence[Any], wire: Wire
     ) -> tuple[list[tf.Tensor], list[Any]]:
         encoded = wire.per_tower(lambda t: self.encode(tensors[t], states[t]))
         indices = [payload[0] for payload, _ in encoded]
         values = [payload[1] for payload, _ in encoded]
-        outs = wire.decode(
-            lambda t: self.decode(wire.gather(indices, t), wire.gather(values, t), tensors[t])
-        )
-        return outs, [state for _, state in encoded]
+
+        def decode(t: int) -> tf.Tensor:  # every tower's pairs scatter-added, in tower order
+            pairs = zip(wire.gather(indices, t), wire.gather(values, t), strict=True)
+            dense = tf.zeros([tensors[t].shape.num_elements()], tensors[t].dtype)
+            for idx, val in pairs:
+                dense = tf.tensor_scatter_nd_add(dense, idx[:, None], val)
+            return tf.reshape(dense, tensors[t].shape)
+
+        return wire.decode(decode), [state for _, state in encoded]
 
 
 def identity() -> Identity:

@@ -39,10 +39,6 @@ def _folded_ticks(n: int) -> int:
     return m.bit_length() - 1 + 2 * (r > 0)
 
 
-def _chain_ticks(n: int, chunks: int = 4) -> int:
-    return chunks + n - 2 if n > 1 else 0
-
-
 def _record(collective: str, name: str, generator: Callable[..., Schedule],
             ticks: Callable[..., int], summary: str) -> Record:
     """A collective's record, derived from ``generator``; ``ticks`` in closed form."""
@@ -63,7 +59,8 @@ COLLECTIVE_ALGORITHMS = Registry(PUBLIC, [
             "flat: 1 tick, the root sends to every tower"),
     _record("broadcast", "tree", sc.binomial_broadcast, lambda n: (n - 1).bit_length(),
             "binomial tree: ceil(log2 n) ticks, whole value per send"),
-    _record("broadcast", "chain", sc.chain_broadcast, _chain_ticks,
+    _record("broadcast", "chain", sc.chain_broadcast,
+            lambda n, chunks=4: chunks + n - 2 if n > 1 else 0,
             "pipelined chain: chunks+n-2 ticks, 1/chunks per send"),
 ], by_kind=True)
 """``(collective, name) -> Record`` for every public collective's algorithms."""

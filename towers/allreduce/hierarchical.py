@@ -164,10 +164,6 @@ def _flat_cost(name: Any, key: str) -> Callable[..., Coefficients]:
     return record.cost
 
 
-def _part_cost(cost: Callable[..., Coefficients], k: int, nbytes: float) -> Coefficients:
-    return (0, 0, 0) if k == 1 else cost(k, nbytes)
-
-
 def cost_levels(
     n: int, nbytes: float, *, inner: str = "naive", outer: str = "ring", group_size: int = 2
 ) -> tuple[Coefficients, Coefficients]:
@@ -176,11 +172,11 @@ def cost_levels(
     k = positive_int("group_size", group_size)
     inner_cost, outer_cost = _flat_cost(inner, "inner"), _flat_cost(outer, "outer")
     sizes = group_sizes(n, k)
-    parts = [_part_cost(inner_cost, size, nbytes) for size in sorted(set(sizes))]
+    parts = [inner_cost(size, nbytes) if size > 1 else (0, 0, 0) for size in sorted(set(sizes))]
     a, b, c = (max(col) for col in zip(*parts, strict=True))
     copies = max(sizes) - 1
     within = (a + copies, b + copies * nbytes, c)
-    return within, _part_cost(outer_cost, len(sizes), nbytes)
+    return within, outer_cost(len(sizes), nbytes) if len(sizes) > 1 else (0, 0, 0)
 
 
 def cost(

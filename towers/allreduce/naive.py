@@ -31,15 +31,19 @@ from towers.allreduce.machinery.primitives import send
 from towers.allreduce.machinery.registry import Algorithm, register, schedule_of
 from towers.allreduce.parameter_device import bytes_sent, cost, reduce_on, summation_depth
 
-__all__ = ["NAIVE", "naive", "noop"]
+__all__ = ["naive", "noop"]
 
 
 def naive_all_reduce(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
     """Reduce everything on tower 0 (``add_n`` for sums), then copy the result to each tower."""
     devices = check_values(values, op)
     root = devices[0]
+    size = values[0].shape.num_elements()  # None: not static
+    # Above ~16 MB a chain of two-input adds beats TensorFlow's CPU AddN; both add left to
+    # right, so the bits are the same.
+    large = size is not None and size * values[0].dtype.size > 16 * 2**20
     with tf.device(root):
-        if op in ("sum", "mean") and len(values) > 1 and not _large(values[0]):
+        if op in ("sum", "mean") and len(values) > 1 and not large:
             total = tf.add_n([send(v, root, tick=0, chunk=0, note="gather") for v in values])
         else:  # the same left fold, one add at a time (max and min too)
             total = reduce_on(values, root, op, note="gather")
@@ -47,19 +51,8 @@ def naive_all_reduce(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf
     return [send(total, d, tick=1, chunk=0, note="broadcast") for d in devices]
 
 
-_CHAIN_ABOVE_BYTES = 16 * 2**20
-
-
-def _large(x: tf.Tensor) -> bool:
-    """Above ~16 MB a chain of two-input adds beats TensorFlow's CPU ``AddN``; both add left
-    to right, so the bits are the same."""
-    size = x.shape.num_elements() if x.shape.is_fully_defined() else None
-    return size is not None and size * x.dtype.size > _CHAIN_ABOVE_BYTES
-
-
-NAIVE = register(Algorithm("naive", lambda: naive_all_reduce, bytes_sent, summation_depth, cost,
-                           schedule_of(__doc__)))
-naive = NAIVE()
+naive = register(Algorithm("naive", lambda: naive_all_reduce, bytes_sent, summation_depth, cost,
+                           schedule_of(__doc__)))()
 """The naive all-reduce (:func:`naive_all_reduce` with its record)."""
 
 

@@ -52,10 +52,6 @@ def _aggregation(aggregation: object) -> int | None:
     return None if aggregation is None else positive_int("aggregation", aggregation)
 
 
-def _lowest_bit(j: int) -> int:
-    return (j & -j).bit_length() - 1
-
-
 def chunks_per_dimension(n: int) -> list[int]:
     """``m_k``: the chunks a tower sends in dimension k (offsets whose lowest set bit is k)."""
     return [(n - 1 - (1 << k)) // (1 << (k + 1)) + 1 for k in range(steps_of(n))]
@@ -67,7 +63,8 @@ def pat_schedule(n: int, aggregation: int | None = None) -> Schedule:
     per tower per tick (None: unbounded)."""
     n = positive_int("n", n)
     batch = _aggregation(aggregation)
-    gather = gather_ticks(n, range(steps_of(n) - 1, -1, -1), _lowest_bit, batch)
+    gather = gather_ticks(n, range(steps_of(n) - 1, -1, -1),
+                          lambda j: (j & -j).bit_length() - 1, batch)  # j's lowest set bit
     return Schedule("pat", n, n, tuple(transpose(gather) + gather))
 
 

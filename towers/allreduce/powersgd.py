@@ -39,7 +39,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import tensorflow as tf
 
-from towers.allreduce.codecs import Wire, register_codec
+from towers.allreduce.codecs import Identity, Wire, register_codec
 from towers.allreduce.machinery.registry import Record
 from towers.allreduce.machinery.rounding import rounding
 from towers.guard.arguments import positive_int
@@ -138,8 +138,7 @@ class PowerSGD:
     ) -> tuple[list[tf.Tensor], list[Any]]:
         dims = self.matrix(tensors[0].shape.as_list())
         if dims is None:  # a vector or a small matrix: exact, like the plain algorithm
-            reduced = wire.all_reduce(tensors)
-            return wire.decode(lambda t: reduced[t]), list(states)
+            return Identity().reduce(tensors, states, wire)
         m, c, r = dims
         shape = tensors[0].shape
         deltas = wire.per_tower(lambda t: tf.reshape(tensors[t] + states[t].residual, [m, c]))

@@ -43,31 +43,20 @@ from towers.schedule.ir import Schedule, Step
 __all__ = ["cost", "peer", "swing", "swing_schedule"]
 
 
-def _delta(step: int) -> int:
-    return (1 - (-2) ** (step + 1)) // 3
-
-
 def peer(rank: int, step: int, p: int) -> int:
     """Swing's ``ρ(r, s)`` among ``p`` towers: ``r ± δ(s) mod p`` (+ for even r)."""
-    d = _delta(step)
+    d = (1 - (-2) ** (step + 1)) // 3  # δ(s) = 1, -1, 3, -5, 11, …
     return (rank + d) % p if rank % 2 == 0 else (rank - d) % p
-
-
-def _reach(p: int) -> list[list[frozenset[int]]]:
-    """``reach[s][x]`` = R(x, s): the towers x reaches through steps s..k-1."""
-    k = p.bit_length() - 1
-    reach = [[frozenset([x]) for x in range(p)]]
-    for s in reversed(range(k)):
-        later = reach[0]
-        reach.insert(0, [later[x] | later[peer(x, s, p)] for x in range(p)])
-    return reach
 
 
 @functools.lru_cache(maxsize=128)
 def swing_schedule(n: int) -> Schedule:
     """Swing's all-reduce over ``n`` towers as a schedule (fold in/out beyond 2^⌊log2 n⌋)."""
     p = fold(positive_int("n", n))[0]
-    k, reach = p.bit_length() - 1, _reach(p)
+    k = p.bit_length() - 1
+    reach = [[frozenset([x]) for x in range(p)]]  # reach[s][x]: whom x reaches in steps s..k-1
+    for s in reversed(range(k)):
+        reach.insert(0, [reach[0][x] | reach[0][peer(x, s, p)] for x in range(p)])
     ticks: list[tuple[Step, ...]] = []
     for s in range(k):  # reduce-scatter: hand the peer the half it will own
         ticks.append(tuple(Step(r, peer(r, s, p), c, "reduce")

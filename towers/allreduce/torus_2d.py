@@ -71,22 +71,14 @@ def _row_ticks(rows: int, cols: int, kind: str) -> list[Tick]:
             for s in range(cols - 1)]
 
 
-def _column_ticks(rows: int, cols: int) -> list[Tick]:
-    """Phase 2: a ring all-reduce down every column over its own part's R chunks."""
-    ticks = []
-    for kind, lag in (("reduce", 1), ("copy", 0)):
-        ticks += [tuple(Step(i * cols + q, ((i + 1) % rows) * cols + q,
-                             q * rows + (i - s - lag) % rows, kind)
-                        for q in range(cols) for i in range(rows))
-                  for s in range(rows - 1)]
-    return ticks
-
-
 @functools.lru_cache(maxsize=256)
 def torus_2d_schedule(n: int, rows: int | None = None) -> Schedule:
     """The 2D-torus all-reduce over ``n`` towers on an R×C grid (``rows``: see :func:`grid`)."""
     r, c = grid(n, rows)
-    ticks = _row_ticks(r, c, "reduce") + _column_ticks(r, c) + _row_ticks(r, c, "copy")
+    columns = [tuple(Step(i * c + q, ((i + 1) % r) * c + q, q * r + (i - s - lag) % r, kind)
+                     for q in range(c) for i in range(r))  # phase 2: a ring down every column
+               for kind, lag in (("reduce", 1), ("copy", 0)) for s in range(r - 1)]
+    ticks = _row_ticks(r, c, "reduce") + columns + _row_ticks(r, c, "copy")
     return Schedule("torus_2d", n, n, tuple(ticks))
 
 

@@ -69,9 +69,12 @@ def heap_parents(n: int) -> list[int]:
     return [(i - 1) // 2 if i else -1 for i in range(n)]
 
 
-def _depths(parents: Sequence[int]) -> list[int]:
-    n = len(parents)
-    depth = []
+def tree_shape(parents: Sequence[int]) -> TreeShape:
+    """Check ``parents`` (``-1`` marks the one root) and derive order, depth, height, adds."""
+    roots = [i for i, p in enumerate(parents) if p == -1]
+    if len(roots) != 1:
+        raise ValueError(f"parents must have exactly one root (-1), got {list(parents)}")
+    n, depth = len(parents), []
     for i in range(n):
         d, j = 0, i
         while parents[j] != -1:
@@ -79,16 +82,6 @@ def _depths(parents: Sequence[int]) -> list[int]:
             if not 0 <= j < n or d > n:
                 raise ValueError(f"parents {list(parents)} is not a tree (at tower {i})")
         depth.append(d)
-    return depth
-
-
-def tree_shape(parents: Sequence[int]) -> TreeShape:
-    """Check ``parents`` (``-1`` marks the one root) and derive order, depth, height, adds."""
-    roots = [i for i, p in enumerate(parents) if p == -1]
-    if len(roots) != 1:
-        raise ValueError(f"parents must have exactly one root (-1), got {list(parents)}")
-    depth = _depths(parents)
-    n = len(parents)
     children: list[list[int]] = [[] for _ in range(n)]
     for i, p in enumerate(parents):
         if p != -1:

@@ -89,7 +89,12 @@ class Record:
         built = self.factory(*args, **kwargs)
         if self.kind != "all_reduce" or (isinstance(built, Configured) and built.algorithm is self):
             return built
-        return Configured(self, built, _bound(self.factory, args, kwargs))
+        try:
+            bound = inspect.signature(self.factory).bind(*args, **kwargs)
+        except (TypeError, ValueError):
+            return Configured(self, built, dict(kwargs))
+        bound.apply_defaults()
+        return Configured(self, built, dict(bound.arguments))
 
 
 Algorithm = Record
@@ -142,15 +147,6 @@ class Registry(dict[Any, Record]):
         return record
 
 
-def _bound(factory: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    try:
-        bound = inspect.signature(factory).bind(*args, **kwargs)
-    except (TypeError, ValueError):
-        return dict(kwargs)
-    bound.apply_defaults()
-    return dict(bound.arguments)
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class Configured:
     """An algorithm with its parameters: callable as the contract says, formulas bound.
@@ -186,12 +182,10 @@ class Configured:
 
     @property
     def name(self) -> str:
-        """The record's name."""
+        """The record's name (also ``__name__``, for code that names callables by it)."""
         return self.algorithm.name
 
-    @property
-    def __name__(self) -> str:  # for code that names callables by ``__name__``
-        return self.algorithm.name
+    __name__ = name  # type: ignore[assignment]
 
     def bytes_sent(self, n: int, nbytes: int, itemsize: int) -> list[float] | None:
         """Bytes each tower sends (None when the record has no formula for these params)."""

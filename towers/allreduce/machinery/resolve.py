@@ -122,17 +122,16 @@ def get(algorithm: str | AllReduce | GradientReducer, *, argument: str = "all_re
         if found == "parameter_device" and parameter_device is not None:
             return _on_device(parameter_device)
         return ALGORITHMS[found]()
-    if is_reducer(found) or _is_algorithm(found, devices):
-        return _registered(found)
-    try:
-        made = found()
-    except TypeError as err:
-        raise ValueError(f"{argument} {algorithm}: neither an all-reduce (values, *, op) nor a "
-                         f"factory taking no arguments ({err})") from err
-    if not callable(made) and not is_reducer(made):
-        raise ValueError(f"{argument} {algorithm}: {algorithm}() made a {type(made).__name__}: "
-                         "not an all-reduce or a GradientReducer")
-    return _registered(made)
+    if not is_reducer(found) and not _is_algorithm(found, devices):
+        try:
+            found = found()
+        except TypeError as err:
+            raise ValueError(f"{argument} {algorithm}: neither an all-reduce (values, *, op) "
+                             f"nor a factory taking no arguments ({err})") from err
+        if not callable(found) and not is_reducer(found):
+            raise ValueError(f"{argument} {algorithm}: {algorithm}() made a "
+                             f"{type(found).__name__}: not an all-reduce or a GradientReducer")
+    return _registered(found)
 
 
 def label(algorithm: Any) -> str:
