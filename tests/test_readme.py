@@ -85,6 +85,7 @@ def test_the_readme_has_one_block_per_path() -> None:
     assert len(_readme_blocks()) == len(PRINTS)
 
 
+@pytest.mark.long  # 35 s; the blocks also run in process as printed (the tests above)
 @pytest.mark.parametrize("index", range(len(PRINTS)))
 def test_each_readme_block_runs_as_pasted_in_a_fresh_process(index: int) -> None:
     out = _run(_readme_blocks()[index])

@@ -96,7 +96,8 @@ def test_raise_names_the_variable_and_changes_nothing(variables: str) -> None:
     assert _state(trainer) == before
 
 
-@pytest.mark.parametrize("variables", PLACEMENTS)
+@pytest.mark.parametrize("variables", [pytest.param(v, marks=pytest.mark.long) if v == "sharded"
+                                       else v for v in PLACEMENTS])
 def test_a_finite_step_is_bitwise_the_unguarded_one(variables: str) -> None:
     optimizer = lambda: keras.optimizers.Adam(0.01)  # noqa: E731
     guarded, plain = _trainer(optimizer, variables, "skip"), _trainer(optimizer, variables,

@@ -62,6 +62,7 @@ def test_tower_model_fit_equals_mirrored_strategy_bitwise() -> None:
     assert ours.history["loss"][0] > 0
 
 
+@pytest.mark.long  # 13 s
 def test_parameter_device_fit_equals_central_storage_strategy_bitwise() -> None:
     """``variables="parameter_device"`` is CentralStorageStrategy's layout: the weights and
     the validation figures agree bitwise. (The reference's *training* loss and accuracy are

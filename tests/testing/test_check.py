@@ -149,6 +149,7 @@ def test_outputs_on_the_wrong_device_are_caught() -> None:
     assert "output 1 is on /device:CPU:0, but input 1 is on /device:CPU:1" in report.failures
 
 
+@pytest.mark.long  # 10 s
 def test_replicas_that_differ_in_the_last_bit_are_caught() -> None:
     report = _failed(each_tower_its_own_order, dtypes=["float32"], ops=["sum"])
     assert report.example.startswith("n=3 towers"), report

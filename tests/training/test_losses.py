@@ -38,7 +38,8 @@ COMPILES = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("how", list(COMPILES))
+@pytest.mark.parametrize("how", [pytest.param(h, marks=pytest.mark.long) if h == "one loss for both"
+                                 else h for h in COMPILES])
 def test_a_loss_per_output_fits_bitwise_as_under_mirrored_strategy(how: str) -> None:
     """Weights, accuracies and the total loss of fit (two epochs, a short last batch) and
     evaluate, against the same compile under MirroredStrategy."""

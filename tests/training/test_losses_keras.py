@@ -65,7 +65,8 @@ def _sequence_net() -> keras.Model:
     return keras.Model(inputs, keras.layers.Dense(3)(keras.layers.Dense(5, "tanh")(inputs)))
 
 
-@pytest.mark.parametrize("reduction", ["sum_over_batch_size", "mean_with_sample_weight", "sum"])
+@pytest.mark.parametrize("reduction", ["sum_over_batch_size", "sum", pytest.param(
+    "mean_with_sample_weight", marks=pytest.mark.long)])
 def test_per_timestep_sample_weights_weigh_each_loss_value_as_keras_does(reduction: str) -> None:
     rng = np.random.default_rng(2)
     x = rng.normal(size=(16, 6, 4)).astype("f4")

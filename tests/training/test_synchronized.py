@@ -144,7 +144,7 @@ def test_statistics_of_the_global_batch_equal_mirrored_and_one_device(n: int, si
 
 
 @pytest.mark.parametrize(("make", "shape", "n", "size"), [
-    (_dense_bn, (5,), 4, 10),  # 3, 3, 3, 1
+    pytest.param(_dense_bn, (5,), 4, 10, marks=pytest.mark.long),  # 3, 3, 3, 1
     pytest.param(_dense_bn, (5,), 3, 16, marks=pytest.mark.long),  # 6, 6, 4
     pytest.param(_dense_bn, (5,), 8, 5, marks=pytest.mark.long),  # 1 × 5, three empty towers
     pytest.param(_conv_bn, (6, 6, 2), 3, 8, marks=pytest.mark.long),  # 3, 3, 2

@@ -7,6 +7,7 @@ import pytest
 from towers.testing.bounds.noise import kernel_noise_floor
 
 
+@pytest.mark.long  # 6 s
 def test_the_floor_of_a_dense_model_over_tower_counts() -> None:
     # One subprocess (oneDNN off), the same batch over 1 and 2 towers: the towers' kernels
     # add a shard's examples in another grouping, so the gradient moves by a few ULPs of
