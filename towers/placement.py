@@ -207,12 +207,21 @@ class Replicas(list[Replica]):
         """Every replica's weights (one list per replica)."""
         return [_values(r.model.weights) for r in self]
 
-    def state_variables(self, reducer: Any) -> list[tf.Variable]:
-        """Every variable an update may change, each once (replicas' and reducer's)."""
+    def state_variables(self, reducer: Any) -> list[tuple[tf.Variable, ...]]:
+        """Every variable an update may change, each once (replicas' and reducer's), with
+        the copies that hold its value before and after the update: a trainable variable
+        on every replica (updated alike, or all-gathered under ``sharded``), and under
+        ``replicated`` an optimizer variable on every replica too."""
+        mirrored = [r.model.trainable_variables for r in self]
+        if self.placement.name == "replicated":
+            mirrored = [[*m, *r.optimizer.variables] for m, r in zip(mirrored, self)]
+        rows = list(zip(*mirrored)) if len(self) > 1 else []
+        copies = {id(v) for row in rows for v in row}
         found = [v for r in self for v in (*r.model.variables, *r.optimizer.variables)]
         dense = reducer.dense
         found += list(dense.variables) if isinstance(dense, tf.Module) else []
-        return list({id(v): v for v in found}.values())
+        rows += [(v,) for v in {id(v): v for v in found if id(v) not in copies}.values()]
+        return rows
 
     def broadcast(self) -> None:
         """Copy replica 0's weights, and (``replicated``) its optimizer variables, to every

@@ -50,9 +50,10 @@ def _model() -> keras.Model:
                              keras.layers.BatchNormalization(), keras.layers.Dense(2)])
 
 
-def _trainer(optimizer: Callable[[], Any], variables: str, mode: str) -> towers.TowerTrainer:
+def _trainer(optimizer: Callable[[], Any], variables: str, mode: str,
+             count: int = 2) -> towers.TowerTrainer:  # fmt: skip
     keras.utils.set_random_seed(0)
-    return towers.TowerTrainer(_model, optimizer, "mse", devices=DEVICES[:2],
+    return towers.TowerTrainer(_model, optimizer, "mse", devices=DEVICES[:count],
                                variables=variables, on_nonfinite=mode)  # fmt: skip
 
 
@@ -69,18 +70,19 @@ def _batch(magnitude: float) -> tuple[np.ndarray, np.ndarray]:
 
 @settings(max_examples=examples(6), deadline=None)
 @given(kind=st.sampled_from(KINDS), scale=st.sampled_from([1.0, 10.0, 1e2]),
-       variables=st.sampled_from(PLACEMENTS))  # fmt: skip
+       variables=st.sampled_from(PLACEMENTS), count=st.sampled_from([1, 2, 3, 4]))
 @pytest.mark.long  # slow (>6 s): the fast suite's 10 minutes; CI's second command runs it
 def test_a_non_finite_update_changes_nothing_under_skip(kind: str, scale: float,
-                                                        variables: str) -> None:  # fmt: skip
+                                                        variables: str, count: int) -> None:
+    """Every replica's copy is restored (the guard keeps replica 0's values only)."""
     optimizer, magnitude = _overflowing(kind, scale)
-    trainer = _trainer(optimizer, variables, "skip")
+    trainer = _trainer(optimizer, variables, "skip", count)
     before = _state(trainer)
     trainer.train_step(*_batch(magnitude))
     assert _state(trainer) == before  # bitwise: weights, slots, iterations, BatchNorm
     assert trainer.skipped_steps == 1
     # the unguarded step does make it non-finite: the case is a real one
-    ignored = _trainer(optimizer, variables, "ignore")
+    ignored = _trainer(optimizer, variables, "ignore", count)
     ignored.train_step(*_batch(magnitude))
     assert not all(np.isfinite(w).all() for w in ignored.get_weights())
 
@@ -88,7 +90,7 @@ def test_a_non_finite_update_changes_nothing_under_skip(kind: str, scale: float,
 @pytest.mark.parametrize("variables", PLACEMENTS)
 def test_raise_names_the_variable_and_changes_nothing(variables: str) -> None:
     optimizer, magnitude = _overflowing("sgd", 1.0)
-    trainer = _trainer(optimizer, variables, "raise")
+    trainer = _trainer(optimizer, variables, "raise", 3)
     before = _state(trainer)
     with pytest.raises(towers.NonFiniteError, match=r"update of \S+") as info:
         trainer.train_step(*_batch(magnitude))

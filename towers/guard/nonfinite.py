@@ -218,32 +218,41 @@ class Guard:
             self.codes.assign(gathered)
         return result
 
-    def applied(self, variables: Sequence[tf.Variable], apply: Callable[[], Any]) -> None:
-        """``apply()`` (the update, inside :meth:`run`'s cond), then every one of
-        ``variables`` (all the update may change, each once) as before it when an updated
-        value is not finite; ``"ignore"``: ``apply()`` alone."""
+    def applied(self, rows: Sequence[Sequence[tf.Variable]], apply: Callable[[], Any]) -> None:
+        """``apply()`` (the update, inside :meth:`run`'s cond), then every variable it may
+        change as before it when an updated value is not finite; ``"ignore"``: ``apply()``
+        alone.
+
+        ``rows``: each variable the update may change, once, with its copies: equal before
+        the update and after it (the same update of the same values), so the first copy
+        alone is kept and checked, and every copy restored from it. Keeping a value across
+        the update copies its buffer; one copy per row keeps that cost to one replica's.
+        """
         if self.mode == "ignore":
             apply()
             return
-        self._updated = [getattr(v, "path", None) or v.name for v in variables]
+        self._updated = [getattr(row[0], "path", None) or row[0].name for row in rows]
         # the tf.Variable behind a Keras variable
-        variables = [v.value if isinstance(getattr(v, "value", None), tf.Variable) else v
-                     for v in variables]
-        before = [v.read_value() for v in variables]
+        rows = [[v.value if isinstance(getattr(v, "value", None), tf.Variable) else v
+                 for v in row] for row in rows]  # fmt: skip
+        before = [row[0].read_value() for row in rows]
         with tf.control_dependencies(before):
             apply()
-        floating = [v for v in variables if v.dtype.is_floating]
+        where = [i for i, row in enumerate(rows) if row[0].dtype.is_floating]
+        if not where:
+            return
         sums = []
-        for v in floating:
-            with tf.device(v.device):
-                sums.append(tf.cast(tf.reduce_sum(v.read_value()), tf.float32))
+        for i in where:
+            with tf.device(rows[i][0].device):
+                sums.append(tf.cast(tf.reduce_sum(rows[i][0].read_value()), tf.float32))
         with tf.device(self.device):
-            total = tf.add_n(sums) if len(sums) > 1 else sums[0] if sums else None
+            total = tf.add_n(sums) if len(sums) > 1 else sums[0]
 
         def restore(bad: tf.Tensor) -> tf.Tensor:
-            for v, old in zip(variables, before):
-                with tf.device(v.device):
-                    v.assign(old)
+            for row, old in zip(rows, before):
+                for v in row:
+                    with tf.device(v.device):
+                        v.assign(old)
             with tf.device(self.device):
                 self.bad_update.assign(bad)
                 self.skipped.assign_add(1)
@@ -255,16 +264,13 @@ class Guard:
             return tf.constant(True)
 
         def exact() -> tf.Tensor:  # on doubt: finite values whose sum overflowed keep
-            where = [i for i, v in enumerate(variables) if v.dtype.is_floating]
             with tf.device(self.device):
-                finite = tf.stack([tf.reduce_all(tf.math.is_finite(variables[i].read_value()))
+                finite = tf.stack([tf.reduce_all(tf.math.is_finite(rows[i][0].read_value()))
                                    for i in where])  # fmt: skip
                 first = tf.gather(tf.constant(where, tf.int32),
                                   tf.argmin(tf.cast(finite, tf.int32)))  # fmt: skip
                 return tf.cond(tf.reduce_all(finite), kept, functools.partial(restore, first))
 
-        if not sums:
-            return
         with tf.device(self.device):
             tf.cond(tf.math.is_finite(total), kept, exact)
 
