@@ -215,7 +215,7 @@ class Replicas(list[Replica]):
         mirrored = [r.model.trainable_variables for r in self]
         if self.placement.name == "replicated":
             mirrored = [[*m, *r.optimizer.variables] for m, r in zip(mirrored, self)]
-        rows = list(zip(*mirrored)) if len(self) > 1 else []
+        rows = list(zip(*mirrored, strict=True)) if len(self) > 1 else []
         copies = {id(v) for row in rows for v in row}
         found = [v for r in self for v in (*r.model.variables, *r.optimizer.variables)]
         dense = reducer.dense
