@@ -1,5 +1,4 @@
-"""The errors towers raises for its own failures, each a :class:`TowersError` and the
-built-in exception a caller would already catch (``ValueError``, ``TimeoutError``, …)."""
+"""The errors towers raises for its own failures: a :class:`TowersError` and a built-in."""
 
 from __future__ import annotations
 
@@ -42,18 +41,14 @@ class NonFiniteError(TowersError, FloatingPointError):
 
 
 class StepTimeout(TowersError, TimeoutError):
-    """A step ran past its deadline (``step_timeout`` or the algorithm's ``timeout_seconds``,
-    or a user's collective's own op timeout).
+    """A step ran past its deadline (``step_timeout``, ``timeout_seconds`` or an op timeout).
 
     Attributes:
         algorithm: the all-reduce's name.
         seconds: the step's deadline (None: a user's collective's own op timeout fired).
         usable: whether the trainer can run another step in this process.
-        earlier: what an earlier step's timed-out collective was, when this step failed
-            at once because of it; None when this step hit the deadline.
-        applied: True when the step's update began: it completed as the watchdog fired
-            (its update is in the weights), or it was cut short inside the update
-            (``partly``); do not retry it. False: it changed nothing.
+        earlier: the earlier step's timed-out collective this step failed at once for.
+        applied: the step's update began (do not retry it); False: it changed nothing.
         partly: the update was cut short: some variables, slots or ``iterations`` moved.
     """
 
@@ -86,8 +81,7 @@ class StepTimeout(TowersError, TimeoutError):
 
 
 class AlgorithmError(TowersError, ValueError):
-    """An all-reduce algorithm broke its contract (when the step is traced, or when a
-    user's algorithm is run once as the trainer is built: :mod:`towers.guard.reduces`).
+    """An all-reduce algorithm broke its contract (traced, or checked at construction).
 
     Attributes:
         algorithm: its registry name or ``__name__``.
@@ -113,8 +107,7 @@ class ReplicaMismatchError(TowersError, RuntimeError):
 
     Attributes:
         step: the optimizer's iteration count when the check ran.
-        variable: the first variable (in ``model.weights`` order, then the optimizer's)
-            whose copies differ.
+        variable: the first variable whose copies differ.
         replicas: the replicas (towers) whose copy differs from replica 0's.
     """
 
@@ -130,10 +123,7 @@ class ReplicaMismatchError(TowersError, RuntimeError):
 
 
 class CheckpointError(TowersError, ValueError):
-    """A checkpoint cannot be restored: missing, truncated, corrupt or of another trainer.
-
-    Attribute ``path``: the checkpoint's path (prefix).
-    """
+    """A checkpoint (``path``, its prefix) is missing, truncated, corrupt or another's."""
 
     def __init__(self, path: str, reason: str) -> None:
         self.path = path

@@ -13,11 +13,8 @@
         apply Σ S·g_i / S;  counter == growth − 1 ? (S ← 2S, counter ← 0) : counter += 1,
         S ← S / 2;  counter ← 0)              weights, slots, iterations untouched
 
-This is Keras 3's ``LossScaleOptimizer`` rule (``_stateful_handle_finite_grads``) with
-the finite flag taken once for the whole step: under ``MirroredStrategy`` Keras decides
-from replica 0's unreduced gradients (docs/mixed_precision.md); here any tower's overflow
-drops the step. ``iterations`` advances on finite steps only. ``S`` is a power of two, so
-scaling and unscaling are exact unless a value over- or underflows.
+Keras 3's ``LossScaleOptimizer`` rule with one finite flag for the whole step (Keras under
+``MirroredStrategy`` decides from replica 0's unreduced gradients: docs/mixed_precision.md).
 """
 
 from __future__ import annotations
@@ -29,7 +26,6 @@ import keras
 import tensorflow as tf
 
 from towers.allreduce.machinery.primitives import send
-from towers.guard.arguments import check_choice
 
 __all__ = ["REDUCE_DTYPES", "LossScale", "is_loss_scaled"]
 
@@ -73,16 +69,13 @@ class LossScale:
     """A trainer's loss-scaling and reduction-dtype rules.
 
     Args:
-        optimizer: the first replica's optimizer; a ``LossScaleOptimizer`` turns
-            scaling on (:attr:`active`), any other optimizer leaves the step as it was.
+        optimizer: the first replica's optimizer; a ``LossScaleOptimizer`` turns scaling on.
         model: the first replica's model; its ``dtype_policy`` gives the compute dtype.
-        reduce_dtype: ``"float32"`` (each gradient summed in its own dtype, at least
-            float32) or ``"compute"`` (in the policy's compute dtype, e.g. float16: half
-            the bytes; a sum that overflows there is a non-finite step).
+        reduce_dtype: ``"float32"`` (each gradient in its own dtype, at least float32) or
+            ``"compute"`` (the policy's compute dtype: a sum overflowing there is non-finite).
     """
 
     def __init__(self, optimizer: Any, model: keras.Model, reduce_dtype: str = "float32") -> None:
-        check_choice("reduce_dtype", reduce_dtype, REDUCE_DTYPES)
         self.active = is_loss_scaled(optimizer)
         self.reduce_dtype = reduce_dtype
         compute = tf.as_dtype(model.dtype_policy.compute_dtype)
@@ -126,14 +119,8 @@ class LossScale:
     def apply(
         self, optimizer: Any, grads: list[Any], finite: tf.Tensor | None, apply: ApplyFn
     ) -> None:
-        """Apply one replica's (scaled) reduced gradients under the dynamic-scale rule.
-
-        Args:
-            optimizer: the replica's optimizer.
-            grads: its reduced gradients, ``S·Σg`` when loss-scaled.
-            finite: the step's flag from :meth:`finite` (ignored without loss scaling).
-            apply: ``apply(optimizer, grads)``, the step's own apply.
-        """
+        """Apply one replica's reduced gradients (``S·Σg`` when loss-scaled) with the step's
+        own ``apply(optimizer, grads)`` under the dynamic-scale rule and :meth:`finite`'s flag."""
         if not self.active:
             apply(optimizer, grads)
             return

@@ -34,7 +34,6 @@ from towers.schedule.ir import (
     link_bytes,
 )
 from towers.schedule.symbolic import (
-    Failure,
     ScheduleError,
     ScheduleReport,
     check_schedule,
@@ -43,7 +42,7 @@ from towers.schedule.symbolic import (
     summation_depths,
 )
 
-__all__ = ["COLLECTIVES", "KINDS", "Failure", "Generator", "Schedule", "ScheduleError",
+__all__ = ["COLLECTIVES", "KINDS", "Generator", "Schedule", "ScheduleError",
            "ScheduleReport", "Step", "binomial_broadcast", "bytes_sent", "chain_broadcast",
            "check_schedule", "chunk_bytes", "cost", "doubling_all_gather", "even_sizes",
            "flat_broadcast", "format_schedule", "halving_reduce_scatter", "link_bytes",

@@ -39,7 +39,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from towers.guard.arguments import non_negative_int, positive_int
-from towers.schedule.ir import Schedule, Step
+from towers.schedule.ir import Schedule, Step, chunk_bytes
 
 __all__ = ["binomial_broadcast", "chain_broadcast", "doubling_all_gather", "even_sizes",
            "flat_broadcast", "fold", "folded", "halving_reduce_scatter", "ring_all_gather",
@@ -65,8 +65,7 @@ def even_sizes(length: int, pieces: int) -> list[int]:
 
 def schedule_bytes(schedule: Schedule, nbytes: int, itemsize: int) -> list[int]:
     """Exact bytes each tower sends when ``nbytes`` are cut by ``even_sizes`` into the chunks."""
-    if itemsize < 1 or nbytes < 0 or nbytes % itemsize:
-        raise ValueError(f"nbytes must be a multiple of itemsize; got {nbytes}, {itemsize}")
+    chunk_bytes(schedule, nbytes, itemsize)  # the same checks of nbytes and itemsize
     sizes = even_sizes(nbytes // itemsize, schedule.chunks)
     sent: Counter[int] = Counter()
     for _, step in schedule.steps():

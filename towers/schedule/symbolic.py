@@ -25,31 +25,25 @@ import dataclasses
 import itertools
 import time
 from collections.abc import Iterable
-from typing import NamedTuple
 
 from towers.schedule.ir import Generator, Schedule, Step
 
-__all__ = ["Failure", "ScheduleError", "ScheduleReport", "check_schedule", "simulate",
+__all__ = ["ScheduleError", "ScheduleReport", "check_schedule", "simulate",
            "summation_depth", "summation_depths"]
 
 MAX_DRAWN = 12  # towers / chunks drawn in full; beyond, the ones involved and the ends
 
 
-def when(tick: int | None, end: bool = False) -> str:
-    """How a failure's place is named: ``tick t``, the end state, or ``the generator`` (None)."""
-    if tick is None:
-        return "the generator"
-    if not end:
-        return f"tick {tick}"
-    return f"after tick {tick - 1} (the end)" if tick else "at the end (no ticks)"
-
-
 class ScheduleError(ValueError):
-    """A schedule broke a rule at ``tick`` (``num_ticks`` and ``end`` for the end state)."""
+    """A schedule broke a rule at ``tick`` (``num_ticks`` and ``end`` for the end state; None:
+    the generator failed) at ``n`` towers (set by :func:`check_schedule`)."""
 
-    def __init__(self, tick: int, message: str, drawing: str, *, end: bool = False) -> None:
-        super().__init__(f"{when(tick, end)}: {message}")
-        self.tick, self.message, self.drawing, self.end = tick, message, drawing, end
+    def __init__(self, tick: int | None, message: str, drawing: str, *, end: bool = False,
+                 n: int = 0) -> None:  # fmt: skip
+        where = ("the generator" if tick is None else f"tick {tick}" if not end
+                 else f"after tick {tick - 1} (the end)" if tick else "at the end (no ticks)")
+        super().__init__(f"{where}: {message}")
+        self.tick, self.message, self.drawing, self.end, self.n = tick, message, drawing, end, n
 
 
 @dataclasses.dataclass
@@ -229,24 +223,13 @@ def summation_depth(schedule: Schedule) -> int:
     return max(summation_depths(schedule))
 
 
-class Failure(NamedTuple):
-    """The first broken rule: at ``n`` towers, ``tick`` (None: the generator failed; ``end``:
-    the end state failed, ``tick`` = num_ticks)."""
-
-    n: int
-    tick: int | None
-    message: str
-    drawing: str
-    end: bool = False
-
-
 @dataclasses.dataclass(frozen=True, repr=False)
 class ScheduleReport:
     """What :func:`check_schedule` found; ``bool(report)`` is ``report.ok``."""
 
     name: str
     ns: tuple[int, ...]
-    failure: Failure | None
+    failure: ScheduleError | None
     depths: dict[int, int]
     seconds: float
 
@@ -264,9 +247,7 @@ class ScheduleReport:
             return (f"PROVED: {self.name} for {len(self.ns)} tower counts ({span}) in "
                     f"{self.seconds:.2f} s; deepest sum {deepest[1]} (n={deepest[0]})")
         f = self.failure
-        where = when(f.tick, f.end)
-        return "\n".join([f"REJECTED: {self.name}: smallest failing n={f.n}, {where}: "
-                          f"{f.message}", f.drawing])
+        return f"REJECTED: {self.name}: smallest failing n={f.n}, {f}\n{f.drawing}"
 
     __repr__ = __str__
 
@@ -288,12 +269,12 @@ def check_schedule(generator: Generator, ns: Iterable[int] = range(1, 65)) -> Sc
             if schedule.towers != n:
                 raise ValueError(f"asked for {n} towers, the schedule has {schedule.towers}")
         except (ValueError, TypeError) as err:
-            failure = Failure(n, None, f"{type(err).__name__}: {err}", "")
+            failure = ScheduleError(None, f"{type(err).__name__}: {err}", "", n=n)
             break
         name = schedule.name
         try:
             depths[n] = max(max(row) for row in simulate(schedule))
         except ScheduleError as err:
-            failure = Failure(n, err.tick, err.message, err.drawing, err.end)
+            failure, err.n = err, n
             break
     return ScheduleReport(name, tuple(counts), failure, depths, time.perf_counter() - start)

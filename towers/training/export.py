@@ -25,17 +25,13 @@ __all__ = ["AsNetwork", "Exported", "export", "tower_model_arguments", "tower_mo
 
 
 class Exported(NamedTuple):
-    """Where :func:`export` wrote the model."""
-
     keras: str
     saved_model: str
 
 
 def export(trainer: Trainer, path: str) -> Exported:
-    """Save ``trainer.model`` as ``<path>/model.keras`` and a SavedModel in ``<path>/saved_model``.
-
-    Raises:
-        ValueError: ``path`` exists and is not a directory.
+    """Save ``trainer.model`` as ``<path>/model.keras`` and a SavedModel in ``<path>/saved_model``
+    (``ValueError``: ``path`` is a file).
 
     Example:
         >>> out = export(trainer, "/tmp/digits")                      # doctest: +SKIP
@@ -76,11 +72,8 @@ class AsNetwork(KerasSaveable):  # type: ignore[misc]
 
 
 def tower_model_config(tm: Any) -> dict[str, Any]:
-    """A ``TowerModel``'s config: its network's, its options, its devices as a count.
-
-    Raises:
-        ValueError: ``all_reduce`` is a callable (a name or ``module:NAME`` saves).
-    """
+    """A ``TowerModel``'s config: its network's, its options, its devices as a count
+    (``ValueError``: ``all_reduce`` is a callable, not a name or ``module:NAME``)."""
     algorithm = tm.options.all_reduce
     if algorithm is not None and not isinstance(algorithm, str):
         raise ValueError(

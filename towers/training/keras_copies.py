@@ -24,12 +24,7 @@ OptimizerLike: TypeAlias = "keras.optimizers.Optimizer | Callable[[], keras.opti
 
 def new_model(model: ModelLike, device: str, first: keras.Model | None) -> keras.Model:
     """``model`` on ``device`` with ``first``'s state (None: its own): ``model`` itself
-    when it is replica 0's and lives there, else a clone or the factory's new model.
-
-    Raises:
-        ValueError: the model is unbuilt or cannot be cloned.
-        TypeError: ``model`` is neither a Keras model nor a factory of one.
-    """
+    when it is replica 0's and lives there, else a clone or the factory's new model."""
     with tf.device(device):
         if isinstance(model, keras.Model):
             if first is None and model.built and all(
@@ -63,12 +58,8 @@ def new_model(model: ModelLike, device: str, first: keras.Model | None) -> keras
 
 def copy_state(source: keras.Model, target: keras.Model) -> None:
     """Give ``target`` (a copy of ``source``'s architecture) ``source``'s whole state: every
-    variable, then each layer's own variables and assets as Keras's weights files carry them
-    (``Normalization`` statistics, a lookup table's vocabulary).
-
-    Raises:
-        ValueError: the copies differ in their variables (a factory that is not deterministic).
-    """
+    variable, then each layer's own variables and assets (``Normalization`` statistics, a
+    lookup table's vocabulary)."""
     if source is target:
         return
     if len(source.variables) != len(target.variables):

@@ -12,7 +12,7 @@ square: every checkpoint carries a JSON record of its trainer, compared on resto
     └── all_reduce: identity, state shapes       the identity, when either side has state
 
 Allowed to differ: the learning rate (restored, with a warning), the devices, a
-``parameter_device`` trainer's tower count and a stateless all-reduce (then within rounding).
+``parameter_device`` trainer's tower count and a stateless all-reduce.
 """
 
 from __future__ import annotations
@@ -28,15 +28,17 @@ from towers.allreduce.machinery.registry import algorithm_name
 from towers.guard.errors import CheckpointError
 from towers.training.protocol import Trainer
 
-__all__ = ["FORMAT", "KEY", "Record", "check", "describe", "learning_rate_note", "mismatch",
-           "record"]
+__all__ = ["FORMAT", "KEY", "MISMATCH", "READ_ERRORS", "Record", "check", "describe",
+           "learning_rate_note", "mismatch", "record"]
 
 FORMAT = 1
 """The record's layout version; a checkpoint of another version is refused."""
 KEY = "record/.ATTRIBUTES/py_state"
 """Where a checkpoint (:func:`towers.training.checkpoint.checkpoint`) keeps the record."""
 _SUFFIX = re.compile(r"_\d+(?=[_/]|$)")
-_READ_ERRORS = (tf.errors.OpError, ValueError, TypeError, IndexError, OSError, RuntimeError)
+READ_ERRORS = (tf.errors.OpError, ValueError, IndexError, OSError, RuntimeError)
+"""What reading a damaged or foreign checkpoint raises."""
+MISMATCH = "does not match this trainer: "
 
 
 def _plain(value: Any) -> Any:
@@ -69,7 +71,7 @@ def _optimizer(optimizer: Any) -> dict[str, Any]:
 
 
 def _all_reduce(algorithm: Any) -> dict[str, Any]:
-    """The all-reduce's identity (codec and its settings included) and its state's shapes."""
+    """The all-reduce's identity (its codec's too) and its state's shapes."""
     name = algorithm_name(algorithm)
     if hasattr(algorithm, "codec"):
         inner = algorithm_name(getattr(algorithm, "algorithm", None))
@@ -79,7 +81,7 @@ def _all_reduce(algorithm: Any) -> dict[str, Any]:
 
 
 def record(trainer: Trainer) -> dict[str, Any]:
-    """What a checkpoint of ``trainer`` holds (JSON-serializable; see the module's drawing)."""
+    """What a checkpoint of ``trainer`` holds (JSON-serializable)."""
     placement = getattr(trainer, "placement", None)
     return {
         "format": FORMAT,
@@ -214,7 +216,7 @@ def check(reader: Any, path: str, trainer: Trainer) -> str | None:
     :func:`learning_rate_note`'s sentence, or None (``CheckpointError``: none, or a mismatch)."""
     try:
         saved = json.loads(reader.get_tensor(KEY))
-    except _READ_ERRORS as err:
+    except (*READ_ERRORS, TypeError) as err:
         if reader.has_tensor(KEY):
             raise CheckpointError(path, f"its record cannot be read ({err})") from err
         raise CheckpointError(
@@ -225,5 +227,5 @@ def check(reader: Any, path: str, trainer: Trainer) -> str | None:
     mine = record(trainer)
     problem = mismatch(saved, mine)
     if problem:
-        raise CheckpointError(path, "does not match this trainer: " + problem)
+        raise CheckpointError(path, MISMATCH + problem)
     return learning_rate_note(saved, mine)
