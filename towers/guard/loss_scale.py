@@ -40,22 +40,19 @@ def is_loss_scaled(optimizer: Any) -> bool:
     return isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
 
 
+def _values(fn: Callable[[tf.Tensor], tf.Tensor], value: Any) -> Any:
+    """``fn`` applied to a dense value, or to the values of an ``IndexedSlices``."""
+    if isinstance(value, tf.IndexedSlices):
+        return tf.IndexedSlices(fn(value.values), value.indices, value.dense_shape)
+    return fn(value)
+
+
 def _cast(value: Any, dtype: tf.DType) -> Any:
     """``value`` (dense, sparse or None) in ``dtype``, cast on its own device."""
     if value is None or value.dtype == dtype or not value.dtype.is_floating:
         return value
     with tf.device(value.device):
-        if isinstance(value, tf.IndexedSlices):
-            return tf.IndexedSlices(tf.cast(value.values, dtype), value.indices,
-                                    value.dense_shape)
-        return tf.cast(value, dtype)
-
-
-def _divide(value: Any, scale: tf.Tensor) -> Any:
-    if isinstance(value, tf.IndexedSlices):
-        values = value.values / tf.cast(scale, value.values.dtype)
-        return tf.IndexedSlices(values, value.indices, value.dense_shape)
-    return value / tf.cast(scale, value.dtype)
+        return _values(lambda v: tf.cast(v, dtype), value)
 
 
 def all_finite(values: Sequence[Any]) -> tf.Tensor:
@@ -127,7 +124,8 @@ class LossScale:
         scale = tf.convert_to_tensor(optimizer.dynamic_scale.value)
 
         def finite_step() -> tf.Tensor:
-            apply(optimizer.inner_optimizer, [_divide(g, scale) for g in grads])
+            unscaled = [_values(lambda v: v / tf.cast(scale, v.dtype), g) for g in grads]
+            apply(optimizer.inner_optimizer, unscaled)
             grow = tf.equal(optimizer.step_counter, optimizer.dynamic_growth_steps - 1)
             tf.cond(grow, lambda: _set(optimizer, 2.0, 0), lambda: _count(optimizer))
             return tf.constant(True)

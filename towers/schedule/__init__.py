@@ -39,7 +39,6 @@ from towers.schedule.symbolic import (
     check_schedule,
     simulate,
     summation_depth,
-    summation_depths,
 )
 
 __all__ = ["COLLECTIVES", "KINDS", "Generator", "Schedule", "ScheduleError",
@@ -47,4 +46,4 @@ __all__ = ["COLLECTIVES", "KINDS", "Generator", "Schedule", "ScheduleError",
            "check_schedule", "chunk_bytes", "cost", "doubling_all_gather", "even_sizes",
            "flat_broadcast", "format_schedule", "halving_reduce_scatter", "link_bytes",
            "ring_all_gather", "ring_orders", "ring_reduce_scatter", "ring_schedule", "rooted",
-           "simulate", "summation_depth", "summation_depths"]
+           "simulate", "summation_depth"]

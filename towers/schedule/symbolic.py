@@ -28,8 +28,7 @@ from collections.abc import Iterable
 
 from towers.schedule.ir import Generator, Schedule, Step
 
-__all__ = ["ScheduleError", "ScheduleReport", "check_schedule", "simulate",
-           "summation_depth", "summation_depths"]
+__all__ = ["ScheduleError", "ScheduleReport", "check_schedule", "simulate", "summation_depth"]
 
 MAX_DRAWN = 12  # towers / chunks drawn in full; beyond, the ones involved and the ends
 
@@ -212,15 +211,9 @@ def simulate(schedule: Schedule) -> list[list[int]]:
     return state.depth
 
 
-def summation_depths(schedule: Schedule) -> tuple[int, ...]:
-    """Per chunk, the deepest summation tree any tower ends with (the error bound's ``k``)."""
-    depth = simulate(schedule)
-    return tuple(max(depth[t][c] for t in range(schedule.towers)) for c in range(schedule.chunks))
-
-
 def summation_depth(schedule: Schedule) -> int:
-    """The most additions any result element goes through."""
-    return max(summation_depths(schedule))
+    """The most additions any result element goes through (the error bound's ``k``)."""
+    return max(max(row) for row in simulate(schedule))
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -273,7 +266,7 @@ def check_schedule(generator: Generator, ns: Iterable[int] = range(1, 65)) -> Sc
             break
         name = schedule.name
         try:
-            depths[n] = max(max(row) for row in simulate(schedule))
+            depths[n] = summation_depth(schedule)
         except ScheduleError as err:
             failure, err.n = err, n
             break
