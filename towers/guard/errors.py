@@ -26,8 +26,7 @@ class NonFiniteError(TowersError, FloatingPointError):
                  variable: str | None = None) -> None:  # fmt: skip
         self.step, self.towers, self.variable = step, towers, variable
         where = "; ".join(
-            f"tower {i} ({devices[i]}): {', '.join(what)}" for i, what in sorted(towers.items())
-        )
+            f"tower {i} ({devices[i]}): {', '.join(what)}" for i, what in sorted(towers.items()))
         if variable is not None:
             where = (f"the optimizer's update of {variable} (its gradients were finite; "
                      "a learning rate or epsilon that overflows?)")
@@ -36,8 +35,7 @@ class NonFiniteError(TowersError, FloatingPointError):
             f"step {step}: non-finite values on {len(towers)} tower(s) — {where}. Nothing was "
             "updated (weights, optimizer slots and iterations, state and all-reduce state are "
             "as before the step). Look for NaN/Inf in that tower's shard of x or y, a too high "
-            "learning rate, or pass on_nonfinite='skip' to drop such steps and go on."
-        )
+            "learning rate, or pass on_nonfinite='skip' to drop such steps and go on.")
 
 
 class StepTimeout(TowersError, TimeoutError):
@@ -118,8 +116,7 @@ class ReplicaMismatchError(TowersError, RuntimeError):
             f"{replicas} disagree with replica 0. Every replica applies the all-reduced "
             f"gradient, so they must stay bitwise equal: the all-reduce {algorithm!r} "
             "probably does not give every tower the same sum (check it with "
-            "towers.testing.check_all_reduce)."
-        )
+            "towers.testing.check_all_reduce).")
 
 
 class CheckpointError(TowersError, ValueError):

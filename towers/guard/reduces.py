@@ -98,8 +98,7 @@ def _compare(algorithm: Any, shapes: Sequence[Sequence[int]], dtypes: Sequence[t
                     algorithm_name(algorithm), tower, f"{name} (a check value)",
                     f"the sum of the {n} towers' inputs (within γ_{k}·Σ|x_i|)",
                     f"{got[e]:g} instead of {exact[e]:g} at index {tuple(map(int, e))}",
-                    hint=_HINT,
-                )  # fmt: skip
+                    hint=_HINT)  # fmt: skip
 
 
 def _run(algorithm: Any, shapes: Sequence[Sequence[int]], dtypes: Sequence[tf.DType],
@@ -162,12 +161,10 @@ def check_sums(algorithm: Any, devices: Sequence[str], variables: Sequence[Any],
         raise TypeError(
             f"all_reduce: {algorithm_name(user)} is not an all-reduce algorithm "
             f"(values, *, op) -> list nor a GradientReducer: calling it on one tensor per "
-            f"tower failed with {type(err).__name__}: {err}"
-        ) from err
+            f"tower failed with {type(err).__name__}: {err}") from err
     except Exception as err:  # its own bug while traced (.numpy() in a graph, a bad index, …)
         raise ValueError(
             f"all_reduce: {algorithm_name(user)} raised {type(err).__name__} when the "
             f"trainer called it on one tensor per tower ({names[0]}, traced): {err} "
-            "(towers.testing.check_all_reduce runs it the same way)"
-        ) from err
+            "(towers.testing.check_all_reduce runs it the same way)") from err
     _compare(user, shapes, dtypes, outputs, names)

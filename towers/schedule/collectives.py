@@ -1,12 +1,9 @@
 """The ring all-reduce, and reduce-scatter, all-gather and broadcast, as data: ``n -> Schedule``.
 
-Chunk ``c`` of a reduce-scatter or all-gather is tower ``c``'s shard; a broadcast cuts
-the value into ``chunks`` pieces, all the root's (generators build root 0; :func:`rooted`
-turns the labels). ``c+▶`` reduces, ``c▶`` copies.
-
-The ring (drawn in :mod:`towers.allreduce.ring`) is a reduce-scatter then an all-gather;
-recursive halving and doubling are drawn in :mod:`towers.allreduce.halving_doubling` (any
-``n``: :func:`fold`'s extra towers fold in first and get their part in a last tick).
+Chunk ``c`` of a reduce-scatter or all-gather is tower ``c``'s shard; a broadcast cuts the
+value into ``chunks`` pieces, all the root's (root 0; :func:`rooted` turns the labels). The
+ring (drawn in :mod:`towers.allreduce.ring`) is a reduce-scatter then an all-gather;
+recursive halving and doubling are drawn in :mod:`towers.allreduce.halving_doubling`.
 
 Broadcast, root 0, n = 5: flat (the root sends to every tower in one tick, not
 drawn), binomial tree (a tower forwards in the tick after it receives;

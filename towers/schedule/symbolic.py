@@ -1,11 +1,9 @@
 """Prove a schedule correct without TensorFlow: follow sets of contributions, tick by tick.
 
-Each slot ``(tower, chunk)`` carries the *set* of towers whose inputs it sums (a bit
-mask), its summation tree (up to commutativity) and that tree's depth. Initially, for
-``all_reduce`` and ``reduce_scatter`` tower ``t`` holds ``{t}`` in every chunk; for
-``all_gather`` (``broadcast``: the root owns every chunk) the owner of chunk ``c`` holds
-it *complete* (all ``n`` contributions), the others nothing. A tick reads every slot as
-it was when the tick began. The rules, checked step by step:
+Each slot ``(tower, chunk)`` carries the *set* of towers whose inputs it sums (a bit mask),
+its summation tree (up to commutativity) and that tree's depth. Tower ``t`` starts with
+``{t}`` in every chunk; for ``all_gather`` and ``broadcast`` the owner of chunk ``c`` starts
+with it *complete*, the others with nothing. The rules, checked step by step:
 
 1. a step names towers and chunks in range, and no tower sends to itself;
 2. **send before receipt**: a ``reduce`` sends a chunk its source holds; a ``copy``
@@ -16,7 +14,7 @@ it was when the tick began. The rules, checked step by step:
    summation tree per chunk (outputs agree bitwise); ``reduce_scatter``: each owner.
 
 :func:`check_schedule` reports the smallest failing ``n``, the first tick that breaks a
-rule and the state at that tick, drawn (``check_schedule(ring_schedule).ok``).
+rule and the state at that tick, drawn.
 """
 
 from __future__ import annotations
@@ -185,17 +183,12 @@ def _final(s: Schedule, state: _State) -> None:
 def _order(state: _State, tree: int, limit: int = 160) -> str:
     """A summation tree as tower numbers, e.g. ``(0+1)+(2+3)`` (cut at ``limit``)."""
     parts = {node: pair for pair, node in state.nodes.items()}
-    memo: dict[int, tuple[int, str]] = {}  # tree -> (smallest leaf, text)
 
-    def text(t: int) -> tuple[int, str]:
-        if t not in memo:
-            if t not in parts:
-                memo[t] = (t - 1, str(t - 1))
-            else:
-                halves = sorted(text(half) for half in parts[t])
-                shown = [x if x.isdigit() else f"({x})" for _, x in halves]
-                memo[t] = (halves[0][0], "+".join(shown))
-        return memo[t]
+    def text(t: int) -> tuple[int, str]:  # (smallest leaf, text); each leaf appears once
+        if t not in parts:
+            return t - 1, str(t - 1)
+        halves = sorted(text(half) for half in parts[t])
+        return halves[0][0], "+".join(x if x.isdigit() else f"({x})" for _, x in halves)
 
     out = text(tree)[1]
     return out if len(out) <= limit else out[: limit - 1] + "…"

@@ -55,8 +55,7 @@ def check_position(prefix: str, position: dict[str, Any], facts: dict[str, Any])
                 f"{name}={facts[key]!r}: its position (epoch {position.get('epoch')}, "
                 f"{position.get('batch')} batches of it trained) counts batches of that fit's "
                 f"data, so resuming would skip or repeat examples. Resume with {name}="
-                f"{saved.get(key)!r}, or start the run in a new directory",
-            )  # fmt: skip
+                f"{saved.get(key)!r}, or start the run in a new directory")  # fmt: skip
 
 
 class ExactResume(keras.callbacks.Callback):

@@ -46,8 +46,7 @@ def checkpoint(trainer: Trainer, **extra: Any) -> tf.train.Checkpoint:
     parts: dict[str, Any] = {
         f"replica_{i}": tf.train.Checkpoint(model=_tf_variables(r.model.variables),
                                             optimizer=_tf_variables(r.optimizer.variables))
-        for i, r in enumerate(trainer.replicas)
-    }  # fmt: skip
+        for i, r in enumerate(trainer.replicas)}  # fmt: skip
     parts["step"] = _tf_variables([trainer.optimizer.iterations])[0]
     if isinstance(trainer.algorithm, tf.Module):
         parts["all_reduce"] = trainer.algorithm
@@ -57,8 +56,7 @@ def checkpoint(trainer: Trainer, **extra: Any) -> tf.train.Checkpoint:
 
 def save(trainer: Trainer, path: str) -> str:
     """Write the trainer's state to ``path`` (a file prefix) and return the prefix."""
-    written: str = checkpoint(trainer).write(check_path(path, "path", "a file prefix"))
-    return written
+    return str(checkpoint(trainer).write(check_path(path, "path", "a file prefix")))
 
 
 def load(trainer: Trainer, prefix: str) -> dict[str, Any]:

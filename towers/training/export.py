@@ -19,6 +19,7 @@ from keras.src.saving.keras_saveable import KerasSaveable
 
 from towers.devices import canonical_device
 from towers.guard.given import check_devices
+from towers.training.atomic import check_path
 from towers.training.protocol import Trainer
 
 __all__ = ["AsNetwork", "Exported", "export", "tower_model_arguments", "tower_model_config"]
@@ -38,7 +39,7 @@ def export(trainer: Trainer, path: str) -> Exported:
         >>> keras.models.load_model(out.keras).predict(x)            # doctest: +SKIP
         >>> tf.saved_model.load(out.saved_model).serve(x)            # doctest: +SKIP
     """
-    path = os.fspath(path)
+    path = check_path(path, "path")
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"path must be a directory, but {path!r} is a file")
     os.makedirs(path, exist_ok=True)
@@ -86,8 +87,7 @@ def tower_model_config(tm: Any) -> dict[str, Any]:
     options["parameter_device"] = tm.devices.index(pd) if pd in tm.devices else None
     return {
         "name": tm.name, "model": keras.saving.serialize_keras_object(tm.network),
-        "num_devices": len(tm.devices), **options,
-    }  # fmt: skip
+        "num_devices": len(tm.devices), **options}  # fmt: skip
 
 
 def tower_model_arguments(config: dict[str, Any], custom_objects: Any = None) -> dict[str, Any]:

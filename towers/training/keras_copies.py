@@ -31,28 +31,23 @@ def new_model(model: ModelLike, device: str, first: keras.Model | None) -> keras
                     canonical_device(v.value.device) == device for v in model.variables):
                 return model
             if not model.built:
-                raise ValueError(
-                    "model is not built: give it an Input (keras.Input) or call it once, "
-                    "or pass a zero-argument factory that returns a built model"
-                )
+                raise ValueError("model is not built: give it an Input (keras.Input) or call it "
+                                 "once, or pass a zero-argument factory that returns a built model")
             try:
                 made = keras.models.clone_model(model)
             except Exception as err:  # subclassed models may not clone
-                raise ValueError(
-                    "model could not be cloned onto the towers' devices: pass a zero-argument "
-                    f"factory that builds it instead ({err})"
-                ) from err
-            source: keras.Model = first or model
+                raise ValueError("model could not be cloned onto the towers' devices: pass a "
+                                 f"zero-argument factory that builds it instead ({err})") from err
         elif callable(model):
             made = model()
             if not isinstance(made, keras.Model):
                 raise TypeError(f"model factory must return a keras.Model, got {type(made)}")
             if not made.built:
                 raise ValueError("the model factory must return a built model (use keras.Input)")
-            source = first if first is not None else made
         else:
             raise TypeError(f"model must be a keras.Model or a factory, got {type(model)}")
-        copy_state(source, made)
+        own = model if isinstance(model, keras.Model) else made
+        copy_state(first if first is not None else own, made)
     return made
 
 
@@ -93,8 +88,7 @@ def new_optimizer(
             made = optimizer()
             if not isinstance(made, keras.optimizers.Optimizer):
                 raise TypeError(
-                    f"optimizer factory must return a keras optimizer, got {type(made)}"
-                )
+                    f"optimizer factory must return a keras optimizer, got {type(made)}")
         else:
             raise TypeError(f"optimizer must be a Keras optimizer or a factory, got {optimizer!r}")
         made.build(variables)

@@ -110,8 +110,7 @@ def loss_reduction(loss: str | LossFn | keras.losses.Loss) -> str:
     if reduction not in REDUCTIONS:
         raise ValueError(
             f"loss: {type(loss).__name__} has reduction={reduction!r}, which towers does not "
-            f"support; use one of {', '.join(REDUCTIONS)}"
-        )
+            f"support; use one of {', '.join(REDUCTIONS)}")
     return str(reduction)
 
 

@@ -62,8 +62,7 @@ def _optimizer(optimizer: Any) -> dict[str, Any]:
     inner = getattr(optimizer, "inner_optimizer", None)
     defaults = {
         name: p.default for name, p in inspect.signature(type(optimizer)).parameters.items()
-        if p.default is not inspect.Parameter.empty
-    }  # fmt: skip
+        if p.default is not inspect.Parameter.empty}  # fmt: skip
     return {
         "class": type(optimizer).__name__, "config": config, "learning_rate": rate,
         "defaults": _plain(defaults), "inner": None if inner is None else _optimizer(inner),
@@ -94,8 +93,7 @@ def record(trainer: Trainer) -> dict[str, Any]:
         ],
         "optimizer": _optimizer(trainer.optimizer),
         "slots": [[_entry(v) for v in r.optimizer.variables] for r in trainer.replicas],
-        "all_reduce": _all_reduce(trainer.algorithm),
-    }
+        "all_reduce": _all_reduce(trainer.algorithm)}
 
 
 def describe(optimizer: dict[str, Any]) -> str:
@@ -106,8 +104,7 @@ def describe(optimizer: dict[str, Any]) -> str:
     defaults = optimizer.get("defaults", {})
     shown = [
         f"{k}={_fmt(v)}" for k, v in sorted(config.items())
-        if k not in defaults or _fmt(defaults[k]) != _fmt(v)
-    ]  # fmt: skip
+        if k not in defaults or _fmt(defaults[k]) != _fmt(v)]  # fmt: skip
     text = optimizer["class"] + (f" ({', '.join(shown)})" if shown else "")
     if optimizer.get("inner") is not None:
         text += f" of {describe(optimizer['inner'])}"
@@ -128,8 +125,7 @@ def _config_diff(saved: dict[str, Any] | None, mine: dict[str, Any] | None) -> l
     keys = sorted(set(saved["config"]) | set(mine["config"]))
     found = [
         f"{k}={_fmt(saved['config'].get(k))} in the checkpoint, {_fmt(mine['config'].get(k))} here"
-        for k in keys if saved["config"].get(k) != mine["config"].get(k)
-    ]  # fmt: skip
+        for k in keys if saved["config"].get(k) != mine["config"].get(k)]  # fmt: skip
     if (saved["learning_rate"] is None) != (mine["learning_rate"] is None):
         found.append("a learning-rate schedule on one side, a fixed rate on the other")
     return found + _config_diff(saved["inner"], mine["inner"])
