@@ -51,8 +51,7 @@ OPTIONS_OF = {"AsyncTrainer": ("on_nonfinite",)}
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
-    """A refused pair of options, or one that works under a condition (``text``): options
-    with one of ``first``'s ``(axis, values)`` and one of ``second``'s."""
+    """A refused pair of options, or one that works under a condition: ``(axis, values)`` each."""
 
     first: tuple[str, tuple[str, ...]]
     second: tuple[str, tuple[str, ...]]
@@ -228,8 +227,7 @@ def _cell(column: dict[str, str], axis: str, value: str, notes: list[Rule]) -> s
 
 
 def markdown() -> str:
-    """The table as a Markdown matrix: a row per option value, a column per trainer
-    (``TowerTrainer`` by placement), then the notes (docs/options.md)."""
+    """The table as a Markdown matrix (docs/options.md): a row per value, a column per trainer."""
     columns = [(p, {"trainer": "TowerTrainer", "variables": p}) for p in AXES["variables"]]
     columns += [(t, {"trainer": t}) for t in AXES["trainer"][1:]]
     notes: list[Rule] = []

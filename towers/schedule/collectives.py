@@ -199,8 +199,7 @@ def chain_broadcast(n: int, chunks: int = 4) -> Schedule:
 
 
 def rooted(schedule: Schedule, root: int) -> Schedule:
-    """``schedule`` (a broadcast) with every tower ``t`` renamed ``(t + shift) mod n`` so the
-    root is ``root``.
+    """``schedule`` (a broadcast) with its towers turned so the root is ``root``.
 
     Example:
         >>> rooted(binomial_broadcast(3), 2).ticks[0]

@@ -60,8 +60,7 @@ def save(trainer: Trainer, path: str) -> str:
 
 
 def load(trainer: Trainer, prefix: str) -> dict[str, Any]:
-    """Restore a checkpoint of :func:`towers.training.atomic.write`, verified first; return
-    its position."""
+    """Restore a checkpoint of :func:`towers.training.atomic.write`, verified; its position."""
     position = verify(check_path(prefix, "prefix", "a file prefix"))
     restore(trainer, prefix)
     return position

@@ -50,9 +50,8 @@ def export(trainer: Trainer, path: str) -> Exported:
 
 
 class AsNetwork(KerasSaveable):  # type: ignore[misc]
-    """A ``TowerModel`` as Keras's weights files walk it: its network's own layout (so the
-    plain model reads the file, and writes one the ``TowerModel`` reads) plus the towers'
-    optimizers."""
+    """A ``TowerModel`` as Keras's weights files walk it: its network's own layout (files the
+    plain model reads and writes) plus the towers' optimizers."""
 
     _TOWERS = ("optimizer", "shard_optimizers")
 
@@ -91,8 +90,7 @@ def tower_model_config(tm: Any) -> dict[str, Any]:
 
 
 def tower_model_arguments(config: dict[str, Any], custom_objects: Any = None) -> dict[str, Any]:
-    """``TowerModel``'s arguments from :func:`tower_model_config`: the first ``num_devices``
-    local devices (all of them if fewer)."""
+    """``TowerModel``'s arguments from :func:`tower_model_config` (``num_devices`` local ones)."""
     config = dict(config)
     network = keras.saving.deserialize_keras_object(config.pop("model"),
                                                     custom_objects=custom_objects)

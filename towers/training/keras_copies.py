@@ -53,8 +53,7 @@ def new_model(model: ModelLike, device: str, first: keras.Model | None) -> keras
 
 def copy_state(source: keras.Model, target: keras.Model) -> None:
     """Give ``target`` (a copy of ``source``'s architecture) ``source``'s whole state: every
-    variable, then each layer's own variables and assets (``Normalization`` statistics, a
-    lookup table's vocabulary)."""
+    variable, then each layer's own variables and assets (a lookup table's vocabulary)."""
     if source is target:
         return
     if len(source.variables) != len(target.variables):
@@ -76,8 +75,7 @@ def new_optimizer(
     optimizer: OptimizerLike, variables: list[Any], device: str, first: bool
 ) -> keras.optimizers.Optimizer:
     """An optimizer on ``device`` built for ``variables``: ``optimizer`` itself when it is
-    replica 0's (``first``) and unbuilt, else a copy from its config or the factory's (a
-    ``TypeError`` when it is neither a Keras optimizer nor a factory of one)."""
+    replica 0's (``first``) and unbuilt, else a copy from its config or the factory's."""
     with tf.device(device):
         if isinstance(optimizer, keras.optimizers.Optimizer):
             if first and not optimizer.built:

@@ -120,8 +120,7 @@ def is_structured(loss: Any) -> bool:
 
 
 def reduction_of(loss: Any) -> str:
-    """The Keras reduction ``loss`` asks for (for a loss per output, the one they share; a
-    ``ValueError`` when they disagree or it is unsupported)."""
+    """The Keras reduction ``loss`` asks for (for a loss per output, the one they share)."""
     return (loss if isinstance(loss, OutputLosses) else OutputLosses(loss)).reduction
 
 

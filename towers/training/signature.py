@@ -1,18 +1,9 @@
 """What a checkpoint holds, written beside its values, and the check a restore makes of it.
 
 Restored by position, ``SGD(momentum=0.9)``'s momentum would become an ``RMSprop``'s mean
-square: every checkpoint carries a JSON record of its trainer, compared on restore::
-
-    record                                       refused when it differs
-    ├── placement, towers, replicas              placement; replicas
-    ├── optimizer: class, config, inner          class (an inner optimizer's too) and
-    │   learning_rate                            every hyperparameter but the learning rate
-    ├── model: [path, shape, dtype, trainable]   any entry
-    ├── slots: per replica [path, shape, dtype]  any entry
-    └── all_reduce: identity, state shapes       the identity, when either side has state
-
-Allowed to differ: the learning rate (restored, with a warning), the devices, a
-``parameter_device`` trainer's tower count and a stateless all-reduce.
+square: every checkpoint carries a JSON record of its trainer (placement, replicas, optimizer
+and hyperparameters, model and slot variables, all-reduce), compared on restore; what may
+differ and what is refused: docs/checkpoints.md.
 """
 
 from __future__ import annotations
