@@ -81,8 +81,7 @@ def _members(mask: int, n: int) -> str:
 def _shown(total: int, involved: Iterable[int]) -> list[int]:
     if total <= MAX_DRAWN:
         return list(range(total))
-    keep = {0, 1, total - 1} | {i for i in involved if 0 <= i < total}
-    return sorted(keep)
+    return sorted({0, 1, total - 1} | {i for i in involved if 0 <= i < total})
 
 
 def draw_state(s: Schedule, state: _State, tick: int, bad: Step | None = None) -> str:
