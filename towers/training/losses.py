@@ -102,9 +102,7 @@ def loss_reduction(loss: str | LossFn | keras.losses.Loss) -> str:
     ``ValueError`` naming ``loss`` for one not in :data:`REDUCTIONS`."""
     if isinstance(loss, str):
         loss = None if loss.lower() in CROSSENTROPY else keras.losses.get(loss)
-    if not isinstance(loss, keras.losses.Loss):
-        return REDUCTIONS[0]
-    reduction = loss.reduction
+    reduction = loss.reduction if isinstance(loss, keras.losses.Loss) else None
     if reduction is None or reduction == "none":
         return REDUCTIONS[0]
     if reduction not in REDUCTIONS:
