@@ -18,8 +18,7 @@ class NonFiniteError(TowersError, FloatingPointError):
     Attributes:
         step: the optimizer's iteration count when the step ran (it did not advance).
         towers: ``{tower: what was non-finite}``, e.g. ``{1: ["loss", "gradients"]}``.
-        variable: the variable whose *update* was non-finite from finite inputs (the
-            optimizer overflowed), else None.
+        variable: the variable whose *update* overflowed from finite inputs, else None.
     """
 
     def __init__(self, step: int, towers: dict[int, list[str]], devices: Sequence[str],

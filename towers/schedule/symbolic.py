@@ -50,11 +50,8 @@ class _State:
     depth: list[list[int]]
     nodes: dict[tuple[int, int], int]  # (left id, right id), sorted -> id
 
-    def join(self, a: int, b: int) -> int:
-        key = (min(a, b), max(a, b))
-        if key not in self.nodes:
-            self.nodes[key] = -(len(self.nodes) + 1)  # negative: never a leaf's id
-        return self.nodes[key]
+    def join(self, a: int, b: int) -> int:  # a new node's id is negative: never a leaf's
+        return self.nodes.setdefault((min(a, b), max(a, b)), -(len(self.nodes) + 1))
 
 
 def _initial(s: Schedule) -> _State:

@@ -39,7 +39,7 @@ def export(trainer: Trainer, path: str) -> Exported:
         >>> keras.models.load_model(out.keras).predict(x)            # doctest: +SKIP
         >>> tf.saved_model.load(out.saved_model).serve(x)            # doctest: +SKIP
     """
-    path = check_path(path, "path")
+    path = check_path(path, "path", "a directory")
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"path must be a directory, but {path!r} is a file")
     os.makedirs(path, exist_ok=True)
