@@ -26,7 +26,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
-from towers.guard.arguments import positive_int
+from towers.guard.arguments import check_choice, positive_int
 
 __all__ = ["COLLECTIVES", "KINDS", "Generator", "Schedule", "Step", "bytes_sent", "chunk_bytes",
            "cost", "format_schedule", "link_bytes"]
@@ -59,8 +59,7 @@ class Schedule:
     def __post_init__(self) -> None:
         positive_int("towers", self.towers)
         positive_int("chunks", self.chunks)
-        if self.collective not in COLLECTIVES:
-            raise ValueError(f"collective must be one of {COLLECTIVES}, got {self.collective!r}")
+        check_choice("collective", self.collective, COLLECTIVES)
         ticks = tuple(tuple(Step(*step) for step in tick) for tick in self.ticks)
         object.__setattr__(self, "ticks", ticks)
         for _, step in self.steps():

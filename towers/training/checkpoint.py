@@ -134,7 +134,8 @@ def _check_algorithm_state(trainer: Trainer, path: str, saved: list[str]) -> Non
 
 def _written(trainer: Trainer) -> list[tf.Variable]:
     """Every variable a restore writes."""
-    found = [trainer.optimizer.iterations, *(v for r in trainer.replicas
-                                             for v in (*r.model.variables, *r.optimizer.variables))]
+    found: list[Any] = [trainer.optimizer.iterations]
+    for r in trainer.replicas:
+        found += [*r.model.variables, *r.optimizer.variables]
     state = trainer.algorithm.variables if isinstance(trainer.algorithm, tf.Module) else ()
     return _tf_variables(found) + list(state)
