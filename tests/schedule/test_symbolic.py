@@ -24,7 +24,6 @@ from towers.schedule import (
     ring_schedule,
     simulate,
     summation_depth,
-    summation_depths,
 )
 
 
@@ -165,7 +164,6 @@ def test_quantities_derived_from_the_schedule_match_the_ring_module() -> None:
         assert bytes_sent(s, 4 * 37, 4) == [2 * (n - 1) * -(-37 // n) * 4] * n  # padded chunks
         assert cost(s, 1000.0) == pytest.approx(ring_module.cost(n, 1000.0))
         assert summation_depth(s) == max(n - 1, 0)
-        assert summation_depths(s) == (max(n - 1, 0),) * n
         for subchunks in (2, 3):  # s rings side by side: as many ticks, s chunks a tick
             rings = ring_schedule(n, subchunks)
             assert rings.num_ticks == s.num_ticks and summation_depth(rings) == max(n - 1, 0)

@@ -1,8 +1,5 @@
-"""Argument checks, written once: each returns the value it checked or raises naming it.
-
-The same mistake gets the same message everywhere: ``"<name> must be <what was expected>,
-got <value>"``, a ``ValueError`` (also for ``2.5`` or ``True`` as a count). Checks of whole
-objects raise ``TypeError`` and live in :mod:`towers.guard.inputs`.
+"""Argument checks, written once: each returns the value it checked or raises naming it,
+``"<name> must be <what was expected>, got <value>"`` (a ``ValueError``).
 
 Example:
     >>> positive_int("chunks", 4), optional(positive_int, "keep", None)
@@ -27,8 +24,7 @@ T = TypeVar("T")
 
 
 def int_at_least(name: str, value: Any, low: int) -> int:
-    """``value`` as an ``int`` when it is an integer ``>= low`` (NumPy's too; not a bool
-    nor ``2.0``)."""
+    """``value`` as an ``int`` when it is an integer ``>= low`` (not a bool nor ``2.0``)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
         raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
     return int(value)
@@ -74,8 +70,7 @@ def check_choice(name: str, value: object, choices: Sequence[str]) -> str:
 
 
 def optional(check: Callable[[str, Any], T], name: str, value: Any) -> T | None:
-    """``None`` passes; anything else goes through ``check(name, value)``, whose message
-    then says that ``None`` was welcome too (``keep must be None or an int >= 1, got 0``)."""
+    """``None``, or ``check(name, value)`` whose message says ``None`` was welcome too."""
     if value is None:
         return None
     try:
@@ -90,12 +85,7 @@ def optional(check: Callable[[str, Any], T], name: str, value: Any) -> T | None:
 
 def naming(name: str, check: Callable[[], T]) -> T:
     """Run ``check``; a plain ``TypeError``/``ValueError`` whose message does not mention
-    ``name`` (one from TensorFlow, say) is prefixed ``"<name>: "``; towers' own pass.
-
-    Example:
-        >>> naming("variables", lambda: get_placement(["x"]))  # doctest: +SKIP
-        TypeError: variables: unhashable type: 'list'
-    """
+    ``name`` (one from TensorFlow, say) is prefixed ``"<name>: "``."""
     try:
         return check()
     except (TypeError, ValueError) as err:

@@ -1,9 +1,7 @@
 """The capability table: which of a trainer's options compose, as data and a short reader.
 
-A value on each of two axes of :data:`AXES` makes a *cell*. A cell works (trained against
-its reference by tests/guard/test_capabilities.py), works under a condition the trainer
-checks (:data:`LIMITS`), or is refused (:data:`REFUSALS`: :func:`check` raises a
-``ValueError`` naming both options, why and what to use, before any state exists).
+A *cell* (a value on each of two :data:`AXES`) works, works under a condition the trainer
+checks (:data:`LIMITS`), or is refused before any state exists (:data:`REFUSALS`).
 """
 
 from __future__ import annotations
@@ -53,8 +51,7 @@ OPTIONS_OF = {"AsyncTrainer": ("on_nonfinite",)}
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
-    """A refused pair of options, or one that works under a condition (``text``): options
-    with one of ``first``'s ``(axis, values)`` and one of ``second``'s."""
+    """A refused pair of options, or one that works under a condition: ``(axis, values)`` each."""
 
     first: tuple[str, tuple[str, ...]]
     second: tuple[str, tuple[str, ...]]
@@ -146,25 +143,21 @@ def refusal_for(options: Mapping[str, str]) -> Rule | None:
 
 
 def check(options: Mapping[str, str], shown: Mapping[str, str] | None = None) -> None:
-    """Refuse a combination of ``options`` (axis -> value) the table does not support.
-
-    ``shown``: axis -> the argument as the user gave it, for the message. Raises a
-    ``ValueError`` for a value not on its axis, or naming both options of a refusal.
-    """
+    """A ``ValueError`` naming both options of a refused cell (``shown``: axis -> the
+    argument as the user wrote it), or for a value not on its axis."""
     for axis, value in options.items():
         if axis not in AXES or value not in AXES[axis]:
             raise ValueError(f"capabilities: {axis}={value!r} is not in the table {AXES.get(axis)}")
-    refusal = refusal_for(options)
+    refusal, shown = refusal_for(options), shown or {}
     if refusal is not None:
-        first, second = (f"{a}={options[a]!r}" if (shown or {}).get(a) is None
-                         else f"{a}={(shown or {})[a]} (a {options[a]!r} kind)"
+        first, second = (f"{a}={options[a]!r}" if shown.get(a) is None
+                         else f"{a}={shown[a]} (a {options[a]!r} kind)"
                          for a in (refusal.first[0], refusal.second[0]))
         raise ValueError(f"{first} with {second} is refused: {refusal.text}")
 
 
 def check_limits(options: Mapping[str, str], algorithm: Any) -> None:
-    """The conditions of :data:`LIMITS` that only the resolved algorithm shows: a
-    ``ValueError`` for a ``TowerTrainer`` with a reducer summing over several workers."""
+    """A ``ValueError`` for a ``TowerTrainer`` whose reducer sums over several workers."""
     if options.get("trainer") == "TowerTrainer" and options.get("all_reduce") == "cross-worker":
         op, workers = getattr(algorithm, "op", "sum"), getattr(algorithm, "num_workers", 1)
         if op == "sum" and workers > 1:
@@ -182,18 +175,14 @@ def default_all_reduce(variables: str, all_reduce: Any) -> Any:
 
 
 def default_sparse(variables: str, kind: str, sparse: str | None) -> str:
-    """``sparse``, or when unset (None): ``"densify"`` where a sparse gradient cannot stay
-    sparse (``sharded``; a codec), else ``"gather"`` (MirroredStrategy's)."""
+    """``sparse``, or when unset: ``"densify"`` for ``sharded`` or a codec, else ``"gather"``."""
     if sparse is not None:
         return sparse
     return "densify" if variables == "sharded" or kind.startswith("compressed") else "gather"
 
 
 def algorithm_kind(algorithm: Any) -> str:
-    """The ``all_reduce`` axis value of a resolved algorithm or reducer (docs/options.md).
-
-    ``ring`` is the registry's ring with one sub-chunk: the only reduce-scatter ``sharded`` runs.
-    """
+    """The ``all_reduce`` axis value of a resolved algorithm or reducer (docs/options.md)."""
     if isinstance(algorithm, Compressed):
         state = algorithm.codec.init(tf.TensorShape([2]), tf.float32, 0)
         return "compressed+state" if tf.nest.flatten(state) else "compressed"
@@ -225,7 +214,7 @@ def spell(algorithm: Any) -> str:
 
 
 def _cell(column: dict[str, str], axis: str, value: str, notes: list[Rule]) -> str:
-    """One matrix cell: ``—``, ``✓``, or ``✓n``/``✗n`` with ``n`` its rule's note number."""
+    """``—``, ``✓``, or ``✓n``/``✗n`` with ``n`` its rule's note number."""
     if axis not in OPTIONS_OF.get(column["trainer"], (axis,)):
         return "—"
     cell = {**column, axis: value}
@@ -238,8 +227,7 @@ def _cell(column: dict[str, str], axis: str, value: str, notes: list[Rule]) -> s
 
 
 def markdown() -> str:
-    """The table as a Markdown matrix: a row per option value, a column per trainer
-    (``TowerTrainer`` by placement), then the notes (docs/options.md)."""
+    """The table as a Markdown matrix (docs/options.md): a row per value, a column per trainer."""
     columns = [(p, {"trainer": "TowerTrainer", "variables": p}) for p in AXES["variables"]]
     columns += [(t, {"trainer": t}) for t in AXES["trainer"][1:]]
     notes: list[Rule] = []
@@ -259,10 +247,8 @@ def markdown() -> str:
 
 
 def sums_exactly(algorithm: Any, placement: str) -> bool:
-    """The reduction adds every tower's elements with IEEE additions and keeps no state, so
-    a NaN in any tower is one in every output: the library's own registry algorithms and
-    ``sharded``'s ring; not a user's, collectives, codecs or bucketed.
-    """
+    """Whether a NaN in any tower is one in every output (IEEE additions, no state): the
+    library's own registry algorithms and ``sharded``'s ring."""
     if placement == "sharded":
         return True
     record = record_of(algorithm)

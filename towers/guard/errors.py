@@ -1,5 +1,4 @@
-"""The errors towers raises for its own failures, each a :class:`TowersError` and the
-built-in exception a caller would already catch (``ValueError``, ``TimeoutError``, …)."""
+"""The errors towers raises for its own failures: a :class:`TowersError` and a built-in."""
 
 from __future__ import annotations
 
@@ -19,16 +18,14 @@ class NonFiniteError(TowersError, FloatingPointError):
     Attributes:
         step: the optimizer's iteration count when the step ran (it did not advance).
         towers: ``{tower: what was non-finite}``, e.g. ``{1: ["loss", "gradients"]}``.
-        variable: the variable whose *update* was non-finite from finite inputs (the
-            optimizer overflowed), else None.
+        variable: the variable whose *update* overflowed from finite inputs, else None.
     """
 
     def __init__(self, step: int, towers: dict[int, list[str]], devices: Sequence[str],
                  variable: str | None = None) -> None:  # fmt: skip
         self.step, self.towers, self.variable = step, towers, variable
         where = "; ".join(
-            f"tower {i} ({devices[i]}): {', '.join(what)}" for i, what in sorted(towers.items())
-        )
+            f"tower {i} ({devices[i]}): {', '.join(what)}" for i, what in sorted(towers.items()))
         if variable is not None:
             where = (f"the optimizer's update of {variable} (its gradients were finite; "
                      "a learning rate or epsilon that overflows?)")
@@ -37,23 +34,18 @@ class NonFiniteError(TowersError, FloatingPointError):
             f"step {step}: non-finite values on {len(towers)} tower(s) — {where}. Nothing was "
             "updated (weights, optimizer slots and iterations, state and all-reduce state are "
             "as before the step). Look for NaN/Inf in that tower's shard of x or y, a too high "
-            "learning rate, or pass on_nonfinite='skip' to drop such steps and go on."
-        )
+            "learning rate, or pass on_nonfinite='skip' to drop such steps and go on.")
 
 
 class StepTimeout(TowersError, TimeoutError):
-    """A step ran past its deadline (``step_timeout`` or the algorithm's ``timeout_seconds``,
-    or a user's collective's own op timeout).
+    """A step ran past its deadline (``step_timeout``, ``timeout_seconds`` or an op timeout).
 
     Attributes:
         algorithm: the all-reduce's name.
         seconds: the step's deadline (None: a user's collective's own op timeout fired).
         usable: whether the trainer can run another step in this process.
-        earlier: what an earlier step's timed-out collective was, when this step failed
-            at once because of it; None when this step hit the deadline.
-        applied: True when the step's update began: it completed as the watchdog fired
-            (its update is in the weights), or it was cut short inside the update
-            (``partly``); do not retry it. False: it changed nothing.
+        earlier: the earlier step's timed-out collective this step failed at once for.
+        applied: the step's update began (do not retry it); False: it changed nothing.
         partly: the update was cut short: some variables, slots or ``iterations`` moved.
     """
 
@@ -86,8 +78,7 @@ class StepTimeout(TowersError, TimeoutError):
 
 
 class AlgorithmError(TowersError, ValueError):
-    """An all-reduce algorithm broke its contract (when the step is traced, or when a
-    user's algorithm is run once as the trainer is built: :mod:`towers.guard.reduces`).
+    """An all-reduce algorithm broke its contract (traced, or checked at construction).
 
     Attributes:
         algorithm: its registry name or ``__name__``.
@@ -113,8 +104,7 @@ class ReplicaMismatchError(TowersError, RuntimeError):
 
     Attributes:
         step: the optimizer's iteration count when the check ran.
-        variable: the first variable (in ``model.weights`` order, then the optimizer's)
-            whose copies differ.
+        variable: the first variable whose copies differ.
         replicas: the replicas (towers) whose copy differs from replica 0's.
     """
 
@@ -125,15 +115,11 @@ class ReplicaMismatchError(TowersError, RuntimeError):
             f"{replicas} disagree with replica 0. Every replica applies the all-reduced "
             f"gradient, so they must stay bitwise equal: the all-reduce {algorithm!r} "
             "probably does not give every tower the same sum (check it with "
-            "towers.testing.check_all_reduce)."
-        )
+            "towers.testing.check_all_reduce).")
 
 
 class CheckpointError(TowersError, ValueError):
-    """A checkpoint cannot be restored: missing, truncated, corrupt or of another trainer.
-
-    Attribute ``path``: the checkpoint's path (prefix).
-    """
+    """A checkpoint (``path``, its prefix) is missing, truncated, corrupt or another's."""
 
     def __init__(self, path: str, reason: str) -> None:
         self.path = path

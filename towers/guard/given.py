@@ -1,7 +1,5 @@
-"""What a trainer is given, checked before any of it is used: tower devices, ``set_weights``
-arrays, a ``tf.data.Dataset`` of global batches (:func:`towers.split.distribute`) and the
-layers a trainer cannot run as written. Each error names the argument (and the index,
-variable or layer)."""
+"""What a trainer is given, checked before any of it is used: devices, ``set_weights``
+arrays, a dataset of global batches and its model's layers; each error names the argument."""
 
 from __future__ import annotations
 
@@ -20,12 +18,8 @@ __all__ = ["check_dataset", "check_devices", "check_layers", "check_weights",
 
 
 def check_devices(devices: Sequence[str] | None) -> list[str]:
-    """Validate tower devices (None: every local device) and return their canonical names.
-
-    Raises:
-        ValueError: no devices, duplicates, or a name TensorFlow does not know.
-        TypeError: not a list of strings.
-    """
+    """Tower devices (None: every local device) as canonical names (``TypeError`` if not a
+    list of strings; ``ValueError``: none, duplicates, or a name TensorFlow does not know)."""
     if devices is None:
         devices = local_devices()
     if isinstance(devices, str) or not isinstance(devices, Sequence):
@@ -47,12 +41,8 @@ def check_devices(devices: Sequence[str] | None) -> list[str]:
 
 
 def check_weights(variables: Sequence[Any], weights: Any) -> list[np.ndarray]:
-    """``weights`` as arrays of ``variables``' dtypes, every one checked before any is used.
-
-    Raises:
-        TypeError: not a list, an array not numeric, or floats for an integer variable.
-        ValueError: the count differs, or an array's shape (naming its index and variable).
-    """
+    """``weights`` as arrays of ``variables``' dtypes, every one checked before any is used
+    (each error names the index and variable)."""
     if isinstance(weights, (str, bytes, np.ndarray)) or not isinstance(weights, Sequence):
         raise TypeError(
             f"weights must be a list of arrays (model.weights order), got {weights!r:.80}")
@@ -74,12 +64,8 @@ def check_weights(variables: Sequence[Any], weights: Any) -> list[np.ndarray]:
 
 
 def check_dataset(dataset: Any) -> None:
-    """Check that ``dataset`` yields batches ``(x, y[, sample_weight])`` of dense tensors.
-
-    Raises:
-        TypeError: not a ``tf.data.Dataset``, or its elements are not ``(x, y[, sample_weight])``.
-        ValueError: it looks unbatched (a scalar part, or parts whose leading dimensions differ).
-    """
+    """A ``TypeError`` unless ``dataset`` yields ``(x, y[, sample_weight])`` of dense tensors;
+    a ``ValueError`` when it looks unbatched."""
     if not isinstance(dataset, tf.data.Dataset):
         raise TypeError(f"dataset must be a tf.data.Dataset of global batches, got "
                         f"{type(dataset).__name__}")  # fmt: skip
@@ -111,29 +97,21 @@ def sparse_equals_dense(optimizer: keras.optimizers.Optimizer) -> bool:
         fresh = [type(optimizer).from_config(dict(config)) for _ in range(2)]
     except Exception:  # a custom optimizer without a round-tripping config: not measurable
         return False
-    start = np.arange(1, 9, dtype="float32").reshape(4, 2) / 8
     sparse = tf.IndexedSlices(tf.constant([[0.5, -0.25], [0.75, 0.5], [-0.25, 1.0]]),
                               tf.constant([0, 0, 2]), tf.constant([4, 2]))  # fmt: skip
-    results = []
     with tf.init_scope():
-        for opt, grad in zip(fresh, (sparse, tf.convert_to_tensor(sparse)), strict=True):
-            variable = keras.Variable(start, name="probe")
-            for _ in range(2):
-                opt.apply_gradients([(grad, variable)])
-            results.append(np.asarray(variable.numpy()))
-    return bool(np.array_equal(results[0], results[1]))
+        probes = [keras.Variable(np.arange(1, 9, dtype="float32").reshape(4, 2) / 8)
+                  for _ in fresh]  # fmt: skip
+        for _ in range(2):
+            for opt, grad, v in zip(fresh, (sparse, tf.convert_to_tensor(sparse)), probes):
+                opt.apply_gradients([(grad, v)])
+    return bool(np.array_equal(probes[0].numpy(), probes[1].numpy()))
 
 
 def check_layers(model: Any, optimizer: Any, towers: int, cell: dict[str, str],
                  sparse: str | None) -> list[str]:  # fmt: skip
-    """Refuse the layers this trainer cannot run as written; return the names of the
-    ``BatchNormalization(synchronized=True)`` layers the towers synchronize (none at one tower).
-
-    Raises:
-        ValueError: synchronized BatchNormalization in a ``cell`` the capability table
-            refuses; or ``variables="sharded"`` with an Embedding, ``sparse`` unset and an
-            optimizer whose sparse and dense updates differ.
-    """
+    """Refuse the layers this trainer cannot run as written (a ``ValueError``); return the
+    names of the ``BatchNormalization(synchronized=True)`` layers the towers synchronize."""
     flatten = getattr(model, "_flatten_layers", None)
     layers = list(flatten(include_self=True, recursive=True)) if flatten else []
     synced = [layer.name for layer in layers if towers > 1

@@ -13,11 +13,8 @@
         apply Σ S·g_i / S;  counter == growth − 1 ? (S ← 2S, counter ← 0) : counter += 1,
         S ← S / 2;  counter ← 0)              weights, slots, iterations untouched
 
-This is Keras 3's ``LossScaleOptimizer`` rule (``_stateful_handle_finite_grads``) with
-the finite flag taken once for the whole step: under ``MirroredStrategy`` Keras decides
-from replica 0's unreduced gradients (docs/mixed_precision.md); here any tower's overflow
-drops the step. ``iterations`` advances on finite steps only. ``S`` is a power of two, so
-scaling and unscaling are exact unless a value over- or underflows.
+Keras 3's ``LossScaleOptimizer`` rule with one finite flag for the whole step (Keras under
+``MirroredStrategy`` decides from replica 0's unreduced gradients: docs/mixed_precision.md).
 """
 
 from __future__ import annotations
@@ -29,7 +26,6 @@ import keras
 import tensorflow as tf
 
 from towers.allreduce.machinery.primitives import send
-from towers.guard.arguments import check_choice
 
 __all__ = ["REDUCE_DTYPES", "LossScale", "is_loss_scaled"]
 
@@ -44,22 +40,19 @@ def is_loss_scaled(optimizer: Any) -> bool:
     return isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
 
 
+def _values(fn: Callable[[tf.Tensor], tf.Tensor], value: Any) -> Any:
+    """``fn`` applied to a dense value, or to the values of an ``IndexedSlices``."""
+    if isinstance(value, tf.IndexedSlices):
+        return tf.IndexedSlices(fn(value.values), value.indices, value.dense_shape)
+    return fn(value)
+
+
 def _cast(value: Any, dtype: tf.DType) -> Any:
     """``value`` (dense, sparse or None) in ``dtype``, cast on its own device."""
     if value is None or value.dtype == dtype or not value.dtype.is_floating:
         return value
     with tf.device(value.device):
-        if isinstance(value, tf.IndexedSlices):
-            return tf.IndexedSlices(tf.cast(value.values, dtype), value.indices,
-                                    value.dense_shape)
-        return tf.cast(value, dtype)
-
-
-def _divide(value: Any, scale: tf.Tensor) -> Any:
-    if isinstance(value, tf.IndexedSlices):
-        values = value.values / tf.cast(scale, value.values.dtype)
-        return tf.IndexedSlices(values, value.indices, value.dense_shape)
-    return value / tf.cast(scale, value.dtype)
+        return _values(lambda v: tf.cast(v, dtype), value)
 
 
 def all_finite(values: Sequence[Any]) -> tf.Tensor:
@@ -73,16 +66,13 @@ class LossScale:
     """A trainer's loss-scaling and reduction-dtype rules.
 
     Args:
-        optimizer: the first replica's optimizer; a ``LossScaleOptimizer`` turns
-            scaling on (:attr:`active`), any other optimizer leaves the step as it was.
+        optimizer: the first replica's optimizer; a ``LossScaleOptimizer`` turns scaling on.
         model: the first replica's model; its ``dtype_policy`` gives the compute dtype.
-        reduce_dtype: ``"float32"`` (each gradient summed in its own dtype, at least
-            float32) or ``"compute"`` (in the policy's compute dtype, e.g. float16: half
-            the bytes; a sum that overflows there is a non-finite step).
+        reduce_dtype: ``"float32"`` (each gradient in its own dtype, at least float32) or
+            ``"compute"`` (the policy's compute dtype: a sum overflowing there is non-finite).
     """
 
     def __init__(self, optimizer: Any, model: keras.Model, reduce_dtype: str = "float32") -> None:
-        check_choice("reduce_dtype", reduce_dtype, REDUCE_DTYPES)
         self.active = is_loss_scaled(optimizer)
         self.reduce_dtype = reduce_dtype
         compute = tf.as_dtype(model.dtype_policy.compute_dtype)
@@ -126,21 +116,16 @@ class LossScale:
     def apply(
         self, optimizer: Any, grads: list[Any], finite: tf.Tensor | None, apply: ApplyFn
     ) -> None:
-        """Apply one replica's (scaled) reduced gradients under the dynamic-scale rule.
-
-        Args:
-            optimizer: the replica's optimizer.
-            grads: its reduced gradients, ``S·Σg`` when loss-scaled.
-            finite: the step's flag from :meth:`finite` (ignored without loss scaling).
-            apply: ``apply(optimizer, grads)``, the step's own apply.
-        """
+        """Apply one replica's reduced gradients (``S·Σg`` when loss-scaled) with the step's
+        own ``apply(optimizer, grads)`` under the dynamic-scale rule and :meth:`finite`'s flag."""
         if not self.active:
             apply(optimizer, grads)
             return
         scale = tf.convert_to_tensor(optimizer.dynamic_scale.value)
 
         def finite_step() -> tf.Tensor:
-            apply(optimizer.inner_optimizer, [_divide(g, scale) for g in grads])
+            unscaled = [_values(lambda v: v / tf.cast(scale, v.dtype), g) for g in grads]
+            apply(optimizer.inner_optimizer, unscaled)
             grow = tf.equal(optimizer.step_counter, optimizer.dynamic_growth_steps - 1)
             tf.cond(grow, lambda: _set(optimizer, 2.0, 0), lambda: _count(optimizer))
             return tf.constant(True)

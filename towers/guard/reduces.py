@@ -8,11 +8,9 @@
     outputs[tower] ── contract (count, shape, dtype, device: towers.allreduce.machinery.reducer)
                    └─ value: |outputs[tower] − Σ_i values[i]| ≤ γ_{n−1}·Σ_i |values[i]|
 
-The trace-time contract check reads static properties only: an algorithm returning its
-inputs, or a mean, would train silently wrong. Small integers make every partial sum exact
-in float16, bfloat16 and float32, so a wrong result misses the bound by at least 1. Only
-algorithms the library has not proved are checked (:func:`unproved`); a ``GradientReducer``
-runs on gradients shaped like the trainable variables. ``check_algorithm=False`` skips it.
+The trace-time contract reads static properties only: returning the inputs, or a mean,
+would train silently wrong. Small integers sum exactly in float16, bfloat16 and float32,
+so a wrong result misses the bound by at least 1. ``check_algorithm=False`` skips it.
 """
 
 from __future__ import annotations
@@ -100,14 +98,12 @@ def _compare(algorithm: Any, shapes: Sequence[Sequence[int]], dtypes: Sequence[t
                     algorithm_name(algorithm), tower, f"{name} (a check value)",
                     f"the sum of the {n} towers' inputs (within γ_{k}·Σ|x_i|)",
                     f"{got[e]:g} instead of {exact[e]:g} at index {tuple(map(int, e))}",
-                    hint=_HINT,
-                )  # fmt: skip
+                    hint=_HINT)  # fmt: skip
 
 
 def _run(algorithm: Any, shapes: Sequence[Sequence[int]], dtypes: Sequence[tf.DType],
          devices: Sequence[str], names: list[str]) -> list[list[np.ndarray]]:  # fmt: skip
-    """Run ``algorithm`` once in a ``tf.function`` (collective ops need one), checking the
-    contract on the traced outputs; return the output values."""
+    """The outputs of ``algorithm`` run once in a ``tf.function``, contract checked."""
 
     def step() -> list[list[tf.Tensor]]:
         values = []
@@ -130,20 +126,12 @@ def _run(algorithm: Any, shapes: Sequence[Sequence[int]], dtypes: Sequence[tf.DT
 
 def check_sums(algorithm: Any, devices: Sequence[str], variables: Sequence[Any],
                wire_dtype: Any, seconds: float | None = None) -> None:  # fmt: skip
-    """Refuse an unproved algorithm whose outputs are not the sum of its inputs, within a
-    deadline (one that never completes fails the construction instead of hanging it).
-
-    Args:
-        algorithm: the trainer's resolved algorithm (a ``GradientReducer`` already built).
-        variables: the trainable variables (a ``GradientReducer`` gets their shapes).
-        wire_dtype: ``dtype -> the dtype the step sums a gradient of that dtype in``.
-        seconds: the deadline (the trainer's ``step_timeout``; None: :data:`CHECK_TIMEOUT`).
+    """Refuse an unproved algorithm whose outputs are not the sum of its inputs, within
+    ``seconds`` (None: :data:`CHECK_TIMEOUT`); ``wire_dtype(dtype)`` is what the step sums in.
 
     Raises:
-        AlgorithmError: an output off the sum by more than the bound, or breaking the
-            contract; naming the algorithm, the tower and the value.
-        TimeoutError, TypeError (it is not an algorithm), ValueError (it raised while
-            traced): naming ``all_reduce``.
+        AlgorithmError: an output off the sum by more than the bound, or breaking the contract.
+        TimeoutError, TypeError (not an algorithm), ValueError (it raised while traced).
     """
     user = unproved(algorithm)
     if user is None:
@@ -173,12 +161,10 @@ def check_sums(algorithm: Any, devices: Sequence[str], variables: Sequence[Any],
         raise TypeError(
             f"all_reduce: {algorithm_name(user)} is not an all-reduce algorithm "
             f"(values, *, op) -> list nor a GradientReducer: calling it on one tensor per "
-            f"tower failed with {type(err).__name__}: {err}"
-        ) from err
+            f"tower failed with {type(err).__name__}: {err}") from err
     except Exception as err:  # its own bug while traced (.numpy() in a graph, a bad index, …)
         raise ValueError(
             f"all_reduce: {algorithm_name(user)} raised {type(err).__name__} when the "
             f"trainer called it on one tensor per tower ({names[0]}, traced): {err} "
-            "(towers.testing.check_all_reduce runs it the same way)"
-        ) from err
+            "(towers.testing.check_all_reduce runs it the same way)") from err
     _compare(user, shapes, dtypes, outputs, names)

@@ -34,18 +34,16 @@ from towers.schedule.ir import (
     link_bytes,
 )
 from towers.schedule.symbolic import (
-    Failure,
     ScheduleError,
     ScheduleReport,
     check_schedule,
     simulate,
     summation_depth,
-    summation_depths,
 )
 
-__all__ = ["COLLECTIVES", "KINDS", "Failure", "Generator", "Schedule", "ScheduleError",
+__all__ = ["COLLECTIVES", "KINDS", "Generator", "Schedule", "ScheduleError",
            "ScheduleReport", "Step", "binomial_broadcast", "bytes_sent", "chain_broadcast",
            "check_schedule", "chunk_bytes", "cost", "doubling_all_gather", "even_sizes",
            "flat_broadcast", "format_schedule", "halving_reduce_scatter", "link_bytes",
            "ring_all_gather", "ring_orders", "ring_reduce_scatter", "ring_schedule", "rooted",
-           "simulate", "summation_depth", "summation_depths"]
+           "simulate", "summation_depth"]

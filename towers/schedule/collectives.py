@@ -1,12 +1,9 @@
 """The ring all-reduce, and reduce-scatter, all-gather and broadcast, as data: ``n -> Schedule``.
 
-Chunk ``c`` of a reduce-scatter or all-gather is tower ``c``'s shard; a broadcast cuts
-the value into ``chunks`` pieces, all the root's (generators build root 0; :func:`rooted`
-turns the labels). ``c+▶`` reduces, ``c▶`` copies.
-
-The ring (drawn in :mod:`towers.allreduce.ring`) is a reduce-scatter then an all-gather;
-recursive halving and doubling are drawn in :mod:`towers.allreduce.halving_doubling` (any
-``n``: :func:`fold`'s extra towers fold in first and get their part in a last tick).
+Chunk ``c`` of a reduce-scatter or all-gather is tower ``c``'s shard; a broadcast cuts the
+value into ``chunks`` pieces, all the root's (root 0; :func:`rooted` turns the labels). The
+ring (drawn in :mod:`towers.allreduce.ring`) is a reduce-scatter then an all-gather;
+recursive halving and doubling are drawn in :mod:`towers.allreduce.halving_doubling`.
 
 Broadcast, root 0, n = 5: flat (the root sends to every tower in one tick, not
 drawn), binomial tree (a tower forwards in the tick after it receives;
@@ -39,7 +36,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from towers.guard.arguments import non_negative_int, positive_int
-from towers.schedule.ir import Schedule, Step
+from towers.schedule.ir import Schedule, Step, chunk_bytes
 
 __all__ = ["binomial_broadcast", "chain_broadcast", "doubling_all_gather", "even_sizes",
            "flat_broadcast", "fold", "folded", "halving_reduce_scatter", "ring_all_gather",
@@ -65,8 +62,7 @@ def even_sizes(length: int, pieces: int) -> list[int]:
 
 def schedule_bytes(schedule: Schedule, nbytes: int, itemsize: int) -> list[int]:
     """Exact bytes each tower sends when ``nbytes`` are cut by ``even_sizes`` into the chunks."""
-    if itemsize < 1 or nbytes < 0 or nbytes % itemsize:
-        raise ValueError(f"nbytes must be a multiple of itemsize; got {nbytes}, {itemsize}")
+    chunk_bytes(schedule, nbytes, itemsize)  # the same checks of nbytes and itemsize
     sizes = even_sizes(nbytes // itemsize, schedule.chunks)
     sent: Counter[int] = Counter()
     for _, step in schedule.steps():
@@ -203,8 +199,7 @@ def chain_broadcast(n: int, chunks: int = 4) -> Schedule:
 
 
 def rooted(schedule: Schedule, root: int) -> Schedule:
-    """``schedule`` (a broadcast) with every tower ``t`` renamed ``(t + shift) mod n`` so the
-    root is ``root``.
+    """``schedule`` (a broadcast) with its towers turned so the root is ``root``.
 
     Example:
         >>> rooted(binomial_broadcast(3), 2).ticks[0]

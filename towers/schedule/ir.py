@@ -9,14 +9,9 @@ buffer is cut into ``chunks`` equal pieces. Tick ``t`` is a tuple of :class:`Ste
   the received partial on the left); into an empty slot it is a plain receive.
 
 A tick's steps read the slots as the tick began, then write; several ``reduce`` steps into
-one slot apply in the order listed. ``collective`` names the semantics claimed (proved per
-``n`` by :mod:`towers.schedule.symbolic`); ``owners[c]`` is the tower that ends with chunk
-``c`` reduced (reduce-scatter) or starts with it (all-gather; broadcast: the root).
-
-Bytes per tower and per link, ticks and the α-β-γ coefficients are derived from it.
-**Padding rule**: ``L`` elements are zero-padded to ``chunks·⌈L/chunks⌉`` (as
-:func:`towers.allreduce.machinery.packed.pad_split` cuts), so a step moves
-``⌈L/chunks⌉·itemsize`` bytes.
+one slot apply in the order listed. ``owners[c]`` is the tower that ends with chunk ``c``
+reduced (reduce-scatter) or starts with it (all-gather; broadcast: the root). ``L``
+elements are zero-padded to ``chunks·⌈L/chunks⌉``, so a step moves ``⌈L/chunks⌉·itemsize`` bytes.
 
 Example:
     >>> s = Schedule("pair", 2, 1, ((Step(0, 1, 0, "reduce"),), (Step(1, 0, 0, "copy"),)))
@@ -31,7 +26,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
-from towers.guard.arguments import positive_int
+from towers.guard.arguments import check_choice, positive_int
 
 __all__ = ["COLLECTIVES", "KINDS", "Generator", "Schedule", "Step", "bytes_sent", "chunk_bytes",
            "cost", "format_schedule", "link_bytes"]
@@ -51,14 +46,8 @@ class Step(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-    """A collective over ``towers`` towers and ``chunks`` chunks, ``ticks[t]`` run at once.
-
-    ``owners`` defaults to chunk ``c`` owned by tower ``c mod n`` (``broadcast``: tower 0).
-
-    Raises:
-        ValueError: an unknown collective or kind, a count < 1, an owner out of range, or
-            a broadcast with two roots (steps out of range are the checker's to report).
-    """
+    """A collective over ``towers`` towers and ``chunks`` chunks, ``ticks[t]`` run at once;
+    ``owners`` defaults to chunk ``c`` owned by tower ``c mod n`` (``broadcast``: tower 0)."""
 
     name: str
     towers: int
@@ -70,17 +59,12 @@ class Schedule:
     def __post_init__(self) -> None:
         positive_int("towers", self.towers)
         positive_int("chunks", self.chunks)
-        if self.collective not in COLLECTIVES:
-            raise ValueError(f"collective must be one of {COLLECTIVES}, got {self.collective!r}")
-        ticks = tuple(
-            tuple(step if type(step) is Step else Step(*step) for step in tick)
-            for tick in self.ticks
-        )
+        check_choice("collective", self.collective, COLLECTIVES)
+        ticks = tuple(tuple(Step(*step) for step in tick) for tick in self.ticks)
         object.__setattr__(self, "ticks", ticks)
-        for tick in ticks:
-            for step in tick:
-                if step.kind not in KINDS:
-                    raise ValueError(f"step kind must be 'copy' or 'reduce', got {step!r}")
+        for _, step in self.steps():
+            if step.kind not in KINDS:
+                raise ValueError(f"step kind must be 'copy' or 'reduce', got {step!r}")
         owners = self.owners
         if owners is None:
             root = self.collective == "broadcast"
@@ -94,17 +78,13 @@ class Schedule:
 
     @property
     def num_ticks(self) -> int:
-        """How many ticks the schedule takes (the ``α`` count)."""
         return len(self.ticks)
 
     def steps(self) -> Iterable[tuple[int, Step]]:
         """Every ``(tick, step)`` in order."""
-        for t, tick in enumerate(self.ticks):
-            for step in tick:
-                yield t, step
+        return ((t, step) for t, tick in enumerate(self.ticks) for step in tick)
 
     def chunk_owner(self, chunk: int) -> int:
-        """The tower that owns ``chunk`` (see ``owners``)."""
         assert self.owners is not None  # set in __post_init__
         return self.owners[chunk]
 
@@ -135,9 +115,8 @@ def link_bytes(schedule: Schedule, nbytes: int, itemsize: int) -> dict[tuple[int
 
 
 def cost(schedule: Schedule, nbytes: float) -> tuple[float, float, float]:
-    """α-β-γ coefficients, tick by tick: each tick costs one ``α``, the most chunks any
-    tower sends in it (× ``S/chunks``) ``β`` and the most chunks any tower reduces in
-    it ``γ``; empty ticks cost nothing."""
+    """α-β-γ coefficients: each non-empty tick costs one ``α``, the most chunks any tower
+    sends in it (× ``S/chunks``) ``β`` and the most chunks any tower reduces in it ``γ``."""
     piece = nbytes / schedule.chunks
     a, b, c = 0, 0.0, 0.0
     for tick in schedule.ticks:

@@ -1,11 +1,9 @@
 """Prove a schedule correct without TensorFlow: follow sets of contributions, tick by tick.
 
-Each slot ``(tower, chunk)`` carries the *set* of towers whose inputs it sums (a bit
-mask), its summation tree (up to commutativity) and that tree's depth. Initially, for
-``all_reduce`` and ``reduce_scatter`` tower ``t`` holds ``{t}`` in every chunk; for
-``all_gather`` (``broadcast``: the root owns every chunk) the owner of chunk ``c`` holds
-it *complete* (all ``n`` contributions), the others nothing. A tick reads every slot as
-it was when the tick began. The rules, checked step by step:
+Each slot ``(tower, chunk)`` carries the *set* of towers whose inputs it sums (a bit mask),
+its summation tree (up to commutativity) and that tree's depth. Tower ``t`` starts with
+``{t}`` in every chunk; for ``all_gather`` and ``broadcast`` the owner of chunk ``c`` starts
+with it *complete*, the others with nothing. The rules, checked step by step:
 
 1. a step names towers and chunks in range, and no tower sends to itself;
 2. **send before receipt**: a ``reduce`` sends a chunk its source holds; a ``copy``
@@ -16,7 +14,7 @@ it was when the tick began. The rules, checked step by step:
    summation tree per chunk (outputs agree bitwise); ``reduce_scatter``: each owner.
 
 :func:`check_schedule` reports the smallest failing ``n``, the first tick that breaks a
-rule and the state at that tick, drawn (``check_schedule(ring_schedule).ok``).
+rule and the state at that tick, drawn.
 """
 
 from __future__ import annotations
@@ -25,31 +23,24 @@ import dataclasses
 import itertools
 import time
 from collections.abc import Iterable
-from typing import NamedTuple
 
 from towers.schedule.ir import Generator, Schedule, Step
 
-__all__ = ["Failure", "ScheduleError", "ScheduleReport", "check_schedule", "simulate",
-           "summation_depth", "summation_depths"]
+__all__ = ["ScheduleError", "ScheduleReport", "check_schedule", "simulate", "summation_depth"]
 
 MAX_DRAWN = 12  # towers / chunks drawn in full; beyond, the ones involved and the ends
 
 
-def when(tick: int | None, end: bool = False) -> str:
-    """How a failure's place is named: ``tick t``, the end state, or ``the generator`` (None)."""
-    if tick is None:
-        return "the generator"
-    if not end:
-        return f"tick {tick}"
-    return f"after tick {tick - 1} (the end)" if tick else "at the end (no ticks)"
-
-
 class ScheduleError(ValueError):
-    """A schedule broke a rule at ``tick`` (``num_ticks`` and ``end`` for the end state)."""
+    """A schedule broke a rule at ``tick`` (``num_ticks`` and ``end`` for the end state; None:
+    the generator failed) at ``n`` towers (set by :func:`check_schedule`)."""
 
-    def __init__(self, tick: int, message: str, drawing: str, *, end: bool = False) -> None:
-        super().__init__(f"{when(tick, end)}: {message}")
-        self.tick, self.message, self.drawing, self.end = tick, message, drawing, end
+    def __init__(self, tick: int | None, message: str, drawing: str, *, end: bool = False,
+                 n: int = 0) -> None:  # fmt: skip
+        where = ("the generator" if tick is None else f"tick {tick}" if not end
+                 else f"after tick {tick - 1} (the end)" if tick else "at the end (no ticks)")
+        super().__init__(f"{where}: {message}")
+        self.tick, self.message, self.drawing, self.end, self.n = tick, message, drawing, end, n
 
 
 @dataclasses.dataclass
@@ -59,11 +50,8 @@ class _State:
     depth: list[list[int]]
     nodes: dict[tuple[int, int], int]  # (left id, right id), sorted -> id
 
-    def join(self, a: int, b: int) -> int:
-        key = (min(a, b), max(a, b))
-        if key not in self.nodes:
-            self.nodes[key] = -(len(self.nodes) + 1)  # negative: never a leaf's id
-        return self.nodes[key]
+    def join(self, a: int, b: int) -> int:  # a new node's id is negative: never a leaf's
+        return self.nodes.setdefault((min(a, b), max(a, b)), -(len(self.nodes) + 1))
 
 
 def _initial(s: Schedule) -> _State:
@@ -90,8 +78,7 @@ def _members(mask: int, n: int) -> str:
 def _shown(total: int, involved: Iterable[int]) -> list[int]:
     if total <= MAX_DRAWN:
         return list(range(total))
-    keep = {0, 1, total - 1} | {i for i in involved if 0 <= i < total}
-    return sorted(keep)
+    return sorted({0, 1, total - 1} | {i for i in involved if 0 <= i < total})
 
 
 def draw_state(s: Schedule, state: _State, tick: int, bad: Step | None = None) -> str:
@@ -192,17 +179,12 @@ def _final(s: Schedule, state: _State) -> None:
 def _order(state: _State, tree: int, limit: int = 160) -> str:
     """A summation tree as tower numbers, e.g. ``(0+1)+(2+3)`` (cut at ``limit``)."""
     parts = {node: pair for pair, node in state.nodes.items()}
-    memo: dict[int, tuple[int, str]] = {}  # tree -> (smallest leaf, text)
 
-    def text(t: int) -> tuple[int, str]:
-        if t not in memo:
-            if t not in parts:
-                memo[t] = (t - 1, str(t - 1))
-            else:
-                halves = sorted(text(half) for half in parts[t])
-                shown = [x if x.isdigit() else f"({x})" for _, x in halves]
-                memo[t] = (halves[0][0], "+".join(shown))
-        return memo[t]
+    def text(t: int) -> tuple[int, str]:  # (smallest leaf, text); each leaf appears once
+        if t not in parts:
+            return t - 1, str(t - 1)
+        halves = sorted(text(half) for half in parts[t])
+        return halves[0][0], "+".join(x if x.isdigit() else f"({x})" for _, x in halves)
 
     out = text(tree)[1]
     return out if len(out) <= limit else out[: limit - 1] + "…"
@@ -218,26 +200,9 @@ def simulate(schedule: Schedule) -> list[list[int]]:
     return state.depth
 
 
-def summation_depths(schedule: Schedule) -> tuple[int, ...]:
-    """Per chunk, the deepest summation tree any tower ends with (the error bound's ``k``)."""
-    depth = simulate(schedule)
-    return tuple(max(depth[t][c] for t in range(schedule.towers)) for c in range(schedule.chunks))
-
-
 def summation_depth(schedule: Schedule) -> int:
-    """The most additions any result element goes through."""
-    return max(summation_depths(schedule))
-
-
-class Failure(NamedTuple):
-    """The first broken rule: at ``n`` towers, ``tick`` (None: the generator failed; ``end``:
-    the end state failed, ``tick`` = num_ticks)."""
-
-    n: int
-    tick: int | None
-    message: str
-    drawing: str
-    end: bool = False
+    """The most additions any result element goes through (the error bound's ``k``)."""
+    return max(max(row) for row in simulate(schedule))
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -246,7 +211,7 @@ class ScheduleReport:
 
     name: str
     ns: tuple[int, ...]
-    failure: Failure | None
+    failure: ScheduleError | None
     depths: dict[int, int]
     seconds: float
 
@@ -264,9 +229,7 @@ class ScheduleReport:
             return (f"PROVED: {self.name} for {len(self.ns)} tower counts ({span}) in "
                     f"{self.seconds:.2f} s; deepest sum {deepest[1]} (n={deepest[0]})")
         f = self.failure
-        where = when(f.tick, f.end)
-        return "\n".join([f"REJECTED: {self.name}: smallest failing n={f.n}, {where}: "
-                          f"{f.message}", f.drawing])
+        return f"REJECTED: {self.name}: smallest failing n={f.n}, {f}\n{f.drawing}"
 
     __repr__ = __str__
 
@@ -288,12 +251,12 @@ def check_schedule(generator: Generator, ns: Iterable[int] = range(1, 65)) -> Sc
             if schedule.towers != n:
                 raise ValueError(f"asked for {n} towers, the schedule has {schedule.towers}")
         except (ValueError, TypeError) as err:
-            failure = Failure(n, None, f"{type(err).__name__}: {err}", "")
+            failure = ScheduleError(None, f"{type(err).__name__}: {err}", "", n=n)
             break
         name = schedule.name
         try:
-            depths[n] = max(max(row) for row in simulate(schedule))
+            depths[n] = summation_depth(schedule)
         except ScheduleError as err:
-            failure = Failure(n, err.tick, err.message, err.drawing, err.end)
+            failure, err.n = err, n
             break
     return ScheduleReport(name, tuple(counts), failure, depths, time.perf_counter() - start)

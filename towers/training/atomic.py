@@ -16,7 +16,7 @@ What a save does, and what a crash at each point leaves behind::
     file (size and sha256) wins; a damaged one is skipped with a warning.
 
 ``latest`` trusts the manifests, not the pointer (for people and tools). A number saved
-again takes the next generation, ``ckpt-00000012.1``; the old one goes only at step 5.
+again is ``ckpt-00000012.1``; the old one goes only at step 5.
 """
 
 from __future__ import annotations
@@ -58,7 +58,6 @@ def check_path(value: Any, name: str = "directory", kind: str = "a path") -> str
 
 
 def _fsync(path: Path) -> None:
-    """Flush a file's contents, or a directory's entries, to disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -75,7 +74,6 @@ def _digest(path: Path) -> str:
 
 
 def _write_manifest(folder: Path) -> None:
-    """``MANIFEST``: each file's size and sha256; then everything fsynced."""
     files = sorted(p for p in folder.iterdir() if p.is_file())
     manifest = {p.name: [p.stat().st_size, _digest(p)] for p in files}
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))

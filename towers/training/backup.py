@@ -11,10 +11,8 @@
       after each trained batch: N += 1; N % k == 0 ─▶ write ckpt-N atomically
                                 (k None: at the end of every epoch instead)
 
-Keras's ``BackupAndRestore`` resumes at the start of the epoch, training its first
-batches twice; the resumed run here ends bitwise as the uninterrupted one. That needs the
-same batches in every epoch: arrays with ``shuffle=False``, or a dataset whose order is a
-function of the epoch. A resume with other data or batch size is refused.
+Unlike Keras's ``BackupAndRestore`` (which trains an epoch's first batches twice), the
+resumed run ends bitwise as the uninterrupted one, given the same batches in every epoch.
 """
 
 from __future__ import annotations
@@ -32,12 +30,10 @@ __all__ = ["ExactResume", "data_facts"]
 
 _FACTS = {"kind": "data", "batch_size": "batch_size", "examples": "examples",
           "shuffle": "shuffle", "steps": "batches per epoch"}  # fmt: skip
-"""What a position records of its data, and each fact's name in a refusal."""
 
 
 def data_facts(x: Any, batch_size: int | None, shuffle: Any) -> dict[str, Any]:
-    """What a saved position counts in: the kind, batch size, examples and shuffle of
-    ``fit``'s ``x`` (``ExactResume`` adds ``"steps"``, batches per epoch)."""
+    """The kind, batch size, examples and shuffle of ``fit``'s ``x``: what a position counts in."""
     first = keras.tree.flatten(x)[0] if x is not None else None
     if first is None or not hasattr(first, "shape") or not hasattr(first, "__len__"):
         return {"kind": "dataset", "batch_size": None, "examples": None, "shuffle": None}
@@ -59,8 +55,7 @@ def check_position(prefix: str, position: dict[str, Any], facts: dict[str, Any])
                 f"{name}={facts[key]!r}: its position (epoch {position.get('epoch')}, "
                 f"{position.get('batch')} batches of it trained) counts batches of that fit's "
                 f"data, so resuming would skip or repeat examples. Resume with {name}="
-                f"{saved.get(key)!r}, or start the run in a new directory",
-            )  # fmt: skip
+                f"{saved.get(key)!r}, or start the run in a new directory")  # fmt: skip
 
 
 class ExactResume(keras.callbacks.Callback):
@@ -72,14 +67,12 @@ class ExactResume(keras.callbacks.Callback):
         every: save after every ``every`` trained batches, counted over the whole run
             (None: at the end of every epoch).
         keep: how many of the newest checkpoints to keep.
-        resume: first restore the directory's latest good checkpoint (False: start over,
-            numbering new checkpoints from 1).
+        resume: first restore the directory's latest good checkpoint.
 
     Raises:
-        TypeError, ValueError: a bad argument (naming it); at ``fit``: not a TowerModel, or
+        TypeError, ValueError: a bad argument; at ``fit``: not a TowerModel, or
             arrays with ``shuffle=True``.
-        CheckpointError: at ``fit``: the latest checkpoint does not fit this model, or its
-            position other data (the model is unchanged).
+        CheckpointError: at ``fit``: the latest checkpoint does not fit this model or data.
 
     Example:
         >>> tm.fit(x, y, batch_size=96, epochs=3, shuffle=False,          # doctest: +SKIP
@@ -125,7 +118,6 @@ class ExactResume(keras.callbacks.Callback):
         self.skip = (epoch, batch)
 
     def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
-        """Where the epoch starts: batch 0, or the resumed batch."""
         self.epoch = epoch
         self.done = self.skip[1] if epoch == self.skip[0] else 0
 
@@ -139,7 +131,6 @@ class ExactResume(keras.callbacks.Callback):
             self.save(self.epoch, self.done)
 
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
-        """With ``every=None``, save at the end of each epoch."""
         if self.every is None:
             self.save(epoch + 1, 0)
 

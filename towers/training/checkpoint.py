@@ -11,7 +11,7 @@
     └── record                       what all of it is (:mod:`towers.training.signature`)
 
 Variables are listed, not tracked through Keras objects (which misses the dropout
-``seed_generator_state``). A restore is all or nothing, into a trainer built the same way.
+``seed_generator_state``).
 """
 
 from __future__ import annotations
@@ -26,12 +26,9 @@ import tensorflow as tf
 from towers.guard.errors import CheckpointError
 from towers.training.atomic import check_path, checkpoints, latest, verify
 from towers.training.protocol import Trainer
-from towers.training.signature import Record, check
+from towers.training.signature import MISMATCH, READ_ERRORS, Record, check
 
 __all__ = ["checkpoint", "checkpoints", "latest", "load", "restore", "save", "verify"]
-
-_READ_ERRORS = (tf.errors.OpError, ValueError, IndexError, OSError, RuntimeError)
-_MISMATCH = "does not match this trainer: "
 
 
 def _tf_variables(variables: list[Any]) -> list[tf.Variable]:
@@ -41,7 +38,7 @@ def _tf_variables(variables: list[Any]) -> list[tf.Variable]:
 
 def checkpoint(trainer: Trainer, **extra: Any) -> tf.train.Checkpoint:
     """A ``tf.train.Checkpoint`` of everything that determines the trainer's next step, and
-    ``extra`` trackables (a ``ValueError`` if a name collides)."""
+    ``extra`` trackables (not named as its own parts)."""
     _check_trainer(trainer)
     clash = [k for k in extra if k in ("step", "all_reduce", "record") or k.startswith("replica_")]
     if clash:
@@ -49,8 +46,7 @@ def checkpoint(trainer: Trainer, **extra: Any) -> tf.train.Checkpoint:
     parts: dict[str, Any] = {
         f"replica_{i}": tf.train.Checkpoint(model=_tf_variables(r.model.variables),
                                             optimizer=_tf_variables(r.optimizer.variables))
-        for i, r in enumerate(trainer.replicas)
-    }  # fmt: skip
+        for i, r in enumerate(trainer.replicas)}  # fmt: skip
     parts["step"] = _tf_variables([trainer.optimizer.iterations])[0]
     if isinstance(trainer.algorithm, tf.Module):
         parts["all_reduce"] = trainer.algorithm
@@ -60,22 +56,19 @@ def checkpoint(trainer: Trainer, **extra: Any) -> tf.train.Checkpoint:
 
 def save(trainer: Trainer, path: str) -> str:
     """Write the trainer's state to ``path`` (a file prefix) and return the prefix."""
-    written: str = checkpoint(trainer).write(check_path(path, "path", "a file prefix"))
-    return written
+    return str(checkpoint(trainer).write(check_path(path, "path", "a file prefix")))
 
 
 def load(trainer: Trainer, prefix: str) -> dict[str, Any]:
-    """Restore a checkpoint of :func:`towers.training.atomic.write`, verified first; return
-    its position (``load(trainer, latest("/tmp/run"))``)."""
+    """Restore a checkpoint of :func:`towers.training.atomic.write`, verified; its position."""
     position = verify(check_path(prefix, "prefix", "a file prefix"))
     restore(trainer, prefix)
     return position
 
 
 def restore(trainer: Trainer, path: str) -> None:
-    """Load a state written by :func:`save` into a trainer built the same way: all or nothing
-    (everything is checked and read once first; a failed read puts the old values back).
-    The learning rate is the checkpoint's (a ``UserWarning`` when it replaces another).
+    """Load a state written by :func:`save` into a trainer built the same way, all or
+    nothing; the learning rate is the checkpoint's (a ``UserWarning`` if it replaces another).
 
     Raises:
         TypeError: ``trainer`` is not a trainer, or ``path`` not a path.
@@ -86,23 +79,23 @@ def restore(trainer: Trainer, path: str) -> None:
     try:
         reader = tf.train.load_checkpoint(path)
         saved = list(reader.get_variable_to_shape_map())
-    except _READ_ERRORS as err:
+    except READ_ERRORS as err:
         raise CheckpointError(path, f"cannot be read ({type(err).__name__}: {err})") from err
     note = check(reader, path, trainer)
     _check_algorithm_state(trainer, path, saved)
     for key in saved:
         try:
             reader.get_tensor(key)
-        except _READ_ERRORS as err:
+        except READ_ERRORS as err:
             raise CheckpointError(path, f"{key} cannot be read ({type(err).__name__}: {err})"
                                   ) from err  # fmt: skip
     backup = [(v, tf.identity(v)) for v in _written(trainer)]
     try:
         checkpoint(trainer).read(path).assert_consumed()
-    except (*_READ_ERRORS, AssertionError) as err:
+    except (*READ_ERRORS, AssertionError) as err:
         for variable, value in backup:
             variable.assign(value)
-        raise CheckpointError(path, _MISMATCH + str(err)) from err
+        raise CheckpointError(path, MISMATCH + str(err)) from err
     if note:
         warnings.warn(f"checkpoint {path!r}: {note}", UserWarning, stacklevel=2)
 
@@ -117,7 +110,7 @@ def _check_algorithm_state(trainer: Trainer, path: str, saved: list[str]) -> Non
     in_file = [k for k in saved if k.startswith("all_reduce/")]
     if not isinstance(trainer.algorithm, tf.Module):
         if in_file:
-            raise CheckpointError(path, _MISMATCH + "it holds all-reduce state, this one none")
+            raise CheckpointError(path, MISMATCH + "it holds all-reduce state, this one none")
         return
     shadow = copy.deepcopy(trainer.algorithm)
     problem = ""
@@ -127,7 +120,7 @@ def _check_algorithm_state(trainer: Trainer, path: str, saved: list[str]) -> Non
     try:
         status = tf.train.Checkpoint(all_reduce=shadow).read(path).expect_partial()
         status.assert_existing_objects_matched()
-    except (*_READ_ERRORS, AssertionError) as err:
+    except (*READ_ERRORS, AssertionError) as err:
         problem = f"the all-reduce's state: {err}"
     finally:
         gc.collect()  # the failed read's leftovers warn when collected: do it here, quietly
@@ -136,14 +129,13 @@ def _check_algorithm_state(trainer: Trainer, path: str, saved: list[str]) -> Non
         problem = (f"{len(in_file)} all-reduce state values in the checkpoint, "
                    f"{len(shadow.variables)} here")  # fmt: skip
     if problem:
-        raise CheckpointError(path, _MISMATCH + problem)
+        raise CheckpointError(path, MISMATCH + problem)
 
 
 def _written(trainer: Trainer) -> list[tf.Variable]:
-    found: list[Any] = [trainer.optimizer.iterations]  # every variable a restore writes
+    """Every variable a restore writes."""
+    found: list[Any] = [trainer.optimizer.iterations]
     for r in trainer.replicas:
         found += [*r.model.variables, *r.optimizer.variables]
-    variables = _tf_variables(found)
-    if isinstance(trainer.algorithm, tf.Module):
-        variables += list(trainer.algorithm.variables)
-    return variables
+    state = trainer.algorithm.variables if isinstance(trainer.algorithm, tf.Module) else ()
+    return _tf_variables(found) + list(state)

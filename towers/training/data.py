@@ -12,11 +12,7 @@ __all__ = ["batches", "digits"]
 
 
 def digits(test_fraction: float = 0.2, seed: int = 0) -> tuple[np.ndarray, ...]:
-    """``(x_train, y_train, x_test, y_test)``: 8×8×1 float32 images in [0, 1], int32 labels.
-
-    Raises:
-        ValueError: ``test_fraction`` outside (0, 1).
-    """
+    """``(x_train, y_train, x_test, y_test)``: 8×8×1 float32 images in [0, 1], int32 labels."""
     if not 0.0 < test_fraction < 1.0:
         raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
     from sklearn.datasets import load_digits

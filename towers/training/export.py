@@ -19,30 +19,27 @@ from keras.src.saving.keras_saveable import KerasSaveable
 
 from towers.devices import canonical_device
 from towers.guard.given import check_devices
+from towers.training.atomic import check_path
 from towers.training.protocol import Trainer
 
 __all__ = ["AsNetwork", "Exported", "export", "tower_model_arguments", "tower_model_config"]
 
 
 class Exported(NamedTuple):
-    """Where :func:`export` wrote the model."""
-
     keras: str
     saved_model: str
 
 
 def export(trainer: Trainer, path: str) -> Exported:
-    """Save ``trainer.model`` as ``<path>/model.keras`` and a SavedModel in ``<path>/saved_model``.
-
-    Raises:
-        ValueError: ``path`` exists and is not a directory.
+    """Save ``trainer.model`` as ``<path>/model.keras`` and a SavedModel in ``<path>/saved_model``
+    (``ValueError``: ``path`` is a file).
 
     Example:
         >>> out = export(trainer, "/tmp/digits")                      # doctest: +SKIP
         >>> keras.models.load_model(out.keras).predict(x)            # doctest: +SKIP
         >>> tf.saved_model.load(out.saved_model).serve(x)            # doctest: +SKIP
     """
-    path = os.fspath(path)
+    path = check_path(path, "path", "a directory")
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"path must be a directory, but {path!r} is a file")
     os.makedirs(path, exist_ok=True)
@@ -53,9 +50,8 @@ def export(trainer: Trainer, path: str) -> Exported:
 
 
 class AsNetwork(KerasSaveable):  # type: ignore[misc]
-    """A ``TowerModel`` as Keras's weights files walk it: its network's own layout (so the
-    plain model reads the file, and writes one the ``TowerModel`` reads) plus the towers'
-    optimizers."""
+    """A ``TowerModel`` as Keras's weights files walk it: its network's own layout (files the
+    plain model reads and writes) plus the towers' optimizers."""
 
     _TOWERS = ("optimizer", "shard_optimizers")
 
@@ -76,11 +72,8 @@ class AsNetwork(KerasSaveable):  # type: ignore[misc]
 
 
 def tower_model_config(tm: Any) -> dict[str, Any]:
-    """A ``TowerModel``'s config: its network's, its options, its devices as a count.
-
-    Raises:
-        ValueError: ``all_reduce`` is a callable (a name or ``module:NAME`` saves).
-    """
+    """A ``TowerModel``'s config: its network's, its options, its devices as a count
+    (``ValueError``: ``all_reduce`` is a callable, not a name or ``module:NAME``)."""
     algorithm = tm.options.all_reduce
     if algorithm is not None and not isinstance(algorithm, str):
         raise ValueError(
@@ -93,13 +86,11 @@ def tower_model_config(tm: Any) -> dict[str, Any]:
     options["parameter_device"] = tm.devices.index(pd) if pd in tm.devices else None
     return {
         "name": tm.name, "model": keras.saving.serialize_keras_object(tm.network),
-        "num_devices": len(tm.devices), **options,
-    }  # fmt: skip
+        "num_devices": len(tm.devices), **options}  # fmt: skip
 
 
 def tower_model_arguments(config: dict[str, Any], custom_objects: Any = None) -> dict[str, Any]:
-    """``TowerModel``'s arguments from :func:`tower_model_config`: the first ``num_devices``
-    local devices (all of them if fewer)."""
+    """``TowerModel``'s arguments from :func:`tower_model_config` (``num_devices`` local ones)."""
     config = dict(config)
     network = keras.saving.deserialize_keras_object(config.pop("model"),
                                                     custom_objects=custom_objects)

@@ -24,51 +24,36 @@ OptimizerLike: TypeAlias = "keras.optimizers.Optimizer | Callable[[], keras.opti
 
 def new_model(model: ModelLike, device: str, first: keras.Model | None) -> keras.Model:
     """``model`` on ``device`` with ``first``'s state (None: its own): ``model`` itself
-    when it is replica 0's and lives there, else a clone or the factory's new model.
-
-    Raises:
-        ValueError: the model is unbuilt or cannot be cloned.
-        TypeError: ``model`` is neither a Keras model nor a factory of one.
-    """
+    when it is replica 0's and lives there, else a clone or the factory's new model."""
     with tf.device(device):
         if isinstance(model, keras.Model):
             if first is None and model.built and all(
                     canonical_device(v.value.device) == device for v in model.variables):
                 return model
             if not model.built:
-                raise ValueError(
-                    "model is not built: give it an Input (keras.Input) or call it once, "
-                    "or pass a zero-argument factory that returns a built model"
-                )
+                raise ValueError("model is not built: give it an Input (keras.Input) or call it "
+                                 "once, or pass a zero-argument factory that returns a built model")
             try:
                 made = keras.models.clone_model(model)
             except Exception as err:  # subclassed models may not clone
-                raise ValueError(
-                    "model could not be cloned onto the towers' devices: pass a zero-argument "
-                    f"factory that builds it instead ({err})"
-                ) from err
-            source: keras.Model = first or model
+                raise ValueError("model could not be cloned onto the towers' devices: pass a "
+                                 f"zero-argument factory that builds it instead ({err})") from err
         elif callable(model):
             made = model()
             if not isinstance(made, keras.Model):
                 raise TypeError(f"model factory must return a keras.Model, got {type(made)}")
             if not made.built:
                 raise ValueError("the model factory must return a built model (use keras.Input)")
-            source = first if first is not None else made
         else:
             raise TypeError(f"model must be a keras.Model or a factory, got {type(model)}")
-        copy_state(source, made)
+        own = model if isinstance(model, keras.Model) else made
+        copy_state(first if first is not None else own, made)
     return made
 
 
 def copy_state(source: keras.Model, target: keras.Model) -> None:
     """Give ``target`` (a copy of ``source``'s architecture) ``source``'s whole state: every
-    variable, then each layer's own variables and assets as Keras's weights files carry them
-    (``Normalization`` statistics, a lookup table's vocabulary).
-
-    Raises:
-        ValueError: the copies differ in their variables (a factory that is not deterministic).
-    """
+    variable, then each layer's own variables and assets (a lookup table's vocabulary)."""
     if source is target:
         return
     if len(source.variables) != len(target.variables):
@@ -90,8 +75,7 @@ def new_optimizer(
     optimizer: OptimizerLike, variables: list[Any], device: str, first: bool
 ) -> keras.optimizers.Optimizer:
     """An optimizer on ``device`` built for ``variables``: ``optimizer`` itself when it is
-    replica 0's (``first``) and unbuilt, else a copy from its config or the factory's (a
-    ``TypeError`` when it is neither a Keras optimizer nor a factory of one)."""
+    replica 0's (``first``) and unbuilt, else a copy from its config or the factory's."""
     with tf.device(device):
         if isinstance(optimizer, keras.optimizers.Optimizer):
             if first and not optimizer.built:
@@ -102,8 +86,7 @@ def new_optimizer(
             made = optimizer()
             if not isinstance(made, keras.optimizers.Optimizer):
                 raise TypeError(
-                    f"optimizer factory must return a keras optimizer, got {type(made)}"
-                )
+                    f"optimizer factory must return a keras optimizer, got {type(made)}")
         else:
             raise TypeError(f"optimizer must be a Keras optimizer or a factory, got {optimizer!r}")
         made.build(variables)

@@ -13,8 +13,7 @@ A loss per model output::
 
     per example i:   w_a · L_a(y_a, out_a)_i  +  w_b · L_b(y_b, out_b)_i
 
-Every output's loss must ask for the same Keras reduction; an output whose loss is None
-trains no term. The values per example and the divisor are the tower's (:mod:`towers.tower`).
+Every output's loss must ask for the same Keras reduction; a loss of None trains no term.
 """
 
 from __future__ import annotations
@@ -34,18 +33,12 @@ __all__ = ["CROSSENTROPY", "REDUCTIONS", "LossFn", "OutputLosses", "bind_loss", 
 
 
 REDUCTIONS = ("sum_over_batch_size", "sum", "mean", "mean_with_sample_weight")
-"""The Keras loss reductions a trainer honours, each over the *global* batch:
-``sum_over_batch_size`` (the default), ``mean`` and ``"none"``/None: ``Σ w·l / B``; ``sum``:
-``Σ w·l``; ``mean_with_sample_weight``: ``Σ w·l / Σ w`` (``Σ w·l / B`` without weights)."""
+"""The Keras loss reductions a trainer honours, each over the *global* batch."""
 
 
 def resolve_loss(loss: str | LossFn | keras.losses.Loss) -> LossFn:
-    """Turn a loss name, Keras loss or callable into ``(y_true, y_pred) -> per-example losses``.
-
-    Raises:
-        TypeError: ``loss`` is neither a name nor a callable.
-        ValueError: an unknown loss name.
-    """
+    """A loss name, Keras loss or callable as ``(y_true, y_pred) -> per-example losses``
+    (``TypeError``: neither a name nor a callable; ``ValueError``: an unknown name)."""
     if isinstance(loss, str) and loss.lower() in CROSSENTROPY:
         return _crossentropy
     if isinstance(loss, str):
@@ -80,9 +73,8 @@ def _crossentropy(y_true: Any, y_pred: Any) -> Any:
 
 
 def same_rank(fn: LossFn) -> LossFn:
-    """``fn`` with ``y_true`` squeezed or expanded to ``y_pred``'s rank first, as Keras's
-    ``LossFunctionWrapper`` does: labels ``(B,)`` against outputs ``(B, 1)`` would otherwise
-    broadcast to ``(B, B)``."""
+    """``fn`` with ``y_true`` brought to ``y_pred``'s rank first, as Keras's
+    ``LossFunctionWrapper`` does (labels ``(B,)`` and outputs ``(B, 1)`` would broadcast)."""
 
     @functools.wraps(fn)
     def call(y_true: Any, y_pred: Any) -> Any:
@@ -106,24 +98,17 @@ def same_rank(fn: LossFn) -> LossFn:
 
 
 def loss_reduction(loss: str | LossFn | keras.losses.Loss) -> str:
-    """The reduction a loss asks for (a Keras ``Loss``'s ``reduction``, ``"none"`` meaning the
-    default; the default for any other loss).
-
-    Raises:
-        ValueError: a reduction not in :data:`REDUCTIONS`, naming ``loss`` and the reduction.
-    """
+    """The reduction a loss asks for (a Keras ``Loss``'s, ``"none"`` meaning the default); a
+    ``ValueError`` naming ``loss`` for one not in :data:`REDUCTIONS`."""
     if isinstance(loss, str):
         loss = None if loss.lower() in CROSSENTROPY else keras.losses.get(loss)
-    if not isinstance(loss, keras.losses.Loss):
-        return REDUCTIONS[0]
-    reduction = loss.reduction
+    reduction = loss.reduction if isinstance(loss, keras.losses.Loss) else None
     if reduction is None or reduction == "none":
         return REDUCTIONS[0]
     if reduction not in REDUCTIONS:
         raise ValueError(
             f"loss: {type(loss).__name__} has reduction={reduction!r}, which towers does not "
-            f"support; use one of {', '.join(REDUCTIONS)}"
-        )
+            f"support; use one of {', '.join(REDUCTIONS)}")
     return str(reduction)
 
 
@@ -133,8 +118,7 @@ def is_structured(loss: Any) -> bool:
 
 
 def reduction_of(loss: Any) -> str:
-    """The Keras reduction ``loss`` asks for (for a loss per output, the one they share; a
-    ``ValueError`` when they disagree or it is unsupported)."""
+    """The Keras reduction ``loss`` asks for (for a loss per output, the one they share)."""
     return (loss if isinstance(loss, OutputLosses) else OutputLosses(loss)).reduction
 
 
@@ -145,9 +129,6 @@ class OutputLosses:
         losses: one loss (every output), a list (model output order) or a dict by output
             name (an output left out or None trains no term).
         weights: None (all 1), a list (per output) or a dict by output name.
-
-    ``ValueError``: losses asking for different reductions, or (at :meth:`bind`) losses or
-    weights that do not match the model's outputs.
     """
 
     def __init__(self, losses: Any, weights: Any = None) -> None:

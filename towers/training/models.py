@@ -11,13 +11,11 @@ def digits_cnn(seed: int = 0) -> keras.Model:
     """A small CNN for 8×8×1 digits: two convolutions, a pooling, two dense layers."""
     init = keras.initializers.GlorotUniform
     inp = keras.Input((8, 8, 1))
-    h = keras.layers.Conv2D(
-        16, 3, padding="same", activation="relu", kernel_initializer=init(seed)
-    )(inp)
+    h = keras.layers.Conv2D(16, 3, padding="same", activation="relu",
+                            kernel_initializer=init(seed))(inp)
     h = keras.layers.MaxPooling2D()(h)
-    h = keras.layers.Conv2D(
-        32, 3, padding="same", activation="relu", kernel_initializer=init(seed + 1)
-    )(h)
+    h = keras.layers.Conv2D(32, 3, padding="same", activation="relu",
+                            kernel_initializer=init(seed + 1))(h)
     h = keras.layers.Flatten()(h)
     h = keras.layers.Dense(64, activation="relu", kernel_initializer=init(seed + 2))(h)
     out = keras.layers.Dense(10, kernel_initializer=init(seed + 3))(h)

@@ -3,11 +3,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any, Protocol
 
 import keras
-import numpy as np
 
 from towers.placement import Replicas
 
@@ -28,9 +26,3 @@ class Trainer(Protocol):
 
     model: keras.Model
     optimizer: keras.optimizers.Optimizer
-
-    def train_step(
-        self, x: Any, y: Any, sample_weight: Any = None, *, return_outputs: bool = False
-    ) -> Any: ...
-
-    def set_weights(self, weights: Sequence[np.ndarray]) -> None: ...

@@ -1,18 +1,9 @@
 """What a checkpoint holds, written beside its values, and the check a restore makes of it.
 
 Restored by position, ``SGD(momentum=0.9)``'s momentum would become an ``RMSprop``'s mean
-square: every checkpoint carries a JSON record of its trainer, compared on restore::
-
-    record                                       refused when it differs
-    ├── placement, towers, replicas              placement; replicas
-    ├── optimizer: class, config, inner          class (an inner optimizer's too) and
-    │   learning_rate                            every hyperparameter but the learning rate
-    ├── model: [path, shape, dtype, trainable]   any entry
-    ├── slots: per replica [path, shape, dtype]  any entry
-    └── all_reduce: identity, state shapes       the identity, when either side has state
-
-Allowed to differ: the learning rate (restored, with a warning), the devices, a
-``parameter_device`` trainer's tower count and a stateless all-reduce (then within rounding).
+square: every checkpoint carries a JSON record of its trainer (placement, replicas, optimizer
+and hyperparameters, model and slot variables, all-reduce), compared on restore; what may
+differ and what is refused: docs/checkpoints.md.
 """
 
 from __future__ import annotations
@@ -28,15 +19,17 @@ from towers.allreduce.machinery.registry import algorithm_name
 from towers.guard.errors import CheckpointError
 from towers.training.protocol import Trainer
 
-__all__ = ["FORMAT", "KEY", "Record", "check", "describe", "learning_rate_note", "mismatch",
-           "record"]
+__all__ = ["FORMAT", "KEY", "MISMATCH", "READ_ERRORS", "Record", "check", "describe",
+           "learning_rate_note", "mismatch", "record"]
 
 FORMAT = 1
 """The record's layout version; a checkpoint of another version is refused."""
 KEY = "record/.ATTRIBUTES/py_state"
 """Where a checkpoint (:func:`towers.training.checkpoint.checkpoint`) keeps the record."""
 _SUFFIX = re.compile(r"_\d+(?=[_/]|$)")
-_READ_ERRORS = (tf.errors.OpError, ValueError, TypeError, IndexError, OSError, RuntimeError)
+READ_ERRORS = (tf.errors.OpError, ValueError, IndexError, OSError, RuntimeError)
+"""What reading a damaged or foreign checkpoint raises."""
+MISMATCH = "does not match this trainer: "
 
 
 def _plain(value: Any) -> Any:
@@ -60,8 +53,7 @@ def _optimizer(optimizer: Any) -> dict[str, Any]:
     inner = getattr(optimizer, "inner_optimizer", None)
     defaults = {
         name: p.default for name, p in inspect.signature(type(optimizer)).parameters.items()
-        if p.default is not inspect.Parameter.empty
-    }  # fmt: skip
+        if p.default is not inspect.Parameter.empty}  # fmt: skip
     return {
         "class": type(optimizer).__name__, "config": config, "learning_rate": rate,
         "defaults": _plain(defaults), "inner": None if inner is None else _optimizer(inner),
@@ -69,7 +61,7 @@ def _optimizer(optimizer: Any) -> dict[str, Any]:
 
 
 def _all_reduce(algorithm: Any) -> dict[str, Any]:
-    """The all-reduce's identity (codec and its settings included) and its state's shapes."""
+    """The all-reduce's identity (its codec's too) and its state's shapes."""
     name = algorithm_name(algorithm)
     if hasattr(algorithm, "codec"):
         inner = algorithm_name(getattr(algorithm, "algorithm", None))
@@ -79,7 +71,7 @@ def _all_reduce(algorithm: Any) -> dict[str, Any]:
 
 
 def record(trainer: Trainer) -> dict[str, Any]:
-    """What a checkpoint of ``trainer`` holds (JSON-serializable; see the module's drawing)."""
+    """What a checkpoint of ``trainer`` holds (JSON-serializable)."""
     placement = getattr(trainer, "placement", None)
     return {
         "format": FORMAT,
@@ -92,8 +84,7 @@ def record(trainer: Trainer) -> dict[str, Any]:
         ],
         "optimizer": _optimizer(trainer.optimizer),
         "slots": [[_entry(v) for v in r.optimizer.variables] for r in trainer.replicas],
-        "all_reduce": _all_reduce(trainer.algorithm),
-    }
+        "all_reduce": _all_reduce(trainer.algorithm)}
 
 
 def describe(optimizer: dict[str, Any]) -> str:
@@ -104,8 +95,7 @@ def describe(optimizer: dict[str, Any]) -> str:
     defaults = optimizer.get("defaults", {})
     shown = [
         f"{k}={_fmt(v)}" for k, v in sorted(config.items())
-        if k not in defaults or _fmt(defaults[k]) != _fmt(v)
-    ]  # fmt: skip
+        if k not in defaults or _fmt(defaults[k]) != _fmt(v)]  # fmt: skip
     text = optimizer["class"] + (f" ({', '.join(shown)})" if shown else "")
     if optimizer.get("inner") is not None:
         text += f" of {describe(optimizer['inner'])}"
@@ -126,8 +116,7 @@ def _config_diff(saved: dict[str, Any] | None, mine: dict[str, Any] | None) -> l
     keys = sorted(set(saved["config"]) | set(mine["config"]))
     found = [
         f"{k}={_fmt(saved['config'].get(k))} in the checkpoint, {_fmt(mine['config'].get(k))} here"
-        for k in keys if saved["config"].get(k) != mine["config"].get(k)
-    ]  # fmt: skip
+        for k in keys if saved["config"].get(k) != mine["config"].get(k)]  # fmt: skip
     if (saved["learning_rate"] is None) != (mine["learning_rate"] is None):
         found.append("a learning-rate schedule on one side, a fixed rate on the other")
     return found + _config_diff(saved["inner"], mine["inner"])
@@ -214,7 +203,7 @@ def check(reader: Any, path: str, trainer: Trainer) -> str | None:
     :func:`learning_rate_note`'s sentence, or None (``CheckpointError``: none, or a mismatch)."""
     try:
         saved = json.loads(reader.get_tensor(KEY))
-    except _READ_ERRORS as err:
+    except (*READ_ERRORS, TypeError) as err:
         if reader.has_tensor(KEY):
             raise CheckpointError(path, f"its record cannot be read ({err})") from err
         raise CheckpointError(
@@ -225,5 +214,5 @@ def check(reader: Any, path: str, trainer: Trainer) -> str | None:
     mine = record(trainer)
     problem = mismatch(saved, mine)
     if problem:
-        raise CheckpointError(path, "does not match this trainer: " + problem)
+        raise CheckpointError(path, MISMATCH + problem)
     return learning_rate_note(saved, mine)
