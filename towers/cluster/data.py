@@ -72,15 +72,9 @@ def _file_list(dataset: Any) -> tf.data.Dataset | None:
 def shard_dataset(dataset: Any, cluster: Any, *, policy: str = "auto",
                   read: Callable[[tf.data.Dataset], tf.data.Dataset] | None = None
                   ) -> tf.data.Dataset:
-    """The input of one worker: ``dataset`` sharded by tf.data's auto-shard ``policy``.
-
-    Args:
-        dataset: a ``tf.data.Dataset`` of unbatched elements, or a file list.
-        cluster: a ``Cluster`` (this task) or a ``(num_workers, worker_index)`` pair.
-        read: for a file list, turns names into records (``tf.data.TFRecordDataset``);
-            None returns the (sharded) names themselves.
-
-    ``TypeError``/``ValueError``: a bad argument, or ``"file"`` without enough files.
+    """The input of one worker (``cluster``: a ``Cluster`` or ``(num_workers, index)``):
+    ``dataset`` (unbatched elements, or a file list whose names ``read`` turns into records,
+    e.g. ``tf.data.TFRecordDataset``) sharded by tf.data's auto-shard ``policy``.
 
     Example:
         >>> ds = tf.data.Dataset.range(5)
