@@ -110,7 +110,6 @@ def add_problem_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``towers compare`` and ``towers bisect``."""
     add = parser.add_argument
     side = Named(_side, lambda text: None if text.startswith("towers:")
                  else loader("imported", "step")(text), "step")

@@ -61,7 +61,6 @@ def reducer(text: str) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``towers study``."""
     add = parser.add_argument
     add("reducers", nargs="*", metavar="REDUCER", type=reducer,
         default=["ring", "fp16", "topk(0.1)", "powersgd(4)"],
@@ -103,7 +102,6 @@ def _data(model: str) -> tuple[Any, tuple]:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the study; returns a process exit code."""
     from towers.trace.schedule import start_devices
 
     try:

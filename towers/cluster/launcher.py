@@ -23,8 +23,7 @@ from towers.guard.arguments import non_negative_float
 __all__ = ["LEFTOVER_EXIT", "TIMEOUT_EXIT", "LocalServers", "TaskProcess", "launch",
            "start_servers"]
 
-TIMEOUT_EXIT = 124
-"""Exit code of a launch that ran past its timeout (as coreutils ``timeout``)."""
+TIMEOUT_EXIT = 124  # exit code of a launch that ran past its timeout (as coreutils `timeout`)
 LEFTOVER_EXIT = 1
 """Exit code of a launch whose tasks all succeeded but left processes running (killed)."""
 SERVER_COMMAND = (sys.executable, "-m", "towers.cluster.server")

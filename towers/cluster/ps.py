@@ -29,8 +29,7 @@ from towers.guard.errors import TowersError
 __all__ = ["POLICIES", "FairLock", "ParameterServerLost", "ParameterStore", "check_rule",
            "connect_ps", "shard_variables"]
 
-POLICIES = ("round_robin", "size_balanced")
-"""Placement policies of :func:`shard_variables`."""
+POLICIES = ("round_robin", "size_balanced")  # placement policies of :func:`shard_variables`
 
 
 class ParameterServerLost(TowersError, ConnectionError):
