@@ -13,8 +13,7 @@ first: chief → 0, ``worker:i`` → i + #chief)::
                    global_to_worker_batches (worker_slice) instead
 
 A *file list* is a list of names or a dataset of scalar strings (``list_files`` with
-``shuffle=False``). :func:`global_to_worker_batches` keeps this worker's ceil(B/W) rows of
-every global batch (B = 5, W = 2: rows 0 1 2 | 3 4).
+``shuffle=False``).
 """
 
 from __future__ import annotations
