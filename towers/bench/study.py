@@ -153,18 +153,10 @@ def run_study(
     learning_rate: float = 3e-3, systems: Sequence[str] = tuple(SYSTEMS), eval_every: int = 1,
     steps: int | None = None, progress: Callable[[str], None] | None = None,
 ) -> list[dict[str, Any]]:
-    """Train ``model`` once per reducer spec from the same start; one row per step.
-
-    Args:
-        specs: reducer specs (``ring``, ``fp16``, ``topk(0.1)``, ``powersgd(4)@tree``,
-            ``module:NAME``), checked before any training.
-        model: builds the model (the first build's weights are every run's start).
-        data: ``(x, y, x_test, y_test)`` (default: the bundled digits).
-        systems: where to predict the communication time (names in ``SYSTEMS``).
-        eval_every: test accuracy every this many steps (and at the last).
-        steps: stop each run after this many steps (None: every epoch to its end).
-        progress: called with one line per finished run.
-    """
+    """Train ``model`` once per reducer spec (``ring``, ``topk(0.1)``, ``powersgd(4)@tree``,
+    ``module:NAME``; all checked first) from its first build's weights; one row per step.
+    ``data``: ``(x, y, x_test, y_test)`` (default: the digits); ``systems``: where time is
+    predicted; ``progress``: called with one line per finished run."""
     entries = [parse(s) for s in specs]
     if not entries:
         raise ValueError("specs: name at least one reducer")

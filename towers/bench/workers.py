@@ -6,12 +6,11 @@ MultiWorkerMirroredStrategy's ``all_reduce`` per size; worker 0 prints ``RESULT 
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -56,24 +55,20 @@ def _functions(strategy: Any, workers: int, elements: int) -> dict[str, Any]:
 
 
 def _time_size(strategy: Any, workers: int, megabytes: int, rounds: int) -> dict[str, Any]:
-    """Median and minimum seconds of each implementation for one size."""
+    """Median and minimum seconds of each implementation for one size, timed interleaved
+    (the same seeded order on every worker, so their collectives meet)."""
     elements = megabytes * 2**20 // 4
-    functions = _functions(strategy, workers, elements)
     with tf.device(_CPU):
         x = tf.constant(np.ones(elements, np.float32))
-    seconds: dict[str, list[float]] = {name: [] for name in _IMPLS}
-    for fn in functions.values():  # trace and warm up (the first call meets the group)
-        np.asarray(fn(x))
-    for _ in range(rounds):
-        for name, fn in functions.items():
-            start = time.perf_counter()
-            out = np.asarray(fn(x))
-            seconds[name].append(time.perf_counter() - start)
-            if not np.all(out == workers):
-                raise RuntimeError(f"{name}: an all-reduce of ones gave {out[:4]}…")
+    calls = {name: functools.partial(lambda fn: np.asarray(fn(x)), fn)
+             for name, fn in _functions(strategy, workers, elements).items()}
+    for name, call in calls.items():  # trace and check (the first call meets the group)
+        if not np.all((out := call()) == workers):
+            raise RuntimeError(f"{name}: an all-reduce of ones gave {out[:4]}…")
+    samples = report.interleave(calls, rounds, warmup=0)
     return {"megabytes": megabytes, "workers": workers,
-            "median_s": {k: statistics.median(v) for k, v in seconds.items()},
-            "min_s": {k: min(v) for k, v in seconds.items()}}
+            "median_s": {k: s.median for k, s in samples.items()},
+            "min_s": {k: s.minimum for k, s in samples.items()}}
 
 
 def main(sizes: list[int], rounds: int) -> None:

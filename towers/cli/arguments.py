@@ -24,35 +24,18 @@ __all__ = ["ALGORITHMS", "CODECS", "COLLECTIVES", "DTYPES", "MODELS", "OPS", "PL
            "algorithms", "at_least", "choices", "codec", "did_you_mean", "fail", "loader",
            "output_dir", "output_file", "positive_float", "spec_found", "tower_counts"]
 
-ALGORITHMS = (
+ALGORITHMS = (  # sorted(towers.ALGORITHMS)
     "bruck", "double_binary_tree", "halving_doubling", "hierarchical", "naive", "nccl",
     "nccl_ring", "nccl_tree", "parameter_device", "pat", "ring", "swing", "torus_2d", "tree",
 )
-"""The registered all-reduces, sorted (``sorted(towers.ALGORITHMS)``)."""
-
-COLLECTIVES = ("chain", "doubling", "flat", "halving", "ring", "tree")
-"""The collectives' algorithms (``COLLECTIVE_ALGORITHMS``), for ``towers trace --collective``."""
-
-CODECS = ("bf16", "fp16", "identity", "powersgd", "topk")
-"""The registered codecs, sorted (``sorted(towers.allreduce.CODECS)``)."""
-
-OPS = ("sum", "mean", "max", "min")
-"""The reductions of the contract."""
-
-DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64")
-"""The dtypes of the contract, by name."""
-
-REFERENCES = ("mirrored", "central_storage")
-"""The ``tf.distribute`` references ``towers compare`` and ``towers bisect`` may name."""
-
-VARIABLES = ("replicated", "parameter_device")
-"""The variable placements a command line may name."""
-
-PLACEMENTS = ("parameter_device", "replicated", "sharded")
-"""Every placement (``towers.step.PLACEMENTS``), for ``towers bench --placements``."""
-
-MODELS = ("conv-mnist", "mlp")
-"""The models of ``towers bench``'s step table (``towers.bench.training.MODELS``)."""
+COLLECTIVES = ("chain", "doubling", "flat", "halving", "ring", "tree")  # trace --collective
+CODECS = ("bf16", "fp16", "identity", "powersgd", "topk")  # sorted(towers.allreduce.CODECS)
+OPS = ("sum", "mean", "max", "min")  # the contract's reductions
+DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64")  # and dtypes
+REFERENCES = ("mirrored", "central_storage")  # tf.distribute, for compare and bisect
+VARIABLES = ("replicated", "parameter_device")  # the placements a command line may name
+PLACEMENTS = ("parameter_device", "replicated", "sharded")  # towers.step.PLACEMENTS (bench)
+MODELS = ("conv-mnist", "mlp")  # towers.bench.training.MODELS
 
 
 def did_you_mean(word: str, known: Iterable[str]) -> str:

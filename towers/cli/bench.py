@@ -45,7 +45,6 @@ def _ints(text: str) -> list[int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``towers bench``."""
     add = parser.add_argument
     add("--towers", type=at_least(1), default=4, help="simulated devices for the tables")
     add("--quick", action="store_true", help="4 KB-1 MB, fewer rounds")

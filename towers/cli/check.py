@@ -39,7 +39,6 @@ def budgets(examples: int, count: int) -> list[int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``towers check``."""
     add = parser.add_argument
     add("algorithm", type=algorithm, help="a registered name, module:function or "
         "file.py:function")
@@ -63,7 +62,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def usage_problem(args: argparse.Namespace) -> str | None:
-    """What is wrong with the options (None: nothing)."""
     if args.towers and max(args.towers) > args.max_towers:
         return (f"argument --towers: {max(args.towers)} is more than --max-towers "
                 f"{args.max_towers}; raise --max-towers or drop that count")
@@ -94,7 +92,6 @@ def _check(args: argparse.Namespace, name: str, fn: Any, counts: list[int],
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the job; returns a process exit code."""
     from towers.trace.schedule import start_devices
 
     devices = start_devices(args.max_towers)  # first: before TensorFlow's runtime starts

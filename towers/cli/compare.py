@@ -46,8 +46,8 @@ from towers.cli.arguments import (
     spec_found,
 )
 
-__all__ = ["EPILOG", "KERNEL_NOISE", "add_arguments", "add_problem_arguments", "exit_code",
-           "load_problem", "run"]
+__all__ = ["EPILOG", "KERNEL_NOISE", "add_arguments", "add_problem_arguments", "digits_problem",
+           "exit_code", "load_problem", "run"]
 
 KERNEL_NOISE = 3
 """Exit status: outside the bound only by the towers' own kernels (``cause="kernels"``)."""
@@ -110,7 +110,6 @@ def add_problem_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``towers compare`` and ``towers bisect``."""
     add = parser.add_argument
     side = Named(_side, lambda text: None if text.startswith("towers:")
                  else loader("imported", "step")(text), "step")
@@ -125,14 +124,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_problem_arguments(parser)
 
 
+def digits_problem(model: str) -> tuple[Callable[[], Any], tuple[Any, ...]]:
+    """The bundled digits' model factory (``mlp``: 64-32-10 on flat images, else the CNN) and
+    ``(x, y, x_test, y_test)``."""
+    from towers.training.data import digits
+    from towers.training.models import digits_cnn, mlp
+
+    x, y, x_test, y_test = digits()
+    if model != "mlp":
+        return digits_cnn, (x, y, x_test, y_test)
+    flat = (x.reshape(len(x), -1), y, x_test.reshape(len(x_test), -1), y_test)
+    return (lambda: mlp((64, 32, 10))), flat
+
+
 def _arrays(args: argparse.Namespace) -> tuple[Any, Any]:
     import numpy as np
 
     if args.data is None:
-        from towers.training.data import digits
-
-        x, y, _, _ = digits()
-        return (x.reshape(len(x), -1) if args.model == "mlp" else x), y
+        return digits_problem(args.model)[1][:2]
     with np.load(args.data) as arrays:
         if "x" not in arrays or "y" not in arrays:
             raise ValueError(f"--data {args.data}: expected arrays 'x' and 'y', got "
@@ -145,10 +154,9 @@ def _arrays(args: argparse.Namespace) -> tuple[Any, Any]:
 
 def _model_fn(spec: str) -> Callable[[], Any]:
     from towers.allreduce.machinery.resolve import imported
-    from towers.training.models import digits_cnn, mlp
 
     if spec in ("mlp", "conv"):
-        return (lambda: mlp((64, 32, 10))) if spec == "mlp" else digits_cnn
+        return digits_problem(spec)[0]
     fn = imported(spec, "--model")
     if not callable(fn):
         raise TypeError(f"--model {spec} is a {type(fn).__name__}, not a callable")

@@ -36,7 +36,6 @@ EPILOG = """examples:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``towers invariance``."""
     add = parser.add_argument
     add("--towers", type=tower_counts, default=[1, 2, 4, 8], metavar="N,N,...",
         help="tower counts; the first is the reference")
@@ -53,7 +52,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the check; returns a process exit code."""
     from towers.trace.schedule import start_devices
 
     try:

@@ -24,7 +24,6 @@ EPILOG = """examples:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``towers launch``."""
     add = parser.add_argument
     add("--workers", type=at_least(1), default=2, help="worker tasks")
     add("--towers-per-worker", type=at_least(1), default=1, help="logical devices per task")
@@ -41,7 +40,6 @@ def _command(args: argparse.Namespace) -> list[str]:
 
 
 def usage_problem(args: argparse.Namespace) -> str | None:
-    """What is wrong with the options (None: nothing)."""
     problems = [] if _command(args) else ["give the command after --"]
     if args.failure_grace < 0:
         problems.append("--failure-grace must be at least 0")
@@ -49,7 +47,6 @@ def usage_problem(args: argparse.Namespace) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Launch the tasks; returns a process exit code."""
     from towers.cluster.launcher import launch
     from towers.cluster.spec import local_cluster
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
 
 from towers.cli.arguments import (
     ALGORITHMS,
@@ -28,6 +27,7 @@ from towers.cli.arguments import (
     positive_float,
     spec_found,
 )
+from towers.cli.compare import digits_problem
 
 __all__ = ["EPILOG", "add_arguments", "run", "usage_problem"]
 
@@ -61,7 +61,6 @@ def reducer(text: str) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``towers study``."""
     add = parser.add_argument
     add("reducers", nargs="*", metavar="REDUCER", type=reducer,
         default=["ring", "fp16", "topk(0.1)", "powersgd(4)"],
@@ -91,19 +90,7 @@ def usage_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _data(model: str) -> tuple[Any, tuple]:
-    from towers.training.data import digits
-    from towers.training.models import digits_cnn, mlp
-
-    x, y, x_test, y_test = digits()
-    if model == "cnn":
-        return digits_cnn, (x, y, x_test, y_test)
-    flat = (x.reshape(len(x), -1), y, x_test.reshape(len(x_test), -1), y_test)
-    return (lambda: mlp((64, 32, 10))), flat
-
-
 def run(args: argparse.Namespace) -> int:
-    """Run the study; returns a process exit code."""
     from towers.trace.schedule import start_devices
 
     try:
@@ -118,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
             parse(spec)
     except (ValueError, TypeError) as err:
         return fail("study", str(err))
-    model, data = _data(args.model)
+    model, data = digits_problem(args.model)
     if args.batch > len(data[0]):
         return fail("study", f"--batch {args.batch} is more than the {len(data[0])} examples")
     print(f"towers study: {', '.join(args.reducers)} on {args.towers} towers, {args.model}, "

@@ -33,7 +33,6 @@ Open the JSON at https://ui.perfetto.dev (Open trace file) or in chrome://tracin
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``towers timeline``."""
     add = parser.add_argument
     add("--towers", type=at_least(1), default=4, help="simulated devices")
     add("--algorithm", type=algorithm, default="ring",
@@ -51,7 +50,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def usage_problem(args: argparse.Namespace) -> str | None:
-    """What is wrong with the options (None: nothing)."""
     if args.batch_size < args.towers:
         return (f"argument --batch-size: {args.batch_size} leaves some of the {args.towers} "
                 "towers without an example; give at least --towers")
@@ -59,7 +57,6 @@ def usage_problem(args: argparse.Namespace) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the job; returns a process exit code."""
     from towers.trace import schedule
 
     devices = schedule.start_devices(args.towers)  # first: before TensorFlow's runtime starts

@@ -36,7 +36,6 @@ EPILOG = """examples:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``towers trace``."""
     add = parser.add_argument
     add("name", nargs="?", metavar="ALGO", type=algorithm_or_collective, default=None,
         help="the algorithm, as --algorithm (either, not both)")
@@ -64,7 +63,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def usage_problem(args: argparse.Namespace) -> str | None:
-    """What is wrong with the options (None: nothing)."""
     if args.name and args.algorithm and args.name != args.algorithm:
         return f"ALGO {args.name!r} and --algorithm {args.algorithm!r} disagree: give one"
     return None
@@ -83,7 +81,6 @@ def _state(args: argparse.Namespace, fn: object, devices: list[str]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the job; returns a process exit code."""
     args.algorithm = args.algorithm or args.name or "ring"
     if args.collective:
         from towers.allreduce.collectives import format_collective

@@ -19,7 +19,6 @@ __all__ = ["add_arguments", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``towers train``."""
     add = parser.add_argument
     add("--towers", type=at_least(1), default=4, help="simulated devices")
     add("--algorithm", type=algorithm, default="naive",
@@ -81,7 +80,6 @@ def _compare(tm: Any, data: tuple[np.ndarray, ...], args: argparse.Namespace,
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the job; returns a process exit code."""
     from towers.trace.schedule import start_devices
 
     devices = start_devices(args.towers)  # first: before TensorFlow's runtime starts

@@ -1,16 +1,6 @@
-"""Training on several processes with TensorFlow's own distributed runtime.
-
-::
-
-    spec.py          resolve(): TF_CONFIG, ClusterSpec, dict or resolver → Cluster
-    runtime.py       start_worker() (between-graph), start_server() + connect() (in-graph)
-    server.py        ``python -m towers.cluster.server``: serve one task's towers
-    launcher.py      launch() (``towers launch``), start_servers() for one client
-    cross_worker.py  CrossWorker and AllTowers (MWMS's order, bitwise)
-    trainer.py       WorkerTrainer: loss over the global batch; chief checkpoints
-    data.py          shard_dataset(), global_to_worker_batches()
-    ps.py            parameter servers: shard_variables(), ParameterStore
-    ps_train.py      AsyncTrainer, its update log and replay() in NumPy
+"""Training on several processes with TensorFlow's own distributed runtime: clusters from
+TF_CONFIG (spec), the runtime started (runtime, server), localhost launches (launcher),
+cross-worker reducers and trainer, input sharding (data), parameter servers (ps, ps_train).
 """
 
 from __future__ import annotations

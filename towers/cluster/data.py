@@ -13,8 +13,7 @@ first: chief → 0, ``worker:i`` → i + #chief)::
                    global_to_worker_batches (worker_slice) instead
 
 A *file list* is a list of names or a dataset of scalar strings (``list_files`` with
-``shuffle=False``). :func:`global_to_worker_batches` keeps this worker's ceil(B/W) rows of
-every global batch (B = 5, W = 2: rows 0 1 2 | 3 4).
+``shuffle=False``).
 """
 
 from __future__ import annotations
@@ -72,15 +71,9 @@ def _file_list(dataset: Any) -> tf.data.Dataset | None:
 def shard_dataset(dataset: Any, cluster: Any, *, policy: str = "auto",
                   read: Callable[[tf.data.Dataset], tf.data.Dataset] | None = None
                   ) -> tf.data.Dataset:
-    """The input of one worker: ``dataset`` sharded by tf.data's auto-shard ``policy``.
-
-    Args:
-        dataset: a ``tf.data.Dataset`` of unbatched elements, or a file list.
-        cluster: a ``Cluster`` (this task) or a ``(num_workers, worker_index)`` pair.
-        read: for a file list, turns names into records (``tf.data.TFRecordDataset``);
-            None returns the (sharded) names themselves.
-
-    ``TypeError``/``ValueError``: a bad argument, or ``"file"`` without enough files.
+    """The input of one worker (``cluster``: a ``Cluster`` or ``(num_workers, index)``):
+    ``dataset`` (unbatched elements, or a file list whose names ``read`` turns into records,
+    e.g. ``tf.data.TFRecordDataset``) sharded by tf.data's auto-shard ``policy``.
 
     Example:
         >>> ds = tf.data.Dataset.range(5)

@@ -1,15 +1,7 @@
 """Run one process per task on localhost: ``towers launch`` and local servers for a client.
 
-::
-
-    launch(cluster, T, CMD)
-      worker 0: CMD  (TF_CONFIG task 0, TOWERS_PER_TASK=T) ──▶ "[worker 0] line"
-      worker 1: CMD  (TF_CONFIG task 1, TOWERS_PER_TASK=T) ──▶ "[worker 1] line"
-      ps 0:     python -m towers.cluster.server            ──▶ "[ps 0] line"
-      one task fails  → the others are terminated (after failure_grace seconds, in
-                        which they may end by themselves); --timeout → all are killed (124)
-
-Every task is its own process group, terminated (then killed) when the launch ends; a
+Each task gets its TF_CONFIG and ``TOWERS_PER_TASK``, its lines are prefixed ``[worker k]``;
+every task is its own process group, terminated (then killed) when the launch ends, and a
 process a finished worker left running fails the launch (:data:`LEFTOVER_EXIT`).
 """
 
@@ -31,8 +23,7 @@ from towers.guard.arguments import non_negative_float
 __all__ = ["LEFTOVER_EXIT", "TIMEOUT_EXIT", "LocalServers", "TaskProcess", "launch",
            "start_servers"]
 
-TIMEOUT_EXIT = 124
-"""Exit code of a launch that ran past its timeout (as coreutils ``timeout``)."""
+TIMEOUT_EXIT = 124  # exit code of a launch that ran past its timeout (as coreutils `timeout`)
 LEFTOVER_EXIT = 1
 """Exit code of a launch whose tasks all succeeded but left processes running (killed)."""
 SERVER_COMMAND = (sys.executable, "-m", "towers.cluster.server")
@@ -134,17 +125,10 @@ def _wait_group_empty(pgid: int) -> bool:
 def launch(cluster: Cluster, towers: int, command: Sequence[str],
            timeout: float | None = None, out: IO[str] | None = None,
            failure_grace: float = 0.0) -> int:
-    """Run ``command`` once per trainer task of ``cluster`` and return the worst exit code.
-
-    Args:
-        towers: logical devices per task (``TOWERS_PER_TASK`` in each task's environment).
-        timeout: seconds before every task is killed (None: no limit).
-        out: where prefixed output lines go (default ``sys.stdout``).
-        failure_grace: seconds the other trainers may run on after one failed.
-
-    Returns 0 when every trainer exits 0, :data:`TIMEOUT_EXIT` after a timeout, else the
-    largest exit code of a task that ended by itself. ``ValueError``: a bad argument.
-    """
+    """Run ``command`` once per trainer task of ``cluster`` (``towers`` devices each; ps tasks
+    serve) and return 0 when every trainer exits 0, :data:`TIMEOUT_EXIT` after ``timeout``
+    s, else the largest exit code of a task that ended by itself. After one fails the others
+    may run ``failure_grace`` s; lines go to ``out`` (default ``sys.stdout``)."""
     non_negative_float("failure_grace", failure_grace)
     if not command:
         raise ValueError("command is empty: give the program to run after --")

@@ -1,21 +1,9 @@
 """Parameter servers: the model's variables on ``/job:ps`` tasks, versioned, updated as pushed.
 
-::
-
-    shard_variables(policy)           ParameterStore (in the client, one lock)
-    var 0 ─▶ ps 0                      pull(worker):  ┌ lock ─────────────────────────┐
-    var 1 ─▶ ps 1                                     │ read versions {ps k: v_k}     │
-    var 2 ─▶ ps 0   (round_robin)                     │ copy every ps var ─▶ worker   │
-    var 3 ─▶ ps 1                                     └───────────────────────────────┘
-                                       push(grads):   ┌ lock ─────────────────────────┐
-    size_balanced: largest first onto  (staleness     │ too stale? → refused (re-read)│
-    the least-loaded task (greedy      checked here)  │ on each ps: w ← w − lr·g      │
-    min-max, as a partitioner would)                  │ (momentum: m ← m·μ − g·lr;    │
-                                                      │  w ← w + m, Keras SGD's ops)  │
-                                                      │ versions of its shards += 1   │
-                                                      └───────────────────────────────┘
-
-The update is Keras ``SGD.update_step``'s arithmetic: one worker equals ``TowerTrainer`` bitwise.
+Placement: ``round_robin`` (variable i on ps i mod P) or ``size_balanced`` (largest first onto
+the least-loaded task). A pull copies every variable to a worker and reads the versions; a
+push (refused when too stale) applies Keras ``SGD.update_step``'s arithmetic on each ps
+(``w ← w − lr·g``; momentum ``m ← m·μ − g·lr; w ← w + m``), both under one lock.
 
 References:
     Dean et al., "Large Scale Distributed Deep Networks" (DistBelief, 2012);
@@ -41,8 +29,7 @@ from towers.guard.errors import TowersError
 __all__ = ["POLICIES", "FairLock", "ParameterServerLost", "ParameterStore", "check_rule",
            "connect_ps", "shard_variables"]
 
-POLICIES = ("round_robin", "size_balanced")
-"""Placement policies of :func:`shard_variables`."""
+POLICIES = ("round_robin", "size_balanced")  # placement policies of :func:`shard_variables`
 
 
 class ParameterServerLost(TowersError, ConnectionError):

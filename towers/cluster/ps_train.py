@@ -1,23 +1,9 @@
 """Asynchronous data-parallel training against parameter servers, every update logged.
 
-One client drives W workers, one thread each (as ``ClusterCoordinator``); the variables
-live on the ps tasks (:class:`~towers.cluster.ps.ParameterStore`)::
-
-    worker 0 thread:  take batch b ─ pull (v) ─ towers: split, grads, sum in tower order ─ push
-    worker 1 thread:      take batch b+1 ─ pull (v) ─ … grads on its own towers … ─ push
-                      (pull and push hold the store's lock; the gradients run in parallel)
-
-    log: [UpdateRecord(worker, worker_step, batch, read={ps k: version}, version), …]
-         + the gradient each update applied
-
-Each worker is a ``TowerTrainer`` over its own towers. The log replays bitwise in NumPy
-(:func:`replay`: float32 NumPy rounds as TF's CPU kernels, no fused multiply-add)::
-
-    version 0 = initial weights
-    for u, record in enumerate(log.records):        # the order the ps applied them
-        (SGD)       w ← w − g_u·lr
-        (momentum)  m ← m·μ − g_u·lr ;  w ← w + m
-        version u+1 = w                              # record.version == u + 1
+One client drives W workers, one thread each (as ``ClusterCoordinator``): take a batch,
+pull, gradients on the worker's towers (a ``TowerTrainer``), push. The log holds every
+update in apply order with its gradient; :func:`replay` redoes it bitwise in float32 NumPy
+(which rounds as TF's CPU kernels: no fused multiply-add).
 """
 
 from __future__ import annotations
@@ -75,18 +61,14 @@ class AsyncTrainer:
 
     Args:
         model: a zero-argument factory of a built ``keras.Model`` (trainable variables only).
-        loss: as for :class:`towers.TowerTrainer`.
         workers: ``workers[w]``: the towers (devices) of worker w, e.g. one task's CPUs.
-        ps_devices: the parameter servers' devices (``/job:ps/replica:0/task:k/device:CPU:0``).
+        ps_devices: the parameter servers' devices; ``policy`` places the variables on them.
         learning_rate, momentum: the SGD rule the ps apply.
-        policy: variable placement over the ps (:func:`~towers.cluster.ps.shard_variables`).
         max_staleness: refuse pushes read more than this many updates ago (the worker
             recomputes on fresh weights; counted in :attr:`refused`).
         timeout: seconds one pull or push may take (then ``ParameterServerLost``).
         on_nonfinite: a NaN/Inf on any tower: ``"skip"`` (listed in
             :attr:`skipped_batches`), ``"raise"`` (``NonFiniteError``) or ``"ignore"``.
-
-    ``ValueError``: no workers, non-trainable variables or a bad setting, named.
     """
 
     def __init__(self, model: Callable[[], keras.Model], loss: Any, *,

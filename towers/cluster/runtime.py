@@ -1,12 +1,5 @@
-"""Start TensorFlow's distributed runtime in this process: a worker, a server or a client.
-
-Two ways to train on several processes, both on TensorFlow's own gRPC runtime::
-
-    between-graph (start_worker)           in-graph (start_server + connect)
-    every task runs the same program;      tasks only serve; one client builds one
-    its TowerTrainer uses local towers     graph over every task's towers
-    and CrossWorker's collectives          /job:worker/replica:0/task:k/device:CPU:i
-    (MultiWorkerMirroredStrategy's way)    (tf.distribute.Server + connect_to_cluster)
+"""Start TensorFlow's distributed runtime in this process: a worker (between-graph, as
+MultiWorkerMirroredStrategy), a server, or a client of servers (in-graph).
 
 Devices and collective ops must be set before the first op: call these first thing.
 """
@@ -72,17 +65,9 @@ def _check(visible: Any, memory_growth: Any, memory_limit_mb: Any) -> list[int] 
 
 def configure_gpus(visible: Sequence[int] | None = None, memory_growth: bool | None = None,
                    memory_limit_mb: int | None = None) -> list[str]:
-    """Choose this process's GPUs and how they take memory; call it first thing.
-
-    Args:
-        visible: indices of the physical GPUs to use (``[]``: none); None keeps them all.
-        memory_growth: allocate GPU memory as needed (True) or at once (False); None:
-            TensorFlow's default. Excludes ``memory_limit_mb``.
-        memory_limit_mb: a fixed memory limit (MiB) per chosen GPU; None: no limit.
-
-    Returns the physical names of the chosen GPUs. Raises ``TypeError``/``ValueError``
-    for a bad argument or a missing GPU, ``RuntimeStartedError`` after the runtime started.
-    """
+    """Choose this process's GPUs (``visible`` indices; None: all) and how they take memory
+    (``memory_growth``, or ``memory_limit_mb`` MiB each; None: TensorFlow's default); call it
+    first thing. Returns the chosen GPUs' physical names; ``RuntimeStartedError`` when late."""
     indices = _check(visible, memory_growth, memory_limit_mb)
     gpus = tf.config.list_physical_devices("GPU")
     if indices is not None and any(i >= len(gpus) for i in indices):
@@ -138,13 +123,9 @@ def _this_task(cluster: Any, towers: int | None, what: str) -> tuple[Cluster, in
 
 
 def start_worker(cluster: Any = None, towers: int | None = None) -> list[str]:
-    """Join the cluster for between-graph training; return this task's towers
-    (``['/device:CPU:0', …]``). Call it first thing.
-
-    Splits the CPU into ``towers`` devices (default ``$TOWERS_PER_TASK`` or 1), points
-    collective ops at the chief and starts this task's gRPC server, as MWMS does.
-    ``ValueError``: no task or a malformed cluster; ``RuntimeError``: too late.
-    """
+    """Join the cluster for between-graph training, first thing: split the CPU into ``towers``
+    devices (default ``$TOWERS_PER_TASK`` or 1), point collective ops at the chief and start
+    this task's gRPC server, as MWMS does; return the towers (``['/device:CPU:0', …]``)."""
     found, n = _this_task(cluster, towers, "start_worker")
     set_logical_devices(n)
     set_local_task(str(found.task_type), int(found.task_index or 0))  # its devices: short names
@@ -188,12 +169,10 @@ _LOCAL = ("127.0.0.1", "localhost", "[::1]")
 
 
 def leave_together(cluster: Any = None, limit: float = 60.0) -> bool:
-    """Wait until every training task has called this, or ``limit`` s; True if all came.
-
-    Call it after the last step: a worker that exits at once can leave a peer's last pull
-    unanswered ("Socket closed"). On one machine each task marks a file in a folder named
-    after the cluster; across machines it is one more all-reduce.
-    """
+    """After the last step, wait until every training task has called this (or ``limit`` s;
+    True if all came): a worker that exits at once can leave a peer's last pull unanswered.
+    On one machine each task marks a file in a folder named after the cluster; across
+    machines it is one more all-reduce."""
     positive_float("limit", limit)
     found = _this_task(cluster, 1, "leave_together")[0]
     workers = found.num_workers

@@ -1,12 +1,6 @@
-"""Which cluster this process belongs to: jobs of ``host:port`` addresses, this task, the chief::
+"""Which cluster this process belongs to: jobs of ``host:port`` addresses, this task, the chief.
 
-    TF_CONFIG = {"cluster": {"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]},
-                 "task": {"type": "worker", "index": 1}}
-
-    job:worker  task 0 ── /job:worker/replica:0/task:0/device:CPU:0 … CPU:T-1   (chief)
-                task 1 ── /job:worker/replica:0/task:1/device:CPU:0 … CPU:T-1   (this one)
-
-:func:`resolve` turns that JSON, a ``tf.train.ClusterSpec``, a dict or a ``ClusterResolver``
+:func:`resolve` turns TF_CONFIG, a ``tf.train.ClusterSpec``, a dict or a ``ClusterResolver``
 into one frozen :class:`Cluster`. Nothing here starts TensorFlow.
 """
 
@@ -118,15 +112,17 @@ def _check_task(jobs: Mapping[str, Sequence[str]], job: str | None, index: int |
                          f"{len(jobs[job])} task(s)")
 
 
-def _from_tf_config(text: str, argument: str) -> Cluster:
-    try:
-        config = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{argument} is not valid JSON: {err}") from err
-    if not isinstance(config, dict):
+def _from_tf_config(config: Any, argument: str) -> Cluster:
+    """A TF_CONFIG (JSON text or its dict) as a ``Cluster``, every problem named."""
+    if isinstance(config, str):
+        try:
+            config = json.loads(config)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{argument} is not valid JSON: {err}") from err
+    if not isinstance(config, Mapping):
         raise ValueError(f"{argument} must be a JSON object, got {type(config).__name__}")
     if "cluster" not in config:
-        raise ValueError(f"{argument} has no 'cluster': {text}")
+        raise ValueError(f"{argument} has no 'cluster': {dict(config)}")
     _check_jobs(config["cluster"], f"{argument}['cluster']")
     task = config.get("task") or {}
     if not isinstance(task, dict):
@@ -140,15 +136,10 @@ def _from_tf_config(text: str, argument: str) -> Cluster:
 
 def resolve(cluster: Any = None, task_type: str | None = None,
             task_index: int | None = None) -> Cluster:
-    """The cluster and this process's task, from whichever description is at hand.
-
-    Args:
-        cluster: ``None`` (``TF_CONFIG``), a TF_CONFIG JSON string or dict, a ``{job:
-            [addresses]}`` dict, a ``ClusterSpec``, a ``ClusterResolver`` or a ``Cluster``.
-        task_type, task_index: this process's task, overriding what ``cluster`` says.
-
-    ``ValueError``: TF_CONFIG unset or malformed (named); ``TypeError``: another type.
-    """
+    """The cluster and this process's task (``task_type``/``task_index`` override it) from
+    ``None`` (TF_CONFIG), a TF_CONFIG string or dict, a ``{job: [addresses]}`` dict, a
+    ``ClusterSpec``, a ``ClusterResolver`` or a ``Cluster``. ``ValueError``: TF_CONFIG unset or
+    malformed (named); ``TypeError``: another type."""
     found = _found(cluster)
     job = task_type if task_type is not None else found.task_type
     index = task_index if task_index is not None else found.task_index
@@ -163,11 +154,10 @@ def _found(cluster: Any) -> Cluster:
         if not text:
             raise ValueError("TF_CONFIG is not set: pass cluster= or run under `towers launch`")
         return _from_tf_config(text, "TF_CONFIG")
-    if isinstance(cluster, str):
+    if isinstance(cluster, str) or (isinstance(cluster, Mapping)
+                                    and ("cluster" in cluster or "task" in cluster)):
         return _from_tf_config(cluster, "cluster")
     if isinstance(cluster, Mapping):
-        if "cluster" in cluster or "task" in cluster:
-            return _from_tf_config(json.dumps(dict(cluster)), "cluster")
         _check_jobs(cluster, "cluster")
         return Cluster({job: tuple(a) for job, a in cluster.items()})
     return _from_tensorflow(cluster)

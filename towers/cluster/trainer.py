@@ -1,19 +1,9 @@
 """``WorkerTrainer``: one worker's ``TowerTrainer`` whose loss is over the GLOBAL batch.
 
-The mean is over the global B, as MWMS's ``compute_average_loss(..., global_batch_size=B)``;
-the local counts are all-reduced inside the step (exact: integers in float32)::
-
-    global batch B ─split over workers (shard_sizes(B, W))─▶ worker k: b_k examples
-      worker k:  b_k ──all_reduce_v2 (group of W)──▶ B = Σ b_k
-                 shard_sizes(b_k, T) over its towers; tower loss = Σ per-example / B
-                 gradients ──AllTowers(op="sum") or CrossWorker(op="sum")──▶ apply
-
-Checkpoints: the chief alone writes them (:func:`save_on_chief`) and every worker reads
-the newest good one (:func:`restore_latest`), numbered by the steps TAKEN (a skipped step
-does not advance ``iterations``), so a resumed run never trains a batch twice::
-
-    step k (0-based) trained ─▶ chief: ckpt-<k + 1> ─▶ restart: every worker restores
-    the latest good ckpt-N, the same bits everywhere ─▶ goes on with step N, batch N
+The mean is over B = Σ b_k, as MWMS's ``compute_average_loss(..., global_batch_size=B)``;
+the workers' counts b_k are all-reduced inside the step (exact: integers in float32).
+Checkpoints: the chief alone writes ``ckpt-<steps taken>`` (:func:`save_on_chief`), every
+worker restores the newest good one (:func:`restore_latest`) and goes on with that step.
 """
 
 from __future__ import annotations
@@ -54,17 +44,15 @@ class WorkerTrainer(TowerTrainer):
     """A ``TowerTrainer`` for one worker of W: losses over the global batch Σ b_k.
 
     Args:
-        model, optimizer, loss: as for ``TowerTrainer``.
         devices: this worker's towers (what :func:`~towers.cluster.start_worker` returns).
-        all_reduce: a cross-worker ``GradientReducer`` with ``op="sum"`` (default:
-            ``AllTowers(num_workers, op="sum")``, bitwise MultiWorkerMirroredStrategy's order).
+        all_reduce: a cross-worker reducer with ``op="sum"`` (default: ``AllTowers``,
+            bitwise MultiWorkerMirroredStrategy's order).
         num_workers: worker processes (default: from TF_CONFIG).
         timeout_seconds: the step's deadline unless ``step_timeout`` is given (a missing
             worker → ``StepTimeout``), and the default reducer's.
-        **kwargs: the rest of ``TowerTrainer``'s arguments (``variables="replicated"``).
+        model, optimizer, loss, **kwargs: as for ``TowerTrainer``.
 
-    ``ValueError``: as ``TowerTrainer``, or a reducer that averages. ``train_step`` returns
-    this worker's share of the global mean loss.
+    ``train_step`` returns this worker's share of the global mean loss.
     """
 
     batch_is_global = False  # one worker's part of a global batch spanning the workers
