@@ -67,9 +67,8 @@ def _cast(op: tf.Operation, xs: list[np.ndarray]) -> list[np.ndarray]:
 def _pad(op: tf.Operation, xs: list[np.ndarray]) -> list[np.ndarray]:
     x, paddings = xs[0], xs[1].tolist()
     value = xs[2] if len(xs) > 2 else np.zeros((), x.dtype)
-    out = np.full(
-        [d + lo + hi for d, (lo, hi) in zip(x.shape, paddings, strict=True)], value, x.dtype
-    )
+    out = np.full([d + lo + hi for d, (lo, hi) in zip(x.shape, paddings, strict=True)], value,
+                  x.dtype)  # fmt: skip
     out[tuple(slice(lo, lo + d) for d, (lo, _) in zip(x.shape, paddings, strict=True))] = x
     return [out]
 
@@ -83,11 +82,8 @@ def _split_v(op: tf.Operation, xs: list[np.ndarray]) -> list[np.ndarray]:
 
 def _slice(op: tf.Operation, xs: list[np.ndarray]) -> list[np.ndarray]:
     x, begin, size = xs[0], xs[1].tolist(), xs[2].tolist()
-    index = tuple(
-        slice(b, x.shape[i] if s == -1 else b + s)
-        for i, (b, s) in enumerate(zip(begin, size, strict=True))
-    )
-    return [x[index]]
+    return [x[tuple(slice(b, x.shape[i] if s == -1 else b + s)
+                    for i, (b, s) in enumerate(zip(begin, size, strict=True)))]]
 
 
 def _strided_slice(op: tf.Operation, xs: list[np.ndarray]) -> list[np.ndarray]:
@@ -147,9 +143,8 @@ KERNELS: dict[str, Kernel] = {
     "Pad": _pad, "PadV2": _pad,
     "ConcatV2": lambda op, xs: [np.concatenate(xs[:-1], axis=int(xs[-1]))],
     "Pack": lambda op, xs: [np.stack(xs, axis=op.get_attr("axis"))],
-    "Unpack": lambda op, xs: [
-        np.take(xs[0], i, axis=op.get_attr("axis")) for i in range(op.get_attr("num"))
-    ],
+    "Unpack": lambda op, xs: [np.take(xs[0], i, axis=op.get_attr("axis"))
+                              for i in range(op.get_attr("num"))],
     "Split": lambda op, xs: list(np.split(xs[1], op.get_attr("num_split"), axis=int(xs[0]))),
     "SplitV": _split_v, "Slice": _slice, "StridedSlice": _strided_slice,
     "Squeeze": lambda op, xs: [np.squeeze(xs[0], tuple(op.get_attr("squeeze_dims")) or None)],

@@ -1,8 +1,5 @@
-"""Replay an all-reduce in NumPy, adding in exactly the order TensorFlow does (bitwise on CPU).
-
-The traced graph (as eager execution runs it) or, ``optimized=True``, Grappler's graph (as
-the ``tf.function`` runs it) is interpreted op by op; collective ops are opaque.
-"""
+"""Replay an all-reduce in NumPy, adding in exactly the order TensorFlow does (bitwise on CPU):
+the traced graph (as eager runs it) or Grappler's (as the ``tf.function`` runs it), op by op."""
 
 from __future__ import annotations
 
@@ -38,10 +35,9 @@ def _check_transparent(graph: tf.Graph) -> None:
     opaque = sorted({op.type for op in graph.get_operations()  # the runtime orders these
                      if op.type.lstrip("_").startswith(("Collective", "Nccl"))})
     if opaque:
-        raise ReplayError(
-            f"the algorithm is opaque to replay: it uses {', '.join(opaque)}, and TensorFlow's "
-            "collective runtime decides that op's summation order, not the graph"
-        )
+        raise ReplayError(f"the algorithm is opaque to replay: it uses {', '.join(opaque)}, and "
+                          "TensorFlow's collective runtime decides that op's summation order, "
+                          "not the graph")
 
 
 def _needed(fetches: Sequence[tf.Tensor], fed: set[str]) -> set[tf.Operation]:
@@ -59,10 +55,9 @@ def _needed(fetches: Sequence[tf.Tensor], fed: set[str]) -> set[tf.Operation]:
 def _run_kernel(op: tf.Operation, inputs: list[np.ndarray]) -> list[np.ndarray]:
     kernel = KERNELS.get(op.type)
     if kernel is None:
-        raise ReplayError(
-            f"cannot replay op type {op.type!r} (node {op.name!r}): it has no NumPy kernel. "
-            f"Supported: {', '.join(supported_ops())}. Add one to towers.testing.replay.KERNELS."
-        )
+        raise ReplayError(f"cannot replay op type {op.type!r} (node {op.name!r}): it has no NumPy "
+                          f"kernel. Supported: {', '.join(supported_ops())}. Add one to "
+                          "towers.testing.replay.KERNELS.")
     try:
         outputs = kernel(op, inputs)
     except ReplayError:
@@ -70,21 +65,18 @@ def _run_kernel(op: tf.Operation, inputs: list[np.ndarray]) -> list[np.ndarray]:
     except Exception as err:
         raise ReplayError(f"replaying {op.type} {op.name!r} failed: {err}") from err
     if len(outputs) != len(op.outputs):
-        raise ReplayError(
-            f"kernel for {op.type} gave {len(outputs)} outputs, not {len(op.outputs)}"
-        )
+        raise ReplayError(f"kernel for {op.type} gave {len(outputs)} outputs, not "
+                          f"{len(op.outputs)}")
     for out, tensor in zip(outputs, op.outputs, strict=True):
         if out.dtype != np_dtype(tensor.dtype) or not tensor.shape.is_compatible_with(out.shape):
-            raise ReplayError(
-                f"kernel for {op.type} ({op.name!r}) made {out.dtype}{list(out.shape)}; "
-                f"the graph says {tensor.dtype.name}{tensor.shape}"
-            )
+            raise ReplayError(f"kernel for {op.type} ({op.name!r}) made {out.dtype}"
+                              f"{list(out.shape)}; the graph says "
+                              f"{tensor.dtype.name}{tensor.shape}")
     return outputs
 
 
-def _interpret(
-    graph: tf.Graph, feeds: dict[str, np.ndarray], fetches: Sequence[tf.Tensor]
-) -> list[np.ndarray]:
+def _interpret(graph: tf.Graph, feeds: dict[str, np.ndarray], fetches: Sequence[tf.Tensor]
+               ) -> list[np.ndarray]:
     """Evaluate ``fetches`` from ``feeds`` (tensor name -> array), ops in creation order."""
     _check_transparent(graph)
     values = dict(feeds)
@@ -127,9 +119,8 @@ def _optimized_graph(metadata: Any, n_args: int) -> tf.Graph:
     raise ReplayError("TensorFlow's run metadata holds no optimized graph for the algorithm")
 
 
-def _replay_optimized(
-    fn: Any, concrete: Any, arrays: list[np.ndarray], devices: Sequence[str]
-) -> list[np.ndarray]:
+def _replay_optimized(fn: Any, concrete: Any, arrays: list[np.ndarray], devices: Sequence[str]
+                      ) -> list[np.ndarray]:
     from tensorflow.python.eager import context  # run metadata has no public API
 
     ctx = context.context()
