@@ -1,8 +1,10 @@
 """Replay an all-reduce in NumPy, adding in exactly the order TensorFlow does (bitwise on CPU):
-the traced graph (as eager runs it) or Grappler's (as the ``tf.function`` runs it), op by op."""
+the traced graph (as eager runs it) or Grappler's (as the ``tf.function`` runs it), op by op,
+each op type by a NumPy kernel that rounds as TF's CPU kernel does."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -10,11 +12,20 @@ import numpy as np
 import tensorflow as tf
 
 from towers.devices import local_devices
-from towers.testing.kernels import KERNELS, ReplayError, np_dtype
 
-__all__ = ["KERNELS", "ReplayError", "place", "replay", "supported_ops"]
+__all__ = ["KERNELS", "Kernel", "ReplayError", "place", "replay", "supported_ops"]
 
+Kernel = Callable[[tf.Operation, list[np.ndarray]], list[np.ndarray]]
 _FED = ("Placeholder", "_Arg", "_DeviceArg")
+
+
+class ReplayError(RuntimeError):
+    """The graph holds an op the replay cannot follow (unknown, or opaque)."""
+
+
+def _np_dtype(dtype: tf.DType) -> np.dtype:
+    """The NumPy dtype of a TensorFlow dtype (bfloat16 included)."""
+    return np.dtype(tf.as_dtype(dtype).as_numpy_dtype)
 
 
 def place(values: Sequence[Any], devices: Sequence[str]) -> list[tf.Tensor]:
@@ -68,7 +79,7 @@ def _run_kernel(op: tf.Operation, inputs: list[np.ndarray]) -> list[np.ndarray]:
         raise ReplayError(f"kernel for {op.type} gave {len(outputs)} outputs, not "
                           f"{len(op.outputs)}")
     for out, tensor in zip(outputs, op.outputs, strict=True):
-        if out.dtype != np_dtype(tensor.dtype) or not tensor.shape.is_compatible_with(out.shape):
+        if out.dtype != _np_dtype(tensor.dtype) or not tensor.shape.is_compatible_with(out.shape):
             raise ReplayError(f"kernel for {op.type} ({op.name!r}) made {out.dtype}"
                               f"{list(out.shape)}; the graph says "
                               f"{tensor.dtype.name}{tensor.shape}")
@@ -142,15 +153,11 @@ def _replay_optimized(fn: Any, concrete: Any, arrays: list[np.ndarray], devices:
     return _interpret(graph, feeds, [results[i] for i in sorted(results)])
 
 
-def replay(
-    algorithm: Callable[..., Any], arrays: Sequence[np.ndarray], op: str = "sum", *,
-    devices: Sequence[str] | None = None, optimized: bool = False,
-) -> list[np.ndarray]:
-    """Recompute ``algorithm(values, op=op)`` in NumPy, in exactly TensorFlow's order.
-
-    Args:
-        arrays: one array per tower, of one shape and dtype, input i on ``devices[i]``.
-        optimized: interpret Grappler's graph (runs the function once), not the traced one.
+def replay(algorithm: Callable[..., Any], arrays: Sequence[np.ndarray], op: str = "sum", *,
+           devices: Sequence[str] | None = None, optimized: bool = False) -> list[np.ndarray]:
+    """Recompute ``algorithm(values, op=op)`` in NumPy, in exactly TensorFlow's order, from
+    ``arrays`` (one per tower, of one shape and dtype, input i on ``devices[i]``);
+    ``optimized``: interpret Grappler's graph (runs the function once), not the traced one.
 
     Raises:
         ReplayError: an op without a NumPy kernel (named), or an opaque collective op.
@@ -158,8 +165,7 @@ def replay(
     arrays = [np.asarray(a) for a in arrays]
     if not arrays:
         raise ValueError("arrays is empty: expected one array per tower")
-    if devices is None:
-        devices = local_devices()
+    devices = local_devices() if devices is None else devices
     if len(devices) < len(arrays):
         raise ValueError(f"{len(arrays)} arrays but only {len(devices)} devices: call "
                          f"towers.simulate_devices({len(arrays)}) first, or pass devices=")
@@ -174,3 +180,141 @@ def replay(
     captures = zip(graph.captures, _captured(concrete), strict=True)
     feeds.update({internal.name: value for (_, internal), value in captures})
     return _interpret(graph, feeds, concrete.outputs)
+
+
+def _elementwise(fn: Callable[..., Any]) -> Kernel:
+    def kernel(op: tf.Operation, xs: list[np.ndarray]) -> list[np.ndarray]:
+        with np.errstate(all="ignore"):
+            return [np.asarray(fn(*xs))]
+
+    return kernel
+
+
+def _add_n(op: tf.Operation, xs: list[np.ndarray]) -> list[np.ndarray]:
+    # <= 9 inputs left to right; else a head of n mod 8 (8 for 0, 9 for 1), then
+    # `total + (block of 8, left to right)`, as TF's CPU AddN kernel
+    n = len(xs)
+    head = n if n <= 9 else {0: 8, 1: 9}.get(n % 8, n % 8)
+    with np.errstate(all="ignore"):
+        total = np.asarray(functools.reduce(np.add, xs[:head]))
+        for start in range(head, n, 8):
+            total = np.asarray(total + functools.reduce(np.add, xs[start : start + 8]))
+    return [total]
+
+
+def _divide(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """``Div``/``RealDiv``: true division for floats; integers round toward zero, as C++."""
+    if np.issubdtype(x.dtype, np.integer):
+        q = x // y
+        return np.asarray(q + ((q < 0) & (q * y != x)).astype(x.dtype))
+    return np.asarray(np.true_divide(x, y))
+
+
+def _floor_div(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    if np.issubdtype(x.dtype, np.integer):
+        return np.asarray(np.floor_divide(x, y))
+    return np.asarray(np.floor(np.true_divide(x, y)))  # TF: floor(x / y), one rounding
+
+
+def _cast(op: tf.Operation, xs: list[np.ndarray]) -> list[np.ndarray]:
+    if op.get_attr("Truncate"):
+        raise ReplayError(f"{op.name}: Cast with Truncate=True is not supported")
+    with np.errstate(all="ignore"):
+        return [xs[0].astype(_np_dtype(op.get_attr("DstT")))]
+
+
+def _pad(op: tf.Operation, xs: list[np.ndarray]) -> list[np.ndarray]:
+    x, paddings = xs[0], xs[1].tolist()
+    value = xs[2] if len(xs) > 2 else np.zeros((), x.dtype)
+    out = np.full([d + lo + hi for d, (lo, hi) in zip(x.shape, paddings, strict=True)], value,
+                  x.dtype)  # fmt: skip
+    out[tuple(slice(lo, lo + d) for d, (lo, _) in zip(x.shape, paddings, strict=True))] = x
+    return [out]
+
+
+def _split_v(op: tf.Operation, xs: list[np.ndarray]) -> list[np.ndarray]:
+    x, sizes, axis = xs[0], xs[1].tolist(), int(xs[2])
+    if -1 in sizes:
+        sizes[sizes.index(-1)] = x.shape[axis] - (sum(sizes) + 1)
+    return list(np.split(x, np.cumsum(sizes)[:-1].tolist(), axis=axis))
+
+
+def _slice(op: tf.Operation, xs: list[np.ndarray]) -> list[np.ndarray]:
+    x, begin, size = xs[0], xs[1].tolist(), xs[2].tolist()
+    return [x[tuple(slice(b, x.shape[i] if s == -1 else b + s)
+                    for i, (b, s) in enumerate(zip(begin, size, strict=True)))]]
+
+
+def _strided_slice(op: tf.Operation, xs: list[np.ndarray]) -> list[np.ndarray]:
+    x, begin, end, strides = xs[0], xs[1].tolist(), xs[2].tolist(), xs[3].tolist()
+    masks = [op.get_attr(f"{m}_mask") for m in ("ellipsis", "new_axis", "shrink_axis",
+                                                   "begin", "end")]  # fmt: skip
+    index: list[Any] = []
+    for i, (b, e, s) in enumerate(zip(begin, end, strides, strict=True)):
+        ellipsis, new_axis, shrink, no_begin, no_end = (m >> i & 1 for m in masks)
+        if ellipsis:
+            index.append(Ellipsis)
+        elif new_axis:
+            index.append(np.newaxis)
+        elif shrink:
+            index.append(b)  # one element, the dimension dropped; negative counts from the end
+        else:
+            index.append(slice(None if no_begin else b, None if no_end else e, s))
+    return [np.asarray(x[tuple(index)])]
+
+
+def _range(op: tf.Operation, xs: list[np.ndarray]) -> list[np.ndarray]:
+    start, limit, delta = xs
+    dtype = _np_dtype(op.get_attr("Tidx"))
+    if np.issubdtype(dtype, np.integer):
+        size = max(0, -(-(int(limit) - int(start)) // int(delta)))
+    else:
+        size = max(0, int(np.ceil((float(limit) - float(start)) / float(delta))))
+    return [np.asarray(start + np.arange(size).astype(dtype) * delta, dtype)]  # TF: start + i*delta
+
+
+def _gather(op: tf.Operation, xs: list[np.ndarray]) -> list[np.ndarray]:
+    if op.get_attr("batch_dims"):
+        raise ReplayError(f"{op.name}: GatherV2 with batch_dims != 0 is not supported")
+    return [np.take(xs[0], xs[1], axis=int(xs[2]))]
+
+
+def _passthrough(op: tf.Operation, xs: list[np.ndarray]) -> list[np.ndarray]:
+    return list(xs)
+
+
+def _const(op: tf.Operation, xs: list[np.ndarray]) -> list[np.ndarray]:
+    return [tf.make_ndarray(op.get_attr("value"))]
+
+
+KERNELS: dict[str, Kernel] = {
+    "Identity": _passthrough, "IdentityN": _passthrough, "Snapshot": _passthrough,
+    "StopGradient": _passthrough,
+    "NoOp": lambda op, xs: [],
+    "Const": _const, "_HostConst": _const,
+    "AddV2": _elementwise(np.add), "Add": _elementwise(np.add), "AddN": _add_n,
+    "Sub": _elementwise(np.subtract), "Mul": _elementwise(np.multiply),
+    "RealDiv": _elementwise(_divide), "Div": _elementwise(_divide),
+    "FloorDiv": _elementwise(_floor_div), "FloorMod": _elementwise(np.mod),
+    "Maximum": _elementwise(np.maximum), "Minimum": _elementwise(np.minimum),
+    "Neg": _elementwise(np.negative), "Cast": _cast,
+    "Reshape": lambda op, xs: [np.reshape(xs[0], xs[1].tolist())],
+    "Pad": _pad, "PadV2": _pad,
+    "ConcatV2": lambda op, xs: [np.concatenate(xs[:-1], axis=int(xs[-1]))],
+    "Pack": lambda op, xs: [np.stack(xs, axis=op.get_attr("axis"))],
+    "Unpack": lambda op, xs: [np.take(xs[0], i, axis=op.get_attr("axis"))
+                              for i in range(op.get_attr("num"))],
+    "Split": lambda op, xs: list(np.split(xs[1], op.get_attr("num_split"), axis=int(xs[0]))),
+    "SplitV": _split_v, "Slice": _slice, "StridedSlice": _strided_slice,
+    "Squeeze": lambda op, xs: [np.squeeze(xs[0], tuple(op.get_attr("squeeze_dims")) or None)],
+    "ExpandDims": lambda op, xs: [np.expand_dims(xs[0], int(xs[1]))],
+    "Shape": lambda op, xs: [np.asarray(xs[0].shape, _np_dtype(op.get_attr("out_type")))],
+    "Size": lambda op, xs: [np.asarray(xs[0].size, _np_dtype(op.get_attr("out_type")))],
+    "Rank": lambda op, xs: [np.asarray(xs[0].ndim, np.int32)],
+    "Fill": lambda op, xs: [np.full(xs[0].tolist(), xs[1], xs[1].dtype)],
+    "ZerosLike": lambda op, xs: [np.zeros_like(xs[0])],
+    "OnesLike": lambda op, xs: [np.ones_like(xs[0])],
+    "Range": _range, "GatherV2": _gather,
+    "Transpose": lambda op, xs: [np.transpose(xs[0], xs[1].tolist())],
+}  # fmt: skip
+"""Op type -> NumPy kernel ``(op, inputs) -> outputs``. Add entries to replay more ops."""
