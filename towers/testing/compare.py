@@ -71,7 +71,6 @@ def _trainer(side: Config, model_fn: Any, optimizer_fn: Any, loss: Any, devices:
 
         cls = MirroredTrainer if side.all_reduce == "mirrored" else CentralStorageTrainer
         return cls(model_fn, optimizer_fn, loss, devices)
-
     return TowerTrainer(model_fn, optimizer_fn, loss, devices=devices,
                         all_reduce=side.all_reduce, variables=side.variables,
                         check_algorithm=False)  # fmt: skip  (the comparison reports on it)

@@ -51,18 +51,6 @@ def _check_transparent(graph: tf.Graph) -> None:
                           "not the graph")
 
 
-def _needed(fetches: Sequence[tf.Tensor], fed: set[str]) -> set[tf.Operation]:
-    """Ops the fetches depend on through data edges (control inputs are ignored)."""
-    needed: set[tf.Operation] = set()
-    stack = [t.op for t in fetches if t.name not in fed]
-    while stack:
-        op = stack.pop()
-        if op not in needed:
-            needed.add(op)
-            stack.extend(t.op for t in op.inputs if t.name not in fed)
-    return needed
-
-
 def _run_kernel(op: tf.Operation, inputs: list[np.ndarray]) -> list[np.ndarray]:
     kernel = KERNELS.get(op.type)
     if kernel is None:
@@ -91,7 +79,13 @@ def _interpret(graph: tf.Graph, feeds: dict[str, np.ndarray], fetches: Sequence[
     """Evaluate ``fetches`` from ``feeds`` (tensor name -> array), ops in creation order."""
     _check_transparent(graph)
     values = dict(feeds)
-    needed = _needed(fetches, set(feeds))
+    needed: set[tf.Operation] = set()  # what the fetches read through data edges, not control
+    stack = [t.op for t in fetches if t.name not in feeds]
+    while stack:
+        op = stack.pop()
+        if op not in needed:
+            needed.add(op)
+            stack.extend(t.op for t in op.inputs if t.name not in feeds)
     for op in graph.get_operations():
         if op not in needed:
             continue
