@@ -134,16 +134,13 @@ def check_all_reduce(
     seed: int | None = 0, replay: bool = False, tower_counts: Sequence[int] | None = None,
 ) -> CheckReport:
     """Run Hypothesis over towers (ascending: the first failure has the fewest), shapes,
-    dtypes and ops; report every broken promise.
+    dtypes and ops on ``fn`` (a callable or a registry name); report every broken promise.
 
     Args:
-        fn: an all-reduce callable, or a registry name (``"naive"``).
         max_towers, tower_counts: the counts to check (default ``1..max_towers``).
         dtypes, ops, shapes: what to draw (default: all the contract supports).
-        max_examples: drawn examples in all (default 20), at least 2 per tower count,
-            plus the stratified ones.
-        devices: where towers live (default ``towers.local_devices()``).
-        seed: Hypothesis seed; ``None`` draws afresh each run.
+        max_examples: drawn examples in all (default 20, at least 2 per tower count), plus
+            the stratified ones; ``seed`` None draws afresh each run.
         replay: also demand bitwise equality with the NumPy replay.
 
     Raises:

@@ -107,10 +107,9 @@ def check_invariance(
     Args:
         model_fn, optimizer_fn: zero-argument factories of a built model and an optimizer.
         loss: a Keras loss, a loss name or ``(y_true, y_pred) -> per-example losses``.
-        batches: ``(x, y)`` global batches, the same for every tower count.
-        towers: the tower counts; the first is the reference.
-        all_reduce, variables: every trainer's algorithm and placement.
-        steps: how many batches to train on (default: all).
+        batches, steps: ``(x, y)`` global batches, at most ``steps`` of them (default: all).
+        towers, all_reduce, variables: the tower counts (the first is the reference), every
+            trainer's algorithm and placement.
         trajectory: also train every count freely and report its weight difference.
         step: a step factory ``(model_fn, optimizer_fn, loss, devices) -> step`` to check
             instead of a ``TowerTrainer`` (``all_reduce``/``variables`` unused).

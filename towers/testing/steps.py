@@ -99,15 +99,9 @@ class AdaptedStep:
 
 def as_step(fn: Callable[[Any], Any], model: Any, *, strategy: Any = None,
             optimizer: Any = None, loss: Any = None) -> AdaptedStep:  # fmt: skip
-    """A user's step function as a :class:`Step`: the one-line adapter.
-
-    Args:
-        fn: the step function, called with one batch ``(x, y)`` or ``(x, y, sample_weight)``.
-        model: the ``keras.Model`` it trains (its weights are the step's weights).
-        strategy: the strategy ``fn`` runs under, if any (it distributes the batch).
-        optimizer, loss: what ``fn`` applies and minimizes (default ``model.optimizer``):
-            they pick and size the bound.
-    """
+    """A user's step function ``fn`` (called with one batch ``(x, y)`` or ``(x, y,
+    sample_weight)``, under ``strategy`` if any) as a :class:`Step` whose weights are
+    ``model``'s; ``optimizer`` (default ``model.optimizer``) and ``loss`` size the bound."""
     if not callable(fn):
         raise TypeError(f"fn must be a step function (called with one batch), got {fn!r}")
     if not hasattr(model, "weights"):
