@@ -74,8 +74,7 @@ def stratified(n: int, dtypes: Sequence[tf.DType], ops: Sequence[str], seed: int
     edge = floats[0] if floats else dtypes[0]
     op = "sum" if "sum" in ops else ops[0]
     for edge_shape in ((), (0,)):  # a scalar and an empty tensor, whatever the draw gives
-        out.append(Case(n, [np.full(edge_shape, t + 1, edge.as_numpy_dtype) for t in range(n)],
-                        op))  # fmt: skip
+        out.append(Case(n, [np.full(edge_shape, t + 1, edge.as_numpy_dtype) for t in range(n)], op))
     return out
 
 
