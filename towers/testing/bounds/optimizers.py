@@ -38,13 +38,12 @@ class Interval:
 
     @classmethod
     def around(cls, center: np.ndarray, radius: np.ndarray) -> Interval:
-        """``[center − radius, center + radius]``."""
         center, radius = np.asarray(center, np.float64), np.abs(np.asarray(radius, np.float64))
         return cls(center - radius, center + radius)
 
     @property
     def magnitude(self) -> np.ndarray:
-        """``max(|lo|, |hi|)``: the largest absolute value inside."""
+        """The largest absolute value inside."""
         return np.maximum(np.abs(self.lo), np.abs(self.hi))
 
     def __add__(self, other: Interval | float) -> Interval:
@@ -62,7 +61,6 @@ class Interval:
         return Interval(corners.min(axis=0), corners.max(axis=0))
 
     def __truediv__(self, other: Interval | float) -> Interval:
-        """Division by an interval that excludes 0 (every divisor here is positive)."""
         other = _as_interval(other)
         if np.any((other.lo <= 0) & (other.hi >= 0)):
             raise ValueError("an interval divisor must exclude 0")
@@ -79,7 +77,6 @@ class Interval:
         return Interval(np.sqrt(np.maximum(self.lo, 0.0)), np.sqrt(np.maximum(self.hi, 0.0)))
 
     def maximum(self, other: Interval) -> Interval:
-        """Element-wise ``max`` (AMSGrad's running maximum)."""
         return Interval(np.maximum(self.lo, other.lo), np.maximum(self.hi, other.hi))
 
     def clip(self, cap: float | np.ndarray) -> Interval:
@@ -87,7 +84,6 @@ class Interval:
         return Interval(np.clip(self.lo, -cap, cap), np.clip(self.hi, -cap, cap))
 
     def at_least(self, floor: float) -> Interval:
-        """Intersect with ``[floor, ∞)`` (a quantity known to be non-negative)."""
         return Interval(np.maximum(self.lo, floor), np.maximum(self.hi, floor))
 
     def rounded(self, roundings: int, u: float) -> Interval:
@@ -131,9 +127,7 @@ def _sgd(g: Interval, slots: Slots, c: Mapping[str, Any], t: int) -> tuple[Inter
     if beta == 0:
         return (g * lr).rounded(1, U), {}
     m = (slots["m"] * beta - g * lr).rounded(3, U)  # m·β − g·lr
-    if not c["nesterov"]:
-        return m, {"m": m}
-    return (m * beta - g * lr).rounded(3, U), {"m": m}
+    return ((m * beta - g * lr).rounded(3, U) if c["nesterov"] else m), {"m": m}
 
 
 def _moments(g: Interval, slots: Slots, beta_1: float, beta_2: float) -> Slots:
@@ -193,8 +187,7 @@ def _adam_slots(c: Mapping[str, Any]) -> tuple[str, ...]:
 
 
 _RULES: dict[str, tuple[Rule, Callable[[Mapping[str, Any]], tuple[str, ...]]]] = {
-    # class: (rule, its slots for a config)
-    "SGD": (_sgd, lambda c: ("m",) if c["momentum"] else ()),
+    "SGD": (_sgd, lambda c: ("m",) if c["momentum"] else ()),  # (rule, its slots for a config)
     "Adam": (_adam, _adam_slots),
     "AdamW": (_adam, _adam_slots),
     "Nadam": (_nadam, lambda c: ("m", "v")),
@@ -277,41 +270,31 @@ def update_bounds(optimizer: Any) -> UpdateBounds:
     """A fresh per-step bound tracker for a Keras optimizer that has not stepped (or its
     ``get_config()`` / ``keras.optimizers.serialize`` dict); ValueError for what it cannot
     bound (a class, option, schedule)."""
-    name, config = _identify(optimizer)
-    for option in _REFUSED:
-        if config.get(option) is not None:
-            raise ValueError(f"update_bounds cannot bound an optimizer with {option}="
-                             f"{config[option]!r}; expected {option}=None")  # fmt: skip
-    if config.get("use_ema"):
-        raise ValueError("update_bounds cannot bound an optimizer with use_ema=True")
-    if name == "RMSprop" and config.get("centered"):
-        raise ValueError("update_bounds cannot bound RMSprop with centered=True")
-    lr = config.get("learning_rate")
-    if isinstance(lr, bool) or not isinstance(lr, (int, float)):
-        raise ValueError(f"update_bounds needs a float learning_rate, got {lr!r} (a schedule "
-                         "is not bounded)")
-    return UpdateBounds(name, config)
-
-
-def _identify(optimizer: Any) -> tuple[str, dict[str, Any]]:
     if isinstance(optimizer, keras.optimizers.Optimizer):
         if int(optimizer.iterations.numpy()) != 0:
             raise ValueError(f"update_bounds needs an optimizer that has not stepped, got "
                              f"iterations={int(optimizer.iterations.numpy())}")
-        name = type(optimizer).__name__
-        if name not in _RULES:
-            raise ValueError(f"update_bounds bounds {', '.join(_RULES)}, got {name}")
-        return name, optimizer.get_config()
-    if not isinstance(optimizer, Mapping):
+        name, config = type(optimizer).__name__, optimizer.get_config()
+    elif not isinstance(optimizer, Mapping):
         raise ValueError(f"optimizer must be a Keras optimizer or its config dict, got "
                          f"{type(optimizer).__name__}")
-    if "class_name" in optimizer:  # keras.optimizers.serialize
+    elif "class_name" in optimizer:  # keras.optimizers.serialize
         name, config = str(optimizer["class_name"]), dict(optimizer.get("config", {}))
     else:
         config = dict(optimizer)
         # Keras numbers a repeated default name: "nadam_8"
         name = _CLASSES.get(re.sub(r"_\d+$", "", str(config.get("name", "")).lower()), "")
     if name not in _RULES:
-        raise ValueError(f"optimizer must be one of {', '.join(_RULES)} (a config with its "
-                         f"class_name or default name), got {name or config.get('name')!r}")
-    return name, config
+        raise ValueError(f"update_bounds bounds {', '.join(_RULES)} (a config by its class_name "
+                         f"or default name), got {name or repr(config.get('name'))}")
+    for option in _REFUSED:
+        if config.get(option) is not None:
+            raise ValueError(f"update_bounds cannot bound an optimizer with {option}="
+                             f"{config[option]!r}; expected {option}=None")  # fmt: skip
+    for option in ("use_ema", "centered"):  # only RMSprop has centered
+        if config.get(option):
+            raise ValueError(f"update_bounds cannot bound {name} with {option}=True")
+    lr = config.get("learning_rate")
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)):
+        raise ValueError(f"update_bounds needs a float learning_rate (not a schedule), got {lr!r}")
+    return UpdateBounds(name, config)
