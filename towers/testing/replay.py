@@ -51,33 +51,10 @@ def _check_transparent(graph: tf.Graph) -> None:
                           "not the graph")
 
 
-def _run_kernel(op: tf.Operation, inputs: list[np.ndarray]) -> list[np.ndarray]:
-    kernel = KERNELS.get(op.type)
-    if kernel is None:
-        raise ReplayError(f"cannot replay op type {op.type!r} (node {op.name!r}): it has no NumPy "
-                          f"kernel. Supported: {', '.join(supported_ops())}. Add one to "
-                          "towers.testing.replay.KERNELS.")
-    try:
-        outputs = kernel(op, inputs)
-    except ReplayError:
-        raise
-    except Exception as err:
-        raise ReplayError(f"replaying {op.type} {op.name!r} failed: {err}") from err
-    if len(outputs) != len(op.outputs):
-        raise ReplayError(f"kernel for {op.type} gave {len(outputs)} outputs, not "
-                          f"{len(op.outputs)}")
-    for out, tensor in zip(outputs, op.outputs, strict=True):
-        if out.dtype != _np_dtype(tensor.dtype) or not tensor.shape.is_compatible_with(out.shape):
-            raise ReplayError(f"kernel for {op.type} ({op.name!r}) made {out.dtype}"
-                              f"{list(out.shape)}; the graph says "
-                              f"{tensor.dtype.name}{tensor.shape}")
-    return outputs
-
-
 def _interpret(graph: tf.Graph, feeds: dict[str, np.ndarray], fetches: Sequence[tf.Tensor]
                ) -> list[np.ndarray]:
-    """Evaluate ``fetches`` from ``feeds`` (tensor name -> array), ops in creation order."""
-    _check_transparent(graph)
+    """Evaluate ``fetches`` from ``feeds`` (tensor name -> array), ops in creation order, each
+    by its kernel in :data:`KERNELS`, checking what it makes against the graph."""
     values = dict(feeds)
     needed: set[tf.Operation] = set()  # what the fetches read through data edges, not control
     stack = [t.op for t in fetches if t.name not in feeds]
@@ -86,16 +63,31 @@ def _interpret(graph: tf.Graph, feeds: dict[str, np.ndarray], fetches: Sequence[
         if op not in needed:
             needed.add(op)
             stack.extend(t.op for t in op.inputs if t.name not in feeds)
-    for op in graph.get_operations():
-        if op not in needed:
-            continue
+    for op in [op for op in graph.get_operations() if op in needed]:
         if op.type in _FED:
             raise ReplayError(f"graph input {op.name!r} ({op.type}) was not fed")
         missing = [t.name for t in op.inputs if t.name not in values]
         if missing:
             raise ReplayError(f"{op.name!r} reads {missing} before they are computed")
-        outputs = _run_kernel(op, [values[t.name] for t in op.inputs])
-        values.update((t.name, out) for t, out in zip(op.outputs, outputs, strict=True))
+        kernel = KERNELS.get(op.type)
+        if kernel is None:
+            raise ReplayError(f"cannot replay op type {op.type!r} (node {op.name!r}): it has no "
+                              f"NumPy kernel. Supported: {', '.join(supported_ops())}. Add one "
+                              "to towers.testing.replay.KERNELS.")
+        try:
+            outputs = kernel(op, [values[t.name] for t in op.inputs])
+        except ReplayError:
+            raise
+        except Exception as err:
+            raise ReplayError(f"replaying {op.type} {op.name!r} failed: {err}") from err
+        if len(outputs) != len(op.outputs):
+            raise ReplayError(f"kernel for {op.type} gave {len(outputs)} outputs, not "
+                              f"{len(op.outputs)}")
+        for out, t in zip(outputs, op.outputs, strict=True):
+            if out.dtype != _np_dtype(t.dtype) or not t.shape.is_compatible_with(out.shape):
+                raise ReplayError(f"kernel for {op.type} ({op.name!r}) made {out.dtype}"
+                                  f"{list(out.shape)}; the graph says {t.dtype.name}{t.shape}")
+            values[t.name] = out
     return [values[t.name] for t in fetches]
 
 
@@ -106,26 +98,9 @@ def _captured(concrete: Any) -> list[np.ndarray]:
         raise ReplayError(f"the algorithm captures a value replay cannot read: {err}") from err
 
 
-def _optimized_graph(metadata: Any, n_args: int) -> tf.Graph:
-    """The graph grappler made from our function (the one with ``n_args`` arguments)."""
-    for function_graph in reversed(metadata.function_graphs):
-        graph_def = function_graph.post_optimization_graph
-        if sum(node.op in _FED for node in graph_def.node) != n_args:
-            continue
-        kept = {node.op for node in graph_def.node}
-        later = {n.op for p in function_graph.partition_graphs for n in p.node} - kept
-        later -= {"_Send", "_Recv", "_HostSend", "_HostRecv", "_Arg", "_Retval"}
-        if later:
-            raise ReplayError(f"TensorFlow rewrote the graph after grappler: {sorted(later)}")
-        graph = tf.Graph()
-        with graph.as_default():
-            tf.graph_util.import_graph_def(graph_def, name="")
-        return graph
-    raise ReplayError("TensorFlow's run metadata holds no optimized graph for the algorithm")
-
-
 def _replay_optimized(fn: Any, concrete: Any, arrays: list[np.ndarray], devices: Sequence[str]
                       ) -> list[np.ndarray]:
+    """Run ``fn`` once and interpret the graph Grappler made of it (the one taking our args)."""
     from tensorflow.python.eager import context  # run metadata has no public API
 
     ctx = context.context()
@@ -136,7 +111,20 @@ def _replay_optimized(fn: Any, concrete: Any, arrays: list[np.ndarray], devices:
     finally:
         ctx.disable_run_metadata()
     args = arrays + _captured(concrete)
-    graph = _optimized_graph(metadata, len(args))
+    for function_graph in reversed(metadata.function_graphs):
+        graph_def = function_graph.post_optimization_graph
+        if sum(node.op in _FED for node in graph_def.node) == len(args):
+            break
+    else:
+        raise ReplayError("TensorFlow's run metadata holds no optimized graph for the algorithm")
+    later = {n.op for p in function_graph.partition_graphs for n in p.node}
+    later -= {node.op for node in graph_def.node}
+    later -= {"_Send", "_Recv", "_HostSend", "_HostRecv", "_Arg", "_Retval"}
+    if later:
+        raise ReplayError(f"TensorFlow rewrote the graph after grappler: {sorted(later)}")
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.graph_util.import_graph_def(graph_def, name="")
     feeds: dict[str, np.ndarray] = {}
     results: dict[int, tf.Tensor] = {}
     for node in graph.get_operations():
@@ -169,10 +157,8 @@ def replay(algorithm: Callable[..., Any], arrays: Sequence[np.ndarray], op: str 
     _check_transparent(concrete.graph)  # before anything runs or reads captured values
     if optimized:
         return _replay_optimized(fn, concrete, arrays, devices)
-    graph = concrete.graph
-    feeds = {p.name: a for p, a in zip(graph.inputs, arrays, strict=False)}
-    captures = zip(graph.captures, _captured(concrete), strict=True)
-    feeds.update({internal.name: value for (_, internal), value in captures})
+    graph = concrete.graph  # its inputs: the arguments, then the captured tensors
+    feeds = {t.name: a for t, a in zip(graph.inputs, arrays + _captured(concrete), strict=True)}
     return _interpret(graph, feeds, concrete.outputs)
 
 
@@ -283,8 +269,7 @@ def _const(op: tf.Operation, xs: list[np.ndarray]) -> list[np.ndarray]:
 
 KERNELS: dict[str, Kernel] = {
     "Identity": _passthrough, "IdentityN": _passthrough, "Snapshot": _passthrough,
-    "StopGradient": _passthrough,
-    "NoOp": lambda op, xs: [],
+    "StopGradient": _passthrough, "NoOp": lambda op, xs: [],
     "Const": _const, "_HostConst": _const,
     "AddV2": _elementwise(np.add), "Add": _elementwise(np.add), "AddN": _add_n,
     "Sub": _elementwise(np.subtract), "Mul": _elementwise(np.multiply),
