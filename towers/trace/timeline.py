@@ -73,13 +73,11 @@ def read_xspace(path: str | os.PathLike[str]) -> list[OpEvent]:
 
 
 def profile_step(trainer: Any, x: Any, y: Any) -> list[OpEvent]:
-    """Profile one ``trainer.train_step(x, y)`` (after a warm-up step); its op events by start
-    (``RuntimeError``: the profiler wrote none)."""
+    """The op events of one ``trainer.train_step(x, y)`` after a warm-up (RuntimeError: none)."""
     trainer.train_step(x, y)  # compile outside the profile
     with tempfile.TemporaryDirectory() as where:
-        options = tf.profiler.experimental.ProfilerOptions(
-            host_tracer_level=3, python_tracer_level=0, device_tracer_level=0)
-        tf.profiler.experimental.start(where, options=options)
+        tf.profiler.experimental.start(where, options=tf.profiler.experimental.ProfilerOptions(
+            host_tracer_level=3, python_tracer_level=0, device_tracer_level=0))
         try:
             trainer.train_step(x, y)
         finally:
@@ -118,8 +116,7 @@ def split_compute(compute: Sequence[float], events: Sequence[OpEvent]
         if f <= 0 or b <= 0:
             return None
         shares.append(b / (f + b))
-    return ([c * (1 - s) for c, s in zip(compute, shares)],
-            [c * s for c, s in zip(compute, shares)])
+    return [c * (1 - s) for c, s in zip(compute, shares)], [c * s for c, s in zip(compute, shares)]
 
 
 _COLOURS = {"forward": "tab:blue", "backward": "tab:orange", "step": "0.5",
@@ -141,10 +138,9 @@ def draw_measured(events: Sequence[OpEvent], towers: int, path: str | os.PathLik
     ax.set_yticks(range(len(keys)), [
         f"{'step (guard, reduce, apply)' if t is None else f'tower {t} {p}'}  "
         f"{spent.get((t, p), 0.0) / 1e3:.2f} ms" for t, p in keys], fontsize=7)
-    ax.set_ylim(len(keys) - 0.5, -0.5)
+    ax.set(xlabel="ms", ylim=(len(keys) - 0.5, -0.5))
     ax.set_title(f"measured (tf.profiler op events of one train_step, {len(events)} ops; "
                  "ms of op time per row)", fontsize=9)
-    ax.set_xlabel("ms")
     if modelled:  # below: the modelled timeline
         ax = axes[1][0]
         for e in modelled["traceEvents"]:
@@ -154,10 +150,9 @@ def draw_measured(events: Sequence[OpEvent], towers: int, path: str | os.PathLik
                         height=0.7, color=_COLOURS[kind])
         ax.set_yticks(range(2 * towers), [f"tower {p} {t}" for p in range(towers)
                                           for t in ("compute", "all-reduce")], fontsize=7)
-        ax.set_ylim(2 * towers - 0.5, -0.5)
+        ax.set(xlabel="ms", ylim=(2 * towers - 0.5, -0.5))
         ax.set_title("modelled (towers timeline: phases timed apart, laid end to end; "
                      "forward / backward / all-reduce / apply)", fontsize=9)
-        ax.set_xlabel("ms")
     return save_png(fig, path, 100)
 
 
@@ -190,27 +185,25 @@ def digits_trainer(devices: list[str], *, algorithm: str = "ring", variables: st
     return trainer, (x[:batch_size], y[:batch_size])
 
 
-def _median_seconds(fn: Callable[[], Any], repeats: int) -> float:
-    """Median wall time of ``fn()`` after one warm-up call (which also compiles it)."""
-    return interleave({"phase": fn}, repeats, warmup=1)["phase"].median
+def _measure(trainer: TowerTrainer, batch: tuple[Any, Any], repeats: int) -> _Phases:
+    def compiled(fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
+        return tf.function(lambda: fn(*args), autograph=False)
 
+    def seconds(fn: Callable[[], Any]) -> float:  # median wall time after a warm-up call
+        return interleave({"phase": fn}, repeats, warmup=1)["phase"].median
 
-def _compiled(fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
-    return tf.function(lambda: fn(*args), autograph=False)
-
-
-def _measure(trainer: TowerTrainer, batch: tuple[Any, Any], repeats: int, bar: Any) -> _Phases:
+    bar = keras.utils.Progbar(len(trainer.devices) + 1, unit_name="phase")
     shards = trainer.split(*batch)
     compute = []
     for tower in range(len(trainer.devices)):
-        compute.append(_median_seconds(_compiled(trainer.tower_step, shards, tower), repeats))
+        compute.append(seconds(compiled(trainer.tower_step, shards, tower)))
         bar.add(1)
-    grads = _compiled(trainer.forward_backward, shards)()
-    reduce = _compiled(trainer.reduce, grads)
+    grads = compiled(trainer.forward_backward, shards)()
+    reduce = compiled(trainer.reduce, grads)
     with record() as sent:  # sends are recorded when the first call traces it
-        reduce_time = _median_seconds(reduce, repeats)
-    apply_time = _median_seconds(_compiled(trainer.apply, reduce()), repeats)
-    step = _median_seconds(lambda: trainer.train_step(*batch), repeats)
+        reduce_time = seconds(reduce)
+    apply_time = seconds(compiled(trainer.apply, reduce()))
+    step = seconds(lambda: trainer.train_step(*batch))
     bar.add(1)
     try:
         events = profile_step(trainer, *batch)
@@ -229,8 +222,7 @@ def _x(name: str, pid: int, tid: int, start: float, seconds: float, **args: Any)
 
 
 def _tick_events(phases: _Phases, places: list[str], start: float) -> list[dict[str, Any]]:
-    """Per tick and place what it sent and got; tick lengths split the all-reduce's measured
-    time in proportion to each tick's bytes."""
+    """Per tick and place what it sent and got; a tick lasts its bytes' share of the all-reduce."""
     ticks: dict[int, dict[str, Any]] = {}
     for row in assign_ticks(phases.transfers, places, phases.whole):
         tick = ticks.setdefault(row.tick, {"bytes": 0, "notes": [], "places": {},
@@ -255,13 +247,11 @@ def _tick_events(phases: _Phases, places: list[str], start: float) -> list[dict[
 
 def _events(trainer: TowerTrainer, phases: _Phases) -> list[dict[str, Any]]:
     n = len(trainer.devices)
-    places = list(trainer.devices)
-    places += list(dict.fromkeys(d for t in phases.transfers for d in (t.src, t.dst)
-                                 if d not in places))
+    ends = (d for t in phases.transfers for d in (t.src, t.dst))
+    places = list(dict.fromkeys([*trainer.devices, *ends]))  # the towers, then other places
     events: list[dict[str, Any]] = []
-    for p, device in enumerate([*places, ""]):  # names: a process per place, then the step
+    for p, device in enumerate([*places, "whole step (compiled, measured)"]):  # the processes
         name = f"tower {p} ({device})" if p < n else device
-        name = "whole step (compiled, measured)" if p == len(places) else name
         events += [{"name": "process_name", "ph": "M", "pid": p, "args": {"name": name}},
                    {"name": "process_sort_index", "ph": "M", "pid": p, "args": {"sort_index": p}}]
         events += [{"name": "thread_name", "ph": "M", "pid": p, "tid": tid, "args": {"name": t}}
@@ -278,24 +268,6 @@ def _events(trainer: TowerTrainer, phases: _Phases) -> list[dict[str, Any]]:
     return [*events, _x("train_step", len(places), 0, 0.0, phases.step)]
 
 
-def _report(phases: _Phases, ticks: int, repeats: int) -> str:
-    def row(name: str, values: Sequence[float]) -> str:
-        return f"{name:<28}" + "".join(f"{v * 1e3:>10.3f}" for v in values)
-
-    n = len(phases.forward)
-    moved = sum(t.nbytes or 0 for t in phases.transfers)
-    laid_out = max(f + b for f, b in zip(phases.forward, phases.backward))
-    laid_out += phases.reduce + phases.apply
-    return "\n".join([
-        f"{f'phase (ms, median of {repeats})':<28}" + "".join(f"{f'tower {i}':>10}"
-                                                              for i in range(n)),
-        row("forward", phases.forward), row("backward", phases.backward),
-        row(f"all-reduce ({ticks} tick{'' if ticks == 1 else 's'}, {moved} B)", [phases.reduce]),
-        row("apply (every replica)", [phases.apply]),
-        f"whole step, compiled: {phases.step * 1e3:.3f} ms measured; phases laid out end to "
-        f"end: {laid_out * 1e3:.3f} ms"])
-
-
 def build_timeline(devices: list[str], *, algorithm: str = "ring", variables: str = "replicated",
                    batch_size: int = 64, repeats: int = 5,
                    seed: int = 0) -> tuple[dict[str, Any], str]:
@@ -303,13 +275,26 @@ def build_timeline(devices: list[str], *, algorithm: str = "ring", variables: st
     (``traceEvents``, ``otherData``, the profiler's ``measuredOps``) and the timings table."""
     trainer, batch = digits_trainer(devices, algorithm=algorithm, variables=variables,
                                     batch_size=batch_size, seed=seed)
-    bar = keras.utils.Progbar(len(devices) + 1, unit_name="phase")
     with as_written():
-        phases = _measure(trainer, batch, repeats, bar)
+        phases = _measure(trainer, batch, repeats)
     events = _events(trainer, phases)
     ticks = len({e["args"]["tick"] for e in events if "tick" in e["args"]})
     other = {"algorithm": algorithm, "towers": len(devices), "ticks": ticks,
              "variables": variables, "batch": batch_size, "timings": TIMINGS}
     data = {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other,
             "measuredOps": [list(e) for e in phases.events]}  # OpEvent fields
-    return data, _report(phases, ticks, repeats)
+
+    def row(name: str, values: Sequence[float]) -> str:
+        return f"{name:<28}" + "".join(f"{v * 1e3:>10.3f}" for v in values)
+
+    moved = sum(t.nbytes or 0 for t in phases.transfers)
+    laid_out = max(f + b for f, b in zip(phases.forward, phases.backward))
+    laid_out += phases.reduce + phases.apply
+    return data, "\n".join([
+        f"{f'phase (ms, median of {repeats})':<28}"
+        + "".join(f"{f'tower {i}':>10}" for i in range(len(devices))),
+        row("forward", phases.forward), row("backward", phases.backward),
+        row(f"all-reduce ({ticks} tick{'' if ticks == 1 else 's'}, {moved} B)", [phases.reduce]),
+        row("apply (every replica)", [phases.apply]),
+        f"whole step, compiled: {phases.step * 1e3:.3f} ms measured; phases laid out end to "
+        f"end: {laid_out * 1e3:.3f} ms"])
