@@ -60,8 +60,7 @@ def run(args: argparse.Namespace) -> int:
     from towers.trace import schedule
 
     devices = schedule.start_devices(args.towers)  # first: before TensorFlow's runtime starts
-    from towers.trace.measured import OpEvent, draw_measured
-    from towers.trace.timeline import build_timeline
+    from towers.trace.timeline import OpEvent, build_timeline, draw_measured
 
     print(f"towers timeline: one step of digits_cnn, batch {args.batch_size}, {args.towers} "
           f"towers, all_reduce={args.algorithm}, variables={args.variables}")

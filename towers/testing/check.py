@@ -1,8 +1,5 @@
-"""``check_all_reduce``: any all-reduce against the contract, searched with Hypothesis.
-
-Per tower count a search over shapes, dtypes and ops, then stratified examples; a wrong
-algorithm never raises: the :class:`CheckReport` says what failed, on the smallest example.
-"""
+"""``check_all_reduce``: any all-reduce against the contract, searched with Hypothesis per
+tower count, then stratified examples; the report says what failed, on the smallest example."""
 
 from __future__ import annotations
 
@@ -68,22 +65,16 @@ def stratified(n: int, dtypes: Sequence[tf.DType], ops: Sequence[str], seed: int
     rng = np.random.default_rng([seed, n])
     floats = sorted((d for d in dtypes if d.is_floating), key=lambda d: d != tf.float32)
     out = []
-    for op in ops:
-        dtype = floats[0] if floats else (None if op == "mean" else dtypes[0])
-        if dtype is None:
-            continue
-        shape = (2 * n + 1,)
-        if dtype.is_floating:
-            draw: list[np.ndarray] = [
-                rng.choice([-1.0, 1.0], shape) * rng.uniform(1, 2**10, shape) for _ in range(n)]
-        else:
-            draw = [rng.integers(-(2**10), 2**10, shape) for _ in range(n)]
+    shape = (2 * n + 1,)
+    for op in (o for o in ops if floats or o != "mean"):
+        dtype = floats[0] if floats else dtypes[0]
+        draw = [rng.choice([-1.0, 1.0], shape) * rng.uniform(1, 2**10, shape) if floats
+                else rng.integers(-(2**10), 2**10, shape) for _ in range(n)]  # fmt: skip
         out.append(Case(n, [np.asarray(a).astype(dtype.as_numpy_dtype) for a in draw], op))
     edge = floats[0] if floats else dtypes[0]
     op = "sum" if "sum" in ops else ops[0]
     for edge_shape in ((), (0,)):  # a scalar and an empty tensor, whatever the draw gives
-        out.append(Case(n, [np.full(edge_shape, t + 1, edge.as_numpy_dtype) for t in range(n)],
-                        op))  # fmt: skip
+        out.append(Case(n, [np.full(edge_shape, t + 1, edge.as_numpy_dtype) for t in range(n)], op))
     return out
 
 
@@ -93,10 +84,8 @@ class _Failed(AssertionError):
         self.example, self.failures = example, failures
 
 
-def _search(
-    algorithm: Any, n: int, examples: int, cases: st.SearchStrategy[Case], devices: list[str],
-    replay: bool, seed: int | None,
-) -> tuple[int, _Failed | None]:
+def _search(algorithm: Any, n: int, examples: int, cases: st.SearchStrategy[Case],
+            devices: list[str], replay: bool, seed: int | None) -> tuple[int, _Failed | None]:
     """One Hypothesis search at ``n`` towers: (examples run, the shrunk failure or None)."""
     runs = [0]
 
@@ -144,16 +133,13 @@ def check_all_reduce(
     seed: int | None = 0, replay: bool = False, tower_counts: Sequence[int] | None = None,
 ) -> CheckReport:
     """Run Hypothesis over towers (ascending: the first failure has the fewest), shapes,
-    dtypes and ops; report every broken promise.
+    dtypes and ops on ``fn`` (a callable or a registry name); report every broken promise.
 
     Args:
-        fn: an all-reduce callable, or a registry name (``"naive"``).
         max_towers, tower_counts: the counts to check (default ``1..max_towers``).
         dtypes, ops, shapes: what to draw (default: all the contract supports).
-        max_examples: drawn examples in all (default 20), at least 2 per tower count,
-            plus the stratified ones.
-        devices: where towers live (default ``towers.local_devices()``).
-        seed: Hypothesis seed; ``None`` draws afresh each run.
+        max_examples: drawn examples in all (default 20, at least 2 per tower count), plus
+            the stratified ones; ``seed`` None draws afresh each run.
         replay: also demand bitwise equality with the NumPy replay.
 
     Raises:

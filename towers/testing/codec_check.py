@@ -1,8 +1,5 @@
-"""``check_codec``: a codec against its contract (:class:`towers.allreduce.codecs.Codec`).
-
-Error feedback within ``error_bound``, placement, bitwise agreement, state structure,
-``payload_bytes``, and in a trainer the checkpoint round trip and a skipped step.
-"""
+"""``check_codec``: a codec against its contract (:class:`towers.allreduce.codecs.Codec`):
+error feedback, placement, bitwise agreement, state, ``payload_bytes``, checkpoints, skips."""
 
 from __future__ import annotations
 
@@ -203,16 +200,10 @@ def check_codec(codec: Codec | str, *, tower_counts: Sequence[int] = (1, 2, 3, 4
                 algorithm: Any = "ring", shapes: Sequence[tuple[int, ...]] = SHAPES,
                 steps: int = 3, devices: Sequence[str] | None = None,
                 trainer: bool = True, seed: int = 0) -> CodecReport:
-    """Check ``codec`` against the contract; report every broken promise.
-
-    Args:
-        codec: a codec, a name in ``CODECS`` or ``module:NAME``.
-        algorithm: the dense all-reduce of the wire (a name or a callable).
-        shapes: the gradients' shapes (float32, standard normal values).
-        steps: consecutive steps per shape, so the state carries over.
-        trainer: also check the checkpoint round trip and the skipped step in a
-            2-tower ``TowerTrainer``.
-    """
+    """Check ``codec`` (a codec, a name in ``CODECS`` or ``module:NAME``) against the
+    contract, on ``algorithm``'s wire, ``shapes`` (float32 normal values) and ``steps``
+    consecutive steps per shape (the state carries over); report every broken promise.
+    ``trainer``: also the checkpoint round trip and a skipped step in a 2-tower trainer."""
     built, steps = get_codec(codec), positive_int("steps", steps)
     devices = list(local_devices() if devices is None else devices)
     if max(tower_counts) > len(devices) or (trainer and len(devices) < 2):

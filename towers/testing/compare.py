@@ -71,7 +71,6 @@ def _trainer(side: Config, model_fn: Any, optimizer_fn: Any, loss: Any, devices:
 
         cls = MirroredTrainer if side.all_reduce == "mirrored" else CentralStorageTrainer
         return cls(model_fn, optimizer_fn, loss, devices)
-
     return TowerTrainer(model_fn, optimizer_fn, loss, devices=devices,
                         all_reduce=side.all_reduce, variables=side.variables,
                         check_algorithm=False)  # fmt: skip  (the comparison reports on it)
@@ -169,15 +168,14 @@ def compare(
     """Compare two steps on every batch, teacher-forced from A's weights.
 
     Args:
-        a: the teacher: a step or a configuration (an algorithm name, ``"towers:NAME"``,
-            ``"mirrored"``, ``"central_storage"``, an all-reduce callable, a :class:`Config`).
-        b: the step under test, the same kinds.
-        batches: ``(x, y)`` global batches.
+        a, b: the teacher and the step under test: each a step or a configuration (an
+            algorithm name, ``"towers:NAME"``, ``"mirrored"``, ``"central_storage"``, an
+            all-reduce callable, a :class:`Config`); ``batches``: ``(x, y)`` global batches.
         bound: None (derived), a tolerance, or ``(weights, x, y) -> [tolerance per weight]``.
         loss: the loss (configurations, or a derived bound for steps without ``loss_fn``).
         towers: the tower count (configurations: default 4; steps: from their devices).
-        steps: how many batches at most (default: all).
-        model_fn, optimizer_fn: zero-argument factories (configurations only).
+        steps, model_fn, optimizer_fn: at most that many batches (default: all); zero-argument
+            factories (configurations only).
 
     Raises:
         TypeError: a side that is neither a step nor a configuration.

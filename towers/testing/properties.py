@@ -28,9 +28,8 @@ class Case(NamedTuple):
 
 
 @st.composite
-def cases(
-    draw: st.DrawFn, n: int, dtypes: Sequence[tf.DType], ops: Sequence[str], shapes: Any
-) -> Case:
+def cases(draw: st.DrawFn, n: int, dtypes: Sequence[tf.DType], ops: Sequence[str],
+          shapes: Any) -> Case:
     """Examples with exactly ``n`` towers."""
     _, arrays = draw(tower_values(n, dtypes, shapes, min_towers=n))
     is_int = not is_float(arrays[0].dtype)
@@ -59,9 +58,9 @@ def replay_refusal(fn: Any) -> str | None:
     configured = record_of(fn)
     if configured is None or configured.algorithm.replayable:
         return None
-    why = " (opaque collective ops: the runtime moves and adds the data)" if (
-        configured.algorithm.estimated) else ""
-    return f"replay impossible: {configured.name} is not replayable{why}"
+    why = " (opaque collective ops: the runtime moves and adds the data)"
+    return (f"replay impossible: {configured.name} is not replayable"
+            f"{why if configured.algorithm.estimated else ''}")
 
 
 def _check_outputs(outs: Any, case: Case, devices: Sequence[str]) -> list[str]:
@@ -132,9 +131,8 @@ def _check_bytes(fn: Any, rec: Recorder, case: Case, devices: Sequence[str]) -> 
             f"itemsize={itemsize}) = {expected}{unseen}"]  # fmt: skip
 
 
-def _check_replay(
-    fn: Any, results: list[np.ndarray], case: Case, devices: Sequence[str]
-) -> list[str]:
+def _check_replay(fn: Any, results: list[np.ndarray], case: Case, devices: Sequence[str]
+                  ) -> list[str]:
     """Bitwise equal to the NumPy replay; a replay that cannot run is a failure."""
     refused = replay_refusal(fn)
     if refused:

@@ -129,10 +129,8 @@ MIRRORED_SETTING = (
     "tower's non-trainable state is kept")
 
 
-def possible_causes(
-    a: Any, b: Any, sizes: Sequence[int], *, step: int, towers: int, diff: float,
-    value: float, dtype: Any,
-) -> tuple[tuple[str, ...], str]:
+def possible_causes(a: Any, b: Any, sizes: Sequence[int], *, step: int, towers: int, diff: float,
+                    value: float, dtype: Any) -> tuple[tuple[str, ...], str]:
     """``(causes, setting)``: one ``"name: why"`` per cause of a divergence at ``step`` that
     the batch ``sizes`` and the two sides show, and :data:`MIRRORED_SETTING` when it applies
     (else ""); ``diff``, ``value``, ``dtype``: the first element outside (|Δ|, its larger

@@ -99,15 +99,9 @@ class AdaptedStep:
 
 def as_step(fn: Callable[[Any], Any], model: Any, *, strategy: Any = None,
             optimizer: Any = None, loss: Any = None) -> AdaptedStep:  # fmt: skip
-    """A user's step function as a :class:`Step`: the one-line adapter.
-
-    Args:
-        fn: the step function, called with one batch ``(x, y)`` or ``(x, y, sample_weight)``.
-        model: the ``keras.Model`` it trains (its weights are the step's weights).
-        strategy: the strategy ``fn`` runs under, if any (it distributes the batch).
-        optimizer, loss: what ``fn`` applies and minimizes (default ``model.optimizer``):
-            they pick and size the bound.
-    """
+    """A user's step function ``fn`` (called with one batch ``(x, y)`` or ``(x, y,
+    sample_weight)``, under ``strategy`` if any) as a :class:`Step` whose weights are
+    ``model``'s; ``optimizer`` (default ``model.optimizer``) and ``loss`` size the bound."""
     if not callable(fn):
         raise TypeError(f"fn must be a step function (called with one batch), got {fn!r}")
     if not hasattr(model, "weights"):
@@ -155,10 +149,9 @@ def _within(got: np.ndarray, want: np.ndarray, tol: np.ndarray) -> bool:
     return bool(np.all(np.abs(got.astype(np.float64) - want) <= tol))
 
 
-def compare_runs(
-    label: int | str, step: int, names: Sequence[str], runs: tuple[StepGradients, StepGradients],
-    depths: Sequence[int], kernels: list[np.ndarray] | None,
-) -> list[Difference]:
+def compare_runs(label: int | str, step: int, names: Sequence[str],
+                 runs: tuple[StepGradients, StepGradients], depths: Sequence[int],
+                 kernels: list[np.ndarray] | None) -> list[Difference]:
     """Run B against run A (the reference), bounded and attributed as the module says;
     ``kernels``: the kernel part's bound per variable, or None (the same shards: the
     measured difference of the exact tower sums)."""
@@ -170,22 +163,17 @@ def compare_runs(
     total = [ta + tb + k for ta, tb, k in zip(tol_a, tol_b, kernels, strict=True)]
     rows = compare_gradients(label, step, names, b.reduced, a.reduced, total)
     for j, row in enumerate(rows):
-        if row.ok:
-            continue
-        if not _within(b.reduced[j], exact_b[j], tol_b[j]):
-            cause = f"reduction ({label})"
-        elif not _within(a.reduced[j], exact_a[j], tol_a[j]):
-            cause = "reduction (reference)"
-        else:
-            cause = "kernels"
-        rows[j] = dataclasses.replace(row, cause=cause)
+        if not row.ok:  # the part that left its own bound
+            ours = _within(b.reduced[j], exact_b[j], tol_b[j])
+            theirs = _within(a.reduced[j], exact_a[j], tol_a[j])
+            cause = "kernels" if ours and theirs else "reduction (reference)" if ours else (
+                f"reduction ({label})")
+            rows[j] = dataclasses.replace(row, cause=cause)
     return rows
 
 
-def compare_gradients(
-    label: int | str, step: int, names: Sequence[str], got: Sequence[np.ndarray],
-    want: Sequence[np.ndarray], bounds: Sequence[np.ndarray],
-) -> list[Difference]:
+def compare_gradients(label: int | str, step: int, names: Sequence[str], got: Sequence[np.ndarray],
+                      want: Sequence[np.ndarray], bounds: Sequence[np.ndarray]) -> list[Difference]:
     """One :class:`Difference` per variable: ``|got − want|`` against ``bounds``."""
     rows = []
     for j, (name, a, b, tol) in enumerate(zip(names, got, want, bounds, strict=True)):

@@ -125,8 +125,7 @@ def draw(trace: Trace, path: str | os.PathLike[str]) -> Path:
     colours = dict(zip(labels, _palette(len(labels))))
     ticks, places = max(trace.ticks, 1), len(trace.places)
     width = max(1.2, 0.3 * len(trace.chunks))
-    fig, ax = pyplot().subplots(figsize=(max(6.0, 1.25 * ticks + 2.2 + width),
-                                          1.0 + 0.7 * places))
+    fig, ax = pyplot().subplots(figsize=(max(6.0, 1.25 * ticks + 2.2 + width), 1.0 + 0.7 * places))
     for p in range(places):
         ax.axhspan(p - 0.45, p + 0.45, color="0.96" if p % 2 else "0.91", zorder=0)
     for t in range(ticks + 1):

@@ -101,8 +101,7 @@ def _follow(fn: Any, devices: Sequence[str], arrays: list[np.ndarray], op: str,
                 *place(arrays, devices))
     except Exception:  # an algorithm that only runs eagerly: the chunk labels decide
         return None
-    same = [dataclasses.astuple(t) for t in recorder.transfers] == [
-        dataclasses.astuple(t) for t in transfers]
+    same = list(recorder.transfers) == list(transfers)
     return list(recorder.sources) if same else None
 
 
@@ -129,15 +128,14 @@ def run_trace(fn: Any, devices: Sequence[str], arrays: list[np.ndarray], *, op: 
             rows = assign_ticks(transfers, places, whole, by_order=by_order, sources=sources)
     finished, holds = chunk_ownership(transfers, rows, n, len(places), whole)
     expected = np.asarray(getattr(np, op)(np.stack(arrays).astype(np.float64), axis=0))
-    trace = Trace(
+    return Trace(
         algorithm=name, places=tuple(places), towers=n, op=op, size=size, dtype="float32",
         transfers=tuple(transfers), rows=tuple(rows), finished=finished, holds=holds,
         formula=None if estimated or formula is None else tuple(int(v) for v in formula),
         max_abs_error=max(float(np.max(np.abs(r - expected))) for r in results),
         max_ulps=max(int(np.max(ulp_distance(r, expected))) for r in results),
         identical=all(r.tobytes() == results[0].tobytes() for r in results),
-    )
-    return trace, carried, results
+    ), carried, results
 
 
 def resolve(algorithm: str | Callable[..., Any], devices: Sequence[str]) -> Any:
@@ -153,13 +151,9 @@ def resolve(algorithm: str | Callable[..., Any], devices: Sequence[str]) -> Any:
 def trace_all_reduce(algorithm: str | Callable[..., Any], devices: Sequence[str], *,
                      size: int = 16, op: str = "sum", by_order: bool = False,
                      name: str | None = None) -> Trace:
-    """Run ``algorithm`` once on ``size`` float32 elements per tower and record what it sends.
-
-    Args:
-        algorithm: a registry name, ``module:NAME`` or a callable.
-        devices: one device per tower (e.g. ``towers.simulate_devices(4)``).
-        size: elements per tower (tower ``i`` holds ``i·size + [0 … size-1]``: exact sums).
-        by_order: ignore the algorithm's ticks and assign every tick by order.
+    """Run ``algorithm`` (a registry name, ``module:NAME`` or a callable) once on ``size``
+    float32 elements per tower (tower ``i`` holds ``i·size + [0 … size-1]``: exact sums) and
+    record what it sends; ``by_order``: ignore the algorithm's ticks, assign all by order.
 
     Raises:
         ValueError: a bad ``op`` or ``size``, an unknown algorithm, wrong output count.

@@ -194,13 +194,9 @@ def _circle(n: int) -> Positions:
 def _tree(n: int, links: Links, root: int) -> Positions | None:
     if len(links) != n - 1:
         return None
-    near: dict[int, list[int]] = {i: [] for i in range(n)}
-    for a, b in links:
-        near[a].append(b)
-        near[b].append(a)
     depth, order = {root: 0}, [root]
-    for node in order:
-        for peer in sorted(near[node]):
+    for node in order:  # breadth first from the root
+        for peer in sorted({b for a, b in links if a == node} | {a for a, b in links if b == node}):
             if peer not in depth:
                 depth[peer] = depth[node] + 1
                 order.append(peer)

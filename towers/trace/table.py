@@ -113,12 +113,9 @@ def assign_ticks(transfers: Sequence[Transfer], places: Sequence[str], whole: in
         s, d = places.index(t.src), places.index(t.dst)
         carried = [] if t.estimated else _covered(t.chunk, t.nbytes, whole, unit, labels)
         followed = sources[i] if i < len(sources) else None
-        if t.estimated:
-            ready = -1
-        elif followed is not None:
-            ready = max((rows[j].tick for j in followed), default=-1)
-        else:
-            ready = max((got[s].get(c, -1) for c in carried), default=-1)
+        arrivals = ((rows[j].tick for j in followed) if followed is not None
+                    else (got[s].get(c, -1) for c in carried))  # fmt: skip
+        ready = -1 if t.estimated else max(arrivals, default=-1)
         assigned = t.tick is None or by_order
         tick = 1 + max(last_send[s], last_recv[d], ready) if assigned else int(t.tick or 0)
         last_send[s], last_recv[d] = max(last_send[s], tick), max(last_recv[d], tick)
@@ -128,9 +125,9 @@ def assign_ticks(transfers: Sequence[Transfer], places: Sequence[str], whole: in
     return rows
 
 
-def chunk_ownership(
-    transfers: Sequence[Transfer], rows: Sequence[TraceRow], towers: int, places: int, whole: int
-) -> tuple[dict[int, tuple[int, int]], tuple[frozenset[int], ...]]:
+def chunk_ownership(transfers: Sequence[Transfer], rows: Sequence[TraceRow], towers: int,
+                    places: int, whole: int
+                    ) -> tuple[dict[int, tuple[int, int]], tuple[frozenset[int], ...]]:
     """``(finished, holds)``: ``finished[chunk] = (place, tick)`` where the chunk first held
     every contribution, and per place the chunks held complete at the end (empty when every
     row is estimated)."""

@@ -1,30 +1,160 @@
-"""One training step as a timeline for Perfetto (ui.perfetto.dev) or chrome://tracing.
+"""One training step as a timeline for Perfetto (ui.perfetto.dev), and as measured.
 
-Each phase of a digits-CNN ``TowerTrainer`` is compiled and timed apart, then laid out as
-the step orders them: forward+backward per tower (split by profiled op time), the
-all-reduce's ticks after the slowest tower, then the apply. A tower is a process with a
-"compute" and an "all-reduce" thread; the whole compiled step has its own row.
+Modelled: each phase of a digits-CNN ``TowerTrainer`` is compiled and timed apart, then laid
+out as the step orders them: forward+backward per tower (split by profiled op time), the
+all-reduce's ticks after the slowest tower, then the apply; a tower is a process with a
+"compute" and an "all-reduce" thread. Measured: the profiler's op events of one real step,
+sorted into phases by name scope (:func:`towers.bench.phases.phase_of`)::
+
+    replica_3/conv2d_1/Relu:Relu                       forward,  tower 3
+    gradient_tape/replica_3/conv2d_1/Conv2DBackprop…   backward, tower 3
+    guard/…, split/…, the all-reduce, the update       step (everything else)
 """
 
 from __future__ import annotations
 
+import os
+import tempfile
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import keras
 import tensorflow as tf
+from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
 from towers.allreduce.machinery.base import as_written
 from towers.allreduce.machinery.primitives import BOOKKEEPING_NOTES, Transfer, record
 from towers.allreduce.machinery.resolve import get
+from towers.bench.phases import phase_of as step_phase
 from towers.bench.report import interleave
 from towers.step import TowerTrainer
-from towers.trace.measured import OpEvent, profile_step, split_compute
+from towers.trace.draw import pyplot, save_png
 from towers.trace.table import assign_ticks
 from towers.training.data import digits
 from towers.training.models import digits_cnn
 
-__all__ = ["TIMINGS", "build_timeline", "digits_trainer"]
+__all__ = ["TIMINGS", "OpEvent", "build_timeline", "busy", "digits_trainer", "draw_measured",
+           "phase_of", "profile_step", "read_xspace", "split_compute"]
+
+class OpEvent(NamedTuple):
+    """One op kernel as the profiler saw it; times in microseconds from the first event."""
+
+    name: str
+    op: str
+    thread: str
+    start: float
+    duration: float
+
+
+def phase_of(name: str) -> tuple[int | None, str]:
+    """``(tower, phase)`` of an op by its name scope: forward, backward or step (tower None)."""
+    phase, tower = step_phase(name)
+    if phase != "forward_backward":
+        return None, "step"
+    return tower, "backward" if name.startswith("gradient_tape/") else "forward"
+
+
+def read_xspace(path: str | os.PathLike[str]) -> list[OpEvent]:
+    """The op events (``scope/name:Type``) of a profiler ``*.xplane.pb`` file, by start time."""
+    space = xplane_pb2.XSpace()
+    space.ParseFromString(Path(path).read_bytes())
+    events = []
+    for plane in space.planes:
+        for line in plane.lines:
+            for e in line.events:
+                name = plane.event_metadata[e.metadata_id].name
+                if ":" in name and "::" not in name and e.duration_ps > 0:
+                    scope, op = name.rsplit(":", 1)
+                    start = (line.timestamp_ns * 1000 + e.offset_ps) / 1e6
+                    events.append(OpEvent(scope, op, line.name, start, e.duration_ps / 1e6))
+    first = min((e.start for e in events), default=0.0)
+    return sorted((e._replace(start=e.start - first) for e in events), key=lambda e: e.start)
+
+
+def profile_step(trainer: Any, x: Any, y: Any) -> list[OpEvent]:
+    """The op events of one ``trainer.train_step(x, y)`` after a warm-up (RuntimeError: none)."""
+    trainer.train_step(x, y)  # compile outside the profile
+    with tempfile.TemporaryDirectory() as where:
+        tf.profiler.experimental.start(where, options=tf.profiler.experimental.ProfilerOptions(
+            host_tracer_level=3, python_tracer_level=0, device_tracer_level=0))
+        try:
+            trainer.train_step(x, y)
+        finally:
+            tf.profiler.experimental.stop()
+        found = sorted(Path(where).glob("plugins/profile/*/*.xplane.pb"), key=os.path.getmtime)
+        if not found:
+            raise RuntimeError(f"the profiler wrote no *.xplane.pb under {where}")
+        return read_xspace(found[-1])
+
+
+def busy(events: Sequence[OpEvent], towers: int) -> dict[tuple[int | None, str], float]:
+    """Microseconds of op time per ``(tower, phase)`` (the union of its events' intervals)."""
+    spans: dict[tuple[int | None, str], list[tuple[float, float]]] = {}
+    for e in events:
+        tower, phase = phase_of(e.name)
+        if tower is None or tower < towers:
+            spans.setdefault((tower, phase), []).append((e.start, e.start + e.duration))
+    out = {}
+    for key, intervals in spans.items():
+        total, end = 0.0, float("-inf")
+        for a, b in sorted(intervals):
+            total += max(0.0, b - max(a, end))
+            end = max(end, b)
+        out[key] = total
+    return out
+
+
+def split_compute(compute: Sequence[float], events: Sequence[OpEvent]
+                  ) -> tuple[list[float], list[float]] | None:
+    """Split each tower's measured forward+backward seconds by its profiled op-time shares:
+    ``(forward, backward)`` per tower, or None when some tower's ops were not seen."""
+    spent = busy(events, len(compute))
+    shares = []
+    for tower in range(len(compute)):
+        f, b = spent.get((tower, "forward"), 0.0), spent.get((tower, "backward"), 0.0)
+        if f <= 0 or b <= 0:
+            return None
+        shares.append(b / (f + b))
+    return [c * (1 - s) for c, s in zip(compute, shares)], [c * s for c, s in zip(compute, shares)]
+
+
+_COLOURS = {"forward": "tab:blue", "backward": "tab:orange", "step": "0.5",
+            "all-reduce": "tab:green", "apply": "tab:red"}
+
+
+def draw_measured(events: Sequence[OpEvent], towers: int, path: str | os.PathLike[str], *,
+                  modelled: dict[str, Any] | None = None) -> Path:
+    """Draw the measured op events, one row per tower and phase, then the rest of the step
+    (and, given, the modelled timeline below) as a PNG; returns ``path``."""
+    keys = [(t, p) for t in range(towers) for p in ("forward", "backward")] + [(None, "step")]
+    spent = busy(events, towers)
+    fig, axes = pyplot().subplots(2 if modelled else 1, 1, squeeze=False, figsize=(
+        11, 1.2 + 0.3 * len(keys) * (2 if modelled else 1)))
+    ax = axes[0][0]
+    for k, key in enumerate(keys):
+        ax.broken_barh([(e.start / 1e3, e.duration / 1e3) for e in events
+                        if phase_of(e.name) == key], (k - 0.35, 0.7), color=_COLOURS[key[1]])
+    ax.set_yticks(range(len(keys)), [
+        f"{'step (guard, reduce, apply)' if t is None else f'tower {t} {p}'}  "
+        f"{spent.get((t, p), 0.0) / 1e3:.2f} ms" for t, p in keys], fontsize=7)
+    ax.set(xlabel="ms", ylim=(len(keys) - 0.5, -0.5))
+    ax.set_title(f"measured (tf.profiler op events of one train_step, {len(events)} ops; "
+                 "ms of op time per row)", fontsize=9)
+    if modelled:  # below: the modelled timeline
+        ax = axes[1][0]
+        for e in modelled["traceEvents"]:
+            if e.get("ph") == "X" and e["pid"] < towers:
+                kind = e["name"] if e["name"] in ("forward", "backward", "apply") else "all-reduce"
+                ax.barh(e["pid"] * 2 + (e["tid"] == 1), e["dur"] / 1e3, left=e["ts"] / 1e3,
+                        height=0.7, color=_COLOURS[kind])
+        ax.set_yticks(range(2 * towers), [f"tower {p} {t}" for p in range(towers)
+                                          for t in ("compute", "all-reduce")], fontsize=7)
+        ax.set(xlabel="ms", ylim=(2 * towers - 0.5, -0.5))
+        ax.set_title("modelled (towers timeline: phases timed apart, laid end to end; "
+                     "forward / backward / all-reduce / apply)", fontsize=9)
+    return save_png(fig, path, 100)
+
 
 TIMINGS = ("forward, backward (split by profiled op time), the whole all-reduce and the apply "
            "are measured; a tick's length is the all-reduce's time split by the bytes each "
@@ -55,27 +185,25 @@ def digits_trainer(devices: list[str], *, algorithm: str = "ring", variables: st
     return trainer, (x[:batch_size], y[:batch_size])
 
 
-def _median_seconds(fn: Callable[[], Any], repeats: int) -> float:
-    """Median wall time of ``fn()`` after one warm-up call (which also compiles it)."""
-    return interleave({"phase": fn}, repeats, warmup=1)["phase"].median
+def _measure(trainer: TowerTrainer, batch: tuple[Any, Any], repeats: int) -> _Phases:
+    def compiled(fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
+        return tf.function(lambda: fn(*args), autograph=False)
 
+    def seconds(fn: Callable[[], Any]) -> float:  # median wall time after a warm-up call
+        return interleave({"phase": fn}, repeats, warmup=1)["phase"].median
 
-def _compiled(fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
-    return tf.function(lambda: fn(*args), autograph=False)
-
-
-def _measure(trainer: TowerTrainer, batch: tuple[Any, Any], repeats: int, bar: Any) -> _Phases:
+    bar = keras.utils.Progbar(len(trainer.devices) + 1, unit_name="phase")
     shards = trainer.split(*batch)
     compute = []
     for tower in range(len(trainer.devices)):
-        compute.append(_median_seconds(_compiled(trainer.tower_step, shards, tower), repeats))
+        compute.append(seconds(compiled(trainer.tower_step, shards, tower)))
         bar.add(1)
-    grads = _compiled(trainer.forward_backward, shards)()
-    reduce = _compiled(trainer.reduce, grads)
+    grads = compiled(trainer.forward_backward, shards)()
+    reduce = compiled(trainer.reduce, grads)
     with record() as sent:  # sends are recorded when the first call traces it
-        reduce_time = _median_seconds(reduce, repeats)
-    apply_time = _median_seconds(_compiled(trainer.apply, reduce()), repeats)
-    step = _median_seconds(lambda: trainer.train_step(*batch), repeats)
+        reduce_time = seconds(reduce)
+    apply_time = seconds(compiled(trainer.apply, reduce()))
+    step = seconds(lambda: trainer.train_step(*batch))
     bar.add(1)
     try:
         events = profile_step(trainer, *batch)
@@ -94,8 +222,7 @@ def _x(name: str, pid: int, tid: int, start: float, seconds: float, **args: Any)
 
 
 def _tick_events(phases: _Phases, places: list[str], start: float) -> list[dict[str, Any]]:
-    """Per tick and place what it sent and got; tick lengths split the all-reduce's measured
-    time in proportion to each tick's bytes."""
+    """Per tick and place what it sent and got; a tick lasts its bytes' share of the all-reduce."""
     ticks: dict[int, dict[str, Any]] = {}
     for row in assign_ticks(phases.transfers, places, phases.whole):
         tick = ticks.setdefault(row.tick, {"bytes": 0, "notes": [], "places": {},
@@ -120,13 +247,11 @@ def _tick_events(phases: _Phases, places: list[str], start: float) -> list[dict[
 
 def _events(trainer: TowerTrainer, phases: _Phases) -> list[dict[str, Any]]:
     n = len(trainer.devices)
-    places = list(trainer.devices)
-    places += list(dict.fromkeys(d for t in phases.transfers for d in (t.src, t.dst)
-                                 if d not in places))
+    ends = (d for t in phases.transfers for d in (t.src, t.dst))
+    places = list(dict.fromkeys([*trainer.devices, *ends]))  # the towers, then other places
     events: list[dict[str, Any]] = []
-    for p, device in enumerate([*places, ""]):  # names: a process per place, then the step
+    for p, device in enumerate([*places, "whole step (compiled, measured)"]):  # the processes
         name = f"tower {p} ({device})" if p < n else device
-        name = "whole step (compiled, measured)" if p == len(places) else name
         events += [{"name": "process_name", "ph": "M", "pid": p, "args": {"name": name}},
                    {"name": "process_sort_index", "ph": "M", "pid": p, "args": {"sort_index": p}}]
         events += [{"name": "thread_name", "ph": "M", "pid": p, "tid": tid, "args": {"name": t}}
@@ -143,24 +268,6 @@ def _events(trainer: TowerTrainer, phases: _Phases) -> list[dict[str, Any]]:
     return [*events, _x("train_step", len(places), 0, 0.0, phases.step)]
 
 
-def _report(phases: _Phases, ticks: int, repeats: int) -> str:
-    def row(name: str, values: Sequence[float]) -> str:
-        return f"{name:<28}" + "".join(f"{v * 1e3:>10.3f}" for v in values)
-
-    n = len(phases.forward)
-    moved = sum(t.nbytes or 0 for t in phases.transfers)
-    laid_out = max(f + b for f, b in zip(phases.forward, phases.backward))
-    laid_out += phases.reduce + phases.apply
-    return "\n".join([
-        f"{f'phase (ms, median of {repeats})':<28}" + "".join(f"{f'tower {i}':>10}"
-                                                              for i in range(n)),
-        row("forward", phases.forward), row("backward", phases.backward),
-        row(f"all-reduce ({ticks} tick{'' if ticks == 1 else 's'}, {moved} B)", [phases.reduce]),
-        row("apply (every replica)", [phases.apply]),
-        f"whole step, compiled: {phases.step * 1e3:.3f} ms measured; phases laid out end to "
-        f"end: {laid_out * 1e3:.3f} ms"])
-
-
 def build_timeline(devices: list[str], *, algorithm: str = "ring", variables: str = "replicated",
                    batch_size: int = 64, repeats: int = 5,
                    seed: int = 0) -> tuple[dict[str, Any], str]:
@@ -168,13 +275,26 @@ def build_timeline(devices: list[str], *, algorithm: str = "ring", variables: st
     (``traceEvents``, ``otherData``, the profiler's ``measuredOps``) and the timings table."""
     trainer, batch = digits_trainer(devices, algorithm=algorithm, variables=variables,
                                     batch_size=batch_size, seed=seed)
-    bar = keras.utils.Progbar(len(devices) + 1, unit_name="phase")
     with as_written():
-        phases = _measure(trainer, batch, repeats, bar)
+        phases = _measure(trainer, batch, repeats)
     events = _events(trainer, phases)
     ticks = len({e["args"]["tick"] for e in events if "tick" in e["args"]})
     other = {"algorithm": algorithm, "towers": len(devices), "ticks": ticks,
              "variables": variables, "batch": batch_size, "timings": TIMINGS}
     data = {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other,
             "measuredOps": [list(e) for e in phases.events]}  # OpEvent fields
-    return data, _report(phases, ticks, repeats)
+
+    def row(name: str, values: Sequence[float]) -> str:
+        return f"{name:<28}" + "".join(f"{v * 1e3:>10.3f}" for v in values)
+
+    moved = sum(t.nbytes or 0 for t in phases.transfers)
+    laid_out = max(f + b for f, b in zip(phases.forward, phases.backward))
+    laid_out += phases.reduce + phases.apply
+    return data, "\n".join([
+        f"{f'phase (ms, median of {repeats})':<28}"
+        + "".join(f"{f'tower {i}':>10}" for i in range(len(devices))),
+        row("forward", phases.forward), row("backward", phases.backward),
+        row(f"all-reduce ({ticks} tick{'' if ticks == 1 else 's'}, {moved} B)", [phases.reduce]),
+        row("apply (every replica)", [phases.apply]),
+        f"whole step, compiled: {phases.step * 1e3:.3f} ms measured; phases laid out end to "
+        f"end: {laid_out * 1e3:.3f} ms"])

@@ -21,10 +21,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import examples
-from towers.testing.bounds.intervals import Interval, pieces
 from towers.testing.bounds.optimizers import (
     BOUNDED,
     ZERO_GRADIENT_NOISE,
+    Interval,
+    pieces,
     update_bounds,
 )
 

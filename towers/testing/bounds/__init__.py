@@ -36,9 +36,7 @@ def summation_depth(algorithm: Any, n: int) -> int:
     return n - 1 if depth is None else depth
 
 
-def sum_bound(
-    arrays: Sequence[np.ndarray], op: str, depth: int
-) -> tuple[np.ndarray, np.ndarray]:
+def sum_bound(arrays: Sequence[np.ndarray], op: str, depth: int) -> tuple[np.ndarray, np.ndarray]:
     """``(expected, tolerance)``: the exact reduction of ``arrays`` and the element-wise
     tolerance of a correct result (mean: ``k + 2``; max, min and integers exact)."""
     stack = np.stack(arrays)
@@ -64,9 +62,8 @@ def sum_bound(
     return sums.reshape(shape), tol.reshape(shape)
 
 
-def sgd_step_bound(
-    weights: Sequence[np.ndarray], grads: list[list[np.ndarray]], lr: float, depth: int
-) -> list[np.ndarray]:
+def sgd_step_bound(weights: Sequence[np.ndarray], grads: list[list[np.ndarray]], lr: float,
+                   depth: int) -> list[np.ndarray]:
     """How far two plain-SGD steps summing ``grads[term][var]`` in two orders of depth
     ``depth`` may differ, per weight element (float32)."""
     u = unit_roundoff("float32")
@@ -77,9 +74,8 @@ def sgd_step_bound(
     return out
 
 
-def exact_sums(
-    values: Sequence[Sequence[np.ndarray]], depth: int
-) -> tuple[list[np.ndarray], list[np.ndarray]]:
+def exact_sums(values: Sequence[Sequence[np.ndarray]], depth: int
+               ) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Per variable, the exact sum over ``values[term][var]`` and its :func:`sum_bound`."""
     pairs = [sum_bound([t[j] for t in values], "sum", depth) for j in range(len(values[0]))]
     return [p[0] for p in pairs], [p[1] for p in pairs]
@@ -135,9 +131,8 @@ def _derived(model: Any, loss: Any, lr: float, tracker: Any) -> UpdateBound:
                        "derives it)", tolerances)  # fmt: skip
 
 
-def resolve_bound(
-    bound: Any, optimizer: Any, model: Any, loss: Any, argument: str = "bound"
-) -> UpdateBound:
+def resolve_bound(bound: Any, optimizer: Any, model: Any, loss: Any, argument: str = "bound"
+                  ) -> UpdateBound:
     """The :class:`UpdateBound` for ``bound`` as given (a tolerance ≥ 0 or ``(weights, x, y)
     -> tolerances``) or, when None, derived for the teacher's ``optimizer``, ``model`` and
     ``loss``; ValueError (naming ``argument``) when no bound applies."""

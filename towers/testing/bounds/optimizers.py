@@ -1,11 +1,14 @@
 """How a bounded gradient difference moves through one optimizer step and its slots.
 
-Keras 3's update formulas are evaluated on an :class:`Interval` per slot element, each
-rounding widened by ``u·|x|`` plus one flushed subnormal (docs/bounds.md §2).
+Keras 3's update formulas are evaluated on an :class:`Interval` per slot element (interval
+arithmetic: the set two runs' float values lie in), each rounding widened by ``u·|x|`` plus
+one flushed subnormal (docs/bounds.md §2). An argument used twice is over-estimated (the
+dependency problem): :func:`pieces` cuts it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -15,9 +18,91 @@ import keras
 import numpy as np
 
 from towers.allreduce.machinery.rounding import unit_roundoff
-from towers.testing.bounds.intervals import TINY, Interval, pieces
 
-__all__ = ["BOUNDED", "COVERED", "PIECES", "ZERO_GRADIENT_NOISE", "UpdateBounds", "update_bounds"]
+__all__ = ["BOUNDED", "COVERED", "PIECES", "TINY", "ZERO_GRADIENT_NOISE", "Interval",
+           "UpdateBounds", "pieces", "update_bounds"]
+
+TINY = float(np.finfo(np.float32).tiny)  # what one flushed subnormal may lose
+
+
+def _as_interval(x: Interval | float) -> Interval:
+    return x if isinstance(x, Interval) else Interval(np.float64(x), np.float64(x))
+
+
+@dataclasses.dataclass(frozen=True)
+class Interval:
+    """``[lo, hi]`` element-wise, holding the value each of two runs computes (float64)."""
+
+    lo: np.ndarray
+    hi: np.ndarray
+
+    @classmethod
+    def around(cls, center: np.ndarray, radius: np.ndarray) -> Interval:
+        center, radius = np.asarray(center, np.float64), np.abs(np.asarray(radius, np.float64))
+        return cls(center - radius, center + radius)
+
+    @property
+    def magnitude(self) -> np.ndarray:
+        """The largest absolute value inside."""
+        return np.maximum(np.abs(self.lo), np.abs(self.hi))
+
+    def __add__(self, other: Interval | float) -> Interval:
+        other = _as_interval(other)
+        return Interval(self.lo + other.lo, self.hi + other.hi)
+
+    def __sub__(self, other: Interval | float) -> Interval:
+        other = _as_interval(other)
+        return Interval(self.lo - other.hi, self.hi - other.lo)
+
+    def __mul__(self, other: Interval | float) -> Interval:
+        other = _as_interval(other)
+        corners = np.stack(np.broadcast_arrays(
+            self.lo * other.lo, self.lo * other.hi, self.hi * other.lo, self.hi * other.hi))
+        return Interval(corners.min(axis=0), corners.max(axis=0))
+
+    def __truediv__(self, other: Interval | float) -> Interval:
+        other = _as_interval(other)
+        if np.any((other.lo <= 0) & (other.hi >= 0)):
+            raise ValueError("an interval divisor must exclude 0")
+        return self * Interval(1.0 / other.hi, 1.0 / other.lo)
+
+    def square(self) -> Interval:
+        """``x²`` of one argument (0 when the interval holds 0, not ``lo·hi < 0``)."""
+        low, high = self.lo**2, self.hi**2
+        straddles = (self.lo <= 0) & (self.hi >= 0)
+        return Interval(np.where(straddles, 0.0, np.minimum(low, high)), np.maximum(low, high))
+
+    def sqrt(self) -> Interval:
+        """``√x`` of a non-negative quantity (a rounding below 0 is read as 0)."""
+        return Interval(np.sqrt(np.maximum(self.lo, 0.0)), np.sqrt(np.maximum(self.hi, 0.0)))
+
+    def maximum(self, other: Interval) -> Interval:
+        return Interval(np.maximum(self.lo, other.lo), np.maximum(self.hi, other.hi))
+
+    def clip(self, cap: float | np.ndarray) -> Interval:
+        """Intersect with ``[−cap, cap]``: a bound each run's value is known to obey."""
+        return Interval(np.clip(self.lo, -cap, cap), np.clip(self.hi, -cap, cap))
+
+    def at_least(self, floor: float) -> Interval:
+        return Interval(np.maximum(self.lo, floor), np.maximum(self.hi, floor))
+
+    def rounded(self, roundings: int, u: float) -> Interval:
+        """Widen by what ``roundings`` float roundings of unit roundoff ``u`` may add, each
+        relative to the largest value (``u·|x|``) plus one flushed subnormal."""
+        slack = roundings * (u * self.magnitude + TINY)
+        return Interval(self.lo - slack, self.hi + slack)
+
+    def union(self, axis: int = 0) -> Interval:
+        """The hull of the intervals stacked along ``axis`` (the pieces of :func:`pieces`)."""
+        return Interval(self.lo.min(axis=axis), self.hi.max(axis=axis))
+
+
+def pieces(x: Interval, count: int) -> Interval:
+    """``x`` cut into ``count`` equal sub-intervals, stacked along a new axis 0."""
+    steps = np.arange(count + 1, dtype=np.float64).reshape((-1,) + (1,) * np.ndim(x.lo)) / count
+    edges = x.lo + steps * (x.hi - x.lo)
+    return Interval(edges[:-1], edges[1:])
+
 
 PIECES = 16  # pieces a gradient interval is cut into: the over-estimate shrinks as 1/PIECES
 BOUNDED = "bounded"
@@ -42,9 +127,7 @@ def _sgd(g: Interval, slots: Slots, c: Mapping[str, Any], t: int) -> tuple[Inter
     if beta == 0:
         return (g * lr).rounded(1, U), {}
     m = (slots["m"] * beta - g * lr).rounded(3, U)  # m·β − g·lr
-    if not c["nesterov"]:
-        return m, {"m": m}
-    return (m * beta - g * lr).rounded(3, U), {"m": m}
+    return ((m * beta - g * lr).rounded(3, U) if c["nesterov"] else m), {"m": m}
 
 
 def _moments(g: Interval, slots: Slots, beta_1: float, beta_2: float) -> Slots:
@@ -104,8 +187,7 @@ def _adam_slots(c: Mapping[str, Any]) -> tuple[str, ...]:
 
 
 _RULES: dict[str, tuple[Rule, Callable[[Mapping[str, Any]], tuple[str, ...]]]] = {
-    # class: (rule, its slots for a config)
-    "SGD": (_sgd, lambda c: ("m",) if c["momentum"] else ()),
+    "SGD": (_sgd, lambda c: ("m",) if c["momentum"] else ()),  # (rule, its slots for a config)
     "Adam": (_adam, _adam_slots),
     "AdamW": (_adam, _adam_slots),
     "Nadam": (_nadam, lambda c: ("m", "v")),
@@ -129,10 +211,8 @@ class UpdateBounds:
         move, new = self.rule(pieces(grad, count), slots, self.config, self.steps)
         return move.union(), {name: value.union() for name, value in new.items()}
 
-    def step(
-        self, grads: Sequence[np.ndarray], grad_errors: Sequence[np.ndarray],
-        weights: Sequence[np.ndarray] | None = None,
-    ) -> list[np.ndarray]:
+    def step(self, grads: Sequence[np.ndarray], grad_errors: Sequence[np.ndarray],
+             weights: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
         """Bound ``|Δ_a − Δ_b|`` for this step, per variable and element, and carry the slots.
 
         ``grads``: run a's gradient per variable; ``grad_errors``: element-wise bounds on
@@ -165,10 +245,8 @@ class UpdateBounds:
         return out
 
 
-def _check_pairs(
-    grads: Sequence[np.ndarray], errors: Sequence[np.ndarray],
-    weights: Sequence[np.ndarray] | None,
-) -> tuple[list[np.ndarray], list[np.ndarray]]:
+def _check_pairs(grads: Sequence[np.ndarray], errors: Sequence[np.ndarray],
+                 weights: Sequence[np.ndarray] | None) -> tuple[list[np.ndarray], list[np.ndarray]]:
     g = [np.asarray(x, np.float64) for x in grads]
     e = [np.asarray(x, np.float64) for x in errors]
     if len(g) != len(e) or (weights is not None and len(weights) != len(g)):
@@ -192,41 +270,31 @@ def update_bounds(optimizer: Any) -> UpdateBounds:
     """A fresh per-step bound tracker for a Keras optimizer that has not stepped (or its
     ``get_config()`` / ``keras.optimizers.serialize`` dict); ValueError for what it cannot
     bound (a class, option, schedule)."""
-    name, config = _identify(optimizer)
-    for option in _REFUSED:
-        if config.get(option) is not None:
-            raise ValueError(f"update_bounds cannot bound an optimizer with {option}="
-                             f"{config[option]!r}; expected {option}=None")  # fmt: skip
-    if config.get("use_ema"):
-        raise ValueError("update_bounds cannot bound an optimizer with use_ema=True")
-    if name == "RMSprop" and config.get("centered"):
-        raise ValueError("update_bounds cannot bound RMSprop with centered=True")
-    if isinstance(config.get("learning_rate"), bool) or not isinstance(
-            config.get("learning_rate"), (int, float)):
-        raise ValueError(f"update_bounds needs a float learning_rate, got "
-                         f"{config.get('learning_rate')!r} (a schedule is not bounded)")
-    return UpdateBounds(name, config)
-
-
-def _identify(optimizer: Any) -> tuple[str, dict[str, Any]]:
     if isinstance(optimizer, keras.optimizers.Optimizer):
         if int(optimizer.iterations.numpy()) != 0:
             raise ValueError(f"update_bounds needs an optimizer that has not stepped, got "
                              f"iterations={int(optimizer.iterations.numpy())}")
-        name = type(optimizer).__name__
-        if name not in _RULES:
-            raise ValueError(f"update_bounds bounds {', '.join(_RULES)}, got {name}")
-        return name, optimizer.get_config()
-    if not isinstance(optimizer, Mapping):
+        name, config = type(optimizer).__name__, optimizer.get_config()
+    elif not isinstance(optimizer, Mapping):
         raise ValueError(f"optimizer must be a Keras optimizer or its config dict, got "
                          f"{type(optimizer).__name__}")
-    if "class_name" in optimizer:  # keras.optimizers.serialize
+    elif "class_name" in optimizer:  # keras.optimizers.serialize
         name, config = str(optimizer["class_name"]), dict(optimizer.get("config", {}))
     else:
         config = dict(optimizer)
         # Keras numbers a repeated default name: "nadam_8"
         name = _CLASSES.get(re.sub(r"_\d+$", "", str(config.get("name", "")).lower()), "")
     if name not in _RULES:
-        raise ValueError(f"optimizer must be one of {', '.join(_RULES)} (a config with its "
-                         f"class_name or default name), got {name or config.get('name')!r}")
-    return name, config
+        raise ValueError(f"update_bounds bounds {', '.join(_RULES)} (a config by its class_name "
+                         f"or default name), got {name or repr(config.get('name'))}")
+    for option in _REFUSED:
+        if config.get(option) is not None:
+            raise ValueError(f"update_bounds cannot bound an optimizer with {option}="
+                             f"{config[option]!r}; expected {option}=None")  # fmt: skip
+    for option in ("use_ema", "centered"):  # only RMSprop has centered
+        if config.get(option):
+            raise ValueError(f"update_bounds cannot bound {name} with {option}=True")
+    lr = config.get("learning_rate")
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)):
+        raise ValueError(f"update_bounds needs a float learning_rate (not a schedule), got {lr!r}")
+    return UpdateBounds(name, config)
