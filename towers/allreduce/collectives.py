@@ -34,33 +34,24 @@ __all__ = ["COLLECTIVE_ALGORITHMS", "all_gather", "all_to_all", "broadcast",
 PUBLIC = ("reduce_scatter", "all_gather", "broadcast")
 
 
-def _folded_ticks(n: int) -> int:
-    m, r = sc.fold(n)
-    return m.bit_length() - 1 + 2 * (r > 0)
-
-
 def _record(collective: str, name: str, generator: Callable[..., Schedule],
-            ticks: Callable[..., int], summary: str) -> Record:
-    """A collective's record, derived from ``generator``; ``ticks`` in closed form."""
-    return Record(name, generator, kind=collective, summary=summary, ticks=ticks,
+            summary: str) -> Record:
+    """A collective's record, derived from ``generator``."""
+    return Record(name, generator, kind=collective, summary=summary,
                   **from_schedule(generator, sc.schedule_bytes))
 
 
 COLLECTIVE_ALGORITHMS = Registry(PUBLIC, [
-    _record("reduce_scatter", "ring", sc.ring_reduce_scatter, lambda n: n - 1,
-            "the ring's first half: n-1 ticks"),
-    _record("reduce_scatter", "halving", sc.halving_reduce_scatter, _folded_ticks,
+    _record("reduce_scatter", "ring", sc.ring_reduce_scatter, "the ring's first half: n-1 ticks"),
+    _record("reduce_scatter", "halving", sc.halving_reduce_scatter,
             "recursive halving: log2 n ticks (+2 off powers of two)"),
-    _record("all_gather", "ring", sc.ring_all_gather, lambda n: n - 1,
-            "the ring's second half: n-1 ticks"),
-    _record("all_gather", "doubling", sc.doubling_all_gather, _folded_ticks,
+    _record("all_gather", "ring", sc.ring_all_gather, "the ring's second half: n-1 ticks"),
+    _record("all_gather", "doubling", sc.doubling_all_gather,
             "recursive doubling: log2 n ticks (+2 off powers of two)"),
-    _record("broadcast", "flat", sc.flat_broadcast, lambda n: int(n > 1),
-            "flat: 1 tick, the root sends to every tower"),
-    _record("broadcast", "tree", sc.binomial_broadcast, lambda n: (n - 1).bit_length(),
+    _record("broadcast", "flat", sc.flat_broadcast, "flat: 1 tick, the root sends to every tower"),
+    _record("broadcast", "tree", sc.binomial_broadcast,
             "binomial tree: ceil(log2 n) ticks, whole value per send"),
     _record("broadcast", "chain", sc.chain_broadcast,
-            lambda n, chunks=4: chunks + n - 2 if n > 1 else 0,
             "pipelined chain: chunks+n-2 ticks, 1/chunks per send"),
 ], by_kind=True)
 """``(collective, name) -> Record`` for every public collective's algorithms."""

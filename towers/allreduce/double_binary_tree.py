@@ -1,8 +1,7 @@
 """Double binary tree all-reduce (NCCL's "tree"): two complementary trees, half the data each.
 
-In one binary tree the inner nodes do all the sending (a leaf sends one value, an inner
-node three). NCCL builds two trees so that a tower inner in one is a leaf in the other,
-and reduces-then-broadcasts one half of the data through each at the same time.
+A tower inner in one tree is a leaf in the other; each tree reduces-then-broadcasts
+one half of the data, both at once.
 
 Tree A (NCCL's ``ncclGetBtree``, root 0): tower ``r > 0`` with lowest set bit
 ``b`` has parent ``(r ^ b) | 2b``, or ``r ^ b`` when that is out of range; the
@@ -34,12 +33,8 @@ Schedule: both trees run at once, each half pipelined as in :mod:`towers.allredu
     tower 3   c0 ▲2             .          c1 ▼1            .
 
 Order as in :mod:`towers.allreduce.tree`; the depth is the larger of the two trees'.
-
-Cost (n towers, S bytes, D = tree height ≈ log2 n): ``2D + C - 1`` ticks. A tower
-sends at most ``2S`` (``3·S/2`` as an inner node, ``S/2`` as a leaf), like the
-ring's ``2(n-1)/n·S``, with ``2D`` instead of ``2(n-1)`` latency terms. C = 1: an
-inner node takes two halves per level, ``4D·(α + S/2·β) + D·S·γ``; pipelining
-trades α for β as in the single tree, with pieces of ``S/(2C)``.
+Cost (S bytes, D = tree height ≈ log2 n): ``2D + C - 1`` ticks; a tower sends at most
+``2S`` (``3·S/2`` inner, ``S/2`` leaf); C = 1: ``4D·(α + S/2·β) + D·S·γ``.
 
 References:
     P. Sanders, J. Speck, J. L. Träff, "Two-tree algorithms for full bandwidth

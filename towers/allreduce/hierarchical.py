@@ -15,14 +15,9 @@ Index formula: tower i is in group g = i // k, whose leader is g·k and whose
 members are g·k … min(g·k + k, n) − 1 (n = 5, k = 2: {0, 1}, {2, 3}, {4}); leader g
 is tower g of the outer all-reduce, which runs on ⌈n/k⌉ leaders.
 
-``inner`` is a whole all-reduce on each group's values; only the leader's output is
-kept (the members' copies are pruned as unused in a graph). For ``op="mean"`` both parts
-sum; each leader divides its bitwise-identical total by n once and sends it on.
-
-Cost: max over groups of inner(k_g, S) + outer(⌈n/k⌉, S) + (k_max − 1)·(α + Sβ)
-for the leader's copies: only the outer phase crosses the slow link, on n/k towers.
-The inner max is coefficient-wise: exact when one group's coefficients are all the
-largest (all but halving_doubling), an upper bound otherwise.
+Only the leader's output of ``inner`` is kept; for ``op="mean"`` both parts sum and
+each leader divides by n once. Cost: max over groups of inner(k_g, S) (coefficient-wise:
+an upper bound) + outer(⌈n/k⌉, S) + (k_max − 1)·(α + Sβ) for the leader's copies.
 
 References:
     Horovod hierarchical all-reduce (Sergeev & Del Balso, "Horovod", 2018);

@@ -1,18 +1,15 @@
 """All-reduce on TensorFlow's collective ops with ``communication_hint="nccl"``: the yardstick.
 
-The ops are opaque: data moves inside the runtime, not through
-:func:`~towers.allreduce.machinery.primitives.send`, so nothing is recorded (see
-:func:`estimated_bytes_sent`). ``nccl()`` is one ``all_reduce_v2`` per tower (the
-runtime's schedule: a ring on CPU; NCCL's ring or tree on GPUs, or the raw
-``nccl_ops.all_sum`` when every tower is its own physical GPU). The other two
-are composed from collectives, n = 4 (rank: TensorFlow's, by task and device index)::
+The ops are opaque (bytes are :func:`estimated_bytes_sent`). ``nccl()`` is one
+``all_reduce_v2`` per tower (a ring on CPU; NCCL's ring or tree on GPUs; the raw
+``nccl_ops.all_sum`` when every tower is its own physical GPU). The other two are
+composed from collectives, n = 4 (rank: TensorFlow's, by task and device index)::
 
     nccl_ring  tick 0: all_to_all_v2          local             tick 1: all_gather_v2
     rank 0     row j → rank j; gets rows 0    c0 = Σ rows (+/n)  c0 → all; gets c1 c2 c3
     rank 1     row j → rank j; gets rows 1    c1 = Σ rows (+/n)  c1 → all; gets c0 c2 c3
     rank 2, 3  likewise (chunk r of the padded [n, ⌈L/n⌉] buffer reduced on rank r)
-    (from 11 ranks tick 0 is n − 1 rounds of pairwise broadcast send/recv instead:
-    TensorFlow's all_to_all_v2 misroutes from 12 ranks; see ``tf_collective_ops.all_to_all``)
+    (from 11 ranks tick 0 is pairwise send/recv: ``tf_collective_ops.all_to_all``)
 
     nccl_tree  tick 0     tick 1        tick 2 (broadcast_send/recv_v2)
     tower 0    ◀── t1     ◀── t2        s = finish(((x0+x1)+(x2+x3))) → t1 t2 t3
@@ -20,12 +17,9 @@ are composed from collectives, n = 4 (rank: TensorFlow's, by task and device ind
     tower 2    ◀── t3     x2+x3 → t0    ◀── s
     tower 3    x3 → t2                  ◀── s
 
-Index formula (tree): at level k tower i with i mod 2^(k+1) = 2^k sends to i − 2^k
-(a broadcast in the group of the two). Cost: nccl and nccl_ring 2(n−1)α +
-2(n−1)/n·Sβ + (n−1)/n·Sγ; nccl_tree 2⌈log2 n⌉(α + Sβ) + ⌈log2 n⌉·Sγ. Summation
-depth: n − 1 for nccl (CPU ring) and nccl_ring (rows added in rank order), ⌈log2 n⌉
-for nccl_tree. :func:`~towers.allreduce.machinery.differentiable.differentiable` gives
-the ops a gradient. The plumbing is :mod:`towers.allreduce.machinery.tf_collective_ops`.
+Index formula (tree): at level k tower i with i mod 2^(k+1) = 2^k sends to i − 2^k.
+Cost: nccl and nccl_ring the ring's; nccl_tree 2⌈log2 n⌉(α + Sβ) + ⌈log2 n⌉·Sγ.
+Summation depth: n − 1 (nccl, nccl_ring), ⌈log2 n⌉ (nccl_tree).
 
 References:
     NVIDIA NCCL; nccl-tests' bus bandwidth; TensorFlow
@@ -79,16 +73,6 @@ def raw_nccl_usable(devices: Sequence[str], dtype: tf.DType) -> bool:
     return one_rank_per_gpu and dtype in (tf.float16, tf.float32, tf.float64, tf.int32, tf.int64)
 
 
-def _raw_nccl(values: list[tf.Tensor], devices: tuple[str, ...], op: str) -> list[tf.Tensor]:
-    reduce = {"max": nccl_ops.all_max, "min": nccl_ops.all_min,
-              "product": nccl_ops.all_prod}.get(op, nccl_ops.all_sum)
-    finished = []
-    for out, device in zip(reduce(values), devices, strict=True):
-        with tf.device(device):  # correctly rounded: identical sums give identical means
-            finished.append(finish(out, op, len(values)))
-    return finished
-
-
 def _all_reduce_ops(
     values: list[tf.Tensor], devices: Sequence[str], op: str, group_size: int
 ) -> list[tf.Tensor]:
@@ -106,9 +90,15 @@ def _all_reduce_ops(
 
 
 def _nccl_body(values: list[tf.Tensor], devices: tuple[str, ...], op: str) -> list[tf.Tensor]:
-    if raw_nccl_usable(devices, values[0].dtype):
-        return _raw_nccl(values, devices, op)
-    return _all_reduce_ops(values, devices, op, len(values))
+    if not raw_nccl_usable(devices, values[0].dtype):
+        return _all_reduce_ops(values, devices, op, len(values))
+    reduce = {"max": nccl_ops.all_max, "min": nccl_ops.all_min,
+              "product": nccl_ops.all_prod}.get(op, nccl_ops.all_sum)
+    finished = []
+    for out, device in zip(reduce(values), devices, strict=True):
+        with tf.device(device):  # correctly rounded: identical sums give identical means
+            finished.append(finish(out, op, len(values)))
+    return finished
 
 
 def _ring_body(values: list[tf.Tensor], devices: tuple[str, ...], op: str) -> list[tf.Tensor]:

@@ -24,10 +24,8 @@ Any n works: the trees are binomial trees cut at n.
 tower per tick, a dimension split over ⌈m/A⌉ ticks to the same peer (None: a whole
 dimension per tick); the split ticks run in dimension order.
 
-Padding: the buffer is cut into n chunks of ⌈L/n⌉ elements. Cost (S bytes, every
-tower sends ``n − 1`` chunks per phase; ``m_k = ⌊(n − 1 − 2^k)/2^(k+1)⌋ + 1`` chunks
-in dimension k): ``2·Σ_k ⌈m_k/A⌉·α + 2(n−1)/n·S·β + (n−1)/n·S·γ``, that is
-``2⌈log2 n⌉·α + …`` when A is None. Summation depth ⌈log2 n⌉.
+Cost (S bytes in n chunks, ``m_k`` chunks in dimension k: :func:`chunks_per_dimension`):
+``2·Σ_k ⌈m_k/A⌉·α + 2(n−1)/n·S·β + (n−1)/n·S·γ``. Summation depth ⌈log2 n⌉.
 
 References:
     S. Jeaugey, "PAT: a new algorithm for all-gather and reduce-scatter operations
@@ -69,7 +67,7 @@ def pat_schedule(n: int, aggregation: int | None = None) -> Schedule:
 
 
 def cost(n: int, nbytes: float, aggregation: int | None = None) -> Coefficients:
-    """α-β-γ coefficients: ``2·Σ_k ⌈m_k/A⌉·α + 2(n−1)/n·S·β + (n−1)/n·S·γ``."""
+    """α-β-γ coefficients (the module's formula)."""
     batch = _aggregation(aggregation)
     per = chunks_per_dimension(n)
     ticks = len(per) if batch is None else sum(math.ceil(m / batch) for m in per)

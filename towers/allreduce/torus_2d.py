@@ -20,12 +20,9 @@ towers of column q over part q's R chunks: at tick s row i reduces chunk
 complete. (3) Row all-gather: at tick s column q copies part ``(q − s) mod C`` to
 column ``q + 1`` (C − 1 ticks).
 
-The grid: ``rows=None`` takes R = the largest divisor of n not above √n (8 → 2×4);
-``torus_2d(rows=R)`` fixes R (it must divide n); a prime n degenerates to the ring.
-The point is latency: ``2(C−1) + 2(R−1)`` ticks instead of ``2(n−1)``, same bytes.
-Cost (S bytes, chunks of ⌈L/n⌉ elements):
-``(2(C−1) + 2(R−1))·α + 2(n−1)/n·S·β + (n−1)/n·S·γ``; summation depth
-``(C−1) + (R−1)``.
+The grid is :func:`grid`'s (a prime n degenerates to the ring). Cost (S bytes):
+``(2(C−1) + 2(R−1))·α + 2(n−1)/n·S·β + (n−1)/n·S·γ``, the ring's bytes in fewer
+ticks; summation depth ``(C−1) + (R−1)``.
 
 References:
     H. Mikami, H. Suganuma, P. U-chupala, Y. Tanaka, Y. Kageyama, "Massively
@@ -83,7 +80,7 @@ def torus_2d_schedule(n: int, rows: int | None = None) -> Schedule:
 
 
 def cost(n: int, nbytes: float, rows: int | None = None) -> Coefficients:
-    """α-β-γ coefficients: ``(2(C−1) + 2(R−1))·α + 2(n−1)/n·S·β + (n−1)/n·S·γ``."""
+    """α-β-γ coefficients (the module's formula)."""
     r, c = grid(n, rows)
     return 2 * (c - 1) + 2 * (r - 1), 2 * (n - 1) / n * nbytes, (n - 1) / n * nbytes
 

@@ -17,19 +17,15 @@ n = 7, C = 2 (``pK`` = piece K, ``▲a`` = send up to a, ``▼a,b`` = copy down 
 
 Index formula (``h`` = a node's height, its longest path down to a leaf; ``d`` =
 its depth; ``D`` = the root's height): a node sends piece ``k`` up at tick
-``h + k`` and copies it to its children at tick ``D + d + k``. Each piece moves
-one level per tick, so reduce and broadcast overlap (tick 3 above). In all
-``2D + C - 1`` ticks.
+``h + k`` and copies it to its children at tick ``D + d + k``: ``2D + C - 1`` ticks,
+reduce and broadcast overlapping (tick 3 above).
 
 Order: node ``i`` forms ``(x_i ⊕ p_a) ⊕ p_b``, its own value first (``own_first``),
-joining first the child whose partial went through fewer additions (:func:`tree_shape`);
-a child that joins after a taller sibling sends when that sibling does.
+the child with fewer additions first (:func:`tree_shape`).
 
-Cost (n towers, S bytes, D = ⌊log2 n⌋, single-port full-duplex links): ``2D + C - 1``
-ticks. C = 1: a node takes its two children's values one after the other,
-``4D·(α + S·β) + 2D·S·γ``. Pipelined, a tick costs the busiest port, at most three
-pieces of ``S/C``: ``≲ (2D + C - 1)·3·(α + S/C·β) + (D + C - 1)·2·S/C·γ``. Bytes: an
-inner node sends ``3·S``, a leaf ``S`` (padding included).
+Cost (S bytes, D = ⌊log2 n⌋, single-port full-duplex links): C = 1,
+``4D·(α + S·β) + 2D·S·γ``; pipelined, a tick costs the busiest port, at most three
+pieces of ``S/C`` (:func:`tick_loads`). An inner node sends ``3·S``, a leaf ``S``.
 
 References:
     P. Sanders, J. Speck, J. L. Träff, "Two-tree algorithms for full bandwidth

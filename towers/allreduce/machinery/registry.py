@@ -62,9 +62,9 @@ class Record:
     Fields a kind has no use for stay None; formulas take ``n`` (``bytes_sent``: ``n, nbytes,
     itemsize``) and the factory's parameters as keywords. ``bytes_sent`` is per tower
     (``estimated`` where opaque collectives move the data), ``summation_depth`` the error
-    bound's ``k``, ``cost`` the α-β-γ coefficients, ``ticks`` the α count, ``schedule`` the
-    module docstring's drawing, ``generator`` ``(n, **params) -> Schedule`` where it is one;
-    ``replayable``: the NumPy replay can follow its traced graph.
+    bound's ``k``, ``cost`` the α-β-γ coefficients, ``schedule`` the module docstring's
+    drawing, ``generator`` ``(n, **params) -> Schedule`` where it is one; ``replayable``:
+    the NumPy replay can follow its traced graph.
     """
 
     name: str
@@ -78,7 +78,6 @@ class Record:
     kind: str = "all_reduce"
     summary: str = ""
     generator: Callable[..., Schedule] | None = None
-    ticks: Callable[..., int] | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

@@ -14,11 +14,9 @@ n = 3 (``gK``: gradient chunk K, ``pK``: parameter chunk K)::
     tower 1   g0 ─▶2   g2 ─▶2  │  p1 ← opt_1(p1, g1) │   p1 ─▶2   p0 ─▶2
     tower 2   g1 ─▶0   g0 ─▶0  │  p2 ← opt_2(p2, g2) │   p2 ─▶0   p1 ─▶0
 
-Index formula and cost: the ring's (:mod:`towers.allreduce.ring`, ``s = 1``), plus one
-optimizer update of ``S/n`` per tower instead of ``S``; optimizer state per tower ``≈ 1/n``
-of the replicated layout. Each owner keeps its shard of the parameters as its optimizer's
-variables, refreshed from its replica before each update (so ``set_weights`` and restores
-need no extra step).
+Index formula and cost: the ring's (``s = 1``), plus one optimizer update of ``S/n`` per
+tower; optimizer state per tower ``≈ 1/n``. The shard variables are refreshed from the
+replica before each update (so ``set_weights`` and restores need no extra step).
 
 References:
     S. Rajbhandari et al., "ZeRO: Memory optimizations toward training trillion
@@ -122,15 +120,8 @@ def _static(grad: tf.Tensor, shape: tuple[int, ...]) -> tf.Tensor:
 
 
 class ShardPlan:
-    """The shards of one trainer: layout, per-owner shard variables, the step's phases.
-
-    Args:
-        devices: the towers' devices; tower ``k`` owns chunk ``k`` of every variable.
-
-    Attributes:
-        layout: one :class:`VariableShards` per trainable variable (set by :meth:`shards_for`).
-        shards: ``shards[owner][var]``, the owner's shard variable, or None when empty.
-    """
+    """The shards of one trainer over ``devices`` (tower ``k`` owns chunk ``k``):
+    ``layout[var]`` (:class:`VariableShards`), ``shards[owner][var]`` (None when empty)."""
 
     def __init__(self, devices: Sequence[str]) -> None:
         self.devices = list(devices)
