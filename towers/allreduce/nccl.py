@@ -35,22 +35,12 @@ from typing import Any
 import tensorflow as tf
 from tensorflow.python.ops import collective_ops, nccl_ops
 
+from towers.allreduce.machinery import tf_collective_ops as tco
 from towers.allreduce.machinery.base import AllReduce, combine, finish
 from towers.allreduce.machinery.differentiable import differentiable
 from towers.allreduce.machinery.primitives import record_estimate
 from towers.allreduce.machinery.registry import Algorithm, Coefficients, register, schedule_of
-from towers.allreduce.machinery.tf_collective_ops import (
-    HINT,
-    Body,
-    all_to_all,
-    broadcast_send_recv,
-    group_key,
-    next_key,
-    run,
-    token,
-    unwire,
-    wire,
-)
+from towers.allreduce.machinery.tf_collective_ops import HINT, Body, group_key, next_key, token
 from towers.allreduce.ring import cost as ring_cost
 from towers.devices import has_gpu
 from towers.guard.arguments import non_negative_float, positive_float, positive_int
@@ -111,7 +101,7 @@ def _ring_body(values: list[tf.Tensor], devices: tuple[str, ...], op: str) -> li
         with tf.device(device):
             rows.append(tf.reshape(tf.pad(tf.reshape(v, [-1]), [[0, n * chunk - length]]),
                                    [n, chunk]))
-    received_rows = all_to_all(rows, devices)
+    received_rows = tco.all_to_all(rows, devices)
     group, gather_key, outputs = group_key(devices), next_key(), []
     for received, device in zip(received_rows, devices, strict=True):
         with tf.device(device):
@@ -120,9 +110,9 @@ def _ring_body(values: list[tf.Tensor], devices: tuple[str, ...], op: str) -> li
             for part in parts[1:]:
                 reduced = combine(reduced, part, op)
             full = collective_ops.all_gather_v2(
-                wire(finish(reduced, op, n)), n, group, gather_key, communication_hint=HINT,
+                tco.wire(finish(reduced, op, n)), n, group, gather_key, communication_hint=HINT,
                 ordering_token=token(device))
-            outputs.append(tf.reshape(unwire(full, dtype)[:length], shape))
+            outputs.append(tf.reshape(tco.unwire(full, dtype)[:length], shape))
     return outputs
 
 
@@ -136,7 +126,7 @@ def _tree_body(values: list[tf.Tensor], devices: tuple[str, ...], op: str) -> li
     step = 1
     while step < n:
         for dst in range(0, n - step, 2 * step):
-            sent, (got,) = broadcast_send_recv(
+            sent, (got,) = tco.broadcast_send_recv(
                 acc[dst + step], devices[dst + step], [devices[dst]])
             # The control edge keeps the send alive: auto control deps may prune it.
             with tf.device(devices[dst]), tf.control_dependencies([sent]):
@@ -144,7 +134,7 @@ def _tree_body(values: list[tf.Tensor], devices: tuple[str, ...], op: str) -> li
         step *= 2
     with tf.device(devices[0]):
         total = finish(acc[0], op, n)
-    sent, received = broadcast_send_recv(total, devices[0], devices[1:])
+    sent, received = tco.broadcast_send_recv(total, devices[0], devices[1:])
     outputs = []
     # Every output waits for every op of the broadcast: a caller that uses only some
     # outputs (the parameter-device placement keeps output 0) must not let the unused
@@ -169,12 +159,12 @@ def _record_estimates(values: Sequence[tf.Tensor]) -> None:
 
 
 def _factory(body: Body, name: str, timeout_seconds: float = TIMEOUT_SECONDS) -> AllReduce:
-    """Build ``nccl``, ``nccl_ring`` or ``nccl_tree``; ``timeout_seconds`` bounds an eager
-    call (and a trainer's step without ``step_timeout``), else tf.errors.DeadlineExceededError."""
+    """Build ``nccl``, ``nccl_ring`` or ``nccl_tree``; ``timeout_seconds`` bounds an eager call
+    (and a trainer's step without ``step_timeout``)."""
     positive_float("timeout_seconds", timeout_seconds)
 
     def all_reduce(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
-        outputs = run(body, values, op, timeout_seconds)
+        outputs = tco.run(body, values, op, timeout_seconds)
         _record_estimates(values)
         return outputs
 
@@ -183,8 +173,7 @@ def _factory(body: Body, name: str, timeout_seconds: float = TIMEOUT_SECONDS) ->
 
 
 def estimated_bytes_sent(n: int, nbytes: int) -> list[float]:
-    """An ESTIMATE of bytes each tower sends (the ops are opaque): NCCL's ring figure
-    2(n−1)/n·S, the bus traffic nccl-tests assumes."""
+    """An ESTIMATE of bytes each tower sends: NCCL's ring figure 2(n−1)/n·S (nccl-tests)."""
     positive_int("n", n)
     non_negative_float("nbytes", nbytes)
     return [2 * (n - 1) / n * nbytes] * n

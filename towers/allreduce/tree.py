@@ -93,8 +93,8 @@ def tree_shape(parents: Sequence[int]) -> TreeShape:
 
 
 def _up_ticks(shape: TreeShape) -> list[int]:
-    """The tick each node sends piece 0 up: once its children's partials arrived, and not
-    before the sibling it is added after (the root's entry: the tick it finishes piece 0)."""
+    """The tick each node sends piece 0 up: after its children's partials and the sibling
+    it is added after (the root's: the tick it finishes piece 0)."""
     up = [0] * len(shape.depth)
     for node in sorted(range(len(up)), key=lambda i: -shape.depth[i]):  # children first
         after = 0
@@ -105,11 +105,8 @@ def _up_ticks(shape: TreeShape) -> list[int]:
 
 
 def tree_ticks(parents: Sequence[int], chunks: Iterable[int]) -> list[list[Step]]:
-    """Pipelined reduce-then-broadcast over any tree: piece ``k`` is chunk ``chunks[k]``.
-
-    A node reduces piece ``k`` into its parent at its up tick + ``k``; the root finishes it
-    at tick ``D + k``; a node at depth ``d`` copies it down at ``D + d + k``.
-    """
+    """Pipelined reduce-then-broadcast over any tree (the module's index formula): piece
+    ``k`` is chunk ``chunks[k]``."""
     shape, pieces = tree_shape(parents), list(chunks)
     up = _up_ticks(shape)
     top = up[shape.root]
