@@ -31,11 +31,6 @@ __all__ = ["DECODE", "Compressed", "compressed"]
 DECODE = ("once", "everywhere")
 
 
-def _make(template: Any, values: Sequence[Any]) -> Any:
-    """Rebuild a state of ``template``'s type (a NamedTuple or a plain tuple) from values."""
-    return template._make(values) if hasattr(template, "_make") else tuple(values)
-
-
 class Compressed(tf.Module):
     """A gradient reducer through a codec; ``state[tower][var]``: the codec's state variables."""
 
@@ -71,7 +66,8 @@ class Compressed(tf.Module):
 
     def _read(self, tower: int, j: int) -> Any:
         with tf.device(self.devices[tower]):
-            return _make(self._templates[j], [v.read_value() for v in self.state[tower][j]])
+            template, values = self._templates[j], [v.read_value() for v in self.state[tower][j]]
+            return template._make(values) if hasattr(template, "_make") else tuple(values)
 
     def commit(self, new_state: Sequence[tf.Tensor]) -> None:
         """Assign ``new_state`` (from :meth:`reduce_deferred`), each on its tower's device."""

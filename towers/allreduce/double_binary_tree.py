@@ -3,11 +3,9 @@
 A tower inner in one tree is a leaf in the other; each tree reduces-then-broadcasts
 one half of the data, both at once.
 
-Tree A (NCCL's ``ncclGetBtree``, root 0): tower ``r > 0`` with lowest set bit
-``b`` has parent ``(r ^ b) | 2b``, or ``r ^ b`` when that is out of range; the
-root's one child is the largest power of two below ``n``. Tree B is A mirrored
-(``r -> n-1-r``) when ``n`` is even and A shifted (``r -> r+1 mod n``) when it
-is odd. n = 8::
+Tree A (NCCL's ``ncclGetBtree``, root 0): tower ``r > 0`` with lowest set bit ``b`` has
+parent ``(r ^ b) | 2b``, or ``r ^ b`` when that is out of range. Tree B is A mirrored
+(``r -> n-1-r``) for even ``n``, shifted (``r -> r+1 mod n``) for odd. n = 8::
 
     tree A (half 0)                     tree B (half 1, mirrored)
     0                                   7
@@ -20,8 +18,6 @@ is odd. n = 8::
             └── 7                               └── 0
 
     inner in A: 0 4 2 6  (leaves 1 3 5 7)   inner in B: 7 3 5 1  (leaves 6 4 2 0)
-
-(For odd ``n`` tower 0 is inner in both trees.)
 
 Schedule: both trees run at once, each half pipelined as in :mod:`towers.allreduce.tree`
 (half ``h``'s piece ``k`` is chunk ``h·C + k``). n = 4, C = 1 (A: 0─2─{1,3}; B: 3─1─{2,0})::

@@ -11,18 +11,13 @@ n = 5 towers, chunks c0..c4, ``+▶t`` reduces into tower t, ``▶t`` copies to 
     tower 4  c0c2+▶0   c1+▶1   c3+▶3 │  c4 ▶0   c4 ▶2 c1c4 ▶3
                       tower r now owns c_r, finished
 
-Index formula (K = ⌈log2 n⌉ dimensions): PAT is Bruck's algorithm
-(:mod:`towers.allreduce.bruck`) with the dimensions reversed: each chunk is broadcast
-along its own binomial tree shifted to its owner (the "parallel trees"), one message
-per peer per step (the "aggregation"). Chunk c reaches tower ``c − j`` (j = 1..n−1) at
-the dimension of j's *lowest* set bit ``k``, from offset ``j − 2^k``; the all-gather runs
-k = K−1 down to 0, so the far hops carry little data and the near hops much (the
-opposite of Bruck). The reduce-scatter is that all-gather transposed and run backwards.
-Any n works: the trees are binomial trees cut at n.
+Index formula (K = ⌈log2 n⌉ dimensions): Bruck's algorithm (:mod:`towers.allreduce.bruck`)
+with the dimensions reversed: chunk c reaches tower ``c − j`` at the dimension of j's
+*lowest* set bit ``k``, from offset ``j − 2^k``; the all-gather runs k = K−1 down to 0, so
+the far hops carry little data. The reduce-scatter is its transpose, run backwards.
 
 ``pat(aggregation=A)`` bounds the staging buffer as NCCL does: at most A chunks per
-tower per tick, a dimension split over ⌈m/A⌉ ticks to the same peer (None: a whole
-dimension per tick); the split ticks run in dimension order.
+tower per tick, a dimension split over ⌈m/A⌉ ticks (None: a dimension per tick).
 
 Cost (S bytes in n chunks, ``m_k`` chunks in dimension k: :func:`chunks_per_dimension`):
 ``2·Σ_k ⌈m_k/A⌉·α + 2(n−1)/n·S·β + (n−1)/n·S·γ``. Summation depth ⌈log2 n⌉.

@@ -1,11 +1,9 @@
 """Ring all-reduce: reduce-scatter then all-gather around a ring of towers.
 
-Each tower's value is flattened, zero-padded and cut into ``n`` chunks (``n·s``
-with ``s`` sub-chunks). In ``n-1`` reduce-scatter ticks every tower sends one
-chunk's running partial to its right-hand neighbour, which adds its own copy;
-after them tower ``k`` holds chunk ``k`` fully reduced and finishes it (``mean``
-divides) once. In ``n-1`` all-gather ticks the finished chunks travel once more
-round the ring, copied, never recomputed. n = 4, s = 1 (``cK`` = chunk K)::
+Each value is cut into ``n`` chunks (``n·s`` with ``s`` sub-chunks). In ``n-1``
+reduce-scatter ticks every tower sends a running partial to its right-hand neighbour,
+which adds its own; in ``n-1`` all-gather ticks the finished chunks are copied round
+the ring. n = 4, s = 1 (``cK`` = chunk K)::
 
     tick       0        1        2     │    3        4        5
                reduce-scatter (+ own)  │    all-gather (copy)

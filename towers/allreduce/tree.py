@@ -1,10 +1,8 @@
 """Binary-tree all-reduce: reduce up to tower 0, then broadcast down, pipelined in pieces.
 
-Towers form a binary heap: tower ``i``'s children are ``2i+1`` and ``2i+2``.
-Each value is flattened, zero-padded and cut into ``C`` pieces. A node adds its
-children's partials of a piece to its own and passes the result up; tower 0
-finishes each piece (``mean`` divides) once and the pieces are copied back down.
-n = 7, C = 2 (``pK`` = piece K, ``▲a`` = send up to a, ``▼a,b`` = copy down to a and b)::
+Towers form a binary heap (tower ``i``'s children: ``2i+1``, ``2i+2``); each value is cut
+into ``C`` pieces, each reduced up to tower 0 and copied back down. n = 7, C = 2
+(``pK`` = piece K, ``▲a`` = send up to a, ``▼a,b`` = copy down to a and b)::
 
     tick        0         1          2           3           4
     tower 0     .         .       p0 ▼1,2     p1 ▼1,2        .
