@@ -1,10 +1,8 @@
 """Bucketed all-reduce: pack many gradients into a few flat buffers, reduce each buffer once.
 
-One all-reduce per variable pays the latency α once per variable; as PyTorch DDP and
-TensorFlow's CollectiveAllReduce, pack the gradients into flat *buckets* of up to
+As PyTorch DDP and TensorFlow's CollectiveAllReduce: buckets of up to
 ``bytes_per_bucket`` (DDP: 25 MiB) in **reverse** variable order (backward produces the
-last layer's first) and run one all-reduce per bucket. A bucket holds one dtype; a
-tensor never straddles two. ``B`` = bucket size::
+last layer's first), one dtype each, a tensor never split. ``B`` = bucket size::
 
     model order           w0   b0   w1   b1   w2   b2        (w1 alone is > B bytes)
     reverse order         b2   w2   b1 │ w1 │ b0   w0
@@ -15,8 +13,7 @@ tensor never straddles two. ``B`` = bucket size::
     per tower t:   g[t][0..5] ─pack─▶ bucket_k[t] ─algorithm(bucket_k[0..n-1])─▶
                    reduced_k[t] ─unpack─▶ out[t][0..5]   (original shapes and order)
 
-Cost (n towers, K buckets, S bytes in all, ring): ``2(n-1)·K·α + 2(n-1)/n·S·β +
-(n-1)/n·S·γ`` instead of ``2(n-1)·V·α + …`` for V variables, for one copy in and out.
+Cost (K buckets, ring): ``2(n-1)·K·α + …`` instead of ``2(n-1)·V·α + …`` for V variables.
 
 References:
     S. Li et al., "PyTorch Distributed: Experiences on Accelerating Data Parallel
@@ -83,12 +80,9 @@ def _close(dtype: tf.DType, slots: list[Slot]) -> BucketLayout:
 def plan(
     specs: Sequence[tuple[Sequence[int], Any]], bytes_per_bucket: int | None = DEFAULT_BUCKET_BYTES
 ) -> Layout:
-    """Assign tensors (``(shape, dtype)`` in variable order) to buckets, in reverse order.
-
-    Each dtype has one open bucket; a tensor that would push it past ``bytes_per_bucket``
-    (``None``: no limit) closes it first, one that reaches the limit closes it after.
-    Buckets are listed in the order they were opened.
-    """
+    """Assign tensors (``(shape, dtype)`` in variable order) to buckets, in reverse order:
+    one open bucket per dtype, closed before a tensor that would overflow it and after one
+    that fills it; buckets listed in the order they were opened."""
     limit = optional(positive_int, "bytes_per_bucket", bytes_per_bucket)
     closed: list[tuple[int, BucketLayout]] = []  # (opening rank, bucket)
     open_: dict[tf.DType, tuple[int, list[Slot]]] = {}
@@ -178,12 +172,8 @@ def grouped(values: Sequence[Sequence[tf.Tensor | tf.IndexedSlices]],
             algorithm: str | AllReduce = "ring", op: str = "sum", *,
             bytes_per_bucket: int | None = DEFAULT_BUCKET_BYTES,
             devices: Sequence[str] | None = None) -> list[list[tf.Tensor | tf.IndexedSlices]]:
-    """All-reduce a list of tensors per tower: ``values[tower][k]`` in, same layout out.
-
-    Dense tensors are packed into buckets (:func:`pack`), each all-reduced once with
-    ``op``; ``tf.IndexedSlices`` (sum or mean) are gathered in tower order. ``devices``
-    defaults to each tower's first value's device.
-    """
+    """All-reduce ``values[tower][k]`` (same layout out): dense tensors in buckets
+    (:func:`pack`), ``tf.IndexedSlices`` gathered in tower order (sum or mean)."""
     fn = get(algorithm)
     if not values or isinstance(values[0], (tf.Tensor, tf.IndexedSlices)):
         raise ValueError("values must be a non-empty list, per tower, of lists of tensors")

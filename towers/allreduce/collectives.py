@@ -1,12 +1,9 @@
 """The other collectives: reduce-scatter, all-gather, broadcast (run from schedules), all-to-all.
 
-**Sharding rule.** :func:`reduce_scatter` flattens the reduced value and gives tower ``i``
-the ``i``-th of ``n`` runs cut by :func:`~towers.schedule.collectives.even_sizes` (no
-padding); :func:`all_gather` concatenates the shards along axis 0 in tower order, so
-``all_gather(reduce_scatter(v))`` is the flattened all-reduce. The first three run a
-schedule of :data:`COLLECTIVE_ALGORITHMS` (drawn in :mod:`towers.schedule.collectives`
-and by :func:`format_collective`), or any generator ``n -> Schedule`` of their collective,
-through :func:`~towers.allreduce.machinery.scheduled.run_slots`.
+:func:`reduce_scatter` gives tower ``i`` run ``i`` of the flattened reduction (cut by
+:func:`~towers.schedule.collectives.even_sizes`), so ``all_gather(reduce_scatter(v))`` is
+the flattened all-reduce. The first three run a schedule of :data:`COLLECTIVE_ALGORITHMS`
+(drawn by :func:`format_collective`) or of any generator ``n -> Schedule``.
 
 Example:
     >>> full = all_gather(reduce_scatter(values, algorithm="halving"))   # doctest: +SKIP
@@ -34,33 +31,24 @@ __all__ = ["COLLECTIVE_ALGORITHMS", "all_gather", "all_to_all", "broadcast",
 PUBLIC = ("reduce_scatter", "all_gather", "broadcast")
 
 
-def _folded_ticks(n: int) -> int:
-    m, r = sc.fold(n)
-    return m.bit_length() - 1 + 2 * (r > 0)
-
-
 def _record(collective: str, name: str, generator: Callable[..., Schedule],
-            ticks: Callable[..., int], summary: str) -> Record:
-    """A collective's record, derived from ``generator``; ``ticks`` in closed form."""
-    return Record(name, generator, kind=collective, summary=summary, ticks=ticks,
+            summary: str) -> Record:
+    """A collective's record, derived from ``generator``."""
+    return Record(name, generator, kind=collective, summary=summary,
                   **from_schedule(generator, sc.schedule_bytes))
 
 
 COLLECTIVE_ALGORITHMS = Registry(PUBLIC, [
-    _record("reduce_scatter", "ring", sc.ring_reduce_scatter, lambda n: n - 1,
-            "the ring's first half: n-1 ticks"),
-    _record("reduce_scatter", "halving", sc.halving_reduce_scatter, _folded_ticks,
+    _record("reduce_scatter", "ring", sc.ring_reduce_scatter, "the ring's first half: n-1 ticks"),
+    _record("reduce_scatter", "halving", sc.halving_reduce_scatter,
             "recursive halving: log2 n ticks (+2 off powers of two)"),
-    _record("all_gather", "ring", sc.ring_all_gather, lambda n: n - 1,
-            "the ring's second half: n-1 ticks"),
-    _record("all_gather", "doubling", sc.doubling_all_gather, _folded_ticks,
+    _record("all_gather", "ring", sc.ring_all_gather, "the ring's second half: n-1 ticks"),
+    _record("all_gather", "doubling", sc.doubling_all_gather,
             "recursive doubling: log2 n ticks (+2 off powers of two)"),
-    _record("broadcast", "flat", sc.flat_broadcast, lambda n: int(n > 1),
-            "flat: 1 tick, the root sends to every tower"),
-    _record("broadcast", "tree", sc.binomial_broadcast, lambda n: (n - 1).bit_length(),
+    _record("broadcast", "flat", sc.flat_broadcast, "flat: 1 tick, the root sends to every tower"),
+    _record("broadcast", "tree", sc.binomial_broadcast,
             "binomial tree: ceil(log2 n) ticks, whole value per send"),
     _record("broadcast", "chain", sc.chain_broadcast,
-            lambda n, chunks=4: chunks + n - 2 if n > 1 else 0,
             "pipelined chain: chunks+n-2 ticks, 1/chunks per send"),
 ], by_kind=True)
 """``(collective, name) -> Record`` for every public collective's algorithms."""
@@ -131,13 +119,9 @@ def _schedule(collective: str, algorithm: Algorithm, n: int) -> Schedule:
 def reduce_scatter(values: Sequence[tf.Tensor], *, algorithm: Algorithm = "ring",
                    op: str = "sum", prescale: float = 1.0,
                    postscale: float = 1.0) -> list[tf.Tensor]:
-    """Reduce one value per tower (static shapes) and leave tower ``i`` with shard ``i``:
-    1-D, on ``values[i]``'s device, run ``i`` of the flattened reduction.
-
-    ``algorithm``: ``"ring"``, ``"halving"`` or a generator ``n -> Schedule`` of a
-    ``reduce_scatter`` (chunk ``i`` owned by tower ``i``); ``op``, ``prescale`` and
-    ``postscale`` as in :func:`towers.all_reduce`.
-    """
+    """Reduce one value per tower (static shapes); tower ``i`` gets run ``i`` of the
+    flattened reduction. ``algorithm``: ``"ring"``, ``"halving"`` or a ``reduce_scatter``
+    generator; ``op``, ``prescale``, ``postscale`` as in :func:`towers.all_reduce`."""
     devices = check_values(values, op)
     pre = check_scale("prescale", prescale, values[0].dtype)
     post = check_scale("postscale", postscale, values[0].dtype)
@@ -184,11 +168,8 @@ def _check_shards(shards: Sequence[tf.Tensor]) -> list[str]:
 
 
 def all_gather(shards: Sequence[tf.Tensor], *, algorithm: Algorithm = "ring") -> list[tf.Tensor]:
-    """Every tower ends with ``concat(shards, axis=0)`` (copies only: bitwise equal).
-
-    ``shards``: one per tower (rank >= 1, one dtype, equal beyond axis 0); ``algorithm``:
-    ``"ring"``, ``"doubling"`` or a generator of an ``all_gather``.
-    """
+    """Every tower ends with ``concat(shards, axis=0)`` (copies only: bitwise equal);
+    ``algorithm``: ``"ring"``, ``"doubling"`` or an ``all_gather`` generator."""
     devices = _check_shards(shards)
     n = len(shards)
     schedule = _schedule("all_gather", algorithm, n)
@@ -224,12 +205,8 @@ def _check_broadcast(value: tf.Tensor, devices: Sequence[str], root: int) -> lis
 
 def broadcast(value: tf.Tensor, devices: Sequence[str], *, root: int = 0,
               algorithm: Algorithm = "tree") -> list[tf.Tensor]:
-    """Copy ``value`` (static shape, on ``devices[root]``) to every device in ``devices``.
-
-    ``algorithm``: ``"tree"`` (binomial), ``"chain"`` (pipelined, 4 chunks), ``"flat"``
-    (one tick) or a generator of a ``broadcast`` (its root turned to ``root``).
-    ``out[root]`` is ``value``; copies only, so all are bitwise equal.
-    """
+    """Copy ``value`` (static shape, on ``devices[root]``) to every device in ``devices``;
+    ``algorithm``: ``"tree"``, ``"chain"``, ``"flat"`` or a ``broadcast`` generator."""
     names = _check_broadcast(value, devices, root)
     schedule = rooted(_schedule("broadcast", algorithm, len(names)), root)
     shape, size = value.shape, int(value.shape.num_elements())
@@ -246,11 +223,8 @@ def broadcast(value: tf.Tensor, devices: Sequence[str], *, root: int = 0,
 
 
 def all_to_all(values: Sequence[tf.Tensor]) -> list[tf.Tensor]:
-    """Tower ``i``'s output block ``j`` is tower ``j``'s block ``i``: a transpose of blocks.
-
-    Each ``values[i]`` (static shape, rank >= 1) is cut along axis 0 into ``n`` equal
-    blocks; ``out[i] = concat([block i of values[j] for j], axis=0)``, in one tick.
-    """
+    """``out[i] = concat([block i of values[j] for j], axis=0)``, each value cut along
+    axis 0 into ``n`` equal blocks: a transpose of blocks, in one tick."""
     devices = check_values(values)
     n = len(values)
     for i, v in enumerate(values):

@@ -1,9 +1,7 @@
 """Compressed all-reduce: a codec around any algorithm, with checkpointable per-tower state.
 
-``compressed(algorithm, codec)`` is a :class:`~towers.allreduce.machinery.base.GradientReducer`
-(PyTorch's communication hook, Horovod's compression): for every variable the codec
-encodes each tower's gradient, moves the payloads over a :class:`~towers.allreduce.codecs.Wire`
-(the algorithm's all-reduce, or gathers) and decodes a dense sum. n = 3, one variable::
+A ``GradientReducer`` (PyTorch's communication hook, Horovod's compression): per variable
+the codec (:mod:`towers.allreduce.codecs`) encodes, moves and decodes. n = 3::
 
     tower 0   g_0, s_0 ─encode─▶ payload_0 ─┐                      ┌─▶ out ─────────▶ out_0
     tower 1   g_1, s_1 ─encode─▶ payload_1 ─┼─ wire (all-reduce) ─▶│ decode once   ─send─▶ out_1
@@ -12,8 +10,7 @@ encodes each tower's gradient, moves the payloads over a :class:`~towers.allredu
                       only when the step is applied (commit; see below)
 
 **Decode once** (the default) sends tower 0's dense result, ``(n-1)·S`` bytes, so outputs
-are bitwise the same; ``decode="everywhere"`` decodes on every tower (fewer bytes). The
-state is variables of this ``tf.Module`` (checkpointed), assigned by :meth:`Compressed.commit`.
+are bitwise the same; ``decode="everywhere"`` decodes on every tower (fewer bytes).
 """
 
 from __future__ import annotations
@@ -32,11 +29,6 @@ from towers.guard.arguments import check_choice
 __all__ = ["DECODE", "Compressed", "compressed"]
 
 DECODE = ("once", "everywhere")
-
-
-def _make(template: Any, values: Sequence[Any]) -> Any:
-    """Rebuild a state of ``template``'s type (a NamedTuple or a plain tuple) from values."""
-    return template._make(values) if hasattr(template, "_make") else tuple(values)
 
 
 class Compressed(tf.Module):
@@ -74,7 +66,8 @@ class Compressed(tf.Module):
 
     def _read(self, tower: int, j: int) -> Any:
         with tf.device(self.devices[tower]):
-            return _make(self._templates[j], [v.read_value() for v in self.state[tower][j]])
+            template, values = self._templates[j], [v.read_value() for v in self.state[tower][j]]
+            return template._make(values) if hasattr(template, "_make") else tuple(values)
 
     def commit(self, new_state: Sequence[tf.Tensor]) -> None:
         """Assign ``new_state`` (from :meth:`reduce_deferred`), each on its tower's device."""
@@ -119,11 +112,9 @@ def compressed(
     """Reduce gradients through ``codec`` over ``algorithm``.
 
     Args:
-        algorithm: a registry name or an all-reduce callable, for the codec's dense
-            exchanges (``topk`` gathers and does not use it).
-        codec: a codec (``fp16()``, ``bf16()``, ``topk(ratio)``, ``powersgd(rank)``,
-            ``identity()``, yours), a name in ``CODECS`` (``"topk(0.1)"`` passes arguments)
-            or ``module:NAME``.
+        algorithm: a registry name or an all-reduce callable (``topk`` gathers instead).
+        codec: a codec, a name in ``CODECS`` (``"topk(0.1)"`` passes arguments) or
+            ``module:NAME``.
         decode: ``"once"`` (bitwise-identical outputs) or ``"everywhere"`` (fewer bytes).
 
     Raises:

@@ -11,18 +11,12 @@ of each group is its leader. n = 4, k = 2::
     tower 2 *  inner(x2, x3)[0] = s23      outer(s01, s23)[1] = s      s ──▶ tower 3
     tower 3    (inner's copy unused)                                   ◀── s
 
-Index formula: tower i is in group g = i // k, whose leader is g·k and whose
-members are g·k … min(g·k + k, n) − 1 (n = 5, k = 2: {0, 1}, {2, 3}, {4}); leader g
-is tower g of the outer all-reduce, which runs on ⌈n/k⌉ leaders.
+Index formula: tower i is in group g = i // k, whose leader g·k is tower g of the outer
+all-reduce on ⌈n/k⌉ leaders.
 
-``inner`` is a whole all-reduce on each group's values; only the leader's output is
-kept (the members' copies are pruned as unused in a graph). For ``op="mean"`` both parts
-sum; each leader divides its bitwise-identical total by n once and sends it on.
-
-Cost: max over groups of inner(k_g, S) + outer(⌈n/k⌉, S) + (k_max − 1)·(α + Sβ)
-for the leader's copies: only the outer phase crosses the slow link, on n/k towers.
-The inner max is coefficient-wise: exact when one group's coefficients are all the
-largest (all but halving_doubling), an upper bound otherwise.
+Only the leader's output of ``inner`` is kept; for ``op="mean"`` both parts sum and
+each leader divides by n once. Cost: max over groups of inner(k_g, S) (coefficient-wise:
+an upper bound) + outer(⌈n/k⌉, S) + (k_max − 1)·(α + Sβ) for the leader's copies.
 
 References:
     Horovod hierarchical all-reduce (Sergeev & Del Balso, "Horovod", 2018);
@@ -80,8 +74,7 @@ def group_sizes(n: int, group_size: int) -> list[int]:
 
 
 def _after(seen: Recorder, start: int, shift: int) -> int:
-    """The tick after a phase that began at ``start`` (``start`` if it gave no ticks);
-    ``shift``: the total offset in effect while ``seen`` recorded it, taken off again."""
+    """The tick after a phase that began at ``start`` (``shift``: the offset in effect)."""
     ticks = [t.tick for t in seen.transfers if t.tick is not None]
     return max(start, max(ticks) - shift + start + 1) if ticks else start
 
@@ -136,8 +129,8 @@ def bytes_sent(
     n: int, nbytes: int, itemsize: int, *, inner: Part = "naive", outer: Part = "ring",
     group_size: int = 2,
 ) -> list[int]:
-    """Exact bytes per tower: member r of group g sends ``inner(k_g)[r]``; a leader adds
-    ``outer(⌈n/k⌉)[g]`` and (k_g − 1)·nbytes of group broadcast."""
+    """Bytes per tower: ``inner(k_g)[r]``, a leader adding ``outer(⌈n/k⌉)[g]`` and
+    (k_g − 1)·nbytes of group broadcast."""
     sizes = group_sizes(n, group_size)
     outer_b = _formula(outer, "bytes_sent", len(sizes), nbytes, itemsize)
     out: list[int] = []
@@ -167,8 +160,7 @@ def _flat_cost(name: Any, key: str) -> Callable[..., Coefficients]:
 def cost_levels(
     n: int, nbytes: float, *, inner: str = "naive", outer: str = "ring", group_size: int = 2
 ) -> tuple[Coefficients, Coefficients]:
-    """``(within groups, among leaders)``: the coefficients on the inner and the outer
-    link (the slowest group plus ``k_max − 1`` copies; ``outer`` on ⌈n/k⌉ towers)."""
+    """``(within groups, among leaders)``: the coefficients on the inner and outer links."""
     k = positive_int("group_size", group_size)
     inner_cost, outer_cost = _flat_cost(inner, "inner"), _flat_cost(outer, "outer")
     sizes = group_sizes(n, k)

@@ -9,12 +9,8 @@ The floor of every comparison and the order tf.distribute's
     tower 2    x2 ──▶ tower 0 │                      s ──▶ tower 2
     tower 3    x3 ──▶ tower 0 ┘                      s ──▶ tower 3
 
-Order: ``((x0 + x1) + x2) + ...`` — TensorFlow's CPU ``AddN`` kernel adds its
-inputs left to right, so the sum is sequential in tower order.
-
-Cost (n towers, S bytes): tower 0 receives (n-1)·S and sends (n-1)·S; every other
-tower sends S. Time 2(n-1)·(α + Sβ) + (n-1)·Sγ: everything crosses tower 0 (the
-formulas of :mod:`towers.allreduce.parameter_device` on tower 0).
+Order: ``((x0 + x1) + x2) + ...`` (CPU ``AddN`` adds left to right). Cost: that of
+:mod:`towers.allreduce.parameter_device` on tower 0, 2(n-1)·(α + Sβ) + (n-1)·Sγ.
 
 References:
     TensorFlow ``cross_device_ops.ReductionToOneDevice``; d2l.ai "Multiple GPUs".

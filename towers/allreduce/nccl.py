@@ -1,18 +1,15 @@
 """All-reduce on TensorFlow's collective ops with ``communication_hint="nccl"``: the yardstick.
 
-The ops are opaque: data moves inside the runtime, not through
-:func:`~towers.allreduce.machinery.primitives.send`, so nothing is recorded (see
-:func:`estimated_bytes_sent`). ``nccl()`` is one ``all_reduce_v2`` per tower (the
-runtime's schedule: a ring on CPU; NCCL's ring or tree on GPUs, or the raw
-``nccl_ops.all_sum`` when every tower is its own physical GPU). The other two
-are composed from collectives, n = 4 (rank: TensorFlow's, by task and device index)::
+The ops are opaque (bytes are :func:`estimated_bytes_sent`). ``nccl()`` is one
+``all_reduce_v2`` per tower (a ring on CPU; NCCL's ring or tree on GPUs; the raw
+``nccl_ops.all_sum`` when every tower is its own physical GPU). The other two are
+composed from collectives, n = 4 (rank: TensorFlow's, by task and device index)::
 
     nccl_ring  tick 0: all_to_all_v2          local             tick 1: all_gather_v2
     rank 0     row j → rank j; gets rows 0    c0 = Σ rows (+/n)  c0 → all; gets c1 c2 c3
     rank 1     row j → rank j; gets rows 1    c1 = Σ rows (+/n)  c1 → all; gets c0 c2 c3
     rank 2, 3  likewise (chunk r of the padded [n, ⌈L/n⌉] buffer reduced on rank r)
-    (from 11 ranks tick 0 is n − 1 rounds of pairwise broadcast send/recv instead:
-    TensorFlow's all_to_all_v2 misroutes from 12 ranks; see ``tf_collective_ops.all_to_all``)
+    (from 11 ranks tick 0 is pairwise send/recv: ``tf_collective_ops.all_to_all``)
 
     nccl_tree  tick 0     tick 1        tick 2 (broadcast_send/recv_v2)
     tower 0    ◀── t1     ◀── t2        s = finish(((x0+x1)+(x2+x3))) → t1 t2 t3
@@ -20,12 +17,9 @@ are composed from collectives, n = 4 (rank: TensorFlow's, by task and device ind
     tower 2    ◀── t3     x2+x3 → t0    ◀── s
     tower 3    x3 → t2                  ◀── s
 
-Index formula (tree): at level k tower i with i mod 2^(k+1) = 2^k sends to i − 2^k
-(a broadcast in the group of the two). Cost: nccl and nccl_ring 2(n−1)α +
-2(n−1)/n·Sβ + (n−1)/n·Sγ; nccl_tree 2⌈log2 n⌉(α + Sβ) + ⌈log2 n⌉·Sγ. Summation
-depth: n − 1 for nccl (CPU ring) and nccl_ring (rows added in rank order), ⌈log2 n⌉
-for nccl_tree. :func:`~towers.allreduce.machinery.differentiable.differentiable` gives
-the ops a gradient. The plumbing is :mod:`towers.allreduce.machinery.tf_collective_ops`.
+Index formula (tree): at level k tower i with i mod 2^(k+1) = 2^k sends to i − 2^k.
+Cost: nccl and nccl_ring the ring's; nccl_tree 2⌈log2 n⌉(α + Sβ) + ⌈log2 n⌉·Sγ.
+Summation depth: n − 1 (nccl, nccl_ring), ⌈log2 n⌉ (nccl_tree).
 
 References:
     NVIDIA NCCL; nccl-tests' bus bandwidth; TensorFlow
@@ -41,22 +35,12 @@ from typing import Any
 import tensorflow as tf
 from tensorflow.python.ops import collective_ops, nccl_ops
 
+from towers.allreduce.machinery import tf_collective_ops as tco
 from towers.allreduce.machinery.base import AllReduce, combine, finish
 from towers.allreduce.machinery.differentiable import differentiable
 from towers.allreduce.machinery.primitives import record_estimate
 from towers.allreduce.machinery.registry import Algorithm, Coefficients, register, schedule_of
-from towers.allreduce.machinery.tf_collective_ops import (
-    HINT,
-    Body,
-    all_to_all,
-    broadcast_send_recv,
-    group_key,
-    next_key,
-    run,
-    token,
-    unwire,
-    wire,
-)
+from towers.allreduce.machinery.tf_collective_ops import HINT, Body, group_key, next_key, token
 from towers.allreduce.ring import cost as ring_cost
 from towers.devices import has_gpu
 from towers.guard.arguments import non_negative_float, positive_float, positive_int
@@ -79,16 +63,6 @@ def raw_nccl_usable(devices: Sequence[str], dtype: tf.DType) -> bool:
     return one_rank_per_gpu and dtype in (tf.float16, tf.float32, tf.float64, tf.int32, tf.int64)
 
 
-def _raw_nccl(values: list[tf.Tensor], devices: tuple[str, ...], op: str) -> list[tf.Tensor]:
-    reduce = {"max": nccl_ops.all_max, "min": nccl_ops.all_min,
-              "product": nccl_ops.all_prod}.get(op, nccl_ops.all_sum)
-    finished = []
-    for out, device in zip(reduce(values), devices, strict=True):
-        with tf.device(device):  # correctly rounded: identical sums give identical means
-            finished.append(finish(out, op, len(values)))
-    return finished
-
-
 def _all_reduce_ops(
     values: list[tf.Tensor], devices: Sequence[str], op: str, group_size: int
 ) -> list[tf.Tensor]:
@@ -106,9 +80,15 @@ def _all_reduce_ops(
 
 
 def _nccl_body(values: list[tf.Tensor], devices: tuple[str, ...], op: str) -> list[tf.Tensor]:
-    if raw_nccl_usable(devices, values[0].dtype):
-        return _raw_nccl(values, devices, op)
-    return _all_reduce_ops(values, devices, op, len(values))
+    if not raw_nccl_usable(devices, values[0].dtype):
+        return _all_reduce_ops(values, devices, op, len(values))
+    reduce = {"max": nccl_ops.all_max, "min": nccl_ops.all_min,
+              "product": nccl_ops.all_prod}.get(op, nccl_ops.all_sum)
+    finished = []
+    for out, device in zip(reduce(values), devices, strict=True):
+        with tf.device(device):  # correctly rounded: identical sums give identical means
+            finished.append(finish(out, op, len(values)))
+    return finished
 
 
 def _ring_body(values: list[tf.Tensor], devices: tuple[str, ...], op: str) -> list[tf.Tensor]:
@@ -121,7 +101,7 @@ def _ring_body(values: list[tf.Tensor], devices: tuple[str, ...], op: str) -> li
         with tf.device(device):
             rows.append(tf.reshape(tf.pad(tf.reshape(v, [-1]), [[0, n * chunk - length]]),
                                    [n, chunk]))
-    received_rows = all_to_all(rows, devices)
+    received_rows = tco.all_to_all(rows, devices)
     group, gather_key, outputs = group_key(devices), next_key(), []
     for received, device in zip(received_rows, devices, strict=True):
         with tf.device(device):
@@ -130,9 +110,9 @@ def _ring_body(values: list[tf.Tensor], devices: tuple[str, ...], op: str) -> li
             for part in parts[1:]:
                 reduced = combine(reduced, part, op)
             full = collective_ops.all_gather_v2(
-                wire(finish(reduced, op, n)), n, group, gather_key, communication_hint=HINT,
+                tco.wire(finish(reduced, op, n)), n, group, gather_key, communication_hint=HINT,
                 ordering_token=token(device))
-            outputs.append(tf.reshape(unwire(full, dtype)[:length], shape))
+            outputs.append(tf.reshape(tco.unwire(full, dtype)[:length], shape))
     return outputs
 
 
@@ -146,7 +126,7 @@ def _tree_body(values: list[tf.Tensor], devices: tuple[str, ...], op: str) -> li
     step = 1
     while step < n:
         for dst in range(0, n - step, 2 * step):
-            sent, (got,) = broadcast_send_recv(
+            sent, (got,) = tco.broadcast_send_recv(
                 acc[dst + step], devices[dst + step], [devices[dst]])
             # The control edge keeps the send alive: auto control deps may prune it.
             with tf.device(devices[dst]), tf.control_dependencies([sent]):
@@ -154,7 +134,7 @@ def _tree_body(values: list[tf.Tensor], devices: tuple[str, ...], op: str) -> li
         step *= 2
     with tf.device(devices[0]):
         total = finish(acc[0], op, n)
-    sent, received = broadcast_send_recv(total, devices[0], devices[1:])
+    sent, received = tco.broadcast_send_recv(total, devices[0], devices[1:])
     outputs = []
     # Every output waits for every op of the broadcast: a caller that uses only some
     # outputs (the parameter-device placement keeps output 0) must not let the unused
@@ -179,12 +159,12 @@ def _record_estimates(values: Sequence[tf.Tensor]) -> None:
 
 
 def _factory(body: Body, name: str, timeout_seconds: float = TIMEOUT_SECONDS) -> AllReduce:
-    """Build ``nccl``, ``nccl_ring`` or ``nccl_tree``; ``timeout_seconds`` bounds an eager
-    call (and a trainer's step without ``step_timeout``), else tf.errors.DeadlineExceededError."""
+    """Build ``nccl``, ``nccl_ring`` or ``nccl_tree``; ``timeout_seconds`` bounds an eager call
+    (and a trainer's step without ``step_timeout``)."""
     positive_float("timeout_seconds", timeout_seconds)
 
     def all_reduce(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
-        outputs = run(body, values, op, timeout_seconds)
+        outputs = tco.run(body, values, op, timeout_seconds)
         _record_estimates(values)
         return outputs
 
@@ -193,8 +173,7 @@ def _factory(body: Body, name: str, timeout_seconds: float = TIMEOUT_SECONDS) ->
 
 
 def estimated_bytes_sent(n: int, nbytes: int) -> list[float]:
-    """An ESTIMATE of bytes each tower sends (the ops are opaque): NCCL's ring figure
-    2(n−1)/n·S, the bus traffic nccl-tests assumes."""
+    """An ESTIMATE of bytes each tower sends: NCCL's ring figure 2(n−1)/n·S (nccl-tests)."""
     positive_int("n", n)
     non_negative_float("nbytes", nbytes)
     return [2 * (n - 1) / n * nbytes] * n

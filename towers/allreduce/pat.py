@@ -11,23 +11,16 @@ n = 5 towers, chunks c0..c4, ``+▶t`` reduces into tower t, ``▶t`` copies to 
     tower 4  c0c2+▶0   c1+▶1   c3+▶3 │  c4 ▶0   c4 ▶2 c1c4 ▶3
                       tower r now owns c_r, finished
 
-Index formula (K = ⌈log2 n⌉ dimensions): PAT is Bruck's algorithm
-(:mod:`towers.allreduce.bruck`) with the dimensions reversed: each chunk is broadcast
-along its own binomial tree shifted to its owner (the "parallel trees"), one message
-per peer per step (the "aggregation"). Chunk c reaches tower ``c − j`` (j = 1..n−1) at
-the dimension of j's *lowest* set bit ``k``, from offset ``j − 2^k``; the all-gather runs
-k = K−1 down to 0, so the far hops carry little data and the near hops much (the
-opposite of Bruck). The reduce-scatter is that all-gather transposed and run backwards.
-Any n works: the trees are binomial trees cut at n.
+Index formula (K = ⌈log2 n⌉ dimensions): Bruck's algorithm (:mod:`towers.allreduce.bruck`)
+with the dimensions reversed: chunk c reaches tower ``c − j`` at the dimension of j's
+*lowest* set bit ``k``, from offset ``j − 2^k``; the all-gather runs k = K−1 down to 0, so
+the far hops carry little data. The reduce-scatter is its transpose, run backwards.
 
 ``pat(aggregation=A)`` bounds the staging buffer as NCCL does: at most A chunks per
-tower per tick, a dimension split over ⌈m/A⌉ ticks to the same peer (None: a whole
-dimension per tick); the split ticks run in dimension order.
+tower per tick, a dimension split over ⌈m/A⌉ ticks (None: a dimension per tick).
 
-Padding: the buffer is cut into n chunks of ⌈L/n⌉ elements. Cost (S bytes, every
-tower sends ``n − 1`` chunks per phase; ``m_k = ⌊(n − 1 − 2^k)/2^(k+1)⌋ + 1`` chunks
-in dimension k): ``2·Σ_k ⌈m_k/A⌉·α + 2(n−1)/n·S·β + (n−1)/n·S·γ``, that is
-``2⌈log2 n⌉·α + …`` when A is None. Summation depth ⌈log2 n⌉.
+Cost (S bytes in n chunks, ``m_k`` chunks in dimension k: :func:`chunks_per_dimension`):
+``2·Σ_k ⌈m_k/A⌉·α + 2(n−1)/n·S·β + (n−1)/n·S·γ``. Summation depth ⌈log2 n⌉.
 
 References:
     S. Jeaugey, "PAT: a new algorithm for all-gather and reduce-scatter operations
@@ -69,7 +62,7 @@ def pat_schedule(n: int, aggregation: int | None = None) -> Schedule:
 
 
 def cost(n: int, nbytes: float, aggregation: int | None = None) -> Coefficients:
-    """α-β-γ coefficients: ``2·Σ_k ⌈m_k/A⌉·α + 2(n−1)/n·S·β + (n−1)/n·S·γ``."""
+    """α-β-γ coefficients (the module's formula)."""
     batch = _aggregation(aggregation)
     per = chunks_per_dimension(n)
     ticks = len(per) if batch is None else sum(math.ceil(m / batch) for m in per)

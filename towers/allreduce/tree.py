@@ -1,10 +1,8 @@
 """Binary-tree all-reduce: reduce up to tower 0, then broadcast down, pipelined in pieces.
 
-Towers form a binary heap: tower ``i``'s children are ``2i+1`` and ``2i+2``.
-Each value is flattened, zero-padded and cut into ``C`` pieces. A node adds its
-children's partials of a piece to its own and passes the result up; tower 0
-finishes each piece (``mean`` divides) once and the pieces are copied back down.
-n = 7, C = 2 (``pK`` = piece K, ``▲a`` = send up to a, ``▼a,b`` = copy down to a and b)::
+Towers form a binary heap (tower ``i``'s children: ``2i+1``, ``2i+2``); each value is cut
+into ``C`` pieces, each reduced up to tower 0 and copied back down. n = 7, C = 2
+(``pK`` = piece K, ``▲a`` = send up to a, ``▼a,b`` = copy down to a and b)::
 
     tick        0         1          2           3           4
     tower 0     .         .       p0 ▼1,2     p1 ▼1,2        .
@@ -17,19 +15,15 @@ n = 7, C = 2 (``pK`` = piece K, ``▲a`` = send up to a, ``▼a,b`` = copy down 
 
 Index formula (``h`` = a node's height, its longest path down to a leaf; ``d`` =
 its depth; ``D`` = the root's height): a node sends piece ``k`` up at tick
-``h + k`` and copies it to its children at tick ``D + d + k``. Each piece moves
-one level per tick, so reduce and broadcast overlap (tick 3 above). In all
-``2D + C - 1`` ticks.
+``h + k`` and copies it to its children at tick ``D + d + k``: ``2D + C - 1`` ticks,
+reduce and broadcast overlapping (tick 3 above).
 
 Order: node ``i`` forms ``(x_i ⊕ p_a) ⊕ p_b``, its own value first (``own_first``),
-joining first the child whose partial went through fewer additions (:func:`tree_shape`);
-a child that joins after a taller sibling sends when that sibling does.
+the child with fewer additions first (:func:`tree_shape`).
 
-Cost (n towers, S bytes, D = ⌊log2 n⌋, single-port full-duplex links): ``2D + C - 1``
-ticks. C = 1: a node takes its two children's values one after the other,
-``4D·(α + S·β) + 2D·S·γ``. Pipelined, a tick costs the busiest port, at most three
-pieces of ``S/C``: ``≲ (2D + C - 1)·3·(α + S/C·β) + (D + C - 1)·2·S/C·γ``. Bytes: an
-inner node sends ``3·S``, a leaf ``S`` (padding included).
+Cost (S bytes, D = ⌊log2 n⌋, single-port full-duplex links): C = 1,
+``4D·(α + S·β) + 2D·S·γ``; pipelined, a tick costs the busiest port, at most three
+pieces of ``S/C`` (:func:`tick_loads`). An inner node sends ``3·S``, a leaf ``S``.
 
 References:
     P. Sanders, J. Speck, J. L. Träff, "Two-tree algorithms for full bandwidth
@@ -97,8 +91,8 @@ def tree_shape(parents: Sequence[int]) -> TreeShape:
 
 
 def _up_ticks(shape: TreeShape) -> list[int]:
-    """The tick each node sends piece 0 up: once its children's partials arrived, and not
-    before the sibling it is added after (the root's entry: the tick it finishes piece 0)."""
+    """The tick each node sends piece 0 up: after its children's partials and the sibling
+    it is added after (the root's: the tick it finishes piece 0)."""
     up = [0] * len(shape.depth)
     for node in sorted(range(len(up)), key=lambda i: -shape.depth[i]):  # children first
         after = 0
@@ -109,11 +103,8 @@ def _up_ticks(shape: TreeShape) -> list[int]:
 
 
 def tree_ticks(parents: Sequence[int], chunks: Iterable[int]) -> list[list[Step]]:
-    """Pipelined reduce-then-broadcast over any tree: piece ``k`` is chunk ``chunks[k]``.
-
-    A node reduces piece ``k`` into its parent at its up tick + ``k``; the root finishes it
-    at tick ``D + k``; a node at depth ``d`` copies it down at ``D + d + k``.
-    """
+    """Pipelined reduce-then-broadcast over any tree (the module's index formula): piece
+    ``k`` is chunk ``chunks[k]``."""
     shape, pieces = tree_shape(parents), list(chunks)
     up = _up_ticks(shape)
     top = up[shape.root]

@@ -14,9 +14,8 @@ travel as one tensor and are combined by one op.
     dst: combine(received [k, L], pack(own rows) [k, L])   one op → a new [k, L] tensor,
          whose rows are the k slots from now on
 
-A :class:`Row` is ``(tensor, row)``; nothing is cut into per-chunk tensors until asked
-(:func:`materialize`). Every element goes through exactly the ``combine`` and ``finish``
-it went through chunk by chunk, in the same order: results are bitwise the same.
+Every element goes through the ``combine`` and ``finish`` it would chunk by chunk, in
+the same order: results are bitwise the same.
 """
 
 from __future__ import annotations
@@ -108,11 +107,8 @@ def small(r: Row) -> bool:
 
 
 def pack(rows: Sequence[Row | None]) -> tf.Tensor:
-    """The rows as one ``[len(rows), L]`` tensor, under the caller's device scope.
-
-    Consecutive rows of one tensor become one slice (the whole tensor: no copy); other rows
-    one gather when :func:`small`, else one slice per run; the parts are concatenated.
-    """
+    """The rows as one ``[len(rows), L]`` tensor, under the caller's device scope: a slice
+    per run of one tensor's rows, or one gather when :func:`small`."""
     segments: list[tuple[tf.Tensor, list[int]]] = []
     for r in rows:
         if r is None:
@@ -166,11 +162,8 @@ def materialize(r: Row, shape: Sequence[int]) -> tf.Tensor:
 
 def assemble(held: Sequence[Sequence[tf.Tensor]], devices: Sequence[str],
              build: Callable[[int], tf.Tensor]) -> list[tf.Tensor]:
-    """Every tower's output from the finished chunks it holds: ``build(tower)`` on its device,
-    or, where the towers share one memory, ``build(0)`` once (the chunks are bitwise the
-    same everywhere), tower ``i``'s copy waiting for its own chunks ``held[i]`` (a control
-    dependency), so no send of the schedule is pruned.
-    """
+    """``build(tower)`` on each device; where the towers share one memory, ``build(0)`` once,
+    tower ``i``'s copy waiting for its chunks ``held[i]`` so no send is pruned."""
     shared = one_memory(devices)
     outputs: list[tf.Tensor] = []
     for tower, device in enumerate(devices):

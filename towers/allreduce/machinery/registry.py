@@ -1,15 +1,11 @@
 """The registries' one record shape, and the all-reduce registry with its configured algorithm.
 
-A :class:`Record` describes one registered thing: an all-reduce (:data:`ALGORITHMS`),
-another collective's algorithm (``COLLECTIVE_ALGORITHMS``), a codec (``CODECS``) or a
-placement (``PLACEMENTS``). A record is its thing's factory: ``ring(subchunks=2)``
-(``ring is ALGORITHMS["ring"]``) returns a :class:`Configured`, a frozen callable that
-knows its record and parameters. Adding an algorithm is one module and one line at its
-end (:func:`register_schedule` where it is a schedule, its formulas derived)::
+A :class:`Record` describes an all-reduce (:data:`ALGORITHMS`), another collective's
+algorithm, a codec or a placement, and is its factory: ``ring(subchunks=2)`` returns a
+:class:`Configured`, a frozen callable that knows its record and parameters. Adding an
+algorithm is one module ending in :func:`register_schedule` (formulas derived) or::
 
     mine = register(Algorithm("mine", _build, bytes_sent=..., summation_depth=..., cost=...))
-
-A plain callable without a record is still accepted everywhere.
 """
 
 from __future__ import annotations
@@ -62,9 +58,9 @@ class Record:
     Fields a kind has no use for stay None; formulas take ``n`` (``bytes_sent``: ``n, nbytes,
     itemsize``) and the factory's parameters as keywords. ``bytes_sent`` is per tower
     (``estimated`` where opaque collectives move the data), ``summation_depth`` the error
-    bound's ``k``, ``cost`` the α-β-γ coefficients, ``ticks`` the α count, ``schedule`` the
-    module docstring's drawing, ``generator`` ``(n, **params) -> Schedule`` where it is one;
-    ``replayable``: the NumPy replay can follow its traced graph.
+    bound's ``k``, ``cost`` the α-β-γ coefficients, ``schedule`` the module docstring's
+    drawing, ``generator`` ``(n, **params) -> Schedule`` where it is one; ``replayable``:
+    the NumPy replay can follow its traced graph.
     """
 
     name: str
@@ -78,7 +74,6 @@ class Record:
     kind: str = "all_reduce"
     summary: str = ""
     generator: Callable[..., Schedule] | None = None
-    ticks: Callable[..., int] | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -107,9 +102,8 @@ def from_schedule(
     *,
     cost: Callable[..., Coefficients] | None = None,
 ) -> dict[str, Any]:
-    """``bytes_sent``, ``summation_depth`` and ``cost`` derived from a generator ``(n, **params)``;
-    ``count`` counts a schedule's bytes, ``cost`` is a closed form to use instead of counting.
-    """
+    """``bytes_sent``, ``summation_depth`` and ``cost`` (unless given) of a generator's
+    schedules; ``count`` counts a schedule's bytes."""
 
     def bytes_sent(n: int, nbytes: int, itemsize: int, **params: Any) -> list[int]:
         return count(generator(n, **params), nbytes, itemsize)
@@ -226,12 +220,8 @@ def algorithm_name(algorithm: Any) -> str:
 def register_schedule(name: str, generator: Callable[..., Schedule],
                       cost: Callable[..., Coefficients], doc: str | None, *,
                       own_first: bool = False) -> Record:
-    """Register the all-reduce that runs ``generator(n, **params)`` (:class:`Scheduled`).
-
-    Its factory takes the generator's parameters after ``n``, each an int >= 1 (or None
-    where that is the default); bytes and depth are counted from the schedules, ``cost``
-    is in closed form, the schedule is the one drawn in ``doc``.
-    """
+    """Register the all-reduce that runs ``generator(n, **params)``: its factory takes the
+    parameters after ``n`` (ints >= 1, or a None default), its schedule is ``doc``'s drawing."""
     signature = inspect.signature(generator)
     signature = signature.replace(parameters=list(signature.parameters.values())[1:],
                                   return_annotation=AllReduce)

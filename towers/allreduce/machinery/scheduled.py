@@ -1,20 +1,18 @@
 """Run a :class:`~towers.schedule.Schedule` on TensorFlow devices: one interpreter for all.
 
-Every schedule runs here (the scheduled all-reduces, the public reduce-scatter, all-gather
-and broadcast, the sharded placement's ring phases). :func:`run_slots` proves the schedule
-(:func:`towers.schedule.simulate`), then runs it tick by tick over ``slots[tower][chunk]``:
-a tick's small chunks from one tower to another are one message
-(:mod:`~towers.allreduce.machinery.packed`), all sent first (a tick reads its slots as
-they began), then each destination writes: ``copy`` replaces its slot, ``reduce``
-computes ``combine(received, own)``. A slot is finished (``mean`` divides) once, where its
-last contribution is added; copies carry the finished value, so outputs agree bitwise::
+:func:`run_slots` proves the schedule (:func:`towers.schedule.simulate`), then runs it
+tick by tick over ``slots[tower][chunk]``: a tick's small chunks from one tower to another
+are one message (:mod:`~towers.allreduce.machinery.packed`), all sent first, then each
+destination writes: ``copy`` replaces its slot, ``reduce`` computes
+``combine(received, own)``. A slot is finished (``mean`` divides) once, where its last
+contribution is added; copies carry the finished value, so outputs agree bitwise. This
+is the one place the algorithms' ordering and rounding are decided::
 
     tick t:  tower 0 ──(chunks 2,3: one [2, L] tensor)──▶ tower 2: combine(recv, own[2:4])
              tower 1 ──(chunks 0,1)───────────────────▶ tower 3: combine(recv, own[0:2])
 
 :func:`run_schedule` all-reduces with it: each value cut into ``schedule.chunks`` equal
-rows (:func:`~towers.allreduce.machinery.packed.pad_rows`) and put back together by one
-concat (:func:`~towers.allreduce.machinery.packed.assemble`).
+zero-padded rows (:func:`~towers.allreduce.machinery.packed.pad_rows`).
 """
 
 from __future__ import annotations
@@ -85,11 +83,8 @@ def _messages(tick: Sequence[Step], slots: Rows, have: list[list[int]],
 
 def run_slots(schedule: Schedule, slots: Slots, devices: Sequence[str], op: str = "sum",
               *, note: str = "") -> Slots:
-    """Follow ``schedule`` (proved first) over ``slots[tower][chunk]`` (None: empty; replaced
-    in place) on ``devices``; every complete reduced slot is finished once.
-
-    ``op`` is how ``reduce`` steps combine; ``note`` is recorded before each step's kind
-    (``"reduce_scatter"`` → ``"reduce_scatter reduce"``); a ``ScheduleError`` if unproved.
+    """Follow ``schedule`` over ``slots[tower][chunk]`` (None: empty; replaced in place) on
+    ``devices``; ``note`` is recorded before each step's kind; a ``ScheduleError`` if unproved.
     """
     shapes = {c: x.shape for row in slots for c, x in enumerate(row) if x is not None}
     rows: Rows = []
@@ -156,11 +151,8 @@ def _finish_complete(slots: Rows, have: list[list[int]], done: list[list[bool]],
 def run_schedule(
     schedule: Schedule, values: Sequence[tf.Tensor], *, op: str = "sum", own_first: bool = False
 ) -> list[tf.Tensor]:
-    """All-reduce ``values`` by following ``schedule``; output ``i`` on input ``i``'s device.
-
-    ``own_first``: a ``reduce`` computes ``combine(own, received)`` (the trees' order; it
-    shows in ``max``/``min`` of zeros of either sign).
-    """
+    """All-reduce ``values`` by following ``schedule``; ``own_first``: a ``reduce`` computes
+    ``combine(own, received)`` (the trees' order; it shows in ``max`` of ``±0``)."""
     devices = check_values(values, op)
     n = len(values)
     if schedule.towers != n or schedule.collective != "all_reduce":

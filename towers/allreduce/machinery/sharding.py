@@ -14,11 +14,9 @@ n = 3 (``gK``: gradient chunk K, ``pK``: parameter chunk K)::
     tower 1   g0 ─▶2   g2 ─▶2  │  p1 ← opt_1(p1, g1) │   p1 ─▶2   p0 ─▶2
     tower 2   g1 ─▶0   g0 ─▶0  │  p2 ← opt_2(p2, g2) │   p2 ─▶0   p1 ─▶0
 
-Index formula and cost: the ring's (:mod:`towers.allreduce.ring`, ``s = 1``), plus one
-optimizer update of ``S/n`` per tower instead of ``S``; optimizer state per tower ``≈ 1/n``
-of the replicated layout. Each owner keeps its shard of the parameters as its optimizer's
-variables, refreshed from its replica before each update (so ``set_weights`` and restores
-need no extra step).
+Index formula and cost: the ring's (``s = 1``), plus one optimizer update of ``S/n`` per
+tower; optimizer state per tower ``≈ 1/n``. The shard variables are refreshed from the
+replica before each update (so ``set_weights`` and restores need no extra step).
 
 References:
     S. Rajbhandari et al., "ZeRO: Memory optimizations toward training trillion
@@ -62,18 +60,15 @@ class VariableShards:
         return -(-self.size // self.n)
 
     def owned(self, owner: int) -> int:
-        """How many real (unpadded) elements tower ``owner`` owns; 0 for an empty shard."""
+        """How many real (unpadded) elements tower ``owner`` owns."""
         return max(0, min(self.length, self.size - owner * self.length))
 
     def start(self, owner: int) -> int:
-        """The flat index of tower ``owner``'s first element."""
         return owner * self.length
 
 
 def check_optimizer(optimizer: keras.optimizers.Optimizer) -> None:
-    """Refuse an optimizer whose update is not elementwise (``ValueError`` naming the way out):
-    a class in :data:`NOT_ELEMENTWISE`, ``use_ema``, ``clipnorm``, ``global_clipnorm`` or
-    variables excluded from weight decay."""
+    """Refuse (``ValueError``) an optimizer whose update is not elementwise."""
     name = type(optimizer).__name__
     if name in NOT_ELEMENTWISE:
         raise ValueError(
@@ -122,15 +117,8 @@ def _static(grad: tf.Tensor, shape: tuple[int, ...]) -> tf.Tensor:
 
 
 class ShardPlan:
-    """The shards of one trainer: layout, per-owner shard variables, the step's phases.
-
-    Args:
-        devices: the towers' devices; tower ``k`` owns chunk ``k`` of every variable.
-
-    Attributes:
-        layout: one :class:`VariableShards` per trainable variable (set by :meth:`shards_for`).
-        shards: ``shards[owner][var]``, the owner's shard variable, or None when empty.
-    """
+    """The shards of one trainer over ``devices`` (tower ``k`` owns chunk ``k``):
+    ``layout[var]`` (:class:`VariableShards`), ``shards[owner][var]`` (None when empty)."""
 
     def __init__(self, devices: Sequence[str]) -> None:
         self.devices = list(devices)
@@ -160,8 +148,7 @@ class ShardPlan:
         return [s for s in row if s is not None]
 
     def reduce_scatter(self, grads: Sequence[Sequence[tf.Tensor]]) -> list[list[Any]]:
-        """``grads[tower][var]`` -> ``owned[owner][var]``: the owner's summed chunk (the ring's
-        reduce-scatter, padding dropped), or None."""
+        """``grads[tower][var]`` -> ``owned[owner][var]``: the owner's summed chunk, or None."""
         n = len(self.devices)
         owned: list[list[Any]] = [[None] * len(self.layout) for _ in range(n)]
         for j, cut in enumerate(self.layout):
@@ -195,8 +182,8 @@ class ShardPlan:
                         shard.assign(flat[start : start + cut.owned(k)])
 
     def all_gather(self, replicas: Sequence[Any]) -> None:
-        """Copy every owner's updated shards into every replica's variables (ring all-gather);
-        an owner without any shard still counts the step, so ``iterations`` agree."""
+        """Copy every owner's updated shards into every replica (ring all-gather); an owner
+        without shards still counts the step."""
         n = len(self.devices)
         for k, row in enumerate(self.shards):
             if all(s is None for s in row):
@@ -216,7 +203,7 @@ class ShardPlan:
                     target.assign(value)
 
     def _padded_shard(self, owner: int, var: int, cut: VariableShards) -> tf.Tensor:
-        """Owner's shard ``var`` zero-padded to the chunk length (padding is never read back)."""
+        """Owner's shard ``var`` zero-padded to the chunk length."""
         shard = self.shards[owner][var]
         with tf.device(self.devices[owner]):
             if shard is None:

@@ -1,14 +1,10 @@
 """TensorFlow's collective ops as towers uses them: keys, ordering tokens, wire format, running.
 
-The plumbing shared by :mod:`towers.allreduce.nccl` and :mod:`towers.cluster`, with no
-schedule of its own. What TF 2.21 requires of it: bfloat16 crosses all_gather and broadcast
-as its float16 bit pattern (:func:`wire`); empty tensors and n = 1 never reach a collective
-(:func:`run`); eager calls run in a cached ``tf.function`` within one watchdog; every trace
-draws fresh keys (:func:`next_key`; a reused key or a timeout aborts every later
-collective); broadcasts get control edges (:func:`broadcast_send_recv`); ``all_to_all_v2``
-misroutes from 12 ranks, so above :data:`MAX_ALL_TO_ALL` rows go by send/recv pairs.
-Cross-process collectives draw keys when built (:func:`shared_keys`); one ordering token per
-device (:func:`token`) keeps each device's collectives in program order.
+Shared by :mod:`towers.allreduce.nccl` and :mod:`towers.cluster`. What TF 2.21 requires:
+bfloat16 crosses all_gather and broadcast as float16 bits (:func:`wire`); empty tensors and
+n = 1 never reach a collective (:func:`run`); every trace draws fresh keys (a reused key or
+a timeout aborts every later collective); ``all_to_all_v2`` misroutes from 12 ranks
+(:data:`MAX_ALL_TO_ALL`); one ordering token per device (:func:`token`).
 
 References:
     TensorFlow ``cross_device_utils.CollectiveReplicaLauncher`` (ordering tokens, keys).
@@ -36,10 +32,10 @@ __all__ = ["HINT", "KEY_START", "MAX_ALL_TO_ALL", "SHARED_KEY_START", "Body", "a
 KEY_START = 10_000_000
 """First key of one process's collectives (tf.distribute's count from 1 and 1_000_000)."""
 SHARED_KEY_START = 20_000_000
-"""First key of collectives across processes (see "Keys" above)."""
+"""First key of collectives across processes (:func:`shared_keys`)."""
 HINT = "nccl"
 MAX_ALL_TO_ALL = 10
-"""The largest group ``all_to_all_v2`` serves: every rank one digit (see its key above)."""
+"""The largest group ``all_to_all_v2`` serves."""
 Body = Callable[[list[tf.Tensor], tuple[str, ...], str], list[tf.Tensor]]
 """An algorithm's graph: ``body(values, devices, op) -> outputs``."""
 _LOCK = threading.Lock()
@@ -195,8 +191,8 @@ def _after_previous(device: str) -> Iterator[Callable[[tf.Tensor], None]]:
 
 
 def run(body: Body, values: Sequence[tf.Tensor], op: str, timeout: float) -> list[tf.Tensor]:
-    """Check, short-cut trivial cases, and run ``body`` in the caller's graph or, eagerly,
-    in a cached one within ``timeout`` seconds (else ``tf.errors.DeadlineExceededError``)."""
+    """Run ``body`` in the caller's graph or, eagerly, in a cached one within ``timeout``
+    seconds (else ``tf.errors.DeadlineExceededError``)."""
     devices = tuple(check_values(values, op))
     shape = values[0].shape
     if not shape.is_fully_defined():
@@ -216,7 +212,6 @@ def run(body: Body, values: Sequence[tf.Tensor], op: str, timeout: float) -> lis
 
 def _run_eagerly(body: Body, values: Sequence[tf.Tensor], devices: tuple[str, ...], op: str,
                  timeout: float) -> list[tf.Tensor]:
-    """``body`` in a ``tf.function`` cached per devices/op/shape/dtype, within ``timeout``."""
     shape, dtype = values[0].shape, values[0].dtype
     key = (body, devices, op, tuple(shape), dtype)
     with _LOCK:
