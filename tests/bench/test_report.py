@@ -11,7 +11,7 @@ import pytest
 
 from towers.bench import allreduce, report, training
 from towers.bench.costfit import FIT_COLUMNS
-from towers.bench.report import Samples, interleave, load_average, paired_ratio
+from towers.bench.report import Samples, interleave, paired_ratio
 
 ROW = {"size": 4096, "count": 1024, "type": "float", "redop": "sum", "algorithm": "ring",
        "kind": "towers", "time_us": 100.0, "algbw": 0.041, "busbw": 0.061, "wrong": 0,
@@ -90,6 +90,3 @@ def test_paired_ratio_is_the_median_of_per_round_ratios() -> None:
     assert paired_ratio(a, b) == 2.0
     assert a.median == 4.0 and a.minimum == 2.0
 
-
-def test_load_average_has_three_numbers() -> None:
-    assert len(load_average()) == 3

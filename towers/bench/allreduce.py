@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import functools
 import inspect
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,7 +23,7 @@ from reference.mirrored import collective_all_reduce
 from towers import allreduce
 from towers.allreduce.machinery.base import as_written
 from towers.bench import costmodel, report
-from towers.bench.report import Samples, interleave, load_average, num, text
+from towers.bench.report import Samples, interleave, num, text
 from towers.devices import canonical_device
 
 __all__ = ["QUICK_SIZES", "SIZES", "Compiled", "Contender", "calls_per_sample", "contenders",
@@ -46,7 +47,7 @@ class Contender:
 
 
 def towers_contender(name: str) -> Contender:
-    """A registered towers algorithm, with its cost formula's parameters (if it has one)."""
+    """A registered towers algorithm, with its cost formula's parameters."""
     algorithm = allreduce.get(name)
     cost = allreduce.ALGORITHMS[name].cost
     formula, params = None, {}
@@ -76,8 +77,8 @@ def _add(values: list[tf.Tensor]) -> list[tf.Tensor]:
 
 
 def contenders(devices: Sequence[str], algorithms: Sequence[str] | None = None) -> list[Contender]:
-    """Towers' ``algorithms`` (default: every registered one; ``tf.CollectiveAllReduce`` and
-    ``tf.ReductionToOneDevice`` name MirroredStrategy's ops) and the calibration pair."""
+    """Towers' ``algorithms`` (default: all; ``tf.*`` names MirroredStrategy's ops) and the
+    calibration pair."""
     tf_ops = {"tf.CollectiveAllReduce": (collective_all_reduce(list(devices)), "ring"),
               "tf.ReductionToOneDevice": (tf.distribute.ReductionToOneDevice(), "naive")}
     names = list(allreduce.ALGORITHMS) + list(tf_ops) if algorithms is None else algorithms
@@ -101,8 +102,7 @@ def make_inputs(devices: Sequence[str], nbytes: int, seed: int = 0) -> list[tf.T
 
 
 class Compiled:
-    """A contender compiled for ``devices``; ``homes`` are its outputs' devices, read from
-    the traced graph (an eager output over logical CPUs reports the host CPU)."""
+    """A contender compiled for ``devices``; ``homes``: its outputs' devices, as traced."""
 
     def __init__(self, contender: Contender, devices: Sequence[str]) -> None:
         self.contender, self.devices = contender, list(devices)
@@ -154,7 +154,7 @@ def _row(contender: Contender, n: int, nbytes: int, samples: Samples | None) -> 
 
 
 def calls_per_sample(nbytes: int) -> int:
-    """Calls averaged into one sample: 3 for messages up to 256 KB (sub-ms calls), else 1."""
+    """Calls averaged into one sample: 3 up to 256 KB (sub-ms calls), else 1."""
     return 3 if nbytes <= 1 << 18 else 1
 
 
@@ -162,8 +162,7 @@ def run_allreduce(
     devices: Sequence[str], sizes: Sequence[int] = SIZES, *,
     algorithms: Sequence[str] | None = None, rounds: int = 15, verbose: bool = False,
 ) -> list[dict[str, Any]]:
-    """Every contender at every size, timed in one interleaved loop (load drift hits every
-    size alike, so the cost model fits comparable times); #wrong from a fresh call."""
+    """Every contender at every size, timed in one interleaved loop; #wrong from a fresh call."""
     if any(nbytes % 4 for nbytes in sizes):
         raise ValueError(f"sizes must be multiples of 4 bytes (float32), got {list(sizes)}")
     cands = contenders(devices, algorithms)
@@ -241,7 +240,7 @@ def section(args: argparse.Namespace, devices: list[str], results: dict) -> bool
     report.publish(args, results, "allreduce", rows, lambda out: plot(
         rows, out / "allreduce_algbw.png",
         f"all-reduce over {len(devices)} simulated devices (float32 sum)"))
-    results["allreduce_load"] = load_average()
+    results["allreduce_load"] = os.getloadavg()
     wrong = [r for r in rows if r.get("wrong")]
     for r in wrong:
         print(f"WRONG: {r['algorithm']} at {r['size']} B: {r['wrong']} elements")

@@ -18,8 +18,7 @@ from towers.bench.report import num, text
 
 __all__ = ["compare", "fit", "fit_measured", "holdout", "section"]
 
-_CALIBRATION = ("send", "add")
-"""Not all-reduces: rows that join every per-algorithm fit (they split β from γ)."""
+_CALIBRATION = ("send", "add")  # rows that join every per-algorithm fit (β apart from γ)
 
 
 def _row(row: Mapping[str, Any]) -> tuple[str, int, float, float, dict[str, Any]]:
@@ -58,11 +57,8 @@ def _fit_link(rows: list[tuple[str, int, float, float, dict[str, Any]]], name: s
 
 
 def fit(rows: Sequence[Any], *, per_algorithm: bool = False, name: str = "fit") -> Any:
-    """Estimate α, β, γ from measured rows by non-negative least squares on relative error.
-
-    ``rows``: mappings with ``algorithm``, ``n``, ``nbytes``, ``seconds`` and optional
-    ``params``. Returns a :class:`Link` named ``name``, or with ``per_algorithm`` a
-    ``dict[str, Link]`` (``send``/``add`` rows join every fit). ValueError: no or bad rows.
+    """A :class:`Link` (``per_algorithm``: one per algorithm) fitted to rows of ``algorithm``,
+    ``n``, ``nbytes``, ``seconds`` (and ``params``) by NNLS on relative error.
 
     Example:
         >>> rows = [{"algorithm": "send", "n": 2, "nbytes": s, "seconds": 1e-6 + s * 1e-9}
@@ -95,8 +91,7 @@ def compare(rows: Sequence[Any], link_or_links: Link | Mapping[str, Link]) -> li
 
 def holdout(rows: Sequence[Any], train_sizes: Collection[float], *,
             name: str = "holdout") -> list[dict[str, Any]]:
-    """Fit per algorithm on the rows at ``train_sizes`` only, and predict every row:
-    :func:`compare`'s rows (calibration left out), each with ``train``: whether the fit saw it."""
+    """:func:`compare`'s rows for a fit per algorithm on the rows at ``train_sizes`` only."""
     parsed = [_row(r) for r in rows]
     trained = {alg for alg, _, s, _, _ in parsed if s in train_sizes}
     missing = sorted({alg for alg, *_ in parsed} - trained - set(_CALIBRATION))
@@ -115,9 +110,8 @@ def _errors(compared: list[dict[str, Any]], prefix: str) -> dict[str, float | No
 
 
 def fit_measured(table: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per contender of the all-reduce table: α and ``2β + γ`` (all its rows fix) fitted to
-    its times, without ``send``/``add`` (their call overhead would dominate on logical CPUs).
-    ``fit_*``: the error of a fit to every size; ``held_out_*``: fitted on every other size."""
+    """Per contender of the all-reduce table: α and ``2β + γ`` fitted to its times; the
+    error of a fit to every size (``fit_*``) and to every other size (``held_out_*``)."""
     modelled = [{"algorithm": r["formula"], "n": r["n"], "nbytes": r["size"],
                  "seconds": r["time_us"] * 1e-6, "params": r["params"], "name": r["algorithm"]}
                 for r in table if r["formula"] not in (None, *_CALIBRATION) and r["time_us"]]
@@ -155,8 +149,7 @@ PAPER_COLUMNS: list[report.Column] = [
 
 
 def section(args: argparse.Namespace, devices: list[str], results: dict) -> bool:
-    """``--sections costmodel``: α and ``2β + γ`` fitted to the all-reduce rows (when that
-    section ran), and the model at 8 and 1024 H100s (``scale_on_paper.csv``)."""
+    """``--sections costmodel``: the fit to the all-reduce rows, and the model on paper."""
     if results.get("allreduce"):
         print("\n== cost model: alpha-beta-gamma fitted per algorithm to its median times")
         rows = fit_measured(results["allreduce"])

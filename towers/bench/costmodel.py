@@ -1,14 +1,10 @@
 """The α-β-γ cost model of towers' all-reduce schedules: formulas, presets, predictions.
 
 A message of ``m`` bytes costs ``α + m·β``; reducing ``m`` bytes costs ``m·γ``; a tower sends
-and receives one message at a time (single-port, full duplex). Each algorithm's formula is
-its registry record's ``cost``; only the calibration rows ``send`` (``α + S·β``) and ``add``
-(``(n-1)·S·γ``) are defined here. :data:`SYSTEMS` prices 8 H100s (one NVLink 4 node) and
-1024 (128 nodes, one 400 Gb/s InfiniBand NIC per GPU).
+and receives one message at a time. Each algorithm's formula is its registry record's ``cost``.
 
-References:
-    Thakur, Rabenseifner, Gropp, "Optimization of Collective Communication Operations in
-    MPICH", IJHPCA 2005; NVIDIA nccl-tests ``doc/PERFORMANCE.md`` (algbw and busbw).
+References: Thakur, Rabenseifner, Gropp, "Optimization of Collective Communication Operations
+in MPICH", IJHPCA 2005; NVIDIA nccl-tests ``doc/PERFORMANCE.md`` (algbw and busbw).
 """
 
 from __future__ import annotations
@@ -51,7 +47,6 @@ class Link:
 
     @property
     def bandwidth(self) -> float:
-        """Bytes per second per direction (``1/β``)."""
         return math.inf if self.beta == 0 else 1.0 / self.beta
 
 
@@ -78,8 +73,7 @@ SYSTEMS: dict[str, dict[str, Any]] = {
 
 
 def _formulas() -> dict[str, Callable[..., Coefficients]]:
-    """Every name with a cost: the registered algorithms' records (read now: a user's
-    registered algorithm counts), and the calibration rows ``send`` and ``add``."""
+    """Every name with a cost: the registry's (read now) and the calibration ``send``/``add``."""
     costs = {name: r.cost for name, r in RECORDS.items() if r.cost is not None}
     return {**costs, "send": lambda n, s: (1, s, 0), "add": lambda n, s: (0, 0, (n - 1) * s)}
 
@@ -95,10 +89,7 @@ def __getattr__(name: str) -> Any:
 
 
 def coefficients(algorithm: str, n: int, nbytes: float, **params: Any) -> Coefficients:
-    """``(a, b, c)`` such that the time is ``a·α + b·β + c·γ`` (ValueError: bad arguments).
-
-    ``n`` towers (1 costs nothing), ``nbytes`` per tower; ``params``: the formula's (ring's
-    ``subchunks``, hierarchical's ``inner``/``outer``/``group_size``...).
+    """``(a, b, c)`` such that the time is ``a·α + b·β + c·γ``; ``params``: the formula's.
 
     Example:
         >>> coefficients("ring", 4, 1000.0)
@@ -119,10 +110,8 @@ def coefficients(algorithm: str, n: int, nbytes: float, **params: Any) -> Coeffi
 
 
 def predict(algorithm: str, n: int, nbytes: float, link: Link, **params: Any) -> float:
-    """Predicted seconds for one all-reduce of ``nbytes`` per tower over ``n`` towers.
-
-    Arguments as for :func:`coefficients`; ``hierarchical`` takes ``inner_link=``, the link
-    within a group (default: ``link`` for both levels).
+    """Predicted seconds of one all-reduce of ``nbytes`` per tower over ``n`` towers
+    (``hierarchical`` takes ``inner_link=``, the link within a group).
 
     Example:
         >>> round(predict("ring", 8, 1 << 30, PRESETS["h100-nvlink"]) * 1e3, 2)
@@ -150,8 +139,7 @@ def simulate(algorithm: str, towers: Sequence[int], nbytes: float, link: Link,
 
 
 def predict_on(system: str, algorithm: str, nbytes: float) -> float:
-    """Predicted seconds of one all-reduce of ``nbytes`` per GPU on ``SYSTEMS[system]``
-    (``hierarchical``: ring inside a node, ring among the nodes' leaders)."""
+    """Predicted seconds of one all-reduce of ``nbytes`` per GPU on ``SYSTEMS[system]``."""
     if system not in SYSTEMS:
         raise ValueError(f"unknown system {system!r}; known: {', '.join(SYSTEMS)}")
     machine = SYSTEMS[system]
@@ -166,8 +154,7 @@ def predict_on(system: str, algorithm: str, nbytes: float) -> float:
 def scale_on_paper(algorithms: Sequence[str] = ("ring", "tree", "double_binary_tree",
                                                 "halving_doubling", "swing", "hierarchical"),
                    sizes: Sequence[int] = (1 << 20, 1 << 30)) -> list[dict[str, Any]]:
-    """One row per (system, algorithm, size): predicted µs, algbw and busbw (GB/s), and the
-    system's published or bound busbw beside it. Arithmetic, not a measurement."""
+    """One row per (system, algorithm, size): predicted µs, algbw and busbw (GB/s)."""
     rows = []
     for name, system in SYSTEMS.items():
         anchor, anchor_busbw = system["anchor"]
@@ -190,7 +177,6 @@ def algbw(nbytes: float, seconds: float) -> float:
 
 
 def busbw(nbytes: float, seconds: float, n: int) -> float:
-    """Bus bandwidth in bytes/s, ``algbw · 2(n-1)/n``: every element needs 2(n-1)/n
-    transfers per tower whatever the algorithm, so it compares across tower counts."""
+    """Bus bandwidth in bytes/s, ``algbw · 2(n-1)/n`` (comparable across tower counts)."""
     positive_int("n", n)
     return algbw(nbytes, seconds) * 2 * (n - 1) / n

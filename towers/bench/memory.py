@@ -1,7 +1,6 @@
 """Peak memory (``VmHWM``) of a training step, per configuration, each in a fresh process.
 
-A peak only grows, so each configuration runs alone in a child process (:func:`measure`),
-read after import, after building and after a few steps (``step = peak − built``).
+A peak only grows: each configuration runs alone in a child process (:func:`measure`).
 """
 
 from __future__ import annotations
@@ -31,8 +30,7 @@ CONFIGS = ("MirroredStrategy", "CentralStorageStrategy", "towers naive/parameter
 
 
 def _peak_mib() -> float:
-    """This process's peak RSS in MiB: ``VmHWM`` (Linux: fresh after ``execve``, where
-    ``ru_maxrss`` would report a big parent's peak), else ``ru_maxrss``."""
+    """This process's peak RSS in MiB: ``VmHWM`` (fresh after ``execve``), else ``ru_maxrss``."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
@@ -88,8 +86,7 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def optimizer_state(devices: Sequence[str]) -> list[dict[str, Any]]:
-    """Adam's state per tower on the wide MLP, ``replicated`` against ``sharded`` (exact
-    bytes of every replica's ``optimizer.variables``; ZeRO's promise is 1/n)."""
+    """Adam's state bytes per tower on the wide MLP, ``replicated`` against ``sharded``."""
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     rows: list[dict[str, Any]] = []
     for variables in ("replicated", "sharded"):

@@ -1,8 +1,7 @@
 """Where each millisecond of a step goes, phase by phase, from TensorFlow's profiler.
 
 An op event counts for the innermost phase scope its name carries (``split``, ``guard``,
-``reduce``, ``apply``; towers ``replica_<i>``, tower 0 none), or ``handoff`` at the nested
-update's boundary; tf.distribute's unscoped ops count by type. Thread ms beside wall ms.
+``reduce``, ``apply``, ``replica_<i>``); tf.distribute's unscoped ops count by type.
 """
 
 from __future__ import annotations
@@ -39,8 +38,7 @@ _REDUCE_TYPES = {
 
 
 def phase_of(op_name: str, op_type: str = "", *, scoped: bool = True) -> tuple[str, int | None]:
-    """The phase of one op event and its tower (forward_backward only); by ``op_type``
-    when not ``scoped``.
+    """The phase of one op event and its tower (forward_backward only).
 
     Example:
         >>> phase_of("gradient_tape/replica_2/dense/MatMul/MatMul"), phase_of("dense/Relu")
@@ -83,8 +81,8 @@ def _op_events(logdir: str) -> collections.Counter[tuple[str, str]]:
 
 
 def phase_profile(step: Callable[[], Any], steps: int = 5, *, scoped: bool = True) -> dict:
-    """Profile ``steps`` calls of ``step`` (warm it up first) and split the time by phase:
-    ``{"wall_ms", "phases": {phase: thread ms}, "towers": {tower: ms}, "thread_ms"}``."""
+    """Profile ``steps`` warmed-up calls of ``step``: ``wall_ms``, ``thread_ms``, ms per phase
+    (``phases``) and per tower (``towers``)."""
     with tempfile.TemporaryDirectory() as logdir:
         tf.profiler.experimental.start(logdir)
         try:
@@ -155,7 +153,6 @@ def plot(rows: Sequence[dict[str, Any]], path: Any) -> Any:
 
 DEFAULT_CONFIGS = ("MirroredStrategy", "CentralStorageStrategy", "towers naive/parameter_device",
                    "towers ring/replicated", "towers noop/replicated")
-"""Profiled always; the fastest towers row of the training table joins them when it ran."""
 
 
 def section(args: argparse.Namespace, devices: list[str], results: dict) -> bool:

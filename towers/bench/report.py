@@ -1,7 +1,5 @@
-"""What every section shares: interleaved timing, text tables, CSV/JSON files, PNG figures.
-
-Timing is interleaved: every configuration once per round, in a seeded shuffled order, so
-medians, minima and paired ratios see the same load drift.
+"""What every section shares: interleaved timing (every configuration once per round, so
+all see the same load drift), text tables, CSV/JSON files, PNG figures.
 """
 
 from __future__ import annotations
@@ -25,7 +23,7 @@ from matplotlib.figure import Figure
 from towers.guard.arguments import positive_int
 
 __all__ = ["Column", "Samples", "figure", "format_table", "heading", "interleave",
-           "load_average", "num", "paired_ratio", "publish", "reason", "save", "text",
+           "num", "paired_ratio", "publish", "reason", "save", "text",
            "write_csv", "write_json"]
 
 @dataclasses.dataclass
@@ -37,23 +35,15 @@ class Samples:
 
     @property
     def median(self) -> float:
-        """Median wall seconds per call."""
         return statistics.median(self.wall)
 
     @property
     def minimum(self) -> float:
-        """Fastest wall seconds per call (the least disturbed round)."""
         return min(self.wall)
 
     @property
     def cpu_median(self) -> float:
-        """Median CPU seconds per call, summed over this process's threads."""
         return statistics.median(self.cpu)
-
-
-def load_average() -> tuple[float, float, float]:
-    """The machine's load average over 1, 5 and 15 minutes (the numbers may share it)."""
-    return os.getloadavg()
 
 
 def interleave(
@@ -61,11 +51,8 @@ def interleave(
     calls: int | Mapping[str, int] = 1, warmup: int = 2, verbose: bool = False,
     label: str = "", seed: int = 0,
 ) -> dict[str, Samples]:
-    """Time every function ``rounds`` times, round-robin, after ``warmup`` untimed calls each.
-
-    ``calls``: calls averaged into one sample, one number or one per name; ``verbose``: a
-    progress bar under ``label``; ``seed`` seeds the shuffles.
-    """
+    """Time every function ``rounds`` times, in shuffled order, after ``warmup`` untimed
+    calls each; ``calls`` (one number or one per name) are averaged into one sample."""
     names = list(fns)
     positive_int("rounds", rounds)
     per_name = {n: positive_int(f"calls[{n!r}]", calls if isinstance(calls, int)
@@ -85,7 +72,7 @@ def interleave(
                 fns[name]()
             out[name].wall.append((time.perf_counter() - wall) / per_name[name])
             out[name].cpu.append((time.process_time() - cpu) / per_name[name])
-        bar.update(r + 1, [("load", load_average()[0])])
+        bar.update(r + 1, [("load", os.getloadavg()[0])])
     return out
 
 
@@ -176,7 +163,7 @@ def save(fig: Figure, path: Path) -> Path:
 
 def heading(title: str) -> None:
     """A section's title line, with the load average its numbers were taken under."""
-    print(f"\n== {title}  (load average {load_average()[0]:.2f})", flush=True)
+    print(f"\n== {title}  (load average {os.getloadavg()[0]:.2f})", flush=True)
 
 
 def reason(err: Exception) -> str:
@@ -186,8 +173,7 @@ def reason(err: Exception) -> str:
 
 def publish(args: Any, results: dict, name: str, rows: list[dict[str, Any]],
             plot: Callable[[Path], Any] | None = None) -> None:
-    """Keep ``rows`` as ``results[name]``, write ``name.csv`` and, unless ``--no-plots``,
-    ``plot(args.out)``."""
+    """``results[name] = rows``, ``name.csv`` and, unless ``--no-plots``, ``plot(args.out)``."""
     results[name] = rows
     write_csv(args.out / f"{name}.csv", rows)
     if plot is not None and not args.no_plots:

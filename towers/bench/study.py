@@ -30,8 +30,7 @@ __all__ = ["Counted", "build", "plot", "run_study", "summary", "summary_table", 
 
 
 class Counted:
-    """An all-reduce that notes, per call, the payload in bytes per tower and the transfers
-    it made (the very objects the step's recorder holds) while a step is traced."""
+    """An all-reduce that notes each call's payload (bytes per tower) and transfers."""
 
     def __init__(self, algorithm: Any) -> None:
         self.algorithm = algorithm
@@ -93,8 +92,7 @@ def step_traffic(stats: StepStats, counted: Counted | None, algorithm: str | Non
 
 def _row(entry: Spec, step: int, epoch: int, loss: float, traffic: dict[str, Any],
          totals: dict[str, float]) -> dict[str, Any]:
-    """One step's row: loss, test accuracy (filled every ``eval_every`` steps), bytes, and per
-    system the predicted seconds and their running sum (``totals``, updated in place)."""
+    """One step's row: loss, bytes, per system the predicted seconds and their running sum."""
     totals["bytes"] += traffic["gradient_bytes"]
     row: dict[str, Any] = {
         "reducer": entry.text, "step": step, "epoch": epoch, "loss": loss, "test_accuracy": "",
@@ -117,7 +115,6 @@ def _accuracy(trainer: TowerTrainer, x: np.ndarray, y: np.ndarray) -> float:
 
 def _run_one(entry: Spec, devices: Sequence[str], start: list[np.ndarray], data: tuple,
              options: dict[str, Any]) -> list[dict[str, Any]]:
-    """Train with one reducer; the rows of its steps."""
     x, y, x_test, y_test = data
     reducer, counted = build(entry, devices)
     trainer = TowerTrainer(
@@ -154,9 +151,8 @@ def run_study(
     steps: int | None = None, progress: Callable[[str], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Train ``model`` once per reducer spec (``ring``, ``topk(0.1)``, ``powersgd(4)@tree``,
-    ``module:NAME``; all checked first) from its first build's weights; one row per step.
-    ``data``: ``(x, y, x_test, y_test)`` (default: the digits); ``systems``: where time is
-    predicted; ``progress``: called with one line per finished run."""
+    ``module:NAME``) from the same start on ``data`` (default: the digits); one row per step,
+    its time predicted on ``systems``; ``progress`` gets one line per finished run."""
     entries = [parse(s) for s in specs]
     if not entries:
         raise ValueError("specs: name at least one reducer")
@@ -226,8 +222,7 @@ def summary_table(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def plot(rows: Sequence[dict[str, Any]], path: str | Path, *, title: str = "") -> Path:
-    """Loss (a sliding mean over 1/20 of the steps) against cumulative gradient bytes per
-    tower, and against cumulative predicted time on each system: one panel each."""
+    """Loss (a sliding mean) against cumulative bytes per tower and predicted time, per panel."""
     runs, systems = _runs(rows), _systems(rows)
     window = max(1, max(len(r) for r in runs.values()) // 20)
     axes_x = [("cumulative gradient MB sent per tower", "bytes")] + [

@@ -1,8 +1,7 @@
 """The training-step table: towers against tf.distribute, as ratios to MirroredStrategy.
 
-The same seeded model and SGD on one fixed batch: MirroredStrategy and CentralStorageStrategy
-in a custom loop, ``towers <algorithm>/<placement>``, and ``towers noop/replicated`` (the
-ceiling: no exchange). Their first losses must agree.
+The same seeded model and SGD on one fixed batch, tf.distribute in a custom loop; the
+ceiling ``towers noop/replicated`` exchanges nothing. Their first losses must agree.
 """
 
 from __future__ import annotations
@@ -10,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,7 +20,7 @@ import tensorflow as tf
 from reference import CentralStorageTrainer, MirroredTrainer
 from towers import allreduce
 from towers.bench import report
-from towers.bench.report import interleave, load_average, num, paired_ratio, text
+from towers.bench.report import interleave, num, paired_ratio, text
 from towers.step import PLACEMENTS, TowerTrainer
 from towers.training.models import mlp, mnist_cnn
 
@@ -31,12 +31,10 @@ MODELS: dict[str, tuple[Callable[[], keras.Model], tuple[int, ...]]] = {
     "conv-mnist": (lambda: mnist_cnn(0), (28, 28, 1)),
     "mlp": (lambda: mlp(seed=0), (784,)),
 }
-"""Model name -> (factory, input shape): ``mnist_cnn`` and the 784-2048-2048-10 MLP."""
 
 MIRRORED = "MirroredStrategy"
 BASELINES = (MIRRORED, "CentralStorageStrategy")
-QUICK_ALGORITHMS = ("naive", "parameter_device", "ring", "tree")
-"""Towers algorithms in the table under ``--quick`` (every registered one otherwise)."""
+QUICK_ALGORITHMS = ("naive", "parameter_device", "ring", "tree")  # under --quick
 LOSS_TOLERANCE = 1e-4
 
 
@@ -88,7 +86,6 @@ def strategy_step(trainer: Any, x: tf.Tensor, y: tf.Tensor) -> Callable[[], tf.T
 
 def _config(name: str, model: str, devices: Sequence[str], x: tf.Tensor,
             y: tf.Tensor) -> StepConfig:  # fmt: skip
-    """A reference's custom loop, or ``TowerTrainer.train_step`` for ``towers ALGO/PLACEMENT``."""
     make_model = MODELS[model][0]
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     if not name.startswith("towers "):
@@ -105,8 +102,7 @@ def _config(name: str, model: str, devices: Sequence[str], x: tf.Tensor,
 
 def config_names(algorithms: Sequence[str] | None = None,
                  placements: Sequence[str] = tuple(PLACEMENTS), ceiling: bool = True) -> list[str]:
-    """The table's configurations: the baselines, ``towers <algorithm>/<placement>`` for
-    ``algorithms`` (default: every registered one) × ``placements``, and the ceiling."""
+    """The baselines, ``towers <algorithm>/<placement>`` for each pair, and the ceiling."""
     names = allreduce.ALGORITHMS if algorithms is None else algorithms
     towers = [f"towers {a}/{p}" for a in names for p in placements]
     return [*BASELINES, *towers, *(["towers noop/replicated"] if ceiling else [])]
@@ -114,8 +110,7 @@ def config_names(algorithms: Sequence[str] | None = None,
 
 def build_steps(model: str, devices: Sequence[str], names: Sequence[str], x: tf.Tensor,
                 y: tf.Tensor) -> tuple[list[StepConfig], dict[str, str]]:
-    """The configurations called ``names`` (as :func:`config_names` spells them), and why
-    the others cannot be built."""
+    """The configurations called ``names``, and why the others cannot be built."""
     configs: list[StepConfig] = []
     errors: dict[str, str] = {}
     for name in names:
@@ -232,7 +227,7 @@ def section(args: argparse.Namespace, devices: list[str], results: dict) -> bool
     print("\n" + table(rows))
     report.publish(args, results, "training", rows,
                    lambda out: plot(rows, out / "training_ratio.png"))
-    results["training_load"] = load_average()
+    results["training_load"] = os.getloadavg()
     ok = True
     for model in dict.fromkeys(r["model"] for r in rows):
         losses = [r["first_loss"] for r in rows if r["model"] == model and r.get("first_loss")]

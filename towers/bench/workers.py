@@ -31,7 +31,6 @@ _CPU = "/device:CPU:0"
 
 
 def _functions(strategy: Any, workers: int, elements: int) -> dict[str, Any]:
-    """One compiled all-reduce per implementation, for a float32 vector of ``elements``."""
     with tf.device(_CPU):
         probe = tf.Variable(tf.zeros([elements]))
     cross = CrossWorker(workers, op="sum", timeout_seconds=300.0)
@@ -106,11 +105,7 @@ def rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def run(workers: int, out_dir: Path, sizes: list[int] | None = None, rounds: int = 7,
         timeout: float = 600.0) -> int:
-    """Launch the workers, print the table, write ``out_dir/workers.csv``; exit code.
-
-    Raises:
-        ValueError: fewer than 2 workers, or a size or round count below 1.
-    """
+    """Launch the workers, print the table, write ``out_dir/workers.csv``; exit code."""
     sizes = list(sizes or SIZES_MB)
     int_at_least("workers", workers, 2)
     positive_int("rounds", rounds)

@@ -1,10 +1,8 @@
 """The ``towers`` command line: ``python -m towers <command>`` (the commands: :data:`COMMANDS`).
 
 Each command is a module with ``add_arguments(parser)``, ``run(args) -> exit code`` and
-maybe ``usage_problem(args) -> str | None``; its docstring is its ``--help``. Arguments are
-checked before TensorFlow is imported, so a usage error answers at once: one line naming
-the option, exit status 2. Then TensorFlow is imported quietly, ``module:NAME`` options are
-imported and checked, and the command runs.
+maybe ``usage_problem(args) -> str | None``; its docstring is its ``--help``. Usage errors
+answer before TensorFlow is imported: one line naming the option, exit status 2.
 """
 
 from __future__ import annotations
@@ -34,7 +32,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "compare": ("towers.cli.compare", "compare two training steps, yours or towers', per step"),
     "study": ("towers.cli.study", "compare reducers and codecs: loss vs bytes and predicted time"),
 }
-"""Command name -> (module with add_arguments/run, one-line help)."""
 
 _INVALID_CHOICE = re.compile(r"invalid choice: '(?P<word>[^']*)' \(choose from (?P<known>.*)\)$")
 
@@ -67,7 +64,6 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _build() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
-    """The parser and each command's own (whose name its errors carry)."""
     commands: dict[str, argparse.ArgumentParser] = {}
     top = _Parser(prog="towers",
                   description="Exact, teachable data-parallel training in TensorFlow.")
@@ -87,8 +83,7 @@ def _build() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser
 
 
 def quiet_tensorflow(verbose: bool) -> None:
-    """Import TensorFlow with its C++ log quiet unless ``verbose``: its runtime prints lines
-    that look like failures (``failed call to cuInit``); stderr is shown if the import fails."""
+    """Import TensorFlow with its C++ log quiet unless ``verbose`` (shown if the import fails)."""
     if verbose:
         os.environ["TF_CPP_MIN_LOG_LEVEL"] = "0"
         return

@@ -1,9 +1,6 @@
-"""The command line's one grammar: the argparse types every command uses.
-
-An algorithm or a codec is a registry name or ``module:NAME`` (``file.py:NAME``); a list is
-comma-separated; an output path must be writable. Parsing imports no TensorFlow: names are
-checked against the tuples below (tests keep them equal to the registries), ``module:NAME``
-as far as finding the module; a :class:`Named` type ``load`` s it after parsing.
+"""The command line's argparse types. Parsing imports no TensorFlow: names are checked
+against the tuples below (tests keep them equal to the registries), ``module:NAME`` only as
+far as finding the module; a :class:`Named` type ``load`` s it after parsing.
 """
 
 from __future__ import annotations
@@ -170,8 +167,7 @@ def spec_found(text: str, what: str) -> str:
 
 
 def loader(function: str, what: str) -> Callable[[str], None]:
-    """A loader for :class:`Named`: ``resolve.<function>(text, argument=what)``, its
-    ValueError a usage error (``imported``: the module imports and has ``NAME``)."""
+    """A loader for :class:`Named`: ``resolve.<function>(text, argument=what)``."""
 
     def load(text: str) -> None:
         from towers.allreduce.machinery import resolve
@@ -197,12 +193,10 @@ def _algorithm_name(text: str) -> str:
 
 _load_algorithm = loader("check", "algorithm")
 algorithm = Named(_algorithm_name, _load_algorithm, "algorithm")
-"""A registered all-reduce (``towers.ALGORITHMS``, or ``noop``) or ``module:NAME``."""
 
 algorithm_or_collective = Named(
     lambda text: text if text in COLLECTIVES else _algorithm_name(text),
     _load_algorithm, "algorithm")
-"""An :data:`algorithm`, or a collective's (``chain``, ``halving``, …: ``--collective``)."""
 
 
 def algorithms(extra: Sequence[str] = ()) -> Named:
@@ -226,7 +220,6 @@ def _codec_name(text: str) -> str:
 
 
 codec = Named(_codec_name, loader("get_codec", "codec"), "codec")
-"""A registered codec (``topk(0.1)`` passes arguments) or ``module:NAME``."""
 
 
 def _probe(folder: Path, text: str) -> None:

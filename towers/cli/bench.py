@@ -2,10 +2,8 @@
 
 On simulated devices: the all-reduce table and the cost model fitted to it, the
 training-step table, the per-phase profile, peak memory and the cost model at 8 and 1024
-H100s (``--workers W``: the cross-process all-reduce instead). Results go to the terminal
-and to ``--out``: ``bench.json`` (everything, with the environment and load) and each
-section's CSV and PNG files. Tables are timed in interleaved rounds (medians, minima, CPU
-time) beside the load average, as the machine may be shared.
+H100s (``--workers W``: the cross-process all-reduce instead). Results go to ``--out``:
+``bench.json`` (with the environment and load) and each section's CSV and PNG files.
 """
 
 from __future__ import annotations
@@ -23,8 +21,7 @@ from towers.cli.arguments import MODELS, PLACEMENTS, algorithms, at_least, choic
 __all__ = ["EPILOG", "SECTIONS", "add_arguments", "fresh_folder", "run"]
 
 SECTIONS = ("allreduce", "costmodel", "training", "phases", "memory")
-TF_CONTENDERS = ("tf.CollectiveAllReduce", "tf.ReductionToOneDevice")
-"""The ``tf.*`` names ``--algorithms`` takes beside towers' (the all-reduce table only)."""
+TF_CONTENDERS = ("tf.CollectiveAllReduce", "tf.ReductionToOneDevice")  # all-reduce table only
 
 EPILOG = """examples:
   python -m towers bench --quick                     # 4 KB-1 MB, few rounds (~2 min)
@@ -37,7 +34,6 @@ EPILOG = """examples:
 
 
 def _ints(text: str) -> list[int]:
-    """A comma list of integers >= 1 (else a one-line usage error, exit 2)."""
     values = [at_least(1)(part.strip()) for part in text.split(",") if part.strip()]
     if not values:
         raise argparse.ArgumentTypeError(f"expected a comma list of integers, got {text!r}")
@@ -78,15 +74,13 @@ def environment(devices: list[str]) -> dict[str, Any]:
     import numpy as np
     import tensorflow as tf
 
-    from towers.bench.report import load_average
-
     return {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "argv": sys.argv, "python": platform.python_version(), "tensorflow": tf.__version__,
         "keras": keras.__version__, "numpy": np.__version__, "cpu_count": os.cpu_count(),
         "inter_op_threads": tf.config.threading.get_inter_op_parallelism_threads(),
         "intra_op_threads": tf.config.threading.get_intra_op_parallelism_threads(),
-        "devices": devices, "load_average": load_average(),
+        "devices": devices, "load_average": os.getloadavg(),
     }
 
 
@@ -117,7 +111,6 @@ def fresh_folder(parent: Path) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the chosen sections; returns 1 when a result is wrong, else 0."""
     args.out = args.out or fresh_folder(Path.cwd())
     if args.workers:  # its own processes: towers.bench.workers (sizes in MB)
         from towers.bench import workers

@@ -1,14 +1,9 @@
 """Check an all-reduce against the contract, on simulated towers, with Hypothesis.
 
-For every tower count (1..--max-towers, or --towers) Hypothesis draws shapes (``()``,
-``(0,)``, primes), dtypes and ops; every output must be within the summation-depth bound
-of the exact reduction, on its device, bitwise equal across towers, its bytes equal to the
-record's ``bytes_sent`` and, with --replay, bitwise equal to the NumPy replay of its graph.
-The verdict names the smallest failing example. A schedule-defined algorithm (``swing``)
-is first proved symbolically for every tower count 1..--prove.
-
-The algorithm is a registered name or module:function (file.py:function); a factory
-(anything not taking ``(values, *, op)``) is called with no arguments.
+For every tower count Hypothesis draws shapes, dtypes and ops; every output must be within
+the summation-depth bound of the exact reduction, on its device, bitwise equal across towers,
+its bytes the record's ``bytes_sent`` (with --replay: bitwise the NumPy replay). The verdict
+names the smallest failing example. A schedule (``swing``) is first proved for 1..--prove.
 
 Exit status: 0 when every property was verified, 1 on a failure, 2 for bad options.
 """
@@ -34,7 +29,7 @@ EPILOG = """examples:
 
 
 def budgets(examples: int, count: int) -> list[int]:
-    """``examples`` spread over ``count`` tower counts as evenly as they go, at least 2 each."""
+    """``examples`` spread over ``count`` tower counts, at least 2 each."""
     return [max(2, examples // count + (k < examples % count)) for k in range(count)]
 
 
@@ -70,7 +65,6 @@ def usage_problem(args: argparse.Namespace) -> str | None:
 
 def _check(args: argparse.Namespace, name: str, fn: Any, counts: list[int],
            devices: list[str]) -> Any:
-    """One search per tower count, ascending, stopping at the first failure."""
     import keras
 
     from towers.allreduce.machinery.base import DTYPES, OPS

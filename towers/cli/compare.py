@@ -1,22 +1,14 @@
 """Two training steps side by side (``compare``), or where they part (``bisect``).
 
-``towers compare`` runs ``towers.testing.compare``, ``towers bisect`` runs
-``towers.testing.bisect`` (stopping at the first step outside the bound): step A (the
-teacher) and step B train on the same batches, B set to A's weights before every step.
-Two towers trainers are compared on their reduced gradients, anything else on one update,
-within plain SGD's derived bound or ``--bound``. The report names the first step, variable
-and element outside: its chunk under B's split, both values and the bound used.
+Step A (the teacher) and step B train on the same batches, B set to A's weights before
+every step (``bisect`` stops at the first step outside the bound, ``--bound`` or plain SGD's).
+The report names the first step, variable and element outside, both values and the bound.
 
 --a and --b take:
-  module:factory   your step: ``factory(model_fn, optimizer_fn, loss, devices)``
-                   returning an object with train_step(x, y, sample_weight=None),
-                   get_weights() and set_weights(ws) (``towers.testing.as_step``
-                   wraps a step function); ``towers.step:TowerTrainer`` and
-                   ``reference:MirroredTrainer`` are such factories
+  module:factory   your step: ``factory(model_fn, optimizer_fn, loss, devices)`` returning
+                   an object with train_step(x, y), get_weights() and set_weights(ws)
   NAME, towers:NAME, mirrored, central_storage, module:function
                    a towers trainer with that all-reduce, or a tf.distribute reference
---model takes mlp, conv (the bundled digits) or module:fn (a zero-argument factory of
-a built keras.Model); --data file.npz (arrays ``x`` and ``y``) replaces the digits.
 
 Exit status (``towers invariance`` too):
   0  every step within its bound
@@ -49,8 +41,7 @@ from towers.cli.arguments import (
 __all__ = ["EPILOG", "KERNEL_NOISE", "add_arguments", "add_problem_arguments", "digits_problem",
            "exit_code", "load_problem", "run"]
 
-KERNEL_NOISE = 3
-"""Exit status: outside the bound only by the towers' own kernels (``cause="kernels"``)."""
+KERNEL_NOISE = 3  # exit status: outside the bound only by the towers' own kernels
 
 EPILOG = """examples:
   python -m towers compare --a towers.step:TowerTrainer --b my_loop:make_step --optimizer adam \\
@@ -197,7 +188,6 @@ def _binds(obj: Any, *args: Any, **kwargs: Any) -> bool:
 
 def _load_side_step(spec: str, problem: tuple[Any, ...], devices: list[str],
                     variables: str) -> Any:
-    """A step from ``module:factory``, or a ``Config`` for a name, reference or all-reduce."""
     from towers.allreduce.machinery.resolve import get, imported, label
     from towers.testing.compare import Config, config
 
@@ -213,7 +203,7 @@ def _load_side_step(spec: str, problem: tuple[Any, ...], devices: list[str],
 
 
 def exit_code(report: Any) -> int:
-    """0 within the bound, 3 only kernel noise, 1 a real difference (see the module doc)."""
+    """0 within the bound, 3 only kernel noise, 1 a real difference."""
     if report.ok:
         return 0
     if hasattr(report, "reduction_ok"):

@@ -1,10 +1,7 @@
 """Does training give the same result on 1, 2, 4, 8 towers? Check it on digits or your data.
 
-Runs ``towers.testing.check_invariance``: one trainer per tower count, the same batches
-from the same weights. Each step starts from the same weights (teacher forcing); every
-count's reduced gradient must match the first count's within the bound of both runs'
-summation depths. The table names the first (towers, step, variable) outside.
---model, --data, --optimizer and --loss are as in ``towers compare``.
+One trainer per tower count, the same batches from the same weights at every step; each
+count's reduced gradient must match the first count's within both runs' summation bounds.
 
 Exit status: 0 within every bound, 1 outside because of the all-reduce, 3 only kernel
 noise (every all-reduce within its own bound), 2 for bad options.

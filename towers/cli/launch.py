@@ -1,9 +1,8 @@
 """Run a command once per task of a localhost cluster, each with its own TF_CONFIG.
 
-Starts --workers workers (and --ps parameter servers, serving with ``python -m
-towers.cluster.server``) on 127.0.0.1. Each task gets ``TF_CONFIG`` and
-``TOWERS_PER_TASK`` (logical devices to simulate); its lines are prefixed ``[worker 0]``.
-If one task fails the others are ended after --failure-grace seconds; --timeout ends all.
+Starts --workers workers (and --ps servers) on 127.0.0.1, each with ``TF_CONFIG`` and
+``TOWERS_PER_TASK``; lines are prefixed ``[worker 0]``. If one task fails the others end
+after --failure-grace seconds; --timeout ends all.
 
 Exit status: 0 when every worker exits 0, 124 after --timeout, otherwise the largest
 exit code of a task that ended by itself; 2 for bad options.

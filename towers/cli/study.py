@@ -1,9 +1,8 @@
 """Compare reducers and codecs: loss against gradient bytes and predicted communication time.
 
-Trains the bundled digits once per REDUCER from the same weights on the same batches, and
-records every step: loss, test accuracy, the gradient bytes sent and the α-β-γ model's
-communication time on 8xH100 (NVLink) and 1024xH100 (InfiniBand). Writes PREFIX.csv (one
-row per step) and PREFIX.png (loss against bytes and against time), prints a summary.
+Trains the digits once per REDUCER from the same weights on the same batches; every step's
+loss, test accuracy, gradient bytes and predicted time on 8 and 1024 H100s go to PREFIX.csv,
+the curves to PREFIX.png.
 
 A REDUCER is an all-reduce (``ring``), a codec over ring (``fp16``, ``topk(0.1)``,
 ``powersgd(4)``), a codec over another all-reduce (``powersgd(4)@halving_doubling``),
@@ -39,7 +38,7 @@ EPILOG = """examples:
 
 
 def reducer(text: str) -> str:
-    """A REDUCER's names, checked without TensorFlow (its arguments: when the study runs)."""
+    """A REDUCER's names, checked without TensorFlow."""
     head, at, algorithm = text.strip().rpartition("@")
     head = head if at else algorithm
     if at and algorithm not in ALGORITHMS:
@@ -78,16 +77,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def usage_problem(args: argparse.Namespace) -> str | None:
-    """Why PREFIX.csv / PREFIX.png cannot be written (None: they can)."""
-    prefix = args.out
-    folder = Path(prefix).parent
+    folder = Path(args.out).parent
     if not folder.is_dir():
         return f"--out: no such folder {str(folder)!r}"
-    for suffix in (".csv", ".png"):
-        path = Path(prefix + suffix)
-        if path.is_dir():
-            return f"--out: {path} is a folder"
-    return None
+    taken = [path for path in (Path(args.out + ".csv"), Path(args.out + ".png")) if path.is_dir()]
+    return f"--out: {taken[0]} is a folder" if taken else None
 
 
 def run(args: argparse.Namespace) -> int:

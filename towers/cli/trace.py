@@ -1,12 +1,8 @@
 """Trace one all-reduce on simulated towers: the tick table, a summary and a picture.
 
-Runs the algorithm once on --size float32 elements per tower and records every ``send``:
-one row each (tick, from, to, chunk, bytes, operation). The summary gives each tower's
-bytes (against the record's ``bytes_sent``), the ticks and the result against NumPy. The
-PNG (--out, or ``<algorithm>.png``) draws towers × ticks, one arrow per transfer coloured
-by chunk; transfers without a tick get one by order (marked *), opaque collectives (nccl…)
-are dashed. ``--state`` draws every tower's chunk state per tick, ``--html`` writes a
-step-through page for any browser.
+Runs the algorithm once on --size float32 elements per tower and records every ``send``
+(tick, from, to, chunk, bytes, operation); the summary checks bytes and result. The PNG draws
+towers × ticks, one arrow per transfer (* : a tick assigned by order; dashed: opaque).
 
 Exit status: 0 when the result matches NumPy, 1 when it does not (or the algorithm
 raised), 2 for bad options.

@@ -20,14 +20,8 @@ W workers, T towers each (here W = 2, T = 2)::
                         │
               split, reverse back ──▶ every tower its own copy
 
-``AllTowers`` issues MWMS's CPU op: the same W·T vectors added in the same order.
-``op="mean"`` divides by W (a ``TowerTrainer``'s towers divide by the local batch); a
-``WorkerTrainer`` sums. Keys are drawn at ``build``, equal on workers that build alike.
-
-References:
-    TensorFlow ``cross_device_ops.CollectiveAllReduce``, ``CollectiveReplicaLauncher``;
-    Goyal et al., *Accurate, Large Minibatch SGD* (2017), hierarchical all-reduce;
-    Patarasuk & Yuan, *Bandwidth optimal all-reduce algorithms* (2009).
+References: TensorFlow ``cross_device_ops.CollectiveAllReduce``; Goyal et al., *Accurate,
+Large Minibatch SGD* (2017); Patarasuk & Yuan, *Bandwidth optimal all-reduce algorithms*.
 """
 
 from __future__ import annotations
@@ -42,11 +36,10 @@ from towers.allreduce.machinery.tf_collective_ops import shared_keys, token
 from towers.cluster.spec import resolve
 from towers.guard.arguments import check_choice, positive_float, positive_int
 
-__all__ = ["AllTowers", "CrossWorker"]
+__all__ = ["AllTowers", "CrossWorker", "sum_over"]
 
 
 def check_cross_worker(num_workers: int | None, op: str, timeout_seconds: float) -> int:
-    """The worker count (from the cluster when None); ``ValueError`` names a bad setting."""
     workers = positive_int(
         "num_workers", resolve().num_workers if num_workers is None else num_workers)
     check_choice("op", op, ("mean", "sum"))
@@ -54,18 +47,17 @@ def check_cross_worker(num_workers: int | None, op: str, timeout_seconds: float)
     return workers
 
 
+def sum_over(value: tf.Tensor, group_size: int, group_key: int, instance_key: int,
+             device: str, hint: str = "ring", final_op: str = "Id") -> tf.Tensor:
+    """``value`` summed over the group, in ``device``'s collective order (``token``)."""
+    return collective_ops.all_reduce_v2(
+        value, group_size=group_size, group_key=group_key, instance_key=instance_key,
+        merge_op="Add", final_op=final_op, communication_hint=hint, ordering_token=token(device))
+
+
 class _AcrossWorkers:
-    """What both reducers share.
-
-    Args:
-        num_workers: worker processes taking part (default: chief + workers of TF_CONFIG).
-        op: ``"mean"`` (divide by the worker count) or ``"sum"`` (default: the class's).
-        timeout_seconds: the step's deadline without ``step_timeout`` (``StepTimeout``).
-        communication_hint: one of :attr:`hints` (``"ring"``: MWMS's ``RING``).
-
-    Raises:
-        ValueError: a bad worker count, op, timeout or hint.
-    """
+    """What both reducers share: ``num_workers`` (default: TF_CONFIG's), ``op`` (``"mean"``
+    or ``"sum"``), the step's ``timeout_seconds`` and a ``communication_hint``."""
 
     cross_worker = True  # the capability table's ``cross-worker`` kind
     hints: tuple[str, ...] = ("ring", "auto", "nccl")
@@ -94,31 +86,22 @@ class _AcrossWorkers:
                                "first, once per trainer, with the towers that "
                                "reduce_gradients receives")
 
-    def _all_reduce(self, value: tf.Tensor, group_size: int, instance_key: int,
-                    device: str, final_op: str = "Id") -> tf.Tensor:
-        return collective_ops.all_reduce_v2(
-            value, group_size=group_size, group_key=self.group_key,
-            instance_key=instance_key, merge_op="Add", final_op=final_op,
-            communication_hint=self.communication_hint, ordering_token=token(device))
-
     def __repr__(self) -> str:
         return f"{type(self).__name__}(num_workers={self.num_workers}, op={self.op!r})"
 
 
 class CrossWorker(_AcrossWorkers):
-    """A ``GradientReducer``: sum the local towers in tower order, then across workers
-    (``op="mean"`` by default; arguments as :class:`_AcrossWorkers`)."""
+    """A ``GradientReducer``: the local towers in tower order, then across workers (``mean``)."""
 
     def build(self, variables: Sequence[tf.Variable], devices: Sequence[str]) -> None:
         self._draw(devices[:1], len(variables) + 1)
         self.devices = list(devices)
 
     def summation_depth(self, towers: int) -> int:
-        """Additions on the longest path to one element: (T − 1) + (W − 1)."""
+        """Additions on the longest path: (T − 1) + (W − 1)."""
         return (towers - 1) + (self.num_workers - 1)
 
     def reduce_gradients(self, grads: Sequence[Sequence[tf.Tensor]]) -> list[list[tf.Tensor]]:
-        """``grads[tower][var]`` -> the reduced gradient of every variable, on every tower."""
         self._check_built(grads)
         home = self.devices[0]
         reduced = [self._reduce_one([g[j] for g in grads], j, home) for j in range(len(grads[0]))]
@@ -132,13 +115,12 @@ class CrossWorker(_AcrossWorkers):
                 total = total + send(v, home, note="local-sum")
             if self.num_workers == 1 or values[0].shape.num_elements() == 0:
                 return total
-            return self._all_reduce(total, self.num_workers, self.instance_key + index, home,
-                                    final_op="Div" if self.op == "mean" else "Id")
+            return sum_over(total, self.num_workers, self.group_key, self.instance_key + index,
+                            home, self.communication_hint, "Div" if self.op == "mean" else "Id")
 
 
 class AllTowers(_AcrossWorkers):
-    """A ``GradientReducer``: every tower of every worker in one MWMS-ordered collective
-    (``op="sum"`` by default, MWMS's; arguments as :class:`_AcrossWorkers`)."""
+    """A ``GradientReducer``: every tower of every worker in one MWMS-ordered sum (``sum``)."""
 
     hints = ("ring", "auto")
     default_op = "sum"
@@ -147,11 +129,10 @@ class AllTowers(_AcrossWorkers):
         self._draw(devices, 2)
 
     def summation_depth(self, towers: int) -> int:
-        """Additions on the longest path to one element: W·T − 1."""
+        """Additions on the longest path: W·T − 1."""
         return self.num_workers * towers - 1
 
     def reduce_gradients(self, grads: Sequence[Sequence[tf.Tensor]]) -> list[list[tf.Tensor]]:
-        """``grads[tower][var]`` -> the reduced gradient of every variable, on every tower."""
         self._check_built(grads)
         return [self._reduce_tower(list(g), t) for t, g in enumerate(grads)]
 
@@ -162,7 +143,8 @@ class AllTowers(_AcrossWorkers):
             backwards = grads[::-1]  # MWMS reverses before packing
             flat = tf.concat([tf.reshape(g, [-1]) for g in backwards], axis=0)
             if group_size > 1:
-                flat = self._all_reduce(flat, group_size, self.instance_key, device)
+                flat = sum_over(flat, group_size, self.group_key, self.instance_key, device,
+                                self.communication_hint)
             if self.op == "mean" and self.num_workers > 1:
                 flat = flat / tf.constant(self.num_workers, flat.dtype)
             sizes = [int(g.shape.num_elements() or 0) for g in backwards]

@@ -1,8 +1,6 @@
 """One worker's input: tf.data's auto-shard policies, written out, and global batches cut.
 
-:func:`shard_dataset` shards a dataset over W workers as MultiWorkerMirroredStrategy's
-``AutoShardPolicy`` does, so what each worker reads is visible. Worker k of W (chief
-first: chief → 0, ``worker:i`` → i + #chief)::
+Worker k of W (chief first: chief → 0, ``worker:i`` → i + #chief)::
 
     policy "file"  files  f0 f1 f2 f3 f4           worker 0: f0 f2 f4   (file i → i mod W)
                    W = 2                           worker 1: f1 f3
@@ -11,9 +9,6 @@ first: chief → 0, ``worker:i`` → i + #chief)::
     policy "auto"  "file" when the input is a list of at least W files, else "data"
     policy "off"   every worker reads everything: cut each global batch with
                    global_to_worker_batches (worker_slice) instead
-
-A *file list* is a list of names or a dataset of scalar strings (``list_files`` with
-``shuffle=False``).
 """
 
 from __future__ import annotations
@@ -28,8 +23,7 @@ from towers.guard.arguments import check_choice
 
 __all__ = ["POLICIES", "global_to_worker_batches", "shard_dataset", "worker_of"]
 
-POLICIES = ("auto", "file", "data", "off")
-"""The sharding policies, as ``tf.data.experimental.AutoShardPolicy`` names them."""
+POLICIES = ("auto", "file", "data", "off")  # tf.data.experimental.AutoShardPolicy's
 
 
 def worker_of(cluster: Any) -> tuple[int, int]:
@@ -53,7 +47,6 @@ def worker_of(cluster: Any) -> tuple[int, int]:
 
 
 def _file_list(dataset: Any) -> tf.data.Dataset | None:
-    """The dataset of file names if ``dataset`` is a file list, else None."""
     if isinstance(dataset, (list, tuple)):
         if not dataset or not all(isinstance(f, str) for f in dataset):
             raise ValueError(f"dataset as a list must be a non-empty list of file names (str), "
@@ -105,7 +98,6 @@ def shard_dataset(dataset: Any, cluster: Any, *, policy: str = "auto",
 
 
 def _cut(workers: int, index: int) -> Callable[..., Any]:
-    """A map function keeping worker ``index``'s rows of a global batch (worker_slice)."""
 
     def cut(*element: Any) -> Any:
         structure = element[0] if len(element) == 1 else element
@@ -125,9 +117,7 @@ def _cut(workers: int, index: int) -> Callable[..., Any]:
 
 
 def global_to_worker_batches(dataset: tf.data.Dataset, cluster: Any) -> tf.data.Dataset:
-    """Each global batch of ``dataset`` cut to this worker's rows (``worker_slice``).
-
-    In worker order the parts are the global batch; past a short batch's end, 0 rows.
+    """Each global batch of ``dataset`` cut to this worker's ceil(B/W) rows (or fewer).
 
     Example:
         >>> ds = tf.data.Dataset.range(5).batch(5)

@@ -23,16 +23,14 @@ from towers.guard.arguments import non_negative_float
 __all__ = ["LEFTOVER_EXIT", "TIMEOUT_EXIT", "LocalServers", "TaskProcess", "launch",
            "start_servers"]
 
-TIMEOUT_EXIT = 124  # exit code of a launch that ran past its timeout (as coreutils `timeout`)
-LEFTOVER_EXIT = 1
-"""Exit code of a launch whose tasks all succeeded but left processes running (killed)."""
+TIMEOUT_EXIT = 124  # as coreutils ``timeout``
+LEFTOVER_EXIT = 1  # every task succeeded but left processes running (killed)
 SERVER_COMMAND = (sys.executable, "-m", "towers.cluster.server")
 _GRACE_SECONDS = 5.0
 
 
 class TaskProcess:
-    """One task's process; its output lines are copied to ``out`` prefixed ``[job k]``
-    (``serving`` turns True at a server's "serving" line)."""
+    """One task's process; its lines are copied to ``out`` prefixed ``[job k]``."""
 
     def __init__(self, cluster: Cluster, job: str, index: int, towers: int,
                  command: Sequence[str], out: IO[str], lock: threading.Lock) -> None:
@@ -60,13 +58,12 @@ class TaskProcess:
                 self._out.flush()
 
     def poll(self) -> int | None:
-        """The exit code (128 + signal number if signalled), or None while it runs."""
+        """The exit code (128 + signal if signalled), or None while it runs."""
         code = self.process.poll()
         return None if code is None else (128 - code if code < 0 else code)
 
     def stop(self) -> int:
-        """Terminate the task's process group (kill it after a grace period); returns how
-        many processes the task left running when it had exited by itself."""
+        """Terminate (then kill) the task's group; return how many processes it left running."""
         if self.process.poll() is None:
             self.killed = True
             leftover = 0
@@ -82,7 +79,6 @@ class TaskProcess:
         return leftover
 
     def finish(self) -> None:
-        """Wait for the output to be copied."""
         self.process.wait()
         self._reader.join(timeout=_GRACE_SECONDS)
 
@@ -113,7 +109,6 @@ def _group_members(pgid: int) -> list[int]:
 
 
 def _wait_group_empty(pgid: int) -> bool:
-    """Whether group ``pgid`` empties within the grace period."""
     until = time.monotonic() + _GRACE_SECONDS
     while _group_members(pgid):
         if time.monotonic() > until:
@@ -125,10 +120,8 @@ def _wait_group_empty(pgid: int) -> bool:
 def launch(cluster: Cluster, towers: int, command: Sequence[str],
            timeout: float | None = None, out: IO[str] | None = None,
            failure_grace: float = 0.0) -> int:
-    """Run ``command`` once per trainer task of ``cluster`` (``towers`` devices each; ps tasks
-    serve) and return 0 when every trainer exits 0, :data:`TIMEOUT_EXIT` after ``timeout``
-    s, else the largest exit code of a task that ended by itself. After one fails the others
-    may run ``failure_grace`` s; lines go to ``out`` (default ``sys.stdout``)."""
+    """Run ``command`` once per trainer task of ``cluster`` (``towers`` CPUs each), ps
+    tasks as servers; return 0, :data:`TIMEOUT_EXIT` or the largest exit code of a task."""
     non_negative_float("failure_grace", failure_grace)
     if not command:
         raise ValueError("command is empty: give the program to run after --")
@@ -179,13 +172,13 @@ def launch(cluster: Cluster, towers: int, command: Sequence[str],
 
 
 class LocalServers:
-    """The running servers: ``cluster`` (the client has no task) and each task's process."""
+    """The running servers: ``cluster`` and each task's process."""
 
     def __init__(self, cluster: Cluster, tasks: dict[tuple[str, int], TaskProcess]) -> None:
         self.cluster, self.tasks = cluster, tasks
 
     def stop(self, job: str, index: int) -> None:
-        """Stop one task's server now (the others keep serving; a lost ps, on purpose)."""
+        """Stop one task's server now (a lost ps, on purpose)."""
         self.tasks[(job, index)].stop()
 
 
@@ -193,10 +186,8 @@ class LocalServers:
 def start_servers(workers: int, towers_per_worker: int, *, ps: int = 0, chief: bool = False,
                   ready_timeout: float = 60.0, out: IO[str] | None = None
                   ) -> Iterator[LocalServers]:
-    """Serve ``workers`` worker and ``ps`` parameter-server tasks on localhost while in the
-    block; ``chief=True`` adds a ``chief`` address for the client itself (not started).
-    ``ValueError``: a bad count; ``RuntimeError``: a server did not start in time.
-    """
+    """Serve ``workers`` and ``ps`` tasks on localhost in the block (``chief``: an address
+    for the client itself); ``RuntimeError``: a server did not start in time."""
     cluster = local_cluster(workers, ps=ps, chief=chief)
     lock = threading.Lock()
     tasks = {}

@@ -5,10 +5,8 @@ the least-loaded task). A pull copies every variable to a worker and reads the v
 push (refused when too stale) applies Keras ``SGD.update_step``'s arithmetic on each ps
 (``w ← w − lr·g``; momentum ``m ← m·μ − g·lr; w ← w + m``), both under one lock.
 
-References:
-    Dean et al., "Large Scale Distributed Deep Networks" (DistBelief, 2012);
-    TensorFlow ``ParameterServerStrategy`` (round-robin ``variable_partitioner=None``,
-    ``MinSizePartitioner``); Li et al., "Scaling Distributed ML with the Parameter Server".
+References: Dean et al., "Large Scale Distributed Deep Networks" (2012); TensorFlow
+``ParameterServerStrategy``; Li et al., "Scaling Distributed ML with the Parameter Server".
 """
 
 from __future__ import annotations
@@ -29,7 +27,7 @@ from towers.guard.errors import TowersError
 __all__ = ["POLICIES", "FairLock", "ParameterServerLost", "ParameterStore", "check_rule",
            "connect_ps", "shard_variables"]
 
-POLICIES = ("round_robin", "size_balanced")  # placement policies of :func:`shard_variables`
+POLICIES = ("round_robin", "size_balanced")
 
 
 class ParameterServerLost(TowersError, ConnectionError):
@@ -37,7 +35,6 @@ class ParameterServerLost(TowersError, ConnectionError):
 
 
 def _sizes(variables: Sequence[Any]) -> list[int]:
-    """Element counts of ``variables`` (anything with a ``shape``, or a shape tuple)."""
     sizes = []
     for i, v in enumerate(variables):
         try:
@@ -76,8 +73,7 @@ def shard_variables(variables: Sequence[Any], ps_devices: Sequence[str],
 
 
 class FairLock:
-    """A first-come, first-served (ticket) lock: with ``threading.Lock`` a worker that
-    releases and asks again at once often wins, and the others' updates go stale."""
+    """A first-come, first-served lock (``threading.Lock`` lets one worker win again)."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
@@ -132,7 +128,7 @@ class ParameterStore:
                     var.assign_sub(g * lr)
 
     def reader(self, targets: Sequence[tf.Variable]) -> Callable[[], dict[str, int]]:
-        """A pull into ``targets`` (a worker's copies) that returns the versions it read."""
+        """A pull into ``targets`` that returns the versions it read."""
         if len(targets) != len(self.variables):
             raise ValueError(f"targets must hold {len(self.variables)} variables, "
                              f"got {len(targets)}")
@@ -153,9 +149,8 @@ class ParameterStore:
     def push(self, grads: Sequence[tf.Tensor], read: dict[str, int],
              max_staleness: int | None = None,
              record: Callable[[int], None] | None = None) -> int | None:
-        """Apply ``grads`` computed on the weights of versions ``read``; return this
-        update's version, or None when the read is more than ``max_staleness`` updates old
-        (nothing applied). ``record(version)`` runs in the same critical section."""
+        """Apply ``grads`` read at versions ``read``; return the new version, or None when
+        the read is over ``max_staleness`` old. ``record(version)`` runs under the lock."""
         with self.lock:
             if max_staleness is not None and self.updates - max(read.values()) > max_staleness:
                 return None
@@ -173,7 +168,6 @@ class ParameterStore:
             return self._guarded(lambda: [v.numpy() for v in self.variables], "read")
 
     def _guarded(self, fn: Callable[[], Any], what: str) -> Any:
-        """Run ``fn`` on a helper thread; a dead ps becomes ParameterServerLost, never a hang."""
         pool = concurrent.futures.ThreadPoolExecutor(1)
         future = pool.submit(fn)
         pool.shutdown(wait=False)
@@ -193,7 +187,6 @@ class ParameterStore:
 
 
 def check_rule(learning_rate: Any, momentum: Any, timeout: Any) -> None:
-    """Check the ps update rule's settings (before anything is built), naming the bad one."""
     positive_float("learning_rate", learning_rate)
     positive_float("timeout", timeout)
     if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) \

@@ -34,8 +34,7 @@ __all__ = ["AsyncTrainer", "UpdateLog", "UpdateRecord", "load_log", "replay", "r
 
 @dataclasses.dataclass(frozen=True)
 class UpdateRecord:
-    """One applied update: its worker and that worker's step, the batch, the versions it
-    read, its own version (1 for the first) and the loss at the weights it read."""
+    """One applied update: worker, its step, batch, versions read, own version, loss."""
 
     worker: int
     worker_step: int
@@ -61,14 +60,11 @@ class AsyncTrainer:
 
     Args:
         model: a zero-argument factory of a built ``keras.Model`` (trainable variables only).
-        workers: ``workers[w]``: the towers (devices) of worker w, e.g. one task's CPUs.
+        workers: ``workers[w]``: the towers (devices) of worker w.
         ps_devices: the parameter servers' devices; ``policy`` places the variables on them.
-        learning_rate, momentum: the SGD rule the ps apply.
-        max_staleness: refuse pushes read more than this many updates ago (the worker
-            recomputes on fresh weights; counted in :attr:`refused`).
+        max_staleness: refuse pushes read more than this many updates ago (:attr:`refused`).
         timeout: seconds one pull or push may take (then ``ParameterServerLost``).
-        on_nonfinite: a NaN/Inf on any tower: ``"skip"`` (listed in
-            :attr:`skipped_batches`), ``"raise"`` (``NonFiniteError``) or ``"ignore"``.
+        on_nonfinite: ``"skip"`` (:attr:`skipped_batches`), ``"raise"`` or ``"ignore"``.
     """
 
     def __init__(self, model: Callable[[], keras.Model], loss: Any, *,
@@ -105,7 +101,7 @@ class AsyncTrainer:
         self.log = UpdateLog([], [], learning_rate, float(momentum), self.store.placement)
 
     def initial_weights(self) -> list[np.ndarray]:
-        """The weights of version 0 (before any update)."""
+        """The weights of version 0."""
         return [np.asarray(w) for w in self._initial]
 
     def run(self, batches: Sequence[tuple[Any, Any]]) -> UpdateLog:
@@ -151,12 +147,11 @@ class AsyncTrainer:
 
     @property
     def skipped_steps(self) -> int:
-        """How many batches the non-finite guard kept from the ps (``"skip"``/``"raise"``)."""
+        """How many batches the non-finite guard kept from the ps."""
         return len(self.skipped_batches)
 
     def _record(self, w: int, b: int, read: dict[str, int], arrays: list[np.ndarray],
                 value: float, version: int) -> None:
-        """Log one applied update (runs under the store's lock: log order = apply order)."""
         self.log.records.append(UpdateRecord(w, self._steps[w], b, read, version, value))
         self.log.gradients.append(arrays)
         self._steps[w] += 1
@@ -167,7 +162,6 @@ class AsyncTrainer:
 
 
 def _gradient_fn(trainer: TowerTrainer, guarded: bool) -> Callable[[tf.Tensor, tf.Tensor], Any]:
-    """The worker's gradient (summed in tower order), its loss and the guard's codes."""
 
     def grads(x: tf.Tensor, y: tf.Tensor) -> tuple[list[tf.Tensor], tf.Tensor, Any]:
         towers = trainer.forward_backward(trainer.split(x, y))
@@ -183,8 +177,7 @@ def _gradient_fn(trainer: TowerTrainer, guarded: bool) -> Callable[[tf.Tensor, t
 
 
 def save_log(log: UpdateLog, prefix: str | Path) -> tuple[Path, Path]:
-    """Write ``PREFIX.json`` (records, rule) and ``PREFIX.npz`` (``u{u}_v{i}``: update u's
-    gradient for variable i); return both paths."""
+    """Write ``PREFIX.json`` (records, rule) and ``PREFIX.npz`` (gradients); return both."""
     prefix = Path(prefix)
     meta = {"learning_rate": log.learning_rate, "momentum": log.momentum,
             "placement": log.placement,
@@ -214,8 +207,7 @@ def load_log(prefix: str | Path) -> UpdateLog:
 
 def replay_versions(log: UpdateLog,
                     initial_weights: Sequence[np.ndarray]) -> Iterator[list[np.ndarray]]:
-    """Yield the weights of version 0, 1, …, len(log.records) (float32 NumPy); a
-    ``ValueError`` when the log is out of order or its shapes differ from the weights'."""
+    """Yield the weights of version 0, 1, …, len(log.records) (float32 NumPy)."""
     lr, mu = np.float32(log.learning_rate), np.float32(log.momentum)
     weights = [np.array(w, np.float32) for w in initial_weights]
     moments = [np.zeros_like(w) for w in weights]

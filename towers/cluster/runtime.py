@@ -1,7 +1,5 @@
-"""Start TensorFlow's distributed runtime in this process: a worker (between-graph, as
-MultiWorkerMirroredStrategy), a server, or a client of servers (in-graph).
-
-Devices and collective ops must be set before the first op: call these first thing.
+"""Start TensorFlow's gRPC runtime in this process: a worker (between-graph, as MWMS), a
+server or a client (in-graph). Call these first thing, before any TensorFlow op.
 """
 
 from __future__ import annotations
@@ -36,12 +34,11 @@ class RuntimeStartedError(TowersError, RuntimeError):
 
 
 def runtime_started() -> bool:
-    """True once TensorFlow's eager runtime exists (its device list is then fixed)."""
+    """True once TensorFlow's eager runtime exists (its devices are fixed)."""
     return context.context()._context_handle is not None  # no public query
 
 
 def _check(visible: Any, memory_growth: Any, memory_limit_mb: Any) -> list[int] | None:
-    """The arguments checked before TensorFlow is touched; ``visible`` as a list."""
     if visible is not None:
         if isinstance(visible, (str, bytes)) or not isinstance(visible, Sequence):
             raise TypeError(f"visible must be None or a list of GPU indices (ints), got "
@@ -115,7 +112,6 @@ def set_logical_devices(n: int) -> None:
 
 
 def _this_task(cluster: Any, towers: int | None, what: str) -> tuple[Cluster, int]:
-    """The cluster with this process's task (required) and its tower count."""
     found = resolve(cluster)
     if found.task_type is None:
         raise ValueError(f"{what} needs this process's task: set TF_CONFIG's 'task' or pass it")
@@ -123,9 +119,8 @@ def _this_task(cluster: Any, towers: int | None, what: str) -> tuple[Cluster, in
 
 
 def start_worker(cluster: Any = None, towers: int | None = None) -> list[str]:
-    """Join the cluster for between-graph training, first thing: split the CPU into ``towers``
-    devices (default ``$TOWERS_PER_TASK`` or 1), point collective ops at the chief and start
-    this task's gRPC server, as MWMS does; return the towers (``['/device:CPU:0', …]``)."""
+    """Join the cluster for between-graph training, as MWMS: ``towers`` CPUs (default
+    ``$TOWERS_PER_TASK`` or 1), collectives led by the chief; return this task's towers."""
     found, n = _this_task(cluster, towers, "start_worker")
     set_logical_devices(n)
     set_local_task(str(found.task_type), int(found.task_index or 0))  # its devices: short names
@@ -148,8 +143,7 @@ def start_worker(cluster: Any = None, towers: int | None = None) -> list[str]:
 
 
 def start_server(cluster: Any = None, towers: int | None = None) -> tf.distribute.Server:
-    """Start this task's ``tf.distribute.Server`` with ``towers`` CPUs (in-graph mode);
-    arguments and ``ValueError`` as :func:`start_worker`."""
+    """Start this task's ``tf.distribute.Server`` with ``towers`` CPUs (in-graph mode)."""
     found, n = _this_task(cluster, towers, "start_server")
     # the server's devices come from its own ConfigProto, not the eager context's
     config = tf.compat.v1.ConfigProto(device_count={"CPU": n})
@@ -169,10 +163,9 @@ _LOCAL = ("127.0.0.1", "localhost", "[::1]")
 
 
 def leave_together(cluster: Any = None, limit: float = 60.0) -> bool:
-    """After the last step, wait until every training task has called this (or ``limit`` s;
-    True if all came): a worker that exits at once can leave a peer's last pull unanswered.
-    On one machine each task marks a file in a folder named after the cluster; across
-    machines it is one more all-reduce."""
+    """Wait until every training task has called this, or ``limit`` s; True if all came.
+    Call it after the last step: a worker that exits at once can leave a peer's last pull
+    unanswered. On one machine each task marks a file; across machines, one all-reduce."""
     positive_float("limit", limit)
     found = _this_task(cluster, 1, "leave_together")[0]
     workers = found.num_workers
@@ -205,8 +198,7 @@ def _full(name: str) -> str:
 
 
 def connect(cluster: Any, towers_per_task: int, job: str = "worker") -> list[str]:
-    """Connect this client to a running cluster; every task's tower names,
-    ``/job:worker/replica:0/task:k/device:CPU:i`` (``ValueError``: the tasks lack them)."""
+    """Connect this client to a running cluster; every task's tower names (full)."""
     found = resolve(cluster)
     tf.config.experimental_connect_to_cluster(found.cluster_spec())
     towers = found.tower_devices(towers_per_task, job=job)

@@ -1,8 +1,5 @@
-"""``python -m towers.cluster.server``: serve this task's towers (in-graph mode) until
-killed or until its parent process dies.
-
-Reads ``TF_CONFIG`` (this task) and ``TOWERS_PER_TASK`` (its logical CPUs).
-"""
+"""``python -m towers.cluster.server``: serve this task's towers (``TF_CONFIG``,
+``TOWERS_PER_TASK``) until killed or until its parent process dies."""
 
 import os
 import time

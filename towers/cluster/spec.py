@@ -20,8 +20,7 @@ __all__ = ["HOST", "TOWERS_ENV", "Cluster", "free_ports", "local_cluster", "reso
            "towers_per_task"]
 
 HOST = "127.0.0.1"
-TOWERS_ENV = "TOWERS_PER_TASK"
-"""Environment variable: how many logical devices (towers) this task simulates."""
+TOWERS_ENV = "TOWERS_PER_TASK"  # how many logical devices (towers) this task simulates
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +46,6 @@ class Cluster:
 
     @property
     def is_chief(self) -> bool:
-        """True when this process is the chief."""
         return (self.task_type, self.task_index) == self.chief
 
     @property
@@ -77,7 +75,6 @@ class Cluster:
         return {job: list(addresses) for job, addresses in self.jobs.items()}
 
     def cluster_spec(self) -> Any:
-        """The cluster as a ``tf.train.ClusterSpec``."""
         import tensorflow as tf
 
         return tf.train.ClusterSpec(self.as_dict())
@@ -136,10 +133,9 @@ def _from_tf_config(config: Any, argument: str) -> Cluster:
 
 def resolve(cluster: Any = None, task_type: str | None = None,
             task_index: int | None = None) -> Cluster:
-    """The cluster and this process's task (``task_type``/``task_index`` override it) from
-    ``None`` (TF_CONFIG), a TF_CONFIG string or dict, a ``{job: [addresses]}`` dict, a
-    ``ClusterSpec``, a ``ClusterResolver`` or a ``Cluster``. ``ValueError``: TF_CONFIG unset or
-    malformed (named); ``TypeError``: another type."""
+    """The cluster and this process's task from ``cluster``: ``None`` (``TF_CONFIG``), a
+    TF_CONFIG string or dict, a ``{job: [addresses]}`` dict, a ``ClusterSpec``, a
+    ``ClusterResolver`` or a ``Cluster``; ``task_type``/``task_index`` override its task."""
     found = _found(cluster)
     job = task_type if task_type is not None else found.task_type
     index = task_index if task_index is not None else found.task_index

@@ -13,10 +13,9 @@ from typing import Any
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.ops import collective_ops
 
-from towers.allreduce.machinery.tf_collective_ops import shared_keys, token
-from towers.cluster.cross_worker import AllTowers, check_cross_worker
+from towers.allreduce.machinery.tf_collective_ops import shared_keys
+from towers.cluster.cross_worker import AllTowers, check_cross_worker, sum_over
 from towers.cluster.spec import resolve
 from towers.guard.arguments import non_negative_int
 from towers.guard.errors import CheckpointError
@@ -45,14 +44,9 @@ class WorkerTrainer(TowerTrainer):
 
     Args:
         devices: this worker's towers (what :func:`~towers.cluster.start_worker` returns).
-        all_reduce: a cross-worker reducer with ``op="sum"`` (default: ``AllTowers``,
-            bitwise MultiWorkerMirroredStrategy's order).
+        all_reduce: a cross-worker reducer with ``op="sum"`` (default: ``AllTowers``).
         num_workers: worker processes (default: from TF_CONFIG).
-        timeout_seconds: the step's deadline unless ``step_timeout`` is given (a missing
-            worker → ``StepTimeout``), and the default reducer's.
-        model, optimizer, loss, **kwargs: as for ``TowerTrainer``.
-
-    ``train_step`` returns this worker's share of the global mean loss.
+        timeout_seconds: the step's deadline unless ``step_timeout`` is given.
     """
 
     batch_is_global = False  # one worker's part of a global batch spanning the workers
@@ -90,7 +84,6 @@ class WorkerTrainer(TowerTrainer):
         return shards._replace(global_batch=tf.cast(total, tf.int32))
 
     def reduce(self, grads: Gradients) -> Reduced:
-        """As ``TowerTrainer``'s, after refusing sparse gradients across workers."""
         sparse = [v.path for v, g in zip(self.model.trainable_variables, grads.towers[0].grads)
                   if isinstance(g, tf.IndexedSlices)]
         if sparse and self.num_workers > 1:
@@ -111,15 +104,11 @@ class WorkerTrainer(TowerTrainer):
     def _sum_over_workers(self, value: tf.Tensor, instance_key: int) -> tf.Tensor:
         """``value`` (float32, exact for small integers) summed over tower 0 of every worker."""
         with tf.device(self.devices[0]):
-            return collective_ops.all_reduce_v2(
-                value, group_size=self.num_workers, group_key=self._count_key,
-                instance_key=instance_key, merge_op="Add", final_op="Id",
-                communication_hint="ring", ordering_token=token(self.devices[0]),
-            )
+            return sum_over(value, self.num_workers, self._count_key, instance_key,
+                            self.devices[0])
 
 
 def _refuse_state_across_workers(model: Any, num_workers: int) -> None:
-    """Refuse floating non-trainable state (BatchNormalization statistics) across workers."""
     state = [v.path for v in model.non_trainable_variables if tf.as_dtype(v.dtype).is_floating]
     if state and num_workers > 1:
         raise ValueError(
@@ -130,7 +119,6 @@ def _refuse_state_across_workers(model: Any, num_workers: int) -> None:
 
 
 def _cross_worker_reducer(all_reduce: Any, num_workers: int, timeout_seconds: float) -> Any:
-    """``all_reduce`` (default ``AllTowers``), refused unless it sums over every worker."""
     if all_reduce is None:
         return AllTowers(num_workers, op="sum", timeout_seconds=timeout_seconds)
     if getattr(all_reduce, "op", "sum") != "sum":
