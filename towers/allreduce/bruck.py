@@ -12,11 +12,9 @@ n = 5 towers, chunks c0..c4, ``+▶t`` reduces into tower t, ``▶t`` copies to 
                      tower r now owns c_r, finished
 
 Index formula (K = ⌈log2 n⌉ steps, ``d = 2^k``): all-gather step k copies the chunks
-tower r has gathered so far, ``r + i`` for ``i < min(d, n − d)``, to tower ``r − d``
-(mod n). Per chunk: c reaches tower ``c − j`` at the step of j's *highest* bit, from
-offset ``j − 2^k``, a binomial tree shifted to c. The reduce-scatter is that pattern
-transposed and run backwards (arrows reversed, copies become reductions). Any n, no
-extra ticks: the last step carries ``n − 2^(K−1)`` chunks.
+``r + i`` (``i < min(d, n − d)``) tower r has gathered to tower ``r − d`` (mod n): chunk c
+reaches ``c − j`` at the step of j's *highest* bit, a binomial tree shifted to c. The
+reduce-scatter is that pattern transposed and run backwards. Any n, no extra ticks.
 
 Cost (S bytes, chunks of ⌈L/n⌉ elements): ``2⌈log2 n⌉·α + 2(n−1)/n·S·β +
 (n−1)/n·S·γ``, the ring's bytes with logarithmic latency. Summation depth ⌈log2 n⌉.
@@ -78,7 +76,7 @@ def bruck_schedule(n: int) -> Schedule:
 
 
 def cost(n: int, nbytes: float) -> Coefficients:
-    """α-β-γ coefficients: ``2⌈log2 n⌉·α + 2(n−1)/n·S·β + (n−1)/n·S·γ``."""
+    """α-β-γ coefficients of the module docstring."""
     return 2 * steps_of(n), 2 * (n - 1) / n * nbytes, (n - 1) / n * nbytes
 
 

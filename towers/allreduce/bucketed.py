@@ -1,9 +1,8 @@
 """Bucketed all-reduce: pack many gradients into a few flat buffers, reduce each buffer once.
 
-One all-reduce per variable pays the latency α once per variable; as PyTorch DDP and
-TensorFlow's CollectiveAllReduce, pack the gradients into flat *buckets* of up to
-``bytes_per_bucket`` (DDP: 25 MiB) in **reverse** variable order (backward produces the
-last layer's first) and run one all-reduce per bucket. A bucket holds one dtype; a
+As PyTorch DDP and TensorFlow's CollectiveAllReduce: the latency α is paid once per bucket
+of up to ``bytes_per_bucket`` (DDP: 25 MiB), not once per variable. Buckets fill in
+**reverse** variable order (backward produces the last layer's first), one dtype each; a
 tensor never straddles two. ``B`` = bucket size::
 
     model order           w0   b0   w1   b1   w2   b2        (w1 alone is > B bytes)
@@ -16,7 +15,7 @@ tensor never straddles two. ``B`` = bucket size::
                    reduced_k[t] ─unpack─▶ out[t][0..5]   (original shapes and order)
 
 Cost (n towers, K buckets, S bytes in all, ring): ``2(n-1)·K·α + 2(n-1)/n·S·β +
-(n-1)/n·S·γ`` instead of ``2(n-1)·V·α + …`` for V variables, for one copy in and out.
+(n-1)/n·S·γ`` instead of ``2(n-1)·V·α + …`` for V variables.
 
 References:
     S. Li et al., "PyTorch Distributed: Experiences on Accelerating Data Parallel
@@ -87,7 +86,6 @@ def plan(
 
     Each dtype has one open bucket; a tensor that would push it past ``bytes_per_bucket``
     (``None``: no limit) closes it first, one that reaches the limit closes it after.
-    Buckets are listed in the order they were opened.
     """
     limit = optional(positive_int, "bytes_per_bucket", bytes_per_bucket)
     closed: list[tuple[int, BucketLayout]] = []  # (opening rank, bucket)
@@ -122,9 +120,8 @@ def _on(device: str) -> contextlib.AbstractContextManager[Any]:
 def pack(
     tensors: Sequence[tf.Tensor], bytes_per_bucket: int | None = DEFAULT_BUCKET_BYTES
 ) -> tuple[list[tf.Tensor], Layout]:
-    """``(buckets, layout)``: one tower's ``tensors`` flattened into the 1-D buckets of
-    :func:`plan`, each on its first tensor's device (only copies: ``unpack(*pack(x))``
-    is ``x`` bit for bit)."""
+    """``(buckets, layout)``: one tower's ``tensors`` flattened into :func:`plan`'s 1-D
+    buckets, each on its first tensor's device (``unpack(*pack(x))`` is ``x`` bitwise)."""
     layout = plan([(t.shape, t.dtype) for t in tensors], bytes_per_bucket)
     buckets = []
     for bucket in layout.buckets:
@@ -180,9 +177,8 @@ def grouped(values: Sequence[Sequence[tf.Tensor | tf.IndexedSlices]],
             devices: Sequence[str] | None = None) -> list[list[tf.Tensor | tf.IndexedSlices]]:
     """All-reduce a list of tensors per tower: ``values[tower][k]`` in, same layout out.
 
-    Dense tensors are packed into buckets (:func:`pack`), each all-reduced once with
-    ``op``; ``tf.IndexedSlices`` (sum or mean) are gathered in tower order. ``devices``
-    defaults to each tower's first value's device.
+    Dense tensors go in buckets (:func:`pack`), each all-reduced once; ``tf.IndexedSlices``
+    are gathered. ``devices`` defaults to each tower's first value's device.
     """
     fn = get(algorithm)
     if not values or isinstance(values[0], (tf.Tensor, tf.IndexedSlices)):

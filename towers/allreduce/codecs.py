@@ -1,10 +1,8 @@
 """Gradient codecs for :func:`towers.allreduce.compressed`: fewer bytes on the wire.
 
 A codec turns one variable's per-tower gradients into a (lossy) sum, moving data only
-through a :class:`Wire`, so its bytes can be counted. As Horovod's ``compress`` /
-``decompress``: ``encode`` on each tower, the payload crosses the wire, ``decode`` rebuilds
-a dense tensor; state (error feedback, PowerSGD's ``Q``) is a ``NamedTuple`` of tensors;
-:data:`CODECS` lists the built-in codecs with their payloads::
+through a :class:`Wire` (so its bytes are counted), as Horovod's ``compress`` /
+``decompress``; its state (error feedback, PowerSGD's ``Q``) is a tuple of tensors::
 
     tower t:  g_t ─encode(g_t, state_t)─▶ payload_t ──wire──▶ decode ─▶ Σ_t g_t (approx.)
                           └─▶ state_t' (e.g. the residual left out, added next step)
@@ -36,9 +34,8 @@ __all__ = ["CODECS", "Cast", "Codec", "Identity", "TopK", "TopKState", "Wire", "
 
 @dataclasses.dataclass(frozen=True)
 class Wire:
-    """All a codec may use to talk to the other towers during one step: the dense
-    all-reduce ``algorithm`` (``op="sum"``), gathers, and decoding on ``decoders`` (the
-    other towers receive ``decoders[0]``'s result by ``send``: bitwise-equal outputs)."""
+    """All a codec may use to talk to the other towers in one step: the dense all-reduce
+    ``algorithm`` (a sum), gathers, and decoding on ``decoders`` (sent on to the rest)."""
 
     devices: tuple[str, ...]
     algorithm: AllReduce
@@ -82,32 +79,26 @@ class Wire:
 class Codec(Protocol):
     """The contract of a codec: how one variable's per-tower gradients become one sum.
 
-    **State.** One tower's state for one variable is a tuple of tensors (``()`` when
-    stateless); ``Compressed`` keeps it in variables on that tower's device (shapes and
-    dtypes fixed by ``init``), checkpoints it and hands it back to ``reduce``.
-
-    **Error feedback.** A state field named ``residual`` (the variable's shape) is what a
-    tower has not sent yet. A codec keeps the invariant, for every element, with ``r``
-    the old residuals and ``r'`` the new ones::
+    One tower's state for one variable is a tuple of tensors (``()``: stateless) that
+    ``Compressed`` keeps in variables on that tower's device. A state field ``residual``
+    is what a tower has not sent yet (error feedback); a codec keeps, element-wise, with
+    ``r`` the old residuals and ``r'`` the new ones::
 
         output + Σ_t r'_t  ==  Σ_t (g_t + r_t)        within error_bound(Σ_t |g_t| + |r_t|)
 
-    Without a residual it reads ``output == Σ_t g_t``. Optional formulas that
-    :func:`towers.testing.check_codec` checks: ``payload_bytes(shape, dtype) -> int`` (per
-    tower, variable and step) and ``error_bound(abs_sum, towers, depth) -> ndarray``.
+    Optional formulas that :func:`towers.testing.check_codec` checks: ``payload_bytes(shape,
+    dtype) -> int`` (per tower, variable and step), ``error_bound(abs_sum, towers, depth)``.
     """
 
     def init(self, shape: tf.TensorShape, dtype: tf.DType, key: int) -> tuple[Any, ...]:
-        """One tower's initial state for one variable (a tuple of tensors, the same on
-        every tower; ``key``: the variable's index in the model, a seed)."""
+        """One tower's initial state for one variable (``key``: its index, a seed)."""
         ...
 
     def reduce(
         self, tensors: Sequence[tf.Tensor], states: Sequence[Any], wire: Wire
     ) -> tuple[list[tf.Tensor], list[Any]]:
-        """Sum one variable's gradients ``tensors[tower]`` (with ``states[tower]``) through
-        ``wire``; returns ``(outputs, new_states)``, ``outputs[tower]`` on its device and
-        bitwise the same on every tower (decode with ``wire.decode``)."""
+        """``(outputs, new_states)``: ``tensors[tower]`` summed through ``wire``, each output
+        on its tower's device and bitwise the same on every tower (``wire.decode``)."""
         ...
 
 
@@ -137,17 +128,14 @@ class Identity:
 class Cast:
     """Send ``x / n`` in a 16-bit float, sum it there, cast back up and multiply by ``n``.
 
-    Dividing *before* the cast keeps the sum in range (float16 overflows at 65504;
-    DDP's ``fp16_compress_hook`` divides first too). Stateless.
-
-    Error bound per element, for summation depth ``k``, ``u`` the low precision's unit
-    roundoff and ``u32`` = 2^-24 (each ``x_i``: one float32 division, one rounding to the
-    low precision, ``k`` low-precision additions, one float32 multiply)::
+    Dividing first keeps the sum in range (as DDP's ``fp16_compress_hook``). Error bound per
+    element, summation depth ``k``, ``u`` the low precision's unit roundoff, ``u32`` = 2^-24
+    (a float32 division, a rounding down, ``k`` additions, a float32 multiply)::
 
         |out − Σ x_i| ≤ ((1 + u)^(k+1)·(1 + u32)² − 1)·Σ|x_i| + n²·η
 
     with ``η`` the error of rounding into the subnormals (2^-25 float16; 2^-126 bfloat16,
-    whose subnormals float32 kernels flush). Requires ``|x_i|/n`` < 65504 for float16.
+    whose subnormals float32 kernels flush), for ``|x_i|/n`` < 65504 in float16.
     """
 
     dtype: tf.DType
@@ -189,9 +177,8 @@ class TopK:
     """Send each tower's largest-magnitude ``ratio`` of entries; feed the rest back.
 
     ``Δ = g + residual``; the ``k = ceil(ratio·size)`` (≥ 1) entries of largest ``|Δ|``
-    (ties to the lower index) go as ``(int32 indices, values)``; the new residual is ``Δ``
-    with them zeroed (exact). The decoder scatter-adds the gathered pairs into zeros in
-    tower order (depth ≤ n − 1, as ``naive``); the algorithm is not used.
+    (ties to the lower index) go as ``(int32 indices, values)``, the rest is the residual.
+    The decoder scatter-adds the gathered pairs in tower order (the algorithm is unused).
     """
 
     ratio: float
@@ -218,9 +205,7 @@ class TopK:
         return self.count(int(tf.TensorShape(shape).num_elements())) * (4 + tf.as_dtype(dtype).size)
 
     def error_bound(self, abs_sum: Any, towers: int, depth: int) -> np.ndarray:
-        """``Δ = g + r`` rounds once, the split is exact, the scatter-adds round ``towers − 1``
-        times: ``γ_towers·Σ(|g_t| + |r_t|)``.
-        """
+        """``γ_towers·Σ(|g_t| + |r_t|)``: ``Δ = g + r`` and ``towers − 1`` scatter-adds."""
         return rounding(towers, abs_sum)
 
     def reduce(
@@ -269,8 +254,8 @@ CODECS = Registry(["codec"], [
     Record("topk", topk, kind="codec",
            summary="2·ratio·S (int32 index + value), gathered: top-k with error feedback"),
 ])
-"""Every codec by name (payload per tower for S bytes; ``powersgd`` registers itself in
-:mod:`towers.allreduce.powersgd`); ``CODECS[name]()`` builds it with its defaults."""
+"""Every codec by name (payload per tower for S bytes; ``powersgd`` registers itself);
+``CODECS[name]()`` builds it with its defaults."""
 
 register_codec = CODECS.register
 """Add a codec's :class:`Record`: its name then works wherever a built-in codec's does."""

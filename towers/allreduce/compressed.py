@@ -1,9 +1,7 @@
 """Compressed all-reduce: a codec around any algorithm, with checkpointable per-tower state.
 
 ``compressed(algorithm, codec)`` is a :class:`~towers.allreduce.machinery.base.GradientReducer`
-(PyTorch's communication hook, Horovod's compression): for every variable the codec
-encodes each tower's gradient, moves the payloads over a :class:`~towers.allreduce.codecs.Wire`
-(the algorithm's all-reduce, or gathers) and decodes a dense sum. n = 3, one variable::
+(PyTorch's communication hook, Horovod's compression). n = 3, one variable::
 
     tower 0   g_0, s_0 ─encode─▶ payload_0 ─┐                      ┌─▶ out ─────────▶ out_0
     tower 1   g_1, s_1 ─encode─▶ payload_1 ─┼─ wire (all-reduce) ─▶│ decode once   ─send─▶ out_1
@@ -11,9 +9,8 @@ encodes each tower's gradient, moves the payloads over a :class:`~towers.allredu
               s_t ◀── new state (error feedback, Q), written back to tower t's variables
                       only when the step is applied (commit; see below)
 
-**Decode once** (the default) sends tower 0's dense result, ``(n-1)·S`` bytes, so outputs
-are bitwise the same; ``decode="everywhere"`` decodes on every tower (fewer bytes). The
-state is variables of this ``tf.Module`` (checkpointed), assigned by :meth:`Compressed.commit`.
+Decoding once (the default) sends tower 0's dense result, ``(n-1)·S`` bytes, so outputs are
+bitwise the same; ``decode="everywhere"`` decodes on every tower (fewer bytes).
 """
 
 from __future__ import annotations
@@ -32,11 +29,6 @@ from towers.guard.arguments import check_choice
 __all__ = ["DECODE", "Compressed", "compressed"]
 
 DECODE = ("once", "everywhere")
-
-
-def _make(template: Any, values: Sequence[Any]) -> Any:
-    """Rebuild a state of ``template``'s type (a NamedTuple or a plain tuple) from values."""
-    return template._make(values) if hasattr(template, "_make") else tuple(values)
 
 
 class Compressed(tf.Module):
@@ -73,8 +65,10 @@ class Compressed(tf.Module):
         self.state = state
 
     def _read(self, tower: int, j: int) -> Any:
+        template = self._templates[j]  # a NamedTuple's type, or a plain tuple
         with tf.device(self.devices[tower]):
-            return _make(self._templates[j], [v.read_value() for v in self.state[tower][j]])
+            values = [v.read_value() for v in self.state[tower][j]]
+            return template._make(values) if hasattr(template, "_make") else tuple(values)
 
     def commit(self, new_state: Sequence[tf.Tensor]) -> None:
         """Assign ``new_state`` (from :meth:`reduce_deferred`), each on its tower's device."""

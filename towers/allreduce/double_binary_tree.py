@@ -1,14 +1,10 @@
 """Double binary tree all-reduce (NCCL's "tree"): two complementary trees, half the data each.
 
-In one binary tree the inner nodes do all the sending (a leaf sends one value, an inner
-node three). NCCL builds two trees so that a tower inner in one is a leaf in the other,
-and reduces-then-broadcasts one half of the data through each at the same time.
-
-Tree A (NCCL's ``ncclGetBtree``, root 0): tower ``r > 0`` with lowest set bit
-``b`` has parent ``(r ^ b) | 2b``, or ``r ^ b`` when that is out of range; the
-root's one child is the largest power of two below ``n``. Tree B is A mirrored
-(``r -> n-1-r``) when ``n`` is even and A shifted (``r -> r+1 mod n``) when it
-is odd. n = 8::
+A tower inner in one tree (which sends three values) is a leaf in the other (one); each
+tree reduces-then-broadcasts half of the data. Tree A (NCCL's ``ncclGetBtree``, root 0):
+tower ``r > 0`` with lowest set bit ``b`` has parent ``(r ^ b) | 2b``, or ``r ^ b`` when
+that is out of range. Tree B is A mirrored (``r -> n-1-r``) when ``n`` is even and A
+shifted (``r -> r+1 mod n``, tower 0 inner in both) when it is odd. n = 8::
 
     tree A (half 0)                     tree B (half 1, mirrored)
     0                                   7
@@ -22,10 +18,8 @@ is odd. n = 8::
 
     inner in A: 0 4 2 6  (leaves 1 3 5 7)   inner in B: 7 3 5 1  (leaves 6 4 2 0)
 
-(For odd ``n`` tower 0 is inner in both trees.)
-
-Schedule: both trees run at once, each half pipelined as in :mod:`towers.allreduce.tree`
-(half ``h``'s piece ``k`` is chunk ``h·C + k``). n = 4, C = 1 (A: 0─2─{1,3}; B: 3─1─{2,0})::
+Both trees run at once, each half pipelined as in :mod:`towers.allreduce.tree` (its order;
+half ``h``'s piece ``k`` is chunk ``h·C + k``). n = 4, C = 1 (A: 0─2─{1,3}; B: 3─1─{2,0})::
 
     tick        0                1            2             3
     tower 0   c1 ▲1             .          c0 ▼2            .
@@ -33,13 +27,9 @@ Schedule: both trees run at once, each half pipelined as in :mod:`towers.allredu
     tower 2   c1 ▲1           c0 ▲0          .           c0 ▼1,3
     tower 3   c0 ▲2             .          c1 ▼1            .
 
-Order as in :mod:`towers.allreduce.tree`; the depth is the larger of the two trees'.
-
-Cost (n towers, S bytes, D = tree height ≈ log2 n): ``2D + C - 1`` ticks. A tower
-sends at most ``2S`` (``3·S/2`` as an inner node, ``S/2`` as a leaf), like the
-ring's ``2(n-1)/n·S``, with ``2D`` instead of ``2(n-1)`` latency terms. C = 1: an
-inner node takes two halves per level, ``4D·(α + S/2·β) + D·S·γ``; pipelining
-trades α for β as in the single tree, with pieces of ``S/(2C)``.
+Cost (n towers, S bytes, D = tree height ≈ log2 n): ``2D + C - 1`` ticks; a tower sends at
+most ``2S``, like the ring, with ``2D`` latency terms. C = 1: ``4D·(α + S/2·β) + D·S·γ``;
+pipelining trades α for β as in the single tree. Summation depth: the taller tree's.
 
 References:
     P. Sanders, J. Speck, J. L. Träff, "Two-tree algorithms for full bandwidth

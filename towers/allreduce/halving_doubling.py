@@ -1,9 +1,7 @@
 """Rabenseifner's all-reduce: reduce-scatter by recursive halving, all-gather by recursive doubling.
 
-Its power-of-two core is :func:`~towers.schedule.halving_reduce_scatter` then
-:func:`~towers.schedule.doubling_all_gather`. With p = 2^⌊log2 n⌋ active towers and
-r = n − p extra ones, n = 6 (p = 4, r = 2), the buffer padded to p chunks c0..c3
-(``+▶t`` reduces into tower t, ``▶t`` copies to it)::
+With p = 2^⌊log2 n⌋ active towers and r = n − p extra ones, n = 6 (p = 4, r = 2), the
+buffer zero-padded to p chunks c0..c3 (``+▶t`` reduces into tower t, ``▶t`` copies to it)::
 
     tick:    0 fold-in      1 halve d=2  2 halve d=1  3 double d=1  4 double d=2  5 fold-out
     tower 0                 c2c3+▶2      c1+▶1        c0▶1          c0c1▶2        c0c1c2c3▶4
@@ -14,20 +12,13 @@ r = n − p extra ones, n = 6 (p = 4, r = 2), the buffer padded to p chunks c0..
     tower 5  c0c1c2c3+▶1    (sits out)
 
 Index formula (towers i < p; h = log2 p): halving step k = 0..h−1 has distance
-d = p / 2^(k+1) and partner i XOR d. Before it, tower i owns the 2d chunks from
-i − i mod 2d; it keeps the d chunks from i − i mod d (the half holding chunk i),
-sends the other d and combines what it gets, so after h steps it owns chunk i
-fully reduced. Doubling runs d = 1, 2, …, p/2: tower i sends the d chunks it
-holds to i XOR d. Extra tower p + j folds its whole buffer into tower j first
-and gets the result from it last. Chunk i is finished (``mean`` divides) once,
-on tower i.
-
-The length L is zero-padded to p·⌈L/p⌉ (TF's own builder refuses what 2^h does not
-divide, and non-powers of two).
+d = p / 2^(k+1) and partner i XOR d; tower i keeps the d chunks from i − i mod d (the
+half holding chunk i) and sends the other d, so after h steps it owns chunk i, finished.
+Doubling runs d = 1, 2, …, p/2: tower i sends the d chunks it holds to i XOR d. Extra
+tower p + j folds its buffer into tower j first and gets the result from it last.
 
 Cost (S bytes; f = 1 when r > 0 else 0):
-(2·log2 p + 2f)·α + (2(p−1)/p + 2f)·Sβ + ((p−1)/p + f)·Sγ. Every element goes
-through ⌈log2 n⌉ additions.
+(2·log2 p + 2f)·α + (2(p−1)/p + 2f)·Sβ + ((p−1)/p + f)·Sγ; summation depth ⌈log2 n⌉.
 
 References:
     Thakur, Rabenseifner & Gropp, "Optimization of Collective Communication
@@ -55,7 +46,7 @@ def halving_doubling_schedule(n: int) -> Schedule:
 
 
 def cost(n: int, nbytes: float) -> Coefficients:
-    """α-β-γ coefficients: ``(2h + 2f)·α + (2(p-1)/p + 2f)·S·β + ((p-1)/p + f)·S·γ``."""
+    """α-β-γ coefficients of the module docstring."""
     h = n.bit_length() - 1
     p = 1 << h
     a, b, c = 2 * h, 2 * (p - 1) / p * nbytes, (p - 1) / p * nbytes

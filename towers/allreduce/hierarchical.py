@@ -1,8 +1,7 @@
 """Hierarchical all-reduce: reduce inside groups, all-reduce among group leaders, copy back.
 
-Towers are cut into consecutive groups of ``group_size`` (k); the last group holds
-the remainder when k does not divide n, and k > n makes one group. The first tower
-of each group is its leader. n = 4, k = 2::
+Towers are cut into consecutive groups of ``group_size`` (k), the last holding the
+remainder; each group's first tower is its leader. n = 4, k = 2::
 
     phase:     1 inner (per group)         2 outer (leaders only)      3 group broadcast
     ticks:     0 … a−1                     a … a+b−1                   a+b
@@ -11,18 +10,13 @@ of each group is its leader. n = 4, k = 2::
     tower 2 *  inner(x2, x3)[0] = s23      outer(s01, s23)[1] = s      s ──▶ tower 3
     tower 3    (inner's copy unused)                                   ◀── s
 
-Index formula: tower i is in group g = i // k, whose leader is g·k and whose
-members are g·k … min(g·k + k, n) − 1 (n = 5, k = 2: {0, 1}, {2, 3}, {4}); leader g
-is tower g of the outer all-reduce, which runs on ⌈n/k⌉ leaders.
+Index formula: tower i is in group g = i // k, led by tower g·k, which is tower g of the
+outer all-reduce on ⌈n/k⌉ leaders. Only the leaders' inner outputs are kept (a graph
+prunes the rest); for ``op="mean"`` both parts sum and each leader divides by n once.
 
-``inner`` is a whole all-reduce on each group's values; only the leader's output is
-kept (the members' copies are pruned as unused in a graph). For ``op="mean"`` both parts
-sum; each leader divides its bitwise-identical total by n once and sends it on.
-
-Cost: max over groups of inner(k_g, S) + outer(⌈n/k⌉, S) + (k_max − 1)·(α + Sβ)
-for the leader's copies: only the outer phase crosses the slow link, on n/k towers.
-The inner max is coefficient-wise: exact when one group's coefficients are all the
-largest (all but halving_doubling), an upper bound otherwise.
+Cost: the slowest group's inner(k_g, S) (coefficient-wise max: an upper bound where no
+group is largest in all three) + outer(⌈n/k⌉, S) + (k_max − 1)·(α + Sβ) of copies; only
+the outer phase crosses the slow link.
 
 References:
     Horovod hierarchical all-reduce (Sergeev & Del Balso, "Horovod", 2018);

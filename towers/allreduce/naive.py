@@ -1,7 +1,6 @@
 """Naive all-reduce: ``add_n`` on the first tower, then copy the sum back out.
 
-The floor of every comparison and the order tf.distribute's
-``ReductionToOneDevice`` uses::
+The floor of every comparison, in tf.distribute's ``ReductionToOneDevice`` order::
 
     tick:      0 (gather)          1 (add_n)         2 (scatter)
     tower 0    x0 ────────────┐    s = x0+x1+x2+x3   s ──▶ out0
@@ -9,12 +8,8 @@ The floor of every comparison and the order tf.distribute's
     tower 2    x2 ──▶ tower 0 │                      s ──▶ tower 2
     tower 3    x3 ──▶ tower 0 ┘                      s ──▶ tower 3
 
-Order: ``((x0 + x1) + x2) + ...`` — TensorFlow's CPU ``AddN`` kernel adds its
-inputs left to right, so the sum is sequential in tower order.
-
-Cost (n towers, S bytes): tower 0 receives (n-1)·S and sends (n-1)·S; every other
-tower sends S. Time 2(n-1)·(α + Sβ) + (n-1)·Sγ: everything crosses tower 0 (the
-formulas of :mod:`towers.allreduce.parameter_device` on tower 0).
+Order: ``((x0 + x1) + x2) + ...`` (TensorFlow's CPU ``AddN`` adds left to right). Cost:
+:mod:`towers.allreduce.parameter_device`'s on tower 0, ``2(n-1)·(α + Sβ) + (n-1)·Sγ``.
 
 References:
     TensorFlow ``cross_device_ops.ReductionToOneDevice``; d2l.ai "Multiple GPUs".

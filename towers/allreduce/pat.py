@@ -11,23 +11,17 @@ n = 5 towers, chunks c0..c4, ``+▶t`` reduces into tower t, ``▶t`` copies to 
     tower 4  c0c2+▶0   c1+▶1   c3+▶3 │  c4 ▶0   c4 ▶2 c1c4 ▶3
                       tower r now owns c_r, finished
 
-Index formula (K = ⌈log2 n⌉ dimensions): PAT is Bruck's algorithm
-(:mod:`towers.allreduce.bruck`) with the dimensions reversed: each chunk is broadcast
-along its own binomial tree shifted to its owner (the "parallel trees"), one message
-per peer per step (the "aggregation"). Chunk c reaches tower ``c − j`` (j = 1..n−1) at
-the dimension of j's *lowest* set bit ``k``, from offset ``j − 2^k``; the all-gather runs
-k = K−1 down to 0, so the far hops carry little data and the near hops much (the
-opposite of Bruck). The reduce-scatter is that all-gather transposed and run backwards.
-Any n works: the trees are binomial trees cut at n.
+Index formula (K = ⌈log2 n⌉ dimensions): Bruck's algorithm (:mod:`towers.allreduce.bruck`)
+with the dimensions reversed. Chunk c reaches tower ``c − j`` (j = 1..n−1) at the dimension
+``k`` of j's *lowest* set bit, from offset ``j − 2^k``: a binomial tree per chunk shifted to
+its owner (the "parallel trees"), one message per peer per step (the "aggregation"). The
+all-gather runs k = K−1 down to 0, so far hops carry little data; the reduce-scatter is it
+transposed and run backwards. Any n: the trees are cut at n. ``pat(aggregation=A)`` bounds
+the staging buffer as NCCL does: a dimension of m chunks over ⌈m/A⌉ ticks (None: one tick).
 
-``pat(aggregation=A)`` bounds the staging buffer as NCCL does: at most A chunks per
-tower per tick, a dimension split over ⌈m/A⌉ ticks to the same peer (None: a whole
-dimension per tick); the split ticks run in dimension order.
-
-Padding: the buffer is cut into n chunks of ⌈L/n⌉ elements. Cost (S bytes, every
-tower sends ``n − 1`` chunks per phase; ``m_k = ⌊(n − 1 − 2^k)/2^(k+1)⌋ + 1`` chunks
-in dimension k): ``2·Σ_k ⌈m_k/A⌉·α + 2(n−1)/n·S·β + (n−1)/n·S·γ``, that is
-``2⌈log2 n⌉·α + …`` when A is None. Summation depth ⌈log2 n⌉.
+Cost (S bytes, chunks of ⌈L/n⌉ elements, ``m_k = ⌊(n − 1 − 2^k)/2^(k+1)⌋ + 1`` chunks in
+dimension k): ``2·Σ_k ⌈m_k/A⌉·α + 2(n−1)/n·S·β + (n−1)/n·S·γ`` (A None: ``2⌈log2 n⌉·α``);
+summation depth ⌈log2 n⌉.
 
 References:
     S. Jeaugey, "PAT: a new algorithm for all-gather and reduce-scatter operations
@@ -48,10 +42,6 @@ from towers.schedule.ir import Schedule
 __all__ = ["chunks_per_dimension", "cost", "pat", "pat_schedule"]
 
 
-def _aggregation(aggregation: object) -> int | None:
-    return None if aggregation is None else positive_int("aggregation", aggregation)
-
-
 def chunks_per_dimension(n: int) -> list[int]:
     """``m_k``: the chunks a tower sends in dimension k (offsets whose lowest set bit is k)."""
     return [(n - 1 - (1 << k)) // (1 << (k + 1)) + 1 for k in range(steps_of(n))]
@@ -62,15 +52,15 @@ def pat_schedule(n: int, aggregation: int | None = None) -> Schedule:
     """PAT's reduce-scatter then all-gather over ``n`` towers, at most ``aggregation`` chunks
     per tower per tick (None: unbounded)."""
     n = positive_int("n", n)
-    batch = _aggregation(aggregation)
+    batch = None if aggregation is None else positive_int("aggregation", aggregation)
     gather = gather_ticks(n, range(steps_of(n) - 1, -1, -1),
                           lambda j: (j & -j).bit_length() - 1, batch)  # j's lowest set bit
     return Schedule("pat", n, n, tuple(transpose(gather) + gather))
 
 
 def cost(n: int, nbytes: float, aggregation: int | None = None) -> Coefficients:
-    """α-β-γ coefficients: ``2·Σ_k ⌈m_k/A⌉·α + 2(n−1)/n·S·β + (n−1)/n·S·γ``."""
-    batch = _aggregation(aggregation)
+    """α-β-γ coefficients of the module docstring."""
+    batch = None if aggregation is None else positive_int("aggregation", aggregation)
     per = chunks_per_dimension(n)
     ticks = len(per) if batch is None else sum(math.ceil(m / batch) for m in per)
     return 2 * ticks, 2 * (n - 1) / n * nbytes, (n - 1) / n * nbytes

@@ -1,9 +1,8 @@
 """PowerSGD: send a rank-r approximation of each gradient matrix, feed the rest back.
 
-A gradient of shape ``[..., c]`` is viewed as an ``m × c`` matrix ``M`` (``m`` the
-product of the leading dimensions; a Conv2D kernel ``[kh, kw, in, out]`` becomes
-``[kh·kw·in, out]``). One power-iteration step finds a shared rank-r basis. Per step,
-n towers, ``Q`` an ``c × r`` matrix every tower holds the same copy of::
+A gradient of shape ``[..., c]`` is viewed as an ``m × c`` matrix ``M`` (a Conv2D kernel
+``[kh, kw, in, out]`` as ``[kh·kw·in, out]``); one power-iteration step finds a shared
+rank-r basis. Per step, n towers, ``Q`` a ``c × r`` matrix the same on every tower::
 
     step  tower t (its device)                 wire                       shape
     1     Δ_t = M_t + e_t                      (error feedback)           m × c
@@ -16,13 +15,11 @@ n towers, ``Q`` an ``c × r`` matrix every tower holds the same copy of::
     8     out = P̂ · Qᵀ  = Σ_t P̂P̂ᵀΔ_t          (decoders; sent to rest)   m × c
     9     next step's Q = this Q               (warm start)
 
-Bytes per tower through the algorithm: ``(m + c)·r`` elements instead of ``m·c``, and
-``out + Σ_t e_t' = Σ_t Δ_t`` up to rounding. Orthogonalization is modified Gram-Schmidt.
-``Q`` starts as a standard normal draw from a seed shared by every tower; warm starting
-makes successive steps a power iteration. Vectors and matrices too small to gain
-(``(m + c)·r·min_compression_rate ≥ m·c``, as PyTorch) are all-reduced uncompressed.
-Error feedback follows the paper's Algorithm 2 (PyTorch's hook keeps the tower's input
-minus the *mean* approximation: the totals ``Σ_t e_t`` are the same).
+Bytes per tower: ``(m + c)·r`` elements instead of ``m·c``; ``out + Σ_t e_t' = Σ_t Δ_t``
+up to rounding. ``Q`` starts as a normal draw from a seed every tower shares. Tensors too
+small to gain (``(m + c)·r·min_compression_rate ≥ m·c``, as PyTorch) go uncompressed.
+Error feedback is the paper's Algorithm 2 (PyTorch's hook subtracts the *mean*
+approximation instead: the same ``Σ_t e_t``).
 
 References:
     T. Vogels, S. P. Karimireddy and M. Jaggi, "PowerSGD: Practical Low-Rank Gradient
@@ -109,12 +106,10 @@ class PowerSGD:
         return (m + c) * r * size
 
     def error_bound(self, abs_sum: Any, towers: int, depth: int) -> np.ndarray:
-        """Rounding of ``out + Σ e' = Σ Δ``, float32. The same ``P̂`` (orthonormal columns,
-        so ``|P̂ P̂ᵀ x| ≤ ‖x‖``) builds both sides, so the orthogonalization's rounding
-        cancels; what remains are the matmuls' inner sums (at most ``m``, ``r`` terms),
-        the all-reduce of ``Q`` (``depth``) and ``Δ = g + e``: ``k = m + r + depth + 3``
-        roundings on terms no larger than ``|Δ|`` element-wise plus ``‖Δ‖`` (the Frobenius
-        norm of ``Σ|Δ_t|``), with a factor 2 for ``Σ_t e'_t`` and ``out`` each."""
+        """Rounding of ``out + Σ e' = Σ Δ``, float32. One ``P̂`` (orthonormal: ``|P̂ P̂ᵀ x| ≤
+        ‖x‖``) builds both sides, so its rounding cancels; the matmuls (``m``, ``r`` terms),
+        the ``Q`` all-reduce (``depth``) and ``Δ = g + e`` leave ``k = m + r + depth + 3``
+        roundings on terms up to ``|Δ| + ‖Σ|Δ_t|‖``, twice (``Σ_t e'_t`` and ``out``)."""
         abs_sum = np.asarray(abs_sum, np.float64)
         dims = self.matrix(list(abs_sum.shape))
         if dims is None:
@@ -164,9 +159,8 @@ def powersgd(rank: int = 1, warm_start: bool = True, seed: int = 0,
              min_compression_rate: float = 2.0) -> PowerSGD:
     """Rank-``rank`` PowerSGD with error feedback (Vogels et al. 2019).
 
-    ``warm_start`` reuses last step's reduced ``Q`` (else a fresh draw each step); ``seed``
-    is what every tower draws the first ``Q`` from; a matrix is compressed only if it
-    shrinks by more than ``min_compression_rate``.
+    ``warm_start`` reuses last step's ``Q`` (else a fresh draw from ``seed`` each step); a
+    matrix is compressed only if it shrinks by more than ``min_compression_rate``.
 
     Raises:
         ValueError: ``rank`` < 1 or not an int, or ``min_compression_rate`` < 1.

@@ -1,11 +1,9 @@
 """Ring all-reduce: reduce-scatter then all-gather around a ring of towers.
 
-Each tower's value is flattened, zero-padded and cut into ``n`` chunks (``n·s``
-with ``s`` sub-chunks). In ``n-1`` reduce-scatter ticks every tower sends one
-chunk's running partial to its right-hand neighbour, which adds its own copy;
-after them tower ``k`` holds chunk ``k`` fully reduced and finishes it (``mean``
-divides) once. In ``n-1`` all-gather ticks the finished chunks travel once more
-round the ring, copied, never recomputed. n = 4, s = 1 (``cK`` = chunk K)::
+Each value is flattened, zero-padded and cut into ``n·s`` chunks (``s`` sub-chunks). In
+``n-1`` reduce-scatter ticks every tower sends one chunk's partial to its right-hand
+neighbour, which adds its own copy; tower ``k`` then finishes chunk ``k`` and ``n-1``
+all-gather ticks copy the finished chunks round the ring. n = 4, s = 1 (``cK`` = chunk K)::
 
     tick       0        1        2     │    3        4        5
                reduce-scatter (+ own)  │    all-gather (copy)
@@ -15,24 +13,14 @@ round the ring, copied, never recomputed. n = 4, s = 1 (``cK`` = chunk K)::
     tower 3   c2 ─▶0   c1 ─▶0   c0 ─▶0 │   c3 ─▶0   c2 ─▶0   c1 ─▶0
                              tower k now owns c_k, finished
 
-Index formula (ring position ``p``, tick ``t = 0 .. n-2``): in the reduce-scatter
-``p`` sends chunk ``(p - 1 - t) mod n`` to ``p + 1``; in the all-gather it sends
-chunk ``(p - t) mod n``. Chunk ``k``'s sum starts at ``k + 1`` and ends at ``k``,
-so it is ``x_{k+1} ⊕ x_{k+2} ⊕ … ⊕ x_k``: a different order per chunk.
+Index formula (ring position ``p``, tick ``t = 0 .. n-2``): the reduce-scatter sends chunk
+``(p - 1 - t) mod n`` to ``p + 1``, the all-gather chunk ``(p - t) mod n``. Chunk ``k``'s
+sum is ``x_{k+1} ⊕ x_{k+2} ⊕ … ⊕ x_k``: a different order per chunk. Sub-chunks (as TF's
+``build_ring_all_reduce``): chunk ``g·s + r`` is segment ``g`` of ring ``r``, whose towers
+are rotated by ``r·max(1, n // s)`` positions, so each ring finishes on other towers.
 
-Sub-chunks (``s > 1``, as TF's ``build_ring_all_reduce``): chunk ``g·s + r`` is
-segment ``g`` of ring ``r``, and ring ``r`` lists the towers rotated by
-``r·max(1, n // s)`` positions, so each ring's segments are finished on different
-towers and every link carries ``s`` smaller pieces per tick (the rotation pays off
-when rings are spliced across machines).
-
-Cost (n towers, S bytes): every tower sends ``2(n-1)`` chunks of ``S/n``, i.e.
-``2(n-1)/n·S`` (plus padding when ``n·s`` does not divide the element count):
-``2(n-1)·α + 2(n-1)/n·S·β + (n-1)/n·S·γ`` — bandwidth-optimal, latency linear
-in ``n`` (``s`` rings: ``2(n-1)`` ticks still, each of ``s`` sends of ``S/(n·s)``).
-Summation depth ``n-1`` (a chain of additions on different towers, so Grappler,
-which regroups adds on one device, keeps the order). Schedule
-:func:`towers.schedule.ring_schedule`.
+Cost (n towers, S bytes, padding aside): ``2(n-1)s·α + 2(n-1)/n·S·β + (n-1)/n·S·γ``,
+bandwidth-optimal; summation depth ``n-1``. Schedule :func:`towers.schedule.ring_schedule`.
 
 References:
     P. Patarasuk and X. Yuan, "Bandwidth optimal all-reduce algorithms for clusters
@@ -50,8 +38,7 @@ __all__ = ["cost", "ring"]
 
 
 def cost(n: int, nbytes: float, *, subchunks: int = 1) -> Coefficients:
-    """α-β-γ coefficients: ``2(n-1)s·α + 2(n-1)/n·S·β + (n-1)/n·S·γ`` (one α per ring's
-    message, the cost model's convention)."""
+    """α-β-γ coefficients of the module docstring (one α per ring's message)."""
     subchunks = positive_int("subchunks", subchunks)
     return 2 * (n - 1) * subchunks, 2 * (n - 1) / n * nbytes, (n - 1) / n * nbytes
 

@@ -12,18 +12,14 @@ p = 4 towers, chunks c0..c3, ``+▶t`` reduces into tower t, ``▶t`` copies to 
 
 Index formula (p = 2^k towers, step s = 0..k-1): tower r's peer is
 ``ρ(r, s) = r + δ(s)`` for even r and ``r − δ(s)`` for odd r (mod p), with
-``δ(s) = (1 − (−2)^(s+1)) / 3 = 1, −1, 3, −5, 11, …``. Let ``R(x, s)`` be the
-towers x reaches through steps s..k-1 (``R(x, k) = {x}``,
-``R(x, s) = R(x, s+1) ∪ R(ρ(x, s), s+1)``). Reduce-scatter step s: r reduces the
-chunks ``R(ρ(r, s), s+1)`` into its peer (half of what it still holds), so after
-k steps r owns chunk r; all-gather runs the steps backwards, r copying the
-finished chunks ``R(r, s+1)`` to ``ρ(r, s)``. Against recursive halving's
-``r XOR 2^s``, a peer is at distance ``|δ(s)| < 2^s`` on a ring or torus: fewer hops.
-Other n (not the paper's extension): with p = 2^⌊log2 n⌋, extra tower p + j folds its
-buffer into tower j in a first tick and gets the result back in a last one, as
-``halving_doubling`` does. Chunks of ⌈L/p⌉ elements. Cost (S bytes; f = 1 when n > p else 0):
-``(2·log2 p + 2f)·α + (2(p−1)/p + 2f)·S·β + ((p−1)/p + f)·S·γ``, the same as
-Rabenseifner's; summation depth ⌈log2 n⌉.
+``δ(s) = (1 − (−2)^(s+1)) / 3 = 1, −1, 3, −5, 11, …``. Let ``R(x, s)`` be the towers x
+reaches through steps s..k-1 (``R(x, k) = {x}``, ``R(x, s) = R(x, s+1) ∪ R(ρ(x, s), s+1)``).
+Reduce-scatter step s: r reduces the chunks ``R(ρ(r, s), s+1)`` into its peer; all-gather
+runs the steps backwards, r copying ``R(r, s+1)`` to ``ρ(r, s)``. Against recursive
+halving's ``r XOR 2^s``, a peer is at distance ``|δ(s)| < 2^s`` on a ring or torus.
+Other n fold in and out as :mod:`~towers.allreduce.halving_doubling` does (not the paper's
+extension). Cost (S bytes, chunks of ⌈L/p⌉ elements; f = 1 when n > p else 0), Rabenseifner's:
+``(2·log2 p + 2f)·α + (2(p−1)/p + 2f)·S·β + ((p−1)/p + f)·S·γ``; summation depth ⌈log2 n⌉.
 
 References:
     D. De Sensi, T. Bonato, D. Saam, T. Hoefler, "Swing: Short-cutting Rings for

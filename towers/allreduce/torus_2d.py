@@ -10,22 +10,17 @@ q of the buffer is chunks ``q·R .. q·R+R−1``), ``+▶t`` reduces into t, ``�
     tower 2  c2c3+▶3 │   c0+▶0   c1 ▶0 │  c0c1 ▶3
     tower 3  c0c1+▶2 │   c2+▶1   c3 ▶1 │  c2c3 ▶2
 
-Index formula (R rows × C columns, R·C = n, n chunks): (1) row reduce-scatter, a
-ring of the C towers of each row over C parts of R chunks: at tick s, column q
-reduces part ``(q − s − 1) mod C`` into column ``q + 1``, so after C − 1 ticks tower
-(i, q) holds part q summed over its row. (2) Column all-reduce, a ring of the R
-towers of column q over part q's R chunks: at tick s row i reduces chunk
-``q·R + (i − s − 1) mod R`` into row ``i + 1`` (R − 1 ticks), then copies chunk
-``q·R + (i − s) mod R`` to it (R − 1 ticks): every tower of column q ends with part q
-complete. (3) Row all-gather: at tick s column q copies part ``(q − s) mod C`` to
-column ``q + 1`` (C − 1 ticks).
+Index formula (R rows × C columns, R·C = n, n chunks): (1) row reduce-scatter: at tick s
+column q reduces part ``(q − s − 1) mod C`` into column ``q + 1`` (C − 1 ticks), leaving
+(i, q) with part q summed over its row. (2) Column all-reduce, a ring down column q over
+part q's R chunks: row i reduces chunk ``q·R + (i − s − 1) mod R`` into row ``i + 1``
+(R − 1 ticks), then copies chunk ``q·R + (i − s) mod R`` to it (R − 1 ticks). (3) Row
+all-gather: column q copies part ``(q − s) mod C`` to column ``q + 1`` (C − 1 ticks).
 
-The grid: ``rows=None`` takes R = the largest divisor of n not above √n (8 → 2×4);
-``torus_2d(rows=R)`` fixes R (it must divide n); a prime n degenerates to the ring.
-The point is latency: ``2(C−1) + 2(R−1)`` ticks instead of ``2(n−1)``, same bytes.
-Cost (S bytes, chunks of ⌈L/n⌉ elements):
-``(2(C−1) + 2(R−1))·α + 2(n−1)/n·S·β + (n−1)/n·S·γ``; summation depth
-``(C−1) + (R−1)``.
+``rows=None`` takes R = the largest divisor of n not above √n (8 → 2×4; a prime n is the
+ring); ``torus_2d(rows=R)`` fixes it. Cost (S bytes, chunks of ⌈L/n⌉ elements):
+``(2(C−1) + 2(R−1))·α + 2(n−1)/n·S·β + (n−1)/n·S·γ``, the ring's bytes in fewer ticks;
+summation depth ``(C−1) + (R−1)``.
 
 References:
     H. Mikami, H. Suganuma, P. U-chupala, Y. Tanaka, Y. Kageyama, "Massively
@@ -83,7 +78,7 @@ def torus_2d_schedule(n: int, rows: int | None = None) -> Schedule:
 
 
 def cost(n: int, nbytes: float, rows: int | None = None) -> Coefficients:
-    """α-β-γ coefficients: ``(2(C−1) + 2(R−1))·α + 2(n−1)/n·S·β + (n−1)/n·S·γ``."""
+    """α-β-γ coefficients of the module docstring."""
     r, c = grid(n, rows)
     return 2 * (c - 1) + 2 * (r - 1), 2 * (n - 1) / n * nbytes, (n - 1) / n * nbytes
 

@@ -1,9 +1,8 @@
 """Binary-tree all-reduce: reduce up to tower 0, then broadcast down, pipelined in pieces.
 
-Towers form a binary heap: tower ``i``'s children are ``2i+1`` and ``2i+2``.
-Each value is flattened, zero-padded and cut into ``C`` pieces. A node adds its
-children's partials of a piece to its own and passes the result up; tower 0
-finishes each piece (``mean`` divides) once and the pieces are copied back down.
+Towers form a binary heap (tower ``i``'s children: ``2i+1``, ``2i+2``); each value is cut
+into ``C`` zero-padded pieces. A node adds its children's partials of a piece to its own and
+passes the result up; tower 0 finishes each piece once and the pieces are copied back down.
 n = 7, C = 2 (``pK`` = piece K, ``▲a`` = send up to a, ``▼a,b`` = copy down to a and b)::
 
     tick        0         1          2           3           4
@@ -15,21 +14,15 @@ n = 7, C = 2 (``pK`` = piece K, ``▲a`` = send up to a, ``▼a,b`` = copy down 
     tower 5   p0 ▲2     p1 ▲2       .           .           .
     tower 6   p0 ▲2     p1 ▲2       .           .           .
 
-Index formula (``h`` = a node's height, its longest path down to a leaf; ``d`` =
-its depth; ``D`` = the root's height): a node sends piece ``k`` up at tick
-``h + k`` and copies it to its children at tick ``D + d + k``. Each piece moves
-one level per tick, so reduce and broadcast overlap (tick 3 above). In all
-``2D + C - 1`` ticks.
+Index formula (``h``: a node's height; ``d``: its depth; ``D``: the root's height): a node
+sends piece ``k`` up at tick ``h + k`` and copies it down at ``D + d + k``, so reduce and
+broadcast overlap (tick 3 above): ``2D + C - 1`` ticks. Order: node ``i`` forms
+``(x_i ⊕ p_a) ⊕ p_b``, own value first, the child with fewer additions joining first
+(:func:`tree_shape`); a child joining after a taller sibling sends when that one does.
 
-Order: node ``i`` forms ``(x_i ⊕ p_a) ⊕ p_b``, its own value first (``own_first``),
-joining first the child whose partial went through fewer additions (:func:`tree_shape`);
-a child that joins after a taller sibling sends when that sibling does.
-
-Cost (n towers, S bytes, D = ⌊log2 n⌋, single-port full-duplex links): ``2D + C - 1``
-ticks. C = 1: a node takes its two children's values one after the other,
-``4D·(α + S·β) + 2D·S·γ``. Pipelined, a tick costs the busiest port, at most three
-pieces of ``S/C``: ``≲ (2D + C - 1)·3·(α + S/C·β) + (D + C - 1)·2·S/C·γ``. Bytes: an
-inner node sends ``3·S``, a leaf ``S`` (padding included).
+Cost (D = ⌊log2 n⌋, single-port full-duplex links): C = 1, ``4D·(α + S·β) + 2D·S·γ``;
+pipelined, a tick costs the busiest port, at most three pieces of ``S/C``:
+``≲ (2D + C - 1)·3·(α + S/C·β) + (D + C - 1)·2·S/C·γ``. An inner node sends ``3·S``, a leaf ``S``.
 
 References:
     P. Sanders, J. Speck, J. L. Träff, "Two-tree algorithms for full bandwidth
