@@ -37,6 +37,7 @@ from towers.allreduce.machinery.base import (
     finish,
     scale,
 )
+from towers.allreduce.machinery.packed import per_tower
 from towers.allreduce.machinery.primitives import Recorder, Transfer, record, send
 from towers.allreduce.machinery.registry import (
     ALGORITHMS,
@@ -128,11 +129,8 @@ def _place(values: Sequence[tf.Tensor | tf.IndexedSlices], devices: Sequence[str
         raise TypeError(f"devices must be None or a list of device names, got {devices!r}")
     if len(devices) != len(values):
         raise ValueError(f"devices has {len(devices)} entries for {len(values)} values")
-    moved = []
-    for v, d in zip(values, devices):
-        with tf.device(d):
-            moved.append(v if isinstance(v, tf.IndexedSlices) else tf.identity(v))
-    return moved
+    return per_tower(devices, lambda i: values[i] if isinstance(values[i], tf.IndexedSlices)
+                     else tf.identity(values[i]))
 
 
 def _reduce(fn: AllReduce, values: Sequence[tf.Tensor | tf.IndexedSlices],

@@ -33,6 +33,7 @@ from typing import Any
 import tensorflow as tf
 
 from towers.allreduce.machinery.base import AllReduce, device_of
+from towers.allreduce.machinery.packed import per_tower
 from towers.allreduce.machinery.resolve import get
 from towers.allreduce.machinery.sparse import gather_indexed_slices
 from towers.devices import canonical_device
@@ -223,11 +224,7 @@ def _reduce_dense(values: list[list[tf.Tensor]], devices: list[str], fn: AllRedu
     for k in range(len(layout.buckets)):
         for tower, out in enumerate(fn([buckets[k] for buckets, _ in packed], op=op)):
             reduced[tower].append(out)
-    result = []
-    for tower, device in enumerate(devices):
-        with tf.device(device):
-            result.append(unpack(reduced[tower], layout))
-    return result
+    return per_tower(devices, lambda tower: unpack(reduced[tower], layout))
 
 
 def bucketed(

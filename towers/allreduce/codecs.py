@@ -24,6 +24,7 @@ import numpy as np
 import tensorflow as tf
 
 from towers.allreduce.machinery.base import AllReduce
+from towers.allreduce.machinery.packed import per_tower
 from towers.allreduce.machinery.primitives import send
 from towers.allreduce.machinery.registry import Record, Registry
 from towers.allreduce.machinery.rounding import rounding, unit_roundoff
@@ -54,11 +55,7 @@ class Wire:
 
     def per_tower(self, fn: Callable[[int], Any]) -> list[Any]:
         """``[fn(tower) for tower]``, each call under that tower's device (local work)."""
-        out = []
-        for t, device in enumerate(self.devices):
-            with tf.device(device):
-                out.append(fn(t))
-        return out
+        return per_tower(self.devices, fn)
 
     def gather(self, values: Sequence[tf.Tensor], dst: int) -> list[tf.Tensor]:
         """Every tower's value on tower ``dst``, in tower order (one send per other tower)."""

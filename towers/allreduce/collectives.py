@@ -1,12 +1,10 @@
 """The other collectives: reduce-scatter, all-gather, broadcast (run from schedules), all-to-all.
 
-**Sharding rule.** :func:`reduce_scatter` flattens the reduced value and gives tower ``i``
-the ``i``-th of ``n`` runs cut by :func:`~towers.schedule.collectives.even_sizes` (no
-padding); :func:`all_gather` concatenates the shards along axis 0 in tower order, so
-``all_gather(reduce_scatter(v))`` is the flattened all-reduce. The first three run a
-schedule of :data:`COLLECTIVE_ALGORITHMS` (drawn in :mod:`towers.schedule.collectives`
-and by :func:`format_collective`), or any generator ``n -> Schedule`` of their collective,
-through :func:`~towers.allreduce.machinery.scheduled.run_slots`.
+:func:`reduce_scatter` gives tower ``i`` the ``i``-th of ``n`` runs of the flattened
+reduction (:func:`~towers.schedule.collectives.even_sizes`, no padding); :func:`all_gather`
+concatenates shards on axis 0 in tower order, so ``all_gather(reduce_scatter(v))`` is the
+flattened all-reduce. The first three run a schedule of :data:`COLLECTIVE_ALGORITHMS` (drawn
+by :func:`format_collective`) or any generator ``n -> Schedule`` of their collective.
 
 Example:
     >>> full = all_gather(reduce_scatter(values, algorithm="halving"))   # doctest: +SKIP
@@ -20,6 +18,7 @@ from typing import Any
 import tensorflow as tf
 
 from towers.allreduce.machinery.base import DTYPES, check_scale, check_values, scale
+from towers.allreduce.machinery.packed import per_tower
 from towers.allreduce.machinery.primitives import send
 from towers.allreduce.machinery.registry import Record, Registry, from_schedule
 from towers.allreduce.machinery.scheduled import Slots, run_slots
@@ -131,12 +130,9 @@ def _schedule(collective: str, algorithm: Algorithm, n: int) -> Schedule:
 def reduce_scatter(values: Sequence[tf.Tensor], *, algorithm: Algorithm = "ring",
                    op: str = "sum", prescale: float = 1.0,
                    postscale: float = 1.0) -> list[tf.Tensor]:
-    """Reduce one value per tower (static shapes) and leave tower ``i`` with shard ``i``:
-    1-D, on ``values[i]``'s device, run ``i`` of the flattened reduction.
-
-    ``algorithm``: ``"ring"``, ``"halving"`` or a generator ``n -> Schedule`` of a
-    ``reduce_scatter`` (chunk ``i`` owned by tower ``i``); ``op``, ``prescale`` and
-    ``postscale`` as in :func:`towers.all_reduce`.
+    """Reduce one value per tower (static shapes); tower ``i`` keeps run ``i`` (1-D) of the
+    flattened reduction. ``algorithm``: ``"ring"``, ``"halving"`` or a generator of a
+    ``reduce_scatter``; ``op``, ``prescale``, ``postscale`` as in :func:`towers.all_reduce`.
     """
     devices = check_values(values, op)
     pre = check_scale("prescale", prescale, values[0].dtype)
@@ -147,10 +143,8 @@ def reduce_scatter(values: Sequence[tf.Tensor], *, algorithm: Algorithm = "ring"
     n = len(values)
     schedule = _schedule("reduce_scatter", algorithm, n)
     sizes = even_sizes(int(values[0].shape.num_elements()), n)
-    slots: Slots = []
-    for v, device in zip(values, devices):
-        with tf.device(device):
-            slots.append(list(tf.split(tf.reshape(scale(v, pre), [-1]), sizes)))
+    slots: Slots = per_tower(devices, lambda i: list(tf.split(
+        tf.reshape(scale(values[i], pre), [-1]), sizes)))
     slots = run_slots(schedule, slots, devices, op, note="reduce_scatter")
     return [scale(slots[i][i], post) for i in range(n)]
 
@@ -184,21 +178,14 @@ def _check_shards(shards: Sequence[tf.Tensor]) -> list[str]:
 
 
 def all_gather(shards: Sequence[tf.Tensor], *, algorithm: Algorithm = "ring") -> list[tf.Tensor]:
-    """Every tower ends with ``concat(shards, axis=0)`` (copies only: bitwise equal).
-
-    ``shards``: one per tower (rank >= 1, one dtype, equal beyond axis 0); ``algorithm``:
-    ``"ring"``, ``"doubling"`` or a generator of an ``all_gather``.
-    """
+    """Every tower ends with ``concat(shards, axis=0)`` (copies only: bitwise equal);
+    ``algorithm``: ``"ring"``, ``"doubling"`` or a generator of an ``all_gather``."""
     devices = _check_shards(shards)
     n = len(shards)
     schedule = _schedule("all_gather", algorithm, n)
     slots: Slots = [[x if c == t else None for c in range(n)] for t, x in enumerate(shards)]
     slots = run_slots(schedule, slots, devices, note="all_gather")
-    out = []
-    for row, device in zip(slots, devices):
-        with tf.device(device):
-            out.append(tf.concat(row, axis=0))
-    return out
+    return per_tower(devices, lambda t: tf.concat(slots[t], axis=0))
 
 
 def _check_broadcast(value: tf.Tensor, devices: Sequence[str], root: int) -> list[str]:
@@ -224,11 +211,9 @@ def _check_broadcast(value: tf.Tensor, devices: Sequence[str], root: int) -> lis
 
 def broadcast(value: tf.Tensor, devices: Sequence[str], *, root: int = 0,
               algorithm: Algorithm = "tree") -> list[tf.Tensor]:
-    """Copy ``value`` (static shape, on ``devices[root]``) to every device in ``devices``.
-
-    ``algorithm``: ``"tree"`` (binomial), ``"chain"`` (pipelined, 4 chunks), ``"flat"``
-    (one tick) or a generator of a ``broadcast`` (its root turned to ``root``).
-    ``out[root]`` is ``value``; copies only, so all are bitwise equal.
+    """Copy ``value`` (static shape, on ``devices[root]``) to every device in ``devices``
+    (bitwise). ``algorithm``: ``"tree"`` (binomial), ``"chain"`` (pipelined, 4 chunks),
+    ``"flat"`` (one tick) or a generator of a ``broadcast`` (its root turned to ``root``).
     """
     names = _check_broadcast(value, devices, root)
     schedule = rooted(_schedule("broadcast", algorithm, len(names)), root)
@@ -238,19 +223,13 @@ def broadcast(value: tf.Tensor, devices: Sequence[str], *, root: int = 0,
     slots: Slots = [[None] * schedule.chunks for _ in names]
     slots[root] = list(pieces)
     slots = run_slots(schedule, slots, names, note="broadcast")
-    out = []
-    for i, (row, device) in enumerate(zip(slots, names)):
-        with tf.device(device):
-            out.append(value if i == root else tf.reshape(tf.concat(row, axis=0), shape))
-    return out
+    return per_tower(names, lambda i: value if i == root
+                     else tf.reshape(tf.concat(slots[i], axis=0), shape))
 
 
 def all_to_all(values: Sequence[tf.Tensor]) -> list[tf.Tensor]:
-    """Tower ``i``'s output block ``j`` is tower ``j``'s block ``i``: a transpose of blocks.
-
-    Each ``values[i]`` (static shape, rank >= 1) is cut along axis 0 into ``n`` equal
-    blocks; ``out[i] = concat([block i of values[j] for j], axis=0)``, in one tick.
-    """
+    """Tower ``i``'s output block ``j`` is tower ``j``'s block ``i`` (one tick): each value
+    (static shape) is cut on axis 0 into ``n`` equal blocks."""
     devices = check_values(values)
     n = len(values)
     for i, v in enumerate(values):
@@ -259,10 +238,7 @@ def all_to_all(values: Sequence[tf.Tensor]) -> list[tf.Tensor]:
     if values[0].shape[0] % n:
         raise ValueError(f"values[0] has {values[0].shape[0]} rows on axis 0, not a multiple "
                          f"of the {n} towers: all_to_all cuts axis 0 into {n} equal blocks")
-    blocks = []
-    for v, device in zip(values, devices):
-        with tf.device(device):
-            blocks.append(tf.split(v, n, axis=0))
+    blocks = per_tower(devices, lambda i: tf.split(values[i], n, axis=0))
     out = []
     for i, device in enumerate(devices):
         moved = [send(blocks[j][i], device, tick=0, chunk=j, note="all_to_all")

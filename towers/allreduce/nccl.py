@@ -1,18 +1,15 @@
 """All-reduce on TensorFlow's collective ops with ``communication_hint="nccl"``: the yardstick.
 
-The ops are opaque: data moves inside the runtime, not through
-:func:`~towers.allreduce.machinery.primitives.send`, so nothing is recorded (see
-:func:`estimated_bytes_sent`). ``nccl()`` is one ``all_reduce_v2`` per tower (the
-runtime's schedule: a ring on CPU; NCCL's ring or tree on GPUs, or the raw
-``nccl_ops.all_sum`` when every tower is its own physical GPU). The other two
-are composed from collectives, n = 4 (rank: TensorFlow's, by task and device index)::
+The ops are opaque (data moves inside the runtime, not through ``send``: bytes are
+:func:`estimated_bytes_sent`). ``nccl()`` is one ``all_reduce_v2`` per tower (a ring on
+CPU; NCCL's ring or tree on GPUs; ``nccl_ops.all_sum`` when every tower is its own
+physical GPU). The other two are composed from collectives, n = 4 (TensorFlow's ranks)::
 
     nccl_ring  tick 0: all_to_all_v2          local             tick 1: all_gather_v2
     rank 0     row j → rank j; gets rows 0    c0 = Σ rows (+/n)  c0 → all; gets c1 c2 c3
     rank 1     row j → rank j; gets rows 1    c1 = Σ rows (+/n)  c1 → all; gets c0 c2 c3
     rank 2, 3  likewise (chunk r of the padded [n, ⌈L/n⌉] buffer reduced on rank r)
-    (from 11 ranks tick 0 is n − 1 rounds of pairwise broadcast send/recv instead:
-    TensorFlow's all_to_all_v2 misroutes from 12 ranks; see ``tf_collective_ops.all_to_all``)
+    (from 11 ranks tick 0 is n − 1 rounds of pairwise send/recv: ``tf_collective_ops.all_to_all``)
 
     nccl_tree  tick 0     tick 1        tick 2 (broadcast_send/recv_v2)
     tower 0    ◀── t1     ◀── t2        s = finish(((x0+x1)+(x2+x3))) → t1 t2 t3
@@ -20,12 +17,10 @@ are composed from collectives, n = 4 (rank: TensorFlow's, by task and device ind
     tower 2    ◀── t3     x2+x3 → t0    ◀── s
     tower 3    x3 → t2                  ◀── s
 
-Index formula (tree): at level k tower i with i mod 2^(k+1) = 2^k sends to i − 2^k
-(a broadcast in the group of the two). Cost: nccl and nccl_ring 2(n−1)α +
-2(n−1)/n·Sβ + (n−1)/n·Sγ; nccl_tree 2⌈log2 n⌉(α + Sβ) + ⌈log2 n⌉·Sγ. Summation
-depth: n − 1 for nccl (CPU ring) and nccl_ring (rows added in rank order), ⌈log2 n⌉
-for nccl_tree. :func:`~towers.allreduce.machinery.differentiable.differentiable` gives
-the ops a gradient. The plumbing is :mod:`towers.allreduce.machinery.tf_collective_ops`.
+Index formula (tree): at level k tower i with i mod 2^(k+1) = 2^k sends to i − 2^k.
+Cost: nccl and nccl_ring 2(n−1)α + 2(n−1)/n·Sβ + (n−1)/n·Sγ; nccl_tree 2⌈log2 n⌉(α + Sβ)
++ ⌈log2 n⌉·Sγ. Summation depth: n − 1 for nccl (CPU ring) and nccl_ring (rows added in
+rank order), ⌈log2 n⌉ for nccl_tree. Plumbing: :mod:`towers.allreduce.machinery.tf_collective_ops`.
 
 References:
     NVIDIA NCCL; nccl-tests' bus bandwidth; TensorFlow
@@ -43,6 +38,7 @@ from tensorflow.python.ops import collective_ops, nccl_ops
 
 from towers.allreduce.machinery.base import AllReduce, combine, finish
 from towers.allreduce.machinery.differentiable import differentiable
+from towers.allreduce.machinery.packed import pad_rows, per_tower
 from towers.allreduce.machinery.primitives import record_estimate
 from towers.allreduce.machinery.registry import Algorithm, Coefficients, register, schedule_of
 from towers.allreduce.machinery.tf_collective_ops import (
@@ -82,11 +78,8 @@ def raw_nccl_usable(devices: Sequence[str], dtype: tf.DType) -> bool:
 def _raw_nccl(values: list[tf.Tensor], devices: tuple[str, ...], op: str) -> list[tf.Tensor]:
     reduce = {"max": nccl_ops.all_max, "min": nccl_ops.all_min,
               "product": nccl_ops.all_prod}.get(op, nccl_ops.all_sum)
-    finished = []
-    for out, device in zip(reduce(values), devices, strict=True):
-        with tf.device(device):  # correctly rounded: identical sums give identical means
-            finished.append(finish(out, op, len(values)))
-    return finished
+    outs = reduce(values)  # correctly rounded: identical sums give identical means
+    return per_tower(devices, lambda i: finish(outs[i], op, len(values)))
 
 
 def _all_reduce_ops(
@@ -95,14 +88,10 @@ def _all_reduce_ops(
     """One all_reduce_v2 per tower (``group_size`` > len(values) only to test timeouts)."""
     group, instance = group_key(devices, group_size), next_key()
     merge = {"max": "Max", "min": "Min", "product": "Mul"}.get(op, "Add")
-    outputs = []
-    for v, device in zip(values, devices, strict=True):
-        with tf.device(device):
-            outputs.append(collective_ops.all_reduce_v2(
-                v, group_size, group, instance, merge_op=merge,
-                final_op="Div" if op == "mean" else "Id", communication_hint=HINT,
-                ordering_token=token(device)))
-    return outputs
+    return per_tower(devices, lambda i: collective_ops.all_reduce_v2(
+        values[i], group_size, group, instance, merge_op=merge,
+        final_op="Div" if op == "mean" else "Id", communication_hint=HINT,
+        ordering_token=token(devices[i])))
 
 
 def _nccl_body(values: list[tf.Tensor], devices: tuple[str, ...], op: str) -> list[tf.Tensor]:
@@ -115,12 +104,7 @@ def _ring_body(values: list[tf.Tensor], devices: tuple[str, ...], op: str) -> li
     """Reduce-scatter as all-to-all + a local sum, then all-gather; chunk r finished once."""
     n, shape, dtype = len(values), values[0].shape, values[0].dtype
     length = int(shape.num_elements())
-    chunk = -(-length // n)
-    rows = []
-    for v, device in zip(values, devices, strict=True):
-        with tf.device(device):
-            rows.append(tf.reshape(tf.pad(tf.reshape(v, [-1]), [[0, n * chunk - length]]),
-                                   [n, chunk]))
+    rows = per_tower(devices, lambda i: pad_rows(values[i], n)[0])  # [n, ⌈length/n⌉]
     received_rows = all_to_all(rows, devices)
     group, gather_key, outputs = group_key(devices), next_key(), []
     for received, device in zip(received_rows, devices, strict=True):
@@ -139,10 +123,7 @@ def _ring_body(values: list[tf.Tensor], devices: tuple[str, ...], op: str) -> li
 def _tree_body(values: list[tf.Tensor], devices: tuple[str, ...], op: str) -> list[tf.Tensor]:
     """Binomial-tree reduce onto tower 0 (groups of two), then one broadcast to all."""
     n, shape = len(values), values[0].shape
-    acc = []
-    for v, device in zip(values, devices, strict=True):
-        with tf.device(device):
-            acc.append(tf.reshape(v, [-1]))
+    acc = per_tower(devices, lambda i: tf.reshape(values[i], [-1]))
     step = 1
     while step < n:
         for dst in range(0, n - step, 2 * step):
@@ -166,26 +147,19 @@ def _tree_body(values: list[tf.Tensor], devices: tuple[str, ...], op: str) -> li
     return outputs
 
 
-def _record_estimates(values: Sequence[tf.Tensor]) -> None:
-    """Tell any active ``record()`` what the opaque ops are expected to send (ring figure)."""
-    n = len(values)
-    if n < 2 or not values[0].shape.is_fully_defined():
-        return
-    nbytes = int(values[0].shape.num_elements()) * values[0].dtype.size
-    per_tower = estimated_bytes_sent(n, nbytes)
-    for i, v in enumerate(values):
-        dst = values[(i + 1) % n].device
-        record_estimate(v.device, dst, round(per_tower[i]), note=f"{len(values)}-way collective")
-
-
 def _factory(body: Body, name: str, timeout_seconds: float = TIMEOUT_SECONDS) -> AllReduce:
     """Build ``nccl``, ``nccl_ring`` or ``nccl_tree``; ``timeout_seconds`` bounds an eager
     call (and a trainer's step without ``step_timeout``), else tf.errors.DeadlineExceededError."""
     positive_float("timeout_seconds", timeout_seconds)
 
     def all_reduce(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
-        outputs = run(body, values, op, timeout_seconds)
-        _record_estimates(values)
+        outputs, n = run(body, values, op, timeout_seconds), len(values)
+        if n > 1:  # tell any record() what the opaque ops are expected to send
+            nbytes = int(values[0].shape.num_elements()) * values[0].dtype.size
+            each = round(estimated_bytes_sent(n, nbytes)[0])
+            for i, v in enumerate(values):
+                record_estimate(v.device, values[(i + 1) % n].device, each,
+                                note=f"{n}-way collective")
         return outputs
 
     all_reduce.__name__ = all_reduce.__qualname__ = f"{name}_all_reduce"
@@ -206,14 +180,11 @@ def _tree_cost(n: int, nbytes: float) -> Coefficients:
 
 
 def _register(name: str, body: Body, depth: Any, cost: Any) -> Algorithm:
-    def estimate(n: int, nbytes: int, itemsize: int, **_: Any) -> list[float]:
-        return estimated_bytes_sent(n, nbytes)
-
-    return register(Algorithm(name, partial(_factory, body, name), estimate,
-                              lambda n, **_: depth(n), cost,
-                              schedule_of(__doc__), estimated=True, replayable=False))
+    return register(Algorithm(name, partial(_factory, body, name),
+                              lambda n, nbytes, itemsize, **_: estimated_bytes_sent(n, nbytes),
+                              depth, cost, schedule_of(__doc__), estimated=True, replayable=False))
 
 
-nccl = _register("nccl", _nccl_body, lambda n: max(n - 1, 0), ring_cost)
-nccl_ring = _register("nccl_ring", _ring_body, lambda n: max(n - 1, 0), ring_cost)
-nccl_tree = _register("nccl_tree", _tree_body, lambda n: (n - 1).bit_length(), _tree_cost)
+nccl = _register("nccl", _nccl_body, lambda n, **_: max(n - 1, 0), ring_cost)
+nccl_ring = _register("nccl_ring", _ring_body, lambda n, **_: max(n - 1, 0), ring_cost)
+nccl_tree = _register("nccl_tree", _tree_body, lambda n, **_: (n - 1).bit_length(), _tree_cost)

@@ -14,15 +14,14 @@ travel as one tensor and are combined by one op.
     dst: combine(received [k, L], pack(own rows) [k, L])   one op → a new [k, L] tensor,
          whose rows are the k slots from now on
 
-A :class:`Row` is ``(tensor, row)``; nothing is cut into per-chunk tensors until asked
-(:func:`materialize`). Every element goes through exactly the ``combine`` and ``finish``
-it went through chunk by chunk, in the same order: results are bitwise the same.
+Every element goes through the ``combine`` and ``finish`` it would chunk by chunk, in the
+same order: results are bitwise the same.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import tensorflow as tf
 
@@ -30,7 +29,9 @@ from towers.devices import canonical_device, one_memory
 from towers.guard.arguments import positive_int
 
 __all__ = ["FUSE_BELOW", "Row", "assemble", "materialize", "pack", "pad_rows", "pad_split",
-           "row_of", "small", "unsplit"]
+           "per_tower", "row_of", "small", "unsplit"]
+
+T = TypeVar("T")
 
 
 class Row(NamedTuple):
@@ -42,8 +43,7 @@ class Row(NamedTuple):
 
 def pad_rows(x: tf.Tensor, pieces: int) -> tuple[tf.Tensor, tuple[int, ...], int]:
     """``(rows, shape, size)``: ``x`` (static shape) flattened, zero-padded and viewed as
-    ``[pieces, ⌈size/pieces⌉]`` on its device, with its shape and element count.
-    """
+    ``[pieces, ⌈size/pieces⌉]`` on its device, with its shape and element count."""
     shape = tuple(int(d) for d in x.shape)
     size = int(x.shape.num_elements())
     length = -(-size // pieces)  # ceil: every chunk equally long, so sends are uniform
@@ -55,9 +55,8 @@ def pad_rows(x: tf.Tensor, pieces: int) -> tuple[tf.Tensor, tuple[int, ...], int
 
 
 def pad_split(x: tf.Tensor, pieces: int) -> tuple[list[tf.Tensor], tuple[int, ...], int]:
-    """``(chunks, shape, size)``: :func:`pad_rows`' rows as 1-D chunks, with what
-    :func:`unsplit` needs to undo it; ``pad_split(tf.range(5.0), 2)`` gives [0 1 2] [3 4 0].
-    """
+    """:func:`pad_rows`' rows as 1-D chunks: ``pad_split(tf.range(5.0), 2)`` gives
+    ``([0 1 2], [3 4 0]), (5,), 5``, what :func:`unsplit` needs to undo it."""
     pieces = positive_int("pieces", pieces)
     if not x.shape.is_fully_defined():
         raise ValueError(f"pad_split needs a static shape, got {x.shape}")
@@ -98,8 +97,8 @@ def row_of(x: tf.Tensor) -> Row:
 
 
 FUSE_BELOW = 1 << 16
-"""Rows lighter than this (bytes) are gathered into one message even when they are not
-consecutive: below it an op costs more than copying the rows; above it a copy costs more."""
+"""Rows lighter than this (bytes) are gathered into one message even when not consecutive
+(below it an op costs more than copying the rows)."""
 
 
 def small(r: Row) -> bool:
@@ -108,11 +107,9 @@ def small(r: Row) -> bool:
 
 
 def pack(rows: Sequence[Row | None]) -> tf.Tensor:
-    """The rows as one ``[len(rows), L]`` tensor, under the caller's device scope.
-
-    Consecutive rows of one tensor become one slice (the whole tensor: no copy); other rows
-    one gather when :func:`small`, else one slice per run; the parts are concatenated.
-    """
+    """The rows as one ``[len(rows), L]`` tensor, under the caller's device scope:
+    consecutive rows of one tensor one slice (no copy), other rows one gather when
+    :func:`small`, else one slice per run; the parts concatenated."""
     segments: list[tuple[tf.Tensor, list[int]]] = []
     for r in rows:
         if r is None:
@@ -164,13 +161,20 @@ def materialize(r: Row, shape: Sequence[int]) -> tf.Tensor:
     return tf.reshape(row, list(shape))
 
 
+def per_tower(devices: Sequence[str], fn: Callable[[int], T]) -> list[T]:
+    """``[fn(tower) for tower]``, each call under its tower's device (local work, no move)."""
+    out = []
+    for tower, device in enumerate(devices):
+        with tf.device(device):
+            out.append(fn(tower))
+    return out
+
+
 def assemble(held: Sequence[Sequence[tf.Tensor]], devices: Sequence[str],
              build: Callable[[int], tf.Tensor]) -> list[tf.Tensor]:
-    """Every tower's output from the finished chunks it holds: ``build(tower)`` on its device,
-    or, where the towers share one memory, ``build(0)`` once (the chunks are bitwise the
-    same everywhere), tower ``i``'s copy waiting for its own chunks ``held[i]`` (a control
-    dependency), so no send of the schedule is pruned.
-    """
+    """Every tower's output: ``build(tower)`` on its device, or, where the towers share one
+    memory, ``build(0)`` once (the chunks are bitwise the same everywhere), tower ``i``'s
+    copy waiting for its own chunks ``held[i]`` so no send of the schedule is pruned."""
     shared = one_memory(devices)
     outputs: list[tf.Tensor] = []
     for tower, device in enumerate(devices):

@@ -1,15 +1,12 @@
 """The registries' one record shape, and the all-reduce registry with its configured algorithm.
 
-A :class:`Record` describes one registered thing: an all-reduce (:data:`ALGORITHMS`),
-another collective's algorithm (``COLLECTIVE_ALGORITHMS``), a codec (``CODECS``) or a
-placement (``PLACEMENTS``). A record is its thing's factory: ``ring(subchunks=2)``
-(``ring is ALGORITHMS["ring"]``) returns a :class:`Configured`, a frozen callable that
-knows its record and parameters. Adding an algorithm is one module and one line at its
-end (:func:`register_schedule` where it is a schedule, its formulas derived)::
+A :class:`Record` describes an all-reduce (:data:`ALGORITHMS`), another collective's
+algorithm (``COLLECTIVE_ALGORITHMS``), a codec (``CODECS``) or a placement (``PLACEMENTS``),
+and is its factory: ``ring(subchunks=2)`` (``ring is ALGORITHMS["ring"]``) returns a
+:class:`Configured`, a frozen callable knowing its record and parameters. Adding an
+algorithm is one line (:func:`register_schedule` derives a schedule's formulas)::
 
     mine = register(Algorithm("mine", _build, bytes_sent=..., summation_depth=..., cost=...))
-
-A plain callable without a record is still accepted everywhere.
 """
 
 from __future__ import annotations
@@ -59,12 +56,11 @@ KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "codec", "pl
 class Record:
     """What a registered thing is: its name, factory, formulas, schedule and flags.
 
-    Fields a kind has no use for stay None; formulas take ``n`` (``bytes_sent``: ``n, nbytes,
-    itemsize``) and the factory's parameters as keywords. ``bytes_sent`` is per tower
-    (``estimated`` where opaque collectives move the data), ``summation_depth`` the error
-    bound's ``k``, ``cost`` the α-β-γ coefficients, ``ticks`` the α count, ``schedule`` the
-    module docstring's drawing, ``generator`` ``(n, **params) -> Schedule`` where it is one;
-    ``replayable``: the NumPy replay can follow its traced graph.
+    Formulas take ``n`` (``bytes_sent``: ``n, nbytes, itemsize``) and the factory's parameters
+    as keywords: ``bytes_sent`` per tower (``estimated`` for opaque collectives),
+    ``summation_depth`` the error bound's ``k``, ``cost`` the α-β-γ coefficients, ``ticks``
+    the α count; ``schedule`` is the module docstring's drawing, ``generator`` ``(n, **params)
+    -> Schedule`` where it is one; ``replayable``: the NumPy replay can follow its graph.
     """
 
     name: str
@@ -107,9 +103,8 @@ def from_schedule(
     *,
     cost: Callable[..., Coefficients] | None = None,
 ) -> dict[str, Any]:
-    """``bytes_sent``, ``summation_depth`` and ``cost`` derived from a generator ``(n, **params)``;
-    ``count`` counts a schedule's bytes, ``cost`` is a closed form to use instead of counting.
-    """
+    """``bytes_sent`` (counted by ``count``), ``summation_depth`` and ``cost`` (unless given
+    in closed form) derived from a generator ``(n, **params)``."""
 
     def bytes_sent(n: int, nbytes: int, itemsize: int, **params: Any) -> list[int]:
         return count(generator(n, **params), nbytes, itemsize)
@@ -149,10 +144,8 @@ class Registry(dict[Any, Record]):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Configured:
-    """An algorithm with its parameters: callable as the contract says, formulas bound.
-
-    ``params`` are also readable as attributes (``ring(subchunks=2).subchunks``).
-    """
+    """An algorithm with its parameters (also attributes: ``ring(subchunks=2).subchunks``),
+    callable as the contract says, formulas bound."""
 
     algorithm: Record
     run: AllReduce
@@ -212,8 +205,8 @@ def record_of(fn: Any) -> Configured | None:
 
 
 def algorithm_name(algorithm: Any) -> str:
-    """A readable name (in errors, reports): the record's or the object's ``name``, else
-    ``__name__``, else the type's name; a ``functools.partial``'s function's."""
+    """A readable name (in errors, reports): ``name``, else ``__name__``, else the type's
+    (a ``functools.partial``'s function's)."""
     while isinstance(algorithm, functools.partial):
         algorithm = algorithm.func
     for attribute in ("name", "__name__"):
@@ -226,11 +219,9 @@ def algorithm_name(algorithm: Any) -> str:
 def register_schedule(name: str, generator: Callable[..., Schedule],
                       cost: Callable[..., Coefficients], doc: str | None, *,
                       own_first: bool = False) -> Record:
-    """Register the all-reduce that runs ``generator(n, **params)`` (:class:`Scheduled`).
-
-    Its factory takes the generator's parameters after ``n``, each an int >= 1 (or None
-    where that is the default); bytes and depth are counted from the schedules, ``cost``
-    is in closed form, the schedule is the one drawn in ``doc``.
+    """Register the all-reduce that runs ``generator(n, **params)`` (:class:`Scheduled`): its
+    factory takes the generator's parameters after ``n`` (ints >= 1, or None where that is
+    the default); bytes and depth counted, ``cost`` in closed form, the drawing in ``doc``.
     """
     signature = inspect.signature(generator)
     signature = signature.replace(parameters=list(signature.parameters.values())[1:],

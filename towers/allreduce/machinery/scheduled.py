@@ -1,20 +1,17 @@
 """Run a :class:`~towers.schedule.Schedule` on TensorFlow devices: one interpreter for all.
 
-Every schedule runs here (the scheduled all-reduces, the public reduce-scatter, all-gather
-and broadcast, the sharded placement's ring phases). :func:`run_slots` proves the schedule
-(:func:`towers.schedule.simulate`), then runs it tick by tick over ``slots[tower][chunk]``:
-a tick's small chunks from one tower to another are one message
-(:mod:`~towers.allreduce.machinery.packed`), all sent first (a tick reads its slots as
-they began), then each destination writes: ``copy`` replaces its slot, ``reduce``
-computes ``combine(received, own)``. A slot is finished (``mean`` divides) once, where its
-last contribution is added; copies carry the finished value, so outputs agree bitwise::
+:func:`run_slots` proves the schedule (:func:`towers.schedule.simulate`), then runs it tick
+by tick over ``slots[tower][chunk]``: a tick's small chunks from one tower to another are
+one message (:mod:`~towers.allreduce.machinery.packed`), all sent first (a tick reads its
+slots as they began), then ``copy`` replaces the destination's slot and ``reduce`` computes
+``combine(received, own)``. A slot is finished (``mean`` divides) once, where its last
+contribution is added; copies carry the finished value, so outputs agree bitwise::
 
     tick t:  tower 0 ──(chunks 2,3: one [2, L] tensor)──▶ tower 2: combine(recv, own[2:4])
              tower 1 ──(chunks 0,1)───────────────────▶ tower 3: combine(recv, own[0:2])
 
 :func:`run_schedule` all-reduces with it: each value cut into ``schedule.chunks`` equal
-rows (:func:`~towers.allreduce.machinery.packed.pad_rows`) and put back together by one
-concat (:func:`~towers.allreduce.machinery.packed.assemble`).
+rows (:func:`~towers.allreduce.machinery.packed.pad_rows`), put back together by one concat.
 """
 
 from __future__ import annotations
@@ -32,6 +29,7 @@ from towers.allreduce.machinery.packed import (
     materialize,
     pack,
     pad_rows,
+    per_tower,
     row_of,
     small,
 )
@@ -60,8 +58,8 @@ class _Message(NamedTuple):
 def _messages(tick: Sequence[Step], slots: Rows, have: list[list[int]],
               done: list[list[bool]], full: int) -> list[_Message]:
     """The tick's steps fused per (src, dst): one message for the :func:`small` chunks that
-    travel and land alike; a large chunk alone (long ops overlap worse); a tick that writes
-    a slot twice keeps one message per step, in order (fusing could reorder reductions)."""
+    travel and land alike, a large chunk alone; a tick that writes a slot twice keeps one
+    message per step, in order (fusing could reorder reductions)."""
     writes = [(s.dst, s.chunk) for s in tick]
     if len(set(writes)) != len(writes):
         return [_Message(s.src, s.dst, s.kind, (s.chunk,)) for s in tick]
@@ -85,17 +83,12 @@ def _messages(tick: Sequence[Step], slots: Rows, have: list[list[int]],
 
 def run_slots(schedule: Schedule, slots: Slots, devices: Sequence[str], op: str = "sum",
               *, note: str = "") -> Slots:
-    """Follow ``schedule`` (proved first) over ``slots[tower][chunk]`` (None: empty; replaced
-    in place) on ``devices``; every complete reduced slot is finished once.
-
-    ``op`` is how ``reduce`` steps combine; ``note`` is recorded before each step's kind
-    (``"reduce_scatter"`` → ``"reduce_scatter reduce"``); a ``ScheduleError`` if unproved.
+    """Follow ``schedule`` (proved first, else a ``ScheduleError``) over ``slots[tower][chunk]``
+    (None: empty; replaced in place) on ``devices``; every complete reduced slot is finished
+    once. ``note`` is recorded before each step's kind (``"reduce_scatter reduce"``).
     """
     shapes = {c: x.shape for row in slots for c, x in enumerate(row) if x is not None}
-    rows: Rows = []
-    for row, device in zip(slots, devices):
-        with tf.device(device):
-            rows.append([None if x is None else row_of(x) for x in row])
+    rows: Rows = per_tower(devices, lambda t: [None if x is None else row_of(x) for x in slots[t]])
     rows = run_rows(schedule, rows, devices, op, note=note)
     for row, out, device in zip(rows, slots, devices):
         with tf.device(device):
@@ -105,9 +98,7 @@ def run_slots(schedule: Schedule, slots: Slots, devices: Sequence[str], op: str 
 
 def run_rows(schedule: Schedule, slots: Rows, devices: Sequence[str], op: str = "sum",
              *, note: str = "", own_first: bool = False) -> Rows:
-    """:func:`run_slots` over packed slots (:class:`~towers.allreduce.machinery.packed.Row`);
-    ``own_first``: a ``reduce`` computes ``combine(own, received)``.
-    """
+    """:func:`run_slots` over packed slots; ``own_first``: ``combine(own, received)``."""
     simulate(schedule)
     n, full = schedule.towers, (1 << schedule.towers) - 1
     reducing = schedule.collective in ("all_reduce", "reduce_scatter")
@@ -157,9 +148,7 @@ def run_schedule(
     schedule: Schedule, values: Sequence[tf.Tensor], *, op: str = "sum", own_first: bool = False
 ) -> list[tf.Tensor]:
     """All-reduce ``values`` by following ``schedule``; output ``i`` on input ``i``'s device.
-
-    ``own_first``: a ``reduce`` computes ``combine(own, received)`` (the trees' order; it
-    shows in ``max``/``min`` of zeros of either sign).
+    ``own_first``: ``combine(own, received)`` (the trees' order: it shows in ``max`` of ±0).
     """
     devices = check_values(values, op)
     n = len(values)
@@ -199,8 +188,7 @@ class Scheduled:
 
 
 def generator_of(fn: object) -> Callable[[int], Schedule] | None:
-    """The schedule generator behind an algorithm (a :class:`Scheduled`, or a registry
-    :class:`~towers.allreduce.machinery.registry.Configured` running one), else None."""
+    """The schedule generator behind a :class:`Scheduled` (or a ``Configured`` running one)."""
     fn = fn if isinstance(fn, Scheduled) else getattr(fn, "run", None)
     return fn.generator if isinstance(fn, Scheduled) else None
 

@@ -1,14 +1,12 @@
 """TensorFlow's collective ops as towers uses them: keys, ordering tokens, wire format, running.
 
-The plumbing shared by :mod:`towers.allreduce.nccl` and :mod:`towers.cluster`, with no
-schedule of its own. What TF 2.21 requires of it: bfloat16 crosses all_gather and broadcast
-as its float16 bit pattern (:func:`wire`); empty tensors and n = 1 never reach a collective
-(:func:`run`); eager calls run in a cached ``tf.function`` within one watchdog; every trace
-draws fresh keys (:func:`next_key`; a reused key or a timeout aborts every later
-collective); broadcasts get control edges (:func:`broadcast_send_recv`); ``all_to_all_v2``
-misroutes from 12 ranks, so above :data:`MAX_ALL_TO_ALL` rows go by send/recv pairs.
-Cross-process collectives draw keys when built (:func:`shared_keys`); one ordering token per
-device (:func:`token`) keeps each device's collectives in program order.
+Shared by :mod:`towers.allreduce.nccl` and :mod:`towers.cluster`. What TF 2.21 requires:
+bfloat16 crosses all_gather and broadcast as float16 bits (:func:`wire`); empty tensors and
+n = 1 never reach a collective, eager calls run in a cached ``tf.function`` under a watchdog
+(:func:`run`); every trace draws fresh keys (:func:`next_key`: a reused key aborts every later
+collective), cross-process ones when built (:func:`shared_keys`); broadcasts are chained
+(:func:`broadcast_send_recv`); ``all_to_all_v2`` misroutes from 12 ranks (:func:`all_to_all`);
+one ordering token per device (:func:`token`) keeps its collectives in program order.
 
 References:
     TensorFlow ``cross_device_utils.CollectiveReplicaLauncher`` (ordering tokens, keys).
@@ -26,6 +24,7 @@ import tensorflow as tf
 from tensorflow.python.ops import collective_ops
 
 from towers.allreduce.machinery.base import as_written, check_values
+from towers.allreduce.machinery.packed import per_tower
 from towers.devices import canonical_device
 from towers.guard.deadline import watched
 
@@ -36,10 +35,10 @@ __all__ = ["HINT", "KEY_START", "MAX_ALL_TO_ALL", "SHARED_KEY_START", "Body", "a
 KEY_START = 10_000_000
 """First key of one process's collectives (tf.distribute's count from 1 and 1_000_000)."""
 SHARED_KEY_START = 20_000_000
-"""First key of collectives across processes (see "Keys" above)."""
+"""First key of collectives across processes."""
 HINT = "nccl"
 MAX_ALL_TO_ALL = 10
-"""The largest group ``all_to_all_v2`` serves: every rank one digit (see its key above)."""
+"""The largest group ``all_to_all_v2`` serves here (it misroutes from 12 ranks)."""
 Body = Callable[[list[tf.Tensor], tuple[str, ...], str], list[tf.Tensor]]
 """An algorithm's graph: ``body(values, devices, op) -> outputs``."""
 _LOCK = threading.Lock()
@@ -128,13 +127,9 @@ def all_to_all(rows: Sequence[tf.Tensor], devices: Sequence[str]) -> list[tf.Ten
     n = len(devices)
     if n <= MAX_ALL_TO_ALL:
         group, instance = group_key(devices), next_key()
-        outputs = []
-        for x, device in zip(rows, devices, strict=True):
-            with tf.device(device):
-                outputs.append(collective_ops.all_to_all_v2(
-                    x, n, group, instance, communication_hint=HINT,
-                    ordering_token=token(device)))
-        return outputs
+        return per_tower(devices, lambda i: collective_ops.all_to_all_v2(
+            rows[i], n, group, instance, communication_hint=HINT,
+            ordering_token=token(devices[i])))
     rank = ranks(devices)
     got: list[dict[int, tf.Tensor]] = [{} for _ in devices]
     sent: list[list[tf.Tensor]] = [[] for _ in devices]
@@ -206,12 +201,8 @@ def run(body: Body, values: Sequence[tf.Tensor], op: str, timeout: float) -> lis
     if not trivial and not tf.executing_eagerly():
         return body(list(values), devices, op)
     results = values if trivial else _run_eagerly(body, values, devices, op, timeout)
-    outputs = []
     # A tf.function's CPU outputs come back labelled with the caller's device: re-place them.
-    for out, device in zip(results, devices, strict=True):
-        with tf.device(device):
-            outputs.append(tf.identity(out))
-    return outputs
+    return per_tower(devices, lambda i: tf.identity(results[i]))
 
 
 def _run_eagerly(body: Body, values: Sequence[tf.Tensor], devices: tuple[str, ...], op: str,
