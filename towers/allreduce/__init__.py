@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
 import tensorflow as tf
 
 from towers.allreduce.bruck import bruck
@@ -97,13 +96,9 @@ def all_reduce(
         postscale: each output is multiplied by it, in its dtype, after the reduction.
             A factor is a finite number; an integer dtype takes only an integer factor.
     """
-    if isinstance(values, (tf.Tensor, tf.Variable, tf.IndexedSlices, np.ndarray)) or not (
-        isinstance(values, Sequence)
-    ):
-        raise TypeError(
-            "values must be a list with one tensor per tower (output i goes to values[i]'s "
-            f"device), got {type(values).__name__}"
-        )
+    if not isinstance(values, Sequence):  # a tensor or an array is none
+        raise TypeError("values must be a list with one tensor per tower (output i goes to "
+                        f"values[i]'s device), got {type(values).__name__}")
     check_choice("op", op, ALL_OPS)
     try:
         fn = get(algorithm)
@@ -147,9 +142,8 @@ def _reduce(fn: AllReduce, values: Sequence[tf.Tensor | tf.IndexedSlices],
     try:
         out = fn(list(values), op=op)
     except TypeError as err:  # e.g. a callable that is no algorithm(values, *, op)
-        raise TypeError(
-            f"algorithm {algorithm!r}: algorithm(values, op={op!r}) failed: {err}"
-        ) from err
+        message = f"algorithm {algorithm!r}: algorithm(values, op={op!r}) failed: {err}"
+        raise TypeError(message) from err
     if len(out) != len(values):
         raise ValueError(f"algorithm returned {len(out)} outputs for {len(values)} values")
     return list(out)

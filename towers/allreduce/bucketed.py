@@ -25,7 +25,6 @@ References:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
@@ -114,10 +113,6 @@ def plan(
     return Layout(tuple(b for _, b in sorted(closed, key=lambda rb: rb[0])), len(specs))
 
 
-def _on(device: str) -> contextlib.AbstractContextManager[Any]:
-    return tf.device(device) if device else contextlib.nullcontext()
-
-
 def pack(
     tensors: Sequence[tf.Tensor], bytes_per_bucket: int | None = DEFAULT_BUCKET_BYTES
 ) -> tuple[list[tf.Tensor], Layout]:
@@ -127,7 +122,7 @@ def pack(
     buckets = []
     for bucket in layout.buckets:
         parts = [tensors[s.index] for s in bucket.slots]
-        with _on(parts[0].device):
+        with tf.device(parts[0].device):  # "" (no device): the caller's scope
             flat = [tf.reshape(p, [s.size]) for p, s in zip(parts, bucket.slots)]
             buckets.append(tf.concat(flat, 0) if len(flat) > 1 else flat[0])
     return buckets, layout
@@ -144,7 +139,7 @@ def unpack(buckets: Sequence[tf.Tensor], layout: Layout) -> list[tf.Tensor]:
                 f"buckets[{k}] is {flat.dtype.name} {flat.shape}, expected "
                 f"{bucket.dtype.name} ({bucket.size},)"
             )
-        with _on(flat.device):
+        with tf.device(flat.device):
             sizes = [s.size for s in bucket.slots]
             parts = tf.split(flat, sizes) if len(sizes) > 1 else [flat]
             for part, s in zip(parts, bucket.slots):
