@@ -85,12 +85,10 @@ def all_reduce(
     Args:
         values: one tensor (or ``tf.IndexedSlices``) per tower, same shape and dtype.
         algorithm: a registry name (see ``towers.ALGORITHMS``) or an algorithm callable.
-        op: ``"sum"``, ``"mean"``, ``"max"``, ``"min"`` or ``"product"`` (``mean``: the
-            sum divided by the tower count; not for integers).
-        devices: place ``values[i]`` on ``devices[i]`` first (for values without a device,
-            such as ``tf.function`` arguments).
-        sparse: for ``IndexedSlices``: ``"gather"`` (concatenate in tower order, the
-            default, as MirroredStrategy does) or ``"densify"`` (dense all-reduce).
+        op: ``"sum"``, ``"mean"`` (not for integers), ``"max"``, ``"min"`` or ``"product"``.
+        devices: place ``values[i]`` on ``devices[i]`` first (``tf.function`` arguments).
+        sparse: for ``IndexedSlices``: ``"gather"`` (concatenate in tower order, as
+            MirroredStrategy does) or ``"densify"`` (dense all-reduce).
         prescale: each value is multiplied by it, in its own dtype, before the reduction
             (Horovod's ``prescale_factor``: ``1/n`` keeps an fp16 sum from overflowing).
         postscale: each output is multiplied by it, in its dtype, after the reduction.

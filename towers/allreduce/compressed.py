@@ -113,11 +113,9 @@ def compressed(
     """Reduce gradients through ``codec`` over ``algorithm``.
 
     Args:
-        algorithm: a registry name or an all-reduce callable, for the codec's dense
-            exchanges (``topk`` gathers and does not use it).
-        codec: a codec (``fp16()``, ``bf16()``, ``topk(ratio)``, ``powersgd(rank)``,
-            ``identity()``, yours), a name in ``CODECS`` (``"topk(0.1)"`` passes arguments)
-            or ``module:NAME``.
+        algorithm: a registry name or an all-reduce callable (``topk`` gathers instead).
+        codec: a codec (``fp16()``, ``topk(ratio)``, ``powersgd(rank)``, yours), a name in
+            ``CODECS`` (``"topk(0.1)"`` passes arguments) or ``module:NAME``.
         decode: ``"once"`` (bitwise-identical outputs) or ``"everywhere"`` (fewer bytes).
 
     Raises:

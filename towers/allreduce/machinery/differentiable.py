@@ -1,10 +1,8 @@
 """A gradient for an all-reduce whose ops TensorFlow cannot differentiate.
 
-TensorFlow registers no gradient for its collective ops, so :mod:`towers.allreduce.nccl`
-would stop a ``tf.GradientTape`` with a ``LookupError``. :func:`differentiable` gives an
-algorithm the gradient the hand-built ones get from their own additions, computed by
-the same algorithm (``dy_i``: output ``i``'s upstream gradient; ``x_j``: tower ``j``'s
-value; ``y``: the reduction)::
+TensorFlow registers no gradient for its collective ops (:mod:`towers.allreduce.nccl`), so
+:func:`differentiable` computes the hand-built algorithms' gradient with the same algorithm
+(``dy_i``: output ``i``'s upstream gradient; ``x_j``: tower ``j``'s value; ``y``: the result)::
 
     op         gradient to tower j                       backward collective
     sum        Σ_i dy_i                                  all-reduce sum of the dy
@@ -12,10 +10,8 @@ value; ``y``: the reduction)::
     max, min   Σ_i dy_i · [x_j = y] / #{k : x_k = y}     all-reduce sum of (dy, [x = y])
     product    Σ_i dy_i · Π_{k≠j} x_k                    all-reduce sum of (x in row k, dy)
 
-``max``/``min`` follow ``tf.reduce_max``'s gradient over the stacked towers (tied towers
-split it; the hand-built algorithms' ``tf.maximum`` pairs give it to one). ``product``
-follows ``tf.reduce_prod``'s (exclusive cumulative products: a zero is fine). Integer
-values have no gradient.
+``max``/``min`` follow ``tf.reduce_max``'s gradient over the stacked towers (ties split it),
+``product`` ``tf.reduce_prod``'s (exclusive cumulative products: a zero is fine).
 """
 
 from __future__ import annotations

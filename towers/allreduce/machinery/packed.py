@@ -1,7 +1,5 @@
 """Packed slots: a slot is a row of a 2-D tensor, so one tick's chunks between two towers
-travel as one tensor and are combined by one op.
-
-::
+travel as one tensor and are combined by one op::
 
     tower's buffer  [chunks, L]   rows = chunks (pad_rows: zero padding at the end)
          │ tick t, src → dst: the small chunks src sends dst (kind, state alike);

@@ -118,15 +118,9 @@ def _static(grad: tf.Tensor, shape: tuple[int, ...]) -> tf.Tensor:
 
 
 class ShardPlan:
-    """The shards of one trainer: layout, per-owner shard variables, the step's phases.
-
-    Args:
-        devices: the towers' devices; tower ``k`` owns chunk ``k`` of every variable.
-
-    Attributes:
-        layout: one :class:`VariableShards` per trainable variable (set by :meth:`shards_for`).
-        shards: ``shards[owner][var]``, the owner's shard variable, or None when empty.
-    """
+    """The shards of one trainer (tower ``k`` owns chunk ``k`` of every variable): ``layout``,
+    a :class:`VariableShards` per trainable variable; ``shards[owner][var]``, the owner's
+    shard variable (None: empty); the step's phases."""
 
     def __init__(self, devices: Sequence[str]) -> None:
         self.devices = list(devices)

@@ -1,8 +1,7 @@
 """Sparse values (``tf.IndexedSlices``): gather indices and values in tower order.
 
-An Embedding's gradient is an ``IndexedSlices`` whose indices may repeat; summing is
-concatenation, tower 0's rows first, duplicates kept, as ``MirroredStrategy`` does (Adam
-on duplicated rows is not Adam on their dense sum; :func:`densify` gives the dense sum)::
+An Embedding's gradient is an ``IndexedSlices``; summing is concatenation, tower 0's rows
+first, duplicates kept, as ``MirroredStrategy`` does (:func:`densify`: the dense sum)::
 
     tower:   0        1        2
     has:    s0       s1       s2
