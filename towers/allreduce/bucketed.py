@@ -207,14 +207,11 @@ def _reduce_dense(values: list[list[tf.Tensor]], devices: list[str], fn: AllRedu
     """Pack each tower's dense ``values[tower]``, all-reduce bucket by bucket, unpack."""
     if not values[0]:
         return [[] for _ in devices]
-    packed: list[tuple[list[tf.Tensor], Layout]] = []
-    for tower, device in enumerate(devices):
-        with tf.device(device):
-            buckets, layout = pack(values[tower], bytes_per_bucket)
-        if tower and layout != packed[0][1]:
-            raise ValueError(f"tower {tower}'s values differ from tower 0's in shape/dtype")
-        packed.append((buckets, layout))
+    packed = per_tower(devices, lambda tower: pack(values[tower], bytes_per_bucket))
     layout = packed[0][1]
+    for tower, (_, other) in enumerate(packed):
+        if other != layout:
+            raise ValueError(f"tower {tower}'s values differ from tower 0's in shape/dtype")
     reduced: list[list[tf.Tensor]] = [[] for _ in devices]
     for k in range(len(layout.buckets)):
         for tower, out in enumerate(fn([buckets[k] for buckets, _ in packed], op=op)):

@@ -239,10 +239,6 @@ def all_to_all(values: Sequence[tf.Tensor]) -> list[tf.Tensor]:
         raise ValueError(f"values[0] has {values[0].shape[0]} rows on axis 0, not a multiple "
                          f"of the {n} towers: all_to_all cuts axis 0 into {n} equal blocks")
     blocks = per_tower(devices, lambda i: tf.split(values[i], n, axis=0))
-    out = []
-    for i, device in enumerate(devices):
-        moved = [send(blocks[j][i], device, tick=0, chunk=j, note="all_to_all")
-                 for j in range(n)]
-        with tf.device(device):
-            out.append(tf.concat(moved, axis=0))
-    return out
+    return per_tower(devices, lambda i: tf.concat(
+        [send(blocks[j][i], devices[i], tick=0, chunk=j, note="all_to_all") for j in range(n)],
+        axis=0))
