@@ -143,7 +143,7 @@ def test_defaults_work_for_odd_tower_counts(n: int) -> None:
 def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="group_size must be an int >= 1, got 0"):
         hierarchical(group_size=0)
-    with pytest.raises(TypeError, match="group_size must be an int"):
+    with pytest.raises(ValueError, match=r"group_size must be an int >= 1, got 2\.0"):
         hierarchical(group_size=2.0)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="inner must be a registry name"):
         hierarchical(inner=5)  # type: ignore[arg-type]

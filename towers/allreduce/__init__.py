@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
 import tensorflow as tf
 
 from towers.allreduce.bruck import bruck
@@ -37,6 +36,7 @@ from towers.allreduce.machinery.base import (
     finish,
     scale,
 )
+from towers.allreduce.machinery.packed import per_tower
 from towers.allreduce.machinery.primitives import Recorder, Transfer, record, send
 from towers.allreduce.machinery.registry import (
     ALGORITHMS,
@@ -85,24 +85,18 @@ def all_reduce(
     Args:
         values: one tensor (or ``tf.IndexedSlices``) per tower, same shape and dtype.
         algorithm: a registry name (see ``towers.ALGORITHMS``) or an algorithm callable.
-        op: ``"sum"``, ``"mean"``, ``"max"``, ``"min"`` or ``"product"`` (``mean``: the
-            sum divided by the tower count; not for integers).
-        devices: place ``values[i]`` on ``devices[i]`` first (for values without a device,
-            such as ``tf.function`` arguments).
-        sparse: for ``IndexedSlices``: ``"gather"`` (concatenate in tower order, the
-            default, as MirroredStrategy does) or ``"densify"`` (dense all-reduce).
+        op: ``"sum"``, ``"mean"`` (not for integers), ``"max"``, ``"min"`` or ``"product"``.
+        devices: place ``values[i]`` on ``devices[i]`` first (``tf.function`` arguments).
+        sparse: for ``IndexedSlices``: ``"gather"`` (concatenate in tower order, as
+            MirroredStrategy does) or ``"densify"`` (dense all-reduce).
         prescale: each value is multiplied by it, in its own dtype, before the reduction
             (Horovod's ``prescale_factor``: ``1/n`` keeps an fp16 sum from overflowing).
         postscale: each output is multiplied by it, in its dtype, after the reduction.
             A factor is a finite number; an integer dtype takes only an integer factor.
     """
-    if isinstance(values, (tf.Tensor, tf.Variable, tf.IndexedSlices, np.ndarray)) or not (
-        isinstance(values, Sequence)
-    ):
-        raise TypeError(
-            "values must be a list with one tensor per tower (output i goes to values[i]'s "
-            f"device), got {type(values).__name__}"
-        )
+    if not isinstance(values, Sequence):  # a tensor or an array is none
+        raise TypeError("values must be a list with one tensor per tower (output i goes to "
+                        f"values[i]'s device), got {type(values).__name__}")
     check_choice("op", op, ALL_OPS)
     try:
         fn = get(algorithm)
@@ -128,11 +122,8 @@ def _place(values: Sequence[tf.Tensor | tf.IndexedSlices], devices: Sequence[str
         raise TypeError(f"devices must be None or a list of device names, got {devices!r}")
     if len(devices) != len(values):
         raise ValueError(f"devices has {len(devices)} entries for {len(values)} values")
-    moved = []
-    for v, d in zip(values, devices):
-        with tf.device(d):
-            moved.append(v if isinstance(v, tf.IndexedSlices) else tf.identity(v))
-    return moved
+    return per_tower(devices, lambda i: values[i] if isinstance(values[i], tf.IndexedSlices)
+                     else tf.identity(values[i]))
 
 
 def _reduce(fn: AllReduce, values: Sequence[tf.Tensor | tf.IndexedSlices],
@@ -149,9 +140,8 @@ def _reduce(fn: AllReduce, values: Sequence[tf.Tensor | tf.IndexedSlices],
     try:
         out = fn(list(values), op=op)
     except TypeError as err:  # e.g. a callable that is no algorithm(values, *, op)
-        raise TypeError(
-            f"algorithm {algorithm!r}: algorithm(values, op={op!r}) failed: {err}"
-        ) from err
+        message = f"algorithm {algorithm!r}: algorithm(values, op={op!r}) failed: {err}"
+        raise TypeError(message) from err
     if len(out) != len(values):
         raise ValueError(f"algorithm returned {len(out)} outputs for {len(values)} values")
     return list(out)

@@ -23,7 +23,6 @@ References:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
@@ -31,6 +30,7 @@ from typing import Any
 import tensorflow as tf
 
 from towers.allreduce.machinery.base import AllReduce, device_of
+from towers.allreduce.machinery.packed import per_tower
 from towers.allreduce.machinery.resolve import get
 from towers.allreduce.machinery.sparse import gather_indexed_slices
 from towers.devices import canonical_device
@@ -109,21 +109,16 @@ def plan(
     return Layout(tuple(b for _, b in sorted(closed, key=lambda rb: rb[0])), len(specs))
 
 
-def _on(device: str) -> contextlib.AbstractContextManager[Any]:
-    return tf.device(device) if device else contextlib.nullcontext()
-
-
 def pack(
     tensors: Sequence[tf.Tensor], bytes_per_bucket: int | None = DEFAULT_BUCKET_BYTES
 ) -> tuple[list[tf.Tensor], Layout]:
-    """``(buckets, layout)``: one tower's ``tensors`` flattened into the 1-D buckets of
-    :func:`plan`, each on its first tensor's device (only copies: ``unpack(*pack(x))``
-    is ``x`` bit for bit)."""
+    """``(buckets, layout)``: one tower's ``tensors`` flattened into :func:`plan`'s 1-D
+    buckets, each on its first tensor's device (``unpack(*pack(x))`` is ``x`` bitwise)."""
     layout = plan([(t.shape, t.dtype) for t in tensors], bytes_per_bucket)
     buckets = []
     for bucket in layout.buckets:
         parts = [tensors[s.index] for s in bucket.slots]
-        with _on(parts[0].device):
+        with tf.device(parts[0].device):  # "" (no device): the caller's scope
             flat = [tf.reshape(p, [s.size]) for p, s in zip(parts, bucket.slots)]
             buckets.append(tf.concat(flat, 0) if len(flat) > 1 else flat[0])
     return buckets, layout
@@ -140,7 +135,7 @@ def unpack(buckets: Sequence[tf.Tensor], layout: Layout) -> list[tf.Tensor]:
                 f"buckets[{k}] is {flat.dtype.name} {flat.shape}, expected "
                 f"{bucket.dtype.name} ({bucket.size},)"
             )
-        with _on(flat.device):
+        with tf.device(flat.device):
             sizes = [s.size for s in bucket.slots]
             parts = tf.split(flat, sizes) if len(sizes) > 1 else [flat]
             for part, s in zip(parts, bucket.slots):
@@ -205,23 +200,16 @@ def _reduce_dense(values: list[list[tf.Tensor]], devices: list[str], fn: AllRedu
     """Pack each tower's dense ``values[tower]``, all-reduce bucket by bucket, unpack."""
     if not values[0]:
         return [[] for _ in devices]
-    packed: list[tuple[list[tf.Tensor], Layout]] = []
-    for tower, device in enumerate(devices):
-        with tf.device(device):
-            buckets, layout = pack(values[tower], bytes_per_bucket)
-        if tower and layout != packed[0][1]:
-            raise ValueError(f"tower {tower}'s values differ from tower 0's in shape/dtype")
-        packed.append((buckets, layout))
+    packed = per_tower(devices, lambda tower: pack(values[tower], bytes_per_bucket))
     layout = packed[0][1]
+    for tower, (_, other) in enumerate(packed):
+        if other != layout:
+            raise ValueError(f"tower {tower}'s values differ from tower 0's in shape/dtype")
     reduced: list[list[tf.Tensor]] = [[] for _ in devices]
     for k in range(len(layout.buckets)):
         for tower, out in enumerate(fn([buckets[k] for buckets, _ in packed], op=op)):
             reduced[tower].append(out)
-    result = []
-    for tower, device in enumerate(devices):
-        with tf.device(device):
-            result.append(unpack(reduced[tower], layout))
-    return result
+    return per_tower(devices, lambda tower: unpack(reduced[tower], layout))
 
 
 def bucketed(

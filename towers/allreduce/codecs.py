@@ -24,6 +24,7 @@ import numpy as np
 import tensorflow as tf
 
 from towers.allreduce.machinery.base import AllReduce
+from towers.allreduce.machinery.packed import per_tower
 from towers.allreduce.machinery.primitives import send
 from towers.allreduce.machinery.registry import Record, Registry
 from towers.allreduce.machinery.rounding import rounding, unit_roundoff
@@ -54,11 +55,7 @@ class Wire:
 
     def per_tower(self, fn: Callable[[int], Any]) -> list[Any]:
         """``[fn(tower) for tower]``, each call under that tower's device (local work)."""
-        out = []
-        for t, device in enumerate(self.devices):
-            with tf.device(device):
-                out.append(fn(t))
-        return out
+        return per_tower(self.devices, fn)
 
     def gather(self, values: Sequence[tf.Tensor], dst: int) -> list[tf.Tensor]:
         """Every tower's value on tower ``dst``, in tower order (one send per other tower)."""
@@ -90,16 +87,14 @@ class Codec(Protocol):
     """
 
     def init(self, shape: tf.TensorShape, dtype: tf.DType, key: int) -> tuple[Any, ...]:
-        """One tower's initial state for one variable (a tuple of tensors, the same on
-        every tower; ``key``: the variable's index in the model, a seed)."""
+        """One tower's initial state for one variable (``key``: its index, a seed)."""
         ...
 
     def reduce(
         self, tensors: Sequence[tf.Tensor], states: Sequence[Any], wire: Wire
     ) -> tuple[list[tf.Tensor], list[Any]]:
-        """Sum one variable's gradients ``tensors[tower]`` (with ``states[tower]``) through
-        ``wire``; returns ``(outputs, new_states)``, ``outputs[tower]`` on its device and
-        bitwise the same on every tower (decode with ``wire.decode``)."""
+        """``(outputs, new_states)``: ``tensors[tower]`` summed through ``wire``, each output
+        on its tower's device and bitwise the same on every tower (``wire.decode``)."""
         ...
 
 
@@ -136,7 +131,7 @@ class Cast:
         |out − Σ x_i| ≤ ((1 + u)^(k+1)·(1 + u32)² − 1)·Σ|x_i| + n²·η
 
     with ``η`` the error of rounding into the subnormals (2^-25 float16; 2^-126 bfloat16,
-    whose subnormals float32 kernels flush). Requires ``|x_i|/n`` < 65504 for float16.
+    whose subnormals float32 kernels flush), for ``|x_i|/n`` < 65504 in float16.
     """
 
     dtype: tf.DType

@@ -17,6 +17,7 @@ from typing import Any
 import tensorflow as tf
 
 from towers.allreduce.machinery.base import DTYPES, check_scale, check_values, scale
+from towers.allreduce.machinery.packed import per_tower
 from towers.allreduce.machinery.primitives import send
 from towers.allreduce.machinery.registry import Record, Registry, from_schedule
 from towers.allreduce.machinery.scheduled import Slots, run_slots
@@ -131,10 +132,8 @@ def reduce_scatter(values: Sequence[tf.Tensor], *, algorithm: Algorithm = "ring"
     n = len(values)
     schedule = _schedule("reduce_scatter", algorithm, n)
     sizes = even_sizes(int(values[0].shape.num_elements()), n)
-    slots: Slots = []
-    for v, device in zip(values, devices):
-        with tf.device(device):
-            slots.append(list(tf.split(tf.reshape(scale(v, pre), [-1]), sizes)))
+    slots: Slots = per_tower(devices, lambda i: list(tf.split(
+        tf.reshape(scale(values[i], pre), [-1]), sizes)))
     slots = run_slots(schedule, slots, devices, op, note="reduce_scatter")
     return [scale(slots[i][i], post) for i in range(n)]
 
@@ -175,11 +174,7 @@ def all_gather(shards: Sequence[tf.Tensor], *, algorithm: Algorithm = "ring") ->
     schedule = _schedule("all_gather", algorithm, n)
     slots: Slots = [[x if c == t else None for c in range(n)] for t, x in enumerate(shards)]
     slots = run_slots(schedule, slots, devices, note="all_gather")
-    out = []
-    for row, device in zip(slots, devices):
-        with tf.device(device):
-            out.append(tf.concat(row, axis=0))
-    return out
+    return per_tower(devices, lambda t: tf.concat(slots[t], axis=0))
 
 
 def _check_broadcast(value: tf.Tensor, devices: Sequence[str], root: int) -> list[str]:
@@ -215,11 +210,8 @@ def broadcast(value: tf.Tensor, devices: Sequence[str], *, root: int = 0,
     slots: Slots = [[None] * schedule.chunks for _ in names]
     slots[root] = list(pieces)
     slots = run_slots(schedule, slots, names, note="broadcast")
-    out = []
-    for i, (row, device) in enumerate(zip(slots, names)):
-        with tf.device(device):
-            out.append(value if i == root else tf.reshape(tf.concat(row, axis=0), shape))
-    return out
+    return per_tower(names, lambda i: value if i == root
+                     else tf.reshape(tf.concat(slots[i], axis=0), shape))
 
 
 def all_to_all(values: Sequence[tf.Tensor]) -> list[tf.Tensor]:
@@ -233,14 +225,7 @@ def all_to_all(values: Sequence[tf.Tensor]) -> list[tf.Tensor]:
     if values[0].shape[0] % n:
         raise ValueError(f"values[0] has {values[0].shape[0]} rows on axis 0, not a multiple "
                          f"of the {n} towers: all_to_all cuts axis 0 into {n} equal blocks")
-    blocks = []
-    for v, device in zip(values, devices):
-        with tf.device(device):
-            blocks.append(tf.split(v, n, axis=0))
-    out = []
-    for i, device in enumerate(devices):
-        moved = [send(blocks[j][i], device, tick=0, chunk=j, note="all_to_all")
-                 for j in range(n)]
-        with tf.device(device):
-            out.append(tf.concat(moved, axis=0))
-    return out
+    blocks = per_tower(devices, lambda i: tf.split(values[i], n, axis=0))
+    return per_tower(devices, lambda i: tf.concat(
+        [send(blocks[j][i], devices[i], tick=0, chunk=j, note="all_to_all") for j in range(n)],
+        axis=0))

@@ -22,6 +22,7 @@ import tensorflow as tf
 
 from towers.allreduce.codecs import Codec, Wire
 from towers.allreduce.machinery.base import AllReduce
+from towers.allreduce.machinery.packed import per_tower
 from towers.allreduce.machinery.resolve import get, get_codec
 from towers.devices import canonical_device
 from towers.guard.arguments import check_choice
@@ -48,23 +49,15 @@ class Compressed(tf.Module):
         if not tf.executing_eagerly():
             raise RuntimeError("Compressed.build must run eagerly, not inside tf.function")
         self.devices = [canonical_device(d) for d in devices]
-        templates, state = [], []
-        for tower, device in enumerate(self.devices):
-            row = []
-            with tf.device(device):
-                for j, v in enumerate(variables):
-                    init = self.codec.init(v.shape, tf.as_dtype(v.dtype), j)
-                    row.append(tuple(
-                        tf.Variable(x, trainable=False, name=f"tower{tower}_var{j}_{k}")
-                        for k, x in enumerate(init)
-                    ))
-                    if tower == 0:
-                        templates.append(init)
-            state.append(row)
-        self._templates = templates
-        self.state = state
+        inits = per_tower(self.devices, lambda tower: [
+            self.codec.init(v.shape, tf.as_dtype(v.dtype), j) for j, v in enumerate(variables)])
+        self._templates = inits[0]
+        self.state = per_tower(self.devices, lambda tower: [tuple(
+            tf.Variable(x, trainable=False, name=f"tower{tower}_var{j}_{k}")
+            for k, x in enumerate(init)) for j, init in enumerate(inits[tower])])
 
     def _read(self, tower: int, j: int) -> Any:
+        template = self._templates[j]  # a NamedTuple's type, or a plain tuple
         with tf.device(self.devices[tower]):
             template, values = self._templates[j], [v.read_value() for v in self.state[tower][j]]
             return template._make(values) if hasattr(template, "_make") else tuple(values)

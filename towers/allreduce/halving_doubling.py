@@ -1,9 +1,7 @@
 """Rabenseifner's all-reduce: reduce-scatter by recursive halving, all-gather by recursive doubling.
 
-Its power-of-two core is :func:`~towers.schedule.halving_reduce_scatter` then
-:func:`~towers.schedule.doubling_all_gather`. With p = 2^⌊log2 n⌋ active towers and
-r = n − p extra ones, n = 6 (p = 4, r = 2), the buffer padded to p chunks c0..c3
-(``+▶t`` reduces into tower t, ``▶t`` copies to it)::
+With p = 2^⌊log2 n⌋ active towers and r = n − p extra ones, n = 6 (p = 4, r = 2), the
+buffer zero-padded to p chunks c0..c3 (``+▶t`` reduces into tower t, ``▶t`` copies to it)::
 
     tick:    0 fold-in      1 halve d=2  2 halve d=1  3 double d=1  4 double d=2  5 fold-out
     tower 0                 c2c3+▶2      c1+▶1        c0▶1          c0c1▶2        c0c1c2c3▶4

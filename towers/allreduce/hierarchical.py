@@ -1,8 +1,7 @@
 """Hierarchical all-reduce: reduce inside groups, all-reduce among group leaders, copy back.
 
-Towers are cut into consecutive groups of ``group_size`` (k); the last group holds
-the remainder when k does not divide n, and k > n makes one group. The first tower
-of each group is its leader. n = 4, k = 2::
+Towers are cut into consecutive groups of ``group_size`` (k), the last holding the
+remainder; each group's first tower is its leader. n = 4, k = 2::
 
     phase:     1 inner (per group)         2 outer (leaders only)      3 group broadcast
     ticks:     0 … a−1                     a … a+b−1                   a+b
@@ -61,15 +60,9 @@ def _formula(part: Part, what: str, *args: Any) -> Any:
     return value
 
 
-def _check_group_size(group_size: int) -> int:
-    if isinstance(group_size, bool) or not isinstance(group_size, int):
-        raise TypeError(f"group_size must be an int, got {type(group_size).__name__}")
-    return positive_int("group_size", group_size)
-
-
 def group_sizes(n: int, group_size: int) -> list[int]:
     """Consecutive groups of ``group_size``; the last holds the remainder (7, 2: 2, 2, 2, 1)."""
-    k = _check_group_size(group_size)
+    k = positive_int("group_size", group_size)
     return [min(k, n - start) for start in range(0, n, k)]
 
 
@@ -111,10 +104,10 @@ def _build(inner: Part = "naive", outer: Part = "ring", group_size: int = 2) -> 
     (registry names, resolved when called, or callables).
 
     Raises:
-        TypeError: ``group_size`` not an int, or a part neither a name nor a callable.
-        ValueError: ``group_size`` < 1; when called, an unknown part name or bad values.
+        TypeError: a part neither a name nor a callable.
+        ValueError: ``group_size`` not an int >= 1; when called, an unknown part or bad values.
     """
-    _check_group_size(group_size)
+    positive_int("group_size", group_size)
     for name, part in (("inner", inner), ("outer", outer)):
         if not isinstance(part, str) and not callable(part):
             raise TypeError(f"{name} must be a registry name or an all-reduce callable: {part!r}")

@@ -1,7 +1,6 @@
 """Naive all-reduce: ``add_n`` on the first tower, then copy the sum back out.
 
-The floor of every comparison and the order tf.distribute's
-``ReductionToOneDevice`` uses::
+The floor of every comparison, in tf.distribute's ``ReductionToOneDevice`` order::
 
     tick:      0 (gather)          1 (add_n)         2 (scatter)
     tower 0    x0 ────────────┐    s = x0+x1+x2+x3   s ──▶ out0

@@ -1,9 +1,8 @@
 """PowerSGD: send a rank-r approximation of each gradient matrix, feed the rest back.
 
-A gradient of shape ``[..., c]`` is viewed as an ``m × c`` matrix ``M`` (``m`` the
-product of the leading dimensions; a Conv2D kernel ``[kh, kw, in, out]`` becomes
-``[kh·kw·in, out]``). One power-iteration step finds a shared rank-r basis. Per step,
-n towers, ``Q`` an ``c × r`` matrix every tower holds the same copy of::
+A gradient of shape ``[..., c]`` is viewed as an ``m × c`` matrix ``M`` (a Conv2D kernel
+``[kh, kw, in, out]`` as ``[kh·kw·in, out]``); one power-iteration step finds a shared
+rank-r basis. Per step, n towers, ``Q`` a ``c × r`` matrix the same on every tower::
 
     step  tower t (its device)                 wire                       shape
     1     Δ_t = M_t + e_t                      (error feedback)           m × c

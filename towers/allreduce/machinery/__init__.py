@@ -8,7 +8,7 @@
     resolve.py           every typed name -> its object: algorithms, codecs, reducer specs
     reducer.py           an algorithm lifted to a whole step's gradients (StepReducer)
     scheduled.py         the one schedule interpreter (run_slots), for every schedule
-    packed.py            slots as rows of one tensor (one message per tick and pair); pad_split
+    packed.py            slots as rows of one tensor (one message per tick and pair); per_tower
     tf_collective_ops.py TensorFlow's collective ops: instance keys, ordering tokens, wire format
     differentiable.py    a gradient for an all-reduce TensorFlow cannot differentiate (nccl*)
     sparse.py            IndexedSlices gathered in tower order, or densified

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import tensorflow as tf
 
 from towers.allreduce.machinery.base import AllReduce, check_values
+from towers.allreduce.machinery.packed import per_tower
 
 __all__ = ["differentiable"]
 
@@ -32,18 +33,13 @@ def differentiable(algorithm: AllReduce) -> AllReduce:
         devices = check_values(values, op)
         if not values[0].dtype.is_floating:
             return algorithm(values, op=op)
-        xs = []
-        for v, device in zip(values, devices, strict=True):
-            with tf.device(device):  # a variable's value: the tape watches the read
-                xs.append(tf.convert_to_tensor(v))
+        # a variable's value: the tape watches the read
+        xs = per_tower(devices, lambda i: tf.convert_to_tensor(values[i]))
 
         @tf.custom_gradient
         def forward(*xs: tf.Tensor) -> tuple[list[tf.Tensor], object]:
-            stopped = []
-            for x, device in zip(xs, devices, strict=True):
-                with tf.device(device):  # the tape must not look inside (no gradients there)
-                    stopped.append(tf.stop_gradient(x))
-            outs = algorithm(stopped, op=op)
+            # the tape must not look inside (no gradients there)
+            outs = algorithm(per_tower(devices, lambda i: tf.stop_gradient(xs[i])), op=op)
 
             def backward(*dys: tf.Tensor) -> list[tf.Tensor]:
                 return _gradient(algorithm, list(xs), outs, list(dys), devices, op)
@@ -52,11 +48,7 @@ def differentiable(algorithm: AllReduce) -> AllReduce:
 
         with tf.device(devices[0]):
             joined = forward(*xs)
-        outputs = []
-        for y, device in zip(joined, devices, strict=True):
-            with tf.device(device):
-                outputs.append(tf.identity(y))
-        return outputs
+        return per_tower(devices, lambda i: tf.identity(joined[i]))
 
     all_reduce.__name__ = all_reduce.__qualname__ = getattr(
         algorithm, "__name__", "all_reduce")
@@ -66,24 +58,17 @@ def differentiable(algorithm: AllReduce) -> AllReduce:
 def _gradient(algorithm: AllReduce, xs: list[tf.Tensor], ys: list[tf.Tensor],
               dys: list[tf.Tensor | None], devices: list[str], op: str) -> list[tf.Tensor]:
     """The gradient to each tower (the module docstring's table), placed on its device."""
-    upstream = []
-    for x, dy, device in zip(xs, dys, devices, strict=True):
-        with tf.device(device):
-            upstream.append(tf.zeros_like(x) if dy is None else tf.identity(dy))
+    upstream = per_tower(devices, lambda i: tf.zeros_like(xs[i]) if dys[i] is None
+                         else tf.identity(dys[i]))
     if op in ("sum", "mean"):
         return list(algorithm(upstream, op=op))
     if op == "product":
         return _product_gradient(algorithm, xs, upstream, devices)
-    pairs = []
-    for x, y, dy, device in zip(xs, ys, upstream, devices, strict=True):
-        with tf.device(device):
-            pairs.append(tf.stack([dy, tf.cast(tf.equal(x, y), dy.dtype)]))
-    grads = []
-    for total, x, y, device in zip(algorithm(pairs, op="sum"), xs, ys, devices, strict=True):
-        with tf.device(device):
-            indicator = tf.cast(tf.equal(x, y), total.dtype)
-            grads.append(indicator / total[1] * total[0])  # tf.reduce_max's order
-    return grads
+    pairs = per_tower(devices, lambda i: tf.stack(
+        [upstream[i], tf.cast(tf.equal(xs[i], ys[i]), upstream[i].dtype)]))
+    totals = algorithm(pairs, op="sum")
+    return per_tower(devices, lambda i: (  # tf.reduce_max's order
+        tf.cast(tf.equal(xs[i], ys[i]), totals[i].dtype) / totals[i][1] * totals[i][0]))
 
 
 def _product_gradient(algorithm: AllReduce, xs: list[tf.Tensor], upstream: list[tf.Tensor],

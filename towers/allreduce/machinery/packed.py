@@ -1,7 +1,5 @@
 """Packed slots: a slot is a row of a 2-D tensor, so one tick's chunks between two towers
-travel as one tensor and are combined by one op.
-
-::
+travel as one tensor and are combined by one op::
 
     tower's buffer  [chunks, L]   rows = chunks (pad_rows: zero padding at the end)
          │ tick t, src → dst: the small chunks src sends dst (kind, state alike);
@@ -21,7 +19,7 @@ the same order: results are bitwise the same.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import tensorflow as tf
 
@@ -29,7 +27,9 @@ from towers.devices import canonical_device, one_memory
 from towers.guard.arguments import positive_int
 
 __all__ = ["FUSE_BELOW", "Row", "assemble", "materialize", "pack", "pad_rows", "pad_split",
-           "row_of", "small", "unsplit"]
+           "per_tower", "row_of", "small", "unsplit"]
+
+T = TypeVar("T")
 
 
 class Row(NamedTuple):
@@ -41,8 +41,7 @@ class Row(NamedTuple):
 
 def pad_rows(x: tf.Tensor, pieces: int) -> tuple[tf.Tensor, tuple[int, ...], int]:
     """``(rows, shape, size)``: ``x`` (static shape) flattened, zero-padded and viewed as
-    ``[pieces, ⌈size/pieces⌉]`` on its device, with its shape and element count.
-    """
+    ``[pieces, ⌈size/pieces⌉]`` on its device, with its shape and element count."""
     shape = tuple(int(d) for d in x.shape)
     size = int(x.shape.num_elements())
     length = -(-size // pieces)  # ceil: every chunk equally long, so sends are uniform
@@ -54,9 +53,8 @@ def pad_rows(x: tf.Tensor, pieces: int) -> tuple[tf.Tensor, tuple[int, ...], int
 
 
 def pad_split(x: tf.Tensor, pieces: int) -> tuple[list[tf.Tensor], tuple[int, ...], int]:
-    """``(chunks, shape, size)``: :func:`pad_rows`' rows as 1-D chunks, with what
-    :func:`unsplit` needs to undo it; ``pad_split(tf.range(5.0), 2)`` gives [0 1 2] [3 4 0].
-    """
+    """:func:`pad_rows`' rows as 1-D chunks: ``pad_split(tf.range(5.0), 2)`` gives
+    ``([0 1 2], [3 4 0]), (5,), 5``, what :func:`unsplit` needs to undo it."""
     pieces = positive_int("pieces", pieces)
     if not x.shape.is_fully_defined():
         raise ValueError(f"pad_split needs a static shape, got {x.shape}")
@@ -97,8 +95,8 @@ def row_of(x: tf.Tensor) -> Row:
 
 
 FUSE_BELOW = 1 << 16
-"""Rows lighter than this (bytes) are gathered into one message even when they are not
-consecutive: below it an op costs more than copying the rows; above it a copy costs more."""
+"""Rows lighter than this (bytes) are gathered into one message even when not consecutive
+(below it an op costs more than copying the rows)."""
 
 
 def small(r: Row) -> bool:
@@ -158,6 +156,15 @@ def materialize(r: Row, shape: Sequence[int]) -> tf.Tensor:
     """The slot as a tensor of ``shape``, under the caller's device scope."""
     row = r.base if int(r.base.shape[0]) == 1 else r.base[r.row:r.row + 1]
     return tf.reshape(row, list(shape))
+
+
+def per_tower(devices: Sequence[str], fn: Callable[[int], T]) -> list[T]:
+    """``[fn(tower) for tower]``, each call under its tower's device (local work, no move)."""
+    out = []
+    for tower, device in enumerate(devices):
+        with tf.device(device):
+            out.append(fn(tower))
+    return out
 
 
 def assemble(held: Sequence[Sequence[tf.Tensor]], devices: Sequence[str],

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import re
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
@@ -35,16 +36,8 @@ Coefficients = tuple[float, float, float]
 
 def schedule_of(doc: str | None) -> str:
     """The drawn schedule of a module docstring: its first ``::`` block, dedented."""
-    lines = (doc or "").splitlines()
-    start = next((i for i, line in enumerate(lines) if line.rstrip().endswith("::")), None)
-    if start is None:
-        return ""
-    block: list[str] = []
-    for line in lines[start + 1 :]:
-        if line.strip() and not line.startswith("    "):
-            break
-        block.append(line[4:])
-    return "\n".join(block).strip("\n")
+    found = re.search(r"::[ \t]*\n((?:    .*\n|[ \t]*\n)*)", (doc or "") + "\n")
+    return "\n".join(line[4:] for line in found.group(1).split("\n")).strip("\n") if found else ""
 
 
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "codec", "placement")
@@ -129,11 +122,8 @@ class Registry(dict[Any, Record]):
             self.register(record)
 
     def register(self, record: Record) -> Record:
-        """Add ``record`` (replacing one with the same key); returns it.
-
-        Raises:
-            TypeError: not a :class:`Record`, or one of a kind this registry does not hold.
-        """
+        """Add ``record`` (replacing one with the same key); returns it (else a ``TypeError``:
+        not a :class:`Record`, or one of a kind this registry does not hold)."""
         if not isinstance(record, Record) or record.kind not in self.kinds:
             raise TypeError(f"this registry takes {'/'.join(self.kinds)} records, "
                             f"got {record!r}")
@@ -143,10 +133,8 @@ class Registry(dict[Any, Record]):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Configured:
-    """An algorithm with its parameters: callable as the contract says, formulas bound.
-
-    ``params`` are also readable as attributes (``ring(subchunks=2).subchunks``).
-    """
+    """An algorithm with its parameters (also attributes: ``ring(subchunks=2).subchunks``),
+    callable as the contract says, formulas bound."""
 
     algorithm: Record
     run: AllReduce
@@ -206,8 +194,8 @@ def record_of(fn: Any) -> Configured | None:
 
 
 def algorithm_name(algorithm: Any) -> str:
-    """A readable name (in errors, reports): the record's or the object's ``name``, else
-    ``__name__``, else the type's name; a ``functools.partial``'s function's."""
+    """A readable name (in errors, reports): ``name``, else ``__name__``, else the type's
+    (a ``functools.partial``'s function's)."""
     while isinstance(algorithm, functools.partial):
         algorithm = algorithm.func
     for attribute in ("name", "__name__"):

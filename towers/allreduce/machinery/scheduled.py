@@ -30,6 +30,7 @@ from towers.allreduce.machinery.packed import (
     materialize,
     pack,
     pad_rows,
+    per_tower,
     row_of,
     small,
 )
@@ -58,8 +59,8 @@ class _Message(NamedTuple):
 def _messages(tick: Sequence[Step], slots: Rows, have: list[list[int]],
               done: list[list[bool]], full: int) -> list[_Message]:
     """The tick's steps fused per (src, dst): one message for the :func:`small` chunks that
-    travel and land alike; a large chunk alone (long ops overlap worse); a tick that writes
-    a slot twice keeps one message per step, in order (fusing could reorder reductions)."""
+    travel and land alike, a large chunk alone; a tick that writes a slot twice keeps one
+    message per step, in order (fusing could reorder reductions)."""
     writes = [(s.dst, s.chunk) for s in tick]
     if len(set(writes)) != len(writes):
         return [_Message(s.src, s.dst, s.kind, (s.chunk,)) for s in tick]
@@ -87,10 +88,7 @@ def run_slots(schedule: Schedule, slots: Slots, devices: Sequence[str], op: str 
     ``devices``; ``note`` is recorded before each step's kind; a ``ScheduleError`` if unproved.
     """
     shapes = {c: x.shape for row in slots for c, x in enumerate(row) if x is not None}
-    rows: Rows = []
-    for row, device in zip(slots, devices):
-        with tf.device(device):
-            rows.append([None if x is None else row_of(x) for x in row])
+    rows: Rows = per_tower(devices, lambda t: [None if x is None else row_of(x) for x in slots[t]])
     rows = run_rows(schedule, rows, devices, op, note=note)
     for row, out, device in zip(rows, slots, devices):
         with tf.device(device):
@@ -100,9 +98,7 @@ def run_slots(schedule: Schedule, slots: Slots, devices: Sequence[str], op: str 
 
 def run_rows(schedule: Schedule, slots: Rows, devices: Sequence[str], op: str = "sum",
              *, note: str = "", own_first: bool = False) -> Rows:
-    """:func:`run_slots` over packed slots (:class:`~towers.allreduce.machinery.packed.Row`);
-    ``own_first``: a ``reduce`` computes ``combine(own, received)``.
-    """
+    """:func:`run_slots` over packed slots; ``own_first``: ``combine(own, received)``."""
     simulate(schedule)
     n, full = schedule.towers, (1 << schedule.towers) - 1
     reducing = schedule.collective in ("all_reduce", "reduce_scatter")
@@ -191,8 +187,7 @@ class Scheduled:
 
 
 def generator_of(fn: object) -> Callable[[int], Schedule] | None:
-    """The schedule generator behind an algorithm (a :class:`Scheduled`, or a registry
-    :class:`~towers.allreduce.machinery.registry.Configured` running one), else None."""
+    """The schedule generator behind a :class:`Scheduled` (or a ``Configured`` running one)."""
     fn = fn if isinstance(fn, Scheduled) else getattr(fn, "run", None)
     return fn.generator if isinstance(fn, Scheduled) else None
 

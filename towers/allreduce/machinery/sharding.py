@@ -1,12 +1,10 @@
 """Sharded optimizer state (ZeRO stages 1–2): ring reduce-scatter, owner update, all-gather.
 
-The sharding rule is the ring all-reduce's chunking (:func:`pad_split`): every trainable
-variable is cut into ``n`` chunks of ``L = ceil(size / n)`` elements; tower ``k`` owns
-the real elements ``[k·L, min((k+1)·L, size))`` of chunk ``k`` (none when ``k·L >= size``).
-Gradients travel the ring's reduce-scatter phase, so chunk ``k``'s sum is bitwise the
-``ring`` all-reduce's; the owner's optimizer (slots for its chunks only) updates its
-shard; the all-gather phase copies the updated shards into every replica.
-n = 3 (``gK``: gradient chunk K, ``pK``: parameter chunk K)::
+Every trainable variable is cut as the ring cuts it (:func:`pad_split`): ``n`` chunks of
+``L = ceil(size / n)`` elements, tower ``k`` owning the real elements of chunk ``k``.
+Gradients take the ring's reduce-scatter (so chunk ``k``'s sum is bitwise the ``ring``
+all-reduce's), the owner's optimizer updates its shard, the ring's all-gather copies the
+shards into every replica. n = 3 (``gK``: gradient chunk K, ``pK``: parameter chunk K)::
 
     tick       0        1      │  update (owner k)   │    2        3
                reduce-scatter  │                     │    all-gather (copy)

@@ -1,8 +1,7 @@
 """Sparse values (``tf.IndexedSlices``): gather indices and values in tower order.
 
-An Embedding's gradient is an ``IndexedSlices`` whose indices may repeat; summing is
-concatenation, tower 0's rows first, duplicates kept, as ``MirroredStrategy`` does (Adam
-on duplicated rows is not Adam on their dense sum; :func:`densify` gives the dense sum)::
+An Embedding's gradient is an ``IndexedSlices``; summing is concatenation, tower 0's rows
+first, duplicates kept, as ``MirroredStrategy`` does (:func:`densify`: the dense sum)::
 
     tower:   0        1        2
     has:    s0       s1       s2
@@ -19,6 +18,7 @@ from typing import Any
 import tensorflow as tf
 
 from towers.allreduce.machinery.base import check_op
+from towers.allreduce.machinery.packed import per_tower
 from towers.allreduce.machinery.primitives import send
 
 __all__ = ["densified", "densify", "gather_indexed_slices", "to_dense"]
@@ -52,11 +52,7 @@ def densify(
     op: str = "sum",
 ) -> list[tf.Tensor]:
     """Convert each tower's slices to a dense tensor on its device, then all-reduce densely."""
-    dense = []
-    for v, d in zip(values, devices):
-        with tf.device(d):
-            dense.append(to_dense(v))
-    return algorithm(dense, op=op)
+    return algorithm(per_tower(devices, lambda i: to_dense(values[i])), op=op)
 
 
 def to_dense(value: tf.IndexedSlices) -> tf.Tensor:

@@ -22,6 +22,7 @@ import tensorflow as tf
 from tensorflow.python.ops import collective_ops
 
 from towers.allreduce.machinery.base import as_written, check_values
+from towers.allreduce.machinery.packed import per_tower
 from towers.devices import canonical_device
 from towers.guard.deadline import watched
 
@@ -124,13 +125,9 @@ def all_to_all(rows: Sequence[tf.Tensor], devices: Sequence[str]) -> list[tf.Ten
     n = len(devices)
     if n <= MAX_ALL_TO_ALL:
         group, instance = group_key(devices), next_key()
-        outputs = []
-        for x, device in zip(rows, devices, strict=True):
-            with tf.device(device):
-                outputs.append(collective_ops.all_to_all_v2(
-                    x, n, group, instance, communication_hint=HINT,
-                    ordering_token=token(device)))
-        return outputs
+        return per_tower(devices, lambda i: collective_ops.all_to_all_v2(
+            rows[i], n, group, instance, communication_hint=HINT,
+            ordering_token=token(devices[i])))
     rank = ranks(devices)
     got: list[dict[int, tf.Tensor]] = [{} for _ in devices]
     sent: list[list[tf.Tensor]] = [[] for _ in devices]
@@ -183,11 +180,7 @@ def _after_previous(device: str) -> Iterator[Callable[[tf.Tensor], None]]:
     last = _LAST_BROADCAST.setdefault(graph, {})
     previous = last.get(device)
     with tf.control_dependencies([previous] if previous is not None else []):
-
-        def remember(t: tf.Tensor) -> None:
-            last[device] = t.op
-
-        yield remember
+        yield lambda t: last.__setitem__(device, t.op)
 
 
 def run(body: Body, values: Sequence[tf.Tensor], op: str, timeout: float) -> list[tf.Tensor]:
@@ -202,12 +195,8 @@ def run(body: Body, values: Sequence[tf.Tensor], op: str, timeout: float) -> lis
     if not trivial and not tf.executing_eagerly():
         return body(list(values), devices, op)
     results = values if trivial else _run_eagerly(body, values, devices, op, timeout)
-    outputs = []
     # A tf.function's CPU outputs come back labelled with the caller's device: re-place them.
-    for out, device in zip(results, devices, strict=True):
-        with tf.device(device):
-            outputs.append(tf.identity(out))
-    return outputs
+    return per_tower(devices, lambda i: tf.identity(results[i]))
 
 
 def _run_eagerly(body: Body, values: Sequence[tf.Tensor], devices: tuple[str, ...], op: str,
