@@ -57,7 +57,6 @@ class Compressed(tf.Module):
             for k, x in enumerate(init)) for j, init in enumerate(inits[tower])])
 
     def _read(self, tower: int, j: int) -> Any:
-        template = self._templates[j]  # a NamedTuple's type, or a plain tuple
         with tf.device(self.devices[tower]):
             template, values = self._templates[j], [v.read_value() for v in self.state[tower][j]]
             return template._make(values) if hasattr(template, "_make") else tuple(values)

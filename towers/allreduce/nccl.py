@@ -38,7 +38,6 @@ from tensorflow.python.ops import collective_ops, nccl_ops
 from towers.allreduce.machinery import tf_collective_ops as tco
 from towers.allreduce.machinery.base import AllReduce, combine, finish
 from towers.allreduce.machinery.differentiable import differentiable
-from towers.allreduce.machinery.packed import pad_rows, per_tower
 from towers.allreduce.machinery.primitives import record_estimate
 from towers.allreduce.machinery.registry import Algorithm, Coefficients, register, schedule_of
 from towers.allreduce.machinery.tf_collective_ops import HINT, Body, group_key, next_key, token
@@ -70,10 +69,14 @@ def _all_reduce_ops(
     """One all_reduce_v2 per tower (``group_size`` > len(values) only to test timeouts)."""
     group, instance = group_key(devices, group_size), next_key()
     merge = {"max": "Max", "min": "Min", "product": "Mul"}.get(op, "Add")
-    return per_tower(devices, lambda i: collective_ops.all_reduce_v2(
-        values[i], group_size, group, instance, merge_op=merge,
-        final_op="Div" if op == "mean" else "Id", communication_hint=HINT,
-        ordering_token=token(devices[i])))
+    outputs = []
+    for v, device in zip(values, devices, strict=True):
+        with tf.device(device):
+            outputs.append(collective_ops.all_reduce_v2(
+                v, group_size, group, instance, merge_op=merge,
+                final_op="Div" if op == "mean" else "Id", communication_hint=HINT,
+                ordering_token=token(device)))
+    return outputs
 
 
 def _nccl_body(values: list[tf.Tensor], devices: tuple[str, ...], op: str) -> list[tf.Tensor]:
@@ -116,7 +119,10 @@ def _ring_body(values: list[tf.Tensor], devices: tuple[str, ...], op: str) -> li
 def _tree_body(values: list[tf.Tensor], devices: tuple[str, ...], op: str) -> list[tf.Tensor]:
     """Binomial-tree reduce onto tower 0 (groups of two), then one broadcast to all."""
     n, shape = len(values), values[0].shape
-    acc = per_tower(devices, lambda i: tf.reshape(values[i], [-1]))
+    acc = []
+    for v, device in zip(values, devices, strict=True):
+        with tf.device(device):
+            acc.append(tf.reshape(v, [-1]))
     step = 1
     while step < n:
         for dst in range(0, n - step, 2 * step):
@@ -138,6 +144,18 @@ def _tree_body(values: list[tf.Tensor], devices: tuple[str, ...], op: str) -> li
         with tf.device(device), tf.control_dependencies(everyone):
             outputs.append(tf.reshape(flat, shape))
     return outputs
+
+
+def _record_estimates(values: Sequence[tf.Tensor]) -> None:
+    """Tell any active ``record()`` what the opaque ops are expected to send (ring figure)."""
+    n = len(values)
+    if n < 2 or not values[0].shape.is_fully_defined():
+        return
+    nbytes = int(values[0].shape.num_elements()) * values[0].dtype.size
+    per_tower = estimated_bytes_sent(n, nbytes)
+    for i, v in enumerate(values):
+        dst = values[(i + 1) % n].device
+        record_estimate(v.device, dst, round(per_tower[i]), note=f"{len(values)}-way collective")
 
 
 def _factory(body: Body, name: str, timeout_seconds: float = TIMEOUT_SECONDS) -> AllReduce:
@@ -167,11 +185,14 @@ def _tree_cost(n: int, nbytes: float) -> Coefficients:
 
 
 def _register(name: str, body: Body, depth: Any, cost: Any) -> Algorithm:
-    return register(Algorithm(name, partial(_factory, body, name),
-                              lambda n, nbytes, itemsize, **_: estimated_bytes_sent(n, nbytes),
-                              depth, cost, schedule_of(__doc__), estimated=True, replayable=False))
+    def estimate(n: int, nbytes: int, itemsize: int, **_: Any) -> list[float]:
+        return estimated_bytes_sent(n, nbytes)
+
+    return register(Algorithm(name, partial(_factory, body, name), estimate,
+                              lambda n, **_: depth(n), cost,
+                              schedule_of(__doc__), estimated=True, replayable=False))
 
 
-nccl = _register("nccl", _nccl_body, lambda n, **_: max(n - 1, 0), ring_cost)
-nccl_ring = _register("nccl_ring", _ring_body, lambda n, **_: max(n - 1, 0), ring_cost)
-nccl_tree = _register("nccl_tree", _tree_body, lambda n, **_: (n - 1).bit_length(), _tree_cost)
+nccl = _register("nccl", _nccl_body, lambda n: max(n - 1, 0), ring_cost)
+nccl_ring = _register("nccl_ring", _ring_body, lambda n: max(n - 1, 0), ring_cost)
+nccl_tree = _register("nccl_tree", _tree_body, lambda n: (n - 1).bit_length(), _tree_cost)
