@@ -180,7 +180,11 @@ def _after_previous(device: str) -> Iterator[Callable[[tf.Tensor], None]]:
     last = _LAST_BROADCAST.setdefault(graph, {})
     previous = last.get(device)
     with tf.control_dependencies([previous] if previous is not None else []):
-        yield lambda t: last.__setitem__(device, t.op)
+
+        def remember(t: tf.Tensor) -> None:
+            last[device] = t.op
+
+        yield remember
 
 
 def run(body: Body, values: Sequence[tf.Tensor], op: str, timeout: float) -> list[tf.Tensor]:
