@@ -218,7 +218,8 @@ class TowerModel(keras.Model):
         if self.resume_skip > 0:
             self.resume_skip -= 1
             return {}
-        trainer = self._trainer()
+        trainer = self.trainer  # compiled: Keras's fit refuses a model that is not
+        assert trainer is not None
         if self.broadcast_pending:  # an epoch's first step: on_epoch_begin's writes land
             self.broadcast_pending = False
             self.broadcast()

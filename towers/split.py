@@ -43,10 +43,7 @@ Batch = tuple[Any, Any, Any]
 
 def shard_sizes(batch: int, n: int) -> list[int]:
     """Python-side shard sizes for a batch of ``batch`` examples over ``n`` towers."""
-    return _sizes(non_negative_int("batch", batch), positive_int("n", n))
-
-
-def _sizes(batch: int, n: int) -> list[int]:
+    batch, n = non_negative_int("batch", batch), positive_int("n", n)
     per = -(-batch // n)
     return [max(0, min(per, batch - i * per)) for i in range(n)]
 
@@ -135,41 +132,36 @@ class Shards(NamedTuple):
 _NUMERIC = "biuf"  # NumPy dtype kinds a model and a loss can take
 
 
-def _leaf_dtype_and_shape(name: str, leaf: Any) -> tuple[tf.DType | np.dtype, tuple]:
-    """A batch element's dtype and shape, without converting a tensor."""
+def _checked_leaf(name: str, leaf: Any, allow_strings: bool = False) -> tuple:
+    """A batch element's shape, once its kind and dtype are checked (a tensor is not
+    converted): dense, one batch, numbers (strings where allowed)."""
     if isinstance(leaf, tf.RaggedTensor):
         raise TypeError(f"{name} is a tf.RaggedTensor: pad it to a dense tensor (.to_tensor())")
     if isinstance(leaf, tf.SparseTensor):
         raise TypeError(f"{name} is a tf.SparseTensor: densify it (tf.sparse.to_dense)")
     if isinstance(leaf, (tf.Tensor, tf.Variable)):
-        return leaf.dtype, tuple(leaf.shape)
-    if isinstance(leaf, (tf.data.Dataset, Iterator)) or callable(leaf):
+        dtype, shape = leaf.dtype, tuple(leaf.shape)
+        kind = ("S" if dtype == tf.string else "b" if dtype.is_bool else "i" if dtype.is_integer
+                else "f" if dtype.is_floating else "O")  # fmt: skip
+    elif isinstance(leaf, (tf.data.Dataset, Iterator)) or callable(leaf):
         raise TypeError(
             f"{name} must be arrays or tensors (one batch); got {type(leaf).__name__}: "
             "use towers.TowerModel.fit for a dataset or a generator"
         )
-    try:
-        array = np.asarray(leaf)
-    except ValueError as err:  # NumPy refuses rows of different lengths
-        raise ValueError(f"{name} is ragged (rows of different lengths): pad it ({err})") from err
-    return array.dtype, array.shape
-
-
-def _check_dtype(name: str, dtype: Any, allow_strings: bool = False) -> None:
-    """Refuse a NumPy or TensorFlow dtype that is not numeric (strings where allowed)."""
-    if isinstance(dtype, tf.DType):  # a NumPy-style kind letter
-        kind = ("S" if dtype == tf.string else "b" if dtype.is_bool else "i" if dtype.is_integer
-                else "f" if dtype.is_floating else "O")  # fmt: skip
     else:
-        kind = str(np.dtype(dtype).kind)
-    if kind in "SU" and allow_strings:
-        return
-    if kind not in _NUMERIC:
+        try:
+            array = np.asarray(leaf)
+        except ValueError as err:  # NumPy refuses rows of different lengths
+            raise ValueError(f"{name} is ragged (rows of different lengths): pad it ({err})"
+                             ) from err  # fmt: skip
+        dtype, shape, kind = array.dtype, array.shape, str(array.dtype.kind)
+    if kind not in _NUMERIC and not (kind in "SU" and allow_strings):
         what = "strings" if kind in "SU" else f"dtype {dtype}"
         raise TypeError(
             f"{name} holds {what}: expected numbers (booleans, integers or floats)"
             + ("; encode strings first, e.g. keras.layers.StringLookup" if kind in "SU" else "")
         )
+    return shape
 
 
 def _model_io(model: keras.Model, which: str) -> Any:
@@ -211,8 +203,7 @@ def _check_x(x: Any, model: keras.Model) -> None:
             ("x" if one else f"x[{i}]", leaf, t) for i, (leaf, t) in enumerate(zip(leaves, flat))
         ]
     for name, leaf, tensor in pairs:
-        dtype, shape = _leaf_dtype_and_shape(name, leaf)
-        _check_dtype(name, dtype, allow_strings=tensor.dtype == "string")
+        shape = _checked_leaf(name, leaf, allow_strings=tensor.dtype == "string")
         want = tuple(tensor.shape)
         if len(shape) != len(want) or any(w is not None and w != s for s, w in
                                           zip(shape[1:], want[1:])):  # fmt: skip
@@ -240,7 +231,7 @@ def check_batch_against_model(x: Any, y: Any, sample_weight: Any, model: keras.M
         _check_x(x, model)
     else:
         for i, leaf in enumerate(tf.nest.flatten(x)):
-            _check_dtype(f"x[{i}]", _leaf_dtype_and_shape(f"x[{i}]", leaf)[0], True)
+            _checked_leaf(f"x[{i}]", leaf, allow_strings=True)
     output = _model_io(model, "output")
     outputs = len(output) if isinstance(output, dict | list | tuple) else 1
     # Keras's per-output forms, a dict or one array per output (fit(..., sample_weight=[w_a,
@@ -265,7 +256,7 @@ def check_batch_against_model(x: Any, y: Any, sample_weight: Any, model: keras.M
             raise ValueError(f"{name} is empty ({part!r}): expected arrays or tensors")
         for i, leaf in enumerate(leaves):
             label = name if len(leaves) == 1 else f"{name}[{i}]"
-            _check_dtype(label, _leaf_dtype_and_shape(label, leaf)[0])
+            _checked_leaf(label, leaf)
 
 
 def batch_tensors(
@@ -312,7 +303,8 @@ def shard_batch(x: Any, y: Any, sample_weight: Any, n: int) -> Shards:
     if static is None:
         pieces = split(present, n)
     else:
-        bounds = np.cumsum([0, *_sizes(int(static), n)])
+        per = -(-int(static) // n)  # as shard_sizes: ceil(B / n) each until B runs out
+        bounds = [min(i * per, int(static)) for i in range(n + 1)]
         leaves = tf.nest.flatten(present)
         pieces = [tf.nest.pack_sequence_as(present, [t[a:b] for t in leaves])
                   for a, b in itertools.pairwise(bounds)]  # fmt: skip

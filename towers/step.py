@@ -36,7 +36,7 @@ from towers.guard.options import TrainerParts
 from towers.guard.semantics import clip_share, strategy_rewrites, unclipped
 from towers.placement import PLACEMENTS, check_devices, combine_non_trainable
 from towers.split import Shards, batch_tensors, relaxes, shard_batch
-from towers.tower import Gradients, TowerResult, empty_tower_step, loss_divisor, tower_divisor
+from towers.tower import Gradients, TowerResult, empty_tower_step, loss_divisor
 from towers.tower import tower_step as run_tower
 from towers.training.synchronized import check_not_alone, synchronized_towers
 
@@ -130,7 +130,9 @@ class TowerTrainer(TrainerParts):
     def forward_backward(self, shards: Shards) -> Gradients:
         """Phase 2: every tower's forward and backward pass on its shard, on its device
         (an empty tower: zero gradients, its share of the regularization losses)."""
-        divisor = self.loss_divisor(shards)
+        weights = [part[2] for part in shards.parts]  # the loss's divisor, for every tower
+        divisor = loss_divisor(self.loss_reduction, shards.global_batch, weights,
+                               self.parameter_device)  # fmt: skip
         if self.synchronized:  # BatchNormalization(synchronized=True): the towers meet
             ran = synchronized_towers(self, shards, divisor)
         else:
@@ -153,21 +155,15 @@ class TowerTrainer(TrainerParts):
         """The towers that run the model: those with examples (``WorkerTrainer``: all)."""
         return [i for i, size in enumerate(shards.sizes) if size != 0]
 
-    def loss_divisor(self, shards: Shards) -> tf.Tensor:
-        """What every tower divides its loss sum by (the global batch size by default)."""
-        weights = [part[2] for part in shards.parts]
-        return loss_divisor(self.loss_reduction, shards.global_batch, weights,
-                            self.parameter_device)  # fmt: skip
-
     def tower_step(self, shards: Shards, tower: int, *, backward: bool = True,
                    divisor: Any = None) -> TowerResult:  # fmt: skip
         """One tower of :meth:`forward_backward` (``backward=False``: the forward alone)."""
         if self.synchronized:
             check_not_alone(self.synchronized)
-        if divisor is None:
-            divisor = self.loss_divisor(shards)
+        if divisor is None:  # forward_backward's, for one tower alone
+            divisor = loss_divisor(self.loss_reduction, shards.global_batch,
+                                   [part[2] for part in shards.parts], self.parameter_device)
         part, n = shards.parts[tower], len(self.devices)
-        divisor = tower_divisor(self.divisor_rule, divisor, part, n)
         device, scale = self.devices[tower], self.loss_scale
         replica = self.replicas.replica_of(tower)
         with replica_scope(tower):  # MirroredStrategy's names: Grappler reads them
@@ -177,7 +173,8 @@ class TowerTrainer(TrainerParts):
                 num_towers=n, device=device, backward=backward,
                 loss_scale=scale.scale(replica.optimizer, replica.device, device)
                 if scale.active else None,
-                jit_compile=self.options.jit_compile, loss_reduction=self.loss_reduction)
+                jit_compile=self.options.jit_compile, loss_reduction=self.loss_reduction,
+                divisor_rule=self.divisor_rule)
 
     def reduce_and_apply(self, grads: Gradients,
                          central: Sequence[TowerResult] | None = None) -> tf.Tensor:  # fmt: skip

@@ -20,9 +20,8 @@ shared variables.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import keras
@@ -38,7 +37,7 @@ from towers.allreduce.machinery.primitives import send
 from towers.devices import canonical_device
 
 __all__ = ["Gradients", "LossFn", "TowerResult", "empty_tower_step", "loss_divisor",
-           "per_example_loss", "run_network", "static_dense_shapes", "tower_divisor", "tower_step",
+           "per_example_loss", "run_network", "static_dense_shapes", "tower_step",
            "weighs_elements"]
 
 
@@ -110,24 +109,6 @@ class Gradients(NamedTuple):
         ))  # fmt: skip
 
 
-@contextlib.contextmanager
-def _training_context(model: keras.Model) -> Iterator[None]:
-    """Keras's layer call context with ``training=True``, entered at ``model`` as its
-    ``__call__`` enters it (``stateless_call`` calls ``call`` without one). Keras keeps the
-    context in private state: where this Keras has none, nothing is set."""
-    if CallContext is None:  # pragma: no cover - another Keras layout
-        yield
-        return
-    previous = global_state.get_global_attribute("current_call_ctx")
-    context = CallContext(entry_layer=model)
-    context.training = True
-    global_state.set_global_attribute("current_call_ctx", context)
-    try:
-        yield
-    finally:
-        global_state.set_global_attribute("current_call_ctx", previous)
-
-
 def run_network(model: keras.Model, trainable: Sequence[tf.Tensor],
                 non_trainable: Sequence[tf.Tensor], x: Any, training: bool) -> tuple:
     """``model`` on one replica's values, as its ``__call__`` runs it: the one way every
@@ -136,16 +117,26 @@ def run_network(model: keras.Model, trainable: Sequence[tf.Tensor],
 
     The model's own name scope, as ``__call__`` opens it under tf.distribute (Grappler reads
     the names: ``replica_scope``); ``training`` as an argument where ``call`` takes
-    one and, when training, in Keras's call context, where inner layers look for it.
+    one and, when training, in Keras's layer call context, where inner layers look for it
+    (``stateless_call`` calls ``call`` without one; where this Keras has none, nothing is set).
 
     Returns:
         ``(outputs, new non-trainable values, the model's losses)`` of ``stateless_call``.
     """
     given = {"training": training} if getattr(model, "_call_has_training_arg", True) else {}
-    context = _training_context(model) if training else contextlib.nullcontext()
-    with keras.name_scope(model.name, caller=model), context:
-        result: tuple = model.stateless_call(list(trainable), list(non_trainable), x,
-                                             return_losses=True, **given)  # fmt: skip
+    previous = None
+    if training and CallContext is not None:  # Keras keeps the context in private state
+        previous = global_state.get_global_attribute("current_call_ctx")
+        context = CallContext(entry_layer=model)  # entered at model, as __call__ enters it
+        context.training = True
+        global_state.set_global_attribute("current_call_ctx", context)
+    try:
+        with keras.name_scope(model.name, caller=model):
+            result: tuple = model.stateless_call(list(trainable), list(non_trainable), x,
+                                                 return_losses=True, **given)  # fmt: skip
+    finally:
+        if training and CallContext is not None:
+            global_state.set_global_attribute("current_call_ctx", previous)
     return result
 
 
@@ -194,22 +185,6 @@ def loss_divisor(
         if weighs_elements(weights[0]):  # per_example_loss averaged w·l over these axes
             total = total / tf.cast(tf.reduce_prod(tf.shape(weights[0])[1:]), tf.float32)
         return total
-
-
-def tower_divisor(rule: str | float, divisor: tf.Tensor, shard: Any, towers: int) -> tf.Tensor:
-    """What one tower divides its loss sum by, for ``rule``
-    (:attr:`~towers.guard.options.TowerOptions.divisor`): the global ``divisor``
-    (``"global"``), ``shard size × towers`` (``"per_replica"``), or the constant (int32 when
-    whole, as ``compute_average_loss`` takes it)."""
-    if rule == "per_replica":
-        size = tf.shape(tf.nest.flatten(shard[0])[0])[0]  # compute_average_loss's shape[0]
-        return size * towers
-    if rule == "global":
-        return divisor
-    constant = float(rule)
-    if constant.is_integer():
-        return tf.constant(int(constant), tf.int32)
-    return tf.constant(constant, tf.float32)
 
 
 def per_example_loss(
@@ -293,7 +268,7 @@ def tower_step(model: keras.Model, trainable: Sequence[tf.Tensor],
                loss_fn: LossFn, global_batch: tf.Tensor, num_towers: int, device: str,
                backward: bool = True, loss_scale: tf.Tensor | None = None,
                jit_compile: bool = False, loss_reduction: str = "sum_over_batch_size",
-               ) -> TowerResult:  # fmt: skip
+               divisor_rule: str | float = "global") -> TowerResult:  # fmt: skip
     """Run forward and backward for one tower's shard on ``device``.
 
     Args:
@@ -313,7 +288,17 @@ def tower_step(model: keras.Model, trainable: Sequence[tf.Tensor],
         jit_compile: the forward and backward pass as one XLA cluster on ``device``.
         loss_reduction: the loss's Keras reduction: ``"sum"`` adds a loss value's extra
             axes, every other averages them.
+        divisor_rule: :attr:`~towers.guard.options.TowerOptions.divisor`: divide by
+            ``global_batch`` (``"global"``), by ``shard size × num_towers``
+            (``"per_replica"``), or by a constant (int32 when whole, as
+            ``compute_average_loss`` takes it).
     """
+    if divisor_rule == "per_replica":  # compute_average_loss's shape[0] × replicas
+        global_batch = tf.shape(tf.nest.flatten(shard[0])[0])[0] * num_towers
+    elif divisor_rule != "global":
+        constant = float(divisor_rule)
+        global_batch = (tf.constant(int(constant), tf.int32) if constant.is_integer()
+                        else tf.constant(constant, tf.float32))  # fmt: skip
     args = (model, trainable, non_trainable, shard, loss_fn, global_batch, num_towers,
             loss_reduction)
     with tf.device(device):

@@ -26,7 +26,7 @@ from towers.allreduce import as_written
 from towers.guard.options import TowerOptions
 from towers.guard.semantics import check_constant, check_semantics
 from towers.testing import ModelSpec, compare, loss_fn
-from towers.tower import tower_divisor
+from towers.tower import tower_step
 
 CLIPS = ({"clipnorm": 0.02}, {"global_clipnorm": 0.02}, {"clipvalue": 0.002})
 
@@ -59,13 +59,24 @@ def test_a_reduction_without_a_batch_divisor_is_refused_naming_both() -> None:
 
 
 def test_each_rule_gives_each_tower_its_divisor() -> None:
-    shard = (tf.zeros([3, 2]), tf.zeros([3]), None)
-    divisor = tf.constant(10)
-    assert tower_divisor("global", divisor, shard, 4) is divisor
-    assert int(tower_divisor("per_replica", divisor, shard, 4)) == 12
-    constant = tower_divisor(64.0, divisor, shard, 4)
-    assert constant.dtype == tf.int32 and int(constant) == 64  # as compute_average_loss takes it
-    assert tower_divisor(2.5, divisor, shard, 4).dtype == tf.float32
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1, use_bias=False)])
+    model.set_weights([np.ones((2, 1), np.float32)])
+    shard = (tf.constant([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]), tf.zeros([3, 1]), None)
+    values = tf.constant([1.0, 1.0, 2.0])  # the loss below, per example
+
+    def loss_share(rule: str | float) -> float:
+        result = tower_step(model, model.trainable_variables, [], shard,
+                            loss_fn=lambda y, p: tf.reduce_sum(p, axis=-1),
+                            global_batch=tf.constant(10), num_towers=4, device=DEVICES[0],
+                            backward=False, divisor_rule=rule)  # fmt: skip
+        return float(result.loss)
+
+    for rule, divisor in (("global", 10), ("per_replica", 12), (64.0, 64), (2.5, 2.5)):
+        if isinstance(divisor, int):  # as compute_average_loss takes a whole divisor
+            want = tf.nn.compute_average_loss(values, global_batch_size=divisor)
+        else:
+            want = tf.reduce_sum(values) / divisor
+        assert loss_share(rule) == float(want), rule  # 3 rows × 4 towers for per_replica
 
 
 def test_mirrored_equals_the_tutorial_on_an_uneven_last_batch_and_one_device_does_not() -> None:

@@ -103,8 +103,12 @@ class CompiledStep:
         with record() as recorder:
             grads, concatenated = self._phases(inputs, outputs)
         self.forward_stats = recorder
-        return Gradients(tuple(_unchanged_as_none(r)._replace(outputs=None)
-                               for r in grads.towers)), concatenated  # fmt: skip
+        # a state value no tower pass assigned goes as None (a tf.function would turn the
+        # Python ``changed`` flags into tensors); the update's _as_received undoes it
+        handed = tuple(r if r.changed is None else r._replace(
+            non_trainable=[None if c is False else v for v, c in zip(r.non_trainable, r.changed)],
+            changed=None) for r in grads.towers)  # fmt: skip
+        return Gradients(tuple(r._replace(outputs=None) for r in handed)), concatenated
 
     def update(self, grads: Gradients) -> tf.Tensor:
         """:class:`PhasedStep`'s update: the guard's reduce and apply, as in the step."""
@@ -238,20 +242,11 @@ def nests(devices: Any) -> bool:
                for d in devices)  # fmt: skip
 
 
-def _unchanged_as_none(result: TowerResult) -> TowerResult:
-    """A tower's result as the forward returns it: a state value no tower pass assigned is
-    None (a ``tf.function`` would turn the Python ``changed`` flags into tensors)."""
-    if result.changed is None:
-        return result
-    kept = [None if c is False else v for v, c in zip(result.non_trainable, result.changed)]
-    return result._replace(non_trainable=kept, changed=None)
-
-
 def _as_received(result: TowerResult, replica: Any) -> TowerResult:
     """A tower's result as the update receives it, with what the one-function step knows:
-    :func:`_unchanged_as_none` undone (the variable's value, nothing assigned it since the
-    forward read it; ``changed`` False), and each ``IndexedSlices``'s ``dense_shape`` (an
-    argument's is a tensor of unknown value) its variable's static shape."""
+    the forward's None for unassigned state undone (the variable's value, nothing assigned
+    it since the forward read it; ``changed`` False), and each ``IndexedSlices``'s
+    ``dense_shape`` (an argument's is a tensor of unknown value) its variable's static shape."""
     if any(v is None for v in result.non_trainable):
         with tf.device(replica.device):
             values = [tf.convert_to_tensor(var.value) if v is None else v for v, var

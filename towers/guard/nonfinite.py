@@ -85,21 +85,6 @@ def tower_sum(loss: tf.Tensor, grads: Sequence, state: Sequence[tf.Tensor]) -> t
     return tf.add_n(sums) if len(sums) > 1 else sums[0]
 
 
-def _reduced_sums(reduced: Sequence, device: str) -> list[tf.Tensor]:
-    """The sums of already-reduced gradients, one per device that holds some, on ``device``."""
-    by_device: dict[str, list[tf.Tensor]] = {}
-    for g in reduced:
-        value = g.values if isinstance(g, tf.IndexedSlices) else g
-        by_device.setdefault(value.device, []).append(value)
-    sums = []
-    for where, values in by_device.items():
-        with tf.device(where):
-            parts = [tf.cast(tf.reduce_sum(v), tf.float32) for v in values]
-            sums.append(send(tf.add_n(parts) if len(parts) > 1 else parts[0], device,
-                             note="guard"))  # fmt: skip
-    return sums
-
-
 def gather_codes(towers: Sequence[Any], devices: Sequence[str], device: str,
                  reduced: Sequence | None = None, central: bool = False) -> tf.Tensor:
     """Every tower's :func:`tower_code`, stacked on ``device``: zeros when every tower's
@@ -128,8 +113,15 @@ def gather_codes(towers: Sequence[Any], devices: Sequence[str], device: str,
         if src != dst:  # formed here already: record what a tower's own check would send
             log_send(flag, src, dst, None, None, "guard")
         sums.append(flag)
-    if reduced is not None:
-        sums += _reduced_sums(reduced, device)
+    by_device: dict[str, list[tf.Tensor]] = {}  # the reduced copy's sums, one per device
+    for g in reduced or ():
+        value = g.values if isinstance(g, tf.IndexedSlices) else g
+        by_device.setdefault(value.device, []).append(value)
+    for where, values in by_device.items():
+        with tf.device(where):
+            parts = [tf.cast(tf.reduce_sum(v), tf.float32) for v in values]
+            sums.append(send(tf.add_n(parts) if len(parts) > 1 else parts[0], device,
+                             note="guard"))  # fmt: skip
     with tf.device(device):
         total = tf.add_n(sums) if len(sums) > 1 else sums[0]
 
