@@ -17,7 +17,7 @@ from typing import Any
 import keras
 
 from towers.bench import report
-from towers.bench.training import named_steps
+from towers.bench.training import build_steps
 from towers.devices import simulate_devices
 from towers.placement import optimizer_state_bytes
 from towers.step import TowerTrainer
@@ -45,7 +45,7 @@ def measure(config: str, model: str, towers: int, batch: int, steps: int) -> dic
     """In this process: build ``config`` and run ``steps`` steps; peak RSS in MiB."""
     devices = simulate_devices(towers)
     start = _peak_mib()
-    [step] = named_steps(model, devices, [config], batch=batch).values()
+    [step] = build_steps(model, devices, [config], batch)[0].values()
     built = _peak_mib()
     for _ in range(steps):
         step()

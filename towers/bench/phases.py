@@ -21,7 +21,7 @@ from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
 from towers.allreduce.machinery.base import scoped_tower
 from towers.bench import report
-from towers.bench.training import MODELS, named_steps
+from towers.bench.training import MODELS, build_steps
 
 __all__ = ["PHASES", "phase_of", "phase_profile", "run_phases", "section", "table"]
 
@@ -108,7 +108,7 @@ def run_phases(model: str, devices: Sequence[str], names: Sequence[str], *, batc
                steps: int = 5, verbose: bool = False) -> list[dict[str, Any]]:
     """One row per configuration (``towers <algo>/<placement>`` or a tf.distribute name)."""
     rows = []
-    for name, step in named_steps(model, devices, names, batch=batch).items():
+    for name, step in build_steps(model, devices, names, batch)[0].items():
         step()  # trace and warm up outside the profile
         profile = phase_profile(step, steps, scoped=name.startswith("towers "))
         rows.append({"model": model, "config": name, "wall_ms": profile["wall_ms"],
