@@ -80,7 +80,7 @@ def step_traffic(stats: StepStats, counted: Counted | None, algorithm: str | Non
               if traffic_kind(t.note) == "gradients" and id(t) not in inside]
     seconds: dict[str, float | None] = dict.fromkeys(systems)
     if counted is not None and algorithm is not None and (
-            not calls or algorithm in costmodel.ALGORITHMS):
+            not calls or algorithm in costmodel.formulas()):
         for s in systems:
             seconds[s] = sum(predict_on(s, algorithm, payload) for payload, _ in calls) + (
                 _other_seconds(others, len(devices), s))
