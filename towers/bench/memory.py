@@ -102,8 +102,8 @@ def optimizer_state(devices: Sequence[str]) -> list[dict[str, Any]]:
 
 def section(args: argparse.Namespace, devices: list[str], results: dict) -> bool:
     """``--sections memory``: peak RSS per configuration on the wide MLP, Adam's state."""
-    print(f"\n== memory: peak RSS of mlp steps, {args.towers} towers, batch {args.batch_size}, "
-          "one fresh process per configuration", flush=True)
+    report.heading(f"memory: peak RSS of mlp steps, {args.towers} towers, batch "
+                   f"{args.batch_size}, one fresh process per configuration")
     rows = run_memory(towers=args.towers, batch=args.batch_size)
     print(table(rows))
     state = optimizer_state(devices[: args.towers])

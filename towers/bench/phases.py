@@ -21,6 +21,7 @@ from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
 from towers.allreduce.machinery.base import scoped_tower
 from towers.bench import report
+from towers.bench.memory import CONFIGS
 from towers.bench.training import MODELS, build_steps
 
 __all__ = ["PHASES", "phase_of", "phase_profile", "run_phases", "section", "table"]
@@ -151,8 +152,7 @@ def plot(rows: Sequence[dict[str, Any]], path: Any) -> Any:
     return report.save(fig, path)
 
 
-DEFAULT_CONFIGS = ("MirroredStrategy", "CentralStorageStrategy", "towers naive/parameter_device",
-                   "towers ring/replicated", "towers noop/replicated")
+DEFAULT_CONFIGS = (*CONFIGS, "towers noop/replicated")
 
 
 def section(args: argparse.Namespace, devices: list[str], results: dict) -> bool:

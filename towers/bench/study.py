@@ -51,9 +51,8 @@ def build(spec: Spec, devices: Sequence[str] = ()) -> tuple[Any, Counted | None]
     if is_reducer(fn):
         return fn, None
     counted = Counted(fn)
-    if spec.codec is None:
-        return counted, counted
-    return compressed(counted, spec.codec, decode="everywhere"), counted
+    codec = spec.codec
+    return (counted if codec is None else compressed(counted, codec, decode="everywhere")), counted
 
 
 def _other_seconds(transfers: Sequence[Transfer], n: int, system: str) -> float:
@@ -185,10 +184,8 @@ def write_csv(rows: Sequence[dict[str, Any]], path: str | Path) -> Path:
 
 
 def _runs(rows: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
-    runs: dict[str, list[dict[str, Any]]] = {}
-    for row in rows:
-        runs.setdefault(row["reducer"], []).append(row)
-    return runs
+    names = dict.fromkeys(row["reducer"] for row in rows)
+    return {name: [row for row in rows if row["reducer"] == name] for name in names}
 
 
 def _systems(rows: Sequence[dict[str, Any]]) -> list[str]:

@@ -2,7 +2,8 @@
 
 Each command is a module with ``add_arguments(parser)``, ``run(args) -> exit code`` and
 maybe ``usage_problem(args) -> str | None``; its docstring is its ``--help``. Usage errors
-answer before TensorFlow is imported: one line naming the option, exit status 2.
+answer before TensorFlow is imported: one line naming the option, exit status 2; so does a
+``ValueError``, ``TypeError`` or ``RuntimeError`` a command raises (``--verbose``: raised).
 """
 
 from __future__ import annotations
@@ -130,13 +131,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         known = [s for action in command._actions for s in action.option_strings]
         hints = "".join(did_you_mean(w.split("=", 1)[0], known) for w in extra if w[:2] == "--")
         command.error(f"unrecognized arguments: {' '.join(extra)}{hints}")
-    problem = args.usage_problem and args.usage_problem(args)
-    if problem:  # between options: one line and exit status 2, as argparse's own
-        print(f"{command.prog}: error: {problem}", file=sys.stderr)
+    try:
+        problem = args.usage_problem and args.usage_problem(args)
+        if problem:  # between options: found before TensorFlow loads
+            raise ValueError(problem)
+        quiet_tensorflow(args.verbose)
+        _load_named(command, args)
+        return int(args.func(args))
+    except (ValueError, TypeError, RuntimeError) as err:  # one line and exit status 2
+        if args.verbose:
+            raise
+        print(f"{command.prog}: error: {err}", file=sys.stderr)
         return 2
-    quiet_tensorflow(args.verbose)
-    _load_named(command, args)
-    return int(args.func(args))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ import difflib
 import importlib.machinery
 import importlib.util
 import os
-import sys
 import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -18,7 +17,7 @@ from typing import Any
 
 __all__ = ["ALGORITHMS", "CODECS", "COLLECTIVES", "DTYPES", "MODELS", "OPS", "PLACEMENTS",
            "REFERENCES", "VARIABLES", "Named", "algorithm", "algorithm_or_collective",
-           "algorithms", "at_least", "choices", "codec", "did_you_mean", "fail", "loader",
+           "algorithms", "at_least", "choices", "codec", "did_you_mean", "loader",
            "output_dir", "output_file", "positive_float", "spec_found", "tower_counts"]
 
 ALGORITHMS = (  # sorted(towers.ALGORITHMS)
@@ -41,12 +40,6 @@ def did_you_mean(word: str, known: Iterable[str]) -> str:
     close = ([k for k in known if k.lower() == word.lower()]
              or difflib.get_close_matches(word, known, n=3, cutoff=0.6))
     return f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
-
-
-def fail(command: str, err: Exception | str) -> int:
-    """A usage error found at run time: one line on stderr; returns exit status 2."""
-    print(f"towers {command}: error: {err}", file=sys.stderr)
-    return 2
 
 
 def at_least(low: int) -> Callable[[str], int]:

@@ -91,7 +91,7 @@ def _registered(name: str, devices: list[str]) -> str:
     from towers.allreduce.machinery.registry import ALGORITHMS, Record, record_of
     from towers.allreduce.machinery.resolve import get
 
-    fn = get(name, argument="algorithm", devices=devices)
+    fn = get(name, argument="--algorithms", devices=devices)
     configured = record_of(fn)
     if configured is not None:
         ALGORITHMS.register(configured.algorithm)
@@ -124,11 +124,7 @@ def run(args: argparse.Namespace) -> int:
     section = {"allreduce": allreduce.section, "costmodel": costfit.section,
                "training": training.section, "phases": phases.section, "memory": memory.section}
     if args.algorithms:
-        try:
-            args.algorithms = [_registered(name, devices) for name in args.algorithms]
-        except (ValueError, TypeError) as err:  # a module:NAME that is no algorithm
-            print(f"towers bench: error: argument --algorithms: {err}", file=sys.stderr)
-            return 2
+        args.algorithms = [_registered(name, devices) for name in args.algorithms]
     results: dict[str, Any] = {"environment": environment(devices)}
     ok = True
     for name in SECTIONS:

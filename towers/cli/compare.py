@@ -32,14 +32,13 @@ from towers.cli.arguments import (
     Named,
     algorithm,
     at_least,
-    fail,
     loader,
     positive_float,
     spec_found,
 )
 
 __all__ = ["EPILOG", "KERNEL_NOISE", "add_arguments", "add_problem_arguments", "digits_problem",
-           "exit_code", "load_problem", "run"]
+           "exit_code", "factory", "load_problem", "run"]
 
 KERNEL_NOISE = 3  # exit status: outside the bound only by the towers' own kernels
 
@@ -143,14 +142,13 @@ def _arrays(args: argparse.Namespace) -> tuple[Any, Any]:
     return x, y
 
 
-def _model_fn(spec: str) -> Callable[[], Any]:
+def factory(spec: str, argument: str) -> Callable[..., Any]:
+    """The callable ``module:NAME`` names (TypeError: something else)."""
     from towers.allreduce.machinery.resolve import imported
 
-    if spec in ("mlp", "conv"):
-        return digits_problem(spec)[0]
-    fn = imported(spec, "--model")
+    fn = imported(spec, argument)
     if not callable(fn):
-        raise TypeError(f"--model {spec} is a {type(fn).__name__}, not a callable")
+        raise TypeError(f"{argument} {spec} is a {type(fn).__name__}, not a callable")
     return fn  # type: ignore[no-any-return]
 
 
@@ -175,7 +173,9 @@ def load_problem(args: argparse.Namespace) -> tuple[Any, ...]:
 
     data = [(x[k:k + args.batch], y[k:k + args.batch])
             for k in range(0, args.batch * args.steps, args.batch)]
-    return _model_fn(args.model), optimizer_fn, loss, data
+    model_fn = (digits_problem(args.model)[0] if args.model in ("mlp", "conv")
+                else factory(args.model, "--model"))
+    return model_fn, optimizer_fn, loss, data
 
 
 def _binds(obj: Any, *args: Any, **kwargs: Any) -> bool:
@@ -217,19 +217,16 @@ def run(args: argparse.Namespace) -> int:
     from towers.trace.schedule import start_devices
 
     command = args.towers_command
-    try:
-        devices = start_devices(args.towers)  # first: before TensorFlow's runtime starts
-        model_fn, optimizer_fn, loss, batches = problem = load_problem(args)
-        a, b = (_load_side_step(s, problem, devices, args.variables) for s in (args.a, args.b))
-        from towers import testing
+    devices = start_devices(args.towers)  # first: before TensorFlow's runtime starts
+    model_fn, optimizer_fn, loss, batches = problem = load_problem(args)
+    a, b = (_load_side_step(s, problem, devices, args.variables) for s in (args.a, args.b))
+    from towers import testing
 
-        if command == "bisect":
-            print(f"towers bisect: {args.a} vs {args.b}, {args.model}, {args.towers} towers, "
-                  f"batch {args.batch}, up to {args.steps} steps")
-        report = getattr(testing, command)(
-            a, b, batches, bound=args.bound, loss=loss, towers=args.towers, steps=args.steps,
-            model_fn=model_fn, optimizer_fn=optimizer_fn)
-    except (ValueError, TypeError, RuntimeError) as err:
-        return fail(command, err)
+    if command == "bisect":
+        print(f"towers bisect: {args.a} vs {args.b}, {args.model}, {args.towers} towers, "
+              f"batch {args.batch}, up to {args.steps} steps")
+    report = getattr(testing, command)(
+        a, b, batches, bound=args.bound, loss=loss, towers=args.towers, steps=args.steps,
+        model_fn=model_fn, optimizer_fn=optimizer_fn)
     print(report)
     return exit_code(report)

@@ -15,13 +15,12 @@ from towers.cli.arguments import (
     VARIABLES,
     Named,
     algorithm,
-    fail,
     loader,
     positive_float,
     spec_found,
     tower_counts,
 )
-from towers.cli.compare import add_problem_arguments, exit_code, load_problem
+from towers.cli.compare import add_problem_arguments, exit_code, factory, load_problem
 
 __all__ = ["EPILOG", "add_arguments", "run"]
 
@@ -51,22 +50,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from towers.trace.schedule import start_devices
 
-    try:
-        devices = start_devices(max(args.towers))  # first: before TensorFlow's runtime starts
-        problem = load_problem(args)
-        from towers.allreduce.machinery.resolve import get, imported, label
-        from towers.testing import check_invariance
+    devices = start_devices(max(args.towers))  # first: before TensorFlow's runtime starts
+    problem = load_problem(args)
+    from towers.allreduce.machinery.resolve import get, label
+    from towers.testing import check_invariance
 
-        all_reduce = get(args.algorithm, argument="algorithm", devices=devices)
-        factory = None if args.step is None else imported(args.step, "--step")
-        if factory is not None and not callable(factory):
-            raise TypeError(f"--step {args.step} is a {type(factory).__name__}, not a callable")
-        print(f"towers invariance: {label(args.algorithm) if factory is None else args.step}, "
-              f"{args.model}, towers {args.towers}, batch {args.batch}, {args.steps} steps")
-        report = check_invariance(*problem, towers=args.towers, all_reduce=all_reduce,
-                                  variables=args.variables, steps=args.steps, step=factory,
-                                  bound=args.bound)
-    except (ValueError, TypeError, RuntimeError) as err:
-        return fail("invariance", err)
+    all_reduce = get(args.algorithm, argument="algorithm", devices=devices)
+    step = None if args.step is None else factory(args.step, "--step")
+    print(f"towers invariance: {label(args.algorithm) if step is None else args.step}, "
+          f"{args.model}, towers {args.towers}, batch {args.batch}, {args.steps} steps")
+    report = check_invariance(*problem, towers=args.towers, all_reduce=all_reduce,
+                              variables=args.variables, steps=args.steps, step=step,
+                              bound=args.bound)
     print(report)
     return exit_code(report)

@@ -22,7 +22,6 @@ from towers.cli.arguments import (
     CODECS,
     at_least,
     did_you_mean,
-    fail,
     positive_float,
     spec_found,
 )
@@ -87,21 +86,15 @@ def usage_problem(args: argparse.Namespace) -> str | None:
 def run(args: argparse.Namespace) -> int:
     from towers.trace.schedule import start_devices
 
-    try:
-        devices = start_devices(args.towers)  # first: before TensorFlow's runtime starts
-    except RuntimeError as err:
-        return fail("study", str(err))
+    devices = start_devices(args.towers)  # first: before TensorFlow's runtime starts
     from towers.allreduce.machinery.resolve import parse
     from towers.bench import study
 
-    try:
-        for spec in args.reducers:
-            parse(spec)
-    except (ValueError, TypeError) as err:
-        return fail("study", str(err))
+    for spec in args.reducers:
+        parse(spec)
     model, data = digits_problem(args.model)
     if args.batch > len(data[0]):
-        return fail("study", f"--batch {args.batch} is more than the {len(data[0])} examples")
+        raise ValueError(f"--batch {args.batch} is more than the {len(data[0])} examples")
     print(f"towers study: {', '.join(args.reducers)} on {args.towers} towers, {args.model}, "
           f"{args.epochs} epoch(s) of batch {args.batch}, Adam {args.lr:g}", flush=True)
     try:
