@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -30,15 +29,9 @@ CONFIGS = ("MirroredStrategy", "CentralStorageStrategy", "towers naive/parameter
 
 
 def _peak_mib() -> float:
-    """This process's peak RSS in MiB: ``VmHWM`` (fresh after ``execve``), else ``ru_maxrss``."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024  # kB
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    """This process's peak RSS in MiB: Linux's ``VmHWM`` (fresh after ``execve``)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
 
 
 def measure(config: str, model: str, towers: int, batch: int, steps: int) -> dict[str, Any]:

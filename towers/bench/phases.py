@@ -148,7 +148,6 @@ def plot(rows: Sequence[dict[str, Any]], path: Any) -> Any:
     ax.set(xlabel="thread ms per step (| = wall ms)",
            title="where a step's time goes (TensorFlow profiler)")
     ax.legend(fontsize=7, ncol=4)
-    fig.tight_layout()
     return report.save(fig, path)
 
 

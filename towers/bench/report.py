@@ -155,8 +155,9 @@ def figure(width: float, height: float) -> Figure:
 
 
 def save(fig: Figure, path: Path) -> Path:
-    """Write ``fig`` as a PNG at ``path`` (folders made as needed)."""
+    """Lay ``fig`` out and write it as a PNG at ``path`` (folders made as needed)."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
     fig.savefig(path, format="png", dpi=100)
     return path
 

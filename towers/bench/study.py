@@ -245,5 +245,4 @@ def plot(rows: Sequence[dict[str, Any]], path: str | Path, *, title: str = "") -
         if i == 0:
             ax.legend(fontsize=8)
     fig.suptitle(title or "loss against communication, same start, same batches")
-    fig.tight_layout()
     return report.save(fig, Path(path))

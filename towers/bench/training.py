@@ -194,7 +194,6 @@ def plot(rows: Sequence[dict[str, Any]], path: Any) -> Any:
         ax.tick_params(axis="y", labelsize=7, labelleft=k == 0)
         ax.set(xlabel="step time / MirroredStrategy", title=model)
     fig.suptitle("training step, ratio to MirroredStrategy")
-    fig.tight_layout()
     return report.save(fig, path)
 
 

@@ -23,19 +23,9 @@ from __future__ import annotations
 import argparse
 import inspect
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-from towers.cli.arguments import (
-    REFERENCES,
-    VARIABLES,
-    Named,
-    algorithm,
-    at_least,
-    loader,
-    positive_float,
-    spec_found,
-)
+from towers.cli.arguments import VARIABLES, at_least, compared_step, model, npz_file, positive_float
 
 __all__ = ["EPILOG", "KERNEL_NOISE", "add_arguments", "add_problem_arguments", "digits_problem",
            "exit_code", "factory", "load_problem", "run"]
@@ -53,42 +43,12 @@ EPILOG = """examples:
 """
 
 
-def _model(text: str) -> str:
-    if text in ("mlp", "conv"):
-        return text
-    if ":" in text:
-        return spec_found(text, "model")
-    raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from mlp, conv or "
-                                     "module:fn, a factory of a built keras.Model)")
-
-
-def _side(text: str) -> str:
-    if text in REFERENCES:
-        return text
-    if text.startswith("towers:"):
-        name = text.removeprefix("towers:")
-        if not name or name in REFERENCES:
-            raise argparse.ArgumentTypeError(
-                f"expected an algorithm name after 'towers:', got {text!r}"
-                + (f" ({name} is a tf.distribute reference: name it alone)" if name else ""))
-        algorithm(name)
-        return text
-    return str(algorithm(text))  # a registered name or module:NAME that can be found
-
-
-def _data_file(text: str) -> str:
-    if not text.endswith(".npz") or not Path(text).is_file():
-        raise argparse.ArgumentTypeError(f"expected an existing .npz file (arrays x, y), got "
-                                         f"{text!r}")
-    return text
-
-
 def add_problem_arguments(parser: argparse.ArgumentParser) -> None:
     """The options shared by compare, bisect and invariance: model, data, optimizer, loss."""
     add = parser.add_argument
-    add("--model", type=Named(_model, loader("imported", "model"), "model"), default="mlp",
+    add("--model", type=model, default="mlp",
         metavar="MODEL", help="mlp (64-32-10, tanh), conv (the digits CNN) or module:fn")
-    add("--data", type=_data_file, default=None, metavar="FILE.npz",
+    add("--data", type=npz_file, default=None, metavar="FILE.npz",
         help="arrays x and y to train on (default: the bundled digits)")
     add("--optimizer", default="sgd", metavar="NAME",
         help="a Keras optimizer name: sgd, adam, rmsprop, …")
@@ -101,11 +61,9 @@ def add_problem_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
-    side = Named(_side, lambda text: None if text.startswith("towers:")
-                 else loader("imported", "step")(text), "step")
-    add("--a", required=True, metavar="STEP", type=side,
+    add("--a", required=True, metavar="STEP", type=compared_step,
         help="the teacher: module:factory of a step, or a towers/reference configuration")
-    add("--b", required=True, metavar="STEP", type=side, help="the step under test")
+    add("--b", required=True, metavar="STEP", type=compared_step, help="the step under test")
     add("--towers", type=at_least(1), default=4, help="towers of both runs")
     add("--bound", type=positive_float, default=None, metavar="TOL",
         help="a tolerance per element (needed for optimizers other than plain SGD between "

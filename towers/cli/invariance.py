@@ -11,15 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from towers.cli.arguments import (
-    VARIABLES,
-    Named,
-    algorithm,
-    loader,
-    positive_float,
-    spec_found,
-    tower_counts,
-)
+from towers.cli.arguments import VARIABLES, algorithm, positive_float, step, tower_counts
 from towers.cli.compare import add_problem_arguments, exit_code, factory, load_problem
 
 __all__ = ["EPILOG", "add_arguments", "run"]
@@ -38,7 +30,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--algorithm", type=algorithm, default="ring",
         help="a registered name, module:function or file.py:function")
     add("--variables", choices=VARIABLES, default="replicated", help="placement")
-    step = Named(lambda text: spec_found(text, "step"), loader("imported", "step"), "step")
     add("--step", type=step, default=None, metavar="MODULE:FACTORY",
         help="check your step instead: factory(model_fn, optimizer_fn, loss, devices) is "
         "called once per tower count")

@@ -17,14 +17,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from towers.cli.arguments import (
-    ALGORITHMS,
-    CODECS,
-    at_least,
-    did_you_mean,
-    positive_float,
-    spec_found,
-)
+from towers.cli.arguments import at_least, positive_float, reducer
 from towers.cli.compare import digits_problem
 
 __all__ = ["EPILOG", "add_arguments", "run", "usage_problem"]
@@ -34,28 +27,6 @@ EPILOG = """examples:
   python -m towers study ring "powersgd(2)@halving_doubling" --towers 8 --epochs 3
   python -m towers study ring my_codecs.py:sign --out results/sign
 """
-
-
-def reducer(text: str) -> str:
-    """A REDUCER's names, checked without TensorFlow."""
-    head, at, algorithm = text.strip().rpartition("@")
-    head = head if at else algorithm
-    if at and algorithm not in ALGORITHMS:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: unknown all-reduce {algorithm!r} after @"
-            f"{did_you_mean(algorithm, ALGORITHMS)}; choose from "
-            f"{', '.join(ALGORITHMS)}")
-    if ":" in head:
-        spec_found(head, "reducer")
-        return text
-    name = head.split("(", 1)[0].strip()
-    known = ALGORITHMS + CODECS
-    if name not in known:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: unknown {name!r}{did_you_mean(name, known)}; choose an all-reduce "
-            f"({', '.join(ALGORITHMS)}), a codec ({', '.join(CODECS)}) or "
-            "module:NAME")
-    return text
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
