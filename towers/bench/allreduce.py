@@ -222,8 +222,7 @@ def section(args: argparse.Namespace, devices: list[str], results: dict) -> bool
     rows = run_allreduce(devices, sizes, algorithms=args.algorithms,
                          rounds=args.rounds or (9 if args.quick else 15), verbose=not args.quiet)
     print(f"# time = median of interleaved rounds; busbw = algbw * 2(n-1)/n, n = {len(devices)}")
-    print(table(rows))
-    report.publish(args, results, "allreduce", rows, lambda out: plot(
+    report.publish(args, results, "allreduce", rows, table(rows), lambda out: plot(
         rows, out / "allreduce_algbw.png",
         f"all-reduce over {len(devices)} simulated devices (float32 sum)"))
     results["allreduce_load"] = os.getloadavg()

@@ -98,12 +98,10 @@ def section(args: argparse.Namespace, devices: list[str], results: dict) -> bool
     report.heading(f"memory: peak RSS of mlp steps, {args.towers} towers, batch "
                    f"{args.batch_size}, one fresh process per configuration")
     rows = run_memory(towers=args.towers, batch=args.batch_size)
-    print(table(rows))
-    state = optimizer_state(devices[: args.towers])
+    report.publish(args, results, "memory", rows, table(rows))
+    results["optimizer_state"] = state = optimizer_state(devices[: args.towers])
     print("\nAdam state per tower (wide MLP), bytes: " + "; ".join(
         f"{r['placement']} {r['max_bytes_per_tower']:,} ({r['ratio_to_replicated']:.3f})"
         for r in state))
-    report.publish(args, results, "memory", rows)
-    results["optimizer_state"] = state
     return not any(r["error"] for r in rows)
 

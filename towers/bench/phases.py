@@ -168,6 +168,6 @@ def section(args: argparse.Namespace, devices: list[str], results: dict) -> bool
         names = picks[:2] + [c for c in best if c not in picks] + picks[2:]
         rows += run_phases(model, devices, names, batch=args.batch_size, verbose=not args.quiet)
     print("thread ms per step by phase (share of the step's thread time); wall = elapsed:")
-    print(table(rows))
-    report.publish(args, results, "phases", rows, lambda out: plot(rows, out / "phases.png"))
+    report.publish(args, results, "phases", rows, table(rows),
+                   lambda out: plot(rows, out / "phases.png"))
     return True

@@ -172,9 +172,10 @@ def reason(err: Exception) -> str:
     return f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"[:160]
 
 
-def publish(args: Any, results: dict, name: str, rows: list[dict[str, Any]],
+def publish(args: Any, results: dict, name: str, rows: list[dict[str, Any]], table: str,
             plot: Callable[[Path], Any] | None = None) -> None:
-    """``results[name] = rows``, ``name.csv`` and, unless ``--no-plots``, ``plot(args.out)``."""
+    """Print ``table``; ``rows`` to ``results[name]`` and ``name.csv``; ``plot(args.out)``."""
+    print(table, flush=True)
     results[name] = rows
     write_csv(args.out / f"{name}.csv", rows)
     if plot is not None and not args.no_plots:

@@ -110,16 +110,10 @@ def build_steps(model: str, devices: Sequence[str], names: Sequence[str], batch:
     return steps, errors
 
 
-def _kind(name: str) -> str:
-    if not name.startswith("towers "):
-        return "tf.distribute"
-    return "ceiling" if name.startswith("towers noop/") else "towers"
-
-
 def _rows(model: str, names: Sequence[str], samples: dict[str, Any],
           losses: dict[str, float], errors: dict[str, str]) -> list[dict[str, Any]]:
     mirrored = samples.get(MIRRORED)
-    tf_names = [k for k in samples if _kind(k) == "tf.distribute"]
+    tf_names = [k for k in samples if not k.startswith("towers ")]
     best_tf = min(tf_names, default=None, key=lambda k: paired_ratio(samples[k], mirrored)
                   if mirrored else samples[k].median)
     rows = []
@@ -127,8 +121,9 @@ def _rows(model: str, names: Sequence[str], samples: dict[str, Any],
         s = samples.get(name)
         algorithm, _, placement = (name.removeprefix("towers ").rpartition("/")
                                    if name.startswith("towers ") else ("", "", ""))
+        kind = "ceiling" if algorithm == "noop" else "towers" if algorithm else "tf.distribute"
         row: dict[str, Any] = {
-            "model": model, "config": name, "kind": _kind(name), "algorithm": algorithm,
+            "model": model, "config": name, "kind": kind, "algorithm": algorithm,
             "placement": placement, "first_loss": losses.get(name),
             **dict.fromkeys(("ms", "min_ms", "cpu_ms", "ratio", "ratio_best_tf")),
             "best_tf": best_tf, "error": errors.get(name, ""),
@@ -209,8 +204,7 @@ def section(args: argparse.Namespace, devices: list[str], results: dict) -> bool
         rows += run_model(model, devices, algorithms=algorithms, verbose=not args.quiet,
                           rounds=args.step_rounds or (5 if args.quick else 13),
                           batch=args.batch_size, placements=args.placements or PLACEMENTS)
-    print("\n" + table(rows))
-    report.publish(args, results, "training", rows,
+    report.publish(args, results, "training", rows, "\n" + table(rows),
                    lambda out: plot(rows, out / "training_ratio.png"))
     results["training_load"] = os.getloadavg()
     ok = True
