@@ -18,8 +18,8 @@ from typing import Any
 __all__ = ["ALGORITHMS", "CODECS", "COLLECTIVES", "DTYPES", "MODELS", "OPS", "PLACEMENTS",
            "REFERENCES", "VARIABLES", "Named", "algorithm", "algorithm_or_collective",
            "algorithms", "at_least", "choices", "codec", "compared_step", "did_you_mean",
-           "loader", "model", "npz_file", "output_dir", "output_file", "positive_float",
-           "reducer", "spec_found", "step", "tower_counts"]
+           "loader", "model", "npz_file", "output_dir", "output_file", "output_prefix",
+           "positive_float", "reducer", "spec_found", "step", "tower_counts"]
 
 ALGORITHMS = (  # sorted(towers.ALGORITHMS)
     "bruck", "double_binary_tree", "halving_doubling", "hierarchical", "naive", "nccl",
@@ -288,6 +288,13 @@ def output_file(text: str) -> str:
     if not path.parent.is_dir():
         raise argparse.ArgumentTypeError(f"cannot write {text!r}: no folder {str(path.parent)!r}")
     _probe(path.parent, text)
+    return text
+
+
+def output_prefix(text: str) -> str:
+    """A path prefix whose ``.csv`` and ``.png`` files can be written."""
+    output_file(text + ".png")
+    output_file(text + ".csv")
     return text
 
 

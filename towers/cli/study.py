@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-from towers.cli.arguments import at_least, positive_float, reducer
+from towers.cli.arguments import at_least, output_prefix, positive_float, reducer
 from towers.cli.compare import digits_problem
 
-__all__ = ["EPILOG", "add_arguments", "run", "usage_problem"]
+__all__ = ["EPILOG", "add_arguments", "run"]
 
 EPILOG = """examples:
   python -m towers study ring fp16 "topk(0.1)" "powersgd(4)"
@@ -43,15 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--steps", type=at_least(1), default=None,
         help="stop each run after this many steps (default: every epoch)")
     add("--eval-every", type=at_least(1), default=1, help="test accuracy every this many steps")
-    add("--out", default="study", metavar="PREFIX", help="writes PREFIX.csv and PREFIX.png")
-
-
-def usage_problem(args: argparse.Namespace) -> str | None:
-    folder = Path(args.out).parent
-    if not folder.is_dir():
-        return f"--out: no such folder {str(folder)!r}"
-    taken = [path for path in (Path(args.out + ".csv"), Path(args.out + ".png")) if path.is_dir()]
-    return f"--out: {taken[0]} is a folder" if taken else None
+    add("--out", type=output_prefix, default="study", metavar="PREFIX",
+        help="writes PREFIX.csv and PREFIX.png")
 
 
 def run(args: argparse.Namespace) -> int:
