@@ -121,7 +121,7 @@ def test_help_shows_every_default(command: str, capsys: pytest.CaptureFixture[st
     with pytest.raises(SystemExit):
         cli.main([command, "--help"])
     entries = _help_entries(capsys.readouterr().out)
-    parser = cli._build()[1][command]
+    parser = cli.parsers()[1][command]
     for action in parser._actions:
         if action.option_strings and action.default not in (None, False, "==SUPPRESS=="):
             assert "default" in entries[action.option_strings[0]], entries[

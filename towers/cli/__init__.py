@@ -19,7 +19,7 @@ from typing import NoReturn
 
 from towers.cli.arguments import Named, did_you_mean
 
-__all__ = ["COMMANDS", "main", "parser", "quiet_tensorflow"]
+__all__ = ["COMMANDS", "main", "parsers", "quiet_tensorflow"]
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("towers.cli.train", "train a CNN on digits over simulated towers"),
@@ -59,12 +59,8 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
-def parser() -> argparse.ArgumentParser:
-    """The argument parser with every subcommand."""
-    return _build()[0]
-
-
-def _build() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+def parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The ``towers`` parser and each command's."""
     commands: dict[str, argparse.ArgumentParser] = {}
     top = _Parser(prog="towers",
                   description="Exact, teachable data-parallel training in TensorFlow.")
@@ -124,7 +120,7 @@ def _load_named(command: argparse.ArgumentParser, args: argparse.Namespace) -> N
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (a usage error exits 2 before TensorFlow loads) and run the command."""
-    top, commands = _build()
+    top, commands = parsers()
     args, extra = top.parse_known_args(argv)
     command = commands[args.towers_command]
     if extra:  # argparse's message, with the nearest option

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import platform
 import sys
 import time
@@ -68,8 +69,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def environment(devices: list[str]) -> dict[str, Any]:
     """What the numbers depend on: versions, cores, threads, devices, load, time."""
-    import os
-
     import keras
     import numpy as np
     import tensorflow as tf
