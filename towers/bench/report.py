@@ -22,9 +22,9 @@ from matplotlib.figure import Figure
 
 from towers.guard.arguments import positive_int
 
-__all__ = ["Column", "Samples", "figure", "format_table", "heading", "interleave",
-           "num", "paired_ratio", "publish", "reason", "save", "text",
-           "write_csv", "write_json"]
+__all__ = ["Column", "Samples", "figure", "format_table", "heading", "interleave", "num",
+           "paired_ratio", "publish", "reason", "save", "text", "write_csv", "write_json"]
+
 
 @dataclasses.dataclass
 class Samples:
