@@ -18,7 +18,7 @@ from typing import Any
 __all__ = ["ALGORITHMS", "CODECS", "COLLECTIVES", "DTYPES", "MODELS", "OPS", "PLACEMENTS",
            "REFERENCES", "VARIABLES", "Named", "algorithm", "algorithm_or_collective",
            "algorithms", "at_least", "choices", "codec", "compared_step", "did_you_mean",
-           "loader", "model", "npz_file", "output_dir", "output_file", "output_prefix",
+           "loader", "model", "output_dir", "output_file", "output_prefix",
            "positive_float", "reducer", "spec_found", "step", "tower_counts"]
 
 ALGORITHMS = (  # sorted(towers.ALGORITHMS)
@@ -242,14 +242,6 @@ step = Named(lambda text: spec_found(text, "step"), loader("imported", "step"), 
 model = Named(_model_name, loader("imported", "model"), "model")
 
 
-def npz_file(text: str) -> str:
-    """An existing ``.npz`` file (arrays ``x`` and ``y``)."""
-    if not text.endswith(".npz") or not Path(text).is_file():
-        raise argparse.ArgumentTypeError(f"expected an existing .npz file (arrays x, y), got "
-                                         f"{text!r}")
-    return text
-
-
 def reducer(text: str) -> str:
     """A REDUCER's names, checked without TensorFlow."""
     head, at, after = text.strip().rpartition("@")
@@ -260,13 +252,10 @@ def reducer(text: str) -> str:
             f"choose from {', '.join(ALGORITHMS)}")
     if ":" in head:
         spec_found(head, "reducer")
-        return text
-    name = head.split("(", 1)[0].strip()
-    known = ALGORITHMS + CODECS
-    if name not in known:
+    elif (name := head.split("(", 1)[0].strip()) not in ALGORITHMS + CODECS:
         raise argparse.ArgumentTypeError(
-            f"{text!r}: unknown {name!r}{did_you_mean(name, known)}; choose an all-reduce "
-            f"({', '.join(ALGORITHMS)}), a codec ({', '.join(CODECS)}) or module:NAME")
+            f"{text!r}: unknown {name!r}{did_you_mean(name, ALGORITHMS + CODECS)}; choose an "
+            f"all-reduce ({', '.join(ALGORITHMS)}), a codec ({', '.join(CODECS)}) or module:NAME")
     return text
 
 

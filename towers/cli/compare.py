@@ -23,9 +23,10 @@ from __future__ import annotations
 import argparse
 import inspect
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from towers.cli.arguments import VARIABLES, at_least, compared_step, model, npz_file, positive_float
+from towers.cli.arguments import VARIABLES, at_least, compared_step, model, positive_float
 
 __all__ = ["EPILOG", "KERNEL_NOISE", "add_arguments", "add_problem_arguments", "digits_problem",
            "exit_code", "factory", "load_problem", "run"]
@@ -43,12 +44,19 @@ EPILOG = """examples:
 """
 
 
+def _npz_file(text: str) -> str:
+    if not text.endswith(".npz") or not Path(text).is_file():
+        raise argparse.ArgumentTypeError(f"expected an existing .npz file (arrays x, y), got "
+                                         f"{text!r}")
+    return text
+
+
 def add_problem_arguments(parser: argparse.ArgumentParser) -> None:
     """The options shared by compare, bisect and invariance: model, data, optimizer, loss."""
     add = parser.add_argument
     add("--model", type=model, default="mlp",
         metavar="MODEL", help="mlp (64-32-10, tanh), conv (the digits CNN) or module:fn")
-    add("--data", type=npz_file, default=None, metavar="FILE.npz",
+    add("--data", type=_npz_file, default=None, metavar="FILE.npz",
         help="arrays x and y to train on (default: the bundled digits)")
     add("--optimizer", default="sgd", metavar="NAME",
         help="a Keras optimizer name: sgd, adam, rmsprop, …")
