@@ -51,23 +51,24 @@ FORMULAS = {"ring": ring, "nccl_ring": ring, "halving_doubling": halving_doublin
 @pytest.mark.parametrize("nbytes", SIZES)
 @pytest.mark.parametrize("algorithm", sorted(FORMULAS))
 def test_simulated_times_are_the_closed_forms(algorithm, nbytes, link):
-    got = sim.simulate(algorithm, TOWERS, nbytes, link)
+    got = [sim.predict(algorithm, n, nbytes, link) for n in TOWERS]
     expected = [FORMULAS[algorithm](n, nbytes, link) for n in TOWERS]
     assert got == pytest.approx(expected, rel=1e-12, abs=1e-18)
 
 
 def test_halving_doubling_at_powers_of_two_saves_only_latency_over_the_ring():
     for n in DEFAULT_TOWERS:
-        ring_t, hd_t = (sim.simulate(a, [n], 2**26, ODD)[0] for a in ("ring", "halving_doubling"))
+        ring_t, hd_t = (sim.predict(a, n, 2**26, ODD) for a in ("ring", "halving_doubling"))
         assert ring_t - hd_t == pytest.approx((2 * (n - 1) - 2 * math.log2(n)) * ODD.alpha)
-    assert sim.simulate("halving_doubling", [1024], 0, ODD) == [pytest.approx(20 * ODD.alpha)]
+    assert sim.predict("halving_doubling", 1024, 0, ODD) == pytest.approx(20 * ODD.alpha)
 
 
 @pytest.mark.parametrize("link", LINKS, ids=lambda link: link.name)
 def test_ring_busbw_is_s_over_n_alpha_plus_s_beta_plus_half_s_gamma(link):
     # busbw = algbw · 2(n-1)/n; the ring's 2(n-1)/n cancels: S / (nα + Sβ + Sγ/2).
     s = 2**28
-    for n, t in zip(DEFAULT_TOWERS, sim.simulate("ring", DEFAULT_TOWERS, s, link), strict=True):
+    for n in DEFAULT_TOWERS:
+        t = sim.predict("ring", n, s, link)
         expected = s / (n * link.alpha + s * link.beta + s * link.gamma / 2)
         assert busbw(s, t, n) == pytest.approx(expected, rel=1e-12)
         assert busbw(s, t, n) < link.bandwidth  # never beats the link
@@ -80,7 +81,7 @@ def test_h100_ring_busbw_at_8_gpus_is_in_the_published_range():
     # reads two bytes and writes one), 3 µs a step.
     assert (1 / link.beta, 3 / link.gamma, link.alpha) == pytest.approx((450e9, 3.35e12, 3e-6))
     expected = s / (n * link.alpha + s * link.beta + s * link.gamma / 2)
-    [t] = sim.simulate("ring", [n], s, link)
+    t = sim.predict("ring", n, s, link)
     assert busbw(s, t, n) == pytest.approx(expected, rel=1e-12)
     assert 360e9 < expected < 380e9  # the published figure, ~370 GB/s
     assert expected == pytest.approx(NCCL_H100_RING_BUSBW, rel=0.03)

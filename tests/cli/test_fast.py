@@ -47,7 +47,7 @@ USAGE_ERRORS = [
     (["invariance", "--step", "no_such_module_xyz:f"],
      "argument --step: cannot import 'no_such_module_xyz'"),
     (["launch", "--workers", "0", "--", "true"], "argument --workers: must be an integer >= 1"),
-    (["study", "--out", "/no/such/dir/s"], "--out: no such folder '/no/such/dir'"),
+    (["study", "--out", "/no/such/dir/s"], "--out: cannot write '/no/such/dir/s.png': no folder"),
     (["study", "ring", "fp61"], "argument REDUCER: 'fp61': unknown 'fp61' (did you mean 'fp16'?)"),
     (["study", "topk(0.1)@rign"], "unknown all-reduce 'rign' after @ (did you mean 'ring'?)"),
 ]
@@ -121,7 +121,7 @@ def test_help_shows_every_default(command: str, capsys: pytest.CaptureFixture[st
     with pytest.raises(SystemExit):
         cli.main([command, "--help"])
     entries = _help_entries(capsys.readouterr().out)
-    parser = cli._build()[1][command]
+    parser = cli.parsers()[1][command]
     for action in parser._actions:
         if action.option_strings and action.default not in (None, False, "==SUPPRESS=="):
             assert "default" in entries[action.option_strings[0]], entries[

@@ -61,7 +61,7 @@ def test_a_usage_error_is_one_line_naming_the_option_before_any_work(
 
 
 def test_every_command_parses_module_names(user_module: str) -> None:
-    parse = cli.parser().parse_args
+    parse = cli.parsers()[0].parse_args
     assert parse(["check", "user_star:star_d"]).algorithm == "user_star:star_d"
     assert parse(["bench", "--algorithms", "ring,user_star:star_d,tf.CollectiveAllReduce"]
                  ).algorithms == ["ring", "user_star:star_d", "tf.CollectiveAllReduce"]

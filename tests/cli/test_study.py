@@ -30,7 +30,7 @@ class NotAnAlgorithm:
 
 @pytest.mark.parametrize("argv, message", [
     (["study", "zip"], "unknown 'zip'; choose an all-reduce"),
-    (["study", "ring", "--out", "/no/such/folder/s"], "--out: no such folder"),
+    (["study", "ring", "--out", "/no/such/folder/s"], "--out: cannot write '/no/such/folder/s"),
     (["study", "ring", "--batch", "100000"], "--batch 100000 is more than"),
     (["study", "ring", "--towers", "1"], "must be an integer >= 2"),
     (["study", "ring", "tests.cli.test_study:NotAnAlgorithm"], "made a NotAnAlgorithm: not"),

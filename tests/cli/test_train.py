@@ -94,3 +94,14 @@ def test_an_algorithm_that_breaks_the_contract_is_one_line_and_exit_2(
     assert code == 2, err
     assert err.startswith("towers train: error:") and "forgets_the_last" in err, err
     assert "\n" not in err and "Traceback" not in err
+
+
+def test_verbose_shows_the_error_it_would_have_put_in_one_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from towers.cli import main
+
+    monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "2")  # --verbose sets it; restored after
+    with pytest.raises(ValueError, match="forgets_the_last"):
+        main(["train", "--algorithm", "tests.cli.test_check:forgets_the_last", "--epochs", "1",
+              "--verbose"])

@@ -26,9 +26,8 @@ from towers.bench import costmodel, report
 from towers.bench.report import Samples, interleave, num, text
 from towers.devices import canonical_device
 
-__all__ = ["QUICK_SIZES", "SIZES", "Compiled", "Contender", "calls_per_sample", "contenders",
-           "count_wrong", "make_inputs", "run_allreduce", "section", "table",
-           "towers_contender"]
+__all__ = ["QUICK_SIZES", "SIZES", "Contender", "compiled", "contenders", "count_wrong",
+           "make_inputs", "run_allreduce", "section", "table", "towers_contender"]
 
 SIZES = tuple(4096 * 4**k for k in range(8))  # bytes per tower: 4 KB, 16 KB, … 64 MB
 QUICK_SIZES = SIZES[:5]  # 4 KB … 1 MB, for --quick
@@ -91,35 +90,27 @@ def contenders(devices: Sequence[str], algorithms: Sequence[str] | None = None) 
             Contender("add", "calibration", _add, formula="add", outputs="sum")]
 
 
+def _on(device: str, value: Any) -> tf.Tensor:
+    with tf.device(device):
+        return tf.identity(value)
+
+
 def make_inputs(devices: Sequence[str], nbytes: int, seed: int = 0) -> list[tf.Tensor]:
     """One float32 tensor of ``nbytes`` per device, holding integers in [-64, 64]."""
     rng = np.random.default_rng(seed)
-    out = []
-    for device in devices:
-        with tf.device(device):
-            out.append(tf.identity(rng.integers(-64, 65, size=nbytes // 4).astype(np.float32)))
-    return out
+    return [_on(d, rng.integers(-64, 65, size=nbytes // 4).astype(np.float32)) for d in devices]
 
 
-class Compiled:
-    """A contender compiled for ``devices``; ``homes``: its outputs' devices, as traced."""
+def compiled(contender: Contender, devices: Sequence[str]) -> tuple[Callable[..., Any], list[str]]:
+    """``contender`` compiled for ``devices``, and its outputs' devices (set when traced)."""
+    homes: list[str] = []
 
-    def __init__(self, contender: Contender, devices: Sequence[str]) -> None:
-        self.contender, self.devices = contender, list(devices)
-        self.homes: list[str] = []
-        self._fn = tf.function(self._placed, autograph=False)
-
-    def _placed(self, *values: tf.Tensor) -> list[tf.Tensor]:
-        moved = []
-        for v, d in zip(values, self.devices):
-            with tf.device(d):
-                moved.append(tf.identity(v))
-        outputs = self.contender.body(moved)
-        self.homes = [canonical_device(o.device) for o in outputs]
+    def placed(*values: tf.Tensor) -> list[tf.Tensor]:
+        outputs = contender.body([_on(d, v) for v, d in zip(values, devices)])
+        homes[:] = [canonical_device(o.device) for o in outputs]
         return outputs
 
-    def __call__(self, *values: tf.Tensor) -> list[tf.Tensor]:
-        return list(self._fn(*values))
+    return tf.function(placed, autograph=False), homes
 
 
 def count_wrong(
@@ -153,11 +144,6 @@ def _row(contender: Contender, n: int, nbytes: int, samples: Samples | None) -> 
     return row
 
 
-def calls_per_sample(nbytes: int) -> int:
-    """Calls averaged into one sample: 3 up to 256 KB (sub-ms calls), else 1."""
-    return 3 if nbytes <= 1 << 18 else 1
-
-
 def run_allreduce(
     devices: Sequence[str], sizes: Sequence[int] = SIZES, *,
     algorithms: Sequence[str] | None = None, rounds: int = 15, verbose: bool = False,
@@ -168,19 +154,19 @@ def run_allreduce(
     cands = contenders(devices, algorithms)
     with as_written():
         inputs = {s: make_inputs(devices, s, seed=s) for s in sizes}
-        built: dict[str, Compiled] = {}
+        built: dict[str, tuple[Callable[..., Any], list[str]]] = {}
         errors: dict[str, str] = {}
         calls: dict[str, Callable[[], Any]] = {}
         for key, s, c in ((f"{s}|{c.name}", s, c) for s in sizes for c in cands):
             try:  # traced once; a contender that cannot run here gets a row saying why
-                built[key] = Compiled(c, devices)
-                built[key](*inputs[s])
-                calls[key] = functools.partial(built[key], *inputs[s])
+                built[key] = compiled(c, devices)
+                built[key][0](*inputs[s])
+                calls[key] = functools.partial(built[key][0], *inputs[s])
             except Exception as err:
                 built.pop(key, None)
                 errors[key] = report.reason(err)
-        samples = interleave(calls, rounds, warmup=3, verbose=verbose,
-                             calls={k: calls_per_sample(int(k.split("|")[0])) for k in calls},
+        samples = interleave(calls, rounds, warmup=3, verbose=verbose,  # 3 calls a sample to 256 KB
+                             calls={k: 3 if int(k.split("|")[0]) <= 1 << 18 else 1 for k in calls},
                              label=f"all-reduce: {len(calls)} (size, algorithm) pairs")
         rows = []
         for s in sizes:
@@ -189,8 +175,8 @@ def run_allreduce(
                 key = f"{s}|{c.name}"
                 row = _row(c, len(devices), s, samples.get(key))
                 if key in built:
-                    outputs, homes = built[key](*inputs[s]), built[key].homes
-                    row["wrong"] = count_wrong(c, outputs, host, devices, homes)
+                    fn, homes = built[key]
+                    row["wrong"] = count_wrong(c, fn(*inputs[s]), host, devices, homes)
                 rows.append({**row, "error": errors.get(key, "")})
         return rows
 
@@ -236,8 +222,7 @@ def section(args: argparse.Namespace, devices: list[str], results: dict) -> bool
     rows = run_allreduce(devices, sizes, algorithms=args.algorithms,
                          rounds=args.rounds or (9 if args.quick else 15), verbose=not args.quiet)
     print(f"# time = median of interleaved rounds; busbw = algbw * 2(n-1)/n, n = {len(devices)}")
-    print(table(rows))
-    report.publish(args, results, "allreduce", rows, lambda out: plot(
+    report.publish(args, results, "allreduce", rows, table(rows), lambda out: plot(
         rows, out / "allreduce_algbw.png",
         f"all-reduce over {len(devices)} simulated devices (float32 sum)"))
     results["allreduce_load"] = os.getloadavg()

@@ -153,12 +153,9 @@ def section(args: argparse.Namespace, devices: list[str], results: dict) -> bool
     if results.get("allreduce"):
         print("\n== cost model: alpha-beta-gamma fitted per algorithm to its median times")
         rows = fit_measured(results["allreduce"])
-        print(report.format_table(FIT_COLUMNS, rows))
-        report.publish(args, results, "costmodel", rows)
+        report.publish(args, results, "costmodel", rows, report.format_table(FIT_COLUMNS, rows))
     print("\n== scale on paper: the alpha-beta-gamma model at 8 and 1024 H100s "
           "(arithmetic on the presets' stated constants, not a measurement)", flush=True)
-    paper = costmodel.scale_on_paper()
-    print(report.format_table(PAPER_COLUMNS, paper))
-    results["paper"] = paper
-    report.write_csv(args.out / "scale_on_paper.csv", paper)
+    rows = costmodel.scale_on_paper()
+    report.publish(args, results, "scale_on_paper", rows, report.format_table(PAPER_COLUMNS, rows))
     return True

@@ -21,9 +21,8 @@ from towers.allreduce.machinery.registry import ALGORITHMS as RECORDS
 from towers.guard.arguments import non_negative_float, positive_int
 
 __all__ = [
-    "ALGORITHMS", "DEFAULT_TOWERS", "NCCL_H100_RING_BUSBW", "PRESETS", "SYSTEMS",
-    "Coefficients", "Link", "algbw", "busbw", "coefficients", "predict", "predict_on",
-    "scale_on_paper", "simulate",
+    "DEFAULT_TOWERS", "NCCL_H100_RING_BUSBW", "PRESETS", "SYSTEMS", "Coefficients", "Link",
+    "algbw", "busbw", "coefficients", "formulas", "predict", "predict_on", "scale_on_paper",
 ]
 
 Coefficients = tuple[float, float, float]
@@ -72,20 +71,10 @@ SYSTEMS: dict[str, dict[str, Any]] = {
 """The machines :func:`predict_on` prices; ``anchor``: a published busbw, or a bound."""
 
 
-def _formulas() -> dict[str, Callable[..., Coefficients]]:
-    """Every name with a cost: the registry's (read now) and the calibration ``send``/``add``."""
+def formulas() -> dict[str, Callable[..., Coefficients]]:
+    """Every name with a cost: the registry's (read now: it grows) and ``send``/``add``."""
     costs = {name: r.cost for name, r in RECORDS.items() if r.cost is not None}
     return {**costs, "send": lambda n, s: (1, s, 0), "add": lambda n, s: (0, 0, (n - 1) * s)}
-
-
-ALGORITHMS: tuple[str, ...]  # computed on each access by __getattr__ (the registry grows)
-
-
-def __getattr__(name: str) -> Any:
-    """``ALGORITHMS``: the names :func:`coefficients` knows, sorted."""
-    if name == "ALGORITHMS":
-        return tuple(sorted(_formulas()))
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def coefficients(algorithm: str, n: int, nbytes: float, **params: Any) -> Coefficients:
@@ -95,18 +84,18 @@ def coefficients(algorithm: str, n: int, nbytes: float, **params: Any) -> Coeffi
         >>> coefficients("ring", 4, 1000.0)
         (6, 1500.0, 750.0)
     """
-    formulas = _formulas()
-    if algorithm not in formulas:
-        raise ValueError(f"unknown algorithm {algorithm!r}; known: {', '.join(sorted(formulas))}")
+    known = formulas()
+    if algorithm not in known:
+        raise ValueError(f"unknown algorithm {algorithm!r}; known: {', '.join(sorted(known))}")
     n = positive_int("n", n)
     non_negative_float("nbytes", nbytes)
-    accepted = inspect.signature(formulas[algorithm]).parameters
+    accepted = inspect.signature(known[algorithm]).parameters
     for key in params:
         if key not in accepted or key in ("n", "nbytes", "s"):
             raise ValueError(f"{algorithm} takes no parameter {key!r}")
     if n == 1:
         return 0, 0, 0
-    return formulas[algorithm](n, float(nbytes), **params)
+    return known[algorithm](n, float(nbytes), **params)
 
 
 def predict(algorithm: str, n: int, nbytes: float, link: Link, **params: Any) -> float:
@@ -132,12 +121,6 @@ def predict(algorithm: str, n: int, nbytes: float, link: Link, **params: Any) ->
                for (a, b, c), lk in ((within, inner_link), (among, link)))
 
 
-def simulate(algorithm: str, towers: Sequence[int], nbytes: float, link: Link,
-             **params: Any) -> list[float]:
-    """:func:`predict` at each tower count in ``towers`` (to 1024 and beyond)."""
-    return [predict(algorithm, n, nbytes, link, **params) for n in towers]
-
-
 def predict_on(system: str, algorithm: str, nbytes: float) -> float:
     """Predicted seconds of one all-reduce of ``nbytes`` per GPU on ``SYSTEMS[system]``."""
     if system not in SYSTEMS:
@@ -158,7 +141,7 @@ def scale_on_paper(algorithms: Sequence[str] = ("ring", "tree", "double_binary_t
     rows = []
     for name, system in SYSTEMS.items():
         anchor, anchor_busbw = system["anchor"]
-        for algorithm in (a for a in algorithms if a in _formulas()):
+        for algorithm in (a for a in algorithms if a in formulas()):
             for nbytes in sizes:
                 seconds = predict_on(name, algorithm, nbytes)
                 rows.append({"system": name, "algorithm": algorithm, "size": nbytes,

@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -17,7 +16,7 @@ from typing import Any
 import keras
 
 from towers.bench import report
-from towers.bench.training import named_steps
+from towers.bench.training import build_steps
 from towers.devices import simulate_devices
 from towers.placement import optimizer_state_bytes
 from towers.step import TowerTrainer
@@ -30,22 +29,16 @@ CONFIGS = ("MirroredStrategy", "CentralStorageStrategy", "towers naive/parameter
 
 
 def _peak_mib() -> float:
-    """This process's peak RSS in MiB: ``VmHWM`` (fresh after ``execve``), else ``ru_maxrss``."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024  # kB
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    """This process's peak RSS in MiB: Linux's ``VmHWM`` (fresh after ``execve``)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
 
 
 def measure(config: str, model: str, towers: int, batch: int, steps: int) -> dict[str, Any]:
     """In this process: build ``config`` and run ``steps`` steps; peak RSS in MiB."""
     devices = simulate_devices(towers)
     start = _peak_mib()
-    [step] = named_steps(model, devices, [config], batch=batch).values()
+    [step] = build_steps(model, devices, [config], batch)[0].values()
     built = _peak_mib()
     for _ in range(steps):
         step()
@@ -102,15 +95,13 @@ def optimizer_state(devices: Sequence[str]) -> list[dict[str, Any]]:
 
 def section(args: argparse.Namespace, devices: list[str], results: dict) -> bool:
     """``--sections memory``: peak RSS per configuration on the wide MLP, Adam's state."""
-    print(f"\n== memory: peak RSS of mlp steps, {args.towers} towers, batch {args.batch_size}, "
-          "one fresh process per configuration", flush=True)
+    report.heading(f"memory: peak RSS of mlp steps, {args.towers} towers, batch "
+                   f"{args.batch_size}, one fresh process per configuration")
     rows = run_memory(towers=args.towers, batch=args.batch_size)
-    print(table(rows))
-    state = optimizer_state(devices[: args.towers])
+    report.publish(args, results, "memory", rows, table(rows))
+    results["optimizer_state"] = state = optimizer_state(devices[: args.towers])
     print("\nAdam state per tower (wide MLP), bytes: " + "; ".join(
         f"{r['placement']} {r['max_bytes_per_tower']:,} ({r['ratio_to_replicated']:.3f})"
         for r in state))
-    report.publish(args, results, "memory", rows)
-    results["optimizer_state"] = state
     return not any(r["error"] for r in rows)
 

@@ -21,7 +21,8 @@ from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
 from towers.allreduce.machinery.base import scoped_tower
 from towers.bench import report
-from towers.bench.training import MODELS, named_steps
+from towers.bench.memory import CONFIGS
+from towers.bench.training import MODELS, build_steps
 
 __all__ = ["PHASES", "phase_of", "phase_profile", "run_phases", "section", "table"]
 
@@ -108,7 +109,7 @@ def run_phases(model: str, devices: Sequence[str], names: Sequence[str], *, batc
                steps: int = 5, verbose: bool = False) -> list[dict[str, Any]]:
     """One row per configuration (``towers <algo>/<placement>`` or a tf.distribute name)."""
     rows = []
-    for name, step in named_steps(model, devices, names, batch=batch).items():
+    for name, step in build_steps(model, devices, names, batch)[0].items():
         step()  # trace and warm up outside the profile
         profile = phase_profile(step, steps, scoped=name.startswith("towers "))
         rows.append({"model": model, "config": name, "wall_ms": profile["wall_ms"],
@@ -147,12 +148,10 @@ def plot(rows: Sequence[dict[str, Any]], path: Any) -> Any:
     ax.set(xlabel="thread ms per step (| = wall ms)",
            title="where a step's time goes (TensorFlow profiler)")
     ax.legend(fontsize=7, ncol=4)
-    fig.tight_layout()
     return report.save(fig, path)
 
 
-DEFAULT_CONFIGS = ("MirroredStrategy", "CentralStorageStrategy", "towers naive/parameter_device",
-                   "towers ring/replicated", "towers noop/replicated")
+DEFAULT_CONFIGS = (*CONFIGS, "towers noop/replicated")
 
 
 def section(args: argparse.Namespace, devices: list[str], results: dict) -> bool:
@@ -169,6 +168,6 @@ def section(args: argparse.Namespace, devices: list[str], results: dict) -> bool
         names = picks[:2] + [c for c in best if c not in picks] + picks[2:]
         rows += run_phases(model, devices, names, batch=args.batch_size, verbose=not args.quiet)
     print("thread ms per step by phase (share of the step's thread time); wall = elapsed:")
-    print(table(rows))
-    report.publish(args, results, "phases", rows, lambda out: plot(rows, out / "phases.png"))
+    report.publish(args, results, "phases", rows, table(rows),
+                   lambda out: plot(rows, out / "phases.png"))
     return True

@@ -22,9 +22,9 @@ from matplotlib.figure import Figure
 
 from towers.guard.arguments import positive_int
 
-__all__ = ["Column", "Samples", "figure", "format_table", "heading", "interleave",
-           "num", "paired_ratio", "publish", "reason", "save", "text",
-           "write_csv", "write_json"]
+__all__ = ["Column", "Samples", "figure", "format_table", "heading", "interleave", "num",
+           "paired_ratio", "publish", "reason", "save", "text", "write_csv", "write_json"]
+
 
 @dataclasses.dataclass
 class Samples:
@@ -155,8 +155,9 @@ def figure(width: float, height: float) -> Figure:
 
 
 def save(fig: Figure, path: Path) -> Path:
-    """Write ``fig`` as a PNG at ``path`` (folders made as needed)."""
+    """Lay ``fig`` out and write it as a PNG at ``path`` (folders made as needed)."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
     fig.savefig(path, format="png", dpi=100)
     return path
 
@@ -171,9 +172,10 @@ def reason(err: Exception) -> str:
     return f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"[:160]
 
 
-def publish(args: Any, results: dict, name: str, rows: list[dict[str, Any]],
+def publish(args: Any, results: dict, name: str, rows: list[dict[str, Any]], table: str,
             plot: Callable[[Path], Any] | None = None) -> None:
-    """``results[name] = rows``, ``name.csv`` and, unless ``--no-plots``, ``plot(args.out)``."""
+    """Print ``table``; ``rows`` to ``results[name]`` and ``name.csv``; ``plot(args.out)``."""
+    print(table, flush=True)
     results[name] = rows
     write_csv(args.out / f"{name}.csv", rows)
     if plot is not None and not args.no_plots:

@@ -51,9 +51,8 @@ def build(spec: Spec, devices: Sequence[str] = ()) -> tuple[Any, Counted | None]
     if is_reducer(fn):
         return fn, None
     counted = Counted(fn)
-    if spec.codec is None:
-        return counted, counted
-    return compressed(counted, spec.codec, decode="everywhere"), counted
+    codec = spec.codec
+    return (counted if codec is None else compressed(counted, codec, decode="everywhere")), counted
 
 
 def _other_seconds(transfers: Sequence[Transfer], n: int, system: str) -> float:
@@ -80,7 +79,7 @@ def step_traffic(stats: StepStats, counted: Counted | None, algorithm: str | Non
               if traffic_kind(t.note) == "gradients" and id(t) not in inside]
     seconds: dict[str, float | None] = dict.fromkeys(systems)
     if counted is not None and algorithm is not None and (
-            not calls or algorithm in costmodel.ALGORITHMS):
+            not calls or algorithm in costmodel.formulas()):
         for s in systems:
             seconds[s] = sum(predict_on(s, algorithm, payload) for payload, _ in calls) + (
                 _other_seconds(others, len(devices), s))
@@ -185,10 +184,8 @@ def write_csv(rows: Sequence[dict[str, Any]], path: str | Path) -> Path:
 
 
 def _runs(rows: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
-    runs: dict[str, list[dict[str, Any]]] = {}
-    for row in rows:
-        runs.setdefault(row["reducer"], []).append(row)
-    return runs
+    names = dict.fromkeys(row["reducer"] for row in rows)
+    return {name: [row for row in rows if row["reducer"] == name] for name in names}
 
 
 def _systems(rows: Sequence[dict[str, Any]]) -> list[str]:
@@ -248,5 +245,4 @@ def plot(rows: Sequence[dict[str, Any]], path: str | Path, *, title: str = "") -
         if i == 0:
             ax.legend(fontsize=8)
     fig.suptitle(title or "loss against communication, same start, same batches")
-    fig.tight_layout()
     return report.save(fig, Path(path))

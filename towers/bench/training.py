@@ -7,7 +7,6 @@ ceiling ``towers noop/replicated`` exchanges nothing. Their first losses must ag
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import os
 from collections.abc import Callable, Sequence
@@ -24,8 +23,8 @@ from towers.bench.report import interleave, num, paired_ratio, text
 from towers.step import PLACEMENTS, TowerTrainer
 from towers.training.models import mlp, mnist_cnn
 
-__all__ = ["BASELINES", "MIRRORED", "MODELS", "StepConfig", "build_steps", "config_names",
-           "make_batch", "named_steps", "run_model", "section", "table"]
+__all__ = ["BASELINES", "MIRRORED", "MODELS", "build_steps", "config_names", "make_batch",
+           "run_model", "section", "table"]
 
 MODELS: dict[str, tuple[Callable[[], keras.Model], tuple[int, ...]]] = {
     "conv-mnist": (lambda: mnist_cnn(0), (28, 28, 1)),
@@ -36,17 +35,6 @@ MIRRORED = "MirroredStrategy"
 BASELINES = (MIRRORED, "CentralStorageStrategy")
 QUICK_ALGORITHMS = ("naive", "parameter_device", "ring", "tree")  # under --quick
 LOSS_TOLERANCE = 1e-4
-
-
-@dataclasses.dataclass
-class StepConfig:
-    """One row: ``step()`` runs one synchronous training step and returns its loss."""
-
-    name: str
-    kind: str  # "tf.distribute", "towers" or "ceiling"
-    step: Callable[[], tf.Tensor]
-    algorithm: str = ""
-    placement: str = ""
 
 
 def make_batch(model: str, batch: int = 256, seed: int = 0) -> tuple[tf.Tensor, tf.Tensor]:
@@ -84,20 +72,18 @@ def strategy_step(trainer: Any, x: tf.Tensor, y: tf.Tensor) -> Callable[[], tf.T
     return lambda: step(inputs)
 
 
-def _config(name: str, model: str, devices: Sequence[str], x: tf.Tensor,
-            y: tf.Tensor) -> StepConfig:  # fmt: skip
+def _step(name: str, model: str, devices: Sequence[str], x: tf.Tensor,
+          y: tf.Tensor) -> Callable[[], tf.Tensor]:
     make_model = MODELS[model][0]
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     if not name.startswith("towers "):
         reference = MirroredTrainer if name == MIRRORED else CentralStorageTrainer
-        trainer = reference(make_model, _sgd, loss, list(devices))
-        return StepConfig(name, "tf.distribute", strategy_step(trainer, x, y))
+        return strategy_step(reference(make_model, _sgd, loss, list(devices)), x, y)
     algorithm, placement = name.removeprefix("towers ").rsplit("/", 1)
     towers = TowerTrainer(make_model, _sgd, loss, devices=list(devices),
                           all_reduce=algorithm, variables=placement,
                           check_algorithm=algorithm != "noop")  # the ceiling does not sum
-    kind = "ceiling" if algorithm == "noop" else "towers"
-    return StepConfig(name, kind, lambda: towers.train_step(x, y), algorithm, placement)
+    return lambda: towers.train_step(x, y)
 
 
 def config_names(algorithms: Sequence[str] | None = None,
@@ -108,72 +94,67 @@ def config_names(algorithms: Sequence[str] | None = None,
     return [*BASELINES, *towers, *(["towers noop/replicated"] if ceiling else [])]
 
 
-def build_steps(model: str, devices: Sequence[str], names: Sequence[str], x: tf.Tensor,
-                y: tf.Tensor) -> tuple[list[StepConfig], dict[str, str]]:
-    """The configurations called ``names``, and why the others cannot be built."""
-    configs: list[StepConfig] = []
-    errors: dict[str, str] = {}
+def build_steps(model: str, devices: Sequence[str], names: Sequence[str], batch: int = 256,
+                strict: bool = True) -> tuple[dict[str, Callable[[], tf.Tensor]], dict[str, str]]:
+    """Steps of the configurations called ``names`` on :func:`make_batch`, and why the
+    others cannot be built (``strict``: ValueError instead)."""
+    x, y = make_batch(model, batch)
+    steps, errors = {}, {}
     for name in names:
         try:
-            configs.append(_config(name, model, devices, x, y))
+            steps[name] = _step(name, model, devices, x, y)
         except Exception as err:  # reported as a row
             errors[name] = report.reason(err)
-    return configs, errors
+    if strict and errors:
+        raise ValueError("; ".join(f"{k}: {v}" for k, v in errors.items()))
+    return steps, errors
 
 
-def _rows(model: str, configs: list[StepConfig], samples: dict[str, Any],
+def _rows(model: str, names: Sequence[str], samples: dict[str, Any],
           losses: dict[str, float], errors: dict[str, str]) -> list[dict[str, Any]]:
     mirrored = samples.get(MIRRORED)
-    tf_names = [c.name for c in configs if c.kind == "tf.distribute" and c.name in samples]
+    tf_names = [k for k in samples if not k.startswith("towers ")]
     best_tf = min(tf_names, default=None, key=lambda k: paired_ratio(samples[k], mirrored)
                   if mirrored else samples[k].median)
     rows = []
-    for c in configs:
-        s = samples.get(c.name)
+    for name in names:
+        s = samples.get(name)
+        algorithm, _, placement = (name.removeprefix("towers ").rpartition("/")
+                                   if name.startswith("towers ") else ("", "", ""))
+        kind = "ceiling" if algorithm == "noop" else "towers" if algorithm else "tf.distribute"
         row: dict[str, Any] = {
-            "model": model, "config": c.name, "kind": c.kind, "algorithm": c.algorithm,
-            "placement": c.placement, "first_loss": losses.get(c.name),
+            "model": model, "config": name, "kind": kind, "algorithm": algorithm,
+            "placement": placement, "first_loss": losses.get(name),
             **dict.fromkeys(("ms", "min_ms", "cpu_ms", "ratio", "ratio_best_tf")),
-            "best_tf": best_tf, "error": errors.get(c.name, ""),
+            "best_tf": best_tf, "error": errors.get(name, ""),
         }
         if s is not None:
             row.update(ms=s.median * 1e3, min_ms=s.minimum * 1e3, cpu_ms=s.cpu_median * 1e3,
                        ratio=paired_ratio(s, mirrored) if mirrored else None,
                        ratio_best_tf=paired_ratio(s, samples[best_tf]) if best_tf else None)
         rows.append(row)
-    built = {c.name for c in configs}
-    return rows + [{"model": model, "config": k, "kind": "towers", "error": v}
-                   for k, v in errors.items() if k not in built]
+    return rows
 
 
 def run_model(model: str, devices: Sequence[str], *, batch: int = 256, rounds: int = 13,
               calls: int = 1, verbose: bool = False, **options: Any) -> list[dict[str, Any]]:
     """Build ``model``'s configurations (``options``: :func:`config_names`'), take their
     first losses, time them interleaved; one row each."""
-    x, y = make_batch(model, batch)
-    configs, errors = build_steps(model, devices, config_names(**options), x, y)
+    names = config_names(**options)
+    steps, errors = build_steps(model, devices, names, batch, strict=False)
     losses = {}
-    for c in configs:
+    for name, step in steps.items():
         try:
-            losses[c.name] = float(c.step())
+            losses[name] = float(step())
         except Exception as err:  # reported as a row
-            errors[c.name] = report.reason(err)
-    runnable = {c.name: c.step for c in configs if c.name not in errors}
+            errors[name] = report.reason(err)
+    runnable = {k: v for k, v in steps.items() if k not in errors}
     samples = interleave(runnable, rounds, calls=calls, warmup=1, verbose=verbose,
                          label=f"training steps: {model}, batch {batch}, {len(devices)} towers")
-    rows = _rows(model, configs, samples, losses, errors)
-    del configs, runnable
+    rows = _rows(model, names, samples, losses, errors)
+    del steps, runnable
     gc.collect()
     return rows
-
-
-def named_steps(model: str, devices: Sequence[str], names: Sequence[str],
-                batch: int = 256) -> dict[str, Callable[[], tf.Tensor]]:
-    """Fresh steps of the configurations called ``names`` (ValueError: one cannot be built)."""
-    configs, errors = build_steps(model, devices, names, *make_batch(model, batch))
-    if errors:
-        raise ValueError("; ".join(f"{k}: {v}" for k, v in errors.items()))
-    return {c.name: c.step for c in configs}
 
 
 COLUMNS: list[report.Column] = [
@@ -208,7 +189,6 @@ def plot(rows: Sequence[dict[str, Any]], path: Any) -> Any:
         ax.tick_params(axis="y", labelsize=7, labelleft=k == 0)
         ax.set(xlabel="step time / MirroredStrategy", title=model)
     fig.suptitle("training step, ratio to MirroredStrategy")
-    fig.tight_layout()
     return report.save(fig, path)
 
 
@@ -224,8 +204,7 @@ def section(args: argparse.Namespace, devices: list[str], results: dict) -> bool
         rows += run_model(model, devices, algorithms=algorithms, verbose=not args.quiet,
                           rounds=args.step_rounds or (5 if args.quick else 13),
                           batch=args.batch_size, placements=args.placements or PLACEMENTS)
-    print("\n" + table(rows))
-    report.publish(args, results, "training", rows,
+    report.publish(args, results, "training", rows, "\n" + table(rows),
                    lambda out: plot(rows, out / "training_ratio.png"))
     results["training_load"] = os.getloadavg()
     ok = True

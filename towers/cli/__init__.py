@@ -2,7 +2,8 @@
 
 Each command is a module with ``add_arguments(parser)``, ``run(args) -> exit code`` and
 maybe ``usage_problem(args) -> str | None``; its docstring is its ``--help``. Usage errors
-answer before TensorFlow is imported: one line naming the option, exit status 2.
+answer before TensorFlow is imported: one line naming the option, exit status 2; so does a
+``ValueError``, ``TypeError`` or ``RuntimeError`` a command raises (``--verbose``: raised).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import NoReturn
 
 from towers.cli.arguments import Named, did_you_mean
 
-__all__ = ["COMMANDS", "main", "parser", "quiet_tensorflow"]
+__all__ = ["COMMANDS", "main", "parsers", "quiet_tensorflow"]
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("towers.cli.train", "train a CNN on digits over simulated towers"),
@@ -58,12 +59,8 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
-def parser() -> argparse.ArgumentParser:
-    """The argument parser with every subcommand."""
-    return _build()[0]
-
-
-def _build() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+def parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The ``towers`` parser and each command's."""
     commands: dict[str, argparse.ArgumentParser] = {}
     top = _Parser(prog="towers",
                   description="Exact, teachable data-parallel training in TensorFlow.")
@@ -123,20 +120,25 @@ def _load_named(command: argparse.ArgumentParser, args: argparse.Namespace) -> N
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (a usage error exits 2 before TensorFlow loads) and run the command."""
-    top, commands = _build()
+    top, commands = parsers()
     args, extra = top.parse_known_args(argv)
     command = commands[args.towers_command]
     if extra:  # argparse's message, with the nearest option
         known = [s for action in command._actions for s in action.option_strings]
         hints = "".join(did_you_mean(w.split("=", 1)[0], known) for w in extra if w[:2] == "--")
         command.error(f"unrecognized arguments: {' '.join(extra)}{hints}")
-    problem = args.usage_problem and args.usage_problem(args)
-    if problem:  # between options: one line and exit status 2, as argparse's own
-        print(f"{command.prog}: error: {problem}", file=sys.stderr)
+    try:
+        problem = args.usage_problem and args.usage_problem(args)
+        if problem:  # between options: found before TensorFlow loads
+            raise ValueError(problem)
+        quiet_tensorflow(args.verbose)
+        _load_named(command, args)
+        return int(args.func(args))
+    except (ValueError, TypeError, RuntimeError) as err:  # one line and exit status 2
+        if args.verbose:
+            raise
+        print(f"{command.prog}: error: {err}", file=sys.stderr)
         return 2
-    quiet_tensorflow(args.verbose)
-    _load_named(command, args)
-    return int(args.func(args))
 
 
 if __name__ == "__main__":

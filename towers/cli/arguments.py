@@ -10,7 +10,6 @@ import difflib
 import importlib.machinery
 import importlib.util
 import os
-import sys
 import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -18,8 +17,9 @@ from typing import Any
 
 __all__ = ["ALGORITHMS", "CODECS", "COLLECTIVES", "DTYPES", "MODELS", "OPS", "PLACEMENTS",
            "REFERENCES", "VARIABLES", "Named", "algorithm", "algorithm_or_collective",
-           "algorithms", "at_least", "choices", "codec", "did_you_mean", "fail", "loader",
-           "output_dir", "output_file", "positive_float", "spec_found", "tower_counts"]
+           "algorithms", "at_least", "choices", "codec", "compared_step", "did_you_mean",
+           "loader", "model", "output_dir", "output_file", "output_prefix",
+           "positive_float", "reducer", "spec_found", "step", "tower_counts"]
 
 ALGORITHMS = (  # sorted(towers.ALGORITHMS)
     "bruck", "double_binary_tree", "halving_doubling", "hierarchical", "naive", "nccl",
@@ -41,12 +41,6 @@ def did_you_mean(word: str, known: Iterable[str]) -> str:
     close = ([k for k in known if k.lower() == word.lower()]
              or difflib.get_close_matches(word, known, n=3, cutoff=0.6))
     return f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
-
-
-def fail(command: str, err: Exception | str) -> int:
-    """A usage error found at run time: one line on stderr; returns exit status 2."""
-    print(f"towers {command}: error: {err}", file=sys.stderr)
-    return 2
 
 
 def at_least(low: int) -> Callable[[str], int]:
@@ -78,16 +72,13 @@ def positive_float(text: str) -> float:
 
 def tower_counts(text: str) -> list[int]:
     """Distinct tower counts like ``1,2,4,8``, each in 1..64, in the order given."""
-    most = 64
     try:
         counts = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
+        counts = []
+    if not counts or len(set(counts)) != len(counts) or not all(1 <= n <= 64 for n in counts):
         raise argparse.ArgumentTypeError(
-            f"expected tower counts like 1,2,4,8; got {text!r}") from None
-    if not counts or len(set(counts)) != len(counts) or not all(
-            1 <= n <= most for n in counts):
-        raise argparse.ArgumentTypeError(
-            f"expected distinct tower counts in 1..{most} like 1,2,4,8; got {text!r}")
+            f"expected tower counts like 1,2,4,8 (distinct tower counts in 1..64), got {text!r}")
     return counts
 
 
@@ -222,6 +213,52 @@ def _codec_name(text: str) -> str:
 codec = Named(_codec_name, loader("get_codec", "codec"), "codec")
 
 
+def _model_name(text: str) -> str:
+    if text in ("mlp", "conv"):
+        return text
+    if ":" in text:
+        return spec_found(text, "model")
+    raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from mlp, conv or "
+                                     "module:fn, a factory of a built keras.Model)")
+
+
+def _step_name(text: str) -> str:
+    if text in REFERENCES:
+        return text
+    if text.startswith("towers:"):
+        name = text.removeprefix("towers:")
+        if not name or name in REFERENCES:
+            raise argparse.ArgumentTypeError(
+                f"expected an algorithm name after 'towers:', got {text!r}"
+                + (f" ({name} is a tf.distribute reference: name it alone)" if name else ""))
+        algorithm(name)
+        return text
+    return str(algorithm(text))  # a registered name or module:NAME that can be found
+
+
+compared_step = Named(_step_name, lambda text: None if text.startswith("towers:")
+                      else loader("imported", "step")(text), "step")
+step = Named(lambda text: spec_found(text, "step"), loader("imported", "step"), "step")
+model = Named(_model_name, loader("imported", "model"), "model")
+
+
+def reducer(text: str) -> str:
+    """A REDUCER's names, checked without TensorFlow."""
+    head, at, after = text.strip().rpartition("@")
+    head = head if at else after
+    if at and after not in ALGORITHMS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: unknown all-reduce {after!r} after @{did_you_mean(after, ALGORITHMS)}; "
+            f"choose from {', '.join(ALGORITHMS)}")
+    if ":" in head:
+        spec_found(head, "reducer")
+    elif (name := head.split("(", 1)[0].strip()) not in ALGORITHMS + CODECS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: unknown {name!r}{did_you_mean(name, ALGORITHMS + CODECS)}; choose an "
+            f"all-reduce ({', '.join(ALGORITHMS)}), a codec ({', '.join(CODECS)}) or module:NAME")
+    return text
+
+
 def _probe(folder: Path, text: str) -> None:
     """Create and remove a file in ``folder`` (``os.access`` says yes to /proc for root)."""
     try:
@@ -240,6 +277,13 @@ def output_file(text: str) -> str:
     if not path.parent.is_dir():
         raise argparse.ArgumentTypeError(f"cannot write {text!r}: no folder {str(path.parent)!r}")
     _probe(path.parent, text)
+    return text
+
+
+def output_prefix(text: str) -> str:
+    """A path prefix whose ``.csv`` and ``.png`` files can be written."""
+    output_file(text + ".png")
+    output_file(text + ".csv")
     return text
 
 

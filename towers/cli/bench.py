@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import platform
 import sys
 import time
@@ -68,8 +69,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def environment(devices: list[str]) -> dict[str, Any]:
     """What the numbers depend on: versions, cores, threads, devices, load, time."""
-    import os
-
     import keras
     import numpy as np
     import tensorflow as tf
@@ -91,7 +90,7 @@ def _registered(name: str, devices: list[str]) -> str:
     from towers.allreduce.machinery.registry import ALGORITHMS, Record, record_of
     from towers.allreduce.machinery.resolve import get
 
-    fn = get(name, argument="algorithm", devices=devices)
+    fn = get(name, argument="--algorithms", devices=devices)
     configured = record_of(fn)
     if configured is not None:
         ALGORITHMS.register(configured.algorithm)
@@ -124,11 +123,7 @@ def run(args: argparse.Namespace) -> int:
     section = {"allreduce": allreduce.section, "costmodel": costfit.section,
                "training": training.section, "phases": phases.section, "memory": memory.section}
     if args.algorithms:
-        try:
-            args.algorithms = [_registered(name, devices) for name in args.algorithms]
-        except (ValueError, TypeError) as err:  # a module:NAME that is no algorithm
-            print(f"towers bench: error: argument --algorithms: {err}", file=sys.stderr)
-            return 2
+        args.algorithms = [_registered(name, devices) for name in args.algorithms]
     results: dict[str, Any] = {"environment": environment(devices)}
     ok = True
     for name in SECTIONS:

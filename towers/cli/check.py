@@ -14,7 +14,7 @@ import argparse
 import dataclasses
 from typing import Any
 
-from towers.cli.arguments import DTYPES, OPS, algorithm, at_least, choices, fail, tower_counts
+from towers.cli.arguments import DTYPES, OPS, algorithm, at_least, choices, tower_counts
 
 __all__ = ["EPILOG", "add_arguments", "budgets", "run", "usage_problem"]
 
@@ -94,20 +94,16 @@ def run(args: argparse.Namespace) -> int:
     from towers.schedule import check_schedule
 
     counts = sorted(args.towers or range(1, args.max_towers + 1))
-    try:
-        name, fn = label(args.algorithm), get(args.algorithm, argument="algorithm",
-                                              devices=devices)
-        generator = generator_of(fn)
-        if generator is not None and args.prove > 0:  # a schedule: proved symbolically first
-            proof = check_schedule(generator, range(1, args.prove + 1))
-            print(proof)
-            if not proof.ok:
-                return 1
-        print(f"towers check: {name} over tower counts {counts}: "
-              f"{sum(budgets(args.examples, len(counts)))} drawn examples, then each count's "
-              "stratified ones")
-        report = _check(args, name, fn, counts, devices)
-    except (ValueError, TypeError) as err:
-        return fail("check", err)
+    name, fn = label(args.algorithm), get(args.algorithm, argument="algorithm", devices=devices)
+    generator = generator_of(fn)
+    if generator is not None and args.prove > 0:  # a schedule: proved symbolically first
+        proof = check_schedule(generator, range(1, args.prove + 1))
+        print(proof)
+        if not proof.ok:
+            return 1
+    print(f"towers check: {name} over tower counts {counts}: "
+          f"{sum(budgets(args.examples, len(counts)))} drawn examples, then each count's "
+          "stratified ones")
+    report = _check(args, name, fn, counts, devices)
     print(report)
     return 0 if report.ok else 1

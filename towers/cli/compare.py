@@ -26,20 +26,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from towers.cli.arguments import (
-    REFERENCES,
-    VARIABLES,
-    Named,
-    algorithm,
-    at_least,
-    fail,
-    loader,
-    positive_float,
-    spec_found,
-)
+from towers.cli.arguments import VARIABLES, at_least, compared_step, model, positive_float
 
 __all__ = ["EPILOG", "KERNEL_NOISE", "add_arguments", "add_problem_arguments", "digits_problem",
-           "exit_code", "load_problem", "run"]
+           "exit_code", "factory", "load_problem", "run"]
 
 KERNEL_NOISE = 3  # exit status: outside the bound only by the towers' own kernels
 
@@ -54,30 +44,7 @@ EPILOG = """examples:
 """
 
 
-def _model(text: str) -> str:
-    if text in ("mlp", "conv"):
-        return text
-    if ":" in text:
-        return spec_found(text, "model")
-    raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from mlp, conv or "
-                                     "module:fn, a factory of a built keras.Model)")
-
-
-def _side(text: str) -> str:
-    if text in REFERENCES:
-        return text
-    if text.startswith("towers:"):
-        name = text.removeprefix("towers:")
-        if not name or name in REFERENCES:
-            raise argparse.ArgumentTypeError(
-                f"expected an algorithm name after 'towers:', got {text!r}"
-                + (f" ({name} is a tf.distribute reference: name it alone)" if name else ""))
-        algorithm(name)
-        return text
-    return str(algorithm(text))  # a registered name or module:NAME that can be found
-
-
-def _data_file(text: str) -> str:
+def _npz_file(text: str) -> str:
     if not text.endswith(".npz") or not Path(text).is_file():
         raise argparse.ArgumentTypeError(f"expected an existing .npz file (arrays x, y), got "
                                          f"{text!r}")
@@ -87,9 +54,9 @@ def _data_file(text: str) -> str:
 def add_problem_arguments(parser: argparse.ArgumentParser) -> None:
     """The options shared by compare, bisect and invariance: model, data, optimizer, loss."""
     add = parser.add_argument
-    add("--model", type=Named(_model, loader("imported", "model"), "model"), default="mlp",
+    add("--model", type=model, default="mlp",
         metavar="MODEL", help="mlp (64-32-10, tanh), conv (the digits CNN) or module:fn")
-    add("--data", type=_data_file, default=None, metavar="FILE.npz",
+    add("--data", type=_npz_file, default=None, metavar="FILE.npz",
         help="arrays x and y to train on (default: the bundled digits)")
     add("--optimizer", default="sgd", metavar="NAME",
         help="a Keras optimizer name: sgd, adam, rmsprop, …")
@@ -102,11 +69,9 @@ def add_problem_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
-    side = Named(_side, lambda text: None if text.startswith("towers:")
-                 else loader("imported", "step")(text), "step")
-    add("--a", required=True, metavar="STEP", type=side,
+    add("--a", required=True, metavar="STEP", type=compared_step,
         help="the teacher: module:factory of a step, or a towers/reference configuration")
-    add("--b", required=True, metavar="STEP", type=side, help="the step under test")
+    add("--b", required=True, metavar="STEP", type=compared_step, help="the step under test")
     add("--towers", type=at_least(1), default=4, help="towers of both runs")
     add("--bound", type=positive_float, default=None, metavar="TOL",
         help="a tolerance per element (needed for optimizers other than plain SGD between "
@@ -143,14 +108,13 @@ def _arrays(args: argparse.Namespace) -> tuple[Any, Any]:
     return x, y
 
 
-def _model_fn(spec: str) -> Callable[[], Any]:
+def factory(spec: str, argument: str) -> Callable[..., Any]:
+    """The callable ``module:NAME`` names (TypeError: something else)."""
     from towers.allreduce.machinery.resolve import imported
 
-    if spec in ("mlp", "conv"):
-        return digits_problem(spec)[0]
-    fn = imported(spec, "--model")
+    fn = imported(spec, argument)
     if not callable(fn):
-        raise TypeError(f"--model {spec} is a {type(fn).__name__}, not a callable")
+        raise TypeError(f"{argument} {spec} is a {type(fn).__name__}, not a callable")
     return fn  # type: ignore[no-any-return]
 
 
@@ -175,7 +139,9 @@ def load_problem(args: argparse.Namespace) -> tuple[Any, ...]:
 
     data = [(x[k:k + args.batch], y[k:k + args.batch])
             for k in range(0, args.batch * args.steps, args.batch)]
-    return _model_fn(args.model), optimizer_fn, loss, data
+    model_fn = (digits_problem(args.model)[0] if args.model in ("mlp", "conv")
+                else factory(args.model, "--model"))
+    return model_fn, optimizer_fn, loss, data
 
 
 def _binds(obj: Any, *args: Any, **kwargs: Any) -> bool:
@@ -217,19 +183,16 @@ def run(args: argparse.Namespace) -> int:
     from towers.trace.schedule import start_devices
 
     command = args.towers_command
-    try:
-        devices = start_devices(args.towers)  # first: before TensorFlow's runtime starts
-        model_fn, optimizer_fn, loss, batches = problem = load_problem(args)
-        a, b = (_load_side_step(s, problem, devices, args.variables) for s in (args.a, args.b))
-        from towers import testing
+    devices = start_devices(args.towers)  # first: before TensorFlow's runtime starts
+    model_fn, optimizer_fn, loss, batches = problem = load_problem(args)
+    a, b = (_load_side_step(s, problem, devices, args.variables) for s in (args.a, args.b))
+    from towers import testing
 
-        if command == "bisect":
-            print(f"towers bisect: {args.a} vs {args.b}, {args.model}, {args.towers} towers, "
-                  f"batch {args.batch}, up to {args.steps} steps")
-        report = getattr(testing, command)(
-            a, b, batches, bound=args.bound, loss=loss, towers=args.towers, steps=args.steps,
-            model_fn=model_fn, optimizer_fn=optimizer_fn)
-    except (ValueError, TypeError, RuntimeError) as err:
-        return fail(command, err)
+    if command == "bisect":
+        print(f"towers bisect: {args.a} vs {args.b}, {args.model}, {args.towers} towers, "
+              f"batch {args.batch}, up to {args.steps} steps")
+    report = getattr(testing, command)(
+        a, b, batches, bound=args.bound, loss=loss, towers=args.towers, steps=args.steps,
+        model_fn=model_fn, optimizer_fn=optimizer_fn)
     print(report)
     return exit_code(report)

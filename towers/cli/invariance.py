@@ -11,17 +11,8 @@ from __future__ import annotations
 
 import argparse
 
-from towers.cli.arguments import (
-    VARIABLES,
-    Named,
-    algorithm,
-    fail,
-    loader,
-    positive_float,
-    spec_found,
-    tower_counts,
-)
-from towers.cli.compare import add_problem_arguments, exit_code, load_problem
+from towers.cli.arguments import VARIABLES, algorithm, positive_float, step, tower_counts
+from towers.cli.compare import add_problem_arguments, exit_code, factory, load_problem
 
 __all__ = ["EPILOG", "add_arguments", "run"]
 
@@ -39,7 +30,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--algorithm", type=algorithm, default="ring",
         help="a registered name, module:function or file.py:function")
     add("--variables", choices=VARIABLES, default="replicated", help="placement")
-    step = Named(lambda text: spec_found(text, "step"), loader("imported", "step"), "step")
     add("--step", type=step, default=None, metavar="MODULE:FACTORY",
         help="check your step instead: factory(model_fn, optimizer_fn, loss, devices) is "
         "called once per tower count")
@@ -51,22 +41,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from towers.trace.schedule import start_devices
 
-    try:
-        devices = start_devices(max(args.towers))  # first: before TensorFlow's runtime starts
-        problem = load_problem(args)
-        from towers.allreduce.machinery.resolve import get, imported, label
-        from towers.testing import check_invariance
+    devices = start_devices(max(args.towers))  # first: before TensorFlow's runtime starts
+    problem = load_problem(args)
+    from towers.allreduce.machinery.resolve import get, label
+    from towers.testing import check_invariance
 
-        all_reduce = get(args.algorithm, argument="algorithm", devices=devices)
-        factory = None if args.step is None else imported(args.step, "--step")
-        if factory is not None and not callable(factory):
-            raise TypeError(f"--step {args.step} is a {type(factory).__name__}, not a callable")
-        print(f"towers invariance: {label(args.algorithm) if factory is None else args.step}, "
-              f"{args.model}, towers {args.towers}, batch {args.batch}, {args.steps} steps")
-        report = check_invariance(*problem, towers=args.towers, all_reduce=all_reduce,
-                                  variables=args.variables, steps=args.steps, step=factory,
-                                  bound=args.bound)
-    except (ValueError, TypeError, RuntimeError) as err:
-        return fail("invariance", err)
+    all_reduce = get(args.algorithm, argument="algorithm", devices=devices)
+    step = None if args.step is None else factory(args.step, "--step")
+    print(f"towers invariance: {label(args.algorithm) if step is None else args.step}, "
+          f"{args.model}, towers {args.towers}, batch {args.batch}, {args.steps} steps")
+    report = check_invariance(*problem, towers=args.towers, all_reduce=all_reduce,
+                              variables=args.variables, steps=args.steps, step=step,
+                              bound=args.bound)
     print(report)
     return exit_code(report)

@@ -15,48 +15,17 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-from towers.cli.arguments import (
-    ALGORITHMS,
-    CODECS,
-    at_least,
-    did_you_mean,
-    fail,
-    positive_float,
-    spec_found,
-)
+from towers.cli.arguments import at_least, output_prefix, positive_float, reducer
 from towers.cli.compare import digits_problem
 
-__all__ = ["EPILOG", "add_arguments", "run", "usage_problem"]
+__all__ = ["EPILOG", "add_arguments", "run"]
 
 EPILOG = """examples:
   python -m towers study ring fp16 "topk(0.1)" "powersgd(4)"
   python -m towers study ring "powersgd(2)@halving_doubling" --towers 8 --epochs 3
   python -m towers study ring my_codecs.py:sign --out results/sign
 """
-
-
-def reducer(text: str) -> str:
-    """A REDUCER's names, checked without TensorFlow."""
-    head, at, algorithm = text.strip().rpartition("@")
-    head = head if at else algorithm
-    if at and algorithm not in ALGORITHMS:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: unknown all-reduce {algorithm!r} after @"
-            f"{did_you_mean(algorithm, ALGORITHMS)}; choose from "
-            f"{', '.join(ALGORITHMS)}")
-    if ":" in head:
-        spec_found(head, "reducer")
-        return text
-    name = head.split("(", 1)[0].strip()
-    known = ALGORITHMS + CODECS
-    if name not in known:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: unknown {name!r}{did_you_mean(name, known)}; choose an all-reduce "
-            f"({', '.join(ALGORITHMS)}), a codec ({', '.join(CODECS)}) or "
-            "module:NAME")
-    return text
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -73,35 +42,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--steps", type=at_least(1), default=None,
         help="stop each run after this many steps (default: every epoch)")
     add("--eval-every", type=at_least(1), default=1, help="test accuracy every this many steps")
-    add("--out", default="study", metavar="PREFIX", help="writes PREFIX.csv and PREFIX.png")
-
-
-def usage_problem(args: argparse.Namespace) -> str | None:
-    folder = Path(args.out).parent
-    if not folder.is_dir():
-        return f"--out: no such folder {str(folder)!r}"
-    taken = [path for path in (Path(args.out + ".csv"), Path(args.out + ".png")) if path.is_dir()]
-    return f"--out: {taken[0]} is a folder" if taken else None
+    add("--out", type=output_prefix, default="study", metavar="PREFIX",
+        help="writes PREFIX.csv and PREFIX.png")
 
 
 def run(args: argparse.Namespace) -> int:
     from towers.trace.schedule import start_devices
 
-    try:
-        devices = start_devices(args.towers)  # first: before TensorFlow's runtime starts
-    except RuntimeError as err:
-        return fail("study", str(err))
+    devices = start_devices(args.towers)  # first: before TensorFlow's runtime starts
     from towers.allreduce.machinery.resolve import parse
     from towers.bench import study
 
-    try:
-        for spec in args.reducers:
-            parse(spec)
-    except (ValueError, TypeError) as err:
-        return fail("study", str(err))
+    for spec in args.reducers:
+        parse(spec)
     model, data = digits_problem(args.model)
     if args.batch > len(data[0]):
-        return fail("study", f"--batch {args.batch} is more than the {len(data[0])} examples")
+        raise ValueError(f"--batch {args.batch} is more than the {len(data[0])} examples")
     print(f"towers study: {', '.join(args.reducers)} on {args.towers} towers, {args.model}, "
           f"{args.epochs} epoch(s) of batch {args.batch}, Adam {args.lr:g}", flush=True)
     try:

@@ -14,7 +14,7 @@ import argparse
 import json
 import sys
 
-from towers.cli.arguments import OPS, algorithm_or_collective, at_least, fail, output_file
+from towers.cli.arguments import OPS, algorithm_or_collective, at_least, output_file
 
 __all__ = ["EPILOG", "add_arguments", "run", "usage_problem"]
 
@@ -81,10 +81,7 @@ def run(args: argparse.Namespace) -> int:
     if args.collective:
         from towers.allreduce.collectives import format_collective
 
-        try:
-            print(format_collective(args.collective, args.algorithm, args.towers, 4 * args.size))
-        except ValueError as err:
-            return fail("trace", err)
+        print(format_collective(args.collective, args.algorithm, args.towers, 4 * args.size))
         return 0
     from towers.trace import schedule
 
@@ -92,11 +89,7 @@ def run(args: argparse.Namespace) -> int:
     from towers.allreduce.machinery.resolve import label
     from towers.trace import draw, format_summary, format_table, to_json
 
-    name = label(args.algorithm)
-    try:
-        fn = schedule.resolve(args.algorithm, devices)
-    except (ValueError, TypeError) as err:
-        return fail("trace", err)
+    name, fn = label(args.algorithm), schedule.resolve(args.algorithm, devices)
     try:
         trace = schedule.trace_all_reduce(fn, devices, size=args.size, op=args.op,
                                           by_order=args.ticks == "order", name=name)

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from towers.cli.arguments import VARIABLES, algorithm, at_least, codec, fail, positive_float
+from towers.cli.arguments import VARIABLES, algorithm, at_least, codec, positive_float
 
 __all__ = ["add_arguments", "run"]
 
@@ -95,17 +95,14 @@ def run(args: argparse.Namespace) -> int:
           f"variables={args.variables}, codec={args.codec}, {len(data[0])} training / "
           f"{len(data[2])} test digits")
     start = time.perf_counter()
-    try:  # a user's algorithm or codec that is none, or breaks the contract: one line, exit 2
-        reducer: Any = (get(args.algorithm, argument="algorithm", devices=devices)
-                        if ":" in args.algorithm else args.algorithm)
-        if args.codec is not None:
-            reducer = towers.compressed(reducer, args.codec)
-        tm = towers.TowerModel(digits_cnn(args.seed), devices=devices, all_reduce=reducer,
-                               variables=args.variables)
-        tm.compile(keras.optimizers.Adam(args.lr),
-                   keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    except (ValueError, TypeError) as err:
-        return fail("train", err)
+    reducer: Any = (get(args.algorithm, argument="algorithm", devices=devices)
+                    if ":" in args.algorithm else args.algorithm)
+    if args.codec is not None:
+        reducer = towers.compressed(reducer, args.codec)
+    tm = towers.TowerModel(digits_cnn(args.seed), devices=devices, all_reduce=reducer,
+                           variables=args.variables)
+    tm.compile(keras.optimizers.Adam(args.lr),
+               keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     _fit_towers(tm, data, args)
     print(f"test accuracy: {_accuracy(tm, data[2], data[3]):.4f}   "
           f"({time.perf_counter() - start:.1f} s)")

@@ -109,7 +109,7 @@ def test_an_algorithm_resolves_alike_through_every_entry_point(name: str, spelle
     assert _same(get(spec), want) and _same(get(spec, argument="algorithm"), want)
     assert check(spec) in (name, getattr(towers.allreduce, name, None))
     assert arguments.algorithm(spec) == spec  # the command line's type takes it as typed
-    assert cli.parser().parse_args(["check", spec]).algorithm == spec
+    assert cli.parsers()[0].parse_args(["check", spec]).algorithm == spec
     parsed = parse(spec)  # a study
     assert (parsed.algorithm, parsed.codec, label(spec)) == (spec, None, spec)
     reducer, counted = build(parsed, DEVICES[:2])
@@ -125,7 +125,7 @@ def test_a_codec_spec_resolves_alike_through_every_entry_point(codec: str, over:
     made = compressed(algorithm, codec)
     assert made.codec == want and _same(made.algorithm, get(algorithm))
     assert arguments.codec(codec) == codec
-    assert cli.parser().parse_args(["train", "--codec", codec]).codec == codec
+    assert cli.parsers()[0].parse_args(["train", "--codec", codec]).codec == codec
     spec = parse(codec + over)
     assert (spec.algorithm, spec.codec) == (algorithm, codec)
     reducer, counted = build(spec, DEVICES[:2])
