@@ -21,6 +21,7 @@ import tensorflow as tf
 from tests.conftest import DEVICES
 from towers import cli
 from towers.allreduce import ALGORITHMS, Algorithm, check_values, combine, finish, send
+from towers.allreduce.machinery.primitives import Transfer
 from towers.allreduce.machinery.resolve import get, label
 from towers.trace import (
     COLLECTIVE,
@@ -29,11 +30,15 @@ from towers.trace import (
     format_table,
     to_json,
     trace_all_reduce,
-    transfers_from_json,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
 ROW = re.compile(r"^\s*(\d+)?\*?\s+tower (\d+)\s+-> tower (\d+)\s+(\S+)\s+~?(\d+)\s+(.*)$")
+
+def transfers_from_json(data: dict) -> list[Transfer]:
+    """The recorded transfers back from ``to_json``'s dict."""
+    return [Transfer(**t) for t in data["transfers"]]
+
 
 def _png(path: Path) -> None:
     assert path.stat().st_size > 1000

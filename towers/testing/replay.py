@@ -13,7 +13,7 @@ import tensorflow as tf
 
 from towers.devices import local_devices
 
-__all__ = ["KERNELS", "Kernel", "ReplayError", "place", "replay", "supported_ops"]
+__all__ = ["KERNELS", "Kernel", "ReplayError", "place", "replay"]
 
 Kernel = Callable[[tf.Operation, list[np.ndarray]], list[np.ndarray]]
 _FED = ("Placeholder", "_Arg", "_DeviceArg")
@@ -35,11 +35,6 @@ def place(values: Sequence[Any], devices: Sequence[str]) -> list[tf.Tensor]:
         with tf.device(device):
             out.append(tf.identity(value))
     return out
-
-
-def supported_ops() -> list[str]:
-    """The op types :func:`replay` can interpret, sorted (inputs ``Placeholder``/``_Arg`` too)."""
-    return sorted({*KERNELS, *_FED})
 
 
 def _check_transparent(graph: tf.Graph) -> None:
@@ -72,8 +67,8 @@ def _interpret(graph: tf.Graph, feeds: dict[str, np.ndarray], fetches: Sequence[
         kernel = KERNELS.get(op.type)
         if kernel is None:
             raise ReplayError(f"cannot replay op type {op.type!r} (node {op.name!r}): it has no "
-                              f"NumPy kernel. Supported: {', '.join(supported_ops())}. Add one "
-                              "to towers.testing.replay.KERNELS.")
+                              f"NumPy kernel. Supported: {', '.join(sorted({*KERNELS, *_FED}))}. "
+                              "Add one to towers.testing.replay.KERNELS.")
         try:
             outputs = kernel(op, [values[t.name] for t in op.inputs])
         except ReplayError:

@@ -13,8 +13,8 @@ from hypothesis.extra import numpy as hnp
 
 from towers.allreduce.machinery.base import DTYPES
 
-__all__ = ["Closeness", "assert_close", "assert_weights_close", "is_float", "tower_shapes",
-           "tower_values", "ulp_distance", "weight_report"]
+__all__ = ["Closeness", "assert_close", "assert_weights_close", "is_float", "tower_values",
+           "ulp_distance", "weight_report"]
 
 _PRIMES = (2, 3, 5, 7, 11, 13, 17, 31, 37, 101)
 _BITS = {2: np.int16, 4: np.int32, 8: np.int64}
@@ -109,13 +109,6 @@ def assert_close(actual: Any, expected: Any, *, atol: float | np.ndarray = 0.0, 
     return Closeness(float(err.max()), int(dist.max()))
 
 
-def tower_shapes() -> st.SearchStrategy[tuple[int, ...]]:
-    """Shapes that trip chunking code (most sizes no tower count divides); shrinks to ``()``."""
-    primes = st.tuples(st.sampled_from(_PRIMES))
-    return st.one_of(st.just(()), st.tuples(st.integers(0, 12)), primes,
-                     st.tuples(st.integers(1, 4), st.integers(0, 6)))
-
-
 def _full_mantissa(dtype: tf.DType, top: int) -> st.SearchStrategy[float]:
     """``±m·2^e`` in [1, 2^13) with every mantissa bit drawn: nearly every sum of such
     values depends on its order, so a drifting replica cannot hide."""
@@ -150,14 +143,16 @@ def tower_values(
 
     No sum overflows; no NaN, infinity or subnormal is drawn. About half the examples are
     *dense* (:func:`_full_mantissa`), so summation order shows. ``shapes``: a strategy or a
-    list (default :func:`tower_shapes`).
+    list (default: shapes that trip chunking code, most sizes no tower count divides).
     """
     n = draw(st.integers(min_towers, max_towers))
     # Shrinking moves towards the first dtype: put the most readable one there.
     ordered = sorted({tf.as_dtype(d) for d in dtypes}, key=lambda d: _READABLE.index(d.name))
     dtype = draw(st.sampled_from(ordered))
-    if shapes is None:
-        shapes = tower_shapes()
+    if shapes is None:  # shrinks to ()
+        shapes = st.one_of(st.just(()), st.tuples(st.integers(0, 12)),
+                           st.tuples(st.sampled_from(_PRIMES)),
+                           st.tuples(st.integers(1, 4), st.integers(0, 6)))
     elif not isinstance(shapes, st.SearchStrategy):
         shapes = st.sampled_from([tuple(s) for s in shapes])
     shape = draw(shapes)

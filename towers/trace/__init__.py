@@ -3,13 +3,7 @@
 from __future__ import annotations
 
 from towers.trace.draw import draw, draw_state
-from towers.trace.schedule import (
-           COLLECTIVE,
-           start_devices,
-           to_json,
-           trace_all_reduce,
-           transfers_from_json,
-)
+from towers.trace.schedule import COLLECTIVE, start_devices, to_json, trace_all_reduce
 from towers.trace.state import StateTrace, trace_state
 from towers.trace.table import (
            Trace,
@@ -23,4 +17,4 @@ from towers.trace.viewer import write_html
 
 __all__ = ["COLLECTIVE", "StateTrace", "Trace", "TraceRow", "assign_ticks", "chunk_ownership",
            "draw", "draw_state", "format_summary", "format_table", "start_devices", "to_json",
-           "trace_all_reduce", "trace_state", "transfers_from_json", "write_html"]
+           "trace_all_reduce", "trace_state", "write_html"]

@@ -26,7 +26,7 @@ from towers.testing.values import ulp_distance
 from towers.trace.table import Trace, assign_ticks, chunk_ownership
 
 __all__ = ["COLLECTIVE", "record_formula", "resolve", "run_trace", "start_devices", "to_json",
-           "trace_all_reduce", "transfers_from_json"]
+           "trace_all_reduce"]
 
 COLLECTIVE = "collective"
 """The pseudo-device that estimated traffic of a silent opaque collective goes to."""
@@ -179,8 +179,3 @@ def to_json(trace: Trace) -> dict[str, Any]:
         "holds": {trace.places[p]: sorted(h) for p, h in enumerate(trace.holds)},
         "result": {k: getattr(trace, k) for k in ("ok", "max_abs_error", "max_ulps", "identical")},
     }
-
-
-def transfers_from_json(data: dict[str, Any]) -> list[Transfer]:
-    """The recorded transfers back from :func:`to_json`'s dict (equal to ``trace.transfers``)."""
-    return [Transfer(**t) for t in data["transfers"]]

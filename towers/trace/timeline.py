@@ -34,8 +34,8 @@ from towers.trace.table import assign_ticks
 from towers.training.data import digits
 from towers.training.models import digits_cnn
 
-__all__ = ["TIMINGS", "OpEvent", "build_timeline", "busy", "digits_trainer", "draw_measured",
-           "phase_of", "profile_step", "read_xspace", "split_compute"]
+__all__ = ["OpEvent", "build_timeline", "busy", "digits_trainer", "draw_measured",
+           "phase_of", "profile_step", "split_compute"]
 
 class OpEvent(NamedTuple):
     """One op kernel as the profiler saw it; times in microseconds from the first event."""
@@ -55,25 +55,9 @@ def phase_of(name: str) -> tuple[int | None, str]:
     return tower, "backward" if name.startswith("gradient_tape/") else "forward"
 
 
-def read_xspace(path: str | os.PathLike[str]) -> list[OpEvent]:
-    """The op events (``scope/name:Type``) of a profiler ``*.xplane.pb`` file, by start time."""
-    space = xplane_pb2.XSpace()
-    space.ParseFromString(Path(path).read_bytes())
-    events = []
-    for plane in space.planes:
-        for line in plane.lines:
-            for e in line.events:
-                name = plane.event_metadata[e.metadata_id].name
-                if ":" in name and "::" not in name and e.duration_ps > 0:
-                    scope, op = name.rsplit(":", 1)
-                    start = (line.timestamp_ns * 1000 + e.offset_ps) / 1e6
-                    events.append(OpEvent(scope, op, line.name, start, e.duration_ps / 1e6))
-    first = min((e.start for e in events), default=0.0)
-    return sorted((e._replace(start=e.start - first) for e in events), key=lambda e: e.start)
-
-
 def profile_step(trainer: Any, x: Any, y: Any) -> list[OpEvent]:
-    """The op events of one ``trainer.train_step(x, y)`` after a warm-up (RuntimeError: none)."""
+    """The op events (``scope/name:Type``) of one ``trainer.train_step(x, y)`` after a
+    warm-up, by start time (RuntimeError: the profiler wrote none)."""
     trainer.train_step(x, y)  # compile outside the profile
     with tempfile.TemporaryDirectory() as where:
         tf.profiler.experimental.start(where, options=tf.profiler.experimental.ProfilerOptions(
@@ -85,7 +69,19 @@ def profile_step(trainer: Any, x: Any, y: Any) -> list[OpEvent]:
         found = sorted(Path(where).glob("plugins/profile/*/*.xplane.pb"), key=os.path.getmtime)
         if not found:
             raise RuntimeError(f"the profiler wrote no *.xplane.pb under {where}")
-        return read_xspace(found[-1])
+        space = xplane_pb2.XSpace()
+        space.ParseFromString(found[-1].read_bytes())
+    events = []
+    for plane in space.planes:
+        for line in plane.lines:
+            for e in line.events:
+                name = plane.event_metadata[e.metadata_id].name
+                if ":" in name and "::" not in name and e.duration_ps > 0:
+                    scope, op = name.rsplit(":", 1)
+                    start = (line.timestamp_ns * 1000 + e.offset_ps) / 1e6
+                    events.append(OpEvent(scope, op, line.name, start, e.duration_ps / 1e6))
+    first = min((e.start for e in events), default=0.0)
+    return sorted((e._replace(start=e.start - first) for e in events), key=lambda e: e.start)
 
 
 def busy(events: Sequence[OpEvent], towers: int) -> dict[tuple[int | None, str], float]:
@@ -154,12 +150,6 @@ def draw_measured(events: Sequence[OpEvent], towers: int, path: str | os.PathLik
         ax.set_title("modelled (towers timeline: phases timed apart, laid end to end; "
                      "forward / backward / all-reduce / apply)", fontsize=9)
     return save_png(fig, path, 100)
-
-
-TIMINGS = ("forward, backward (split by profiled op time), the whole all-reduce and the apply "
-           "are measured; a tick's length is the all-reduce's time split by the bytes each "
-           "tick moves (a model); positions are derived")
-"""What the numbers mean, as the JSON's ``otherData`` says it."""
 
 
 class _Phases(NamedTuple):
@@ -280,7 +270,10 @@ def build_timeline(devices: list[str], *, algorithm: str = "ring", variables: st
     events = _events(trainer, phases)
     ticks = len({e["args"]["tick"] for e in events if "tick" in e["args"]})
     other = {"algorithm": algorithm, "towers": len(devices), "ticks": ticks,
-             "variables": variables, "batch": batch_size, "timings": TIMINGS}
+             "variables": variables, "batch": batch_size, "timings": (
+                 "forward, backward (split by profiled op time), the whole all-reduce and the "
+                 "apply are measured; a tick's length is the all-reduce's time split by the "
+                 "bytes each tick moves (a model); positions are derived")}
     data = {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other,
             "measuredOps": [list(e) for e in phases.events]}  # OpEvent fields
 

@@ -2,7 +2,10 @@
 
 The same step under every kernel configuration (oneDNN on/off in a subprocess each, tower
 counts, Grappler's graph or ``as_written``); the floor is the largest difference in ULPs of
-a variable's largest gradient element (docs/bounds.md §3).
+a variable's largest gradient element (docs/bounds.md §3). Two subprocesses, about 15 s of
+CPU each:
+
+    python tools/kernel_noise.py conv
 """
 
 from __future__ import annotations
@@ -16,12 +19,14 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import keras
 import numpy as np
 import tensorflow as tf
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's towers
 from towers.allreduce.machinery.base import as_written
 from towers.devices import simulate_devices
 from towers.guard.arguments import check_choice, positive_float, positive_int
@@ -82,7 +87,7 @@ def _run_worker(family: str, flag: str, counts: list[int], graphs: list[str], ba
         env = {**os.environ, "TF_ENABLE_ONEDNN_OPTS": flag, "TF_CPP_MIN_LOG_LEVEL": "2"}
         try:
             done = subprocess.run(
-                [sys.executable, "-m", "towers.testing.bounds.noise", spec], env=env,
+                [sys.executable, __file__, "--worker", spec], env=env,
                 capture_output=True, text=True, timeout=timeout)  # fmt: skip
         except subprocess.TimeoutExpired:
             raise RuntimeError(f"kernel_noise_floor: the oneDNN={flag} run passed "
@@ -139,4 +144,7 @@ def _worker(spec: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    _worker(json.loads(sys.argv[1]))
+    if sys.argv[1] == "--worker":
+        _worker(json.loads(sys.argv[2]))
+    else:
+        print(kernel_noise_floor(sys.argv[1]))
