@@ -39,14 +39,6 @@ from towers.guard.arguments import check_choice, positive_float, positive_int
 __all__ = ["AllTowers", "CrossWorker", "sum_over"]
 
 
-def check_cross_worker(num_workers: int | None, op: str, timeout_seconds: float) -> int:
-    workers = positive_int(
-        "num_workers", resolve().num_workers if num_workers is None else num_workers)
-    check_choice("op", op, ("mean", "sum"))
-    positive_float("timeout_seconds", timeout_seconds)
-    return workers
-
-
 def sum_over(value: tf.Tensor, group_size: int, group_key: int, instance_key: int,
              device: str, hint: str = "ring", final_op: str = "Id") -> tf.Tensor:
     """``value`` summed over the group, in ``device``'s collective order (``token``)."""
@@ -65,10 +57,11 @@ class _AcrossWorkers:
 
     def __init__(self, num_workers: int | None = None, *, op: str | None = None,
                  timeout_seconds: float = 60.0, communication_hint: str = "ring") -> None:
-        op = self.default_op if op is None else op
-        self.num_workers = check_cross_worker(num_workers, op, timeout_seconds)
+        self.num_workers = positive_int(
+            "num_workers", resolve().num_workers if num_workers is None else num_workers)
+        self.op = check_choice("op", self.default_op if op is None else op, ("mean", "sum"))
+        self.timeout_seconds = positive_float("timeout_seconds", timeout_seconds)
         check_choice("communication_hint", communication_hint, self.hints)
-        self.op, self.timeout_seconds = op, float(timeout_seconds)
         self.communication_hint = communication_hint
         self.devices: list[str] = []
         self.group_key = self.instance_key = -1

@@ -14,14 +14,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import IO
 
 from towers.cluster.spec import TOWERS_ENV, Cluster, local_cluster, tf_config
 from towers.guard.arguments import non_negative_float
 
 __all__ = ["LEFTOVER_EXIT", "TIMEOUT_EXIT", "LocalServers", "TaskProcess", "launch",
-           "start_servers"]
+           "poll_until", "start_servers"]
 
 TIMEOUT_EXIT = 124  # as coreutils ``timeout``
 LEFTOVER_EXIT = 1  # every task succeeded but left processes running (killed)
@@ -74,7 +74,8 @@ class TaskProcess:
                 os.killpg(self.process.pid, sig)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.process.wait(_GRACE_SECONDS)
-            if self.process.poll() is not None and _wait_group_empty(self.process.pid):
+            if self.process.poll() is not None and poll_until(
+                    lambda: not _group_members(self.process.pid), _GRACE_SECONDS):
                 break
         return leftover
 
@@ -108,9 +109,10 @@ def _group_members(pgid: int) -> list[int]:
     return members
 
 
-def _wait_group_empty(pgid: int) -> bool:
-    until = time.monotonic() + _GRACE_SECONDS
-    while _group_members(pgid):
+def poll_until(done: Callable[[], bool], seconds: float) -> bool:
+    """Whether ``done()`` came true within ``seconds`` (asked every 50 ms)."""
+    until = time.monotonic() + seconds
+    while not done():
         if time.monotonic() > until:
             return False
         time.sleep(0.05)
@@ -136,23 +138,22 @@ def launch(cluster: Cluster, towers: int, command: Sequence[str],
         for k in range(len(addresses)):
             (trainers if trains else servers).append(TaskProcess(
                 cluster, job, k, towers, command if trains else SERVER_COMMAND, out, lock))
-    deadline = None if timeout is None else time.monotonic() + timeout
+    def ended() -> bool:
+        return all(t.poll() is not None for t in trainers)
+
+    def failed() -> bool:
+        return any(t.poll() not in (None, 0) for t in trainers)
+
+    until = time.monotonic() + (float("inf") if timeout is None else timeout)
     code = 0
     try:
-        while any(t.poll() is None for t in trainers):
-            failed = [c for t in trainers if (c := t.poll()) not in (None, 0)]
-            if failed:
-                until = min(time.monotonic() + failure_grace, deadline or float("inf"))
-                while any(t.poll() is None for t in trainers) and time.monotonic() < until:
-                    time.sleep(0.05)
-                code = max(c for t in trainers if (c := t.poll()) is not None)
-                break
-            if deadline is not None and time.monotonic() > deadline:
-                code = TIMEOUT_EXIT
-                with lock:
-                    out.write(f"[launch] timeout after {timeout:g} s: killing every task\n")
-                break
-            time.sleep(0.05)
+        if not poll_until(lambda: ended() or failed(), until - time.monotonic()):
+            code = TIMEOUT_EXIT
+            with lock:
+                out.write(f"[launch] timeout after {timeout:g} s: killing every task\n")
+        elif failed():  # the others get failure_grace to finish (and report) on their own
+            poll_until(ended, min(failure_grace, until - time.monotonic()))
+            code = max(c for t in trainers if (c := t.poll()) is not None)
     finally:
         left = {t.label: t.stop() for t in trainers + servers}
         for task in trainers + servers:

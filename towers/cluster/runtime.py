@@ -8,7 +8,6 @@ import hashlib
 import json
 import os
 import tempfile
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,6 +18,7 @@ from tensorflow.python.ops import collective_ops
 
 from towers.allreduce.machinery.base import REWRITES
 from towers.allreduce.machinery.tf_collective_ops import shared_keys
+from towers.cluster.launcher import poll_until
 from towers.cluster.spec import Cluster, resolve, towers_per_task
 from towers.devices import set_local_task
 from towers.guard.arguments import positive_float, positive_int
@@ -185,12 +185,7 @@ def leave_together(cluster: Any = None, limit: float = 60.0) -> bool:
                           f"towers-done-{hashlib.sha256(spec).hexdigest()[:16]}")
     os.makedirs(folder, exist_ok=True)
     open(os.path.join(folder, found.task_name().replace("/", "_")), "w").close()
-    deadline = time.monotonic() + limit
-    while len(os.listdir(folder)) < workers:
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
+    return poll_until(lambda: len(os.listdir(folder)) >= workers, limit)
 
 
 def _full(name: str) -> str:

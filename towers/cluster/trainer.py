@@ -15,7 +15,7 @@ import numpy as np
 import tensorflow as tf
 
 from towers.allreduce.machinery.tf_collective_ops import shared_keys
-from towers.cluster.cross_worker import AllTowers, check_cross_worker, sum_over
+from towers.cluster.cross_worker import AllTowers, sum_over
 from towers.cluster.spec import resolve
 from towers.guard.arguments import non_negative_int
 from towers.guard.errors import CheckpointError
@@ -54,8 +54,9 @@ class WorkerTrainer(TowerTrainer):
     def __init__(self, model: Any, optimizer: Any, loss: Any, devices: Sequence[str],
                  all_reduce: Any = None, num_workers: int | None = None,
                  timeout_seconds: float = 60.0, **kwargs: Any) -> None:
-        self.num_workers = check_cross_worker(num_workers, "sum", timeout_seconds)
-        all_reduce = _cross_worker_reducer(all_reduce, self.num_workers, timeout_seconds)
+        default = AllTowers(num_workers, op="sum", timeout_seconds=timeout_seconds)  # checks
+        self.num_workers = default.num_workers
+        all_reduce = default if all_reduce is None else _sums_across(all_reduce, self.num_workers)
         kwargs.setdefault("variables", "replicated")  # sharded: refused by the capability table
         if self.num_workers > 1 and reduction_of(loss) == "mean_with_sample_weight":
             raise ValueError("loss: reduction='mean_with_sample_weight' divides by the sum of "
@@ -68,7 +69,15 @@ class WorkerTrainer(TowerTrainer):
         self._count_key = shared_keys(3)
         super().__init__(model, optimizer, loss, devices=devices, all_reduce=all_reduce,
                          **kwargs)
-        _refuse_state_across_workers(self.model, self.num_workers)  # before any collective
+        state = [v.path for v in self.model.non_trainable_variables
+                 if tf.as_dtype(v.dtype).is_floating]  # refused before any collective
+        if state and self.num_workers > 1:
+            raise ValueError(
+                f"WorkerTrainer(num_workers={self.num_workers}) with non-trainable state "
+                f"({', '.join(state)}) is not supported: semantics='one_device' averages it "
+                "over this worker's towers only, so the workers' copies would drift apart. Use "
+                "LayerNormalization instead of BatchNormalization, or train in one process "
+                "(TowerTrainer)")
 
     def model_towers(self, shards: Shards) -> list[int]:
         """As ``TowerTrainer``'s; on an empty worker tower 0 runs on 0 rows (as MWMS)."""
@@ -108,19 +117,7 @@ class WorkerTrainer(TowerTrainer):
                             self.devices[0])
 
 
-def _refuse_state_across_workers(model: Any, num_workers: int) -> None:
-    state = [v.path for v in model.non_trainable_variables if tf.as_dtype(v.dtype).is_floating]
-    if state and num_workers > 1:
-        raise ValueError(
-            f"WorkerTrainer(num_workers={num_workers}) with non-trainable state ({', '.join(state)}"
-            ") is not supported: semantics='one_device' averages it over this worker's towers "
-            "only, so the workers' copies would drift apart. Use LayerNormalization instead "
-            "of BatchNormalization, or train in one process (TowerTrainer)")
-
-
-def _cross_worker_reducer(all_reduce: Any, num_workers: int, timeout_seconds: float) -> Any:
-    if all_reduce is None:
-        return AllTowers(num_workers, op="sum", timeout_seconds=timeout_seconds)
+def _sums_across(all_reduce: Any, num_workers: int) -> Any:
     if getattr(all_reduce, "op", "sum") != "sum":
         raise ValueError(f"all_reduce must sum across workers (op='sum'): the loss is "
                          f"already divided by the global batch; got {all_reduce!r}")
