@@ -202,13 +202,9 @@ def local_cluster(workers: int, ps: int = 0, chief: bool = False) -> Cluster:
     positive_int("workers", workers)
     non_negative_int("ps", ps)
     ports = iter(free_ports(workers + ps + int(chief)))
-    jobs: dict[str, tuple[str, ...]] = {}
-    if chief:
-        jobs["chief"] = (f"{HOST}:{next(ports)}",)
-    jobs["worker"] = tuple(f"{HOST}:{next(ports)}" for _ in range(workers))
-    if ps:
-        jobs["ps"] = tuple(f"{HOST}:{next(ports)}" for _ in range(ps))
-    return Cluster(jobs)
+    tasks = {"chief": int(chief), "worker": workers, "ps": ps}  # in the ports' order
+    return Cluster({job: tuple(f"{HOST}:{next(ports)}" for _ in range(n))
+                    for job, n in tasks.items() if n})
 
 
 def towers_per_task(default: int = 1) -> int:

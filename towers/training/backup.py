@@ -23,8 +23,7 @@ import keras
 
 from towers.guard.arguments import check_bool, optional, positive_int
 from towers.guard.errors import CheckpointError
-from towers.training import atomic
-from towers.training.checkpoint import checkpoint, restore
+from towers.training.checkpoint import check_path, latest, restore, verify, write
 
 __all__ = ["ExactResume", "data_facts"]
 
@@ -82,7 +81,7 @@ class ExactResume(keras.callbacks.Callback):
     def __init__(self, directory: Any, every: int | None = None, keep: int = 3,
                  resume: bool = True) -> None:  # fmt: skip
         super().__init__()
-        atomic.check_path(directory)
+        check_path(directory)
         optional(positive_int, "every", every)
         positive_int("keep", keep)
         check_bool("resume", resume)
@@ -105,10 +104,10 @@ class ExactResume(keras.callbacks.Callback):
                 "Shuffle the arrays once beforehand (seeded), or pass a dataset")  # fmt: skip
         self.data = {**facts, "steps": self.params.get("steps")}
         self.batches, self.skip = 0, (-1, 0)
-        prefix = atomic.latest(self.directory) if self.resume else None
+        prefix = latest(self.directory) if self.resume else None
         if prefix is None:
             return
-        position = atomic.verify(prefix)
+        position = verify(prefix)
         check_position(prefix, position, self.data)
         restore(self.model.trainer, prefix)
         self.batches = int(position["batches"])
@@ -145,5 +144,4 @@ class ExactResume(keras.callbacks.Callback):
         if steps is not None and batch >= steps:  # the epoch is done: resume at the next
             epoch, batch = epoch + 1, 0
         position = {"epoch": epoch, "batch": batch, "batches": self.batches, "data": self.data}
-        return atomic.write(checkpoint(self.model.trainer), self.directory, self.batches,
-                            position, self.keep)  # fmt: skip
+        return write(self.model.trainer, self.directory, self.batches, position, self.keep)

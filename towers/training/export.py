@@ -19,7 +19,7 @@ from keras.src.saving.keras_saveable import KerasSaveable
 
 from towers.devices import canonical_device
 from towers.guard.given import check_devices
-from towers.training.atomic import check_path
+from towers.training.checkpoint import check_path
 from towers.training.protocol import Trainer
 
 __all__ = ["AsNetwork", "Exported", "export", "tower_model_arguments", "tower_model_config"]
