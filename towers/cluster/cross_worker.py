@@ -147,8 +147,7 @@ class AllTowers(_AcrossWorkers):
         return [self._reduce_tower(list(g), t) for t, g in enumerate(grads)]
 
     def _reduce_tower(self, grads: list[tf.Tensor], tower: int) -> list[tf.Tensor]:
-        group_size = self.num_workers * len(self.devices)
-        device = self.devices[tower]
+        group_size, device = self.num_workers * len(self.devices), self.devices[tower]
         with tf.device(device):
             backwards = grads[::-1]  # MWMS reverses before packing
             flat = tf.concat([tf.reshape(g, [-1]) for g in backwards], axis=0)
@@ -188,8 +187,17 @@ class WorkerTrainer(TowerTrainer):
                  all_reduce: Any = None, num_workers: int | None = None,
                  timeout_seconds: float = 60.0, **kwargs: Any) -> None:
         default = AllTowers(num_workers, op="sum", timeout_seconds=timeout_seconds)  # checks
-        self.num_workers = default.num_workers
-        all_reduce = default if all_reduce is None else _sums_across(all_reduce, self.num_workers)
+        self.num_workers = n = default.num_workers
+        if all_reduce is None:
+            all_reduce = default
+        elif getattr(all_reduce, "op", "sum") != "sum":
+            raise ValueError(f"all_reduce must sum across workers (op='sum'): the loss is "
+                             f"already divided by the global batch; got {all_reduce!r}")
+        elif n > 1 and getattr(all_reduce, "num_workers", None) != n:
+            raise ValueError(
+                f"WorkerTrainer(num_workers={n}) needs an all_reduce across those {n} workers "
+                f"— AllTowers({n}, op='sum') (the default) or CrossWorker({n}, op='sum'); got "
+                f"all_reduce={all_reduce!r}, which would leave every worker training alone")
         kwargs.setdefault("variables", "replicated")  # sharded: refused by the capability table
         if self.num_workers > 1 and reduction_of(loss) == "mean_with_sample_weight":
             raise ValueError("loss: reduction='mean_with_sample_weight' divides by the sum of "
@@ -250,22 +258,8 @@ class WorkerTrainer(TowerTrainer):
                             self.devices[0])
 
 
-def _sums_across(all_reduce: Any, num_workers: int) -> Any:
-    if getattr(all_reduce, "op", "sum") != "sum":
-        raise ValueError(f"all_reduce must sum across workers (op='sum'): the loss is "
-                         f"already divided by the global batch; got {all_reduce!r}")
-    if num_workers > 1 and getattr(all_reduce, "num_workers", None) != num_workers:
-        raise ValueError(
-            f"WorkerTrainer(num_workers={num_workers}) needs an all_reduce across those "
-            f"{num_workers} workers — AllTowers({num_workers}, op='sum') (the default) or "
-            f"CrossWorker({num_workers}, op='sum'); got all_reduce={all_reduce!r}, which would "
-            "leave every worker training alone")
-    return all_reduce
-
-
-def save_on_chief(
-    trainer: Trainer, directory: str, steps: int, cluster: Any = None, keep: int | None = None
-) -> str | None:
+def save_on_chief(trainer: Trainer, directory: str, steps: int, cluster: Any = None,
+                  keep: int | None = None) -> str | None:
     """On the chief, write the trainer's state as ``directory/ckpt-<steps>`` (``steps``
     taken, skipped ones included; the ``keep`` newest kept) and return its prefix."""
     if not resolve(cluster).is_chief:

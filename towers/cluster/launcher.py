@@ -42,8 +42,7 @@ class TaskProcess:
                TOWERS_ENV: str(towers), "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
         self.process = subprocess.Popen(
             list(command), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, text=True, errors="replace", start_new_session=True,
-        )
+            stdin=subprocess.DEVNULL, text=True, errors="replace", start_new_session=True)
         self.killed = self.serving = False
         self._out, self._lock = out, lock
         self._reader = threading.Thread(target=self._copy, daemon=True)
@@ -64,11 +63,8 @@ class TaskProcess:
 
     def stop(self) -> int:
         """Terminate (then kill) the task's group; return how many processes it left running."""
-        if self.process.poll() is None:
-            self.killed = True
-            leftover = 0
-        else:
-            leftover = len(_group_members(self.process.pid))
+        self.killed = self.process.poll() is None
+        leftover = 0 if self.killed else len(_group_members(self.process.pid))
         for sig in (signal.SIGTERM, signal.SIGKILL):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.process.pid, sig)
@@ -86,19 +82,16 @@ class TaskProcess:
 
 def _group_members(pgid: int) -> list[int]:
     """Live processes of group ``pgid`` from /proc; elsewhere one if it takes signals."""
-    proc = "/proc"
-    if not os.path.isdir(proc):
+    if not os.path.isdir("/proc"):
         try:
             os.killpg(pgid, 0)
         except (ProcessLookupError, PermissionError):
             return []
         return [pgid]
     members = []
-    for entry in os.listdir(proc):
-        if not entry.isdigit():
-            continue
+    for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
-            with open(f"{proc}/{entry}/stat") as f:
+            with open(f"/proc/{entry}/stat") as f:
                 stat = f.read()
         except OSError:
             continue
@@ -129,8 +122,7 @@ def launch(cluster: Cluster, towers: int, command: Sequence[str],
         raise ValueError("command is empty: give the program to run after --")
     if cluster.num_workers == 0:
         raise ValueError("the cluster has no 'chief' or 'worker' task to run the command")
-    out = out or sys.stdout
-    lock = threading.Lock()
+    out, lock = out or sys.stdout, threading.Lock()
     trainers: list[TaskProcess] = []
     servers: list[TaskProcess] = []
     for job, addresses in cluster.jobs.items():
@@ -138,6 +130,7 @@ def launch(cluster: Cluster, towers: int, command: Sequence[str],
         for k in range(len(addresses)):
             (trainers if trains else servers).append(TaskProcess(
                 cluster, job, k, towers, command if trains else SERVER_COMMAND, out, lock))
+
     def ended() -> bool:
         return all(t.poll() is not None for t in trainers)
 
@@ -158,8 +151,8 @@ def launch(cluster: Cluster, towers: int, command: Sequence[str],
         left = {t.label: t.stop() for t in trainers + servers}
         for task in trainers + servers:
             task.finish()
-    ended = [c for t in trainers if not t.killed and (c := t.poll()) is not None]
-    code = code or max(ended, default=0)
+    code = code or max((c for t in trainers if not t.killed and (c := t.poll()) is not None),
+                       default=0)
     for task in trainers:
         if left[task.label]:
             out.write(f"[launch] {task.label[1:-1]} exited but left {left[task.label]} "
@@ -189,8 +182,7 @@ def start_servers(workers: int, towers_per_worker: int, *, ps: int = 0, chief: b
                   ) -> Iterator[LocalServers]:
     """Serve ``workers`` and ``ps`` tasks on localhost in the block (``chief``: an address
     for the client itself); ``RuntimeError``: a server did not start in time."""
-    cluster = local_cluster(workers, ps=ps, chief=chief)
-    lock = threading.Lock()
+    cluster, lock = local_cluster(workers, ps=ps, chief=chief), threading.Lock()
     tasks = {}
     try:
         for job, towers in (("worker", towers_per_worker), ("ps", 1)):

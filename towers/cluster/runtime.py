@@ -107,8 +107,7 @@ def set_logical_devices(n: int) -> None:
     except RuntimeError as err:
         raise RuntimeError(
             f"cannot give this task {n} towers: TensorFlow's runtime already started. Start "
-            "the cluster runtime first thing in the program, before any TensorFlow op."
-        ) from err
+            "the cluster runtime first thing in the program, before any TensorFlow op.") from err
 
 
 def _this_task(cluster: Any, towers: int | None, what: str) -> tuple[Cluster, int]:
@@ -128,8 +127,7 @@ def start_worker(cluster: Any = None, towers: int | None = None) -> list[str]:
     try:
         ctx.configure_collective_ops(
             collective_leader=found.task_name(*found.chief),
-            device_filters=(found.task_name(),),  # don't wait on the other tasks' devices
-        )
+            device_filters=(found.task_name(),))  # don't wait on the other tasks' devices
     except RuntimeError as err:
         raise RuntimeError("start_worker came too late: TensorFlow's runtime already started. "
                            "Call towers.cluster.start_worker() first thing in the program."
@@ -155,8 +153,7 @@ def start_server(cluster: Any = None, towers: int | None = None) -> tf.distribut
     rewrites.memory_optimization = rewriter_config_pb2.RewriterConfig.NO_MEM_OPT
     return tf.distribute.Server(
         found.cluster_spec(), job_name=found.task_type, task_index=found.task_index,
-        protocol="grpc", config=config, start=True,
-    )
+        protocol="grpc", config=config, start=True)
 
 
 _LOCAL = ("127.0.0.1", "localhost", "[::1]")
@@ -188,17 +185,14 @@ def leave_together(cluster: Any = None, limit: float = 60.0) -> bool:
     return poll_until(lambda: len(os.listdir(folder)) >= workers, limit)
 
 
-def _full(name: str) -> str:
-    return str(tf.DeviceSpec.from_string(name).to_string())
-
-
 def connect(cluster: Any, towers_per_task: int, job: str = "worker") -> list[str]:
     """Connect this client to a running cluster; every task's tower names (full)."""
     found = resolve(cluster)
     tf.config.experimental_connect_to_cluster(found.cluster_spec())
     towers = found.tower_devices(towers_per_task, job=job)
-    known = {_full(d.name) for d in tf.config.list_logical_devices()}
-    missing = [d for d in towers if _full(d) not in known]
+    full = tf.DeviceSpec.from_string
+    known = {full(d.name).to_string() for d in tf.config.list_logical_devices()}
+    missing = [d for d in towers if full(d).to_string() not in known]
     if missing:
         raise ValueError(f"the cluster does not serve {missing}; it serves {sorted(known)}")
     return towers

@@ -81,11 +81,8 @@ class ExactResume(keras.callbacks.Callback):
     def __init__(self, directory: Any, every: int | None = None, keep: int = 3,
                  resume: bool = True) -> None:  # fmt: skip
         super().__init__()
-        check_path(directory)
-        optional(positive_int, "every", every)
-        positive_int("keep", keep)
-        check_bool("resume", resume)
-        self.directory, self.every, self.keep, self.resume = directory, every, keep, resume
+        self.directory, self.every = check_path(directory), optional(positive_int, "every", every)
+        self.keep, self.resume = positive_int("keep", keep), check_bool("resume", resume)
         self.batches = 0  # batches trained over the whole run, resumed ones included
         self.epoch, self.done, self.skip = 0, 0, (-1, 0)
         self.data: dict[str, Any] = {}
@@ -111,10 +108,8 @@ class ExactResume(keras.callbacks.Callback):
         check_position(prefix, position, self.data)
         restore(self.model.trainer, prefix)
         self.batches = int(position["batches"])
-        epoch, batch = int(position["epoch"]), int(position["batch"])
-        self.model._initial_epoch = epoch  # Keras's fit starts there (as BackupAndRestore)
-        self.model.resume_skip = batch
-        self.skip = (epoch, batch)
+        self.skip = (int(position["epoch"]), int(position["batch"]))
+        self.model._initial_epoch, self.model.resume_skip = self.skip  # as BackupAndRestore
 
     def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
         self.epoch = epoch
@@ -135,8 +130,7 @@ class ExactResume(keras.callbacks.Callback):
 
     def on_train_end(self, logs: Any = None) -> None:
         """Leave the model as Keras made it: the next ``fit`` starts where it is told."""
-        self.model._initial_epoch = None
-        self.model.resume_skip = 0
+        self.model._initial_epoch, self.model.resume_skip = None, 0
 
     def save(self, epoch: int, batch: int) -> str:
         """Write ``ckpt-<batches>``: the trainer's state and where the data stream stands."""

@@ -112,8 +112,8 @@ def restore(trainer: Trainer, path: str) -> None:
         try:
             reader.get_tensor(key)
         except READ_ERRORS as err:
-            raise CheckpointError(path, f"{key} cannot be read ({type(err).__name__}: {err})"
-                                  ) from err  # fmt: skip
+            raise CheckpointError(
+                path, f"{key} cannot be read ({type(err).__name__}: {err})") from err
     backup = [(v, tf.identity(v)) for v in _written(trainer)]
     try:
         checkpoint(trainer).read(path).assert_consumed()
@@ -137,9 +137,7 @@ def _check_algorithm_state(trainer: Trainer, path: str, saved: list[str]) -> Non
         if in_file:
             raise CheckpointError(path, MISMATCH + "it holds all-reduce state, this one none")
         return
-    shadow = copy.deepcopy(trainer.algorithm)
-    problem = ""
-    logger = tf.get_logger()
+    shadow, problem, logger = copy.deepcopy(trainer.algorithm), "", tf.get_logger()
     level = logger.level
     logger.setLevel("ERROR")  # a failed partial read warns about every value it left
     try:
