@@ -181,8 +181,7 @@ def make_trainers(args, devices, workers: int) -> dict:  # type: ignore[no-untyp
     import keras
 
     import towers
-    from towers.cluster.cross_worker import CrossWorker
-    from towers.cluster.trainer import WorkerTrainer
+    from towers.cluster.cross_worker import CrossWorker, WorkerTrainer
 
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     sgd = lambda: keras.optimizers.SGD(args.lr)  # noqa: E731
@@ -202,7 +201,7 @@ def run(args, devices, workers: int, worker: int, strategy) -> None:  # type: ig
     import numpy as np
 
     from towers.allreduce import as_written
-    from towers.cluster.trainer import worker_slice
+    from towers.cluster.cross_worker import worker_slice
     from towers.split import shard_sizes
     from towers.training.data import batches, digits
 

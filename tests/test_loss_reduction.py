@@ -21,7 +21,7 @@ import tensorflow as tf
 
 import towers
 from tests.conftest import DEVICES
-from towers.cluster.trainer import WorkerTrainer
+from towers.cluster.cross_worker import WorkerTrainer
 from towers.testing import sgd_step_bound
 
 LR = 0.05

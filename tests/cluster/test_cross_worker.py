@@ -123,7 +123,7 @@ def test_reduce_before_build_says_what_to_do() -> None:
     ({"all_reduce": AllTowers(2, op="mean")}, "op='sum'"),
 ])
 def test_worker_trainer_refuses_bad_arguments(kwargs: dict, match: str) -> None:
-    from towers.cluster.trainer import WorkerTrainer
+    from towers.cluster.cross_worker import WorkerTrainer
 
     with pytest.raises(ValueError, match=match):
         WorkerTrainer(make_model, keras.optimizers.SGD(0.1), LOSS, devices=DEVICES[:2],
@@ -131,7 +131,7 @@ def test_worker_trainer_refuses_bad_arguments(kwargs: dict, match: str) -> None:
 
 
 def test_worker_slice_refuses_bad_arguments() -> None:
-    from towers.cluster.trainer import worker_slice
+    from towers.cluster.cross_worker import worker_slice
 
     with pytest.raises(ValueError, match="worker"):
         worker_slice(4, 2, 2)

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from tensorflow.python.data.experimental.ops.distribute import batch_sizes_for_worker
 
 from towers.cluster import Cluster
+from towers.cluster.cross_worker import worker_slice
 from towers.cluster.data import global_to_worker_batches, shard_dataset, worker_of
-from towers.cluster.trainer import worker_slice
 from towers.split import shard_sizes
 
 from ..conftest import examples

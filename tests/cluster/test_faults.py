@@ -26,8 +26,8 @@ from tests.cluster.conftest import BATCHES, LR, Run, run_workers
 from tests.cluster.train_worker import make_model
 from tests.conftest import DEVICES
 from towers.cluster import launch, local_cluster
-from towers.cluster.trainer import restore_latest, save_on_chief
-from towers.training import atomic, checkpoint
+from towers.cluster.cross_worker import restore_latest, save_on_chief
+from towers.training import checkpoint
 from towers.training.data import digits
 
 pytestmark = pytest.mark.long  # a long proof: python -m pytest -m long
@@ -64,8 +64,8 @@ def test_the_chief_alone_wrote_each_step_atomically(runs: tuple[Run, Run, Path])
     _, _, ckpt = runs
     names = sorted(os.listdir(ckpt))
     steps = [f"ckpt-{k:08d}" for k in range(1, len(BATCHES) + 1)]  # numbered by steps taken
-    assert names == [*steps, atomic.POINTER], names
-    assert atomic.latest(ckpt) == str(ckpt / steps[-1] / atomic.PREFIX)
+    assert names == [*steps, checkpoint.POINTER], names
+    assert checkpoint.latest(ckpt) == str(ckpt / steps[-1] / checkpoint.PREFIX)
 
 
 def test_every_worker_resumes_bitwise_and_finishes_like_the_straight_run(
@@ -126,7 +126,7 @@ def _trainer() -> towers.TowerTrainer:
 def test_without_a_checkpoint_nothing_is_restored(tmp_path: Path) -> None:
     trainer = _trainer()
     assert restore_latest(trainer, str(tmp_path)) == 0
-    atomic.write(checkpoint.checkpoint(trainer), tmp_path, 9, {"batches": 9})
+    checkpoint.write(trainer, tmp_path, 9, {"batches": 9})
     with pytest.raises(towers.CheckpointError, match="no count of steps taken"):
         restore_latest(trainer, str(tmp_path))
 
@@ -137,7 +137,7 @@ def test_only_the_chief_saves_and_every_worker_restores(tmp_path: Path) -> None:
     assert save_on_chief(trainer, str(tmp_path), 0, worker1) is None
     assert os.listdir(tmp_path) == []
     written = save_on_chief(trainer, str(tmp_path), 0, CHIEF)
-    assert written == str(tmp_path / "ckpt-00000000" / atomic.PREFIX)
+    assert written == str(tmp_path / "ckpt-00000000" / checkpoint.PREFIX)
     assert restore_latest(trainer, str(tmp_path)) == 0
 
 

@@ -26,7 +26,7 @@ import towers
 from tests.cluster.conftest import BATCHES, LR, TOWERS, WORKERS, Run
 from tests.cluster.train_worker import make_model
 from tests.conftest import DEVICES
-from towers.cluster.trainer import worker_slice
+from towers.cluster.cross_worker import worker_slice
 from towers.testing.bounds import sgd_step_bound
 from towers.training.data import digits
 

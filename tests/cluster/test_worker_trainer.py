@@ -18,8 +18,7 @@ import towers
 from tests.cluster.conftest import run_workers
 from tests.conftest import DEVICES
 from towers.allreduce.compressed import compressed
-from towers.cluster.cross_worker import AllTowers, CrossWorker
-from towers.cluster.trainer import WorkerTrainer
+from towers.cluster.cross_worker import AllTowers, CrossWorker, WorkerTrainer
 from towers.split import batch_tensors, shard_batch
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)

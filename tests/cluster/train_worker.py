@@ -2,9 +2,10 @@
 
 Run under ``towers launch`` (every worker runs it). Step k trains on the global batch
 ``x[o_k : o_k + B_k]`` of the digits (``o_k`` = the sizes before it), this worker's part
-cut by :func:`towers.cluster.trainer.worker_slice`. Prints ``RESTORED <step> <digest>``,
-one ``STEP <k> <local batch> <digest>`` per step, then ``DONE <digest>`` (digest: SHA-256 of every
-replica's weights) or ``FAILED <error> <seconds>`` and exit 3. ``--die-at K`` makes
+cut by :func:`towers.cluster.cross_worker.worker_slice`. Prints ``RESTORED <step>
+<digest>``, one ``STEP <k> <local batch> <digest>`` per step, then ``DONE <digest>``
+(digest: SHA-256 of every replica's weights) or ``FAILED <error> <seconds>`` and exit 3.
+``--die-at K`` makes
 worker 1 kill itself with SIGKILL (``kill -9``) before step K, once the chief's
 checkpoint of K steps exists; ``--nan-at K`` puts a NaN
 into worker 0's part of step K (each STEP line then ends with the guard's skipped count,
@@ -96,7 +97,12 @@ def main() -> None:
     import numpy as np
 
     import towers
-    from towers.cluster.trainer import WorkerTrainer, restore_latest, save_on_chief, worker_slice
+    from towers.cluster.cross_worker import (
+        WorkerTrainer,
+        restore_latest,
+        save_on_chief,
+        worker_slice,
+    )
     from towers.training.data import digits
 
     cluster = resolve()

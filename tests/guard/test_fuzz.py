@@ -43,7 +43,7 @@ from hypothesis.extra import numpy as hnp
 
 import towers
 from tests.conftest import DEVICES, examples
-from towers.training import atomic, checkpoint
+from towers.training import checkpoint
 from towers.training.backup import ExactResume
 
 ALLOWED: tuple[type[BaseException], ...] = (TypeError, ValueError, towers.TowersError)
@@ -210,7 +210,7 @@ def test_checkpoint_arguments(function: str, arg: str, junk: Any) -> None:
 @settings(max_examples=examples(ci=6))
 @given(junk=JUNK)
 def test_latest_directory(junk: Any) -> None:
-    check(lambda: atomic.latest(junk), ("directory",))
+    check(lambda: checkpoint.latest(junk), ("directory",))
 
 
 @pytest.mark.parametrize("arg", ["n", "kind", "gpu_memory_mb"])

@@ -10,7 +10,7 @@ replica's variables, every optimizer variable (slots, ``iterations``) and the
 all-reduce's state to OUT (``.npz``).
 
 With CRASH_STAGE (``data``, ``manifest``, ``renamed``, ``pointer``) the process
-``os._exit(3)``s at that stage of its second save (see ``towers.training.atomic``).
+``os._exit(3)``s at that stage of its second save (see ``towers.training.checkpoint``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ DEVICES = towers.simulate_devices(3, kind="cpu")
 import keras  # noqa: E402  (after the devices are configured)
 import numpy as np  # noqa: E402
 
-from towers.training import atomic  # noqa: E402
+from towers.training import checkpoint  # noqa: E402
 from towers.training.backup import ExactResume  # noqa: E402
 from towers.training.data import digits  # noqa: E402
 
@@ -47,16 +47,25 @@ class Report(keras.callbacks.Callback):
 
 
 def crash_at(stage: str) -> None:
-    saves = {"n": 0}
+    """``os._exit(3)`` where ``stage`` of the second save ends, as test_atomic.crashing_at
+    places it: just before or after the manifest is written, or the pointer moved."""
+    owner, name = (checkpoint, "_write_manifest") if stage in ("data", "manifest") \
+        else (os, "replace")
+    real, after, saves = getattr(owner, name), stage in ("manifest", "pointer"), [0]
 
-    def hook(reached: str) -> None:
-        if reached == "data":
-            saves["n"] += 1
-        if reached == stage and saves["n"] == 2:
+    def crash() -> None:
+        if saves[0] == 2:
             print(f"crash {stage}", flush=True)
             os._exit(3)
 
-    atomic.crash_point = hook
+    def crashing(*args: object) -> None:
+        saves[0] += 1
+        if not after:
+            crash()
+        real(*args)
+        crash()
+
+    setattr(owner, name, crashing)
 
 
 def main(directory: str, out: str, stage: str | None = None) -> None:

@@ -1,4 +1,4 @@
-"""towers.training.atomic: a half-written or damaged checkpoint is never picked up.
+"""towers.training.checkpoint.write: a half-written or damaged checkpoint is never picked up.
 
 A save that stops at any stage (an exception, or ``os._exit`` in a subprocess) leaves
 the previous checkpoint as ``latest``; a newest checkpoint truncated at any byte offset
@@ -14,7 +14,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +24,28 @@ import pytest
 
 import towers
 from tests.conftest import DEVICES, replica_bytes
-from towers.training import atomic, checkpoint
+from towers.training import checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 STAGES = ("data", "manifest", "renamed", "pointer")
+"""The ends of write's stages (the module's drawing): the data written, the manifest
+written, the folder renamed into place, the ``latest`` pointer moved."""
+
+
+def crashing_at(stage: str, crash: Callable[[], None]) -> tuple[Any, str, Callable[..., None]]:
+    """``(owner, name, replacement)``: patched in, ``write`` calls ``crash()`` where ``stage``
+    ends, just before or after it writes the manifest or moves the pointer (its one
+    ``os.replace``). tests/training/resume_run.py crashes a process the same way."""
+    owner, name = (checkpoint, "_write_manifest") if stage in STAGES[:2] else (os, "replace")
+    real, after = getattr(owner, name), stage in ("manifest", "pointer")
+
+    def crashing(*args: Any) -> None:
+        if not after:
+            crash()
+        real(*args)
+        crash()
+
+    return owner, name, crashing
 
 
 def _trainer() -> towers.TowerTrainer:
@@ -50,7 +68,7 @@ def _saved() -> tuple[Path, towers.TowerTrainer]:
     trainer, directory = _trainer(), Path(tempfile.mkdtemp(prefix="towers-atomic-"))
     for n in (1, 2):
         trainer.train_step(X, Y)
-        atomic.write(checkpoint.checkpoint(trainer), directory, n, {"n": n})
+        checkpoint.write(trainer, directory, n, {"n": n})
     return directory, trainer
 
 
@@ -64,16 +82,15 @@ def two_saves(tmp_path: Path) -> Iterator[tuple[towers.TowerTrainer, str, str]]:
     """A fresh copy of :func:`_saved`'s directory: the trainer and both prefixes."""
     directory, trainer = _saved()
     shutil.copytree(directory, tmp_path / "run")
-    first, second = atomic.checkpoints(tmp_path / "run")
+    first, second = checkpoint.checkpoints(tmp_path / "run")
     yield trainer, first, second
-    atomic.crash_point = None
 
 
 def test_latest_is_the_newest_and_verify_returns_its_position(two_saves: Any) -> None:
     _, first, second = two_saves
-    assert atomic.latest(Path(first).parents[1]) == second
-    assert atomic.verify(second) == {"n": 2}
-    assert (Path(first).parents[1] / atomic.POINTER).read_text().strip() == "ckpt-00000002"
+    assert checkpoint.latest(Path(first).parents[1]) == second
+    assert checkpoint.verify(second) == {"n": 2}
+    assert (Path(first).parents[1] / checkpoint.POINTER).read_text().strip() == "ckpt-00000002"
 
 
 def _state_at(prefix: str) -> list[bytes]:
@@ -84,22 +101,24 @@ def _state_at(prefix: str) -> list[bytes]:
 
 
 @pytest.mark.parametrize("stage", STAGES)
-def test_a_save_that_fails_at_any_stage_leaves_a_good_latest(two_saves: Any, stage: str) -> None:
+def test_a_save_that_fails_at_any_stage_leaves_a_good_latest(
+    two_saves: Any, stage: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     trainer, _, second = two_saves
     directory = Path(second).parents[1]
     trainer.train_step(X, Y)
 
-    def crash(reached: str) -> None:
-        if reached == stage:
-            raise OSError(f"disk full at {stage}")
+    def crash() -> None:
+        raise OSError(f"disk full at {stage}")
 
-    atomic.crash_point = crash
+    monkeypatch.setattr(*crashing_at(stage, crash))
     with pytest.raises(OSError, match=stage):
-        atomic.write(checkpoint.checkpoint(trainer), directory, 3, {"n": 3})
+        checkpoint.write(trainer, directory, 3, {"n": 3})
+    monkeypatch.undo()
     complete = STAGES.index(stage) >= STAGES.index("renamed")
-    want = str(directory / "ckpt-00000003" / atomic.PREFIX) if complete else second
-    assert atomic.latest(directory) == want
-    pointer = (directory / atomic.POINTER).read_text().strip()
+    want = str(directory / "ckpt-00000003" / checkpoint.PREFIX) if complete else second
+    assert checkpoint.latest(directory) == want
+    pointer = (directory / checkpoint.POINTER).read_text().strip()
     # the pointer moves only after the data is complete and renamed into place
     assert pointer == ("ckpt-00000003" if stage == "pointer" else "ckpt-00000002")
 
@@ -125,7 +144,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_and_refused_by_name(
     path = Path(second).parent / name
     damage(path, min(int(path.stat().st_size * fraction), path.stat().st_size - 1))
     with pytest.warns(RuntimeWarning, match="skipping a damaged checkpoint.*ckpt-00000002"):
-        assert atomic.latest(Path(second).parents[1]) == first
+        assert checkpoint.latest(Path(second).parents[1]) == first
     other = _other()
     before = replica_bytes(other)
     with pytest.raises(towers.CheckpointError, match=f"{second!r}.*{name}"):
@@ -139,10 +158,10 @@ def test_a_missing_manifest_or_file_is_skipped(two_saves: Any) -> None:
     _, first, second = two_saves
     (Path(second).parent / "state.index").unlink()
     with pytest.warns(RuntimeWarning, match="state.index is missing"):
-        assert atomic.latest(Path(first).parents[1]) == first
-    (Path(first).parent / atomic.MANIFEST).unlink()
+        assert checkpoint.latest(Path(first).parents[1]) == first
+    (Path(first).parent / checkpoint.MANIFEST).unlink()
     with pytest.warns(RuntimeWarning) as warned:
-        assert atomic.latest(Path(first).parents[1]) is None
+        assert checkpoint.latest(Path(first).parents[1]) is None
     assert len(warned) == 2
     assert "ckpt-00000002/state': state.index is missing" in str(warned[0].message)
     assert "ckpt-00000001/state': manifest or position unreadable" in str(warned[1].message)
@@ -151,20 +170,20 @@ def test_a_missing_manifest_or_file_is_skipped(two_saves: Any) -> None:
 def test_keep_deletes_only_the_oldest(tmp_path: Path) -> None:
     trainer = _trainer()
     for n in range(5):
-        atomic.write(checkpoint.checkpoint(trainer), tmp_path, n, {}, keep=2)
-    assert [Path(p).parent.name for p in atomic.checkpoints(tmp_path)] == [
+        checkpoint.write(trainer, tmp_path, n, {}, keep=2)
+    assert [Path(p).parent.name for p in checkpoint.checkpoints(tmp_path)] == [
         "ckpt-00000003", "ckpt-00000004"]  # fmt: skip
 
 
 def test_bad_arguments_name_themselves(tmp_path: Path) -> None:
-    ckpt = checkpoint.checkpoint(_trainer())
+    trainer = _trainer()
     with pytest.raises(TypeError, match="directory must be a path"):
-        atomic.latest(None)
+        checkpoint.latest(None)
     with pytest.raises(ValueError, match="number must be an int >= 0"):
-        atomic.write(ckpt, tmp_path, -1, {})
+        checkpoint.write(trainer, tmp_path, -1, {})
     with pytest.raises(ValueError, match="keep must be None or an int >= 1"):
-        atomic.write(ckpt, tmp_path, 1, {}, keep=0)
-    assert atomic.latest(tmp_path / "nothing") is None
+        checkpoint.write(trainer, tmp_path, 1, {}, keep=0)
+    assert checkpoint.latest(tmp_path / "nothing") is None
 
 
 @pytest.mark.long
@@ -179,15 +198,15 @@ def test_os_exit_in_the_middle_of_a_save_leaves_the_previous_checkpoint(tmp_path
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=240,
     )  # fmt: skip
     assert proc.returncode == 3 and f"crash {stage}" in proc.stdout, proc.stderr[-2000:]
-    saved = atomic.latest(tmp_path / "run")
-    assert saved is not None and atomic.verify(saved)["batches"] == 4  # the first save
+    saved = checkpoint.latest(tmp_path / "run")
+    assert saved is not None and checkpoint.verify(saved)["batches"] == 4  # the first save
     left = [p.name for p in (tmp_path / "run").iterdir() if p.name.startswith(".tmp-")]
     assert len(left) == 1 and left[0].startswith(".tmp-ckpt-00000008-")  # never listed
 
 
 def _resave(trainer: towers.TowerTrainer, directory: Path) -> str:
     """Save ``trainer`` again under a number ``directory`` already holds (2)."""
-    return atomic.write(checkpoint.checkpoint(trainer), directory, 2, {"n": "again"})
+    return checkpoint.write(trainer, directory, 2, {"n": "again"})
 
 
 @pytest.mark.parametrize("fail", ["rename", "rmtree"])
@@ -214,19 +233,19 @@ def test_a_crash_inside_a_resave_of_the_same_number_leaves_a_good_checkpoint(
         rmtree(path, *args, **kwargs)
 
     if fail == "rename":
-        monkeypatch.setattr(atomic.os, "rename", crash_rename)
+        monkeypatch.setattr(checkpoint.os, "rename", crash_rename)
     else:
-        monkeypatch.setattr(atomic.shutil, "rmtree", crash_rmtree)
+        monkeypatch.setattr(checkpoint.shutil, "rmtree", crash_rmtree)
     with pytest.raises(OSError, match=f"crash: {fail}"):
         _resave(trainer, directory)
     monkeypatch.undo()
-    prefix = atomic.latest(directory)
+    prefix = checkpoint.latest(directory)
     assert prefix is not None and (directory / "ckpt-00000002").is_dir()
     if fail == "rename":
         assert prefix == second and _state_at(prefix) == old_state
     else:
         assert Path(prefix).parent.name == "ckpt-00000002.1"
-        assert atomic.verify(prefix) == {"n": "again"}
+        assert checkpoint.verify(prefix) == {"n": "again"}
         assert _state_at(prefix) == replica_bytes(trainer)
 
 
@@ -235,7 +254,7 @@ def test_a_resave_replaces_the_old_folder_only_once_it_is_in_place(two_saves: An
     directory = Path(second).parents[1]
     trainer.train_step(X, Y)
     prefix = _resave(trainer, directory)
-    assert atomic.checkpoints(directory) == [first, prefix]
+    assert checkpoint.checkpoints(directory) == [first, prefix]
     assert Path(prefix).parent.name == "ckpt-00000002.1"
-    assert (directory / atomic.POINTER).read_text().strip() == "ckpt-00000002.1"
-    assert atomic.latest(directory) == prefix and _state_at(prefix) == replica_bytes(trainer)
+    assert (directory / checkpoint.POINTER).read_text().strip() == "ckpt-00000002.1"
+    assert checkpoint.latest(directory) == prefix and _state_at(prefix) == replica_bytes(trainer)

@@ -28,7 +28,7 @@ import pytest
 
 import towers
 from tests.conftest import DEVICES
-from towers.training import atomic, checkpoint
+from towers.training import checkpoint
 from towers.training.backup import ExactResume
 from towers.training.data import digits
 
@@ -100,9 +100,9 @@ def test_kill_9_and_resume_ends_bitwise_where_an_uninterrupted_run_ends(tmp_path
     # the run by a few lines (CI once: read 23, the run had saved after batch 24)
     seen += sum(line.startswith("batch ") for line in rest.splitlines())
     assert not (tmp_path / "run.npz").exists()
-    saved = atomic.latest(tmp_path / "run")
+    saved = checkpoint.latest(tmp_path / "run")
     assert saved is not None, why
-    done_before = int(atomic.verify(saved)["batches"])
+    done_before = int(checkpoint.verify(saved)["batches"])
     assert EVERY <= done_before <= seen + 1, (why, seen)
 
     resumed = _finish(_start(tmp_path / "run", tmp_path / "run.npz"))
@@ -149,7 +149,7 @@ def test_epoch_end_checkpoints_resume_the_next_epoch_bitwise(tmp_path: Path) -> 
     whole = _small()
     whole.fit(x, y, epochs=3, **ARGS)
     _small().fit(x, y, epochs=2, callbacks=[ExactResume(tmp_path)], **ARGS)
-    assert [Path(p).parent.name for p in atomic.checkpoints(tmp_path)] == [
+    assert [Path(p).parent.name for p in checkpoint.checkpoints(tmp_path)] == [
         "ckpt-00000005", "ckpt-00000010"]  # fmt: skip
     second = _small()
     history = second.fit(x, y, epochs=3, callbacks=[ExactResume(tmp_path)], **ARGS)
@@ -176,7 +176,7 @@ def test_a_resume_inside_an_epoch_trains_only_the_rest_of_it_bitwise(tmp_path: P
             self.model.stop_training = int(self.model.optimizer.iterations) == 7
 
     _small().fit(x, y, epochs=2, callbacks=[ExactResume(tmp_path, every=3), Stop()], **ARGS)
-    assert atomic.verify(atomic.latest(tmp_path))["batch"] == 1
+    assert checkpoint.verify(checkpoint.latest(tmp_path))["batch"] == 1
     resumed, trained = _small(), []
     batches = keras.callbacks.LambdaCallback(
         on_train_batch_end=lambda batch, logs: trained.append(batch) if logs else None)
@@ -214,7 +214,7 @@ def test_resuming_with_other_batches_is_refused_before_anything_changes(
     examples, 3 of 16 would be 48 (the other 48 silently skipped before issue 18)."""
     x, y = _digits_160()
     _small().fit(x, y, epochs=1, callbacks=[ExactResume(tmp_path, every=3)], **ARGS)
-    assert [Path(p).parent.name for p in atomic.checkpoints(tmp_path)] == ["ckpt-00000003"]
+    assert [Path(p).parent.name for p in checkpoint.checkpoints(tmp_path)] == ["ckpt-00000003"]
     rows = change.pop("rows", 160)
     other = _small()
     before = _everything(other)
@@ -230,7 +230,7 @@ def test_a_position_without_its_data_is_refused(tmp_path: Path) -> None:
     x, y = _digits_160()
     tm = _small()
     assert tm.trainer is not None
-    atomic.write(checkpoint.checkpoint(tm.trainer), tmp_path, 3,
+    checkpoint.write(tm.trainer, tmp_path, 3,
                  {"epoch": 0, "batch": 3, "batches": 3, "rng": None})  # fmt: skip
     with pytest.raises(towers.CheckpointError, match="does not record the data and batch size"):
         _small().fit(x, y, callbacks=[ExactResume(tmp_path)], **ARGS)
@@ -244,4 +244,4 @@ def test_shuffled_arrays_and_a_plain_keras_model_are_refused(tmp_path: Path) -> 
     model.compile("sgd", "sparse_categorical_crossentropy")
     with pytest.raises(ValueError, match="ExactResume must be a callback of a compiled towers"):
         model.fit(x, y, callbacks=[ExactResume(tmp_path)], **ARGS)
-    assert atomic.latest(tmp_path) is None
+    assert checkpoint.latest(tmp_path) is None

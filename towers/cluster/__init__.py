@@ -5,7 +5,7 @@ cross-worker reducers and trainer, input sharding (data), parameter servers (ps,
 
 from __future__ import annotations
 
-from towers.cluster.cross_worker import AllTowers, CrossWorker
+from towers.cluster.cross_worker import AllTowers, CrossWorker, WorkerTrainer
 from towers.cluster.data import global_to_worker_batches, shard_dataset
 from towers.cluster.launcher import launch, start_servers
 from towers.cluster.ps import ParameterServerLost, ParameterStore, connect_ps, shard_variables
@@ -36,7 +36,6 @@ from towers.cluster.spec import (
     tf_config,
     towers_per_task,
 )
-from towers.cluster.trainer import WorkerTrainer
 
 __all__ = ["HOST", "TOWERS_ENV", "AllTowers", "AsyncTrainer", "Cluster", "CrossWorker",
            "ParameterServerLost", "ParameterStore", "RuntimeStartedError", "UpdateLog",

@@ -14,14 +14,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import IO
 
 from towers.cluster.spec import TOWERS_ENV, Cluster, local_cluster, tf_config
 from towers.guard.arguments import non_negative_float
 
 __all__ = ["LEFTOVER_EXIT", "TIMEOUT_EXIT", "LocalServers", "TaskProcess", "launch",
-           "start_servers"]
+           "poll_until", "start_servers"]
 
 TIMEOUT_EXIT = 124  # as coreutils ``timeout``
 LEFTOVER_EXIT = 1  # every task succeeded but left processes running (killed)
@@ -42,8 +42,7 @@ class TaskProcess:
                TOWERS_ENV: str(towers), "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
         self.process = subprocess.Popen(
             list(command), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, text=True, errors="replace", start_new_session=True,
-        )
+            stdin=subprocess.DEVNULL, text=True, errors="replace", start_new_session=True)
         self.killed = self.serving = False
         self._out, self._lock = out, lock
         self._reader = threading.Thread(target=self._copy, daemon=True)
@@ -64,17 +63,15 @@ class TaskProcess:
 
     def stop(self) -> int:
         """Terminate (then kill) the task's group; return how many processes it left running."""
-        if self.process.poll() is None:
-            self.killed = True
-            leftover = 0
-        else:
-            leftover = len(_group_members(self.process.pid))
+        self.killed = self.process.poll() is None
+        leftover = 0 if self.killed else len(_group_members(self.process.pid))
         for sig in (signal.SIGTERM, signal.SIGKILL):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.process.pid, sig)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.process.wait(_GRACE_SECONDS)
-            if self.process.poll() is not None and _wait_group_empty(self.process.pid):
+            if self.process.poll() is not None and poll_until(
+                    lambda: not _group_members(self.process.pid), _GRACE_SECONDS):
                 break
         return leftover
 
@@ -85,19 +82,16 @@ class TaskProcess:
 
 def _group_members(pgid: int) -> list[int]:
     """Live processes of group ``pgid`` from /proc; elsewhere one if it takes signals."""
-    proc = "/proc"
-    if not os.path.isdir(proc):
+    if not os.path.isdir("/proc"):
         try:
             os.killpg(pgid, 0)
         except (ProcessLookupError, PermissionError):
             return []
         return [pgid]
     members = []
-    for entry in os.listdir(proc):
-        if not entry.isdigit():
-            continue
+    for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
-            with open(f"{proc}/{entry}/stat") as f:
+            with open(f"/proc/{entry}/stat") as f:
                 stat = f.read()
         except OSError:
             continue
@@ -108,9 +102,10 @@ def _group_members(pgid: int) -> list[int]:
     return members
 
 
-def _wait_group_empty(pgid: int) -> bool:
-    until = time.monotonic() + _GRACE_SECONDS
-    while _group_members(pgid):
+def poll_until(done: Callable[[], bool], seconds: float) -> bool:
+    """Whether ``done()`` came true within ``seconds`` (asked every 50 ms)."""
+    until = time.monotonic() + seconds
+    while not done():
         if time.monotonic() > until:
             return False
         time.sleep(0.05)
@@ -127,8 +122,7 @@ def launch(cluster: Cluster, towers: int, command: Sequence[str],
         raise ValueError("command is empty: give the program to run after --")
     if cluster.num_workers == 0:
         raise ValueError("the cluster has no 'chief' or 'worker' task to run the command")
-    out = out or sys.stdout
-    lock = threading.Lock()
+    out, lock = out or sys.stdout, threading.Lock()
     trainers: list[TaskProcess] = []
     servers: list[TaskProcess] = []
     for job, addresses in cluster.jobs.items():
@@ -136,29 +130,29 @@ def launch(cluster: Cluster, towers: int, command: Sequence[str],
         for k in range(len(addresses)):
             (trainers if trains else servers).append(TaskProcess(
                 cluster, job, k, towers, command if trains else SERVER_COMMAND, out, lock))
-    deadline = None if timeout is None else time.monotonic() + timeout
+
+    def ended() -> bool:
+        return all(t.poll() is not None for t in trainers)
+
+    def failed() -> bool:
+        return any(t.poll() not in (None, 0) for t in trainers)
+
+    until = time.monotonic() + (float("inf") if timeout is None else timeout)
     code = 0
     try:
-        while any(t.poll() is None for t in trainers):
-            failed = [c for t in trainers if (c := t.poll()) not in (None, 0)]
-            if failed:
-                until = min(time.monotonic() + failure_grace, deadline or float("inf"))
-                while any(t.poll() is None for t in trainers) and time.monotonic() < until:
-                    time.sleep(0.05)
-                code = max(c for t in trainers if (c := t.poll()) is not None)
-                break
-            if deadline is not None and time.monotonic() > deadline:
-                code = TIMEOUT_EXIT
-                with lock:
-                    out.write(f"[launch] timeout after {timeout:g} s: killing every task\n")
-                break
-            time.sleep(0.05)
+        if not poll_until(lambda: ended() or failed(), until - time.monotonic()):
+            code = TIMEOUT_EXIT
+            with lock:
+                out.write(f"[launch] timeout after {timeout:g} s: killing every task\n")
+        elif failed():  # the others get failure_grace to finish (and report) on their own
+            poll_until(ended, min(failure_grace, until - time.monotonic()))
+            code = max(c for t in trainers if (c := t.poll()) is not None)
     finally:
         left = {t.label: t.stop() for t in trainers + servers}
         for task in trainers + servers:
             task.finish()
-    ended = [c for t in trainers if not t.killed and (c := t.poll()) is not None]
-    code = code or max(ended, default=0)
+    code = code or max((c for t in trainers if not t.killed and (c := t.poll()) is not None),
+                       default=0)
     for task in trainers:
         if left[task.label]:
             out.write(f"[launch] {task.label[1:-1]} exited but left {left[task.label]} "
@@ -188,8 +182,7 @@ def start_servers(workers: int, towers_per_worker: int, *, ps: int = 0, chief: b
                   ) -> Iterator[LocalServers]:
     """Serve ``workers`` and ``ps`` tasks on localhost in the block (``chief``: an address
     for the client itself); ``RuntimeError``: a server did not start in time."""
-    cluster = local_cluster(workers, ps=ps, chief=chief)
-    lock = threading.Lock()
+    cluster, lock = local_cluster(workers, ps=ps, chief=chief), threading.Lock()
     tasks = {}
     try:
         for job, towers in (("worker", towers_per_worker), ("ps", 1)):

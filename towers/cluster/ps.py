@@ -34,21 +34,6 @@ class ParameterServerLost(TowersError, ConnectionError):
     """A parameter server did not answer: its task died or the network to it failed."""
 
 
-def _sizes(variables: Sequence[Any]) -> list[int]:
-    sizes = []
-    for i, v in enumerate(variables):
-        try:
-            dims = [int(d) for d in getattr(v, "shape", v)]
-        except (TypeError, ValueError):
-            raise ValueError(
-                f"variables[{i}] must have a fully known shape (a variable, an array or a "
-                f"tuple of ints), got {v!r}") from None
-        if any(d < 0 for d in dims):
-            raise ValueError(f"variables[{i}] has a negative dimension: {dims}")
-        sizes.append(int(np.prod(dims, dtype=np.int64)))
-    return sizes
-
-
 def shard_variables(variables: Sequence[Any], ps_devices: Sequence[str],
                     policy: str = "round_robin") -> list[str]:
     """``placement[i]``: the ps device of variable i (variables, arrays or shapes), as drawn.
@@ -60,11 +45,20 @@ def shard_variables(variables: Sequence[Any], ps_devices: Sequence[str],
     if isinstance(ps_devices, str) or not ps_devices:
         raise ValueError(f"ps_devices must be a non-empty list of devices, got {ps_devices!r}")
     check_choice("policy", policy, POLICIES)
-    sizes = _sizes(variables)
+    sizes = []
+    for i, v in enumerate(variables):
+        try:
+            dims = [int(d) for d in getattr(v, "shape", v)]
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"variables[{i}] must have a fully known shape (a variable, an array or a "
+                f"tuple of ints), got {v!r}") from None
+        if any(d < 0 for d in dims):
+            raise ValueError(f"variables[{i}] has a negative dimension: {dims}")
+        sizes.append(int(np.prod(dims, dtype=np.int64)))
     if policy == "round_robin":
         return [ps_devices[i % len(ps_devices)] for i in range(len(sizes))]
-    load = [0] * len(ps_devices)
-    placement = [""] * len(sizes)
+    load, placement = [0] * len(ps_devices), [""] * len(sizes)
     for i in sorted(range(len(sizes)), key=lambda j: (-sizes[j], j)):
         task = min(range(len(ps_devices)), key=lambda k: (load[k], k))
         placement[i] = ps_devices[task]
@@ -109,9 +103,7 @@ class ParameterStore:
                 self.variables.append(tf.Variable(np.asarray(w, np.float32)))
                 if self.momentum:
                     self.momentums.append(tf.Variable(np.zeros_like(w, np.float32)))
-        self.versions = {d: 0 for d in self.ps_devices}
-        self.updates = 0
-        self.lock = FairLock()
+        self.versions, self.updates, self.lock = {d: 0 for d in self.ps_devices}, 0, FairLock()
         self._apply = tf.function(self._apply_step, autograph=False)
 
     def _apply_step(self, grads: Sequence[tf.Tensor]) -> None:

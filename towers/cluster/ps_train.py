@@ -77,8 +77,7 @@ class AsyncTrainer:
         check_choice("policy", policy, POLICIES)
         if isinstance(workers, str) or not workers or any(not w for w in workers):
             raise ValueError(f"workers must be a non-empty list of tower lists, got {workers!r}")
-        optional(non_negative_int, "max_staleness", max_staleness)
-        self.max_staleness = max_staleness
+        self.max_staleness = optional(non_negative_int, "max_staleness", max_staleness)
         self.workers = [
             TowerTrainer(model, keras.optimizers.SGD(learning_rate), loss, devices=list(towers),
                          all_reduce="naive", variables="parameter_device")
@@ -91,12 +90,10 @@ class AsyncTrainer:
                                     learning_rate=learning_rate, momentum=momentum,
                                     policy=policy, timeout=timeout)
         self._pulls = [self.store.reader(w.model.trainable_variables) for w in self.workers]
-        guarded = self.on_nonfinite != "ignore"
-        self._grads = [tf.function(_gradient_fn(w, guarded), autograph=False)
-                       for w in self.workers]
-        self.refused = 0
+        self._grads = [tf.function(_gradient_fn(w, self.on_nonfinite != "ignore"),
+                                   autograph=False) for w in self.workers]
+        self.refused, self._steps = 0, [0] * len(self.workers)
         self.skipped_batches: list[int] = []
-        self._steps = [0] * len(self.workers)
         self._initial = self.store.get_weights()
         self.log = UpdateLog([], [], learning_rate, float(momentum), self.store.placement)
 
@@ -168,9 +165,8 @@ def _gradient_fn(trainer: TowerTrainer, guarded: bool) -> Callable[[tf.Tensor, t
         codes = gather_codes(towers.towers, trainer.devices, trainer.parameter_device) \
             if guarded else None
         reduced = trainer.reduce(towers)
-        for g in reduced.grads[0]:
-            if isinstance(g, tf.IndexedSlices):
-                raise ValueError("model: sparse gradients are not supported by the ps update")
+        if any(isinstance(g, tf.IndexedSlices) for g in reduced.grads[0]):
+            raise ValueError("model: sparse gradients are not supported by the ps update")
         return list(reduced.grads[0]), reduced.loss, codes
 
     return grads
@@ -180,8 +176,7 @@ def save_log(log: UpdateLog, prefix: str | Path) -> tuple[Path, Path]:
     """Write ``PREFIX.json`` (records, rule) and ``PREFIX.npz`` (gradients); return both."""
     prefix = Path(prefix)
     meta = {"learning_rate": log.learning_rate, "momentum": log.momentum,
-            "placement": log.placement,
-            "records": [vars(r) for r in log.records]}
+            "placement": log.placement, "records": [vars(r) for r in log.records]}
     json_path, npz_path = prefix.with_suffix(".json"), prefix.with_suffix(".npz")
     json_path.write_text(json.dumps(meta, indent=1))
     arrays = {f"u{u}_v{i}": g for u, grads in enumerate(log.gradients) for i, g in enumerate(grads)}

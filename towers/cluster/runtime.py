@@ -8,7 +8,6 @@ import hashlib
 import json
 import os
 import tempfile
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,6 +18,7 @@ from tensorflow.python.ops import collective_ops
 
 from towers.allreduce.machinery.base import REWRITES
 from towers.allreduce.machinery.tf_collective_ops import shared_keys
+from towers.cluster.launcher import poll_until
 from towers.cluster.spec import Cluster, resolve, towers_per_task
 from towers.devices import set_local_task
 from towers.guard.arguments import positive_float, positive_int
@@ -107,8 +107,7 @@ def set_logical_devices(n: int) -> None:
     except RuntimeError as err:
         raise RuntimeError(
             f"cannot give this task {n} towers: TensorFlow's runtime already started. Start "
-            "the cluster runtime first thing in the program, before any TensorFlow op."
-        ) from err
+            "the cluster runtime first thing in the program, before any TensorFlow op.") from err
 
 
 def _this_task(cluster: Any, towers: int | None, what: str) -> tuple[Cluster, int]:
@@ -128,8 +127,7 @@ def start_worker(cluster: Any = None, towers: int | None = None) -> list[str]:
     try:
         ctx.configure_collective_ops(
             collective_leader=found.task_name(*found.chief),
-            device_filters=(found.task_name(),),  # don't wait on the other tasks' devices
-        )
+            device_filters=(found.task_name(),))  # don't wait on the other tasks' devices
     except RuntimeError as err:
         raise RuntimeError("start_worker came too late: TensorFlow's runtime already started. "
                            "Call towers.cluster.start_worker() first thing in the program."
@@ -155,8 +153,7 @@ def start_server(cluster: Any = None, towers: int | None = None) -> tf.distribut
     rewrites.memory_optimization = rewriter_config_pb2.RewriterConfig.NO_MEM_OPT
     return tf.distribute.Server(
         found.cluster_spec(), job_name=found.task_type, task_index=found.task_index,
-        protocol="grpc", config=config, start=True,
-    )
+        protocol="grpc", config=config, start=True)
 
 
 _LOCAL = ("127.0.0.1", "localhost", "[::1]")
@@ -185,16 +182,7 @@ def leave_together(cluster: Any = None, limit: float = 60.0) -> bool:
                           f"towers-done-{hashlib.sha256(spec).hexdigest()[:16]}")
     os.makedirs(folder, exist_ok=True)
     open(os.path.join(folder, found.task_name().replace("/", "_")), "w").close()
-    deadline = time.monotonic() + limit
-    while len(os.listdir(folder)) < workers:
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
-def _full(name: str) -> str:
-    return str(tf.DeviceSpec.from_string(name).to_string())
+    return poll_until(lambda: len(os.listdir(folder)) >= workers, limit)
 
 
 def connect(cluster: Any, towers_per_task: int, job: str = "worker") -> list[str]:
@@ -202,8 +190,9 @@ def connect(cluster: Any, towers_per_task: int, job: str = "worker") -> list[str
     found = resolve(cluster)
     tf.config.experimental_connect_to_cluster(found.cluster_spec())
     towers = found.tower_devices(towers_per_task, job=job)
-    known = {_full(d.name) for d in tf.config.list_logical_devices()}
-    missing = [d for d in towers if _full(d) not in known]
+    full = tf.DeviceSpec.from_string
+    known = {full(d.name).to_string() for d in tf.config.list_logical_devices()}
+    missing = [d for d in towers if full(d).to_string() not in known]
     if missing:
         raise ValueError(f"the cluster does not serve {missing}; it serves {sorted(known)}")
     return towers

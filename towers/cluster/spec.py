@@ -136,27 +136,22 @@ def resolve(cluster: Any = None, task_type: str | None = None,
     """The cluster and this process's task from ``cluster``: ``None`` (``TF_CONFIG``), a
     TF_CONFIG string or dict, a ``{job: [addresses]}`` dict, a ``ClusterSpec``, a
     ``ClusterResolver`` or a ``Cluster``; ``task_type``/``task_index`` override its task."""
-    found = _found(cluster)
-    job = task_type if task_type is not None else found.task_type
-    index = task_index if task_index is not None else found.task_index
-    return Cluster(found.jobs, job, 0 if job is not None and index is None else index)
-
-
-def _found(cluster: Any) -> Cluster:
-    if isinstance(cluster, Cluster):
-        return cluster
     if cluster is None:
         text = os.environ.get("TF_CONFIG")
         if not text:
             raise ValueError("TF_CONFIG is not set: pass cluster= or run under `towers launch`")
-        return _from_tf_config(text, "TF_CONFIG")
-    if isinstance(cluster, str) or (isinstance(cluster, Mapping)
-                                    and ("cluster" in cluster or "task" in cluster)):
-        return _from_tf_config(cluster, "cluster")
-    if isinstance(cluster, Mapping):
+        cluster = _from_tf_config(text, "TF_CONFIG")
+    elif isinstance(cluster, str) or (isinstance(cluster, Mapping)
+                                      and ("cluster" in cluster or "task" in cluster)):
+        cluster = _from_tf_config(cluster, "cluster")
+    elif isinstance(cluster, Mapping):
         _check_jobs(cluster, "cluster")
-        return Cluster({job: tuple(a) for job, a in cluster.items()})
-    return _from_tensorflow(cluster)
+        cluster = Cluster({job: tuple(a) for job, a in cluster.items()})
+    elif not isinstance(cluster, Cluster):
+        cluster = _from_tensorflow(cluster)
+    job = task_type if task_type is not None else cluster.task_type
+    index = task_index if task_index is not None else cluster.task_index
+    return Cluster(cluster.jobs, job, 0 if job is not None and index is None else index)
 
 
 def _from_tensorflow(cluster: Any) -> Cluster:
@@ -166,10 +161,9 @@ def _from_tensorflow(cluster: Any) -> Cluster:
     if isinstance(cluster, tf.distribute.cluster_resolver.ClusterResolver):
         spec, job, index = cluster.cluster_spec(), cluster.task_type, cluster.task_id
     elif not isinstance(cluster, tf.train.ClusterSpec):
-        raise TypeError(
-            "cluster must be None (TF_CONFIG), a TF_CONFIG string or dict, a {job: "
-            "[addresses]} dict, a tf.train.ClusterSpec or a ClusterResolver; got "
-            f"{type(cluster).__name__}")
+        raise TypeError("cluster must be None (TF_CONFIG), a TF_CONFIG string or dict, a {job: "
+                        "[addresses]} dict, a tf.train.ClusterSpec or a ClusterResolver; got "
+                        f"{type(cluster).__name__}")
     jobs = {}
     for name in spec.jobs:
         tasks = spec.job_tasks(name)  # a sparse job lists None for missing indices
@@ -202,13 +196,9 @@ def local_cluster(workers: int, ps: int = 0, chief: bool = False) -> Cluster:
     positive_int("workers", workers)
     non_negative_int("ps", ps)
     ports = iter(free_ports(workers + ps + int(chief)))
-    jobs: dict[str, tuple[str, ...]] = {}
-    if chief:
-        jobs["chief"] = (f"{HOST}:{next(ports)}",)
-    jobs["worker"] = tuple(f"{HOST}:{next(ports)}" for _ in range(workers))
-    if ps:
-        jobs["ps"] = tuple(f"{HOST}:{next(ports)}" for _ in range(ps))
-    return Cluster(jobs)
+    tasks = {"chief": int(chief), "worker": workers, "ps": ps}  # in the ports' order
+    return Cluster({job: tuple(f"{HOST}:{next(ports)}" for _ in range(n))
+                    for job, n in tasks.items() if n})
 
 
 def towers_per_task(default: int = 1) -> int:

@@ -49,10 +49,9 @@ class StepTimeout(TowersError, TimeoutError):
         partly: the update was cut short: some variables, slots or ``iterations`` moved.
     """
 
-    def __init__(
-        self, algorithm: str, seconds: float | None, usable: bool, detail: str,
-        earlier: str | None = None, *, applied: bool = False, partly: bool = False,
-    ) -> None:  # fmt: skip
+    def __init__(self, algorithm: str, seconds: float | None, usable: bool, detail: str,
+                 earlier: str | None = None, *, applied: bool = False,
+                 partly: bool = False) -> None:  # fmt: skip
         self.algorithm, self.seconds, self.usable = algorithm, seconds, usable
         self.earlier, self.applied, self.partly = earlier, applied, applied and partly
         within = f"within {seconds:g} s" if seconds else "within its collectives' op timeout"
@@ -86,10 +85,8 @@ class AlgorithmError(TowersError, ValueError):
         variable: the variable whose gradient it was reducing.
     """
 
-    def __init__(
-        self, algorithm: str, tower: int | None, variable: str, expected: str, got: str,
-        hint: str | None = None,
-    ) -> None:  # fmt: skip
+    def __init__(self, algorithm: str, tower: int | None, variable: str, expected: str,
+                 got: str, hint: str | None = None) -> None:  # fmt: skip
         self.algorithm, self.tower, self.variable = algorithm, tower, variable
         where = "its outputs" if tower is None else f"output {tower} (tower {tower})"
         hint = hint or ("An algorithm returns one tensor per input, output i with input i's "

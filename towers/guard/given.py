@@ -20,8 +20,7 @@ __all__ = ["check_dataset", "check_devices", "check_layers", "check_weights",
 def check_devices(devices: Sequence[str] | None) -> list[str]:
     """Tower devices (None: every local device) as canonical names (``TypeError`` if not a
     list of strings; ``ValueError``: none, duplicates, or a name TensorFlow does not know)."""
-    if devices is None:
-        devices = local_devices()
+    devices = local_devices() if devices is None else devices
     if isinstance(devices, str) or not isinstance(devices, Sequence):
         raise TypeError(f"devices must be a list of device names, got {devices!r}")
     if not devices:

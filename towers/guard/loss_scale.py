@@ -73,8 +73,7 @@ class LossScale:
     """
 
     def __init__(self, optimizer: Any, model: keras.Model, reduce_dtype: str = "float32") -> None:
-        self.active = is_loss_scaled(optimizer)
-        self.reduce_dtype = reduce_dtype
+        self.active, self.reduce_dtype = is_loss_scaled(optimizer), reduce_dtype
         compute = tf.as_dtype(model.dtype_policy.compute_dtype)
         self.compute_dtype = compute if compute.is_floating else tf.float32
         # whether to_wire may change a gradient of this model (else the wire is the identity)
@@ -113,9 +112,8 @@ class LossScale:
         with tf.device(device):
             return flag if local is None else tf.logical_and(local, flag)
 
-    def apply(
-        self, optimizer: Any, grads: list[Any], finite: tf.Tensor | None, apply: ApplyFn
-    ) -> None:
+    def apply(self, optimizer: Any, grads: list[Any], finite: tf.Tensor | None,
+              apply: ApplyFn) -> None:
         """Apply one replica's reduced gradients (``S·Σg`` when loss-scaled) with the step's
         own ``apply(optimizer, grads)`` under the dynamic-scale rule and :meth:`finite`'s flag."""
         if not self.active:

@@ -83,11 +83,10 @@ def _tf_values(shape: Sequence[int], tower: int, dtype: tf.DType) -> tf.Tensor:
 
 def _compare(algorithm: Any, shapes: Sequence[Sequence[int]], dtypes: Sequence[tf.DType],
              outputs: list[list[np.ndarray]], names: list[str]) -> None:  # fmt: skip
-    n = len(outputs)
+    n, k = len(outputs), max(len(outputs) - 1, 0)
     for j, name in enumerate(names):
         stack = np.stack([_tf_values(shapes[j], t, tf.float64).numpy() for t in range(n)])
         exact, magnitude = stack.sum(axis=0), np.abs(stack).sum(axis=0)
-        k = max(n - 1, 0)
         tolerance = gamma(k, dtypes[j]) * magnitude  # γ_{n−1}·Σ|x_i|
         for tower in range(n):
             got = np.asarray(outputs[tower][j], np.float64)
@@ -158,13 +157,11 @@ def check_sums(algorithm: Any, devices: Sequence[str], variables: Sequence[Any],
     except (TimeoutError, AlgorithmError):
         raise
     except TypeError as err:  # not an algorithm(values, *, op) at all: a loss, a layer, …
-        raise TypeError(
-            f"all_reduce: {algorithm_name(user)} is not an all-reduce algorithm "
-            f"(values, *, op) -> list nor a GradientReducer: calling it on one tensor per "
-            f"tower failed with {type(err).__name__}: {err}") from err
+        raise TypeError(f"all_reduce: {algorithm_name(user)} is not an all-reduce algorithm "
+                        f"(values, *, op) -> list nor a GradientReducer: calling it on one "
+                        f"tensor per tower failed with {type(err).__name__}: {err}") from err
     except Exception as err:  # its own bug while traced (.numpy() in a graph, a bad index, …)
-        raise ValueError(
-            f"all_reduce: {algorithm_name(user)} raised {type(err).__name__} when the "
-            f"trainer called it on one tensor per tower ({names[0]}, traced): {err} "
-            "(towers.testing.check_all_reduce runs it the same way)") from err
+        raise ValueError(f"all_reduce: {algorithm_name(user)} raised {type(err).__name__} when "
+                         f"the trainer called it on one tensor per tower ({names[0]}, traced): "
+                         f"{err} (towers.testing.check_all_reduce runs it the same way)") from err
     _compare(user, shapes, dtypes, outputs, names)

@@ -23,8 +23,7 @@ import keras
 
 from towers.guard.arguments import check_bool, optional, positive_int
 from towers.guard.errors import CheckpointError
-from towers.training import atomic
-from towers.training.checkpoint import checkpoint, restore
+from towers.training.checkpoint import check_path, latest, restore, verify, write
 
 __all__ = ["ExactResume", "data_facts"]
 
@@ -82,11 +81,8 @@ class ExactResume(keras.callbacks.Callback):
     def __init__(self, directory: Any, every: int | None = None, keep: int = 3,
                  resume: bool = True) -> None:  # fmt: skip
         super().__init__()
-        atomic.check_path(directory)
-        optional(positive_int, "every", every)
-        positive_int("keep", keep)
-        check_bool("resume", resume)
-        self.directory, self.every, self.keep, self.resume = directory, every, keep, resume
+        self.directory, self.every = check_path(directory), optional(positive_int, "every", every)
+        self.keep, self.resume = positive_int("keep", keep), check_bool("resume", resume)
         self.batches = 0  # batches trained over the whole run, resumed ones included
         self.epoch, self.done, self.skip = 0, 0, (-1, 0)
         self.data: dict[str, Any] = {}
@@ -105,17 +101,15 @@ class ExactResume(keras.callbacks.Callback):
                 "Shuffle the arrays once beforehand (seeded), or pass a dataset")  # fmt: skip
         self.data = {**facts, "steps": self.params.get("steps")}
         self.batches, self.skip = 0, (-1, 0)
-        prefix = atomic.latest(self.directory) if self.resume else None
+        prefix = latest(self.directory) if self.resume else None
         if prefix is None:
             return
-        position = atomic.verify(prefix)
+        position = verify(prefix)
         check_position(prefix, position, self.data)
         restore(self.model.trainer, prefix)
         self.batches = int(position["batches"])
-        epoch, batch = int(position["epoch"]), int(position["batch"])
-        self.model._initial_epoch = epoch  # Keras's fit starts there (as BackupAndRestore)
-        self.model.resume_skip = batch
-        self.skip = (epoch, batch)
+        self.skip = (int(position["epoch"]), int(position["batch"]))
+        self.model._initial_epoch, self.model.resume_skip = self.skip  # as BackupAndRestore
 
     def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
         self.epoch = epoch
@@ -136,8 +130,7 @@ class ExactResume(keras.callbacks.Callback):
 
     def on_train_end(self, logs: Any = None) -> None:
         """Leave the model as Keras made it: the next ``fit`` starts where it is told."""
-        self.model._initial_epoch = None
-        self.model.resume_skip = 0
+        self.model._initial_epoch, self.model.resume_skip = None, 0
 
     def save(self, epoch: int, batch: int) -> str:
         """Write ``ckpt-<batches>``: the trainer's state and where the data stream stands."""
@@ -145,5 +138,4 @@ class ExactResume(keras.callbacks.Callback):
         if steps is not None and batch >= steps:  # the epoch is done: resume at the next
             epoch, batch = epoch + 1, 0
         position = {"epoch": epoch, "batch": batch, "batches": self.batches, "data": self.data}
-        return atomic.write(checkpoint(self.model.trainer), self.directory, self.batches,
-                            position, self.keep)  # fmt: skip
+        return write(self.model.trainer, self.directory, self.batches, position, self.keep)

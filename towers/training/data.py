@@ -26,9 +26,8 @@ def digits(test_fraction: float = 0.2, seed: int = 0) -> tuple[np.ndarray, ...]:
     return x[train], y[train], x[test], y[test]
 
 
-def batches(
-    x: np.ndarray, y: np.ndarray, batch_size: int, seed: int
-) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+def batches(x: np.ndarray, y: np.ndarray, batch_size: int,
+            seed: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """One epoch of shuffled batches; the last may be smaller (uneven over towers)."""
     positive_int("batch_size", batch_size)
     order = np.random.default_rng(seed).permutation(len(x))

@@ -19,7 +19,7 @@ from keras.src.saving.keras_saveable import KerasSaveable
 
 from towers.devices import canonical_device
 from towers.guard.given import check_devices
-from towers.training.atomic import check_path
+from towers.training.checkpoint import check_path
 from towers.training.protocol import Trainer
 
 __all__ = ["AsNetwork", "Exported", "export", "tower_model_arguments", "tower_model_config"]
@@ -76,11 +76,10 @@ def tower_model_config(tm: Any) -> dict[str, Any]:
     (``ValueError``: ``all_reduce`` is a callable, not a name or ``module:NAME``)."""
     algorithm = tm.options.all_reduce
     if algorithm is not None and not isinstance(algorithm, str):
-        raise ValueError(
-            f"all_reduce={algorithm!r} cannot be saved in a .keras file (its config needs a "
-            "registry name or module:NAME); use tm.save_weights (ModelCheckpoint("
-            "save_weights_only=True)) or towers.training.checkpoint, or pass the reducer as "
-            "module:NAME")
+        raise ValueError(f"all_reduce={algorithm!r} cannot be saved in a .keras file (its config "
+                         "needs a registry name or module:NAME); use tm.save_weights "
+                         "(ModelCheckpoint(save_weights_only=True)) or towers.training."
+                         "checkpoint, or pass the reducer as module:NAME")
     options = tm.options.arguments()
     pd = options["parameter_device"] and canonical_device(options["parameter_device"])
     options["parameter_device"] = tm.devices.index(pd) if pd in tm.devices else None

@@ -71,17 +71,14 @@ def copy_state(source: keras.Model, target: keras.Model) -> None:
                 theirs.load_assets(folder)
 
 
-def new_optimizer(
-    optimizer: OptimizerLike, variables: list[Any], device: str, first: bool
-) -> keras.optimizers.Optimizer:
+def new_optimizer(optimizer: OptimizerLike, variables: list[Any], device: str,
+                  first: bool) -> keras.optimizers.Optimizer:
     """An optimizer on ``device`` built for ``variables``: ``optimizer`` itself when it is
     replica 0's (``first``) and unbuilt, else a copy from its config or the factory's."""
     with tf.device(device):
         if isinstance(optimizer, keras.optimizers.Optimizer):
-            if first and not optimizer.built:
-                made = optimizer
-            else:
-                made = type(optimizer).from_config(optimizer.get_config())
+            made = optimizer if first and not optimizer.built \
+                else type(optimizer).from_config(optimizer.get_config())
         elif callable(optimizer):
             made = optimizer()
             if not isinstance(made, keras.optimizers.Optimizer):

@@ -106,9 +106,8 @@ def loss_reduction(loss: str | LossFn | keras.losses.Loss) -> str:
     if reduction is None or reduction == "none":
         return REDUCTIONS[0]
     if reduction not in REDUCTIONS:
-        raise ValueError(
-            f"loss: {type(loss).__name__} has reduction={reduction!r}, which towers does not "
-            f"support; use one of {', '.join(REDUCTIONS)}")
+        raise ValueError(f"loss: {type(loss).__name__} has reduction={reduction!r}, which towers "
+                         f"does not support; use one of {', '.join(REDUCTIONS)}")
     return str(reduction)
 
 

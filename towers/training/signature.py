@@ -72,19 +72,14 @@ def _all_reduce(algorithm: Any) -> dict[str, Any]:
 
 def record(trainer: Trainer) -> dict[str, Any]:
     """What a checkpoint of ``trainer`` holds (JSON-serializable)."""
-    placement = getattr(trainer, "placement", None)
     return {
-        "format": FORMAT,
-        "placement": getattr(placement, "name", None),
-        "towers": len(trainer.devices),
-        "replicas": len(trainer.replicas),
-        "model": [
-            [*_entry(v), "trainable" if v.trainable else "non-trainable"]
-            for v in trainer.model.variables
-        ],
+        "format": FORMAT, "placement": getattr(getattr(trainer, "placement", None), "name", None),
+        "towers": len(trainer.devices), "replicas": len(trainer.replicas),
+        "model": [[*_entry(v), "trainable" if v.trainable else "non-trainable"]
+                  for v in trainer.model.variables],
         "optimizer": _optimizer(trainer.optimizer),
         "slots": [[_entry(v) for v in r.optimizer.variables] for r in trainer.replicas],
-        "all_reduce": _all_reduce(trainer.algorithm)}
+        "all_reduce": _all_reduce(trainer.algorithm)}  # fmt: skip
 
 
 def describe(optimizer: dict[str, Any]) -> str:
@@ -113,10 +108,9 @@ def _classes(optimizer: dict[str, Any] | None) -> list[str]:
 def _config_diff(saved: dict[str, Any] | None, mine: dict[str, Any] | None) -> list[str]:
     if saved is None or mine is None:
         return []
-    keys = sorted(set(saved["config"]) | set(mine["config"]))
-    found = [
-        f"{k}={_fmt(saved['config'].get(k))} in the checkpoint, {_fmt(mine['config'].get(k))} here"
-        for k in keys if saved["config"].get(k) != mine["config"].get(k)]  # fmt: skip
+    a, b = saved["config"], mine["config"]
+    found = [f"{k}={_fmt(a.get(k))} in the checkpoint, {_fmt(b.get(k))} here"
+             for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
     if (saved["learning_rate"] is None) != (mine["learning_rate"] is None):
         found.append("a learning-rate schedule on one side, a fixed rate on the other")
     return found + _config_diff(saved["inner"], mine["inner"])
