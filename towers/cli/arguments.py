@@ -1,7 +1,6 @@
 """The command line's argparse types. Parsing imports no TensorFlow: names are checked
 against the tuples below (tests keep them equal to the registries), ``module:NAME`` only as
-far as finding the module; a :class:`Named` type ``load`` s it after parsing.
-"""
+far as finding the module; a :class:`Named` type ``load`` s it after parsing."""
 
 from __future__ import annotations
 
@@ -18,8 +17,8 @@ from typing import Any
 __all__ = ["ALGORITHMS", "CODECS", "COLLECTIVES", "DTYPES", "MODELS", "OPS", "PLACEMENTS",
            "REFERENCES", "VARIABLES", "Named", "algorithm", "algorithm_or_collective",
            "algorithms", "at_least", "choices", "codec", "compared_step", "did_you_mean",
-           "loader", "model", "output_dir", "output_file", "output_prefix",
-           "positive_float", "reducer", "spec_found", "step", "tower_counts"]
+           "model", "output_dir", "output_file", "output_prefix", "positive_float", "reducer",
+           "step", "tower_counts"]
 
 ALGORITHMS = (  # sorted(towers.ALGORITHMS)
     "bruck", "double_binary_tree", "halving_doubling", "hierarchical", "naive", "nccl",

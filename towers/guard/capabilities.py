@@ -17,7 +17,7 @@ from towers.allreduce.compressed import Compressed
 from towers.allreduce.machinery.registry import ALGORITHMS, algorithm_name, record_of
 
 __all__ = [
-    "AXES", "LIMITS", "REFUSALS", "Rule", "algorithm_kind", "check", "check_limits",
+    "AXES", "LIMITS", "REFUSALS", "Rule", "algorithm_kind", "check",
     "default_all_reduce", "default_sparse", "markdown", "refusal_for", "spell", "sums_exactly"]
 
 AXES: dict[str, tuple[str, ...]] = {
@@ -142,9 +142,11 @@ def refusal_for(options: Mapping[str, str]) -> Rule | None:
     return next((r for r in REFUSALS if r.matches(options)), None)
 
 
-def check(options: Mapping[str, str], shown: Mapping[str, str] | None = None) -> None:
+def check(options: Mapping[str, str], shown: Mapping[str, str] | None = None,
+          algorithm: Any = None) -> None:
     """A ``ValueError`` naming both options of a refused cell (``shown``: axis -> the
-    argument as the user wrote it), or for a value not on its axis."""
+    argument as the user wrote it), for a value not on its axis, or for a ``TowerTrainer``
+    whose reducer (``algorithm``) sums over several workers."""
     for axis, value in options.items():
         if axis not in AXES or value not in AXES[axis]:
             raise ValueError(f"capabilities: {axis}={value!r} is not in the table {AXES.get(axis)}")
@@ -154,10 +156,6 @@ def check(options: Mapping[str, str], shown: Mapping[str, str] | None = None) ->
                          else f"{a}={shown[a]} (a {options[a]!r} kind)"
                          for a in (refusal.first[0], refusal.second[0]))
         raise ValueError(f"{first} with {second} is refused: {refusal.text}")
-
-
-def check_limits(options: Mapping[str, str], algorithm: Any) -> None:
-    """A ``ValueError`` for a ``TowerTrainer`` whose reducer sums over several workers."""
     if options.get("trainer") == "TowerTrainer" and options.get("all_reduce") == "cross-worker":
         op, workers = getattr(algorithm, "op", "sum"), getattr(algorithm, "num_workers", 1)
         if op == "sum" and workers > 1:

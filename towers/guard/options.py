@@ -223,8 +223,7 @@ class TrainerParts:
         self.cell = o.cell(trainer if trainer in capabilities.AXES["trainer"] else "TowerTrainer",
                            self.placement.name, kind, self.sparse,
                            is_loss_scaled(kind_of_optimizer))  # fmt: skip
-        capabilities.check(self.cell, {"all_reduce": capabilities.spell(all_reduce)})
-        capabilities.check_limits(self.cell, reducer)
+        capabilities.check(self.cell, {"all_reduce": capabilities.spell(all_reduce)}, reducer)
         seconds = o.step_timeout or getattr(reducer, "timeout_seconds", None)
         self.deadline = Deadline(seconds, algorithm_name(reducer), self.parameter_device)
         self.timed = seconds is not None or kind not in ("registered", "ring")  # else: copies
