@@ -24,6 +24,7 @@ References:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias
 
@@ -72,9 +73,8 @@ def _after(seen: Recorder, start: int, shift: int) -> int:
     return max(start, max(ticks) - shift + start + 1) if ticks else start
 
 
-def _all_reduce(
-    values: Sequence[tf.Tensor], op: str, inner: Part, outer: Part, group_size: int
-) -> list[tf.Tensor]:
+def _all_reduce(values: Sequence[tf.Tensor], *, op: str = "sum", inner: Part, outer: Part,
+                group_size: int) -> list[tf.Tensor]:
     devices = check_values(values, op)
     n, k = len(values), group_size
     starts = range(0, n, k)
@@ -111,11 +111,7 @@ def _build(inner: Part = "naive", outer: Part = "ring", group_size: int = 2) -> 
     for name, part in (("inner", inner), ("outer", outer)):
         if not isinstance(part, str) and not callable(part):
             raise TypeError(f"{name} must be a registry name or an all-reduce callable: {part!r}")
-
-    def hierarchical_all_reduce(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
-        return _all_reduce(values, op, inner, outer, group_size)
-
-    return hierarchical_all_reduce
+    return functools.partial(_all_reduce, inner=inner, outer=outer, group_size=group_size)
 
 
 def bytes_sent(
@@ -154,9 +150,8 @@ def cost_levels(
     n: int, nbytes: float, *, inner: str = "naive", outer: str = "ring", group_size: int = 2
 ) -> tuple[Coefficients, Coefficients]:
     """``(within groups, among leaders)``: the coefficients on the inner and outer links."""
-    k = positive_int("group_size", group_size)
     inner_cost, outer_cost = _flat_cost(inner, "inner"), _flat_cost(outer, "outer")
-    sizes = group_sizes(n, k)
+    sizes = group_sizes(n, group_size)
     parts = [inner_cost(size, nbytes) if size > 1 else (0, 0, 0) for size in sorted(set(sizes))]
     a, b, c = (max(col) for col in zip(*parts, strict=True))
     copies = max(sizes) - 1
