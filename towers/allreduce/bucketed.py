@@ -54,11 +54,14 @@ class Slot:
 
 @dataclasses.dataclass(frozen=True)
 class BucketLayout:
-    """One bucket: its dtype, its slots in packing order, and its length in elements."""
+    """One bucket: its dtype and its slots in packing order (``size``: its length in elements)."""
 
     dtype: tf.DType
     slots: tuple[Slot, ...]
-    size: int
+
+    @property
+    def size(self) -> int:
+        return sum(s.size for s in self.slots)
 
     @property
     def nbytes(self) -> int:
@@ -71,10 +74,6 @@ class Layout:
 
     buckets: tuple[BucketLayout, ...]
     count: int
-
-
-def _close(dtype: tf.DType, slots: list[Slot]) -> BucketLayout:
-    return BucketLayout(dtype, tuple(slots), sum(s.size for s in slots))
 
 
 def plan(
@@ -96,16 +95,16 @@ def plan(
         rank, slots = open_.get(dtype, (opened, []))
         used = sum(s.size for s in slots) * dtype.size
         if slots and limit is not None and used + size * dtype.size > limit:
-            closed.append((rank, _close(dtype, slots)))
+            closed.append((rank, BucketLayout(dtype, tuple(slots))))
             rank, slots, used = opened, [], 0
         if not slots:
             opened += 1
         slots.append(Slot(index, tuple(int(d) for d in shape), used // dtype.size, size))
         open_[dtype] = (rank, slots)
         if limit is not None and used + size * dtype.size >= limit:
-            closed.append((rank, _close(dtype, slots)))
+            closed.append((rank, BucketLayout(dtype, tuple(slots))))
             del open_[dtype]
-    closed += [(rank, _close(dtype, slots)) for dtype, (rank, slots) in open_.items()]
+    closed += [(rank, BucketLayout(dtype, tuple(slots))) for dtype, (rank, slots) in open_.items()]
     return Layout(tuple(b for _, b in sorted(closed, key=lambda rb: rb[0])), len(specs))
 
 

@@ -43,8 +43,7 @@ from towers.allreduce.machinery.registry import (
 from towers.allreduce.machinery.resolve import get
 from towers.guard.arguments import positive_int
 
-__all__ = ["bytes_sent", "cost", "cost_levels", "group_sizes", "hierarchical",
-           "summation_depth"]
+__all__ = ["bytes_sent", "cost", "cost_levels", "group_sizes", "hierarchical", "summation_depth"]
 
 Part: TypeAlias = "str | AllReduce"
 

@@ -36,8 +36,7 @@ from towers.allreduce.machinery.primitives import tick_offset
 from towers.allreduce.machinery.scheduled import run_slots
 from towers.schedule.collectives import ring_all_gather, ring_reduce_scatter
 
-__all__ = ["NOT_ELEMENTWISE", "ShardPlan", "VariableShards", "check_optimizer",
-           "state_bytes"]
+__all__ = ["NOT_ELEMENTWISE", "ShardPlan", "VariableShards", "check_optimizer", "state_bytes"]
 
 NOT_ELEMENTWISE = ("Adafactor", "Lamb", "Muon")
 """Optimizer classes whose update of one element reads others: a shard cannot update alone."""
