@@ -98,9 +98,7 @@ def _device(x: tf.Tensor, what: str) -> str:
 def _schedule(collective: str, algorithm: Algorithm, n: int) -> Schedule:
     """The schedule ``algorithm`` names (or generates) for ``n`` towers, checked to fit."""
     if isinstance(algorithm, str):
-        generator = collective_algorithm(collective, algorithm).generator
-        assert generator is not None  # every collective's record is a schedule
-        schedule = generator(n)
+        schedule = collective_algorithm(collective, algorithm)(n)  # its factory: the generator
     elif callable(algorithm):
         schedule = algorithm(n)
     else:

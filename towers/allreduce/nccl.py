@@ -253,10 +253,8 @@ def _tree_cost(n: int, nbytes: float) -> Coefficients:
 
 
 def _register(name: str, body: Body, depth: Any, cost: Any) -> Algorithm:
-    def estimate(n: int, nbytes: int, itemsize: int, **_: Any) -> list[float]:
-        return estimated_bytes_sent(n, nbytes)
-
-    return register(Algorithm(name, partial(_factory, body, name), estimate,
+    return register(Algorithm(name, partial(_factory, body, name),
+                              lambda n, nbytes, itemsize, **_: estimated_bytes_sent(n, nbytes),
                               lambda n, **_: depth(n), cost,
                               schedule_of(__doc__), estimated=True, replayable=False))
 
