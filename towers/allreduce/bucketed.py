@@ -87,8 +87,7 @@ def plan(
     open_: dict[tf.DType, tuple[int, list[Slot]]] = {}
     opened = 0
     for index in reversed(range(len(specs))):
-        shape = tf.TensorShape(specs[index][0])
-        dtype = tf.as_dtype(specs[index][1])
+        shape, dtype = tf.TensorShape(specs[index][0]), tf.as_dtype(specs[index][1])
         if not shape.is_fully_defined():
             raise ValueError(f"tensor {index} has shape {shape}: bucketing needs static shapes")
         size = int(shape.num_elements())

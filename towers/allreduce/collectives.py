@@ -167,8 +167,7 @@ def _check_shards(shards: Sequence[tf.Tensor]) -> list[str]:
 def all_gather(shards: Sequence[tf.Tensor], *, algorithm: Algorithm = "ring") -> list[tf.Tensor]:
     """Every tower ends with ``concat(shards, axis=0)`` (copies only: bitwise equal);
     ``algorithm``: ``"ring"``, ``"doubling"`` or an ``all_gather`` generator."""
-    devices = _check_shards(shards)
-    n = len(shards)
+    devices, n = _check_shards(shards), len(shards)
     schedule = _schedule("all_gather", algorithm, n)
     slots: Slots = [[x if c == t else None for c in range(n)] for t, x in enumerate(shards)]
     slots = run_slots(schedule, slots, devices, note="all_gather")
@@ -215,8 +214,7 @@ def broadcast(value: tf.Tensor, devices: Sequence[str], *, root: int = 0,
 def all_to_all(values: Sequence[tf.Tensor]) -> list[tf.Tensor]:
     """``out[i] = concat([block i of values[j] for j], axis=0)``, each value cut along
     axis 0 into ``n`` equal blocks: a transpose of blocks, in one tick."""
-    devices = check_values(values)
-    n = len(values)
+    devices, n = check_values(values), len(values)
     for i, v in enumerate(values):
         if not v.shape.is_fully_defined() or v.shape.rank == 0:
             raise ValueError(f"values[{i}] needs a static shape of rank >= 1, got {v.shape}")

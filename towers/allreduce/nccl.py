@@ -69,14 +69,10 @@ def _all_reduce_ops(
     """One all_reduce_v2 per tower (``group_size`` > len(values) only to test timeouts)."""
     group, instance = group_key(devices, group_size), next_key()
     merge = {"max": "Max", "min": "Min", "product": "Mul"}.get(op, "Add")
-    outputs = []
-    for v, device in zip(values, devices, strict=True):
-        with tf.device(device):
-            outputs.append(collective_ops.all_reduce_v2(
-                v, group_size, group, instance, merge_op=merge,
-                final_op="Div" if op == "mean" else "Id", communication_hint=HINT,
-                ordering_token=token(device)))
-    return outputs
+    return per_tower(devices, lambda i: collective_ops.all_reduce_v2(
+        values[i], group_size, group, instance, merge_op=merge,
+        final_op="Div" if op == "mean" else "Id", communication_hint=HINT,
+        ordering_token=token(devices[i])))
 
 
 def _nccl_body(values: list[tf.Tensor], devices: tuple[str, ...], op: str) -> list[tf.Tensor]:
@@ -84,11 +80,8 @@ def _nccl_body(values: list[tf.Tensor], devices: tuple[str, ...], op: str) -> li
         return _all_reduce_ops(values, devices, op, len(values))
     reduce = {"max": nccl_ops.all_max, "min": nccl_ops.all_min,
               "product": nccl_ops.all_prod}.get(op, nccl_ops.all_sum)
-    finished = []
-    for out, device in zip(reduce(values), devices, strict=True):
-        with tf.device(device):  # correctly rounded: identical sums give identical means
-            finished.append(finish(out, op, len(values)))
-    return finished
+    outs = reduce(values)  # correctly rounded: identical sums give identical means
+    return per_tower(devices, lambda i: finish(outs[i], op, len(values)))
 
 
 def _ring_body(values: list[tf.Tensor], devices: tuple[str, ...], op: str) -> list[tf.Tensor]:
@@ -96,11 +89,8 @@ def _ring_body(values: list[tf.Tensor], devices: tuple[str, ...], op: str) -> li
     n, shape, dtype = len(values), values[0].shape, values[0].dtype
     length = int(shape.num_elements())
     chunk = -(-length // n)
-    rows = []
-    for v, device in zip(values, devices, strict=True):
-        with tf.device(device):
-            rows.append(tf.reshape(tf.pad(tf.reshape(v, [-1]), [[0, n * chunk - length]]),
-                                   [n, chunk]))
+    rows = per_tower(devices, lambda i: tf.reshape(
+        tf.pad(tf.reshape(values[i], [-1]), [[0, n * chunk - length]]), [n, chunk]))
     received_rows = tco.all_to_all(rows, devices)
     group, gather_key, outputs = group_key(devices), next_key(), []
     for received, device in zip(received_rows, devices, strict=True):
@@ -119,10 +109,7 @@ def _ring_body(values: list[tf.Tensor], devices: tuple[str, ...], op: str) -> li
 def _tree_body(values: list[tf.Tensor], devices: tuple[str, ...], op: str) -> list[tf.Tensor]:
     """Binomial-tree reduce onto tower 0 (groups of two), then one broadcast to all."""
     n, shape = len(values), values[0].shape
-    acc = []
-    for v, device in zip(values, devices, strict=True):
-        with tf.device(device):
-            acc.append(tf.reshape(v, [-1]))
+    acc = per_tower(devices, lambda i: tf.reshape(values[i], [-1]))
     step = 1
     while step < n:
         for dst in range(0, n - step, 2 * step):

@@ -32,8 +32,7 @@ def gather_indexed_slices(
     if op not in ("sum", "mean"):
         raise ValueError(f"sparse values support op 'sum' or 'mean', got {op!r}")
     check_op(op, values[0].dtype)
-    n = len(values)
-    out = []
+    n, out = len(values), []
     for dst in devices:
         with tf.device(dst):
             parts = [send(v.values, dst, note="sparse-gather") for v in values]

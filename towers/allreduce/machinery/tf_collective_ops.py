@@ -190,8 +190,7 @@ def _after_previous(device: str) -> Iterator[Callable[[tf.Tensor], None]]:
 def run(body: Body, values: Sequence[tf.Tensor], op: str, timeout: float) -> list[tf.Tensor]:
     """Run ``body`` in the caller's graph or, eagerly, in a cached one within ``timeout``
     seconds (else ``tf.errors.DeadlineExceededError``)."""
-    devices = tuple(check_values(values, op))
-    shape = values[0].shape
+    devices, shape = tuple(check_values(values, op)), values[0].shape
     if not shape.is_fully_defined():
         raise ValueError(f"the nccl algorithms need a fully defined static shape, got {shape}")
     # Nothing to exchange (and empty tensors crash all_gather/all_to_all/broadcast).
