@@ -161,11 +161,9 @@ class ShardPlan:
 
     def pairs(self, owned: Sequence[Sequence[Any]]) -> list[tuple[list[Any], list[Any]]]:
         """Per owner, ``(gradient chunks, shard variables)`` of its non-empty shards."""
-        out = []
-        for grads, shards in zip(owned, self.shards):
-            kept = [(g, s) for g, s in zip(grads, shards) if s is not None]
-            out.append(([g for g, _ in kept], [s for _, s in kept]))
-        return out
+        kept = [[(g, s) for g, s in zip(grads, shards) if s is not None]
+                for grads, shards in zip(owned, self.shards)]
+        return [([g for g, _ in pairs], [s for _, s in pairs]) for pairs in kept]
 
     def load(self, replicas: Sequence[Any]) -> None:
         """Copy each owner's replica values into its shard variables (before the update)."""

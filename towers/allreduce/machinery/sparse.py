@@ -65,13 +65,10 @@ def to_dense(value: tf.IndexedSlices) -> tf.Tensor:
 
 def densified(grads: Sequence[Sequence[Any]]) -> list[list[Any]]:
     """``grads[tower][var]`` with every sparse gradient made dense on its own device."""
-    out = []
-    for row in grads:
-        dense = []
-        for g in row:
+    out = [list(row) for row in grads]
+    for row in out:
+        for k, g in enumerate(row):
             if isinstance(g, tf.IndexedSlices):
                 with tf.device(g.values.device):
-                    g = to_dense(g)
-            dense.append(g)
-        out.append(dense)
+                    row[k] = to_dense(g)
     return out

@@ -129,11 +129,8 @@ def all_to_all(rows: Sequence[tf.Tensor], devices: Sequence[str]) -> list[tf.Ten
             rows[i], n, group, instance, communication_hint=HINT,
             ordering_token=token(devices[i])))
     rank = ranks(devices)
-    got: list[dict[int, tf.Tensor]] = [{} for _ in devices]
+    got = per_tower(devices, lambda i: {rank[devices[i]]: rows[i][rank[devices[i]]]})
     sent: list[list[tf.Tensor]] = [[] for _ in devices]
-    for i, device in enumerate(devices):
-        with tf.device(device):
-            got[i][rank[device]] = rows[i][rank[device]]
     for a, b in (pair for rnd in _pairings(n) for pair in rnd):
         for src, dst in ((a, b), (b, a)):
             with tf.device(devices[src]):
