@@ -174,7 +174,10 @@ def all_gather(shards: Sequence[tf.Tensor], *, algorithm: Algorithm = "ring") ->
     return per_tower(devices, lambda t: tf.concat(slots[t], axis=0))
 
 
-def _check_broadcast(value: tf.Tensor, devices: Sequence[str], root: int) -> list[str]:
+def broadcast(value: tf.Tensor, devices: Sequence[str], *, root: int = 0,
+              algorithm: Algorithm = "tree") -> list[tf.Tensor]:
+    """Copy ``value`` (static shape, on ``devices[root]``) to every device in ``devices``;
+    ``algorithm``: ``"tree"``, ``"chain"``, ``"flat"`` or a ``broadcast`` generator."""
     if not isinstance(value, (tf.Tensor, tf.Variable)):
         raise TypeError(f"value must be a tf.Tensor, got {type(value).__name__}")
     if isinstance(devices, str) or not isinstance(devices, Sequence) or not devices:
@@ -192,20 +195,12 @@ def _check_broadcast(value: tf.Tensor, devices: Sequence[str], root: int) -> lis
     if _device(value, "value") != names[root]:  # any dtype: a broadcast only copies
         raise ValueError(f"value is on {_device(value, 'value')}, not on devices[root={root}] "
                          f"{names[root]}: create it there (or pass that root)")
-    return names
-
-
-def broadcast(value: tf.Tensor, devices: Sequence[str], *, root: int = 0,
-              algorithm: Algorithm = "tree") -> list[tf.Tensor]:
-    """Copy ``value`` (static shape, on ``devices[root]``) to every device in ``devices``;
-    ``algorithm``: ``"tree"``, ``"chain"``, ``"flat"`` or a ``broadcast`` generator."""
-    names = _check_broadcast(value, devices, root)
     schedule = rooted(_schedule("broadcast", algorithm, len(names)), root)
     shape, size = value.shape, int(value.shape.num_elements())
     with tf.device(names[root]):
         pieces = tf.split(tf.reshape(value, [-1]), even_sizes(size, schedule.chunks))
-    slots: Slots = [[None] * schedule.chunks for _ in names]
-    slots[root] = list(pieces)
+    slots: Slots = [list(pieces) if i == root else [None] * schedule.chunks
+                    for i in range(len(names))]
     slots = run_slots(schedule, slots, names, note="broadcast")
     return per_tower(names, lambda i: value if i == root
                      else tf.reshape(tf.concat(slots[i], axis=0), shape))
