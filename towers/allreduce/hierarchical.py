@@ -91,10 +91,8 @@ def _all_reduce(values: Sequence[tf.Tensor], *, op: str = "sum", inner: Part, ou
     for g, (first, total) in enumerate(zip(starts, totals, strict=True)):
         with tf.device(devices[first]):
             total = finish(total, op, n)
-        for member in range(first, min(first + k, n)):
-            outputs.append(
-                send(total, devices[member], tick=start, chunk=g, note="group-broadcast")
-            )
+        outputs += [send(total, devices[member], tick=start, chunk=g, note="group-broadcast")
+                    for member in range(first, min(first + k, n))]
     return outputs
 
 
@@ -161,6 +159,5 @@ def cost(n: int, nbytes: float, *, inner: str = "naive", outer: str = "ring",
     return tuple(float(sum(col)) for col in zip(*levels, strict=True))  # type: ignore[return-value]
 
 
-hierarchical = register(
-    Algorithm("hierarchical", _build, bytes_sent, summation_depth, cost, schedule_of(__doc__))
-)
+hierarchical = register(Algorithm("hierarchical", _build, bytes_sent, summation_depth, cost,
+                                  schedule_of(__doc__)))
