@@ -25,11 +25,11 @@ from towers.allreduce.double_binary_tree import double_binary_tree
 from towers.allreduce.halving_doubling import halving_doubling
 from towers.allreduce.hierarchical import hierarchical
 from towers.allreduce.machinery.base import (
+    ALL_OPS,
     OPS,
     AllReduce,
     GradientReducer,
     as_written,
-    check_op,
     check_scale,
     check_values,
     combine,
@@ -58,6 +58,7 @@ from towers.allreduce.ring import ring
 from towers.allreduce.swing import swing
 from towers.allreduce.torus_2d import torus_2d
 from towers.allreduce.tree import tree
+from towers.guard.arguments import check_choice
 
 __all__ = ["ALGORITHMS", "CODECS", "COLLECTIVE_ALGORITHMS", "OPS", "Algorithm", "AllReduce",
            "Configured", "GradientReducer", "Record", "Recorder", "Registry", "Transfer",
@@ -90,7 +91,7 @@ def all_reduce(values: Sequence[tf.Tensor | tf.IndexedSlices],
     if not isinstance(values, Sequence):  # a tensor or an array is none
         raise TypeError("values must be a list with one tensor per tower (output i goes to "
                         f"values[i]'s device), got {type(values).__name__}")
-    check_op(op)
+    check_choice("op", op, ALL_OPS)
     try:
         fn = get(algorithm)
     except (TypeError, ValueError) as err:  # its message speaks of TowerTrainer's all_reduce
