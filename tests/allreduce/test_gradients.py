@@ -6,7 +6,7 @@ gather all of them. The reference reduces the stacked towers on one device (``tf
 ``tf.reduce_max``, ``tf.reduce_min`` over ``tf.stack(values)``; ``mean`` is the sum over
 ``n``) and differentiates the same loss. Integer-valued weights make both sides exact,
 so every tower's gradient is compared bitwise. Values are distinct, so ``max``/``min``
-have one extreme per element (ties: towers.allreduce.machinery.differentiable).
+have one extreme per element (ties: towers.allreduce.nccl.differentiable).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import tensorflow as tf
 import towers
 from tests.conftest import DEVICES
 from towers.allreduce import bucketed
-from towers.allreduce.machinery.differentiable import differentiable
+from towers.allreduce.nccl import differentiable
 
 NAMES = sorted(towers.ALGORITHMS)
 OPS = ("sum", "mean", "max", "min", "product")

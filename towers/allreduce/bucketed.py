@@ -54,11 +54,14 @@ class Slot:
 
 @dataclasses.dataclass(frozen=True)
 class BucketLayout:
-    """One bucket: its dtype, its slots in packing order, and its length in elements."""
+    """One bucket: its dtype and its slots in packing order (``size``: its length in elements)."""
 
     dtype: tf.DType
     slots: tuple[Slot, ...]
-    size: int
+
+    @property
+    def size(self) -> int:
+        return sum(s.size for s in self.slots)
 
     @property
     def nbytes(self) -> int:
@@ -73,13 +76,8 @@ class Layout:
     count: int
 
 
-def _close(dtype: tf.DType, slots: list[Slot]) -> BucketLayout:
-    return BucketLayout(dtype, tuple(slots), sum(s.size for s in slots))
-
-
-def plan(
-    specs: Sequence[tuple[Sequence[int], Any]], bytes_per_bucket: int | None = DEFAULT_BUCKET_BYTES
-) -> Layout:
+def plan(specs: Sequence[tuple[Sequence[int], Any]],
+         bytes_per_bucket: int | None = DEFAULT_BUCKET_BYTES) -> Layout:
     """Assign tensors (``(shape, dtype)`` in variable order) to buckets, in reverse order:
     one open bucket per dtype, closed before a tensor that would overflow it and after one
     that fills it; buckets listed in the order they were opened."""
@@ -88,30 +86,28 @@ def plan(
     open_: dict[tf.DType, tuple[int, list[Slot]]] = {}
     opened = 0
     for index in reversed(range(len(specs))):
-        shape = tf.TensorShape(specs[index][0])
-        dtype = tf.as_dtype(specs[index][1])
+        shape, dtype = tf.TensorShape(specs[index][0]), tf.as_dtype(specs[index][1])
         if not shape.is_fully_defined():
             raise ValueError(f"tensor {index} has shape {shape}: bucketing needs static shapes")
         size = int(shape.num_elements())
         rank, slots = open_.get(dtype, (opened, []))
         used = sum(s.size for s in slots) * dtype.size
         if slots and limit is not None and used + size * dtype.size > limit:
-            closed.append((rank, _close(dtype, slots)))
+            closed.append((rank, BucketLayout(dtype, tuple(slots))))
             rank, slots, used = opened, [], 0
         if not slots:
             opened += 1
         slots.append(Slot(index, tuple(int(d) for d in shape), used // dtype.size, size))
         open_[dtype] = (rank, slots)
         if limit is not None and used + size * dtype.size >= limit:
-            closed.append((rank, _close(dtype, slots)))
+            closed.append((rank, BucketLayout(dtype, tuple(slots))))
             del open_[dtype]
-    closed += [(rank, _close(dtype, slots)) for dtype, (rank, slots) in open_.items()]
+    closed += [(rank, BucketLayout(dtype, tuple(slots))) for dtype, (rank, slots) in open_.items()]
     return Layout(tuple(b for _, b in sorted(closed, key=lambda rb: rb[0])), len(specs))
 
 
-def pack(
-    tensors: Sequence[tf.Tensor], bytes_per_bucket: int | None = DEFAULT_BUCKET_BYTES
-) -> tuple[list[tf.Tensor], Layout]:
+def pack(tensors: Sequence[tf.Tensor],
+         bytes_per_bucket: int | None = DEFAULT_BUCKET_BYTES) -> tuple[list[tf.Tensor], Layout]:
     """``(buckets, layout)``: one tower's ``tensors`` flattened into :func:`plan`'s 1-D
     buckets, each on its first tensor's device (``unpack(*pack(x))`` is ``x`` bitwise)."""
     layout = plan([(t.shape, t.dtype) for t in tensors], bytes_per_bucket)
@@ -212,9 +208,8 @@ def _reduce_dense(values: list[list[tf.Tensor]], devices: list[str], fn: AllRedu
     return per_tower(devices, lambda tower: unpack(reduced[tower], layout))
 
 
-def bucketed(
-    algorithm: str | AllReduce = "ring", bytes_per_bucket: int | None = DEFAULT_BUCKET_BYTES
-) -> Bucketed:
+def bucketed(algorithm: str | AllReduce = "ring",
+             bytes_per_bucket: int | None = DEFAULT_BUCKET_BYTES) -> Bucketed:
     """Reduce all of a step's gradients in flat buckets of at most ``bytes_per_bucket``
     (``None``: one bucket per dtype), ``algorithm`` (a name or a callable) once per bucket."""
     return Bucketed(get(algorithm), optional(positive_int, "bytes_per_bucket", bytes_per_bucket))

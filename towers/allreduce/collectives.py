@@ -98,9 +98,7 @@ def _device(x: tf.Tensor, what: str) -> str:
 def _schedule(collective: str, algorithm: Algorithm, n: int) -> Schedule:
     """The schedule ``algorithm`` names (or generates) for ``n`` towers, checked to fit."""
     if isinstance(algorithm, str):
-        generator = collective_algorithm(collective, algorithm).generator
-        assert generator is not None  # every collective's record is a schedule
-        schedule = generator(n)
+        schedule = collective_algorithm(collective, algorithm)(n)  # its factory: the generator
     elif callable(algorithm):
         schedule = algorithm(n)
     else:
@@ -117,9 +115,8 @@ def _schedule(collective: str, algorithm: Algorithm, n: int) -> Schedule:
     return schedule
 
 
-def reduce_scatter(values: Sequence[tf.Tensor], *, algorithm: Algorithm = "ring",
-                   op: str = "sum", prescale: float = 1.0,
-                   postscale: float = 1.0) -> list[tf.Tensor]:
+def reduce_scatter(values: Sequence[tf.Tensor], *, algorithm: Algorithm = "ring", op: str = "sum",
+                   prescale: float = 1.0, postscale: float = 1.0) -> list[tf.Tensor]:
     """Reduce one value per tower (static shapes); tower ``i`` gets run ``i`` of the
     flattened reduction. ``algorithm``: ``"ring"``, ``"halving"`` or a ``reduce_scatter``
     generator; ``op``, ``prescale``, ``postscale`` as in :func:`towers.all_reduce`."""
@@ -169,15 +166,17 @@ def _check_shards(shards: Sequence[tf.Tensor]) -> list[str]:
 def all_gather(shards: Sequence[tf.Tensor], *, algorithm: Algorithm = "ring") -> list[tf.Tensor]:
     """Every tower ends with ``concat(shards, axis=0)`` (copies only: bitwise equal);
     ``algorithm``: ``"ring"``, ``"doubling"`` or an ``all_gather`` generator."""
-    devices = _check_shards(shards)
-    n = len(shards)
+    devices, n = _check_shards(shards), len(shards)
     schedule = _schedule("all_gather", algorithm, n)
     slots: Slots = [[x if c == t else None for c in range(n)] for t, x in enumerate(shards)]
     slots = run_slots(schedule, slots, devices, note="all_gather")
     return per_tower(devices, lambda t: tf.concat(slots[t], axis=0))
 
 
-def _check_broadcast(value: tf.Tensor, devices: Sequence[str], root: int) -> list[str]:
+def broadcast(value: tf.Tensor, devices: Sequence[str], *, root: int = 0,
+              algorithm: Algorithm = "tree") -> list[tf.Tensor]:
+    """Copy ``value`` (static shape, on ``devices[root]``) to every device in ``devices``;
+    ``algorithm``: ``"tree"``, ``"chain"``, ``"flat"`` or a ``broadcast`` generator."""
     if not isinstance(value, (tf.Tensor, tf.Variable)):
         raise TypeError(f"value must be a tf.Tensor, got {type(value).__name__}")
     if isinstance(devices, str) or not isinstance(devices, Sequence) or not devices:
@@ -195,20 +194,12 @@ def _check_broadcast(value: tf.Tensor, devices: Sequence[str], root: int) -> lis
     if _device(value, "value") != names[root]:  # any dtype: a broadcast only copies
         raise ValueError(f"value is on {_device(value, 'value')}, not on devices[root={root}] "
                          f"{names[root]}: create it there (or pass that root)")
-    return names
-
-
-def broadcast(value: tf.Tensor, devices: Sequence[str], *, root: int = 0,
-              algorithm: Algorithm = "tree") -> list[tf.Tensor]:
-    """Copy ``value`` (static shape, on ``devices[root]``) to every device in ``devices``;
-    ``algorithm``: ``"tree"``, ``"chain"``, ``"flat"`` or a ``broadcast`` generator."""
-    names = _check_broadcast(value, devices, root)
     schedule = rooted(_schedule("broadcast", algorithm, len(names)), root)
     shape, size = value.shape, int(value.shape.num_elements())
     with tf.device(names[root]):
         pieces = tf.split(tf.reshape(value, [-1]), even_sizes(size, schedule.chunks))
-    slots: Slots = [[None] * schedule.chunks for _ in names]
-    slots[root] = list(pieces)
+    slots: Slots = [list(pieces) if i == root else [None] * schedule.chunks
+                    for i in range(len(names))]
     slots = run_slots(schedule, slots, names, note="broadcast")
     return per_tower(names, lambda i: value if i == root
                      else tf.reshape(tf.concat(slots[i], axis=0), shape))
@@ -217,8 +208,7 @@ def broadcast(value: tf.Tensor, devices: Sequence[str], *, root: int = 0,
 def all_to_all(values: Sequence[tf.Tensor]) -> list[tf.Tensor]:
     """``out[i] = concat([block i of values[j] for j], axis=0)``, each value cut along
     axis 0 into ``n`` equal blocks: a transpose of blocks, in one tick."""
-    devices = check_values(values)
-    n = len(values)
+    devices, n = check_values(values), len(values)
     for i, v in enumerate(values):
         if not v.shape.is_fully_defined() or v.shape.rank == 0:
             raise ValueError(f"values[{i}] needs a static shape of rank >= 1, got {v.shape}")

@@ -24,6 +24,7 @@ References:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias
 
@@ -42,8 +43,7 @@ from towers.allreduce.machinery.registry import (
 from towers.allreduce.machinery.resolve import get
 from towers.guard.arguments import positive_int
 
-__all__ = ["bytes_sent", "cost", "cost_levels", "group_sizes", "hierarchical",
-           "summation_depth"]
+__all__ = ["bytes_sent", "cost", "cost_levels", "group_sizes", "hierarchical", "summation_depth"]
 
 Part: TypeAlias = "str | AllReduce"
 
@@ -72,9 +72,8 @@ def _after(seen: Recorder, start: int, shift: int) -> int:
     return max(start, max(ticks) - shift + start + 1) if ticks else start
 
 
-def _all_reduce(
-    values: Sequence[tf.Tensor], op: str, inner: Part, outer: Part, group_size: int
-) -> list[tf.Tensor]:
+def _all_reduce(values: Sequence[tf.Tensor], *, op: str = "sum", inner: Part, outer: Part,
+                group_size: int) -> list[tf.Tensor]:
     devices = check_values(values, op)
     n, k = len(values), group_size
     starts = range(0, n, k)
@@ -92,10 +91,8 @@ def _all_reduce(
     for g, (first, total) in enumerate(zip(starts, totals, strict=True)):
         with tf.device(devices[first]):
             total = finish(total, op, n)
-        for member in range(first, min(first + k, n)):
-            outputs.append(
-                send(total, devices[member], tick=start, chunk=g, note="group-broadcast")
-            )
+        outputs += [send(total, devices[member], tick=start, chunk=g, note="group-broadcast")
+                    for member in range(first, min(first + k, n))]
     return outputs
 
 
@@ -111,17 +108,11 @@ def _build(inner: Part = "naive", outer: Part = "ring", group_size: int = 2) -> 
     for name, part in (("inner", inner), ("outer", outer)):
         if not isinstance(part, str) and not callable(part):
             raise TypeError(f"{name} must be a registry name or an all-reduce callable: {part!r}")
-
-    def hierarchical_all_reduce(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
-        return _all_reduce(values, op, inner, outer, group_size)
-
-    return hierarchical_all_reduce
+    return functools.partial(_all_reduce, inner=inner, outer=outer, group_size=group_size)
 
 
-def bytes_sent(
-    n: int, nbytes: int, itemsize: int, *, inner: Part = "naive", outer: Part = "ring",
-    group_size: int = 2,
-) -> list[int]:
+def bytes_sent(n: int, nbytes: int, itemsize: int, *, inner: Part = "naive", outer: Part = "ring",
+               group_size: int = 2) -> list[int]:
     """Bytes per tower: ``inner(k_g)[r]``, a leader adding ``outer(⌈n/k⌉)[g]`` and
     (k_g − 1)·nbytes of group broadcast."""
     sizes = group_sizes(n, group_size)
@@ -134,9 +125,8 @@ def bytes_sent(
     return out
 
 
-def summation_depth(
-    n: int, *, inner: Part = "naive", outer: Part = "ring", group_size: int = 2
-) -> int:
+def summation_depth(n: int, *, inner: Part = "naive", outer: Part = "ring",
+                    group_size: int = 2) -> int:
     """Most additions on any element: inner's depth on the groups plus outer's on ⌈n/k⌉."""
     sizes = group_sizes(n, group_size)
     inner_d = max(_formula(inner, "summation_depth", k) for k in set(sizes)) if sizes else 0
@@ -150,13 +140,11 @@ def _flat_cost(name: Any, key: str) -> Callable[..., Coefficients]:
     return record.cost
 
 
-def cost_levels(
-    n: int, nbytes: float, *, inner: str = "naive", outer: str = "ring", group_size: int = 2
-) -> tuple[Coefficients, Coefficients]:
+def cost_levels(n: int, nbytes: float, *, inner: str = "naive", outer: str = "ring",
+                group_size: int = 2) -> tuple[Coefficients, Coefficients]:
     """``(within groups, among leaders)``: the coefficients on the inner and outer links."""
-    k = positive_int("group_size", group_size)
     inner_cost, outer_cost = _flat_cost(inner, "inner"), _flat_cost(outer, "outer")
-    sizes = group_sizes(n, k)
+    sizes = group_sizes(n, group_size)
     parts = [inner_cost(size, nbytes) if size > 1 else (0, 0, 0) for size in sorted(set(sizes))]
     a, b, c = (max(col) for col in zip(*parts, strict=True))
     copies = max(sizes) - 1
@@ -164,14 +152,12 @@ def cost_levels(
     return within, outer_cost(len(sizes), nbytes) if len(sizes) > 1 else (0, 0, 0)
 
 
-def cost(
-    n: int, nbytes: float, *, inner: str = "naive", outer: str = "ring", group_size: int = 2
-) -> Coefficients:
+def cost(n: int, nbytes: float, *, inner: str = "naive", outer: str = "ring",
+         group_size: int = 2) -> Coefficients:
     """α-β-γ coefficients: the sum of :func:`cost_levels`."""
     levels = cost_levels(n, nbytes, inner=inner, outer=outer, group_size=group_size)
     return tuple(float(sum(col)) for col in zip(*levels, strict=True))  # type: ignore[return-value]
 
 
-hierarchical = register(
-    Algorithm("hierarchical", _build, bytes_sent, summation_depth, cost, schedule_of(__doc__))
-)
+hierarchical = register(Algorithm("hierarchical", _build, bytes_sent, summation_depth, cost,
+                                  schedule_of(__doc__)))

@@ -36,8 +36,8 @@ import tensorflow as tf
 from tensorflow.python.ops import collective_ops, nccl_ops
 
 from towers.allreduce.machinery import tf_collective_ops as tco
-from towers.allreduce.machinery.base import AllReduce, combine, finish
-from towers.allreduce.machinery.differentiable import differentiable
+from towers.allreduce.machinery.base import AllReduce, check_values, combine, finish
+from towers.allreduce.machinery.packed import per_tower
 from towers.allreduce.machinery.primitives import record_estimate
 from towers.allreduce.machinery.registry import Algorithm, Coefficients, register, schedule_of
 from towers.allreduce.machinery.tf_collective_ops import HINT, Body, group_key, next_key, token
@@ -45,8 +45,8 @@ from towers.allreduce.ring import cost as ring_cost
 from towers.devices import has_gpu
 from towers.guard.arguments import non_negative_float, positive_float, positive_int
 
-__all__ = ["TIMEOUT_SECONDS", "estimated_bytes_sent", "nccl",
-           "nccl_ring", "nccl_tree", "raw_nccl_usable"]
+__all__ = ["TIMEOUT_SECONDS", "differentiable", "estimated_bytes_sent", "nccl", "nccl_ring",
+           "nccl_tree", "raw_nccl_usable"]
 
 TIMEOUT_SECONDS = 60.0
 """Default deadline of a call (or a step): a missing peer becomes an error, not a hang."""
@@ -63,20 +63,15 @@ def raw_nccl_usable(devices: Sequence[str], dtype: tf.DType) -> bool:
     return one_rank_per_gpu and dtype in (tf.float16, tf.float32, tf.float64, tf.int32, tf.int64)
 
 
-def _all_reduce_ops(
-    values: list[tf.Tensor], devices: Sequence[str], op: str, group_size: int
-) -> list[tf.Tensor]:
+def _all_reduce_ops(values: list[tf.Tensor], devices: Sequence[str], op: str,
+                    group_size: int) -> list[tf.Tensor]:
     """One all_reduce_v2 per tower (``group_size`` > len(values) only to test timeouts)."""
     group, instance = group_key(devices, group_size), next_key()
     merge = {"max": "Max", "min": "Min", "product": "Mul"}.get(op, "Add")
-    outputs = []
-    for v, device in zip(values, devices, strict=True):
-        with tf.device(device):
-            outputs.append(collective_ops.all_reduce_v2(
-                v, group_size, group, instance, merge_op=merge,
-                final_op="Div" if op == "mean" else "Id", communication_hint=HINT,
-                ordering_token=token(device)))
-    return outputs
+    return per_tower(devices, lambda i: collective_ops.all_reduce_v2(
+        values[i], group_size, group, instance, merge_op=merge,
+        final_op="Div" if op == "mean" else "Id", communication_hint=HINT,
+        ordering_token=token(devices[i])))
 
 
 def _nccl_body(values: list[tf.Tensor], devices: tuple[str, ...], op: str) -> list[tf.Tensor]:
@@ -84,11 +79,8 @@ def _nccl_body(values: list[tf.Tensor], devices: tuple[str, ...], op: str) -> li
         return _all_reduce_ops(values, devices, op, len(values))
     reduce = {"max": nccl_ops.all_max, "min": nccl_ops.all_min,
               "product": nccl_ops.all_prod}.get(op, nccl_ops.all_sum)
-    finished = []
-    for out, device in zip(reduce(values), devices, strict=True):
-        with tf.device(device):  # correctly rounded: identical sums give identical means
-            finished.append(finish(out, op, len(values)))
-    return finished
+    outs = reduce(values)  # correctly rounded: identical sums give identical means
+    return per_tower(devices, lambda i: finish(outs[i], op, len(values)))
 
 
 def _ring_body(values: list[tf.Tensor], devices: tuple[str, ...], op: str) -> list[tf.Tensor]:
@@ -96,11 +88,8 @@ def _ring_body(values: list[tf.Tensor], devices: tuple[str, ...], op: str) -> li
     n, shape, dtype = len(values), values[0].shape, values[0].dtype
     length = int(shape.num_elements())
     chunk = -(-length // n)
-    rows = []
-    for v, device in zip(values, devices, strict=True):
-        with tf.device(device):
-            rows.append(tf.reshape(tf.pad(tf.reshape(v, [-1]), [[0, n * chunk - length]]),
-                                   [n, chunk]))
+    rows = per_tower(devices, lambda i: tf.reshape(
+        tf.pad(tf.reshape(values[i], [-1]), [[0, n * chunk - length]]), [n, chunk]))
     received_rows = tco.all_to_all(rows, devices)
     group, gather_key, outputs = group_key(devices), next_key(), []
     for received, device in zip(received_rows, devices, strict=True):
@@ -119,10 +108,7 @@ def _ring_body(values: list[tf.Tensor], devices: tuple[str, ...], op: str) -> li
 def _tree_body(values: list[tf.Tensor], devices: tuple[str, ...], op: str) -> list[tf.Tensor]:
     """Binomial-tree reduce onto tower 0 (groups of two), then one broadcast to all."""
     n, shape = len(values), values[0].shape
-    acc = []
-    for v, device in zip(values, devices, strict=True):
-        with tf.device(device):
-            acc.append(tf.reshape(v, [-1]))
+    acc = per_tower(devices, lambda i: tf.reshape(values[i], [-1]))
     step = 1
     while step < n:
         for dst in range(0, n - step, 2 * step):
@@ -146,16 +132,80 @@ def _tree_body(values: list[tf.Tensor], devices: tuple[str, ...], op: str) -> li
     return outputs
 
 
-def _record_estimates(values: Sequence[tf.Tensor]) -> None:
-    """Tell any active ``record()`` what the opaque ops are expected to send (ring figure)."""
-    n = len(values)
-    if n < 2 or not values[0].shape.is_fully_defined():
-        return
-    nbytes = int(values[0].shape.num_elements()) * values[0].dtype.size
-    per_tower = estimated_bytes_sent(n, nbytes)
-    for i, v in enumerate(values):
-        dst = values[(i + 1) % n].device
-        record_estimate(v.device, dst, round(per_tower[i]), note=f"{len(values)}-way collective")
+def differentiable(algorithm: AllReduce) -> AllReduce:
+    """``algorithm`` with a gradient, computed by ``algorithm`` itself (TensorFlow registers
+    none for its collective ops; ``dy_i``: output ``i``'s upstream gradient, ``x_j``: tower
+    ``j``'s value, ``y``: the reduction; integer values have no gradient)::
+
+        op         gradient to tower j                       backward collective
+        sum        Σ_i dy_i                                  all-reduce sum of the dy
+        mean       (Σ_i dy_i) / n                            all-reduce mean of the dy
+        max, min   Σ_i dy_i · [x_j = y] / #{k : x_k = y}     all-reduce sum of (dy, [x = y])
+        product    Σ_i dy_i · Π_{k≠j} x_k                    all-reduce sum of (x in row k, dy)
+
+    ``max``/``min`` follow ``tf.reduce_max``'s gradient (tied towers split it), ``product``
+    ``tf.reduce_prod``'s.
+    """
+
+    def all_reduce(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
+        devices = check_values(values, op)
+        if not values[0].dtype.is_floating:
+            return algorithm(values, op=op)
+        # a variable's value: the tape watches the read
+        xs = per_tower(devices, lambda i: tf.convert_to_tensor(values[i]))
+
+        @tf.custom_gradient
+        def forward(*xs: tf.Tensor) -> tuple[list[tf.Tensor], object]:
+            # the tape must not look inside (no gradients there)
+            outs = algorithm(per_tower(devices, lambda i: tf.stop_gradient(xs[i])), op=op)
+
+            def backward(*dys: tf.Tensor) -> list[tf.Tensor]:
+                return _gradient(algorithm, list(xs), outs, list(dys), devices, op)
+
+            return outs, backward
+
+        with tf.device(devices[0]):
+            joined = forward(*xs)
+        return per_tower(devices, lambda i: tf.identity(joined[i]))
+
+    all_reduce.__name__ = all_reduce.__qualname__ = getattr(
+        algorithm, "__name__", "all_reduce")
+    return all_reduce
+
+
+def _gradient(algorithm: AllReduce, xs: list[tf.Tensor], ys: list[tf.Tensor],
+              dys: list[tf.Tensor | None], devices: list[str], op: str) -> list[tf.Tensor]:
+    """The gradient to each tower (:func:`differentiable`'s table), placed on its device."""
+    upstream = per_tower(devices, lambda i: tf.zeros_like(xs[i]) if dys[i] is None
+                         else tf.identity(dys[i]))
+    if op in ("sum", "mean"):
+        return list(algorithm(upstream, op=op))
+    if op == "product":
+        return _product_gradient(algorithm, xs, upstream, devices)
+    pairs = per_tower(devices, lambda i: tf.stack(
+        [upstream[i], tf.cast(tf.equal(xs[i], ys[i]), upstream[i].dtype)]))
+    totals = algorithm(pairs, op="sum")
+    return per_tower(devices, lambda i: (  # tf.reduce_max's order
+        tf.cast(tf.equal(xs[i], ys[i]), totals[i].dtype) / totals[i][1] * totals[i][0]))
+
+
+def _product_gradient(algorithm: AllReduce, xs: list[tf.Tensor], upstream: list[tf.Tensor],
+                      devices: list[str]) -> list[tf.Tensor]:
+    """``tf.reduce_prod``'s gradient over the stacked towers: every tower's value reaches
+    every tower as row ``k`` of a sum (the other rows zero), the summed ``dy`` as row n."""
+    n, rows = len(xs), []
+    for k, (x, dy, device) in enumerate(zip(xs, upstream, devices, strict=True)):
+        with tf.device(device):
+            zero = tf.zeros_like(x)
+            rows.append(tf.stack([x if i == k else zero for i in range(n)] + [dy]))
+    grads = []
+    for k, (total, device) in enumerate(zip(algorithm(rows, op="sum"), devices, strict=True)):
+        with tf.device(device):
+            values = total[:n]
+            before = tf.math.cumprod(values, axis=0, exclusive=True)
+            after = tf.math.cumprod(values, axis=0, exclusive=True, reverse=True)
+            grads.append((before[k] * after[k]) * total[n])
+    return grads
 
 
 def _factory(body: Body, name: str, timeout_seconds: float = TIMEOUT_SECONDS) -> AllReduce:
@@ -164,8 +214,12 @@ def _factory(body: Body, name: str, timeout_seconds: float = TIMEOUT_SECONDS) ->
     positive_float("timeout_seconds", timeout_seconds)
 
     def all_reduce(values: Sequence[tf.Tensor], *, op: str = "sum") -> list[tf.Tensor]:
-        outputs = tco.run(body, values, op, timeout_seconds)
-        _record_estimates(values)
+        outputs = tco.run(body, values, op, timeout_seconds)  # checks values: static shapes
+        n = len(values)  # tell any active record() what the opaque ops are expected to send
+        nbytes = int(values[0].shape.num_elements()) * values[0].dtype.size
+        for i, sent in enumerate(estimated_bytes_sent(n, nbytes) if n > 1 else []):
+            record_estimate(values[i].device, values[(i + 1) % n].device, round(sent),
+                            note=f"{n}-way collective")
         return outputs
 
     all_reduce.__name__ = all_reduce.__qualname__ = f"{name}_all_reduce"
@@ -185,10 +239,8 @@ def _tree_cost(n: int, nbytes: float) -> Coefficients:
 
 
 def _register(name: str, body: Body, depth: Any, cost: Any) -> Algorithm:
-    def estimate(n: int, nbytes: int, itemsize: int, **_: Any) -> list[float]:
-        return estimated_bytes_sent(n, nbytes)
-
-    return register(Algorithm(name, partial(_factory, body, name), estimate,
+    return register(Algorithm(name, partial(_factory, body, name),
+                              lambda n, nbytes, itemsize, **_: estimated_bytes_sent(n, nbytes),
                               lambda n, **_: depth(n), cost,
                               schedule_of(__doc__), estimated=True, replayable=False))
 

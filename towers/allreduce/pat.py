@@ -41,10 +41,6 @@ from towers.schedule.ir import Schedule
 __all__ = ["chunks_per_dimension", "cost", "pat", "pat_schedule"]
 
 
-def _aggregation(aggregation: object) -> int | None:
-    return None if aggregation is None else positive_int("aggregation", aggregation)
-
-
 def chunks_per_dimension(n: int) -> list[int]:
     """``m_k``: the chunks a tower sends in dimension k (offsets whose lowest set bit is k)."""
     return [(n - 1 - (1 << k)) // (1 << (k + 1)) + 1 for k in range(steps_of(n))]
@@ -55,7 +51,7 @@ def pat_schedule(n: int, aggregation: int | None = None) -> Schedule:
     """PAT's reduce-scatter then all-gather over ``n`` towers, at most ``aggregation`` chunks
     per tower per tick (None: unbounded)."""
     n = positive_int("n", n)
-    batch = _aggregation(aggregation)
+    batch = None if aggregation is None else positive_int("aggregation", aggregation)
     gather = gather_ticks(n, range(steps_of(n) - 1, -1, -1),
                           lambda j: (j & -j).bit_length() - 1, batch)  # j's lowest set bit
     return Schedule("pat", n, n, tuple(transpose(gather) + gather))
@@ -63,7 +59,7 @@ def pat_schedule(n: int, aggregation: int | None = None) -> Schedule:
 
 def cost(n: int, nbytes: float, aggregation: int | None = None) -> Coefficients:
     """α-β-γ coefficients (the module's formula)."""
-    batch = _aggregation(aggregation)
+    batch = None if aggregation is None else positive_int("aggregation", aggregation)
     per = chunks_per_dimension(n)
     ticks = len(per) if batch is None else sum(math.ceil(m / batch) for m in per)
     return 2 * ticks, 2 * (n - 1) / n * nbytes, (n - 1) / n * nbytes

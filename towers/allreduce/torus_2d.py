@@ -37,8 +37,6 @@ from towers.schedule.ir import Schedule, Step
 
 __all__ = ["cost", "grid", "torus_2d", "torus_2d_schedule"]
 
-Tick = tuple[Step, ...]
-
 
 def grid(n: int, rows: int | None = None) -> tuple[int, int]:
     """``(R, C)`` for ``n`` towers: R = ``rows``, else the largest divisor of n <= √n.
@@ -55,7 +53,7 @@ def grid(n: int, rows: int | None = None) -> tuple[int, int]:
     return rows, n // rows
 
 
-def _row_ticks(rows: int, cols: int, kind: str) -> list[Tick]:
+def _row_ticks(rows: int, cols: int, kind: str) -> list[tuple[Step, ...]]:
     """Phase 1 (``reduce``) or 3 (``copy``): rings along every row, a part of R chunks a tick."""
     lag = 1 if kind == "reduce" else 0
     return [tuple(Step(i * cols + q, i * cols + (q + 1) % cols, ((q - s - lag) % cols) * rows + k,

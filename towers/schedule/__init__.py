@@ -31,7 +31,6 @@ from towers.schedule.ir import (
     chunk_bytes,
     cost,
     format_schedule,
-    link_bytes,
 )
 from towers.schedule.symbolic import (
     ScheduleError,
@@ -41,9 +40,8 @@ from towers.schedule.symbolic import (
     summation_depth,
 )
 
-__all__ = ["COLLECTIVES", "KINDS", "Generator", "Schedule", "ScheduleError",
-           "ScheduleReport", "Step", "binomial_broadcast", "bytes_sent", "chain_broadcast",
-           "check_schedule", "chunk_bytes", "cost", "doubling_all_gather", "even_sizes",
-           "flat_broadcast", "format_schedule", "halving_reduce_scatter", "link_bytes",
-           "ring_all_gather", "ring_orders", "ring_reduce_scatter", "ring_schedule", "rooted",
-           "simulate", "summation_depth"]
+__all__ = ["COLLECTIVES", "KINDS", "Generator", "Schedule", "ScheduleError", "ScheduleReport",
+           "Step", "binomial_broadcast", "bytes_sent", "chain_broadcast", "check_schedule",
+           "chunk_bytes", "cost", "doubling_all_gather", "even_sizes", "flat_broadcast",
+           "format_schedule", "halving_reduce_scatter", "ring_all_gather", "ring_orders",
+           "ring_reduce_scatter", "ring_schedule", "rooted", "simulate", "summation_depth"]

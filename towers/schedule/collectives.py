@@ -164,11 +164,9 @@ def doubling_all_gather(n: int) -> Schedule:
     if r:
         ticks.append(tuple(Step(m + i, i, m + i, "copy") for i in range(r)))
     for d in _distances(m):
-        tick = []
-        for v in range(m):
-            held = [w for w in range(m) if (w ^ v) < d]  # v's aligned block of d towers
-            tick += [Step(v, v ^ d, c, "copy") for w in held for c in groups[w]]
-        ticks.append(tuple(tick))
+        ticks.append(tuple(Step(v, v ^ d, c, "copy") for v in range(m)
+                           for w in range(m) if (w ^ v) < d  # v's aligned block of d towers
+                           for c in groups[w]))
     if r:
         ticks.append(tuple(Step(i, m + i, c, "copy")
                            for i in range(r) for c in range(n) if c != m + i))

@@ -29,7 +29,7 @@ from typing import NamedTuple
 from towers.guard.arguments import check_choice, positive_int
 
 __all__ = ["COLLECTIVES", "KINDS", "Generator", "Schedule", "Step", "bytes_sent", "chunk_bytes",
-           "cost", "format_schedule", "link_bytes"]
+           "cost", "format_schedule"]
 
 KINDS = ("copy", "reduce")
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
@@ -105,13 +105,6 @@ def bytes_sent(schedule: Schedule, nbytes: int, itemsize: int) -> list[int]:
     size = chunk_bytes(schedule, nbytes, itemsize)
     counts = Counter(step.src for _, step in schedule.steps())
     return [counts[tower] * size for tower in range(schedule.towers)]
-
-
-def link_bytes(schedule: Schedule, nbytes: int, itemsize: int) -> dict[tuple[int, int], int]:
-    """Bytes per directed link ``(src, dst)`` over the whole schedule (links that carry any)."""
-    size = chunk_bytes(schedule, nbytes, itemsize)
-    counts = Counter((step.src, step.dst) for _, step in schedule.steps())
-    return {link: count * size for link, count in sorted(counts.items())}
 
 
 def cost(schedule: Schedule, nbytes: float) -> tuple[float, float, float]:

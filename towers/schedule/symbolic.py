@@ -243,8 +243,7 @@ def check_schedule(generator: Generator, ns: Iterable[int] = range(1, 65)) -> Sc
         PROVED: ring for 8 tower counts (n=1..8) in 0.01 s; deepest sum 7 (n=8)
     """
     start, counts, depths = time.perf_counter(), sorted(set(ns)), {}
-    name = str(getattr(generator, "__name__", generator))
-    failure = None
+    name, failure = str(getattr(generator, "__name__", generator)), None
     for n in counts:
         try:
             schedule = generator(n)

@@ -10,7 +10,6 @@
     scheduled.py         the one schedule interpreter (run_slots), for every schedule
     packed.py            slots as rows of one tensor (one message per tick and pair); per_tower
     tf_collective_ops.py TensorFlow's collective ops: instance keys, ordering tokens, wire format
-    differentiable.py    a gradient for an all-reduce TensorFlow cannot differentiate (nccl*)
     sparse.py            IndexedSlices gathered in tower order, or densified
     sharding.py          the sharded placement's flat chunks, reduce-scatter, all-gather
     rounding.py          the unit roundoff u per dtype and γ_k: what every error bound builds on

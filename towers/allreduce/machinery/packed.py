@@ -42,8 +42,7 @@ class Row(NamedTuple):
 def pad_rows(x: tf.Tensor, pieces: int) -> tuple[tf.Tensor, tuple[int, ...], int]:
     """``(rows, shape, size)``: ``x`` (static shape) flattened, zero-padded and viewed as
     ``[pieces, ⌈size/pieces⌉]`` on its device, with its shape and element count."""
-    shape = tuple(int(d) for d in x.shape)
-    size = int(x.shape.num_elements())
+    shape, size = tuple(int(d) for d in x.shape), int(x.shape.num_elements())
     length = -(-size // pieces)  # ceil: every chunk equally long, so sends are uniform
     with tf.device(x.device):
         flat = tf.reshape(x, [size])

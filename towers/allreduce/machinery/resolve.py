@@ -28,6 +28,7 @@ import tensorflow as tf
 
 from towers.allreduce.codecs import CODECS, Codec
 from towers.allreduce.machinery.base import AllReduce, GradientReducer
+from towers.allreduce.machinery.packed import per_tower
 from towers.allreduce.machinery.primitives import record
 from towers.allreduce.machinery.registry import ALGORITHMS, Configured, Record, algorithm_name
 from towers.allreduce.naive import noop
@@ -161,10 +162,7 @@ def _is_algorithm(obj: Any, devices: Sequence[str] | None) -> bool:
         pass
     if not devices:  # probe on the first two devices TensorFlow has
         devices = [d.name for d in tf.config.list_logical_devices()][:2]
-    values = []
-    for i, device in enumerate(devices[:2]):
-        with tf.device(device):
-            values.append(tf.fill([4], float(i + 1)))
+    values = per_tower(devices[:2], lambda i: tf.fill([4], float(i + 1)))
     try:
         with record():
             out = obj(values, op="sum")

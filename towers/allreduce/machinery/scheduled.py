@@ -106,8 +106,7 @@ def run_rows(schedule: Schedule, slots: Rows, devices: Sequence[str], op: str = 
             for t, row in enumerate(slots)]
     done = [[not reducing and x is not None for x in row] for row in slots]
     for t, tick in enumerate(schedule.ticks):
-        messages = _messages(tick, slots, have, done, full)
-        moved = []
+        messages, moved = _messages(tick, slots, have, done, full), []
         for m in messages:
             with tf.device(devices[m.src]):
                 packed = pack([slots[m.src][c] for c in m.chunks])
@@ -144,13 +143,11 @@ def _finish_complete(slots: Rows, have: list[list[int]], done: list[list[bool]],
                 row[c] = Row(value, i)
 
 
-def run_schedule(
-    schedule: Schedule, values: Sequence[tf.Tensor], *, op: str = "sum", own_first: bool = False
-) -> list[tf.Tensor]:
+def run_schedule(schedule: Schedule, values: Sequence[tf.Tensor], *, op: str = "sum",
+                 own_first: bool = False) -> list[tf.Tensor]:
     """All-reduce ``values`` by following ``schedule``; ``own_first``: a ``reduce`` computes
     ``combine(own, received)`` (the trees' order; it shows in ``max`` of ``±0``)."""
-    devices = check_values(values, op)
-    n = len(values)
+    devices, n = check_values(values, op), len(values)
     if schedule.towers != n or schedule.collective != "all_reduce":
         raise ValueError(f"{schedule.name}: an {schedule.collective} schedule for "
                          f"{schedule.towers} towers cannot all-reduce {n} values")

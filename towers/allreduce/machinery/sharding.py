@@ -36,8 +36,7 @@ from towers.allreduce.machinery.primitives import tick_offset
 from towers.allreduce.machinery.scheduled import run_slots
 from towers.schedule.collectives import ring_all_gather, ring_reduce_scatter
 
-__all__ = ["NOT_ELEMENTWISE", "ShardPlan", "VariableShards", "check_optimizer",
-           "state_bytes"]
+__all__ = ["NOT_ELEMENTWISE", "ShardPlan", "VariableShards", "check_optimizer", "state_bytes"]
 
 NOT_ELEMENTWISE = ("Adafactor", "Lamb", "Muon")
 """Optimizer classes whose update of one element reads others: a shard cannot update alone."""
@@ -162,11 +161,9 @@ class ShardPlan:
 
     def pairs(self, owned: Sequence[Sequence[Any]]) -> list[tuple[list[Any], list[Any]]]:
         """Per owner, ``(gradient chunks, shard variables)`` of its non-empty shards."""
-        out = []
-        for grads, shards in zip(owned, self.shards):
-            kept = [(g, s) for g, s in zip(grads, shards) if s is not None]
-            out.append(([g for g, _ in kept], [s for _, s in kept]))
-        return out
+        kept = [[(g, s) for g, s in zip(grads, shards) if s is not None]
+                for grads, shards in zip(owned, self.shards)]
+        return [([g for g, _ in pairs], [s for _, s in pairs]) for pairs in kept]
 
     def load(self, replicas: Sequence[Any]) -> None:
         """Copy each owner's replica values into its shard variables (before the update)."""

@@ -24,16 +24,14 @@ from towers.allreduce.machinery.primitives import send
 __all__ = ["densified", "densify", "gather_indexed_slices", "to_dense"]
 
 
-def gather_indexed_slices(
-    values: Sequence[tf.IndexedSlices], devices: Sequence[str], op: str = "sum"
-) -> list[tf.IndexedSlices]:
+def gather_indexed_slices(values: Sequence[tf.IndexedSlices], devices: Sequence[str],
+                          op: str = "sum") -> list[tf.IndexedSlices]:
     """All-gather sparse values in tower order onto each of ``devices`` (``op``: ``"sum"``,
     or ``"mean"``, which scales the gathered values by 1/n)."""
     if op not in ("sum", "mean"):
         raise ValueError(f"sparse values support op 'sum' or 'mean', got {op!r}")
     check_op(op, values[0].dtype)
-    n = len(values)
-    out = []
+    n, out = len(values), []
     for dst in devices:
         with tf.device(dst):
             parts = [send(v.values, dst, note="sparse-gather") for v in values]
@@ -45,12 +43,8 @@ def gather_indexed_slices(
     return out
 
 
-def densify(
-    algorithm: Callable[..., list[tf.Tensor]],
-    values: Sequence[tf.IndexedSlices],
-    devices: Sequence[str],
-    op: str = "sum",
-) -> list[tf.Tensor]:
+def densify(algorithm: Callable[..., list[tf.Tensor]], values: Sequence[tf.IndexedSlices],
+            devices: Sequence[str], op: str = "sum") -> list[tf.Tensor]:
     """Convert each tower's slices to a dense tensor on its device, then all-reduce densely."""
     return algorithm(per_tower(devices, lambda i: to_dense(values[i])), op=op)
 
@@ -66,13 +60,10 @@ def to_dense(value: tf.IndexedSlices) -> tf.Tensor:
 
 def densified(grads: Sequence[Sequence[Any]]) -> list[list[Any]]:
     """``grads[tower][var]`` with every sparse gradient made dense on its own device."""
-    out = []
-    for row in grads:
-        dense = []
-        for g in row:
+    out = [list(row) for row in grads]
+    for row in out:
+        for k, g in enumerate(row):
             if isinstance(g, tf.IndexedSlices):
                 with tf.device(g.values.device):
-                    g = to_dense(g)
-            dense.append(g)
-        out.append(dense)
+                    row[k] = to_dense(g)
     return out

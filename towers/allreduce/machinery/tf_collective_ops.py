@@ -129,11 +129,8 @@ def all_to_all(rows: Sequence[tf.Tensor], devices: Sequence[str]) -> list[tf.Ten
             rows[i], n, group, instance, communication_hint=HINT,
             ordering_token=token(devices[i])))
     rank = ranks(devices)
-    got: list[dict[int, tf.Tensor]] = [{} for _ in devices]
+    got = per_tower(devices, lambda i: {rank[devices[i]]: rows[i][rank[devices[i]]]})
     sent: list[list[tf.Tensor]] = [[] for _ in devices]
-    for i, device in enumerate(devices):
-        with tf.device(device):
-            got[i][rank[device]] = rows[i][rank[device]]
     for a, b in (pair for rnd in _pairings(n) for pair in rnd):
         for src, dst in ((a, b), (b, a)):
             with tf.device(devices[src]):
@@ -190,38 +187,28 @@ def _after_previous(device: str) -> Iterator[Callable[[tf.Tensor], None]]:
 def run(body: Body, values: Sequence[tf.Tensor], op: str, timeout: float) -> list[tf.Tensor]:
     """Run ``body`` in the caller's graph or, eagerly, in a cached one within ``timeout``
     seconds (else ``tf.errors.DeadlineExceededError``)."""
-    devices = tuple(check_values(values, op))
-    shape = values[0].shape
+    devices, shape = tuple(check_values(values, op)), values[0].shape
     if not shape.is_fully_defined():
         raise ValueError(f"the nccl algorithms need a fully defined static shape, got {shape}")
     # Nothing to exchange (and empty tensors crash all_gather/all_to_all/broadcast).
     trivial = len(values) == 1 or shape.num_elements() == 0
     if not trivial and not tf.executing_eagerly():
         return body(list(values), devices, op)
-    results = values if trivial else _run_eagerly(body, values, devices, op, timeout)
+    results = values
+    if not trivial:
+        key = (body, devices, op, tuple(shape), values[0].dtype)
+        with _LOCK:
+            if key not in _EAGER:  # static Python control flow: no autograph
+                _EAGER[key] = tf.function(lambda vals: body(vals, devices, op), autograph=False)
+            fn = _EAGER[key]
+        message = f"towers: a collective did not complete within {timeout:g} s"
+        # as every towers reduction: a mean is the sum divided by n, not x·fl(1/n)
+        with as_written(), watched(timeout, message) as alarm:
+            try:
+                results = fn(list(values))
+            except tf.errors.CancelledError:  # a node cancelled beside the aborted collective
+                if not alarm.fired:
+                    raise
+                raise tf.errors.DeadlineExceededError(None, None, message) from None
     # A tf.function's CPU outputs come back labelled with the caller's device: re-place them.
     return per_tower(devices, lambda i: tf.identity(results[i]))
-
-
-def _run_eagerly(body: Body, values: Sequence[tf.Tensor], devices: tuple[str, ...], op: str,
-                 timeout: float) -> list[tf.Tensor]:
-    shape, dtype = values[0].shape, values[0].dtype
-    key = (body, devices, op, tuple(shape), dtype)
-    with _LOCK:
-        if key not in _EAGER:
-
-            def bound(vals: list[tf.Tensor]) -> list[tf.Tensor]:
-                return body(vals, devices, op)
-
-            _EAGER[key] = tf.function(bound, autograph=False)  # static Python control flow
-        fn = _EAGER[key]
-    message = f"towers: a collective did not complete within {timeout:g} s"
-    # as every towers reduction: a mean is the sum divided by n, not x·fl(1/n)
-    with as_written(), watched(timeout, message) as alarm:
-        try:
-            results = fn(list(values))
-        except tf.errors.CancelledError:  # a node cancelled beside the aborted collective
-            if not alarm.fired:
-                raise
-            raise tf.errors.DeadlineExceededError(None, None, message) from None
-    return results
