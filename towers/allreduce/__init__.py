@@ -70,10 +70,16 @@ __all__ = ["ALGORITHMS", "CODECS", "COLLECTIVE_ALGORITHMS", "OPS", "Algorithm", 
            "scheduled", "send", "swing", "topk", "torus_2d", "tree", "unpack"]
 
 
-def all_reduce(values: Sequence[tf.Tensor | tf.IndexedSlices],
-               algorithm: str | AllReduce = "parameter_device", op: str = "sum", *,
-               devices: Sequence[str] | None = None, sparse: str = "gather", prescale: float = 1.0,
-               postscale: float = 1.0) -> list[tf.Tensor | tf.IndexedSlices]:
+def all_reduce(
+    values: Sequence[tf.Tensor | tf.IndexedSlices],
+    algorithm: str | AllReduce = "parameter_device",
+    op: str = "sum",
+    *,
+    devices: Sequence[str] | None = None,
+    sparse: str = "gather",
+    prescale: float = 1.0,
+    postscale: float = 1.0,
+) -> list[tf.Tensor | tf.IndexedSlices]:
     """All-reduce one value per tower with ``algorithm``; output ``i`` is on ``values[i]``'s device.
 
     Args:

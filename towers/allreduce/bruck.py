@@ -39,8 +39,9 @@ __all__ = ["bruck", "bruck_schedule", "cost", "gather_ticks", "steps_of", "trans
 Tick = tuple[Step, ...]
 
 
-def gather_ticks(n: int, dims: Sequence[int], hop: Callable[[int], int],
-                 batch: int | None = None) -> list[Tick]:
+def gather_ticks(
+    n: int, dims: Sequence[int], hop: Callable[[int], int], batch: int | None = None
+) -> list[Tick]:
     """All-gather ticks of shifted binomial trees: chunk c reaches tower ``c − j`` (mod n)
     at dimension ``k = hop(j)``, copied from offset ``j − 2^k``; dimensions run in ``dims``
     order, at most ``batch`` chunks per tower per tick (None: one tick per dimension)."""

@@ -76,8 +76,9 @@ class Layout:
     count: int
 
 
-def plan(specs: Sequence[tuple[Sequence[int], Any]],
-         bytes_per_bucket: int | None = DEFAULT_BUCKET_BYTES) -> Layout:
+def plan(
+    specs: Sequence[tuple[Sequence[int], Any]], bytes_per_bucket: int | None = DEFAULT_BUCKET_BYTES
+) -> Layout:
     """Assign tensors (``(shape, dtype)`` in variable order) to buckets, in reverse order:
     one open bucket per dtype, closed before a tensor that would overflow it and after one
     that fills it; buckets listed in the order they were opened."""
@@ -106,8 +107,9 @@ def plan(specs: Sequence[tuple[Sequence[int], Any]],
     return Layout(tuple(b for _, b in sorted(closed, key=lambda rb: rb[0])), len(specs))
 
 
-def pack(tensors: Sequence[tf.Tensor],
-         bytes_per_bucket: int | None = DEFAULT_BUCKET_BYTES) -> tuple[list[tf.Tensor], Layout]:
+def pack(
+    tensors: Sequence[tf.Tensor], bytes_per_bucket: int | None = DEFAULT_BUCKET_BYTES
+) -> tuple[list[tf.Tensor], Layout]:
     """``(buckets, layout)``: one tower's ``tensors`` flattened into :func:`plan`'s 1-D
     buckets, each on its first tensor's device (``unpack(*pack(x))`` is ``x`` bitwise)."""
     layout = plan([(t.shape, t.dtype) for t in tensors], bytes_per_bucket)
@@ -208,8 +210,9 @@ def _reduce_dense(values: list[list[tf.Tensor]], devices: list[str], fn: AllRedu
     return per_tower(devices, lambda tower: unpack(reduced[tower], layout))
 
 
-def bucketed(algorithm: str | AllReduce = "ring",
-             bytes_per_bucket: int | None = DEFAULT_BUCKET_BYTES) -> Bucketed:
+def bucketed(
+    algorithm: str | AllReduce = "ring", bytes_per_bucket: int | None = DEFAULT_BUCKET_BYTES
+) -> Bucketed:
     """Reduce all of a step's gradients in flat buckets of at most ``bytes_per_bucket``
     (``None``: one bucket per dtype), ``algorithm`` (a name or a callable) once per bucket."""
     return Bucketed(get(algorithm), optional(positive_int, "bytes_per_bucket", bytes_per_bucket))

@@ -90,8 +90,9 @@ class Codec(Protocol):
         """One tower's initial state for one variable (``key``: its index, a seed)."""
         ...
 
-    def reduce(self, tensors: Sequence[tf.Tensor], states: Sequence[Any],
-               wire: Wire) -> tuple[list[tf.Tensor], list[Any]]:
+    def reduce(
+        self, tensors: Sequence[tf.Tensor], states: Sequence[Any], wire: Wire
+    ) -> tuple[list[tf.Tensor], list[Any]]:
         """``(outputs, new_states)``: ``tensors[tower]`` summed through ``wire``, each output
         on its tower's device and bitwise the same on every tower (``wire.decode``)."""
         ...
@@ -104,8 +105,9 @@ class Identity:
     def init(self, shape: tf.TensorShape, dtype: tf.DType, key: int) -> tuple[()]:
         return ()
 
-    def reduce(self, tensors: Sequence[tf.Tensor], states: Sequence[Any],
-               wire: Wire) -> tuple[list[tf.Tensor], list[Any]]:
+    def reduce(
+        self, tensors: Sequence[tf.Tensor], states: Sequence[Any], wire: Wire
+    ) -> tuple[list[tf.Tensor], list[Any]]:
         reduced = wire.all_reduce(tensors)
         return wire.decode(lambda t: reduced[t]), list(states)
 
@@ -137,8 +139,9 @@ class Cast:
     def init(self, shape: tf.TensorShape, dtype: tf.DType, key: int) -> tuple[()]:
         return ()
 
-    def reduce(self, tensors: Sequence[tf.Tensor], states: Sequence[Any],
-               wire: Wire) -> tuple[list[tf.Tensor], list[Any]]:
+    def reduce(
+        self, tensors: Sequence[tf.Tensor], states: Sequence[Any], wire: Wire
+    ) -> tuple[list[tf.Tensor], list[Any]]:
         """Encode ``cast(x / n)``, all-reduce, decode ``cast(sum, dtype) * n``."""
         n = wire.towers
         reduced = wire.all_reduce(wire.per_tower(
@@ -201,8 +204,9 @@ class TopK:
         """``γ_towers·Σ(|g_t| + |r_t|)``: ``Δ = g + r`` and the scatter-adds round."""
         return rounding(towers, abs_sum)
 
-    def reduce(self, tensors: Sequence[tf.Tensor], states: Sequence[Any],
-               wire: Wire) -> tuple[list[tf.Tensor], list[Any]]:
+    def reduce(
+        self, tensors: Sequence[tf.Tensor], states: Sequence[Any], wire: Wire
+    ) -> tuple[list[tf.Tensor], list[Any]]:
         encoded = wire.per_tower(lambda t: self.encode(tensors[t], states[t]))
         indices = [payload[0] for payload, _ in encoded]
         values = [payload[1] for payload, _ in encoded]

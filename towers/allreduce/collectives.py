@@ -115,8 +115,9 @@ def _schedule(collective: str, algorithm: Algorithm, n: int) -> Schedule:
     return schedule
 
 
-def reduce_scatter(values: Sequence[tf.Tensor], *, algorithm: Algorithm = "ring", op: str = "sum",
-                   prescale: float = 1.0, postscale: float = 1.0) -> list[tf.Tensor]:
+def reduce_scatter(values: Sequence[tf.Tensor], *, algorithm: Algorithm = "ring",
+                   op: str = "sum", prescale: float = 1.0,
+                   postscale: float = 1.0) -> list[tf.Tensor]:
     """Reduce one value per tower (static shapes); tower ``i`` gets run ``i`` of the
     flattened reduction. ``algorithm``: ``"ring"``, ``"halving"`` or a ``reduce_scatter``
     generator; ``op``, ``prescale``, ``postscale`` as in :func:`towers.all_reduce`."""

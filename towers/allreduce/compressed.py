@@ -98,8 +98,9 @@ class Compressed(tf.Module):
         return out, [value for row in new for var in row for value in var]
 
 
-def compressed(algorithm: str | AllReduce = "ring", codec: str | Codec = "fp16", *,
-               decode: str = "once") -> Compressed:
+def compressed(
+    algorithm: str | AllReduce = "ring", codec: str | Codec = "fp16", *, decode: str = "once"
+) -> Compressed:
     """Reduce gradients through ``codec`` over ``algorithm``.
 
     Args:

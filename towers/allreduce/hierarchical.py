@@ -111,8 +111,10 @@ def _build(inner: Part = "naive", outer: Part = "ring", group_size: int = 2) -> 
     return functools.partial(_all_reduce, inner=inner, outer=outer, group_size=group_size)
 
 
-def bytes_sent(n: int, nbytes: int, itemsize: int, *, inner: Part = "naive", outer: Part = "ring",
-               group_size: int = 2) -> list[int]:
+def bytes_sent(
+    n: int, nbytes: int, itemsize: int, *, inner: Part = "naive", outer: Part = "ring",
+    group_size: int = 2,
+) -> list[int]:
     """Bytes per tower: ``inner(k_g)[r]``, a leader adding ``outer(⌈n/k⌉)[g]`` and
     (k_g − 1)·nbytes of group broadcast."""
     sizes = group_sizes(n, group_size)
@@ -125,8 +127,9 @@ def bytes_sent(n: int, nbytes: int, itemsize: int, *, inner: Part = "naive", out
     return out
 
 
-def summation_depth(n: int, *, inner: Part = "naive", outer: Part = "ring",
-                    group_size: int = 2) -> int:
+def summation_depth(
+    n: int, *, inner: Part = "naive", outer: Part = "ring", group_size: int = 2
+) -> int:
     """Most additions on any element: inner's depth on the groups plus outer's on ⌈n/k⌉."""
     sizes = group_sizes(n, group_size)
     inner_d = max(_formula(inner, "summation_depth", k) for k in set(sizes)) if sizes else 0
@@ -140,8 +143,9 @@ def _flat_cost(name: Any, key: str) -> Callable[..., Coefficients]:
     return record.cost
 
 
-def cost_levels(n: int, nbytes: float, *, inner: str = "naive", outer: str = "ring",
-                group_size: int = 2) -> tuple[Coefficients, Coefficients]:
+def cost_levels(
+    n: int, nbytes: float, *, inner: str = "naive", outer: str = "ring", group_size: int = 2
+) -> tuple[Coefficients, Coefficients]:
     """``(within groups, among leaders)``: the coefficients on the inner and outer links."""
     inner_cost, outer_cost = _flat_cost(inner, "inner"), _flat_cost(outer, "outer")
     sizes = group_sizes(n, group_size)
@@ -152,8 +156,9 @@ def cost_levels(n: int, nbytes: float, *, inner: str = "naive", outer: str = "ri
     return within, outer_cost(len(sizes), nbytes) if len(sizes) > 1 else (0, 0, 0)
 
 
-def cost(n: int, nbytes: float, *, inner: str = "naive", outer: str = "ring",
-         group_size: int = 2) -> Coefficients:
+def cost(
+    n: int, nbytes: float, *, inner: str = "naive", outer: str = "ring", group_size: int = 2
+) -> Coefficients:
     """α-β-γ coefficients: the sum of :func:`cost_levels`."""
     levels = cost_levels(n, nbytes, inner=inner, outer=outer, group_size=group_size)
     return tuple(float(sum(col)) for col in zip(*levels, strict=True))  # type: ignore[return-value]

@@ -63,8 +63,9 @@ def raw_nccl_usable(devices: Sequence[str], dtype: tf.DType) -> bool:
     return one_rank_per_gpu and dtype in (tf.float16, tf.float32, tf.float64, tf.int32, tf.int64)
 
 
-def _all_reduce_ops(values: list[tf.Tensor], devices: Sequence[str], op: str,
-                    group_size: int) -> list[tf.Tensor]:
+def _all_reduce_ops(
+    values: list[tf.Tensor], devices: Sequence[str], op: str, group_size: int
+) -> list[tf.Tensor]:
     """One all_reduce_v2 per tower (``group_size`` > len(values) only to test timeouts)."""
     group, instance = group_key(devices, group_size), next_key()
     merge = {"max": "Max", "min": "Min", "product": "Mul"}.get(op, "Add")

@@ -126,8 +126,9 @@ class PowerSGD:
         rng = tf.constant([self.seed, key], tf.int64)  # shared by every tower: same Q
         return PowerSGDState(tf.zeros(shape, dtype), self._draw(rng, c, r, dtype), rng)
 
-    def reduce(self, tensors: Sequence[tf.Tensor], states: Sequence[Any],
-               wire: Wire) -> tuple[list[tf.Tensor], list[Any]]:
+    def reduce(
+        self, tensors: Sequence[tf.Tensor], states: Sequence[Any], wire: Wire
+    ) -> tuple[list[tf.Tensor], list[Any]]:
         dims = self.matrix(tensors[0].shape.as_list())
         if dims is None:  # a vector or a small matrix: exact, like the plain algorithm
             return Identity().reduce(tensors, states, wire)

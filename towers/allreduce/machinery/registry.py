@@ -89,9 +89,12 @@ Algorithm = Record
 """The record of an all-reduce (a :class:`Record` of kind ``"all_reduce"``)."""
 
 
-def from_schedule(generator: Callable[..., Schedule],
-                  count: Callable[[Schedule, int, int], list[int]] = ir.bytes_sent, *,
-                  cost: Callable[..., Coefficients] | None = None) -> dict[str, Any]:
+def from_schedule(
+    generator: Callable[..., Schedule],
+    count: Callable[[Schedule, int, int], list[int]] = ir.bytes_sent,
+    *,
+    cost: Callable[..., Coefficients] | None = None,
+) -> dict[str, Any]:
     """``bytes_sent``, ``summation_depth`` and ``cost`` (unless given) of a generator's
     schedules; ``count`` counts a schedule's bytes."""
 

@@ -143,8 +143,9 @@ def _finish_complete(slots: Rows, have: list[list[int]], done: list[list[bool]],
                 row[c] = Row(value, i)
 
 
-def run_schedule(schedule: Schedule, values: Sequence[tf.Tensor], *, op: str = "sum",
-                 own_first: bool = False) -> list[tf.Tensor]:
+def run_schedule(
+    schedule: Schedule, values: Sequence[tf.Tensor], *, op: str = "sum", own_first: bool = False
+) -> list[tf.Tensor]:
     """All-reduce ``values`` by following ``schedule``; ``own_first``: a ``reduce`` computes
     ``combine(own, received)`` (the trees' order; it shows in ``max`` of ``±0``)."""
     devices, n = check_values(values, op), len(values)

@@ -24,8 +24,9 @@ from towers.allreduce.machinery.primitives import send
 __all__ = ["densified", "densify", "gather_indexed_slices", "to_dense"]
 
 
-def gather_indexed_slices(values: Sequence[tf.IndexedSlices], devices: Sequence[str],
-                          op: str = "sum") -> list[tf.IndexedSlices]:
+def gather_indexed_slices(
+    values: Sequence[tf.IndexedSlices], devices: Sequence[str], op: str = "sum"
+) -> list[tf.IndexedSlices]:
     """All-gather sparse values in tower order onto each of ``devices`` (``op``: ``"sum"``,
     or ``"mean"``, which scales the gathered values by 1/n)."""
     if op not in ("sum", "mean"):
@@ -43,8 +44,12 @@ def gather_indexed_slices(values: Sequence[tf.IndexedSlices], devices: Sequence[
     return out
 
 
-def densify(algorithm: Callable[..., list[tf.Tensor]], values: Sequence[tf.IndexedSlices],
-            devices: Sequence[str], op: str = "sum") -> list[tf.Tensor]:
+def densify(
+    algorithm: Callable[..., list[tf.Tensor]],
+    values: Sequence[tf.IndexedSlices],
+    devices: Sequence[str],
+    op: str = "sum",
+) -> list[tf.Tensor]:
     """Convert each tower's slices to a dense tensor on its device, then all-reduce densely."""
     return algorithm(per_tower(devices, lambda i: to_dense(values[i])), op=op)
 
