@@ -170,7 +170,7 @@ def grouped(values: Sequence[Sequence[tf.Tensor | tf.IndexedSlices]],
     fn = get(algorithm)
     if not values or isinstance(values[0], (tf.Tensor, tf.IndexedSlices)):
         raise ValueError("values must be a non-empty list, per tower, of lists of tensors")
-    devices = list(devices or [device_of(v[0], t) for t, v in enumerate(values)])
+    devices = list(devices or [device_of(v[0], f"values[{t}]") for t, v in enumerate(values)])
     if len(values) != len(devices):
         raise ValueError(f"got values of {len(values)} towers for {len(devices)} devices")
     sparse = [isinstance(x, tf.IndexedSlices) for x in values[0]]

@@ -16,7 +16,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from towers.allreduce.machinery.base import DTYPES, check_scale, check_values, scale
+from towers.allreduce.machinery.base import check_scale, check_values, device_of, scale
 from towers.allreduce.machinery.packed import per_tower
 from towers.allreduce.machinery.primitives import send
 from towers.allreduce.machinery.registry import Record, Registry, from_schedule
@@ -86,15 +86,6 @@ def format_collective(collective: str, name: str, n: int, nbytes: int = 4096,
 Algorithm = str | Callable[[int], Schedule]
 
 
-def _device(x: tf.Tensor, what: str) -> str:
-    """``x``'s canonical device, or an error naming ``what``."""
-    device = canonical_device(x.device)
-    if not device:
-        raise ValueError(f"{what} has no device: create it under tf.device(...) (inside "
-                         "tf.function, a slice or argument needs its own tf.device block)")
-    return device
-
-
 def _schedule(collective: str, algorithm: Algorithm, n: int) -> Schedule:
     """The schedule ``algorithm`` names (or generates) for ``n`` towers, checked to fit."""
     if isinstance(algorithm, str):
@@ -136,38 +127,10 @@ def reduce_scatter(values: Sequence[tf.Tensor], *, algorithm: Algorithm = "ring"
     return [scale(slots[i][i], post) for i in range(n)]
 
 
-def _check_shards(shards: Sequence[tf.Tensor]) -> list[str]:
-    """The shards' devices; errors name the shard and what was expected."""
-    if isinstance(shards, (tf.Tensor, tf.Variable)) or not isinstance(shards, Sequence):
-        raise TypeError("shards must be a list with one tensor per tower")
-    if not shards:
-        raise ValueError("shards is empty: expected one tensor per tower")
-    for i, x in enumerate(shards):
-        if not isinstance(x, (tf.Tensor, tf.Variable)):
-            raise TypeError(f"shards[{i}] must be a tf.Tensor, got {type(x).__name__}")
-        if x.shape.rank == 0:
-            raise ValueError(f"shards[{i}] is a scalar: shards are concatenated on axis 0")
-        if x.dtype != shards[0].dtype:
-            raise ValueError(f"shards differ in dtype: shards[0] is {shards[0].dtype.name}, "
-                             f"shards[{i}] {x.dtype.name}")
-        if not x.shape[1:].is_compatible_with(shards[0].shape[1:]):
-            raise ValueError(f"shards differ beyond axis 0: shards[0] has {shards[0].shape}, "
-                             f"shards[{i}] {x.shape}")
-    if shards[0].dtype not in DTYPES:
-        raise ValueError(f"dtype {shards[0].dtype.name} is not supported; use one of "
-                         f"{', '.join(d.name for d in DTYPES)}")
-    devices = [_device(x, f"shards[{i}]") for i, x in enumerate(shards)]
-    for i, d in enumerate(devices):
-        if d in devices[:i]:
-            raise ValueError(f"shards[{devices.index(d)}] and shards[{i}] are both on {d}: "
-                             "one per device")
-    return devices
-
-
 def all_gather(shards: Sequence[tf.Tensor], *, algorithm: Algorithm = "ring") -> list[tf.Tensor]:
     """Every tower ends with ``concat(shards, axis=0)`` (copies only: bitwise equal);
     ``algorithm``: ``"ring"``, ``"doubling"`` or an ``all_gather`` generator."""
-    devices, n = _check_shards(shards), len(shards)
+    devices, n = check_values(shards, name="shards", rows=True), len(shards)
     schedule = _schedule("all_gather", algorithm, n)
     slots: Slots = [[x if c == t else None for c in range(n)] for t, x in enumerate(shards)]
     slots = run_slots(schedule, slots, devices, note="all_gather")
@@ -192,8 +155,8 @@ def broadcast(value: tf.Tensor, devices: Sequence[str], *, root: int = 0,
         raise ValueError(f"root must be an index into devices [0, {len(names)}), got {root!r}")
     if not value.shape.is_fully_defined():
         raise ValueError(f"value needs a static shape, got {value.shape}")
-    if _device(value, "value") != names[root]:  # any dtype: a broadcast only copies
-        raise ValueError(f"value is on {_device(value, 'value')}, not on devices[root={root}] "
+    if device_of(value, "value") != names[root]:  # any dtype: a broadcast only copies
+        raise ValueError(f"value is on {device_of(value, 'value')}, not on devices[root={root}] "
                          f"{names[root]}: create it there (or pass that root)")
     schedule = rooted(_schedule("broadcast", algorithm, len(names)), root)
     shape, size = value.shape, int(value.shape.num_elements())

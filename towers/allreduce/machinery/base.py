@@ -112,14 +112,14 @@ class StatefulReducer(GradientReducer, Protocol):
         ...
 
 
-def device_of(value: tf.Tensor | tf.IndexedSlices, index: int = 0) -> str:
-    """The canonical device of a value; a clear error when it has none (a bare graph input)."""
+def device_of(value: tf.Tensor | tf.IndexedSlices, what: str = "values[0]") -> str:
+    """The canonical device of a value; a clear error naming ``what`` when it has none (a
+    bare graph input)."""
     device = canonical_device(value.device)
     if not device:
-        raise ValueError(
-            f"values[{index}] has no device: create each value under tf.device(...), "
-            "or pass devices= to towers.all_reduce"
-        )
+        hint = ", or pass devices= to towers.all_reduce" if what.startswith("values") else ""
+        raise ValueError(f"{what} has no device: create it under tf.device(...) (inside "
+                         f"tf.function, a slice or argument needs its own tf.device block){hint}")
     return device
 
 
@@ -159,14 +159,11 @@ def scale(value: tf.Tensor | tf.IndexedSlices, factor: float | int
         return value * tf.constant(factor, value.dtype)
 
 
-def _shape_of(value: tf.Tensor | tf.IndexedSlices) -> tf.TensorShape:
-    if isinstance(value, tf.IndexedSlices):
-        return tf.TensorShape(None) if value.dense_shape is None else value.values.shape[1:]
-    return value.shape
-
-
-def check_values(values: Sequence[tf.Tensor | tf.IndexedSlices], op: str = "sum") -> list[str]:
-    """Check the per-tower values of one all-reduce and return their canonical devices.
+def check_values(values: Sequence[tf.Tensor | tf.IndexedSlices], op: str = "sum", *,
+                 name: str = "values", rows: bool = False) -> list[str]:
+    """Check the per-tower values of one collective and return their canonical devices
+    (``name``: the argument, as errors call it; ``rows``: values concatenated on axis 0,
+    whose lengths may differ).
 
     Raises:
         ValueError: an empty list, differing shapes or dtypes (naming the towers),
@@ -174,31 +171,35 @@ def check_values(values: Sequence[tf.Tensor | tf.IndexedSlices], op: str = "sum"
         TypeError: a value that is not a tensor.
     """
     if isinstance(values, (tf.Tensor, tf.IndexedSlices)) or not isinstance(values, Sequence):
-        raise TypeError("values must be a list with one tensor per tower")
+        raise TypeError(f"{name} must be a list with one tensor per tower")
     if not values:
-        raise ValueError("values is empty: expected one tensor per tower")
+        raise ValueError(f"{name} is empty: expected one tensor per tower")
+    shapes = []
     for i, v in enumerate(values):
         if not isinstance(v, (tf.Tensor, tf.Variable, tf.IndexedSlices)):
-            raise TypeError(f"values[{i}] must be a tf.Tensor, got {type(v).__name__}")
+            raise TypeError(f"{name}[{i}] must be a tf.Tensor, got {type(v).__name__}")
+        if rows and v.shape.rank == 0:
+            raise ValueError(f"{name}[{i}] is a scalar: {name} are concatenated on axis 0")
+        sparse = isinstance(v, tf.IndexedSlices)  # rows of a dense shape, when it has one
+        shapes.append(v.shape[1:] if rows else tf.TensorShape(None) if sparse and
+                      v.dense_shape is None else v.values.shape[1:] if sparse else v.shape)
     first = values[0]
     if first.dtype not in DTYPES:
         names = ", ".join(d.name for d in DTYPES)
         raise ValueError(f"dtype {first.dtype.name} is not supported; use one of {names}")
+    differ = "differ beyond axis 0" if rows else "differ in shape"
     for i, v in enumerate(values[1:], start=1):
         if v.dtype != first.dtype:
-            raise ValueError(
-                f"values differ in dtype: tower 0 has {first.dtype.name}, tower {i} {v.dtype.name}"
-            )
-        if not _shape_of(v).is_compatible_with(_shape_of(first)):
-            raise ValueError(
-                f"values differ in shape: tower 0 has {_shape_of(first)}, tower {i} {_shape_of(v)}"
-            )
+            raise ValueError(f"{name} differ in dtype: tower 0 has {first.dtype.name}, "
+                             f"tower {i} {v.dtype.name}")
+        if not shapes[i].is_compatible_with(shapes[0]):
+            raise ValueError(f"{name} {differ}: tower 0 has {shapes[0]}, tower {i} {shapes[i]}")
     check_op(op, first.dtype)
-    devices = [device_of(v, i) for i, v in enumerate(values)]
+    devices = [device_of(v, f"{name}[{i}]") for i, v in enumerate(values)]
     seen: dict[str, int] = {}
     for i, d in enumerate(devices):
         if d in seen:
-            raise ValueError(f"values[{seen[d]}] and values[{i}] are both on {d}: one per device")
+            raise ValueError(f"{name}[{seen[d]}] and {name}[{i}] are both on {d}: one per device")
         seen[d] = i
     return devices
 
