@@ -288,14 +288,12 @@ def tower_step(model: keras.Model, trainable: Sequence[tf.Tensor],
         jit_compile: the forward and backward pass as one XLA cluster on ``device``.
         loss_reduction: the loss's Keras reduction: ``"sum"`` adds a loss value's extra
             axes, every other averages them.
-        divisor_rule: :attr:`~towers.guard.options.TowerOptions.divisor`: divide by
-            ``global_batch`` (``"global"``), by ``shard size × num_towers``
-            (``"per_replica"``), or by a constant (int32 when whole, as
-            ``compute_average_loss`` takes it).
+        divisor_rule: :attr:`~towers.guard.options.TowerOptions.divisor`: ``global_batch``
+            (``"global"``), shard size × ``num_towers`` (``"per_replica"``) or a constant.
     """
     if divisor_rule == "per_replica":  # compute_average_loss's shape[0] × replicas
         global_batch = tf.shape(tf.nest.flatten(shard[0])[0])[0] * num_towers
-    elif divisor_rule != "global":
+    elif divisor_rule != "global":  # a constant: int32 when whole, as compute_average_loss
         constant = float(divisor_rule)
         global_batch = (tf.constant(int(constant), tf.int32) if constant.is_integer()
                         else tf.constant(constant, tf.float32))  # fmt: skip

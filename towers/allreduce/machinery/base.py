@@ -180,9 +180,12 @@ def check_values(values: Sequence[tf.Tensor | tf.IndexedSlices], op: str = "sum"
             raise TypeError(f"{name}[{i}] must be a tf.Tensor, got {type(v).__name__}")
         if rows and v.shape.rank == 0:
             raise ValueError(f"{name}[{i}] is a scalar: {name} are concatenated on axis 0")
-        sparse = isinstance(v, tf.IndexedSlices)  # rows of a dense shape, when it has one
-        shapes.append(v.shape[1:] if rows else tf.TensorShape(None) if sparse and
-                      v.dense_shape is None else v.values.shape[1:] if sparse else v.shape)
+        if rows:
+            shapes.append(v.shape[1:])
+        elif isinstance(v, tf.IndexedSlices):  # its rows' shape, when it has a dense shape
+            shapes.append(tf.TensorShape(None) if v.dense_shape is None else v.values.shape[1:])
+        else:
+            shapes.append(v.shape)
     first = values[0]
     if first.dtype not in DTYPES:
         names = ", ".join(d.name for d in DTYPES)
