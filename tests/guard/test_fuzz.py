@@ -203,7 +203,8 @@ def test_all_reduce_arguments(arg: str, junk: Any) -> None:
 def test_checkpoint_arguments(function: str, arg: str, junk: Any) -> None:
     call = getattr(checkpoint, function)
     kwargs = {"trainer": _trainer(), "path": "ckpt", arg: junk}
-    names = (arg, "checkpoint") + ((str(junk),) if arg == "path" else ())
+    named = "prefix" if (function, arg) == ("load", "path") else arg  # load(trainer, prefix)
+    names = (named, "checkpoint") + ((str(junk),) if arg == "path" else ())
     check(lambda: call(kwargs["trainer"], kwargs["path"]), names)
 
 
